@@ -1,0 +1,70 @@
+//! The arena backend trait: where workspace memory comes from.
+//!
+//! The cycle, learning, spill and statistics logic ([`Engine`](crate::Engine)) is
+//! written once against this trait. A backend only hands out and takes back
+//! contiguous blocks; the engine bumps offsets inside them. Host RAM (bumpalo) and
+//! memory maps (memmap2) live in [`host`]; device memory and pinned host memory
+//! implement the same trait in `workspace-cuda`, which is how the device path reuses
+//! every semantic test.
+
+pub mod host;
+
+use crate::error::BackendError;
+
+/// One contiguous block of memory owned by a backend.
+pub trait Block: Send {
+    /// Address type of the block's first byte: a host pointer or a device address.
+    type Base: Copy;
+    /// The block's first byte.
+    fn base(&self) -> Self::Base;
+    /// Usable length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the block has no bytes (never true for blocks the engine asks for).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A source of arena and spill blocks.
+///
+/// Implementations must return blocks whose base address is aligned to at least
+/// `align` (and to [`ArenaBackend::base_alignment`] for arena blocks), and must keep
+/// a block's memory valid and unaliased until it is given back with
+/// [`ArenaBackend::release`] or dropped.
+pub trait ArenaBackend: Send {
+    /// The block type.
+    type Block: Block;
+
+    /// A short name for statistics tables ("ram", "mmap-file", "device", ...).
+    fn kind(&self) -> &'static str;
+
+    /// Alignment every arena block's base has; the engine aligns offsets relative to
+    /// the base, so requests up to this alignment are served from the arena.
+    fn base_alignment(&self) -> usize;
+
+    /// Whether the arena has a fixed size (a file mapping): learning and growth are
+    /// then refused by configuration, and `trim` keeps the arena.
+    fn fixed_size(&self) -> bool {
+        false
+    }
+
+    /// Reserves the arena block of `bytes` (> 0) bytes.
+    ///
+    /// # Errors
+    ///
+    /// When the memory cannot be provided.
+    fn allocate_arena(&mut self, bytes: usize) -> Result<Self::Block, BackendError>;
+
+    /// Reserves a spill block of `bytes` (> 0) bytes aligned to `align`.
+    ///
+    /// # Errors
+    ///
+    /// When the memory cannot be provided.
+    fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<Self::Block, BackendError>;
+
+    /// Gives a block back. Device backends order this after pending work on their
+    /// stream; host backends simply free it.
+    fn release(&mut self, block: Self::Block) {
+        drop(block);
+    }
+}

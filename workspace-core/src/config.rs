@@ -1,0 +1,418 @@
+//! Typed workspace policies and their validation.
+//!
+//! A [`WorkspaceConfig`] is built once with [`WorkspaceConfig::builder`], validated by
+//! [`WorkspaceConfigBuilder::build`], and never changes afterwards. The defaults suit a
+//! training loop: learn the size from the first cycle, over-allocate by 30 %, spill what
+//! does not fit to the heap and reset when the outermost scope closes.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How the arena capacity follows from the learned size.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum AllocationPolicy {
+    /// Capacity is exactly the learned size (rounded up to the alignment).
+    Strict,
+    /// Capacity is the learned size × (1 + factor); `factor` must be finite and ≥ 0.
+    Overallocate(f64),
+}
+
+/// How a workspace learns its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LearningPolicy {
+    /// No learning: the arena has `initial_size` bytes.
+    None,
+    /// The arena is sized from the bytes allocated in the first cycle.
+    FirstLoop,
+    /// The arena is sized from the largest cycle among the first `cycles` cycles.
+    OverTime {
+        /// How many cycles to watch; at least 1.
+        cycles: u32,
+    },
+}
+
+/// What happens to an allocation that does not fit in the arena.
+///
+/// While a workspace is still learning its size, overflow always spills to
+/// separate blocks, whatever the policy: learning needs to see every size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SpillPolicy {
+    /// Goes to a separate block that is freed at the next reset; the arena never grows.
+    External,
+    /// As `External`, and the arena grows to the new maximum when the cycle ends.
+    Reallocate,
+    /// Returns [`Error::Exhausted`]; the workspace stays unchanged and usable.
+    Fail,
+}
+
+/// When the arena's memory is reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResetPolicy {
+    /// Reset when the last scope of a cycle closes (scoped; the default).
+    BlockLeft,
+    /// Keep allocating across cycles and wrap at the end of the buffer (circular).
+    ///
+    /// Memory handed out since the workspace was last opened is never wrapped over:
+    /// an allocation that would do so spills instead.
+    EndOfBuffer,
+}
+
+/// Where the arena's memory lives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Location {
+    /// Host RAM (bumpalo chunk, advised to use transparent huge pages).
+    Ram,
+    /// A memory-mapped file, created or extended to `initial_size`; its contents
+    /// survive closing and reopening the workspace.
+    Mmap {
+        /// The backing file.
+        path: PathBuf,
+    },
+    /// An anonymous memory mapping (zero-filled, not backed by a file).
+    MmapAnonymous,
+}
+
+/// Default alignment of every allocation, in bytes (one cache line).
+pub const DEFAULT_ALIGNMENT: usize = 64;
+
+/// A validated workspace configuration.
+///
+/// ```
+/// use workspace_core::{WorkspaceConfig, LearningPolicy, SpillPolicy};
+///
+/// let config = WorkspaceConfig::builder()
+///     .learning(LearningPolicy::FirstLoop)
+///     .spill(SpillPolicy::Reallocate)
+///     .max_size(256 << 20)
+///     .build()?;
+/// assert_eq!(config.alignment(), 64);
+/// # Ok::<(), workspace_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkspaceConfig {
+    initial_size: usize,
+    min_size: usize,
+    max_size: usize,
+    alignment: usize,
+    allocation: AllocationPolicy,
+    learning: LearningPolicy,
+    spill: SpillPolicy,
+    reset: ResetPolicy,
+    location: Location,
+    timeline_len: usize,
+}
+
+impl Default for WorkspaceConfig {
+    fn default() -> Self {
+        WorkspaceConfigBuilder::default()
+            .build()
+            .expect("the default configuration is valid")
+    }
+}
+
+impl WorkspaceConfig {
+    /// Starts a builder with the defaults.
+    pub fn builder() -> WorkspaceConfigBuilder {
+        WorkspaceConfigBuilder::default()
+    }
+
+    /// Bytes the arena has before any learning.
+    pub fn initial_size(&self) -> usize {
+        self.initial_size
+    }
+    /// Smallest capacity learning or `trim()` may choose.
+    pub fn min_size(&self) -> usize {
+        self.min_size
+    }
+    /// Budget: the most bytes the workspace may hold, arena and spilled blocks together.
+    pub fn max_size(&self) -> usize {
+        self.max_size
+    }
+    /// Alignment of every allocation in bytes.
+    pub fn alignment(&self) -> usize {
+        self.alignment
+    }
+    /// How capacity follows from the learned size.
+    pub fn allocation(&self) -> AllocationPolicy {
+        self.allocation
+    }
+    /// How the size is learned.
+    pub fn learning(&self) -> LearningPolicy {
+        self.learning
+    }
+    /// What happens to allocations that do not fit.
+    pub fn spill(&self) -> SpillPolicy {
+        self.spill
+    }
+    /// When memory is reused.
+    pub fn reset(&self) -> ResetPolicy {
+        self.reset
+    }
+    /// Where memory lives.
+    pub fn location(&self) -> &Location {
+        &self.location
+    }
+    /// How many per-cycle sizes the statistics timeline keeps (0: none).
+    pub fn timeline_len(&self) -> usize {
+        self.timeline_len
+    }
+
+    /// The capacity for a learned size: the allocation policy applied, clamped to
+    /// `min_size..=max_size` and rounded up to the alignment (never past `max_size`).
+    pub fn capacity_for(&self, learned: usize) -> usize {
+        let grown = match self.allocation {
+            AllocationPolicy::Strict => learned,
+            AllocationPolicy::Overallocate(factor) => {
+                let scaled = (learned as f64 * (1.0 + factor)).ceil();
+                if scaled >= usize::MAX as f64 {
+                    usize::MAX
+                } else {
+                    scaled as usize
+                }
+            }
+        };
+        let clamped = grown.max(self.min_size).min(self.max_size);
+        match clamped.checked_next_multiple_of(self.alignment) {
+            Some(rounded) if rounded <= self.max_size => rounded,
+            _ => clamped - clamped % self.alignment,
+        }
+    }
+}
+
+impl fmt::Display for WorkspaceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{{initial {}, min {}, max {}, align {}, {:?}, {:?}, {:?}, {:?}, {:?}}}",
+            self.initial_size,
+            self.min_size,
+            if self.max_size == usize::MAX { "unbounded".to_string() } else { self.max_size.to_string() },
+            self.alignment,
+            self.allocation,
+            self.learning,
+            self.spill,
+            self.reset,
+            self.location
+        )
+    }
+}
+
+/// Builder for [`WorkspaceConfig`]; see there for an example.
+#[derive(Clone, Debug)]
+pub struct WorkspaceConfigBuilder {
+    config: WorkspaceConfig,
+}
+
+impl Default for WorkspaceConfigBuilder {
+    fn default() -> Self {
+        WorkspaceConfigBuilder {
+            config: WorkspaceConfig {
+                initial_size: 0,
+                min_size: 0,
+                max_size: usize::MAX,
+                alignment: DEFAULT_ALIGNMENT,
+                allocation: AllocationPolicy::Overallocate(0.3),
+                learning: LearningPolicy::FirstLoop,
+                spill: SpillPolicy::External,
+                reset: ResetPolicy::BlockLeft,
+                location: Location::Ram,
+                timeline_len: 0,
+            },
+        }
+    }
+}
+
+impl WorkspaceConfigBuilder {
+    /// Bytes the arena has before any learning (default 0).
+    pub fn initial_size(mut self, bytes: usize) -> Self {
+        self.config.initial_size = bytes;
+        self
+    }
+    /// Smallest capacity learning or `trim()` may choose (default 0).
+    pub fn min_size(mut self, bytes: usize) -> Self {
+        self.config.min_size = bytes;
+        self
+    }
+    /// Budget for arena and spilled blocks together (default: unbounded).
+    pub fn max_size(mut self, bytes: usize) -> Self {
+        self.config.max_size = bytes;
+        self
+    }
+    /// Alignment of every allocation; a power of two (default 64).
+    pub fn alignment(mut self, bytes: usize) -> Self {
+        self.config.alignment = bytes;
+        self
+    }
+    /// How capacity follows from the learned size (default `Overallocate(0.3)`).
+    pub fn allocation(mut self, policy: AllocationPolicy) -> Self {
+        self.config.allocation = policy;
+        self
+    }
+    /// How the size is learned (default `FirstLoop`).
+    pub fn learning(mut self, policy: LearningPolicy) -> Self {
+        self.config.learning = policy;
+        self
+    }
+    /// What happens to allocations that do not fit (default `External`).
+    pub fn spill(mut self, policy: SpillPolicy) -> Self {
+        self.config.spill = policy;
+        self
+    }
+    /// When memory is reused (default `BlockLeft`).
+    pub fn reset(mut self, policy: ResetPolicy) -> Self {
+        self.config.reset = policy;
+        self
+    }
+    /// Where memory lives (default `Ram`).
+    pub fn location(mut self, location: Location) -> Self {
+        self.config.location = location;
+        self
+    }
+    /// Keep the sizes of the last `cycles` cycles for plots (default 0: off).
+    pub fn timeline_len(mut self, cycles: usize) -> Self {
+        self.config.timeline_len = cycles;
+        self
+    }
+
+    /// Validates and returns the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when settings contradict each other: an alignment that
+    /// is not a power of two, `min_size > max_size`, an initial size outside
+    /// `min_size..=max_size`, a negative or non-finite over-allocation factor,
+    /// `OverTime { cycles: 0 }`, a memory-mapped workspace with a learning policy or
+    /// with `SpillPolicy::Reallocate` (a mapping has the size it was created with), a
+    /// memory-mapped workspace of size 0, or a workspace that can never hold a byte
+    /// (no learning, `initial_size` 0 and `SpillPolicy::Fail`).
+    pub fn build(self) -> Result<WorkspaceConfig> {
+        let c = self.config;
+        let invalid = |reason: String| Err(Error::InvalidConfig { reason });
+        if !c.alignment.is_power_of_two() {
+            return invalid(format!(
+                "alignment {} is not a power of two; use 64 (a cache line) unless you need more",
+                c.alignment
+            ));
+        }
+        if c.alignment > (1 << 30) {
+            return invalid(format!("alignment {} is larger than 1 GiB", c.alignment));
+        }
+        if c.min_size > c.max_size {
+            return invalid(format!(
+                "min_size {} is larger than max_size {}",
+                c.min_size, c.max_size
+            ));
+        }
+        if c.initial_size > c.max_size {
+            return invalid(format!(
+                "initial_size {} is larger than max_size {}",
+                c.initial_size, c.max_size
+            ));
+        }
+        if let AllocationPolicy::Overallocate(factor) = c.allocation {
+            if !factor.is_finite() || factor < 0.0 {
+                return invalid(format!(
+                    "Overallocate({factor}): the factor must be finite and at least 0 \
+                     (0.3 means 30 % headroom)"
+                ));
+            }
+        }
+        if c.learning == (LearningPolicy::OverTime { cycles: 0 }) {
+            return invalid("LearningPolicy::OverTime needs at least 1 cycle".into());
+        }
+        if matches!(c.location, Location::Mmap { .. } | Location::MmapAnonymous) {
+            if c.learning != LearningPolicy::None {
+                return invalid(format!(
+                    "a memory-mapped workspace has the size it is created with, so it cannot \
+                     learn ({:?}); use LearningPolicy::None and set initial_size",
+                    c.learning
+                ));
+            }
+            if c.spill == SpillPolicy::Reallocate {
+                return invalid(
+                    "a memory-mapped workspace cannot be reallocated; use SpillPolicy::External \
+                     or SpillPolicy::Fail"
+                        .into(),
+                );
+            }
+            if c.initial_size == 0 {
+                return invalid("a memory-mapped workspace needs initial_size > 0".into());
+            }
+        }
+        if c.learning == LearningPolicy::None && c.initial_size == 0 && c.spill == SpillPolicy::Fail {
+            return invalid(
+                "with LearningPolicy::None, initial_size 0 and SpillPolicy::Fail the workspace \
+                 can never hold a byte; set initial_size, learn, or allow spilling"
+                    .into(),
+            );
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(result: Result<WorkspaceConfig>) -> String {
+        match result {
+            Err(Error::InvalidConfig { reason }) => reason,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_documented() {
+        let c = WorkspaceConfig::default();
+        assert_eq!(c.alignment(), 64);
+        assert_eq!(c.learning(), LearningPolicy::FirstLoop);
+        assert_eq!(c.spill(), SpillPolicy::External);
+        assert_eq!(c.reset(), ResetPolicy::BlockLeft);
+        assert_eq!(c.allocation(), AllocationPolicy::Overallocate(0.3));
+        assert_eq!(c.max_size(), usize::MAX);
+    }
+
+    #[test]
+    fn contradictions_are_rejected_with_reasons() {
+        let b = WorkspaceConfig::builder;
+        assert!(reason(b().alignment(48).build()).contains("power of two"));
+        assert!(reason(b().alignment(0).build()).contains("power of two"));
+        assert!(reason(b().min_size(10).max_size(5).build()).contains("min_size 10"));
+        assert!(reason(b().initial_size(10).max_size(5).build()).contains("initial_size 10"));
+        assert!(reason(b().allocation(AllocationPolicy::Overallocate(-0.1)).build()).contains("factor"));
+        assert!(reason(b().allocation(AllocationPolicy::Overallocate(f64::NAN)).build()).contains("factor"));
+        assert!(reason(b().learning(LearningPolicy::OverTime { cycles: 0 }).build()).contains("at least 1"));
+        let mmap = || b().location(Location::MmapAnonymous).initial_size(4096);
+        assert!(reason(mmap().build()).contains("cannot"), "mmap + FirstLoop default");
+        assert!(reason(mmap().learning(LearningPolicy::None).spill(SpillPolicy::Reallocate).build())
+            .contains("reallocated"));
+        assert!(reason(b().location(Location::MmapAnonymous).learning(LearningPolicy::None).build())
+            .contains("initial_size > 0"));
+        assert!(reason(b().learning(LearningPolicy::None).spill(SpillPolicy::Fail).build())
+            .contains("never hold"));
+        assert!(mmap().learning(LearningPolicy::None).build().is_ok());
+    }
+
+    #[test]
+    fn capacity_for_applies_policy_clamps_and_rounds() {
+        let strict = WorkspaceConfig::builder()
+            .allocation(AllocationPolicy::Strict)
+            .min_size(1000)
+            .max_size(10_000)
+            .build()
+            .unwrap();
+        assert_eq!(strict.capacity_for(0), 1024);
+        assert_eq!(strict.capacity_for(1500), 1536);
+        assert_eq!(strict.capacity_for(1_000_000), 9984);
+        let over = WorkspaceConfig::builder()
+            .allocation(AllocationPolicy::Overallocate(0.5))
+            .build()
+            .unwrap();
+        assert_eq!(over.capacity_for(1000), 1536);
+        assert_eq!(over.capacity_for(usize::MAX / 2), usize::MAX - 63);
+    }
+}

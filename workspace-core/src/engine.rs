@@ -1,0 +1,715 @@
+//! The arena engine: cycles, generations, learning, spilling and statistics, written
+//! once over an [`ArenaBackend`].
+//!
+//! The engine deals in offsets inside blocks; it never touches the memory itself.
+//! Host workspaces ([`Workspace`](crate::Workspace)) turn offsets into ndarray views;
+//! device workspaces turn them into device pointers. All state is in `Cell`s because
+//! allocation takes `&self` (many views borrow the same scope at once); the engine is
+//! therefore `!Sync`, and its single-threadedness is what makes the cells sound.
+//!
+//! # Why a reset is safe
+//!
+//! Memory is reused only in [`Engine::exit`] when the open-scope count drops to zero.
+//! Every view borrows a scope and every scope holds one count, so a count of zero
+//! proves that no view of this cycle is alive. Stored handles carry the generation
+//! they were allocated in and are checked against [`Engine::generation`].
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::backend::{ArenaBackend, Block};
+use crate::config::{LearningPolicy, ResetPolicy, SpillPolicy, WorkspaceConfig};
+use crate::error::{BackendError, Error, Result};
+
+/// First spill chunk of a cycle; later chunks of the same cycle double.
+const FIRST_SPILL_CHUNK: usize = 64 << 10;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A process-unique id for a workspace (or a heap scope).
+pub(crate) fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Rounds `value` up to `align` (a power of two); `None` on overflow.
+#[inline(always)]
+pub(crate) fn align_up(value: usize, align: usize) -> Option<usize> {
+    debug_assert!(align.is_power_of_two());
+    Some(value.checked_add(align - 1)? & !(align - 1))
+}
+
+/// What [`Engine::enter`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entered {
+    /// Opened the workspace: a new cycle and a new generation.
+    Opened,
+    /// The workspace was already open: nested without resetting.
+    Nested,
+}
+
+/// A snapshot of one workspace's statistics.
+///
+/// Cheap to take and readable while arrays are alive (it needs only `&self`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct WorkspaceStats {
+    /// The workspace's name.
+    pub name: String,
+    /// The backend kind ("ram", "mmap-file", ...).
+    pub backend: &'static str,
+    /// Arena capacity in bytes.
+    pub capacity: usize,
+    /// Arena bytes handed out since the workspace was opened (0 when closed, except
+    /// for circular workspaces, which report bytes handed out in the last open period).
+    pub bytes_in_use: usize,
+    /// Bytes held in spill blocks, freed at the next reset.
+    pub spilled_in_use: usize,
+    /// Largest `bytes_in_use + spilled_in_use` seen since creation or `reset_peak`.
+    pub peak_bytes: usize,
+    /// Total bytes of allocations that spilled, over the workspace's life.
+    pub bytes_spilled: u64,
+    /// Number of allocations that spilled, over the workspace's life.
+    pub external_allocations: u64,
+    /// Number of pinned host allocations (device staging; always 0 on the host).
+    pub pinned_allocations: u64,
+    /// Number of allocations served.
+    pub allocations: u64,
+    /// Completed cycles.
+    pub cycles: u64,
+    /// Current generation (one per real enter).
+    pub generation: u64,
+    /// Times the arena was reallocated larger.
+    pub growth_events: u64,
+    /// Times a circular workspace wrapped to the start of its buffer.
+    pub wraps: u64,
+    /// The size learned, once learning is complete.
+    pub learned_size: Option<usize>,
+    /// Bytes the last completed cycle needed.
+    pub last_cycle_bytes: usize,
+    /// Scopes open now (0: closed).
+    pub open_scopes: usize,
+}
+
+/// The engine under every workspace; see the module docs.
+pub struct Engine<B: ArenaBackend> {
+    id: u64,
+    name: Arc<str>,
+    config: WorkspaceConfig,
+    backend: RefCell<B>,
+    /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
+    base_alignment: usize,
+    /// The arena. Replaced only while no scope is open.
+    arena: RefCell<Option<B::Block>>,
+    /// Base of `arena`, cached for the fast path; `None` when there is no arena.
+    arena_base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Length of `arena` (0 when none).
+    capacity: Cell<usize>,
+    /// Next free offset in the arena. Invariant: `cursor <= capacity`.
+    cursor: Cell<usize>,
+    /// The fast path serves `[cursor, fast_limit)`. Equals `capacity`, except: 0 under
+    /// spill-everything or after the first spill of a cycle (so the slow path sees
+    /// every later allocation and learning counts them), and `open_start` after a
+    /// circular workspace wrapped.
+    fast_limit: Cell<usize>,
+    /// Cursor when the workspace was opened (0 for BlockLeft).
+    open_start: Cell<usize>,
+    /// Circular only: wrapped during this open period.
+    wrapped: Cell<bool>,
+    /// Bytes of arena skipped at the buffer end when wrapping in this open period.
+    wrap_waste: Cell<usize>,
+    /// Open scopes (enters, nested enters and borrows). 0 means closed.
+    depth: Cell<usize>,
+    generation: Cell<u64>,
+    /// Spill blocks of the open cycle, freed at the next reset.
+    spills: RefCell<Vec<B::Block>>,
+    /// Free range `[spill_cursor, spill_limit)` in the last spill block.
+    spill_cursor: Cell<usize>,
+    spill_limit: Cell<usize>,
+    spill_base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Alignment of the last spill block's base.
+    spill_align: Cell<usize>,
+    /// Sum of spill block lengths held now.
+    spill_held: Cell<usize>,
+    /// Once anything spilled this cycle: the contiguous size the cycle needs so far.
+    virtual_cursor: Cell<Option<usize>>,
+    spill_everything: Cell<bool>,
+    /// Learning: cycles seen and the largest cycle so far; `None` once learned.
+    learning_left: Cell<u32>,
+    learning_max: Cell<usize>,
+    learned: Cell<Option<usize>>,
+    /// An error from work done where it could not be reported (closing in `Drop`),
+    /// reported by the next `enter`.
+    pending: RefCell<Option<BackendError>>,
+    timeline: RefCell<VecDeque<usize>>,
+    // Statistics.
+    allocations: Cell<u64>,
+    cycles: Cell<u64>,
+    growth_events: Cell<u64>,
+    wraps: Cell<u64>,
+    peak: Cell<usize>,
+    bytes_spilled: Cell<u64>,
+    external_allocations: Cell<u64>,
+    spilled_in_use: Cell<usize>,
+    last_cycle_bytes: Cell<usize>,
+}
+
+impl<B: ArenaBackend> Engine<B> {
+    /// Creates an engine and reserves `initial_size` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the initial arena cannot be reserved.
+    pub fn new(name: &str, config: WorkspaceConfig, backend: B) -> Result<Self> {
+        let learning_left = match config.learning() {
+            LearningPolicy::None => 0,
+            LearningPolicy::FirstLoop => 1,
+            LearningPolicy::OverTime { cycles } => cycles,
+        };
+        let timeline = VecDeque::with_capacity(config.timeline_len());
+        let engine = Engine {
+            id: next_id(),
+            name: Arc::from(name),
+            base_alignment: backend.base_alignment(),
+            backend: RefCell::new(backend),
+            arena: RefCell::new(None),
+            arena_base: Cell::new(None),
+            capacity: Cell::new(0),
+            cursor: Cell::new(0),
+            fast_limit: Cell::new(0),
+            open_start: Cell::new(0),
+            wrapped: Cell::new(false),
+            wrap_waste: Cell::new(0),
+            depth: Cell::new(0),
+            generation: Cell::new(0),
+            spills: RefCell::new(Vec::new()),
+            spill_cursor: Cell::new(0),
+            spill_limit: Cell::new(0),
+            spill_base: Cell::new(None),
+            spill_align: Cell::new(0),
+            spill_held: Cell::new(0),
+            virtual_cursor: Cell::new(None),
+            spill_everything: Cell::new(false),
+            learning_left: Cell::new(learning_left),
+            learning_max: Cell::new(0),
+            learned: Cell::new(None),
+            pending: RefCell::new(None),
+            timeline: RefCell::new(timeline),
+            allocations: Cell::new(0),
+            cycles: Cell::new(0),
+            growth_events: Cell::new(0),
+            wraps: Cell::new(0),
+            peak: Cell::new(0),
+            bytes_spilled: Cell::new(0),
+            external_allocations: Cell::new(0),
+            spilled_in_use: Cell::new(0),
+            last_cycle_bytes: Cell::new(0),
+            config,
+        };
+        if engine.config.initial_size() > 0 {
+            let size = engine.initial_capacity();
+            engine.replace_arena(size).map_err(|source| engine.backend_error(source))?;
+        }
+        Ok(engine)
+    }
+
+    fn initial_capacity(&self) -> usize {
+        let c = &self.config;
+        let size = c.initial_size().max(c.min_size());
+        align_up(size, c.alignment()).filter(|&s| s <= c.max_size()).unwrap_or(size)
+    }
+
+    /// Process-unique id.
+    #[inline]
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    /// The name given at creation.
+    pub fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+    /// The configuration.
+    pub fn config(&self) -> &WorkspaceConfig {
+        &self.config
+    }
+    /// Current generation: incremented by every enter that opens the workspace.
+    #[inline]
+    pub fn generation(&self) -> u64 {
+        self.generation.get()
+    }
+    /// Number of open scopes (0: closed).
+    #[inline]
+    pub fn depth(&self) -> usize {
+        self.depth.get()
+    }
+    /// Whether a scope is open.
+    #[inline]
+    pub fn is_open(&self) -> bool {
+        self.depth.get() > 0
+    }
+    /// Arena capacity in bytes.
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        self.capacity.get()
+    }
+    /// The backend kind.
+    pub fn backend_kind(&self) -> &'static str {
+        self.backend.borrow().kind()
+    }
+    /// Runs `f` on the arena block, if any (for backends that need more than the base).
+    pub fn with_arena<R>(&self, f: impl FnOnce(Option<&B::Block>) -> R) -> R {
+        f(self.arena.borrow().as_ref())
+    }
+
+    pub(crate) fn backend_error(&self, source: BackendError) -> Error {
+        Error::Backend { workspace: self.name.clone(), source }
+    }
+
+    /// Sends every later allocation to its own spill block (debugging aid).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub fn set_spill_everything(&self, on: bool) -> Result<()> {
+        self.require_closed("changing the debug mode")?;
+        self.spill_everything.set(on);
+        self.fast_limit.set(if on { 0 } else { self.capacity.get() });
+        Ok(())
+    }
+
+    fn require_closed(&self, action: &'static str) -> Result<()> {
+        match self.depth.get() {
+            0 => Ok(()),
+            depth => Err(Error::StillOpen { workspace: self.name.clone(), depth, action }),
+        }
+    }
+
+    /// Opens the workspace (new cycle, new generation) or nests in the open one.
+    ///
+    /// # Errors
+    ///
+    /// A backend error recorded while closing the previous cycle (the workspace is
+    /// then left closed and usable with its previous arena), or one from reserving
+    /// the arena after `trim()`.
+    pub fn enter(&self) -> Result<Entered> {
+        let depth = self.depth.get();
+        if depth > 0 {
+            self.depth.set(depth + 1);
+            return Ok(Entered::Nested);
+        }
+        if let Some(source) = self.pending.borrow_mut().take() {
+            return Err(self.backend_error(source));
+        }
+        if self.arena.borrow().is_none() && self.learning_left.get() == 0 {
+            // Trimmed (or never sized) with learning finished: come back at the known size.
+            let size = self.learned.get().map_or_else(|| self.initial_capacity(), |l| self.config.capacity_for(l));
+            if size > 0 {
+                self.replace_arena(size).map_err(|e| self.backend_error(e))?;
+            }
+        }
+        self.generation.set(self.generation.get() + 1);
+        self.open_start.set(self.cursor.get());
+        self.wrapped.set(false);
+        self.wrap_waste.set(0);
+        self.depth.set(1);
+        Ok(Entered::Opened)
+    }
+
+    /// Adds a scope to an already open workspace without nesting a cycle.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open(&self, action: &'static str) -> Result<()> {
+        match self.depth.get() {
+            0 => Err(Error::NotOpen { workspace: self.name.clone(), action }),
+            depth => {
+                self.depth.set(depth + 1);
+                Ok(())
+            }
+        }
+    }
+
+    /// Closes one scope; the last one ends the cycle and resets the arena.
+    ///
+    /// Never panics; a failure to grow the arena is reported by the next `enter`.
+    ///
+    /// # Safety
+    ///
+    /// The caller must hold one of the scopes counted by `enter`/`borrow_open` and
+    /// give it up: once the count reaches zero, memory handed out by this cycle is
+    /// reused, so nothing may still refer to it.
+    pub unsafe fn exit(&self) {
+        let depth = self.depth.get();
+        debug_assert!(depth > 0, "exit without a matching enter");
+        self.depth.set(depth.saturating_sub(1));
+        if depth == 1 {
+            self.close_cycle();
+        }
+    }
+
+    /// Bytes this cycle needs in one contiguous arena.
+    fn cycle_bytes(&self) -> usize {
+        if let Some(virtual_bytes) = self.virtual_cursor.get() {
+            return virtual_bytes;
+        }
+        let start = self.open_start.get();
+        let cursor = self.cursor.get();
+        if self.wrapped.get() {
+            self.capacity.get() - start - self.wrap_waste.get() + cursor
+        } else {
+            cursor - start
+        }
+    }
+
+    fn close_cycle(&self) {
+        let bytes = self.cycle_bytes();
+        let in_use = self.bytes_in_use() + self.spilled_in_use.get();
+        self.peak.set(self.peak.get().max(in_use));
+        self.cycles.set(self.cycles.get() + 1);
+        self.last_cycle_bytes.set(bytes);
+        {
+            let mut timeline = self.timeline.borrow_mut();
+            let len = self.config.timeline_len();
+            if len > 0 {
+                if timeline.len() == len {
+                    timeline.pop_front();
+                }
+                timeline.push_back(bytes);
+            }
+        }
+        self.release_spills();
+        let spilled = self.virtual_cursor.take().is_some();
+        self.cursor.set(match self.config.reset() {
+            ResetPolicy::BlockLeft => 0,
+            ResetPolicy::EndOfBuffer => self.cursor.get(),
+        });
+        let mut target = None;
+        let left = self.learning_left.get();
+        if left > 0 {
+            let max = self.learning_max.get().max(bytes);
+            self.learning_max.set(max);
+            self.learning_left.set(left - 1);
+            if left == 1 {
+                self.learned.set(Some(max));
+                target = Some(self.config.capacity_for(max));
+            }
+        } else if spilled && self.config.spill() == SpillPolicy::Reallocate {
+            let learned = self.learned.get().unwrap_or(0).max(bytes);
+            self.learned.set(Some(learned));
+            target = Some(self.config.capacity_for(learned));
+        }
+        if let Some(size) = target.filter(|&s| s > self.capacity.get()) {
+            match self.replace_arena(size) {
+                Ok(()) => self.growth_events.set(self.growth_events.get() + 1),
+                Err(source) => *self.pending.borrow_mut() = Some(source),
+            }
+        }
+        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
+    }
+
+    fn release_spills(&self) {
+        let mut spills = self.spills.borrow_mut();
+        let mut backend = self.backend.borrow_mut();
+        for block in spills.drain(..) {
+            backend.release(block);
+        }
+        self.spill_held.set(0);
+        self.spilled_in_use.set(0);
+        self.spill_cursor.set(0);
+        self.spill_limit.set(0);
+        self.spill_base.set(None);
+    }
+
+    /// Reserves a new arena of `size` bytes, then gives the old one back. Only while
+    /// closed (nothing refers to the old arena).
+    fn replace_arena(&self, size: usize) -> Result<(), BackendError> {
+        debug_assert_eq!(self.depth.get(), 0);
+        let mut backend = self.backend.borrow_mut();
+        let block = backend.allocate_arena(size)?;
+        self.arena_base.set(Some(block.base()));
+        self.capacity.set(block.len());
+        self.cursor.set(0);
+        self.open_start.set(0);
+        if let Some(old) = self.arena.borrow_mut().replace(block) {
+            backend.release(old);
+        }
+        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
+        Ok(())
+    }
+
+    /// Gives memory back: spill blocks, and the arena down to `min_size` (a file
+    /// mapping keeps its arena). Learning starts again, so the next cycles re-learn
+    /// the size; without learning the arena comes back at its configured size on the
+    /// next enter.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open; [`Error::Backend`] when the
+    /// `min_size` arena cannot be reserved.
+    pub fn trim(&self) -> Result<()> {
+        self.require_closed("trim()")?;
+        self.release_spills();
+        if self.backend.borrow().fixed_size() {
+            return Ok(());
+        }
+        let min = self.config.min_size();
+        if min > 0 {
+            let size = align_up(min, self.config.alignment()).unwrap_or(min);
+            if size != self.capacity.get() {
+                self.replace_arena(size).map_err(|e| self.backend_error(e))?;
+            }
+        } else if let Some(old) = self.arena.borrow_mut().take() {
+            self.backend.borrow_mut().release(old);
+            self.arena_base.set(None);
+            self.capacity.set(0);
+            self.cursor.set(0);
+            self.open_start.set(0);
+            self.fast_limit.set(0);
+        }
+        let left = match self.config.learning() {
+            LearningPolicy::None => 0,
+            LearningPolicy::FirstLoop => 1,
+            LearningPolicy::OverTime { cycles } => cycles,
+        };
+        self.learning_left.set(left);
+        self.learning_max.set(0);
+        self.learned.set(None);
+        Ok(())
+    }
+
+    /// Reserves `size` bytes aligned to `align` in the open cycle and returns the
+    /// block base and the offset of the first byte.
+    ///
+    /// `size` must be > 0 and `align` a power of two. The caller must hold an open
+    /// scope.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Exhausted`] (spill policy Fail), [`Error::BudgetExceeded`], or a
+    /// backend error from reserving a spill block; the workspace is unchanged.
+    #[inline(always)]
+    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        debug_assert!(self.depth.get() > 0, "allocation outside an open scope");
+        debug_assert!(size > 0 && align.is_power_of_two());
+        let align = align.max(self.config.alignment());
+        let cursor = self.cursor.get();
+        // `cursor <= capacity <= isize::MAX`, so the sum cannot overflow for any
+        // `size <= isize::MAX`; larger sizes fail `checked_add`.
+        if let Some(start) = align_up(cursor, align) {
+            if let Some(end) = start.checked_add(size) {
+                if end <= self.fast_limit.get() && align <= self.base_alignment {
+                    if let Some(base) = self.arena_base.get() {
+                        self.cursor.set(end);
+                        self.allocations.set(self.allocations.get() + 1);
+                        return Ok((base, start));
+                    }
+                }
+            }
+        }
+        self.alloc_slow(size, align)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        let capacity = self.capacity.get();
+        let cursor = self.cursor.get();
+        let padded = align_up(size, align).ok_or_else(|| self.exhausted(size, cursor))?;
+        let arena_ok = !self.spill_everything.get() && align <= self.base_alignment;
+        if arena_ok {
+            if let Some(base) = self.arena_base.get() {
+                // Does it fit in the arena after all (the fast path was off)?
+                let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
+                if let Some(start) = align_up(cursor, align) {
+                    if start.checked_add(size).is_some_and(|end| end <= limit) {
+                        self.cursor.set(start + size);
+                        self.count_virtual(padded);
+                        self.allocations.set(self.allocations.get() + 1);
+                        return Ok((base, start));
+                    }
+                }
+                // Circular: wrap to the start if that overwrites nothing handed out
+                // since the workspace was opened.
+                if self.config.reset() == ResetPolicy::EndOfBuffer
+                    && !self.wrapped.get()
+                    && size <= self.open_start.get()
+                {
+                    self.wrapped.set(true);
+                    self.wrap_waste.set(capacity - cursor);
+                    self.wraps.set(self.wraps.get() + 1);
+                    self.cursor.set(size);
+                    if self.virtual_cursor.get().is_none() {
+                        self.fast_limit.set(self.open_start.get());
+                    }
+                    self.count_virtual(padded);
+                    self.allocations.set(self.allocations.get() + 1);
+                    return Ok((base, 0));
+                }
+            }
+        }
+        let learning = self.learning_left.get() > 0;
+        if !learning && !self.spill_everything.get() && self.config.spill() == SpillPolicy::Fail {
+            return Err(self.exhausted(size, cursor));
+        }
+        self.spill(size, align, padded)
+    }
+
+    fn exhausted(&self, size: usize, cursor: usize) -> Error {
+        let capacity = self.capacity.get();
+        Error::Exhausted {
+            workspace: self.name.clone(),
+            requested: size,
+            available: capacity.saturating_sub(cursor),
+            capacity,
+        }
+    }
+
+    /// Counts a request toward the contiguous size this cycle needs. The first call
+    /// in a cycle starts from the arena bytes used so far and turns the fast path
+    /// off, so every later allocation is counted here too.
+    fn count_virtual(&self, padded: usize) {
+        if let Some(v) = self.virtual_cursor.get() {
+            self.virtual_cursor.set(Some(v.saturating_add(padded)));
+        }
+    }
+
+    fn start_virtual(&self) {
+        if self.virtual_cursor.get().is_none() {
+            self.virtual_cursor.set(Some(self.cycle_bytes()));
+            self.fast_limit.set(0);
+        }
+    }
+
+    fn spill(&self, size: usize, align: usize, padded: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        let max = self.config.max_size();
+        let held = self.capacity.get() + self.spilled_in_use.get();
+        if held.checked_add(size).is_none_or(|total| total > max) {
+            return Err(Error::BudgetExceeded {
+                workspace: self.name.clone(),
+                requested: size,
+                in_use: held,
+                max_size: max,
+            });
+        }
+        // Room in the current spill block?
+        let fits = self.spill_base.get().filter(|_| align <= self.spill_align.get()).and_then(|base| {
+            let start = align_up(self.spill_cursor.get(), align)?;
+            let end = start.checked_add(size)?;
+            (end <= self.spill_limit.get()).then_some((base, start, end))
+        });
+        let (base, start) = match fits {
+            Some((base, start, end)) if !self.spill_everything.get() => {
+                self.spill_cursor.set(end);
+                (base, start)
+            }
+            _ => {
+                let chunk = if self.spill_everything.get() {
+                    size
+                } else {
+                    let doubled = self.spill_held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
+                    let room = max.saturating_sub(held).max(size);
+                    doubled.min(room).max(size)
+                };
+                let block = self
+                    .backend
+                    .borrow_mut()
+                    .allocate_spill(chunk, align)
+                    .map_err(|e| self.backend_error(e))?;
+                let base = block.base();
+                self.spill_held.set(self.spill_held.get() + block.len());
+                self.spill_base.set(Some(base));
+                self.spill_align.set(align);
+                self.spill_cursor.set(size);
+                self.spill_limit.set(block.len());
+                self.spills.borrow_mut().push(block);
+                (base, 0)
+            }
+        };
+        self.start_virtual();
+        self.count_virtual(padded);
+        self.spilled_in_use.set(self.spilled_in_use.get() + size);
+        self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
+        self.external_allocations.set(self.external_allocations.get() + 1);
+        self.allocations.set(self.allocations.get() + 1);
+        Ok((base, start))
+    }
+
+    /// Arena bytes handed out in the current (or, when closed, the last) open period.
+    pub fn bytes_in_use(&self) -> usize {
+        if self.depth.get() == 0 && self.config.reset() == ResetPolicy::BlockLeft {
+            return 0;
+        }
+        let start = self.open_start.get();
+        let cursor = self.cursor.get();
+        if self.wrapped.get() {
+            self.capacity.get() - start - self.wrap_waste.get() + cursor
+        } else {
+            cursor.saturating_sub(start)
+        }
+    }
+
+    /// Next free arena offset (for tests and diagnostics).
+    pub fn cursor(&self) -> usize {
+        self.cursor.get()
+    }
+
+    /// Forgets the peak so far; the next snapshot starts from current use.
+    pub fn reset_peak(&self) {
+        self.peak.set(self.bytes_in_use() + self.spilled_in_use.get());
+    }
+
+    /// The per-cycle sizes kept for plots, oldest first.
+    pub fn timeline(&self) -> Vec<usize> {
+        self.timeline.borrow().iter().copied().collect()
+    }
+
+    /// A statistics snapshot.
+    pub fn stats(&self) -> WorkspaceStats {
+        let in_use = self.bytes_in_use();
+        let spilled = self.spilled_in_use.get();
+        WorkspaceStats {
+            name: self.name.to_string(),
+            backend: self.backend_kind(),
+            capacity: self.capacity.get(),
+            bytes_in_use: in_use,
+            spilled_in_use: spilled,
+            peak_bytes: self.peak.get().max(in_use + spilled),
+            bytes_spilled: self.bytes_spilled.get(),
+            external_allocations: self.external_allocations.get(),
+            pinned_allocations: 0,
+            allocations: self.allocations.get(),
+            cycles: self.cycles.get(),
+            generation: self.generation.get(),
+            growth_events: self.growth_events.get(),
+            wraps: self.wraps.get(),
+            learned_size: self.learned.get(),
+            last_cycle_bytes: self.last_cycle_bytes.get(),
+            open_scopes: self.depth.get(),
+        }
+    }
+}
+
+impl<B: ArenaBackend> Drop for Engine<B> {
+    fn drop(&mut self) {
+        self.release_spills();
+        if let Some(arena) = self.arena.get_mut().take() {
+            self.backend.get_mut().release(arena);
+        }
+    }
+}
+
+impl<B: ArenaBackend> std::fmt::Debug for Engine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("name", &self.name)
+            .field("capacity", &self.capacity.get())
+            .field("cursor", &self.cursor.get())
+            .field("depth", &self.depth.get())
+            .field("generation", &self.generation.get())
+            .finish_non_exhaustive()
+    }
+}

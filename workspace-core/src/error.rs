@@ -1,0 +1,216 @@
+//! The one error type of workspace-core.
+//!
+//! Every message says what happened, to which workspace, and what to do about it.
+
+use std::sync::Arc;
+
+/// Errors from configuring, entering and allocating in workspaces.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration contradicts itself; nothing was created.
+    #[error("invalid workspace configuration: {reason}")]
+    InvalidConfig {
+        /// What is contradictory, and how to fix it.
+        reason: String,
+    },
+
+    /// An allocation of zero elements was requested.
+    #[error(
+        "zero-length allocation in workspace '{workspace}': shape {shape:?} has no elements; \
+         an empty array needs no workspace memory, create it with `ndarray::Array::zeros` instead"
+    )]
+    ZeroLength {
+        /// The workspace asked.
+        workspace: Arc<str>,
+        /// The requested shape.
+        shape: Vec<usize>,
+    },
+
+    /// The byte size of a requested shape does not fit in `usize`.
+    #[error(
+        "shape {shape:?} of {element_size}-byte elements overflows the address space \
+         (workspace '{workspace}'): check the dimensions"
+    )]
+    ShapeOverflow {
+        /// The workspace asked.
+        workspace: Arc<str>,
+        /// The requested shape.
+        shape: Vec<usize>,
+        /// Size of one element in bytes.
+        element_size: usize,
+    },
+
+    /// An allocation did not fit and the workspace uses [`SpillPolicy::Fail`](crate::SpillPolicy::Fail).
+    #[error(
+        "workspace '{workspace}' is full: {requested} bytes requested, {available} of {capacity} \
+         bytes free, and its spill policy is Fail; the workspace is unchanged and still usable. \
+         Raise `initial_size`, use a learning policy, or choose SpillPolicy::External"
+    )]
+    Exhausted {
+        /// The workspace asked.
+        workspace: Arc<str>,
+        /// Bytes requested (including alignment padding).
+        requested: usize,
+        /// Bytes still free in the arena.
+        available: usize,
+        /// Arena capacity in bytes.
+        capacity: usize,
+    },
+
+    /// Granting an allocation would take the workspace past its `max_size`.
+    #[error(
+        "workspace '{workspace}' would exceed its budget: {requested} more bytes requested, \
+         {in_use} in use, max_size is {max_size}; the workspace is unchanged and still usable. \
+         Raise `max_size` or allocate less per cycle"
+    )]
+    BudgetExceeded {
+        /// The workspace asked.
+        workspace: Arc<str>,
+        /// Bytes requested.
+        requested: usize,
+        /// Bytes held by the workspace now (arena capacity plus spilled blocks).
+        in_use: usize,
+        /// The configured budget.
+        max_size: usize,
+    },
+
+    /// A stored handle was used after its workspace was reset.
+    #[error(
+        "array from workspace '{workspace}' is outdated: it was allocated in generation \
+         {array_generation}, the workspace is now at generation {workspace_generation} and its \
+         memory has been reset. Keep data across cycles with `detach()` before the cycle ends, \
+         or `leverage_to` a workspace that stays open"
+    )]
+    StaleHandle {
+        /// The workspace the handle was allocated in.
+        workspace: Arc<str>,
+        /// Generation the handle was allocated in.
+        array_generation: u64,
+        /// Generation the workspace is at now.
+        workspace_generation: u64,
+    },
+
+    /// A handle was accessed through a scope of a different workspace.
+    #[error(
+        "array belongs to workspace '{array_workspace}' but was accessed through a scope of \
+         '{scope_workspace}': pass a scope of '{array_workspace}', or `leverage_to` the array into \
+         '{scope_workspace}' first"
+    )]
+    WrongWorkspace {
+        /// The workspace the array lives in.
+        array_workspace: Arc<str>,
+        /// The workspace of the scope that was passed.
+        scope_workspace: Arc<str>,
+    },
+
+    /// An operation needs an open workspace and this one is closed.
+    #[error(
+        "workspace '{workspace}' is not open: {action} needs an open cycle; enter it with \
+         `enter()` first (leveraging to a closed workspace is an error, never a silent no-op)"
+    )]
+    NotOpen {
+        /// The workspace.
+        workspace: Arc<str>,
+        /// What was attempted.
+        action: &'static str,
+    },
+
+    /// An operation needs a closed workspace and this one is open.
+    #[error(
+        "workspace '{workspace}' is open ({depth} scope(s) alive): {action} needs it closed; \
+         drop every scope of it first"
+    )]
+    StillOpen {
+        /// The workspace.
+        workspace: Arc<str>,
+        /// Number of scopes alive.
+        depth: usize,
+        /// What was attempted.
+        action: &'static str,
+    },
+
+    /// No workspace with this id exists for the current thread.
+    #[error(
+        "no workspace '{workspace}' on this thread: create it with \
+         `WorkspaceManager::get_or_create` first (workspaces are per thread)"
+    )]
+    UnknownWorkspace {
+        /// The id asked for.
+        workspace: String,
+    },
+
+    /// `get_or_create` was called with a configuration that differs from the existing one.
+    #[error(
+        "workspace '{workspace}' already exists with a different configuration: existing \
+         {existing}, requested {requested}; use one configuration per id, or destroy the \
+         workspace first"
+    )]
+    ConfigMismatch {
+        /// The id.
+        workspace: String,
+        /// The configuration it has.
+        existing: String,
+        /// The configuration that was asked for.
+        requested: String,
+    },
+
+    /// The value of `CARVE_WORKSPACE_DEBUG` is not understood.
+    #[error(
+        "environment variable CARVE_WORKSPACE_DEBUG is '{value}': expected one of \
+         'disabled', 'spill_everything', 'bypass_everything'"
+    )]
+    InvalidDebugMode {
+        /// The value found.
+        value: String,
+    },
+
+    /// The memory backend could not provide memory.
+    #[error("workspace '{workspace}': {source}")]
+    Backend {
+        /// The workspace.
+        workspace: Arc<str>,
+        /// What the backend reported.
+        #[source]
+        source: BackendError,
+    },
+}
+
+/// Errors reported by an [`ArenaBackend`](crate::ArenaBackend).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// The system allocator refused.
+    #[error("out of memory: {bytes} bytes with alignment {align} could not be allocated")]
+    OutOfMemory {
+        /// Bytes requested.
+        bytes: usize,
+        /// Alignment requested.
+        align: usize,
+    },
+    /// A memory-mapped file could not be opened, sized or mapped.
+    #[error("memory-mapped file {path}: {source}; check that the directory exists and is writable")]
+    Mmap {
+        /// The file.
+        path: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend has a fixed size and cannot provide another arena.
+    #[error("{backend} arenas have a fixed size of {capacity} bytes and cannot grow to {requested}")]
+    FixedSize {
+        /// The backend kind.
+        backend: &'static str,
+        /// Its size.
+        capacity: usize,
+        /// The size asked for.
+        requested: usize,
+    },
+    /// A backend-specific failure (device drivers report here).
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

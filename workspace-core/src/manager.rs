@@ -1,0 +1,291 @@
+//! The per-thread workspace registry, as ND4J's workspace manager.
+//!
+//! Each thread has its own registry; a [`WorkspaceManager`] is a cheap handle to the
+//! current thread's. Workspaces are found by id, created on first use, and destroyed
+//! one by one, all at once, or when the thread exits.
+
+use std::cell::{Cell, RefCell};
+use std::fmt::Write as _;
+use std::rc::Rc;
+
+use crate::config::WorkspaceConfig;
+use crate::engine::WorkspaceStats;
+use crate::error::{Error, Result};
+use crate::scope::Scope;
+use crate::workspace::{DebugMode, Workspace};
+
+#[derive(Debug)]
+struct Registry {
+    workspaces: RefCell<Vec<Rc<Workspace>>>,
+    /// The debug mode for new workspaces, or the error from reading it.
+    debug: RefCell<Result<DebugMode>>,
+    /// Whether `set_debug_mode` overrode the environment.
+    overridden: Cell<bool>,
+}
+
+thread_local! {
+    static REGISTRY: Rc<Registry> = Rc::new(Registry {
+        workspaces: RefCell::new(Vec::new()),
+        debug: RefCell::new(DebugMode::from_env()),
+        overridden: Cell::new(false),
+    });
+}
+
+/// A handle to the current thread's workspace registry.
+///
+/// `!Send`: it always speaks for the thread that made it.
+///
+/// ```
+/// use workspace_core::{WorkspaceManager, WorkspaceConfig};
+///
+/// let manager = WorkspaceManager::current();
+/// let config = WorkspaceConfig::default();
+/// let ws = manager.get_or_create("LOOP", &config)?;
+/// {
+///     let scope = manager.enter("LOOP")?;
+///     scope.zeros::<f32, _>(1024)?;
+/// }
+/// assert_eq!(ws.stats().cycles, 1);
+/// println!("{}", manager.stats_table());
+/// manager.destroy("LOOP")?;
+/// # Ok::<(), workspace_core::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct WorkspaceManager {
+    registry: Rc<Registry>,
+}
+
+impl WorkspaceManager {
+    /// The registry of the calling thread.
+    pub fn current() -> WorkspaceManager {
+        WorkspaceManager { registry: REGISTRY.with(Rc::clone) }
+    }
+
+    fn find(&self, id: &str) -> Option<Rc<Workspace>> {
+        self.registry.workspaces.borrow().iter().find(|ws| &**ws.name() == id).cloned()
+    }
+
+    /// The workspace `id`, created with `config` if it does not exist yet.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConfigMismatch`] when `id` exists with another configuration;
+    /// [`Error::InvalidDebugMode`] when `CARVE_WORKSPACE_DEBUG` is not understood;
+    /// [`Error::Backend`] when the initial arena cannot be reserved.
+    pub fn get_or_create(&self, id: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
+        if let Some(ws) = self.find(id) {
+            if ws.config() != config {
+                return Err(Error::ConfigMismatch {
+                    workspace: id.to_string(),
+                    existing: ws.config().to_string(),
+                    requested: config.to_string(),
+                });
+            }
+            return Ok(ws);
+        }
+        let mode = self.debug_mode()?;
+        let ws = Rc::new(Workspace::with_debug_mode(id, config.clone(), mode)?);
+        self.registry.workspaces.borrow_mut().push(ws.clone());
+        Ok(ws)
+    }
+
+    /// The workspace `id`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownWorkspace`] when there is none on this thread.
+    pub fn get(&self, id: &str) -> Result<Rc<Workspace>> {
+        self.find(id).ok_or_else(|| Error::UnknownWorkspace { workspace: id.to_string() })
+    }
+
+    /// Whether `id` exists on this thread.
+    pub fn exists(&self, id: &str) -> bool {
+        self.find(id).is_some()
+    }
+
+    /// Enters workspace `id` (see [`Workspace::enter`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownWorkspace`], or those of [`Workspace::enter`].
+    pub fn enter(&self, id: &str) -> Result<Scope<'static>> {
+        self.get(id)?.enter_shared()
+    }
+
+    /// Borrows the open workspace `id` as allocation target, for example to leverage
+    /// an array into it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownWorkspace`] or [`Error::NotOpen`]: never a silent no-op.
+    pub fn borrow_open(&self, id: &str) -> Result<Scope<'static>> {
+        self.get(id)?.borrow_open_shared()
+    }
+
+    /// A scope that allocates on the heap ("scoping out" of workspaces).
+    pub fn scope_out(&self) -> Scope<'static> {
+        Scope::heap()
+    }
+
+    /// Removes workspace `id` from this thread's registry; its memory is freed once no
+    /// `Rc` to it is left.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownWorkspace`], or [`Error::StillOpen`] while it has open scopes.
+    pub fn destroy(&self, id: &str) -> Result<()> {
+        let mut workspaces = self.registry.workspaces.borrow_mut();
+        let index = workspaces
+            .iter()
+            .position(|ws| &**ws.name() == id)
+            .ok_or_else(|| Error::UnknownWorkspace { workspace: id.to_string() })?;
+        let ws = &workspaces[index];
+        if ws.is_open() {
+            return Err(Error::StillOpen {
+                workspace: ws.name().clone(),
+                depth: ws.engine().depth(),
+                action: "destroy",
+            });
+        }
+        workspaces.remove(index);
+        Ok(())
+    }
+
+    /// Destroys every closed workspace of this thread (this also happens when the
+    /// thread exits).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] naming the first workspace that is open; the open ones are
+    /// kept, the closed ones destroyed.
+    pub fn destroy_all(&self) -> Result<()> {
+        let mut workspaces = self.registry.workspaces.borrow_mut();
+        let open = workspaces.iter().find(|ws| ws.is_open()).map(|ws| (ws.name().clone(), ws.engine().depth()));
+        workspaces.retain(|ws| ws.is_open());
+        match open {
+            Some((workspace, depth)) => Err(Error::StillOpen { workspace, depth, action: "destroy_all" }),
+            None => Ok(()),
+        }
+    }
+
+    /// Ids of this thread's workspaces, in creation order.
+    pub fn ids(&self) -> Vec<String> {
+        self.registry.workspaces.borrow().iter().map(|ws| ws.name().to_string()).collect()
+    }
+
+    /// The debug mode new workspaces get.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidDebugMode`] when `CARVE_WORKSPACE_DEBUG` is not understood and
+    /// no mode was set with [`WorkspaceManager::set_debug_mode`].
+    pub fn debug_mode(&self) -> Result<DebugMode> {
+        match &*self.registry.debug.borrow() {
+            Ok(mode) => Ok(*mode),
+            Err(Error::InvalidDebugMode { value }) => Err(Error::InvalidDebugMode { value: value.clone() }),
+            Err(other) => Err(Error::InvalidDebugMode { value: other.to_string() }),
+        }
+    }
+
+    /// Sets the debug mode of this thread's workspaces, existing and new.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] when a workspace is open (none is changed then).
+    pub fn set_debug_mode(&self, mode: DebugMode) -> Result<()> {
+        let workspaces = self.registry.workspaces.borrow();
+        if let Some(ws) = workspaces.iter().find(|ws| ws.is_open()) {
+            return Err(Error::StillOpen {
+                workspace: ws.name().clone(),
+                depth: ws.engine().depth(),
+                action: "changing the debug mode",
+            });
+        }
+        for ws in workspaces.iter() {
+            ws.set_debug_mode(mode)?;
+        }
+        *self.registry.debug.borrow_mut() = Ok(mode);
+        self.registry.overridden.set(true);
+        Ok(())
+    }
+
+    /// Statistics of every workspace on this thread.
+    pub fn stats(&self) -> Vec<WorkspaceStats> {
+        self.registry.workspaces.borrow().iter().map(|ws| ws.stats()).collect()
+    }
+
+    /// The statistics as a table.
+    pub fn stats_table(&self) -> String {
+        stats_table(&self.stats())
+    }
+
+    /// The statistics as a JSON array.
+    pub fn stats_json(&self) -> String {
+        serde_json::to_string(&self.stats()).expect("statistics serialise")
+    }
+}
+
+fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// Formats statistics as an aligned text table, one row per workspace.
+pub fn stats_table(stats: &[WorkspaceStats]) -> String {
+    let header = [
+        "workspace", "backend", "capacity", "in use", "peak", "spilled", "external", "allocs", "cycles", "gen",
+        "growths",
+    ];
+    let rows: Vec<[String; 11]> = stats
+        .iter()
+        .map(|s| {
+            [
+                s.name.clone(),
+                s.backend.to_string(),
+                human(s.capacity),
+                human(s.bytes_in_use + s.spilled_in_use),
+                human(s.peak_bytes),
+                human(usize::try_from(s.bytes_spilled).unwrap_or(usize::MAX)),
+                s.external_allocations.to_string(),
+                s.allocations.to_string(),
+                s.cycles.to_string(),
+                s.generation.to_string(),
+                s.growth_events.to_string(),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |out: &mut String, cells: &[&str]| {
+        for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
+            if i == 0 {
+                let _ = write!(out, "{cell:<width$}");
+            } else {
+                let _ = write!(out, "  {cell:>width$}");
+            }
+        }
+        out.push('\n');
+    };
+    line(&mut out, &header);
+    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    line(&mut out, &rule.iter().map(String::as_str).collect::<Vec<_>>());
+    for row in &rows {
+        line(&mut out, &row.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+    out
+}

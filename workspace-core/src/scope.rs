@@ -1,0 +1,399 @@
+//! Scopes: the open cycle that arrays borrow.
+//!
+//! A [`Scope`] is the guard of one enter, nested enter or borrow of a workspace (or
+//! of the heap, when scoped out). Allocation takes `&self` and returns ndarray views
+//! that borrow the scope, so the compiler rejects any use after the scope closes:
+//!
+//! ```compile_fail
+//! use workspace_core::{Workspace, WorkspaceConfig};
+//! let ws = Workspace::new("W", WorkspaceConfig::default()).unwrap();
+//! let scope = ws.enter().unwrap();
+//! let view = scope.zeros::<f32, _>(16).unwrap();
+//! drop(scope); // the reset happens here...
+//! println!("{}", view[0]); // ...so this does not compile
+//! ```
+//!
+//! The arena resets when the *last* scope over it closes, whichever order scopes
+//! close in; that count is what proves no view is alive.
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::mem::{align_of, size_of, MaybeUninit};
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use ndarray::{ArrayBase, ArrayViewMut, Data, Dimension, ShapeBuilder};
+
+use crate::engine::next_id;
+use crate::error::{BackendError, Error, Result};
+use crate::handle::Handle;
+use crate::workspace::Workspace;
+
+/// How a scope came to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// Opened the workspace: a new cycle and generation.
+    Opened,
+    /// Entered a workspace that was already open, without resetting.
+    Nested,
+    /// Borrowed an open workspace as allocation target.
+    Borrowed,
+    /// Scoped out: allocations go to the heap and are freed with the scope.
+    Heap,
+}
+
+/// Heap blocks of a scoped-out scope, freed when it closes.
+#[derive(Debug)]
+struct HeapPool {
+    id: u64,
+    name: Arc<str>,
+    blocks: RefCell<Vec<(NonNull<u8>, Layout)>>,
+}
+
+impl HeapPool {
+    fn alloc(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
+        let oom = || Error::Backend { workspace: self.name.clone(), source: BackendError::OutOfMemory { bytes: size, align } };
+        let layout = Layout::from_size_align(size, align).map_err(|_| oom())?;
+        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
+        let ptr = unsafe {
+            if zeroed {
+                std::alloc::alloc_zeroed(layout)
+            } else {
+                std::alloc::alloc(layout)
+            }
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(oom)?;
+        self.blocks.borrow_mut().push((ptr, layout));
+        Ok(ptr)
+    }
+}
+
+impl Drop for HeapPool {
+    fn drop(&mut self) {
+        for (ptr, layout) in self.blocks.get_mut().drain(..) {
+            // SAFETY: allocated in `alloc` with this layout and freed only here.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Target {
+    /// Invariant: valid for the scope's life (borrowed for `'ws`, or kept alive by
+    /// `Scope::keep`), and the engine counts this scope as open.
+    Workspace(NonNull<Workspace>),
+    Heap(HeapPool),
+}
+
+/// An open scope of a workspace (or of the heap); see the module docs.
+///
+/// `!Send` and `!Sync`: it closes on the thread that opened it.
+#[derive(Debug)]
+pub struct Scope<'ws> {
+    target: Target,
+    kind: ScopeKind,
+    keep: Option<Rc<Workspace>>,
+    _borrow: PhantomData<&'ws Workspace>,
+}
+
+/// Where an array's memory lives, as far as a scope can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// In the arena, at this byte offset.
+    Arena(usize),
+    /// Elsewhere: a spill block, the heap, or another workspace.
+    Elsewhere,
+}
+
+impl<'ws> Scope<'ws> {
+    /// # Safety
+    ///
+    /// The engine of `ws` must have counted this scope as open (via `enter` or
+    /// `borrow_open`), and `ws` must stay alive for `'ws` or be kept alive by `keep`.
+    pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind, keep: Option<Rc<Workspace>>) -> Scope<'ws> {
+        Scope { target: Target::Workspace(NonNull::from(ws)), kind, keep, _borrow: PhantomData }
+    }
+
+    /// A scope that allocates on the heap: each array is its own allocation, freed
+    /// when the scope closes ("scoping out" of workspaces).
+    ///
+    /// ```
+    /// let scope = workspace_core::Scope::heap();
+    /// let x = scope.filled::<f64, _>(3, 2.0)?;
+    /// assert_eq!(x.sum(), 6.0);
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    pub fn heap() -> Scope<'static> {
+        Scope {
+            target: Target::Heap(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) }),
+            kind: ScopeKind::Heap,
+            keep: None,
+            _borrow: PhantomData,
+        }
+    }
+
+    #[inline(always)]
+    fn workspace_ref(&self) -> Option<&Workspace> {
+        match &self.target {
+            // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
+            Target::Workspace(ws) => Some(unsafe { ws.as_ref() }),
+            Target::Heap(_) => None,
+        }
+    }
+
+    /// The workspace this scope allocates in (`None` when scoped out to the heap).
+    pub fn workspace(&self) -> Option<&Workspace> {
+        self.workspace_ref()
+    }
+
+    /// How this scope came to be.
+    pub fn kind(&self) -> ScopeKind {
+        self.kind
+    }
+
+    /// The name of the allocation target ("heap" when scoped out).
+    pub fn target_name(&self) -> &Arc<str> {
+        match &self.target {
+            Target::Workspace(_) => self.workspace_ref().map(Workspace::name).expect("workspace target"),
+            Target::Heap(pool) => &pool.name,
+        }
+    }
+
+    /// `(owner id, generation)` that handles allocated here carry.
+    #[inline]
+    pub(crate) fn identity(&self) -> (u64, u64) {
+        match &self.target {
+            Target::Workspace(_) => {
+                let ws = self.workspace_ref().expect("workspace target");
+                (ws.id(), ws.generation())
+            }
+            Target::Heap(pool) => (pool.id, 0),
+        }
+    }
+
+    /// The generation this scope allocates in (0 for heap scopes).
+    pub fn generation(&self) -> u64 {
+        self.identity().1
+    }
+
+    /// Where the memory at `ptr` lives relative to this scope's arena.
+    pub fn placement<T>(&self, ptr: *const T) -> Placement {
+        let Some(ws) = self.workspace_ref() else { return Placement::Elsewhere };
+        ws.engine.with_arena(|arena| {
+            let Some(arena) = arena else { return Placement::Elsewhere };
+            let base = crate::backend::Block::base(arena).as_ptr() as usize;
+            let addr = ptr as usize;
+            if addr >= base && addr < base + crate::backend::Block::len(arena) {
+                Placement::Arena(addr - base)
+            } else {
+                Placement::Elsewhere
+            }
+        })
+    }
+
+    /// Reserves `size` (> 0) bytes aligned to `align`.
+    #[inline(always)]
+    pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
+        match &self.target {
+            Target::Workspace(_) => {
+                let ws = self.workspace_ref().expect("workspace target");
+                let (base, offset) = ws.engine.alloc(size, align)?;
+                // SAFETY: the engine returned `offset..offset+size` inside the block at
+                // `base`, so the result stays inside one allocation.
+                let ptr = unsafe { base.add(offset) };
+                if zeroed {
+                    // SAFETY: `ptr` is valid for `size` writable bytes, handed out to
+                    // nobody else in this cycle.
+                    unsafe { ptr.as_ptr().write_bytes(0, size) };
+                }
+                Ok(ptr)
+            }
+            Target::Heap(pool) => pool.alloc(size, align, zeroed),
+        }
+    }
+
+    /// Element count and byte size of `dim` for `T`, checked.
+    #[inline(always)]
+    fn sized<T, D: Dimension>(&self, dim: &D) -> Result<usize> {
+        let elements = dim.size_checked();
+        match elements {
+            Some(0) => Err(Error::ZeroLength { workspace: self.target_name().clone(), shape: dim.slice().to_vec() }),
+            Some(n) => match n.checked_mul(size_of::<T>()) {
+                Some(bytes) if bytes <= isize::MAX as usize && n <= isize::MAX as usize => Ok(bytes),
+                _ => Err(self.overflow::<T>(dim.slice())),
+            },
+            None => Err(self.overflow::<T>(dim.slice())),
+        }
+    }
+
+    #[cold]
+    fn overflow<T>(&self, shape: &[usize]) -> Error {
+        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: shape.to_vec(), element_size: size_of::<T>() }
+    }
+
+    /// Reserves memory for `dim` elements of `T`.
+    #[inline(always)]
+    pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
+        let bytes = self.sized::<T, D>(dim)?;
+        if bytes == 0 {
+            return Ok(NonNull::dangling());
+        }
+        Ok(self.alloc_bytes(bytes, align_of::<T>(), zeroed)?.cast())
+    }
+
+    /// A zero-filled array in this scope.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ZeroLength`] for an empty shape, [`Error::ShapeOverflow`] when the
+    /// byte size overflows, and the workspace's allocation errors
+    /// ([`Error::Exhausted`], [`Error::BudgetExceeded`], [`Error::Backend`]).
+    #[inline]
+    pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+        let shape = shape.into_shape_with_order();
+        let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), true)?;
+        // SAFETY: `ptr` points to `shape.size()` zeroed (hence valid, `T: Pod`)
+        // elements, aligned for `T`, exclusively ours until the scope closes; the view
+        // borrows `self`, so it cannot outlive the scope.
+        Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
+    }
+
+    /// An array filled with `value`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    pub fn filled<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh, value: T) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+        let mut view = self.uninit::<T, Sh>(shape)?;
+        view.fill(MaybeUninit::new(value));
+        // SAFETY: every element was just written.
+        Ok(unsafe { view.assume_init() })
+    }
+
+    /// An array whose elements are `f(index)`, in logical order.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    pub fn from_shape_fn<T: Pod, Sh: ShapeBuilder, F>(&self, shape: Sh, mut f: F) -> Result<ArrayViewMut<'_, T, Sh::Dim>>
+    where
+        F: FnMut(<Sh::Dim as Dimension>::Pattern) -> T,
+    {
+        let mut view = self.uninit::<T, Sh>(shape)?;
+        for (index, slot) in view.indexed_iter_mut() {
+            *slot = MaybeUninit::new(f(index));
+        }
+        // SAFETY: every element was just written.
+        Ok(unsafe { view.assume_init() })
+    }
+
+    /// An uninitialised array: its elements are `MaybeUninit<T>`, so safe code cannot
+    /// read them before writing. Once every element is written, `assume_init` (unsafe)
+    /// gives the initialised view; [`Scope::filled`] and [`Scope::from_shape_fn`] do
+    /// this safely.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, MaybeUninit<T>, Sh::Dim>> {
+        let shape = shape.into_shape_with_order();
+        let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), false)?;
+        // SAFETY: as in `zeros`; `MaybeUninit<T>` needs no initialisation and has the
+        // layout of `T`.
+        Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) })
+    }
+
+    /// A copy of `source` in this scope, in standard (row-major) layout.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    pub fn copy_of<T: Pod, S: Data<Elem = T>, D: Dimension>(&self, source: &ArrayBase<S, D>) -> Result<ArrayViewMut<'_, T, D>> {
+        let mut view = self.uninit::<T, _>(source.raw_dim())?;
+        match (source.as_slice(), view.as_slice_mut()) {
+            (Some(from), Some(to)) => {
+                for (slot, value) in to.iter_mut().zip(from) {
+                    *slot = MaybeUninit::new(*value);
+                }
+            }
+            _ => view.zip_mut_with(source, |slot, value| *slot = MaybeUninit::new(*value)),
+        }
+        // SAFETY: every element was just written (same shape).
+        Ok(unsafe { view.assume_init() })
+    }
+
+    /// A zero-filled slice (for scratch buffers that are not arrays).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+    pub fn slice_zeroed<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
+        let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), true)?;
+        // SAFETY: `len` zeroed, aligned, exclusively owned elements, borrowed from `self`.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
+    }
+
+    /// An uninitialised slice.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+    pub fn slice_uninit<T: Pod>(&self, len: usize) -> Result<&mut [MaybeUninit<T>]> {
+        let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), false)?;
+        // SAFETY: as in `slice_zeroed`; `MaybeUninit` needs no initialisation.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<MaybeUninit<T>>().as_ptr(), len) })
+    }
+
+    /// A zero-filled array behind a [`Handle`] that can be stored (in a layer, a
+    /// cache) and is checked against this workspace's generation on every access.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<Handle<T, Sh::Dim>> {
+        let shape = shape.into_shape_with_order();
+        let dim = shape.raw_dim().clone();
+        let ptr = self.alloc_elements::<T, _>(&dim, true)?;
+        Ok(self.handle(ptr, dim))
+    }
+
+    /// A copy of `source` behind a [`Handle`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    pub fn copy_handle<T: Pod, S: Data<Elem = T>, D: Dimension>(&self, source: &ArrayBase<S, D>) -> Result<Handle<T, D>> {
+        let view = self.copy_of(source)?;
+        let ptr = NonNull::new(view.as_ptr().cast_mut()).expect("views are never null");
+        Ok(self.handle(ptr, source.raw_dim()))
+    }
+
+    fn handle<T: Pod, D: Dimension>(&self, ptr: NonNull<T>, dim: D) -> Handle<T, D> {
+        let (owner, generation) = self.identity();
+        // SAFETY: `ptr` holds `dim.size()` initialised elements allocated in this
+        // scope's target at `generation`, and no view of them is alive.
+        unsafe { Handle::new(ptr, dim, owner, generation, self.target_name().clone()) }
+    }
+}
+
+impl Drop for Scope<'_> {
+    fn drop(&mut self) {
+        if let Target::Workspace(ws) = &self.target {
+            // SAFETY: the workspace is alive (target invariant) and counted this scope;
+            // every view borrowed from this scope has ended (they borrow `self`), and
+            // handles are checked against the generation before any access.
+            unsafe { ws.as_ref().engine.exit() };
+        }
+        // Only now may the `Rc` (if any) let the workspace go.
+        self.keep.take();
+    }
+}

@@ -1,0 +1,269 @@
+//! The host workspace: one arena engine over a host backend, plus debug modes.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use crate::backend::host::HostBackend;
+use crate::config::WorkspaceConfig;
+use crate::engine::{Engine, Entered, WorkspaceStats};
+use crate::error::{Error, Result};
+use crate::scope::{Scope, ScopeKind};
+
+/// Name of the environment variable that sets the [`DebugMode`] of new workspaces.
+pub const DEBUG_ENV: &str = "CARVE_WORKSPACE_DEBUG";
+
+/// Debugging aids that change where allocations go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum DebugMode {
+    /// Normal operation.
+    #[default]
+    Disabled,
+    /// Every allocation gets its own heap block, freed at the next reset: an array
+    /// that escapes its cycle then shows up in valgrind as a use after free.
+    SpillEverything,
+    /// Workspaces are off: every scope allocates each array on the heap and frees it
+    /// when the scope closes.
+    BypassEverything,
+}
+
+impl DebugMode {
+    /// Reads [`DEBUG_ENV`]: unset or empty means `Disabled`; otherwise `disabled`,
+    /// `spill_everything` or `bypass_everything` (case and `-`/`_` do not matter).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidDebugMode`] for any other value.
+    pub fn from_env() -> Result<DebugMode> {
+        match std::env::var(DEBUG_ENV) {
+            Ok(value) => DebugMode::parse(&value),
+            Err(std::env::VarError::NotPresent) => Ok(DebugMode::Disabled),
+            Err(std::env::VarError::NotUnicode(value)) => {
+                Err(Error::InvalidDebugMode { value: value.to_string_lossy().into_owned() })
+            }
+        }
+    }
+
+    /// Parses a debug mode name as [`DebugMode::from_env`] does.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidDebugMode`] for an unknown name.
+    pub fn parse(value: &str) -> Result<DebugMode> {
+        let key: String =
+            value.chars().filter(|c| *c != '_' && *c != '-').flat_map(char::to_lowercase).collect();
+        match key.as_str() {
+            "" | "disabled" | "off" | "none" => Ok(DebugMode::Disabled),
+            "spilleverything" => Ok(DebugMode::SpillEverything),
+            "bypasseverything" => Ok(DebugMode::BypassEverything),
+            _ => Err(Error::InvalidDebugMode { value: value.to_string() }),
+        }
+    }
+}
+
+/// A host workspace: a reusable bump arena with cycles, generations, learning,
+/// spilling and statistics.
+///
+/// `Send` and `!Sync`: one thread uses it at a time. Allocate through the [`Scope`]
+/// that [`Workspace::enter`] returns; the arena resets when the last scope closes.
+///
+/// ```
+/// use workspace_core::{Workspace, WorkspaceConfig};
+///
+/// let ws = Workspace::new("LOOP", WorkspaceConfig::default())?;
+/// for _ in 0..3 {
+///     let scope = ws.enter()?;
+///     let mut x = scope.zeros::<f32, _>((4, 8))?;
+///     x.fill(1.0);
+///     assert_eq!(x.sum(), 32.0);
+/// } // reset here, in O(1)
+/// assert!(ws.capacity() >= 128);
+/// # Ok::<(), workspace_core::Error>(())
+/// ```
+///
+/// The arena is `!Sync`:
+///
+/// ```compile_fail
+/// fn needs_sync<T: Sync>() {}
+/// needs_sync::<workspace_core::Workspace>();
+/// ```
+#[derive(Debug)]
+pub struct Workspace {
+    pub(crate) engine: Engine<HostBackend>,
+    debug: Cell<DebugMode>,
+}
+
+impl Workspace {
+    /// Creates a workspace; the debug mode comes from [`DEBUG_ENV`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidDebugMode`] for a bad environment value; [`Error::Backend`] when
+    /// the initial arena cannot be reserved (out of memory, unwritable mmap path).
+    pub fn new(name: &str, config: WorkspaceConfig) -> Result<Workspace> {
+        Workspace::with_debug_mode(name, config, DebugMode::from_env()?)
+    }
+
+    /// Creates a workspace with an explicit debug mode.
+    ///
+    /// # Errors
+    ///
+    /// As [`Workspace::new`], except the environment is not read.
+    pub fn with_debug_mode(name: &str, config: WorkspaceConfig, mode: DebugMode) -> Result<Workspace> {
+        let backend = HostBackend::for_location(config.location());
+        let ws = Workspace { engine: Engine::new(name, config, backend)?, debug: Cell::new(DebugMode::Disabled) };
+        ws.set_debug_mode(mode)?;
+        Ok(ws)
+    }
+
+    /// Opens a cycle (new generation) or, when already open, nests without resetting.
+    ///
+    /// # Errors
+    ///
+    /// A backend error recorded when the previous cycle could not grow the arena, or
+    /// from re-reserving the arena after [`Workspace::trim`].
+    #[inline]
+    pub fn enter(&self) -> Result<Scope<'_>> {
+        if self.debug.get() == DebugMode::BypassEverything {
+            return Ok(Scope::heap());
+        }
+        let kind = match self.engine.enter()? {
+            Entered::Opened => ScopeKind::Opened,
+            Entered::Nested => ScopeKind::Nested,
+        };
+        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        Ok(unsafe { Scope::over(self, kind, None) })
+    }
+
+    /// Makes this already open workspace an allocation target for a while, without
+    /// nesting a cycle; it still resets only when its last scope closes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open(&self) -> Result<Scope<'_>> {
+        if self.debug.get() == DebugMode::BypassEverything {
+            return Ok(Scope::heap());
+        }
+        self.engine.borrow_open("borrowing it as an allocation target")?;
+        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed, None) })
+    }
+
+    /// As [`Workspace::enter`], the scope keeping the workspace alive through an `Rc`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Workspace::enter`].
+    pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
+        if self.debug.get() == DebugMode::BypassEverything {
+            return Ok(Scope::heap());
+        }
+        let kind = match self.engine.enter()? {
+            Entered::Opened => ScopeKind::Opened,
+            Entered::Nested => ScopeKind::Nested,
+        };
+        // SAFETY: counted by the engine; the `Rc` keeps the workspace alive for as long
+        // as the scope lives, whatever `'static` says.
+        Ok(unsafe { Scope::over(self, kind, Some(self.clone())) })
+    }
+
+    /// As [`Workspace::borrow_open`], the scope keeping the workspace alive through an `Rc`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
+        if self.debug.get() == DebugMode::BypassEverything {
+            return Ok(Scope::heap());
+        }
+        self.engine.borrow_open("borrowing it as an allocation target")?;
+        // SAFETY: as in `enter_shared`.
+        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed, Some(self.clone())) })
+    }
+
+    /// Gives memory back: spill blocks, and the arena down to `min_size`; the size is
+    /// learned again. A workspace never shrinks by itself.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub fn trim(&self) -> Result<()> {
+        self.engine.trim()
+    }
+
+    /// The current debug mode.
+    pub fn debug_mode(&self) -> DebugMode {
+        self.debug.get()
+    }
+
+    /// Changes the debug mode.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub fn set_debug_mode(&self, mode: DebugMode) -> Result<()> {
+        self.engine.set_spill_everything(mode == DebugMode::SpillEverything)?;
+        self.debug.set(mode);
+        Ok(())
+    }
+
+    /// The workspace's name.
+    pub fn name(&self) -> &Arc<str> {
+        self.engine.name()
+    }
+    /// Process-unique id.
+    pub fn id(&self) -> u64 {
+        self.engine.id()
+    }
+    /// The configuration.
+    pub fn config(&self) -> &WorkspaceConfig {
+        self.engine.config()
+    }
+    /// Current generation (one per real enter).
+    pub fn generation(&self) -> u64 {
+        self.engine.generation()
+    }
+    /// Whether a scope is open.
+    pub fn is_open(&self) -> bool {
+        self.engine.is_open()
+    }
+    /// Arena capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.engine.capacity()
+    }
+    /// Arena bytes handed out in the open cycle.
+    pub fn bytes_in_use(&self) -> usize {
+        self.engine.bytes_in_use()
+    }
+    /// A statistics snapshot; cheap, and readable while arrays are alive.
+    pub fn stats(&self) -> WorkspaceStats {
+        self.engine.stats()
+    }
+    /// Forgets the peak so far.
+    pub fn reset_peak(&self) {
+        self.engine.reset_peak()
+    }
+    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
+    pub fn timeline(&self) -> Vec<usize> {
+        self.engine.timeline()
+    }
+    /// The engine, for backends and diagnostics.
+    pub fn engine(&self) -> &Engine<HostBackend> {
+        &self.engine
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_mode_names() {
+        assert_eq!(DebugMode::parse("spill_everything").unwrap(), DebugMode::SpillEverything);
+        assert_eq!(DebugMode::parse("BypassEverything").unwrap(), DebugMode::BypassEverything);
+        assert_eq!(DebugMode::parse("").unwrap(), DebugMode::Disabled);
+        let err = DebugMode::parse("loud").unwrap_err();
+        assert!(err.to_string().contains("'loud'"), "{err}");
+    }
+}
