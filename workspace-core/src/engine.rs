@@ -141,6 +141,8 @@ pub struct Engine<B: ArenaBackend> {
     learning_left: Cell<u32>,
     learning_max: Cell<usize>,
     learned: Cell<Option<usize>>,
+    /// Set by `trim` without learning: the arena size to restore at the next enter.
+    restore_to: Cell<usize>,
     /// An error from work done where it could not be reported (closing in `Drop`),
     /// reported by the next `enter`.
     pending: RefCell<Option<BackendError>>,
@@ -196,6 +198,7 @@ impl<B: ArenaBackend> Engine<B> {
             learning_left: Cell::new(learning_left),
             learning_max: Cell::new(0),
             learned: Cell::new(None),
+            restore_to: Cell::new(0),
             pending: RefCell::new(None),
             timeline: RefCell::new(timeline),
             allocations: Cell::new(0),
@@ -303,11 +306,12 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(source) = self.pending.borrow_mut().take() {
             return Err(self.backend_error(source));
         }
-        if self.arena.borrow().is_none() && self.learning_left.get() == 0 {
-            // Trimmed (or never sized) with learning finished: come back at the known size.
-            let size = self.learned.get().map_or_else(|| self.initial_capacity(), |l| self.config.capacity_for(l));
-            if size > 0 {
-                self.replace_arena(size).map_err(|e| self.backend_error(e))?;
+        let restore = self.restore_to.take();
+        if restore > self.capacity.get() {
+            // Trimmed below the configured size: come back to it.
+            if let Err(source) = self.replace_arena(restore) {
+                self.restore_to.set(restore);
+                return Err(self.backend_error(source));
             }
         }
         self.generation.set(self.generation.get() + 1);
@@ -353,21 +357,23 @@ impl<B: ArenaBackend> Engine<B> {
 
     /// Bytes this cycle needs in one contiguous arena.
     fn cycle_bytes(&self) -> usize {
-        if let Some(virtual_bytes) = self.virtual_cursor.get() {
-            return virtual_bytes;
-        }
+        self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes())
+    }
+
+    /// Arena bytes handed out since the workspace was last opened.
+    fn open_bytes(&self) -> usize {
         let start = self.open_start.get();
         let cursor = self.cursor.get();
         if self.wrapped.get() {
             self.capacity.get() - start - self.wrap_waste.get() + cursor
         } else {
-            cursor - start
+            cursor.saturating_sub(start)
         }
     }
 
     fn close_cycle(&self) {
         let bytes = self.cycle_bytes();
-        let in_use = self.bytes_in_use() + self.spilled_in_use.get();
+        let in_use = self.open_bytes() + self.spilled_in_use.get();
         self.peak.set(self.peak.get().max(in_use));
         self.cycles.set(self.cycles.get() + 1);
         self.last_cycle_bytes.set(bytes);
@@ -478,6 +484,9 @@ impl<B: ArenaBackend> Engine<B> {
         self.learning_left.set(left);
         self.learning_max.set(0);
         self.learned.set(None);
+        if left == 0 {
+            self.restore_to.set(self.initial_capacity());
+        }
         Ok(())
     }
 
@@ -518,7 +527,6 @@ impl<B: ArenaBackend> Engine<B> {
     fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         let capacity = self.capacity.get();
         let cursor = self.cursor.get();
-        let padded = align_up(size, align).ok_or_else(|| self.exhausted(size, cursor))?;
         let arena_ok = !self.spill_everything.get() && align <= self.base_alignment;
         if arena_ok {
             if let Some(base) = self.arena_base.get() {
@@ -527,7 +535,7 @@ impl<B: ArenaBackend> Engine<B> {
                 if let Some(start) = align_up(cursor, align) {
                     if start.checked_add(size).is_some_and(|end| end <= limit) {
                         self.cursor.set(start + size);
-                        self.count_virtual(padded);
+                        self.count_virtual(size, align);
                         self.allocations.set(self.allocations.get() + 1);
                         return Ok((base, start));
                     }
@@ -545,7 +553,7 @@ impl<B: ArenaBackend> Engine<B> {
                     if self.virtual_cursor.get().is_none() {
                         self.fast_limit.set(self.open_start.get());
                     }
-                    self.count_virtual(padded);
+                    self.count_virtual(size, align);
                     self.allocations.set(self.allocations.get() + 1);
                     return Ok((base, 0));
                 }
@@ -553,17 +561,18 @@ impl<B: ArenaBackend> Engine<B> {
         }
         let learning = self.learning_left.get() > 0;
         if !learning && !self.spill_everything.get() && self.config.spill() == SpillPolicy::Fail {
-            return Err(self.exhausted(size, cursor));
+            return Err(self.exhausted(size, align, cursor));
         }
-        self.spill(size, align, padded)
+        self.spill(size, align)
     }
 
-    fn exhausted(&self, size: usize, cursor: usize) -> Error {
+    fn exhausted(&self, size: usize, align: usize, cursor: usize) -> Error {
         let capacity = self.capacity.get();
+        let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
         Error::Exhausted {
             workspace: self.name.clone(),
             requested: size,
-            available: capacity.saturating_sub(cursor),
+            available: limit.saturating_sub(align_up(cursor, align).unwrap_or(usize::MAX)),
             capacity,
         }
     }
@@ -571,9 +580,10 @@ impl<B: ArenaBackend> Engine<B> {
     /// Counts a request toward the contiguous size this cycle needs. The first call
     /// in a cycle starts from the arena bytes used so far and turns the fast path
     /// off, so every later allocation is counted here too.
-    fn count_virtual(&self, padded: usize) {
+    fn count_virtual(&self, size: usize, align: usize) {
         if let Some(v) = self.virtual_cursor.get() {
-            self.virtual_cursor.set(Some(v.saturating_add(padded)));
+            let start = align_up(v, align).unwrap_or(usize::MAX);
+            self.virtual_cursor.set(Some(start.saturating_add(size)));
         }
     }
 
@@ -584,7 +594,7 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    fn spill(&self, size: usize, align: usize, padded: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+    fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         let max = self.config.max_size();
         let held = self.capacity.get() + self.spilled_in_use.get();
         if held.checked_add(size).is_none_or(|total| total > max) {
@@ -630,7 +640,7 @@ impl<B: ArenaBackend> Engine<B> {
             }
         };
         self.start_virtual();
-        self.count_virtual(padded);
+        self.count_virtual(size, align);
         self.spilled_in_use.set(self.spilled_in_use.get() + size);
         self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
         self.external_allocations.set(self.external_allocations.get() + 1);
@@ -643,13 +653,7 @@ impl<B: ArenaBackend> Engine<B> {
         if self.depth.get() == 0 && self.config.reset() == ResetPolicy::BlockLeft {
             return 0;
         }
-        let start = self.open_start.get();
-        let cursor = self.cursor.get();
-        if self.wrapped.get() {
-            self.capacity.get() - start - self.wrap_waste.get() + cursor
-        } else {
-            cursor.saturating_sub(start)
-        }
+        self.open_bytes()
     }
 
     /// Next free arena offset (for tests and diagnostics).
@@ -692,6 +696,14 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 }
+
+// SAFETY: the only non-`Send` fields are the cached base addresses (`arena_base`,
+// `spill_base`), which point into blocks that this engine owns (`arena`, `spills`);
+// moving the engine moves those blocks with it. Nothing outside the engine can hold a
+// reference into its memory while it moves: every view borrows a scope, and every
+// scope borrows the engine (or holds an `Rc`, which is `!Send`). The engine stays
+// `!Sync` (its `Cell`s), so it is used by one thread at a time.
+unsafe impl<B: ArenaBackend> Send for Engine<B> where B::Block: Send {}
 
 impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {

@@ -165,6 +165,19 @@ pub enum Error {
         value: String,
     },
 
+    /// `retained()` was asked of memory that holds no initialised contents.
+    #[error(
+        "workspace '{workspace}' cannot give retained contents: only the arena of a memory-mapped \
+         workspace holds initialised bytes (this one is {backend}, or the request spilled); use \
+         `zeros` or `uninit` instead"
+    )]
+    NotInitialised {
+        /// The workspace.
+        workspace: Arc<str>,
+        /// Its backend kind.
+        backend: &'static str,
+    },
+
     /// The memory backend could not provide memory.
     #[error("workspace '{workspace}': {source}")]
     Backend {

@@ -308,6 +308,31 @@ impl<'ws> Scope<'ws> {
         Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) })
     }
 
+    /// The next array in the arena *with its current contents*: for memory-mapped
+    /// workspaces, whose bytes are always initialised (file contents, or zeros) and
+    /// survive closing and reopening a file-backed workspace. Allocating the same
+    /// shapes in the same order finds the same data again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotInitialised`] for RAM workspaces, heap scopes and requests that
+    /// spill; otherwise as [`Scope::zeros`].
+    pub fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+        let not_initialised = |backend| Error::NotInitialised { workspace: self.target_name().clone(), backend };
+        let Some(ws) = self.workspace_ref() else { return Err(not_initialised("heap")) };
+        if !ws.engine.with_arena(|arena| arena.is_some_and(|a| a.is_initialised())) {
+            return Err(not_initialised(ws.engine.backend_kind()));
+        }
+        let shape = shape.into_shape_with_order();
+        let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), false)?;
+        if shape.size() > 0 && size_of::<T>() > 0 && !matches!(self.placement(ptr.as_ptr()), Placement::Arena(_)) {
+            return Err(not_initialised("a spill block"));
+        }
+        // SAFETY: the elements lie in the arena of a memory map, whose bytes are all
+        // initialised, and any bit pattern is a valid `T: Pod`; otherwise as in `zeros`.
+        Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
+    }
+
     /// A copy of `source` in this scope, in standard (row-major) layout.
     ///
     /// # Errors

@@ -25,9 +25,9 @@ const PAGE: usize = 4096;
 #[derive(Debug)]
 enum Owner {
     /// One bumpalo chunk; the block is its only allocation.
-    Bump(Bump),
+    Bump { _chunk: Bump },
     /// A memory map (file-backed or anonymous).
-    Map(MmapMut),
+    Map { _map: MmapMut },
 }
 
 /// A block of host memory.
@@ -68,14 +68,14 @@ impl HostBlock {
         if bytes >= HUGE_PAGE {
             advise_huge_pages(ptr, bytes);
         }
-        Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Bump(bump) })
+        Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Bump { _chunk: bump } })
     }
 
     fn map(map: MmapMut) -> HostBlock {
         let len = map.len();
         let mut map = map;
         let ptr = NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null");
-        HostBlock { ptr, len, initialised: true, _owner: Owner::Map(map) }
+        HostBlock { ptr, len, initialised: true, _owner: Owner::Map { _map: map } }
     }
 }
 
