@@ -365,10 +365,18 @@ impl<B: ArenaBackend> Engine<B> {
         let start = self.open_start.get();
         let cursor = self.cursor.get();
         if self.wrapped.get() {
-            self.capacity.get() - start - self.wrap_waste.get() + cursor
+            (self.capacity.get() - self.wrap_waste.get()).saturating_sub(start) + cursor
         } else {
             cursor.saturating_sub(start)
         }
+    }
+
+    /// Forgets where the cursor was: the arena was replaced or released.
+    fn rewind(&self) {
+        self.cursor.set(0);
+        self.open_start.set(0);
+        self.wrapped.set(false);
+        self.wrap_waste.set(0);
     }
 
     fn close_cycle(&self) {
@@ -438,8 +446,7 @@ impl<B: ArenaBackend> Engine<B> {
         let block = backend.allocate_arena(size)?;
         self.arena_base.set(Some(block.base()));
         self.capacity.set(block.len());
-        self.cursor.set(0);
-        self.open_start.set(0);
+        self.rewind();
         if let Some(old) = self.arena.borrow_mut().replace(block) {
             backend.release(old);
         }
@@ -472,8 +479,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.backend.borrow_mut().release(old);
             self.arena_base.set(None);
             self.capacity.set(0);
-            self.cursor.set(0);
-            self.open_start.set(0);
+            self.rewind();
             self.fast_limit.set(0);
         }
         let left = match self.config.learning() {
