@@ -1,1 +1,34 @@
-//! placeholder
+//! carve: workspace (arena) memory for deep-learning loops.
+//!
+//! Training loops allocate the same temporary arrays every iteration. carve carves
+//! them out of reusable bump arenas ("workspaces"), resets the arena in O(1) at the
+//! end of each iteration, and lets [`WorkspaceArrayExt::detach`] copy results out into
+//! owned arrays. Misuse is a compile error where the API allows it, and a clear error
+//! otherwise.
+//!
+//! This facade re-exports the host engine ([`workspace_core`]); the layer API, the
+//! reference network, the prefetch iterator and device workspaces join it as they are
+//! built.
+//!
+//! ```
+//! use carve::{Workspace, WorkspaceConfig, WorkspaceArrayExt};
+//!
+//! let ws = Workspace::new("TRAIN", WorkspaceConfig::default())?;
+//! let mut kept = Vec::new();
+//! for step in 0..100 {
+//!     let scope = ws.enter()?;
+//!     let activations = scope.filled::<f32, _>((32, 128), step as f32)?;
+//!     let grads = scope.zeros::<f32, _>((32, 128))?;
+//!     if step % 50 == 0 {
+//!         kept.push((&activations + &grads).detach());
+//!     }
+//! }
+//! assert_eq!(kept.len(), 2);
+//! assert_eq!(ws.stats().growth_events, 1); // sized once, from the first iteration
+//! # Ok::<(), carve::Error>(())
+//! ```
+
+#![forbid(unsafe_code)]
+
+pub use workspace_core;
+pub use workspace_core::*;

@@ -108,9 +108,7 @@ pub struct WorkspaceConfig {
 
 impl Default for WorkspaceConfig {
     fn default() -> Self {
-        WorkspaceConfigBuilder::default()
-            .build()
-            .expect("the default configuration is valid")
+        WorkspaceConfigBuilder::default().build().expect("the default configuration is valid")
     }
 }
 
@@ -302,16 +300,10 @@ impl WorkspaceConfigBuilder {
             return invalid(format!("alignment {} is larger than 1 GiB", c.alignment));
         }
         if c.min_size > c.max_size {
-            return invalid(format!(
-                "min_size {} is larger than max_size {}",
-                c.min_size, c.max_size
-            ));
+            return invalid(format!("min_size {} is larger than max_size {}", c.min_size, c.max_size));
         }
         if c.initial_size > c.max_size {
-            return invalid(format!(
-                "initial_size {} is larger than max_size {}",
-                c.initial_size, c.max_size
-            ));
+            return invalid(format!("initial_size {} is larger than max_size {}", c.initial_size, c.max_size));
         }
         if let AllocationPolicy::Overallocate(factor) = c.allocation {
             if !factor.is_finite() || factor < 0.0 {
@@ -392,8 +384,7 @@ mod tests {
             .contains("reallocated"));
         assert!(reason(b().location(Location::MmapAnonymous).learning(LearningPolicy::None).build())
             .contains("initial_size > 0"));
-        assert!(reason(b().learning(LearningPolicy::None).spill(SpillPolicy::Fail).build())
-            .contains("never hold"));
+        assert!(reason(b().learning(LearningPolicy::None).spill(SpillPolicy::Fail).build()).contains("never hold"));
         assert!(mmap().learning(LearningPolicy::None).build().is_ok());
     }
 
@@ -408,10 +399,7 @@ mod tests {
         assert_eq!(strict.capacity_for(0), 1024);
         assert_eq!(strict.capacity_for(1500), 1536);
         assert_eq!(strict.capacity_for(1_000_000), 9984);
-        let over = WorkspaceConfig::builder()
-            .allocation(AllocationPolicy::Overallocate(0.5))
-            .build()
-            .unwrap();
+        let over = WorkspaceConfig::builder().allocation(AllocationPolicy::Overallocate(0.5)).build().unwrap();
         assert_eq!(over.capacity_for(1000), 1536);
         assert_eq!(over.capacity_for(usize::MAX - 100), usize::MAX - 63);
     }

@@ -630,11 +630,8 @@ impl<B: ArenaBackend> Engine<B> {
                     let room = max.saturating_sub(held).max(size);
                     doubled.min(room).max(size)
                 };
-                let block = self
-                    .backend
-                    .borrow_mut()
-                    .allocate_spill(chunk, align)
-                    .map_err(|e| self.backend_error(e))?;
+                let block =
+                    self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?;
                 let base = block.base();
                 self.spill_held.set(self.spill_held.get() + block.len());
                 self.spill_base.set(Some(base));

@@ -68,7 +68,10 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     pub fn check(&self, scope: &Scope<'_>) -> Result<()> {
         let (owner, generation) = scope.identity();
         if owner != self.owner {
-            return Err(Error::WrongWorkspace { array_workspace: self.workspace.clone(), scope_workspace: scope.target_name().clone() });
+            return Err(Error::WrongWorkspace {
+                array_workspace: self.workspace.clone(),
+                scope_workspace: scope.target_name().clone(),
+            });
         }
         if generation != self.generation {
             return Err(Error::StaleHandle {

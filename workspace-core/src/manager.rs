@@ -243,7 +243,16 @@ fn human(bytes: usize) -> String {
 /// Formats statistics as an aligned text table, one row per workspace.
 pub fn stats_table(stats: &[WorkspaceStats]) -> String {
     let header = [
-        "workspace", "backend", "capacity", "in use", "peak", "spilled", "external", "allocs", "cycles", "gen",
+        "workspace",
+        "backend",
+        "capacity",
+        "in use",
+        "peak",
+        "spilled",
+        "external",
+        "allocs",
+        "cycles",
+        "gen",
         "growths",
     ];
     let rows: Vec<[String; 11]> = stats

@@ -55,7 +55,10 @@ struct HeapPool {
 
 impl HeapPool {
     fn alloc(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        let oom = || Error::Backend { workspace: self.name.clone(), source: BackendError::OutOfMemory { bytes: size, align } };
+        let oom = || Error::Backend {
+            workspace: self.name.clone(),
+            source: BackendError::OutOfMemory { bytes: size, align },
+        };
         let layout = Layout::from_size_align(size, align).map_err(|_| oom())?;
         // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
         let ptr = unsafe {
@@ -231,7 +234,11 @@ impl<'ws> Scope<'ws> {
 
     #[cold]
     fn overflow<T>(&self, shape: &[usize]) -> Error {
-        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: shape.to_vec(), element_size: size_of::<T>() }
+        Error::ShapeOverflow {
+            workspace: self.target_name().clone(),
+            shape: shape.to_vec(),
+            element_size: size_of::<T>(),
+        }
     }
 
     /// Reserves memory for `dim` elements of `T`.
@@ -279,7 +286,11 @@ impl<'ws> Scope<'ws> {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn from_shape_fn<T: Pod, Sh: ShapeBuilder, F>(&self, shape: Sh, mut f: F) -> Result<ArrayViewMut<'_, T, Sh::Dim>>
+    pub fn from_shape_fn<T: Pod, Sh: ShapeBuilder, F>(
+        &self,
+        shape: Sh,
+        mut f: F,
+    ) -> Result<ArrayViewMut<'_, T, Sh::Dim>>
     where
         F: FnMut(<Sh::Dim as Dimension>::Pattern) -> T,
     {
@@ -338,7 +349,10 @@ impl<'ws> Scope<'ws> {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn copy_of<T: Pod, S: Data<Elem = T>, D: Dimension>(&self, source: &ArrayBase<S, D>) -> Result<ArrayViewMut<'_, T, D>> {
+    pub fn copy_of<T: Pod, S: Data<Elem = T>, D: Dimension>(
+        &self,
+        source: &ArrayBase<S, D>,
+    ) -> Result<ArrayViewMut<'_, T, D>> {
         let mut view = self.uninit::<T, _>(source.raw_dim())?;
         match (source.as_slice(), view.as_slice_mut()) {
             (Some(from), Some(to)) => {
@@ -396,7 +410,10 @@ impl<'ws> Scope<'ws> {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn copy_handle<T: Pod, S: Data<Elem = T>, D: Dimension>(&self, source: &ArrayBase<S, D>) -> Result<Handle<T, D>> {
+    pub fn copy_handle<T: Pod, S: Data<Elem = T>, D: Dimension>(
+        &self,
+        source: &ArrayBase<S, D>,
+    ) -> Result<Handle<T, D>> {
         let view = self.copy_of(source)?;
         let ptr = NonNull::new(view.as_ptr().cast_mut()).expect("views are never null");
         Ok(self.handle(ptr, source.raw_dim()))

@@ -50,8 +50,7 @@ impl DebugMode {
     ///
     /// [`Error::InvalidDebugMode`] for an unknown name.
     pub fn parse(value: &str) -> Result<DebugMode> {
-        let key: String =
-            value.chars().filter(|c| *c != '_' && *c != '-').flat_map(char::to_lowercase).collect();
+        let key: String = value.chars().filter(|c| *c != '_' && *c != '-').flat_map(char::to_lowercase).collect();
         match key.as_str() {
             "" | "disabled" | "off" | "none" => Ok(DebugMode::Disabled),
             "spilleverything" => Ok(DebugMode::SpillEverything),

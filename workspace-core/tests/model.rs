@@ -18,12 +18,25 @@ enum Op {
     Exit,
     /// Close the bottom scope first (out of order); the reset must wait for the last.
     ExitOldest,
-    Alloc { len: usize, seed: u32 },
+    Alloc {
+        len: usize,
+        seed: u32,
+    },
     /// Several views at once inside one step: none may overlap another.
-    Views { lens: Vec<usize> },
-    Write { pick: usize, index: usize, value: u32 },
-    Detach { pick: usize },
-    Leverage { pick: usize },
+    Views {
+        lens: Vec<usize>,
+    },
+    Write {
+        pick: usize,
+        index: usize,
+        value: u32,
+    },
+    Detach {
+        pick: usize,
+    },
+    Leverage {
+        pick: usize,
+    },
     Trim,
     Reset,
 }
@@ -45,7 +58,11 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = (WorkspaceConfig, bool)> {
     (
-        prop_oneof![Just(LearningPolicy::None), Just(LearningPolicy::FirstLoop), Just(LearningPolicy::OverTime { cycles: 3 })],
+        prop_oneof![
+            Just(LearningPolicy::None),
+            Just(LearningPolicy::FirstLoop),
+            Just(LearningPolicy::OverTime { cycles: 3 })
+        ],
         prop_oneof![Just(SpillPolicy::External), Just(SpillPolicy::Reallocate), Just(SpillPolicy::Fail)],
         prop_oneof![Just(ResetPolicy::BlockLeft), Just(ResetPolicy::EndOfBuffer)],
         prop_oneof![Just(0usize), Just(1024), Just(8192)],
@@ -140,7 +157,8 @@ fn run(config: WorkspaceConfig, spill_all: bool, ops: Vec<Op>) -> Result<(), Tes
                 let Some(scope) = scopes.last() else { continue };
                 match scope.zeros_handle::<u32, _>(len) {
                     Ok(mut handle) => {
-                        let expected: Vec<u32> = (0..len as u32).map(|i| seed.wrapping_mul(31).wrapping_add(i)).collect();
+                        let expected: Vec<u32> =
+                            (0..len as u32).map(|i| seed.wrapping_mul(31).wrapping_add(i)).collect();
                         prop_assert!(handle.view(scope).unwrap().iter().all(|&x| x == 0), "zeros are zero");
                         handle.view_mut(scope).unwrap().iter_mut().zip(&expected).for_each(|(x, e)| *x = *e);
                         tracked.push(Tracked { handle, expected, outer: false });

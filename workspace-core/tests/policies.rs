@@ -162,7 +162,6 @@ fn fail_policy_errors_and_leaves_the_workspace_usable() {
     assert_eq!(scope.placement(b.as_ptr()), Placement::Arena(960));
     a[0] = 1;
     assert_eq!(a.iter().map(|&x| x as usize).sum::<usize>(), 1 + 949 * 7);
-    drop((a, b));
     drop(scope);
     assert_eq!(w.stats().external_allocations, 0);
     assert_eq!(cycle(&w, &[1024]), vec![Placement::Arena(0)]);
@@ -175,10 +174,7 @@ fn budget_is_enforced_with_a_typed_error() {
     scope.zeros::<u8, _>(1024).unwrap();
     scope.zeros::<u8, _>(3000).unwrap();
     let err = scope.zeros::<u8, _>(100).unwrap_err();
-    assert!(
-        matches!(err, Error::BudgetExceeded { requested: 100, in_use: 4024, max_size: 4096, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, Error::BudgetExceeded { requested: 100, in_use: 4024, max_size: 4096, .. }), "{err:?}");
     assert!(err.to_string().contains("max_size"), "{err}");
     scope.zeros::<u8, _>(72).unwrap();
 }
@@ -199,7 +195,6 @@ fn generations_and_nesting() {
     }
     assert_eq!(a.sum(), 16.0, "nested exit did not reset");
     assert!(w.is_open());
-    drop(a);
     drop(outer);
     assert!(!w.is_open());
     for expected in 2..=5 {
@@ -220,7 +215,6 @@ fn reset_waits_for_the_last_scope_whatever_the_order() {
     let again = inner.zeros::<u32, _>(8).unwrap();
     assert_ne!(inner.placement(again.as_ptr()), Placement::Arena(0));
     assert_eq!(kept.sum(), 72);
-    drop((kept, again));
     drop(inner);
     assert!(!w.is_open());
     assert_eq!(cycle(&w, &[1]), vec![Placement::Arena(0)]);
@@ -305,7 +299,8 @@ fn detach_and_leverage_copy_exact_values() {
 
 #[test]
 fn circular_workspace_wraps_without_overwriting_the_open_cycle() {
-    let w = ws(strict().learning(LearningPolicy::None).initial_size(1024).reset(ResetPolicy::EndOfBuffer).build().unwrap());
+    let w =
+        ws(strict().learning(LearningPolicy::None).initial_size(1024).reset(ResetPolicy::EndOfBuffer).build().unwrap());
     assert_eq!(cycle(&w, &[256, 256]), vec![Placement::Arena(0), Placement::Arena(256)]);
     assert_eq!(w.bytes_in_use(), 512, "circular keeps the last cycle's bytes");
     assert_eq!(cycle(&w, &[256]), vec![Placement::Arena(512)]);
@@ -349,8 +344,9 @@ fn trim_gives_memory_back_and_relearns() {
 
 #[test]
 fn spill_everything_sends_each_allocation_to_its_own_block() {
-    let w = Workspace::with_debug_mode("DBG", strict().initial_size(1 << 16).build().unwrap(), DebugMode::SpillEverything)
-        .unwrap();
+    let w =
+        Workspace::with_debug_mode("DBG", strict().initial_size(1 << 16).build().unwrap(), DebugMode::SpillEverything)
+            .unwrap();
     {
         let s = w.enter().unwrap();
         let a = s.filled::<u8, _>(100, 1).unwrap();

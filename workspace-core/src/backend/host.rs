@@ -132,13 +132,7 @@ impl HostBackend {
 
 fn map_file(path: &Path, bytes: usize) -> Result<MmapMut, BackendError> {
     let io = |source| BackendError::Mmap { path: path.display().to_string(), source };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)
-        .map_err(io)?;
+    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     let wanted = u64::try_from(bytes).map_err(|_| BackendError::OutOfMemory { bytes, align: PAGE })?;
     if len < wanted {
@@ -207,14 +201,8 @@ mod tests {
     #[test]
     fn huge_requests_fail_without_panicking() {
         let mut backend = HostBackend::Ram;
-        assert!(matches!(
-            backend.allocate_spill(usize::MAX - 10, 64),
-            Err(BackendError::OutOfMemory { .. })
-        ));
-        assert!(matches!(
-            backend.allocate_arena(isize::MAX as usize),
-            Err(BackendError::OutOfMemory { .. })
-        ));
+        assert!(matches!(backend.allocate_spill(usize::MAX - 10, 64), Err(BackendError::OutOfMemory { .. })));
+        assert!(matches!(backend.allocate_arena(isize::MAX as usize), Err(BackendError::OutOfMemory { .. })));
     }
 
     #[test]
