@@ -82,8 +82,8 @@ fn fixed_shape_soak_is_flat_and_allocation_free() {
     }
     let warm_capacity = ws.capacity();
     assert!(warm_capacity > 0);
-    let before = thread_allocs();
     let cycles = scaled(10_000);
+    let before = thread_allocs();
     let mut sink = 0.0;
     for _ in 0..cycles {
         sink += step(&ws, 32);
@@ -124,8 +124,10 @@ fn variable_run(spill: SpillPolicy) -> (Vec<usize>, Workspace, usize) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut capacities = Vec::new();
     let mut max_cycle = 0;
-    for i in 0..scaled(5_000) {
-        let spike = i > 100 && rng.next() % 500 == 0;
+    let cycles = scaled(5_000);
+    for i in 0..cycles {
+        // Rare random spikes, and at least one even in a scaled-down run.
+        let spike = (i > 100 && rng.next() % 500 == 0) || i == cycles / 2;
         let elements = if spike { 1 << 20 } else { 20_000 + (rng.next() % 40_000) as usize };
         {
             let scope = ws.enter().unwrap();
@@ -176,8 +178,9 @@ fn short_lived_threads_leave_no_memory_behind() {
         assert_eq!(manager.ids().len(), 2);
     };
     std::thread::spawn(work).join().unwrap(); // warm up lazy runtime state
+    let threads = scaled(1_000);
     let before = LIVE_BYTES.load(Ordering::SeqCst);
-    for _ in 0..scaled(1_000) {
+    for _ in 0..threads {
         std::thread::spawn(work).join().unwrap();
     }
     let after = LIVE_BYTES.load(Ordering::SeqCst);
