@@ -22,6 +22,8 @@ pub enum AllocationPolicy {
 }
 
 /// How a workspace learns its size.
+///
+/// Cycles that allocate nothing are not counted: they teach nothing about the size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LearningPolicy {
     /// No learning: the arena has `initial_size` bytes.

@@ -95,26 +95,35 @@ pub struct WorkspaceStats {
 }
 
 /// The engine under every workspace; see the module docs.
+///
+/// `repr(C)` keeps the fields of the allocation fast path together, in the first
+/// cache line.
+#[repr(C)]
 pub struct Engine<B: ArenaBackend> {
-    id: u64,
-    name: Arc<str>,
-    config: WorkspaceConfig,
-    backend: RefCell<B>,
-    /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
-    base_alignment: usize,
-    /// The arena. Replaced only while no scope is open.
-    arena: RefCell<Option<B::Block>>,
-    /// Base of `arena`, cached for the fast path; `None` when there is no arena.
-    arena_base: Cell<Option<<B::Block as Block>::Base>>,
-    /// Length of `arena` (0 when none).
-    capacity: Cell<usize>,
-    /// Next free offset in the arena. Invariant: `cursor <= capacity`.
+    /// Next free offset in the arena. Invariants: `cursor <= capacity`, and `cursor` is
+    /// a multiple of `min_align` unless it equals `capacity`.
     cursor: Cell<usize>,
     /// The fast path serves `[cursor, fast_limit)`. Equals `capacity`, except: 0 under
     /// spill-everything or after the first spill of a cycle (so the slow path sees
     /// every later allocation and learning counts them), and `open_start` after a
     /// circular workspace wrapped.
     fast_limit: Cell<usize>,
+    /// Base of `arena`, cached for the fast path; `None` when there is no arena.
+    arena_base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Allocations served (statistics).
+    allocations: Cell<u64>,
+    /// `config.alignment()`, the smallest alignment of any allocation.
+    min_align: usize,
+    /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
+    base_alignment: usize,
+    id: u64,
+    name: Arc<str>,
+    config: WorkspaceConfig,
+    backend: RefCell<B>,
+    /// The arena. Replaced only while no scope is open.
+    arena: RefCell<Option<B::Block>>,
+    /// Length of `arena` (0 when none).
+    capacity: Cell<usize>,
     /// Cursor when the workspace was opened (0 for BlockLeft).
     open_start: Cell<usize>,
     /// Circular only: wrapped during this open period.
@@ -143,12 +152,13 @@ pub struct Engine<B: ArenaBackend> {
     learned: Cell<Option<usize>>,
     /// Set by `trim` without learning: the arena size to restore at the next enter.
     restore_to: Cell<usize>,
+    /// Whether `pending` or `restore_to` needs handling at the next enter.
+    attention: Cell<bool>,
     /// An error from work done where it could not be reported (closing in `Drop`),
     /// reported by the next `enter`.
-    pending: RefCell<Option<BackendError>>,
+    pending: Cell<Option<BackendError>>,
     timeline: RefCell<VecDeque<usize>>,
     // Statistics.
-    allocations: Cell<u64>,
     cycles: Cell<u64>,
     growth_events: Cell<u64>,
     wraps: Cell<u64>,
@@ -176,6 +186,7 @@ impl<B: ArenaBackend> Engine<B> {
             id: next_id(),
             name: Arc::from(name),
             base_alignment: backend.base_alignment(),
+            min_align: config.alignment(),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             arena_base: Cell::new(None),
@@ -199,7 +210,8 @@ impl<B: ArenaBackend> Engine<B> {
             learning_max: Cell::new(0),
             learned: Cell::new(None),
             restore_to: Cell::new(0),
-            pending: RefCell::new(None),
+            attention: Cell::new(false),
+            pending: Cell::new(None),
             timeline: RefCell::new(timeline),
             allocations: Cell::new(0),
             cycles: Cell::new(0),
@@ -297,22 +309,15 @@ impl<B: ArenaBackend> Engine<B> {
     /// A backend error recorded while closing the previous cycle (the workspace is
     /// then left closed and usable with its previous arena), or one from reserving
     /// the arena after `trim()`.
+    #[inline]
     pub fn enter(&self) -> Result<Entered> {
         let depth = self.depth.get();
         if depth > 0 {
             self.depth.set(depth + 1);
             return Ok(Entered::Nested);
         }
-        if let Some(source) = self.pending.borrow_mut().take() {
-            return Err(self.backend_error(source));
-        }
-        let restore = self.restore_to.take();
-        if restore > self.capacity.get() {
-            // Trimmed below the configured size: come back to it.
-            if let Err(source) = self.replace_arena(restore) {
-                self.restore_to.set(restore);
-                return Err(self.backend_error(source));
-            }
+        if self.attention.get() {
+            self.settle()?;
         }
         self.generation.set(self.generation.get() + 1);
         self.open_start.set(self.cursor.get());
@@ -320,6 +325,27 @@ impl<B: ArenaBackend> Engine<B> {
         self.wrap_waste.set(0);
         self.depth.set(1);
         Ok(Entered::Opened)
+    }
+
+    /// Deferred work before opening: report an error recorded while closing, or
+    /// restore the arena after `trim()`.
+    #[cold]
+    #[inline(never)]
+    fn settle(&self) -> Result<()> {
+        self.attention.set(false);
+        if let Some(source) = self.pending.take() {
+            return Err(self.backend_error(source));
+        }
+        let restore = self.restore_to.take();
+        if restore > self.capacity.get() {
+            // Trimmed below the configured size: come back to it.
+            if let Err(source) = self.replace_arena(restore) {
+                self.restore_to.set(restore);
+                self.attention.set(true);
+                return Err(self.backend_error(source));
+            }
+        }
+        Ok(())
     }
 
     /// Adds a scope to an already open workspace without nesting a cycle.
@@ -346,6 +372,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// The caller must hold one of the scopes counted by `enter`/`borrow_open` and
     /// give it up: once the count reaches zero, memory handed out by this cycle is
     /// reused, so nothing may still refer to it.
+    #[inline]
     pub unsafe fn exit(&self) {
         let depth = self.depth.get();
         debug_assert!(depth > 0, "exit without a matching enter");
@@ -379,50 +406,68 @@ impl<B: ArenaBackend> Engine<B> {
         self.wrap_waste.set(0);
     }
 
+    #[inline]
     fn close_cycle(&self) {
         let bytes = self.cycle_bytes();
         let in_use = self.open_bytes() + self.spilled_in_use.get();
         self.peak.set(self.peak.get().max(in_use));
         self.cycles.set(self.cycles.get() + 1);
         self.last_cycle_bytes.set(bytes);
-        {
-            let mut timeline = self.timeline.borrow_mut();
-            let len = self.config.timeline_len();
-            if len > 0 {
-                if timeline.len() == len {
-                    timeline.pop_front();
-                }
-                timeline.push_back(bytes);
-            }
+        if self.config.timeline_len() > 0 {
+            self.record_timeline(bytes);
         }
-        self.release_spills();
+        // Every spill starts the virtual cursor, so no virtual cursor means no spills.
         let spilled = self.virtual_cursor.take().is_some();
-        self.cursor.set(match self.config.reset() {
-            ResetPolicy::BlockLeft => 0,
-            ResetPolicy::EndOfBuffer => self.cursor.get(),
-        });
-        let mut target = None;
+        if spilled {
+            self.release_spills();
+        }
+        if self.config.reset() == ResetPolicy::BlockLeft {
+            self.cursor.set(0);
+        }
+        // A cycle that allocated nothing teaches nothing: it does not use up learning.
+        let learning = self.learning_left.get() > 0 && bytes > 0;
+        if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
+            self.learn(bytes);
+        }
+        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
+    }
+
+    #[cold]
+    fn record_timeline(&self, bytes: usize) {
+        let mut timeline = self.timeline.borrow_mut();
+        if timeline.len() == self.config.timeline_len() {
+            timeline.pop_front();
+        }
+        timeline.push_back(bytes);
+    }
+
+    /// Learning and Reallocate growth at the end of a cycle that needed `bytes`.
+    #[cold]
+    fn learn(&self, bytes: usize) {
         let left = self.learning_left.get();
-        if left > 0 {
+        let target = if left > 0 {
             let max = self.learning_max.get().max(bytes);
             self.learning_max.set(max);
             self.learning_left.set(left - 1);
-            if left == 1 {
-                self.learned.set(Some(max));
-                target = Some(self.config.capacity_for(max));
+            if left > 1 {
+                return;
             }
-        } else if spilled && self.config.spill() == SpillPolicy::Reallocate {
+            self.learned.set(Some(max));
+            self.config.capacity_for(max)
+        } else {
             let learned = self.learned.get().unwrap_or(0).max(bytes);
             self.learned.set(Some(learned));
-            target = Some(self.config.capacity_for(learned));
-        }
-        if let Some(size) = target.filter(|&s| s > self.capacity.get()) {
-            match self.replace_arena(size) {
+            self.config.capacity_for(learned)
+        };
+        if target > self.capacity.get() {
+            match self.replace_arena(target) {
                 Ok(()) => self.growth_events.set(self.growth_events.get() + 1),
-                Err(source) => *self.pending.borrow_mut() = Some(source),
+                Err(source) => {
+                    self.pending.set(Some(source));
+                    self.attention.set(true);
+                }
             }
         }
-        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
     }
 
     fn release_spills(&self) {
@@ -492,6 +537,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.learned.set(None);
         if left == 0 {
             self.restore_to.set(self.initial_capacity());
+            self.attention.set(true);
         }
         Ok(())
     }
@@ -500,7 +546,8 @@ impl<B: ArenaBackend> Engine<B> {
     /// block base and the offset of the first byte.
     ///
     /// `size` must be > 0 and `align` a power of two. The caller must hold an open
-    /// scope.
+    /// scope. Each allocation occupies a multiple of the configured alignment, so
+    /// `bytes_in_use` includes the padding after the last one.
     ///
     /// # Errors
     ///
@@ -508,29 +555,53 @@ impl<B: ArenaBackend> Engine<B> {
     /// backend error from reserving a spill block; the workspace is unchanged.
     #[inline(always)]
     pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        debug_assert!(self.depth.get() > 0, "allocation outside an open scope");
-        debug_assert!(size > 0 && align.is_power_of_two());
-        let align = align.max(self.config.alignment());
-        let cursor = self.cursor.get();
-        // `cursor <= capacity <= isize::MAX`, so the sum cannot overflow for any
-        // `size <= isize::MAX`; larger sizes fail `checked_add`.
-        if let Some(start) = align_up(cursor, align) {
-            if let Some(end) = start.checked_add(size) {
-                if end <= self.fast_limit.get() && align <= self.base_alignment {
-                    if let Some(base) = self.arena_base.get() {
-                        self.cursor.set(end);
-                        self.allocations.set(self.allocations.get() + 1);
-                        return Ok((base, start));
-                    }
-                }
-            }
+        match self.try_alloc_fast(size, align) {
+            Some(placed) => Ok(placed),
+            None => self.alloc_slow(size, align),
         }
-        self.alloc_slow(size, align)
     }
 
+    /// The fast path of [`Engine::alloc`]: a bump in the arena, or `None` when the
+    /// request needs the slow path (which [`Engine::alloc_slow`] takes). Same
+    /// preconditions as `alloc`.
+    #[inline(always)]
+    pub fn try_alloc_fast(&self, size: usize, align: usize) -> Option<(<B::Block as Block>::Base, usize)> {
+        debug_assert!(self.depth.get() > 0, "allocation outside an open scope");
+        debug_assert!(size > 0 && align.is_power_of_two());
+        // The cursor is kept a multiple of `min_align`, so a request aligned to at
+        // most that starts right at the cursor: the loop-carried dependency from one
+        // allocation to the next is a single add.
+        let mask = self.min_align - 1;
+        let padded = size.saturating_add(mask) & !mask;
+        let cursor = self.cursor.get();
+        if align <= self.min_align && padded <= self.fast_limit.get().saturating_sub(cursor) {
+            if let Some(base) = self.arena_base.get() {
+                debug_assert!(cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
+                self.cursor.set(cursor + padded);
+                self.allocations.set(self.allocations.get() + 1);
+                return Some((base, cursor));
+            }
+        }
+        None
+    }
+
+    /// Moves the cursor past an allocation ending at `end`, keeping it a multiple of
+    /// `min_align` (or at the end of the arena).
+    fn advance_to(&self, end: usize) {
+        let aligned = align_up(end, self.min_align).unwrap_or(usize::MAX);
+        self.cursor.set(aligned.min(self.capacity.get()));
+    }
+
+    /// Everything [`Engine::try_alloc_fast`] does not serve: spilling, wrapping,
+    /// allocations after a spill (counted for learning), and errors.
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::alloc`].
     #[cold]
     #[inline(never)]
-    fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+    pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        let align = align.max(self.min_align);
         let capacity = self.capacity.get();
         let cursor = self.cursor.get();
         let arena_ok = !self.spill_everything.get() && align <= self.base_alignment;
@@ -540,7 +611,7 @@ impl<B: ArenaBackend> Engine<B> {
                 let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
                 if let Some(start) = align_up(cursor, align) {
                     if start.checked_add(size).is_some_and(|end| end <= limit) {
-                        self.cursor.set(start + size);
+                        self.advance_to(start + size);
                         self.count_virtual(size, align);
                         self.allocations.set(self.allocations.get() + 1);
                         return Ok((base, start));
@@ -555,7 +626,7 @@ impl<B: ArenaBackend> Engine<B> {
                     self.wrapped.set(true);
                     self.wrap_waste.set(capacity - cursor);
                     self.wraps.set(self.wraps.get() + 1);
-                    self.cursor.set(size);
+                    self.advance_to(size);
                     if self.virtual_cursor.get().is_none() {
                         self.fast_limit.set(self.open_start.get());
                     }

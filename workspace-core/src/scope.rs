@@ -88,7 +88,7 @@ enum Target {
     /// Invariant: valid for the scope's life (borrowed for `'ws`, or kept alive by
     /// `Scope::keep`), and the engine counts this scope as open.
     Workspace(NonNull<Workspace>),
-    Heap(HeapPool),
+    Heap(Box<HeapPool>),
 }
 
 /// An open scope of a workspace (or of the heap); see the module docs.
@@ -131,7 +131,7 @@ impl<'ws> Scope<'ws> {
     /// ```
     pub fn heap() -> Scope<'static> {
         Scope {
-            target: Target::Heap(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) }),
+            target: Target::Heap(Box::new(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) })),
             kind: ScopeKind::Heap,
             keep: None,
             _borrow: PhantomData,
@@ -200,16 +200,35 @@ impl<'ws> Scope<'ws> {
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        match &self.target {
-            Target::Workspace(_) => {
-                let ws = self.workspace_ref().expect("workspace target");
-                let (base, offset) = ws.engine.alloc(size, align)?;
-                // SAFETY: the engine returned `offset..offset+size` inside the block at
+        if let Target::Workspace(ws) = &self.target {
+            // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
+            let ws = unsafe { ws.as_ref() };
+            if let Some((base, offset)) = ws.engine.try_alloc_fast(size, align) {
+                // SAFETY: the engine reserved `offset..offset+size` inside the block at
                 // `base`, so the result stays inside one allocation.
                 let ptr = unsafe { base.add(offset) };
                 if zeroed {
                     // SAFETY: `ptr` is valid for `size` writable bytes, handed out to
                     // nobody else in this cycle.
+                    unsafe { ptr.as_ptr().write_bytes(0, size) };
+                }
+                return Ok(ptr);
+            }
+        }
+        self.alloc_bytes_slow(size, align, zeroed)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn alloc_bytes_slow(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
+        match &self.target {
+            Target::Workspace(ws) => {
+                // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
+                let (base, offset) = unsafe { ws.as_ref() }.engine.alloc_slow(size, align)?;
+                // SAFETY: as in `alloc_bytes`.
+                let ptr = unsafe { base.add(offset) };
+                if zeroed {
+                    // SAFETY: as in `alloc_bytes`.
                     unsafe { ptr.as_ptr().write_bytes(0, size) };
                 }
                 Ok(ptr)
@@ -221,24 +240,26 @@ impl<'ws> Scope<'ws> {
     /// Element count and byte size of `dim` for `T`, checked.
     #[inline(always)]
     fn sized<T, D: Dimension>(&self, dim: &D) -> Result<usize> {
-        let elements = dim.size_checked();
-        match elements {
-            Some(0) => Err(Error::ZeroLength { workspace: self.target_name().clone(), shape: dim.slice().to_vec() }),
+        match dim.size_checked() {
+            Some(0) => Err(self.zero_length(dim.slice())),
             Some(n) => match n.checked_mul(size_of::<T>()) {
                 Some(bytes) if bytes <= isize::MAX as usize && n <= isize::MAX as usize => Ok(bytes),
-                _ => Err(self.overflow::<T>(dim.slice())),
+                _ => Err(self.overflow(dim.slice(), size_of::<T>())),
             },
-            None => Err(self.overflow::<T>(dim.slice())),
+            None => Err(self.overflow(dim.slice(), size_of::<T>())),
         }
     }
 
     #[cold]
-    fn overflow<T>(&self, shape: &[usize]) -> Error {
-        Error::ShapeOverflow {
-            workspace: self.target_name().clone(),
-            shape: shape.to_vec(),
-            element_size: size_of::<T>(),
-        }
+    #[inline(never)]
+    fn zero_length(&self, shape: &[usize]) -> Error {
+        Error::ZeroLength { workspace: self.target_name().clone(), shape: shape.to_vec() }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn overflow(&self, shape: &[usize], element_size: usize) -> Error {
+        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: shape.to_vec(), element_size }
     }
 
     /// Reserves memory for `dim` elements of `T`.

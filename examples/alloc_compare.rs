@@ -1,0 +1,416 @@
+//! Allocation benchmark: carve against raw bumpalo, preallocated buffers (the write
+//! floor), `Vec` on the default allocator, mimalloc and jemalloc, in one process with
+//! the variants interleaved after warm-up.
+//!
+//! Workloads:
+//! - `small`: 64 f32 arrays of 256 B … 64 KiB per iteration, one element touched;
+//! - `training`: the 19 arrays of an MLP 784-1024-1024-10 forward + backward pass at
+//!   batch 128 (≈ 12 MB), every byte written once.
+//!
+//! `cold_first_iter_ns` (carve and bumpalo) is the first iteration of a fresh arena,
+//! measured in fresh child processes so that no earlier run has faulted the memory in.
+//!
+//! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]`
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::mem::MaybeUninit;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use carve::{Workspace, WorkspaceConfig};
+
+// ---------------------------------------------------------------------------------
+// Counting the default allocator's calls on this thread.
+
+struct Counting;
+
+thread_local! {
+    static HEAP_ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards to `System` unchanged; the counter is a const-initialised
+// thread-local that never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn heap_allocs() -> u64 {
+    HEAP_ALLOCS.with(Cell::get)
+}
+
+fn minor_faults() -> u64 {
+    // SAFETY: getrusage writes into the struct we pass; zeroed is a valid rusage.
+    unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut usage);
+        usage.ru_minflt as u64
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Workloads.
+
+#[derive(Clone, Copy, PartialEq)]
+enum Touch {
+    One,
+    All,
+}
+
+struct Workload {
+    name: &'static str,
+    /// Array shapes (rows, cols) of f32.
+    shapes: Vec<(usize, usize)>,
+    touch: Touch,
+}
+
+fn small() -> Workload {
+    let shapes = (0..64).map(|i| (1, (256usize << (i % 9)) / 4)).collect();
+    Workload { name: "small", shapes, touch: Touch::One }
+}
+
+fn training() -> Workload {
+    let (b, i, h, o) = (128, 784, 1024, 10);
+    let shapes = vec![
+        // forward: input, pre-activations and activations, logits, probabilities
+        (b, i),
+        (b, h),
+        (b, h),
+        (b, h),
+        (b, h),
+        (b, o),
+        (b, o),
+        // backward: output gradient, then per layer weight, bias and input gradients
+        (b, o),
+        (h, o),
+        (1, o),
+        (b, h),
+        (b, h),
+        (h, h),
+        (1, h),
+        (b, h),
+        (b, h),
+        (i, h),
+        (1, h),
+        (b, i),
+    ];
+    Workload { name: "training", shapes, touch: Touch::All }
+}
+
+#[inline(always)]
+fn touch(slice: &mut [MaybeUninit<f32>], how: Touch) {
+    match how {
+        Touch::One => slice[0] = MaybeUninit::new(1.0),
+        Touch::All => slice.fill(MaybeUninit::new(1.0)),
+    }
+    black_box(slice.as_ptr());
+}
+
+// ---------------------------------------------------------------------------------
+// Variants.
+
+trait Variant {
+    fn name(&self) -> &'static str;
+    /// One iteration; returns the heap allocations it made outside the global allocator.
+    fn iteration(&mut self, w: &Workload) -> u64;
+}
+
+/// carve through its slice API: the same thing raw bumpalo hands out.
+struct Carve(Workspace);
+impl Variant for Carve {
+    fn name(&self) -> &'static str {
+        "carve"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        let scope = self.0.enter().expect("enter");
+        for &(r, c) in &w.shapes {
+            touch(scope.slice_uninit::<f32>(r * c).expect("allocation"), w.touch);
+        }
+        0
+    }
+}
+
+struct CarveEngine(Workspace);
+impl Variant for CarveEngine {
+    fn name(&self) -> &'static str {
+        "carve_engine"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        let scope = self.0.enter().expect("enter");
+        for &(r, c) in &w.shapes {
+            let (base, off) = self.0.engine().try_alloc_fast(r * c * 4, 4).expect("fast");
+            let slice = unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(off).cast::<MaybeUninit<f32>>(), r * c) };
+            touch(slice, w.touch);
+        }
+        drop(scope);
+        0
+    }
+}
+
+/// carve through its ndarray view API (shape, strides and the view's lifetime).
+struct CarveView(Workspace);
+impl Variant for CarveView {
+    fn name(&self) -> &'static str {
+        "carve_view"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        let scope = self.0.enter().expect("enter");
+        for &shape in &w.shapes {
+            let mut view = scope.uninit::<f32, _>(shape).expect("allocation");
+            touch(view.as_slice_mut().expect("contiguous"), w.touch);
+        }
+        0
+    }
+}
+
+struct Bumpalo(bumpalo::Bump);
+impl Variant for Bumpalo {
+    fn name(&self) -> &'static str {
+        "bumpalo"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        self.0.reset();
+        for &(r, c) in &w.shapes {
+            let layout = Layout::array::<f32>(r * c).expect("layout");
+            let ptr = self.0.alloc_layout(layout).cast::<MaybeUninit<f32>>();
+            // SAFETY: bumpalo returned `r * c` f32 slots, ours until the next reset.
+            let slice = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), r * c) };
+            touch(slice, w.touch);
+        }
+        0
+    }
+}
+
+struct Prealloc(Vec<Vec<MaybeUninit<f32>>>);
+impl Variant for Prealloc {
+    fn name(&self) -> &'static str {
+        "prealloc"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        for buffer in &mut self.0 {
+            touch(buffer, w.touch);
+        }
+        0
+    }
+}
+
+/// `Vec` on the default allocator. Every array of an iteration stays alive until the
+/// iteration ends, as activations kept for backprop do; the holder is reused.
+struct Std(Vec<Vec<f32>>);
+impl Variant for Std {
+    fn name(&self) -> &'static str {
+        "std"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        for &(r, c) in &w.shapes {
+            let mut v = Vec::<f32>::with_capacity(r * c);
+            touch(&mut v.spare_capacity_mut()[..r * c], w.touch);
+            self.0.push(v);
+        }
+        self.0.clear();
+        0
+    }
+}
+
+/// An allocator called directly (not installed as the global allocator).
+/// An allocator called directly (not installed as the global allocator); as with
+/// `Std`, all arrays of an iteration live until it ends.
+struct Direct<A: GlobalAlloc>(&'static str, A, Vec<(*mut u8, Layout)>);
+impl<A: GlobalAlloc> Variant for Direct<A> {
+    fn name(&self) -> &'static str {
+        self.0
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        for &(r, c) in &w.shapes {
+            let layout = Layout::array::<f32>(r * c).expect("layout");
+            // SAFETY: non-zero layout; the block is written, then freed below with the
+            // same layout.
+            unsafe {
+                let ptr = self.1.alloc(layout);
+                assert!(!ptr.is_null(), "out of memory");
+                touch(std::slice::from_raw_parts_mut(ptr.cast::<MaybeUninit<f32>>(), r * c), w.touch);
+                self.2.push((ptr, layout));
+            }
+        }
+        for (ptr, layout) in self.2.drain(..) {
+            // SAFETY: allocated above by the same allocator with this layout.
+            unsafe { self.1.dealloc(ptr, layout) };
+        }
+        w.shapes.len() as u64
+    }
+}
+
+fn variants(w: &Workload) -> Vec<Box<dyn Variant>> {
+    vec![
+        Box::new(Carve(Workspace::new("BENCH", WorkspaceConfig::default()).expect("workspace"))),
+        Box::new(CarveEngine(Workspace::new("BENCH_ENGINE", WorkspaceConfig::builder().learning(carve::LearningPolicy::None).initial_size(16 << 20).build().unwrap()).expect("workspace"))),
+        Box::new(CarveView(Workspace::new("BENCH_VIEW", WorkspaceConfig::default()).expect("workspace"))),
+        Box::new(Bumpalo(bumpalo::Bump::new())),
+        Box::new(Prealloc(w.shapes.iter().map(|&(r, c)| vec![MaybeUninit::uninit(); r * c]).collect())),
+        Box::new(Std(Vec::with_capacity(w.shapes.len()))),
+        Box::new(Direct("mimalloc", mimalloc::MiMalloc, Vec::with_capacity(w.shapes.len()))),
+        Box::new(Direct("jemalloc", tikv_jemallocator::Jemalloc, Vec::with_capacity(w.shapes.len()))),
+    ]
+}
+
+// ---------------------------------------------------------------------------------
+// Measurement.
+
+#[derive(Default, Clone)]
+struct Totals {
+    iterations: u64,
+    time: Duration,
+    faults: u64,
+    heap_allocs: u64,
+    cold_first_iter_ns: Option<f64>,
+}
+
+fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static str, Totals> {
+    let mut vs = variants(w);
+    for v in &mut vs {
+        for _ in 0..per_round.max(5) {
+            v.iteration(w); // warm-up: learning, chunk growth, allocator caches
+        }
+    }
+    let mut totals: BTreeMap<&'static str, Totals> = vs.iter().map(|v| (v.name(), Totals::default())).collect();
+    for _ in 0..rounds {
+        for v in &mut vs {
+            let faults = minor_faults();
+            let allocs = heap_allocs();
+            let start = Instant::now();
+            let mut direct = 0;
+            for _ in 0..per_round {
+                direct += v.iteration(w);
+            }
+            let time = start.elapsed();
+            let faults = minor_faults() - faults;
+            let allocs = heap_allocs() - allocs + direct;
+            let t = totals.get_mut(v.name()).expect("every variant has totals");
+            t.time += time;
+            t.faults += faults;
+            t.heap_allocs += allocs;
+            t.iterations += per_round as u64;
+        }
+    }
+    totals
+}
+
+fn cold_child(variant: &str, workload: &str) {
+    let w = if workload == "small" { small() } else { training() };
+    let start = Instant::now();
+    match variant {
+        "carve" => {
+            let mut v = Carve(Workspace::new("COLD", WorkspaceConfig::default()).expect("workspace"));
+            v.iteration(&w);
+        }
+        _ => {
+            let mut v = Bumpalo(bumpalo::Bump::new());
+            v.iteration(&w);
+        }
+    }
+    println!("{}", start.elapsed().as_nanos());
+}
+
+fn cold(variant: &str, workload: &str, samples: usize) -> f64 {
+    let exe = std::env::current_exe().expect("own path");
+    let mut ns: Vec<f64> = (0..samples)
+        .map(|_| {
+            let out = Command::new(&exe).args(["--cold-child", variant, workload]).output().expect("child runs");
+            String::from_utf8_lossy(&out.stdout).trim().parse().expect("child prints nanoseconds")
+        })
+        .collect();
+    ns.sort_by(f64::total_cmp);
+    ns[ns.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--cold-child") {
+        cold_child(&args[i + 1], &args[i + 2]);
+        return;
+    }
+    let json = args.iter().any(|a| a == "--json");
+    let rounds = args
+        .iter()
+        .position(|a| a == "--rounds")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+
+    let mut report = serde_json::Map::new();
+    for (w, per_round) in [(small(), 2000), (training(), 20)] {
+        let mut totals = measure(&w, rounds, per_round);
+        let mut cold_samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..9 {
+            cold_samples[0].push(cold("carve", w.name, 1));
+            cold_samples[1].push(cold("bumpalo", w.name, 1));
+        }
+        for (name, mut samples) in ["carve", "bumpalo"].into_iter().zip(cold_samples) {
+            samples.sort_by(f64::total_cmp);
+            totals.get_mut(name).expect("variant").cold_first_iter_ns = Some(samples[samples.len() / 2]);
+        }
+        let arrays = w.shapes.len() as f64;
+        println!("\nworkload {} ({} arrays per iteration)", w.name, w.shapes.len());
+        println!(
+            "{:<10} {:>12} {:>12} {:>14} {:>12} {:>14}",
+            "variant", "ns/iter", "ns/alloc", "faults/iter", "allocs/iter", "cold 1st (ns)"
+        );
+        let mut entry = serde_json::Map::new();
+        for name in ["carve", "carve_engine", "carve_view", "bumpalo", "prealloc", "std", "mimalloc", "jemalloc"] {
+            let t = &totals[name];
+            let n = t.iterations as f64;
+            let ns_per_iter = t.time.as_nanos() as f64 / n;
+            let mut obj = serde_json::json!({
+                "ns_per_iter": ns_per_iter,
+                "ns_per_alloc": ns_per_iter / arrays,
+                "minor_faults_per_iter": t.faults as f64 / n,
+                "heap_allocs_per_iter": t.heap_allocs as f64 / n,
+            });
+            if let Some(cold) = t.cold_first_iter_ns {
+                obj["cold_first_iter_ns"] = serde_json::json!(cold);
+            }
+            println!(
+                "{:<10} {:>12.0} {:>12.2} {:>14.2} {:>12.2} {:>14}",
+                name,
+                ns_per_iter,
+                ns_per_iter / arrays,
+                t.faults as f64 / n,
+                t.heap_allocs as f64 / n,
+                t.cold_first_iter_ns.map_or("-".to_string(), |c| format!("{c:.0}"))
+            );
+            entry.insert(name.to_string(), obj);
+        }
+        let get = |v: &str, k: &str| entry[v][k].as_f64().unwrap_or(f64::NAN);
+        let best_malloc = ["std", "mimalloc", "jemalloc"].iter().map(|v| get(v, "ns_per_alloc")).fold(f64::INFINITY, f64::min);
+        println!(
+            "ratios: carve/bumpalo per alloc {:.2}, best malloc/carve {:.1}, carve/prealloc {:.3}, std/carve {:.1}, cold carve/bumpalo {:.2}",
+            get("carve", "ns_per_alloc") / get("bumpalo", "ns_per_alloc"),
+            best_malloc / get("carve", "ns_per_alloc"),
+            get("carve", "ns_per_iter") / get("prealloc", "ns_per_iter"),
+            get("std", "ns_per_iter") / get("carve", "ns_per_iter"),
+            get("carve", "cold_first_iter_ns") / get("bumpalo", "cold_first_iter_ns"),
+        );
+        report.insert(w.name.to_string(), serde_json::Value::Object(entry));
+    }
+    if json {
+        println!("{}", serde_json::Value::Object(report));
+    }
+}
