@@ -7,8 +7,12 @@
 //! - `training`: the 19 arrays of an MLP 784-1024-1024-10 forward + backward pass at
 //!   batch 128 (≈ 12 MB), every byte written once.
 //!
-//! `cold_first_iter_ns` (carve and bumpalo) is the first iteration of a fresh arena,
-//! measured in fresh child processes so that no earlier run has faulted the memory in.
+//! `cold_first_iter_ns` and `cold_first_iter_faults` (carve and bumpalo) are the first
+//! iteration of a fresh arena, measured in fresh child processes (median of 9) so that
+//! no earlier run has faulted the memory in.
+//!
+//! Extra variants: `carve_view` (carve's ndarray-view API) and `carve_engine` (the
+//! engine's fast path alone).
 //!
 //! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]`
 
@@ -18,7 +22,7 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::mem::MaybeUninit;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use carve::{Workspace, WorkspaceConfig};
 
@@ -148,6 +152,8 @@ impl Variant for Carve {
     }
 }
 
+/// carve's engine fast path alone (what device backends build on): the floor under
+/// the safe APIs above.
 struct CarveEngine(Workspace);
 impl Variant for CarveEngine {
     fn name(&self) -> &'static str {
@@ -156,8 +162,11 @@ impl Variant for CarveEngine {
     fn iteration(&mut self, w: &Workload) -> u64 {
         let scope = self.0.enter().expect("enter");
         for &(r, c) in &w.shapes {
-            let (base, off) = self.0.engine().try_alloc_fast(r * c * 4, 4).expect("fast");
-            let slice = unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(off).cast::<MaybeUninit<f32>>(), r * c) };
+            let (base, offset) = self.0.engine().try_alloc_fast(r * c * 4, 4).expect("the arena is large enough");
+            // SAFETY: the engine reserved `r * c * 4` bytes at `offset` in the arena
+            // block at `base` for this cycle, aligned to at least 16.
+            let slice =
+                unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(offset).cast::<MaybeUninit<f32>>(), r * c) };
             touch(slice, w.touch);
         }
         drop(scope);
@@ -261,7 +270,17 @@ impl<A: GlobalAlloc> Variant for Direct<A> {
 fn variants(w: &Workload) -> Vec<Box<dyn Variant>> {
     vec![
         Box::new(Carve(Workspace::new("BENCH", WorkspaceConfig::default()).expect("workspace"))),
-        Box::new(CarveEngine(Workspace::new("BENCH_ENGINE", WorkspaceConfig::builder().learning(carve::LearningPolicy::None).initial_size(16 << 20).build().unwrap()).expect("workspace"))),
+        Box::new(CarveEngine(
+            Workspace::new(
+                "BENCH_ENGINE",
+                WorkspaceConfig::builder()
+                    .learning(carve::LearningPolicy::None)
+                    .initial_size(16 << 20)
+                    .build()
+                    .expect("valid configuration"),
+            )
+            .expect("workspace"),
+        )),
         Box::new(CarveView(Workspace::new("BENCH_VIEW", WorkspaceConfig::default()).expect("workspace"))),
         Box::new(Bumpalo(bumpalo::Bump::new())),
         Box::new(Prealloc(w.shapes.iter().map(|&(r, c)| vec![MaybeUninit::uninit(); r * c]).collect())),
@@ -277,10 +296,13 @@ fn variants(w: &Workload) -> Vec<Box<dyn Variant>> {
 #[derive(Default, Clone)]
 struct Totals {
     iterations: u64,
-    time: Duration,
+    /// Nanoseconds per iteration of each round; the median is reported, which is
+    /// robust against rounds disturbed by other work on the machine.
+    round_ns: Vec<f64>,
     faults: u64,
     heap_allocs: u64,
-    cold_first_iter_ns: Option<f64>,
+    /// First iteration in a fresh process: (nanoseconds, minor faults).
+    cold: Option<(f64, f64)>,
 }
 
 fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static str, Totals> {
@@ -292,6 +314,8 @@ fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static s
     }
     let mut totals: BTreeMap<&'static str, Totals> = vs.iter().map(|v| (v.name(), Totals::default())).collect();
     for _ in 0..rounds {
+        // Alternate the order so that no variant always follows the same neighbour.
+        vs.reverse();
         for v in &mut vs {
             let faults = minor_faults();
             let allocs = heap_allocs();
@@ -304,7 +328,7 @@ fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static s
             let faults = minor_faults() - faults;
             let allocs = heap_allocs() - allocs + direct;
             let t = totals.get_mut(v.name()).expect("every variant has totals");
-            t.time += time;
+            t.round_ns.push(time.as_nanos() as f64 / per_round as f64);
             t.faults += faults;
             t.heap_allocs += allocs;
             t.iterations += per_round as u64;
@@ -313,32 +337,34 @@ fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static s
     totals
 }
 
+/// Runs in a fresh child process: one first iteration on a fresh arena, printed as
+/// "nanoseconds faults".
 fn cold_child(variant: &str, workload: &str) {
     let w = if workload == "small" { small() } else { training() };
+    let mut v: Box<dyn Variant> = match variant {
+        "carve" => Box::new(Carve(Workspace::new("COLD", WorkspaceConfig::default()).expect("workspace"))),
+        _ => Box::new(Bumpalo(bumpalo::Bump::new())),
+    };
+    let faults = minor_faults();
     let start = Instant::now();
-    match variant {
-        "carve" => {
-            let mut v = Carve(Workspace::new("COLD", WorkspaceConfig::default()).expect("workspace"));
-            v.iteration(&w);
-        }
-        _ => {
-            let mut v = Bumpalo(bumpalo::Bump::new());
-            v.iteration(&w);
-        }
-    }
-    println!("{}", start.elapsed().as_nanos());
+    v.iteration(&w);
+    let ns = start.elapsed().as_nanos();
+    println!("{ns} {}", minor_faults() - faults);
 }
 
-fn cold(variant: &str, workload: &str, samples: usize) -> f64 {
+/// Median first-iteration time and faults over `samples` fresh processes.
+fn cold(variant: &str, workload: &str, samples: usize) -> (f64, f64) {
     let exe = std::env::current_exe().expect("own path");
-    let mut ns: Vec<f64> = (0..samples)
+    let mut runs: Vec<(f64, f64)> = (0..samples)
         .map(|_| {
             let out = Command::new(&exe).args(["--cold-child", variant, workload]).output().expect("child runs");
-            String::from_utf8_lossy(&out.stdout).trim().parse().expect("child prints nanoseconds")
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().expect("child prints numbers"));
+            (fields.next().expect("nanoseconds"), fields.next().expect("faults"))
         })
         .collect();
-    ns.sort_by(f64::total_cmp);
-    ns[ns.len() / 2]
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    runs[runs.len() / 2]
 }
 
 fn main() {
@@ -353,39 +379,36 @@ fn main() {
         .position(|a| a == "--rounds")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(30);
 
     let mut report = serde_json::Map::new();
     for (w, per_round) in [(small(), 2000), (training(), 20)] {
         let mut totals = measure(&w, rounds, per_round);
-        let mut cold_samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-        for _ in 0..9 {
-            cold_samples[0].push(cold("carve", w.name, 1));
-            cold_samples[1].push(cold("bumpalo", w.name, 1));
-        }
-        for (name, mut samples) in ["carve", "bumpalo"].into_iter().zip(cold_samples) {
-            samples.sort_by(f64::total_cmp);
-            totals.get_mut(name).expect("variant").cold_first_iter_ns = Some(samples[samples.len() / 2]);
+        for name in ["carve", "bumpalo"] {
+            totals.get_mut(name).expect("variant").cold = Some(cold(name, w.name, 9));
         }
         let arrays = w.shapes.len() as f64;
         println!("\nworkload {} ({} arrays per iteration)", w.name, w.shapes.len());
         println!(
             "{:<10} {:>12} {:>12} {:>14} {:>12} {:>14}",
-            "variant", "ns/iter", "ns/alloc", "faults/iter", "allocs/iter", "cold 1st (ns)"
+            "variant", "ns/iter", "ns/alloc", "faults/iter", "allocs/iter", "cold first iteration (ns)"
         );
         let mut entry = serde_json::Map::new();
         for name in ["carve", "carve_engine", "carve_view", "bumpalo", "prealloc", "std", "mimalloc", "jemalloc"] {
             let t = &totals[name];
             let n = t.iterations as f64;
-            let ns_per_iter = t.time.as_nanos() as f64 / n;
+            let mut rounds = t.round_ns.clone();
+            rounds.sort_by(f64::total_cmp);
+            let ns_per_iter = rounds[rounds.len() / 2];
             let mut obj = serde_json::json!({
                 "ns_per_iter": ns_per_iter,
                 "ns_per_alloc": ns_per_iter / arrays,
                 "minor_faults_per_iter": t.faults as f64 / n,
                 "heap_allocs_per_iter": t.heap_allocs as f64 / n,
             });
-            if let Some(cold) = t.cold_first_iter_ns {
-                obj["cold_first_iter_ns"] = serde_json::json!(cold);
+            if let Some((ns, faults)) = t.cold {
+                obj["cold_first_iter_ns"] = serde_json::json!(ns);
+                obj["cold_first_iter_faults"] = serde_json::json!(faults);
             }
             println!(
                 "{:<10} {:>12.0} {:>12.2} {:>14.2} {:>12.2} {:>14}",
@@ -394,12 +417,13 @@ fn main() {
                 ns_per_iter / arrays,
                 t.faults as f64 / n,
                 t.heap_allocs as f64 / n,
-                t.cold_first_iter_ns.map_or("-".to_string(), |c| format!("{c:.0}"))
+                t.cold.map_or("-".to_string(), |(ns, faults)| format!("{ns:.0} ({faults:.0} faults)"))
             );
             entry.insert(name.to_string(), obj);
         }
         let get = |v: &str, k: &str| entry[v][k].as_f64().unwrap_or(f64::NAN);
-        let best_malloc = ["std", "mimalloc", "jemalloc"].iter().map(|v| get(v, "ns_per_alloc")).fold(f64::INFINITY, f64::min);
+        let best_malloc =
+            ["std", "mimalloc", "jemalloc"].iter().map(|v| get(v, "ns_per_alloc")).fold(f64::INFINITY, f64::min);
         println!(
             "ratios: carve/bumpalo per alloc {:.2}, best malloc/carve {:.1}, carve/prealloc {:.3}, std/carve {:.1}, cold carve/bumpalo {:.2}",
             get("carve", "ns_per_alloc") / get("bumpalo", "ns_per_alloc"),

@@ -59,11 +59,10 @@ fn main() -> carve::Result<()> {
     println!();
     println!(
         "learned size: {} bytes (from the first cycle); capacity {} bytes; {} growth event(s); \
-         {} allocations, {} of them spilled while learning",
+         {} arrays spilled while learning",
         s.learned_size.unwrap_or(0),
         s.capacity,
         s.growth_events,
-        s.allocations,
         s.external_allocations
     );
     println!();

@@ -242,7 +242,8 @@ impl WorkspaceConfigBuilder {
         self.config.max_size = bytes;
         self
     }
-    /// Alignment of every allocation; a power of two (default 64).
+    /// Alignment of every allocation; a power of two (default 64). Allocations are
+    /// aligned to at least 16 bytes whatever this says.
     pub fn alignment(mut self, bytes: usize) -> Self {
         self.config.alignment = bytes;
         self

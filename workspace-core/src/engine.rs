@@ -25,6 +25,10 @@ use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, SpillPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
 
+/// Every allocation is aligned to at least this many bytes (whatever the configured
+/// alignment), which lets the fast path skip the alignment test for element types.
+pub(crate) const MIN_ALIGN_FLOOR: usize = 16;
+
 /// First spill chunk of a cycle; later chunks of the same cycle double.
 const FIRST_SPILL_CHUNK: usize = 64 << 10;
 
@@ -76,8 +80,6 @@ pub struct WorkspaceStats {
     pub external_allocations: u64,
     /// Number of pinned host allocations (device staging; always 0 on the host).
     pub pinned_allocations: u64,
-    /// Number of allocations served.
-    pub allocations: u64,
     /// Completed cycles.
     pub cycles: u64,
     /// Current generation (one per real enter).
@@ -110,9 +112,8 @@ pub struct Engine<B: ArenaBackend> {
     fast_limit: Cell<usize>,
     /// Base of `arena`, cached for the fast path; `None` when there is no arena.
     arena_base: Cell<Option<<B::Block as Block>::Base>>,
-    /// Allocations served (statistics).
-    allocations: Cell<u64>,
-    /// `config.alignment()`, the smallest alignment of any allocation.
+    /// `config.alignment()` (at least [`MIN_ALIGN_FLOOR`]): the smallest alignment of
+    /// any allocation.
     min_align: usize,
     /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
     base_alignment: usize,
@@ -186,7 +187,7 @@ impl<B: ArenaBackend> Engine<B> {
             id: next_id(),
             name: Arc::from(name),
             base_alignment: backend.base_alignment(),
-            min_align: config.alignment(),
+            min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             arena_base: Cell::new(None),
@@ -213,7 +214,6 @@ impl<B: ArenaBackend> Engine<B> {
             attention: Cell::new(false),
             pending: Cell::new(None),
             timeline: RefCell::new(timeline),
-            allocations: Cell::new(0),
             cycles: Cell::new(0),
             growth_events: Cell::new(0),
             wraps: Cell::new(0),
@@ -568,18 +568,23 @@ impl<B: ArenaBackend> Engine<B> {
     pub fn try_alloc_fast(&self, size: usize, align: usize) -> Option<(<B::Block as Block>::Base, usize)> {
         debug_assert!(self.depth.get() > 0, "allocation outside an open scope");
         debug_assert!(size > 0 && align.is_power_of_two());
-        // The cursor is kept a multiple of `min_align`, so a request aligned to at
-        // most that starts right at the cursor: the loop-carried dependency from one
-        // allocation to the next is a single add.
-        let mask = self.min_align - 1;
-        let padded = size.saturating_add(mask) & !mask;
-        let cursor = self.cursor.get();
-        if align <= self.min_align && padded <= self.fast_limit.get().saturating_sub(cursor) {
-            if let Some(base) = self.arena_base.get() {
-                debug_assert!(cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
-                self.cursor.set(cursor + padded);
-                self.allocations.set(self.allocations.get() + 1);
-                return Some((base, cursor));
+        // The cursor is kept a multiple of `min_align`, so a request aligned to at most
+        // that starts right at the cursor, and the dependency from one allocation to
+        // the next is a single add. (`align <= MIN_ALIGN_FLOOR` folds away for
+        // ordinary element types.)
+        if align <= MIN_ALIGN_FLOOR || align <= self.min_align {
+            let mask = self.min_align - 1;
+            let cursor = self.cursor.get();
+            // `checked_add` turns away sizes near `usize::MAX`; after it nothing can
+            // overflow, as `padded <= size + mask` and `cursor <= isize::MAX`.
+            let rounded = size.checked_add(mask)?;
+            let end = cursor.wrapping_add(rounded & !mask);
+            if end <= self.fast_limit.get() && end >= cursor {
+                if let Some(base) = self.arena_base.get() {
+                    debug_assert!(cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
+                    self.cursor.set(end);
+                    return Some((base, cursor));
+                }
             }
         }
         None
@@ -613,7 +618,6 @@ impl<B: ArenaBackend> Engine<B> {
                     if start.checked_add(size).is_some_and(|end| end <= limit) {
                         self.advance_to(start + size);
                         self.count_virtual(size, align);
-                        self.allocations.set(self.allocations.get() + 1);
                         return Ok((base, start));
                     }
                 }
@@ -631,7 +635,6 @@ impl<B: ArenaBackend> Engine<B> {
                         self.fast_limit.set(self.open_start.get());
                     }
                     self.count_virtual(size, align);
-                    self.allocations.set(self.allocations.get() + 1);
                     return Ok((base, 0));
                 }
             }
@@ -718,7 +721,6 @@ impl<B: ArenaBackend> Engine<B> {
         self.spilled_in_use.set(self.spilled_in_use.get() + size);
         self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
         self.external_allocations.set(self.external_allocations.get() + 1);
-        self.allocations.set(self.allocations.get() + 1);
         Ok((base, start))
     }
 
@@ -759,7 +761,6 @@ impl<B: ArenaBackend> Engine<B> {
             bytes_spilled: self.bytes_spilled.get(),
             external_allocations: self.external_allocations.get(),
             pinned_allocations: 0,
-            allocations: self.allocations.get(),
             cycles: self.cycles.get(),
             generation: self.generation.get(),
             growth_events: self.growth_events.get(),

@@ -255,7 +255,7 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
         "gen",
         "growths",
     ];
-    let rows: Vec<[String; 11]> = stats
+    let rows: Vec<[String; 10]> = stats
         .iter()
         .map(|s| {
             [
@@ -266,7 +266,6 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
                 human(s.peak_bytes),
                 human(usize::try_from(s.bytes_spilled).unwrap_or(usize::MAX)),
                 s.external_allocations.to_string(),
-                s.allocations.to_string(),
                 s.cycles.to_string(),
                 s.generation.to_string(),
                 s.growth_events.to_string(),

@@ -83,20 +83,17 @@ impl Drop for HeapPool {
     }
 }
 
-#[derive(Debug)]
-enum Target {
-    /// Invariant: valid for the scope's life (borrowed for `'ws`, or kept alive by
-    /// `Scope::keep`), and the engine counts this scope as open.
-    Workspace(NonNull<Workspace>),
-    Heap(Box<HeapPool>),
-}
-
 /// An open scope of a workspace (or of the heap); see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
 #[derive(Debug)]
 pub struct Scope<'ws> {
-    target: Target,
+    /// The workspace allocated in; `None` for heap scopes. Invariant: valid for the
+    /// scope's life (borrowed for `'ws`, or kept alive by `keep`), and its engine
+    /// counts this scope as open.
+    ws: Option<NonNull<Workspace>>,
+    /// Heap blocks of a scoped-out scope (`Some` exactly when `ws` is `None`).
+    heap: Option<Box<HeapPool>>,
     kind: ScopeKind,
     keep: Option<Rc<Workspace>>,
     _borrow: PhantomData<&'ws Workspace>,
@@ -116,8 +113,9 @@ impl<'ws> Scope<'ws> {
     ///
     /// The engine of `ws` must have counted this scope as open (via `enter` or
     /// `borrow_open`), and `ws` must stay alive for `'ws` or be kept alive by `keep`.
+    #[inline]
     pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind, keep: Option<Rc<Workspace>>) -> Scope<'ws> {
-        Scope { target: Target::Workspace(NonNull::from(ws)), kind, keep, _borrow: PhantomData }
+        Scope { ws: Some(NonNull::from(ws)), heap: None, kind, keep, _borrow: PhantomData }
     }
 
     /// A scope that allocates on the heap: each array is its own allocation, freed
@@ -131,7 +129,8 @@ impl<'ws> Scope<'ws> {
     /// ```
     pub fn heap() -> Scope<'static> {
         Scope {
-            target: Target::Heap(Box::new(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) })),
+            ws: None,
+            heap: Some(Box::new(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) })),
             kind: ScopeKind::Heap,
             keep: None,
             _borrow: PhantomData,
@@ -140,11 +139,8 @@ impl<'ws> Scope<'ws> {
 
     #[inline(always)]
     fn workspace_ref(&self) -> Option<&Workspace> {
-        match &self.target {
-            // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
-            Target::Workspace(ws) => Some(unsafe { ws.as_ref() }),
-            Target::Heap(_) => None,
-        }
+        // SAFETY: `ws` invariant: valid for the scope's life.
+        self.ws.map(|ws| unsafe { ws.as_ref() })
     }
 
     /// The workspace this scope allocates in (`None` when scoped out to the heap).
@@ -159,21 +155,20 @@ impl<'ws> Scope<'ws> {
 
     /// The name of the allocation target ("heap" when scoped out).
     pub fn target_name(&self) -> &Arc<str> {
-        match &self.target {
-            Target::Workspace(_) => self.workspace_ref().map(Workspace::name).expect("workspace target"),
-            Target::Heap(pool) => &pool.name,
+        match (self.workspace_ref(), &self.heap) {
+            (Some(ws), _) => ws.name(),
+            (None, Some(pool)) => &pool.name,
+            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
         }
     }
 
     /// `(owner id, generation)` that handles allocated here carry.
     #[inline]
     pub(crate) fn identity(&self) -> (u64, u64) {
-        match &self.target {
-            Target::Workspace(_) => {
-                let ws = self.workspace_ref().expect("workspace target");
-                (ws.id(), ws.generation())
-            }
-            Target::Heap(pool) => (pool.id, 0),
+        match (self.workspace_ref(), &self.heap) {
+            (Some(ws), _) => (ws.id(), ws.generation()),
+            (None, Some(pool)) => (pool.id, 0),
+            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
         }
     }
 
@@ -200,8 +195,8 @@ impl<'ws> Scope<'ws> {
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        if let Target::Workspace(ws) = &self.target {
-            // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
+        if let Some(ws) = self.ws {
+            // SAFETY: `ws` invariant: valid for the scope's life.
             let ws = unsafe { ws.as_ref() };
             if let Some((base, offset)) = ws.engine.try_alloc_fast(size, align) {
                 // SAFETY: the engine reserved `offset..offset+size` inside the block at
@@ -221,9 +216,9 @@ impl<'ws> Scope<'ws> {
     #[cold]
     #[inline(never)]
     fn alloc_bytes_slow(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        match &self.target {
-            Target::Workspace(ws) => {
-                // SAFETY: `Target::Workspace` invariant: valid for the scope's life.
+        match (self.ws, &self.heap) {
+            (Some(ws), _) => {
+                // SAFETY: `ws` invariant: valid for the scope's life.
                 let (base, offset) = unsafe { ws.as_ref() }.engine.alloc_slow(size, align)?;
                 // SAFETY: as in `alloc_bytes`.
                 let ptr = unsafe { base.add(offset) };
@@ -233,42 +228,47 @@ impl<'ws> Scope<'ws> {
                 }
                 Ok(ptr)
             }
-            Target::Heap(pool) => pool.alloc(size, align, zeroed),
+            (None, Some(pool)) => pool.alloc(size, align, zeroed),
+            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
         }
     }
 
-    /// Element count and byte size of `dim` for `T`, checked.
+    /// Byte size of `dim` elements of `T` (not zero-sized), checked.
     #[inline(always)]
     fn sized<T, D: Dimension>(&self, dim: &D) -> Result<usize> {
+        // One compare against a constant: `n * size_of::<T>()` fits in `isize`.
+        let max_elements = isize::MAX as usize / size_of::<T>();
         match dim.size_checked() {
-            Some(0) => Err(self.zero_length(dim.slice())),
-            Some(n) => match n.checked_mul(size_of::<T>()) {
-                Some(bytes) if bytes <= isize::MAX as usize && n <= isize::MAX as usize => Ok(bytes),
-                _ => Err(self.overflow(dim.slice(), size_of::<T>())),
-            },
-            None => Err(self.overflow(dim.slice(), size_of::<T>())),
+            // One compare for both bounds: 0 wraps around to `usize::MAX`.
+            Some(n) if n.wrapping_sub(1) < max_elements => Ok(n * size_of::<T>()),
+            Some(0) => Err(self.zero_length(dim.clone())),
+            _ => Err(self.overflow(dim.clone(), size_of::<T>())),
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn zero_length(&self, shape: &[usize]) -> Error {
-        Error::ZeroLength { workspace: self.target_name().clone(), shape: shape.to_vec() }
+    fn zero_length<D: Dimension>(&self, dim: D) -> Error {
+        Error::ZeroLength { workspace: self.target_name().clone(), shape: dim.slice().to_vec() }
     }
 
     #[cold]
     #[inline(never)]
-    fn overflow(&self, shape: &[usize], element_size: usize) -> Error {
-        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: shape.to_vec(), element_size }
+    fn overflow<D: Dimension>(&self, dim: D, element_size: usize) -> Error {
+        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: dim.slice().to_vec(), element_size }
     }
 
     /// Reserves memory for `dim` elements of `T`.
     #[inline(always)]
     pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
-        let bytes = self.sized::<T, D>(dim)?;
-        if bytes == 0 {
-            return Ok(NonNull::dangling());
+        if size_of::<T>() == 0 {
+            return match dim.size_checked() {
+                Some(0) => Err(self.zero_length(dim.clone())),
+                Some(_) => Ok(NonNull::dangling()),
+                None => Err(self.overflow(dim.clone(), 0)),
+            };
         }
+        let bytes = self.sized::<T, D>(dim)?;
         Ok(self.alloc_bytes(bytes, align_of::<T>(), zeroed)?.cast())
     }
 
@@ -449,9 +449,10 @@ impl<'ws> Scope<'ws> {
 }
 
 impl Drop for Scope<'_> {
+    #[inline]
     fn drop(&mut self) {
-        if let Target::Workspace(ws) = &self.target {
-            // SAFETY: the workspace is alive (target invariant) and counted this scope;
+        if let Some(ws) = self.ws {
+            // SAFETY: the workspace is alive (`ws` invariant) and counted this scope;
             // every view borrowed from this scope has ended (they borrow `self`), and
             // handles are checked against the generation before any access.
             unsafe { ws.as_ref().engine.exit() };

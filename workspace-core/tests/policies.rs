@@ -248,9 +248,9 @@ fn borrowing_an_open_workspace_and_scoping_out() {
     let h = heap.filled::<i32, _>(4, 3).unwrap();
     assert_eq!(heap.placement(h.as_ptr()), Placement::Elsewhere);
     assert_eq!(h.sum(), 12);
-    let before = outer_ws.stats().allocations;
+    let before = outer_ws.bytes_in_use();
     let _ = WorkspaceManager::current().scope_out().zeros::<u8, _>(10).unwrap();
-    assert_eq!(outer_ws.stats().allocations, before, "scoped-out allocations do not touch workspaces");
+    assert_eq!(outer_ws.bytes_in_use(), before, "scoped-out allocations do not touch workspaces");
 }
 
 #[test]
@@ -369,7 +369,8 @@ fn bypass_everything_turns_workspaces_off() {
     assert_eq!(s.kind(), ScopeKind::Heap);
     assert_eq!(s.filled::<u16, _>(5, 2).unwrap().sum(), 10);
     drop(s);
-    assert_eq!(w.stats().allocations, 0);
+    let stats = w.stats();
+    assert_eq!((stats.cycles, stats.peak_bytes, stats.external_allocations), (0, 0, 0));
     assert_eq!(w.capacity(), 0);
 }
 
@@ -545,5 +546,5 @@ fn allocator_api2_containers_live_in_the_workspace() {
         map.insert(i, i * i);
     }
     assert_eq!(map[&9], 81);
-    assert!(w.stats().allocations > 2);
+    assert!(w.bytes_in_use() >= 4000 + 100 * 16, "vector and map live in the arena");
 }

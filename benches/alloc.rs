@@ -1,0 +1,147 @@
+//! Criterion benches of the allocation hot path, each against what a user would use
+//! instead, in the same run. `examples/alloc_compare.rs` prints the full table (faults,
+//! heap allocations, cold first iterations); see `benches/README.md`.
+//!
+//! Run: `cargo bench --bench alloc`
+
+use std::alloc::Layout;
+use std::hint::black_box;
+use std::mem::MaybeUninit;
+
+use carve::{Workspace, WorkspaceConfig};
+use criterion::{criterion_main, Criterion};
+
+/// 64 arrays of 256 B … 64 KiB (f32 element counts).
+fn small_sizes() -> Vec<usize> {
+    (0..64).map(|i| (256usize << (i % 9)) / 4).collect()
+}
+
+/// The 19 arrays of an MLP 784-1024-1024-10 forward and backward pass at batch 128.
+fn training_sizes() -> Vec<usize> {
+    let (b, i, h, o) = (128, 784, 1024, 10);
+    vec![
+        b * i,
+        b * h,
+        b * h,
+        b * h,
+        b * h,
+        b * o,
+        b * o,
+        b * o,
+        h * o,
+        o,
+        b * h,
+        b * h,
+        h * h,
+        h,
+        b * h,
+        b * h,
+        i * h,
+        h,
+        b * i,
+    ]
+}
+
+fn small(c: &mut Criterion) {
+    let sizes = small_sizes();
+    let mut group = c.benchmark_group("small_iteration_64_allocs");
+    let ws = Workspace::new("BENCH", WorkspaceConfig::default()).expect("workspace");
+    group.bench_function("carve_slice", |b| {
+        b.iter(|| {
+            let scope = ws.enter().expect("enter");
+            for &n in &sizes {
+                let s = scope.slice_uninit::<f32>(n).expect("allocation");
+                s[0] = MaybeUninit::new(1.0);
+                black_box(s.as_ptr());
+            }
+        })
+    });
+    group.bench_function("carve_view", |b| {
+        b.iter(|| {
+            let scope = ws.enter().expect("enter");
+            for &n in &sizes {
+                let mut v = scope.uninit::<f32, _>(n).expect("allocation");
+                v[0] = MaybeUninit::new(1.0);
+                black_box(v.as_ptr());
+            }
+        })
+    });
+    let mut bump = bumpalo::Bump::new();
+    group.bench_function("bumpalo", |b| {
+        b.iter(|| {
+            bump.reset();
+            for &n in &sizes {
+                let p = bump.alloc_layout(Layout::array::<f32>(n).expect("layout")).cast::<MaybeUninit<f32>>();
+                // SAFETY: bumpalo handed out `n` f32 slots, ours until the next reset.
+                unsafe { p.as_ptr().write(MaybeUninit::new(1.0)) };
+                black_box(p);
+            }
+        })
+    });
+    let mut held: Vec<Vec<f32>> = Vec::with_capacity(sizes.len());
+    group.bench_function("std_vec", |b| {
+        b.iter(|| {
+            for &n in &sizes {
+                let mut v = Vec::<f32>::with_capacity(n);
+                v.spare_capacity_mut()[0] = MaybeUninit::new(1.0);
+                held.push(v);
+            }
+            held.clear();
+        })
+    });
+    group.finish();
+}
+
+fn training(c: &mut Criterion) {
+    let sizes = training_sizes();
+    let mut group = c.benchmark_group("training_iteration_19_arrays");
+    group.sample_size(20);
+    let ws = Workspace::new("BENCH_TRAIN", WorkspaceConfig::default()).expect("workspace");
+    group.bench_function("carve", |b| {
+        b.iter(|| {
+            let scope = ws.enter().expect("enter");
+            for &n in &sizes {
+                let s = scope.slice_uninit::<f32>(n).expect("allocation");
+                s.fill(MaybeUninit::new(1.0));
+                black_box(s.as_ptr());
+            }
+        })
+    });
+    let mut prealloc: Vec<Vec<MaybeUninit<f32>>> = sizes.iter().map(|&n| vec![MaybeUninit::uninit(); n]).collect();
+    group.bench_function("prealloc", |b| {
+        b.iter(|| {
+            for buffer in &mut prealloc {
+                buffer.fill(MaybeUninit::new(1.0));
+                black_box(buffer.as_ptr());
+            }
+        })
+    });
+    let mut held: Vec<Vec<f32>> = Vec::with_capacity(sizes.len());
+    group.bench_function("std_vec", |b| {
+        b.iter(|| {
+            for &n in &sizes {
+                let mut v = Vec::<f32>::with_capacity(n);
+                v.spare_capacity_mut().fill(MaybeUninit::new(1.0));
+                held.push(v);
+            }
+            held.clear();
+        })
+    });
+    group.finish();
+}
+
+fn cycle(c: &mut Criterion) {
+    let mut group = c.benchmark_group("empty_cycle");
+    let ws = Workspace::new("BENCH_CYCLE", WorkspaceConfig::default()).expect("workspace");
+    group.bench_function("carve_enter_exit", |b| b.iter(|| black_box(ws.enter().expect("enter"))));
+    let mut bump = bumpalo::Bump::new();
+    group.bench_function("bumpalo_reset", |b| b.iter(|| bump.reset()));
+    group.finish();
+}
+
+// The macro defines an undocumented `benches` function.
+#[allow(missing_docs)]
+mod group {
+    criterion::criterion_group!(benches, super::small, super::training, super::cycle);
+}
+criterion_main!(group::benches);
