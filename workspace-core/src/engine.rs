@@ -117,6 +117,8 @@ pub struct Engine<B: ArenaBackend> {
     min_align: usize,
     /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
     base_alignment: usize,
+    /// `BlockLeft` reset and no timeline: a cycle without spills closes on the short path.
+    plain_close: bool,
     id: u64,
     name: Arc<str>,
     config: WorkspaceConfig,
@@ -188,6 +190,7 @@ impl<B: ArenaBackend> Engine<B> {
             name: Arc::from(name),
             base_alignment: backend.base_alignment(),
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
+            plain_close: config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0,
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             arena_base: Cell::new(None),
@@ -408,6 +411,26 @@ impl<B: ArenaBackend> Engine<B> {
 
     #[inline]
     fn close_cycle(&self) {
+        // The common case: a scoped workspace whose cycle did not spill (so the fast
+        // path is still on and `open_start` is 0), with no timeline to record.
+        if self.plain_close && self.virtual_cursor.get().is_none() {
+            let bytes = self.cursor.get();
+            self.peak.set(self.peak.get().max(bytes));
+            self.cycles.set(self.cycles.get() + 1);
+            self.last_cycle_bytes.set(bytes);
+            self.cursor.set(0);
+            if self.learning_left.get() > 0 && bytes > 0 {
+                self.learn(bytes);
+                self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
+            }
+            return;
+        }
+        self.close_cycle_general();
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn close_cycle_general(&self) {
         let bytes = self.cycle_bytes();
         let in_use = self.open_bytes() + self.spilled_in_use.get();
         self.peak.set(self.peak.get().max(in_use));

@@ -34,6 +34,7 @@ use crate::workspace::Workspace;
 
 /// How a scope came to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)] // word-sized, so building a scope stores whole words (no partial-store stalls)
 pub enum ScopeKind {
     /// Opened the workspace: a new cycle and generation.
     Opened,
