@@ -115,6 +115,8 @@ pub struct Engine<B: ArenaBackend> {
     /// `config.alignment()` (at least [`MIN_ALIGN_FLOOR`]): the smallest alignment of
     /// any allocation.
     min_align: usize,
+    /// `min_align - 1`.
+    align_mask: usize,
     /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
     base_alignment: usize,
     /// `BlockLeft` reset and no timeline: a cycle without spills closes on the short path.
@@ -162,7 +164,6 @@ pub struct Engine<B: ArenaBackend> {
     pending: Cell<Option<BackendError>>,
     timeline: RefCell<VecDeque<usize>>,
     // Statistics.
-    cycles: Cell<u64>,
     growth_events: Cell<u64>,
     wraps: Cell<u64>,
     peak: Cell<usize>,
@@ -190,6 +191,7 @@ impl<B: ArenaBackend> Engine<B> {
             name: Arc::from(name),
             base_alignment: backend.base_alignment(),
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
+            align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
             plain_close: config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0,
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
@@ -217,7 +219,6 @@ impl<B: ArenaBackend> Engine<B> {
             attention: Cell::new(false),
             pending: Cell::new(None),
             timeline: RefCell::new(timeline),
-            cycles: Cell::new(0),
             growth_events: Cell::new(0),
             wraps: Cell::new(0),
             peak: Cell::new(0),
@@ -323,9 +324,12 @@ impl<B: ArenaBackend> Engine<B> {
             self.settle()?;
         }
         self.generation.set(self.generation.get() + 1);
-        self.open_start.set(self.cursor.get());
-        self.wrapped.set(false);
-        self.wrap_waste.set(0);
+        if self.config.reset() == ResetPolicy::EndOfBuffer {
+            // Scoped workspaces keep these at 0 / false: their cursor restarts at 0.
+            self.open_start.set(self.cursor.get());
+            self.wrapped.set(false);
+            self.wrap_waste.set(0);
+        }
         self.depth.set(1);
         Ok(Entered::Opened)
     }
@@ -416,7 +420,6 @@ impl<B: ArenaBackend> Engine<B> {
         if self.plain_close && self.virtual_cursor.get().is_none() {
             let bytes = self.cursor.get();
             self.peak.set(self.peak.get().max(bytes));
-            self.cycles.set(self.cycles.get() + 1);
             self.last_cycle_bytes.set(bytes);
             self.cursor.set(0);
             if self.learning_left.get() > 0 && bytes > 0 {
@@ -434,7 +437,6 @@ impl<B: ArenaBackend> Engine<B> {
         let bytes = self.cycle_bytes();
         let in_use = self.open_bytes() + self.spilled_in_use.get();
         self.peak.set(self.peak.get().max(in_use));
-        self.cycles.set(self.cycles.get() + 1);
         self.last_cycle_bytes.set(bytes);
         if self.config.timeline_len() > 0 {
             self.record_timeline(bytes);
@@ -595,16 +597,16 @@ impl<B: ArenaBackend> Engine<B> {
         // that starts right at the cursor, and the dependency from one allocation to
         // the next is a single add. (`align <= MIN_ALIGN_FLOOR` folds away for
         // ordinary element types.)
-        if align <= MIN_ALIGN_FLOOR || align <= self.min_align {
-            let mask = self.min_align - 1;
+        if size <= isize::MAX as usize && (align <= MIN_ALIGN_FLOOR || align <= self.min_align) {
             let cursor = self.cursor.get();
-            // `checked_add` turns away sizes near `usize::MAX`; after it nothing can
-            // overflow, as `padded <= size + mask` and `cursor <= isize::MAX`.
-            let rounded = size.checked_add(mask)?;
-            let end = cursor.wrapping_add(rounded & !mask);
-            if end <= self.fast_limit.get() && end >= cursor {
-                if let Some(base) = self.arena_base.get() {
-                    debug_assert!(cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
+            // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
+            let end = cursor + ((size + self.align_mask) & !self.align_mask);
+            if end <= self.fast_limit.get() {
+                // `end > 0`, so `fast_limit > 0`: the arena exists (`fast_limit <= capacity`,
+                // and `capacity > 0` exactly when there is an arena).
+                let base = self.arena_base.get();
+                debug_assert!(base.is_some() && cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
+                if let Some(base) = base {
                     self.cursor.set(end);
                     return Some((base, cursor));
                 }
@@ -784,7 +786,8 @@ impl<B: ArenaBackend> Engine<B> {
             bytes_spilled: self.bytes_spilled.get(),
             external_allocations: self.external_allocations.get(),
             pinned_allocations: 0,
-            cycles: self.cycles.get(),
+            // Every real enter starts a generation; the open one has not completed.
+            cycles: self.generation.get() - u64::from(self.depth.get() > 0),
             generation: self.generation.get(),
             growth_events: self.growth_events.get(),
             wraps: self.wraps.get(),

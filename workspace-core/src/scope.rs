@@ -16,8 +16,6 @@
 //! The arena resets when the *last* scope over it closes, whichever order scopes
 //! close in; that count is what proves no view is alive.
 
-use std::alloc::Layout;
-use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of, MaybeUninit};
 use std::ptr::NonNull;
@@ -27,10 +25,10 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayViewMut, Data, Dimension, ShapeBuilder};
 
-use crate::engine::next_id;
-use crate::error::{BackendError, Error, Result};
+use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
+use crate::error::{Error, Result};
 use crate::handle::Handle;
-use crate::workspace::Workspace;
+use crate::workspace::{DebugMode, Workspace};
 
 /// How a scope came to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,57 +44,20 @@ pub enum ScopeKind {
     Heap,
 }
 
-/// Heap blocks of a scoped-out scope, freed when it closes.
-#[derive(Debug)]
-struct HeapPool {
-    id: u64,
-    name: Arc<str>,
-    blocks: RefCell<Vec<(NonNull<u8>, Layout)>>,
-}
-
-impl HeapPool {
-    fn alloc(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        let oom = || Error::Backend {
-            workspace: self.name.clone(),
-            source: BackendError::OutOfMemory { bytes: size, align },
-        };
-        let layout = Layout::from_size_align(size, align).map_err(|_| oom())?;
-        // SAFETY: `layout` has a non-zero size (callers never ask for 0 bytes).
-        let ptr = unsafe {
-            if zeroed {
-                std::alloc::alloc_zeroed(layout)
-            } else {
-                std::alloc::alloc(layout)
-            }
-        };
-        let ptr = NonNull::new(ptr).ok_or_else(oom)?;
-        self.blocks.borrow_mut().push((ptr, layout));
-        Ok(ptr)
-    }
-}
-
-impl Drop for HeapPool {
-    fn drop(&mut self) {
-        for (ptr, layout) in self.blocks.get_mut().drain(..) {
-            // SAFETY: allocated in `alloc` with this layout and freed only here.
-            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
-        }
-    }
-}
-
 /// An open scope of a workspace (or of the heap); see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
 #[derive(Debug)]
 pub struct Scope<'ws> {
-    /// The workspace allocated in; `None` for heap scopes. Invariant: valid for the
-    /// scope's life (borrowed for `'ws`, or kept alive by `keep`), and its engine
-    /// counts this scope as open.
-    ws: Option<NonNull<Workspace>>,
-    /// Heap blocks of a scoped-out scope (`Some` exactly when `ws` is `None`).
-    heap: Option<Box<HeapPool>>,
+    /// The workspace allocated in. Invariant: valid for the scope's life (borrowed for
+    /// `'ws`, kept alive by `keep`, or owned by `own`), and its engine counts this
+    /// scope as open.
+    ws: NonNull<Workspace>,
     kind: ScopeKind,
     keep: Option<Rc<Workspace>>,
+    /// A heap scope's private workspace: it spills every allocation to its own heap
+    /// block, and frees them all when the scope closes.
+    own: Option<Box<Workspace>>,
     _borrow: PhantomData<&'ws Workspace>,
 }
 
@@ -116,7 +77,7 @@ impl<'ws> Scope<'ws> {
     /// `borrow_open`), and `ws` must stay alive for `'ws` or be kept alive by `keep`.
     #[inline]
     pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind, keep: Option<Rc<Workspace>>) -> Scope<'ws> {
-        Scope { ws: Some(NonNull::from(ws)), heap: None, kind, keep, _borrow: PhantomData }
+        Scope { ws: NonNull::from(ws), kind, keep, own: None, _borrow: PhantomData }
     }
 
     /// A scope that allocates on the heap: each array is its own allocation, freed
@@ -129,24 +90,32 @@ impl<'ws> Scope<'ws> {
     /// # Ok::<(), workspace_core::Error>(())
     /// ```
     pub fn heap() -> Scope<'static> {
-        Scope {
-            ws: None,
-            heap: Some(Box::new(HeapPool { id: next_id(), name: Arc::from("heap"), blocks: RefCell::new(Vec::new()) })),
-            kind: ScopeKind::Heap,
-            keep: None,
-            _borrow: PhantomData,
-        }
+        let config = WorkspaceConfig::builder()
+            .learning(LearningPolicy::None)
+            .spill(SpillPolicy::External)
+            .build()
+            .expect("the heap scope configuration is valid");
+        let own = Box::new(
+            Workspace::with_debug_mode("heap", config, DebugMode::SpillEverything)
+                .expect("a workspace without an arena reserves no memory"),
+        );
+        own.engine.enter().expect("a new workspace has nothing pending");
+        // SAFETY: entered just above; the box keeps the workspace at a fixed address
+        // for as long as the scope owns it.
+        let mut scope = unsafe { Scope::over(&own, ScopeKind::Heap, None) };
+        scope.own = Some(own);
+        scope
     }
 
     #[inline(always)]
-    fn workspace_ref(&self) -> Option<&Workspace> {
+    fn workspace_ref(&self) -> &Workspace {
         // SAFETY: `ws` invariant: valid for the scope's life.
-        self.ws.map(|ws| unsafe { ws.as_ref() })
+        unsafe { self.ws.as_ref() }
     }
 
     /// The workspace this scope allocates in (`None` when scoped out to the heap).
     pub fn workspace(&self) -> Option<&Workspace> {
-        self.workspace_ref()
+        self.own.is_none().then(|| self.workspace_ref())
     }
 
     /// How this scope came to be.
@@ -156,32 +125,24 @@ impl<'ws> Scope<'ws> {
 
     /// The name of the allocation target ("heap" when scoped out).
     pub fn target_name(&self) -> &Arc<str> {
-        match (self.workspace_ref(), &self.heap) {
-            (Some(ws), _) => ws.name(),
-            (None, Some(pool)) => &pool.name,
-            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
-        }
+        self.workspace_ref().name()
     }
 
     /// `(owner id, generation)` that handles allocated here carry.
     #[inline]
     pub(crate) fn identity(&self) -> (u64, u64) {
-        match (self.workspace_ref(), &self.heap) {
-            (Some(ws), _) => (ws.id(), ws.generation()),
-            (None, Some(pool)) => (pool.id, 0),
-            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
-        }
+        let ws = self.workspace_ref();
+        (ws.id(), ws.generation())
     }
 
-    /// The generation this scope allocates in (0 for heap scopes).
+    /// The generation this scope allocates in.
     pub fn generation(&self) -> u64 {
         self.identity().1
     }
 
     /// Where the memory at `ptr` lives relative to this scope's arena.
     pub fn placement<T>(&self, ptr: *const T) -> Placement {
-        let Some(ws) = self.workspace_ref() else { return Placement::Elsewhere };
-        ws.engine.with_arena(|arena| {
+        self.workspace_ref().engine.with_arena(|arena| {
             let Some(arena) = arena else { return Placement::Elsewhere };
             let base = crate::backend::Block::base(arena).as_ptr() as usize;
             let addr = ptr as usize;
@@ -196,42 +157,20 @@ impl<'ws> Scope<'ws> {
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        if let Some(ws) = self.ws {
-            // SAFETY: `ws` invariant: valid for the scope's life.
-            let ws = unsafe { ws.as_ref() };
-            if let Some((base, offset)) = ws.engine.try_alloc_fast(size, align) {
-                // SAFETY: the engine reserved `offset..offset+size` inside the block at
-                // `base`, so the result stays inside one allocation.
-                let ptr = unsafe { base.add(offset) };
-                if zeroed {
-                    // SAFETY: `ptr` is valid for `size` writable bytes, handed out to
-                    // nobody else in this cycle.
-                    unsafe { ptr.as_ptr().write_bytes(0, size) };
-                }
-                return Ok(ptr);
-            }
+        let placed = match self.workspace_ref().engine.try_alloc_fast(size, align) {
+            Some(placed) => placed,
+            None => self.workspace_ref().engine.alloc_slow(size, align)?,
+        };
+        let (base, offset) = placed;
+        // SAFETY: the engine reserved `offset..offset+size` inside the block at `base`,
+        // so the result stays inside one allocation.
+        let ptr = unsafe { base.add(offset) };
+        if zeroed {
+            // SAFETY: `ptr` is valid for `size` writable bytes, handed out to nobody
+            // else in this cycle.
+            unsafe { ptr.as_ptr().write_bytes(0, size) };
         }
-        self.alloc_bytes_slow(size, align, zeroed)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn alloc_bytes_slow(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        match (self.ws, &self.heap) {
-            (Some(ws), _) => {
-                // SAFETY: `ws` invariant: valid for the scope's life.
-                let (base, offset) = unsafe { ws.as_ref() }.engine.alloc_slow(size, align)?;
-                // SAFETY: as in `alloc_bytes`.
-                let ptr = unsafe { base.add(offset) };
-                if zeroed {
-                    // SAFETY: as in `alloc_bytes`.
-                    unsafe { ptr.as_ptr().write_bytes(0, size) };
-                }
-                Ok(ptr)
-            }
-            (None, Some(pool)) => pool.alloc(size, align, zeroed),
-            (None, None) => unreachable!("a scope has a workspace or a heap pool"),
-        }
+        Ok(ptr)
     }
 
     /// Byte size of `dim` elements of `T` (not zero-sized), checked.
@@ -241,7 +180,10 @@ impl<'ws> Scope<'ws> {
         let max_elements = isize::MAX as usize / size_of::<T>();
         match dim.size_checked() {
             // One compare for both bounds: 0 wraps around to `usize::MAX`.
-            Some(n) if n.wrapping_sub(1) < max_elements => Ok(n * size_of::<T>()),
+            // `unchecked_mul` tells the optimiser the product is in range, which lets it
+            // drop the engine's own size test after inlining.
+            // SAFETY: `0 < n <= isize::MAX / size_of::<T>()`, so the product fits.
+            Some(n) if n.wrapping_sub(1) < max_elements => Ok(unsafe { n.unchecked_mul(size_of::<T>()) }),
             Some(0) => Err(self.zero_length(dim.clone())),
             _ => Err(self.overflow(dim.clone(), size_of::<T>())),
         }
@@ -352,7 +294,7 @@ impl<'ws> Scope<'ws> {
     /// spill; otherwise as [`Scope::zeros`].
     pub fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         let not_initialised = |backend| Error::NotInitialised { workspace: self.target_name().clone(), backend };
-        let Some(ws) = self.workspace_ref() else { return Err(not_initialised("heap")) };
+        let ws = self.workspace_ref();
         if !ws.engine.with_arena(|arena| arena.is_some_and(|a| a.is_initialised())) {
             return Err(not_initialised(ws.engine.backend_kind()));
         }
@@ -452,13 +394,12 @@ impl<'ws> Scope<'ws> {
 impl Drop for Scope<'_> {
     #[inline]
     fn drop(&mut self) {
-        if let Some(ws) = self.ws {
-            // SAFETY: the workspace is alive (`ws` invariant) and counted this scope;
-            // every view borrowed from this scope has ended (they borrow `self`), and
-            // handles are checked against the generation before any access.
-            unsafe { ws.as_ref().engine.exit() };
-        }
-        // Only now may the `Rc` (if any) let the workspace go.
+        // SAFETY: the workspace is alive (`ws` invariant) and counted this scope; every
+        // view borrowed from this scope has ended (they borrow `self`), and handles are
+        // checked against the generation before any access.
+        unsafe { self.workspace_ref().engine.exit() };
+        // Only now may the `Rc` or the box (if any) let the workspace go.
         self.keep.take();
+        self.own.take();
     }
 }
