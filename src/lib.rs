@@ -32,3 +32,8 @@
 
 pub use workspace_core;
 pub use workspace_core::*;
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -69,7 +69,9 @@ pub enum Location {
     /// Host RAM (bumpalo chunk, advised to use transparent huge pages).
     Ram,
     /// A memory-mapped file, created or extended to `initial_size`; its contents
-    /// survive closing and reopening the workspace.
+    /// survive closing and reopening the workspace (read them back with
+    /// [`Scope::retained`](crate::Scope::retained)). The workspace owns the file while
+    /// it is open: another process must not truncate or modify it meanwhile.
     Mmap {
         /// The backing file.
         path: PathBuf,

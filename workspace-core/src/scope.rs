@@ -284,15 +284,23 @@ impl<'ws> Scope<'ws> {
     }
 
     /// The next array in the arena *with its current contents*: for memory-mapped
-    /// workspaces, whose bytes are always initialised (file contents, or zeros) and
-    /// survive closing and reopening a file-backed workspace. Allocating the same
-    /// shapes in the same order finds the same data again.
+    /// workspaces, whose bytes come from the file (or are zero) and survive closing and
+    /// reopening a file-backed workspace. Allocating the same shapes in the same order
+    /// finds the same data again.
+    ///
+    /// # Safety
+    ///
+    /// Every byte of the returned range must be initialised: either untouched since
+    /// the mapping was created (file contents or zeros), or last written with
+    /// initialised values. Writing `MaybeUninit::uninit()` through an
+    /// [`uninit`](Scope::uninit) view, or through an allocator-api2 container of
+    /// `MaybeUninit`, makes those bytes uninitialised again.
     ///
     /// # Errors
     ///
     /// [`Error::NotInitialised`] for RAM workspaces, heap scopes and requests that
     /// spill; otherwise as [`Scope::zeros`].
-    pub fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+    pub unsafe fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         let not_initialised = |backend| Error::NotInitialised { workspace: self.target_name().clone(), backend };
         let ws = self.workspace_ref();
         if !ws.engine.with_arena(|arena| arena.is_some_and(|a| a.is_initialised())) {
@@ -303,8 +311,9 @@ impl<'ws> Scope<'ws> {
         if shape.size() > 0 && size_of::<T>() > 0 && !matches!(self.placement(ptr.as_ptr()), Placement::Arena(_)) {
             return Err(not_initialised("a spill block"));
         }
-        // SAFETY: the elements lie in the arena of a memory map, whose bytes are all
-        // initialised, and any bit pattern is a valid `T: Pod`; otherwise as in `zeros`.
+        // SAFETY: the elements lie in the arena of a memory map, whose bytes the caller
+        // guarantees are initialised, and any bit pattern is a valid `T: Pod`; the rest
+        // as in `zeros`.
         Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
     }
 

@@ -447,7 +447,8 @@ fn file_backed_workspace_keeps_its_contents() {
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 16);
     let w = Workspace::with_debug_mode("FILE", config, DebugMode::Disabled).unwrap();
     let s = w.enter().unwrap();
-    let restored = s.retained::<u32, _>(1000).unwrap();
+    // SAFETY: the file's bytes were written above with initialised `u32`s.
+    let restored = unsafe { s.retained::<u32, _>(1000) }.unwrap();
     assert!(restored.iter().enumerate().all(|(i, &x)| x == i as u32 * 3));
     let anon = ws(WorkspaceConfig::builder()
         .learning(LearningPolicy::None)
@@ -458,7 +459,8 @@ fn file_backed_workspace_keeps_its_contents() {
     assert_eq!(cycle(&anon, &[100, 100]), vec![Placement::Arena(0), Placement::Arena(128)]);
     let s = ws(WorkspaceConfig::default());
     let scope = s.enter().unwrap();
-    assert!(matches!(scope.retained::<u8, _>(4).unwrap_err(), Error::NotInitialised { .. }));
+    // SAFETY: the call fails before handing out anything.
+    assert!(matches!(unsafe { scope.retained::<u8, _>(4) }.unwrap_err(), Error::NotInitialised { .. }));
 }
 
 #[test]
