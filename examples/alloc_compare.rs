@@ -11,6 +11,12 @@
 //! iteration of a fresh arena, measured in fresh child processes (median of 9) so that
 //! no earlier run has faulted the memory in.
 //!
+//! `std` runs in a fresh child process of its own (warm-up, then the same rounds):
+//! glibc adapts its mmap and trim thresholds to what the process freed before, and in
+//! the shared process the other variants' frees raise them so far that the heap is
+//! never trimmed, which a loop allocating with `Vec` alone does not see. The shared
+//! process's figure is reported too, as `std_shared_heap`.
+//!
 //! Extra variants: `carve_view` (carve's ndarray-view API) and `carve_engine` (the
 //! engine's fast path alone).
 //!
@@ -223,18 +229,18 @@ impl Variant for Prealloc {
 
 /// `Vec` on the default allocator. Every array of an iteration stays alive until the
 /// iteration ends, as activations kept for backprop do; the holder is reused.
-struct Std(Vec<Vec<f32>>);
+struct Std(&'static str, Vec<Vec<f32>>);
 impl Variant for Std {
     fn name(&self) -> &'static str {
-        "std"
+        self.0
     }
     fn iteration(&mut self, w: &Workload) -> u64 {
         for &(r, c) in &w.shapes {
             let mut v = Vec::<f32>::with_capacity(r * c);
             touch(&mut v.spare_capacity_mut()[..r * c], w.touch);
-            self.0.push(v);
+            self.1.push(v);
         }
-        self.0.clear();
+        self.1.clear();
         0
     }
 }
@@ -284,7 +290,7 @@ fn variants(w: &Workload) -> Vec<Box<dyn Variant>> {
         Box::new(CarveView(Workspace::new("BENCH_VIEW", WorkspaceConfig::default()).expect("workspace"))),
         Box::new(Bumpalo(bumpalo::Bump::new())),
         Box::new(Prealloc(w.shapes.iter().map(|&(r, c)| vec![MaybeUninit::uninit(); r * c]).collect())),
-        Box::new(Std(Vec::with_capacity(w.shapes.len()))),
+        Box::new(Std("std_shared_heap", Vec::with_capacity(w.shapes.len()))),
         Box::new(Direct("mimalloc", mimalloc::MiMalloc, Vec::with_capacity(w.shapes.len()))),
         Box::new(Direct("jemalloc", tikv_jemallocator::Jemalloc, Vec::with_capacity(w.shapes.len()))),
     ]
@@ -299,20 +305,25 @@ struct Totals {
     /// Nanoseconds per iteration of each round; the median is reported, which is
     /// robust against rounds disturbed by other work on the machine.
     round_ns: Vec<f64>,
-    faults: u64,
-    heap_allocs: u64,
+    faults: f64,
+    heap_allocs: f64,
     /// First iteration in a fresh process: (nanoseconds, minor faults).
     cold: Option<(f64, f64)>,
 }
 
 fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static str, Totals> {
     let mut vs = variants(w);
+    // Everything the harness needs is allocated before the first iteration: a small
+    // allocation made between iterations would land in the free top of glibc's heap and
+    // pin it, so `std` would see a heap that is never trimmed, which a plain training
+    // loop does not (see benches/README.md).
+    let mut totals: BTreeMap<&'static str, Totals> =
+        vs.iter().map(|v| (v.name(), Totals { round_ns: Vec::with_capacity(rounds), ..Totals::default() })).collect();
     for v in &mut vs {
         for _ in 0..per_round.max(5) {
             v.iteration(w); // warm-up: learning, chunk growth, allocator caches
         }
     }
-    let mut totals: BTreeMap<&'static str, Totals> = vs.iter().map(|v| (v.name(), Totals::default())).collect();
     for _ in 0..rounds {
         // Alternate the order so that no variant always follows the same neighbour.
         vs.reverse();
@@ -329,8 +340,8 @@ fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static s
             let allocs = heap_allocs() - allocs + direct;
             let t = totals.get_mut(v.name()).expect("every variant has totals");
             t.round_ns.push(time.as_nanos() as f64 / per_round as f64);
-            t.faults += faults;
-            t.heap_allocs += allocs;
+            t.faults += faults as f64;
+            t.heap_allocs += allocs as f64;
             t.iterations += per_round as u64;
         }
     }
@@ -350,6 +361,47 @@ fn cold_child(variant: &str, workload: &str) {
     v.iteration(&w);
     let ns = start.elapsed().as_nanos();
     println!("{ns} {}", minor_faults() - faults);
+}
+
+/// Runs in a fresh child process: the `std` variant alone, warm-up then `rounds`
+/// rounds, printed as "median-ns-per-iteration faults-per-iteration allocs-per-iteration".
+///
+/// glibc's malloc adapts its mmap and trim thresholds to what the process has freed
+/// before, so in the shared process `std` sees a heap shaped by the other variants
+/// (bumpalo releasing its smaller chunks raises both thresholds above the training
+/// step's footprint, and the heap is never trimmed). A program whose loop allocates
+/// with `Vec` alone is measured here.
+fn std_child(workload: &str, rounds: usize, per_round: usize) {
+    let w = if workload == "small" { small() } else { training() };
+    let mut v = Std("std", Vec::with_capacity(w.shapes.len()));
+    let mut round_ns = Vec::with_capacity(rounds);
+    for _ in 0..per_round.max(5) {
+        v.iteration(&w);
+    }
+    let (faults, allocs) = (minor_faults(), heap_allocs());
+    for _ in 0..rounds {
+        let start = Instant::now();
+        for _ in 0..per_round {
+            v.iteration(&w);
+        }
+        round_ns.push(start.elapsed().as_nanos() as f64 / per_round as f64);
+    }
+    let n = (rounds * per_round) as f64;
+    let (faults, allocs) = ((minor_faults() - faults) as f64 / n, (heap_allocs() - allocs) as f64 / n);
+    round_ns.sort_by(f64::total_cmp);
+    println!("{} {faults} {allocs}", round_ns[round_ns.len() / 2]);
+}
+
+/// The `std` variant measured by [`std_child`]: (ns per iteration, faults, allocations).
+fn std_isolated(workload: &str, rounds: usize, per_round: usize) -> (f64, f64, f64) {
+    let exe = std::env::current_exe().expect("own path");
+    let out = Command::new(exe)
+        .args(["--std-child", workload, &rounds.to_string(), &per_round.to_string()])
+        .output()
+        .expect("child runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let f: Vec<f64> = text.split_whitespace().map(|f| f.parse().expect("child prints numbers")).collect();
+    (f[0], f[1], f[2])
 }
 
 /// Median first-iteration time and faults over `samples` fresh processes.
@@ -373,6 +425,11 @@ fn main() {
         cold_child(&args[i + 1], &args[i + 2]);
         return;
     }
+    if let Some(i) = args.iter().position(|a| a == "--std-child") {
+        let number = |k: usize| args[i + k].parse().expect("a count");
+        std_child(&args[i + 1], number(2), number(3));
+        return;
+    }
     let json = args.iter().any(|a| a == "--json");
     let rounds = args
         .iter()
@@ -387,6 +444,8 @@ fn main() {
         for name in ["carve", "bumpalo"] {
             totals.get_mut(name).expect("variant").cold = Some(cold(name, w.name, 9));
         }
+        let (ns, faults, allocs) = std_isolated(w.name, rounds, per_round);
+        totals.insert("std", Totals { iterations: 1, round_ns: vec![ns], faults, heap_allocs: allocs, cold: None });
         let arrays = w.shapes.len() as f64;
         println!("\nworkload {} ({} arrays per iteration)", w.name, w.shapes.len());
         println!(
@@ -394,7 +453,17 @@ fn main() {
             "variant", "ns/iter", "ns/alloc", "faults/iter", "allocs/iter", "cold first iteration (ns)"
         );
         let mut entry = serde_json::Map::new();
-        for name in ["carve", "carve_engine", "carve_view", "bumpalo", "prealloc", "std", "mimalloc", "jemalloc"] {
+        for name in [
+            "carve",
+            "carve_engine",
+            "carve_view",
+            "bumpalo",
+            "prealloc",
+            "std",
+            "std_shared_heap",
+            "mimalloc",
+            "jemalloc",
+        ] {
             let t = &totals[name];
             let n = t.iterations as f64;
             let mut rounds = t.round_ns.clone();
@@ -403,8 +472,8 @@ fn main() {
             let mut obj = serde_json::json!({
                 "ns_per_iter": ns_per_iter,
                 "ns_per_alloc": ns_per_iter / arrays,
-                "minor_faults_per_iter": t.faults as f64 / n,
-                "heap_allocs_per_iter": t.heap_allocs as f64 / n,
+                "minor_faults_per_iter": t.faults / n,
+                "heap_allocs_per_iter": t.heap_allocs / n,
             });
             if let Some((ns, faults)) = t.cold {
                 obj["cold_first_iter_ns"] = serde_json::json!(ns);
@@ -415,8 +484,8 @@ fn main() {
                 name,
                 ns_per_iter,
                 ns_per_iter / arrays,
-                t.faults as f64 / n,
-                t.heap_allocs as f64 / n,
+                t.faults / n,
+                t.heap_allocs / n,
                 t.cold.map_or("-".to_string(), |(ns, faults)| format!("{ns:.0} ({faults:.0} faults)"))
             );
             entry.insert(name.to_string(), obj);

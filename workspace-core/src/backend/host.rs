@@ -1,5 +1,6 @@
-//! Host backends: RAM on bumpalo (advised to use transparent huge pages) and memory
-//! maps on memmap2 (file-backed or anonymous).
+//! Host backends: RAM on bumpalo (arenas of a huge page or more on a fresh anonymous
+//! mapping advised to use transparent huge pages) and memory maps on memmap2
+//! (file-backed or anonymous).
 //!
 //! This module and `scope`, `handle` and `alloc_api` are the only places with
 //! `unsafe` code in this crate.
@@ -71,6 +72,32 @@ impl HostBlock {
         Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Bump { _chunk: bump } })
     }
 
+    /// A RAM arena. Arenas of a huge page or more get a fresh anonymous mapping of
+    /// their own, aligned to a huge page and advised to use transparent huge pages:
+    /// memory from the process heap may already be backed by 4 KiB pages (glibc hands
+    /// out reused heap memory once its mmap threshold has adapted), and then the kernel
+    /// cannot back it with huge pages at the first touch. Smaller arenas and all
+    /// spills come from bumpalo.
+    fn ram_arena(bytes: usize) -> Result<HostBlock, BackendError> {
+        if !cfg!(target_os = "linux") || bytes < HUGE_PAGE {
+            return HostBlock::ram(bytes, PAGE);
+        }
+        let oom = || BackendError::OutOfMemory { bytes, align: HUGE_PAGE };
+        let padded = bytes.checked_add(HUGE_PAGE - PAGE).ok_or_else(oom)?;
+        let mut map = MmapMut::map_anon(padded).map_err(|_| oom())?;
+        let start = map.as_mut_ptr();
+        let skip = start.align_offset(HUGE_PAGE);
+        debug_assert!(skip <= HUGE_PAGE - PAGE, "mappings are page-aligned");
+        // SAFETY: `skip + bytes <= padded` (the mapping is page-aligned, so the next
+        // huge-page boundary is at most `HUGE_PAGE - PAGE` bytes in), so the block
+        // stays inside the mapping, which lives as long as the block owns it.
+        let ptr = NonNull::new(unsafe { start.add(skip) }).expect("a mapping is not null");
+        advise_huge_pages(ptr, bytes);
+        // The block is treated as uninitialised like any RAM arena, although a fresh
+        // anonymous mapping reads as zeros.
+        Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Map { _map: map } })
+    }
+
     fn map(map: MmapMut) -> HostBlock {
         let len = map.len();
         let mut map = map;
@@ -108,7 +135,7 @@ fn advise_huge_pages(_ptr: NonNull<u8>, _bytes: usize) {}
 /// The host backend for a [`Location`].
 #[derive(Debug)]
 pub enum HostBackend {
-    /// Host RAM from bumpalo.
+    /// Host RAM: bumpalo, and fresh huge-page-aligned anonymous mappings for large arenas.
     Ram,
     /// A file mapping; the file is created or extended to the arena size.
     MmapFile {
@@ -166,7 +193,7 @@ impl ArenaBackend for HostBackend {
 
     fn allocate_arena(&mut self, bytes: usize) -> Result<HostBlock, BackendError> {
         match self {
-            HostBackend::Ram => HostBlock::ram(bytes, PAGE),
+            HostBackend::Ram => HostBlock::ram_arena(bytes),
             HostBackend::MmapFile { path } => Ok(HostBlock::map(map_file(path, bytes)?)),
             HostBackend::MmapAnonymous => MmapMut::map_anon(bytes)
                 .map(HostBlock::map)
