@@ -283,6 +283,11 @@ impl<B: ArenaBackend> Engine<B> {
         f(self.arena.borrow().as_ref())
     }
 
+    /// Runs `f` on the arena block (if any) and the spill blocks held now.
+    pub fn with_blocks<R>(&self, f: impl FnOnce(Option<&B::Block>, &[B::Block]) -> R) -> R {
+        f(self.arena.borrow().as_ref(), &self.spills.borrow())
+    }
+
     pub(crate) fn backend_error(&self, source: BackendError) -> Error {
         Error::Backend { workspace: self.name.clone(), source }
     }
@@ -763,6 +768,13 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// Forgets the peak so far; the next snapshot starts from current use.
+    /// Largest `bytes_in_use + spilled_in_use` since creation or `reset_peak` (as in
+    /// the statistics, without building them).
+    pub fn peak(&self) -> usize {
+        self.peak.get().max(self.bytes_in_use() + self.spilled_in_use.get())
+    }
+
+    /// Restarts the peak from the bytes in use now.
     pub fn reset_peak(&self) {
         self.peak.set(self.bytes_in_use() + self.spilled_in_use.get());
     }

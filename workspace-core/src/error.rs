@@ -140,6 +140,51 @@ pub enum Error {
         workspace: String,
     },
 
+    /// A layer's array is not where its [`ArrayType`](crate::ArrayType) says it must be.
+    #[error(
+        "layer '{layer}' produced {array_type:?} in {actual}, but {array_type:?} must live in {expected}: \
+         allocate it from the {array_type:?} scope the layer was given (`ctx.activations` for a forward \
+         output), or copy it there with `TypedScope::dup` / `LayerWorkspaceMgr::leverage_to`"
+    )]
+    WrongLocation {
+        /// The layer that produced the array.
+        layer: String,
+        /// The array's role.
+        array_type: crate::layer::ArrayType,
+        /// Where arrays of this type belong (a workspace, or "no workspace (heap)").
+        expected: String,
+        /// Where this array is.
+        actual: String,
+    },
+
+    /// Arrays handed to a layer or network do not have the shapes it needs.
+    #[error("{context}: expected shape {expected:?}, got {actual:?}")]
+    ShapeMismatch {
+        /// Who complains, and about which array.
+        context: String,
+        /// The shape required (`usize::MAX` where any size goes).
+        expected: Vec<usize>,
+        /// The shape given.
+        actual: Vec<usize>,
+    },
+
+    /// A value handed to a layer or network is out of range (a label beyond the
+    /// number of classes, an empty batch).
+    #[error("{0}")]
+    InvalidInput(String),
+
+    /// A helper workspace that a layer asked for was never declared.
+    #[error(
+        "layer workspace manager has no helper workspace '{helper}': declare it with \
+         `LayerWorkspaceMgrBuilder::helper(\"{helper}\", config)` (declared: {declared:?})"
+    )]
+    UnknownHelper {
+        /// The helper asked for.
+        helper: String,
+        /// The helpers that exist.
+        declared: Vec<String>,
+    },
+
     /// `get_or_create` was called with a configuration that differs from the existing one.
     #[error(
         "workspace '{workspace}' already exists with a different configuration: existing \

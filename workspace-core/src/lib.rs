@@ -35,6 +35,7 @@
 //! | arrays you can store | [`Handle`], checked against the generation on every access |
 //! | copying out | [`WorkspaceArrayExt::detach`], [`WorkspaceArrayExt::leverage_to`] |
 //! | per-thread registry | [`WorkspaceManager`], [`DebugMode`] |
+//! | layers, as in DL4J | [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`], [`TypedScope`] |
 //! | where memory comes from | [`ArenaBackend`], [`HostBackend`]; the logic is [`Engine`] |
 //! | std containers in a workspace | `allocator_api2::alloc::Allocator` for `&Scope` |
 //!
@@ -54,6 +55,7 @@ mod engine;
 mod error;
 #[allow(unsafe_code)]
 mod handle;
+pub mod layer;
 mod manager;
 #[allow(unsafe_code)]
 mod scope;
@@ -70,6 +72,7 @@ pub use config::{
 pub use engine::{Engine, Entered, WorkspaceStats};
 pub use error::{BackendError, Error, Result};
 pub use handle::Handle;
+pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
 pub use manager::{stats_table, WorkspaceManager};
-pub use scope::{Placement, Scope, ScopeKind};
+pub use scope::{freeze, Placement, Scope, ScopeKind};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

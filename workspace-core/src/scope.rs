@@ -154,6 +154,13 @@ impl<'ws> Scope<'ws> {
         })
     }
 
+    /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
+    /// or the scope's own heap blocks when scoped out).
+    pub fn holds<T, S: ndarray::RawData<Elem = T>, D: Dimension>(&self, array: &ArrayBase<S, D>) -> bool {
+        let (ptr, bytes) = extent(array);
+        self.workspace_ref().contains(ptr, bytes)
+    }
+
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
@@ -352,6 +359,23 @@ impl<'ws> Scope<'ws> {
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
     }
 
+    /// A slice whose element `i` is `f(i)`, computed in index order.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+    pub fn slice_from_fn<T: Pod>(&self, len: usize, mut f: impl FnMut(usize) -> T) -> Result<&mut [T]> {
+        let slots = self.slice_uninit::<T>(len)?;
+        for (i, slot) in slots.iter_mut().enumerate() {
+            slot.write(f(i));
+        }
+        // SAFETY: every one of the `len` slots was written just above; `MaybeUninit<T>`
+        // and `T` have the same layout.
+        Ok(unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [T]) })
+    }
+
     /// An uninitialised slice.
     ///
     /// # Errors
@@ -411,4 +435,50 @@ impl Drop for Scope<'_> {
         self.keep.take();
         self.own.take();
     }
+}
+
+/// The first byte and the byte length of the memory an array spans (its elements
+/// from the lowest to the highest address; zero for an empty array).
+pub(crate) fn extent<T, S: ndarray::RawData<Elem = T>, D: Dimension>(array: &ArrayBase<S, D>) -> (*const u8, usize) {
+    if array.is_empty() || size_of::<T>() == 0 {
+        return (array.as_ptr().cast(), 0);
+    }
+    let (mut low, mut high) = (0isize, 0isize);
+    for (&len, &stride) in array.shape().iter().zip(array.strides()) {
+        let reach = (len as isize - 1) * stride;
+        if reach < 0 {
+            low += reach;
+        } else {
+            high += reach;
+        }
+    }
+    let elem = size_of::<T>() as isize;
+    let first = (array.as_ptr() as isize + low * elem) as *const u8;
+    (first, ((high - low + 1) * elem) as usize)
+}
+
+/// Turns a mutable view into a shared view of the same lifetime (ndarray offers only
+/// the shorter reborrow): what a layer returns after filling its output.
+///
+/// ```
+/// let scope = workspace_core::Scope::heap();
+/// let mut y = scope.zeros::<f32, _>((2, 3))?;
+/// y.fill(1.0);
+/// let y: ndarray::ArrayView2<f32> = workspace_core::freeze(y);
+/// assert_eq!(y.sum(), 6.0);
+/// # Ok::<(), workspace_core::Error>(())
+/// ```
+pub fn freeze<'a, T, D: Dimension>(view: ArrayViewMut<'a, T, D>) -> ndarray::ArrayView<'a, T, D> {
+    let dim = view.raw_dim();
+    let strides = view.strides().iter().map(|&s| s as usize);
+    let mut stride_dim = D::zeros(dim.ndim());
+    for (slot, s) in stride_dim.slice_mut().iter_mut().zip(strides) {
+        *slot = s;
+    }
+    let ptr = view.as_ptr();
+    // SAFETY: `view` is consumed, so its exclusive borrow of the elements for 'a
+    // becomes this shared borrow for the same 'a; shape, strides (negative strides
+    // round-trip through `usize` as ndarray's `ShapeBuilder` expects) and pointer
+    // describe exactly the elements the view covered.
+    unsafe { ndarray::ArrayView::from_shape_ptr(dim.strides(stride_dim), ptr) }
 }

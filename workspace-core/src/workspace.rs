@@ -4,7 +4,8 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::backend::host::HostBackend;
+use crate::backend::host::{HostBackend, HostBlock};
+use crate::backend::Block;
 use crate::config::WorkspaceConfig;
 use crate::engine::{Engine, Entered, WorkspaceStats};
 use crate::error::{Error, Result};
@@ -247,6 +248,25 @@ impl Workspace {
     pub fn timeline(&self) -> Vec<usize> {
         self.engine.timeline()
     }
+    /// Whether the `bytes` bytes at `ptr` lie inside this workspace's memory (its
+    /// arena or a spill block it holds now). Says nothing about the generation: memory
+    /// of a closed cycle is still inside.
+    pub fn contains(&self, ptr: *const u8, bytes: usize) -> bool {
+        let start = ptr as usize;
+        let Some(end) = start.checked_add(bytes) else { return false };
+        let inside = |block: &HostBlock| {
+            let base = block.base().as_ptr() as usize;
+            start >= base && end <= base + block.len()
+        };
+        self.engine.with_blocks(|arena, spills| arena.is_some_and(inside) || spills.iter().any(inside))
+    }
+
+    /// Largest bytes in use (arena and spills) since creation or [`Workspace::reset_peak`];
+    /// cheaper than [`Workspace::stats`] (no allocation).
+    pub fn peak_bytes(&self) -> usize {
+        self.engine.peak()
+    }
+
     /// The engine, for backends and diagnostics.
     pub fn engine(&self) -> &Engine<HostBackend> {
         &self.engine

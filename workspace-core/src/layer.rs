@@ -1,0 +1,530 @@
+//! The layer API, as DL4J users know it: [`WorkspaceMode`], [`ArrayType`] and
+//! [`LayerWorkspaceMgr`].
+//!
+//! A network maps each role an array can play ([`ArrayType`]) to a named workspace,
+//! or to no workspace at all, in a [`LayerWorkspaceMgr`]. It opens the workspaces as
+//! the roles require ([`LayerWorkspaceMgr::enter`] gives a [`TypedScope`]) and hands
+//! the open scopes to its layers. A layer allocates from the scope of the role the
+//! array plays; views borrow that scope, so an array cannot outlive the cycle of its
+//! role, and a function signature can say which role it returns:
+//!
+//! ```
+//! use ndarray::ArrayView2;
+//! use workspace_core::{freeze, ArrayType, LayerWorkspaceMgr, Result, TypedScope, WorkspaceConfig};
+//!
+//! /// A layer's forward pass: the output must outlive the working memory.
+//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
+//!     let mut tmp = working.create::<f32, _>(x.raw_dim())?; // reset after this layer
+//!     tmp.assign(&x);
+//!     tmp.mapv_inplace(|v| v.max(0.0));
+//!     Ok(freeze(out.dup(&tmp)?))                            // activations: kept for backprop
+//! }
+//!
+//! let mgr = LayerWorkspaceMgr::builder()
+//!     .with(ArrayType::Activations, "WS_ACT", WorkspaceConfig::default())
+//!     .default_workspace("WS_WORKING_MEM", WorkspaceConfig::default())
+//!     .build()?;
+//! let activations = mgr.enter(ArrayType::Activations)?;
+//! let input = freeze(activations.create::<f32, _>((4, 3))?);
+//! let y = {
+//!     let working = mgr.enter(ArrayType::FfWorkingMem)?;
+//!     forward(input, &activations, &working)?
+//! }; // working memory reset here; `y` lives on
+//! mgr.validate(ArrayType::Activations, "relu", &y)?;
+//! assert_eq!(y.shape(), &[4, 3]);
+//! # Ok::<(), workspace_core::Error>(())
+//! ```
+//!
+//! Returning working memory as activations does not compile:
+//!
+//! ```compile_fail
+//! use ndarray::ArrayView2;
+//! use workspace_core::{freeze, Result, TypedScope};
+//!
+//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
+//!     let tmp = working.dup(&x)?;
+//!     Ok(freeze(tmp)) // error: `working` does not live for 'a
+//! }
+//! ```
+//!
+//! Allocating the output in the wrong long-lived workspace compiles, and
+//! [`LayerWorkspaceMgr::validate`] reports it with an [`Error::WrongLocation`] that
+//! names the layer, the array type, the expected and the actual workspace.
+
+use std::fmt;
+use std::ops::Deref;
+use std::rc::Rc;
+
+use bytemuck::Pod;
+use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, RawData, ShapeBuilder};
+
+use crate::config::WorkspaceConfig;
+use crate::error::{Error, Result};
+use crate::manager::WorkspaceManager;
+use crate::scope::{extent, Scope};
+use crate::workspace::{DebugMode, Workspace};
+use crate::WorkspaceStats;
+
+/// Whether a network uses workspaces, set separately for training and inference.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceMode {
+    /// Arrays live in workspaces, reset at the end of their cycle (the default).
+    #[default]
+    Enabled,
+    /// Every array is its own heap allocation ([`LayerWorkspaceMgr::no_workspaces`]).
+    None,
+}
+
+impl fmt::Display for WorkspaceMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WorkspaceMode::Enabled => "enabled",
+            WorkspaceMode::None => "none",
+        })
+    }
+}
+
+impl std::str::FromStr for WorkspaceMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<WorkspaceMode> {
+        match s.to_ascii_lowercase().as_str() {
+            "enabled" => Ok(WorkspaceMode::Enabled),
+            "none" => Ok(WorkspaceMode::None),
+            _ => Err(Error::InvalidConfig { reason: format!("unknown workspace mode '{s}': use 'enabled' or 'none'") }),
+        }
+    }
+}
+
+/// The role an array plays in a layer, which decides when its memory may be
+/// invalidated (the workspace it maps to is reset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ArrayType {
+    /// The network's input batch: valid for the whole iteration (forward and
+    /// backward); invalidated when the iteration ends.
+    Input,
+    /// A layer's forward output: kept for backpropagation, so valid until the
+    /// iteration's backward pass is done; invalidated when the iteration ends.
+    Activations,
+    /// The gradient with respect to a layer's input (epsilon): valid while the layer
+    /// below consumes it; invalidated once the layer below has produced its own.
+    ActivationGrad,
+    /// Scratch of one layer's forward pass: invalidated as soon as the layer returns.
+    FfWorkingMem,
+    /// Scratch of one layer's backward pass: invalidated as soon as the layer returns.
+    BpWorkingMem,
+    /// Scratch of one time step of a recurrent forward loop: invalidated at the end
+    /// of the step.
+    RnnFfLoopWorkingMem,
+    /// Scratch of one time step of a recurrent backward loop: invalidated at the end
+    /// of the step.
+    RnnBpLoopWorkingMem,
+    /// Scratch of the updater (momentum, Adam): invalidated after the parameter
+    /// update of the iteration.
+    UpdaterWorkingMem,
+    /// Forward results a layer caches for its backward pass beyond its activations:
+    /// valid until the iteration's backward pass is done.
+    FfCache,
+}
+
+impl ArrayType {
+    /// All nine roles, in declaration order.
+    pub const ALL: [ArrayType; 9] = [
+        ArrayType::Input,
+        ArrayType::Activations,
+        ArrayType::ActivationGrad,
+        ArrayType::FfWorkingMem,
+        ArrayType::BpWorkingMem,
+        ArrayType::RnnFfLoopWorkingMem,
+        ArrayType::RnnBpLoopWorkingMem,
+        ArrayType::UpdaterWorkingMem,
+        ArrayType::FfCache,
+    ];
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Where a role's arrays go.
+#[derive(Clone, Debug)]
+enum Target {
+    /// No workspace: each array is its own heap allocation.
+    Heap,
+    Workspace(Rc<Workspace>),
+}
+
+/// Maps every [`ArrayType`] to a workspace or to no workspace, opens them, and checks
+/// where arrays live. See the [module documentation](self).
+///
+/// Workspaces are created in the calling thread's [`WorkspaceManager`] by name, so
+/// two managers naming the same workspace share it (with the same configuration, or
+/// building the second fails with [`Error::ConfigMismatch`]). Like workspaces, a
+/// manager belongs to the thread that built it.
+#[derive(Clone, Debug)]
+pub struct LayerWorkspaceMgr {
+    targets: [Target; 9],
+    helpers: Vec<(String, Rc<Workspace>)>,
+}
+
+/// Builder of a [`LayerWorkspaceMgr`]; every array type must be mapped, explicitly or
+/// through [`LayerWorkspaceMgrBuilder::default_workspace`].
+#[derive(Clone, Debug, Default)]
+pub struct LayerWorkspaceMgrBuilder {
+    /// `None`: not mapped yet; `Some(None)`: no workspace.
+    entries: [Option<Option<(String, WorkspaceConfig)>>; 9],
+    default: Option<(String, WorkspaceConfig)>,
+    helpers: Vec<(String, WorkspaceConfig)>,
+}
+
+impl LayerWorkspaceMgrBuilder {
+    /// Arrays of type `ty` go to workspace `name`, created with `config`.
+    pub fn with(mut self, ty: ArrayType, name: &str, config: WorkspaceConfig) -> Self {
+        self.entries[ty.index()] = Some(Some((name.to_string(), config)));
+        self
+    }
+
+    /// Arrays of type `ty` are ordinary heap allocations.
+    pub fn scoped_out(mut self, ty: ArrayType) -> Self {
+        self.entries[ty.index()] = Some(None);
+        self
+    }
+
+    /// Types not mapped otherwise go to workspace `name`.
+    pub fn default_workspace(mut self, name: &str, config: WorkspaceConfig) -> Self {
+        self.default = Some((name.to_string(), config));
+        self
+    }
+
+    /// Declares a named helper workspace: scratch a layer keeps between calls (for
+    /// example a cache that lives across iterations and is reset when the layer says).
+    pub fn helper(mut self, name: &str, config: WorkspaceConfig) -> Self {
+        self.helpers.push((name.to_string(), config));
+        self
+    }
+
+    /// Creates (or finds, on this thread) the workspaces and builds the manager.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when a type is mapped nowhere and there is no default,
+    /// or a helper is declared twice; [`Error::ConfigMismatch`] when a name is used
+    /// with two configurations; the errors of [`WorkspaceManager::get_or_create`].
+    pub fn build(self) -> Result<LayerWorkspaceMgr> {
+        let manager = WorkspaceManager::current();
+        let mut targets: [Target; 9] = std::array::from_fn(|_| Target::Heap);
+        for ty in ArrayType::ALL {
+            let entry = match &self.entries[ty.index()] {
+                Some(entry) => entry.as_ref(),
+                None => match &self.default {
+                    Some(default) => Some(default),
+                    None => {
+                        return Err(Error::InvalidConfig {
+                            reason: format!(
+                                "array type {ty:?} is mapped to no workspace and there is no default: use \
+                                 `with(ArrayType::{ty:?}, name, config)`, `scoped_out(ArrayType::{ty:?})` or \
+                                 `default_workspace(name, config)`"
+                            ),
+                        })
+                    }
+                },
+            };
+            if let Some((name, config)) = entry {
+                targets[ty.index()] = Target::Workspace(manager.get_or_create(name, config)?);
+            }
+        }
+        let mut helpers: Vec<(String, Rc<Workspace>)> = Vec::with_capacity(self.helpers.len());
+        for (name, config) in &self.helpers {
+            if helpers.iter().any(|(n, _)| n == name) {
+                return Err(Error::InvalidConfig { reason: format!("helper workspace '{name}' is declared twice") });
+            }
+            helpers.push((name.clone(), manager.get_or_create(name, config)?));
+        }
+        Ok(LayerWorkspaceMgr { targets, helpers })
+    }
+}
+
+/// Where arrays of a type go when it has no workspace, in messages.
+const NO_WORKSPACE: &str = "no workspace (heap)";
+
+impl LayerWorkspaceMgr {
+    /// A builder; every type must be mapped or covered by a default workspace.
+    pub fn builder() -> LayerWorkspaceMgrBuilder {
+        LayerWorkspaceMgrBuilder::default()
+    }
+
+    /// Every type scoped out to the heap: what [`WorkspaceMode::None`] uses.
+    pub fn no_workspaces() -> LayerWorkspaceMgr {
+        LayerWorkspaceMgr { targets: std::array::from_fn(|_| Target::Heap), helpers: Vec::new() }
+    }
+
+    /// The workspace of `ty`, `None` when it is scoped out.
+    pub fn workspace(&self, ty: ArrayType) -> Option<&Rc<Workspace>> {
+        match &self.targets[ty.index()] {
+            Target::Heap => None,
+            Target::Workspace(ws) => Some(ws),
+        }
+    }
+
+    /// The name of `ty`'s workspace, `None` when it is scoped out.
+    pub fn workspace_name(&self, ty: ArrayType) -> Option<&str> {
+        self.workspace(ty).map(|ws| &**ws.name())
+    }
+
+    /// Whether arrays of `ty` are heap allocations.
+    pub fn is_scoped_out(&self, ty: ArrayType) -> bool {
+        self.workspace(ty).is_none()
+    }
+
+    /// Opens `ty`'s workspace: a new cycle, or nested when it is already open (see
+    /// [`Workspace::enter`]); a heap scope when `ty` is scoped out.
+    ///
+    /// # Errors
+    ///
+    /// Those of [`Workspace::enter`].
+    #[inline]
+    pub fn enter(&self, ty: ArrayType) -> Result<TypedScope> {
+        let scope = match &self.targets[ty.index()] {
+            Target::Heap => Scope::heap(),
+            Target::Workspace(ws) => ws.enter_shared()?,
+        };
+        Ok(TypedScope { ty, scope })
+    }
+
+    /// Allocates in `ty`'s workspace, which something else holds open, without
+    /// nesting a cycle (see [`Workspace::borrow_open`]); a heap scope when `ty` is
+    /// scoped out.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed: nothing is allocated in a
+    /// closed workspace behind the caller's back.
+    pub fn borrow_open(&self, ty: ArrayType) -> Result<TypedScope> {
+        let scope = match &self.targets[ty.index()] {
+            Target::Heap => Scope::heap(),
+            Target::Workspace(ws) => ws.borrow_open_shared()?,
+        };
+        Ok(TypedScope { ty, scope })
+    }
+
+    /// The helper workspace `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownHelper`] when it was not declared in the builder.
+    pub fn helper(&self, name: &str) -> Result<&Rc<Workspace>> {
+        self.helpers.iter().find(|(n, _)| n == name).map(|(_, ws)| ws).ok_or_else(|| Error::UnknownHelper {
+            helper: name.to_string(),
+            declared: self.helpers.iter().map(|(n, _)| n.clone()).collect(),
+        })
+    }
+
+    /// Opens the helper workspace `name` (a new cycle, or nested).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownHelper`], or those of [`Workspace::enter`].
+    pub fn enter_helper(&self, name: &str) -> Result<Scope<'static>> {
+        self.helper(name)?.enter_shared()
+    }
+
+    /// Copies `array` into `ty`'s workspace, which must be open (held by a scope
+    /// elsewhere), as a storable [`crate::Handle`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `ty` is scoped out (a handle needs a workspace:
+    /// use [`crate::WorkspaceArrayExt::detach`] for heap arrays); [`Error::NotOpen`]
+    /// when the workspace is closed; allocation errors.
+    pub fn leverage_to<T: Pod, S: Data<Elem = T>, D: Dimension>(
+        &self,
+        ty: ArrayType,
+        array: &ArrayBase<S, D>,
+    ) -> Result<crate::Handle<T, D>> {
+        let Some(ws) = self.workspace(ty) else {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "cannot leverage to {ty:?}: it is scoped out to the heap; use `detach()` for an owned array"
+                ),
+            });
+        };
+        let scope = ws.borrow_open()?;
+        scope.copy_handle(array)
+    }
+
+    /// Checks that `array`, produced by `layer`, lives where arrays of type `ty` must.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongLocation`] naming the layer, the type, the expected and the
+    /// actual workspace.
+    pub fn validate<T, S: RawData<Elem = T>, D: Dimension>(
+        &self,
+        ty: ArrayType,
+        layer: &str,
+        array: &ArrayBase<S, D>,
+    ) -> Result<()> {
+        let (ptr, bytes) = extent(array);
+        let ok = match &self.targets[ty.index()] {
+            // Bypassed workspaces hand out heap memory: nothing to check.
+            Target::Workspace(ws) => ws.debug_mode() == DebugMode::BypassEverything || ws.contains(ptr, bytes),
+            Target::Heap => self.locate(ptr, bytes).is_none(),
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(self.misplaced(ty, layer, ptr, bytes))
+    }
+
+    #[cold]
+    fn misplaced(&self, ty: ArrayType, layer: &str, ptr: *const u8, bytes: usize) -> Error {
+        let expected = match self.workspace_name(ty) {
+            Some(name) => format!("workspace '{name}'"),
+            None => NO_WORKSPACE.to_string(),
+        };
+        let actual = match self.locate(ptr, bytes) {
+            Some(ws) => format!("workspace '{}'", ws.name()),
+            None => "memory outside this manager's workspaces (heap, an input, or another workspace)".to_string(),
+        };
+        Error::WrongLocation { layer: layer.to_string(), array_type: ty, expected, actual }
+    }
+
+    /// The workspace of this manager (types and helpers) that holds the range.
+    fn locate(&self, ptr: *const u8, bytes: usize) -> Option<&Rc<Workspace>> {
+        self.workspaces().find(|ws| ws.contains(ptr, bytes))
+    }
+
+    /// Where `array` lives, for messages: a workspace name, or a heap description.
+    pub fn location_of<T, S: RawData<Elem = T>, D: Dimension>(&self, array: &ArrayBase<S, D>) -> String {
+        let (ptr, bytes) = extent(array);
+        match self.locate(ptr, bytes) {
+            Some(ws) => format!("workspace '{}'", ws.name()),
+            None => NO_WORKSPACE.to_string(),
+        }
+    }
+
+    /// The distinct workspaces this manager uses (types first, then helpers).
+    pub fn workspaces(&self) -> impl Iterator<Item = &Rc<Workspace>> {
+        let typed = self.targets.iter().filter_map(|t| match t {
+            Target::Heap => None,
+            Target::Workspace(ws) => Some(ws),
+        });
+        let all = typed.chain(self.helpers.iter().map(|(_, ws)| ws));
+        let mut seen: [u64; 16] = [0; 16];
+        let mut n = 0;
+        // At most 9 types + helpers; the few distinct ids fit a small array, and
+        // beyond 16 distinct workspaces duplicates are merely not filtered.
+        all.filter(move |ws| {
+            if seen[..n].contains(&ws.id()) {
+                return false;
+            }
+            if n < seen.len() {
+                seen[n] = ws.id();
+                n += 1;
+            }
+            true
+        })
+    }
+
+    /// Statistics of the distinct workspaces this manager uses.
+    pub fn stats(&self) -> Vec<WorkspaceStats> {
+        self.workspaces().map(|ws| ws.stats()).collect()
+    }
+
+    /// Sum of the arena capacities of the distinct workspaces (0 with no workspaces).
+    pub fn capacity(&self) -> usize {
+        self.workspaces().map(|ws| ws.capacity()).sum()
+    }
+
+    /// Sum of the peaks (bytes in use, arena and spills) of the distinct workspaces
+    /// since their last [`LayerWorkspaceMgr::reset_peaks`]; allocates nothing.
+    pub fn peak_bytes(&self) -> usize {
+        self.workspaces().map(|ws| ws.peak_bytes()).sum()
+    }
+
+    /// Restarts the peaks of the distinct workspaces.
+    pub fn reset_peaks(&self) {
+        self.workspaces().for_each(|ws| ws.reset_peak());
+    }
+
+    /// Sum of the bytes in use (arena and spills) of the distinct workspaces now.
+    pub fn bytes_in_use(&self) -> usize {
+        self.workspaces()
+            .map(|ws| {
+                let s = ws.stats();
+                s.bytes_in_use + s.spilled_in_use
+            })
+            .sum()
+    }
+}
+
+/// An open scope for one [`ArrayType`]: everything [`Scope`] offers (through `Deref`),
+/// plus the DL4J-style operations by type.
+#[derive(Debug)]
+pub struct TypedScope {
+    ty: ArrayType,
+    scope: Scope<'static>,
+}
+
+impl Deref for TypedScope {
+    type Target = Scope<'static>;
+    fn deref(&self) -> &Scope<'static> {
+        &self.scope
+    }
+}
+
+impl TypedScope {
+    /// The role of the arrays allocated here.
+    pub fn array_type(&self) -> ArrayType {
+        self.ty
+    }
+
+    /// A zero-filled array (see [`Scope::zeros`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    pub fn create<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+        self.scope.zeros(shape)
+    }
+
+    /// An uninitialised array (see [`Scope::uninit`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    pub fn create_uninit<T: Pod, Sh: ShapeBuilder>(
+        &self,
+        shape: Sh,
+    ) -> Result<ArrayViewMut<'_, std::mem::MaybeUninit<T>, Sh::Dim>> {
+        self.scope.uninit(shape)
+    }
+
+    /// A copy of `array` here (DL4J's `dup`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    #[inline]
+    pub fn dup<T: Pod, S: Data<Elem = T>, D: Dimension>(
+        &self,
+        array: &ArrayBase<S, D>,
+    ) -> Result<ArrayViewMut<'_, T, D>> {
+        self.scope.copy_of(array)
+    }
+
+    /// `array` itself when it already lives here, otherwise a copy here (DL4J's
+    /// `leverageTo`).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    pub fn leverage<'a, T: Pod, D: Dimension>(&'a self, array: ArrayView<'a, T, D>) -> Result<ArrayView<'a, T, D>> {
+        if self.scope.workspace().is_some() && self.scope.holds(&array) {
+            return Ok(array);
+        }
+        Ok(crate::scope::freeze(self.scope.copy_of(&array)?))
+    }
+}

@@ -1,0 +1,248 @@
+//! LayerWorkspaceMgr semantics and every error message it produces.
+
+use ndarray::{Array2, ArrayView2};
+use workspace_core::{
+    freeze, ArrayType, DebugMode, Error, LayerWorkspaceMgr, WorkspaceConfig, WorkspaceManager, WorkspaceMode,
+};
+
+fn mgr() -> LayerWorkspaceMgr {
+    LayerWorkspaceMgr::builder()
+        .with(ArrayType::Activations, "ACT", WorkspaceConfig::default())
+        .with(ArrayType::Input, "ACT", WorkspaceConfig::default())
+        .scoped_out(ArrayType::FfCache)
+        .default_workspace("WORK", WorkspaceConfig::default())
+        .helper("CACHE", WorkspaceConfig::default())
+        .build()
+        .expect("valid manager")
+}
+
+#[test]
+fn every_type_maps_somewhere_or_build_names_the_missing_one() {
+    let err = LayerWorkspaceMgr::builder()
+        .with(ArrayType::Activations, "ACT", WorkspaceConfig::default())
+        .build()
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    assert!(text.contains("array type Input is mapped to no workspace"), "{text}");
+    assert!(text.contains("scoped_out(ArrayType::Input)"), "{text}");
+
+    let m = mgr();
+    assert_eq!(m.workspace_name(ArrayType::Activations), Some("ACT"));
+    assert_eq!(m.workspace_name(ArrayType::Input), Some("ACT"));
+    assert_eq!(m.workspace_name(ArrayType::BpWorkingMem), Some("WORK"));
+    assert_eq!(m.workspace_name(ArrayType::FfCache), None);
+    assert!(m.is_scoped_out(ArrayType::FfCache));
+    // ACT, WORK, CACHE: duplicates across types are listed once.
+    let names: Vec<String> = m.workspaces().map(|ws| ws.name().to_string()).collect();
+    assert_eq!(names, ["ACT", "WORK", "CACHE"]);
+}
+
+#[test]
+fn no_workspaces_scopes_everything_out() {
+    let m = LayerWorkspaceMgr::no_workspaces();
+    for ty in ArrayType::ALL {
+        assert!(m.is_scoped_out(ty), "{ty:?}");
+        let scope = m.enter(ty).unwrap();
+        assert_eq!(scope.array_type(), ty);
+        assert!(scope.workspace().is_none());
+        let a = scope.create::<f32, _>((3, 3)).unwrap();
+        m.validate(ty, "any", &a).unwrap();
+    }
+    assert_eq!(m.capacity(), 0);
+    assert_eq!(m.workspaces().count(), 0);
+}
+
+#[test]
+fn a_reused_name_with_another_config_is_an_error() {
+    let _first = mgr();
+    let other = WorkspaceConfig::builder().initial_size(1 << 20).build().unwrap();
+    let err = LayerWorkspaceMgr::builder().default_workspace("ACT", other).build().unwrap_err();
+    assert!(matches!(err, Error::ConfigMismatch { ref workspace, .. } if workspace == "ACT"), "{err:?}");
+    // The same names and configurations are shared, not duplicated.
+    let again = mgr();
+    assert!(std::rc::Rc::ptr_eq(
+        again.workspace(ArrayType::Activations).unwrap(),
+        mgr().workspace(ArrayType::Activations).unwrap()
+    ));
+    let err = LayerWorkspaceMgr::builder()
+        .default_workspace("W", WorkspaceConfig::default())
+        .helper("H", WorkspaceConfig::default())
+        .helper("H", WorkspaceConfig::default())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("helper workspace 'H' is declared twice"), "{err}");
+}
+
+#[test]
+fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let good = act.create::<f32, _>((4, 8)).unwrap();
+    m.validate(ArrayType::Activations, "dense_0", &good).unwrap();
+    m.validate(ArrayType::Input, "dense_0", &good).unwrap(); // Input shares ACT
+
+    let working = m.enter(ArrayType::FfWorkingMem).unwrap();
+    let scratch = working.create::<f32, _>((4, 8)).unwrap();
+    let err = m.validate(ArrayType::Activations, "my_layer", &scratch).unwrap_err();
+    match &err {
+        Error::WrongLocation { layer, array_type, expected, actual } => {
+            assert_eq!(layer, "my_layer");
+            assert_eq!(*array_type, ArrayType::Activations);
+            assert_eq!(expected, "workspace 'ACT'");
+            assert_eq!(actual, "workspace 'WORK'");
+        }
+        other => panic!("expected WrongLocation, got {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        "layer 'my_layer' produced Activations in workspace 'WORK', but Activations must live in workspace \
+         'ACT': allocate it from the Activations scope the layer was given (`ctx.activations` for a forward \
+         output), or copy it there with `TypedScope::dup` / `LayerWorkspaceMgr::leverage_to`"
+    );
+
+    let heap = Array2::<f32>::zeros((2, 2));
+    let err = m.validate(ArrayType::Activations, "l", &heap).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "in memory outside this manager's workspaces (heap, an input, or another workspace), but Activations \
+             must live in workspace 'ACT'"
+        ),
+        "{err}"
+    );
+
+    // A scoped-out type must not be in any of the manager's workspaces.
+    m.validate(ArrayType::FfCache, "l", &heap).unwrap();
+    let err = m.validate(ArrayType::FfCache, "l", &good).unwrap_err();
+    assert!(err.to_string().contains("FfCache must live in no workspace (heap)"), "{err}");
+    assert!(err.to_string().contains("produced FfCache in workspace 'ACT'"), "{err}");
+
+    // A view into the middle of a workspace array, and a transposed one, still count.
+    m.validate(ArrayType::Activations, "l", &good.slice(ndarray::s![1..3, 2..]).t()).unwrap();
+    assert_eq!(m.location_of(&scratch), "workspace 'WORK'");
+    assert_eq!(m.location_of(&heap), "no workspace (heap)");
+}
+
+#[test]
+fn spilled_arrays_are_located_too() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    // The first cycle learns: everything spills, and must still validate.
+    let a = act.create::<f64, _>(10_000).unwrap();
+    assert_eq!(act.workspace().unwrap().capacity(), 0, "still learning: nothing in an arena yet");
+    m.validate(ArrayType::Activations, "l", &a).unwrap();
+    drop(act);
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let b = act.create::<f64, _>(10_000).unwrap();
+    assert!(act.workspace().unwrap().capacity() >= 80_000);
+    m.validate(ArrayType::Activations, "l", &b).unwrap();
+}
+
+#[test]
+fn borrow_open_of_a_closed_workspace_is_an_error() {
+    let m = mgr();
+    let err = m.borrow_open(ArrayType::Activations).unwrap_err();
+    assert!(matches!(err, Error::NotOpen { .. }), "{err:?}");
+    assert!(err.to_string().contains("'ACT'"), "{err}");
+    let outer = m.enter(ArrayType::Activations).unwrap();
+    let borrowed = m.borrow_open(ArrayType::Activations).unwrap();
+    let a = borrowed.create::<u8, _>(16).unwrap();
+    assert!(outer.holds(&a));
+    // Scoped-out types have nothing to be closed.
+    assert!(m.borrow_open(ArrayType::FfCache).unwrap().workspace().is_none());
+}
+
+#[test]
+fn leverage_copies_only_when_needed() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let working = m.enter(ArrayType::FfWorkingMem).unwrap();
+    let mut a = working.create::<f32, _>((3, 2)).unwrap();
+    a.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32);
+    let a: ArrayView2<'_, f32> = freeze(a);
+    let moved = act.leverage(a).unwrap();
+    assert_ne!(moved.as_ptr(), a.as_ptr());
+    assert_eq!(moved, a);
+    assert!(act.holds(&moved));
+    let same = act.leverage(moved).unwrap();
+    assert_eq!(same.as_ptr(), moved.as_ptr(), "already there: no copy");
+    let dup = act.dup(&moved).unwrap();
+    assert_ne!(dup.as_ptr(), moved.as_ptr());
+    assert_eq!(dup, moved);
+}
+
+#[test]
+fn leverage_to_a_type_needs_an_open_workspace() {
+    let m = mgr();
+    let source = Array2::<f32>::from_elem((2, 2), 5.0);
+    let err = m.leverage_to(ArrayType::Activations, &source).unwrap_err();
+    assert!(matches!(err, Error::NotOpen { .. }), "closed target must be an error: {err:?}");
+    let err = m.leverage_to(ArrayType::FfCache, &source).unwrap_err();
+    assert!(err.to_string().contains("cannot leverage to FfCache: it is scoped out"), "{err}");
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let handle = m.leverage_to(ArrayType::Activations, &source).unwrap();
+    assert_eq!(handle.view(&act).unwrap(), source);
+    assert_eq!(&**handle.workspace_name(), "ACT");
+    drop(act);
+    let act = m.enter(ArrayType::Activations).unwrap();
+    assert!(matches!(handle.view(&act), Err(Error::StaleHandle { .. })));
+}
+
+#[test]
+fn helpers_are_named_and_unknown_ones_are_errors() {
+    let m = mgr();
+    let err = m.enter_helper("NOPE").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "layer workspace manager has no helper workspace 'NOPE': declare it with \
+         `LayerWorkspaceMgrBuilder::helper(\"NOPE\", config)` (declared: [\"CACHE\"])"
+    );
+    let scope = m.enter_helper("CACHE").unwrap();
+    assert_eq!(&**scope.target_name(), "CACHE");
+    assert_eq!(m.helper("CACHE").unwrap().generation(), 1);
+}
+
+#[test]
+fn workspaces_reset_per_role_and_report_peaks() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let _a = act.create::<f32, _>(1000).unwrap();
+    for _ in 0..3 {
+        let w = m.enter(ArrayType::FfWorkingMem).unwrap();
+        let _s = w.create::<f32, _>(500).unwrap();
+    }
+    let work = m.workspace(ArrayType::FfWorkingMem).unwrap();
+    assert_eq!(work.generation(), 3, "working memory: one cycle per layer call");
+    assert_eq!(m.workspace(ArrayType::Activations).unwrap().generation(), 1);
+    assert!(m.peak_bytes() >= 4000 + 2000);
+    drop(act);
+    m.reset_peaks();
+    assert_eq!(m.peak_bytes(), 0);
+}
+
+#[test]
+fn bypassed_workspaces_validate_heap_arrays() {
+    let m = mgr();
+    for ws in m.workspaces() {
+        ws.set_debug_mode(DebugMode::BypassEverything).unwrap();
+    }
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let a = act.create::<f32, _>(4).unwrap();
+    assert!(act.workspace().is_none());
+    m.validate(ArrayType::Activations, "l", &a).unwrap();
+    for ws in m.workspaces() {
+        ws.set_debug_mode(DebugMode::Disabled).unwrap();
+    }
+    WorkspaceManager::current().destroy_all().unwrap();
+}
+
+#[test]
+fn workspace_mode_parses_and_prints() {
+    assert_eq!(WorkspaceMode::default(), WorkspaceMode::Enabled);
+    assert_eq!("enabled".parse::<WorkspaceMode>().unwrap(), WorkspaceMode::Enabled);
+    assert_eq!("None".parse::<WorkspaceMode>().unwrap(), WorkspaceMode::None);
+    assert_eq!(WorkspaceMode::None.to_string(), "none");
+    let err = "on".parse::<WorkspaceMode>().unwrap_err();
+    assert!(err.to_string().contains("unknown workspace mode 'on': use 'enabled' or 'none'"), "{err}");
+    assert_eq!(ArrayType::ALL.len(), 9);
+}
