@@ -28,7 +28,9 @@
 //! # Ok::<(), carve::Error>(())
 //! ```
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
+
+pub mod nn;
 
 pub use workspace_core;
 pub use workspace_core::*;

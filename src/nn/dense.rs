@@ -1,0 +1,154 @@
+//! Fully connected layer: `y = x · W + b`.
+
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Zip};
+use workspace_core::{freeze, Error, Result};
+
+use super::gemm::{scratch_len, sgemm};
+use super::layer::{BackwardCtx, ForwardCtx, Layer, Param};
+use super::Rng;
+
+/// A dense layer with `inputs × outputs` weights and `outputs` biases, initialised
+/// with Glorot (Xavier) uniform weights and zero biases.
+///
+/// The matrix products take their packing buffers from the layer's working memory,
+/// so with workspaces enabled a forward and backward pass allocate nothing.
+#[derive(Clone, Debug)]
+pub struct Dense {
+    name: String,
+    weights: Array2<f32>,
+    bias: Array1<f32>,
+    grad_weights: Array2<f32>,
+    grad_bias: Array1<f32>,
+}
+
+impl Dense {
+    /// A layer from `inputs` to `outputs` columns (weights zero until initialised).
+    pub fn new(inputs: usize, outputs: usize) -> Dense {
+        Dense::named("dense", inputs, outputs)
+    }
+
+    /// As [`Dense::new`], with a name for messages.
+    pub fn named(name: &str, inputs: usize, outputs: usize) -> Dense {
+        Dense {
+            name: name.to_string(),
+            weights: Array2::zeros((inputs, outputs)),
+            bias: Array1::zeros(outputs),
+            grad_weights: Array2::zeros((inputs, outputs)),
+            grad_bias: Array1::zeros(outputs),
+        }
+    }
+
+    /// The weights, `inputs × outputs`.
+    pub fn weights(&self) -> ArrayView2<'_, f32> {
+        self.weights.view()
+    }
+
+    /// The weights, for tests and loading.
+    pub fn weights_mut(&mut self) -> ArrayViewMut2<'_, f32> {
+        self.weights.view_mut()
+    }
+
+    /// The biases.
+    pub fn bias(&self) -> ArrayView1<'_, f32> {
+        self.bias.view()
+    }
+
+    /// The gradient of the weights from the last backward pass.
+    pub fn grad_weights(&self) -> ArrayView2<'_, f32> {
+        self.grad_weights.view()
+    }
+
+    /// The gradient of the biases from the last backward pass.
+    pub fn grad_bias(&self) -> ArrayView1<'_, f32> {
+        self.grad_bias.view()
+    }
+
+    fn check_input(&self, input: &ArrayView2<'_, f32>) -> Result<()> {
+        if input.ncols() != self.weights.nrows() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' input", self.name),
+                expected: vec![input.nrows(), self.weights.nrows()],
+                actual: input.shape().to_vec(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Layer for Dense {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        if inputs != self.weights.nrows() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' takes {} inputs", self.name, self.weights.nrows()),
+                expected: vec![self.weights.nrows()],
+                actual: vec![inputs],
+            });
+        }
+        Ok(self.weights.ncols())
+    }
+
+    fn init(&mut self, rng: &mut Rng) {
+        let (inputs, outputs) = self.weights.dim();
+        let limit = (6.0 / (inputs + outputs) as f32).sqrt();
+        self.weights.mapv_inplace(|_| rng.uniform(-limit, limit));
+        self.bias.fill(0.0);
+    }
+
+    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        self.check_input(&input)?;
+        let (batch, inputs) = input.dim();
+        let outputs = self.weights.ncols();
+        let bias = &self.bias;
+        let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| bias[j])?;
+        let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
+        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch);
+        Ok(freeze(out))
+    }
+
+    fn backward(
+        &mut self,
+        input: ArrayView2<'_, f32>,
+        _output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        self.check_input(&input)?;
+        let (batch, inputs) = input.dim();
+        let outputs = self.weights.ncols();
+        let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
+        let scratch = ctx.working.slice_uninit::<f32>(need)?;
+        // dW = xᵀ · dy
+        sgemm(1.0, input.t(), grad_output, 0.0, self.grad_weights.view_mut(), scratch);
+        // db = Σ_rows dy, summed in row order (deterministic)
+        self.grad_bias.fill(0.0);
+        for row in grad_output.rows() {
+            Zip::from(&mut self.grad_bias).and(&row).for_each(|acc, &g| *acc += g);
+        }
+        // dx = dy · Wᵀ
+        if let Some(grad_input) = grad_input {
+            sgemm(1.0, grad_output, self.weights.t(), 0.0, grad_input, scratch);
+        }
+        Ok(())
+    }
+
+    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
+        let (w, gw) = (&mut self.weights, &self.grad_weights);
+        f(Param {
+            value: w.as_slice_mut().expect("owned weights are contiguous"),
+            grad: gw.as_slice().expect("owned gradients are contiguous"),
+        });
+        f(Param {
+            value: self.bias.as_slice_mut().expect("owned biases are contiguous"),
+            grad: self.grad_bias.as_slice().expect("owned gradients are contiguous"),
+        });
+    }
+
+    fn param_count(&self) -> usize {
+        self.weights.len() + self.bias.len()
+    }
+}

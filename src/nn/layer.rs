@@ -1,0 +1,94 @@
+//! The [`Layer`] trait a custom layer implements, and the workspace contexts the
+//! network hands it.
+
+use ndarray::{ArrayView2, ArrayViewMut2};
+use workspace_core::{LayerWorkspaceMgr, Result, TypedScope};
+
+/// What a layer's forward pass gets besides its input.
+///
+/// `'a` is the life of the activations: the output must be allocated from
+/// [`ForwardCtx::activations`] (or be a view of memory that lives as long), so working
+/// memory, which lives only for `'w`, cannot be returned. The network then checks with
+/// [`LayerWorkspaceMgr::validate`] that the output really is in the activations
+/// workspace.
+pub struct ForwardCtx<'a, 'w> {
+    /// Where the output goes ([`ArrayType::Activations`](workspace_core::ArrayType)):
+    /// kept until the iteration's backward pass is done.
+    pub activations: &'a TypedScope,
+    /// Scratch for this call ([`ArrayType::FfWorkingMem`](workspace_core::ArrayType)),
+    /// reset as soon as the layer returns.
+    pub working: &'w TypedScope,
+    /// The manager, for helper workspaces and validation.
+    pub mgr: &'w LayerWorkspaceMgr,
+    /// Training (true) or inference (false).
+    pub training: bool,
+}
+
+/// What a layer's backward pass gets besides its arrays.
+pub struct BackwardCtx<'w> {
+    /// Scratch for this call ([`ArrayType::BpWorkingMem`](workspace_core::ArrayType)),
+    /// reset as soon as the layer returns.
+    pub working: &'w TypedScope,
+    /// The manager, for helper workspaces.
+    pub mgr: &'w LayerWorkspaceMgr,
+}
+
+/// One trainable parameter and its gradient, as the updater sees them.
+pub struct Param<'p> {
+    /// The values, updated in place.
+    pub value: &'p mut [f32],
+    /// The gradient of the loss with respect to `value`, from the last backward pass.
+    pub grad: &'p [f32],
+}
+
+/// A layer of a feed-forward network on 2-D batches (rows are examples).
+///
+/// Parameters and their gradients belong to the layer (outside any workspace);
+/// everything else a layer needs it takes from the workspaces in its context.
+pub trait Layer {
+    /// A short name for messages ("dense_0", "dropout").
+    fn name(&self) -> &str;
+
+    /// The number of output columns for `inputs` input columns, or an error when the
+    /// layer cannot take that many.
+    ///
+    /// # Errors
+    ///
+    /// A configuration error naming the mismatch.
+    fn output_size(&self, inputs: usize) -> Result<usize>;
+
+    /// Initialises the parameters from the network's seeded generator.
+    fn init(&mut self, _rng: &mut crate::nn::Rng) {}
+
+    /// The forward pass: returns the output, allocated in `ctx.activations`.
+    ///
+    /// # Errors
+    ///
+    /// Workspace errors (allocation, a misplaced array).
+    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>>;
+
+    /// The backward pass: given the input and output of the last forward pass and the
+    /// gradient of the loss with respect to the output, stores the parameter
+    /// gradients and, when `grad_input` is given, writes the gradient with respect to
+    /// the input into it (every element).
+    ///
+    /// # Errors
+    ///
+    /// Workspace errors.
+    fn backward(
+        &mut self,
+        input: ArrayView2<'_, f32>,
+        output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()>;
+
+    /// Calls `f` on each parameter with its gradient, in a fixed order.
+    fn params(&mut self, _f: &mut dyn FnMut(Param<'_>)) {}
+
+    /// The number of trainable values.
+    fn param_count(&self) -> usize {
+        0
+    }
+}

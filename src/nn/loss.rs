@@ -1,0 +1,95 @@
+//! Softmax with cross-entropy loss, the network's output stage.
+
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Zip};
+use workspace_core::{freeze, Error, Result, Scope};
+
+/// Softmax over each row of the logits, with the mean cross-entropy against integer
+/// class labels as the loss. Its gradient with respect to the logits is
+/// `(softmax − onehot) / batch`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SoftmaxCrossEntropy;
+
+impl SoftmaxCrossEntropy {
+    /// Row-wise softmax of `logits`, allocated in `out` (numerically stable: the row
+    /// maximum is subtracted first).
+    ///
+    /// # Errors
+    ///
+    /// Allocation errors of `out`.
+    pub fn probabilities<'s>(&self, logits: ArrayView2<'_, f32>, out: &'s Scope<'_>) -> Result<ArrayView2<'s, f32>> {
+        let mut probs = out.copy_of(&logits)?;
+        for mut row in probs.axis_iter_mut(Axis(0)) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut sum = 0.0f32;
+            row.mapv_inplace(|v| {
+                let e = (v - max).exp();
+                sum += e;
+                e
+            });
+            let inv = 1.0 / sum;
+            row.mapv_inplace(|v| v * inv);
+        }
+        Ok(freeze(probs))
+    }
+
+    /// The mean cross-entropy of `probs` (from [`Self::probabilities`]) against
+    /// `labels`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] when there is not one label per row;
+    /// [`Error::InvalidInput`] for a label that is not a class.
+    pub fn loss(&self, probs: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
+        check_labels(&probs, &labels)?;
+        let mut total = 0.0f64;
+        for (row, &label) in probs.rows().into_iter().zip(labels) {
+            total -= f64::from(row[label as usize].max(1e-12)).ln();
+        }
+        Ok((total / probs.nrows() as f64) as f32)
+    }
+
+    /// Writes the gradient of the mean loss with respect to the logits into `grad`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::loss`], and [`Error::ShapeMismatch`] when `grad` is not shaped like
+    /// `probs`.
+    pub fn backward(
+        &self,
+        probs: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mut grad: ArrayViewMut2<'_, f32>,
+    ) -> Result<()> {
+        check_labels(&probs, &labels)?;
+        if grad.dim() != probs.dim() {
+            return Err(Error::ShapeMismatch {
+                context: "softmax cross-entropy gradient".to_string(),
+                expected: probs.shape().to_vec(),
+                actual: grad.shape().to_vec(),
+            });
+        }
+        let scale = 1.0 / probs.nrows() as f32;
+        Zip::from(&mut grad).and(&probs).for_each(|g, &p| *g = p * scale);
+        for (mut row, &label) in grad.rows_mut().into_iter().zip(labels) {
+            row[label as usize] -= scale;
+        }
+        Ok(())
+    }
+}
+
+fn check_labels(probs: &ArrayView2<'_, f32>, labels: &ArrayView1<'_, u32>) -> Result<()> {
+    if labels.len() != probs.nrows() {
+        return Err(Error::ShapeMismatch {
+            context: "labels (one per example)".to_string(),
+            expected: vec![probs.nrows()],
+            actual: vec![labels.len()],
+        });
+    }
+    let classes = probs.ncols();
+    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
+        return Err(Error::InvalidInput(format!(
+            "label {bad} is not a class: the network's output has {classes} classes (0..{classes})"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! The reference network: a small but real multilayer perceptron built the way a
+//! user's custom layers are, on [`LayerWorkspaceMgr`](crate::LayerWorkspaceMgr).
+//!
+//! - [`Layer`]: the trait a custom layer implements; [`ForwardCtx`] and
+//!   [`BackwardCtx`] hand it the open workspaces of each array role.
+//! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`]; the output stage is
+//!   [`SoftmaxCrossEntropy`].
+//! - Updaters: [`Updater::Sgd`] with momentum and [`Updater::Adam`].
+//! - [`NetworkConfig`] → [`Network`]: `fit_batch`, `fit`, `output`, `output_to`,
+//!   `predict_into`, `evaluate`.
+//! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
+//!   (layer working memory), so that a steady-state iteration allocates nothing.
+//!
+//! Workspaces never change the numbers: a network trained with
+//! [`WorkspaceMode::Enabled`](crate::WorkspaceMode) and one trained with
+//! [`WorkspaceMode::None`](crate::WorkspaceMode) from the same seed produce
+//! bit-identical losses and predictions.
+
+mod dense;
+#[allow(unsafe_code)]
+pub mod gemm;
+mod layer;
+mod loss;
+mod network;
+mod relu;
+mod rng;
+mod updater;
+
+pub use dense::Dense;
+pub use layer::{BackwardCtx, ForwardCtx, Layer, Param};
+pub use loss::SoftmaxCrossEntropy;
+pub use network::{names, workspace_config, Network, NetworkConfig, NetworkConfigBuilder};
+pub use relu::Relu;
+pub use rng::Rng;
+pub use updater::Updater;

@@ -1,0 +1,593 @@
+//! The network: a configuration builder, training (`fit`), inference (`output`) and
+//! evaluation, with workspaces laid out as DL4J lays them out.
+
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix2};
+use workspace_core::{
+    ArrayType, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy, WorkspaceConfig,
+    WorkspaceMode,
+};
+
+use super::dense::Dense;
+use super::layer::{BackwardCtx, ForwardCtx, Layer};
+use super::loss::SoftmaxCrossEntropy;
+use super::relu::Relu;
+use super::updater::{Updater, UpdaterState};
+use super::Rng;
+
+/// Workspace names, as DL4J calls them.
+pub mod names {
+    /// Input and every layer's activations, kept for the backward pass.
+    pub const ALL_LAYERS_ACT: &str = "WS_ALL_LAYERS_ACT";
+    /// Per-layer forward and backward scratch, reset after each layer.
+    pub const LAYER_WORKING_MEM: &str = "WS_LAYER_WORKING_MEM";
+    /// Gradients with respect to layer inputs, alternating with [`ACT_GRAD_2`].
+    pub const ACT_GRAD_1: &str = "WS_LAYER_ACT_GRAD_1";
+    /// Gradients with respect to layer inputs, alternating with [`ACT_GRAD_1`].
+    pub const ACT_GRAD_2: &str = "WS_LAYER_ACT_GRAD_2";
+    /// The updater's per-step scratch.
+    pub const UPDATER_WORKING_MEM: &str = "WS_UPDATER_WORKING_MEM";
+    /// Activations during inference.
+    pub const INFERENCE_ACT: &str = "WS_INFERENCE_ACT";
+}
+
+/// The configuration of a [`Network`]: its layers (the last one produces the class
+/// scores, followed by softmax cross-entropy), seed, updater and workspace modes.
+pub struct NetworkConfig {
+    inputs: usize,
+    layers: Vec<Box<dyn Layer>>,
+    seed: u64,
+    updater: Updater,
+    training_workspace_mode: WorkspaceMode,
+    inference_workspace_mode: WorkspaceMode,
+}
+
+impl std::fmt::Debug for NetworkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetworkConfig")
+            .field("inputs", &self.inputs)
+            .field("layers", &self.layers.iter().map(|l| l.name()).collect::<Vec<_>>())
+            .field("seed", &self.seed)
+            .field("updater", &self.updater)
+            .field("training_workspace_mode", &self.training_workspace_mode)
+            .field("inference_workspace_mode", &self.inference_workspace_mode)
+            .finish()
+    }
+}
+
+/// Builder of a [`NetworkConfig`].
+///
+/// ```
+/// use carve::nn::{NetworkConfig, Updater};
+/// use carve::WorkspaceMode;
+///
+/// let config = NetworkConfig::builder(64)
+///     .dense(128)
+///     .relu()
+///     .dense(10)
+///     .seed(7)
+///     .updater(Updater::adam(1e-3))
+///     .training_workspace_mode(WorkspaceMode::Enabled)
+///     .inference_workspace_mode(WorkspaceMode::Enabled)
+///     .build()?;
+/// let mut net = carve::nn::Network::new(config)?;
+/// let x = ndarray::Array2::<f32>::ones((4, 64));
+/// let y = ndarray::Array1::<u32>::from(vec![0, 1, 2, 3]);
+/// let loss = net.fit_batch(x.view(), y.view())?;
+/// assert!(loss.is_finite());
+/// assert_eq!(net.output(x.view())?.shape(), &[4, 10]);
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub struct NetworkConfigBuilder {
+    inputs: usize,
+    width: usize,
+    layers: Vec<Box<dyn Layer>>,
+    seed: u64,
+    updater: Updater,
+    training_workspace_mode: WorkspaceMode,
+    inference_workspace_mode: WorkspaceMode,
+    error: Option<Error>,
+}
+
+impl NetworkConfig {
+    /// A builder for a network taking `inputs` columns.
+    pub fn builder(inputs: usize) -> NetworkConfigBuilder {
+        NetworkConfigBuilder {
+            inputs,
+            width: inputs,
+            layers: Vec::new(),
+            seed: 0,
+            updater: Updater::default(),
+            training_workspace_mode: WorkspaceMode::Enabled,
+            inference_workspace_mode: WorkspaceMode::Enabled,
+            error: None,
+        }
+    }
+}
+
+impl NetworkConfigBuilder {
+    /// Appends a layer (a user's custom layer, or one of [`Dense`], [`Relu`]).
+    pub fn layer(mut self, layer: impl Layer + 'static) -> Self {
+        if self.error.is_none() {
+            match layer.output_size(self.width) {
+                Ok(width) => self.width = width,
+                Err(e) => self.error = Some(e),
+            }
+        }
+        self.layers.push(Box::new(layer));
+        self
+    }
+
+    /// Appends a [`Dense`] layer with `outputs` columns, taking the current width.
+    pub fn dense(self, outputs: usize) -> Self {
+        let name = format!("dense_{}", self.layers.len());
+        let inputs = self.width;
+        self.layer(Dense::named(&name, inputs, outputs))
+    }
+
+    /// Appends a [`Relu`].
+    pub fn relu(self) -> Self {
+        self.layer(Relu::new())
+    }
+
+    /// Seed of weight initialisation.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// The updater.
+    pub fn updater(mut self, updater: Updater) -> Self {
+        self.updater = updater;
+        self
+    }
+
+    /// Workspaces during `fit`.
+    pub fn training_workspace_mode(mut self, mode: WorkspaceMode) -> Self {
+        self.training_workspace_mode = mode;
+        self
+    }
+
+    /// Workspaces during `output` and `evaluate`.
+    pub fn inference_workspace_mode(mut self, mode: WorkspaceMode) -> Self {
+        self.inference_workspace_mode = mode;
+        self
+    }
+
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for no inputs, no layers, fewer than two classes or a
+    /// bad learning rate; [`Error::ShapeMismatch`] when a layer cannot take the
+    /// previous layer's width.
+    pub fn build(self) -> Result<NetworkConfig> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let invalid = |reason: String| Err(Error::InvalidConfig { reason });
+        if self.inputs == 0 {
+            return invalid("a network needs at least one input column".into());
+        }
+        if self.layers.is_empty() {
+            return invalid("a network needs at least one layer".into());
+        }
+        if self.width < 2 {
+            return invalid(format!(
+                "the last layer produces {} column(s); softmax cross-entropy needs at least 2 classes",
+                self.width
+            ));
+        }
+        let lr = match self.updater {
+            Updater::Sgd { learning_rate, .. } | Updater::Adam { learning_rate, .. } => learning_rate,
+        };
+        if !(lr.is_finite() && lr > 0.0) {
+            return invalid(format!("learning rate {lr} must be finite and positive"));
+        }
+        Ok(NetworkConfig {
+            inputs: self.inputs,
+            layers: self.layers,
+            seed: self.seed,
+            updater: self.updater,
+            training_workspace_mode: self.training_workspace_mode,
+            inference_workspace_mode: self.inference_workspace_mode,
+        })
+    }
+}
+
+/// The configuration of every network workspace: sized from the largest of the
+/// first 16 cycles (working memory and gradient workspaces see cycles of different
+/// sizes within one iteration, as DL4J's `cyclesBeforeInitialization` accounts for),
+/// growing once more if a later cycle is larger (a bigger batch), never shrinking.
+/// Fixed, so that networks of any depth share the workspaces of their thread.
+pub fn workspace_config() -> WorkspaceConfig {
+    WorkspaceConfig::builder()
+        .learning(LearningPolicy::OverTime { cycles: 16 })
+        .spill(SpillPolicy::Reallocate)
+        .build()
+        .expect("a valid workspace configuration")
+}
+
+/// Training-time workspace managers: two, differing only in where input gradients
+/// go, so that a layer's input gradient and its output gradient are in different
+/// workspaces and the older one can be reset as soon as it is consumed.
+fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
+    if mode == WorkspaceMode::None {
+        return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
+    }
+    let config = workspace_config();
+    let base = |grad: &str| {
+        LayerWorkspaceMgr::builder()
+            .with(ArrayType::Input, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::Activations, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::FfCache, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::ActivationGrad, grad, config.clone())
+            .with(ArrayType::UpdaterWorkingMem, names::UPDATER_WORKING_MEM, config.clone())
+            .default_workspace(names::LAYER_WORKING_MEM, config.clone())
+            .build()
+    };
+    Ok([base(names::ACT_GRAD_1)?, base(names::ACT_GRAD_2)?])
+}
+
+fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
+    if mode == WorkspaceMode::None {
+        return Ok(LayerWorkspaceMgr::no_workspaces());
+    }
+    let config = workspace_config();
+    LayerWorkspaceMgr::builder()
+        .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
+        .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())
+        .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())
+        .default_workspace(names::LAYER_WORKING_MEM, config)
+        .build()
+}
+
+/// A feed-forward classifier: layers, then softmax cross-entropy.
+///
+/// Parameters live in the layers (outside workspaces). In a training iteration
+/// ([`Network::fit_batch`]) the input and all activations live in
+/// `WS_ALL_LAYERS_ACT` until the update is done; each layer's forward and backward
+/// scratch in `WS_LAYER_WORKING_MEM`, reset after the layer; input gradients in
+/// `WS_LAYER_ACT_GRAD_1` and `_2` alternately; the updater's scratch in
+/// `WS_UPDATER_WORKING_MEM`. With [`WorkspaceMode::None`] every one of those arrays
+/// is its own heap allocation instead, and the numbers are bit-identical.
+///
+/// A network belongs to the thread that created it (its workspaces do).
+pub struct Network {
+    inputs: usize,
+    classes: usize,
+    layers: Vec<Box<dyn Layer>>,
+    loss: SoftmaxCrossEntropy,
+    updater: UpdaterState,
+    training_mode: WorkspaceMode,
+    inference_mode: WorkspaceMode,
+    train: [LayerWorkspaceMgr; 2],
+    infer: LayerWorkspaceMgr,
+    iterations: u64,
+    last_workspace_bytes: usize,
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("inputs", &self.inputs)
+            .field("classes", &self.classes)
+            .field("layers", &self.layers.iter().map(|l| l.name()).collect::<Vec<_>>())
+            .field("training_mode", &self.training_mode)
+            .field("inference_mode", &self.inference_mode)
+            .field("iterations", &self.iterations)
+            .finish()
+    }
+}
+
+impl Network {
+    /// Builds the network: initialises the layers from the seed and creates the
+    /// workspaces its modes need (on this thread).
+    ///
+    /// # Errors
+    ///
+    /// Workspace creation errors (for example [`Error::ConfigMismatch`] when this
+    /// thread already has a workspace of the same name with another configuration).
+    pub fn new(config: NetworkConfig) -> Result<Network> {
+        let NetworkConfig { inputs, mut layers, seed, updater, training_workspace_mode, inference_workspace_mode } =
+            config;
+        let mut rng = Rng::new(seed);
+        let mut width = inputs;
+        for layer in layers.iter_mut() {
+            layer.init(&mut rng);
+            width = layer.output_size(width)?;
+        }
+        let updater = UpdaterState::new(updater, &mut layers);
+        Ok(Network {
+            inputs,
+            classes: width,
+            layers,
+            loss: SoftmaxCrossEntropy,
+            updater,
+            training_mode: training_workspace_mode,
+            inference_mode: inference_workspace_mode,
+            train: training_mgrs(training_workspace_mode)?,
+            infer: inference_mgr(inference_workspace_mode)?,
+            iterations: 0,
+            last_workspace_bytes: 0,
+        })
+    }
+
+    /// Input columns.
+    pub fn inputs(&self) -> usize {
+        self.inputs
+    }
+
+    /// Output classes.
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
+
+    /// The layers, mutably (for tests that set weights).
+    pub fn layers_mut(&mut self) -> &mut [Box<dyn Layer>] {
+        &mut self.layers
+    }
+
+    /// The updater.
+    pub fn updater(&self) -> Updater {
+        self.updater.updater()
+    }
+
+    /// The training workspace mode.
+    pub fn training_workspace_mode(&self) -> WorkspaceMode {
+        self.training_mode
+    }
+
+    /// The inference workspace mode.
+    pub fn inference_workspace_mode(&self) -> WorkspaceMode {
+        self.inference_mode
+    }
+
+    /// Training iterations done.
+    pub fn iterations(&self) -> u64 {
+        self.iterations
+    }
+
+    /// The workspace manager of training (the one whose input gradients go to
+    /// `WS_LAYER_ACT_GRAD_1`).
+    pub fn training_mgr(&self) -> &LayerWorkspaceMgr {
+        &self.train[0]
+    }
+
+    /// The workspace manager of inference.
+    pub fn inference_mgr(&self) -> &LayerWorkspaceMgr {
+        &self.infer
+    }
+
+    /// Total arena capacity of the training workspaces (0 with workspaces off).
+    pub fn workspace_capacity(&self) -> usize {
+        let grad2 = self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| ws.capacity());
+        self.train[0].capacity() + grad2
+    }
+
+    /// Workspace bytes in use at the peaks of the last training iteration, summed over
+    /// the training workspaces (0 with workspaces off).
+    pub fn last_iteration_workspace_bytes(&self) -> usize {
+        self.last_workspace_bytes
+    }
+
+    fn check_batch(&self, x: &ArrayView2<'_, f32>, labels: Option<&ArrayView1<'_, u32>>) -> Result<()> {
+        if x.ncols() != self.inputs {
+            return Err(Error::ShapeMismatch {
+                context: "network input".to_string(),
+                expected: vec![x.nrows(), self.inputs],
+                actual: x.shape().to_vec(),
+            });
+        }
+        if x.nrows() == 0 {
+            return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
+        }
+        if let Some(labels) = labels {
+            if labels.len() != x.nrows() {
+                return Err(Error::ShapeMismatch {
+                    context: "labels (one per input row)".to_string(),
+                    expected: vec![x.nrows()],
+                    actual: vec![labels.len()],
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// One training iteration on a batch: forward, loss, backward, update. Returns
+    /// the batch's mean loss (before the update).
+    ///
+    /// With workspaces enabled, a steady-state call makes no heap allocation.
+    ///
+    /// # Errors
+    ///
+    /// Shape and label errors; workspace errors; [`Error::WrongLocation`] when a
+    /// layer returns activations that are not in the activations workspace.
+    pub fn fit_batch(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
+        self.check_batch(&x, Some(&labels))?;
+        let Network { layers, loss, updater, train, .. } = self;
+        let mgr = &train[0];
+        train[0].reset_peaks();
+        train[1].reset_peaks();
+
+        let act = mgr.enter(ArrayType::Activations)?;
+        // The list of activations lives in the activations workspace too.
+        let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
+        let mut input = x.view();
+        for layer in layers.iter_mut() {
+            let working = mgr.enter(ArrayType::FfWorkingMem)?;
+            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
+            let y = layer.forward(input, &ctx)?;
+            mgr.validate(ArrayType::Activations, layer.name(), &y)?;
+            outputs.push(y);
+            input = y;
+        }
+        let probs = loss.probabilities(input, &act)?;
+        let batch_loss = loss.loss(probs, labels)?;
+
+        // Backward: the gradient of each layer's output lives in one of the two
+        // gradient workspaces, the gradient of its input in the other.
+        let mut grad_scope = train[0].enter(ArrayType::ActivationGrad)?;
+        let mut grad: Handle<f32, Ix2> = grad_scope.zeros_handle(probs.raw_dim())?;
+        loss.backward(probs, labels, grad.view_mut(&grad_scope)?)?;
+        let mut parity = 1;
+        for i in (0..layers.len()).rev() {
+            let layer_input = if i == 0 { x.view() } else { outputs[i - 1].view() };
+            // The first layer's input gradient is not needed.
+            let mut next = match i {
+                0 => None,
+                _ => {
+                    let scope = train[parity].enter(ArrayType::ActivationGrad)?;
+                    let handle = scope.zeros_handle(layer_input.raw_dim())?;
+                    Some((scope, handle))
+                }
+            };
+            {
+                let working = mgr.enter(ArrayType::BpWorkingMem)?;
+                let ctx = BackwardCtx { working: &working, mgr };
+                let grad_input = match next.as_mut() {
+                    Some((scope, handle)) => Some(handle.view_mut(scope)?),
+                    None => None,
+                };
+                layers[i].backward(layer_input, outputs[i], grad.view(&grad_scope)?, grad_input, &ctx)?;
+            }
+            if let Some((scope, handle)) = next {
+                grad = handle;
+                grad_scope = scope; // the consumed gradient's workspace closes here
+                parity ^= 1;
+            }
+        }
+        drop(grad_scope);
+
+        {
+            let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
+            updater.apply(layers, &working)?;
+        }
+        drop(outputs);
+        drop(act);
+        self.last_workspace_bytes = self.train[0].peak_bytes()
+            + self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| ws.peak_bytes());
+        self.iterations += 1;
+        Ok(batch_loss)
+    }
+
+    /// Trains on every batch of `batches` once; returns the mean of the batch losses.
+    ///
+    /// # Errors
+    ///
+    /// The first error of [`Network::fit_batch`]; an empty iterator is
+    /// [`Error::InvalidInput`].
+    pub fn fit<'d, I>(&mut self, batches: I) -> Result<f32>
+    where
+        I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
+    {
+        let (mut total, mut count) = (0.0f64, 0usize);
+        for (x, y) in batches {
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput("fit was given no batches".to_string()));
+        }
+        Ok((total / count as f64) as f32)
+    }
+
+    /// The class probabilities of `x`, computed in the inference workspaces and
+    /// handed to `f` while they are alive.
+    fn infer<R>(&mut self, x: ArrayView2<'_, f32>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        self.check_batch(&x, None)?;
+        let Network { layers, loss, infer: mgr, .. } = self;
+        let act = mgr.enter(ArrayType::Activations)?;
+        let mut input = x.view();
+        for layer in layers.iter_mut() {
+            let working = mgr.enter(ArrayType::FfWorkingMem)?;
+            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: false };
+            let y = layer.forward(input, &ctx)?;
+            mgr.validate(ArrayType::Activations, layer.name(), &y)?;
+            input = y;
+        }
+        let probs = loss.probabilities(input, &act)?;
+        f(probs)
+    }
+
+    /// Class probabilities of `x`, detached into an owned array.
+    ///
+    /// # Errors
+    ///
+    /// Shape errors and workspace errors.
+    pub fn output(&mut self, x: ArrayView2<'_, f32>) -> Result<ndarray::Array2<f32>> {
+        self.infer(x, |probs| Ok(probs.to_owned()))
+    }
+
+    /// Class probabilities of `x`, copied into the caller's open scope (for example
+    /// a workspace the caller keeps open across several calls).
+    ///
+    /// # Errors
+    ///
+    /// Shape errors and workspace errors (of the inference workspaces and of `target`).
+    pub fn output_to<'s>(&mut self, x: ArrayView2<'_, f32>, target: &'s Scope<'_>) -> Result<ArrayViewMut2<'s, f32>> {
+        self.infer(x, |probs| target.copy_of(&probs))
+    }
+
+    /// Predicted classes of `x` (the most probable per row), written to `out`.
+    ///
+    /// # Errors
+    ///
+    /// Shape errors and workspace errors.
+    pub fn predict_into(&mut self, x: ArrayView2<'_, f32>, out: &mut [u32]) -> Result<()> {
+        if out.len() != x.nrows() {
+            return Err(Error::ShapeMismatch {
+                context: "prediction buffer (one per input row)".to_string(),
+                expected: vec![x.nrows()],
+                actual: vec![out.len()],
+            });
+        }
+        self.infer(x, |probs| {
+            for (slot, row) in out.iter_mut().zip(probs.axis_iter(Axis(0))) {
+                *slot = argmax(row);
+            }
+            Ok(())
+        })
+    }
+
+    /// Fraction of rows of `x` whose predicted class is the label, in batches of
+    /// `batch_size` rows.
+    ///
+    /// # Errors
+    ///
+    /// Shape errors; [`Error::InvalidInput`] for a zero batch size or no rows.
+    pub fn evaluate(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>, batch_size: usize) -> Result<f64> {
+        if batch_size == 0 || x.nrows() == 0 {
+            return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
+        }
+        if labels.len() != x.nrows() {
+            return Err(Error::ShapeMismatch {
+                context: "labels (one per input row)".to_string(),
+                expected: vec![x.nrows()],
+                actual: vec![labels.len()],
+            });
+        }
+        let mut correct = 0usize;
+        for (xb, yb) in x.axis_chunks_iter(Axis(0), batch_size).zip(labels.axis_chunks_iter(Axis(0), batch_size)) {
+            correct += self.infer(xb, |probs| {
+                Ok(probs.axis_iter(Axis(0)).zip(yb.iter()).filter(|(row, &y)| argmax(row.view()) == y).count())
+            })?;
+        }
+        Ok(correct as f64 / x.nrows() as f64)
+    }
+}
+
+/// Index of the largest value (the first on ties).
+fn argmax(row: ArrayView1<'_, f32>) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,64 @@
+//! Rectified linear unit: `y = max(x, 0)`.
+
+use ndarray::{ArrayView2, ArrayViewMut2, Zip};
+use workspace_core::{freeze, Error, Result};
+
+use super::layer::{BackwardCtx, ForwardCtx, Layer};
+
+/// `max(x, 0)` elementwise; the gradient passes where the output is positive.
+#[derive(Clone, Debug)]
+pub struct Relu {
+    name: String,
+}
+
+impl Relu {
+    /// A ReLU layer.
+    pub fn new() -> Relu {
+        Relu { name: "relu".to_string() }
+    }
+}
+
+impl Default for Relu {
+    fn default() -> Relu {
+        Relu::new()
+    }
+}
+
+impl Layer for Relu {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        let mut out = ctx.activations.copy_of(&input)?;
+        out.mapv_inplace(|v| if v > 0.0 { v } else { 0.0 });
+        Ok(freeze(out))
+    }
+
+    fn backward(
+        &mut self,
+        _input: ArrayView2<'_, f32>,
+        output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        if output.dim() != grad_output.dim() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' output gradient", self.name),
+                expected: output.shape().to_vec(),
+                actual: grad_output.shape().to_vec(),
+            });
+        }
+        if let Some(grad_input) = grad_input {
+            Zip::from(grad_input).and(&grad_output).and(&output).for_each(|gi, &g, &y| {
+                *gi = if y > 0.0 { g } else { 0.0 };
+            });
+        }
+        Ok(())
+    }
+}
