@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::mem::MaybeUninit;
 
 use carve::nn::gemm::{scratch_len, sgemm};
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_main, Criterion};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, ArrayView2};
 
@@ -85,5 +85,9 @@ fn gemm(c: &mut Criterion) {
     bench_shape(c, 128, 1024, 784, Form::Nt);
 }
 
-criterion_group!(benches, gemm);
-criterion_main!(benches);
+// The macro defines an undocumented function.
+#[allow(missing_docs)]
+mod group {
+    criterion::criterion_group!(benches, super::gemm);
+}
+criterion_main!(group::benches);

@@ -8,7 +8,7 @@ use std::hint::black_box;
 
 use carve::nn::{Network, NetworkConfig, Rng, Updater};
 use carve::WorkspaceMode;
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_main, Criterion};
 use ndarray::{Array1, Array2};
 
 fn network(inputs: usize, hidden: &[usize], classes: usize, mode: WorkspaceMode) -> Network {
@@ -55,9 +55,13 @@ fn benches(c: &mut Criterion) {
     bench(c, "fit_batch_mlp_784-1024-1024-10_b128", 784, &[1024, 1024], 10, 128);
 }
 
-criterion_group! {
-    name = group;
-    config = Criterion::default().sample_size(20);
-    targets = benches
+// The macro defines an undocumented function.
+#[allow(missing_docs)]
+mod group {
+    criterion::criterion_group! {
+        name = benches;
+        config = criterion::Criterion::default().sample_size(20);
+        targets = super::benches
+    }
 }
-criterion_main!(group);
+criterion_main!(group::benches);
