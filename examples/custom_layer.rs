@@ -33,7 +33,7 @@ struct Dropout {
     seeds: Rng,
     /// Seed of the mask of the last forward pass.
     mask_seed: u64,
-    /// Return the input itself at inference (the bug `LazyDropout` shows).
+    /// Return the input itself at inference (the bug this example shows).
     lazy: bool,
 }
 

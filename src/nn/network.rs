@@ -3,8 +3,8 @@
 
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix2};
 use workspace_core::{
-    ArrayType, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy, WorkspaceConfig,
-    WorkspaceMode,
+    ArrayType, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy, Workspace,
+    WorkspaceConfig, WorkspaceMode,
 };
 
 use super::dense::Dense;
@@ -365,8 +365,14 @@ impl Network {
 
     /// Total arena capacity of the training workspaces (0 with workspaces off).
     pub fn workspace_capacity(&self) -> usize {
-        let grad2 = self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| ws.capacity());
-        self.train[0].capacity() + grad2
+        self.sum_over_training_workspaces(|ws| ws.capacity())
+    }
+
+    /// `f` summed over the training workspaces: those of the first manager, and the
+    /// second manager's gradient workspace (the rest it shares with the first).
+    fn sum_over_training_workspaces(&self, f: impl Fn(&Workspace) -> usize) -> usize {
+        let second = self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| f(ws));
+        self.train[0].workspaces().map(|ws| f(ws)).sum::<usize>() + second
     }
 
     /// Workspace bytes in use at the peaks of the last training iteration, summed over
@@ -386,16 +392,10 @@ impl Network {
         if x.nrows() == 0 {
             return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
         }
-        if let Some(labels) = labels {
-            if labels.len() != x.nrows() {
-                return Err(Error::ShapeMismatch {
-                    context: "labels (one per input row)".to_string(),
-                    expected: vec![x.nrows()],
-                    actual: vec![labels.len()],
-                });
-            }
+        match labels {
+            Some(labels) => check_label_count(x, labels),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -469,8 +469,7 @@ impl Network {
         }
         drop(outputs);
         drop(act);
-        self.last_workspace_bytes = self.train[0].peak_bytes()
-            + self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| ws.peak_bytes());
+        self.last_workspace_bytes = self.sum_over_training_workspaces(|ws| ws.peak_bytes());
         self.iterations += 1;
         Ok(batch_loss)
     }
@@ -564,13 +563,7 @@ impl Network {
         if batch_size == 0 || x.nrows() == 0 {
             return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
         }
-        if labels.len() != x.nrows() {
-            return Err(Error::ShapeMismatch {
-                context: "labels (one per input row)".to_string(),
-                expected: vec![x.nrows()],
-                actual: vec![labels.len()],
-            });
-        }
+        check_label_count(&x, &labels)?;
         let mut correct = 0usize;
         for (xb, yb) in x.axis_chunks_iter(Axis(0), batch_size).zip(labels.axis_chunks_iter(Axis(0), batch_size)) {
             correct += self.infer(xb, |probs| {
@@ -579,6 +572,18 @@ impl Network {
         }
         Ok(correct as f64 / x.nrows() as f64)
     }
+}
+
+/// One label per input row.
+fn check_label_count(x: &ArrayView2<'_, f32>, labels: &ArrayView1<'_, u32>) -> Result<()> {
+    if labels.len() != x.nrows() {
+        return Err(Error::ShapeMismatch {
+            context: "labels (one per input row)".to_string(),
+            expected: vec![x.nrows()],
+            actual: vec![labels.len()],
+        });
+    }
+    Ok(())
 }
 
 /// Index of the largest value (the first on ties).

@@ -410,20 +410,12 @@ impl LayerWorkspaceMgr {
             Target::Workspace(ws) => Some(ws),
         });
         let all = typed.chain(self.helpers.iter().map(|(_, ws)| ws));
-        let mut seen: [u64; 16] = [0; 16];
-        let mut n = 0;
-        // At most 9 types + helpers; the few distinct ids fit a small array, and
-        // beyond 16 distinct workspaces duplicates are merely not filtered.
-        all.filter(move |ws| {
-            if seen[..n].contains(&ws.id()) {
-                return false;
-            }
-            if n < seen.len() {
-                seen[n] = ws.id();
-                n += 1;
-            }
-            true
-        })
+        // A workspace is listed where it first appears (the lists are short: nine
+        // types plus the helpers).
+        all.clone()
+            .enumerate()
+            .filter(move |(i, ws)| !all.clone().take(*i).any(|w| w.id() == ws.id()))
+            .map(|(_, ws)| ws)
     }
 
     /// Statistics of the distinct workspaces this manager uses.
