@@ -1,61 +1,21 @@
 //! Long-running memory behaviour, measured with a counting global allocator: flat
-//! capacity and zero heap allocations per steady-state cycle, plateaus under
-//! variable sizes, and no memory left behind by short-lived threads.
+//! capacity and zero heap allocations per steady-state cycle, and plateaus under
+//! variable sizes. (Whole-process memory left behind by threads is measured in
+//! `threads.rs`, a binary of its own: no other test may run, or finish, meanwhile.)
 //!
 //! The tests in this binary share the allocator counters, so they run one at a time.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicIsize, Ordering};
+mod common;
+
 use std::sync::Mutex;
 
-use workspace_core::{
-    AllocationPolicy, DebugMode, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig, WorkspaceManager,
-};
-
-struct Counting;
-
-static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
-thread_local! {
-    static THREAD_ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to `System` unchanged; the counters are plain atomics and a
-// const-initialised thread-local, neither of which allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        let _ = THREAD_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
-        let _ = THREAD_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use common::{scaled, thread_allocs};
+use workspace_core::{AllocationPolicy, DebugMode, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: common::Counting = common::Counting;
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn thread_allocs() -> u64 {
-    THREAD_ALLOCS.with(Cell::get)
-}
-
-/// Scales iteration counts down under valgrind (`CARVE_SOAK_SCALE=10` divides by 10).
-fn scaled(n: usize) -> usize {
-    let scale: usize = std::env::var("CARVE_SOAK_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    (n / scale.max(1)).max(10)
-}
 
 /// One training-shaped step: forward activations, backward gradients, scratch.
 fn step(ws: &Workspace, batch: usize) -> f32 {
@@ -159,30 +119,4 @@ fn variable_sizes_with_rare_spikes() {
     assert!(caps.iter().all(|&c| c == learned), "under External nothing grows");
     assert!(ws.stats().external_allocations > 1, "spikes spilled");
     assert_eq!(ws.stats().spilled_in_use, 0);
-}
-
-#[test]
-fn short_lived_threads_leave_no_memory_behind() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let work = || {
-        let manager = WorkspaceManager::current();
-        let config = WorkspaceConfig::default();
-        for id in ["A", "B"] {
-            manager.get_or_create(id, &config).unwrap();
-            for _ in 0..3 {
-                let scope = manager.enter(id).unwrap();
-                scope.zeros::<f32, _>((64, 64)).unwrap();
-                scope.zeros::<f32, _>(100_000).unwrap();
-            }
-        }
-        assert_eq!(manager.ids().len(), 2);
-    };
-    std::thread::spawn(work).join().unwrap(); // warm up lazy runtime state
-    let threads = scaled(1_000);
-    let before = LIVE_BYTES.load(Ordering::SeqCst);
-    for _ in 0..threads {
-        std::thread::spawn(work).join().unwrap();
-    }
-    let after = LIVE_BYTES.load(Ordering::SeqCst);
-    assert_eq!(after - before, 0, "threads left {} bytes behind", after - before);
 }
