@@ -10,7 +10,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-pub struct Counting;
+pub(crate) struct Counting;
 
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
 thread_local! {
@@ -40,17 +40,17 @@ unsafe impl GlobalAlloc for Counting {
 }
 
 /// Heap allocation calls made by the current thread so far.
-pub fn thread_allocs() -> u64 {
+pub(crate) fn thread_allocs() -> u64 {
     THREAD_ALLOCS.with(Cell::get)
 }
 
 /// Bytes allocated and not yet freed, by every thread of the process.
-pub fn live_bytes() -> isize {
+pub(crate) fn live_bytes() -> isize {
     LIVE_BYTES.load(Ordering::SeqCst)
 }
 
 /// Scales iteration counts down under valgrind (`CARVE_SOAK_SCALE=10` divides by 10).
-pub fn scaled(n: usize) -> usize {
+pub(crate) fn scaled(n: usize) -> usize {
     let scale: usize = std::env::var("CARVE_SOAK_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     (n / scale.max(1)).max(10)
 }
