@@ -56,7 +56,7 @@ fn bench_shape(c: &mut Criterion, m: usize, k: usize, n: usize, form: Form) {
     let mut g = c.benchmark_group(format!("gemm_{m}x{k}x{n}_{name}"));
     g.bench_function("carve", |bench| {
         bench.iter(|| {
-            sgemm(1.0, black_box(av), black_box(bv), beta, out.view_mut(), &mut scratch);
+            sgemm(1.0, black_box(av), black_box(bv), beta, out.view_mut(), &mut scratch).unwrap();
             black_box(&mut out);
         })
     });

@@ -423,7 +423,7 @@ fn train_epoch(
     run.trace.epoch_loss.push(epoch_loss);
     if let Some(pb) = pb {
         pb.finish_with_message(format!("loss {epoch_loss:.4}  {ms:.1} ms"));
-    } else if progress.plain && (epoch == 1 || epoch == epochs || epoch % 10 == 0) {
+    } else if progress.plain && (epoch == 1 || epoch == epochs || epoch.is_multiple_of(10)) {
         eprintln!("{:>7} epoch {epoch:>4}/{epochs}: loss {epoch_loss:.4}  {ms:.1} ms", mode_name(run.mode));
     }
     Ok(())

@@ -105,7 +105,7 @@ impl Layer for Dense {
         let bias = &self.bias;
         let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| bias[j])?;
         let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
-        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch);
+        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch)?;
         Ok(freeze(out))
     }
 
@@ -123,7 +123,7 @@ impl Layer for Dense {
         let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
         let scratch = ctx.working.slice_uninit::<f32>(need)?;
         // dW = xᵀ · dy
-        sgemm(1.0, input.t(), grad_output, 0.0, self.grad_weights.view_mut(), scratch);
+        sgemm(1.0, input.t(), grad_output, 0.0, self.grad_weights.view_mut(), scratch)?;
         // db = Σ_rows dy, summed in row order (deterministic)
         self.grad_bias.fill(0.0);
         for row in grad_output.rows() {
@@ -131,7 +131,7 @@ impl Layer for Dense {
         }
         // dx = dy · Wᵀ
         if let Some(grad_input) = grad_input {
-            sgemm(1.0, grad_output, self.weights.t(), 0.0, grad_input, scratch);
+            sgemm(1.0, grad_output, self.weights.t(), 0.0, grad_input, scratch)?;
         }
         Ok(())
     }

@@ -610,7 +610,7 @@ impl<B: ArenaBackend> Engine<B> {
                 // `end > 0`, so `fast_limit > 0`: the arena exists (`fast_limit <= capacity`,
                 // and `capacity > 0` exactly when there is an arena).
                 let base = self.arena_base.get();
-                debug_assert!(base.is_some() && cursor % self.min_align == 0 && cursor + size <= self.capacity.get());
+                debug_assert!(base.is_some() && cursor.is_multiple_of(self.min_align) && cursor + size <= self.capacity.get());
                 if let Some(base) = base {
                     self.cursor.set(end);
                     return Some((base, cursor));

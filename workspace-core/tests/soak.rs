@@ -87,7 +87,7 @@ fn variable_run(spill: SpillPolicy) -> (Vec<usize>, Workspace, usize) {
     let cycles = scaled(5_000);
     for i in 0..cycles {
         // Rare random spikes, and at least one even in a scaled-down run.
-        let spike = (i > 100 && rng.next() % 500 == 0) || i == cycles / 2;
+        let spike = (i > 100 && rng.next().is_multiple_of(500)) || i == cycles / 2;
         let elements = if spike { 1 << 20 } else { 20_000 + (rng.next() % 40_000) as usize };
         {
             let scope = ws.enter().unwrap();

@@ -1,0 +1,360 @@
+//! Micro-kernels: `C[MR×NR] = acc + beta·C` where `acc = Σ_p A_panel[p] ⊗ B_panel[p]`.
+//!
+//! The packed panels hold `kc` steps of `MR` values of A and `NR` values of B each
+//! (see `pack_a`/`pack_b` in the parent module), so a kernel streams both panels with
+//! unit stride and keeps the whole `MR×NR` accumulator in registers, as the BLIS
+//! micro-kernels do (Van Zee & van de Geijn, "BLIS: A Framework for Rapidly
+//! Instantiating BLAS Functionality", ACM TOMS 2015): 16 of the 32 AVX-512 registers
+//! for an 8×32 tile (or 16×16 for outputs at most 16 wide, such as class scores, so
+//! that narrow products do not pay for 32 columns), 12 of the 16 AVX registers for a
+//! 6×16 tile (the shape of the BLIS Haswell kernel).
+//!
+//! Which kernel runs is decided per call by [`Kernel::detect`] from the CPU (std
+//! caches its features) and the output width, so the same machine and shapes always
+//! take the same path. Every kernel adds
+//! the products of one output element in step order with fused multiply-adds and
+//! finishes with one fused `beta·C + acc`, so all of them give the same bits.
+
+/// Largest tile of any kernel, in elements.
+pub(super) const MAX_TILE: usize = 8 * 32;
+
+/// Where a tile's results go: `ptr` is element (0, 0); rows step by `row_stride`,
+/// columns by `col_stride` (in elements); only the first `rows × cols` exist.
+#[derive(Clone, Copy)]
+pub(super) struct Tile {
+    pub(super) ptr: *mut f32,
+    pub(super) row_stride: isize,
+    pub(super) col_stride: isize,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
+/// The micro-kernel chosen for this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernel {
+    /// AVX-512F, 8×32 tiles (x86-64).
+    Avx512Wide,
+    /// AVX-512F, 16×16 tiles, for outputs at most 16 columns wide (x86-64).
+    Avx512Narrow,
+    /// AVX2 with fused multiply-add, 6×16 tiles (x86-64).
+    Avx2Fma,
+    /// Portable Rust with the given tile shape (8×32, 16×16 or 6×16).
+    Generic {
+        /// Rows of the tile.
+        mr: usize,
+        /// Columns of the tile.
+        nr: usize,
+    },
+}
+
+impl Kernel {
+    /// The tile shapes of all kernels, as portable kernels (they size the scratch).
+    pub(super) const SHAPES: [Kernel; 3] =
+        [Kernel::Generic { mr: 8, nr: 32 }, Kernel::Generic { mr: 16, nr: 16 }, Kernel::Generic { mr: 6, nr: 16 }];
+
+    /// The best kernel this CPU supports for outputs `n` columns wide.
+    #[inline]
+    pub(super) fn detect(n: usize) -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return if n <= 16 { Kernel::Avx512Narrow } else { Kernel::Avx512Wide };
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                return Kernel::Avx2Fma;
+            }
+        }
+        Kernel::Generic { mr: 6, nr: 16 }
+    }
+
+    /// Every kernel this CPU can run, the portable ones included (for tests).
+    #[cfg(test)]
+    pub(super) fn all_available() -> Vec<Kernel> {
+        let mut kernels = Kernel::SHAPES.to_vec();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                kernels.extend([Kernel::Avx512Wide, Kernel::Avx512Narrow]);
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                kernels.push(Kernel::Avx2Fma);
+            }
+        }
+        kernels
+    }
+
+    /// The portable kernel with this kernel's tile shape (for tests).
+    #[cfg(test)]
+    pub(super) fn generic_twin(self) -> Kernel {
+        Kernel::Generic { mr: self.mr(), nr: self.nr() }
+    }
+
+    /// Rows of the tile.
+    #[inline]
+    pub(super) fn mr(self) -> usize {
+        match self {
+            Kernel::Avx512Wide => 8,
+            Kernel::Avx512Narrow => 16,
+            Kernel::Avx2Fma => 6,
+            Kernel::Generic { mr, .. } => mr,
+        }
+    }
+
+    /// Columns of the tile.
+    #[inline]
+    pub(super) fn nr(self) -> usize {
+        match self {
+            Kernel::Avx512Wide => 32,
+            Kernel::Avx512Narrow => 16,
+            Kernel::Avx2Fma => 16,
+            Kernel::Generic { nr, .. } => nr,
+        }
+    }
+
+    /// Runs the kernel over `kc` steps.
+    ///
+    /// # Safety
+    ///
+    /// `a` holds `kc·mr` and `b` `kc·nr` readable, initialised values; `tile`
+    /// addresses `rows × cols` (at most `mr × nr`) writable elements, readable too
+    /// unless `beta == 0`; `self` came from [`Kernel::detect`] on this CPU (or is one
+    /// of [`Kernel::SHAPES`]).
+    #[inline]
+    pub(super) unsafe fn run(self, kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect` saw AVX-512F; the rest is the caller's contract.
+            Kernel::Avx512Wide => unsafe { x86::avx512::<8, 2>(kc, a, b, beta, tile) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Kernel::Avx512Narrow => unsafe { x86::avx512::<16, 1>(kc, a, b, beta, tile) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect` saw AVX2 and FMA; the rest is the caller's contract.
+            Kernel::Avx2Fma => unsafe { x86::avx2_6x16(kc, a, b, beta, tile) },
+            // SAFETY: the caller's contract.
+            Kernel::Generic { mr: 8, nr: 32 } => unsafe { generic::<8, 32>(kc, a, b, beta, tile) },
+            // SAFETY: the caller's contract.
+            Kernel::Generic { mr: 16, nr: 16 } => unsafe { generic::<16, 16>(kc, a, b, beta, tile) },
+            // The remaining shape, 6×16 (the x86 kernels exist only where they are
+            // compiled, so nothing else reaches here).
+            // SAFETY: the caller's contract.
+            _ => unsafe { generic::<6, 16>(kc, a, b, beta, tile) },
+        }
+    }
+}
+
+/// Copies the tile's `rows × cols` elements of C into `buf` (row-major, `nr` wide).
+///
+/// # Safety
+///
+/// As [`Kernel::run`] for `tile`, which must be readable; `rows·nr <= buf.len()`.
+#[inline(always)]
+unsafe fn gather(tile: Tile, nr: usize, buf: &mut [f32]) {
+    for i in 0..tile.rows {
+        for j in 0..tile.cols {
+            // SAFETY: `i < rows`, `j < cols`: inside the tile.
+            buf[i * nr + j] = unsafe { *tile.ptr.offset(i as isize * tile.row_stride + j as isize * tile.col_stride) };
+        }
+    }
+}
+
+/// Copies `buf`'s first `rows × cols` elements (row-major, `nr` wide) into the tile.
+///
+/// # Safety
+///
+/// As [`Kernel::run`] for `tile`; `rows·nr <= buf.len()`.
+#[inline(always)]
+unsafe fn scatter(buf: &[f32], nr: usize, tile: Tile) {
+    for i in 0..tile.rows {
+        for j in 0..tile.cols {
+            // SAFETY: `i < rows`, `j < cols`: inside the tile.
+            unsafe { *tile.ptr.offset(i as isize * tile.row_stride + j as isize * tile.col_stride) = buf[i * nr + j] };
+        }
+    }
+}
+
+/// The portable kernel. Never reads C when `beta == 0` (it may hold anything, NaN
+/// included).
+///
+/// # Safety
+///
+/// As [`Kernel::run`], with `MR × NR` the panels' shape.
+unsafe fn generic<const MR: usize, const NR: usize>(kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+    let mut acc = [0.0f32; MAX_TILE];
+    for p in 0..kc {
+        // SAFETY: `p < kc`: inside both panels.
+        let (ap, bp) = unsafe { (a.add(p * MR), b.add(p * NR)) };
+        for i in 0..MR {
+            // SAFETY: `i < MR`.
+            let ai = unsafe { *ap.add(i) };
+            for j in 0..NR {
+                // SAFETY: `j < NR`.
+                acc[i * NR + j] = ai.mul_add(unsafe { *bp.add(j) }, acc[i * NR + j]);
+            }
+        }
+    }
+    if beta != 0.0 {
+        let mut c = [0.0f32; MAX_TILE];
+        // SAFETY: the caller's contract; C is readable since `beta != 0`.
+        unsafe { gather(tile, NR, &mut c) };
+        for (acc, c) in acc.iter_mut().zip(&c) {
+            *acc = beta.mul_add(*c, *acc);
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { scatter(&acc, NR, tile) };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{gather, scatter, Tile, MAX_TILE};
+
+    /// Stores one `V`-lane accumulator at `c`: `beta·C + acc`, or `acc` when `beta == 0`.
+    macro_rules! store_rows {
+        ($acc:expr, $tile:expr, $beta:expr, $nr:expr, $lanes:expr, $load:ident, $store:ident, $fmadd:ident, $set1:ident) => {{
+            let tile: Tile = $tile;
+            let beta: f32 = $beta;
+            let vbeta = $set1(beta);
+            if tile.rows * tile.cols == $acc.len() * $nr && tile.col_stride == 1 {
+                for (i, row) in $acc.iter().enumerate() {
+                    // SAFETY: a full tile with unit column stride: row `i` holds `nr`
+                    // contiguous writable elements (readable when `beta != 0`).
+                    unsafe {
+                        let c = tile.ptr.offset(i as isize * tile.row_stride);
+                        for (v, acc) in row.iter().enumerate() {
+                            let c = c.add(v * $lanes);
+                            let out = if beta == 0.0 { *acc } else { $fmadd(vbeta, $load(c), *acc) };
+                            $store(c, out);
+                        }
+                    }
+                }
+            } else {
+                // An edge tile or a strided C: through a buffer, with the same arithmetic.
+                let mut buf = [0.0f32; MAX_TILE];
+                if beta != 0.0 {
+                    // SAFETY: the caller's contract; C is readable since `beta != 0`.
+                    unsafe { gather(tile, $nr, &mut buf) };
+                }
+                for (i, row) in $acc.iter().enumerate() {
+                    for (v, acc) in row.iter().enumerate() {
+                        // SAFETY: `buf` has room for `MR` rows of `nr`; this is lane
+                        // block `v` of row `i`.
+                        unsafe {
+                            let c = buf.as_mut_ptr().add(i * $nr + v * $lanes);
+                            let out = if beta == 0.0 { *acc } else { $fmadd(vbeta, $load(c), *acc) };
+                            $store(c, out);
+                        }
+                    }
+                }
+                // SAFETY: the caller's contract.
+                unsafe { scatter(&buf, $nr, tile) };
+            }
+        }};
+    }
+
+    /// The AVX-512 kernel for `MR × 16·NV` tiles. Stores go through lane masks, so
+    /// edge tiles with unit column stride need no buffer.
+    ///
+    /// # Safety
+    ///
+    /// As [`super::Kernel::run`], on a CPU with AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn avx512<const MR: usize, const NV: usize>(
+        kc: usize,
+        a: *const f32,
+        b: *const f32,
+        beta: f32,
+        tile: Tile,
+    ) {
+        let nr = 16 * NV;
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: each step reads `nr` values of B and `MR` of A, inside the panels
+            // (`kc` steps in all), then moves both pointers one step on.
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, slot) in bv.iter_mut().enumerate() {
+                    *slot = _mm512_loadu_ps(b.add(16 * v));
+                }
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let ai = _mm512_set1_ps(*a.add(i));
+                    for (acc, b) in row.iter_mut().zip(&bv) {
+                        *acc = _mm512_fmadd_ps(ai, *b, *acc);
+                    }
+                }
+                a = a.add(MR);
+                b = b.add(nr);
+            }
+        }
+        if tile.col_stride != 1 {
+            let mut buf = [0.0f32; MAX_TILE];
+            for (i, row) in acc.iter().enumerate() {
+                for (v, acc) in row.iter().enumerate() {
+                    // SAFETY: lane block `v` of row `i` lies inside `buf` (`MR·nr <= MAX_TILE`).
+                    unsafe { _mm512_storeu_ps(buf.as_mut_ptr().add(i * nr + 16 * v), *acc) };
+                }
+            }
+            let mut c = [0.0f32; MAX_TILE];
+            if beta != 0.0 {
+                // SAFETY: the caller's contract; C is readable since `beta != 0`.
+                unsafe { gather(tile, nr, &mut c) };
+            }
+            for (acc, c) in buf.iter_mut().zip(&c) {
+                *acc = if beta == 0.0 { *acc } else { beta.mul_add(*c, *acc) };
+            }
+            // SAFETY: the caller's contract.
+            unsafe { scatter(&buf, nr, tile) };
+            return;
+        }
+        let vbeta = _mm512_set1_ps(beta);
+        for (i, row) in acc.iter().enumerate().take(tile.rows) {
+            for (v, acc) in row.iter().enumerate() {
+                let lanes = tile.cols.saturating_sub(16 * v).min(16);
+                if lanes == 0 {
+                    break;
+                }
+                let mask: __mmask16 = if lanes == 16 { !0 } else { (1u16 << lanes) - 1 };
+                // SAFETY: row `i < rows`; the mask covers columns `16v .. 16v + lanes`,
+                // all `< cols`, contiguous (unit column stride) and writable, readable
+                // when `beta != 0`.
+                unsafe {
+                    let c = tile.ptr.offset(i as isize * tile.row_stride).add(16 * v);
+                    let out =
+                        if beta == 0.0 { *acc } else { _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask, c), *acc) };
+                    _mm512_mask_storeu_ps(c, mask, out);
+                }
+            }
+        }
+    }
+
+    /// The 6×16 AVX2/FMA kernel.
+    ///
+    /// # Safety
+    ///
+    /// As [`super::Kernel::run`], on a CPU with AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2_6x16(kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+        const MR: usize = 6;
+        const NR: usize = 16;
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: as in the AVX-512 kernel.
+            unsafe {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let ai = _mm256_broadcast_ss(&*a.add(i));
+                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+                }
+                a = a.add(MR);
+                b = b.add(NR);
+            }
+        }
+        store_rows!(acc, tile, beta, NR, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);
+    }
+}

@@ -1,0 +1,477 @@
+//! Single-precision matrix multiply whose packing buffers come from the caller.
+//!
+//! `ndarray::linalg::general_mat_mul` (the `matrixmultiply` crate) and `gemm` allocate
+//! their packing buffers on every call; a training step that must make no heap
+//! allocation cannot use them. [`sgemm`] takes the buffers as a slice instead — the
+//! reference network carves it from layer working memory — and [`scratch_len`] says
+//! how long it must be.
+//!
+//! The algorithm is the GotoBLAS/BLIS loop nest (Goto & van de Geijn, "Anatomy of
+//! High-Performance Matrix Multiplication", ACM TOMS 2008): for each `KC`-deep slice
+//! of the shared dimension, a `KC × NC` block of B is packed into `NR`-wide panels
+//! (kept in L2/L3), then each `MC × KC` block of A into `MR`-tall panels (kept in L2),
+//! and a register-blocked micro-kernel ([`kernel`]) multiplies one panel pair into an
+//! `MR × NR` tile of C. Packing makes every operand layout (row-major, transposed,
+//! strided views) run the same unit-stride kernel.
+//!
+//! The summation order depends on the shapes only, never on where the buffers are, so
+//! the result is bit-identical whether the scratch comes from a workspace or the heap.
+
+mod kernel;
+
+use std::mem::MaybeUninit;
+
+use ndarray::{ArrayView2, ArrayViewMut2};
+use workspace_core::{Error, Result};
+
+use kernel::{Kernel, Tile};
+
+/// Depth of one packed slice: an `MR × KC` panel of A and a `KC × NR` panel of B
+/// (8 KiB + 32 KiB for the 8×32 kernel) fit the 48 KiB L1 data cache together.
+const KC: usize = 256;
+/// Rows of A packed at once (96 KiB at `KC`): fits L2. A multiple of every kernel's `MR`
+/// (6, 8, 16).
+const MC: usize = 96;
+/// Columns of B packed at once (2 MiB at `KC`): fits L2 on large-L2 parts, L3
+/// elsewhere. A multiple of every kernel's `NR`.
+const NC: usize = 2048;
+/// Packed buffers start on a cache line.
+const ALIGN_ELEMENTS: usize = 64 / std::mem::size_of::<f32>();
+
+fn round_up(value: usize, multiple: usize) -> usize {
+    value.div_ceil(multiple) * multiple
+}
+
+/// Sizes of the two packed blocks for an `m × n × k` product with `kernel`'s tiles.
+fn packed_sizes(kernel: Kernel, m: usize, n: usize, k: usize) -> (usize, usize) {
+    let kc = k.clamp(1, KC);
+    (round_up(m.clamp(1, MC), kernel.mr()) * kc, round_up(n.clamp(1, NC), kernel.nr()) * kc)
+}
+
+/// Scratch elements [`sgemm`] needs for an `m × k` by `k × n` product.
+///
+/// ```
+/// use carve::nn::gemm::scratch_len;
+/// assert!(scratch_len(32, 128, 64) >= 32 * 64 + 64 * 128);
+/// // Bounded by the blocking, whatever the shapes:
+/// assert_eq!(scratch_len(100_000, 100_000, 100_000), scratch_len(4096, 4096, 4096));
+/// ```
+pub fn scratch_len(m: usize, n: usize, k: usize) -> usize {
+    // The same on every CPU: enough for any kernel's tile shape.
+    let sizes = Kernel::SHAPES.map(|kernel| {
+        let (a, b) = packed_sizes(kernel, m, n, k);
+        a + b
+    });
+    sizes.into_iter().max().unwrap_or(0) + ALIGN_ELEMENTS
+}
+
+/// `C = alpha·A·B + beta·C` for `A: m × k`, `B: k × n`, `C: m × n`, any strides
+/// (transposed views included). When `beta == 0`, C is overwritten without being read.
+///
+/// `scratch` holds the packing buffers (at least [`scratch_len`]`(m, n, k)` elements);
+/// its contents do not matter and are overwritten.
+///
+/// ```
+/// use std::mem::MaybeUninit;
+/// use carve::nn::gemm::{scratch_len, sgemm};
+/// use ndarray::array;
+///
+/// let a = array![[1.0f32, 2.0], [3.0, 4.0]];
+/// let b = array![[5.0f32, 6.0], [7.0, 8.0]];
+/// let mut c = ndarray::Array2::<f32>::zeros((2, 2));
+/// let mut scratch = vec![MaybeUninit::uninit(); scratch_len(2, 2, 2)];
+/// sgemm(1.0, a.view(), b.t(), 0.0, c.view_mut(), &mut scratch)?; // A·Bᵀ
+/// assert_eq!(c, array![[17.0, 23.0], [39.0, 53.0]]);
+/// # Ok::<(), carve::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] when the shapes do not chain, and
+/// [`Error::InvalidInput`] when `scratch` is shorter than [`scratch_len`]; C is then
+/// untouched.
+pub fn sgemm(
+    alpha: f32,
+    a: ArrayView2<'_, f32>,
+    b: ArrayView2<'_, f32>,
+    beta: f32,
+    c: ArrayViewMut2<'_, f32>,
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    sgemm_with(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch)
+}
+
+/// [`sgemm`] with a given micro-kernel (one this CPU supports).
+fn sgemm_with(
+    kernel: Kernel,
+    alpha: f32,
+    a: ArrayView2<'_, f32>,
+    b: ArrayView2<'_, f32>,
+    beta: f32,
+    mut c: ArrayViewMut2<'_, f32>,
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    let (m, k) = a.dim();
+    let n = b.ncols();
+    if b.nrows() != k || c.dim() != (m, n) {
+        return Err(Error::ShapeMismatch {
+            context: format!("sgemm of A {:?} and B {:?} into C", a.shape(), b.shape()),
+            expected: vec![m, n],
+            actual: if b.nrows() != k { vec![b.nrows(), usize::MAX] } else { c.shape().to_vec() },
+        });
+    }
+    let need = scratch_len(m, n, k);
+    if scratch.len() < need {
+        return Err(Error::InvalidInput(format!(
+            "sgemm of {m}×{k} by {k}×{n} needs {need} scratch elements, got {}: size it with `scratch_len`",
+            scratch.len()
+        )));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || alpha == 0.0 {
+        // Nothing to add: scale C (BLAS semantics: beta == 0 overwrites, NaN included).
+        if beta == 0.0 {
+            c.fill(0.0);
+        } else {
+            c.mapv_inplace(|x| beta * x);
+        }
+        return Ok(());
+    }
+    let skip = scratch.as_ptr().align_offset(64).min(ALIGN_ELEMENTS);
+    let (a_len, _) = packed_sizes(kernel, m, n, k);
+    let (a_buf, b_buf) = scratch[skip..need].split_at_mut(a_len);
+    let operands = Operands {
+        a: Matrix::of(&a),
+        b: Matrix::of(&b),
+        c: c.as_mut_ptr(),
+        c_row_stride: c.strides()[0],
+        c_col_stride: c.strides()[1],
+        m,
+        n,
+        k,
+    };
+    // SAFETY: `a` and `b` are live views of `m × k` and `k × n` elements and `c` a
+    // live, exclusive view of `m × n`, described exactly by `operands`; the buffers
+    // have at least the sizes `packed_sizes` gives for these shapes and this kernel.
+    unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf) };
+    Ok(())
+}
+
+/// A read-only strided matrix.
+#[derive(Clone, Copy)]
+struct Matrix {
+    ptr: *const f32,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl Matrix {
+    fn of(view: &ArrayView2<'_, f32>) -> Matrix {
+        Matrix { ptr: view.as_ptr(), row_stride: view.strides()[0], col_stride: view.strides()[1] }
+    }
+
+    /// # Safety
+    ///
+    /// `(row, col)` lies inside the matrix.
+    #[inline(always)]
+    unsafe fn at(&self, row: usize, col: usize) -> *const f32 {
+        // SAFETY: inside the matrix, per the caller.
+        unsafe { self.ptr.offset(row as isize * self.row_stride + col as isize * self.col_stride) }
+    }
+}
+
+struct Operands {
+    a: Matrix,
+    b: Matrix,
+    c: *mut f32,
+    c_row_stride: isize,
+    c_col_stride: isize,
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+/// The loop nest.
+///
+/// # Safety
+///
+/// `ops` describes live matrices (C exclusively borrowed) with `m, n, k > 0`;
+/// `a_buf` and `b_buf` are at least as long as [`packed_sizes`] says for `kernel`,
+/// which came from [`Kernel::detect`].
+unsafe fn multiply(
+    kernel: Kernel,
+    alpha: f32,
+    beta: f32,
+    ops: &Operands,
+    a_buf: &mut [MaybeUninit<f32>],
+    b_buf: &mut [MaybeUninit<f32>],
+) {
+    let (mr, nr) = (kernel.mr(), kernel.nr());
+    let (a_dst, b_dst) = (a_buf.as_mut_ptr().cast::<f32>(), b_buf.as_mut_ptr().cast::<f32>());
+    for jc in (0..ops.n).step_by(NC) {
+        let nc = NC.min(ops.n - jc);
+        for pc in (0..ops.k).step_by(KC) {
+            let kc = KC.min(ops.k - pc);
+            // Later slices of the shared dimension add to what the first one wrote.
+            let beta = if pc == 0 { beta } else { 1.0 };
+            // SAFETY: rows `pc..pc+kc` and columns `jc..jc+nc` lie inside B, and the
+            // buffer holds `round_up(nc, nr)·kc` elements (`nc <= NC`, `kc <= KC`).
+            unsafe { pack_b(&ops.b, pc, kc, jc, nc, nr, b_dst) };
+            for ic in (0..ops.m).step_by(MC) {
+                let mc = MC.min(ops.m - ic);
+                // SAFETY: as for B, with `mc <= MC`.
+                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, a_dst) };
+                for jr in (0..nc).step_by(nr) {
+                    for ir in (0..mc).step_by(mr) {
+                        let (row, col) = (ic + ir, jc + jr);
+                        let tile = Tile {
+                            // SAFETY: `row < m`, `col < n`: inside C.
+                            ptr: unsafe {
+                                ops.c.offset(row as isize * ops.c_row_stride + col as isize * ops.c_col_stride)
+                            },
+                            row_stride: ops.c_row_stride,
+                            col_stride: ops.c_col_stride,
+                            rows: mr.min(mc - ir),
+                            cols: nr.min(nc - jr),
+                        };
+                        // SAFETY: panel `ir / mr` of A and `jr / nr` of B hold `kc`
+                        // initialised steps each (packing padded them with zeros); the
+                        // tile is the part of C that exists; the kernel came from `detect`.
+                        unsafe { kernel.run(kc, a_dst.add(ir * kc), b_dst.add(jr * kc), beta, tile) };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs `alpha · A[ic..ic+mc, pc..pc+kc]` into `mr`-tall panels at `dst`: panel `r`
+/// holds, for each step `p`, the `mr` values of rows `r·mr ..` at column `pc + p`
+/// (zeros past the last row).
+///
+/// # Safety
+///
+/// The block lies inside `a`; `dst` is writable for `round_up(mc, mr)·kc` elements.
+#[allow(clippy::too_many_arguments)] // one block of one matrix: the loop nest's indices
+unsafe fn pack_a(a: &Matrix, alpha: f32, ic: usize, mc: usize, pc: usize, kc: usize, mr: usize, dst: *mut f32) {
+    for ir in (0..mc).step_by(mr) {
+        let rows = mr.min(mc - ir);
+        // SAFETY: panel `ir / mr` starts at `ir·kc` and spans `mr·kc` elements.
+        let panel = unsafe { dst.add(ir * kc) };
+        if a.row_stride == 1 && rows == mr {
+            // Transposed A (a weight gradient's `xᵀ`): each step's `mr` values are contiguous.
+            for p in 0..kc {
+                // SAFETY: rows `ic+ir .. ic+ir+mr` and column `pc + p` lie in the block.
+                let src = unsafe { a.at(ic + ir, pc + p) };
+                for i in 0..mr {
+                    // SAFETY: as above, and `p·mr + i < mr·kc`.
+                    unsafe { *panel.add(p * mr + i) = alpha * *src.add(i) };
+                }
+            }
+            continue;
+        }
+        for i in 0..mr {
+            if i < rows {
+                // SAFETY: row `ic + ir + i` lies in the block, from column `pc`.
+                let src = unsafe { a.at(ic + ir + i, pc) };
+                for p in 0..kc {
+                    // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
+                    unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
+                }
+            } else {
+                for p in 0..kc {
+                    // SAFETY: `p·mr + i < mr·kc`.
+                    unsafe { *panel.add(p * mr + i) = 0.0 };
+                }
+            }
+        }
+    }
+}
+
+/// Packs `B[pc..pc+kc, jc..jc+nc]` into `nr`-wide panels at `dst`: panel `c` holds,
+/// for each step `p`, the `nr` values of columns `c·nr ..` in row `pc + p` (zeros past
+/// the last column).
+///
+/// # Safety
+///
+/// The block lies inside `b`; `dst` is writable for `round_up(nc, nr)·kc` elements.
+unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usize, dst: *mut f32) {
+    for jr in (0..nc).step_by(nr) {
+        let cols = nr.min(nc - jr);
+        // SAFETY: panel `jr / nr` starts at `jr·kc` and spans `nr·kc` elements.
+        let panel = unsafe { dst.add(jr * kc) };
+        if b.col_stride == 1 {
+            // Row-major B (weights in a forward pass): each step's values are contiguous.
+            for p in 0..kc {
+                // SAFETY: row `pc + p`, columns `jc+jr .. jc+jr+cols` lie in the block;
+                // the panel row `p` has `nr >= cols` elements.
+                unsafe {
+                    let src = b.at(pc + p, jc + jr);
+                    let out = panel.add(p * nr);
+                    std::ptr::copy_nonoverlapping(src, out, cols);
+                    std::ptr::write_bytes(out.add(cols), 0, nr - cols);
+                }
+            }
+            continue;
+        }
+        for j in 0..nr {
+            if j < cols {
+                // SAFETY: column `jc + jr + j` lies in the block, from row `pc`.
+                let src = unsafe { b.at(pc, jc + jr + j) };
+                for p in 0..kc {
+                    // SAFETY: row `pc + p` lies in the block; `p·nr + j < nr·kc`.
+                    unsafe { *panel.add(p * nr + j) = *src.offset(p as isize * b.row_stride) };
+                }
+            } else {
+                for p in 0..kc {
+                    // SAFETY: `p·nr + j < nr·kc`.
+                    unsafe { *panel.add(p * nr + j) = 0.0 };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{s, Array2, ShapeBuilder};
+
+    fn matrix(rows: usize, cols: usize, seed: u64) -> Array2<f32> {
+        let mut rng = crate::nn::Rng::new(seed);
+        Array2::from_shape_simple_fn((rows, cols), || rng.uniform(-1.0, 1.0))
+    }
+
+    /// Products in f64, the reference.
+    fn reference(
+        alpha: f32,
+        a: &ArrayView2<'_, f32>,
+        b: &ArrayView2<'_, f32>,
+        beta: f32,
+        c: &Array2<f32>,
+    ) -> Array2<f64> {
+        let (m, k) = a.dim();
+        let n = b.ncols();
+        Array2::from_shape_fn((m, n), |(i, j)| {
+            let dot: f64 = (0..k).map(|p| f64::from(a[[i, p]]) * f64::from(b[[p, j]])).sum();
+            let scaled = if beta == 0.0 { 0.0 } else { f64::from(beta) * f64::from(c[[i, j]]) };
+            f64::from(alpha) * dot + scaled
+        })
+    }
+
+    fn check(m: usize, n: usize, k: usize, alpha: f32, beta: f32, layout: u8) {
+        for kernel in Kernel::all_available() {
+            check_with(kernel, m, n, k, alpha, beta, layout);
+        }
+    }
+
+    fn check_with(kernel: Kernel, m: usize, n: usize, k: usize, alpha: f32, beta: f32, layout: u8) {
+        let a_store = if layout & 1 == 0 { matrix(m, k, 1) } else { matrix(k, m, 1) };
+        let b_store = if layout & 2 == 0 { matrix(k, n, 2) } else { matrix(n, k, 2) };
+        let a = if layout & 1 == 0 { a_store.view() } else { a_store.t() };
+        let b = if layout & 2 == 0 { b_store.view() } else { b_store.t() };
+        let start = matrix(m, n, 3);
+        let expected = reference(alpha, &a, &b, beta, &start);
+        // C column-major when layout & 4, to exercise strided stores.
+        let mut c = if layout & 4 == 0 { start.clone() } else { Array2::zeros((m, n).f()) };
+        if layout & 4 != 0 {
+            c.assign(&start);
+        }
+        if beta == 0.0 {
+            c.fill(f32::NAN); // must be overwritten, never read
+        }
+        let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(m, n, k)];
+        sgemm_with(kernel, alpha, a, b, beta, c.view_mut(), &mut scratch).unwrap();
+        for ((i, j), &want) in expected.indexed_iter() {
+            let got = f64::from(c[[i, j]]);
+            let tolerance = 1e-5 * (k as f64 + 1.0) * (1.0 + want.abs());
+            assert!(
+                (got - want).abs() <= tolerance,
+                "{kernel:?}: {m}×{n}×{k} layout {layout} at ({i}, {j}): {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn matches_the_reference_across_edges_and_layouts() {
+        let sizes = [1, 2, 5, 6, 7, 15, 16, 17, 33, 97];
+        for (t, &m) in sizes.iter().enumerate() {
+            for &n in &sizes {
+                let k = sizes[(t * 3 + n) % sizes.len()];
+                for layout in 0..8 {
+                    check(m, n, k, 1.0, 0.0, layout);
+                }
+                check(m, n, k, 0.5, 1.0, (m + n) as u8 % 8);
+                check(m, n, k, -2.0, 0.25, (m * n) as u8 % 8);
+            }
+        }
+    }
+
+    #[test]
+    fn crosses_every_blocking_boundary() {
+        // k beyond KC (several slices, beta applied once), m beyond MC, n beyond NC.
+        check(MC + 7, 35, 2 * KC + 9, 1.0, 0.5, 0);
+        check(13, NC + 5, KC + 1, 1.0, 0.0, 3);
+        check(2 * MC + 1, 40, 300, 1.5, 1.0, 5);
+    }
+
+    #[test]
+    fn every_kernel_agrees_with_its_portable_twin_bit_for_bit() {
+        let (m, n, k) = (13, 35, 70);
+        let a = matrix(m, k, 4);
+        let b = matrix(k, n, 5);
+        for kernel in Kernel::all_available() {
+            let mut out = [matrix(m, n, 6), matrix(m, n, 6)];
+            for (which, c) in [kernel, kernel.generic_twin()].into_iter().zip(&mut out) {
+                let mut scratch = vec![MaybeUninit::uninit(); scratch_len(m, n, k)];
+                sgemm_with(which, 1.0, a.view(), b.view(), 0.5, c.view_mut(), &mut scratch).unwrap();
+            }
+            assert_eq!(out[0], out[1], "{kernel:?} and its portable twin round differently");
+        }
+    }
+
+    #[test]
+    fn subviews_with_offsets_and_negative_strides() {
+        let big = matrix(40, 50, 7);
+        let a = big.slice(s![3..20;2, 5..37]); // 9 × 32, row stride 100
+        let b_store = matrix(32, 21, 8);
+        let b = b_store.slice(s![.., ..;-1]); // reversed columns
+        let mut c = Array2::<f32>::zeros((9, 21));
+        let mut scratch = vec![MaybeUninit::uninit(); scratch_len(9, 21, 32)];
+        sgemm(1.0, a, b, 0.0, c.view_mut(), &mut scratch).unwrap();
+        let expected = reference(1.0, &a, &b, 0.0, &c);
+        for ((i, j), &want) in expected.indexed_iter() {
+            assert!((f64::from(c[[i, j]]) - want).abs() < 1e-4, "({i}, {j})");
+        }
+    }
+
+    #[test]
+    fn degenerate_shapes_follow_blas() {
+        let a = Array2::<f32>::zeros((3, 0));
+        let b = Array2::<f32>::zeros((0, 4));
+        let mut c = Array2::<f32>::from_elem((3, 4), f32::NAN);
+        let mut scratch = vec![MaybeUninit::uninit(); scratch_len(3, 4, 0)];
+        sgemm(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut scratch).unwrap();
+        assert!(c.iter().all(|&x| x == 0.0), "beta = 0 overwrites C even when k = 0");
+        c.fill(2.0);
+        sgemm(1.0, a.view(), b.view(), 0.5, c.view_mut(), &mut scratch).unwrap();
+        assert!(c.iter().all(|&x| x == 1.0));
+    }
+
+    #[test]
+    fn bad_shapes_and_short_scratch_are_errors() {
+        let a = matrix(4, 5, 1);
+        let b = matrix(6, 3, 2);
+        let mut c = Array2::<f32>::from_elem((4, 3), 7.0);
+        let mut scratch = vec![MaybeUninit::uninit(); scratch_len(4, 3, 6)];
+        let err = sgemm(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut scratch).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+        let b = matrix(5, 3, 2);
+        let mut short = vec![MaybeUninit::uninit(); scratch_len(4, 3, 5) - 1];
+        let err = sgemm(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut short).unwrap_err();
+        assert!(err.to_string().contains("scratch_len"), "{err}");
+        assert!(c.iter().all(|&x| x == 7.0), "C untouched on error");
+    }
+}
