@@ -9,7 +9,10 @@
 //!
 //! `cold_first_iter_ns` and `cold_first_iter_faults` (carve and bumpalo) are the first
 //! iteration of a fresh arena, measured in fresh child processes (median of 9) so that
-//! no earlier run has faulted the memory in.
+//! no earlier run has faulted the memory in. `fresh_pages` is the floor under any
+//! allocator that hands out fresh memory: one anonymous mapping made ahead of time
+//! (not timed), and the iteration's arrays laid out in it with the same touches, so
+//! its cost is the page faults alone.
 //!
 //! `std` runs in a fresh child process of its own (warm-up, then the same rounds):
 //! glibc adapts its mmap and trim thresholds to what the process freed before, and in
@@ -214,6 +217,36 @@ impl Variant for Bumpalo {
     }
 }
 
+/// The page-fault floor of a first iteration: an anonymous mapping made before the
+/// iteration, large enough for all its arrays at 64-byte alignment, carved in order.
+/// The iteration costs only the faults of its first touches.
+struct FreshPages(memmap2::MmapMut);
+impl FreshPages {
+    fn new(w: &Workload) -> FreshPages {
+        let bytes: usize = w.shapes.iter().map(|&(r, c)| (r * c * 4).next_multiple_of(64)).sum();
+        FreshPages(memmap2::MmapMut::map_anon(bytes).expect("anonymous mapping"))
+    }
+}
+impl Variant for FreshPages {
+    fn name(&self) -> &'static str {
+        "fresh_pages"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        let mut rest: &mut [u8] = &mut self.0;
+        for &(r, c) in &w.shapes {
+            let (array, tail) = std::mem::take(&mut rest).split_at_mut((r * c * 4).next_multiple_of(64));
+            let floats: &mut [f32] = bytemuck::cast_slice_mut(&mut array[..r * c * 4]);
+            match w.touch {
+                Touch::One => floats[0] = 1.0,
+                Touch::All => floats.fill(1.0),
+            }
+            black_box(floats.as_ptr());
+            rest = tail;
+        }
+        0
+    }
+}
+
 struct Prealloc(Vec<Vec<MaybeUninit<f32>>>);
 impl Variant for Prealloc {
     fn name(&self) -> &'static str {
@@ -354,6 +387,7 @@ fn cold_child(variant: &str, workload: &str) {
     let w = if workload == "small" { small() } else { training() };
     let mut v: Box<dyn Variant> = match variant {
         "carve" => Box::new(Carve(Workspace::new("COLD", WorkspaceConfig::default()).expect("workspace"))),
+        "fresh_pages" => Box::new(FreshPages::new(&w)),
         _ => Box::new(Bumpalo(bumpalo::Bump::new())),
     };
     let faults = minor_faults();
@@ -444,6 +478,7 @@ fn main() {
         for name in ["carve", "bumpalo"] {
             totals.get_mut(name).expect("variant").cold = Some(cold(name, w.name, 9));
         }
+        let floor = cold("fresh_pages", w.name, 9);
         let (ns, faults, allocs) = std_isolated(w.name, rounds, per_round);
         totals.insert("std", Totals { iterations: 1, round_ns: vec![ns], faults, heap_allocs: allocs, cold: None });
         let arrays = w.shapes.len() as f64;
@@ -490,6 +525,11 @@ fn main() {
             );
             entry.insert(name.to_string(), obj);
         }
+        println!("{:<10} {:>68}", "fresh_pages", format!("{:.0} ({:.0} faults)", floor.0, floor.1));
+        entry.insert(
+            "fresh_pages".into(),
+            serde_json::json!({"cold_first_iter_ns": floor.0, "cold_first_iter_faults": floor.1}),
+        );
         let get = |v: &str, k: &str| entry[v][k].as_f64().unwrap_or(f64::NAN);
         let best_malloc =
             ["std", "mimalloc", "jemalloc"].iter().map(|v| get(v, "ns_per_alloc")).fold(f64::INFINITY, f64::min);
