@@ -1,0 +1,284 @@
+//! The one error type of async-iter.
+//!
+//! Every message says what happened, to which batch of which epoch, and what to do
+//! about it. Errors of the batch source travel from the producer thread to the
+//! consumer unchanged, as the `source()` of [`Error::Source`].
+
+use crate::layout::Role;
+
+/// The error type batch sources return: any error that can cross threads.
+///
+/// `?` converts every `std::error::Error + Send + Sync` (and `String`/`&str`) into it.
+pub type SourceError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Which call of a [`BatchSource`](crate::BatchSource) failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SourceCall {
+    /// [`BatchSource::next_layout`](crate::BatchSource::next_layout).
+    NextLayout,
+    /// [`BatchSource::fill`](crate::BatchSource::fill).
+    Fill,
+    /// [`BatchSource::reset`](crate::BatchSource::reset).
+    Reset,
+}
+
+impl std::fmt::Display for SourceCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SourceCall::NextLayout => "next_layout",
+            SourceCall::Fill => "fill",
+            SourceCall::Reset => "reset",
+        })
+    }
+}
+
+/// A problem with a [`BatchLayout`](crate::BatchLayout) that a source described.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// The layout has no features array.
+    #[error("it has no features array: describe one with `BatchLayout::features`")]
+    NoFeatures,
+    /// An array has no elements.
+    #[error(
+        "its {role} array has shape {shape:?}, which has no elements; end the epoch by returning \
+         `Ok(None)` from `next_layout` instead of describing an empty batch"
+    )]
+    Empty {
+        /// The array.
+        role: Role,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// The byte size of an array (or of the whole batch) does not fit in `usize`.
+    #[error("its {role} array of shape {shape:?} and {element_size}-byte elements overflows the address space")]
+    Overflow {
+        /// The array.
+        role: Role,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Bytes per element.
+        element_size: usize,
+    },
+    /// An array has more dimensions than a batch can describe.
+    #[error("its {role} array has {ndim} dimensions; at most {max} are supported")]
+    TooManyDimensions {
+        /// The array.
+        role: Role,
+        /// Dimensions asked for.
+        ndim: usize,
+        /// [`MAX_DIMS`](crate::MAX_DIMS).
+        max: usize,
+    },
+    /// An element type needs a larger alignment than the ring gives.
+    #[error("its {role} array has element type {element} aligned to {align} bytes; at most {max} is supported")]
+    OverAligned {
+        /// The array.
+        role: Role,
+        /// The element type's name.
+        element: &'static str,
+        /// Its alignment.
+        align: usize,
+        /// [`ARRAY_ALIGN`](crate::ARRAY_ALIGN).
+        max: usize,
+    },
+}
+
+/// Errors from configuring a prefetcher, from its batch source, and from reading a
+/// batch.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A builder setting is out of range; nothing was created.
+    #[error("invalid prefetcher configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong, and how to fix it.
+        reason: String,
+    },
+
+    /// The producer thread could not be started.
+    #[error("the prefetch producer thread could not be started: {source}; reduce the number of threads")]
+    Spawn {
+        /// What the operating system reported.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The batch source returned an error.
+    #[error(
+        "the batch source failed in `{call}` for batch {batch} of epoch {epoch}: {source}; the epoch \
+         ends here (call `reset()` to start a new one)"
+    )]
+    Source {
+        /// The epoch (0 for the first).
+        epoch: u64,
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The call that failed.
+        call: SourceCall,
+        /// The source's error.
+        #[source]
+        source: SourceError,
+    },
+
+    /// The batch source panicked.
+    #[error(
+        "the batch source panicked in `{call}` for batch {batch} of epoch {epoch}: {message}; the \
+         epoch ends here (call `reset()` to start a new one if the source can recover)"
+    )]
+    SourcePanicked {
+        /// The epoch (0 for the first).
+        epoch: u64,
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The call that panicked.
+        call: SourceCall,
+        /// The panic message (or a note that the payload was not a string).
+        message: String,
+    },
+
+    /// The source described a batch that cannot be laid out.
+    #[error("batch {batch} of epoch {epoch} cannot be laid out: {reason}")]
+    InvalidLayout {
+        /// The epoch (0 for the first).
+        epoch: u64,
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// What is wrong with it.
+        #[source]
+        reason: LayoutError,
+    },
+
+    /// A batch needs a ring larger than the configured maximum.
+    #[error(
+        "batch {batch} of epoch {epoch} needs {batch_bytes} bytes, so the ring would need {ring_bytes} \
+         bytes, over its max_ring_bytes of {max_ring_bytes}; raise `max_ring_bytes`, lower the depth, \
+         or make the batches smaller"
+    )]
+    BatchTooLarge {
+        /// The epoch (0 for the first).
+        epoch: u64,
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// Bytes of the batch (arrays aligned to [`ARRAY_ALIGN`](crate::ARRAY_ALIGN)).
+        batch_bytes: usize,
+        /// Bytes the ring would need (`usize::MAX` when that overflows).
+        ring_bytes: usize,
+        /// The configured maximum.
+        max_ring_bytes: usize,
+    },
+
+    /// The memory backend could not provide the ring.
+    #[error("no memory for batch {batch} of epoch {epoch}: {source}")]
+    Backend {
+        /// The epoch (0 for the first).
+        epoch: u64,
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// What the backend reported.
+        #[source]
+        source: workspace_core::BackendError,
+    },
+
+    /// The producer thread stopped without reporting a result: a bug in async-iter.
+    #[error(
+        "the prefetch producer thread ended unexpectedly ({detail}); the prefetcher cannot continue, \
+         build a new one (and please report this)"
+    )]
+    ProducerLost {
+        /// What is known about it.
+        detail: String,
+    },
+
+    /// A batch has no array of the requested role.
+    #[error("batch {batch} has no {role} array; check `layout().has({role:?})` before asking for it")]
+    MissingArray {
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The role asked for.
+        role: Role,
+    },
+
+    /// An array was requested with an element type other than the one it holds.
+    #[error("the {role} array of batch {batch} holds {stored}, not {requested}: ask for it as `{stored}`")]
+    WrongElementType {
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The array.
+        role: Role,
+        /// The element type it holds.
+        stored: &'static str,
+        /// The element type asked for.
+        requested: &'static str,
+    },
+
+    /// An array was requested with a dimensionality other than the one it has.
+    #[error(
+        "the {role} array of batch {batch} has {stored} dimensions (shape {shape:?}), not {requested}: \
+         ask for it as `Ix{stored}` or `IxDyn`"
+    )]
+    WrongDimensionality {
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The array.
+        role: Role,
+        /// Its number of dimensions.
+        stored: usize,
+        /// The number asked for.
+        requested: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+
+    /// A source asked twice for the writable view of the same array of one batch.
+    #[error(
+        "the {role} array of batch {batch} was already handed out for filling; keep the first view \
+         (each array can be borrowed mutably once per batch)"
+    )]
+    AlreadyBorrowed {
+        /// The batch's index in its epoch.
+        batch: usize,
+        /// The array.
+        role: Role,
+    },
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The message of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic payload that is not a string".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_batch_and_the_fix() {
+        let err = Error::Source { epoch: 2, batch: 7, call: SourceCall::Fill, source: "disk gone".into() };
+        let text = err.to_string();
+        assert!(text.contains("`fill`") && text.contains("batch 7 of epoch 2") && text.contains("disk gone"), "{text}");
+        assert!(text.contains("reset()"), "{text}");
+        let err = Error::WrongElementType { batch: 1, role: Role::Labels, stored: "u32", requested: "f32" };
+        assert_eq!(err.to_string(), "the labels array of batch 1 holds u32, not f32: ask for it as `u32`");
+        let err = Error::InvalidLayout { epoch: 0, batch: 3, reason: LayoutError::NoFeatures };
+        assert!(err.to_string().contains("batch 3 of epoch 0 cannot be laid out: it has no features"), "{err}");
+    }
+
+    #[test]
+    fn panic_messages_are_recovered() {
+        let payload = std::panic::catch_unwind(|| panic!("boom {}", 42)).unwrap_err();
+        assert_eq!(panic_message(payload.as_ref()), "boom 42");
+        let payload = std::panic::catch_unwind(|| std::panic::panic_any(7_u8)).unwrap_err();
+        assert_eq!(panic_message(payload.as_ref()), "a panic payload that is not a string");
+    }
+}

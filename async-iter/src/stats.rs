@@ -1,0 +1,162 @@
+//! Statistics of a prefetcher: the ring's size and growth, batches on each side, and
+//! how long each side waited for the other.
+//!
+//! The counters are relaxed std atomics, written by the side that owns each figure
+//! and read by [`Prefetcher::stats`](crate::Prefetcher::stats) at any time; they are
+//! not part of the hand-off protocol and need no ordering.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// The live counters, shared by the producer and the consumer.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) ring_bytes: AtomicUsize,
+    pub(crate) slot_bytes: AtomicUsize,
+    pub(crate) first_batch_bytes: AtomicUsize,
+    pub(crate) ring_growths: AtomicU64,
+    pub(crate) produced: AtomicU64,
+    pub(crate) consumed: AtomicU64,
+    pub(crate) producer_wait_ns: AtomicU64,
+    pub(crate) consumer_wait_ns: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn add_wait(counter: &AtomicU64, waited: Duration) {
+        counter.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of a prefetcher's statistics; printable as a table and serialisable.
+///
+/// ```
+/// # use async_iter::{BatchLayout, BatchMut, BatchSource, Prefetcher, SourceError};
+/// # struct Three;
+/// # impl BatchSource for Three {
+/// #     fn next_layout(&mut self, i: usize) -> Result<Option<BatchLayout>, SourceError> {
+/// #         Ok((i < 3).then(|| BatchLayout::new().features::<f32, _>(100)))
+/// #     }
+/// #     fn fill(&mut self, _: &mut BatchMut<'_>) -> Result<(), SourceError> { Ok(()) }
+/// # }
+/// let mut batches = Prefetcher::builder(Three).depth(2).build()?;
+/// while let Some(batch) = batches.next() {
+///     batch?;
+/// }
+/// let stats = batches.stats();
+/// assert_eq!((stats.batches_produced, stats.batches_consumed), (3, 3));
+/// assert_eq!(stats.first_batch_bytes, 448);     // 400 bytes, rounded up to 64
+/// assert_eq!(stats.ring_bytes, 3 * 448);        // depth + 1 slots
+/// assert_eq!(stats.ring_growths, 0);
+/// println!("{stats}");
+/// # Ok::<(), async_iter::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PrefetchStats {
+    /// `"background"` or `"shield"`.
+    pub threading: &'static str,
+    /// `"enabled"` (batches in the ring) or `"none"` (a heap allocation per batch).
+    pub workspace_mode: &'static str,
+    /// Batches the producer may have ready or in progress ahead of the consumer.
+    pub depth: usize,
+    /// Slots of the ring: `depth + 1` (the consumer holds one).
+    pub slots: usize,
+    /// Bytes of the ring now (0 before the first batch, and with `WorkspaceMode::None`).
+    pub ring_bytes: usize,
+    /// Bytes of one slot now.
+    pub slot_bytes: usize,
+    /// Bytes of the first batch, which sized the ring.
+    pub first_batch_bytes: usize,
+    /// Times a batch larger than a slot grew the ring (the first sizing is not counted).
+    pub ring_growths: u64,
+    /// The current epoch (0 for the first; `reset()` counts up).
+    pub epoch: u64,
+    /// Batches filled and published by the producer, over all epochs.
+    pub batches_produced: u64,
+    /// Batches handed to the consumer, over all epochs.
+    pub batches_consumed: u64,
+    /// Time the consumer waited in `next()` for a batch, in nanoseconds.
+    pub consumer_wait_ns: u64,
+    /// Time the producer waited for a free slot, in nanoseconds.
+    pub producer_wait_ns: u64,
+}
+
+impl PrefetchStats {
+    pub(crate) fn snapshot(
+        counters: &Counters,
+        threading: &'static str,
+        workspace_mode: &'static str,
+        depth: usize,
+        epoch: u64,
+    ) -> PrefetchStats {
+        let load64 = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let load = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+        PrefetchStats {
+            threading,
+            workspace_mode,
+            depth,
+            slots: depth + 1,
+            ring_bytes: load(&counters.ring_bytes),
+            slot_bytes: load(&counters.slot_bytes),
+            first_batch_bytes: load(&counters.first_batch_bytes),
+            ring_growths: load64(&counters.ring_growths),
+            epoch,
+            batches_produced: load64(&counters.produced),
+            batches_consumed: load64(&counters.consumed),
+            consumer_wait_ns: load64(&counters.consumer_wait_ns),
+            producer_wait_ns: load64(&counters.producer_wait_ns),
+        }
+    }
+
+    /// [`consumer_wait_ns`](Self::consumer_wait_ns) as a `Duration`.
+    pub fn consumer_wait(&self) -> Duration {
+        Duration::from_nanos(self.consumer_wait_ns)
+    }
+
+    /// [`producer_wait_ns`](Self::producer_wait_ns) as a `Duration`.
+    pub fn producer_wait(&self) -> Duration {
+        Duration::from_nanos(self.producer_wait_ns)
+    }
+}
+
+impl fmt::Display for PrefetchStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        writeln!(f, "| prefetcher | value |")?;
+        writeln!(f, "|---|---:|")?;
+        writeln!(f, "| threading / workspaces | {} / {} |", self.threading, self.workspace_mode)?;
+        writeln!(f, "| depth (slots) | {} ({}) |", self.depth, self.slots)?;
+        writeln!(f, "| ring bytes (per slot) | {} ({}) |", self.ring_bytes, self.slot_bytes)?;
+        writeln!(f, "| first batch bytes | {} |", self.first_batch_bytes)?;
+        writeln!(f, "| ring growths | {} |", self.ring_growths)?;
+        writeln!(f, "| epoch | {} |", self.epoch)?;
+        writeln!(f, "| batches produced / consumed | {} / {} |", self.batches_produced, self.batches_consumed)?;
+        writeln!(f, "| consumer waited | {:.3} ms |", ms(self.consumer_wait_ns))?;
+        write!(f, "| producer waited | {:.3} ms |", ms(self.producer_wait_ns))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_read_the_counters_and_print() {
+        let counters = Counters::default();
+        counters.ring_bytes.store(3 * 128, Ordering::Relaxed);
+        counters.produced.store(5, Ordering::Relaxed);
+        Counters::add_wait(&counters.consumer_wait_ns, Duration::from_micros(1500));
+        let stats = PrefetchStats::snapshot(&counters, "background", "enabled", 2, 1);
+        assert_eq!((stats.slots, stats.ring_bytes, stats.batches_produced), (3, 384, 5));
+        assert_eq!(stats.consumer_wait(), Duration::from_micros(1500));
+        let table = stats.to_string();
+        assert!(table.contains("| ring bytes (per slot) | 384 (0) |"), "{table}");
+        assert!(table.contains("| consumer waited | 1.500 ms |"), "{table}");
+        let json = serde_json::to_value(&stats).unwrap();
+        assert_eq!(json["ring_bytes"], 384);
+        assert_eq!(json["threading"], "background");
+    }
+}
