@@ -1,0 +1,246 @@
+//! Device and pinned arenas behind the core's [`ArenaBackend`]: the host engine's cycle,
+//! learning, spill and statistics logic runs unchanged over them.
+//!
+//! A [`DeviceBackend`] hands out device allocations ordered on its workspace's stream;
+//! giving one back frees it in that stream's order, after everything the workspace
+//! issued (the workspace joins every other stream that used the memory into its own
+//! before a cycle closes). A [`PinnedBackend`] hands out page-locked host memory; since
+//! the host frees that at once, a block given back while transfers may still use it
+//! waits in a graveyard until the pinned workspace has waited for them.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use workspace_core::{ArenaBackend, BackendError, Block};
+
+use crate::device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
+
+/// Device memory for a workspace bound to one stream.
+#[derive(Debug)]
+pub struct DeviceBackend<D: Device> {
+    device: D,
+    stream: D::Stream,
+}
+
+impl<D: Device> DeviceBackend<D> {
+    /// A backend allocating on `stream` of `device`.
+    pub fn new(device: D, stream: D::Stream) -> DeviceBackend<D> {
+        DeviceBackend { device, stream }
+    }
+
+    fn block(&self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
+        // Allocations are aligned to `DEVICE_ALIGNMENT`; a larger alignment takes padding.
+        let padding = align.saturating_sub(DEVICE_ALIGNMENT);
+        let oom = || BackendError::OutOfMemory { bytes, align };
+        let total = bytes.checked_add(padding).ok_or_else(oom)?;
+        let memory = self.device.alloc(&self.stream, total).map_err(|e| e.into_backend(align))?;
+        let address = D::memory_address(&memory);
+        let base = address.checked_next_multiple_of(align as u64).ok_or_else(oom)?;
+        Ok(DeviceBlock { memory, base, len: bytes })
+    }
+}
+
+/// One device allocation of a [`DeviceBackend`]; dropping it frees it in its stream's
+/// order.
+#[derive(Debug)]
+pub struct DeviceBlock<D: Device> {
+    memory: D::Memory,
+    /// Invariant: `base..base + len` lies inside `memory`.
+    base: u64,
+    len: usize,
+}
+
+impl<D: Device> DeviceBlock<D> {
+    /// The allocation itself.
+    pub fn memory(&self) -> &D::Memory {
+        &self.memory
+    }
+}
+
+impl<D: Device> Block for DeviceBlock<D> {
+    type Base = u64;
+
+    #[inline(always)]
+    fn base(&self) -> u64 {
+        self.base
+    }
+
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl<D: Device> ArenaBackend for DeviceBackend<D> {
+    type Block = DeviceBlock<D>;
+
+    fn kind(&self) -> &'static str {
+        D::ARENA_KIND
+    }
+
+    fn base_alignment(&self) -> usize {
+        DEVICE_ALIGNMENT
+    }
+
+    fn allocate_arena(&mut self, bytes: usize) -> Result<DeviceBlock<D>, BackendError> {
+        self.block(bytes, DEVICE_ALIGNMENT)
+    }
+
+    fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
+        self.block(bytes, align.max(DEVICE_ALIGNMENT))
+    }
+}
+
+/// What a pinned workspace and its backend share: the transfers that may still use the
+/// workspace's memory, and the blocks given back meanwhile.
+#[derive(Debug)]
+pub(crate) struct InFlight<D: Device> {
+    /// Events recorded after transfers from or to the workspace's memory.
+    pub(crate) events: Vec<D::Event>,
+    /// Blocks given back while `events` was not empty: freed once the events completed.
+    pub(crate) graveyard: Vec<PinnedBlock<D>>,
+    /// Pinned allocations made so far (arenas and spills).
+    pub(crate) allocations: u64,
+}
+
+impl<D: Device> InFlight<D> {
+    pub(crate) fn new() -> InFlight<D> {
+        InFlight { events: Vec::new(), graveyard: Vec::new(), allocations: 0 }
+    }
+}
+
+/// Locks the shared pinned state, ignoring poisoning (nothing panics while holding it).
+pub(crate) fn lock_in_flight<D: Device>(shared: &Mutex<InFlight<D>>) -> std::sync::MutexGuard<'_, InFlight<D>> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Page-locked host memory for staging transfers.
+#[derive(Debug)]
+pub struct PinnedBackend<D: Device> {
+    device: D,
+    shared: Arc<Mutex<InFlight<D>>>,
+}
+
+impl<D: Device> PinnedBackend<D> {
+    pub(crate) fn new(device: D, shared: Arc<Mutex<InFlight<D>>>) -> PinnedBackend<D> {
+        PinnedBackend { device, shared }
+    }
+
+    fn block(&self, bytes: usize, align: usize) -> Result<PinnedBlock<D>, BackendError> {
+        let padding = align.saturating_sub(PINNED_ALIGNMENT);
+        let oom = || BackendError::OutOfMemory { bytes, align };
+        let total = bytes.checked_add(padding).ok_or_else(oom)?;
+        let memory = self.device.alloc_pinned(total).map_err(|e| e.into_backend(align))?;
+        let start = D::pinned_address(&memory);
+        let offset = start.align_offset(align);
+        lock_in_flight(&self.shared).allocations += 1;
+        Ok(PinnedBlock { memory, offset, len: bytes })
+    }
+}
+
+/// One page-locked allocation of a [`PinnedBackend`].
+#[derive(Debug)]
+pub struct PinnedBlock<D: Device> {
+    memory: D::PinnedMemory,
+    /// Invariant: `offset + len` bytes fit in `memory`.
+    offset: usize,
+    len: usize,
+}
+
+impl<D: Device> Block for PinnedBlock<D> {
+    type Base = NonNull<u8>;
+
+    #[inline(always)]
+    fn base(&self) -> NonNull<u8> {
+        let start = D::pinned_address(&self.memory);
+        // `offset` stays inside the allocation (invariant), so the sum is not null.
+        NonNull::new(start.as_ptr().wrapping_add(self.offset)).unwrap_or(start)
+    }
+
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl<D: Device> ArenaBackend for PinnedBackend<D> {
+    type Block = PinnedBlock<D>;
+
+    fn kind(&self) -> &'static str {
+        D::PINNED_KIND
+    }
+
+    fn base_alignment(&self) -> usize {
+        PINNED_ALIGNMENT
+    }
+
+    fn allocate_arena(&mut self, bytes: usize) -> Result<PinnedBlock<D>, BackendError> {
+        self.block(bytes, PINNED_ALIGNMENT)
+    }
+
+    fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<PinnedBlock<D>, BackendError> {
+        self.block(bytes, align.max(PINNED_ALIGNMENT))
+    }
+
+    fn release(&mut self, block: PinnedBlock<D>) {
+        let mut shared = lock_in_flight(&self.shared);
+        if shared.events.is_empty() {
+            drop(shared);
+            drop(block);
+        } else {
+            shared.graveyard.push(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sim::SimDevice;
+
+    #[test]
+    fn device_blocks_are_aligned_even_beyond_the_device_alignment() {
+        let sim = SimDevice::new().unwrap();
+        let mut backend = DeviceBackend::new(sim.clone(), sim.default_stream());
+        assert_eq!(backend.kind(), "sim-device");
+        let arena = backend.allocate_arena(1000).unwrap();
+        assert_eq!((arena.base() % 256, arena.len()), (0, 1000));
+        let spill = backend.allocate_spill(100, 4096).unwrap();
+        assert_eq!(spill.base() % 4096, 0);
+        let address = SimDevice::memory_address(spill.memory());
+        assert!(spill.base() >= address && spill.base() + 100 <= address + 100 + 4096 - 256);
+        drop((arena, spill));
+        sim.synchronize(&sim.default_stream()).unwrap();
+        assert_eq!(sim.live_device_bytes(), 0, "blocks free themselves in stream order");
+    }
+
+    #[test]
+    fn device_out_of_memory_is_a_backend_error() {
+        let sim = SimDevice::with_memory_limit(1 << 10).unwrap();
+        let mut backend = DeviceBackend::new(sim.clone(), sim.default_stream());
+        let err = backend.allocate_arena(1 << 20).unwrap_err();
+        assert!(matches!(err, BackendError::OutOfMemory { bytes: 1048576, align: 256 }), "{err:?}");
+        assert!(matches!(backend.allocate_spill(usize::MAX, 512), Err(BackendError::OutOfMemory { .. })));
+    }
+
+    #[test]
+    fn pinned_blocks_wait_in_the_graveyard_while_transfers_are_in_flight() {
+        let sim = SimDevice::new().unwrap();
+        let shared = Arc::new(Mutex::new(InFlight::new()));
+        let mut backend = PinnedBackend::new(sim.clone(), shared.clone());
+        let block = backend.allocate_arena(8192).unwrap();
+        assert_eq!(block.base().as_ptr() as usize % PINNED_ALIGNMENT, 0);
+        let over = backend.allocate_spill(10, 1 << 16).unwrap();
+        assert_eq!(over.base().as_ptr() as usize % (1 << 16), 0);
+        backend.release(over);
+        assert_eq!(sim.live_pinned_bytes(), 8192, "nothing in flight: freed at once");
+        lock_in_flight(&shared).events.push(sim.record(&sim.default_stream()).unwrap());
+        backend.release(block);
+        assert_eq!(sim.live_pinned_bytes(), 8192, "kept while a transfer may use it");
+        let mut state = lock_in_flight(&shared);
+        assert_eq!((state.graveyard.len(), state.allocations), (1, 2));
+        state.graveyard.clear();
+        drop(state);
+        assert_eq!(sim.live_pinned_bytes(), 0);
+    }
+}

@@ -1,0 +1,940 @@
+//! A simulated device in host memory, with CUDA's stream and event ordering.
+//!
+//! Each stream is a worker thread that runs its operations in issue order; an event is
+//! a flag set when the worker reaches it; a wait holds the worker until the flag is set.
+//! Device memory is a registry of byte vectors at made-up addresses that are never
+//! reused, and every operation checks its range against the registry under one lock,
+//! so a use after free or out of bounds is recorded as a fault (the simulator's
+//! `CUDA_ERROR_ILLEGAL_ADDRESS`, see [`SimDevice::faults`]) instead of touching memory
+//! that is gone. Fresh allocations are filled with [`POISON`].
+//!
+//! Knobs make ordering mistakes observable in tests without timing: [`SimDevice::hold`]
+//! stops a stream until released, [`SimDevice::quiesce`] waits until every stream has run
+//! all it can, [`SimDevice::set_delay`] slows a stream's memory operations, and
+//! [`SimDevice::ignore_stream_waits`] drops every stream-to-stream wait, which is what a
+//! missing wait would do.
+//!
+//! ```
+//! use workspace_cuda::{Device, SimDevice};
+//!
+//! let sim = SimDevice::new()?;
+//! let (home, copy) = (sim.default_stream(), sim.new_stream()?);
+//! let memory = sim.alloc(&home, 256)?;
+//! let address = SimDevice::memory_address(&memory);
+//! // SAFETY: the allocation outlives both operations, which are ordered by the event.
+//! unsafe { sim.copy_htod(&home, &[7; 256], address)? };
+//! let written = sim.record(&home)?;
+//! sim.wait(&copy, &written)?;
+//! let mut out = [0u8; 256];
+//! // SAFETY: as above.
+//! unsafe { sim.copy_dtoh(&copy, address, &mut out)? };
+//! assert_eq!(out, [7; 256]);
+//! assert!(sim.faults().is_empty());
+//! # Ok::<(), workspace_cuda::DeviceError>(())
+//! ```
+
+use std::alloc::{alloc, dealloc, Layout};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::Duration;
+
+use super::{sealed, Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
+use crate::error::DeviceError;
+
+/// Byte value of fresh simulated device memory: data nobody wrote reads as `0xA5`.
+pub const POISON: u8 = 0xA5;
+
+/// Simulated device addresses start here. They are never dereferenced on the host.
+const ADDRESS_BASE: u64 = 0x7e00_0000_0000;
+/// Unused addresses between simulated allocations, so an overrun lands in no allocation.
+const GUARD: u64 = 1 << 20;
+
+static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
+
+/// Locks `mutex`, ignoring poisoning: no simulator code panics while holding a lock,
+/// and a user panic elsewhere must not turn every later call into a panic.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A device in host memory that keeps CUDA's ordering rules; see the module docs.
+///
+/// Cheap to clone: clones are handles to the same device.
+#[derive(Clone)]
+pub struct SimDevice {
+    shared: Arc<Shared>,
+    default: SimStream,
+}
+
+/// State shared by the device handles, its streams and their workers.
+struct Shared {
+    id: u64,
+    /// Stream queues and statuses, events, faults. Workers and host waits block on
+    /// `changed`, which is notified whenever any of it changes.
+    sched: Mutex<Sched>,
+    changed: Condvar,
+    /// The device memory and the registry of pinned host memory. Every simulated
+    /// memory operation runs with this lock held.
+    memory: Mutex<Memory>,
+    /// Testing knob: stream-to-stream waits are skipped.
+    ignore_waits: AtomicBool,
+}
+
+#[derive(Default)]
+struct Sched {
+    streams: HashMap<u64, StreamState>,
+    /// Host threads blocked in `event_synchronize`.
+    blocked_hosts: usize,
+    faults: Vec<String>,
+    deferred: Option<DeviceError>,
+}
+
+#[derive(Default)]
+struct StreamState {
+    queue: VecDeque<Op>,
+    status: Status,
+    /// Outstanding [`SimHold`]s; the worker starts no operation while any is held.
+    holds: usize,
+    /// Every handle of the stream is gone: the worker drains the queue and exits.
+    closed: bool,
+    /// Sleep before each memory operation.
+    delay: Duration,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Status {
+    /// Nothing queued.
+    #[default]
+    Idle,
+    /// Executing an operation.
+    Running,
+    /// Held, or waiting for an event.
+    Blocked,
+}
+
+impl StreamState {
+    /// What the worker can do next.
+    fn next(&self, ignore_waits: bool) -> Next {
+        if self.holds > 0 {
+            return Next::Blocked;
+        }
+        match self.queue.front() {
+            None if self.closed => Next::Exit,
+            None => Next::Idle,
+            Some(Op::Wait(event)) if !ignore_waits && !event.is_done() => Next::Blocked,
+            Some(_) => Next::Run,
+        }
+    }
+
+    fn busy(&self, ignore_waits: bool) -> bool {
+        self.status == Status::Running || self.next(ignore_waits) == Next::Run
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Next {
+    Run,
+    Idle,
+    Blocked,
+    Exit,
+}
+
+/// One queued operation. Host addresses are kept as `usize` (the queue crosses threads);
+/// see `Shared::execute` for why each access is sound.
+enum Op {
+    Memset {
+        dst: u64,
+        len: usize,
+    },
+    /// Host-to-device from bytes captured when the copy was issued.
+    HtodCaptured {
+        src: Vec<u8>,
+        dst: u64,
+    },
+    /// Host-to-device from pinned memory, read when the copy runs.
+    HtodPinned {
+        src: usize,
+        dst: u64,
+        len: usize,
+    },
+    /// Device-to-host into pinned memory, written when the copy runs.
+    DtohPinned {
+        src: u64,
+        dst: usize,
+        len: usize,
+    },
+    Dtod {
+        src: u64,
+        dst: u64,
+        len: usize,
+    },
+    Record(SimEvent),
+    Wait(SimEvent),
+    Free(u64),
+}
+
+impl Op {
+    fn is_memory(&self) -> bool {
+        !matches!(self, Op::Record(_) | Op::Wait(_) | Op::Free(_))
+    }
+}
+
+/// The simulated device memory.
+struct Memory {
+    /// Allocations by start address.
+    regions: BTreeMap<u64, Vec<u8>>,
+    /// Next unused address; addresses are never reused.
+    next: u64,
+    live_bytes: usize,
+    limit: usize,
+    /// Pinned host allocations: start address → length.
+    pinned: BTreeMap<usize, usize>,
+    live_pinned: usize,
+}
+
+impl Memory {
+    fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
+        let found = self.regions.range(..=address).next_back();
+        let Some((&start, data)) = found else {
+            return Err(format!("no allocation at {address:#x}"));
+        };
+        let offset = usize::try_from(address - start).unwrap_or(usize::MAX);
+        if offset.checked_add(len).is_none_or(|end| end > data.len()) {
+            return Err(format!(
+                "{len} bytes at {address:#x} are not inside one allocation (the nearest starts at {start:#x} \
+                 and has {} bytes): use after free or out of bounds",
+                data.len()
+            ));
+        }
+        Ok((start, offset))
+    }
+
+    fn bytes(&self, address: u64, len: usize) -> Result<&[u8], String> {
+        let (start, offset) = self.region(address, len)?;
+        Ok(&self.regions[&start][offset..offset + len])
+    }
+
+    fn bytes_mut(&mut self, address: u64, len: usize) -> Result<&mut [u8], String> {
+        let (start, offset) = self.region(address, len)?;
+        let data = self.regions.get_mut(&start).ok_or_else(|| format!("no allocation at {start:#x}"))?;
+        Ok(&mut data[offset..offset + len])
+    }
+
+    fn check_pinned(&self, address: usize, len: usize) -> Result<(), String> {
+        match self.pinned.range(..=address).next_back() {
+            Some((&start, &size)) if address - start + len <= size => Ok(()),
+            _ => Err(format!("{len} bytes of host memory at {address:#x} are not live pinned memory of this device")),
+        }
+    }
+}
+
+/// A point in a simulated stream: set when the stream's worker reaches it.
+#[derive(Clone, Debug, Default)]
+pub struct SimEvent {
+    done: Arc<AtomicBool>,
+}
+
+impl SimEvent {
+    fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+}
+
+/// A stream of a [`SimDevice`]: a worker thread running its operations in order.
+#[derive(Clone)]
+pub struct SimStream {
+    id: u64,
+    device: u64,
+    token: Arc<StreamToken>,
+}
+
+impl PartialEq for SimStream {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl fmt::Debug for SimStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimStream({} of simulated device {})", self.id, self.device)
+    }
+}
+
+/// Shared by the clones of one stream handle: the last one closes the stream.
+struct StreamToken {
+    id: u64,
+    shared: Arc<Shared>,
+}
+
+impl Drop for StreamToken {
+    fn drop(&mut self) {
+        let mut sched = lock(&self.shared.sched);
+        if let Some(state) = sched.streams.get_mut(&self.id) {
+            state.closed = true;
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl SimStream {
+    fn enqueue(&self, op: Op) {
+        let shared = &self.token.shared;
+        let mut sched = lock(&shared.sched);
+        if let Some(state) = sched.streams.get_mut(&self.id) {
+            state.queue.push_back(op);
+        }
+        shared.changed.notify_all();
+    }
+}
+
+/// A simulated device allocation; dropping it frees it in its stream's order.
+pub struct SimMemory {
+    address: u64,
+    stream: SimStream,
+}
+
+impl fmt::Debug for SimMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimMemory({:#x} on {:?})", self.address, self.stream)
+    }
+}
+
+impl Drop for SimMemory {
+    fn drop(&mut self) {
+        self.stream.enqueue(Op::Free(self.address));
+    }
+}
+
+/// Host memory that the simulated device treats as pinned; freed (and unregistered)
+/// when dropped.
+pub struct SimPinned {
+    /// Invariant: `len` bytes allocated with `Layout(len, PINNED_ALIGNMENT)`, owned here.
+    ptr: NonNull<u8>,
+    len: usize,
+    shared: Arc<Shared>,
+}
+
+// SAFETY: a `SimPinned` exclusively owns its allocation (nothing else frees it), and the
+// pointer is only its address; moving it to another thread moves that ownership. Which
+// thread accesses the bytes is governed by the workspaces' event protocol, not by this
+// handle.
+unsafe impl Send for SimPinned {}
+
+impl fmt::Debug for SimPinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimPinned({:p}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+impl Drop for SimPinned {
+    fn drop(&mut self) {
+        {
+            // Unregister first, under the memory lock: no simulated copy can reach the
+            // bytes after this.
+            let mut memory = lock(&self.shared.memory);
+            memory.pinned.remove(&(self.ptr.as_ptr() as usize));
+            memory.live_pinned -= self.len;
+        }
+        if let Ok(layout) = Layout::from_size_align(self.len, PINNED_ALIGNMENT) {
+            // SAFETY: allocated in `alloc_pinned` with this very layout (`ptr` invariant),
+            // freed once, here.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+/// Keeps a stream from starting operations until dropped; see [`SimDevice::hold`].
+#[must_use = "the stream is released when the hold is dropped"]
+pub struct SimHold {
+    id: u64,
+    shared: Arc<Shared>,
+}
+
+impl SimHold {
+    /// Releases the stream (the same as dropping the hold).
+    pub fn release(self) {}
+}
+
+impl Drop for SimHold {
+    fn drop(&mut self) {
+        let mut sched = lock(&self.shared.sched);
+        if let Some(state) = sched.streams.get_mut(&self.id) {
+            state.holds -= 1;
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimDevice({})", self.shared.id)
+    }
+}
+
+impl SimDevice {
+    /// A simulated device with unlimited memory and one stream (its default stream).
+    ///
+    /// # Errors
+    ///
+    /// When the stream's worker thread cannot be started.
+    pub fn new() -> Result<SimDevice, DeviceError> {
+        SimDevice::with_memory_limit(usize::MAX)
+    }
+
+    /// A simulated device whose allocations fail with [`DeviceError::OutOfMemory`] past
+    /// `bytes` bytes of live device memory.
+    ///
+    /// # Errors
+    ///
+    /// When the default stream's worker thread cannot be started.
+    pub fn with_memory_limit(bytes: usize) -> Result<SimDevice, DeviceError> {
+        let shared = Arc::new(Shared {
+            id: NEXT_DEVICE.fetch_add(1, Ordering::Relaxed),
+            sched: Mutex::new(Sched::default()),
+            changed: Condvar::new(),
+            memory: Mutex::new(Memory {
+                regions: BTreeMap::new(),
+                next: ADDRESS_BASE,
+                live_bytes: 0,
+                limit: bytes,
+                pinned: BTreeMap::new(),
+                live_pinned: 0,
+            }),
+            ignore_waits: AtomicBool::new(false),
+        });
+        let default = Shared::spawn_stream(&shared)?;
+        Ok(SimDevice { shared, default })
+    }
+
+    /// Makes `stream` sleep for `delay` before each memory operation (memset, copies);
+    /// `Duration::ZERO` turns it off.
+    pub fn set_delay(&self, stream: &SimStream, delay: Duration) {
+        if let Some(state) = lock(&self.shared.sched).streams.get_mut(&stream.id) {
+            state.delay = delay;
+        }
+    }
+
+    /// Stops `stream` from starting operations until the returned hold is dropped; work
+    /// already running finishes. The deterministic form of an unbounded delay.
+    pub fn hold(&self, stream: &SimStream) -> SimHold {
+        if let Some(state) = lock(&self.shared.sched).streams.get_mut(&stream.id) {
+            state.holds += 1;
+        }
+        SimHold { id: stream.id, shared: self.shared.clone() }
+    }
+
+    /// Blocks until every stream of this device is idle or blocked (held, or waiting for
+    /// an event that is not complete): everything that can run has run.
+    pub fn quiesce(&self) {
+        let mut sched = lock(&self.shared.sched);
+        loop {
+            let ignore = self.shared.ignore_waits.load(Ordering::Acquire);
+            if !sched.streams.values().any(|state| state.busy(ignore)) {
+                return;
+            }
+            sched = self.shared.changed.wait(sched).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Testing knob: with `true`, every stream-to-stream wait is skipped, as if the code
+    /// under test had forgotten it. Tests use it to show that the hazard a wait prevents
+    /// is observable. Host waits (`synchronize`, `event_synchronize`) still wait.
+    pub fn ignore_stream_waits(&self, ignore: bool) {
+        self.shared.ignore_waits.store(ignore, Ordering::Release);
+        let _sched = lock(&self.shared.sched);
+        self.shared.changed.notify_all();
+    }
+
+    /// Every fault so far (operations on memory that is not allocated), oldest first.
+    pub fn faults(&self) -> Vec<String> {
+        lock(&self.shared.sched).faults.clone()
+    }
+
+    /// Bytes of device memory allocated and not yet freed in stream order.
+    pub fn live_device_bytes(&self) -> usize {
+        lock(&self.shared.memory).live_bytes
+    }
+
+    /// Bytes of pinned host memory allocated and not yet freed.
+    pub fn live_pinned_bytes(&self) -> usize {
+        lock(&self.shared.memory).live_pinned
+    }
+
+    /// Host threads blocked waiting for an event of this device now.
+    pub fn blocked_host_threads(&self) -> usize {
+        lock(&self.shared.sched).blocked_hosts
+    }
+
+    /// Reads `len` bytes of device memory at `address` now, outside any stream order
+    /// (for tests that inspect what a stream left behind); `None` when the range is not
+    /// allocated.
+    pub fn read_now(&self, address: u64, len: usize) -> Option<Vec<u8>> {
+        lock(&self.shared.memory).bytes(address, len).ok().map(<[u8]>::to_vec)
+    }
+
+    fn check_stream(&self, stream: &SimStream, op: &'static str) -> Result<(), DeviceError> {
+        if stream.device == self.shared.id {
+            Ok(())
+        } else {
+            Err(DeviceError::Fault { op, detail: format!("{stream:?} belongs to another simulated device") })
+        }
+    }
+}
+
+impl Shared {
+    fn spawn_stream(shared: &Arc<Shared>) -> Result<SimStream, DeviceError> {
+        let id = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
+        lock(&shared.sched).streams.insert(id, StreamState::default());
+        let worker_shared = shared.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("sim-stream-{id}"))
+            .spawn(move || Shared::run_worker(&worker_shared, id));
+        if let Err(error) = spawned {
+            lock(&shared.sched).streams.remove(&id);
+            return Err(DeviceError::Driver {
+                call: "std::thread::Builder::spawn",
+                code: "SIMULATOR_NO_THREAD".into(),
+                message: format!("could not start a stream worker: {error}"),
+            });
+        }
+        Ok(SimStream { id, device: shared.id, token: Arc::new(StreamToken { id, shared: shared.clone() }) })
+    }
+
+    /// The worker of stream `id`: runs its queue in order until the stream is closed
+    /// and drained.
+    fn run_worker(shared: &Shared, id: u64) {
+        let mut sched = lock(&shared.sched);
+        loop {
+            let ignore = shared.ignore_waits.load(Ordering::Acquire);
+            let Some(state) = sched.streams.get_mut(&id) else { return };
+            match state.next(ignore) {
+                Next::Exit => {
+                    sched.streams.remove(&id);
+                    shared.changed.notify_all();
+                    return;
+                }
+                Next::Run => {
+                    let Some(op) = state.queue.pop_front() else { continue };
+                    state.status = Status::Running;
+                    let delay = if op.is_memory() { state.delay } else { Duration::ZERO };
+                    drop(sched);
+                    if !delay.is_zero() {
+                        thread::sleep(delay);
+                    }
+                    shared.execute(op);
+                    sched = lock(&shared.sched);
+                }
+                idle_or_blocked => {
+                    let status = if idle_or_blocked == Next::Idle { Status::Idle } else { Status::Blocked };
+                    // Notify only on a change: workers waking each other for nothing
+                    // would never rest.
+                    if state.status != status {
+                        state.status = status;
+                        shared.changed.notify_all();
+                    }
+                    sched = shared.changed.wait(sched).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+    }
+
+    /// Runs one operation on the calling worker thread.
+    fn execute(&self, op: Op) {
+        let result = match op {
+            Op::Record(event) => {
+                let _sched = lock(&self.sched);
+                event.done.store(true, Ordering::Release);
+                self.changed.notify_all();
+                Ok(())
+            }
+            Op::Wait(_) => Ok(()),
+            Op::Free(address) => {
+                let mut memory = lock(&self.memory);
+                match memory.regions.remove(&address) {
+                    Some(data) => {
+                        memory.live_bytes -= data.len();
+                        Ok(())
+                    }
+                    None => Err(("free", format!("double free of {address:#x}"))),
+                }
+            }
+            Op::Memset { dst, len } => {
+                lock(&self.memory).bytes_mut(dst, len).map(|bytes| bytes.fill(0)).map_err(|e| ("memset", e))
+            }
+            Op::HtodCaptured { src, dst } => lock(&self.memory)
+                .bytes_mut(dst, src.len())
+                .map(|bytes| bytes.copy_from_slice(&src))
+                .map_err(|e| ("htod", e)),
+            Op::HtodPinned { src, dst, len } => {
+                let mut memory = lock(&self.memory);
+                memory
+                    .check_pinned(src, len)
+                    .and_then(|()| memory.bytes_mut(dst, len))
+                    .map(|bytes| {
+                        // SAFETY: `src..src+len` is registered pinned memory (checked just above,
+                        // under the memory lock that `SimPinned::drop` takes before freeing it),
+                        // and `copy_htod_pinned`'s contract keeps the host from writing it
+                        // until this copy has completed.
+                        let source = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+                        bytes.copy_from_slice(source);
+                    })
+                    .map_err(|e| ("htod", e))
+            }
+            Op::DtohPinned { src, dst, len } => {
+                let memory = lock(&self.memory);
+                memory
+                    .check_pinned(dst, len)
+                    .and_then(|()| memory.bytes(src, len))
+                    .map(|bytes| {
+                        // SAFETY: `dst..dst+len` is registered pinned memory (checked under the
+                        // lock, as above), and `copy_dtoh_pinned`'s contract keeps the host
+                        // from touching it until this copy has completed.
+                        let target = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+                        target.copy_from_slice(bytes);
+                    })
+                    .map_err(|e| ("dtoh", e))
+            }
+            Op::Dtod { src, dst, len } => {
+                let mut memory = lock(&self.memory);
+                memory
+                    .bytes(src, len)
+                    .map(<[u8]>::to_vec)
+                    .and_then(|data| memory.bytes_mut(dst, len).map(|bytes| bytes.copy_from_slice(&data)))
+                    .map_err(|e| ("dtod", e))
+            }
+        };
+        if let Err((op, detail)) = result {
+            let mut sched = lock(&self.sched);
+            sched.faults.push(format!("{op}: {detail}"));
+            sched.deferred.get_or_insert(DeviceError::Fault { op, detail });
+        }
+    }
+}
+
+impl sealed::Sealed for SimDevice {}
+
+impl Device for SimDevice {
+    type Stream = SimStream;
+    type Event = SimEvent;
+    type Memory = SimMemory;
+    type PinnedMemory = SimPinned;
+
+    const ARENA_KIND: &'static str = "sim-device";
+    const PINNED_KIND: &'static str = "sim-pinned";
+
+    fn describe(&self) -> String {
+        format!("simulated device {}", self.shared.id)
+    }
+
+    fn same_device(&self, other: &Self) -> bool {
+        self.shared.id == other.shared.id
+    }
+
+    fn default_stream(&self) -> SimStream {
+        self.default.clone()
+    }
+
+    fn new_stream(&self) -> Result<SimStream, DeviceError> {
+        Shared::spawn_stream(&self.shared)
+    }
+
+    fn owns_stream(&self, stream: &SimStream) -> bool {
+        stream.device == self.shared.id
+    }
+
+    fn alloc(&self, stream: &SimStream, bytes: usize) -> Result<SimMemory, DeviceError> {
+        self.check_stream(stream, "alloc")?;
+        let oom = DeviceError::OutOfMemory { bytes, what: "device" };
+        let mut memory = lock(&self.shared.memory);
+        if memory.live_bytes.checked_add(bytes).is_none_or(|total| total > memory.limit) {
+            return Err(oom);
+        }
+        let span = u64::try_from(bytes.next_multiple_of(DEVICE_ALIGNMENT)).map_err(|_| oom.clone())?;
+        let next = memory.next.checked_add(span).and_then(|n| n.checked_add(GUARD)).ok_or_else(|| oom.clone())?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(bytes).map_err(|_| oom)?;
+        data.resize(bytes, POISON);
+        let address = memory.next;
+        memory.next = next;
+        memory.live_bytes += bytes;
+        memory.regions.insert(address, data);
+        Ok(SimMemory { address, stream: stream.clone() })
+    }
+
+    fn memory_address(memory: &SimMemory) -> u64 {
+        memory.address
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<SimPinned, DeviceError> {
+        let oom = DeviceError::OutOfMemory { bytes, what: "pinned host" };
+        let layout = Layout::from_size_align(bytes, PINNED_ALIGNMENT).map_err(|_| oom.clone())?;
+        if bytes == 0 {
+            return Err(oom);
+        }
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = NonNull::new(unsafe { alloc(layout) }).ok_or(oom)?;
+        let mut memory = lock(&self.shared.memory);
+        memory.pinned.insert(ptr.as_ptr() as usize, bytes);
+        memory.live_pinned += bytes;
+        Ok(SimPinned { ptr, len: bytes, shared: self.shared.clone() })
+    }
+
+    fn pinned_address(memory: &SimPinned) -> NonNull<u8> {
+        memory.ptr
+    }
+
+    fn record(&self, stream: &SimStream) -> Result<SimEvent, DeviceError> {
+        self.check_stream(stream, "record")?;
+        let event = SimEvent::default();
+        stream.enqueue(Op::Record(event.clone()));
+        Ok(event)
+    }
+
+    fn wait(&self, stream: &SimStream, event: &SimEvent) -> Result<(), DeviceError> {
+        self.check_stream(stream, "wait")?;
+        stream.enqueue(Op::Wait(event.clone()));
+        Ok(())
+    }
+
+    fn event_synchronize(&self, event: &SimEvent) -> Result<(), DeviceError> {
+        let mut sched = lock(&self.shared.sched);
+        sched.blocked_hosts += 1;
+        self.shared.changed.notify_all();
+        while !event.is_done() {
+            sched = self.shared.changed.wait(sched).unwrap_or_else(PoisonError::into_inner);
+        }
+        sched.blocked_hosts -= 1;
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    fn event_complete(&self, event: &SimEvent) -> bool {
+        event.is_done()
+    }
+
+    fn synchronize(&self, stream: &SimStream) -> Result<(), DeviceError> {
+        let event = self.record(stream)?;
+        self.event_synchronize(&event)
+    }
+
+    unsafe fn memset_zero(&self, stream: &SimStream, dst: u64, bytes: usize) -> Result<(), DeviceError> {
+        self.check_stream(stream, "memset")?;
+        stream.enqueue(Op::Memset { dst, len: bytes });
+        Ok(())
+    }
+
+    unsafe fn copy_htod(&self, stream: &SimStream, src: &[u8], dst: u64) -> Result<(), DeviceError> {
+        self.check_stream(stream, "htod")?;
+        stream.enqueue(Op::HtodCaptured { src: src.to_vec(), dst });
+        Ok(())
+    }
+
+    unsafe fn copy_htod_pinned(
+        &self,
+        stream: &SimStream,
+        src: NonNull<u8>,
+        dst: u64,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_stream(stream, "htod")?;
+        stream.enqueue(Op::HtodPinned { src: src.as_ptr() as usize, dst, len: bytes });
+        Ok(())
+    }
+
+    unsafe fn copy_dtoh(&self, stream: &SimStream, src: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        // Everything issued to the stream before this copy completes first; the copy
+        // itself then runs on the calling thread, so a fault is reported right here.
+        self.synchronize(stream)?;
+        let memory = lock(&self.shared.memory);
+        let bytes = memory.bytes(src, dst.len()).map_err(|detail| DeviceError::Fault { op: "dtoh", detail })?;
+        dst.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    unsafe fn copy_dtoh_pinned(
+        &self,
+        stream: &SimStream,
+        src: u64,
+        dst: NonNull<u8>,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.check_stream(stream, "dtoh")?;
+        stream.enqueue(Op::DtohPinned { src, dst: dst.as_ptr() as usize, len: bytes });
+        Ok(())
+    }
+
+    unsafe fn copy_dtod(&self, stream: &SimStream, src: u64, dst: u64, bytes: usize) -> Result<(), DeviceError> {
+        self.check_stream(stream, "dtod")?;
+        stream.enqueue(Op::Dtod { src, dst, len: bytes });
+        Ok(())
+    }
+
+    fn defer_error(&self, error: DeviceError) {
+        lock(&self.shared.sched).deferred.get_or_insert(error);
+    }
+
+    fn take_deferred_error(&self) -> Option<DeviceError> {
+        lock(&self.shared.sched).deferred.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(sim: &SimDevice, stream: &SimStream, byte: u8, len: usize) -> SimMemory {
+        let memory = sim.alloc(stream, len).unwrap();
+        // SAFETY: the allocation outlives the copy (it is freed in the same stream's order).
+        unsafe { sim.copy_htod(stream, &vec![byte; len], SimDevice::memory_address(&memory)).unwrap() };
+        memory
+    }
+
+    #[test]
+    fn fresh_memory_is_poisoned_and_addresses_are_aligned_and_never_reused() {
+        let sim = SimDevice::new().unwrap();
+        let stream = sim.default_stream();
+        let a = sim.alloc(&stream, 100).unwrap();
+        let address = SimDevice::memory_address(&a);
+        assert_eq!(address % DEVICE_ALIGNMENT as u64, 0);
+        assert_eq!(sim.read_now(address, 100), Some(vec![POISON; 100]));
+        drop(a);
+        let b = sim.alloc(&stream, 100).unwrap();
+        assert_ne!(SimDevice::memory_address(&b), address);
+        sim.synchronize(&stream).unwrap();
+        assert_eq!(sim.read_now(address, 1), None, "freed in stream order");
+        assert_eq!(sim.live_device_bytes(), 100);
+    }
+
+    #[test]
+    fn one_stream_runs_in_issue_order() {
+        let sim = SimDevice::new().unwrap();
+        let stream = sim.default_stream();
+        sim.set_delay(&stream, Duration::from_millis(2));
+        let a = filled(&sim, &stream, 1, 64);
+        let address = SimDevice::memory_address(&a);
+        // SAFETY: `a` outlives the operations, all on its stream.
+        unsafe {
+            sim.memset_zero(&stream, address, 32).unwrap();
+            sim.copy_htod(&stream, &[9; 8], address + 8).unwrap();
+        }
+        let mut out = [0u8; 64];
+        // SAFETY: as above.
+        unsafe { sim.copy_dtoh(&stream, address, &mut out).unwrap() };
+        let mut expected = [1u8; 64];
+        expected[..32].fill(0);
+        expected[8..16].fill(9);
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn a_wait_orders_two_streams_and_ignoring_it_shows_the_race() {
+        for ignore in [false, true] {
+            let sim = SimDevice::new().unwrap();
+            let (first, second) = (sim.default_stream(), sim.new_stream().unwrap());
+            let src = filled(&sim, &first, 1, 256);
+            let dst = sim.alloc(&second, 256).unwrap();
+            sim.synchronize(&first).unwrap();
+            sim.ignore_stream_waits(ignore);
+            let hold = sim.hold(&first);
+            // SAFETY: both allocations outlive the copies.
+            unsafe { sim.copy_htod(&first, &[2; 256], SimDevice::memory_address(&src)).unwrap() };
+            let written = sim.record(&first).unwrap();
+            sim.wait(&second, &written).unwrap();
+            // SAFETY: as above.
+            unsafe {
+                sim.copy_dtod(&second, SimDevice::memory_address(&src), SimDevice::memory_address(&dst), 256).unwrap()
+            };
+            sim.quiesce();
+            hold.release();
+            sim.synchronize(&second).unwrap();
+            sim.synchronize(&first).unwrap();
+            let seen = sim.read_now(SimDevice::memory_address(&dst), 1).unwrap()[0];
+            assert_eq!(seen, if ignore { 1 } else { 2 }, "ignore_stream_waits = {ignore}");
+        }
+    }
+
+    #[test]
+    fn use_after_free_is_a_fault_not_a_crash() {
+        let sim = SimDevice::new().unwrap();
+        let stream = sim.default_stream();
+        let a = filled(&sim, &stream, 3, 64);
+        let address = SimDevice::memory_address(&a);
+        drop(a);
+        // SAFETY: deliberately wrong (the memory is freed); the simulator checks every
+        // range, so this is recorded as a fault and touches nothing.
+        unsafe { sim.memset_zero(&stream, address, 64).unwrap() };
+        sim.synchronize(&stream).unwrap();
+        assert_eq!(sim.faults().len(), 1, "{:?}", sim.faults());
+        assert!(sim.faults()[0].contains("memset"), "{:?}", sim.faults());
+        assert!(matches!(sim.take_deferred_error(), Some(DeviceError::Fault { op: "memset", .. })));
+        assert!(sim.take_deferred_error().is_none(), "reported once");
+        let mut out = [0u8; 4];
+        // SAFETY: as above: checked, reported as an error.
+        let err = unsafe { sim.copy_dtoh(&stream, address, &mut out) }.unwrap_err();
+        assert!(err.to_string().contains("no allocation") || err.to_string().contains("use after free"), "{err}");
+    }
+
+    #[test]
+    fn memory_limit_and_pinned_registry() {
+        let sim = SimDevice::with_memory_limit(1000).unwrap();
+        let stream = sim.default_stream();
+        let a = sim.alloc(&stream, 600).unwrap();
+        assert!(matches!(sim.alloc(&stream, 600), Err(DeviceError::OutOfMemory { bytes: 600, .. })));
+        drop(a);
+        sim.synchronize(&stream).unwrap();
+        let b = sim.alloc(&stream, 600).unwrap();
+        let pinned = sim.alloc_pinned(300).unwrap();
+        let host = SimDevice::pinned_address(&pinned);
+        assert_eq!(host.as_ptr() as usize % PINNED_ALIGNMENT, 0);
+        assert_eq!(sim.live_pinned_bytes(), 300);
+        // SAFETY: `pinned` is live and the host does not touch it until the stream is
+        // synchronised; `b` outlives the copies.
+        unsafe {
+            sim.copy_dtoh_pinned(&stream, SimDevice::memory_address(&b), host, 300).unwrap();
+            sim.copy_htod_pinned(&stream, host, SimDevice::memory_address(&b) + 300, 300).unwrap();
+        }
+        sim.synchronize(&stream).unwrap();
+        assert!(sim.faults().is_empty(), "{:?}", sim.faults());
+        assert_eq!(sim.read_now(SimDevice::memory_address(&b) + 300, 300), Some(vec![POISON; 300]));
+        drop(pinned);
+        assert_eq!(sim.live_pinned_bytes(), 0);
+        assert!(matches!(sim.alloc_pinned(0), Err(DeviceError::OutOfMemory { .. })));
+    }
+
+    #[test]
+    fn streams_of_another_device_are_refused() {
+        let (a, b) = (SimDevice::new().unwrap(), SimDevice::new().unwrap());
+        assert!(!a.owns_stream(&b.default_stream()));
+        assert!(!a.same_device(&b) && a.same_device(&a.clone()));
+        let err = a.alloc(&b.default_stream(), 16).unwrap_err();
+        assert!(err.to_string().contains("another simulated device"), "{err}");
+    }
+
+    #[test]
+    fn quiesce_returns_when_streams_are_blocked_and_host_waiters_are_counted() {
+        let sim = SimDevice::new().unwrap();
+        let (first, second) = (sim.default_stream(), sim.new_stream().unwrap());
+        let hold = sim.hold(&first);
+        let never_yet = sim.record(&first).unwrap();
+        sim.wait(&second, &never_yet).unwrap();
+        sim.quiesce();
+        assert!(!sim.event_complete(&never_yet));
+        let waiter = {
+            let sim = sim.clone();
+            let event = never_yet.clone();
+            thread::spawn(move || sim.event_synchronize(&event))
+        };
+        while sim.blocked_host_threads() == 0 {
+            thread::yield_now();
+        }
+        drop(hold);
+        waiter.join().unwrap().unwrap();
+        sim.synchronize(&second).unwrap();
+        assert!(sim.event_complete(&never_yet));
+    }
+}

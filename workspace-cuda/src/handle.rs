@@ -1,0 +1,176 @@
+//! Storable device handles: device arrays that may outlive a borrow, checked on every
+//! access, as [`Handle`](workspace_core::Handle) is on the host.
+//!
+//! A [`DeviceHandle`] remembers its workspace and that workspace's generation. Reaching
+//! its memory needs a [`DeviceScope`] of the same workspace and generation, and the view
+//! it gives borrows that scope, so it cannot outlive the cycle either.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use ndarray::{Array, Dimension};
+
+use crate::array::DeviceArray;
+use crate::device::Device;
+use crate::error::Result;
+use crate::scope::DeviceScope;
+use crate::view::{DeviceView, DeviceViewMut, Owner};
+use crate::workspace::DeviceWorkspace;
+
+/// An array in device workspace memory that can be stored across borrows; see the module
+/// docs.
+///
+/// ```
+/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_core::{Error as CoreError, WorkspaceConfig};
+///
+/// let sim = SimDevice::new()?;
+/// let ws = DeviceWorkspace::new("CACHE", WorkspaceConfig::default(), &sim, &sim.default_stream())?;
+/// let cached = {
+///     let scope = ws.enter()?;
+///     let h = scope.htod_handle(&ndarray::arr1(&[1.0f32, 2.0, 3.0]))?;
+///     assert_eq!(h.detach_to_host(&scope)?.sum(), 6.0);
+///     h
+/// }; // the cycle ends: the handle's memory is reset
+/// let scope = ws.enter()?;
+/// match cached.view(&scope) {
+///     Err(workspace_cuda::Error::Workspace(CoreError::StaleHandle { array_generation: 1, .. })) => {}
+///     other => panic!("expected a stale handle, got {:?}", other.map(|v| v.shape().to_vec())),
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct DeviceHandle<T, Dim> {
+    /// Invariant: `dim.size()` initialised elements of the owner's memory, valid while
+    /// the owner is at `generation`.
+    address: u64,
+    dim: Dim,
+    owner: u64,
+    generation: u64,
+    workspace: Arc<str>,
+    _elements: PhantomData<T>,
+}
+
+impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
+    /// `address` must hold `dim.size()` initialised elements of workspace `owner`,
+    /// valid while it is at `generation`.
+    pub(crate) fn new(address: u64, dim: Dim, owner: u64, generation: u64, workspace: Arc<str>) -> Self {
+        DeviceHandle { address, dim, owner, generation, workspace, _elements: PhantomData }
+    }
+
+    /// Checks that `scope` belongs to this handle's workspace, at its generation.
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::WrongWorkspace`] or [`workspace_core::Error::StaleHandle`]
+    /// (inside [`Error::Workspace`](crate::Error::Workspace)), naming the workspace, both
+    /// generations and the fix.
+    pub fn check<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<()> {
+        let ws = scope.workspace();
+        if ws.id() != self.owner {
+            return Err(workspace_core::Error::WrongWorkspace {
+                array_workspace: self.workspace.clone(),
+                scope_workspace: ws.name().clone(),
+            }
+            .into());
+        }
+        if ws.generation() != self.generation {
+            return Err(workspace_core::Error::StaleHandle {
+                workspace: self.workspace.clone(),
+                array_generation: self.generation,
+                workspace_generation: ws.generation(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// A read-only view, borrowed from `scope`.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceHandle::check`].
+    pub fn view<'a, D: Device>(&'a self, scope: &'a DeviceScope<'_, D>) -> Result<DeviceView<'a, D, T, Dim>> {
+        self.check(scope)?;
+        // The check proves the memory is live and unchanged since allocation; the view
+        // borrows `scope` (the cycle cannot end) and `self` (no mutable view exists).
+        Ok(DeviceView::new(Owner::Workspace(scope.workspace()), self.address, self.dim.clone()))
+    }
+
+    /// A mutable view, borrowed from `scope`.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceHandle::check`].
+    pub fn view_mut<'a, D: Device>(
+        &'a mut self,
+        scope: &'a DeviceScope<'_, D>,
+    ) -> Result<DeviceViewMut<'a, D, T, Dim>> {
+        self.check(scope)?;
+        // As in `view`; `&mut self` makes this the only view of the handle.
+        Ok(DeviceViewMut::new(Owner::Workspace(scope.workspace()), self.address, self.dim.clone()))
+    }
+
+    /// Copies into an owned device array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceHandle::check`], and [`DeviceView::detach`]'s errors.
+    pub fn detach<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<DeviceArray<D, T, Dim>> {
+        self.view(scope)?.detach()
+    }
+
+    /// Copies into an owned host array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceHandle::check`], and [`DeviceView::detach_to_host`]'s errors.
+    pub fn detach_to_host<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<Array<T, Dim>> {
+        self.view(scope)?.detach_to_host()
+    }
+
+    /// Copies into the open scope `target` of another device workspace, returning a
+    /// handle there.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceHandle::check`] for `scope`, and [`DeviceScope::copy_of`]'s errors.
+    pub fn leverage_to<D: Device>(
+        &self,
+        scope: &DeviceScope<'_, D>,
+        target: &DeviceScope<'_, D>,
+    ) -> Result<DeviceHandle<T, Dim>> {
+        target.copy_handle(&self.view(scope)?)
+    }
+
+    /// Copies into the workspace `target`, which must be open (it is borrowed for the
+    /// copy, as with [`DeviceWorkspace::borrow_open`]).
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::NotOpen`] when `target` is closed (never a silent no-op),
+    /// and as [`DeviceHandle::leverage_to`].
+    pub fn leverage_to_workspace<D: Device>(
+        &self,
+        scope: &DeviceScope<'_, D>,
+        target: &DeviceWorkspace<D>,
+    ) -> Result<DeviceHandle<T, Dim>> {
+        let view = self.view(scope)?;
+        let borrowed = target.borrow_open()?;
+        borrowed.copy_handle(&view)
+    }
+
+    /// The generation the handle was allocated in.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+    /// The name of the workspace it lives in.
+    pub fn workspace_name(&self) -> &Arc<str> {
+        &self.workspace
+    }
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        self.dim.slice()
+    }
+}

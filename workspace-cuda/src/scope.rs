@@ -1,0 +1,224 @@
+//! Device scopes: the open cycle that device views borrow.
+//!
+//! A [`DeviceScope`] is the guard of one enter, nested enter or borrow of a
+//! [`DeviceWorkspace`]. Allocation takes `&self` and returns views that borrow the
+//! scope; the arena resets (ordered on the workspace's stream) when the last scope
+//! closes.
+
+use std::mem::size_of;
+
+use bytemuck::Pod;
+use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
+use workspace_core::{Placement, ScopeKind};
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::handle::DeviceHandle;
+use crate::pinned::PinnedArray;
+use crate::stream::OnStream;
+use crate::view::{byte_len, DeviceUninit, DeviceView, DeviceViewMut, Owner};
+use crate::workspace::DeviceWorkspace;
+
+/// An open scope of a device workspace; see the module docs.
+///
+/// `!Send` and `!Sync`: it closes on the thread that opened it.
+#[derive(Debug)]
+pub struct DeviceScope<'ws, D: Device> {
+    /// Invariant: the workspace's engine counts this scope as open.
+    ws: &'ws DeviceWorkspace<D>,
+    kind: ScopeKind,
+}
+
+impl<'ws, D: Device> DeviceScope<'ws, D> {
+    /// # Safety
+    ///
+    /// The engine of `ws` must have counted this scope as open (`enter`/`borrow_open`).
+    pub(crate) unsafe fn over(ws: &'ws DeviceWorkspace<D>, kind: ScopeKind) -> DeviceScope<'ws, D> {
+        DeviceScope { ws, kind }
+    }
+
+    /// The workspace this scope allocates in.
+    pub fn workspace(&self) -> &'ws DeviceWorkspace<D> {
+        self.ws
+    }
+
+    /// How this scope came to be.
+    pub fn kind(&self) -> ScopeKind {
+        self.kind
+    }
+
+    /// The generation this scope allocates in.
+    pub fn generation(&self) -> u64 {
+        self.ws.generation()
+    }
+
+    /// Where `view`'s memory lies relative to this workspace's arena.
+    pub fn placement<T, Dim: Dimension>(&self, view: &DeviceView<'_, D, T, Dim>) -> Placement {
+        let address = view.address;
+        self.ws.engine().with_arena(|arena| match arena {
+            Some(arena) => {
+                let base = workspace_core::Block::base(arena);
+                let len = workspace_core::Block::len(arena) as u64;
+                if address >= base && address - base < len {
+                    Placement::Arena(usize::try_from(address - base).unwrap_or(usize::MAX))
+                } else {
+                    Placement::Elsewhere
+                }
+            }
+            None => Placement::Elsewhere,
+        })
+    }
+
+    /// Reserves memory for `dim` elements of `T` in the open cycle.
+    fn alloc<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+        let bytes = match byte_len::<T, Dim>(dim) {
+            Some(bytes) if bytes > 0 => bytes,
+            _ => return Err(self.bad_shape::<T, Dim>(dim)),
+        };
+        let (base, offset) = self.ws.engine().alloc(bytes, std::mem::align_of::<T>())?;
+        Ok(base + offset as u64)
+    }
+
+    #[cold]
+    fn bad_shape<T, Dim: Dimension>(&self, dim: &Dim) -> crate::Error {
+        let (workspace, shape) = (self.ws.name().clone(), dim.slice().to_vec());
+        match dim.size_checked() {
+            Some(0) => workspace_core::Error::ZeroLength { workspace, shape },
+            _ => workspace_core::Error::ShapeOverflow { workspace, shape, element_size: size_of::<T>() },
+        }
+        .into()
+    }
+
+    fn owner(&self) -> Owner<'ws, D> {
+        Owner::Workspace(self.ws)
+    }
+
+    /// A zero-filled array (zeroed on the workspace's stream).
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::ZeroLength`] for an empty shape,
+    /// [`workspace_core::Error::ShapeOverflow`], the workspace's allocation errors
+    /// (exhausted, over budget, out of device memory), or a device error.
+    pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceViewMut<'_, D, T, Sh::Dim>> {
+        self.uninit::<T, Sh>(shape)?.zeroed()
+    }
+
+    /// An array whose memory holds no data yet; fill it before reading.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`], without the device error.
+    pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceUninit<'_, D, T, Sh::Dim>> {
+        let dim = shape.into_shape_with_order().raw_dim().clone();
+        let address = self.alloc::<T, _>(&dim)?;
+        // The range was just reserved in this cycle: nothing else refers to it until the
+        // scope closes, and the view borrows the scope.
+        Ok(DeviceUninit::new(self.owner(), address, dim))
+    }
+
+    /// A copy of the host array `src` (any layout; copied in standard order on the
+    /// workspace's stream, `src` read before this returns).
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`].
+    pub fn htod<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
+        &self,
+        src: &ArrayBase<S, Dim>,
+    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+        self.uninit::<T, Dim>(src.raw_dim())?.htod_from(src)
+    }
+
+    /// A copy of the pinned staging array `src`, copied asynchronously on the
+    /// workspace's stream.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+    pub fn htod_pinned<T: Pod, Dim: Dimension>(
+        &self,
+        src: &PinnedArray<'_, D, T, Dim>,
+    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+        self.uninit::<T, Dim>(src.raw_dim())?.htod_pinned(src)
+    }
+
+    /// A copy of the device view `src` (from another workspace, an owned array, or this
+    /// workspace): the leverage target. The copy runs on this workspace's stream,
+    /// ordered with the source's stream.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+    pub fn copy_of<T: Pod, Dim: Dimension>(
+        &self,
+        src: &DeviceView<'_, D, T, Dim>,
+    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+        self.uninit::<T, Dim>(src.raw_dim())?.copy_from(src)
+    }
+
+    /// A zero-filled array behind a [`DeviceHandle`] that can be stored and is checked
+    /// against this workspace's generation on every access.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`].
+    pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceHandle<T, Sh::Dim>> {
+        let view = self.zeros::<T, Sh>(shape)?;
+        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+    }
+
+    /// A copy of the host array `src` behind a [`DeviceHandle`].
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`].
+    pub fn htod_handle<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
+        &self,
+        src: &ArrayBase<S, Dim>,
+    ) -> Result<DeviceHandle<T, Dim>> {
+        let view = self.htod(src)?;
+        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+    }
+
+    /// A copy of the device view `src` behind a [`DeviceHandle`].
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::copy_of`].
+    pub fn copy_handle<T: Pod, Dim: Dimension>(&self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceHandle<T, Dim>> {
+        let view = self.copy_of(src)?;
+        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+    }
+
+    fn handle<T: Pod, Dim: Dimension>(&self, address: u64, dim: Dim) -> DeviceHandle<T, Dim> {
+        DeviceHandle::new(address, dim, self.ws.id(), self.ws.generation(), self.ws.name().clone())
+    }
+
+    /// Declares that work on `stream` will use this workspace's memory, and returns the
+    /// handle to issue it through. `stream` first waits for the workspace stream's work
+    /// so far; when the handle is dropped (or [`OnStream::finish`]ed) the workspace's
+    /// stream waits for `stream`; and the cycle's reset waits for it in any case.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StreamMismatch`](crate::Error::StreamMismatch) for a stream of another
+    /// device; [`Error::Device`](crate::Error::Device) when the ordering cannot be set up.
+    pub fn on_stream<'v>(&self, stream: &D::Stream) -> Result<OnStream<'_, 'v, D>> {
+        OnStream::new(self.ws, stream)
+    }
+}
+
+impl<D: Device> Drop for DeviceScope<'_, D> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.ws.engine().depth() == 1 {
+            // The cycle closes: order every other stream that used its memory before the
+            // workspace's stream, which the reset (and all reuse) is ordered on.
+            self.ws.close_foreign_streams();
+        }
+        // SAFETY: the engine counted this scope (invariant); every view borrowed from it
+        // has ended, and handles are checked against the generation before any access.
+        unsafe { self.ws.engine().exit() };
+    }
+}

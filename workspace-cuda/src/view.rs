@@ -1,0 +1,503 @@
+//! Typed views of device memory, tied to the cycle (or to the owned array) they show.
+//!
+//! [`DeviceView`] and [`DeviceViewMut`] borrow their scope (or their [`DeviceArray`]),
+//! so the compiler rejects any use after the reset, as on the host:
+//!
+//! ```compile_fail
+//! use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+//! let sim = SimDevice::new().unwrap();
+//! let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
+//! let scope = ws.enter().unwrap();
+//! let view = scope.zeros::<f32, _>(16).unwrap();
+//! drop(scope); // the reset happens here...
+//! view.detach_to_host().unwrap(); // ...so this does not compile
+//! ```
+//!
+//! Every operation of a view runs on its owner's stream, or is ordered with it by
+//! events when it runs elsewhere (a copy into a workspace on another stream).
+
+use std::marker::PhantomData;
+use std::mem::size_of;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use ndarray::{Array, ArrayBase, ArrayViewMut, Data, DataMut, Dimension, Ix1};
+use workspace_core::Scope;
+
+use crate::array::DeviceArray;
+use crate::device::{ordered_with, Device};
+use crate::error::{DeviceError, Error, Result};
+use crate::pinned::PinnedArray;
+use crate::scope::DeviceScope;
+use crate::workspace::DeviceWorkspace;
+
+/// Whose memory a view shows, and so which stream orders it.
+pub(crate) enum Owner<'a, D: Device> {
+    /// A workspace's arena or spill blocks, valid for the open cycle.
+    Workspace(&'a DeviceWorkspace<D>),
+    /// A [`DeviceArray`], valid while it lives.
+    Array {
+        /// The array's device.
+        device: &'a D,
+        /// The stream the array belongs to.
+        stream: &'a D::Stream,
+    },
+}
+
+impl<D: Device> Clone for Owner<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D: Device> Copy for Owner<'_, D> {}
+
+/// Name used in errors about owned device arrays.
+pub(crate) const OWNED: &str = "owned device array";
+
+impl<'a, D: Device> Owner<'a, D> {
+    pub(crate) fn device(&self) -> &'a D {
+        match self {
+            Owner::Workspace(ws) => ws.device(),
+            Owner::Array { device, .. } => device,
+        }
+    }
+
+    pub(crate) fn stream(&self) -> &'a D::Stream {
+        match self {
+            Owner::Workspace(ws) => ws.stream(),
+            Owner::Array { stream, .. } => stream,
+        }
+    }
+
+    pub(crate) fn name(&self) -> Arc<str> {
+        match self {
+            Owner::Workspace(ws) => ws.name().clone(),
+            Owner::Array { .. } => Arc::from(OWNED),
+        }
+    }
+
+    pub(crate) fn error(&self, action: &'static str, source: DeviceError) -> Error {
+        Error::Device { workspace: self.name(), action, source }
+    }
+
+    /// Runs `op` on `stream` with this owner's memory, ordered with the owner's stream.
+    pub(crate) fn run_on(
+        &self,
+        stream: &D::Stream,
+        action: &'static str,
+        op: impl FnOnce(&D::Stream) -> Result<(), DeviceError>,
+    ) -> Result<()> {
+        match self {
+            Owner::Workspace(ws) => ws.run_on(stream, action, op),
+            Owner::Array { device, stream: home } => {
+                ordered_with(*device, stream, home, op).map_err(|e| self.error(action, e))
+            }
+        }
+    }
+
+    /// An error unless `other` lives on the same device.
+    pub(crate) fn check_device(&self, other: &D, action: &'static str) -> Result<()> {
+        if self.device().same_device(other) {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch {
+                workspace: self.name(),
+                action,
+                device: self.device().describe(),
+                other: other.describe(),
+            })
+        }
+    }
+}
+
+/// Byte size of `dim` elements of `T`; `None` on overflow.
+pub(crate) fn byte_len<T, Dim: Dimension>(dim: &Dim) -> Option<usize> {
+    const { assert!(size_of::<T>() > 0, "device memory holds elements of non-zero size") };
+    dim.size_checked()?.checked_mul(size_of::<T>()).filter(|&bytes| bytes <= isize::MAX as usize)
+}
+
+/// The elements of `src` in standard (row-major) order, as bytes.
+pub(crate) fn with_host_bytes<T: Pod, S: Data<Elem = T>, Dim: Dimension, R>(
+    src: &ArrayBase<S, Dim>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> R {
+    let standard = src.as_standard_layout();
+    match standard.as_slice() {
+        Some(elements) => f(bytemuck::cast_slice(elements)),
+        None => f(bytemuck::cast_slice(&standard.iter().copied().collect::<Vec<T>>())),
+    }
+}
+
+/// Runs `copy` into `dst`'s elements as bytes, staging through a vector when `dst` is not
+/// in standard layout.
+pub(crate) fn copy_to_host<T: Pod, S: DataMut<Elem = T>, Dim: Dimension>(
+    dst: &mut ArrayBase<S, Dim>,
+    copy: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    if let Some(elements) = dst.as_slice_mut() {
+        return copy(bytemuck::cast_slice_mut(elements));
+    }
+    let mut staged = vec![T::zeroed(); dst.len()];
+    copy(bytemuck::cast_slice_mut(&mut staged))?;
+    // `staged` is in standard order, which is the order `iter_mut` visits.
+    dst.iter_mut().zip(&staged).for_each(|(slot, value)| *slot = *value);
+    Ok(())
+}
+
+/// A read-only view of device memory: of a workspace (for the cycle it was allocated in)
+/// or of a [`DeviceArray`].
+///
+/// Its elements are `T` in standard (row-major) layout with shape `Dim`.
+pub struct DeviceView<'a, D: Device, T, Dim: Dimension = Ix1> {
+    pub(crate) owner: Owner<'a, D>,
+    /// Invariant: `byte_len::<T>(dim)` initialised bytes of `owner`'s memory, valid for `'a`.
+    pub(crate) address: u64,
+    pub(crate) dim: Dim,
+    _elements: PhantomData<&'a [T]>,
+}
+
+/// A mutable view of device memory; dereferences to [`DeviceView`] for reading.
+pub struct DeviceViewMut<'a, D: Device, T, Dim: Dimension = Ix1> {
+    view: DeviceView<'a, D, T, Dim>,
+    _exclusive: PhantomData<&'a mut [T]>,
+}
+
+impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
+    /// # Contract
+    ///
+    /// `address` must hold `dim.size()` initialised elements of `owner`'s memory that stay
+    /// valid for `'a` (not reset, reused or freed).
+    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
+        DeviceView { owner, address, dim, _elements: PhantomData }
+    }
+
+    /// The device address of the first element, for kernels launched on
+    /// [`DeviceView::stream`] (using it elsewhere needs [`DeviceScope::on_stream`]).
+    pub fn device_ptr(&self) -> u64 {
+        self.address
+    }
+
+    /// The stream this memory belongs to.
+    pub fn stream(&self) -> &'a D::Stream {
+        self.owner.stream()
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        self.dim.slice()
+    }
+
+    /// The shape as a dimension.
+    pub fn raw_dim(&self) -> Dim {
+        self.dim.clone()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.dim.size()
+    }
+
+    /// Whether there are no elements (never: empty allocations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len() * size_of::<T>()
+    }
+
+    /// The name of the workspace the memory belongs to (`owned device array` for arrays).
+    pub fn workspace_name(&self) -> Arc<str> {
+        self.owner.name()
+    }
+
+    /// A shorter-lived copy of this view.
+    pub fn reborrow(&self) -> DeviceView<'_, D, T, Dim> {
+        DeviceView::new(self.owner, self.address, self.dim.clone())
+    }
+
+    /// Copies into an owned device array (device to device, on this view's stream) that
+    /// outlives every reset.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot allocate or copy.
+    pub fn detach(&self) -> Result<DeviceArray<D, T, Dim>> {
+        let device = self.owner.device();
+        let stream = self.owner.stream();
+        let memory = device.alloc(stream, self.byte_len()).map_err(|e| self.owner.error("detaching a view", e))?;
+        let target = D::memory_address(&memory);
+        // SAFETY: both ranges hold `byte_len` bytes: the view's (valid for `'a`, so until
+        // after this copy, which is issued now on the owner's stream) and a fresh
+        // allocation on the same stream, so the copy is ordered with both.
+        unsafe { device.copy_dtod(stream, self.address, target, self.byte_len()) }
+            .map_err(|e| self.owner.error("detaching a view", e))?;
+        Ok(DeviceArray::from_parts(memory, device.clone(), stream.clone(), self.dim.clone()))
+    }
+
+    /// Copies into an owned host array.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot copy.
+    pub fn detach_to_host(&self) -> Result<Array<T, Dim>> {
+        let mut out = Array::from_elem(self.dim.clone(), T::zeroed());
+        self.dtoh_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Copies into an existing host array of the same shape (of any layout: a view of a
+    /// host workspace, for instance).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`], or [`Error::Device`] when the device cannot copy.
+    pub fn dtoh_into<S: DataMut<Elem = T>>(&self, dst: &mut ArrayBase<S, Dim>) -> Result<()> {
+        let action = "copying device data to the host";
+        self.check_shape(dst.shape(), action)?;
+        let (owner, address) = (self.owner, self.address);
+        copy_to_host(dst, |bytes| {
+            // SAFETY: the view's `bytes.len()` bytes are valid for `'a`, beyond this call,
+            // and the copy runs on the owner's stream; it is complete when this returns.
+            unsafe { owner.device().copy_dtoh(owner.stream(), address, bytes) }.map_err(|e| owner.error(action, e))
+        })
+    }
+
+    /// Copies into a new array in the open host workspace scope `host`.
+    ///
+    /// # Errors
+    ///
+    /// `host`'s allocation errors, or [`Error::Device`].
+    pub fn dtoh_in<'h>(&self, host: &'h Scope<'_>) -> Result<ArrayViewMut<'h, T, Dim>> {
+        let mut out = host.zeros::<T, Dim>(self.dim.clone())?;
+        self.dtoh_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Copies into the pinned staging array `dst`, asynchronously on this view's stream;
+    /// reading `dst` on the host waits for the copy.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
+    pub fn dtoh_pinned(&self, dst: &mut PinnedArray<'_, D, T, Dim>) -> Result<()> {
+        let action = "copying device data to pinned memory";
+        self.check_shape(dst.shape(), action)?;
+        self.owner.check_device(dst.device(), action)?;
+        let stream = self.owner.stream();
+        let bytes = self.byte_len();
+        let (address, host) = (self.address, dst.host_ptr());
+        dst.transfer(stream, |on| {
+            // SAFETY: the view's range is valid for `'a` and the copy runs on its owner's
+            // stream; `host` holds `bytes` bytes of pinned memory that `transfer` keeps
+            // from the host (and from reuse) until the copy's event completes.
+            unsafe { self.owner.device().copy_dtoh_pinned(on, address, host, bytes) }
+        })
+        .map_err(|e| self.owner.error(action, e))
+    }
+
+    /// Copies into `target` (another open device workspace, typically an outer one),
+    /// returning a view there. When `target` is on another stream, that stream waits for
+    /// this view's stream before the copy, and this view's stream waits for the copy.
+    ///
+    /// # Errors
+    ///
+    /// `target`'s allocation errors, [`Error::DeviceMismatch`], or [`Error::Device`].
+    pub fn leverage_to<'t>(&self, target: &'t DeviceScope<'_, D>) -> Result<DeviceViewMut<'t, D, T, Dim>> {
+        target.copy_of(self)
+    }
+
+    pub(crate) fn check_shape(&self, other: &[usize], action: &'static str) -> Result<()> {
+        if other == self.shape() {
+            Ok(())
+        } else {
+            Err(Error::ShapeMismatch {
+                workspace: self.owner.name(),
+                action,
+                source_shape: self.shape().to_vec(),
+                destination_shape: other.to_vec(),
+            })
+        }
+    }
+}
+
+impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
+    /// # Contract
+    ///
+    /// As [`DeviceView::new`], and nothing else may refer to the memory for `'a`.
+    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
+        DeviceViewMut { view: DeviceView::new(owner, address, dim), _exclusive: PhantomData }
+    }
+
+    /// The device address of the first element, for kernels that write it on
+    /// [`DeviceView::stream`].
+    pub fn device_ptr_mut(&mut self) -> u64 {
+        self.view.address
+    }
+
+    /// A read-only view for the duration of the borrow.
+    pub fn as_view(&self) -> DeviceView<'_, D, T, Dim> {
+        self.view.reborrow()
+    }
+
+    /// Gives up mutability for the view's whole lifetime.
+    pub fn freeze(self) -> DeviceView<'a, D, T, Dim> {
+        self.view
+    }
+
+    /// Sets every element to zero (on the view's stream).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`].
+    pub fn fill_zeros(&mut self) -> Result<()> {
+        let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
+        // SAFETY: the view's range is valid for `'a` and exclusively ours; the memset is
+        // issued to the owner's stream.
+        unsafe { owner.device().memset_zero(owner.stream(), address, bytes) }
+            .map_err(|e| owner.error("zeroing a view", e))
+    }
+
+    /// Copies a host array of the same shape into this view (on the view's stream; the
+    /// source is read before this returns).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`], or [`Error::Device`].
+    pub fn htod_from<S: Data<Elem = T>>(&mut self, src: &ArrayBase<S, Dim>) -> Result<()> {
+        let action = "copying host data to the device";
+        self.view.check_shape(src.shape(), action)?;
+        let (owner, address) = (self.view.owner, self.view.address);
+        with_host_bytes(src, |bytes| {
+            // SAFETY: the view's range (`bytes.len()` bytes) is valid for `'a` and
+            // exclusively ours; the copy is issued to the owner's stream.
+            unsafe { owner.device().copy_htod(owner.stream(), bytes, address) }
+        })
+        .map_err(|e| owner.error(action, e))
+    }
+
+    /// Copies the pinned staging array `src` into this view, asynchronously on the
+    /// view's stream; writing `src` on the host waits for the copy.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
+    pub fn htod_pinned(&mut self, src: &PinnedArray<'_, D, T, Dim>) -> Result<()> {
+        let action = "copying pinned memory to the device";
+        self.view.check_shape(src.shape(), action)?;
+        self.view.owner.check_device(src.device(), action)?;
+        let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
+        let host = src.host_ptr();
+        src.transfer(owner.stream(), |on| {
+            // SAFETY: the view's range is valid for `'a` and exclusively ours, the copy is
+            // issued to its owner's stream; `host` holds `bytes` bytes of pinned memory
+            // that `transfer` keeps from host writes and reuse until the copy completes.
+            unsafe { owner.device().copy_htod_pinned(on, host, address, bytes) }
+        })
+        .map_err(|e| owner.error(action, e))
+    }
+
+    /// Copies another device view of the same shape into this one. The copy runs on this
+    /// view's stream, ordered with the source's stream when they differ.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
+    pub fn copy_from(&mut self, src: &DeviceView<'_, D, T, Dim>) -> Result<()> {
+        let action = "copying between device views";
+        src.check_shape(self.shape(), action)?;
+        let target = self.view.owner;
+        src.owner.check_device(target.device(), action)?;
+        let (from, to, bytes) = (src.address, self.view.address, self.view.byte_len());
+        src.owner.run_on(target.stream(), action, |on| {
+            // SAFETY: both ranges are valid while the views are borrowed, which outlasts
+            // issuing the copy; the copy runs on the destination's stream, and `run_on`
+            // orders it with the source's stream (and joins that stream at the source
+            // workspace's reset). Distinct allocations never overlap.
+            unsafe { target.device().copy_dtod(on, from, to, bytes) }
+        })
+    }
+}
+
+impl<'a, D: Device, T, Dim: Dimension> Deref for DeviceViewMut<'a, D, T, Dim> {
+    type Target = DeviceView<'a, D, T, Dim>;
+
+    fn deref(&self) -> &DeviceView<'a, D, T, Dim> {
+        &self.view
+    }
+}
+
+/// Device memory that holds no data yet: it can be filled (from the host, a device view,
+/// zeros, or a kernel) but not read.
+pub struct DeviceUninit<'a, D: Device, T, Dim: Dimension = Ix1> {
+    view: DeviceViewMut<'a, D, T, Dim>,
+}
+
+impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceUninit<'a, D, T, Dim> {
+    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
+        DeviceUninit { view: DeviceViewMut::new(owner, address, dim) }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        self.view.shape()
+    }
+
+    /// The device address of the first element, for a kernel that writes every element
+    /// on [`DeviceView::stream`] before [`DeviceUninit::assume_init`].
+    pub fn device_ptr_mut(&mut self) -> u64 {
+        self.view.device_ptr_mut()
+    }
+
+    /// Fills with zeros.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceViewMut::fill_zeros`].
+    pub fn zeroed(mut self) -> Result<DeviceViewMut<'a, D, T, Dim>> {
+        self.view.fill_zeros()?;
+        Ok(self.view)
+    }
+
+    /// Fills from a host array of the same shape.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceViewMut::htod_from`].
+    pub fn htod_from<S: Data<Elem = T>>(mut self, src: &ArrayBase<S, Dim>) -> Result<DeviceViewMut<'a, D, T, Dim>> {
+        self.view.htod_from(src)?;
+        Ok(self.view)
+    }
+
+    /// Fills from a pinned staging array of the same shape (asynchronously).
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceViewMut::htod_pinned`].
+    pub fn htod_pinned(mut self, src: &PinnedArray<'_, D, T, Dim>) -> Result<DeviceViewMut<'a, D, T, Dim>> {
+        self.view.htod_pinned(src)?;
+        Ok(self.view)
+    }
+
+    /// Fills from a device view of the same shape.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceViewMut::copy_from`].
+    pub fn copy_from(mut self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceViewMut<'a, D, T, Dim>> {
+        self.view.copy_from(src)?;
+        Ok(self.view)
+    }
+
+    /// The view, for memory a kernel has filled.
+    ///
+    /// # Safety
+    ///
+    /// Every element must have been written by work issued to the view's stream (or
+    /// ordered before it): otherwise reads see stale data of an earlier cycle.
+    pub unsafe fn assume_init(self) -> DeviceViewMut<'a, D, T, Dim> {
+        self.view
+    }
+}

@@ -1,0 +1,406 @@
+//! The device workspace: the host engine over device memory, bound to one stream.
+//!
+//! # Why a reset is safe on the device
+//!
+//! The engine reuses memory when the last scope of a cycle closes; on the host that
+//! proves no view is alive. On the device, work that used the memory may still be
+//! queued. Work issued to the workspace's own stream runs before anything issued later
+//! to that stream, so for it the reset is ordered for free: it is *stream-ordered*,
+//! like `cudaFreeAsync`. Work on any other stream is declared ([`DeviceScope::on_stream`],
+//! or a copy into a workspace on another stream), and every such stream is noted in
+//! `foreign`. When the cycle closes, the workspace makes its own stream wait for an
+//! event recorded on each of them, before the engine resets; from then on, everything
+//! that reuses the memory (new allocations, spill frees, a new arena) is issued to the
+//! workspace's stream behind those waits. If the driver cannot order a stream, the
+//! workspace waits for it on the host; if that fails too, the stream is kept in
+//! `unjoined` and the workspace refuses to open until it is ordered.
+//!
+//! [`DeviceScope::on_stream`]: crate::DeviceScope::on_stream
+
+use std::cell::RefCell;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+
+use workspace_core::{Engine, Entered, Location, ScopeKind, WorkspaceConfig, WorkspaceStats};
+
+use crate::backend::DeviceBackend;
+use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT};
+use crate::error::{DeviceError, Error, Result};
+use crate::scope::DeviceScope;
+
+/// A workspace in device memory, bound to one stream; see the module docs.
+///
+/// Same configuration, cycles, generations, learning, spilling and statistics as a host
+/// [`Workspace`](workspace_core::Workspace). Allocation offsets are aligned to 256 bytes:
+/// a configured alignment below that is raised to it.
+///
+/// ```
+/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_core::WorkspaceConfig;
+///
+/// let sim = SimDevice::new()?;
+/// let ws = DeviceWorkspace::new("ACT", WorkspaceConfig::default(), &sim, &sim.default_stream())?;
+/// for step in 0..3 {
+///     let scope = ws.enter()?;
+///     let x = scope.htod(&ndarray::Array2::<f32>::from_elem((4, 8), step as f32))?;
+///     assert_eq!(x.detach_to_host()?.sum(), 32.0 * step as f32);
+/// } // reset here, ordered on the workspace's stream
+/// assert_eq!(ws.stats().growth_events, 1);
+/// assert_eq!(ws.config().alignment(), 256);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// `Send` and `!Sync`, like the host workspace:
+///
+/// ```compile_fail
+/// fn needs_sync<T: Sync>() {}
+/// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::SimDevice>>();
+/// ```
+pub struct DeviceWorkspace<D: Device> {
+    /// Dropped by hand: leaked instead when a stream that used the memory could not be
+    /// ordered (see `Drop`).
+    engine: ManuallyDrop<Engine<DeviceBackend<D>>>,
+    device: D,
+    stream: D::Stream,
+    /// Streams other than `stream` that used this workspace's memory in the open cycle.
+    foreign: RefCell<Vec<D::Stream>>,
+    /// Streams that could be ordered neither on the device nor on the host when their
+    /// cycle closed; `enter` orders them first and fails until it can.
+    unjoined: RefCell<Vec<D::Stream>>,
+    /// An ordering error from a place that cannot return one (closing a scope, ending a
+    /// stream use), reported by the next `enter`.
+    pending: RefCell<Option<DeviceError>>,
+}
+
+/// The configuration a device workspace runs with: `config` with its alignment raised to
+/// [`DEVICE_ALIGNMENT`].
+pub(crate) fn device_config(config: WorkspaceConfig, what: &str) -> Result<WorkspaceConfig> {
+    if !matches!(config.location(), Location::Ram) {
+        return Err(workspace_core::Error::InvalidConfig {
+            reason: format!(
+                "{what} workspaces have no file or mapping behind them ({:?}); use Location::Ram (the default)",
+                config.location()
+            ),
+        }
+        .into());
+    }
+    if config.alignment() >= DEVICE_ALIGNMENT {
+        return Ok(config);
+    }
+    Ok(WorkspaceConfig::builder()
+        .initial_size(config.initial_size())
+        .min_size(config.min_size())
+        .max_size(config.max_size())
+        .alignment(DEVICE_ALIGNMENT)
+        .allocation(config.allocation())
+        .learning(config.learning())
+        .spill(config.spill())
+        .reset(config.reset())
+        .timeline_len(config.timeline_len())
+        .build()?)
+}
+
+impl<D: Device> DeviceWorkspace<D> {
+    /// Creates a workspace on `stream` of `device` and reserves `initial_size` bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Workspace`] for a file location, a configuration that the raised
+    /// alignment contradicts, or an initial arena the device cannot provide;
+    /// [`Error::StreamMismatch`] when `stream` belongs to another device.
+    pub fn new(name: &str, config: WorkspaceConfig, device: &D, stream: &D::Stream) -> Result<DeviceWorkspace<D>> {
+        if !device.owns_stream(stream) {
+            return Err(Error::StreamMismatch {
+                workspace: Arc::from(name),
+                action: "creating the workspace",
+                detail: format!("{stream:?} does not belong to {}", device.describe()),
+            });
+        }
+        let config = device_config(config, "device")?;
+        let backend = DeviceBackend::new(device.clone(), stream.clone());
+        Ok(DeviceWorkspace {
+            engine: ManuallyDrop::new(Engine::new(name, config, backend)?),
+            device: device.clone(),
+            stream: stream.clone(),
+            foreign: RefCell::new(Vec::new()),
+            unjoined: RefCell::new(Vec::new()),
+            pending: RefCell::new(None),
+        })
+    }
+
+    /// Opens a cycle (new generation) or, when already open, nests without resetting.
+    ///
+    /// # Errors
+    ///
+    /// When opening: an error recorded since the last cycle (a stream that could not be
+    /// ordered, a device error from a `Drop`, a failed arena growth). The workspace
+    /// stays closed and usable; entering again retries.
+    #[inline]
+    pub fn enter(&self) -> Result<DeviceScope<'_, D>> {
+        if !self.engine.is_open() {
+            self.settle()?;
+        }
+        let kind = match self.engine.enter()? {
+            Entered::Opened => ScopeKind::Opened,
+            Entered::Nested => ScopeKind::Nested,
+        };
+        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        Ok(unsafe { DeviceScope::over(self, kind) })
+    }
+
+    /// Makes this already open workspace an allocation target for a while (as
+    /// [`Workspace::borrow_open`](workspace_core::Workspace::borrow_open)).
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::NotOpen`] when the workspace is closed: leveraging into a
+    /// closed workspace is an error, never a silent no-op.
+    pub fn borrow_open(&self) -> Result<DeviceScope<'_, D>> {
+        self.engine.borrow_open("borrowing it as an allocation target")?;
+        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        Ok(unsafe { DeviceScope::over(self, ScopeKind::Borrowed) })
+    }
+
+    /// Gives device memory back: spill blocks, and the arena down to `min_size`; the size
+    /// is learned again. Frees are ordered on the workspace's stream.
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::StillOpen`] while a scope is open; errors pending from the
+    /// last cycle (see [`DeviceWorkspace::enter`]).
+    pub fn trim(&self) -> Result<()> {
+        if !self.engine.is_open() {
+            self.settle()?;
+        }
+        Ok(self.engine.trim()?)
+    }
+
+    /// Blocks until all work issued to the workspace's stream is complete.
+    ///
+    /// # Errors
+    ///
+    /// A device error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.synchronize(&self.stream).map_err(|e| self.device_error("synchronising its stream", e))
+    }
+
+    /// The workspace's name.
+    pub fn name(&self) -> &Arc<str> {
+        self.engine.name()
+    }
+    /// Process-unique id.
+    pub fn id(&self) -> u64 {
+        self.engine.id()
+    }
+    /// The configuration (with the device alignment).
+    pub fn config(&self) -> &WorkspaceConfig {
+        self.engine.config()
+    }
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+    /// The stream the workspace belongs to.
+    pub fn stream(&self) -> &D::Stream {
+        &self.stream
+    }
+    /// Current generation (one per real enter).
+    pub fn generation(&self) -> u64 {
+        self.engine.generation()
+    }
+    /// Whether a scope is open.
+    pub fn is_open(&self) -> bool {
+        self.engine.is_open()
+    }
+    /// Arena capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.engine.capacity()
+    }
+    /// Arena bytes handed out in the open cycle.
+    pub fn bytes_in_use(&self) -> usize {
+        self.engine.bytes_in_use()
+    }
+    /// A statistics snapshot; cheap, and readable while views are alive.
+    pub fn stats(&self) -> WorkspaceStats {
+        self.engine.stats()
+    }
+    /// Forgets the peak so far.
+    pub fn reset_peak(&self) {
+        self.engine.reset_peak()
+    }
+    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
+    pub fn timeline(&self) -> Vec<usize> {
+        self.engine.timeline()
+    }
+
+    pub(crate) fn engine(&self) -> &Engine<DeviceBackend<D>> {
+        &self.engine
+    }
+
+    pub(crate) fn device_error(&self, action: &'static str, source: DeviceError) -> Error {
+        Error::Device { workspace: self.name().clone(), action, source }
+    }
+
+    /// Notes that `stream` uses this workspace's memory in the open cycle.
+    pub(crate) fn note_foreign(&self, stream: &D::Stream) {
+        if *stream != self.stream {
+            let mut foreign = self.foreign.borrow_mut();
+            if !foreign.contains(stream) {
+                foreign.push(stream.clone());
+            }
+        }
+    }
+
+    /// Runs `op` on `stream` with this workspace's memory, ordered after the workspace
+    /// stream's work so far and before its later work; the stream is also joined when
+    /// the cycle closes.
+    pub(crate) fn run_on(
+        &self,
+        stream: &D::Stream,
+        action: &'static str,
+        op: impl FnOnce(&D::Stream) -> Result<(), DeviceError>,
+    ) -> Result<()> {
+        self.note_foreign(stream);
+        ordered_with(&self.device, stream, &self.stream, op).map_err(|e| self.device_error(action, e))
+    }
+
+    /// Makes the workspace's stream wait for `stream`'s work so far.
+    pub(crate) fn join(&self, stream: &D::Stream) -> Result<(), DeviceError> {
+        let event = self.device.record(stream)?;
+        self.device.wait(&self.stream, &event)
+    }
+
+    /// Makes `stream` wait for the workspace stream's work so far.
+    pub(crate) fn fork(&self, stream: &D::Stream) -> Result<(), DeviceError> {
+        let event = self.device.record(&self.stream)?;
+        self.device.wait(stream, &event)
+    }
+
+    fn join_or_wait(&self, stream: &D::Stream) -> Result<(), DeviceError> {
+        self.join(stream).or_else(|_| self.device.synchronize(stream))
+    }
+
+    /// Keeps an error for the next `enter`.
+    pub(crate) fn defer(&self, error: DeviceError) {
+        self.pending.borrow_mut().get_or_insert(error);
+    }
+
+    /// Before the engine resets: orders every stream that used the memory in this cycle
+    /// before the workspace's stream (module docs). Never fails; what cannot be ordered
+    /// is kept for `enter`.
+    pub(crate) fn close_foreign_streams(&self) {
+        let mut foreign = self.foreign.borrow_mut();
+        for stream in foreign.drain(..) {
+            if let Err(error) = self.join_or_wait(&stream) {
+                self.unjoined.borrow_mut().push(stream);
+                self.defer(error);
+            }
+        }
+    }
+
+    /// Before opening a cycle: orders what could not be ordered when the last one
+    /// closed, and reports errors recorded since.
+    #[cold]
+    fn settle(&self) -> Result<()> {
+        let mut unjoined = self.unjoined.borrow_mut();
+        let mut failure = None;
+        unjoined.retain(|stream| match self.join_or_wait(stream) {
+            Ok(()) => false,
+            Err(error) => {
+                failure = Some(error);
+                true
+            }
+        });
+        drop(unjoined);
+        if let Some(error) = failure {
+            return Err(self.device_error("ordering another stream's use of the last cycle's memory", error));
+        }
+        if let Some(error) = self.pending.borrow_mut().take() {
+            return Err(self.device_error("ordering another stream's use of memory (when a scope closed)", error));
+        }
+        if let Some(error) = self.device.take_deferred_error() {
+            return Err(self.device_error("an earlier operation on this device (reported now)", error));
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> std::fmt::Debug for DeviceWorkspace<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceWorkspace")
+            .field("engine", &*self.engine)
+            .field("device", &self.device)
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Device> Drop for DeviceWorkspace<D> {
+    fn drop(&mut self) {
+        let mut ordered = true;
+        for stream in self.unjoined.get_mut().drain(..) {
+            if let Err(error) = self.device.synchronize(&stream) {
+                self.device.defer_error(error);
+                ordered = false;
+            }
+        }
+        if let Some(error) = self.pending.get_mut().take() {
+            self.device.defer_error(error);
+        }
+        if ordered {
+            // SAFETY: dropped once, here; nothing uses the engine after this.
+            unsafe { ManuallyDrop::drop(&mut self.engine) };
+        }
+        // Otherwise the memory is leaked on purpose: a stream that could not be ordered
+        // may still read it, and freeing it could hand it to someone else meanwhile.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sim::SimDevice;
+
+    #[test]
+    fn alignment_is_raised_and_file_locations_are_refused() {
+        let config =
+            WorkspaceConfig::builder().alignment(workspace_core::DEFAULT_ALIGNMENT).initial_size(1000).build().unwrap();
+        let raised = device_config(config.clone(), "device").unwrap();
+        assert_eq!(raised.alignment(), DEVICE_ALIGNMENT);
+        assert_eq!(
+            (raised.initial_size(), raised.learning(), raised.spill()),
+            (1000, config.learning(), config.spill())
+        );
+        let big = WorkspaceConfig::builder().alignment(4096).build().unwrap();
+        assert_eq!(device_config(big, "device").unwrap().alignment(), 4096);
+        let mapped = WorkspaceConfig::builder()
+            .location(Location::MmapAnonymous)
+            .learning(workspace_core::LearningPolicy::None)
+            .initial_size(4096)
+            .build()
+            .unwrap();
+        let err = device_config(mapped, "device").unwrap_err();
+        assert!(err.to_string().contains("Location::Ram"), "{err}");
+    }
+
+    #[test]
+    fn a_stream_of_another_device_is_refused() {
+        let (a, b) = (SimDevice::new().unwrap(), SimDevice::new().unwrap());
+        let err = DeviceWorkspace::new("W", WorkspaceConfig::default(), &a, &b.default_stream()).unwrap_err();
+        assert!(matches!(err, Error::StreamMismatch { .. }), "{err:?}");
+        assert!(err.to_string().contains("does not belong"), "{err}");
+    }
+
+    #[test]
+    fn deferred_device_errors_are_reported_by_the_next_enter_once() {
+        let sim = SimDevice::new().unwrap();
+        let ws = DeviceWorkspace::new("W", WorkspaceConfig::default(), &sim, &sim.default_stream()).unwrap();
+        drop(ws.enter().unwrap());
+        sim.defer_error(DeviceError::Fault { op: "dtod", detail: "planted".into() });
+        let err = ws.enter().unwrap_err();
+        assert!(err.to_string().contains("planted") && err.to_string().contains("'W'"), "{err}");
+        assert!(!ws.is_open());
+        let scope = ws.enter().unwrap();
+        assert_eq!(scope.generation(), 2);
+    }
+}
