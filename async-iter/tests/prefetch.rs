@@ -72,7 +72,9 @@ fn every_batch_is_intact_over_ten_epochs_of_random_sizes_with_a_slow_consumer() 
                 seen += 1;
             }
             assert_eq!(seen, batches_per_epoch);
-            batches.reset().unwrap();
+            if epoch < 9 {
+                batches.reset().unwrap();
+            }
         }
         let stats = batches.stats();
         assert_eq!(stats.batches_consumed, 10 * batches_per_epoch as u64);
