@@ -6,9 +6,11 @@
 //! owned arrays. Misuse is a compile error where the API allows it, and a clear error
 //! otherwise.
 //!
-//! This facade re-exports the host engine ([`workspace_core`]); the layer API, the
-//! reference network, the prefetch iterator and device workspaces join it as they are
-//! built.
+//! | what | where |
+//! |---|---|
+//! | host workspaces: config, scopes, views, handles, the per-thread manager | re-exported from [`workspace_core`] |
+//! | the DL4J layer API: [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`] | re-exported from [`workspace_core`] |
+//! | the reference network (dense, ReLU, softmax cross-entropy, SGD/Adam) | [`nn`] |
 //!
 //! ```
 //! use carve::{Workspace, WorkspaceConfig, WorkspaceArrayExt};

@@ -15,7 +15,7 @@
 //!
 //! The container borrows the scope, so it cannot outlive the cycle:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0597
 //! use workspace_core::{Workspace, WorkspaceConfig};
 //! let ws = Workspace::new("SCRATCH", WorkspaceConfig::default()).unwrap();
 //! let v = {

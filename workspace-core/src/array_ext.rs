@@ -26,7 +26,7 @@ use crate::scope::Scope;
 ///
 /// A leveraged view lives as long as its target scope, no longer:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0597
 /// use workspace_core::{Workspace, WorkspaceConfig, WorkspaceArrayExt};
 /// let outer = Workspace::new("OUTER", WorkspaceConfig::default()).unwrap();
 /// let source = ndarray::Array1::<f32>::zeros(4);

@@ -610,7 +610,9 @@ impl<B: ArenaBackend> Engine<B> {
                 // `end > 0`, so `fast_limit > 0`: the arena exists (`fast_limit <= capacity`,
                 // and `capacity > 0` exactly when there is an arena).
                 let base = self.arena_base.get();
-                debug_assert!(base.is_some() && cursor.is_multiple_of(self.min_align) && cursor + size <= self.capacity.get());
+                debug_assert!(
+                    base.is_some() && cursor.is_multiple_of(self.min_align) && cursor + size <= self.capacity.get()
+                );
                 if let Some(base) = base {
                     self.cursor.set(end);
                     return Some((base, cursor));
@@ -767,7 +769,11 @@ impl<B: ArenaBackend> Engine<B> {
         self.cursor.get()
     }
 
-    /// Forgets the peak so far; the next snapshot starts from current use.
+    /// Bytes held in spill blocks of the open cycle, freed at the next reset.
+    pub fn spilled_in_use(&self) -> usize {
+        self.spilled_in_use.get()
+    }
+
     /// Largest `bytes_in_use + spilled_in_use` since creation or `reset_peak` (as in
     /// the statistics, without building them).
     pub fn peak(&self) -> usize {

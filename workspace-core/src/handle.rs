@@ -2,7 +2,17 @@
 //!
 //! A [`Handle`] remembers the workspace it was allocated in and that workspace's
 //! generation. Reading it needs a [`Scope`] of the same workspace and generation, and
-//! the view it gives borrows that scope, so it cannot outlive the cycle either.
+//! the view it gives borrows that scope, so it cannot outlive the cycle either:
+//!
+//! ```compile_fail,E0505
+//! use workspace_core::{Workspace, WorkspaceConfig};
+//! let ws = Workspace::new("W", WorkspaceConfig::default()).unwrap();
+//! let scope = ws.enter().unwrap();
+//! let handle = scope.zeros_handle::<f32, _>(4).unwrap();
+//! let view = handle.view(&scope).unwrap();
+//! drop(scope); // the cycle ends here...
+//! println!("{}", view[0]); // ...so the view may not be used
+//! ```
 
 use std::ptr::NonNull;
 use std::sync::Arc;

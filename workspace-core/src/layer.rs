@@ -37,7 +37,7 @@
 //!
 //! Returning working memory as activations does not compile:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0621
 //! use ndarray::ArrayView2;
 //! use workspace_core::{freeze, Result, TypedScope};
 //!
@@ -441,12 +441,7 @@ impl LayerWorkspaceMgr {
 
     /// Sum of the bytes in use (arena and spills) of the distinct workspaces now.
     pub fn bytes_in_use(&self) -> usize {
-        self.workspaces()
-            .map(|ws| {
-                let s = ws.stats();
-                s.bytes_in_use + s.spilled_in_use
-            })
-            .sum()
+        self.workspaces().map(|ws| ws.bytes_in_use() + ws.engine().spilled_in_use()).sum()
     }
 }
 

@@ -242,20 +242,21 @@ fn human(bytes: usize) -> String {
 
 /// Formats statistics as an aligned text table, one row per workspace.
 pub fn stats_table(stats: &[WorkspaceStats]) -> String {
-    let header = [
+    const COLUMNS: usize = 11;
+    let header: [&str; COLUMNS] = [
         "workspace",
         "backend",
         "capacity",
         "in use",
         "peak",
         "spilled",
-        "external",
-        "allocs",
+        "spills",
+        "pinned",
         "cycles",
         "gen",
         "growths",
     ];
-    let rows: Vec<[String; 10]> = stats
+    let rows: Vec<[String; COLUMNS]> = stats
         .iter()
         .map(|s| {
             [
@@ -266,6 +267,7 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
                 human(s.peak_bytes),
                 human(usize::try_from(s.bytes_spilled).unwrap_or(usize::MAX)),
                 s.external_allocations.to_string(),
+                s.pinned_allocations.to_string(),
                 s.cycles.to_string(),
                 s.generation.to_string(),
                 s.growth_events.to_string(),

@@ -4,7 +4,7 @@
 //! of the heap, when scoped out). Allocation takes `&self` and returns ndarray views
 //! that borrow the scope, so the compiler rejects any use after the scope closes:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0505
 //! use workspace_core::{Workspace, WorkspaceConfig};
 //! let ws = Workspace::new("W", WorkspaceConfig::default()).unwrap();
 //! let scope = ws.enter().unwrap();
@@ -469,16 +469,26 @@ pub(crate) fn extent<T, S: ndarray::RawData<Elem = T>, D: Dimension>(array: &Arr
 /// # Ok::<(), workspace_core::Error>(())
 /// ```
 pub fn freeze<'a, T, D: Dimension>(view: ArrayViewMut<'a, T, D>) -> ndarray::ArrayView<'a, T, D> {
-    let dim = view.raw_dim();
-    let strides = view.strides().iter().map(|&s| s as usize);
-    let mut stride_dim = D::zeros(dim.ndim());
-    for (slot, s) in stride_dim.slice_mut().iter_mut().zip(strides) {
-        *slot = s;
-    }
-    let ptr = view.as_ptr();
     // SAFETY: `view` is consumed, so its exclusive borrow of the elements for 'a
-    // becomes this shared borrow for the same 'a; shape, strides (negative strides
-    // round-trip through `usize` as ndarray's `ShapeBuilder` expects) and pointer
-    // describe exactly the elements the view covered.
-    unsafe { ndarray::ArrayView::from_shape_ptr(dim.strides(stride_dim), ptr) }
+    // becomes this shared borrow for the same 'a. The raw view keeps the pointer,
+    // shape and strides (negative ones included) exactly, and every element it covers
+    // is initialised and aligned, as the mutable view guaranteed.
+    unsafe { view.raw_view().deref_into_view() }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::s;
+
+    #[test]
+    fn freeze_keeps_negative_and_transposed_strides() {
+        let scope = Scope::heap();
+        let mut a = scope.from_shape_fn::<f32, _, _>((3, 4), |(i, j)| (10 * i + j) as f32).unwrap();
+        let expected = a.slice(s![..;-1, ..]).t().to_owned();
+        let frozen = freeze(a.view_mut().slice_move(s![..;-1, ..]).reversed_axes());
+        assert_eq!(frozen.strides(), &[1, -4]);
+        assert_eq!(frozen, expected);
+        assert_eq!(frozen[[0, 0]], 20.0);
+        assert_eq!(frozen[[3, 2]], 3.0);
+    }
 }

@@ -83,7 +83,7 @@ impl DebugMode {
 ///
 /// The arena is `!Sync`:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// fn needs_sync<T: Sync>() {}
 /// needs_sync::<workspace_core::Workspace>();
 /// ```

@@ -59,6 +59,15 @@ fn a_reused_name_with_another_config_is_an_error() {
     let other = WorkspaceConfig::builder().initial_size(1 << 20).build().unwrap();
     let err = LayerWorkspaceMgr::builder().default_workspace("ACT", other).build().unwrap_err();
     assert!(matches!(err, Error::ConfigMismatch { ref workspace, .. } if workspace == "ACT"), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "workspace 'ACT' already exists with a different configuration: existing {}, requested {}; use one \
+             configuration per id, or destroy the workspace first",
+            WorkspaceConfig::default(),
+            WorkspaceConfig::builder().initial_size(1 << 20).build().unwrap()
+        )
+    );
     // The same names and configurations are shared, not duplicated.
     let again = mgr();
     assert!(std::rc::Rc::ptr_eq(
@@ -143,7 +152,11 @@ fn borrow_open_of_a_closed_workspace_is_an_error() {
     let m = mgr();
     let err = m.borrow_open(ArrayType::Activations).unwrap_err();
     assert!(matches!(err, Error::NotOpen { .. }), "{err:?}");
-    assert!(err.to_string().contains("'ACT'"), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "workspace 'ACT' is not open: borrowing it as an allocation target needs an open cycle; enter it with \
+         `enter()` first (leveraging to a closed workspace is an error, never a silent no-op)"
+    );
     let outer = m.enter(ArrayType::Activations).unwrap();
     let borrowed = m.borrow_open(ArrayType::Activations).unwrap();
     let a = borrowed.create::<u8, _>(16).unwrap();
@@ -177,8 +190,13 @@ fn leverage_to_a_type_needs_an_open_workspace() {
     let source = Array2::<f32>::from_elem((2, 2), 5.0);
     let err = m.leverage_to(ArrayType::Activations, &source).unwrap_err();
     assert!(matches!(err, Error::NotOpen { .. }), "closed target must be an error: {err:?}");
+    assert!(err.to_string().starts_with("workspace 'ACT' is not open: "), "{err}");
     let err = m.leverage_to(ArrayType::FfCache, &source).unwrap_err();
-    assert!(err.to_string().contains("cannot leverage to FfCache: it is scoped out"), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "invalid workspace configuration: cannot leverage to FfCache: it is scoped out to the heap; use `detach()` \
+         for an owned array"
+    );
     let act = m.enter(ArrayType::Activations).unwrap();
     let handle = m.leverage_to(ArrayType::Activations, &source).unwrap();
     assert_eq!(handle.view(&act).unwrap(), source);
@@ -244,5 +262,49 @@ fn workspace_mode_parses_and_prints() {
     assert_eq!(WorkspaceMode::None.to_string(), "none");
     let err = "on".parse::<WorkspaceMode>().unwrap_err();
     assert!(err.to_string().contains("unknown workspace mode 'on': use 'enabled' or 'none'"), "{err}");
-    assert_eq!(ArrayType::ALL.len(), 9);
+}
+
+#[test]
+fn array_types_are_the_nine_roles_of_dl4j_each_once() {
+    let names: Vec<String> = ArrayType::ALL.iter().map(|t| format!("{t:?}")).collect();
+    assert_eq!(
+        names,
+        [
+            "Input",
+            "Activations",
+            "ActivationGrad",
+            "FfWorkingMem",
+            "BpWorkingMem",
+            "RnnFfLoopWorkingMem",
+            "RnnBpLoopWorkingMem",
+            "UpdaterWorkingMem",
+            "FfCache"
+        ]
+    );
+    // Each role maps to its own workspace when asked to: no two share a slot.
+    let mut builder = LayerWorkspaceMgr::builder();
+    for (i, ty) in ArrayType::ALL.into_iter().enumerate() {
+        builder = builder.with(ty, &format!("ROLE_{i}"), WorkspaceConfig::default());
+    }
+    let m = builder.build().unwrap();
+    for (i, ty) in ArrayType::ALL.into_iter().enumerate() {
+        assert_eq!(&**m.workspace(ty).unwrap().name(), format!("ROLE_{i}"), "{ty:?}");
+    }
+    WorkspaceManager::current().destroy_all().unwrap();
+}
+
+#[test]
+fn create_uninit_gives_writable_memory_in_the_types_workspace() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let mut raw = act.create_uninit::<f32, _>((3, 5)).unwrap();
+    raw.fill(std::mem::MaybeUninit::new(2.5));
+    // SAFETY: every element was written just above.
+    let ready = unsafe { raw.assume_init() };
+    assert_eq!(ready.sum(), 15.0 * 2.5);
+    m.validate(ArrayType::Activations, "uninit", &ready).unwrap();
+    let err = m.validate(ArrayType::FfWorkingMem, "uninit", &ready).unwrap_err();
+    assert!(matches!(err, Error::WrongLocation { .. }), "{err:?}");
+    drop(act);
+    WorkspaceManager::current().destroy_all().unwrap();
 }

@@ -489,6 +489,20 @@ fn manager_registry() {
     m.get_or_create("M2", &config).unwrap();
     let table = m.stats_table();
     assert!(table.contains("M1") && table.contains("M2") && table.contains("capacity"), "{table}");
+    // Every value sits under its own header: cells are right-aligned, so a column's
+    // value ends where its header ends.
+    let lines: Vec<&str> = table.lines().collect();
+    let row = lines.iter().find(|l| l.starts_with("M1")).expect("a row for M1");
+    let cell = |name: &str| {
+        let end = lines[0].find(name).expect("a header") + name.len();
+        row[..end].rsplit(' ').next().expect("a cell").to_string()
+    };
+    let stats = m.get("M1").unwrap().stats();
+    assert_eq!(cell("cycles"), stats.cycles.to_string(), "{table}");
+    assert_eq!(cell("gen"), stats.generation.to_string(), "{table}");
+    assert_eq!(cell("growths"), stats.growth_events.to_string(), "{table}");
+    assert_eq!(cell("spills"), stats.external_allocations.to_string(), "{table}");
+    assert_eq!(cell("pinned"), "0", "{table}");
     let json: serde_json::Value = serde_json::from_str(&m.stats_json()).unwrap();
     assert_eq!(json[0]["name"], "M1");
     assert_eq!(json[0]["cycles"], 1);

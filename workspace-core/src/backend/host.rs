@@ -2,8 +2,9 @@
 //! mapping advised to use transparent huge pages) and memory maps on memmap2
 //! (file-backed or anonymous).
 //!
-//! This module and `scope`, `handle` and `alloc_api` are the only places with
-//! `unsafe` code in this crate.
+//! `unsafe` code in this crate lives here and in `engine` (the `Send` argument, the
+//! contract of `exit`), `workspace` and `scope` (building scopes), `handle` and
+//! `alloc_api`; every other module denies it.
 
 use std::alloc::Layout;
 use std::fs::OpenOptions;
