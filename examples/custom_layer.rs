@@ -11,8 +11,10 @@
 //!
 //! ```text
 //! let mask = ctx.working.create::<f32, _>(input.raw_dim())?;
-//! Ok(freeze(mask))   // error[E0597]: `*ctx.working` does not live long enough
+//! Ok(freeze(mask))   // error: lifetime may not live long enough
 //! ```
+//!
+//! (The `compile_fail` doctests on `carve::nn::Layer` hold the compiler to this.)
 //!
 //! What the compiler cannot see, the manager checks: a lazy `Dropout` returns its input
 //! unchanged at inference time. Placed first in a network, its input is the caller's

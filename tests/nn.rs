@@ -326,3 +326,322 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
     let mut net = Network::new(config).unwrap();
     assert_eq!(net.output(x.view()).unwrap().shape(), &[6, 3]);
 }
+
+#[test]
+fn dense_gradients_match_finite_differences_beyond_a_micro_tile() {
+    // 17 × 40 → 33 reaches a full micro-tile of every blocked kernel (8×32, 16×16,
+    // 6×16) in all three products (forward; dW = xᵀ·dy; dx = dy·Wᵀ), with ragged edges.
+    let mut dense = Dense::new(40, 33);
+    dense.init(&mut Rng::new(21));
+    check_layer(&mut dense, 17, 40, 33, 23);
+}
+
+/// `classes` blobs in `dims` dimensions.
+fn wide_blobs(n: usize, dims: usize, classes: usize, seed: u64) -> (Array2<f32>, Array1<u32>) {
+    let mut rng = Rng::new(seed);
+    let centres = random(classes, dims, &mut rng) * 2.0;
+    let labels: Array1<u32> = (0..n).map(|i| (i % classes) as u32).collect();
+    let x = Array2::from_shape_fn((n, dims), |(i, j)| centres[[labels[i] as usize, j]] + rng.uniform(-1.0, 1.0));
+    (x, labels)
+}
+
+/// Trains a 40-48-33-5 network in batches of 17 (the last one ragged); returns every
+/// loss's bits and the final predictions.
+fn train_wide(mode: WorkspaceMode) -> (Vec<u32>, Vec<u32>) {
+    let (x, y) = wide_blobs(100, 40, 5, 6);
+    let config = NetworkConfig::builder(40)
+        .dense(48)
+        .relu()
+        .dense(33)
+        .relu()
+        .dense(5)
+        .seed(17)
+        .updater(Updater::adam(3e-3))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    let mut net = Network::new(config).unwrap();
+    let mut trace = Vec::new();
+    for _ in 0..6 {
+        for start in (0..100).step_by(17) {
+            let end = (start + 17).min(100);
+            let loss = net.fit_batch(x.slice(ndarray::s![start..end, ..]), y.slice(ndarray::s![start..end])).unwrap();
+            trace.push(loss.to_bits());
+        }
+    }
+    let mut predictions = vec![0u32; 100];
+    net.predict_into(x.view(), &mut predictions).unwrap();
+    (trace, predictions)
+}
+
+#[test]
+fn workspaces_do_not_change_the_numbers_at_blocked_kernel_shapes() {
+    let (trace_on, pred_on) = train_wide(WorkspaceMode::Enabled);
+    let (trace_off, pred_off) = train_wide(WorkspaceMode::None);
+    assert_eq!(trace_on.len(), 36);
+    assert_eq!(trace_on, trace_off, "loss traces differ");
+    assert_eq!(pred_on, pred_off, "predictions differ");
+    let (first, last) = (f32::from_bits(trace_on[0]), f32::from_bits(*trace_on.last().unwrap()));
+    assert!(last < first * 0.5, "the network did not learn: loss {first} -> {last}");
+}
+
+#[test]
+fn relus_are_numbered_like_the_dense_layers() {
+    let net = network(WorkspaceMode::None, Updater::adam(1e-2), 1);
+    let names: Vec<&str> = net.layers().iter().map(|l| l.name()).collect();
+    assert_eq!(names, ["dense_0", "relu_1", "dense_2", "relu_3", "dense_4"]);
+    assert_eq!(Relu::new().name(), "relu");
+}
+
+#[test]
+fn relu_rejects_an_input_gradient_of_another_shape() {
+    let mut relu = Relu::named("relu_7");
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
+    let ctx = BackwardCtx { working: &bp, mgr: &mgr };
+    let (x, y, dy) = (Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)));
+    let mut dx = Array2::<f32>::zeros((3, 5));
+    let err = relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap_err();
+    assert_eq!(err.to_string(), "layer 'relu_7' input gradient: expected shape [3, 4], got [3, 5]");
+    let mut dx = Array2::<f32>::zeros((3, 4));
+    relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap();
+    assert_eq!(dx, dy);
+}
+
+#[test]
+fn layer_sizes_that_cannot_be_built_are_configuration_errors() {
+    let err = NetworkConfig::builder(8).dense(usize::MAX).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    assert!(err.to_string().contains("dense layer 'dense_0' of 8 × 18446744073709551615 weights overflows"), "{err}");
+    // Fits in usize, but not in the address space as bytes.
+    let err = NetworkConfig::builder(1).dense(usize::MAX / 4).dense(3).build().unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    assert!(matches!(Dense::try_new(3, usize::MAX), Err(Error::InvalidConfig { .. })));
+    assert!(Dense::try_new(3, 4).is_ok());
+
+    // A zero-width hidden layer is caught by build(), not by the first fit.
+    let err = NetworkConfig::builder(8).dense(0).relu().dense(3).build().unwrap_err();
+    let Error::InvalidConfig { reason } = err else { panic!("{err:?}") };
+    assert_eq!(
+        reason,
+        "layer 'dense_0' (layer 0 of the network) produces 0 columns; every layer needs at least one output column"
+    );
+    let err = NetworkConfig::builder(8).dense(4).relu().dense(0).relu().dense(3).build().unwrap_err();
+    assert!(err.to_string().contains("layer 'dense_2' (layer 2 of the network) produces 0 columns"), "{err}");
+}
+
+/// Where [`Misplacing`] puts its output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Output {
+    /// In the activations workspace, as it must.
+    Activations,
+    /// Its own input, unchanged.
+    Input,
+    /// A heap array (leaked, so that it outlives the call).
+    Heap,
+}
+
+/// A user layer (the identity) whose output placement the test switches.
+struct Misplacing {
+    name: &'static str,
+    output: std::rc::Rc<std::cell::Cell<Output>>,
+}
+
+impl Layer for Misplacing {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &mut self,
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        match self.output.get() {
+            Output::Activations => Ok(freeze(ctx.activations.dup(&input)?)),
+            Output::Input => Ok(input),
+            Output::Heap => Ok(Box::leak(Box::new(input.to_owned())).view()),
+        }
+    }
+    fn backward(
+        &mut self,
+        _input: ArrayView2<'_, f32>,
+        _output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut g) = grad_input {
+            g.assign(&grad_output);
+        }
+        Ok(())
+    }
+}
+
+/// 8 → `first` → dense(6) → relu → `second` → dense(3).
+fn misplacing_network(first: &Misplacing, second: &Misplacing) -> Network {
+    let layer = |m: &Misplacing| Misplacing { name: m.name, output: m.output.clone() };
+    let config = NetworkConfig::builder(8)
+        .layer(layer(first))
+        .dense(6)
+        .relu()
+        .layer(layer(second))
+        .dense(3)
+        .seed(4)
+        .updater(Updater::adam(1e-2))
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+#[test]
+fn a_layer_misplacing_its_output_in_training_fails_and_the_network_stays_usable() {
+    let place = |name| Misplacing { name, output: std::rc::Rc::new(std::cell::Cell::new(Output::Activations)) };
+    let (first, second) = (place("first_identity"), place("second_identity"));
+    let mut net = misplacing_network(&first, &second);
+    // A twin that never fails: the reference for "usable afterwards".
+    let mut twin = misplacing_network(&place("first_identity"), &place("second_identity"));
+    let (x, y) = blobs(12, 3, 8);
+    assert_eq!(net.fit_batch(x.view(), y.view()).unwrap(), twin.fit_batch(x.view(), y.view()).unwrap());
+
+    for (layer, output) in [(&first, Output::Input), (&second, Output::Heap), (&first, Output::Heap)] {
+        let before = net.output(x.view()).unwrap();
+        layer.output.set(output);
+        let err = net.fit_batch(x.view(), y.view()).unwrap_err();
+        match &err {
+            Error::WrongLocation { layer: named, array_type, expected, .. } => {
+                assert_eq!(named, layer.name, "{output:?}");
+                assert_eq!(*array_type, ArrayType::Activations);
+                assert!(expected.contains("WS_ALL_LAYERS_ACT"), "{expected}");
+            }
+            other => panic!("{output:?}: expected WrongLocation, got {other:?}"),
+        }
+        assert!(err.to_string().starts_with(&format!("layer '{}' produced Activations in ", layer.name)), "{err}");
+        layer.output.set(Output::Activations);
+        // Nothing was updated, no iteration counted, and training goes on as if the
+        // failed call had not happened.
+        assert_eq!(net.iterations(), 1);
+        assert_eq!(net.output(x.view()).unwrap(), before);
+    }
+    for _ in 0..3 {
+        assert_eq!(net.fit_batch(x.view(), y.view()).unwrap(), twin.fit_batch(x.view(), y.view()).unwrap());
+    }
+    assert_eq!(net.output(x.view()).unwrap(), twin.output(x.view()).unwrap());
+    assert_eq!(net.iterations(), 4);
+}
+
+/// How [`Shifting`] misreports its parameters to the updater.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ParamFault {
+    None,
+    /// One parameter more than when the network was built.
+    Extra,
+    /// No parameter at all.
+    Missing,
+    /// Its bias, one value longer.
+    Resized,
+    /// A gradient one value shorter than the bias.
+    ShortGradient,
+}
+
+/// A user layer adding a bias per column, whose `params()` the test can break.
+struct Shifting {
+    bias: Vec<f32>,
+    grad: Vec<f32>,
+    longer: Vec<f32>,
+    fault: std::rc::Rc<std::cell::Cell<ParamFault>>,
+}
+
+impl Layer for Shifting {
+    fn name(&self) -> &str {
+        "shift"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &mut self,
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let bias = &self.bias;
+        Ok(freeze(ctx.activations.from_shape_fn(input.raw_dim(), |(i, j)| input[[i, j]] + bias[j])?))
+    }
+    fn backward(
+        &mut self,
+        _input: ArrayView2<'_, f32>,
+        _output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        self.grad.fill(0.0);
+        for row in grad_output.rows() {
+            self.grad.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
+        }
+        if let Some(mut g) = grad_input {
+            g.assign(&grad_output);
+        }
+        Ok(())
+    }
+    fn params(&mut self, f: &mut dyn FnMut(carve::nn::Param<'_>)) {
+        let n = self.grad.len();
+        match self.fault.get() {
+            ParamFault::None => f(carve::nn::Param { value: &mut self.bias, grad: &self.grad }),
+            ParamFault::Extra => {
+                f(carve::nn::Param { value: &mut self.bias, grad: &self.grad });
+                f(carve::nn::Param { value: &mut self.longer[..n], grad: &self.grad });
+            }
+            ParamFault::Missing => {}
+            ParamFault::Resized => f(carve::nn::Param { value: &mut self.longer, grad: &self.grad }),
+            ParamFault::ShortGradient => f(carve::nn::Param { value: &mut self.bias, grad: &self.grad[..n - 1] }),
+        }
+    }
+    fn param_count(&self) -> usize {
+        self.bias.len()
+    }
+}
+
+#[test]
+fn a_layer_whose_parameters_change_is_a_typed_error_and_nothing_is_updated() {
+    let fault = std::rc::Rc::new(std::cell::Cell::new(ParamFault::None));
+    for updater in [Updater::adam(1e-2), Updater::sgd(0.1, 0.9)] {
+        let shift = Shifting { bias: vec![0.0; 6], grad: vec![0.0; 6], longer: vec![0.0; 7], fault: fault.clone() };
+        let config = NetworkConfig::builder(8).dense(6).layer(shift).relu().dense(3).updater(updater).build().unwrap();
+        let mut net = Network::new(config).unwrap();
+        let (x, y) = blobs(10, 3, 9);
+        net.fit_batch(x.view(), y.view()).unwrap();
+        let cases = [
+            (ParamFault::Extra, "layer 'shift' gave the updater 2 parameter(s), but 1 when the network was built"),
+            (ParamFault::Missing, "layer 'shift' gave the updater 0 parameter(s), but 1 when the network was built"),
+            (
+                ParamFault::Resized,
+                "layer 'shift' parameter 0 (its size is fixed when the network is built, as the updater's state \
+                 is): expected shape [6], got [7]",
+            ),
+            (
+                ParamFault::ShortGradient,
+                "layer 'shift' gradient of parameter 0 (one per value): expected shape [6], got [5]",
+            ),
+        ];
+        for (case, message) in cases {
+            fault.set(case);
+            let before = net.output(x.view()).unwrap();
+            let err = net.fit_batch(x.view(), y.view()).unwrap_err();
+            assert!(err.to_string().starts_with(message), "{updater:?} {case:?}: {err}");
+            match case {
+                ParamFault::Extra | ParamFault::Missing => assert!(matches!(err, Error::InvalidInput(_)), "{err:?}"),
+                _ => assert!(matches!(err, Error::ShapeMismatch { .. }), "{err:?}"),
+            }
+            fault.set(ParamFault::None);
+            // The step was refused before any parameter (the dense layers' too) moved.
+            assert_eq!(net.output(x.view()).unwrap(), before, "{updater:?} {case:?}");
+        }
+        let before = net.output(x.view()).unwrap();
+        assert!(net.fit_batch(x.view(), y.view()).unwrap().is_finite());
+        assert_ne!(net.output(x.view()).unwrap(), before, "{updater:?}: a good step changes the parameters");
+    }
+}

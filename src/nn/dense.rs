@@ -23,19 +23,78 @@ pub struct Dense {
 
 impl Dense {
     /// A layer from `inputs` to `outputs` columns (weights zero until initialised).
+    ///
+    /// # Panics
+    ///
+    /// When the weights cannot be allocated (see [`Dense::try_new`], which returns an
+    /// error instead).
     pub fn new(inputs: usize, outputs: usize) -> Dense {
         Dense::named("dense", inputs, outputs)
     }
 
     /// As [`Dense::new`], with a name for messages.
+    ///
+    /// # Panics
+    ///
+    /// As [`Dense::new`]; [`Dense::try_named`] returns an error instead.
     pub fn named(name: &str, inputs: usize, outputs: usize) -> Dense {
-        Dense {
+        Dense::try_named(name, inputs, outputs).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`Dense::new`], with an error instead of a panic for sizes that cannot be
+    /// allocated.
+    ///
+    /// ```
+    /// use carve::nn::Dense;
+    ///
+    /// assert!(Dense::try_new(64, 128).is_ok());
+    /// assert!(matches!(Dense::try_new(64, usize::MAX), Err(carve::Error::InvalidConfig { .. })));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `inputs × outputs` weights overflow the address
+    /// space or cannot be allocated.
+    pub fn try_new(inputs: usize, outputs: usize) -> Result<Dense> {
+        Dense::try_named("dense", inputs, outputs)
+    }
+
+    /// As [`Dense::try_new`], with a name for messages.
+    ///
+    /// # Errors
+    ///
+    /// As [`Dense::try_new`].
+    pub fn try_named(name: &str, inputs: usize, outputs: usize) -> Result<Dense> {
+        let weights = inputs
+            .checked_mul(outputs)
+            .filter(|&n| n.checked_mul(size_of::<f32>()).is_some_and(|bytes| bytes <= isize::MAX as usize));
+        let Some(weights) = weights else {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "dense layer '{name}' of {inputs} × {outputs} weights overflows the address space; \
+                     check the layer widths"
+                ),
+            });
+        };
+        let zeros = |len: usize| -> Result<Vec<f32>> {
+            let mut values = Vec::new();
+            values.try_reserve_exact(len).map_err(|e| Error::InvalidConfig {
+                reason: format!(
+                    "dense layer '{name}' of {inputs} × {outputs} weights cannot be allocated ({e}); \
+                     check the layer widths"
+                ),
+            })?;
+            values.resize(len, 0.0);
+            Ok(values)
+        };
+        let matrix = |values| Array2::from_shape_vec((inputs, outputs), values).expect("inputs × outputs values");
+        Ok(Dense {
             name: name.to_string(),
-            weights: Array2::zeros((inputs, outputs)),
-            bias: Array1::zeros(outputs),
-            grad_weights: Array2::zeros((inputs, outputs)),
-            grad_bias: Array1::zeros(outputs),
-        }
+            weights: matrix(zeros(weights)?),
+            bias: Array1::from(zeros(outputs)?),
+            grad_weights: matrix(zeros(weights)?),
+            grad_bias: Array1::from(zeros(outputs)?),
+        })
     }
 
     /// The weights, `inputs × outputs`.

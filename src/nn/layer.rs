@@ -45,6 +45,145 @@ pub struct Param<'p> {
 ///
 /// Parameters and their gradients belong to the layer (outside any workspace);
 /// everything else a layer needs it takes from the workspaces in its context.
+///
+/// # Where a layer's output may live
+///
+/// The output of [`Layer::forward`] must outlive the call (the backward pass reads it),
+/// so it is allocated from [`ForwardCtx::activations`]. This layer doubles its input
+/// into the activations workspace:
+///
+/// ```
+/// use carve::freeze;
+/// use carve::nn::{BackwardCtx, ForwardCtx, Layer};
+/// use ndarray::{ArrayView2, ArrayViewMut2};
+///
+/// struct Double;
+///
+/// impl Layer for Double {
+///     fn name(&self) -> &str {
+///         "double"
+///     }
+///     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+///         Ok(inputs)
+///     }
+///     fn forward<'a>(
+///         &mut self,
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, '_>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.activations.create::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+///     fn backward(
+///         &mut self,
+///         _input: ArrayView2<'_, f32>,
+///         _output: ArrayView2<'_, f32>,
+///         grad_output: ArrayView2<'_, f32>,
+///         grad_input: Option<ArrayViewMut2<'_, f32>>,
+///         _ctx: &BackwardCtx<'_>,
+///     ) -> carve::Result<()> {
+///         if let Some(mut grad_input) = grad_input {
+///             grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// let config = carve::nn::NetworkConfig::builder(4).layer(Double).dense(2).build()?;
+/// let mut net = carve::nn::Network::new(config)?;
+/// let x = ndarray::Array2::<f32>::ones((3, 4));
+/// assert!(net.fit_batch(x.view(), ndarray::arr1(&[0, 1, 0]).view())?.is_finite());
+/// # Ok::<(), carve::Error>(())
+/// ```
+///
+/// Working memory ([`ForwardCtx::working`]) is reset as soon as the layer returns, so
+/// the same layer returning an array of working memory as its output does not compile
+/// (the working scope lives for the context's second lifetime, not for the
+/// activations' `'a`). The block differs from the one above in one word; rustc reports
+/// the error ("lifetime may not live long enough") without an error code, so none is
+/// pinned here.
+///
+/// ```compile_fail
+/// # use carve::freeze;
+/// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
+/// # use ndarray::{ArrayView2, ArrayViewMut2};
+/// # struct Double;
+/// impl Layer for Double {
+/// #   fn name(&self) -> &str {
+/// #       "double"
+/// #   }
+/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+/// #       Ok(inputs)
+/// #   }
+///     fn forward<'a>(
+///         &mut self,
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, '_>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.working.create::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+/// #   fn backward(
+/// #       &mut self,
+/// #       _input: ArrayView2<'_, f32>,
+/// #       _output: ArrayView2<'_, f32>,
+/// #       grad_output: ArrayView2<'_, f32>,
+/// #       grad_input: Option<ArrayViewMut2<'_, f32>>,
+/// #       _ctx: &BackwardCtx<'_>,
+/// #   ) -> carve::Result<()> {
+/// #       if let Some(mut grad_input) = grad_input {
+/// #           grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
+/// #       }
+/// #       Ok(())
+/// #   }
+/// }
+/// ```
+///
+/// Nor can a layer tie the two lifetimes together to make it compile: an `impl` whose
+/// `forward` takes `&ForwardCtx<'a, 'a>` does not match the trait.
+///
+/// ```compile_fail
+/// # use carve::freeze;
+/// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
+/// # use ndarray::{ArrayView2, ArrayViewMut2};
+/// # struct Double;
+/// impl Layer for Double {
+/// #   fn name(&self) -> &str {
+/// #       "double"
+/// #   }
+/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+/// #       Ok(inputs)
+/// #   }
+///     fn forward<'a>(
+///         &mut self,
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, 'a>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.working.create::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+/// #   fn backward(
+/// #       &mut self,
+/// #       _input: ArrayView2<'_, f32>,
+/// #       _output: ArrayView2<'_, f32>,
+/// #       grad_output: ArrayView2<'_, f32>,
+/// #       grad_input: Option<ArrayViewMut2<'_, f32>>,
+/// #       _ctx: &BackwardCtx<'_>,
+/// #   ) -> carve::Result<()> {
+/// #       if let Some(mut grad_input) = grad_input {
+/// #           grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
+/// #       }
+/// #       Ok(())
+/// #   }
+/// }
+/// ```
+///
+/// What the compiler cannot see (an output that has the right lifetime but lives
+/// elsewhere, such as the layer's own input) the network catches at run time with
+/// [`Error::WrongLocation`](crate::Error::WrongLocation), naming the layer.
 pub trait Layer {
     /// A short name for messages ("dense_0", "dropout").
     fn name(&self) -> &str;

@@ -106,9 +106,22 @@ impl NetworkConfig {
 
 impl NetworkConfigBuilder {
     /// Appends a layer (a user's custom layer, or one of [`Dense`], [`Relu`]).
+    ///
+    /// A layer that cannot take the current width, or that produces no columns, makes
+    /// [`NetworkConfigBuilder::build`] fail.
     pub fn layer(mut self, layer: impl Layer + 'static) -> Self {
         if self.error.is_none() {
             match layer.output_size(self.width) {
+                Ok(0) => {
+                    self.error = Some(Error::InvalidConfig {
+                        reason: format!(
+                            "layer '{}' (layer {} of the network) produces 0 columns; every layer needs at \
+                             least one output column",
+                            layer.name(),
+                            self.layers.len()
+                        ),
+                    })
+                }
                 Ok(width) => self.width = width,
                 Err(e) => self.error = Some(e),
             }
@@ -117,16 +130,24 @@ impl NetworkConfigBuilder {
         self
     }
 
-    /// Appends a [`Dense`] layer with `outputs` columns, taking the current width.
-    pub fn dense(self, outputs: usize) -> Self {
+    /// Appends a [`Dense`] layer with `outputs` columns, taking the current width. It
+    /// is named after its position: `dense_0` for the first layer, and so on.
+    pub fn dense(mut self, outputs: usize) -> Self {
         let name = format!("dense_{}", self.layers.len());
-        let inputs = self.width;
-        self.layer(Dense::named(&name, inputs, outputs))
+        match Dense::try_named(&name, self.width, outputs) {
+            Ok(dense) => self.layer(dense),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
     }
 
-    /// Appends a [`Relu`].
+    /// Appends a [`Relu`], named after its position like the dense layers (`relu_1`
+    /// after `dense_0`), so that a message names the one that failed.
     pub fn relu(self) -> Self {
-        self.layer(Relu::new())
+        let name = format!("relu_{}", self.layers.len());
+        self.layer(Relu::named(&name))
     }
 
     /// Seed of weight initialisation.
@@ -157,9 +178,10 @@ impl NetworkConfigBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for no inputs, no layers, fewer than two classes or a
-    /// bad learning rate; [`Error::ShapeMismatch`] when a layer cannot take the
-    /// previous layer's width.
+    /// [`Error::InvalidConfig`] for no inputs, no layers, a layer that produces no
+    /// columns, a dense layer too large to allocate, fewer than two classes or a bad
+    /// learning rate; [`Error::ShapeMismatch`] when a layer cannot take the previous
+    /// layer's width.
     pub fn build(self) -> Result<NetworkConfig> {
         if let Some(e) = self.error {
             return Err(e);

@@ -12,9 +12,17 @@ pub struct Relu {
 }
 
 impl Relu {
-    /// A ReLU layer.
+    /// A ReLU layer named "relu".
     pub fn new() -> Relu {
-        Relu { name: "relu".to_string() }
+        Relu::named("relu")
+    }
+
+    /// A ReLU layer with a name for messages ([`NetworkConfigBuilder::relu`]
+    /// numbers them: "relu_1", "relu_3", ...).
+    ///
+    /// [`NetworkConfigBuilder::relu`]: crate::nn::NetworkConfigBuilder::relu
+    pub fn named(name: &str) -> Relu {
+        Relu { name: name.to_string() }
     }
 }
 
@@ -55,6 +63,13 @@ impl Layer for Relu {
             });
         }
         if let Some(grad_input) = grad_input {
+            if grad_input.dim() != output.dim() {
+                return Err(Error::ShapeMismatch {
+                    context: format!("layer '{}' input gradient", self.name),
+                    expected: output.shape().to_vec(),
+                    actual: grad_input.shape().to_vec(),
+                });
+            }
             Zip::from(grad_input).and(&grad_output).and(&output).for_each(|gi, &g, &y| {
                 *gi = if y > 0.0 { g } else { 0.0 };
             });
