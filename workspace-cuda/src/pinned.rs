@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
 use workspace_core::{
-    AllocationPolicy, Engine, Entered, LearningPolicy, Location, ScopeKind, SpillPolicy, WorkspaceConfig,
+    AllocationPolicy, Engine, Entered, LearningPolicy, Location, Placement, ScopeKind, SpillPolicy, WorkspaceConfig,
     WorkspaceStats,
 };
 
@@ -259,6 +259,21 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     /// How this scope came to be.
     pub fn kind(&self) -> ScopeKind {
         self.kind
+    }
+
+    /// Where `array`'s memory lies relative to this workspace's arena (does not wait for
+    /// transfers: it looks at the address only).
+    pub fn placement<T, Dim: Dimension>(&self, array: &PinnedArray<'_, D, T, Dim>) -> Placement {
+        let address = array.ptr.as_ptr() as usize;
+        self.ws.engine.with_arena(|arena| {
+            let Some(arena) = arena else { return Placement::Elsewhere };
+            let base = workspace_core::Block::base(arena).as_ptr() as usize;
+            if address >= base && address - base < workspace_core::Block::len(arena) {
+                Placement::Arena(address - base)
+            } else {
+                Placement::Elsewhere
+            }
+        })
     }
 
     /// A zero-filled pinned array.

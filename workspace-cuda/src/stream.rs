@@ -247,6 +247,12 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     }
 }
 
+impl<D: Device> std::fmt::Debug for OnStream<'_, '_, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnStream").field("workspace", self.ws.name()).field("stream", &self.stream).finish()
+    }
+}
+
 impl<D: Device> Drop for OnStream<'_, '_, D> {
     fn drop(&mut self) {
         if !self.joined {

@@ -421,6 +421,28 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
     }
 }
 
+impl<D: Device, T, Dim: Dimension> std::fmt::Debug for DeviceView<'_, D, T, Dim> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceView")
+            .field("workspace", &self.owner.name())
+            .field("address", &format_args!("{:#x}", self.address))
+            .field("shape", &self.dim.slice())
+            .finish()
+    }
+}
+
+impl<D: Device, T, Dim: Dimension> std::fmt::Debug for DeviceViewMut<'_, D, T, Dim> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DeviceViewMut").field(&self.view).finish()
+    }
+}
+
+impl<D: Device, T, Dim: Dimension> std::fmt::Debug for DeviceUninit<'_, D, T, Dim> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DeviceUninit").field(&self.view.view).finish()
+    }
+}
+
 impl<'a, D: Device, T, Dim: Dimension> Deref for DeviceViewMut<'a, D, T, Dim> {
     type Target = DeviceView<'a, D, T, Dim>;
 

@@ -37,7 +37,7 @@ use std::alloc::{alloc, dealloc, Layout};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::Duration;
@@ -83,6 +83,8 @@ struct Shared {
     memory: Mutex<Memory>,
     /// Testing knob: stream-to-stream waits are skipped.
     ignore_waits: AtomicBool,
+    /// Testing knob: this many coming `record` calls fail.
+    failing_records: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -201,7 +203,7 @@ impl Memory {
     fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
         let found = self.regions.range(..=address).next_back();
         let Some((&start, data)) = found else {
-            return Err(format!("no allocation at {address:#x}"));
+            return Err(format!("no allocation at {address:#x}: use after free or out of bounds"));
         };
         let offset = usize::try_from(address - start).unwrap_or(usize::MAX);
         if offset.checked_add(len).is_none_or(|end| end > data.len()) {
@@ -406,6 +408,7 @@ impl SimDevice {
                 live_pinned: 0,
             }),
             ignore_waits: AtomicBool::new(false),
+            failing_records: AtomicUsize::new(0),
         });
         let default = Shared::spawn_stream(&shared)?;
         Ok(SimDevice { shared, default })
@@ -448,6 +451,12 @@ impl SimDevice {
         self.shared.ignore_waits.store(ignore, Ordering::Release);
         let _sched = lock(&self.shared.sched);
         self.shared.changed.notify_all();
+    }
+
+    /// Testing knob: the next `count` calls of [`Device::record`] fail (as a driver error
+    /// would), so that tests reach the paths that cope with a failed ordering.
+    pub fn fail_next_records(&self, count: usize) {
+        self.shared.failing_records.store(count, Ordering::Release);
     }
 
     /// Every fault so far (operations on memory that is not allocated), oldest first.
@@ -690,6 +699,14 @@ impl Device for SimDevice {
 
     fn record(&self, stream: &SimStream) -> Result<SimEvent, DeviceError> {
         self.check_stream(stream, "record")?;
+        let failing = &self.shared.failing_records;
+        if failing.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            return Err(DeviceError::Driver {
+                call: "record",
+                code: "SIMULATED_FAILURE".into(),
+                message: "failure injected by SimDevice::fail_next_records".into(),
+            });
+        }
         let event = SimEvent::default();
         stream.enqueue(Op::Record(event.clone()));
         Ok(event)
