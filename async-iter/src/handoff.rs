@@ -47,7 +47,7 @@ use crossbeam::utils::CachePadded;
 use crate::error::Error;
 use crate::layout::BatchLayout;
 use crate::ring::Region;
-use crate::stats::Counters;
+use crate::stats::{add_wait, Counters};
 use crate::sync::{lock, AtomicUsize, Backoff, Condvar, ConstPtr, MutPtr, Mutex, UnsafeCell};
 use crate::view::BatchRef;
 
@@ -140,7 +140,7 @@ impl Signal {
                 drop(self.cond.wait(guard));
             }
         };
-        Counters::add_wait(waited_ns, start.elapsed());
+        add_wait(waited_ns, start.elapsed());
         word
     }
 
@@ -220,7 +220,7 @@ impl Shared {
     pub(crate) fn wait_for_room(&self, index: usize) -> Option<usize> {
         let slots = self.slots();
         let ready = |word: usize| word & FLAG != 0 || ahead(index, count(word)) < slots;
-        let word = self.room.wait(ready, &self.counters.producer_wait_ns);
+        let word = self.room.wait(ready, &self.counters.producer.wait_ns);
         (word & FLAG == 0).then_some(count(word))
     }
 
@@ -242,7 +242,7 @@ impl Shared {
     /// Waits until batch `taken` is published or the producer finished before it.
     pub(crate) fn wait_for_batch(&self, taken: usize) -> Available {
         let ready = |word: usize| word & FLAG != 0 || ahead(count(word), taken) > 0;
-        let word = self.ready.wait(ready, &self.counters.consumer_wait_ns);
+        let word = self.ready.wait(ready, &self.counters.consumer.wait_ns);
         // A batch published before DONE is delivered before the outcome.
         if ahead(count(word), taken) > 0 {
             Available::Batch
@@ -310,7 +310,7 @@ impl SlotWriter<'_> {
         unsafe { *self.cell.deref() = Some(descriptor) };
         let SlotWriter { shared, cell } = self;
         drop(cell); // the claim ends before the batch is visible
-        shared.counters.produced.fetch_add(1, Ordering::Relaxed);
+        shared.counters.producer.produced.fetch_add(1, Ordering::Relaxed);
         shared.ready.advance(1);
     }
 }
@@ -372,6 +372,6 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         shared.request_stop();
         assert_eq!(waiter.join().unwrap(), None, "STOP ends the producer's wait");
-        assert!(shared.counters.producer_wait_ns.load(Ordering::Relaxed) > 0);
+        assert!(shared.counters.producer.wait_ns.load(Ordering::Relaxed) > 0);
     }
 }

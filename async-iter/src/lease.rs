@@ -100,7 +100,7 @@ impl Consumer {
         // run while the lease's borrow lasts, and the leaked reader is never used again.
         let reader = unsafe { self.shared.take(index) };
         self.taken += 1;
-        self.shared.counters.consumed.fetch_add(1, Ordering::Relaxed);
+        self.shared.counters.consumer.consumed.fetch_add(1, Ordering::Relaxed);
         Lease { consumer: self, reader: Some(reader) }
     }
 

@@ -70,7 +70,7 @@ where
             return Step::Stopped;
         };
         self.ring.free_released(released);
-        let region = match self.ring.reserve(epoch, index, bytes, &shared.counters) {
+        let region = match self.ring.reserve(epoch, index, bytes, &shared.counters.producer) {
             Ok(region) => region,
             Err(err) => return finish(shared, Some(err)),
         };

@@ -30,7 +30,7 @@ use workspace_core::{ArenaBackend, Block, WorkspaceMode};
 
 use crate::error::Error;
 use crate::layout::{align_up, ARRAY_ALIGN};
-use crate::stats::Counters;
+use crate::stats::ProducerCounters;
 use crate::sync::UnsafeCell;
 
 /// Where one batch lives.
@@ -72,6 +72,8 @@ pub(crate) struct Ring<B: ArenaBackend> {
     current: Option<Box<Buffer<B::Block>>>,
     /// In order of `free_after`.
     retired: VecDeque<Retired<B::Block>>,
+    /// Whether the first batch was seen (it sizes the ring).
+    sized: bool,
 }
 
 impl<B> Ring<B>
@@ -81,7 +83,7 @@ where
 {
     pub(crate) fn new(backend: B, mode: WorkspaceMode, slots: usize, headroom: f64, max_bytes: Option<usize>) -> Self {
         debug_assert!(slots >= 2 && headroom.is_finite() && headroom >= 0.0);
-        Ring { backend, mode, slots, headroom, max_bytes, current: None, retired: VecDeque::new() }
+        Ring { backend, mode, slots, headroom, max_bytes, current: None, retired: VecDeque::new(), sized: false }
     }
 
     /// The region for batch `index` of `epoch`, of `bytes` (> 0, a multiple of
@@ -97,10 +99,11 @@ where
         epoch: u64,
         index: usize,
         bytes: usize,
-        stats: &Counters,
+        stats: &ProducerCounters,
     ) -> Result<Region, Error> {
         debug_assert!(bytes > 0 && bytes.is_multiple_of(ARRAY_ALIGN));
-        if stats.first_batch_bytes.load(Ordering::Relaxed) == 0 {
+        if !self.sized {
+            self.sized = true;
             stats.first_batch_bytes.store(bytes, Ordering::Relaxed);
         }
         if self.mode == WorkspaceMode::None {
@@ -134,7 +137,7 @@ where
     /// Installs a block whose slots hold `bytes`, retiring the current one.
     #[cold]
     #[inline(never)]
-    fn grow(&mut self, epoch: u64, index: usize, bytes: usize, stats: &Counters) -> Result<(), Error> {
+    fn grow(&mut self, epoch: u64, index: usize, bytes: usize, stats: &ProducerCounters) -> Result<(), Error> {
         let too_large = |ring_bytes| Error::BatchTooLarge {
             epoch,
             batch: index,
@@ -234,7 +237,7 @@ mod tests {
 
     #[test]
     fn first_batch_sizes_the_ring_and_slots_cycle() {
-        let stats = Counters::default();
+        let stats = ProducerCounters::default();
         let mut ring = ring(WorkspaceMode::Enabled, 0.5, None);
         let bases: Vec<_> = (0..4).map(|i| ring.reserve(0, i, 128, &stats).unwrap().base).collect();
         assert_eq!(stats.slot_bytes.load(Ordering::Relaxed), 192);
@@ -258,7 +261,7 @@ mod tests {
 
     #[test]
     fn regions_are_zeroed() {
-        let stats = Counters::default();
+        let stats = ProducerCounters::default();
         let mut ring = ring(WorkspaceMode::Enabled, 0.0, None);
         let region = ring.reserve(0, 0, 64, &stats).unwrap();
         // SAFETY: the region is 64 writable bytes owned by this test.
@@ -273,7 +276,7 @@ mod tests {
 
     #[test]
     fn heap_mode_allocates_every_batch_and_frees_released_ones() {
-        let stats = Counters::default();
+        let stats = ProducerCounters::default();
         let mut ring = ring(WorkspaceMode::None, 0.0, None);
         let a = ring.reserve(0, 0, 64, &stats).unwrap();
         let b = ring.reserve(0, 1, 64, &stats).unwrap();
@@ -288,7 +291,7 @@ mod tests {
 
     #[test]
     fn the_budget_trims_headroom_and_refuses_what_cannot_fit() {
-        let stats = Counters::default();
+        let stats = ProducerCounters::default();
         let mut ring = ring(WorkspaceMode::Enabled, 1.0, Some(3 * 256));
         ring.reserve(0, 0, 192, &stats).unwrap();
         assert_eq!(stats.slot_bytes.load(Ordering::Relaxed), 256, "headroom trimmed to the budget");

@@ -9,25 +9,38 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crossbeam::utils::CachePadded;
 use serde::Serialize;
 
-/// The live counters, shared by the producer and the consumer.
+/// The live counters, one cache line per writer so that neither side's counting
+/// disturbs the other's cache.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    pub(crate) producer: CachePadded<ProducerCounters>,
+    pub(crate) consumer: CachePadded<ConsumerCounters>,
+}
+
+/// Written by the producer (and its ring).
+#[derive(Debug, Default)]
+pub(crate) struct ProducerCounters {
     pub(crate) ring_bytes: AtomicUsize,
     pub(crate) slot_bytes: AtomicUsize,
     pub(crate) first_batch_bytes: AtomicUsize,
     pub(crate) ring_growths: AtomicU64,
     pub(crate) produced: AtomicU64,
-    pub(crate) consumed: AtomicU64,
-    pub(crate) producer_wait_ns: AtomicU64,
-    pub(crate) consumer_wait_ns: AtomicU64,
+    pub(crate) wait_ns: AtomicU64,
 }
 
-impl Counters {
-    pub(crate) fn add_wait(counter: &AtomicU64, waited: Duration) {
-        counter.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-    }
+/// Written by the consumer.
+#[derive(Debug, Default)]
+pub(crate) struct ConsumerCounters {
+    pub(crate) consumed: AtomicU64,
+    pub(crate) wait_ns: AtomicU64,
+}
+
+/// Adds `waited` to a nanosecond counter.
+pub(crate) fn add_wait(counter: &AtomicU64, waited: Duration) {
+    counter.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
 }
 
 /// A snapshot of a prefetcher's statistics; printable as a table and serialisable.
@@ -94,20 +107,21 @@ impl PrefetchStats {
     ) -> PrefetchStats {
         let load64 = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let load = |c: &AtomicUsize| c.load(Ordering::Relaxed);
+        let (producer, consumer) = (&counters.producer, &counters.consumer);
         PrefetchStats {
             threading,
             workspace_mode,
             depth,
             slots: depth + 1,
-            ring_bytes: load(&counters.ring_bytes),
-            slot_bytes: load(&counters.slot_bytes),
-            first_batch_bytes: load(&counters.first_batch_bytes),
-            ring_growths: load64(&counters.ring_growths),
+            ring_bytes: load(&producer.ring_bytes),
+            slot_bytes: load(&producer.slot_bytes),
+            first_batch_bytes: load(&producer.first_batch_bytes),
+            ring_growths: load64(&producer.ring_growths),
             epoch,
-            batches_produced: load64(&counters.produced),
-            batches_consumed: load64(&counters.consumed),
-            consumer_wait_ns: load64(&counters.consumer_wait_ns),
-            producer_wait_ns: load64(&counters.producer_wait_ns),
+            batches_produced: load64(&producer.produced),
+            batches_consumed: load64(&consumer.consumed),
+            consumer_wait_ns: load64(&consumer.wait_ns),
+            producer_wait_ns: load64(&producer.wait_ns),
         }
     }
 
@@ -146,9 +160,9 @@ mod tests {
     #[test]
     fn snapshots_read_the_counters_and_print() {
         let counters = Counters::default();
-        counters.ring_bytes.store(3 * 128, Ordering::Relaxed);
-        counters.produced.store(5, Ordering::Relaxed);
-        Counters::add_wait(&counters.consumer_wait_ns, Duration::from_micros(1500));
+        counters.producer.ring_bytes.store(3 * 128, Ordering::Relaxed);
+        counters.producer.produced.store(5, Ordering::Relaxed);
+        add_wait(&counters.consumer.wait_ns, Duration::from_micros(1500));
         let stats = PrefetchStats::snapshot(&counters, "background", "enabled", 2, 1);
         assert_eq!((stats.slots, stats.ring_bytes, stats.batches_produced), (3, 384, 5));
         assert_eq!(stats.consumer_wait(), Duration::from_micros(1500));
