@@ -351,7 +351,18 @@ impl<D: Device> Drop for PinnedScope<'_, D> {
 }
 
 /// An array in pinned host memory; see the module docs. Host access waits for the
-/// array's last transfer.
+/// array's last transfer. It borrows its scope, so it cannot outlive the cycle:
+///
+/// ```compile_fail
+/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
+/// let kept = {
+///     let stage = staging.enter().unwrap();
+///     stage.zeros::<f32, _>(16).unwrap()
+/// }; // the pinned memory is handed out again after this
+/// kept.view().unwrap();
+/// ```
 pub struct PinnedArray<'s, D: Device, T, Dim: Dimension> {
     /// Invariant: `dim.size()` initialised elements in the workspace's memory, valid for
     /// `'s` and reached by nothing else but transfers this array recorded.

@@ -18,10 +18,11 @@
 //! let ws = DeviceWorkspace::new("ACT", WorkspaceConfig::default(), &sim, &sim.default_stream())?;
 //! let mut kept = DeviceArray::<_, f32>::zeros(&sim, &copy_stream, 4)?;
 //! {
+//!     let mut kept_view = kept.view_mut(); // borrowed until the use ends
 //!     let scope = ws.enter()?;
 //!     let x = scope.htod(&ndarray::arr1(&[1.0f32, 2.0, 3.0, 4.0]))?;
 //!     let on_copy = scope.on_stream(&copy_stream)?;
-//!     on_copy.dtod(&x, &mut kept.view_mut())?; // runs on the copy stream
+//!     on_copy.dtod(&x, &mut kept_view)?; // runs on the copy stream
 //!     on_copy.finish()?;
 //! } // the reset is ordered after the copy stream's work
 //! assert_eq!(kept.to_host()?.sum(), 10.0);
@@ -41,12 +42,30 @@ use crate::workspace::DeviceWorkspace;
 
 /// Work on another stream with a workspace's memory; see the module docs.
 ///
-/// `'v` is how long the views it was given stay borrowed: until it ends.
+/// `'v` is how long the views it was given stay borrowed: until it ends. So the
+/// workspace's stream cannot write a view that the other stream may still be reading:
+///
+/// ```compile_fail
+/// use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let copy_stream = sim.new_stream().unwrap();
+/// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
+/// let mut out = DeviceArray::<_, f32>::zeros(&sim, &copy_stream, 4).unwrap();
+/// let mut out_view = out.view_mut();
+/// let scope = ws.enter().unwrap();
+/// let mut x = scope.zeros::<f32, _>(4).unwrap();
+/// let on_copy = scope.on_stream(&copy_stream).unwrap();
+/// on_copy.dtod(&x, &mut out_view).unwrap();
+/// x.fill_zeros().unwrap(); // the copy stream may still read `x`: does not compile
+/// on_copy.finish().unwrap();
+/// ```
 pub struct OnStream<'s, 'v, D: Device> {
     ws: &'s DeviceWorkspace<D>,
     stream: D::Stream,
     joined: bool,
-    _views: PhantomData<&'v ()>,
+    /// Invariant in `'v`: a covariant `'v` could be shortened at each call, which would end
+    /// the views' borrows before the use does.
+    _views: PhantomData<fn(&'v ()) -> &'v ()>,
 }
 
 impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {

@@ -54,9 +54,9 @@ proptest! {
                 .map(|&(bytes, _)| DeviceArray::<_, u8>::zeros(&sim, &copy, bytes).unwrap())
                 .collect();
             {
+                let mut out_views: Vec<_> = outs.iter_mut().map(DeviceArray::view_mut).collect();
                 let on = scope.on_stream(&copy).unwrap();
                 let targets = sizes.iter().zip(&views).filter(|((_, copied), _)| *copied);
-                let mut out_views: Vec<_> = outs.iter_mut().map(DeviceArray::view_mut).collect();
                 for ((_, (view, _)), out) in targets.zip(out_views.iter_mut()) {
                     on.dtod(view, out).unwrap();
                 }

@@ -513,11 +513,11 @@ pub(crate) fn on_stream_refuses_memory_it_cannot_order<D: Device>(dev: &D) {
     let mut mine = s.zeros::<u8, _>(8).unwrap();
     let mut on_home = DeviceArray::<D, u8>::zeros(dev, &dev.default_stream(), 8).unwrap();
     let mut on_home_view = on_home.view_mut();
+    let mine_view = s.zeros::<u8, _>(8).unwrap();
     let on = s.on_stream(&copy_stream).unwrap();
     let err = on.dtod(&foreign, &mut mine).unwrap_err();
     assert!(matches!(err, Error::StreamMismatch { .. }), "{err:?}");
     assert!(err.to_string().contains("'OTHER'") && err.to_string().contains("on_stream"), "{err}");
-    let mine_view = s.zeros::<u8, _>(8).unwrap();
     let err = on.dtod(&mine_view, &mut on_home_view).unwrap_err();
     assert!(err.to_string().contains("owned device array"), "{err}");
 }
