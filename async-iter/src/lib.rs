@@ -60,10 +60,10 @@
 //!
 //! | concept | type |
 //! |---|---|
-//! | what you implement | [`BatchSource`]: [`next_layout`](BatchSource::next_layout), [`fill`](BatchSource::fill), [`reset`](BatchSource::reset) |
+//! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset` |
 //! | a batch's arrays | [`BatchLayout`], [`Role`], [`ElementType`] |
 //! | filling a batch | [`BatchMut`] (writable views, zeroed) |
-//! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, [`WorkspaceMode`](workspace_core::WorkspaceMode), headroom, [`Threading`] |
+//! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`] |
 //! | one batch, borrowed | [`Lease`]: typed views; [`Lease::detach`] → [`DetachedBatch`] (owned) |
 //! | epochs | [`Prefetcher::next`], [`Prefetcher::reset`], [`Prefetcher::stop`] |
 //! | what happened | [`PrefetchStats`], [`Error`] |

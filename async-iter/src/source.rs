@@ -58,6 +58,55 @@ use crate::view::BatchMut;
 /// assert_eq!(rows, [32, 32, 32, 4]);
 /// # Ok::<(), async_iter::Error>(())
 /// ```
+///
+/// Sequences of varying length, padded to the longest of each batch, with a features
+/// mask that marks the real steps. Batches differ in shape from one to the next; a
+/// batch larger than the ring's slots grows the ring once, and headroom avoids even
+/// that for batches up to `1 + headroom` times the first.
+///
+/// ```
+/// use async_iter::{BatchLayout, BatchMut, BatchSource, Prefetcher, SourceError};
+/// use ndarray::{s, Ix1, Ix2};
+///
+/// struct Sequences {
+///     lengths: Vec<Vec<usize>>, // per batch, the length of each sequence
+/// }
+///
+/// impl BatchSource for Sequences {
+///     fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+///         let Some(lengths) = self.lengths.get(index) else { return Ok(None) };
+///         let steps = lengths.iter().copied().max().unwrap_or(1);
+///         let layout = BatchLayout::new()
+///             .features::<u16, _>((lengths.len(), steps)) // token ids, padded with 0
+///             .features_mask::<u8, _>((lengths.len(), steps)) // 1 where a token is real
+///             .labels::<u8, _>(lengths.len());
+///         Ok(Some(layout))
+///     }
+///
+///     fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+///         let lengths = &self.lengths[batch.index()];
+///         let mut tokens = batch.features::<u16, Ix2>()?;
+///         let mut mask = batch.features_mask::<u8, Ix2>()?;
+///         for (row, &len) in lengths.iter().enumerate() {
+///             tokens.slice_mut(s![row, ..len]).fill(7); // padding stays 0: arrays start zeroed
+///             mask.slice_mut(s![row, ..len]).fill(1);
+///         }
+///         batch.labels::<u8, Ix1>()?.fill(1);
+///         Ok(())
+///     }
+/// }
+///
+/// let lengths = vec![vec![3, 5], vec![2, 2, 4], vec![9]];
+/// let mut batches = Prefetcher::builder(Sequences { lengths }).headroom(0.5).build()?;
+/// let mut real_steps = Vec::new();
+/// while let Some(batch) = batches.next() {
+///     let batch = batch?;
+///     let mask = batch.features_mask::<u8, Ix2>()?.expect("every batch has a mask");
+///     real_steps.push(mask.iter().map(|&m| m as usize).sum::<usize>());
+/// }
+/// assert_eq!(real_steps, [8, 8, 9]);
+/// # Ok::<(), async_iter::Error>(())
+/// ```
 pub trait BatchSource: Send + 'static {
     /// Describes batch `index` of the epoch (0 for the first), or `Ok(None)` when the
     /// epoch has no more batches.

@@ -73,7 +73,7 @@ pub struct PrefetchStats {
     pub threading: &'static str,
     /// `"enabled"` (batches in the ring) or `"none"` (a heap allocation per batch).
     pub workspace_mode: &'static str,
-    /// Batches the producer may have ready or in progress ahead of the consumer.
+    /// Batches the producer may have ready or in progress ahead of the one the consumer holds.
     pub depth: usize,
     /// Slots of the ring: `depth + 1` (the consumer holds one).
     pub slots: usize,

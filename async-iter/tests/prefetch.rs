@@ -352,6 +352,22 @@ fn detached_batches_outlive_the_prefetcher() {
     assert_eq!(moved, 4, "detached batches are Send");
 }
 
+#[test]
+fn a_prefetcher_can_move_to_another_thread() {
+    let mut batches = Prefetcher::builder(Pattern::new(2, |_, index| if index < 3 { 4 } else { 0 })).build().unwrap();
+    let first = checksum(&batches.next().unwrap().unwrap());
+    let rest = std::thread::spawn(move || {
+        let mut sums = Vec::new();
+        while let Some(lease) = batches.next() {
+            sums.push(checksum(&lease.unwrap()));
+        }
+        sums
+    });
+    let rest = rest.join().unwrap();
+    assert_eq!(first, expected_checksum(2, 0, 0, 4));
+    assert_eq!(rest, [expected_checksum(2, 0, 1, 4), expected_checksum(2, 0, 2, 4)]);
+}
+
 /// One batch of the given layout, filled by nobody.
 struct Single(BatchLayout);
 
