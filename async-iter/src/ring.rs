@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 
-use workspace_core::{ArenaBackend, Block, WorkspaceMode};
+use workspace_core::{ArenaBackend, BackendError, Block, WorkspaceMode};
 
 use crate::error::Error;
 use crate::layout::{align_up, ARRAY_ALIGN};
@@ -115,19 +115,17 @@ where
         }
         let buffer = self.current.as_ref().expect("grow installs a buffer");
         let offset = (index % self.slots) * buffer.slot_bytes;
-        // SAFETY: `offset + bytes <= slots * slot_bytes`, the block's length, so the
-        // pointer stays inside the block.
+        // SAFETY: `offset + bytes <= slots * slot_bytes <= block.len()` (checked when
+        // the block was allocated), so the pointer stays inside the block.
         let base = unsafe { buffer.block.base().add(offset) };
         Ok(region(buffer, base, bytes))
     }
 
     /// Heap mode: a block of its own for this batch.
     fn reserve_fresh(&mut self, epoch: u64, index: usize, bytes: usize) -> Result<Region, Error> {
-        let block = self.backend.allocate_spill(bytes, ARRAY_ALIGN).map_err(|source| Error::Backend {
-            epoch,
-            batch: index,
-            source,
-        })?;
+        let block = self.backend.allocate_spill(bytes, ARRAY_ALIGN);
+        let block = block.map_err(|source| Error::Backend { epoch, batch: index, source })?;
+        let block = self.checked(block, bytes, epoch, index)?;
         let buffer = Box::new(Buffer { block, slot_bytes: bytes, token: UnsafeCell::new(()) });
         let region = region(&buffer, buffer.block.base(), bytes);
         self.retired.push_back(Retired { buffer, free_after: index + 1 });
@@ -159,7 +157,7 @@ where
         let ring_bytes = slot_bytes * self.slots; // <= max_ring: no overflow
         let block =
             self.backend.allocate_arena(ring_bytes).map_err(|source| Error::Backend { epoch, batch: index, source })?;
-        debug_assert!(block.len() >= ring_bytes && (block.base().as_ptr() as usize).is_multiple_of(ARRAY_ALIGN));
+        let block = self.checked(block, ring_bytes, epoch, index)?;
         let buffer = Box::new(Buffer { block, slot_bytes, token: UnsafeCell::new(()) });
         if let Some(old) = self.current.replace(buffer) {
             // Batches before `index` may live in the old block; none after will.
@@ -169,6 +167,23 @@ where
         stats.ring_bytes.store(ring_bytes, Ordering::Relaxed);
         stats.slot_bytes.store(slot_bytes, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// `block` if it has `bytes` bytes aligned to [`ARRAY_ALIGN`], as the views of a
+    /// batch need; a backend that breaks its contract gets an error, not a misaligned
+    /// view.
+    fn checked(&mut self, block: B::Block, bytes: usize, epoch: u64, batch: usize) -> Result<B::Block, Error> {
+        if block.len() >= bytes && (block.base().as_ptr() as usize).is_multiple_of(ARRAY_ALIGN) {
+            return Ok(block);
+        }
+        let detail = format!(
+            "the {} backend returned {} bytes at {:p} for a request of {bytes} bytes aligned to {ARRAY_ALIGN}",
+            self.backend.kind(),
+            block.len(),
+            block.base()
+        );
+        self.backend.release(block);
+        Err(Error::Backend { epoch, batch, source: BackendError::Other(detail) })
     }
 
     /// Gives back the retired blocks whose batches are all released (`released`
@@ -300,6 +315,49 @@ mod tests {
         assert_eq!(stats.ring_bytes.load(Ordering::Relaxed), 768, "the ring is unchanged");
         let err = ring.reserve(0, 2, usize::MAX / 2 / 64 * 64, &stats).unwrap_err();
         assert!(matches!(err, Error::BatchTooLarge { ring_bytes: usize::MAX, .. }), "{err}");
+    }
+
+    /// A backend whose blocks start one byte past an aligned address.
+    struct Skewed(HostBackend);
+
+    impl ArenaBackend for Skewed {
+        type Block = SkewedBlock;
+        fn kind(&self) -> &'static str {
+            "skewed"
+        }
+        fn base_alignment(&self) -> usize {
+            1
+        }
+        fn allocate_arena(&mut self, bytes: usize) -> Result<SkewedBlock, BackendError> {
+            Ok(SkewedBlock(self.0.allocate_arena(bytes + 1)?))
+        }
+        fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<SkewedBlock, BackendError> {
+            Ok(SkewedBlock(self.0.allocate_spill(bytes + 1, align)?))
+        }
+    }
+
+    struct SkewedBlock(workspace_core::HostBlock);
+
+    impl Block for SkewedBlock {
+        type Base = NonNull<u8>;
+        fn base(&self) -> NonNull<u8> {
+            // SAFETY: the inner block has one byte more than this one claims.
+            unsafe { self.0.base().add(1) }
+        }
+        fn len(&self) -> usize {
+            self.0.len() - 1
+        }
+    }
+
+    #[test]
+    fn a_misaligned_block_is_an_error_not_a_view() {
+        for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
+            let stats = ProducerCounters::default();
+            let mut ring = Ring::new(Skewed(HostBackend::Ram), mode, 2, 0.0, None);
+            let err = ring.reserve(0, 0, 64, &stats).unwrap_err();
+            assert!(err.to_string().contains("the skewed backend returned"), "{err}");
+            assert!(ring.current.is_none() && ring.retired.is_empty());
+        }
     }
 
     #[test]
