@@ -187,8 +187,10 @@ impl fmt::Debug for CudaMemory {
 impl Drop for CudaMemory {
     fn drop(&mut self) {
         // The slice frees itself on the private null stream; make that wait for the
-        // stream the memory was used on, so the free is ordered after every use.
+        // stream the memory was used on, so the free is ordered after every use. (The
+        // slice's own drop does not make its context current; this does, on any thread.)
         let context = self.slice.context().clone();
+        context.record_err(context.bind_to_thread());
         match self.stream.record_event(None) {
             Ok(event) => context.record_err(self.slice.stream().wait(&event)),
             Err(error) => {

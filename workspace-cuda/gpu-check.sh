@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Runs workspace-cuda's checks on a machine with a GPU from prebuilt binaries (no Rust
+# toolchain or network needed there).
+#
+#   workspace-cuda/gpu-check.sh build DIR        # here: build the binaries into DIR
+#   workspace-cuda/gpu-check.sh run DIR [OUT]    # on the GPU machine: run them, logs in OUT
+#
+# `build` puts in DIR: workspace_cuda-unit and workspace_cuda-device (the test binaries:
+# the device suite runs the policy table on the simulator and on GPU 0), cuda_smoke (the
+# example) and cuda_bench (the criterion bench), plus this script. `run` runs each with
+# its output in OUT (default DIR/results), then prints a summary: it fails when a test
+# fails, when the smoke run fails, or when a GPU is visible (nvidia-smi) but the real-GPU
+# suite was skipped.
+set -euo pipefail
+
+usage() { sed -n '2,14p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || usage
+mode=$1
+dir=$2
+
+build() {
+    local root script
+    root="$(cd "$(dirname "$0")/.." && pwd)"
+    script="$root/workspace-cuda/gpu-check.sh"
+    mkdir -p "$dir"
+    dir="$(cd "$dir" && pwd)"
+    cd "$root"
+    local tests
+    tests=$(cargo test -p workspace-cuda --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["kind"][0], m["target"]["name"], m["executable"])')
+    [ -n "$tests" ] || { echo "no test binaries were built" >&2; exit 1; }
+    while read -r kind name exe; do
+        if [ "$kind" = lib ]; then cp "$exe" "$dir/workspace_cuda-unit"; else cp "$exe" "$dir/workspace_cuda-$name"; fi
+    done <<< "$tests"
+    cargo build --release --example cuda_smoke
+    cp target/release/examples/cuda_smoke "$dir/cuda_smoke"
+    local bench
+    bench=$(cargo bench --bench cuda --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda" and m.get("executable"):
+        print(m["executable"])')
+    [ -n "$bench" ] || { echo "the cuda bench was not built" >&2; exit 1; }
+    cp "$bench" "$dir/cuda_bench"
+    cp "$script" "$dir/gpu-check.sh"
+    ls -l "$dir"
+    echo "on the GPU machine: $dir/gpu-check.sh run $dir"
+}
+
+run() {
+    local out=${3:-$dir/results}
+    mkdir -p "$out"
+    local failed=0 gpu_visible=0
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >"$out/nvidia-smi.log" 2>&1; then
+        gpu_visible=1
+    fi
+    for name in workspace_cuda-unit workspace_cuda-device; do
+        echo "=== $name"
+        if "$dir/$name" >"$out/$name.log" 2>&1; then
+            grep -E '^test result' "$out/$name.log" || true
+        else
+            echo "FAILED (see $out/$name.log)"
+            grep -E 'FAILED|panicked' "$out/$name.log" | head -20 || true
+            failed=1
+        fi
+        if grep -q 'real-GPU suite skipped' "$out/$name.log"; then
+            grep 'real-GPU suite skipped' "$out/$name.log"
+            if [ "$gpu_visible" = 1 ]; then
+                echo "FAILED: nvidia-smi sees a GPU but the real-GPU suite was skipped"
+                failed=1
+            fi
+        fi
+    done
+    echo "=== cuda_smoke"
+    "$dir/cuda_smoke" --json >"$out/cuda_smoke.log" 2>&1 || failed=1
+    cat "$out/cuda_smoke.log"
+    if [ "$gpu_visible" = 1 ] && grep -q '"cuda":false' "$out/cuda_smoke.log"; then
+        echo "FAILED: nvidia-smi sees a GPU but cuda_smoke found none"
+        failed=1
+    fi
+    echo "=== cuda_bench"
+    if "$dir/cuda_bench" --bench --warm-up-time 1 --measurement-time 3 >"$out/cuda_bench.log" 2>&1; then
+        grep -E 'skipped|^cuda_|time:|thrpt:' "$out/cuda_bench.log" || true
+    else
+        echo "FAILED (see $out/cuda_bench.log)"
+        failed=1
+    fi
+    echo "logs in $out"
+    [ "$failed" = 0 ] && echo "all GPU checks passed" || { echo "some GPU checks FAILED"; exit 1; }
+}
+
+case "$mode" in
+    build) build ;;
+    run) run "$@" ;;
+    *) usage ;;
+esac
