@@ -6,10 +6,13 @@
 //! pixels scaled to 0..1) with a stratified 80/20 train/test split. Batches are gathered
 //! into one buffer allocated before training, so the loop itself allocates nothing; a
 //! counting global allocator brackets every `fit_batch` call, and `getrusage` counts the
-//! minor page faults around it. At the end a table shows, per workspace mode, the test
-//! accuracy, the median time of an epoch and of an iteration, the workspace capacity,
-//! heap allocations, bytes and page faults per steady-state iteration (every iteration
-//! after epoch 1, the warm-up in which workspaces learn their sizes) and the peak RSS.
+//! minor page faults around it. After each epoch, outside that bracket and outside the
+//! epoch's time, the network is evaluated on the test set; the epoch's progress bar (or,
+//! without a terminal, a plain line every 10 epochs) shows its mean loss and that test
+//! accuracy. At the end a table shows, per workspace mode, the test accuracy, the median
+//! time of an epoch and of an iteration, the workspace capacity, heap allocations, bytes
+//! and page faults per steady-state iteration (every iteration after epoch 1, the warm-up
+//! in which workspaces learn their sizes) and the peak RSS.
 //!
 //! What it shows: with workspaces enabled a steady iteration makes **no heap
 //! allocation**; with `--workspace-mode none` every temporary array is its own
@@ -21,17 +24,60 @@
 //!
 //! | flag | default | meaning |
 //! |---|---|---|
-//! | `--workspace-mode enabled\|none` | `enabled` | workspaces during training and evaluation |
-//! | `--compare` | off | train both modes (same seed, interleaved by epoch) and check that the losses are bit-identical |
+//! | `--workspace-mode enabled\|none` | `enabled` | workspaces in training and evaluation (unused with `--compare`) |
+//! | `--compare` | off | train both modes (same seed, interleaved by epoch); check that the losses are bit-identical |
 //! | `--epochs N` | 80 | passes over the training set |
 //! | `--batch-size N` | 32 | rows per iteration (the last batch of an epoch may be smaller) |
 //! | `--hidden 128,64` | `128,64` | hidden layer widths, comma-separated |
 //! | `--lr X` | 0.001 | Adam learning rate |
 //! | `--seed N` | 0 | seed of the split, the weights and the batch order |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
-//! | `--plot FILE` | none | draw workspace bytes and heap allocations per iteration to FILE (`.svg` or `.png`) |
+//! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
+//!
+//! `--plot` implies `--compare` (so `--workspace-mode` is unused). It draws, per
+//! iteration of both modes, the workspace bytes in use and the heap allocations. The
+//! file name's extension is checked when the flags are parsed, its directory before
+//! training starts.
 //!
 //! Environment: `TRAIN_DIGITS_DATA` overrides the path of the data file.
+//!
+//! ## Peak RSS
+//!
+//! Per mode, the peak resident memory while that mode trained: at the start of each of
+//! the mode's epochs the process's high-water mark is reset (`5` written to
+//! `/proc/self/clear_refs`), at the end of the epoch (after its evaluation) `VmHWM` is
+//! read from `/proc/self/status`, and the mode's figure is the largest of those reads.
+//! It is the whole process's resident memory during those epochs: with `--compare` it
+//! includes what the other mode holds meanwhile (its network and workspaces), the data,
+//! and heap that the allocator kept from earlier epochs. Where the mark cannot be reset
+//! (no writable `/proc/self/clear_refs`), every mode shows the process's peak over the
+//! whole run instead, and a note under the table says so.
+//!
+//! ## `--json`
+//!
+//! The last line of stdout is one JSON object: `epochs`, `batch_size`, `hidden`, `seed`,
+//! `lr`, `train_rows`, `test_rows`, `iter_time_ratio_enabled_over_none` (median time of
+//! an iteration, enabled over none; `null` with one mode), `loss_traces_identical`
+//! (`null` with one mode), and one object per mode trained, under `enabled` and `none`
+//! (only the chosen mode's without `--compare` or `--plot`):
+//!
+//! | key | meaning |
+//! |---|---|
+//! | `test_accuracy` | fraction of the test set classified correctly after the last epoch |
+//! | `final_loss` | mean loss of the last epoch: the mean of its batch losses (each before its batch's update) |
+//! | `loss_trace_sha256` | SHA-256 of every iteration's loss as little-endian `f32` bits, in order |
+//! | `steady_state_allocs_per_iter` | heap allocations per `fit_batch` call after epoch 1 (mean; `null` if 1 epoch) |
+//! | `steady_state_alloc_bytes_per_iter` | bytes those allocations requested (mean; `null` with one epoch) |
+//! | `iter_us_median` | median µs of a `fit_batch` call after epoch 1 (of every call with one epoch) |
+//! | `epoch_ms_median` | median ms of an epoch after epoch 1: shuffle, batches, training (not the evaluation) |
+//! | `workspace_bytes` | capacity of the training workspaces at the end (0 with workspaces off) |
+//! | `peak_rss_bytes` | peak RSS as above, in bytes (`null` where `/proc/self/status` cannot be read) |
+//! | `peak_rss_scope` | `"mode_epochs"` (per mode, as above) or `"process"` (the fallback) |
+//! | `test_accuracy_per_epoch` | the test accuracy after each epoch, as shown by the progress bars |
+//!
+//! Further keys (`train_accuracy`, `steady_state_iterations`,
+//! `steady_state_faults_per_iter`, `steady_state_allocs_max`, `warmup_allocs`,
+//! `workspace_bytes_in_use`) add detail.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::error::Error;
@@ -121,6 +167,48 @@ fn minor_faults() -> u64 {
     }
 }
 
+/// How peak RSS is measured (see "Peak RSS" in the docs above).
+#[derive(Debug)]
+enum RssMeter {
+    /// Per mode: the high-water mark is reset as each epoch starts and read as it ends.
+    PerEpoch,
+    /// The process's peak over the whole run: the mark could not be reset (why).
+    Process(String),
+}
+
+impl RssMeter {
+    /// Per epoch if the high-water mark can be reset here.
+    fn new() -> RssMeter {
+        match reset_peak_rss() {
+            Ok(()) => RssMeter::PerEpoch,
+            Err(why) => RssMeter::Process(why),
+        }
+    }
+
+    /// Resets the high-water mark before an epoch; falls back to the process's peak
+    /// for good if that fails.
+    fn epoch_starts(&mut self) {
+        if let RssMeter::PerEpoch = self {
+            if let Err(why) = reset_peak_rss() {
+                *self = RssMeter::Process(why);
+            }
+        }
+    }
+
+    /// The high-water mark of the epoch that just ended, when measured per epoch.
+    fn epoch_peak(&self) -> Option<u64> {
+        match self {
+            RssMeter::PerEpoch => peak_rss_bytes(),
+            RssMeter::Process(_) => None,
+        }
+    }
+}
+
+/// Resets the process's peak RSS (`VmHWM`) to its current RSS (Linux 4.0 and later).
+fn reset_peak_rss() -> Result<(), String> {
+    std::fs::write("/proc/self/clear_refs", "5").map_err(|e| format!("/proc/self/clear_refs: {e}"))
+}
+
 /// Peak resident set size of the process (`VmHWM` in /proc/self/status), in bytes.
 fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -137,7 +225,7 @@ fn peak_rss_bytes() -> Option<u64> {
 #[derive(Parser, Debug)]
 #[command(name = "train_digits", version)]
 struct Args {
-    /// Workspaces during training and evaluation: `enabled` or `none` (ignored with --compare)
+    /// Workspaces during training and evaluation: `enabled` or `none` (ignored with --compare or --plot)
     #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode)]
     workspace_mode: WorkspaceMode,
 
@@ -170,9 +258,17 @@ struct Args {
     #[arg(long)]
     json: bool,
 
-    /// Plot workspace bytes and heap allocations per iteration to FILE (.svg or .png)
-    #[arg(long, value_name = "FILE")]
+    /// Plot workspace bytes and heap allocations per iteration of both modes to FILE (.svg or .png); trains
+    /// both modes, as --compare does
+    #[arg(long, value_name = "FILE", value_parser = parse_plot_path)]
     plot: Option<PathBuf>,
+}
+
+impl Args {
+    /// Both modes train: with `--compare`, and with `--plot`, which draws both.
+    fn both_modes(&self) -> bool {
+        self.compare || self.plot.is_some()
+    }
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
@@ -191,6 +287,29 @@ fn parse_width(s: &str) -> Result<usize, String> {
     match parse_count(s)? {
         n if n > MAX_WIDTH => Err(format!("a hidden width of {n} is above the limit of {MAX_WIDTH}")),
         n => Ok(n),
+    }
+}
+
+/// The image formats of `--plot`, by file name extension.
+#[derive(Clone, Copy, Debug)]
+enum PlotFormat {
+    Svg,
+    Png,
+}
+
+fn plot_format(path: &Path) -> Option<PlotFormat> {
+    match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
+        "svg" => Some(PlotFormat::Svg),
+        "png" => Some(PlotFormat::Png),
+        _ => None,
+    }
+}
+
+fn parse_plot_path(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match plot_format(&path) {
+        Some(_) => Ok(path),
+        None => Err(format!("'{s}' does not end in .svg or .png: the plot's format is taken from the file name")),
     }
 }
 
@@ -318,6 +437,10 @@ struct Trace {
     workspace_bytes: Vec<u64>,
     epoch_ms: Vec<f64>,
     epoch_loss: Vec<f64>,
+    /// Test accuracy after each epoch.
+    epoch_accuracy: Vec<f64>,
+    /// The largest high-water mark of this mode's epochs (when measured per epoch).
+    peak_rss: Option<u64>,
 }
 
 impl Trace {
@@ -337,6 +460,7 @@ impl Trace {
         }
         trace.epoch_ms.try_reserve_exact(epochs).map_err(too_many)?;
         trace.epoch_loss.try_reserve_exact(epochs).map_err(too_many)?;
+        trace.epoch_accuracy.try_reserve_exact(epochs).map_err(too_many)?;
         Ok(trace)
     }
 }
@@ -362,14 +486,26 @@ struct Progress {
     style: ProgressStyle,
 }
 
+/// The data of an epoch: the training rows, the test rows to evaluate on afterwards,
+/// and the batch buffers.
+struct EpochData<'d> {
+    train: &'d Dataset,
+    test: &'d Dataset,
+    buf: &'d mut BatchBuffers,
+}
+
+/// Trains one epoch of `run`, then evaluates it on the test set. Only the training
+/// loop is timed and only `fit_batch` calls are counted; the evaluation comes after
+/// both, inside the epoch's peak-RSS window.
 fn train_epoch(
     run: &mut Run,
-    epoch: usize,
-    epochs: usize,
-    train: &Dataset,
-    buf: &mut BatchBuffers,
+    (epoch, epochs): (usize, usize),
+    data: &mut EpochData<'_>,
     progress: &Progress,
+    rss: &mut RssMeter,
 ) -> Res<()> {
+    let EpochData { train, test, buf } = data;
+    rss.epoch_starts();
     let start = Instant::now();
     run.rng.shuffle(&mut run.order);
     let batch = buf.x.nrows();
@@ -419,12 +555,25 @@ fn train_epoch(
     }
     let epoch_loss = loss_sum / batches as f64;
     let ms = start.elapsed().as_secs_f64() * 1e3;
-    run.trace.epoch_ms.push(ms);
-    run.trace.epoch_loss.push(epoch_loss);
+
+    let accuracy = run
+        .net
+        .evaluate(test.x.view(), test.y.view(), batch)
+        .map_err(|e| format!("evaluating on the test set ({} mode) after epoch {epoch}: {e}", mode_name(run.mode)))?;
+    let t = &mut run.trace;
+    t.epoch_ms.push(ms);
+    t.epoch_loss.push(epoch_loss);
+    t.epoch_accuracy.push(accuracy);
+    if let Some(peak) = rss.epoch_peak() {
+        t.peak_rss = t.peak_rss.max(Some(peak));
+    }
     if let Some(pb) = pb {
-        pb.finish_with_message(format!("loss {epoch_loss:.4}  {ms:.1} ms"));
+        pb.finish_with_message(format!("loss {epoch_loss:.4}  test accuracy {accuracy:.4}  {ms:.1} ms"));
     } else if progress.plain && (epoch == 1 || epoch == epochs || epoch.is_multiple_of(10)) {
-        eprintln!("{:>7} epoch {epoch:>4}/{epochs}: loss {epoch_loss:.4}  {ms:.1} ms", mode_name(run.mode));
+        eprintln!(
+            "{:>7} epoch {epoch:>4}/{epochs}: loss {epoch_loss:.4}  test accuracy {accuracy:.4}  {ms:.1} ms",
+            mode_name(run.mode)
+        );
     }
     Ok(())
 }
@@ -453,6 +602,7 @@ struct Summary {
     workspace_bytes: usize,
     workspace_bytes_in_use: u64,
     peak_rss_bytes: Option<u64>,
+    test_accuracy_per_epoch: Vec<f64>,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -504,11 +654,12 @@ fn summarize(run: &mut Run, iters_per_epoch: usize, test: &Dataset, train: &Data
         epoch_ms_median: median(timed_epochs.iter().copied()),
         workspace_bytes: run.net.workspace_capacity(),
         workspace_bytes_in_use: t.workspace_bytes.iter().copied().max().unwrap_or(0),
-        peak_rss_bytes: None,
+        peak_rss_bytes: t.peak_rss,
+        test_accuracy_per_epoch: t.epoch_accuracy.clone(),
     })
 }
 
-fn summary_json(s: &Summary) -> serde_json::Value {
+fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
     serde_json::json!({
         "test_accuracy": s.test_accuracy,
         "final_loss": s.final_loss,
@@ -525,6 +676,11 @@ fn summary_json(s: &Summary) -> serde_json::Value {
         "steady_state_allocs_max": s.steady_allocs_max,
         "warmup_allocs": s.warmup_allocs,
         "workspace_bytes_in_use": s.workspace_bytes_in_use,
+        "peak_rss_scope": match rss {
+            RssMeter::PerEpoch => "mode_epochs",
+            RssMeter::Process(_) => "process",
+        },
+        "test_accuracy_per_epoch": s.test_accuracy_per_epoch,
     })
 }
 
@@ -547,9 +703,12 @@ fn opt(value: Option<f64>, f: impl Fn(f64) -> String) -> String {
     value.map_or_else(|| "n/a".to_string(), f)
 }
 
-fn table(summaries: &[Summary], compare: bool) -> String {
+fn table(summaries: &[Summary], rss: &RssMeter) -> String {
     type Cell = fn(&Summary) -> String;
-    let rss_label = if compare { "peak RSS (VmHWM, whole process)" } else { "peak RSS (VmHWM)" };
+    let rss_label = match rss {
+        RssMeter::PerEpoch => "peak RSS during its epochs (VmHWM)",
+        RssMeter::Process(_) => "peak RSS (VmHWM, whole process)",
+    };
     let rows: [(&str, Cell); 11] = [
         ("test accuracy", |s| format!("{:.4}", s.test_accuracy)),
         ("train accuracy", |s| format!("{:.4}", s.train_accuracy)),
@@ -610,14 +769,11 @@ fn register_fonts() -> Res<()> {
 
 fn plot(path: &Path, runs: &[Run]) -> Res<()> {
     register_fonts()?;
-    let extension = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
     let size = (1200, 800);
-    let drawn = match extension.as_deref() {
-        Some("svg") => draw(SVGBackend::new(path, size).into_drawing_area(), runs),
-        Some("png") => draw(BitMapBackend::new(path, size).into_drawing_area(), runs),
-        _ => {
-            return Err(format!("--plot {}: unsupported file type; use a .svg or .png file name", path.display()).into())
-        }
+    let drawn = match plot_format(path) {
+        Some(PlotFormat::Svg) => draw(SVGBackend::new(path, size).into_drawing_area(), runs),
+        Some(PlotFormat::Png) => draw(BitMapBackend::new(path, size).into_drawing_area(), runs),
+        None => return Err(format!("--plot {}: use a .svg or .png file name", path.display()).into()),
     };
     drawn.map_err(|e| format!("drawing {}: {e}", path.display()).into())
 }
@@ -682,6 +838,12 @@ fn main() {
 
 fn run() -> Res<()> {
     let args = Args::parse();
+    if let Some(path) = &args.plot {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        if let Some(dir) = dir.filter(|d| !d.is_dir()) {
+            return Err(format!("--plot {}: the directory {} does not exist", path.display(), dir.display()).into());
+        }
+    }
     let data = load_digits(&data_path())?;
     let (train_rows, test_rows, shuffle_rng) = stratified_split(&data.y, args.seed);
     let (train, test) = (subset(&data, &train_rows), subset(&data, &test_rows));
@@ -697,7 +859,7 @@ fn run() -> Res<()> {
         .into());
     }
 
-    let modes: &[WorkspaceMode] = if args.compare {
+    let modes: &[WorkspaceMode] = if args.both_modes() {
         &[WorkspaceMode::Enabled, WorkspaceMode::None]
     } else {
         std::slice::from_ref(&args.workspace_mode)
@@ -725,8 +887,8 @@ fn run() -> Res<()> {
     let out = |line: &str| if args.json { eprintln!("{line}") } else { println!("{line}") };
     let hidden: Vec<String> = args.hidden.iter().map(usize::to_string).collect();
     out(&format!(
-        "train_digits: MLP {FEATURES}-{}-{CLASSES}, Adam lr {}, batch {}, {} epochs ({iters_per_epoch} iterations each), \
-         seed {}; {} training rows, {} test rows; workspaces: {}",
+        "train_digits: MLP {FEATURES}-{}-{CLASSES}, Adam lr {}, batch {}, {} epochs ({iters_per_epoch} iterations \
+         each), seed {}; {} training rows, {} test rows; workspaces: {}",
         hidden.join("-"),
         args.lr,
         args.batch_size,
@@ -746,9 +908,11 @@ fn run() -> Res<()> {
     };
     // The batch buffers: allocated once, reused by every iteration of every mode.
     let mut buf = BatchBuffers { x: Array2::zeros((batch, FEATURES)), y: Array1::zeros(batch) };
+    let mut data = EpochData { train: &train, test: &test, buf: &mut buf };
+    let mut rss = RssMeter::new();
     for epoch in 1..=args.epochs {
         for run in runs.iter_mut() {
-            train_epoch(run, epoch, args.epochs, &train, &mut buf, &progress)?;
+            train_epoch(run, (epoch, args.epochs), &mut data, &progress, &mut rss)?;
         }
     }
 
@@ -756,15 +920,32 @@ fn run() -> Res<()> {
     for run in runs.iter_mut() {
         summaries.push(summarize(run, iters_per_epoch, &test, &train, batch)?);
     }
-    let peak_rss = peak_rss_bytes();
-    for s in summaries.iter_mut() {
-        s.peak_rss_bytes = peak_rss;
+    if let RssMeter::Process(_) = rss {
+        let peak_rss = peak_rss_bytes();
+        for s in summaries.iter_mut() {
+            s.peak_rss_bytes = peak_rss;
+        }
     }
 
     out("");
-    out(&table(&summaries, args.compare));
-    if args.compare {
-        out("peak RSS: both modes trained in this process, so it is the process's peak, not either mode's.");
+    out(&table(&summaries, &rss));
+    match (&rss, summaries.len()) {
+        (RssMeter::PerEpoch, 1) => out(
+            "peak RSS: the highest VmHWM of the epochs (reset through /proc/self/clear_refs as each epoch starts), \
+             the process's resident memory while training",
+        ),
+        (RssMeter::PerEpoch, _) => out(
+            "peak RSS: per mode, the highest VmHWM of its epochs (reset through /proc/self/clear_refs as each epoch \
+             starts); it is the whole process's resident memory meanwhile, the other mode's network and workspaces \
+             included",
+        ),
+        (RssMeter::Process(why), 1) => {
+            out(&format!("peak RSS: the process's peak over the whole run (it could not be reset per epoch: {why})"))
+        }
+        (RssMeter::Process(why), _) => out(&format!(
+            "peak RSS: the process's peak over the whole run, the same for both modes, not either mode's (it could \
+             not be reset per epoch: {why})"
+        )),
     }
     for s in &summaries {
         if let (WorkspaceMode::Enabled, Some(allocs)) = (s.mode, s.steady_allocs_max) {
@@ -827,7 +1008,7 @@ fn run() -> Res<()> {
             "loss_traces_identical": identical,
         });
         for s in &summaries {
-            object[mode_name(s.mode)] = summary_json(s);
+            object[mode_name(s.mode)] = summary_json(s, &rss);
         }
         println!("{}", serde_json::to_string(&object)?);
     }
