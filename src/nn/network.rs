@@ -428,7 +428,10 @@ impl Network {
     /// # Errors
     ///
     /// Shape and label errors; workspace errors; [`Error::WrongLocation`] when a
-    /// layer returns activations that are not in the activations workspace.
+    /// layer returns activations that are not in the activations workspace;
+    /// [`Error::InvalidInput`] or [`Error::ShapeMismatch`] when a layer's parameters
+    /// are not those it had when the network was built (then no parameter is updated).
+    /// After an error the network is unchanged and usable.
     pub fn fit_batch(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
         self.check_batch(&x, Some(&labels))?;
         let Network { layers, loss, updater, train, .. } = self;
