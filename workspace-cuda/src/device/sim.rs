@@ -33,14 +33,21 @@
 //! # Ok::<(), workspace_cuda::DeviceError>(())
 //! ```
 
-use std::alloc::{alloc, dealloc, Layout};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+mod memory;
+mod queue;
+
+use std::alloc::{alloc, Layout};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
+
+use memory::Memory;
+pub use memory::{SimMemory, SimPinned};
+use queue::{lock, Op, Sched, Shared};
+pub use queue::{SimEvent, SimHold, SimStream};
 
 use super::{sealed, Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::DeviceError;
@@ -54,13 +61,6 @@ const ADDRESS_BASE: u64 = 0x7e00_0000_0000;
 const GUARD: u64 = 1 << 20;
 
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
-static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
-
-/// Locks `mutex`, ignoring poisoning: no simulator code panics while holding a lock,
-/// and a user panic elsewhere must not turn every later call into a panic.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// A device in host memory that keeps CUDA's ordering rules; see the module docs.
 ///
@@ -69,307 +69,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct SimDevice {
     shared: Arc<Shared>,
     default: SimStream,
-}
-
-/// State shared by the device handles, its streams and their workers.
-struct Shared {
-    id: u64,
-    /// Stream queues and statuses, events, faults. Workers and host waits block on
-    /// `changed`, which is notified whenever any of it changes.
-    sched: Mutex<Sched>,
-    changed: Condvar,
-    /// The device memory and the registry of pinned host memory. Every simulated
-    /// memory operation runs with this lock held.
-    memory: Mutex<Memory>,
-    /// Testing knob: stream-to-stream waits are skipped.
-    ignore_waits: AtomicBool,
-    /// Testing knob: this many coming `record` calls fail.
-    failing_records: AtomicUsize,
-}
-
-#[derive(Default)]
-struct Sched {
-    streams: HashMap<u64, StreamState>,
-    /// Host threads blocked in `event_synchronize`.
-    blocked_hosts: usize,
-    faults: Vec<String>,
-    deferred: Option<DeviceError>,
-}
-
-#[derive(Default)]
-struct StreamState {
-    queue: VecDeque<Op>,
-    status: Status,
-    /// Outstanding [`SimHold`]s; the worker starts no operation while any is held.
-    holds: usize,
-    /// Every handle of the stream is gone: the worker drains the queue and exits.
-    closed: bool,
-    /// Sleep before each memory operation.
-    delay: Duration,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-enum Status {
-    /// Nothing queued.
-    #[default]
-    Idle,
-    /// Executing an operation.
-    Running,
-    /// Held, or waiting for an event.
-    Blocked,
-}
-
-impl StreamState {
-    /// What the worker can do next.
-    fn next(&self, ignore_waits: bool) -> Next {
-        if self.holds > 0 {
-            return Next::Blocked;
-        }
-        match self.queue.front() {
-            None if self.closed => Next::Exit,
-            None => Next::Idle,
-            Some(Op::Wait(event)) if !ignore_waits && !event.is_done() => Next::Blocked,
-            Some(_) => Next::Run,
-        }
-    }
-
-    fn busy(&self, ignore_waits: bool) -> bool {
-        self.status == Status::Running || self.next(ignore_waits) == Next::Run
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Next {
-    Run,
-    Idle,
-    Blocked,
-    Exit,
-}
-
-/// One queued operation. Host addresses are kept as `usize` (the queue crosses threads);
-/// see `Shared::execute` for why each access is sound.
-enum Op {
-    Memset {
-        dst: u64,
-        len: usize,
-    },
-    /// Host-to-device from bytes captured when the copy was issued.
-    HtodCaptured {
-        src: Vec<u8>,
-        dst: u64,
-    },
-    /// Host-to-device from pinned memory, read when the copy runs.
-    HtodPinned {
-        src: usize,
-        dst: u64,
-        len: usize,
-    },
-    /// Device-to-host into pinned memory, written when the copy runs.
-    DtohPinned {
-        src: u64,
-        dst: usize,
-        len: usize,
-    },
-    Dtod {
-        src: u64,
-        dst: u64,
-        len: usize,
-    },
-    Record(SimEvent),
-    Wait(SimEvent),
-    Free(u64),
-}
-
-impl Op {
-    fn is_memory(&self) -> bool {
-        !matches!(self, Op::Record(_) | Op::Wait(_) | Op::Free(_))
-    }
-}
-
-/// The simulated device memory.
-struct Memory {
-    /// Allocations by start address.
-    regions: BTreeMap<u64, Vec<u8>>,
-    /// Next unused address; addresses are never reused.
-    next: u64,
-    live_bytes: usize,
-    limit: usize,
-    /// Pinned host allocations: start address → length.
-    pinned: BTreeMap<usize, usize>,
-    live_pinned: usize,
-}
-
-impl Memory {
-    fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
-        let found = self.regions.range(..=address).next_back();
-        let Some((&start, data)) = found else {
-            return Err(format!("no allocation at {address:#x}: use after free or out of bounds"));
-        };
-        let offset = usize::try_from(address - start).unwrap_or(usize::MAX);
-        if offset.checked_add(len).is_none_or(|end| end > data.len()) {
-            return Err(format!(
-                "{len} bytes at {address:#x} are not inside one allocation (the nearest starts at {start:#x} \
-                 and has {} bytes): use after free or out of bounds",
-                data.len()
-            ));
-        }
-        Ok((start, offset))
-    }
-
-    fn bytes(&self, address: u64, len: usize) -> Result<&[u8], String> {
-        let (start, offset) = self.region(address, len)?;
-        Ok(&self.regions[&start][offset..offset + len])
-    }
-
-    fn bytes_mut(&mut self, address: u64, len: usize) -> Result<&mut [u8], String> {
-        let (start, offset) = self.region(address, len)?;
-        let data = self.regions.get_mut(&start).ok_or_else(|| format!("no allocation at {start:#x}"))?;
-        Ok(&mut data[offset..offset + len])
-    }
-
-    fn check_pinned(&self, address: usize, len: usize) -> Result<(), String> {
-        match self.pinned.range(..=address).next_back() {
-            Some((&start, &size)) if address - start + len <= size => Ok(()),
-            _ => Err(format!("{len} bytes of host memory at {address:#x} are not live pinned memory of this device")),
-        }
-    }
-}
-
-/// A point in a simulated stream: set when the stream's worker reaches it.
-#[derive(Clone, Debug, Default)]
-pub struct SimEvent {
-    done: Arc<AtomicBool>,
-}
-
-impl SimEvent {
-    fn is_done(&self) -> bool {
-        self.done.load(Ordering::Acquire)
-    }
-}
-
-/// A stream of a [`SimDevice`]: a worker thread running its operations in order.
-#[derive(Clone)]
-pub struct SimStream {
-    id: u64,
-    device: u64,
-    token: Arc<StreamToken>,
-}
-
-impl PartialEq for SimStream {
-    fn eq(&self, other: &Self) -> bool {
-        self.id == other.id
-    }
-}
-
-impl fmt::Debug for SimStream {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimStream({} of simulated device {})", self.id, self.device)
-    }
-}
-
-/// Shared by the clones of one stream handle: the last one closes the stream.
-struct StreamToken {
-    id: u64,
-    shared: Arc<Shared>,
-}
-
-impl Drop for StreamToken {
-    fn drop(&mut self) {
-        let mut sched = lock(&self.shared.sched);
-        if let Some(state) = sched.streams.get_mut(&self.id) {
-            state.closed = true;
-        }
-        self.shared.changed.notify_all();
-    }
-}
-
-impl SimStream {
-    fn enqueue(&self, op: Op) {
-        let shared = &self.token.shared;
-        let mut sched = lock(&shared.sched);
-        if let Some(state) = sched.streams.get_mut(&self.id) {
-            state.queue.push_back(op);
-        }
-        shared.changed.notify_all();
-    }
-}
-
-/// A simulated device allocation; dropping it frees it in its stream's order.
-pub struct SimMemory {
-    address: u64,
-    stream: SimStream,
-}
-
-impl fmt::Debug for SimMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimMemory({:#x} on {:?})", self.address, self.stream)
-    }
-}
-
-impl Drop for SimMemory {
-    fn drop(&mut self) {
-        self.stream.enqueue(Op::Free(self.address));
-    }
-}
-
-/// Host memory that the simulated device treats as pinned; freed (and unregistered)
-/// when dropped.
-pub struct SimPinned {
-    /// Invariant: `len` bytes allocated with `Layout(len, PINNED_ALIGNMENT)`, owned here.
-    ptr: NonNull<u8>,
-    len: usize,
-    shared: Arc<Shared>,
-}
-
-// SAFETY: a `SimPinned` exclusively owns its allocation (nothing else frees it), and the
-// pointer is only its address; moving it to another thread moves that ownership. Which
-// thread accesses the bytes is governed by the workspaces' event protocol, not by this
-// handle.
-unsafe impl Send for SimPinned {}
-
-impl fmt::Debug for SimPinned {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimPinned({:p}, {} bytes)", self.ptr, self.len)
-    }
-}
-
-impl Drop for SimPinned {
-    fn drop(&mut self) {
-        {
-            // Unregister first, under the memory lock: no simulated copy can reach the
-            // bytes after this.
-            let mut memory = lock(&self.shared.memory);
-            memory.pinned.remove(&(self.ptr.as_ptr() as usize));
-            memory.live_pinned -= self.len;
-        }
-        if let Ok(layout) = Layout::from_size_align(self.len, PINNED_ALIGNMENT) {
-            // SAFETY: allocated in `alloc_pinned` with this very layout (`ptr` invariant),
-            // freed once, here.
-            unsafe { dealloc(self.ptr.as_ptr(), layout) };
-        }
-    }
-}
-
-/// Keeps a stream from starting operations until dropped; see [`SimDevice::hold`].
-#[must_use = "the stream is released when the hold is dropped"]
-pub struct SimHold {
-    id: u64,
-    shared: Arc<Shared>,
-}
-
-impl SimHold {
-    /// Releases the stream (the same as dropping the hold).
-    pub fn release(self) {}
-}
-
-impl Drop for SimHold {
-    fn drop(&mut self) {
-        let mut sched = lock(&self.shared.sched);
-        if let Some(state) = sched.streams.get_mut(&self.id) {
-            state.holds -= 1;
-        }
-        self.shared.changed.notify_all();
-    }
 }
 
 impl fmt::Debug for SimDevice {
@@ -491,136 +190,6 @@ impl SimDevice {
             Ok(())
         } else {
             Err(DeviceError::Fault { op, detail: format!("{stream:?} belongs to another simulated device") })
-        }
-    }
-}
-
-impl Shared {
-    fn spawn_stream(shared: &Arc<Shared>) -> Result<SimStream, DeviceError> {
-        let id = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
-        lock(&shared.sched).streams.insert(id, StreamState::default());
-        let worker_shared = shared.clone();
-        let spawned = thread::Builder::new()
-            .name(format!("sim-stream-{id}"))
-            .spawn(move || Shared::run_worker(&worker_shared, id));
-        if let Err(error) = spawned {
-            lock(&shared.sched).streams.remove(&id);
-            return Err(DeviceError::Driver {
-                call: "std::thread::Builder::spawn",
-                code: "SIMULATOR_NO_THREAD".into(),
-                message: format!("could not start a stream worker: {error}"),
-            });
-        }
-        Ok(SimStream { id, device: shared.id, token: Arc::new(StreamToken { id, shared: shared.clone() }) })
-    }
-
-    /// The worker of stream `id`: runs its queue in order until the stream is closed
-    /// and drained.
-    fn run_worker(shared: &Shared, id: u64) {
-        let mut sched = lock(&shared.sched);
-        loop {
-            let ignore = shared.ignore_waits.load(Ordering::Acquire);
-            let Some(state) = sched.streams.get_mut(&id) else { return };
-            match state.next(ignore) {
-                Next::Exit => {
-                    sched.streams.remove(&id);
-                    shared.changed.notify_all();
-                    return;
-                }
-                Next::Run => {
-                    let Some(op) = state.queue.pop_front() else { continue };
-                    state.status = Status::Running;
-                    let delay = if op.is_memory() { state.delay } else { Duration::ZERO };
-                    drop(sched);
-                    if !delay.is_zero() {
-                        thread::sleep(delay);
-                    }
-                    shared.execute(op);
-                    sched = lock(&shared.sched);
-                }
-                idle_or_blocked => {
-                    let status = if idle_or_blocked == Next::Idle { Status::Idle } else { Status::Blocked };
-                    // Notify only on a change: workers waking each other for nothing
-                    // would never rest.
-                    if state.status != status {
-                        state.status = status;
-                        shared.changed.notify_all();
-                    }
-                    sched = shared.changed.wait(sched).unwrap_or_else(PoisonError::into_inner);
-                }
-            }
-        }
-    }
-
-    /// Runs one operation on the calling worker thread.
-    fn execute(&self, op: Op) {
-        let result = match op {
-            Op::Record(event) => {
-                let _sched = lock(&self.sched);
-                event.done.store(true, Ordering::Release);
-                self.changed.notify_all();
-                Ok(())
-            }
-            Op::Wait(_) => Ok(()),
-            Op::Free(address) => {
-                let mut memory = lock(&self.memory);
-                match memory.regions.remove(&address) {
-                    Some(data) => {
-                        memory.live_bytes -= data.len();
-                        Ok(())
-                    }
-                    None => Err(("free", format!("double free of {address:#x}"))),
-                }
-            }
-            Op::Memset { dst, len } => {
-                lock(&self.memory).bytes_mut(dst, len).map(|bytes| bytes.fill(0)).map_err(|e| ("memset", e))
-            }
-            Op::HtodCaptured { src, dst } => lock(&self.memory)
-                .bytes_mut(dst, src.len())
-                .map(|bytes| bytes.copy_from_slice(&src))
-                .map_err(|e| ("htod", e)),
-            Op::HtodPinned { src, dst, len } => {
-                let mut memory = lock(&self.memory);
-                memory
-                    .check_pinned(src, len)
-                    .and_then(|()| memory.bytes_mut(dst, len))
-                    .map(|bytes| {
-                        // SAFETY: `src..src+len` is registered pinned memory (checked just above,
-                        // under the memory lock that `SimPinned::drop` takes before freeing it),
-                        // and `copy_htod_pinned`'s contract keeps the host from writing it
-                        // until this copy has completed.
-                        let source = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-                        bytes.copy_from_slice(source);
-                    })
-                    .map_err(|e| ("htod", e))
-            }
-            Op::DtohPinned { src, dst, len } => {
-                let memory = lock(&self.memory);
-                memory
-                    .check_pinned(dst, len)
-                    .and_then(|()| memory.bytes(src, len))
-                    .map(|bytes| {
-                        // SAFETY: `dst..dst+len` is registered pinned memory (checked under the
-                        // lock, as above), and `copy_dtoh_pinned`'s contract keeps the host
-                        // from touching it until this copy has completed.
-                        let target = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
-                        target.copy_from_slice(bytes);
-                    })
-                    .map_err(|e| ("dtoh", e))
-            }
-            Op::Dtod { src, dst, len } => {
-                let mut memory = lock(&self.memory);
-                memory
-                    .bytes(src, len)
-                    .map(<[u8]>::to_vec)
-                    .and_then(|data| memory.bytes_mut(dst, len).map(|bytes| bytes.copy_from_slice(&data)))
-                    .map_err(|e| ("dtod", e))
-            }
-        };
-        if let Err((op, detail)) = result {
-            let mut sched = lock(&self.sched);
-            sched.faults.push(format!("{op}: {detail}"));
-            sched.deferred.get_or_insert(DeviceError::Fault { op, detail });
         }
     }
 }
@@ -802,6 +371,8 @@ impl Device for SimDevice {
 
 #[cfg(test)]
 mod tests {
+    use std::thread;
+
     use super::*;
 
     fn filled(sim: &SimDevice, stream: &SimStream, byte: u8, len: usize) -> SimMemory {

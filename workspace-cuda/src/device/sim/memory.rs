@@ -1,0 +1,116 @@
+//! The simulator's memory: device allocations at made-up addresses, checked on every
+//! access, and the pinned host memory it knows about.
+
+use std::alloc::{dealloc, Layout};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::queue::{lock, Op, Shared, SimStream};
+use crate::device::PINNED_ALIGNMENT;
+
+/// The simulated device memory.
+pub(super) struct Memory {
+    /// Allocations by start address.
+    pub(super) regions: BTreeMap<u64, Vec<u8>>,
+    /// Next unused address; addresses are never reused.
+    pub(super) next: u64,
+    pub(super) live_bytes: usize,
+    pub(super) limit: usize,
+    /// Pinned host allocations: start address → length.
+    pub(super) pinned: BTreeMap<usize, usize>,
+    pub(super) live_pinned: usize,
+}
+
+impl Memory {
+    fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
+        let found = self.regions.range(..=address).next_back();
+        let Some((&start, data)) = found else {
+            return Err(format!("no allocation at {address:#x}: use after free or out of bounds"));
+        };
+        let offset = usize::try_from(address - start).unwrap_or(usize::MAX);
+        if offset.checked_add(len).is_none_or(|end| end > data.len()) {
+            return Err(format!(
+                "{len} bytes at {address:#x} are not inside one allocation (the nearest starts at {start:#x} \
+                 and has {} bytes): use after free or out of bounds",
+                data.len()
+            ));
+        }
+        Ok((start, offset))
+    }
+
+    pub(super) fn bytes(&self, address: u64, len: usize) -> Result<&[u8], String> {
+        let (start, offset) = self.region(address, len)?;
+        Ok(&self.regions[&start][offset..offset + len])
+    }
+
+    pub(super) fn bytes_mut(&mut self, address: u64, len: usize) -> Result<&mut [u8], String> {
+        let (start, offset) = self.region(address, len)?;
+        let data = self.regions.get_mut(&start).ok_or_else(|| format!("no allocation at {start:#x}"))?;
+        Ok(&mut data[offset..offset + len])
+    }
+
+    pub(super) fn check_pinned(&self, address: usize, len: usize) -> Result<(), String> {
+        match self.pinned.range(..=address).next_back() {
+            Some((&start, &size)) if address - start + len <= size => Ok(()),
+            _ => Err(format!("{len} bytes of host memory at {address:#x} are not live pinned memory of this device")),
+        }
+    }
+}
+
+/// A simulated device allocation; dropping it frees it in its stream's order.
+pub struct SimMemory {
+    pub(super) address: u64,
+    pub(super) stream: SimStream,
+}
+
+impl fmt::Debug for SimMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimMemory({:#x} on {:?})", self.address, self.stream)
+    }
+}
+
+impl Drop for SimMemory {
+    fn drop(&mut self) {
+        self.stream.enqueue(Op::Free(self.address));
+    }
+}
+
+/// Host memory that the simulated device treats as pinned; freed (and unregistered)
+/// when dropped.
+pub struct SimPinned {
+    /// Invariant: `len` bytes allocated with `Layout(len, PINNED_ALIGNMENT)`, owned here.
+    pub(super) ptr: NonNull<u8>,
+    pub(super) len: usize,
+    pub(super) shared: Arc<Shared>,
+}
+
+// SAFETY: a `SimPinned` exclusively owns its allocation (nothing else frees it), and the
+// pointer is only its address; moving it to another thread moves that ownership. Which
+// thread accesses the bytes is governed by the workspaces' event protocol, not by this
+// handle.
+unsafe impl Send for SimPinned {}
+
+impl fmt::Debug for SimPinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimPinned({:p}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+impl Drop for SimPinned {
+    fn drop(&mut self) {
+        {
+            // Unregister first, under the memory lock: no simulated copy can reach the
+            // bytes after this.
+            let mut memory = lock(&self.shared.memory);
+            memory.pinned.remove(&(self.ptr.as_ptr() as usize));
+            memory.live_pinned -= self.len;
+        }
+        if let Ok(layout) = Layout::from_size_align(self.len, PINNED_ALIGNMENT) {
+            // SAFETY: allocated in `alloc_pinned` with this very layout (`ptr` invariant),
+            // freed once, here.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
