@@ -29,14 +29,19 @@ impl<D: Device> DeviceBackend<D> {
     }
 
     fn block(&self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
-        // Allocations are aligned to `DEVICE_ALIGNMENT`; a larger alignment takes padding.
-        let padding = align.saturating_sub(DEVICE_ALIGNMENT);
         let oom = || BackendError::OutOfMemory { bytes, align };
-        let total = bytes.checked_add(padding).ok_or_else(oom)?;
-        let memory = self.device.alloc(&self.stream, total).map_err(|e| e.into_backend(align))?;
-        let address = D::memory_address(&memory);
-        let base = address.checked_next_multiple_of(align as u64).ok_or_else(oom)?;
-        Ok(DeviceBlock { memory, base, len: bytes })
+        // Allocations are aligned to `DEVICE_ALIGNMENT`, which is all an arena needs. A
+        // larger alignment, or a driver that gives less, takes padding (and a second try).
+        for padding in [align.saturating_sub(DEVICE_ALIGNMENT), align - 1] {
+            let total = bytes.checked_add(padding).ok_or_else(oom)?;
+            let memory = self.device.alloc(&self.stream, total).map_err(|e| e.into_backend(align))?;
+            let address = D::memory_address(&memory);
+            let base = address.checked_next_multiple_of(align as u64).ok_or_else(oom)?;
+            if base - address <= padding as u64 {
+                return Ok(DeviceBlock { memory, base, len: bytes });
+            }
+        }
+        Err(oom())
     }
 }
 
@@ -127,14 +132,18 @@ impl<D: Device> PinnedBackend<D> {
     }
 
     fn block(&self, bytes: usize, align: usize) -> Result<PinnedBlock<D>, BackendError> {
-        let padding = align.saturating_sub(PINNED_ALIGNMENT);
         let oom = || BackendError::OutOfMemory { bytes, align };
-        let total = bytes.checked_add(padding).ok_or_else(oom)?;
-        let memory = self.device.alloc_pinned(total).map_err(|e| e.into_backend(align))?;
-        let start = D::pinned_address(&memory);
-        let offset = start.align_offset(align);
-        lock_in_flight(&self.shared).allocations += 1;
-        Ok(PinnedBlock { memory, offset, len: bytes })
+        // As for device blocks: padding for alignments beyond a page, or a second try.
+        for padding in [align.saturating_sub(PINNED_ALIGNMENT), align - 1] {
+            let total = bytes.checked_add(padding).ok_or_else(oom)?;
+            let memory = self.device.alloc_pinned(total).map_err(|e| e.into_backend(align))?;
+            let offset = D::pinned_address(&memory).align_offset(align);
+            if offset <= padding {
+                lock_in_flight(&self.shared).allocations += 1;
+                return Ok(PinnedBlock { memory, offset, len: bytes });
+            }
+        }
+        Err(oom())
     }
 }
 
