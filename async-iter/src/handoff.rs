@@ -57,6 +57,9 @@ const SLEEPING: usize = 1;
 const FLAG: usize = 2;
 /// One batch in the count, which takes the bits above the two flags.
 const ONE: usize = 4;
+/// Spins of a wait before its time is measured (crossbeam's `Backoff` spins, without
+/// yielding, for its first seven snoozes; under loom it parks at once).
+const UNTIMED_SPINS: u32 = if cfg!(loom) { 0 } else { 7 };
 /// Counts are compared modulo `2^(usize::BITS - 2)`.
 const COUNT_MASK: usize = usize::MAX >> 2;
 
@@ -123,13 +126,20 @@ impl Signal {
     #[cold]
     #[inline(never)]
     fn wait_slow(&self, ready: &dyn Fn(usize) -> bool, waited_ns: &AtomicU64) -> usize {
-        let start = Instant::now();
         let backoff = Backoff::new();
+        // The clock starts after the first few spins: a wait that ends within them
+        // (well under a microsecond) would cost more to time than it lasts.
+        let mut spins = 0;
+        let mut start = None;
         let word = loop {
             let word = self.word.load(Ordering::Acquire);
             if ready(word) {
                 break word;
             }
+            if spins == UNTIMED_SPINS {
+                start = Some(Instant::now());
+            }
+            spins += 1;
             if !backoff.is_completed() {
                 backoff.snooze();
                 continue;
@@ -140,7 +150,9 @@ impl Signal {
                 drop(self.cond.wait(guard));
             }
         };
-        add_wait(waited_ns, start.elapsed());
+        if let Some(start) = start {
+            add_wait(waited_ns, start.elapsed());
+        }
         word
     }
 
