@@ -91,9 +91,11 @@ pub struct PrefetchStats {
     pub batches_produced: u64,
     /// Batches handed to the consumer, over all epochs.
     pub batches_consumed: u64,
-    /// Time the consumer waited in `next()` for a batch, in nanoseconds.
+    /// Time the consumer waited in `next()` for a batch, in nanoseconds. Each wait is
+    /// timed from the end of its first spins, so waits under about a microsecond are
+    /// not counted.
     pub consumer_wait_ns: u64,
-    /// Time the producer waited for a free slot, in nanoseconds.
+    /// Time the producer waited for a free slot, in nanoseconds (timed the same way).
     pub producer_wait_ns: u64,
 }
 
