@@ -71,8 +71,8 @@
 //! [`SimDevice`] runs each stream on its own thread and can hold or delay streams, so
 //! the tests show both that the waits are there and that a missing wait would be seen.
 //!
-//! Unsafe code lives in `device` (driver calls and the simulator), `probe`, `scope`, `view`,
-//! `stream` and `pinned`; every block says why it is sound.
+//! Unsafe code lives in `device` (driver calls and the simulator), `probe`, `workspace`,
+//! `scope`, `view`, `stream` and `pinned`; every block says why it is sound.
 
 #![deny(unsafe_code)]
 
