@@ -300,7 +300,6 @@ impl<D: Device> DeviceWorkspace<D> {
 
     /// Before opening a cycle: orders what could not be ordered when the last one
     /// closed, and reports errors recorded since.
-    #[cold]
     fn settle(&self) -> Result<()> {
         let mut unjoined = self.unjoined.borrow_mut();
         let mut failure = None;

@@ -101,4 +101,5 @@ on_both!(
     pinned_staging_round_trips_and_is_bounded,
     pinned_workspaces_must_be_bounded,
     pinned_learning_stays_flat_after_warm_up,
+    a_fixed_shape_loop_keeps_device_memory_flat,
 );

@@ -587,3 +587,34 @@ pub(crate) fn pinned_learning_stays_flat_after_warm_up<D: Device>(dev: &D) {
     // arena (8064, a multiple of 64); nothing after warm-up.
     assert_eq!((stats.pinned_allocations, stats.growth_events, stats.capacity), (2, 1, 8064));
 }
+
+/// Scales iteration counts down under valgrind (`CARVE_SOAK_SCALE=10` divides by 10).
+fn scaled(n: usize) -> usize {
+    let scale: usize = std::env::var("CARVE_SOAK_SCALE").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    (n / scale.max(1)).max(1)
+}
+
+pub(crate) fn a_fixed_shape_loop_keeps_device_memory_flat<D: Device>(dev: &D) {
+    let w = ws(dev, WorkspaceConfig::default());
+    let step = |w: &DeviceWorkspace<D>| {
+        let scope = w.enter().unwrap();
+        for n in [32 * 784, 32 * 256, 256 * 10, 32 * 10, 784 * 256] {
+            let mut x = scope.uninit::<f32, _>(n).unwrap();
+            assert_eq!(x.device_ptr_mut() % 256, 0);
+        }
+        scope.zeros::<f32, _>((32, 256)).unwrap();
+    };
+    for _ in 0..3 {
+        step(&w);
+    }
+    let warm = w.stats();
+    for _ in 0..scaled(10_000) {
+        step(&w);
+    }
+    let end = w.stats();
+    // Sized once, from the first cycle (whose six allocations spilled); nothing since.
+    assert_eq!((warm.growth_events, warm.external_allocations), (1, 6));
+    assert_eq!((end.capacity, end.growth_events, end.external_allocations), (warm.capacity, 1, 6));
+    assert!(end.peak_bytes <= end.capacity);
+    assert_eq!(end.cycles, warm.cycles + scaled(10_000) as u64);
+}
