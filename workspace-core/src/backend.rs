@@ -23,6 +23,12 @@ pub trait Block: Send {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Whether every byte holds an initialised value from the start (a memory map
+    /// does; fresh RAM or device memory does not). Only such arenas can give their
+    /// contents back through [`Scope::retained`](crate::Scope::retained).
+    fn is_initialised(&self) -> bool {
+        false
+    }
 }
 
 /// A source of arena and spill blocks.

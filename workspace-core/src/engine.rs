@@ -105,7 +105,9 @@ pub struct Engine<B: ArenaBackend> {
     /// Next free offset in the arena. Invariants: `cursor <= capacity`, and `cursor` is
     /// a multiple of `min_align` unless it equals `capacity`.
     cursor: Cell<usize>,
-    /// The fast path serves `[cursor, fast_limit)`. Equals `capacity`, except: 0 under
+    /// The fast path serves `[cursor, fast_limit)`. 0 while the workspace is closed (so
+    /// nothing is handed out without an open scope); while open it equals `capacity`,
+    /// except: 0 under
     /// spill-everything or after the first spill of a cycle (so the slow path sees
     /// every later allocation and learning counts them), and `open_start` after a
     /// circular workspace wrapped.
@@ -278,14 +280,26 @@ impl<B: ArenaBackend> Engine<B> {
     pub fn backend_kind(&self) -> &'static str {
         self.backend.borrow().kind()
     }
-    /// Runs `f` on the arena block, if any (for backends that need more than the base).
-    pub fn with_arena<R>(&self, f: impl FnOnce(Option<&B::Block>) -> R) -> R {
-        f(self.arena.borrow().as_ref())
+    /// The arena's base and length, if there is an arena.
+    #[inline]
+    pub fn arena_extent(&self) -> Option<(<B::Block as Block>::Base, usize)> {
+        self.arena_base.get().map(|base| (base, self.capacity.get()))
     }
 
-    /// Runs `f` on the arena block (if any) and the spill blocks held now.
-    pub fn with_blocks<R>(&self, f: impl FnOnce(Option<&B::Block>, &[B::Block]) -> R) -> R {
-        f(self.arena.borrow().as_ref(), &self.spills.borrow())
+    /// Whether every byte of the arena holds an initialised value (see
+    /// [`Block::is_initialised`]); false without an arena.
+    pub fn arena_is_initialised(&self) -> bool {
+        self.arena.borrow().as_ref().is_some_and(Block::is_initialised)
+    }
+
+    /// Whether `test` holds for the base and length of the arena or of a spill block
+    /// held now. `test` gets copies, so nothing it does can reach the engine's blocks
+    /// while they are borrowed; it must not enter or leave this workspace.
+    pub(crate) fn any_block(&self, test: impl Fn(<B::Block as Block>::Base, usize) -> bool) -> bool {
+        if self.arena_extent().is_some_and(|(base, len)| test(base, len)) {
+            return true;
+        }
+        self.spills.borrow().iter().any(|block| test(block.base(), block.len()))
     }
 
     pub(crate) fn backend_error(&self, source: BackendError) -> Error {
@@ -299,8 +313,8 @@ impl<B: ArenaBackend> Engine<B> {
     /// [`Error::StillOpen`] while a scope is open.
     pub fn set_spill_everything(&self, on: bool) -> Result<()> {
         self.require_closed("changing the debug mode")?;
+        // Closed, so the fast path is off; `enter` turns it on according to the mode.
         self.spill_everything.set(on);
-        self.fast_limit.set(if on { 0 } else { self.capacity.get() });
         Ok(())
     }
 
@@ -335,6 +349,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
+        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
         self.depth.set(1);
         Ok(Entered::Opened)
     }
@@ -427,9 +442,9 @@ impl<B: ArenaBackend> Engine<B> {
             self.peak.set(self.peak.get().max(bytes));
             self.last_cycle_bytes.set(bytes);
             self.cursor.set(0);
+            self.fast_limit.set(0);
             if self.learning_left.get() > 0 && bytes > 0 {
                 self.learn(bytes);
-                self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
             }
             return;
         }
@@ -459,7 +474,7 @@ impl<B: ArenaBackend> Engine<B> {
         if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
             self.learn(bytes);
         }
-        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
+        self.fast_limit.set(0);
     }
 
     #[cold]
@@ -525,7 +540,6 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(old) = self.arena.borrow_mut().replace(block) {
             backend.release(old);
         }
-        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
         Ok(())
     }
 
@@ -575,12 +589,14 @@ impl<B: ArenaBackend> Engine<B> {
     /// Reserves `size` bytes aligned to `align` in the open cycle and returns the
     /// block base and the offset of the first byte.
     ///
-    /// `size` must be > 0 and `align` a power of two. The caller must hold an open
-    /// scope. Each allocation occupies a multiple of the configured alignment, so
-    /// `bytes_in_use` includes the padding after the last one.
+    /// The region belongs to the cycle of the scope the caller holds: it is handed
+    /// out again once that cycle ends. Each allocation occupies a multiple of the
+    /// configured alignment, so `bytes_in_use` includes the padding after the last one.
     ///
     /// # Errors
     ///
+    /// [`Error::NotOpen`] when no scope is open, [`Error::ZeroLength`] for `size == 0`,
+    /// [`Error::InvalidInput`] when `align` is not a power of two,
     /// [`Error::Exhausted`] (spill policy Fail), [`Error::BudgetExceeded`], or a
     /// backend error from reserving a spill block; the workspace is unchanged.
     #[inline(always)]
@@ -596,13 +612,15 @@ impl<B: ArenaBackend> Engine<B> {
     /// preconditions as `alloc`.
     #[inline(always)]
     pub fn try_alloc_fast(&self, size: usize, align: usize) -> Option<(<B::Block as Block>::Base, usize)> {
-        debug_assert!(self.depth.get() > 0, "allocation outside an open scope");
-        debug_assert!(size > 0 && align.is_power_of_two());
         // The cursor is kept a multiple of `min_align`, so a request aligned to at most
         // that starts right at the cursor, and the dependency from one allocation to
-        // the next is a single add. (`align <= MIN_ALIGN_FLOOR` folds away for
-        // ordinary element types.)
-        if size <= isize::MAX as usize && (align <= MIN_ALIGN_FLOOR || align <= self.min_align) {
+        // the next is a single add. (The alignment tests fold away for the constant
+        // alignment of an element type; one compare covers `0 < size <= isize::MAX`.)
+        // A closed workspace has `fast_limit == 0`, so nothing passes here then.
+        if size.wrapping_sub(1) < isize::MAX as usize
+            && align.is_power_of_two()
+            && (align <= MIN_ALIGN_FLOOR || align <= self.min_align)
+        {
             let cursor = self.cursor.get();
             // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
             let end = cursor + ((size + self.align_mask) & !self.align_mask);
@@ -638,6 +656,18 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        if self.depth.get() == 0 {
+            return Err(Error::NotOpen { workspace: self.name.clone(), action: "allocating" });
+        }
+        if size == 0 {
+            return Err(Error::ZeroLength { workspace: self.name.clone(), shape: vec![0] });
+        }
+        if !align.is_power_of_two() {
+            return Err(Error::InvalidInput(format!(
+                "allocation in workspace '{}' asked for alignment {align}, which is not a power of two",
+                self.name
+            )));
+        }
         let align = align.max(self.min_align);
         let capacity = self.capacity.get();
         let cursor = self.cursor.get();

@@ -142,16 +142,13 @@ impl<'ws> Scope<'ws> {
 
     /// Where the memory at `ptr` lives relative to this scope's arena.
     pub fn placement<T>(&self, ptr: *const T) -> Placement {
-        self.workspace_ref().engine.with_arena(|arena| {
-            let Some(arena) = arena else { return Placement::Elsewhere };
-            let base = crate::backend::Block::base(arena).as_ptr() as usize;
-            let addr = ptr as usize;
-            if addr >= base && addr < base + crate::backend::Block::len(arena) {
-                Placement::Arena(addr - base)
-            } else {
-                Placement::Elsewhere
-            }
-        })
+        let Some((base, len)) = self.workspace_ref().engine.arena_extent() else { return Placement::Elsewhere };
+        let (base, addr) = (base.as_ptr() as usize, ptr as usize);
+        if addr >= base && addr < base + len {
+            Placement::Arena(addr - base)
+        } else {
+            Placement::Elsewhere
+        }
     }
 
     /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
@@ -310,7 +307,7 @@ impl<'ws> Scope<'ws> {
     pub unsafe fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         let not_initialised = |backend| Error::NotInitialised { workspace: self.target_name().clone(), backend };
         let ws = self.workspace_ref();
-        if !ws.engine.with_arena(|arena| arena.is_some_and(|a| a.is_initialised())) {
+        if !ws.engine.arena_is_initialised() {
             return Err(not_initialised(ws.engine.backend_kind()));
         }
         let shape = shape.into_shape_with_order();

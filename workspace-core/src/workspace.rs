@@ -4,8 +4,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::backend::host::{HostBackend, HostBlock};
-use crate::backend::Block;
+use crate::backend::host::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::engine::{Engine, Entered, WorkspaceStats};
 use crate::error::{Error, Result};
@@ -254,11 +253,10 @@ impl Workspace {
     pub fn contains(&self, ptr: *const u8, bytes: usize) -> bool {
         let start = ptr as usize;
         let Some(end) = start.checked_add(bytes) else { return false };
-        let inside = |block: &HostBlock| {
-            let base = block.base().as_ptr() as usize;
-            start >= base && end <= base + block.len()
-        };
-        self.engine.with_blocks(|arena, spills| arena.is_some_and(inside) || spills.iter().any(inside))
+        self.engine.any_block(|base, len| {
+            let base = base.as_ptr() as usize;
+            start >= base && end <= base + len
+        })
     }
 
     /// Largest bytes in use (arena and spills) since creation or [`Workspace::reset_peak`];

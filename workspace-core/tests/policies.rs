@@ -564,3 +564,27 @@ fn allocator_api2_containers_live_in_the_workspace() {
     assert_eq!(map[&9], 81);
     assert!(w.bytes_in_use() >= 4000 + 100 * 16, "vector and map live in the arena");
 }
+
+#[test]
+fn the_engine_hands_out_nothing_without_an_open_scope_and_rejects_bad_requests() {
+    let w = ws(strict().learning(LearningPolicy::None).initial_size(1 << 16).build().unwrap());
+    let engine = w.engine();
+    assert!(engine.try_alloc_fast(64, 16).is_none(), "closed: the fast path is off");
+    let err = engine.alloc(64, 16).unwrap_err();
+    assert!(matches!(err, Error::NotOpen { .. }), "{err:?}");
+    assert!(err.to_string().contains("allocating needs an open cycle"), "{err}");
+    {
+        let scope = w.enter().unwrap();
+        assert!(matches!(engine.alloc(0, 16), Err(Error::ZeroLength { .. })));
+        let err = engine.alloc(64, 24).unwrap_err();
+        assert!(err.to_string().contains("alignment 24, which is not a power of two"), "{err}");
+        let (_, offset) = engine.alloc(64, 16).unwrap();
+        assert_eq!(offset, 0, "the rejected requests took nothing");
+        assert!(scope.zeros::<f32, _>(16).is_ok());
+    }
+    assert!(engine.try_alloc_fast(64, 16).is_none(), "closed again: off again");
+    let scope = w.enter().unwrap();
+    assert_eq!(engine.alloc(64, 16).unwrap().1, 0, "a new cycle starts at the arena's start");
+    drop(scope);
+    assert_eq!(w.stats().cycles, 2);
+}

@@ -265,15 +265,12 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     /// transfers: it looks at the address only).
     pub fn placement<T, Dim: Dimension>(&self, array: &PinnedArray<'_, D, T, Dim>) -> Placement {
         let address = array.ptr.as_ptr() as usize;
-        self.ws.engine.with_arena(|arena| {
-            let Some(arena) = arena else { return Placement::Elsewhere };
-            let base = workspace_core::Block::base(arena).as_ptr() as usize;
-            if address >= base && address - base < workspace_core::Block::len(arena) {
-                Placement::Arena(address - base)
-            } else {
-                Placement::Elsewhere
+        match self.ws.engine.arena_extent() {
+            Some((base, len)) if address >= base.as_ptr() as usize && address - (base.as_ptr() as usize) < len => {
+                Placement::Arena(address - base.as_ptr() as usize)
             }
-        })
+            _ => Placement::Elsewhere,
+        }
     }
 
     /// A zero-filled pinned array.

@@ -55,18 +55,12 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// Where `view`'s memory lies relative to this workspace's arena.
     pub fn placement<T, Dim: Dimension>(&self, view: &DeviceView<'_, D, T, Dim>) -> Placement {
         let address = view.address;
-        self.ws.engine().with_arena(|arena| match arena {
-            Some(arena) => {
-                let base = workspace_core::Block::base(arena);
-                let len = workspace_core::Block::len(arena) as u64;
-                if address >= base && address - base < len {
-                    Placement::Arena(usize::try_from(address - base).unwrap_or(usize::MAX))
-                } else {
-                    Placement::Elsewhere
-                }
+        match self.ws.engine().arena_extent() {
+            Some((base, len)) if address >= base && address - base < len as u64 => {
+                Placement::Arena(usize::try_from(address - base).unwrap_or(usize::MAX))
             }
-            None => Placement::Elsewhere,
-        })
+            _ => Placement::Elsewhere,
+        }
     }
 
     /// Reserves memory for `dim` elements of `T` in the open cycle.

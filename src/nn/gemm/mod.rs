@@ -10,7 +10,7 @@
 //! High-Performance Matrix Multiplication", ACM TOMS 2008): for each `KC`-deep slice
 //! of the shared dimension, a `KC × NC` block of B is packed into `NR`-wide panels
 //! (kept in L2/L3), then each `MC × KC` block of A into `MR`-tall panels (kept in L2),
-//! and a register-blocked micro-kernel ([`kernel`]) multiplies one panel pair into an
+//! and a register-blocked micro-kernel (module `kernel`) multiplies one panel pair into an
 //! `MR × NR` tile of C. Packing makes every operand layout (row-major, transposed,
 //! strided views) run the same unit-stride kernel.
 //!

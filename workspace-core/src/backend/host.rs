@@ -51,11 +51,6 @@ pub struct HostBlock {
 unsafe impl Send for HostBlock {}
 
 impl HostBlock {
-    /// Whether every byte is initialised (true for memory maps, false for RAM).
-    pub fn is_initialised(&self) -> bool {
-        self.initialised
-    }
-
     fn ram(bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         let oom = || BackendError::OutOfMemory { bytes, align };
         // Large blocks start on a huge-page boundary so the kernel can back them with
@@ -116,6 +111,10 @@ impl Block for HostBlock {
     #[inline(always)]
     fn len(&self) -> usize {
         self.len
+    }
+    /// True for memory maps, false for RAM.
+    fn is_initialised(&self) -> bool {
+        self.initialised
     }
 }
 
