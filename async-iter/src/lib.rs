@@ -60,7 +60,7 @@
 //!
 //! | concept | type |
 //! |---|---|
-//! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset` |
+//! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset`; or use [`InMemory`] |
 //! | a batch's arrays | [`BatchLayout`], [`Role`], [`ElementType`] |
 //! | filling a batch | [`BatchMut`] (writable views, zeroed) |
 //! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`] |
@@ -104,6 +104,7 @@ mod detached;
 mod error;
 #[allow(unsafe_code)]
 mod handoff;
+mod in_memory;
 mod layout;
 #[allow(unsafe_code)]
 mod lease;
@@ -121,6 +122,7 @@ mod view;
 
 pub use detached::DetachedBatch;
 pub use error::{Error, LayoutError, Result, SourceCall, SourceError};
+pub use in_memory::InMemory;
 pub use layout::{ArraySpec, BatchLayout, ElementType, Role, ARRAY_ALIGN, MAX_DIMS};
 pub use lease::Lease;
 pub use prefetcher::{Prefetcher, PrefetcherBuilder, Threading, MAX_DEPTH};
