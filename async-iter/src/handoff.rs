@@ -47,7 +47,7 @@ use crossbeam::utils::CachePadded;
 use crate::error::Error;
 use crate::layout::BatchLayout;
 use crate::ring::Region;
-use crate::stats::{add_wait, Counters};
+use crate::stats::{add_wait, bump, Counters};
 use crate::sync::{lock, AtomicUsize, Backoff, Condvar, ConstPtr, MutPtr, Mutex, UnsafeCell};
 use crate::view::BatchRef;
 
@@ -322,7 +322,7 @@ impl SlotWriter<'_> {
         unsafe { *self.cell.deref() = Some(descriptor) };
         let SlotWriter { shared, cell } = self;
         drop(cell); // the claim ends before the batch is visible
-        shared.counters.producer.produced.fetch_add(1, Ordering::Relaxed);
+        bump(&shared.counters.producer.produced);
         shared.ready.advance(1);
     }
 }

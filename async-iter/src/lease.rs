@@ -7,7 +7,6 @@
 //! first.
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 
 use bytemuck::Pod;
 use ndarray::{Array, ArrayView, Dimension};
@@ -16,6 +15,7 @@ use crate::detached::DetachedBatch;
 use crate::error::Error;
 use crate::handoff::{Available, Shared, SlotReader};
 use crate::layout::{BatchLayout, Role};
+use crate::stats::bump;
 use crate::sync::Arc;
 use crate::view::BatchRef;
 
@@ -100,7 +100,7 @@ impl Consumer {
         // run while the lease's borrow lasts, and the leaked reader is never used again.
         let reader = unsafe { self.shared.take(index) };
         self.taken += 1;
-        self.shared.counters.consumer.consumed.fetch_add(1, Ordering::Relaxed);
+        bump(&self.shared.counters.consumer.consumed);
         Lease { consumer: self, reader: Some(reader) }
     }
 

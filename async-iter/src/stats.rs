@@ -38,6 +38,12 @@ pub(crate) struct ConsumerCounters {
     pub(crate) wait_ns: AtomicU64,
 }
 
+/// Adds one to a counter that only the calling side writes: a plain load and store,
+/// as no other writer can interleave, instead of a locked read-modify-write per batch.
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+}
+
 /// Adds `waited` to a nanosecond counter.
 pub(crate) fn add_wait(counter: &AtomicU64, waited: Duration) {
     counter.fetch_add(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
