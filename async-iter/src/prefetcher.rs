@@ -262,7 +262,7 @@ where
     /// [`Error::ProducerLost`] when the producer cannot run again; [`Error::Spawn`].
     pub fn reset(&mut self) -> Result<(), Error> {
         self.stop();
-        let producer = match mem::replace(&mut self.producer, ProducerState::Lost(String::new())) {
+        let mut producer = match mem::replace(&mut self.producer, ProducerState::Lost(String::new())) {
             ProducerState::Idle(producer) if !self.poisoned => producer,
             ProducerState::Idle(producer) => {
                 self.producer = ProducerState::Idle(producer);
@@ -277,7 +277,6 @@ where
         let epoch = self.consumer.epoch() + 1;
         self.consumer.shared.reset_epoch();
         self.consumer.start_epoch(epoch);
-        let mut producer = producer;
         if let Err(err) = producer.reset(epoch) {
             self.consumer.end();
             self.producer = ProducerState::Idle(producer);
