@@ -23,8 +23,13 @@
 //! # Waiting
 //!
 //! A side that finds the other's word not ready spins briefly (crossbeam's
-//! `Backoff`), then parks on the word's condition variable. To park it sets the
-//! word's `SLEEPING` bit with a compare-and-swap *under the word's lock*, and only if
+//! `Backoff`), then yields its core until the wait has lasted [`PARK_AFTER`] (50 µs),
+//! then parks on the word's condition variable: waking a parked thread costs the
+//! other side a system call and the sleeper tens of microseconds, which would add to
+//! every batch when producer and consumer run at about the same pace.
+//!
+//! To park, a side sets the word's `SLEEPING` bit with a compare-and-swap *under the
+//! word's lock*, and only if
 //! the word is unchanged since it last looked; every writer's read-modify-write then
 //! sees the bit, takes the lock (so it cannot slip in between the swap and the wait),
 //! clears the bit and notifies. Count and flags share the word, so no store can be
@@ -40,7 +45,7 @@
 //! model; likewise the ring block a lease points into (see `Region::token`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam::utils::CachePadded;
 
@@ -60,6 +65,8 @@ const ONE: usize = 4;
 /// Spins of a wait before its time is measured (crossbeam's `Backoff` spins, without
 /// yielding, for its first seven snoozes; under loom it parks at once).
 const UNTIMED_SPINS: u32 = if cfg!(loom) { 0 } else { 7 };
+/// How long a wait spins and yields before it parks (under loom it parks at once).
+const PARK_AFTER: Duration = if cfg!(loom) { Duration::ZERO } else { Duration::from_micros(50) };
 /// Counts are compared modulo `2^(usize::BITS - 2)`.
 const COUNT_MASK: usize = usize::MAX >> 2;
 
@@ -140,7 +147,10 @@ impl Signal {
                 start = Some(Instant::now());
             }
             spins += 1;
-            if !backoff.is_completed() {
+            // Spin, then yield the core, and park only once the wait has lasted a while:
+            // waking a parked thread costs a system call on the other side and tens of
+            // microseconds of latency, more than a short wait lasts.
+            if !backoff.is_completed() || start.is_some_and(|start| start.elapsed() < PARK_AFTER) {
                 backoff.snooze();
                 continue;
             }
