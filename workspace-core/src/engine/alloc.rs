@@ -1,0 +1,210 @@
+//! Allocation: the one-add fast path in the arena, and everything else on the cold
+//! path — wrapping a circular workspace, spilling to separate blocks (counted for
+//! learning), and the errors.
+
+use super::{align_up, Engine, FIRST_SPILL_CHUNK, MIN_ALIGN_FLOOR};
+use crate::backend::{ArenaBackend, Block};
+use crate::config::{ResetPolicy, SpillPolicy};
+use crate::error::{Error, Result};
+
+impl<B: ArenaBackend> Engine<B> {
+    /// Reserves `size` bytes aligned to `align` in the open cycle and returns the
+    /// block base and the offset of the first byte.
+    ///
+    /// The region belongs to the cycle of the scope the caller holds: it is handed
+    /// out again once that cycle ends. Each allocation occupies a multiple of the
+    /// configured alignment, so `bytes_in_use` includes the padding after the last one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when no scope is open, [`Error::ZeroLength`] for `size == 0`,
+    /// [`Error::InvalidInput`] when `align` is not a power of two,
+    /// [`Error::Exhausted`] (spill policy Fail), [`Error::BudgetExceeded`], or a
+    /// backend error from reserving a spill block; the workspace is unchanged.
+    #[inline(always)]
+    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        match self.try_alloc_fast(size, align) {
+            Some(placed) => Ok(placed),
+            None => self.alloc_slow(size, align),
+        }
+    }
+
+    /// The fast path of [`Engine::alloc`]: a bump in the arena, or `None` when the
+    /// request needs the slow path (which [`Engine::alloc_slow`] takes). Same
+    /// preconditions as `alloc`.
+    #[inline(always)]
+    pub fn try_alloc_fast(&self, size: usize, align: usize) -> Option<(<B::Block as Block>::Base, usize)> {
+        // The cursor is kept a multiple of `min_align`, so a request aligned to at most
+        // that starts right at the cursor, and the dependency from one allocation to
+        // the next is a single add. (The alignment tests fold away for the constant
+        // alignment of an element type; one compare covers `0 < size <= isize::MAX`.)
+        // A closed workspace has `fast_limit == 0`, so nothing passes here then.
+        if size.wrapping_sub(1) < isize::MAX as usize
+            && align.is_power_of_two()
+            && (align <= MIN_ALIGN_FLOOR || align <= self.min_align)
+        {
+            let cursor = self.cursor.get();
+            // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
+            let end = cursor + ((size + self.align_mask) & !self.align_mask);
+            if end <= self.fast_limit.get() {
+                // `end > 0`, so `fast_limit > 0`: the arena exists (`fast_limit <= capacity`,
+                // and `capacity > 0` exactly when there is an arena).
+                let base = self.arena_base.get();
+                debug_assert!(
+                    base.is_some() && cursor.is_multiple_of(self.min_align) && cursor + size <= self.capacity.get()
+                );
+                if let Some(base) = base {
+                    self.cursor.set(end);
+                    return Some((base, cursor));
+                }
+            }
+        }
+        None
+    }
+
+    /// Moves the cursor past an allocation ending at `end`, keeping it a multiple of
+    /// `min_align` (or at the end of the arena).
+    fn advance_to(&self, end: usize) {
+        let aligned = align_up(end, self.min_align).unwrap_or(usize::MAX);
+        self.cursor.set(aligned.min(self.capacity.get()));
+    }
+
+    /// Everything [`Engine::try_alloc_fast`] does not serve: spilling, wrapping,
+    /// allocations after a spill (counted for learning), and errors.
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::alloc`].
+    #[cold]
+    #[inline(never)]
+    pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        if self.depth.get() == 0 {
+            return Err(Error::NotOpen { workspace: self.name.clone(), action: "allocating" });
+        }
+        if size == 0 {
+            return Err(Error::ZeroLength { workspace: self.name.clone(), shape: vec![0] });
+        }
+        if !align.is_power_of_two() {
+            return Err(Error::InvalidInput(format!(
+                "allocation in workspace '{}' asked for alignment {align}, which is not a power of two",
+                self.name
+            )));
+        }
+        let align = align.max(self.min_align);
+        let capacity = self.capacity.get();
+        let cursor = self.cursor.get();
+        let arena_ok = !self.spill_everything.get() && align <= self.base_alignment;
+        if arena_ok {
+            if let Some(base) = self.arena_base.get() {
+                // Does it fit in the arena after all (the fast path was off)?
+                let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
+                if let Some(start) = align_up(cursor, align) {
+                    if start.checked_add(size).is_some_and(|end| end <= limit) {
+                        self.advance_to(start + size);
+                        self.count_virtual(size, align);
+                        return Ok((base, start));
+                    }
+                }
+                // Circular: wrap to the start if that overwrites nothing handed out
+                // since the workspace was opened.
+                if self.config.reset() == ResetPolicy::EndOfBuffer
+                    && !self.wrapped.get()
+                    && size <= self.open_start.get()
+                {
+                    self.wrapped.set(true);
+                    self.wrap_waste.set(capacity - cursor);
+                    self.wraps.set(self.wraps.get() + 1);
+                    self.advance_to(size);
+                    if self.virtual_cursor.get().is_none() {
+                        self.fast_limit.set(self.open_start.get());
+                    }
+                    self.count_virtual(size, align);
+                    return Ok((base, 0));
+                }
+            }
+        }
+        let learning = self.learning_left.get() > 0;
+        if !learning && !self.spill_everything.get() && self.config.spill() == SpillPolicy::Fail {
+            return Err(self.exhausted(size, align, cursor));
+        }
+        self.spill(size, align)
+    }
+
+    fn exhausted(&self, size: usize, align: usize, cursor: usize) -> Error {
+        let capacity = self.capacity.get();
+        let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
+        Error::Exhausted {
+            workspace: self.name.clone(),
+            requested: size,
+            available: limit.saturating_sub(align_up(cursor, align).unwrap_or(usize::MAX)),
+            capacity,
+        }
+    }
+
+    /// Counts a request toward the contiguous size this cycle needs. The first call
+    /// in a cycle starts from the arena bytes used so far and turns the fast path
+    /// off, so every later allocation is counted here too.
+    fn count_virtual(&self, size: usize, align: usize) {
+        if let Some(v) = self.virtual_cursor.get() {
+            let start = align_up(v, align).unwrap_or(usize::MAX);
+            self.virtual_cursor.set(Some(start.saturating_add(size)));
+        }
+    }
+
+    fn start_virtual(&self) {
+        if self.virtual_cursor.get().is_none() {
+            self.virtual_cursor.set(Some(self.cycle_bytes()));
+            self.fast_limit.set(0);
+        }
+    }
+
+    fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        let max = self.config.max_size();
+        let held = self.capacity.get() + self.spilled_in_use.get();
+        if held.checked_add(size).is_none_or(|total| total > max) {
+            return Err(Error::BudgetExceeded {
+                workspace: self.name.clone(),
+                requested: size,
+                in_use: held,
+                max_size: max,
+            });
+        }
+        // Room in the current spill block?
+        let fits = self.spill_base.get().filter(|_| align <= self.spill_align.get()).and_then(|base| {
+            let start = align_up(self.spill_cursor.get(), align)?;
+            let end = start.checked_add(size)?;
+            (end <= self.spill_limit.get()).then_some((base, start, end))
+        });
+        let (base, start) = match fits {
+            Some((base, start, end)) if !self.spill_everything.get() => {
+                self.spill_cursor.set(end);
+                (base, start)
+            }
+            _ => {
+                let chunk = if self.spill_everything.get() {
+                    size
+                } else {
+                    let doubled = self.spill_held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
+                    let room = max.saturating_sub(held).max(size);
+                    doubled.min(room).max(size)
+                };
+                let block =
+                    self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?;
+                let base = block.base();
+                self.spill_held.set(self.spill_held.get() + block.len());
+                self.spill_base.set(Some(base));
+                self.spill_align.set(align);
+                self.spill_cursor.set(size);
+                self.spill_limit.set(block.len());
+                self.spills.borrow_mut().push(block);
+                (base, 0)
+            }
+        };
+        self.start_virtual();
+        self.count_virtual(size, align);
+        self.spilled_in_use.set(self.spilled_in_use.get() + size);
+        self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
+        self.external_allocations.set(self.external_allocations.get() + 1);
+        Ok((base, start))
+    }
+}

@@ -1,0 +1,110 @@
+//! Statistics: cheap snapshots readable while arrays are alive, the peak and the
+//! timeline of cycle sizes.
+
+use serde::Serialize;
+
+use super::Engine;
+use crate::backend::ArenaBackend;
+use crate::config::ResetPolicy;
+
+/// A snapshot of one workspace's statistics.
+///
+/// Cheap to take and readable while arrays are alive (it needs only `&self`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct WorkspaceStats {
+    /// The workspace's name.
+    pub name: String,
+    /// The backend kind ("ram", "mmap-file", ...).
+    pub backend: &'static str,
+    /// Arena capacity in bytes.
+    pub capacity: usize,
+    /// Arena bytes handed out since the workspace was opened (0 when closed, except
+    /// for circular workspaces, which report bytes handed out in the last open period).
+    pub bytes_in_use: usize,
+    /// Bytes held in spill blocks, freed at the next reset.
+    pub spilled_in_use: usize,
+    /// Largest `bytes_in_use + spilled_in_use` seen since creation or `reset_peak`.
+    pub peak_bytes: usize,
+    /// Total bytes of allocations that spilled, over the workspace's life.
+    pub bytes_spilled: u64,
+    /// Number of allocations that spilled, over the workspace's life.
+    pub external_allocations: u64,
+    /// Number of pinned host allocations (device staging; always 0 on the host).
+    pub pinned_allocations: u64,
+    /// Completed cycles.
+    pub cycles: u64,
+    /// Current generation (one per real enter).
+    pub generation: u64,
+    /// Times the arena was reallocated larger.
+    pub growth_events: u64,
+    /// Times a circular workspace wrapped to the start of its buffer.
+    pub wraps: u64,
+    /// The size learned, once learning is complete.
+    pub learned_size: Option<usize>,
+    /// Bytes the last completed cycle needed.
+    pub last_cycle_bytes: usize,
+    /// Scopes open now (0: closed).
+    pub open_scopes: usize,
+}
+
+impl<B: ArenaBackend> Engine<B> {
+    /// Arena bytes handed out in the current (or, when closed, the last) open period.
+    pub fn bytes_in_use(&self) -> usize {
+        if self.depth.get() == 0 && self.config.reset() == ResetPolicy::BlockLeft {
+            return 0;
+        }
+        self.open_bytes()
+    }
+
+    /// Next free arena offset (for tests and diagnostics).
+    pub fn cursor(&self) -> usize {
+        self.cursor.get()
+    }
+
+    /// Bytes held in spill blocks of the open cycle, freed at the next reset.
+    pub fn spilled_in_use(&self) -> usize {
+        self.spilled_in_use.get()
+    }
+
+    /// Largest `bytes_in_use + spilled_in_use` since creation or `reset_peak` (as in
+    /// the statistics, without building them).
+    pub fn peak(&self) -> usize {
+        self.peak.get().max(self.bytes_in_use() + self.spilled_in_use.get())
+    }
+
+    /// Restarts the peak from the bytes in use now.
+    pub fn reset_peak(&self) {
+        self.peak.set(self.bytes_in_use() + self.spilled_in_use.get());
+    }
+
+    /// The per-cycle sizes kept for plots, oldest first.
+    pub fn timeline(&self) -> Vec<usize> {
+        self.timeline.borrow().iter().copied().collect()
+    }
+
+    /// A statistics snapshot.
+    pub fn stats(&self) -> WorkspaceStats {
+        let in_use = self.bytes_in_use();
+        let spilled = self.spilled_in_use.get();
+        WorkspaceStats {
+            name: self.name.to_string(),
+            backend: self.backend_kind(),
+            capacity: self.capacity.get(),
+            bytes_in_use: in_use,
+            spilled_in_use: spilled,
+            peak_bytes: self.peak.get().max(in_use + spilled),
+            bytes_spilled: self.bytes_spilled.get(),
+            external_allocations: self.external_allocations.get(),
+            pinned_allocations: 0,
+            // Every real enter starts a generation; the open one has not completed.
+            cycles: self.generation.get() - u64::from(self.depth.get() > 0),
+            generation: self.generation.get(),
+            growth_events: self.growth_events.get(),
+            wraps: self.wraps.get(),
+            learned_size: self.learned.get(),
+            last_cycle_bytes: self.last_cycle_bytes.get(),
+            open_scopes: self.depth.get(),
+        }
+    }
+}
