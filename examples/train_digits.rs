@@ -3,10 +3,15 @@
 //!
 //! The reference network [`carve::nn`] (64-128-64-10 by default, ReLU, softmax
 //! cross-entropy, Adam) is trained on `examples/data/digits.csv.gz` (1797 8×8 images,
-//! pixels scaled to 0..1) with a stratified 80/20 train/test split. Batches are gathered
-//! into one buffer allocated before training, so the loop itself allocates nothing; a
-//! counting global allocator brackets every `fit_batch` call, and `getrusage` counts the
-//! minor page faults around it. After each epoch, outside that bracket and outside the
+//! pixels scaled to 0..1) with a stratified 80/20 train/test split. Batches come from an
+//! [`async_iter::Prefetcher`](carve::async_iter::Prefetcher) over the training rows
+//! ([`InMemory`](carve::async_iter::InMemory), shuffled every epoch from the seed): a
+//! producer thread fills them `--prefetch-depth` batches ahead into a ring workspace, and
+//! `fit_batch` reads each one in place (with `--workspace-mode none` the prefetcher, too,
+//! gives every batch a fresh heap block). A counting global allocator counts the training
+//! thread's heap allocations around every `fit_batch` call, and
+//! `getrusage(RUSAGE_THREAD)` its minor page faults. After each epoch, outside that
+//! bracket and outside the
 //! epoch's time, the network is evaluated on the test set; the epoch's progress bar (or,
 //! without a terminal, a plain line every 10 epochs) shows its mean loss and that test
 //! accuracy. At the end a table shows, per workspace mode, the test accuracy, the median
@@ -31,6 +36,7 @@
 //! | `--hidden 128,64` | `128,64` | hidden layer widths, comma-separated |
 //! | `--lr X` | 0.001 | Adam learning rate |
 //! | `--seed N` | 0 | seed of the split, the weights and the batch order |
+//! | `--prefetch-depth N` | 2 | batches the prefetcher fills ahead on its thread; 0: inline in the training thread (shield mode) |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
 //!
@@ -69,30 +75,32 @@
 //! | `steady_state_allocs_per_iter` | heap allocations per `fit_batch` call after epoch 1 (mean; `null` if 1 epoch) |
 //! | `steady_state_alloc_bytes_per_iter` | bytes those allocations requested (mean; `null` with one epoch) |
 //! | `iter_us_median` | median µs of a `fit_batch` call after epoch 1 (of every call with one epoch) |
-//! | `epoch_ms_median` | median ms of an epoch after epoch 1: shuffle, batches, training (not the evaluation) |
+//! | `epoch_ms_median` | median ms of an epoch after epoch 1: waiting for batches and training (not the evaluation) |
 //! | `workspace_bytes` | capacity of the training workspaces at the end (0 with workspaces off) |
 //! | `peak_rss_bytes` | peak RSS as above, in bytes (`null` where `/proc/self/status` cannot be read) |
 //! | `peak_rss_scope` | `"mode_epochs"` (per mode, as above) or `"process"` (the fallback) |
 //! | `test_accuracy_per_epoch` | the test accuracy after each epoch, as shown by the progress bars |
 //!
-//! Further keys (`train_accuracy`, `steady_state_iterations`,
+//! Further keys (`train_accuracy`, `steady_state_iterations`, `prefetch` (depth, ring
+//! bytes, growths, batches, waits),
 //! `steady_state_faults_per_iter`, `steady_state_allocs_max`, `warmup_allocs`,
 //! `workspace_bytes_in_use`) add detail.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::error::Error;
 use std::fs::File;
 use std::io::{BufReader, IsTerminal};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use carve::async_iter::{InMemory, PrefetchStats, Prefetcher, Threading, MAX_DEPTH};
 use carve::nn::{Network, NetworkConfig, Rng, Updater};
 use carve::WorkspaceMode;
 use clap::Parser;
 use flate2::read::GzDecoder;
 use indicatif::{ProgressBar, ProgressStyle};
-use ndarray::{s, Array1, Array2, Axis};
+use ndarray::{Array1, Array2, Axis, Ix1, Ix2};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use sha2::{Digest, Sha256};
@@ -107,20 +115,27 @@ const CLASSES: usize = 10;
 const MAX_WIDTH: usize = 1 << 16;
 
 // ---------------------------------------------------------------------------------
-// Counting allocator: every allocation of the process, counted with atomics.
+// Counting allocator: every allocation, counted per thread (the training thread's
+// count is what the trace records; the prefetcher's producer thread counts its own).
 
 struct CountingAlloc;
 
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// This thread's (allocations, bytes requested). Const-initialised and without a
+    /// destructor, so reading it never allocates.
+    static COUNTS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
 
 fn count(bytes: usize) {
-    ALLOCS.fetch_add(1, Ordering::Relaxed);
-    ALLOC_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+    // `try_with`: a thread that is being torn down still allocates, uncounted.
+    let _ = COUNTS.try_with(|c| {
+        let (n, b) = c.get();
+        c.set((n + 1, b + bytes as u64));
+    });
 }
 
 // SAFETY: every method forwards to `System` with the caller's arguments unchanged; the
-// bookkeeping only touches two atomics and never allocates.
+// bookkeeping only touches a const thread-local cell and never allocates.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         count(layout.size());
@@ -149,18 +164,23 @@ unsafe impl GlobalAlloc for CountingAlloc {
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
 
-/// Allocations (including reallocations) and bytes requested so far, process-wide.
+/// Allocations (including reallocations) and bytes requested so far by this thread.
 fn alloc_counters() -> (u64, u64) {
-    (ALLOCS.load(Ordering::Relaxed), ALLOC_BYTES.load(Ordering::Relaxed))
+    COUNTS.with(Cell::get)
 }
 
-/// Minor page faults of the process so far.
+/// Minor page faults of this thread so far (of the process where the OS cannot count
+/// per thread).
 fn minor_faults() -> u64 {
     // SAFETY: `getrusage` only writes into the struct it is given, for which all-zero
     // bytes are a valid value.
     unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
-        if libc::getrusage(libc::RUSAGE_SELF, &mut usage) != 0 {
+        #[cfg(target_os = "linux")]
+        let who = libc::RUSAGE_THREAD;
+        #[cfg(not(target_os = "linux"))]
+        let who = libc::RUSAGE_SELF;
+        if libc::getrusage(who, &mut usage) != 0 {
             return 0;
         }
         usage.ru_minflt as u64
@@ -254,6 +274,11 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 0)]
     seed: u64,
 
+    /// Batches the prefetcher fills ahead on its own thread; 0 fills them inline in the
+    /// training thread (the prefetcher's shield mode)
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_depth)]
+    prefetch_depth: usize,
+
     /// Print the results as one JSON object on the last line of stdout (no progress bars)
     #[arg(long)]
     json: bool,
@@ -280,6 +305,14 @@ fn parse_count(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".to_string()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("'{s}' is not a positive integer ({e})")),
+    }
+}
+
+fn parse_depth(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > MAX_DEPTH => Err(format!("a prefetch depth of {n} is above the limit of {MAX_DEPTH}")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}' is not a non-negative integer ({e})")),
     }
 }
 
@@ -382,9 +415,8 @@ fn load_digits(path: &Path) -> Res<Dataset> {
 }
 
 /// Stratified split: per class, the rows are shuffled and 20% (rounded) go to the
-/// test set. Returns (train rows, test rows) and the generator, which goes on to
-/// shuffle the batches.
-fn stratified_split(labels: &Array1<u32>, seed: u64) -> (Vec<usize>, Vec<usize>, Rng) {
+/// test set. Returns (train rows, test rows).
+fn stratified_split(labels: &Array1<u32>, seed: u64) -> (Vec<usize>, Vec<usize>) {
     let mut rng = Rng::new(seed);
     let (mut train, mut test) = (Vec::new(), Vec::new());
     for class in 0..CLASSES as u32 {
@@ -394,7 +426,7 @@ fn stratified_split(labels: &Array1<u32>, seed: u64) -> (Vec<usize>, Vec<usize>,
         test.extend_from_slice(&rows[..n_test]);
         train.extend_from_slice(&rows[n_test..]);
     }
-    (train, test, rng)
+    (train, test)
 }
 
 fn subset(data: &Dataset, rows: &[usize]) -> Dataset {
@@ -465,19 +497,33 @@ impl Trace {
     }
 }
 
-/// One mode's network, batch order and measurements.
+/// One mode's network, prefetched batches and measurements.
 struct Run {
     mode: WorkspaceMode,
     net: Network,
-    order: Vec<usize>,
-    rng: Rng,
+    batches: Prefetcher<InMemory<f32, u32>>,
+    batches_per_epoch: usize,
+    batch_size: usize,
     trace: Trace,
 }
 
-/// The batch buffers, allocated once and reused by every iteration (and both modes).
-struct BatchBuffers {
-    x: Array2<f32>,
-    y: Array1<u32>,
+/// The prefetcher of one mode's training batches: the rows shuffled every epoch from
+/// `seed` (the same order in both modes), filled `depth` batches ahead into a ring
+/// workspace (fresh heap blocks with workspaces off); depth 0 fills inline.
+fn prefetcher(
+    train: &Dataset,
+    batch: usize,
+    seed: u64,
+    depth: usize,
+    mode: WorkspaceMode,
+) -> Res<Prefetcher<InMemory<f32, u32>>> {
+    let source = InMemory::new(train.x.clone(), train.y.clone(), batch)?.shuffled(seed);
+    let builder = Prefetcher::builder(source).workspace_mode(mode);
+    let builder = match depth {
+        0 => builder.threading(Threading::Shield),
+        depth => builder.depth(depth),
+    };
+    Ok(builder.build()?)
 }
 
 struct Progress {
@@ -486,30 +532,19 @@ struct Progress {
     style: ProgressStyle,
 }
 
-/// The data of an epoch: the training rows, the test rows to evaluate on afterwards,
-/// and the batch buffers.
-struct EpochData<'d> {
-    train: &'d Dataset,
-    test: &'d Dataset,
-    buf: &'d mut BatchBuffers,
-}
-
 /// Trains one epoch of `run`, then evaluates it on the test set. Only the training
 /// loop is timed and only `fit_batch` calls are counted; the evaluation comes after
 /// both, inside the epoch's peak-RSS window.
 fn train_epoch(
     run: &mut Run,
     (epoch, epochs): (usize, usize),
-    data: &mut EpochData<'_>,
+    test: &Dataset,
     progress: &Progress,
     rss: &mut RssMeter,
 ) -> Res<()> {
-    let EpochData { train, test, buf } = data;
     rss.epoch_starts();
     let start = Instant::now();
-    run.rng.shuffle(&mut run.order);
-    let batch = buf.x.nrows();
-    let batches = run.order.len().div_ceil(batch);
+    let batches = run.batches_per_epoch;
     let pb = progress.enabled.then(|| {
         ProgressBar::new(batches as u64).with_style(progress.style.clone()).with_prefix(format!(
             "{:>7} epoch {epoch:>width$}/{epochs}",
@@ -519,13 +554,15 @@ fn train_epoch(
     });
     let message_every = batches.div_ceil(4).max(1);
     let mut loss_sum = 0.0f64;
-    for (b, rows) in run.order.chunks(batch).enumerate() {
-        let n = rows.len();
-        for (r, &i) in rows.iter().enumerate() {
-            buf.x.row_mut(r).assign(&train.x.row(i));
-            buf.y[r] = train.y[i];
-        }
-        let (x, y) = (buf.x.slice(s![..n, ..]), buf.y.slice(s![..n]));
+    let mut b = 0;
+    while let Some(lease) = run.batches.next() {
+        let context = |e: &dyn std::fmt::Display| {
+            format!("training data ({} mode), epoch {epoch}, batch {}: {e}", mode_name(run.mode), b + 1)
+        };
+        let lease = lease.map_err(|e| context(&e))?;
+        // The batch, in place in the prefetch ring.
+        let x = lease.features::<f32, Ix2>().map_err(|e| context(&e))?;
+        let y = lease.labels::<u32, Ix1>().map_err(|e| context(&e))?;
 
         let faults0 = minor_faults();
         let (allocs0, bytes0) = alloc_counters();
@@ -552,13 +589,23 @@ fn train_epoch(
                 pb.set_message(format!("running loss {:.4}", loss_sum / (b + 1) as f64));
             }
         }
+        b += 1;
+    }
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    if b != batches {
+        return Err(
+            format!("{} mode, epoch {epoch}: {b} batches arrived, {batches} expected", mode_name(run.mode)).into()
+        );
     }
     let epoch_loss = loss_sum / batches as f64;
-    let ms = start.elapsed().as_secs_f64() * 1e3;
+    // The next epoch's first batches are filled while this one is evaluated.
+    run.batches.reset().map_err(|e| {
+        format!("starting epoch {} of the training data ({} mode): {e}", epoch + 1, mode_name(run.mode))
+    })?;
 
     let accuracy = run
         .net
-        .evaluate(test.x.view(), test.y.view(), batch)
+        .evaluate(test.x.view(), test.y.view(), run.batch_size)
         .map_err(|e| format!("evaluating on the test set ({} mode) after epoch {epoch}: {e}", mode_name(run.mode)))?;
     let t = &mut run.trace;
     t.epoch_ms.push(ms);
@@ -603,6 +650,7 @@ struct Summary {
     workspace_bytes_in_use: u64,
     peak_rss_bytes: Option<u64>,
     test_accuracy_per_epoch: Vec<f64>,
+    prefetch: PrefetchStats,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -656,6 +704,7 @@ fn summarize(run: &mut Run, iters_per_epoch: usize, test: &Dataset, train: &Data
         workspace_bytes_in_use: t.workspace_bytes.iter().copied().max().unwrap_or(0),
         peak_rss_bytes: t.peak_rss,
         test_accuracy_per_epoch: t.epoch_accuracy.clone(),
+        prefetch: run.batches.stats(),
     })
 }
 
@@ -681,6 +730,7 @@ fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
             RssMeter::Process(_) => "process",
         },
         "test_accuracy_per_epoch": s.test_accuracy_per_epoch,
+        "prefetch": s.prefetch,
     })
 }
 
@@ -709,7 +759,7 @@ fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         RssMeter::PerEpoch => "peak RSS during its epochs (VmHWM)",
         RssMeter::Process(_) => "peak RSS (VmHWM, whole process)",
     };
-    let rows: [(&str, Cell); 11] = [
+    let rows: [(&str, Cell); 13] = [
         ("test accuracy", |s| format!("{:.4}", s.test_accuracy)),
         ("train accuracy", |s| format!("{:.4}", s.train_accuracy)),
         ("final loss (last epoch mean)", |s| format!("{:.5}", s.final_loss)),
@@ -722,6 +772,8 @@ fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         ("heap bytes / steady iteration", |s| opt(s.steady_bytes_per_iter, |v| format!("{v:.0}"))),
         ("page faults / steady iteration", |s| opt(s.steady_faults_per_iter, |v| format!("{v:.2}"))),
         ("heap allocs in epoch 1 (warm-up)", |s| s.warmup_allocs.to_string()),
+        ("prefetch ring bytes (growths)", |s| format!("{} ({})", s.prefetch.ring_bytes, s.prefetch.ring_growths)),
+        ("ms waited for batches (all epochs)", |s| format!("{:.2}", s.prefetch.consumer_wait_ns as f64 / 1e6)),
         ("", |s| opt(s.peak_rss_bytes.map(|b| b as f64), |b| format!("{b:.0} ({})", bytes_human(b)))),
     ];
     let label = |i: usize| if i + 1 == rows.len() { rss_label } else { rows[i].0 };
@@ -845,7 +897,7 @@ fn run() -> Res<()> {
         }
     }
     let data = load_digits(&data_path())?;
-    let (train_rows, test_rows, shuffle_rng) = stratified_split(&data.y, args.seed);
+    let (train_rows, test_rows) = stratified_split(&data.y, args.seed);
     let (train, test) = (subset(&data, &train_rows), subset(&data, &test_rows));
     drop(data);
     if train.y.is_empty() || test.y.is_empty() {
@@ -874,12 +926,14 @@ fn run() -> Res<()> {
     for &mode in modes {
         let net =
             build_network(&args, mode).map_err(|e| format!("building the network ({} mode): {e}", mode_name(mode)))?;
-        let order = (0..train.y.len()).collect();
+        let batches = prefetcher(&train, batch, args.seed, args.prefetch_depth, mode)
+            .map_err(|e| format!("starting the prefetcher ({} mode): {e}", mode_name(mode)))?;
         runs.push(Run {
             mode,
             net,
-            order,
-            rng: shuffle_rng.clone(),
+            batches,
+            batches_per_epoch: iters_per_epoch,
+            batch_size: batch,
             trace: Trace::with_capacity(iterations, args.epochs)?,
         });
     }
@@ -906,13 +960,10 @@ fn run() -> Res<()> {
         style: ProgressStyle::with_template("{prefix} [{bar:30.cyan/blue}] {pos:>3}/{len} {msg}")?
             .progress_chars("=> "),
     };
-    // The batch buffers: allocated once, reused by every iteration of every mode.
-    let mut buf = BatchBuffers { x: Array2::zeros((batch, FEATURES)), y: Array1::zeros(batch) };
-    let mut data = EpochData { train: &train, test: &test, buf: &mut buf };
     let mut rss = RssMeter::new();
     for epoch in 1..=args.epochs {
         for run in runs.iter_mut() {
-            train_epoch(run, (epoch, args.epochs), &mut data, &progress, &mut rss)?;
+            train_epoch(run, (epoch, args.epochs), &test, &progress, &mut rss)?;
         }
     }
 

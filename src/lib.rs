@@ -10,6 +10,8 @@
 //! |---|---|
 //! | host workspaces: config, scopes, views, handles, the per-thread manager | re-exported from [`workspace_core`] |
 //! | the DL4J layer API: [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`] | re-exported from [`workspace_core`] |
+//! | prefetching batches ahead of the loop into a ring workspace | re-exported as [`async_iter`] |
+//! | device workspaces on CUDA (and a simulated device for tests), pinned staging | re-exported as [`workspace_cuda`] |
 //! | the reference network (dense, ReLU, softmax cross-entropy, SGD/Adam) | [`nn`] |
 //!
 //! ```
@@ -34,8 +36,10 @@
 
 pub mod nn;
 
+pub use async_iter;
 pub use workspace_core;
 pub use workspace_core::*;
+pub use workspace_cuda;
 
 /// The README's examples, compiled and run as doctests.
 #[doc = include_str!("../README.md")]

@@ -172,3 +172,32 @@ fn progress_lines_show_loss_and_test_accuracy() {
         if peak_rss_resettable() { "peak RSS during its epochs (VmHWM)" } else { "peak RSS (VmHWM, whole process)" };
     assert!(stdout.contains(label), "{stdout}");
 }
+
+#[test]
+fn batches_come_from_the_prefetcher_and_inline_filling_gives_the_same_numbers() {
+    let background = last_json(&run(&["--compare", "--json", "--epochs", "2"]));
+    for mode in ["enabled", "none"] {
+        let p = &background[mode]["prefetch"];
+        assert_eq!(p["threading"], Value::from("background"), "{mode}: {p}");
+        assert_eq!(p["workspace_mode"], Value::from(mode), "{mode}: {p}");
+        assert_eq!(p["depth"], Value::from(2), "{mode}: {p}");
+        // 1438 training rows in batches of 32: 45 batches an epoch, 2 epochs.
+        assert_eq!(p["batches_consumed"], Value::from(90), "{mode}: {p}");
+        assert_eq!(p["ring_growths"], Value::from(0), "{mode}: {p}");
+    }
+    let ring = &background["enabled"]["prefetch"];
+    assert!(ring["ring_bytes"].as_u64().is_some_and(|b| b >= 3 * (32 * 64 * 4 + 32 * 4)), "{ring}");
+    assert_eq!(background["none"]["prefetch"]["ring_bytes"], Value::from(0));
+
+    let output = run(&["--json", "--epochs", "2", "--prefetch-depth", "0"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let inline = last_json(&output);
+    assert_eq!(inline["enabled"]["prefetch"]["threading"], Value::from("shield"));
+    assert_eq!(inline["enabled"]["loss_trace_sha256"], background["enabled"]["loss_trace_sha256"]);
+    assert_eq!(inline["enabled"]["steady_state_allocs_per_iter"], Value::from(0.0));
+
+    let output = run(&["--prefetch-depth", "5000"]);
+    assert!(!output.status.success());
+    let stderr = text(&output.stderr);
+    assert!(stderr.contains("a prefetch depth of 5000 is above the limit of 1024"), "{stderr}");
+}

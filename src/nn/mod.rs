@@ -6,8 +6,9 @@
 //! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`]; the output stage is
 //!   [`SoftmaxCrossEntropy`].
 //! - Updaters: [`Updater::Sgd`] with momentum and [`Updater::Adam`].
-//! - [`NetworkConfig`] → [`Network`]: `fit_batch`, `fit`, `output`, `output_to`,
-//!   `predict_into`, `evaluate`.
+//! - [`NetworkConfig`] → [`Network`]: `fit` (one epoch from an
+//!   [`async_iter::Prefetcher`], batches used in place in its ring), `fit_batch`,
+//!   `fit_iter`, `output`, `output_to`, `predict_into`, `evaluate`.
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
 //!

@@ -1,10 +1,13 @@
-//! The network: a configuration builder, training (`fit`), inference (`output`) and
+//! The network: a configuration builder, training (`fit` over a prefetcher, `fit_batch`), inference (`output`) and
 //! evaluation, with workspaces laid out as DL4J lays them out.
 
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix2};
+use std::ptr::NonNull;
+
+use async_iter::{BatchSource, Prefetcher};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix1, Ix2};
 use workspace_core::{
-    ArrayType, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy, Workspace,
-    WorkspaceConfig, WorkspaceMode,
+    ArenaBackend, ArrayType, Block, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy,
+    Workspace, WorkspaceConfig, WorkspaceMode,
 };
 
 use super::dense::Dense;
@@ -499,13 +502,76 @@ impl Network {
         Ok(batch_loss)
     }
 
-    /// Trains on every batch of `batches` once; returns the mean of the batch losses.
+    /// Trains one epoch on the batches of a [`Prefetcher`]: every remaining batch of
+    /// its current epoch, each used in place in the prefetch ring (features
+    /// `(rows, inputs)` of `f32`, labels `(rows,)` of `u32`, as
+    /// [`InMemory`](async_iter::InMemory) gives them). Returns the mean of the batch
+    /// losses.
+    ///
+    /// At the end of the epoch the prefetcher is [reset](Prefetcher::reset), so that
+    /// the next epoch's first batches are filled while the caller evaluates or logs;
+    /// call `fit` again for the next epoch.
+    ///
+    /// ```
+    /// use async_iter::{InMemory, Prefetcher};
+    /// use carve::nn::{NetworkConfig, Network};
+    /// use ndarray::{Array1, Array2};
+    ///
+    /// let x = Array2::from_shape_fn((96, 4), |(r, c)| ((r * 7 + c * 3) % 11) as f32 / 11.0);
+    /// let y = Array1::from_shape_fn(96, |r| (r % 3) as u32);
+    /// let mut net = Network::new(NetworkConfig::builder(4).dense(16).relu().dense(3).build()?)?;
+    /// let mut batches = Prefetcher::builder(InMemory::new(x, y, 32)?.shuffled(1)).build()?;
+    /// let first = net.fit(&mut batches)?;
+    /// for _ in 0..20 {
+    ///     net.fit(&mut batches)?; // one epoch each, the ring reused
+    /// }
+    /// assert!(net.fit(&mut batches)? < first);
+    /// assert_eq!(net.iterations(), 22 * 3);
+    /// assert_eq!(batches.stats().ring_growths, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Data`] wrapping the prefetcher's [`async_iter::Error`] (a source
+    /// error or panic, at its batch; a batch without `f32` features of two dimensions
+    /// or `u32` labels of one); the first error of [`Network::fit_batch`]. An epoch
+    /// with no batches is [`Error::InvalidInput`]. After an error the prefetcher is
+    /// where the error left it: call `reset()` on it to start the epoch again.
+    pub fn fit<S, B>(&mut self, batches: &mut Prefetcher<S, B>) -> Result<f32>
+    where
+        S: BatchSource,
+        B: ArenaBackend + 'static,
+        B::Block: Block<Base = NonNull<u8>>,
+    {
+        let data = |e: async_iter::Error| Error::Data { source: Box::new(e) };
+        let (mut total, mut count) = (0.0f64, 0usize);
+        while let Some(batch) = batches.next() {
+            let batch = batch.map_err(data)?;
+            let x = batch.features::<f32, Ix2>().map_err(data)?;
+            let y = batch.labels::<u32, Ix1>().map_err(data)?;
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput(format!(
+                "fit was given an epoch with no batches (epoch {} of the prefetcher had ended; fit resets it after \
+                 each epoch it trains, so reset it once if you consumed an epoch yourself)",
+                batches.epoch()
+            )));
+        }
+        batches.reset().map_err(data)?;
+        Ok((total / count as f64) as f32)
+    }
+
+    /// Trains on every `(features, labels)` pair of `batches` once, in the caller's
+    /// memory (no prefetching); returns the mean of the batch losses.
     ///
     /// # Errors
     ///
     /// The first error of [`Network::fit_batch`]; an empty iterator is
     /// [`Error::InvalidInput`].
-    pub fn fit<'d, I>(&mut self, batches: I) -> Result<f32>
+    pub fn fit_iter<'d, I>(&mut self, batches: I) -> Result<f32>
     where
         I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
     {
@@ -515,7 +581,7 @@ impl Network {
             count += 1;
         }
         if count == 0 {
-            return Err(Error::InvalidInput("fit was given no batches".to_string()));
+            return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
         }
         Ok((total / count as f64) as f32)
     }

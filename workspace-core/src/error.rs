@@ -223,6 +223,16 @@ pub enum Error {
         backend: &'static str,
     },
 
+    /// The training data failed: a batch source or the prefetcher feeding the loop
+    /// reported an error (downcast `source` to the data layer's error type for its
+    /// details).
+    #[error("training data: {source}")]
+    Data {
+        /// The data layer's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+
     /// The memory backend could not provide memory.
     #[error("workspace '{workspace}': {source}")]
     Backend {
