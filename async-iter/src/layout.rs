@@ -130,7 +130,9 @@ impl ArraySpec {
         &self.dims[..self.ndim]
     }
 
-    pub(crate) fn offset(&self) -> usize {
+    /// The array's byte offset in the batch's region (a multiple of [`ARRAY_ALIGN`];
+    /// set once the layout is planned, as every layout a lease shows is).
+    pub fn offset(&self) -> usize {
         self.offset
     }
 

@@ -191,6 +191,13 @@ impl Lease<'_> {
         self.batch().bytes().len()
     }
 
+    /// The batch's whole region in the ring: each array at its
+    /// [`offset`](crate::ArraySpec::offset), zeros between them. For copying a batch
+    /// elsewhere in one piece (to a device, say).
+    pub fn as_bytes(&self) -> &[u8] {
+        self.batch().bytes()
+    }
+
     /// The features array.
     ///
     /// # Errors
