@@ -61,6 +61,12 @@ pub enum Error {
     #[error(transparent)]
     Workspace(#[from] workspace_core::Error),
 
+    /// An error of the host prefetcher under a [`DevicePrefetcher`](crate::DevicePrefetcher):
+    /// the batch source's errors and panics, layouts, the pinned ring, configuration, and
+    /// reading an array with the wrong type. The messages are async-iter's.
+    #[error(transparent)]
+    Prefetch(#[from] async_iter::Error),
+
     /// No CUDA device can be used on this machine.
     #[error("no CUDA device: {reason}")]
     NoDevice {

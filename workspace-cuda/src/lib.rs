@@ -14,6 +14,7 @@
 //! | threads: one at a time | streams: others only through [`DeviceScope::on_stream`] ([`OnStream`]) |
 //! | [`HostBackend`] under the [`Engine`] | [`DeviceBackend`], [`PinnedBackend`] under the same engine |
 //! | host RAM | page-locked staging: [`PinnedWorkspace`], [`PinnedArray`]; copies named `htod`/`dtoh` |
+//! | async-iter's [`Prefetcher`] and [`Lease`] | [`DevicePrefetcher`] and [`DeviceLease`]: batches staged in pinned memory, copied into a device ring ahead of use |
 //! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory), [`probe`] |
 //!
 //! [`Workspace`]: workspace_core::Workspace
@@ -21,6 +22,8 @@
 //! [`Handle`]: workspace_core::Handle
 //! [`HostBackend`]: workspace_core::HostBackend
 //! [`Engine`]: workspace_core::Engine
+//! [`Prefetcher`]: async_iter::Prefetcher
+//! [`Lease`]: async_iter::Lease
 //!
 //! Configuration, learning, spilling, circular reset, budgets, generations and
 //! statistics are those of the host engine, unchanged: the device arena is one more
@@ -72,7 +75,7 @@
 //! the tests show both that the waits are there and that a missing wait would be seen.
 //!
 //! Unsafe code lives in `device` (driver calls and the simulator), `probe`, `workspace`,
-//! `scope`, `view`, `stream` and `pinned`; every block says why it is sound.
+//! `scope`, `view`, `stream`, `pinned` and `prefetch`; every block says why it is sound.
 
 #![deny(unsafe_code)]
 
@@ -84,6 +87,8 @@ mod error;
 mod handle;
 #[allow(unsafe_code)]
 mod pinned;
+#[allow(unsafe_code)]
+mod prefetch;
 #[allow(unsafe_code)]
 mod probe;
 #[allow(unsafe_code)]
@@ -104,6 +109,9 @@ pub use device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
 pub use pinned::{PinnedArray, PinnedScope, PinnedWorkspace};
+pub use prefetch::{
+    DeviceBatch, DeviceLease, DevicePrefetchStats, DevicePrefetcher, DevicePrefetcherBuilder, HostBatch,
+};
 pub use probe::{probe, Probe, DISABLE_ENV};
 pub use scope::DeviceScope;
 pub use stream::OnStream;

@@ -97,7 +97,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     fn check(&self, owner: Owner<'_, D>, action: &'static str) -> Result<()> {
         let ordered = match owner {
             Owner::Workspace(ws) => std::ptr::eq(ws, self.ws),
-            Owner::Array { stream, .. } => *stream == self.stream,
+            Owner::Array { stream, .. } | Owner::Ring { stream, .. } => *stream == self.stream,
         };
         if ordered {
             Ok(())

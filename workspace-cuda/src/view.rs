@@ -43,6 +43,13 @@ pub(crate) enum Owner<'a, D: Device> {
         /// The stream the array belongs to.
         stream: &'a D::Stream,
     },
+    /// A batch in a device prefetch ring, valid while its lease lives.
+    Ring {
+        /// The ring's device.
+        device: &'a D,
+        /// The consumer's stream, which orders every use of the batch.
+        stream: &'a D::Stream,
+    },
 }
 
 impl<D: Device> Clone for Owner<'_, D> {
@@ -55,18 +62,21 @@ impl<D: Device> Copy for Owner<'_, D> {}
 /// Name used in errors about owned device arrays.
 pub(crate) const OWNED: &str = "owned device array";
 
+/// Name used in errors about batches of a device prefetch ring.
+pub(crate) const RING: &str = "device prefetch ring";
+
 impl<'a, D: Device> Owner<'a, D> {
     pub(crate) fn device(&self) -> &'a D {
         match self {
             Owner::Workspace(ws) => ws.device(),
-            Owner::Array { device, .. } => device,
+            Owner::Array { device, .. } | Owner::Ring { device, .. } => device,
         }
     }
 
     pub(crate) fn stream(&self) -> &'a D::Stream {
         match self {
             Owner::Workspace(ws) => ws.stream(),
-            Owner::Array { stream, .. } => stream,
+            Owner::Array { stream, .. } | Owner::Ring { stream, .. } => stream,
         }
     }
 
@@ -74,6 +84,7 @@ impl<'a, D: Device> Owner<'a, D> {
         match self {
             Owner::Workspace(ws) => ws.name().clone(),
             Owner::Array { .. } => Arc::from(OWNED),
+            Owner::Ring { .. } => Arc::from(RING),
         }
     }
 
@@ -90,7 +101,7 @@ impl<'a, D: Device> Owner<'a, D> {
     ) -> Result<()> {
         match self {
             Owner::Workspace(ws) => ws.run_on(stream, action, op),
-            Owner::Array { device, stream: home } => {
+            Owner::Array { device, stream: home } | Owner::Ring { device, stream: home } => {
                 ordered_with(*device, stream, home, op).map_err(|e| self.error(action, e))
             }
         }

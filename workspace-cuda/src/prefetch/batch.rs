@@ -1,0 +1,401 @@
+//! What a [`DevicePrefetcher`](super::DevicePrefetcher) hands out: a [`DeviceLease`] on a
+//! batch in the device ring, and the owned copies it can be detached into
+//! ([`DeviceBatch`] on the device, [`HostBatch`] on the host).
+
+use std::fmt;
+use std::mem::size_of;
+
+use async_iter::{BatchLayout, ElementType, Role, ARRAY_ALIGN};
+use bytemuck::{Pod, Zeroable};
+use ndarray::{ArrayView, Dimension};
+
+use super::ring::Place;
+use super::Side;
+use crate::device::Device;
+use crate::error::{DeviceError, Error, Result};
+use crate::view::{DeviceView, Owner, OWNED, RING};
+
+/// The offset, byte length and shape of the array of `role`, if `T` and `Dim` match it.
+fn typed<T: Pod, Dim: Dimension>(layout: &BatchLayout, batch: usize, role: Role) -> Result<(usize, usize, Dim)> {
+    let spec = layout.spec(role).ok_or(async_iter::Error::MissingArray { batch, role })?;
+    if spec.element() != ElementType::of::<T>() {
+        let (stored, requested) = (spec.element().name(), std::any::type_name::<T>());
+        return Err(async_iter::Error::WrongElementType { batch, role, stored, requested }.into());
+    }
+    let shape = spec.shape();
+    if let Some(requested) = Dim::NDIM.filter(|&n| n != shape.len()) {
+        let (stored, shape) = (shape.len(), shape.to_vec());
+        return Err(async_iter::Error::WrongDimensionality { batch, role, stored, requested, shape }.into());
+    }
+    let mut dim = Dim::zeros(shape.len());
+    dim.slice_mut().copy_from_slice(shape);
+    // A planned layout's arrays fit in its region, so this does not overflow.
+    Ok((spec.offset(), dim.size() * size_of::<T>(), dim))
+}
+
+/// One batch in the device ring, lent to the consumer by
+/// [`DevicePrefetcher::next`](super::DevicePrefetcher::next).
+///
+/// Its arrays are typed [`DeviceView`]s on the consumer's [`stream`](Self::stream):
+/// launch kernels that read them there (or order another stream after it). The copy
+/// that brought the batch is complete, as far as that stream is concerned, and the slot
+/// is written again only after work issued to that stream before the lease ended.
+///
+/// The lease borrows the prefetcher, so the next batch can only be asked for once this
+/// one is dropped; holding a batch across `next()` does not compile:
+///
+/// ```compile_fail,E0499
+/// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
+/// # use workspace_cuda::{DevicePrefetcher, SimDevice};
+/// # struct Two;
+/// # impl BatchSource for Two {
+/// #     fn next_layout(&mut self, i: usize) -> Result<Option<BatchLayout>, SourceError> {
+/// #         Ok((i < 2).then(|| BatchLayout::new().features::<f32, _>(4)))
+/// #     }
+/// #     fn fill(&mut self, _: &mut BatchMut<'_>) -> Result<(), SourceError> { Ok(()) }
+/// # }
+/// let sim = SimDevice::new()?;
+/// let mut batches = DevicePrefetcher::builder(Two, &sim).build()?;
+/// let first = batches.next().unwrap()?;
+/// let second = batches.next().unwrap()?; // error[E0499]: `batches` is still borrowed by `first`
+/// println!("{:?}", first.features::<f32, ndarray::Ix1>()?);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// To keep a batch, copy it out: [`detach`](Self::detach) to the device,
+/// [`detach_to_host`](Self::detach_to_host) to the host.
+pub struct DeviceLease<'a, D: Device> {
+    pub(super) side: &'a mut Side<D>,
+    pub(super) batch: Leased,
+}
+
+/// The batch a lease shows, and where.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Leased {
+    pub(super) info: BatchInfo,
+    pub(super) place: Place,
+}
+
+impl<D: Device> DeviceLease<'_, D> {
+    /// The batch's index in its epoch (0 for the first).
+    pub fn index(&self) -> usize {
+        self.batch.info.index
+    }
+
+    /// The epoch the batch belongs to (0 for the first).
+    pub fn epoch(&self) -> u64 {
+        self.batch.info.epoch
+    }
+
+    /// The batch's layout: shapes and element types of its arrays.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.batch.info.layout
+    }
+
+    /// Bytes the batch takes (its arrays, each at a multiple of 64 bytes).
+    pub fn bytes(&self) -> usize {
+        self.batch.info.bytes
+    }
+
+    /// The consumer's stream, which every use of the batch is ordered on.
+    pub fn stream(&self) -> &D::Stream {
+        &self.side.ring.consumer
+    }
+
+    /// The features array.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Prefetch`] with `WrongElementType` or `WrongDimensionality` when `T` or
+    /// `Dim` do not match what the batch holds (`IxDyn` accepts any dimensionality).
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<DeviceView<'_, D, T, Dim>> {
+        self.array(Role::Features)
+    }
+
+    /// The labels array.
+    ///
+    /// # Errors
+    ///
+    /// As [`features`](Self::features), and `MissingArray` when the batch has no labels.
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<DeviceView<'_, D, T, Dim>> {
+        self.array(Role::Labels)
+    }
+
+    /// The features mask, if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`features`](Self::features).
+    pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
+        optional(self.array(Role::FeaturesMask))
+    }
+
+    /// The labels mask, if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`features`](Self::features).
+    pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
+        optional(self.array(Role::LabelsMask))
+    }
+
+    /// The array of `role`.
+    ///
+    /// # Errors
+    ///
+    /// As [`labels`](Self::labels).
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
+        let (offset, _, dim) = typed::<T, Dim>(&self.batch.info.layout, self.batch.info.index, role)?;
+        let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
+        // The slot holds the batch (the consumer's stream waited for its copy) and is not
+        // written again before work issued to that stream while the lease lives.
+        Ok(DeviceView::new(owner, self.batch.place.address + offset as u64, dim))
+    }
+
+    /// Copies the batch into device memory of its own (one device-to-device copy on
+    /// the consumer's stream) and ends the lease; the [`DeviceBatch`] outlives the
+    /// prefetcher.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot allocate or copy.
+    pub fn detach(self) -> Result<DeviceBatch<D>> {
+        let (device, stream) = (&self.side.ring.device, &self.side.ring.consumer);
+        let error = |source| Error::Device { workspace: RING.into(), action: "detaching a batch", source };
+        let memory = device.alloc(stream, self.batch.info.bytes).map_err(error)?;
+        // SAFETY: the slot holds `bytes` bytes of the batch, valid until the lease ends,
+        // which is after this copy in the consumer's stream order (the slot's next copy
+        // waits for an event recorded there when the lease ends); the new allocation is
+        // ordered on the same stream and distinct from the ring.
+        unsafe {
+            device.copy_dtod(stream, self.batch.place.address, D::memory_address(&memory), self.batch.info.bytes)
+        }
+        .map_err(error)?;
+        Ok(DeviceBatch { memory, device: device.clone(), stream: stream.clone(), info: self.batch.info })
+    }
+
+    /// Copies the batch to the host and ends the lease.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot copy.
+    pub fn detach_to_host(self) -> Result<HostBatch> {
+        let ring = &self.side.ring;
+        HostBatch::copy_from(&ring.device, &ring.consumer, self.batch.place.address, self.batch.info, RING)
+    }
+}
+
+impl<D: Device> Drop for DeviceLease<'_, D> {
+    fn drop(&mut self) {
+        self.side.end_lease();
+    }
+}
+
+impl<D: Device> fmt::Debug for DeviceLease<'_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceLease")
+            .field("epoch", &self.epoch())
+            .field("index", &self.index())
+            .field("layout", self.layout())
+            .field("address", &format_args!("{:#x}", self.batch.place.address))
+            .finish()
+    }
+}
+
+fn optional<V>(view: Result<V>) -> Result<Option<V>> {
+    match view {
+        Ok(view) => Ok(Some(view)),
+        Err(Error::Prefetch(async_iter::Error::MissingArray { .. })) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// A batch copied out of the device ring by [`DeviceLease::detach`]: it owns its device
+/// memory (freed in its stream's order when dropped) and outlives the prefetcher.
+pub struct DeviceBatch<D: Device> {
+    /// Invariant: holds the batch's `layout.bytes()` bytes (or they are being copied in,
+    /// in `stream`'s order).
+    memory: D::Memory,
+    device: D,
+    stream: D::Stream,
+    info: BatchInfo,
+}
+
+impl<D: Device> DeviceBatch<D> {
+    /// The batch's index in its epoch.
+    pub fn index(&self) -> usize {
+        self.info.index
+    }
+
+    /// The epoch the batch came from.
+    pub fn epoch(&self) -> u64 {
+        self.info.epoch
+    }
+
+    /// The batch's layout.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.info.layout
+    }
+
+    /// The stream the batch belongs to (the prefetcher's consumer stream).
+    pub fn stream(&self) -> &D::Stream {
+        &self.stream
+    }
+
+    /// The features array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::features`].
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<DeviceView<'_, D, T, Dim>> {
+        self.array(Role::Features)
+    }
+
+    /// The labels array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::labels`].
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<DeviceView<'_, D, T, Dim>> {
+        self.array(Role::Labels)
+    }
+
+    /// The array of `role`.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::labels`].
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
+        let (offset, _, dim) = typed::<T, Dim>(&self.info.layout, self.info.index, role)?;
+        let owner = Owner::Array { device: &self.device, stream: &self.stream };
+        Ok(DeviceView::new(owner, D::memory_address(&self.memory) + offset as u64, dim))
+    }
+
+    /// Copies the batch to the host.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Device`] when the device cannot copy.
+    pub fn to_host(&self) -> Result<HostBatch> {
+        HostBatch::copy_from(&self.device, &self.stream, D::memory_address(&self.memory), self.info, OWNED)
+    }
+}
+
+impl<D: Device> fmt::Debug for DeviceBatch<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBatch")
+            .field("epoch", &self.info.epoch)
+            .field("index", &self.info.index)
+            .field("layout", &self.info.layout)
+            .field("memory", &self.memory)
+            .finish()
+    }
+}
+
+/// One cache line: the storage unit of [`HostBatch`], so that any element type the
+/// layout allows is aligned in place.
+#[derive(Clone, Copy, Zeroable, Pod)]
+#[repr(C, align(64))]
+struct Line([u8; ARRAY_ALIGN]);
+
+/// A batch copied to the host ([`DeviceLease::detach_to_host`],
+/// [`DeviceBatch::to_host`]): owned ndarray views of its arrays.
+#[derive(Clone)]
+pub struct HostBatch {
+    /// Invariant: at least the batch's bytes, laid out as in the ring.
+    data: Vec<Line>,
+    layout: BatchLayout,
+    index: usize,
+    epoch: u64,
+}
+
+/// What a batch is, wherever it lives.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BatchInfo {
+    /// Planned.
+    pub(super) layout: BatchLayout,
+    pub(super) index: usize,
+    pub(super) epoch: u64,
+    /// `layout`'s planned bytes.
+    pub(super) bytes: usize,
+}
+
+impl HostBatch {
+    fn copy_from<D: Device>(
+        device: &D,
+        stream: &D::Stream,
+        address: u64,
+        info: BatchInfo,
+        owner: &str,
+    ) -> Result<HostBatch> {
+        let BatchInfo { layout, index, epoch, bytes } = info;
+        let mut data = vec![Line::zeroed(); bytes.div_ceil(ARRAY_ALIGN)];
+        let target = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut data)[..bytes];
+        // SAFETY: `address` holds the batch's `bytes` bytes, valid (and written by no
+        // other stream) at least until work issued to `stream` now has run; the copy is
+        // complete when this returns.
+        unsafe { device.copy_dtoh(stream, address, target) }.map_err(|source: DeviceError| Error::Device {
+            workspace: owner.into(),
+            action: "copying a batch to the host",
+            source,
+        })?;
+        Ok(HostBatch { data, layout, index, epoch })
+    }
+
+    /// The batch's index in its epoch.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The epoch the batch came from.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The batch's layout.
+    pub fn layout(&self) -> &BatchLayout {
+        &self.layout
+    }
+
+    /// The features array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::features`].
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>> {
+        self.array(Role::Features)
+    }
+
+    /// The labels array.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::labels`].
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>> {
+        self.array(Role::Labels)
+    }
+
+    /// The array of `role`.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::labels`].
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, Dim>> {
+        let (offset, bytes, dim) = typed::<T, Dim>(&self.layout, self.index, role)?;
+        let all: &[u8] = bytemuck::cast_slice(&self.data);
+        // Offsets are multiples of 64 in 64-aligned storage and element types are
+        // aligned to at most 64 (the layout refuses others), so the cast cannot fail.
+        let elements: &[T] = bytemuck::cast_slice(&all[offset..offset + bytes]);
+        Ok(ArrayView::from_shape(dim, elements).expect("a planned array has exactly its shape's elements"))
+    }
+}
+
+impl fmt::Debug for HostBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("epoch", &self.epoch)
+            .field("index", &self.index)
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
