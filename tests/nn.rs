@@ -442,6 +442,9 @@ enum Output {
     Heap,
 }
 
+/// The heap outputs of [`Misplacing`], which live until the process ends.
+static HEAP_OUTPUTS: std::sync::Mutex<Vec<&'static Array2<f32>>> = std::sync::Mutex::new(Vec::new());
+
 /// A user layer (the identity) whose output placement the test switches.
 struct Misplacing {
     name: &'static str,
@@ -463,7 +466,12 @@ impl Layer for Misplacing {
         match self.output.get() {
             Output::Activations => Ok(freeze(ctx.activations.dup(&input)?)),
             Output::Input => Ok(input),
-            Output::Heap => Ok(Box::leak(Box::new(input.to_owned())).view()),
+            Output::Heap => {
+                let leaked: &'static Array2<f32> = Box::leak(Box::new(input.to_owned()));
+                // Kept reachable, so that memory checkers see a deliberate leak, not a lost block.
+                HEAP_OUTPUTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(leaked);
+                Ok(leaked.view())
+            }
         }
     }
     fn backward(
