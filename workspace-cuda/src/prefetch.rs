@@ -2,35 +2,7 @@
 //! [`async_iter::Prefetcher`], copied into a ring of device slots on a copy stream of
 //! their own, and lent to the training loop as typed device views.
 //!
-//! # The pipeline
-//!
-//! A producer thread fills batches into a host ring of page-locked memory (the
-//! prefetcher's ring over a [`PinnedBackend`]). [`DevicePrefetcher::next`] hands out
-//! batch `k` only once it has issued the host-to-device copy of batch `k + 1` on the copy
-//! stream, so that copy runs while the consumer's kernels work on batch `k`:
-//!
-//! ```text
-//! producer thread   fill k+1   fill k+2   fill k+3 ...        (pinned host ring)
-//! copy stream          copy k+1 ──┐   copy k+2 ──┐             (device ring)
-//! consumer stream   use k ........ use k+1 ...... use k+2
-//! ```
-//!
-//! # Ordering
-//!
-//! - The consumer's stream waits for the event recorded after a batch's copy before the
-//!   lease is handed out.
-//! - A device slot is written again only after an event recorded on the consumer's
-//!   stream when the lease of its previous batch ended: the copy stream waits for it, so
-//!   a copy never overwrites memory a kernel may still read.
-//! - A pinned host slot goes back to the producer only once its copy's event has
-//!   completed (the host waits for it in the next `next()`, by which time it has usually
-//!   long completed); stopping, resetting and dropping wait for the copy in flight first.
-//! - The device ring is allocated and freed on the consumer's stream, and is freed only
-//!   after the consumer's stream has waited for the copy stream.
-//!
-//! The ring has `depth + 1` slots sized from the first batch; a larger batch grows it
-//! into a new block (counted in [`DevicePrefetchStats::device_ring_growths`]), and the
-//! old block is freed once its last batch is handed back.
+//! See [`DevicePrefetcher`] for the pipeline and its ordering rules.
 
 mod batch;
 mod ring;
@@ -200,7 +172,37 @@ pub struct DevicePrefetchStats {
     pub bytes_copied: u64,
 }
 
-/// Batches prefetched into device memory; see the [module docs](self).
+/// Batches prefetched into device memory.
+///
+/// A producer thread fills batches into a host ring of page-locked memory (the
+/// prefetcher's ring over a [`PinnedBackend`]). [`DevicePrefetcher::next`] hands out
+/// batch `k` only once it has issued the host-to-device copy of batch `k + 1` on the copy
+/// stream, so that copy runs while the consumer's kernels work on batch `k`:
+///
+/// ```text
+/// producer thread   fill k+2    fill k+3    fill k+4     (pinned host ring, depth ahead)
+/// copy stream       copy k+1    copy k+2    copy k+3     (pinned slot -> device slot)
+/// consumer stream   use k       use k+1     use k+2      (kernels read the device slot)
+/// ```
+///
+/// # Ordering
+///
+/// - The consumer's stream waits for the event recorded after a batch's copy before the
+///   lease is handed out.
+/// - A device slot is written again only after an event recorded on the consumer's
+///   stream when the lease of its previous batch ended: the copy stream waits for it, so
+///   a copy never overwrites memory a kernel may still read.
+/// - A pinned host slot goes back to the producer only once its copy's event has
+///   completed (the host waits for it in the next `next()`, by which time it has usually
+///   long completed); stopping, resetting and dropping wait for the copy in flight first.
+/// - The device ring is allocated and freed on the consumer's stream, and is freed only
+///   after the consumer's stream has waited for the copy stream.
+///
+/// The device ring has `depth + 1` slots sized from the first batch; a larger batch grows it
+/// into a new block (counted in [`DevicePrefetchStats::device_ring_growths`]), and the
+/// old block is freed once its last batch is handed back.
+///
+/// # Example
 ///
 /// ```
 /// use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};

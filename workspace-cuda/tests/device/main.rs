@@ -8,10 +8,13 @@
 //!   bypass knob that shows the hazards).
 //! - `model`: property tests of random cycles against the data they should hold.
 //! - `probe`: the probe on this machine.
+//! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
+//!   and with held and bypassed streams on the simulator.
 
 mod model;
 mod ordering;
 mod policies;
+mod prefetch;
 mod probe;
 
 use std::io::Write;
