@@ -50,10 +50,55 @@ pub struct DetachedBatch {
 
 impl DetachedBatch {
     pub(crate) fn copy_of(batch: BatchRef<'_>, epoch: u64) -> DetachedBatch {
-        let bytes = batch.bytes();
-        let mut data = vec![Align64([0; ARRAY_ALIGN]); bytes.len().div_ceil(ARRAY_ALIGN)];
-        bytemuck::cast_slice_mut::<Align64, u8>(&mut data)[..bytes.len()].copy_from_slice(bytes);
-        DetachedBatch { epoch, index: batch.index(), layout: *batch.layout(), data }
+        let mut kept = DetachedBatch::zeroed(*batch.layout(), batch.index(), epoch);
+        kept.region_mut().copy_from_slice(batch.bytes());
+        kept
+    }
+
+    /// A batch of `layout` whose bytes `read` writes: a copy of a batch that lived
+    /// elsewhere (device memory, say), laid out as in the ring. The layout is planned
+    /// here, so `read` gets exactly the batch's region, each array at its
+    /// [`offset`](crate::ArraySpec::offset), and the arrays are read back with the usual
+    /// typed accessors.
+    ///
+    /// ```
+    /// use async_iter::{BatchLayout, DetachedBatch, Role};
+    /// use ndarray::Ix1;
+    ///
+    /// let layout = BatchLayout::new().features::<u8, _>(3).labels::<u8, _>(2);
+    /// let batch = DetachedBatch::read_from(layout, 0, 0, |region| {
+    ///     region.fill(9); // a copy from elsewhere would go here
+    ///     Ok::<_, async_iter::Error>(())
+    /// })?;
+    /// assert_eq!(batch.labels::<u8, Ix1>()?.to_vec(), [9, 9]);
+    /// assert_eq!(batch.layout().spec(Role::Labels).unwrap().offset(), 64);
+    /// # Ok::<(), async_iter::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidLayout`] when the layout cannot be laid out; the error of `read`.
+    pub fn read_from<E: From<Error>>(
+        mut layout: BatchLayout,
+        index: usize,
+        epoch: u64,
+        read: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<DetachedBatch, E> {
+        layout.plan().map_err(|reason| Error::InvalidLayout { epoch, batch: index, reason })?;
+        let mut batch = DetachedBatch::zeroed(layout, index, epoch);
+        read(batch.region_mut())?;
+        Ok(batch)
+    }
+
+    /// A zeroed batch of the planned `layout`.
+    fn zeroed(layout: BatchLayout, index: usize, epoch: u64) -> DetachedBatch {
+        let data = vec![Align64([0; ARRAY_ALIGN]); layout.planned_bytes().div_ceil(ARRAY_ALIGN)];
+        DetachedBatch { epoch, index, layout, data }
+    }
+
+    /// The batch's region: its arrays and the padding between them.
+    fn region_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<Align64, u8>(&mut self.data)[..self.layout.planned_bytes()]
     }
 
     fn batch(&self) -> BatchRef<'_> {

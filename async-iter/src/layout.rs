@@ -241,6 +241,21 @@ impl BatchLayout {
         self.arrays[role.index()].as_ref()
     }
 
+    /// The spec of the array of `role` and its shape as `D`, when the layout has it and
+    /// `T` and `D` match what it holds (`batch` names the batch in the errors). With a
+    /// planned layout (a lease's) the spec's [`offset`](ArraySpec::offset) says where
+    /// the array lies in the batch's region.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::MissingArray`], [`Error::WrongElementType`],
+    /// [`Error::WrongDimensionality`].
+    pub fn typed<T: Pod, D: Dimension>(&self, batch: usize, role: Role) -> Result<(&ArraySpec, D), Error> {
+        let spec = self.spec(role).ok_or(Error::MissingArray { batch, role })?;
+        let dim = spec.dim::<T, D>(batch, role)?;
+        Ok((spec, dim))
+    }
+
     /// Bytes the batch takes in the ring: its arrays, each starting at a multiple of
     /// [`ARRAY_ALIGN`], the total rounded up to it as well.
     ///

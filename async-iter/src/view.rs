@@ -15,7 +15,7 @@ use bytemuck::{Pod, Zeroable};
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 
 use crate::error::Error;
-use crate::layout::{ArraySpec, BatchLayout, Role, ARRAY_ALIGN};
+use crate::layout::{BatchLayout, Role, ARRAY_ALIGN};
 
 /// One cache line of bytes, aligned to [`ARRAY_ALIGN`]: the storage unit of detached
 /// batches, so their arrays can be viewed in place like the ring's.
@@ -72,7 +72,7 @@ impl<'a> BatchRef<'a> {
     }
 
     pub(crate) fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayView<'a, T, D>, Error> {
-        let (spec, dim) = typed::<T, D>(self.layout, self.index, role)?;
+        let (spec, dim) = self.layout.typed::<T, D>(self.index, role)?;
         // SAFETY: `spec` is planned, so `offset + bytes <= planned_bytes` and the offset
         // is a multiple of ARRAY_ALIGN; with the aligned base and `align_of::<T>() <=
         // ARRAY_ALIGN` (checked when the layout was described) the pointer is aligned for
@@ -195,7 +195,7 @@ impl<'a> BatchMut<'a> {
     ///
     /// As [`labels`](Self::labels).
     pub fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayViewMut<'_, T, D>, Error> {
-        let (spec, dim) = typed::<T, D>(self.layout, self.index, role)?;
+        let (spec, dim) = self.layout.typed::<T, D>(self.index, role)?;
         let bit = 1_u8 << role.index();
         if self.lent.get() & bit != 0 {
             return Err(Error::AlreadyBorrowed { batch: self.index, role });
@@ -210,13 +210,6 @@ impl<'a> BatchMut<'a> {
             Ok(ArrayViewMut::from_shape_ptr(dim, ptr))
         }
     }
-}
-
-/// The planned spec of `role` and its shape as `D`, if `T` and `D` match.
-fn typed<T: Pod, D: Dimension>(layout: &BatchLayout, index: usize, role: Role) -> Result<(&ArraySpec, D), Error> {
-    let spec = layout.spec(role).ok_or(Error::MissingArray { batch: index, role })?;
-    let dim = spec.dim::<T, D>(index, role)?;
-    Ok((spec, dim))
 }
 
 #[cfg(test)]

@@ -109,9 +109,7 @@ pub use device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
 pub use pinned::{PinnedArray, PinnedScope, PinnedWorkspace};
-pub use prefetch::{
-    DeviceBatch, DeviceLease, DevicePrefetchStats, DevicePrefetcher, DevicePrefetcherBuilder, HostBatch,
-};
+pub use prefetch::{DeviceBatch, DeviceLease, DevicePrefetchStats, DevicePrefetcher, DevicePrefetcherBuilder};
 pub use probe::{probe, Probe, DISABLE_ENV};
 pub use scope::DeviceScope;
 pub use stream::OnStream;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use async_iter::{BatchSource, PrefetchStats, Prefetcher, Threading};
 
 use batch::{BatchInfo, Leased};
-pub use batch::{DeviceBatch, DeviceLease, HostBatch};
+pub use batch::{DeviceBatch, DeviceLease};
 use ring::DeviceRing;
 
 use crate::backend::{InFlight, PinnedBackend};

@@ -1,37 +1,18 @@
 //! What a [`DevicePrefetcher`](super::DevicePrefetcher) hands out: a [`DeviceLease`] on a
 //! batch in the device ring, and the owned copies it can be detached into
-//! ([`DeviceBatch`] on the device, [`HostBatch`] on the host).
+//! ([`DeviceBatch`] on the device, [`DetachedBatch`] on the host).
 
 use std::fmt;
-use std::mem::size_of;
 
-use async_iter::{BatchLayout, ElementType, Role, ARRAY_ALIGN};
-use bytemuck::{Pod, Zeroable};
-use ndarray::{ArrayView, Dimension};
+use async_iter::{BatchLayout, DetachedBatch, Role};
+use bytemuck::Pod;
+use ndarray::Dimension;
 
 use super::ring::Place;
 use super::Side;
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
 use crate::view::{DeviceView, Owner, OWNED, RING};
-
-/// The offset, byte length and shape of the array of `role`, if `T` and `Dim` match it.
-fn typed<T: Pod, Dim: Dimension>(layout: &BatchLayout, batch: usize, role: Role) -> Result<(usize, usize, Dim)> {
-    let spec = layout.spec(role).ok_or(async_iter::Error::MissingArray { batch, role })?;
-    if spec.element() != ElementType::of::<T>() {
-        let (stored, requested) = (spec.element().name(), std::any::type_name::<T>());
-        return Err(async_iter::Error::WrongElementType { batch, role, stored, requested }.into());
-    }
-    let shape = spec.shape();
-    if let Some(requested) = Dim::NDIM.filter(|&n| n != shape.len()) {
-        let (stored, shape) = (shape.len(), shape.to_vec());
-        return Err(async_iter::Error::WrongDimensionality { batch, role, stored, requested, shape }.into());
-    }
-    let mut dim = Dim::zeros(shape.len());
-    dim.slice_mut().copy_from_slice(shape);
-    // A planned layout's arrays fit in its region, so this does not overflow.
-    Ok((spec.offset(), dim.size() * size_of::<T>(), dim))
-}
 
 /// One batch in the device ring, lent to the consumer by
 /// [`DevicePrefetcher::next`](super::DevicePrefetcher::next).
@@ -145,11 +126,11 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// As [`labels`](Self::labels).
     pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
-        let (offset, _, dim) = typed::<T, Dim>(&self.batch.info.layout, self.batch.info.index, role)?;
+        let (spec, dim) = self.batch.info.layout.typed::<T, Dim>(self.batch.info.index, role)?;
         let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
         // The slot holds the batch (the consumer's stream waited for its copy) and is not
         // written again before work issued to that stream while the lease lives.
-        Ok(DeviceView::new(owner, self.batch.place.address + offset as u64, dim))
+        Ok(DeviceView::new(owner, self.batch.place.address + spec.offset() as u64, dim))
     }
 
     /// Copies the batch into device memory of its own (one device-to-device copy on
@@ -179,9 +160,9 @@ impl<D: Device> DeviceLease<'_, D> {
     /// # Errors
     ///
     /// [`Error::Device`] when the device cannot copy.
-    pub fn detach_to_host(self) -> Result<HostBatch> {
+    pub fn detach_to_host(self) -> Result<DetachedBatch> {
         let ring = &self.side.ring;
-        HostBatch::copy_from(&ring.device, &ring.consumer, self.batch.place.address, self.batch.info, RING)
+        copy_to_host(&ring.device, &ring.consumer, self.batch.place.address, self.batch.info, RING)
     }
 }
 
@@ -266,9 +247,9 @@ impl<D: Device> DeviceBatch<D> {
     ///
     /// As [`DeviceLease::labels`].
     pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
-        let (offset, _, dim) = typed::<T, Dim>(&self.info.layout, self.info.index, role)?;
+        let (spec, dim) = self.info.layout.typed::<T, Dim>(self.info.index, role)?;
         let owner = Owner::Array { device: &self.device, stream: &self.stream };
-        Ok(DeviceView::new(owner, D::memory_address(&self.memory) + offset as u64, dim))
+        Ok(DeviceView::new(owner, D::memory_address(&self.memory) + spec.offset() as u64, dim))
     }
 
     /// Copies the batch to the host.
@@ -276,8 +257,8 @@ impl<D: Device> DeviceBatch<D> {
     /// # Errors
     ///
     /// [`Error::Device`] when the device cannot copy.
-    pub fn to_host(&self) -> Result<HostBatch> {
-        HostBatch::copy_from(&self.device, &self.stream, D::memory_address(&self.memory), self.info, OWNED)
+    pub fn to_host(&self) -> Result<DetachedBatch> {
+        copy_to_host(&self.device, &self.stream, D::memory_address(&self.memory), self.info, OWNED)
     }
 }
 
@@ -292,23 +273,6 @@ impl<D: Device> fmt::Debug for DeviceBatch<D> {
     }
 }
 
-/// One cache line: the storage unit of [`HostBatch`], so that any element type the
-/// layout allows is aligned in place.
-#[derive(Clone, Copy, Zeroable, Pod)]
-#[repr(C, align(64))]
-struct Line([u8; ARRAY_ALIGN]);
-
-/// A batch copied to the host ([`DeviceLease::detach_to_host`],
-/// [`DeviceBatch::to_host`]): owned ndarray views of its arrays.
-#[derive(Clone)]
-pub struct HostBatch {
-    /// Invariant: at least the batch's bytes, laid out as in the ring.
-    data: Vec<Line>,
-    layout: BatchLayout,
-    index: usize,
-    epoch: u64,
-}
-
 /// What a batch is, wherever it lives.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct BatchInfo {
@@ -320,82 +284,22 @@ pub(super) struct BatchInfo {
     pub(super) bytes: usize,
 }
 
-impl HostBatch {
-    fn copy_from<D: Device>(
-        device: &D,
-        stream: &D::Stream,
-        address: u64,
-        info: BatchInfo,
-        owner: &str,
-    ) -> Result<HostBatch> {
-        let BatchInfo { layout, index, epoch, bytes } = info;
-        let mut data = vec![Line::zeroed(); bytes.div_ceil(ARRAY_ALIGN)];
-        let target = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut data)[..bytes];
-        // SAFETY: `address` holds the batch's `bytes` bytes, valid (and written by no
-        // other stream) at least until work issued to `stream` now has run; the copy is
-        // complete when this returns.
+/// Copies the batch at `address` (laid out as in the ring) to the host, on `stream`.
+fn copy_to_host<D: Device>(
+    device: &D,
+    stream: &D::Stream,
+    address: u64,
+    info: BatchInfo,
+    owner: &str,
+) -> Result<DetachedBatch> {
+    DetachedBatch::read_from(info.layout, info.index, info.epoch, |target| {
+        // SAFETY: `address` holds the batch's bytes (`target` is exactly as long: the
+        // same layout, planned), valid (and written by no other stream) at least until
+        // work issued to `stream` now has run; the copy is complete when this returns.
         unsafe { device.copy_dtoh(stream, address, target) }.map_err(|source: DeviceError| Error::Device {
             workspace: owner.into(),
             action: "copying a batch to the host",
             source,
-        })?;
-        Ok(HostBatch { data, layout, index, epoch })
-    }
-
-    /// The batch's index in its epoch.
-    pub fn index(&self) -> usize {
-        self.index
-    }
-
-    /// The epoch the batch came from.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// The batch's layout.
-    pub fn layout(&self) -> &BatchLayout {
-        &self.layout
-    }
-
-    /// The features array.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceLease::features`].
-    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>> {
-        self.array(Role::Features)
-    }
-
-    /// The labels array.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceLease::labels`].
-    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>> {
-        self.array(Role::Labels)
-    }
-
-    /// The array of `role`.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceLease::labels`].
-    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, Dim>> {
-        let (offset, bytes, dim) = typed::<T, Dim>(&self.layout, self.index, role)?;
-        let all: &[u8] = bytemuck::cast_slice(&self.data);
-        // Offsets are multiples of 64 in 64-aligned storage and element types are
-        // aligned to at most 64 (the layout refuses others), so the cast cannot fail.
-        let elements: &[T] = bytemuck::cast_slice(&all[offset..offset + bytes]);
-        Ok(ArrayView::from_shape(dim, elements).expect("a planned array has exactly its shape's elements"))
-    }
-}
-
-impl fmt::Debug for HostBatch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostBatch")
-            .field("epoch", &self.epoch)
-            .field("index", &self.index)
-            .field("layout", &self.layout)
-            .finish_non_exhaustive()
-    }
+        })
+    })
 }
