@@ -17,7 +17,7 @@
 //! close in; that count is what proves no view is alive.
 
 use std::marker::PhantomData;
-use std::mem::{align_of, size_of, MaybeUninit};
+use std::mem::{align_of, size_of, ManuallyDrop, MaybeUninit};
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -44,6 +44,27 @@ pub enum ScopeKind {
     Heap,
 }
 
+/// What keeps a scope's workspace alive besides the `'ws` borrow.
+#[derive(Debug)]
+enum Hold {
+    /// Nothing: the workspace is borrowed for `'ws`.
+    Borrow,
+    /// A shared workspace (`enter_shared`), kept alive by this `Rc`.
+    Shared(#[allow(dead_code, reason = "held for its drop")] Rc<Workspace>),
+    /// A heap scope's private workspace: it spills every allocation to its own heap
+    /// block, and frees them all when the scope closes.
+    Own(#[allow(dead_code, reason = "held for its drop")] Box<Workspace>),
+}
+
+/// Lets a scope's workspace go, out of line: the common scope holds nothing, and
+/// keeping this off its drop keeps that drop small enough to inline, so the scope
+/// can live in registers.
+#[cold]
+#[inline(never)]
+fn release(hold: Hold) {
+    drop(hold);
+}
+
 /// An open scope of a workspace (or of the heap); see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
@@ -54,10 +75,9 @@ pub struct Scope<'ws> {
     /// scope as open.
     ws: NonNull<Workspace>,
     kind: ScopeKind,
-    keep: Option<Rc<Workspace>>,
-    /// A heap scope's private workspace: it spills every allocation to its own heap
-    /// block, and frees them all when the scope closes.
-    own: Option<Box<Workspace>>,
+    /// What keeps the workspace alive besides the `'ws` borrow. Dropped by hand in
+    /// `Drop`, after the engine counted the scope out.
+    hold: ManuallyDrop<Hold>,
     _borrow: PhantomData<&'ws Workspace>,
 }
 
@@ -77,7 +97,8 @@ impl<'ws> Scope<'ws> {
     /// `borrow_open`), and `ws` must stay alive for `'ws` or be kept alive by `keep`.
     #[inline]
     pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind, keep: Option<Rc<Workspace>>) -> Scope<'ws> {
-        Scope { ws: NonNull::from(ws), kind, keep, own: None, _borrow: PhantomData }
+        let hold = keep.map_or(Hold::Borrow, Hold::Shared);
+        Scope { ws: NonNull::from(ws), kind, hold: ManuallyDrop::new(hold), _borrow: PhantomData }
     }
 
     /// A scope that allocates on the heap: each array is its own allocation, freed
@@ -103,7 +124,7 @@ impl<'ws> Scope<'ws> {
         // SAFETY: entered just above; the box keeps the workspace at a fixed address
         // for as long as the scope owns it.
         let mut scope = unsafe { Scope::over(&own, ScopeKind::Heap, None) };
-        scope.own = Some(own);
+        scope.hold = ManuallyDrop::new(Hold::Own(own));
         scope
     }
 
@@ -115,7 +136,7 @@ impl<'ws> Scope<'ws> {
 
     /// The workspace this scope allocates in (`None` when scoped out to the heap).
     pub fn workspace(&self) -> Option<&Workspace> {
-        self.own.is_none().then(|| self.workspace_ref())
+        (!matches!(*self.hold, Hold::Own(_))).then(|| self.workspace_ref())
     }
 
     /// How this scope came to be.
@@ -188,21 +209,9 @@ impl<'ws> Scope<'ws> {
             // drop the engine's own size test after inlining.
             // SAFETY: `0 < n <= isize::MAX / size_of::<T>()`, so the product fits.
             Some(n) if n.wrapping_sub(1) < max_elements => Ok(unsafe { n.unchecked_mul(size_of::<T>()) }),
-            Some(0) => Err(self.zero_length(dim.clone())),
-            _ => Err(self.overflow(dim.clone(), size_of::<T>())),
+            Some(0) => Err(zero_length(self.workspace_ref(), dim.clone())),
+            _ => Err(overflow(self.workspace_ref(), dim.clone(), size_of::<T>())),
         }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn zero_length<D: Dimension>(&self, dim: D) -> Error {
-        Error::ZeroLength { workspace: self.target_name().clone(), shape: dim.slice().to_vec() }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn overflow<D: Dimension>(&self, dim: D, element_size: usize) -> Error {
-        Error::ShapeOverflow { workspace: self.target_name().clone(), shape: dim.slice().to_vec(), element_size }
     }
 
     /// Reserves memory for `dim` elements of `T`.
@@ -210,9 +219,9 @@ impl<'ws> Scope<'ws> {
     pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
         if size_of::<T>() == 0 {
             return match dim.size_checked() {
-                Some(0) => Err(self.zero_length(dim.clone())),
+                Some(0) => Err(zero_length(self.workspace_ref(), dim.clone())),
                 Some(_) => Ok(NonNull::dangling()),
-                None => Err(self.overflow(dim.clone(), 0)),
+                None => Err(overflow(self.workspace_ref(), dim.clone(), 0)),
             };
         }
         let bytes = self.sized::<T, D>(dim)?;
@@ -352,6 +361,8 @@ impl<'ws> Scope<'ws> {
     #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
     pub fn slice_zeroed<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
         let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), true)?;
+        // SAFETY: an empty slice is refused above (`ZeroLength`).
+        unsafe { std::hint::assert_unchecked(len > 0) };
         // SAFETY: `len` zeroed, aligned, exclusively owned elements, borrowed from `self`.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
     }
@@ -382,6 +393,10 @@ impl<'ws> Scope<'ws> {
     #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
     pub fn slice_uninit<T: Pod>(&self, len: usize) -> Result<&mut [MaybeUninit<T>]> {
         let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), false)?;
+        // SAFETY: an empty slice is refused above (`ZeroLength`, also for zero-sized
+        // `T`); telling the optimiser lets it drop the caller's bounds test on the first
+        // element.
+        unsafe { std::hint::assert_unchecked(len > 0) };
         // SAFETY: as in `slice_zeroed`; `MaybeUninit` needs no initialisation.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<MaybeUninit<T>>().as_ptr(), len) })
     }
@@ -422,16 +437,33 @@ impl<'ws> Scope<'ws> {
 }
 
 impl Drop for Scope<'_> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         // SAFETY: the workspace is alive (`ws` invariant) and counted this scope; every
         // view borrowed from this scope has ended (they borrow `self`), and handles are
         // checked against the generation before any access.
         unsafe { self.workspace_ref().engine.exit() };
         // Only now may the `Rc` or the box (if any) let the workspace go.
-        self.keep.take();
-        self.own.take();
+        if !matches!(*self.hold, Hold::Borrow) {
+            // SAFETY: `hold` is taken once, here, and the scope is not used after.
+            release(unsafe { ManuallyDrop::take(&mut self.hold) });
+        }
     }
+}
+
+// The errors of `sized` take the workspace rather than the scope: a cold call that
+// took `&Scope` would let the scope's address escape, and the hot path would then
+// reload the workspace pointer from memory after every opaque write.
+#[cold]
+#[inline(never)]
+fn zero_length<D: Dimension>(ws: &Workspace, dim: D) -> Error {
+    Error::ZeroLength { workspace: ws.name().clone(), shape: dim.slice().to_vec() }
+}
+
+#[cold]
+#[inline(never)]
+fn overflow<D: Dimension>(ws: &Workspace, dim: D, element_size: usize) -> Error {
+    Error::ShapeOverflow { workspace: ws.name().clone(), shape: dim.slice().to_vec(), element_size }
 }
 
 /// The first byte and the byte length of the memory an array spans (its elements

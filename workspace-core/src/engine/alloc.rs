@@ -47,16 +47,18 @@ impl<B: ArenaBackend> Engine<B> {
             // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
             let end = cursor + ((size + self.align_mask) & !self.align_mask);
             if end <= self.fast_limit.get() {
-                // `end > 0`, so `fast_limit > 0`: the arena exists (`fast_limit <= capacity`,
-                // and `capacity > 0` exactly when there is an arena).
-                let base = self.arena_base.get();
                 debug_assert!(
-                    base.is_some() && cursor.is_multiple_of(self.min_align) && cursor + size <= self.capacity.get()
+                    self.arena_base.get().is_some()
+                        && cursor.is_multiple_of(self.min_align)
+                        && cursor + size <= self.capacity.get()
                 );
-                if let Some(base) = base {
-                    self.cursor.set(end);
-                    return Some((base, cursor));
-                }
+                // SAFETY: `end > 0`, so `fast_limit > 0`, and `fast_limit` is non-zero only
+                // while there is an arena: it is 0 while closed, set to `capacity` (or to
+                // `open_start <= capacity`) only while open, and `capacity > 0` exactly when
+                // `arena_base` is `Some`; the arena is replaced or released only while closed.
+                let base = unsafe { self.arena_base.get().unwrap_unchecked() };
+                self.cursor.set(end);
+                return Some((base, cursor));
             }
         }
         None

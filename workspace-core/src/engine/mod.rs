@@ -361,7 +361,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// The caller must hold one of the scopes counted by `enter`/`borrow_open` and
     /// give it up: once the count reaches zero, memory handed out by this cycle is
     /// reused, so nothing may still refer to it.
-    #[inline]
+    #[inline(always)]
     pub unsafe fn exit(&self) {
         let depth = self.depth.get();
         debug_assert!(depth > 0, "exit without a matching enter");
@@ -395,7 +395,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.wrap_waste.set(0);
     }
 
-    #[inline]
+    #[inline(always)]
     fn close_cycle(&self) {
         // The common case: a scoped workspace whose cycle did not spill (so the fast
         // path is still on and `open_start` is 0), with no timeline to record.
