@@ -68,6 +68,33 @@ pub trait ArenaBackend: Send {
     /// When the memory cannot be provided.
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<Self::Block, BackendError>;
 
+    /// Reserves address space for a cycle whose size nobody knows yet: the first
+    /// cycle of a learning workspace, which has no arena. The block is at least
+    /// `at_least` bytes long, at most about `at_most` (the budget left), aligned to
+    /// [`ArenaBackend::base_alignment`], and costs memory only where it is touched.
+    /// The engine spills into it, and at the end of the cycle hands it to
+    /// [`ArenaBackend::adopt`] to become the learned arena, so the memory the first
+    /// cycle touched is the memory every later cycle reuses.
+    ///
+    /// `None` (the default) when the backend has no such thing; the engine then
+    /// spills into chunks from [`ArenaBackend::allocate_spill`].
+    fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<Self::Block> {
+        let _ = (at_least, at_most);
+        None
+    }
+
+    /// Turns a block from [`ArenaBackend::reserve`] into an arena of exactly `bytes`
+    /// (no more than its length) and gives the rest of the reservation back; or
+    /// returns the block unchanged when it cannot (the default).
+    ///
+    /// # Errors
+    ///
+    /// The block itself, when it cannot become the arena.
+    fn adopt(&mut self, block: Self::Block, bytes: usize) -> Result<Self::Block, Self::Block> {
+        let _ = bytes;
+        Err(block)
+    }
+
     /// Gives a block back. Device backends order this after pending work on their
     /// stream; host backends simply free it.
     fn release(&mut self, block: Self::Block) {

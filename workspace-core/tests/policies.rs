@@ -588,3 +588,45 @@ fn the_engine_hands_out_nothing_without_an_open_scope_and_rejects_bad_requests()
     drop(scope);
     assert_eq!(w.stats().cycles, 2);
 }
+
+/// Minor page faults of this thread so far.
+#[cfg(target_os = "linux")]
+fn minor_faults() -> u64 {
+    // SAFETY: getrusage writes into the struct we pass; zeroed is a valid rusage.
+    unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut usage);
+        usage.ru_minflt as u64
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn the_memory_of_the_first_cycle_is_the_arena_of_every_later_one() {
+    // 4.35 MB: past the first huge page of the reservation, which is 4 KiB pages.
+    const SIZES: [usize; 4] = [300_000, 1_000_000, 3_000_000, 50_000];
+    let w = ws(WorkspaceConfig::default());
+    let run = |w: &Workspace| {
+        let mut at = [0usize; SIZES.len()]; // nothing on the heap while counting
+        let faults = minor_faults();
+        {
+            let scope = w.enter().unwrap();
+            for (slot, &n) in at.iter_mut().zip(&SIZES) {
+                let v = scope.zeros::<u8, _>(n).unwrap(); // writes every byte
+                *slot = v.as_ptr() as usize;
+            }
+        }
+        (at, minor_faults() - faults)
+    };
+    let (first, cold) = run(&w);
+    assert!(cold > 0, "the first cycle touches fresh memory");
+    let learned = w.capacity();
+    assert!(learned >= SIZES.iter().sum::<usize>(), "learned {learned}");
+    for _ in 0..3 {
+        let (again, faults) = run(&w);
+        assert_eq!(again, first, "later cycles are laid out where the first one was");
+        assert_eq!(faults, 0, "and touch only memory the first cycle faulted in");
+    }
+    let stats = w.stats();
+    assert_eq!((stats.capacity, stats.growth_events, stats.external_allocations), (learned, 1, 4));
+}

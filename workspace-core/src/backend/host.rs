@@ -30,6 +30,99 @@ enum Owner {
     Bump { _chunk: Bump },
     /// A memory map (file-backed or anonymous).
     Map { _map: MmapMut },
+    /// A reservation of address space (see [`ArenaBackend::reserve`]).
+    Reserved(Reservation),
+}
+
+/// Largest reservation for a first cycle of unknown size; a cycle that needs more
+/// spills the rest into chunks, and its arena is allocated afresh. (Giving back the
+/// unused tail of a reservation costs more the larger it is.)
+const RESERVATION_CAP: usize = 256 << 20;
+
+/// An anonymous private mapping made with `MAP_NORESERVE`: only the pages touched
+/// cost memory (and count against nothing until then). Everything past its first
+/// huge page is advised to use transparent huge pages, so a cycle of many MiB takes
+/// a few page faults, while a cycle of a few KiB does not fault in (and keep) a
+/// whole huge page. Unmapped on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    /// Invariant: `map..map + map_len` is one mapping this value owns.
+    map: NonNull<u8>,
+    map_len: usize,
+    /// The huge-page-aligned start of the usable range, inside the mapping.
+    start: NonNull<u8>,
+    /// Usable bytes from `start`; `start + len <= map + map_len`.
+    len: usize,
+}
+
+impl Reservation {
+    /// Maps `bytes` rounded up to a huge page, starting on a huge-page boundary (the
+    /// mapping is one huge page longer, and the slack stays mapped: trimming it
+    /// would cost two more system calls on the cold path).
+    #[cfg(target_os = "linux")]
+    fn new(bytes: usize) -> Option<Reservation> {
+        let len = bytes.checked_next_multiple_of(HUGE_PAGE)?;
+        let map_len = len.checked_add(HUGE_PAGE)?;
+        if map_len > isize::MAX as usize {
+            return None;
+        }
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing
+        // aliases nothing; the result is checked against MAP_FAILED.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return None;
+        }
+        let map = NonNull::new(raw.cast::<u8>())?;
+        let head = map.as_ptr().align_offset(HUGE_PAGE);
+        // SAFETY: `head < HUGE_PAGE`, so `head + len <= map_len`: the usable range
+        // lies inside the mapping.
+        let start = unsafe { map.add(head) };
+        if len > HUGE_PAGE {
+            // SAFETY: `HUGE_PAGE < len`, so the advised range lies inside it too.
+            advise_huge_pages(unsafe { start.add(HUGE_PAGE) }, len - HUGE_PAGE);
+        }
+        Some(Reservation { map, map_len, start, len })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn new(_bytes: usize) -> Option<Reservation> {
+        None
+    }
+
+    /// Keeps the first `bytes` of the usable range and unmaps everything after it:
+    /// rounded up to a page within the first huge page (4 KiB pages there), to a
+    /// huge page past it (so that a huge page already faulted in is not split).
+    fn shrink_to(&mut self, bytes: usize) {
+        let unit = if bytes > HUGE_PAGE { HUGE_PAGE } else { PAGE };
+        let keep = bytes.next_multiple_of(unit).min(self.len);
+        let head = self.start.as_ptr() as usize - self.map.as_ptr() as usize;
+        let end = head + keep;
+        if end < self.map_len {
+            // SAFETY: `end..map_len` is the tail of the mapping this value owns, and
+            // `end` is page-aligned (`start` is a huge page boundary, `keep` a
+            // multiple of a page).
+            unsafe { libc::munmap(self.map.as_ptr().add(end).cast(), self.map_len - end) };
+            self.map_len = end;
+        }
+        self.len = keep;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is owned by this value (invariant) and nothing refers
+        // to it once the block holding it is dropped.
+        unsafe { libc::munmap(self.map.as_ptr().cast(), self.map_len) };
+    }
 }
 
 /// A block of host memory.
@@ -204,6 +297,30 @@ impl ArenaBackend for HostBackend {
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         HostBlock::ram(bytes, align)
     }
+
+    /// Host RAM only: a huge-page-aligned `MAP_NORESERVE` mapping of up to 256 MiB,
+    /// advised to use transparent huge pages past its first huge page (see
+    /// [`Reservation`]), so a first cycle of a few MiB takes a few page faults
+    /// instead of one per 4 KiB page.
+    fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<HostBlock> {
+        if !matches!(self, HostBackend::Ram) {
+            return None;
+        }
+        let bytes = at_most.min(RESERVATION_CAP).max(at_least);
+        let reservation = Reservation::new(bytes)?;
+        let (ptr, len) = (reservation.start, reservation.len);
+        Some(HostBlock { ptr, len, initialised: false, _owner: Owner::Reserved(reservation) })
+    }
+
+    fn adopt(&mut self, block: HostBlock, bytes: usize) -> Result<HostBlock, HostBlock> {
+        match block {
+            HostBlock { ptr, len, initialised, _owner: Owner::Reserved(mut reservation) } if bytes <= len => {
+                reservation.shrink_to(bytes);
+                Ok(HostBlock { ptr, len: bytes, initialised, _owner: Owner::Reserved(reservation) })
+            }
+            block => Err(block),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -230,6 +347,59 @@ mod tests {
         let mut backend = HostBackend::Ram;
         assert!(matches!(backend.allocate_spill(usize::MAX - 10, 64), Err(BackendError::OutOfMemory { .. })));
         assert!(matches!(backend.allocate_arena(isize::MAX as usize), Err(BackendError::OutOfMemory { .. })));
+    }
+
+    /// Whether the page at `ptr` is mapped (`mincore` fails with ENOMEM when not).
+    #[cfg(target_os = "linux")]
+    fn mapped(ptr: *const u8) -> bool {
+        let page = (ptr as usize) & !(PAGE - 1);
+        let mut resident = 0u8;
+        // SAFETY: mincore only reads the page tables for one page and writes one byte.
+        unsafe { libc::mincore(page as *mut libc::c_void, PAGE, &mut resident) == 0 }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reservations_are_aligned_and_shrink_to_what_they_become() {
+        let mut backend = HostBackend::Ram;
+        // Within the first huge page, the arena keeps whole 4 KiB pages.
+        let block = backend.reserve(1, 8 << 20).expect("a reservation");
+        let base = block.base().as_ptr();
+        assert_eq!((block.len(), base as usize % HUGE_PAGE), (8 << 20, 0));
+        // SAFETY: both bytes lie inside the reservation.
+        unsafe { base.add(5 << 20).write(7) };
+        let arena = backend.adopt(block, 10_000).expect("a reservation can become the arena");
+        assert_eq!((arena.base().as_ptr(), arena.len()), (base, 10_000));
+        // SAFETY: inside the arena.
+        unsafe { base.add(9_999).write(1) };
+        assert!(mapped(base.wrapping_add(8192)) && !mapped(base.wrapping_add(12_288)));
+        assert!(!mapped(base.wrapping_add(5 << 20)), "the tail is given back");
+        drop(arena);
+        assert!(!mapped(base), "dropping the arena unmaps it");
+
+        // Past the first huge page, it keeps whole huge pages (none is split).
+        let block = backend.reserve(HUGE_PAGE + 1, usize::MAX).expect("a reservation");
+        assert_eq!(block.len(), RESERVATION_CAP);
+        let base = block.base().as_ptr();
+        let arena = backend.adopt(block, 3 << 20).unwrap();
+        assert_eq!(arena.len(), 3 << 20);
+        assert!(mapped(base.wrapping_add((4 << 20) - 1)) && !mapped(base.wrapping_add(4 << 20)));
+        backend.release(arena);
+    }
+
+    #[test]
+    fn only_reservations_are_adopted_and_only_when_large_enough() {
+        let mut backend = HostBackend::Ram;
+        let spill = backend.allocate_spill(4096, 64).unwrap();
+        assert!(backend.adopt(spill, 100).is_err(), "a spill chunk is not a reservation");
+        if let Some(block) = backend.reserve(1, 1 << 20) {
+            let len = block.len();
+            let block = backend.adopt(block, len + 1).expect_err("larger than the reservation");
+            assert_eq!(block.len(), len, "handed back unchanged");
+        }
+        for mut other in [HostBackend::MmapAnonymous, HostBackend::MmapFile { path: "/nonexistent/x".into() }] {
+            assert!(other.reserve(1, 1 << 20).is_none(), "memory maps have fixed arenas");
+        }
     }
 
     #[test]

@@ -160,6 +160,28 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
+    /// The first spill of a learning cycle without an arena goes to a reservation
+    /// from the backend, which the end of the cycle can turn into the learned arena
+    /// (see [`ArenaBackend::reserve`]). `None` in every other case, or when the
+    /// backend has none to give.
+    fn reservation_for(&self, size: usize, align: usize, room: usize) -> Option<B::Block> {
+        let first_learning_spill = self.learning_left.get() > 0
+            && self.arena_base.get().is_none()
+            && !self.spill_everything.get()
+            && align <= self.base_alignment
+            && self.spills.borrow().is_empty();
+        if !first_learning_spill {
+            return None;
+        }
+        let block = self.backend.borrow_mut().reserve(size, room)?;
+        if block.len() < size {
+            self.backend.borrow_mut().release(block);
+            return None;
+        }
+        self.reserved.set(true);
+        Some(block)
+    }
+
     fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         let max = self.config.max_size();
         let held = self.capacity.get() + self.spilled_in_use.get();
@@ -190,8 +212,12 @@ impl<B: ArenaBackend> Engine<B> {
                     let room = max.saturating_sub(held).max(size);
                     doubled.min(room).max(size)
                 };
-                let block =
-                    self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?;
+                let block = match self.reservation_for(size, align, max.saturating_sub(held)) {
+                    Some(block) => block,
+                    None => {
+                        self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
+                    }
+                };
                 let base = block.base();
                 self.spill_held.set(self.spill_held.get() + block.len());
                 self.spill_base.set(Some(base));

@@ -104,6 +104,9 @@ pub struct Engine<B: ArenaBackend> {
     generation: Cell<u64>,
     /// Spill blocks of the open cycle, freed at the next reset.
     spills: RefCell<Vec<B::Block>>,
+    /// Whether the first spill block came from [`ArenaBackend::reserve`] (and may
+    /// become the arena when learning ends).
+    reserved: Cell<bool>,
     /// Free range `[spill_cursor, spill_limit)` in the last spill block.
     spill_cursor: Cell<usize>,
     spill_limit: Cell<usize>,
@@ -169,6 +172,7 @@ impl<B: ArenaBackend> Engine<B> {
             depth: Cell::new(0),
             generation: Cell::new(0),
             spills: RefCell::new(Vec::new()),
+            reserved: Cell::new(false),
             spill_cursor: Cell::new(0),
             spill_limit: Cell::new(0),
             spill_base: Cell::new(None),
@@ -425,16 +429,17 @@ impl<B: ArenaBackend> Engine<B> {
         }
         // Every spill starts the virtual cursor, so no virtual cursor means no spills.
         let spilled = self.virtual_cursor.take().is_some();
-        if spilled {
-            self.release_spills();
-        }
         if self.config.reset() == ResetPolicy::BlockLeft {
             self.cursor.set(0);
         }
         // A cycle that allocated nothing teaches nothing: it does not use up learning.
         let learning = self.learning_left.get() > 0 && bytes > 0;
         if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
+            // Before the spills go: the new arena may be the reservation they sit in.
             self.learn(bytes);
+        }
+        if spilled {
+            self.release_spills();
         }
         self.fast_limit.set(0);
     }
@@ -483,6 +488,7 @@ impl<B: ArenaBackend> Engine<B> {
         for block in spills.drain(..) {
             backend.release(block);
         }
+        self.reserved.set(false);
         self.spill_held.set(0);
         self.spilled_in_use.set(0);
         self.spill_cursor.set(0);
@@ -495,7 +501,18 @@ impl<B: ArenaBackend> Engine<B> {
     fn replace_arena(&self, size: usize) -> Result<(), BackendError> {
         debug_assert_eq!(self.depth.get(), 0);
         let mut backend = self.backend.borrow_mut();
-        let block = backend.allocate_arena(size)?;
+        let block = match self.take_reservation() {
+            // The first cycle's reservation becomes the arena: the pages that cycle
+            // touched are the ones every later cycle reuses.
+            Some(reservation) => match backend.adopt(reservation, size) {
+                Ok(block) => block,
+                Err(reservation) => {
+                    backend.release(reservation);
+                    backend.allocate_arena(size)?
+                }
+            },
+            None => backend.allocate_arena(size)?,
+        };
         self.arena_base.set(Some(block.base()));
         self.capacity.set(block.len());
         self.rewind();
@@ -503,6 +520,17 @@ impl<B: ArenaBackend> Engine<B> {
             backend.release(old);
         }
         Ok(())
+    }
+
+    /// Takes the reservation out of the spill blocks, if the first one is one. Only
+    /// while closed: nothing of the cycle that spilled into it is alive.
+    fn take_reservation(&self) -> Option<B::Block> {
+        if !self.reserved.replace(false) {
+            return None;
+        }
+        let mut spills = self.spills.borrow_mut();
+        debug_assert!(!spills.is_empty(), "a reservation is the first spill block");
+        (!spills.is_empty()).then(|| spills.remove(0))
     }
 
     /// Gives memory back: spill blocks, and the arena down to `min_size` (a file
@@ -575,5 +603,230 @@ impl<B: ArenaBackend> std::fmt::Debug for Engine<B> {
             .field("depth", &self.depth.get())
             .field("generation", &self.generation.get())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The first learning cycle's reservation, against a backend that records what
+    //! the engine asks of it (the engine never touches memory, so its blocks are
+    //! plain numbers).
+
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::config::{AllocationPolicy, LearningPolicy};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Kind {
+        Arena,
+        Spill,
+        Reserved,
+    }
+
+    #[derive(Debug)]
+    struct FakeBlock {
+        base: usize,
+        len: usize,
+        kind: Kind,
+    }
+
+    impl Block for FakeBlock {
+        type Base = usize;
+        fn base(&self) -> usize {
+            self.base
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+    }
+
+    /// What the engine asked for, in order.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    enum Call {
+        Arena(usize),
+        Spill(usize),
+        Reserve { at_least: usize },
+        Adopt { base: usize, bytes: usize },
+        Release(Kind, usize),
+    }
+
+    struct Recording {
+        calls: Arc<Mutex<Vec<Call>>>,
+        /// Length of the reservations handed out; `None`: the backend has none.
+        reservation: Option<usize>,
+        next_base: usize,
+    }
+
+    impl Recording {
+        fn block(&mut self, len: usize, kind: Kind) -> FakeBlock {
+            self.next_base += 1 << 32;
+            FakeBlock { base: self.next_base, len, kind }
+        }
+    }
+
+    impl ArenaBackend for Recording {
+        type Block = FakeBlock;
+        fn kind(&self) -> &'static str {
+            "recording"
+        }
+        fn base_alignment(&self) -> usize {
+            4096
+        }
+        fn allocate_arena(&mut self, bytes: usize) -> Result<FakeBlock, BackendError> {
+            self.calls.lock().unwrap().push(Call::Arena(bytes));
+            Ok(self.block(bytes, Kind::Arena))
+        }
+        fn allocate_spill(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
+            self.calls.lock().unwrap().push(Call::Spill(bytes));
+            Ok(self.block(bytes, Kind::Spill))
+        }
+        fn reserve(&mut self, at_least: usize, _at_most: usize) -> Option<FakeBlock> {
+            let len = self.reservation?;
+            self.calls.lock().unwrap().push(Call::Reserve { at_least });
+            Some(self.block(len, Kind::Reserved))
+        }
+        fn adopt(&mut self, block: FakeBlock, bytes: usize) -> Result<FakeBlock, FakeBlock> {
+            self.calls.lock().unwrap().push(Call::Adopt { base: block.base, bytes });
+            if block.kind == Kind::Reserved && bytes <= block.len {
+                Ok(FakeBlock { base: block.base, len: bytes, kind: Kind::Arena })
+            } else {
+                Err(block)
+            }
+        }
+        fn release(&mut self, block: FakeBlock) {
+            self.calls.lock().unwrap().push(Call::Release(block.kind, block.len));
+        }
+    }
+
+    fn engine(config: WorkspaceConfig, reservation: Option<usize>) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let backend = Recording { calls: calls.clone(), reservation, next_base: 0 };
+        (Engine::new("R", config, backend).unwrap(), calls)
+    }
+
+    fn take(calls: &Mutex<Vec<Call>>) -> Vec<Call> {
+        std::mem::take(&mut *calls.lock().unwrap())
+    }
+
+    fn strict() -> crate::config::WorkspaceConfigBuilder {
+        WorkspaceConfig::builder().allocation(AllocationPolicy::Strict)
+    }
+
+    /// One cycle allocating `sizes` bytes; returns (base, offset) of each.
+    fn cycle(e: &Engine<Recording>, sizes: &[usize]) -> Vec<(usize, usize)> {
+        e.enter().unwrap();
+        let placed = sizes.iter().map(|&n| e.alloc(n, 8).unwrap()).collect();
+        // SAFETY: the scope counted by `enter` above; nothing refers to the memory.
+        unsafe { e.exit() };
+        placed
+    }
+
+    #[test]
+    fn the_first_cycle_runs_in_a_reservation_that_becomes_the_arena() {
+        let (e, calls) = engine(strict().build().unwrap(), Some(1 << 20));
+        let first = cycle(&e, &[100, 5000, 64]);
+        // All three in the one reservation, packed at the engine's alignment (64).
+        let base = first[0].0;
+        assert_eq!(first, vec![(base, 0), (base, 128), (base, 5184)]);
+        assert_eq!(
+            take(&calls),
+            vec![Call::Reserve { at_least: 100 }, Call::Adopt { base, bytes: 5248 }],
+            "no arena allocated, nothing released: the reservation is the arena"
+        );
+        assert_eq!(e.capacity(), 5248);
+        assert_eq!(e.arena_extent(), Some((base, 5248)));
+        let stats = e.stats();
+        assert_eq!((stats.bytes_spilled, stats.external_allocations, stats.learned_size), (5164, 3, Some(5248)));
+        // The second cycle reuses the same memory from the arena, asking for nothing.
+        assert_eq!(cycle(&e, &[100, 5000, 64]), first);
+        assert!(take(&calls).is_empty());
+        assert_eq!(e.stats().external_allocations, 3);
+    }
+
+    #[test]
+    fn a_first_cycle_larger_than_the_reservation_gets_a_fresh_arena() {
+        let (e, calls) = engine(strict().build().unwrap(), Some(8192));
+        let first = cycle(&e, &[4096, 4096, 10_000]);
+        assert_eq!(first[0].0, first[1].0, "the first two fit in the reservation");
+        assert_ne!(first[2].0, first[0].0, "the third spills to a chunk");
+        assert_eq!(
+            take(&calls),
+            vec![
+                Call::Reserve { at_least: 4096 },
+                // Chunks start at 64 KiB.
+                Call::Spill(64 << 10),
+                Call::Adopt { base: first[0].0, bytes: 18_240 },
+                Call::Release(Kind::Reserved, 8192),
+                Call::Arena(18_240),
+                Call::Release(Kind::Spill, 64 << 10),
+            ]
+        );
+        assert_eq!(e.capacity(), 18_240);
+    }
+
+    #[test]
+    fn learning_over_several_cycles_adopts_only_the_last_reservation() {
+        let config = strict().learning(LearningPolicy::OverTime { cycles: 2 }).build().unwrap();
+        let (e, calls) = engine(config, Some(1 << 20));
+        let one = cycle(&e, &[1000]);
+        assert_eq!(take(&calls), vec![Call::Reserve { at_least: 1000 }, Call::Release(Kind::Reserved, 1 << 20)]);
+        assert_eq!(e.capacity(), 0);
+        let two = cycle(&e, &[3000]);
+        assert_ne!(one[0].0, two[0].0, "each learning cycle has a reservation of its own");
+        assert_eq!(take(&calls), vec![Call::Reserve { at_least: 3000 }, Call::Adopt { base: two[0].0, bytes: 3008 }]);
+        assert_eq!(e.capacity(), 3008);
+    }
+
+    #[test]
+    fn without_learning_or_with_an_arena_nothing_is_reserved() {
+        // No learning: spills go to chunks and are freed at the reset.
+        let config = strict().learning(LearningPolicy::None).build().unwrap();
+        let (e, calls) = engine(config, Some(1 << 20));
+        cycle(&e, &[100]);
+        assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Release(Kind::Spill, 64 << 10)]);
+        // An initial arena: learning grows it from chunks as before.
+        let (e, calls) = engine(strict().initial_size(4096).build().unwrap(), Some(1 << 20));
+        assert_eq!(take(&calls), vec![Call::Arena(4096)]);
+        cycle(&e, &[5000]);
+        assert_eq!(
+            take(&calls),
+            vec![
+                Call::Spill(64 << 10),
+                Call::Arena(5056),
+                Call::Release(Kind::Arena, 4096),
+                Call::Release(Kind::Spill, 64 << 10)
+            ]
+        );
+        // Spill-everything (a debugging aid) keeps one block per allocation.
+        let (e, calls) = engine(strict().build().unwrap(), Some(1 << 20));
+        e.set_spill_everything(true).unwrap();
+        cycle(&e, &[100, 200]);
+        let calls = take(&calls);
+        assert_eq!(&calls[..2], &[Call::Spill(100), Call::Spill(200)]);
+        assert!(!calls.iter().any(|c| matches!(c, Call::Reserve { .. } | Call::Adopt { .. })), "{calls:?}");
+    }
+
+    #[test]
+    fn a_backend_without_reservations_learns_from_chunks() {
+        let (e, calls) = engine(strict().build().unwrap(), None);
+        cycle(&e, &[100, 5000]);
+        assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Arena(5184), Call::Release(Kind::Spill, 64 << 10)]);
+    }
+
+    #[test]
+    fn a_reservation_too_small_for_the_first_request_is_given_back() {
+        let (e, calls) = engine(strict().build().unwrap(), Some(4096));
+        cycle(&e, &[10_000]);
+        assert_eq!(
+            take(&calls),
+            vec![
+                Call::Reserve { at_least: 10_000 },
+                Call::Release(Kind::Reserved, 4096),
+                Call::Spill(64 << 10),
+                Call::Arena(10_048),
+                Call::Release(Kind::Spill, 64 << 10),
+            ]
+        );
     }
 }
