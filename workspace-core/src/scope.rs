@@ -17,7 +17,7 @@
 //! close in; that count is what proves no view is alive.
 
 use std::marker::PhantomData;
-use std::mem::{align_of, size_of, ManuallyDrop, MaybeUninit};
+use std::mem::{align_of, size_of, MaybeUninit};
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -32,7 +32,6 @@ use crate::workspace::{DebugMode, Workspace};
 
 /// How a scope came to be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(usize)] // word-sized, so building a scope stores whole words (no partial-store stalls)
 pub enum ScopeKind {
     /// Opened the workspace: a new cycle and generation.
     Opened,
@@ -44,25 +43,57 @@ pub enum ScopeKind {
     Heap,
 }
 
-/// What keeps a scope's workspace alive besides the `'ws` borrow.
-#[derive(Debug)]
-enum Hold {
-    /// Nothing: the workspace is borrowed for `'ws`.
-    Borrow,
-    /// A shared workspace (`enter_shared`), kept alive by this `Rc`.
-    Shared(#[allow(dead_code, reason = "held for its drop")] Rc<Workspace>),
-    /// A heap scope's private workspace: it spills every allocation to its own heap
-    /// block, and frees them all when the scope closes.
-    Own(#[allow(dead_code, reason = "held for its drop")] Box<Workspace>),
+/// How a scope came to be, and what keeps its workspace alive besides the `'ws`
+/// borrow: nothing, an `Rc` (`enter_shared`: the scope owns one strong count, taken
+/// with `Rc::into_raw`), or a `Box` (a heap scope's private workspace, taken with
+/// `Box::into_raw`). Both raw pointers are the workspace's own address, so the scope
+/// needs no second pointer and stays two words: it is returned in registers, and
+/// moving it never copies through memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+enum Tag {
+    Opened,
+    Nested,
+    Borrowed,
+    /// Owns the `Box`.
+    Heap,
+    /// Own one count of the `Rc`.
+    SharedOpened,
+    SharedNested,
+    SharedBorrowed,
 }
 
-/// Lets a scope's workspace go, out of line: the common scope holds nothing, and
-/// keeping this off its drop keeps that drop small enough to inline, so the scope
-/// can live in registers.
+impl Tag {
+    fn kind(self) -> ScopeKind {
+        match self {
+            Tag::Opened | Tag::SharedOpened => ScopeKind::Opened,
+            Tag::Nested | Tag::SharedNested => ScopeKind::Nested,
+            Tag::Borrowed | Tag::SharedBorrowed => ScopeKind::Borrowed,
+            Tag::Heap => ScopeKind::Heap,
+        }
+    }
+}
+
+/// Lets a heap scope's or a shared scope's workspace go, out of line: the common
+/// scope holds nothing, and keeping this off its drop keeps that drop small enough
+/// to inline.
+///
+/// # Safety
+///
+/// `ws` and `tag` come from a scope that is being dropped, whose engine has already
+/// counted it out, and that is not used again.
 #[cold]
 #[inline(never)]
-fn release(hold: Hold) {
-    drop(hold);
+unsafe fn release(ws: NonNull<Workspace>, tag: Tag) {
+    if tag == Tag::Heap {
+        // SAFETY: a heap scope's `ws` came from `Box::into_raw`, and the box is freed
+        // once, here.
+        drop(unsafe { Box::from_raw(ws.as_ptr()) });
+    } else {
+        // SAFETY: a shared scope's `ws` came from `Rc::into_raw` and owns that count,
+        // given back once, here.
+        drop(unsafe { Rc::from_raw(ws.as_ptr()) });
+    }
 }
 
 /// An open scope of a workspace (or of the heap); see the module docs.
@@ -71,13 +102,10 @@ fn release(hold: Hold) {
 #[derive(Debug)]
 pub struct Scope<'ws> {
     /// The workspace allocated in. Invariant: valid for the scope's life (borrowed for
-    /// `'ws`, kept alive by `keep`, or owned by `own`), and its engine counts this
-    /// scope as open.
+    /// `'ws`, or kept alive by what `tag` says the scope owns), and its engine counts
+    /// this scope as open.
     ws: NonNull<Workspace>,
-    kind: ScopeKind,
-    /// What keeps the workspace alive besides the `'ws` borrow. Dropped by hand in
-    /// `Drop`, after the engine counted the scope out.
-    hold: ManuallyDrop<Hold>,
+    tag: Tag,
     _borrow: PhantomData<&'ws Workspace>,
 }
 
@@ -94,11 +122,31 @@ impl<'ws> Scope<'ws> {
     /// # Safety
     ///
     /// The engine of `ws` must have counted this scope as open (via `enter` or
-    /// `borrow_open`), and `ws` must stay alive for `'ws` or be kept alive by `keep`.
-    #[inline]
-    pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind, keep: Option<Rc<Workspace>>) -> Scope<'ws> {
-        let hold = keep.map_or(Hold::Borrow, Hold::Shared);
-        Scope { ws: NonNull::from(ws), kind, hold: ManuallyDrop::new(hold), _borrow: PhantomData }
+    /// `borrow_open`), and `ws` must stay alive for `'ws`.
+    #[inline(always)]
+    pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind) -> Scope<'ws> {
+        let tag = match kind {
+            ScopeKind::Opened => Tag::Opened,
+            ScopeKind::Nested => Tag::Nested,
+            ScopeKind::Borrowed | ScopeKind::Heap => Tag::Borrowed,
+        };
+        Scope { ws: NonNull::from(ws), tag, _borrow: PhantomData }
+    }
+
+    /// A scope that keeps `ws` alive through the `Rc` it takes.
+    ///
+    /// # Safety
+    ///
+    /// The engine of `ws` must have counted this scope as open.
+    #[inline(always)]
+    pub(crate) unsafe fn over_shared(ws: Rc<Workspace>, kind: ScopeKind) -> Scope<'static> {
+        let tag = match kind {
+            ScopeKind::Opened => Tag::SharedOpened,
+            ScopeKind::Nested => Tag::SharedNested,
+            ScopeKind::Borrowed | ScopeKind::Heap => Tag::SharedBorrowed,
+        };
+        let ws = NonNull::new(Rc::into_raw(ws).cast_mut()).expect("an Rc is not null");
+        Scope { ws, tag, _borrow: PhantomData }
     }
 
     /// A scope that allocates on the heap: each array is its own allocation, freed
@@ -121,11 +169,9 @@ impl<'ws> Scope<'ws> {
                 .expect("a workspace without an arena reserves no memory"),
         );
         own.engine.enter().expect("a new workspace has nothing pending");
-        // SAFETY: entered just above; the box keeps the workspace at a fixed address
-        // for as long as the scope owns it.
-        let mut scope = unsafe { Scope::over(&own, ScopeKind::Heap, None) };
-        scope.hold = ManuallyDrop::new(Hold::Own(own));
-        scope
+        // The scope owns the box (entered just above) until `release` frees it.
+        let ws = NonNull::new(Box::into_raw(own)).expect("a box is not null");
+        Scope { ws, tag: Tag::Heap, _borrow: PhantomData }
     }
 
     #[inline(always)]
@@ -136,12 +182,12 @@ impl<'ws> Scope<'ws> {
 
     /// The workspace this scope allocates in (`None` when scoped out to the heap).
     pub fn workspace(&self) -> Option<&Workspace> {
-        (!matches!(*self.hold, Hold::Own(_))).then(|| self.workspace_ref())
+        (self.tag != Tag::Heap).then(|| self.workspace_ref())
     }
 
     /// How this scope came to be.
     pub fn kind(&self) -> ScopeKind {
-        self.kind
+        self.tag.kind()
     }
 
     /// The name of the allocation target ("heap" when scoped out).
@@ -444,9 +490,9 @@ impl Drop for Scope<'_> {
         // checked against the generation before any access.
         unsafe { self.workspace_ref().engine.exit() };
         // Only now may the `Rc` or the box (if any) let the workspace go.
-        if !matches!(*self.hold, Hold::Borrow) {
-            // SAFETY: `hold` is taken once, here, and the scope is not used after.
-            release(unsafe { ManuallyDrop::take(&mut self.hold) });
+        if self.tag as usize >= Tag::Heap as usize {
+            // SAFETY: counted out just above, and the scope is not used after.
+            unsafe { release(self.ws, self.tag) };
         }
     }
 }

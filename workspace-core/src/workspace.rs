@@ -131,7 +131,7 @@ impl Workspace {
             Entered::Nested => ScopeKind::Nested,
         };
         // SAFETY: the engine counted this scope; the scope gives it back on drop.
-        Ok(unsafe { Scope::over(self, kind, None) })
+        Ok(unsafe { Scope::over(self, kind) })
     }
 
     /// Makes this already open workspace an allocation target for a while, without
@@ -146,7 +146,7 @@ impl Workspace {
         }
         self.engine.borrow_open("borrowing it as an allocation target")?;
         // SAFETY: the engine counted this scope; the scope gives it back on drop.
-        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed, None) })
+        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed) })
     }
 
     /// As [`Workspace::enter`], the scope keeping the workspace alive through an `Rc`.
@@ -164,7 +164,7 @@ impl Workspace {
         };
         // SAFETY: counted by the engine; the `Rc` keeps the workspace alive for as long
         // as the scope lives, whatever `'static` says.
-        Ok(unsafe { Scope::over(self, kind, Some(self.clone())) })
+        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
     }
 
     /// As [`Workspace::borrow_open`], the scope keeping the workspace alive through an `Rc`.
@@ -178,7 +178,7 @@ impl Workspace {
         }
         self.engine.borrow_open("borrowing it as an allocation target")?;
         // SAFETY: as in `enter_shared`.
-        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed, Some(self.clone())) })
+        Ok(unsafe { Scope::over_shared(self.clone(), ScopeKind::Borrowed) })
     }
 
     /// Gives memory back: spill blocks, and the arena down to `min_size`; the size is

@@ -34,16 +34,21 @@ enum Owner {
     Reserved(Reservation),
 }
 
+/// A first request at least this large suggests a cycle of MiB: its reservation
+/// uses huge pages from the start.
+pub const HUGE_FIRST_REQUEST: usize = HUGE_PAGE / 8;
+
 /// Largest reservation for a first cycle of unknown size; a cycle that needs more
 /// spills the rest into chunks, and its arena is allocated afresh. (Giving back the
 /// unused tail of a reservation costs more the larger it is.)
 const RESERVATION_CAP: usize = 256 << 20;
 
 /// An anonymous private mapping made with `MAP_NORESERVE`: only the pages touched
-/// cost memory (and count against nothing until then). Everything past its first
-/// huge page is advised to use transparent huge pages, so a cycle of many MiB takes
-/// a few page faults, while a cycle of a few KiB does not fault in (and keep) a
-/// whole huge page. Unmapped on drop.
+/// cost memory (and count against nothing until then). It is advised to use
+/// transparent huge pages, so a cycle of many MiB takes a few page faults; but when
+/// the cycle's first request is small (under [`HUGE_FIRST_REQUEST`]), its first huge
+/// page is left to 4 KiB pages, so that a cycle of a few KiB does not fault in (and
+/// keep) a whole huge page. Unmapped on drop.
 #[derive(Debug)]
 pub struct Reservation {
     /// Invariant: `map..map + map_len` is one mapping this value owns.
@@ -53,14 +58,17 @@ pub struct Reservation {
     start: NonNull<u8>,
     /// Usable bytes from `start`; `start + len <= map + map_len`.
     len: usize,
+    /// Whether the first huge page is advised to use a huge page too.
+    huge_from_start: bool,
 }
 
 impl Reservation {
     /// Maps `bytes` rounded up to a huge page, starting on a huge-page boundary (the
     /// mapping is one huge page longer, and the slack stays mapped: trimming it
-    /// would cost two more system calls on the cold path).
+    /// would cost two more system calls on the cold path). Huge pages are advised
+    /// from the start when `huge_from_start`, else past the first huge page.
     #[cfg(target_os = "linux")]
-    fn new(bytes: usize) -> Option<Reservation> {
+    fn new(bytes: usize, huge_from_start: bool) -> Option<Reservation> {
         let len = bytes.checked_next_multiple_of(HUGE_PAGE)?;
         let map_len = len.checked_add(HUGE_PAGE)?;
         if map_len > isize::MAX as usize {
@@ -86,23 +94,26 @@ impl Reservation {
         // SAFETY: `head < HUGE_PAGE`, so `head + len <= map_len`: the usable range
         // lies inside the mapping.
         let start = unsafe { map.add(head) };
-        if len > HUGE_PAGE {
+        if huge_from_start {
+            advise_huge_pages(start, len);
+        } else if len > HUGE_PAGE {
             // SAFETY: `HUGE_PAGE < len`, so the advised range lies inside it too.
             advise_huge_pages(unsafe { start.add(HUGE_PAGE) }, len - HUGE_PAGE);
         }
-        Some(Reservation { map, map_len, start, len })
+        Some(Reservation { map, map_len, start, len, huge_from_start })
     }
 
     #[cfg(not(target_os = "linux"))]
-    fn new(_bytes: usize) -> Option<Reservation> {
+    fn new(_bytes: usize, _huge_from_start: bool) -> Option<Reservation> {
         None
     }
 
     /// Keeps the first `bytes` of the usable range and unmaps everything after it:
-    /// rounded up to a page within the first huge page (4 KiB pages there), to a
-    /// huge page past it (so that a huge page already faulted in is not split).
+    /// rounded up to a page when they fit in the first huge page and that one was
+    /// left to 4 KiB pages, else to a huge page (so that a huge page already
+    /// faulted in is not split).
     fn shrink_to(&mut self, bytes: usize) {
-        let unit = if bytes > HUGE_PAGE { HUGE_PAGE } else { PAGE };
+        let unit = if bytes > HUGE_PAGE || self.huge_from_start { HUGE_PAGE } else { PAGE };
         let keep = bytes.next_multiple_of(unit).min(self.len);
         let head = self.start.as_ptr() as usize - self.map.as_ptr() as usize;
         let end = head + keep;
@@ -299,15 +310,15 @@ impl ArenaBackend for HostBackend {
     }
 
     /// Host RAM only: a huge-page-aligned `MAP_NORESERVE` mapping of up to 256 MiB,
-    /// advised to use transparent huge pages past its first huge page (see
-    /// [`Reservation`]), so a first cycle of a few MiB takes a few page faults
-    /// instead of one per 4 KiB page.
+    /// advised to use transparent huge pages (past its first huge page when the
+    /// first request is small; see [`Reservation`]), so a first cycle of a few MiB
+    /// takes a few page faults instead of one per 4 KiB page.
     fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<HostBlock> {
         if !matches!(self, HostBackend::Ram) {
             return None;
         }
         let bytes = at_most.min(RESERVATION_CAP).max(at_least);
-        let reservation = Reservation::new(bytes)?;
+        let reservation = Reservation::new(bytes, at_least >= HUGE_FIRST_REQUEST)?;
         let (ptr, len) = (reservation.start, reservation.len);
         Some(HostBlock { ptr, len, initialised: false, _owner: Owner::Reserved(reservation) })
     }
@@ -376,6 +387,15 @@ mod tests {
         assert!(!mapped(base.wrapping_add(5 << 20)), "the tail is given back");
         drop(arena);
         assert!(!mapped(base), "dropping the arena unmaps it");
+
+        // A large first request: huge pages from the start, so even a small arena
+        // keeps its whole first huge page.
+        let block = backend.reserve(HUGE_FIRST_REQUEST, 8 << 20).expect("a reservation");
+        let base = block.base().as_ptr();
+        let arena = backend.adopt(block, 10_000).unwrap();
+        assert_eq!(arena.len(), 10_000);
+        assert!(mapped(base.wrapping_add(HUGE_PAGE - 1)) && !mapped(base.wrapping_add(HUGE_PAGE)));
+        drop(arena);
 
         // Past the first huge page, it keeps whole huge pages (none is split).
         let block = backend.reserve(HUGE_PAGE + 1, usize::MAX).expect("a reservation");
