@@ -9,10 +9,11 @@
 //!
 //! `cold_first_iter_ns` and `cold_first_iter_faults` (carve and bumpalo) are the first
 //! iteration of a fresh arena, measured in fresh child processes (median of 9) so that
-//! no earlier run has faulted the memory in. `fresh_pages` is the floor under any
-//! allocator that hands out fresh memory: one anonymous mapping made ahead of time
-//! (not timed), and the iteration's arrays laid out in it with the same touches, so
-//! its cost is the page faults alone.
+//! no earlier run has faulted the memory in. `fresh_pages` is the cost of the page
+//! faults alone: one anonymous mapping of 4 KiB pages made ahead of time (not timed),
+//! and the iteration's arrays laid out in it with the same touches. An allocator that
+//! hands out fresh 4 KiB pages cannot beat it; one that uses huge pages can, where
+//! the iteration touches most of each huge page (the training step).
 //!
 //! `std` runs in a fresh child process of its own (warm-up, then the same rounds):
 //! glibc adapts its mmap and trim thresholds to what the process freed before, and in
@@ -217,7 +218,7 @@ impl Variant for Bumpalo {
     }
 }
 
-/// The page-fault floor of a first iteration: an anonymous mapping made before the
+/// The 4 KiB page-fault cost of a first iteration: an anonymous mapping made before the
 /// iteration, large enough for all its arrays at 64-byte alignment, carved in order.
 /// The iteration costs only the faults of its first touches.
 struct FreshPages(memmap2::MmapMut);
