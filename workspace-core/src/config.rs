@@ -28,7 +28,9 @@ pub enum AllocationPolicy {
 pub enum LearningPolicy {
     /// No learning: the arena has `initial_size` bytes.
     None,
-    /// The arena is sized from the bytes allocated in the first cycle.
+    /// The arena is sized from the bytes allocated in the first cycle. On host RAM
+    /// that cycle runs in a reservation of address space which then becomes the
+    /// arena, so the pages it touched are the ones later cycles reuse.
     FirstLoop,
     /// The arena is sized from the largest cycle among the first `cycles` cycles.
     OverTime {
