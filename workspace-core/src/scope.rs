@@ -64,6 +64,28 @@ enum Tag {
 }
 
 impl Tag {
+    /// The tag of a scope over a workspace: `shared` when it owns a count of an `Rc`.
+    /// (A heap scope is built by [`Scope::heap`] alone.)
+    #[inline(always)]
+    fn new(kind: ScopeKind, shared: bool) -> Tag {
+        match (kind, shared) {
+            (ScopeKind::Opened, false) => Tag::Opened,
+            (ScopeKind::Nested, false) => Tag::Nested,
+            (ScopeKind::Borrowed, false) => Tag::Borrowed,
+            (ScopeKind::Opened, true) => Tag::SharedOpened,
+            (ScopeKind::Nested, true) => Tag::SharedNested,
+            (ScopeKind::Borrowed, true) => Tag::SharedBorrowed,
+            (ScopeKind::Heap, _) => unreachable!("a heap scope is built by Scope::heap"),
+        }
+    }
+
+    /// Whether the scope owns what keeps its workspace alive (a `Box` or an `Rc`
+    /// count), to be given back when it closes.
+    #[inline(always)]
+    fn owns(self) -> bool {
+        !matches!(self, Tag::Opened | Tag::Nested | Tag::Borrowed)
+    }
+
     fn kind(self) -> ScopeKind {
         match self {
             Tag::Opened | Tag::SharedOpened => ScopeKind::Opened,
@@ -125,12 +147,7 @@ impl<'ws> Scope<'ws> {
     /// `borrow_open`), and `ws` must stay alive for `'ws`.
     #[inline(always)]
     pub(crate) unsafe fn over(ws: &Workspace, kind: ScopeKind) -> Scope<'ws> {
-        let tag = match kind {
-            ScopeKind::Opened => Tag::Opened,
-            ScopeKind::Nested => Tag::Nested,
-            ScopeKind::Borrowed | ScopeKind::Heap => Tag::Borrowed,
-        };
-        Scope { ws: NonNull::from(ws), tag, _borrow: PhantomData }
+        Scope { ws: NonNull::from(ws), tag: Tag::new(kind, false), _borrow: PhantomData }
     }
 
     /// A scope that keeps `ws` alive through the `Rc` it takes.
@@ -140,13 +157,8 @@ impl<'ws> Scope<'ws> {
     /// The engine of `ws` must have counted this scope as open.
     #[inline(always)]
     pub(crate) unsafe fn over_shared(ws: Rc<Workspace>, kind: ScopeKind) -> Scope<'static> {
-        let tag = match kind {
-            ScopeKind::Opened => Tag::SharedOpened,
-            ScopeKind::Nested => Tag::SharedNested,
-            ScopeKind::Borrowed | ScopeKind::Heap => Tag::SharedBorrowed,
-        };
         let ws = NonNull::new(Rc::into_raw(ws).cast_mut()).expect("an Rc is not null");
-        Scope { ws, tag, _borrow: PhantomData }
+        Scope { ws, tag: Tag::new(kind, true), _borrow: PhantomData }
     }
 
     /// A scope that allocates on the heap: each array is its own allocation, freed
@@ -490,7 +502,7 @@ impl Drop for Scope<'_> {
         // checked against the generation before any access.
         unsafe { self.workspace_ref().engine.exit() };
         // Only now may the `Rc` or the box (if any) let the workspace go.
-        if self.tag as usize >= Tag::Heap as usize {
+        if self.tag.owns() {
             // SAFETY: counted out just above, and the scope is not used after.
             unsafe { release(self.ws, self.tag) };
         }

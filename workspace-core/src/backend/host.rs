@@ -36,7 +36,7 @@ enum Owner {
 
 /// A first request at least this large suggests a cycle of MiB: its reservation
 /// uses huge pages from the start.
-pub const HUGE_FIRST_REQUEST: usize = HUGE_PAGE / 8;
+const HUGE_FIRST_REQUEST: usize = HUGE_PAGE / 8;
 
 /// Largest reservation for a first cycle of unknown size; a cycle that needs more
 /// spills the rest into chunks, and its arena is allocated afresh. (Giving back the
@@ -50,7 +50,7 @@ const RESERVATION_CAP: usize = 256 << 20;
 /// page is left to 4 KiB pages, so that a cycle of a few KiB does not fault in (and
 /// keep) a whole huge page. Unmapped on drop.
 #[derive(Debug)]
-pub struct Reservation {
+struct Reservation {
     /// Invariant: `map..map + map_len` is one mapping this value owns.
     map: NonNull<u8>,
     map_len: usize,
@@ -310,9 +310,9 @@ impl ArenaBackend for HostBackend {
     }
 
     /// Host RAM only: a huge-page-aligned `MAP_NORESERVE` mapping of up to 256 MiB,
-    /// advised to use transparent huge pages (past its first huge page when the
-    /// first request is small; see [`Reservation`]), so a first cycle of a few MiB
-    /// takes a few page faults instead of one per 4 KiB page.
+    /// advised to use transparent huge pages, so a first cycle of a few MiB takes a
+    /// few page faults instead of one per 4 KiB page (past its first huge page when
+    /// the first request is small, so that a cycle of a few KiB keeps 4 KiB pages).
     fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<HostBlock> {
         if !matches!(self, HostBackend::Ram) {
             return None;

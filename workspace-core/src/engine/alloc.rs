@@ -205,16 +205,16 @@ impl<B: ArenaBackend> Engine<B> {
                 (base, start)
             }
             _ => {
-                let chunk = if self.spill_everything.get() {
-                    size
-                } else {
-                    let doubled = self.spill_held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
-                    let room = max.saturating_sub(held).max(size);
-                    doubled.min(room).max(size)
-                };
-                let block = match self.reservation_for(size, align, max.saturating_sub(held)) {
+                let room = max.saturating_sub(held).max(size);
+                let block = match self.reservation_for(size, align, room) {
                     Some(block) => block,
                     None => {
+                        let chunk = if self.spill_everything.get() {
+                            size
+                        } else {
+                            let doubled = self.spill_held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
+                            doubled.min(room).max(size)
+                        };
                         self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
                     }
                 };
