@@ -320,7 +320,10 @@ mod tests {
     /// A backend whose blocks start one byte past an aligned address.
     struct Skewed(HostBackend);
 
-    impl ArenaBackend for Skewed {
+    // SAFETY: deliberately breaks the alignment promise (base alignment 1 is met, but
+    // spills are not aligned to `align`) to test that the ring checks it anyway; the
+    // memory itself is the inner backend's, owned and valid.
+    unsafe impl ArenaBackend for Skewed {
         type Block = SkewedBlock;
         fn kind(&self) -> &'static str {
             "skewed"
@@ -338,7 +341,8 @@ mod tests {
 
     struct SkewedBlock(workspace_core::HostBlock);
 
-    impl Block for SkewedBlock {
+    // SAFETY: one byte into the inner block, one byte shorter: memory the inner block owns.
+    unsafe impl Block for SkewedBlock {
         type Base = NonNull<u8>;
         fn base(&self) -> NonNull<u8> {
             // SAFETY: the inner block has one byte more than this one claims.

@@ -12,7 +12,24 @@ pub mod host;
 use crate::error::BackendError;
 
 /// One contiguous block of memory owned by a backend.
-pub trait Block: Send {
+///
+/// # Safety
+///
+/// Unsafe code (the engine's callers, the prefetch ring) reads and writes the memory a
+/// block describes, so an implementation promises, for as long as the block value
+/// lives (until it is dropped or given back with [`ArenaBackend::release`]):
+///
+/// - [`Block::base`] and [`Block::len`] return the same values on every call;
+/// - the `len()` bytes from `base()` are valid memory that the block owns exclusively:
+///   nothing else (no reference, no other block, no other thread) reads or writes them
+///   except through this block's base address; for host memory, they are valid for
+///   reads and writes of any value;
+/// - moving the block, also to another thread, neither moves nor invalidates that
+///   memory.
+///
+/// [`Block::is_initialised`] may return `true` only when every byte holds an
+/// initialised value.
+pub unsafe trait Block: Send {
     /// Address type of the block's first byte: a host pointer or a device address.
     type Base: Copy;
     /// The block's first byte.
@@ -33,11 +50,21 @@ pub trait Block: Send {
 
 /// A source of arena and spill blocks.
 ///
-/// Implementations must return blocks whose base address is aligned to at least
-/// `align` (and to [`ArenaBackend::base_alignment`] for arena blocks), and must keep
-/// a block's memory valid and unaliased until it is given back with
-/// [`ArenaBackend::release`] or dropped.
-pub trait ArenaBackend: Send {
+/// # Safety
+///
+/// The engine turns offsets inside the blocks a backend returns into memory that safe
+/// code reads and writes, so an implementation promises:
+///
+/// - [`ArenaBackend::base_alignment`] returns the same power of two on every call;
+/// - a block from [`ArenaBackend::allocate_arena`] or [`ArenaBackend::allocate_spill`]
+///   is at least as long as requested, and its base is aligned to
+///   [`ArenaBackend::base_alignment`] (arenas) or to `align` (spills);
+/// - a block from [`ArenaBackend::reserve`] is aligned to
+///   [`ArenaBackend::base_alignment`]; one from [`ArenaBackend::adopt`] is the same
+///   memory as the block it was given, at least `bytes` long;
+/// - no two blocks that are alive at the same time overlap, and each meets the
+///   contract of [`Block`].
+pub unsafe trait ArenaBackend: Send {
     /// The block type.
     type Block: Block;
 

@@ -62,7 +62,9 @@ impl<D: Device> DeviceBlock<D> {
     }
 }
 
-impl<D: Device> Block for DeviceBlock<D> {
+// SAFETY: `base..base + len` lies inside `memory` (invariant), one device allocation
+// this block owns and frees only when dropped; neither field changes after construction.
+unsafe impl<D: Device> Block for DeviceBlock<D> {
     type Base = u64;
 
     #[inline(always)]
@@ -76,7 +78,9 @@ impl<D: Device> Block for DeviceBlock<D> {
     }
 }
 
-impl<D: Device> ArenaBackend for DeviceBackend<D> {
+// SAFETY: every block is a fresh device allocation, padded so that its base is aligned
+// to the requested alignment (at least `DEVICE_ALIGNMENT`) and `bytes` long.
+unsafe impl<D: Device> ArenaBackend for DeviceBackend<D> {
     type Block = DeviceBlock<D>;
 
     fn kind(&self) -> &'static str {
@@ -156,7 +160,9 @@ pub struct PinnedBlock<D: Device> {
     len: usize,
 }
 
-impl<D: Device> Block for PinnedBlock<D> {
+// SAFETY: `offset + len` bytes fit in `memory` (invariant), one page-locked allocation
+// this block owns; it is freed only when dropped, after the transfers using it.
+unsafe impl<D: Device> Block for PinnedBlock<D> {
     type Base = NonNull<u8>;
 
     #[inline(always)]
@@ -172,7 +178,9 @@ impl<D: Device> Block for PinnedBlock<D> {
     }
 }
 
-impl<D: Device> ArenaBackend for PinnedBackend<D> {
+// SAFETY: every block is a fresh pinned allocation, padded so that its base is aligned
+// to the requested alignment (at least `PINNED_ALIGNMENT`) and `bytes` long.
+unsafe impl<D: Device> ArenaBackend for PinnedBackend<D> {
     type Block = PinnedBlock<D>;
 
     fn kind(&self) -> &'static str {

@@ -74,12 +74,14 @@
 //! [`SimDevice`] runs each stream on its own thread and can hold or delay streams, so
 //! the tests show both that the waits are there and that a missing wait would be seen.
 //!
-//! Unsafe code lives in `device` (driver calls and the simulator), `probe`, `workspace`,
+//! Unsafe code lives in `device` (driver calls and the simulator), `backend` (the
+//! `unsafe impl`s of the core's backend traits), `probe`, `workspace`,
 //! `scope`, `view`, `stream`, `pinned` and `prefetch`; every block says why it is sound.
 
 #![deny(unsafe_code)]
 
 mod array;
+#[allow(unsafe_code)]
 mod backend;
 #[allow(unsafe_code)]
 pub mod device;

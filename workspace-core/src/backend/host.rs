@@ -206,7 +206,12 @@ impl HostBlock {
     }
 }
 
-impl Block for HostBlock {
+// SAFETY: `ptr..ptr + len` is memory that `_owner` (a bumpalo chunk no one else
+// allocates from, a memory map or a reservation, none of them shared) owns and keeps
+// valid until the block is dropped; neither field changes after construction, and
+// the memory stays put when the block moves. Only maps (whose bytes are initialised)
+// report `is_initialised`.
+unsafe impl Block for HostBlock {
     type Base = NonNull<u8>;
     #[inline(always)]
     fn base(&self) -> NonNull<u8> {
@@ -276,7 +281,11 @@ fn map_file(path: &Path, bytes: usize) -> Result<MmapMut, BackendError> {
     unsafe { MmapOptions::new().len(bytes).map_mut(&file) }.map_err(io)
 }
 
-impl ArenaBackend for HostBackend {
+// SAFETY: RAM blocks are bumpalo chunks or fresh mappings laid out for exactly the
+// requested size and alignment (arenas at least page-aligned, see `ram_arena`), maps
+// are page-aligned by the kernel, reservations are huge-page-aligned and `adopt` keeps
+// their first `bytes`; every block is a fresh allocation of its own.
+unsafe impl ArenaBackend for HostBackend {
     type Block = HostBlock;
 
     fn kind(&self) -> &'static str {

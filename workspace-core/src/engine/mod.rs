@@ -631,7 +631,9 @@ mod tests {
         kind: Kind,
     }
 
-    impl Block for FakeBlock {
+    // SAFETY: the engine never dereferences a base (it deals in offsets) and these
+    // tests only compare the numbers, so fake addresses describe no memory anyone touches.
+    unsafe impl Block for FakeBlock {
         type Base = usize;
         fn base(&self) -> usize {
             self.base
@@ -665,7 +667,8 @@ mod tests {
         }
     }
 
-    impl ArenaBackend for Recording {
+    // SAFETY: as for `FakeBlock`: the blocks are numbers the tests compare, never memory.
+    unsafe impl ArenaBackend for Recording {
         type Block = FakeBlock;
         fn kind(&self) -> &'static str {
             "recording"
