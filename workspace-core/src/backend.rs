@@ -29,6 +29,22 @@ use crate::error::BackendError;
 ///
 /// [`Block::is_initialised`] may return `true` only when every byte holds an
 /// initialised value.
+///
+/// A safe implementation, which could point the ring's writes at any address, does not
+/// compile:
+///
+/// ```compile_fail,E0200
+/// struct Anywhere;
+/// impl workspace_core::Block for Anywhere {
+///     type Base = std::ptr::NonNull<u8>;
+///     fn base(&self) -> std::ptr::NonNull<u8> {
+///         std::ptr::NonNull::new(0x40 as *mut u8).unwrap()
+///     }
+///     fn len(&self) -> usize {
+///         4096
+///     }
+/// }
+/// ```
 pub unsafe trait Block: Send {
     /// Address type of the block's first byte: a host pointer or a device address.
     type Base: Copy;
@@ -64,6 +80,27 @@ pub unsafe trait Block: Send {
 ///   memory as the block it was given, at least `bytes` long;
 /// - no two blocks that are alive at the same time overlap, and each meets the
 ///   contract of [`Block`].
+///
+/// Implementing it needs `unsafe impl`:
+///
+/// ```compile_fail,E0200
+/// struct Lying;
+/// impl workspace_core::ArenaBackend for Lying {
+///     type Block = workspace_core::HostBlock;
+///     fn kind(&self) -> &'static str {
+///         "lying"
+///     }
+///     fn base_alignment(&self) -> usize {
+///         1 << 20
+///     }
+///     fn allocate_arena(&mut self, bytes: usize) -> Result<Self::Block, workspace_core::BackendError> {
+///         unimplemented!("{bytes}")
+///     }
+///     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<Self::Block, workspace_core::BackendError> {
+///         unimplemented!("{bytes} {align}")
+///     }
+/// }
+/// ```
 pub unsafe trait ArenaBackend: Send {
     /// The block type.
     type Block: Block;
