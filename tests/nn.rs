@@ -653,3 +653,260 @@ fn a_layer_whose_parameters_change_is_a_typed_error_and_nothing_is_updated() {
         assert_ne!(net.output(x.view()).unwrap(), before, "{updater:?}: a good step changes the parameters");
     }
 }
+
+/// Every parameter value of the network, as bits.
+fn param_bits(net: &mut Network) -> Vec<Vec<u32>> {
+    let mut all = Vec::new();
+    for layer in net.layers_mut() {
+        layer.params(&mut |p| all.push(p.value.iter().map(|v| v.to_bits()).collect()));
+    }
+    all
+}
+
+/// Sets every value of parameter `param` of layer `layer` to `value`.
+fn set_param(net: &mut Network, layer: usize, param: usize, value: f32) {
+    let mut index = 0;
+    net.layers_mut()[layer].params(&mut |p| {
+        if index == param {
+            p.value.fill(value);
+        }
+        index += 1;
+    });
+}
+
+/// Where [`Tainting`] puts a NaN.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Taint {
+    None,
+    /// Element [0, 1] of its output is +inf.
+    Output,
+    /// Element [1, 0] of its input gradient is NaN.
+    InputGradient,
+    /// Element 2 of its bias gradient is NaN.
+    ParamGradient,
+}
+
+/// A user layer adding a bias per column, which can taint what it computes.
+struct Tainting {
+    bias: Vec<f32>,
+    grad: Vec<f32>,
+    taint: std::rc::Rc<std::cell::Cell<Taint>>,
+}
+
+impl Layer for Tainting {
+    fn name(&self) -> &str {
+        "taint"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &mut self,
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let bias = &self.bias;
+        let mut out = ctx.activations.from_shape_fn(input.raw_dim(), |(i, j)| input[[i, j]] + bias[j])?;
+        if self.taint.get() == Taint::Output {
+            out[[0, 1]] = f32::INFINITY;
+        }
+        Ok(freeze(out))
+    }
+    fn backward(
+        &mut self,
+        _input: ArrayView2<'_, f32>,
+        _output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        self.grad.fill(0.0);
+        for row in grad_output.rows() {
+            self.grad.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
+        }
+        if self.taint.get() == Taint::ParamGradient {
+            self.grad[2] = f32::NAN;
+        }
+        if let Some(mut g) = grad_input {
+            g.assign(&grad_output);
+            if self.taint.get() == Taint::InputGradient {
+                g[[1, 0]] = f32::NAN;
+            }
+        }
+        Ok(())
+    }
+    fn params(&mut self, f: &mut dyn FnMut(carve::nn::Param<'_>)) {
+        f(carve::nn::Param { value: &mut self.bias, grad: &self.grad });
+    }
+    fn param_count(&self) -> usize {
+        self.bias.len()
+    }
+}
+
+fn tainting_network(mode: WorkspaceMode, updater: Updater, taint: &std::rc::Rc<std::cell::Cell<Taint>>) -> Network {
+    let tainting = Tainting { bias: vec![0.1; 16], grad: vec![0.0; 16], taint: taint.clone() };
+    let config = NetworkConfig::builder(8)
+        .dense(16)
+        .layer(tainting)
+        .relu()
+        .dense(12)
+        .relu()
+        .dense(3)
+        .seed(7)
+        .updater(updater)
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+/// `fit_batch` on `x` must fail with `NonFinite` at `layer`, with a message that
+/// contains `what`, and leave every parameter as it was.
+fn refused(net: &mut Network, x: ArrayView2<'_, f32>, y: ndarray::ArrayView1<'_, u32>, layer: &str, what: &str) {
+    let before = param_bits(net);
+    let iterations = net.iterations();
+    let err = net.fit_batch(x, y).expect_err("a non-finite step is an error");
+    let Error::NonFinite { layer: at, what: said } = &err else { panic!("not a NonFinite error: {err:?}") };
+    assert_eq!(at, layer, "{err}");
+    assert!(said.contains(what), "'{what}' not in: {err}");
+    assert!(err.to_string().contains(&format!("'{layer}'")), "{err}");
+    assert!(err.to_string().contains("before any parameter or updater state changed"), "{err}");
+    assert!(param_bits(net) == before, "{layer}: parameters changed by a refused step ({err})");
+    assert_eq!(net.iterations(), iterations);
+}
+
+#[test]
+fn a_non_finite_step_is_an_error_naming_the_layer_and_changes_nothing() {
+    let taint = std::rc::Rc::new(std::cell::Cell::new(Taint::None));
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
+        for updater in [Updater::adam(1e-2), Updater::sgd(0.1, 0.9)] {
+            let (x, y) = blobs(32, 3, 6);
+            let (good, labels) = (x.slice(ndarray::s![..16, ..]), y.slice(ndarray::s![..16]));
+            let (next, next_labels) = (x.slice(ndarray::s![16.., ..]), y.slice(ndarray::s![16..]));
+            // `twin` never sees a bad batch: after the refused steps both must go on
+            // bit for bit alike, which they do only if no parameter, moment or step
+            // count of the updater moved.
+            let mut net = tainting_network(mode, updater, &taint);
+            let mut twin = tainting_network(mode, updater, &taint);
+            assert_eq!(net.fit_batch(good, labels).unwrap().to_bits(), twin.fit_batch(good, labels).unwrap().to_bits());
+
+            let mut nan = good.to_owned();
+            nan[[3, 5]] = f32::NAN;
+            refused(&mut net, nan.view(), labels, "input", "the batch (row 3, column 5) is NaN");
+            let mut inf = good.to_owned();
+            inf[[0, 0]] = f32::NEG_INFINITY;
+            refused(&mut net, inf.view(), labels, "input", "the batch (row 0, column 0) is -inf");
+
+            for (case, layer, what) in [
+                (Taint::Output, "taint", "output (row 0, column 1) is inf"),
+                (Taint::InputGradient, "taint", "gradient of its input (row 1, column 0) is NaN"),
+                (Taint::ParamGradient, "taint", "gradient of its parameter 0 (element 2) is NaN"),
+            ] {
+                taint.set(case);
+                refused(&mut net, good, labels, layer, what);
+                taint.set(Taint::None);
+            }
+
+            // A NaN weight in a hidden layer: the ReLU after it would map the NaN to 0
+            // and the loss would look fine.
+            let saved = param_bits(&mut net);
+            set_param(&mut net, 3, 0, f32::NAN);
+            let poisoned = param_bits(&mut net);
+            let err = net.fit_batch(good, labels).unwrap_err();
+            assert!(matches!(&err, Error::NonFinite { layer, .. } if layer == "dense_3"), "{err}");
+            assert!(param_bits(&mut net) == poisoned, "the refused step changed parameters");
+            let mut index = 0;
+            net.layers_mut()[3].params(&mut |p| {
+                p.value.iter_mut().zip(&saved[3 + index]).for_each(|(v, &bits)| *v = f32::from_bits(bits));
+                index += 1;
+            });
+            assert!(param_bits(&mut net) == saved);
+
+            // fit_iter stops at the bad batch, after the good one before it was applied.
+            let mut iter_net = tainting_network(mode, updater, &taint);
+            let err = iter_net.fit_iter([(good, labels), (nan.view(), labels), (next, next_labels)]).unwrap_err();
+            assert!(matches!(&err, Error::NonFinite { layer, .. } if layer == "input"), "{err}");
+            assert_eq!(iter_net.iterations(), 1);
+            assert!(param_bits(&mut iter_net) == param_bits(&mut twin), "fit_iter: only the good batch counted");
+
+            // Training goes on with the next good batch exactly as if the bad ones had
+            // never been offered.
+            for _ in 0..3 {
+                let a = net.fit_batch(next, next_labels).unwrap();
+                let b = twin.fit_batch(next, next_labels).unwrap();
+                assert_eq!(a.to_bits(), b.to_bits(), "{mode:?} {updater:?}");
+                assert!(a.is_finite());
+            }
+            assert!(param_bits(&mut net) == param_bits(&mut twin), "{mode:?} {updater:?}");
+            assert_eq!(net.iterations(), 4);
+        }
+    }
+}
+
+/// Finite inputs whose products overflow f32: the logits of the last layer become
+/// +inf, softmax turns them into NaN, and the clamped loss alone would look finite.
+#[test]
+fn an_overflow_in_the_forward_pass_or_the_loss_is_an_error_and_changes_nothing() {
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
+        let config = NetworkConfig::builder(2)
+            .dense(2)
+            .updater(Updater::sgd(0.1, 0.0))
+            .training_workspace_mode(mode)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        set_param(&mut net, 0, 0, 1.0);
+        let x = ndarray::arr2(&[[f32::MAX, f32::MAX], [1.0, -1.0]]);
+        let y = ndarray::arr1(&[0u32, 1]);
+        refused(&mut net, x.view(), y.view(), "dense_0", "output (row 0, column 0) is inf");
+        // The same overflow at the last layer of a deeper network.
+        let mut deep = network(mode, Updater::adam(1e-2), 3);
+        let (x, y) = blobs(8, 3, 2);
+        set_param(&mut deep, 4, 0, f32::MAX);
+        refused(&mut deep, x.view(), y.view(), "dense_4", "is inf");
+    }
+}
+
+/// Finite gradients whose square overflows f32 would leave Adam's second moment at
+/// +inf for good (that parameter would never move again): refused like a NaN.
+#[test]
+fn an_updater_state_that_would_overflow_is_an_error_and_changes_nothing() {
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
+        let config = NetworkConfig::builder(2)
+            .dense(2)
+            .updater(Updater::adam(1e-2))
+            .training_workspace_mode(mode)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        set_param(&mut net, 0, 0, 1e-30);
+        let x = ndarray::arr2(&[[1e30f32, 1e30], [1e30, 1e30]]);
+        let y = ndarray::arr1(&[0u32, 0]);
+        refused(&mut net, x.view(), y.view(), "dense_0", "second moment");
+        let ok = ndarray::arr2(&[[1.0f32, 2.0], [-1.0, 0.5]]);
+        assert!(net.fit_batch(ok.view(), y.view()).unwrap().is_finite());
+    }
+}
+
+#[test]
+fn fit_over_a_prefetcher_stops_at_a_non_finite_batch() {
+    use carve::async_iter::{InMemory, Prefetcher};
+    let (mut x, y) = blobs(48, 3, 8);
+    x[[20, 1]] = f32::NAN; // in the second batch of 16
+    let mut net = network(WorkspaceMode::Enabled, Updater::adam(1e-2), 4);
+    let mut twin = network(WorkspaceMode::Enabled, Updater::adam(1e-2), 4);
+    let mut batches = Prefetcher::builder(InMemory::new(x.clone(), y.clone(), 16).unwrap()).build().unwrap();
+    let err = net.fit(&mut batches).unwrap_err();
+    assert!(
+        matches!(&err, Error::NonFinite { layer, what } if layer == "input" && what.contains("row 4, column 1")),
+        "{err}"
+    );
+    twin.fit_batch(x.slice(ndarray::s![..16, ..]), y.slice(ndarray::s![..16])).unwrap();
+    assert_eq!(net.iterations(), 1);
+    assert!(param_bits(&mut net) == param_bits(&mut twin), "only the first batch was applied");
+    // The rest of the epoch trains on.
+    let rest = net.fit(&mut batches).unwrap();
+    assert!(rest.is_finite());
+    assert_eq!(net.iterations(), 2);
+}

@@ -12,12 +12,19 @@
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
 //!
+//! A training step in which any value is not finite (NaN or infinite: in the input, a
+//! layer's output or gradients, the loss, or what the updater would store) is refused
+//! with [`Error::NonFinite`](crate::Error::NonFinite) naming the layer, before any
+//! parameter or updater state changes; the next good batch trains as if the bad one had
+//! never been offered.
+//!
 //! Workspaces never change the numbers: a network trained with
 //! [`WorkspaceMode::Enabled`](crate::WorkspaceMode) and one trained with
 //! [`WorkspaceMode::None`](crate::WorkspaceMode) from the same seed produce
 //! bit-identical losses and predictions.
 
 mod dense;
+mod finite;
 #[allow(unsafe_code)]
 pub mod gemm;
 mod layer;

@@ -11,6 +11,7 @@ use workspace_core::{
 };
 
 use super::dense::Dense;
+use super::finite;
 use super::layer::{BackwardCtx, ForwardCtx, Layer};
 use super::loss::SoftmaxCrossEntropy;
 use super::relu::Relu;
@@ -433,10 +434,17 @@ impl Network {
     /// Shape and label errors; workspace errors; [`Error::WrongLocation`] when a
     /// layer returns activations that are not in the activations workspace;
     /// [`Error::InvalidInput`] or [`Error::ShapeMismatch`] when a layer's parameters
-    /// are not those it had when the network was built (then no parameter is updated).
-    /// After an error the network is unchanged and usable.
+    /// are not those it had when the network was built (then no parameter is updated);
+    /// [`Error::NonFinite`], naming the layer, when a value of the step is not finite
+    /// (NaN or infinite): an input element ("input"), a layer's output, the gradient
+    /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
+    /// value the updater would store. After an error the network is unchanged (its
+    /// parameters and its updater's state are as they were before the call) and usable.
     pub fn fit_batch(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
         self.check_batch(&x, Some(&labels))?;
+        // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
+        // it, the loss clamps it, and the parameters would silently become NaN.
+        finite::check_matrix("input", "the batch", x.view())?;
         let Network { layers, loss, updater, train, .. } = self;
         let mgr = &train[0];
         train[0].reset_peaks();
@@ -451,11 +459,15 @@ impl Network {
             let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
             let y = layer.forward(input, &ctx)?;
             mgr.validate(ArrayType::Activations, layer.name(), &y)?;
+            finite::check_matrix(layer.name(), "its output", y.view())?;
             outputs.push(y);
             input = y;
         }
         let probs = loss.probabilities(input, &act)?;
         let batch_loss = loss.loss(probs, labels)?;
+        if !batch_loss.is_finite() {
+            return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
+        }
 
         // Backward: the gradient of each layer's output lives in one of the two
         // gradient workspaces, the gradient of its input in the other.
@@ -483,6 +495,7 @@ impl Network {
                 };
                 layers[i].backward(layer_input, outputs[i], grad.view(&grad_scope)?, grad_input, &ctx)?;
             }
+            check_gradients(&mut *layers[i], next.as_ref().map(|(scope, handle)| handle.view(scope)).transpose()?)?;
             if let Some((scope, handle)) = next {
                 grad = handle;
                 grad_scope = scope; // the consumed gradient's workspace closes here
@@ -662,6 +675,28 @@ impl Network {
             })?;
         }
         Ok(correct as f64 / x.nrows() as f64)
+    }
+}
+
+/// Checks the gradients `layer`'s backward pass left: those of its parameters, and
+/// `grad_input`, the gradient of its input.
+fn check_gradients(layer: &mut dyn Layer, grad_input: Option<ArrayView2<'_, f32>>) -> Result<()> {
+    if let Some(grad_input) = grad_input {
+        finite::check_matrix(layer.name(), "the gradient of its input", grad_input)?;
+    }
+    let (mut param, mut bad) = (0, None);
+    layer.params(&mut |p| {
+        if bad.is_none() {
+            bad = finite::first_in_slice(p.grad).map(|(element, value)| (param, element, value));
+        }
+        param += 1;
+    });
+    match bad {
+        None => Ok(()),
+        Some((param, element, value)) => Err(finite::error(
+            layer.name(),
+            format!("the gradient of its parameter {param} (element {element}) is {value}"),
+        )),
     }
 }
 

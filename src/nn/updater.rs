@@ -146,6 +146,7 @@ impl UpdaterState {
     /// `working`.
     pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], working: &TypedScope) -> Result<()> {
         self.check(layers)?;
+        self.check_finite(layers)?;
         self.step += 1;
         let t = self.step as i32;
         let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
@@ -167,17 +168,16 @@ impl UpdaterState {
                 let m = &mut first[index];
                 let result = match updater {
                     Updater::Sgd { learning_rate, momentum } => working.slice_from_fn(p.value.len(), |i| {
-                        m[i] = momentum * m[i] - learning_rate * p.grad[i];
+                        m[i] = sgd_velocity(learning_rate, momentum, m[i], p.grad[i]);
                         m[i]
                     }),
                     Updater::Adam { learning_rate, beta1, beta2, epsilon } => {
-                        let step = learning_rate * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t));
+                        let step = adam_step_size(learning_rate, beta1, beta2, t);
                         let v = &mut second[index];
                         working.slice_from_fn(p.value.len(), |i| {
-                            let g = p.grad[i];
-                            m[i] = beta1 * m[i] + (1.0 - beta1) * g;
-                            v[i] = beta2 * v[i] + (1.0 - beta2) * g * g;
-                            -step * m[i] / (v[i].sqrt() + epsilon)
+                            let (m_new, v_new, update) = adam(beta1, beta2, epsilon, step, m[i], v[i], p.grad[i]);
+                            (m[i], v[i]) = (m_new, v_new);
+                            update
                         })
                     }
                 };
@@ -193,6 +193,62 @@ impl UpdaterState {
                     return Err(Mismatch::Count { expected, actual: param }.into_error(layer.name()))
                 }
                 None => {}
+            }
+            base += expected;
+        }
+        Ok(())
+    }
+
+    /// Checks that the next step stores only finite values: every moment (or
+    /// velocity), update and new parameter value it would compute, computed here as
+    /// [`UpdaterState::apply`] computes them (the same functions), without storing
+    /// anything. Called after [`UpdaterState::check`].
+    fn check_finite(&self, layers: &mut [Box<dyn Layer>]) -> Result<()> {
+        let t = (self.step + 1) as i32;
+        let (first, second, updater) = (&self.first, &self.second, self.updater);
+        let mut base = 0;
+        for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
+            let mut param = 0;
+            let mut bad = None;
+            layer.params(&mut |p| {
+                if bad.is_some() || param >= expected {
+                    return;
+                }
+                let index = base + param;
+                let m = &first[index];
+                let found = match updater {
+                    Updater::Sgd { learning_rate, momentum } => (0..p.value.len()).find_map(|i| {
+                        let velocity = sgd_velocity(learning_rate, momentum, m[i], p.grad[i]);
+                        let value = p.value[i] + velocity;
+                        non_finite(&[("velocity", velocity), ("new value", value)]).map(|(what, v)| (i, what, v))
+                    }),
+                    Updater::Adam { learning_rate, beta1, beta2, epsilon } => {
+                        let step = adam_step_size(learning_rate, beta1, beta2, t);
+                        let v = &second[index];
+                        (0..p.value.len()).find_map(|i| {
+                            let (m_new, v_new, update) = adam(beta1, beta2, epsilon, step, m[i], v[i], p.grad[i]);
+                            let value = p.value[i] + update;
+                            let values = [
+                                ("first moment", m_new),
+                                ("second moment", v_new),
+                                ("update", update),
+                                ("new value", value),
+                            ];
+                            non_finite(&values).map(|(what, v)| (i, what, v))
+                        })
+                    }
+                };
+                bad = found.map(|(element, what, value)| (param, element, what, value, p.grad[element]));
+                param += 1;
+            });
+            if let Some((param, element, what, value, grad)) = bad {
+                return Err(Error::NonFinite {
+                    layer: layer.name().to_string(),
+                    what: format!(
+                        "the updater's {what} of its parameter {param} (element {element}) would be {value} \
+                         (gradient {grad:e})"
+                    ),
+                });
             }
             base += expected;
         }
@@ -230,4 +286,28 @@ impl UpdaterState {
         }
         Ok(())
     }
+}
+
+/// The new velocity of SGD with momentum (which is also the update).
+#[inline(always)]
+fn sgd_velocity(learning_rate: f32, momentum: f32, velocity: f32, grad: f32) -> f32 {
+    momentum * velocity - learning_rate * grad
+}
+
+/// Adam's step size at step `t` (from 1), with the bias correction folded in.
+fn adam_step_size(learning_rate: f32, beta1: f32, beta2: f32, t: i32) -> f32 {
+    learning_rate * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t))
+}
+
+/// One Adam step of one value: the new first and second moments, and the update.
+#[inline(always)]
+fn adam(beta1: f32, beta2: f32, epsilon: f32, step: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
+    let m = beta1 * m + (1.0 - beta1) * g;
+    let v = beta2 * v + (1.0 - beta2) * g * g;
+    (m, v, -step * m / (v.sqrt() + epsilon))
+}
+
+/// The first of the named values that is not finite.
+fn non_finite(values: &[(&'static str, f32)]) -> Option<(&'static str, f32)> {
+    values.iter().copied().find(|(_, v)| !v.is_finite())
 }

@@ -173,6 +173,22 @@ pub enum Error {
     #[error("{0}")]
     InvalidInput(String),
 
+    /// A training step met a value that is not finite (NaN or infinite): in the input,
+    /// in a layer's output or gradients, in the loss, or in what the updater would
+    /// store. The step was abandoned before any parameter or updater state changed.
+    #[error(
+        "non-finite value at '{layer}': {what}. The training step was abandoned before any parameter or \
+         updater state changed, and the network is still usable; remove NaN and infinite values from the \
+         data, or scale the inputs or lower the learning rate if values overflow"
+    )]
+    NonFinite {
+        /// The layer where the value appeared ("input" for the batch itself, "loss"
+        /// for the output stage).
+        layer: String,
+        /// Which value, where, and what it was.
+        what: String,
+    },
+
     /// A helper workspace that a layer asked for was never declared.
     #[error(
         "layer workspace manager has no helper workspace '{helper}': declare it with \
