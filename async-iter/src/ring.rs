@@ -155,8 +155,10 @@ where
         let slot_bytes = with_headroom(bytes, self.headroom).min(max_slot);
         debug_assert!(slot_bytes >= bytes);
         let ring_bytes = slot_bytes * self.slots; // <= max_ring: no overflow
-        let block =
-            self.backend.allocate_arena(ring_bytes).map_err(|source| Error::Backend { epoch, batch: index, source })?;
+        let block = self
+            .backend
+            .allocate_arena(ring_bytes, ARRAY_ALIGN.max(self.backend.base_alignment()))
+            .map_err(|source| Error::Backend { epoch, batch: index, source })?;
         let block = self.checked(block, ring_bytes, epoch, index)?;
         let buffer = Box::new(Buffer { block, slot_bytes, token: UnsafeCell::new(()) });
         if let Some(old) = self.current.replace(buffer) {
@@ -331,8 +333,8 @@ mod tests {
         fn base_alignment(&self) -> usize {
             1
         }
-        fn allocate_arena(&mut self, bytes: usize) -> Result<SkewedBlock, BackendError> {
-            Ok(SkewedBlock(self.0.allocate_arena(bytes + 1)?))
+        fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<SkewedBlock, BackendError> {
+            Ok(SkewedBlock(self.0.allocate_arena(bytes + 1, align)?))
         }
         fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<SkewedBlock, BackendError> {
             Ok(SkewedBlock(self.0.allocate_spill(bytes + 1, align)?))

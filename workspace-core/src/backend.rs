@@ -72,11 +72,9 @@ pub unsafe trait Block: Send {
 /// code reads and writes, so an implementation promises:
 ///
 /// - [`ArenaBackend::base_alignment`] returns the same power of two on every call;
-/// - a block from [`ArenaBackend::allocate_arena`] or [`ArenaBackend::allocate_spill`]
-///   is at least as long as requested, and its base is aligned to
-///   [`ArenaBackend::base_alignment`] (arenas) or to `align` (spills);
-/// - a block from [`ArenaBackend::reserve`] is aligned to
-///   [`ArenaBackend::base_alignment`]; one from [`ArenaBackend::adopt`] is the same
+/// - a block from [`ArenaBackend::allocate_arena`], [`ArenaBackend::allocate_spill`]
+///   or [`ArenaBackend::reserve`] is at least as long as requested and its base is
+///   aligned to the `align` asked for; one from [`ArenaBackend::adopt`] is the same
 ///   memory as the block it was given, at least `bytes` long;
 /// - no two blocks that are alive at the same time overlap, and each meets the
 ///   contract of [`Block`].
@@ -93,8 +91,8 @@ pub unsafe trait Block: Send {
 ///     fn base_alignment(&self) -> usize {
 ///         1 << 20
 ///     }
-///     fn allocate_arena(&mut self, bytes: usize) -> Result<Self::Block, workspace_core::BackendError> {
-///         unimplemented!("{bytes}")
+///     fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<Self::Block, workspace_core::BackendError> {
+///         unimplemented!("{bytes} {align}")
 ///     }
 ///     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<Self::Block, workspace_core::BackendError> {
 ///         unimplemented!("{bytes} {align}")
@@ -118,12 +116,14 @@ pub unsafe trait ArenaBackend: Send {
         false
     }
 
-    /// Reserves the arena block of `bytes` (> 0) bytes.
+    /// Reserves the arena block of `bytes` (> 0) bytes, its base aligned to `align`: a
+    /// power of two, at least [`ArenaBackend::base_alignment`] (larger when the
+    /// workspace's configured alignment is).
     ///
     /// # Errors
     ///
-    /// When the memory cannot be provided.
-    fn allocate_arena(&mut self, bytes: usize) -> Result<Self::Block, BackendError>;
+    /// When the memory cannot be provided, or not at that alignment.
+    fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<Self::Block, BackendError>;
 
     /// Reserves a spill block of `bytes` (> 0) bytes aligned to `align`.
     ///
@@ -135,15 +135,16 @@ pub unsafe trait ArenaBackend: Send {
     /// Reserves address space for a cycle whose size nobody knows yet: the first
     /// cycle of a learning workspace, which has no arena. The block is at least
     /// `at_least` bytes long, at most about `at_most` (the budget left), aligned to
-    /// [`ArenaBackend::base_alignment`], and costs memory only where it is touched.
+    /// `align` (as for [`ArenaBackend::allocate_arena`]), and costs memory only where it
+    /// is touched.
     /// The engine spills into it, and at the end of the cycle hands it to
     /// [`ArenaBackend::adopt`] to become the learned arena, so the memory the first
     /// cycle touched is the memory every later cycle reuses.
     ///
     /// `None` (the default) when the backend has no such thing; the engine then
     /// spills into chunks from [`ArenaBackend::allocate_spill`].
-    fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<Self::Block> {
-        let _ = (at_least, at_most);
+    fn reserve(&mut self, at_least: usize, at_most: usize, align: usize) -> Option<Self::Block> {
+        let _ = (at_least, at_most, align);
         None
     }
 

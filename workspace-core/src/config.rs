@@ -3,10 +3,12 @@
 //! A [`WorkspaceConfig`] is built once with [`WorkspaceConfig::builder`], validated by
 //! [`WorkspaceConfigBuilder::build`], and never changes afterwards. The defaults suit a
 //! training loop: learn the size from the first cycle, over-allocate by 30 %, spill what
-//! does not fit to the heap and reset when the outermost scope closes.
+//! does not fit to the heap and grow the arena to the largest cycle seen (so a loop
+//! whose sizes vary stops spilling once its largest cycle has run), and reset when the
+//! outermost scope closes.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -66,24 +68,107 @@ pub enum ResetPolicy {
 }
 
 /// Where the arena's memory lives.
+///
+/// A location that is deserialized can be `Ram` or `MmapAnonymous` only: a file-backed
+/// location needs the promise of [`MappedFile::new`], which data cannot make.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Location {
     /// Host RAM (bumpalo chunk, advised to use transparent huge pages).
     Ram,
     /// A memory-mapped file, created or extended to `initial_size`; its contents
     /// survive closing and reopening the workspace (read them back with
-    /// [`Scope::retained`](crate::Scope::retained)). The workspace owns the file while
-    /// it is open: another process must not truncate or modify it meanwhile.
-    Mmap {
-        /// The backing file.
-        path: PathBuf,
-    },
+    /// [`Scope::retained`](crate::Scope::retained)). Made with the `unsafe`
+    /// [`Location::mmap`] (or [`MappedFile::new`]), whose `# Safety` section says what
+    /// the caller promises about the file. While a workspace maps the file it holds an
+    /// exclusive lock on it, so a second workspace on the same file (in this process or
+    /// another) gets [`BackendError::FileInUse`](crate::BackendError::FileInUse).
+    #[serde(skip_deserializing)]
+    Mmap(MappedFile),
     /// An anonymous memory mapping (zero-filled, not backed by a file).
     MmapAnonymous,
 }
 
+impl Location {
+    /// A file-backed location: see [`MappedFile::new`].
+    ///
+    /// ```no_run
+    /// use workspace_core::{LearningPolicy, Location, Workspace, WorkspaceConfig};
+    ///
+    /// // SAFETY: nothing else truncates, resizes or writes `weights.ws` while the
+    /// // workspace lives.
+    /// let location = unsafe { Location::mmap("weights.ws") };
+    /// let config = WorkspaceConfig::builder()
+    ///     .learning(LearningPolicy::None)
+    ///     .initial_size(1 << 20)
+    ///     .location(location)
+    ///     .build()?;
+    /// let ws = Workspace::new("FILE", config)?;
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    ///
+    /// # Safety
+    ///
+    /// As for [`MappedFile::new`].
+    #[allow(unsafe_code)] // an `unsafe fn` only to carry the caller's promise
+    pub unsafe fn mmap(path: impl Into<PathBuf>) -> Location {
+        // SAFETY: the caller makes the promise of `MappedFile::new`.
+        Location::Mmap(unsafe { MappedFile::new(path) })
+    }
+}
+
+/// The file behind a file-backed workspace, and the caller's promise about it.
+///
+/// A workspace hands out views straight into the mapped file, so the memory safety of
+/// every view depends on what other code does with the file: truncating it kills the
+/// process with `SIGBUS` when a view reads past the new end, and writing to it changes
+/// the data under a view that Rust assumes nobody else changes. No safe API can rule
+/// that out (the memmap2 crate makes mapping a file `unsafe` for the same reason), so
+/// this value can only be made with the `unsafe` [`MappedFile::new`].
+///
+/// What the workspace itself rules out: two workspaces mapping one file. It takes an
+/// exclusive lock on the file for the life of the mapping (advisory, so it binds
+/// carve workspaces and other programs that lock, not a program that ignores locks).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct MappedFile {
+    path: PathBuf,
+}
+
+impl MappedFile {
+    /// Names the file to back a workspace with; it is created or extended to the
+    /// workspace's `initial_size` when the workspace is made.
+    ///
+    /// # Safety
+    ///
+    /// For as long as any workspace made with this location is alive, no code (in this
+    /// process or any other) may truncate or shrink the file, map it in a way that
+    /// writes to it, or write to it other than through the workspace's views. The
+    /// workspace's exclusive lock keeps other carve workspaces away; the caller is
+    /// responsible for everything else.
+    #[allow(unsafe_code)] // an `unsafe fn` only to carry the caller's promise
+    pub unsafe fn new(path: impl Into<PathBuf>) -> MappedFile {
+        MappedFile { path: path.into() }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// Default alignment of every allocation, in bytes (one cache line).
 pub const DEFAULT_ALIGNMENT: usize = 64;
+
+/// Largest configurable alignment (1 GiB).
+pub const MAX_ALIGNMENT: usize = 1 << 30;
+
+/// Largest timeline a workspace keeps: a million cycles (8 MiB of sizes, reserved
+/// when the workspace is made so that recording never allocates).
+pub const MAX_TIMELINE_LEN: usize = 1 << 20;
+
+/// A file mapping starts at the file's first byte, which the kernel maps at a page
+/// boundary: file-backed arenas are aligned to a page and no more.
+const FILE_ALIGNMENT: usize = 4096;
 
 /// A validated workspace configuration.
 ///
@@ -98,7 +183,22 @@ pub const DEFAULT_ALIGNMENT: usize = 64;
 /// assert_eq!(config.alignment(), 64);
 /// # Ok::<(), workspace_core::Error>(())
 /// ```
+///
+/// A deserialized configuration is validated like a built one (a file-backed location
+/// cannot be deserialized; see [`Location`]):
+///
+/// ```
+/// use workspace_core::WorkspaceConfig;
+///
+/// let json = serde_json::to_string(&WorkspaceConfig::default()).unwrap();
+/// let back: WorkspaceConfig = serde_json::from_str(&json).unwrap();
+/// assert_eq!(back, WorkspaceConfig::default());
+/// let bad = json.replace("\"alignment\":64", "\"alignment\":48");
+/// let err = serde_json::from_str::<WorkspaceConfig>(&bad).unwrap_err();
+/// assert!(err.to_string().contains("power of two"), "{err}");
+/// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "Fields")]
 pub struct WorkspaceConfig {
     initial_size: usize,
     min_size: usize,
@@ -110,6 +210,44 @@ pub struct WorkspaceConfig {
     reset: ResetPolicy,
     location: Location,
     timeline_len: usize,
+}
+
+/// What a serialized [`WorkspaceConfig`] holds, before validation.
+#[derive(Deserialize)]
+struct Fields {
+    initial_size: usize,
+    min_size: usize,
+    max_size: usize,
+    alignment: usize,
+    allocation: AllocationPolicy,
+    learning: LearningPolicy,
+    spill: SpillPolicy,
+    reset: ResetPolicy,
+    location: Location,
+    timeline_len: usize,
+}
+
+impl TryFrom<Fields> for WorkspaceConfig {
+    type Error = Error;
+
+    fn try_from(f: Fields) -> Result<WorkspaceConfig> {
+        WorkspaceConfigBuilder {
+            config: WorkspaceConfig {
+                initial_size: f.initial_size,
+                min_size: f.min_size,
+                max_size: f.max_size,
+                alignment: f.alignment,
+                allocation: f.allocation,
+                learning: f.learning,
+                spill: f.spill,
+                reset: f.reset,
+                location: f.location,
+                timeline_len: f.timeline_len,
+            },
+            spill_chosen: true,
+        }
+        .build()
+    }
 }
 
 impl Default for WorkspaceConfig {
@@ -166,7 +304,9 @@ impl WorkspaceConfig {
     }
 
     /// The capacity for a learned size: the allocation policy applied, clamped to
-    /// `min_size..=max_size` and rounded up to the alignment (never past `max_size`).
+    /// `min_size..=max_size` and rounded up to the alignment, except where that would
+    /// pass `max_size`: then it is `max_size` itself, never less (a cycle that fit the
+    /// budget must fit the arena learned from it).
     pub fn capacity_for(&self, learned: usize) -> usize {
         let grown = match self.allocation {
             AllocationPolicy::Strict => learned,
@@ -182,7 +322,7 @@ impl WorkspaceConfig {
         let clamped = grown.max(self.min_size).min(self.max_size);
         match clamped.checked_next_multiple_of(self.alignment) {
             Some(rounded) if rounded <= self.max_size => rounded,
-            _ => clamped - clamped % self.alignment,
+            _ => clamped,
         }
     }
 }
@@ -209,6 +349,8 @@ impl fmt::Display for WorkspaceConfig {
 #[derive(Clone, Debug)]
 pub struct WorkspaceConfigBuilder {
     config: WorkspaceConfig,
+    /// Whether `spill` was chosen; otherwise `build` picks the default for the location.
+    spill_chosen: bool,
 }
 
 impl Default for WorkspaceConfigBuilder {
@@ -226,6 +368,7 @@ impl Default for WorkspaceConfigBuilder {
                 location: Location::Ram,
                 timeline_len: 0,
             },
+            spill_chosen: false,
         }
     }
 }
@@ -262,9 +405,13 @@ impl WorkspaceConfigBuilder {
         self.config.learning = policy;
         self
     }
-    /// What happens to allocations that do not fit (default `External`).
+    /// What happens to allocations that do not fit. The default is `Reallocate` (the
+    /// arena grows to the largest cycle seen, so a loop whose sizes vary reaches zero
+    /// spills once its largest cycle has run), or `External` for memory maps, which
+    /// cannot grow.
     pub fn spill(mut self, policy: SpillPolicy) -> Self {
         self.config.spill = policy;
+        self.spill_chosen = true;
         self
     }
     /// When memory is reused (default `BlockLeft`).
@@ -288,14 +435,21 @@ impl WorkspaceConfigBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] when settings contradict each other: an alignment that
-    /// is not a power of two, `min_size > max_size`, an initial size outside
+    /// is not a power of two or above 1 GiB (or above a page for a file-backed
+    /// workspace), a `timeline_len` above [`MAX_TIMELINE_LEN`], `min_size > max_size`, an initial size outside
     /// `min_size..=max_size`, a negative or non-finite over-allocation factor,
     /// `OverTime { cycles: 0 }`, a memory-mapped workspace with a learning policy or
     /// with `SpillPolicy::Reallocate` (a mapping has the size it was created with), a
     /// memory-mapped workspace of size 0, or a workspace that can never hold a byte
     /// (no learning, `initial_size` 0 and `SpillPolicy::Fail`).
     pub fn build(self) -> Result<WorkspaceConfig> {
-        let c = self.config;
+        let mut c = self.config;
+        if !self.spill_chosen {
+            c.spill = match c.location {
+                Location::Ram => SpillPolicy::Reallocate,
+                Location::Mmap(_) | Location::MmapAnonymous => SpillPolicy::External,
+            };
+        }
         let invalid = |reason: String| Err(Error::InvalidConfig { reason });
         if !c.alignment.is_power_of_two() {
             return invalid(format!(
@@ -303,8 +457,15 @@ impl WorkspaceConfigBuilder {
                 c.alignment
             ));
         }
-        if c.alignment > (1 << 30) {
+        if c.alignment > MAX_ALIGNMENT {
             return invalid(format!("alignment {} is larger than 1 GiB", c.alignment));
+        }
+        if c.timeline_len > MAX_TIMELINE_LEN {
+            return invalid(format!(
+                "timeline_len {} is more than {MAX_TIMELINE_LEN} cycles; the timeline is held in \
+                 memory for plots, so keep the last few thousand cycles",
+                c.timeline_len
+            ));
         }
         if c.min_size > c.max_size {
             return invalid(format!("min_size {} is larger than max_size {}", c.min_size, c.max_size));
@@ -323,7 +484,14 @@ impl WorkspaceConfigBuilder {
         if c.learning == (LearningPolicy::OverTime { cycles: 0 }) {
             return invalid("LearningPolicy::OverTime needs at least 1 cycle".into());
         }
-        if matches!(c.location, Location::Mmap { .. } | Location::MmapAnonymous) {
+        if matches!(c.location, Location::Mmap(_)) && c.alignment > FILE_ALIGNMENT {
+            return invalid(format!(
+                "alignment {} is larger than a page ({FILE_ALIGNMENT} bytes): a file-backed \
+                 workspace's arena starts at the file's first byte, which is only page-aligned",
+                c.alignment
+            ));
+        }
+        if matches!(c.location, Location::Mmap(_) | Location::MmapAnonymous) {
             if c.learning != LearningPolicy::None {
                 return invalid(format!(
                     "a memory-mapped workspace has the size it is created with, so it cannot \
@@ -369,7 +537,9 @@ mod tests {
         let c = WorkspaceConfig::default();
         assert_eq!(c.alignment(), 64);
         assert_eq!(c.learning(), LearningPolicy::FirstLoop);
-        assert_eq!(c.spill(), SpillPolicy::External);
+        assert_eq!(c.spill(), SpillPolicy::Reallocate);
+        let anon = WorkspaceConfig::builder().location(Location::MmapAnonymous).learning(LearningPolicy::None);
+        assert_eq!(anon.initial_size(4096).build().unwrap().spill(), SpillPolicy::External, "a map cannot grow");
         assert_eq!(c.reset(), ResetPolicy::BlockLeft);
         assert_eq!(c.allocation(), AllocationPolicy::Overallocate(0.3));
         assert_eq!(c.max_size(), usize::MAX);
@@ -405,9 +575,9 @@ mod tests {
             .unwrap();
         assert_eq!(strict.capacity_for(0), 1024);
         assert_eq!(strict.capacity_for(1500), 1536);
-        assert_eq!(strict.capacity_for(1_000_000), 9984);
+        assert_eq!(strict.capacity_for(1_000_000), 10_000, "the budget, not less");
         let over = WorkspaceConfig::builder().allocation(AllocationPolicy::Overallocate(0.5)).build().unwrap();
         assert_eq!(over.capacity_for(1000), 1536);
-        assert_eq!(over.capacity_for(usize::MAX - 100), usize::MAX - 63);
+        assert_eq!(over.capacity_for(usize::MAX - 100), usize::MAX);
     }
 }

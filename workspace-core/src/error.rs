@@ -61,16 +61,20 @@ pub enum Error {
     /// Granting an allocation would take the workspace past its `max_size`.
     #[error(
         "workspace '{workspace}' would exceed its budget: {requested} more bytes requested, \
-         {in_use} in use, max_size is {max_size}; the workspace is unchanged and still usable. \
-         Raise `max_size` or allocate less per cycle"
+         {in_use} bytes in use this cycle in an arena of {arena} bytes and spills, max_size is \
+         {max_size}; the workspace is unchanged and still usable. Raise `max_size` or allocate \
+         less per cycle"
     )]
     BudgetExceeded {
         /// The workspace asked.
         workspace: Arc<str>,
         /// Bytes requested.
         requested: usize,
-        /// Bytes held by the workspace now (arena capacity plus spilled blocks).
+        /// Bytes handed out in the open cycle (arena and spills, without padding).
         in_use: usize,
+        /// The arena's capacity: held whether or not it is in use, so it counts
+        /// against the budget.
+        arena: usize,
         /// The configured budget.
         max_size: usize,
     },
@@ -290,6 +294,30 @@ pub enum BackendError {
         capacity: usize,
         /// The size asked for.
         requested: usize,
+    },
+    /// The backend cannot align an arena's base as the workspace's configuration asks.
+    #[error(
+        "{kind} arenas can only be aligned to {guaranteed} bytes, not {align}; configure an \
+         alignment of at most {guaranteed} for this location"
+    )]
+    Unaligned {
+        /// The backend kind.
+        kind: &'static str,
+        /// The alignment asked for.
+        align: usize,
+        /// The alignment the backend can give.
+        guaranteed: usize,
+    },
+    /// The file of a file-backed workspace is mapped by another workspace (in this
+    /// process or another one).
+    #[error(
+        "memory-mapped file {path} is already in use by another file-backed workspace (in this \
+         or another process); two workspaces on one file would hand out the same memory twice, \
+         so give each its own path or drop the other workspace first"
+    )]
+    FileInUse {
+        /// The file.
+        path: String,
     },
     /// A backend-specific failure (device drivers report here).
     #[error("{0}")]

@@ -62,7 +62,7 @@ use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
 use crate::scope::{extent, Scope};
-use crate::workspace::{DebugMode, Workspace};
+use crate::workspace::Workspace;
 use crate::WorkspaceStats;
 
 /// Whether a network uses workspaces, set separately for training and inference.
@@ -367,7 +367,7 @@ impl LayerWorkspaceMgr {
         let (ptr, bytes) = extent(array);
         let ok = match &self.targets[ty.index()] {
             // Bypassed workspaces hand out heap memory: nothing to check.
-            Target::Workspace(ws) => ws.debug_mode() == DebugMode::BypassEverything || ws.contains(ptr, bytes),
+            Target::Workspace(ws) => ws.contains(ptr, bytes),
             Target::Heap => self.locate(ptr, bytes).is_none(),
         };
         if ok {

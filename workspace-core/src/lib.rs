@@ -66,8 +66,8 @@ pub use array_ext::WorkspaceArrayExt;
 pub use backend::host::{HostBackend, HostBlock};
 pub use backend::{ArenaBackend, Block};
 pub use config::{
-    AllocationPolicy, LearningPolicy, Location, ResetPolicy, SpillPolicy, WorkspaceConfig, WorkspaceConfigBuilder,
-    DEFAULT_ALIGNMENT,
+    AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
+    WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
 };
 pub use engine::{Engine, Entered, WorkspaceStats};
 pub use error::{BackendError, Error, Result};

@@ -242,7 +242,7 @@ fn human(bytes: usize) -> String {
 
 /// Formats statistics as an aligned text table, one row per workspace.
 pub fn stats_table(stats: &[WorkspaceStats]) -> String {
-    const COLUMNS: usize = 11;
+    const COLUMNS: usize = 12;
     let header: [&str; COLUMNS] = [
         "workspace",
         "backend",
@@ -255,6 +255,7 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
         "cycles",
         "gen",
         "growths",
+        "late spills",
     ];
     let rows: Vec<[String; COLUMNS]> = stats
         .iter()
@@ -271,6 +272,7 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
                 s.cycles.to_string(),
                 s.generation.to_string(),
                 s.growth_events.to_string(),
+                s.cycles_spilled_after_learning.to_string(),
             ]
         })
         .collect();

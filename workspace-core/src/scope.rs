@@ -276,10 +276,11 @@ impl<'ws> Scope<'ws> {
     #[inline(always)]
     pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
         if size_of::<T>() == 0 {
+            // No memory, but ndarray still needs the element count to fit in `isize`.
             return match dim.size_checked() {
                 Some(0) => Err(zero_length(self.workspace_ref(), dim.clone())),
-                Some(_) => Ok(NonNull::dangling()),
-                None => Err(overflow(self.workspace_ref(), dim.clone(), 0)),
+                Some(n) if n <= isize::MAX as usize => Ok(NonNull::dangling()),
+                _ => Err(overflow(self.workspace_ref(), dim.clone(), 0)),
             };
         }
         let bytes = self.sized::<T, D>(dim)?;

@@ -13,17 +13,25 @@ use crate::scope::{Scope, ScopeKind};
 /// Name of the environment variable that sets the [`DebugMode`] of new workspaces.
 pub const DEBUG_ENV: &str = "CARVE_WORKSPACE_DEBUG";
 
-/// Debugging aids that change where allocations go.
+/// Debugging aids that change where allocations go, and nothing else.
+///
+/// Under a debug mode every allocation gets a heap block of its own, freed at the
+/// next reset, so an array that escapes its cycle shows up in valgrind as a use after
+/// free and an overrun as an invalid write. The workspace's accounting runs exactly
+/// as without it (cycles, generations, learning, the budget, the spill policy, which
+/// workspace an array belongs to), so every call succeeds or fails, and returns, what
+/// it would with the mode off; only the memory's address differs. (The learned arena
+/// exists in the accounting only and takes no memory while a mode is on.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub enum DebugMode {
     /// Normal operation.
     #[default]
     Disabled,
-    /// Every allocation gets its own heap block, freed at the next reset: an array
-    /// that escapes its cycle then shows up in valgrind as a use after free.
+    /// Every allocation gets its own heap block, freed at the next reset.
     SpillEverything,
-    /// Workspaces are off: every scope allocates each array on the heap and frees it
-    /// when the scope closes.
+    /// ND4J's name for workspaces switched off. Here it is the same as
+    /// `SpillEverything` (every array on the heap), because a debug mode may not
+    /// change which calls succeed: the workspaces' checks keep running.
     BypassEverything,
 }
 
@@ -123,9 +131,6 @@ impl Workspace {
     /// from re-reserving the arena after [`Workspace::trim`].
     #[inline]
     pub fn enter(&self) -> Result<Scope<'_>> {
-        if self.debug.get() == DebugMode::BypassEverything {
-            return Ok(Scope::heap());
-        }
         let kind = match self.engine.enter()? {
             Entered::Opened => ScopeKind::Opened,
             Entered::Nested => ScopeKind::Nested,
@@ -141,9 +146,6 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open(&self) -> Result<Scope<'_>> {
-        if self.debug.get() == DebugMode::BypassEverything {
-            return Ok(Scope::heap());
-        }
         self.engine.borrow_open("borrowing it as an allocation target")?;
         // SAFETY: the engine counted this scope; the scope gives it back on drop.
         Ok(unsafe { Scope::over(self, ScopeKind::Borrowed) })
@@ -155,9 +157,6 @@ impl Workspace {
     ///
     /// As [`Workspace::enter`].
     pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        if self.debug.get() == DebugMode::BypassEverything {
-            return Ok(Scope::heap());
-        }
         let kind = match self.engine.enter()? {
             Entered::Opened => ScopeKind::Opened,
             Entered::Nested => ScopeKind::Nested,
@@ -173,9 +172,6 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        if self.debug.get() == DebugMode::BypassEverything {
-            return Ok(Scope::heap());
-        }
         self.engine.borrow_open("borrowing it as an allocation target")?;
         // SAFETY: as in `enter_shared`.
         Ok(unsafe { Scope::over_shared(self.clone(), ScopeKind::Borrowed) })
@@ -202,7 +198,7 @@ impl Workspace {
     ///
     /// [`Error::StillOpen`] while a scope is open.
     pub fn set_debug_mode(&self, mode: DebugMode) -> Result<()> {
-        self.engine.set_spill_everything(mode == DebugMode::SpillEverything)?;
+        self.engine.set_spill_everything(mode != DebugMode::Disabled)?;
         self.debug.set(mode);
         Ok(())
     }

@@ -91,8 +91,8 @@ unsafe impl<D: Device> ArenaBackend for DeviceBackend<D> {
         DEVICE_ALIGNMENT
     }
 
-    fn allocate_arena(&mut self, bytes: usize) -> Result<DeviceBlock<D>, BackendError> {
-        self.block(bytes, DEVICE_ALIGNMENT)
+    fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
+        self.block(bytes, align.max(DEVICE_ALIGNMENT))
     }
 
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
@@ -191,8 +191,8 @@ unsafe impl<D: Device> ArenaBackend for PinnedBackend<D> {
         PINNED_ALIGNMENT
     }
 
-    fn allocate_arena(&mut self, bytes: usize) -> Result<PinnedBlock<D>, BackendError> {
-        self.block(bytes, PINNED_ALIGNMENT)
+    fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<PinnedBlock<D>, BackendError> {
+        self.block(bytes, align.max(PINNED_ALIGNMENT))
     }
 
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<PinnedBlock<D>, BackendError> {
@@ -220,7 +220,7 @@ mod tests {
         let sim = SimDevice::new().unwrap();
         let mut backend = DeviceBackend::new(sim.clone(), sim.default_stream());
         assert_eq!(backend.kind(), "sim-device");
-        let arena = backend.allocate_arena(1000).unwrap();
+        let arena = backend.allocate_arena(1000, 256).unwrap();
         assert_eq!((arena.base() % 256, arena.len()), (0, 1000));
         let spill = backend.allocate_spill(100, 4096).unwrap();
         assert_eq!(spill.base() % 4096, 0);
@@ -235,7 +235,7 @@ mod tests {
     fn device_out_of_memory_is_a_backend_error() {
         let sim = SimDevice::with_memory_limit(1 << 10).unwrap();
         let mut backend = DeviceBackend::new(sim.clone(), sim.default_stream());
-        let err = backend.allocate_arena(1 << 20).unwrap_err();
+        let err = backend.allocate_arena(1 << 20, 256).unwrap_err();
         assert!(matches!(err, BackendError::OutOfMemory { bytes: 1048576, align: 256 }), "{err:?}");
         assert!(matches!(backend.allocate_spill(usize::MAX, 512), Err(BackendError::OutOfMemory { .. })));
     }
@@ -245,7 +245,7 @@ mod tests {
         let sim = SimDevice::new().unwrap();
         let shared = Arc::new(Mutex::new(InFlight::new()));
         let mut backend = PinnedBackend::new(sim.clone(), shared.clone());
-        let block = backend.allocate_arena(8192).unwrap();
+        let block = backend.allocate_arena(8192, PINNED_ALIGNMENT).unwrap();
         assert_eq!(block.base().as_ptr() as usize % PINNED_ALIGNMENT, 0);
         let over = backend.allocate_spill(10, 1 << 16).unwrap();
         assert_eq!(over.base().as_ptr() as usize % (1 << 16), 0);

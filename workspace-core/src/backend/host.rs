@@ -7,15 +7,15 @@
 //! `alloc_api`; every other module denies it.
 
 use std::alloc::Layout;
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
+use std::fs::{File, OpenOptions, TryLockError};
+use std::path::Path;
 use std::ptr::NonNull;
 
 use bumpalo::Bump;
 use memmap2::{MmapMut, MmapOptions};
 
 use super::{ArenaBackend, Block};
-use crate::config::Location;
+use crate::config::{Location, MappedFile};
 use crate::error::BackendError;
 
 /// Size of a transparent huge page on x86-64 and most aarch64 kernels.
@@ -30,6 +30,9 @@ enum Owner {
     Bump { _chunk: Bump },
     /// A memory map (file-backed or anonymous).
     Map { _map: MmapMut },
+    /// A file mapping and the file, held open for its exclusive lock (released when
+    /// the file is closed, after the mapping is gone: fields drop in order).
+    File { _map: MmapMut, _locked: File },
     /// A reservation of address space (see [`ArenaBackend::reserve`]).
     Reserved(Reservation),
 }
@@ -157,6 +160,9 @@ unsafe impl Send for HostBlock {}
 impl HostBlock {
     fn ram(bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         let oom = || BackendError::OutOfMemory { bytes, align };
+        if !machine_can_back(bytes) {
+            return Err(oom());
+        }
         // Large blocks start on a huge-page boundary so the kernel can back them with
         // transparent huge pages from the first touch: a 12 MB arena then takes a
         // handful of page faults instead of ~3,000.
@@ -172,29 +178,40 @@ impl HostBlock {
         Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Bump { _chunk: bump } })
     }
 
-    /// A RAM arena. Arenas of a huge page or more get a fresh anonymous mapping of
-    /// their own, aligned to a huge page and advised to use transparent huge pages:
-    /// memory from the process heap may already be backed by 4 KiB pages (glibc hands
-    /// out reused heap memory once its mmap threshold has adapted), and then the kernel
-    /// cannot back it with huge pages at the first touch. Smaller arenas and all
-    /// spills come from bumpalo.
-    fn ram_arena(bytes: usize) -> Result<HostBlock, BackendError> {
+    /// A RAM arena aligned to `align` (at least a page). Arenas of a huge page or more
+    /// get a fresh anonymous mapping of their own, aligned to a huge page and advised to
+    /// use transparent huge pages: memory from the process heap may already be backed
+    /// by 4 KiB pages (glibc hands out reused heap memory once its mmap threshold has
+    /// adapted), and then the kernel cannot back it with huge pages at the first touch.
+    /// Smaller arenas and all spills come from bumpalo.
+    fn ram_arena(bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         if !cfg!(target_os = "linux") || bytes < HUGE_PAGE {
-            return HostBlock::ram(bytes, PAGE);
+            return HostBlock::ram(bytes, align.max(PAGE));
         }
-        let oom = || BackendError::OutOfMemory { bytes, align: HUGE_PAGE };
-        let padded = bytes.checked_add(HUGE_PAGE - PAGE).ok_or_else(oom)?;
+        let block = HostBlock::anonymous(bytes, align.max(HUGE_PAGE))?;
+        advise_huge_pages(block.ptr, bytes);
+        Ok(block)
+    }
+
+    /// A fresh anonymous mapping of `bytes`, its start aligned to `align` (a power of
+    /// two, at least a page): the mapping is `align - PAGE` bytes longer and the block
+    /// starts at its first `align` boundary. Treated as uninitialised like any RAM
+    /// arena, although a fresh anonymous mapping reads as zeros.
+    fn anonymous(bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
+        let oom = || BackendError::OutOfMemory { bytes, align };
+        if !machine_can_back(bytes) {
+            return Err(oom());
+        }
+        let padded = bytes.checked_add(align.saturating_sub(PAGE)).ok_or_else(oom)?;
         let mut map = MmapMut::map_anon(padded).map_err(|_| oom())?;
         let start = map.as_mut_ptr();
-        let skip = start.align_offset(HUGE_PAGE);
-        debug_assert!(skip <= HUGE_PAGE - PAGE, "mappings are page-aligned");
-        // SAFETY: `skip + bytes <= padded` (the mapping is page-aligned, so the next
-        // huge-page boundary is at most `HUGE_PAGE - PAGE` bytes in), so the block
-        // stays inside the mapping, which lives as long as the block owns it.
-        let ptr = NonNull::new(unsafe { start.add(skip) }).expect("a mapping is not null");
-        advise_huge_pages(ptr, bytes);
-        // The block is treated as uninitialised like any RAM arena, although a fresh
-        // anonymous mapping reads as zeros.
+        let skip = start.align_offset(align);
+        if skip > padded - bytes {
+            return Err(oom()); // mappings are page-aligned, so this does not happen
+        }
+        // SAFETY: `skip + bytes <= padded`, checked above, so the block stays inside the
+        // mapping, which lives as long as the block owns it.
+        let ptr = NonNull::new(unsafe { start.add(skip) }).ok_or_else(oom)?;
         Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Map { _map: map } })
     }
 
@@ -203,6 +220,13 @@ impl HostBlock {
         let mut map = map;
         let ptr = NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null");
         HostBlock { ptr, len, initialised: true, _owner: Owner::Map { _map: map } }
+    }
+
+    fn file(map: MmapMut, locked: File) -> HostBlock {
+        let len = map.len();
+        let mut map = map;
+        let ptr = NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null");
+        HostBlock { ptr, len, initialised: true, _owner: Owner::File { _map: map, _locked: locked } }
     }
 }
 
@@ -227,6 +251,36 @@ unsafe impl Block for HostBlock {
     }
 }
 
+/// Whether `bytes` could ever be backed by this machine: no more than its memory and
+/// swap together. (A `MAP_NORESERVE` mapping or an overcommitting kernel would grant a
+/// larger request and the process would be killed when it touched the memory.)
+#[cfg(target_os = "linux")]
+fn machine_can_back(bytes: usize) -> bool {
+    use std::sync::OnceLock;
+    // Requests below 1 GiB never need the system call.
+    if bytes < (1 << 30) {
+        return true;
+    }
+    static TOTAL: OnceLock<u128> = OnceLock::new();
+    let total = *TOTAL.get_or_init(|| {
+        // SAFETY: `sysinfo` only writes the struct it is given, which is plain data
+        // for which all-zero bytes are a valid value.
+        let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid, writable `struct sysinfo`.
+        if unsafe { libc::sysinfo(&mut info) } != 0 {
+            return u128::MAX; // unknown: let the allocator decide
+        }
+        let unit = u128::from(info.mem_unit.max(1));
+        (u128::from(info.totalram) + u128::from(info.totalswap)) * unit
+    });
+    (bytes as u128) <= total
+}
+
+#[cfg(not(target_os = "linux"))]
+fn machine_can_back(_bytes: usize) -> bool {
+    true
+}
+
 #[cfg(target_os = "linux")]
 fn advise_huge_pages(ptr: NonNull<u8>, bytes: usize) {
     // SAFETY: `ptr..ptr+bytes` is one live allocation we own, and `ptr` is aligned to
@@ -246,11 +300,10 @@ fn advise_huge_pages(_ptr: NonNull<u8>, _bytes: usize) {}
 pub enum HostBackend {
     /// Host RAM: bumpalo, and fresh huge-page-aligned anonymous mappings for large arenas.
     Ram,
-    /// A file mapping; the file is created or extended to the arena size.
-    MmapFile {
-        /// The backing file.
-        path: PathBuf,
-    },
+    /// A file mapping; the file is created or extended to the arena size, and locked
+    /// for as long as it is mapped. Made from a [`MappedFile`], whose `unsafe`
+    /// constructor carries the caller's promise about the file.
+    MmapFile(MappedFile),
     /// An anonymous mapping.
     MmapAnonymous,
 }
@@ -260,25 +313,34 @@ impl HostBackend {
     pub fn for_location(location: &Location) -> HostBackend {
         match location {
             Location::Ram => HostBackend::Ram,
-            Location::Mmap { path } => HostBackend::MmapFile { path: path.clone() },
+            Location::Mmap(file) => HostBackend::MmapFile(file.clone()),
             Location::MmapAnonymous => HostBackend::MmapAnonymous,
         }
     }
 }
 
-fn map_file(path: &Path, bytes: usize) -> Result<MmapMut, BackendError> {
+/// Opens, locks, sizes and maps the file of a file-backed arena.
+fn map_file(path: &Path, bytes: usize) -> Result<HostBlock, BackendError> {
     let io = |source| BackendError::Mmap { path: path.display().to_string(), source };
     let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(io)?;
+    // Exclusive for the life of the mapping: two workspaces on one file would hand out
+    // aliasing mutable views of the same bytes.
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Err(BackendError::FileInUse { path: path.display().to_string() }),
+        Err(TryLockError::Error(source)) => return Err(io(source)),
+    }
     let len = file.metadata().map_err(io)?.len();
     let wanted = u64::try_from(bytes).map_err(|_| BackendError::OutOfMemory { bytes, align: PAGE })?;
     if len < wanted {
         file.set_len(wanted).map_err(io)?;
     }
-    // SAFETY: memmap2 requires that the file is not truncated or modified by another
-    // process while mapped; carve owns the workspace file for the workspace's
-    // lifetime, as documented on `Location::Mmap`. The mapping is private to this
-    // block.
-    unsafe { MmapOptions::new().len(bytes).map_mut(&file) }.map_err(io)
+    // SAFETY: memmap2 requires that the file is not truncated or modified by other
+    // code while mapped. The caller of the `unsafe` `MappedFile::new` promised that for
+    // the life of the workspace, and the exclusive lock taken above (held by the block
+    // as long as the mapping) keeps every other carve workspace off the file.
+    let map = unsafe { MmapOptions::new().len(bytes).map_mut(&file) }.map_err(io)?;
+    Ok(HostBlock::file(map, file))
 }
 
 // SAFETY: RAM blocks are bumpalo chunks or fresh mappings laid out for exactly the
@@ -291,7 +353,7 @@ unsafe impl ArenaBackend for HostBackend {
     fn kind(&self) -> &'static str {
         match self {
             HostBackend::Ram => "ram",
-            HostBackend::MmapFile { .. } => "mmap-file",
+            HostBackend::MmapFile(_) => "mmap-file",
             HostBackend::MmapAnonymous => "mmap-anon",
         }
     }
@@ -301,13 +363,24 @@ unsafe impl ArenaBackend for HostBackend {
     }
 
     fn fixed_size(&self) -> bool {
-        matches!(self, HostBackend::MmapFile { .. })
+        matches!(self, HostBackend::MmapFile(_))
     }
 
-    fn allocate_arena(&mut self, bytes: usize) -> Result<HostBlock, BackendError> {
+    fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         match self {
-            HostBackend::Ram => HostBlock::ram_arena(bytes),
-            HostBackend::MmapFile { path } => Ok(HostBlock::map(map_file(path, bytes)?)),
+            HostBackend::Ram => HostBlock::ram_arena(bytes, align),
+            HostBackend::MmapFile(file) => {
+                if align > PAGE {
+                    // The file's contents start at the mapping's (page-aligned) start.
+                    return Err(BackendError::Unaligned { kind: "mmap-file", align, guaranteed: PAGE });
+                }
+                map_file(file.path(), bytes)
+            }
+            HostBackend::MmapAnonymous if align > PAGE => {
+                let mut block = HostBlock::anonymous(bytes, align)?;
+                block.initialised = true; // a fresh anonymous mapping reads as zeros
+                Ok(block)
+            }
             HostBackend::MmapAnonymous => MmapMut::map_anon(bytes)
                 .map(HostBlock::map)
                 .map_err(|source| BackendError::Mmap { path: "<anonymous>".into(), source }),
@@ -322,8 +395,12 @@ unsafe impl ArenaBackend for HostBackend {
     /// advised to use transparent huge pages, so a first cycle of a few MiB takes a
     /// few page faults instead of one per 4 KiB page (past its first huge page when
     /// the first request is small, so that a cycle of a few KiB keeps 4 KiB pages).
-    fn reserve(&mut self, at_least: usize, at_most: usize) -> Option<HostBlock> {
-        if !matches!(self, HostBackend::Ram) {
+    ///
+    /// A first request larger than that cap, or than the machine's memory and swap
+    /// together, gets no reservation: it is served (or refused, with an error) like any
+    /// spill, so a request the machine cannot back fails as it would without learning.
+    fn reserve(&mut self, at_least: usize, at_most: usize, align: usize) -> Option<HostBlock> {
+        if !matches!(self, HostBackend::Ram) || at_least > RESERVATION_CAP || align > HUGE_PAGE {
             return None;
         }
         let bytes = at_most.min(RESERVATION_CAP).max(at_least);
@@ -358,7 +435,7 @@ mod tests {
             unsafe { std::ptr::write_bytes(block.base().as_ptr(), 0xAB, bytes) };
             backend.release(block);
         }
-        let arena = backend.allocate_arena(3 * HUGE_PAGE).unwrap();
+        let arena = backend.allocate_arena(3 * HUGE_PAGE, PAGE).unwrap();
         assert_eq!(arena.base().as_ptr() as usize % HUGE_PAGE, 0);
     }
 
@@ -366,7 +443,7 @@ mod tests {
     fn huge_requests_fail_without_panicking() {
         let mut backend = HostBackend::Ram;
         assert!(matches!(backend.allocate_spill(usize::MAX - 10, 64), Err(BackendError::OutOfMemory { .. })));
-        assert!(matches!(backend.allocate_arena(isize::MAX as usize), Err(BackendError::OutOfMemory { .. })));
+        assert!(matches!(backend.allocate_arena(isize::MAX as usize, PAGE), Err(BackendError::OutOfMemory { .. })));
     }
 
     /// Whether the page at `ptr` is mapped (`mincore` fails with ENOMEM when not).
@@ -383,7 +460,7 @@ mod tests {
     fn reservations_are_aligned_and_shrink_to_what_they_become() {
         let mut backend = HostBackend::Ram;
         // Within the first huge page, the arena keeps whole 4 KiB pages.
-        let block = backend.reserve(1, 8 << 20).expect("a reservation");
+        let block = backend.reserve(1, 8 << 20, PAGE).expect("a reservation");
         let base = block.base().as_ptr();
         assert_eq!((block.len(), base as usize % HUGE_PAGE), (8 << 20, 0));
         // SAFETY: both bytes lie inside the reservation.
@@ -399,7 +476,7 @@ mod tests {
 
         // A large first request: huge pages from the start, so even a small arena
         // keeps its whole first huge page.
-        let block = backend.reserve(HUGE_FIRST_REQUEST, 8 << 20).expect("a reservation");
+        let block = backend.reserve(HUGE_FIRST_REQUEST, 8 << 20, PAGE).expect("a reservation");
         let base = block.base().as_ptr();
         let arena = backend.adopt(block, 10_000).unwrap();
         assert_eq!(arena.len(), 10_000);
@@ -407,7 +484,7 @@ mod tests {
         drop(arena);
 
         // Past the first huge page, it keeps whole huge pages (none is split).
-        let block = backend.reserve(HUGE_PAGE + 1, usize::MAX).expect("a reservation");
+        let block = backend.reserve(HUGE_PAGE + 1, usize::MAX, PAGE).expect("a reservation");
         assert_eq!(block.len(), RESERVATION_CAP);
         let base = block.base().as_ptr();
         let arena = backend.adopt(block, 3 << 20).unwrap();
@@ -421,20 +498,23 @@ mod tests {
         let mut backend = HostBackend::Ram;
         let spill = backend.allocate_spill(4096, 64).unwrap();
         assert!(backend.adopt(spill, 100).is_err(), "a spill chunk is not a reservation");
-        if let Some(block) = backend.reserve(1, 1 << 20) {
+        if let Some(block) = backend.reserve(1, 1 << 20, PAGE) {
             let len = block.len();
             let block = backend.adopt(block, len + 1).expect_err("larger than the reservation");
             assert_eq!(block.len(), len, "handed back unchanged");
         }
-        for mut other in [HostBackend::MmapAnonymous, HostBackend::MmapFile { path: "/nonexistent/x".into() }] {
-            assert!(other.reserve(1, 1 << 20).is_none(), "memory maps have fixed arenas");
+        // SAFETY: the file is never mapped (the directory does not exist).
+        let file = unsafe { MappedFile::new("/nonexistent/x") };
+        for mut other in [HostBackend::MmapAnonymous, HostBackend::MmapFile(file)] {
+            assert!(other.reserve(1, 1 << 20, PAGE).is_none(), "memory maps have fixed arenas");
         }
     }
 
     #[test]
     fn unwritable_mmap_path_is_an_error() {
-        let mut backend = HostBackend::MmapFile { path: "/proc/definitely/not/here.ws".into() };
-        let err = backend.allocate_arena(4096).unwrap_err();
+        // SAFETY: the file cannot be created, so nothing is mapped.
+        let mut backend = HostBackend::MmapFile(unsafe { MappedFile::new("/proc/definitely/not/here.ws") });
+        let err = backend.allocate_arena(4096, PAGE).unwrap_err();
         assert!(matches!(err, BackendError::Mmap { .. }));
         assert!(err.to_string().contains("/proc/definitely/not/here.ws"), "{err}");
     }

@@ -95,41 +95,55 @@ impl<B: ArenaBackend> Engine<B> {
         let align = align.max(self.min_align);
         let capacity = self.capacity.get();
         let cursor = self.cursor.get();
-        let arena_ok = !self.spill_everything.get() && align <= self.base_alignment;
-        if arena_ok {
-            if let Some(base) = self.arena_base.get() {
-                // Does it fit in the arena after all (the fast path was off)?
-                let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
-                if let Some(start) = align_up(cursor, align) {
-                    if start.checked_add(size).is_some_and(|end| end <= limit) {
-                        self.advance_to(start + size);
-                        self.count_virtual(size, align);
-                        return Ok((base, start));
-                    }
-                }
-                // Circular: wrap to the start if that overwrites nothing handed out
-                // since the workspace was opened.
-                if self.config.reset() == ResetPolicy::EndOfBuffer
-                    && !self.wrapped.get()
-                    && size <= self.open_start.get()
-                {
-                    self.wrapped.set(true);
-                    self.wrap_waste.set(capacity - cursor);
-                    self.wraps.set(self.wraps.get() + 1);
-                    self.advance_to(size);
-                    if self.virtual_cursor.get().is_none() {
-                        self.fast_limit.set(self.open_start.get());
-                    }
+        // The arena as the accounting sees it: under spill-everything it has no memory,
+        // but allocations are placed in it all the same (see `arena_memory`).
+        if capacity > 0 && align <= self.base_alignment {
+            // Does it fit in the arena after all (the fast path was off)?
+            let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
+            if let Some(start) = align_up(cursor, align) {
+                if start.checked_add(size).is_some_and(|end| end <= limit) {
+                    let base = self.arena_memory(start, size, align)?;
+                    self.advance_to(start + size);
                     self.count_virtual(size, align);
-                    return Ok((base, 0));
+                    return Ok(base);
                 }
+            }
+            // Circular: wrap to the start if that overwrites nothing handed out
+            // since the workspace was opened.
+            if self.config.reset() == ResetPolicy::EndOfBuffer && !self.wrapped.get() && size <= self.open_start.get() {
+                let base = self.arena_memory(0, size, align)?;
+                self.wrapped.set(true);
+                self.wrap_waste.set(capacity - cursor);
+                self.wraps.set(self.wraps.get() + 1);
+                self.advance_to(size);
+                if self.virtual_cursor.get().is_none() && !self.spill_everything.get() {
+                    self.fast_limit.set(self.open_start.get());
+                }
+                self.count_virtual(size, align);
+                return Ok(base);
             }
         }
         let learning = self.learning_left.get() > 0;
-        if !learning && !self.spill_everything.get() && self.config.spill() == SpillPolicy::Fail {
+        if !learning && self.config.spill() == SpillPolicy::Fail {
             return Err(self.exhausted(size, align, cursor));
         }
         self.spill(size, align)
+    }
+
+    /// The memory for arena offset `offset`: in the arena, or under spill-everything
+    /// a block of its own (released at the reset, like the arena's contents).
+    fn arena_memory(&self, offset: usize, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        if !self.spill_everything.get() {
+            if let Some(base) = self.arena_base.get() {
+                return Ok((base, offset));
+            }
+        }
+        let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
+        let base = block.base();
+        self.debug_blocks.borrow_mut().push(block);
+        self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
+        self.external_allocations.set(self.external_allocations.get() + 1);
+        Ok((base, 0))
     }
 
     fn exhausted(&self, size: usize, align: usize, cursor: usize) -> Error {
@@ -143,13 +157,16 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    /// Counts a request toward the contiguous size this cycle needs. The first call
-    /// in a cycle starts from the arena bytes used so far and turns the fast path
-    /// off, so every later allocation is counted here too.
+    /// Counts a request toward the contiguous size this cycle needs, padded to the
+    /// configured alignment as the arena pads it (so a cycle counts the same bytes
+    /// wherever it runs). The first call in a cycle starts from the arena bytes used
+    /// so far and turns the fast path off, so every later allocation is counted here
+    /// too.
     fn count_virtual(&self, size: usize, align: usize) {
         if let Some(v) = self.virtual_cursor.get() {
-            let start = align_up(v, align).unwrap_or(usize::MAX);
-            self.virtual_cursor.set(Some(start.saturating_add(size)));
+            let end = align_up(v, align).and_then(|start| start.checked_add(size));
+            let padded = end.and_then(|end| align_up(end, self.min_align));
+            self.virtual_cursor.set(Some(padded.unwrap_or(usize::MAX)));
         }
     }
 
@@ -173,7 +190,7 @@ impl<B: ArenaBackend> Engine<B> {
         if !first_learning_spill {
             return None;
         }
-        let block = self.backend.borrow_mut().reserve(size, room)?;
+        let block = self.backend.borrow_mut().reserve(size, room, self.base_alignment)?;
         if block.len() < size {
             self.backend.borrow_mut().release(block);
             return None;
@@ -183,16 +200,23 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        // The budget counts the arena and what the spills need laid out contiguously,
+        // padded as an arena pads them: a cycle that fits the budget once is then
+        // learned into an arena that holds all of it, within the budget.
         let max = self.config.max_size();
-        let held = self.capacity.get() + self.spilled_in_use.get();
-        if held.checked_add(size).is_none_or(|total| total > max) {
+        let capacity = self.capacity.get();
+        let need_before = self.spill_need.get();
+        let need = align_up(need_before, align).and_then(|start| start.checked_add(size));
+        if need.and_then(|need| need.checked_add(capacity)).is_none_or(|total| total > max) {
             return Err(Error::BudgetExceeded {
                 workspace: self.name.clone(),
                 requested: size,
-                in_use: held,
+                in_use: self.open_bytes() + self.spilled_in_use.get(),
+                arena: capacity,
                 max_size: max,
             });
         }
+        let held = capacity + need_before;
         // Room in the current spill block?
         let fits = self.spill_base.get().filter(|_| align <= self.spill_align.get()).and_then(|base| {
             let start = align_up(self.spill_cursor.get(), align)?;
@@ -230,6 +254,8 @@ impl<B: ArenaBackend> Engine<B> {
         };
         self.start_virtual();
         self.count_virtual(size, align);
+        let need = need.and_then(|need| align_up(need, self.min_align)).unwrap_or(usize::MAX);
+        self.spill_need.set(need);
         self.spilled_in_use.set(self.spilled_in_use.get() + size);
         self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
         self.external_allocations.set(self.external_allocations.get() + 1);

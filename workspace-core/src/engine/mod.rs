@@ -81,10 +81,13 @@ pub struct Engine<B: ArenaBackend> {
     min_align: usize,
     /// `min_align - 1`.
     align_mask: usize,
-    /// `backend.base_alignment()`, read once: requests aligned beyond it spill.
+    /// Alignment of the arena's base: the backend's base alignment or the configured
+    /// alignment, whichever is larger (read once). Offsets are aligned relative to the
+    /// base, so requests aligned beyond it spill.
     base_alignment: usize,
-    /// `BlockLeft` reset and no timeline: a cycle without spills closes on the short path.
-    plain_close: bool,
+    /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
+    /// closes on the short path.
+    plain_close: Cell<bool>,
     id: u64,
     name: Arc<str>,
     config: WorkspaceConfig,
@@ -117,7 +120,17 @@ pub struct Engine<B: ArenaBackend> {
     spill_held: Cell<usize>,
     /// Once anything spilled this cycle: the contiguous size the cycle needs so far.
     virtual_cursor: Cell<Option<usize>>,
+    /// The contiguous size the spills of this cycle need beyond the arena (laid out as
+    /// an arena would lay them out): what the budget counts besides the arena.
+    spill_need: Cell<usize>,
+    /// Debugging aid: memory comes from a block of its own for every allocation. The
+    /// accounting (capacity, cursor, learning, budget, spill policy) runs exactly as
+    /// without it, so every call succeeds or fails as it would; only where the memory
+    /// comes from changes. While on, the arena exists in the accounting only: `arena`
+    /// and `arena_base` are `None` whatever `capacity` says.
     spill_everything: Cell<bool>,
+    /// Spill-everything only: the blocks standing in for arena memory this cycle.
+    debug_blocks: RefCell<Vec<B::Block>>,
     /// Learning: cycles seen and the largest cycle so far; `None` once learned.
     learning_left: Cell<u32>,
     learning_max: Cell<usize>,
@@ -138,6 +151,8 @@ pub struct Engine<B: ArenaBackend> {
     external_allocations: Cell<u64>,
     spilled_in_use: Cell<usize>,
     last_cycle_bytes: Cell<usize>,
+    /// Cycles that spilled although learning was complete when they began.
+    spilled_after_learning: Cell<u64>,
 }
 
 impl<B: ArenaBackend> Engine<B> {
@@ -156,10 +171,10 @@ impl<B: ArenaBackend> Engine<B> {
         let engine = Engine {
             id: next_id(),
             name: Arc::from(name),
-            base_alignment: backend.base_alignment(),
+            base_alignment: backend.base_alignment().max(config.alignment()),
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
-            plain_close: config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0,
+            plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             arena_base: Cell::new(None),
@@ -179,7 +194,9 @@ impl<B: ArenaBackend> Engine<B> {
             spill_align: Cell::new(0),
             spill_held: Cell::new(0),
             virtual_cursor: Cell::new(None),
+            spill_need: Cell::new(0),
             spill_everything: Cell::new(false),
+            debug_blocks: RefCell::new(Vec::new()),
             learning_left: Cell::new(learning_left),
             learning_max: Cell::new(0),
             learned: Cell::new(None),
@@ -194,6 +211,7 @@ impl<B: ArenaBackend> Engine<B> {
             external_allocations: Cell::new(0),
             spilled_in_use: Cell::new(0),
             last_cycle_bytes: Cell::new(0),
+            spilled_after_learning: Cell::new(0),
             config,
         };
         if engine.config.initial_size() > 0 {
@@ -265,22 +283,47 @@ impl<B: ArenaBackend> Engine<B> {
         if self.arena_extent().is_some_and(|(base, len)| test(base, len)) {
             return true;
         }
-        self.spills.borrow().iter().any(|block| test(block.base(), block.len()))
+        self.spills
+            .borrow()
+            .iter()
+            .chain(self.debug_blocks.borrow().iter())
+            .any(|block| test(block.base(), block.len()))
     }
 
     pub(crate) fn backend_error(&self, source: BackendError) -> Error {
         Error::Backend { workspace: self.name.clone(), source }
     }
 
-    /// Sends every later allocation to its own spill block (debugging aid).
+    /// Sends every later allocation to a block of its own (debugging aid). Only where
+    /// memory comes from changes: sizes, learning, the budget and the spill policy are
+    /// accounted exactly as without it, so every call succeeds or fails as it would.
     ///
     /// # Errors
     ///
-    /// [`Error::StillOpen`] while a scope is open.
+    /// [`Error::StillOpen`] while a scope is open; [`Error::Backend`] when turning it
+    /// off needs an arena for the size learned meanwhile and none can be reserved (the
+    /// mode then stays on).
     pub fn set_spill_everything(&self, on: bool) -> Result<()> {
         self.require_closed("changing the debug mode")?;
         // Closed, so the fast path is off; `enter` turns it on according to the mode.
+        if on == self.spill_everything.get() {
+            return Ok(());
+        }
         self.spill_everything.set(on);
+        if on {
+            // The arena stays in the accounting; its memory is not used meanwhile.
+            if let Some(old) = self.arena.borrow_mut().take() {
+                self.backend.borrow_mut().release(old);
+            }
+            self.arena_base.set(None);
+        } else if self.capacity.get() > 0 {
+            // The size learned or kept while on becomes a real arena again.
+            if let Err(source) = self.replace_arena(self.capacity.get()) {
+                self.spill_everything.set(true);
+                return Err(self.backend_error(source));
+            }
+        }
+        self.plain_close.set(!on && self.config.reset() == ResetPolicy::BlockLeft && self.config.timeline_len() == 0);
         Ok(())
     }
 
@@ -403,8 +446,10 @@ impl<B: ArenaBackend> Engine<B> {
     fn close_cycle(&self) {
         // The common case: a scoped workspace whose cycle did not spill (so the fast
         // path is still on and `open_start` is 0), with no timeline to record.
-        if self.plain_close && self.virtual_cursor.get().is_none() {
-            let bytes = self.cursor.get();
+        if self.plain_close.get() && self.virtual_cursor.get().is_none() {
+            // A cycle counts whole multiples of the alignment wherever it ran (the last
+            // allocation may end unpadded at the end of an arena capped by `max_size`).
+            let bytes = (self.cursor.get() + self.align_mask) & !self.align_mask;
             self.peak.set(self.peak.get().max(bytes));
             self.last_cycle_bytes.set(bytes);
             self.cursor.set(0);
@@ -420,7 +465,7 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     fn close_cycle_general(&self) {
-        let bytes = self.cycle_bytes();
+        let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes() + self.spilled_in_use.get();
         self.peak.set(self.peak.get().max(in_use));
         self.last_cycle_bytes.set(bytes);
@@ -429,6 +474,10 @@ impl<B: ArenaBackend> Engine<B> {
         }
         // Every spill starts the virtual cursor, so no virtual cursor means no spills.
         let spilled = self.virtual_cursor.take().is_some();
+        if spilled && self.learning_left.get() == 0 {
+            self.spilled_after_learning.set(self.spilled_after_learning.get() + 1);
+        }
+        self.release_debug_blocks();
         if self.config.reset() == ResetPolicy::BlockLeft {
             self.cursor.set(0);
         }
@@ -482,6 +531,16 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
+    fn release_debug_blocks(&self) {
+        let mut blocks = self.debug_blocks.borrow_mut();
+        if !blocks.is_empty() {
+            let mut backend = self.backend.borrow_mut();
+            for block in blocks.drain(..) {
+                backend.release(block);
+            }
+        }
+    }
+
     fn release_spills(&self) {
         let mut spills = self.spills.borrow_mut();
         let mut backend = self.backend.borrow_mut();
@@ -490,6 +549,7 @@ impl<B: ArenaBackend> Engine<B> {
         }
         self.reserved.set(false);
         self.spill_held.set(0);
+        self.spill_need.set(0);
         self.spilled_in_use.set(0);
         self.spill_cursor.set(0);
         self.spill_limit.set(0);
@@ -501,6 +561,19 @@ impl<B: ArenaBackend> Engine<B> {
     fn replace_arena(&self, size: usize) -> Result<(), BackendError> {
         debug_assert_eq!(self.depth.get(), 0);
         let mut backend = self.backend.borrow_mut();
+        if self.spill_everything.get() {
+            // The arena exists in the accounting only (see `spill_everything`).
+            if let Some(reservation) = self.take_reservation() {
+                backend.release(reservation);
+            }
+            if let Some(old) = self.arena.borrow_mut().take() {
+                backend.release(old);
+            }
+            self.arena_base.set(None);
+            self.capacity.set(size);
+            self.rewind();
+            return Ok(());
+        }
         let block = match self.take_reservation() {
             // The first cycle's reservation becomes the arena: the pages that cycle
             // touched are the ones every later cycle reuses.
@@ -508,10 +581,10 @@ impl<B: ArenaBackend> Engine<B> {
                 Ok(block) => block,
                 Err(reservation) => {
                     backend.release(reservation);
-                    backend.allocate_arena(size)?
+                    backend.allocate_arena(size, self.base_alignment)?
                 }
             },
-            None => backend.allocate_arena(size)?,
+            None => backend.allocate_arena(size, self.base_alignment)?,
         };
         self.arena_base.set(Some(block.base()));
         self.capacity.set(block.len());
@@ -550,12 +623,15 @@ impl<B: ArenaBackend> Engine<B> {
         }
         let min = self.config.min_size();
         if min > 0 {
-            let size = align_up(min, self.config.alignment()).unwrap_or(min);
+            let max = self.config.max_size();
+            let size = align_up(min, self.config.alignment()).filter(|&s| s <= max).unwrap_or(min);
             if size != self.capacity.get() {
                 self.replace_arena(size).map_err(|e| self.backend_error(e))?;
             }
-        } else if let Some(old) = self.arena.borrow_mut().take() {
-            self.backend.borrow_mut().release(old);
+        } else {
+            if let Some(old) = self.arena.borrow_mut().take() {
+                self.backend.borrow_mut().release(old);
+            }
             self.arena_base.set(None);
             self.capacity.set(0);
             self.rewind();
@@ -588,6 +664,7 @@ unsafe impl<B: ArenaBackend> Send for Engine<B> where B::Block: Send {}
 impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {
         self.release_spills();
+        self.release_debug_blocks();
         if let Some(arena) = self.arena.get_mut().take() {
             self.backend.get_mut().release(arena);
         }
@@ -676,7 +753,7 @@ mod tests {
         fn base_alignment(&self) -> usize {
             4096
         }
-        fn allocate_arena(&mut self, bytes: usize) -> Result<FakeBlock, BackendError> {
+        fn allocate_arena(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
             self.calls.lock().unwrap().push(Call::Arena(bytes));
             Ok(self.block(bytes, Kind::Arena))
         }
@@ -684,7 +761,7 @@ mod tests {
             self.calls.lock().unwrap().push(Call::Spill(bytes));
             Ok(self.block(bytes, Kind::Spill))
         }
-        fn reserve(&mut self, at_least: usize, _at_most: usize) -> Option<FakeBlock> {
+        fn reserve(&mut self, at_least: usize, _at_most: usize, _align: usize) -> Option<FakeBlock> {
             let len = self.reservation?;
             self.calls.lock().unwrap().push(Call::Reserve { at_least });
             Some(self.block(len, Kind::Reserved))
@@ -784,7 +861,7 @@ mod tests {
     #[test]
     fn without_learning_or_with_an_arena_nothing_is_reserved() {
         // No learning: spills go to chunks and are freed at the reset.
-        let config = strict().learning(LearningPolicy::None).build().unwrap();
+        let config = strict().learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap();
         let (e, calls) = engine(config, Some(1 << 20));
         cycle(&e, &[100]);
         assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Release(Kind::Spill, 64 << 10)]);

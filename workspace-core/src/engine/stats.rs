@@ -28,7 +28,8 @@ pub struct WorkspaceStats {
     pub peak_bytes: usize,
     /// Total bytes of allocations that spilled, over the workspace's life.
     pub bytes_spilled: u64,
-    /// Number of allocations that spilled, over the workspace's life.
+    /// Number of allocations that spilled, over the workspace's life (under a debug
+    /// mode, every allocation, each in a block of its own).
     pub external_allocations: u64,
     /// Number of pinned host allocations (device staging; always 0 on the host).
     pub pinned_allocations: u64,
@@ -46,6 +47,10 @@ pub struct WorkspaceStats {
     pub last_cycle_bytes: usize,
     /// Scopes open now (0: closed).
     pub open_scopes: usize,
+    /// Cycles that spilled although learning was complete when they began: more than
+    /// a few means the arena is too small for the loop (with `SpillPolicy::External`
+    /// it never grows; `Reallocate`, the default, grows it to the largest cycle).
+    pub cycles_spilled_after_learning: u64,
 }
 
 impl<B: ArenaBackend> Engine<B> {
@@ -105,6 +110,7 @@ impl<B: ArenaBackend> Engine<B> {
             learned_size: self.learned.get(),
             last_cycle_bytes: self.last_cycle_bytes.get(),
             open_scopes: self.depth.get(),
+            cycles_spilled_after_learning: self.spilled_after_learning.get(),
         }
     }
 }
