@@ -70,7 +70,8 @@ pub enum Error {
         workspace: Arc<str>,
         /// Bytes requested.
         requested: usize,
-        /// Bytes handed out in the open cycle (arena and spills, without padding).
+        /// Bytes handed out in the open cycle, arena and spills, each allocation taking
+        /// whole units of the configured alignment.
         in_use: usize,
         /// The arena's capacity: held whether or not it is in use, so it counts
         /// against the budget.

@@ -211,7 +211,7 @@ impl<B: ArenaBackend> Engine<B> {
             return Err(Error::BudgetExceeded {
                 workspace: self.name.clone(),
                 requested: size,
-                in_use: self.open_bytes() + self.spilled_in_use.get(),
+                in_use: self.open_bytes() + need_before,
                 arena: capacity,
                 max_size: max,
             });
