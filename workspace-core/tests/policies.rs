@@ -187,7 +187,7 @@ fn budget_is_enforced_with_a_typed_error() {
     scope.zeros::<u8, _>(3000).unwrap();
     let err = scope.zeros::<u8, _>(100).unwrap_err();
     assert!(
-        matches!(err, Error::BudgetExceeded { requested: 100, in_use: 4024, arena: 1024, max_size: 4096, .. }),
+        matches!(err, Error::BudgetExceeded { requested: 100, in_use: 4032, arena: 1024, max_size: 4096, .. }),
         "{err:?}"
     );
     assert!(err.to_string().contains("max_size"), "{err}");
