@@ -309,3 +309,64 @@ fn create_uninit_gives_writable_memory_in_the_types_workspace() {
     drop(act);
     WorkspaceManager::current().destroy_all().unwrap();
 }
+
+/// The layer manager's and the handles' rules hold the same way in every debug mode:
+/// only where the memory comes from changes.
+#[test]
+fn handles_and_leverage_behave_the_same_in_every_debug_mode() {
+    let mut outcomes = Vec::new();
+    for mode in [DebugMode::Disabled, DebugMode::SpillEverything, DebugMode::BypassEverything] {
+        let m = mgr();
+        for ws in m.workspaces() {
+            ws.set_debug_mode(mode).unwrap();
+        }
+        let act_ws = m.workspace(ArrayType::Activations).unwrap().clone();
+        let mut seen = Vec::new();
+        let source = Array2::from_shape_fn((3, 4), |(r, c)| (r * 4 + c) as f32);
+        // Leverage to a closed workspace: NotOpen, in every mode.
+        let closed = m.leverage_to(ArrayType::Activations, &source);
+        seen.push(format!("closed: {:?}", closed.as_ref().map(|_| ()).map_err(|e| e.to_string())));
+        assert!(matches!(closed, Err(Error::NotOpen { .. })), "{mode:?}: {closed:?}");
+        // borrow_open of a closed workspace: NotOpen too.
+        assert!(matches!(act_ws.borrow_open(), Err(Error::NotOpen { .. })), "{mode:?}");
+        {
+            let act = m.enter(ArrayType::Activations).unwrap();
+            // A handle leveraged into the open workspace is readable through its scope...
+            let handle = m.leverage_to(ArrayType::Activations, &source).unwrap();
+            assert_eq!(handle.view(&act).unwrap(), source, "{mode:?}");
+            // ... and through a nested scope of the same workspace in the same cycle.
+            let nested = act_ws.enter().unwrap();
+            assert_eq!(handle.view(&nested).unwrap(), source, "{mode:?}: nested scope");
+            let borrowed = act_ws.borrow_open().unwrap();
+            assert_eq!(handle.detach(&borrowed).unwrap(), source, "{mode:?}: borrowed scope");
+            drop((nested, borrowed));
+            // Where a layer's output lives is checked as with the mode off.
+            let out = act.create::<f32, _>((2, 2)).unwrap();
+            m.validate(ArrayType::Activations, "dense", &out).unwrap();
+            let work = m.enter(ArrayType::FfWorkingMem).unwrap();
+            let scratch = work.create::<f32, _>((2, 2)).unwrap();
+            let err = m.validate(ArrayType::Activations, "dense", &scratch).unwrap_err();
+            seen.push(err.to_string());
+            drop(scratch);
+            drop(work);
+            drop(out);
+            drop(act);
+            // The cycle ended: the handle is stale in the next one, with the same message.
+            let act = m.enter(ArrayType::Activations).unwrap();
+            let stale = handle.view(&act).map(|v| v.to_owned()).unwrap_err();
+            assert!(matches!(stale, Error::StaleHandle { .. }), "{mode:?}: {stale:?}");
+            seen.push(stale.to_string());
+        }
+        let stats = act_ws.stats();
+        seen.push(format!("gen {} cycles {} capacity {}", stats.generation, stats.cycles, stats.capacity));
+        outcomes.push((mode, seen));
+        for ws in m.workspaces() {
+            ws.set_debug_mode(DebugMode::Disabled).unwrap();
+        }
+        WorkspaceManager::current().destroy_all().unwrap();
+    }
+    let (_, plain) = &outcomes[0];
+    for (mode, seen) in &outcomes[1..] {
+        assert_eq!(seen, plain, "{mode:?} differs from Disabled");
+    }
+}
