@@ -2,14 +2,13 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
 
 use bytemuck::Pod;
 use ndarray::{Array, ArrayBase, Data, Dimension, Ix1, ShapeBuilder};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{byte_len, DeviceView, DeviceViewMut, Owner, OWNED};
+use crate::view::{checked_bytes, DeviceView, DeviceViewMut, Owner, OWNED};
 
 /// A device array that owns its memory (one device allocation), bound to one stream:
 /// every operation on it runs on that stream, and dropping it frees the memory in that
@@ -42,17 +41,7 @@ impl<D: Device, T: Pod, Dim: Dimension> DeviceArray<D, T, Dim> {
     }
 
     fn allocate(device: &D, stream: &D::Stream, dim: &Dim, action: &'static str) -> Result<D::Memory> {
-        let bytes = match byte_len::<T, Dim>(dim) {
-            Some(bytes) if bytes > 0 => bytes,
-            _ => {
-                let (workspace, shape) = (OWNED.into(), dim.slice().to_vec());
-                return Err(match dim.size_checked() {
-                    Some(0) => workspace_core::Error::ZeroLength { workspace, shape },
-                    _ => workspace_core::Error::ShapeOverflow { workspace, shape, element_size: size_of::<T>() },
-                }
-                .into());
-            }
-        };
+        let bytes = checked_bytes::<T, Dim>(dim, || OWNED.into())?;
         if !device.owns_stream(stream) {
             return Err(Error::StreamMismatch {
                 workspace: OWNED.into(),
@@ -67,7 +56,9 @@ impl<D: Device, T: Pod, Dim: Dimension> DeviceArray<D, T, Dim> {
     ///
     /// # Errors
     ///
-    /// An empty or overflowing shape, a stream of another device, or a device error.
+    /// An empty or overflowing shape or a zero-sized element type (as for
+    /// [`DeviceScope::zeros`](crate::DeviceScope::zeros)), a stream of another device, or a
+    /// device error.
     pub fn zeros<Sh: ShapeBuilder<Dim = Dim>>(device: &D, stream: &D::Stream, shape: Sh) -> Result<Self> {
         let dim = shape.into_shape_with_order().raw_dim().clone();
         let memory = Self::allocate(device, stream, &dim, "allocating an owned array")?;

@@ -31,6 +31,14 @@ pub const DEVICE_ALIGNMENT: usize = 256;
 /// Alignment of pinned host blocks (a page).
 pub const PINNED_ALIGNMENT: usize = 4096;
 
+/// The largest alignment a device or pinned workspace can be configured with (2 MiB, a
+/// large page of GPU and host memory). The driver aligns allocations to
+/// [`DEVICE_ALIGNMENT`] (device) or [`PINNED_ALIGNMENT`] (pinned), so a larger
+/// alignment is met by padding every arena and spill block, by up to the alignment: a
+/// configuration beyond this limit would pad each block by more than most of them hold,
+/// and is refused when the workspace is created.
+pub const MAX_DEVICE_ALIGNMENT: usize = 2 << 20;
+
 pub(crate) mod sealed {
     /// Only this crate implements [`Device`](super::Device): workspaces rely on every
     /// implementation keeping the ordering model of the module docs.

@@ -27,7 +27,8 @@
 //!
 //! Configuration, learning, spilling, circular reset, budgets, generations and
 //! statistics are those of the host engine, unchanged: the device arena is one more
-//! backend under it. Offsets are aligned to 256 bytes.
+//! backend under it. Offsets are aligned to 256 bytes, or to the configured alignment
+//! when that is larger (up to [`MAX_DEVICE_ALIGNMENT`]).
 //!
 //! # A tour (on the simulated device, so it runs anywhere)
 //!
@@ -69,7 +70,11 @@
 //! reset itself is stream-ordered: work issued to the workspace's stream runs before
 //! anything that reuses the memory, and every other stream that used it (declared with
 //! [`DeviceScope::on_stream`], or by a copy across workspaces on different streams) is
-//! made to finish first by an event the workspace's stream waits for. Pinned memory is
+//! made to finish first by an event the workspace's stream waits for. Within a cycle,
+//! work on another stream is recorded when it is issued, and the workspace's stream
+//! waits for it before touching the same memory, so none of this rests on a destructor
+//! running: leaking an [`OnStream`] or a scope with `mem::forget` may keep memory
+//! longer, never hand it out or overwrite it early. Pinned memory is
 //! handed out again only after the transfers that used it have completed. The
 //! [`SimDevice`] runs each stream on its own thread and can hold or delay streams, so
 //! the tests show both that the waits are there and that a missing wait would be seen.
@@ -107,7 +112,7 @@ pub use backend::{DeviceBackend, DeviceBlock, PinnedBackend, PinnedBlock};
 pub use cudarc;
 pub use device::cuda::{CudaDevice, CudaMemory, CudaPinned};
 pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStream, POISON};
-pub use device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
+pub use device::{Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
 pub use pinned::{PinnedArray, PinnedScope, PinnedWorkspace};

@@ -27,7 +27,8 @@ use workspace_core::{
 use crate::backend::{lock_in_flight, InFlight, PinnedBackend};
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
-use crate::view::byte_len;
+use crate::view::checked_bytes;
+use crate::workspace::check_alignment;
 
 /// Events kept per pinned workspace before completed ones are dropped from the list.
 const PRUNE_AT: usize = 64;
@@ -67,8 +68,9 @@ impl<D: Device> PinnedWorkspace<D> {
     ///
     /// # Errors
     ///
-    /// [`workspace_core::Error::InvalidConfig`] for an unbounded configuration or a file
-    /// location; a backend error when the initial arena cannot be pinned.
+    /// [`workspace_core::Error::InvalidConfig`] for an unbounded configuration, a file
+    /// location or an alignment beyond [`MAX_DEVICE_ALIGNMENT`](crate::MAX_DEVICE_ALIGNMENT);
+    /// a backend error when the initial arena cannot be pinned.
     pub fn new(name: &str, config: WorkspaceConfig, device: &D) -> Result<PinnedWorkspace<D>> {
         if config.max_size() == usize::MAX {
             return Err(invalid(format!(
@@ -83,6 +85,7 @@ impl<D: Device> PinnedWorkspace<D> {
                 config.location()
             )));
         }
+        check_alignment(name, &config, "pinned")?;
         let shared = Arc::new(Mutex::new(InFlight::new()));
         let backend = PinnedBackend::new(device.clone(), shared.clone());
         Ok(PinnedWorkspace {
@@ -277,28 +280,13 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     ///
     /// # Errors
     ///
-    /// [`workspace_core::Error::ZeroLength`], [`workspace_core::Error::ShapeOverflow`], or
-    /// the workspace's allocation errors (with [`PinnedWorkspace::for_transfers`]:
+    /// [`workspace_core::Error::ZeroLength`], [`workspace_core::Error::ShapeOverflow`],
+    /// [`workspace_core::Error::InvalidInput`] for a zero-sized element type (as for
+    /// [`DeviceScope::zeros`](crate::DeviceScope::zeros)), or the workspace's allocation errors (with [`PinnedWorkspace::for_transfers`]:
     /// [`workspace_core::Error::Exhausted`] past its size).
     pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<PinnedArray<'_, D, T, Sh::Dim>> {
         let dim = shape.into_shape_with_order().raw_dim().clone();
-        let workspace = || self.ws.name().clone();
-        let bytes = match byte_len::<T, Sh::Dim>(&dim) {
-            Some(bytes) if bytes > 0 => bytes,
-            _ if dim.size_checked() == Some(0) => {
-                return Err(
-                    workspace_core::Error::ZeroLength { workspace: workspace(), shape: dim.slice().to_vec() }.into()
-                )
-            }
-            _ => {
-                return Err(workspace_core::Error::ShapeOverflow {
-                    workspace: workspace(),
-                    shape: dim.slice().to_vec(),
-                    element_size: std::mem::size_of::<T>(),
-                }
-                .into())
-            }
-        };
+        let bytes = checked_bytes::<T, Sh::Dim>(&dim, || self.ws.name().clone())?;
         let (base, offset) = self.ws.engine.alloc(bytes, align_of::<T>())?;
         // SAFETY: the engine reserved `offset..offset + bytes` inside the block at `base`
         // for this cycle, so the pointer stays inside one live allocation, aligned for

@@ -5,8 +5,6 @@
 //! scope; the arena resets (ordered on the workspace's stream) when the last scope
 //! closes.
 
-use std::mem::size_of;
-
 use bytemuck::Pod;
 use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
 use workspace_core::{Placement, ScopeKind};
@@ -16,7 +14,7 @@ use crate::error::Result;
 use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
-use crate::view::{byte_len, DeviceUninit, DeviceView, DeviceViewMut, Owner};
+use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut, Owner};
 use crate::workspace::DeviceWorkspace;
 
 /// An open scope of a device workspace; see the module docs.
@@ -65,22 +63,9 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
 
     /// Reserves memory for `dim` elements of `T` in the open cycle.
     fn alloc<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
-        let bytes = match byte_len::<T, Dim>(dim) {
-            Some(bytes) if bytes > 0 => bytes,
-            _ => return Err(self.bad_shape::<T, Dim>(dim)),
-        };
+        let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
         let (base, offset) = self.ws.engine().alloc(bytes, std::mem::align_of::<T>())?;
         Ok(base + offset as u64)
-    }
-
-    #[cold]
-    fn bad_shape<T, Dim: Dimension>(&self, dim: &Dim) -> crate::Error {
-        let (workspace, shape) = (self.ws.name().clone(), dim.slice().to_vec());
-        match dim.size_checked() {
-            Some(0) => workspace_core::Error::ZeroLength { workspace, shape },
-            _ => workspace_core::Error::ShapeOverflow { workspace, shape, element_size: size_of::<T>() },
-        }
-        .into()
     }
 
     fn owner(&self) -> Owner<'ws, D> {
@@ -92,8 +77,10 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// # Errors
     ///
     /// [`workspace_core::Error::ZeroLength`] for an empty shape,
-    /// [`workspace_core::Error::ShapeOverflow`], the workspace's allocation errors
-    /// (exhausted, over budget, out of device memory), or a device error.
+    /// [`workspace_core::Error::ShapeOverflow`] when the element count or the byte size
+    /// exceeds `isize::MAX`, [`workspace_core::Error::InvalidInput`] for a zero-sized
+    /// element type, the workspace's allocation errors (exhausted, over budget, out of
+    /// device memory), or a device error.
     pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceViewMut<'_, D, T, Sh::Dim>> {
         self.uninit::<T, Sh>(shape)?.zeroed()
     }
@@ -159,7 +146,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// As [`DeviceScope::zeros`].
     pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceHandle<T, Sh::Dim>> {
         let view = self.zeros::<T, Sh>(shape)?;
-        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+        Ok(self.handle(view.address, view.raw_dim()))
     }
 
     /// A copy of the host array `src` behind a [`DeviceHandle`].
@@ -172,7 +159,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         src: &ArrayBase<S, Dim>,
     ) -> Result<DeviceHandle<T, Dim>> {
         let view = self.htod(src)?;
-        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+        Ok(self.handle(view.address, view.raw_dim()))
     }
 
     /// A copy of the device view `src` behind a [`DeviceHandle`].
@@ -182,7 +169,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// As [`DeviceScope::copy_of`].
     pub fn copy_handle<T: Pod, Dim: Dimension>(&self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceHandle<T, Dim>> {
         let view = self.copy_of(src)?;
-        Ok(self.handle(view.device_ptr(), view.raw_dim()))
+        Ok(self.handle(view.address, view.raw_dim()))
     }
 
     fn handle<T: Pod, Dim: Dimension>(&self, address: u64, dim: Dim) -> DeviceHandle<T, Dim> {
@@ -190,14 +177,17 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     }
 
     /// Declares that work on `stream` will use this workspace's memory, and returns the
-    /// handle to issue it through. `stream` first waits for the workspace stream's work
-    /// so far; when the handle is dropped (or [`OnStream::finish`]ed) the workspace's
-    /// stream waits for `stream`; and the cycle's reset waits for it in any case.
+    /// handle to issue it through. Each operation issued through it first makes `stream`
+    /// wait for the workspace stream's work so far; when the handle is dropped (or
+    /// [`OnStream::finish`]ed) the workspace's stream waits for `stream`. Neither rests on
+    /// the handle being dropped: the workspace records every use when it is issued, and
+    /// waits for `stream` before its own stream next touches that memory, at the reset,
+    /// and when it is dropped (see [`OnStream`]).
     ///
     /// # Errors
     ///
     /// [`Error::StreamMismatch`](crate::Error::StreamMismatch) for a stream of another
-    /// device; [`Error::Device`](crate::Error::Device) when the ordering cannot be set up.
+    /// device.
     pub fn on_stream<'v>(&self, stream: &D::Stream) -> Result<OnStream<'_, 'v, D>> {
         OnStream::new(self.ws, stream)
     }

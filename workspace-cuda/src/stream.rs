@@ -2,12 +2,19 @@
 //!
 //! A device workspace belongs to one stream. To copy its memory on another stream (a
 //! copy stream overlapping compute), or to hand it to a kernel there, open an
-//! [`OnStream`] with [`DeviceScope::on_stream`](crate::DeviceScope::on_stream): it
-//! makes the other stream wait for the workspace's stream, issues work there, and when
-//! it ends makes the workspace's stream wait for the other one. The views it is given
-//! stay borrowed until then, so the workspace's own stream cannot write memory that
-//! the other stream is still reading, and the cycle cannot close under it; the cycle's
-//! reset waits for the other stream in any case (even if the `OnStream` is leaked).
+//! [`OnStream`] with [`DeviceScope::on_stream`](crate::DeviceScope::on_stream). Each
+//! operation issued through it first makes the other stream wait for the workspace's
+//! stream's work so far, and when the `OnStream` ends the workspace's stream waits for
+//! the other one. The views it is given stay borrowed until then, so the workspace's
+//! own stream cannot write memory that the other stream is still reading, and the cycle
+//! cannot close under it.
+//!
+//! None of this rests on the `OnStream`'s destructor: every use is recorded by the
+//! workspace when it is issued, so if the `OnStream` is leaked (`mem::forget`), the
+//! first later work on the workspace's stream that conflicts with the use (a write of
+//! memory the other stream reads, a read or write of memory it writes) waits for the
+//! other stream first, and the cycle's reset, or dropping the workspace, waits for it
+//! in any case. Leaking costs overlap, never correctness.
 //!
 //! ```
 //! use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
@@ -77,10 +84,42 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
                 detail: format!("{stream:?} belongs to another device than {}", ws.device().describe()),
             });
         }
-        // Noted first: even if the fork fails half-way, the reset orders this stream.
         ws.note_foreign(stream);
-        ws.fork(stream).map_err(|e| ws.device_error("ordering another stream after the workspace's", e))?;
         Ok(OnStream { ws, stream: stream.clone(), joined: false, _views: PhantomData })
+    }
+
+    /// Orders an operation about to be issued on this stream that accesses each of
+    /// `accesses` (owner, device address, bytes, whether it writes), after checking
+    /// that each owner is ordered with this stream. For the workspace's memory: the
+    /// workspace's stream first waits for any third stream whose unordered use
+    /// conflicts, then this stream waits for the workspace's stream's work so far, and
+    /// then, when `record`, the use is recorded with the workspace (module docs).
+    fn prepare(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], record: bool, action: &'static str) -> Result<()> {
+        for &(owner, ..) in accesses {
+            self.check(owner, action)?;
+        }
+        let in_workspace = |owner: &Owner<'_, D>| matches!(owner, Owner::Workspace(_));
+        if self.stream == *self.ws.stream() || !accesses.iter().any(|(owner, ..)| in_workspace(owner)) {
+            return Ok(()); // the workspace's own stream, or memory of this stream only
+        }
+        for &(_, address, bytes, writes) in accesses.iter().filter(|(owner, ..)| in_workspace(owner)) {
+            self.ws.order_home_use(address, bytes, writes, Some(&self.stream)).map_err(|e| self.error(action, e))?;
+        }
+        self.ws.fork(&self.stream).map_err(|e| self.error(action, e))?;
+        if record {
+            self.record(accesses, action)?;
+        }
+        Ok(())
+    }
+
+    /// Records the accesses to the workspace's memory among `accesses` (see `prepare`).
+    fn record(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], action: &'static str) -> Result<()> {
+        for &(owner, address, bytes, writes) in accesses {
+            if let Owner::Workspace(_) = owner {
+                self.ws.note_use(&self.stream, address, bytes, writes).map_err(|e| self.error(action, e))?;
+            }
+        }
+        Ok(())
     }
 
     /// The stream the work runs on.
@@ -131,14 +170,14 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
     ) -> Result<()> {
         let action = "copying between device views on another stream";
-        self.check(src.owner, action)?;
-        self.check(dst.owner, action)?;
         src.check_shape(dst.shape(), action)?;
-        let (from, to, bytes) = (src.address, dst.device_ptr_mut(), src.byte_len());
-        // SAFETY: both ranges are live while borrowed for `'v`, i.e. until this stream is
-        // joined back; both are ordered with this stream (checked above: the workspace's
-        // stream was forked into it, or the array belongs to it). Distinct allocations do
-        // not overlap.
+        let (from, to, bytes) = (src.address, dst.address, src.byte_len());
+        self.prepare(&[(src.owner, from, bytes, false), (dst.owner, to, bytes, true)], true, action)?;
+        // SAFETY: both ranges are live while borrowed for `'v`; both are ordered with this
+        // stream (`prepare`: this stream waits for the workspace's stream, and the use is
+        // recorded, so the workspace's stream waits for this one before it next touches
+        // the ranges or resets, even if `self` is leaked; or the array belongs to this
+        // stream). Distinct allocations do not overlap.
         unsafe { self.device().copy_dtod(&self.stream, from, to, bytes) }.map_err(|e| self.error(action, e))
     }
 
@@ -154,13 +193,19 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         dst: &mut ArrayBase<S, Dim>,
     ) -> Result<()> {
         let action = "copying device data to the host on another stream";
-        self.check(src.owner, action)?;
         src.check_shape(dst.shape(), action)?;
+        let access = [(src.owner, src.address, src.byte_len(), false)];
+        // Not recorded: the copy is complete when it returns (recorded if it fails).
+        self.prepare(&access, false, action)?;
         let from = src.address;
         copy_to_host(dst, |bytes| {
             // SAFETY: `src` is live while borrowed (beyond this call) and ordered with this
             // stream (as in `dtod`); the copy is complete when this returns.
             unsafe { self.device().copy_dtoh(&self.stream, from, bytes) }.map_err(|e| self.error(action, e))
+        })
+        .inspect_err(|_| {
+            // Whether the copy still runs is unknown: treat it as a use.
+            let _ = self.record(&access, action);
         })
     }
 
@@ -175,10 +220,10 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         dst: &mut PinnedArray<'_, D, T, Dim>,
     ) -> Result<()> {
         let action = "copying device data to pinned memory on another stream";
-        self.check(src.owner, action)?;
         src.check_shape(dst.shape(), action)?;
         src.owner.check_device(dst.device(), action)?;
         let (from, host, bytes) = (src.address, dst.host_ptr(), src.byte_len());
+        self.prepare(&[(src.owner, from, bytes, false)], true, action)?;
         dst.transfer(&self.stream, |on| {
             // SAFETY: `src` is live and ordered with this stream (as in `dtod`); `host`
             // holds `bytes` bytes of pinned memory that `transfer` keeps from the host and
@@ -200,11 +245,12 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
     ) -> Result<()> {
         let action = "copying host data to the device on another stream";
-        self.check(dst.owner, action)?;
         dst.check_shape(src.shape(), action)?;
-        let to = dst.device_ptr_mut();
+        let to = dst.address;
+        self.prepare(&[(dst.owner, to, dst.byte_len(), true)], true, action)?;
         with_host_bytes(src, |bytes| {
-            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream.
+            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream
+            // (`prepare`, as in `dtod`).
             unsafe { self.device().copy_htod(&self.stream, bytes, to) }
         })
         .map_err(|e| self.error(action, e))
@@ -221,36 +267,42 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
     ) -> Result<()> {
         let action = "copying pinned memory to the device on another stream";
-        self.check(dst.owner, action)?;
         dst.check_shape(src.shape(), action)?;
         dst.owner.check_device(src.device(), action)?;
-        let (to, host, bytes) = (dst.device_ptr_mut(), src.host_ptr(), dst.byte_len());
+        let (to, host, bytes) = (dst.address, src.host_ptr(), dst.byte_len());
+        self.prepare(&[(dst.owner, to, bytes, true)], true, action)?;
         src.transfer(&self.stream, |on| {
-            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream;
-            // `host` is pinned memory kept from host writes and reuse until the copy's
-            // event completes.
+            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream
+            // (`prepare`, as in `dtod`); `host` is pinned memory kept from host writes and
+            // reuse until the copy's event completes.
             unsafe { self.device().copy_htod_pinned(on, host, to, bytes) }
         })
         .map_err(|e| self.error(action, e))
     }
 
-    /// The device address of `view`, for a kernel launched on this stream that reads it.
+    /// The device address of `view`, for a kernel launched on this stream that reads it:
+    /// this stream waits for the workspace stream's work issued so far, and the workspace's
+    /// stream waits for this stream before it next writes the view's memory.
     ///
     /// # Errors
     ///
-    /// [`Error::StreamMismatch`] for memory not ordered with this stream.
-    pub fn device_ptr<T, Dim: Dimension>(&self, view: &'v DeviceView<'_, D, T, Dim>) -> Result<u64> {
-        self.check(view.owner, "handing memory to a kernel on another stream")?;
+    /// [`Error::StreamMismatch`] for memory not ordered with this stream;
+    /// [`Error::Device`] when the ordering cannot be issued.
+    pub fn device_ptr<T: Pod, Dim: Dimension>(&self, view: &'v DeviceView<'_, D, T, Dim>) -> Result<u64> {
+        let action = "handing memory to a kernel on another stream";
+        self.prepare(&[(view.owner, view.address, view.byte_len(), false)], true, action)?;
         Ok(view.address)
     }
 
-    /// The device address of `view`, for a kernel launched on this stream that writes it.
+    /// The device address of `view`, for a kernel launched on this stream that writes it
+    /// (ordered as [`OnStream::device_ptr`], for reads too).
     ///
     /// # Errors
     ///
     /// As [`OnStream::device_ptr`].
-    pub fn device_ptr_mut<T, Dim: Dimension>(&self, view: &'v mut DeviceViewMut<'_, D, T, Dim>) -> Result<u64> {
-        self.check(view.owner, "handing memory to a kernel on another stream")?;
+    pub fn device_ptr_mut<T: Pod, Dim: Dimension>(&self, view: &'v mut DeviceViewMut<'_, D, T, Dim>) -> Result<u64> {
+        let action = "handing memory to a kernel on another stream";
+        self.prepare(&[(view.owner, view.address, view.byte_len(), true)], true, action)?;
         Ok(view.address)
     }
 
@@ -258,8 +310,8 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     ///
     /// # Errors
     ///
-    /// [`Error::Device`] when the join cannot be issued (the cycle's reset still orders
-    /// the stream).
+    /// [`Error::Device`] when the join cannot be issued (the workspace still orders the
+    /// stream before it next touches the memory this stream used, and at the reset).
     pub fn finish(mut self) -> Result<()> {
         self.joined = true;
         self.ws.join(&self.stream).map_err(|e| self.error("ordering the workspace's stream after another", e))
@@ -276,7 +328,8 @@ impl<D: Device> Drop for OnStream<'_, '_, D> {
     fn drop(&mut self) {
         if !self.joined {
             if let Err(error) = self.ws.join(&self.stream) {
-                // Reported by the next `enter`; the reset still orders the stream.
+                // Reported by the next `enter`. The uses stay recorded, so the workspace
+                // still orders the stream before it touches their memory again.
                 self.ws.defer(error);
             }
         }

@@ -107,6 +107,26 @@ impl<'a, D: Device> Owner<'a, D> {
         }
     }
 
+    /// Before work on the owner's own stream reads (or, with `writes`, writes) `bytes`
+    /// bytes at `address`: for a workspace, orders first every other stream whose use of
+    /// that memory, recorded by an [`OnStream`](crate::OnStream), conflicts (see
+    /// [`DeviceWorkspace`]'s module docs). Nothing to do for arrays and rings, which only
+    /// their own stream uses.
+    pub(crate) fn order_home_use(&self, address: u64, bytes: usize, writes: bool, action: &'static str) -> Result<()> {
+        match self {
+            Owner::Workspace(ws) => ws.order_home_use(address, bytes, writes, None).map_err(|e| self.error(action, e)),
+            Owner::Array { .. } | Owner::Ring { .. } => Ok(()),
+        }
+    }
+
+    /// As [`Owner::order_home_use`], for a raw address handed to a kernel (no error to
+    /// return: one is kept for the workspace's next `enter`).
+    pub(crate) fn order_home_use_or_defer(&self, address: u64, bytes: usize, writes: bool) {
+        if let Owner::Workspace(ws) = self {
+            ws.order_home_use_or_defer(address, bytes, writes);
+        }
+    }
+
     /// An error unless `other` lives on the same device.
     pub(crate) fn check_device(&self, other: &D, action: &'static str) -> Result<()> {
         if self.device().same_device(other) {
@@ -122,10 +142,44 @@ impl<'a, D: Device> Owner<'a, D> {
     }
 }
 
-/// Byte size of `dim` elements of `T`; `None` on overflow.
-pub(crate) fn byte_len<T, Dim: Dimension>(dim: &Dim) -> Option<usize> {
-    const { assert!(size_of::<T>() > 0, "device memory holds elements of non-zero size") };
-    dim.size_checked()?.checked_mul(size_of::<T>()).filter(|&bytes| bytes <= isize::MAX as usize)
+/// Byte size of `dim` elements of `T` in device or pinned memory: the one shape-to-bytes
+/// computation of this crate, checked.
+///
+/// # Errors
+///
+/// In this order: [`ShapeOverflow`](workspace_core::Error::ShapeOverflow) when the
+/// element count overflows or exceeds `isize::MAX` (for every element type, zero-sized
+/// ones included), [`ZeroLength`](workspace_core::Error::ZeroLength) for no elements,
+/// [`InvalidInput`](workspace_core::Error::InvalidInput) for a zero-sized element type,
+/// and `ShapeOverflow` again when the byte size exceeds `isize::MAX`. `workspace` names
+/// the workspace in the error.
+#[inline(always)]
+pub(crate) fn checked_bytes<T, Dim: Dimension>(
+    dim: &Dim,
+    workspace: impl FnOnce() -> Arc<str>,
+) -> Result<usize, workspace_core::Error> {
+    let max_elements = isize::MAX as usize / size_of::<T>().max(1);
+    match dim.size_checked() {
+        // One compare for both bounds: 0 wraps around to `usize::MAX`.
+        Some(n) if size_of::<T>() > 0 && n.wrapping_sub(1) < max_elements => Ok(n * size_of::<T>()),
+        found => Err(bad_shape::<T, Dim>(dim, found, workspace())),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn bad_shape<T, Dim: Dimension>(dim: &Dim, elements: Option<usize>, workspace: Arc<str>) -> workspace_core::Error {
+    let shape = dim.slice().to_vec();
+    match elements {
+        Some(0) => workspace_core::Error::ZeroLength { workspace, shape },
+        Some(n) if size_of::<T>() == 0 && n <= isize::MAX as usize => workspace_core::Error::InvalidInput(format!(
+            "workspace '{workspace}': elements of type `{}` are zero-sized, and device and pinned arrays hold \
+             elements of non-zero size (shape {shape:?}); an array of zero-sized elements needs no memory, so \
+             create it on the host with `ndarray::Array`",
+            std::any::type_name::<T>()
+        )),
+        _ => workspace_core::Error::ShapeOverflow { workspace, shape, element_size: size_of::<T>() },
+    }
 }
 
 /// The elements of `src` in standard (row-major) order, as bytes.
@@ -184,8 +238,11 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
     }
 
     /// The device address of the first element, for kernels launched on
-    /// [`DeviceView::stream`] (using it elsewhere needs [`DeviceScope::on_stream`]).
+    /// [`DeviceView::stream`] that read it (using it elsewhere needs
+    /// [`DeviceScope::on_stream`]). Work on another stream that may still write this
+    /// memory is ordered before the stream's later work first.
     pub fn device_ptr(&self) -> u64 {
+        self.owner.order_home_use_or_defer(self.address, self.byte_len(), false);
         self.address
     }
 
@@ -238,6 +295,7 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
     pub fn detach(&self) -> Result<DeviceArray<D, T, Dim>> {
         let device = self.owner.device();
         let stream = self.owner.stream();
+        self.owner.order_home_use(self.address, self.byte_len(), false, "detaching a view")?;
         let memory = device.alloc(stream, self.byte_len()).map_err(|e| self.owner.error("detaching a view", e))?;
         let target = D::memory_address(&memory);
         // SAFETY: both ranges hold `byte_len` bytes: the view's (valid for `'a`, so until
@@ -269,6 +327,7 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         let action = "copying device data to the host";
         self.check_shape(dst.shape(), action)?;
         let (owner, address) = (self.owner, self.address);
+        owner.order_home_use(address, self.byte_len(), false, action)?;
         copy_to_host(dst, |bytes| {
             // SAFETY: the view's `bytes.len()` bytes are valid for `'a`, beyond this call,
             // and the copy runs on the owner's stream; it is complete when this returns.
@@ -300,6 +359,7 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         let stream = self.owner.stream();
         let bytes = self.byte_len();
         let (address, host) = (self.address, dst.host_ptr());
+        self.owner.order_home_use(address, bytes, false, action)?;
         dst.transfer(stream, |on| {
             // SAFETY: the view's range is valid for `'a` and the copy runs on its owner's
             // stream; `host` holds `bytes` bytes of pinned memory that `transfer` keeps
@@ -343,8 +403,10 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
     }
 
     /// The device address of the first element, for kernels that write it on
-    /// [`DeviceView::stream`].
+    /// [`DeviceView::stream`]. Work on another stream that may still read or write this
+    /// memory is ordered before the stream's later work first.
     pub fn device_ptr_mut(&mut self) -> u64 {
+        self.view.owner.order_home_use_or_defer(self.view.address, self.view.byte_len(), true);
         self.view.address
     }
 
@@ -364,11 +426,13 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
     ///
     /// [`Error::Device`].
     pub fn fill_zeros(&mut self) -> Result<()> {
+        let action = "zeroing a view";
         let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
+        owner.order_home_use(address, bytes, true, action)?;
         // SAFETY: the view's range is valid for `'a` and exclusively ours; the memset is
-        // issued to the owner's stream.
-        unsafe { owner.device().memset_zero(owner.stream(), address, bytes) }
-            .map_err(|e| owner.error("zeroing a view", e))
+        // issued to the owner's stream, after every other stream that used the range
+        // (`order_home_use`).
+        unsafe { owner.device().memset_zero(owner.stream(), address, bytes) }.map_err(|e| owner.error(action, e))
     }
 
     /// Copies a host array of the same shape into this view (on the view's stream; the
@@ -381,9 +445,11 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
         let action = "copying host data to the device";
         self.view.check_shape(src.shape(), action)?;
         let (owner, address) = (self.view.owner, self.view.address);
+        owner.order_home_use(address, self.view.byte_len(), true, action)?;
         with_host_bytes(src, |bytes| {
             // SAFETY: the view's range (`bytes.len()` bytes) is valid for `'a` and
-            // exclusively ours; the copy is issued to the owner's stream.
+            // exclusively ours; the copy is issued to the owner's stream, after every
+            // other stream that used the range (`order_home_use`).
             unsafe { owner.device().copy_htod(owner.stream(), bytes, address) }
         })
         .map_err(|e| owner.error(action, e))
@@ -401,10 +467,12 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
         self.view.owner.check_device(src.device(), action)?;
         let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
         let host = src.host_ptr();
+        owner.order_home_use(address, bytes, true, action)?;
         src.transfer(owner.stream(), |on| {
             // SAFETY: the view's range is valid for `'a` and exclusively ours, the copy is
-            // issued to its owner's stream; `host` holds `bytes` bytes of pinned memory
-            // that `transfer` keeps from host writes and reuse until the copy completes.
+            // issued to its owner's stream, after every other stream that used the range
+            // (`order_home_use`); `host` holds `bytes` bytes of pinned memory that
+            // `transfer` keeps from host writes and reuse until the copy completes.
             unsafe { owner.device().copy_htod_pinned(on, host, address, bytes) }
         })
         .map_err(|e| owner.error(action, e))
@@ -422,11 +490,15 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
         let target = self.view.owner;
         src.owner.check_device(target.device(), action)?;
         let (from, to, bytes) = (src.address, self.view.address, self.view.byte_len());
+        src.owner.order_home_use(from, bytes, false, action)?;
+        target.order_home_use(to, bytes, true, action)?;
         src.owner.run_on(target.stream(), action, |on| {
             // SAFETY: both ranges are valid while the views are borrowed, which outlasts
-            // issuing the copy; the copy runs on the destination's stream, and `run_on`
-            // orders it with the source's stream (and joins that stream at the source
-            // workspace's reset). Distinct allocations never overlap.
+            // issuing the copy; the copy runs on the destination's stream, after every
+            // other stream that used the destination range (`order_home_use`), and
+            // `run_on` orders it with the source's stream (which waited for every other
+            // stream that wrote the source range, and which waits for the copy in turn).
+            // Distinct allocations never overlap.
             unsafe { target.device().copy_dtod(on, from, to, bytes) }
         })
     }
@@ -479,7 +551,8 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceUninit<'a, D, T, Dim> {
     }
 
     /// The device address of the first element, for a kernel that writes every element
-    /// on [`DeviceView::stream`] before [`DeviceUninit::assume_init`].
+    /// on [`DeviceView::stream`] before [`DeviceUninit::assume_init`] (ordered as
+    /// [`DeviceViewMut::device_ptr_mut`]).
     pub fn device_ptr_mut(&mut self) -> u64 {
         self.view.device_ptr_mut()
     }

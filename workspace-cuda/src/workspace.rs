@@ -15,7 +15,28 @@
 //! workspace waits for it on the host; if that fails too, the stream is kept in
 //! `unjoined` and the workspace refuses to open until it is ordered.
 //!
+//! # Why use on another stream is safe within a cycle, whatever is dropped
+//!
+//! Within a cycle, the views an [`OnStream`] was given stay borrowed until it ends, and
+//! ending it makes the workspace's stream wait for the other stream. But `mem::forget`
+//! ends the borrows without that wait, so safety cannot rest on it. Instead every use
+//! of the workspace's memory on another stream is recorded in `uses` when it is issued
+//! (the stream, the byte range, and whether it writes). Before the workspace's stream
+//! writes a range that another stream may still read or write, or reads a range that
+//! another stream may still write, it waits for that stream ([`order_home_use`]); a
+//! stream it has waited for has its uses dropped. So an `OnStream` that ends normally
+//! costs one wait, and one that is forgotten costs the same wait later, at the first
+//! conflicting use, and never a race. Work on the other stream is ordered after the
+//! workspace stream's work the same way: each operation issued through an `OnStream`
+//! first makes its stream wait for the workspace's stream (and for any third stream
+//! whose unordered use conflicts with it).
+//!
+//! When the workspace is dropped while a cycle is still open (its scope forgotten),
+//! every stream that used the memory is ordered before the frees, as at a reset.
+//!
 //! [`DeviceScope::on_stream`]: crate::DeviceScope::on_stream
+//! [`OnStream`]: crate::OnStream
+//! [`order_home_use`]: DeviceWorkspace::order_home_use
 
 use std::cell::RefCell;
 use std::mem::ManuallyDrop;
@@ -24,15 +45,17 @@ use std::sync::Arc;
 use workspace_core::{Engine, Entered, Location, ScopeKind, WorkspaceConfig, WorkspaceStats};
 
 use crate::backend::DeviceBackend;
-use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT};
+use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::{DeviceError, Error, Result};
 use crate::scope::DeviceScope;
 
 /// A workspace in device memory, bound to one stream; see the module docs.
 ///
 /// Same configuration, cycles, generations, learning, spilling and statistics as a host
-/// [`Workspace`](workspace_core::Workspace). Allocation offsets are aligned to 256 bytes:
-/// a configured alignment below that is raised to it.
+/// [`Workspace`](workspace_core::Workspace). Every allocation is aligned to 256 bytes
+/// ([`DEVICE_ALIGNMENT`]), or to the configured alignment when that is larger: a
+/// configured alignment below 256 is raised to it, and one above
+/// [`MAX_DEVICE_ALIGNMENT`] is refused.
 ///
 /// ```
 /// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
@@ -70,11 +93,34 @@ pub struct DeviceWorkspace<D: Device> {
     /// An ordering error from a place that cannot return one (closing a scope, ending a
     /// stream use), reported by the next `enter`.
     pending: RefCell<Option<DeviceError>>,
+    /// Uses of this workspace's memory by work on other streams that the workspace's
+    /// stream is not yet ordered after (module docs). Every stream here is in `foreign`.
+    uses: RefCell<Vec<ForeignUse<D>>>,
 }
 
+/// Work on another stream that reads or writes `start..end` of a workspace's memory.
+struct ForeignUse<D: Device> {
+    stream: D::Stream,
+    start: u64,
+    end: u64,
+    writes: bool,
+}
+
+impl<D: Device> ForeignUse<D> {
+    /// Whether an access to `start..end` (a write when `writes`) must wait for this use.
+    fn conflicts(&self, start: u64, end: u64, writes: bool) -> bool {
+        (writes || self.writes) && start < self.end && self.start < end
+    }
+}
+
+/// Unordered uses kept per workspace before every stream is ordered at once (so that a
+/// long-lived `OnStream` does not make each check slower).
+const MAX_USES: usize = 256;
+
 /// The configuration a device workspace runs with: `config` with its alignment raised to
-/// [`DEVICE_ALIGNMENT`].
-pub(crate) fn device_config(config: WorkspaceConfig, what: &str) -> Result<WorkspaceConfig> {
+/// [`DEVICE_ALIGNMENT`]; an error for a file location or an alignment beyond
+/// [`MAX_DEVICE_ALIGNMENT`].
+pub(crate) fn device_config(name: &str, config: WorkspaceConfig, what: &str) -> Result<WorkspaceConfig> {
     if !matches!(config.location(), Location::Ram) {
         return Err(workspace_core::Error::InvalidConfig {
             reason: format!(
@@ -84,6 +130,7 @@ pub(crate) fn device_config(config: WorkspaceConfig, what: &str) -> Result<Works
         }
         .into());
     }
+    check_alignment(name, &config, what)?;
     if config.alignment() >= DEVICE_ALIGNMENT {
         return Ok(config);
     }
@@ -100,13 +147,32 @@ pub(crate) fn device_config(config: WorkspaceConfig, what: &str) -> Result<Works
         .build()?)
 }
 
+/// An error unless `config`'s alignment is at most [`MAX_DEVICE_ALIGNMENT`].
+pub(crate) fn check_alignment(name: &str, config: &WorkspaceConfig, what: &str) -> Result<()> {
+    if config.alignment() <= MAX_DEVICE_ALIGNMENT {
+        return Ok(());
+    }
+    Err(workspace_core::Error::InvalidConfig {
+        reason: format!(
+            "{what} workspace '{name}' asks for alignment {}, more than the {MAX_DEVICE_ALIGNMENT} bytes \
+             (MAX_DEVICE_ALIGNMENT) a {what} workspace can honour: the driver aligns allocations to {} bytes, \
+             so every block would be padded by up to the alignment; use an alignment of at most \
+             {MAX_DEVICE_ALIGNMENT}",
+            config.alignment(),
+            if what == "pinned" { PINNED_ALIGNMENT } else { DEVICE_ALIGNMENT },
+        ),
+    }
+    .into())
+}
+
 impl<D: Device> DeviceWorkspace<D> {
     /// Creates a workspace on `stream` of `device` and reserves `initial_size` bytes.
     ///
     /// # Errors
     ///
-    /// [`Error::Workspace`] for a file location, a configuration that the raised
-    /// alignment contradicts, or an initial arena the device cannot provide;
+    /// [`Error::Workspace`] for a file location, an alignment beyond
+    /// [`MAX_DEVICE_ALIGNMENT`], a configuration that the raised alignment contradicts,
+    /// or an initial arena the device cannot provide;
     /// [`Error::StreamMismatch`] when `stream` belongs to another device.
     pub fn new(name: &str, config: WorkspaceConfig, device: &D, stream: &D::Stream) -> Result<DeviceWorkspace<D>> {
         if !device.owns_stream(stream) {
@@ -116,7 +182,7 @@ impl<D: Device> DeviceWorkspace<D> {
                 detail: format!("{stream:?} does not belong to {}", device.describe()),
             });
         }
-        let config = device_config(config, "device")?;
+        let config = device_config(name, config, "device")?;
         let backend = DeviceBackend::new(device.clone(), stream.clone());
         Ok(DeviceWorkspace {
             engine: ManuallyDrop::new(Engine::new(name, config, backend)?),
@@ -125,6 +191,7 @@ impl<D: Device> DeviceWorkspace<D> {
             foreign: RefCell::new(Vec::new()),
             unjoined: RefCell::new(Vec::new()),
             pending: RefCell::new(None),
+            uses: RefCell::new(Vec::new()),
         })
     }
 
@@ -264,10 +331,85 @@ impl<D: Device> DeviceWorkspace<D> {
         ordered_with(&self.device, stream, &self.stream, op).map_err(|e| self.device_error(action, e))
     }
 
-    /// Makes the workspace's stream wait for `stream`'s work so far.
+    /// Makes the workspace's stream wait for `stream`'s work so far; that stream's uses
+    /// of the memory are then ordered.
     pub(crate) fn join(&self, stream: &D::Stream) -> Result<(), DeviceError> {
         let event = self.device.record(stream)?;
-        self.device.wait(&self.stream, &event)
+        self.device.wait(&self.stream, &event)?;
+        self.uses.borrow_mut().retain(|u| u.stream != *stream);
+        Ok(())
+    }
+
+    /// Records, before it is issued, that work on `stream` reads (or, with `writes`,
+    /// writes) `bytes` bytes at `address` of this workspace's memory: until the
+    /// workspace's stream waits for `stream`, conflicting work there waits first (module
+    /// docs), whether or not the `OnStream` that issued it ever ends.
+    ///
+    /// # Errors
+    ///
+    /// When too many uses are recorded and ordering them all fails.
+    pub(crate) fn note_use(
+        &self,
+        stream: &D::Stream,
+        address: u64,
+        bytes: usize,
+        writes: bool,
+    ) -> Result<(), DeviceError> {
+        if *stream == self.stream {
+            return Ok(());
+        }
+        self.note_foreign(stream);
+        if self.uses.borrow().len() >= MAX_USES {
+            let streams: Vec<D::Stream> = self.foreign.borrow().clone();
+            for other in &streams {
+                self.join_or_wait(other)?;
+            }
+        }
+        let end = address.saturating_add(bytes as u64);
+        self.uses.borrow_mut().push(ForeignUse { stream: stream.clone(), start: address, end, writes });
+        Ok(())
+    }
+
+    /// Before work that reads (or, with `writes`, writes) `bytes` bytes at `address` is
+    /// issued to the workspace's stream: makes that stream wait for every other stream
+    /// whose recorded use conflicts, except `on` (whose own order already covers it).
+    ///
+    /// # Errors
+    ///
+    /// When a conflicting stream can be ordered neither on the device nor on the host;
+    /// the work must not be issued then.
+    pub(crate) fn order_home_use(
+        &self,
+        address: u64,
+        bytes: usize,
+        writes: bool,
+        on: Option<&D::Stream>,
+    ) -> Result<(), DeviceError> {
+        if self.uses.borrow().is_empty() {
+            return Ok(());
+        }
+        let end = address.saturating_add(bytes as u64);
+        loop {
+            let conflicting = self
+                .uses
+                .borrow()
+                .iter()
+                .find(|u| Some(&u.stream) != on && u.conflicts(address, end, writes))
+                .map(|u| u.stream.clone());
+            match conflicting {
+                Some(stream) => self.join_or_wait(&stream)?,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// As [`DeviceWorkspace::order_home_use`], for an infallible caller (a raw address for
+    /// a kernel): when ordering on the device fails, waits for the streams on the host;
+    /// when that fails too, keeps the error for the next `enter`.
+    pub(crate) fn order_home_use_or_defer(&self, address: u64, bytes: usize, writes: bool) {
+        if let Err(error) = self.order_home_use(address, bytes, writes, None) {
+            self.defer(error);
+        }
     }
 
     /// Makes `stream` wait for the workspace stream's work so far.
@@ -276,8 +418,14 @@ impl<D: Device> DeviceWorkspace<D> {
         self.device.wait(stream, &event)
     }
 
+    /// Orders `stream`'s work so far before the workspace's stream: on the device, or
+    /// else by waiting for it on the host.
     fn join_or_wait(&self, stream: &D::Stream) -> Result<(), DeviceError> {
-        self.join(stream).or_else(|_| self.device.synchronize(stream))
+        self.join(stream).or_else(|_| {
+            self.device.synchronize(stream)?;
+            self.uses.borrow_mut().retain(|u| u.stream != *stream);
+            Ok(())
+        })
     }
 
     /// Keeps an error for the next `enter`.
@@ -289,13 +437,16 @@ impl<D: Device> DeviceWorkspace<D> {
     /// before the workspace's stream (module docs). Never fails; what cannot be ordered
     /// is kept for `enter`.
     pub(crate) fn close_foreign_streams(&self) {
-        let mut foreign = self.foreign.borrow_mut();
-        for stream in foreign.drain(..) {
+        let foreign = std::mem::take(&mut *self.foreign.borrow_mut());
+        for stream in foreign {
             if let Err(error) = self.join_or_wait(&stream) {
                 self.unjoined.borrow_mut().push(stream);
                 self.defer(error);
             }
         }
+        // Every stream is ordered, or kept in `unjoined`, which `settle` orders before
+        // anything touches the memory again.
+        self.uses.borrow_mut().clear();
     }
 
     /// Before opening a cycle: orders what could not be ordered when the last one
@@ -337,8 +488,11 @@ impl<D: Device> std::fmt::Debug for DeviceWorkspace<D> {
 impl<D: Device> Drop for DeviceWorkspace<D> {
     fn drop(&mut self) {
         let mut ordered = true;
-        for stream in self.unjoined.get_mut().drain(..) {
-            if let Err(error) = self.device.synchronize(&stream) {
+        // `foreign` is empty unless a scope was forgotten and the cycle never closed: its
+        // streams may still use the memory the engine is about to free.
+        let foreign = std::mem::take(self.foreign.get_mut());
+        for stream in foreign.iter().chain(std::mem::take(self.unjoined.get_mut()).iter()) {
+            if let Err(error) = self.join_or_wait(stream) {
                 self.device.defer_error(error);
                 ordered = false;
             }
@@ -364,21 +518,21 @@ mod tests {
     fn alignment_is_raised_and_file_locations_are_refused() {
         let config =
             WorkspaceConfig::builder().alignment(workspace_core::DEFAULT_ALIGNMENT).initial_size(1000).build().unwrap();
-        let raised = device_config(config.clone(), "device").unwrap();
+        let raised = device_config("W", config.clone(), "device").unwrap();
         assert_eq!(raised.alignment(), DEVICE_ALIGNMENT);
         assert_eq!(
             (raised.initial_size(), raised.learning(), raised.spill()),
             (1000, config.learning(), config.spill())
         );
         let big = WorkspaceConfig::builder().alignment(4096).build().unwrap();
-        assert_eq!(device_config(big, "device").unwrap().alignment(), 4096);
+        assert_eq!(device_config("W", big, "device").unwrap().alignment(), 4096);
         let mapped = WorkspaceConfig::builder()
             .location(Location::MmapAnonymous)
             .learning(workspace_core::LearningPolicy::None)
             .initial_size(4096)
             .build()
             .unwrap();
-        let err = device_config(mapped, "device").unwrap_err();
+        let err = device_config("W", mapped, "device").unwrap_err();
         assert!(err.to_string().contains("Location::Ram"), "{err}");
     }
 

@@ -8,6 +8,11 @@
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, see [`SimDevice::faults`]) instead of touching memory
 //! that is gone. Fresh allocations are filled with [`POISON`].
 //!
+//! Allocations are aligned to exactly what [`Device`] promises and no more: a device
+//! address is an odd multiple of [`DEVICE_ALIGNMENT`], a pinned one an odd multiple of
+//! [`PINNED_ALIGNMENT`]. Code that counts on more alignment than it asked for fails on
+//! the simulator every time, not by the luck of where an allocation landed.
+//!
 //! Knobs make ordering mistakes observable in tests without timing: [`SimDevice::hold`]
 //! stops a stream until released, [`SimDevice::quiesce`] waits until every stream has run
 //! all it can, [`SimDevice::set_delay`] slows a stream's memory operations, and
@@ -36,7 +41,7 @@
 mod memory;
 mod queue;
 
-use std::alloc::{alloc, Layout};
+use std::alloc::alloc;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
@@ -55,10 +60,15 @@ use crate::error::DeviceError;
 /// Byte value of fresh simulated device memory: data nobody wrote reads as `0xA5`.
 pub const POISON: u8 = 0xA5;
 
-/// Simulated device addresses start here. They are never dereferenced on the host.
-const ADDRESS_BASE: u64 = 0x7e00_0000_0000;
+/// Simulated device addresses start here: an odd multiple of [`DEVICE_ALIGNMENT`]. They
+/// are never dereferenced on the host.
+const ADDRESS_BASE: u64 = 0x7e00_0000_0000 + DEVICE_ALIGNMENT as u64;
 /// Unused addresses between simulated allocations, so an overrun lands in no allocation.
+/// Allocations start [`ADDRESS_STRIDE`]-aligned plus [`DEVICE_ALIGNMENT`], so every
+/// address is an odd multiple of the device alignment.
 const GUARD: u64 = 1 << 20;
+/// Allocations take multiples of this much address space (guard included).
+const ADDRESS_STRIDE: u64 = 1 << 21;
 
 static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
 
@@ -232,8 +242,12 @@ impl Device for SimDevice {
         if memory.live_bytes.checked_add(bytes).is_none_or(|total| total > memory.limit) {
             return Err(oom);
         }
-        let span = u64::try_from(bytes.next_multiple_of(DEVICE_ALIGNMENT)).map_err(|_| oom.clone())?;
-        let next = memory.next.checked_add(span).and_then(|n| n.checked_add(GUARD)).ok_or_else(|| oom.clone())?;
+        let next = u64::try_from(bytes)
+            .ok()
+            .and_then(|bytes| bytes.checked_add(GUARD))
+            .and_then(|span| span.checked_next_multiple_of(ADDRESS_STRIDE))
+            .and_then(|span| memory.next.checked_add(span))
+            .ok_or_else(|| oom.clone())?;
         let mut data = Vec::new();
         data.try_reserve_exact(bytes).map_err(|_| oom)?;
         data.resize(bytes, POISON);
@@ -250,12 +264,16 @@ impl Device for SimDevice {
 
     fn alloc_pinned(&self, bytes: usize) -> Result<SimPinned, DeviceError> {
         let oom = DeviceError::OutOfMemory { bytes, what: "pinned host" };
-        let layout = Layout::from_size_align(bytes, PINNED_ALIGNMENT).map_err(|_| oom.clone())?;
         if bytes == 0 {
             return Err(oom);
         }
+        let layout = memory::pinned_layout(bytes).ok_or_else(|| oom.clone())?;
         // SAFETY: `layout` has a non-zero size.
-        let ptr = NonNull::new(unsafe { alloc(layout) }).ok_or(oom)?;
+        let start = NonNull::new(unsafe { alloc(layout) }).ok_or(oom)?;
+        // SAFETY: the allocation has `PINNED_ALIGNMENT + bytes` bytes, so the offset stays
+        // inside it; `start` is aligned to twice `PINNED_ALIGNMENT`, so `ptr` is an odd
+        // multiple of it.
+        let ptr = unsafe { start.add(PINNED_ALIGNMENT) };
         let mut memory = lock(&self.shared.memory);
         memory.pinned.insert(ptr.as_ptr() as usize, bytes);
         memory.live_pinned += bytes;
@@ -389,6 +407,7 @@ mod tests {
         let a = sim.alloc(&stream, 100).unwrap();
         let address = SimDevice::memory_address(&a);
         assert_eq!(address % DEVICE_ALIGNMENT as u64, 0);
+        assert_ne!(address % (2 * DEVICE_ALIGNMENT) as u64, 0, "no more alignment than promised");
         assert_eq!(sim.read_now(address, 100), Some(vec![POISON; 100]));
         drop(a);
         let b = sim.alloc(&stream, 100).unwrap();
@@ -479,6 +498,7 @@ mod tests {
         let pinned = sim.alloc_pinned(300).unwrap();
         let host = SimDevice::pinned_address(&pinned);
         assert_eq!(host.as_ptr() as usize % PINNED_ALIGNMENT, 0);
+        assert_ne!(host.as_ptr() as usize % (2 * PINNED_ALIGNMENT), 0, "no more alignment than promised");
         assert_eq!(sim.live_pinned_bytes(), 300);
         // SAFETY: `pinned` is live and the host does not touch it until the stream is
         // synchronised; `b` outlives the copies.

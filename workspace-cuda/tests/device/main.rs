@@ -7,10 +7,13 @@
 //! - `ordering`: stream ordering on the simulator (held streams, injected failures, the
 //!   bypass knob that shows the hazards).
 //! - `model`: property tests of random cycles against the data they should hold.
+//! - `limits`: alignments and shapes at their limits, on both devices (`limits::sim`,
+//!   `limits::cuda`).
 //! - `probe`: the probe on this machine.
 //! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
 //!   and with held and bypassed streams on the simulator.
 
+mod limits;
 mod model;
 mod ordering;
 mod policies;

@@ -302,3 +302,152 @@ fn memory_of_two_devices_does_not_mix() {
     assert!(matches!(err, Error::StreamMismatch { .. }), "{err:?}");
     assert!(a.faults().is_empty() && b.faults().is_empty());
 }
+
+/// Ways of writing a workspace view on the workspace's own stream.
+#[derive(Clone, Copy, Debug)]
+enum HomeWrite {
+    Zeros,
+    FromHost,
+    FromPinned,
+    FromDevice,
+}
+
+/// A copy on the copy stream (held) reads `x`; its `OnStream` is forgotten, which ends the
+/// borrow of `x` without running any destructor; then `write` overwrites `x` on the
+/// workspace's stream. Returns what the copy read.
+fn forgotten_read_then(write: HomeWrite) -> f32 {
+    let (sim, ws, copy) = setup();
+    let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
+    let stage = staging.enter().unwrap();
+    let twos = stage.filled::<f32, _>(64, 2.0).unwrap();
+    let mut out = DeviceArray::<_, f32>::zeros(&sim, &copy, 64).unwrap();
+    sim.synchronize(&copy).unwrap();
+    let scope = ws.enter().unwrap();
+    let threes = scope.htod(&Array1::from_elem(64, 3.0f32)).unwrap();
+    let mut x = scope.htod(&Array1::from_elem(64, 1.0f32)).unwrap();
+    sim.synchronize(ws.stream()).unwrap(); // the writes are done: only the read is delayed
+    let hold = sim.hold(&copy);
+    {
+        let mut out_view = out.view_mut();
+        let on = scope.on_stream(&copy).unwrap();
+        on.dtod(&x, &mut out_view).unwrap();
+        std::mem::forget(on);
+    }
+    match write {
+        HomeWrite::Zeros => x.fill_zeros().unwrap(),
+        HomeWrite::FromHost => x.htod_from(&Array1::from_elem(64, 2.0f32)).unwrap(),
+        HomeWrite::FromPinned => x.htod_pinned(&twos).unwrap(),
+        HomeWrite::FromDevice => x.copy_from(&threes).unwrap(),
+    }
+    sim.quiesce(); // with the ordering, the write is blocked behind the held read
+    drop(hold);
+    drop(scope);
+    ws.synchronize().unwrap();
+    sim.synchronize(&copy).unwrap();
+    assert!(sim.faults().is_empty(), "{:?}", sim.faults());
+    out.to_host().unwrap()[0]
+}
+
+#[test]
+fn a_forgotten_on_stream_still_orders_later_writes_after_its_reads() {
+    for write in [HomeWrite::Zeros, HomeWrite::FromHost, HomeWrite::FromPinned, HomeWrite::FromDevice] {
+        assert_eq!(forgotten_read_then(write), 1.0, "{write:?} overtook the copy still pending on the other stream");
+    }
+}
+
+#[test]
+fn a_kernel_pointer_taken_after_a_forgotten_on_stream_is_ordered_after_its_reads() {
+    let (sim, ws, copy) = setup();
+    let mut out = DeviceArray::<_, f32>::zeros(&sim, &copy, 64).unwrap();
+    sim.synchronize(&copy).unwrap();
+    let scope = ws.enter().unwrap();
+    let mut x = scope.htod(&Array1::from_elem(64, 1.0f32)).unwrap();
+    sim.synchronize(ws.stream()).unwrap();
+    let hold = sim.hold(&copy);
+    {
+        let mut out_view = out.view_mut();
+        let on = scope.on_stream(&copy).unwrap();
+        on.dtod(&x, &mut out_view).unwrap();
+        std::mem::forget(on);
+    }
+    let _for_a_kernel = x.device_ptr_mut();
+    // A kernel launched now on the workspace's stream must start after the held read.
+    let launched_now = sim.record(ws.stream()).unwrap();
+    sim.quiesce();
+    assert!(!sim.event_complete(&launched_now), "a kernel writing x could run before the read of x");
+    drop(hold);
+    drop(scope);
+    ws.synchronize().unwrap();
+    sim.synchronize(&copy).unwrap();
+    assert!(sim.event_complete(&launched_now));
+    assert_eq!(out.to_host().unwrap()[0], 1.0);
+}
+
+#[test]
+fn a_write_through_a_forgotten_on_stream_is_seen_by_later_reads_on_the_workspace_stream() {
+    let (sim, ws, copy) = setup();
+    let scope = ws.enter().unwrap();
+    let mut y = scope.zeros::<u32, _>(64).unwrap();
+    sim.synchronize(ws.stream()).unwrap();
+    let hold = sim.hold(&copy);
+    {
+        let on = scope.on_stream(&copy).unwrap();
+        on.htod(&Array1::from_elem(64, 7u32), &mut y).unwrap();
+        std::mem::forget(on);
+    }
+    let read = y.detach().unwrap(); // a read on the workspace's stream
+    sim.quiesce();
+    drop(hold);
+    drop(scope);
+    ws.synchronize().unwrap();
+    sim.synchronize(&copy).unwrap();
+    assert_eq!(read.to_host().unwrap()[0], 7, "the workspace's stream read before the other stream wrote");
+}
+
+#[test]
+fn dropping_a_workspace_whose_scope_and_on_stream_were_forgotten_waits_for_the_other_stream() {
+    let (sim, ws, copy) = setup();
+    let mut out = DeviceArray::<_, f32>::zeros(&sim, &copy, 64).unwrap();
+    sim.synchronize(&copy).unwrap();
+    let scope = ws.enter().unwrap();
+    let x = scope.htod(&Array1::from_elem(64, 1.0f32)).unwrap();
+    sim.synchronize(ws.stream()).unwrap();
+    let hold = sim.hold(&copy);
+    {
+        let mut out_view = out.view_mut();
+        let on = scope.on_stream(&copy).unwrap();
+        on.dtod(&x, &mut out_view).unwrap();
+        std::mem::forget(on);
+    }
+    std::mem::forget(scope); // the workspace stays open: its reset never runs
+    drop(ws); // frees the arena in the workspace stream's order
+    sim.quiesce();
+    drop(hold);
+    sim.synchronize(&copy).unwrap();
+    sim.synchronize(&sim.default_stream()).unwrap();
+    assert!(sim.faults().is_empty(), "the arena was freed under the read: {:?}", sim.faults());
+    assert_eq!(out.to_host().unwrap()[0], 1.0);
+    assert_eq!(sim.live_device_bytes(), 64 * 4, "only `out` is left");
+}
+
+#[test]
+#[allow(clippy::needless_late_init, reason = "the late initialisation is the point: `y` is written after `on` exists")]
+fn a_copy_declared_before_its_source_was_written_waits_for_the_write() {
+    let (sim, ws, copy) = setup();
+    let mut out = DeviceArray::<_, u32>::zeros(&sim, &copy, 64).unwrap();
+    sim.synchronize(&copy).unwrap();
+    let scope = ws.enter().unwrap();
+    let y; // initialised after the declaration below, and still borrowable for its whole use
+    let mut out_view = out.view_mut();
+    let on = scope.on_stream(&copy).unwrap();
+    sim.synchronize(ws.stream()).unwrap(); // the declaration's own ordering is behind us
+    let hold = sim.hold(ws.stream()); // the workspace's write is delayed
+    y = scope.htod(&Array1::from_elem(64, 6u32)).unwrap();
+    on.dtod(&y, &mut out_view).unwrap();
+    sim.quiesce();
+    drop(hold);
+    on.finish().unwrap();
+    drop(scope);
+    sim.synchronize(&copy).unwrap();
+    assert_eq!(out.to_host().unwrap()[0], 6, "the copy read before the workspace's stream wrote");
+}

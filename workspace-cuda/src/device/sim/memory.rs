@@ -77,10 +77,18 @@ impl Drop for SimMemory {
     }
 }
 
+/// The layout of a simulated pinned allocation of `bytes` bytes: one spare
+/// [`PINNED_ALIGNMENT`] in front, the start aligned to twice that, so that the bytes
+/// handed out (after the spare) are aligned to [`PINNED_ALIGNMENT`] and no more.
+pub(super) fn pinned_layout(bytes: usize) -> Option<Layout> {
+    Layout::from_size_align(bytes.checked_add(PINNED_ALIGNMENT)?, 2 * PINNED_ALIGNMENT).ok()
+}
+
 /// Host memory that the simulated device treats as pinned; freed (and unregistered)
 /// when dropped.
 pub struct SimPinned {
-    /// Invariant: `len` bytes allocated with `Layout(len, PINNED_ALIGNMENT)`, owned here.
+    /// Invariant: `PINNED_ALIGNMENT` bytes past the start of an allocation made with
+    /// `pinned_layout(len)`, owned here.
     pub(super) ptr: NonNull<u8>,
     pub(super) len: usize,
     pub(super) shared: Arc<Shared>,
@@ -107,10 +115,10 @@ impl Drop for SimPinned {
             memory.pinned.remove(&(self.ptr.as_ptr() as usize));
             memory.live_pinned -= self.len;
         }
-        if let Ok(layout) = Layout::from_size_align(self.len, PINNED_ALIGNMENT) {
-            // SAFETY: allocated in `alloc_pinned` with this very layout (`ptr` invariant),
-            // freed once, here.
-            unsafe { dealloc(self.ptr.as_ptr(), layout) };
+        if let Some(layout) = pinned_layout(self.len) {
+            // SAFETY: `ptr - PINNED_ALIGNMENT` is the start of an allocation made in
+            // `alloc_pinned` with this very layout (`ptr` invariant), freed once, here.
+            unsafe { dealloc(self.ptr.as_ptr().sub(PINNED_ALIGNMENT), layout) };
         }
     }
 }
