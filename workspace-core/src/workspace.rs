@@ -21,7 +21,9 @@ pub const DEBUG_ENV: &str = "CARVE_WORKSPACE_DEBUG";
 /// as without it (cycles, generations, learning, the budget, the spill policy, which
 /// workspace an array belongs to), so every call succeeds or fails, and returns, what
 /// it would with the mode off; only the memory's address differs. (The learned arena
-/// exists in the accounting only and takes no memory while a mode is on.)
+/// exists in the accounting only and takes no memory while a mode is on. A file-backed
+/// arena is the exception: its memory is the file's data, which the program reads
+/// back, so it keeps serving allocations.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub enum DebugMode {
     /// Normal operation.

@@ -374,3 +374,26 @@ fn the_default_configuration_stops_spilling_once_the_largest_cycle_has_run() {
         assert!(table.contains("late spills"), "{table}");
     }
 }
+
+#[test]
+fn a_file_backed_workspace_keeps_its_file_and_lock_under_a_debug_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("debug.ws");
+    {
+        let w = ws(file_config(&path), DebugMode::Disabled);
+        let s = w.enter().unwrap();
+        s.filled::<u32, _>(64, 5).unwrap();
+    }
+    for mode in [DebugMode::SpillEverything, DebugMode::BypassEverything] {
+        let w = ws(file_config(&path), mode);
+        assert!(Workspace::new("OTHER", file_config(&path)).is_err(), "{mode:?}: the file stays locked");
+        let s = w.enter().unwrap();
+        // SAFETY: the first workspace wrote 64 initialised u32s there.
+        let kept = unsafe { s.retained::<u32, _>(64) }.unwrap();
+        assert!(kept.iter().all(|&x| x == 5), "{mode:?}");
+        drop(kept);
+        // The file's memory keeps serving the arena: its contents are the program's data.
+        let next = s.zeros::<u32, _>(64).unwrap();
+        assert_eq!(s.placement(next.as_ptr()), Placement::Arena(256), "{mode:?}");
+    }
+}

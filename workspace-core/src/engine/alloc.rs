@@ -131,9 +131,11 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// The memory for arena offset `offset`: in the arena, or under spill-everything
-    /// a block of its own (released at the reset, like the arena's contents).
+    /// a block of its own (released at the reset, like the arena's contents). A
+    /// fixed-size arena (a file mapping) keeps serving its own memory: its contents
+    /// are data the program reads back, which a block of its own would not hold.
     fn arena_memory(&self, offset: usize, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        if !self.spill_everything.get() {
+        if !self.spill_everything.get() || self.backend.borrow().fixed_size() {
             if let Some(base) = self.arena_base.get() {
                 return Ok((base, offset));
             }

@@ -127,7 +127,8 @@ pub struct Engine<B: ArenaBackend> {
     /// accounting (capacity, cursor, learning, budget, spill policy) runs exactly as
     /// without it, so every call succeeds or fails as it would; only where the memory
     /// comes from changes. While on, the arena exists in the accounting only: `arena`
-    /// and `arena_base` are `None` whatever `capacity` says.
+    /// and `arena_base` are `None` whatever `capacity` says (except for a fixed-size
+    /// arena, which is kept but not handed out).
     spill_everything: Cell<bool>,
     /// Spill-everything only: the blocks standing in for arena memory this cycle.
     debug_blocks: RefCell<Vec<B::Block>>,
@@ -310,13 +311,15 @@ impl<B: ArenaBackend> Engine<B> {
             return Ok(());
         }
         self.spill_everything.set(on);
-        if on {
-            // The arena stays in the accounting; its memory is not used meanwhile.
+        if on && !self.backend.borrow().fixed_size() {
+            // The arena stays in the accounting; its memory is not used meanwhile. (A
+            // fixed arena, a file mapping, is kept: its contents and its file lock
+            // outlive the debug mode.)
             if let Some(old) = self.arena.borrow_mut().take() {
                 self.backend.borrow_mut().release(old);
             }
             self.arena_base.set(None);
-        } else if self.capacity.get() > 0 {
+        } else if !on && self.capacity.get() > 0 && self.arena_base.get().is_none() {
             // The size learned or kept while on becomes a real arena again.
             if let Err(source) = self.replace_arena(self.capacity.get()) {
                 self.spill_everything.set(true);
