@@ -391,7 +391,6 @@ fn a_file_backed_workspace_keeps_its_file_and_lock_under_a_debug_mode() {
         // SAFETY: the first workspace wrote 64 initialised u32s there.
         let kept = unsafe { s.retained::<u32, _>(64) }.unwrap();
         assert!(kept.iter().all(|&x| x == 5), "{mode:?}");
-        drop(kept);
         // The file's memory keeps serving the arena: its contents are the program's data.
         let next = s.zeros::<u32, _>(64).unwrap();
         assert_eq!(s.placement(next.as_ptr()), Placement::Arena(256), "{mode:?}");
