@@ -347,9 +347,7 @@ fn handles_and_leverage_behave_the_same_in_every_debug_mode() {
             let scratch = work.create::<f32, _>((2, 2)).unwrap();
             let err = m.validate(ArrayType::Activations, "dense", &scratch).unwrap_err();
             seen.push(err.to_string());
-            drop(scratch);
             drop(work);
-            drop(out);
             drop(act);
             // The cycle ended: the handle is stale in the next one, with the same message.
             let act = m.enter(ArrayType::Activations).unwrap();
