@@ -4,7 +4,8 @@
 //! A [`DeviceBackend`] hands out device allocations ordered on its workspace's stream;
 //! giving one back frees it in that stream's order, after everything the workspace
 //! issued (the workspace joins every other stream that used the memory into its own
-//! before a cycle closes). A [`PinnedBackend`] hands out page-locked host memory; since
+//! before a cycle closes). When a stream could not be joined, blocks given back wait in
+//! a graveyard until the workspace has ordered it. A [`PinnedBackend`] hands out page-locked host memory; since
 //! the host frees that at once, a block given back while transfers may still use it
 //! waits in a graveyard until the pinned workspace has waited for them.
 
@@ -20,12 +21,34 @@ use crate::device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub struct DeviceBackend<D: Device> {
     device: D,
     stream: D::Stream,
+    graveyard: Arc<Mutex<Graveyard<D>>>,
+}
+
+/// Blocks a device backend was given back while another stream that may still use them
+/// was not ordered before its stream (freeing them would free them under that use).
+#[derive(Debug)]
+pub(crate) struct Graveyard<D: Device> {
+    /// Whether blocks given back are kept rather than freed.
+    pub(crate) holding: bool,
+    pub(crate) blocks: Vec<DeviceBlock<D>>,
+}
+
+/// Locks a device graveyard, ignoring poisoning (nothing panics while holding it).
+pub(crate) fn lock_graveyard<D: Device>(shared: &Mutex<Graveyard<D>>) -> std::sync::MutexGuard<'_, Graveyard<D>> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<D: Device> DeviceBackend<D> {
     /// A backend allocating on `stream` of `device`.
     pub fn new(device: D, stream: D::Stream) -> DeviceBackend<D> {
-        DeviceBackend { device, stream }
+        let graveyard = Arc::new(Mutex::new(Graveyard { holding: false, blocks: Vec::new() }));
+        DeviceBackend { device, stream, graveyard }
+    }
+
+    /// The graveyard this backend shares with its workspace, which decides when blocks
+    /// given back may be freed.
+    pub(crate) fn graveyard(&self) -> Arc<Mutex<Graveyard<D>>> {
+        self.graveyard.clone()
     }
 
     fn block(&self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
@@ -97,6 +120,16 @@ unsafe impl<D: Device> ArenaBackend for DeviceBackend<D> {
 
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
         self.block(bytes, align.max(DEVICE_ALIGNMENT))
+    }
+
+    fn release(&mut self, block: DeviceBlock<D>) {
+        let mut graveyard = lock_graveyard(&self.graveyard);
+        if graveyard.holding {
+            graveyard.blocks.push(block);
+        } else {
+            drop(graveyard);
+            drop(block); // freed in the stream's order
+        }
     }
 }
 

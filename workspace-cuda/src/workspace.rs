@@ -40,11 +40,11 @@
 
 use std::cell::RefCell;
 use std::mem::ManuallyDrop;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use workspace_core::{Engine, Entered, Location, ScopeKind, WorkspaceConfig, WorkspaceStats};
 
-use crate::backend::DeviceBackend;
+use crate::backend::{lock_graveyard, DeviceBackend, Graveyard};
 use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::{DeviceError, Error, Result};
 use crate::scope::DeviceScope;
@@ -96,6 +96,9 @@ pub struct DeviceWorkspace<D: Device> {
     /// Uses of this workspace's memory by work on other streams that the workspace's
     /// stream is not yet ordered after (module docs). Every stream here is in `foreign`.
     uses: RefCell<Vec<ForeignUse<D>>>,
+    /// Shared with the backend: while `unjoined` is not empty, blocks the engine gives
+    /// back are kept here instead of freed, and freed once every stream is ordered.
+    graveyard: Arc<Mutex<Graveyard<D>>>,
 }
 
 /// Work on another stream that reads or writes `start..end` of a workspace's memory.
@@ -184,6 +187,7 @@ impl<D: Device> DeviceWorkspace<D> {
         }
         let config = device_config(name, config, "device")?;
         let backend = DeviceBackend::new(device.clone(), stream.clone());
+        let graveyard = backend.graveyard();
         Ok(DeviceWorkspace {
             engine: ManuallyDrop::new(Engine::new(name, config, backend)?),
             device: device.clone(),
@@ -192,6 +196,7 @@ impl<D: Device> DeviceWorkspace<D> {
             unjoined: RefCell::new(Vec::new()),
             pending: RefCell::new(None),
             uses: RefCell::new(Vec::new()),
+            graveyard,
         })
     }
 
@@ -442,6 +447,9 @@ impl<D: Device> DeviceWorkspace<D> {
             if let Err(error) = self.join_or_wait(&stream) {
                 self.unjoined.borrow_mut().push(stream);
                 self.defer(error);
+                // The reset that follows gives spill blocks back (and learning may replace
+                // the arena): that stream may still use them, so they must not be freed.
+                lock_graveyard(&self.graveyard).holding = true;
             }
         }
         // Every stream is ordered, or kept in `unjoined`, which `settle` orders before
@@ -465,6 +473,14 @@ impl<D: Device> DeviceWorkspace<D> {
         if let Some(error) = failure {
             return Err(self.device_error("ordering another stream's use of the last cycle's memory", error));
         }
+        let buried = {
+            let mut graveyard = lock_graveyard(&self.graveyard);
+            graveyard.holding = false;
+            std::mem::take(&mut graveyard.blocks)
+        };
+        // Every stream is ordered before the workspace's stream now, and the frees are
+        // issued to it.
+        drop(buried);
         if let Some(error) = self.pending.borrow_mut().take() {
             return Err(self.device_error("ordering another stream's use of memory (when a scope closed)", error));
         }
@@ -500,12 +516,20 @@ impl<D: Device> Drop for DeviceWorkspace<D> {
         if let Some(error) = self.pending.get_mut().take() {
             self.device.defer_error(error);
         }
+        let buried = {
+            let mut graveyard = lock_graveyard(&self.graveyard);
+            graveyard.holding = !ordered;
+            std::mem::take(&mut graveyard.blocks)
+        };
         if ordered {
+            drop(buried);
             // SAFETY: dropped once, here; nothing uses the engine after this.
             unsafe { ManuallyDrop::drop(&mut self.engine) };
+        } else {
+            // The memory is leaked on purpose: a stream that could not be ordered may
+            // still read it, and freeing it could hand it to someone else meanwhile.
+            std::mem::forget(buried);
         }
-        // Otherwise the memory is leaked on purpose: a stream that could not be ordered
-        // may still read it, and freeing it could hand it to someone else meanwhile.
     }
 }
 

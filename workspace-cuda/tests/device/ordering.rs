@@ -451,3 +451,38 @@ fn a_copy_declared_before_its_source_was_written_waits_for_the_write() {
     sim.synchronize(&copy).unwrap();
     assert_eq!(out.to_host().unwrap()[0], 6, "the copy read before the workspace's stream wrote");
 }
+
+#[test]
+fn blocks_given_back_while_a_stream_cannot_be_ordered_are_freed_only_once_it_is() {
+    let sim = SimDevice::new().unwrap();
+    let copy = sim.new_stream().unwrap();
+    let ws = DeviceWorkspace::new("LEARNING", WorkspaceConfig::default(), &sim, &sim.default_stream()).unwrap();
+    let mut out = DeviceArray::<_, u32>::zeros(&sim, &copy, 256).unwrap();
+    sim.synchronize(&copy).unwrap();
+    let scope = ws.enter().unwrap();
+    let x = scope.htod(&Array1::from_elem(256, 4u32)).unwrap();
+    assert_eq!(scope.placement(&x), Placement::Elsewhere, "spilled while learning");
+    sim.synchronize(ws.stream()).unwrap();
+    let hold = sim.hold(&copy);
+    let mut out_view = out.view_mut();
+    let on = scope.on_stream(&copy).unwrap();
+    on.dtod(&x, &mut out_view).unwrap();
+    // The join when the use ends, then the join and the host wait at the reset, fail.
+    sim.fail_next_records(3);
+    drop(on);
+    drop(scope); // the spill block is given back while the copy stream is unordered
+    sim.quiesce();
+    drop(hold);
+    sim.synchronize(&copy).unwrap();
+    ws.synchronize().unwrap();
+    assert!(sim.faults().is_empty(), "the spill block was freed under the read: {:?}", sim.faults());
+    assert_eq!(out.to_host().unwrap().sum(), 1024);
+    let err = ws.enter().expect_err("the error kept from the reset");
+    assert!(err.to_string().contains("SIMULATED_FAILURE"), "{err}");
+    drop(ws.enter().unwrap());
+    drop(ws);
+    drop(out);
+    sim.synchronize(&copy).unwrap();
+    sim.synchronize(&sim.default_stream()).unwrap();
+    assert_eq!(sim.live_device_bytes(), 0, "the block was freed once the stream was ordered");
+}
