@@ -51,6 +51,19 @@ pub(crate) mod sealed {
 /// Implemented by [`CudaDevice`](cuda::CudaDevice) and [`SimDevice`](sim::SimDevice) only
 /// (the trait is sealed). Code generic over `D: Device` runs on both: that is how one
 /// test suite checks the simulator on CI and a real GPU where there is one.
+///
+/// The workspaces' unsafe code relies on more than the `unsafe fn`s' contracts: that
+/// [`Device::alloc`] and [`Device::alloc_pinned`] return at least the bytes asked for,
+/// aligned as documented, that [`Device::memory_address`] and [`Device::pinned_address`]
+/// name them, that the ordering model holds, and that two streams compare equal only
+/// when they are the same stream (equal streams are not ordered with events). That is
+/// why the trait is sealed rather than implementable by anyone:
+///
+/// ```compile_fail
+/// #[derive(Clone, Debug)]
+/// struct MyGpu;
+/// impl workspace_cuda::device::sealed::Sealed for MyGpu {} // error: module `sealed` is private
+/// ```
 pub trait Device: sealed::Sealed + Clone + Send + Sync + fmt::Debug + 'static {
     /// A queue of device work. Clones name the same stream.
     type Stream: Clone + PartialEq + Send + Sync + fmt::Debug;
