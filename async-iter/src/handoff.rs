@@ -1,5 +1,6 @@
 //! The hand-off between the producer thread and the consumer: which slot belongs to
-//! whom, how each side waits for the other, and how the end of an epoch travels.
+//! whom, how each side waits for the other, how the end of an epoch travels, and how
+//! the producer's state comes back ([`Exit`]).
 //!
 //! # The protocol
 //!
@@ -36,6 +37,15 @@
 //! reordered past the sleeper's check. Every wait therefore wakes on a new batch, a
 //! release, `DONE` or `STOP` — nothing hangs when the other side ends.
 //!
+//! # The way back
+//!
+//! When an epoch ends, the producer thread hands the source and the ring back through
+//! an [`Exit`]: a lock, a condition variable and a three-state value (running,
+//! returned, abandoned). The consumer waits there for at most its join timeout, and
+//! only then joins the thread, which has nothing left to do; a thread that does not
+//! hand back in time (a source stuck in a call) keeps its state, and if the consumer
+//! gives up on it for good, drops that state itself when the call returns.
+//!
 //! # Loom
 //!
 //! Under `cfg(loom)` all of this runs on loom's primitives (`crate::sync`). The slot
@@ -44,16 +54,17 @@
 //! is dropped, so a producer that wrote a slot the consumer still holds would fail the
 //! model; likewise the ring block a lease points into (see `Region::token`).
 
+use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam::utils::CachePadded;
 
-use crate::error::Error;
+use crate::error::{drop_quietly, Error};
 use crate::layout::BatchLayout;
 use crate::ring::Region;
 use crate::stats::{add_wait, bump, Counters};
-use crate::sync::{lock, AtomicUsize, Backoff, Condvar, ConstPtr, MutPtr, Mutex, UnsafeCell};
+use crate::sync::{lock, wait_timeout, AtomicUsize, Backoff, Condvar, ConstPtr, Deadline, MutPtr, Mutex, UnsafeCell};
 use crate::view::BatchRef;
 
 /// The reader of the word is parked, or about to park, on the word's condition variable.
@@ -315,7 +326,77 @@ impl Shared {
         self.ready.clear();
         self.room.clear();
         // SAFETY: no producer runs, so nobody else accesses the cell.
-        self.outcome.with_mut(|cell| unsafe { *cell = None });
+        let unreported = self.outcome.with_mut(|cell| unsafe { (*cell).take() });
+        // An error nobody asked for may hold the source's error, whose destructor is
+        // user code.
+        drop_quietly(unreported);
+    }
+}
+
+/// How the producer thread hands its state (the source and the ring) back when its
+/// epoch ends: the one wait of the consumer with a time limit.
+///
+/// Joining the thread directly would wait as long as the source takes to return from a
+/// call, which may be forever. Instead the thread puts its state here as its last act,
+/// and the consumer waits for it at most the prefetcher's join timeout. If it gives up
+/// for good (the prefetcher is dropped), it marks the exit [`Abandoned`](Returning::Abandoned),
+/// and the thread, when the source finally returns, drops the state itself: whatever
+/// memory it was writing lives exactly as long as it does.
+pub(crate) struct Exit<T> {
+    state: Mutex<Returning<T>>,
+    cond: Condvar,
+}
+
+/// The states of an [`Exit`].
+enum Returning<T> {
+    /// The thread runs (or handed its state back and the consumer took it).
+    Running,
+    /// The thread handed its state back; the consumer has not taken it yet.
+    Returned(T),
+    /// The consumer is gone: the thread keeps its state and drops it.
+    Abandoned,
+}
+
+impl<T> Exit<T> {
+    pub(crate) fn new() -> Exit<T> {
+        Exit { state: Mutex::new(Returning::Running), cond: Condvar::new() }
+    }
+
+    /// Producer thread: hands `value` back to the consumer, or, when the consumer
+    /// abandoned it, returns it for the caller to drop.
+    pub(crate) fn hand_back(&self, value: T) -> Option<T> {
+        let mut state = lock(&self.state);
+        if let Returning::Abandoned = *state {
+            return Some(value);
+        }
+        *state = Returning::Returned(value);
+        drop(state);
+        self.cond.notify_all();
+        None
+    }
+
+    /// Consumer: the value once handed back, waiting until `deadline`; `None` if it
+    /// has not been by then.
+    pub(crate) fn wait(&self, deadline: Deadline) -> Option<T> {
+        let mut state = lock(&self.state);
+        loop {
+            if let Returning::Returned(_) = *state {
+                let Returning::Returned(value) = mem::replace(&mut *state, Returning::Running) else {
+                    unreachable!("matched above")
+                };
+                return Some(value);
+            }
+            state = wait_timeout(&self.cond, state, deadline.remaining()?);
+        }
+    }
+
+    /// Consumer: gives up on the value for good. Returns it if it was handed back
+    /// meanwhile; otherwise the thread drops it when it ends.
+    pub(crate) fn abandon(&self) -> Option<T> {
+        match mem::replace(&mut *lock(&self.state), Returning::Abandoned) {
+            Returning::Returned(value) => Some(value),
+            Returning::Running | Returning::Abandoned => None,
+        }
     }
 }
 

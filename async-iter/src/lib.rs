@@ -63,7 +63,7 @@
 //! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset`; or use [`InMemory`] |
 //! | a batch's arrays | [`BatchLayout`], [`Role`], [`ElementType`] |
 //! | filling a batch | [`BatchMut`] (writable views, zeroed) |
-//! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`] |
+//! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`], join timeout |
 //! | one batch, borrowed | [`Lease`]: typed views; [`Lease::detach`] → [`DetachedBatch`] (owned) |
 //! | epochs | [`Prefetcher::next`], [`Prefetcher::reset`], [`Prefetcher::stop`] |
 //! | what happened | [`PrefetchStats`], [`Error`] |
@@ -80,7 +80,15 @@
 //!   earlier batch; then `next()` returns `None` until [`Prefetcher::reset`].
 //! - **Nothing hangs, nothing leaks.** Dropping the prefetcher, [`Prefetcher::stop`]
 //!   and [`Prefetcher::reset`] stop the producer and join its thread; every wait of
-//!   either side wakes on the other's progress, end, failure or stop.
+//!   either side wakes on the other's progress, end, failure or stop. A source stuck
+//!   inside a call cannot make them hang: they wait at most the
+//!   [`join_timeout`](PrefetcherBuilder::join_timeout), then `stop` and `reset` return
+//!   [`Error::SourceStuck`] and a drop returns all the same, leaving the thread
+//!   detached; it finishes on its own, and its source and ring are released when it
+//!   ends (see [`Prefetcher`]).
+//! - **Panics are contained.** A panic of the source, even one whose payload panics
+//!   again when dropped, is [`Error::SourcePanicked`] at its batch, and the next
+//!   `reset()` starts a new epoch as after any other failure.
 //! - **Flat memory.** After the first batch (and any larger one) the ring is not
 //!   reallocated, and a steady epoch makes no heap allocation per batch with
 //!   workspaces enabled.

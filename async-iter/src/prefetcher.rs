@@ -1,23 +1,27 @@
 //! The prefetcher: its builder, the consumer's `next()`, and the lifecycle of the
 //! producer thread (one per epoch: started by `build()` and `reset()`, stopped and
-//! joined by `stop()`, `reset()` and drop).
+//! joined by `stop()`, `reset()` and drop, each waiting at most the join timeout).
 
 use std::mem;
 use std::ptr::NonNull;
+use std::time::Duration;
 
 use workspace_core::{ArenaBackend, Block, HostBackend, WorkspaceMode};
 
-use crate::error::{panic_message, Error};
-use crate::handoff::Shared;
+use crate::error::{drop_quietly, Error};
+use crate::handoff::{Exit, Shared};
 use crate::lease::{Consumer, Lease, Polled};
 use crate::producer::Producer;
 use crate::ring::Ring;
 use crate::source::BatchSource;
-use crate::stats::PrefetchStats;
-use crate::sync::{self, Arc, JoinHandle};
+use crate::stats::{Position, PrefetchStats};
+use crate::sync::{self, Arc, Deadline, JoinHandle};
 
 /// The largest prefetch depth a builder accepts.
 pub const MAX_DEPTH: usize = 1024;
+
+/// How long stopping, resetting or dropping waits for the producer thread by default.
+const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where batches are produced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,6 +39,7 @@ pub enum Threading {
 ///
 /// ```
 /// use async_iter::{Prefetcher, Threading};
+/// use std::time::Duration;
 /// use workspace_core::WorkspaceMode;
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
 /// # struct Empty;
@@ -49,6 +54,7 @@ pub enum Threading {
 ///     .headroom(0.25)                           // slots 25% larger than the first batch
 ///     .max_ring_bytes(1 << 30)                  // refuse batches that need a larger ring
 ///     .threading(Threading::Background)         // or Shield: no thread, for debugging
+///     .join_timeout(Duration::from_secs(1))     // longest wait for a source stuck in a call
 ///     .build()?;
 /// assert_eq!(batches.stats().slots, 4);
 /// # Ok::<(), async_iter::Error>(())
@@ -63,6 +69,7 @@ pub struct PrefetcherBuilder<S, B = HostBackend> {
     headroom: f64,
     max_ring_bytes: Option<usize>,
     threading: Threading,
+    join_timeout: Duration,
 }
 
 impl<S, B> PrefetcherBuilder<S, B> {
@@ -102,11 +109,26 @@ impl<S, B> PrefetcherBuilder<S, B> {
         self
     }
 
+    /// How long [`stop`](Prefetcher::stop), [`reset`](Prefetcher::reset) and dropping
+    /// the prefetcher wait for the producer thread to end (default 5 s).
+    ///
+    /// The producer checks for a stop between calls into the source, so this bounds
+    /// the wait for a call in progress. A source still inside a call when it expires
+    /// makes `stop` and `reset` return [`Error::SourceStuck`] and makes the drop return
+    /// anyway; see [`Prefetcher`] for what becomes of the thread. `Duration::ZERO`
+    /// never waits: stopping then succeeds only if the thread has already ended.
+    pub fn join_timeout(mut self, timeout: Duration) -> Self {
+        self.join_timeout = timeout;
+        self
+    }
+
     /// The memory backend of the ring (default `HostBackend::Ram`). Any backend whose
     /// blocks are host memory works, such as a pinned-memory backend.
     pub fn backend<B2>(self, backend: B2) -> PrefetcherBuilder<S, B2> {
-        let PrefetcherBuilder { source, depth, workspace_mode, headroom, max_ring_bytes, threading, .. } = self;
-        PrefetcherBuilder { source, backend, depth, workspace_mode, headroom, max_ring_bytes, threading }
+        let PrefetcherBuilder {
+            source, depth, workspace_mode, headroom, max_ring_bytes, threading, join_timeout, ..
+        } = self;
+        PrefetcherBuilder { source, backend, depth, workspace_mode, headroom, max_ring_bytes, threading, join_timeout }
     }
 
     fn validate(&self) -> Result<(), Error> {
@@ -146,9 +168,11 @@ where
             consumer: Consumer::new(Arc::new(Shared::new(slots))),
             producer: ProducerState::Lost("not started".into()),
             poisoned: false,
+            stuck: false,
             threading: self.threading,
             workspace_mode: self.workspace_mode,
             depth: self.depth,
+            join_timeout: self.join_timeout,
         };
         prefetcher.start(Producer::new(self.source, ring))?;
         Ok(prefetcher)
@@ -159,30 +183,63 @@ where
 enum ProducerState<S, B: ArenaBackend> {
     /// Not running: shield mode, or between epochs.
     Idle(Producer<S, B>),
-    /// Running an epoch on its thread.
-    Running(JoinHandle<Producer<S, B>>),
-    /// Gone: the thread could not be started or joined.
+    /// Running an epoch on its thread, which owns it until it hands it back.
+    Running(ProducerThread<Producer<S, B>>),
+    /// Gone: the thread could not be started.
     Lost(String),
+}
+
+/// A producer thread, and the way its state comes back.
+struct ProducerThread<T> {
+    handle: JoinHandle<()>,
+    exit: Arc<Exit<T>>,
 }
 
 /// Batches filled ahead by a producer into a ring workspace; see the [crate docs](crate).
 ///
 /// `next()` is a lending iterator: each [`Lease`] borrows the prefetcher and must be
 /// dropped (or [detached](Lease::detach)) before the next batch.
+///
+/// # A source that does not return
+///
+/// The producer thread owns the source and the ring while it runs an epoch, and checks
+/// for a stop between calls into the source. [`stop`](Self::stop),
+/// [`reset`](Self::reset) and dropping the prefetcher ask it to stop and wait at most
+/// the [`join_timeout`](PrefetcherBuilder::join_timeout) (5 s by default) for it to
+/// end. When a source is stuck inside a call (`fill` waiting on a network read that
+/// never completes, say):
+///
+/// - `stop()` and `reset()` return [`Error::SourceStuck`], naming the source, the
+///   call, the batch and the time waited. The epoch is over (`next()` returns `None`),
+///   and the prefetcher stays usable: each later `reset()` (or `stop()`) waits for the
+///   thread again, fails the same way while the source is still stuck, and starts the
+///   next epoch, in the same ring, once it has returned.
+/// - Dropping the prefetcher returns after that wait, or at once if an earlier `stop()`
+///   or `reset()` already timed out. The thread is then detached: it finishes on its
+///   own when the source returns, and the source and the ring memory it writes into are
+///   released when it ends, not before. A source that never returns keeps its thread
+///   and its ring for the life of the process.
+///
+/// In [`Threading::Shield`] the source runs inside `next()`, on the caller's thread,
+/// so a stuck source blocks that call instead.
 pub struct Prefetcher<S, B: ArenaBackend = HostBackend> {
     consumer: Consumer,
     producer: ProducerState<S, B>,
     /// The producer reported a panic of async-iter's own code; its state is kept
     /// (it owns the ring) but never run again.
     poisoned: bool,
+    /// The producer was asked to stop and did not within `join_timeout`: a drop does
+    /// not wait for it again.
+    stuck: bool,
     threading: Threading,
     workspace_mode: WorkspaceMode,
     depth: usize,
+    join_timeout: Duration,
 }
 
 impl<S: BatchSource> Prefetcher<S, HostBackend> {
     /// A builder with the defaults: depth 2, workspaces enabled, no headroom, no ring
-    /// limit, background thread, host RAM.
+    /// limit, background thread, host RAM, a join timeout of 5 s.
     pub fn builder(source: S) -> PrefetcherBuilder<S, HostBackend> {
         PrefetcherBuilder {
             source,
@@ -192,6 +249,7 @@ impl<S: BatchSource> Prefetcher<S, HostBackend> {
             headroom: 0.0,
             max_ring_bytes: None,
             threading: Threading::Background,
+            join_timeout: DEFAULT_JOIN_TIMEOUT,
         }
     }
 }
@@ -227,7 +285,10 @@ where
         match self.consumer.poll() {
             Polled::Batch => Some(Ok(self.consumer.lease())),
             Polled::Done(outcome) => {
-                self.join();
+                // The producer has raised DONE and only hands its state back now. If
+                // that took longer than the timeout (an overloaded machine), the next
+                // stop, reset or drop waits again.
+                self.join(self.join_timeout);
                 self.poisoned |= matches!(outcome, Some(Error::ProducerLost { .. }));
                 outcome.map(Err)
             }
@@ -259,9 +320,11 @@ where
     ///
     /// [`Error::Source`] or [`Error::SourcePanicked`] from the source's `reset` (the
     /// new epoch then has no batches; `reset` may be called again);
+    /// [`Error::SourceStuck`] when the producer thread did not end within the join
+    /// timeout (no epoch starts; `reset` may be called again, see [`Prefetcher`]);
     /// [`Error::ProducerLost`] when the producer cannot run again; [`Error::Spawn`].
     pub fn reset(&mut self) -> Result<(), Error> {
-        self.stop();
+        self.stop()?;
         let mut producer = match mem::replace(&mut self.producer, ProducerState::Lost(String::new())) {
             ProducerState::Idle(producer) if !self.poisoned => producer,
             ProducerState::Idle(producer) => {
@@ -291,9 +354,22 @@ where
             return Ok(());
         }
         let shared = self.consumer.shared.clone();
-        match sync::spawn(move || producer.run(shared)) {
+        let exit = Arc::new(Exit::new());
+        let way_back = exit.clone();
+        let spawned = sync::spawn(move || {
+            let producer = producer.run(&shared);
+            if let Some(abandoned) = way_back.hand_back(producer) {
+                // The prefetcher is gone: the source and the ring go with this thread.
+                // The source's destructor is user code, and this thread has nobody to
+                // report a panic to.
+                drop_quietly(abandoned);
+            }
+            // Possibly the last owners, holding an unreported error of the source.
+            drop_quietly((shared, way_back));
+        });
+        match spawned {
             Ok(handle) => {
-                self.producer = ProducerState::Running(handle);
+                self.producer = ProducerState::Running(ProducerThread { handle, exit });
                 Ok(())
             }
             Err(source) => {
@@ -309,28 +385,45 @@ impl<S, B: ArenaBackend> Prefetcher<S, B> {
     /// Ends the epoch early: the producer stops after the call into the source in
     /// progress (if any) and its thread is joined. `next()` then returns `None` until
     /// [`reset`](Self::reset). Dropping the prefetcher does the same.
-    pub fn stop(&mut self) {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::SourceStuck`] when the producer thread did not end within the join
+    /// timeout; the epoch is over all the same (see [`Prefetcher`]).
+    pub fn stop(&mut self) -> Result<(), Error> {
+        self.consumer.end();
         if let ProducerState::Running(_) = self.producer {
             self.consumer.shared.request_stop();
-            self.join();
+            if !self.join(self.join_timeout) {
+                self.stuck = true;
+                return Err(self.stuck_error());
+            }
         }
-        self.consumer.end();
+        Ok(())
     }
 
-    /// Joins the producer thread, if it runs (it has finished or been asked to stop).
-    fn join(&mut self) {
-        if let ProducerState::Running(_) = self.producer {
-            let ProducerState::Running(handle) = mem::replace(&mut self.producer, ProducerState::Lost(String::new()))
-            else {
-                unreachable!("matched above")
-            };
-            self.producer = match handle.join() {
-                Ok(producer) => ProducerState::Idle(producer),
-                Err(payload) => {
-                    ProducerState::Lost(format!("its thread panicked: {}", panic_message(payload.as_ref())))
-                }
-            };
+    /// Waits up to `timeout` for the running producer (finished, or asked to stop) to
+    /// hand its state back, then joins its thread. False when it did not in time: it
+    /// keeps running, and its state.
+    fn join(&mut self, timeout: Duration) -> bool {
+        let ProducerState::Running(thread) = &self.producer else { return true };
+        let Some(producer) = thread.exit.wait(Deadline::after(timeout)) else { return false };
+        let ProducerState::Running(thread) = mem::replace(&mut self.producer, ProducerState::Idle(producer)) else {
+            unreachable!("matched above")
+        };
+        // The thread handed its state back as its last act, so this returns at once
+        // (after the destructors of thread-locals the source may have set on it).
+        if let Err(payload) = thread.handle.join() {
+            drop_quietly(payload);
         }
+        self.stuck = false;
+        true
+    }
+
+    fn stuck_error(&self) -> Error {
+        let Position { call, batch } = self.consumer.shared.counters.producer.position();
+        let source_type = std::any::type_name::<S>();
+        Error::SourceStuck { source_type, epoch: self.consumer.epoch(), batch, call, waited: self.join_timeout }
     }
 
     /// A snapshot of the statistics (cheap: a few relaxed loads).
@@ -354,7 +447,32 @@ impl<S, B: ArenaBackend> Prefetcher<S, B> {
 
 impl<S, B: ArenaBackend> Drop for Prefetcher<S, B> {
     fn drop(&mut self) {
-        self.stop();
+        if let ProducerState::Idle(_) | ProducerState::Lost(_) = self.producer {
+            return;
+        }
+        self.consumer.shared.request_stop();
+        // After a stop that timed out, the caller has waited once already.
+        let timeout = if self.stuck { Duration::ZERO } else { self.join_timeout };
+        if self.join(timeout) {
+            return;
+        }
+        let ProducerState::Running(thread) = mem::replace(&mut self.producer, ProducerState::Lost(String::new()))
+        else {
+            unreachable!("`join` leaves a producer that did not stop running")
+        };
+        match thread.exit.abandon() {
+            // It handed its state back in the meantime, and ends at once.
+            Some(producer) => {
+                if let Err(payload) = thread.handle.join() {
+                    drop_quietly(payload);
+                }
+                self.producer = ProducerState::Idle(producer);
+            }
+            // Detached: the thread drops the source and the ring when the source
+            // returns. No lease is alive (a lease borrows the prefetcher), and nothing
+            // the consumer holds points into the ring any more.
+            None => drop(thread.handle),
+        }
     }
 }
 

@@ -4,18 +4,19 @@
 //!
 //! Calls into the [`BatchSource`] run under `catch_unwind`: an error or a panic of the
 //! source becomes the epoch's outcome at the batch it happened, delivered by the
-//! consumer after every batch published before it.
+//! consumer after every batch published before it. The panic's payload is user code
+//! too (its destructor may panic again), so it is dropped where that cannot escape.
 
 use std::panic::{self, AssertUnwindSafe};
 use std::ptr::NonNull;
 
 use workspace_core::{ArenaBackend, Block};
 
-use crate::error::{panic_message, Error, SourceCall, SourceError};
+use crate::error::{drop_quietly, panic_message, Error, SourceCall, SourceError};
 use crate::handoff::{Descriptor, Shared};
 use crate::ring::Ring;
 use crate::source::BatchSource;
-use crate::sync::Arc;
+use crate::stats::{Position, ProducerCounters};
 use crate::view::BatchMut;
 
 /// What one [`Producer::step`] did.
@@ -57,7 +58,8 @@ where
         }
         let (epoch, index) = (self.epoch, self.next);
         let source = &mut self.source;
-        let mut layout = match guarded(epoch, index, SourceCall::NextLayout, || source.next_layout(index)) {
+        let at = Some(&*shared.counters.producer);
+        let mut layout = match guarded(at, epoch, index, SourceCall::NextLayout, || source.next_layout(index)) {
             Ok(Some(layout)) => layout,
             Ok(None) => return finish(shared, None),
             Err(err) => return finish(shared, Some(err)),
@@ -80,7 +82,7 @@ where
         // previous batch is released (`wait_for_room`), and the claim above is the
         // producer's unique access to the slot.
         let mut batch = unsafe { BatchMut::new(region.base, &layout, index) };
-        let filled = guarded(epoch, index, SourceCall::Fill, || source.fill(&mut batch));
+        let filled = guarded(at, epoch, index, SourceCall::Fill, || source.fill(&mut batch));
         if let Err(err) = filled {
             return finish(shared, Some(err));
         }
@@ -90,21 +92,22 @@ where
     }
 
     /// Runs an epoch on the producer thread until it ends or is stopped.
-    pub(crate) fn run(mut self, shared: Arc<Shared>) -> Self {
+    pub(crate) fn run(mut self, shared: &Shared) -> Self {
         // A panic in async-iter's own code (a bug) must neither hang the consumer nor
         // drop the ring under a lease: it is caught, reported as the epoch's outcome,
         // and the state goes back to the prefetcher, which keeps it until no lease can
         // be alive. Under loom such a panic is a model failure and is left to loom.
         #[cfg(not(loom))]
         {
-            let caught = panic::catch_unwind(AssertUnwindSafe(|| self.run_epoch(&shared)));
+            let caught = panic::catch_unwind(AssertUnwindSafe(|| self.run_epoch(shared)));
             if let Err(payload) = caught {
                 let detail = format!("it panicked: {}", panic_message(payload.as_ref()));
+                drop_quietly(payload);
                 shared.finish(Some(Error::ProducerLost { detail }));
             }
         }
         #[cfg(loom)]
-        self.run_epoch(&shared);
+        self.run_epoch(shared);
         self
     }
 
@@ -122,7 +125,7 @@ where
         self.epoch = epoch;
         self.next = 0;
         let source = &mut self.source;
-        guarded(epoch, 0, SourceCall::Reset, || source.reset())
+        guarded(None, epoch, 0, SourceCall::Reset, || source.reset())
     }
 }
 
@@ -131,16 +134,31 @@ fn finish(shared: &Shared, outcome: Option<Error>) -> Step {
     Step::Finished
 }
 
-/// Runs one call into the source, turning its error or panic into an [`Error`].
+/// Runs one call into the source, turning its error or panic into an [`Error`]; notes
+/// the call in `at` while it runs (on the producer thread).
 fn guarded<T>(
+    at: Option<&ProducerCounters>,
     epoch: u64,
     batch: usize,
     call: SourceCall,
     f: impl FnOnce() -> Result<T, SourceError>,
 ) -> Result<T, Error> {
-    match panic::catch_unwind(AssertUnwindSafe(f)) {
+    if let Some(at) = at {
+        at.set_position(Position { call: Some(call), batch });
+    }
+    let result = match panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(source)) => Err(Error::Source { epoch, batch, call, source }),
-        Err(payload) => Err(Error::SourcePanicked { epoch, batch, call, message: panic_message(payload.as_ref()) }),
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            // The payload is the source's: its destructor may panic too, which must
+            // neither escape `next()` (shield mode) nor end the producer thread.
+            drop_quietly(payload);
+            Err(Error::SourcePanicked { epoch, batch, call, message })
+        }
+    };
+    if let Some(at) = at {
+        at.set_position(Position { call: None, batch });
     }
+    result
 }

@@ -14,9 +14,18 @@ use crate::view::BatchMut;
 ///
 /// Errors and panics in any of these calls are caught and reach the consumer as an
 /// [`Error`](crate::Error) from `next()` at the batch where they happened, after the
-/// batches before it. A source should not block forever: the producer checks for a
-/// stop request between batches, so dropping the prefetcher waits for the call in
-/// progress to return.
+/// batches before it (a panic payload whose destructor panics too included). A source
+/// should not block for long: the producer checks for a stop request between calls, so
+/// stopping, resetting and dropping the prefetcher wait for the call in progress, for
+/// at most the [`join_timeout`](crate::PrefetcherBuilder::join_timeout). A source still
+/// inside a call then makes `stop` and `reset` fail with
+/// [`Error::SourceStuck`](crate::Error::SourceStuck), and is left to finish on its
+/// detached thread (see [`Prefetcher`](crate::Prefetcher)).
+///
+/// The prefetcher trusts nothing a source returns for memory safety: every layout is
+/// checked and laid out by the prefetcher itself, and the views of [`BatchMut`] are
+/// typed and bounded by that layout, so a wrong implementation gives wrong data or an
+/// error, never undefined behaviour.
 ///
 /// # Example
 ///
@@ -126,6 +135,9 @@ pub trait BatchSource: Send + 'static {
     /// Rewinds to the first batch, for a new epoch (called by
     /// [`Prefetcher::reset`](crate::Prefetcher::reset)). The default does nothing,
     /// for sources that restart from the batch index alone.
+    ///
+    /// It runs inside `Prefetcher::reset`, on the caller's thread, once the producer
+    /// thread of the last epoch has ended: a `reset` that blocks blocks that call.
     ///
     /// # Errors
     ///

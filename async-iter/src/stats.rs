@@ -12,6 +12,8 @@ use std::time::Duration;
 use crossbeam::utils::CachePadded;
 use serde::Serialize;
 
+use crate::error::SourceCall;
+
 /// The live counters, one cache line per writer so that neither side's counting
 /// disturbs the other's cache.
 #[derive(Debug, Default)]
@@ -29,6 +31,52 @@ pub(crate) struct ProducerCounters {
     pub(crate) ring_growths: AtomicU64,
     pub(crate) produced: AtomicU64,
     pub(crate) wait_ns: AtomicU64,
+    /// Where the producer is, for the message of a producer that does not stop: the
+    /// batch index shifted left by 2, or'ed with the call into the source in progress
+    /// (0 for none, see [`Position`]).
+    pub(crate) position: AtomicU64,
+}
+
+/// The call of the source the producer is in, and at which batch; written by the
+/// producer around every call, read only to explain a producer that did not stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Position {
+    pub(crate) call: Option<SourceCall>,
+    pub(crate) batch: usize,
+}
+
+impl Position {
+    fn encode(self) -> u64 {
+        let call = match self.call {
+            None => 0,
+            Some(SourceCall::NextLayout) => 1,
+            Some(SourceCall::Fill) => 2,
+            Some(_) => 3,
+        };
+        (self.batch as u64) << 2 | call
+    }
+
+    fn decode(word: u64) -> Position {
+        let call = match word & 3 {
+            0 => None,
+            1 => Some(SourceCall::NextLayout),
+            2 => Some(SourceCall::Fill),
+            _ => Some(SourceCall::Reset),
+        };
+        Position { call, batch: usize::try_from(word >> 2).unwrap_or(usize::MAX) }
+    }
+}
+
+impl ProducerCounters {
+    /// Notes where the producer is (a relaxed store: diagnostics, not protocol).
+    #[inline]
+    pub(crate) fn set_position(&self, position: Position) {
+        self.position.store(position.encode(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn position(&self) -> Position {
+        Position::decode(self.position.load(Ordering::Relaxed))
+    }
 }
 
 /// Written by the consumer.
@@ -180,5 +228,16 @@ mod tests {
         let json = serde_json::to_value(&stats).unwrap();
         assert_eq!(json["ring_bytes"], 384);
         assert_eq!(json["threading"], "background");
+    }
+
+    #[test]
+    fn positions_round_trip() {
+        let counters = ProducerCounters::default();
+        assert_eq!(counters.position(), Position { call: None, batch: 0 });
+        for call in [None, Some(SourceCall::NextLayout), Some(SourceCall::Fill), Some(SourceCall::Reset)] {
+            let position = Position { call, batch: 12345 };
+            counters.set_position(position);
+            assert_eq!(counters.position(), position);
+        }
     }
 }

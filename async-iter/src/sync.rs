@@ -4,7 +4,8 @@
 //! Everything the protocol in [`handoff`](crate::handoff) and the ring in
 //! [`ring`](crate::ring) use to coordinate the two threads comes from here: atomics,
 //! the lock and condition variable a waiting side parks on, the cells that hold slot
-//! descriptors, and thread spawning. Under `--cfg loom` each of them is loom's, so
+//! descriptors, thread spawning, and the deadline of the one timed wait (for the
+//! producer thread to hand its state back). Under `--cfg loom` each of them is loom's, so
 //! the model checker sees every atomic operation, lock, wait and cell access of the
 //! very code that ships (the pattern of crossbeam's `primitive` and tokio's `loom`
 //! modules).
@@ -146,8 +147,60 @@ mod imp {
 
 pub(crate) use imp::*;
 
-/// Locks `mutex`, ignoring poisoning: the protocol's locks guard no data (`()`), and
-/// no user code runs while one is held, so a poisoned lock protects nothing broken.
-pub(crate) fn lock(mutex: &Mutex<()>) -> MutexGuard<'_, ()> {
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+use std::sync::PoisonError;
+use std::time::Duration;
+
+/// Locks `mutex`, ignoring poisoning: no user code runs while one of the protocol's
+/// locks is held (they guard `()` or a state that is only moved in and out), so a
+/// poisoned lock protects nothing broken.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Waits on `cond` for at most `timeout` (ignoring poisoning, as [`lock`] does). With
+/// loom the wait is not timed: it ends on a notification, which loom explores.
+pub(crate) fn wait_timeout<'a, T>(cond: &Condvar, guard: MutexGuard<'a, T>, timeout: Duration) -> MutexGuard<'a, T> {
+    cond.wait_timeout(guard, timeout).unwrap_or_else(PoisonError::into_inner).0
+}
+
+/// The end of a timed wait.
+///
+/// With loom no time passes, so that every run of a model takes the same path: a zero
+/// timeout has expired at once, and any other never expires.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline {
+    #[cfg(not(loom))]
+    at: Option<std::time::Instant>,
+    #[cfg(loom)]
+    zero: bool,
+}
+
+impl Deadline {
+    /// `timeout` from now.
+    pub(crate) fn after(timeout: Duration) -> Deadline {
+        #[cfg(not(loom))]
+        {
+            // A timeout too long to represent never expires.
+            Deadline { at: std::time::Instant::now().checked_add(timeout) }
+        }
+        #[cfg(loom)]
+        {
+            Deadline { zero: timeout.is_zero() }
+        }
+    }
+
+    /// The time left, or `None` once the deadline has passed.
+    pub(crate) fn remaining(&self) -> Option<Duration> {
+        #[cfg(not(loom))]
+        {
+            match self.at {
+                Some(at) => Some(at.saturating_duration_since(std::time::Instant::now())).filter(|d| !d.is_zero()),
+                None => Some(Duration::MAX),
+            }
+        }
+        #[cfg(loom)]
+        {
+            (!self.zero).then_some(Duration::MAX)
+        }
+    }
 }

@@ -7,10 +7,17 @@
 //! lease (both are loom cell accesses in the crate), on a deadlock (a wait nobody
 //! wakes), and on a leaked `Arc`.
 //!
+//! Time does not pass under loom: a join timeout of zero has always expired, any other
+//! never does. The models with a zero timeout explore the paths where the consumer
+//! stops waiting for the producer thread (a stop that fails, a drop that detaches).
+//!
 //! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
 //!       cargo test -p async-iter --release --test loom`
 
 #![cfg(loom)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use async_iter::{BatchLayout, BatchMut, BatchSource, Error, Lease, Prefetcher, SourceError};
 use ndarray::Ix1;
@@ -25,11 +32,31 @@ struct Source {
     sizes: Vec<usize>,
     fail_at: Option<usize>,
     epoch: u64,
+    /// The model's main thread: when set, dropping the source notes on which thread it
+    /// was dropped.
+    main: Option<loom::thread::ThreadId>,
 }
 
 impl Source {
     fn new(sizes: &[usize]) -> Source {
-        Source { sizes: sizes.to_vec(), fail_at: None, epoch: 0 }
+        Source { sizes: sizes.to_vec(), fail_at: None, epoch: 0, main: None }
+    }
+}
+
+/// Paths the models with a zero join timeout took, over all their runs (std atomics:
+/// not part of any model).
+static STOP_FAILED: AtomicBool = AtomicBool::new(false);
+static STOP_SUCCEEDED: AtomicBool = AtomicBool::new(false);
+static DROPPED_BY_THE_PRODUCER: AtomicBool = AtomicBool::new(false);
+static DROPPED_BY_THE_CONSUMER: AtomicBool = AtomicBool::new(false);
+
+impl Drop for Source {
+    fn drop(&mut self) {
+        if let Some(main) = self.main {
+            let by_producer = loom::thread::current().id() != main;
+            let path = if by_producer { &DROPPED_BY_THE_PRODUCER } else { &DROPPED_BY_THE_CONSUMER };
+            path.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -156,4 +183,43 @@ fn reset_mid_epoch_restarts_and_reuses_the_ring() {
         let stats = batches.stats();
         assert_eq!((stats.epoch, stats.ring_growths, stats.ring_bytes), (1, 0, 2 * 64));
     });
+}
+
+#[test]
+fn a_stop_that_does_not_wait_fails_until_the_producer_is_back_then_reset_works() {
+    loom::model(|| {
+        let mut batches =
+            Prefetcher::builder(Source::new(&[4, 4, 4])).depth(1).join_timeout(Duration::ZERO).build().unwrap();
+        check(&batches.next().unwrap().unwrap(), 0, 0);
+        match batches.stop() {
+            Ok(()) => STOP_SUCCEEDED.store(true, Ordering::Relaxed),
+            Err(Error::SourceStuck { .. }) => STOP_FAILED.store(true, Ordering::Relaxed),
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+        assert!(batches.next().is_none(), "stopped either way");
+        // Each reset looks once; the producer hands its state back at some point.
+        while let Err(err) = batches.reset() {
+            assert!(matches!(err, Error::SourceStuck { .. }), "{err:?}");
+            loom::thread::yield_now();
+        }
+        check(&batches.next().unwrap().unwrap(), 1, 0);
+    });
+    assert!(STOP_FAILED.load(Ordering::Relaxed) && STOP_SUCCEEDED.load(Ordering::Relaxed), "both paths explored");
+}
+
+#[test]
+fn a_drop_that_does_not_wait_detaches_or_joins_the_producer() {
+    loom::model(|| {
+        let mut source = Source::new(&[4, 4, 4]);
+        source.main = Some(loom::thread::current().id());
+        let mut batches = Prefetcher::builder(source).depth(1).join_timeout(Duration::ZERO).build().unwrap();
+        check(&batches.next().unwrap().unwrap(), 0, 0);
+        // The producer may be filling, waiting for room, handing back, or gone: a
+        // detached one drops the source and the ring itself (loom fails the model if
+        // the ring or the shared state leaked, or a block was freed under a lease).
+        drop(batches);
+    });
+    let (detached, joined) =
+        (DROPPED_BY_THE_PRODUCER.load(Ordering::Relaxed), DROPPED_BY_THE_CONSUMER.load(Ordering::Relaxed));
+    assert!(detached && joined, "both paths explored (detached {detached}, joined {joined})");
 }

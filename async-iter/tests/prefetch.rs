@@ -300,7 +300,7 @@ fn dropping_or_stopping_early_stops_and_joins_the_producer() {
             assert_eq!(batches.next().unwrap().unwrap().features::<u8, Ix1>().unwrap()[4095], 7);
         }
         if hold == 5 {
-            batches.stop();
+            batches.stop().unwrap();
             assert!(batches.next().is_none(), "stopped: the epoch is over");
             let filled_at_stop = filled.load(Ordering::SeqCst);
             // With no lease out, all depth + 1 slots may be filled ahead.
@@ -509,7 +509,7 @@ proptest! {
             for (index, &rows) in sizes.iter().enumerate() {
                 let action = actions.next().cloned().unwrap_or(Action::Take { work: 0 });
                 if let Action::StopEarly = action {
-                    batches.stop();
+                    batches.stop().unwrap();
                     stopped_early = true;
                     break;
                 }
