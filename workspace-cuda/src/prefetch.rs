@@ -10,6 +10,7 @@ mod ring;
 use std::mem::{self, ManuallyDrop};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_iter::{BatchSource, PrefetchStats, Prefetcher, Threading};
 
@@ -25,6 +26,7 @@ use crate::view::RING;
 /// Configures a [`DevicePrefetcher`]; from [`DevicePrefetcher::builder`].
 ///
 /// ```
+/// use std::time::Duration;
 /// use workspace_cuda::{Device, DevicePrefetcher, SimDevice};
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
 /// # struct Empty;
@@ -40,6 +42,7 @@ use crate::view::RING;
 ///     .headroom(0.25)            // slots 25% larger than the first batch
 ///     .max_ring_bytes(1 << 30)   // bound on the pinned host ring
 ///     .stream(&compute)          // where the batches are used (default: the device's default stream)
+///     .join_timeout(Duration::from_secs(1)) // longest wait for a source stuck in a call
 ///     .build()?;                 // the copy stream is a new stream unless `.copy_stream(..)` names one
 /// assert_eq!(batches.stats().host.slots, 4);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -55,6 +58,7 @@ pub struct DevicePrefetcherBuilder<S, D: Device> {
     headroom: f64,
     max_ring_bytes: Option<usize>,
     threading: Threading,
+    join_timeout: Option<Duration>,
 }
 
 impl<S: BatchSource, D: Device> DevicePrefetcherBuilder<S, D> {
@@ -83,6 +87,14 @@ impl<S: BatchSource, D: Device> DevicePrefetcherBuilder<S, D> {
     /// inline in `next()` while debugging a source.
     pub fn threading(mut self, threading: Threading) -> Self {
         self.threading = threading;
+        self
+    }
+
+    /// How long stopping, resetting or dropping waits for the producer thread (default
+    /// 5 s; as [`PrefetcherBuilder::join_timeout`](async_iter::PrefetcherBuilder::join_timeout)).
+    /// See [`DevicePrefetcher`] for a source that does not return in time.
+    pub fn join_timeout(mut self, timeout: Duration) -> Self {
+        self.join_timeout = Some(timeout);
         self
     }
 
@@ -144,6 +156,9 @@ impl<S: BatchSource, D: Device> DevicePrefetcherBuilder<S, D> {
         if let Some(bytes) = self.max_ring_bytes {
             host = host.max_ring_bytes(bytes);
         }
+        if let Some(timeout) = self.join_timeout {
+            host = host.join_timeout(timeout);
+        }
         let host = host.build()?;
         let ring = DeviceRing::new(device, consumer, copy, self.depth + 1, self.headroom);
         Ok(DevicePrefetcher {
@@ -201,6 +216,19 @@ pub struct DevicePrefetchStats {
 /// The device ring has `depth + 1` slots sized from the first batch; a larger batch grows it
 /// into a new block (counted in [`DevicePrefetchStats::device_ring_growths`]), and the
 /// old block is freed once its last batch is handed back.
+///
+/// # A source that does not return
+///
+/// As with the host [`Prefetcher`]: stopping, resetting and dropping wait for the copy
+/// in flight, then at most the [`join_timeout`](DevicePrefetcherBuilder::join_timeout)
+/// for the producer thread. A source still inside a call then makes
+/// [`stop`](Self::stop) and [`reset`](Self::reset) return
+/// [`async_iter::Error::SourceStuck`] (in [`Error::Prefetch`]); a later `reset` works
+/// once the source has returned. Dropping returns all the same, leaving the thread
+/// detached: it owns the pinned host ring it fills, which stays allocated until the
+/// thread ends and is freed then. No copy reads that ring any more (the copy in flight
+/// was waited for), and the thread never touches the device ring, which is freed in
+/// the consumer's stream order as usual.
 ///
 /// # Example
 ///
@@ -301,6 +329,7 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
             headroom: 0.0,
             max_ring_bytes: None,
             threading: Threading::Background,
+            join_timeout: None,
         }
     }
 
@@ -324,7 +353,7 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                 return None;
             }
             let error = self.side.device_error("handing out a batch", error.clone());
-            self.halt();
+            let _ = self.halt();
             return Some(Err(error));
         }
         loop {
@@ -334,7 +363,7 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                 Ahead::Start => self.side.ahead = self.stage(),
                 Ahead::Staged(staged) => {
                     if let Err(error) = self.side.finish_copy(&staged) {
-                        self.halt();
+                        let _ = self.halt(); // a stuck source shows again at the next reset
                         return Some(Err(error));
                     }
                     // The host slot of this batch goes back to the producer in here.
@@ -342,7 +371,7 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                     let ring = &self.side.ring;
                     if let Err(source) = ring.device.wait(&ring.consumer, &staged.copied) {
                         let error = self.side.device_error("ordering a batch after its copy", source);
-                        self.halt();
+                        let _ = self.halt();
                         return Some(Err(error));
                     }
                     self.side.leased = Some(staged.batch);
@@ -405,7 +434,8 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
     /// Ends the epoch after the batch being handed out, because the next one could not
     /// be copied. That batch's lease is yet to come, so its slot is not returned here.
     fn end_early(&mut self, error: DeviceError) -> Ahead<D> {
-        self.host.stop();
+        // A source stuck meanwhile shows at the next reset; this batch's error comes first.
+        let _ = self.host.stop();
         Ahead::Finished(Some(self.side.device_error("copying a batch to the device", error)))
     }
 
@@ -415,13 +445,16 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
     /// # Errors
     ///
     /// [`Error::Prefetch`] from the host prefetcher's `reset` (the source's `reset`
-    /// failed; call again); [`Error::Device`] when an earlier device failure left memory
-    /// that may still be in use (build a new prefetcher).
+    /// failed; call again), or with `SourceStuck` when the producer thread did not end
+    /// within the join timeout (no epoch starts; call again once the source returns);
+    /// [`Error::Device`] when an earlier device failure left memory that may still be in
+    /// use (build a new prefetcher).
     pub fn reset(&mut self) -> Result<()> {
-        self.halt();
+        let stopped = self.halt();
         if let Some(error) = &self.side.broken {
             return Err(self.side.device_error("starting a new epoch", error.clone()));
         }
+        stopped?;
         self.host.reset()?;
         self.side.ahead = Ahead::Start;
         Ok(())
@@ -431,17 +464,27 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
 impl<S, D: Device> DevicePrefetcher<S, D> {
     /// Ends the epoch early: waits for the copy in flight, stops the producer and joins
     /// its thread. `next()` then returns `None` until [`reset`](Self::reset).
-    pub fn stop(&mut self) {
-        self.halt();
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Prefetch`] with `SourceStuck` when the producer thread did not end within
+    /// the join timeout; the epoch is over all the same (see [`DevicePrefetcher`]).
+    pub fn stop(&mut self) -> Result<()> {
+        Ok(self.halt()?)
     }
 
-    fn halt(&mut self) {
+    /// Ends the epoch: the copy in flight, then the producer; the device ring's slots all
+    /// come back. Fails only when the producer did not stop in time.
+    fn halt(&mut self) -> std::result::Result<(), async_iter::Error> {
         if let Ahead::Staged(staged) = mem::replace(&mut self.side.ahead, Ahead::Over) {
             // An error is kept in `broken` when it matters.
             let _ = self.side.finish_copy(&staged);
         }
-        self.host.stop();
+        // No batch of the host ring is in a copy any more, so a producer that does not
+        // stop in time writes only slots that no copy reads.
+        let stopped = self.host.stop();
         self.side.ring.all_returned();
+        stopped
     }
 
     /// A snapshot of the statistics.
@@ -514,7 +557,9 @@ impl<D: Device> Side<D> {
 
 impl<S, D: Device> Drop for DevicePrefetcher<S, D> {
     fn drop(&mut self) {
-        self.halt();
+        // A producer that did not stop in time is detached by the host prefetcher's drop,
+        // which does not wait for it a second time; it keeps the pinned ring until it ends.
+        let _ = self.halt();
         if self.side.broken.is_none() {
             // SAFETY: dropped once, here; no copy from its memory is in flight (`halt`
             // waited for the last one), and nothing uses it after this.

@@ -1,16 +1,19 @@
 //! The device prefetcher: every batch arrives intact over epochs of random sizes, the
 //! copy of the next batch is under way while the consumer holds the current one, a slot
 //! is not overwritten while the consumer's stream may still read it, and failures and
-//! early ends neither hang nor leak.
+//! early ends neither hang nor leak — a source stuck in `fill`, or one whose panic
+//! payload panics again when dropped, included.
 //!
 //! The tests generic over the device run twice, in `prefetch::sim` and `prefetch::cuda`
 //! (skipped without a GPU); those that hold or bypass streams run on the simulator only.
 
-use std::sync::mpsc;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use async_iter::{BatchLayout, BatchMut, BatchSource, SourceCall, SourceError};
+use async_iter::{BatchLayout, BatchMut, BatchSource, SourceCall, SourceError, Threading};
 use ndarray::{Array1, Array2, Ix1, Ix2};
 use workspace_cuda::{Device, DevicePrefetcher, Error, SimDevice};
 
@@ -255,7 +258,7 @@ pub(crate) fn dropping_or_stopping_mid_epoch_joins_without_hanging<D: Device>(de
         let x = second.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
         assert_eq!(x, expected_features(0, 1, 64));
         drop(second);
-        batches.stop();
+        batches.stop().unwrap();
         assert!(batches.next().is_none(), "stopped");
         batches.reset().unwrap();
         assert_eq!(batches.epoch(), 1);
@@ -287,6 +290,69 @@ pub(crate) fn misuse_is_a_typed_error<D: Device>(device: &D) {
     assert!(matches!(err, Error::Prefetch(async_iter::Error::MissingArray { batch: 0, .. })), "{err}");
 }
 
+/// A panic payload whose destructor panics too.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the panic payload's destructor panicked as well");
+    }
+}
+
+/// [`Numbers`] over `partial_last`, panicking with a [`Bomb`] in `fill` of batch 3 of
+/// the first epoch.
+struct Detonating(Numbers);
+
+impl BatchSource for Detonating {
+    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+        self.0.next_layout(index)
+    }
+
+    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+        if (self.0.epoch, batch.index()) == (0, 3) {
+            panic::panic_any(Bomb);
+        }
+        self.0.fill(batch)
+    }
+
+    fn reset(&mut self) -> Result<(), SourceError> {
+        self.0.reset()
+    }
+}
+
+pub(crate) fn a_panic_whose_payload_panics_on_drop_arrives_at_its_batch<D: Device>(device: &D) {
+    for threading in [Threading::Shield, Threading::Background] {
+        let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
+            let source = Detonating(Numbers::new(partial_last));
+            let mut batches = DevicePrefetcher::builder(source, device).threading(threading).build().unwrap();
+            // Batch k is handed out once batch k + 1 is staged, so the panic at batch 3
+            // arrives after batch 2.
+            for expected in 0..3 {
+                assert_eq!(batches.next().unwrap().unwrap().index(), expected, "{threading:?}");
+            }
+            match batches.next() {
+                Some(Err(Error::Prefetch(async_iter::Error::SourcePanicked { epoch: 0, batch: 3, call, .. }))) => {
+                    assert_eq!(call, SourceCall::Fill, "{threading:?}");
+                }
+                other => panic!("{threading:?}: expected the panic at batch 3, got {other:?}"),
+            }
+            assert!(batches.next().is_none(), "{threading:?}: the epoch is over");
+            batches.reset().unwrap_or_else(|err| panic!("{threading:?}: the prefetcher resets: {err}"));
+            let epoch: Vec<_> = std::iter::from_fn(|| batches.next().map(|b| b.unwrap().index())).collect();
+            assert_eq!(epoch, (0..10).collect::<Vec<_>>(), "{threading:?}: the next epoch is whole");
+        }));
+        if let Err(payload) = outcome {
+            match payload.downcast::<String>() {
+                Ok(message) => panic!("{message}"),
+                Err(payload) => {
+                    std::mem::forget(payload); // the source's: dropping it may panic again
+                    panic!("{threading:?}: the source's panic escaped `next()`");
+                }
+            }
+        }
+    }
+}
+
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
         /// On the simulated device.
@@ -307,6 +373,7 @@ on_both!(
     source_panics_and_errors_arrive_at_their_batch,
     dropping_or_stopping_mid_epoch_joins_without_hanging,
     misuse_is_a_typed_error,
+    a_panic_whose_payload_panics_on_drop_arrives_at_its_batch,
 );
 
 // ---- on the simulator: held and bypassed streams ------------------------------------
@@ -414,5 +481,162 @@ fn a_pinned_slot_goes_back_to_the_producer_only_after_its_copy() {
         assert_eq!(first.features::<f32, Ix2>().unwrap().detach_to_host().unwrap(), expected_features(0, 0, 64));
         drop(first);
         release.join().unwrap();
+    });
+}
+
+// ---- on the simulator: a source stuck in `fill` ---------------------------------------
+
+/// A gate the test opens once it has checked what happens while the source is stuck.
+#[derive(Clone, Default)]
+struct Gate(Arc<(Mutex<bool>, Condvar)>);
+
+impl Gate {
+    fn open(&self) {
+        *self.0 .0.lock().unwrap() = true;
+        self.0 .1.notify_all();
+    }
+
+    fn wait(&self) {
+        let (lock, cond) = &*self.0;
+        let _open = cond.wait_while(lock.lock().unwrap(), |open| !*open).unwrap();
+    }
+}
+
+/// What a [`Stuck`] source tells the test.
+#[derive(Debug, PartialEq, Eq)]
+enum Note {
+    /// It entered `fill` for the batch and waits at the gate.
+    Entered(usize),
+    /// It came back from the gate and filled its batch.
+    Filled(usize),
+    /// It was dropped.
+    Dropped,
+}
+
+/// [`Numbers`] over `partial_last`, whose `fill` of batch `stuck_at` in the first epoch
+/// waits at the gate.
+struct Stuck {
+    numbers: Numbers,
+    stuck_at: usize,
+    gate: Gate,
+    notes: Sender<Note>,
+}
+
+impl BatchSource for Stuck {
+    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+        self.numbers.next_layout(index)
+    }
+
+    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+        let index = batch.index();
+        if (self.numbers.epoch, index) != (0, self.stuck_at) {
+            return self.numbers.fill(batch);
+        }
+        let _ = self.notes.send(Note::Entered(index));
+        self.gate.wait();
+        // The prefetcher may be gone: the pinned slot must still be there.
+        self.numbers.fill(batch)?;
+        let _ = self.notes.send(Note::Filled(index));
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Result<(), SourceError> {
+        self.numbers.reset()
+    }
+}
+
+impl Drop for Stuck {
+    fn drop(&mut self) {
+        let _ = self.notes.send(Note::Dropped);
+    }
+}
+
+const JOIN_TIMEOUT: Duration = Duration::from_millis(200);
+const NOTED: Duration = Duration::from_secs(20);
+
+fn stuck_source(stuck_at: usize) -> (Stuck, Gate, Receiver<Note>) {
+    let (notes, noted) = mpsc::channel();
+    let gate = Gate::default();
+    (Stuck { numbers: Numbers::new(partial_last), stuck_at, gate: gate.clone(), notes }, gate, noted)
+}
+
+/// Waits until the simulator holds no pinned memory (a detached producer frees its ring
+/// just after it drops its source).
+fn pinned_memory_released(sim: &SimDevice) {
+    let deadline = Instant::now() + NOTED;
+    while sim.live_pinned_bytes() != 0 {
+        assert!(Instant::now() < deadline, "{} pinned bytes never released", sim.live_pinned_bytes());
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn dropping_with_a_source_stuck_in_fill_returns_and_its_pinned_ring_outlives_the_drop() {
+    crate::on_sim(|sim| {
+        let (source, gate, noted) = stuck_source(2);
+        let mut batches = DevicePrefetcher::builder(source, sim).depth(2).join_timeout(JOIN_TIMEOUT).build().unwrap();
+        assert_eq!(batches.next().unwrap().unwrap().index(), 0); // batch 1 is staged
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Entered(2)));
+        let pinned = sim.live_pinned_bytes();
+        assert!(pinned > 0);
+        within_30s(move || drop(batches));
+        // The producer thread is detached inside `fill`, and owns the pinned ring.
+        assert_eq!(noted.try_recv().ok(), None, "the stuck thread still holds the source");
+        assert_eq!(sim.live_pinned_bytes(), pinned, "the pinned ring lives while the stuck thread does");
+        gate.open();
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Filled(2)));
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Dropped));
+        pinned_memory_released(sim);
+    });
+}
+
+#[test]
+fn stop_and_reset_with_a_source_stuck_in_fill_fail_then_work_once_it_returns() {
+    crate::on_sim(|sim| {
+        let (source, gate, noted) = stuck_source(3);
+        let mut batches = DevicePrefetcher::builder(source, sim).depth(1).join_timeout(JOIN_TIMEOUT).build().unwrap();
+        for expected in 0..2 {
+            assert_eq!(batches.next().unwrap().unwrap().index(), expected); // then batch 2 is staged
+        }
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Entered(3)));
+        let (send, receive) = mpsc::channel();
+        within_30s(move || {
+            let mut batches = batches;
+            let stuck = |err: Error| match err {
+                Error::Prefetch(async_iter::Error::SourceStuck {
+                    batch: 3,
+                    call: Some(SourceCall::Fill),
+                    epoch: 0,
+                    waited,
+                    source_type,
+                }) => {
+                    assert_eq!(waited, JOIN_TIMEOUT);
+                    assert!(source_type.ends_with("Stuck"), "{source_type}");
+                }
+                other => panic!("expected the source stuck in fill at batch 3, got {other:?}"),
+            };
+            stuck(batches.stop().unwrap_err());
+            stuck(batches.reset().unwrap_err());
+            assert!(batches.next().is_none(), "no epoch meanwhile");
+            send.send(batches).unwrap();
+        });
+        let mut batches = receive.recv().unwrap();
+        gate.open();
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Filled(3)));
+        let deadline = Instant::now() + NOTED;
+        while let Err(err) = batches.reset() {
+            assert!(Instant::now() < deadline, "reset still fails after the source returned: {err}");
+        }
+        let mut seen = 0;
+        while let Some(batch) = batches.next() {
+            let batch = batch.unwrap();
+            let rows = partial_last(1, batch.index()).unwrap();
+            let x = batch.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
+            assert_eq!(x, expected_features(1, batch.index(), rows));
+            seen += 1;
+        }
+        assert_eq!(seen, 10, "the epoch after the stuck one is whole");
+        drop(batches);
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Dropped));
     });
 }
