@@ -398,3 +398,56 @@ fn a_detached_thread_contains_the_panic_of_the_source_it_drops() {
     // again: the thread contains both, and the process goes on.
     expect_note(&noted, Note::Dropped);
 }
+
+// ---- a source whose answers are wrong ------------------------------------------------------
+
+/// Asks for its arrays with the wrong types, twice, or absent, ignoring the errors, and
+/// describes batch 1 with a layout already laid out for another batch (offsets and all).
+struct Lying {
+    borrowed: async_iter::DetachedBatch,
+}
+
+impl BatchSource for Lying {
+    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+        Ok(match index {
+            0 => Some(BatchLayout::new().features::<u32, _>((4, 4))),
+            1 => Some(*self.borrowed.layout()),
+            _ => None,
+        })
+    }
+
+    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+        assert!(batch.features::<u8, Ix1>().is_err(), "wrong element type");
+        assert!(batch.features::<u32, ndarray::Ix3>().is_err(), "wrong dimensionality");
+        assert!(batch.labels_mask::<u32, Ix1>().is_err(), "no such array");
+        let mut features = batch.features::<u32, ndarray::IxDyn>()?;
+        assert!(batch.features::<u32, ndarray::IxDyn>().is_err(), "already borrowed");
+        features.fill(batch.index() as u32 + 1);
+        Ok(())
+    }
+}
+
+#[test]
+fn wrong_answers_of_a_source_are_errors_or_its_own_data_never_other_memory() {
+    // A layout laid out for a batch of another shape: the prefetcher lays out every
+    // layout itself, whatever the source hands it.
+    let other = BatchLayout::new().features::<u32, _>(1000).labels::<u64, _>(3);
+    let borrowed = async_iter::DetachedBatch::read_from(other, 7, 0, |_| Ok::<_, Error>(())).unwrap();
+    for threading in [Threading::Shield, Threading::Background] {
+        let source = Lying { borrowed: borrowed.clone() };
+        let mut batches = Prefetcher::builder(source).threading(threading).build().unwrap();
+        let sums: Vec<_> = std::iter::from_fn(|| {
+            let batch = batches.next()?.unwrap();
+            let features = batch.features::<u32, ndarray::IxDyn>().unwrap();
+            let labels = batch.labels::<u64, Ix1>().ok().map(|labels| labels.sum());
+            Some((features.shape().to_vec(), features.sum(), labels, batch.bytes()))
+        })
+        .collect();
+        assert_eq!(
+            sums,
+            // Batch 1: 4000 bytes of features (to 4032), then 24 of labels, unfilled (to 4096).
+            [(vec![4, 4], 16, None, 64), (vec![1000], 2000, Some(0), 4096)],
+            "{threading:?}"
+        );
+    }
+}
