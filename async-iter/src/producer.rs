@@ -31,8 +31,10 @@ pub(crate) enum Step {
 }
 
 /// The producer's state. It moves into the producer thread for an epoch and back to
-/// the prefetcher when the thread is joined; the ring inside it owns the memory of
-/// every batch, so it is never dropped while a batch is queued or leased.
+/// the prefetcher through the thread's exit (or, when the prefetcher gave up waiting
+/// for a stuck source, stays with the thread until it ends); the ring inside it owns
+/// the memory of every batch, so it is never dropped while a batch is queued, leased
+/// or being filled.
 pub(crate) struct Producer<S, B: ArenaBackend> {
     source: S,
     ring: Ring<B>,

@@ -213,8 +213,9 @@ where
 
 impl<B: ArenaBackend> Drop for Ring<B> {
     fn drop(&mut self) {
-        // The owner of the ring outlives every lease (the prefetcher joins the producer
-        // before dropping it), so every block can go.
+        // No lease is alive: the ring is dropped with the prefetcher once its producer
+        // thread handed it back, or by a detached producer thread after the prefetcher
+        // is gone (a lease borrows the prefetcher). So every block can go.
         for retired in self.retired.drain(..) {
             self.backend.release(retired.buffer.block);
         }
