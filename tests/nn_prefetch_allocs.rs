@@ -2,10 +2,12 @@
 //! same whatever its number of batches: nothing per batch, on the training thread or
 //! on the producer thread (a global counter counts both; the constant is the
 //! per-epoch restart of the producer). With workspaces off the count grows with the
-//! batches, which shows the counter counts. One test per binary, so that nothing else
-//! allocates meanwhile.
+//! batches, which shows the counter counts. The counter leaves out the harness's
+//! thread (which starts, times and reports the test while it runs), and the binary
+//! holds one test, so that nothing but the code under test is counted.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use carve::async_iter::{InMemory, Prefetcher};
@@ -17,10 +19,48 @@ struct Counting;
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
-// SAFETY: forwards to `System` unchanged; the counter is an atomic.
+thread_local! {
+    /// Whether this thread is the harness's: unknown until its first allocation.
+    static HARNESS: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Counts an allocation unless the harness made it: libtest's main thread starts each
+/// test on a thread of its own and then waits, times and reports; what it allocates
+/// meanwhile is not the code under test's. Never allocates.
+fn count() {
+    let harness = HARNESS
+        .try_with(|harness| match harness.get() {
+            Some(known) => known,
+            None => {
+                let known = is_main_thread();
+                harness.set(Some(known));
+                known
+            }
+        })
+        .unwrap_or(false);
+    if !harness {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn is_main_thread() -> bool {
+    // SAFETY: gettid takes nothing, cannot fail and touches no memory of ours.
+    let tid = unsafe { libc::gettid() };
+    tid as u32 == std::process::id() // the main thread's id is the process's
+}
+
+#[cfg(not(target_os = "linux"))]
+fn is_main_thread() -> bool {
+    false
+}
+
+// SAFETY: forwards to `System` unchanged; the counter is an atomic and a
+// const-initialised thread-local without destructor, and telling the harness's thread
+// apart is one system call: none of it allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: same contract as ours.
         unsafe { System.alloc(layout) }
     }
@@ -29,7 +69,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: same contract as ours.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
