@@ -4,6 +4,8 @@
 
 use workspace_core::{Error, Result, TypedScope};
 
+use super::finite::first_in_slice;
+
 use super::layer::{Layer, Param};
 
 /// How parameters follow their gradients.
@@ -135,21 +137,24 @@ impl UpdaterState {
 
     /// One step over every parameter of `layers`, with updates computed in `working`.
     ///
-    /// The parameters are checked first, so that a step updates every parameter or
-    /// none.
+    /// The step is staged before anything is stored: the parameters are checked first,
+    /// then every update is computed into `working` and checked to be finite, with the
+    /// new moments (or velocities) and parameter values; only then are the moments and
+    /// parameters written. So a step updates every parameter and its state, or none.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] when a layer gives another number of parameters than
     /// when the network was built; [`Error::ShapeMismatch`] when a parameter changed
-    /// size, or its gradient is not as long as its values; workspace errors of
-    /// `working`.
+    /// size, or its gradient is not as long as its values; [`Error::NonFinite`] naming
+    /// the layer when a moment, update or new parameter value would not be finite;
+    /// workspace errors of `working`.
     pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], working: &TypedScope) -> Result<()> {
         self.check(layers)?;
-        self.check_finite(layers)?;
-        self.step += 1;
-        let t = self.step as i32;
+        let t = (self.step + 1) as i32;
         let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
+        // Stage: every update, in updater working memory (the list of them too).
+        let mut updates = allocator_api2::vec::Vec::with_capacity_in(first.len(), &**working);
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
@@ -160,35 +165,25 @@ impl UpdaterState {
                 }
                 // Checked above; checked again in case `params` changes between calls.
                 if let Some(m) = mismatch(&first[base..base + expected], expected, param, &p) {
-                    failure = Some(Err(m));
+                    failure = Some(Failure::Mismatch(m));
                     return;
                 }
                 let index = base + param;
-                param += 1;
-                let m = &mut first[index];
-                let result = match updater {
-                    Updater::Sgd { learning_rate, momentum } => working.slice_from_fn(p.value.len(), |i| {
-                        m[i] = sgd_velocity(learning_rate, momentum, m[i], p.grad[i]);
-                        m[i]
-                    }),
-                    Updater::Adam { learning_rate, beta1, beta2, epsilon } => {
-                        let step = adam_step_size(learning_rate, beta1, beta2, t);
-                        let v = &mut second[index];
-                        working.slice_from_fn(p.value.len(), |i| {
-                            let (m_new, v_new, update) = adam(beta1, beta2, epsilon, step, m[i], v[i], p.grad[i]);
-                            (m[i], v[i]) = (m_new, v_new);
-                            update
-                        })
-                    }
-                };
-                match result {
-                    Ok(update) => p.value.iter_mut().zip(update.iter()).for_each(|(w, u)| *w += u),
-                    Err(e) => failure = Some(Ok(e)),
+                let v = second.get(index).map(Vec::as_slice);
+                match stage(updater, t, &first[index], v, &p, working) {
+                    Ok(update) => match first_non_finite(updater, t, &first[index], v, &p, update) {
+                        None => updates.push(update),
+                        Some((element, what, value)) => {
+                            let grad = p.grad[element];
+                            failure = Some(Failure::NonFinite { param, element, what, value, grad });
+                        }
+                    },
+                    Err(e) => failure = Some(Failure::Workspace(e)),
                 }
+                param += 1;
             });
             match failure {
-                Some(Ok(e)) => return Err(e),
-                Some(Err(m)) => return Err(m.into_error(layer.name())),
+                Some(failure) => return Err(failure.into_error(layer.name())),
                 None if param != expected => {
                     return Err(Mismatch::Count { expected, actual: param }.into_error(layer.name()))
                 }
@@ -196,59 +191,33 @@ impl UpdaterState {
             }
             base += expected;
         }
-        Ok(())
-    }
 
-    /// Checks that the next step stores only finite values: every moment (or
-    /// velocity), update and new parameter value it would compute, computed here as
-    /// [`UpdaterState::apply`] computes them (the same functions), without storing
-    /// anything. Called after [`UpdaterState::check`].
-    fn check_finite(&self, layers: &mut [Box<dyn Layer>]) -> Result<()> {
-        let t = (self.step + 1) as i32;
-        let (first, second, updater) = (&self.first, &self.second, self.updater);
+        // Commit: the moments, then the parameters.
+        self.step += 1;
+        let mut staged = updates.iter();
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
-            let mut bad = None;
+            let mut failure = None;
             layer.params(&mut |p| {
-                if bad.is_some() || param >= expected {
+                if failure.is_some() {
                     return;
                 }
-                let index = base + param;
-                let m = &first[index];
-                let found = match updater {
-                    Updater::Sgd { learning_rate, momentum } => (0..p.value.len()).find_map(|i| {
-                        let velocity = sgd_velocity(learning_rate, momentum, m[i], p.grad[i]);
-                        let value = p.value[i] + velocity;
-                        non_finite(&[("velocity", velocity), ("new value", value)]).map(|(what, v)| (i, what, v))
-                    }),
-                    Updater::Adam { learning_rate, beta1, beta2, epsilon } => {
-                        let step = adam_step_size(learning_rate, beta1, beta2, t);
-                        let v = &second[index];
-                        (0..p.value.len()).find_map(|i| {
-                            let (m_new, v_new, update) = adam(beta1, beta2, epsilon, step, m[i], v[i], p.grad[i]);
-                            let value = p.value[i] + update;
-                            let values = [
-                                ("first moment", m_new),
-                                ("second moment", v_new),
-                                ("update", update),
-                                ("new value", value),
-                            ];
-                            non_finite(&values).map(|(what, v)| (i, what, v))
-                        })
+                // `params` gave these very parameters to the stage just above; a layer
+                // whose `params` changes between two calls gets an error here.
+                let update = match (mismatch(&first[base..base + expected], expected, param, &p), staged.next()) {
+                    (None, Some(update)) => update,
+                    (m, _) => {
+                        failure = Some(m.unwrap_or(Mismatch::Count { expected, actual: param + 1 }));
+                        return;
                     }
                 };
-                bad = found.map(|(element, what, value)| (param, element, what, value, p.grad[element]));
+                let index = base + param;
                 param += 1;
+                commit(updater, &mut first[index], second.get_mut(index).map(Vec::as_mut_slice), p, update);
             });
-            if let Some((param, element, what, value, grad)) = bad {
-                return Err(Error::NonFinite {
-                    layer: layer.name().to_string(),
-                    what: format!(
-                        "the updater's {what} of its parameter {param} (element {element}) would be {value} \
-                         (gradient {grad:e})"
-                    ),
-                });
+            if let Some(m) = failure {
+                return Err(m.into_error(layer.name()));
             }
             base += expected;
         }
@@ -286,6 +255,119 @@ impl UpdaterState {
         }
         Ok(())
     }
+}
+
+/// Why a parameter's update could not be staged.
+enum Failure {
+    /// The parameters are not those the state was built for.
+    Mismatch(Mismatch),
+    /// A value of the step would not be finite.
+    NonFinite { param: usize, element: usize, what: &'static str, value: f32, grad: f32 },
+    /// Updater working memory failed.
+    Workspace(Error),
+}
+
+impl Failure {
+    fn into_error(self, layer: &str) -> Error {
+        match self {
+            Failure::Mismatch(m) => m.into_error(layer),
+            Failure::NonFinite { param, element, what, value, grad } => Error::NonFinite {
+                layer: layer.to_string(),
+                what: format!(
+                    "the updater's {what} of its parameter {param} (element {element}) would be {value} (gradient \
+                     {grad:e})"
+                ),
+            },
+            Failure::Workspace(e) => e,
+        }
+    }
+}
+
+/// The update of one parameter, computed into `working` from its state (`m`, and `v`
+/// for Adam) and gradient, at step `t`; nothing is stored.
+fn stage<'w>(
+    updater: Updater,
+    t: i32,
+    m: &[f32],
+    v: Option<&[f32]>,
+    p: &Param<'_>,
+    working: &'w TypedScope,
+) -> Result<&'w mut [f32]> {
+    let n = p.value.len();
+    let (m, g) = (&m[..n], &p.grad[..n]);
+    match (updater, v) {
+        (Updater::Sgd { learning_rate, momentum }, _) => {
+            working.slice_from_fn(n, |i| sgd_velocity(learning_rate, momentum, m[i], g[i]))
+        }
+        (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
+            let step = adam_step_size(learning_rate, beta1, beta2, t);
+            let v = &v[..n];
+            working.slice_from_fn(n, |i| adam(beta1, beta2, epsilon, step, m[i], v[i], g[i]).2)
+        }
+        (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
+    }
+}
+
+/// The first element of a staged step whose new moment (or velocity), update or new
+/// parameter value is not finite: its index, what it is, and the value. Branch-free
+/// over chunks, so that it vectorises; the element is looked for only when there is one.
+fn first_non_finite(
+    updater: Updater,
+    t: i32,
+    m: &[f32],
+    v: Option<&[f32]>,
+    p: &Param<'_>,
+    update: &[f32],
+) -> Option<(usize, &'static str, f32)> {
+    let n = update.len();
+    let (values, grads, m) = (&p.value[..n], &p.grad[..n], &m[..n]);
+    // What the commit will store: each value plus its update, and Adam's moments.
+    let sums_finite = values
+        .chunks(64)
+        .zip(update.chunks(64))
+        .all(|(w, u)| w.iter().zip(u).fold(true, |ok, (&w, &u)| ok & (w + u).is_finite()));
+    let moments_finite = match (updater, v) {
+        (Updater::Adam { beta1, beta2, .. }, Some(v)) => {
+            m.chunks(64).zip(v[..n].chunks(64)).zip(grads.chunks(64)).all(|((m, v), g)| {
+                m.iter().zip(v).zip(g).fold(true, |ok, ((&m, &v), &g)| {
+                    let (m, v) = (beta1 * m + (1.0 - beta1) * g, beta2 * v + (1.0 - beta2) * g * g);
+                    ok & m.is_finite() & v.is_finite()
+                })
+            })
+        }
+        _ => true,
+    };
+    if sums_finite && moments_finite && first_in_slice(update).is_none() {
+        return None;
+    }
+    (0..n).find_map(|i| {
+        let value = ("new value", values[i] + update[i]);
+        let found = match (updater, v) {
+            (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
+                let step = adam_step_size(learning_rate, beta1, beta2, t);
+                let (m, v, u) = adam(beta1, beta2, epsilon, step, m[i], v[i], grads[i]);
+                non_finite(&[("first moment", m), ("second moment", v), ("update", u), value])
+            }
+            _ => non_finite(&[("velocity", update[i]), value]),
+        };
+        found.map(|(what, bad)| (i, what, bad))
+    })
+}
+
+/// Stores a staged step: the new moments (recomputed as [`stage`] computed them, so the
+/// same numbers; SGD's velocity is the update itself) and each value plus its update.
+fn commit(updater: Updater, m: &mut [f32], v: Option<&mut [f32]>, p: Param<'_>, update: &[f32]) {
+    match (updater, v) {
+        (Updater::Adam { beta1, beta2, .. }, Some(v)) => {
+            for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(p.grad) {
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+            }
+        }
+        (Updater::Sgd { .. }, _) => m.copy_from_slice(update),
+        (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
+    }
+    p.value.iter_mut().zip(update).for_each(|(w, u)| *w += u);
 }
 
 /// The new velocity of SGD with momentum (which is also the update).
