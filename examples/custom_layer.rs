@@ -52,7 +52,7 @@ impl Dropout {
     ) -> carve::Result<ndarray::ArrayViewMut2<'s, f32>> {
         let mut rng = Rng::new(self.mask_seed);
         let keep = 1.0 - self.rate;
-        scope.from_shape_fn(shape, |_| if rng.next_f32() < keep { 1.0 / keep } else { 0.0 })
+        Ok(scope.from_shape_fn(shape, |_| if rng.next_f32() < keep { 1.0 / keep } else { 0.0 })?)
     }
 }
 
@@ -79,7 +79,7 @@ impl Layer for Dropout {
             if self.lazy {
                 return Ok(input); // compiles, and the manager catches it
             }
-            return ctx.activations.leverage(input);
+            return Ok(ctx.activations.leverage(input)?);
         }
         self.mask_seed = self.seeds.next_u64();
         let mask = self.mask(ctx.working, input.raw_dim())?; // reset when this call returns

@@ -520,7 +520,12 @@ fn a_layer_misplacing_its_output_in_training_fails_and_the_network_stays_usable(
         layer.output.set(output);
         let err = net.fit_batch(x.view(), y.view()).unwrap_err();
         match &err {
-            Error::WrongLocation { layer: named, array_type, expected, .. } => {
+            Error::Workspace(carve::workspace_core::Error::WrongLocation {
+                layer: named,
+                array_type,
+                expected,
+                ..
+            }) => {
                 assert_eq!(named, layer.name, "{output:?}");
                 assert_eq!(*array_type, ArrayType::Activations);
                 assert!(expected.contains("WS_ALL_LAYERS_ACT"), "{expected}");

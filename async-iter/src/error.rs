@@ -89,7 +89,7 @@ pub enum LayoutError {
 
 /// Errors from configuring a prefetcher, from its batch source, and from reading a
 /// batch.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A builder setting is out of range; nothing was created.
@@ -373,5 +373,12 @@ mod tests {
         assert_eq!(panic_message(payload.as_ref()), "boom 42");
         let payload = std::panic::catch_unwind(|| std::panic::panic_any(7_u8)).unwrap_err();
         assert_eq!(panic_message(payload.as_ref()), "a panic payload that is not a string");
+    }
+}
+
+/// The message, as for `Display`: what `main` prints for an error it returns.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }

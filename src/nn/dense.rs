@@ -1,7 +1,8 @@
 //! Fully connected layer: `y = x · W + b`.
 
+use crate::{Error, Result};
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Zip};
-use workspace_core::{freeze, Error, Result};
+use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
 use super::layer::{BackwardCtx, ForwardCtx, Layer, Param};

@@ -7,8 +7,8 @@
 //! first value that is not finite. The scans allocate nothing (an error's message is
 //! built only when there is one) and change no number.
 
+use crate::Error;
 use ndarray::ArrayView2;
-use workspace_core::Error;
 
 /// Whether every value of `values` is finite. Branch-free within chunks, so that it
 /// vectorises; stops at the first chunk that holds a non-finite value.

@@ -1,8 +1,9 @@
 //! The [`Layer`] trait a custom layer implements, and the workspace contexts the
 //! network hands it.
 
+use crate::Result;
 use ndarray::{ArrayView2, ArrayViewMut2};
-use workspace_core::{LayerWorkspaceMgr, Result, TypedScope};
+use workspace_core::{LayerWorkspaceMgr, TypedScope};
 
 /// What a layer's forward pass gets besides its input.
 ///
@@ -55,7 +56,7 @@ pub struct Param<'p> {
 /// ```
 /// use carve::freeze;
 /// use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// use ndarray::{ArrayView2, ArrayViewMut2};
+/// use carve::ndarray::{ArrayView2, ArrayViewMut2};
 ///
 /// struct Double;
 ///
@@ -92,8 +93,8 @@ pub struct Param<'p> {
 ///
 /// let config = carve::nn::NetworkConfig::builder(4).layer(Double).dense(2).build()?;
 /// let mut net = carve::nn::Network::new(config)?;
-/// let x = ndarray::Array2::<f32>::ones((3, 4));
-/// assert!(net.fit_batch(x.view(), ndarray::arr1(&[0, 1, 0]).view())?.is_finite());
+/// let x = carve::ndarray::Array2::<f32>::ones((3, 4));
+/// assert!(net.fit_batch(x.view(), carve::ndarray::arr1(&[0, 1, 0]).view())?.is_finite());
 /// # Ok::<(), carve::Error>(())
 /// ```
 ///
@@ -107,7 +108,7 @@ pub struct Param<'p> {
 /// ```compile_fail
 /// # use carve::freeze;
 /// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// # use ndarray::{ArrayView2, ArrayViewMut2};
+/// # use carve::ndarray::{ArrayView2, ArrayViewMut2};
 /// # struct Double;
 /// impl Layer for Double {
 /// #   fn name(&self) -> &str {
@@ -147,7 +148,7 @@ pub struct Param<'p> {
 /// ```compile_fail
 /// # use carve::freeze;
 /// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// # use ndarray::{ArrayView2, ArrayViewMut2};
+/// # use carve::ndarray::{ArrayView2, ArrayViewMut2};
 /// # struct Double;
 /// impl Layer for Double {
 /// #   fn name(&self) -> &str {
@@ -183,7 +184,7 @@ pub struct Param<'p> {
 ///
 /// What the compiler cannot see (an output that has the right lifetime but lives
 /// elsewhere, such as the layer's own input) the network catches at run time with
-/// [`Error::WrongLocation`](crate::Error::WrongLocation), naming the layer.
+/// [`Error::WrongLocation`](crate::workspace_core::Error::WrongLocation), naming the layer.
 pub trait Layer {
     /// A short name for messages ("dense_0", "dropout").
     fn name(&self) -> &str;

@@ -1,7 +1,8 @@
 //! Softmax with cross-entropy loss, the network's output stage.
 
+use crate::{Error, Result};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Zip};
-use workspace_core::{freeze, Error, Result, Scope};
+use workspace_core::{freeze, Scope};
 
 /// Softmax over each row of the logits, with the mean cross-entropy against integer
 /// class labels as the loss. Its gradient with respect to the logits is

@@ -6,9 +6,11 @@ use std::ptr::NonNull;
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix1, Ix2};
 use workspace_core::{
-    ArenaBackend, ArrayType, Block, Error, Handle, LayerWorkspaceMgr, LearningPolicy, Result, Scope, SpillPolicy,
-    Workspace, WorkspaceConfig, WorkspaceMode,
+    ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, LearningPolicy, Scope, SpillPolicy, Workspace,
+    WorkspaceConfig, WorkspaceMode,
 };
+
+use crate::{Error, Result};
 
 use super::dense::Dense;
 use super::finite;
@@ -74,8 +76,8 @@ impl std::fmt::Debug for NetworkConfig {
 ///     .inference_workspace_mode(WorkspaceMode::Enabled)
 ///     .build()?;
 /// let mut net = carve::nn::Network::new(config)?;
-/// let x = ndarray::Array2::<f32>::ones((4, 64));
-/// let y = ndarray::Array1::<u32>::from(vec![0, 1, 2, 3]);
+/// let x = carve::ndarray::Array2::<f32>::ones((4, 64));
+/// let y = carve::ndarray::Array1::<u32>::from(vec![0, 1, 2, 3]);
 /// let loss = net.fit_batch(x.view(), y.view())?;
 /// assert!(loss.is_finite());
 /// assert_eq!(net.output(x.view())?.shape(), &[4, 10]);
@@ -265,6 +267,7 @@ fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
         .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())
         .default_workspace(names::LAYER_WORKING_MEM, config)
         .build()
+        .map_err(Error::from)
 }
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
@@ -311,7 +314,7 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Workspace creation errors (for example [`Error::ConfigMismatch`] when this
+    /// Workspace creation errors (for example [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) when this
     /// thread already has a workspace of the same name with another configuration).
     pub fn new(config: NetworkConfig) -> Result<Network> {
         let NetworkConfig { inputs, mut layers, seed, updater, training_workspace_mode, inference_workspace_mode } =
@@ -431,7 +434,7 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Shape and label errors; workspace errors; [`Error::WrongLocation`] when a
+    /// Shape and label errors; workspace errors; [`WrongLocation`](workspace_core::Error::WrongLocation) when a
     /// layer returns activations that are not in the activations workspace;
     /// [`Error::InvalidInput`] or [`Error::ShapeMismatch`] when a layer's parameters
     /// are not those it had when the network was built (then no parameter is updated);
@@ -526,9 +529,9 @@ impl Network {
     /// call `fit` again for the next epoch.
     ///
     /// ```
-    /// use async_iter::{InMemory, Prefetcher};
+    /// use carve::async_iter::{InMemory, Prefetcher};
     /// use carve::nn::{NetworkConfig, Network};
-    /// use ndarray::{Array1, Array2};
+    /// use carve::ndarray::{Array1, Array2};
     ///
     /// let x = Array2::from_shape_fn((96, 4), |(r, c)| ((r * 7 + c * 3) % 11) as f32 / 11.0);
     /// let y = Array1::from_shape_fn(96, |r| (r % 3) as u32);
@@ -557,7 +560,7 @@ impl Network {
         B: ArenaBackend + 'static,
         B::Block: Block<Base = NonNull<u8>>,
     {
-        let data = |e: async_iter::Error| Error::Data { source: Box::new(e) };
+        let data = Error::from;
         let (mut total, mut count) = (0.0f64, 0usize);
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(data)?;
@@ -633,7 +636,7 @@ impl Network {
     ///
     /// Shape errors and workspace errors (of the inference workspaces and of `target`).
     pub fn output_to<'s>(&mut self, x: ArrayView2<'_, f32>, target: &'s Scope<'_>) -> Result<ArrayViewMut2<'s, f32>> {
-        self.infer(x, |probs| target.copy_of(&probs))
+        self.infer(x, |probs| Ok(target.copy_of(&probs)?))
     }
 
     /// Predicted classes of `x` (the most probable per row), written to `out`.

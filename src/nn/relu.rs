@@ -1,7 +1,8 @@
 //! Rectified linear unit: `y = max(x, 0)`.
 
+use crate::{Error, Result};
 use ndarray::{ArrayView2, ArrayViewMut2, Zip};
-use workspace_core::{freeze, Error, Result};
+use workspace_core::freeze;
 
 use super::layer::{BackwardCtx, ForwardCtx, Layer};
 

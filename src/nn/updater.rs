@@ -2,7 +2,8 @@
 //! workspaces (it persists across iterations); each step's update is computed in
 //! updater working memory, then applied.
 
-use workspace_core::{Error, Result, TypedScope};
+use crate::{Error, Result};
+use workspace_core::TypedScope;
 
 use super::finite::first_in_slice;
 
@@ -297,12 +298,12 @@ fn stage<'w>(
     let (m, g) = (&m[..n], &p.grad[..n]);
     match (updater, v) {
         (Updater::Sgd { learning_rate, momentum }, _) => {
-            working.slice_from_fn(n, |i| sgd_velocity(learning_rate, momentum, m[i], g[i]))
+            Ok(working.slice_from_fn(n, |i| sgd_velocity(learning_rate, momentum, m[i], g[i]))?)
         }
         (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
             let step = adam_step_size(learning_rate, beta1, beta2, t);
             let v = &v[..n];
-            working.slice_from_fn(n, |i| adam(beta1, beta2, epsilon, step, m[i], v[i], g[i]).2)
+            Ok(working.slice_from_fn(n, |i| adam(beta1, beta2, epsilon, step, m[i], v[i], g[i]).2)?)
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     }

@@ -1,11 +1,13 @@
 //! The one error type of workspace-core.
 //!
-//! Every message says what happened, to which workspace, and what to do about it.
+//! Every message says what happened, to which workspace, and what to do about it; `{:?}`
+//! prints the same message, so an error returned from `main` reads as one.
 
+use std::fmt;
 use std::sync::Arc;
 
 /// Errors from configuring, entering and allocating in workspaces.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A configuration contradicts itself; nothing was created.
@@ -155,44 +157,17 @@ pub enum Error {
         /// The layer that produced the array.
         layer: String,
         /// The array's role.
-        array_type: crate::layer::ArrayType,
+        array_type: crate::roles::ArrayType,
         /// Where arrays of this type belong (a workspace, or "no workspace (heap)").
         expected: String,
         /// Where this array is.
         actual: String,
     },
 
-    /// Arrays handed to a layer or network do not have the shapes it needs.
-    #[error("{context}: expected shape {expected:?}, got {actual:?}")]
-    ShapeMismatch {
-        /// Who complains, and about which array.
-        context: String,
-        /// The shape required (`usize::MAX` where any size goes).
-        expected: Vec<usize>,
-        /// The shape given.
-        actual: Vec<usize>,
-    },
-
-    /// A value handed to a layer or network is out of range (a label beyond the
-    /// number of classes, an empty batch).
+    /// A value handed to the workspace is out of range (an alignment that is not a
+    /// power of two).
     #[error("{0}")]
     InvalidInput(String),
-
-    /// A training step met a value that is not finite (NaN or infinite): in the input,
-    /// in a layer's output or gradients, in the loss, or in what the updater would
-    /// store. The step was abandoned before any parameter or updater state changed.
-    #[error(
-        "non-finite value at '{layer}': {what}. The training step was abandoned before any parameter or \
-         updater state changed, and the network is still usable; remove NaN and infinite values from the \
-         data, or scale the inputs or lower the learning rate if values overflow"
-    )]
-    NonFinite {
-        /// The layer where the value appeared ("input" for the batch itself, "loss"
-        /// for the output stage).
-        layer: String,
-        /// Which value, where, and what it was.
-        what: String,
-    },
 
     /// A helper workspace that a layer asked for was never declared.
     #[error(
@@ -242,16 +217,6 @@ pub enum Error {
         workspace: Arc<str>,
         /// Its backend kind.
         backend: &'static str,
-    },
-
-    /// The training data failed: a batch source or the prefetcher feeding the loop
-    /// reported an error (downcast `source` to the data layer's error type for its
-    /// details).
-    #[error("training data: {source}")]
-    Data {
-        /// The data layer's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 
     /// The memory backend could not provide memory.
@@ -327,3 +292,16 @@ pub enum BackendError {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The message, as for `Display`: what `main` prints for an error it returns.
+///
+/// ```
+/// let err = workspace_core::DebugMode::parse("bogus").unwrap_err();
+/// assert_eq!(format!("{err:?}"), format!("{err}"));
+/// assert!(format!("{err:?}").contains("'bogus'"));
+/// ```
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}

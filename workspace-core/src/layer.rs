@@ -51,7 +51,6 @@
 //! [`LayerWorkspaceMgr::validate`] reports it with an [`Error::WrongLocation`] that
 //! names the layer, the array type, the expected and the actual workspace.
 
-use std::fmt;
 use std::ops::Deref;
 use std::rc::Rc;
 
@@ -61,90 +60,10 @@ use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, RawData, Shap
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
+pub use crate::roles::{ArrayType, WorkspaceMode};
 use crate::scope::{extent, Scope};
 use crate::workspace::Workspace;
 use crate::WorkspaceStats;
-
-/// Whether a network uses workspaces, set separately for training and inference.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkspaceMode {
-    /// Arrays live in workspaces, reset at the end of their cycle (the default).
-    #[default]
-    Enabled,
-    /// Every array is its own heap allocation ([`LayerWorkspaceMgr::no_workspaces`]).
-    None,
-}
-
-impl fmt::Display for WorkspaceMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WorkspaceMode::Enabled => "enabled",
-            WorkspaceMode::None => "none",
-        })
-    }
-}
-
-impl std::str::FromStr for WorkspaceMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<WorkspaceMode> {
-        match s.to_ascii_lowercase().as_str() {
-            "enabled" => Ok(WorkspaceMode::Enabled),
-            "none" => Ok(WorkspaceMode::None),
-            _ => Err(Error::InvalidConfig { reason: format!("unknown workspace mode '{s}': use 'enabled' or 'none'") }),
-        }
-    }
-}
-
-/// The role an array plays in a layer, which decides when its memory may be
-/// invalidated (the workspace it maps to is reset).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ArrayType {
-    /// The network's input batch: valid for the whole iteration (forward and
-    /// backward); invalidated when the iteration ends.
-    Input,
-    /// A layer's forward output: kept for backpropagation, so valid until the
-    /// iteration's backward pass is done; invalidated when the iteration ends.
-    Activations,
-    /// The gradient with respect to a layer's input (epsilon): valid while the layer
-    /// below consumes it; invalidated once the layer below has produced its own.
-    ActivationGrad,
-    /// Scratch of one layer's forward pass: invalidated as soon as the layer returns.
-    FfWorkingMem,
-    /// Scratch of one layer's backward pass: invalidated as soon as the layer returns.
-    BpWorkingMem,
-    /// Scratch of one time step of a recurrent forward loop: invalidated at the end
-    /// of the step.
-    RnnFfLoopWorkingMem,
-    /// Scratch of one time step of a recurrent backward loop: invalidated at the end
-    /// of the step.
-    RnnBpLoopWorkingMem,
-    /// Scratch of the updater (momentum, Adam): invalidated after the parameter
-    /// update of the iteration.
-    UpdaterWorkingMem,
-    /// Forward results a layer caches for its backward pass beyond its activations:
-    /// valid until the iteration's backward pass is done.
-    FfCache,
-}
-
-impl ArrayType {
-    /// All nine roles, in declaration order.
-    pub const ALL: [ArrayType; 9] = [
-        ArrayType::Input,
-        ArrayType::Activations,
-        ArrayType::ActivationGrad,
-        ArrayType::FfWorkingMem,
-        ArrayType::BpWorkingMem,
-        ArrayType::RnnFfLoopWorkingMem,
-        ArrayType::RnnBpLoopWorkingMem,
-        ArrayType::UpdaterWorkingMem,
-        ArrayType::FfCache,
-    ];
-
-    const fn index(self) -> usize {
-        self as usize
-    }
-}
 
 /// Where a role's arrays go.
 #[derive(Clone, Debug)]

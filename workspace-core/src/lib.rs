@@ -57,6 +57,7 @@ mod error;
 mod handle;
 pub mod layer;
 mod manager;
+mod roles;
 #[allow(unsafe_code)]
 mod scope;
 #[allow(unsafe_code)]

@@ -53,7 +53,7 @@ impl DeviceError {
 }
 
 /// Errors of device and pinned workspaces.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error of the workspace engine: configuration, learning, spilling, budgets,
@@ -170,5 +170,12 @@ mod tests {
         }
         let err = Error::NoDevice { reason: "libcuda.so not found".into() };
         assert_eq!(err.to_string(), "no CUDA device: libcuda.so not found");
+    }
+}
+
+/// The message, as for `Display`: what `main` prints for an error it returns.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }

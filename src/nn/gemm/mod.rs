@@ -1,6 +1,6 @@
 //! Single-precision matrix multiply whose packing buffers come from the caller.
 //!
-//! `ndarray::linalg::general_mat_mul` (the `matrixmultiply` crate) and `gemm` allocate
+//! `carve::ndarray::linalg::general_mat_mul` (the `matrixmultiply` crate) and `gemm` allocate
 //! their packing buffers on every call; a training step that must make no heap
 //! allocation cannot use them. [`sgemm`] takes the buffers as a slice instead — the
 //! reference network carves it from layer working memory — and [`scratch_len`] says
@@ -21,8 +21,8 @@ mod kernel;
 
 use std::mem::MaybeUninit;
 
+use crate::{Error, Result};
 use ndarray::{ArrayView2, ArrayViewMut2};
-use workspace_core::{Error, Result};
 
 use kernel::{Kernel, Tile};
 
@@ -74,11 +74,11 @@ pub fn scratch_len(m: usize, n: usize, k: usize) -> usize {
 /// ```
 /// use std::mem::MaybeUninit;
 /// use carve::nn::gemm::{scratch_len, sgemm};
-/// use ndarray::array;
+/// use carve::ndarray::array;
 ///
 /// let a = array![[1.0f32, 2.0], [3.0, 4.0]];
 /// let b = array![[5.0f32, 6.0], [7.0, 8.0]];
-/// let mut c = ndarray::Array2::<f32>::zeros((2, 2));
+/// let mut c = carve::ndarray::Array2::<f32>::zeros((2, 2));
 /// let mut scratch = vec![MaybeUninit::uninit(); scratch_len(2, 2, 2)];
 /// sgemm(1.0, a.view(), b.t(), 0.0, c.view_mut(), &mut scratch)?; // A·Bᵀ
 /// assert_eq!(c, array![[17.0, 23.0], [39.0, 53.0]]);

@@ -1,0 +1,111 @@
+//! carve's error type: the errors of the crates underneath (workspaces, prefetching,
+//! devices) and the reference network's own.
+//!
+//! Every error prints its message both ways, with `{}` and with `{:?}`, so that a
+//! `carve::Error` returned from `main` tells the user what happened and what to do
+//! instead of dumping a struct:
+//!
+//! ```
+//! let err = carve::Error::from(carve::workspace_core::Error::InvalidDebugMode { value: "bogus".into() });
+//! assert_eq!(format!("{err:?}"), format!("{err}"));
+//! assert!(format!("{err:?}").contains("'bogus'"));
+//! ```
+
+use std::fmt;
+
+/// The result type of carve.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error of carve.
+#[derive(thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A host workspace refused: configuration, allocation, budget, a stale handle, a
+    /// layer output in the wrong workspace, and so on.
+    #[error(transparent)]
+    Workspace(#[from] workspace_core::Error),
+
+    /// A device workspace, pinned staging or the device prefetcher refused.
+    #[error(transparent)]
+    Device(#[from] workspace_cuda::Error),
+
+    /// The training data failed: a batch source or the prefetcher feeding the loop
+    /// reported an error (downcast `source` to the data layer's error type, usually
+    /// [`async_iter::Error`], for its details).
+    #[error("training data: {source}")]
+    Data {
+        /// The data layer's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+
+    /// A network or layer configuration contradicts itself or cannot be built.
+    #[error("invalid network configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+
+    /// Arrays handed to a layer or network do not have the shapes it needs.
+    #[error("{context}: expected shape {expected:?}, got {actual:?}")]
+    ShapeMismatch {
+        /// Who complains, and about which array.
+        context: String,
+        /// The shape required (`usize::MAX` where any size goes).
+        expected: Vec<usize>,
+        /// The shape given.
+        actual: Vec<usize>,
+    },
+
+    /// A value handed to a layer or network is out of range (a label beyond the
+    /// number of classes, an empty batch).
+    #[error("{0}")]
+    InvalidInput(String),
+
+    /// A training step met a value that is not finite (NaN or infinite): in the input,
+    /// in a layer's output or gradients, in the loss, or in what the updater would
+    /// store. The step was abandoned before any parameter or updater state changed.
+    #[error(
+        "non-finite value at '{layer}': {what}. The training step was abandoned before any parameter or \
+         updater state changed, and the network is still usable; remove NaN and infinite values from the \
+         data, or scale the inputs or lower the learning rate if values overflow"
+    )]
+    NonFinite {
+        /// The layer where the value appeared ("input" for the batch itself, "loss"
+        /// for the output stage).
+        layer: String,
+        /// Which value, where, and what it was.
+        what: String,
+    },
+}
+
+impl From<async_iter::Error> for Error {
+    fn from(error: async_iter::Error) -> Self {
+        Error::Data { source: Box::new(error) }
+    }
+}
+
+impl Error {
+    /// The workspace error inside, if this is one.
+    pub fn as_workspace(&self) -> Option<&workspace_core::Error> {
+        match self {
+            Error::Workspace(error) => Some(error),
+            _ => None,
+        }
+    }
+
+    /// The prefetcher's error inside, if this is a data error that came from one.
+    pub fn as_prefetch(&self) -> Option<&async_iter::Error> {
+        match self {
+            Error::Data { source } => source.downcast_ref(),
+            _ => None,
+        }
+    }
+}
+
+/// The message, as for `Display`: what `main` prints for an error it returns.
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
