@@ -6,8 +6,8 @@ use std::ptr::NonNull;
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix1, Ix2};
 use workspace_core::{
-    ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, LearningPolicy, Scope, SpillPolicy, Workspace,
-    WorkspaceConfig, WorkspaceMode,
+    ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, LearningPolicy, Scope, SpillPolicy, TypedScope,
+    Workspace, WorkspaceConfig, WorkspaceMode,
 };
 
 use crate::{Error, Result};
@@ -472,40 +472,33 @@ impl Network {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
         }
 
-        // Backward: the gradient of each layer's output lives in one of the two
-        // gradient workspaces, the gradient of its input in the other.
-        let mut grad_scope = train[0].enter(ArrayType::ActivationGrad)?;
-        let mut grad: Handle<f32, Ix2> = grad_scope.zeros_handle(probs.raw_dim())?;
-        loss.backward(probs, labels, grad.view_mut(&grad_scope)?)?;
-        let mut parity = 1;
-        for i in (0..layers.len()).rev() {
+        // Backward, from the loss down: the gradient of each layer's output is in one
+        // of the two gradient workspaces, and the layer writes the gradient of its
+        // input into the other (see `Gradient`).
+        let depth = layers.len();
+        let mut grad = Gradient::zeros(&train[0], probs.raw_dim())?;
+        loss.backward(probs, labels, grad.view_mut()?)?;
+        for (i, layer) in layers.iter_mut().enumerate().rev() {
             let layer_input = if i == 0 { x.view() } else { outputs[i - 1].view() };
-            // The first layer's input gradient is not needed.
-            let mut next = match i {
+            // The gradient of the first layer's input is not needed.
+            let mut below = match i {
                 0 => None,
-                _ => {
-                    let scope = train[parity].enter(ArrayType::ActivationGrad)?;
-                    let handle = scope.zeros_handle(layer_input.raw_dim())?;
-                    Some((scope, handle))
-                }
+                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input.raw_dim())?),
             };
             {
                 let working = mgr.enter(ArrayType::BpWorkingMem)?;
                 let ctx = BackwardCtx { working: &working, mgr };
-                let grad_input = match next.as_mut() {
-                    Some((scope, handle)) => Some(handle.view_mut(scope)?),
-                    None => None,
-                };
-                layers[i].backward(layer_input, outputs[i], grad.view(&grad_scope)?, grad_input, &ctx)?;
+                let grad_input = below.as_mut().map(Gradient::view_mut).transpose()?;
+                layer.backward(layer_input, outputs[i], grad.view()?, grad_input, &ctx)?;
             }
-            check_gradients(&mut *layers[i], next.as_ref().map(|(scope, handle)| handle.view(scope)).transpose()?)?;
-            if let Some((scope, handle)) = next {
-                grad = handle;
-                grad_scope = scope; // the consumed gradient's workspace closes here
-                parity ^= 1;
+            check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?)?;
+            match below {
+                // The gradient just consumed closes its workspace here.
+                Some(below) => grad = below,
+                None => break,
             }
         }
-        drop(grad_scope);
+        drop(grad);
 
         {
             let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
@@ -683,6 +676,35 @@ impl Network {
 
 /// Checks the gradients `layer`'s backward pass left: those of its parameters, and
 /// `grad_input`, the gradient of its input.
+/// The gradient flowing down the network in the backward pass: an array in one of the
+/// two gradient workspaces, with the scope that keeps that workspace open.
+///
+/// It is a [`Handle`] and not a view because it moves from one loop iteration to the
+/// next together with its scope, and a view cannot move with the scope it borrows.
+/// Each access through the handle checks the generation, and the views it gives borrow
+/// the scope, so nothing outlives the workspace's cycle.
+struct Gradient {
+    scope: TypedScope,
+    array: Handle<f32, Ix2>,
+}
+
+impl Gradient {
+    /// Zeros of `shape` in `mgr`'s gradient workspace.
+    fn zeros(mgr: &LayerWorkspaceMgr, shape: Ix2) -> Result<Gradient> {
+        let scope = mgr.enter(ArrayType::ActivationGrad)?;
+        let array = scope.zeros_handle(shape)?;
+        Ok(Gradient { scope, array })
+    }
+
+    fn view(&self) -> Result<ArrayView2<'_, f32>> {
+        Ok(self.array.view(&self.scope)?)
+    }
+
+    fn view_mut(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        Ok(self.array.view_mut(&self.scope)?)
+    }
+}
+
 fn check_gradients(layer: &mut dyn Layer, grad_input: Option<ArrayView2<'_, f32>>) -> Result<()> {
     if let Some(grad_input) = grad_input {
         finite::check_matrix(layer.name(), "the gradient of its input", grad_input)?;
