@@ -1,0 +1,262 @@
+//! The network's configuration, its builder, and the workspaces it trains and infers in.
+
+use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, SpillPolicy, WorkspaceConfig, WorkspaceMode};
+
+#[cfg(doc)]
+use super::Network;
+use crate::{Error, Result};
+
+use super::super::dense::Dense;
+use super::super::layer::Layer;
+use super::super::relu::Relu;
+use super::super::updater::Updater;
+
+/// Workspace names, as DL4J calls them.
+pub mod names {
+    /// Input and every layer's activations, kept for the backward pass.
+    pub const ALL_LAYERS_ACT: &str = "WS_ALL_LAYERS_ACT";
+    /// Per-layer forward and backward scratch, reset after each layer.
+    pub const LAYER_WORKING_MEM: &str = "WS_LAYER_WORKING_MEM";
+    /// Gradients with respect to layer inputs, alternating with [`ACT_GRAD_2`].
+    pub const ACT_GRAD_1: &str = "WS_LAYER_ACT_GRAD_1";
+    /// Gradients with respect to layer inputs, alternating with [`ACT_GRAD_1`].
+    pub const ACT_GRAD_2: &str = "WS_LAYER_ACT_GRAD_2";
+    /// The updater's per-step scratch.
+    pub const UPDATER_WORKING_MEM: &str = "WS_UPDATER_WORKING_MEM";
+    /// Activations during inference.
+    pub const INFERENCE_ACT: &str = "WS_INFERENCE_ACT";
+}
+
+/// The configuration of a [`Network`]: its layers (the last one produces the class
+/// scores, followed by softmax cross-entropy), seed, updater and workspace modes.
+pub struct NetworkConfig {
+    pub(super) inputs: usize,
+    pub(super) layers: Vec<Box<dyn Layer>>,
+    pub(super) seed: u64,
+    pub(super) updater: Updater,
+    pub(super) training_workspace_mode: WorkspaceMode,
+    pub(super) inference_workspace_mode: WorkspaceMode,
+}
+
+impl std::fmt::Debug for NetworkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetworkConfig")
+            .field("inputs", &self.inputs)
+            .field("layers", &self.layers.iter().map(|l| l.name()).collect::<Vec<_>>())
+            .field("seed", &self.seed)
+            .field("updater", &self.updater)
+            .field("training_workspace_mode", &self.training_workspace_mode)
+            .field("inference_workspace_mode", &self.inference_workspace_mode)
+            .finish()
+    }
+}
+
+/// Builder of a [`NetworkConfig`].
+///
+/// ```
+/// use carve::nn::{NetworkConfig, Updater};
+/// use carve::WorkspaceMode;
+///
+/// let config = NetworkConfig::builder(64)
+///     .dense(128)
+///     .relu()
+///     .dense(10)
+///     .seed(7)
+///     .updater(Updater::adam(1e-3))
+///     .training_workspace_mode(WorkspaceMode::Enabled)
+///     .inference_workspace_mode(WorkspaceMode::Enabled)
+///     .build()?;
+/// let mut net = carve::nn::Network::new(config)?;
+/// let x = carve::ndarray::Array2::<f32>::ones((4, 64));
+/// let y = carve::ndarray::Array1::<u32>::from(vec![0, 1, 2, 3]);
+/// let loss = net.fit_batch(x.view(), y.view())?;
+/// assert!(loss.is_finite());
+/// assert_eq!(net.output(x.view())?.shape(), &[4, 10]);
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub struct NetworkConfigBuilder {
+    inputs: usize,
+    width: usize,
+    layers: Vec<Box<dyn Layer>>,
+    seed: u64,
+    updater: Updater,
+    training_workspace_mode: WorkspaceMode,
+    inference_workspace_mode: WorkspaceMode,
+    error: Option<Error>,
+}
+
+impl NetworkConfig {
+    /// A builder for a network taking `inputs` columns.
+    pub fn builder(inputs: usize) -> NetworkConfigBuilder {
+        NetworkConfigBuilder {
+            inputs,
+            width: inputs,
+            layers: Vec::new(),
+            seed: 0,
+            updater: Updater::default(),
+            training_workspace_mode: WorkspaceMode::Enabled,
+            inference_workspace_mode: WorkspaceMode::Enabled,
+            error: None,
+        }
+    }
+}
+
+impl NetworkConfigBuilder {
+    /// Appends a layer (a user's custom layer, or one of [`Dense`], [`Relu`]).
+    ///
+    /// A layer that cannot take the current width, or that produces no columns, makes
+    /// [`NetworkConfigBuilder::build`] fail.
+    pub fn layer(mut self, layer: impl Layer + 'static) -> Self {
+        if self.error.is_none() {
+            match layer.output_size(self.width) {
+                Ok(0) => {
+                    self.error = Some(Error::InvalidConfig {
+                        reason: format!(
+                            "layer '{}' (layer {} of the network) produces 0 columns; every layer needs at \
+                             least one output column",
+                            layer.name(),
+                            self.layers.len()
+                        ),
+                    })
+                }
+                Ok(width) => self.width = width,
+                Err(e) => self.error = Some(e),
+            }
+        }
+        self.layers.push(Box::new(layer));
+        self
+    }
+
+    /// Appends a [`Dense`] layer with `outputs` columns, taking the current width. It
+    /// is named after its position: `dense_0` for the first layer, and so on.
+    pub fn dense(mut self, outputs: usize) -> Self {
+        let name = format!("dense_{}", self.layers.len());
+        match Dense::try_named(&name, self.width, outputs) {
+            Ok(dense) => self.layer(dense),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
+    }
+
+    /// Appends a [`Relu`], named after its position like the dense layers (`relu_1`
+    /// after `dense_0`), so that a message names the one that failed.
+    pub fn relu(self) -> Self {
+        let name = format!("relu_{}", self.layers.len());
+        self.layer(Relu::named(&name))
+    }
+
+    /// Seed of weight initialisation.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// The updater.
+    pub fn updater(mut self, updater: Updater) -> Self {
+        self.updater = updater;
+        self
+    }
+
+    /// Workspaces during `fit`.
+    pub fn training_workspace_mode(mut self, mode: WorkspaceMode) -> Self {
+        self.training_workspace_mode = mode;
+        self
+    }
+
+    /// Workspaces during `output` and `evaluate`.
+    pub fn inference_workspace_mode(mut self, mode: WorkspaceMode) -> Self {
+        self.inference_workspace_mode = mode;
+        self
+    }
+
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for no inputs, no layers, a layer that produces no
+    /// columns, a dense layer too large to allocate, fewer than two classes or a bad
+    /// learning rate; [`Error::ShapeMismatch`] when a layer cannot take the previous
+    /// layer's width.
+    pub fn build(self) -> Result<NetworkConfig> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let invalid = |reason: String| Err(Error::InvalidConfig { reason });
+        if self.inputs == 0 {
+            return invalid("a network needs at least one input column".into());
+        }
+        if self.layers.is_empty() {
+            return invalid("a network needs at least one layer".into());
+        }
+        if self.width < 2 {
+            return invalid(format!(
+                "the last layer produces {} column(s); softmax cross-entropy needs at least 2 classes",
+                self.width
+            ));
+        }
+        let lr = match self.updater {
+            Updater::Sgd { learning_rate, .. } | Updater::Adam { learning_rate, .. } => learning_rate,
+        };
+        if !(lr.is_finite() && lr > 0.0) {
+            return invalid(format!("learning rate {lr} must be finite and positive"));
+        }
+        Ok(NetworkConfig {
+            inputs: self.inputs,
+            layers: self.layers,
+            seed: self.seed,
+            updater: self.updater,
+            training_workspace_mode: self.training_workspace_mode,
+            inference_workspace_mode: self.inference_workspace_mode,
+        })
+    }
+}
+
+/// The configuration of every network workspace: sized from the largest of the
+/// first 16 cycles (working memory and gradient workspaces see cycles of different
+/// sizes within one iteration, as DL4J's `cyclesBeforeInitialization` accounts for),
+/// growing once more if a later cycle is larger (a bigger batch), never shrinking.
+/// Fixed, so that networks of any depth share the workspaces of their thread.
+pub fn workspace_config() -> WorkspaceConfig {
+    WorkspaceConfig::builder()
+        .learning(LearningPolicy::OverTime { cycles: 16 })
+        .spill(SpillPolicy::Reallocate)
+        .build()
+        .expect("a valid workspace configuration")
+}
+
+/// Training-time workspace managers: two, differing only in where input gradients
+/// go, so that a layer's input gradient and its output gradient are in different
+/// workspaces and the older one can be reset as soon as it is consumed.
+pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
+    if mode == WorkspaceMode::None {
+        return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
+    }
+    let config = workspace_config();
+    let base = |grad: &str| {
+        LayerWorkspaceMgr::builder()
+            .with(ArrayType::Input, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::Activations, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::FfCache, names::ALL_LAYERS_ACT, config.clone())
+            .with(ArrayType::ActivationGrad, grad, config.clone())
+            .with(ArrayType::UpdaterWorkingMem, names::UPDATER_WORKING_MEM, config.clone())
+            .default_workspace(names::LAYER_WORKING_MEM, config.clone())
+            .build()
+    };
+    Ok([base(names::ACT_GRAD_1)?, base(names::ACT_GRAD_2)?])
+}
+
+pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
+    if mode == WorkspaceMode::None {
+        return Ok(LayerWorkspaceMgr::no_workspaces());
+    }
+    let config = workspace_config();
+    LayerWorkspaceMgr::builder()
+        .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
+        .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())
+        .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())
+        .default_workspace(names::LAYER_WORKING_MEM, config)
+        .build()
+        .map_err(Error::from)
+}

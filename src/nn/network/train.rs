@@ -1,0 +1,234 @@
+//! Training: one step on a batch, an epoch from a prefetcher, an epoch from slices.
+
+use std::ptr::NonNull;
+
+use async_iter::{BatchSource, Prefetcher};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Ix1, Ix2};
+use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
+
+use crate::{Error, Result};
+
+use super::super::finite;
+use super::super::layer::{BackwardCtx, ForwardCtx, Layer};
+use super::Network;
+
+impl Network {
+    /// One training iteration on a batch: forward, loss, backward, update. Returns
+    /// the batch's mean loss (before the update).
+    ///
+    /// With workspaces enabled, a steady-state call makes no heap allocation.
+    ///
+    /// # Errors
+    ///
+    /// Shape and label errors; workspace errors; [`WrongLocation`](workspace_core::Error::WrongLocation) when a
+    /// layer returns activations that are not in the activations workspace;
+    /// [`Error::InvalidInput`] or [`Error::ShapeMismatch`] when a layer's parameters
+    /// are not those it had when the network was built (then no parameter is updated);
+    /// [`Error::NonFinite`], naming the layer, when a value of the step is not finite
+    /// (NaN or infinite): an input element ("input"), a layer's output, the gradient
+    /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
+    /// value the updater would store. After an error the network is unchanged (its
+    /// parameters and its updater's state are as they were before the call) and usable.
+    pub fn fit_batch(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
+        self.check_batch(&x, Some(&labels))?;
+        // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
+        // it, the loss clamps it, and the parameters would silently become NaN.
+        finite::check_matrix("input", "the batch", x.view())?;
+        let Network { layers, loss, updater, train, .. } = self;
+        let mgr = &train[0];
+        train[0].reset_peaks();
+        train[1].reset_peaks();
+
+        let act = mgr.enter(ArrayType::Activations)?;
+        // The list of activations lives in the activations workspace too.
+        let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
+        let mut input = x.view();
+        for layer in layers.iter_mut() {
+            let working = mgr.enter(ArrayType::FfWorkingMem)?;
+            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
+            let y = layer.forward(input, &ctx)?;
+            mgr.validate(ArrayType::Activations, layer.name(), &y)?;
+            finite::check_matrix(layer.name(), "its output", y.view())?;
+            outputs.push(y);
+            input = y;
+        }
+        let probs = loss.probabilities(input, &act)?;
+        let batch_loss = loss.loss(probs, labels)?;
+        if !batch_loss.is_finite() {
+            return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
+        }
+
+        // Backward, from the loss down: the gradient of each layer's output is in one
+        // of the two gradient workspaces, and the layer writes the gradient of its
+        // input into the other (see `Gradient`).
+        let depth = layers.len();
+        let mut grad = Gradient::zeros(&train[0], probs.raw_dim())?;
+        loss.backward(probs, labels, grad.view_mut()?)?;
+        for (i, layer) in layers.iter_mut().enumerate().rev() {
+            let layer_input = if i == 0 { x.view() } else { outputs[i - 1].view() };
+            // The gradient of the first layer's input is not needed.
+            let mut below = match i {
+                0 => None,
+                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input.raw_dim())?),
+            };
+            {
+                let working = mgr.enter(ArrayType::BpWorkingMem)?;
+                let ctx = BackwardCtx { working: &working, mgr };
+                let grad_input = below.as_mut().map(Gradient::view_mut).transpose()?;
+                layer.backward(layer_input, outputs[i], grad.view()?, grad_input, &ctx)?;
+            }
+            check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?)?;
+            match below {
+                // The gradient just consumed closes its workspace here.
+                Some(below) => grad = below,
+                None => break,
+            }
+        }
+        drop(grad);
+
+        {
+            let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
+            updater.apply(layers, &working)?;
+        }
+        drop(outputs);
+        drop(act);
+        self.last_workspace_bytes = self.sum_over_training_workspaces(|ws| ws.peak_bytes());
+        self.iterations += 1;
+        Ok(batch_loss)
+    }
+
+    /// Trains one epoch on the batches of a [`Prefetcher`]: every remaining batch of
+    /// its current epoch, each used in place in the prefetch ring (features
+    /// `(rows, inputs)` of `f32`, labels `(rows,)` of `u32`, as
+    /// [`InMemory`](async_iter::InMemory) gives them). Returns the mean of the batch
+    /// losses.
+    ///
+    /// At the end of the epoch the prefetcher is [reset](Prefetcher::reset), so that
+    /// the next epoch's first batches are filled while the caller evaluates or logs;
+    /// call `fit` again for the next epoch.
+    ///
+    /// ```
+    /// use carve::async_iter::{InMemory, Prefetcher};
+    /// use carve::nn::{NetworkConfig, Network};
+    /// use carve::ndarray::{Array1, Array2};
+    ///
+    /// let x = Array2::from_shape_fn((96, 4), |(r, c)| ((r * 7 + c * 3) % 11) as f32 / 11.0);
+    /// let y = Array1::from_shape_fn(96, |r| (r % 3) as u32);
+    /// let mut net = Network::new(NetworkConfig::builder(4).dense(16).relu().dense(3).build()?)?;
+    /// let mut batches = Prefetcher::builder(InMemory::new(x, y, 32)?.shuffled(1)).build()?;
+    /// let first = net.fit(&mut batches)?;
+    /// for _ in 0..20 {
+    ///     net.fit(&mut batches)?; // one epoch each, the ring reused
+    /// }
+    /// assert!(net.fit(&mut batches)? < first);
+    /// assert_eq!(net.iterations(), 22 * 3);
+    /// assert_eq!(batches.stats().ring_growths, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Data`] wrapping the prefetcher's [`async_iter::Error`] (a source
+    /// error or panic, at its batch; a batch without `f32` features of two dimensions
+    /// or `u32` labels of one); the first error of [`Network::fit_batch`]. An epoch
+    /// with no batches is [`Error::InvalidInput`]. After an error the prefetcher is
+    /// where the error left it: call `reset()` on it to start the epoch again.
+    pub fn fit<S, B>(&mut self, batches: &mut Prefetcher<S, B>) -> Result<f32>
+    where
+        S: BatchSource,
+        B: ArenaBackend + 'static,
+        B::Block: Block<Base = NonNull<u8>>,
+    {
+        let data = Error::from;
+        let (mut total, mut count) = (0.0f64, 0usize);
+        while let Some(batch) = batches.next() {
+            let batch = batch.map_err(data)?;
+            let x = batch.features::<f32, Ix2>().map_err(data)?;
+            let y = batch.labels::<u32, Ix1>().map_err(data)?;
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput(format!(
+                "fit was given an epoch with no batches (epoch {} of the prefetcher had ended; fit resets it after \
+                 each epoch it trains, so reset it once if you consumed an epoch yourself)",
+                batches.epoch()
+            )));
+        }
+        batches.reset().map_err(data)?;
+        Ok((total / count as f64) as f32)
+    }
+
+    /// Trains on every `(features, labels)` pair of `batches` once, in the caller's
+    /// memory (no prefetching); returns the mean of the batch losses.
+    ///
+    /// # Errors
+    ///
+    /// The first error of [`Network::fit_batch`]; an empty iterator is
+    /// [`Error::InvalidInput`].
+    pub fn fit_iter<'d, I>(&mut self, batches: I) -> Result<f32>
+    where
+        I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
+    {
+        let (mut total, mut count) = (0.0f64, 0usize);
+        for (x, y) in batches {
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
+        }
+        Ok((total / count as f64) as f32)
+    }
+}
+
+/// The gradient flowing down the network in the backward pass: an array in one of the
+/// two gradient workspaces, with the scope that keeps that workspace open.
+///
+/// It is a [`Handle`] and not a view because it moves from one loop iteration to the
+/// next together with its scope, and a view cannot move with the scope it borrows.
+/// Each access through the handle checks the generation, and the views it gives borrow
+/// the scope, so nothing outlives the workspace's cycle.
+struct Gradient {
+    scope: TypedScope,
+    array: Handle<f32, Ix2>,
+}
+
+impl Gradient {
+    /// Zeros of `shape` in `mgr`'s gradient workspace.
+    fn zeros(mgr: &LayerWorkspaceMgr, shape: Ix2) -> Result<Gradient> {
+        let scope = mgr.enter(ArrayType::ActivationGrad)?;
+        let array = scope.zeros_handle(shape)?;
+        Ok(Gradient { scope, array })
+    }
+
+    fn view(&self) -> Result<ArrayView2<'_, f32>> {
+        Ok(self.array.view(&self.scope)?)
+    }
+
+    fn view_mut(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        Ok(self.array.view_mut(&self.scope)?)
+    }
+}
+
+/// Checks the gradients `layer`'s backward pass left: those of its parameters, and
+/// `grad_input`, the gradient of its input.
+fn check_gradients(layer: &mut dyn Layer, grad_input: Option<ArrayView2<'_, f32>>) -> Result<()> {
+    if let Some(grad_input) = grad_input {
+        finite::check_matrix(layer.name(), "the gradient of its input", grad_input)?;
+    }
+    let (mut param, mut bad) = (0, None);
+    layer.params(&mut |p| {
+        if bad.is_none() {
+            bad = finite::first_in_slice(p.grad).map(|(element, value)| (param, element, value));
+        }
+        param += 1;
+    });
+    match bad {
+        None => Ok(()),
+        Some((param, element, value)) => Err(finite::error(
+            layer.name(),
+            format!("the gradient of its parameter {param} (element {element}) is {value}"),
+        )),
+    }
+}
