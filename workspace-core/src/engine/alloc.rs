@@ -114,16 +114,16 @@ impl<B: ArenaBackend> Engine<B> {
                 let base = self.arena_memory(0, size, align)?;
                 self.wrapped.set(true);
                 self.wrap_waste.set(capacity - cursor);
-                self.wraps.set(self.wraps.get() + 1);
+                self.counters.wraps.set(self.counters.wraps.get() + 1);
                 self.advance_to(size);
-                if self.virtual_cursor.get().is_none() && !self.spill_everything.get() {
+                if self.virtual_cursor.get().is_none() && !self.debug.on.get() {
                     self.fast_limit.set(self.open_start.get());
                 }
                 self.count_virtual(size, align);
                 return Ok(base);
             }
         }
-        let learning = self.learning_left.get() > 0;
+        let learning = self.learning.left.get() > 0;
         if !learning && self.config.spill() == SpillPolicy::Fail {
             return Err(self.exhausted(size, align, cursor));
         }
@@ -135,16 +135,16 @@ impl<B: ArenaBackend> Engine<B> {
     /// fixed-size arena (a file mapping) keeps serving its own memory: its contents
     /// are data the program reads back, which a block of its own would not hold.
     fn arena_memory(&self, offset: usize, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        if !self.spill_everything.get() || self.backend.borrow().fixed_size() {
+        if !self.debug.on.get() || self.backend.borrow().fixed_size() {
             if let Some(base) = self.arena_base.get() {
                 return Ok((base, offset));
             }
         }
         let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
         let base = block.base();
-        self.debug_blocks.borrow_mut().push(block);
-        self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
-        self.external_allocations.set(self.external_allocations.get() + 1);
+        self.debug.blocks.borrow_mut().push(block);
+        self.counters.bytes_spilled.set(self.counters.bytes_spilled.get() + size as u64);
+        self.counters.external_allocations.set(self.counters.external_allocations.get() + 1);
         Ok((base, 0))
     }
 
@@ -184,11 +184,11 @@ impl<B: ArenaBackend> Engine<B> {
     /// (see [`ArenaBackend::reserve`]). `None` in every other case, or when the
     /// backend has none to give.
     fn reservation_for(&self, size: usize, align: usize, room: usize) -> Option<B::Block> {
-        let first_learning_spill = self.learning_left.get() > 0
+        let first_learning_spill = self.learning.left.get() > 0
             && self.arena_base.get().is_none()
-            && !self.spill_everything.get()
+            && !self.debug.on.get()
             && align <= self.base_alignment
-            && self.spills.borrow().is_empty();
+            && self.spill.blocks.borrow().is_empty();
         if !first_learning_spill {
             return None;
         }
@@ -197,7 +197,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.backend.borrow_mut().release(block);
             return None;
         }
-        self.reserved.set(true);
+        self.spill.reserved.set(true);
         Some(block)
     }
 
@@ -207,7 +207,7 @@ impl<B: ArenaBackend> Engine<B> {
         // learned into an arena that holds all of it, within the budget.
         let max = self.config.max_size();
         let capacity = self.capacity.get();
-        let need_before = self.spill_need.get();
+        let need_before = self.spill.need.get();
         let need = align_up(need_before, align).and_then(|start| start.checked_add(size));
         if need.and_then(|need| need.checked_add(capacity)).is_none_or(|total| total > max) {
             return Err(Error::BudgetExceeded {
@@ -220,14 +220,14 @@ impl<B: ArenaBackend> Engine<B> {
         }
         let held = capacity + need_before;
         // Room in the current spill block?
-        let fits = self.spill_base.get().filter(|_| align <= self.spill_align.get()).and_then(|base| {
-            let start = align_up(self.spill_cursor.get(), align)?;
+        let fits = self.spill.base.get().filter(|_| align <= self.spill.align.get()).and_then(|base| {
+            let start = align_up(self.spill.cursor.get(), align)?;
             let end = start.checked_add(size)?;
-            (end <= self.spill_limit.get()).then_some((base, start, end))
+            (end <= self.spill.limit.get()).then_some((base, start, end))
         });
         let (base, start) = match fits {
-            Some((base, start, end)) if !self.spill_everything.get() => {
-                self.spill_cursor.set(end);
+            Some((base, start, end)) if !self.debug.on.get() => {
+                self.spill.cursor.set(end);
                 (base, start)
             }
             _ => {
@@ -235,32 +235,32 @@ impl<B: ArenaBackend> Engine<B> {
                 let block = match self.reservation_for(size, align, room) {
                     Some(block) => block,
                     None => {
-                        let chunk = if self.spill_everything.get() {
+                        let chunk = if self.debug.on.get() {
                             size
                         } else {
-                            let doubled = self.spill_held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
+                            let doubled = self.spill.held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
                             doubled.min(room).max(size)
                         };
                         self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
                     }
                 };
                 let base = block.base();
-                self.spill_held.set(self.spill_held.get() + block.len());
-                self.spill_base.set(Some(base));
-                self.spill_align.set(align);
-                self.spill_cursor.set(size);
-                self.spill_limit.set(block.len());
-                self.spills.borrow_mut().push(block);
+                self.spill.held.set(self.spill.held.get() + block.len());
+                self.spill.base.set(Some(base));
+                self.spill.align.set(align);
+                self.spill.cursor.set(size);
+                self.spill.limit.set(block.len());
+                self.spill.blocks.borrow_mut().push(block);
                 (base, 0)
             }
         };
         self.start_virtual();
         self.count_virtual(size, align);
         let need = need.and_then(|need| align_up(need, self.min_align)).unwrap_or(usize::MAX);
-        self.spill_need.set(need);
-        self.spilled_in_use.set(self.spilled_in_use.get() + size);
-        self.bytes_spilled.set(self.bytes_spilled.get() + size as u64);
-        self.external_allocations.set(self.external_allocations.get() + 1);
+        self.spill.need.set(need);
+        self.spill.in_use.set(self.spill.in_use.get() + size);
+        self.counters.bytes_spilled.set(self.counters.bytes_spilled.get() + size as u64);
+        self.counters.external_allocations.set(self.counters.external_allocations.get() + 1);
         Ok((base, start))
     }
 }

@@ -13,8 +13,19 @@
 //! Every view borrows a scope and every scope holds one count, so a count of zero
 //! proves that no view of this cycle is alive. Stored handles carry the generation
 //! they were allocated in and are checked against [`Engine::generation`].
+//!
+//! # Files
+//!
+//! `mod.rs`: the state (the allocation fast path's fields first, then the spill,
+//! debug, learning and statistics state, each a struct of its own) and the accessors;
+//! `alloc.rs`: handing out memory (the fast path, spilling, the budget); `cycle.rs`:
+//! opening and closing cycles, learning and growth; `arena.rs`: replacing and giving
+//! back blocks, `trim`; `stats.rs`: statistics; `tests.rs`: the engine against a
+//! backend that records what it is asked.
 
 mod alloc;
+mod arena;
+mod cycle;
 mod stats;
 
 use std::cell::{Cell, RefCell};
@@ -23,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::backend::{ArenaBackend, Block};
-use crate::config::{LearningPolicy, ResetPolicy, SpillPolicy, WorkspaceConfig};
+use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
 
 pub use stats::WorkspaceStats;
@@ -105,52 +116,75 @@ pub struct Engine<B: ArenaBackend> {
     /// Open scopes (enters, nested enters and borrows). 0 means closed.
     depth: Cell<usize>,
     generation: Cell<u64>,
-    /// Spill blocks of the open cycle, freed at the next reset.
-    spills: RefCell<Vec<B::Block>>,
-    /// Whether the first spill block came from [`ArenaBackend::reserve`] (and may
-    /// become the arena when learning ends).
-    reserved: Cell<bool>,
-    /// Free range `[spill_cursor, spill_limit)` in the last spill block.
-    spill_cursor: Cell<usize>,
-    spill_limit: Cell<usize>,
-    spill_base: Cell<Option<<B::Block as Block>::Base>>,
-    /// Alignment of the last spill block's base.
-    spill_align: Cell<usize>,
-    /// Sum of spill block lengths held now.
-    spill_held: Cell<usize>,
     /// Once anything spilled this cycle: the contiguous size the cycle needs so far.
     virtual_cursor: Cell<Option<usize>>,
-    /// The contiguous size the spills of this cycle need beyond the arena (laid out as
-    /// an arena would lay them out): what the budget counts besides the arena.
-    spill_need: Cell<usize>,
-    /// Debugging aid: memory comes from a block of its own for every allocation. The
-    /// accounting (capacity, cursor, learning, budget, spill policy) runs exactly as
-    /// without it, so every call succeeds or fails as it would; only where the memory
-    /// comes from changes. While on, the arena exists in the accounting only: `arena`
-    /// and `arena_base` are `None` whatever `capacity` says (except for a fixed-size
-    /// arena, which is kept but not handed out).
-    spill_everything: Cell<bool>,
-    /// Spill-everything only: the blocks standing in for arena memory this cycle.
-    debug_blocks: RefCell<Vec<B::Block>>,
-    /// Learning: cycles seen and the largest cycle so far; `None` once learned.
-    learning_left: Cell<u32>,
-    learning_max: Cell<usize>,
-    learned: Cell<Option<usize>>,
-    /// Set by `trim` without learning: the arena size to restore at the next enter.
-    restore_to: Cell<usize>,
-    /// Whether `pending` or `restore_to` needs handling at the next enter.
+    /// Allocations that did not fit in the arena this cycle.
+    spill: Spill<B>,
+    /// Spill-everything and bypass-everything (see [`Debug`]).
+    debug: Debug<B>,
+    /// How the arena's size is learned.
+    learning: Learning,
+    /// Whether `pending` or `learning.restore_to` needs handling at the next enter.
     attention: Cell<bool>,
     /// An error from work done where it could not be reported (closing in `Drop`),
     /// reported by the next `enter`.
     pending: Cell<Option<BackendError>>,
     timeline: RefCell<VecDeque<usize>>,
-    // Statistics.
+    counters: Counters,
+}
+
+/// The spill blocks of the open cycle and the free range in the last one.
+struct Spill<B: ArenaBackend> {
+    /// Spill blocks of the open cycle, freed at the next reset.
+    blocks: RefCell<Vec<B::Block>>,
+    /// Whether the first spill block came from [`ArenaBackend::reserve`] (and may
+    /// become the arena when learning ends).
+    reserved: Cell<bool>,
+    /// Free range `[cursor, limit)` in the last spill block.
+    cursor: Cell<usize>,
+    limit: Cell<usize>,
+    base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Alignment of the last spill block's base.
+    align: Cell<usize>,
+    /// Sum of spill block lengths held now.
+    held: Cell<usize>,
+    /// The contiguous size the spills of this cycle need beyond the arena (laid out as
+    /// an arena would lay them out): what the budget counts besides the arena.
+    need: Cell<usize>,
+    /// Bytes handed out from spill blocks this cycle (as requested, without padding).
+    in_use: Cell<usize>,
+}
+
+/// Debugging aid: memory comes from a block of its own for every allocation. The
+/// accounting (capacity, cursor, learning, budget, spill policy) runs exactly as
+/// without it, so every call succeeds or fails as it would; only where the memory
+/// comes from changes. While on, the arena exists in the accounting only: `arena`
+/// and `arena_base` are `None` whatever `capacity` says (except for a fixed-size
+/// arena, which is kept and keeps serving: its contents are the program's data).
+struct Debug<B: ArenaBackend> {
+    on: Cell<bool>,
+    /// The blocks standing in for arena memory this cycle.
+    blocks: RefCell<Vec<B::Block>>,
+}
+
+/// Learning: cycles left to watch, the largest cycle so far, the size learned.
+struct Learning {
+    left: Cell<u32>,
+    max: Cell<usize>,
+    /// `Some` once learned.
+    learned: Cell<Option<usize>>,
+    /// Set by `trim` without learning: the arena size to restore at the next enter.
+    restore_to: Cell<usize>,
+}
+
+/// Statistics counters over the workspace's life.
+#[derive(Default)]
+struct Counters {
     growth_events: Cell<u64>,
     wraps: Cell<u64>,
     peak: Cell<usize>,
     bytes_spilled: Cell<u64>,
     external_allocations: Cell<u64>,
-    spilled_in_use: Cell<usize>,
     last_cycle_bytes: Cell<usize>,
     /// Cycles that spilled although learning was complete when they began.
     spilled_after_learning: Cell<u64>,
@@ -187,32 +221,29 @@ impl<B: ArenaBackend> Engine<B> {
             wrap_waste: Cell::new(0),
             depth: Cell::new(0),
             generation: Cell::new(0),
-            spills: RefCell::new(Vec::new()),
-            reserved: Cell::new(false),
-            spill_cursor: Cell::new(0),
-            spill_limit: Cell::new(0),
-            spill_base: Cell::new(None),
-            spill_align: Cell::new(0),
-            spill_held: Cell::new(0),
             virtual_cursor: Cell::new(None),
-            spill_need: Cell::new(0),
-            spill_everything: Cell::new(false),
-            debug_blocks: RefCell::new(Vec::new()),
-            learning_left: Cell::new(learning_left),
-            learning_max: Cell::new(0),
-            learned: Cell::new(None),
-            restore_to: Cell::new(0),
+            spill: Spill {
+                blocks: RefCell::new(Vec::new()),
+                reserved: Cell::new(false),
+                cursor: Cell::new(0),
+                limit: Cell::new(0),
+                base: Cell::new(None),
+                align: Cell::new(0),
+                held: Cell::new(0),
+                need: Cell::new(0),
+                in_use: Cell::new(0),
+            },
+            debug: Debug { on: Cell::new(false), blocks: RefCell::new(Vec::new()) },
+            learning: Learning {
+                left: Cell::new(learning_left),
+                max: Cell::new(0),
+                learned: Cell::new(None),
+                restore_to: Cell::new(0),
+            },
             attention: Cell::new(false),
             pending: Cell::new(None),
             timeline: RefCell::new(timeline),
-            growth_events: Cell::new(0),
-            wraps: Cell::new(0),
-            peak: Cell::new(0),
-            bytes_spilled: Cell::new(0),
-            external_allocations: Cell::new(0),
-            spilled_in_use: Cell::new(0),
-            last_cycle_bytes: Cell::new(0),
-            spilled_after_learning: Cell::new(0),
+            counters: Counters::default(),
             config,
         };
         if engine.config.initial_size() > 0 {
@@ -284,10 +315,11 @@ impl<B: ArenaBackend> Engine<B> {
         if self.arena_extent().is_some_and(|(base, len)| test(base, len)) {
             return true;
         }
-        self.spills
+        self.spill
+            .blocks
             .borrow()
             .iter()
-            .chain(self.debug_blocks.borrow().iter())
+            .chain(self.debug.blocks.borrow().iter())
             .any(|block| test(block.base(), block.len()))
     }
 
@@ -307,10 +339,10 @@ impl<B: ArenaBackend> Engine<B> {
     pub fn set_spill_everything(&self, on: bool) -> Result<()> {
         self.require_closed("changing the debug mode")?;
         // Closed, so the fast path is off; `enter` turns it on according to the mode.
-        if on == self.spill_everything.get() {
+        if on == self.debug.on.get() {
             return Ok(());
         }
-        self.spill_everything.set(on);
+        self.debug.on.set(on);
         if on && !self.backend.borrow().fixed_size() {
             // The arena stays in the accounting; its memory is not used meanwhile. (A
             // fixed arena, a file mapping, is kept: its contents and its file lock
@@ -322,7 +354,7 @@ impl<B: ArenaBackend> Engine<B> {
         } else if !on && self.capacity.get() > 0 && self.arena_base.get().is_none() {
             // The size learned or kept while on becomes a real arena again.
             if let Err(source) = self.replace_arena(self.capacity.get()) {
-                self.spill_everything.set(true);
+                self.debug.on.set(true);
                 return Err(self.backend_error(source));
             }
         }
@@ -335,324 +367,6 @@ impl<B: ArenaBackend> Engine<B> {
             0 => Ok(()),
             depth => Err(Error::StillOpen { workspace: self.name.clone(), depth, action }),
         }
-    }
-
-    /// Opens the workspace (new cycle, new generation) or nests in the open one.
-    ///
-    /// # Errors
-    ///
-    /// A backend error recorded while closing the previous cycle (the workspace is
-    /// then left closed and usable with its previous arena), or one from reserving
-    /// the arena after `trim()`.
-    #[inline]
-    pub fn enter(&self) -> Result<Entered> {
-        let depth = self.depth.get();
-        if depth > 0 {
-            self.depth.set(depth + 1);
-            return Ok(Entered::Nested);
-        }
-        if self.attention.get() {
-            self.settle()?;
-        }
-        self.generation.set(self.generation.get() + 1);
-        if self.config.reset() == ResetPolicy::EndOfBuffer {
-            // Scoped workspaces keep these at 0 / false: their cursor restarts at 0.
-            self.open_start.set(self.cursor.get());
-            self.wrapped.set(false);
-            self.wrap_waste.set(0);
-        }
-        self.fast_limit.set(if self.spill_everything.get() { 0 } else { self.capacity.get() });
-        self.depth.set(1);
-        Ok(Entered::Opened)
-    }
-
-    /// Deferred work before opening: report an error recorded while closing, or
-    /// restore the arena after `trim()`.
-    #[cold]
-    #[inline(never)]
-    fn settle(&self) -> Result<()> {
-        self.attention.set(false);
-        if let Some(source) = self.pending.take() {
-            return Err(self.backend_error(source));
-        }
-        let restore = self.restore_to.take();
-        if restore > self.capacity.get() {
-            // Trimmed below the configured size: come back to it.
-            if let Err(source) = self.replace_arena(restore) {
-                self.restore_to.set(restore);
-                self.attention.set(true);
-                return Err(self.backend_error(source));
-            }
-        }
-        Ok(())
-    }
-
-    /// Adds a scope to an already open workspace without nesting a cycle.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotOpen`] when the workspace is closed.
-    pub fn borrow_open(&self, action: &'static str) -> Result<()> {
-        match self.depth.get() {
-            0 => Err(Error::NotOpen { workspace: self.name.clone(), action }),
-            depth => {
-                self.depth.set(depth + 1);
-                Ok(())
-            }
-        }
-    }
-
-    /// Closes one scope; the last one ends the cycle and resets the arena.
-    ///
-    /// Never panics; a failure to grow the arena is reported by the next `enter`.
-    ///
-    /// # Safety
-    ///
-    /// The caller must hold one of the scopes counted by `enter`/`borrow_open` and
-    /// give it up: once the count reaches zero, memory handed out by this cycle is
-    /// reused, so nothing may still refer to it.
-    #[inline(always)]
-    pub unsafe fn exit(&self) {
-        let depth = self.depth.get();
-        debug_assert!(depth > 0, "exit without a matching enter");
-        self.depth.set(depth.saturating_sub(1));
-        if depth == 1 {
-            self.close_cycle();
-        }
-    }
-
-    /// Bytes this cycle needs in one contiguous arena.
-    fn cycle_bytes(&self) -> usize {
-        self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes())
-    }
-
-    /// Arena bytes handed out since the workspace was last opened.
-    fn open_bytes(&self) -> usize {
-        let start = self.open_start.get();
-        let cursor = self.cursor.get();
-        if self.wrapped.get() {
-            (self.capacity.get() - self.wrap_waste.get()).saturating_sub(start) + cursor
-        } else {
-            cursor.saturating_sub(start)
-        }
-    }
-
-    /// Forgets where the cursor was: the arena was replaced or released.
-    fn rewind(&self) {
-        self.cursor.set(0);
-        self.open_start.set(0);
-        self.wrapped.set(false);
-        self.wrap_waste.set(0);
-    }
-
-    #[inline(always)]
-    fn close_cycle(&self) {
-        // The common case: a scoped workspace whose cycle did not spill (so the fast
-        // path is still on and `open_start` is 0), with no timeline to record.
-        if self.plain_close.get() && self.virtual_cursor.get().is_none() {
-            // A cycle counts whole multiples of the alignment wherever it ran (the last
-            // allocation may end unpadded at the end of an arena capped by `max_size`).
-            let bytes = (self.cursor.get() + self.align_mask) & !self.align_mask;
-            self.peak.set(self.peak.get().max(bytes));
-            self.last_cycle_bytes.set(bytes);
-            self.cursor.set(0);
-            self.fast_limit.set(0);
-            if self.learning_left.get() > 0 && bytes > 0 {
-                self.learn(bytes);
-            }
-            return;
-        }
-        self.close_cycle_general();
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn close_cycle_general(&self) {
-        let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
-        let in_use = self.open_bytes() + self.spilled_in_use.get();
-        self.peak.set(self.peak.get().max(in_use));
-        self.last_cycle_bytes.set(bytes);
-        if self.config.timeline_len() > 0 {
-            self.record_timeline(bytes);
-        }
-        // Every spill starts the virtual cursor, so no virtual cursor means no spills.
-        let spilled = self.virtual_cursor.take().is_some();
-        if spilled && self.learning_left.get() == 0 {
-            self.spilled_after_learning.set(self.spilled_after_learning.get() + 1);
-        }
-        self.release_debug_blocks();
-        if self.config.reset() == ResetPolicy::BlockLeft {
-            self.cursor.set(0);
-        }
-        // A cycle that allocated nothing teaches nothing: it does not use up learning.
-        let learning = self.learning_left.get() > 0 && bytes > 0;
-        if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
-            // Before the spills go: the new arena may be the reservation they sit in.
-            self.learn(bytes);
-        }
-        if spilled {
-            self.release_spills();
-        }
-        self.fast_limit.set(0);
-    }
-
-    #[cold]
-    fn record_timeline(&self, bytes: usize) {
-        let mut timeline = self.timeline.borrow_mut();
-        if timeline.len() == self.config.timeline_len() {
-            timeline.pop_front();
-        }
-        timeline.push_back(bytes);
-    }
-
-    /// Learning and Reallocate growth at the end of a cycle that needed `bytes`.
-    #[cold]
-    fn learn(&self, bytes: usize) {
-        let left = self.learning_left.get();
-        let target = if left > 0 {
-            let max = self.learning_max.get().max(bytes);
-            self.learning_max.set(max);
-            self.learning_left.set(left - 1);
-            if left > 1 {
-                return;
-            }
-            self.learned.set(Some(max));
-            self.config.capacity_for(max)
-        } else {
-            let learned = self.learned.get().unwrap_or(0).max(bytes);
-            self.learned.set(Some(learned));
-            self.config.capacity_for(learned)
-        };
-        if target > self.capacity.get() {
-            match self.replace_arena(target) {
-                Ok(()) => self.growth_events.set(self.growth_events.get() + 1),
-                Err(source) => {
-                    self.pending.set(Some(source));
-                    self.attention.set(true);
-                }
-            }
-        }
-    }
-
-    fn release_debug_blocks(&self) {
-        let mut blocks = self.debug_blocks.borrow_mut();
-        if !blocks.is_empty() {
-            let mut backend = self.backend.borrow_mut();
-            for block in blocks.drain(..) {
-                backend.release(block);
-            }
-        }
-    }
-
-    fn release_spills(&self) {
-        let mut spills = self.spills.borrow_mut();
-        let mut backend = self.backend.borrow_mut();
-        for block in spills.drain(..) {
-            backend.release(block);
-        }
-        self.reserved.set(false);
-        self.spill_held.set(0);
-        self.spill_need.set(0);
-        self.spilled_in_use.set(0);
-        self.spill_cursor.set(0);
-        self.spill_limit.set(0);
-        self.spill_base.set(None);
-    }
-
-    /// Reserves a new arena of `size` bytes, then gives the old one back. Only while
-    /// closed (nothing refers to the old arena).
-    fn replace_arena(&self, size: usize) -> Result<(), BackendError> {
-        debug_assert_eq!(self.depth.get(), 0);
-        let mut backend = self.backend.borrow_mut();
-        if self.spill_everything.get() {
-            // The arena exists in the accounting only (see `spill_everything`).
-            if let Some(reservation) = self.take_reservation() {
-                backend.release(reservation);
-            }
-            if let Some(old) = self.arena.borrow_mut().take() {
-                backend.release(old);
-            }
-            self.arena_base.set(None);
-            self.capacity.set(size);
-            self.rewind();
-            return Ok(());
-        }
-        let block = match self.take_reservation() {
-            // The first cycle's reservation becomes the arena: the pages that cycle
-            // touched are the ones every later cycle reuses.
-            Some(reservation) => match backend.adopt(reservation, size) {
-                Ok(block) => block,
-                Err(reservation) => {
-                    backend.release(reservation);
-                    backend.allocate_arena(size, self.base_alignment)?
-                }
-            },
-            None => backend.allocate_arena(size, self.base_alignment)?,
-        };
-        self.arena_base.set(Some(block.base()));
-        self.capacity.set(block.len());
-        self.rewind();
-        if let Some(old) = self.arena.borrow_mut().replace(block) {
-            backend.release(old);
-        }
-        Ok(())
-    }
-
-    /// Takes the reservation out of the spill blocks, if the first one is one. Only
-    /// while closed: nothing of the cycle that spilled into it is alive.
-    fn take_reservation(&self) -> Option<B::Block> {
-        if !self.reserved.replace(false) {
-            return None;
-        }
-        let mut spills = self.spills.borrow_mut();
-        debug_assert!(!spills.is_empty(), "a reservation is the first spill block");
-        (!spills.is_empty()).then(|| spills.remove(0))
-    }
-
-    /// Gives memory back: spill blocks, and the arena down to `min_size` (a file
-    /// mapping keeps its arena). Learning starts again, so the next cycles re-learn
-    /// the size; without learning the arena comes back at its configured size on the
-    /// next enter.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`] while a scope is open; [`Error::Backend`] when the
-    /// `min_size` arena cannot be reserved.
-    pub fn trim(&self) -> Result<()> {
-        self.require_closed("trim()")?;
-        self.release_spills();
-        if self.backend.borrow().fixed_size() {
-            return Ok(());
-        }
-        let min = self.config.min_size();
-        if min > 0 {
-            let max = self.config.max_size();
-            let size = align_up(min, self.config.alignment()).filter(|&s| s <= max).unwrap_or(min);
-            if size != self.capacity.get() {
-                self.replace_arena(size).map_err(|e| self.backend_error(e))?;
-            }
-        } else {
-            if let Some(old) = self.arena.borrow_mut().take() {
-                self.backend.borrow_mut().release(old);
-            }
-            self.arena_base.set(None);
-            self.capacity.set(0);
-            self.rewind();
-            self.fast_limit.set(0);
-        }
-        let left = match self.config.learning() {
-            LearningPolicy::None => 0,
-            LearningPolicy::FirstLoop => 1,
-            LearningPolicy::OverTime { cycles } => cycles,
-        };
-        self.learning_left.set(left);
-        self.learning_max.set(0);
-        self.learned.set(None);
-        if left == 0 {
-            self.restore_to.set(self.initial_capacity());
-            self.attention.set(true);
-        }
-        Ok(())
     }
 }
 
@@ -687,229 +401,4 @@ impl<B: ArenaBackend> std::fmt::Debug for Engine<B> {
 }
 
 #[cfg(test)]
-mod tests {
-    //! The first learning cycle's reservation, against a backend that records what
-    //! the engine asks of it (the engine never touches memory, so its blocks are
-    //! plain numbers).
-
-    use std::sync::{Arc, Mutex};
-
-    use super::*;
-    use crate::config::{AllocationPolicy, LearningPolicy};
-
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    enum Kind {
-        Arena,
-        Spill,
-        Reserved,
-    }
-
-    #[derive(Debug)]
-    struct FakeBlock {
-        base: usize,
-        len: usize,
-        kind: Kind,
-    }
-
-    // SAFETY: the engine never dereferences a base (it deals in offsets) and these
-    // tests only compare the numbers, so fake addresses describe no memory anyone touches.
-    unsafe impl Block for FakeBlock {
-        type Base = usize;
-        fn base(&self) -> usize {
-            self.base
-        }
-        fn len(&self) -> usize {
-            self.len
-        }
-    }
-
-    /// What the engine asked for, in order.
-    #[derive(Debug, Clone, PartialEq, Eq)]
-    enum Call {
-        Arena(usize),
-        Spill(usize),
-        Reserve { at_least: usize },
-        Adopt { base: usize, bytes: usize },
-        Release(Kind, usize),
-    }
-
-    struct Recording {
-        calls: Arc<Mutex<Vec<Call>>>,
-        /// Length of the reservations handed out; `None`: the backend has none.
-        reservation: Option<usize>,
-        next_base: usize,
-    }
-
-    impl Recording {
-        fn block(&mut self, len: usize, kind: Kind) -> FakeBlock {
-            self.next_base += 1 << 32;
-            FakeBlock { base: self.next_base, len, kind }
-        }
-    }
-
-    // SAFETY: as for `FakeBlock`: the blocks are numbers the tests compare, never memory.
-    unsafe impl ArenaBackend for Recording {
-        type Block = FakeBlock;
-        fn kind(&self) -> &'static str {
-            "recording"
-        }
-        fn base_alignment(&self) -> usize {
-            4096
-        }
-        fn allocate_arena(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
-            self.calls.lock().unwrap().push(Call::Arena(bytes));
-            Ok(self.block(bytes, Kind::Arena))
-        }
-        fn allocate_spill(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
-            self.calls.lock().unwrap().push(Call::Spill(bytes));
-            Ok(self.block(bytes, Kind::Spill))
-        }
-        fn reserve(&mut self, at_least: usize, _at_most: usize, _align: usize) -> Option<FakeBlock> {
-            let len = self.reservation?;
-            self.calls.lock().unwrap().push(Call::Reserve { at_least });
-            Some(self.block(len, Kind::Reserved))
-        }
-        fn adopt(&mut self, block: FakeBlock, bytes: usize) -> Result<FakeBlock, FakeBlock> {
-            self.calls.lock().unwrap().push(Call::Adopt { base: block.base, bytes });
-            if block.kind == Kind::Reserved && bytes <= block.len {
-                Ok(FakeBlock { base: block.base, len: bytes, kind: Kind::Arena })
-            } else {
-                Err(block)
-            }
-        }
-        fn release(&mut self, block: FakeBlock) {
-            self.calls.lock().unwrap().push(Call::Release(block.kind, block.len));
-        }
-    }
-
-    fn engine(config: WorkspaceConfig, reservation: Option<usize>) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>) {
-        let calls = Arc::new(Mutex::new(Vec::new()));
-        let backend = Recording { calls: calls.clone(), reservation, next_base: 0 };
-        (Engine::new("R", config, backend).unwrap(), calls)
-    }
-
-    fn take(calls: &Mutex<Vec<Call>>) -> Vec<Call> {
-        std::mem::take(&mut *calls.lock().unwrap())
-    }
-
-    fn strict() -> crate::config::WorkspaceConfigBuilder {
-        WorkspaceConfig::builder().allocation(AllocationPolicy::Strict)
-    }
-
-    /// One cycle allocating `sizes` bytes; returns (base, offset) of each.
-    fn cycle(e: &Engine<Recording>, sizes: &[usize]) -> Vec<(usize, usize)> {
-        e.enter().unwrap();
-        let placed = sizes.iter().map(|&n| e.alloc(n, 8).unwrap()).collect();
-        // SAFETY: the scope counted by `enter` above; nothing refers to the memory.
-        unsafe { e.exit() };
-        placed
-    }
-
-    #[test]
-    fn the_first_cycle_runs_in_a_reservation_that_becomes_the_arena() {
-        let (e, calls) = engine(strict().build().unwrap(), Some(1 << 20));
-        let first = cycle(&e, &[100, 5000, 64]);
-        // All three in the one reservation, packed at the engine's alignment (64).
-        let base = first[0].0;
-        assert_eq!(first, vec![(base, 0), (base, 128), (base, 5184)]);
-        assert_eq!(
-            take(&calls),
-            vec![Call::Reserve { at_least: 100 }, Call::Adopt { base, bytes: 5248 }],
-            "no arena allocated, nothing released: the reservation is the arena"
-        );
-        assert_eq!(e.capacity(), 5248);
-        assert_eq!(e.arena_extent(), Some((base, 5248)));
-        let stats = e.stats();
-        assert_eq!((stats.bytes_spilled, stats.external_allocations, stats.learned_size), (5164, 3, Some(5248)));
-        // The second cycle reuses the same memory from the arena, asking for nothing.
-        assert_eq!(cycle(&e, &[100, 5000, 64]), first);
-        assert!(take(&calls).is_empty());
-        assert_eq!(e.stats().external_allocations, 3);
-    }
-
-    #[test]
-    fn a_first_cycle_larger_than_the_reservation_gets_a_fresh_arena() {
-        let (e, calls) = engine(strict().build().unwrap(), Some(8192));
-        let first = cycle(&e, &[4096, 4096, 10_000]);
-        assert_eq!(first[0].0, first[1].0, "the first two fit in the reservation");
-        assert_ne!(first[2].0, first[0].0, "the third spills to a chunk");
-        assert_eq!(
-            take(&calls),
-            vec![
-                Call::Reserve { at_least: 4096 },
-                // Chunks start at 64 KiB.
-                Call::Spill(64 << 10),
-                Call::Adopt { base: first[0].0, bytes: 18_240 },
-                Call::Release(Kind::Reserved, 8192),
-                Call::Arena(18_240),
-                Call::Release(Kind::Spill, 64 << 10),
-            ]
-        );
-        assert_eq!(e.capacity(), 18_240);
-    }
-
-    #[test]
-    fn learning_over_several_cycles_adopts_only_the_last_reservation() {
-        let config = strict().learning(LearningPolicy::OverTime { cycles: 2 }).build().unwrap();
-        let (e, calls) = engine(config, Some(1 << 20));
-        let one = cycle(&e, &[1000]);
-        assert_eq!(take(&calls), vec![Call::Reserve { at_least: 1000 }, Call::Release(Kind::Reserved, 1 << 20)]);
-        assert_eq!(e.capacity(), 0);
-        let two = cycle(&e, &[3000]);
-        assert_ne!(one[0].0, two[0].0, "each learning cycle has a reservation of its own");
-        assert_eq!(take(&calls), vec![Call::Reserve { at_least: 3000 }, Call::Adopt { base: two[0].0, bytes: 3008 }]);
-        assert_eq!(e.capacity(), 3008);
-    }
-
-    #[test]
-    fn without_learning_or_with_an_arena_nothing_is_reserved() {
-        // No learning: spills go to chunks and are freed at the reset.
-        let config = strict().learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap();
-        let (e, calls) = engine(config, Some(1 << 20));
-        cycle(&e, &[100]);
-        assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Release(Kind::Spill, 64 << 10)]);
-        // An initial arena: learning grows it from chunks as before.
-        let (e, calls) = engine(strict().initial_size(4096).build().unwrap(), Some(1 << 20));
-        assert_eq!(take(&calls), vec![Call::Arena(4096)]);
-        cycle(&e, &[5000]);
-        assert_eq!(
-            take(&calls),
-            vec![
-                Call::Spill(64 << 10),
-                Call::Arena(5056),
-                Call::Release(Kind::Arena, 4096),
-                Call::Release(Kind::Spill, 64 << 10)
-            ]
-        );
-        // Spill-everything (a debugging aid) keeps one block per allocation.
-        let (e, calls) = engine(strict().build().unwrap(), Some(1 << 20));
-        e.set_spill_everything(true).unwrap();
-        cycle(&e, &[100, 200]);
-        let calls = take(&calls);
-        assert_eq!(&calls[..2], &[Call::Spill(100), Call::Spill(200)]);
-        assert!(!calls.iter().any(|c| matches!(c, Call::Reserve { .. } | Call::Adopt { .. })), "{calls:?}");
-    }
-
-    #[test]
-    fn a_backend_without_reservations_learns_from_chunks() {
-        let (e, calls) = engine(strict().build().unwrap(), None);
-        cycle(&e, &[100, 5000]);
-        assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Arena(5184), Call::Release(Kind::Spill, 64 << 10)]);
-    }
-
-    #[test]
-    fn a_reservation_too_small_for_the_first_request_is_given_back() {
-        let (e, calls) = engine(strict().build().unwrap(), Some(4096));
-        cycle(&e, &[10_000]);
-        assert_eq!(
-            take(&calls),
-            vec![
-                Call::Reserve { at_least: 10_000 },
-                Call::Release(Kind::Reserved, 4096),
-                Call::Spill(64 << 10),
-                Call::Arena(10_048),
-                Call::Release(Kind::Spill, 64 << 10),
-            ]
-        );
-    }
-}
+mod tests;

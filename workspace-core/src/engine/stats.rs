@@ -69,18 +69,18 @@ impl<B: ArenaBackend> Engine<B> {
 
     /// Bytes held in spill blocks of the open cycle, freed at the next reset.
     pub fn spilled_in_use(&self) -> usize {
-        self.spilled_in_use.get()
+        self.spill.in_use.get()
     }
 
     /// Largest `bytes_in_use + spilled_in_use` since creation or `reset_peak` (as in
     /// the statistics, without building them).
     pub fn peak(&self) -> usize {
-        self.peak.get().max(self.bytes_in_use() + self.spilled_in_use.get())
+        self.counters.peak.get().max(self.bytes_in_use() + self.spill.in_use.get())
     }
 
     /// Restarts the peak from the bytes in use now.
     pub fn reset_peak(&self) {
-        self.peak.set(self.bytes_in_use() + self.spilled_in_use.get());
+        self.counters.peak.set(self.bytes_in_use() + self.spill.in_use.get());
     }
 
     /// The per-cycle sizes kept for plots, oldest first.
@@ -91,26 +91,26 @@ impl<B: ArenaBackend> Engine<B> {
     /// A statistics snapshot.
     pub fn stats(&self) -> WorkspaceStats {
         let in_use = self.bytes_in_use();
-        let spilled = self.spilled_in_use.get();
+        let spilled = self.spill.in_use.get();
         WorkspaceStats {
             name: self.name.to_string(),
             backend: self.backend_kind(),
             capacity: self.capacity.get(),
             bytes_in_use: in_use,
             spilled_in_use: spilled,
-            peak_bytes: self.peak.get().max(in_use + spilled),
-            bytes_spilled: self.bytes_spilled.get(),
-            external_allocations: self.external_allocations.get(),
+            peak_bytes: self.counters.peak.get().max(in_use + spilled),
+            bytes_spilled: self.counters.bytes_spilled.get(),
+            external_allocations: self.counters.external_allocations.get(),
             pinned_allocations: 0,
             // Every real enter starts a generation; the open one has not completed.
             cycles: self.generation.get() - u64::from(self.depth.get() > 0),
             generation: self.generation.get(),
-            growth_events: self.growth_events.get(),
-            wraps: self.wraps.get(),
-            learned_size: self.learned.get(),
-            last_cycle_bytes: self.last_cycle_bytes.get(),
+            growth_events: self.counters.growth_events.get(),
+            wraps: self.counters.wraps.get(),
+            learned_size: self.learning.learned.get(),
+            last_cycle_bytes: self.counters.last_cycle_bytes.get(),
             open_scopes: self.depth.get(),
-            cycles_spilled_after_learning: self.spilled_after_learning.get(),
+            cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
         }
     }
 }

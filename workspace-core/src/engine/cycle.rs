@@ -1,0 +1,206 @@
+//! Cycles: opening (a new generation) and nesting, closing the last scope, and what
+//! the end of a cycle does: the reset, the statistics, learning and growth.
+
+use super::{align_up, Engine, Entered};
+use crate::backend::ArenaBackend;
+use crate::config::{ResetPolicy, SpillPolicy};
+use crate::error::{Error, Result};
+
+impl<B: ArenaBackend> Engine<B> {
+    /// Opens the workspace (new cycle, new generation) or nests in the open one.
+    ///
+    /// # Errors
+    ///
+    /// A backend error recorded while closing the previous cycle (the workspace is
+    /// then left closed and usable with its previous arena), or one from reserving
+    /// the arena after `trim()`.
+    #[inline]
+    pub fn enter(&self) -> Result<Entered> {
+        let depth = self.depth.get();
+        if depth > 0 {
+            self.depth.set(depth + 1);
+            return Ok(Entered::Nested);
+        }
+        if self.attention.get() {
+            self.settle()?;
+        }
+        self.generation.set(self.generation.get() + 1);
+        if self.config.reset() == ResetPolicy::EndOfBuffer {
+            // Scoped workspaces keep these at 0 / false: their cursor restarts at 0.
+            self.open_start.set(self.cursor.get());
+            self.wrapped.set(false);
+            self.wrap_waste.set(0);
+        }
+        self.fast_limit.set(if self.debug.on.get() { 0 } else { self.capacity.get() });
+        self.depth.set(1);
+        Ok(Entered::Opened)
+    }
+
+    /// Deferred work before opening: report an error recorded while closing, or
+    /// restore the arena after `trim()`.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn settle(&self) -> Result<()> {
+        self.attention.set(false);
+        if let Some(source) = self.pending.take() {
+            return Err(self.backend_error(source));
+        }
+        let restore = self.learning.restore_to.take();
+        if restore > self.capacity.get() {
+            // Trimmed below the configured size: come back to it.
+            if let Err(source) = self.replace_arena(restore) {
+                self.learning.restore_to.set(restore);
+                self.attention.set(true);
+                return Err(self.backend_error(source));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds a scope to an already open workspace without nesting a cycle.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open(&self, action: &'static str) -> Result<()> {
+        match self.depth.get() {
+            0 => Err(Error::NotOpen { workspace: self.name.clone(), action }),
+            depth => {
+                self.depth.set(depth + 1);
+                Ok(())
+            }
+        }
+    }
+
+    /// Closes one scope; the last one ends the cycle and resets the arena.
+    ///
+    /// Never panics; a failure to grow the arena is reported by the next `enter`.
+    ///
+    /// # Safety
+    ///
+    /// The caller must hold one of the scopes counted by `enter`/`borrow_open` and
+    /// give it up: once the count reaches zero, memory handed out by this cycle is
+    /// reused, so nothing may still refer to it.
+    #[inline(always)]
+    pub unsafe fn exit(&self) {
+        let depth = self.depth.get();
+        debug_assert!(depth > 0, "exit without a matching enter");
+        self.depth.set(depth.saturating_sub(1));
+        if depth == 1 {
+            self.close_cycle();
+        }
+    }
+
+    /// Bytes this cycle needs in one contiguous arena.
+    pub(super) fn cycle_bytes(&self) -> usize {
+        self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes())
+    }
+
+    /// Arena bytes handed out since the workspace was last opened.
+    pub(super) fn open_bytes(&self) -> usize {
+        let start = self.open_start.get();
+        let cursor = self.cursor.get();
+        if self.wrapped.get() {
+            (self.capacity.get() - self.wrap_waste.get()).saturating_sub(start) + cursor
+        } else {
+            cursor.saturating_sub(start)
+        }
+    }
+
+    /// Forgets where the cursor was: the arena was replaced or released.
+    pub(super) fn rewind(&self) {
+        self.cursor.set(0);
+        self.open_start.set(0);
+        self.wrapped.set(false);
+        self.wrap_waste.set(0);
+    }
+
+    #[inline(always)]
+    pub(super) fn close_cycle(&self) {
+        // The common case: a scoped workspace whose cycle did not spill (so the fast
+        // path is still on and `open_start` is 0), with no timeline to record.
+        if self.plain_close.get() && self.virtual_cursor.get().is_none() {
+            // A cycle counts whole multiples of the alignment wherever it ran (the last
+            // allocation may end unpadded at the end of an arena capped by `max_size`).
+            let bytes = (self.cursor.get() + self.align_mask) & !self.align_mask;
+            self.counters.peak.set(self.counters.peak.get().max(bytes));
+            self.counters.last_cycle_bytes.set(bytes);
+            self.cursor.set(0);
+            self.fast_limit.set(0);
+            if self.learning.left.get() > 0 && bytes > 0 {
+                self.learn(bytes);
+            }
+            return;
+        }
+        self.close_cycle_general();
+    }
+
+    #[cold]
+    #[inline(never)]
+    pub(super) fn close_cycle_general(&self) {
+        let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
+        let in_use = self.open_bytes() + self.spill.in_use.get();
+        self.counters.peak.set(self.counters.peak.get().max(in_use));
+        self.counters.last_cycle_bytes.set(bytes);
+        if self.config.timeline_len() > 0 {
+            self.record_timeline(bytes);
+        }
+        // Every spill starts the virtual cursor, so no virtual cursor means no spills.
+        let spilled = self.virtual_cursor.take().is_some();
+        if spilled && self.learning.left.get() == 0 {
+            self.counters.spilled_after_learning.set(self.counters.spilled_after_learning.get() + 1);
+        }
+        self.release_debug_blocks();
+        if self.config.reset() == ResetPolicy::BlockLeft {
+            self.cursor.set(0);
+        }
+        // A cycle that allocated nothing teaches nothing: it does not use up learning.
+        let learning = self.learning.left.get() > 0 && bytes > 0;
+        if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
+            // Before the spills go: the new arena may be the reservation they sit in.
+            self.learn(bytes);
+        }
+        if spilled {
+            self.release_spills();
+        }
+        self.fast_limit.set(0);
+    }
+
+    #[cold]
+    pub(super) fn record_timeline(&self, bytes: usize) {
+        let mut timeline = self.timeline.borrow_mut();
+        if timeline.len() == self.config.timeline_len() {
+            timeline.pop_front();
+        }
+        timeline.push_back(bytes);
+    }
+
+    /// Learning and Reallocate growth at the end of a cycle that needed `bytes`.
+    #[cold]
+    pub(super) fn learn(&self, bytes: usize) {
+        let left = self.learning.left.get();
+        let target = if left > 0 {
+            let max = self.learning.max.get().max(bytes);
+            self.learning.max.set(max);
+            self.learning.left.set(left - 1);
+            if left > 1 {
+                return;
+            }
+            self.learning.learned.set(Some(max));
+            self.config.capacity_for(max)
+        } else {
+            let learned = self.learning.learned.get().unwrap_or(0).max(bytes);
+            self.learning.learned.set(Some(learned));
+            self.config.capacity_for(learned)
+        };
+        if target > self.capacity.get() {
+            match self.replace_arena(target) {
+                Ok(()) => self.counters.growth_events.set(self.counters.growth_events.get() + 1),
+                Err(source) => {
+                    self.pending.set(Some(source));
+                    self.attention.set(true);
+                }
+            }
+        }
+    }
+}
