@@ -228,6 +228,11 @@ pub enum Error {
         #[source]
         source: BackendError,
     },
+
+    /// A check for heap allocations failed: the code checked made some, or the counting
+    /// allocator is not installed (see [`alloc_check`](crate::alloc_check)).
+    #[error(transparent)]
+    AllocationCheck(#[from] crate::alloc_check::AllocationError),
 }
 
 /// Errors reported by an [`ArenaBackend`](crate::ArenaBackend).

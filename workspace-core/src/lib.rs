@@ -46,6 +46,8 @@
 
 #[allow(unsafe_code)]
 mod alloc_api;
+#[allow(unsafe_code)]
+pub mod alloc_check;
 mod array_ext;
 #[allow(unsafe_code)]
 pub mod backend;
@@ -63,6 +65,7 @@ mod scope;
 #[allow(unsafe_code)]
 mod workspace;
 
+pub use alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, AllocationReport, CountingAllocator};
 pub use array_ext::WorkspaceArrayExt;
 pub use backend::host::{HostBackend, HostBlock};
 pub use backend::{ArenaBackend, Block};
