@@ -20,7 +20,7 @@ use proptest::prelude::*;
 use workspace_core::WorkspaceMode;
 
 #[global_allocator]
-static GLOBAL: common::Counting = common::Counting;
+static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
 
 /// Bytes of a [`Pattern`] batch of `rows` rows in the ring: `u32` features and `u16`
 /// labels, each rounded up to 64 bytes.

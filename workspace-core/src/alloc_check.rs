@@ -908,13 +908,24 @@ fn write_trace(f: &mut fmt::Formatter<'_>, trace: Option<&[String]>) -> fmt::Res
              check kept its own"
         ),
         Some(lines) => {
-            write!(
-                f,
-                ". The first allocation was made at (innermost first, the allocator's own frames on top; \
-                 `addr2line -Cfipe <object file> <offset>` names each frame):"
-            )?;
+            write!(f, ". The first allocation was made at (innermost first, the allocator's own frames on top):")?;
             for line in lines {
                 write!(f, "\n    {line}")?;
+            }
+            // One command per object file, which names the frames' functions and lines.
+            let mut objects: Vec<&str> = Vec::new();
+            for (object, _) in lines.iter().filter_map(|line| line.rsplit_once(" +")) {
+                if !objects.contains(&object) {
+                    objects.push(object);
+                }
+            }
+            for object in objects {
+                write!(f, "\n  `addr2line -Cfipe {object}")?;
+                for (_, offset) in lines.iter().filter_map(|line| line.rsplit_once(" +")).filter(|(o, _)| *o == object)
+                {
+                    write!(f, " {offset}")?;
+                }
+                write!(f, "` names them")?;
             }
             Ok(())
         }

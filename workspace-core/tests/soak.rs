@@ -9,11 +9,14 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::{scaled, thread_allocs};
-use workspace_core::{AllocationPolicy, DebugMode, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig};
+use common::scaled;
+use workspace_core::{
+    AllocationGuard, AllocationPolicy, CountingAllocator, DebugMode, LearningPolicy, SpillPolicy, Workspace,
+    WorkspaceConfig,
+};
 
 #[global_allocator]
-static GLOBAL: common::Counting = common::Counting;
+static GLOBAL: CountingAllocator = CountingAllocator::system();
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -43,22 +46,22 @@ fn fixed_shape_soak_is_flat_and_allocation_free() {
     let warm_capacity = ws.capacity();
     assert!(warm_capacity > 0);
     let cycles = scaled(10_000);
-    let before = thread_allocs();
+    let guard = AllocationGuard::begin().unwrap();
     let mut sink = 0.0;
     for _ in 0..cycles {
         sink += step(&ws, 32);
     }
-    let allocs = thread_allocs() - before;
-    assert_eq!(allocs, 0, "{allocs} heap allocations over {cycles} steady cycles");
+    let report = guard.finish();
+    assert!(report.is_none(), "over {cycles} steady cycles: {report}");
     assert_eq!(ws.capacity(), warm_capacity, "capacity changed after warm-up");
     let stats = ws.stats();
     assert_eq!(stats.external_allocations, 5, "only the learning cycle spilled (its 5 arrays)");
     assert_eq!(stats.growth_events, 1);
     assert!(sink > 0.0);
     // The counter does count: a plain Vec allocates.
-    let before = thread_allocs();
+    let guard = AllocationGuard::begin().unwrap();
     let v = std::hint::black_box(vec![0u8; 100]);
-    assert_eq!(thread_allocs() - before, 1);
+    assert_eq!(guard.finish().allocations(), 1);
     drop(v);
 }
 

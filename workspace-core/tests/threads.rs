@@ -8,10 +8,10 @@
 mod common;
 
 use common::{live_bytes, scaled};
-use workspace_core::{WorkspaceConfig, WorkspaceManager};
+use workspace_core::{CountingAllocator, WorkspaceConfig, WorkspaceManager};
 
 #[global_allocator]
-static GLOBAL: common::Counting = common::Counting;
+static GLOBAL: CountingAllocator = CountingAllocator::system();
 
 #[test]
 fn short_lived_threads_leave_no_memory_behind() {
