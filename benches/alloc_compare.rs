@@ -24,7 +24,8 @@
 //! Extra variants: `carve_view` (carve's ndarray-view API) and `carve_engine` (the
 //! engine's fast path alone).
 //!
-//! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]`
+//! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]` (from the
+//! repository root or `benches/`; `--help` for the flags).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -35,6 +36,59 @@ use std::process::Command;
 use std::time::Instant;
 
 use carve::{Workspace, WorkspaceConfig};
+use clap::Parser;
+
+// ---------------------------------------------------------------------------------
+// Command line.
+
+/// Allocation benchmark: carve against bumpalo, preallocated buffers, `Vec` on glibc's
+/// malloc, mimalloc and jemalloc, on a small-array workload and a 12 MB training step.
+/// Prints a table per workload (and with --json one JSON line at the end); see
+/// benches/README.md.
+#[derive(Parser, Debug)]
+#[command(name = "alloc_compare")]
+struct Args {
+    /// Print one JSON object with every figure as the last line.
+    #[arg(long)]
+    json: bool,
+    /// Measured rounds per variant (interleaved; the median round is reported).
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = parse_rounds, allow_negative_numbers = true)]
+    rounds: usize,
+    /// Internal: one cold first iteration in this fresh process (VARIANT WORKLOAD).
+    #[arg(long, num_args = 2, value_names = ["VARIANT", "WORKLOAD"], hide = true, conflicts_with = "std_child")]
+    cold_child: Option<Vec<String>>,
+    /// Internal: the `std` variant alone in this fresh process (WORKLOAD ROUNDS PER_ROUND).
+    #[arg(long, num_args = 3, value_names = ["WORKLOAD", "ROUNDS", "PER_ROUND"], hide = true)]
+    std_child: Option<Vec<String>>,
+}
+
+fn parse_rounds(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}' is not a positive integer ({e})")),
+    }
+}
+
+/// A usage error: one line on stderr, exit code 2 (as clap's own errors).
+fn usage_error(message: &str) -> ! {
+    eprintln!("alloc_compare: error: {message} (see --help)");
+    std::process::exit(2);
+}
+
+/// The workload named on a child's command line.
+fn workload(name: &str) -> Workload {
+    match name {
+        "small" => small(),
+        "training" => training(),
+        _ => usage_error(&format!("unknown workload '{name}' (small, training)")),
+    }
+}
+
+/// A count on a child's command line.
+fn count(what: &str, value: &str) -> usize {
+    parse_rounds(value).unwrap_or_else(|e| usage_error(&format!("{what}: {e}")))
+}
 
 // ---------------------------------------------------------------------------------
 // Counting the default allocator's calls on this thread.
@@ -279,7 +333,6 @@ impl Variant for Std {
     }
 }
 
-/// An allocator called directly (not installed as the global allocator).
 /// An allocator called directly (not installed as the global allocator); as with
 /// `Std`, all arrays of an iteration live until it ends.
 struct Direct<A: GlobalAlloc>(&'static str, A, Vec<(*mut u8, Layout)>);
@@ -384,12 +437,13 @@ fn measure(w: &Workload, rounds: usize, per_round: usize) -> BTreeMap<&'static s
 
 /// Runs in a fresh child process: one first iteration on a fresh arena, printed as
 /// "nanoseconds faults".
-fn cold_child(variant: &str, workload: &str) {
-    let w = if workload == "small" { small() } else { training() };
+fn cold_child(variant: &str, workload_name: &str) {
+    let w = workload(workload_name);
     let mut v: Box<dyn Variant> = match variant {
         "carve" => Box::new(Carve(Workspace::new("COLD", WorkspaceConfig::default()).expect("workspace"))),
         "fresh_pages" => Box::new(FreshPages::new(&w)),
-        _ => Box::new(Bumpalo(bumpalo::Bump::new())),
+        "bumpalo" => Box::new(Bumpalo(bumpalo::Bump::new())),
+        _ => usage_error(&format!("unknown cold variant '{variant}' (carve, bumpalo, fresh_pages)")),
     };
     let faults = minor_faults();
     let start = Instant::now();
@@ -406,8 +460,8 @@ fn cold_child(variant: &str, workload: &str) {
 /// (bumpalo releasing its smaller chunks raises both thresholds above the training
 /// step's footprint, and the heap is never trimmed). A program whose loop allocates
 /// with `Vec` alone is measured here.
-fn std_child(workload: &str, rounds: usize, per_round: usize) {
-    let w = if workload == "small" { small() } else { training() };
+fn std_child(workload_name: &str, rounds: usize, per_round: usize) {
+    let w = workload(workload_name);
     let mut v = Std("std", Vec::with_capacity(w.shapes.len()));
     let mut round_ns = Vec::with_capacity(rounds);
     for _ in 0..per_round.max(5) {
@@ -429,25 +483,36 @@ fn std_child(workload: &str, rounds: usize, per_round: usize) {
 
 /// The `std` variant measured by [`std_child`]: (ns per iteration, faults, allocations).
 fn std_isolated(workload: &str, rounds: usize, per_round: usize) -> (f64, f64, f64) {
-    let exe = std::env::current_exe().expect("own path");
-    let out = Command::new(exe)
-        .args(["--std-child", workload, &rounds.to_string(), &per_round.to_string()])
-        .output()
-        .expect("child runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let f: Vec<f64> = text.split_whitespace().map(|f| f.parse().expect("child prints numbers")).collect();
+    let f = child(&["--std-child", workload, &rounds.to_string(), &per_round.to_string()], 3);
     (f[0], f[1], f[2])
+}
+
+/// Runs this program again with `args` and returns the `n` numbers it prints; a child
+/// that fails or prints something else ends this process with its message.
+fn child(args: &[&str], n: usize) -> Vec<f64> {
+    let fail = |why: String| -> ! {
+        eprintln!("alloc_compare: error: the child process `{}` {why}", args.join(" "));
+        std::process::exit(1);
+    };
+    let exe = std::env::current_exe().unwrap_or_else(|e| fail(format!("cannot be started: {e}")));
+    let out = Command::new(exe).args(args).output().unwrap_or_else(|e| fail(format!("cannot be started: {e}")));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        fail(format!("failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let numbers: Vec<f64> = stdout.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+    if numbers.len() != n {
+        fail(format!("printed '{}', not {n} numbers", stdout.trim()));
+    }
+    numbers
 }
 
 /// Median first-iteration time and faults over `samples` fresh processes.
 fn cold(variant: &str, workload: &str, samples: usize) -> (f64, f64) {
-    let exe = std::env::current_exe().expect("own path");
     let mut runs: Vec<(f64, f64)> = (0..samples)
         .map(|_| {
-            let out = Command::new(&exe).args(["--cold-child", variant, workload]).output().expect("child runs");
-            let text = String::from_utf8_lossy(&out.stdout);
-            let mut fields = text.split_whitespace().map(|f| f.parse::<f64>().expect("child prints numbers"));
-            (fields.next().expect("nanoseconds"), fields.next().expect("faults"))
+            let f = child(&["--cold-child", variant, workload], 2);
+            (f[0], f[1])
         })
         .collect();
     runs.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -455,23 +520,27 @@ fn cold(variant: &str, workload: &str, samples: usize) -> (f64, f64) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(i) = args.iter().position(|a| a == "--cold-child") {
-        cold_child(&args[i + 1], &args[i + 2]);
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        // --help and --version print and exit 0, as clap does.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            // clap's message is several lines (context, usage, a tip); its first line says
+            // what is wrong.
+            let text = e.to_string();
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
+            usage_error(first.trim().trim_start_matches("error: "));
+        }
+    };
+    if let Some(child) = &args.cold_child {
+        cold_child(&child[0], &child[1]);
         return;
     }
-    if let Some(i) = args.iter().position(|a| a == "--std-child") {
-        let number = |k: usize| args[i + k].parse().expect("a count");
-        std_child(&args[i + 1], number(2), number(3));
+    if let Some(child) = &args.std_child {
+        std_child(&child[0], count("--std-child ROUNDS", &child[1]), count("--std-child PER_ROUND", &child[2]));
         return;
     }
-    let json = args.iter().any(|a| a == "--json");
-    let rounds = args
-        .iter()
-        .position(|a| a == "--rounds")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
+    let (json, rounds) = (args.json, args.rounds);
 
     let mut report = serde_json::Map::new();
     for (w, per_round) in [(small(), 2000), (training(), 20)] {
