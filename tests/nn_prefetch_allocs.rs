@@ -1,82 +1,25 @@
 //! With workspaces enabled, an epoch of `Network::fit` over a prefetcher allocates the
 //! same whatever its number of batches: nothing per batch, on the training thread or
-//! on the producer thread (a global counter counts both; the constant is the
+//! on the producer thread (carve's counting allocator counts both; the constant is the
 //! per-epoch restart of the producer). With workspaces off the count grows with the
-//! batches, which shows the counter counts. The counter leaves out the harness's
-//! thread (which starts, times and reports the test while it runs), and the binary
-//! holds one test, so that nothing but the code under test is counted.
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+//! batches, which shows the counter counts. The count leaves out the harness's thread
+//! (the process's main thread, which starts, times and reports the test while it runs),
+//! and the binary holds one test, so that nothing but the code under test is counted.
 
 use carve::async_iter::{InMemory, Prefetcher};
 use carve::nn::{Network, NetworkConfig, Updater};
+use carve::workspace_core::alloc_check::{process_counts, Threads};
+use carve::workspace_core::CountingAllocator;
 use carve::WorkspaceMode;
 use ndarray::{Array1, Array2};
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-thread_local! {
-    /// Whether this thread is the harness's: unknown until its first allocation.
-    static HARNESS: Cell<Option<bool>> = const { Cell::new(None) };
-}
-
-/// Counts an allocation unless the harness made it: libtest's main thread starts each
-/// test on a thread of its own and then waits, times and reports; what it allocates
-/// meanwhile is not the code under test's. Never allocates.
-fn count() {
-    let harness = HARNESS
-        .try_with(|harness| match harness.get() {
-            Some(known) => known,
-            None => {
-                let known = is_main_thread();
-                harness.set(Some(known));
-                known
-            }
-        })
-        .unwrap_or(false);
-    if !harness {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-#[cfg(target_os = "linux")]
-fn is_main_thread() -> bool {
-    // SAFETY: gettid takes nothing, cannot fail and touches no memory of ours.
-    let tid = unsafe { libc::gettid() };
-    tid as u32 == std::process::id() // the main thread's id is the process's
-}
-
-#[cfg(not(target_os = "linux"))]
-fn is_main_thread() -> bool {
-    false
-}
-
-// SAFETY: forwards to `System` unchanged; the counter is an atomic and a
-// const-initialised thread-local without destructor, and telling the harness's thread
-// apart is one system call: none of it allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator::system();
+
+/// Heap allocations so far by every thread but the harness's.
+fn allocations() -> u64 {
+    process_counts(Threads::ExceptMain).allocations
+}
 
 /// Allocations per epoch of `fit` (after two warm-up epochs) with `batches` batches.
 fn allocs_per_epoch(mode: WorkspaceMode, batches: usize) -> Vec<u64> {
@@ -100,9 +43,9 @@ fn allocs_per_epoch(mode: WorkspaceMode, batches: usize) -> Vec<u64> {
     }
     (0..4)
         .map(|_| {
-            let before = ALLOCS.load(Ordering::Relaxed);
+            let before = allocations();
             net.fit(&mut prefetcher).unwrap();
-            ALLOCS.load(Ordering::Relaxed) - before
+            allocations() - before
         })
         .collect()
 }

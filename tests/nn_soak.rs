@@ -1,45 +1,18 @@
 //! 10,000 training iterations with workspaces enabled: flat workspace memory and no
-//! heap allocation per iteration after warm-up, counted by a global allocator; with
-//! workspaces off the same loop allocates (proof that the counter counts).
+//! heap allocation per iteration after warm-up, checked with carve's counting allocator
+//! and allocation guard; with workspaces off the same loop allocates (proof that the
+//! guard counts), and so does a custom layer that computes with an owned ndarray result,
+//! which the guard's error names.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::freeze;
+use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, Updater};
+use carve::workspace_core::alloc_check::AllocationKind;
+use carve::workspace_core::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use carve::WorkspaceMode;
-use ndarray::{s, Array1, Array2};
-
-struct Counting;
-
-thread_local! {
-    static THREAD_ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to `System` unchanged; the counter is a const-initialised
-// thread-local, which does not allocate.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = THREAD_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = THREAD_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2, Axis};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn thread_allocs() -> u64 {
-    THREAD_ALLOCS.with(Cell::get)
-}
+static GLOBAL: CountingAllocator = CountingAllocator::system();
 
 /// Scales iteration counts down under valgrind (`CARVE_SOAK_SCALE=10` divides by 10).
 fn scaled(n: usize) -> usize {
@@ -85,14 +58,14 @@ fn ten_thousand_iterations_allocate_nothing_and_stay_flat() {
     let capacity = net.workspace_capacity();
     assert!(capacity > 0);
     let iterations = scaled(10_000);
-    let before = thread_allocs();
+    let guard = AllocationGuard::begin().unwrap();
     let mut last_loss = f32::NAN;
     for i in 0..iterations {
         let (a, b) = batches[i % batches.len()];
         last_loss = net.fit_batch(x.slice(s![a..b, ..]), y.slice(s![a..b])).unwrap();
     }
-    let allocs = thread_allocs() - before;
-    assert_eq!(allocs, 0, "{allocs} heap allocations in {iterations} steady-state iterations");
+    let report = guard.finish();
+    assert!(report.is_none(), "in {iterations} steady-state iterations: {report}");
     assert_eq!(net.workspace_capacity(), capacity, "workspace memory grew after warm-up");
     assert!(last_loss.is_finite() && last_loss < 0.5, "the network did not learn: loss {last_loss}");
     // Evaluation with workspaces allocates nothing either, once its workspaces have
@@ -100,15 +73,127 @@ fn ten_thousand_iterations_allocate_nothing_and_stay_flat() {
     for _ in 0..5 {
         net.evaluate(x.view(), y.view(), 32).unwrap();
     }
-    let before = thread_allocs();
-    let accuracy = net.evaluate(x.view(), y.view(), 32).unwrap();
-    assert_eq!(thread_allocs() - before, 0);
+    let accuracy = assert_no_alloc(|| net.evaluate(x.view(), y.view(), 32)).unwrap();
     assert!(accuracy > 0.9, "accuracy {accuracy}");
 
     // The same loop without workspaces allocates every iteration.
     let mut off = network(WorkspaceMode::None);
     off.fit_batch(x.slice(s![0..16, ..]), y.slice(s![0..16])).unwrap();
-    let before = thread_allocs();
+    let guard = AllocationGuard::begin().unwrap();
     off.fit_batch(x.slice(s![0..16, ..]), y.slice(s![0..16])).unwrap();
-    assert!(thread_allocs() - before >= 10, "WorkspaceMode::None should allocate per array");
+    let report = guard.finish();
+    assert!(report.allocations() >= 10, "WorkspaceMode::None should allocate per array: {report}");
+}
+
+/// A custom layer that centres its input on the batch's column means. `Owned` computes
+/// the means with `sum_axis`, which returns an owned array: a heap allocation per step.
+/// `InWorkspace` sums into working memory.
+#[derive(Clone, Copy, PartialEq)]
+enum Centre {
+    Owned,
+    InWorkspace,
+}
+
+impl Layer for Centre {
+    fn name(&self) -> &str {
+        "centre"
+    }
+
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward<'a>(
+        &mut self,
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let rows = input.nrows() as f32;
+        let mut out = ctx.activations.create::<f32, _>(input.raw_dim())?;
+        out.assign(&input);
+        if *self == Centre::Owned {
+            let means = input.sum_axis(Axis(0)) / rows; // an owned array
+            out -= &means;
+        } else {
+            let mut means = ctx.working.create::<f32, _>(input.ncols())?;
+            for row in input.rows() {
+                means += &row;
+            }
+            means /= rows;
+            out -= &means;
+        }
+        Ok(freeze(out))
+    }
+
+    fn backward(
+        &mut self,
+        _input: ArrayView2<'_, f32>,
+        _output: ArrayView2<'_, f32>,
+        grad_output: ArrayView2<'_, f32>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut grad_input) = grad_input {
+            grad_input.assign(&grad_output); // (the means' share of the gradient left out)
+        }
+        Ok(())
+    }
+}
+
+fn network_with(layer: Centre) -> Network {
+    let config = NetworkConfig::builder(12)
+        .dense(16)
+        .layer(layer)
+        .relu()
+        .dense(4)
+        .seed(5)
+        .training_workspace_mode(WorkspaceMode::Enabled)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+#[test]
+fn a_custom_layer_with_an_owned_ndarray_result_fails_the_check() {
+    let (x, y) = data(32);
+    let step = |net: &mut Network| net.fit_batch(x.view(), y.view()).unwrap();
+
+    // Written against the workspace, the layer keeps the step allocation-free.
+    let mut clean = network_with(Centre::InWorkspace);
+    for _ in 0..3 {
+        step(&mut clean);
+    }
+    let loss = assert_no_alloc(|| step(&mut clean));
+    assert!(loss.is_finite());
+
+    // With `sum_axis`, every step allocates the means (zeroed): 16 f32 columns.
+    let mut owned = network_with(Centre::Owned);
+    for _ in 0..3 {
+        step(&mut owned);
+    }
+    let guard = AllocationGuard::begin().unwrap();
+    for _ in 0..5 {
+        step(&mut owned);
+    }
+    let report = guard.finish();
+    assert_eq!(report.allocations(), 5, "{report}");
+    assert_eq!(report.bytes(), 5 * 16 * 4);
+    assert!(report.samples().iter().all(|s| (s.size, s.kind) == (64, AllocationKind::AllocZeroed)), "{report:?}");
+    let error = carve::Error::from(report.check().unwrap_err());
+    match error.as_workspace() {
+        Some(carve::workspace_core::Error::AllocationCheck(AllocationError::HeapAllocation {
+            allocations: 5,
+            bytes: 320,
+            ..
+        })) => {}
+        _ => panic!("wrong error: {error}"),
+    }
+    let message = error.to_string();
+    assert!(message.starts_with("5 heap allocations (320 bytes) on this thread"), "{message}");
+    assert!(message.contains("`sum_axis`"), "{message}");
+
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assert_no_alloc(|| step(&mut owned))));
+    let payload = caught.expect_err("an allocating step must not pass");
+    let message = payload.downcast_ref::<String>().expect("a formatted message");
+    assert!(message.starts_with("1 heap allocation (64 bytes)"), "{message}");
 }
