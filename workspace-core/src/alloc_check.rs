@@ -88,22 +88,26 @@
 //!   begun, from `#[track_caller]`, free.
 //! - **Opt-in**, [`AllocationGuard::begin_traced`]: the return addresses of the stack of
 //!   the first allocation the guard sees (up to [`TRACE_FRAMES`], Linux with glibc),
-//!   walked by glibc's `backtrace`, which neither allocates nor takes a lock once loaded
-//!   (`begin_traced` loads it, outside the allocator). The report prints each frame as
-//!   its object file and offset, with the `addr2line` command that names the functions
-//!   and lines. Symbolising inside the allocator is what it cannot do: `std::backtrace`
-//!   allocates and takes std's backtrace lock, which this thread may already hold (a
-//!   panic being reported, an error capturing its backtrace), so it could deadlock.
+//!   walked by glibc's `backtrace`, which does not allocate once loaded (`begin_traced`
+//!   loads it, outside the allocator) and takes no lock but, with older unwinders, the
+//!   loader's, which is recursive (a thread allocating while it holds it takes it
+//!   again). The report prints each frame as its object file and offset, with the
+//!   `addr2line` command that names the functions and lines. Symbolising inside the
+//!   allocator is what it cannot do: `std::backtrace` allocates and takes std's
+//!   backtrace lock, which this thread may already hold (a panic being reported, an
+//!   error capturing its backtrace), so it could deadlock.
 //! - **Under a debugger**, any platform: the first allocation a guard sees calls
 //!   `workspace_core::alloc_check::first_allocation_in_guard`, which is never inlined;
-//!   a breakpoint on it (`gdb -ex 'rbreak first_allocation_in_guard' --args <test binary>`)
-//!   stops there with the whole, symbolised stack.
+//!   a breakpoint on it stops there with the whole, symbolised stack: `gdb -ex 'break
+//!   workspace_core::alloc_check::first_allocation_in_guard' -ex run -ex bt --args
+//!   <test binary> <test name>`.
 //!
 //! # Cost and soundness
 //!
 //! The allocator forwards every call to the inner allocator unchanged, and then updates
-//! const-initialised thread-locals without destructors and three relaxed atomics: it
-//! never allocates, never locks and never panics. It is meant for tests and debugging
+//! const-initialised thread-locals without destructors and three relaxed atomics (one
+//! for a free): it never allocates, locks or panics (a traced guard's first allocation
+//! also walks the stack, as above). It is meant for tests and debugging
 //! builds; the atomics are shared by every thread, a cost a release build need not pay.
 //! The counters are the module's, not the allocator instance's: a process has one global
 //! allocator, and a `CountingAllocator` used any other way counts into them too.
@@ -168,8 +172,8 @@ impl<A> CountingAllocator<A> {
 // returns what the inner allocator returned, so the inner allocator's implementation of
 // the `GlobalAlloc` contract is ours. The bookkeeping around each call touches only
 // atomics and const-initialised thread-locals without destructors (never registered,
-// never torn down), and glibc's `backtrace` into a stack buffer: it does not allocate,
-// lock or unwind.
+// never torn down), and glibc's `backtrace` into a stack buffer (loaded beforehand):
+// it does not allocate or unwind, and takes no lock the allocating thread may hold.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAllocator<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: our caller keeps `alloc`'s contract (a layout of non-zero size), which
@@ -351,8 +355,8 @@ fn freed(size: usize) {
 }
 
 /// Called by the allocator for the first allocation a guard sees: a place for a
-/// debugger's breakpoint (`rbreak first_allocation_in_guard`), and where a traced
-/// guard's stack is walked. Never allocates, locks or panics.
+/// debugger's breakpoint (`break workspace_core::alloc_check::first_allocation_in_guard`),
+/// and where a traced guard's stack is walked. Never allocates or panics.
 #[inline(never)]
 fn first_allocation_in_guard(state: &ThreadState, seq: u64) {
     if state.trace.get() && !state.busy.get() {
@@ -774,6 +778,12 @@ fn resolve_one(addr: usize) -> String {
     // object, which stays loaded while its code is on a stack we walked (objects holding
     // the code of a live program are not unloaded).
     let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy();
+    // The loader names the main program as it was started (a relative path, or none);
+    // shared objects by the absolute path they were found at.
+    let file = match std::env::current_exe() {
+        Ok(exe) if !file.starts_with('/') => exe.display().to_string(),
+        _ => file.into_owned(),
+    };
     format!("{file} +{:#x}", addr.wrapping_sub(info.dli_fbase as usize))
 }
 
