@@ -755,41 +755,64 @@ impl fmt::Display for AllocationReport {
 }
 
 /// Each return address as `object file +0xoffset` (the offset of the call instruction
-/// in the object, for `addr2line`), or as the bare address where the object is unknown.
+/// from the object's load address, which `addr2line` takes for position-independent
+/// executables and shared objects), or as the bare address where the object is unknown.
+/// Reads the process's mappings from `/proc/self/maps` when asked (no unsafe code: an
+/// object unloaded since the walk gives a wrong name, never a dangling read).
+#[cfg(target_os = "linux")]
 fn resolve(addrs: &[usize]) -> Vec<String> {
-    addrs.iter().map(|&addr| resolve_one(addr.saturating_sub(1))).collect()
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let regions: Vec<Region<'_>> = maps.lines().filter_map(Region::parse).collect();
+    addrs
+        .iter()
+        .map(|&ret| {
+            let addr = ret.saturating_sub(1); // the call, not the instruction after it
+            let Some(region) = regions.iter().find(|r| r.start <= addr && addr < r.end && r.path.starts_with('/'))
+            else {
+                return format!("{addr:#x}");
+            };
+            // The load address: where the object's first page (offset 0) is mapped.
+            let base = regions
+                .iter()
+                .filter(|r| r.path == region.path && r.offset == 0)
+                .map(|r| r.start)
+                .min()
+                .unwrap_or(region.start.wrapping_sub(region.offset));
+            format!("{} +{:#x}", region.path, addr.wrapping_sub(base))
+        })
+        .collect()
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn resolve_one(addr: usize) -> String {
-    let mut info = libc::Dl_info {
-        dli_fname: std::ptr::null(),
-        dli_fbase: std::ptr::null_mut(),
-        dli_sname: std::ptr::null(),
-        dli_saddr: std::ptr::null_mut(),
-    };
-    // SAFETY: `dladdr` only reads the address (it need not point to anything) and
-    // fills `info`, which we own.
-    let found = unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) };
-    if found == 0 || info.dli_fname.is_null() {
-        return format!("{addr:#x}");
+#[cfg(not(target_os = "linux"))]
+fn resolve(addrs: &[usize]) -> Vec<String> {
+    addrs.iter().map(|&ret| format!("{:#x}", ret.saturating_sub(1))).collect()
+}
+
+/// One line of `/proc/self/maps`: `start-end perms offset dev inode   path`.
+#[cfg(target_os = "linux")]
+struct Region<'m> {
+    start: usize,
+    end: usize,
+    offset: usize,
+    path: &'m str,
+}
+
+#[cfg(target_os = "linux")]
+impl<'m> Region<'m> {
+    fn parse(line: &'m str) -> Option<Self> {
+        // The first five fields are separated by one space; the path is padded.
+        let mut fields = line.splitn(6, ' ');
+        let (start, end) = fields.next()?.split_once('-')?;
+        let _perms = fields.next()?;
+        let offset = fields.next()?;
+        let path = fields.nth(2).unwrap_or("").trim_start();
+        Some(Region {
+            start: usize::from_str_radix(start, 16).ok()?,
+            end: usize::from_str_radix(end, 16).ok()?,
+            offset: usize::from_str_radix(offset, 16).ok()?,
+            path,
+        })
     }
-    // SAFETY: a non-null `dli_fname` points to the loader's NUL-terminated path of the
-    // object, which stays loaded while its code is on a stack we walked (objects holding
-    // the code of a live program are not unloaded).
-    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy();
-    // The loader names the main program as it was started (a relative path, or none);
-    // shared objects by the absolute path they were found at.
-    let file = match std::env::current_exe() {
-        Ok(exe) if !file.starts_with('/') => exe.display().to_string(),
-        _ => file.into_owned(),
-    };
-    format!("{file} +{:#x}", addr.wrapping_sub(info.dli_fbase as usize))
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn resolve_one(addr: usize) -> String {
-    format!("{addr:#x}")
 }
 
 /// Runs `f` and panics if the calling thread made a heap allocation meanwhile (with the
