@@ -66,7 +66,9 @@
 //!   `realloc`) and the bytes they asked for (the new size, for a `realloc`). Other
 //!   threads' allocations are not the guard's: a data loader or a thread pool working
 //!   during the step is not counted, and a check of their work belongs on their
-//!   thread, or to [`process_counts`].
+//!   thread, or to [`process_counts`]. [`thread_counts`] also gives the thread's live
+//!   bytes (what it allocated minus what it freed) and their peak, which
+//!   [`reset_thread_peak`] restarts: the peak heap memory of one step.
 //! - **Process-wide** ([`process_counts`]): allocation calls, bytes and live bytes
 //!   (allocated and not yet freed) over every thread, or over every thread but the
 //!   process's main thread ([`Threads::ExceptMain`]). Leaving the main thread out is
@@ -262,6 +264,10 @@ struct Frames {
 struct ThreadState {
     allocations: Cell<u64>,
     bytes: Cell<u64>,
+    /// Bytes this thread allocated minus those it freed, and their highest value since
+    /// the thread started or [`reset_thread_peak`].
+    live: Cell<i64>,
+    peak: Cell<i64>,
     /// Whether this is the main thread: unknown until its first allocation.
     main: Cell<Option<bool>>,
     /// The allocation number of the first allocation the innermost live guard sees.
@@ -280,6 +286,8 @@ impl ThreadState {
         ThreadState {
             allocations: Cell::new(0),
             bytes: Cell::new(0),
+            live: Cell::new(0),
+            peak: Cell::new(0),
             main: Cell::new(None),
             window: Cell::new(None),
             trace: Cell::new(false),
@@ -328,6 +336,9 @@ fn allocated(kind: AllocationKind, size: usize, align: usize, live_delta: i64) {
             let seq = state.allocations.get();
             state.allocations.set(seq.wrapping_add(1));
             state.bytes.set(state.bytes.get().wrapping_add(size as u64));
+            let live = state.live.get().wrapping_add(live_delta);
+            state.live.set(live);
+            state.peak.set(state.peak.get().max(live));
             if let Some(first) = state.window.get() {
                 let offset = seq.wrapping_sub(first);
                 if offset < SAMPLES as u64 {
@@ -349,7 +360,12 @@ fn allocated(kind: AllocationKind, size: usize, align: usize, live_delta: i64) {
 
 /// Counts a free. Never allocates, locks or panics.
 fn freed(size: usize) {
-    let main = STATE.try_with(ThreadState::is_main).unwrap_or(false);
+    let main = STATE
+        .try_with(|state| {
+            state.live.set(state.live.get().wrapping_sub(size as i64));
+            state.is_main()
+        })
+        .unwrap_or(false);
     let totals = if main { &MAIN } else { &OTHERS };
     totals.live.fetch_sub(size as i64, Ordering::Relaxed);
 }
@@ -411,12 +427,47 @@ pub struct AllocationCounts {
     pub bytes: u64,
 }
 
+/// One thread's heap use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ThreadCounts {
+    /// Calls to `alloc`, `alloc_zeroed` and `realloc` that succeeded.
+    pub allocations: u64,
+    /// The bytes they asked for (a `realloc`'s new size).
+    pub bytes: u64,
+    /// Bytes the thread allocated minus those it freed. Memory that one thread
+    /// allocates and another frees makes the first's go up and the other's down, so
+    /// differences over a stretch of one thread's work are what mean something.
+    pub live_bytes: i64,
+    /// The highest `live_bytes` since the thread started or [`reset_thread_peak`].
+    pub peak_live_bytes: i64,
+}
+
+impl ThreadCounts {
+    /// The allocations and bytes alone.
+    pub fn allocation_counts(&self) -> AllocationCounts {
+        AllocationCounts { allocations: self.allocations, bytes: self.bytes }
+    }
+}
+
 /// What the calling thread has allocated since it started (zero unless
 /// [`CountingAllocator`] is the global allocator: see [`is_installed`]).
-pub fn thread_counts() -> AllocationCounts {
+pub fn thread_counts() -> ThreadCounts {
     STATE
-        .try_with(|state| AllocationCounts { allocations: state.allocations.get(), bytes: state.bytes.get() })
+        .try_with(|state| ThreadCounts {
+            allocations: state.allocations.get(),
+            bytes: state.bytes.get(),
+            live_bytes: state.live.get(),
+            peak_live_bytes: state.peak.get(),
+        })
         .unwrap_or_default()
+}
+
+/// Restarts the calling thread's peak of live bytes from its live bytes now (to measure
+/// the peak of a stretch of work), and returns its counts, the peak so reset.
+pub fn reset_thread_peak() -> ThreadCounts {
+    let _ = STATE.try_with(|state| state.peak.set(state.live.get()));
+    thread_counts()
 }
 
 /// Which threads [`process_counts`] covers.
@@ -592,7 +643,7 @@ impl AllocationGuard {
         if traced {
             load_stack_walker();
         }
-        let start = thread_counts();
+        let start = thread_counts().allocation_counts();
         let (outer_window, outer_trace) = STATE.with(|state| {
             let outer = (state.window.replace(Some(start.allocations)), state.trace.replace(traced));
             state.frames.set(None);

@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 
 use ndarray::Array2;
 use workspace_core::alloc_check::{
-    is_installed, process_counts, thread_counts, AllocationKind, Threads, SAMPLES, TRACE_FRAMES,
+    is_installed, process_counts, reset_thread_peak, thread_counts, AllocationKind, Threads, SAMPLES, TRACE_FRAMES,
 };
 use workspace_core::{
     assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator, Error, Workspace, WorkspaceConfig,
@@ -244,4 +244,22 @@ fn a_traced_guard_keeps_the_stack_of_its_first_allocation() {
     drop(v);
     let guard = AllocationGuard::begin_traced().unwrap();
     assert!(guard.finish().trace().is_none());
+}
+
+#[test]
+fn a_thread_knows_its_live_bytes_and_their_peak() {
+    let start = reset_thread_peak();
+    assert_eq!(start.peak_live_bytes, start.live_bytes);
+    let big = std::hint::black_box(vec![0_u8; 10_000]);
+    let mut small = std::hint::black_box(Vec::<u8>::with_capacity(100));
+    drop(big);
+    small.reserve_exact(500); // realloc: 100 → 500 bytes live
+    let now = thread_counts();
+    assert_eq!(now.live_bytes - start.live_bytes, 500);
+    assert_eq!(now.peak_live_bytes - start.live_bytes, 10_100, "the peak was the big vector and the small one");
+    assert_eq!((now.allocations - start.allocations, now.bytes - start.bytes), (3, 10_000 + 100 + 500));
+    let reset = reset_thread_peak();
+    assert_eq!(reset.peak_live_bytes, reset.live_bytes);
+    drop(small);
+    assert_eq!(thread_counts().live_bytes - start.live_bytes, 0);
 }
