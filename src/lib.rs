@@ -12,6 +12,7 @@
 //! | the reference network (dense, ReLU, softmax cross-entropy, SGD/Adam) | [`nn`] |
 //! | arrays: the `ndarray` crate carve's views and owned arrays come from | [`ndarray`] |
 //! | errors: the crates' errors and the network's own | [`Error`] |
+//! | proving a step allocation-free: a counting allocator and a guard | [`CountingAllocator`], [`AllocationGuard`], [`assert_no_alloc`] |
 
 #![deny(unsafe_code)]
 
@@ -22,10 +23,12 @@ pub use async_iter;
 pub use error::{Error, Result};
 pub use ndarray;
 pub use workspace_core;
+pub use workspace_core::alloc_check;
 pub use workspace_core::{
-    freeze, stats_table, AllocationPolicy, ArrayType, DebugMode, Handle, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder,
-    LearningPolicy, Location, MappedFile, ResetPolicy, Scope, SpillPolicy, TypedScope, Workspace, WorkspaceArrayExt,
-    WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceManager, WorkspaceMode, WorkspaceStats, DEBUG_ENV,
-    DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
+    assert_no_alloc, freeze, stats_table, AllocationError, AllocationGuard, AllocationPolicy, AllocationReport,
+    ArrayType, CountingAllocator, DebugMode, Handle, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, LearningPolicy,
+    Location, MappedFile, ResetPolicy, Scope, SpillPolicy, TypedScope, Workspace, WorkspaceArrayExt, WorkspaceConfig,
+    WorkspaceConfigBuilder, WorkspaceManager, WorkspaceMode, WorkspaceStats, DEBUG_ENV, DEFAULT_ALIGNMENT,
+    MAX_ALIGNMENT, MAX_TIMELINE_LEN,
 };
 pub use workspace_cuda;

@@ -321,6 +321,13 @@ pub(crate) fn drop_quietly<T>(value: T) {
     std::mem::forget(payload);
 }
 
+/// The message, as for `Display`: what `main` prints for an error it returns.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -373,12 +380,5 @@ mod tests {
         assert_eq!(panic_message(payload.as_ref()), "boom 42");
         let payload = std::panic::catch_unwind(|| std::panic::panic_any(7_u8)).unwrap_err();
         assert_eq!(panic_message(payload.as_ref()), "a panic payload that is not a string");
-    }
-}
-
-/// The message, as for `Display`: what `main` prints for an error it returns.
-impl std::fmt::Debug for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
     }
 }

@@ -140,6 +140,13 @@ pub enum Error {
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The message, as for `Display`: what `main` prints for an error it returns.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,12 +177,5 @@ mod tests {
         }
         let err = Error::NoDevice { reason: "libcuda.so not found".into() };
         assert_eq!(err.to_string(), "no CUDA device: libcuda.so not found");
-    }
-}
-
-/// The message, as for `Display`: what `main` prints for an error it returns.
-impl std::fmt::Debug for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
     }
 }

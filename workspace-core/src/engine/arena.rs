@@ -89,7 +89,7 @@ impl<B: ArenaBackend> Engine<B> {
     ///
     /// # Errors
     ///
-    /// [`Error::StillOpen`] while a scope is open; [`Error::Backend`] when the
+    /// [`Error::StillOpen`](crate::Error::StillOpen) while a scope is open; [`Error::Backend`](crate::Error::Backend) when the
     /// `min_size` arena cannot be reserved.
     pub fn trim(&self) -> Result<()> {
         self.require_closed("trim()")?;
