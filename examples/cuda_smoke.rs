@@ -6,7 +6,9 @@
 //! failed check or device error is printed and the exit status is 1.
 //!
 //! Run: `cargo run --release --example cuda_smoke -- [--json] [--rounds N]`
-//! (`--json`: one JSON object with the figures on the last line).
+//! (`--json`: one JSON object with the figures on the last line; `--rounds`: timed
+//! rounds per figure, 1 to 1000, default 15). `--help` lists the flags; a bad flag or
+//! value is one line on stderr and exit status 2.
 
 use std::error::Error;
 use std::hint::black_box;
@@ -14,12 +16,33 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use carve::WorkspaceConfig;
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use ndarray::{Array1, Array2, ArrayView1};
 use serde_json::json;
 use workspace_cuda::device::cuda::raw;
 use workspace_cuda::{probe, CudaDevice, Device, DeviceArray, DeviceWorkspace, PinnedWorkspace};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 type Outcome<T> = Result<T, Box<dyn Error>>;
+
+/// Device workspaces on a real GPU: cycles, a detach, a copy on a second stream,
+/// pinned staging, and timed comparisons. Without a GPU it prints
+/// `no CUDA device: <reason>` and exits 0.
+#[derive(Parser)]
+#[command(name = "cuda_smoke", verbatim_doc_comment, next_line_help = true)]
+struct Args {
+    /// Print one JSON object with the figures on the last line
+    #[arg(long)]
+    json: bool,
+    /// Timed rounds per figure, of which medians are reported
+    /// (1 to 1000)
+    #[arg(long, value_name = "N", default_value_t = 15, verbatim_doc_comment,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    rounds: usize,
+}
 
 /// f32 element counts of the 19 arrays of an MLP 784-1024-1024-10 training step at batch
 /// 128 (the `training` workload of `benches/alloc.rs`).
@@ -260,15 +283,7 @@ fn run(gpu: &CudaDevice, rounds: usize, json_out: bool) -> Outcome<()> {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let json_out = args.iter().any(|a| a == "--json");
-    let rounds = args
-        .iter()
-        .position(|a| a == "--rounds")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|n| n.parse::<usize>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or(15);
+    let Args { json: json_out, rounds } = cli::parse();
     let gpu = match CudaDevice::new(0) {
         Ok(gpu) => gpu,
         Err(err) => {

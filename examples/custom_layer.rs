@@ -1,7 +1,8 @@
 //! A user-written layer on `LayerWorkspaceMgr`: inverted dropout, and what happens
 //! when a layer hands back memory from the wrong place.
 //!
-//! Run: `cargo run --release --example custom_layer`
+//! Run: `cargo run --release --example custom_layer` (no flags; `--help` says so, an
+//! error is one line, `custom_layer: error: <message>`, and exit status 1).
 //!
 //! `Dropout` keeps nothing between its forward and backward pass but a seed: the mask
 //! is drawn into forward working memory, and drawn again from the same seed into
@@ -23,9 +24,21 @@
 //! is one call: `ctx.activations.leverage(input)` (no copy when the input is already
 //! there).
 
+use std::process::ExitCode;
+
 use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, Updater};
 use carve::{freeze, WorkspaceMode};
+use clap::Parser;
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, Zip};
+
+#[path = "common/cli.rs"]
+mod cli;
+
+/// A user-written layer on LayerWorkspaceMgr (inverted dropout), and the error
+/// a layer gets when it hands back memory from the wrong place.
+#[derive(Parser)]
+#[command(name = "custom_layer", verbatim_doc_comment)]
+struct Args {}
 
 /// Inverted dropout: in training, each value is kept with probability `1 - rate` and
 /// scaled by `1 / (1 - rate)`; at inference the layer is the identity.
@@ -133,7 +146,12 @@ fn network(lazy_input_dropout: bool) -> carve::Result<Network> {
     Network::new(config)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> ExitCode {
+    let Args {} = cli::parse();
+    cli::exit_status::<Args, _>(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (x, y) = data(512, 7);
     let (test_x, test_y) = data(256, 8);
 

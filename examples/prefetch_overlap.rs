@@ -16,19 +16,28 @@
 //! The machine has two cores: producer and consumer fill it, so run nothing else.
 //!
 //! Run: `cargo run --release --example prefetch_overlap -- [--json] [--batches N]
-//! [--batch-us T] [--depth D] [--rounds R]`
+//! [--batch-us T] [--depth D] [--rounds R]` (`--help` lists the flags and their valid
+//! ranges; a value out of range is an error, exit status 2).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::error::Error;
 use std::hint::black_box;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_iter::{BatchLayout, BatchMut, BatchSource, Prefetcher, SourceError, Threading};
+use async_iter::{BatchLayout, BatchMut, BatchSource, Prefetcher, SourceError, Threading, MAX_DEPTH};
 use carve::WorkspaceMode;
+use clap::builder::RangedU64ValueParser;
 use clap::Parser;
 use ndarray::{Ix1, Ix2};
+
+#[path = "common/cli.rs"]
+mod cli;
+
+type Res<T> = Result<T, Box<dyn Error>>;
 
 // ---------------------------------------------------------------------------------
 // Counting the default allocator's calls on each thread.
@@ -68,23 +77,30 @@ fn heap_allocs() -> u64 {
 // ---------------------------------------------------------------------------------
 // The synthetic workload.
 
+/// Prefetch overlap and hand-off cost of async-iter.
 #[derive(Parser)]
-#[command(about = "Prefetch overlap and hand-off cost of async-iter")]
+#[command(name = "prefetch_overlap", verbatim_doc_comment, next_line_help = true)]
 struct Args {
     /// Print one JSON object on the last line
     #[arg(long)]
     json: bool,
-    /// Batches per epoch
-    #[arg(long, default_value_t = 300)]
+    /// Batches per epoch (8 to 1000000)
+    #[arg(long, value_name = "N", default_value_t = 300,
+          value_parser = RangedU64ValueParser::<usize>::new().range(8..=1_000_000))]
     batches: usize,
-    /// Target cost of filling a batch and of one step on it (P and C), in microseconds
-    #[arg(long, default_value_t = 1000)]
+    /// Target cost of filling a batch and of one step on it (P and C), in
+    /// microseconds (1 to 1000000)
+    #[arg(long, value_name = "T", default_value_t = 1000, verbatim_doc_comment,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     batch_us: u64,
-    /// Prefetch depth
-    #[arg(long, default_value_t = 2)]
+    /// Prefetch depth: batches filled ahead (1 to 1024)
+    #[arg(long, value_name = "D", default_value_t = 2,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=MAX_DEPTH as u64))]
     depth: usize,
-    /// Measured rounds (serial and prefetched epochs alternate; medians are reported)
-    #[arg(long, default_value_t = 5)]
+    /// Measured rounds: serial and prefetched epochs alternate, medians are
+    /// reported (1 to 1000)
+    #[arg(long, value_name = "R", default_value_t = 5, verbatim_doc_comment,
+          value_parser = RangedU64ValueParser::<usize>::new().range(1..=1000))]
     rounds: usize,
 }
 
@@ -108,11 +124,11 @@ fn work(seed: u64, rounds: u32) -> u64 {
 }
 
 /// The training step C: reads every feature and label, `rounds` mixes each.
-fn step(lease: &async_iter::Lease<'_>, rounds: u32) -> u64 {
-    let x = lease.features::<f32, Ix2>().expect("f32 features");
-    let y = lease.labels::<u32, Ix1>().expect("u32 labels");
+fn step(lease: &async_iter::Lease<'_>, rounds: u32) -> Res<u64> {
+    let x = lease.features::<f32, Ix2>()?;
+    let y = lease.labels::<u32, Ix1>()?;
     let sum = x.iter().fold(0, |acc, v| acc ^ work(v.to_bits() as u64, rounds));
-    y.iter().fold(sum, |acc, &v| acc ^ v as u64)
+    Ok(y.iter().fold(sum, |acc, &v| acc ^ v as u64))
 }
 
 /// Batches of `ROWS × COLS` features, each element `rounds` mixes (the cost P).
@@ -164,7 +180,7 @@ fn calibrate(target: Duration) -> u32 {
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 // ---------------------------------------------------------------------------------
@@ -191,7 +207,7 @@ struct Epoch {
 }
 
 impl Run {
-    fn new(batches: usize, rounds: u32, depth: usize, mode: WorkspaceMode, threading: Threading) -> Run {
+    fn new(batches: usize, rounds: u32, depth: usize, mode: WorkspaceMode, threading: Threading) -> Res<Run> {
         let allocs_at_fill = Arc::new((0..batches).map(|_| AtomicU64::new(0)).collect::<Vec<_>>());
         let fill_ns = Arc::new(AtomicU64::new(0));
         let source = Synthetic { batches, rounds, allocs_at_fill: allocs_at_fill.clone(), fill_ns: fill_ns.clone() };
@@ -200,15 +216,15 @@ impl Run {
             .workspace_mode(mode)
             .threading(threading)
             .build()
-            .expect("a valid configuration");
-        Run { prefetcher, allocs_at_fill, fill_ns, batches, rounds }
+            .map_err(|e| format!("building the prefetcher: {e}"))?;
+        Ok(Run { prefetcher, allocs_at_fill, fill_ns, batches, rounds })
     }
 
     /// One epoch: every batch through `step`. The first epoch starts at `build`, later
     /// ones at `reset`, just before the clock starts.
-    fn epoch(&mut self, first: bool) -> Epoch {
+    fn epoch(&mut self, first: bool) -> Res<Epoch> {
         if !first {
-            self.prefetcher.reset().expect("reset");
+            self.prefetcher.reset().map_err(|e| format!("starting an epoch: {e}"))?;
         }
         self.fill_ns.store(0, Ordering::Relaxed);
         let warm_up = 4.min(self.batches - 1);
@@ -218,24 +234,29 @@ impl Run {
             if index == warm_up {
                 consumer_allocs = heap_allocs();
             }
-            let lease = self.prefetcher.next().expect("a batch").expect("no error");
+            let lease = match self.prefetcher.next() {
+                Some(lease) => lease.map_err(|e| format!("batch {index}: {e}"))?,
+                None => return Err(format!("the epoch ended after {index} batches, not {}", self.batches).into()),
+            };
             let step_start = Instant::now();
-            checksum ^= step(&lease, self.rounds);
+            checksum ^= step(&lease, self.rounds)?;
             step_time += step_start.elapsed();
         }
         let elapsed = start.elapsed();
-        assert!(self.prefetcher.next().is_none(), "the epoch has `batches` batches");
+        if self.prefetcher.next().is_some() {
+            return Err(format!("the epoch has more than {} batches", self.batches).into());
+        }
         black_box(checksum);
         let consumer_allocs = heap_allocs() - consumer_allocs;
         let at = |i: usize| self.allocs_at_fill[i].load(Ordering::Relaxed);
         let steady = (self.batches - 1 - warm_up).max(1) as f64;
-        Epoch {
+        Ok(Epoch {
             elapsed,
             fill: Duration::from_nanos(self.fill_ns.load(Ordering::Relaxed) / self.batches as u64),
             step: step_time / self.batches as u32,
-            producer_allocs: (at(self.batches - 1) - at(warm_up)) as f64 / steady,
+            producer_allocs: at(self.batches - 1).saturating_sub(at(warm_up)) as f64 / steady,
             consumer_allocs: consumer_allocs as f64 / steady,
-        }
+        })
     }
 }
 
@@ -244,16 +265,18 @@ impl Run {
 
 /// Nanoseconds per batch of a prefetcher whose batches cost nothing (64 bytes, no
 /// work), one epoch of `batches` after a `reset`.
-fn handoff_carve(prefetcher: &mut Prefetcher<Tiny>, batches: usize) -> f64 {
-    prefetcher.reset().expect("reset");
+fn handoff_carve(prefetcher: &mut Prefetcher<Tiny>, batches: usize) -> Res<f64> {
+    prefetcher.reset()?;
     let start = Instant::now();
     let mut sum = 0.0;
     while let Some(lease) = prefetcher.next() {
-        sum += lease.expect("no error").features::<f32, Ix1>().expect("f32")[0];
+        sum += lease?.features::<f32, Ix1>()?[0];
     }
     let elapsed = start.elapsed();
-    assert_eq!(sum, batches as f32, "every batch arrived");
-    elapsed.as_nanos() as f64 / batches as f64
+    if sum != batches as f32 {
+        return Err(format!("hand-off: {sum} batches of {batches} arrived").into());
+    }
+    Ok(elapsed.as_nanos() as f64 / batches as f64)
 }
 
 /// `batches` batches of 16 `f32` that cost nothing to fill.
@@ -273,11 +296,11 @@ impl BatchSource for Tiny {
 
 /// Nanoseconds per batch of the same pipeline on crossbeam channels: 3 buffers of 16
 /// `f32` go to the consumer on a `bounded(2)` channel and come back on another.
-fn handoff_crossbeam(batches: usize) -> f64 {
+fn handoff_crossbeam(batches: usize) -> Res<f64> {
     let (full_tx, full_rx) = crossbeam::channel::bounded::<Box<[f32; 16]>>(2);
     let (free_tx, free_rx) = crossbeam::channel::bounded::<Box<[f32; 16]>>(3);
     for _ in 0..3 {
-        free_tx.send(Box::new([0.0; 16])).expect("room for three buffers");
+        free_tx.send(Box::new([0.0; 16])).map_err(|_| "the crossbeam channel refused a buffer")?;
     }
     let start = Instant::now();
     let producer = std::thread::spawn(move || {
@@ -291,59 +314,69 @@ fn handoff_crossbeam(batches: usize) -> f64 {
     });
     let mut sum = 0.0;
     for _ in 0..batches {
-        let buffer = full_rx.recv().expect("the producer sends every batch");
+        let Ok(buffer) = full_rx.recv() else { break };
         sum += buffer[0];
         let _ = free_tx.send(buffer); // the producer may be done: nothing to return it to
     }
     let elapsed = start.elapsed();
-    producer.join().expect("the producer thread");
-    assert_eq!(sum, batches as f32, "every batch arrived");
-    elapsed.as_nanos() as f64 / batches as f64
+    producer.join().map_err(|_| "the crossbeam producer thread panicked")?;
+    if sum != batches as f32 {
+        return Err(format!("crossbeam hand-off: {sum} batches of {batches} arrived").into());
+    }
+    Ok(elapsed.as_nanos() as f64 / batches as f64)
 }
 
 // ---------------------------------------------------------------------------------
 
-fn main() {
-    let args = Args::parse();
-    let (batches, depth) = (args.batches.max(8), args.depth);
+fn main() -> ExitCode {
+    let args: Args = cli::parse();
+    cli::exit_status::<Args, _>(run(&args))
+}
+
+fn run(args: &Args) -> Res<()> {
+    let (batches, depth) = (args.batches, args.depth);
     let rounds = calibrate(Duration::from_micros(args.batch_us));
 
-    let mut serial = Run::new(batches, rounds, depth, WorkspaceMode::Enabled, Threading::Shield);
-    let mut enabled = Run::new(batches, rounds, depth, WorkspaceMode::Enabled, Threading::Background);
-    let mut none = Run::new(batches, rounds, depth, WorkspaceMode::None, Threading::Background);
+    let mut serial = Run::new(batches, rounds, depth, WorkspaceMode::Enabled, Threading::Shield)?;
+    let mut enabled = Run::new(batches, rounds, depth, WorkspaceMode::Enabled, Threading::Background)?;
+    let mut none = Run::new(batches, rounds, depth, WorkspaceMode::None, Threading::Background)?;
     // Warm-up epochs: rings sized, threads and caches warm.
-    let (_, _, _) = (serial.epoch(true), enabled.epoch(true), none.epoch(true));
+    serial.epoch(true)?;
+    enabled.epoch(true)?;
+    none.epoch(true)?;
     let (mut serial_ms, mut enabled_ms, mut none_ms) = (Vec::new(), Vec::new(), Vec::new());
     let (mut fill_us, mut step_us) = (Vec::new(), Vec::new());
     let (mut last_enabled, mut last_none) = (None, None);
-    for round in 0..args.rounds.max(1) {
-        let measure = |run: &mut Run, into: &mut Vec<f64>| {
-            let epoch = run.epoch(false);
+    for round in 0..args.rounds {
+        let measure = |run: &mut Run, into: &mut Vec<f64>| -> Res<Epoch> {
+            let epoch = run.epoch(false)?;
             into.push(epoch.elapsed.as_secs_f64() * 1e3);
-            epoch
+            Ok(epoch)
         };
         // Alternate the order so that drift in the machine's speed hits both alike.
         let (s, e, n) = if round % 2 == 0 {
-            let s = measure(&mut serial, &mut serial_ms);
-            (s, measure(&mut enabled, &mut enabled_ms), measure(&mut none, &mut none_ms))
+            let s = measure(&mut serial, &mut serial_ms)?;
+            (s, measure(&mut enabled, &mut enabled_ms)?, measure(&mut none, &mut none_ms)?)
         } else {
-            let n = measure(&mut none, &mut none_ms);
-            let e = measure(&mut enabled, &mut enabled_ms);
-            (measure(&mut serial, &mut serial_ms), e, n)
+            let n = measure(&mut none, &mut none_ms)?;
+            let e = measure(&mut enabled, &mut enabled_ms)?;
+            (measure(&mut serial, &mut serial_ms)?, e, n)
         };
         fill_us.push(s.fill.as_secs_f64() * 1e6);
         step_us.push(s.step.as_secs_f64() * 1e6);
         (last_enabled, last_none) = (Some(e), Some(n));
     }
-    let (last_enabled, last_none) = (last_enabled.expect("one round"), last_none.expect("one round"));
+    let (Some(last_enabled), Some(last_none)) = (last_enabled, last_none) else {
+        return Err("no round was measured".into());
+    };
 
     let handoff_batches = 50_000;
-    let mut tiny = Prefetcher::builder(Tiny { batches: handoff_batches }).depth(depth).build().expect("valid");
+    let mut tiny = Prefetcher::builder(Tiny { batches: handoff_batches }).depth(depth).build()?;
     while tiny.next().is_some() {} // the first epoch sizes the ring
     let (mut carve_ns, mut crossbeam_ns) = (Vec::new(), Vec::new());
     for _ in 0..15 {
-        carve_ns.push(handoff_carve(&mut tiny, handoff_batches));
-        crossbeam_ns.push(handoff_crossbeam(handoff_batches));
+        carve_ns.push(handoff_carve(&mut tiny, handoff_batches)?);
+        crossbeam_ns.push(handoff_crossbeam(handoff_batches)?);
     }
 
     let serial_ms = median(&mut serial_ms);
@@ -401,4 +434,5 @@ fn main() {
         });
         println!("{json}");
     }
+    Ok(())
 }

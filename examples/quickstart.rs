@@ -1,9 +1,22 @@
 //! A training-shaped loop on a workspace: prints what each cycle allocated, the size
 //! the workspace learned, and the statistics table.
 //!
-//! Run: `cargo run --release --example quickstart`
+//! Run: `cargo run --release --example quickstart` (no flags; `--help` says so, an
+//! error is one line, `quickstart: error: <message>`, and exit status 1).
+
+use std::process::ExitCode;
 
 use carve::{stats_table, LearningPolicy, SpillPolicy, Workspace, WorkspaceArrayExt, WorkspaceConfig};
+use clap::Parser;
+
+#[path = "common/cli.rs"]
+mod cli;
+
+/// A training-shaped loop on a workspace: prints what each cycle allocated, the
+/// size the workspace learned, and the statistics table.
+#[derive(Parser)]
+#[command(name = "quickstart", verbatim_doc_comment)]
+struct Args {}
 
 /// Sizes of an MLP 784-256-10 step at batch 64: activations forward, gradients back.
 const BATCH: usize = 64;
@@ -33,7 +46,12 @@ fn train_step(ws: &Workspace, step: usize) -> carve::Result<f32> {
     Ok(loss + logits.sum() * 0.0)
 }
 
-fn main() -> carve::Result<()> {
+fn main() -> ExitCode {
+    let Args {} = cli::parse();
+    cli::exit_status::<Args, _>(run())
+}
+
+fn run() -> carve::Result<()> {
     let config = WorkspaceConfig::builder()
         .learning(LearningPolicy::FirstLoop)
         .spill(SpillPolicy::Reallocate)

@@ -1,12 +1,15 @@
-//! The demo (`examples/train_digits.rs`) as a user runs it: flag checks before
-//! training, `--plot` training both modes, the JSON keys, per-mode peak RSS and the
-//! per-epoch test accuracy. The example is built with the profile of this test (a
-//! nested `cargo build`, so that the binary run is the current source) and run for two
+//! The demo (`examples/train_digits/`) as a user runs it: `--help`, usage errors of one
+//! line, flag checks before training (the network's size, the plot's path), `--plot`
+//! training both modes and drawing heap next to workspace bytes, the JSON keys, per-mode
+//! peak RSS, the per-epoch test accuracy, output within 80 columns and one progress bar
+//! per mode on a terminal. The example is built with the profile of this test (a nested
+//! `cargo build`, so that the binary run is the current source) and run for two or three
 //! epochs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -52,15 +55,60 @@ fn scratch_dir(test: &str) -> PathBuf {
     dir
 }
 
-/// The texts of an SVG's `<text>` elements.
-fn svg_texts(svg: &str) -> Vec<String> {
-    svg.split("<text")
+/// The SVG elements `<tag ...>` of `svg`: each one's attributes (the text up to its
+/// `>`) and, for elements with a closing tag, the text up to it.
+fn svg_elements<'a>(svg: &'a str, tag: &str) -> Vec<(&'a str, &'a str)> {
+    let close = format!("</{tag}>");
+    svg.split(&format!("<{tag} "))
         .skip(1)
         .filter_map(|element| {
-            let body = &element[element.find('>')? + 1..];
-            Some(body[..body.find("</text>")?].trim().to_string())
+            let end = element.find('>')?;
+            let body = &element[end + 1..];
+            Some((&element[..end], body.find(&close).map_or("", |e| body[..e].trim())))
         })
         .collect()
+}
+
+/// The value of attribute `name` in an element's attribute text.
+fn attribute<'a>(attributes: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}=\"");
+    let (at, _) = attributes.match_indices(&key).find(|&(i, _)| i == 0 || attributes.as_bytes()[i - 1] == b' ')?;
+    let rest = &attributes[at + key.len()..];
+    Some(&rest[..rest.find('"')?])
+}
+
+/// The texts of an SVG's `<text>` elements.
+fn svg_texts(svg: &str) -> Vec<String> {
+    svg_elements(svg, "text").into_iter().map(|(_, body)| body.to_string()).collect()
+}
+
+/// Lines of `text` wider than 80 columns.
+fn wide_lines(text: &str) -> Vec<String> {
+    text.lines().filter(|l| l.chars().count() > 80).map(str::to_string).collect()
+}
+
+/// The one line of a usage error on stderr (exit status 2, nothing on stdout).
+fn usage_error(args: &[&str]) -> String {
+    let output = run(args);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{args:?}: a usage error, got {:?}: {stderr}", output.status);
+    assert!(output.stdout.is_empty(), "{args:?}: nothing may run: {}", text(&output.stdout));
+    assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
+    assert!(stderr.starts_with("train_digits: error: "), "{args:?}: {stderr}");
+    stderr
+}
+
+/// `n` with a comma every three digits.
+fn thousands(n: u128) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Whether this process may reset its peak RSS, as the demo does per epoch.
@@ -96,12 +144,40 @@ fn plot_trains_and_draws_both_modes() {
         assert!(json["enabled"].is_object() && json["none"].is_object(), "{json}");
         assert_eq!(json["loss_traces_identical"], Value::Bool(true));
         assert!(json["iter_time_ratio_enabled_over_none"].is_number(), "{json}");
+        // The heap series is real: the heap holds the memory without workspaces, and
+        // nothing in steady state with them.
+        let heap_peak = |mode: &str| json[mode]["steady_state_heap_peak_bytes"].as_u64();
+        assert!(heap_peak("none").is_some_and(|b| b > 0), "{json}");
+        assert_eq!(heap_peak("enabled"), Some(0), "{json}");
         let bytes = std::fs::read(&path).expect("the plot was written");
         if name.ends_with(".svg") {
-            let texts = svg_texts(&String::from_utf8(bytes).expect("SVG is text"));
+            let svg = String::from_utf8(bytes).expect("SVG is text");
+            let texts = svg_texts(&svg);
+            for caption in ["workspace bytes in use", "heap bytes in use", "heap allocations"] {
+                assert!(texts.iter().any(|t| t.starts_with(caption)), "no panel '{caption}' in {texts:?}");
+            }
             for label in ["enabled", "none"] {
                 // One legend entry per panel.
-                assert_eq!(texts.iter().filter(|t| *t == label).count(), 2, "legend '{label}' in {texts:?}");
+                assert_eq!(texts.iter().filter(|t| *t == label).count(), 3, "legend '{label}' in {texts:?}");
+            }
+            // The series (drawn 2 px wide): one per mode and panel. The legends lie
+            // right of all of them, so they cover no line.
+            let series: Vec<&str> = svg_elements(&svg, "polyline")
+                .into_iter()
+                .filter(|(a, _)| attribute(a, "stroke-width") == Some("2"))
+                .filter_map(|(a, _)| attribute(a, "points"))
+                .collect();
+            assert_eq!(series.len(), 6, "two modes in three panels");
+            let rightmost = series
+                .iter()
+                .flat_map(|points| points.split_whitespace())
+                .filter_map(|point| point.split(',').next()?.parse::<f64>().ok())
+                .fold(f64::MIN, f64::max);
+            for (attributes, body) in svg_elements(&svg, "text") {
+                if body == "enabled" || body == "none" {
+                    let x: f64 = attribute(attributes, "x").and_then(|x| x.parse().ok()).expect("a text's x");
+                    assert!(x > rightmost, "legend '{body}' at x {x} over the series (right end {rightmost})");
+                }
             }
         } else {
             assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
@@ -200,4 +276,273 @@ fn batches_come_from_the_prefetcher_and_inline_filling_gives_the_same_numbers() 
     assert!(!output.status.success());
     let stderr = text(&output.stderr);
     assert!(stderr.contains("a prefetch depth of 5000 is above the limit of 1024"), "{stderr}");
+}
+
+#[test]
+fn help_prints_the_flags_within_80_columns_and_runs_nothing() {
+    let output = run(&["--help"]);
+    assert_eq!(output.status.code(), Some(0));
+    let stdout = text(&output.stdout);
+    assert!(stdout.contains("Usage: train_digits [OPTIONS]"), "{stdout}");
+    for flag in ["--workspace-mode", "--compare", "--epochs", "--batch-size", "--hidden", "--lr", "--seed"] {
+        assert!(stdout.contains(flag), "'{flag}' in {stdout}");
+    }
+    for flag in ["--prefetch-depth", "--json", "--plot"] {
+        assert!(stdout.contains(flag), "'{flag}' in {stdout}");
+    }
+    assert_eq!(wide_lines(&stdout), Vec::<String>::new(), "help wider than 80 columns");
+    assert!(output.stderr.is_empty(), "{}", text(&output.stderr));
+    assert!(!stdout.contains("epochs of"), "--help trained: {stdout}");
+}
+
+#[test]
+fn usage_errors_are_one_line_naming_the_flag_and_the_valid_values() {
+    let stderr = usage_error(&["--no-such-flag"]);
+    assert!(stderr.contains("'--no-such-flag'"), "{stderr}");
+    for (args, flag, valid) in [
+        (&["--epochs", "0"][..], "'--epochs <N>'", "at least 1"),
+        (&["--epochs", "many"], "'--epochs <N>'", "positive integer"),
+        (&["--batch-size", "0"], "'--batch-size <N>'", "at least 1"),
+        (&["--hidden", "128,0"], "'--hidden <W,W,...>'", "at least 1"),
+        (&["--lr", "nan"], "'--lr <X>'", "finite and positive"),
+        (&["--lr", "-1"], "'--lr <X>'", "finite and positive"),
+        (&["--prefetch-depth", "5000"], "'--prefetch-depth <N>'", "0 to 1024"),
+        (&["--workspace-mode", "sometimes"], "'--workspace-mode <MODE>'", "'enabled' or 'none'"),
+        (&["--seed", "x"], "'--seed <N>'", "invalid digit"),
+    ] {
+        let stderr = usage_error(args);
+        assert!(stderr.contains(flag) && stderr.contains(valid), "{args:?}: '{flag}' and '{valid}' in {stderr}");
+    }
+}
+
+#[test]
+fn a_network_too_large_is_refused_before_training_with_its_total() {
+    // The parameters of FEATURES-hidden-10 with biases, counted here independently.
+    let parameters = |hidden: &[u128]| {
+        let widths: Vec<u128> = [64].iter().chain(hidden).chain(&[10]).copied().collect();
+        widths.windows(2).map(|w| (w[0] + 1) * w[1]).sum::<u128>()
+    };
+    // Each layer is within any sensible per-layer bound; together they are not.
+    for hidden in [&[65536u128, 65536][..], &[2048, 2048, 2048, 2048, 2048]] {
+        let flag = hidden.iter().map(u128::to_string).collect::<Vec<_>>().join(",");
+        demo(); // built before the clock starts
+        let start = Instant::now();
+        let stderr = usage_error(&["--hidden", &flag]);
+        assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+        let total = format!("{} parameters", thousands(parameters(hidden)));
+        assert!(stderr.contains(&total), "'{total}' in {stderr}");
+        assert!(stderr.contains("the limit is 16,777,216 parameters"), "{stderr}");
+    }
+}
+
+#[test]
+fn a_plot_path_that_cannot_be_written_is_refused_before_training() {
+    // A directory where the file should be: no file can be created there (whoever runs
+    // the test, root included).
+    let path = scratch_dir("unwritable").join("memory.svg");
+    std::fs::create_dir_all(&path).expect("a directory named memory.svg");
+    let output = run(&["--plot", path.to_str().unwrap(), "--epochs", "1"]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = text(&output.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("train_digits: error: --plot ") && stderr.contains("cannot write"), "{stderr}");
+    assert!(output.stdout.is_empty(), "the file is tried before training: {}", text(&output.stdout));
+
+    // A path that can be written is not left behind by the check when training fails.
+    let path = scratch_dir("no-leftover").join("memory.svg");
+    let _ = std::fs::remove_file(&path);
+    let output = Command::new(demo())
+        .args(["--plot", path.to_str().unwrap(), "--epochs", "1"])
+        .env("TRAIN_DIGITS_DATA", scratch_dir("no-leftover").join("no-such-data.csv.gz"))
+        .output()
+        .expect("the demo runs");
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output.stderr));
+    assert!(!path.exists(), "the check left {} behind", path.display());
+}
+
+#[test]
+fn output_fits_80_columns_and_the_header_shows_the_batch_size_used() {
+    let output = run(&["--compare", "--epochs", "2", "--hidden", "128,64,64,64,64,64,64,64,64,64,64"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    for stream in [text(&output.stdout), text(&output.stderr)] {
+        assert_eq!(wide_lines(&stream), Vec::<String>::new(), "wider than 80 columns in:\n{stream}");
+    }
+
+    // A batch larger than the training set is all of it, and the header says so.
+    let output = run(&["--batch-size", "100000", "--epochs", "1", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    let rows = json["train_rows"].as_u64().expect("train_rows");
+    assert_eq!(json["batch_size"], Value::from(100000));
+    assert_eq!(json["batch_size_used"], Value::from(rows));
+    let stderr = text(&output.stderr); // with --json, the text goes to stderr
+    let header = stderr.lines().next().unwrap_or_default();
+    assert!(header.contains(&format!("batch {rows} ")), "{header}");
+    assert!(!header.contains("batch 100000"), "{header}");
+    assert_eq!(wide_lines(&stderr), Vec::<String>::new());
+}
+
+#[test]
+fn errors_while_running_are_one_line_with_their_message() {
+    let output = Command::new(demo())
+        .args(["--epochs", "1"])
+        .env("CARVE_WORKSPACE_DEBUG", "bogus")
+        .output()
+        .expect("the demo runs");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = text(&output.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("train_digits: error: "), "{stderr}");
+    assert!(stderr.contains("CARVE_WORKSPACE_DEBUG is 'bogus'"), "{stderr}");
+}
+
+/// A terminal for the demo's stderr: what it draws there, as the screen shows it at
+/// the end (trailing blanks trimmed).
+#[cfg(target_os = "linux")]
+mod terminal {
+    use std::ffi::CStr;
+    use std::fs::File;
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::process::{Command, Stdio};
+
+    /// A pseudo-terminal `columns` wide: (master, slave).
+    fn open_pty(columns: u16) -> (File, OwnedFd) {
+        // SAFETY: plain libc calls on descriptors this function opens; `ptsname_r` writes
+        // at most `name.len()` bytes, NUL included, and every result is checked.
+        unsafe {
+            let master = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY);
+            assert!(master >= 0, "posix_openpt");
+            let master = File::from_raw_fd(master);
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&master);
+            assert_eq!(libc::grantpt(fd), 0, "grantpt");
+            assert_eq!(libc::unlockpt(fd), 0, "unlockpt");
+            let mut name = [0 as libc::c_char; 256];
+            assert_eq!(libc::ptsname_r(fd, name.as_mut_ptr(), name.len()), 0, "ptsname_r");
+            let slave = libc::open(CStr::from_ptr(name.as_ptr()).as_ptr(), libc::O_RDWR | libc::O_NOCTTY);
+            assert!(slave >= 0, "opening the pty's slave");
+            let size = libc::winsize { ws_row: 50, ws_col: columns, ws_xpixel: 0, ws_ypixel: 0 };
+            assert_eq!(libc::ioctl(slave, libc::TIOCSWINSZ, &size), 0, "TIOCSWINSZ");
+            (master, OwnedFd::from_raw_fd(slave))
+        }
+    }
+
+    /// Runs `command` with stderr on a terminal `columns` wide; returns the screen's
+    /// lines at the end and the exit status.
+    pub(super) fn screen(mut command: Command, columns: u16) -> (Vec<String>, std::process::ExitStatus) {
+        let (mut master, slave) = open_pty(columns);
+        let mut child = command
+            .env("TERM", "xterm")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(slave))
+            .spawn()
+            .expect("the demo runs");
+        drop(command); // closes this process's copy of the slave: reads end with the child
+        let reader = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let mut chunk = [0u8; 4096];
+            // Reading fails (EIO) once no process has the terminal open any more.
+            while let Ok(n) = master.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                bytes.extend_from_slice(&chunk[..n]);
+            }
+            bytes
+        });
+        let status = child.wait().expect("the demo ends");
+        let bytes = reader.join().expect("the reader");
+        (emulate(&String::from_utf8_lossy(&bytes), columns as usize), status)
+    }
+
+    /// The screen after `output`: text, CR, LF, auto-wrap at `columns`, cursor up and
+    /// down, erase in line and in display; colours and other sequences are ignored.
+    fn emulate(output: &str, columns: usize) -> Vec<String> {
+        let mut screen: Vec<Vec<char>> = vec![Vec::new()];
+        let (mut row, mut col) = (0usize, 0usize);
+        let mut chars = output.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\r' => col = 0,
+                '\n' => row += 1,
+                '\u{1b}' => {
+                    if chars.peek() != Some(&'[') {
+                        chars.next();
+                        continue;
+                    }
+                    chars.next();
+                    let mut params = String::new();
+                    let mut last = ' ';
+                    for c in chars.by_ref() {
+                        if c.is_ascii_alphabetic() || c == '@' || c == '~' {
+                            last = c;
+                            break;
+                        }
+                        params.push(c);
+                    }
+                    let n = params.trim_start_matches('?').split(';').next().and_then(|p| p.parse().ok());
+                    match last {
+                        'A' => row = row.saturating_sub(n.unwrap_or(1).max(1)),
+                        'B' => row += n.unwrap_or(1).max(1),
+                        'G' => col = n.unwrap_or(1).max(1) - 1,
+                        'K' | 'J' => {
+                            while screen.len() <= row {
+                                screen.push(Vec::new());
+                            }
+                            let line = &mut screen[row];
+                            match n.unwrap_or(0) {
+                                0 => line.truncate(col),
+                                1 => line.iter_mut().take(col + 1).for_each(|c| *c = ' '),
+                                _ => line.clear(),
+                            }
+                            if last == 'J' && n.unwrap_or(0) == 0 {
+                                screen.truncate(row + 1);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                c if c.is_control() => {}
+                c => {
+                    if col >= columns {
+                        row += 1;
+                        col = 0;
+                    }
+                    while screen.len() <= row {
+                        screen.push(Vec::new());
+                    }
+                    let line = &mut screen[row];
+                    if line.len() <= col {
+                        line.resize(col + 1, ' ');
+                    }
+                    line[col] = c;
+                    col += 1;
+                }
+            }
+        }
+        screen.into_iter().map(|l| l.into_iter().collect::<String>().trim_end().to_string()).collect()
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
+    // A wide terminal: the bars must keep to 80 columns anyway.
+    let mut command = Command::new(demo());
+    command.args(["--compare", "--epochs", "3"]);
+    let (screen, status) = terminal::screen(command, 200);
+    assert!(status.success(), "{screen:#?}");
+    let drawn: Vec<&String> = screen.iter().filter(|l| !l.is_empty()).collect();
+    let wide: Vec<&&String> = drawn.iter().filter(|l| l.chars().count() > 80).collect();
+    assert!(wide.is_empty(), "wider than 80 columns: {wide:#?}");
+    for mode in ["enabled", "none"] {
+        let bars: Vec<&&String> = drawn.iter().filter(|l| l.trim_start().starts_with(&format!("{mode} ["))).collect();
+        assert_eq!(bars.len(), 1, "one bar for '{mode}' on the screen: {drawn:#?}");
+        // Finished: full, on the last epoch, with its loss and test accuracy.
+        let bar = bars[0];
+        assert!(bar.contains("epoch 3/3") && bar.contains("loss ") && bar.contains("test acc"), "{bar}");
+        assert!(!bar.contains('>') && !bar.contains("[ "), "an unfinished bar: {bar}");
+    }
+    assert_eq!(drawn.len(), 2, "nothing but the two bars on stderr: {drawn:#?}");
 }

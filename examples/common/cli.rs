@@ -1,0 +1,75 @@
+//! The command line conventions the examples share (included with `#[path]`):
+//!
+//! - `--help` (and `--version` where there is one) prints to stdout and exits 0,
+//!   running nothing;
+//! - a usage error (an unknown flag, a bad or out-of-range value) is one line on
+//!   stderr, `<example>: error: <what>; see '<example> --help'`, and exit status 2;
+//! - an error while running is one line, `<example>: error: <message>` (the error's
+//!   `Display`, never a `Debug` dump), and exit status 1;
+//! - output into a closed pipe (`example | head`) ends the process quietly (SIGPIPE).
+
+// Not every example needs every helper.
+#![allow(dead_code)]
+
+use std::fmt::Display;
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
+
+/// Exit status of a usage error (as clap's own).
+const USAGE: i32 = 2;
+
+/// The parsed command line, or the process exits: 0 after `--help` or `--version`
+/// (printed to stdout), 2 with one line on stderr after a usage error.
+///
+/// Also makes a closed stdout end the process quietly, as for other command line
+/// tools (`example | head`), instead of a panic in `println!`.
+pub(crate) fn parse<A: Parser>() -> A {
+    #[cfg(unix)]
+    // SAFETY: called first thing in `main`, before any other thread exists; restoring
+    // the default disposition of SIGPIPE has no other effect on this program.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    match A::try_parse() {
+        Ok(args) => args,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) => usage_error::<A>(&one_line(&e)),
+    }
+}
+
+/// Exits with a usage error about the command line of `A`: one line, status 2.
+pub(crate) fn usage_error<A: CommandFactory>(what: &str) -> ! {
+    let name = A::command().get_name().to_string();
+    eprintln!("{name}: error: {what}; see '{name} --help'");
+    std::process::exit(USAGE)
+}
+
+/// The exit status of `main`: success, or the error's message on one line of stderr
+/// and status 1.
+pub(crate) fn exit_status<A: CommandFactory, E: Display>(result: Result<(), E>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let message = e.to_string();
+            eprintln!("{}: error: {}", A::command().get_name(), message.trim_end());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// clap's error as one line: its first line without the `error: ` prefix, then its
+/// tips ("a similar argument exists: ..."), without the usage and help lines.
+fn one_line(e: &clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("invalid command line");
+    let mut out = first.strip_prefix("error: ").unwrap_or(first).to_string();
+    for tip in lines.filter(|l| l.starts_with("tip: ")) {
+        out += " (";
+        out += tip;
+        out += ")";
+    }
+    out
+}

@@ -1,0 +1,210 @@
+//! The demo's command line: flags, their parsers and the checks made before training.
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+
+use carve::async_iter::MAX_DEPTH;
+use carve::WorkspaceMode;
+use clap::Parser;
+
+use crate::report::{bytes_human, thousands};
+use crate::{CLASSES, FEATURES};
+
+/// The most parameters the network may have, all layers together: with a gradient and
+/// Adam's two moments each, [`BYTES_PER_PARAMETER`] bytes apiece, 256 MiB in all.
+pub(crate) const MAX_PARAMETERS: u128 = 1 << 24;
+
+/// Bytes held per parameter: its value, its gradient and the updater's two moments
+/// (Adam), all `f32`.
+pub(crate) const BYTES_PER_PARAMETER: u128 = 4 * 4;
+
+/// Trains the reference MLP on the UCI digits with carve workspaces on or off,
+/// and reports heap allocations, page faults, timings and memory per iteration.
+#[derive(Parser, Debug)]
+#[command(name = "train_digits", version, verbatim_doc_comment, next_line_help = true)]
+pub(crate) struct Args {
+    /// Workspaces during training and evaluation: `enabled` or `none`
+    /// (ignored with --compare or --plot)
+    #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode, verbatim_doc_comment)]
+    pub(crate) workspace_mode: WorkspaceMode,
+
+    /// Train both modes in one process (same seed, interleaved by
+    /// epoch) and check that their loss traces are bit-identical
+    #[arg(long, verbatim_doc_comment)]
+    pub(crate) compare: bool,
+
+    /// Passes over the training set (1 or more)
+    #[arg(long, value_name = "N", default_value_t = 80, value_parser = parse_count)]
+    pub(crate) epochs: usize,
+
+    /// Rows per training iteration (1 or more; more than the training
+    /// rows is one batch of all of them, and the header says
+    /// so)
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = parse_count, verbatim_doc_comment)]
+    pub(crate) batch_size: usize,
+
+    /// Hidden layer widths, comma-separated, each followed by a ReLU
+    /// (each 1 or more; at most 16,777,216 parameters in
+    /// all)
+    #[arg(
+        long,
+        value_name = "W,W,...",
+        value_delimiter = ',',
+        default_value = "128,64",
+        value_parser = parse_count,
+        verbatim_doc_comment
+    )]
+    pub(crate) hidden: Vec<usize>,
+
+    /// Adam learning rate (finite, above 0)
+    #[arg(long, value_name = "X", default_value_t = 1e-3, value_parser = parse_lr, allow_negative_numbers = true)]
+    pub(crate) lr: f32,
+
+    /// Seed of the train/test split, the weights and the batch
+    /// order
+    #[arg(long, value_name = "N", default_value_t = 0, verbatim_doc_comment)]
+    pub(crate) seed: u64,
+
+    /// Batches the prefetcher fills ahead on its own thread (0 to
+    /// 1024); 0 fills them inline in the training thread (the
+    /// prefetcher's shield mode)
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_depth, verbatim_doc_comment)]
+    pub(crate) prefetch_depth: usize,
+
+    /// Print the results as one JSON object on the last line of
+    /// stdout (no progress bars)
+    #[arg(long, verbatim_doc_comment)]
+    pub(crate) json: bool,
+
+    /// Plot memory (workspace and heap bytes) and heap allocations
+    /// per iteration of both modes to FILE (.svg or .png); trains
+    /// both modes, as --compare does
+    #[arg(long, value_name = "FILE", value_parser = parse_plot_path, verbatim_doc_comment)]
+    pub(crate) plot: Option<PathBuf>,
+}
+
+impl Args {
+    /// The command line, checked: exits with status 0 after `--help` or `--version`,
+    /// with status 2 and one line on stderr if it is not valid.
+    pub(crate) fn parse_checked() -> Args {
+        let args: Args = crate::cli::parse();
+        if let Err(what) = args.check() {
+            crate::cli::usage_error::<Args>(&what);
+        }
+        args
+    }
+
+    /// What the parsers of single values cannot see: the size of the whole network.
+    fn check(&self) -> Result<(), String> {
+        let parameters = parameter_count(&self.hidden);
+        if parameters > MAX_PARAMETERS {
+            let widths: Vec<String> = self.hidden.iter().map(usize::to_string).collect();
+            return Err(format!(
+                "invalid value '{}' for '--hidden <W,W,...>': the network would have {} parameters, {} with \
+                 their gradients and Adam's two moments; the limit is {} parameters ({})",
+                widths.join(","),
+                thousands(parameters),
+                bytes_human((parameters * BYTES_PER_PARAMETER) as f64),
+                thousands(MAX_PARAMETERS),
+                bytes_human((MAX_PARAMETERS * BYTES_PER_PARAMETER) as f64),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Both modes train: with `--compare`, and with `--plot`, which draws both.
+    pub(crate) fn both_modes(&self) -> bool {
+        self.compare || self.plot.is_some()
+    }
+}
+
+/// Weights and biases of the MLP `FEATURES`-`hidden`-`CLASSES`, all layers together.
+pub(crate) fn parameter_count(hidden: &[usize]) -> u128 {
+    let mut inputs = FEATURES as u128;
+    let mut total = 0u128;
+    for &width in hidden.iter().chain(&[CLASSES]) {
+        let width = width as u128;
+        total = total.saturating_add((inputs + 1).saturating_mul(width));
+        inputs = width;
+    }
+    total
+}
+
+fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
+    s.parse::<WorkspaceMode>().map_err(|e| e.to_string())
+}
+
+fn parse_count(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}' is not a positive integer ({e})")),
+    }
+}
+
+fn parse_depth(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > MAX_DEPTH => {
+            Err(format!("a prefetch depth of {n} is above the limit of {MAX_DEPTH} (valid: 0 to {MAX_DEPTH})"))
+        }
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("'{s}' is not an integer from 0 to {MAX_DEPTH} ({e})")),
+    }
+}
+
+/// The image formats of `--plot`, by file name extension.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PlotFormat {
+    Svg,
+    Png,
+}
+
+pub(crate) fn plot_format(path: &Path) -> Option<PlotFormat> {
+    match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
+        "svg" => Some(PlotFormat::Svg),
+        "png" => Some(PlotFormat::Png),
+        _ => None,
+    }
+}
+
+fn parse_plot_path(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match plot_format(&path) {
+        Some(_) => Ok(path),
+        None => Err(format!("'{s}' does not end in .svg or .png: the plot's format is taken from the file name")),
+    }
+}
+
+fn parse_lr(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(x) => Err(format!("the learning rate must be finite and positive, not {x}")),
+        Err(e) => Err(format!("'{s}' is not a number ({e})")),
+    }
+}
+
+/// Checks, before training, that the plot can be written to `path`: its directory
+/// exists and the file can be opened for writing. A file that was not there is not
+/// left behind (a training that fails leaves nothing), one that was is not changed.
+pub(crate) fn check_plot_path(path: &Path) -> Result<(), String> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        if !dir.exists() {
+            return Err(format!("--plot {}: the directory {} does not exist", path.display(), dir.display()));
+        }
+        if !dir.is_dir() {
+            return Err(format!("--plot {}: {} is not a directory", path.display(), dir.display()));
+        }
+    }
+    let existed = path.exists();
+    match OpenOptions::new().write(true).create(true).truncate(false).open(path) {
+        Ok(file) => {
+            drop(file);
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Err(e) => Err(format!("--plot {}: cannot write the plot there: {e}", path.display())),
+    }
+}

@@ -1,0 +1,133 @@
+//! The command lines of the examples besides the demo (`quickstart`, `custom_layer`,
+//! `prefetch_overlap`, `cuda_smoke`; the demo has `train_digits_cli`): `--help` prints
+//! usage and runs nothing, an unknown flag or a bad value is one line on stderr and exit
+//! status 2 (never a panic), and an error while running prints its message, not a
+//! `Debug` dump. The examples are built once, together, with the profile of this test
+//! (a nested `cargo build`, so that the binaries run are the current source); no test
+//! runs an example's workload.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+const EXAMPLES: [&str; 4] = ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke"];
+
+/// The examples' directory, after building them once per test process.
+fn examples_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        // This test runs from target/<profile>/deps; examples go to
+        // target/<profile>/examples.
+        let exe = std::env::current_exe().expect("the test's own path");
+        let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+        let target_dir = profile_dir.parent().expect("target/<profile>");
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo.args(["build", "--quiet"]);
+        for example in EXAMPLES {
+            cargo.args(["--example", example]);
+        }
+        cargo.arg("--target-dir").arg(target_dir);
+        if profile_dir.file_name().is_some_and(|name| name == "release") {
+            cargo.arg("--release");
+        }
+        let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
+        assert!(status.success(), "building the examples failed: {status}");
+        profile_dir.join("examples")
+    })
+}
+
+fn example(name: &str) -> Command {
+    Command::new(examples_dir().join(format!("{name}{}", std::env::consts::EXE_SUFFIX)))
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    example(name).args(args).output().expect("the example runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The one line on stderr of a usage error: exit status 2, nothing on stdout.
+fn usage_error(name: &str, args: &[&str]) -> String {
+    let output = run(name, args);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{name} {args:?}: a usage error, got {:?}: {stderr}", output.status);
+    assert!(output.stdout.is_empty(), "{name} {args:?}: nothing may run: {}", text(&output.stdout));
+    assert_eq!(stderr.lines().count(), 1, "{name} {args:?}: one line: {stderr}");
+    assert!(stderr.starts_with(&format!("{name}: error: ")), "{name} {args:?}: {stderr}");
+    stderr
+}
+
+#[test]
+fn help_prints_usage_within_80_columns_and_runs_nothing() {
+    for name in EXAMPLES {
+        let output = run(name, &["--help"]);
+        assert_eq!(output.status.code(), Some(0), "{name} --help: {}", text(&output.stderr));
+        let stdout = text(&output.stdout);
+        assert!(stdout.contains(&format!("Usage: {name}")), "{name}: {stdout}");
+        assert!(stdout.contains("-h, --help"), "{name}: {stdout}");
+        let wide: Vec<&str> = stdout.lines().filter(|l| l.chars().count() > 80).collect();
+        assert!(wide.is_empty(), "{name}: help wider than 80 columns: {wide:#?}");
+        assert!(output.stderr.is_empty(), "{name}: {}", text(&output.stderr));
+    }
+    // No line that each prints when it runs.
+    for (name, running) in [
+        ("quickstart", &["learned size"][..]),
+        ("custom_layer", &["epoch "]),
+        ("prefetch_overlap", &["prefetch overlap:"]),
+        ("cuda_smoke", &["no CUDA device:", "device:"]),
+    ] {
+        let stdout = text(&run(name, &["--help"]).stdout);
+        let ran = stdout.lines().any(|line| running.iter().any(|start| line.starts_with(start)));
+        assert!(!ran, "{name} --help ran: {stdout}");
+    }
+    for flag in ["--json", "--batches", "--batch-us", "--depth", "--rounds"] {
+        assert!(text(&run("prefetch_overlap", &["--help"]).stdout).contains(flag), "prefetch_overlap {flag}");
+    }
+    for flag in ["--json", "--rounds"] {
+        assert!(text(&run("cuda_smoke", &["--help"]).stdout).contains(flag), "cuda_smoke {flag}");
+    }
+}
+
+#[test]
+fn unknown_flags_are_one_line_usage_errors() {
+    for name in EXAMPLES {
+        let stderr = usage_error(name, &["--no-such-flag"]);
+        assert!(stderr.contains("'--no-such-flag'"), "{name}: {stderr}");
+    }
+}
+
+#[test]
+fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
+    for (name, args, flag, range) in [
+        ("prefetch_overlap", &["--depth", "0"][..], "'--depth <D>'", "1..=1024"),
+        ("prefetch_overlap", &["--depth", "1025"], "'--depth <D>'", "1..=1024"),
+        ("prefetch_overlap", &["--batches", "7"], "'--batches <N>'", "8..=1000000"),
+        ("prefetch_overlap", &["--batches", "1000001"], "'--batches <N>'", "8..=1000000"),
+        ("prefetch_overlap", &["--rounds", "0"], "'--rounds <R>'", "1..=1000"),
+        ("prefetch_overlap", &["--batch-us", "0"], "'--batch-us <T>'", "1..=1000000"),
+        ("prefetch_overlap", &["--depth", "two"], "'--depth <D>'", ""),
+        ("cuda_smoke", &["--rounds", "0"], "'--rounds <N>'", "1..=1000"),
+        ("cuda_smoke", &["--rounds", "many"], "'--rounds <N>'", ""),
+    ] {
+        let stderr = usage_error(name, args);
+        assert!(stderr.contains(flag) && stderr.contains(range), "{name} {args:?}: '{flag}', '{range}' in {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn errors_while_running_print_their_message_not_a_debug_dump() {
+    for name in ["quickstart", "custom_layer"] {
+        let output = example(name).env("CARVE_WORKSPACE_DEBUG", "bogus").output().expect("the example runs");
+        assert_eq!(output.status.code(), Some(1), "{name}: {output:?}");
+        let stderr = text(&output.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{name}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("{name}: error: environment variable CARVE_WORKSPACE_DEBUG is 'bogus'")),
+            "{name}: {stderr}"
+        );
+        assert!(!stderr.contains("InvalidDebugMode"), "{name}: a Debug dump: {stderr}");
+    }
+}
