@@ -528,21 +528,25 @@ mod terminal {
 #[cfg(target_os = "linux")]
 #[test]
 fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
-    // A wide terminal: the bars must keep to 80 columns anyway.
-    let mut command = Command::new(demo());
-    command.args(["--compare", "--epochs", "3"]);
-    let (screen, status) = terminal::screen(command, 200);
-    assert!(status.success(), "{screen:#?}");
-    let drawn: Vec<&String> = screen.iter().filter(|l| !l.is_empty()).collect();
-    let wide: Vec<&&String> = drawn.iter().filter(|l| l.chars().count() > 80).collect();
-    assert!(wide.is_empty(), "wider than 80 columns: {wide:#?}");
-    for mode in ["enabled", "none"] {
-        let bars: Vec<&&String> = drawn.iter().filter(|l| l.trim_start().starts_with(&format!("{mode} ["))).collect();
-        assert_eq!(bars.len(), 1, "one bar for '{mode}' on the screen: {drawn:#?}");
-        // Finished: full, on the last epoch, with its loss and test accuracy.
-        let bar = bars[0];
-        assert!(bar.contains("epoch 3/3") && bar.contains("loss ") && bar.contains("test acc"), "{bar}");
-        assert!(!bar.contains('>') && !bar.contains("[ "), "an unfinished bar: {bar}");
+    // A wide terminal, where the bars must keep to 80 columns anyway, and one of 80
+    // columns, where a wider line would wrap into two.
+    for columns in [200, 80] {
+        let mut command = Command::new(demo());
+        command.args(["--compare", "--epochs", "3"]);
+        let (screen, status) = terminal::screen(command, columns);
+        assert!(status.success(), "{screen:#?}");
+        let drawn: Vec<&String> = screen.iter().filter(|l| !l.is_empty()).collect();
+        let wide: Vec<&&String> = drawn.iter().filter(|l| l.chars().count() > 80).collect();
+        assert!(wide.is_empty(), "{columns} columns: wider than 80 columns: {wide:#?}");
+        for mode in ["enabled", "none"] {
+            let bars: Vec<&&String> =
+                drawn.iter().filter(|l| l.trim_start().starts_with(&format!("{mode} ["))).collect();
+            assert_eq!(bars.len(), 1, "{columns} columns: one bar for '{mode}' on the screen: {drawn:#?}");
+            // Finished: full, on the last epoch, with its loss and test accuracy.
+            let bar = bars[0];
+            assert!(bar.contains("epoch 3/3") && bar.contains("loss ") && bar.contains("test acc"), "{bar}");
+            assert!(!bar.contains('>') && !bar.contains("[ "), "an unfinished bar: {bar}");
+        }
+        assert_eq!(drawn.len(), 2, "{columns} columns: nothing but the two bars on stderr: {drawn:#?}");
     }
-    assert_eq!(drawn.len(), 2, "nothing but the two bars on stderr: {drawn:#?}");
 }
