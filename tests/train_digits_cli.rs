@@ -362,7 +362,9 @@ fn a_plot_path_that_cannot_be_written_is_refused_before_training() {
 
 #[test]
 fn output_fits_80_columns_and_the_header_shows_the_batch_size_used() {
-    let output = run(&["--compare", "--epochs", "2", "--hidden", "128,64,64,64,64,64,64,64,64,64,64"]);
+    // A header too long for one line (wrapped), a table and notes, in both modes.
+    let hidden = "16,16,16,16,16,16,16,16,16,16,16,16,16,16,16,16";
+    let output = run(&["--compare", "--epochs", "2", "--batch-size", "128", "--hidden", hidden]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     for stream in [text(&output.stdout), text(&output.stderr)] {
         assert_eq!(wide_lines(&stream), Vec::<String>::new(), "wider than 80 columns in:\n{stream}");
@@ -532,7 +534,7 @@ fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
     // columns, where a wider line would wrap into two.
     for columns in [200, 80] {
         let mut command = Command::new(demo());
-        command.args(["--compare", "--epochs", "3"]);
+        command.args(["--compare", "--epochs", "3", "--batch-size", "128"]);
         let (screen, status) = terminal::screen(command, columns);
         assert!(status.success(), "{screen:#?}");
         let drawn: Vec<&String> = screen.iter().filter(|l| !l.is_empty()).collect();
