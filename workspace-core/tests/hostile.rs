@@ -60,6 +60,21 @@ fn every_allocation_is_aligned_to_the_configured_alignment_above_a_page() {
             }
         }
     }
+    // A fixed arena from the heap allocator (no learning, so no huge-page-aligned
+    // reservation to be lucky with): every allocation aligned in every cycle.
+    for align in [8192usize, 1 << 16] {
+        let config =
+            WorkspaceConfig::builder().alignment(align).learning(LearningPolicy::None).initial_size(1 << 20).build();
+        let w = ws(config.unwrap(), DebugMode::Disabled);
+        for _ in 0..3 {
+            let s = w.enter().unwrap();
+            for n in [1usize, 3, 100, 5000] {
+                let v = s.zeros::<u8, _>(n).unwrap();
+                assert_eq!(v.as_ptr() as usize % align, 0, "fixed arena, {align}: u8 x {n}");
+                assert!(matches!(s.placement(v.as_ptr()), Placement::Arena(_)));
+            }
+        }
+    }
     // An element type aligned beyond the configuration, and beyond a page.
     let w = ws(WorkspaceConfig::default(), DebugMode::Disabled);
     for _ in 0..3 {
