@@ -3,12 +3,14 @@
 //! `view.leverage_to(&outer_scope)` (a copy in another open workspace) of a contiguous
 //! f32 view in a workspace, against `copy_from_slice` of the same view's slice into a
 //! preallocated buffer, and `to_vec()` of it (a memcpy that allocates its result, as
-//! `detach()` must). Every variant reads the same source bytes. The goal is ≥ 0.8× the
+//! `detach()` must), and an element-wise copy loop (what `leverage_to` did before it
+//! became a memcpy). Every variant reads the same source bytes. The goal is ≥ 0.8× the
 //! bandwidth of `memcpy`; criterion prints each variant's throughput.
 //!
 //! Run: `cargo bench --bench copy`
 
 use std::hint::black_box;
+use std::mem::MaybeUninit;
 
 use carve::{Workspace, WorkspaceArrayExt, WorkspaceConfig};
 use criterion::{criterion_main, Criterion, Throughput};
@@ -31,6 +33,18 @@ fn copy(c: &mut Criterion) {
             b.iter(|| {
                 to.copy_from_slice(black_box(from));
                 black_box(to.as_ptr());
+            })
+        });
+        // What `Scope::copy_of` (behind `leverage_to`) did until 2026-11-23: an
+        // element-wise loop into uninitialised slots, which LLVM compiles to a 16-byte
+        // SSE loop instead of a memcpy.
+        let mut slots = vec![MaybeUninit::<f32>::uninit(); rows * cols];
+        g.bench_function("elementwise_loop", |b| {
+            b.iter(|| {
+                for (slot, value) in slots.iter_mut().zip(black_box(from)) {
+                    *slot = MaybeUninit::new(*value);
+                }
+                black_box(slots.as_ptr());
             })
         });
         g.bench_function("to_vec", |b| b.iter(|| black_box(black_box(from).to_vec())));
