@@ -1,6 +1,7 @@
 //! Criterion benches of the allocation hot path, each against what a user would use
-//! instead, in the same run. `examples/alloc_compare.rs` prints the full table (faults,
-//! heap allocations, cold first iterations); see `benches/README.md`.
+//! instead, in the same run. `benches/alloc_compare.rs` (`cargo run --release --example
+//! alloc_compare`) prints the full table (faults, heap allocations, cold first
+//! iterations); see `benches/README.md`.
 //!
 //! Run: `cargo bench --bench alloc`
 
