@@ -11,6 +11,48 @@ pub mod host;
 
 use crate::error::BackendError;
 
+/// A block's base address: a host pointer or a device address, readable as a number
+/// (for placement and containment tests, never to reach the memory).
+pub trait Address: Copy {
+    /// The address as a number.
+    fn address(self) -> u64;
+}
+
+impl Address for std::ptr::NonNull<u8> {
+    #[inline(always)]
+    fn address(self) -> u64 {
+        self.as_ptr() as usize as u64
+    }
+}
+
+impl Address for *const u8 {
+    #[inline(always)]
+    fn address(self) -> u64 {
+        self as usize as u64
+    }
+}
+
+impl Address for *mut u8 {
+    #[inline(always)]
+    fn address(self) -> u64 {
+        self as usize as u64
+    }
+}
+
+impl Address for usize {
+    #[inline(always)]
+    fn address(self) -> u64 {
+        self as u64
+    }
+}
+
+impl Address for u64 {
+    #[inline(always)]
+    fn address(self) -> u64 {
+        self
+    }
+}
+
 /// One contiguous block of memory owned by a backend.
 ///
 /// # Safety
@@ -47,7 +89,7 @@ use crate::error::BackendError;
 /// ```
 pub unsafe trait Block: Send {
     /// Address type of the block's first byte: a host pointer or a device address.
-    type Base: Copy;
+    type Base: Address;
     /// The block's first byte.
     fn base(&self) -> Self::Base;
     /// Usable length in bytes.

@@ -20,7 +20,9 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use ndarray::{Array, ArrayView, ArrayViewMut, Dimension};
 
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::scope::Scope;
 
 /// An array in workspace memory that can be stored across borrows; see the module docs.
@@ -76,21 +78,12 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     ///
     /// [`Error::WrongWorkspace`] or [`Error::StaleHandle`].
     pub fn check(&self, scope: &Scope<'_>) -> Result<()> {
-        let (owner, generation) = scope.identity();
-        if owner != self.owner {
-            return Err(Error::WrongWorkspace {
-                array_workspace: self.workspace.clone(),
-                scope_workspace: scope.target_name().clone(),
-            });
-        }
-        if generation != self.generation {
-            return Err(Error::StaleHandle {
-                workspace: self.workspace.clone(),
-                array_generation: self.generation,
-                workspace_generation: generation,
-            });
-        }
-        Ok(())
+        crate::shell::check_identity(
+            (self.owner, self.generation),
+            &self.workspace,
+            scope.identity(),
+            scope.target_name(),
+        )
     }
 
     /// A read-only view, borrowed from `scope`.

@@ -63,12 +63,14 @@ mod roles;
 #[allow(unsafe_code)]
 mod scope;
 #[allow(unsafe_code)]
+pub mod shell;
+#[allow(unsafe_code)]
 mod workspace;
 
 pub use alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, AllocationReport, CountingAllocator};
 pub use array_ext::WorkspaceArrayExt;
 pub use backend::host::{HostBackend, HostBlock};
-pub use backend::{ArenaBackend, Block};
+pub use backend::{Address, ArenaBackend, Block};
 pub use config::{
     AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
     WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
@@ -79,4 +81,5 @@ pub use handle::Handle;
 pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
 pub use manager::{stats_table, WorkspaceManager};
 pub use scope::{freeze, Placement, Scope, ScopeKind};
+pub use shell::{CycleHooks, Shell};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

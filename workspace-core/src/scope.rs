@@ -28,6 +28,7 @@ use ndarray::{ArrayBase, ArrayViewMut, Data, Dimension, ShapeBuilder};
 use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use crate::error::{Error, Result};
 use crate::handle::Handle;
+use crate::shell::checked_bytes;
 use crate::workspace::{DebugMode, Workspace};
 
 /// How a scope came to be.
@@ -180,7 +181,7 @@ impl<'ws> Scope<'ws> {
             Workspace::with_debug_mode("heap", config, DebugMode::SpillEverything)
                 .expect("a workspace without an arena reserves no memory"),
         );
-        own.engine.enter().expect("a new workspace has nothing pending");
+        own.open().expect("a new workspace has nothing pending");
         // The scope owns the box (entered just above) until `release` frees it.
         let ws = NonNull::new(Box::into_raw(own)).expect("a box is not null");
         Scope { ws, tag: Tag::Heap, _borrow: PhantomData }
@@ -221,13 +222,7 @@ impl<'ws> Scope<'ws> {
 
     /// Where the memory at `ptr` lives relative to this scope's arena.
     pub fn placement<T>(&self, ptr: *const T) -> Placement {
-        let Some((base, len)) = self.workspace_ref().engine.arena_extent() else { return Placement::Elsewhere };
-        let (base, addr) = (base.as_ptr() as usize, ptr as usize);
-        if addr >= base && addr < base + len {
-            Placement::Arena(addr - base)
-        } else {
-            Placement::Elsewhere
-        }
+        self.workspace_ref().placement(ptr.cast::<u8>())
     }
 
     /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
@@ -240,9 +235,9 @@ impl<'ws> Scope<'ws> {
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
-        let placed = match self.workspace_ref().engine.try_alloc_fast(size, align) {
+        let placed = match self.workspace_ref().engine().try_alloc_fast(size, align) {
             Some(placed) => placed,
-            None => self.workspace_ref().engine.alloc_slow(size, align)?,
+            None => self.workspace_ref().engine().alloc_slow(size, align)?,
         };
         let (base, offset) = placed;
         // SAFETY: the engine reserved `offset..offset+size` inside the block at `base`,
@@ -256,34 +251,15 @@ impl<'ws> Scope<'ws> {
         Ok(ptr)
     }
 
-    /// Byte size of `dim` elements of `T` (not zero-sized), checked.
-    #[inline(always)]
-    fn sized<T, D: Dimension>(&self, dim: &D) -> Result<usize> {
-        // One compare against a constant: `n * size_of::<T>()` fits in `isize`.
-        let max_elements = isize::MAX as usize / size_of::<T>();
-        match dim.size_checked() {
-            // One compare for both bounds: 0 wraps around to `usize::MAX`.
-            // `unchecked_mul` tells the optimiser the product is in range, which lets it
-            // drop the engine's own size test after inlining.
-            // SAFETY: `0 < n <= isize::MAX / size_of::<T>()`, so the product fits.
-            Some(n) if n.wrapping_sub(1) < max_elements => Ok(unsafe { n.unchecked_mul(size_of::<T>()) }),
-            Some(0) => Err(zero_length(self.workspace_ref(), dim.clone())),
-            _ => Err(overflow(self.workspace_ref(), dim.clone(), size_of::<T>())),
-        }
-    }
-
     /// Reserves memory for `dim` elements of `T`.
     #[inline(always)]
     pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
+        let ws = self.workspace_ref();
+        let bytes = checked_bytes::<T, D>(dim, || ws.name().clone())?;
         if size_of::<T>() == 0 {
-            // No memory, but ndarray still needs the element count to fit in `isize`.
-            return match dim.size_checked() {
-                Some(0) => Err(zero_length(self.workspace_ref(), dim.clone())),
-                Some(n) if n <= isize::MAX as usize => Ok(NonNull::dangling()),
-                _ => Err(overflow(self.workspace_ref(), dim.clone(), 0)),
-            };
+            // No memory: ndarray only needs the element count to fit in `isize`.
+            return Ok(NonNull::dangling());
         }
-        let bytes = self.sized::<T, D>(dim)?;
         Ok(self.alloc_bytes(bytes, align_of::<T>(), zeroed)?.cast())
     }
 
@@ -375,8 +351,8 @@ impl<'ws> Scope<'ws> {
     pub unsafe fn retained<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         let not_initialised = |backend| Error::NotInitialised { workspace: self.target_name().clone(), backend };
         let ws = self.workspace_ref();
-        if !ws.engine.arena_is_initialised() {
-            return Err(not_initialised(ws.engine.backend_kind()));
+        if !ws.engine().arena_is_initialised() {
+            return Err(not_initialised(ws.engine().backend_kind()));
         }
         let shape = shape.into_shape_with_order();
         let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), false)?;
@@ -506,28 +482,13 @@ impl Drop for Scope<'_> {
         // SAFETY: the workspace is alive (`ws` invariant) and counted this scope; every
         // view borrowed from this scope has ended (they borrow `self`), and handles are
         // checked against the generation before any access.
-        unsafe { self.workspace_ref().engine.exit() };
+        unsafe { self.workspace_ref().close() };
         // Only now may the `Rc` or the box (if any) let the workspace go.
         if self.tag.owns() {
             // SAFETY: counted out just above, and the scope is not used after.
             unsafe { release(self.ws, self.tag) };
         }
     }
-}
-
-// The errors of `sized` take the workspace rather than the scope: a cold call that
-// took `&Scope` would let the scope's address escape, and the hot path would then
-// reload the workspace pointer from memory after every opaque write.
-#[cold]
-#[inline(never)]
-fn zero_length<D: Dimension>(ws: &Workspace, dim: D) -> Error {
-    Error::ZeroLength { workspace: ws.name().clone(), shape: dim.slice().to_vec() }
-}
-
-#[cold]
-#[inline(never)]
-fn overflow<D: Dimension>(ws: &Workspace, dim: D, element_size: usize) -> Error {
-    Error::ShapeOverflow { workspace: ws.name().clone(), shape: dim.slice().to_vec(), element_size }
 }
 
 /// The first byte and the byte length of the memory an array spans (its elements

@@ -2,13 +2,12 @@
 
 use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::Arc;
 
 use crate::backend::host::HostBackend;
 use crate::config::WorkspaceConfig;
-use crate::engine::{Engine, Entered, WorkspaceStats};
 use crate::error::{Error, Result};
-use crate::scope::{Scope, ScopeKind};
+use crate::scope::Scope;
+use crate::shell::Shell;
 
 /// Name of the environment variable that sets the [`DebugMode`] of new workspaces.
 pub const DEBUG_ENV: &str = "CARVE_WORKSPACE_DEBUG";
@@ -98,8 +97,19 @@ impl DebugMode {
 /// ```
 #[derive(Debug)]
 pub struct Workspace {
-    pub(crate) engine: Engine<HostBackend>,
+    shell: Shell<HostBackend>,
     debug: Cell<DebugMode>,
+}
+
+/// The accessors every kind of workspace shares (name, generation, capacity,
+/// statistics, `contains`, ...) are the [`Shell`]'s.
+impl std::ops::Deref for Workspace {
+    type Target = Shell<HostBackend>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Shell<HostBackend> {
+        &self.shell
+    }
 }
 
 impl Workspace {
@@ -120,7 +130,7 @@ impl Workspace {
     /// As [`Workspace::new`], except the environment is not read.
     pub fn with_debug_mode(name: &str, config: WorkspaceConfig, mode: DebugMode) -> Result<Workspace> {
         let backend = HostBackend::for_location(config.location());
-        let ws = Workspace { engine: Engine::new(name, config, backend)?, debug: Cell::new(DebugMode::Disabled) };
+        let ws = Workspace { shell: Shell::new(name, config, backend, ())?, debug: Cell::new(DebugMode::Disabled) };
         ws.set_debug_mode(mode)?;
         Ok(ws)
     }
@@ -130,14 +140,11 @@ impl Workspace {
     /// # Errors
     ///
     /// A backend error recorded when the previous cycle could not grow the arena, or
-    /// from re-reserving the arena after [`Workspace::trim`].
+    /// from re-reserving the arena after [`Shell::trim`].
     #[inline]
     pub fn enter(&self) -> Result<Scope<'_>> {
-        let kind = match self.engine.enter()? {
-            Entered::Opened => ScopeKind::Opened,
-            Entered::Nested => ScopeKind::Nested,
-        };
-        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        let kind = self.shell.open()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
         Ok(unsafe { Scope::over(self, kind) })
     }
 
@@ -148,9 +155,9 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open(&self) -> Result<Scope<'_>> {
-        self.engine.borrow_open("borrowing it as an allocation target")?;
-        // SAFETY: the engine counted this scope; the scope gives it back on drop.
-        Ok(unsafe { Scope::over(self, ScopeKind::Borrowed) })
+        let kind = self.shell.borrow_open()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
+        Ok(unsafe { Scope::over(self, kind) })
     }
 
     /// As [`Workspace::enter`], the scope keeping the workspace alive through an `Rc`.
@@ -159,11 +166,8 @@ impl Workspace {
     ///
     /// As [`Workspace::enter`].
     pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        let kind = match self.engine.enter()? {
-            Entered::Opened => ScopeKind::Opened,
-            Entered::Nested => ScopeKind::Nested,
-        };
-        // SAFETY: counted by the engine; the `Rc` keeps the workspace alive for as long
+        let kind = self.shell.open()?;
+        // SAFETY: counted by the shell; the `Rc` keeps the workspace alive for as long
         // as the scope lives, whatever `'static` says.
         Ok(unsafe { Scope::over_shared(self.clone(), kind) })
     }
@@ -174,19 +178,9 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        self.engine.borrow_open("borrowing it as an allocation target")?;
+        let kind = self.shell.borrow_open()?;
         // SAFETY: as in `enter_shared`.
-        Ok(unsafe { Scope::over_shared(self.clone(), ScopeKind::Borrowed) })
-    }
-
-    /// Gives memory back: spill blocks, and the arena down to `min_size`; the size is
-    /// learned again. A workspace never shrinks by itself.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`] while a scope is open.
-    pub fn trim(&self) -> Result<()> {
-        self.engine.trim()
+        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
     }
 
     /// The current debug mode.
@@ -200,72 +194,9 @@ impl Workspace {
     ///
     /// [`Error::StillOpen`] while a scope is open.
     pub fn set_debug_mode(&self, mode: DebugMode) -> Result<()> {
-        self.engine.set_spill_everything(mode != DebugMode::Disabled)?;
+        self.shell.engine().set_spill_everything(mode != DebugMode::Disabled)?;
         self.debug.set(mode);
         Ok(())
-    }
-
-    /// The workspace's name.
-    pub fn name(&self) -> &Arc<str> {
-        self.engine.name()
-    }
-    /// Process-unique id.
-    pub fn id(&self) -> u64 {
-        self.engine.id()
-    }
-    /// The configuration.
-    pub fn config(&self) -> &WorkspaceConfig {
-        self.engine.config()
-    }
-    /// Current generation (one per real enter).
-    pub fn generation(&self) -> u64 {
-        self.engine.generation()
-    }
-    /// Whether a scope is open.
-    pub fn is_open(&self) -> bool {
-        self.engine.is_open()
-    }
-    /// Arena capacity in bytes.
-    pub fn capacity(&self) -> usize {
-        self.engine.capacity()
-    }
-    /// Arena bytes handed out in the open cycle.
-    pub fn bytes_in_use(&self) -> usize {
-        self.engine.bytes_in_use()
-    }
-    /// A statistics snapshot; cheap, and readable while arrays are alive.
-    pub fn stats(&self) -> WorkspaceStats {
-        self.engine.stats()
-    }
-    /// Forgets the peak so far.
-    pub fn reset_peak(&self) {
-        self.engine.reset_peak()
-    }
-    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
-    pub fn timeline(&self) -> Vec<usize> {
-        self.engine.timeline()
-    }
-    /// Whether the `bytes` bytes at `ptr` lie inside this workspace's memory (its
-    /// arena or a spill block it holds now). Says nothing about the generation: memory
-    /// of a closed cycle is still inside.
-    pub fn contains(&self, ptr: *const u8, bytes: usize) -> bool {
-        let start = ptr as usize;
-        let Some(end) = start.checked_add(bytes) else { return false };
-        self.engine.any_block(|base, len| {
-            let base = base.as_ptr() as usize;
-            start >= base && end <= base + len
-        })
-    }
-
-    /// Largest bytes in use (arena and spills) since creation or [`Workspace::reset_peak`];
-    /// cheaper than [`Workspace::stats`] (no allocation).
-    pub fn peak_bytes(&self) -> usize {
-        self.engine.peak()
-    }
-
-    /// The engine, for backends and diagnostics.
-    pub fn engine(&self) -> &Engine<HostBackend> {
-        &self.engine
     }
 }
 

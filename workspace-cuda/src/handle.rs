@@ -67,23 +67,7 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     /// (inside [`Error::Workspace`](crate::Error::Workspace)), naming the workspace, both
     /// generations and the fix.
     pub fn check<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<()> {
-        let ws = scope.workspace();
-        if ws.id() != self.owner {
-            return Err(workspace_core::Error::WrongWorkspace {
-                array_workspace: self.workspace.clone(),
-                scope_workspace: ws.name().clone(),
-            }
-            .into());
-        }
-        if ws.generation() != self.generation {
-            return Err(workspace_core::Error::StaleHandle {
-                workspace: self.workspace.clone(),
-                array_generation: self.generation,
-                workspace_generation: ws.generation(),
-            }
-            .into());
-        }
-        Ok(())
+        Ok(scope.workspace().check_handle(self.owner, self.generation, &self.workspace)?)
     }
 
     /// A read-only view, borrowed from `scope`.

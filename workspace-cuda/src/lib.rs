@@ -115,10 +115,10 @@ pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStr
 pub use device::{Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
-pub use pinned::{PinnedArray, PinnedScope, PinnedWorkspace};
+pub use pinned::{PendingTransfers, PinnedArray, PinnedScope, PinnedWorkspace};
 pub use prefetch::{DeviceBatch, DeviceLease, DevicePrefetchStats, DevicePrefetcher, DevicePrefetcherBuilder};
 pub use probe::{probe, Probe, DISABLE_ENV};
 pub use scope::DeviceScope;
 pub use stream::OnStream;
 pub use view::{DeviceUninit, DeviceView, DeviceViewMut};
-pub use workspace::DeviceWorkspace;
+pub use workspace::{DeviceWorkspace, StreamOrder};

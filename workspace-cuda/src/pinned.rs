@@ -13,14 +13,14 @@
 //! ([`PinnedWorkspace::for_transfers`]) or given a `max_size`, never grown without limit.
 
 use std::cell::RefCell;
-use std::mem::{align_of, ManuallyDrop};
+use std::mem::align_of;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
 use workspace_core::{
-    AllocationPolicy, Engine, Entered, LearningPolicy, Location, Placement, ScopeKind, SpillPolicy, WorkspaceConfig,
+    AllocationPolicy, CycleHooks, LearningPolicy, Location, Placement, ScopeKind, Shell, SpillPolicy, WorkspaceConfig,
     WorkspaceStats,
 };
 
@@ -54,8 +54,24 @@ const PRUNE_AT: usize = 64;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct PinnedWorkspace<D: Device> {
-    /// Dropped by hand: leaked instead when a transfer could not be waited for.
-    engine: ManuallyDrop<Engine<PinnedBackend<D>>>,
+    shell: Shell<PinnedBackend<D>, PendingTransfers<D>>,
+}
+
+/// The accessors every kind of workspace shares (name, generation, capacity,
+/// statistics, `trim`, ...) are the [`Shell`]'s.
+impl<D: Device> std::ops::Deref for PinnedWorkspace<D> {
+    type Target = Shell<PinnedBackend<D>, PendingTransfers<D>>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Self::Target {
+        &self.shell
+    }
+}
+
+/// What a pinned workspace does around the engine's cycles (its [`CycleHooks`]): before
+/// its memory is handed out again, or freed, it waits for every transfer that may still
+/// use it (module docs).
+pub struct PendingTransfers<D: Device> {
     device: D,
     shared: Arc<Mutex<InFlight<D>>>,
     /// A transfer whose end could be neither recorded nor waited for: its memory may be
@@ -88,12 +104,8 @@ impl<D: Device> PinnedWorkspace<D> {
         check_alignment(name, &config, "pinned")?;
         let shared = Arc::new(Mutex::new(InFlight::new()));
         let backend = PinnedBackend::new(device.clone(), shared.clone());
-        Ok(PinnedWorkspace {
-            engine: ManuallyDrop::new(Engine::new(name, config, backend)?),
-            device: device.clone(),
-            shared,
-            broken: RefCell::new(None),
-        })
+        let transfers = PendingTransfers { device: device.clone(), shared, broken: RefCell::new(None) };
+        Ok(PinnedWorkspace { shell: Shell::new(name, config, backend, transfers)? })
     }
 
     /// A pinned workspace of exactly `bytes` bytes, reserved now, that never grows and
@@ -122,86 +134,26 @@ impl<D: Device> PinnedWorkspace<D> {
     /// A device error while waiting (the workspace stays closed; entering again
     /// retries), or an engine error as for host workspaces.
     pub fn enter(&self) -> Result<PinnedScope<'_, D>> {
-        if !self.engine.is_open() {
-            self.settle()?;
-        }
-        let kind = match self.engine.enter()? {
-            Entered::Opened => ScopeKind::Opened,
-            Entered::Nested => ScopeKind::Nested,
-        };
-        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        let kind = self.shell.open()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
         Ok(unsafe { PinnedScope::over(self, kind) })
     }
 
-    /// Gives memory back (spills, and the arena down to `min_size`) after waiting for
-    /// every transfer.
-    ///
-    /// # Errors
-    ///
-    /// [`workspace_core::Error::StillOpen`] while a scope is open; device errors while
-    /// waiting.
-    pub fn trim(&self) -> Result<()> {
-        if !self.engine.is_open() {
-            self.settle()?;
-        }
-        Ok(self.engine.trim()?)
-    }
-
-    /// A statistics snapshot; `pinned_allocations` counts the page-locked allocations
-    /// made so far.
-    pub fn stats(&self) -> WorkspaceStats {
-        let mut stats = self.engine.stats();
-        stats.pinned_allocations = lock_in_flight(&self.shared).allocations;
-        stats
-    }
-
-    /// The workspace's name.
-    pub fn name(&self) -> &Arc<str> {
-        self.engine.name()
-    }
-    /// The configuration.
-    pub fn config(&self) -> &WorkspaceConfig {
-        self.engine.config()
-    }
-    /// Arena capacity in bytes.
-    pub fn capacity(&self) -> usize {
-        self.engine.capacity()
-    }
-    /// Current generation.
-    pub fn generation(&self) -> u64 {
-        self.engine.generation()
-    }
-    /// Whether a scope is open.
-    pub fn is_open(&self) -> bool {
-        self.engine.is_open()
-    }
     /// The device whose transfers this memory stages.
     pub fn device(&self) -> &D {
-        &self.device
+        &self.hooks().device
     }
 
     fn device_error(&self, action: &'static str, source: DeviceError) -> Error {
-        Error::Device { workspace: self.name().clone(), action, source }
+        device_error(self.name(), action, source)
     }
+}
 
-    /// Waits for every transfer that may still use the memory, then frees the blocks
-    /// given back meanwhile.
-    #[cold]
-    fn settle(&self) -> Result<()> {
-        if let Some(error) = self.broken.borrow().clone() {
-            return Err(self.device_error("waiting for a transfer whose end could not be recorded", error));
-        }
-        let mut shared = lock_in_flight(&self.shared);
-        while let Some(event) = shared.events.last() {
-            self.device
-                .event_synchronize(event)
-                .map_err(|e| self.device_error("waiting for the last cycle's transfers", e))?;
-            shared.events.pop();
-        }
-        shared.graveyard.clear();
-        Ok(())
-    }
+fn device_error(workspace: &Arc<str>, action: &'static str, source: DeviceError) -> Error {
+    Error::Device { workspace: workspace.clone(), action, source }
+}
 
+impl<D: Device> PendingTransfers<D> {
     fn note_transfer(&self, event: D::Event) {
         let mut shared = lock_in_flight(&self.shared);
         if shared.events.len() >= PRUNE_AT {
@@ -211,18 +163,33 @@ impl<D: Device> PinnedWorkspace<D> {
     }
 }
 
-fn invalid(reason: String) -> Error {
-    workspace_core::Error::InvalidConfig { reason }.into()
-}
+impl<D: Device> CycleHooks for PendingTransfers<D> {
+    type Error = Error;
 
-impl<D: Device> std::fmt::Debug for PinnedWorkspace<D> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinnedWorkspace").field("engine", &*self.engine).finish_non_exhaustive()
+    /// Waits for every transfer that may still use the memory, then frees the blocks
+    /// given back meanwhile.
+    #[cold]
+    fn before_open(&self, name: &Arc<str>) -> Result<()> {
+        if let Some(error) = self.broken.borrow().clone() {
+            return Err(device_error(name, "waiting for a transfer whose end could not be recorded", error));
+        }
+        let mut shared = lock_in_flight(&self.shared);
+        while let Some(event) = shared.events.last() {
+            self.device
+                .event_synchronize(event)
+                .map_err(|e| device_error(name, "waiting for the last cycle's transfers", e))?;
+            shared.events.pop();
+        }
+        shared.graveyard.clear();
+        Ok(())
     }
-}
 
-impl<D: Device> Drop for PinnedWorkspace<D> {
-    fn drop(&mut self) {
+    /// Nothing: memory that transfers may still use is not handed out again before the
+    /// next open waits for them, and blocks freed at the reset go to the graveyard.
+    fn before_reset(&self) {}
+
+    /// Waits for every transfer; leaks the memory when one cannot be waited for.
+    fn before_drop(&mut self) -> bool {
         let mut shared = lock_in_flight(&self.shared);
         let mut waited = self.broken.get_mut().is_none();
         for event in shared.events.drain(..) {
@@ -233,13 +200,26 @@ impl<D: Device> Drop for PinnedWorkspace<D> {
         }
         if waited {
             shared.graveyard.clear();
-            drop(shared);
-            // SAFETY: dropped once, here; nothing uses the engine after this.
-            unsafe { ManuallyDrop::drop(&mut self.engine) };
         } else {
             // A transfer may still use this memory: leak it rather than free it under it.
             std::mem::forget(std::mem::take(&mut shared.graveyard));
         }
+        waited
+    }
+
+    /// `pinned_allocations`: the page-locked allocations made so far.
+    fn amend_stats(&self, stats: &mut WorkspaceStats) {
+        stats.pinned_allocations = lock_in_flight(&self.shared).allocations;
+    }
+}
+
+fn invalid(reason: String) -> Error {
+    workspace_core::Error::InvalidConfig { reason }.into()
+}
+
+impl<D: Device> std::fmt::Debug for PinnedWorkspace<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedWorkspace").field("engine", self.engine()).finish_non_exhaustive()
     }
 }
 
@@ -267,13 +247,7 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     /// Where `array`'s memory lies relative to this workspace's arena (does not wait for
     /// transfers: it looks at the address only).
     pub fn placement<T, Dim: Dimension>(&self, array: &PinnedArray<'_, D, T, Dim>) -> Placement {
-        let address = array.ptr.as_ptr() as usize;
-        match self.ws.engine.arena_extent() {
-            Some((base, len)) if address >= base.as_ptr() as usize && address - (base.as_ptr() as usize) < len => {
-                Placement::Arena(address - base.as_ptr() as usize)
-            }
-            _ => Placement::Elsewhere,
-        }
+        self.ws.placement(array.ptr.cast::<u8>())
     }
 
     /// A zero-filled pinned array.
@@ -287,7 +261,7 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<PinnedArray<'_, D, T, Sh::Dim>> {
         let dim = shape.into_shape_with_order().raw_dim().clone();
         let bytes = checked_bytes::<T, Sh::Dim>(&dim, || self.ws.name().clone())?;
-        let (base, offset) = self.ws.engine.alloc(bytes, align_of::<T>())?;
+        let (base, offset) = self.ws.engine().alloc(bytes, align_of::<T>())?;
         // SAFETY: the engine reserved `offset..offset + bytes` inside the block at `base`
         // for this cycle, so the pointer stays inside one live allocation, aligned for
         // `T`; the memory is not in any transfer (the cycle opened after waiting for
@@ -331,7 +305,7 @@ impl<D: Device> Drop for PinnedScope<'_, D> {
         // SAFETY: counted at creation (invariant); every array borrowed from this scope
         // has ended. Memory that transfers may still use is not handed out again before
         // the next `enter` waits for them, and blocks freed now go to the graveyard.
-        unsafe { self.ws.engine.exit() };
+        unsafe { self.ws.close() };
     }
 }
 
@@ -367,7 +341,10 @@ impl<'s, D: Device, T: Pod, Dim: Dimension> PinnedArray<'s, D, T, Dim> {
     pub fn wait(&self) -> Result<()> {
         let pending = self.pending.borrow().clone();
         if let Some(event) = pending {
-            self.ws.device.event_synchronize(&event).map_err(|e| self.ws.device_error("waiting for a transfer", e))?;
+            self.ws
+                .device()
+                .event_synchronize(&event)
+                .map_err(|e| self.ws.device_error("waiting for a transfer", e))?;
             self.pending.replace(None);
         }
         Ok(())
@@ -419,7 +396,7 @@ impl<'s, D: Device, T: Pod, Dim: Dimension> PinnedArray<'s, D, T, Dim> {
     }
 
     pub(crate) fn device(&self) -> &D {
-        &self.ws.device
+        self.ws.device()
     }
 
     pub(crate) fn host_ptr(&self) -> NonNull<u8> {
@@ -433,21 +410,21 @@ impl<'s, D: Device, T: Pod, Dim: Dimension> PinnedArray<'s, D, T, Dim> {
         stream: &D::Stream,
         op: impl FnOnce(&D::Stream) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
-        let device = &self.ws.device;
+        let device = self.ws.device();
         if let Some(previous) = self.pending.borrow().as_ref() {
             device.wait(stream, previous)?;
         }
         op(stream)?;
         match device.record(stream) {
             Ok(event) => {
-                self.ws.note_transfer(event.clone());
+                self.ws.hooks().note_transfer(event.clone());
                 self.pending.replace(Some(event));
                 Ok(())
             }
             Err(error) => {
                 // Without an event nobody could tell when the copy is over: wait now.
                 if let Err(lost) = device.synchronize(stream) {
-                    self.ws.broken.borrow_mut().get_or_insert(lost);
+                    self.ws.hooks().broken.borrow_mut().get_or_insert(lost);
                 }
                 Err(error)
             }

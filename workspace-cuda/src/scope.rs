@@ -52,13 +52,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
 
     /// Where `view`'s memory lies relative to this workspace's arena.
     pub fn placement<T, Dim: Dimension>(&self, view: &DeviceView<'_, D, T, Dim>) -> Placement {
-        let address = view.address;
-        match self.ws.engine().arena_extent() {
-            Some((base, len)) if address >= base && address - base < len as u64 => {
-                Placement::Arena(usize::try_from(address - base).unwrap_or(usize::MAX))
-            }
-            _ => Placement::Elsewhere,
-        }
+        self.ws.placement(view.address)
     }
 
     /// Reserves memory for `dim` elements of `T` in the open cycle.
@@ -196,13 +190,10 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
 impl<D: Device> Drop for DeviceScope<'_, D> {
     #[inline]
     fn drop(&mut self) {
-        if self.ws.engine().depth() == 1 {
-            // The cycle closes: order every other stream that used its memory before the
-            // workspace's stream, which the reset (and all reuse) is ordered on.
-            self.ws.close_foreign_streams();
-        }
-        // SAFETY: the engine counted this scope (invariant); every view borrowed from it
+        // SAFETY: the shell counted this scope (invariant); every view borrowed from it
         // has ended, and handles are checked against the generation before any access.
-        unsafe { self.ws.engine().exit() };
+        // Closing the cycle orders every other stream that used its memory before the
+        // workspace's stream, which the reset (and all reuse) is ordered on.
+        unsafe { self.ws.close() };
     }
 }

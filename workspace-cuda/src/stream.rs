@@ -84,7 +84,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
                 detail: format!("{stream:?} belongs to another device than {}", ws.device().describe()),
             });
         }
-        ws.note_foreign(stream);
+        ws.order().note_foreign(stream);
         Ok(OnStream { ws, stream: stream.clone(), joined: false, _views: PhantomData })
     }
 
@@ -103,9 +103,12 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
             return Ok(()); // the workspace's own stream, or memory of this stream only
         }
         for &(_, address, bytes, writes) in accesses.iter().filter(|(owner, ..)| in_workspace(owner)) {
-            self.ws.order_home_use(address, bytes, writes, Some(&self.stream)).map_err(|e| self.error(action, e))?;
+            self.ws
+                .order()
+                .order_home_use(address, bytes, writes, Some(&self.stream))
+                .map_err(|e| self.error(action, e))?;
         }
-        self.ws.fork(&self.stream).map_err(|e| self.error(action, e))?;
+        self.ws.order().fork(&self.stream).map_err(|e| self.error(action, e))?;
         if record {
             self.record(accesses, action)?;
         }
@@ -116,7 +119,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     fn record(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], action: &'static str) -> Result<()> {
         for &(owner, address, bytes, writes) in accesses {
             if let Owner::Workspace(_) = owner {
-                self.ws.note_use(&self.stream, address, bytes, writes).map_err(|e| self.error(action, e))?;
+                self.ws.order().note_use(&self.stream, address, bytes, writes).map_err(|e| self.error(action, e))?;
             }
         }
         Ok(())
@@ -314,7 +317,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     /// stream before it next touches the memory this stream used, and at the reset).
     pub fn finish(mut self) -> Result<()> {
         self.joined = true;
-        self.ws.join(&self.stream).map_err(|e| self.error("ordering the workspace's stream after another", e))
+        self.ws.order().join(&self.stream).map_err(|e| self.error("ordering the workspace's stream after another", e))
     }
 }
 
@@ -327,10 +330,10 @@ impl<D: Device> std::fmt::Debug for OnStream<'_, '_, D> {
 impl<D: Device> Drop for OnStream<'_, '_, D> {
     fn drop(&mut self) {
         if !self.joined {
-            if let Err(error) = self.ws.join(&self.stream) {
+            if let Err(error) = self.ws.order().join(&self.stream) {
                 // Reported by the next `enter`. The uses stay recorded, so the workspace
                 // still orders the stream before it touches their memory again.
-                self.ws.defer(error);
+                self.ws.order().defer(error);
             }
         }
     }

@@ -114,7 +114,9 @@ impl<'a, D: Device> Owner<'a, D> {
     /// their own stream uses.
     pub(crate) fn order_home_use(&self, address: u64, bytes: usize, writes: bool, action: &'static str) -> Result<()> {
         match self {
-            Owner::Workspace(ws) => ws.order_home_use(address, bytes, writes, None).map_err(|e| self.error(action, e)),
+            Owner::Workspace(ws) => {
+                ws.order().order_home_use(address, bytes, writes, None).map_err(|e| self.error(action, e))
+            }
             Owner::Array { .. } | Owner::Ring { .. } => Ok(()),
         }
     }
@@ -123,7 +125,7 @@ impl<'a, D: Device> Owner<'a, D> {
     /// return: one is kept for the workspace's next `enter`).
     pub(crate) fn order_home_use_or_defer(&self, address: u64, bytes: usize, writes: bool) {
         if let Owner::Workspace(ws) = self {
-            ws.order_home_use_or_defer(address, bytes, writes);
+            ws.order().order_home_use_or_defer(address, bytes, writes);
         }
     }
 
@@ -142,8 +144,9 @@ impl<'a, D: Device> Owner<'a, D> {
     }
 }
 
-/// Byte size of `dim` elements of `T` in device or pinned memory: the one shape-to-bytes
-/// computation of this crate, checked.
+/// Byte size of `dim` elements of `T` in device or pinned memory: the engine's one
+/// shape-to-bytes computation ([`workspace_core::shell::checked_bytes`]), and zero-sized
+/// element types refused.
 ///
 /// # Errors
 ///
@@ -156,30 +159,23 @@ impl<'a, D: Device> Owner<'a, D> {
 #[inline(always)]
 pub(crate) fn checked_bytes<T, Dim: Dimension>(
     dim: &Dim,
-    workspace: impl FnOnce() -> Arc<str>,
+    workspace: impl Fn() -> Arc<str>,
 ) -> Result<usize, workspace_core::Error> {
-    let max_elements = isize::MAX as usize / size_of::<T>().max(1);
-    match dim.size_checked() {
-        // One compare for both bounds: 0 wraps around to `usize::MAX`.
-        Some(n) if size_of::<T>() > 0 && n.wrapping_sub(1) < max_elements => Ok(n * size_of::<T>()),
-        found => Err(bad_shape::<T, Dim>(dim, found, workspace())),
+    match workspace_core::shell::checked_bytes::<T, Dim>(dim, &workspace)? {
+        0 => Err(zero_sized::<T>(dim.slice(), workspace())),
+        bytes => Ok(bytes),
     }
 }
 
 #[cold]
 #[inline(never)]
-fn bad_shape<T, Dim: Dimension>(dim: &Dim, elements: Option<usize>, workspace: Arc<str>) -> workspace_core::Error {
-    let shape = dim.slice().to_vec();
-    match elements {
-        Some(0) => workspace_core::Error::ZeroLength { workspace, shape },
-        Some(n) if size_of::<T>() == 0 && n <= isize::MAX as usize => workspace_core::Error::InvalidInput(format!(
-            "workspace '{workspace}': elements of type `{}` are zero-sized, and device and pinned arrays hold \
-             elements of non-zero size (shape {shape:?}); an array of zero-sized elements needs no memory, so \
-             create it on the host with `ndarray::Array`",
-            std::any::type_name::<T>()
-        )),
-        _ => workspace_core::Error::ShapeOverflow { workspace, shape, element_size: size_of::<T>() },
-    }
+fn zero_sized<T>(shape: &[usize], workspace: Arc<str>) -> workspace_core::Error {
+    workspace_core::Error::InvalidInput(format!(
+        "workspace '{workspace}': elements of type `{}` are zero-sized, and device and pinned arrays hold \
+         elements of non-zero size (shape {shape:?}); an array of zero-sized elements needs no memory, so \
+         create it on the host with `ndarray::Array`",
+        std::any::type_name::<T>()
+    ))
 }
 
 /// The elements of `src` in standard (row-major) order, as bytes.

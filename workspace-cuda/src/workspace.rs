@@ -36,13 +36,12 @@
 //!
 //! [`DeviceScope::on_stream`]: crate::DeviceScope::on_stream
 //! [`OnStream`]: crate::OnStream
-//! [`order_home_use`]: DeviceWorkspace::order_home_use
+//! [`order_home_use`]: StreamOrder::order_home_use
 
 use std::cell::RefCell;
-use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
-use workspace_core::{Engine, Entered, Location, ScopeKind, WorkspaceConfig, WorkspaceStats};
+use workspace_core::{CycleHooks, Location, Shell, WorkspaceConfig};
 
 use crate::backend::{lock_graveyard, DeviceBackend, Graveyard};
 use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
@@ -80,15 +79,30 @@ use crate::scope::DeviceScope;
 /// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::SimDevice>>();
 /// ```
 pub struct DeviceWorkspace<D: Device> {
-    /// Dropped by hand: leaked instead when a stream that used the memory could not be
-    /// ordered (see `Drop`).
-    engine: ManuallyDrop<Engine<DeviceBackend<D>>>,
+    shell: Shell<DeviceBackend<D>, StreamOrder<D>>,
+}
+
+/// The accessors every kind of workspace shares (name, generation, capacity,
+/// statistics, `trim`, ...) are the [`Shell`]'s.
+impl<D: Device> std::ops::Deref for DeviceWorkspace<D> {
+    type Target = Shell<DeviceBackend<D>, StreamOrder<D>>;
+
+    #[inline(always)]
+    fn deref(&self) -> &Self::Target {
+        &self.shell
+    }
+}
+
+/// What a device workspace does around the engine's cycles (its [`CycleHooks`]): it
+/// orders every other stream that used the memory before its own stream, which every
+/// reuse of the memory is issued to (module docs).
+pub struct StreamOrder<D: Device> {
     device: D,
     stream: D::Stream,
     /// Streams other than `stream` that used this workspace's memory in the open cycle.
     foreign: RefCell<Vec<D::Stream>>,
     /// Streams that could be ordered neither on the device nor on the host when their
-    /// cycle closed; `enter` orders them first and fails until it can.
+    /// cycle closed; opening orders them first and fails until it can.
     unjoined: RefCell<Vec<D::Stream>>,
     /// An ordering error from a place that cannot return one (closing a scope, ending a
     /// stream use), reported by the next `enter`.
@@ -187,17 +201,16 @@ impl<D: Device> DeviceWorkspace<D> {
         }
         let config = device_config(name, config, "device")?;
         let backend = DeviceBackend::new(device.clone(), stream.clone());
-        let graveyard = backend.graveyard();
-        Ok(DeviceWorkspace {
-            engine: ManuallyDrop::new(Engine::new(name, config, backend)?),
+        let order = StreamOrder {
             device: device.clone(),
             stream: stream.clone(),
             foreign: RefCell::new(Vec::new()),
             unjoined: RefCell::new(Vec::new()),
             pending: RefCell::new(None),
             uses: RefCell::new(Vec::new()),
-            graveyard,
-        })
+            graveyard: backend.graveyard(),
+        };
+        Ok(DeviceWorkspace { shell: Shell::new(name, config, backend, order)? })
     }
 
     /// Opens a cycle (new generation) or, when already open, nests without resetting.
@@ -209,14 +222,8 @@ impl<D: Device> DeviceWorkspace<D> {
     /// stays closed and usable; entering again retries.
     #[inline]
     pub fn enter(&self) -> Result<DeviceScope<'_, D>> {
-        if !self.engine.is_open() {
-            self.settle()?;
-        }
-        let kind = match self.engine.enter()? {
-            Entered::Opened => ScopeKind::Opened,
-            Entered::Nested => ScopeKind::Nested,
-        };
-        // SAFETY: the engine counted this scope; the scope gives it back on drop.
+        let kind = self.shell.open()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
         Ok(unsafe { DeviceScope::over(self, kind) })
     }
 
@@ -228,23 +235,9 @@ impl<D: Device> DeviceWorkspace<D> {
     /// [`workspace_core::Error::NotOpen`] when the workspace is closed: leveraging into a
     /// closed workspace is an error, never a silent no-op.
     pub fn borrow_open(&self) -> Result<DeviceScope<'_, D>> {
-        self.engine.borrow_open("borrowing it as an allocation target")?;
-        // SAFETY: the engine counted this scope; the scope gives it back on drop.
-        Ok(unsafe { DeviceScope::over(self, ScopeKind::Borrowed) })
-    }
-
-    /// Gives device memory back: spill blocks, and the arena down to `min_size`; the size
-    /// is learned again. Frees are ordered on the workspace's stream.
-    ///
-    /// # Errors
-    ///
-    /// [`workspace_core::Error::StillOpen`] while a scope is open; errors pending from the
-    /// last cycle (see [`DeviceWorkspace::enter`]).
-    pub fn trim(&self) -> Result<()> {
-        if !self.engine.is_open() {
-            self.settle()?;
-        }
-        Ok(self.engine.trim()?)
+        let kind = self.shell.borrow_open()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
+        Ok(unsafe { DeviceScope::over(self, kind) })
     }
 
     /// Blocks until all work issued to the workspace's stream is complete.
@@ -253,74 +246,26 @@ impl<D: Device> DeviceWorkspace<D> {
     ///
     /// A device error.
     pub fn synchronize(&self) -> Result<()> {
-        self.device.synchronize(&self.stream).map_err(|e| self.device_error("synchronising its stream", e))
+        let order = self.order();
+        order.device.synchronize(&order.stream).map_err(|e| self.device_error("synchronising its stream", e))
     }
 
-    /// The workspace's name.
-    pub fn name(&self) -> &Arc<str> {
-        self.engine.name()
-    }
-    /// Process-unique id.
-    pub fn id(&self) -> u64 {
-        self.engine.id()
-    }
-    /// The configuration (with the device alignment).
-    pub fn config(&self) -> &WorkspaceConfig {
-        self.engine.config()
-    }
     /// The device.
     pub fn device(&self) -> &D {
-        &self.device
+        &self.order().device
     }
     /// The stream the workspace belongs to.
     pub fn stream(&self) -> &D::Stream {
-        &self.stream
-    }
-    /// Current generation (one per real enter).
-    pub fn generation(&self) -> u64 {
-        self.engine.generation()
-    }
-    /// Whether a scope is open.
-    pub fn is_open(&self) -> bool {
-        self.engine.is_open()
-    }
-    /// Arena capacity in bytes.
-    pub fn capacity(&self) -> usize {
-        self.engine.capacity()
-    }
-    /// Arena bytes handed out in the open cycle.
-    pub fn bytes_in_use(&self) -> usize {
-        self.engine.bytes_in_use()
-    }
-    /// A statistics snapshot; cheap, and readable while views are alive.
-    pub fn stats(&self) -> WorkspaceStats {
-        self.engine.stats()
-    }
-    /// Forgets the peak so far.
-    pub fn reset_peak(&self) {
-        self.engine.reset_peak()
-    }
-    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
-    pub fn timeline(&self) -> Vec<usize> {
-        self.engine.timeline()
+        &self.order().stream
     }
 
-    pub(crate) fn engine(&self) -> &Engine<DeviceBackend<D>> {
-        &self.engine
+    /// How this workspace orders other streams' use of its memory.
+    pub(crate) fn order(&self) -> &StreamOrder<D> {
+        self.shell.hooks()
     }
 
     pub(crate) fn device_error(&self, action: &'static str, source: DeviceError) -> Error {
-        Error::Device { workspace: self.name().clone(), action, source }
-    }
-
-    /// Notes that `stream` uses this workspace's memory in the open cycle.
-    pub(crate) fn note_foreign(&self, stream: &D::Stream) {
-        if *stream != self.stream {
-            let mut foreign = self.foreign.borrow_mut();
-            if !foreign.contains(stream) {
-                foreign.push(stream.clone());
-            }
-        }
+        device_error(self.name(), action, source)
     }
 
     /// Runs `op` on `stream` with this workspace's memory, ordered after the workspace
@@ -332,8 +277,25 @@ impl<D: Device> DeviceWorkspace<D> {
         action: &'static str,
         op: impl FnOnce(&D::Stream) -> Result<(), DeviceError>,
     ) -> Result<()> {
-        self.note_foreign(stream);
-        ordered_with(&self.device, stream, &self.stream, op).map_err(|e| self.device_error(action, e))
+        let order = self.order();
+        order.note_foreign(stream);
+        ordered_with(&order.device, stream, &order.stream, op).map_err(|e| self.device_error(action, e))
+    }
+}
+
+fn device_error(workspace: &Arc<str>, action: &'static str, source: DeviceError) -> Error {
+    Error::Device { workspace: workspace.clone(), action, source }
+}
+
+impl<D: Device> StreamOrder<D> {
+    /// Notes that `stream` uses this workspace's memory in the open cycle.
+    pub(crate) fn note_foreign(&self, stream: &D::Stream) {
+        if *stream != self.stream {
+            let mut foreign = self.foreign.borrow_mut();
+            if !foreign.contains(stream) {
+                foreign.push(stream.clone());
+            }
+        }
     }
 
     /// Makes the workspace's stream wait for `stream`'s work so far; that stream's uses
@@ -437,29 +399,14 @@ impl<D: Device> DeviceWorkspace<D> {
     pub(crate) fn defer(&self, error: DeviceError) {
         self.pending.borrow_mut().get_or_insert(error);
     }
+}
 
-    /// Before the engine resets: orders every stream that used the memory in this cycle
-    /// before the workspace's stream (module docs). Never fails; what cannot be ordered
-    /// is kept for `enter`.
-    pub(crate) fn close_foreign_streams(&self) {
-        let foreign = std::mem::take(&mut *self.foreign.borrow_mut());
-        for stream in foreign {
-            if let Err(error) = self.join_or_wait(&stream) {
-                self.unjoined.borrow_mut().push(stream);
-                self.defer(error);
-                // The reset that follows gives spill blocks back (and learning may replace
-                // the arena): that stream may still use them, so they must not be freed.
-                lock_graveyard(&self.graveyard).holding = true;
-            }
-        }
-        // Every stream is ordered, or kept in `unjoined`, which `settle` orders before
-        // anything touches the memory again.
-        self.uses.borrow_mut().clear();
-    }
+impl<D: Device> CycleHooks for StreamOrder<D> {
+    type Error = Error;
 
-    /// Before opening a cycle: orders what could not be ordered when the last one
-    /// closed, and reports errors recorded since.
-    fn settle(&self) -> Result<()> {
+    /// Orders what could not be ordered when the last cycle closed, and reports errors
+    /// recorded since.
+    fn before_open(&self, name: &Arc<str>) -> Result<()> {
         let mut unjoined = self.unjoined.borrow_mut();
         let mut failure = None;
         unjoined.retain(|stream| match self.join_or_wait(stream) {
@@ -471,7 +418,7 @@ impl<D: Device> DeviceWorkspace<D> {
         });
         drop(unjoined);
         if let Some(error) = failure {
-            return Err(self.device_error("ordering another stream's use of the last cycle's memory", error));
+            return Err(device_error(name, "ordering another stream's use of the last cycle's memory", error));
         }
         let buried = {
             let mut graveyard = lock_graveyard(&self.graveyard);
@@ -482,30 +429,37 @@ impl<D: Device> DeviceWorkspace<D> {
         // issued to it.
         drop(buried);
         if let Some(error) = self.pending.borrow_mut().take() {
-            return Err(self.device_error("ordering another stream's use of memory (when a scope closed)", error));
+            return Err(device_error(name, "ordering another stream's use of memory (when a scope closed)", error));
         }
         if let Some(error) = self.device.take_deferred_error() {
-            return Err(self.device_error("an earlier operation on this device (reported now)", error));
+            return Err(device_error(name, "an earlier operation on this device (reported now)", error));
         }
         Ok(())
     }
-}
 
-impl<D: Device> std::fmt::Debug for DeviceWorkspace<D> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceWorkspace")
-            .field("engine", &*self.engine)
-            .field("device", &self.device)
-            .field("stream", &self.stream)
-            .finish_non_exhaustive()
+    /// Orders every stream that used the memory in this cycle before the workspace's
+    /// stream (module docs). What cannot be ordered is kept for `before_open`.
+    fn before_reset(&self) {
+        let foreign = std::mem::take(&mut *self.foreign.borrow_mut());
+        for stream in foreign {
+            if let Err(error) = self.join_or_wait(&stream) {
+                self.unjoined.borrow_mut().push(stream);
+                self.defer(error);
+                // The reset that follows gives spill blocks back (and learning may replace
+                // the arena): that stream may still use them, so they must not be freed.
+                lock_graveyard(&self.graveyard).holding = true;
+            }
+        }
+        // Every stream is ordered, or kept in `unjoined`, which `before_open` orders
+        // before anything touches the memory again.
+        self.uses.borrow_mut().clear();
     }
-}
 
-impl<D: Device> Drop for DeviceWorkspace<D> {
-    fn drop(&mut self) {
+    /// `foreign` is empty unless a scope was forgotten and the cycle never closed: its
+    /// streams may still use the memory the engine is about to free. The memory is
+    /// leaked when a stream cannot be ordered.
+    fn before_drop(&mut self) -> bool {
         let mut ordered = true;
-        // `foreign` is empty unless a scope was forgotten and the cycle never closed: its
-        // streams may still use the memory the engine is about to free.
         let foreign = std::mem::take(self.foreign.get_mut());
         for stream in foreign.iter().chain(std::mem::take(self.unjoined.get_mut()).iter()) {
             if let Err(error) = self.join_or_wait(stream) {
@@ -523,13 +477,21 @@ impl<D: Device> Drop for DeviceWorkspace<D> {
         };
         if ordered {
             drop(buried);
-            // SAFETY: dropped once, here; nothing uses the engine after this.
-            unsafe { ManuallyDrop::drop(&mut self.engine) };
         } else {
-            // The memory is leaked on purpose: a stream that could not be ordered may
-            // still read it, and freeing it could hand it to someone else meanwhile.
+            // A stream that could not be ordered may still read these blocks.
             std::mem::forget(buried);
         }
+        ordered
+    }
+}
+
+impl<D: Device> std::fmt::Debug for DeviceWorkspace<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceWorkspace")
+            .field("engine", self.engine())
+            .field("device", self.device())
+            .field("stream", self.stream())
+            .finish_non_exhaustive()
     }
 }
 

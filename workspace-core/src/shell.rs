@@ -1,0 +1,477 @@
+//! The workspace shell: what every kind of workspace does around the engine, written
+//! once.
+//!
+//! A host [`Workspace`](crate::Workspace), a device workspace and a pinned workspace
+//! (both in `workspace-cuda`) are each a [`Shell`] over their backend plus a few methods
+//! of their own. The shell opens and closes cycles ([`Shell::open`], [`Shell::close`]),
+//! settles what the last cycle left before the next one opens, checks handles against
+//! the generation ([`Shell::check_handle`]), says where memory lies
+//! ([`Shell::placement`], [`Shell::contains`]), and reads the statistics. What a kind
+//! of workspace adds around the cycles (a device orders the other streams that used the
+//! memory before the reset; a pinned workspace waits for its transfers before the memory
+//! is handed out again) are its [`CycleHooks`].
+//!
+//! The scopes stay per kind, because what one allocates differs (ndarray views on the
+//! host, device views on a device); each holds one count of [`Shell::open`] or
+//! [`Shell::borrow_open`] and gives it back with [`Shell::close`].
+
+use std::mem::{size_of, ManuallyDrop};
+use std::sync::Arc;
+
+use ndarray::Dimension;
+
+use crate::backend::{Address, ArenaBackend};
+use crate::config::WorkspaceConfig;
+use crate::engine::{Engine, Entered, WorkspaceStats};
+use crate::error::{Error, Result};
+use crate::scope::{Placement, ScopeKind};
+
+/// What a kind of workspace does around the engine's cycles, beyond handing out memory
+/// (which is its [`ArenaBackend`]'s job). The host needs nothing (`()`); a device
+/// workspace orders other streams before a reset; a pinned workspace waits for transfers
+/// before the memory is handed out again.
+///
+/// Nothing unsafe relies on a hook: the engine's own guarantee (memory is reused only
+/// once no scope is open) holds whatever they do.
+pub trait CycleHooks {
+    /// The error opening and trimming report: the hooks' own failures and the engine's.
+    type Error: From<Error>;
+
+    /// Before a cycle opens (the workspace is closed): settle what the last cycle left
+    /// (work that may still use its memory, errors recorded where they could not be
+    /// returned). An error keeps the workspace closed; the next open retries.
+    ///
+    /// # Errors
+    ///
+    /// The hook's own; `workspace` names the workspace.
+    fn before_open(&self, workspace: &Arc<str>) -> Result<(), Self::Error>;
+
+    /// When the last scope of a cycle is about to close, before the engine resets the
+    /// arena. Cannot fail: what goes wrong is kept for [`CycleHooks::before_open`].
+    fn before_reset(&self);
+
+    /// Before the workspace (its engine and its memory) is dropped. Returns whether the
+    /// memory may be freed; `false` leaks it (memory that other work may still use).
+    fn before_drop(&mut self) -> bool;
+
+    /// Adds what the hooks count to a statistics snapshot.
+    fn amend_stats(&self, stats: &mut WorkspaceStats) {
+        let _ = stats;
+    }
+}
+
+/// The host's hooks: none.
+impl CycleHooks for () {
+    type Error = Error;
+
+    #[inline(always)]
+    fn before_open(&self, _: &Arc<str>) -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn before_reset(&self) {}
+
+    #[inline(always)]
+    fn before_drop(&mut self) -> bool {
+        true
+    }
+}
+
+/// The engine over a backend `B`, with the hooks `H` of its kind of workspace; see the
+/// module docs.
+///
+/// `Send` when the backend's blocks and the hooks are, and `!Sync` (the engine's
+/// `Cell`s): one thread uses it at a time.
+pub struct Shell<B: ArenaBackend, H: CycleHooks = ()> {
+    /// Dropped by hand: leaked instead when [`CycleHooks::before_drop`] says the memory
+    /// may still be in use.
+    engine: ManuallyDrop<Engine<B>>,
+    hooks: H,
+}
+
+impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
+    /// A workspace named `name` over `backend`, reserving the configured initial size.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the initial arena cannot be reserved.
+    pub fn new(name: &str, config: WorkspaceConfig, backend: B, hooks: H) -> Result<Self> {
+        Ok(Shell { engine: ManuallyDrop::new(Engine::new(name, config, backend)?), hooks })
+    }
+
+    /// Opens a cycle (a new generation), after [`CycleHooks::before_open`], or nests in
+    /// the open one. The caller turns the count this takes into a scope, which gives it
+    /// back with [`Shell::close`].
+    ///
+    /// # Errors
+    ///
+    /// When opening: the hook's error, or one the engine recorded since the last cycle (a
+    /// failed arena growth). The workspace stays closed and usable; opening again retries.
+    #[inline]
+    pub fn open(&self) -> Result<ScopeKind, H::Error> {
+        if !self.engine.is_open() {
+            self.hooks.before_open(self.engine.name())?;
+        }
+        Ok(match self.engine.enter()? {
+            Entered::Opened => ScopeKind::Opened,
+            Entered::Nested => ScopeKind::Nested,
+        })
+    }
+
+    /// Counts one more scope of the open cycle, without nesting: the workspace becomes an
+    /// allocation target for a while and still resets only when its last scope closes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed: allocating into a closed workspace
+    /// is an error, never a silent no-op.
+    pub fn borrow_open(&self) -> Result<ScopeKind> {
+        self.engine.borrow_open("borrowing it as an allocation target")?;
+        Ok(ScopeKind::Borrowed)
+    }
+
+    /// Gives back one count of [`Shell::open`] or [`Shell::borrow_open`]; the last one
+    /// runs [`CycleHooks::before_reset`] and ends the cycle.
+    ///
+    /// # Safety
+    ///
+    /// As [`Engine::exit`]: the caller gives up one counted scope, and once the count is
+    /// zero nothing may refer to memory this cycle handed out.
+    #[inline(always)]
+    pub unsafe fn close(&self) {
+        if self.engine.depth() == 1 {
+            self.hooks.before_reset();
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.engine.exit() };
+    }
+
+    /// Gives memory back: spill blocks, and the arena down to `min_size`; the size is
+    /// learned again. A workspace never shrinks by itself.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open; the hook's error (what
+    /// [`Shell::open`] would report).
+    pub fn trim(&self) -> Result<(), H::Error> {
+        if !self.engine.is_open() {
+            self.hooks.before_open(self.engine.name())?;
+        }
+        Ok(self.engine.trim()?)
+    }
+
+    /// Checks that an array allocated by workspace `owner` at `generation` (named
+    /// `array_workspace`) may be used now, in this workspace.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongWorkspace`] when it belongs to another workspace,
+    /// [`Error::StaleHandle`] when its cycle has ended.
+    pub fn check_handle(&self, owner: u64, generation: u64, array_workspace: &Arc<str>) -> Result<()> {
+        check_identity((owner, generation), array_workspace, (self.id(), self.generation()), self.name())
+    }
+
+    /// Where the memory at `address` lies relative to the arena.
+    pub fn placement(&self, address: impl Address) -> Placement {
+        let address = address.address();
+        match self.engine.arena_extent() {
+            Some((base, len)) if address.wrapping_sub(base.address()) < len as u64 => {
+                Placement::Arena((address - base.address()) as usize)
+            }
+            _ => Placement::Elsewhere,
+        }
+    }
+
+    /// Whether the `bytes` bytes at `address` lie inside this workspace's memory (its
+    /// arena or a block it holds now). Says nothing about the generation: memory of a
+    /// closed cycle is still inside.
+    pub fn contains(&self, address: impl Address, bytes: usize) -> bool {
+        let address = address.address();
+        let Some(end) = address.checked_add(bytes as u64) else { return false };
+        self.engine.any_block(|base, len| {
+            let base = base.address();
+            address >= base && end <= base + len as u64
+        })
+    }
+
+    /// The workspace's name.
+    pub fn name(&self) -> &Arc<str> {
+        self.engine.name()
+    }
+    /// Process-unique id.
+    pub fn id(&self) -> u64 {
+        self.engine.id()
+    }
+    /// The configuration the workspace runs with.
+    pub fn config(&self) -> &WorkspaceConfig {
+        self.engine.config()
+    }
+    /// Current generation (one per cycle opened).
+    pub fn generation(&self) -> u64 {
+        self.engine.generation()
+    }
+    /// Whether a scope is open.
+    pub fn is_open(&self) -> bool {
+        self.engine.is_open()
+    }
+    /// Arena capacity in bytes.
+    pub fn capacity(&self) -> usize {
+        self.engine.capacity()
+    }
+    /// Arena bytes handed out in the open cycle.
+    pub fn bytes_in_use(&self) -> usize {
+        self.engine.bytes_in_use()
+    }
+    /// A statistics snapshot; cheap, and readable while arrays are alive.
+    pub fn stats(&self) -> WorkspaceStats {
+        let mut stats = self.engine.stats();
+        self.hooks.amend_stats(&mut stats);
+        stats
+    }
+    /// Forgets the peak so far.
+    pub fn reset_peak(&self) {
+        self.engine.reset_peak()
+    }
+    /// Largest bytes in use (arena and spills) since creation or [`Shell::reset_peak`];
+    /// cheaper than [`Shell::stats`] (no allocation).
+    pub fn peak_bytes(&self) -> usize {
+        self.engine.peak()
+    }
+    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
+    pub fn timeline(&self) -> Vec<usize> {
+        self.engine.timeline()
+    }
+    /// The engine, for backends and diagnostics.
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
+    }
+    /// The hooks of this kind of workspace.
+    pub fn hooks(&self) -> &H {
+        &self.hooks
+    }
+}
+
+/// Byte size of the `dim` elements of `T` an array of every kind of workspace holds:
+/// the one shape-to-bytes computation of the project, checked. Zero-sized elements
+/// take 0 bytes (a device rejects them; the host needs no memory for them).
+///
+/// # Errors
+///
+/// [`Error::ZeroLength`] for no elements; [`Error::ShapeOverflow`] when the element
+/// count overflows `usize` or the byte size (or, for zero-sized elements, the count)
+/// exceeds `isize::MAX`. `workspace` names the workspace in the error.
+#[inline(always)]
+pub fn checked_bytes<T, D: Dimension>(dim: &D, workspace: impl FnOnce() -> Arc<str>) -> Result<usize> {
+    // One compare against a constant: `n * size_of::<T>()` fits in `isize`.
+    let max_elements = isize::MAX as usize / size_of::<T>().max(1);
+    match dim.size_checked() {
+        // One compare for both bounds: 0 wraps around to `usize::MAX`. `unchecked_mul`
+        // tells the optimiser the product is in range, which lets it drop the engine's
+        // own size test after inlining.
+        // SAFETY: `0 < n <= isize::MAX / size_of::<T>()`, so the product fits.
+        Some(n) if n.wrapping_sub(1) < max_elements => Ok(unsafe { n.unchecked_mul(size_of::<T>()) }),
+        found => Err(bad_shape(dim.slice(), found, size_of::<T>(), workspace())),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn bad_shape(shape: &[usize], elements: Option<usize>, element_size: usize, workspace: Arc<str>) -> Error {
+    match elements {
+        Some(0) => Error::ZeroLength { workspace, shape: shape.to_vec() },
+        _ => Error::ShapeOverflow { workspace, shape: shape.to_vec(), element_size },
+    }
+}
+
+/// Checks a handle's `(owner, generation)` against a scope's: the one handle check of
+/// every kind of workspace.
+pub(crate) fn check_identity(
+    handle: (u64, u64),
+    array_workspace: &Arc<str>,
+    scope: (u64, u64),
+    scope_workspace: &Arc<str>,
+) -> Result<()> {
+    if handle.0 != scope.0 {
+        return Err(Error::WrongWorkspace {
+            array_workspace: array_workspace.clone(),
+            scope_workspace: scope_workspace.clone(),
+        });
+    }
+    if handle.1 != scope.1 {
+        return Err(Error::StaleHandle {
+            workspace: array_workspace.clone(),
+            array_generation: handle.1,
+            workspace_generation: scope.1,
+        });
+    }
+    Ok(())
+}
+
+impl<B: ArenaBackend, H: CycleHooks> Drop for Shell<B, H> {
+    fn drop(&mut self) {
+        if self.hooks.before_drop() {
+            // SAFETY: dropped once, here; nothing uses the engine after this.
+            unsafe { ManuallyDrop::drop(&mut self.engine) };
+        }
+        // Otherwise the memory is leaked on purpose: other work may still use it, and
+        // freeing it could hand it to someone else meanwhile.
+    }
+}
+
+impl<B: ArenaBackend, H: CycleHooks> std::fmt::Debug for Shell<B, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.engine, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+
+    use super::*;
+    use crate::backend::host::HostBackend;
+    use crate::config::Location;
+
+    /// Records what the shell asks of its hooks; fails `before_open` while `refuse` is set.
+    #[derive(Default)]
+    struct Recorder {
+        calls: RefCell<Vec<&'static str>>,
+        refuse: Cell<bool>,
+    }
+
+    impl CycleHooks for Recorder {
+        type Error = Error;
+
+        fn before_open(&self, workspace: &Arc<str>) -> Result<()> {
+            self.calls.borrow_mut().push("open");
+            if self.refuse.get() {
+                return Err(Error::InvalidInput(format!("'{workspace}' refused")));
+            }
+            Ok(())
+        }
+
+        fn before_reset(&self) {
+            self.calls.borrow_mut().push("reset");
+        }
+
+        fn before_drop(&mut self) -> bool {
+            true
+        }
+
+        fn amend_stats(&self, stats: &mut WorkspaceStats) {
+            stats.pinned_allocations = 7;
+        }
+    }
+
+    fn shell(hooks: Recorder) -> Shell<HostBackend, Recorder> {
+        let config = WorkspaceConfig::default();
+        Shell::new("S", config, HostBackend::for_location(&Location::Ram), hooks).unwrap()
+    }
+
+    #[test]
+    fn hooks_run_once_per_cycle_around_nested_and_borrowed_scopes() {
+        let s = shell(Recorder::default());
+        assert_eq!(s.open().unwrap(), ScopeKind::Opened);
+        assert_eq!(s.open().unwrap(), ScopeKind::Nested);
+        assert_eq!(s.borrow_open().unwrap(), ScopeKind::Borrowed);
+        // SAFETY: three counts taken above, nothing allocated.
+        unsafe {
+            s.close();
+            s.close();
+            assert!(s.is_open());
+            s.close();
+        }
+        assert!(!s.is_open());
+        assert_eq!(*s.hooks().calls.borrow(), ["open", "reset"]);
+        assert_eq!(s.stats().pinned_allocations, 7);
+    }
+
+    #[test]
+    fn a_failing_open_hook_keeps_the_workspace_closed_and_the_next_open_retries() {
+        let s = shell(Recorder::default());
+        s.hooks().refuse.set(true);
+        let err = s.open().unwrap_err();
+        assert!(err.to_string().contains("'S' refused"), "{err}");
+        assert!(!s.is_open());
+        assert_eq!(s.generation(), 0);
+        assert!(s.trim().is_err(), "trim settles first, as open does");
+        s.hooks().refuse.set(false);
+        assert_eq!(s.open().unwrap(), ScopeKind::Opened);
+        assert_eq!(s.generation(), 1);
+        // SAFETY: one count taken above.
+        unsafe { s.close() };
+        assert!(matches!(s.borrow_open(), Err(Error::NotOpen { .. })));
+    }
+
+    #[test]
+    fn handles_are_checked_against_the_workspace_and_the_generation() {
+        let s = shell(Recorder::default());
+        s.open().unwrap();
+        let name: Arc<str> = Arc::from("S");
+        assert!(s.check_handle(s.id(), 1, &name).is_ok());
+        assert!(matches!(s.check_handle(s.id() + 1, 1, &name), Err(Error::WrongWorkspace { .. })));
+        // SAFETY: one count taken above.
+        unsafe { s.close() };
+        s.open().unwrap();
+        let err = s.check_handle(s.id(), 1, &name).unwrap_err();
+        assert!(matches!(err, Error::StaleHandle { array_generation: 1, workspace_generation: 2, .. }), "{err:?}");
+        // SAFETY: one count taken above.
+        unsafe { s.close() };
+    }
+
+    #[test]
+    fn placement_and_containment_read_the_arena() {
+        let config = WorkspaceConfig::builder().initial_size(4096).build().unwrap();
+        let s = Shell::new("S", config, HostBackend::for_location(&Location::Ram), ()).unwrap();
+        s.open().unwrap();
+        let (base, offset) = s.engine().alloc(64, 16).unwrap();
+        let at = base.as_ptr().wrapping_add(offset);
+        assert_eq!(s.placement(at.cast_const()), Placement::Arena(offset));
+        assert!(s.contains(at, 64));
+        assert!(!s.contains(at, usize::MAX));
+        assert_eq!(s.placement(0x10usize), Placement::Elsewhere);
+        // SAFETY: one count taken above; the allocation is not used after.
+        unsafe { s.close() };
+    }
+
+    #[test]
+    fn shape_to_bytes_is_checked_for_every_element_size() {
+        let name = || Arc::<str>::from("W");
+        assert_eq!(checked_bytes::<f32, _>(&ndarray::Ix2(3, 4), name).unwrap(), 48);
+        assert_eq!(checked_bytes::<(), _>(&ndarray::Ix1(5), name).unwrap(), 0);
+        assert!(matches!(checked_bytes::<f32, _>(&ndarray::Ix2(3, 0), name), Err(Error::ZeroLength { .. })));
+        let huge = ndarray::Ix2(usize::MAX / 2, 3);
+        assert!(matches!(checked_bytes::<u8, _>(&huge, name), Err(Error::ShapeOverflow { .. })));
+        let over = ndarray::Ix1(isize::MAX as usize / 4 + 1);
+        assert!(matches!(checked_bytes::<f32, _>(&over, name), Err(Error::ShapeOverflow { element_size: 4, .. })));
+        let zst_over = ndarray::Ix1(isize::MAX as usize + 1);
+        assert!(matches!(checked_bytes::<(), _>(&zst_over, name), Err(Error::ShapeOverflow { .. })));
+    }
+
+    #[test]
+    fn the_drop_hook_runs_before_the_memory_is_freed() {
+        let dropped = std::rc::Rc::new(Cell::new(false));
+        struct Flag(std::rc::Rc<Cell<bool>>);
+        impl CycleHooks for Flag {
+            type Error = Error;
+            fn before_open(&self, _: &Arc<str>) -> Result<()> {
+                Ok(())
+            }
+            fn before_reset(&self) {}
+            fn before_drop(&mut self) -> bool {
+                self.0.set(true);
+                true
+            }
+        }
+        let s = Shell::new(
+            "S",
+            WorkspaceConfig::default(),
+            HostBackend::for_location(&Location::Ram),
+            Flag(dropped.clone()),
+        )
+        .unwrap();
+        drop(s);
+        assert!(dropped.get());
+    }
+}
