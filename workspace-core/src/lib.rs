@@ -81,5 +81,5 @@ pub use handle::Handle;
 pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
 pub use manager::{stats_table, WorkspaceManager};
 pub use scope::{freeze, Placement, Scope, ScopeKind};
-pub use shell::{CycleHooks, Shell};
+pub use shell::{CycleHooks, Open, Shell};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

@@ -181,7 +181,7 @@ impl<'ws> Scope<'ws> {
             Workspace::with_debug_mode("heap", config, DebugMode::SpillEverything)
                 .expect("a workspace without an arena reserves no memory"),
         );
-        own.open().expect("a new workspace has nothing pending");
+        own.open_raw().expect("a new workspace has nothing pending");
         // The scope owns the box (entered just above) until `release` frees it.
         let ws = NonNull::new(Box::into_raw(own)).expect("a box is not null");
         Scope { ws, tag: Tag::Heap, _borrow: PhantomData }
@@ -482,7 +482,7 @@ impl Drop for Scope<'_> {
         // SAFETY: the workspace is alive (`ws` invariant) and counted this scope; every
         // view borrowed from this scope has ended (they borrow `self`), and handles are
         // checked against the generation before any access.
-        unsafe { self.workspace_ref().close() };
+        unsafe { self.workspace_ref().close_raw() };
         // Only now may the `Rc` or the box (if any) let the workspace go.
         if self.tag.owns() {
             // SAFETY: counted out just above, and the scope is not used after.

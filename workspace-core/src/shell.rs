@@ -12,8 +12,8 @@
 //! is handed out again) are its [`CycleHooks`].
 //!
 //! The scopes stay per kind, because what one allocates differs (ndarray views on the
-//! host, device views on a device); each holds one count of [`Shell::open`] or
-//! [`Shell::borrow_open`] and gives it back with [`Shell::close`].
+//! host, device views on a device); each holds the [`Open`] count that [`Shell::open`]
+//! or [`Shell::open_borrowed`] returns, whose drop closes it.
 
 use std::mem::{size_of, ManuallyDrop};
 use std::sync::Arc;
@@ -101,22 +101,17 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     }
 
     /// Opens a cycle (a new generation), after [`CycleHooks::before_open`], or nests in
-    /// the open one. The caller turns the count this takes into a scope, which gives it
-    /// back with [`Shell::close`].
+    /// the open one. The scope of a kind of workspace holds the [`Open`] count this
+    /// returns; dropping it closes the scope, and the last one ends the cycle.
     ///
     /// # Errors
     ///
     /// When opening: the hook's error, or one the engine recorded since the last cycle (a
     /// failed arena growth). The workspace stays closed and usable; opening again retries.
     #[inline]
-    pub fn open(&self) -> Result<ScopeKind, H::Error> {
-        if !self.engine.is_open() {
-            self.hooks.before_open(self.engine.name())?;
-        }
-        Ok(match self.engine.enter()? {
-            Entered::Opened => ScopeKind::Opened,
-            Entered::Nested => ScopeKind::Nested,
-        })
+    pub fn open(&self) -> Result<Open<'_, B, H>, H::Error> {
+        let kind = self.open_raw()?;
+        Ok(Open { shell: self, kind })
     }
 
     /// Counts one more scope of the open cycle, without nesting: the workspace becomes an
@@ -126,20 +121,39 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     ///
     /// [`Error::NotOpen`] when the workspace is closed: allocating into a closed workspace
     /// is an error, never a silent no-op.
-    pub fn borrow_open(&self) -> Result<ScopeKind> {
+    pub fn open_borrowed(&self) -> Result<Open<'_, B, H>> {
+        let kind = self.open_borrowed_raw()?;
+        Ok(Open { shell: self, kind })
+    }
+
+    /// [`Shell::open`] for a scope that gives its count back itself, with
+    /// [`Shell::close_raw`] (the host's two-word scope, which may own its workspace).
+    #[inline]
+    pub(crate) fn open_raw(&self) -> Result<ScopeKind, H::Error> {
+        if !self.engine.is_open() {
+            self.hooks.before_open(self.engine.name())?;
+        }
+        Ok(match self.engine.enter()? {
+            Entered::Opened => ScopeKind::Opened,
+            Entered::Nested => ScopeKind::Nested,
+        })
+    }
+
+    /// [`Shell::open_borrowed`] for a scope that gives its count back itself.
+    pub(crate) fn open_borrowed_raw(&self) -> Result<ScopeKind> {
         self.engine.borrow_open("borrowing it as an allocation target")?;
         Ok(ScopeKind::Borrowed)
     }
 
-    /// Gives back one count of [`Shell::open`] or [`Shell::borrow_open`]; the last one
-    /// runs [`CycleHooks::before_reset`] and ends the cycle.
+    /// Gives back one count of [`Shell::open_raw`] or [`Shell::open_borrowed_raw`]; the
+    /// last one runs [`CycleHooks::before_reset`] and ends the cycle.
     ///
     /// # Safety
     ///
     /// As [`Engine::exit`]: the caller gives up one counted scope, and once the count is
     /// zero nothing may refer to memory this cycle handed out.
     #[inline(always)]
-    pub unsafe fn close(&self) {
+    pub(crate) unsafe fn close_raw(&self) {
         if self.engine.depth() == 1 {
             self.hooks.before_reset();
         }
@@ -308,6 +322,47 @@ pub(crate) fn check_identity(
     Ok(())
 }
 
+/// One open scope's count of a [`Shell`]'s cycle, from [`Shell::open`] or
+/// [`Shell::open_borrowed`]: the scope of a kind of workspace holds it, and dropping it
+/// closes the scope (the last one runs [`CycleHooks::before_reset`] and resets the
+/// arena). Whatever refers to memory of the cycle borrows the scope, hence this count.
+///
+/// `!Send` and `!Sync`, like the shell it borrows.
+#[must_use = "dropping the count closes the scope at once"]
+pub struct Open<'s, B: ArenaBackend, H: CycleHooks = ()> {
+    shell: &'s Shell<B, H>,
+    kind: ScopeKind,
+}
+
+impl<'s, B: ArenaBackend, H: CycleHooks> Open<'s, B, H> {
+    /// How the scope came to be: opened the cycle, nested in it, or borrowed it.
+    pub fn kind(&self) -> ScopeKind {
+        self.kind
+    }
+
+    /// The shell this count belongs to.
+    pub fn shell(&self) -> &'s Shell<B, H> {
+        self.shell
+    }
+}
+
+impl<B: ArenaBackend, H: CycleHooks> Drop for Open<'_, B, H> {
+    #[inline]
+    fn drop(&mut self) {
+        // SAFETY: this value holds one count of `open_raw`/`open_borrowed_raw` and gives it
+        // up once, here. Memory of the cycle is reached only through references that
+        // borrow the scope holding this count (the engine hands out raw addresses, which
+        // only unsafe code can turn into references, tied to the scope), so none is left.
+        unsafe { self.shell.close_raw() };
+    }
+}
+
+impl<B: ArenaBackend, H: CycleHooks> std::fmt::Debug for Open<'_, B, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Open").field("workspace", self.shell.name()).field("kind", &self.kind).finish()
+    }
+}
+
 impl<B: ArenaBackend, H: CycleHooks> Drop for Shell<B, H> {
     fn drop(&mut self) {
         if self.hooks.before_drop() {
@@ -372,16 +427,19 @@ mod tests {
     #[test]
     fn hooks_run_once_per_cycle_around_nested_and_borrowed_scopes() {
         let s = shell(Recorder::default());
-        assert_eq!(s.open().unwrap(), ScopeKind::Opened);
-        assert_eq!(s.open().unwrap(), ScopeKind::Nested);
-        assert_eq!(s.borrow_open().unwrap(), ScopeKind::Borrowed);
-        // SAFETY: three counts taken above, nothing allocated.
-        unsafe {
-            s.close();
-            s.close();
-            assert!(s.is_open());
-            s.close();
-        }
+        let opened = s.open().unwrap();
+        let nested = s.open().unwrap();
+        let borrowed = s.open_borrowed().unwrap();
+        assert_eq!(
+            [opened.kind(), nested.kind(), borrowed.kind()],
+            [ScopeKind::Opened, ScopeKind::Nested, ScopeKind::Borrowed]
+        );
+        // Scopes may close in any order; the last one ends the cycle.
+        drop(opened);
+        drop(borrowed);
+        assert!(s.is_open());
+        assert_eq!(*s.hooks().calls.borrow(), ["open"]);
+        drop(nested);
         assert!(!s.is_open());
         assert_eq!(*s.hooks().calls.borrow(), ["open", "reset"]);
         assert_eq!(s.stats().pinned_allocations, 7);
@@ -397,42 +455,36 @@ mod tests {
         assert_eq!(s.generation(), 0);
         assert!(s.trim().is_err(), "trim settles first, as open does");
         s.hooks().refuse.set(false);
-        assert_eq!(s.open().unwrap(), ScopeKind::Opened);
+        assert_eq!(s.open().unwrap().kind(), ScopeKind::Opened);
         assert_eq!(s.generation(), 1);
-        // SAFETY: one count taken above.
-        unsafe { s.close() };
-        assert!(matches!(s.borrow_open(), Err(Error::NotOpen { .. })));
+        assert!(!s.is_open(), "the count was dropped at once");
+        assert!(matches!(s.open_borrowed(), Err(Error::NotOpen { .. })));
     }
 
     #[test]
     fn handles_are_checked_against_the_workspace_and_the_generation() {
         let s = shell(Recorder::default());
-        s.open().unwrap();
+        let first = s.open().unwrap();
         let name: Arc<str> = Arc::from("S");
         assert!(s.check_handle(s.id(), 1, &name).is_ok());
         assert!(matches!(s.check_handle(s.id() + 1, 1, &name), Err(Error::WrongWorkspace { .. })));
-        // SAFETY: one count taken above.
-        unsafe { s.close() };
-        s.open().unwrap();
+        drop(first);
+        let _second = s.open().unwrap();
         let err = s.check_handle(s.id(), 1, &name).unwrap_err();
         assert!(matches!(err, Error::StaleHandle { array_generation: 1, workspace_generation: 2, .. }), "{err:?}");
-        // SAFETY: one count taken above.
-        unsafe { s.close() };
     }
 
     #[test]
     fn placement_and_containment_read_the_arena() {
         let config = WorkspaceConfig::builder().initial_size(4096).build().unwrap();
         let s = Shell::new("S", config, HostBackend::for_location(&Location::Ram), ()).unwrap();
-        s.open().unwrap();
+        let _open = s.open().unwrap();
         let (base, offset) = s.engine().alloc(64, 16).unwrap();
         let at = base.as_ptr().wrapping_add(offset);
         assert_eq!(s.placement(at.cast_const()), Placement::Arena(offset));
         assert!(s.contains(at, 64));
         assert!(!s.contains(at, usize::MAX));
         assert_eq!(s.placement(0x10usize), Placement::Elsewhere);
-        // SAFETY: one count taken above; the allocation is not used after.
-        unsafe { s.close() };
     }
 
     #[test]

@@ -143,7 +143,7 @@ impl Workspace {
     /// from re-reserving the arena after [`Shell::trim`].
     #[inline]
     pub fn enter(&self) -> Result<Scope<'_>> {
-        let kind = self.shell.open()?;
+        let kind = self.shell.open_raw()?;
         // SAFETY: the shell counted this scope; the scope gives it back on drop.
         Ok(unsafe { Scope::over(self, kind) })
     }
@@ -155,7 +155,7 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open(&self) -> Result<Scope<'_>> {
-        let kind = self.shell.borrow_open()?;
+        let kind = self.shell.open_borrowed_raw()?;
         // SAFETY: the shell counted this scope; the scope gives it back on drop.
         Ok(unsafe { Scope::over(self, kind) })
     }
@@ -166,7 +166,7 @@ impl Workspace {
     ///
     /// As [`Workspace::enter`].
     pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        let kind = self.shell.open()?;
+        let kind = self.shell.open_raw()?;
         // SAFETY: counted by the shell; the `Rc` keeps the workspace alive for as long
         // as the scope lives, whatever `'static` says.
         Ok(unsafe { Scope::over_shared(self.clone(), kind) })
@@ -178,7 +178,7 @@ impl Workspace {
     ///
     /// [`Error::NotOpen`] when the workspace is closed.
     pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        let kind = self.shell.borrow_open()?;
+        let kind = self.shell.open_borrowed_raw()?;
         // SAFETY: as in `enter_shared`.
         Ok(unsafe { Scope::over_shared(self.clone(), kind) })
     }

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
 use workspace_core::{
-    AllocationPolicy, CycleHooks, LearningPolicy, Location, Placement, ScopeKind, Shell, SpillPolicy, WorkspaceConfig,
-    WorkspaceStats,
+    AllocationPolicy, CycleHooks, LearningPolicy, Location, Open, Placement, ScopeKind, Shell, SpillPolicy,
+    WorkspaceConfig, WorkspaceStats,
 };
 
 use crate::backend::{lock_in_flight, InFlight, PinnedBackend};
@@ -134,9 +134,7 @@ impl<D: Device> PinnedWorkspace<D> {
     /// A device error while waiting (the workspace stays closed; entering again
     /// retries), or an engine error as for host workspaces.
     pub fn enter(&self) -> Result<PinnedScope<'_, D>> {
-        let kind = self.shell.open()?;
-        // SAFETY: the shell counted this scope; the scope gives it back on drop.
-        Ok(unsafe { PinnedScope::over(self, kind) })
+        Ok(PinnedScope { ws: self, open: self.shell.open()? })
     }
 
     /// The device whose transfers this memory stages.
@@ -226,22 +224,17 @@ impl<D: Device> std::fmt::Debug for PinnedWorkspace<D> {
 /// An open scope of a pinned workspace. `!Send` and `!Sync`.
 #[derive(Debug)]
 pub struct PinnedScope<'ws, D: Device> {
-    /// Invariant: the workspace's engine counts this scope as open.
     ws: &'ws PinnedWorkspace<D>,
-    kind: ScopeKind,
+    /// The scope's count of the cycle; dropping it closes the scope. Memory that
+    /// transfers may still use is not handed out again before the next `enter` waits for
+    /// them, and blocks freed at the reset go to the graveyard.
+    open: Open<'ws, PinnedBackend<D>, PendingTransfers<D>>,
 }
 
 impl<'ws, D: Device> PinnedScope<'ws, D> {
-    /// # Safety
-    ///
-    /// The engine of `ws` must have counted this scope as open.
-    unsafe fn over(ws: &'ws PinnedWorkspace<D>, kind: ScopeKind) -> Self {
-        PinnedScope { ws, kind }
-    }
-
     /// How this scope came to be.
     pub fn kind(&self) -> ScopeKind {
-        self.kind
+        self.open.kind()
     }
 
     /// Where `array`'s memory lies relative to this workspace's arena (does not wait for
@@ -297,15 +290,6 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
         let mut array = self.zeros::<T, Dim>(src.raw_dim())?;
         array.view_mut()?.assign(src);
         Ok(array)
-    }
-}
-
-impl<D: Device> Drop for PinnedScope<'_, D> {
-    fn drop(&mut self) {
-        // SAFETY: counted at creation (invariant); every array borrowed from this scope
-        // has ended. Memory that transfers may still use is not handed out again before
-        // the next `enter` waits for them, and blocks freed now go to the graveyard.
-        unsafe { self.ws.close() };
     }
 }
 

@@ -7,7 +7,9 @@
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
-use workspace_core::{Placement, ScopeKind};
+use workspace_core::{Open, Placement, ScopeKind};
+
+use crate::backend::DeviceBackend;
 
 use crate::device::Device;
 use crate::error::Result;
@@ -15,24 +17,23 @@ use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
 use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut, Owner};
-use crate::workspace::DeviceWorkspace;
+use crate::workspace::{DeviceWorkspace, StreamOrder};
 
 /// An open scope of a device workspace; see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
 #[derive(Debug)]
 pub struct DeviceScope<'ws, D: Device> {
-    /// Invariant: the workspace's engine counts this scope as open.
     ws: &'ws DeviceWorkspace<D>,
-    kind: ScopeKind,
+    /// The scope's count of the cycle; dropping it closes the scope, and the last one
+    /// orders every other stream that used the memory before the workspace's stream,
+    /// which the reset (and all reuse) is ordered on.
+    open: Open<'ws, DeviceBackend<D>, StreamOrder<D>>,
 }
 
 impl<'ws, D: Device> DeviceScope<'ws, D> {
-    /// # Safety
-    ///
-    /// The engine of `ws` must have counted this scope as open (`enter`/`borrow_open`).
-    pub(crate) unsafe fn over(ws: &'ws DeviceWorkspace<D>, kind: ScopeKind) -> DeviceScope<'ws, D> {
-        DeviceScope { ws, kind }
+    pub(crate) fn new(ws: &'ws DeviceWorkspace<D>, open: Open<'ws, DeviceBackend<D>, StreamOrder<D>>) -> Self {
+        DeviceScope { ws, open }
     }
 
     /// The workspace this scope allocates in.
@@ -42,7 +43,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
 
     /// How this scope came to be.
     pub fn kind(&self) -> ScopeKind {
-        self.kind
+        self.open.kind()
     }
 
     /// The generation this scope allocates in.
@@ -184,16 +185,5 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// device.
     pub fn on_stream<'v>(&self, stream: &D::Stream) -> Result<OnStream<'_, 'v, D>> {
         OnStream::new(self.ws, stream)
-    }
-}
-
-impl<D: Device> Drop for DeviceScope<'_, D> {
-    #[inline]
-    fn drop(&mut self) {
-        // SAFETY: the shell counted this scope (invariant); every view borrowed from it
-        // has ended, and handles are checked against the generation before any access.
-        // Closing the cycle orders every other stream that used its memory before the
-        // workspace's stream, which the reset (and all reuse) is ordered on.
-        unsafe { self.ws.close() };
     }
 }

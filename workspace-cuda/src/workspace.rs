@@ -222,9 +222,7 @@ impl<D: Device> DeviceWorkspace<D> {
     /// stays closed and usable; entering again retries.
     #[inline]
     pub fn enter(&self) -> Result<DeviceScope<'_, D>> {
-        let kind = self.shell.open()?;
-        // SAFETY: the shell counted this scope; the scope gives it back on drop.
-        Ok(unsafe { DeviceScope::over(self, kind) })
+        Ok(DeviceScope::new(self, self.shell.open()?))
     }
 
     /// Makes this already open workspace an allocation target for a while (as
@@ -235,9 +233,7 @@ impl<D: Device> DeviceWorkspace<D> {
     /// [`workspace_core::Error::NotOpen`] when the workspace is closed: leveraging into a
     /// closed workspace is an error, never a silent no-op.
     pub fn borrow_open(&self) -> Result<DeviceScope<'_, D>> {
-        let kind = self.shell.borrow_open()?;
-        // SAFETY: the shell counted this scope; the scope gives it back on drop.
-        Ok(unsafe { DeviceScope::over(self, kind) })
+        Ok(DeviceScope::new(self, self.shell.open_borrowed()?))
     }
 
     /// Blocks until all work issued to the workspace's stream is complete.
