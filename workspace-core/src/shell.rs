@@ -3,7 +3,7 @@
 //!
 //! A host [`Workspace`](crate::Workspace), a device workspace and a pinned workspace
 //! (both in `workspace-cuda`) are each a [`Shell`] over their backend plus a few methods
-//! of their own. The shell opens and closes cycles ([`Shell::open`], [`Shell::close`]),
+//! of their own. The shell opens and closes cycles ([`Shell::open`], whose [`Open`] count closes the scope when dropped),
 //! settles what the last cycle left before the next one opens, checks handles against
 //! the generation ([`Shell::check_handle`]), says where memory lies
 //! ([`Shell::placement`], [`Shell::contains`]), and reads the statistics. What a kind

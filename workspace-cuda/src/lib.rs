@@ -79,9 +79,16 @@
 //! [`SimDevice`] runs each stream on its own thread and can hold or delay streams, so
 //! the tests show both that the waits are there and that a missing wait would be seen.
 //!
-//! Unsafe code lives in `device` (driver calls and the simulator), `backend` (the
-//! `unsafe impl`s of the core's backend traits), `probe`, `workspace`,
-//! `scope`, `view`, `stream`, `pinned` and `prefetch`; every block says why it is sound.
+//! Unsafe code lives in a few modules, each behind safe methods: `device` (driver calls
+//! and the simulator, behind the sealed [`Device`] trait), `backend` (the `unsafe impl`s
+//! of the core's backend traits), `transfer` (every copy and fill a workspace issues:
+//! the only caller of the device's unsafe copies, behind the views' and
+//! [`OnStream`]'s methods), `pinned` (host views of page-locked memory), `prefetch`
+//! (the staging copy into the device ring), `view` (the declaration of
+//! [`DeviceUninit::assume_init`]) and `probe` (loading the driver). Workspaces,
+//! scopes and streams hold no unsafe code: a scope holds the shell's
+//! [`Open`](workspace_core::Open) count, whose drop closes it. Every block says why it
+//! is sound.
 
 #![deny(unsafe_code)]
 
@@ -98,13 +105,12 @@ mod pinned;
 mod prefetch;
 #[allow(unsafe_code)]
 mod probe;
-#[allow(unsafe_code)]
 mod scope;
-#[allow(unsafe_code)]
 mod stream;
 #[allow(unsafe_code)]
-mod view;
+mod transfer;
 #[allow(unsafe_code)]
+mod view;
 mod workspace;
 
 pub use array::DeviceArray;

@@ -39,12 +39,11 @@
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
-use ndarray::{ArrayBase, Data, DataMut, Dimension};
+use ndarray::Dimension;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::pinned::PinnedArray;
-use crate::view::{copy_to_host, with_host_bytes, DeviceView, DeviceViewMut, Owner};
+use crate::view::{DeviceView, DeviceViewMut, Owner};
 use crate::workspace::DeviceWorkspace;
 
 /// Work on another stream with a workspace's memory; see the module docs.
@@ -68,7 +67,7 @@ use crate::workspace::DeviceWorkspace;
 /// ```
 pub struct OnStream<'s, 'v, D: Device> {
     ws: &'s DeviceWorkspace<D>,
-    stream: D::Stream,
+    pub(crate) stream: D::Stream,
     joined: bool,
     /// Invariant in `'v`: a covariant `'v` could be shortened at each call, which would end
     /// the views' borrows before the use does.
@@ -94,7 +93,12 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     /// workspace's stream first waits for any third stream whose unordered use
     /// conflicts, then this stream waits for the workspace's stream's work so far, and
     /// then, when `record`, the use is recorded with the workspace (module docs).
-    fn prepare(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], record: bool, action: &'static str) -> Result<()> {
+    pub(crate) fn prepare(
+        &self,
+        accesses: &[(Owner<'_, D>, u64, usize, bool)],
+        record: bool,
+        action: &'static str,
+    ) -> Result<()> {
         for &(owner, ..) in accesses {
             self.check(owner, action)?;
         }
@@ -116,7 +120,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
     }
 
     /// Records the accesses to the workspace's memory among `accesses` (see `prepare`).
-    fn record(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], action: &'static str) -> Result<()> {
+    pub(crate) fn record(&self, accesses: &[(Owner<'_, D>, u64, usize, bool)], action: &'static str) -> Result<()> {
         for &(owner, address, bytes, writes) in accesses {
             if let Owner::Workspace(_) = owner {
                 self.ws.order().note_use(&self.stream, address, bytes, writes).map_err(|e| self.error(action, e))?;
@@ -130,7 +134,7 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         &self.stream
     }
 
-    fn device(&self) -> &'s D {
+    pub(crate) fn device(&self) -> &'s D {
         self.ws.device()
     }
 
@@ -157,130 +161,8 @@ impl<'s, 'v, D: Device> OnStream<'s, 'v, D> {
         }
     }
 
-    fn error(&self, action: &'static str, source: crate::DeviceError) -> Error {
+    pub(crate) fn error(&self, action: &'static str, source: crate::DeviceError) -> Error {
         self.ws.device_error(action, source)
-    }
-
-    /// Copies `src` into `dst` (same shape) on this stream.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StreamMismatch`] for memory not ordered with this stream,
-    /// [`Error::ShapeMismatch`], or [`Error::Device`].
-    pub fn dtod<T: Pod, Dim: Dimension>(
-        &self,
-        src: &'v DeviceView<'_, D, T, Dim>,
-        dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
-    ) -> Result<()> {
-        let action = "copying between device views on another stream";
-        src.check_shape(dst.shape(), action)?;
-        let (from, to, bytes) = (src.address, dst.address, src.byte_len());
-        self.prepare(&[(src.owner, from, bytes, false), (dst.owner, to, bytes, true)], true, action)?;
-        // SAFETY: both ranges are live while borrowed for `'v`; both are ordered with this
-        // stream (`prepare`: this stream waits for the workspace's stream, and the use is
-        // recorded, so the workspace's stream waits for this one before it next touches
-        // the ranges or resets, even if `self` is leaked; or the array belongs to this
-        // stream). Distinct allocations do not overlap.
-        unsafe { self.device().copy_dtod(&self.stream, from, to, bytes) }.map_err(|e| self.error(action, e))
-    }
-
-    /// Copies `src` into the host array `dst` (same shape) on this stream; complete when
-    /// this returns.
-    ///
-    /// # Errors
-    ///
-    /// As [`OnStream::dtod`].
-    pub fn dtoh<T: Pod, S: DataMut<Elem = T>, Dim: Dimension>(
-        &self,
-        src: &DeviceView<'_, D, T, Dim>,
-        dst: &mut ArrayBase<S, Dim>,
-    ) -> Result<()> {
-        let action = "copying device data to the host on another stream";
-        src.check_shape(dst.shape(), action)?;
-        let access = [(src.owner, src.address, src.byte_len(), false)];
-        // Not recorded: the copy is complete when it returns (recorded if it fails).
-        self.prepare(&access, false, action)?;
-        let from = src.address;
-        copy_to_host(dst, |bytes| {
-            // SAFETY: `src` is live while borrowed (beyond this call) and ordered with this
-            // stream (as in `dtod`); the copy is complete when this returns.
-            unsafe { self.device().copy_dtoh(&self.stream, from, bytes) }.map_err(|e| self.error(action, e))
-        })
-        .inspect_err(|_| {
-            // Whether the copy still runs is unknown: treat it as a use.
-            let _ = self.record(&access, action);
-        })
-    }
-
-    /// Copies `src` into the pinned array `dst` asynchronously on this stream.
-    ///
-    /// # Errors
-    ///
-    /// As [`OnStream::dtod`], and [`Error::DeviceMismatch`].
-    pub fn dtoh_pinned<T: Pod, Dim: Dimension>(
-        &self,
-        src: &'v DeviceView<'_, D, T, Dim>,
-        dst: &mut PinnedArray<'_, D, T, Dim>,
-    ) -> Result<()> {
-        let action = "copying device data to pinned memory on another stream";
-        src.check_shape(dst.shape(), action)?;
-        src.owner.check_device(dst.device(), action)?;
-        let (from, host, bytes) = (src.address, dst.host_ptr(), src.byte_len());
-        self.prepare(&[(src.owner, from, bytes, false)], true, action)?;
-        dst.transfer(&self.stream, |on| {
-            // SAFETY: `src` is live and ordered with this stream (as in `dtod`); `host`
-            // holds `bytes` bytes of pinned memory that `transfer` keeps from the host and
-            // from reuse until the copy's event completes.
-            unsafe { self.device().copy_dtoh_pinned(on, from, host, bytes) }
-        })
-        .map_err(|e| self.error(action, e))
-    }
-
-    /// Copies the host array `src` into `dst` (same shape) on this stream; `src` is read
-    /// before this returns.
-    ///
-    /// # Errors
-    ///
-    /// As [`OnStream::dtod`].
-    pub fn htod<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
-        &self,
-        src: &ArrayBase<S, Dim>,
-        dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
-    ) -> Result<()> {
-        let action = "copying host data to the device on another stream";
-        dst.check_shape(src.shape(), action)?;
-        let to = dst.address;
-        self.prepare(&[(dst.owner, to, dst.byte_len(), true)], true, action)?;
-        with_host_bytes(src, |bytes| {
-            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream
-            // (`prepare`, as in `dtod`).
-            unsafe { self.device().copy_htod(&self.stream, bytes, to) }
-        })
-        .map_err(|e| self.error(action, e))
-    }
-
-    /// Copies the pinned array `src` into `dst` asynchronously on this stream.
-    ///
-    /// # Errors
-    ///
-    /// As [`OnStream::dtoh_pinned`].
-    pub fn htod_pinned<T: Pod, Dim: Dimension>(
-        &self,
-        src: &PinnedArray<'_, D, T, Dim>,
-        dst: &'v mut DeviceViewMut<'_, D, T, Dim>,
-    ) -> Result<()> {
-        let action = "copying pinned memory to the device on another stream";
-        dst.check_shape(src.shape(), action)?;
-        dst.owner.check_device(src.device(), action)?;
-        let (to, host, bytes) = (dst.address, src.host_ptr(), dst.byte_len());
-        self.prepare(&[(dst.owner, to, bytes, true)], true, action)?;
-        src.transfer(&self.stream, |on| {
-            // SAFETY: `dst` is live while borrowed for `'v` and ordered with this stream
-            // (`prepare`, as in `dtod`); `host` is pinned memory kept from host writes and
-            // reuse until the copy's event completes.
-            unsafe { self.device().copy_htod_pinned(on, host, to, bytes) }
-        })
-        .map_err(|e| self.error(action, e))
     }
 
     /// The device address of `view`, for a kernel launched on this stream that reads it:

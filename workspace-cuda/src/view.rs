@@ -25,6 +25,7 @@ use bytemuck::Pod;
 use ndarray::{Array, ArrayBase, ArrayViewMut, Data, DataMut, Dimension, Ix1};
 use workspace_core::Scope;
 
+#[cfg(doc)]
 use crate::array::DeviceArray;
 use crate::device::{ordered_with, Device};
 use crate::error::{DeviceError, Error, Result};
@@ -220,7 +221,7 @@ pub struct DeviceView<'a, D: Device, T, Dim: Dimension = Ix1> {
 
 /// A mutable view of device memory; dereferences to [`DeviceView`] for reading.
 pub struct DeviceViewMut<'a, D: Device, T, Dim: Dimension = Ix1> {
-    view: DeviceView<'a, D, T, Dim>,
+    pub(crate) view: DeviceView<'a, D, T, Dim>,
     _exclusive: PhantomData<&'a mut [T]>,
 }
 
@@ -282,26 +283,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         DeviceView::new(self.owner, self.address, self.dim.clone())
     }
 
-    /// Copies into an owned device array (device to device, on this view's stream) that
-    /// outlives every reset.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Device`] when the device cannot allocate or copy.
-    pub fn detach(&self) -> Result<DeviceArray<D, T, Dim>> {
-        let device = self.owner.device();
-        let stream = self.owner.stream();
-        self.owner.order_home_use(self.address, self.byte_len(), false, "detaching a view")?;
-        let memory = device.alloc(stream, self.byte_len()).map_err(|e| self.owner.error("detaching a view", e))?;
-        let target = D::memory_address(&memory);
-        // SAFETY: both ranges hold `byte_len` bytes: the view's (valid for `'a`, so until
-        // after this copy, which is issued now on the owner's stream) and a fresh
-        // allocation on the same stream, so the copy is ordered with both.
-        unsafe { device.copy_dtod(stream, self.address, target, self.byte_len()) }
-            .map_err(|e| self.owner.error("detaching a view", e))?;
-        Ok(DeviceArray::from_parts(memory, device.clone(), stream.clone(), self.dim.clone()))
-    }
-
     /// Copies into an owned host array.
     ///
     /// # Errors
@@ -313,24 +294,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         Ok(out)
     }
 
-    /// Copies into an existing host array of the same shape (of any layout: a view of a
-    /// host workspace, for instance).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ShapeMismatch`], or [`Error::Device`] when the device cannot copy.
-    pub fn dtoh_into<S: DataMut<Elem = T>>(&self, dst: &mut ArrayBase<S, Dim>) -> Result<()> {
-        let action = "copying device data to the host";
-        self.check_shape(dst.shape(), action)?;
-        let (owner, address) = (self.owner, self.address);
-        owner.order_home_use(address, self.byte_len(), false, action)?;
-        copy_to_host(dst, |bytes| {
-            // SAFETY: the view's `bytes.len()` bytes are valid for `'a`, beyond this call,
-            // and the copy runs on the owner's stream; it is complete when this returns.
-            unsafe { owner.device().copy_dtoh(owner.stream(), address, bytes) }.map_err(|e| owner.error(action, e))
-        })
-    }
-
     /// Copies into a new array in the open host workspace scope `host`.
     ///
     /// # Errors
@@ -340,29 +303,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         let mut out = host.zeros::<T, Dim>(self.dim.clone())?;
         self.dtoh_into(&mut out)?;
         Ok(out)
-    }
-
-    /// Copies into the pinned staging array `dst`, asynchronously on this view's stream;
-    /// reading `dst` on the host waits for the copy.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
-    pub fn dtoh_pinned(&self, dst: &mut PinnedArray<'_, D, T, Dim>) -> Result<()> {
-        let action = "copying device data to pinned memory";
-        self.check_shape(dst.shape(), action)?;
-        self.owner.check_device(dst.device(), action)?;
-        let stream = self.owner.stream();
-        let bytes = self.byte_len();
-        let (address, host) = (self.address, dst.host_ptr());
-        self.owner.order_home_use(address, bytes, false, action)?;
-        dst.transfer(stream, |on| {
-            // SAFETY: the view's range is valid for `'a` and the copy runs on its owner's
-            // stream; `host` holds `bytes` bytes of pinned memory that `transfer` keeps
-            // from the host (and from reuse) until the copy's event completes.
-            unsafe { self.owner.device().copy_dtoh_pinned(on, address, host, bytes) }
-        })
-        .map_err(|e| self.owner.error(action, e))
     }
 
     /// Copies into `target` (another open device workspace, typically an outer one),
@@ -414,89 +354,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
     /// Gives up mutability for the view's whole lifetime.
     pub fn freeze(self) -> DeviceView<'a, D, T, Dim> {
         self.view
-    }
-
-    /// Sets every element to zero (on the view's stream).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Device`].
-    pub fn fill_zeros(&mut self) -> Result<()> {
-        let action = "zeroing a view";
-        let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
-        owner.order_home_use(address, bytes, true, action)?;
-        // SAFETY: the view's range is valid for `'a` and exclusively ours; the memset is
-        // issued to the owner's stream, after every other stream that used the range
-        // (`order_home_use`).
-        unsafe { owner.device().memset_zero(owner.stream(), address, bytes) }.map_err(|e| owner.error(action, e))
-    }
-
-    /// Copies a host array of the same shape into this view (on the view's stream; the
-    /// source is read before this returns).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ShapeMismatch`], or [`Error::Device`].
-    pub fn htod_from<S: Data<Elem = T>>(&mut self, src: &ArrayBase<S, Dim>) -> Result<()> {
-        let action = "copying host data to the device";
-        self.view.check_shape(src.shape(), action)?;
-        let (owner, address) = (self.view.owner, self.view.address);
-        owner.order_home_use(address, self.view.byte_len(), true, action)?;
-        with_host_bytes(src, |bytes| {
-            // SAFETY: the view's range (`bytes.len()` bytes) is valid for `'a` and
-            // exclusively ours; the copy is issued to the owner's stream, after every
-            // other stream that used the range (`order_home_use`).
-            unsafe { owner.device().copy_htod(owner.stream(), bytes, address) }
-        })
-        .map_err(|e| owner.error(action, e))
-    }
-
-    /// Copies the pinned staging array `src` into this view, asynchronously on the
-    /// view's stream; writing `src` on the host waits for the copy.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
-    pub fn htod_pinned(&mut self, src: &PinnedArray<'_, D, T, Dim>) -> Result<()> {
-        let action = "copying pinned memory to the device";
-        self.view.check_shape(src.shape(), action)?;
-        self.view.owner.check_device(src.device(), action)?;
-        let (owner, address, bytes) = (self.view.owner, self.view.address, self.view.byte_len());
-        let host = src.host_ptr();
-        owner.order_home_use(address, bytes, true, action)?;
-        src.transfer(owner.stream(), |on| {
-            // SAFETY: the view's range is valid for `'a` and exclusively ours, the copy is
-            // issued to its owner's stream, after every other stream that used the range
-            // (`order_home_use`); `host` holds `bytes` bytes of pinned memory that
-            // `transfer` keeps from host writes and reuse until the copy completes.
-            unsafe { owner.device().copy_htod_pinned(on, host, address, bytes) }
-        })
-        .map_err(|e| owner.error(action, e))
-    }
-
-    /// Copies another device view of the same shape into this one. The copy runs on this
-    /// view's stream, ordered with the source's stream when they differ.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ShapeMismatch`], [`Error::DeviceMismatch`], or [`Error::Device`].
-    pub fn copy_from(&mut self, src: &DeviceView<'_, D, T, Dim>) -> Result<()> {
-        let action = "copying between device views";
-        src.check_shape(self.shape(), action)?;
-        let target = self.view.owner;
-        src.owner.check_device(target.device(), action)?;
-        let (from, to, bytes) = (src.address, self.view.address, self.view.byte_len());
-        src.owner.order_home_use(from, bytes, false, action)?;
-        target.order_home_use(to, bytes, true, action)?;
-        src.owner.run_on(target.stream(), action, |on| {
-            // SAFETY: both ranges are valid while the views are borrowed, which outlasts
-            // issuing the copy; the copy runs on the destination's stream, after every
-            // other stream that used the destination range (`order_home_use`), and
-            // `run_on` orders it with the source's stream (which waited for every other
-            // stream that wrote the source range, and which waits for the copy in turn).
-            // Distinct allocations never overlap.
-            unsafe { target.device().copy_dtod(on, from, to, bytes) }
-        })
     }
 }
 

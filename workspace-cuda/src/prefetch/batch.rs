@@ -11,8 +11,8 @@ use ndarray::Dimension;
 use super::ring::Place;
 use super::Side;
 use crate::device::Device;
-use crate::error::{DeviceError, Error, Result};
-use crate::view::{DeviceView, Owner, OWNED, RING};
+use crate::error::{Error, Result};
+use crate::view::{DeviceView, Owner};
 
 /// One batch in the device ring, lent to the consumer by
 /// [`DevicePrefetcher::next`](super::DevicePrefetcher::next).
@@ -141,18 +141,16 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// [`Error::Device`] when the device cannot allocate or copy.
     pub fn detach(self) -> Result<DeviceBatch<D>> {
-        let (device, stream) = (&self.side.ring.device, &self.side.ring.consumer);
-        let error = |source| Error::Device { workspace: RING.into(), action: "detaching a batch", source };
-        let memory = device.alloc(stream, self.batch.info.bytes).map_err(error)?;
-        // SAFETY: the slot holds `bytes` bytes of the batch, valid until the lease ends,
-        // which is after this copy in the consumer's stream order (the slot's next copy
-        // waits for an event recorded there when the lease ends); the new allocation is
-        // ordered on the same stream and distinct from the ring.
-        unsafe {
-            device.copy_dtod(stream, self.batch.place.address, D::memory_address(&memory), self.batch.info.bytes)
-        }
-        .map_err(error)?;
-        Ok(DeviceBatch { memory, device: device.clone(), stream: stream.clone(), info: self.batch.info })
+        let memory = self.whole().detach_memory("detaching a batch")?;
+        let ring = &self.side.ring;
+        Ok(DeviceBatch { memory, device: ring.device.clone(), stream: ring.consumer.clone(), info: self.batch.info })
+    }
+
+    /// The whole batch, as bytes.
+    fn whole(&self) -> DeviceView<'_, D, u8> {
+        let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
+        // As in `array`: the slot holds the batch while the lease lives.
+        DeviceView::new(owner, self.batch.place.address, ndarray::Ix1(self.batch.info.bytes))
     }
 
     /// Copies the batch to the host and ends the lease.
@@ -161,8 +159,7 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// [`Error::Device`] when the device cannot copy.
     pub fn detach_to_host(self) -> Result<DetachedBatch> {
-        let ring = &self.side.ring;
-        copy_to_host(&ring.device, &ring.consumer, self.batch.place.address, self.batch.info, RING)
+        copy_to_host(&self.whole(), self.batch.info)
     }
 }
 
@@ -258,7 +255,9 @@ impl<D: Device> DeviceBatch<D> {
     ///
     /// [`Error::Device`] when the device cannot copy.
     pub fn to_host(&self) -> Result<DetachedBatch> {
-        copy_to_host(&self.device, &self.stream, D::memory_address(&self.memory), self.info, OWNED)
+        let owner = Owner::Array { device: &self.device, stream: &self.stream };
+        // The allocation holds the batch for as long as `self` lives.
+        copy_to_host(&DeviceView::new(owner, D::memory_address(&self.memory), ndarray::Ix1(self.info.bytes)), self.info)
     }
 }
 
@@ -284,22 +283,9 @@ pub(super) struct BatchInfo {
     pub(super) bytes: usize,
 }
 
-/// Copies the batch at `address` (laid out as in the ring) to the host, on `stream`.
-fn copy_to_host<D: Device>(
-    device: &D,
-    stream: &D::Stream,
-    address: u64,
-    info: BatchInfo,
-    owner: &str,
-) -> Result<DetachedBatch> {
+/// Copies the batch in `bytes` (laid out as in the ring) to the host, on its stream.
+fn copy_to_host<D: Device>(bytes: &DeviceView<'_, D, u8>, info: BatchInfo) -> Result<DetachedBatch> {
     DetachedBatch::read_from(info.layout, info.index, info.epoch, |target| {
-        // SAFETY: `address` holds the batch's bytes (`target` is exactly as long: the
-        // same layout, planned), valid (and written by no other stream) at least until
-        // work issued to `stream` now has run; the copy is complete when this returns.
-        unsafe { device.copy_dtoh(stream, address, target) }.map_err(|source: DeviceError| Error::Device {
-            workspace: owner.into(),
-            action: "copying a batch to the host",
-            source,
-        })
+        bytes.dtoh_into(&mut ndarray::ArrayViewMut1::from(target))
     })
 }
