@@ -11,7 +11,7 @@
 //! compile:
 //!
 //! ```text
-//! let mask = ctx.working.create::<f32, _>(input.raw_dim())?;
+//! let mask = ctx.working.zeros::<f32, _>(input.raw_dim())?;
 //! Ok(freeze(mask))   // error: lifetime may not live long enough
 //! ```
 //!

@@ -282,7 +282,7 @@ impl Layer for Shortcut {
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
         if ctx.training {
-            Ok(freeze(ctx.activations.dup(&input)?))
+            Ok(freeze(ctx.activations.copy_of(&input)?))
         } else {
             Ok(input) // the bug: the caller's memory, not the activations workspace
         }
@@ -314,7 +314,7 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
         "layer 'shortcut' produced Activations in memory outside this manager's workspaces (heap, an input, or \
          another workspace), but Activations must live in workspace 'WS_INFERENCE_ACT': allocate it from the \
          Activations scope the layer was given (`ctx.activations` for a forward output), or copy it there with \
-         `TypedScope::dup` / `LayerWorkspaceMgr::leverage_to`"
+         `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
     );
     // With workspaces off there is nothing to misplace.
     let config = NetworkConfig::builder(8)
@@ -464,7 +464,7 @@ impl Layer for Misplacing {
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
         match self.output.get() {
-            Output::Activations => Ok(freeze(ctx.activations.dup(&input)?)),
+            Output::Activations => Ok(freeze(ctx.activations.copy_of(&input)?)),
             Output::Input => Ok(input),
             Output::Heap => {
                 let leaked: &'static Array2<f32> = Box::leak(Box::new(input.to_owned()));

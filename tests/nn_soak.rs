@@ -109,13 +109,13 @@ impl Layer for Centre {
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
         let rows = input.nrows() as f32;
-        let mut out = ctx.activations.create::<f32, _>(input.raw_dim())?;
+        let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
         out.assign(&input);
         if *self == Centre::Owned {
             let means = input.sum_axis(Axis(0)) / rows; // an owned array
             out -= &means;
         } else {
-            let mut means = ctx.working.create::<f32, _>(input.ncols())?;
+            let mut means = ctx.working.zeros::<f32, _>(input.ncols())?;
             for row in input.rows() {
                 means += &row;
             }

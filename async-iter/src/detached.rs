@@ -124,9 +124,9 @@ impl DetachedBatch {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `D`
+    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `Dim`
     /// do not match what the batch holds.
-    pub fn features<T: Pod, D: Dimension>(&self) -> Result<ArrayView<'_, T, D>, Error> {
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.array(Role::Features)
     }
 
@@ -136,7 +136,7 @@ impl DetachedBatch {
     ///
     /// As [`features`](Self::features), and [`Error::MissingArray`] when the batch has
     /// no labels.
-    pub fn labels<T: Pod, D: Dimension>(&self) -> Result<ArrayView<'_, T, D>, Error> {
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.array(Role::Labels)
     }
 
@@ -145,7 +145,7 @@ impl DetachedBatch {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, D>, Error> {
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.batch().array(role)
     }
 
@@ -154,8 +154,8 @@ impl DetachedBatch {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn to_array<T: Pod, D: Dimension>(&self, role: Role) -> Result<Array<T, D>, Error> {
-        Ok(self.array::<T, D>(role)?.to_owned())
+    pub fn to_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Array<T, Dim>, Error> {
+        Ok(self.array::<T, Dim>(role)?.to_owned())
     }
 }
 

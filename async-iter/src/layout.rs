@@ -136,17 +136,17 @@ impl ArraySpec {
         self.offset
     }
 
-    /// The array's shape as `D`, if `T` and `D` match what it holds.
-    pub(crate) fn dim<T: Pod, D: Dimension>(&self, batch: usize, role: Role) -> Result<D, Error> {
+    /// The array's shape as `Dim`, if `T` and `Dim` match what it holds.
+    pub(crate) fn dim<T: Pod, Dim: Dimension>(&self, batch: usize, role: Role) -> Result<Dim, Error> {
         if !self.element.is::<T>() {
             let (stored, requested) = (self.element.name, std::any::type_name::<T>());
             return Err(Error::WrongElementType { batch, role, stored, requested });
         }
-        if D::NDIM.is_some_and(|n| n != self.ndim) {
-            let (stored, requested) = (self.ndim, D::NDIM.unwrap_or(0));
+        if Dim::NDIM.is_some_and(|n| n != self.ndim) {
+            let (stored, requested) = (self.ndim, Dim::NDIM.unwrap_or(0));
             return Err(Error::WrongDimensionality { batch, role, stored, requested, shape: self.shape().to_vec() });
         }
-        let mut dim = D::zeros(self.ndim);
+        let mut dim = Dim::zeros(self.ndim);
         dim.slice_mut().copy_from_slice(self.shape());
         Ok(dim)
     }
@@ -241,8 +241,8 @@ impl BatchLayout {
         self.arrays[role.index()].as_ref()
     }
 
-    /// The spec of the array of `role` and its shape as `D`, when the layout has it and
-    /// `T` and `D` match what it holds (`batch` names the batch in the errors). With a
+    /// The spec of the array of `role` and its shape as `Dim`, when the layout has it and
+    /// `T` and `Dim` match what it holds (`batch` names the batch in the errors). With a
     /// planned layout (a lease's) the spec's [`offset`](ArraySpec::offset) says where
     /// the array lies in the batch's region.
     ///
@@ -250,9 +250,9 @@ impl BatchLayout {
     ///
     /// [`Error::MissingArray`], [`Error::WrongElementType`],
     /// [`Error::WrongDimensionality`].
-    pub fn typed<T: Pod, D: Dimension>(&self, batch: usize, role: Role) -> Result<(&ArraySpec, D), Error> {
+    pub fn typed<T: Pod, Dim: Dimension>(&self, batch: usize, role: Role) -> Result<(&ArraySpec, Dim), Error> {
         let spec = self.spec(role).ok_or(Error::MissingArray { batch, role })?;
-        let dim = spec.dim::<T, D>(batch, role)?;
+        let dim = spec.dim::<T, Dim>(batch, role)?;
         Ok((spec, dim))
     }
 

@@ -202,9 +202,9 @@ impl Lease<'_> {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `D`
-    /// do not match what the batch holds (`D = IxDyn` accepts any dimensionality).
-    pub fn features<T: Pod, D: Dimension>(&self) -> Result<ArrayView<'_, T, D>, Error> {
+    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `Dim`
+    /// do not match what the batch holds (`Dim = IxDyn` accepts any dimensionality).
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.array(Role::Features)
     }
 
@@ -214,7 +214,7 @@ impl Lease<'_> {
     ///
     /// As [`features`](Self::features), and [`Error::MissingArray`] when the batch has
     /// no labels.
-    pub fn labels<T: Pod, D: Dimension>(&self) -> Result<ArrayView<'_, T, D>, Error> {
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.array(Role::Labels)
     }
 
@@ -223,7 +223,7 @@ impl Lease<'_> {
     /// # Errors
     ///
     /// As [`features`](Self::features).
-    pub fn features_mask<T: Pod, D: Dimension>(&self) -> Result<Option<ArrayView<'_, T, D>>, Error> {
+    pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
         self.optional(Role::FeaturesMask)
     }
 
@@ -232,7 +232,7 @@ impl Lease<'_> {
     /// # Errors
     ///
     /// As [`features`](Self::features).
-    pub fn labels_mask<T: Pod, D: Dimension>(&self) -> Result<Option<ArrayView<'_, T, D>>, Error> {
+    pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
         self.optional(Role::LabelsMask)
     }
 
@@ -241,11 +241,11 @@ impl Lease<'_> {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, D>, Error> {
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'_, T, Dim>, Error> {
         self.batch().array(role)
     }
 
-    fn optional<T: Pod, D: Dimension>(&self, role: Role) -> Result<Option<ArrayView<'_, T, D>>, Error> {
+    fn optional<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
         match self.array(role) {
             Ok(view) => Ok(Some(view)),
             Err(Error::MissingArray { .. }) => Ok(None),
@@ -258,8 +258,8 @@ impl Lease<'_> {
     /// # Errors
     ///
     /// As [`array`](Self::array).
-    pub fn detach_array<T: Pod, D: Dimension>(&self, role: Role) -> Result<Array<T, D>, Error> {
-        Ok(self.array::<T, D>(role)?.to_owned())
+    pub fn detach_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Array<T, Dim>, Error> {
+        Ok(self.array::<T, Dim>(role)?.to_owned())
     }
 
     /// Copies the whole batch out and ends the lease: the [`DetachedBatch`] owns its

@@ -71,8 +71,8 @@ impl<'a> BatchRef<'a> {
         unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.layout.planned_bytes()) }
     }
 
-    pub(crate) fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayView<'a, T, D>, Error> {
-        let (spec, dim) = self.layout.typed::<T, D>(self.index, role)?;
+    pub(crate) fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'a, T, Dim>, Error> {
+        let (spec, dim) = self.layout.typed::<T, Dim>(self.index, role)?;
         // SAFETY: `spec` is planned, so `offset + bytes <= planned_bytes` and the offset
         // is a multiple of ARRAY_ALIGN; with the aligned base and `align_of::<T>() <=
         // ARRAY_ALIGN` (checked when the layout was described) the pointer is aligned for
@@ -155,9 +155,9 @@ impl<'a> BatchMut<'a> {
     ///
     /// # Errors
     ///
-    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `D`
+    /// [`Error::WrongElementType`] or [`Error::WrongDimensionality`] when `T` or `Dim`
     /// differ from the layout; [`Error::AlreadyBorrowed`] on a second call.
-    pub fn features<T: Pod, D: Dimension>(&self) -> Result<ArrayViewMut<'_, T, D>, Error> {
+    pub fn features<T: Pod, Dim: Dimension>(&self) -> Result<ArrayViewMut<'_, T, Dim>, Error> {
         self.array(Role::Features)
     }
 
@@ -167,7 +167,7 @@ impl<'a> BatchMut<'a> {
     ///
     /// As [`features`](Self::features), and [`Error::MissingArray`] when the layout
     /// has no labels.
-    pub fn labels<T: Pod, D: Dimension>(&self) -> Result<ArrayViewMut<'_, T, D>, Error> {
+    pub fn labels<T: Pod, Dim: Dimension>(&self) -> Result<ArrayViewMut<'_, T, Dim>, Error> {
         self.array(Role::Labels)
     }
 
@@ -176,7 +176,7 @@ impl<'a> BatchMut<'a> {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn features_mask<T: Pod, D: Dimension>(&self) -> Result<ArrayViewMut<'_, T, D>, Error> {
+    pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<ArrayViewMut<'_, T, Dim>, Error> {
         self.array(Role::FeaturesMask)
     }
 
@@ -185,7 +185,7 @@ impl<'a> BatchMut<'a> {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn labels_mask<T: Pod, D: Dimension>(&self) -> Result<ArrayViewMut<'_, T, D>, Error> {
+    pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<ArrayViewMut<'_, T, Dim>, Error> {
         self.array(Role::LabelsMask)
     }
 
@@ -194,8 +194,8 @@ impl<'a> BatchMut<'a> {
     /// # Errors
     ///
     /// As [`labels`](Self::labels).
-    pub fn array<T: Pod, D: Dimension>(&self, role: Role) -> Result<ArrayViewMut<'_, T, D>, Error> {
-        let (spec, dim) = self.layout.typed::<T, D>(self.index, role)?;
+    pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayViewMut<'_, T, Dim>, Error> {
+        let (spec, dim) = self.layout.typed::<T, Dim>(self.index, role)?;
         let bit = 1_u8 << role.index();
         if self.lent.get() & bit != 0 {
             return Err(Error::AlreadyBorrowed { batch: self.index, role });

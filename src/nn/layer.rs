@@ -72,7 +72,7 @@ pub struct Param<'p> {
 ///         input: ArrayView2<'a, f32>,
 ///         ctx: &ForwardCtx<'a, '_>,
 ///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.activations.create::<f32, _>(input.raw_dim())?;
+///         let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
 ///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
 ///         Ok(freeze(out))
 ///     }
@@ -122,7 +122,7 @@ pub struct Param<'p> {
 ///         input: ArrayView2<'a, f32>,
 ///         ctx: &ForwardCtx<'a, '_>,
 ///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.working.create::<f32, _>(input.raw_dim())?;
+///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
 ///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
 ///         Ok(freeze(out))
 ///     }
@@ -162,7 +162,7 @@ pub struct Param<'p> {
 ///         input: ArrayView2<'a, f32>,
 ///         ctx: &ForwardCtx<'a, 'a>,
 ///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.working.create::<f32, _>(input.raw_dim())?;
+///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
 ///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
 ///         Ok(freeze(out))
 ///     }

@@ -946,7 +946,7 @@ impl fmt::Display for AllocationError {
                 write!(
                     f,
                     ". Take every array of the step from its workspace scope (`scope.zeros`, \
-                     `ctx.working.create`, `TypedScope::dup`) and write results into it (`assign`, \
+                     `ctx.working.zeros`, `TypedScope::copy_of`) and write results into it (`assign`, \
                      `zip_mut_with`, `general_mat_mul`, the `*_inplace` methods) instead of calling ndarray \
                      methods that return owned arrays (`&a + &b`, `dot`, `sum_axis`, `mapv`, `to_owned`) or \
                      growing heap containers"

@@ -36,9 +36,9 @@ use crate::scope::Scope;
 /// };
 /// kept.sum();
 /// ```
-pub trait WorkspaceArrayExt<T, D> {
+pub trait WorkspaceArrayExt<T, Dim> {
     /// Copies into an owned array (standard layout) that outlives every reset.
-    fn detach(&self) -> Array<T, D>;
+    fn detach(&self) -> Array<T, Dim>;
 
     /// Copies into the open `target` scope. There is no way to name a closed
     /// workspace here: a [`Scope`] is open by construction; by id, use
@@ -48,15 +48,15 @@ pub trait WorkspaceArrayExt<T, D> {
     /// # Errors
     ///
     /// The target's allocation errors.
-    fn leverage_to<'t>(&self, target: &'t Scope<'_>) -> Result<ArrayViewMut<'t, T, D>>;
+    fn leverage_to<'t>(&self, target: &'t Scope<'_>) -> Result<ArrayViewMut<'t, T, Dim>>;
 }
 
-impl<T: Pod, S: Data<Elem = T>, D: Dimension> WorkspaceArrayExt<T, D> for ArrayBase<S, D> {
-    fn detach(&self) -> Array<T, D> {
+impl<T: Pod, S: Data<Elem = T>, Dim: Dimension> WorkspaceArrayExt<T, Dim> for ArrayBase<S, Dim> {
+    fn detach(&self) -> Array<T, Dim> {
         self.to_owned()
     }
 
-    fn leverage_to<'t>(&self, target: &'t Scope<'_>) -> Result<ArrayViewMut<'t, T, D>> {
+    fn leverage_to<'t>(&self, target: &'t Scope<'_>) -> Result<ArrayViewMut<'t, T, Dim>> {
         target.copy_of(self)
     }
 }

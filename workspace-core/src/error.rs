@@ -151,7 +151,7 @@ pub enum Error {
     #[error(
         "layer '{layer}' produced {array_type:?} in {actual}, but {array_type:?} must live in {expected}: \
          allocate it from the {array_type:?} scope the layer was given (`ctx.activations` for a forward \
-         output), or copy it there with `TypedScope::dup` / `LayerWorkspaceMgr::leverage_to`"
+         output), or copy it there with `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
     )]
     WrongLocation {
         /// The layer that produced the array.

@@ -44,11 +44,11 @@ use crate::scope::Scope;
 /// # Ok::<(), workspace_core::Error>(())
 /// ```
 #[derive(Debug)]
-pub struct Handle<T, D> {
+pub struct Handle<T, Dim> {
     /// Invariant: `dim.size()` initialised elements, valid while the owner is at
     /// `generation`.
     ptr: NonNull<T>,
-    dim: D,
+    dim: Dim,
     owner: u64,
     generation: u64,
     workspace: Arc<str>,
@@ -59,16 +59,16 @@ pub struct Handle<T, D> {
 // happens on the thread that has the workspace open. `&Handle` gives shared views
 // only; `view_mut` takes `&mut self`. With `T: Send + Sync`, moving or sharing the
 // token cannot create a data race.
-unsafe impl<T: Send + Sync, D: Send> Send for Handle<T, D> {}
+unsafe impl<T: Send + Sync, Dim: Send> Send for Handle<T, Dim> {}
 // SAFETY: see `Send`.
-unsafe impl<T: Send + Sync, D: Sync> Sync for Handle<T, D> {}
+unsafe impl<T: Send + Sync, Dim: Sync> Sync for Handle<T, Dim> {}
 
-impl<T: Pod, D: Dimension> Handle<T, D> {
+impl<T: Pod, Dim: Dimension> Handle<T, Dim> {
     /// # Safety
     ///
     /// `ptr` must hold `dim.size()` initialised elements that stay valid while the
     /// target `owner` is at `generation`, reachable through no other path.
-    pub(crate) unsafe fn new(ptr: NonNull<T>, dim: D, owner: u64, generation: u64, workspace: Arc<str>) -> Self {
+    pub(crate) unsafe fn new(ptr: NonNull<T>, dim: Dim, owner: u64, generation: u64, workspace: Arc<str>) -> Self {
         Handle { ptr, dim, owner, generation, workspace }
     }
 
@@ -91,7 +91,7 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     /// # Errors
     ///
     /// As [`Handle::check`].
-    pub fn view<'a>(&'a self, scope: &'a Scope<'_>) -> Result<ArrayView<'a, T, D>> {
+    pub fn view<'a>(&'a self, scope: &'a Scope<'_>) -> Result<ArrayView<'a, T, Dim>> {
         self.check(scope)?;
         // SAFETY: the check proves the memory is live and unchanged since allocation;
         // the view borrows `scope` (so the cycle cannot end) and `self` (so no mutable
@@ -104,7 +104,7 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     /// # Errors
     ///
     /// As [`Handle::check`].
-    pub fn view_mut<'a>(&'a mut self, scope: &'a Scope<'_>) -> Result<ArrayViewMut<'a, T, D>> {
+    pub fn view_mut<'a>(&'a mut self, scope: &'a Scope<'_>) -> Result<ArrayViewMut<'a, T, Dim>> {
         self.check(scope)?;
         // SAFETY: as in `view`; `&mut self` makes this the only view of the handle.
         Ok(unsafe { ArrayViewMut::from_shape_ptr(self.dim.clone(), self.ptr.as_ptr()) })
@@ -115,7 +115,7 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     /// # Errors
     ///
     /// As [`Handle::check`].
-    pub fn detach(&self, scope: &Scope<'_>) -> Result<Array<T, D>> {
+    pub fn detach(&self, scope: &Scope<'_>) -> Result<Array<T, Dim>> {
         Ok(self.view(scope)?.to_owned())
     }
 
@@ -125,7 +125,7 @@ impl<T: Pod, D: Dimension> Handle<T, D> {
     /// # Errors
     ///
     /// As [`Handle::check`] for `scope`, and `target`'s allocation errors.
-    pub fn leverage_to(&self, scope: &Scope<'_>, target: &Scope<'_>) -> Result<Handle<T, D>> {
+    pub fn leverage_to(&self, scope: &Scope<'_>, target: &Scope<'_>) -> Result<Handle<T, Dim>> {
         target.copy_handle(&self.view(scope)?)
     }
 

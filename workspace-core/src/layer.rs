@@ -14,10 +14,10 @@
 //!
 //! /// A layer's forward pass: the output must outlive the working memory.
 //! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
-//!     let mut tmp = working.create::<f32, _>(x.raw_dim())?; // reset after this layer
+//!     let mut tmp = working.zeros::<f32, _>(x.raw_dim())?; // reset after this layer
 //!     tmp.assign(&x);
 //!     tmp.mapv_inplace(|v| v.max(0.0));
-//!     Ok(freeze(out.dup(&tmp)?))                            // activations: kept for backprop
+//!     Ok(freeze(out.copy_of(&tmp)?))                        // activations: kept for backprop
 //! }
 //!
 //! let mgr = LayerWorkspaceMgr::builder()
@@ -25,7 +25,7 @@
 //!     .default_workspace("WS_WORKING_MEM", WorkspaceConfig::default())
 //!     .build()?;
 //! let activations = mgr.enter(ArrayType::Activations)?;
-//! let input = freeze(activations.create::<f32, _>((4, 3))?);
+//! let input = freeze(activations.zeros::<f32, _>((4, 3))?);
 //! let y = {
 //!     let working = mgr.enter(ArrayType::FfWorkingMem)?;
 //!     forward(input, &activations, &working)?
@@ -42,7 +42,7 @@
 //! use workspace_core::{freeze, Result, TypedScope};
 //!
 //! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
-//!     let tmp = working.dup(&x)?;
+//!     let tmp = working.copy_of(&x)?;
 //!     Ok(freeze(tmp)) // error: `working` does not live for 'a
 //! }
 //! ```
@@ -255,11 +255,11 @@ impl LayerWorkspaceMgr {
     /// [`Error::InvalidConfig`] when `ty` is scoped out (a handle needs a workspace:
     /// use [`crate::WorkspaceArrayExt::detach`] for heap arrays); [`Error::NotOpen`]
     /// when the workspace is closed; allocation errors.
-    pub fn leverage_to<T: Pod, S: Data<Elem = T>, D: Dimension>(
+    pub fn leverage_to<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
         &self,
         ty: ArrayType,
-        array: &ArrayBase<S, D>,
-    ) -> Result<crate::Handle<T, D>> {
+        array: &ArrayBase<S, Dim>,
+    ) -> Result<crate::Handle<T, Dim>> {
         let Some(ws) = self.workspace(ty) else {
             return Err(Error::InvalidConfig {
                 reason: format!(
@@ -277,11 +277,11 @@ impl LayerWorkspaceMgr {
     ///
     /// [`Error::WrongLocation`] naming the layer, the type, the expected and the
     /// actual workspace.
-    pub fn validate<T, S: RawData<Elem = T>, D: Dimension>(
+    pub fn validate<T, S: RawData<Elem = T>, Dim: Dimension>(
         &self,
         ty: ArrayType,
         layer: &str,
-        array: &ArrayBase<S, D>,
+        array: &ArrayBase<S, Dim>,
     ) -> Result<()> {
         let (ptr, bytes) = extent(array);
         let ok = match &self.targets[ty.index()] {
@@ -314,7 +314,7 @@ impl LayerWorkspaceMgr {
     }
 
     /// Where `array` lives, for messages: a workspace name, or a heap description.
-    pub fn location_of<T, S: RawData<Elem = T>, D: Dimension>(&self, array: &ArrayBase<S, D>) -> String {
+    pub fn location_of<T, S: RawData<Elem = T>, Dim: Dimension>(&self, array: &ArrayBase<S, Dim>) -> String {
         let (ptr, bytes) = extent(array);
         match self.locate(ptr, bytes) {
             Some(ws) => format!("workspace '{}'", ws.name()),
@@ -385,22 +385,24 @@ impl TypedScope {
         self.ty
     }
 
-    /// A zero-filled array (see [`Scope::zeros`]).
+    /// DL4J's `create`: [`Scope::zeros`], the name every scope uses.
     ///
     /// # Errors
     ///
     /// As [`Scope::zeros`].
     #[inline]
+    #[deprecated(note = "use `zeros` (the name of every scope, host and device): `ctx.activations.zeros(shape)`")]
     pub fn create<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         self.scope.zeros(shape)
     }
 
-    /// An uninitialised array (see [`Scope::uninit`]).
+    /// DL4J's `createUninitialized`: [`Scope::uninit`], the name every scope uses.
     ///
     /// # Errors
     ///
     /// As [`Scope::zeros`].
     #[inline]
+    #[deprecated(note = "use `uninit` (the name of every scope, host and device)")]
     pub fn create_uninit<T: Pod, Sh: ShapeBuilder>(
         &self,
         shape: Sh,
@@ -408,16 +410,17 @@ impl TypedScope {
         self.scope.uninit(shape)
     }
 
-    /// A copy of `array` here (DL4J's `dup`).
+    /// DL4J's `dup`: [`Scope::copy_of`], the name every scope uses.
     ///
     /// # Errors
     ///
     /// As [`Scope::zeros`].
     #[inline]
-    pub fn dup<T: Pod, S: Data<Elem = T>, D: Dimension>(
+    #[deprecated(note = "use `copy_of` (the name of every scope, host and device): `ctx.activations.copy_of(&x)`")]
+    pub fn dup<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
         &self,
-        array: &ArrayBase<S, D>,
-    ) -> Result<ArrayViewMut<'_, T, D>> {
+        array: &ArrayBase<S, Dim>,
+    ) -> Result<ArrayViewMut<'_, T, Dim>> {
         self.scope.copy_of(array)
     }
 
@@ -427,7 +430,10 @@ impl TypedScope {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn leverage<'a, T: Pod, D: Dimension>(&'a self, array: ArrayView<'a, T, D>) -> Result<ArrayView<'a, T, D>> {
+    pub fn leverage<'a, T: Pod, Dim: Dimension>(
+        &'a self,
+        array: ArrayView<'a, T, Dim>,
+    ) -> Result<ArrayView<'a, T, Dim>> {
         if self.scope.workspace().is_some() && self.scope.holds(&array) {
             return Ok(array);
         }

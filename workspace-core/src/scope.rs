@@ -227,7 +227,7 @@ impl<'ws> Scope<'ws> {
 
     /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
     /// or the scope's own heap blocks when scoped out).
-    pub fn holds<T, S: ndarray::RawData<Elem = T>, D: Dimension>(&self, array: &ArrayBase<S, D>) -> bool {
+    pub fn holds<T, S: ndarray::RawData<Elem = T>, Dim: Dimension>(&self, array: &ArrayBase<S, Dim>) -> bool {
         let (ptr, bytes) = extent(array);
         self.workspace_ref().contains(ptr, bytes)
     }
@@ -253,9 +253,9 @@ impl<'ws> Scope<'ws> {
 
     /// Reserves memory for `dim` elements of `T`.
     #[inline(always)]
-    pub(crate) fn alloc_elements<T, D: Dimension>(&self, dim: &D, zeroed: bool) -> Result<NonNull<T>> {
+    pub(crate) fn alloc_elements<T, Dim: Dimension>(&self, dim: &Dim, zeroed: bool) -> Result<NonNull<T>> {
         let ws = self.workspace_ref();
-        let bytes = checked_bytes::<T, D>(dim, || ws.name().clone())?;
+        let bytes = checked_bytes::<T, Dim>(dim, || ws.name().clone())?;
         if size_of::<T>() == 0 {
             // No memory: ndarray only needs the element count to fit in `isize`.
             return Ok(NonNull::dangling());
@@ -271,6 +271,7 @@ impl<'ws> Scope<'ws> {
     /// byte size overflows, and the workspace's allocation errors
     /// ([`Error::Exhausted`], [`Error::BudgetExceeded`], [`Error::Backend`]).
     #[inline]
+    #[doc(alias = "create")]
     pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
         let shape = shape.into_shape_with_order();
         let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), true)?;
@@ -370,10 +371,11 @@ impl<'ws> Scope<'ws> {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn copy_of<T: Pod, S: Data<Elem = T>, D: Dimension>(
+    #[doc(alias = "dup")]
+    pub fn copy_of<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
         &self,
-        source: &ArrayBase<S, D>,
-    ) -> Result<ArrayViewMut<'_, T, D>> {
+        source: &ArrayBase<S, Dim>,
+    ) -> Result<ArrayViewMut<'_, T, Dim>> {
         let mut view = self.uninit::<T, _>(source.raw_dim())?;
         match (source.as_slice(), view.as_slice_mut()) {
             (Some(from), Some(to)) => {
@@ -459,16 +461,16 @@ impl<'ws> Scope<'ws> {
     /// # Errors
     ///
     /// As [`Scope::zeros`].
-    pub fn copy_handle<T: Pod, S: Data<Elem = T>, D: Dimension>(
+    pub fn copy_handle<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
         &self,
-        source: &ArrayBase<S, D>,
-    ) -> Result<Handle<T, D>> {
+        source: &ArrayBase<S, Dim>,
+    ) -> Result<Handle<T, Dim>> {
         let view = self.copy_of(source)?;
         let ptr = NonNull::new(view.as_ptr().cast_mut()).expect("views are never null");
         Ok(self.handle(ptr, source.raw_dim()))
     }
 
-    fn handle<T: Pod, D: Dimension>(&self, ptr: NonNull<T>, dim: D) -> Handle<T, D> {
+    fn handle<T: Pod, Dim: Dimension>(&self, ptr: NonNull<T>, dim: Dim) -> Handle<T, Dim> {
         let (owner, generation) = self.identity();
         // SAFETY: `ptr` holds `dim.size()` initialised elements allocated in this
         // scope's target at `generation`, and no view of them is alive.
@@ -493,7 +495,9 @@ impl Drop for Scope<'_> {
 
 /// The first byte and the byte length of the memory an array spans (its elements
 /// from the lowest to the highest address; zero for an empty array).
-pub(crate) fn extent<T, S: ndarray::RawData<Elem = T>, D: Dimension>(array: &ArrayBase<S, D>) -> (*const u8, usize) {
+pub(crate) fn extent<T, S: ndarray::RawData<Elem = T>, Dim: Dimension>(
+    array: &ArrayBase<S, Dim>,
+) -> (*const u8, usize) {
     if array.is_empty() || size_of::<T>() == 0 {
         return (array.as_ptr().cast(), 0);
     }
@@ -522,7 +526,7 @@ pub(crate) fn extent<T, S: ndarray::RawData<Elem = T>, D: Dimension>(array: &Arr
 /// assert_eq!(y.sum(), 6.0);
 /// # Ok::<(), workspace_core::Error>(())
 /// ```
-pub fn freeze<'a, T, D: Dimension>(view: ArrayViewMut<'a, T, D>) -> ndarray::ArrayView<'a, T, D> {
+pub fn freeze<'a, T, Dim: Dimension>(view: ArrayViewMut<'a, T, Dim>) -> ndarray::ArrayView<'a, T, Dim> {
     // SAFETY: `view` is consumed, so its exclusive borrow of the elements for 'a
     // becomes this shared borrow for the same 'a. The raw view keeps the pointer,
     // shape and strides (negative ones included) exactly, and every element it covers

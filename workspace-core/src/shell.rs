@@ -276,7 +276,7 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
 /// count overflows `usize` or the byte size (or, for zero-sized elements, the count)
 /// exceeds `isize::MAX`. `workspace` names the workspace in the error.
 #[inline(always)]
-pub fn checked_bytes<T, D: Dimension>(dim: &D, workspace: impl FnOnce() -> Arc<str>) -> Result<usize> {
+pub fn checked_bytes<T, Dim: Dimension>(dim: &Dim, workspace: impl FnOnce() -> Arc<str>) -> Result<usize> {
     // One compare against a constant: `n * size_of::<T>()` fits in `isize`.
     let max_elements = isize::MAX as usize / size_of::<T>().max(1);
     match dim.size_checked() {

@@ -46,7 +46,7 @@ fn no_workspaces_scopes_everything_out() {
         let scope = m.enter(ty).unwrap();
         assert_eq!(scope.array_type(), ty);
         assert!(scope.workspace().is_none());
-        let a = scope.create::<f32, _>((3, 3)).unwrap();
+        let a = scope.zeros::<f32, _>((3, 3)).unwrap();
         m.validate(ty, "any", &a).unwrap();
     }
     assert_eq!(m.capacity(), 0);
@@ -87,12 +87,12 @@ fn a_reused_name_with_another_config_is_an_error() {
 fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
     let m = mgr();
     let act = m.enter(ArrayType::Activations).unwrap();
-    let good = act.create::<f32, _>((4, 8)).unwrap();
+    let good = act.zeros::<f32, _>((4, 8)).unwrap();
     m.validate(ArrayType::Activations, "dense_0", &good).unwrap();
     m.validate(ArrayType::Input, "dense_0", &good).unwrap(); // Input shares ACT
 
     let working = m.enter(ArrayType::FfWorkingMem).unwrap();
-    let scratch = working.create::<f32, _>((4, 8)).unwrap();
+    let scratch = working.zeros::<f32, _>((4, 8)).unwrap();
     let err = m.validate(ArrayType::Activations, "my_layer", &scratch).unwrap_err();
     match &err {
         Error::WrongLocation { layer, array_type, expected, actual } => {
@@ -107,7 +107,7 @@ fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
         err.to_string(),
         "layer 'my_layer' produced Activations in workspace 'WORK', but Activations must live in workspace \
          'ACT': allocate it from the Activations scope the layer was given (`ctx.activations` for a forward \
-         output), or copy it there with `TypedScope::dup` / `LayerWorkspaceMgr::leverage_to`"
+         output), or copy it there with `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
     );
 
     let heap = Array2::<f32>::zeros((2, 2));
@@ -137,12 +137,12 @@ fn spilled_arrays_are_located_too() {
     let m = mgr();
     let act = m.enter(ArrayType::Activations).unwrap();
     // The first cycle learns: everything spills, and must still validate.
-    let a = act.create::<f64, _>(10_000).unwrap();
+    let a = act.zeros::<f64, _>(10_000).unwrap();
     assert_eq!(act.workspace().unwrap().capacity(), 0, "still learning: nothing in an arena yet");
     m.validate(ArrayType::Activations, "l", &a).unwrap();
     drop(act);
     let act = m.enter(ArrayType::Activations).unwrap();
-    let b = act.create::<f64, _>(10_000).unwrap();
+    let b = act.zeros::<f64, _>(10_000).unwrap();
     assert!(act.workspace().unwrap().capacity() >= 80_000);
     m.validate(ArrayType::Activations, "l", &b).unwrap();
 }
@@ -159,7 +159,7 @@ fn borrow_open_of_a_closed_workspace_is_an_error() {
     );
     let outer = m.enter(ArrayType::Activations).unwrap();
     let borrowed = m.borrow_open(ArrayType::Activations).unwrap();
-    let a = borrowed.create::<u8, _>(16).unwrap();
+    let a = borrowed.zeros::<u8, _>(16).unwrap();
     assert!(outer.holds(&a));
     // Scoped-out types have nothing to be closed.
     assert!(m.borrow_open(ArrayType::FfCache).unwrap().workspace().is_none());
@@ -170,7 +170,7 @@ fn leverage_copies_only_when_needed() {
     let m = mgr();
     let act = m.enter(ArrayType::Activations).unwrap();
     let working = m.enter(ArrayType::FfWorkingMem).unwrap();
-    let mut a = working.create::<f32, _>((3, 2)).unwrap();
+    let mut a = working.zeros::<f32, _>((3, 2)).unwrap();
     a.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32);
     let a: ArrayView2<'_, f32> = freeze(a);
     let moved = act.leverage(a).unwrap();
@@ -179,7 +179,7 @@ fn leverage_copies_only_when_needed() {
     assert!(act.holds(&moved));
     let same = act.leverage(moved).unwrap();
     assert_eq!(same.as_ptr(), moved.as_ptr(), "already there: no copy");
-    let dup = act.dup(&moved).unwrap();
+    let dup = act.copy_of(&moved).unwrap();
     assert_ne!(dup.as_ptr(), moved.as_ptr());
     assert_eq!(dup, moved);
 }
@@ -224,10 +224,10 @@ fn helpers_are_named_and_unknown_ones_are_errors() {
 fn workspaces_reset_per_role_and_report_peaks() {
     let m = mgr();
     let act = m.enter(ArrayType::Activations).unwrap();
-    let _a = act.create::<f32, _>(1000).unwrap();
+    let _a = act.zeros::<f32, _>(1000).unwrap();
     for _ in 0..3 {
         let w = m.enter(ArrayType::FfWorkingMem).unwrap();
-        let _s = w.create::<f32, _>(500).unwrap();
+        let _s = w.zeros::<f32, _>(500).unwrap();
     }
     let work = m.workspace(ArrayType::FfWorkingMem).unwrap();
     assert_eq!(work.generation(), 3, "working memory: one cycle per layer call");
@@ -245,7 +245,7 @@ fn bypassed_workspaces_validate_heap_arrays() {
         ws.set_debug_mode(DebugMode::BypassEverything).unwrap();
     }
     let act = m.enter(ArrayType::Activations).unwrap();
-    let a = act.create::<f32, _>(4).unwrap();
+    let a = act.zeros::<f32, _>(4).unwrap();
     assert!(act.workspace().is_some(), "the scope still belongs to its workspace: only the memory moved");
     m.validate(ArrayType::Activations, "l", &a).unwrap();
     drop(act);
@@ -298,7 +298,7 @@ fn array_types_are_the_nine_roles_of_dl4j_each_once() {
 fn create_uninit_gives_writable_memory_in_the_types_workspace() {
     let m = mgr();
     let act = m.enter(ArrayType::Activations).unwrap();
-    let mut raw = act.create_uninit::<f32, _>((3, 5)).unwrap();
+    let mut raw = act.uninit::<f32, _>((3, 5)).unwrap();
     raw.fill(std::mem::MaybeUninit::new(2.5));
     // SAFETY: every element was written just above.
     let ready = unsafe { raw.assume_init() };
@@ -341,10 +341,10 @@ fn handles_and_leverage_behave_the_same_in_every_debug_mode() {
             assert_eq!(handle.detach(&borrowed).unwrap(), source, "{mode:?}: borrowed scope");
             drop((nested, borrowed));
             // Where a layer's output lives is checked as with the mode off.
-            let out = act.create::<f32, _>((2, 2)).unwrap();
+            let out = act.zeros::<f32, _>((2, 2)).unwrap();
             m.validate(ArrayType::Activations, "dense", &out).unwrap();
             let work = m.enter(ArrayType::FfWorkingMem).unwrap();
-            let scratch = work.create::<f32, _>((2, 2)).unwrap();
+            let scratch = work.zeros::<f32, _>((2, 2)).unwrap();
             let err = m.validate(ArrayType::Activations, "dense", &scratch).unwrap_err();
             seen.push(err.to_string());
             drop(work);
@@ -367,4 +367,22 @@ fn handles_and_leverage_behave_the_same_in_every_debug_mode() {
     for (mode, seen) in &outcomes[1..] {
         assert_eq!(seen, plain, "{mode:?} differs from Disabled");
     }
+}
+
+/// DL4J's spellings still compile, as deprecated aliases of the names every scope uses.
+#[test]
+#[allow(deprecated)]
+fn dl4j_spellings_are_aliases_of_the_scope_names() {
+    let mgr = LayerWorkspaceMgr::builder().default_workspace("ACT", WorkspaceConfig::default()).build().unwrap();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let created = act.create::<f32, _>((2, 3)).unwrap();
+    assert_eq!(created, ndarray::Array2::<f32>::zeros((2, 3)));
+    assert!(act.holds(&created));
+    let source = ndarray::arr1(&[1.0f32, 2.0, 3.0]);
+    let dup = act.dup(&source).unwrap();
+    assert_eq!(dup, source);
+    assert!(act.holds(&dup));
+    let mut uninit = act.create_uninit::<f32, _>(3).unwrap();
+    assert_eq!(uninit.len(), 3);
+    assert!(act.holds(&uninit.view_mut()));
 }
