@@ -12,10 +12,14 @@
 //! - `limits`: alignments and shapes at their limits, on both devices (`limits::sim`,
 //!   `limits::cuda`).
 //! - `probe`: the probe on this machine.
+//! - `misbehaving`: the misbehaving batch sources shared with async-iter's tests
+//!   (`async-iter/tests/common/misbehaving.rs`).
 //! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
 //!   and with held and bypassed streams on the simulator.
 
 mod limits;
+#[path = "../../../async-iter/tests/common/misbehaving.rs"]
+mod misbehaving;
 mod model;
 mod ordering;
 mod policies;
