@@ -12,36 +12,9 @@ use std::mem::MaybeUninit;
 use carve::{Workspace, WorkspaceConfig};
 use criterion::{criterion_main, Criterion};
 
-/// 64 arrays of 256 B … 64 KiB (f32 element counts).
-fn small_sizes() -> Vec<usize> {
-    (0..64).map(|i| (256usize << (i % 9)) / 4).collect()
-}
+mod workloads;
 
-/// The 19 arrays of an MLP 784-1024-1024-10 forward and backward pass at batch 128.
-fn training_sizes() -> Vec<usize> {
-    let (b, i, h, o) = (128, 784, 1024, 10);
-    vec![
-        b * i,
-        b * h,
-        b * h,
-        b * h,
-        b * h,
-        b * o,
-        b * o,
-        b * o,
-        h * o,
-        o,
-        b * h,
-        b * h,
-        h * h,
-        h,
-        b * h,
-        b * h,
-        i * h,
-        h,
-        b * i,
-    ]
-}
+use workloads::{small_sizes, training_sizes};
 
 fn small(c: &mut Criterion) {
     let sizes = small_sizes();

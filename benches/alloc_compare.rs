@@ -27,8 +27,7 @@
 //! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]` (from the
 //! repository root or `benches/`; `--help` for the flags).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+use std::alloc::{GlobalAlloc, Layout};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::mem::MaybeUninit;
@@ -37,6 +36,8 @@ use std::time::Instant;
 
 use carve::{Workspace, WorkspaceConfig};
 use clap::Parser;
+
+mod workloads;
 
 // ---------------------------------------------------------------------------------
 // Command line.
@@ -91,38 +92,15 @@ fn count(what: &str, value: &str) -> usize {
 }
 
 // ---------------------------------------------------------------------------------
-// Counting the default allocator's calls on this thread.
-
-struct Counting;
-
-thread_local! {
-    static HEAP_ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to `System` unchanged; the counter is a const-initialised
-// thread-local that never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+// Counting the default allocator's calls on this thread: carve's counting allocator
+// (`carve::alloc_check`), which counts `alloc`, `alloc_zeroed` and `realloc` per thread.
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: carve::CountingAllocator = carve::CountingAllocator::system();
 
+/// Heap allocation calls of the calling thread so far.
 fn heap_allocs() -> u64 {
-    HEAP_ALLOCS.with(Cell::get)
+    carve::alloc_check::thread_counts().allocations
 }
 
 fn minor_faults() -> u64 {
@@ -151,36 +129,12 @@ struct Workload {
 }
 
 fn small() -> Workload {
-    let shapes = (0..64).map(|i| (1, (256usize << (i % 9)) / 4)).collect();
+    let shapes = workloads::small_sizes().into_iter().map(|n| (1, n)).collect();
     Workload { name: "small", shapes, touch: Touch::One }
 }
 
 fn training() -> Workload {
-    let (b, i, h, o) = (128, 784, 1024, 10);
-    let shapes = vec![
-        // forward: input, pre-activations and activations, logits, probabilities
-        (b, i),
-        (b, h),
-        (b, h),
-        (b, h),
-        (b, h),
-        (b, o),
-        (b, o),
-        // backward: output gradient, then per layer weight, bias and input gradients
-        (b, o),
-        (h, o),
-        (1, o),
-        (b, h),
-        (b, h),
-        (h, h),
-        (1, h),
-        (b, h),
-        (b, h),
-        (i, h),
-        (1, h),
-        (b, i),
-    ];
-    Workload { name: "training", shapes, touch: Touch::All }
+    Workload { name: "training", shapes: workloads::training_shapes(), touch: Touch::All }
 }
 
 #[inline(always)]

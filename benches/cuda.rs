@@ -15,34 +15,9 @@ use ndarray::ArrayView1;
 use workspace_cuda::device::cuda::raw;
 use workspace_cuda::{CudaDevice, Device, DeviceWorkspace, PinnedWorkspace};
 
-/// Bytes of the 19 arrays of an MLP 784-1024-1024-10 training step at batch 128.
-fn training_bytes() -> Vec<usize> {
-    let (b, i, h, o) = (128, 784, 1024, 10);
-    [
-        b * i,
-        b * h,
-        b * h,
-        b * h,
-        b * h,
-        b * o,
-        b * o,
-        b * o,
-        h * o,
-        o,
-        b * h,
-        b * h,
-        h * h,
-        h,
-        b * h,
-        b * h,
-        i * h,
-        h,
-        b * i,
-    ]
-    .iter()
-    .map(|n| n * 4)
-    .collect()
-}
+mod workloads;
+
+use workloads::training_bytes;
 
 /// GPU 0, or `None` after saying once why there is none.
 fn gpu() -> Option<CudaDevice> {

@@ -11,6 +11,8 @@ use carve::WorkspaceMode;
 use criterion::{criterion_main, Criterion};
 use ndarray::{Array1, Array2};
 
+mod workloads;
+
 fn network(inputs: usize, hidden: &[usize], classes: usize, mode: WorkspaceMode) -> Network {
     let mut builder = NetworkConfig::builder(inputs);
     for &h in hidden {
@@ -52,7 +54,8 @@ fn bench(c: &mut Criterion, group: &str, inputs: usize, hidden: &[usize], classe
 
 fn benches(c: &mut Criterion) {
     bench(c, "fit_batch_digits_64-128-64-10_b32", 64, &[128, 64], 10, 32);
-    bench(c, "fit_batch_mlp_784-1024-1024-10_b128", 784, &[1024, 1024], 10, 128);
+    use workloads::{BATCH, CLASSES, HIDDEN, INPUTS};
+    bench(c, "fit_batch_mlp_784-1024-1024-10_b128", INPUTS, &[HIDDEN, HIDDEN], CLASSES, BATCH);
 }
 
 // The macro defines an undocumented function.

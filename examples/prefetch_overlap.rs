@@ -19,8 +19,6 @@
 //! [--batch-us T] [--depth D] [--rounds R]` (`--help` lists the flags and their valid
 //! ranges; a value out of range is an error, exit status 2).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::error::Error;
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -40,38 +38,15 @@ mod cli;
 type Res<T> = Result<T, Box<dyn Error>>;
 
 // ---------------------------------------------------------------------------------
-// Counting the default allocator's calls on each thread.
-
-struct Counting;
-
-thread_local! {
-    static HEAP_ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: forwards to `System` unchanged; the counter is a const-initialised
-// thread-local that never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = HEAP_ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+// Counting the default allocator's calls on each thread: carve's counting allocator
+// (`carve::alloc_check`), which counts `alloc`, `alloc_zeroed` and `realloc` per thread.
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: carve::CountingAllocator = carve::CountingAllocator::system();
 
+/// Heap allocation calls of the calling thread so far.
 fn heap_allocs() -> u64 {
-    HEAP_ALLOCS.with(Cell::get)
+    carve::alloc_check::thread_counts().allocations
 }
 
 // ---------------------------------------------------------------------------------

@@ -8,12 +8,16 @@
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use async_iter::{BatchLayout, BatchMut, BatchSource, Error, Prefetcher, SourceCall, SourceError, Threading};
 use ndarray::Ix1;
+
+#[path = "common/misbehaving.rs"]
+mod misbehaving;
+
+use misbehaving::{Bomb, Detonating, Gate, Note, Stuck};
 
 /// Longest any single call of the code under test may take before the test calls it hung.
 const HUNG: Duration = Duration::from_secs(20);
@@ -40,58 +44,34 @@ fn within_bound<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 's
 
 // ---- panics whose payload panics when dropped ---------------------------------------------
 
-/// A panic payload whose destructor panics too.
-struct Bomb;
-
-impl Drop for Bomb {
-    fn drop(&mut self) {
-        panic!("the panic payload's destructor panicked as well");
-    }
-}
-
-/// Four `u32` batches per epoch, each filled with its index and epoch; panics with a
-/// [`Bomb`] in `call` at batch `at`, once.
-struct Detonating {
-    call: SourceCall,
-    at: usize,
-    armed: bool,
+/// Four `u32` batches per epoch, each filled with its index and epoch (the source
+/// [`Detonating`] wraps).
+struct Indexed {
     epoch: u64,
 }
 
-impl Detonating {
-    fn new(call: SourceCall, at: usize) -> Detonating {
-        Detonating { call, at, armed: true, epoch: 0 }
-    }
-
-    fn maybe_explode(&mut self, call: SourceCall, index: usize) {
-        if self.armed && call == self.call && index == self.at {
-            self.armed = false;
-            panic::panic_any(Bomb);
-        }
-    }
-}
-
-impl BatchSource for Detonating {
+impl BatchSource for Indexed {
     fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
-        self.maybe_explode(SourceCall::NextLayout, index);
         Ok((index < 4).then(|| BatchLayout::new().features::<u32, _>(16)))
     }
 
     fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
-        self.maybe_explode(SourceCall::Fill, batch.index());
         batch.features::<u32, Ix1>()?.fill(batch.index() as u32 + 100 * self.epoch as u32);
         Ok(())
     }
 
     fn reset(&mut self) -> Result<(), SourceError> {
-        self.maybe_explode(SourceCall::Reset, 0);
         self.epoch += 1;
         Ok(())
     }
 }
 
+fn detonating(call: SourceCall, at: usize) -> Detonating<Indexed> {
+    Detonating::new(Indexed { epoch: 0 }, call, at)
+}
+
 /// The indices of the batches of the current epoch, checking their contents.
-fn drain(batches: &mut Prefetcher<Detonating>, epoch: u32) -> Vec<usize> {
+fn drain(batches: &mut Prefetcher<Detonating<Indexed>>, epoch: u32) -> Vec<usize> {
     let mut seen = Vec::new();
     while let Some(batch) = batches.next() {
         let batch = batch.unwrap();
@@ -108,7 +88,7 @@ fn a_panic_whose_payload_panics_on_drop_is_source_panicked_at_its_batch() {
         for (call, at) in [(SourceCall::Fill, 2), (SourceCall::NextLayout, 1), (SourceCall::Fill, 0)] {
             let case = format!("{threading:?}, {call} at batch {at}");
             let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-                let source = Detonating::new(call, at);
+                let source = detonating(call, at);
                 let mut batches = Prefetcher::builder(source).threading(threading).build().unwrap();
                 for index in 0..at {
                     assert_eq!(batches.next().unwrap().unwrap().index(), index, "{case}");
@@ -142,7 +122,7 @@ fn a_panic_whose_payload_panics_on_drop_is_source_panicked_at_its_batch() {
 #[test]
 fn a_panic_in_reset_whose_payload_panics_on_drop_is_an_error_of_reset() {
     for threading in [Threading::Shield, Threading::Background] {
-        let source = Detonating::new(SourceCall::Reset, 0);
+        let source = detonating(SourceCall::Reset, 0);
         let mut batches = Prefetcher::builder(source).threading(threading).build().unwrap();
         assert_eq!(drain(&mut batches, 0), [0, 1, 2, 3]);
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| batches.reset()));
@@ -161,61 +141,22 @@ fn a_panic_in_reset_whose_payload_panics_on_drop_is_an_error_of_reset() {
 
 // ---- a source stuck in `fill` -------------------------------------------------------------
 
-/// A gate the test opens once it has checked what happens while the source is stuck.
-#[derive(Clone, Default)]
-struct Gate(Arc<(Mutex<bool>, Condvar)>);
-
-impl Gate {
-    fn open(&self) {
-        *self.0 .0.lock().unwrap() = true;
-        self.0 .1.notify_all();
-    }
-
-    fn wait(&self) {
-        let (lock, cond) = &*self.0;
-        let _open = cond.wait_while(lock.lock().unwrap(), |open| !*open).unwrap();
-    }
-}
-
-/// What a [`Stuck`] source tells the test.
-#[derive(Debug, PartialEq, Eq)]
-enum Note {
-    /// It entered `fill` for the batch and waits at the gate.
-    Entered(usize),
-    /// It came back from the gate, wrote its batch and read it back intact.
-    Wrote(usize),
-    /// It was dropped (by whichever thread held it last).
-    Dropped,
-}
-
-/// Batches of 4096 bytes; `fill` of batch `stuck_at` in epoch 0 waits at the gate.
-struct Stuck {
-    stuck_at: usize,
-    gate: Gate,
-    notes: Sender<Note>,
+/// Batches of 4096 bytes, each filled with its index and epoch and read back intact (the
+/// source [`Stuck`] wraps).
+struct Bytes {
     epoch: u64,
 }
 
-impl BatchSource for Stuck {
+impl BatchSource for Bytes {
     fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
         Ok((index < 6).then(|| BatchLayout::new().features::<u8, _>(4096)))
     }
 
     fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
-        let index = batch.index();
-        let value = (index + 10 * self.epoch as usize) as u8;
-        if self.epoch == 0 && index == self.stuck_at {
-            let _ = self.notes.send(Note::Entered(index));
-            self.gate.wait();
-            // The prefetcher may be gone by now: the memory of this batch must still be
-            // there (valgrind checks these writes and reads).
-            let mut features = batch.features::<u8, Ix1>()?;
-            features.fill(value);
-            assert!(features.iter().all(|&v| v == value));
-            let _ = self.notes.send(Note::Wrote(index));
-            return Ok(());
-        }
-        batch.features::<u8, Ix1>()?.fill(value);
+        let value = (batch.index() + 10 * self.epoch as usize) as u8;
+        let mut features = batch.features::<u8, Ix1>()?;
+        features.fill(value);
+        assert!(features.iter().all(|&v| v == value));
         Ok(())
     }
 
@@ -225,16 +166,9 @@ impl BatchSource for Stuck {
     }
 }
 
-impl Drop for Stuck {
-    fn drop(&mut self) {
-        let _ = self.notes.send(Note::Dropped);
-    }
-}
-
-fn stuck_source(stuck_at: usize) -> (Stuck, Gate, Receiver<Note>) {
-    let (notes, noted) = mpsc::channel();
-    let gate = Gate::default();
-    (Stuck { stuck_at, gate: gate.clone(), notes, epoch: 0 }, gate, noted)
+/// [`Bytes`], whose `fill` of batch `stuck_at` in epoch 0 waits at the gate.
+fn stuck_source(stuck_at: usize) -> (Stuck<Bytes>, Gate, Receiver<Note>) {
+    misbehaving::stuck_source(Bytes { epoch: 0 }, stuck_at)
 }
 
 fn expect_note(noted: &Receiver<Note>, note: Note) {
@@ -260,13 +194,13 @@ fn dropping_a_prefetcher_whose_source_is_stuck_in_fill_returns() {
         gate.open();
         // It writes its batch into memory that is still alive, then ends and drops the
         // source (and the ring) on its own.
-        expect_note(&noted, Note::Wrote(1));
+        expect_note(&noted, Note::Filled(1));
         expect_note(&noted, Note::Dropped);
     }
 }
 
 /// `batches.reset()` on a watchdog thread; the prefetcher comes back with the result.
-fn reset_within_bound(mut batches: Prefetcher<Stuck>) -> (Prefetcher<Stuck>, Result<(), Error>) {
+fn reset_within_bound(mut batches: Prefetcher<Stuck<Bytes>>) -> (Prefetcher<Stuck<Bytes>>, Result<(), Error>) {
     within_bound("reset", move || {
         let reset = batches.reset();
         (batches, reset)
@@ -277,13 +211,19 @@ fn reset_within_bound(mut batches: Prefetcher<Stuck>) -> (Prefetcher<Stuck>, Res
 fn assert_stuck_in_fill(err: &Error, batch: usize) {
     match err {
         Error::SourceStuck { source_type, epoch: 0, batch: b, call: Some(SourceCall::Fill), waited } => {
-            assert!(source_type.ends_with("Stuck"), "{source_type}");
+            assert_eq!(*source_type, std::any::type_name::<Stuck<Bytes>>());
             assert_eq!((*b, *waited), (batch, JOIN_TIMEOUT));
         }
         other => panic!("expected SourceStuck in fill at batch {batch}, got {other:?}"),
     }
     let text = err.to_string();
-    for part in ["misbehaving_sources::Stuck", "`fill` for batch", "of epoch 0", "200ms", "reset()"] {
+    for part in [
+        "misbehaving_sources::misbehaving::Stuck<misbehaving_sources::Bytes>",
+        "`fill` for batch",
+        "of epoch 0",
+        "200ms",
+        "reset()",
+    ] {
         assert!(text.contains(part), "the message names {part:?}: {text}");
     }
 }
@@ -312,7 +252,7 @@ fn reset_and_stop_with_a_source_stuck_in_fill_fail_in_bounded_time_then_work_onc
     assert!(batches.next().is_none());
     assert_eq!(noted.try_recv().ok(), None, "the source is neither done nor dropped");
     gate.open();
-    expect_note(&noted, Note::Wrote(2));
+    expect_note(&noted, Note::Filled(2));
     // Once the source has returned, a later reset starts the next epoch in the same ring.
     let deadline = Instant::now() + HUNG;
     loop {
@@ -355,7 +295,7 @@ fn dropping_after_a_reset_timed_out_does_not_wait_again() {
     let waited = started.elapsed();
     assert!(waited < long / 2, "the drop waited {waited:?} after the reset had waited {long:?}");
     gate.open();
-    expect_note(&noted, Note::Wrote(0));
+    expect_note(&noted, Note::Filled(0));
     expect_note(&noted, Note::Dropped);
 }
 

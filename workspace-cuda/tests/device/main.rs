@@ -1,6 +1,8 @@
 //! The workspace-cuda test suite, one binary.
 //!
-//! - `policies`: the host workspace policy table re-run on a device. Every test runs twice:
+//! - `policy_suite`: the policy table shared with the host suite
+//!   (`workspace-core/tests/common/policy_suite.rs`), and `policies`: what only device
+//!   workspaces have, and the table's `Target` for every `Device`. Every test runs twice:
 //!   in `sim::` on the simulated device (with a check afterwards that nothing faulted and
 //!   nothing leaked), and in `cuda::` on GPU 0 — or, on a machine without one, skipped
 //!   with one line on stderr that says why.
@@ -10,13 +12,19 @@
 //! - `limits`: alignments and shapes at their limits, on both devices (`limits::sim`,
 //!   `limits::cuda`).
 //! - `probe`: the probe on this machine.
+//! - `misbehaving`: the misbehaving batch sources shared with async-iter's tests
+//!   (`async-iter/tests/common/misbehaving.rs`).
 //! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
 //!   and with held and bypassed streams on the simulator.
 
 mod limits;
+#[path = "../../../async-iter/tests/common/misbehaving.rs"]
+mod misbehaving;
 mod model;
 mod ordering;
 mod policies;
+#[path = "../../../workspace-core/tests/common/policy_suite.rs"]
+mod policy_suite;
 mod prefetch;
 mod probe;
 
@@ -58,32 +66,21 @@ fn on_gpu(test: fn(&CudaDevice)) {
 
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
-        /// The policy suite on the simulated device.
+        /// The policy table and the device's own policy tests on the simulated device.
         mod sim {
+            crate::policy_suite::policy_suite!(crate::on_sim, workspace_cuda::SimDevice, learning);
             $( #[test] fn $name() { crate::on_sim(crate::policies::$name::<workspace_cuda::SimDevice>) } )*
         }
-        /// The policy suite on a real GPU, skipped without one.
+        /// The policy table and the device's own policy tests on a real GPU, skipped without one.
         mod cuda {
+            crate::policy_suite::policy_suite!(crate::on_gpu, workspace_cuda::CudaDevice, learning);
             $( #[test] fn $name() { crate::on_gpu(crate::policies::$name::<workspace_cuda::CudaDevice>) } )*
         }
     };
 }
 
+// The device's own policy tests; `policy_suite!` adds the shared table.
 on_both!(
-    learning_first_loop_strict,
-    learning_overallocate,
-    learning_over_time_takes_the_largest,
-    learning_is_clamped_by_min_and_max,
-    no_learning_keeps_initial_size,
-    learning_never_shrinks_a_larger_arena,
-    offsets_are_aligned_and_packed,
-    spill_external_goes_to_separate_allocations,
-    spill_reallocate_grows_at_the_end_of_the_cycle,
-    fail_policy_errors_and_leaves_the_workspace_usable,
-    budget_is_enforced_with_a_typed_error,
-    generations_and_nesting,
-    reset_waits_for_the_last_scope_whatever_the_order,
-    borrowing_a_closed_workspace_is_an_error,
     borrowing_an_open_workspace_does_not_reset_it,
     stale_handles_name_the_workspace_the_generations_and_the_fix,
     foreign_handles_are_refused_and_leverage_moves_them,
@@ -92,20 +89,15 @@ on_both!(
     copies_follow_logical_order_for_any_host_layout,
     leverage_into_an_outer_workspace_survives_the_inner_reset,
     leverage_across_streams_orders_both_streams,
-    circular_workspace_wraps_without_overwriting_the_open_cycle,
-    trim_gives_memory_back_and_relearns,
-    a_panic_inside_a_scope_leaves_the_workspace_closed_and_usable,
     bad_input_is_a_typed_error,
     out_of_device_memory_is_an_error_and_the_workspace_stays_usable,
-    statistics_are_readable_while_views_live_and_peak_resets,
-    workspace_is_send_and_runs_on_another_thread,
+    handles_and_owned_arrays_are_send,
     host_and_device_workspaces_copy_both_ways,
-    zeros_are_zero_even_over_memory_of_an_earlier_cycle,
+    uninit_arrays_fill_from_the_host_and_from_the_device,
     on_stream_orders_work_both_ways,
     on_stream_refuses_memory_it_cannot_order,
     owned_arrays_round_trip_and_detach_from_handles,
     pinned_staging_round_trips_and_is_bounded,
     pinned_workspaces_must_be_bounded,
     pinned_learning_stays_flat_after_warm_up,
-    a_fixed_shape_loop_keeps_device_memory_flat,
 );

@@ -8,14 +8,15 @@
 //! (skipped without a GPU); those that hold or bypass streams run on the simulator only.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use async_iter::{BatchLayout, BatchMut, BatchSource, SourceCall, SourceError, Threading};
 use ndarray::{Array1, Array2, Ix1, Ix2};
 use workspace_cuda::{Device, DevicePrefetcher, Error, SimDevice};
+
+use crate::misbehaving::{self, Detonating, Gate, Note, Stuck};
 
 /// Rows of batch `index` of `epoch`: pseudo-random in 1..=64, except the very first
 /// batch (16 rows), so that later batches grow both rings.
@@ -290,40 +291,11 @@ pub(crate) fn misuse_is_a_typed_error<D: Device>(device: &D) {
     assert!(matches!(err, Error::Prefetch(async_iter::Error::MissingArray { batch: 0, .. })), "{err}");
 }
 
-/// A panic payload whose destructor panics too.
-struct Bomb;
-
-impl Drop for Bomb {
-    fn drop(&mut self) {
-        panic!("the panic payload's destructor panicked as well");
-    }
-}
-
-/// [`Numbers`] over `partial_last`, panicking with a [`Bomb`] in `fill` of batch 3 of
-/// the first epoch.
-struct Detonating(Numbers);
-
-impl BatchSource for Detonating {
-    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
-        self.0.next_layout(index)
-    }
-
-    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
-        if (self.0.epoch, batch.index()) == (0, 3) {
-            panic::panic_any(Bomb);
-        }
-        self.0.fill(batch)
-    }
-
-    fn reset(&mut self) -> Result<(), SourceError> {
-        self.0.reset()
-    }
-}
-
 pub(crate) fn a_panic_whose_payload_panics_on_drop_arrives_at_its_batch<D: Device>(device: &D) {
     for threading in [Threading::Shield, Threading::Background] {
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-            let source = Detonating(Numbers::new(partial_last));
+            // Panics with a `Bomb` in `fill` of batch 3 of the first epoch.
+            let source = Detonating::new(Numbers::new(partial_last), SourceCall::Fill, 3);
             let mut batches = DevicePrefetcher::builder(source, device).threading(threading).build().unwrap();
             // Batch k is handed out once batch k + 1 is staged, so the panic at batch 3
             // arrives after batch 2.
@@ -486,78 +458,13 @@ fn a_pinned_slot_goes_back_to_the_producer_only_after_its_copy() {
 
 // ---- on the simulator: a source stuck in `fill` ---------------------------------------
 
-/// A gate the test opens once it has checked what happens while the source is stuck.
-#[derive(Clone, Default)]
-struct Gate(Arc<(Mutex<bool>, Condvar)>);
-
-impl Gate {
-    fn open(&self) {
-        *self.0 .0.lock().unwrap() = true;
-        self.0 .1.notify_all();
-    }
-
-    fn wait(&self) {
-        let (lock, cond) = &*self.0;
-        let _open = cond.wait_while(lock.lock().unwrap(), |open| !*open).unwrap();
-    }
-}
-
-/// What a [`Stuck`] source tells the test.
-#[derive(Debug, PartialEq, Eq)]
-enum Note {
-    /// It entered `fill` for the batch and waits at the gate.
-    Entered(usize),
-    /// It came back from the gate and filled its batch.
-    Filled(usize),
-    /// It was dropped.
-    Dropped,
-}
-
-/// [`Numbers`] over `partial_last`, whose `fill` of batch `stuck_at` in the first epoch
-/// waits at the gate.
-struct Stuck {
-    numbers: Numbers,
-    stuck_at: usize,
-    gate: Gate,
-    notes: Sender<Note>,
-}
-
-impl BatchSource for Stuck {
-    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
-        self.numbers.next_layout(index)
-    }
-
-    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
-        let index = batch.index();
-        if (self.numbers.epoch, index) != (0, self.stuck_at) {
-            return self.numbers.fill(batch);
-        }
-        let _ = self.notes.send(Note::Entered(index));
-        self.gate.wait();
-        // The prefetcher may be gone: the pinned slot must still be there.
-        self.numbers.fill(batch)?;
-        let _ = self.notes.send(Note::Filled(index));
-        Ok(())
-    }
-
-    fn reset(&mut self) -> Result<(), SourceError> {
-        self.numbers.reset()
-    }
-}
-
-impl Drop for Stuck {
-    fn drop(&mut self) {
-        let _ = self.notes.send(Note::Dropped);
-    }
-}
-
 const JOIN_TIMEOUT: Duration = Duration::from_millis(200);
 const NOTED: Duration = Duration::from_secs(20);
 
-fn stuck_source(stuck_at: usize) -> (Stuck, Gate, Receiver<Note>) {
-    let (notes, noted) = mpsc::channel();
-    let gate = Gate::default();
-    (Stuck { numbers: Numbers::new(partial_last), stuck_at, gate: gate.clone(), notes }, gate, noted)
+/// [`Numbers`] over `partial_last`, whose `fill` of batch `stuck_at` in the first epoch
+/// waits at the gate.
+fn stuck_source(stuck_at: usize) -> (Stuck<Numbers>, Gate, Receiver<Note>) {
+    misbehaving::stuck_source(Numbers::new(partial_last), stuck_at)
 }
 
 /// Waits until the simulator holds no pinned memory (a detached producer frees its ring
@@ -611,7 +518,7 @@ fn stop_and_reset_with_a_source_stuck_in_fill_fail_then_work_once_it_returns() {
                     source_type,
                 }) => {
                     assert_eq!(waited, JOIN_TIMEOUT);
-                    assert!(source_type.ends_with("Stuck"), "{source_type}");
+                    assert_eq!(source_type, std::any::type_name::<Stuck<Numbers>>());
                 }
                 other => panic!("expected the source stuck in fill at batch 3, got {other:?}"),
             };
