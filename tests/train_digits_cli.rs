@@ -55,6 +55,42 @@ fn scratch_dir(test: &str) -> PathBuf {
     dir
 }
 
+/// The RGB pixels of a PNG the demo wrote (8-bit RGB, one IDAT chunk, filter 0 rows),
+/// after checking its signature, each chunk's CRC and the sizes.
+fn png_pixels(png: &[u8]) -> Vec<[u8; 3]> {
+    use std::io::Read;
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    let (mut at, mut size, mut raw) = (8, (0, 0), Vec::new());
+    while at < png.len() {
+        let len = u32::from_be_bytes(png[at..at + 4].try_into().unwrap()) as usize;
+        let (kind, data) = (&png[at + 4..at + 8], &png[at + 8..at + 8 + len]);
+        let mut crc = flate2::Crc::new();
+        crc.update(kind);
+        crc.update(data);
+        assert_eq!(crc.sum().to_be_bytes(), png[at + 8 + len..at + 12 + len], "CRC of {kind:?}");
+        match kind {
+            b"IHDR" => {
+                size = (
+                    u32::from_be_bytes(data[..4].try_into().unwrap()),
+                    u32::from_be_bytes(data[4..8].try_into().unwrap()),
+                );
+                assert_eq!(&data[8..], [8, 2, 0, 0, 0], "8-bit RGB");
+            }
+            b"IDAT" => flate2::read::ZlibDecoder::new(data).read_to_end(&mut raw).map(drop).expect("zlib data"),
+            _ => {}
+        }
+        at += 12 + len;
+    }
+    let row = size.0 as usize * 3 + 1;
+    assert_eq!(raw.len(), row * size.1 as usize, "rows of {size:?}");
+    raw.chunks_exact(row)
+        .flat_map(|line| {
+            assert_eq!(line[0], 0, "filter type 0");
+            line[1..].chunks_exact(3).map(|p| [p[0], p[1], p[2]])
+        })
+        .collect()
+}
+
 /// The SVG elements `<tag ...>` of `svg`: each one's attributes (the text up to its
 /// `>`) and, for elements with a closing tag, the text up to it.
 fn svg_elements<'a>(svg: &'a str, tag: &str) -> Vec<(&'a str, &'a str)> {
@@ -180,7 +216,12 @@ fn plot_trains_and_draws_both_modes() {
                 }
             }
         } else {
-            assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+            let pixels = png_pixels(&bytes);
+            assert_eq!(pixels.len(), 1200 * 1000, "a 1200 x 1000 image");
+            // Both series colours are drawn (enabled blue, none red), on white.
+            for colour in [[31, 119, 180], [214, 39, 40], [255, 255, 255]] {
+                assert!(pixels.iter().any(|p| *p == colour), "no pixel of colour {colour:?}");
+            }
         }
     }
     // Without --plot or --compare, one mode.

@@ -37,10 +37,50 @@ pub(crate) fn plot(path: &Path, runs: &[Run]) -> Res<()> {
     let size = (1200, 1000);
     let drawn = match plot_format(path) {
         Some(PlotFormat::Svg) => draw(SVGBackend::new(path, size).into_drawing_area(), runs),
-        Some(PlotFormat::Png) => draw(BitMapBackend::new(path, size).into_drawing_area(), runs),
+        Some(PlotFormat::Png) => {
+            let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
+            draw(BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(), runs)
+                .and_then(|()| write_png(path, size, &rgb))
+        }
         None => return Err(format!("--plot {}: use a .svg or .png file name", path.display()).into()),
     };
     drawn.map_err(|e| format!("drawing {}: {e}", path.display()).into())
+}
+
+/// Writes an 8-bit RGB image as a PNG file: the signature, an `IHDR` chunk, one
+/// zlib-compressed `IDAT` chunk (each row prefixed by filter type 0) and `IEND`. Written
+/// here with `flate2` (which the demo already uses for its data) rather than through an
+/// image library, which would double the demo's cold build.
+fn write_png(path: &Path, (width, height): (u32, u32), rgb: &[u8]) -> Res<()> {
+    use std::io::Write;
+
+    fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let mut crc = flate2::Crc::new();
+        crc.update(kind);
+        crc.update(data);
+        out.extend_from_slice(kind);
+        out.extend_from_slice(data);
+        out.extend_from_slice(&crc.sum().to_be_bytes());
+    }
+
+    let row = width as usize * 3;
+    assert_eq!(rgb.len(), row * height as usize, "an RGB buffer of the image's size");
+    let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    for line in rgb.chunks_exact(row) {
+        zlib.write_all(&[0])?;
+        zlib.write_all(line)?;
+    }
+    let mut header = Vec::with_capacity(13);
+    header.extend_from_slice(&width.to_be_bytes());
+    header.extend_from_slice(&height.to_be_bytes());
+    header.extend_from_slice(&[8, 2, 0, 0, 0]); // 8 bits, RGB, deflate, no filter set, no interlace
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    chunk(&mut png, b"IHDR", &header);
+    chunk(&mut png, b"IDAT", &zlib.finish()?);
+    chunk(&mut png, b"IEND", &[]);
+    std::fs::write(path, png).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    Ok(())
 }
 
 /// One panel: its caption, the y axis' unit and scale, and the series it draws.
