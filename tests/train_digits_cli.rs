@@ -220,7 +220,7 @@ fn plot_trains_and_draws_both_modes() {
             assert_eq!(pixels.len(), 1200 * 1000, "a 1200 x 1000 image");
             // Both series colours are drawn (enabled blue, none red), on white.
             for colour in [[31, 119, 180], [214, 39, 40], [255, 255, 255]] {
-                assert!(pixels.iter().any(|p| *p == colour), "no pixel of colour {colour:?}");
+                assert!(pixels.contains(&colour), "no pixel of colour {colour:?}");
             }
         }
     }
