@@ -215,18 +215,14 @@ impl HostBlock {
         Ok(HostBlock { ptr, len: bytes, initialised: false, _owner: Owner::Map { _map: map } })
     }
 
-    fn map(map: MmapMut) -> HostBlock {
-        let len = map.len();
-        let mut map = map;
-        let ptr = NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null");
-        HostBlock { ptr, len, initialised: true, _owner: Owner::Map { _map: map } }
-    }
-
-    fn file(map: MmapMut, locked: File) -> HostBlock {
-        let len = map.len();
-        let mut map = map;
-        let ptr = NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null");
-        HostBlock { ptr, len, initialised: true, _owner: Owner::File { _map: map, _locked: locked } }
+    /// A whole memory map; with `locked`, the file behind it, held for its lock.
+    fn mapped(mut map: MmapMut, locked: Option<File>) -> HostBlock {
+        let (ptr, len) = (NonNull::new(map.as_mut_ptr()).expect("a non-empty memory map is not null"), map.len());
+        let owner = match locked {
+            None => Owner::Map { _map: map },
+            Some(file) => Owner::File { _map: map, _locked: file },
+        };
+        HostBlock { ptr, len, initialised: true, _owner: owner }
     }
 }
 
@@ -340,7 +336,7 @@ fn map_file(path: &Path, bytes: usize) -> Result<HostBlock, BackendError> {
     // the life of the workspace, and the exclusive lock taken above (held by the block
     // as long as the mapping) keeps every other carve workspace off the file.
     let map = unsafe { MmapOptions::new().len(bytes).map_mut(&file) }.map_err(io)?;
-    Ok(HostBlock::file(map, file))
+    Ok(HostBlock::mapped(map, Some(file)))
 }
 
 // SAFETY: RAM blocks are bumpalo chunks or fresh mappings laid out for exactly the
@@ -382,7 +378,7 @@ unsafe impl ArenaBackend for HostBackend {
                 Ok(block)
             }
             HostBackend::MmapAnonymous => MmapMut::map_anon(bytes)
-                .map(HostBlock::map)
+                .map(|map| HostBlock::mapped(map, None))
                 .map_err(|source| BackendError::Mmap { path: "<anonymous>".into(), source }),
         }
     }
