@@ -121,6 +121,8 @@ mod prefetcher;
 mod producer;
 #[allow(unsafe_code)]
 mod ring;
+#[allow(unsafe_code)] // the `unsafe trait SlotMemory`; the ring itself has no unsafe code
+pub mod slot_ring;
 mod source;
 mod stats;
 #[allow(unsafe_code)]
@@ -134,6 +136,7 @@ pub use in_memory::InMemory;
 pub use layout::{ArraySpec, BatchLayout, ElementType, Role, ARRAY_ALIGN, MAX_DIMS};
 pub use lease::Lease;
 pub use prefetcher::{Prefetcher, PrefetcherBuilder, Threading, MAX_DEPTH};
+pub use slot_ring::{Placement, RingError, SlotMemory, SlotRing};
 pub use source::BatchSource;
 pub use stats::PrefetchStats;
 pub use view::BatchMut;
