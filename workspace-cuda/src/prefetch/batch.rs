@@ -80,7 +80,7 @@ impl<D: Device> DeviceLease<'_, D> {
 
     /// The consumer's stream, which every use of the batch is ordered on.
     pub fn stream(&self) -> &D::Stream {
-        &self.side.ring.consumer
+        &self.side.ring.memory().consumer
     }
 
     /// The features array.
@@ -127,7 +127,8 @@ impl<D: Device> DeviceLease<'_, D> {
     /// As [`labels`](Self::labels).
     pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
         let (spec, dim) = self.batch.info.layout.typed::<T, Dim>(self.batch.info.index, role)?;
-        let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
+        let slots = self.side.ring.memory();
+        let owner = Owner::Ring { device: &slots.device, stream: &slots.consumer };
         // The slot holds the batch (the consumer's stream waited for its copy) and is not
         // written again before work issued to that stream while the lease lives.
         Ok(DeviceView::new(owner, self.batch.place.address + spec.offset() as u64, dim))
@@ -141,7 +142,7 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// [`Error::Device`] when the device cannot allocate or copy.
     pub fn detach(self) -> Result<DeviceBatch<D>> {
-        let (device, stream) = (&self.side.ring.device, &self.side.ring.consumer);
+        let (device, stream) = (&self.side.ring.memory().device, &self.side.ring.memory().consumer);
         let error = |source| Error::Device { workspace: RING.into(), action: "detaching a batch", source };
         let memory = device.alloc(stream, self.batch.info.bytes).map_err(error)?;
         // SAFETY: the slot holds `bytes` bytes of the batch, valid until the lease ends,
@@ -161,8 +162,8 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// [`Error::Device`] when the device cannot copy.
     pub fn detach_to_host(self) -> Result<DetachedBatch> {
-        let ring = &self.side.ring;
-        copy_to_host(&ring.device, &ring.consumer, self.batch.place.address, self.batch.info, RING)
+        let slots = self.side.ring.memory();
+        copy_to_host(&slots.device, &slots.consumer, self.batch.place.address, self.batch.info, RING)
     }
 }
 
