@@ -31,6 +31,8 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+use crate::layout::align_up;
+
 /// The memory a [`SlotRing`] cuts into slots: blocks, and fences that say when a slot
 /// may be written again.
 ///
@@ -359,11 +361,6 @@ impl<M: SlotMemory> fmt::Debug for SlotRing<M> {
             .field("growths", &self.growths)
             .finish_non_exhaustive()
     }
-}
-
-fn align_up(value: usize, align: usize) -> Option<usize> {
-    debug_assert!(align.is_power_of_two());
-    Some(value.checked_add(align - 1)? & !(align - 1))
 }
 
 /// `bytes × (1 + headroom)`, rounded up to `align`; saturates instead of overflowing
