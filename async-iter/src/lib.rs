@@ -101,7 +101,8 @@
 //! reuses the slot of batch `n - slots`, which the hand-off has seen released. A larger
 //! batch grows the ring into a new block, and the old block is given back once its last
 //! batch is released: a queued or leased batch is never moved. That bookkeeping is
-//! [`SlotRing`], generic over its [`SlotMemory`], so that `workspace-cuda`'s device
+//! [`SlotRing`](slot_ring::SlotRing), generic over its
+//! [`SlotMemory`](slot_ring::SlotMemory), so that `workspace-cuda`'s device
 //! prefetcher runs the same ring over device memory, where a slot may be written again
 //! once an event recorded on the consumer's stream has passed (see [`slot_ring`]).
 //!
@@ -155,7 +156,6 @@ pub use in_memory::InMemory;
 pub use layout::{ArraySpec, BatchLayout, ElementType, Role, ARRAY_ALIGN, MAX_DIMS};
 pub use lease::Lease;
 pub use prefetcher::{Prefetcher, PrefetcherBuilder, Threading, MAX_DEPTH};
-pub use slot_ring::{Placement, RingError, SlotMemory, SlotRing};
 pub use source::BatchSource;
 pub use stats::PrefetchStats;
 pub use view::BatchMut;

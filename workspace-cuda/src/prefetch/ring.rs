@@ -1,7 +1,8 @@
 //! The device ring of a [`DevicePrefetcher`](super::DevicePrefetcher): an
-//! [`async_iter::SlotRing`] over device memory, whose fences are events recorded on the
-//! consumer's stream. The slots, their sizing from the first batch and the growth into
-//! a new block for a larger batch are the slot ring's, as for the host ring.
+//! [`async_iter::slot_ring::SlotRing`] over device memory, whose fences are events
+//! recorded on the consumer's stream. The slots, their sizing from the first batch and
+//! the growth into a new block for a larger batch are the slot ring's, as for the host
+//! ring.
 //!
 //! Three streams meet here. The ring is allocated on the consumer's stream, so freeing
 //! it is ordered after everything the consumer did with its batches. Copies into a slot
@@ -10,7 +11,7 @@
 //! kernel may still read. And before any block is freed, the consumer's stream waits for
 //! the copy stream, so no copy writes into freed memory.
 
-use async_iter::{Placement, RingError, SlotMemory, SlotRing};
+use async_iter::slot_ring::{Placement, RingError, SlotMemory, SlotRing};
 
 use crate::device::{Device, DEVICE_ALIGNMENT};
 use crate::error::DeviceError;
