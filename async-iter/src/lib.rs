@@ -93,6 +93,26 @@
 //!   reallocated, and a steady epoch makes no heap allocation per batch with
 //!   workspaces enabled.
 //!
+//! # The ring
+//!
+//! Batches live in a ring of `depth + 1` equal slots in one block: the batches queued
+//! or being filled ahead, plus the one the consumer holds. The first batch sizes the
+//! slots (its bytes times `1 + headroom`, rounded up to [`ARRAY_ALIGN`]); batch `n`
+//! reuses the slot of batch `n - slots`, which the hand-off has seen released. A larger
+//! batch grows the ring into a new block, and the old block is given back once its last
+//! batch is released: a queued or leased batch is never moved. That bookkeeping is
+//! [`SlotRing`](slot_ring::SlotRing), generic over its
+//! [`SlotMemory`](slot_ring::SlotMemory), so that `workspace-cuda`'s device
+//! prefetcher runs the same ring over device memory, where a slot may be written again
+//! once an event recorded on the consumer's stream has passed (see [`slot_ring`]).
+//!
+//! The ring is not the circular workspace of `workspace_core`
+//! ([`ResetPolicy::EndOfBuffer`](workspace_core::ResetPolicy::EndOfBuffer)), which is
+//! ND4J's `ENDOFBUFFER_REACHED`, kept for code ported from ND4J that holds data across
+//! cycles in one fixed buffer. Batches of varying size placed one after another in such
+//! a buffer fragment it (a batch that does not fit the tail wastes the tail); equal
+//! slots cannot, so the prefetchers do not use it.
+//!
 //! # Modes
 //!
 //! [`WorkspaceMode::None`](workspace_core::WorkspaceMode::None) gives every batch a
@@ -121,6 +141,8 @@ mod prefetcher;
 mod producer;
 #[allow(unsafe_code)]
 mod ring;
+#[allow(unsafe_code)] // the `unsafe trait SlotMemory`; the ring itself has no unsafe code
+pub mod slot_ring;
 mod source;
 mod stats;
 #[allow(unsafe_code)]

@@ -62,8 +62,15 @@ pub enum ResetPolicy {
     BlockLeft,
     /// Keep allocating across cycles and wrap at the end of the buffer (circular).
     ///
-    /// Memory handed out since the workspace was last opened is never wrapped over:
-    /// an allocation that would do so spills instead.
+    /// ND4J's `ENDOFBUFFER_REACHED`, for code ported from ND4J that keeps data across
+    /// cycles in one fixed buffer (usually with `LearningPolicy::None` and an
+    /// `initial_size`): each cycle allocates where the last one stopped, and what an
+    /// earlier cycle wrote stays in the buffer until the wrap reaches it. Memory handed
+    /// out since the workspace was last opened is never wrapped over: an allocation that
+    /// would do so, or that is larger than the buffer, goes by the [`SpillPolicy`].
+    /// carve's prefetchers do not use it: they keep batches in equal slots
+    /// (`async_iter::slot_ring`), which regions of varying size in a circular buffer
+    /// would fragment.
     EndOfBuffer,
 }
 

@@ -16,7 +16,7 @@ use async_iter::{BatchSource, PrefetchStats, Prefetcher, Threading};
 
 use batch::{BatchInfo, Leased};
 pub use batch::{DeviceBatch, DeviceLease};
-use ring::DeviceRing;
+use ring::{DeviceRing, DeviceSlots};
 
 use crate::backend::{InFlight, PinnedBackend};
 use crate::device::Device;
@@ -368,8 +368,8 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                     }
                     // The host slot of this batch goes back to the producer in here.
                     self.side.ahead = self.stage();
-                    let ring = &self.side.ring;
-                    if let Err(source) = ring.device.wait(&ring.consumer, &staged.copied) {
+                    let slots = self.side.ring.memory();
+                    if let Err(source) = slots.device.wait(&slots.consumer, &staged.copied) {
                         let error = self.side.device_error("ordering a batch after its copy", source);
                         let _ = self.halt();
                         return Some(Err(error));
@@ -400,17 +400,20 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                 return self.end_early(error);
             }
         };
+        let DeviceSlots { device, copy, .. } = ring.memory();
         // SAFETY: `source` is the batch's region in the pinned ring: `bytes` bytes of
         // page-locked memory of this device (the ring's backend allocates it with
         // `alloc_pinned`). The host lease is forgotten below, so the producer does not
         // get the slot back before the next `host.next()`, which runs only after this
         // copy's event has completed (`finish_copy`); stopping, resetting and dropping the
         // host prefetcher (which frees ring blocks) are preceded by the same wait. The
-        // slot at `place` holds `bytes` bytes of the device ring, which is freed only
-        // after the consumer's stream has waited for the copy stream; the copy stream
-        // waits for the slot's last lease (`place`).
-        let issued = unsafe { ring.device.copy_htod_pinned(&ring.copy, source, place.address, info.bytes) };
-        match issued.and_then(|()| ring.device.record(&ring.copy)) {
+        // slot at `place` holds `bytes` bytes of a device ring block (the slot ring
+        // places a batch inside a block of at least the bytes it asked `DeviceSlots`, an
+        // unsafe `SlotMemory`, for), which is freed only after the consumer's stream has
+        // waited for the copy stream; the copy stream waits for the slot's last lease
+        // (`place`).
+        let issued = unsafe { device.copy_htod_pinned(copy, source, place.address, info.bytes) };
+        match issued.and_then(|()| device.record(copy)) {
             Ok(copied) => {
                 ring.copies += 1;
                 ring.bytes_copied += info.bytes as u64;
@@ -419,7 +422,7 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
             }
             Err(error) => {
                 // Without an event nobody can tell when the copy ends: wait for it here.
-                match ring.device.synchronize(&ring.copy) {
+                match device.synchronize(copy) {
                     Ok(()) => drop(lease),
                     Err(lost) => {
                         mem::forget(lease);
@@ -494,7 +497,7 @@ impl<S, D: Device> DevicePrefetcher<S, D> {
             host: self.host.stats(),
             device_ring_bytes: ring.ring_bytes(),
             device_slot_bytes: ring.slot_bytes(),
-            device_ring_growths: ring.growths,
+            device_ring_growths: ring.growths(),
             copies_issued: ring.copies,
             bytes_copied: ring.bytes_copied,
         }
@@ -507,17 +510,17 @@ impl<S, D: Device> DevicePrefetcher<S, D> {
 
     /// The device.
     pub fn device(&self) -> &D {
-        &self.side.ring.device
+        &self.side.ring.memory().device
     }
 
     /// The consumer's stream, where the batches are used.
     pub fn stream(&self) -> &D::Stream {
-        &self.side.ring.consumer
+        &self.side.ring.memory().consumer
     }
 
     /// The stream the copies run on.
     pub fn copy_stream(&self) -> &D::Stream {
-        &self.side.ring.copy
+        &self.side.ring.memory().copy
     }
 }
 
@@ -529,9 +532,9 @@ impl<D: Device> Side<D> {
     /// Waits on the host until the copy of `staged` is over, so that its pinned slot can
     /// go back to the producer.
     fn finish_copy(&mut self, staged: &Staged<D>) -> Result<()> {
-        let device = &self.ring.device;
-        let Err(error) = device.event_synchronize(&staged.copied) else { return Ok(()) };
-        if let Err(lost) = device.synchronize(&self.ring.copy) {
+        let slots = self.ring.memory();
+        let Err(error) = slots.device.event_synchronize(&staged.copied) else { return Ok(()) };
+        if let Err(lost) = slots.device.synchronize(&slots.copy) {
             self.broken.get_or_insert(lost);
         }
         Err(self.device_error("copying a batch to the device", error))
@@ -541,10 +544,10 @@ impl<D: Device> Side<D> {
     /// stream has done what was issued to it so far.
     fn end_lease(&mut self) {
         let Some(batch) = self.leased.take() else { return };
-        let device = &self.ring.device;
-        match device.record(&self.ring.consumer) {
+        let DeviceSlots { device, consumer, .. } = self.ring.memory();
+        match device.record(consumer) {
             Ok(released) => self.ring.returned(batch.place, Some(released)),
-            Err(error) => match device.synchronize(&self.ring.consumer) {
+            Err(error) => match device.synchronize(consumer) {
                 Ok(()) => self.ring.returned(batch.place, None),
                 Err(_) => {
                     device.defer_error(error.clone());

@@ -80,7 +80,7 @@ impl<D: Device> DeviceLease<'_, D> {
 
     /// The consumer's stream, which every use of the batch is ordered on.
     pub fn stream(&self) -> &D::Stream {
-        &self.side.ring.consumer
+        &self.side.ring.memory().consumer
     }
 
     /// The features array.
@@ -127,7 +127,8 @@ impl<D: Device> DeviceLease<'_, D> {
     /// As [`labels`](Self::labels).
     pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
         let (spec, dim) = self.batch.info.layout.typed::<T, Dim>(self.batch.info.index, role)?;
-        let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
+        let slots = self.side.ring.memory();
+        let owner = Owner::Ring { device: &slots.device, stream: &slots.consumer };
         // The slot holds the batch (the consumer's stream waited for its copy) and is not
         // written again before work issued to that stream while the lease lives.
         Ok(DeviceView::new(owner, self.batch.place.address + spec.offset() as u64, dim))
@@ -143,12 +144,12 @@ impl<D: Device> DeviceLease<'_, D> {
     pub fn detach(self) -> Result<DeviceBatch<D>> {
         let memory = self.whole().detach_memory("detaching a batch")?;
         let ring = &self.side.ring;
-        Ok(DeviceBatch { memory, device: ring.device.clone(), stream: ring.consumer.clone(), info: self.batch.info })
+        Ok(DeviceBatch { memory, device: ring.memory().device.clone(), stream: ring.memory().consumer.clone(), info: self.batch.info })
     }
 
     /// The whole batch, as bytes.
     fn whole(&self) -> DeviceView<'_, D, u8> {
-        let owner = Owner::Ring { device: &self.side.ring.device, stream: &self.side.ring.consumer };
+        let owner = Owner::Ring { device: &self.side.ring.memory().device, stream: &self.side.ring.memory().consumer };
         // As in `array`: the slot holds the batch while the lease lives.
         DeviceView::new(owner, self.batch.place.address, ndarray::Ix1(self.batch.info.bytes))
     }
