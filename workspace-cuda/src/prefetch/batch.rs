@@ -144,7 +144,12 @@ impl<D: Device> DeviceLease<'_, D> {
     pub fn detach(self) -> Result<DeviceBatch<D>> {
         let memory = self.whole().detach_memory("detaching a batch")?;
         let ring = &self.side.ring;
-        Ok(DeviceBatch { memory, device: ring.memory().device.clone(), stream: ring.memory().consumer.clone(), info: self.batch.info })
+        Ok(DeviceBatch {
+            memory,
+            device: ring.memory().device.clone(),
+            stream: ring.memory().consumer.clone(),
+            info: self.batch.info,
+        })
     }
 
     /// The whole batch, as bytes.
