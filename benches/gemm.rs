@@ -14,6 +14,8 @@ use criterion::{criterion_main, Criterion};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, ArrayView2};
 
+mod workloads;
+
 /// How op(A) and op(B) are stored.
 #[derive(Clone, Copy)]
 enum Form {
@@ -80,9 +82,10 @@ fn gemm(c: &mut Criterion) {
     bench_shape(c, 32, 64, 128, Form::Nt);
     bench_shape(c, 32, 10, 64, Form::Nt);
     // A 784-1024 layer at batch 128.
-    bench_shape(c, 128, 784, 1024, Form::Nn);
-    bench_shape(c, 784, 128, 1024, Form::Tn);
-    bench_shape(c, 128, 1024, 784, Form::Nt);
+    let (batch, inputs, hidden) = (workloads::BATCH, workloads::INPUTS, workloads::HIDDEN);
+    bench_shape(c, batch, inputs, hidden, Form::Nn);
+    bench_shape(c, inputs, batch, hidden, Form::Tn);
+    bench_shape(c, batch, hidden, inputs, Form::Nt);
 }
 
 // The macro defines an undocumented function.

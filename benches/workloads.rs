@@ -1,6 +1,7 @@
 //! The workloads the benches share, written once: the training step's arrays (an MLP
 //! 784-1024-1024-10 forward and backward pass at batch 128) and the small-array loop.
-//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs` and `network.rs` include it with `mod workloads;`.
+//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs`, `gemm.rs` and `network.rs` include it with
+//! `mod workloads;`, and the root package's `examples/cuda_smoke.rs` with `#[path]`.
 
 // Each bench uses part of this module.
 #![allow(dead_code)]

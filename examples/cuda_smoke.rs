@@ -26,6 +26,10 @@ use workspace_cuda::{probe, CudaDevice, Device, DeviceArray, DeviceWorkspace, Pi
 #[path = "common/cli.rs"]
 mod cli;
 
+// The training step's arrays, shared with the benches (an MLP 784-1024-1024-10 at batch 128).
+#[path = "../benches/workloads.rs"]
+mod workloads;
+
 type Outcome<T> = Result<T, Box<dyn Error>>;
 
 /// Device workspaces on a real GPU: cycles, a detach, a copy on a second stream,
@@ -42,33 +46,6 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 15, verbatim_doc_comment,
           value_parser = RangedU64ValueParser::<usize>::new().range(1..=1000))]
     rounds: usize,
-}
-
-/// f32 element counts of the 19 arrays of an MLP 784-1024-1024-10 training step at batch
-/// 128 (the `training` workload of `benches/alloc.rs`).
-fn training_sizes() -> Vec<usize> {
-    let (b, i, h, o) = (128, 784, 1024, 10);
-    vec![
-        b * i,
-        b * h,
-        b * h,
-        b * h,
-        b * h,
-        b * o,
-        b * o,
-        b * o,
-        h * o,
-        o,
-        b * h,
-        b * h,
-        h * h,
-        h,
-        b * h,
-        b * h,
-        i * h,
-        h,
-        b * i,
-    ]
 }
 
 /// Bytes per host-to-device transfer in the bandwidth comparison.
@@ -99,7 +76,7 @@ fn median_ns(rounds: usize, calls: usize, mut f: impl FnMut() -> Outcome<()>) ->
 /// Cycles, detach, a second stream and pinned staging, with their results checked.
 fn smoke(gpu: &CudaDevice) -> Outcome<serde_json::Value> {
     let ws = DeviceWorkspace::new("SMOKE", WorkspaceConfig::default(), gpu, &gpu.default_stream())?;
-    let sizes = training_sizes();
+    let sizes = workloads::training_sizes();
     for step in 0..100 {
         let scope = ws.enter()?;
         for (k, &n) in sizes.iter().enumerate() {
@@ -164,7 +141,7 @@ fn smoke(gpu: &CudaDevice) -> Outcome<serde_json::Value> {
 /// Allocation per call: the workspace against `cuMemAlloc`/`cuMemFree` and
 /// `cuMemAllocAsync`/`cuMemFreeAsync`, over the training step's 19 sizes.
 fn allocation(gpu: &CudaDevice, rounds: usize) -> Outcome<serde_json::Value> {
-    let sizes: Vec<usize> = training_sizes().iter().map(|n| n * 4).collect();
+    let sizes = workloads::training_bytes();
     let stream = gpu.default_stream();
     let ws = DeviceWorkspace::new("ALLOC", WorkspaceConfig::default(), gpu, &stream)?;
     let workspace_cycle = || -> Outcome<()> {
