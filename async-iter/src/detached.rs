@@ -140,6 +140,25 @@ impl DetachedBatch {
         self.array(Role::Labels)
     }
 
+    /// The features mask (`[batch, time]` for sequences: 1 where a step holds data, 0
+    /// where it is padding), if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`features`](Self::features).
+    pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
+        self.batch().optional(Role::FeaturesMask)
+    }
+
+    /// The labels mask, if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`features`](Self::features).
+    pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
+        self.batch().optional(Role::LabelsMask)
+    }
+
     /// The array of `role` (masks included).
     ///
     /// # Errors

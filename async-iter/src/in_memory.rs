@@ -123,7 +123,7 @@ impl<TF: Pod + Send, TL: Pod + Send> BatchSource for InMemory<TF, TL> {
 }
 
 /// Fisher–Yates, driven by splitmix64 of the seed and the epoch.
-fn shuffle(order: &mut [usize], seed: u64, epoch: u64) {
+pub(crate) fn shuffle(order: &mut [usize], seed: u64, epoch: u64) {
     let mut state = seed ^ epoch.wrapping_mul(0xA076_1D64_78BD_642F);
     for i in (1..order.len()).rev() {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -224,7 +224,7 @@ impl Lease<'_> {
     ///
     /// As [`features`](Self::features).
     pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
-        self.optional(Role::FeaturesMask)
+        self.batch().optional(Role::FeaturesMask)
     }
 
     /// The labels mask, if the batch has one.
@@ -233,7 +233,7 @@ impl Lease<'_> {
     ///
     /// As [`features`](Self::features).
     pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
-        self.optional(Role::LabelsMask)
+        self.batch().optional(Role::LabelsMask)
     }
 
     /// The array of `role`.
@@ -245,13 +245,6 @@ impl Lease<'_> {
         self.batch().array(role)
     }
 
-    fn optional<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Option<ArrayView<'_, T, Dim>>, Error> {
-        match self.array(role) {
-            Ok(view) => Ok(Some(view)),
-            Err(Error::MissingArray { .. }) => Ok(None),
-            Err(err) => Err(err),
-        }
-    }
 
     /// Copies the array of `role` into an owned `ndarray::Array`.
     ///

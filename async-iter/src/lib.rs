@@ -141,6 +141,7 @@ mod prefetcher;
 mod producer;
 #[allow(unsafe_code)]
 mod ring;
+mod sequences;
 #[allow(unsafe_code)] // the `unsafe trait SlotMemory`; the ring itself has no unsafe code
 pub mod slot_ring;
 mod source;
@@ -156,6 +157,7 @@ pub use in_memory::InMemory;
 pub use layout::{ArraySpec, BatchLayout, ElementType, Role, ARRAY_ALIGN, MAX_DIMS};
 pub use lease::Lease;
 pub use prefetcher::{Prefetcher, PrefetcherBuilder, Threading, MAX_DEPTH};
+pub use sequences::Sequences;
 pub use source::BatchSource;
 pub use stats::PrefetchStats;
 pub use view::BatchMut;

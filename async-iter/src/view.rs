@@ -71,6 +71,15 @@ impl<'a> BatchRef<'a> {
         unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.layout.planned_bytes()) }
     }
 
+    /// The array of `role`, or `None` when the batch has none (masks are optional).
+    pub(crate) fn optional<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Option<ArrayView<'a, T, Dim>>, Error> {
+        match self.array(role) {
+            Ok(view) => Ok(Some(view)),
+            Err(Error::MissingArray { .. }) => Ok(None),
+            Err(err) => Err(err),
+        }
+    }
+
     pub(crate) fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ArrayView<'a, T, Dim>, Error> {
         let (spec, dim) = self.layout.typed::<T, Dim>(self.index, role)?;
         // SAFETY: `spec` is planned, so `offset + bytes <= planned_bytes` and the offset
