@@ -245,7 +245,6 @@ impl Lease<'_> {
         self.batch().array(role)
     }
 
-
     /// Copies the array of `role` into an owned `ndarray::Array`.
     ///
     /// # Errors

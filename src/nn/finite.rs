@@ -10,6 +10,8 @@
 use crate::Error;
 use ndarray::ArrayView2;
 
+use super::layer::Activations;
+
 /// Whether every value of `values` is finite. Branch-free within chunks, so that it
 /// vectorises; stops at the first chunk that holds a non-finite value.
 fn all_finite(values: &[f32]) -> bool {
@@ -51,6 +53,22 @@ pub(crate) fn check_matrix(layer: &str, what: &str, a: ArrayView2<'_, f32>) -> R
     match first_in_matrix(a) {
         None => Ok(()),
         Some((r, c, v)) => Err(error(layer, format!("{what} (row {r}, column {c}) is {v}"))),
+    }
+}
+
+/// As [`check_matrix`], for a flat batch or a batch of sequences (whose elements are
+/// named by sequence, step and column).
+pub(crate) fn check_activations(layer: &str, what: &str, a: Activations<'_>) -> Result<(), Error> {
+    match a {
+        Activations::Flat(a) => check_matrix(layer, what, a),
+        Activations::Sequence(a) => {
+            for (r, sequence) in a.outer_iter().enumerate() {
+                if let Some((t, c, v)) = first_in_matrix(sequence) {
+                    return Err(error(layer, format!("{what} (sequence {r}, step {t}, column {c}) is {v}")));
+                }
+            }
+            Ok(())
+        }
     }
 }
 

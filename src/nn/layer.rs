@@ -1,9 +1,81 @@
 //! The [`Layer`] trait a custom layer implements, and the workspace contexts the
 //! network hands it.
 
-use crate::Result;
-use ndarray::{ArrayView2, ArrayViewMut2};
+use crate::{Error, Result};
+use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3};
 use workspace_core::{LayerWorkspaceMgr, TypedScope};
+
+/// What flows between layers: a flat batch `[batch, features]`, or a batch of
+/// sequences `[batch, time, features]` (whose mask, `[batch, time]`, the network hands
+/// to every sequence method alongside).
+///
+/// Layers keep the kind of their input, except the heads that turn a sequence into
+/// one row per sequence ([`LastStep`](crate::nn::LastStep),
+/// [`MaskedMean`](crate::nn::MaskedMean)). Gradients flow back in the same kind as the
+/// arrays they are the gradients of.
+#[derive(Clone, Copy, Debug)]
+pub enum Activations<'a> {
+    /// `[batch, features]`.
+    Flat(ArrayView2<'a, f32>),
+    /// `[batch, time, features]`.
+    Sequence(ArrayView3<'a, f32>),
+}
+
+impl<'a> Activations<'a> {
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Activations::Flat(x) => x.shape(),
+            Activations::Sequence(x) => x.shape(),
+        }
+    }
+
+    /// The batch as a flat `[batch, features]` array, or an error naming `what`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] for a sequence batch.
+    pub fn flat(self, what: &str) -> Result<ArrayView2<'a, f32>> {
+        match self {
+            Activations::Flat(x) => Ok(x),
+            Activations::Sequence(x) => Err(Error::ShapeMismatch {
+                context: format!("{what}: a flat [batch, features] array, not a batch of sequences"),
+                expected: vec![x.shape()[0], x.shape()[2]],
+                actual: x.shape().to_vec(),
+            }),
+        }
+    }
+
+    /// The batch as a `[batch, time, features]` array, or an error naming `what`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] for a flat batch.
+    pub fn sequence(self, what: &str) -> Result<ArrayView3<'a, f32>> {
+        match self {
+            Activations::Sequence(x) => Ok(x),
+            Activations::Flat(x) => Err(Error::ShapeMismatch {
+                context: format!("{what}: a batch of sequences [batch, time, features], not a flat array"),
+                expected: vec![x.nrows(), 0, x.ncols()],
+                actual: x.shape().to_vec(),
+            }),
+        }
+    }
+}
+
+/// `[batch, time, features]` as `[batch · time, features]` (a view: `x` must be in
+/// standard layout).
+fn steps_as_rows<'a>(x: ArrayView3<'a, f32>, layer: &str) -> Result<ArrayView2<'a, f32>> {
+    let (b, t, f) = x.dim();
+    x.into_shape_with_order((b * t, f)).map_err(|_| not_standard(layer))
+}
+
+fn not_standard(layer: &str) -> Error {
+    Error::InvalidInput(format!(
+        "layer '{layer}': a batch of sequences must be in standard (row-major) layout to be applied step by step; \
+         allocate it with the scope's `zeros`/`copy_of`"
+    ))
+}
 
 /// What a layer's forward pass gets besides its input.
 ///
@@ -223,6 +295,72 @@ pub trait Layer {
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()>;
+
+    /// The forward pass over a batch of sequences `[batch, time, features]`, whose
+    /// `mask` (`[batch, time]`, 1 for a step that holds data and 0 for padding; `None`:
+    /// every step holds data) the network hands to every sequence layer.
+    ///
+    /// The default applies [`Layer::forward`] to every step, as one `[batch · time,
+    /// features]` batch (DL4J's time-distributed feed-forward layers): a dense layer or
+    /// a ReLU works on sequences as it is, its output at padded steps ignored by what
+    /// follows. Recurrent layers ([`Lstm`](crate::nn::Lstm)) and heads
+    /// ([`LastStep`](crate::nn::LastStep), [`MaskedMean`](crate::nn::MaskedMean))
+    /// override it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::forward`].
+    fn forward_sequence<'a>(
+        &mut self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let _ = mask;
+        let (b, t, _) = input.dim();
+        let input =
+            if input.is_standard_layout() { input } else { workspace_core::freeze(ctx.activations.copy_of(&input)?) };
+        let y = self.forward(steps_as_rows(input, self.name())?, ctx)?;
+        let features = y.ncols();
+        let y = if y.is_standard_layout() { y } else { workspace_core::freeze(ctx.activations.copy_of(&y)?) };
+        let y = y.into_shape_with_order((b, t, features)).map_err(|_| not_standard(self.name()))?;
+        Ok(Activations::Sequence(y))
+    }
+
+    /// The backward pass of [`Layer::forward_sequence`]: `output` is what it returned,
+    /// `grad_output` the gradient of the loss with respect to it (of the same kind), and
+    /// `grad_input`, when given, receives the gradient with respect to `input` (every
+    /// element; 0 at padded steps).
+    ///
+    /// The default is [`Layer::backward`] over every step, as
+    /// [`Layer::forward_sequence`]'s default runs [`Layer::forward`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::backward`].
+    fn backward_sequence(
+        &mut self,
+        input: ArrayView3<'_, f32>,
+        mask: Option<ArrayView2<'_, f32>>,
+        output: Activations<'_>,
+        grad_output: Activations<'_>,
+        grad_input: Option<ArrayViewMut3<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let _ = mask;
+        let name = self.name().to_string();
+        let input = steps_as_rows(input, &name)?;
+        let output = steps_as_rows(output.sequence(&name)?, &name)?;
+        let grad_output = steps_as_rows(grad_output.sequence(&name)?, &name)?;
+        let grad_input = match grad_input {
+            None => None,
+            Some(g) => {
+                let (b, t, f) = g.dim();
+                Some(g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(&name))?)
+            }
+        };
+        self.backward(input, output, grad_output, grad_input, ctx)
+    }
 
     /// Calls `f` on each parameter with its gradient, in a fixed order.
     fn params(&mut self, _f: &mut dyn FnMut(Param<'_>)) {}

@@ -8,6 +8,8 @@ use crate::{Error, Result};
 
 use super::super::dense::Dense;
 use super::super::layer::Layer;
+use super::super::lstm::Lstm;
+use super::super::pool::{LastStep, MaskedMean};
 use super::super::relu::Relu;
 use super::super::updater::Updater;
 
@@ -23,6 +25,10 @@ pub mod names {
     pub const ACT_GRAD_2: &str = "WS_LAYER_ACT_GRAD_2";
     /// The updater's per-step scratch.
     pub const UPDATER_WORKING_MEM: &str = "WS_UPDATER_WORKING_MEM";
+    /// One cycle per time step of a recurrent layer, forward and backward
+    /// ([`ArrayType::RnnFfLoopWorkingMem`](workspace_core::ArrayType),
+    /// [`ArrayType::RnnBpLoopWorkingMem`](workspace_core::ArrayType)).
+    pub const RNN_LOOP_WORKING_MEM: &str = "WS_RNN_LOOP_WORKING_MEM";
     /// Activations during inference.
     pub const INFERENCE_ACT: &str = "WS_INFERENCE_ACT";
 }
@@ -147,6 +153,35 @@ impl NetworkConfigBuilder {
         self.layer(Relu::named(&name))
     }
 
+    /// Appends an [`Lstm`] of `hidden` units (named `lstm_<index>`): the network then
+    /// takes batches of sequences `[batch, time, features]` with their mask, and needs a
+    /// head ([`NetworkConfigBuilder::last_step`], [`NetworkConfigBuilder::masked_mean`])
+    /// before its flat layers.
+    pub fn lstm(mut self, hidden: usize) -> Self {
+        let name = format!("lstm_{}", self.layers.len());
+        match Lstm::named(&name, self.width, hidden) {
+            Ok(lstm) => self.layer(lstm),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
+    }
+
+    /// Appends a [`LastStep`] head: each sequence's output at its last step that holds
+    /// data.
+    pub fn last_step(self) -> Self {
+        let name = format!("last_step_{}", self.layers.len());
+        self.layer(LastStep::named(&name))
+    }
+
+    /// Appends a [`MaskedMean`] head: each sequence's mean output over the steps that
+    /// hold data.
+    pub fn masked_mean(self) -> Self {
+        let name = format!("masked_mean_{}", self.layers.len());
+        self.layer(MaskedMean::named(&name))
+    }
+
     /// Seed of weight initialisation.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = seed;
@@ -241,6 +276,8 @@ pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2
             .with(ArrayType::FfCache, names::ALL_LAYERS_ACT, config.clone())
             .with(ArrayType::ActivationGrad, grad, config.clone())
             .with(ArrayType::UpdaterWorkingMem, names::UPDATER_WORKING_MEM, config.clone())
+            .with(ArrayType::RnnFfLoopWorkingMem, names::RNN_LOOP_WORKING_MEM, config.clone())
+            .with(ArrayType::RnnBpLoopWorkingMem, names::RNN_LOOP_WORKING_MEM, config.clone())
             .default_workspace(names::LAYER_WORKING_MEM, config.clone())
             .build()
     };
@@ -256,6 +293,7 @@ pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
         .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())
+        .with(ArrayType::RnnFfLoopWorkingMem, names::RNN_LOOP_WORKING_MEM, config.clone())
         .default_workspace(names::LAYER_WORKING_MEM, config)
         .build()
         .map_err(Error::from)

@@ -6,8 +6,10 @@ mod config;
 mod infer;
 mod train;
 
-use ndarray::{ArrayView1, ArrayView2};
+use ndarray::{ArrayView1, ArrayView2, ArrayView3};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
+
+use super::layer::Activations;
 
 use crate::{Error, Result};
 
@@ -18,6 +20,107 @@ use super::Rng;
 
 use config::{inference_mgr, training_mgrs};
 pub use config::{names, workspace_config, NetworkConfig, NetworkConfigBuilder};
+
+/// A batch the network is fed: rows `[batch, features]`, or sequences `[batch, time,
+/// features]` with their mask `[batch, time]` (1 where a step holds data, 0 for
+/// padding; `None`: every step holds data), as DL4J's `DataSet` holds them.
+///
+/// Every method that takes a batch takes `impl Into<Input>`: a 2-D view, a 3-D view,
+/// or a `(features, mask)` pair.
+///
+/// ```
+/// use carve::nn::Input;
+/// use carve::ndarray::{Array2, Array3};
+///
+/// let rows = Array2::<f32>::zeros((4, 3));
+/// assert!(matches!(Input::from(rows.view()), Input::Flat(_)));
+/// let (x, mask) = (Array3::<f32>::zeros((4, 7, 3)), Array2::<f32>::ones((4, 7)));
+/// assert!(matches!(Input::from((x.view(), mask.view())), Input::Sequences { mask: Some(_), .. }));
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub enum Input<'a> {
+    /// `[batch, features]`.
+    Flat(ArrayView2<'a, f32>),
+    /// `[batch, time, features]` and the mask `[batch, time]`.
+    Sequences {
+        /// The steps' features.
+        features: ArrayView3<'a, f32>,
+        /// 1 where a step holds data, 0 where it is padding.
+        mask: Option<ArrayView2<'a, f32>>,
+    },
+}
+
+impl<'a> Input<'a> {
+    /// Examples in the batch.
+    pub fn rows(&self) -> usize {
+        match self {
+            Input::Flat(x) => x.nrows(),
+            Input::Sequences { features, .. } => features.shape()[0],
+        }
+    }
+
+    /// The same batch, borrowed for as long as `self` is.
+    pub(crate) fn reborrow(&self) -> Input<'_> {
+        match self {
+            Input::Flat(x) => Input::Flat(x.view()),
+            Input::Sequences { features, mask } => {
+                Input::Sequences { features: features.view(), mask: mask.as_ref().map(|m| m.view()) }
+            }
+        }
+    }
+
+    /// The batch as the first layer's input.
+    pub(crate) fn activations(&self) -> Activations<'a> {
+        match *self {
+            Input::Flat(x) => Activations::Flat(x),
+            Input::Sequences { features, .. } => Activations::Sequence(features),
+        }
+    }
+
+    /// The mask (sequences only).
+    pub(crate) fn mask(&self) -> Option<ArrayView2<'a, f32>> {
+        match *self {
+            Input::Flat(_) => None,
+            Input::Sequences { mask, .. } => mask,
+        }
+    }
+
+    /// Rows `range` of the batch.
+    pub(crate) fn rows_slice(&self, range: std::ops::Range<usize>) -> Input<'a> {
+        use ndarray::s;
+        match *self {
+            Input::Flat(x) => Input::Flat(x.slice_move(s![range, ..])),
+            Input::Sequences { features, mask } => Input::Sequences {
+                features: features.slice_move(s![range.clone(), .., ..]),
+                mask: mask.map(|m| m.slice_move(s![range, ..])),
+            },
+        }
+    }
+}
+
+impl<'a> From<ArrayView2<'a, f32>> for Input<'a> {
+    fn from(x: ArrayView2<'a, f32>) -> Input<'a> {
+        Input::Flat(x)
+    }
+}
+
+impl<'a> From<ArrayView3<'a, f32>> for Input<'a> {
+    fn from(features: ArrayView3<'a, f32>) -> Input<'a> {
+        Input::Sequences { features, mask: None }
+    }
+}
+
+impl<'a> From<(ArrayView3<'a, f32>, ArrayView2<'a, f32>)> for Input<'a> {
+    fn from((features, mask): (ArrayView3<'a, f32>, ArrayView2<'a, f32>)) -> Input<'a> {
+        Input::Sequences { features, mask: Some(mask) }
+    }
+}
+
+impl<'a> From<(ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)> for Input<'a> {
+    fn from((features, mask): (ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)) -> Input<'a> {
+        Input::Sequences { features, mask }
+    }
+}
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -159,30 +262,63 @@ impl Network {
         self.last_workspace_bytes
     }
 
-    fn check_batch(&self, x: &ArrayView2<'_, f32>, labels: Option<&ArrayView1<'_, u32>>) -> Result<()> {
-        if x.ncols() != self.inputs {
+    fn check_batch(&self, x: &Input<'_>, labels: Option<&ArrayView1<'_, u32>>) -> Result<()> {
+        let (rows, features) = match x {
+            Input::Flat(x) => (x.nrows(), x.ncols()),
+            Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
+        };
+        if features != self.inputs {
+            let mut expected = x.activations().shape().to_vec();
+            *expected.last_mut().expect("2 or 3 dimensions") = self.inputs;
             return Err(Error::ShapeMismatch {
                 context: "network input".to_string(),
-                expected: vec![x.nrows(), self.inputs],
-                actual: x.shape().to_vec(),
+                expected,
+                actual: x.activations().shape().to_vec(),
             });
         }
-        if x.nrows() == 0 {
+        if rows == 0 {
             return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
         }
+        if let Input::Sequences { features, mask } = x {
+            let steps = features.shape()[1];
+            if steps == 0 {
+                return Err(Error::InvalidInput("a batch of sequences of 0 steps cannot be fed to the network".into()));
+            }
+            if let Some(mask) = mask {
+                if mask.dim() != (rows, steps) {
+                    return Err(Error::ShapeMismatch {
+                        context: "features mask [batch, time]".to_string(),
+                        expected: vec![rows, steps],
+                        actual: mask.shape().to_vec(),
+                    });
+                }
+                if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
+                    return Err(Error::InvalidInput(format!(
+                        "the features mask holds {v} at sequence {r}, step {t}: a mask holds 1 where a step holds \
+                         data and 0 where it is padding"
+                    )));
+                }
+                if let Some(r) = (0..rows).find(|&r| mask.row(r).iter().all(|&v| v == 0.0)) {
+                    return Err(Error::InvalidInput(format!(
+                        "sequence {r} of the batch has no step that holds data (its mask is all 0); leave empty \
+                         sequences out of the batch"
+                    )));
+                }
+            }
+        }
         match labels {
-            Some(labels) => check_label_count(x, labels),
+            Some(labels) => check_label_count(rows, labels),
             None => Ok(()),
         }
     }
 }
 
 /// One label per input row.
-pub(super) fn check_label_count(x: &ArrayView2<'_, f32>, labels: &ArrayView1<'_, u32>) -> Result<()> {
-    if labels.len() != x.nrows() {
+pub(super) fn check_label_count(rows: usize, labels: &ArrayView1<'_, u32>) -> Result<()> {
+    if labels.len() != rows {
         return Err(Error::ShapeMismatch {
             context: "labels (one per input row)".to_string(),
-            expected: vec![x.nrows()],
+            expected: vec![rows],
             actual: vec![labels.len()],
         });
     }

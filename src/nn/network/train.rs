@@ -3,14 +3,14 @@
 use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Ix1, Ix2};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix1, Ix2, Ix3, IxDyn};
 use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 
 use super::super::finite;
-use super::super::layer::{BackwardCtx, ForwardCtx, Layer};
-use super::Network;
+use super::super::layer::{Activations, BackwardCtx, ForwardCtx, Layer};
+use super::{Input, Network};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -29,11 +29,14 @@ impl Network {
     /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
     /// value the updater would store. After an error the network is unchanged (its
     /// parameters and its updater's state are as they were before the call) and usable.
-    pub fn fit_batch(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
+    pub fn fit_batch<'x>(&mut self, x: impl Into<Input<'x>>, labels: ArrayView1<'_, u32>) -> Result<f32> {
+        let x = x.into();
+        let x = x.reborrow();
         self.check_batch(&x, Some(&labels))?;
         // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
         // it, the loss clamps it, and the parameters would silently become NaN.
-        finite::check_matrix("input", "the batch", x.view())?;
+        finite::check_activations("input", "the batch", x.activations())?;
+        let mask = x.mask();
         let Network { layers, loss, updater, train, .. } = self;
         let mgr = &train[0];
         train[0].reset_peaks();
@@ -42,17 +45,20 @@ impl Network {
         let act = mgr.enter(ArrayType::Activations)?;
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let mut input = x.view();
+        let mut input = x.activations();
         for layer in layers.iter_mut() {
             let working = mgr.enter(ArrayType::FfWorkingMem)?;
             let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
-            let y = layer.forward(input, &ctx)?;
-            mgr.validate(ArrayType::Activations, layer.name(), &y)?;
-            finite::check_matrix(layer.name(), "its output", y.view())?;
+            let y = match input {
+                Activations::Flat(v) => Activations::Flat(layer.forward(v, &ctx)?),
+                Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
+            };
+            validate(mgr, layer.name(), y)?;
+            finite::check_activations(layer.name(), "its output", y)?;
             outputs.push(y);
             input = y;
         }
-        let probs = loss.probabilities(input, &act)?;
+        let probs = loss.probabilities(input.flat(NO_HEAD)?, &act)?;
         let batch_loss = loss.loss(probs, labels)?;
         if !batch_loss.is_finite() {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
@@ -62,20 +68,29 @@ impl Network {
         // of the two gradient workspaces, and the layer writes the gradient of its
         // input into the other (see `Gradient`).
         let depth = layers.len();
-        let mut grad = Gradient::zeros(&train[0], probs.raw_dim())?;
-        loss.backward(probs, labels, grad.view_mut()?)?;
+        let mut grad = Gradient::zeros(&train[0], Activations::Flat(probs))?;
+        loss.backward(probs, labels, grad.view_mut_flat()?)?;
         for (i, layer) in layers.iter_mut().enumerate().rev() {
-            let layer_input = if i == 0 { x.view() } else { outputs[i - 1].view() };
+            let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
             // The gradient of the first layer's input is not needed.
             let mut below = match i {
                 0 => None,
-                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input.raw_dim())?),
+                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
             };
             {
                 let working = mgr.enter(ArrayType::BpWorkingMem)?;
                 let ctx = BackwardCtx { working: &working, mgr };
-                let grad_input = below.as_mut().map(Gradient::view_mut).transpose()?;
-                layer.backward(layer_input, outputs[i], grad.view()?, grad_input, &ctx)?;
+                match layer_input {
+                    Activations::Flat(v) => {
+                        let grad_input = below.as_mut().map(Gradient::view_mut_flat).transpose()?;
+                        let output = outputs[i].flat(layer.name())?;
+                        layer.backward(v, output, grad.view()?.flat(layer.name())?, grad_input, &ctx)?;
+                    }
+                    Activations::Sequence(v) => {
+                        let grad_input = below.as_mut().map(Gradient::view_mut_sequence).transpose()?;
+                        layer.backward_sequence(v, mask, outputs[i], grad.view()?, grad_input, &ctx)?;
+                    }
+                }
             }
             check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?)?;
             match below {
@@ -143,7 +158,7 @@ impl Network {
         let (mut total, mut count) = (0.0f64, 0usize);
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(data)?;
-            let x = batch.features::<f32, Ix2>().map_err(data)?;
+            let x = lease_input(&batch)?;
             let y = batch.labels::<u32, Ix1>().map_err(data)?;
             total += f64::from(self.fit_batch(x, y)?);
             count += 1;
@@ -191,31 +206,95 @@ impl Network {
 /// the scope, so nothing outlives the workspace's cycle.
 struct Gradient {
     scope: TypedScope,
-    array: Handle<f32, Ix2>,
+    array: GradientArray,
+}
+
+/// A gradient of the kind of the array it is the gradient of.
+enum GradientArray {
+    Flat(Handle<f32, Ix2>),
+    Sequence(Handle<f32, Ix3>),
 }
 
 impl Gradient {
-    /// Zeros of `shape` in `mgr`'s gradient workspace.
-    fn zeros(mgr: &LayerWorkspaceMgr, shape: Ix2) -> Result<Gradient> {
+    /// Zeros of `like`'s shape in `mgr`'s gradient workspace.
+    fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
         let scope = mgr.enter(ArrayType::ActivationGrad)?;
-        let array = scope.zeros_handle(shape)?;
+        let array = match like {
+            Activations::Flat(x) => GradientArray::Flat(scope.zeros_handle(x.raw_dim())?),
+            Activations::Sequence(x) => GradientArray::Sequence(scope.zeros_handle(x.raw_dim())?),
+        };
         Ok(Gradient { scope, array })
     }
 
-    fn view(&self) -> Result<ArrayView2<'_, f32>> {
-        Ok(self.array.view(&self.scope)?)
+    fn view(&self) -> Result<Activations<'_>> {
+        Ok(match &self.array {
+            GradientArray::Flat(h) => Activations::Flat(h.view(&self.scope)?),
+            GradientArray::Sequence(h) => Activations::Sequence(h.view(&self.scope)?),
+        })
     }
 
-    fn view_mut(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
-        Ok(self.array.view_mut(&self.scope)?)
+    fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Sequence(h) => Err(Error::ShapeMismatch {
+                context: "the gradient of a flat array".into(),
+                expected: vec![h.shape()[0], h.shape()[2]],
+                actual: h.shape().to_vec(),
+            }),
+        }
     }
+
+    fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Sequence(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Flat(h) => Err(Error::ShapeMismatch {
+                context: "the gradient of a batch of sequences".into(),
+                expected: vec![h.shape()[0], 0, h.shape()[1]],
+                actual: h.shape().to_vec(),
+            }),
+        }
+    }
+}
+
+/// What the loss says when the last layer's output is still a batch of sequences.
+pub(super) const NO_HEAD: &str = "the network's output (the loss takes one row per example: put a head such as \
+                                  `last_step()` or `masked_mean()` after the recurrent layers)";
+
+/// Checks that `layer`'s output `y` is in the activations workspace.
+pub(super) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
+    match y {
+        Activations::Flat(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
+        Activations::Sequence(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
+    }
+    Ok(())
+}
+
+/// The network's input from a prefetched batch: features `[batch, features]`, or
+/// `[batch, time, features]` with the batch's features mask, of `f32`.
+pub(super) fn lease_input<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Input<'b>> {
+    let features = batch.features::<f32, IxDyn>()?;
+    match features.ndim() {
+        2 => Ok(Input::Flat(features.into_dimensionality::<Ix2>().map_err(|_| dims(2))?)),
+        3 => Ok(Input::Sequences {
+            features: features.into_dimensionality::<Ix3>().map_err(|_| dims(3))?,
+            mask: batch.features_mask::<f32, Ix2>()?,
+        }),
+        n => Err(Error::InvalidInput(format!(
+            "a prefetched batch's features have {n} dimensions: the network takes [batch, features] or [batch, \
+             time, features]"
+        ))),
+    }
+}
+
+fn dims(n: usize) -> Error {
+    Error::InvalidInput(format!("features of {n} dimensions could not be viewed as such"))
 }
 
 /// Checks the gradients `layer`'s backward pass left: those of its parameters, and
 /// `grad_input`, the gradient of its input.
-fn check_gradients(layer: &mut dyn Layer, grad_input: Option<ArrayView2<'_, f32>>) -> Result<()> {
+fn check_gradients(layer: &mut dyn Layer, grad_input: Option<Activations<'_>>) -> Result<()> {
     if let Some(grad_input) = grad_input {
-        finite::check_matrix(layer.name(), "the gradient of its input", grad_input)?;
+        finite::check_activations(layer.name(), "the gradient of its input", grad_input)?;
     }
     let (mut param, mut bad) = (0, None);
     layer.params(&mut |p| {

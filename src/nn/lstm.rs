@@ -1,0 +1,501 @@
+//! Long short-term memory over batches of sequences, trained by backpropagation
+//! through time, with masks.
+
+use ndarray::{s, Array1, Array2, Array3, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Axis, Ix3, Zip};
+use workspace_core::{freeze, ArrayType, Handle};
+
+use crate::{Error, Result};
+
+use super::gemm::{scratch_len, sgemm};
+use super::layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
+use super::Rng;
+
+/// Gates per hidden unit, in DL4J's order: input, forget, output, cell (candidate).
+const GATES: usize = 4;
+
+/// Per step and sequence, the cache holds the gates (`4 · hidden`, after their
+/// nonlinearities), the cell state and the hidden state after the step.
+const CACHED: usize = GATES + 2;
+
+/// A long short-term memory layer: `[batch, time, inputs]` → `[batch, time, hidden]`.
+///
+/// At step `t`, with `z = x_t · W + h_{t-1} · U + b` cut into four gates in DL4J's
+/// order (input `i`, forget `f`, output `o`, cell candidate `g`):
+/// `c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ tanh(g)` and `h_t = σ(o) ⊙ tanh(c_t)`, from zero
+/// states. The forget gate's biases start at 1 (the others at 0); `W` and `U` are
+/// Glorot-uniform.
+///
+/// **Masks.** A masked step (mask 0) leaves the sequence's state as it was, outputs
+/// zeros, and takes no gradient: a sequence padded with masked steps gives the same
+/// states, loss and gradients as without them.
+///
+/// **Workspaces.** Each step of the forward pass is one cycle of the RNN forward loop
+/// workspace ([`ArrayType::RnnFfLoopWorkingMem`]), and each step of the backward pass
+/// one cycle of the RNN backward loop workspace ([`ArrayType::RnnBpLoopWorkingMem`]);
+/// what backpropagation needs across steps (the gates and states of every step) is kept
+/// in the activations workspace, through a checked [`Handle`], until the backward pass.
+/// With workspaces switched off ([`WorkspaceMode::None`](workspace_core::WorkspaceMode))
+/// it is an array of its own on the heap, as every array is then.
+#[derive(Debug)]
+pub struct Lstm {
+    name: String,
+    inputs: usize,
+    hidden: usize,
+    /// `inputs × 4·hidden`.
+    w: Array2<f32>,
+    /// `hidden × 4·hidden`.
+    u: Array2<f32>,
+    /// `4·hidden`.
+    b: Array1<f32>,
+    grad_w: Array2<f32>,
+    grad_u: Array2<f32>,
+    grad_b: Array1<f32>,
+    /// The last training forward pass's gates and states, `[time, batch, 6·hidden]`.
+    cache: Cache,
+}
+
+/// Where the last training forward pass left what the backward pass reads.
+#[derive(Debug)]
+enum Cache {
+    Empty,
+    /// In the activations workspace, for as long as its cycle lasts.
+    Workspace(Handle<f32, Ix3>),
+    /// On the heap (workspaces switched off).
+    Heap(Array3<f32>),
+}
+
+impl Lstm {
+    /// An LSTM from `inputs` features per step to `hidden` units (weights zero until
+    /// initialised).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for 0 inputs or units, or weights that overflow the
+    /// address space or cannot be allocated.
+    pub fn new(inputs: usize, hidden: usize) -> Result<Lstm> {
+        Lstm::named("lstm", inputs, hidden)
+    }
+
+    /// As [`Lstm::new`], with a name for messages.
+    ///
+    /// # Errors
+    ///
+    /// As [`Lstm::new`].
+    pub fn named(name: &str, inputs: usize, hidden: usize) -> Result<Lstm> {
+        let invalid = |why: &str| Error::InvalidConfig {
+            reason: format!("LSTM layer '{name}' of {inputs} inputs and {hidden} units: {why}; check the layer widths"),
+        };
+        if inputs == 0 || hidden == 0 {
+            return Err(invalid("it needs at least one input and one unit"));
+        }
+        let columns = hidden.checked_mul(GATES).ok_or_else(|| invalid("the gates overflow the address space"))?;
+        let fits = |rows: usize| {
+            rows.checked_mul(columns)
+                .and_then(|n| n.checked_mul(size_of::<f32>()))
+                .is_some_and(|bytes| bytes <= isize::MAX as usize)
+        };
+        if !fits(inputs) || !fits(hidden) {
+            return Err(invalid("its weights overflow the address space"));
+        }
+        let zeros = |rows: usize| -> Result<Array2<f32>> {
+            let mut values = Vec::new();
+            values.try_reserve_exact(rows * columns).map_err(|_| invalid("its weights cannot be allocated"))?;
+            values.resize(rows * columns, 0.0);
+            Ok(Array2::from_shape_vec((rows, columns), values).expect("rows × columns values"))
+        };
+        Ok(Lstm {
+            name: name.to_string(),
+            inputs,
+            hidden,
+            w: zeros(inputs)?,
+            u: zeros(hidden)?,
+            b: Array1::zeros(columns),
+            grad_w: zeros(inputs)?,
+            grad_u: zeros(hidden)?,
+            grad_b: Array1::zeros(columns),
+            cache: Cache::Empty,
+        })
+    }
+
+    /// Units (the output features per step).
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// The input weights `W`, `inputs × 4·hidden` (gate blocks i, f, o, g).
+    pub fn input_weights(&self) -> ArrayView2<'_, f32> {
+        self.w.view()
+    }
+
+    /// The recurrent weights `U`, `hidden × 4·hidden`.
+    pub fn recurrent_weights(&self) -> ArrayView2<'_, f32> {
+        self.u.view()
+    }
+
+    /// The biases, `4·hidden` (the forget gate's start at 1).
+    pub fn bias(&self) -> ndarray::ArrayView1<'_, f32> {
+        self.b.view()
+    }
+
+    fn check(&self, input: &ArrayView3<'_, f32>, mask: Option<&ArrayView2<'_, f32>>) -> Result<()> {
+        let (batch, steps, features) = input.dim();
+        if features != self.inputs {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' input [batch, time, features]", self.name),
+                expected: vec![batch, steps, self.inputs],
+                actual: input.shape().to_vec(),
+            });
+        }
+        if let Some(mask) = mask {
+            if mask.dim() != (batch, steps) {
+                return Err(Error::ShapeMismatch {
+                    context: format!("layer '{}' mask [batch, time]", self.name),
+                    expected: vec![batch, steps],
+                    actual: mask.shape().to_vec(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Scratch elements of the matrix products of one step.
+    fn step_scratch(&self, batch: usize) -> usize {
+        let (h, g) = (self.hidden, GATES * self.hidden);
+        // Forward: x·W and h·U. Backward: xᵀ·dz, hᵀ·dz, dz·Wᵀ, dz·Uᵀ.
+        [
+            scratch_len(batch, g, self.inputs),
+            scratch_len(batch, g, h),
+            scratch_len(self.inputs, g, batch),
+            scratch_len(h, g, batch),
+            scratch_len(batch, self.inputs, g),
+            scratch_len(batch, h, g),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+    }
+
+    /// The forward pass into `out`, keeping every step's gates and states in `cache`
+    /// (`[time, batch, 6·hidden]`), or, with `ring`, only the last two steps' (`[2, ...]`).
+    fn run_forward(
+        &self,
+        input: ArrayView3<'_, f32>,
+        mask: Option<ArrayView2<'_, f32>>,
+        mut cache: ArrayViewMut3<'_, f32>,
+        ring: bool,
+        out: &mut ArrayViewMut3<'_, f32>,
+        ctx: &ForwardCtx<'_, '_>,
+    ) -> Result<()> {
+        let (batch, steps, _) = input.dim();
+        let h = self.hidden;
+        let slot = |t: usize| if ring { t % 2 } else { t };
+        let mut seen = false;
+        for t in 0..steps {
+            let (cur, prev) = (slot(t), seen.then(|| slot(t - 1)));
+            if !step_active(mask, t) {
+                // Every sequence is padding here: the states carry over, the outputs stay 0.
+                carry(&mut cache, cur, prev, 2 * h);
+                continue;
+            }
+            let step = ctx.mgr.enter(ArrayType::RnnFfLoopWorkingMem)?;
+            let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
+            let (mut now, before) = split(&mut cache, cur, prev);
+            let mut z = now.slice_mut(s![.., ..GATES * h]);
+            for mut row in z.rows_mut() {
+                row.assign(&self.b);
+            }
+            sgemm(1.0, input.index_axis(Axis(1), t), self.w.view(), 1.0, z.view_mut(), scratch)?;
+            if let Some(before) = &before {
+                sgemm(1.0, before.slice(s![.., (CACHED - 1) * h..]), self.u.view(), 1.0, z.view_mut(), scratch)?;
+            }
+            for r in 0..batch {
+                let mut state = now.row_mut(r);
+                let previous = before.as_ref().map(|b| b.row(r));
+                if mask.is_some_and(|m| m[[r, t]] == 0.0) {
+                    // Padding of this sequence: its state carries over.
+                    let c = GATES * h;
+                    match previous {
+                        Some(p) => state.slice_mut(s![c..]).assign(&p.slice(s![c..])),
+                        None => state.slice_mut(s![c..]).fill(0.0),
+                    }
+                    continue;
+                }
+                let state = state.as_slice_mut().expect("a cache row is contiguous");
+                let previous = previous.map(|p| p.to_slice().expect("a cache row is contiguous"));
+                let mut output = out.slice_mut(s![r, t, ..]);
+                for j in 0..h {
+                    let i = sigmoid(state[j]);
+                    let f = sigmoid(state[h + j]);
+                    let o = sigmoid(state[2 * h + j]);
+                    let g = state[3 * h + j].tanh();
+                    let c_prev = previous.map_or(0.0, |p| p[GATES * h + j]);
+                    let c = f * c_prev + i * g;
+                    let hv = o * c.tanh();
+                    state[j] = i;
+                    state[h + j] = f;
+                    state[2 * h + j] = o;
+                    state[3 * h + j] = g;
+                    state[GATES * h + j] = c;
+                    state[(GATES + 1) * h + j] = hv;
+                    output[j] = hv;
+                }
+            }
+            seen = true;
+            drop(step);
+        }
+        Ok(())
+    }
+}
+
+/// Whether any sequence holds data at step `t`.
+fn step_active(mask: Option<ArrayView2<'_, f32>>, t: usize) -> bool {
+    mask.is_none_or(|m| m.column(t).iter().any(|&v| v != 0.0))
+}
+
+/// Copies the states (the last `width` columns) of slot `prev` into slot `cur`, or
+/// zeros them when there is no previous step.
+fn carry(cache: &mut ArrayViewMut3<'_, f32>, cur: usize, prev: Option<usize>, width: usize) {
+    let from = cache.shape()[2] - width;
+    match prev {
+        Some(prev) if prev != cur => {
+            let (mut now, before) = cache.multi_slice_mut((s![cur, .., from..], s![prev, .., from..]));
+            now.assign(&before);
+        }
+        Some(_) => {}
+        None => cache.slice_mut(s![cur, .., from..]).fill(0.0),
+    }
+}
+
+/// Slot `cur` mutably and slot `prev` (if any) of the cache.
+fn split<'c>(
+    cache: &'c mut ArrayViewMut3<'_, f32>,
+    cur: usize,
+    prev: Option<usize>,
+) -> (ArrayViewMut2<'c, f32>, Option<ArrayView2<'c, f32>>) {
+    match prev {
+        Some(prev) => {
+            let (now, before) = cache.multi_slice_mut((s![cur, .., ..], s![prev, .., ..]));
+            (now, Some(freeze(before)))
+        }
+        None => (cache.index_axis_mut(Axis(0), cur), None),
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl Layer for Lstm {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        if inputs != self.inputs {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' takes {} features per step", self.name, self.inputs),
+                expected: vec![self.inputs],
+                actual: vec![inputs],
+            });
+        }
+        Ok(self.hidden)
+    }
+
+    fn init(&mut self, rng: &mut Rng) {
+        let h = self.hidden;
+        let limit = |fan_in: usize| (6.0 / (fan_in + h) as f32).sqrt();
+        let (lw, lu) = (limit(self.inputs), limit(h));
+        self.w.mapv_inplace(|_| rng.uniform(-lw, lw));
+        self.u.mapv_inplace(|_| rng.uniform(-lu, lu));
+        self.b.fill(0.0);
+        self.b.slice_mut(s![h..2 * h]).fill(1.0);
+    }
+
+    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        Err(Error::ShapeMismatch {
+            context: format!(
+                "layer '{}' is recurrent and takes batches of sequences [batch, time, features]; feed the network \
+                 3-D batches (with their mask)",
+                self.name
+            ),
+            expected: vec![input.nrows(), 0, self.inputs],
+            actual: input.shape().to_vec(),
+        })
+    }
+
+    fn backward(
+        &mut self,
+        input: ArrayView2<'_, f32>,
+        output: ArrayView2<'_, f32>,
+        _grad_output: ArrayView2<'_, f32>,
+        _grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let _ = output;
+        Err(Error::ShapeMismatch {
+            context: format!("layer '{}' is recurrent and takes batches of sequences", self.name),
+            expected: vec![input.nrows(), 0, self.inputs],
+            actual: input.shape().to_vec(),
+        })
+    }
+
+    fn forward_sequence<'a>(
+        &mut self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        self.check(&input, mask.as_ref())?;
+        let (batch, steps, _) = input.dim();
+        let width = CACHED * self.hidden;
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
+        self.cache = Cache::Empty;
+        if !ctx.training {
+            let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, width))?;
+            self.run_forward(input, mask, ring, true, &mut out, ctx)?;
+        } else if ctx.mgr.is_scoped_out(ArrayType::Activations) {
+            let mut cache = Array3::zeros((steps, batch, width));
+            self.run_forward(input, mask, cache.view_mut(), false, &mut out, ctx)?;
+            self.cache = Cache::Heap(cache);
+        } else {
+            let mut cache = ctx.activations.zeros_handle::<f32, _>((steps, batch, width))?;
+            self.run_forward(input, mask, cache.view_mut(ctx.activations)?, false, &mut out, ctx)?;
+            self.cache = Cache::Workspace(cache);
+        }
+        Ok(Activations::Sequence(freeze(out)))
+    }
+
+    fn backward_sequence(
+        &mut self,
+        input: ArrayView3<'_, f32>,
+        mask: Option<ArrayView2<'_, f32>>,
+        _output: Activations<'_>,
+        grad_output: Activations<'_>,
+        mut grad_input: Option<ArrayViewMut3<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        self.check(&input, mask.as_ref())?;
+        let grad_output = grad_output.sequence(&self.name)?;
+        let (batch, steps, _) = input.dim();
+        let h = self.hidden;
+        if grad_output.dim() != (batch, steps, h) {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' output gradient", self.name),
+                expected: vec![batch, steps, h],
+                actual: grad_output.shape().to_vec(),
+            });
+        }
+        let cache = std::mem::replace(&mut self.cache, Cache::Empty);
+        let scope;
+        let cache_view = match &cache {
+            Cache::Empty => {
+                return Err(Error::InvalidInput(format!(
+                    "layer '{}': backward_sequence without a training forward pass before it",
+                    self.name
+                )))
+            }
+            Cache::Heap(cache) => cache.view(),
+            Cache::Workspace(handle) => {
+                scope = ctx.mgr.borrow_open(ArrayType::Activations)?;
+                handle.view(&scope)?
+            }
+        };
+        if cache_view.dim() != (steps, batch, CACHED * h) {
+            return Err(Error::InvalidInput(format!(
+                "layer '{}': backward_sequence on another batch than its forward pass ({:?} cached)",
+                self.name,
+                cache_view.shape()
+            )));
+        }
+        self.grad_w.fill(0.0);
+        self.grad_u.fill(0.0);
+        self.grad_b.fill(0.0);
+        if let Some(g) = grad_input.as_mut() {
+            g.fill(0.0);
+        }
+        // The gradients flowing back along the sequence: of h (first `h` columns) and of
+        // c (the next `h`), per sequence.
+        let mut carried = ctx.working.zeros::<f32, _>((batch, 2 * h))?;
+        for t in (0..steps).rev() {
+            if !step_active(mask, t) {
+                // Padding of every sequence: nothing changed here, nothing flows back.
+                continue;
+            }
+            let step = ctx.mgr.enter(ArrayType::RnnBpLoopWorkingMem)?;
+            let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
+            let mut dz = step.zeros::<f32, _>((batch, GATES * h))?;
+            let now = cache_view.index_axis(Axis(0), t);
+            let before = (t > 0).then(|| cache_view.index_axis(Axis(0), t - 1));
+            for r in 0..batch {
+                if mask.is_some_and(|m| m[[r, t]] == 0.0) {
+                    // This sequence's padding: its carried gradients pass through.
+                    continue;
+                }
+                let state = now.row(r);
+                let state = state.to_slice().expect("a cache row is contiguous");
+                let mut carry_row = carried.row_mut(r);
+                let carry_row = carry_row.as_slice_mut().expect("a row of a new array is contiguous");
+                let mut dz_row = dz.row_mut(r);
+                let dz_row = dz_row.as_slice_mut().expect("a row of a new array is contiguous");
+                let g_out = grad_output.slice(s![r, t, ..]);
+                for j in 0..h {
+                    let (i, f, o, g) = (state[j], state[h + j], state[2 * h + j], state[3 * h + j]);
+                    let c = state[GATES * h + j];
+                    let c_prev = before.as_ref().map_or(0.0, |b| b[[r, GATES * h + j]]);
+                    let dh = carry_row[j] + g_out[j];
+                    let tc = c.tanh();
+                    let d_o = dh * tc;
+                    let dc = carry_row[h + j] + dh * o * (1.0 - tc * tc);
+                    dz_row[j] = dc * g * i * (1.0 - i);
+                    dz_row[h + j] = dc * c_prev * f * (1.0 - f);
+                    dz_row[2 * h + j] = d_o * o * (1.0 - o);
+                    dz_row[3 * h + j] = dc * i * (1.0 - g * g);
+                    carry_row[h + j] = dc * f;
+                }
+            }
+            let dz = dz.view();
+            sgemm(1.0, input.index_axis(Axis(1), t).t(), dz, 1.0, self.grad_w.view_mut(), scratch)?;
+            for row in dz.rows() {
+                Zip::from(&mut self.grad_b).and(&row).for_each(|acc, &d| *acc += d);
+            }
+            if let Some(g) = grad_input.as_mut() {
+                sgemm(1.0, dz, self.w.t(), 0.0, g.index_axis_mut(Axis(1), t), scratch)?;
+            }
+            if let Some(before) = &before {
+                let h_before = before.slice(s![.., (CACHED - 1) * h..]);
+                sgemm(1.0, h_before.t(), dz, 1.0, self.grad_u.view_mut(), scratch)?;
+                // The gradient of h_{t-1}: through z for the sequences that hold data here,
+                // carried unchanged for those padded here.
+                let mut dh_before = step.zeros::<f32, _>((batch, h))?;
+                sgemm(1.0, dz, self.u.t(), 0.0, dh_before.view_mut(), scratch)?;
+                for r in 0..batch {
+                    if mask.is_none_or(|m| m[[r, t]] != 0.0) {
+                        carried.slice_mut(s![r, ..h]).assign(&dh_before.row(r));
+                    }
+                }
+            }
+            drop(step);
+        }
+        self.cache = cache;
+        Ok(())
+    }
+
+    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
+        f(Param {
+            value: self.w.as_slice_mut().expect("owned weights are contiguous"),
+            grad: self.grad_w.as_slice().expect("owned gradients are contiguous"),
+        });
+        f(Param {
+            value: self.u.as_slice_mut().expect("owned weights are contiguous"),
+            grad: self.grad_u.as_slice().expect("owned gradients are contiguous"),
+        });
+        f(Param {
+            value: self.b.as_slice_mut().expect("owned biases are contiguous"),
+            grad: self.grad_b.as_slice().expect("owned gradients are contiguous"),
+        });
+    }
+
+    fn param_count(&self) -> usize {
+        self.w.len() + self.u.len() + self.b.len()
+    }
+}

@@ -1,0 +1,298 @@
+//! Sequences: the LSTM and the sequence heads against finite differences, with masks;
+//! padded steps change nothing; Enabled and None give the same numbers; the network's
+//! sequence errors.
+
+use carve::nn::{
+    Activations, BackwardCtx, ForwardCtx, Input, LastStep, Layer, Lstm, MaskedMean, Network, NetworkConfig, Rng,
+};
+use carve::{ArrayType, Error, LayerWorkspaceMgr, WorkspaceConfig, WorkspaceMode};
+use ndarray::{s, Array1, Array2, Array3, Axis};
+
+/// A manager as the network's: the RNN loop roles in a workspace of their own.
+fn workspaces() -> LayerWorkspaceMgr {
+    let config = WorkspaceConfig::default();
+    LayerWorkspaceMgr::builder()
+        .with(ArrayType::Activations, "SEQ_ACT", config.clone())
+        .with(ArrayType::RnnFfLoopWorkingMem, "SEQ_RNN_LOOP", config.clone())
+        .with(ArrayType::RnnBpLoopWorkingMem, "SEQ_RNN_LOOP", config.clone())
+        .default_workspace("SEQ_WORKING", config)
+        .build()
+        .unwrap()
+}
+
+fn random3(shape: (usize, usize, usize), rng: &mut Rng) -> Array3<f32> {
+    Array3::from_shape_fn(shape, |_| rng.uniform(-1.0, 1.0))
+}
+
+/// `Σ y ⊙ r` for the layer's output `y` (so that `∂/∂y = r`), in f64.
+fn project(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, r: &[f32]) -> f64 {
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
+    let y = layer.forward_sequence(x.view(), Some(mask.view()), &ctx).unwrap();
+    let values: Vec<f32> = match y {
+        Activations::Flat(y) => y.iter().copied().collect(),
+        Activations::Sequence(y) => y.iter().copied().collect(),
+    };
+    values.iter().zip(r).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+}
+
+/// The analytic gradients of `project`: of the input, and of each parameter.
+fn analytic(
+    layer: &mut dyn Layer,
+    mgr: &LayerWorkspaceMgr,
+    x: &Array3<f32>,
+    mask: &Array2<f32>,
+    r: &[f32],
+) -> (Array3<f32>, Vec<Vec<f32>>) {
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
+    let y = layer.forward_sequence(x.view(), Some(mask.view()), &ctx).unwrap();
+    drop(working);
+    let grad_y_flat;
+    let grad_y_seq;
+    let grad_y = match y {
+        Activations::Flat(y) => {
+            grad_y_flat = Array2::from_shape_vec(y.raw_dim(), r.to_vec()).unwrap();
+            Activations::Flat(grad_y_flat.view())
+        }
+        Activations::Sequence(y) => {
+            grad_y_seq = Array3::from_shape_vec(y.raw_dim(), r.to_vec()).unwrap();
+            Activations::Sequence(grad_y_seq.view())
+        }
+    };
+    let mut gx = Array3::<f32>::from_elem(x.raw_dim(), f32::NAN);
+    let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
+    let ctx = BackwardCtx { working: &bp, mgr };
+    layer.backward_sequence(x.view(), Some(mask.view()), y, grad_y, Some(gx.view_mut()), &ctx).unwrap();
+    let mut grads = Vec::new();
+    layer.params(&mut |p| grads.push(p.grad.to_vec()));
+    (gx, grads)
+}
+
+fn close(numeric: f64, analytic: f32, what: &str) {
+    let (n, a) = (numeric, f64::from(analytic));
+    let scale = n.abs().max(a.abs()).max(1e-2);
+    assert!((n - a).abs() / scale < 2e-2, "{what}: numeric {n} vs analytic {a}");
+}
+
+fn nudge(layer: &mut dyn Layer, p: usize, k: usize, delta: f32) {
+    let mut index = 0;
+    layer.params(&mut |param| {
+        if index == p {
+            param.value[k] += delta;
+        }
+        index += 1;
+    });
+}
+
+/// Checks every input and parameter gradient of `layer` on `x` with `mask` against
+/// central differences, with the workspaces of `mgr`.
+fn check(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, outputs: usize) {
+    let mut rng = Rng::new(99);
+    let r: Vec<f32> = (0..outputs).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let (gx, grads) = analytic(layer, mgr, x, mask, &r);
+    let eps = 1e-2f32;
+    for (index, &g) in gx.indexed_iter() {
+        let (mut plus, mut minus) = (x.clone(), x.clone());
+        plus[index] += eps;
+        minus[index] -= eps;
+        let numeric = (project(layer, mgr, &plus, mask, &r) - project(layer, mgr, &minus, mask, &r)) / 0.02;
+        close(numeric, g, &format!("{} d/dx{index:?}", layer.name()));
+        if mask[[index.0, index.1]] == 0.0 {
+            assert_eq!(g, 0.0, "a padded step takes no gradient: d/dx{index:?}");
+        }
+    }
+    for (p, grad) in grads.iter().enumerate() {
+        for (k, &g) in grad.iter().enumerate() {
+            nudge(layer, p, k, eps);
+            let up = project(layer, mgr, x, mask, &r);
+            nudge(layer, p, k, -2.0 * eps);
+            let down = project(layer, mgr, x, mask, &r);
+            nudge(layer, p, k, eps);
+            close((up - down) / 0.02, g, &format!("{} d/dparam{p}[{k}]", layer.name()));
+        }
+    }
+}
+
+/// Three sequences of 6 steps: whole; with a hole at step 2 and padding after step 3;
+/// padding after step 2.
+fn mask() -> Array2<f32> {
+    ndarray::array![[1., 1., 1., 1., 1., 1.], [1., 1., 0., 1., 0., 0.], [1., 1., 1., 0., 0., 0.]]
+}
+
+#[test]
+fn lstm_gradients_match_finite_differences_with_masked_steps_in_the_middle_and_at_the_end() {
+    for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
+        let mut lstm = Lstm::new(3, 4).unwrap();
+        lstm.init(&mut Rng::new(5));
+        let x = random3((3, 6, 3), &mut Rng::new(6));
+        check(&mut lstm, &mgr, &x, &mask(), 3 * 6 * 4);
+        assert_eq!(lstm.param_count(), 4 * 4 * (3 + 4 + 1));
+    }
+}
+
+#[test]
+fn the_forget_gate_biases_start_at_one_in_dl4j_gate_order() {
+    let mut lstm = Lstm::new(2, 3).unwrap();
+    lstm.init(&mut Rng::new(1));
+    let b = lstm.bias().to_vec();
+    assert_eq!(b, [0., 0., 0., 1., 1., 1., 0., 0., 0., 0., 0., 0.], "gates i, f, o, g");
+    assert_eq!(lstm.input_weights().dim(), (2, 12));
+    assert_eq!(lstm.recurrent_weights().dim(), (3, 12));
+}
+
+#[test]
+fn head_gradients_match_finite_differences_with_masks() {
+    let x = random3((3, 6, 4), &mut Rng::new(8));
+    for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
+        check(&mut LastStep::new(), &mgr, &x, &mask(), 3 * 4);
+        check(&mut MaskedMean::new(), &mgr, &x, &mask(), 3 * 4);
+    }
+}
+
+#[test]
+fn heads_read_only_the_steps_that_hold_data() {
+    let x = Array3::from_shape_fn((3, 6, 1), |(r, t, _)| (10 * r + t) as f32);
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: false };
+    let m = mask();
+    let last = LastStep::new().forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    let last = last.flat("last").unwrap();
+    assert_eq!(last.column(0).to_vec(), [5.0, 13.0, 22.0]);
+    let mean = MaskedMean::new().forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    let mean = mean.flat("mean").unwrap();
+    let expected = [2.5, (10. + 11. + 13.) / 3., 21.0];
+    for (got, want) in mean.column(0).iter().zip(expected) {
+        assert!((got - want).abs() < 1e-5, "mean {got} against {want}");
+    }
+    let empty = ndarray::array![[1., 1., 1., 1., 1., 1.], [0., 0., 0., 0., 0., 0.], [1., 0., 0., 0., 0., 0.]];
+    let err = LastStep::new().forward_sequence(x.view(), Some(empty.view()), &ctx).unwrap_err();
+    assert!(err.to_string().contains("sequence 1 of the batch has no step that holds data"), "{err}");
+}
+
+fn sequence_network(mode: WorkspaceMode, seed: u64, mean: bool) -> Network {
+    let builder = NetworkConfig::builder(3).lstm(8);
+    let builder = if mean { builder.masked_mean() } else { builder.last_step() };
+    let config = builder.dense(4).seed(seed).training_workspace_mode(mode).inference_workspace_mode(mode);
+    Network::new(config.build().unwrap()).unwrap()
+}
+
+/// Every parameter's bits.
+fn param_bits(net: &mut Network) -> Vec<u32> {
+    let mut bits = Vec::new();
+    for layer in net.layers_mut() {
+        layer.params(&mut |p| bits.extend(p.value.iter().map(|v| v.to_bits())));
+    }
+    bits
+}
+
+/// Pads a batch with `extra` steps of mask 0 (holding junk, which must not matter).
+fn pad(x: &Array3<f32>, mask: &Array2<f32>, extra: usize) -> (Array3<f32>, Array2<f32>) {
+    let (b, t, f) = x.dim();
+    let mut px = Array3::from_elem((b, t + extra, f), 7.5);
+    px.slice_mut(s![.., ..t, ..]).assign(x);
+    let mut pm = Array2::zeros((b, t + extra));
+    pm.slice_mut(s![.., ..t]).assign(mask);
+    (px, pm)
+}
+
+#[test]
+fn padding_a_batch_with_masked_steps_changes_neither_the_loss_nor_the_step() {
+    // Bit-identical: a step that is padding for every sequence is skipped outright,
+    // forward and backward, and the heads read only the steps that hold data. (A step
+    // that is padding for some sequences only is computed for the others; the padded
+    // rows' states are copied, and their gradients are not touched.)
+    let x = random3((3, 6, 3), &mut Rng::new(21));
+    let y = Array1::from(vec![0u32, 3, 1]);
+    for mean in [false, true] {
+        let mut plain = sequence_network(WorkspaceMode::Enabled, 4, mean);
+        let mut padded = sequence_network(WorkspaceMode::Enabled, 4, mean);
+        let (px, pm) = pad(&x, &mask(), 5);
+        for _ in 0..3 {
+            let a = plain.fit_batch((x.view(), mask().view()), y.view()).unwrap();
+            let b = padded.fit_batch((px.view(), pm.view()), y.view()).unwrap();
+            assert_eq!(a.to_bits(), b.to_bits(), "loss");
+            assert_eq!(param_bits(&mut plain), param_bits(&mut padded), "parameters after the step");
+        }
+        let a = plain.output((x.view(), mask().view())).unwrap();
+        let b = padded.output((px.view(), pm.view())).unwrap();
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn workspaces_do_not_change_the_numbers_of_sequences_of_varying_length() {
+    let mut rng = Rng::new(31);
+    let batches: Vec<(Array3<f32>, Array2<f32>, Array1<u32>)> = (0..12)
+        .map(|i| {
+            let steps = 4 + (i * 5) % 9;
+            let x = random3((5, steps, 3), &mut rng);
+            let m = Array2::from_shape_fn((5, steps), |(r, t)| if t < steps - (r % 3) { 1.0 } else { 0.0 });
+            let y = Array1::from_shape_fn(5, |r| ((r + i) % 4) as u32);
+            (x, m, y)
+        })
+        .collect();
+    let run = |mode| {
+        let mut net = sequence_network(mode, 9, false);
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            for (x, m, y) in &batches {
+                losses.push(net.fit_batch((x.view(), m.view()), y.view()).unwrap().to_bits());
+            }
+        }
+        (losses, param_bits(&mut net))
+    };
+    let enabled = run(WorkspaceMode::Enabled);
+    assert_eq!(enabled, run(WorkspaceMode::None), "Enabled and None must be bit-identical");
+    let losses: Vec<f32> = enabled.0.iter().map(|&b| f32::from_bits(b)).collect();
+    assert!(losses[24..].iter().sum::<f32>() < losses[..12].iter().sum::<f32>(), "it learns: {losses:?}");
+}
+
+#[test]
+fn sequence_inputs_are_checked() {
+    let mut net = sequence_network(WorkspaceMode::Enabled, 1, false);
+    let x = Array3::<f32>::zeros((2, 4, 3));
+    let y = Array1::from(vec![0u32, 1]);
+    let bad_mask = ndarray::array![[1., 1., 0.5, 0.], [1., 1., 1., 1.]];
+    let err = net.fit_batch((x.view(), bad_mask.view()), y.view()).unwrap_err();
+    assert!(err.to_string().contains("mask holds 0.5 at sequence 0, step 2"), "{err}");
+    let empty = ndarray::array![[1., 1., 0., 0.], [0., 0., 0., 0.]];
+    let err = net.fit_batch((x.view(), empty.view()), y.view()).unwrap_err();
+    assert!(err.to_string().contains("sequence 1 of the batch has no step"), "{err}");
+    let short = Array2::<f32>::ones((2, 3));
+    let err = net.fit_batch((x.view(), short.view()), y.view()).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    let wide = Array3::<f32>::zeros((2, 4, 5));
+    assert!(matches!(net.fit_batch(wide.view(), y.view()), Err(Error::ShapeMismatch { .. })));
+    // A flat batch for a recurrent network, and sequences without a head.
+    let flat = Array2::<f32>::zeros((2, 3));
+    let err = net.fit_batch(flat.view(), y.view()).unwrap_err();
+    assert!(err.to_string().contains("takes batches of sequences"), "{err}");
+    let headless = NetworkConfig::builder(3).lstm(4).build().unwrap();
+    let mut headless = Network::new(headless).unwrap();
+    let err = headless.fit_batch(x.view(), y.view()).unwrap_err();
+    assert!(err.to_string().contains("put a head such as `last_step()`"), "{err}");
+    // Nothing changed, and the network is usable.
+    assert!(net.fit_batch(Input::from(x.view()), y.view()).unwrap().is_finite());
+}
+
+#[test]
+fn evaluate_takes_sequences_in_batches_with_their_masks() {
+    let mut net = sequence_network(WorkspaceMode::Enabled, 2, false);
+    let x = random3((7, 5, 3), &mut Rng::new(3));
+    let m = Array2::from_shape_fn((7, 5), |(r, t)| if t <= r % 5 { 1.0 } else { 0.0 });
+    let probs = net.output((x.view(), m.view())).unwrap();
+    let labels = probs.map_axis(Axis(1), |row| {
+        row.iter().enumerate().fold(0, |best, (i, &v)| if v > row[best] { i } else { best }) as u32
+    });
+    for batch in [1, 3, 7, 10] {
+        assert_eq!(net.evaluate((x.view(), m.view()), labels.view(), batch).unwrap(), 1.0, "batch {batch}");
+    }
+    // Per-row results do not depend on the other rows of the batch.
+    let first = net.output((x.slice(s![..1, .., ..]), m.slice(s![..1, ..]))).unwrap();
+    assert_eq!(first.row(0), probs.row(0));
+}
