@@ -1,0 +1,446 @@
+//! Trains an LSTM classifier on the UCI Japanese Vowels sequences (270 training and 370
+//! test utterances of 12 coefficients, 7 to 29 steps long, 9 speakers), with carve
+//! workspaces on or off, from a prefetcher whose batches are padded only to their own
+//! longest sequence: batch sizes vary, the prefetch ring grows for a longer batch, and
+//! the network's workspaces settle once the longest batch has been seen.
+//!
+//! ```text
+//! cargo run --release --example train_sequences
+//! cargo run --release --example train_sequences -- --compare --json
+//! ```
+//!
+//! | flag | default | what |
+//! |---|---|---|
+//! | `--workspace-mode MODE` | `enabled` | `enabled` or `none` (ignored with `--compare`) |
+//! | `--compare` | off | train both modes (same seed) and check that their loss traces are bit-identical |
+//! | `--epochs N` | 40 | passes over the training set |
+//! | `--batch-size N` | 16 | sequences per training iteration |
+//! | `--hidden W,W,...` | `64` | LSTM widths, one stacked LSTM per width |
+//! | `--head last\|mean` | `last` | the sequence head: last unmasked step, or masked mean |
+//! | `--bucket N` | 0 | sort sequences by length within windows of N batches (0: off) |
+//! | `--lr X` | 0.005 | Adam learning rate |
+//! | `--seed N` | 0 | weights and batch order |
+//! | `--prefetch-depth N` | 2 | batches filled ahead on the prefetcher's thread (0: inline) |
+//! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`) |
+
+#[path = "common/cli.rs"]
+mod cli;
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use carve::alloc_check::{thread_counts, CountingAllocator};
+use carve::async_iter::{Prefetcher, Sequences, Threading, MAX_DEPTH};
+use carve::nn::{Input, Network, NetworkConfig, Updater};
+use carve::WorkspaceMode;
+use clap::Parser;
+use flate2::read::GzDecoder;
+use ndarray::{Array2, Ix1, Ix2, Ix3};
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator::system();
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Coefficients per frame and speakers.
+const FEATURES: usize = 12;
+const CLASSES: usize = 9;
+
+/// Trains an LSTM classifier on the UCI Japanese Vowels sequences with carve
+/// workspaces on or off, from a prefetcher of variable-length batches.
+#[derive(Parser, Debug)]
+#[command(name = "train_sequences", version, next_line_help = true)]
+struct Args {
+    /// Workspaces during training and evaluation: `enabled` or `none` (ignored with
+    /// --compare)
+    #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode)]
+    workspace_mode: WorkspaceMode,
+    /// Train both modes (same seed) and check that their loss traces are bit-identical
+    #[arg(long)]
+    compare: bool,
+    /// Passes over the training set (1 or more)
+    #[arg(long, value_name = "N", default_value_t = 40, value_parser = parse_count)]
+    epochs: usize,
+    /// Sequences per training iteration (1 or more)
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = parse_count)]
+    batch_size: usize,
+    /// LSTM widths, comma-separated: one stacked LSTM each (each 1 to 4096)
+    #[arg(long, value_name = "W,W,...", value_delimiter = ',', default_value = "64", value_parser = parse_width)]
+    hidden: Vec<usize>,
+    /// The sequence head: `last` (each sequence's last unmasked step) or `mean` (the
+    /// mean over its unmasked steps)
+    #[arg(long, value_name = "HEAD", default_value = "last", value_parser = ["last", "mean"])]
+    head: String,
+    /// Sort sequences by length within windows of N batches, so a batch pads less (0:
+    /// off)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    bucket: usize,
+    /// Adam learning rate (finite, above 0)
+    #[arg(long, value_name = "X", default_value_t = 5e-3, value_parser = parse_lr, allow_negative_numbers = true)]
+    lr: f32,
+    /// Seed of the weights and the batch order
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    seed: u64,
+    /// Batches the prefetcher fills ahead on its own thread (0 to 1024); 0 fills them
+    /// inline in the training thread
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_depth)]
+    prefetch_depth: usize,
+    /// Print one JSON object on stdout (the rest goes to stderr)
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "enabled" => Ok(WorkspaceMode::Enabled),
+        "none" => Ok(WorkspaceMode::None),
+        _ => Err(format!("'{s}' is not a workspace mode: use `enabled` or `none`")),
+    }
+}
+
+fn parse_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("'{s}' is not a whole number of 1 or more")),
+    }
+}
+
+fn parse_width(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=4096).contains(&n) => Ok(n),
+        _ => Err(format!("'{s}' is not a width from 1 to 4096")),
+    }
+}
+
+fn parse_lr(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("'{s}' is not a finite learning rate above 0")),
+    }
+}
+
+fn parse_depth(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= MAX_DEPTH => Ok(n),
+        _ => Err(format!("'{s}' is not a depth from 0 to {MAX_DEPTH}")),
+    }
+}
+
+/// One split of the data: sequences `(steps, 12)` and speakers 0..9.
+struct Split {
+    sequences: Vec<Array2<f32>>,
+    labels: Vec<u32>,
+}
+
+fn data_path() -> PathBuf {
+    match std::env::var_os("TRAIN_SEQUENCES_DATA") {
+        Some(path) => PathBuf::from(path),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/japanese_vowels.csv.gz"),
+    }
+}
+
+/// Reads `split,series,label,step,c1..c12` rows into the train and test splits.
+fn load(path: &Path) -> Res<(Split, Split)> {
+    let file = File::open(path).map_err(|e| {
+        format!(
+            "cannot open the Japanese Vowels data at {}: {e} (it ships with the repository as \
+             examples/data/japanese_vowels.csv.gz; TRAIN_SEQUENCES_DATA overrides the path)",
+            path.display()
+        )
+    })?;
+    let mut reader = csv::Reader::from_reader(GzDecoder::new(BufReader::new(file)));
+    let mut splits = [(Vec::<Vec<f32>>::new(), Vec::<u32>::new()), (Vec::new(), Vec::new())];
+    for (i, record) in reader.records().enumerate() {
+        let bad = |what: String| format!("{}: row {}: {what}", path.display(), i + 2);
+        let record = record.map_err(|e| bad(format!("cannot read it ({e})")))?;
+        if record.len() != 4 + FEATURES {
+            return Err(bad(format!("{} fields, expected {}", record.len(), 4 + FEATURES)).into());
+        }
+        let which = match &record[0] {
+            "train" => 0,
+            "test" => 1,
+            other => return Err(bad(format!("split '{other}' is neither train nor test")).into()),
+        };
+        let number = |field: &str| field.trim().parse::<usize>().map_err(|_| bad(format!("'{field}' is not a count")));
+        let (series, label, step) = (number(&record[1])?, number(&record[2])?, number(&record[3])?);
+        if !(1..=CLASSES).contains(&label) {
+            return Err(bad(format!("speaker {label} is not 1 to {CLASSES}")).into());
+        }
+        let (frames, labels) = &mut splits[which];
+        if series == frames.len() {
+            frames.push(Vec::new());
+            labels.push(label as u32 - 1);
+        }
+        if series + 1 != frames.len() || frames[series].len() != step * FEATURES || labels[series] != label as u32 - 1 {
+            return Err(bad(format!("series {series} step {step} is out of order")).into());
+        }
+        for field in record.iter().skip(4) {
+            let v: f32 = field.trim().parse().map_err(|_| bad(format!("'{field}' is not a number")))?;
+            frames[series].push(v);
+        }
+    }
+    let [train, test] = splits.map(|(frames, labels)| Split {
+        sequences: frames
+            .into_iter()
+            .map(|f| Array2::from_shape_vec((f.len() / FEATURES, FEATURES), f).expect("whole frames"))
+            .collect(),
+        labels,
+    });
+    if train.labels.is_empty() || test.labels.is_empty() {
+        return Err(format!("{}: no training or no test sequences", path.display()).into());
+    }
+    let (mut train, mut test) = (train, test);
+    standardize(&mut train, &mut test);
+    Ok((train, test))
+}
+
+/// Scales each coefficient to mean 0 and standard deviation 1 over the training
+/// frames (the test set with the training set's statistics).
+fn standardize(train: &mut Split, test: &mut Split) {
+    let frames = train.sequences.iter().map(|s| s.nrows()).sum::<usize>() as f64;
+    let mut mean = [0.0f64; FEATURES];
+    let mut square = [0.0f64; FEATURES];
+    for seq in &train.sequences {
+        for row in seq.rows() {
+            for (j, &v) in row.iter().enumerate() {
+                mean[j] += f64::from(v);
+                square[j] += f64::from(v) * f64::from(v);
+            }
+        }
+    }
+    let scale: Vec<(f32, f32)> = (0..FEATURES)
+        .map(|j| {
+            let m = mean[j] / frames;
+            let sd = (square[j] / frames - m * m).max(1e-12).sqrt();
+            (m as f32, (1.0 / sd) as f32)
+        })
+        .collect();
+    for seq in train.sequences.iter_mut().chain(test.sequences.iter_mut()) {
+        for mut row in seq.rows_mut() {
+            for (v, &(m, s)) in row.iter_mut().zip(&scale) {
+                *v = (*v - m) * s;
+            }
+        }
+    }
+}
+
+fn mode_name(mode: WorkspaceMode) -> &'static str {
+    match mode {
+        WorkspaceMode::Enabled => "enabled",
+        WorkspaceMode::None => "none",
+    }
+}
+
+/// What one mode's run measured.
+#[derive(Default)]
+struct Trace {
+    loss: Vec<f32>,
+    iter_ns: Vec<u64>,
+    allocs: Vec<u64>,
+    workspace_bytes: Vec<u64>,
+    epoch_ms: Vec<f64>,
+    test_accuracy: Vec<f64>,
+    capacity_after_first_epoch: usize,
+    capacity_final: usize,
+    shapes: BTreeSet<(usize, usize)>,
+    max_steps: usize,
+    ring_growths: u64,
+}
+
+fn prefetcher(split: &Split, args: &Args, seed: u64, mode: WorkspaceMode) -> Res<Prefetcher<Sequences<f32, u32>>> {
+    let source = Sequences::new(split.sequences.clone(), split.labels.clone(), args.batch_size)?.shuffled(seed);
+    let source = if args.bucket > 0 { source.bucketed(args.bucket)? } else { source };
+    let builder = Prefetcher::builder(source).workspace_mode(mode);
+    let builder = match args.prefetch_depth {
+        0 => builder.threading(Threading::Shield),
+        depth => builder.depth(depth),
+    };
+    Ok(builder.build()?)
+}
+
+fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) -> Res<Trace> {
+    let mut builder = NetworkConfig::builder(FEATURES);
+    for &width in &args.hidden {
+        builder = builder.lstm(width);
+    }
+    builder = if args.head == "mean" { builder.masked_mean() } else { builder.last_step() };
+    let config = builder
+        .dense(CLASSES)
+        .seed(args.seed)
+        .updater(Updater::adam(args.lr))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()?;
+    let mut net = Network::new(config)?;
+    let mut batches = prefetcher(train_split, args, args.seed, mode)?;
+    let mut test_batches = prefetcher(test, args, 0, mode)?;
+    let mut trace = Trace::default();
+    for epoch in 1..=args.epochs {
+        let start = Instant::now();
+        while let Some(lease) = batches.next() {
+            let lease = lease?;
+            let x = lease.features::<f32, Ix3>()?;
+            let mask = lease.features_mask::<f32, Ix2>()?;
+            let y = lease.labels::<u32, Ix1>()?;
+            trace.shapes.insert((x.shape()[0], x.shape()[1]));
+            trace.max_steps = trace.max_steps.max(x.shape()[1]);
+            let input = Input::Sequences { features: x, mask };
+            let before = thread_counts();
+            let t0 = Instant::now();
+            let loss = net.fit_batch(input, y)?;
+            let elapsed = t0.elapsed();
+            let after = thread_counts();
+            trace.loss.push(loss);
+            trace.iter_ns.push(elapsed.as_nanos() as u64);
+            trace.allocs.push(after.allocations - before.allocations);
+            trace.workspace_bytes.push(net.last_iteration_workspace_bytes() as u64);
+        }
+        batches.reset()?;
+        trace.epoch_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        if epoch == 1 {
+            trace.capacity_after_first_epoch = net.workspace_capacity();
+        }
+        let accuracy = net.evaluate_batches(&mut test_batches)?;
+        trace.test_accuracy.push(accuracy);
+        if !args.json && (epoch == 1 || epoch == args.epochs || epoch % 10 == 0) {
+            let loss = trace.loss.iter().rev().take(train_split.labels.len().div_ceil(args.batch_size));
+            let mean =
+                loss.map(|&l| f64::from(l)).sum::<f64>() / train_split.labels.len().div_ceil(args.batch_size) as f64;
+            eprintln!(
+                "{:>7} epoch {epoch:>3}/{}: loss {mean:.4}  test accuracy {accuracy:.4}  {:.1} ms",
+                mode_name(mode),
+                args.epochs,
+                trace.epoch_ms.last().unwrap_or(&0.0)
+            );
+        }
+    }
+    trace.ring_growths = batches.stats().ring_growths;
+    trace.capacity_final = net.workspace_capacity();
+    Ok(trace)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn run(args: &Args) -> Res<()> {
+    let (train_split, test) = load(&data_path())?;
+    let modes: &[WorkspaceMode] = if args.compare {
+        &[WorkspaceMode::Enabled, WorkspaceMode::None]
+    } else {
+        std::slice::from_ref(&args.workspace_mode)
+    };
+    let say = |text: String| if args.json { eprintln!("{text}") } else { println!("{text}") };
+    let widths: Vec<String> = args.hidden.iter().map(usize::to_string).collect();
+    say(format!(
+        "train_sequences: LSTM {FEATURES}-{}-{CLASSES} ({} head), Adam lr {}, batch {}, seed {}",
+        widths.join("-"),
+        args.head,
+        args.lr,
+        args.batch_size,
+        args.seed
+    ));
+    say(format!(
+        "{} epochs; {} training sequences, {} test sequences, {} to {} steps",
+        args.epochs,
+        train_split.labels.len(),
+        test.labels.len(),
+        train_split.sequences.iter().chain(&test.sequences).map(|s| s.nrows()).min().unwrap_or(0),
+        train_split.sequences.iter().chain(&test.sequences).map(|s| s.nrows()).max().unwrap_or(0),
+    ));
+    let mut traces = Vec::new();
+    for &mode in modes {
+        traces.push((mode, train(args, mode, &train_split, &test)?));
+    }
+    let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
+    let mut object = serde_json::json!({
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "batch_size_used": args.batch_size.min(train_split.labels.len()),
+        "hidden": args.hidden,
+        "head": args.head,
+        "seed": args.seed,
+        "lr": args.lr.to_string().parse::<f64>()?,
+        "train_rows": train_split.labels.len(),
+        "test_rows": test.labels.len(),
+    });
+    for (mode, t) in &traces {
+        let steady = &t.allocs[per_epoch.min(t.allocs.len())..];
+        let steady_max = steady.iter().copied().max();
+        let iter_us: Vec<f64> = t.iter_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
+        let accuracy = t.test_accuracy.last().copied().unwrap_or(0.0);
+        say(format!(
+            "{:>7}: test accuracy {accuracy:.4}; median iteration {:.0} µs, epoch {:.1} ms; heap allocations per \
+             steady iteration: max {}; workspace capacity {} after epoch 1, {} at the end; ring growths {}; {} batch \
+             shapes, up to {} steps",
+            mode_name(*mode),
+            median(&iter_us),
+            median(&t.epoch_ms),
+            steady_max.map_or("n/a".into(), |m| m.to_string()),
+            t.capacity_after_first_epoch,
+            t.capacity_final,
+            t.ring_growths,
+            t.shapes.len(),
+            t.max_steps,
+        ));
+        object[mode_name(*mode)] = serde_json::json!({
+            "test_accuracy": accuracy,
+            "final_loss": t.loss.last(),
+            "test_accuracy_per_epoch": t.test_accuracy,
+            "iter_us_median": median(&iter_us),
+            "epoch_ms_median": median(&t.epoch_ms),
+            "steady_state_iterations": steady.len(),
+            "steady_state_allocs_max": steady_max,
+            "steady_state_allocs_per_iter": if steady.is_empty() { None } else {
+                Some(steady.iter().sum::<u64>() as f64 / steady.len() as f64)
+            },
+            "workspace_bytes": t.workspace_bytes.iter().copied().max(),
+            "workspace_capacity_after_epoch_1": t.capacity_after_first_epoch,
+            "workspace_capacity": t.capacity_final,
+            "ring_growths": t.ring_growths,
+            "distinct_batch_shapes": t.shapes.len(),
+            "max_steps": t.max_steps,
+        });
+    }
+    // The keys every mode shares, at the top level too.
+    if let Some((_, t)) = traces.first() {
+        object["ring_growths"] = t.ring_growths.into();
+        object["distinct_batch_shapes"] = t.shapes.len().into();
+        object["max_steps"] = t.max_steps.into();
+    }
+    let identical = match &traces[..] {
+        [(_, a), (_, b)] => {
+            let same =
+                a.loss.len() == b.loss.len() && a.loss.iter().zip(&b.loss).all(|(x, y)| x.to_bits() == y.to_bits());
+            say(format!(
+                "loss traces: {} ({} iterations)",
+                if same { "bit-identical" } else { "DIFFERENT" },
+                a.loss.len()
+            ));
+            let ratio = median(&a.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>())
+                / median(&b.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>());
+            object["iter_time_ratio_enabled_over_none"] = ratio.into();
+            Some(same)
+        }
+        _ => None,
+    };
+    object["loss_traces_identical"] = identical.into();
+    if args.json {
+        println!("{}", serde_json::to_string(&object)?);
+    }
+    if identical == Some(false) {
+        return Err("the loss traces of workspaces enabled and none differ: workspaces changed the arithmetic".into());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Args = cli::parse();
+    cli::exit_status::<Args, _>(run(&args))
+}
