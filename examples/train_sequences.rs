@@ -46,17 +46,19 @@ static ALLOC: CountingAllocator = CountingAllocator::system();
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Trains an LSTM classifier on the UCI Japanese Vowels sequences with carve
-/// workspaces on or off, from a prefetcher of variable-length batches.
+/// Trains an LSTM classifier on the UCI Japanese Vowels sequences
+/// with carve workspaces on or off, from a prefetcher of batches
+/// padded to their own longest sequence.
 #[derive(Parser, Debug)]
-#[command(name = "train_sequences", version, next_line_help = true)]
+#[command(name = "train_sequences", version, verbatim_doc_comment, next_line_help = true)]
 struct Args {
-    /// Workspaces during training and evaluation: `enabled` or `none` (ignored with
-    /// --compare)
-    #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode)]
+    /// Workspaces during training and evaluation: `enabled` or
+    /// `none` (ignored with --compare)
+    #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode, verbatim_doc_comment)]
     workspace_mode: WorkspaceMode,
-    /// Train both modes (same seed) and check that their loss traces are bit-identical
-    #[arg(long)]
+    /// Train both modes (same seed) and check that their loss
+    /// traces are bit-identical
+    #[arg(long, verbatim_doc_comment)]
     compare: bool,
     /// Passes over the training set (1 or more)
     #[arg(long, value_name = "N", default_value_t = 40, value_parser = parse_count)]
@@ -64,16 +66,24 @@ struct Args {
     /// Sequences per training iteration (1 or more)
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = parse_count)]
     batch_size: usize,
-    /// LSTM widths, comma-separated: one stacked LSTM each (each 1 to 4096)
-    #[arg(long, value_name = "W,W,...", value_delimiter = ',', default_value = "64", value_parser = parse_width)]
+    /// LSTM widths, comma-separated, one stacked LSTM each
+    /// (each 1 to 4096)
+    #[arg(
+        long,
+        value_name = "W,W,...",
+        value_delimiter = ',',
+        default_value = "64",
+        value_parser = parse_width,
+        verbatim_doc_comment
+    )]
     hidden: Vec<usize>,
-    /// The sequence head: `last` (each sequence's last unmasked step) or `mean` (the
-    /// mean over its unmasked steps)
-    #[arg(long, value_name = "HEAD", default_value = "last", value_parser = ["last", "mean"])]
+    /// The sequence head: `last` (each sequence's last unmasked
+    /// step) or `mean` (the mean over its unmasked steps)
+    #[arg(long, value_name = "HEAD", default_value = "last", value_parser = parse_head, verbatim_doc_comment)]
     head: String,
-    /// Sort sequences by length within windows of N batches, so a batch pads less (0:
-    /// off)
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Sort sequences by length within windows of N batches, so
+    /// that a batch pads less (0: off)
+    #[arg(long, value_name = "N", default_value_t = 0, verbatim_doc_comment)]
     bucket: usize,
     /// Adam learning rate (finite, above 0)
     #[arg(long, value_name = "X", default_value_t = 5e-3, value_parser = parse_lr, allow_negative_numbers = true)]
@@ -81,13 +91,20 @@ struct Args {
     /// Seed of the weights and the batch order
     #[arg(long, value_name = "N", default_value_t = 0)]
     seed: u64,
-    /// Batches the prefetcher fills ahead on its own thread (0 to 1024); 0 fills them
-    /// inline in the training thread
-    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_depth)]
+    /// Batches the prefetcher fills ahead on its own thread
+    /// (0 to 1024); 0 fills them inline in the training thread
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = parse_depth, verbatim_doc_comment)]
     prefetch_depth: usize,
     /// Print one JSON object on stdout (the rest goes to stderr)
     #[arg(long)]
     json: bool,
+}
+
+fn parse_head(s: &str) -> Result<String, String> {
+    match s {
+        "last" | "mean" => Ok(s.to_string()),
+        _ => Err(format!("'{s}' is not a head: use `last` or `mean`")),
+    }
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {

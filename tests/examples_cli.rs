@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-const EXAMPLES: [&str; 4] = ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke"];
+const EXAMPLES: [&str; 5] = ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences"];
 
 /// The examples' directory, after building them once per test process.
 fn examples_dir() -> &'static Path {
@@ -77,6 +77,7 @@ fn help_prints_usage_within_80_columns_and_runs_nothing() {
         ("custom_layer", &["epoch "]),
         ("prefetch_overlap", &["prefetch overlap:"]),
         ("cuda_smoke", &["no CUDA device:", "device:"]),
+        ("train_sequences", &["train_sequences:", "enabled", "loss traces"]),
     ] {
         let stdout = text(&run(name, &["--help"]).stdout);
         let ran = stdout.lines().any(|line| running.iter().any(|start| line.starts_with(start)));
@@ -87,6 +88,22 @@ fn help_prints_usage_within_80_columns_and_runs_nothing() {
     }
     for flag in ["--json", "--rounds"] {
         assert!(text(&run("cuda_smoke", &["--help"]).stdout).contains(flag), "cuda_smoke {flag}");
+    }
+    // train_digits' flags, and the head and the bucketing.
+    for flag in [
+        "--compare",
+        "--workspace-mode",
+        "--epochs",
+        "--batch-size",
+        "--hidden",
+        "--lr",
+        "--seed",
+        "--json",
+        "--prefetch-depth",
+        "--head",
+        "--bucket",
+    ] {
+        assert!(text(&run("train_sequences", &["--help"]).stdout).contains(flag), "train_sequences {flag}");
     }
 }
 
@@ -110,6 +127,14 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("prefetch_overlap", &["--depth", "two"], "'--depth <D>'", ""),
         ("cuda_smoke", &["--rounds", "0"], "'--rounds <N>'", "1..=1000"),
         ("cuda_smoke", &["--rounds", "many"], "'--rounds <N>'", ""),
+        ("train_sequences", &["--epochs", "0"], "'--epochs <N>'", "1 or more"),
+        ("train_sequences", &["--batch-size", "0"], "'--batch-size <N>'", "1 or more"),
+        ("train_sequences", &["--hidden", "64,0"], "'--hidden <W,W,...>'", "1 to 4096"),
+        ("train_sequences", &["--lr", "-1"], "'--lr <X>'", "above 0"),
+        ("train_sequences", &["--lr", "nan"], "'--lr <X>'", "above 0"),
+        ("train_sequences", &["--prefetch-depth", "2000"], "'--prefetch-depth <N>'", "0 to 1024"),
+        ("train_sequences", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
+        ("train_sequences", &["--head", "max"], "'--head <HEAD>'", "last"),
     ] {
         let stderr = usage_error(name, args);
         assert!(stderr.contains(flag) && stderr.contains(range), "{name} {args:?}: '{flag}', '{range}' in {stderr}");
@@ -130,4 +155,28 @@ fn errors_while_running_print_their_message_not_a_debug_dump() {
         );
         assert!(!stderr.contains("InvalidDebugMode"), "{name}: a Debug dump: {stderr}");
     }
+}
+
+#[test]
+fn train_sequences_compares_the_modes_on_variable_length_batches_in_json() {
+    let output = run("train_sequences", &["--compare", "--epochs", "2", "--hidden", "8", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).unwrap();
+    assert_eq!(json["loss_traces_identical"], serde_json::Value::Bool(true), "{json}");
+    assert_eq!((json["train_rows"].as_u64(), json["test_rows"].as_u64()), (Some(270), Some(370)), "{json}");
+    assert!(json["distinct_batch_shapes"].as_u64().is_some_and(|n| n > 1), "{json}");
+    assert!(json["max_steps"].as_u64().is_some_and(|n| (7..=29).contains(&n)), "{json}");
+    assert!(json["ring_growths"].as_u64().is_some(), "{json}");
+    assert!(json["iter_time_ratio_enabled_over_none"].is_number(), "{json}");
+    for mode in ["enabled", "none"] {
+        let m = &json[mode];
+        for key in ["test_accuracy", "final_loss", "iter_us_median", "epoch_ms_median", "steady_state_allocs_max"] {
+            assert!(!m[key].is_null(), "{mode}.{key} in {json}");
+        }
+    }
+    // After the first epoch no training iteration allocates with workspaces, and every
+    // one does without.
+    assert_eq!(json["enabled"]["steady_state_allocs_max"].as_u64(), Some(0), "{json}");
+    assert!(json["none"]["steady_state_allocs_max"].as_u64().is_some_and(|n| n > 0), "{json}");
 }
