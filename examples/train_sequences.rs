@@ -21,10 +21,13 @@
 //! | `--lr X` | 0.005 | Adam learning rate |
 //! | `--seed N` | 0 | weights and batch order |
 //! | `--prefetch-depth N` | 2 | batches filled ahead on the prefetcher's thread (0: inline) |
+//! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
 //! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`) |
 
 #[path = "common/cli.rs"]
 mod cli;
+#[path = "common/plot.rs"]
+mod plot;
 #[path = "common/vowels.rs"]
 mod vowels;
 
@@ -32,7 +35,7 @@ use std::collections::BTreeSet;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use carve::alloc_check::{thread_counts, CountingAllocator};
+use carve::alloc_check::{reset_thread_peak, thread_counts, CountingAllocator};
 use carve::async_iter::{Prefetcher, Sequences, Threading, MAX_DEPTH};
 use carve::nn::{Input, Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
@@ -98,6 +101,11 @@ struct Args {
     /// Print one JSON object on stdout (the rest goes to stderr)
     #[arg(long)]
     json: bool,
+    /// Train both modes, as --compare does, and plot workspace
+    /// bytes, heap bytes and heap allocations per iteration of
+    /// both to FILE (.svg or .png)
+    #[arg(long, value_name = "FILE", value_parser = plot::parse_plot_path, verbatim_doc_comment)]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn parse_head(s: &str) -> Result<String, String> {
@@ -156,6 +164,7 @@ struct Trace {
     loss: Vec<f32>,
     iter_ns: Vec<u64>,
     allocs: Vec<u64>,
+    heap_bytes: Vec<u64>,
     workspace_bytes: Vec<u64>,
     epoch_ms: Vec<f64>,
     test_accuracy: Vec<f64>,
@@ -204,7 +213,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.shapes.insert((x.shape()[0], x.shape()[1]));
             trace.max_steps = trace.max_steps.max(x.shape()[1]);
             let input = Input::Sequences { features: x, mask };
-            let before = thread_counts();
+            let before = reset_thread_peak(); // the peak of live bytes restarts here
             let t0 = Instant::now();
             let loss = net.fit_batch(input, y)?;
             let elapsed = t0.elapsed();
@@ -212,6 +221,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.loss.push(loss);
             trace.iter_ns.push(elapsed.as_nanos() as u64);
             trace.allocs.push(after.allocations - before.allocations);
+            trace.heap_bytes.push((after.peak_live_bytes - before.live_bytes).max(0) as u64);
             trace.workspace_bytes.push(net.last_iteration_workspace_bytes() as u64);
         }
         batches.reset()?;
@@ -245,8 +255,11 @@ fn median(values: &[f64]) -> f64 {
 }
 
 fn run(args: &Args) -> Res<()> {
+    if let Some(path) = &args.plot {
+        plot::check_plot_path(path)?;
+    }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
-    let modes: &[WorkspaceMode] = if args.compare {
+    let modes: &[WorkspaceMode] = if args.compare || args.plot.is_some() {
         &[WorkspaceMode::Enabled, WorkspaceMode::None]
     } else {
         std::slice::from_ref(&args.workspace_mode)
@@ -346,6 +359,19 @@ fn run(args: &Args) -> Res<()> {
         _ => None,
     };
     object["loss_traces_identical"] = identical.into();
+    if let Some(path) = &args.plot {
+        let series: Vec<plot::Series<'_>> = traces
+            .iter()
+            .map(|(mode, t)| plot::Series {
+                mode: *mode,
+                workspace_bytes: &t.workspace_bytes,
+                heap_bytes: &t.heap_bytes,
+                allocs: &t.allocs,
+            })
+            .collect();
+        plot::plot(path, "carve train_sequences: memory per training iteration", &series)?;
+        say(format!("plot written to {}", path.display()));
+    }
     if args.json {
         println!("{}", serde_json::to_string(&object)?);
     }

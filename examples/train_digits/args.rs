@@ -1,12 +1,12 @@
 //! The demo's command line: flags, their parsers and the checks made before training.
 
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use carve::async_iter::MAX_DEPTH;
 use carve::WorkspaceMode;
 use clap::Parser;
 
+use crate::plot::parse_plot_path;
 use crate::report::{bytes_human, thousands};
 use crate::{CLASSES, FEATURES};
 
@@ -152,59 +152,10 @@ fn parse_depth(s: &str) -> Result<usize, String> {
     }
 }
 
-/// The image formats of `--plot`, by file name extension.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum PlotFormat {
-    Svg,
-    Png,
-}
-
-pub(crate) fn plot_format(path: &Path) -> Option<PlotFormat> {
-    match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
-        "svg" => Some(PlotFormat::Svg),
-        "png" => Some(PlotFormat::Png),
-        _ => None,
-    }
-}
-
-fn parse_plot_path(s: &str) -> Result<PathBuf, String> {
-    let path = PathBuf::from(s);
-    match plot_format(&path) {
-        Some(_) => Ok(path),
-        None => Err(format!("'{s}' does not end in .svg or .png: the plot's format is taken from the file name")),
-    }
-}
-
 fn parse_lr(s: &str) -> Result<f32, String> {
     match s.trim().parse::<f32>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         Ok(x) => Err(format!("the learning rate must be finite and positive, not {x}")),
         Err(e) => Err(format!("'{s}' is not a number ({e})")),
-    }
-}
-
-/// Checks, before training, that the plot can be written to `path`: its directory
-/// exists and the file can be opened for writing. A file that was not there is not
-/// left behind (a training that fails leaves nothing), one that was is not changed.
-pub(crate) fn check_plot_path(path: &Path) -> Result<(), String> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    if let Some(dir) = dir {
-        if !dir.exists() {
-            return Err(format!("--plot {}: the directory {} does not exist", path.display(), dir.display()));
-        }
-        if !dir.is_dir() {
-            return Err(format!("--plot {}: {} is not a directory", path.display(), dir.display()));
-        }
-    }
-    let existed = path.exists();
-    match OpenOptions::new().write(true).create(true).truncate(false).open(path) {
-        Ok(file) => {
-            drop(file);
-            if !existed {
-                let _ = std::fs::remove_file(path);
-            }
-            Ok(())
-        }
-        Err(e) => Err(format!("--plot {}: cannot write the plot there: {e}", path.display())),
     }
 }

@@ -106,6 +106,7 @@ mod args;
 mod cli;
 mod data;
 mod measure;
+#[path = "../common/plot.rs"]
 mod plot;
 mod report;
 mod train;
@@ -136,7 +137,7 @@ fn main() -> ExitCode {
 
 fn run(args: &Args) -> Res<()> {
     if let Some(path) = &args.plot {
-        args::check_plot_path(path)?;
+        plot::check_plot_path(path)?;
     }
     let data = data::load_digits(&data::data_path())?;
     let (train_rows, test_rows) = data::stratified_split(&data.y, args.seed);
@@ -288,7 +289,16 @@ fn run(args: &Args) -> Res<()> {
     };
 
     if let Some(path) = &args.plot {
-        plot::plot(path, &runs)?;
+        let series: Vec<plot::Series<'_>> = runs
+            .iter()
+            .map(|run| plot::Series {
+                mode: run.mode,
+                workspace_bytes: &run.trace.workspace_bytes,
+                heap_bytes: &run.trace.heap_bytes,
+                allocs: &run.trace.allocs,
+            })
+            .collect();
+        plot::plot(path, "carve train_digits: memory per training iteration", &series)?;
         out(&format!("plot written to {}", path.display()));
     }
 

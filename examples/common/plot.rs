@@ -1,16 +1,82 @@
-//! The plot of `--plot`: per iteration of each mode, the workspace bytes in use, the
-//! heap bytes in use (on the same scale: with workspaces off the memory is on the heap)
-//! and the heap allocations. Each panel's legend is beside it, so it covers no line.
+//! The plot of the training examples' `--plot`: per iteration of each mode, the
+//! workspace bytes in use, the heap bytes in use (on the same scale: with workspaces
+//! off the memory is on the heap) and the heap allocations. Each panel's legend is
+//! beside it, so it covers no line. Shared by `train_digits` and `train_sequences`,
+//! with the checks of the plot's path they make before training.
 
-use std::path::Path;
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
 
 use carve::WorkspaceMode;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::args::{plot_format, PlotFormat};
-use crate::train::{mode_name, Run, Trace};
-use crate::Res;
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// One mode's measurements per training iteration.
+pub(crate) struct Series<'a> {
+    pub(crate) mode: WorkspaceMode,
+    pub(crate) workspace_bytes: &'a [u64],
+    pub(crate) heap_bytes: &'a [u64],
+    pub(crate) allocs: &'a [u64],
+}
+
+fn mode_name(mode: WorkspaceMode) -> &'static str {
+    match mode {
+        WorkspaceMode::Enabled => "enabled",
+        WorkspaceMode::None => "none",
+    }
+}
+
+/// The image formats of `--plot`, by file name extension.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PlotFormat {
+    Svg,
+    Png,
+}
+
+pub(crate) fn plot_format(path: &Path) -> Option<PlotFormat> {
+    match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
+        "svg" => Some(PlotFormat::Svg),
+        "png" => Some(PlotFormat::Png),
+        _ => None,
+    }
+}
+
+/// The value parser of `--plot`: a path whose name ends in .svg or .png.
+pub(crate) fn parse_plot_path(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match plot_format(&path) {
+        Some(_) => Ok(path),
+        None => Err(format!("'{s}' does not end in .svg or .png: the plot's format is taken from the file name")),
+    }
+}
+
+/// Checks, before training, that the plot can be written to `path`: its directory
+/// exists and the file can be opened for writing. A file that was not there is not
+/// left behind (a training that fails leaves nothing), one that was is not changed.
+pub(crate) fn check_plot_path(path: &Path) -> Result<(), String> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        if !dir.exists() {
+            return Err(format!("--plot {}: the directory {} does not exist", path.display(), dir.display()));
+        }
+        if !dir.is_dir() {
+            return Err(format!("--plot {}: {} is not a directory", path.display(), dir.display()));
+        }
+    }
+    let existed = path.exists();
+    match OpenOptions::new().write(true).create(true).truncate(false).open(path) {
+        Ok(file) => {
+            drop(file);
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Err(e) => Err(format!("--plot {}: cannot write the plot there: {e}", path.display())),
+    }
+}
 
 /// Width of the column right of each panel that holds its legend.
 const LEGEND_WIDTH: u32 = 150;
@@ -32,14 +98,15 @@ fn register_fonts() -> Res<()> {
     Ok(())
 }
 
-pub(crate) fn plot(path: &Path, runs: &[Run]) -> Res<()> {
+/// Draws `runs` to `path` (SVG or PNG, by its name) under `title`.
+pub(crate) fn plot(path: &Path, title: &str, runs: &[Series<'_>]) -> Res<()> {
     register_fonts()?;
     let size = (1200, 1000);
     let drawn = match plot_format(path) {
-        Some(PlotFormat::Svg) => draw(SVGBackend::new(path, size).into_drawing_area(), runs),
+        Some(PlotFormat::Svg) => draw(SVGBackend::new(path, size).into_drawing_area(), title, runs),
         Some(PlotFormat::Png) => {
             let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
-            draw(BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(), runs)
+            draw(BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area(), title, runs)
                 .and_then(|()| write_png(path, size, &rgb))
         }
         None => return Err(format!("--plot {}: use a .svg or .png file name", path.display()).into()),
@@ -88,36 +155,36 @@ struct Panel {
     caption: &'static str,
     unit: &'static str,
     scale: f64,
-    pick: fn(&Trace) -> &[u64],
+    pick: for<'s> fn(&'s Series<'_>) -> &'s [u64],
 }
 
-fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, runs: &[Run]) -> Res<()>
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, title: &str, runs: &[Series<'_>]) -> Res<()>
 where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE)?;
-    let root = root.titled("carve train_digits: memory per training iteration", ("sans-serif", 24))?;
+    let root = root.titled(title, ("sans-serif", 24))?;
     let areas = root.split_evenly((3, 1));
-    let iterations = runs.iter().map(|r| r.trace.loss.len()).max().unwrap_or(0).max(2);
+    let iterations = runs.iter().map(|r| r.allocs.len()).max().unwrap_or(0).max(2);
     let panels = [
         Panel {
             caption: "workspace bytes in use (peak of each iteration)",
             unit: "KiB",
             scale: 1024.0,
-            pick: |t| &t.workspace_bytes,
+            pick: |s| s.workspace_bytes,
         },
         Panel {
             caption: "heap bytes in use (peak of each fit_batch)",
             unit: "KiB",
             scale: 1024.0,
-            pick: |t| &t.heap_bytes,
+            pick: |s| s.heap_bytes,
         },
-        Panel { caption: "heap allocations during fit_batch", unit: "allocations", scale: 1.0, pick: |t| &t.allocs },
+        Panel { caption: "heap allocations during fit_batch", unit: "allocations", scale: 1.0, pick: |s| s.allocs },
     ];
     let top = |panels: &[Panel]| {
         let top = panels
             .iter()
-            .flat_map(|p| runs.iter().flat_map(move |r| (p.pick)(&r.trace).iter().map(move |&v| v as f64 / p.scale)))
+            .flat_map(|p| runs.iter().flat_map(move |r| (p.pick)(r).iter().map(move |&v| v as f64 / p.scale)))
             .fold(0.0f64, f64::max);
         if top > 0.0 {
             top * 1.1
@@ -144,7 +211,7 @@ where
             .draw()?;
         for run in runs {
             let color = series_color(run.mode);
-            let points = (panel.pick)(&run.trace).iter().enumerate().map(|(i, &v)| (i, v as f64 / panel.scale));
+            let points = (panel.pick)(run).iter().enumerate().map(|(i, &v)| (i, v as f64 / panel.scale));
             chart.draw_series(LineSeries::new(points, color.stroke_width(2)))?;
         }
         for (i, run) in runs.iter().enumerate() {
