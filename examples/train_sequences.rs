@@ -26,6 +26,8 @@
 
 #[path = "common/cli.rs"]
 mod cli;
+#[path = "common/faults.rs"]
+mod faults;
 #[path = "common/plot.rs"]
 mod plot;
 #[path = "common/vowels.rs"]
@@ -165,6 +167,7 @@ struct Trace {
     iter_ns: Vec<u64>,
     allocs: Vec<u64>,
     heap_bytes: Vec<u64>,
+    faults: Vec<u64>,
     workspace_bytes: Vec<u64>,
     epoch_ms: Vec<f64>,
     test_accuracy: Vec<f64>,
@@ -213,11 +216,13 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.shapes.insert((x.shape()[0], x.shape()[1]));
             trace.max_steps = trace.max_steps.max(x.shape()[1]);
             let input = Input::Sequences { features: x, mask };
+            let faults0 = faults::minor_faults();
             let before = reset_thread_peak(); // the peak of live bytes restarts here
             let t0 = Instant::now();
             let loss = net.fit_batch(input, y)?;
             let elapsed = t0.elapsed();
             let after = thread_counts();
+            trace.faults.push(faults::minor_faults() - faults0);
             trace.loss.push(loss);
             trace.iter_ns.push(elapsed.as_nanos() as u64);
             trace.allocs.push(after.allocations - before.allocations);
@@ -226,11 +231,13 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
         }
         batches.reset()?;
         trace.epoch_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        if epoch == 1 {
-            trace.capacity_after_first_epoch = net.workspace_capacity();
-        }
         let accuracy = net.evaluate_batches(&mut test_batches)?;
         trace.test_accuracy.push(accuracy);
+        if epoch == 1 {
+            // After the epoch's evaluation too: inference shares the working-memory
+            // workspaces, and the test set's sequences are longer.
+            trace.capacity_after_first_epoch = net.workspace_capacity();
+        }
         if !args.json && (epoch == 1 || epoch == args.epochs || epoch % 10 == 0) {
             let loss = trace.loss.iter().rev().take(train_split.labels.len().div_ceil(args.batch_size));
             let mean =
@@ -301,6 +308,7 @@ fn run(args: &Args) -> Res<()> {
     for (mode, t) in &traces {
         let steady = &t.allocs[per_epoch.min(t.allocs.len())..];
         let steady_max = steady.iter().copied().max();
+        let steady_faults = &t.faults[per_epoch.min(t.faults.len())..];
         let iter_us: Vec<f64> = t.iter_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
         let accuracy = t.test_accuracy.last().copied().unwrap_or(0.0);
         say(format!(
@@ -325,6 +333,10 @@ fn run(args: &Args) -> Res<()> {
             "epoch_ms_median": median(&t.epoch_ms),
             "steady_state_iterations": steady.len(),
             "steady_state_allocs_max": steady_max,
+            "steady_state_faults_per_iter": if steady_faults.is_empty() { None } else {
+                Some(steady_faults.iter().sum::<u64>() as f64 / steady_faults.len() as f64)
+            },
+            "steady_state_faults_max": steady_faults.iter().copied().max(),
             "steady_state_allocs_per_iter": if steady.is_empty() { None } else {
                 Some(steady.iter().sum::<u64>() as f64 / steady.len() as f64)
             },

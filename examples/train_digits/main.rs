@@ -105,6 +105,8 @@ mod args;
 #[path = "../common/cli.rs"]
 mod cli;
 mod data;
+#[path = "../common/faults.rs"]
+mod faults;
 mod measure;
 #[path = "../common/plot.rs"]
 mod plot;

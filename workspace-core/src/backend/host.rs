@@ -185,11 +185,19 @@ impl HostBlock {
     /// adapted), and then the kernel cannot back it with huge pages at the first touch.
     /// Smaller arenas and all spills come from bumpalo.
     fn ram_arena(bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
-        if !cfg!(target_os = "linux") || bytes < HUGE_PAGE {
-            return HostBlock::ram(bytes, align.max(PAGE));
-        }
-        let block = HostBlock::anonymous(bytes, align.max(HUGE_PAGE))?;
-        advise_huge_pages(block.ptr, bytes);
+        let block = if !cfg!(target_os = "linux") || bytes < HUGE_PAGE {
+            HostBlock::ram(bytes, align.max(PAGE))?
+        } else {
+            let block = HostBlock::anonymous(bytes, align.max(HUGE_PAGE))?;
+            advise_huge_pages(block.ptr, bytes);
+            block
+        };
+        // Touch every page now, while the arena is being replaced (at the end of learning
+        // or of a cycle that outgrew it): otherwise the first cycle that reaches deeper
+        // into it than any before, possibly many iterations later, takes the page faults.
+        // SAFETY: the block owns `len` writable bytes at `ptr` (it was just allocated),
+        // and nothing else refers to them yet.
+        unsafe { block.ptr.as_ptr().write_bytes(0, block.len) };
         Ok(block)
     }
 
@@ -409,6 +417,13 @@ unsafe impl ArenaBackend for HostBackend {
         match block {
             HostBlock { ptr, len, initialised, _owner: Owner::Reserved(mut reservation) } if bytes <= len => {
                 reservation.shrink_to(bytes);
+                // The first cycle touched only the pages it used; touch the rest of the
+                // arena now rather than in whichever later cycle first reaches them.
+                // SAFETY: the reservation keeps `bytes` writable bytes at `ptr`; the block
+                // was moved in, and a block's memory is reached only through its base
+                // address (no reference into it can exist), so the write races nothing
+                // safe code can see. The engine adopts a block only between cycles.
+                unsafe { ptr.as_ptr().write_bytes(0, bytes) };
                 Ok(HostBlock { ptr, len: bytes, initialised, _owner: Owner::Reserved(reservation) })
             }
             block => Err(block),
