@@ -296,3 +296,79 @@ fn evaluate_takes_sequences_in_batches_with_their_masks() {
     let first = net.output((x.slice(s![..1, .., ..]), m.slice(s![..1, ..]))).unwrap();
     assert_eq!(first.row(0), probs.row(0));
 }
+
+/// A network with a label per step (DL4J's `RnnOutputLayer`): no head, a dense layer on
+/// every step.
+fn per_step_network(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(3)
+        .lstm(6)
+        .dense(4)
+        .seed(5)
+        .updater(carve::nn::Updater::adam(1e-2))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode);
+    Network::new(config.build().unwrap()).unwrap()
+}
+
+#[test]
+fn labels_per_step_train_on_the_labelled_steps_only() {
+    // Each step's class is the sign pattern of its first two features.
+    let x = random3((6, 7, 3), &mut Rng::new(41));
+    let labels =
+        Array2::from_shape_fn((6, 7), |(r, t)| u32::from(x[[r, t, 0]] > 0.0) + 2 * u32::from(x[[r, t, 1]] > 0.0));
+    let mask = Array2::from_shape_fn((6, 7), |(r, t)| if t < 7 - r % 3 { 1.0 } else { 0.0 });
+    let mut net = per_step_network(WorkspaceMode::Enabled);
+    let first = net.fit_batch((x.view(), mask.view()), (labels.view(), mask.view())).unwrap();
+    for _ in 0..150 {
+        net.fit_batch((x.view(), mask.view()), (labels.view(), mask.view())).unwrap();
+    }
+    let last = net.fit_batch((x.view(), mask.view()), (labels.view(), mask.view())).unwrap();
+    assert!(last < first / 3.0, "the per-step loss falls: {first} -> {last}");
+    let accuracy = net.evaluate((x.view(), mask.view()), (labels.view(), mask.view()), 4).unwrap();
+    assert!(accuracy > 0.9, "per labelled step: {accuracy}");
+    // One row of output per example and step.
+    assert_eq!(net.output((x.view(), mask.view())).unwrap().dim(), (6 * 7, 4));
+
+    // The labels of unlabelled steps are never read: changing them changes nothing.
+    let mut a = per_step_network(WorkspaceMode::Enabled);
+    let mut b = per_step_network(WorkspaceMode::None);
+    let mut other = labels.clone();
+    other.zip_mut_with(&mask, |l, &m| {
+        if m == 0.0 {
+            *l = 3 - *l;
+        }
+    });
+    for _ in 0..3 {
+        let la = a.fit_batch((x.view(), mask.view()), (labels.view(), mask.view())).unwrap();
+        let lb = b.fit_batch((x.view(), mask.view()), (other.view(), mask.view())).unwrap();
+        assert_eq!(la.to_bits(), lb.to_bits());
+        assert_eq!(param_bits(&mut a), param_bits(&mut b), "and Enabled gives None's numbers");
+    }
+}
+
+#[test]
+fn labels_per_step_are_checked() {
+    let mut net = per_step_network(WorkspaceMode::Enabled);
+    let x = Array3::<f32>::zeros((2, 4, 3));
+    let good = Array2::<u32>::zeros((2, 4));
+    let err = net.fit_batch(x.view(), Array2::<u32>::zeros((2, 5)).view()).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    let err = net.fit_batch(x.view(), (good.view(), Array2::<f32>::zeros((2, 4)).view())).unwrap_err();
+    assert!(err.to_string().contains("selects no label"), "{err}");
+    let half = ndarray::array![[1., 0.5, 1., 1.], [1., 1., 1., 1.]];
+    let err = net.fit_batch(x.view(), (good.view(), half.view())).unwrap_err();
+    assert!(err.to_string().contains("labels mask holds 0.5"), "{err}");
+    let bad_class = Array2::<u32>::from_elem((2, 4), 9);
+    let err = net.fit_batch(x.view(), bad_class.view()).unwrap_err();
+    assert!(err.to_string().contains("label 9 is not a class"), "{err}");
+    // One label per example for a network without a head, and per step for one with.
+    let err = net.fit_batch(x.view(), Array1::<u32>::zeros(2).view()).unwrap_err();
+    assert!(err.to_string().contains("put a head"), "{err}");
+    let mut headed = sequence_network(WorkspaceMode::Enabled, 1, false);
+    let err = headed.fit_batch(x.view(), good.view()).unwrap_err();
+    assert!(err.to_string().contains("leave the head out"), "{err}");
+    let flat = Array2::<f32>::zeros((2, 3));
+    let err = headed.fit_batch(flat.view(), good.view()).unwrap_err();
+    assert!(err.to_string().contains("need a batch of sequences"), "{err}");
+    assert!(net.fit_batch(x.view(), good.view()).unwrap().is_finite(), "still usable");
+}

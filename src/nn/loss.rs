@@ -41,12 +41,29 @@ impl SoftmaxCrossEntropy {
     /// [`Error::ShapeMismatch`] when there is not one label per row;
     /// [`Error::InvalidInput`] for a label that is not a class.
     pub fn loss(&self, probs: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> Result<f32> {
-        check_labels(&probs, &labels)?;
+        self.loss_masked(probs, labels, None)
+    }
+
+    /// As [`Self::loss`], the mean over the rows whose `mask` is 1 only (rows of mask 0,
+    /// padding, count for nothing and their labels are not read).
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::loss`]; [`Error::InvalidInput`] when the mask selects no row.
+    pub fn loss_masked(
+        &self,
+        probs: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
+    ) -> Result<f32> {
+        let count = check_labels(&probs, &labels, mask.as_ref())?;
         let mut total = 0.0f64;
-        for (row, &label) in probs.rows().into_iter().zip(labels) {
-            total -= f64::from(row[label as usize].max(1e-12)).ln();
+        for (r, (row, &label)) in probs.rows().into_iter().zip(labels).enumerate() {
+            if mask.as_ref().is_none_or(|m| m[r] != 0.0) {
+                total -= f64::from(row[label as usize].max(1e-12)).ln();
+            }
         }
-        Ok((total / probs.nrows() as f64) as f32)
+        Ok((total / count as f64) as f32)
     }
 
     /// Writes the gradient of the mean loss with respect to the logits into `grad`.
@@ -59,9 +76,24 @@ impl SoftmaxCrossEntropy {
         &self,
         probs: ArrayView2<'_, f32>,
         labels: ArrayView1<'_, u32>,
+        grad: ArrayViewMut2<'_, f32>,
+    ) -> Result<()> {
+        self.backward_masked(probs, labels, None, grad)
+    }
+
+    /// The gradient of [`Self::loss_masked`]: 0 in the rows of mask 0.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::loss_masked`] and [`Self::backward`].
+    pub fn backward_masked(
+        &self,
+        probs: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
         mut grad: ArrayViewMut2<'_, f32>,
     ) -> Result<()> {
-        check_labels(&probs, &labels)?;
+        let count = check_labels(&probs, &labels, mask.as_ref())?;
         if grad.dim() != probs.dim() {
             return Err(Error::ShapeMismatch {
                 context: "softmax cross-entropy gradient".to_string(),
@@ -69,16 +101,25 @@ impl SoftmaxCrossEntropy {
                 actual: grad.shape().to_vec(),
             });
         }
-        let scale = 1.0 / probs.nrows() as f32;
+        let scale = 1.0 / count as f32;
         Zip::from(&mut grad).and(&probs).for_each(|g, &p| *g = p * scale);
-        for (mut row, &label) in grad.rows_mut().into_iter().zip(labels) {
-            row[label as usize] -= scale;
+        for (r, (mut row, &label)) in grad.rows_mut().into_iter().zip(labels).enumerate() {
+            if mask.as_ref().is_none_or(|m| m[r] != 0.0) {
+                row[label as usize] -= scale;
+            } else {
+                row.fill(0.0);
+            }
         }
         Ok(())
     }
 }
 
-fn check_labels(probs: &ArrayView2<'_, f32>, labels: &ArrayView1<'_, u32>) -> Result<()> {
+/// Checks the labels (those the mask selects) and returns how many rows count.
+fn check_labels(
+    probs: &ArrayView2<'_, f32>,
+    labels: &ArrayView1<'_, u32>,
+    mask: Option<&ArrayView1<'_, f32>>,
+) -> Result<usize> {
     if labels.len() != probs.nrows() {
         return Err(Error::ShapeMismatch {
             context: "labels (one per example)".to_string(),
@@ -86,11 +127,27 @@ fn check_labels(probs: &ArrayView2<'_, f32>, labels: &ArrayView1<'_, u32>) -> Re
             actual: vec![labels.len()],
         });
     }
+    if let Some(mask) = mask {
+        if mask.len() != probs.nrows() {
+            return Err(Error::ShapeMismatch {
+                context: "labels mask (one per label)".to_string(),
+                expected: vec![probs.nrows()],
+                actual: vec![mask.len()],
+            });
+        }
+    }
     let classes = probs.ncols();
-    if let Some(&bad) = labels.iter().find(|&&l| l as usize >= classes) {
+    let counted = |r: usize| mask.is_none_or(|m| m[r] != 0.0);
+    if let Some(&bad) =
+        labels.iter().enumerate().filter(|&(r, _)| counted(r)).map(|(_, l)| l).find(|&&l| l as usize >= classes)
+    {
         return Err(Error::InvalidInput(format!(
             "label {bad} is not a class: the network's output has {classes} classes (0..{classes})"
         )));
     }
-    Ok(())
+    let count = (0..labels.len()).filter(|&r| counted(r)).count();
+    if count == 0 {
+        return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
+    }
+    Ok(count)
 }

@@ -3,14 +3,14 @@
 use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Ix1};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
 
 use crate::{Error, Result};
 
 use super::super::layer::{Activations, ForwardCtx};
-use super::train::{lease_input, validate, NO_HEAD};
-use super::{check_label_count, Input, Network};
+use super::train::{lease_input, lease_labels, steps_as_rows, validate};
+use super::{Input, Labels, Network};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
@@ -32,7 +32,12 @@ impl Network {
             validate(mgr, layer.name(), y)?;
             input = y;
         }
-        let probs = loss.probabilities(input.flat(NO_HEAD)?, &act)?;
+        // A sequence output (labels per step) gives a row per example and step.
+        let logits = match input {
+            Activations::Flat(logits) => logits,
+            Activations::Sequence(logits) => steps_as_rows(logits)?,
+        };
+        let probs = loss.probabilities(logits, &act)?;
         f(probs)
     }
 
@@ -87,25 +92,49 @@ impl Network {
     /// # Errors
     ///
     /// Shape errors; [`Error::InvalidInput`] for a zero batch size or no rows.
-    pub fn evaluate<'x>(
+    pub fn evaluate<'x, 'l>(
         &mut self,
         x: impl Into<Input<'x>>,
-        labels: ArrayView1<'_, u32>,
+        labels: impl Into<Labels<'l>>,
         batch_size: usize,
     ) -> Result<f64> {
-        let x = x.into();
+        let (x, labels) = (x.into(), labels.into());
         let rows = x.rows();
         if batch_size == 0 || rows == 0 {
             return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
         }
-        check_label_count(rows, &labels)?;
-        let mut correct = 0usize;
+        self.check_batch(&x, Some(&labels))?;
+        let (mut correct, mut total) = (0usize, 0usize);
         for start in (0..rows).step_by(batch_size) {
             let end = (start + batch_size).min(rows);
-            let yb = labels.slice(ndarray::s![start..end]);
-            correct += self.infer(x.rows_slice(start..end), |probs| Ok(count_correct(probs, yb)))?;
+            let (c, t) = self.count_correct(x.rows_slice(start..end), labels.rows_slice(start..end))?;
+            correct += c;
+            total += t;
         }
-        Ok(correct as f64 / rows as f64)
+        Ok(correct as f64 / total.max(1) as f64)
+    }
+
+    /// Labelled rows (examples, or labelled steps) of one batch whose most probable
+    /// class is the label, and how many are labelled.
+    fn count_correct(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<(usize, usize)> {
+        let (flat, mask) = labels.flat()?;
+        self.infer(x, |probs| {
+            if probs.nrows() != flat.len() {
+                return Err(Error::ShapeMismatch {
+                    context: "labels (one per row of the network's output)".into(),
+                    expected: vec![probs.nrows()],
+                    actual: vec![flat.len()],
+                });
+            }
+            let counted = |r: usize| mask.as_ref().is_none_or(|m| m[r] != 0.0);
+            let correct = probs
+                .axis_iter(Axis(0))
+                .zip(flat.iter())
+                .enumerate()
+                .filter(|&(r, (ref row, &y))| counted(r) && argmax(row.view()) == y)
+                .count();
+            Ok((correct, (0..flat.len()).filter(|&r| counted(r)).count()))
+        })
     }
 
     /// Fraction of the examples of every remaining batch of a [`Prefetcher`]'s epoch
@@ -126,10 +155,11 @@ impl Network {
         while let Some(batch) = batches.next() {
             let batch = batch?;
             let x = lease_input(&batch)?;
-            let y = batch.labels::<u32, Ix1>()?;
-            check_label_count(x.rows(), &y)?;
-            correct += self.infer(x, |probs| Ok(count_correct(probs, y)))?;
-            rows += x.rows();
+            let y = lease_labels(&batch)?;
+            self.check_batch(&x, Some(&y))?;
+            let (c, t) = self.count_correct(x, y)?;
+            correct += c;
+            rows += t;
         }
         if rows == 0 {
             return Err(Error::InvalidInput(format!(
@@ -140,11 +170,6 @@ impl Network {
         batches.reset()?;
         Ok(correct as f64 / rows as f64)
     }
-}
-
-/// Rows of `probs` whose most probable class is the label.
-fn count_correct(probs: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>) -> usize {
-    probs.axis_iter(Axis(0)).zip(labels.iter()).filter(|(row, &y)| argmax(row.view()) == y).count()
 }
 
 /// Index of the largest value (the first on ties).

@@ -122,6 +122,100 @@ impl<'a> From<(ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)> for Input<'a> 
     }
 }
 
+/// The labels of a batch: one class per example, or, for a network whose output is a
+/// sequence (recurrent layers without a head), one class per example and step
+/// `[batch, time]`, with a labels mask `[batch, time]` (1 where the step has a label;
+/// `None`: every step has one), as DL4J's `RnnOutputLayer` takes them. The loss is then
+/// the mean over the labelled steps.
+///
+/// Every method that takes labels takes `impl Into<Labels>`: a 1-D view, a 2-D view,
+/// or a `(labels, mask)` pair.
+#[derive(Clone, Copy, Debug)]
+pub enum Labels<'a> {
+    /// `[batch]`.
+    PerExample(ArrayView1<'a, u32>),
+    /// `[batch, time]` and the mask `[batch, time]`.
+    PerStep {
+        /// The class of each example's step.
+        labels: ArrayView2<'a, u32>,
+        /// 1 where the step has a label, 0 where it does not.
+        mask: Option<ArrayView2<'a, f32>>,
+    },
+}
+
+impl<'a> From<ArrayView1<'a, u32>> for Labels<'a> {
+    fn from(labels: ArrayView1<'a, u32>) -> Labels<'a> {
+        Labels::PerExample(labels)
+    }
+}
+
+impl<'a> From<ArrayView2<'a, u32>> for Labels<'a> {
+    fn from(labels: ArrayView2<'a, u32>) -> Labels<'a> {
+        Labels::PerStep { labels, mask: None }
+    }
+}
+
+impl<'a> From<(ArrayView2<'a, u32>, ArrayView2<'a, f32>)> for Labels<'a> {
+    fn from((labels, mask): (ArrayView2<'a, u32>, ArrayView2<'a, f32>)) -> Labels<'a> {
+        Labels::PerStep { labels, mask: Some(mask) }
+    }
+}
+
+impl<'a> From<(ArrayView2<'a, u32>, Option<ArrayView2<'a, f32>>)> for Labels<'a> {
+    fn from((labels, mask): (ArrayView2<'a, u32>, Option<ArrayView2<'a, f32>>)) -> Labels<'a> {
+        Labels::PerStep { labels, mask }
+    }
+}
+
+impl<'a> Labels<'a> {
+    /// Examples labelled.
+    pub fn rows(&self) -> usize {
+        match self {
+            Labels::PerExample(y) => y.len(),
+            Labels::PerStep { labels, .. } => labels.nrows(),
+        }
+    }
+
+    /// The same labels, borrowed for as long as `self` is.
+    pub(crate) fn reborrow(&self) -> Labels<'_> {
+        match self {
+            Labels::PerExample(y) => Labels::PerExample(y.view()),
+            Labels::PerStep { labels, mask } => {
+                Labels::PerStep { labels: labels.view(), mask: mask.as_ref().map(|m| m.view()) }
+            }
+        }
+    }
+
+    /// Rows `range`.
+    pub(crate) fn rows_slice(&self, range: std::ops::Range<usize>) -> Labels<'a> {
+        use ndarray::s;
+        match *self {
+            Labels::PerExample(y) => Labels::PerExample(y.slice_move(s![range])),
+            Labels::PerStep { labels, mask } => Labels::PerStep {
+                labels: labels.slice_move(s![range.clone(), ..]),
+                mask: mask.map(|m| m.slice_move(s![range, ..])),
+            },
+        }
+    }
+
+    /// As one label per row of the loss's `[rows, classes]` input (example-major for
+    /// per-step labels: row `b · time + t`), with the mask of those rows.
+    pub(crate) fn flat(&self) -> Result<(ArrayView1<'a, u32>, Option<ArrayView1<'a, f32>>)> {
+        match *self {
+            Labels::PerExample(y) => Ok((y, None)),
+            Labels::PerStep { labels, mask } => {
+                let n = labels.len();
+                let not_standard = || {
+                    Error::InvalidInput("per-step labels and their mask must be in standard (row-major) layout".into())
+                };
+                let labels = labels.into_shape_with_order(n).map_err(|_| not_standard())?;
+                let mask = mask.map(|m| m.into_shape_with_order(n).map_err(|_| not_standard())).transpose()?;
+                Ok((labels, mask))
+            }
+        }
+    }
+}
+
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
 /// Parameters live in the layers (outside workspaces). In a training iteration
@@ -262,7 +356,7 @@ impl Network {
         self.last_workspace_bytes
     }
 
-    fn check_batch(&self, x: &Input<'_>, labels: Option<&ArrayView1<'_, u32>>) -> Result<()> {
+    fn check_batch(&self, x: &Input<'_>, labels: Option<&Labels<'_>>) -> Result<()> {
         let (rows, features) = match x {
             Input::Flat(x) => (x.nrows(), x.ncols()),
             Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
@@ -307,7 +401,38 @@ impl Network {
             }
         }
         match labels {
-            Some(labels) => check_label_count(rows, labels),
+            Some(Labels::PerExample(labels)) => check_label_count(rows, labels),
+            Some(Labels::PerStep { labels, mask }) => {
+                let Input::Sequences { features, .. } = x else {
+                    return Err(Error::InvalidInput(
+                        "labels per step [batch, time] need a batch of sequences [batch, time, features]".into(),
+                    ));
+                };
+                let steps = (rows, features.shape()[1]);
+                if labels.dim() != steps {
+                    return Err(Error::ShapeMismatch {
+                        context: "labels per step [batch, time]".to_string(),
+                        expected: vec![steps.0, steps.1],
+                        actual: labels.shape().to_vec(),
+                    });
+                }
+                if let Some(mask) = mask {
+                    if mask.dim() != steps {
+                        return Err(Error::ShapeMismatch {
+                            context: "labels mask [batch, time]".to_string(),
+                            expected: vec![steps.0, steps.1],
+                            actual: mask.shape().to_vec(),
+                        });
+                    }
+                    if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
+                        return Err(Error::InvalidInput(format!(
+                            "the labels mask holds {v} at sequence {r}, step {t}: a mask holds 1 where a step has \
+                             a label and 0 where it has none"
+                        )));
+                    }
+                }
+                Ok(())
+            }
             None => Ok(()),
         }
     }

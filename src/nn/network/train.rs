@@ -3,14 +3,14 @@
 use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix1, Ix2, Ix3, IxDyn};
+use ndarray::{ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Ix1, Ix2, Ix3, IxDyn};
 use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 
 use super::super::finite;
 use super::super::layer::{Activations, BackwardCtx, ForwardCtx, Layer};
-use super::{Input, Network};
+use super::{Input, Labels, Network};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -29,9 +29,9 @@ impl Network {
     /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
     /// value the updater would store. After an error the network is unchanged (its
     /// parameters and its updater's state are as they were before the call) and usable.
-    pub fn fit_batch<'x>(&mut self, x: impl Into<Input<'x>>, labels: ArrayView1<'_, u32>) -> Result<f32> {
-        let x = x.into();
-        let x = x.reborrow();
+    pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
+        let (x, labels) = (x.into(), labels.into());
+        let (x, labels) = (x.reborrow(), labels.reborrow());
         self.check_batch(&x, Some(&labels))?;
         // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
         // it, the loss clamps it, and the parameters would silently become NaN.
@@ -58,8 +58,10 @@ impl Network {
             outputs.push(y);
             input = y;
         }
-        let probs = loss.probabilities(input.flat(NO_HEAD)?, &act)?;
-        let batch_loss = loss.loss(probs, labels)?;
+        let logits = loss_input(input, &labels)?;
+        let probs = loss.probabilities(logits, &act)?;
+        let (flat_labels, label_mask) = labels.flat()?;
+        let batch_loss = loss.loss_masked(probs, flat_labels, label_mask)?;
         if !batch_loss.is_finite() {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
         }
@@ -68,8 +70,8 @@ impl Network {
         // of the two gradient workspaces, and the layer writes the gradient of its
         // input into the other (see `Gradient`).
         let depth = layers.len();
-        let mut grad = Gradient::zeros(&train[0], Activations::Flat(probs))?;
-        loss.backward(probs, labels, grad.view_mut_flat()?)?;
+        let mut grad = Gradient::zeros(&train[0], input)?;
+        loss.backward_masked(probs, flat_labels, label_mask, grad.view_mut_rows()?)?;
         for (i, layer) in layers.iter_mut().enumerate().rev() {
             let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
             // The gradient of the first layer's input is not needed.
@@ -159,7 +161,7 @@ impl Network {
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(data)?;
             let x = lease_input(&batch)?;
-            let y = batch.labels::<u32, Ix1>().map_err(data)?;
+            let y = lease_labels(&batch)?;
             total += f64::from(self.fit_batch(x, y)?);
             count += 1;
         }
@@ -233,6 +235,18 @@ impl Gradient {
         })
     }
 
+    /// The gradient as rows `[examples (· steps), features]`, as the loss sees them.
+    fn view_mut_rows(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Sequence(h) => {
+                let (b, t, f) = (h.shape()[0], h.shape()[1], h.shape()[2]);
+                let view = h.view_mut(&self.scope)?;
+                Ok(view.into_shape_with_order((b * t, f)).expect("a new array is in standard layout"))
+            }
+        }
+    }
+
     fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
         match &mut self.array {
             GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
@@ -256,9 +270,49 @@ impl Gradient {
     }
 }
 
+/// The loss's input for `output` and `labels`: the output itself for one label per
+/// example, or its steps as rows `[batch · time, classes]` for labels per step.
+pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Result<ArrayView2<'a, f32>> {
+    match (output, labels) {
+        (Activations::Flat(logits), Labels::PerExample(_)) => Ok(logits),
+        (Activations::Sequence(_), Labels::PerExample(_)) => output.flat(NO_HEAD),
+        (Activations::Sequence(logits), Labels::PerStep { .. }) => steps_as_rows(logits),
+        (Activations::Flat(logits), Labels::PerStep { labels, .. }) => Err(Error::ShapeMismatch {
+            context: "labels per step need an output per step: leave the head out of a network trained on them".into(),
+            expected: vec![logits.nrows()],
+            actual: labels.shape().to_vec(),
+        }),
+    }
+}
+
+/// A sequence output `[batch, time, classes]` as rows `[batch · time, classes]`.
+pub(super) fn steps_as_rows(logits: ArrayView3<'_, f32>) -> Result<ArrayView2<'_, f32>> {
+    let (b, t, c) = logits.dim();
+    logits
+        .into_shape_with_order((b * t, c))
+        .map_err(|_| Error::InvalidInput("the network's sequence output must be in standard (row-major) layout".into()))
+}
+
+/// The labels of a prefetched batch: `[batch]` of `u32`, or `[batch, time]` with the
+/// batch's labels mask.
+pub(super) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Labels<'b>> {
+    let labels = batch.labels::<u32, IxDyn>()?;
+    match labels.ndim() {
+        1 => Ok(Labels::PerExample(labels.into_dimensionality::<Ix1>().map_err(|_| dims(1))?)),
+        2 => Ok(Labels::PerStep {
+            labels: labels.into_dimensionality::<Ix2>().map_err(|_| dims(2))?,
+            mask: batch.labels_mask::<f32, Ix2>()?,
+        }),
+        n => Err(Error::InvalidInput(format!(
+            "a prefetched batch's labels have {n} dimensions: the network takes [batch] or [batch, time]"
+        ))),
+    }
+}
+
 /// What the loss says when the last layer's output is still a batch of sequences.
 pub(super) const NO_HEAD: &str = "the network's output (the loss takes one row per example: put a head such as \
-                                  `last_step()` or `masked_mean()` after the recurrent layers)";
+                                  `last_step()` or `masked_mean()` after the recurrent layers, or give labels per \
+                                  step)";
 
 /// Checks that `layer`'s output `y` is in the activations workspace.
 pub(super) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
