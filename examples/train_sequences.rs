@@ -37,7 +37,7 @@ use std::collections::BTreeSet;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use carve::alloc_check::{reset_thread_peak, thread_counts, CountingAllocator};
+use carve::alloc_check::{process_counts, reset_thread_peak, thread_counts, CountingAllocator, Threads};
 use carve::async_iter::{Prefetcher, Sequences, Threading, MAX_DEPTH};
 use carve::nn::{Input, Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
@@ -173,6 +173,8 @@ struct Trace {
     test_accuracy: Vec<f64>,
     capacity_after_first_epoch: usize,
     capacity_final: usize,
+    /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
+    producer_allocs: Vec<u64>,
     shapes: BTreeSet<(usize, usize)>,
     max_steps: usize,
     ring_growths: u64,
@@ -207,6 +209,9 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
     let mut test_batches = prefetcher(test, args, 0, mode)?;
     let mut trace = Trace::default();
     for epoch in 1..=args.epochs {
+        // This example's main thread is the training thread: every other thread is the
+        // prefetcher's producer.
+        let producer0 = process_counts(Threads::ExceptMain).allocations;
         let start = Instant::now();
         while let Some(lease) = batches.next() {
             let lease = lease?;
@@ -231,6 +236,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
         }
         batches.reset()?;
         trace.epoch_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        trace.producer_allocs.push(process_counts(Threads::ExceptMain).allocations - producer0);
         let accuracy = net.evaluate_batches(&mut test_batches)?;
         trace.test_accuracy.push(accuracy);
         if epoch == 1 {
@@ -341,6 +347,10 @@ fn run(args: &Args) -> Res<()> {
                 Some(steady.iter().sum::<u64>() as f64 / steady.len() as f64)
             },
             "workspace_bytes": t.workspace_bytes.iter().copied().max(),
+            // The producer restarts once per epoch (a constant), and allocates nothing
+            // per batch: compare with the batches per epoch.
+            "steady_state_producer_allocs_per_epoch_max": t.producer_allocs.iter().skip(1).copied().max(),
+            "batches_per_epoch": per_epoch,
             "workspace_capacity_after_epoch_1": t.capacity_after_first_epoch,
             "workspace_capacity": t.capacity_final,
             "ring_growths": t.ring_growths,

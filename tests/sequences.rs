@@ -134,13 +134,124 @@ fn lstm_gradients_match_finite_differences_with_masked_steps_in_the_middle_and_a
 }
 
 #[test]
-fn the_forget_gate_biases_start_at_one_in_dl4j_gate_order() {
+fn the_gates_are_laid_out_as_dl4j_lays_them_out_and_the_forget_biases_start_at_one() {
     let mut lstm = Lstm::new(2, 3).unwrap();
     lstm.init(&mut Rng::new(1));
     let b = lstm.bias().to_vec();
-    assert_eq!(b, [0., 0., 0., 1., 1., 1., 0., 0., 0., 0., 0., 0.], "gates i, f, o, g");
+    assert_eq!(b, [0., 0., 0., 1., 1., 1., 0., 0., 0., 0., 0., 0.], "blocks: cell input, forget, output, input");
     assert_eq!(lstm.input_weights().dim(), (2, 12));
     assert_eq!(lstm.recurrent_weights().dim(), (3, 12));
+    // DL4J's LSTMHelpers: block 0 is the cell input (tanh), 3 the input gate (sigmoid).
+    // With only block 0's bias set, the cell takes σ(0) · tanh(2); in the order i, f, o,
+    // g it would take σ(2) · tanh(0) = 0.
+    let mut index = 0;
+    lstm.params(&mut |p| {
+        p.value.fill(0.0);
+        if index == 2 {
+            p.value[..3].fill(2.0);
+        }
+        index += 1;
+    });
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: false };
+    let x = Array3::<f32>::zeros((1, 1, 2));
+    let h = lstm.forward_sequence(x.view(), None, &ctx).unwrap().sequence("h").unwrap().to_owned();
+    let sigma0 = 0.5f32;
+    let expected = sigma0 * (sigma0 * 2f32.tanh()).tanh();
+    assert!(h.iter().all(|&v| (v - expected).abs() < 1e-6), "{h:?} against {expected}");
+}
+
+#[test]
+fn lstm_gradients_match_finite_differences_with_steps_padded_for_every_sequence() {
+    // Step 0 (leading) and step 3 (middle) are padding for every sequence: skipped.
+    let mask = ndarray::array![[0., 1., 1., 0., 1., 1.], [0., 1., 0., 0., 1., 0.], [0., 1., 1., 0., 0., 0.]];
+    for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
+        let mut lstm = Lstm::new(3, 4).unwrap();
+        lstm.init(&mut Rng::new(15));
+        let x = random3((3, 6, 3), &mut Rng::new(16));
+        check(&mut lstm, &mgr, &x, &mask, 3 * 6 * 4);
+    }
+}
+
+#[test]
+fn inference_keeps_two_steps_and_gives_the_training_outputs() {
+    let mut lstm = Lstm::new(3, 5).unwrap();
+    lstm.init(&mut Rng::new(2));
+    let x = random3((4, 9, 3), &mut Rng::new(3));
+    let m = Array2::from_shape_fn((4, 9), |(r, t)| if t == 0 || t == 4 || t > 8 - r { 0.0 } else { 1.0 });
+    let mgr = workspaces();
+    let outputs: Vec<Array3<f32>> = [true, false]
+        .iter()
+        .map(|&training| {
+            let act = mgr.enter(ArrayType::Activations).unwrap();
+            let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+            let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training };
+            let y = lstm.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+            y.sequence("y").unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(outputs[0], outputs[1]);
+    assert!(outputs[0].iter().any(|&v| v != 0.0));
+}
+
+#[test]
+fn hostile_shapes_at_the_layer_api_are_errors_not_panics() {
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let x = random3((2, 4, 3), &mut Rng::new(4));
+    let m = Array2::<f32>::ones((2, 4));
+    let mut lstm = Lstm::new(3, 2).unwrap();
+    lstm.init(&mut Rng::new(1));
+    let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
+    let bctx = BackwardCtx { working: &bp, mgr: &mgr };
+    let g = Array3::<f32>::zeros((2, 4, 2));
+    // Backward before any forward pass.
+    let err = lstm
+        .backward_sequence(
+            x.view(),
+            None,
+            Activations::Sequence(g.view()),
+            Activations::Sequence(g.view()),
+            None,
+            &bctx,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("without a training forward pass"), "{err}");
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
+    let y = lstm.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    // An input gradient of another shape, and another mask than the forward pass's.
+    let mut short = Array3::<f32>::zeros((2, 3, 3));
+    let err = lstm
+        .backward_sequence(x.view(), Some(m.view()), y, Activations::Sequence(g.view()), Some(short.view_mut()), &bctx)
+        .unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    let other = ndarray::array![[1., 1., 0., 0.], [1., 1., 1., 1.]];
+    let err = lstm
+        .backward_sequence(x.view(), Some(other.view()), y, Activations::Sequence(g.view()), None, &bctx)
+        .unwrap_err();
+    assert!(err.to_string().contains("another batch or mask"), "{err}");
+    // Heads: a wrong input gradient, and sequences of no steps.
+    let flat = Array2::<f32>::zeros((2, 3));
+    for head in [&mut LastStep::new() as &mut dyn Layer, &mut MaskedMean::new()] {
+        let y = head.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+        let err = head
+            .backward_sequence(
+                x.view(),
+                Some(m.view()),
+                y,
+                Activations::Flat(flat.view()),
+                Some(short.view_mut()),
+                &bctx,
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{}: {err}", head.name());
+        let empty = Array3::<f32>::zeros((2, 0, 3));
+        let err = head.forward_sequence(empty.view(), None, &ctx).unwrap_err();
+        assert!(err.to_string().contains("0 steps"), "{}: {err}", head.name());
+    }
 }
 
 #[test]
@@ -371,4 +482,43 @@ fn labels_per_step_are_checked() {
     let err = headed.fit_batch(flat.view(), good.view()).unwrap_err();
     assert!(err.to_string().contains("need a batch of sequences"), "{err}");
     assert!(net.fit_batch(x.view(), good.view()).unwrap().is_finite(), "still usable");
+}
+
+#[test]
+fn sequences_in_dl4j_layout_train_as_their_standard_copy() {
+    // [batch, features, time] (DL4J's NCW), permuted to [batch, time, features]: not in
+    // standard layout, so the network copies it once.
+    let ncw = Array3::from_shape_fn((4, 3, 6), |(b, f, t)| ((b * 7 + f * 3 + t) % 5) as f32 / 5.0 - 0.4);
+    let permuted = ncw.view().permuted_axes([0, 2, 1]);
+    assert!(!permuted.is_standard_layout());
+    let standard = permuted.as_standard_layout().to_owned();
+    let y = Array1::from(vec![0u32, 1, 2, 3]);
+    let mut a = sequence_network(WorkspaceMode::Enabled, 3, false);
+    let mut b = sequence_network(WorkspaceMode::Enabled, 3, false);
+    for _ in 0..3 {
+        let la = a.fit_batch(permuted, y.view()).unwrap();
+        let lb = b.fit_batch(standard.view(), y.view()).unwrap();
+        assert_eq!(la.to_bits(), lb.to_bits());
+    }
+    assert_eq!(param_bits(&mut a), param_bits(&mut b));
+    assert_eq!(a.output(permuted).unwrap(), b.output(standard.view()).unwrap());
+}
+
+#[test]
+fn labels_per_step_without_a_mask_take_the_features_mask_and_predictions_are_per_step() {
+    let x = random3((3, 5, 3), &mut Rng::new(51));
+    let m = Array2::from_shape_fn((3, 5), |(r, t)| if t < 5 - r { 1.0 } else { 0.0 });
+    let labels = Array2::from_shape_fn((3, 5), |(r, t)| ((r + t) % 4) as u32);
+    let mut a = per_step_network(WorkspaceMode::Enabled);
+    let mut b = per_step_network(WorkspaceMode::Enabled);
+    let la = a.fit_batch((x.view(), m.view()), labels.view()).unwrap();
+    let lb = b.fit_batch((x.view(), m.view()), (labels.view(), m.view())).unwrap();
+    assert_eq!(la.to_bits(), lb.to_bits(), "padded steps have no label");
+    assert_eq!(param_bits(&mut a), param_bits(&mut b));
+    // One prediction per example and step.
+    let mut per_example = [0u32; 3];
+    let err = a.predict_into((x.view(), m.view()), &mut per_example).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    let mut per_step = [0u32; 15];
+    a.predict_into((x.view(), m.view()), &mut per_step).unwrap();
 }

@@ -11,7 +11,7 @@ mod vowels;
 
 use carve::async_iter::{Prefetcher, Sequences};
 use carve::nn::{Network, NetworkConfig, Updater};
-use carve::workspace_core::alloc_check::{process_counts, Threads};
+use carve::workspace_core::alloc_check::{process_counts, thread_counts, Threads};
 use carve::workspace_core::CountingAllocator;
 use carve::WorkspaceMode;
 
@@ -72,6 +72,12 @@ fn an_epoch_of_variable_length_batches_allocates_nothing_per_batch_with_workspac
     assert!(long_min <= short_max, "allocations per epoch: 4 batches {short:?}, 32 batches {long:?}");
     assert!(short_max < 60, "the per-epoch constant is small: {short:?}");
 
+    // Labels per step, through time-distributed layers: nothing per step either.
+    let enabled = per_step_allocations(WorkspaceMode::Enabled);
+    assert!(enabled.iter().all(|&n| n == 0), "allocations per step, labels per step: {enabled:?}");
+    let none = per_step_allocations(WorkspaceMode::None);
+    assert!(none.iter().all(|&n| n > 20), "workspaces off, every step allocates: {none:?}");
+
     let short = allocs_per_epoch(WorkspaceMode::None, few);
     let long = allocs_per_epoch(WorkspaceMode::None, many);
     let more_batches = (many - few) as u64 / 8;
@@ -79,4 +85,49 @@ fn an_epoch_of_variable_length_batches_allocates_nothing_per_batch_with_workspac
         long.iter().min().unwrap() >= &(short.iter().max().unwrap() + more_batches * 10),
         "workspaces off: every batch allocates ({short:?} vs {long:?})"
     );
+}
+
+/// Heap allocations of each of `steps` training steps (after warm-up) of a network with
+/// a label per step: an LSTM, then a dense layer and a ReLU on every step (the default,
+/// time-distributed, sequence methods) and a dense output per step, on batches of
+/// varying length with masks.
+fn per_step_allocations(mode: WorkspaceMode) -> Vec<u64> {
+    let (train, _) = vowels::load(&vowels::data_path()).unwrap();
+    let config = NetworkConfig::builder(vowels::FEATURES)
+        .lstm(8)
+        .dense(8)
+        .relu()
+        .dense(vowels::CLASSES)
+        .updater(Updater::adam(1e-3))
+        .training_workspace_mode(mode)
+        .build()
+        .unwrap();
+    let mut net = Network::new(config).unwrap();
+    let batches: Vec<_> = train
+        .sequences
+        .chunks(8)
+        .zip(train.labels.chunks(8))
+        .take(12)
+        .map(|(seqs, labels)| {
+            let steps = seqs.iter().map(|s| s.nrows()).max().unwrap();
+            let mut x = ndarray::Array3::<f32>::zeros((seqs.len(), steps, vowels::FEATURES));
+            let mut mask = ndarray::Array2::<f32>::zeros((seqs.len(), steps));
+            let mut y = ndarray::Array2::<u32>::zeros((seqs.len(), steps));
+            for (r, s) in seqs.iter().enumerate() {
+                x.slice_mut(ndarray::s![r, ..s.nrows(), ..]).assign(s);
+                mask.slice_mut(ndarray::s![r, ..s.nrows()]).fill(1.0);
+                y.row_mut(r).fill(labels[r]);
+            }
+            (x, mask, y)
+        })
+        .collect();
+    let mut step = |(x, mask, y): &(ndarray::Array3<f32>, ndarray::Array2<f32>, ndarray::Array2<u32>)| {
+        let before = thread_counts().allocations;
+        net.fit_batch((x.view(), mask.view()), y.view()).unwrap();
+        thread_counts().allocations - before
+    };
+    for b in &batches {
+        step(b); // warm-up: the longest batch is among these
+    }
+    batches.iter().cycle().take(scaled(36, 12)).map(step).collect()
 }

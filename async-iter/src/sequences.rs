@@ -13,7 +13,8 @@ use crate::view::BatchMut;
 /// Batches of `batch_size` sequences (the last batch holds the rest), each sequence a
 /// `(steps, features)` matrix of `TF` with one label of `TL`.
 ///
-/// A batch holds, as DL4J lays out sequence data:
+/// A batch holds, as DL4J lays out sequence data in its `RNNFormat.NWC` (time before
+/// features; DL4J's default, NCW, puts features first):
 ///
 /// - features `[batch, time, features]` of `TF`, where `time` is the longest sequence
 ///   *of this batch* (not of the data set), shorter sequences padded with zeros at the

@@ -348,15 +348,15 @@ pub trait Layer {
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
         let _ = mask;
-        let name = self.name().to_string();
-        let input = steps_as_rows(input, &name)?;
-        let output = steps_as_rows(output.sequence(&name)?, &name)?;
-        let grad_output = steps_as_rows(grad_output.sequence(&name)?, &name)?;
+        // Nothing here allocates (the name is read only to build an error).
+        let input = steps_as_rows(input, self.name())?;
+        let output = steps_as_rows(output.sequence(self.name())?, self.name())?;
+        let grad_output = steps_as_rows(grad_output.sequence(self.name())?, self.name())?;
         let grad_input = match grad_input {
             None => None,
             Some(g) => {
                 let (b, t, f) = g.dim();
-                Some(g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(&name))?)
+                Some(g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(self.name()))?)
             }
         };
         self.backward(input, output, grad_output, grad_input, ctx)

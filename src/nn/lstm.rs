@@ -10,7 +10,9 @@ use super::gemm::{scratch_len, sgemm};
 use super::layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
 use super::Rng;
 
-/// Gates per hidden unit, in DL4J's order: input, forget, output, cell (candidate).
+/// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
+/// (`tanh`), 1 the forget gate, 2 the output gate, 3 the input gate (DL4J's "input
+/// modulation gate"), each `σ`.
 const GATES: usize = 4;
 
 /// Per step and sequence, the cache holds the gates (`4 · hidden`, after their
@@ -19,15 +21,16 @@ const CACHED: usize = GATES + 2;
 
 /// A long short-term memory layer: `[batch, time, inputs]` → `[batch, time, hidden]`.
 ///
-/// At step `t`, with `z = x_t · W + h_{t-1} · U + b` cut into four gates in DL4J's
-/// order (input `i`, forget `f`, output `o`, cell candidate `g`):
-/// `c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ tanh(g)` and `h_t = σ(o) ⊙ tanh(c_t)`, from zero
+/// At step `t`, with `z = x_t · W + h_{t-1} · U + b` cut into four blocks in DL4J's
+/// layout (`LSTMHelpers`: block 0 the cell input `a`, 1 the forget gate `f`, 2 the
+/// output gate `o`, 3 the input gate `i`), so that weights carry over from DL4J:
+/// `c_t = σ(f) ⊙ c_{t-1} + σ(i) ⊙ tanh(a)` and `h_t = σ(o) ⊙ tanh(c_t)`, from zero
 /// states. The forget gate's biases start at 1 (the others at 0); `W` and `U` are
 /// Glorot-uniform.
 ///
 /// **Masks.** A masked step (mask 0) leaves the sequence's state as it was, outputs
-/// zeros, and takes no gradient: a sequence padded with masked steps gives the same
-/// states, loss and gradients as without them.
+/// zeros, and takes no gradient: a sequence padded with masked steps (of finite
+/// values) gives the same states, loss and gradients as without them.
 ///
 /// **Workspaces.** Each step of the forward pass is one cycle of the RNN forward loop
 /// workspace ([`ArrayType::RnnFfLoopWorkingMem`]), and each step of the backward pass
@@ -52,6 +55,23 @@ pub struct Lstm {
     grad_b: Array1<f32>,
     /// The last training forward pass's gates and states, `[time, batch, 6·hidden]`.
     cache: Cache,
+    /// A fingerprint of the last training forward pass's mask: the backward pass must
+    /// get the same one (masked rows of the cache hold no gate activations).
+    mask_print: u64,
+}
+
+/// A fingerprint of a mask (its shape and which steps hold data), or of none.
+fn fingerprint(mask: Option<&ArrayView2<'_, f32>>, batch: usize, steps: usize) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64 ^ (batch as u64).wrapping_mul(0x1000_0000_01b3);
+    hash = (hash ^ steps as u64).wrapping_mul(0x1000_0000_01b3);
+    if let Some(mask) = mask {
+        for &m in mask.iter() {
+            hash = (hash ^ u64::from(m != 0.0)).wrapping_mul(0x1000_0000_01b3);
+        }
+    } else {
+        hash ^= 0x9e37_79b9_7f4a_7c15;
+    }
+    hash
 }
 
 /// Where the last training forward pass left what the backward pass reads.
@@ -114,6 +134,7 @@ impl Lstm {
             grad_u: zeros(hidden)?,
             grad_b: Array1::zeros(columns),
             cache: Cache::Empty,
+            mask_print: 0,
         })
     }
 
@@ -122,7 +143,8 @@ impl Lstm {
         self.hidden
     }
 
-    /// The input weights `W`, `inputs × 4·hidden` (gate blocks i, f, o, g).
+    /// The input weights `W`, `inputs × 4·hidden` (blocks: cell input, forget, output,
+    /// input gate).
     pub fn input_weights(&self) -> ArrayView2<'_, f32> {
         self.w.view()
     }
@@ -224,17 +246,17 @@ impl Lstm {
                 let previous = previous.map(|p| p.to_slice().expect("a cache row is contiguous"));
                 let mut output = out.slice_mut(s![r, t, ..]);
                 for j in 0..h {
-                    let i = sigmoid(state[j]);
+                    let g = state[j].tanh();
                     let f = sigmoid(state[h + j]);
                     let o = sigmoid(state[2 * h + j]);
-                    let g = state[3 * h + j].tanh();
+                    let i = sigmoid(state[3 * h + j]);
                     let c_prev = previous.map_or(0.0, |p| p[GATES * h + j]);
                     let c = f * c_prev + i * g;
                     let hv = o * c.tanh();
-                    state[j] = i;
+                    state[j] = g;
                     state[h + j] = f;
                     state[2 * h + j] = o;
-                    state[3 * h + j] = g;
+                    state[3 * h + j] = i;
                     state[GATES * h + j] = c;
                     state[(GATES + 1) * h + j] = hv;
                     output[j] = hv;
@@ -350,6 +372,7 @@ impl Layer for Lstm {
         let width = CACHED * self.hidden;
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
         self.cache = Cache::Empty;
+        self.mask_print = fingerprint(mask.as_ref(), batch, steps);
         if !ctx.training {
             let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, width))?;
             self.run_forward(input, mask, ring, true, &mut out, ctx)?;
@@ -371,7 +394,7 @@ impl Layer for Lstm {
         mask: Option<ArrayView2<'_, f32>>,
         _output: Activations<'_>,
         grad_output: Activations<'_>,
-        mut grad_input: Option<ArrayViewMut3<'_, f32>>,
+        grad_input: Option<ArrayViewMut3<'_, f32>>,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
         self.check(&input, mask.as_ref())?;
@@ -385,9 +408,47 @@ impl Layer for Lstm {
                 actual: grad_output.shape().to_vec(),
             });
         }
+        if let Some(g) = &grad_input {
+            if g.dim() != input.dim() {
+                return Err(Error::ShapeMismatch {
+                    context: format!("layer '{}' input gradient", self.name),
+                    expected: input.shape().to_vec(),
+                    actual: g.shape().to_vec(),
+                });
+            }
+        }
+        // Taken out of `self` while the gradients are written, and put back whatever
+        // happens, so that an error leaves the forward pass's cache in place.
         let cache = std::mem::replace(&mut self.cache, Cache::Empty);
+        let result = self.bptt(&cache, input, mask, grad_output, grad_input, ctx);
+        self.cache = cache;
+        result
+    }
+
+    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
+        self.params_impl(f);
+    }
+
+    fn param_count(&self) -> usize {
+        self.w.len() + self.u.len() + self.b.len()
+    }
+}
+
+impl Lstm {
+    /// Backpropagation through time over the forward pass's `cache`.
+    fn bptt(
+        &mut self,
+        cache: &Cache,
+        input: ArrayView3<'_, f32>,
+        mask: Option<ArrayView2<'_, f32>>,
+        grad_output: ArrayView3<'_, f32>,
+        mut grad_input: Option<ArrayViewMut3<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let (batch, steps, _) = input.dim();
+        let h = self.hidden;
         let scope;
-        let cache_view = match &cache {
+        let cache_view = match cache {
             Cache::Empty => {
                 return Err(Error::InvalidInput(format!(
                     "layer '{}': backward_sequence without a training forward pass before it",
@@ -400,9 +461,10 @@ impl Layer for Lstm {
                 handle.view(&scope)?
             }
         };
-        if cache_view.dim() != (steps, batch, CACHED * h) {
+        if cache_view.dim() != (steps, batch, CACHED * h) || self.mask_print != fingerprint(mask.as_ref(), batch, steps)
+        {
             return Err(Error::InvalidInput(format!(
-                "layer '{}': backward_sequence on another batch than its forward pass ({:?} cached)",
+                "layer '{}': backward_sequence on another batch or mask than its forward pass ({:?} cached)",
                 self.name,
                 cache_view.shape()
             )));
@@ -439,17 +501,17 @@ impl Layer for Lstm {
                 let dz_row = dz_row.as_slice_mut().expect("a row of a new array is contiguous");
                 let g_out = grad_output.slice(s![r, t, ..]);
                 for j in 0..h {
-                    let (i, f, o, g) = (state[j], state[h + j], state[2 * h + j], state[3 * h + j]);
+                    let (g, f, o, i) = (state[j], state[h + j], state[2 * h + j], state[3 * h + j]);
                     let c = state[GATES * h + j];
                     let c_prev = before.as_ref().map_or(0.0, |b| b[[r, GATES * h + j]]);
                     let dh = carry_row[j] + g_out[j];
                     let tc = c.tanh();
                     let d_o = dh * tc;
                     let dc = carry_row[h + j] + dh * o * (1.0 - tc * tc);
-                    dz_row[j] = dc * g * i * (1.0 - i);
+                    dz_row[j] = dc * i * (1.0 - g * g);
                     dz_row[h + j] = dc * c_prev * f * (1.0 - f);
                     dz_row[2 * h + j] = d_o * o * (1.0 - o);
-                    dz_row[3 * h + j] = dc * i * (1.0 - g * g);
+                    dz_row[3 * h + j] = dc * g * i * (1.0 - i);
                     carry_row[h + j] = dc * f;
                 }
             }
@@ -476,11 +538,10 @@ impl Layer for Lstm {
             }
             drop(step);
         }
-        self.cache = cache;
         Ok(())
     }
 
-    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
+    fn params_impl(&mut self, f: &mut dyn FnMut(Param<'_>)) {
         f(Param {
             value: self.w.as_slice_mut().expect("owned weights are contiguous"),
             grad: self.grad_w.as_slice().expect("owned gradients are contiguous"),
@@ -493,9 +554,5 @@ impl Layer for Lstm {
             value: self.b.as_slice_mut().expect("owned biases are contiguous"),
             grad: self.grad_b.as_slice().expect("owned gradients are contiguous"),
         });
-    }
-
-    fn param_count(&self) -> usize {
-        self.w.len() + self.u.len() + self.b.len()
     }
 }

@@ -62,7 +62,10 @@ impl Default for MaskedMean {
 
 /// The steps of sequence `row` that hold data: their count and the last one.
 fn held(mask: Option<&ArrayView2<'_, f32>>, row: usize, steps: usize, layer: &str) -> Result<(usize, usize)> {
-    let Some(mask) = mask else { return Ok((steps, steps.saturating_sub(1))) };
+    if steps == 0 {
+        return Err(Error::InvalidInput(format!("layer '{layer}': sequences of 0 steps have no output")));
+    }
+    let Some(mask) = mask else { return Ok((steps, steps - 1)) };
     let mut count = 0;
     let mut last = 0;
     for (t, &m) in mask.row(row).iter().enumerate() {
@@ -71,7 +74,7 @@ fn held(mask: Option<&ArrayView2<'_, f32>>, row: usize, steps: usize, layer: &st
             last = t;
         }
     }
-    if count == 0 || steps == 0 {
+    if count == 0 {
         return Err(Error::InvalidInput(format!(
             "layer '{layer}': sequence {row} of the batch has no step that holds data (its mask is all 0), so it \
              has no output; leave empty sequences out of the batch"
@@ -105,6 +108,22 @@ fn takes_sequences(layer: &str, input: ArrayView2<'_, f32>) -> Error {
         ),
         expected: vec![input.nrows(), 0, input.ncols()],
         actual: input.shape().to_vec(),
+    }
+}
+
+/// Checks that a head's input gradient is shaped like its input.
+fn check_grad_input(
+    layer: &str,
+    input: &ArrayView3<'_, f32>,
+    grad_input: &Option<ArrayViewMut3<'_, f32>>,
+) -> Result<()> {
+    match grad_input {
+        Some(g) if g.dim() != input.dim() => Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}' input gradient"),
+            expected: input.shape().to_vec(),
+            actual: g.shape().to_vec(),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -186,6 +205,7 @@ impl Layer for LastStep {
     ) -> Result<()> {
         let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
         let grad = flat_grad(&self.name, grad_output, batch, features)?;
+        check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {
             grad_input.fill(0.0);
             for r in 0..batch {
@@ -242,6 +262,7 @@ impl Layer for MaskedMean {
     ) -> Result<()> {
         let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
         let grad = flat_grad(&self.name, grad_output, batch, features)?;
+        check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {
             for r in 0..batch {
                 let (count, _) = held(mask.as_ref(), r, steps, &self.name)?;

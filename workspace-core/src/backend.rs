@@ -190,6 +190,19 @@ pub unsafe trait ArenaBackend: Send {
         None
     }
 
+    /// Maps `block`'s memory now, so that the cycles that later reach deeper into it
+    /// than any before take no page faults (the engine calls it on an arena it sized
+    /// from the cycles it learned, never on a configured initial size). The default
+    /// does nothing.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may read or write the block's memory during the call: the block is an
+    /// arena between cycles, none of whose memory has been handed out.
+    unsafe fn prefault(&mut self, block: &Self::Block) {
+        let _ = block;
+    }
+
     /// Turns a block from [`ArenaBackend::reserve`] into an arena of exactly `bytes`
     /// (no more than its length) and gives the rest of the reservation back; or
     /// returns the block unchanged when it cannot (the default).

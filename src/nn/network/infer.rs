@@ -9,7 +9,7 @@ use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
 use crate::{Error, Result};
 
 use super::super::layer::{Activations, ForwardCtx};
-use super::train::{lease_input, lease_labels, steps_as_rows, validate};
+use super::train::{lease_input, lease_labels, standard_input, steps_as_rows, validate};
 use super::{Input, Labels, Network};
 
 impl Network {
@@ -21,6 +21,7 @@ impl Network {
         let mask = x.mask();
         let Network { layers, loss, infer: mgr, .. } = self;
         let act = mgr.enter(ArrayType::Activations)?;
+        let x = standard_input(x, &act)?;
         let mut input = x.activations();
         for layer in layers.iter_mut() {
             let working = mgr.enter(ArrayType::FfWorkingMem)?;
@@ -71,14 +72,16 @@ impl Network {
     /// Shape errors and workspace errors.
     pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
         let x = x.into();
-        if out.len() != x.rows() {
-            return Err(Error::ShapeMismatch {
-                context: "prediction buffer (one per input row)".to_string(),
-                expected: vec![x.rows()],
-                actual: vec![out.len()],
-            });
-        }
         self.infer(x, |probs| {
+            if probs.nrows() != out.len() {
+                return Err(Error::ShapeMismatch {
+                    context: "prediction buffer (one per row of the network's output: per example and step for a \
+                              network without a head)"
+                        .to_string(),
+                    expected: vec![probs.nrows()],
+                    actual: vec![out.len()],
+                });
+            }
             for (slot, row) in out.iter_mut().zip(probs.axis_iter(Axis(0))) {
                 *slot = argmax(row);
             }
@@ -99,6 +102,8 @@ impl Network {
         batch_size: usize,
     ) -> Result<f64> {
         let (x, labels) = (x.into(), labels.into());
+        let x = x.reborrow();
+        let labels = labels.reborrow().or_mask(x.mask());
         let rows = x.rows();
         if batch_size == 0 || rows == 0 {
             return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
@@ -155,7 +160,7 @@ impl Network {
         while let Some(batch) = batches.next() {
             let batch = batch?;
             let x = lease_input(&batch)?;
-            let y = lease_labels(&batch)?;
+            let y = lease_labels(&batch)?.or_mask(x.mask());
             self.check_batch(&x, Some(&y))?;
             let (c, t) = self.count_correct(x, y)?;
             correct += c;

@@ -23,7 +23,10 @@ pub use config::{names, workspace_config, NetworkConfig, NetworkConfigBuilder};
 
 /// A batch the network is fed: rows `[batch, features]`, or sequences `[batch, time,
 /// features]` with their mask `[batch, time]` (1 where a step holds data, 0 for
-/// padding; `None`: every step holds data), as DL4J's `DataSet` holds them.
+/// padding; `None`: every step holds data), as DL4J's `DataSet` holds them in its
+/// `RNNFormat.NWC` layout. (DL4J's default, NCW, is `[batch, features, time]`: pass
+/// `x.permuted_axes([0, 2, 1])`; sequences in any layout are copied into standard
+/// layout once per batch.)
 ///
 /// Every method that takes a batch takes `impl Into<Input>`: a 2-D view, a 3-D view,
 /// or a `(features, mask)` pair.
@@ -125,8 +128,9 @@ impl<'a> From<(ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)> for Input<'a> 
 /// The labels of a batch: one class per example, or, for a network whose output is a
 /// sequence (recurrent layers without a head), one class per example and step
 /// `[batch, time]`, with a labels mask `[batch, time]` (1 where the step has a label;
-/// `None`: every step has one), as DL4J's `RnnOutputLayer` takes them. The loss is then
-/// the mean over the labelled steps.
+/// `None`: the steps the features mask marks as data), as DL4J's `RnnOutputLayer`
+/// takes them. The loss is then the mean over the labelled steps (DL4J divides by the
+/// number of examples instead, so its gradients differ by the steps per example).
 ///
 /// Every method that takes labels takes `impl Into<Labels>`: a 1-D view, a 2-D view,
 /// or a `(labels, mask)` pair.
@@ -173,6 +177,15 @@ impl<'a> Labels<'a> {
         match self {
             Labels::PerExample(y) => y.len(),
             Labels::PerStep { labels, .. } => labels.nrows(),
+        }
+    }
+
+    /// Labels per step without a mask of their own take `mask` (the features mask: a
+    /// padded step has no label), as DL4J hands the features mask to its output layer.
+    pub fn or_mask(self, mask: Option<ArrayView2<'a, f32>>) -> Labels<'a> {
+        match self {
+            Labels::PerStep { labels, mask: None } => Labels::PerStep { labels, mask },
+            other => other,
         }
     }
 

@@ -4,7 +4,7 @@ use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Ix1, Ix2, Ix3, IxDyn};
-use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
+use workspace_core::{freeze, ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, Scope, TypedScope};
 
 use crate::{Error, Result};
 
@@ -31,7 +31,9 @@ impl Network {
     /// parameters and its updater's state are as they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let (x, labels) = (x.into(), labels.into());
-        let (x, labels) = (x.reborrow(), labels.reborrow());
+        let x = x.reborrow();
+        // Labels per step without a mask of their own are masked like the features.
+        let labels = labels.reborrow().or_mask(x.mask());
         self.check_batch(&x, Some(&labels))?;
         // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
         // it, the loss clamps it, and the parameters would silently become NaN.
@@ -43,6 +45,9 @@ impl Network {
         train[1].reset_peaks();
 
         let act = mgr.enter(ArrayType::Activations)?;
+        // Sequences (and labels per step) in another layout are copied once, here.
+        let x = standard_input(x, &act)?;
+        let labels = standard_labels(labels, &act)?;
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
         let mut input = x.activations();
@@ -283,6 +288,33 @@ pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Re
             actual: labels.shape().to_vec(),
         }),
     }
+}
+
+/// `x` with its sequences in standard layout: as it is, or copied into `scope` (flat
+/// batches are taken in any layout).
+pub(super) fn standard_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
+    Ok(match x {
+        Input::Sequences { features, mask } if !features.is_standard_layout() => {
+            Input::Sequences { features: freeze(scope.copy_of(&features)?), mask }
+        }
+        other => other,
+    })
+}
+
+/// `labels` with labels per step (and their mask) in standard layout: as they are, or
+/// copied into `scope`.
+pub(super) fn standard_labels<'s>(labels: Labels<'s>, scope: &'s Scope<'_>) -> Result<Labels<'s>> {
+    Ok(match labels {
+        Labels::PerStep { labels, mask } => {
+            let labels = if labels.is_standard_layout() { labels } else { freeze(scope.copy_of(&labels)?) };
+            let mask = match mask {
+                Some(m) if !m.is_standard_layout() => Some(freeze(scope.copy_of(&m)?)),
+                other => other,
+            };
+            Labels::PerStep { labels, mask }
+        }
+        other => other,
+    })
 }
 
 /// A sequence output `[batch, time, classes]` as rows `[batch · time, classes]`.

@@ -192,12 +192,6 @@ impl HostBlock {
             advise_huge_pages(block.ptr, bytes);
             block
         };
-        // Touch every page now, while the arena is being replaced (at the end of learning
-        // or of a cycle that outgrew it): otherwise the first cycle that reaches deeper
-        // into it than any before, possibly many iterations later, takes the page faults.
-        // SAFETY: the block owns `len` writable bytes at `ptr` (it was just allocated),
-        // and nothing else refers to them yet.
-        unsafe { block.ptr.as_ptr().write_bytes(0, block.len) };
         Ok(block)
     }
 
@@ -413,17 +407,20 @@ unsafe impl ArenaBackend for HostBackend {
         Some(HostBlock { ptr, len, initialised: false, _owner: Owner::Reserved(reservation) })
     }
 
+    /// Host RAM: writes zeros over the block, so that every page is mapped now (for a
+    /// huge-page arena, every huge page). Maps are left alone.
+    unsafe fn prefault(&mut self, block: &HostBlock) {
+        if matches!(self, HostBackend::Ram) {
+            // SAFETY: the block owns `len` writable bytes at `ptr`, and the caller
+            // guarantees that nothing reads or writes them meanwhile.
+            unsafe { block.ptr.as_ptr().write_bytes(0, block.len) };
+        }
+    }
+
     fn adopt(&mut self, block: HostBlock, bytes: usize) -> Result<HostBlock, HostBlock> {
         match block {
             HostBlock { ptr, len, initialised, _owner: Owner::Reserved(mut reservation) } if bytes <= len => {
                 reservation.shrink_to(bytes);
-                // The first cycle touched only the pages it used; touch the rest of the
-                // arena now rather than in whichever later cycle first reaches them.
-                // SAFETY: the reservation keeps `bytes` writable bytes at `ptr`; the block
-                // was moved in, and a block's memory is reached only through its base
-                // address (no reference into it can exist), so the write races nothing
-                // safe code can see. The engine adopts a block only between cycles.
-                unsafe { ptr.as_ptr().write_bytes(0, bytes) };
                 Ok(HostBlock { ptr, len: bytes, initialised, _owner: Owner::Reserved(reservation) })
             }
             block => Err(block),

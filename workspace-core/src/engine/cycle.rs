@@ -195,7 +195,16 @@ impl<B: ArenaBackend> Engine<B> {
         };
         if target > self.capacity.get() {
             match self.replace_arena(target) {
-                Ok(()) => self.counters.growth_events.set(self.counters.growth_events.get() + 1),
+                Ok(()) => {
+                    self.counters.growth_events.set(self.counters.growth_events.get() + 1);
+                    // A learned size: every later cycle uses up to all of it, so its pages
+                    // are mapped now rather than by whichever cycle first reaches them.
+                    if let Some(arena) = self.arena.borrow().as_ref() {
+                        // SAFETY: the cycle has closed (this is its end) and the arena was
+                        // just installed: none of its memory has been handed out.
+                        unsafe { self.backend.borrow_mut().prefault(arena) };
+                    }
+                }
                 Err(source) => {
                     self.pending.set(Some(source));
                     self.attention.set(true);
