@@ -59,6 +59,7 @@ mod error;
 mod handle;
 pub mod layer;
 mod manager;
+pub mod plan;
 mod roles;
 #[allow(unsafe_code)]
 mod scope;

@@ -1,0 +1,570 @@
+//! Planned memory: offsets in one arena for every allocation of an iteration, planned
+//! from the lifetimes one recorded iteration shows, and the replay that checks later
+//! iterations against the plan.
+//!
+//! An iteration is a sequence of [`Event`]s: allocations, each made in an *owner* (the
+//! cycle of a role workspace, or a frame inside it), and closes of owners. Everything an
+//! owner allocated since it opened is dead once it closes: the compiler proves it for
+//! views (they borrow the scope) and the generation check for handles. So one recorded
+//! iteration is an exact lifetime trace, and two allocations may share bytes when their
+//! lifetimes do not overlap.
+//!
+//! - [`Trace`] records the events and derives the lifetimes.
+//! - [`Trace::lower_bound`] is the physical minimum: the most bytes live at one moment.
+//! - [`Plan::new`] places every allocation at an offset (greedy best fit over a few
+//!   orders, as TensorFlow Lite's arena planner and XLA's heap simulator do) and keeps
+//!   the smallest result; [`Plan::check`] verifies that no two allocations live at the
+//!   same time share a byte.
+//! - [`Replay`] serves a later iteration from a plan: each allocation in O(1) at its
+//!   planned offset while the events match the recording exactly; from the first event
+//!   that does not, every allocation goes *above* the plan (into bytes no planned
+//!   allocation uses), so an iteration that differs from the recording can never be
+//!   handed bytes that a live allocation holds.
+//! - [`PlanCache`] keeps a bounded number of plans for iterations of different shapes,
+//!   each found by a key the caller gives and verified event by event while replaying.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::engine::align_up;
+
+/// One event of an iteration, in the order it happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Event {
+    /// `bytes` bytes aligned to `align` (a power of two), allocated in `owner`.
+    Alloc {
+        /// The cycle or frame the allocation belongs to.
+        owner: u32,
+        /// Bytes.
+        bytes: usize,
+        /// Alignment of the offset (a power of two).
+        align: usize,
+    },
+    /// `owner` closed: everything it allocated since it opened is dead.
+    Close {
+        /// The cycle or frame that closed.
+        owner: u32,
+    },
+}
+
+/// One allocation of a trace and its lifetime `[start, end)` in event positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    /// Position of the allocation's event.
+    pub start: usize,
+    /// Position of the close that ends it (the trace's length if none does).
+    pub end: usize,
+    /// Bytes.
+    pub bytes: usize,
+    /// Alignment of its offset.
+    pub align: usize,
+}
+
+/// The events of one recorded iteration.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    events: Vec<Event>,
+}
+
+impl Trace {
+    /// An empty trace.
+    pub fn new() -> Trace {
+        Trace::default()
+    }
+
+    /// Records an event.
+    pub fn push(&mut self, event: Event) {
+        self.events.push(event);
+    }
+
+    /// The events.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The allocations' lifetimes, in the order they were allocated: each lives from
+    /// its event to the first close of its owner after it.
+    pub fn lifetimes(&self) -> Vec<Lifetime> {
+        let mut out = Vec::with_capacity(self.events.len());
+        // Per owner (few: a linear search beats hashing), the allocations still open, as
+        // indices into `out`, kept in one list with the owner of each.
+        let mut open: Vec<(u32, usize)> = Vec::new();
+        for (i, event) in self.events.iter().enumerate() {
+            match *event {
+                Event::Alloc { owner, bytes, align } => {
+                    open.push((owner, out.len()));
+                    out.push(Lifetime { start: i, end: self.events.len(), bytes, align });
+                }
+                Event::Close { owner } => open.retain(|&(o, index)| {
+                    if o == owner {
+                        out[index].end = i;
+                    }
+                    o != owner
+                }),
+            }
+        }
+        out
+    }
+
+    /// The most bytes live at one moment: no placement can use fewer (computed by a
+    /// sweep over the events, independently of any plan).
+    pub fn lower_bound(&self) -> usize {
+        let mut live: Vec<(u32, usize)> = Vec::new();
+        let (mut total, mut peak) = (0usize, 0usize);
+        for event in &self.events {
+            match *event {
+                Event::Alloc { owner, bytes, .. } => {
+                    match live.iter_mut().find(|(o, _)| *o == owner) {
+                        Some(entry) => entry.1 += bytes,
+                        None => live.push((owner, bytes)),
+                    }
+                    total += bytes;
+                    peak = peak.max(total);
+                }
+                Event::Close { owner } => {
+                    if let Some(at) = live.iter().position(|(o, _)| *o == owner) {
+                        total -= live.swap_remove(at).1;
+                    }
+                }
+            }
+        }
+        peak
+    }
+
+    /// The bytes the per-owner layout takes: each owner bump-allocating in an arena of
+    /// its own, sized to its peak, as the per-role workspaces do (the arenas laid end
+    /// to end, each aligned for its allocations).
+    pub fn per_owner_bytes(&self) -> usize {
+        per_owner_layout(&self.events).0
+    }
+}
+
+/// The per-owner layout of `events`: its size, and the offset of each allocation (by
+/// event position; `usize::MAX` for closes).
+fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
+    // Pass 1: each owner's offsets relative to its own arena, and its peak and alignment.
+    let mut cursor: HashMap<u32, usize> = HashMap::new();
+    let mut owners: Vec<(u32, usize, usize)> = Vec::new(); // (owner, peak, alignment), first use first
+    let mut relative = vec![usize::MAX; events.len()];
+    for (i, event) in events.iter().enumerate() {
+        match *event {
+            Event::Alloc { owner, bytes, align } => {
+                let used = cursor.entry(owner).or_default();
+                let at = align_up(*used, align.max(1)).unwrap_or(usize::MAX);
+                *used = at.saturating_add(bytes);
+                relative[i] = at;
+                match owners.iter_mut().find(|(o, ..)| *o == owner) {
+                    Some(entry) => {
+                        entry.1 = entry.1.max(*used);
+                        entry.2 = entry.2.max(align.max(1));
+                    }
+                    None => owners.push((owner, *used, align.max(1))),
+                }
+            }
+            Event::Close { owner } => {
+                cursor.remove(&owner);
+            }
+        }
+    }
+    // Pass 2: the arenas end to end.
+    let mut bases: HashMap<u32, usize> = HashMap::new();
+    let mut total = 0usize;
+    for &(owner, peak, align) in &owners {
+        let base = align_up(total, align).unwrap_or(usize::MAX);
+        bases.insert(owner, base);
+        total = base.saturating_add(peak);
+    }
+    let offsets = events
+        .iter()
+        .zip(relative)
+        .map(|(event, at)| match *event {
+            Event::Alloc { owner, .. } => bases[&owner].saturating_add(at),
+            Event::Close { .. } => usize::MAX,
+        })
+        .collect();
+    (total, offsets)
+}
+
+/// Offsets for every allocation of a trace in one arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    events: Vec<Event>,
+    /// Per event: the allocation's offset (`usize::MAX` for closes).
+    offsets: Vec<usize>,
+    bytes: usize,
+    lower_bound: usize,
+    planning: Duration,
+}
+
+/// Orders the greedy placement tries, each a key to sort allocations by.
+const ORDERS: usize = 5;
+
+impl Plan {
+    /// Plans `trace`: the smallest of greedy best-fit placements over a few orders of the
+    /// allocations (largest first; longest-lived first; largest area first; earliest
+    /// first; largest first with later-ending first on ties) and of the per-owner
+    /// layout, so that a plan never takes more than the per-owner layout.
+    pub fn new(trace: &Trace) -> Plan {
+        let started = Instant::now();
+        let lifetimes = trace.lifetimes();
+        let lower_bound = trace.lower_bound();
+        let mut best: Option<(usize, Vec<usize>)> = None;
+        for order in 0..ORDERS {
+            if best.as_ref().is_some_and(|(b, _)| *b <= lower_bound) {
+                break; // nothing can do better
+            }
+            let mut indices: Vec<usize> = (0..lifetimes.len()).collect();
+            let key = |l: &Lifetime| -> (usize, usize, usize) {
+                let life = l.end - l.start;
+                match order {
+                    0 => (usize::MAX - l.bytes, l.start, 0),
+                    1 => (usize::MAX - life, usize::MAX - l.bytes, l.start),
+                    2 => (usize::MAX - l.bytes.saturating_mul(life), l.start, 0),
+                    3 => (l.start, usize::MAX - l.bytes, 0),
+                    _ => (usize::MAX - l.bytes, usize::MAX - l.end, l.start),
+                }
+            };
+            indices.sort_by_key(|&i| key(&lifetimes[i]));
+            let (bytes, offsets) = place(&lifetimes, &indices);
+            if best.as_ref().is_none_or(|(b, _)| bytes < *b) {
+                best = Some((bytes, offsets));
+            }
+        }
+        let (bytes, by_allocation) = best.unwrap_or((0, Vec::new()));
+        let mut offsets = vec![usize::MAX; trace.events.len()];
+        for (l, offset) in lifetimes.iter().zip(by_allocation) {
+            offsets[l.start] = offset;
+        }
+        let (per_owner, per_owner_offsets) = per_owner_layout(&trace.events);
+        let (bytes, offsets) = if per_owner < bytes { (per_owner, per_owner_offsets) } else { (bytes, offsets) };
+        Plan { events: trace.events.clone(), offsets, bytes, lower_bound, planning: started.elapsed() }
+    }
+
+    /// Bytes of the arena the plan needs.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The trace's lower bound (see [`Trace::lower_bound`]).
+    pub fn lower_bound(&self) -> usize {
+        self.lower_bound
+    }
+
+    /// How long planning took.
+    pub fn planning_time(&self) -> Duration {
+        self.planning
+    }
+
+    /// The events planned.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// The offset planned for the allocation at event position `index`.
+    pub fn offset(&self, index: usize) -> Option<usize> {
+        self.offsets.get(index).copied().filter(|&o| o != usize::MAX)
+    }
+
+    /// Checks the plan against its trace's lifetimes: every offset aligned, inside
+    /// [`Plan::bytes`], and no two allocations live at the same time sharing a byte.
+    ///
+    /// # Errors
+    ///
+    /// A description of the first violation.
+    pub fn check(&self) -> Result<(), String> {
+        let trace = Trace { events: self.events.clone() };
+        let placed: Vec<(Lifetime, usize)> =
+            trace.lifetimes().into_iter().map(|l| (l, self.offsets[l.start])).collect();
+        for (l, offset) in &placed {
+            if offset % l.align.max(1) != 0 || offset + l.bytes > self.bytes {
+                return Err(format!("allocation at event {} placed at {offset}: {l:?}", l.start));
+            }
+        }
+        check_overlaps(placed.iter().map(|&(l, offset)| (l.start, l.end, offset, offset + l.bytes)))
+    }
+}
+
+/// Checks intervals `(start, end, low, high)`, live during `[start, end)` and holding
+/// bytes `[low, high)`: an error names the first two that are live at once and share a
+/// byte.
+pub fn check_overlaps(intervals: impl Iterator<Item = (usize, usize, usize, usize)>) -> Result<(), String> {
+    let mut all: Vec<(usize, usize, usize, usize)> = intervals.filter(|&(s, e, lo, hi)| s < e && lo < hi).collect();
+    all.sort_unstable();
+    // Sweep over time; the live set is small, so a linear scan of it is enough.
+    let mut live: Vec<(usize, usize, usize, usize)> = Vec::new();
+    for a in all {
+        live.retain(|b| b.1 > a.0);
+        if let Some(b) = live.iter().find(|b| b.2 < a.3 && a.2 < b.3) {
+            return Err(format!("{a:?} and {b:?} are live at once and share bytes"));
+        }
+        live.push(a);
+    }
+    Ok(())
+}
+
+/// Greedy best fit: places the allocations in `order`, each in the smallest gap (below
+/// the others live at the same time) that holds it aligned, else above them all.
+/// Returns the arena size and the offset of each allocation (indexed as `lifetimes`).
+fn place(lifetimes: &[Lifetime], order: &[usize]) -> (usize, Vec<usize>) {
+    let mut offsets = vec![usize::MAX; lifetimes.len()];
+    let mut placed: Vec<usize> = Vec::with_capacity(lifetimes.len());
+    let mut size = 0usize;
+    let mut busy: Vec<(usize, usize)> = Vec::new();
+    for &i in order {
+        let l = lifetimes[i];
+        let align = l.align.max(1);
+        busy.clear();
+        busy.extend(placed.iter().filter_map(|&j| {
+            let m = lifetimes[j];
+            (m.start < l.end && l.start < m.end).then(|| (offsets[j], offsets[j] + m.bytes))
+        }));
+        busy.sort_unstable();
+        let (mut cursor, mut best): (usize, Option<(usize, usize)>) = (0, None);
+        for &(low, high) in busy.iter() {
+            let at = align_up(cursor, align).unwrap_or(usize::MAX);
+            if at.saturating_add(l.bytes) <= low {
+                let gap = low - cursor;
+                if best.is_none_or(|(_, g)| gap < g) {
+                    best = Some((at, gap));
+                }
+            }
+            cursor = cursor.max(high);
+        }
+        let offset = match best {
+            Some((at, _)) => at,
+            None => align_up(cursor, align).unwrap_or(usize::MAX),
+        };
+        offsets[i] = offset;
+        size = size.max(offset.saturating_add(l.bytes));
+        placed.push(i);
+    }
+    (size, offsets)
+}
+
+/// Where [`Replay`] put one allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placed {
+    /// At its planned offset.
+    Planned(usize),
+    /// Above the plan (the iteration diverged from it), at this offset.
+    Above(usize),
+}
+
+impl Placed {
+    /// The offset, planned or not.
+    pub fn offset(self) -> usize {
+        match self {
+            Placed::Planned(o) | Placed::Above(o) => o,
+        }
+    }
+}
+
+/// A later iteration served from a plan; see the module docs.
+#[derive(Debug)]
+pub struct Replay<'p> {
+    plan: &'p Plan,
+    next: usize,
+    /// Set at the first event that differs from the plan's.
+    diverged_at: Option<usize>,
+    /// Next free offset above the plan.
+    above: usize,
+}
+
+impl<'p> Replay<'p> {
+    /// Starts replaying `plan`.
+    pub fn new(plan: &'p Plan) -> Replay<'p> {
+        Replay { plan, next: 0, diverged_at: None, above: plan.bytes }
+    }
+
+    /// An allocation of `bytes` bytes aligned to `align` in `owner`: at its planned
+    /// offset when the iteration has matched the plan so far and this event is the
+    /// plan's next (same owner and alignment, no more bytes than planned); otherwise
+    /// above the plan, and every later allocation of the iteration too.
+    pub fn alloc(&mut self, owner: u32, bytes: usize, align: usize) -> Placed {
+        if self.diverged_at.is_none() {
+            if let Some(&Event::Alloc { owner: o, bytes: b, align: a }) = self.plan.events.get(self.next) {
+                if o == owner && a == align && bytes <= b {
+                    let offset = self.plan.offsets[self.next];
+                    self.next += 1;
+                    return Placed::Planned(offset);
+                }
+            }
+            self.diverged_at = Some(self.next);
+        }
+        let at = align_up(self.above, align.max(1)).unwrap_or(usize::MAX);
+        self.above = at.saturating_add(bytes);
+        Placed::Above(at)
+    }
+
+    /// `owner` closed.
+    pub fn close(&mut self, owner: u32) {
+        if self.diverged_at.is_none() {
+            if self.plan.events.get(self.next) == Some(&Event::Close { owner }) {
+                self.next += 1;
+            } else {
+                self.diverged_at = Some(self.next);
+            }
+        }
+    }
+
+    /// Whether every event so far matched the plan's.
+    pub fn on_plan(&self) -> bool {
+        self.diverged_at.is_none()
+    }
+
+    /// Ends the iteration: `true` when it was the plan's exactly (every event, in
+    /// order, none missing), `false` when it diverged (it should be recorded again).
+    pub fn finish(self) -> bool {
+        self.diverged_at.is_none() && self.next == self.plan.events.len()
+    }
+
+    /// The arena bytes this iteration reached (the plan's, plus what went above it).
+    pub fn high_water(&self) -> usize {
+        self.above
+    }
+}
+
+/// A bounded set of plans for iterations of different shapes, each under a key the
+/// caller gives (a batch's shape, say). A plan is found by its key and then verified
+/// event by event while it is replayed ([`Replay`]), so two iterations whose keys
+/// collide can never share a plan by accident: the second diverges and is recorded
+/// again. The arena is sized to the largest plan. The least recently used plan makes
+/// room for a new one.
+#[derive(Debug)]
+pub struct PlanCache {
+    capacity: usize,
+    plans: Vec<(u64, Plan, u64)>,
+    clock: u64,
+    evictions: u64,
+}
+
+impl PlanCache {
+    /// A cache of at most `capacity` plans (at least 1).
+    pub fn new(capacity: usize) -> PlanCache {
+        PlanCache { capacity: capacity.max(1), plans: Vec::new(), clock: 0, evictions: 0 }
+    }
+
+    /// The plan recorded under `key`, if any.
+    pub fn get(&mut self, key: u64) -> Option<&Plan> {
+        self.clock += 1;
+        let clock = self.clock;
+        let entry = self.plans.iter_mut().find(|(k, ..)| *k == key)?;
+        entry.2 = clock;
+        Some(&entry.1)
+    }
+
+    /// Keeps `plan` under `key`, replacing the one there or, when full, the least
+    /// recently used.
+    pub fn insert(&mut self, key: u64, plan: Plan) {
+        self.clock += 1;
+        if let Some(entry) = self.plans.iter_mut().find(|(k, ..)| *k == key) {
+            *entry = (key, plan, self.clock);
+            return;
+        }
+        if self.plans.len() == self.capacity {
+            let oldest = (0..self.plans.len()).min_by_key(|&i| self.plans[i].2).expect("a full cache is not empty");
+            self.plans.swap_remove(oldest);
+            self.evictions += 1;
+        }
+        self.plans.push((key, plan, self.clock));
+    }
+
+    /// Plans held.
+    pub fn len(&self) -> usize {
+        self.plans.len()
+    }
+
+    /// Whether no plan is held.
+    pub fn is_empty(&self) -> bool {
+        self.plans.is_empty()
+    }
+
+    /// Plans dropped to make room.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// The arena every plan fits in: the largest plan's bytes.
+    pub fn arena_bytes(&self) -> usize {
+        self.plans.iter().map(|(_, p, _)| p.bytes()).max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(owner: u32, bytes: usize) -> Event {
+        Event::Alloc { owner, bytes, align: 64 }
+    }
+
+    /// Two roles whose peaks come at different moments: a per-role layout takes the
+    /// sum of the peaks, a plan their maximum.
+    #[test]
+    fn roles_that_peak_at_different_moments_share_one_arena() {
+        let mut t = Trace::new();
+        for e in [alloc(1, 1024), alloc(1, 1024), Event::Close { owner: 1 }, alloc(2, 2048), Event::Close { owner: 2 }]
+        {
+            t.push(e);
+        }
+        assert_eq!(t.lower_bound(), 2048);
+        assert_eq!(t.per_owner_bytes(), 4096);
+        let plan = Plan::new(&t);
+        assert_eq!(plan.bytes(), 2048);
+        plan.check().unwrap();
+        let l = t.lifetimes();
+        assert_eq!((l[0].start, l[0].end, l[2].start, l[2].end), (0, 2, 3, 4));
+    }
+
+    #[test]
+    fn the_overlap_checker_finds_shared_live_bytes() {
+        assert!(check_overlaps([(0, 5, 0, 64), (5, 9, 0, 64)].into_iter()).is_ok(), "one after the other");
+        assert!(check_overlaps([(0, 5, 0, 64), (4, 9, 63, 128)].into_iter()).is_err());
+        assert!(check_overlaps([(0, 5, 0, 64), (1, 2, 64, 128), (3, 9, 0, 1)].into_iter()).is_err());
+    }
+
+    #[test]
+    fn replay_follows_the_plan_and_goes_above_it_from_the_first_difference() {
+        let mut t = Trace::new();
+        for e in [alloc(1, 256), Event::Close { owner: 1 }, alloc(2, 256), Event::Close { owner: 2 }] {
+            t.push(e);
+        }
+        let plan = Plan::new(&t);
+        assert_eq!(plan.bytes(), 256, "the two reuse the same bytes");
+        let mut r = Replay::new(&plan);
+        assert_eq!(r.alloc(1, 200, 64), Placed::Planned(0), "fewer bytes than planned fit");
+        r.close(1);
+        assert_eq!(r.alloc(2, 256, 64), Placed::Planned(0));
+        r.close(2);
+        assert!(r.finish());
+        // The close of owner 1 comes late: owner 2's allocation may not reuse its bytes.
+        let mut r = Replay::new(&plan);
+        assert_eq!(r.alloc(1, 256, 64), Placed::Planned(0));
+        assert_eq!(r.alloc(2, 256, 64), Placed::Above(256));
+        r.close(1);
+        assert_eq!(r.alloc(2, 64, 64), Placed::Above(512), "and everything after");
+        assert!(!r.finish());
+        // More bytes than planned.
+        let mut r = Replay::new(&plan);
+        assert_eq!(r.alloc(1, 320, 64), Placed::Above(256));
+        assert!(!r.finish());
+    }
+
+    #[test]
+    fn the_cache_finds_plans_by_key_and_drops_the_least_recently_used() {
+        let trace = |n: usize| {
+            let mut t = Trace::new();
+            t.push(alloc(1, n));
+            t.push(Event::Close { owner: 1 });
+            t
+        };
+        let mut cache = PlanCache::new(2);
+        cache.insert(10, Plan::new(&trace(64)));
+        cache.insert(20, Plan::new(&trace(128)));
+        assert!(cache.get(10).is_some());
+        cache.insert(30, Plan::new(&trace(192)));
+        assert_eq!(cache.evictions(), 1);
+        assert!(cache.get(20).is_none(), "20 was the least recently used");
+        assert_eq!((cache.len(), cache.arena_bytes()), (2, 192));
+    }
+}
