@@ -1,13 +1,37 @@
-//! Planning time of `workspace_core::plan::Plan::new` for iterations of 100 and 1,000
-//! allocations shaped like a network's (layer cycles opening and closing in order,
-//! activations kept until the end, gradients alternating between two owners). Goals
-//! (issue 13): ≤ 50 µs for ≤ 100 allocations, ≤ 5 ms for 1,000.
+//! Planning with `workspace_core::plan`: the memory plans of two real networks' recorded
+//! training iterations (the digits MLP 64-128-64-10 at batch 32, and 784-1024-1024-10
+//! at batch 128), printed against their per-role layout and lower bound, and the
+//! planning time for those and for synthetic iterations of 100 and 1,000 allocations
+//! shaped like a network's (layer cycles opening and closing in order, activations kept
+//! until the end, gradients alternating between two owners). Goals (issue 13): plan ≤
+//! 1.05× the lower bound; ≤ 50 µs for ≤ 100 allocations, ≤ 5 ms for 1,000.
 //!
 //! Run: `cargo bench --bench plan`
 
 use std::hint::black_box;
 
+use carve::nn::{Network, NetworkConfig};
 use carve::workspace_core::plan::{Event, Plan, Trace};
+use ndarray::{Array1, Array2};
+
+/// The recorded second training iteration of an MLP `widths[0]-...-widths[last]` at
+/// `batch`.
+fn recorded(widths: &[usize], batch: usize) -> Trace {
+    let mut builder = NetworkConfig::builder(widths[0]);
+    for (i, &w) in widths[1..].iter().enumerate() {
+        builder = builder.dense(w);
+        if i + 2 < widths.len() {
+            builder = builder.relu();
+        }
+    }
+    let mut net = Network::new(builder.build().expect("a valid network")).expect("a network");
+    let x = Array2::<f32>::from_elem((batch, widths[0]), 0.5);
+    let y = Array1::<u32>::zeros(batch);
+    net.fit_batch(x.view(), y.view()).expect("a step");
+    net.record_next_iteration();
+    net.fit_batch(x.view(), y.view()).expect("a recorded step");
+    net.recorded_iteration().expect("a recording").clone()
+}
 use criterion::{criterion_main, Criterion};
 
 /// A training iteration of `layers` layers: per layer a forward working-memory cycle
@@ -39,20 +63,23 @@ fn network_trace(layers: usize) -> Trace {
 
 fn plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
+    let networks = [("digits", recorded(&[64, 128, 64, 10], 32)), ("wide", recorded(&[784, 1024, 1024, 10], 128))];
     // 4 · layers + 1 allocations: 101 and 1,001.
-    for layers in [25, 250] {
-        let trace = network_trace(layers);
+    let synthetic = [25, 250].map(|layers| ("synthetic", network_trace(layers)));
+    for (name, trace) in networks.into_iter().chain(synthetic) {
         let allocations = trace.lifetimes().len();
         let planned = Plan::new(&trace);
         planned.check().expect("a sound plan");
         eprintln!(
-            "{allocations} allocations: plan {} B, lower bound {} B ({:.4}x), per owner {} B",
+            "{name}, {allocations} allocations: plan {} B, lower bound {} B ({:.4}x), per role {} B",
             planned.bytes(),
             trace.lower_bound(),
             planned.bytes() as f64 / trace.lower_bound() as f64,
             trace.per_owner_bytes()
         );
-        g.bench_function(format!("{allocations}_allocations"), |b| b.iter(|| black_box(Plan::new(black_box(&trace)))));
+        g.bench_function(format!("{name}_{allocations}_allocations"), |b| {
+            b.iter(|| black_box(Plan::new(black_box(&trace))))
+        });
     }
     g.finish();
 }

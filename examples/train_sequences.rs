@@ -175,6 +175,7 @@ struct Trace {
     capacity_final: usize,
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
     producer_allocs: Vec<u64>,
+    plan: Option<carve::nn::MemoryPlan>,
     shapes: BTreeSet<(usize, usize)>,
     max_steps: usize,
     ring_growths: u64,
@@ -221,6 +222,11 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.shapes.insert((x.shape()[0], x.shape()[1]));
             trace.max_steps = trace.max_steps.max(x.shape()[1]);
             let input = Input::Sequences { features: x, mask };
+            if epoch == 1 && trace.loss.len() == 1 {
+                // Recorded for the memory plan of the report (in the warm-up epoch: the
+                // recording itself allocates).
+                net.record_next_iteration();
+            }
             let faults0 = faults::minor_faults();
             let before = reset_thread_peak(); // the peak of live bytes restarts here
             let t0 = Instant::now();
@@ -258,6 +264,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
     }
     trace.ring_growths = batches.stats().ring_growths;
     trace.capacity_final = net.workspace_capacity();
+    trace.plan = net.memory_plan();
     Ok(trace)
 }
 
@@ -351,6 +358,12 @@ fn run(args: &Args) -> Res<()> {
             // per batch: compare with the batches per epoch.
             "steady_state_producer_allocs_per_epoch_max": t.producer_allocs.iter().skip(1).copied().max(),
             "batches_per_epoch": per_epoch,
+            // One recorded iteration (the second): its roles laid out per role, one arena
+            // planned from its lifetimes, the bytes live at once (issue 13; not served yet).
+            "per_role_bytes": t.plan.map(|p| p.per_role_bytes),
+            "plan_bytes": t.plan.map(|p| p.plan_bytes),
+            "lower_bound_bytes": t.plan.map(|p| p.lower_bound_bytes),
+            "planning_us": t.plan.map(|p| p.planning_us),
             "workspace_capacity_after_epoch_1": t.capacity_after_first_epoch,
             "workspace_capacity": t.capacity_final,
             "ring_growths": t.ring_growths,

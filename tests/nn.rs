@@ -915,3 +915,42 @@ fn fit_over_a_prefetcher_stops_at_a_non_finite_batch() {
     assert!(rest.is_finite());
     assert_eq!(net.iterations(), 2);
 }
+
+#[test]
+fn a_recorded_iteration_gives_a_memory_plan_and_the_same_numbers() {
+    let (x, y) = blobs(64, 3, 9);
+    let mut plain = network(WorkspaceMode::Enabled, Updater::adam(1e-2), 2);
+    let mut recorded = network(WorkspaceMode::Enabled, Updater::adam(1e-2), 2);
+    assert!(recorded.memory_plan().is_none());
+    for i in 0..6 {
+        if i == 3 {
+            recorded.record_next_iteration();
+        }
+        let a = plain.fit_batch(x.view(), y.view()).unwrap();
+        let b = recorded.fit_batch(x.view(), y.view()).unwrap();
+        assert_eq!(a.to_bits(), b.to_bits(), "iteration {i}: recording only observes");
+    }
+    let plan = recorded.memory_plan().expect("a plan of the recorded iteration");
+    assert!(plan.allocations > 10, "{plan:?}");
+    assert!(plan.lower_bound_bytes <= plan.plan_bytes && plan.plan_bytes <= plan.per_role_bytes, "{plan:?}");
+    assert!(plan.plan_bytes < plan.per_role_bytes, "roles peak at different moments: {plan:?}");
+    // With workspaces off there is nothing to plan.
+    let mut none = network(WorkspaceMode::None, Updater::adam(1e-2), 2);
+    none.record_next_iteration();
+    none.fit_batch(x.view(), y.view()).unwrap();
+    assert!(none.memory_plan().is_none());
+}
+
+#[test]
+#[ignore = "a tool: prints the digits network's recorded iteration"]
+fn dump_digits_trace() {
+    let config = NetworkConfig::builder(64).dense(128).relu().dense(64).relu().dense(10).seed(0).build().unwrap();
+    let mut net = Network::new(config).unwrap();
+    let x = Array2::<f32>::zeros((32, 64));
+    let y = Array1::<u32>::zeros(32);
+    net.fit_batch(x.view(), y.view()).unwrap();
+    net.record_next_iteration();
+    net.fit_batch(x.view(), y.view()).unwrap();
+    println!("{:?}", net.recorded_iteration().unwrap().events());
+    println!("{:?}", net.memory_plan());
+}

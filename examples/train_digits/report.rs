@@ -29,6 +29,8 @@ pub(crate) struct Summary {
     pub(crate) peak_rss_bytes: Option<u64>,
     pub(crate) test_accuracy_per_epoch: Vec<f64>,
     pub(crate) prefetch: PrefetchStats,
+    /// The memory plan of iteration 2 (workspaces enabled).
+    pub(crate) plan: Option<carve::nn::MemoryPlan>,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -90,6 +92,7 @@ pub(crate) fn summarize(
         peak_rss_bytes: t.peak_rss,
         test_accuracy_per_epoch: t.epoch_accuracy.clone(),
         prefetch: run.batches.stats(),
+        plan: run.net.memory_plan(),
     })
 }
 
@@ -117,6 +120,12 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         },
         "test_accuracy_per_epoch": s.test_accuracy_per_epoch,
         "prefetch": s.prefetch,
+        // One recorded iteration: its roles laid out per role, one arena planned from
+        // its lifetimes, and the bytes live at once (issue 13; not yet served planned).
+        "per_role_bytes": s.plan.map(|p| p.per_role_bytes),
+        "plan_bytes": s.plan.map(|p| p.plan_bytes),
+        "lower_bound_bytes": s.plan.map(|p| p.lower_bound_bytes),
+        "planning_us": s.plan.map(|p| p.planning_us),
     })
 }
 

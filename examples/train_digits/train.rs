@@ -191,6 +191,11 @@ pub(crate) fn train_epoch(
         let faults0 = minor_faults();
         let heap0 = reset_thread_peak(); // the peak of live bytes restarts here
         let t0 = Instant::now();
+        if epoch == 1 && b == 1 {
+            // Recorded for the memory plan of the report (in the warm-up epoch: the
+            // recording itself allocates).
+            run.net.record_next_iteration();
+        }
         let loss = run.net.fit_batch(x, y);
         let elapsed = t0.elapsed();
         let heap1 = thread_counts();

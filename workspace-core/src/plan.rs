@@ -197,18 +197,21 @@ pub struct Plan {
 }
 
 /// Orders the greedy placement tries, each a key to sort allocations by.
-const ORDERS: usize = 5;
+const ORDERS: usize = 6;
 
 impl Plan {
     /// Plans `trace`: the smallest of greedy best-fit placements over a few orders of the
     /// allocations (largest first; longest-lived first; largest area first; earliest
-    /// first; largest first with later-ending first on ties) and of the per-owner
-    /// layout, so that a plan never takes more than the per-owner layout.
+    /// first; latest-ending first; largest first with later-ending first on ties), then,
+    /// for small iterations, a short local search of swaps in the best order, and of
+    /// the per-owner layout, so that a plan never takes more than the per-owner layout.
+    /// It stops as soon as a placement reaches the lower bound.
     pub fn new(trace: &Trace) -> Plan {
         let started = Instant::now();
         let lifetimes = trace.lifetimes();
         let lower_bound = trace.lower_bound();
         let mut best: Option<(usize, Vec<usize>)> = None;
+        let mut best_order: Vec<usize> = Vec::new();
         for order in 0..ORDERS {
             if best.as_ref().is_some_and(|(b, _)| *b <= lower_bound) {
                 break; // nothing can do better
@@ -221,6 +224,7 @@ impl Plan {
                     1 => (usize::MAX - life, usize::MAX - l.bytes, l.start),
                     2 => (usize::MAX - l.bytes.saturating_mul(life), l.start, 0),
                     3 => (l.start, usize::MAX - l.bytes, 0),
+                    4 => (usize::MAX - l.end, usize::MAX - l.bytes, l.start),
                     _ => (usize::MAX - l.bytes, usize::MAX - l.end, l.start),
                 }
             };
@@ -228,6 +232,32 @@ impl Plan {
             let (bytes, offsets) = place(&lifetimes, &indices);
             if best.as_ref().is_none_or(|(b, _)| bytes < *b) {
                 best = Some((bytes, offsets));
+                best_order = indices;
+            }
+        }
+        // A short local search for small iterations: a few swaps in the best order,
+        // kept when they do better (deterministic: the swaps come from a fixed seed).
+        let n = lifetimes.len();
+        let rounds = (20_000 / n.saturating_mul(n).max(1)).min(16);
+        let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ n as u64;
+        let mut random = |below: usize| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (state ^ (state >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((z ^ (z >> 29)) % below.max(1) as u64) as usize
+        };
+        for _ in 0..rounds {
+            if n < 2 || best.as_ref().is_some_and(|(b, _)| *b <= lower_bound) {
+                break;
+            }
+            let mut order = best_order.clone();
+            for _ in 0..1 + random(3) {
+                let (a, b) = (random(n), random(n));
+                order.swap(a, b);
+            }
+            let (bytes, offsets) = place(&lifetimes, &order);
+            if best.as_ref().is_none_or(|(b, _)| bytes < *b) {
+                best = Some((bytes, offsets));
+                best_order = order;
             }
         }
         let (bytes, by_allocation) = best.unwrap_or((0, Vec::new()));

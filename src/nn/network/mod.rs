@@ -6,7 +6,10 @@ mod config;
 mod infer;
 mod train;
 
+use std::sync::{Arc, Mutex};
+
 use ndarray::{ArrayView1, ArrayView2, ArrayView3};
+use workspace_core::plan::Trace;
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
 
 use super::layer::Activations;
@@ -252,6 +255,27 @@ pub struct Network {
     infer: LayerWorkspaceMgr,
     iterations: u64,
     last_workspace_bytes: usize,
+    /// Whether the next training iteration is recorded for a memory plan.
+    record_next: bool,
+    memory_plan: Option<MemoryPlan>,
+    recorded: Option<Trace>,
+}
+
+/// What one recorded training iteration says about memory: the bytes its role
+/// workspaces take laid out per role, the bytes one arena planned from its lifetimes
+/// would take, and the physical minimum (see [`workspace_core::plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Allocations in the iteration.
+    pub allocations: usize,
+    /// Each role workspace's peak in the iteration, summed (the per-role layout).
+    pub per_role_bytes: usize,
+    /// The planned arena.
+    pub plan_bytes: usize,
+    /// The most bytes live at one moment.
+    pub lower_bound_bytes: usize,
+    /// Planning time, in microseconds.
+    pub planning_us: u64,
 }
 
 impl std::fmt::Debug for Network {
@@ -297,6 +321,9 @@ impl Network {
             infer: inference_mgr(inference_workspace_mode)?,
             iterations: 0,
             last_workspace_bytes: 0,
+            record_next: false,
+            memory_plan: None,
+            recorded: None,
         })
     }
 
@@ -361,6 +388,35 @@ impl Network {
     fn sum_over_training_workspaces(&self, f: impl Fn(&Workspace) -> usize) -> usize {
         let second = self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| f(ws));
         self.train[0].workspaces().map(|ws| f(ws)).sum::<usize>() + second
+    }
+
+    /// Records the next training iteration's allocations and scope closes in the
+    /// training workspaces and plans one arena from their lifetimes; the result is
+    /// [`Network::memory_plan`]. Recording only observes: the step's numbers are those
+    /// of an unrecorded step. (With workspaces off there is nothing to record.)
+    pub fn record_next_iteration(&mut self) {
+        self.record_next = true;
+    }
+
+    /// What the last recorded iteration says about memory (see
+    /// [`Network::record_next_iteration`]).
+    pub fn memory_plan(&self) -> Option<MemoryPlan> {
+        self.memory_plan
+    }
+
+    /// The events of the last recorded iteration (see
+    /// [`Network::record_next_iteration`]), for planning with other settings.
+    pub fn recorded_iteration(&self) -> Option<&Trace> {
+        self.recorded.as_ref()
+    }
+
+    /// Starts (`Some`) or stops (`None`) recording in every training workspace.
+    fn record_training_workspaces(&self, trace: Option<&Arc<Mutex<Trace>>>) -> Result<()> {
+        let second = self.train[1].workspace(ArrayType::ActivationGrad);
+        for ws in self.train[0].workspaces().chain(second) {
+            ws.engine().record_into(trace.cloned())?;
+        }
+        Ok(())
     }
 
     /// Workspace bytes in use at the peaks of the last training iteration, summed over

@@ -10,7 +10,11 @@ use crate::{Error, Result};
 
 use super::super::finite;
 use super::super::layer::{Activations, BackwardCtx, ForwardCtx, Layer};
-use super::{Input, Labels, Network};
+use std::sync::{Arc, Mutex};
+
+use workspace_core::plan::{Plan, Trace};
+
+use super::{Input, Labels, MemoryPlan, Network};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -30,7 +34,34 @@ impl Network {
     /// value the updater would store. After an error the network is unchanged (its
     /// parameters and its updater's state are as they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
-        let (x, labels) = (x.into(), labels.into());
+        if !self.record_next {
+            return self.step(x.into(), labels.into());
+        }
+        self.record_next = false;
+        let trace = Arc::new(Mutex::new(Trace::new()));
+        self.record_training_workspaces(Some(&trace))?;
+        let result = self.step(x.into(), labels.into());
+        // Every scope of the step has closed, whatever it returned.
+        self.record_training_workspaces(None)?;
+        if result.is_ok() {
+            let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !trace.events().is_empty() {
+                let plan = Plan::new(&trace);
+                self.memory_plan = Some(MemoryPlan {
+                    allocations: trace.lifetimes().len(),
+                    per_role_bytes: trace.per_owner_bytes(),
+                    plan_bytes: plan.bytes(),
+                    lower_bound_bytes: plan.lower_bound(),
+                    planning_us: plan.planning_time().as_micros() as u64,
+                });
+                self.recorded = Some(trace.clone());
+            }
+        }
+        result
+    }
+
+    /// One training iteration (see [`Network::fit_batch`]).
+    fn step(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
         let x = x.reborrow();
         // Labels per step without a mask of their own are masked like the features.
         let labels = labels.reborrow().or_mask(x.mask());

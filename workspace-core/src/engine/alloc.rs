@@ -80,6 +80,17 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        let placed = self.alloc_slow_unrecorded(size, align)?;
+        if self.recording.get() {
+            // As the cycle accounts for it: padded to the alignment unit.
+            let align = align.max(self.min_align);
+            let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
+            self.record(crate::plan::Event::Alloc { owner: self.owner(), bytes, align });
+        }
+        Ok(placed)
+    }
+
+    fn alloc_slow_unrecorded(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         if self.depth.get() == 0 {
             return Err(Error::NotOpen { workspace: self.name.clone(), action: "allocating" });
         }
@@ -116,7 +127,7 @@ impl<B: ArenaBackend> Engine<B> {
                 self.wrap_waste.set(capacity - cursor);
                 self.counters.wraps.set(self.counters.wraps.get() + 1);
                 self.advance_to(size);
-                if self.virtual_cursor.get().is_none() && !self.debug.on.get() {
+                if self.virtual_cursor.get().is_none() && !self.debug.on.get() && !self.recording.get() {
                     self.fast_limit.set(self.open_start.get());
                 }
                 self.count_virtual(size, align);

@@ -31,7 +31,8 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        self.fast_limit.set(if self.debug.on.get() { 0 } else { self.capacity.get() });
+        let slow_only = self.debug.on.get() || self.recording.get();
+        self.fast_limit.set(if slow_only { 0 } else { self.capacity.get() });
         self.depth.set(1);
         Ok(Entered::Opened)
     }
@@ -138,6 +139,9 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
+        if self.recording.get() {
+            self.record(crate::plan::Event::Close { owner: self.owner() });
+        }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes() + self.spill.in_use.get();
         self.counters.peak.set(self.counters.peak.get().max(in_use));

@@ -31,11 +31,12 @@ mod stats;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
+use crate::plan::{Event, Trace};
 
 pub use stats::WorkspaceStats;
 
@@ -131,6 +132,11 @@ pub struct Engine<B: ArenaBackend> {
     pending: Cell<Option<BackendError>>,
     timeline: RefCell<VecDeque<usize>>,
     counters: Counters,
+    /// Whether allocations and closes are recorded (see [`Engine::record_into`]): the
+    /// fast path is off meanwhile, so that every allocation passes the recorder.
+    recording: Cell<bool>,
+    /// Where they are recorded.
+    recorder: RefCell<Option<Arc<Mutex<Trace>>>>,
 }
 
 /// The spill blocks of the open cycle and the free range in the last one.
@@ -244,6 +250,8 @@ impl<B: ArenaBackend> Engine<B> {
             pending: Cell::new(None),
             timeline: RefCell::new(timeline),
             counters: Counters::default(),
+            recording: Cell::new(false),
+            recorder: RefCell::new(None),
             config,
         };
         if engine.config.initial_size() > 0 {
@@ -358,8 +366,50 @@ impl<B: ArenaBackend> Engine<B> {
                 return Err(self.backend_error(source));
             }
         }
-        self.plain_close.set(!on && self.config.reset() == ResetPolicy::BlockLeft && self.config.timeline_len() == 0);
+        self.refresh_plain_close();
         Ok(())
+    }
+
+    /// Records every later allocation (its padded size and alignment) and the end of
+    /// every later cycle into `trace`, as events of owner [`Engine::owner`], until
+    /// called with `None`: the lifetime trace a plan is made from
+    /// ([`plan`](crate::plan)). Several workspaces may record into one trace, which
+    /// then holds their events in the order they happened. Only where memory comes
+    /// from is unchanged: recording takes every allocation through the slow path.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub fn record_into(&self, trace: Option<Arc<Mutex<Trace>>>) -> Result<()> {
+        self.require_closed("starting or stopping a recording")?;
+        self.recording.set(trace.is_some());
+        *self.recorder.borrow_mut() = trace;
+        self.refresh_plain_close();
+        Ok(())
+    }
+
+    /// The owner id of this workspace's events in a recorded trace.
+    pub fn owner(&self) -> u32 {
+        self.id as u32
+    }
+
+    /// Appends `event` to the trace being recorded.
+    #[cold]
+    pub(super) fn record(&self, event: Event) {
+        if let Some(trace) = self.recorder.borrow().as_ref() {
+            trace.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+        }
+    }
+
+    /// The short close path is taken only without a debug mode, a timeline or a
+    /// recording.
+    fn refresh_plain_close(&self) {
+        self.plain_close.set(
+            !self.debug.on.get()
+                && !self.recording.get()
+                && self.config.reset() == ResetPolicy::BlockLeft
+                && self.config.timeline_len() == 0,
+        );
     }
 
     fn require_closed(&self, action: &'static str) -> Result<()> {
