@@ -239,3 +239,49 @@ fn replaying_iterations_of_different_shapes_from_a_cache_is_safe_even_when_keys_
         .unwrap();
     assert!(cache.arena_bytes() <= largest, "the arena is the largest plan's");
 }
+
+#[test]
+fn workspaces_record_their_allocations_and_closes_into_one_trace_in_order() {
+    use std::sync::{Arc, Mutex};
+    use workspace_core::{Workspace, WorkspaceConfig};
+
+    let (a, b) = (
+        Workspace::new("REC_A", WorkspaceConfig::default()).unwrap(),
+        Workspace::new("REC_B", WorkspaceConfig::default()).unwrap(),
+    );
+    let trace = Arc::new(Mutex::new(Trace::new()));
+    for ws in [&a, &b] {
+        ws.engine().record_into(Some(trace.clone())).unwrap();
+    }
+    for _ in 0..2 {
+        let outer = a.enter().unwrap();
+        let x = outer.zeros::<f32, _>(100).unwrap(); // 400 B, padded to 448
+        {
+            let inner = b.enter().unwrap();
+            let y = inner.zeros::<u8, _>(1).unwrap();
+            assert_eq!(y.len() + x.len(), 101);
+        }
+        let _z = outer.zeros::<f64, _>(8).unwrap();
+    }
+    let (oa, ob) = (a.engine().owner(), b.engine().owner());
+    let alloc = |owner, bytes| Event::Alloc { owner, bytes, align: 64 };
+    let one = [alloc(oa, 448), alloc(ob, 64), Event::Close { owner: ob }, alloc(oa, 64), Event::Close { owner: oa }];
+    let expected: Vec<Event> = one.iter().chain(one.iter()).copied().collect();
+    assert_eq!(trace.lock().unwrap().events(), &expected[..]);
+    // Recording changes only where memory comes from, and stops on request.
+    let open = a.enter().unwrap();
+    assert!(a.engine().record_into(None).is_err(), "not while a scope is open");
+    drop(open);
+    for ws in [&a, &b] {
+        ws.engine().record_into(None).unwrap();
+    }
+    {
+        let scope = a.enter().unwrap();
+        assert_eq!(scope.zeros::<f32, _>(4).unwrap().len(), 4);
+    }
+    // The scope opened before the refused stop closed while recording (an empty cycle).
+    assert_eq!(trace.lock().unwrap().events().len(), 11, "nothing recorded after it stopped");
+    let plan = Plan::new(&trace.lock().unwrap());
+    plan.check().unwrap();
+    assert_eq!(plan.lower_bound(), 448 + 64, "B's 64 bytes are gone before A's second allocation");
+}
