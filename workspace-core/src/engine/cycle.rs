@@ -3,7 +3,7 @@
 
 use super::{align_up, Engine, Entered};
 use crate::backend::ArenaBackend;
-use crate::config::{ResetPolicy, SpillPolicy};
+use crate::config::{LearningPolicy, ResetPolicy, SpillPolicy};
 use crate::error::{Error, Result};
 
 impl<B: ArenaBackend> Engine<B> {
@@ -197,16 +197,22 @@ impl<B: ArenaBackend> Engine<B> {
             self.learning.learned.set(Some(learned));
             self.config.capacity_for(learned)
         };
+        // The arena's pages are mapped now, rather than by whichever later cycle first
+        // reaches them, when no single cycle has touched them: after growth (the cycle
+        // that outgrew the arena ran in spill blocks) and after learning over several
+        // cycles (each reached a different depth). An arena learned from one cycle has
+        // exactly the pages that cycle touched.
+        let prefault = left == 0 || matches!(self.config.learning(), LearningPolicy::OverTime { cycles } if cycles > 1);
         if target > self.capacity.get() {
             match self.replace_arena(target) {
                 Ok(()) => {
                     self.counters.growth_events.set(self.counters.growth_events.get() + 1);
-                    // A learned size: every later cycle uses up to all of it, so its pages
-                    // are mapped now rather than by whichever cycle first reaches them.
-                    if let Some(arena) = self.arena.borrow().as_ref() {
-                        // SAFETY: the cycle has closed (this is its end) and the arena was
-                        // just installed: none of its memory has been handed out.
-                        unsafe { self.backend.borrow_mut().prefault(arena) };
+                    if prefault {
+                        if let Some(arena) = self.arena.borrow().as_ref() {
+                            // SAFETY: the cycle has closed (this is its end) and the arena
+                            // was just installed: none of its memory has been handed out.
+                            unsafe { self.backend.borrow_mut().prefault(arena) };
+                        }
                     }
                 }
                 Err(source) => {
