@@ -26,7 +26,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::engine::align_up;
+/// `value` rounded up to a multiple of `align` (any alignment, 0 taken as 1), saturating.
+fn align_up(value: usize, align: usize) -> Option<usize> {
+    let align = align.max(1);
+    Some(value.div_ceil(align).saturating_mul(align))
+}
 
 /// One event of an iteration, in the order it happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -115,15 +119,15 @@ impl Trace {
             match *event {
                 Event::Alloc { owner, bytes, .. } => {
                     match live.iter_mut().find(|(o, _)| *o == owner) {
-                        Some(entry) => entry.1 += bytes,
+                        Some(entry) => entry.1 = entry.1.saturating_add(bytes),
                         None => live.push((owner, bytes)),
                     }
-                    total += bytes;
+                    total = total.saturating_add(bytes);
                     peak = peak.max(total);
                 }
                 Event::Close { owner } => {
                     if let Some(at) = live.iter().position(|(o, _)| *o == owner) {
-                        total -= live.swap_remove(at).1;
+                        total = total.saturating_sub(live.swap_remove(at).1);
                     }
                 }
             }
@@ -306,11 +310,11 @@ impl Plan {
         let placed: Vec<(Lifetime, usize)> =
             trace.lifetimes().into_iter().map(|l| (l, self.offsets[l.start])).collect();
         for (l, offset) in &placed {
-            if offset % l.align.max(1) != 0 || offset + l.bytes > self.bytes {
+            if offset % l.align.max(1) != 0 || offset.saturating_add(l.bytes) > self.bytes {
                 return Err(format!("allocation at event {} placed at {offset}: {l:?}", l.start));
             }
         }
-        check_overlaps(placed.iter().map(|&(l, offset)| (l.start, l.end, offset, offset + l.bytes)))
+        check_overlaps(placed.iter().map(|&(l, offset)| (l.start, l.end, offset, offset.saturating_add(l.bytes))))
     }
 }
 
@@ -346,7 +350,7 @@ fn place(lifetimes: &[Lifetime], order: &[usize]) -> (usize, Vec<usize>) {
         busy.clear();
         busy.extend(placed.iter().filter_map(|&j| {
             let m = lifetimes[j];
-            (m.start < l.end && l.start < m.end).then(|| (offsets[j], offsets[j] + m.bytes))
+            (m.start < l.end && l.start < m.end).then(|| (offsets[j], offsets[j].saturating_add(m.bytes)))
         }));
         busy.sort_unstable();
         let (mut cursor, mut best): (usize, Option<(usize, usize)>) = (0, None);
@@ -596,5 +600,28 @@ mod tests {
         assert_eq!(cache.evictions(), 1);
         assert!(cache.get(20).is_none(), "20 was the least recently used");
         assert_eq!((cache.len(), cache.arena_bytes()), (2, 192));
+    }
+
+    #[test]
+    fn hostile_traces_give_plans_not_panics() {
+        let mut t = Trace::new();
+        for e in [
+            Event::Alloc { owner: 1, bytes: usize::MAX, align: 3 },
+            Event::Alloc { owner: 1, bytes: usize::MAX / 2, align: 0 },
+            Event::Close { owner: 7 },
+            Event::Alloc { owner: 2, bytes: 1, align: 1 << 40 },
+            Event::Close { owner: 1 },
+        ] {
+            t.push(e);
+        }
+        let plan = Plan::new(&t);
+        assert_eq!(t.lower_bound(), usize::MAX, "saturates");
+        assert!(plan.bytes() >= 1);
+        let mut r = Replay::new(&plan);
+        let _ = r.alloc(1, usize::MAX, 3);
+        let _ = r.alloc(9, usize::MAX, 5);
+        r.close(4);
+        assert!(!r.finish());
+        assert_eq!(Plan::new(&Trace::new()).bytes(), 0);
     }
 }

@@ -31,8 +31,13 @@ use crate::scope::{Placement, ScopeKind};
 /// workspace orders other streams before a reset; a pinned workspace waits for transfers
 /// before the memory is handed out again.
 ///
-/// Nothing unsafe relies on a hook: the engine's own guarantee (memory is reused only
-/// once no scope is open) holds whatever they do.
+/// The shell's own guarantee (memory is reused only once no scope is open) does not
+/// rest on the hooks, but a kind of workspace's unsafe code may rest on its hooks
+/// running exactly when the shell runs them (a pinned workspace's memory is handed out
+/// only after `before_open` waited for the transfers): so the hooks are `unsafe` to
+/// call, and only the shell calls them. For the same reason a shell with hooks does not
+/// expose its engine (whose `enter` would open a cycle without them); the host's does
+/// ([`Shell::engine`]).
 pub trait CycleHooks {
     /// The error opening and trimming report: the hooks' own failures and the engine's.
     type Error: From<Error>;
@@ -44,15 +49,27 @@ pub trait CycleHooks {
     /// # Errors
     ///
     /// The hook's own; `workspace` names the workspace.
-    fn before_open(&self, workspace: &Arc<str>) -> Result<(), Self::Error>;
+    ///
+    /// # Safety
+    ///
+    /// Called by the shell only, while the workspace is closed, right before it opens.
+    unsafe fn before_open(&self, workspace: &Arc<str>) -> Result<(), Self::Error>;
 
     /// When the last scope of a cycle is about to close, before the engine resets the
     /// arena. Cannot fail: what goes wrong is kept for [`CycleHooks::before_open`].
-    fn before_reset(&self);
+    ///
+    /// # Safety
+    ///
+    /// Called by the shell only, as the last scope of a cycle closes.
+    unsafe fn before_reset(&self);
 
     /// Before the workspace (its engine and its memory) is dropped. Returns whether the
     /// memory may be freed; `false` leaks it (memory that other work may still use).
-    fn before_drop(&mut self) -> bool;
+    ///
+    /// # Safety
+    ///
+    /// Called by the shell only, as it is dropped.
+    unsafe fn before_drop(&mut self) -> bool;
 
     /// Adds what the hooks count to a statistics snapshot.
     fn amend_stats(&self, stats: &mut WorkspaceStats) {
@@ -65,15 +82,15 @@ impl CycleHooks for () {
     type Error = Error;
 
     #[inline(always)]
-    fn before_open(&self, _: &Arc<str>) -> Result<()> {
+    unsafe fn before_open(&self, _: &Arc<str>) -> Result<()> {
         Ok(())
     }
 
     #[inline(always)]
-    fn before_reset(&self) {}
+    unsafe fn before_reset(&self) {}
 
     #[inline(always)]
-    fn before_drop(&mut self) -> bool {
+    unsafe fn before_drop(&mut self) -> bool {
         true
     }
 }
@@ -131,7 +148,8 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     #[inline]
     pub(crate) fn open_raw(&self) -> Result<ScopeKind, H::Error> {
         if !self.engine.is_open() {
-            self.hooks.before_open(self.engine.name())?;
+            // SAFETY: closed, and about to open.
+            unsafe { self.hooks.before_open(self.engine.name())? };
         }
         Ok(match self.engine.enter()? {
             Entered::Opened => ScopeKind::Opened,
@@ -155,7 +173,8 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     #[inline(always)]
     pub(crate) unsafe fn close_raw(&self) {
         if self.engine.depth() == 1 {
-            self.hooks.before_reset();
+            // SAFETY: the last scope of the cycle closes.
+            unsafe { self.hooks.before_reset() };
         }
         // SAFETY: the caller's contract.
         unsafe { self.engine.exit() };
@@ -170,7 +189,9 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     /// [`Shell::open`] would report).
     pub fn trim(&self) -> Result<(), H::Error> {
         if !self.engine.is_open() {
-            self.hooks.before_open(self.engine.name())?;
+            // SAFETY: closed; trimming may hand the memory back to the backend, which,
+            // like opening, needs what the last cycle left settled first.
+            unsafe { self.hooks.before_open(self.engine.name())? };
         }
         Ok(self.engine.trim()?)
     }
@@ -256,13 +277,39 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn timeline(&self) -> Vec<usize> {
         self.engine.timeline()
     }
-    /// The engine, for backends and diagnostics.
-    pub fn engine(&self) -> &Engine<B> {
-        &self.engine
-    }
-    /// The hooks of this kind of workspace.
+    /// The hooks of this kind of workspace (their cycle methods are `unsafe` to call:
+    /// only the shell runs them).
     pub fn hooks(&self) -> &H {
         &self.hooks
+    }
+
+    /// Records every later allocation and cycle end into `trace`, until called with
+    /// `None` (see [`Engine::record_into`] and [`plan`](crate::plan)).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub fn record_into(&self, trace: Option<Arc<std::sync::Mutex<crate::plan::Trace>>>) -> Result<()> {
+        self.engine.record_into(trace)
+    }
+
+    /// The owner id of this workspace's events in a recorded trace.
+    pub fn record_owner(&self) -> u32 {
+        self.engine.owner()
+    }
+
+    /// Open scopes now (0 when closed).
+    pub fn depth(&self) -> usize {
+        self.engine.depth()
+    }
+}
+
+/// The host's shell has no hooks, so its engine, which opens cycles without any, may be
+/// used directly (backends, diagnostics, benchmarks of the raw allocation path).
+impl<B: ArenaBackend> Shell<B, ()> {
+    /// The engine.
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
     }
 }
 
@@ -340,6 +387,19 @@ impl<'s, B: ArenaBackend, H: CycleHooks> Open<'s, B, H> {
         self.kind
     }
 
+    /// Reserves `size` bytes aligned to `align` in the open cycle (see
+    /// [`Engine::alloc`]): the block's base and the offset of the first byte, handed out
+    /// again once the cycle ends. Only raw addresses: turning them into references is
+    /// the caller's unsafe code, tied to the scope holding this count.
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::alloc`].
+    #[inline(always)]
+    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as crate::backend::Block>::Base, usize)> {
+        self.shell.engine.alloc(size, align)
+    }
+
     /// The shell this count belongs to.
     pub fn shell(&self) -> &'s Shell<B, H> {
         self.shell
@@ -365,7 +425,8 @@ impl<B: ArenaBackend, H: CycleHooks> std::fmt::Debug for Open<'_, B, H> {
 
 impl<B: ArenaBackend, H: CycleHooks> Drop for Shell<B, H> {
     fn drop(&mut self) {
-        if self.hooks.before_drop() {
+        // SAFETY: the shell is being dropped.
+        if unsafe { self.hooks.before_drop() } {
             // SAFETY: dropped once, here; nothing uses the engine after this.
             unsafe { ManuallyDrop::drop(&mut self.engine) };
         }
@@ -398,7 +459,7 @@ mod tests {
     impl CycleHooks for Recorder {
         type Error = Error;
 
-        fn before_open(&self, workspace: &Arc<str>) -> Result<()> {
+        unsafe fn before_open(&self, workspace: &Arc<str>) -> Result<()> {
             self.calls.borrow_mut().push("open");
             if self.refuse.get() {
                 return Err(Error::InvalidInput(format!("'{workspace}' refused")));
@@ -406,11 +467,11 @@ mod tests {
             Ok(())
         }
 
-        fn before_reset(&self) {
+        unsafe fn before_reset(&self) {
             self.calls.borrow_mut().push("reset");
         }
 
-        fn before_drop(&mut self) -> bool {
+        unsafe fn before_drop(&mut self) -> bool {
             true
         }
 
@@ -507,11 +568,11 @@ mod tests {
         struct Flag(std::rc::Rc<Cell<bool>>);
         impl CycleHooks for Flag {
             type Error = Error;
-            fn before_open(&self, _: &Arc<str>) -> Result<()> {
+            unsafe fn before_open(&self, _: &Arc<str>) -> Result<()> {
                 Ok(())
             }
-            fn before_reset(&self) {}
-            fn before_drop(&mut self) -> bool {
+            unsafe fn before_reset(&self) {}
+            unsafe fn before_drop(&mut self) -> bool {
                 self.0.set(true);
                 true
             }

@@ -82,15 +82,19 @@ impl<D: Device, T: Pod, Dim: Dimension> DeviceArray<D, T, Dim> {
 
     /// A read-only view.
     pub fn view(&self) -> DeviceView<'_, D, T, Dim> {
-        DeviceView::new(self.owner(), self.device_ptr(), self.dim.clone())
+        DeviceView::of_array(self)
     }
 
     /// A mutable view.
     pub fn view_mut(&mut self) -> DeviceViewMut<'_, D, T, Dim> {
-        DeviceViewMut::new(self.owner(), self.device_ptr(), self.dim.clone())
+        DeviceViewMut::of_array(self)
     }
 
-    fn owner(&self) -> Owner<'_, D> {
+    pub(crate) fn raw_dim(&self) -> Dim {
+        self.dim.clone()
+    }
+
+    pub(crate) fn owner(&self) -> Owner<'_, D> {
         Owner::Array { device: &self.device, stream: &self.stream }
     }
 

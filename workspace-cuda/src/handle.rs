@@ -15,7 +15,7 @@ use crate::array::DeviceArray;
 use crate::device::Device;
 use crate::error::Result;
 use crate::scope::DeviceScope;
-use crate::view::{DeviceView, DeviceViewMut, Owner};
+use crate::view::{DeviceView, DeviceViewMut};
 use crate::workspace::DeviceWorkspace;
 
 /// An array in device workspace memory that can be stored across borrows; see the module
@@ -53,10 +53,26 @@ pub struct DeviceHandle<T, Dim> {
 }
 
 impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
-    /// `address` must hold `dim.size()` initialised elements of workspace `owner`,
-    /// valid while it is at `generation`.
-    pub(crate) fn new(address: u64, dim: Dim, owner: u64, generation: u64, workspace: Arc<str>) -> Self {
-        DeviceHandle { address, dim, owner, generation, workspace, _elements: PhantomData }
+    /// A handle to `view`'s memory, which `scope`'s cycle holds (the handle records the
+    /// workspace and generation the view belongs to).
+    pub(crate) fn of_view<D: Device>(view: &DeviceView<'_, D, T, Dim>, scope: &DeviceScope<'_, D>) -> Self {
+        let ws = scope.workspace();
+        DeviceHandle {
+            address: view.address,
+            dim: view.raw_dim(),
+            owner: ws.id(),
+            generation: ws.generation(),
+            workspace: ws.name().clone(),
+            _elements: PhantomData,
+        }
+    }
+
+    pub(crate) fn address(&self) -> u64 {
+        self.address
+    }
+
+    pub(crate) fn raw_dim(&self) -> Dim {
+        self.dim.clone()
     }
 
     /// Checks that `scope` belongs to this handle's workspace, at its generation.
@@ -76,10 +92,7 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     ///
     /// As [`DeviceHandle::check`].
     pub fn view<'a, D: Device>(&'a self, scope: &'a DeviceScope<'_, D>) -> Result<DeviceView<'a, D, T, Dim>> {
-        self.check(scope)?;
-        // The check proves the memory is live and unchanged since allocation; the view
-        // borrows `scope` (the cycle cannot end) and `self` (no mutable view exists).
-        Ok(DeviceView::new(Owner::Workspace(scope.workspace()), self.address, self.dim.clone()))
+        DeviceView::of_handle(self, scope)
     }
 
     /// A mutable view, borrowed from `scope`.
@@ -91,9 +104,7 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
         &'a mut self,
         scope: &'a DeviceScope<'_, D>,
     ) -> Result<DeviceViewMut<'a, D, T, Dim>> {
-        self.check(scope)?;
-        // As in `view`; `&mut self` makes this the only view of the handle.
-        Ok(DeviceViewMut::new(Owner::Workspace(scope.workspace()), self.address, self.dim.clone()))
+        DeviceViewMut::of_handle(self, scope)
     }
 
     /// Copies into an owned device array.

@@ -53,6 +53,25 @@ const PRUNE_AT: usize = 64;
 /// assert_eq!(staging.stats().pinned_allocations, 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// Its memory is handed out again only after its transfers are waited for: no safe
+/// path opens a cycle without that wait. The engine is not exposed (its `enter` would
+/// open one), and the hooks that wait run only inside the shell:
+///
+/// ```compile_fail,E0599
+/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
+/// staging.engine().enter().unwrap(); // no `engine()` on a shell with hooks
+/// ```
+///
+/// ```compile_fail,E0133
+/// use workspace_core::CycleHooks;
+/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
+/// staging.hooks().before_reset(); // unsafe to call: only the shell runs its hooks
+/// ```
 pub struct PinnedWorkspace<D: Device> {
     shell: Shell<PinnedBackend<D>, PendingTransfers<D>>,
 }
@@ -167,7 +186,7 @@ impl<D: Device> CycleHooks for PendingTransfers<D> {
     /// Waits for every transfer that may still use the memory, then frees the blocks
     /// given back meanwhile.
     #[cold]
-    fn before_open(&self, name: &Arc<str>) -> Result<()> {
+    unsafe fn before_open(&self, name: &Arc<str>) -> Result<()> {
         if let Some(error) = self.broken.borrow().clone() {
             return Err(device_error(name, "waiting for a transfer whose end could not be recorded", error));
         }
@@ -184,10 +203,10 @@ impl<D: Device> CycleHooks for PendingTransfers<D> {
 
     /// Nothing: memory that transfers may still use is not handed out again before the
     /// next open waits for them, and blocks freed at the reset go to the graveyard.
-    fn before_reset(&self) {}
+    unsafe fn before_reset(&self) {}
 
     /// Waits for every transfer; leaks the memory when one cannot be waited for.
-    fn before_drop(&mut self) -> bool {
+    unsafe fn before_drop(&mut self) -> bool {
         let mut shared = lock_in_flight(&self.shared);
         let mut waited = self.broken.get_mut().is_none();
         for event in shared.events.drain(..) {
@@ -217,7 +236,7 @@ fn invalid(reason: String) -> Error {
 
 impl<D: Device> std::fmt::Debug for PinnedWorkspace<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinnedWorkspace").field("engine", self.engine()).finish_non_exhaustive()
+        f.debug_struct("PinnedWorkspace").field("shell", &self.shell).finish_non_exhaustive()
     }
 }
 
@@ -254,7 +273,7 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
     pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<PinnedArray<'_, D, T, Sh::Dim>> {
         let dim = shape.into_shape_with_order().raw_dim().clone();
         let bytes = checked_bytes::<T, Sh::Dim>(&dim, || self.ws.name().clone())?;
-        let (base, offset) = self.ws.engine().alloc(bytes, align_of::<T>())?;
+        let (base, offset) = self.open.alloc(bytes, align_of::<T>())?;
         // SAFETY: the engine reserved `offset..offset + bytes` inside the block at `base`
         // for this cycle, so the pointer stays inside one live allocation, aligned for
         // `T`; the memory is not in any transfer (the cycle opened after waiting for

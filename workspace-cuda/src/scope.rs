@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
-use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut, Owner};
+use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut};
 use crate::workspace::{DeviceWorkspace, StreamOrder};
 
 /// An open scope of a device workspace; see the module docs.
@@ -56,15 +56,11 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         self.ws.placement(view.address)
     }
 
-    /// Reserves memory for `dim` elements of `T` in the open cycle.
-    fn alloc<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+    /// Reserves memory for `dim` elements of `T` in the open cycle: its device address.
+    pub(crate) fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
         let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
-        let (base, offset) = self.ws.engine().alloc(bytes, std::mem::align_of::<T>())?;
+        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
         Ok(base + offset as u64)
-    }
-
-    fn owner(&self) -> Owner<'ws, D> {
-        Owner::Workspace(self.ws)
     }
 
     /// A zero-filled array (zeroed on the workspace's stream).
@@ -86,11 +82,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     ///
     /// As [`DeviceScope::zeros`], without the device error.
     pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceUninit<'_, D, T, Sh::Dim>> {
-        let dim = shape.into_shape_with_order().raw_dim().clone();
-        let address = self.alloc::<T, _>(&dim)?;
-        // The range was just reserved in this cycle: nothing else refers to it until the
-        // scope closes, and the view borrows the scope.
-        Ok(DeviceUninit::new(self.owner(), address, dim))
+        DeviceUninit::allocate(self, shape.into_shape_with_order().raw_dim().clone())
     }
 
     /// A copy of the host array `src` (any layout; copied in standard order on the
@@ -141,7 +133,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// As [`DeviceScope::zeros`].
     pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceHandle<T, Sh::Dim>> {
         let view = self.zeros::<T, Sh>(shape)?;
-        Ok(self.handle(view.address, view.raw_dim()))
+        Ok(DeviceHandle::of_view(&view, self))
     }
 
     /// A copy of the host array `src` behind a [`DeviceHandle`].
@@ -154,7 +146,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         src: &ArrayBase<S, Dim>,
     ) -> Result<DeviceHandle<T, Dim>> {
         let view = self.htod(src)?;
-        Ok(self.handle(view.address, view.raw_dim()))
+        Ok(DeviceHandle::of_view(&view, self))
     }
 
     /// A copy of the device view `src` behind a [`DeviceHandle`].
@@ -164,11 +156,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// As [`DeviceScope::copy_of`].
     pub fn copy_handle<T: Pod, Dim: Dimension>(&self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceHandle<T, Dim>> {
         let view = self.copy_of(src)?;
-        Ok(self.handle(view.address, view.raw_dim()))
-    }
-
-    fn handle<T: Pod, Dim: Dimension>(&self, address: u64, dim: Dim) -> DeviceHandle<T, Dim> {
-        DeviceHandle::new(address, dim, self.ws.id(), self.ws.generation(), self.ws.name().clone())
+        Ok(DeviceHandle::of_view(&view, self))
     }
 
     /// Declares that work on `stream` will use this workspace's memory, and returns the

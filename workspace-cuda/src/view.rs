@@ -25,10 +25,10 @@ use bytemuck::Pod;
 use ndarray::{Array, ArrayBase, ArrayViewMut, Data, DataMut, Dimension, Ix1};
 use workspace_core::Scope;
 
-#[cfg(doc)]
 use crate::array::DeviceArray;
 use crate::device::{ordered_with, Device};
 use crate::error::{DeviceError, Error, Result};
+use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::scope::DeviceScope;
 use crate::workspace::DeviceWorkspace;
@@ -226,12 +226,31 @@ pub struct DeviceViewMut<'a, D: Device, T, Dim: Dimension = Ix1> {
 }
 
 impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
-    /// # Contract
+    /// # Safety
     ///
     /// `address` must hold `dim.size()` initialised elements of `owner`'s memory that stay
-    /// valid for `'a` (not reset, reused or freed).
-    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
+    /// valid for `'a` (not reset, reused or freed): the device copies of every view
+    /// method rely on it.
+    pub(crate) unsafe fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
         DeviceView { owner, address, dim, _elements: PhantomData }
+    }
+
+    /// A view of an owned device array, for as long as it is borrowed.
+    pub(crate) fn of_array(array: &'a DeviceArray<D, T, Dim>) -> Self {
+        // SAFETY: the array owns `dim.size()` initialised elements at its address, freed
+        // only when it is dropped, which the borrow for `'a` prevents.
+        unsafe { DeviceView::new(array.owner(), array.device_ptr(), array.raw_dim()) }
+    }
+
+    /// The view of `handle`'s memory in `scope`, after checking that the handle belongs
+    /// to the scope's workspace at its generation.
+    pub(crate) fn of_handle(handle: &'a DeviceHandle<T, Dim>, scope: &'a DeviceScope<'_, D>) -> Result<Self> {
+        handle.check(scope)?;
+        // SAFETY: a handle is made from a view of its workspace's memory at a generation
+        // (`DeviceHandle::of_view`), and the check proves the workspace is still at that
+        // generation, so the memory holds the elements; the view borrows `scope` (the
+        // cycle cannot end) and the handle.
+        Ok(unsafe { DeviceView::new(Owner::Workspace(scope.workspace()), handle.address(), handle.raw_dim()) })
     }
 
     /// The device address of the first element, for kernels launched on
@@ -280,7 +299,8 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
 
     /// A shorter-lived copy of this view.
     pub fn reborrow(&self) -> DeviceView<'_, D, T, Dim> {
-        DeviceView::new(self.owner, self.address, self.dim.clone())
+        // SAFETY: the same memory, for a shorter lifetime than this view's.
+        unsafe { DeviceView::new(self.owner, self.address, self.dim.clone()) }
     }
 
     /// Copies into an owned host array.
@@ -331,11 +351,26 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
 }
 
 impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
-    /// # Contract
+    /// # Safety
     ///
     /// As [`DeviceView::new`], and nothing else may refer to the memory for `'a`.
-    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
-        DeviceViewMut { view: DeviceView::new(owner, address, dim), _exclusive: PhantomData }
+    pub(crate) unsafe fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
+        // SAFETY: the caller's contract.
+        DeviceViewMut { view: unsafe { DeviceView::new(owner, address, dim) }, _exclusive: PhantomData }
+    }
+
+    /// A mutable view of an owned device array, for as long as it is borrowed.
+    pub(crate) fn of_array(array: &'a mut DeviceArray<D, T, Dim>) -> Self {
+        // SAFETY: as in `DeviceView::of_array`; the borrow is exclusive.
+        unsafe { DeviceViewMut::new(array.owner(), array.device_ptr(), array.raw_dim()) }
+    }
+
+    /// The mutable view of `handle`'s memory in `scope` (as [`DeviceView::of_handle`]).
+    pub(crate) fn of_handle(handle: &'a mut DeviceHandle<T, Dim>, scope: &'a DeviceScope<'_, D>) -> Result<Self> {
+        handle.check(scope)?;
+        // SAFETY: as in `DeviceView::of_handle`; `&mut` on the handle keeps every other
+        // view of it away for `'a`.
+        Ok(unsafe { DeviceViewMut::new(Owner::Workspace(scope.workspace()), handle.address(), handle.raw_dim()) })
     }
 
     /// The device address of the first element, for kernels that write it on
@@ -394,8 +429,17 @@ pub struct DeviceUninit<'a, D: Device, T, Dim: Dimension = Ix1> {
 }
 
 impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceUninit<'a, D, T, Dim> {
-    pub(crate) fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
-        DeviceUninit { view: DeviceViewMut::new(owner, address, dim) }
+    /// Memory for `dim` elements of `T` reserved in `scope`'s cycle.
+    ///
+    /// # Errors
+    ///
+    /// The scope's allocation errors.
+    pub(crate) fn allocate(scope: &'a DeviceScope<'_, D>, dim: Dim) -> Result<Self> {
+        let address = scope.reserve::<T, Dim>(&dim)?;
+        // SAFETY: the range was just reserved in the scope's cycle for `dim.size()`
+        // elements: nothing else refers to it until the cycle ends, and the view borrows
+        // the scope. (Its bytes are not initialised: `DeviceUninit` can only be written.)
+        Ok(DeviceUninit { view: unsafe { DeviceViewMut::new(Owner::Workspace(scope.workspace()), address, dim) } })
     }
 
     /// The shape.

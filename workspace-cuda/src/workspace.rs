@@ -78,6 +78,16 @@ use crate::scope::DeviceScope;
 /// fn needs_sync<T: Sync>() {}
 /// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::SimDevice>>();
 /// ```
+///
+/// Its engine is not exposed (its `enter` would open a cycle without ordering the other
+/// streams first):
+///
+/// ```compile_fail,E0599
+/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
+/// ws.engine().enter().unwrap();
+/// ```
 pub struct DeviceWorkspace<D: Device> {
     shell: Shell<DeviceBackend<D>, StreamOrder<D>>,
 }
@@ -397,12 +407,15 @@ impl<D: Device> StreamOrder<D> {
     }
 }
 
+// The hooks are `unsafe fn`s because only the shell may run them (see `CycleHooks`);
+// their bodies hold no unsafe code.
+#[allow(unsafe_code)]
 impl<D: Device> CycleHooks for StreamOrder<D> {
     type Error = Error;
 
     /// Orders what could not be ordered when the last cycle closed, and reports errors
     /// recorded since.
-    fn before_open(&self, name: &Arc<str>) -> Result<()> {
+    unsafe fn before_open(&self, name: &Arc<str>) -> Result<()> {
         let mut unjoined = self.unjoined.borrow_mut();
         let mut failure = None;
         unjoined.retain(|stream| match self.join_or_wait(stream) {
@@ -435,7 +448,7 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
 
     /// Orders every stream that used the memory in this cycle before the workspace's
     /// stream (module docs). What cannot be ordered is kept for `before_open`.
-    fn before_reset(&self) {
+    unsafe fn before_reset(&self) {
         let foreign = std::mem::take(&mut *self.foreign.borrow_mut());
         for stream in foreign {
             if let Err(error) = self.join_or_wait(&stream) {
@@ -454,7 +467,7 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
     /// `foreign` is empty unless a scope was forgotten and the cycle never closed: its
     /// streams may still use the memory the engine is about to free. The memory is
     /// leaked when a stream cannot be ordered.
-    fn before_drop(&mut self) -> bool {
+    unsafe fn before_drop(&mut self) -> bool {
         let mut ordered = true;
         let foreign = std::mem::take(self.foreign.get_mut());
         for stream in foreign.iter().chain(std::mem::take(self.unjoined.get_mut()).iter()) {
@@ -484,7 +497,7 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
 impl<D: Device> std::fmt::Debug for DeviceWorkspace<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceWorkspace")
-            .field("engine", self.engine())
+            .field("shell", &self.shell)
             .field("device", self.device())
             .field("stream", self.stream())
             .finish_non_exhaustive()

@@ -414,7 +414,7 @@ impl Network {
     fn record_training_workspaces(&self, trace: Option<&Arc<Mutex<Trace>>>) -> Result<()> {
         let second = self.train[1].workspace(ArrayType::ActivationGrad);
         for ws in self.train[0].workspaces().chain(second) {
-            ws.engine().record_into(trace.cloned())?;
+            ws.record_into(trace.cloned())?;
         }
         Ok(())
     }

@@ -129,9 +129,10 @@ impl<D: Device> DeviceLease<'_, D> {
         let (spec, dim) = self.batch.info.layout.typed::<T, Dim>(self.batch.info.index, role)?;
         let slots = self.side.ring.memory();
         let owner = Owner::Ring { device: &slots.device, stream: &slots.consumer };
-        // The slot holds the batch (the consumer's stream waited for its copy) and is not
-        // written again before work issued to that stream while the lease lives.
-        Ok(DeviceView::new(owner, self.batch.place.address + spec.offset() as u64, dim))
+        // SAFETY: the slot holds the batch (the consumer's stream waited for its copy) and
+        // is not written again before work issued to that stream while the lease lives;
+        // the array lies inside the batch (its spec comes from the batch's planned layout).
+        Ok(unsafe { DeviceView::new(owner, self.batch.place.address + spec.offset() as u64, dim) })
     }
 
     /// Copies the batch into device memory of its own (one device-to-device copy on
@@ -155,8 +156,8 @@ impl<D: Device> DeviceLease<'_, D> {
     /// The whole batch, as bytes.
     fn whole(&self) -> DeviceView<'_, D, u8> {
         let owner = Owner::Ring { device: &self.side.ring.memory().device, stream: &self.side.ring.memory().consumer };
-        // As in `array`: the slot holds the batch while the lease lives.
-        DeviceView::new(owner, self.batch.place.address, ndarray::Ix1(self.batch.info.bytes))
+        // SAFETY: as in `array`: the slot holds the batch's bytes while the lease lives.
+        unsafe { DeviceView::new(owner, self.batch.place.address, ndarray::Ix1(self.batch.info.bytes)) }
     }
 
     /// Copies the batch to the host and ends the lease.
@@ -252,7 +253,9 @@ impl<D: Device> DeviceBatch<D> {
     pub fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
         let (spec, dim) = self.info.layout.typed::<T, Dim>(self.info.index, role)?;
         let owner = Owner::Array { device: &self.device, stream: &self.stream };
-        Ok(DeviceView::new(owner, D::memory_address(&self.memory) + spec.offset() as u64, dim))
+        // SAFETY: the batch's own allocation holds its bytes for as long as `self` lives,
+        // and the array lies inside it (its spec comes from the batch's planned layout).
+        Ok(unsafe { DeviceView::new(owner, D::memory_address(&self.memory) + spec.offset() as u64, dim) })
     }
 
     /// Copies the batch to the host.
@@ -262,8 +265,9 @@ impl<D: Device> DeviceBatch<D> {
     /// [`Error::Device`] when the device cannot copy.
     pub fn to_host(&self) -> Result<DetachedBatch> {
         let owner = Owner::Array { device: &self.device, stream: &self.stream };
-        // The allocation holds the batch for as long as `self` lives.
-        copy_to_host(&DeviceView::new(owner, D::memory_address(&self.memory), ndarray::Ix1(self.info.bytes)), self.info)
+        // SAFETY: the allocation holds the batch's bytes for as long as `self` lives.
+        let whole = unsafe { DeviceView::new(owner, D::memory_address(&self.memory), ndarray::Ix1(self.info.bytes)) };
+        copy_to_host(&whole, self.info)
     }
 }
 
