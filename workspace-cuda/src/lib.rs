@@ -83,12 +83,14 @@
 //! and the simulator, behind the sealed [`Device`] trait), `backend` (the `unsafe impl`s
 //! of the core's backend traits), `transfer` (every copy and fill a workspace issues:
 //! the only caller of the device's unsafe copies, behind the views' and
-//! [`OnStream`]'s methods), `pinned` (host views of page-locked memory), `prefetch`
-//! (the staging copy into the device ring), `view` (the declaration of
-//! [`DeviceUninit::assume_init`]) and `probe` (loading the driver). Workspaces,
-//! scopes and streams hold no unsafe code: a scope holds the shell's
-//! [`Open`](workspace_core::Open) count, whose drop closes it. Every block says why it
-//! is sound.
+//! [`OnStream`]'s methods), `view` (the views' unsafe constructors, reached through
+//! safe ones that carry their proof: a borrowed array, a checked handle, a fresh
+//! reservation in a scope), `pinned` (host views of page-locked memory), `prefetch`
+//! (the staging copy into the device ring, and views of its slots) and `probe` (loading
+//! the driver); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
+//! shell runs them) without unsafe code in them. Scopes, streams, handles and arrays
+//! hold none: a scope holds the shell's [`Open`](workspace_core::Open) count, whose
+//! drop closes it. Every block says why it is sound.
 
 #![deny(unsafe_code)]
 
