@@ -63,6 +63,22 @@ impl<'a> Activations<'a> {
     }
 }
 
+/// Checks that a sequence layer's input gradient, if asked for, is shaped like its input.
+pub(crate) fn check_grad_input(
+    layer: &str,
+    input: &ArrayView3<'_, f32>,
+    grad_input: &Option<ArrayViewMut3<'_, f32>>,
+) -> Result<()> {
+    match grad_input {
+        Some(g) if g.dim() != input.dim() => Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}' input gradient"),
+            expected: input.shape().to_vec(),
+            actual: g.shape().to_vec(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// `[batch, time, features]` as `[batch · time, features]` (a view: `x` must be in
 /// standard layout).
 fn steps_as_rows<'a>(x: ArrayView3<'a, f32>, layer: &str) -> Result<ArrayView2<'a, f32>> {

@@ -7,7 +7,7 @@ use workspace_core::{freeze, ArrayType, Handle};
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
-use super::layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
+use super::layer::{check_grad_input, Activations, BackwardCtx, ForwardCtx, Layer, Param};
 use super::Rng;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
@@ -408,15 +408,7 @@ impl Layer for Lstm {
                 actual: grad_output.shape().to_vec(),
             });
         }
-        if let Some(g) = &grad_input {
-            if g.dim() != input.dim() {
-                return Err(Error::ShapeMismatch {
-                    context: format!("layer '{}' input gradient", self.name),
-                    expected: input.shape().to_vec(),
-                    actual: g.shape().to_vec(),
-                });
-            }
-        }
+        check_grad_input(&self.name, &input, &grad_input)?;
         // Taken out of `self` while the gradients are written, and put back whatever
         // happens, so that an error leaves the forward pass's cache in place.
         let cache = std::mem::replace(&mut self.cache, Cache::Empty);

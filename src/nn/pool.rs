@@ -6,7 +6,7 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::layer::{Activations, BackwardCtx, ForwardCtx, Layer};
+use super::layer::{check_grad_input, Activations, BackwardCtx, ForwardCtx, Layer};
 
 /// The output of each sequence's last step that holds data (the last unmasked step;
 /// the last step when there is no mask): `[batch, time, features]` → `[batch,
@@ -108,22 +108,6 @@ fn takes_sequences(layer: &str, input: ArrayView2<'_, f32>) -> Error {
         ),
         expected: vec![input.nrows(), 0, input.ncols()],
         actual: input.shape().to_vec(),
-    }
-}
-
-/// Checks that a head's input gradient is shaped like its input.
-fn check_grad_input(
-    layer: &str,
-    input: &ArrayView3<'_, f32>,
-    grad_input: &Option<ArrayViewMut3<'_, f32>>,
-) -> Result<()> {
-    match grad_input {
-        Some(g) if g.dim() != input.dim() => Err(Error::ShapeMismatch {
-            context: format!("layer '{layer}' input gradient"),
-            expected: input.shape().to_vec(),
-            actual: g.shape().to_vec(),
-        }),
-        _ => Ok(()),
     }
 }
 
