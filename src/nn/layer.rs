@@ -63,6 +63,24 @@ impl<'a> Activations<'a> {
     }
 }
 
+/// Checks that a sequence layer's mask, if any, is shaped `[batch, time]` like its input;
+/// returns the input's `(batch, time, features)`.
+pub(crate) fn check_mask(
+    layer: &str,
+    input: &ArrayView3<'_, f32>,
+    mask: Option<&ArrayView2<'_, f32>>,
+) -> Result<(usize, usize, usize)> {
+    let (batch, steps, features) = input.dim();
+    match mask {
+        Some(mask) if mask.dim() != (batch, steps) => Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}' mask [batch, time]"),
+            expected: vec![batch, steps],
+            actual: mask.shape().to_vec(),
+        }),
+        _ => Ok((batch, steps, features)),
+    }
+}
+
 /// Checks that a sequence layer's input gradient, if asked for, is shaped like its input.
 pub(crate) fn check_grad_input(
     layer: &str,
@@ -80,10 +98,16 @@ pub(crate) fn check_grad_input(
 }
 
 /// `[batch, time, features]` as `[batch · time, features]` (a view: `x` must be in
-/// standard layout).
+/// standard layout), or the error of `layer`.
 fn steps_as_rows<'a>(x: ArrayView3<'a, f32>, layer: &str) -> Result<ArrayView2<'a, f32>> {
+    rows_of_steps(x).ok_or_else(|| not_standard(layer))
+}
+
+/// `[batch, time, features]` as `[batch · time, features]`, when `x` is in standard
+/// layout: row `b · time + t` is step `t` of sequence `b`.
+pub(crate) fn rows_of_steps(x: ArrayView3<'_, f32>) -> Option<ArrayView2<'_, f32>> {
     let (b, t, f) = x.dim();
-    x.into_shape_with_order((b * t, f)).map_err(|_| not_standard(layer))
+    x.into_shape_with_order((b * t, f)).ok()
 }
 
 fn not_standard(layer: &str) -> Error {

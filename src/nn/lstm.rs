@@ -7,7 +7,7 @@ use workspace_core::{freeze, ArrayType, Handle};
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
-use super::layer::{check_grad_input, Activations, BackwardCtx, ForwardCtx, Layer, Param};
+use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Layer, Param};
 use super::Rng;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
@@ -168,16 +168,7 @@ impl Lstm {
                 actual: input.shape().to_vec(),
             });
         }
-        if let Some(mask) = mask {
-            if mask.dim() != (batch, steps) {
-                return Err(Error::ShapeMismatch {
-                    context: format!("layer '{}' mask [batch, time]", self.name),
-                    expected: vec![batch, steps],
-                    actual: mask.shape().to_vec(),
-                });
-            }
-        }
-        Ok(())
+        check_mask(&self.name, input, mask).map(|_| ())
     }
 
     /// Scratch elements of the matrix products of one step.

@@ -6,7 +6,7 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::layer::{check_grad_input, Activations, BackwardCtx, ForwardCtx, Layer};
+use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Layer};
 
 /// The output of each sequence's last step that holds data (the last unmasked step;
 /// the last step when there is no mask): `[batch, time, features]` → `[batch,
@@ -83,24 +83,6 @@ fn held(mask: Option<&ArrayView2<'_, f32>>, row: usize, steps: usize, layer: &st
     Ok((count, last))
 }
 
-fn check(
-    layer: &str,
-    input: &ArrayView3<'_, f32>,
-    mask: Option<&ArrayView2<'_, f32>>,
-) -> Result<(usize, usize, usize)> {
-    let (batch, steps, features) = input.dim();
-    if let Some(mask) = mask {
-        if mask.dim() != (batch, steps) {
-            return Err(Error::ShapeMismatch {
-                context: format!("layer '{layer}' mask [batch, time]"),
-                expected: vec![batch, steps],
-                actual: mask.shape().to_vec(),
-            });
-        }
-    }
-    Ok((batch, steps, features))
-}
-
 fn takes_sequences(layer: &str, input: ArrayView2<'_, f32>) -> Error {
     Error::ShapeMismatch {
         context: format!(
@@ -169,7 +151,7 @@ impl Layer for LastStep {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
+        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
         let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
         for r in 0..batch {
             let (_, last) = held(mask.as_ref(), r, steps, &self.name)?;
@@ -187,7 +169,7 @@ impl Layer for LastStep {
         grad_input: Option<ArrayViewMut3<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
+        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
         let grad = flat_grad(&self.name, grad_output, batch, features)?;
         check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {
@@ -218,7 +200,7 @@ impl Layer for MaskedMean {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
+        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
         let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
         for r in 0..batch {
             let (count, _) = held(mask.as_ref(), r, steps, &self.name)?;
@@ -244,7 +226,7 @@ impl Layer for MaskedMean {
         grad_input: Option<ArrayViewMut3<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        let (batch, steps, features) = check(&self.name, &input, mask.as_ref())?;
+        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
         let grad = flat_grad(&self.name, grad_output, batch, features)?;
         check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {

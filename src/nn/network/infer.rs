@@ -10,14 +10,14 @@ use crate::{Error, Result};
 
 use super::super::layer::{Activations, ForwardCtx};
 use super::train::{lease_input, lease_labels, standard_input, steps_as_rows, validate};
-use super::{Input, Labels, Network};
+use super::{check_labels, Input, Labels, Network};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
     /// handed to `f` while they are alive.
     fn infer<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
         let x = x.reborrow();
-        self.check_batch(&x, None)?;
+        self.check_input(&x)?;
         let mask = x.mask();
         let Network { layers, loss, infer: mgr, .. } = self;
         let act = mgr.enter(ArrayType::Activations)?;
@@ -108,7 +108,8 @@ impl Network {
         if batch_size == 0 || rows == 0 {
             return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
         }
-        self.check_batch(&x, Some(&labels))?;
+        // The batches themselves are checked as they are fed (`infer`).
+        check_labels(&x, &labels)?;
         let (mut correct, mut total) = (0usize, 0usize);
         for start in (0..rows).step_by(batch_size) {
             let end = (start + batch_size).min(rows);
@@ -161,7 +162,7 @@ impl Network {
             let batch = batch?;
             let x = lease_input(&batch)?;
             let y = lease_labels(&batch)?.or_mask(x.mask());
-            self.check_batch(&x, Some(&y))?;
+            check_labels(&x, &y)?;
             let (c, t) = self.count_correct(x, y)?;
             correct += c;
             rows += t;

@@ -425,7 +425,16 @@ impl Network {
         self.last_workspace_bytes
     }
 
+    /// Checks a batch and, when given, its labels (see [`Network::check_input`] and
+    /// [`check_labels`]).
     fn check_batch(&self, x: &Input<'_>, labels: Option<&Labels<'_>>) -> Result<()> {
+        self.check_input(x)?;
+        labels.map_or(Ok(()), |labels| check_labels(x, labels))
+    }
+
+    /// Checks a batch: its features against the network's inputs, no empty batch or
+    /// sequence, a features mask of the batch's shape holding 0 and 1 only.
+    fn check_input(&self, x: &Input<'_>) -> Result<()> {
         let (rows, features) = match x {
             Input::Flat(x) => (x.nrows(), x.ncols()),
             Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
@@ -448,19 +457,7 @@ impl Network {
                 return Err(Error::InvalidInput("a batch of sequences of 0 steps cannot be fed to the network".into()));
             }
             if let Some(mask) = mask {
-                if mask.dim() != (rows, steps) {
-                    return Err(Error::ShapeMismatch {
-                        context: "features mask [batch, time]".to_string(),
-                        expected: vec![rows, steps],
-                        actual: mask.shape().to_vec(),
-                    });
-                }
-                if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
-                    return Err(Error::InvalidInput(format!(
-                        "the features mask holds {v} at sequence {r}, step {t}: a mask holds 1 where a step holds \
-                         data and 0 where it is padding"
-                    )));
-                }
+                check_mask(mask, (rows, steps), "features", "a step holds data and 0 where it is padding")?;
                 if let Some(r) = (0..rows).find(|&r| mask.row(r).iter().all(|&v| v == 0.0)) {
                     return Err(Error::InvalidInput(format!(
                         "sequence {r} of the batch has no step that holds data (its mask is all 0); leave empty \
@@ -469,42 +466,53 @@ impl Network {
                 }
             }
         }
-        match labels {
-            Some(Labels::PerExample(labels)) => check_label_count(rows, labels),
-            Some(Labels::PerStep { labels, mask }) => {
-                let Input::Sequences { features, .. } = x else {
-                    return Err(Error::InvalidInput(
-                        "labels per step [batch, time] need a batch of sequences [batch, time, features]".into(),
-                    ));
-                };
-                let steps = (rows, features.shape()[1]);
-                if labels.dim() != steps {
-                    return Err(Error::ShapeMismatch {
-                        context: "labels per step [batch, time]".to_string(),
-                        expected: vec![steps.0, steps.1],
-                        actual: labels.shape().to_vec(),
-                    });
-                }
-                if let Some(mask) = mask {
-                    if mask.dim() != steps {
-                        return Err(Error::ShapeMismatch {
-                            context: "labels mask [batch, time]".to_string(),
-                            expected: vec![steps.0, steps.1],
-                            actual: mask.shape().to_vec(),
-                        });
-                    }
-                    if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
-                        return Err(Error::InvalidInput(format!(
-                            "the labels mask holds {v} at sequence {r}, step {t}: a mask holds 1 where a step has \
-                             a label and 0 where it has none"
-                        )));
-                    }
-                }
-                Ok(())
+        Ok(())
+    }
+}
+
+/// Checks `labels` against the batch `x`: one per row, or per step of sequences with a
+/// labels mask of their shape holding 0 and 1 only.
+fn check_labels(x: &Input<'_>, labels: &Labels<'_>) -> Result<()> {
+    match labels {
+        Labels::PerExample(labels) => check_label_count(x.rows(), labels),
+        Labels::PerStep { labels, mask } => {
+            let Input::Sequences { features, .. } = x else {
+                return Err(Error::InvalidInput(
+                    "labels per step [batch, time] need a batch of sequences [batch, time, features]".into(),
+                ));
+            };
+            let steps = (x.rows(), features.shape()[1]);
+            if labels.dim() != steps {
+                return Err(Error::ShapeMismatch {
+                    context: "labels per step [batch, time]".to_string(),
+                    expected: vec![steps.0, steps.1],
+                    actual: labels.shape().to_vec(),
+                });
             }
-            None => Ok(()),
+            match mask {
+                Some(mask) => check_mask(mask, steps, "labels", "a step has a label and 0 where it has none"),
+                None => Ok(()),
+            }
         }
     }
+}
+
+/// Checks that the `what` mask is shaped `dims` (`[batch, time]`) and holds only 0 and
+/// 1 (1 where `meaning`).
+fn check_mask(mask: &ArrayView2<'_, f32>, dims: (usize, usize), what: &str, meaning: &str) -> Result<()> {
+    if mask.dim() != dims {
+        return Err(Error::ShapeMismatch {
+            context: format!("{what} mask [batch, time]"),
+            expected: vec![dims.0, dims.1],
+            actual: mask.shape().to_vec(),
+        });
+    }
+    if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
+        return Err(Error::InvalidInput(format!(
+            "the {what} mask holds {v} at sequence {r}, step {t}: a mask holds 1 where {meaning}"
+        )));
+    }
+    Ok(())
 }
 
 /// One label per input row.

@@ -9,7 +9,7 @@ use workspace_core::{freeze, ArenaBackend, ArrayType, Block, Handle, LayerWorksp
 use crate::{Error, Result};
 
 use super::super::finite;
-use super::super::layer::{Activations, BackwardCtx, ForwardCtx, Layer};
+use super::super::layer::{rows_of_steps, Activations, BackwardCtx, ForwardCtx, Layer};
 use std::sync::{Arc, Mutex};
 
 use workspace_core::plan::{Plan, Trace};
@@ -350,10 +350,9 @@ pub(super) fn standard_labels<'s>(labels: Labels<'s>, scope: &'s Scope<'_>) -> R
 
 /// A sequence output `[batch, time, classes]` as rows `[batch · time, classes]`.
 pub(super) fn steps_as_rows(logits: ArrayView3<'_, f32>) -> Result<ArrayView2<'_, f32>> {
-    let (b, t, c) = logits.dim();
-    logits
-        .into_shape_with_order((b * t, c))
-        .map_err(|_| Error::InvalidInput("the network's sequence output must be in standard (row-major) layout".into()))
+    rows_of_steps(logits).ok_or_else(|| {
+        Error::InvalidInput("the network's sequence output must be in standard (row-major) layout".into())
+    })
 }
 
 /// The labels of a prefetched batch: `[batch]` of `u32`, or `[batch, time]` with the
