@@ -60,6 +60,8 @@ mod handle;
 pub mod layer;
 mod manager;
 pub mod plan;
+#[allow(unsafe_code)]
+pub mod planned;
 mod roles;
 #[allow(unsafe_code)]
 mod scope;

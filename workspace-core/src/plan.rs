@@ -76,6 +76,11 @@ impl Trace {
         Trace::default()
     }
 
+    /// A trace of `events`, in the order they happened.
+    pub fn from_events(events: Vec<Event>) -> Trace {
+        Trace { events }
+    }
+
     /// Records an event.
     pub fn push(&mut self, event: Event) {
         self.events.push(event);

@@ -224,10 +224,7 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn contains(&self, address: impl Address, bytes: usize) -> bool {
         let address = address.address();
         let Some(end) = address.checked_add(bytes as u64) else { return false };
-        self.engine.any_block(|base, len| {
-            let base = base.address();
-            address >= base && end <= base + len as u64
-        })
+        self.engine.any_block(|base, len| address >= base && end <= base + len as u64)
     }
 
     /// The workspace's name.

@@ -47,16 +47,16 @@ impl<B: ArenaBackend> Engine<B> {
             // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
             let end = cursor + ((size + self.align_mask) & !self.align_mask);
             if end <= self.fast_limit.get() {
-                debug_assert!(
-                    self.arena_base.get().is_some()
-                        && cursor.is_multiple_of(self.min_align)
-                        && cursor + size <= self.capacity.get()
-                );
+                debug_assert!(self.fast_base.get().is_some() && cursor.is_multiple_of(self.min_align));
                 // SAFETY: `end > 0`, so `fast_limit > 0`, and `fast_limit` is non-zero only
-                // while there is an arena: it is 0 while closed, set to `capacity` (or to
-                // `open_start <= capacity`) only while open, and `capacity > 0` exactly when
-                // `arena_base` is `Some`; the arena is replaced or released only while closed.
-                let base = unsafe { self.arena_base.get().unwrap_unchecked() };
+                // while `fast_base` is the base of a block that `[cursor, fast_limit)` lies
+                // in: it is 0 while closed; while open it is set to `capacity` (or to
+                // `open_start <= capacity`) with `fast_base` the arena's base (`capacity >
+                // 0` exactly when there is an arena, replaced or released only while
+                // closed), or to the end of a planned window with `fast_base` the group
+                // arena's base (the group replaces its arena only while no member holds
+                // a window, and a window is held until its cycle ends).
+                let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
                 return Some((base, cursor));
             }
@@ -80,7 +80,11 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        let placed = self.alloc_slow_unrecorded(size, align)?;
+        let placed = if self.grouped.get() {
+            self.alloc_grouped(size, align)?
+        } else {
+            self.alloc_slow_unrecorded(size, align)?
+        };
         if self.recording.get() {
             // As the cycle accounts for it: padded to the alignment unit.
             let align = align.max(self.min_align);
@@ -90,7 +94,8 @@ impl<B: ArenaBackend> Engine<B> {
         Ok(placed)
     }
 
-    fn alloc_slow_unrecorded(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+    /// The errors of a request that no workspace serves.
+    pub(super) fn check_request(&self, size: usize, align: usize) -> Result<()> {
         if self.depth.get() == 0 {
             return Err(Error::NotOpen { workspace: self.name.clone(), action: "allocating" });
         }
@@ -103,6 +108,15 @@ impl<B: ArenaBackend> Engine<B> {
                 self.name
             )));
         }
+        Ok(())
+    }
+
+    pub(super) fn alloc_slow_unrecorded(
+        &self,
+        size: usize,
+        align: usize,
+    ) -> Result<(<B::Block as Block>::Base, usize)> {
+        self.check_request(size, align)?;
         let align = align.max(self.min_align);
         let capacity = self.capacity.get();
         let cursor = self.cursor.get();
@@ -212,7 +226,7 @@ impl<B: ArenaBackend> Engine<B> {
         Some(block)
     }
 
-    fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+    pub(super) fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         // The budget counts the arena and what the spills need laid out contiguously,
         // padded as an arena pads them: a cycle that fits the budget once is then
         // learned into an arena that holds all of it, within the budget.

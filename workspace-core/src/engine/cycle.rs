@@ -31,7 +31,9 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        let slow_only = self.debug.on.get() || self.recording.get();
+        let slow_only =
+            self.debug.on.get() || self.recording.get() || (self.grouped.get() && self.group_wants_slow_path());
+        self.fast_base.set(self.arena_base.get());
         self.fast_limit.set(if slow_only { 0 } else { self.capacity.get() });
         self.depth.set(1);
         Ok(Entered::Opened)
@@ -100,6 +102,10 @@ impl<B: ArenaBackend> Engine<B> {
     /// Arena bytes handed out since the workspace was last opened.
     pub(super) fn open_bytes(&self) -> usize {
         let start = self.open_start.get();
+        if self.grouped.get() {
+            // A member of a plan group: its own arena's bytes and its planned windows'.
+            return self.own_cursor().saturating_sub(start) + self.window_bytes();
+        }
         let cursor = self.cursor.get();
         if self.wrapped.get() {
             (self.capacity.get() - self.wrap_waste.get()).saturating_sub(start) + cursor
@@ -142,6 +148,9 @@ impl<B: ArenaBackend> Engine<B> {
         if self.recording.get() {
             self.record(crate::plan::Event::Close { owner: self.owner() });
         }
+        if self.grouped.get() {
+            self.close_grouped();
+        }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes() + self.spill.in_use.get();
         self.counters.peak.set(self.counters.peak.get().max(in_use));
@@ -168,6 +177,9 @@ impl<B: ArenaBackend> Engine<B> {
             self.release_spills();
         }
         self.fast_limit.set(0);
+        if self.grouped.get() {
+            self.reset_window_bytes();
+        }
     }
 
     #[cold]

@@ -26,6 +26,7 @@
 mod alloc;
 mod arena;
 mod cycle;
+mod group;
 mod stats;
 
 use std::cell::{Cell, RefCell};
@@ -86,7 +87,10 @@ pub struct Engine<B: ArenaBackend> {
     /// every later allocation and learning counts them), and `open_start` after a
     /// circular workspace wrapped.
     fast_limit: Cell<usize>,
-    /// Base of `arena`, cached for the fast path; `None` when there is no arena.
+    /// Base of the block the fast path serves from: `arena_base`, or the group's arena
+    /// while a planned window is open (see `group.rs`).
+    fast_base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Base of `arena`; `None` when there is no arena.
     arena_base: Cell<Option<<B::Block as Block>::Base>>,
     /// `config.alignment()` (at least [`MIN_ALIGN_FLOOR`]): the smallest alignment of
     /// any allocation.
@@ -137,6 +141,10 @@ pub struct Engine<B: ArenaBackend> {
     recording: Cell<bool>,
     /// Where they are recorded.
     recorder: RefCell<Option<Arc<Mutex<Trace>>>>,
+    /// Whether this workspace is a member of a plan group ([`crate::planned`]).
+    grouped: Cell<bool>,
+    /// The group and the planned windows of the open cycle.
+    window: group::Window<B>,
 }
 
 /// The spill blocks of the open cycle and the free range in the last one.
@@ -218,6 +226,7 @@ impl<B: ArenaBackend> Engine<B> {
             plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
+            fast_base: Cell::new(None),
             arena_base: Cell::new(None),
             capacity: Cell::new(0),
             cursor: Cell::new(0),
@@ -252,6 +261,8 @@ impl<B: ArenaBackend> Engine<B> {
             counters: Counters::default(),
             recording: Cell::new(false),
             recorder: RefCell::new(None),
+            grouped: Cell::new(false),
+            window: group::Window::new(),
             config,
         };
         if engine.config.initial_size() > 0 {
@@ -316,11 +327,15 @@ impl<B: ArenaBackend> Engine<B> {
         self.arena.borrow().as_ref().is_some_and(Block::is_initialised)
     }
 
-    /// Whether `test` holds for the base and length of the arena or of a spill block
-    /// held now. `test` gets copies, so nothing it does can reach the engine's blocks
+    /// Whether `test` holds for the address and length of the arena, of a spill block
+    /// held now, or of a planned window of the open cycle. `test` gets copies, so nothing it does can reach the engine's blocks
     /// while they are borrowed; it must not enter or leave this workspace.
-    pub(crate) fn any_block(&self, test: impl Fn(<B::Block as Block>::Base, usize) -> bool) -> bool {
-        if self.arena_extent().is_some_and(|(base, len)| test(base, len)) {
+    pub(crate) fn any_block(&self, test: impl Fn(u64, usize) -> bool) -> bool {
+        use crate::backend::Address;
+        if self.arena_extent().is_some_and(|(base, len)| test(base.address(), len)) {
+            return true;
+        }
+        if self.grouped.get() && self.any_window(&test) {
             return true;
         }
         self.spill
@@ -328,7 +343,7 @@ impl<B: ArenaBackend> Engine<B> {
             .borrow()
             .iter()
             .chain(self.debug.blocks.borrow().iter())
-            .any(|block| test(block.base(), block.len()))
+            .any(|block| test(block.base().address(), block.len()))
     }
 
     pub(crate) fn backend_error(&self, source: BackendError) -> Error {
@@ -401,12 +416,13 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    /// The short close path is taken only without a debug mode, a timeline or a
-    /// recording.
+    /// The short close path is taken only without a debug mode, a timeline, a
+    /// recording or a plan group.
     fn refresh_plain_close(&self) {
         self.plain_close.set(
             !self.debug.on.get()
                 && !self.recording.get()
+                && !self.grouped.get()
                 && self.config.reset() == ResetPolicy::BlockLeft
                 && self.config.timeline_len() == 0,
         );
@@ -421,8 +437,10 @@ impl<B: ArenaBackend> Engine<B> {
 }
 
 // SAFETY: the only non-`Send` fields are the cached base addresses (`arena_base`,
-// `spill_base`), which point into blocks that this engine owns (`arena`, `spills`);
-// moving the engine moves those blocks with it. Nothing outside the engine can hold a
+// `fast_base`, `spill_base`, the window's base), which point into blocks that this
+// engine owns (`arena`, `spills`), or into the arena of its plan group, which the
+// engine's `Arc` keeps alive and which the group touches only on its own thread (see
+// `GroupShared`); moving the engine moves its blocks and that `Arc` with it. Nothing outside the engine can hold a
 // reference into its memory while it moves: every view borrows a scope, and every
 // scope borrows the engine (or holds an `Rc`, which is `!Send`). The engine stays
 // `!Sync` (its `Cell`s), so it is used by one thread at a time.

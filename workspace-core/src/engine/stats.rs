@@ -51,6 +51,10 @@ pub struct WorkspaceStats {
     /// a few means the arena is too small for the loop (with `SpillPolicy::External`
     /// it never grows; `Reallocate`, the default, grows it to the largest cycle).
     pub cycles_spilled_after_learning: u64,
+    /// The figures of the plan group this workspace is a member of
+    /// ([`crate::planned`]), read on the group's thread; `None` for other workspaces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned: Option<crate::planned::PlannedStats>,
 }
 
 impl<B: ArenaBackend> Engine<B> {
@@ -111,6 +115,7 @@ impl<B: ArenaBackend> Engine<B> {
             last_cycle_bytes: self.counters.last_cycle_bytes.get(),
             open_scopes: self.depth.get(),
             cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
+            planned: if self.grouped.get() { self.group_stats() } else { None },
         }
     }
 }

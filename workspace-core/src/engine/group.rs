@@ -1,0 +1,274 @@
+//! A member of a plan group ([`crate::planned`]): allocations recorded, or served from
+//! windows of the group's arena while the plan is replayed, and cycle ends checked
+//! against the plan.
+//!
+//! A window is one run of the plan: `[start, end)` of the group's arena, which the fast
+//! path bumps through (`fast_base`, `cursor`, `fast_limit` point into it meanwhile). The
+//! member's own arena is not used while a window is open: its cursor is kept in
+//! `own_cursor` and put back when the window closes.
+
+use std::sync::Arc;
+
+use super::{align_up, Engine};
+use crate::backend::{ArenaBackend, Block};
+use crate::config::ResetPolicy;
+use crate::error::{Error, Result};
+use crate::plan::Event;
+use crate::planned::{GroupShared, GroupState, Mode, Step};
+
+/// A member's window state; see the module docs.
+pub(super) struct Window<B: ArenaBackend> {
+    /// The group, while a member of one.
+    pub(super) group: std::cell::RefCell<Option<Arc<GroupShared<B>>>>,
+    /// Start of the open window (meaningful while `end > 0`).
+    start: std::cell::Cell<usize>,
+    /// End of the open window; 0 when none is open.
+    end: std::cell::Cell<usize>,
+    /// Alignment of the group arena's base.
+    align: std::cell::Cell<usize>,
+    /// The group arena's base, from the first window of the cycle to its end.
+    base: std::cell::Cell<Option<<B::Block as Block>::Base>>,
+    /// The own arena's cursor while a window is open.
+    own_cursor: std::cell::Cell<usize>,
+    /// Bytes handed out from the windows of this cycle that are closed.
+    used: std::cell::Cell<usize>,
+    /// Whether this cycle holds a window (counted in the group's `live`).
+    holds: std::cell::Cell<bool>,
+    /// The windows of this cycle, for [`Engine::any_block`].
+    regions: std::cell::RefCell<Vec<(usize, usize)>>,
+}
+
+impl<B: ArenaBackend> Window<B> {
+    pub(super) fn new() -> Window<B> {
+        Window {
+            group: std::cell::RefCell::new(None),
+            start: std::cell::Cell::new(0),
+            end: std::cell::Cell::new(0),
+            align: std::cell::Cell::new(1),
+            base: std::cell::Cell::new(None),
+            own_cursor: std::cell::Cell::new(0),
+            used: std::cell::Cell::new(0),
+            holds: std::cell::Cell::new(false),
+            regions: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+}
+
+type Placed<B> = (<<B as ArenaBackend>::Block as Block>::Base, usize);
+
+impl<B: ArenaBackend> Engine<B> {
+    /// Joins `group` (`None`: leaves the current one).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while open; [`Error::InvalidConfig`] for a circular
+    /// workspace, or one that is a member of another group.
+    pub(crate) fn join_group(&self, group: Option<Arc<GroupShared<B>>>) -> Result<()> {
+        self.require_closed("joining or leaving a plan group")?;
+        if let Some(group) = &group {
+            if self.config.reset() != ResetPolicy::BlockLeft {
+                return Err(Error::InvalidConfig {
+                    reason: format!(
+                        "workspace '{}' is circular (ResetPolicy::EndOfBuffer): only workspaces that reset at the end \
+                         of each cycle can be planned",
+                        self.name
+                    ),
+                });
+            }
+            if self.window.group.borrow().as_ref().is_some_and(|g| g.id() != group.id()) {
+                return Err(Error::InvalidConfig {
+                    reason: format!("workspace '{}' is already a member of another plan group", self.name),
+                });
+            }
+        }
+        self.grouped.set(group.is_some());
+        *self.window.group.borrow_mut() = group;
+        self.refresh_plain_close();
+        Ok(())
+    }
+
+    /// The id of the group this workspace is a member of.
+    pub(crate) fn group_id(&self) -> Option<u64> {
+        self.window.group.borrow().as_ref().map(|g| g.id())
+    }
+
+    /// The figures of the group this workspace is a member of (on the group's thread).
+    pub(crate) fn group_stats(&self) -> Option<crate::planned::PlannedStats> {
+        self.window.group.borrow().as_ref().and_then(|g| g.stats())
+    }
+
+    /// Whether a cycle opening now starts on the slow path: the group records or
+    /// replays (on the group's thread).
+    #[cold]
+    pub(super) fn group_wants_slow_path(&self) -> bool {
+        let group = self.window.group.borrow();
+        group.as_ref().and_then(|g| g.state()).is_some_and(|state| state.mode != Mode::Idle)
+    }
+
+    /// [`Engine::alloc_slow`] for a member of a group.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn alloc_grouped(&self, size: usize, align: usize) -> Result<Placed<B>> {
+        self.check_request(size, align)?;
+        let group = self.window.group.borrow();
+        let Some(mut state) = group.as_ref().and_then(|g| g.state()) else {
+            // Another thread (or the group is busy): an unplanned workspace.
+            self.close_window();
+            return self.alloc_slow_unrecorded(size, align);
+        };
+        match state.mode {
+            Mode::Idle => {
+                drop(state);
+                self.close_window();
+                self.alloc_slow_unrecorded(size, align)
+            }
+            Mode::Recording => {
+                self.close_window();
+                let placed = self.alloc_slow_unrecorded(size, align)?;
+                let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
+                state.record(Event::Alloc { owner: self.owner(), bytes, align: align.max(self.min_align) });
+                Ok(placed)
+            }
+            Mode::Replaying { .. } | Mode::OffPlan => self.alloc_planned(&mut state, size, align.max(self.min_align)),
+        }
+    }
+
+    /// An allocation of a replayed iteration: in the open window, in the window of the
+    /// next step when that step is this member's run, and otherwise off the plan.
+    fn alloc_planned(&self, state: &mut GroupState<B>, size: usize, align: usize) -> Result<Placed<B>> {
+        if let Some(placed) = self.place_in_window(size, align)? {
+            return Ok(placed);
+        }
+        if let Mode::Replaying { index } = state.mode {
+            let step = state.plans[index].steps.get(state.pos).copied();
+            if let Some(Step::Run { owner, start, end }) = step {
+                if owner == self.owner() {
+                    state.pos += 1;
+                    self.open_window(state, start, end);
+                    if let Some(placed) = self.place_in_window(size, align)? {
+                        return Ok(placed);
+                    }
+                }
+            }
+            state.diverge();
+        }
+        // Off the plan: a spill block of this member's own, never planned bytes.
+        self.close_window();
+        self.spill(size, align)
+    }
+
+    /// Places `size` bytes in the open window, if it has room.
+    fn place_in_window(&self, size: usize, align: usize) -> Result<Option<Placed<B>>> {
+        let end = self.window.end.get();
+        if end == 0 || align > self.window.align.get() {
+            return Ok(None);
+        }
+        let Some(start) = align_up(self.cursor.get(), align) else { return Ok(None) };
+        if start.checked_add(size).is_none_or(|e| e > end) {
+            return Ok(None);
+        }
+        let placed = if self.debug.on.get() {
+            // Under a debug mode the memory comes from a block of its own; the plan's
+            // accounting runs as without it.
+            let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
+            let base = block.base();
+            self.debug.blocks.borrow_mut().push(block);
+            self.counters.bytes_spilled.set(self.counters.bytes_spilled.get() + size as u64);
+            self.counters.external_allocations.set(self.counters.external_allocations.get() + 1);
+            (base, 0)
+        } else {
+            let base = self.window.base.get().expect("an open window has the group arena's base");
+            (base, start)
+        };
+        self.cursor.set(align_up(start + size, self.min_align).unwrap_or(end).min(end));
+        Ok(Some(placed))
+    }
+
+    /// Opens the window `[start, end)` of the group's arena.
+    fn open_window(&self, state: &mut GroupState<B>, start: usize, end: usize) {
+        self.close_window();
+        if !self.window.holds.replace(true) {
+            state.live += 1;
+        }
+        self.window.own_cursor.set(self.cursor.get());
+        self.window.start.set(start);
+        self.window.end.set(end);
+        self.window.align.set(state.base_align);
+        self.window.base.set(state.base);
+        self.window.regions.borrow_mut().push((start, end));
+        self.cursor.set(start);
+        if !self.debug.on.get() && !self.recording.get() {
+            self.fast_base.set(state.base);
+            self.fast_limit.set(end);
+        }
+    }
+
+    /// Closes the open window, if any: the fast path is off and the own cursor back.
+    pub(super) fn close_window(&self) {
+        if self.window.end.get() == 0 {
+            return;
+        }
+        self.window.used.set(self.window.used.get() + (self.cursor.get() - self.window.start.get()));
+        self.window.end.set(0);
+        self.fast_limit.set(0);
+        self.fast_base.set(self.arena_base.get());
+        self.cursor.set(self.window.own_cursor.get());
+    }
+
+    /// The own arena's cursor, wherever a window has put `cursor`.
+    pub(super) fn own_cursor(&self) -> usize {
+        if self.window.end.get() > 0 {
+            self.window.own_cursor.get()
+        } else {
+            self.cursor.get()
+        }
+    }
+
+    /// Bytes handed out from windows in this cycle.
+    pub(super) fn window_bytes(&self) -> usize {
+        let open = if self.window.end.get() > 0 { self.cursor.get() - self.window.start.get() } else { 0 };
+        self.window.used.get() + open
+    }
+
+    /// The end of a member's cycle: checked against the plan (or recorded), and its
+    /// windows given back.
+    #[cold]
+    pub(super) fn close_grouped(&self) {
+        self.close_window();
+        let group = self.window.group.borrow();
+        if let Some(mut state) = group.as_ref().and_then(|g| g.state()) {
+            match state.mode {
+                Mode::Recording => state.record(Event::Close { owner: self.owner() }),
+                Mode::Replaying { index } => {
+                    if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner: self.owner() }) {
+                        state.pos += 1;
+                    } else {
+                        state.diverge();
+                    }
+                }
+                Mode::OffPlan | Mode::Idle => {}
+            }
+            if self.window.holds.get() {
+                state.live -= 1;
+            }
+        }
+        // Off the group's thread `live` stays counted: the group never replays from the
+        // top again, which is safe.
+        self.window.holds.set(false);
+        self.window.regions.borrow_mut().clear();
+        self.window.base.set(None);
+    }
+
+    /// Resets the per-cycle window accounting (after the cycle's statistics).
+    pub(super) fn reset_window_bytes(&self) {
+        self.window.used.set(0);
+    }
+
+    /// Whether `test` holds for one of this cycle's windows (address and length).
+    pub(super) fn any_window(&self, test: &impl Fn(u64, usize) -> bool) -> bool {
+        use crate::backend::Address;
+        let Some(base) = self.window.base.get() else { return false };
+        let base = base.address();
+        self.window.regions.borrow().iter().any(|&(start, end)| test(base + start as u64, end - start))
+    }
+}

@@ -1,0 +1,596 @@
+//! Planned workspaces: the workspaces of one iteration (a network's role workspaces)
+//! served from one arena, at offsets planned from the lifetimes of a recorded
+//! iteration.
+//!
+//! A [`PlanGroup`] holds workspaces that make up one iteration. The caller marks the
+//! iterations ([`PlanGroup::start_iteration`], with a key that tells iterations of
+//! different shapes apart, and [`PlanGroup::finish_iteration`]):
+//!
+//! 1. The first iteration of a key is **recorded**: every allocation of every member
+//!    (its size, alignment and workspace) and every end of a member's cycle, in order.
+//!    Its memory comes from the members themselves, as without a group.
+//! 2. At its end a **plan** is made ([`crate::plan`]): an offset in the group's one
+//!    arena for every allocation, such that no two allocations that were live at the
+//!    same moment share a byte. Allocations of one workspace with no other event
+//!    between them (a *run*) live and die together, so they are planned as one block
+//!    and laid out inside it as a bump arena lays them out.
+//! 3. Later iterations of the key **replay** the plan. Each run is a *window* of the
+//!    arena that the member's allocation fast path bumps through (no cost over an
+//!    unplanned workspace); every step between windows (the start of the next run, the
+//!    end of a cycle) is checked in O(1) against the plan: the same workspace, at the
+//!    same position in the order of events, fitting the planned bytes.
+//! 4. On any **divergence** (an allocation the plan does not hold at that position, or
+//!    larger than planned, a cycle ending out of order) the rest of the iteration is
+//!    served *off the plan*: from spill blocks of the member's own, never from planned
+//!    bytes that a live allocation may hold. The plan is marked stale and the next
+//!    iteration of its key is recorded again. Divergences and plans are counted
+//!    ([`PlannedStats`]).
+//!
+//! Why replay is safe: a window is handed to a member only when every earlier event of
+//! the recording happened, in order; so every allocation that the plan lets share the
+//! window's bytes either died before (its cycle's end was one of those events) or is
+//! planned after the member's cycle ends, which its own step will check. A new
+//! iteration starts from the top of the plan only when no member holds a window of the
+//! last one (a member whose cycle is still open keeps its window, and the group then
+//! runs off the plan).
+//!
+//! Keys give each shape of iteration (variable-length sequences) a plan of its own, in a
+//! bounded cache; all plans share the one arena, sized to the largest, which grows only
+//! when a larger plan is made. A key is only a hint: replay verifies every step, so two
+//! iterations of different shapes that share a key can never share a plan by accident
+//! (the second diverges and is recorded again).
+//!
+//! A group belongs to the thread that made it: its members may move to other threads
+//! (a workspace is `Send`), but there they allocate as unplanned workspaces.
+//!
+//! ```
+//! use workspace_core::{planned::PlanGroup, LearningPolicy, SpillPolicy, WorkspaceConfig};
+//!
+//! let config = WorkspaceConfig::builder()
+//!     .learning(LearningPolicy::None)
+//!     .spill(SpillPolicy::External)
+//!     .build()?;
+//! let group = PlanGroup::new("ITERATION");
+//! let act = group.workspace("ACT", &config)?;
+//! let scratch = group.workspace("SCRATCH", &config)?;
+//! for _ in 0..4 {
+//!     group.start_iteration(0)?;
+//!     {
+//!         let a = act.enter()?;
+//!         let x = a.filled::<f32, _>(1024, 1.0)?;
+//!         for _ in 0..3 {
+//!             let s = scratch.enter()?; // each cycle's scratch dies at its end
+//!             let mut t = s.zeros::<f32, _>(4096)?;
+//!             t.fill(x[0]);
+//!         }
+//!     }
+//!     group.finish_iteration()?;
+//! }
+//! let stats = group.stats();
+//! assert_eq!((stats.plans, stats.divergences, stats.planned_iterations), (1, 0, 3));
+//! // The activations and one scratch cycle are live at once: 4 KiB + 16 KiB.
+//! assert_eq!(stats.plan_bytes, 4096 + 16384);
+//! assert_eq!(stats.plan_bytes, stats.lower_bound_bytes);
+//! # Ok::<(), workspace_core::Error>(())
+//! ```
+
+use std::cell::{Cell, RefCell, RefMut};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::backend::host::HostBackend;
+use crate::backend::{ArenaBackend, Block};
+use crate::config::WorkspaceConfig;
+use crate::error::{Error, Result};
+use crate::plan::{Event, Plan, Trace};
+use crate::workspace::Workspace;
+
+/// Plans a group keeps unless told otherwise ([`PlanGroup::with_plans`]).
+pub const DEFAULT_PLANS: usize = 8;
+
+/// Events a recording may hold; a longer iteration is not planned (its members keep
+/// allocating as unplanned workspaces), so that a group whose iterations are never
+/// finished does not grow without bound.
+pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
+
+/// A number for the calling thread, unique over the process's life.
+pub(crate) fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: Cell<u64> = const { Cell::new(0) };
+    }
+    TOKEN.with(|token| match token.get() {
+        0 => {
+            let fresh = NEXT.fetch_add(1, Ordering::Relaxed);
+            token.set(fresh);
+            fresh
+        }
+        known => known,
+    })
+}
+
+/// One step of a plan's replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// A run of allocations of `owner`, laid out in `[start, end)` of the arena.
+    Run { owner: u32, start: usize, end: usize },
+    /// The end of a cycle of `owner`.
+    Close { owner: u32 },
+}
+
+/// A plan as replay reads it, with what it was made from.
+#[derive(Debug)]
+pub(crate) struct Script {
+    key: u64,
+    pub(crate) steps: Vec<Step>,
+    bytes: usize,
+    /// The largest alignment of any allocation: the arena's base alignment.
+    align: usize,
+    lower_bound: usize,
+    per_role_bytes: usize,
+    allocations: usize,
+    planning: Duration,
+    /// Diverged in a replay: the next iteration of the key is recorded again.
+    stale: bool,
+    last_used: u64,
+}
+
+/// Rounds up to a power of two `align`, saturating.
+fn align_up(value: usize, align: usize) -> usize {
+    value.checked_add(align - 1).map_or(usize::MAX, |v| v & !(align - 1))
+}
+
+impl Script {
+    /// Plans the recorded `events`: runs (consecutive allocations of one owner) become
+    /// one block each, laid out as the owner's bump allocation lays them out.
+    fn new(key: u64, events: &[Event]) -> Script {
+        let recorded = Trace::from_events(events.to_vec());
+        let mut collapsed: Vec<Event> = Vec::with_capacity(events.len());
+        let mut allocations = 0;
+        let mut align_max = 1usize;
+        for &event in events {
+            match (event, collapsed.last_mut()) {
+                (Event::Alloc { owner, bytes, align }, Some(Event::Alloc { owner: last, bytes: run, align: run_align }))
+                    if owner == *last =>
+                {
+                    *run = align_up(*run, align).saturating_add(bytes);
+                    *run_align = (*run_align).max(align);
+                    allocations += 1;
+                    align_max = align_max.max(align);
+                }
+                (Event::Alloc { align, .. }, _) => {
+                    collapsed.push(event);
+                    allocations += 1;
+                    align_max = align_max.max(align);
+                }
+                (Event::Close { .. }, _) => collapsed.push(event),
+            }
+        }
+        let plan = Plan::new(&Trace::from_events(collapsed));
+        let steps = plan
+            .events()
+            .iter()
+            .enumerate()
+            .map(|(i, event)| match *event {
+                Event::Alloc { owner, bytes, .. } => {
+                    let start = plan.offset(i).expect("every allocation of a plan has an offset");
+                    Step::Run { owner, start, end: start.saturating_add(bytes) }
+                }
+                Event::Close { owner } => Step::Close { owner },
+            })
+            .collect();
+        Script {
+            key,
+            steps,
+            bytes: plan.bytes(),
+            align: align_max,
+            lower_bound: recorded.lower_bound(),
+            per_role_bytes: recorded.per_owner_bytes(),
+            allocations,
+            planning: plan.planning_time(),
+            stale: false,
+            last_used: 0,
+        }
+    }
+}
+
+/// What the group is doing in the current iteration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Between iterations: members allocate as unplanned workspaces.
+    Idle,
+    /// Recording the iteration.
+    Recording,
+    /// Replaying `plans[index]`.
+    Replaying { index: usize },
+    /// Off the plan for the rest of the iteration.
+    OffPlan,
+}
+
+/// A group's figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct PlannedStats {
+    /// The group's name.
+    pub name: String,
+    /// Bytes of the planned arena (the largest plan made so far).
+    pub arena_bytes: usize,
+    /// Bytes of the plan of the current (or last) iteration.
+    pub plan_bytes: usize,
+    /// The most bytes live at one moment in that plan's recording: no plan can be
+    /// smaller.
+    pub lower_bound_bytes: usize,
+    /// `plan_bytes / lower_bound_bytes`.
+    pub plan_to_bound: f64,
+    /// What the recording takes laid out per workspace (each member an arena of its own,
+    /// sized to its peak): the unplanned layout.
+    pub per_role_bytes: usize,
+    /// Allocations in that recording.
+    pub allocations: usize,
+    /// How long making that plan took, in microseconds.
+    pub planning_us: u64,
+    /// Plans made.
+    pub plans: u64,
+    /// Plans made again for a key whose plan diverged.
+    pub replans: u64,
+    /// Iterations that left their plan (each is recorded again next time).
+    pub divergences: u64,
+    /// Iterations replayed to their end on their plan.
+    pub planned_iterations: u64,
+    /// Iterations recorded.
+    pub recorded_iterations: u64,
+    /// Plans kept now.
+    pub cached_plans: usize,
+    /// Plans dropped to keep the cache bounded.
+    pub evictions: u64,
+}
+
+/// The group's state. Reached only on the group's thread ([`GroupShared::state`]).
+pub(crate) struct GroupState<B: ArenaBackend> {
+    backend: B,
+    arena: Option<B::Block>,
+    pub(crate) base: Option<<B::Block as Block>::Base>,
+    /// Alignment of `base`.
+    pub(crate) base_align: usize,
+    arena_bytes: usize,
+    pub(crate) mode: Mode,
+    key: u64,
+    /// Next step of the plan replayed.
+    pub(crate) pos: usize,
+    /// Members that hold a window of the arena in their open cycle.
+    pub(crate) live: usize,
+    events: Vec<Event>,
+    truncated: bool,
+    pub(crate) plans: Vec<Script>,
+    capacity: usize,
+    clock: u64,
+    /// The plan whose figures the statistics show.
+    shown: Option<usize>,
+    stats: PlannedStats,
+}
+
+impl<B: ArenaBackend> GroupState<B> {
+    /// Records an event of a recording iteration.
+    pub(crate) fn record(&mut self, event: Event) {
+        if self.events.len() < MAX_RECORDED_EVENTS {
+            self.events.push(event);
+        } else {
+            self.truncated = true;
+        }
+    }
+
+    /// Leaves the plan for the rest of the iteration.
+    pub(crate) fn diverge(&mut self) {
+        if let Mode::Replaying { index } = self.mode {
+            self.plans[index].stale = true;
+            self.stats.divergences += 1;
+            self.mode = Mode::OffPlan;
+        }
+    }
+
+    /// Ends the current iteration: plans a recording, counts a replay.
+    fn finish(&mut self) {
+        match self.mode {
+            Mode::Recording if !self.truncated && !self.events.is_empty() => {
+                let script = Script::new(self.key, &self.events);
+                self.stats.plans += 1;
+                self.stats.recorded_iterations += 1;
+                let index = match self.plans.iter().position(|p| p.key == self.key) {
+                    Some(index) => {
+                        if self.plans[index].stale {
+                            self.stats.replans += 1;
+                        }
+                        self.plans[index] = script;
+                        index
+                    }
+                    None if self.plans.len() < self.capacity => {
+                        self.plans.push(script);
+                        self.plans.len() - 1
+                    }
+                    None => {
+                        let oldest = (0..self.plans.len()).min_by_key(|&i| self.plans[i].last_used).unwrap_or(0);
+                        self.plans[oldest] = script;
+                        self.stats.evictions += 1;
+                        oldest
+                    }
+                };
+                self.clock += 1;
+                self.plans[index].last_used = self.clock;
+                self.shown = Some(index);
+            }
+            Mode::Recording => self.stats.recorded_iterations += 1,
+            Mode::Replaying { index } => {
+                if self.pos == self.plans[index].steps.len() {
+                    self.stats.planned_iterations += 1;
+                } else {
+                    // Ended early: a step of the plan never came.
+                    self.diverge();
+                }
+            }
+            Mode::OffPlan | Mode::Idle => {}
+        }
+        self.events.clear();
+        self.truncated = false;
+        self.mode = Mode::Idle;
+    }
+
+    /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
+    /// member holds a window of the last iteration), records it otherwise.
+    fn start(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
+        self.finish();
+        self.key = key;
+        self.pos = 0;
+        let found = self.plans.iter().position(|p| p.key == key);
+        match found {
+            Some(_) if self.live > 0 => {
+                // A member's cycle still holds a window of the last iteration: planned
+                // bytes may be live, so this iteration cannot use the plan.
+                self.mode = Mode::Replaying { index: found.unwrap_or(0) };
+                self.diverge();
+            }
+            Some(index) if !self.plans[index].stale => {
+                let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
+                if bytes > self.arena_bytes || align > self.base_align {
+                    // No member holds a window (`live == 0`): the arena may be replaced.
+                    let block = self.backend.allocate_arena(bytes.max(self.arena_bytes), align.max(self.base_align))?;
+                    self.base = Some(block.base());
+                    self.base_align = align.max(self.base_align);
+                    self.arena_bytes = block.len();
+                    if let Some(old) = self.arena.replace(block) {
+                        self.backend.release(old);
+                    }
+                }
+                self.clock += 1;
+                self.plans[index].last_used = self.clock;
+                self.shown = Some(index);
+                self.mode = Mode::Replaying { index };
+            }
+            _ => self.mode = Mode::Recording,
+        }
+        Ok(())
+    }
+
+    fn stats(&self, name: &str) -> PlannedStats {
+        let mut stats = self.stats.clone();
+        stats.name = name.to_string();
+        stats.arena_bytes = self.arena_bytes;
+        stats.cached_plans = self.plans.len();
+        if let Some(plan) = self.shown.and_then(|i| self.plans.get(i)) {
+            stats.plan_bytes = plan.bytes;
+            stats.lower_bound_bytes = plan.lower_bound;
+            stats.plan_to_bound = plan.bytes as f64 / plan.lower_bound.max(1) as f64;
+            stats.per_role_bytes = plan.per_role_bytes;
+            stats.allocations = plan.allocations;
+            stats.planning_us = plan.planning.as_micros() as u64;
+        }
+        stats
+    }
+}
+
+/// What a group's members share: the group's state, reachable on the group's thread
+/// only.
+pub(crate) struct GroupShared<B: ArenaBackend> {
+    id: u64,
+    name: Arc<str>,
+    thread: u64,
+    state: RefCell<GroupState<B>>,
+}
+
+// SAFETY: `state` (the only field that is not `Sync` by itself) is borrowed only in
+// `GroupShared::state`, which returns nothing on any thread but `thread`: so it is only
+// ever touched by one thread, the one that made the group. The other fields are
+// immutable. The state is dropped with the last `Arc`, on whichever thread drops it:
+// then no other reference exists, and the `Arc`'s count orders that drop after every
+// earlier use; dropping moves the backend and its blocks, which are `Send`.
+unsafe impl<B: ArenaBackend> Sync for GroupShared<B> where B::Block: Send {}
+// SAFETY: as for `Sync`: sending the group sends its backend and blocks, which are
+// `Send`, and the state stays reachable from the group's thread only.
+unsafe impl<B: ArenaBackend> Send for GroupShared<B> where B::Block: Send {}
+
+impl<B: ArenaBackend> GroupShared<B> {
+    fn new(name: &str, backend: B, capacity: usize) -> GroupShared<B> {
+        GroupShared {
+            id: crate::engine::next_id(),
+            name: Arc::from(name),
+            thread: thread_token(),
+            state: RefCell::new(GroupState {
+                backend,
+                arena: None,
+                base: None,
+                base_align: 1,
+                arena_bytes: 0,
+                mode: Mode::Idle,
+                key: 0,
+                pos: 0,
+                live: 0,
+                events: Vec::new(),
+                truncated: false,
+                plans: Vec::new(),
+                capacity: capacity.max(1),
+                clock: 0,
+                shown: None,
+                stats: PlannedStats::default(),
+            }),
+        }
+    }
+
+    /// The group's state, on the group's thread and when nothing else borrows it.
+    #[inline]
+    pub(crate) fn state(&self) -> Option<RefMut<'_, GroupState<B>>> {
+        if thread_token() != self.thread {
+            return None;
+        }
+        self.state.try_borrow_mut().ok()
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub(crate) fn stats(&self) -> Option<PlannedStats> {
+        self.state().map(|state| state.stats(&self.name))
+    }
+}
+
+impl<B: ArenaBackend> std::fmt::Debug for GroupShared<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupShared").field("name", &self.name).field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+/// A group of host workspaces planned together; see the [module documentation](self).
+///
+/// Cloning gives another handle to the same group. `!Send`: a group belongs to the
+/// thread that made it.
+#[derive(Clone, Debug)]
+pub struct PlanGroup {
+    shared: Arc<GroupShared<HostBackend>>,
+    members: Rc<RefCell<Vec<Rc<Workspace>>>>,
+}
+
+impl PlanGroup {
+    /// A group named `name` (in statistics) whose arena is host RAM, keeping up to
+    /// [`DEFAULT_PLANS`] plans.
+    pub fn new(name: &str) -> PlanGroup {
+        PlanGroup::with_plans(name, DEFAULT_PLANS)
+    }
+
+    /// A group keeping up to `plans` plans (at least one): the number of shapes of
+    /// iteration it serves from a plan at once.
+    pub fn with_plans(name: &str, plans: usize) -> PlanGroup {
+        PlanGroup {
+            shared: Arc::new(GroupShared::new(name, HostBackend::Ram, plans)),
+            members: Rc::new(RefCell::new(Vec::new())),
+        }
+    }
+
+    /// The member workspace `name`, created with `config` and joined to the group if
+    /// the group has none of that name. Members are the group's own: they are not in
+    /// the thread's [`WorkspaceManager`](crate::WorkspaceManager), so two groups may
+    /// each have a member of the same name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConfigMismatch`] when the member exists with another configuration;
+    /// those of [`Workspace::new`] and [`PlanGroup::join`].
+    pub fn workspace(&self, name: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
+        if let Some(ws) = self.members.borrow().iter().find(|ws| &**ws.name() == name) {
+            if ws.config() != config {
+                return Err(Error::ConfigMismatch {
+                    workspace: name.to_string(),
+                    existing: ws.config().to_string(),
+                    requested: config.to_string(),
+                });
+            }
+            return Ok(ws.clone());
+        }
+        let ws = Rc::new(Workspace::new(name, config.clone())?);
+        self.join(&ws)?;
+        self.members.borrow_mut().push(ws.clone());
+        Ok(ws)
+    }
+
+    /// Makes `ws` a member: from the next iteration its allocations and cycles are
+    /// recorded and planned with the others'.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while `ws` is open; [`Error::InvalidConfig`] when it is
+    /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
+    /// group.
+    pub fn join(&self, ws: &Workspace) -> Result<()> {
+        ws.engine().join_group(Some(self.shared.clone()))
+    }
+
+    /// Makes `ws` an unplanned workspace again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while `ws` is open; [`Error::InvalidInput`] when it is not
+    /// a member of this group.
+    pub fn leave(&self, ws: &Workspace) -> Result<()> {
+        if ws.engine().group_id() != Some(self.shared.id()) {
+            return Err(Error::InvalidInput(format!(
+                "workspace '{}' is not a member of plan group '{}'",
+                ws.name(),
+                self.shared.name
+            )));
+        }
+        ws.engine().join_group(None)?;
+        self.members.borrow_mut().retain(|m| !std::ptr::eq(&**m, ws));
+        Ok(())
+    }
+
+    /// The members made by [`PlanGroup::workspace`].
+    pub fn workspaces(&self) -> Vec<Rc<Workspace>> {
+        self.members.borrow().clone()
+    }
+
+    fn state(&self) -> Result<RefMut<'_, GroupState<HostBackend>>> {
+        self.shared.state().ok_or_else(|| {
+            Error::InvalidInput(format!("plan group '{}' is busy (used from inside a member's allocation)", self.shared.name))
+        })
+    }
+
+    /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
+    /// of shape `key`: it replays the key's plan when there is one that has not
+    /// diverged, and is recorded otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the arena cannot grow to the plan's size (the iteration
+    /// then runs off the plan, and the next start tries again).
+    pub fn start_iteration(&self, key: u64) -> Result<()> {
+        let mut state = self.state()?;
+        state.start(key).map_err(|source| {
+            state.mode = Mode::OffPlan;
+            Error::Backend { workspace: self.shared.name.clone(), source }
+        })
+    }
+
+    /// Ends the current iteration: a recording is planned, a replay that reached the
+    /// end of its plan is counted as planned (one that did not, as a divergence).
+    /// Members allocate as unplanned workspaces until the next start.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when called from inside a member's allocation.
+    pub fn finish_iteration(&self) -> Result<()> {
+        self.state()?.finish();
+        Ok(())
+    }
+
+    /// The group's figures.
+    pub fn stats(&self) -> PlannedStats {
+        self.shared.stats().unwrap_or_default()
+    }
+
+    /// Bytes of the planned arena.
+    pub fn capacity(&self) -> usize {
+        self.stats().arena_bytes
+    }
+}
