@@ -60,6 +60,7 @@ use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, RawData, Shap
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
+use crate::planned::PlanGroup;
 pub use crate::roles::{ArrayType, WorkspaceMode};
 use crate::scope::{extent, Scope};
 use crate::workspace::Workspace;
@@ -84,6 +85,7 @@ enum Target {
 pub struct LayerWorkspaceMgr {
     targets: [Target; 9],
     helpers: Vec<(String, Rc<Workspace>)>,
+    group: Option<PlanGroup>,
 }
 
 /// Builder of a [`LayerWorkspaceMgr`]; every array type must be mapped, explicitly or
@@ -94,6 +96,7 @@ pub struct LayerWorkspaceMgrBuilder {
     entries: [Option<Option<(String, WorkspaceConfig)>>; 9],
     default: Option<(String, WorkspaceConfig)>,
     helpers: Vec<(String, WorkspaceConfig)>,
+    group: Option<PlanGroup>,
 }
 
 impl LayerWorkspaceMgrBuilder {
@@ -122,6 +125,15 @@ impl LayerWorkspaceMgrBuilder {
         self
     }
 
+    /// Takes the workspaces from `group` (creating them there) instead of the thread's
+    /// [`WorkspaceManager`]: they are planned together ([`crate::planned`]). The caller
+    /// marks the iterations on the group ([`PlanGroup::start_iteration`]). Names,
+    /// validation and its messages are those of unplanned workspaces.
+    pub fn planned(mut self, group: &PlanGroup) -> Self {
+        self.group = Some(group.clone());
+        self
+    }
+
     /// Creates (or finds, on this thread) the workspaces and builds the manager.
     ///
     /// # Errors
@@ -131,6 +143,10 @@ impl LayerWorkspaceMgrBuilder {
     /// with two configurations; the errors of [`WorkspaceManager::get_or_create`].
     pub fn build(self) -> Result<LayerWorkspaceMgr> {
         let manager = WorkspaceManager::current();
+        let get = |name: &str, config: &WorkspaceConfig| match &self.group {
+            Some(group) => group.workspace(name, config),
+            None => manager.get_or_create(name, config),
+        };
         let mut targets: [Target; 9] = std::array::from_fn(|_| Target::Heap);
         for ty in ArrayType::ALL {
             let entry = match &self.entries[ty.index()] {
@@ -149,7 +165,7 @@ impl LayerWorkspaceMgrBuilder {
                 },
             };
             if let Some((name, config)) = entry {
-                targets[ty.index()] = Target::Workspace(manager.get_or_create(name, config)?);
+                targets[ty.index()] = Target::Workspace(get(name, config)?);
             }
         }
         let mut helpers: Vec<(String, Rc<Workspace>)> = Vec::with_capacity(self.helpers.len());
@@ -157,9 +173,9 @@ impl LayerWorkspaceMgrBuilder {
             if helpers.iter().any(|(n, _)| n == name) {
                 return Err(Error::InvalidConfig { reason: format!("helper workspace '{name}' is declared twice") });
             }
-            helpers.push((name.clone(), manager.get_or_create(name, config)?));
+            helpers.push((name.clone(), get(name, config)?));
         }
-        Ok(LayerWorkspaceMgr { targets, helpers })
+        Ok(LayerWorkspaceMgr { targets, helpers, group: self.group.clone() })
     }
 }
 
@@ -174,7 +190,12 @@ impl LayerWorkspaceMgr {
 
     /// Every type scoped out to the heap: what [`WorkspaceMode::None`] uses.
     pub fn no_workspaces() -> LayerWorkspaceMgr {
-        LayerWorkspaceMgr { targets: std::array::from_fn(|_| Target::Heap), helpers: Vec::new() }
+        LayerWorkspaceMgr { targets: std::array::from_fn(|_| Target::Heap), helpers: Vec::new(), group: None }
+    }
+
+    /// The plan group the workspaces belong to (see [`LayerWorkspaceMgrBuilder::planned`]).
+    pub fn plan_group(&self) -> Option<&PlanGroup> {
+        self.group.as_ref()
     }
 
     /// The workspace of `ty`, `None` when it is scoped out.

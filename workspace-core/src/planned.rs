@@ -154,13 +154,15 @@ impl Script {
         let mut align_max = 1usize;
         for &event in events {
             match (event, collapsed.last_mut()) {
+                // A run's first allocation is the most aligned: the run's start is, so
+                // each later one is at its bump offset from the start (a more aligned
+                // allocation starts a run of its own), and a run takes exactly the bytes
+                // its allocations take in the member's own arena.
                 (Event::Alloc { owner, bytes, align }, Some(Event::Alloc { owner: last, bytes: run, align: run_align }))
-                    if owner == *last =>
+                    if owner == *last && align <= *run_align =>
                 {
                     *run = align_up(*run, align).saturating_add(bytes);
-                    *run_align = (*run_align).max(align);
                     allocations += 1;
-                    align_max = align_max.max(align);
                 }
                 (Event::Alloc { align, .. }, _) => {
                     collapsed.push(event);
