@@ -154,10 +154,7 @@ fn parse_depth(s: &str) -> Result<usize, String> {
 }
 
 fn mode_name(mode: WorkspaceMode) -> &'static str {
-    match mode {
-        WorkspaceMode::Enabled => "enabled",
-        WorkspaceMode::None => "none",
-    }
+    mode.name()
 }
 
 /// What one mode's run measured.

@@ -359,6 +359,7 @@ fn workspaces_do_not_change_the_numbers_of_sequences_of_varying_length() {
     };
     let enabled = run(WorkspaceMode::Enabled);
     assert_eq!(enabled, run(WorkspaceMode::None), "Enabled and None must be bit-identical");
+    assert_eq!(enabled, run(WorkspaceMode::Planned), "Enabled and Planned must be bit-identical");
     let losses: Vec<f32> = enabled.0.iter().map(|&b| f32::from_bits(b)).collect();
     assert!(losses[24..].iter().sum::<f32>() < losses[..12].iter().sum::<f32>(), "it learns: {losses:?}");
 }

@@ -432,10 +432,8 @@ impl<S, B: ArenaBackend> Prefetcher<S, B> {
             Threading::Background => "background",
             Threading::Shield => "shield",
         };
-        let mode = match self.workspace_mode {
-            WorkspaceMode::Enabled => "enabled",
-            WorkspaceMode::None => "none",
-        };
+        // (The ring is not planned: under `Planned` it serves batches as under `Enabled`.)
+        let mode = self.workspace_mode.name();
         PrefetchStats::snapshot(&self.consumer.shared.counters, threading, mode, self.depth, self.consumer.epoch())
     }
 

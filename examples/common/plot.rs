@@ -22,10 +22,7 @@ pub(crate) struct Series<'a> {
 }
 
 fn mode_name(mode: WorkspaceMode) -> &'static str {
-    match mode {
-        WorkspaceMode::Enabled => "enabled",
-        WorkspaceMode::None => "none",
-    }
+    mode.name()
 }
 
 /// The image formats of `--plot`, by file name extension.
@@ -84,6 +81,7 @@ const LEGEND_WIDTH: u32 = 150;
 fn series_color(mode: WorkspaceMode) -> RGBColor {
     match mode {
         WorkspaceMode::Enabled => RGBColor(31, 119, 180),
+        WorkspaceMode::Planned => RGBColor(44, 160, 44),
         WorkspaceMode::None => RGBColor(214, 39, 40),
     }
 }

@@ -17,10 +17,7 @@ use crate::measure::{minor_faults, RssMeter};
 use crate::{Res, CLASSES, COLUMNS, FEATURES};
 
 pub(crate) fn mode_name(mode: WorkspaceMode) -> &'static str {
-    match mode {
-        WorkspaceMode::Enabled => "enabled",
-        WorkspaceMode::None => "none",
-    }
+    mode.name()
 }
 
 pub(crate) fn build_network(args: &Args, mode: WorkspaceMode) -> carve::Result<Network> {

@@ -40,7 +40,10 @@ pub use dense::Dense;
 pub use layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
-pub use network::{names, workspace_config, Input, Labels, MemoryPlan, Network, NetworkConfig, NetworkConfigBuilder};
+pub use network::{
+    names, planned_workspace_config, workspace_config, Input, Labels, MemoryPlan, Network, NetworkConfig,
+    NetworkConfigBuilder,
+};
 pub use pool::{LastStep, MaskedMean};
 pub use relu::Relu;
 pub use rng::Rng;

@@ -158,9 +158,10 @@ impl Script {
                 // each later one is at its bump offset from the start (a more aligned
                 // allocation starts a run of its own), and a run takes exactly the bytes
                 // its allocations take in the member's own arena.
-                (Event::Alloc { owner, bytes, align }, Some(Event::Alloc { owner: last, bytes: run, align: run_align }))
-                    if owner == *last && align <= *run_align =>
-                {
+                (
+                    Event::Alloc { owner, bytes, align },
+                    Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
+                ) if owner == *last && align <= *run_align => {
                     *run = align_up(*run, align).saturating_add(bytes);
                     allocations += 1;
                 }
@@ -294,8 +295,10 @@ impl<B: ArenaBackend> GroupState<B> {
         }
     }
 
-    /// Ends the current iteration: plans a recording, counts a replay.
-    fn finish(&mut self) {
+    /// Ends the current iteration: plans a recording, counts a replay. Returns whether
+    /// the iteration was replayed to its end on its plan.
+    fn finish(&mut self) -> bool {
+        let mut on_plan = false;
         match self.mode {
             Mode::Recording if !self.truncated && !self.events.is_empty() => {
                 let script = Script::new(self.key, &self.events);
@@ -323,11 +326,15 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
                 self.shown = Some(index);
+                // The memory is there once the shape has been seen (a failure is
+                // reported by the start that needs it).
+                let _ = self.fit_arena(index);
             }
             Mode::Recording => self.stats.recorded_iterations += 1,
             Mode::Replaying { index } => {
                 if self.pos == self.plans[index].steps.len() {
                     self.stats.planned_iterations += 1;
+                    on_plan = true;
                 } else {
                     // Ended early: a step of the plan never came.
                     self.diverge();
@@ -338,12 +345,30 @@ impl<B: ArenaBackend> GroupState<B> {
         self.events.clear();
         self.truncated = false;
         self.mode = Mode::Idle;
+        on_plan
+    }
+
+    /// Grows the arena to hold `plans[index]`, if it does not. Only while no member
+    /// holds a window (`live == 0`): then nothing refers to the arena.
+    fn fit_arena(&mut self, index: usize) -> std::result::Result<(), crate::error::BackendError> {
+        let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
+        if self.live > 0 || (bytes <= self.arena_bytes && align <= self.base_align) {
+            return Ok(());
+        }
+        let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align.max(self.base_align))?;
+        self.base = Some(block.base());
+        self.base_align = align.max(self.base_align);
+        self.arena_bytes = block.len();
+        if let Some(old) = self.arena.replace(block) {
+            self.backend.release(old);
+        }
+        Ok(())
     }
 
     /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
     /// member holds a window of the last iteration), records it otherwise.
     fn start(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
-        self.finish();
+        let _ = self.finish();
         self.key = key;
         self.pos = 0;
         let found = self.plans.iter().position(|p| p.key == key);
@@ -355,17 +380,7 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.diverge();
             }
             Some(index) if !self.plans[index].stale => {
-                let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
-                if bytes > self.arena_bytes || align > self.base_align {
-                    // No member holds a window (`live == 0`): the arena may be replaced.
-                    let block = self.backend.allocate_arena(bytes.max(self.arena_bytes), align.max(self.base_align))?;
-                    self.base = Some(block.base());
-                    self.base_align = align.max(self.base_align);
-                    self.arena_bytes = block.len();
-                    if let Some(old) = self.arena.replace(block) {
-                        self.backend.release(old);
-                    }
-                }
+                self.fit_arena(index)?;
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
                 self.shown = Some(index);
@@ -554,7 +569,10 @@ impl PlanGroup {
 
     fn state(&self) -> Result<RefMut<'_, GroupState<HostBackend>>> {
         self.shared.state().ok_or_else(|| {
-            Error::InvalidInput(format!("plan group '{}' is busy (used from inside a member's allocation)", self.shared.name))
+            Error::InvalidInput(format!(
+                "plan group '{}' is busy (used from inside a member's allocation)",
+                self.shared.name
+            ))
         })
     }
 
@@ -574,16 +592,21 @@ impl PlanGroup {
         })
     }
 
-    /// Ends the current iteration: a recording is planned, a replay that reached the
-    /// end of its plan is counted as planned (one that did not, as a divergence).
-    /// Members allocate as unplanned workspaces until the next start.
+    /// Ends the current iteration: a recording is planned (and the arena grown to hold
+    /// the plan), a replay that reached the end of its plan is counted as planned (one
+    /// that did not, as a divergence). Returns whether the iteration was replayed on its
+    /// plan to the end. Members allocate as unplanned workspaces until the next start.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] when called from inside a member's allocation.
-    pub fn finish_iteration(&self) -> Result<()> {
-        self.state()?.finish();
-        Ok(())
+    pub fn finish_iteration(&self) -> Result<bool> {
+        Ok(self.state()?.finish())
+    }
+
+    /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
+    pub fn plan_bytes(&self) -> usize {
+        self.shared.state().and_then(|s| s.shown.map(|i| s.plans[i].bytes)).unwrap_or(0)
     }
 
     /// The group's figures.

@@ -16,14 +16,27 @@ pub enum WorkspaceMode {
     Enabled,
     /// Every array is its own heap allocation ([`LayerWorkspaceMgr::no_workspaces`](crate::LayerWorkspaceMgr::no_workspaces)).
     None,
+    /// The role workspaces of an iteration are planned together into one arena, sized
+    /// to the bytes live at once ([`crate::planned`]); where nothing is planned (the
+    /// prefetch ring, inference), as `Enabled`.
+    Planned,
+}
+
+impl WorkspaceMode {
+    /// The mode's name, as [`FromStr`](std::str::FromStr) reads it: `enabled`, `none`
+    /// or `planned`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WorkspaceMode::Enabled => "enabled",
+            WorkspaceMode::None => "none",
+            WorkspaceMode::Planned => "planned",
+        }
+    }
 }
 
 impl fmt::Display for WorkspaceMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            WorkspaceMode::Enabled => "enabled",
-            WorkspaceMode::None => "none",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -33,7 +46,10 @@ impl std::str::FromStr for WorkspaceMode {
         match s.to_ascii_lowercase().as_str() {
             "enabled" => Ok(WorkspaceMode::Enabled),
             "none" => Ok(WorkspaceMode::None),
-            _ => Err(Error::InvalidConfig { reason: format!("unknown workspace mode '{s}': use 'enabled' or 'none'") }),
+            "planned" => Ok(WorkspaceMode::Planned),
+            _ => Err(Error::InvalidConfig {
+                reason: format!("unknown workspace mode '{s}': use 'enabled', 'planned' or 'none'"),
+            }),
         }
     }
 }

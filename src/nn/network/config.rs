@@ -1,5 +1,6 @@
 //! The network's configuration, its builder, and the workspaces it trains and infers in.
 
+use workspace_core::planned::PlanGroup;
 use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, SpillPolicy, WorkspaceConfig, WorkspaceMode};
 
 #[cfg(doc)]
@@ -261,16 +262,34 @@ pub fn workspace_config() -> WorkspaceConfig {
         .expect("a valid workspace configuration")
 }
 
+/// The configuration of a planned network's workspaces: no arena of their own (the
+/// plan's arena serves them); a recorded or diverging iteration's arrays go to spill
+/// blocks, given back at the end of each cycle.
+pub fn planned_workspace_config() -> WorkspaceConfig {
+    WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::External)
+        .build()
+        .expect("a valid workspace configuration")
+}
+
 /// Training-time workspace managers: two, differing only in where input gradients
 /// go, so that a layer's input gradient and its output gradient are in different
-/// workspaces and the older one can be reset as soon as it is consumed.
+/// workspaces and the older one can be reset as soon as it is consumed. Planned: the
+/// workspaces are the network's own, members of one plan group.
 pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
-    let config = workspace_config();
+    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::new("WS_PLANNED_ITERATION"));
+    let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
     let base = |grad: &str| {
-        LayerWorkspaceMgr::builder()
+        let builder = LayerWorkspaceMgr::builder();
+        let builder = match &group {
+            Some(group) => builder.planned(group),
+            None => builder,
+        };
+        builder
             .with(ArrayType::Input, names::ALL_LAYERS_ACT, config.clone())
             .with(ArrayType::Activations, names::ALL_LAYERS_ACT, config.clone())
             .with(ArrayType::FfCache, names::ALL_LAYERS_ACT, config.clone())

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use ndarray::{ArrayView1, ArrayView2, ArrayView3};
 use workspace_core::plan::Trace;
+use workspace_core::planned::PlannedStats;
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
 
 use super::layer::Activations;
@@ -22,7 +23,7 @@ use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
 use config::{inference_mgr, training_mgrs};
-pub use config::{names, workspace_config, NetworkConfig, NetworkConfigBuilder};
+pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
 
 /// A batch the network is fed: rows `[batch, features]`, or sequences `[batch, time,
 /// features]` with their mask `[batch, time]` (1 where a step holds data, 0 for
@@ -276,6 +277,10 @@ pub struct MemoryPlan {
     pub lower_bound_bytes: usize,
     /// Planning time, in microseconds.
     pub planning_us: u64,
+    /// Plans made again after a divergence (planned networks; 0 otherwise).
+    pub replans: u64,
+    /// Iterations that left their plan (planned networks; 0 otherwise).
+    pub divergences: u64,
 }
 
 impl std::fmt::Debug for Network {
@@ -378,9 +383,11 @@ impl Network {
         &self.infer
     }
 
-    /// Total arena capacity of the training workspaces (0 with workspaces off).
+    /// Total arena capacity of the training workspaces (0 with workspaces off); for a
+    /// planned network, the plan's arena.
     pub fn workspace_capacity(&self) -> usize {
-        self.sum_over_training_workspaces(|ws| ws.capacity())
+        let planned = self.train[0].plan_group().map_or(0, |group| group.capacity());
+        planned + self.sum_over_training_workspaces(|ws| ws.capacity())
     }
 
     /// `f` summed over the training workspaces: those of the first manager, and the
@@ -399,9 +406,26 @@ impl Network {
     }
 
     /// What the last recorded iteration says about memory (see
-    /// [`Network::record_next_iteration`]).
+    /// [`Network::record_next_iteration`]); for a planned network
+    /// ([`WorkspaceMode::Planned`]), the figures of the plan it trains on.
     pub fn memory_plan(&self) -> Option<MemoryPlan> {
-        self.memory_plan
+        match self.plan_stats() {
+            Some(s) if s.plans > 0 => Some(MemoryPlan {
+                allocations: s.allocations,
+                per_role_bytes: s.per_role_bytes,
+                plan_bytes: s.plan_bytes,
+                lower_bound_bytes: s.lower_bound_bytes,
+                planning_us: s.planning_us,
+                replans: s.replans,
+                divergences: s.divergences,
+            }),
+            _ => self.memory_plan,
+        }
+    }
+
+    /// The plan group's figures, for a planned network.
+    pub fn plan_stats(&self) -> Option<PlannedStats> {
+        self.train[0].plan_group().map(|group| group.stats())
     }
 
     /// The events of the last recorded iteration (see

@@ -34,13 +34,30 @@ impl Network {
     /// value the updater would store. After an error the network is unchanged (its
     /// parameters and its updater's state are as they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
+        let (x, labels) = (x.into(), labels.into());
+        let Some(group) = self.train[0].plan_group().cloned() else {
+            return self.recorded_step(x, labels);
+        };
+        // Planned: the iteration replays the plan of its shape (or is recorded).
+        group.start_iteration(iteration_key(&x, &labels))?;
+        let result = self.recorded_step(x, labels);
+        // Every scope of the step has closed, whatever it returned.
+        if group.finish_iteration()? {
+            // On the plan: the plan's bytes were the iteration's memory.
+            self.last_workspace_bytes = group.plan_bytes();
+        }
+        result
+    }
+
+    /// One training iteration, recorded when [`Network::record_next_iteration`] asked.
+    fn recorded_step(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
         if !self.record_next {
-            return self.step(x.into(), labels.into());
+            return self.step(x, labels);
         }
         self.record_next = false;
         let trace = Arc::new(Mutex::new(Trace::new()));
         self.record_training_workspaces(Some(&trace))?;
-        let result = self.step(x.into(), labels.into());
+        let result = self.step(x, labels);
         // Every scope of the step has closed, whatever it returned.
         self.record_training_workspaces(None)?;
         if result.is_ok() {
@@ -53,6 +70,8 @@ impl Network {
                     plan_bytes: plan.bytes(),
                     lower_bound_bytes: plan.lower_bound(),
                     planning_us: plan.planning_time().as_micros() as u64,
+                    replans: 0,
+                    divergences: 0,
                 });
                 self.recorded = Some(trace.clone());
             }
@@ -233,6 +252,26 @@ impl Network {
         }
         Ok((total / count as f64) as f32)
     }
+}
+
+/// The key of an iteration's plan: the shapes of its batch (a hint; replay verifies
+/// every step, so a collision only costs a recording).
+fn iteration_key(x: &Input<'_>, labels: &Labels<'_>) -> u64 {
+    let mut key = 0xcbf2_9ce4_8422_2325_u64;
+    let mut mix = |v: usize| {
+        key ^= v as u64;
+        key = key.wrapping_mul(0x0100_0000_01b3);
+    };
+    x.activations().shape().iter().for_each(|&d| mix(d));
+    mix(usize::from(x.mask().is_some()));
+    match labels {
+        Labels::PerExample(l) => mix(l.len()),
+        Labels::PerStep { labels, mask } => {
+            labels.shape().iter().for_each(|&d| mix(d + 1));
+            mix(2 + usize::from(mask.is_some()));
+        }
+    }
+    key
 }
 
 /// The gradient flowing down the network in the backward pass: an array in one of the

@@ -1,0 +1,118 @@
+//! Planned training ([`WorkspaceMode::Planned`]): the role workspaces of an iteration
+//! served from one arena planned from the first iteration's lifetimes. The numbers are
+//! bit-identical to unplanned training; identical iterations stay on their plan, make
+//! no heap allocation, and take at most 1.05x the bytes live at once; batches of a
+//! new shape are recorded and planned once, then replayed.
+
+use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::workspace_core::{assert_no_alloc, CountingAllocator};
+use carve::WorkspaceMode;
+use ndarray::{s, Array1, Array2, Array3};
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator::system();
+
+fn data(rows: usize) -> (Array2<f32>, Array1<u32>) {
+    let mut rng = Rng::new(5);
+    let y: Array1<u32> = (0..rows).map(|i| (i % 4) as u32).collect();
+    let x = Array2::from_shape_fn((rows, 12), |(i, j)| (y[i] as f32 - 1.5) * (j % 3) as f32 + rng.uniform(-0.3, 0.3));
+    (x, y)
+}
+
+fn mlp(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(12)
+        .dense(32)
+        .relu()
+        .dense(16)
+        .relu()
+        .dense(4)
+        .seed(11)
+        .updater(Updater::adam(1e-3))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+#[test]
+fn planned_training_is_bit_identical_stays_on_its_plan_and_allocates_nothing() {
+    let (x, y) = data(100);
+    // Batches of 16 and a ragged last batch of 4: two shapes, two plans.
+    let batches: Vec<(usize, usize)> = (0..100).step_by(16).map(|start| (start, (start + 16).min(100))).collect();
+    let mut enabled = mlp(WorkspaceMode::Enabled);
+    let mut planned = mlp(WorkspaceMode::Planned);
+    for epoch in 0..6 {
+        for &(a, b) in &batches {
+            let (xb, yb) = (x.slice(s![a..b, ..]), y.slice(s![a..b]));
+            let le = enabled.fit_batch(xb, yb).unwrap();
+            let lp = if epoch >= 3 {
+                assert_no_alloc(|| planned.fit_batch(xb, yb)).unwrap()
+            } else {
+                planned.fit_batch(xb, yb).unwrap()
+            };
+            assert_eq!(le.to_bits(), lp.to_bits(), "epoch {epoch}, rows {a}..{b}");
+        }
+    }
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
+    assert_eq!(stats.planned_iterations, 6 * 7 - 2);
+    assert!(stats.plan_bytes as f64 <= 1.05 * stats.lower_bound_bytes as f64, "{stats:?}");
+    assert!(stats.plan_bytes < stats.per_role_bytes, "{stats:?}");
+    // The arena is the network's workspace memory: less than the per-role layout's.
+    assert_eq!(planned.workspace_capacity(), stats.arena_bytes);
+    assert!(planned.workspace_capacity() < enabled.workspace_capacity());
+    let plan = planned.memory_plan().unwrap();
+    assert_eq!((plan.plan_bytes, plan.divergences, plan.replans), (stats.plan_bytes, 0, 0));
+    // Evaluation (unplanned) gives the same numbers too.
+    let (ae, ap) =
+        (enabled.evaluate(x.view(), y.view(), 32).unwrap(), planned.evaluate(x.view(), y.view(), 32).unwrap());
+    assert_eq!(ae.to_bits(), ap.to_bits());
+}
+
+#[test]
+fn variable_length_sequences_get_a_plan_per_shape_and_the_arena_stops_growing() {
+    let mut rng = Rng::new(8);
+    let batches: Vec<(Array3<f32>, Array2<f32>, Array1<u32>)> = (0..6)
+        .map(|i| {
+            let steps = 3 + (i * 4) % 7;
+            let x = Array3::from_shape_fn((4, steps, 3), |_| rng.uniform(-1.0, 1.0));
+            let m = Array2::from_shape_fn((4, steps), |(r, t)| if t < steps - (r % 2) { 1.0 } else { 0.0 });
+            let y = Array1::from_shape_fn(4, |r| ((r + i) % 3) as u32);
+            (x, m, y)
+        })
+        .collect();
+    let network = |mode| {
+        let config = NetworkConfig::builder(3)
+            .lstm(8)
+            .last_step()
+            .dense(3)
+            .seed(2)
+            .training_workspace_mode(mode)
+            .inference_workspace_mode(mode)
+            .build()
+            .unwrap();
+        Network::new(config).unwrap()
+    };
+    let (mut enabled, mut planned) = (network(WorkspaceMode::Enabled), network(WorkspaceMode::Planned));
+    let mut capacity = Vec::new();
+    for _ in 0..4 {
+        for (x, m, y) in &batches {
+            let le = enabled.fit_batch((x.view(), m.view()), y.view()).unwrap();
+            let lp = planned.fit_batch((x.view(), m.view()), y.view()).unwrap();
+            assert_eq!(le.to_bits(), lp.to_bits());
+        }
+        capacity.push(planned.workspace_capacity());
+    }
+    let stats = planned.plan_stats().unwrap();
+    let shapes = 6; // lengths 3, 7, 4, 8, 5, 9
+    assert_eq!((stats.plans, stats.divergences, stats.evictions), (shapes, 0, 0), "{stats:?}");
+    assert_eq!(stats.planned_iterations, 4 * 6 - shapes);
+    assert!(capacity.windows(2).all(|w| w[0] == w[1]), "no growth after the first epoch: {capacity:?}");
+    // The arena is the largest plan, within 1.05x of the largest batch's bound.
+    let longest = batches.iter().max_by_key(|b| b.0.shape()[1]).unwrap();
+    planned.fit_batch((longest.0.view(), longest.1.view()), longest.2.view()).unwrap();
+    let last = planned.plan_stats().unwrap();
+    assert_eq!(last.arena_bytes, last.plan_bytes, "the longest batch's plan is the largest");
+    assert!(last.arena_bytes as f64 <= 1.05 * last.lower_bound_bytes as f64, "{last:?}");
+}
