@@ -11,8 +11,8 @@
 //!
 //! | flag | default | what |
 //! |---|---|---|
-//! | `--workspace-mode MODE` | `enabled` | `enabled` or `none` (ignored with `--compare`) |
-//! | `--compare` | off | train both modes (same seed) and check that their loss traces are bit-identical |
+//! | `--workspace-mode MODE` | `enabled` | `enabled`, `planned` (one arena per batch shape, planned from its first iteration) or `none` (ignored with `--compare`) |
+//! | `--compare` | off | train the three modes (same seed) and check that their loss traces are bit-identical |
 //! | `--epochs N` | 40 | passes over the training set |
 //! | `--batch-size N` | 16 | sequences per training iteration |
 //! | `--hidden W,W,...` | `64` | LSTM widths, one stacked LSTM per width |
@@ -173,6 +173,8 @@ struct Trace {
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
     producer_allocs: Vec<u64>,
     plan: Option<carve::nn::MemoryPlan>,
+    /// Plans made (planned mode: one per batch shape, and one per re-plan).
+    plans: Option<u64>,
     shapes: BTreeSet<(usize, usize)>,
     max_steps: usize,
     ring_growths: u64,
@@ -262,6 +264,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
     trace.ring_growths = batches.stats().ring_growths;
     trace.capacity_final = net.workspace_capacity();
     trace.plan = net.memory_plan();
+    trace.plans = net.plan_stats().map(|s| s.plans);
     Ok(trace)
 }
 
@@ -277,7 +280,7 @@ fn run(args: &Args) -> Res<()> {
     }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
     let modes: &[WorkspaceMode] = if args.compare || args.plot.is_some() {
-        &[WorkspaceMode::Enabled, WorkspaceMode::None]
+        &[WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None]
     } else {
         std::slice::from_ref(&args.workspace_mode)
     };
@@ -356,11 +359,16 @@ fn run(args: &Args) -> Res<()> {
             "steady_state_producer_allocs_per_epoch_max": t.producer_allocs.iter().skip(1).copied().max(),
             "batches_per_epoch": per_epoch,
             // One recorded iteration (the second): its roles laid out per role, one arena
-            // planned from its lifetimes, the bytes live at once (issue 13; not served yet).
+            // planned from its lifetimes, the bytes live at once; planned, the plan of the
+            // last batch, re-plans and divergences (0 in the other modes).
             "per_role_bytes": t.plan.map(|p| p.per_role_bytes),
             "plan_bytes": t.plan.map(|p| p.plan_bytes),
             "lower_bound_bytes": t.plan.map(|p| p.lower_bound_bytes),
+            "plan_to_bound": t.plan.map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
             "planning_us": t.plan.map(|p| p.planning_us),
+            "replans": t.plan.map(|p| p.replans),
+            "divergences": t.plan.map(|p| p.divergences),
+            "plans": t.plans,
             "workspace_capacity_after_epoch_1": t.capacity_after_first_epoch,
             "workspace_capacity": t.capacity_final,
             "ring_growths": t.ring_growths,
@@ -374,18 +382,27 @@ fn run(args: &Args) -> Res<()> {
         object["distinct_batch_shapes"] = t.shapes.len().into();
         object["max_steps"] = t.max_steps.into();
     }
+    // Every mode's losses against the first mode's (enabled).
     let identical = match &traces[..] {
-        [(_, a), (_, b)] => {
-            let same =
-                a.loss.len() == b.loss.len() && a.loss.iter().zip(&b.loss).all(|(x, y)| x.to_bits() == y.to_bits());
-            say(format!(
-                "loss traces: {} ({} iterations)",
-                if same { "bit-identical" } else { "DIFFERENT" },
-                a.loss.len()
-            ));
-            let ratio = median(&a.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>())
-                / median(&b.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>());
-            object["iter_time_ratio_enabled_over_none"] = ratio.into();
+        [(first, a), rest @ ..] if !rest.is_empty() => {
+            let mut same = true;
+            for (mode, b) in rest {
+                let equal =
+                    a.loss.len() == b.loss.len() && a.loss.iter().zip(&b.loss).all(|(x, y)| x.to_bits() == y.to_bits());
+                say(format!(
+                    "loss traces, {} against {}: {} ({} iterations)",
+                    mode_name(*mode),
+                    mode_name(*first),
+                    if equal { "bit-identical" } else { "DIFFERENT" },
+                    a.loss.len()
+                ));
+                same &= equal;
+            }
+            if let Some((_, none)) = rest.iter().find(|(mode, _)| *mode == WorkspaceMode::None) {
+                let ratio = median(&a.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>())
+                    / median(&none.iter_ns.iter().map(|&n| n as f64).collect::<Vec<_>>());
+                object["iter_time_ratio_enabled_over_none"] = ratio.into();
+            }
             Some(same)
         }
         _ => None,
@@ -408,7 +425,7 @@ fn run(args: &Args) -> Res<()> {
         println!("{}", serde_json::to_string(&object)?);
     }
     if identical == Some(false) {
-        return Err("the loss traces of workspaces enabled and none differ: workspaces changed the arithmetic".into());
+        return Err("the loss traces of the workspace modes differ: workspaces changed the arithmetic".into());
     }
     Ok(())
 }

@@ -23,12 +23,13 @@ pub(crate) const BYTES_PER_PARAMETER: u128 = 4 * 4;
 #[derive(Parser, Debug)]
 #[command(name = "train_digits", version, verbatim_doc_comment, next_line_help = true)]
 pub(crate) struct Args {
-    /// Workspaces during training and evaluation: `enabled` or `none`
+    /// Workspaces during training and evaluation: `enabled`, `planned`
+    /// (one arena planned from the first iteration) or `none`
     /// (ignored with --compare or --plot)
     #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode, verbatim_doc_comment)]
     pub(crate) workspace_mode: WorkspaceMode,
 
-    /// Train both modes in one process (same seed, interleaved by
+    /// Train the three modes in one process (same seed, interleaved by
     /// epoch) and check that their loss traces are bit-identical
     #[arg(long, verbatim_doc_comment)]
     pub(crate) compare: bool,

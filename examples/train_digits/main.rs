@@ -31,8 +31,8 @@
 //!
 //! | flag | default | meaning |
 //! |---|---|---|
-//! | `--workspace-mode enabled\|none` | `enabled` | workspaces in training and evaluation (unused with `--compare`) |
-//! | `--compare` | off | train both modes (same seed, interleaved by epoch); check that the losses are bit-identical |
+//! | `--workspace-mode enabled\|planned\|none` | `enabled` | workspaces in training and evaluation (unused with `--compare`); `planned`: the training role workspaces served from one arena planned from the first iteration |
+//! | `--compare` | off | train the three modes (same seed, interleaved by epoch); check that the losses are bit-identical |
 //! | `--epochs N` | 80 | passes over the training set (1 or more) |
 //! | `--batch-size N` | 32 | rows per iteration, 1 or more (the last batch of an epoch may be smaller; more than the training rows is one batch of all of them, and the header says so) |
 //! | `--hidden 128,64` | `128,64` | hidden layer widths, comma-separated, each 1 or more; at most 16,777,216 parameters in all |
@@ -78,7 +78,7 @@
 //! `batch_size_used` (at most the training rows), `hidden`, `seed`,
 //! `lr`, `train_rows`, `test_rows`, `iter_time_ratio_enabled_over_none` (median time of
 //! an iteration, enabled over none; `null` with one mode), `loss_traces_identical`
-//! (`null` with one mode), and one object per mode trained, under `enabled` and `none`
+//! (`null` with one mode), and one object per mode trained, under `enabled`, `planned` and `none`
 //! (only the chosen mode's without `--compare` or `--plot`):
 //!
 //! | key | meaning |
@@ -157,7 +157,7 @@ fn run(args: &Args) -> Res<()> {
     }
 
     let modes: &[WorkspaceMode] = if args.both_modes() {
-        &[WorkspaceMode::Enabled, WorkspaceMode::None]
+        &[WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None]
     } else {
         std::slice::from_ref(&args.workspace_mode)
     };
@@ -259,31 +259,40 @@ fn run(args: &Args) -> Res<()> {
         )),
     }
     for s in &summaries {
-        if let (WorkspaceMode::Enabled, Some(allocs)) = (s.mode, s.steady_allocs_max) {
+        if let (WorkspaceMode::Enabled | WorkspaceMode::Planned, Some(allocs)) = (s.mode, s.steady_allocs_max) {
             if allocs > 0 {
                 out(&format!(
-                    "warning: workspaces enabled, yet steady-state iterations allocated (up to {allocs} allocations in \
-                     one iteration)"
+                    "warning: workspaces {}, yet steady-state iterations allocated (up to {allocs} allocations in \
+                     one iteration)",
+                    mode_name(s.mode)
                 ));
             }
         }
     }
 
+    // Every mode's losses against the first mode's (enabled).
     let identical = match &runs[..] {
-        [a, b] => {
-            let same = a.trace.loss.len() == b.trace.loss.len()
-                && a.trace.loss.iter().zip(&b.trace.loss).all(|(x, y)| x.to_bits() == y.to_bits());
+        [a, rest @ ..] if !rest.is_empty() => {
+            let mut same = true;
+            for (b, s) in rest.iter().zip(&summaries[1..]) {
+                let equal = a.trace.loss.len() == b.trace.loss.len()
+                    && a.trace.loss.iter().zip(&b.trace.loss).all(|(x, y)| x.to_bits() == y.to_bits());
+                if !equal {
+                    let first = a.trace.loss.iter().zip(&b.trace.loss).position(|(x, y)| x.to_bits() != y.to_bits());
+                    out(&format!(
+                        "loss traces: {} DIFFERS from {} (first difference at iteration {})",
+                        mode_name(b.mode),
+                        mode_name(a.mode),
+                        first.map_or_else(|| "n/a (lengths differ)".to_string(), |i| (i + 1).to_string()),
+                    ));
+                    out(&format!("  sha256 {} ({})", summaries[0].loss_trace_sha256, mode_name(a.mode)));
+                    out(&format!("  sha256 {} ({})", s.loss_trace_sha256, mode_name(b.mode)));
+                }
+                same &= equal;
+            }
             if same {
-                out(&format!("loss traces: bit-identical ({} iterations)", a.trace.loss.len()));
+                out(&format!("loss traces: bit-identical in every mode ({} iterations)", a.trace.loss.len()));
                 out(&format!("  sha256 {}", summaries[0].loss_trace_sha256));
-            } else {
-                let first = a.trace.loss.iter().zip(&b.trace.loss).position(|(x, y)| x.to_bits() != y.to_bits());
-                out(&format!(
-                    "loss traces: DIFFERENT (first difference at iteration {})",
-                    first.map_or_else(|| "n/a (lengths differ)".to_string(), |i| (i + 1).to_string()),
-                ));
-                out(&format!("  sha256 {} (enabled)", summaries[0].loss_trace_sha256));
-                out(&format!("  sha256 {} (none)", summaries[1].loss_trace_sha256));
             }
             Some(same)
         }
@@ -331,7 +340,7 @@ fn run(args: &Args) -> Res<()> {
     }
 
     if identical == Some(false) {
-        return Err("the loss traces of workspaces enabled and none differ: workspaces changed the arithmetic".into());
+        return Err("the loss traces of the workspace modes differ: workspaces changed the arithmetic".into());
     }
     Ok(())
 }

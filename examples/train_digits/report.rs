@@ -121,11 +121,15 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         "test_accuracy_per_epoch": s.test_accuracy_per_epoch,
         "prefetch": s.prefetch,
         // One recorded iteration: its roles laid out per role, one arena planned from
-        // its lifetimes, and the bytes live at once (issue 13; not yet served planned).
+        // its lifetimes, and the bytes live at once; planned, the plan it trains on,
+        // re-plans and divergences (0 in the other modes).
         "per_role_bytes": s.plan.map(|p| p.per_role_bytes),
         "plan_bytes": s.plan.map(|p| p.plan_bytes),
         "lower_bound_bytes": s.plan.map(|p| p.lower_bound_bytes),
+        "plan_to_bound": s.plan.map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
         "planning_us": s.plan.map(|p| p.planning_us),
+        "replans": s.plan.map(|p| p.replans),
+        "divergences": s.plan.map(|p| p.divergences),
     })
 }
 
