@@ -118,11 +118,7 @@ fn parse_head(s: &str) -> Result<String, String> {
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "enabled" => Ok(WorkspaceMode::Enabled),
-        "none" => Ok(WorkspaceMode::None),
-        _ => Err(format!("'{s}' is not a workspace mode: use `enabled` or `none`")),
-    }
+    s.parse::<WorkspaceMode>().map_err(|e| e.to_string())
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {
@@ -173,8 +169,9 @@ struct Trace {
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
     producer_allocs: Vec<u64>,
     plan: Option<carve::nn::MemoryPlan>,
-    /// Plans made (planned mode: one per batch shape, and one per re-plan).
-    plans: Option<u64>,
+    /// Planned mode: plans made (one per batch shape, and one per re-plan), the arena's
+    /// bytes and the lower bound of the plan that sized it (the largest).
+    plans: Option<(u64, usize, usize)>,
     shapes: BTreeSet<(usize, usize)>,
     max_steps: usize,
     ring_growths: u64,
@@ -264,7 +261,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
     trace.ring_growths = batches.stats().ring_growths;
     trace.capacity_final = net.workspace_capacity();
     trace.plan = net.memory_plan();
-    trace.plans = net.plan_stats().map(|s| s.plans);
+    trace.plans = net.plan_stats().map(|s| (s.plans, s.arena_bytes, s.arena_lower_bound_bytes));
     Ok(trace)
 }
 
@@ -368,7 +365,9 @@ fn run(args: &Args) -> Res<()> {
             "planning_us": t.plan.map(|p| p.planning_us),
             "replans": t.plan.map(|p| p.replans),
             "divergences": t.plan.map(|p| p.divergences),
-            "plans": t.plans,
+            "plans": t.plans.map(|p| p.0),
+            "arena_bytes": t.plans.map(|p| p.1),
+            "arena_lower_bound_bytes": t.plans.map(|p| p.2),
             "workspace_capacity_after_epoch_1": t.capacity_after_first_epoch,
             "workspace_capacity": t.capacity_final,
             "ring_growths": t.ring_growths,

@@ -348,7 +348,7 @@ fn usage_errors_are_one_line_naming_the_flag_and_the_valid_values() {
         (&["--lr", "nan"], "'--lr <X>'", "finite and positive"),
         (&["--lr", "-1"], "'--lr <X>'", "finite and positive"),
         (&["--prefetch-depth", "5000"], "'--prefetch-depth <N>'", "0 to 1024"),
-        (&["--workspace-mode", "sometimes"], "'--workspace-mode <MODE>'", "'enabled' or 'none'"),
+        (&["--workspace-mode", "sometimes"], "'--workspace-mode <MODE>'", "'enabled', 'planned' or 'none'"),
         (&["--seed", "x"], "'--seed <N>'", "invalid digit"),
     ] {
         let stderr = usage_error(args);

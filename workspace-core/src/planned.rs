@@ -222,6 +222,8 @@ pub struct PlannedStats {
     pub name: String,
     /// Bytes of the planned arena (the largest plan made so far).
     pub arena_bytes: usize,
+    /// The lower bound of the recording whose plan sized the arena (the largest).
+    pub arena_lower_bound_bytes: usize,
     /// Bytes of the plan of the current (or last) iteration.
     pub plan_bytes: usize,
     /// The most bytes live at one moment in that plan's recording: no plan can be
@@ -359,6 +361,7 @@ impl<B: ArenaBackend> GroupState<B> {
         self.base = Some(block.base());
         self.base_align = align.max(self.base_align);
         self.arena_bytes = block.len();
+        self.stats.arena_lower_bound_bytes = self.plans[index].lower_bound;
         if let Some(old) = self.arena.replace(block) {
             self.backend.release(old);
         }

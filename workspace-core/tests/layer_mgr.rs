@@ -262,7 +262,7 @@ fn workspace_mode_parses_and_prints() {
     assert_eq!("None".parse::<WorkspaceMode>().unwrap(), WorkspaceMode::None);
     assert_eq!(WorkspaceMode::None.to_string(), "none");
     let err = "on".parse::<WorkspaceMode>().unwrap_err();
-    assert!(err.to_string().contains("unknown workspace mode 'on': use 'enabled' or 'none'"), "{err}");
+    assert!(err.to_string().contains("unknown workspace mode 'on': use 'enabled', 'planned' or 'none'"), "{err}");
 }
 
 #[test]

@@ -273,6 +273,9 @@ pub fn planned_workspace_config() -> WorkspaceConfig {
         .expect("a valid workspace configuration")
 }
 
+/// Plans a planned network keeps: one per shape of batch it trains on.
+pub(super) const PLANS: usize = 64;
+
 /// Training-time workspace managers: two, differing only in where input gradients
 /// go, so that a layer's input gradient and its output gradient are in different
 /// workspaces and the older one can be reset as soon as it is consumed. Planned: the
@@ -281,7 +284,8 @@ pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
-    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::new("WS_PLANNED_ITERATION"));
+    // One plan per batch shape: variable-length sequences have a few dozen.
+    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::with_plans("WS_PLANNED_ITERATION", PLANS));
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
     let base = |grad: &str| {
         let builder = LayerWorkspaceMgr::builder();
