@@ -128,11 +128,11 @@ fn run(group: &PlanGroup, members: &[Rc<Workspace>], ops: &[Op], key: u64, seed:
             }
         }
     }
-    for m in 0..members.len() {
-        if !scopes[m].is_empty() {
+    for (m, member_scopes) in scopes.iter_mut().enumerate() {
+        if !member_scopes.is_empty() {
             check_and_end(&mut live, m);
         }
-        scopes[m].clear();
+        member_scopes.clear();
     }
     group.finish_iteration().unwrap();
     made
@@ -178,7 +178,7 @@ fn variants(ops: &[Op], k: usize, members: usize) -> Vec<Vec<Op>> {
 
 #[test]
 fn replaying_a_plan_never_hands_out_bytes_a_live_allocation_holds() {
-    let mut rng = Rng(0x5EED_0F_91A4);
+    let mut rng = Rng(0x005E_ED0F_91A4);
     let (mut exact, mut planned, mut diverged) = (0u64, 0u64, 0u64);
     for case in 0..cases() {
         let count = 1 + rng.below(4) as usize;
