@@ -192,7 +192,7 @@ fn plot_trains_and_draws_both_modes() {
             for caption in ["workspace bytes in use", "heap bytes in use", "heap allocations"] {
                 assert!(texts.iter().any(|t| t.starts_with(caption)), "no panel '{caption}' in {texts:?}");
             }
-            for label in ["enabled", "none"] {
+            for label in ["enabled", "planned", "none"] {
                 // One legend entry per panel.
                 assert_eq!(texts.iter().filter(|t| *t == label).count(), 3, "legend '{label}' in {texts:?}");
             }
@@ -203,14 +203,14 @@ fn plot_trains_and_draws_both_modes() {
                 .filter(|(a, _)| attribute(a, "stroke-width") == Some("2"))
                 .filter_map(|(a, _)| attribute(a, "points"))
                 .collect();
-            assert_eq!(series.len(), 6, "two modes in three panels");
+            assert_eq!(series.len(), 9, "three modes in three panels");
             let rightmost = series
                 .iter()
                 .flat_map(|points| points.split_whitespace())
                 .filter_map(|point| point.split(',').next()?.parse::<f64>().ok())
                 .fold(f64::MIN, f64::max);
             for (attributes, body) in svg_elements(&svg, "text") {
-                if body == "enabled" || body == "none" {
+                if body == "enabled" || body == "planned" || body == "none" {
                     let x: f64 = attribute(attributes, "x").and_then(|x| x.parse().ok()).expect("a text's x");
                     assert!(x > rightmost, "legend '{body}' at x {x} over the series (right end {rightmost})");
                 }
@@ -581,7 +581,7 @@ fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
         let drawn: Vec<&String> = screen.iter().filter(|l| !l.is_empty()).collect();
         let wide: Vec<&&String> = drawn.iter().filter(|l| l.chars().count() > 80).collect();
         assert!(wide.is_empty(), "{columns} columns: wider than 80 columns: {wide:#?}");
-        for mode in ["enabled", "none"] {
+        for mode in ["enabled", "planned", "none"] {
             let bars: Vec<&&String> =
                 drawn.iter().filter(|l| l.trim_start().starts_with(&format!("{mode} ["))).collect();
             assert_eq!(bars.len(), 1, "{columns} columns: one bar for '{mode}' on the screen: {drawn:#?}");
@@ -590,6 +590,6 @@ fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
             assert!(bar.contains("epoch 3/3") && bar.contains("loss ") && bar.contains("test acc"), "{bar}");
             assert!(!bar.contains('>') && !bar.contains("[ "), "an unfinished bar: {bar}");
         }
-        assert_eq!(drawn.len(), 2, "{columns} columns: nothing but the two bars on stderr: {drawn:#?}");
+        assert_eq!(drawn.len(), 3, "{columns} columns: nothing but the three bars on stderr: {drawn:#?}");
     }
 }
