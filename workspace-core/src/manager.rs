@@ -73,20 +73,9 @@ impl WorkspaceManager {
     /// [`Error::InvalidDebugMode`] when `CARVE_WORKSPACE_DEBUG` is not understood;
     /// [`Error::Backend`] when the initial arena cannot be reserved.
     pub fn get_or_create(&self, id: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
-        if let Some(ws) = self.find(id) {
-            if ws.config() != config {
-                return Err(Error::ConfigMismatch {
-                    workspace: id.to_string(),
-                    existing: ws.config().to_string(),
-                    requested: config.to_string(),
-                });
-            }
-            return Ok(ws);
-        }
-        let mode = self.debug_mode()?;
-        let ws = Rc::new(Workspace::with_debug_mode(id, config.clone(), mode)?);
-        self.registry.workspaces.borrow_mut().push(ws.clone());
-        Ok(ws)
+        find_or_create(&self.registry.workspaces, id, config, || {
+            Workspace::with_debug_mode(id, config.clone(), self.debug_mode()?)
+        })
     }
 
     /// The workspace `id`.
@@ -223,6 +212,33 @@ impl WorkspaceManager {
     pub fn stats_json(&self) -> String {
         serde_json::to_string(&self.stats()).expect("statistics serialise")
     }
+}
+
+/// The workspace named `id` in `workspaces`, or one `create` makes, added to them:
+/// the lookup of a registry and of a plan group's members.
+///
+/// # Errors
+///
+/// [`Error::ConfigMismatch`] when `id` exists with another configuration; `create`'s.
+pub(crate) fn find_or_create(
+    workspaces: &RefCell<Vec<Rc<Workspace>>>,
+    id: &str,
+    config: &WorkspaceConfig,
+    create: impl FnOnce() -> Result<Workspace>,
+) -> Result<Rc<Workspace>> {
+    if let Some(ws) = workspaces.borrow().iter().find(|ws| &**ws.name() == id) {
+        if ws.config() != config {
+            return Err(Error::ConfigMismatch {
+                workspace: id.to_string(),
+                existing: ws.config().to_string(),
+                requested: config.to_string(),
+            });
+        }
+        return Ok(ws.clone());
+    }
+    let ws = Rc::new(create()?);
+    workspaces.borrow_mut().push(ws.clone());
+    Ok(ws)
 }
 
 fn human(bytes: usize) -> String {

@@ -85,6 +85,7 @@ use serde::Serialize;
 use crate::backend::host::HostBackend;
 use crate::backend::{ArenaBackend, Block};
 use crate::config::WorkspaceConfig;
+use crate::engine::align_up;
 use crate::error::{Error, Result};
 use crate::plan::{Event, Plan, Trace};
 use crate::workspace::Workspace;
@@ -139,11 +140,6 @@ pub(crate) struct Script {
     last_used: u64,
 }
 
-/// Rounds up to a power of two `align`, saturating.
-fn align_up(value: usize, align: usize) -> usize {
-    value.checked_add(align - 1).map_or(usize::MAX, |v| v & !(align - 1))
-}
-
 impl Script {
     /// Plans the recorded `events`: runs (consecutive allocations of one owner) become
     /// one block each, laid out as the owner's bump allocation lays them out.
@@ -162,7 +158,7 @@ impl Script {
                     Event::Alloc { owner, bytes, align },
                     Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
                 ) if owner == *last && align <= *run_align => {
-                    *run = align_up(*run, align).saturating_add(bytes);
+                    *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
                     allocations += 1;
                 }
                 (Event::Alloc { align, .. }, _) => {
@@ -518,20 +514,11 @@ impl PlanGroup {
     /// [`Error::ConfigMismatch`] when the member exists with another configuration;
     /// those of [`Workspace::new`] and [`PlanGroup::join`].
     pub fn workspace(&self, name: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
-        if let Some(ws) = self.members.borrow().iter().find(|ws| &**ws.name() == name) {
-            if ws.config() != config {
-                return Err(Error::ConfigMismatch {
-                    workspace: name.to_string(),
-                    existing: ws.config().to_string(),
-                    requested: config.to_string(),
-                });
-            }
-            return Ok(ws.clone());
-        }
-        let ws = Rc::new(Workspace::new(name, config.clone())?);
-        self.join(&ws)?;
-        self.members.borrow_mut().push(ws.clone());
-        Ok(ws)
+        crate::manager::find_or_create(&self.members, name, config, || {
+            let ws = Workspace::new(name, config.clone())?;
+            self.join(&ws)?;
+            Ok(ws)
+        })
     }
 
     /// Makes `ws` a member: from the next iteration its allocations and cycles are

@@ -9,26 +9,9 @@ use std::collections::HashMap;
 
 use workspace_core::plan::{Event, Placed, Plan, PlanCache, Replay, Trace};
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
-fn cases() -> u64 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000)
-}
+#[path = "common/random.rs"]
+mod random;
+use random::{cases, Rng};
 
 /// A random iteration: allocations in up to 5 owners (role cycles) and closes of
 /// owners, every owner closed by the end.
