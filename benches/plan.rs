@@ -47,7 +47,7 @@ fn network_trace(layers: usize) -> Trace {
         t.push(Event::Alloc { owner: 0, bytes: size(i), align: 64 });
     }
     for i in (0..layers).rev() {
-        let grad = 2 + (i % 2) as u32;
+        let grad = 2 + (i % 2) as u64;
         t.push(Event::Alloc { owner: 1, bytes: size(i) / 2, align: 64 });
         t.push(Event::Close { owner: 1 });
         t.push(Event::Alloc { owner: grad, bytes: size(i), align: 64 });

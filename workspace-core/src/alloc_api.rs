@@ -31,24 +31,34 @@ use std::ptr::NonNull;
 
 use allocator_api2::alloc::{AllocError, Allocator};
 
-use crate::scope::Scope;
+use crate::scope::{Frame, Scope};
 
-// SAFETY: memory returned by `allocate` comes from the scope's target and stays valid
-// and unaliased until the scope closes; the allocator is `&Scope`, so every container
-// using it borrows the scope and is gone before that happens. `deallocate` is a no-op
-// (the memory is reclaimed in bulk at the reset), which the trait allows. Zero-sized
-// requests get a dangling, well-aligned pointer.
-unsafe impl Allocator for &Scope<'_> {
-    #[inline]
-    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if layout.size() == 0 {
-            let dangling = NonNull::new(std::ptr::without_provenance_mut::<u8>(layout.align())).ok_or(AllocError)?;
-            return Ok(NonNull::slice_from_raw_parts(dangling, 0));
+/// `Allocator` for `&Scope` and `&Frame`, written once.
+macro_rules! allocator_for {
+    ($ty:ty) => {
+        // SAFETY: memory returned by `allocate` comes from the scope's (or frame's)
+        // target and stays valid and unaliased until the scope (or frame) closes; the
+        // allocator is a shared reference to it, so every container using it borrows
+        // it and is gone before that happens. `deallocate` is a no-op (the memory is
+        // reclaimed in bulk at the reset or the frame's close), which the trait
+        // allows. Zero-sized requests get a dangling, well-aligned pointer.
+        unsafe impl Allocator for $ty {
+            #[inline]
+            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                if layout.size() == 0 {
+                    let dangling =
+                        NonNull::new(std::ptr::without_provenance_mut::<u8>(layout.align())).ok_or(AllocError)?;
+                    return Ok(NonNull::slice_from_raw_parts(dangling, 0));
+                }
+                let ptr = self.alloc_bytes(layout.size(), layout.align(), false).map_err(|_| AllocError)?;
+                Ok(NonNull::slice_from_raw_parts(ptr, layout.size()))
+            }
+
+            #[inline]
+            unsafe fn deallocate(&self, _ptr: NonNull<u8>, _layout: Layout) {}
         }
-        let ptr = self.alloc_bytes(layout.size(), layout.align(), false).map_err(|_| AllocError)?;
-        Ok(NonNull::slice_from_raw_parts(ptr, layout.size()))
-    }
-
-    #[inline]
-    unsafe fn deallocate(&self, _ptr: NonNull<u8>, _layout: Layout) {}
+    };
 }
+
+allocator_for!(&Scope<'_>);
+allocator_for!(&Frame<'_>);

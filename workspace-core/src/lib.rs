@@ -78,11 +78,11 @@ pub use config::{
     AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
     WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
 };
-pub use engine::{Engine, Entered, WorkspaceStats};
+pub use engine::{Engine, Entered, FrameMark, WorkspaceStats};
 pub use error::{BackendError, Error, Result};
 pub use handle::Handle;
 pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
 pub use manager::{stats_table, WorkspaceManager};
-pub use scope::{freeze, Placement, Scope, ScopeKind};
+pub use scope::{freeze, Frame, Placement, Scope, ScopeKind};
 pub use shell::{CycleHooks, Open, Shell};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

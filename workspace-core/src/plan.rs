@@ -38,7 +38,7 @@ pub enum Event {
     /// `bytes` bytes aligned to `align` (a power of two), allocated in `owner`.
     Alloc {
         /// The cycle or frame the allocation belongs to.
-        owner: u32,
+        owner: u64,
         /// Bytes.
         bytes: usize,
         /// Alignment of the offset (a power of two).
@@ -47,7 +47,7 @@ pub enum Event {
     /// `owner` closed: everything it allocated since it opened is dead.
     Close {
         /// The cycle or frame that closed.
-        owner: u32,
+        owner: u64,
     },
 }
 
@@ -97,7 +97,7 @@ impl Trace {
         let mut out = Vec::with_capacity(self.events.len());
         // Per owner (few: a linear search beats hashing), the allocations still open, as
         // indices into `out`, kept in one list with the owner of each.
-        let mut open: Vec<(u32, usize)> = Vec::new();
+        let mut open: Vec<(u64, usize)> = Vec::new();
         for (i, event) in self.events.iter().enumerate() {
             match *event {
                 Event::Alloc { owner, bytes, align } => {
@@ -118,7 +118,7 @@ impl Trace {
     /// The most bytes live at one moment: no placement can use fewer (computed by a
     /// sweep over the events, independently of any plan).
     pub fn lower_bound(&self) -> usize {
-        let mut live: Vec<(u32, usize)> = Vec::new();
+        let mut live: Vec<(u64, usize)> = Vec::new();
         let (mut total, mut peak) = (0usize, 0usize);
         for event in &self.events {
             match *event {
@@ -152,8 +152,8 @@ impl Trace {
 /// event position; `usize::MAX` for closes).
 fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
     // Pass 1: each owner's offsets relative to its own arena, and its peak and alignment.
-    let mut cursor: HashMap<u32, usize> = HashMap::new();
-    let mut owners: Vec<(u32, usize, usize)> = Vec::new(); // (owner, peak, alignment), first use first
+    let mut cursor: HashMap<u64, usize> = HashMap::new();
+    let mut owners: Vec<(u64, usize, usize)> = Vec::new(); // (owner, peak, alignment), first use first
     let mut relative = vec![usize::MAX; events.len()];
     for (i, event) in events.iter().enumerate() {
         match *event {
@@ -176,7 +176,7 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
         }
     }
     // Pass 2: the arenas end to end.
-    let mut bases: HashMap<u32, usize> = HashMap::new();
+    let mut bases: HashMap<u64, usize> = HashMap::new();
     let mut total = 0usize;
     for &(owner, peak, align) in &owners {
         let base = align_up(total, align).unwrap_or(usize::MAX);
@@ -419,7 +419,7 @@ impl<'p> Replay<'p> {
     /// offset when the iteration has matched the plan so far and this event is the
     /// plan's next (same owner and alignment, no more bytes than planned); otherwise
     /// above the plan, and every later allocation of the iteration too.
-    pub fn alloc(&mut self, owner: u32, bytes: usize, align: usize) -> Placed {
+    pub fn alloc(&mut self, owner: u64, bytes: usize, align: usize) -> Placed {
         if self.diverged_at.is_none() {
             if let Some(&Event::Alloc { owner: o, bytes: b, align: a }) = self.plan.events.get(self.next) {
                 if o == owner && a == align && bytes <= b {
@@ -436,7 +436,7 @@ impl<'p> Replay<'p> {
     }
 
     /// `owner` closed.
-    pub fn close(&mut self, owner: u32) {
+    pub fn close(&mut self, owner: u64) {
         if self.diverged_at.is_none() {
             if self.plan.events.get(self.next) == Some(&Event::Close { owner }) {
                 self.next += 1;
@@ -533,7 +533,7 @@ impl PlanCache {
 mod tests {
     use super::*;
 
-    fn alloc(owner: u32, bytes: usize) -> Event {
+    fn alloc(owner: u64, bytes: usize) -> Event {
         Event::Alloc { owner, bytes, align: 64 }
     }
 

@@ -118,9 +118,9 @@ pub(crate) fn thread_token() -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     /// A run of allocations of `owner`, laid out in `[start, end)` of the arena.
-    Run { owner: u32, start: usize, end: usize },
+    Run { owner: u64, start: usize, end: usize },
     /// The end of a cycle of `owner`.
-    Close { owner: u32 },
+    Close { owner: u64 },
 }
 
 /// A plan as replay reads it, with what it was made from.

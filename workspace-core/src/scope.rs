@@ -26,6 +26,7 @@ use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayViewMut, Data, Dimension, ShapeBuilder};
 
 use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
+use crate::engine::FrameMark;
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::shell::checked_bytes;
@@ -119,6 +120,187 @@ unsafe fn release(ws: NonNull<Workspace>, tag: Tag) {
     }
 }
 
+/// The allocation methods of [`Scope`] and [`Frame`](crate::Frame), written once: each
+/// type gives `workspace_ref` (the workspace allocated in) and `alloc_bytes` (which
+/// path reserves the bytes).
+macro_rules! allocation_methods {
+    () => {
+        /// The name of the allocation target ("heap" when scoped out).
+        pub fn target_name(&self) -> &Arc<str> {
+            self.workspace_ref().name()
+        }
+
+        /// Where the memory at `ptr` lives relative to this scope's arena.
+        pub fn placement<T>(&self, ptr: *const T) -> Placement {
+            self.workspace_ref().placement(ptr.cast::<u8>())
+        }
+
+        /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
+        /// or the scope's own heap blocks when scoped out).
+        pub fn holds<T, S: ndarray::RawData<Elem = T>, Dim: Dimension>(&self, array: &ArrayBase<S, Dim>) -> bool {
+            let (ptr, bytes) = extent(array);
+            self.workspace_ref().contains(ptr, bytes)
+        }
+
+        /// Reserves memory for `dim` elements of `T`.
+        #[inline(always)]
+        pub(crate) fn alloc_elements<T, Dim: Dimension>(&self, dim: &Dim, zeroed: bool) -> Result<NonNull<T>> {
+            let ws = self.workspace_ref();
+            let bytes = checked_bytes::<T, Dim>(dim, || ws.name().clone())?;
+            if size_of::<T>() == 0 {
+                // No memory: ndarray only needs the element count to fit in `isize`.
+                return Ok(NonNull::dangling());
+            }
+            Ok(self.alloc_bytes(bytes, align_of::<T>(), zeroed)?.cast())
+        }
+
+        /// A zero-filled array in this scope.
+        ///
+        /// # Errors
+        ///
+        /// [`Error::ZeroLength`] for an empty shape, [`Error::ShapeOverflow`] when the
+        /// byte size overflows, and the workspace's allocation errors
+        /// ([`Error::Exhausted`], [`Error::BudgetExceeded`], [`Error::Backend`]).
+        #[inline]
+        #[doc(alias = "create")]
+        pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+            let shape = shape.into_shape_with_order();
+            let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), true)?;
+            // SAFETY: `ptr` points to `shape.size()` zeroed (hence valid, `T: Pod`)
+            // elements, aligned for `T`, exclusively ours until the scope closes; the view
+            // borrows `self`, so it cannot outlive the scope.
+            Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
+        }
+
+        /// An array filled with `value`.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[inline]
+        pub fn filled<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh, value: T) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
+            let mut view = self.uninit::<T, Sh>(shape)?;
+            view.fill(MaybeUninit::new(value));
+            // SAFETY: every element was just written.
+            Ok(unsafe { view.assume_init() })
+        }
+
+        /// An array whose elements are `f(index)`, in logical order.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        pub fn from_shape_fn<T: Pod, Sh: ShapeBuilder, F>(
+            &self,
+            shape: Sh,
+            mut f: F,
+        ) -> Result<ArrayViewMut<'_, T, Sh::Dim>>
+        where
+            F: FnMut(<Sh::Dim as Dimension>::Pattern) -> T,
+        {
+            let mut view = self.uninit::<T, Sh>(shape)?;
+            for (index, slot) in view.indexed_iter_mut() {
+                *slot = MaybeUninit::new(f(index));
+            }
+            // SAFETY: every element was just written.
+            Ok(unsafe { view.assume_init() })
+        }
+
+        /// An uninitialised array: its elements are `MaybeUninit<T>`, so safe code cannot
+        /// read them before writing. Once every element is written, `assume_init` (unsafe)
+        /// gives the initialised view; [`Scope::filled`] and [`Scope::from_shape_fn`] do
+        /// this safely.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[inline]
+        pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, MaybeUninit<T>, Sh::Dim>> {
+            let shape = shape.into_shape_with_order();
+            let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), false)?;
+            // SAFETY: as in `zeros`; `MaybeUninit<T>` needs no initialisation and has the
+            // layout of `T`.
+            Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) })
+        }
+
+        /// A copy of `source` in this scope, in standard (row-major) layout.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[doc(alias = "dup")]
+        pub fn copy_of<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
+            &self,
+            source: &ArrayBase<S, Dim>,
+        ) -> Result<ArrayViewMut<'_, T, Dim>> {
+            let mut view = self.uninit::<T, _>(source.raw_dim())?;
+            match (source.as_slice(), view.as_slice_mut()) {
+                (Some(from), Some(to)) => {
+                    // One memcpy: an element-wise loop here compiles to a 16-byte SSE loop
+                    // (LLVM cannot rule out overlap), 0.84–0.9× memcpy at 64 KiB.
+                    assert_eq!(from.len(), to.len(), "the copy has the source's shape");
+                    // SAFETY: both slices hold `from.len()` elements (checked above);
+                    // `to` is borrowed mutably and `from` shared, so they do not overlap;
+                    // `T: Pod` is `Copy`, so copying its bytes into the `MaybeUninit<T>`
+                    // slots initialises them as `MaybeUninit::new(*value)` would.
+                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), to.as_mut_ptr().cast::<T>(), from.len()) };
+                }
+                _ => view.zip_mut_with(source, |slot, value| *slot = MaybeUninit::new(*value)),
+            }
+            // SAFETY: every element was just written (same shape).
+            Ok(unsafe { view.assume_init() })
+        }
+
+        /// A zero-filled slice (for scratch buffers that are not arrays).
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[inline]
+        #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+        pub fn slice_zeroed<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
+            let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), true)?;
+            // SAFETY: an empty slice is refused above (`ZeroLength`).
+            unsafe { std::hint::assert_unchecked(len > 0) };
+            // SAFETY: `len` zeroed, aligned, exclusively owned elements, borrowed from `self`.
+            Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
+        }
+
+        /// A slice whose element `i` is `f(i)`, computed in index order.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[inline]
+        #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+        pub fn slice_from_fn<T: Pod>(&self, len: usize, mut f: impl FnMut(usize) -> T) -> Result<&mut [T]> {
+            let slots = self.slice_uninit::<T>(len)?;
+            for (i, slot) in slots.iter_mut().enumerate() {
+                slot.write(f(i));
+            }
+            // SAFETY: every one of the `len` slots was written just above; `MaybeUninit<T>`
+            // and `T` have the same layout.
+            Ok(unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [T]) })
+        }
+
+        /// An uninitialised slice.
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        #[inline]
+        #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
+        pub fn slice_uninit<T: Pod>(&self, len: usize) -> Result<&mut [MaybeUninit<T>]> {
+            let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), false)?;
+            // SAFETY: an empty slice is refused above (`ZeroLength`, also for zero-sized
+            // `T`); telling the optimiser lets it drop the caller's bounds test on the first
+            // element.
+            unsafe { std::hint::assert_unchecked(len > 0) };
+            // SAFETY: as in `slice_zeroed`; `MaybeUninit` needs no initialisation.
+            Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<MaybeUninit<T>>().as_ptr(), len) })
+        }
+    };
+}
 /// An open scope of a workspace (or of the heap); see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
@@ -203,11 +385,6 @@ impl<'ws> Scope<'ws> {
         self.tag.kind()
     }
 
-    /// The name of the allocation target ("heap" when scoped out).
-    pub fn target_name(&self) -> &Arc<str> {
-        self.workspace_ref().name()
-    }
-
     /// `(owner id, generation)` that handles allocated here carry.
     #[inline]
     pub(crate) fn identity(&self) -> (u64, u64) {
@@ -220,18 +397,6 @@ impl<'ws> Scope<'ws> {
         self.identity().1
     }
 
-    /// Where the memory at `ptr` lives relative to this scope's arena.
-    pub fn placement<T>(&self, ptr: *const T) -> Placement {
-        self.workspace_ref().placement(ptr.cast::<u8>())
-    }
-
-    /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
-    /// or the scope's own heap blocks when scoped out).
-    pub fn holds<T, S: ndarray::RawData<Elem = T>, Dim: Dimension>(&self, array: &ArrayBase<S, Dim>) -> bool {
-        let (ptr, bytes) = extent(array);
-        self.workspace_ref().contains(ptr, bytes)
-    }
-
     /// Reserves `size` (> 0) bytes aligned to `align`.
     #[inline(always)]
     pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
@@ -239,98 +404,10 @@ impl<'ws> Scope<'ws> {
             Some(placed) => placed,
             None => self.workspace_ref().engine().alloc_slow(size, align)?,
         };
-        let (base, offset) = placed;
-        // SAFETY: the engine reserved `offset..offset+size` inside the block at `base`,
-        // so the result stays inside one allocation.
-        let ptr = unsafe { base.add(offset) };
-        if zeroed {
-            // SAFETY: `ptr` is valid for `size` writable bytes, handed out to nobody
-            // else in this cycle.
-            unsafe { ptr.as_ptr().write_bytes(0, size) };
-        }
-        Ok(ptr)
+        Ok(place(placed, size, zeroed))
     }
 
-    /// Reserves memory for `dim` elements of `T`.
-    #[inline(always)]
-    pub(crate) fn alloc_elements<T, Dim: Dimension>(&self, dim: &Dim, zeroed: bool) -> Result<NonNull<T>> {
-        let ws = self.workspace_ref();
-        let bytes = checked_bytes::<T, Dim>(dim, || ws.name().clone())?;
-        if size_of::<T>() == 0 {
-            // No memory: ndarray only needs the element count to fit in `isize`.
-            return Ok(NonNull::dangling());
-        }
-        Ok(self.alloc_bytes(bytes, align_of::<T>(), zeroed)?.cast())
-    }
-
-    /// A zero-filled array in this scope.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::ZeroLength`] for an empty shape, [`Error::ShapeOverflow`] when the
-    /// byte size overflows, and the workspace's allocation errors
-    /// ([`Error::Exhausted`], [`Error::BudgetExceeded`], [`Error::Backend`]).
-    #[inline]
-    #[doc(alias = "create")]
-    pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
-        let shape = shape.into_shape_with_order();
-        let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), true)?;
-        // SAFETY: `ptr` points to `shape.size()` zeroed (hence valid, `T: Pod`)
-        // elements, aligned for `T`, exclusively ours until the scope closes; the view
-        // borrows `self`, so it cannot outlive the scope.
-        Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
-    }
-
-    /// An array filled with `value`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[inline]
-    pub fn filled<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh, value: T) -> Result<ArrayViewMut<'_, T, Sh::Dim>> {
-        let mut view = self.uninit::<T, Sh>(shape)?;
-        view.fill(MaybeUninit::new(value));
-        // SAFETY: every element was just written.
-        Ok(unsafe { view.assume_init() })
-    }
-
-    /// An array whose elements are `f(index)`, in logical order.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    pub fn from_shape_fn<T: Pod, Sh: ShapeBuilder, F>(
-        &self,
-        shape: Sh,
-        mut f: F,
-    ) -> Result<ArrayViewMut<'_, T, Sh::Dim>>
-    where
-        F: FnMut(<Sh::Dim as Dimension>::Pattern) -> T,
-    {
-        let mut view = self.uninit::<T, Sh>(shape)?;
-        for (index, slot) in view.indexed_iter_mut() {
-            *slot = MaybeUninit::new(f(index));
-        }
-        // SAFETY: every element was just written.
-        Ok(unsafe { view.assume_init() })
-    }
-
-    /// An uninitialised array: its elements are `MaybeUninit<T>`, so safe code cannot
-    /// read them before writing. Once every element is written, `assume_init` (unsafe)
-    /// gives the initialised view; [`Scope::filled`] and [`Scope::from_shape_fn`] do
-    /// this safely.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[inline]
-    pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<ArrayViewMut<'_, MaybeUninit<T>, Sh::Dim>> {
-        let shape = shape.into_shape_with_order();
-        let ptr = self.alloc_elements::<T, _>(shape.raw_dim(), false)?;
-        // SAFETY: as in `zeros`; `MaybeUninit<T>` needs no initialisation and has the
-        // layout of `T`.
-        Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) })
-    }
+    allocation_methods!();
 
     /// The next array in the arena *with its current contents*: for memory-mapped
     /// workspaces, whose bytes come from the file (or are zero) and survive closing and
@@ -364,83 +441,6 @@ impl<'ws> Scope<'ws> {
         // guarantees are initialised, and any bit pattern is a valid `T: Pod`; the rest
         // as in `zeros`.
         Ok(unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.as_ptr()) })
-    }
-
-    /// A copy of `source` in this scope, in standard (row-major) layout.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[doc(alias = "dup")]
-    pub fn copy_of<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
-        &self,
-        source: &ArrayBase<S, Dim>,
-    ) -> Result<ArrayViewMut<'_, T, Dim>> {
-        let mut view = self.uninit::<T, _>(source.raw_dim())?;
-        match (source.as_slice(), view.as_slice_mut()) {
-            (Some(from), Some(to)) => {
-                // One memcpy: an element-wise loop here compiles to a 16-byte SSE loop
-                // (LLVM cannot rule out overlap), 0.84–0.9× memcpy at 64 KiB.
-                assert_eq!(from.len(), to.len(), "the copy has the source's shape");
-                // SAFETY: both slices hold `from.len()` elements (checked above);
-                // `to` is borrowed mutably and `from` shared, so they do not overlap;
-                // `T: Pod` is `Copy`, so copying its bytes into the `MaybeUninit<T>`
-                // slots initialises them as `MaybeUninit::new(*value)` would.
-                unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), to.as_mut_ptr().cast::<T>(), from.len()) };
-            }
-            _ => view.zip_mut_with(source, |slot, value| *slot = MaybeUninit::new(*value)),
-        }
-        // SAFETY: every element was just written (same shape).
-        Ok(unsafe { view.assume_init() })
-    }
-
-    /// A zero-filled slice (for scratch buffers that are not arrays).
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[inline]
-    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
-    pub fn slice_zeroed<T: Pod>(&self, len: usize) -> Result<&mut [T]> {
-        let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), true)?;
-        // SAFETY: an empty slice is refused above (`ZeroLength`).
-        unsafe { std::hint::assert_unchecked(len > 0) };
-        // SAFETY: `len` zeroed, aligned, exclusively owned elements, borrowed from `self`.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) })
-    }
-
-    /// A slice whose element `i` is `f(i)`, computed in index order.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[inline]
-    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
-    pub fn slice_from_fn<T: Pod>(&self, len: usize, mut f: impl FnMut(usize) -> T) -> Result<&mut [T]> {
-        let slots = self.slice_uninit::<T>(len)?;
-        for (i, slot) in slots.iter_mut().enumerate() {
-            slot.write(f(i));
-        }
-        // SAFETY: every one of the `len` slots was written just above; `MaybeUninit<T>`
-        // and `T` have the same layout.
-        Ok(unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [T]) })
-    }
-
-    /// An uninitialised slice.
-    ///
-    /// # Errors
-    ///
-    /// As [`Scope::zeros`].
-    #[inline]
-    #[allow(clippy::mut_from_ref)] // each call hands out fresh, disjoint memory
-    pub fn slice_uninit<T: Pod>(&self, len: usize) -> Result<&mut [MaybeUninit<T>]> {
-        let ptr = self.alloc_elements::<T, _>(&ndarray::Ix1(len), false)?;
-        // SAFETY: an empty slice is refused above (`ZeroLength`, also for zero-sized
-        // `T`); telling the optimiser lets it drop the caller's bounds test on the first
-        // element.
-        unsafe { std::hint::assert_unchecked(len > 0) };
-        // SAFETY: as in `slice_zeroed`; `MaybeUninit` needs no initialisation.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<MaybeUninit<T>>().as_ptr(), len) })
     }
 
     /// A zero-filled array behind a [`Handle`] that can be stored (in a layer, a
@@ -491,6 +491,148 @@ impl Drop for Scope<'_> {
             unsafe { release(self.ws, self.tag) };
         }
     }
+}
+
+/// A release point inside an open scope: arrays allocated from the frame live until
+/// the frame closes, and then the bytes they took are handed out again in the same
+/// cycle, by whatever allocates next (the scope, or the next frame). Opened with
+/// [`Scope::frame`] (or [`Frame::frame`], nested).
+///
+/// The views borrow the frame as they borrow a scope, so the compiler proves them dead
+/// when it closes:
+///
+/// ```compile_fail,E0505
+/// use workspace_core::{Workspace, WorkspaceConfig};
+/// let ws = Workspace::new("W", WorkspaceConfig::default()).unwrap();
+/// let scope = ws.enter().unwrap();
+/// let frame = scope.frame().unwrap();
+/// let tmp = frame.zeros::<f32, _>(16).unwrap();
+/// drop(frame); // its bytes are handed out again here...
+/// println!("{}", tmp[0]); // ...so this does not compile
+/// ```
+///
+/// What the scope allocates stays when a frame closes, whatever the order:
+///
+/// ```
+/// use workspace_core::{Workspace, WorkspaceConfig};
+///
+/// let ws = Workspace::new("UPDATER", WorkspaceConfig::builder().initial_size(1 << 20).build()?)?;
+/// let scope = ws.enter()?;
+/// let mut total = scope.zeros::<f32, _>(4)?; // lives to the end of the scope
+/// for step in 0..3 {
+///     let frame = scope.frame()?;
+///     let update = frame.filled::<f32, _>(1 << 16, step as f32)?; // 256 KiB, given back each time
+///     total[0] += update.sum();
+/// }
+/// assert_eq!(total[0], (1 << 16) as f32 * 3.0);
+/// // Three updates of 256 KiB, but never more than one at once.
+/// drop(scope);
+/// assert!(ws.stats().peak_bytes < 2 * 256 * 1024);
+/// # Ok::<(), workspace_core::Error>(())
+/// ```
+///
+/// A frame makes no handles (a handle outlives the views' borrow, and a frame's bytes
+/// are reused before its cycle ends). Closing frames out of order, allocating from the
+/// scope while a frame is open, or forgetting a frame (`mem::forget`) are all safe:
+/// bytes are then given back later (at the close of the frame below, or at the end of
+/// the cycle), never while anything may still use them. In a plan group
+/// ([`planned`](crate::planned)) each frame is an owner of its own, so the plan lets
+/// later arrays share its bytes.
+///
+/// `!Send` and `!Sync`, like its scope.
+pub struct Frame<'s> {
+    /// The scope the frame is in (which keeps its workspace alive and open).
+    scope: &'s Scope<'s>,
+    mark: FrameMark,
+}
+
+impl<'ws> Scope<'ws> {
+    /// Opens a [`Frame`] in this scope: a release point for what it allocates.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when 65,535 frames of this workspace are open already.
+    #[inline]
+    pub fn frame(&self) -> Result<Frame<'_>> {
+        let mark = self.workspace_ref().engine().open_frame()?;
+        Ok(Frame { scope: self, mark })
+    }
+}
+
+impl<'s> Frame<'s> {
+    /// Opens a frame inside this one (its level is one more).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::frame`].
+    #[inline]
+    pub fn frame(&self) -> Result<Frame<'_>> {
+        let mark = self.workspace_ref().engine().open_frame()?;
+        Ok(Frame { scope: self.scope, mark })
+    }
+
+    /// The frame's level in its cycle: 1 for a frame opened while no other frame of
+    /// the workspace was open, one more for each frame open when it opened.
+    pub fn level(&self) -> u32 {
+        self.mark.level()
+    }
+
+    /// The scope this frame is in.
+    pub fn scope(&self) -> &'s Scope<'s> {
+        self.scope
+    }
+
+    #[inline(always)]
+    fn workspace_ref(&self) -> &Workspace {
+        self.scope.workspace_ref()
+    }
+
+    /// Reserves `size` (> 0) bytes aligned to `align`, at the frame's level.
+    #[inline(always)]
+    pub(crate) fn alloc_bytes(&self, size: usize, align: usize, zeroed: bool) -> Result<NonNull<u8>> {
+        let engine = self.workspace_ref().engine();
+        let level = self.mark.level();
+        let placed = match engine.try_alloc_frame(level, size, align) {
+            Some(placed) => placed,
+            None => engine.alloc_slow_at(size, align, level)?,
+        };
+        Ok(place(placed, size, zeroed))
+    }
+
+    allocation_methods!();
+}
+
+impl Drop for Frame<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        // SAFETY: the mark is this frame's, closed once (here); every view and slice
+        // allocated from the frame borrows it, so none is alive, and a frame makes no
+        // handles.
+        unsafe { self.workspace_ref().engine().close_frame(self.mark) };
+    }
+}
+
+impl std::fmt::Debug for Frame<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frame")
+            .field("workspace", self.target_name())
+            .field("level", &self.mark.level())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The pointer to a reservation, zeroed when asked.
+#[inline(always)]
+fn place((base, offset): (NonNull<u8>, usize), size: usize, zeroed: bool) -> NonNull<u8> {
+    // SAFETY: the engine reserved `offset..offset+size` inside the block at `base`, so
+    // the result stays inside one allocation.
+    let ptr = unsafe { base.add(offset) };
+    if zeroed {
+        // SAFETY: `ptr` is valid for `size` writable bytes, handed out to nobody else
+        // until the reservation's scope or frame closes.
+        unsafe { ptr.as_ptr().write_bytes(0, size) };
+    }
+    ptr
 }
 
 /// The first byte and the byte length of the memory an array spans (its elements

@@ -291,7 +291,7 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     }
 
     /// The owner id of this workspace's events in a recorded trace.
-    pub fn record_owner(&self) -> u32 {
+    pub fn record_owner(&self) -> u64 {
         self.engine.owner()
     }
 

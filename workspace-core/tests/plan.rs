@@ -16,14 +16,14 @@ use random::{cases, Rng};
 /// A random iteration: allocations in up to 5 owners (role cycles) and closes of
 /// owners, every owner closed by the end.
 fn program(rng: &mut Rng) -> Vec<Event> {
-    let owners = 1 + rng.below(5) as u32;
+    let owners = 1 + rng.below(5);
     // A quarter of the programs align everything to 64 bytes, as the network's do.
     let uniform = rng.below(4) == 0;
     let len = 4 + rng.below(56) as usize;
     let mut events = Vec::with_capacity(len + owners as usize);
     let mut open = vec![false; owners as usize];
     for _ in 0..len {
-        let owner = rng.below(u64::from(owners)) as u32;
+        let owner = rng.below(owners);
         if open[owner as usize] && rng.below(4) == 0 {
             events.push(Event::Close { owner });
             open[owner as usize] = false;
@@ -35,9 +35,9 @@ fn program(rng: &mut Rng) -> Vec<Event> {
             open[owner as usize] = true;
         }
     }
-    for (owner, &is_open) in open.iter().enumerate() {
+    for (owner, &is_open) in (0..).zip(&open) {
         if is_open {
-            events.push(Event::Close { owner: owner as u32 });
+            events.push(Event::Close { owner });
         }
     }
     events
@@ -45,7 +45,7 @@ fn program(rng: &mut Rng) -> Vec<Event> {
 
 /// The most bytes live at once, computed here independently of the crate.
 fn peak_live(events: &[Event]) -> usize {
-    let mut live: HashMap<u32, Vec<usize>> = HashMap::new();
+    let mut live: HashMap<u64, Vec<usize>> = HashMap::new();
     let mut peak = 0;
     for event in events {
         match *event {
@@ -67,7 +67,7 @@ fn peak_live(events: &[Event]) -> usize {
 fn replay_is_sound(plan: &Plan, events: &[Event]) -> bool {
     let mut replay = Replay::new(plan);
     // Per owner, the byte ranges it holds now.
-    let mut live: HashMap<u32, Vec<(usize, usize)>> = HashMap::new();
+    let mut live: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
     for (i, event) in events.iter().enumerate() {
         match *event {
             Event::Alloc { owner, bytes, align } => {
@@ -124,7 +124,7 @@ fn diverge(events: &[Event], rng: &mut Rng) -> Vec<Event> {
                 out.remove(at);
             }
         }
-        3 => out.insert(at, Event::Alloc { owner: rng.below(5) as u32, bytes: 128, align: 64 }),
+        3 => out.insert(at, Event::Alloc { owner: rng.below(5), bytes: 128, align: 64 }),
         _ => {
             if at + 1 < out.len() {
                 out.swap(at, at + 1);

@@ -1,162 +1,27 @@
 //! Plan groups against random programs run on real workspaces: a program of opens,
-//! nested opens, allocations and closes over up to four member workspaces is recorded,
-//! planned and replayed, as it was and diverging from the recording at every position
-//! (an allocation larger than recorded, one left out, one added, two swapped). Whatever
-//! the replay does, no two live allocations ever share a byte (an interval checker over
-//! the addresses handed out), and every allocation keeps the pattern written into it
-//! until its cycle ends. 10,000 programs per run (`PROPTEST_CASES` scales it, as under
+//! nested opens, frames (closed in any order, or forgotten), allocations from scopes and
+//! frames, and closes over up to four member workspaces is recorded, planned and
+//! replayed, as it was and diverging from the recording at every position (an
+//! allocation larger than recorded, one left out, one added, two swapped). Whatever the
+//! replay does, no two live allocations ever share a byte (an interval checker over the
+//! addresses handed out), and every allocation keeps the pattern written into it until
+//! its frame closes or its cycle ends (`tests/common/program.rs`). 10,000 programs per run (`PROPTEST_CASES` scales it, as under
 //! valgrind).
 
 use std::rc::Rc;
 
 use workspace_core::planned::PlanGroup;
-use workspace_core::{Error, LearningPolicy, Scope, SpillPolicy, Workspace, WorkspaceConfig};
+use workspace_core::{Error, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig};
 
-#[path = "common/random.rs"]
-mod random;
-use random::{cases, Rng};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Op {
-    /// Enter the member (opens a cycle, or nests in the open one).
-    Open(usize),
-    /// Allocate `bytes` aligned to `align` in the member's innermost scope.
-    Alloc(usize, usize, usize),
-    /// Close the member's innermost scope (the last one ends its cycle).
-    Close(usize),
+mod common {
+    pub(crate) mod program;
+    pub(crate) mod random;
 }
-
-fn program(rng: &mut Rng, members: usize) -> Vec<Op> {
-    let len = 4 + rng.below(40) as usize;
-    (0..len)
-        .map(|_| {
-            let m = rng.below(members as u64) as usize;
-            match rng.below(8) {
-                0 | 1 => Op::Open(m),
-                2 | 3 => Op::Close(m),
-                _ => {
-                    let limit = if rng.below(8) == 0 { 20_000 } else { 700 };
-                    let bytes = 1 + rng.below(limit) as usize;
-                    let align = [1, 4, 16, 64, 64, 256, 4096][rng.below(7) as usize];
-                    Op::Alloc(m, bytes, align)
-                }
-            }
-        })
-        .collect()
-}
-
-/// A live allocation: address, length, member, and the pattern byte written into it.
-#[derive(Clone, Copy, Debug)]
-struct Live {
-    addr: usize,
-    len: usize,
-    member: usize,
-    tag: u8,
-}
+use common::program::{program, run, variants};
+use common::random::{cases, Rng};
 
 fn config() -> WorkspaceConfig {
     WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap()
-}
-
-/// Runs `ops` as one iteration of `group`, checking every allocation against the live
-/// ones; returns the number of allocations made.
-fn run(group: &PlanGroup, members: &[Rc<Workspace>], ops: &[Op], key: u64, seed: u64) -> usize {
-    group.start_iteration(key).unwrap();
-    let mut scopes: Vec<Vec<Scope<'_>>> = members.iter().map(|_| Vec::new()).collect();
-    let mut live: Vec<Live> = Vec::new();
-    let mut made = 0;
-    let mut tag = seed as u8;
-    let check_and_end = |live: &mut Vec<Live>, member: usize| {
-        live.retain(|l| {
-            if l.member != member {
-                return true;
-            }
-            // SAFETY: the allocation's scope is still open (its cycle ends right after
-            // this check), so its memory is valid and ours.
-            let bytes = unsafe { std::slice::from_raw_parts(l.addr as *const u8, l.len) };
-            assert!(bytes.iter().all(|&b| b == l.tag), "an allocation of member {member} was overwritten: {l:?}");
-            false
-        });
-    };
-    for &op in ops {
-        match op {
-            Op::Open(m) => scopes[m].push(members[m].enter().unwrap()),
-            Op::Close(m) => {
-                if scopes[m].len() == 1 {
-                    check_and_end(&mut live, m);
-                }
-                scopes[m].pop();
-            }
-            Op::Alloc(m, bytes, align) => {
-                let Some(scope) = scopes[m].last() else { continue };
-                let addr = match align {
-                    1 => alloc::<u8>(scope, bytes),
-                    4 => alloc::<u32>(scope, bytes.div_ceil(4)),
-                    16 => alloc::<u128>(scope, bytes.div_ceil(16)),
-                    _ => alloc_aligned(scope, bytes, align),
-                };
-                let len = bytes;
-                assert_eq!(addr % align, 0, "misaligned allocation of {bytes} B aligned to {align}");
-                for other in &live {
-                    assert!(
-                        addr + len <= other.addr || other.addr + other.len <= addr,
-                        "allocation [{addr:#x}, +{len}) of member {m} overlaps a live one: {other:?}"
-                    );
-                }
-                tag = tag.wrapping_add(1).max(1);
-                // SAFETY: `addr..addr + len` was just handed out by the open scope.
-                unsafe { std::ptr::write_bytes(addr as *mut u8, tag, len) };
-                live.push(Live { addr, len, member: m, tag });
-                made += 1;
-            }
-        }
-    }
-    for (m, member_scopes) in scopes.iter_mut().enumerate() {
-        if !member_scopes.is_empty() {
-            check_and_end(&mut live, m);
-        }
-        member_scopes.clear();
-    }
-    group.finish_iteration().unwrap();
-    made
-}
-
-fn alloc<T: bytemuck::Pod>(scope: &Scope<'_>, n: usize) -> usize {
-    let mut view = scope.uninit::<T, _>(n.max(1)).unwrap();
-    view.as_mut_ptr() as usize
-}
-
-/// `bytes` aligned to `align` (64 and above), through the raw allocator interface.
-fn alloc_aligned(scope: &Scope<'_>, bytes: usize, align: usize) -> usize {
-    use allocator_api2::alloc::{Allocator, Layout};
-    let layout = Layout::from_size_align(bytes, align).unwrap();
-    let ptr = scope.allocate(layout).unwrap();
-    ptr.as_ptr() as *mut u8 as usize
-}
-
-/// Variants of `ops` that diverge from it at position `k`.
-fn variants(ops: &[Op], k: usize, members: usize) -> Vec<Vec<Op>> {
-    let mut out = Vec::new();
-    if let Op::Alloc(m, bytes, align) = ops[k] {
-        let mut larger = ops.to_vec();
-        larger[k] = Op::Alloc(m, bytes + 64 * (1 + k % 7), align);
-        out.push(larger);
-    }
-    let mut fewer = ops.to_vec();
-    fewer.remove(k);
-    out.push(fewer);
-    let mut more = ops.to_vec();
-    let m = match ops[k] {
-        Op::Open(m) | Op::Close(m) | Op::Alloc(m, ..) => m,
-    };
-    more.insert(k, Op::Alloc((m + 1) % members, 100 + k, 64));
-    out.push(more);
-    if k + 1 < ops.len() {
-        let mut swapped = ops.to_vec();
-        swapped.swap(k, k + 1);
-        out.push(swapped);
-    }
-    out
 }
 
 #[test]
@@ -168,11 +33,11 @@ fn replaying_a_plan_never_hands_out_bytes_a_live_allocation_holds() {
         let group = PlanGroup::new("G");
         let members: Vec<Rc<Workspace>> =
             (0..count).map(|i| group.workspace(&format!("M{i}"), &config()).unwrap()).collect();
-        let ops = program(&mut rng, 4.min(count));
+        let ops = program(&mut rng, 4.min(count), true);
         // Record, then replay as recorded: on the plan, to the end.
-        let made = run(&group, &members, &ops, 7, case);
+        let made = run(Some(&group), &members, &ops, 7, case);
         let before = group.stats();
-        run(&group, &members, &ops, 7, case ^ 1);
+        run(Some(&group), &members, &ops, 7, case ^ 1);
         let after = group.stats();
         if made > 0 {
             assert_eq!(after.divergences, 0, "an exact replay diverged: {ops:?}");
@@ -185,9 +50,9 @@ fn replaying_a_plan_never_hands_out_bytes_a_live_allocation_holds() {
         // diverged).
         let k = rng.below(ops.len() as u64) as usize;
         for variant in variants(&ops, k, count) {
-            run(&group, &members, &variant, 7, case ^ 2);
-            run(&group, &members, &ops, 7, case ^ 3);
-            run(&group, &members, &ops, 7, case ^ 4);
+            run(Some(&group), &members, &variant, 7, case ^ 2);
+            run(Some(&group), &members, &ops, 7, case ^ 3);
+            run(Some(&group), &members, &ops, 7, case ^ 4);
         }
         let stats = group.stats();
         planned += stats.planned_iterations;
@@ -212,7 +77,7 @@ fn replaying_a_plan_never_hands_out_bytes_a_live_allocation_holds() {
         }
     }
     // The test can fail: most replays ran on their plan, and divergences happened.
-    assert!(exact > cases() * 3 / 4, "{exact} exact replays of {} programs", cases());
+    assert!(exact > cases() / 2, "{exact} exact replays of {} programs", cases());
     assert!(planned > exact && diverged > 0, "planned {planned}, diverged {diverged}");
 }
 

@@ -34,6 +34,13 @@ impl<B: ArenaBackend> Engine<B> {
     /// preconditions as `alloc`.
     #[inline(always)]
     pub fn try_alloc_fast(&self, size: usize, align: usize) -> Option<(<B::Block as Block>::Base, usize)> {
+        self.bump(size, align, self.fast_limit.get())
+    }
+
+    /// A bump of the cursor below `limit` (`fast_limit`, or the top frame's
+    /// `frame_limit`).
+    #[inline(always)]
+    pub(super) fn bump(&self, size: usize, align: usize, limit: usize) -> Option<(<B::Block as Block>::Base, usize)> {
         // The cursor is kept a multiple of `min_align`, so a request aligned to at most
         // that starts right at the cursor, and the dependency from one allocation to
         // the next is a single add. (The alignment tests fold away for the constant
@@ -46,16 +53,18 @@ impl<B: ArenaBackend> Engine<B> {
             let cursor = self.cursor.get();
             // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
             let end = cursor + ((size + self.align_mask) & !self.align_mask);
-            if end <= self.fast_limit.get() {
+            if end <= limit {
                 debug_assert!(self.fast_base.get().is_some() && cursor.is_multiple_of(self.min_align));
-                // SAFETY: `end > 0`, so `fast_limit > 0`, and `fast_limit` is non-zero only
-                // while `fast_base` is the base of a block that `[cursor, fast_limit)` lies
-                // in: it is 0 while closed; while open it is set to `capacity` (or to
-                // `open_start <= capacity`) with `fast_base` the arena's base (`capacity >
-                // 0` exactly when there is an arena, replaced or released only while
-                // closed), or to the end of a planned window with `fast_base` the group
-                // arena's base (the group replaces its arena only while no member holds
-                // a window, and a window is held until its cycle ends).
+                // SAFETY: `end > 0`, so `limit > 0`. `limit` is `fast_limit` or
+                // `frame_limit`, each non-zero only while `fast_base` is the base of a
+                // block that `[cursor, limit)` lies in: 0 while closed; while open set to
+                // `capacity` (or to `open_start <= capacity`) with `fast_base` the arena's
+                // base (`capacity > 0` exactly when there is an arena, replaced or
+                // released only while closed), or to the end of a planned window with
+                // `fast_base` the group arena's base (the group replaces its arena only
+                // while no member holds a window, and a window is held until its cycle
+                // ends). A frame's close moves `cursor` down, never below the start of
+                // the block's range.
                 let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
                 return Some((base, cursor));
@@ -77,19 +86,32 @@ impl<B: ArenaBackend> Engine<B> {
     /// # Errors
     ///
     /// As [`Engine::alloc`].
+    #[inline]
+    pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        self.alloc_slow_at(size, align, 0)
+    }
+
+    /// The slow path of an allocation made at `level`: 0 for the cycle itself (as
+    /// [`Engine::alloc_slow`]), otherwise by the frame of that level (after
+    /// [`Engine::try_alloc_frame`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::alloc`].
     #[cold]
     #[inline(never)]
-    pub fn alloc_slow(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+    pub fn alloc_slow_at(&self, size: usize, align: usize, level: u32) -> Result<(<B::Block as Block>::Base, usize)> {
         let placed = if self.grouped.get() {
-            self.alloc_grouped(size, align)?
+            self.alloc_grouped(size, align, level)?
         } else {
             self.alloc_slow_unrecorded(size, align)?
         };
+        self.pin(level);
         if self.recording.get() {
             // As the cycle accounts for it: padded to the alignment unit.
             let align = align.max(self.min_align);
             let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
-            self.record(crate::plan::Event::Alloc { owner: self.owner(), bytes, align });
+            self.record(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
         }
         Ok(placed)
     }
@@ -142,7 +164,7 @@ impl<B: ArenaBackend> Engine<B> {
                 self.counters.wraps.set(self.counters.wraps.get() + 1);
                 self.advance_to(size);
                 if self.virtual_cursor.get().is_none() && !self.debug.on.get() && !self.recording.get() {
-                    self.fast_limit.set(self.open_start.get());
+                    self.set_limit(self.open_start.get());
                 }
                 self.count_virtual(size, align);
                 return Ok(base);
@@ -200,7 +222,7 @@ impl<B: ArenaBackend> Engine<B> {
     fn start_virtual(&self) {
         if self.virtual_cursor.get().is_none() {
             self.virtual_cursor.set(Some(self.cycle_bytes()));
-            self.fast_limit.set(0);
+            self.set_limit(0);
         }
     }
 

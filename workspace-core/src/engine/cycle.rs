@@ -94,9 +94,10 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    /// Bytes this cycle needs in one contiguous arena.
+    /// Bytes this cycle needs in one contiguous arena (the most it held at once, where
+    /// frames gave bytes back).
     pub(super) fn cycle_bytes(&self) -> usize {
-        self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes())
+        self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes()).max(self.frames.high.get())
     }
 
     /// Arena bytes handed out since the workspace was last opened.
@@ -152,7 +153,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.close_grouped();
         }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
-        let in_use = self.open_bytes() + self.spill.in_use.get();
+        let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.in_use.get();
         self.counters.peak.set(self.counters.peak.get().max(in_use));
         self.counters.last_cycle_bytes.set(bytes);
         if self.config.timeline_len() > 0 {
@@ -180,6 +181,8 @@ impl<B: ArenaBackend> Engine<B> {
         if self.grouped.get() {
             self.reset_window_bytes();
         }
+        self.end_frames();
+        self.refresh_plain_close();
     }
 
     #[cold]

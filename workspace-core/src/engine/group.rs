@@ -24,6 +24,8 @@ pub(super) struct Window<B: ArenaBackend> {
     start: std::cell::Cell<usize>,
     /// End of the open window; 0 when none is open.
     end: std::cell::Cell<usize>,
+    /// The owner whose run the open window is (the cycle, or one of its frames).
+    owner: std::cell::Cell<u64>,
     /// Alignment of the group arena's base.
     align: std::cell::Cell<usize>,
     /// The group arena's base, from the first window of the cycle to its end.
@@ -44,6 +46,7 @@ impl<B: ArenaBackend> Window<B> {
             group: std::cell::RefCell::new(None),
             start: std::cell::Cell::new(0),
             end: std::cell::Cell::new(0),
+            owner: std::cell::Cell::new(0),
             align: std::cell::Cell::new(1),
             base: std::cell::Cell::new(None),
             own_cursor: std::cell::Cell::new(0),
@@ -108,7 +111,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// [`Engine::alloc_slow`] for a member of a group.
     #[cold]
     #[inline(never)]
-    pub(super) fn alloc_grouped(&self, size: usize, align: usize) -> Result<Placed<B>> {
+    pub(super) fn alloc_grouped(&self, size: usize, align: usize, level: u32) -> Result<Placed<B>> {
         self.check_request(size, align)?;
         let group = self.window.group.borrow();
         let Some(mut state) = group.as_ref().and_then(|g| g.state()) else {
@@ -126,26 +129,29 @@ impl<B: ArenaBackend> Engine<B> {
                 self.close_window();
                 let placed = self.alloc_slow_unrecorded(size, align)?;
                 let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
-                state.record(Event::Alloc { owner: self.owner(), bytes, align: align.max(self.min_align) });
+                state.record(Event::Alloc { owner: self.owner_at(level), bytes, align: align.max(self.min_align) });
                 Ok(placed)
             }
-            Mode::Replaying { .. } | Mode::OffPlan => self.alloc_planned(&mut state, size, align.max(self.min_align)),
+            Mode::Replaying { .. } | Mode::OffPlan => {
+                self.alloc_planned(&mut state, size, align.max(self.min_align), self.owner_at(level))
+            }
         }
     }
 
-    /// An allocation of a replayed iteration: in the open window, in the window of the
-    /// next step when that step is this member's run, and otherwise off the plan.
-    fn alloc_planned(&self, state: &mut GroupState<B>, size: usize, align: usize) -> Result<Placed<B>> {
-        if let Some(placed) = self.place_in_window(size, align)? {
+    /// An allocation by `owner` (this member's cycle or one of its frames) in a
+    /// replayed iteration: in the open window when it is `owner`'s, in the window of the
+    /// next step when that step is `owner`'s run, and otherwise off the plan.
+    fn alloc_planned(&self, state: &mut GroupState<B>, size: usize, align: usize, owner: u64) -> Result<Placed<B>> {
+        if let Some(placed) = self.place_in_window(size, align, owner)? {
             return Ok(placed);
         }
         if let Mode::Replaying { index } = state.mode {
             let step = state.plans[index].steps.get(state.pos).copied();
-            if let Some(Step::Run { owner, start, end }) = step {
-                if owner == self.owner() {
+            if let Some(Step::Run { owner: planned, start, end }) = step {
+                if planned == owner {
                     state.pos += 1;
-                    self.open_window(state, start, end);
-                    if let Some(placed) = self.place_in_window(size, align)? {
+                    self.open_window(state, start, end, owner);
+                    if let Some(placed) = self.place_in_window(size, align, owner)? {
                         return Ok(placed);
                     }
                 }
@@ -157,10 +163,10 @@ impl<B: ArenaBackend> Engine<B> {
         self.spill(size, align)
     }
 
-    /// Places `size` bytes in the open window, if it has room.
-    fn place_in_window(&self, size: usize, align: usize) -> Result<Option<Placed<B>>> {
+    /// Places `size` bytes in the open window, if it is `owner`'s and has room.
+    fn place_in_window(&self, size: usize, align: usize, owner: u64) -> Result<Option<Placed<B>>> {
         let end = self.window.end.get();
-        if end == 0 || align > self.window.align.get() {
+        if end == 0 || align > self.window.align.get() || owner != self.window.owner.get() {
             return Ok(None);
         }
         let Some(start) = align_up(self.cursor.get(), align) else { return Ok(None) };
@@ -184,8 +190,8 @@ impl<B: ArenaBackend> Engine<B> {
         Ok(Some(placed))
     }
 
-    /// Opens the window `[start, end)` of the group's arena.
-    fn open_window(&self, state: &mut GroupState<B>, start: usize, end: usize) {
+    /// Opens the window `[start, end)` of the group's arena for `owner`'s run.
+    fn open_window(&self, state: &mut GroupState<B>, start: usize, end: usize, owner: u64) {
         self.close_window();
         if !self.window.holds.replace(true) {
             state.live += 1;
@@ -193,13 +199,17 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.own_cursor.set(self.cursor.get());
         self.window.start.set(start);
         self.window.end.set(end);
+        self.window.owner.set(owner);
         self.window.align.set(state.base_align);
         self.window.base.set(state.base);
         self.window.regions.borrow_mut().push((start, end));
         self.cursor.set(start);
-        if !self.debug.on.get() && !self.recording.get() {
+        // The fast path serves the window when `owner` is whoever allocates on it now
+        // (the top frame, or the cycle when no frame is open); anyone else's window is
+        // served on the slow path, which checks the owner.
+        if !self.debug.on.get() && !self.recording.get() && owner == self.owner_at(self.frame_top.get()) {
             self.fast_base.set(state.base);
-            self.fast_limit.set(end);
+            self.set_limit(end);
         }
     }
 
@@ -210,7 +220,7 @@ impl<B: ArenaBackend> Engine<B> {
         }
         self.window.used.set(self.window.used.get() + (self.cursor.get() - self.window.start.get()));
         self.window.end.set(0);
-        self.fast_limit.set(0);
+        self.set_limit(0);
         self.fast_base.set(self.arena_base.get());
         self.cursor.set(self.window.own_cursor.get());
     }
@@ -235,19 +245,9 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     pub(super) fn close_grouped(&self) {
         self.close_window();
+        self.step_close(self.owner());
         let group = self.window.group.borrow();
         if let Some(mut state) = group.as_ref().and_then(|g| g.state()) {
-            match state.mode {
-                Mode::Recording => state.record(Event::Close { owner: self.owner() }),
-                Mode::Replaying { index } => {
-                    if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner: self.owner() }) {
-                        state.pos += 1;
-                    } else {
-                        state.diverge();
-                    }
-                }
-                Mode::OffPlan | Mode::Idle => {}
-            }
             if self.window.holds.get() {
                 state.live -= 1;
             }
@@ -257,6 +257,25 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.holds.set(false);
         self.window.regions.borrow_mut().clear();
         self.window.base.set(None);
+    }
+
+    /// The close of `owner` (the member's cycle, or one of its frames): recorded, or
+    /// checked against the plan's next step.
+    pub(super) fn step_close(&self, owner: u64) {
+        let group = self.window.group.borrow();
+        if let Some(mut state) = group.as_ref().and_then(|g| g.state()) {
+            match state.mode {
+                Mode::Recording => state.record(Event::Close { owner }),
+                Mode::Replaying { index } => {
+                    if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner }) {
+                        state.pos += 1;
+                    } else {
+                        state.diverge();
+                    }
+                }
+                Mode::OffPlan | Mode::Idle => {}
+            }
+        };
     }
 
     /// Resets the per-cycle window accounting (after the cycle's statistics).

@@ -26,6 +26,7 @@
 mod alloc;
 mod arena;
 mod cycle;
+mod frame;
 mod group;
 mod stats;
 
@@ -39,6 +40,7 @@ use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
 use crate::plan::{Event, Trace};
 
+pub use frame::FrameMark;
 pub use stats::WorkspaceStats;
 
 /// Every allocation is aligned to at least this many bytes (whatever the configured
@@ -90,6 +92,12 @@ pub struct Engine<B: ArenaBackend> {
     /// Base of the block the fast path serves from: `arena_base`, or the group's arena
     /// while a planned window is open (see `group.rs`).
     fast_base: Cell<Option<<B::Block as Block>::Base>>,
+    /// Level of the innermost open frame (0: none; see `frame.rs`). While a frame is
+    /// open `fast_limit` is 0 and the top frame's fast path serves `[cursor,
+    /// frame_limit)` instead.
+    frame_top: Cell<u32>,
+    /// The limit of the top frame's fast path (0 while no frame is open).
+    frame_limit: Cell<usize>,
     /// Base of `arena`; `None` when there is no arena.
     arena_base: Cell<Option<<B::Block as Block>::Base>>,
     /// `config.alignment()` (at least [`MIN_ALIGN_FLOOR`]): the smallest alignment of
@@ -145,6 +153,8 @@ pub struct Engine<B: ArenaBackend> {
     grouped: Cell<bool>,
     /// The group and the planned windows of the open cycle.
     window: group::Window<B>,
+    /// The frames of the open cycle.
+    frames: frame::Frames,
 }
 
 /// The spill blocks of the open cycle and the free range in the last one.
@@ -227,6 +237,8 @@ impl<B: ArenaBackend> Engine<B> {
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             fast_base: Cell::new(None),
+            frame_top: Cell::new(0),
+            frame_limit: Cell::new(0),
             arena_base: Cell::new(None),
             capacity: Cell::new(0),
             cursor: Cell::new(0),
@@ -263,6 +275,7 @@ impl<B: ArenaBackend> Engine<B> {
             recorder: RefCell::new(None),
             grouped: Cell::new(false),
             window: group::Window::new(),
+            frames: frame::Frames::default(),
             config,
         };
         if engine.config.initial_size() > 0 {
@@ -403,9 +416,10 @@ impl<B: ArenaBackend> Engine<B> {
         Ok(())
     }
 
-    /// The owner id of this workspace's events in a recorded trace.
-    pub fn owner(&self) -> u32 {
-        self.id as u32
+    /// The owner id of this workspace's events in a recorded trace: its cycles'
+    /// allocations. Frames have owners of their own ([`Engine::owner_at`]).
+    pub fn owner(&self) -> u64 {
+        self.owner_at(0)
     }
 
     /// Appends `event` to the trace being recorded.
