@@ -1,9 +1,10 @@
 //! Parameter updaters: SGD with momentum, and Adam. Their state lives outside
-//! workspaces (it persists across iterations); each step's update is computed in
-//! updater working memory, then applied.
+//! workspaces (it persists across iterations); each parameter's update is staged in a
+//! frame of updater working memory, checked, and given back before the next one, so
+//! the step needs the bytes of its largest parameter, not of all of them.
 
 use crate::{Error, Result};
-use workspace_core::TypedScope;
+use workspace_core::{Frame, TypedScope};
 
 use super::finite::first_in_slice;
 
@@ -138,10 +139,13 @@ impl UpdaterState {
 
     /// One step over every parameter of `layers`, with updates computed in `working`.
     ///
-    /// The step is staged before anything is stored: the parameters are checked first,
-    /// then every update is computed into `working` and checked to be finite, with the
-    /// new moments (or velocities) and parameter values; only then are the moments and
-    /// parameters written. So a step updates every parameter and its state, or none.
+    /// The step is checked before anything is stored: the parameters are checked first,
+    /// then every update is computed into a frame of `working` (one parameter at a
+    /// time, each given back before the next) and checked to be finite, with the new
+    /// moments (or velocities) and parameter values; only then are the moments and
+    /// parameters written, each update computed again as it is stored (the same
+    /// arithmetic, so the same numbers; storing needs no memory, so it cannot fail
+    /// half-way). So a step updates every parameter and its state, or none.
     ///
     /// # Errors
     ///
@@ -154,8 +158,7 @@ impl UpdaterState {
         self.check(layers)?;
         let t = (self.step + 1) as i32;
         let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
-        // Stage: every update, in updater working memory (the list of them too).
-        let mut updates = allocator_api2::vec::Vec::with_capacity_in(first.len(), &**working);
+        // Check: every update, each in a frame of updater working memory.
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
@@ -171,14 +174,16 @@ impl UpdaterState {
                 }
                 let index = base + param;
                 let v = second.get(index).map(Vec::as_slice);
-                match stage(updater, t, &first[index], v, &p, working) {
-                    Ok(update) => match first_non_finite(updater, t, &first[index], v, &p, update) {
-                        None => updates.push(update),
-                        Some((element, what, value)) => {
-                            let grad = p.grad[element];
-                            failure = Some(Failure::NonFinite { param, element, what, value, grad });
-                        }
-                    },
+                let checked = working.frame().map_err(Error::from).and_then(|frame| {
+                    let update = stage(updater, t, &first[index], v, &p, &frame)?;
+                    Ok(first_non_finite(updater, t, &first[index], v, &p, update))
+                }); // the update's bytes are given back here
+                match checked {
+                    Ok(None) => {}
+                    Ok(Some((element, what, value))) => {
+                        let grad = p.grad[element];
+                        failure = Some(Failure::NonFinite { param, element, what, value, grad });
+                    }
                     Err(e) => failure = Some(Failure::Workspace(e)),
                 }
                 param += 1;
@@ -193,9 +198,8 @@ impl UpdaterState {
             base += expected;
         }
 
-        // Commit: the moments, then the parameters.
+        // Commit: the moments and the parameters, each update computed again.
         self.step += 1;
-        let mut staged = updates.iter();
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
@@ -204,21 +208,22 @@ impl UpdaterState {
                 if failure.is_some() {
                     return;
                 }
-                // `params` gave these very parameters to the stage just above; a layer
+                // `params` gave these very parameters to the check just above; a layer
                 // whose `params` changes between two calls gets an error here.
-                let update = match (mismatch(&first[base..base + expected], expected, param, &p), staged.next()) {
-                    (None, Some(update)) => update,
-                    (m, _) => {
-                        failure = Some(m.unwrap_or(Mismatch::Count { expected, actual: param + 1 }));
-                        return;
-                    }
-                };
+                if let Some(m) = mismatch(&first[base..base + expected], expected, param, &p) {
+                    failure = Some(m);
+                    return;
+                }
                 let index = base + param;
                 param += 1;
-                commit(updater, &mut first[index], second.get_mut(index).map(Vec::as_mut_slice), p, update);
+                commit(updater, t, &mut first[index], second.get_mut(index).map(Vec::as_mut_slice), p);
             });
-            if let Some(m) = failure {
-                return Err(m.into_error(layer.name()));
+            match failure {
+                Some(m) => return Err(m.into_error(layer.name())),
+                None if param != expected => {
+                    return Err(Mismatch::Count { expected, actual: param }.into_error(layer.name()))
+                }
+                None => {}
             }
             base += expected;
         }
@@ -292,7 +297,7 @@ fn stage<'w>(
     m: &[f32],
     v: Option<&[f32]>,
     p: &Param<'_>,
-    working: &'w TypedScope,
+    working: &'w Frame<'_>,
 ) -> Result<&'w mut [f32]> {
     let n = p.value.len();
     let (m, g) = (&m[..n], &p.grad[..n]);
@@ -355,20 +360,30 @@ fn first_non_finite(
     })
 }
 
-/// Stores a staged step: the new moments (recomputed as [`stage`] computed them, so the
-/// same numbers; SGD's velocity is the update itself) and each value plus its update.
-fn commit(updater: Updater, m: &mut [f32], v: Option<&mut [f32]>, p: Param<'_>, update: &[f32]) {
+/// Stores a checked step of one parameter: the new moments (or velocity, which is also
+/// the update) and each value plus its update, computed as [`stage`] computed them (the
+/// same arithmetic on the same state, so the same numbers), without memory.
+fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Param<'_>) {
+    let n = p.value.len();
+    let (m, g) = (&mut m[..n], &p.grad[..n]);
     match (updater, v) {
-        (Updater::Adam { beta1, beta2, .. }, Some(v)) => {
-            for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(p.grad) {
-                *m = beta1 * *m + (1.0 - beta1) * g;
-                *v = beta2 * *v + (1.0 - beta2) * g * g;
+        (Updater::Sgd { learning_rate, momentum }, _) => {
+            for ((w, m), &g) in p.value.iter_mut().zip(m).zip(g) {
+                let u = sgd_velocity(learning_rate, momentum, *m, g);
+                *m = u;
+                *w += u;
             }
         }
-        (Updater::Sgd { .. }, _) => m.copy_from_slice(update),
+        (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
+            let step = adam_step_size(learning_rate, beta1, beta2, t);
+            for (((w, m), v), &g) in p.value.iter_mut().zip(m).zip(&mut v[..n]).zip(g) {
+                let (m_new, v_new, u) = adam(beta1, beta2, epsilon, step, *m, *v, g);
+                (*m, *v) = (m_new, v_new);
+                *w += u;
+            }
+        }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     }
-    p.value.iter_mut().zip(update).for_each(|(w, u)| *w += u);
 }
 
 /// The new velocity of SGD with momentum (which is also the update).

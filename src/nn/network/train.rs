@@ -157,13 +157,14 @@ impl Network {
             }
         }
         drop(grad);
+        // The update reads no activation: their bytes are free for its working memory.
+        drop(outputs);
+        drop(act);
 
         {
             let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
             updater.apply(layers, &working)?;
         }
-        drop(outputs);
-        drop(act);
         self.last_workspace_bytes = self.sum_over_training_workspaces(|ws| ws.peak_bytes());
         self.iterations += 1;
         Ok(batch_loss)
