@@ -21,8 +21,10 @@
 //! never trimmed, which a loop allocating with `Vec` alone does not see. The shared
 //! process's figure is reported too, as `std_shared_heap`.
 //!
-//! Extra variants: `carve_view` (carve's ndarray-view API) and `carve_engine` (the
-//! engine's fast path alone).
+//! Extra variants: `carve_view` (carve's ndarray-view API), `carve_engine` (the
+//! engine's fast path alone) and `carve_planned` (a member of a plan group replaying its
+//! plan: every allocation in a window of the planned arena; issue 13's goal is ≤ 1.3×
+//! bumpalo per allocation on `small`).
 //!
 //! Run: `cargo run --release --example alloc_compare -- [--json] [--rounds N]` (from the
 //! repository root or `benches/`; `--help` for the flags).
@@ -168,6 +170,41 @@ impl Variant for Carve {
         }
         0
     }
+}
+
+/// carve planned (`WorkspaceMode::Planned`'s machinery): one member of a plan group,
+/// each iteration started and finished on the group, so that after the recorded first
+/// iteration every allocation comes from a window of the planned arena. The slice API
+/// as `carve`; the iteration's start and finish are counted in its time.
+struct CarvePlanned(carve::workspace_core::planned::PlanGroup, std::rc::Rc<Workspace>);
+impl Variant for CarvePlanned {
+    fn name(&self) -> &'static str {
+        "carve_planned"
+    }
+    fn iteration(&mut self, w: &Workload) -> u64 {
+        self.0.start_iteration(0).expect("start");
+        {
+            let scope = self.1.enter().expect("enter");
+            for &(r, c) in &w.shapes {
+                touch(scope.slice_uninit::<f32>(r * c).expect("allocation"), w.touch);
+            }
+        }
+        let on_plan = self.0.finish_iteration().expect("finish");
+        // The first iteration is recorded; every later one replays the plan.
+        assert!(on_plan || self.0.stats().recorded_iterations == 1 && self.0.stats().planned_iterations == 0);
+        0
+    }
+}
+
+fn carve_planned() -> CarvePlanned {
+    let group = carve::workspace_core::planned::PlanGroup::new("BENCH_PLANNED");
+    let config = WorkspaceConfig::builder()
+        .learning(carve::LearningPolicy::None)
+        .spill(carve::SpillPolicy::External)
+        .build()
+        .expect("valid configuration");
+    let member = group.workspace("BENCH_PLANNED_MEMBER", &config).expect("workspace");
+    CarvePlanned(group, member)
 }
 
 /// carve's engine fast path alone (what device backends build on): the floor under
@@ -329,6 +366,7 @@ fn variants(w: &Workload) -> Vec<Box<dyn Variant>> {
             .expect("workspace"),
         )),
         Box::new(CarveView(Workspace::new("BENCH_VIEW", WorkspaceConfig::default()).expect("workspace"))),
+        Box::new(carve_planned()),
         Box::new(Bumpalo(bumpalo::Bump::new())),
         Box::new(Prealloc(w.shapes.iter().map(|&(r, c)| vec![MaybeUninit::uninit(); r * c]).collect())),
         Box::new(Std("std_shared_heap", Vec::with_capacity(w.shapes.len()))),
@@ -508,7 +546,7 @@ fn main() {
         let arrays = w.shapes.len() as f64;
         println!("\nworkload {} ({} arrays per iteration)", w.name, w.shapes.len());
         println!(
-            "{:<10} {:>12} {:>12} {:>14} {:>12} {:>14}",
+            "{:<14} {:>12} {:>12} {:>14} {:>12} {:>14}",
             "variant", "ns/iter", "ns/alloc", "faults/iter", "allocs/iter", "cold first iteration (ns)"
         );
         let mut entry = serde_json::Map::new();
@@ -516,6 +554,7 @@ fn main() {
             "carve",
             "carve_engine",
             "carve_view",
+            "carve_planned",
             "bumpalo",
             "prealloc",
             "std",
@@ -539,7 +578,7 @@ fn main() {
                 obj["cold_first_iter_faults"] = serde_json::json!(faults);
             }
             println!(
-                "{:<10} {:>12.0} {:>12.2} {:>14.2} {:>12.2} {:>14}",
+                "{:<14} {:>12.0} {:>12.2} {:>14.2} {:>12.2} {:>14}",
                 name,
                 ns_per_iter,
                 ns_per_iter / arrays,
@@ -549,7 +588,7 @@ fn main() {
             );
             entry.insert(name.to_string(), obj);
         }
-        println!("{:<10} {:>68}", "fresh_pages", format!("{:.0} ({:.0} faults)", floor.0, floor.1));
+        println!("{:<14} {:>68}", "fresh_pages", format!("{:.0} ({:.0} faults)", floor.0, floor.1));
         entry.insert(
             "fresh_pages".into(),
             serde_json::json!({"cold_first_iter_ns": floor.0, "cold_first_iter_faults": floor.1}),
@@ -558,8 +597,9 @@ fn main() {
         let best_malloc =
             ["std", "mimalloc", "jemalloc"].iter().map(|v| get(v, "ns_per_alloc")).fold(f64::INFINITY, f64::min);
         println!(
-            "ratios: carve/bumpalo per alloc {:.2}, best malloc/carve {:.1}, carve/prealloc {:.3}, std/carve {:.1}, cold carve/bumpalo {:.2}",
+            "ratios: carve/bumpalo per alloc {:.2}, carve_planned/bumpalo {:.2}, best malloc/carve {:.1}, carve/prealloc {:.3}, std/carve {:.1}, cold carve/bumpalo {:.2}",
             get("carve", "ns_per_alloc") / get("bumpalo", "ns_per_alloc"),
+            get("carve_planned", "ns_per_alloc") / get("bumpalo", "ns_per_alloc"),
             best_malloc / get("carve", "ns_per_alloc"),
             get("carve", "ns_per_iter") / get("prealloc", "ns_per_iter"),
             get("std", "ns_per_iter") / get("carve", "ns_per_iter"),

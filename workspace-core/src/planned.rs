@@ -99,6 +99,7 @@ pub const DEFAULT_PLANS: usize = 8;
 pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
 
 /// A number for the calling thread, unique over the process's life.
+#[inline]
 pub(crate) fn thread_token() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local! {
@@ -348,11 +349,19 @@ impl<B: ArenaBackend> GroupState<B> {
 
     /// Grows the arena to hold `plans[index]`, if it does not. Only while no member
     /// holds a window (`live == 0`): then nothing refers to the arena.
+    #[inline]
     fn fit_arena(&mut self, index: usize) -> std::result::Result<(), crate::error::BackendError> {
         let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
         if self.live > 0 || (bytes <= self.arena_bytes && align <= self.base_align) {
             return Ok(());
         }
+        self.grow_arena(index)
+    }
+
+    /// Replaces the arena with one that holds `plans[index]`.
+    #[cold]
+    fn grow_arena(&mut self, index: usize) -> std::result::Result<(), crate::error::BackendError> {
+        let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
         let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align.max(self.base_align))?;
         self.base = Some(block.base());
         self.base_align = align.max(self.base_align);

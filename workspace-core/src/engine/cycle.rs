@@ -31,11 +31,16 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        let slow_only =
-            self.debug.on.get() || self.recording.get() || (self.grouped.get() && self.group_wants_slow_path());
+        let slow_only = self.debug.on.get() || self.recording.get();
         self.fast_base.set(self.arena_base.get());
-        self.fast_limit.set(if slow_only { 0 } else { self.capacity.get() });
+        let fast_limit = if slow_only { 0 } else { self.capacity.get() };
         self.depth.set(1);
+        if self.grouped.get() {
+            self.fast_limit.set(0);
+            self.enter_grouped(fast_limit);
+        } else {
+            self.fast_limit.set(fast_limit);
+        }
         Ok(Entered::Opened)
     }
 

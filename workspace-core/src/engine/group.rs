@@ -100,12 +100,30 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.group.borrow().as_ref().and_then(|g| g.stats())
     }
 
-    /// Whether a cycle opening now starts on the slow path: the group records or
-    /// replays (on the group's thread).
+    /// A member's cycle opens (the fast path is off): between iterations (or off the
+    /// group's thread) the fast path serves the own arena; while the group records, the
+    /// slow path sees every allocation; while it replays and the plan's next step is a
+    /// run of this cycle, that run's window opens now, so that the cycle's first
+    /// allocation takes the fast path too.
     #[cold]
-    pub(super) fn group_wants_slow_path(&self) -> bool {
+    pub(super) fn enter_grouped(&self, fast_limit: usize) {
         let group = self.window.group.borrow();
-        group.as_ref().and_then(|g| g.state()).is_some_and(|state| state.mode != Mode::Idle)
+        let Some(mut state) = group.as_ref().and_then(|g| g.state()) else {
+            self.fast_limit.set(fast_limit);
+            return;
+        };
+        match state.mode {
+            Mode::Idle => self.fast_limit.set(fast_limit),
+            Mode::Replaying { index } => {
+                if let Some(&Step::Run { owner, start, end }) = state.plans[index].steps.get(state.pos) {
+                    if owner == self.owner() {
+                        state.pos += 1;
+                        self.open_window(&mut state, start, end, owner);
+                    }
+                }
+            }
+            Mode::Recording | Mode::OffPlan => {}
+        }
     }
 
     /// [`Engine::alloc_slow`] for a member of a group.
@@ -245,9 +263,9 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     pub(super) fn close_grouped(&self) {
         self.close_window();
-        self.step_close(self.owner());
         let group = self.window.group.borrow();
         if let Some(mut state) = group.as_ref().and_then(|g| g.state()) {
+            Self::step(&mut state, self.owner());
             if self.window.holds.get() {
                 state.live -= 1;
             }
@@ -264,18 +282,23 @@ impl<B: ArenaBackend> Engine<B> {
     pub(super) fn step_close(&self, owner: u64) {
         let group = self.window.group.borrow();
         if let Some(mut state) = group.as_ref().and_then(|g| g.state()) {
-            match state.mode {
-                Mode::Recording => state.record(Event::Close { owner }),
-                Mode::Replaying { index } => {
-                    if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner }) {
-                        state.pos += 1;
-                    } else {
-                        state.diverge();
-                    }
-                }
-                Mode::OffPlan | Mode::Idle => {}
-            }
+            Self::step(&mut state, owner);
         };
+    }
+
+    /// The close of `owner` in `state`.
+    fn step(state: &mut GroupState<B>, owner: u64) {
+        match state.mode {
+            Mode::Recording => state.record(Event::Close { owner }),
+            Mode::Replaying { index } => {
+                if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner }) {
+                    state.pos += 1;
+                } else {
+                    state.diverge();
+                }
+            }
+            Mode::OffPlan | Mode::Idle => {}
+        }
     }
 
     /// Resets the per-cycle window accounting (after the cycle's statistics).
