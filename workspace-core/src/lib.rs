@@ -32,12 +32,14 @@
 //! | policies, validated once | [`WorkspaceConfig`], [`AllocationPolicy`], [`LearningPolicy`], [`SpillPolicy`], [`ResetPolicy`], [`Location`] |
 //! | an arena and its cycles | [`Workspace`], [`Scope`] |
 //! | arrays tied to the cycle | `ndarray::ArrayViewMut<'scope, T, D>` from [`Scope::zeros`] and friends |
+//! | release points inside a cycle | [`Frame`] from [`Scope::frame`]: its bytes are reused once it closes |
+//! | one arena planned for an iteration | [`planned::PlanGroup`], [`plan`] (`WorkspaceMode::Planned`) |
 //! | arrays you can store | [`Handle`], checked against the generation on every access |
 //! | copying out | [`WorkspaceArrayExt::detach`], [`WorkspaceArrayExt::leverage_to`] |
 //! | per-thread registry | [`WorkspaceManager`], [`DebugMode`] |
 //! | layers, as in DL4J | [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`], [`TypedScope`] |
 //! | where memory comes from | [`ArenaBackend`], [`HostBackend`]; the logic is [`Engine`] |
-//! | std containers in a workspace | `allocator_api2::alloc::Allocator` for `&Scope` |
+//! | std containers in a workspace | `allocator_api2::alloc::Allocator` for `&Scope` and `&Frame` |
 //!
 //! Use after reset does not compile for views; for handles it is an
 //! [`Error::StaleHandle`] that names the workspace, both generations and the fix.

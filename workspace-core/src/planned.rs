@@ -7,7 +7,10 @@
 //! different shapes apart, and [`PlanGroup::finish_iteration`]):
 //!
 //! 1. The first iteration of a key is **recorded**: every allocation of every member
-//!    (its size, alignment and workspace) and every end of a member's cycle, in order.
+//!    (its size, alignment and workspace, or the [`Frame`](crate::Frame) of it that
+//!    made it) and every end of a member's cycle or close of a frame, in order. A frame
+//!    is an owner of its own: what it allocated dies at its close, so later arrays of
+//!    any member may be planned into its bytes.
 //!    Its memory comes from the members themselves, as without a group.
 //! 2. At its end a **plan** is made ([`crate::plan`]): an offset in the group's one
 //!    arena for every allocation, such that no two allocations that were live at the

@@ -532,7 +532,10 @@ impl Drop for Scope<'_> {
 /// ```
 ///
 /// A frame makes no handles (a handle outlives the views' borrow, and a frame's bytes
-/// are reused before its cycle ends). Closing frames out of order, allocating from the
+/// are reused before its cycle ends). What a frame gives back is arena bytes: in a
+/// cycle that spilled (a first, learning cycle, or an arena too small), the spill
+/// blocks stay held, and counted against `max_size`, to the end of the cycle (under
+/// `DebugMode::SpillEverything` each allocation's block is freed with its frame). Closing frames out of order, allocating from the
 /// scope while a frame is open, or forgetting a frame (`mem::forget`) are all safe:
 /// bytes are then given back later (at the close of the frame below, or at the end of
 /// the cycle), never while anything may still use them. In a plan group

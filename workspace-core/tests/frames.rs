@@ -14,6 +14,9 @@ use workspace_core::{
     DebugMode, Error, LearningPolicy, Placement, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig,
 };
 
+#[global_allocator]
+static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+
 mod common {
     pub(crate) mod program;
     pub(crate) mod random;
@@ -268,4 +271,58 @@ fn a_plan_reuses_a_closed_frames_bytes_across_workspaces() {
     // One update at a time besides the gradient: 4 KiB + 64 KiB, not 4 KiB + 256 KiB.
     assert_eq!(stats.lower_bound_bytes, 4096 + 65536);
     assert_eq!(stats.plan_bytes, stats.lower_bound_bytes);
+}
+
+#[test]
+fn frames_closed_out_of_order_in_a_loop_do_not_pile_up() {
+    // A fixed arena that fails rather than spills: any bytes kept per round would run
+    // it out long before the loop ends.
+    let config = WorkspaceConfig::builder()
+        .initial_size(1 << 20)
+        .max_size(1 << 20)
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .build()
+        .unwrap();
+    let ws = Workspace::new("W", config).unwrap();
+    let scope = ws.enter().unwrap();
+    let outer = scope.frame().unwrap(); // stays open throughout
+    let kept = outer.filled::<u8, _>(64, 1).unwrap();
+    for round in 0..70_000u32 {
+        let b = scope.frame().unwrap();
+        let x = b.filled::<u8, _>(64, round as u8).unwrap();
+        let c = scope.frame().unwrap();
+        assert_eq!((b.level(), c.level()), (2, 3), "round {round}");
+        assert_eq!(x[63], round as u8);
+        drop(x);
+        drop(b); // not the top: waits for `c`
+        drop(c); // the top: both go
+    }
+    assert!(kept.iter().all(|&v| v == 1));
+    let after = outer.filled::<u8, _>(64, 2).unwrap();
+    assert_eq!(scope.placement(after.as_ptr()), Placement::Arena(64), "nothing was kept by the loop");
+}
+
+#[test]
+fn under_spill_everything_a_closed_frames_blocks_are_freed() {
+    use workspace_core::alloc_check::thread_counts;
+    let ws = Workspace::with_debug_mode(
+        "W",
+        WorkspaceConfig::builder().initial_size(1 << 20).build().unwrap(),
+        DebugMode::SpillEverything,
+    )
+    .unwrap();
+    let scope = ws.enter().unwrap();
+    let kept = scope.filled::<u8, _>(1000, 3).unwrap();
+    let before = thread_counts().live_bytes;
+    for round in 0..200u32 {
+        let frame = scope.frame().unwrap();
+        // One request the arena's accounting holds, one that spills.
+        let small = frame.filled::<u8, _>(100 << 10, round as u8).unwrap();
+        let large = frame.filled::<u8, _>(2 << 20, !round as u8).unwrap();
+        assert_eq!((small[12345], large[12345]), (round as u8, !round as u8));
+    }
+    let grown = thread_counts().live_bytes - before;
+    assert!(grown < 4 << 20, "{grown} bytes still held after 200 frames of 2.1 MiB");
+    assert!(kept.iter().all(|&v| v == 3));
 }

@@ -93,14 +93,19 @@ impl<B: ArenaBackend> Engine<B> {
 
     /// The slow path of an allocation made at `level`: 0 for the cycle itself (as
     /// [`Engine::alloc_slow`]), otherwise by the frame of that level (after
-    /// [`Engine::try_alloc_frame`]).
+    /// `try_alloc_frame`).
     ///
     /// # Errors
     ///
     /// As [`Engine::alloc`].
     #[cold]
     #[inline(never)]
-    pub fn alloc_slow_at(&self, size: usize, align: usize, level: u32) -> Result<(<B::Block as Block>::Base, usize)> {
+    pub(crate) fn alloc_slow_at(
+        &self,
+        size: usize,
+        align: usize,
+        level: u32,
+    ) -> Result<(<B::Block as Block>::Base, usize)> {
         let placed = if self.grouped.get() {
             self.alloc_grouped(size, align, level)?
         } else {

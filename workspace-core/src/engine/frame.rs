@@ -7,9 +7,10 @@
 //! compiler proves them dead when the frame closes, as it does for a scope.
 //!
 //! Frames nest; each has a *level* (1 for the first, one more for each frame opened
-//! while another is open), and the innermost open frame is the *top*. The rules that
-//! make the rewind sound whatever order frames close in, and whatever the rest of the
-//! cycle allocates meanwhile:
+//! while another is open), and the innermost open frame is the *top*. The engine keeps
+//! a slot per level up to the top: open frames, and closed ones still below an open
+//! one. The rules that make the rewind sound whatever order frames close in, and
+//! whatever the rest of the cycle allocates meanwhile:
 //!
 //! - Only the top frame allocates on the fast path (`try_alloc_frame` checks its
 //!   level); while any frame is open the cycle's own fast path is off (`fast_limit`
@@ -18,25 +19,28 @@
 //!   another scope of it, a frame below the top) raises the *floor* to the cursor
 //!   after it: no frame rewinds below the floor, so that allocation outlives every
 //!   frame.
-//! - Only the top frame rewinds when it closes, to the larger of its start and the
-//!   floor. Everything above that was taken after it opened, by itself or by frames
-//!   opened after it, which are all closed (a frame opened after it has a larger
-//!   level, and the top only comes back down to a level when the frame at each level
-//!   above has closed). A frame that closes while it is not the top gives nothing
-//!   back: its bytes wait for the end of the cycle. Levels are unique among open
-//!   frames, since the top is at least the level of every open frame.
-//! - A frame that is never closed (`mem::forget`) keeps its level, and its bytes are
+//! - A frame that closes while it is not the top only marks its slot closed. When the
+//!   top closes, its slot and every closed slot right below it go, and the cursor goes
+//!   back to the larger of the lowest of their starts and the floor. Everything above
+//!   that was taken after that frame opened, by it or by frames opened after it, which
+//!   are all closed (their slots are above it), or by allocations below the floor.
+//!   Levels are unique among open frames: a level is given again only once its slot
+//!   has gone.
+//! - A frame that is never closed (`mem::forget`) keeps its slot, and its bytes are
 //!   kept to the end of the cycle; the end of the cycle forgets every frame.
+//! - Under a debug mode (every allocation a block of its own) the blocks taken above
+//!   the same point are given back as well, so a use of a closed frame's memory is a
+//!   use after free that valgrind reports.
 //!
 //! Each frame is an owner of its own in a recorded trace ([`Engine::owner_at`]): its
 //! allocations die at its close, which the planner sees as that owner's
 //! [`Close`](crate::plan::Event::Close). A member of a plan group checks the close
 //! against the plan like the end of a cycle.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use super::Engine;
-use crate::backend::ArenaBackend;
+use crate::backend::{ArenaBackend, Block};
 use crate::error::{Error, Result};
 use crate::plan::Event;
 
@@ -50,14 +54,35 @@ pub(crate) const MAX_LEVEL: u32 = u16::MAX as u32;
 /// path reads).
 #[derive(Default)]
 pub(super) struct Frames {
-    /// Frames open now (closed ones are not counted; forgotten ones stay counted).
-    open: Cell<u32>,
+    /// One per level from 1 to the top (index `level - 1`).
+    slots: RefCell<Vec<Slot>>,
     /// No frame rewinds the cursor below this (see the module docs).
     floor: Cell<usize>,
     /// Nor the cycle's contiguous size (`virtual_cursor`) below this.
     virtual_floor: Cell<usize>,
+    /// Nor gives back debug blocks (or, under a debug mode, spill blocks) below these
+    /// counts.
+    debug_floor: Cell<usize>,
+    spill_floor: Cell<usize>,
     /// The most bytes the cycle held before a rewind gave some back.
     pub(super) high: Cell<usize>,
+}
+
+/// A level's frame: where the cycle stood when it opened.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// Still open (a closed slot waits for the frames above it).
+    open: bool,
+    /// The own arena's cursor.
+    start: usize,
+    /// The cycle's contiguous size so far (the virtual cursor, or the arena bytes
+    /// before any spill).
+    virtual_start: usize,
+    /// Wraps of a circular workspace.
+    wraps: u64,
+    /// Debug blocks and spill blocks held.
+    debug_blocks: usize,
+    spill_blocks: usize,
 }
 
 /// What a frame needs to close: given by [`Engine::open_frame`], taken back by
@@ -65,13 +90,6 @@ pub(super) struct Frames {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameMark {
     level: u32,
-    /// The own arena's cursor when the frame opened.
-    start: usize,
-    /// The cycle's contiguous size so far when the frame opened (the virtual cursor,
-    /// or the arena bytes before any spill).
-    virtual_start: usize,
-    /// Wraps of a circular workspace when the frame opened.
-    wraps: u64,
     generation: u64,
 }
 
@@ -112,29 +130,30 @@ impl<B: ArenaBackend> Engine<B> {
             // The cycle's fast path is off while frames are open; the top frame's is on.
             self.frame_limit.set(self.fast_limit.replace(0));
         }
-        if self.grouped.get() {
-            // An open window is the run of another owner: the frame's first allocation
+        if self.grouped.get() && self.window_is_open() {
+            // The open window is the run of another owner: the frame's first allocation
             // takes the slow path, to the plan's next step. (The window stays open: a
             // frame's open is no event, so the run may go on after it.)
             self.frame_limit.set(0);
         }
-        self.frame_top.set(top + 1);
-        self.frames.open.set(self.frames.open.get() + 1);
-        // The end of this cycle forgets the frames (`end_frames`), on the long path.
-        self.plain_close.set(false);
-        Ok(FrameMark {
-            level: top + 1,
+        self.frames.slots.borrow_mut().push(Slot {
+            open: true,
             start: self.own_cursor(),
             virtual_start: self.virtual_position(),
             wraps: self.counters.wraps.get(),
-            generation: self.generation.get(),
-        })
+            debug_blocks: self.debug.blocks.borrow().len(),
+            spill_blocks: self.spill.blocks.borrow().len(),
+        });
+        self.frame_top.set(top + 1);
+        // The end of this cycle forgets the frames (`end_frames`), on the long path.
+        self.plain_close.set(false);
+        Ok(FrameMark { level: top + 1, generation: self.generation.get() })
     }
 
     /// The fast path of an allocation by the frame of `level`: a bump while it is the
-    /// top frame, otherwise `None` (the slow path, [`Engine::alloc_slow_at`]).
+    /// top frame, otherwise `None` (the slow path, `alloc_slow_at`).
     #[inline(always)]
-    pub fn try_alloc_frame(
+    pub(crate) fn try_alloc_frame(
         &self,
         level: u32,
         size: usize,
@@ -159,9 +178,13 @@ impl<B: ArenaBackend> Engine<B> {
     /// After an allocation on the slow path by `level`: raises the floor when it is not
     /// the top frame's, so that no frame's close gives its bytes back.
     pub(super) fn pin(&self, level: u32) {
-        if self.frames.open.get() > 0 && level != self.frame_top.get() {
-            self.frames.floor.set(self.frames.floor.get().max(self.own_cursor()));
-            self.frames.virtual_floor.set(self.frames.virtual_floor.get().max(self.virtual_position()));
+        let top = self.frame_top.get();
+        if top > 0 && level != top {
+            let f = &self.frames;
+            f.floor.set(f.floor.get().max(self.own_cursor()));
+            f.virtual_floor.set(f.virtual_floor.get().max(self.virtual_position()));
+            f.debug_floor.set(self.debug.blocks.borrow().len());
+            f.spill_floor.set(self.spill.blocks.borrow().len());
         }
     }
 
@@ -171,8 +194,8 @@ impl<B: ArenaBackend> Engine<B> {
         self.virtual_cursor.get().unwrap_or_else(|| self.open_bytes())
     }
 
-    /// Closes the frame opened with `mark`: the top frame's arena bytes are handed out
-    /// again (see the module docs).
+    /// Closes the frame opened with `mark`: when it is the top, the arena bytes of the
+    /// closed frames at the top are handed out again (see the module docs).
     ///
     /// # Safety
     ///
@@ -180,50 +203,86 @@ impl<B: ArenaBackend> Engine<B> {
     /// and nothing refers any more to memory handed out at the frame's level since it
     /// opened.
     pub unsafe fn close_frame(&self, mark: FrameMark) {
-        if self.depth.get() == 0 || mark.generation != self.generation.get() || mark.level == 0 {
+        let level = mark.level as usize;
+        if self.depth.get() == 0 || mark.generation != self.generation.get() || level == 0 {
             // Not a frame of this cycle (a cycle ends only when its scopes, which a
             // frame borrows, have closed): nothing to give back.
             return;
         }
+        if !self.frames.slots.borrow().get(level - 1).is_some_and(|slot| slot.open) {
+            return;
+        }
         let owner = self.owner_at(mark.level);
         if self.grouped.get() {
+            // Before the top moves: the window's limit is the closing frame's.
             self.close_window();
             self.step_close(owner);
         }
         if self.recording.get() {
             self.record(Event::Close { owner });
         }
-        let open = self.frames.open.get().saturating_sub(1);
-        self.frames.open.set(open);
-        let top = self.frame_top.get();
-        if mark.level == top {
-            // A circular workspace that wrapped meanwhile keeps everything to the end of
-            // the cycle.
-            if mark.wraps == self.counters.wraps.get() {
-                let to = mark.start.max(self.frames.floor.get());
-                if to < self.cursor.get() {
-                    self.frames.high.set(self.frames.high.get().max(self.open_bytes()));
-                    self.cursor.set(to);
-                }
-                // A cycle that spilled counts what it needs laid out contiguously (what
-                // learning sizes the arena to): the frame's bytes are not needed twice.
-                // Its spill blocks stay held, and counted by the budget, to the end of
-                // the cycle.
-                if let Some(size) = self.virtual_cursor.get() {
-                    let to = mark.virtual_start.max(self.frames.virtual_floor.get());
-                    if to < size {
-                        self.frames.high.set(self.frames.high.get().max(size));
-                        self.virtual_cursor.set(Some(to));
-                    }
-                }
+        let lowest = {
+            let mut slots = self.frames.slots.borrow_mut();
+            slots[level - 1].open = false;
+            let mut lowest = None;
+            while slots.last().is_some_and(|slot| !slot.open) {
+                lowest = slots.pop();
             }
-            self.frame_top.set(top - 1);
-        }
-        if open == 0 {
-            self.frame_top.set(0);
+            self.frame_top.set(slots.len() as u32);
+            lowest
+        };
+        if let Some(slot) = lowest {
+            self.rewind_to(slot);
         }
         if self.frame_top.get() == 0 {
             self.fast_limit.set(self.frame_limit.replace(0));
+        }
+    }
+
+    /// Gives back what the cycle took since `slot`'s frame opened, above the floors.
+    fn rewind_to(&self, slot: Slot) {
+        // A circular workspace that wrapped meanwhile keeps everything to the end of
+        // the cycle.
+        if slot.wraps != self.counters.wraps.get() {
+            return;
+        }
+        let f = &self.frames;
+        let to = slot.start.max(f.floor.get());
+        if to < self.cursor.get() {
+            f.high.set(f.high.get().max(self.open_bytes()));
+            self.cursor.set(to);
+        }
+        // A cycle that spilled counts what it needs laid out contiguously (what learning
+        // sizes the arena to): the frame's bytes are not needed twice. Its spill blocks
+        // stay held, and counted by the budget, to the end of the cycle.
+        if let Some(size) = self.virtual_cursor.get() {
+            let to = slot.virtual_start.max(f.virtual_floor.get());
+            if to < size {
+                f.high.set(f.high.get().max(size));
+                self.virtual_cursor.set(Some(to));
+            }
+        }
+        if self.debug.on.get() {
+            // Every allocation was a block of its own: those of the closed frames go now.
+            let mut backend = self.backend.borrow_mut();
+            let mut blocks = self.debug.blocks.borrow_mut();
+            let from = slot.debug_blocks.max(f.debug_floor.get());
+            if blocks.len() > from {
+                blocks.drain(from..).for_each(|block| backend.release(block));
+            }
+            let mut spills = self.spill.blocks.borrow_mut();
+            let from = slot.spill_blocks.max(f.spill_floor.get());
+            if spills.len() > from {
+                for block in spills.drain(from..) {
+                    self.spill.held.set(self.spill.held.get() - block.len());
+                    backend.release(block);
+                }
+                // The last block's free range went with it (under a debug mode the next
+                // spill takes a block of its own anyway).
+                self.spill.base.set(None);
+                self.spill.cursor.set(0);
+                self.spill.limit.set(0);
+            }
         }
     }
 
@@ -232,9 +291,11 @@ impl<B: ArenaBackend> Engine<B> {
     pub(super) fn end_frames(&self) {
         self.frame_top.set(0);
         self.frame_limit.set(0);
-        self.frames.open.set(0);
+        self.frames.slots.borrow_mut().clear();
         self.frames.floor.set(0);
         self.frames.virtual_floor.set(0);
+        self.frames.debug_floor.set(0);
+        self.frames.spill_floor.set(0);
         self.frames.high.set(0);
     }
 }

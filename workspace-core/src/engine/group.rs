@@ -243,6 +243,11 @@ impl<B: ArenaBackend> Engine<B> {
         self.cursor.set(self.window.own_cursor.get());
     }
 
+    /// Whether a window is open.
+    pub(super) fn window_is_open(&self) -> bool {
+        self.window.end.get() > 0
+    }
+
     /// The own arena's cursor, wherever a window has put `cursor`.
     pub(super) fn own_cursor(&self) -> usize {
         if self.window.end.get() > 0 {
