@@ -6,6 +6,9 @@
 //! until the end, gradients alternating between two owners). Goals (issue 13): plan ≤
 //! 1.05× the lower bound; ≤ 50 µs for ≤ 100 allocations, ≤ 5 ms for 1,000.
 //!
+//! The networks are planned per allocation and, as `WorkspaceMode::Planned` plans them,
+//! per run (`Trace::runs`).
+//!
 //! Run: `cargo bench --bench plan`
 
 use std::hint::black_box;
@@ -63,7 +66,10 @@ fn network_trace(layers: usize) -> Trace {
 
 fn plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan");
-    let networks = [("digits", recorded(&[64, 128, 64, 10], 32)), ("wide", recorded(&[784, 1024, 1024, 10], 128))];
+    let (digits, wide) = (recorded(&[64, 128, 64, 10], 32), recorded(&[784, 1024, 1024, 10], 128));
+    // As a planned network plans them: each run (consecutive allocations of one
+    // workspace or frame) one block.
+    let networks = [("digits_runs", digits.runs()), ("wide_runs", wide.runs()), ("digits", digits), ("wide", wide)];
     // 4 · layers + 1 allocations: 101 and 1,001.
     let synthetic = [25, 250].map(|layers| ("synthetic", network_trace(layers)));
     for (name, trace) in networks.into_iter().chain(synthetic) {

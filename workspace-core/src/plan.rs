@@ -140,6 +140,28 @@ impl Trace {
         peak
     }
 
+    /// The trace with each *run* as one allocation: consecutive allocations of one
+    /// owner (no other event between them) live and die together, so a plan may place
+    /// them as one block, laid out inside it as the owner's bump arena lays them out
+    /// (a run's first allocation is its most aligned: a more aligned one starts a run of
+    /// its own, so the run takes exactly the bytes its allocations take in the owner's
+    /// arena). What [`planned`](crate::planned) plans.
+    pub fn runs(&self) -> Trace {
+        let mut runs: Vec<Event> = Vec::with_capacity(self.events.len());
+        for &event in &self.events {
+            match (event, runs.last_mut()) {
+                (
+                    Event::Alloc { owner, bytes, align },
+                    Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
+                ) if owner == *last && align <= *run_align => {
+                    *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
+                }
+                _ => runs.push(event),
+            }
+        }
+        Trace { events: runs }
+    }
+
     /// The bytes the per-owner layout takes: each owner bump-allocating in an arena of
     /// its own, sized to its peak, as the per-role workspaces do (the arenas laid end
     /// to end, each aligned for its allocations).
@@ -608,6 +630,35 @@ mod tests {
         assert_eq!(cache.evictions(), 1);
         assert!(cache.get(20).is_none(), "20 was the least recently used");
         assert_eq!((cache.len(), cache.arena_bytes()), (2, 192));
+    }
+
+    #[test]
+    fn runs_are_consecutive_allocations_of_one_owner_laid_out_as_a_bump_arena_does() {
+        let t = Trace::from_events(vec![
+            Event::Alloc { owner: 1, bytes: 100, align: 64 },
+            Event::Alloc { owner: 1, bytes: 50, align: 16 }, // same run, at 112
+            Event::Alloc { owner: 1, bytes: 8, align: 128 }, // more aligned: a run of its own
+            Event::Alloc { owner: 2, bytes: 64, align: 64 },
+            Event::Alloc { owner: 1, bytes: 64, align: 64 }, // another owner came between
+            Event::Close { owner: 1 },
+            Event::Close { owner: 2 },
+        ]);
+        let runs = t.runs();
+        assert_eq!(
+            runs.events(),
+            &[
+                Event::Alloc { owner: 1, bytes: 162, align: 64 },
+                Event::Alloc { owner: 1, bytes: 8, align: 128 },
+                Event::Alloc { owner: 2, bytes: 64, align: 64 },
+                Event::Alloc { owner: 1, bytes: 64, align: 64 },
+                Event::Close { owner: 1 },
+                Event::Close { owner: 2 },
+            ]
+        );
+        // Runs live and die together: the bytes live at once do not change.
+        assert_eq!(runs.lower_bound(), 162 + 8 + 64 + 64);
+        assert_eq!(t.lower_bound(), 100 + 50 + 8 + 64 + 64);
+        Plan::new(&runs).check().unwrap();
     }
 
     #[test]

@@ -88,7 +88,6 @@ use serde::Serialize;
 use crate::backend::host::HostBackend;
 use crate::backend::{ArenaBackend, Block};
 use crate::config::WorkspaceConfig;
-use crate::engine::align_up;
 use crate::error::{Error, Result};
 use crate::plan::{Event, Plan, Trace};
 use crate::workspace::Workspace;
@@ -149,31 +148,13 @@ impl Script {
     /// one block each, laid out as the owner's bump allocation lays them out.
     fn new(key: u64, events: &[Event]) -> Script {
         let recorded = Trace::from_events(events.to_vec());
-        let mut collapsed: Vec<Event> = Vec::with_capacity(events.len());
-        let mut allocations = 0;
-        let mut align_max = 1usize;
-        for &event in events {
-            match (event, collapsed.last_mut()) {
-                // A run's first allocation is the most aligned: the run's start is, so
-                // each later one is at its bump offset from the start (a more aligned
-                // allocation starts a run of its own), and a run takes exactly the bytes
-                // its allocations take in the member's own arena.
-                (
-                    Event::Alloc { owner, bytes, align },
-                    Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
-                ) if owner == *last && align <= *run_align => {
-                    *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
-                    allocations += 1;
-                }
-                (Event::Alloc { align, .. }, _) => {
-                    collapsed.push(event);
-                    allocations += 1;
-                    align_max = align_max.max(align);
-                }
-                (Event::Close { .. }, _) => collapsed.push(event),
-            }
-        }
-        let plan = Plan::new(&Trace::from_events(collapsed));
+        let allocations = recorded.lifetimes().len();
+        let runs = recorded.runs();
+        let align_max = runs.events().iter().fold(1, |max, e| match *e {
+            Event::Alloc { align, .. } => max.max(align),
+            Event::Close { .. } => max,
+        });
+        let plan = Plan::new(&runs);
         let steps = plan
             .events()
             .iter()
