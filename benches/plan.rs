@@ -13,21 +13,16 @@
 
 use std::hint::black_box;
 
-use carve::nn::{Network, NetworkConfig};
+use carve::nn::Network;
 use carve::workspace_core::plan::{Event, Plan, Trace};
 use ndarray::{Array1, Array2};
+
+mod workloads;
 
 /// The recorded second training iteration of an MLP `widths[0]-...-widths[last]` at
 /// `batch`.
 fn recorded(widths: &[usize], batch: usize) -> Trace {
-    let mut builder = NetworkConfig::builder(widths[0]);
-    for (i, &w) in widths[1..].iter().enumerate() {
-        builder = builder.dense(w);
-        if i + 2 < widths.len() {
-            builder = builder.relu();
-        }
-    }
-    let mut net = Network::new(builder.build().expect("a valid network")).expect("a network");
+    let mut net = Network::new(workloads::mlp(widths).build().expect("a valid network")).expect("a network");
     let x = Array2::<f32>::from_elem((batch, widths[0]), 0.5);
     let y = Array1::<u32>::zeros(batch);
     net.fit_batch(x.view(), y.view()).expect("a step");

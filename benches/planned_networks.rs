@@ -19,7 +19,7 @@
 
 use std::time::Instant;
 
-use carve::nn::{Network, NetworkConfig};
+use carve::nn::Network;
 use carve::workspace_core::alloc_check::thread_counts;
 use carve::workspace_core::{CountingAllocator, WorkspaceMode};
 use clap::Parser;
@@ -30,6 +30,7 @@ static GLOBAL: CountingAllocator = CountingAllocator::system();
 
 #[path = "../examples/common/faults.rs"]
 mod faults;
+mod workloads;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -55,15 +56,12 @@ struct Run {
 }
 
 fn network(widths: &[usize], mode: WorkspaceMode) -> Network {
-    let mut builder = NetworkConfig::builder(widths[0]);
-    for (i, &w) in widths[1..].iter().enumerate() {
-        builder = builder.dense(w);
-        if i + 2 < widths.len() {
-            builder = builder.relu();
-        }
-    }
-    let config =
-        builder.training_workspace_mode(mode).inference_workspace_mode(mode).seed(7).build().expect("a valid network");
+    let config = workloads::mlp(widths)
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .seed(7)
+        .build()
+        .expect("a valid network");
     Network::new(config).expect("a network")
 }
 

@@ -1,10 +1,24 @@
 //! The workloads the benches share, written once: the training step's arrays (an MLP
 //! 784-1024-1024-10 forward and backward pass at batch 128) and the small-array loop.
-//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs`, `gemm.rs` and `network.rs` include it with
-//! `mod workloads;`, and the root package's `examples/cuda_smoke.rs` with `#[path]`.
+//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs`, `gemm.rs`, `network.rs`, `plan.rs` and
+//! `planned_networks.rs` include it with `mod workloads;`, and the root package's
+//! `examples/cuda_smoke.rs` with `#[path]`.
 
 // Each bench uses part of this module.
 #![allow(dead_code)]
+
+/// The configuration of an MLP `widths[0]-…-widths[last]` of carve's reference
+/// network: dense layers with a ReLU between each two.
+pub(crate) fn mlp(widths: &[usize]) -> carve::nn::NetworkConfigBuilder {
+    let mut builder = carve::nn::NetworkConfig::builder(widths[0]);
+    for (i, &width) in widths[1..].iter().enumerate() {
+        builder = builder.dense(width);
+        if i + 2 < widths.len() {
+            builder = builder.relu();
+        }
+    }
+    builder
+}
 
 /// The training step's batch size.
 pub(crate) const BATCH: usize = 128;
