@@ -326,3 +326,40 @@ fn under_spill_everything_a_closed_frames_blocks_are_freed() {
     assert!(grown < 4 << 20, "{grown} bytes still held after 50 frames of 2.1 MiB");
     assert!(kept.iter().all(|&v| v == 3));
 }
+
+#[test]
+fn a_window_of_another_owner_turns_off_the_top_frames_fast_path() {
+    // A cycle opened between iterations serves its own arena on the fast path; a replay
+    // that starts while it is open must not let a frame go on bumping the own arena once
+    // the cycle's allocations have moved into a window of the group's arena.
+    let config = WorkspaceConfig::builder().initial_size(1 << 16).learning(LearningPolicy::None).build().unwrap();
+    let group = PlanGroup::new("G");
+    let a = Workspace::with_debug_mode("A", config, DebugMode::Disabled).unwrap();
+    group.join(&a).unwrap();
+    group.start_iteration(0).unwrap(); // recorded: one run of the cycle, its close
+    {
+        let s = a.enter().unwrap();
+        let _x = s.zeros::<u8, _>(16).unwrap();
+    }
+    group.finish_iteration().unwrap();
+
+    let s = a.enter().unwrap(); // between iterations: the own arena
+    let kept = s.filled::<u8, _>(1024, 1).unwrap();
+    group.start_iteration(0).unwrap(); // a replay starts while the cycle is open
+    let f = s.frame().unwrap();
+    let x = s.filled::<u8, _>(16, 2).unwrap(); // the cycle's run: a window of the group's arena
+    let y = f.filled::<u8, _>(64, 3).unwrap();
+    let (k, p) = (kept.as_ptr() as usize, y.as_ptr() as usize);
+    assert!(p + 64 <= k || k + 1024 <= p, "the frame's array lies in a live one");
+    assert!(kept.iter().all(|&v| v == 1));
+    assert!(x.iter().all(|&v| v == 2) && y.iter().all(|&v| v == 3));
+    drop((x, y));
+    drop(f);
+    let z = s.filled::<u8, _>(64, 4).unwrap();
+    let q = z.as_ptr() as usize;
+    assert!(q + 64 <= k || k + 1024 <= q, "the cycle's array lies in a live one");
+    assert!(kept.iter().all(|&v| v == 1));
+    drop((kept, z));
+    drop(s);
+    group.finish_iteration().unwrap();
+}

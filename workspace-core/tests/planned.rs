@@ -20,6 +20,15 @@ mod common {
 use common::program::{program, run, variants};
 use common::random::{cases, Rng};
 
+/// Every other member has an arena of its own (which serves it between iterations).
+fn member_config(i: usize) -> WorkspaceConfig {
+    let builder = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External);
+    match i % 2 {
+        0 => builder.build().unwrap(),
+        _ => builder.initial_size(64 << 10).build().unwrap(),
+    }
+}
+
 fn config() -> WorkspaceConfig {
     WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap()
 }
@@ -32,7 +41,7 @@ fn replaying_a_plan_never_hands_out_bytes_a_live_allocation_holds() {
         let count = 1 + rng.below(4) as usize;
         let group = PlanGroup::new("G");
         let members: Vec<Rc<Workspace>> =
-            (0..count).map(|i| group.workspace(&format!("M{i}"), &config()).unwrap()).collect();
+            (0..count).map(|i| group.workspace(&format!("M{i}"), &member_config(i)).unwrap()).collect();
         let ops = program(&mut rng, 4.min(count), true);
         // Record, then replay as recorded: on the plan, to the end.
         let made = run(Some(&group), &members, &ops, 7, case);

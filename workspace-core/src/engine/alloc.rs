@@ -63,8 +63,10 @@ impl<B: ArenaBackend> Engine<B> {
                 // released only while closed), or to the end of a planned window with
                 // `fast_base` the group arena's base (the group replaces its arena only
                 // while no member holds a window, and a window is held until its cycle
-                // ends). A frame's close moves `cursor` down, never below the start of
-                // the block's range.
+                // ends). Whenever `cursor` moves into another block's coordinates (a
+                // window opens or closes) both limits are set again with `fast_base`
+                // (`open_window`, `close_window`). A frame's close moves `cursor` down,
+                // never below the start of the block's range.
                 let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
                 return Some((base, cursor));

@@ -222,9 +222,12 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.base.set(state.base);
         self.window.regions.borrow_mut().push((start, end));
         self.cursor.set(start);
-        // The fast path serves the window when `owner` is whoever allocates on it now
-        // (the top frame, or the cycle when no frame is open); anyone else's window is
-        // served on the slow path, which checks the owner.
+        // `cursor` counts in the group's arena now: no fast path may go on serving the
+        // own arena (a frame opened, or a cycle entered, before the replay started has
+        // the own arena's limit). The fast path serves the window when `owner` is
+        // whoever allocates on it now (the top frame, or the cycle when no frame is
+        // open); anyone else's window is served on the slow path, which checks the owner.
+        self.set_limit(0);
         if !self.debug.on.get() && !self.recording.get() && owner == self.owner_at(self.frame_top.get()) {
             self.fast_base.set(state.base);
             self.set_limit(end);

@@ -32,6 +32,12 @@ pub(crate) enum Op {
     EndFrame(usize, usize),
     /// Forget (`mem::forget`) the member's newest open frame.
     Forget(usize),
+    /// Finish the group's iteration (scopes and frames stay open; until `Start`,
+    /// members allocate as unplanned workspaces).
+    Finish,
+    /// Start the group's iteration here, with scopes and frames open (a program with a
+    /// `Start` runs unplanned before it).
+    Start,
 }
 
 impl Op {
@@ -39,6 +45,7 @@ impl Op {
         match self {
             Op::Open(m) | Op::Close(m) | Op::Frame(m) | Op::EndFrame(m, _) | Op::Forget(m) => m,
             Op::Alloc { member, .. } => member,
+            Op::Finish | Op::Start => 0,
         }
     }
 }
@@ -69,7 +76,9 @@ pub(crate) fn program(rng: &mut Rng, members: usize, frames: bool) -> Vec<Op> {
 }
 
 /// Variants of `ops` that diverge from it at position `k`: an allocation larger than
-/// recorded, an operation left out, an allocation added, two operations swapped.
+/// recorded, an operation left out, an allocation added, the iteration started only
+/// there (what ran before, unplanned, stays open into the replay), the iteration
+/// finished there (the rest runs unplanned), two operations swapped.
 pub(crate) fn variants(ops: &[Op], k: usize, members: usize) -> Vec<Vec<Op>> {
     let mut out = Vec::new();
     if let Op::Alloc { member, bytes, align, at } = ops[k] {
@@ -83,6 +92,12 @@ pub(crate) fn variants(ops: &[Op], k: usize, members: usize) -> Vec<Vec<Op>> {
     let mut more = ops.to_vec();
     more.insert(k, Op::Alloc { member: (ops[k].member() + 1) % members, bytes: 100 + k, align: 64, at: k % 3 });
     out.push(more);
+    let mut late = ops.to_vec();
+    late.insert(k, Op::Start);
+    out.push(late);
+    let mut early = ops.to_vec();
+    early.insert(k, Op::Finish);
+    out.push(early);
     if k + 1 < ops.len() {
         let mut swapped = ops.to_vec();
         swapped.swap(k, k + 1);
@@ -136,7 +151,7 @@ fn end(live: &mut Vec<Live>, member: usize, dies: impl Fn(&Live) -> bool) {
 /// Runs `ops` (as one iteration of `group`, if any) on `members`; returns the number of
 /// allocations made.
 pub(crate) fn run(group: Option<&PlanGroup>, members: &[Rc<Workspace>], ops: &[Op], key: u64, seed: u64) -> usize {
-    if let Some(group) = group {
+    if let Some(group) = group.filter(|_| !ops.contains(&Op::Start)) {
         group.start_iteration(key).unwrap();
     }
     let mut scopes: Vec<Vec<Box<Scope<'static>>>> = members.iter().map(|_| Vec::new()).collect();
@@ -176,6 +191,16 @@ pub(crate) fn run(group: Option<&PlanGroup>, members: &[Rc<Workspace>], ops: &[O
                 let open = frames[m].remove(count - 1 - k % count);
                 end(&mut live, m, |l| l.owner == Owner::Frame(open.id));
                 drop(open);
+            }
+            Op::Finish => {
+                if let Some(group) = group {
+                    group.finish_iteration().unwrap();
+                }
+            }
+            Op::Start => {
+                if let Some(group) = group {
+                    group.start_iteration(key).unwrap();
+                }
             }
             Op::Forget(m) => {
                 let Some(open) = frames[m].pop() else { continue };
