@@ -32,6 +32,19 @@ fn align_up(value: usize, align: usize) -> Option<usize> {
     Some(value.div_ceil(align).saturating_mul(align))
 }
 
+/// The bits of an owner above which a frame's level is kept: owner `id | level << 48`
+/// is the frame of that level in the cycle `id` (level 0: the cycle itself; see
+/// `Engine::owner_at`). The close of a cycle closes its frames too: a frame lives
+/// inside its cycle, so whatever it allocated is dead once the cycle has ended, even
+/// if the frame itself never closed.
+pub const FRAME_LEVEL_SHIFT: u32 = 48;
+
+/// Whether the close of `closed` ends what `owner` allocated: `owner` itself, or a
+/// frame of the cycle `closed`.
+fn closes(closed: u64, owner: u64) -> bool {
+    owner == closed || (closed >> FRAME_LEVEL_SHIFT == 0 && owner & ((1 << FRAME_LEVEL_SHIFT) - 1) == closed)
+}
+
 /// One event of an iteration, in the order it happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Event {
@@ -105,10 +118,10 @@ impl Trace {
                     out.push(Lifetime { start: i, end: self.events.len(), bytes, align });
                 }
                 Event::Close { owner } => open.retain(|&(o, index)| {
-                    if o == owner {
+                    if closes(owner, o) {
                         out[index].end = i;
                     }
-                    o != owner
+                    !closes(owner, o)
                 }),
             }
         }
@@ -130,11 +143,12 @@ impl Trace {
                     total = total.saturating_add(bytes);
                     peak = peak.max(total);
                 }
-                Event::Close { owner } => {
-                    if let Some(at) = live.iter().position(|(o, _)| *o == owner) {
-                        total = total.saturating_sub(live.swap_remove(at).1);
+                Event::Close { owner } => live.retain(|&(o, bytes)| {
+                    if closes(owner, o) {
+                        total = total.saturating_sub(bytes);
                     }
-                }
+                    !closes(owner, o)
+                }),
             }
         }
         peak
@@ -170,46 +184,75 @@ impl Trace {
     }
 }
 
+/// The cycle an owner belongs to (itself for a cycle; a frame's cycle).
+fn cycle_of(owner: u64) -> u64 {
+    owner & ((1 << FRAME_LEVEL_SHIFT) - 1)
+}
+
 /// The per-owner layout of `events`: its size, and the offset of each allocation (by
-/// event position; `usize::MAX` for closes).
+/// event position; `usize::MAX` for closes). Each cycle bump-allocates in an arena of
+/// its own, sized to its peak, as a workspace does; its frames share that arena, and a
+/// frame's close gives back the bytes at the top of it that are dead (as the engine's
+/// rewind does: never below an allocation still live).
 fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
-    // Pass 1: each owner's offsets relative to its own arena, and its peak and alignment.
-    let mut cursor: HashMap<u64, usize> = HashMap::new();
-    let mut owners: Vec<(u64, usize, usize)> = Vec::new(); // (owner, peak, alignment), first use first
+    /// A cycle's arena: its allocations in address order (owner, end, dead) up to the
+    /// last live one, its peak and its alignment.
+    struct Arena {
+        cycle: u64,
+        stack: Vec<(u64, usize, bool)>,
+        peak: usize,
+        align: usize,
+    }
+    // Pass 1: each allocation's offset in its cycle's arena.
+    let mut arenas: Vec<Arena> = Vec::new(); // first use first
     let mut relative = vec![usize::MAX; events.len()];
     for (i, event) in events.iter().enumerate() {
         match *event {
             Event::Alloc { owner, bytes, align } => {
-                let used = cursor.entry(owner).or_default();
-                let at = align_up(*used, align.max(1)).unwrap_or(usize::MAX);
-                *used = at.saturating_add(bytes);
-                relative[i] = at;
-                match owners.iter_mut().find(|(o, ..)| *o == owner) {
-                    Some(entry) => {
-                        entry.1 = entry.1.max(*used);
-                        entry.2 = entry.2.max(align.max(1));
+                let cycle = cycle_of(owner);
+                let at = match arenas.iter().position(|a| a.cycle == cycle) {
+                    Some(at) => at,
+                    None => {
+                        arenas.push(Arena { cycle, stack: Vec::new(), peak: 0, align: 1 });
+                        arenas.len() - 1
                     }
-                    None => owners.push((owner, *used, align.max(1))),
-                }
+                };
+                let arena = &mut arenas[at];
+                let used = arena.stack.last().map_or(0, |&(_, end, _)| end);
+                let start = align_up(used, align.max(1)).unwrap_or(usize::MAX);
+                let end = start.saturating_add(bytes);
+                arena.stack.push((owner, end, false));
+                arena.peak = arena.peak.max(end);
+                arena.align = arena.align.max(align.max(1));
+                relative[i] = start;
             }
             Event::Close { owner } => {
-                cursor.remove(&owner);
+                for arena in arenas.iter_mut().filter(|a| a.cycle == cycle_of(owner)) {
+                    for entry in arena.stack.iter_mut().filter(|(o, ..)| closes(owner, *o)) {
+                        entry.2 = true;
+                    }
+                    // Dead allocations give their bytes back from the top only: one below
+                    // a live allocation keeps them until that one dies, as in the engine.
+                    while arena.stack.last().is_some_and(|&(.., dead)| dead) {
+                        arena.stack.pop();
+                    }
+                }
             }
         }
     }
     // Pass 2: the arenas end to end.
     let mut bases: HashMap<u64, usize> = HashMap::new();
     let mut total = 0usize;
-    for &(owner, peak, align) in &owners {
-        let base = align_up(total, align).unwrap_or(usize::MAX);
-        bases.insert(owner, base);
-        total = base.saturating_add(peak);
+    for arena in &arenas {
+        let base = align_up(total, arena.align).unwrap_or(usize::MAX);
+        bases.insert(arena.cycle, base);
+        total = base.saturating_add(arena.peak);
     }
     let offsets = events
         .iter()
         .zip(relative)
         .map(|(event, at)| match *event {
-            Event::Alloc { owner, .. } => bases[&owner].saturating_add(at),
+            Event::Alloc { owner, .. } => bases[&cycle_of(owner)].saturating_add(at),
             Event::Close { .. } => usize::MAX,
         })
         .collect();
@@ -230,20 +273,27 @@ pub struct Plan {
 /// Orders the greedy placement tries, each a key to sort allocations by.
 const ORDERS: usize = 6;
 
+/// The most allocations [`Plan::new`] places one by one (each order about 15 ms at this
+/// size); larger iterations get the per-owner layout.
+pub const GREEDY_LIMIT: usize = 2048;
+
 impl Plan {
     /// Plans `trace`: the smallest of greedy best-fit placements over a few orders of the
     /// allocations (largest first; longest-lived first; largest area first; earliest
     /// first; latest-ending first; largest first with later-ending first on ties), then,
     /// for small iterations, a short local search of swaps in the best order, and of
     /// the per-owner layout, so that a plan never takes more than the per-owner layout.
-    /// It stops as soon as a placement reaches the lower bound.
+    /// It stops as soon as a placement reaches the lower bound. A placement costs
+    /// O(n²) in the allocations: above [`GREEDY_LIMIT`] of them the per-owner layout
+    /// (O(n)) is the plan, so that planning stays bounded whatever a recording holds.
     pub fn new(trace: &Trace) -> Plan {
         let started = Instant::now();
         let lifetimes = trace.lifetimes();
         let lower_bound = trace.lower_bound();
         let mut best: Option<(usize, Vec<usize>)> = None;
         let mut best_order: Vec<usize> = Vec::new();
-        for order in 0..ORDERS {
+        let orders = if lifetimes.len() > GREEDY_LIMIT { 0 } else { ORDERS };
+        for order in 0..orders {
             if best.as_ref().is_some_and(|(b, _)| *b <= lower_bound) {
                 break; // nothing can do better
             }
@@ -272,7 +322,13 @@ impl Plan {
         // Small iterations (a few dozen allocations, as a layer-by-layer network with
         // its runs collapsed has) get enough rounds to find the bound where a greedy
         // order misses it by a few percent; larger ones a few, within the time goals.
-        let rounds = if n <= 48 { 64 } else { (20_000 / n.saturating_mul(n).max(1)).min(16) };
+        let rounds = if n > GREEDY_LIMIT {
+            0
+        } else if n <= 48 {
+            64
+        } else {
+            (20_000 / n.saturating_mul(n).max(1)).min(16)
+        };
         let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ n as u64;
         let mut random = |below: usize| {
             state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -294,7 +350,8 @@ impl Plan {
                 best_order = order;
             }
         }
-        let (bytes, by_allocation) = best.unwrap_or((0, Vec::new()));
+        // No placement (above the limit): the per-owner layout below is the plan.
+        let (bytes, by_allocation) = best.unwrap_or((usize::MAX, Vec::new()));
         let mut offsets = vec![usize::MAX; trace.events.len()];
         for (l, offset) in lifetimes.iter().zip(by_allocation) {
             offsets[l.start] = offset;
@@ -659,6 +716,45 @@ mod tests {
         assert_eq!(runs.lower_bound(), 162 + 8 + 64 + 64);
         assert_eq!(t.lower_bound(), 100 + 50 + 8 + 64 + 64);
         Plan::new(&runs).check().unwrap();
+    }
+
+    #[test]
+    fn a_cycles_close_ends_its_frames_and_frames_share_its_arena() {
+        let frame = |level: u64| 7 | level << FRAME_LEVEL_SHIFT;
+        let t = Trace::from_events(vec![
+            Event::Alloc { owner: 7, bytes: 64, align: 64 },
+            Event::Alloc { owner: frame(1), bytes: 128, align: 64 }, // a frame never closed
+            Event::Close { owner: 7 },                               // the cycle's end ends it
+            Event::Alloc { owner: frame(1), bytes: 256, align: 64 }, // the next cycle's frame
+            Event::Close { owner: frame(1) },
+            Event::Alloc { owner: frame(1), bytes: 256, align: 64 }, // and another one
+            Event::Close { owner: 7 },
+            Event::Alloc { owner: 8, bytes: 64, align: 64 },
+            Event::Close { owner: 8 | 1 << FRAME_LEVEL_SHIFT }, // a frame's close ends nothing else
+            Event::Close { owner: 8 },
+        ]);
+        let ends: Vec<usize> = t.lifetimes().iter().map(|l| l.end).collect();
+        assert_eq!(ends, vec![2, 2, 4, 6, 9]);
+        assert_eq!(t.lower_bound(), 256);
+        // Per owner: the cycle's frames bump in its arena and give their bytes back.
+        assert_eq!(t.per_owner_bytes(), 256 + 64);
+        Plan::new(&t).check().unwrap();
+    }
+
+    #[test]
+    fn planning_a_huge_iteration_stays_bounded() {
+        // Allocations of two owners alternating, all live at once: no runs to merge.
+        let n = GREEDY_LIMIT + 1;
+        let mut events: Vec<Event> =
+            (0..n).map(|i| Event::Alloc { owner: (i % 2) as u64, bytes: 64, align: 64 }).collect();
+        events.extend([Event::Close { owner: 0 }, Event::Close { owner: 1 }]);
+        let t = Trace::from_events(events);
+        let started = Instant::now();
+        let plan = Plan::new(&t);
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        assert_eq!(plan.bytes(), t.per_owner_bytes());
+        assert_eq!(plan.bytes(), 64 * n);
+        plan.check().unwrap();
     }
 
     #[test]

@@ -233,6 +233,9 @@ pub struct PlannedStats {
     pub cached_plans: usize,
     /// Plans dropped to keep the cache bounded.
     pub evictions: u64,
+    /// Iterations run off the plan from their start because a member's cycle still
+    /// held a window of the iteration before (the plan stays good).
+    pub blocked_iterations: u64,
 }
 
 /// The group's state. Reached only on the group's thread ([`GroupShared::state`]).
@@ -367,9 +370,10 @@ impl<B: ArenaBackend> GroupState<B> {
         match found {
             Some(_) if self.live > 0 => {
                 // A member's cycle still holds a window of the last iteration: planned
-                // bytes may be live, so this iteration cannot use the plan.
-                self.mode = Mode::Replaying { index: found.unwrap_or(0) };
-                self.diverge();
+                // bytes may be live, so this iteration cannot use the plan. Nothing
+                // diverged: the plan stays good for the next iteration of the key.
+                self.mode = Mode::OffPlan;
+                self.stats.blocked_iterations += 1;
             }
             Some(index) if !self.plans[index].stale => {
                 self.fit_arena(index)?;

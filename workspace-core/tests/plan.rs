@@ -268,3 +268,40 @@ fn workspaces_record_their_allocations_and_closes_into_one_trace_in_order() {
     plan.check().unwrap();
     assert_eq!(plan.lower_bound(), 448 + 64, "B's 64 bytes are gone before A's second allocation");
 }
+
+#[test]
+fn recording_while_the_caller_holds_the_traces_lock_waits_for_it_and_never_hangs() {
+    use std::sync::{Arc, Mutex};
+    use workspace_core::{Error, Workspace, WorkspaceConfig};
+    let ws = Workspace::new("W", WorkspaceConfig::builder().initial_size(1 << 16).build().unwrap()).unwrap();
+    let trace = Arc::new(Mutex::new(Trace::new()));
+    ws.record_into(Some(trace.clone())).unwrap();
+    {
+        let scope = ws.enter().unwrap();
+        let held = trace.lock().unwrap();
+        let _a = scope.zeros::<u8, _>(100).unwrap(); // would wait for itself with a blocking lock
+        assert!(held.events().is_empty());
+        drop(held);
+        let _b = scope.zeros::<u8, _>(200).unwrap(); // the first event goes in before it
+    }
+    let owner = ws.record_owner();
+    let expected = [
+        Event::Alloc { owner, bytes: 128, align: 64 },
+        Event::Alloc { owner, bytes: 256, align: 64 },
+        Event::Close { owner },
+    ];
+    assert_eq!(trace.lock().unwrap().events(), &expected[..]);
+    // Events still waiting when the recording stops: an error while the lock is held.
+    {
+        let scope = ws.enter().unwrap();
+        let held = trace.lock().unwrap();
+        let _c = scope.zeros::<u8, _>(64).unwrap();
+        drop(scope); // its close waits too
+        let err = ws.record_into(None).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+        assert!(err.to_string().contains("locked"), "{err}");
+        drop(held);
+    }
+    ws.record_into(None).unwrap();
+    assert_eq!(trace.lock().unwrap().events().len(), 5);
+}

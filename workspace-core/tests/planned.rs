@@ -263,3 +263,61 @@ fn members_are_the_groups_own_and_circular_workspaces_cannot_join() {
     group.leave(&a).unwrap();
     assert!(matches!(group.leave(&a), Err(Error::InvalidInput(_))));
 }
+
+#[test]
+fn a_cycle_open_across_iterations_blocks_the_next_plan_without_spoiling_it() {
+    let group = PlanGroup::new("G");
+    let a = group.workspace("A", &config()).unwrap();
+    let b = group.workspace("B", &config()).unwrap();
+    let only = |ws: &Workspace, key: u64| {
+        group.start_iteration(key).unwrap();
+        {
+            let s = ws.enter().unwrap();
+            let _x = s.filled::<u8, _>(256, 1).unwrap();
+        }
+        group.finish_iteration().unwrap()
+    };
+    only(&a, 0); // recorded
+    only(&b, 1); // recorded
+                 // A's cycle holds its window over the end of its iteration (which therefore left
+                 // its plan), into an iteration of B's shape.
+    group.start_iteration(0).unwrap();
+    let s = a.enter().unwrap();
+    let x = s.filled::<u8, _>(256, 2).unwrap();
+    assert!(!group.finish_iteration().unwrap());
+    group.start_iteration(1).unwrap(); // blocked: a window of the last one is held
+    assert!(x.iter().all(|&v| v == 2));
+    drop(s);
+    assert!(!group.finish_iteration().unwrap());
+    assert_eq!(group.stats().blocked_iterations, 1);
+    // B's plan is still good: its next iteration replays it, nothing recorded again.
+    let plans = group.stats().plans;
+    assert!(only(&b, 1), "replayed after the block");
+    assert_eq!(group.stats().plans, plans);
+}
+
+#[test]
+fn a_member_dropped_with_its_window_held_does_not_block_the_group_for_good() {
+    let group = PlanGroup::new("G");
+    let a = Workspace::new("A", config()).unwrap();
+    group.join(&a).unwrap();
+    let b = group.workspace("B", &config()).unwrap();
+    let only = |ws: &Workspace, key: u64| {
+        group.start_iteration(key).unwrap();
+        {
+            let s = ws.enter().unwrap();
+            let _x = s.filled::<u8, _>(128, 1).unwrap();
+        }
+        group.finish_iteration().unwrap()
+    };
+    only(&a, 0); // recorded: a run of A
+    only(&b, 1); // recorded: a run of B
+                 // A's cycle opens raw (no scope, never closed), takes its window, and A goes.
+    group.start_iteration(0).unwrap();
+    a.engine().enter().unwrap();
+    drop(a);
+    group.finish_iteration().unwrap();
+    // B's plan replays: nothing holds a window any more.
+    assert!(only(&b, 1), "B's iteration replayed on its plan");
+    assert_eq!(group.stats().blocked_iterations, 0);
+}

@@ -54,6 +54,7 @@ impl<B: ArenaBackend> Engine<B> {
             // No overflow: `size <= isize::MAX`, `align_mask < 2^30`, `cursor <= isize::MAX`.
             let end = cursor + ((size + self.align_mask) & !self.align_mask);
             if end <= limit {
+                debug_assert!(self.fast_limit.get() == 0 || self.frame_top.get() == 0);
                 debug_assert!(self.fast_base.get().is_some() && cursor.is_multiple_of(self.min_align));
                 // SAFETY: `end > 0`, so `limit > 0`. `limit` is `fast_limit` or
                 // `frame_limit`, each non-zero only while `fast_base` is the base of a
@@ -63,10 +64,11 @@ impl<B: ArenaBackend> Engine<B> {
                 // released only while closed), or to the end of a planned window with
                 // `fast_base` the group arena's base (the group replaces its arena only
                 // while no member holds a window, and a window is held until its cycle
-                // ends). Whenever `cursor` moves into another block's coordinates (a
-                // window opens or closes) both limits are set again with `fast_base`
-                // (`open_window`, `close_window`). A frame's close moves `cursor` down,
-                // never below the start of the block's range.
+                // ends). Only one limit is non-zero at a time (`fast_limit` is 0 while a
+                // frame is open, `frame_limit` while none is), and whenever `cursor` moves
+                // into another block's coordinates (a window opens or closes) that limit
+                // is set again with `fast_base` (`open_window`, `close_window`). A frame's
+                // close moves `cursor` down, never below the start of the block's range.
                 let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
                 return Some((base, cursor));

@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::plan::Event;
 
 /// Bits of a frame owner that hold the workspace's id (the level is above them).
-const LEVEL_SHIFT: u32 = 48;
+const LEVEL_SHIFT: u32 = crate::plan::FRAME_LEVEL_SHIFT;
 
 /// The deepest frame level.
 pub(crate) const MAX_LEVEL: u32 = u16::MAX as u32;

@@ -285,6 +285,17 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.base.set(None);
     }
 
+    /// A member dropped while its cycle holds a window (a raw `enter` never closed): the
+    /// group stops counting it. No view can outlive the workspace it borrows, so the
+    /// window's bytes are free.
+    pub(super) fn forget_window(&self) {
+        if self.window.holds.replace(false) {
+            if let Some(mut state) = self.window.group.borrow().as_ref().and_then(|g| g.state()) {
+                state.live -= 1;
+            }
+        }
+    }
+
     /// The close of `owner` (the member's cycle, or one of its frames): recorded, or
     /// checked against the plan's next step.
     pub(super) fn step_close(&self, owner: u64) {

@@ -33,7 +33,7 @@ mod stats;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
@@ -149,6 +149,8 @@ pub struct Engine<B: ArenaBackend> {
     recording: Cell<bool>,
     /// Where they are recorded.
     recorder: RefCell<Option<Arc<Mutex<Trace>>>>,
+    /// Events the trace could not take yet (its lock was held), in order.
+    unrecorded: RefCell<Vec<Event>>,
     /// Whether this workspace is a member of a plan group ([`crate::planned`]).
     grouped: Cell<bool>,
     /// The group and the planned windows of the open cycle.
@@ -273,6 +275,7 @@ impl<B: ArenaBackend> Engine<B> {
             counters: Counters::default(),
             recording: Cell::new(false),
             recorder: RefCell::new(None),
+            unrecorded: RefCell::new(Vec::new()),
             grouped: Cell::new(false),
             window: group::Window::new(),
             frames: frame::Frames::default(),
@@ -410,6 +413,17 @@ impl<B: ArenaBackend> Engine<B> {
     /// [`Error::StillOpen`] while a scope is open.
     pub fn record_into(&self, trace: Option<Arc<Mutex<Trace>>>) -> Result<()> {
         self.require_closed("starting or stopping a recording")?;
+        if !self.unrecorded.borrow().is_empty() {
+            let recorder = self.recorder.borrow();
+            let taken = recorder.as_ref().is_some_and(|t| self.flush_into(t));
+            if !taken {
+                return Err(Error::InvalidInput(format!(
+                    "workspace '{}' recorded events while its trace was locked, and the trace is still locked: \
+                     release the trace's lock, then start or stop the recording again",
+                    self.name
+                )));
+            }
+        }
         self.recording.set(trace.is_some());
         *self.recorder.borrow_mut() = trace;
         self.refresh_plain_close();
@@ -422,12 +436,29 @@ impl<B: ArenaBackend> Engine<B> {
         self.owner_at(0)
     }
 
-    /// Appends `event` to the trace being recorded.
+    /// Appends `event` to the trace being recorded. The trace's lock is only tried: while
+    /// someone holds it (the caller itself, between two allocations, must not wait for
+    /// itself) the events wait here, in order, for the next record or the end of the
+    /// recording.
     #[cold]
     pub(super) fn record(&self, event: Event) {
         if let Some(trace) = self.recorder.borrow().as_ref() {
-            trace.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+            self.unrecorded.borrow_mut().push(event);
+            self.flush_into(trace);
         }
+    }
+
+    /// Moves the waiting events into `trace` if its lock is free; whether it was.
+    fn flush_into(&self, trace: &Mutex<Trace>) -> bool {
+        let mut trace = match trace.try_lock() {
+            Ok(trace) => trace,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        for event in self.unrecorded.borrow_mut().drain(..) {
+            trace.push(event);
+        }
+        true
     }
 
     /// The short close path is taken only without a debug mode, a timeline, a
@@ -451,7 +482,7 @@ impl<B: ArenaBackend> Engine<B> {
 }
 
 // SAFETY: the only non-`Send` fields are the cached base addresses (`arena_base`,
-// `fast_base`, `spill_base`, the window's base), which point into blocks that this
+// `fast_base`, the spill's `base`, the window's base), which point into blocks that this
 // engine owns (`arena`, `spills`), or into the arena of its plan group, which the
 // engine's `Arc` keeps alive and which the group touches only on its own thread (see
 // `GroupShared`); moving the engine moves its blocks and that `Arc` with it. Nothing outside the engine can hold a
@@ -462,6 +493,9 @@ unsafe impl<B: ArenaBackend> Send for Engine<B> where B::Block: Send {}
 
 impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {
+        if self.grouped.get() {
+            self.forget_window();
+        }
         self.release_spills();
         self.release_debug_blocks();
         if let Some(arena) = self.arena.get_mut().take() {
