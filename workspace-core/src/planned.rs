@@ -363,7 +363,9 @@ impl<B: ArenaBackend> GroupState<B> {
     /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
     /// member holds a window of the last iteration), records it otherwise.
     fn start(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
-        let _ = self.finish();
+        if self.mode != Mode::Idle {
+            let _ = self.finish();
+        }
         self.key = key;
         self.pos = 0;
         let found = self.plans.iter().position(|p| p.key == key);

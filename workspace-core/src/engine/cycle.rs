@@ -186,8 +186,10 @@ impl<B: ArenaBackend> Engine<B> {
         if self.grouped.get() {
             self.reset_window_bytes();
         }
-        self.end_frames();
-        self.refresh_plain_close();
+        if self.frames.used.replace(false) {
+            self.end_frames();
+            self.refresh_plain_close();
+        }
     }
 
     #[cold]

@@ -66,6 +66,8 @@ pub(super) struct Frames {
     spill_floor: Cell<usize>,
     /// The most bytes the cycle held before a rewind gave some back.
     pub(super) high: Cell<usize>,
+    /// Whether a frame opened in this cycle (its end then forgets them).
+    pub(super) used: Cell<bool>,
 }
 
 /// A level's frame: where the cycle stood when it opened.
@@ -147,6 +149,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.frame_top.set(top + 1);
         // The end of this cycle forgets the frames (`end_frames`), on the long path.
         self.plain_close.set(false);
+        self.frames.used.set(true);
         Ok(FrameMark { level: top + 1, generation: self.generation.get() })
     }
 

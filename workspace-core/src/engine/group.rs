@@ -37,7 +37,7 @@ pub(super) struct Window<B: ArenaBackend> {
     /// Whether this cycle holds a window (counted in the group's `live`).
     holds: std::cell::Cell<bool>,
     /// The windows of this cycle, for [`Engine::any_block`].
-    regions: std::cell::RefCell<Vec<(usize, usize)>>,
+    regions: Regions,
 }
 
 impl<B: ArenaBackend> Window<B> {
@@ -52,8 +52,40 @@ impl<B: ArenaBackend> Window<B> {
             own_cursor: std::cell::Cell::new(0),
             used: std::cell::Cell::new(0),
             holds: std::cell::Cell::new(false),
-            regions: std::cell::RefCell::new(Vec::new()),
+            regions: Regions::default(),
         }
+    }
+}
+
+/// The windows of a cycle, `[start, end)` each: the first kept inline (most cycles
+/// have one), the others in a list.
+#[derive(Default)]
+struct Regions {
+    first: std::cell::Cell<Option<(usize, usize)>>,
+    more: std::cell::RefCell<Vec<(usize, usize)>>,
+    /// Whether `more` holds any.
+    has_more: std::cell::Cell<bool>,
+}
+
+impl Regions {
+    fn push(&self, start: usize, end: usize) {
+        if self.first.get().is_none() {
+            self.first.set(Some((start, end)));
+        } else {
+            self.more.borrow_mut().push((start, end));
+            self.has_more.set(true);
+        }
+    }
+
+    fn clear(&self) {
+        self.first.set(None);
+        if self.has_more.replace(false) {
+            self.more.borrow_mut().clear();
+        }
+    }
+
+    fn any(&self, test: impl Fn(usize, usize) -> bool) -> bool {
+        self.first.get().is_some_and(|(s, e)| test(s, e)) || self.more.borrow().iter().any(|&(s, e)| test(s, e))
     }
 }
 
@@ -220,18 +252,18 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.owner.set(owner);
         self.window.align.set(state.base_align);
         self.window.base.set(state.base);
-        self.window.regions.borrow_mut().push((start, end));
+        self.window.regions.push(start, end);
         self.cursor.set(start);
         // `cursor` counts in the group's arena now: no fast path may go on serving the
         // own arena (a frame opened, or a cycle entered, before the replay started has
         // the own arena's limit). The fast path serves the window when `owner` is
         // whoever allocates on it now (the top frame, or the cycle when no frame is
         // open); anyone else's window is served on the slow path, which checks the owner.
-        self.set_limit(0);
-        if !self.debug.on.get() && !self.recording.get() && owner == self.owner_at(self.frame_top.get()) {
+        let serves = !self.debug.on.get() && !self.recording.get() && owner == self.owner_at(self.frame_top.get());
+        if serves {
             self.fast_base.set(state.base);
-            self.set_limit(end);
         }
+        self.set_limit(if serves { end } else { 0 });
     }
 
     /// Closes the open window, if any: the fast path is off and the own cursor back.
@@ -281,7 +313,7 @@ impl<B: ArenaBackend> Engine<B> {
         // Off the group's thread `live` stays counted: the group never replays from the
         // top again, which is safe.
         self.window.holds.set(false);
-        self.window.regions.borrow_mut().clear();
+        self.window.regions.clear();
         self.window.base.set(None);
     }
 
@@ -306,17 +338,16 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// The close of `owner` in `state`.
+    #[inline]
     fn step(state: &mut GroupState<B>, owner: u64) {
-        match state.mode {
-            Mode::Recording => state.record(Event::Close { owner }),
-            Mode::Replaying { index } => {
-                if state.plans[index].steps.get(state.pos) == Some(&Step::Close { owner }) {
-                    state.pos += 1;
-                } else {
-                    state.diverge();
-                }
+        if let Mode::Replaying { index } = state.mode {
+            // The common case first: the plan's next step is this close.
+            match state.plans[index].steps.get(state.pos) {
+                Some(&Step::Close { owner: planned }) if planned == owner => state.pos += 1,
+                _ => state.diverge(),
             }
-            Mode::OffPlan | Mode::Idle => {}
+        } else if state.mode == Mode::Recording {
+            state.record(Event::Close { owner });
         }
     }
 
@@ -330,6 +361,6 @@ impl<B: ArenaBackend> Engine<B> {
         use crate::backend::Address;
         let Some(base) = self.window.base.get() else { return false };
         let base = base.address();
-        self.window.regions.borrow().iter().any(|&(start, end)| test(base + start as u64, end - start))
+        self.window.regions.any(|start, end| test(base + start as u64, end - start))
     }
 }
