@@ -39,10 +39,54 @@ fn align_up(value: usize, align: usize) -> Option<usize> {
 /// if the frame itself never closed.
 pub const FRAME_LEVEL_SHIFT: u32 = 48;
 
-/// Whether the close of `closed` ends what `owner` allocated: `owner` itself, or a
-/// frame of the cycle `closed`.
-fn closes(closed: u64, owner: u64) -> bool {
-    owner == closed || (closed >> FRAME_LEVEL_SHIFT == 0 && owner & ((1 << FRAME_LEVEL_SHIFT) - 1) == closed)
+/// The cycle an owner belongs to (itself for a cycle; a frame's cycle).
+fn cycle_of(owner: u64) -> u64 {
+    owner & ((1 << FRAME_LEVEL_SHIFT) - 1)
+}
+
+/// Whether `owner` is a cycle (not a frame).
+fn is_cycle(owner: u64) -> bool {
+    owner >> FRAME_LEVEL_SHIFT == 0
+}
+
+/// What is still open, per owner: the close of an owner ends its own items, and the
+/// close of a cycle those of its frames as well. Each close takes exactly the lists it
+/// ends, so a trace costs O(its events) whatever it holds.
+struct Open<T> {
+    by_owner: HashMap<u64, Vec<T>>,
+    /// Per cycle, the frames that held something open since it last closed (a frame may
+    /// be listed again after its own close; its list is gone by then).
+    frames: HashMap<u64, Vec<u64>>,
+}
+
+impl<T> Default for Open<T> {
+    fn default() -> Open<T> {
+        Open { by_owner: HashMap::new(), frames: HashMap::new() }
+    }
+}
+
+impl<T> Open<T> {
+    fn add(&mut self, owner: u64, item: T) {
+        let list = self.by_owner.entry(owner).or_default();
+        if list.is_empty() && !is_cycle(owner) {
+            self.frames.entry(cycle_of(owner)).or_default().push(owner);
+        }
+        list.push(item);
+    }
+
+    /// Hands every item that the close of `closed` ends to `end`.
+    fn close(&mut self, closed: u64, mut end: impl FnMut(T)) {
+        if let Some(list) = self.by_owner.remove(&closed) {
+            list.into_iter().for_each(&mut end);
+        }
+        if is_cycle(closed) {
+            for frame in self.frames.remove(&closed).unwrap_or_default() {
+                if let Some(list) = self.by_owner.remove(&frame) {
+                    list.into_iter().for_each(&mut end);
+                }
+            }
+        }
+    }
 }
 
 /// One event of an iteration, in the order it happened.
@@ -78,9 +122,26 @@ pub struct Lifetime {
 }
 
 /// The events of one recorded iteration.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Trace {
     events: Vec<Event>,
+    /// When each event happened (a process-wide sequence): an event that reaches the
+    /// trace late (a workspace that found it locked) still takes its place.
+    stamps: Vec<u64>,
+}
+
+impl PartialEq for Trace {
+    fn eq(&self, other: &Trace) -> bool {
+        self.events == other.events
+    }
+}
+
+impl Eq for Trace {}
+
+/// The next number of the process-wide sequence of recorded events.
+pub(crate) fn stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Trace {
@@ -91,12 +152,21 @@ impl Trace {
 
     /// A trace of `events`, in the order they happened.
     pub fn from_events(events: Vec<Event>) -> Trace {
-        Trace { events }
+        let stamps = events.iter().map(|_| stamp()).collect();
+        Trace { events, stamps }
     }
 
-    /// Records an event.
+    /// Records an event (as happening now).
     pub fn push(&mut self, event: Event) {
-        self.events.push(event);
+        self.push_stamped(stamp(), event);
+    }
+
+    /// Records an event that happened at `stamp` (from [`stamp`]), after every event of
+    /// the trace that happened before it.
+    pub(crate) fn push_stamped(&mut self, stamp: u64, event: Event) {
+        let at = self.stamps.iter().rposition(|&s| s < stamp).map_or(0, |i| i + 1);
+        self.events.insert(at, event);
+        self.stamps.insert(at, stamp);
     }
 
     /// The events.
@@ -107,22 +177,16 @@ impl Trace {
     /// The allocations' lifetimes, in the order they were allocated: each lives from
     /// its event to the first close of its owner after it.
     pub fn lifetimes(&self) -> Vec<Lifetime> {
-        let mut out = Vec::with_capacity(self.events.len());
-        // Per owner (few: a linear search beats hashing), the allocations still open, as
-        // indices into `out`, kept in one list with the owner of each.
-        let mut open: Vec<(u64, usize)> = Vec::new();
+        let mut out: Vec<Lifetime> = Vec::with_capacity(self.events.len());
+        // The allocations still open, as indices into `out`.
+        let mut open = Open::default();
         for (i, event) in self.events.iter().enumerate() {
             match *event {
                 Event::Alloc { owner, bytes, align } => {
-                    open.push((owner, out.len()));
+                    open.add(owner, out.len());
                     out.push(Lifetime { start: i, end: self.events.len(), bytes, align });
                 }
-                Event::Close { owner } => open.retain(|&(o, index)| {
-                    if closes(owner, o) {
-                        out[index].end = i;
-                    }
-                    !closes(owner, o)
-                }),
+                Event::Close { owner } => open.close(owner, |index| out[index].end = i),
             }
         }
         out
@@ -131,24 +195,17 @@ impl Trace {
     /// The most bytes live at one moment: no placement can use fewer (computed by a
     /// sweep over the events, independently of any plan).
     pub fn lower_bound(&self) -> usize {
-        let mut live: Vec<(u64, usize)> = Vec::new();
+        // The bytes of each allocation still live.
+        let mut live = Open::default();
         let (mut total, mut peak) = (0usize, 0usize);
         for event in &self.events {
             match *event {
                 Event::Alloc { owner, bytes, .. } => {
-                    match live.iter_mut().find(|(o, _)| *o == owner) {
-                        Some(entry) => entry.1 = entry.1.saturating_add(bytes),
-                        None => live.push((owner, bytes)),
-                    }
+                    live.add(owner, bytes);
                     total = total.saturating_add(bytes);
                     peak = peak.max(total);
                 }
-                Event::Close { owner } => live.retain(|&(o, bytes)| {
-                    if closes(owner, o) {
-                        total = total.saturating_sub(bytes);
-                    }
-                    !closes(owner, o)
-                }),
+                Event::Close { owner } => live.close(owner, |bytes| total = total.saturating_sub(bytes)),
             }
         }
         peak
@@ -173,7 +230,7 @@ impl Trace {
                 _ => runs.push(event),
             }
         }
-        Trace { events: runs }
+        Trace::from_events(runs)
     }
 
     /// The bytes the per-owner layout takes: each owner bump-allocating in an arena of
@@ -184,57 +241,53 @@ impl Trace {
     }
 }
 
-/// The cycle an owner belongs to (itself for a cycle; a frame's cycle).
-fn cycle_of(owner: u64) -> u64 {
-    owner & ((1 << FRAME_LEVEL_SHIFT) - 1)
-}
-
 /// The per-owner layout of `events`: its size, and the offset of each allocation (by
 /// event position; `usize::MAX` for closes). Each cycle bump-allocates in an arena of
 /// its own, sized to its peak, as a workspace does; its frames share that arena, and a
 /// frame's close gives back the bytes at the top of it that are dead (as the engine's
 /// rewind does: never below an allocation still live).
 fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
-    /// A cycle's arena: its allocations in address order (owner, end, dead) up to the
-    /// last live one, its peak and its alignment.
+    /// A cycle's arena: its allocations in address order (end, dead) up to the last
+    /// live one, its peak and its alignment.
     struct Arena {
         cycle: u64,
-        stack: Vec<(u64, usize, bool)>,
+        stack: Vec<(usize, bool)>,
         peak: usize,
         align: usize,
     }
     // Pass 1: each allocation's offset in its cycle's arena.
     let mut arenas: Vec<Arena> = Vec::new(); // first use first
+    let mut index: HashMap<u64, usize> = HashMap::new();
+    // The live allocations, as (arena, position in its stack).
+    let mut open = Open::default();
     let mut relative = vec![usize::MAX; events.len()];
     for (i, event) in events.iter().enumerate() {
         match *event {
             Event::Alloc { owner, bytes, align } => {
                 let cycle = cycle_of(owner);
-                let at = match arenas.iter().position(|a| a.cycle == cycle) {
-                    Some(at) => at,
-                    None => {
-                        arenas.push(Arena { cycle, stack: Vec::new(), peak: 0, align: 1 });
-                        arenas.len() - 1
-                    }
-                };
+                let at = *index.entry(cycle).or_insert_with(|| {
+                    arenas.push(Arena { cycle, stack: Vec::new(), peak: 0, align: 1 });
+                    arenas.len() - 1
+                });
                 let arena = &mut arenas[at];
-                let used = arena.stack.last().map_or(0, |&(_, end, _)| end);
+                let used = arena.stack.last().map_or(0, |&(end, _)| end);
                 let start = align_up(used, align.max(1)).unwrap_or(usize::MAX);
                 let end = start.saturating_add(bytes);
-                arena.stack.push((owner, end, false));
+                open.add(owner, (at, arena.stack.len()));
+                arena.stack.push((end, false));
                 arena.peak = arena.peak.max(end);
-                arena.align = arena.align.max(align.max(1));
+                arena.align = lcm(arena.align, align.max(1));
                 relative[i] = start;
             }
             Event::Close { owner } => {
-                for arena in arenas.iter_mut().filter(|a| a.cycle == cycle_of(owner)) {
-                    for entry in arena.stack.iter_mut().filter(|(o, ..)| closes(owner, *o)) {
-                        entry.2 = true;
-                    }
-                    // Dead allocations give their bytes back from the top only: one below
-                    // a live allocation keeps them until that one dies, as in the engine.
-                    while arena.stack.last().is_some_and(|&(.., dead)| dead) {
-                        arena.stack.pop();
+                open.close(owner, |(at, position)| arenas[at].stack[position].1 = true);
+                if let Some(&at) = index.get(&cycle_of(owner)) {
+                    // Dead allocations give their bytes back from the top only: one below a
+                    // live allocation keeps them until that one dies, as in the engine. (A
+                    // live allocation is never popped, so the positions above stay right.)
+                    let stack = &mut arenas[at].stack;
+                    while stack.last().is_some_and(|&(_, dead)| dead) {
+                        stack.pop();
                     }
                 }
             }
@@ -257,6 +310,16 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
         })
         .collect();
     (total, offsets)
+}
+
+/// The least common multiple of two alignments (saturating): the arena's base must suit
+/// every allocation's, whatever they are.
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    (a / x.max(1)).saturating_mul(b)
 }
 
 /// Offsets for every allocation of a trace in one arena.
@@ -351,13 +414,15 @@ impl Plan {
             }
         }
         // No placement (above the limit): the per-owner layout below is the plan.
+        let best_is_none = best.is_none();
         let (bytes, by_allocation) = best.unwrap_or((usize::MAX, Vec::new()));
         let mut offsets = vec![usize::MAX; trace.events.len()];
         for (l, offset) in lifetimes.iter().zip(by_allocation) {
             offsets[l.start] = offset;
         }
         let (per_owner, per_owner_offsets) = per_owner_layout(&trace.events);
-        let (bytes, offsets) = if per_owner < bytes { (per_owner, per_owner_offsets) } else { (bytes, offsets) };
+        let (bytes, offsets) =
+            if best_is_none || per_owner < bytes { (per_owner, per_owner_offsets) } else { (bytes, offsets) };
         Plan { events: trace.events.clone(), offsets, bytes, lower_bound, planning: started.elapsed() }
     }
 
@@ -393,7 +458,7 @@ impl Plan {
     ///
     /// A description of the first violation.
     pub fn check(&self) -> Result<(), String> {
-        let trace = Trace { events: self.events.clone() };
+        let trace = Trace::from_events(self.events.clone());
         let placed: Vec<(Lifetime, usize)> =
             trace.lifetimes().into_iter().map(|l| (l, self.offsets[l.start])).collect();
         for (l, offset) in &placed {
@@ -755,6 +820,25 @@ mod tests {
         assert_eq!(plan.bytes(), t.per_owner_bytes());
         assert_eq!(plan.bytes(), 64 * n);
         plan.check().unwrap();
+    }
+
+    #[test]
+    fn closes_cost_what_they_end_so_a_long_trace_plans_in_linear_time() {
+        // Allocations that stay live, each followed by the close of a frame that holds
+        // nothing: a scan of everything open at every close would take minutes.
+        let n = 200_000u64;
+        let mut events = Vec::with_capacity(2 * n as usize + 1);
+        for _ in 0..n {
+            events.push(Event::Alloc { owner: 3, bytes: 16, align: 16 });
+            events.push(Event::Close { owner: 3 | 1 << FRAME_LEVEL_SHIFT });
+        }
+        events.push(Event::Close { owner: 3 });
+        let t = Trace::from_events(events);
+        let started = Instant::now();
+        let plan = Plan::new(&t);
+        assert_eq!(plan.bytes(), 16 * n as usize);
+        assert_eq!(plan.lower_bound(), 16 * n as usize);
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
     }
 
     #[test]

@@ -148,7 +148,7 @@ impl Script {
     /// one block each, laid out as the owner's bump allocation lays them out.
     fn new(key: u64, events: &[Event]) -> Script {
         let recorded = Trace::from_events(events.to_vec());
-        let allocations = recorded.lifetimes().len();
+        let allocations = events.iter().filter(|e| matches!(e, Event::Alloc { .. })).count();
         let runs = recorded.runs();
         let align_max = runs.events().iter().fold(1, |max, e| match *e {
             Event::Alloc { align, .. } => max.max(align),

@@ -305,3 +305,36 @@ fn recording_while_the_caller_holds_the_traces_lock_waits_for_it_and_never_hangs
     ws.record_into(None).unwrap();
     assert_eq!(trace.lock().unwrap().events().len(), 5);
 }
+
+#[test]
+fn events_that_waited_for_the_traces_lock_keep_their_place_among_other_workspaces() {
+    use std::sync::{Arc, Mutex};
+    use workspace_core::{Workspace, WorkspaceConfig};
+    let config = WorkspaceConfig::builder().initial_size(1 << 16).build().unwrap();
+    let (a, b) = (Workspace::new("A", config.clone()).unwrap(), Workspace::new("B", config).unwrap());
+    let trace = Arc::new(Mutex::new(Trace::new()));
+    a.record_into(Some(trace.clone())).unwrap();
+    b.record_into(Some(trace.clone())).unwrap();
+    {
+        let sb = b.enter().unwrap();
+        let _y = sb.zeros::<u8, _>(64).unwrap(); // recorded at once
+        let held = trace.lock().unwrap();
+        let sa = a.enter().unwrap();
+        let _x = sa.zeros::<u8, _>(64).unwrap(); // waits in A
+        drop(held);
+        drop(sb); // B's close goes in at once, after A's waiting allocation
+        drop(sa);
+    }
+    let (oa, ob) = (a.record_owner(), b.record_owner());
+    let expected = [
+        Event::Alloc { owner: ob, bytes: 64, align: 64 },
+        Event::Alloc { owner: oa, bytes: 64, align: 64 },
+        Event::Close { owner: ob },
+        Event::Close { owner: oa },
+    ];
+    assert_eq!(trace.lock().unwrap().events(), &expected[..]);
+    // So the two allocations, live at the same time, never share bytes in a plan.
+    let plan = Plan::new(&trace.lock().unwrap());
+    assert_ne!(plan.offset(0), plan.offset(1));
+    plan.check().unwrap();
+}

@@ -104,9 +104,10 @@ impl FrameMark {
 
 impl<B: ArenaBackend> Engine<B> {
     /// The owner id of the allocations made at `level` (0: the cycle itself, otherwise
-    /// the frame of that level) in a recorded trace. Distinct for every workspace and
-    /// level (ids below 2^48: one new workspace per nanosecond would take nine years to
-    /// reach that).
+    /// the frame of that level) in a recorded trace: the workspace's id with the level
+    /// above its low 48 bits. Distinct for every workspace and level while ids stay
+    /// below 2^48, which a plan group checks when a workspace joins (a process that
+    /// made 2^48 workspaces gets an error there, never a plan that confuses two).
     pub fn owner_at(&self, level: u32) -> u64 {
         (self.id & ((1 << LEVEL_SHIFT) - 1)) | u64::from(level) << LEVEL_SHIFT
     }

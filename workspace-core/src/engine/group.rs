@@ -110,6 +110,15 @@ impl<B: ArenaBackend> Engine<B> {
                     ),
                 });
             }
+            if self.id >> crate::plan::FRAME_LEVEL_SHIFT != 0 {
+                return Err(Error::InvalidConfig {
+                    reason: format!(
+                        "workspace '{}' has id {}: this process has made 2^48 workspaces, and the owners of a \
+                         plan group's traces (an id with a frame's level above it) would no longer be distinct",
+                        self.name, self.id
+                    ),
+                });
+            }
             if self.window.group.borrow().as_ref().is_some_and(|g| g.id() != group.id()) {
                 return Err(Error::InvalidConfig {
                     reason: format!("workspace '{}' is already a member of another plan group", self.name),

@@ -149,8 +149,8 @@ pub struct Engine<B: ArenaBackend> {
     recording: Cell<bool>,
     /// Where they are recorded.
     recorder: RefCell<Option<Arc<Mutex<Trace>>>>,
-    /// Events the trace could not take yet (its lock was held), in order.
-    unrecorded: RefCell<Vec<Event>>,
+    /// Events the trace could not take yet (its lock was held), with when they happened.
+    unrecorded: RefCell<Vec<(u64, Event)>>,
     /// Whether this workspace is a member of a plan group ([`crate::planned`]).
     grouped: Cell<bool>,
     /// The group and the planned windows of the open cycle.
@@ -415,7 +415,15 @@ impl<B: ArenaBackend> Engine<B> {
         self.require_closed("starting or stopping a recording")?;
         if !self.unrecorded.borrow().is_empty() {
             let recorder = self.recorder.borrow();
-            let taken = recorder.as_ref().is_some_and(|t| self.flush_into(t));
+            // Another thread may hold the lock for a moment: a few tries before giving up.
+            let taken = recorder.as_ref().is_some_and(|t| {
+                (0..1000).any(|_| {
+                    self.flush_into(t) || {
+                        std::thread::yield_now();
+                        false
+                    }
+                })
+            });
             if !taken {
                 return Err(Error::InvalidInput(format!(
                     "workspace '{}' recorded events while its trace was locked, and the trace is still locked: \
@@ -443,7 +451,7 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     pub(super) fn record(&self, event: Event) {
         if let Some(trace) = self.recorder.borrow().as_ref() {
-            self.unrecorded.borrow_mut().push(event);
+            self.unrecorded.borrow_mut().push((crate::plan::stamp(), event));
             self.flush_into(trace);
         }
     }
@@ -455,8 +463,8 @@ impl<B: ArenaBackend> Engine<B> {
             Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        for event in self.unrecorded.borrow_mut().drain(..) {
-            trace.push(event);
+        for (stamp, event) in self.unrecorded.borrow_mut().drain(..) {
+            trace.push_stamped(stamp, event);
         }
         true
     }
@@ -495,6 +503,10 @@ impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {
         if self.grouped.get() {
             self.forget_window();
+        }
+        if let Some(trace) = self.recorder.get_mut().take() {
+            // Events still waiting go in if the trace is free now (else they are lost).
+            self.flush_into(&trace);
         }
         self.release_spills();
         self.release_debug_blocks();
