@@ -53,38 +53,100 @@ fn is_cycle(owner: u64) -> bool {
 /// close of a cycle those of its frames as well. Each close takes exactly the lists it
 /// ends, so a trace costs O(its events) whatever it holds.
 struct Open<T> {
-    by_owner: HashMap<u64, Vec<T>>,
+    /// Every item added, with the index of the next item of its owner (`usize::MAX`
+    /// after the last): one list per owner, threaded through one vector.
+    items: Vec<(T, usize)>,
+    /// Per owner with items open, its list's first item, plus one.
+    heads: OwnerMap<usize>,
     /// Per cycle, the frames that held something open since it last closed (a frame may
     /// be listed again after its own close; its list is gone by then).
-    frames: HashMap<u64, Vec<u64>>,
+    frames: OwnerMap<Vec<u64>>,
 }
 
 impl<T> Default for Open<T> {
     fn default() -> Open<T> {
-        Open { by_owner: HashMap::new(), frames: HashMap::new() }
+        Open { items: Vec::new(), heads: OwnerMap::default(), frames: OwnerMap::default() }
     }
 }
 
-impl<T> Open<T> {
+impl<T: Copy> Open<T> {
     fn add(&mut self, owner: u64, item: T) {
-        let list = self.by_owner.entry(owner).or_default();
-        if list.is_empty() && !is_cycle(owner) {
-            self.frames.entry(cycle_of(owner)).or_default().push(owner);
+        let head = self.heads.entry(owner);
+        let first = *head == 0;
+        self.items.push((item, head.wrapping_sub(1)));
+        *head = self.items.len();
+        if first && !is_cycle(owner) {
+            self.frames.entry(cycle_of(owner)).push(owner);
         }
-        list.push(item);
     }
 
     /// Hands every item that the close of `closed` ends to `end`.
     fn close(&mut self, closed: u64, mut end: impl FnMut(T)) {
-        if let Some(list) = self.by_owner.remove(&closed) {
-            list.into_iter().for_each(&mut end);
-        }
-        if is_cycle(closed) {
-            for frame in self.frames.remove(&closed).unwrap_or_default() {
-                if let Some(list) = self.by_owner.remove(&frame) {
-                    list.into_iter().for_each(&mut end);
-                }
+        let mut take = |heads: &mut OwnerMap<usize>, owner: u64| {
+            let mut at = heads.remove(owner).map_or(usize::MAX, |head| head.wrapping_sub(1));
+            while let Some(&(item, next)) = self.items.get(at) {
+                end(item);
+                at = next;
             }
+        };
+        take(&mut self.heads, closed);
+        if is_cycle(closed) {
+            for frame in self.frames.remove(closed).unwrap_or_default() {
+                take(&mut self.heads, frame);
+            }
+        }
+    }
+}
+
+/// A map from owners: a list searched in order while small (an iteration has a few
+/// owners, and a scan of a few beats hashing), a hash map once it is not.
+enum OwnerMap<V> {
+    Small(Vec<(u64, V)>),
+    Large(HashMap<u64, V>),
+}
+
+impl<V> Default for OwnerMap<V> {
+    fn default() -> OwnerMap<V> {
+        OwnerMap::Small(Vec::new())
+    }
+}
+
+/// Owners a small map holds before it hashes.
+const SMALL_MAP: usize = 16;
+
+impl<V: Default> OwnerMap<V> {
+    /// The value of `owner`, made if it has none.
+    fn entry(&mut self, owner: u64) -> &mut V {
+        if let OwnerMap::Small(list) = self {
+            if list.len() >= SMALL_MAP && !list.iter().any(|(o, _)| *o == owner) {
+                *self = OwnerMap::Large(std::mem::take(list).into_iter().collect());
+            }
+        }
+        match self {
+            OwnerMap::Small(list) => match list.iter().position(|(o, _)| *o == owner) {
+                Some(at) => &mut list[at].1,
+                None => {
+                    list.push((owner, V::default()));
+                    &mut list.last_mut().expect("just pushed").1
+                }
+            },
+            OwnerMap::Large(map) => map.entry(owner).or_default(),
+        }
+    }
+
+    /// Takes `owner`'s value out.
+    fn remove(&mut self, owner: u64) -> Option<V> {
+        match self {
+            OwnerMap::Small(list) => list.iter().position(|(o, _)| *o == owner).map(|at| list.swap_remove(at).1),
+            OwnerMap::Large(map) => map.remove(&owner),
+        }
+    }
+
+    /// `owner`'s value, if it has one.
+    fn get(&self, owner: u64) -> Option<&V> {
+        match self {
+            OwnerMap::Small(list) => list.iter().find(|(o, _)| *o == owner).map(|(_, v)| v),
+            OwnerMap::Large(map) => map.get(&owner),
         }
     }
 }
@@ -250,14 +312,13 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
     /// A cycle's arena: its allocations in address order (end, dead) up to the last
     /// live one, its peak and its alignment.
     struct Arena {
-        cycle: u64,
         stack: Vec<(usize, bool)>,
         peak: usize,
         align: usize,
     }
     // Pass 1: each allocation's offset in its cycle's arena.
     let mut arenas: Vec<Arena> = Vec::new(); // first use first
-    let mut index: HashMap<u64, usize> = HashMap::new();
+    let mut index: OwnerMap<Option<usize>> = OwnerMap::default();
     // The live allocations, as (arena, position in its stack).
     let mut open = Open::default();
     let mut relative = vec![usize::MAX; events.len()];
@@ -265,8 +326,8 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
         match *event {
             Event::Alloc { owner, bytes, align } => {
                 let cycle = cycle_of(owner);
-                let at = *index.entry(cycle).or_insert_with(|| {
-                    arenas.push(Arena { cycle, stack: Vec::new(), peak: 0, align: 1 });
+                let at = *index.entry(cycle).get_or_insert_with(|| {
+                    arenas.push(Arena { stack: Vec::new(), peak: 0, align: 1 });
                     arenas.len() - 1
                 });
                 let arena = &mut arenas[at];
@@ -281,7 +342,7 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
             }
             Event::Close { owner } => {
                 open.close(owner, |(at, position)| arenas[at].stack[position].1 = true);
-                if let Some(&at) = index.get(&cycle_of(owner)) {
+                if let Some(&Some(at)) = index.get(cycle_of(owner)) {
                     // Dead allocations give their bytes back from the top only: one below a
                     // live allocation keeps them until that one dies, as in the engine. (A
                     // live allocation is never popped, so the positions above stay right.)
@@ -294,18 +355,22 @@ fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
         }
     }
     // Pass 2: the arenas end to end.
-    let mut bases: HashMap<u64, usize> = HashMap::new();
+    let mut bases = Vec::with_capacity(arenas.len());
     let mut total = 0usize;
     for arena in &arenas {
         let base = align_up(total, arena.align).unwrap_or(usize::MAX);
-        bases.insert(arena.cycle, base);
+        bases.push(base);
         total = base.saturating_add(arena.peak);
     }
     let offsets = events
         .iter()
         .zip(relative)
         .map(|(event, at)| match *event {
-            Event::Alloc { owner, .. } => bases[&cycle_of(owner)].saturating_add(at),
+            Event::Alloc { owner, .. } => {
+                let arena =
+                    index.get(cycle_of(owner)).copied().flatten().expect("every allocation's cycle has an arena");
+                bases[arena].saturating_add(at)
+            }
             Event::Close { .. } => usize::MAX,
         })
         .collect();
