@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 /// `value` rounded up to a multiple of `align` (any alignment, 0 taken as 1), saturating.
 fn align_up(value: usize, align: usize) -> Option<usize> {
     let align = align.max(1);
-    Some(value.div_ceil(align).saturating_mul(align))
+    value.div_ceil(align).checked_mul(align)
 }
 
 /// The bits of an owner above which a frame's level is kept: owner `id | level << 48`
@@ -200,10 +200,11 @@ impl PartialEq for Trace {
 
 impl Eq for Trace {}
 
-/// The next number of the process-wide sequence of recorded events.
-pub(crate) fn stamp() -> u64 {
+/// Reserves `n` consecutive numbers of the process-wide sequence of recorded events;
+/// returns the first.
+pub(crate) fn stamps(n: usize) -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    NEXT.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Trace {
@@ -214,21 +215,38 @@ impl Trace {
 
     /// A trace of `events`, in the order they happened.
     pub fn from_events(events: Vec<Event>) -> Trace {
-        let stamps = events.iter().map(|_| stamp()).collect();
+        let first = stamps(events.len());
+        let stamps = (first..).take(events.len()).collect();
         Trace { events, stamps }
     }
 
-    /// Records an event (as happening now).
+    /// Records an event (as happening now, after every event the trace holds).
     pub fn push(&mut self, event: Event) {
-        self.push_stamped(stamp(), event);
+        self.events.push(event);
+        self.stamps.push(stamps(1));
     }
 
-    /// Records an event that happened at `stamp` (from [`stamp`]), after every event of
-    /// the trace that happened before it.
-    pub(crate) fn push_stamped(&mut self, stamp: u64, event: Event) {
-        let at = self.stamps.iter().rposition(|&s| s < stamp).map_or(0, |i| i + 1);
-        self.events.insert(at, event);
-        self.stamps.insert(at, stamp);
+    /// Records events that happened at the stamps they carry (from [`stamps`], in
+    /// increasing order), each after every event of the trace that happened before it:
+    /// a merge of two ordered lists, O(the events after the first of them).
+    pub(crate) fn push_all_stamped(&mut self, batch: Vec<(u64, Event)>) {
+        let Some(&(first, _)) = batch.first() else { return };
+        let at = self.stamps.partition_point(|&s| s < first);
+        let later_events = self.events.split_off(at);
+        let later_stamps = self.stamps.split_off(at);
+        let mut later = later_stamps.into_iter().zip(later_events).peekable();
+        for (stamp, event) in batch {
+            while let Some((s, e)) = later.next_if(|&(s, _)| s < stamp) {
+                self.stamps.push(s);
+                self.events.push(e);
+            }
+            self.stamps.push(stamp);
+            self.events.push(event);
+        }
+        for (s, e) in later {
+            self.stamps.push(s);
+            self.events.push(e);
+        }
     }
 
     /// The events.
@@ -286,7 +304,7 @@ impl Trace {
                 (
                     Event::Alloc { owner, bytes, align },
                     Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
-                ) if owner == *last && align <= *run_align => {
+                ) if owner == *last && *run_align % align.max(1) == 0 => {
                     *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
                 }
                 _ => runs.push(event),
@@ -527,7 +545,8 @@ impl Plan {
         let placed: Vec<(Lifetime, usize)> =
             trace.lifetimes().into_iter().map(|l| (l, self.offsets[l.start])).collect();
         for (l, offset) in &placed {
-            if offset % l.align.max(1) != 0 || offset.saturating_add(l.bytes) > self.bytes {
+            let inside = offset.checked_add(l.bytes).is_some_and(|end| end <= self.bytes);
+            if *offset == usize::MAX || offset % l.align.max(1) != 0 || !inside {
                 return Err(format!("allocation at event {} placed at {offset}: {l:?}", l.start));
             }
         }
@@ -539,16 +558,30 @@ impl Plan {
 /// bytes `[low, high)`: an error names the first two that are live at once and share a
 /// byte.
 pub fn check_overlaps(intervals: impl Iterator<Item = (usize, usize, usize, usize)>) -> Result<(), String> {
+    use std::cmp::Reverse;
+    use std::collections::{BTreeMap, BinaryHeap};
     let mut all: Vec<(usize, usize, usize, usize)> = intervals.filter(|&(s, e, lo, hi)| s < e && lo < hi).collect();
     all.sort_unstable();
-    // Sweep over time; the live set is small, so a linear scan of it is enough.
-    let mut live: Vec<(usize, usize, usize, usize)> = Vec::new();
+    // Sweep over time. The live intervals, checked disjoint, by their low byte: a new one
+    // can only meet the live one that starts closest below its high byte. They leave in
+    // the order of their ends. O(n log n) whatever the number live at once.
+    let mut live: BTreeMap<usize, (usize, usize, usize, usize)> = BTreeMap::new();
+    let mut ends: BinaryHeap<Reverse<(usize, usize)>> = BinaryHeap::new();
     for a in all {
-        live.retain(|b| b.1 > a.0);
-        if let Some(b) = live.iter().find(|b| b.2 < a.3 && a.2 < b.3) {
-            return Err(format!("{a:?} and {b:?} are live at once and share bytes"));
+        while let Some(&Reverse((end, low))) = ends.peek() {
+            if end > a.0 {
+                break;
+            }
+            ends.pop();
+            live.remove(&low);
         }
-        live.push(a);
+        if let Some((_, b)) = live.range(..a.3).next_back() {
+            if a.2 < b.3 {
+                return Err(format!("{a:?} and {b:?} are live at once and share bytes"));
+            }
+        }
+        live.insert(a.2, a);
+        ends.push(Reverse((a.1, a.2)));
     }
     Ok(())
 }
@@ -903,7 +936,18 @@ mod tests {
         let plan = Plan::new(&t);
         assert_eq!(plan.bytes(), 16 * n as usize);
         assert_eq!(plan.lower_bound(), 16 * n as usize);
+        plan.check().unwrap(); // 200,000 allocations live at once
         assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn a_plan_beyond_the_address_space_never_checks() {
+        let t = Trace::from_events(vec![
+            Event::Alloc { owner: 1, bytes: usize::MAX, align: 1 },
+            Event::Alloc { owner: 1, bytes: 1, align: 1 },
+            Event::Close { owner: 1 },
+        ]);
+        assert!(Plan::new(&t).check().is_err());
     }
 
     #[test]

@@ -145,8 +145,10 @@ pub(crate) struct Script {
 
 impl Script {
     /// Plans the recorded `events`: runs (consecutive allocations of one owner) become
-    /// one block each, laid out as the owner's bump allocation lays them out.
-    fn new(key: u64, events: &[Event]) -> Script {
+    /// one block each, laid out as the owner's bump allocation lays them out. `None`
+    /// when no plan fits in the address space (sizes no allocation that succeeded
+    /// reaches; the iteration then stays unplanned).
+    fn new(key: u64, events: &[Event]) -> Option<Script> {
         let recorded = Trace::from_events(events.to_vec());
         let allocations = events.iter().filter(|e| matches!(e, Event::Alloc { .. })).count();
         let runs = recorded.runs();
@@ -161,13 +163,16 @@ impl Script {
             .enumerate()
             .map(|(i, event)| match *event {
                 Event::Alloc { owner, bytes, .. } => {
-                    let start = plan.offset(i).expect("every allocation of a plan has an offset");
-                    Step::Run { owner, start, end: start.saturating_add(bytes) }
+                    let start = plan.offset(i)?;
+                    Some(Step::Run { owner, start, end: start.checked_add(bytes)? })
                 }
-                Event::Close { owner } => Step::Close { owner },
+                Event::Close { owner } => Some(Step::Close { owner }),
             })
-            .collect();
-        Script {
+            .collect::<Option<Vec<Step>>>()?;
+        if plan.bytes() == usize::MAX {
+            return None;
+        }
+        Some(Script {
             key,
             steps,
             bytes: plan.bytes(),
@@ -178,7 +183,7 @@ impl Script {
             planning: plan.planning_time(),
             stale: false,
             last_used: 0,
-        }
+        })
     }
 }
 
@@ -287,7 +292,12 @@ impl<B: ArenaBackend> GroupState<B> {
         let mut on_plan = false;
         match self.mode {
             Mode::Recording if !self.truncated && !self.events.is_empty() => {
-                let script = Script::new(self.key, &self.events);
+                let Some(script) = Script::new(self.key, &self.events) else {
+                    self.stats.recorded_iterations += 1;
+                    self.events.clear();
+                    self.mode = Mode::Idle;
+                    return false;
+                };
                 self.stats.plans += 1;
                 self.stats.recorded_iterations += 1;
                 let index = match self.plans.iter().position(|p| p.key == self.key) {

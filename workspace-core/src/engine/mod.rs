@@ -451,7 +451,7 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     pub(super) fn record(&self, event: Event) {
         if let Some(trace) = self.recorder.borrow().as_ref() {
-            self.unrecorded.borrow_mut().push((crate::plan::stamp(), event));
+            self.unrecorded.borrow_mut().push((crate::plan::stamps(1), event));
             self.flush_into(trace);
         }
     }
@@ -463,9 +463,7 @@ impl<B: ArenaBackend> Engine<B> {
             Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        for (stamp, event) in self.unrecorded.borrow_mut().drain(..) {
-            trace.push_stamped(stamp, event);
-        }
+        trace.push_all_stamped(std::mem::take(&mut *self.unrecorded.borrow_mut()));
         true
     }
 
