@@ -264,23 +264,26 @@ fn members_are_the_groups_own_and_circular_workspaces_cannot_join() {
     assert!(matches!(group.leave(&a), Err(Error::InvalidInput(_))));
 }
 
+/// An iteration of `key` in which `ws` alone allocates once; whether it ran on its plan.
+fn iteration_of(group: &PlanGroup, ws: &Workspace, key: u64) -> bool {
+    group.start_iteration(key).unwrap();
+    {
+        let s = ws.enter().unwrap();
+        let _x = s.filled::<u8, _>(256, 1).unwrap();
+    }
+    group.finish_iteration().unwrap()
+}
+
 #[test]
 fn a_cycle_open_across_iterations_blocks_the_next_plan_without_spoiling_it() {
     let group = PlanGroup::new("G");
     let a = group.workspace("A", &config()).unwrap();
     let b = group.workspace("B", &config()).unwrap();
-    let only = |ws: &Workspace, key: u64| {
-        group.start_iteration(key).unwrap();
-        {
-            let s = ws.enter().unwrap();
-            let _x = s.filled::<u8, _>(256, 1).unwrap();
-        }
-        group.finish_iteration().unwrap()
-    };
+    let only = |ws: &Workspace, key: u64| iteration_of(&group, ws, key);
     only(&a, 0); // recorded
     only(&b, 1); // recorded
-                 // A's cycle holds its window over the end of its iteration (which therefore left
-                 // its plan), into an iteration of B's shape.
+                 // A's cycle holds its window over the end of its iteration (which therefore left its
+                 // plan), into an iteration of B's shape.
     group.start_iteration(0).unwrap();
     let s = a.enter().unwrap();
     let x = s.filled::<u8, _>(256, 2).unwrap();
@@ -302,14 +305,7 @@ fn a_member_dropped_with_its_window_held_does_not_block_the_group_for_good() {
     let a = Workspace::new("A", config()).unwrap();
     group.join(&a).unwrap();
     let b = group.workspace("B", &config()).unwrap();
-    let only = |ws: &Workspace, key: u64| {
-        group.start_iteration(key).unwrap();
-        {
-            let s = ws.enter().unwrap();
-            let _x = s.filled::<u8, _>(128, 1).unwrap();
-        }
-        group.finish_iteration().unwrap()
-    };
+    let only = |ws: &Workspace, key: u64| iteration_of(&group, ws, key);
     only(&a, 0); // recorded: a run of A
     only(&b, 1); // recorded: a run of B
                  // A's cycle opens raw (no scope, never closed), takes its window, and A goes.

@@ -155,13 +155,8 @@ impl<B: ArenaBackend> Engine<B> {
         };
         match state.mode {
             Mode::Idle => self.fast_limit.set(fast_limit),
-            Mode::Replaying { index } => {
-                if let Some(&Step::Run { owner, start, end }) = state.plans[index].steps.get(state.pos) {
-                    if owner == self.owner() {
-                        state.pos += 1;
-                        self.open_window(&mut state, start, end, owner);
-                    }
-                }
+            Mode::Replaying { .. } => {
+                self.take_run(&mut state, self.owner());
             }
             Mode::Recording | Mode::OffPlan => {}
         }
@@ -204,15 +199,10 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(placed) = self.place_in_window(size, align, owner)? {
             return Ok(placed);
         }
-        if let Mode::Replaying { index } = state.mode {
-            let step = state.plans[index].steps.get(state.pos).copied();
-            if let Some(Step::Run { owner: planned, start, end }) = step {
-                if planned == owner {
-                    state.pos += 1;
-                    self.open_window(state, start, end, owner);
-                    if let Some(placed) = self.place_in_window(size, align, owner)? {
-                        return Ok(placed);
-                    }
+        if let Mode::Replaying { .. } = state.mode {
+            if self.take_run(state, owner) {
+                if let Some(placed) = self.place_in_window(size, align, owner)? {
+                    return Ok(placed);
                 }
             }
             state.diverge();
@@ -220,6 +210,20 @@ impl<B: ArenaBackend> Engine<B> {
         // Off the plan: a spill block of this member's own, never planned bytes.
         self.close_window();
         self.spill(size, align)
+    }
+
+    /// While replaying: when the plan's next step is a run of `owner`, takes it and
+    /// opens its window. Whether it did.
+    fn take_run(&self, state: &mut GroupState<B>, owner: u64) -> bool {
+        let Mode::Replaying { index } = state.mode else { return false };
+        match state.plans[index].steps.get(state.pos).copied() {
+            Some(Step::Run { owner: planned, start, end }) if planned == owner => {
+                state.pos += 1;
+                self.open_window(state, start, end, owner);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Places `size` bytes in the open window, if it is `owner`'s and has room.
