@@ -100,21 +100,28 @@ pub const DEFAULT_PLANS: usize = 8;
 /// finished does not grow without bound.
 pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
 
+thread_local! {
+    /// The calling thread's [`thread_token`]; 0 until it first asks.
+    static TOKEN: Cell<u64> = const { Cell::new(0) };
+}
+
 /// A number for the calling thread, unique over the process's life.
-#[inline]
+#[inline(always)]
 pub(crate) fn thread_token() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local! {
-        static TOKEN: Cell<u64> = const { Cell::new(0) };
-    }
-    TOKEN.with(|token| match token.get() {
-        0 => {
-            let fresh = NEXT.fetch_add(1, Ordering::Relaxed);
-            token.set(fresh);
-            fresh
-        }
+    match TOKEN.get() {
+        0 => fresh_thread_token(),
         known => known,
-    })
+    }
+}
+
+/// The calling thread's first [`thread_token`].
+#[cold]
+#[inline(never)]
+fn fresh_thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let fresh = NEXT.fetch_add(1, Ordering::Relaxed);
+    TOKEN.set(fresh);
+    fresh
 }
 
 /// One step of a plan's replay.
@@ -288,7 +295,23 @@ impl<B: ArenaBackend> GroupState<B> {
 
     /// Ends the current iteration: plans a recording, counts a replay. Returns whether
     /// the iteration was replayed to its end on its plan.
+    #[inline]
     fn finish(&mut self) -> bool {
+        if let Mode::Replaying { index } = self.mode {
+            // The common case first (a replay records no events).
+            if self.pos == self.plans[index].steps.len() {
+                self.stats.planned_iterations += 1;
+                self.mode = Mode::Idle;
+                return true;
+            }
+        }
+        self.finish_general()
+    }
+
+    /// [`GroupState::finish`] but for a replay that reached the end of its plan.
+    #[cold]
+    #[inline(never)]
+    fn finish_general(&mut self) -> bool {
         let mut on_plan = false;
         match self.mode {
             Mode::Recording if !self.truncated && !self.events.is_empty() => {
@@ -378,7 +401,11 @@ impl<B: ArenaBackend> GroupState<B> {
         }
         self.key = key;
         self.pos = 0;
-        let found = self.plans.iter().position(|p| p.key == key);
+        let found = match self.shown {
+            // Most iterations have the shape of the one before.
+            Some(index) if self.plans[index].key == key => Some(index),
+            _ => self.plans.iter().position(|p| p.key == key),
+        };
         match found {
             Some(_) if self.live > 0 => {
                 // A member's cycle still holds a window of the last iteration: planned

@@ -136,8 +136,7 @@ impl<B: ArenaBackend> Engine<B> {
             // A cycle counts whole multiples of the alignment wherever it ran (the last
             // allocation may end unpadded at the end of an arena capped by `max_size`).
             let bytes = (self.cursor.get() + self.align_mask) & !self.align_mask;
-            self.counters.peak.set(self.counters.peak.get().max(bytes));
-            self.counters.last_cycle_bytes.set(bytes);
+            self.count_cycle(bytes, bytes);
             self.cursor.set(0);
             self.fast_limit.set(0);
             if self.learning.left.get() > 0 && bytes > 0 {
@@ -148,9 +147,19 @@ impl<B: ArenaBackend> Engine<B> {
         self.close_cycle_general();
     }
 
+    /// Counts a cycle that held `in_use` bytes at most and needs `bytes` of arena.
+    #[inline(always)]
+    pub(super) fn count_cycle(&self, in_use: usize, bytes: usize) {
+        self.counters.peak.set(self.counters.peak.get().max(in_use));
+        self.counters.last_cycle_bytes.set(bytes);
+    }
+
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
+        if self.plain_member.get() && self.close_replayed() {
+            return;
+        }
         if self.recording.get() {
             self.record(crate::plan::Event::Close { owner: self.owner() });
         }
@@ -159,8 +168,7 @@ impl<B: ArenaBackend> Engine<B> {
         }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.in_use.get();
-        self.counters.peak.set(self.counters.peak.get().max(in_use));
-        self.counters.last_cycle_bytes.set(bytes);
+        self.count_cycle(in_use, bytes);
         if self.config.timeline_len() > 0 {
             self.record_timeline(bytes);
         }

@@ -26,8 +26,6 @@ pub(super) struct Window<B: ArenaBackend> {
     end: std::cell::Cell<usize>,
     /// The owner whose run the open window is (the cycle, or one of its frames).
     owner: std::cell::Cell<u64>,
-    /// Alignment of the group arena's base.
-    align: std::cell::Cell<usize>,
     /// The group arena's base, from the first window of the cycle to its end.
     base: std::cell::Cell<Option<<B::Block as Block>::Base>>,
     /// The own arena's cursor while a window is open.
@@ -47,7 +45,6 @@ impl<B: ArenaBackend> Window<B> {
             start: std::cell::Cell::new(0),
             end: std::cell::Cell::new(0),
             owner: std::cell::Cell::new(0),
-            align: std::cell::Cell::new(1),
             base: std::cell::Cell::new(None),
             own_cursor: std::cell::Cell::new(0),
             used: std::cell::Cell::new(0),
@@ -68,6 +65,7 @@ struct Regions {
 }
 
 impl Regions {
+    #[inline]
     fn push(&self, start: usize, end: usize) {
         if self.first.get().is_none() {
             self.first.set(Some((start, end)));
@@ -77,6 +75,7 @@ impl Regions {
         }
     }
 
+    #[inline]
     fn clear(&self) {
         self.first.set(None);
         if self.has_more.replace(false) {
@@ -153,12 +152,10 @@ impl<B: ArenaBackend> Engine<B> {
             self.fast_limit.set(fast_limit);
             return;
         };
-        match state.mode {
-            Mode::Idle => self.fast_limit.set(fast_limit),
-            Mode::Replaying { .. } => {
-                self.take_run(&mut state, self.owner());
-            }
-            Mode::Recording | Mode::OffPlan => {}
+        if let Mode::Replaying { .. } = state.mode {
+            self.take_run(&mut state, self.owner());
+        } else if state.mode == Mode::Idle {
+            self.fast_limit.set(fast_limit);
         }
     }
 
@@ -196,12 +193,12 @@ impl<B: ArenaBackend> Engine<B> {
     /// replayed iteration: in the open window when it is `owner`'s, in the window of the
     /// next step when that step is `owner`'s run, and otherwise off the plan.
     fn alloc_planned(&self, state: &mut GroupState<B>, size: usize, align: usize, owner: u64) -> Result<Placed<B>> {
-        if let Some(placed) = self.place_in_window(size, align, owner)? {
+        if let Some(placed) = self.place_in_window(size, align, owner, state.base_align)? {
             return Ok(placed);
         }
         if let Mode::Replaying { .. } = state.mode {
             if self.take_run(state, owner) {
-                if let Some(placed) = self.place_in_window(size, align, owner)? {
+                if let Some(placed) = self.place_in_window(size, align, owner, state.base_align)? {
                     return Ok(placed);
                 }
             }
@@ -226,10 +223,11 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    /// Places `size` bytes in the open window, if it is `owner`'s and has room.
-    fn place_in_window(&self, size: usize, align: usize, owner: u64) -> Result<Option<Placed<B>>> {
+    /// Places `size` bytes in the open window, if it is `owner`'s and has room (and
+    /// `align` is no more than `base_align`, the group arena's base alignment).
+    fn place_in_window(&self, size: usize, align: usize, owner: u64, base_align: usize) -> Result<Option<Placed<B>>> {
         let end = self.window.end.get();
-        if end == 0 || align > self.window.align.get() || owner != self.window.owner.get() {
+        if end == 0 || align > base_align || owner != self.window.owner.get() {
             return Ok(None);
         }
         let Some(start) = align_up(self.cursor.get(), align) else { return Ok(None) };
@@ -257,14 +255,15 @@ impl<B: ArenaBackend> Engine<B> {
     fn open_window(&self, state: &mut GroupState<B>, start: usize, end: usize, owner: u64) {
         self.close_window();
         if !self.window.holds.replace(true) {
+            // The cycle's first window. The arena stays where it is while the cycle
+            // holds one (it is replaced only while no member holds a window).
             state.live += 1;
+            self.window.base.set(state.base);
         }
         self.window.own_cursor.set(self.cursor.get());
         self.window.start.set(start);
         self.window.end.set(end);
         self.window.owner.set(owner);
-        self.window.align.set(state.base_align);
-        self.window.base.set(state.base);
         self.window.regions.push(start, end);
         self.cursor.set(start);
         // `cursor` counts in the group's arena now: no fast path may go on serving the
@@ -325,9 +324,53 @@ impl<B: ArenaBackend> Engine<B> {
         }
         // Off the group's thread `live` stays counted: the group never replays from the
         // top again, which is safe.
+        self.end_windows();
+    }
+
+    /// The cycle's windows are given back (after `live` counted it).
+    #[inline]
+    fn end_windows(&self) {
         self.window.holds.set(false);
         self.window.regions.clear();
         self.window.base.set(None);
+    }
+
+    /// The end of a member's cycle in a replay's common case, on a short path: the cycle
+    /// ran in its window (nothing spilled, no frame, no learning left; `plain_member`:
+    /// no debug mode, timeline or recording) and the plan's next step is its close. Does
+    /// what `close_cycle_general` does then and returns true; in any other case does
+    /// nothing and returns false.
+    #[inline]
+    pub(super) fn close_replayed(&self) -> bool {
+        if self.window.end.get() == 0
+            || self.virtual_cursor.get().is_some()
+            || self.frames.used.get()
+            || self.learning.left.get() > 0
+        {
+            return false;
+        }
+        {
+            let group = self.window.group.borrow();
+            let Some(mut state) = group.as_ref().and_then(|g| g.state()) else { return false };
+            if !Self::takes_close(&mut state, self.owner()) {
+                return false;
+            }
+            if self.window.holds.get() {
+                state.live -= 1;
+            }
+        }
+        // `close_window`, `cycle_bytes` and the reset, for this case: the own arena
+        // (`open_start` is 0) holds what was allocated before the window opened.
+        let in_use =
+            self.window.own_cursor.get() + self.window.used.get() + (self.cursor.get() - self.window.start.get());
+        self.count_cycle(in_use, align_up(in_use, self.min_align).unwrap_or(usize::MAX));
+        self.window.end.set(0);
+        self.window.used.set(0);
+        self.end_windows();
+        self.cursor.set(0);
+        self.fast_base.set(self.arena_base.get());
+        self.fast_limit.set(0);
+        true
     }
 
     /// A member dropped while its cycle holds a window (a raw `enter` never closed): the
@@ -353,14 +396,26 @@ impl<B: ArenaBackend> Engine<B> {
     /// The close of `owner` in `state`.
     #[inline]
     fn step(state: &mut GroupState<B>, owner: u64) {
-        if let Mode::Replaying { index } = state.mode {
-            // The common case first: the plan's next step is this close.
-            match state.plans[index].steps.get(state.pos) {
-                Some(&Step::Close { owner: planned }) if planned == owner => state.pos += 1,
-                _ => state.diverge(),
+        if let Mode::Replaying { .. } = state.mode {
+            if !Self::takes_close(state, owner) {
+                state.diverge();
             }
         } else if state.mode == Mode::Recording {
             state.record(Event::Close { owner });
+        }
+    }
+
+    /// While replaying: when the plan's next step is the close of `owner`, takes it.
+    /// Whether it did.
+    #[inline(always)]
+    fn takes_close(state: &mut GroupState<B>, owner: u64) -> bool {
+        let Mode::Replaying { index } = state.mode else { return false };
+        match state.plans[index].steps.get(state.pos) {
+            Some(&Step::Close { owner: planned }) if planned == owner => {
+                state.pos += 1;
+                true
+            }
+            _ => false,
         }
     }
 

@@ -112,6 +112,9 @@ pub struct Engine<B: ArenaBackend> {
     /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
     /// closes on the short path.
     plain_close: Cell<bool>,
+    /// As `plain_close`, for a member of a plan group: a replayed cycle that ran in its
+    /// windows closes on the short path ([`Engine::close_replayed`]).
+    plain_member: Cell<bool>,
     id: u64,
     name: Arc<str>,
     config: WorkspaceConfig,
@@ -236,6 +239,7 @@ impl<B: ArenaBackend> Engine<B> {
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
             plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
+            plain_member: Cell::new(false),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             fast_base: Cell::new(None),
@@ -467,16 +471,15 @@ impl<B: ArenaBackend> Engine<B> {
         true
     }
 
-    /// The short close path is taken only without a debug mode, a timeline, a
-    /// recording or a plan group.
+    /// The short close paths are taken only without a debug mode, a timeline or a
+    /// recording: `plain_close` outside a plan group, `plain_member` inside one.
     fn refresh_plain_close(&self) {
-        self.plain_close.set(
-            !self.debug.on.get()
-                && !self.recording.get()
-                && !self.grouped.get()
-                && self.config.reset() == ResetPolicy::BlockLeft
-                && self.config.timeline_len() == 0,
-        );
+        let plain = !self.debug.on.get()
+            && !self.recording.get()
+            && self.config.reset() == ResetPolicy::BlockLeft
+            && self.config.timeline_len() == 0;
+        self.plain_close.set(plain && !self.grouped.get());
+        self.plain_member.set(plain && self.grouped.get());
     }
 
     fn require_closed(&self, action: &'static str) -> Result<()> {
