@@ -174,8 +174,9 @@ impl Variant for Carve {
 
 /// carve planned (`WorkspaceMode::Planned`'s machinery): one member of a plan group,
 /// each iteration started and finished on the group, so that after the recorded first
-/// iteration every allocation comes from a window of the planned arena. The slice API
-/// as `carve`; the iteration's start and finish are counted in its time.
+/// iteration every allocation comes from a window of the planned arena, which is
+/// reserved at `carve`'s initial size (16 MB, so that both serve from huge pages). The
+/// slice API as `carve`; the iteration's start and finish are counted in its time.
 struct CarvePlanned(carve::workspace_core::planned::PlanGroup, std::rc::Rc<Workspace>);
 impl Variant for CarvePlanned {
     fn name(&self) -> &'static str {
@@ -204,6 +205,8 @@ fn carve_planned() -> CarvePlanned {
         .build()
         .expect("valid configuration");
     let member = group.workspace("BENCH_PLANNED_MEMBER", &config).expect("workspace");
+    // The arena `carve` has (its initial size), so that both serve from huge pages.
+    group.reserve(16 << 20).expect("arena");
     CarvePlanned(group, member)
 }
 

@@ -137,7 +137,7 @@ pub(crate) enum Step {
 #[derive(Debug)]
 pub(crate) struct Script {
     key: u64,
-    pub(crate) steps: Vec<Step>,
+    pub(crate) steps: Arc<[Step]>,
     bytes: usize,
     /// The largest alignment of any allocation: the arena's base alignment.
     align: usize,
@@ -175,7 +175,7 @@ impl Script {
                 }
                 Event::Close { owner } => Some(Step::Close { owner }),
             })
-            .collect::<Option<Vec<Step>>>()?;
+            .collect::<Option<Arc<[Step]>>>()?;
         if plan.bytes() == usize::MAX {
             return None;
         }
@@ -269,8 +269,10 @@ pub(crate) struct GroupState<B: ArenaBackend> {
     pub(crate) plans: Vec<Script>,
     capacity: usize,
     clock: u64,
-    /// The plan whose figures the statistics show.
+    /// The plan whose figures the statistics show: the one used last.
     shown: Option<usize>,
+    /// The steps of plan `shown` (the one a replay follows), at hand.
+    pub(crate) steps: Arc<[Step]>,
     stats: PlannedStats,
 }
 
@@ -299,7 +301,8 @@ impl<B: ArenaBackend> GroupState<B> {
     fn finish(&mut self) -> bool {
         if let Mode::Replaying { index } = self.mode {
             // The common case first (a replay records no events).
-            if self.pos == self.plans[index].steps.len() {
+            debug_assert!(self.shown == Some(index));
+            if self.pos == self.steps.len() {
                 self.stats.planned_iterations += 1;
                 self.mode = Mode::Idle;
                 return true;
@@ -344,14 +347,14 @@ impl<B: ArenaBackend> GroupState<B> {
                 };
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
-                self.shown = Some(index);
+                self.show(index);
                 // The memory is there once the shape has been seen (a failure is
                 // reported by the start that needs it).
                 let _ = self.fit_arena(index);
             }
             Mode::Recording => self.stats.recorded_iterations += 1,
-            Mode::Replaying { index } => {
-                if self.pos == self.plans[index].steps.len() {
+            Mode::Replaying { .. } => {
+                if self.pos == self.steps.len() {
                     self.stats.planned_iterations += 1;
                     on_plan = true;
                 } else {
@@ -365,6 +368,12 @@ impl<B: ArenaBackend> GroupState<B> {
         self.truncated = false;
         self.mode = Mode::Idle;
         on_plan
+    }
+
+    /// Makes `plans[index]` the plan shown and replayed.
+    fn show(&mut self, index: usize) {
+        self.shown = Some(index);
+        self.steps = self.plans[index].steps.clone();
     }
 
     /// Grows the arena to hold `plans[index]`, if it does not. Only while no member
@@ -382,11 +391,20 @@ impl<B: ArenaBackend> GroupState<B> {
     #[cold]
     fn grow_arena(&mut self, index: usize) -> std::result::Result<(), crate::error::BackendError> {
         let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
+        self.grow_to(bytes, align)?;
+        self.stats.arena_lower_bound_bytes = self.plans[index].lower_bound;
+        Ok(())
+    }
+
+    /// Replaces the arena with one of at least `bytes` (and of the bytes it has now),
+    /// its base aligned to `align` (and to what it is aligned to now). Only while no
+    /// member holds a window.
+    fn grow_to(&mut self, bytes: usize, align: usize) -> std::result::Result<(), crate::error::BackendError> {
+        debug_assert_eq!(self.live, 0);
         let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align.max(self.base_align))?;
         self.base = Some(block.base());
         self.base_align = align.max(self.base_align);
         self.arena_bytes = block.len();
-        self.stats.arena_lower_bound_bytes = self.plans[index].lower_bound;
         if let Some(old) = self.arena.replace(block) {
             self.backend.release(old);
         }
@@ -395,7 +413,26 @@ impl<B: ArenaBackend> GroupState<B> {
 
     /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
     /// member holds a window of the last iteration), records it otherwise.
+    #[inline]
     fn start(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
+        // The common case first: after a finished iteration, the same key again. (The
+        // plan shown is the one used last, so the cache's order of use stays as it is.)
+        if let (Mode::Idle, 0, Some(index)) = (self.mode, self.live, self.shown) {
+            let plan = &self.plans[index];
+            if plan.key == key && !plan.stale && plan.bytes <= self.arena_bytes && plan.align <= self.base_align {
+                self.key = key;
+                self.pos = 0;
+                self.mode = Mode::Replaying { index };
+                return Ok(());
+            }
+        }
+        self.start_general(key)
+    }
+
+    /// [`GroupState::start`] in every case.
+    #[cold]
+    #[inline(never)]
+    fn start_general(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
         if self.mode != Mode::Idle {
             let _ = self.finish();
         }
@@ -418,7 +455,7 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.fit_arena(index)?;
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
-                self.shown = Some(index);
+                self.show(index);
                 self.mode = Mode::Replaying { index };
             }
             _ => self.mode = Mode::Recording,
@@ -485,6 +522,7 @@ impl<B: ArenaBackend> GroupShared<B> {
                 capacity: capacity.max(1),
                 clock: 0,
                 shown: None,
+                steps: Arc::from([]),
                 stats: PlannedStats::default(),
             }),
         }
@@ -628,6 +666,32 @@ impl PlanGroup {
     /// [`Error::InvalidInput`] when called from inside a member's allocation.
     pub fn finish_iteration(&self) -> Result<bool> {
         Ok(self.state()?.finish())
+    }
+
+    /// Makes the group's arena at least `bytes` long now, as
+    /// [`WorkspaceConfig`]'s initial size does for a workspace: plans up to that size
+    /// then need no growth, and an arena of a huge page or more is backed by huge pages
+    /// (see [`HostBackend`]). The arena never shrinks; plans larger than it still grow it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] while a member's open cycle holds a window of the arena
+    /// (close it first), or when called from inside a member's allocation;
+    /// [`Error::Backend`] when the memory cannot be had (the arena is then unchanged).
+    pub fn reserve(&self, bytes: usize) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(Error::InvalidInput(format!(
+                "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
+                 members' scopes first",
+                self.shared.name
+            )));
+        }
+        if bytes <= state.arena_bytes {
+            return Ok(());
+        }
+        let align = state.base_align;
+        state.grow_to(bytes, align).map_err(|source| Error::Backend { workspace: self.shared.name.clone(), source })
     }
 
     /// Bytes of the plan of the current (or last) iteration (0 before the first plan).

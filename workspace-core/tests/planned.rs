@@ -282,8 +282,9 @@ fn a_cycle_open_across_iterations_blocks_the_next_plan_without_spoiling_it() {
     let only = |ws: &Workspace, key: u64| iteration_of(&group, ws, key);
     only(&a, 0); // recorded
     only(&b, 1); // recorded
-                 // A's cycle holds its window over the end of its iteration (which therefore left its
-                 // plan), into an iteration of B's shape.
+
+    // A's cycle holds its window over the end of its iteration (which therefore left its
+    // plan), into an iteration of B's shape.
     group.start_iteration(0).unwrap();
     let s = a.enter().unwrap();
     let x = s.filled::<u8, _>(256, 2).unwrap();
@@ -308,7 +309,8 @@ fn a_member_dropped_with_its_window_held_does_not_block_the_group_for_good() {
     let only = |ws: &Workspace, key: u64| iteration_of(&group, ws, key);
     only(&a, 0); // recorded: a run of A
     only(&b, 1); // recorded: a run of B
-                 // A's cycle opens raw (no scope, never closed), takes its window, and A goes.
+
+    // A's cycle opens raw (no scope, never closed), takes its window, and A goes.
     group.start_iteration(0).unwrap();
     a.engine().enter().unwrap();
     drop(a);
@@ -316,4 +318,88 @@ fn a_member_dropped_with_its_window_held_does_not_block_the_group_for_good() {
     // B's plan replays: nothing holds a window any more.
     assert!(only(&b, 1), "B's iteration replayed on its plan");
     assert_eq!(group.stats().blocked_iterations, 0);
+}
+
+#[test]
+fn a_reserved_arena_serves_plans_up_to_its_size_without_growing() {
+    let group = PlanGroup::new("G");
+    let ws = group.workspace("A", &config()).unwrap();
+    group.reserve(0).unwrap();
+    assert_eq!(group.capacity(), 0, "nothing to reserve");
+    group.reserve(1 << 20).unwrap();
+    let reserved = group.capacity();
+    assert!(reserved >= 1 << 20, "{reserved}");
+    for _ in 0..3 {
+        iteration_of(&group, &ws, 0);
+    }
+    let stats = group.stats();
+    assert_eq!((stats.plans, stats.planned_iterations), (1, 2));
+    assert_eq!(stats.arena_bytes, reserved, "the plan fits: the arena stayed");
+    assert_eq!(stats.plan_bytes, 256);
+    // The arena never shrinks; a request that cannot be had is a typed error and
+    // changes nothing.
+    group.reserve(4096).unwrap();
+    assert_eq!(group.capacity(), reserved);
+    assert!(matches!(group.reserve(usize::MAX), Err(Error::Backend { .. })));
+    assert_eq!(group.capacity(), reserved);
+    assert!(iteration_of(&group, &ws, 0), "still replays");
+    // Not while a member's cycle holds part of the arena.
+    group.start_iteration(0).unwrap();
+    let s = ws.enter().unwrap();
+    let x = s.filled::<u8, _>(256, 3).unwrap();
+    let held = group.reserve(8 << 20).unwrap_err();
+    assert!(matches!(held, Error::InvalidInput(_)), "{held}");
+    assert!(held.to_string().contains("holds part of it"), "{held}");
+    assert!(x.iter().all(|&v| v == 3));
+    drop(s);
+    group.finish_iteration().unwrap();
+    group.reserve(8 << 20).unwrap();
+    assert!(group.capacity() >= 8 << 20);
+    assert!(iteration_of(&group, &ws, 0), "the plan replays in the new arena");
+}
+
+#[test]
+fn a_replayed_cycle_is_counted_alike_on_the_short_and_the_general_close() {
+    // A timeline sends a member's close down the general path; without one, a replayed
+    // cycle closes on the short path. Both count the cycle the same way.
+    let counted = |timeline: usize| {
+        let group = PlanGroup::new("G");
+        let config = WorkspaceConfig::builder()
+            .learning(LearningPolicy::None)
+            .spill(SpillPolicy::External)
+            .initial_size(4096)
+            .timeline_len(timeline)
+            .build()
+            .unwrap();
+        let ws = group.workspace("A", &config).unwrap();
+        for round in 0..4 {
+            group.start_iteration(0).unwrap();
+            {
+                let s = ws.enter().unwrap();
+                let _a = s.filled::<u8, _>(100 + round, 1).unwrap();
+                let _b = s.filled::<f64, _>(30, 2.0).unwrap();
+            }
+            group.finish_iteration().unwrap();
+            if round == 0 {
+                // What the replays count, without the recorded round's figures.
+                ws.reset_peak();
+            }
+        }
+        let stats = ws.stats();
+        (
+            stats.peak_bytes,
+            stats.last_cycle_bytes,
+            stats.bytes_in_use,
+            stats.cycles,
+            ws.engine().cursor(),
+            group.stats().planned_iterations,
+        )
+    };
+    let short = counted(0);
+    assert_eq!(short, counted(8));
+    // Rounds 1..3 replay the plan (100..103 B fit the 128 B planned for 100 B: sizes
+    // are padded to the 64 B alignment unit).
+    assert_eq!(short.5, 3);
+    assert_eq!((short.1, short.2, short.4), (128 + 256, 0, 0));
+    assert_eq!(short.0, 128 + 256);
 }

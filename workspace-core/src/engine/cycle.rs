@@ -144,7 +144,18 @@ impl<B: ArenaBackend> Engine<B> {
             }
             return;
         }
-        self.close_cycle_general();
+        self.close_cycle_slow();
+    }
+
+    /// The end of a cycle that the plain close does not serve: a plan group's member's
+    /// replayed cycle on its own short path (whose registers only it saves), anything
+    /// else on the general one.
+    #[cold]
+    #[inline(never)]
+    fn close_cycle_slow(&self) {
+        if !(self.plain_member.get() && self.close_replayed()) {
+            self.close_cycle_general();
+        }
     }
 
     /// Counts a cycle that held `in_use` bytes at most and needs `bytes` of arena.
@@ -157,9 +168,6 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        if self.plain_member.get() && self.close_replayed() {
-            return;
-        }
         if self.recording.get() {
             self.record(crate::plan::Event::Close { owner: self.owner() });
         }

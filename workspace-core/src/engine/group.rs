@@ -212,8 +212,8 @@ impl<B: ArenaBackend> Engine<B> {
     /// While replaying: when the plan's next step is a run of `owner`, takes it and
     /// opens its window. Whether it did.
     fn take_run(&self, state: &mut GroupState<B>, owner: u64) -> bool {
-        let Mode::Replaying { index } = state.mode else { return false };
-        match state.plans[index].steps.get(state.pos).copied() {
+        let Mode::Replaying { .. } = state.mode else { return false };
+        match state.steps.get(state.pos).copied() {
             Some(Step::Run { owner: planned, start, end }) if planned == owner => {
                 state.pos += 1;
                 self.open_window(state, start, end, owner);
@@ -409,8 +409,8 @@ impl<B: ArenaBackend> Engine<B> {
     /// Whether it did.
     #[inline(always)]
     fn takes_close(state: &mut GroupState<B>, owner: u64) -> bool {
-        let Mode::Replaying { index } = state.mode else { return false };
-        match state.plans[index].steps.get(state.pos) {
+        let Mode::Replaying { .. } = state.mode else { return false };
+        match state.steps.get(state.pos) {
             Some(&Step::Close { owner: planned }) if planned == owner => {
                 state.pos += 1;
                 true
