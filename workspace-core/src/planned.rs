@@ -631,13 +631,27 @@ impl PlanGroup {
         self.members.borrow().clone()
     }
 
+    #[inline]
     fn state(&self) -> Result<RefMut<'_, GroupState<HostBackend>>> {
-        self.shared.state().ok_or_else(|| {
-            Error::InvalidInput(format!(
-                "plan group '{}' is busy (used from inside a member's allocation)",
-                self.shared.name
-            ))
-        })
+        match self.shared.state() {
+            Some(state) => Ok(state),
+            None => Err(self.busy()),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn busy(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' is busy (used from inside a member's allocation)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn backend_error(&self, source: crate::error::BackendError) -> Error {
+        Error::Backend { workspace: self.shared.name.clone(), source }
     }
 
     /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
@@ -650,10 +664,13 @@ impl PlanGroup {
     /// then runs off the plan, and the next start tries again).
     pub fn start_iteration(&self, key: u64) -> Result<()> {
         let mut state = self.state()?;
-        state.start(key).map_err(|source| {
-            state.mode = Mode::OffPlan;
-            Error::Backend { workspace: self.shared.name.clone(), source }
-        })
+        match state.start(key) {
+            Ok(()) => Ok(()),
+            Err(source) => {
+                state.mode = Mode::OffPlan;
+                Err(self.backend_error(source))
+            }
+        }
     }
 
     /// Ends the current iteration: a recording is planned (and the arena grown to hold
@@ -691,7 +708,7 @@ impl PlanGroup {
             return Ok(());
         }
         let align = state.base_align;
-        state.grow_to(bytes, align).map_err(|source| Error::Backend { workspace: self.shared.name.clone(), source })
+        state.grow_to(bytes, align).map_err(|source| self.backend_error(source))
     }
 
     /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
