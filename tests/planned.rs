@@ -116,3 +116,52 @@ fn variable_length_sequences_get_a_plan_per_shape_and_the_arena_stops_growing() 
     assert_eq!(last.arena_bytes, last.plan_bytes, "the longest batch's plan is the largest");
     assert!(last.arena_bytes as f64 <= 1.05 * last.lower_bound_bytes as f64, "{last:?}");
 }
+
+#[test]
+fn planned_inference_is_bit_identical_stays_on_its_plan_and_allocates_nothing() {
+    let (x, y) = data(100);
+    let mut enabled = mlp(WorkspaceMode::Enabled);
+    let mut planned = mlp(WorkspaceMode::Planned);
+    for _ in 0..3 {
+        let (le, lp) = (enabled.fit_batch(x.view(), y.view()).unwrap(), planned.fit_batch(x.view(), y.view()).unwrap());
+        assert_eq!(le.to_bits(), lp.to_bits());
+    }
+    let mut predicted = [0u32; 16];
+    // Two shapes of input, each inferred twice a round: two plans.
+    for round in 0..5 {
+        for rows in [16usize, 7] {
+            let xb = x.slice(s![..rows, ..]);
+            let (oe, op) = (enabled.output(xb).unwrap(), planned.output(xb).unwrap());
+            assert!(oe.iter().zip(op.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "round {round}, {rows} rows");
+            let out = &mut predicted[..rows];
+            if round >= 1 {
+                // On its plan, an inference allocates nothing.
+                assert_no_alloc(|| planned.predict_into(xb, &mut *out)).unwrap();
+            } else {
+                planned.predict_into(xb, &mut *out).unwrap();
+            }
+            let argmax: Vec<u32> = oe
+                .rows()
+                .into_iter()
+                .map(|r| {
+                    r.iter().enumerate().fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0 as u32
+                })
+                .collect();
+            assert_eq!(out, &argmax[..]);
+        }
+    }
+    let stats = planned.inference_plan_stats().expect("inference is planned");
+    assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
+    assert_eq!(stats.planned_iterations, 5 * 2 * 2 - 2, "{stats:?}");
+    assert!(stats.plan_bytes as f64 <= 1.05 * stats.lower_bound_bytes as f64, "{stats:?}");
+    assert!(stats.plan_bytes <= stats.per_role_bytes, "{stats:?}");
+    assert!(stats.arena_bytes > 0 && stats.arena_bytes <= enabled.inference_mgr().capacity(), "{stats:?}");
+    // The training plan is a group of its own, untouched by inference.
+    assert_eq!(planned.plan_stats().unwrap().divergences, 0);
+    assert!(enabled.inference_plan_stats().is_none());
+    // Evaluation is inference too, and gives the same numbers.
+    let (ae, ap) =
+        (enabled.evaluate(x.view(), y.view(), 32).unwrap(), planned.evaluate(x.view(), y.view(), 32).unwrap());
+    assert_eq!(ae.to_bits(), ap.to_bits());
+    assert_eq!(planned.inference_plan_stats().unwrap().divergences, 0);
+}

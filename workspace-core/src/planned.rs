@@ -401,9 +401,12 @@ impl<B: ArenaBackend> GroupState<B> {
     /// member holds a window.
     fn grow_to(&mut self, bytes: usize, align: usize) -> std::result::Result<(), crate::error::BackendError> {
         debug_assert_eq!(self.live, 0);
-        let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align.max(self.base_align))?;
+        let align = align.max(self.base_align);
+        let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align)?;
         self.base = Some(block.base());
-        self.base_align = align.max(self.base_align);
+        // Aligned as asked, and as the backend aligns every arena (its `unsafe`
+        // contract): a plan aligned to no more than that fits without a new arena.
+        self.base_align = align.max(self.backend.base_alignment());
         self.arena_bytes = block.len();
         if let Some(old) = self.arena.replace(block) {
             self.backend.release(old);
@@ -700,7 +703,8 @@ impl PlanGroup {
         if state.live > 0 {
             return Err(Error::InvalidInput(format!(
                 "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
-                 members' scopes first",
+                 members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for \
+                 good)",
                 self.shared.name
             )));
         }
@@ -724,5 +728,38 @@ impl PlanGroup {
     /// Bytes of the planned arena.
     pub fn capacity(&self) -> usize {
         self.stats().arena_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Address;
+    use crate::{LearningPolicy, SpillPolicy};
+
+    fn base(group: &PlanGroup) -> Option<u64> {
+        group.shared.state().and_then(|state| state.base).map(|base| base.address())
+    }
+
+    #[test]
+    fn plans_are_replayed_in_the_reserved_arena_itself() {
+        let group = PlanGroup::new("G");
+        let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build();
+        let ws = group.workspace("A", &config.unwrap()).unwrap();
+        group.reserve(1 << 20).unwrap();
+        let reserved = base(&group);
+        assert!(reserved.is_some());
+        for _ in 0..3 {
+            group.start_iteration(0).unwrap();
+            {
+                let s = ws.enter().unwrap();
+                let x = s.filled::<f64, _>(100, 1.0).unwrap();
+                assert!(ws.contains(x.as_ptr().cast::<u8>(), 800));
+            }
+            group.finish_iteration().unwrap();
+        }
+        assert_eq!(group.stats().planned_iterations, 2);
+        // Not replaced by a second arena of the same size when the first plan came.
+        assert_eq!(base(&group), reserved);
     }
 }

@@ -16,9 +16,9 @@ pub enum WorkspaceMode {
     Enabled,
     /// Every array is its own heap allocation ([`LayerWorkspaceMgr::no_workspaces`](crate::LayerWorkspaceMgr::no_workspaces)).
     None,
-    /// The role workspaces of an iteration are planned together into one arena, sized
-    /// to the bytes live at once ([`crate::planned`]); where nothing is planned (the
-    /// prefetch ring, inference), as `Enabled`.
+    /// The role workspaces of an iteration (a training step, or an inference) are
+    /// planned together into one arena, sized to the bytes live at once
+    /// ([`crate::planned`]); where nothing is planned (the prefetch ring), as `Enabled`.
     Planned,
 }
 

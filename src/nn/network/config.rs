@@ -201,7 +201,9 @@ impl NetworkConfigBuilder {
         self
     }
 
-    /// Workspaces during `output` and `evaluate`.
+    /// Workspaces during `output` and `evaluate`. [`WorkspaceMode::Planned`] plans each
+    /// shape of input's inference into one arena
+    /// ([`Network::inference_plan_stats`](super::Network::inference_plan_stats)).
     pub fn inference_workspace_mode(mut self, mode: WorkspaceMode) -> Self {
         self.inference_workspace_mode = mode;
         self
@@ -307,12 +309,20 @@ pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2
     Ok([base(names::ACT_GRAD_1)?, base(names::ACT_GRAD_2)?])
 }
 
+/// The inference workspace manager. Planned: the workspaces are the network's own,
+/// members of a plan group of their own (an inference is an iteration).
 pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
     if mode == WorkspaceMode::None {
         return Ok(LayerWorkspaceMgr::no_workspaces());
     }
-    let config = workspace_config();
-    LayerWorkspaceMgr::builder()
+    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS));
+    let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
+    let builder = LayerWorkspaceMgr::builder();
+    let builder = match &group {
+        Some(group) => builder.planned(group),
+        None => builder,
+    };
+    builder
         .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())

@@ -9,13 +9,30 @@ use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
 use crate::{Error, Result};
 
 use super::super::layer::{Activations, ForwardCtx};
-use super::train::{lease_input, lease_labels, standard_input, steps_as_rows, validate};
+use super::train::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows, validate};
 use super::{check_labels, Input, Labels, Network};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
-    /// handed to `f` while they are alive.
+    /// handed to `f` while they are alive. Planned: the inference replays the plan of
+    /// its input's shape (or is recorded).
     fn infer<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        let Some(group) = self.infer.plan_group().cloned() else {
+            return self.forward_probabilities(x, f);
+        };
+        group.start_iteration(shape_key(&x, None))?;
+        let result = self.forward_probabilities(x, f);
+        // Every scope of the inference has closed, whatever it returned.
+        group.finish_iteration()?;
+        result
+    }
+
+    /// [`Network::infer`]'s forward pass.
+    fn forward_probabilities<R>(
+        &mut self,
+        x: Input<'_>,
+        f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+    ) -> Result<R> {
         let x = x.reborrow();
         self.check_input(&x)?;
         let mask = x.mask();

@@ -423,9 +423,18 @@ impl Network {
         }
     }
 
-    /// The plan group's figures, for a planned network.
+    /// The figures of the training workspaces' plan group, for a network that trains
+    /// planned.
     pub fn plan_stats(&self) -> Option<PlannedStats> {
         self.train[0].plan_group().map(|group| group.stats())
+    }
+
+    /// The figures of the inference workspaces' plan group: `Some` when inference is
+    /// planned ([`WorkspaceMode::Planned`] as the inference workspace mode), where each
+    /// call of [`Network::output`] (and the other inference methods) is an iteration,
+    /// planned per shape of input.
+    pub fn inference_plan_stats(&self) -> Option<PlannedStats> {
+        self.infer.plan_group().map(|group| group.stats())
     }
 
     /// The events of the last recorded iteration (see

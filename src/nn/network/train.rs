@@ -39,7 +39,7 @@ impl Network {
             return self.recorded_step(x, labels);
         };
         // Planned: the iteration replays the plan of its shape (or is recorded).
-        group.start_iteration(iteration_key(&x, &labels))?;
+        group.start_iteration(shape_key(&x, Some(&labels)))?;
         let result = self.recorded_step(x, labels);
         // Every scope of the step has closed, whatever it returned.
         if group.finish_iteration()? {
@@ -255,9 +255,9 @@ impl Network {
     }
 }
 
-/// The key of an iteration's plan: the shapes of its batch (a hint; replay verifies
-/// every step, so a collision only costs a recording).
-fn iteration_key(x: &Input<'_>, labels: &Labels<'_>) -> u64 {
+/// The key of an iteration's plan: the shapes of its batch, and of its labels when it
+/// trains (a hint; replay verifies every step, so a collision only costs a recording).
+pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
     let mut key = 0xcbf2_9ce4_8422_2325_u64;
     let mut mix = |v: usize| {
         key ^= v as u64;
@@ -266,8 +266,9 @@ fn iteration_key(x: &Input<'_>, labels: &Labels<'_>) -> u64 {
     x.activations().shape().iter().for_each(|&d| mix(d));
     mix(usize::from(x.mask().is_some()));
     match labels {
-        Labels::PerExample(l) => mix(l.len()),
-        Labels::PerStep { labels, mask } => {
+        None => {}
+        Some(Labels::PerExample(l)) => mix(l.len()),
+        Some(Labels::PerStep { labels, mask }) => {
             labels.shape().iter().for_each(|&d| mix(d + 1));
             mix(2 + usize::from(mask.is_some()));
         }
