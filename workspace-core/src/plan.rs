@@ -599,10 +599,20 @@ struct Placer<'l> {
     lifetimes: &'l [Lifetime],
     /// Offsets of the last placement, indexed as `lifetimes`.
     offsets: Vec<usize>,
-    /// The allocations placed so far, by offset (then by end).
-    by_offset: Vec<usize>,
-    /// Scratch: those of them live at the same time as the one being placed.
-    live: Vec<usize>,
+    /// The allocations placed so far, by offset.
+    by_offset: Vec<Span>,
+    /// Scratch: the bytes of those live at the same time as the one being placed.
+    live: Vec<(usize, usize)>,
+}
+
+/// A placed allocation: its bytes `[low, high)`, its lifetime `[start, end)`, its index.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    low: usize,
+    high: usize,
+    start: usize,
+    end: usize,
+    index: usize,
 }
 
 /// The smallest placement found so far, with what a placement that starts as it does
@@ -613,7 +623,7 @@ struct Best {
     offsets: Vec<usize>,
     order: Vec<usize>,
     /// The allocations by offset.
-    by_offset: Vec<usize>,
+    by_offset: Vec<Span>,
     /// Each allocation's position in `order`.
     position: Vec<usize>,
 }
@@ -644,7 +654,7 @@ impl Best {
 impl<'l> Placer<'l> {
     fn new(lifetimes: &'l [Lifetime]) -> Placer<'l> {
         let n = lifetimes.len();
-        Placer { lifetimes, offsets: vec![usize::MAX; n], by_offset: Vec::with_capacity(n), live: vec![0; n] }
+        Placer { lifetimes, offsets: vec![usize::MAX; n], by_offset: Vec::with_capacity(n), live: vec![(0, 0); n] }
     }
 
     /// Places the allocations in `order`, each in the smallest gap (below the others
@@ -662,11 +672,11 @@ impl<'l> Placer<'l> {
         self.by_offset.clear();
         let mut size = 0usize;
         if from > 0 {
-            for &j in &best.by_offset {
-                if best.position[j] < from {
-                    self.offsets[j] = best.offsets[j];
-                    self.by_offset.push(j);
-                    size = size.max(best.offsets[j].saturating_add(lifetimes[j].bytes));
+            for span in &best.by_offset {
+                if best.position[span.index] < from {
+                    self.offsets[span.index] = span.low;
+                    self.by_offset.push(*span);
+                    size = size.max(span.high);
                 }
             }
         }
@@ -677,18 +687,16 @@ impl<'l> Placer<'l> {
             }
             let l = lifetimes[i];
             let align = l.align.max(1);
-            // The ones live at the same time, by offset: gathered without a branch (which
-            // way the test goes is close to random).
+            // The bytes of the ones live at the same time, by offset, gathered without a
+            // branch (which way the test goes is close to random). An empty allocation
+            // holds no bytes, so it is in no one's way.
             let mut live = 0;
-            for &j in &self.by_offset {
-                let m = lifetimes[j];
-                self.live[live] = j;
-                live += usize::from((m.start < l.end) & (l.start < m.end));
+            for m in &self.by_offset {
+                self.live[live] = (m.low, m.high);
+                live += usize::from((m.start < l.end) & (l.start < m.end) & (m.low < m.high));
             }
             let (mut cursor, mut best): (usize, Option<(usize, usize)>) = (0, None);
-            for &j in &self.live[..live] {
-                let m = lifetimes[j];
-                let low = self.offsets[j];
+            for &(low, high) in &self.live[..live] {
                 let at = align_up(cursor, align).unwrap_or(usize::MAX);
                 if at.saturating_add(l.bytes) <= low {
                     let gap = low - cursor;
@@ -696,22 +704,17 @@ impl<'l> Placer<'l> {
                         best = Some((at, gap));
                     }
                 }
-                cursor = cursor.max(low.saturating_add(m.bytes));
+                cursor = cursor.max(high);
             }
             let offset = match best {
                 Some((at, _)) => at,
                 None => align_up(cursor, align).unwrap_or(usize::MAX),
             };
             self.offsets[i] = offset;
-            // By offset, then by end: the order a sort of the intervals gives (which
-            // matters between intervals at one offset where one is empty).
-            let offsets = &self.offsets;
-            let end = offset.saturating_add(l.bytes);
-            let at = self
-                .by_offset
-                .partition_point(|&j| (offsets[j], offsets[j].saturating_add(lifetimes[j].bytes)) <= (offset, end));
-            self.by_offset.insert(at, i);
-            size = size.max(offset.saturating_add(l.bytes));
+            let span = Span { low: offset, high: offset.saturating_add(l.bytes), start: l.start, end: l.end, index: i };
+            let at = self.by_offset.partition_point(|m| m.low <= span.low);
+            self.by_offset.insert(at, span);
+            size = size.max(span.high);
         }
         size
     }
@@ -1064,7 +1067,7 @@ mod tests {
     }
 
     /// Greedy best fit as written plainly: every placement from the start, the busy
-    /// intervals sorted each time.
+    /// intervals (those live at the same time, empty ones aside) sorted each time.
     fn plain_place(lifetimes: &[Lifetime], order: &[usize]) -> (usize, Vec<usize>) {
         let mut offsets = vec![usize::MAX; lifetimes.len()];
         let mut size = 0;
@@ -1072,7 +1075,7 @@ mod tests {
             let l = lifetimes[i];
             let mut busy: Vec<(usize, usize)> = order[..k]
                 .iter()
-                .filter(|&&j| lifetimes[j].start < l.end && l.start < lifetimes[j].end)
+                .filter(|&&j| lifetimes[j].start < l.end && l.start < lifetimes[j].end && lifetimes[j].bytes > 0)
                 .map(|&j| (offsets[j], offsets[j] + lifetimes[j].bytes))
                 .collect();
             busy.sort_unstable();
@@ -1109,8 +1112,7 @@ mod tests {
                 if random(3) == 0 {
                     t.push(Event::Close { owner });
                 } else {
-                    // Empty allocations now and then: the order of intervals at one
-                    // offset matters only with them.
+                    // Empty allocations now and then (in no one's way).
                     let bytes = if random(3) == 0 { 0 } else { 64 * (1 + random(20) as usize) };
                     t.push(Event::Alloc { owner, bytes, align: 64 << random(3) });
                 }
