@@ -64,7 +64,7 @@ fn planned_training_is_bit_identical_stays_on_its_plan_and_allocates_nothing() {
     assert!(planned.workspace_capacity() < enabled.workspace_capacity());
     let plan = planned.memory_plan().unwrap();
     assert_eq!((plan.plan_bytes, plan.divergences, plan.replans), (stats.plan_bytes, 0, 0));
-    // Evaluation (unplanned) gives the same numbers too.
+    // Evaluation (planned inference here) gives the same numbers too.
     let (ae, ap) =
         (enabled.evaluate(x.view(), y.view(), 32).unwrap(), planned.evaluate(x.view(), y.view(), 32).unwrap());
     assert_eq!(ae.to_bits(), ap.to_bits());
@@ -164,4 +164,80 @@ fn planned_inference_is_bit_identical_stays_on_its_plan_and_allocates_nothing() 
         (enabled.evaluate(x.view(), y.view(), 32).unwrap(), planned.evaluate(x.view(), y.view(), 32).unwrap());
     assert_eq!(ae.to_bits(), ap.to_bits());
     assert_eq!(planned.inference_plan_stats().unwrap().divergences, 0);
+}
+
+fn lstm(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(3)
+        .lstm(8)
+        .last_step()
+        .dense(3)
+        .seed(2)
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+#[test]
+fn batches_of_one_padded_shape_whose_padding_differs_keep_their_plans() {
+    // One padded shape [4, 6, 3]; in the second mask steps 4 and 5 are padding in every
+    // sequence, which the recurrent layer skips: the iterations differ, and each keeps a
+    // plan of its own rather than taking the other's in turn.
+    let mut rng = Rng::new(3);
+    let x = Array3::from_shape_fn((4, 6, 3), |_| rng.uniform(-1.0, 1.0));
+    let full = Array2::from_elem((4, 6), 1.0f32);
+    let short = Array2::from_shape_fn((4, 6), |(_, t)| if t < 4 { 1.0 } else { 0.0 });
+    let y = Array1::from_shape_fn(4, |r| (r % 3) as u32);
+    let (mut enabled, mut planned) = (lstm(WorkspaceMode::Enabled), lstm(WorkspaceMode::Planned));
+    for round in 0..6 {
+        for mask in [&full, &short] {
+            let le = enabled.fit_batch((x.view(), mask.view()), y.view()).unwrap();
+            let lp = planned.fit_batch((x.view(), mask.view()), y.view()).unwrap();
+            assert_eq!(le.to_bits(), lp.to_bits(), "round {round}");
+            let (oe, op) =
+                (enabled.output((x.view(), mask.view())).unwrap(), planned.output((x.view(), mask.view())).unwrap());
+            assert!(oe.iter().zip(op.iter()).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+    for stats in [planned.plan_stats().unwrap(), planned.inference_plan_stats().unwrap()] {
+        assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
+        assert_eq!(stats.planned_iterations, 6 * 2 - 2, "{stats:?}");
+    }
+}
+
+#[test]
+fn an_iteration_that_fails_part_way_is_abandoned_and_its_plan_stays_good() {
+    let (x, y) = data(32);
+    let mut planned = mlp(WorkspaceMode::Planned);
+    for _ in 0..3 {
+        planned.fit_batch(x.view(), y.view()).unwrap();
+        planned.output(x.view()).unwrap();
+    }
+    // A value that is not finite fails the step part-way (after the forward pass has
+    // begun); a wrong number of features fails inference before anything is allocated.
+    let mut bad = x.clone();
+    bad[[5, 3]] = f32::NAN;
+    assert!(planned.fit_batch(bad.view(), y.view()).is_err());
+    let narrow = Array2::<f32>::zeros((32, 5));
+    assert!(planned.output(narrow.view()).is_err());
+    // Neither left a stale plan, a divergence or a plan of its own behind.
+    for _ in 0..2 {
+        planned.fit_batch(x.view(), y.view()).unwrap();
+        planned.output(x.view()).unwrap();
+    }
+    for stats in [planned.plan_stats().unwrap(), planned.inference_plan_stats().unwrap()] {
+        assert_eq!((stats.plans, stats.replans, stats.divergences), (1, 0, 0), "{stats:?}");
+        assert_eq!((stats.planned_iterations, stats.abandoned_iterations), (4, 1), "{stats:?}");
+    }
+    // The inference arena is the inference workspaces' memory.
+    let arena = planned.inference_plan_stats().unwrap().arena_bytes;
+    assert!(arena > 0);
+    assert_eq!(planned.inference_mgr().capacity(), arena);
+    // It can be given back; the next inference of the shape allocates it again.
+    planned.inference_mgr().plan_group().unwrap().trim().unwrap();
+    assert_eq!(planned.inference_mgr().capacity(), 0);
+    planned.output(x.view()).unwrap();
+    assert_eq!(planned.inference_mgr().capacity(), arena);
+    assert_eq!(planned.inference_plan_stats().unwrap().planned_iterations, 5);
 }

@@ -363,9 +363,12 @@ impl LayerWorkspaceMgr {
         self.workspaces().map(|ws| ws.stats()).collect()
     }
 
-    /// Sum of the arena capacities of the distinct workspaces (0 with no workspaces).
+    /// Sum of the arena capacities of the distinct workspaces (0 with no workspaces),
+    /// and of the plan group's arena when the workspaces are planned
+    /// ([`LayerWorkspaceMgrBuilder::planned`]).
     pub fn capacity(&self) -> usize {
-        self.workspaces().map(|ws| ws.capacity()).sum()
+        let planned = self.group.as_ref().map_or(0, PlanGroup::capacity);
+        planned + self.workspaces().map(|ws| ws.capacity()).sum::<usize>()
     }
 
     /// Sum of the peaks (bytes in use, arena and spills) of the distinct workspaces

@@ -309,7 +309,7 @@ impl Trace {
                 (
                     Event::Alloc { owner, bytes, align },
                     Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
-                ) if owner == *last && *run_align % align.max(1) == 0 => {
+                ) if owner == *last && (*run_align).max(1).is_multiple_of(align.max(1)) => {
                     *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
                 }
                 _ => runs.push(event),
@@ -974,6 +974,14 @@ mod tests {
         assert_eq!(runs.lower_bound(), 162 + 8 + 64 + 64);
         assert_eq!(t.lower_bound(), 100 + 50 + 8 + 64 + 64);
         Plan::new(&runs).check().unwrap();
+        // An alignment of 0 is 1: a run that starts with one takes no more aligned
+        // allocation in.
+        let t = Trace::from_events(vec![
+            Event::Alloc { owner: 1, bytes: 10, align: 0 },
+            Event::Alloc { owner: 1, bytes: 64, align: 64 },
+        ]);
+        assert_eq!(t.runs().events().len(), 2);
+        Plan::new(&t.runs()).check().unwrap();
     }
 
     #[test]

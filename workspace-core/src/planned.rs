@@ -248,6 +248,12 @@ pub struct PlannedStats {
     /// Iterations run off the plan from their start because a member's cycle still
     /// held a window of the iteration before (the plan stays good).
     pub blocked_iterations: u64,
+    /// Iterations run off the plan from their start because the arena could not grow
+    /// to their plan (the next start of the key tries again).
+    pub failed_growths: u64,
+    /// Iterations given up ([`PlanGroup::abandon_iteration`]: the work they did failed):
+    /// neither planned nor counted as on or off their plan.
+    pub abandoned_iterations: u64,
 }
 
 /// The group's state. Reached only on the group's thread ([`GroupShared::state`]).
@@ -368,6 +374,16 @@ impl<B: ArenaBackend> GroupState<B> {
         self.truncated = false;
         self.mode = Mode::Idle;
         on_plan
+    }
+
+    /// Ends the current iteration without planning or judging it.
+    fn abandon(&mut self) {
+        if self.mode != Mode::Idle {
+            self.stats.abandoned_iterations += 1;
+        }
+        self.events.clear();
+        self.truncated = false;
+        self.mode = Mode::Idle;
     }
 
     /// Makes `plans[index]` the plan shown and replayed.
@@ -653,6 +669,16 @@ impl PlanGroup {
 
     #[cold]
     #[inline(never)]
+    fn held(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
+             members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for good)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
     fn backend_error(&self, source: crate::error::BackendError) -> Error {
         Error::Backend { workspace: self.shared.name.clone(), source }
     }
@@ -663,14 +689,17 @@ impl PlanGroup {
     ///
     /// # Errors
     ///
-    /// [`Error::Backend`] when the arena cannot grow to the plan's size (the iteration
-    /// then runs off the plan, and the next start tries again).
+    /// [`Error::Backend`] when the arena cannot grow to the plan's size: the iteration
+    /// has started all the same, off the plan (its members allocate from their own
+    /// blocks), so the caller may go on with it; the next start of the key tries again
+    /// ([`PlannedStats::failed_growths`]).
     pub fn start_iteration(&self, key: u64) -> Result<()> {
         let mut state = self.state()?;
         match state.start(key) {
             Ok(()) => Ok(()),
             Err(source) => {
                 state.mode = Mode::OffPlan;
+                state.stats.failed_growths += 1;
                 Err(self.backend_error(source))
             }
         }
@@ -688,6 +717,20 @@ impl PlanGroup {
         Ok(self.state()?.finish())
     }
 
+    /// Ends the current iteration without a verdict, for an iteration whose work failed
+    /// part-way (an error returned from inside it): a recording is dropped rather than
+    /// planned, and a replay cut short does not mark its plan stale (one that had left
+    /// its plan was counted when it left). Counted in
+    /// [`PlannedStats::abandoned_iterations`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when called from inside a member's allocation.
+    pub fn abandon_iteration(&self) -> Result<()> {
+        self.state()?.abandon();
+        Ok(())
+    }
+
     /// Makes the group's arena at least `bytes` long now, as
     /// [`WorkspaceConfig`]'s initial size does for a workspace: plans up to that size
     /// then need no growth, and an arena of a huge page or more is backed by huge pages
@@ -701,18 +744,36 @@ impl PlanGroup {
     pub fn reserve(&self, bytes: usize) -> Result<()> {
         let mut state = self.state()?;
         if state.live > 0 {
-            return Err(Error::InvalidInput(format!(
-                "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
-                 members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for \
-                 good)",
-                self.shared.name
-            )));
+            return Err(self.held());
         }
         if bytes <= state.arena_bytes {
             return Ok(());
         }
         let align = state.base_align;
         state.grow_to(bytes, align).map_err(|source| self.backend_error(source))
+    }
+
+    /// Gives the group's arena back now, as a workspace's `trim` gives back its arena: the
+    /// plans are kept, and the next iteration that replays one allocates an arena for
+    /// it again.
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::reserve`]: not while a member's open cycle holds part of the
+    /// arena.
+    pub fn trim(&self) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(self.held());
+        }
+        if let Some(old) = state.arena.take() {
+            state.backend.release(old);
+        }
+        state.base = None;
+        state.base_align = 1;
+        state.arena_bytes = 0;
+        state.stats.arena_lower_bound_bytes = 0;
+        Ok(())
     }
 
     /// Bytes of the plan of the current (or last) iteration (0 before the first plan).

@@ -39,10 +39,12 @@ impl Network {
             return self.recorded_step(x, labels);
         };
         // Planned: the iteration replays the plan of its shape (or is recorded).
-        group.start_iteration(shape_key(&x, Some(&labels)))?;
+        start_planned(&group, shape_key(&x, Some(&labels)))?;
         let result = self.recorded_step(x, labels);
         // Every scope of the step has closed, whatever it returned.
-        if group.finish_iteration()? {
+        if result.is_err() {
+            group.abandon_iteration()?;
+        } else if group.finish_iteration()? {
             // On the plan: the plan's bytes were the iteration's memory.
             self.last_workspace_bytes = group.plan_bytes();
         }
@@ -255,22 +257,58 @@ impl Network {
     }
 }
 
-/// The key of an iteration's plan: the shapes of its batch, and of its labels when it
-/// trains (a hint; replay verifies every step, so a collision only costs a recording).
+/// Starts an iteration of `group` for a batch of `key`. An arena that cannot grow to the
+/// key's plan leaves the iteration running off the plan (from the members' own blocks),
+/// which it can; the next iteration of the key tries again.
+pub(super) fn start_planned(group: &workspace_core::planned::PlanGroup, key: u64) -> Result<()> {
+    match group.start_iteration(key) {
+        Ok(()) | Err(workspace_core::Error::Backend { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The key of an iteration's plan: what decides which arrays it allocates (a hint;
+/// replay verifies every step, so a collision only costs a recording). The shapes of
+/// its batch, and of its labels when it trains; whether arrays not in standard layout
+/// are copied first; and for masked sequences, which steps are padding in every
+/// sequence, which a recurrent layer skips (two batches of one padded shape can differ
+/// there, and would otherwise take each other's plans in turn).
 pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
     let mut key = 0xcbf2_9ce4_8422_2325_u64;
     let mut mix = |v: usize| {
         key ^= v as u64;
         key = key.wrapping_mul(0x0100_0000_01b3);
     };
+    let standard = match x.activations() {
+        Activations::Flat(v) => v.is_standard_layout(),
+        Activations::Sequence(v) => v.is_standard_layout(),
+    };
     x.activations().shape().iter().for_each(|&d| mix(d));
-    mix(usize::from(x.mask().is_some()));
+    mix(usize::from(standard));
+    match x.mask() {
+        None => mix(0),
+        Some(mask) => {
+            mix(1);
+            // One bit per step: any sequence live there. 64 steps per word.
+            let (mut word, mut bits) = (0usize, 0);
+            for column in mask.columns() {
+                word = word << 1 | usize::from(column.iter().any(|&v| v != 0.0));
+                bits += 1;
+                if bits == usize::BITS {
+                    mix(word);
+                    (word, bits) = (0, 0);
+                }
+            }
+            mix(word);
+        }
+    }
     match labels {
         None => {}
         Some(Labels::PerExample(l)) => mix(l.len()),
         Some(Labels::PerStep { labels, mask }) => {
             labels.shape().iter().for_each(|&d| mix(d + 1));
-            mix(2 + usize::from(mask.is_some()));
+            mix(usize::from(labels.is_standard_layout()));
+            mix(2 + usize::from(mask.is_some()) + 2 * usize::from(mask.is_some_and(|m| !m.is_standard_layout())));
         }
     }
     key
