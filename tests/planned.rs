@@ -7,7 +7,7 @@
 use carve::nn::{Network, NetworkConfig, Rng, Updater};
 use carve::workspace_core::{assert_no_alloc, CountingAllocator};
 use carve::WorkspaceMode;
-use ndarray::{s, Array1, Array2, Array3};
+use ndarray::{s, Array1, Array2, Array3, ShapeBuilder};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator::system();
@@ -240,4 +240,39 @@ fn an_iteration_that_fails_part_way_is_abandoned_and_its_plan_stays_good() {
     planned.output(x.view()).unwrap();
     assert_eq!(planned.inference_mgr().capacity(), arena);
     assert_eq!(planned.inference_plan_stats().unwrap().planned_iterations, 5);
+}
+
+#[test]
+fn a_features_mask_in_another_layout_gets_a_plan_of_its_own() {
+    // Labels per step without a mask of their own take the features mask, copied when it
+    // is not in standard layout: the same values in two layouts make two iterations,
+    // each with its plan.
+    let network = |mode| {
+        let config = NetworkConfig::builder(3)
+            .lstm(6)
+            .dense(4)
+            .seed(5)
+            .training_workspace_mode(mode)
+            .inference_workspace_mode(mode);
+        Network::new(config.build().unwrap()).unwrap()
+    };
+    let mut rng = Rng::new(9);
+    let x = Array3::from_shape_fn((3, 5, 3), |_| rng.uniform(-1.0, 1.0));
+    let value = |(r, t): (usize, usize)| if t < 5 - r { 1.0f32 } else { 0.0 };
+    let mask = Array2::from_shape_fn((3, 5), value);
+    let columns = Array2::from_shape_fn((3, 5).f(), value); // the same values, column-major
+    assert!(!columns.is_standard_layout() && columns == mask);
+    let columns = columns.view();
+    let labels = Array2::from_shape_fn((3, 5), |(r, t)| ((r + t) % 4) as u32);
+    let (mut enabled, mut planned) = (network(WorkspaceMode::Enabled), network(WorkspaceMode::Planned));
+    for round in 0..5 {
+        for m in [mask.view(), columns] {
+            let le = enabled.fit_batch((x.view(), m), labels.view()).unwrap();
+            let lp = planned.fit_batch((x.view(), m), labels.view()).unwrap();
+            assert_eq!(le.to_bits(), lp.to_bits(), "round {round}");
+        }
+    }
+    let stats = planned.plan_stats().unwrap();
+    assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
+    assert_eq!(stats.planned_iterations, 5 * 2 - 2);
 }

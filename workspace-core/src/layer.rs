@@ -365,7 +365,8 @@ impl LayerWorkspaceMgr {
 
     /// Sum of the arena capacities of the distinct workspaces (0 with no workspaces),
     /// and of the plan group's arena when the workspaces are planned
-    /// ([`LayerWorkspaceMgrBuilder::planned`]).
+    /// ([`LayerWorkspaceMgrBuilder::planned`]; managers that share a group, or
+    /// workspaces, each count it).
     pub fn capacity(&self) -> usize {
         let planned = self.group.as_ref().map_or(0, PlanGroup::capacity);
         planned + self.workspaces().map(|ws| ws.capacity()).sum::<usize>()

@@ -251,8 +251,9 @@ pub struct PlannedStats {
     /// Iterations run off the plan from their start because the arena could not grow
     /// to their plan (the next start of the key tries again).
     pub failed_growths: u64,
-    /// Iterations given up ([`PlanGroup::abandon_iteration`]: the work they did failed):
-    /// neither planned nor counted as on or off their plan.
+    /// Iterations given up ([`PlanGroup::abandon_iteration`]: the work they did failed)
+    /// while recorded or on their plan: neither planned nor counted as on or off their
+    /// plan.
     pub abandoned_iterations: u64,
 }
 
@@ -378,7 +379,8 @@ impl<B: ArenaBackend> GroupState<B> {
 
     /// Ends the current iteration without planning or judging it.
     fn abandon(&mut self) {
-        if self.mode != Mode::Idle {
+        // One already off its plan was counted when it left it.
+        if matches!(self.mode, Mode::Recording | Mode::Replaying { .. }) {
             self.stats.abandoned_iterations += 1;
         }
         self.events.clear();
@@ -720,7 +722,7 @@ impl PlanGroup {
     /// Ends the current iteration without a verdict, for an iteration whose work failed
     /// part-way (an error returned from inside it): a recording is dropped rather than
     /// planned, and a replay cut short does not mark its plan stale (one that had left
-    /// its plan was counted when it left). Counted in
+    /// its plan was counted when it left, and only there). Counted in
     /// [`PlannedStats::abandoned_iterations`].
     ///
     /// # Errors
@@ -755,7 +757,8 @@ impl PlanGroup {
 
     /// Gives the group's arena back now, as a workspace's `trim` gives back its arena: the
     /// plans are kept, and the next iteration that replays one allocates an arena for
-    /// it again.
+    /// it again. Called in the middle of a replayed iteration, the rest of that
+    /// iteration runs off the plan (no window of the arena is handed out after it).
     ///
     /// # Errors
     ///
@@ -765,6 +768,10 @@ impl PlanGroup {
         let mut state = self.state()?;
         if state.live > 0 {
             return Err(self.held());
+        }
+        if let Mode::Replaying { .. } = state.mode {
+            // Later runs of this iteration would open windows of the arena given back.
+            state.mode = Mode::OffPlan;
         }
         if let Some(old) = state.arena.take() {
             state.backend.release(old);
@@ -786,9 +793,10 @@ impl PlanGroup {
         self.shared.stats().unwrap_or_default()
     }
 
-    /// Bytes of the planned arena.
+    /// Bytes of the planned arena (0 off the group's thread, or from inside a member's
+    /// allocation). Allocates nothing.
     pub fn capacity(&self) -> usize {
-        self.stats().arena_bytes
+        self.shared.state().map_or(0, |state| state.arena_bytes)
     }
 }
 

@@ -403,3 +403,37 @@ fn a_replayed_cycle_is_counted_alike_on_the_short_and_the_general_close() {
     assert_eq!((short.1, short.2, short.4), (128 + 256, 0, 0));
     assert_eq!(short.0, 128 + 256);
 }
+
+#[test]
+fn trimming_the_arena_between_two_cycles_of_a_replay_sends_the_rest_off_the_plan() {
+    let group = PlanGroup::new("G");
+    let a = group.workspace("A", &config()).unwrap();
+    let b = group.workspace("B", &config()).unwrap();
+    let cycle = |ws: &Workspace, value: u8| {
+        let s = ws.enter().unwrap();
+        let x = s.filled::<u8, _>(4096, value).unwrap();
+        assert!(x.iter().all(|&v| v == value));
+    };
+    for _ in 0..2 {
+        group.start_iteration(0).unwrap();
+        cycle(&a, 1);
+        cycle(&b, 2);
+        group.finish_iteration().unwrap();
+    }
+    assert_eq!(group.stats().planned_iterations, 1);
+    group.start_iteration(0).unwrap();
+    cycle(&a, 3);
+    // No member holds a window now: the arena may go, and B's run must not be served
+    // from it.
+    group.trim().unwrap();
+    assert_eq!(group.capacity(), 0);
+    cycle(&b, 4);
+    assert!(!group.finish_iteration().unwrap(), "off the plan after the trim");
+    // The plan is still good: the next iteration replays it in a new arena.
+    group.start_iteration(0).unwrap();
+    cycle(&a, 5);
+    cycle(&b, 6);
+    assert!(group.finish_iteration().unwrap());
+    assert!(group.capacity() > 0);
+    assert_eq!(group.stats().divergences, 0);
+}

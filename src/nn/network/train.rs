@@ -279,16 +279,16 @@ pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
         key ^= v as u64;
         key = key.wrapping_mul(0x0100_0000_01b3);
     };
-    let standard = match x.activations() {
-        Activations::Flat(v) => v.is_standard_layout(),
-        Activations::Sequence(v) => v.is_standard_layout(),
-    };
+    // Sequences not in standard layout are copied first (a flat batch is not).
+    let copied = matches!(x.activations(), Activations::Sequence(v) if !v.is_standard_layout());
     x.activations().shape().iter().for_each(|&d| mix(d));
-    mix(usize::from(standard));
+    mix(usize::from(copied));
     match x.mask() {
         None => mix(0),
         Some(mask) => {
-            mix(1);
+            // Labels per step without a mask of their own take this one, copied when it
+            // is not in standard layout.
+            mix(2 + usize::from(mask.is_standard_layout()));
             // One bit per step: any sequence live there. 64 steps per word.
             let (mut word, mut bits) = (0usize, 0);
             for column in mask.columns() {

@@ -214,7 +214,9 @@ impl<B: ArenaBackend> Engine<B> {
     fn take_run(&self, state: &mut GroupState<B>, owner: u64) -> bool {
         let Mode::Replaying { .. } = state.mode else { return false };
         match state.steps.get(state.pos).copied() {
-            Some(Step::Run { owner: planned, start, end }) if planned == owner => {
+            // (An arena is there whenever a replay runs: the start grew it, and `trim`
+            // ends the replay. Checked all the same: a window must lie in an arena.)
+            Some(Step::Run { owner: planned, start, end }) if planned == owner && state.base.is_some() => {
                 state.pos += 1;
                 self.open_window(state, start, end, owner);
                 true
