@@ -35,6 +35,19 @@ fn mlp(mode: WorkspaceMode) -> Network {
     Network::new(config).unwrap()
 }
 
+fn lstm(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(3)
+        .lstm(8)
+        .last_step()
+        .dense(3)
+        .seed(2)
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
 #[test]
 fn planned_training_is_bit_identical_stays_on_its_plan_and_allocates_nothing() {
     let (x, y) = data(100);
@@ -82,19 +95,7 @@ fn variable_length_sequences_get_a_plan_per_shape_and_the_arena_stops_growing() 
             (x, m, y)
         })
         .collect();
-    let network = |mode| {
-        let config = NetworkConfig::builder(3)
-            .lstm(8)
-            .last_step()
-            .dense(3)
-            .seed(2)
-            .training_workspace_mode(mode)
-            .inference_workspace_mode(mode)
-            .build()
-            .unwrap();
-        Network::new(config).unwrap()
-    };
-    let (mut enabled, mut planned) = (network(WorkspaceMode::Enabled), network(WorkspaceMode::Planned));
+    let (mut enabled, mut planned) = (lstm(WorkspaceMode::Enabled), lstm(WorkspaceMode::Planned));
     let mut capacity = Vec::new();
     for _ in 0..4 {
         for (x, m, y) in &batches {
@@ -164,19 +165,6 @@ fn planned_inference_is_bit_identical_stays_on_its_plan_and_allocates_nothing() 
         (enabled.evaluate(x.view(), y.view(), 32).unwrap(), planned.evaluate(x.view(), y.view(), 32).unwrap());
     assert_eq!(ae.to_bits(), ap.to_bits());
     assert_eq!(planned.inference_plan_stats().unwrap().divergences, 0);
-}
-
-fn lstm(mode: WorkspaceMode) -> Network {
-    let config = NetworkConfig::builder(3)
-        .lstm(8)
-        .last_step()
-        .dense(3)
-        .seed(2)
-        .training_workspace_mode(mode)
-        .inference_workspace_mode(mode)
-        .build()
-        .unwrap();
-    Network::new(config).unwrap()
 }
 
 #[test]

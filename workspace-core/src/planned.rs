@@ -398,11 +398,17 @@ impl<B: ArenaBackend> GroupState<B> {
     /// holds a window (`live == 0`): then nothing refers to the arena.
     #[inline]
     fn fit_arena(&mut self, index: usize) -> std::result::Result<(), crate::error::BackendError> {
-        let (bytes, align) = (self.plans[index].bytes, self.plans[index].align);
-        if self.live > 0 || (bytes <= self.arena_bytes && align <= self.base_align) {
+        if self.live > 0 || self.arena_holds(index) {
             return Ok(());
         }
         self.grow_arena(index)
+    }
+
+    /// Whether the arena holds `plans[index]`: long enough, its base aligned enough.
+    #[inline]
+    fn arena_holds(&self, index: usize) -> bool {
+        let plan = &self.plans[index];
+        plan.bytes <= self.arena_bytes && plan.align <= self.base_align
     }
 
     /// Replaces the arena with one that holds `plans[index]`.
@@ -440,7 +446,7 @@ impl<B: ArenaBackend> GroupState<B> {
         // plan shown is the one used last, so the cache's order of use stays as it is.)
         if let (Mode::Idle, 0, Some(index)) = (self.mode, self.live, self.shown) {
             let plan = &self.plans[index];
-            if plan.key == key && !plan.stale && plan.bytes <= self.arena_bytes && plan.align <= self.base_align {
+            if plan.key == key && !plan.stale && self.arena_holds(index) {
                 self.key = key;
                 self.pos = 0;
                 self.mode = Mode::Replaying { index };
@@ -751,8 +757,8 @@ impl PlanGroup {
         if bytes <= state.arena_bytes {
             return Ok(());
         }
-        let align = state.base_align;
-        state.grow_to(bytes, align).map_err(|source| self.backend_error(source))
+        // No alignment beyond the arena's own: `grow_to` keeps that.
+        state.grow_to(bytes, 1).map_err(|source| self.backend_error(source))
     }
 
     /// Gives the group's arena back now, as a workspace's `trim` gives back its arena: the

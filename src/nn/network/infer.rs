@@ -9,7 +9,7 @@ use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
 use crate::{Error, Result};
 
 use super::super::layer::{Activations, ForwardCtx};
-use super::train::{lease_input, lease_labels, shape_key, standard_input, start_planned, steps_as_rows, validate};
+use super::train::{lease_input, lease_labels, planned_iteration, shape_key, standard_input, steps_as_rows, validate};
 use super::{check_labels, Input, Labels, Network};
 
 impl Network {
@@ -20,15 +20,8 @@ impl Network {
         let Some(group) = self.infer.plan_group().cloned() else {
             return self.forward_probabilities(x, f);
         };
-        start_planned(&group, shape_key(&x, None))?;
-        let result = self.forward_probabilities(x, f);
-        // Every scope of the inference has closed, whatever it returned.
-        if result.is_err() {
-            group.abandon_iteration()?;
-        } else {
-            group.finish_iteration()?;
-        }
-        result
+        let key = shape_key(&x, None);
+        Ok(planned_iteration(&group, key, || self.forward_probabilities(x, f))?.0)
     }
 
     /// [`Network::infer`]'s forward pass.

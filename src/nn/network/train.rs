@@ -39,16 +39,13 @@ impl Network {
             return self.recorded_step(x, labels);
         };
         // Planned: the iteration replays the plan of its shape (or is recorded).
-        start_planned(&group, shape_key(&x, Some(&labels)))?;
-        let result = self.recorded_step(x, labels);
-        // Every scope of the step has closed, whatever it returned.
-        if result.is_err() {
-            group.abandon_iteration()?;
-        } else if group.finish_iteration()? {
+        let key = shape_key(&x, Some(&labels));
+        let (loss, on_plan) = planned_iteration(&group, key, || self.recorded_step(x, labels))?;
+        if on_plan {
             // On the plan: the plan's bytes were the iteration's memory.
             self.last_workspace_bytes = group.plan_bytes();
         }
-        result
+        Ok(loss)
     }
 
     /// One training iteration, recorded when [`Network::record_next_iteration`] asked.
@@ -257,13 +254,27 @@ impl Network {
     }
 }
 
-/// Starts an iteration of `group` for a batch of `key`. An arena that cannot grow to the
-/// key's plan leaves the iteration running off the plan (from the members' own blocks),
-/// which it can; the next iteration of the key tries again.
-pub(super) fn start_planned(group: &workspace_core::planned::PlanGroup, key: u64) -> Result<()> {
+/// Runs `work` as an iteration of `group` for a batch of `key`: its value, and whether
+/// it ran on its plan to the end. An arena that cannot grow to the key's plan leaves the
+/// iteration running off the plan (from the members' own blocks), which it can; the
+/// next iteration of the key tries again. Work that fails is abandoned (no plan is made
+/// from it, and it spoils none).
+pub(super) fn planned_iteration<R>(
+    group: &workspace_core::planned::PlanGroup,
+    key: u64,
+    work: impl FnOnce() -> Result<R>,
+) -> Result<(R, bool)> {
     match group.start_iteration(key) {
-        Ok(()) | Err(workspace_core::Error::Backend { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
+        Ok(()) | Err(workspace_core::Error::Backend { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    // Every scope of the work has closed when it returns, whatever it returned.
+    match work() {
+        Ok(value) => Ok((value, group.finish_iteration()?)),
+        Err(e) => {
+            group.abandon_iteration()?;
+            Err(e)
+        }
     }
 }
 
