@@ -140,7 +140,10 @@ impl Workspace {
     /// # Errors
     ///
     /// A backend error recorded when the previous cycle could not grow the arena, or
-    /// from re-reserving the arena after [`Shell::trim`].
+    /// from re-reserving the arena after [`Shell::trim`]. Each refusal of the backend is
+    /// reported once: the workspace stays usable with its previous arena (later cycles
+    /// run from spill blocks) and the next `enter` succeeds; later refusals are counted
+    /// in [`WorkspaceStats::failed_growths`](crate::WorkspaceStats::failed_growths).
     #[inline]
     pub fn enter(&self) -> Result<Scope<'_>> {
         let kind = self.shell.open_raw()?;

@@ -206,6 +206,50 @@ fn a_request_the_machine_cannot_back_is_a_typed_error_in_every_policy() {
 }
 
 #[test]
+fn a_growth_the_machine_cannot_back_is_reported_once_and_every_later_cycle_runs() {
+    // Each learns a size whose arena no machine backs; each cycle itself runs fine from
+    // spill blocks. The refusal is reported by one `enter`, never again.
+    let configs = [
+        WorkspaceConfig::builder().allocation(AllocationPolicy::Overallocate(1e300)).build().unwrap(),
+        WorkspaceConfig::builder()
+            .allocation(AllocationPolicy::Overallocate(1e300))
+            .learning(LearningPolicy::OverTime { cycles: 3 })
+            .build()
+            .unwrap(),
+        WorkspaceConfig::builder()
+            .allocation(AllocationPolicy::Overallocate(1e300))
+            .spill(SpillPolicy::External)
+            .build()
+            .unwrap(),
+    ];
+    for config in configs {
+        for mode in [DebugMode::Disabled, DebugMode::SpillEverything] {
+            let w = ws(config.clone(), mode);
+            let mut outcomes = String::new();
+            for cycle in 0..40u32 {
+                match w.enter() {
+                    Ok(s) => {
+                        let a = s.filled::<u32, _>(1000, cycle).unwrap();
+                        let b = s.filled::<u32, _>(3000, 1).unwrap();
+                        assert_eq!((a.sum(), b.sum()), (1000 * cycle, 3000));
+                        outcomes.push('o');
+                    }
+                    Err(err) => {
+                        assert!(matches!(err, Error::Backend { .. }), "{err:?}");
+                        assert!(err.to_string().contains("out of memory"), "{err}");
+                        outcomes.push('E');
+                    }
+                }
+            }
+            assert_eq!(outcomes.matches('E').count(), 1, "{config:?} {mode:?}: {outcomes}");
+            let stats = w.stats();
+            assert_eq!(stats.capacity, 0, "{mode:?}");
+            assert!((1..=6).contains(&stats.failed_growths), "{mode:?}: retried with a back-off: {stats:?}");
+        }
+    }
+}
+
+#[test]
 fn absurd_configurations_are_errors_and_new_never_panics() {
     let err = WorkspaceConfig::builder().timeline_len(usize::MAX).build().unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("timeline_len"), "{err}");

@@ -38,7 +38,12 @@ impl<B: ArenaBackend> Engine<B> {
         debug_assert_eq!(self.depth.get(), 0);
         let mut backend = self.backend.borrow_mut();
         if self.debug.on.get() {
-            // The arena exists in the accounting only (see `Debug`).
+            // The arena exists in the accounting only (see `Debug`). It is asked for all
+            // the same, and given back at once, so that a size the backend refuses is
+            // refused under the debug mode too (a debug mode never changes which calls
+            // succeed).
+            let probe = backend.allocate_arena(size, self.base_alignment)?;
+            backend.release(probe);
             if let Some(reservation) = self.take_reservation() {
                 backend.release(reservation);
             }
@@ -121,6 +126,9 @@ impl<B: ArenaBackend> Engine<B> {
         self.learning.left.set(left);
         self.learning.max.set(0);
         self.learning.learned.set(None);
+        // Memory was given back on request: a size refused before may fit now.
+        self.learning.refusals.smallest.set(None);
+        self.learning.refusals.in_a_row.set(0);
         if left == 0 {
             self.learning.restore_to.set(self.initial_capacity());
             self.attention.set(true);

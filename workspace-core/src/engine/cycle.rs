@@ -11,9 +11,14 @@ impl<B: ArenaBackend> Engine<B> {
     ///
     /// # Errors
     ///
-    /// A backend error recorded while closing the previous cycle (the workspace is
-    /// then left closed and usable with its previous arena), or one from reserving
-    /// the arena after `trim()`.
+    /// A backend error recorded while closing the previous cycle: the backend refused
+    /// to grow the arena. The workspace is then left closed and usable with its previous
+    /// arena, and so it stays for every later cycle: a refusal is reported once (by one
+    /// `enter`), later ones are only counted ([`WorkspaceStats::failed_growths`]), and
+    /// the same growth is retried only after a back-off. Or the backend's error from
+    /// reserving the arena again after `trim()`, reported the same way.
+    ///
+    /// [`WorkspaceStats::failed_growths`]: crate::WorkspaceStats::failed_growths
     #[inline]
     pub fn enter(&self) -> Result<Entered> {
         let depth = self.depth.get();
@@ -55,14 +60,53 @@ impl<B: ArenaBackend> Engine<B> {
         }
         let restore = self.learning.restore_to.take();
         if restore > self.capacity.get() {
-            // Trimmed below the configured size: come back to it.
-            if let Err(source) = self.replace_arena(restore) {
-                self.learning.restore_to.set(restore);
-                self.attention.set(true);
-                return Err(self.backend_error(source));
+            // Trimmed below the configured size: come back to it (or keep trying, with
+            // the back-off of a refused growth, while running from spill blocks).
+            match self.grow(restore) {
+                Growth::Grew => {}
+                refused => {
+                    self.learning.restore_to.set(restore);
+                    self.attention.set(true);
+                    if let Growth::Refused(Some(source)) = refused {
+                        return Err(self.backend_error(source));
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// Replaces the arena with one of `target` bytes (only while closed), unless the
+    /// backend refused that size or a smaller one before and the back-off has not run
+    /// out (see `Refusals`).
+    #[cold]
+    pub(super) fn grow(&self, target: usize) -> Growth {
+        let refusals = &self.learning.refusals;
+        if refusals.smallest.get().is_some_and(|smallest| target >= smallest)
+            && self.generation.get() < refusals.retry_at.get()
+        {
+            return Growth::Deferred;
+        }
+        match self.replace_arena(target) {
+            Ok(()) => {
+                // The sizes refused are backed now (a smaller growth leaves them refused).
+                if refusals.smallest.get().is_some_and(|smallest| target >= smallest) {
+                    refusals.smallest.set(None);
+                    refusals.in_a_row.set(0);
+                }
+                Growth::Grew
+            }
+            Err(source) => {
+                self.counters.failed_growths.set(self.counters.failed_growths.get() + 1);
+                let first = refusals.smallest.get().is_none();
+                refusals.smallest.set(Some(refusals.smallest.get().map_or(target, |s| s.min(target))));
+                let in_a_row = refusals.in_a_row.get().saturating_add(1);
+                refusals.in_a_row.set(in_a_row);
+                let backoff = 1u64 << in_a_row.min(super::MAX_BACKOFF_SHIFT);
+                refusals.retry_at.set(self.generation.get().saturating_add(backoff));
+                Growth::Refused(first.then_some(source))
+            }
+        }
     }
 
     /// Adds a scope to an already open workspace without nesting a cycle.
@@ -242,8 +286,8 @@ impl<B: ArenaBackend> Engine<B> {
         // exactly the pages that cycle touched.
         let prefault = left == 0 || matches!(self.config.learning(), LearningPolicy::OverTime { cycles } if cycles > 1);
         if target > self.capacity.get() {
-            match self.replace_arena(target) {
-                Ok(()) => {
+            match self.grow(target) {
+                Growth::Grew => {
                     self.counters.growth_events.set(self.counters.growth_events.get() + 1);
                     if prefault {
                         if let Some(arena) = self.arena.borrow().as_ref() {
@@ -253,11 +297,25 @@ impl<B: ArenaBackend> Engine<B> {
                         }
                     }
                 }
-                Err(source) => {
+                // Reported once, by the next enter; the workspace stays usable with its
+                // previous arena, and later cycles spill as this one did.
+                Growth::Refused(Some(source)) => {
                     self.pending.set(Some(source));
                     self.attention.set(true);
                 }
+                Growth::Refused(None) | Growth::Deferred => {}
             }
         }
     }
+}
+
+/// What [`Engine::grow`] did.
+pub(super) enum Growth {
+    /// The arena was replaced.
+    Grew,
+    /// Not tried: the size was refused before and the back-off has not run out.
+    Deferred,
+    /// The backend refused; the error is there for the first refusal since the last
+    /// growth (the one to report), `None` for later ones (only counted).
+    Refused(Option<crate::error::BackendError>),
 }

@@ -51,6 +51,12 @@ pub struct WorkspaceStats {
     /// a few means the arena is too small for the loop (with `SpillPolicy::External`
     /// it never grows; `Reallocate`, the default, grows it to the largest cycle).
     pub cycles_spilled_after_learning: u64,
+    /// Growths of the arena (learning, `Reallocate`, restoring the size after `trim`)
+    /// that the backend refused. The first is reported by the next `enter`; the
+    /// workspace keeps running each cycle from spill blocks, and retries the same size
+    /// only after a back-off that doubles with each refusal in a row (a smaller size at
+    /// once).
+    pub failed_growths: u64,
     /// The figures of the plan group this workspace is a member of
     /// ([`crate::planned`]), read on the group's thread; `None` for other workspaces.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -115,6 +121,7 @@ impl<B: ArenaBackend> Engine<B> {
             last_cycle_bytes: self.counters.last_cycle_bytes.get(),
             open_scopes: self.depth.get(),
             cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
+            failed_growths: self.counters.failed_growths.get(),
             planned: if self.grouped.get() { self.group_stats() } else { None },
         }
     }

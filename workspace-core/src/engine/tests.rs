@@ -48,6 +48,8 @@ struct Recording {
     /// Length of the reservations handed out; `None`: the backend has none.
     reservation: Option<usize>,
     next_base: usize,
+    /// Arenas larger than this are refused (out of memory).
+    refuse_above: Arc<Mutex<usize>>,
 }
 
 impl Recording {
@@ -68,6 +70,9 @@ unsafe impl ArenaBackend for Recording {
     }
     fn allocate_arena(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
         self.calls.lock().unwrap().push(Call::Arena(bytes));
+        if bytes > *self.refuse_above.lock().unwrap() {
+            return Err(BackendError::OutOfMemory { bytes, align: _align });
+        }
         Ok(self.block(bytes, Kind::Arena))
     }
     fn allocate_spill(&mut self, bytes: usize, _align: usize) -> Result<FakeBlock, BackendError> {
@@ -93,9 +98,21 @@ unsafe impl ArenaBackend for Recording {
 }
 
 fn engine(config: WorkspaceConfig, reservation: Option<usize>) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>) {
+    let (e, calls, _) = refusing_engine(config, reservation, usize::MAX);
+    (e, calls)
+}
+
+/// As [`engine`], with a backend that refuses arenas larger than `refuse_above` bytes
+/// (the limit can be changed through the returned handle).
+fn refusing_engine(
+    config: WorkspaceConfig,
+    reservation: Option<usize>,
+    refuse_above: usize,
+) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>, Arc<Mutex<usize>>) {
     let calls = Arc::new(Mutex::new(Vec::new()));
-    let backend = Recording { calls: calls.clone(), reservation, next_base: 0 };
-    (Engine::new("R", config, backend).unwrap(), calls)
+    let limit = Arc::new(Mutex::new(refuse_above));
+    let backend = Recording { calls: calls.clone(), reservation, next_base: 0, refuse_above: limit.clone() };
+    (Engine::new("R", config, backend).unwrap(), calls, limit)
 }
 
 fn take(calls: &Mutex<Vec<Call>>) -> Vec<Call> {
@@ -221,4 +238,83 @@ fn a_reservation_too_small_for_the_first_request_is_given_back() {
             Call::Release(Kind::Spill, 64 << 10),
         ]
     );
+}
+
+/// Opens a cycle, allocates `sizes` and closes it; the error of the `enter`, if any.
+fn try_cycle(e: &Engine<Recording>, sizes: &[usize]) -> Result<()> {
+    e.enter()?;
+    for &n in sizes {
+        e.alloc(n, 8).unwrap();
+    }
+    // SAFETY: the scope counted by `enter` above; nothing refers to the memory.
+    unsafe { e.exit() };
+    Ok(())
+}
+
+#[test]
+fn a_refused_growth_is_reported_once_and_retried_only_after_a_back_off() {
+    // The default configuration (learning in the first cycle, Reallocate) with a backend
+    // that can never back the learned arena.
+    let (e, calls, _) = refusing_engine(WorkspaceConfig::default(), None, 1000);
+    let outcomes: Vec<bool> = (0..40).map(|_| try_cycle(&e, &[3000, 3000]).is_ok()).collect();
+    // The refusal at the end of the first cycle makes the second enter fail; every
+    // other enter succeeds and its cycle runs from spill blocks.
+    let mut expected = vec![true; 40];
+    expected[1] = false;
+    assert_eq!(outcomes, expected);
+    let arenas = take(&calls).iter().filter(|c| matches!(c, Call::Arena(_))).count();
+    // 39 cycles ran: the first refusal, then retries after 2, 4, 8 and 16 cycles.
+    assert_eq!(arenas, 5, "the same growth is not asked for every cycle");
+    let stats = e.stats();
+    assert_eq!((stats.failed_growths, stats.capacity, stats.cycles), (5, 0, 39));
+    assert_eq!(stats.cycles_spilled_after_learning, 38);
+}
+
+#[test]
+fn a_larger_growth_waits_for_the_back_off_and_memory_that_comes_back_is_used() {
+    let config = strict().learning(LearningPolicy::None).spill(SpillPolicy::Reallocate).build().unwrap();
+    let (e, calls, limit) = refusing_engine(config, None, 5000);
+    try_cycle(&e, &[10_000]).unwrap();
+    assert_eq!(take(&calls), vec![Call::Spill(64 << 10), Call::Arena(10_048), Call::Release(Kind::Spill, 64 << 10)]);
+    let err = try_cycle(&e, &[]).expect_err("the refusal is reported");
+    assert!(matches!(err, Error::Backend { source: BackendError::OutOfMemory { bytes: 10_048, .. }, .. }), "{err:?}");
+    // A larger cycle wants a larger arena, which would be refused too: not asked for yet.
+    try_cycle(&e, &[20_000]).unwrap();
+    assert!(!take(&calls).iter().any(|c| matches!(c, Call::Arena(_))));
+    // Memory comes back: the growth succeeds at the next retry, with no error on the way.
+    *limit.lock().unwrap() = usize::MAX;
+    let mut cycles = 0;
+    while e.capacity() == 0 {
+        try_cycle(&e, &[20_000]).unwrap();
+        cycles += 1;
+        assert!(cycles <= 4, "retried within the back-off");
+    }
+    assert_eq!(e.capacity(), 20_032);
+    let stats = e.stats();
+    assert_eq!((stats.growth_events, stats.failed_growths), (1, 1));
+}
+
+#[test]
+fn restoring_the_arena_after_trim_is_reported_once() {
+    let config = strict().learning(LearningPolicy::None).initial_size(4096).build().unwrap();
+    let (e, _calls, limit) = refusing_engine(config, None, usize::MAX);
+    try_cycle(&e, &[100]).unwrap();
+    e.trim().unwrap();
+    *limit.lock().unwrap() = 1000;
+    assert!(try_cycle(&e, &[100]).is_err(), "the arena could not come back: said once");
+    for _ in 0..10 {
+        try_cycle(&e, &[100]).unwrap();
+    }
+    // Meanwhile Reallocate grew a small arena for the cycle (smaller than the size
+    // refused, so tried at once); the configured size stays refused.
+    assert_eq!(e.capacity(), 128);
+    *limit.lock().unwrap() = usize::MAX;
+    // Tried again after the back-off, silently; then the arena is back.
+    let mut cycles = 0;
+    while e.capacity() != 4096 {
+        try_cycle(&e, &[100]).unwrap();
+        cycles += 1;
+        assert!(cycles <= 16, "retried within the back-off");
+    }
+    assert!(e.stats().failed_growths >= 2);
 }
