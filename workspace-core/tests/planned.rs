@@ -437,3 +437,169 @@ fn trimming_the_arena_between_two_cycles_of_a_replay_sends_the_rest_off_the_plan
     assert!(group.capacity() > 0);
     assert_eq!(group.stats().divergences, 0);
 }
+
+/// One iteration of `key` in which `ws` allocates arrays of `sizes` bytes in one cycle;
+/// each allocation's outcome: `Ok` or the error's kind.
+fn outcomes(group: Option<&PlanGroup>, ws: &Workspace, key: u64, sizes: &[usize]) -> Vec<Result<(), String>> {
+    if let Some(group) = group {
+        group.start_iteration(key).unwrap();
+    }
+    let kinds = {
+        let s = ws.enter().unwrap();
+        let mut arrays = Vec::new();
+        let kinds: Vec<Result<(), String>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| match s.filled::<u8, _>(n, i as u8 + 1) {
+                Ok(array) => {
+                    arrays.push((i as u8 + 1, array));
+                    Ok(())
+                }
+                Err(Error::Exhausted { .. }) => Err("exhausted".into()),
+                Err(Error::BudgetExceeded { .. }) => Err("budget exceeded".into()),
+                Err(other) => Err(format!("{other:?}")),
+            })
+            .collect();
+        for (value, array) in &arrays {
+            assert!(array.iter().all(|v| v == value), "array {value} kept its contents");
+        }
+        kinds
+    };
+    if let Some(group) = group {
+        group.finish_iteration().unwrap();
+    }
+    kinds
+}
+
+/// Runs the iterations of `program` (the sizes each allocates) on an unplanned workspace
+/// and on a plan group's member of the same configuration, all under one key (so each
+/// iteration replays the plan of the one before where there is one): both give the same
+/// outcome for every allocation.
+fn same_outcomes_planned_and_unplanned(
+    config: &WorkspaceConfig,
+    program: &[&[usize]],
+) -> workspace_core::planned::PlannedStats {
+    let alone = Workspace::new("ALONE", config.clone()).unwrap();
+    let group = PlanGroup::new("G");
+    let member = group.workspace("MEMBER", config).unwrap();
+    for (i, sizes) in program.iter().enumerate() {
+        let expected = outcomes(None, &alone, 0, sizes);
+        let got = outcomes(Some(&group), &member, 0, sizes);
+        assert_eq!(got, expected, "iteration {i} ({sizes:?}) of {program:?} with {config:?}");
+    }
+    group.stats()
+}
+
+#[test]
+fn off_its_plan_a_member_applies_its_spill_policy_fail() {
+    let config = WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .initial_size(4096)
+        .build()
+        .unwrap();
+    // The third iteration replays the plan of the second and diverges at its second array,
+    // which an unplanned workspace of 4,096 bytes refuses; so does the member.
+    let stats = same_outcomes_planned_and_unplanned(&config, &[&[3000], &[3000], &[3000, 3000], &[3000, 3000]]);
+    assert!(stats.planned_iterations >= 1, "{stats:?}");
+}
+
+#[test]
+fn off_its_plan_a_member_counts_its_windows_in_its_budget() {
+    let config = WorkspaceConfig::builder().max_size(4096).spill(SpillPolicy::External).build().unwrap();
+    let stats = same_outcomes_planned_and_unplanned(&config, &[&[4000], &[4000], &[4000, 4000], &[4000, 4000]]);
+    assert!(stats.planned_iterations >= 1, "{stats:?}");
+    // Without an arena of its own, all in spill blocks: the budget still counts the window.
+    let config = WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .max_size(4096)
+        .spill(SpillPolicy::External)
+        .build()
+        .unwrap();
+    let stats = same_outcomes_planned_and_unplanned(&config, &[&[4000], &[4000], &[4000, 4000], &[1000, 3000, 64]]);
+    assert!(stats.planned_iterations >= 1, "{stats:?}");
+}
+
+#[test]
+fn an_allocation_refused_in_a_planned_iteration_leaves_the_plan_good() {
+    let config = WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .initial_size(4096)
+        .build()
+        .unwrap();
+    let group = PlanGroup::new("G");
+    let member = group.workspace("MEMBER", &config).unwrap();
+    // Each iteration asks for one array too many, then goes on with a small one.
+    for _ in 0..5 {
+        let got = outcomes(Some(&group), &member, 7, &[3000, 3000, 500]);
+        assert_eq!(got, vec![Ok(()), Err("exhausted".into()), Ok(())]);
+    }
+    let stats = group.stats();
+    // Recorded once, then on its plan: the refusal is no divergence.
+    assert_eq!((stats.plans, stats.divergences, stats.planned_iterations), (1, 0, 4), "{stats:?}");
+}
+
+/// The policies of the policy table (`common/policy_suite.rs`) as a member's
+/// configuration: learning, spill policy, arena and budget.
+fn policy_configs() -> Vec<WorkspaceConfig> {
+    use workspace_core::AllocationPolicy;
+    let mut configs = Vec::new();
+    for learning in [LearningPolicy::None, LearningPolicy::FirstLoop, LearningPolicy::OverTime { cycles: 2 }] {
+        for spill in [SpillPolicy::Fail, SpillPolicy::External, SpillPolicy::Reallocate] {
+            for initial in [0, 1024, 4096] {
+                for max in [4096, 8192, usize::MAX] {
+                    let config = WorkspaceConfig::builder()
+                        .allocation(AllocationPolicy::Strict)
+                        .learning(learning)
+                        .spill(spill)
+                        .initial_size(initial)
+                        .max_size(max)
+                        .build();
+                    // Contradictions (a Fail workspace with no arena and no learning) are
+                    // refused at construction, for members as for others.
+                    configs.extend(config.ok());
+                }
+            }
+        }
+    }
+    configs
+}
+
+#[test]
+fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diverging() {
+    let configs = policy_configs();
+    let mut rng = Rng(0x9011_C1E5);
+    let (mut planned, mut diverged, mut recorded) = (0u64, 0u64, 0u64);
+    let arrays = |rng: &mut Rng| -> Vec<usize> {
+        (0..1 + rng.below(4)).map(|_| [100, 1000, 2000, 3000, 4000][rng.below(5) as usize]).collect()
+    };
+    for case in 0..cases().div_ceil(20) {
+        let config = &configs[(case % configs.len() as u64) as usize];
+        // An iteration repeated (recorded, then replayed), then another (diverging from
+        // its plan). The repeated one stays within the member's initial arena, if it has
+        // one: a plan recorded while the member spilled past an arena of its own is
+        // replayed with its windows counted as if packed into that arena (see
+        // `Engine::budget_arena`), which may differ from an unplanned workspace's layout
+        // by the arena's unused tail.
+        let fits = |sizes: &[usize]| {
+            config.initial_size() == 0
+                || sizes.iter().map(|n| n.next_multiple_of(64)).sum::<usize>() <= config.initial_size()
+        };
+        let repeated = loop {
+            let sizes = arrays(&mut rng);
+            if fits(&sizes) {
+                break sizes;
+            }
+        };
+        let last = arrays(&mut rng);
+        let mut program: Vec<&[usize]> = vec![&repeated; 1 + rng.below(3) as usize];
+        program.push(&last);
+        let stats = same_outcomes_planned_and_unplanned(config, &program);
+        planned += stats.planned_iterations;
+        diverged += stats.divergences;
+        recorded += stats.recorded_iterations;
+    }
+    // Every phase was exercised.
+    assert!(planned > 0 && diverged > 0 && recorded > 0, "{planned} {diverged} {recorded}");
+}

@@ -148,25 +148,77 @@ impl<B: ArenaBackend> Engine<B> {
         align: usize,
     ) -> Result<(<B::Block as Block>::Base, usize)> {
         self.check_request(size, align)?;
+        let decision = self.decide(size, align)?;
+        self.apply(decision, size, align)
+    }
+
+    /// Where the slow path puts a request, or the error it returns, without changing
+    /// anything (so a plan group's member can learn that its policy refuses a request
+    /// before it leaves its plan for it). After `check_request`.
+    ///
+    /// A member of a plan group decides as an unplanned workspace with its configuration
+    /// would: the bytes its cycle holds in planned windows count as if they were in its
+    /// own arena, before the bytes it holds there (`held_elsewhere`).
+    pub(super) fn decide(&self, size: usize, align: usize) -> Result<Decision> {
         let align = align.max(self.min_align);
         let capacity = self.capacity.get();
-        let cursor = self.cursor.get();
+        let cursor = self.own_cursor();
+        let held_elsewhere = self.held_elsewhere();
         // The arena as the accounting sees it: under spill-everything it has no memory,
         // but allocations are placed in it all the same (see `arena_memory`).
         if capacity > 0 && align <= self.base_alignment {
             // Does it fit in the arena after all (the fast path was off)?
             let limit = if self.wrapped.get() { self.open_start.get() } else { capacity };
-            if let Some(start) = align_up(cursor, align) {
-                if start.checked_add(size).is_some_and(|end| end <= limit) {
-                    let base = self.arena_memory(start, size, align)?;
-                    self.advance_to(start + size);
-                    self.count_virtual(size, align);
-                    return Ok(base);
+            let logical = cursor.checked_add(held_elsewhere).and_then(|c| align_up(c, align));
+            if let (Some(start), Some(logical)) = (align_up(cursor, align), logical) {
+                // `cursor <= cursor + held_elsewhere`: where the logical start fits, the
+                // real one does.
+                if logical.checked_add(size).is_some_and(|end| end <= limit) {
+                    return Ok(Decision::Arena { start });
                 }
             }
             // Circular: wrap to the start if that overwrites nothing handed out
             // since the workspace was opened.
             if self.config.reset() == ResetPolicy::EndOfBuffer && !self.wrapped.get() && size <= self.open_start.get() {
+                return Ok(Decision::Wrap);
+            }
+        }
+        let learning = self.learning.left.get() > 0;
+        if !learning && self.config.spill() == SpillPolicy::Fail {
+            return Err(self.exhausted(size, align, cursor.saturating_add(held_elsewhere)));
+        }
+        self.check_budget(size, align)?;
+        Ok(Decision::Spill)
+    }
+
+    /// Bytes the open cycle holds outside its own arena and spill blocks that an
+    /// unplanned workspace would hold in its arena: a plan group member's windows.
+    fn held_elsewhere(&self) -> usize {
+        if self.grouped.get() {
+            self.window_bytes()
+        } else {
+            0
+        }
+    }
+
+    /// Carries out what [`Engine::decide`] decided (with nothing changed in between
+    /// but a closed window).
+    pub(super) fn apply(
+        &self,
+        decision: Decision,
+        size: usize,
+        align: usize,
+    ) -> Result<(<B::Block as Block>::Base, usize)> {
+        let align = align.max(self.min_align);
+        match decision {
+            Decision::Arena { start } => {
+                let base = self.arena_memory(start, size, align)?;
+                self.advance_to(start + size);
+                self.count_virtual(size, align);
+                Ok(base)
+            }
+            Decision::Wrap => {
+                let (capacity, cursor) = (self.capacity.get(), self.cursor.get());
                 let base = self.arena_memory(0, size, align)?;
                 self.wrapped.set(true);
                 self.wrap_waste.set(capacity - cursor);
@@ -176,14 +228,10 @@ impl<B: ArenaBackend> Engine<B> {
                     self.set_limit(self.open_start.get());
                 }
                 self.count_virtual(size, align);
-                return Ok(base);
+                Ok(base)
             }
+            Decision::Spill => self.spill(size, align),
         }
-        let learning = self.learning.left.get() > 0;
-        if !learning && self.config.spill() == SpillPolicy::Fail {
-            return Err(self.exhausted(size, align, cursor));
-        }
-        self.spill(size, align)
     }
 
     /// The memory for arena offset `offset`: in the arena, or under spill-everything
@@ -257,23 +305,53 @@ impl<B: ArenaBackend> Engine<B> {
         Some(block)
     }
 
-    pub(super) fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        // The budget counts the arena and what the spills need laid out contiguously,
-        // padded as an arena pads them: a cycle that fits the budget once is then
-        // learned into an arena that holds all of it, within the budget.
+    /// The budget: the arena (or, for a plan group's member, what it holds in its arena
+    /// and its windows, if more) and what the spills need laid out contiguously, padded
+    /// as an arena pads them. A cycle that fits the budget once is then learned into an
+    /// arena that holds all of it, within the budget.
+    fn check_budget(&self, size: usize, align: usize) -> Result<()> {
         let max = self.config.max_size();
-        let capacity = self.capacity.get();
         let need_before = self.spill.need.get();
         let need = align_up(need_before, align).and_then(|start| start.checked_add(size));
-        if need.and_then(|need| need.checked_add(capacity)).is_none_or(|total| total > max) {
+        let arena = self.budget_arena();
+        if need.and_then(|need| need.checked_add(arena)).is_none_or(|total| total > max) {
             return Err(Error::BudgetExceeded {
                 workspace: self.name.clone(),
                 requested: size,
                 in_use: self.open_bytes() + need_before,
-                arena: capacity,
+                arena,
                 max_size: max,
             });
         }
+        Ok(())
+    }
+
+    /// What the budget counts for the arena: its capacity, or for a plan group's member
+    /// the bytes its cycle holds in its own arena and its windows, where that is more.
+    ///
+    /// For a member this is what an unplanned workspace of its configuration counts
+    /// whenever the windows' bytes would fit in its own arena, or it has none (the
+    /// members of a planned network): the windows stand for the arena's first bytes.
+    /// Where a plan was recorded while the member spilled past an arena of its own, an
+    /// unplanned workspace may have left that arena's tail unused before spilling; the
+    /// windows are counted as if packed into it, so the budget's edge can differ by that
+    /// tail.
+    fn budget_arena(&self) -> usize {
+        let capacity = self.capacity.get();
+        match self.held_elsewhere() {
+            0 => capacity,
+            windows => {
+                capacity.max(align_up(self.own_cursor().saturating_add(windows), self.min_align).unwrap_or(usize::MAX))
+            }
+        }
+    }
+
+    pub(super) fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
+        self.check_budget(size, align)?;
+        let max = self.config.max_size();
+        let capacity = self.budget_arena();
+        let need_before = self.spill.need.get();
+        let need = align_up(need_before, align).and_then(|start| start.checked_add(size));
         let held = capacity + need_before;
         // Room in the current spill block?
         let fits = self.spill.base.get().filter(|_| align <= self.spill.align.get()).and_then(|base| {
@@ -319,4 +397,15 @@ impl<B: ArenaBackend> Engine<B> {
         self.counters.external_allocations.set(self.counters.external_allocations.get() + 1);
         Ok((base, start))
     }
+}
+
+/// What the slow path does with a request ([`Engine::decide`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Decision {
+    /// In the own arena, at `start`.
+    Arena { start: usize },
+    /// Circular: at the start of the buffer.
+    Wrap,
+    /// In a spill block.
+    Spill,
 }

@@ -202,11 +202,15 @@ impl<B: ArenaBackend> Engine<B> {
                     return Ok(placed);
                 }
             }
-            state.diverge();
         }
-        // Off the plan: a spill block of this member's own, never planned bytes.
+        // Off the plan: the member's own arena or a spill block, never planned bytes, as
+        // an unplanned workspace with its configuration would place it (the bytes its
+        // windows hold count as if in its arena). A request its policy refuses changes
+        // nothing, so the plan stays good: the recording did not hold it either.
+        let decision = self.decide(size, align)?;
+        state.diverge();
         self.close_window();
-        self.spill(size, align)
+        self.apply(decision, size, align)
     }
 
     /// While replaying: when the plan's next step is a run of `owner`, takes it and
