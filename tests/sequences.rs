@@ -523,3 +523,135 @@ fn labels_per_step_without_a_mask_take_the_features_mask_and_predictions_are_per
     let mut per_step = [0u32; 15];
     a.predict_into((x.view(), m.view()), &mut per_step).unwrap();
 }
+
+/// `dense(4).relu().lstm(5)` with a sequence head, as a hostile user builds it.
+fn dense_first_network(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(3)
+        .dense(4)
+        .relu()
+        .lstm(5)
+        .last_step()
+        .dense(3)
+        .seed(9)
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode);
+    Network::new(config.build().unwrap()).unwrap()
+}
+
+#[test]
+fn whatever_padding_holds_a_step_trains_as_on_the_zero_padded_batch() {
+    let x = random3((3, 6, 3), &mut Rng::new(51));
+    let mask = mask();
+    let y = Array1::from(vec![0u32, 2, 1]);
+    let with = |value: f32| {
+        let mut padded = x.clone();
+        padded.zip_mut_with(&mask.clone().insert_axis(Axis(2)).broadcast(x.dim()).unwrap(), |v, &m| {
+            if m == 0.0 {
+                *v = value;
+            }
+        });
+        padded
+    };
+    let zeros = with(0.0);
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None, WorkspaceMode::Planned] {
+        for junk in [f32::MAX, -f32::MAX, f32::NAN, f32::INFINITY, 7.5] {
+            let junk_x = with(junk);
+            let mut plain = dense_first_network(mode);
+            let mut hostile = dense_first_network(mode);
+            for step in 0..3 {
+                let a = plain.fit_batch((zeros.view(), mask.view()), y.view()).unwrap();
+                let b = hostile
+                    .fit_batch((junk_x.view(), mask.view()), y.view())
+                    .unwrap_or_else(|e| panic!("{mode:?}, padding {junk}, step {step}: {e}"));
+                assert_eq!(a.to_bits(), b.to_bits(), "{mode:?}, padding {junk}: the loss of the zero-padded batch");
+                assert_eq!(param_bits(&mut plain), param_bits(&mut hostile), "{mode:?}, padding {junk}: its step");
+            }
+        }
+    }
+    // A value that is not finite in a step that holds data is still refused, named.
+    let mut net = dense_first_network(WorkspaceMode::Enabled);
+    let mut bad = zeros.clone();
+    bad[[1, 3, 0]] = f32::NAN;
+    let err = net.fit_batch((bad.view(), mask.view()), y.view()).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }) && err.to_string().contains("sequence 1, step 3"), "{err}");
+}
+
+#[test]
+fn evaluating_with_no_labelled_step_is_an_error_that_says_so() {
+    let mut net = per_step_network(WorkspaceMode::Enabled);
+    let x = random3((2, 4, 3), &mut Rng::new(3));
+    let labels = Array2::<u32>::zeros((2, 4));
+    let none = Array2::<f32>::zeros((2, 4));
+    let err = net.evaluate(x.view(), (labels.view(), none.view()), 1).unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+    assert!(err.to_string().contains("no labelled step"), "{err}");
+    // As training says.
+    let err = net.fit_batch(x.view(), (labels.view(), none.view())).unwrap_err();
+    assert!(err.to_string().contains("nothing to learn from"), "{err}");
+}
+
+/// Batches of sequences with labels per step, whose labels mask is all 0.
+struct Unlabelled {
+    batches: usize,
+}
+
+impl carve::async_iter::BatchSource for Unlabelled {
+    fn next_layout(
+        &mut self,
+        index: usize,
+    ) -> Result<Option<carve::async_iter::BatchLayout>, carve::async_iter::SourceError> {
+        Ok((index < self.batches).then(|| {
+            carve::async_iter::BatchLayout::new()
+                .features::<f32, _>((2, 4, 3))
+                .features_mask::<f32, _>((2, 4))
+                .labels::<u32, _>((2, 4))
+                .labels_mask::<f32, _>((2, 4))
+        }))
+    }
+
+    fn fill(&mut self, batch: &mut carve::async_iter::BatchMut<'_>) -> Result<(), carve::async_iter::SourceError> {
+        batch.features::<f32, ndarray::Ix3>()?.fill(0.5);
+        batch.features_mask::<f32, ndarray::Ix2>()?.fill(1.0);
+        batch.labels::<u32, ndarray::Ix2>()?.fill(1);
+        batch.labels_mask::<f32, ndarray::Ix2>()?.fill(0.0);
+        Ok(())
+    }
+}
+
+#[test]
+fn evaluating_batches_with_no_labelled_step_names_the_cause() {
+    let mut net = per_step_network(WorkspaceMode::Enabled);
+    let mut batches = carve::async_iter::Prefetcher::builder(Unlabelled { batches: 3 }).build().unwrap();
+    let err = net.evaluate_batches(&mut batches).unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+    assert!(message.contains("no labelled step") && message.contains("3 batches"), "{message}");
+    assert!(!message.contains("no batches"), "{message}");
+    // The epoch ended: the prefetcher was reset, and the next call sees the batches again.
+    let err = net.evaluate_batches(&mut batches).unwrap_err();
+    assert!(err.to_string().contains("no labelled step"), "{err}");
+}
+
+#[test]
+fn a_broadcast_batch_too_large_to_lay_out_fails_at_once() {
+    // One value viewed as 2^40 steps (zero strides): scanning it element by element
+    // would take hours; it fails as soon as it would have to be laid out.
+    let one = Array1::from(vec![0.5f32, 0.25, 0.125]);
+    let steps = one.broadcast((1, 1usize << 40, 3)).unwrap();
+    let rows = one.broadcast((1usize << 40, 3)).unwrap();
+    let labels = Array1::<u32>::zeros(1);
+    let zero = [0u32];
+    let zero = ndarray::ArrayView1::from(&zero[..]);
+    let many_labels = zero.broadcast(1usize << 40).unwrap();
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None, WorkspaceMode::Planned] {
+        let mut net = sequence_network(mode, 1, false);
+        let err = net.fit_batch(steps, labels.view()).unwrap_err();
+        assert!(err.to_string().contains("out of memory") || err.to_string().contains("budget"), "{mode:?}: {err}");
+        assert!(net.output(steps).is_err(), "{mode:?}");
+        let mut flat =
+            Network::new(NetworkConfig::builder(3).dense(4).seed(1).training_workspace_mode(mode).build().unwrap())
+                .unwrap();
+        let err = flat.fit_batch(rows, many_labels).unwrap_err();
+        assert!(err.to_string().contains("out of memory") || err.to_string().contains("budget"), "{mode:?}: {err}");
+    }
+}

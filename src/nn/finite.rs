@@ -8,9 +8,22 @@
 //! built only when there is one) and change no number.
 
 use crate::Error;
-use ndarray::ArrayView2;
+use ndarray::{ArrayView, ArrayView2, Axis, Dimension, Slice};
 
 use super::layer::Activations;
+
+/// `a` with every axis along which it repeats one value (stride 0, as `broadcast`
+/// makes) cut to its first index: the same values, each once. A scan of a view costs
+/// what its memory holds, not what its shape claims (a `[1, 2^40, 3]` broadcast of one
+/// value is one element).
+pub(crate) fn distinct<'a, A, D: Dimension>(mut a: ArrayView<'a, A, D>) -> ArrayView<'a, A, D> {
+    for axis in 0..a.ndim() {
+        if a.strides()[axis] == 0 && a.len_of(Axis(axis)) > 1 {
+            a.slice_axis_inplace(Axis(axis), Slice::from(0..1));
+        }
+    }
+    a
+}
 
 /// Whether every value of `values` is finite. Branch-free within chunks, so that it
 /// vectorises; stops at the first chunk that holds a non-finite value.
@@ -29,6 +42,8 @@ pub(crate) fn first_in_slice(values: &[f32]) -> Option<(usize, f32)> {
 /// The first element of `a` (in row-major order) that is not finite: its row, column
 /// and value.
 pub(crate) fn first_in_matrix(a: ArrayView2<'_, f32>) -> Option<(usize, usize, f32)> {
+    // A repeated value is found at its first index.
+    let a = distinct(a);
     let clean = match a.as_slice_memory_order() {
         Some(values) => all_finite(values),
         None => a.rows().into_iter().all(|row| match row.as_slice() {
@@ -57,14 +72,47 @@ pub(crate) fn check_matrix(layer: &str, what: &str, a: ArrayView2<'_, f32>) -> R
 }
 
 /// As [`check_matrix`], for a flat batch or a batch of sequences (whose elements are
-/// named by sequence, step and column).
-pub(crate) fn check_activations(layer: &str, what: &str, a: Activations<'_>) -> Result<(), Error> {
+/// named by sequence, step and column). With a `mask` (`[batch, time]`, 0 where a step
+/// is padding), padded steps are not checked: nothing uses them.
+pub(crate) fn check_activations(
+    layer: &str,
+    what: &str,
+    a: Activations<'_>,
+    mask: Option<ArrayView2<'_, f32>>,
+) -> Result<(), Error> {
     match a {
         Activations::Flat(a) => check_matrix(layer, what, a),
         Activations::Sequence(a) => {
+            let found = |r: usize, t: usize, c: usize, v: f32| {
+                Err(error(layer, format!("{what} (sequence {r}, step {t}, column {c}) is {v}")))
+            };
+            let mask = mask.filter(|m| m.dim() == (a.shape()[0], a.shape()[1]));
+            // Sequences that repeat one another (a broadcast batch) are checked once,
+            // unless the mask tells them apart.
+            let mut a = a;
+            if a.strides()[0] == 0 && mask.is_none_or(|m| m.strides()[0] == 0) {
+                a.slice_axis_inplace(Axis(0), Slice::from(0..1));
+            }
             for (r, sequence) in a.outer_iter().enumerate() {
-                if let Some((t, c, v)) = first_in_matrix(sequence) {
-                    return Err(error(layer, format!("{what} (sequence {r}, step {t}, column {c}) is {v}")));
+                let live = mask.as_ref().map(|m| m.row(r));
+                if live.is_none_or(|steps| distinct(steps).iter().all(|&v| v != 0.0)) {
+                    if let Some((t, c, v)) = first_in_matrix(sequence) {
+                        return found(r, t, c, v);
+                    }
+                    continue;
+                }
+                for (t, step) in sequence.outer_iter().enumerate() {
+                    if live.is_some_and(|steps| steps[t] == 0.0) {
+                        continue;
+                    }
+                    let step = distinct(step);
+                    if let Some(step_values) = step.as_slice_memory_order() {
+                        if let Some((c, v)) = first_in_slice(step_values) {
+                            return found(r, t, c, v);
+                        }
+                    } else if let Some((c, &v)) = step.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                        return found(r, t, c, v);
+                    }
                 }
             }
             Ok(())
@@ -91,5 +139,30 @@ mod tests {
         assert!(matches!(first_in_matrix(a.slice(s![.., ..;2])), Some((3, 33, v)) if v.is_nan()));
         assert_eq!(first_in_slice(&[1.0, f32::MAX, -f32::MAX]), None);
         assert_eq!(first_in_slice(&[1.0, 2.0, f32::NEG_INFINITY]), Some((2, f32::NEG_INFINITY)));
+    }
+
+    #[test]
+    fn a_broadcast_view_is_scanned_once_per_value() {
+        let one = ndarray::arr1(&[1.0f32, f32::NAN, 2.0]);
+        // 2^40 rows of one row: found at once, at the first row.
+        let huge = one.broadcast((1usize << 40, 3)).unwrap();
+        assert!(matches!(first_in_matrix(huge), Some((0, 1, v)) if v.is_nan()));
+        let sequences = one.broadcast((1, 1usize << 40, 3)).unwrap();
+        let err = check_activations("input", "the batch", Activations::Sequence(sequences), None).unwrap_err();
+        assert!(err.to_string().contains("sequence 0, step 0, column 1"), "{err}");
+    }
+
+    #[test]
+    fn padded_steps_are_not_checked() {
+        let mut a = ndarray::Array3::<f32>::zeros((2, 3, 2));
+        a[[1, 2, 0]] = f32::INFINITY; // padding
+        let mut mask = Array2::<f32>::ones((2, 3));
+        mask[[1, 2]] = 0.0;
+        let seq = Activations::Sequence(a.view());
+        assert!(check_activations("l", "its output", seq, Some(mask.view())).is_ok());
+        assert!(check_activations("l", "its output", seq, None).is_err());
+        a[[1, 1, 1]] = f32::NAN; // a live step
+        let err = check_activations("l", "its output", Activations::Sequence(a.view()), Some(mask.view())).unwrap_err();
+        assert!(err.to_string().contains("sequence 1, step 1, column 1"), "{err}");
     }
 }

@@ -108,7 +108,9 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Shape errors; [`Error::InvalidInput`] for a zero batch size or no rows.
+    /// Shape errors; [`Error::InvalidInput`] for a zero batch size, no rows, or labels
+    /// per step whose mask selects no step (there is nothing to evaluate, as
+    /// [`Network::fit_batch`] finds nothing to learn from).
     pub fn evaluate<'x, 'l>(
         &mut self,
         x: impl Into<Input<'x>>,
@@ -131,7 +133,10 @@ impl Network {
             correct += c;
             total += t;
         }
-        Ok(correct as f64 / total.max(1) as f64)
+        if total == 0 {
+            return Err(no_labelled_step("evaluate was given", rows));
+        }
+        Ok(correct as f64 / total as f64)
     }
 
     /// Labelled rows (examples, or labelled steps) of one batch whose most probable
@@ -164,32 +169,47 @@ impl Network {
     /// # Errors
     ///
     /// As [`Network::fit`]: the prefetcher's errors, shape errors, an epoch with no
-    /// batches.
+    /// batches; [`Error::InvalidInput`] for an epoch whose batches have labels per step
+    /// and no labelled step (every labels mask all 0; the prefetcher is reset then, as
+    /// after any whole epoch).
     pub fn evaluate_batches<S, B>(&mut self, batches: &mut Prefetcher<S, B>) -> Result<f64>
     where
         S: BatchSource,
         B: ArenaBackend + 'static,
         B::Block: Block<Base = NonNull<u8>>,
     {
-        let (mut correct, mut rows) = (0usize, 0usize);
+        let (mut correct, mut labelled, mut batch_count, mut rows) = (0usize, 0usize, 0usize, 0usize);
         while let Some(batch) = batches.next() {
             let batch = batch?;
             let x = lease_input(&batch)?;
             let y = lease_labels(&batch)?.or_mask(x.mask());
             check_labels(&x, &y)?;
-            let (c, t) = self.count_correct(x, y)?;
+            let (c, t) = self.count_correct(x.reborrow(), y)?;
             correct += c;
-            rows += t;
+            labelled += t;
+            batch_count += 1;
+            rows += x.rows();
         }
-        if rows == 0 {
+        if batch_count == 0 {
             return Err(Error::InvalidInput(format!(
                 "evaluate_batches was given an epoch with no batches (epoch {} of the prefetcher had ended)",
                 batches.epoch()
             )));
         }
         batches.reset()?;
-        Ok(correct as f64 / rows as f64)
+        if labelled == 0 {
+            return Err(no_labelled_step(&format!("evaluate_batches was given {batch_count} batches with"), rows));
+        }
+        Ok(correct as f64 / labelled as f64)
     }
+}
+
+/// The error for batches of `rows` examples whose labels mask selects no step.
+fn no_labelled_step(given: &str, rows: usize) -> Error {
+    Error::InvalidInput(format!(
+        "{given} {rows} sequences and no labelled step (the labels mask is 0 at every step): there is nothing to \
+         evaluate; give labels at least one step with mask 1"
+    ))
 }
 
 /// Index of the largest value (the first on ties).

@@ -13,6 +13,7 @@ use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
 
+use super::finite;
 use super::layer::Activations;
 
 use crate::{Error, Result};
@@ -491,7 +492,11 @@ impl Network {
             }
             if let Some(mask) = mask {
                 check_mask(mask, (rows, steps), "features", "a step holds data and 0 where it is padding")?;
-                if let Some(r) = (0..rows).find(|&r| mask.row(r).iter().all(|&v| v == 0.0)) {
+                // Rows that repeat one another (a broadcast mask) are looked at once.
+                let distinct = finite::distinct(mask.view());
+                if let Some(r) =
+                    (0..distinct.nrows()).find(|&r| finite::distinct(distinct.row(r)).iter().all(|&v| v == 0.0))
+                {
                     return Err(Error::InvalidInput(format!(
                         "sequence {r} of the batch has no step that holds data (its mask is all 0); leave empty \
                          sequences out of the batch"
@@ -540,7 +545,8 @@ fn check_mask(mask: &ArrayView2<'_, f32>, dims: (usize, usize), what: &str, mean
             actual: mask.shape().to_vec(),
         });
     }
-    if let Some(((r, t), &v)) = mask.indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
+    // A value repeated along an axis (a broadcast mask) is looked at once, at its first index.
+    if let Some(((r, t), &v)) = finite::distinct(mask.view()).indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
         return Err(Error::InvalidInput(format!(
             "the {what} mask holds {v} at sequence {r}, step {t}: a mask holds 1 where {meaning}"
         )));

@@ -31,7 +31,9 @@ impl Network {
     /// [`Error::NonFinite`], naming the layer, when a value of the step is not finite
     /// (NaN or infinite): an input element ("input"), a layer's output, the gradient
     /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
-    /// value the updater would store. After an error the network is unchanged (its
+    /// value the updater would store. Steps that a features mask marks as padding are
+    /// not checked and not used: they are zeroed before the first layer, so whatever
+    /// they hold, the loss and the step are those of the zero-padded batch. After an error the network is unchanged (its
     /// parameters and its updater's state are as they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let (x, labels) = (x.into(), labels.into());
@@ -84,18 +86,22 @@ impl Network {
         // Labels per step without a mask of their own are masked like the features.
         let labels = labels.reborrow().or_mask(x.mask());
         self.check_batch(&x, Some(&labels))?;
-        // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
-        // it, the loss clamps it, and the parameters would silently become NaN.
-        finite::check_activations("input", "the batch", x.activations())?;
         let mask = x.mask();
+        // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
+        // it, the loss clamps it, and the parameters would silently become NaN. Padded
+        // steps are not checked: nothing uses them (they are zeroed below). The scan
+        // costs what the batch's memory holds: a broadcast value is looked at once, so a
+        // batch too large to lay out fails at its first allocation, not hours later.
+        finite::check_activations("input", "the batch", x.activations(), mask)?;
         let Network { layers, loss, updater, train, .. } = self;
         let mgr = &train[0];
         train[0].reset_peaks();
         train[1].reset_peaks();
 
         let act = mgr.enter(ArrayType::Activations)?;
-        // Sequences (and labels per step) in another layout are copied once, here.
-        let x = standard_input(x, &act)?;
+        // Sequences (and labels per step) in another layout, or with padding, are copied
+        // once, here.
+        let x = training_input(x, &act)?;
         let labels = standard_labels(labels, &act)?;
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
@@ -108,7 +114,7 @@ impl Network {
                 Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
             };
             validate(mgr, layer.name(), y)?;
-            finite::check_activations(layer.name(), "its output", y)?;
+            finite::check_activations(layer.name(), "its output", y, mask)?;
             outputs.push(y);
             input = y;
         }
@@ -148,7 +154,7 @@ impl Network {
                     }
                 }
             }
-            check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?)?;
+            check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?, mask)?;
             match below {
                 // The gradient just consumed closes its workspace here.
                 Some(below) => grad = below,
@@ -290,8 +296,10 @@ pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
         key ^= v as u64;
         key = key.wrapping_mul(0x0100_0000_01b3);
     };
-    // Sequences not in standard layout are copied first (a flat batch is not).
-    let copied = matches!(x.activations(), Activations::Sequence(v) if !v.is_standard_layout());
+    // Sequences not in standard layout are copied first (a flat batch is not), and so
+    // are padded ones when training (`training_input`).
+    let padded = labels.is_some() && x.mask().is_some_and(|mask| has_padding(&mask));
+    let copied = matches!(x.activations(), Activations::Sequence(v) if !v.is_standard_layout()) || padded;
     x.activations().shape().iter().for_each(|&d| mix(d));
     mix(usize::from(copied));
     match x.mask() {
@@ -300,10 +308,11 @@ pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
             // Labels per step without a mask of their own take this one, copied when it
             // is not in standard layout.
             mix(2 + usize::from(mask.is_standard_layout()));
-            // One bit per step: any sequence live there. 64 steps per word.
+            // One bit per step: any sequence live there. 64 steps per word. (A value
+            // repeated along an axis, as `broadcast` makes, is looked at once.)
             let (mut word, mut bits) = (0usize, 0);
-            for column in mask.columns() {
-                word = word << 1 | usize::from(column.iter().any(|&v| v != 0.0));
+            for column in finite::distinct(mask.view()).columns() {
+                word = word << 1 | usize::from(finite::distinct(column).iter().any(|&v| v != 0.0));
                 bits += 1;
                 if bits == usize::BITS {
                     mix(word);
@@ -411,6 +420,33 @@ pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Re
     }
 }
 
+/// `x` as a training step uses it: sequences in standard layout and with the steps
+/// their mask marks as padding zeroed, copied into `scope` when either needs it (flat
+/// batches are taken as they are). Nothing uses a padded step; zeroed, whatever the
+/// caller left there (`f32::MAX`, NaN) gives finite values in every layer, and the
+/// loss and gradients are exactly those of the zero-padded batch.
+pub(super) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
+    match x {
+        Input::Sequences { features, mask: Some(mask) } if has_padding(&mask) => {
+            let mut copy = scope.copy_of(&features)?;
+            for (mut sequence, live) in copy.outer_iter_mut().zip(mask.rows()) {
+                for (mut step, &live) in sequence.outer_iter_mut().zip(live) {
+                    if live == 0.0 {
+                        step.fill(0.0);
+                    }
+                }
+            }
+            Ok(Input::Sequences { features: freeze(copy), mask: Some(mask) })
+        }
+        other => standard_input(other, scope),
+    }
+}
+
+/// Whether `mask` marks a step as padding.
+fn has_padding(mask: &ArrayView2<'_, f32>) -> bool {
+    finite::distinct(mask.view()).iter().any(|&v| v == 0.0)
+}
+
 /// `x` with its sequences in standard layout: as it is, or copied into `scope` (flat
 /// batches are taken in any layout).
 pub(super) fn standard_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
@@ -498,9 +534,13 @@ fn dims(n: usize) -> Error {
 
 /// Checks the gradients `layer`'s backward pass left: those of its parameters, and
 /// `grad_input`, the gradient of its input.
-fn check_gradients(layer: &mut dyn Layer, grad_input: Option<Activations<'_>>) -> Result<()> {
+fn check_gradients(
+    layer: &mut dyn Layer,
+    grad_input: Option<Activations<'_>>,
+    mask: Option<ArrayView2<'_, f32>>,
+) -> Result<()> {
     if let Some(grad_input) = grad_input {
-        finite::check_activations(layer.name(), "the gradient of its input", grad_input)?;
+        finite::check_activations(layer.name(), "the gradient of its input", grad_input, mask)?;
     }
     let (mut param, mut bad) = (0, None);
     layer.params(&mut |p| {
