@@ -284,6 +284,14 @@ impl Shared {
         }
     }
 
+    /// Whether batch `taken` is published or the producer finished before it: whether
+    /// [`wait_for_batch`](Self::wait_for_batch) would return at once. Only a look: the
+    /// caller still calls `wait_for_batch`, whose acquire orders what it reads.
+    pub(crate) fn is_available(&self, taken: usize) -> bool {
+        let word = self.ready.word.load(Ordering::Acquire);
+        word & FLAG != 0 || ahead(count(word), taken) > 0
+    }
+
     /// Reads published batch `index` (the caller saw [`Available::Batch`]).
     ///
     /// # Safety

@@ -75,6 +75,12 @@ impl Consumer {
         }
     }
 
+    /// Whether [`poll`](Self::poll) would return at once: the next batch or the end of
+    /// the epoch is there.
+    pub(crate) fn ready(&self) -> bool {
+        self.ended || self.shared.is_available(self.taken)
+    }
+
     /// Waits for the next batch or the end of the epoch; [`settle`](Self::settle)
     /// comes first.
     pub(crate) fn poll(&mut self) -> Polled {

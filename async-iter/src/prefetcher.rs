@@ -296,6 +296,20 @@ where
         }
     }
 
+    /// Whether [`next`](Self::next) would return without waiting: the next batch (or the
+    /// end of the epoch) is there. With a background producer this is a look at the
+    /// hand-off; in [`Threading::Shield`] mode `next()` fills the batch itself, so this
+    /// is false until the epoch ends. The slots of leases that ended go back to the
+    /// producer first, as in `next()`.
+    ///
+    /// For a consumer that has something better to do than wait (the device prefetcher
+    /// stages the next batch's copy ahead only when it is ready, so that a source that
+    /// produces a batch only after the one before it was used is never waited for).
+    pub fn ready(&mut self) -> bool {
+        self.consumer.settle();
+        self.consumer.ready()
+    }
+
     /// Calls `f` on every remaining batch of the epoch, stopping at the first error
     /// (of the prefetcher, converted with `From`, or of `f`).
     ///
@@ -400,6 +414,13 @@ impl<S, B: ArenaBackend> Prefetcher<S, B> {
             }
         }
         Ok(())
+    }
+
+    /// Whether the producer thread did not end within the join timeout at the last
+    /// [`stop`](Self::stop) or [`reset`](Self::reset) and has not been joined since:
+    /// dropping the prefetcher then detaches it without waiting again.
+    pub fn is_stuck(&self) -> bool {
+        self.stuck && matches!(self.producer, ProducerState::Running(_))
     }
 
     /// Waits up to `timeout` for the running producer (finished, or asked to stop) to

@@ -39,6 +39,9 @@ pub(crate) struct Region {
 /// to, never moves.
 struct Buffer<K> {
     block: K,
+    /// A ring block of a fixed-size backend (a file mapping), which cannot have a
+    /// second one while this one lives.
+    fixed: bool,
     /// Loom's view of the block's lifetime: a lease holds a shared access to it for as
     /// long as it lives, and giving the block back takes a unique access, so a block
     /// freed under a lease fails the model. With std it is a zero-sized cell.
@@ -48,6 +51,9 @@ struct Buffer<K> {
 /// The backend as the memory of a [`SlotRing`].
 struct HostSlots<B: ArenaBackend> {
     backend: B,
+    /// Bytes of the ring block of a fixed-size backend while one is held: growing would
+    /// map its file a second time.
+    fixed_ring: Option<usize>,
     /// The first byte of a block (`Block::base`, where it is a host pointer).
     base: fn(&B::Block) -> NonNull<u8>,
 }
@@ -67,8 +73,19 @@ unsafe impl<B: ArenaBackend> SlotMemory for HostSlots<B> {
     }
 
     fn allocate_ring(&mut self, bytes: usize) -> Result<Self::Block, BackendError> {
+        let fixed = self.backend.fixed_size();
+        if let (true, Some(capacity)) = (fixed, self.fixed_ring) {
+            // A batch larger than the ring's slots: the ring would grow into a second
+            // mapping of the file it already maps.
+            return Err(BackendError::FixedSize { backend: self.backend.kind(), capacity, requested: bytes });
+        }
         let block = self.backend.allocate_arena(bytes, ARRAY_ALIGN.max(self.backend.base_alignment()))?;
-        self.checked(block, bytes)
+        let mut buffer = self.checked(block, bytes)?;
+        if fixed {
+            buffer.fixed = true;
+            self.fixed_ring = Some(buffer.block.len());
+        }
+        Ok(buffer)
     }
 
     fn allocate_batch(&mut self, bytes: usize) -> Result<Self::Block, BackendError> {
@@ -84,6 +101,9 @@ unsafe impl<B: ArenaBackend> SlotMemory for HostSlots<B> {
         for buffer in blocks {
             // The unique access tells loom that no lease of this block is alive.
             buffer.token.with_mut(|_| ());
+            if buffer.fixed {
+                self.fixed_ring = None;
+            }
             self.backend.release(buffer.block);
         }
     }
@@ -95,6 +115,7 @@ unsafe impl<B: ArenaBackend> SlotMemory for HostSlots<B> {
         for buffer in blocks {
             self.backend.release(buffer.block);
         }
+        self.fixed_ring = None;
     }
 }
 
@@ -105,7 +126,7 @@ impl<B: ArenaBackend> HostSlots<B> {
     fn checked(&mut self, block: B::Block, bytes: usize) -> Result<Box<Buffer<B::Block>>, BackendError> {
         let base = (self.base)(&block);
         if block.len() >= bytes && (base.as_ptr() as usize).is_multiple_of(ARRAY_ALIGN) {
-            return Ok(Box::new(Buffer { block, token: UnsafeCell::new(()) }));
+            return Ok(Box::new(Buffer { block, fixed: false, token: UnsafeCell::new(()) }));
         }
         let detail = format!(
             "the {} backend returned {} bytes at {base:p} for a request of {bytes} bytes aligned to {ARRAY_ALIGN}",
@@ -134,7 +155,7 @@ where
 {
     pub(crate) fn new(backend: B, mode: WorkspaceMode, slots: usize, headroom: f64, max_bytes: Option<usize>) -> Self {
         debug_assert!(slots >= 2 && headroom.is_finite() && headroom >= 0.0);
-        let memory = HostSlots { backend, base: |block: &B::Block| block.base() };
+        let memory = HostSlots { backend, fixed_ring: None, base: |block: &B::Block| block.base() };
         Ring { slots: SlotRing::new(memory, slots, headroom, max_bytes), mode, epoch_start: 0, sized: false }
     }
 
@@ -262,6 +283,28 @@ mod tests {
         assert_eq!(ring.slots.retired_blocks(), 1);
         ring.end_epoch();
         assert!(ring.slots.retired_blocks() == 0);
+    }
+
+    #[test]
+    fn a_ring_over_a_file_mapping_says_it_cannot_grow() {
+        let path = std::env::temp_dir().join(format!("carve-ring-{}.map", std::process::id()));
+        // SAFETY: a file of this test's own, in the temporary directory, that nothing
+        // else truncates or writes while it is mapped.
+        let file = unsafe { workspace_core::MappedFile::new(&path) };
+        let stats = ProducerCounters::default();
+        let mut ring = Ring::new(HostBackend::MmapFile(file), WorkspaceMode::Enabled, 3, 0.0, None);
+        ring.reserve(0, 0, 4096, &stats).unwrap();
+        // A larger batch would grow the ring into a second mapping of the same file.
+        let err = ring.reserve(0, 1, 8192, &stats).unwrap_err();
+        assert!(
+            matches!(err, Error::Backend { source: BackendError::FixedSize { backend: "mmap-file", requested, .. }, .. } if requested >= 8192),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("fixed size") && !err.to_string().contains("another"), "{err}");
+        // Batches that fit keep coming from the mapping.
+        ring.reserve(0, 1, 4096, &stats).unwrap();
+        drop(ring);
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -190,15 +190,21 @@ pub struct DevicePrefetchStats {
 /// Batches prefetched into device memory.
 ///
 /// A producer thread fills batches into a host ring of page-locked memory (the
-/// prefetcher's ring over a [`PinnedBackend`]). [`DevicePrefetcher::next`] hands out
-/// batch `k` only once it has issued the host-to-device copy of batch `k + 1` on the copy
-/// stream, so that copy runs while the consumer's kernels work on batch `k`:
+/// prefetcher's ring over a [`PinnedBackend`]). When [`DevicePrefetcher::next`] hands out
+/// batch `k`, it first issues the host-to-device copy of batch `k + 1` on the copy stream
+/// if the producer has it ready, so that copy runs while the consumer's kernels work on
+/// batch `k`:
 ///
 /// ```text
 /// producer thread   fill k+2    fill k+3    fill k+4     (pinned host ring, depth ahead)
 /// copy stream       copy k+1    copy k+2    copy k+3     (pinned slot -> device slot)
 /// consumer stream   use k       use k+1     use k+2      (kernels read the device slot)
 /// ```
+///
+/// A batch `k + 1` that is not ready yet is not waited for: `k` is handed out at once, and
+/// the copy of `k + 1` is issued by the next call (so a source that produces a batch only
+/// after the consumer has used the one before it never deadlocks; such a batch's copy
+/// does not overlap the work on the batch before it).
 ///
 /// # Ordering
 ///
@@ -300,7 +306,8 @@ struct Side<D: Device> {
 /// What lies ahead of the consumer in the epoch.
 #[allow(clippy::large_enum_variant)] // one per prefetcher; a box would allocate per batch
 enum Ahead<D: Device> {
-    /// Nothing fetched yet this epoch.
+    /// Nothing staged: the next call takes the next batch from the host prefetcher (the
+    /// epoch's first, or one that was not ready when the batch before was handed out).
     Start,
     /// The next batch, its copy issued; its host slot is still held.
     Staged(Staged<D>),
@@ -333,8 +340,8 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
         }
     }
 
-    /// The next batch of the epoch, in the device ring, once the copy of the batch after
-    /// it has been issued.
+    /// The next batch of the epoch, in the device ring; the copy of the batch after it is
+    /// issued first when the producer has that batch ready (it is never waited for).
     ///
     /// Returns `None` at the end of the epoch, and `Some(Err)` once when the source
     /// failed or panicked (at its batch, after every earlier batch) or the device
@@ -366,8 +373,12 @@ impl<S: BatchSource, D: Device> DevicePrefetcher<S, D> {
                         let _ = self.halt(); // a stuck source shows again at the next reset
                         return Some(Err(error));
                     }
-                    // The host slot of this batch goes back to the producer in here.
-                    self.side.ahead = self.stage();
+                    // The copy of the batch after this one is issued now, to run while the
+                    // consumer works on this one, when the host prefetcher has it ready;
+                    // otherwise at the next call (the host slot of this batch goes back to
+                    // the producer in there). Never waited for here: a source may produce
+                    // batch k + 1 only after the consumer has used batch k.
+                    self.side.ahead = if self.host.ready() { self.stage() } else { Ahead::Start };
                     let slots = self.side.ring.memory();
                     if let Err(source) = slots.device.wait(&slots.consumer, &staged.copied) {
                         let error = self.side.device_error("ordering a batch after its copy", source);
@@ -560,9 +571,18 @@ impl<D: Device> Side<D> {
 
 impl<S, D: Device> Drop for DevicePrefetcher<S, D> {
     fn drop(&mut self) {
-        // A producer that did not stop in time is detached by the host prefetcher's drop,
-        // which does not wait for it a second time; it keeps the pinned ring until it ends.
-        let _ = self.halt();
+        // The copy in flight first: no copy reads the pinned ring after this.
+        if let Ahead::Staged(staged) = mem::replace(&mut self.side.ahead, Ahead::Over) {
+            let _ = self.side.finish_copy(&staged);
+        }
+        // A producer that did not stop in time at an earlier `stop` or `reset` has been
+        // waited for once already: it is not waited for again (the host prefetcher's
+        // drop detaches it; it keeps the pinned ring until it ends). Otherwise stop it,
+        // waiting at most the join timeout.
+        if !self.host.is_stuck() {
+            let _ = self.host.stop();
+        }
+        self.side.ring.all_returned();
         if self.side.broken.is_none() {
             // SAFETY: dropped once, here; no copy from its memory is in flight (`halt`
             // waited for the last one), and nothing uses it after this.

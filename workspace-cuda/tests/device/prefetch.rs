@@ -186,10 +186,26 @@ pub(crate) fn checksums_over_epochs_with_random_sizes_and_a_slow_consumer<D: Dev
     }
 }
 
+/// Waits until the producer has produced `n` batches of the epoch.
+fn produced<S: BatchSource, D: Device>(batches: &DevicePrefetcher<S, D>, n: u64) {
+    let deadline = Instant::now() + NOTED;
+    while batches.stats().host.batches_produced < n {
+        assert!(Instant::now() < deadline, "the producer never produced {n} batches");
+        thread::sleep(Duration::from_micros(100));
+    }
+}
+
 pub(crate) fn the_next_copy_is_issued_before_a_batch_is_handed_out<D: Device>(device: &D) {
     let mut batches = DevicePrefetcher::builder(Numbers::new(partial_last), device).depth(1).build().unwrap();
     let mut issued_at_hand_out = Vec::new();
     loop {
+        // The producer is ahead (as a steady training loop finds it): batch k + 1, or the
+        // end of the epoch, is there when batch k is asked for. (A batch that is not
+        // ready is not waited for: `a_source_that_needs_the_batch_before_to_be_used_...`.)
+        // (Taken from the host: the batch handed out last and the one staged after it; the
+        // first call takes two.)
+        let consumed = batches.stats().host.batches_consumed;
+        produced(&batches, if consumed == 0 { 2 } else { (consumed + 1).min(10) });
         match batches.next() {
             Some(batch) => drop(batch.unwrap()),
             None => break,
@@ -406,6 +422,7 @@ fn delayed_read_of_batch_0_sees(delay: Delay, ignore_waits: bool) -> f32 {
     let read = x.detach().unwrap(); // the late read, queued on the consumer's stream
     let slot_of_batch_0 = x.device_ptr();
     drop(first);
+    produced(&batches, 3); // batch 2 is ready, so the next call stages it
     let second = batches.next().unwrap().unwrap(); // issues the copy of batch 2 into slot 0
     assert_eq!(second.index(), 1);
     sim.quiesce();
@@ -545,5 +562,78 @@ fn stop_and_reset_with_a_source_stuck_in_fill_fail_then_work_once_it_returns() {
         assert_eq!(seen, 10, "the epoch after the stuck one is whole");
         drop(batches);
         assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Dropped));
+    });
+}
+
+// ---- on the simulator: a source paced by the consumer, and a drop after a stuck reset ---
+
+/// Batches of 8 rows whose batch `k + 1` is produced only once the consumer has used
+/// batch `k` (it says so on `used`), as a source fed by the training loop's own results
+/// would be. Gives up with an error after 20 s instead of hanging.
+struct Paced {
+    used: Receiver<usize>,
+}
+
+impl BatchSource for Paced {
+    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+        Ok((index < 5).then(|| BatchLayout::new().features::<f32, _>((8, COLUMNS))))
+    }
+
+    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+        let index = batch.index();
+        if index > 0 {
+            match self.used.recv_timeout(NOTED) {
+                Ok(used) if used == index - 1 => {}
+                other => return Err(format!("batch {index}: the consumer said {other:?}").into()),
+            }
+        }
+        batch.features::<f32, Ix2>()?.assign(&expected_features(0, index, 8));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_source_that_needs_the_batch_before_to_be_used_does_not_deadlock() {
+    crate::on_sim(|sim| {
+        for threading in [Threading::Background, Threading::Shield] {
+            let (used, receive) = mpsc::channel();
+            let mut batches =
+                DevicePrefetcher::builder(Paced { used: receive }, sim).threading(threading).depth(2).build().unwrap();
+            let sim = sim.clone();
+            within_30s(move || {
+                let mut seen = 0;
+                while let Some(batch) = batches.next() {
+                    let batch = batch.unwrap();
+                    let x = batch.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
+                    assert_eq!(x, expected_features(0, batch.index(), 8), "{threading:?}");
+                    let _ = used.send(batch.index());
+                    seen += 1;
+                }
+                assert_eq!(seen, 5, "{threading:?}");
+                drop(batches);
+                sim.quiesce();
+            });
+        }
+    });
+}
+
+#[test]
+fn dropping_after_a_reset_that_found_the_source_stuck_does_not_wait_again() {
+    crate::on_sim(|sim| {
+        const LONG: Duration = Duration::from_secs(2);
+        let (source, gate, noted) = stuck_source(2);
+        let mut batches = DevicePrefetcher::builder(source, sim).depth(2).join_timeout(LONG).build().unwrap();
+        assert_eq!(batches.next().unwrap().unwrap().index(), 0);
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Entered(2)));
+        let err = batches.reset().unwrap_err();
+        assert!(err.to_string().contains("has not returned"), "{err}");
+        let started = Instant::now();
+        drop(batches);
+        // The reset waited its join timeout; the drop returns without a second wait.
+        assert!(started.elapsed() < LONG, "the drop waited {:?} again", started.elapsed());
+        gate.open();
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Filled(2)));
+        assert_eq!(noted.recv_timeout(NOTED).ok(), Some(Note::Dropped));
+        pinned_memory_released(sim);
     });
 }
