@@ -97,7 +97,10 @@ unsafe impl ArenaBackend for Recording {
     }
 }
 
-fn engine(config: WorkspaceConfig, reservation: Option<usize>) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>) {
+/// What the engine asked its backend for, shared with the test.
+type Calls = Arc<Mutex<Vec<Call>>>;
+
+fn engine(config: WorkspaceConfig, reservation: Option<usize>) -> (Engine<Recording>, Calls) {
     let (e, calls, _) = refusing_engine(config, reservation, usize::MAX);
     (e, calls)
 }
@@ -108,7 +111,7 @@ fn refusing_engine(
     config: WorkspaceConfig,
     reservation: Option<usize>,
     refuse_above: usize,
-) -> (Engine<Recording>, Arc<Mutex<Vec<Call>>>, Arc<Mutex<usize>>) {
+) -> (Engine<Recording>, Calls, Arc<Mutex<usize>>) {
     let calls = Arc::new(Mutex::new(Vec::new()));
     let limit = Arc::new(Mutex::new(refuse_above));
     let backend = Recording { calls: calls.clone(), reservation, next_base: 0, refuse_above: limit.clone() };
