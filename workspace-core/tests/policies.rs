@@ -169,6 +169,185 @@ mod mmap_anon {
     crate::policy_suite::policy_suite!(crate::on_mmap_anon, crate::Host, fixed);
 }
 
+/// Host RAM workspaces that are members of a plan group of their own, every cycle an
+/// iteration with a key of its own: each is recorded, so the member allocates as an
+/// unplanned workspace of its configuration would, and the table's outcomes must hold
+/// as they are. (Replayed and diverging iterations are compared with unplanned
+/// workspaces in `planned.rs`: there memory comes from the group's arena.)
+struct Member;
+
+/// A member and its group; the next iteration's key.
+struct MemberWs {
+    group: workspace_core::planned::PlanGroup,
+    ws: std::rc::Rc<Workspace>,
+    key: std::cell::Cell<u64>,
+}
+
+/// A scope of a member; the one that opened its cycle ends the iteration after it.
+struct MemberScope<'w> {
+    scope: Option<Scope<'w>>,
+    iteration: Option<&'w workspace_core::planned::PlanGroup>,
+}
+
+impl<'w> MemberScope<'w> {
+    fn scope(&self) -> &Scope<'w> {
+        self.scope.as_ref().expect("the scope lives as long as this")
+    }
+}
+
+impl Drop for MemberScope<'_> {
+    fn drop(&mut self) {
+        drop(self.scope.take());
+        if let Some(group) = self.iteration {
+            group.finish_iteration().expect("an iteration ends");
+        }
+    }
+}
+
+fn on_member(test: fn(&Member)) {
+    test(&Member);
+}
+
+impl Target for Member {
+    type Ws = MemberWs;
+    type Scope<'w> = MemberScope<'w>;
+    type Array<'s, E: Pod, Dim: Dimension> = ArrayViewMut<'s, E, Dim>;
+    type Error = Error;
+
+    const UNIT: usize = 64;
+
+    fn backend(&self) -> &'static str {
+        "ram"
+    }
+
+    fn builder(&self) -> WorkspaceConfigBuilder {
+        WorkspaceConfig::builder()
+    }
+
+    fn default_config(&self) -> WorkspaceConfig {
+        WorkspaceConfig::default()
+    }
+
+    fn named(&self, name: &str, config: WorkspaceConfig) -> MemberWs {
+        let group = workspace_core::planned::PlanGroup::new("MEMBERS");
+        let ws = group.workspace(name, &config).unwrap();
+        MemberWs { group, ws, key: std::cell::Cell::new(0) }
+    }
+
+    fn enter<'w>(ws: &'w MemberWs) -> Result<MemberScope<'w>, Error>
+    where
+        Self: 'w,
+    {
+        let opens = !ws.ws.is_open();
+        if opens {
+            ws.key.set(ws.key.get() + 1);
+            ws.group.start_iteration(ws.key.get())?;
+        }
+        match ws.ws.enter() {
+            Ok(scope) => Ok(MemberScope { scope: Some(scope), iteration: opens.then_some(&ws.group) }),
+            Err(err) => {
+                if opens {
+                    ws.group.abandon_iteration()?;
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn borrow_open<'w>(ws: &'w MemberWs) -> Result<MemberScope<'w>, Error>
+    where
+        Self: 'w,
+    {
+        Ok(MemberScope { scope: Some(ws.ws.borrow_open()?), iteration: None })
+    }
+
+    fn trim(ws: &MemberWs) -> Result<(), Error> {
+        ws.ws.trim()
+    }
+
+    fn generation(ws: &MemberWs) -> u64 {
+        ws.ws.generation()
+    }
+
+    fn is_open(ws: &MemberWs) -> bool {
+        ws.ws.is_open()
+    }
+
+    fn capacity(ws: &MemberWs) -> usize {
+        ws.ws.capacity()
+    }
+
+    fn bytes_in_use(ws: &MemberWs) -> usize {
+        ws.ws.bytes_in_use()
+    }
+
+    fn stats(ws: &MemberWs) -> WorkspaceStats {
+        ws.ws.stats()
+    }
+
+    fn reset_peak(ws: &MemberWs) {
+        ws.ws.reset_peak()
+    }
+
+    fn timeline(ws: &MemberWs) -> Vec<usize> {
+        ws.ws.timeline()
+    }
+
+    fn config(ws: &MemberWs) -> &WorkspaceConfig {
+        ws.ws.config()
+    }
+
+    fn kind(scope: &MemberScope<'_>) -> ScopeKind {
+        scope.scope().kind()
+    }
+
+    fn zeros<'s, E: Pod, Sh: ShapeBuilder>(
+        scope: &'s MemberScope<'_>,
+        shape: Sh,
+    ) -> Result<ArrayViewMut<'s, E, Sh::Dim>, Error>
+    where
+        Self: 's,
+    {
+        <Host as Target>::zeros(scope.scope(), shape)
+    }
+
+    fn uninit_address<E: Pod>(scope: &MemberScope<'_>, len: usize) -> Result<usize, Error> {
+        <Host as Target>::uninit_address::<E>(scope.scope(), len)
+    }
+
+    fn from_host<'s, E: Pod>(scope: &'s MemberScope<'_>, values: &Array1<E>) -> Result<ArrayViewMut<'s, E, Ix1>, Error>
+    where
+        Self: 's,
+    {
+        <Host as Target>::from_host(scope.scope(), values)
+    }
+
+    fn write<E: Pod, Dim: Dimension>(array: &mut ArrayViewMut<'_, E, Dim>, values: &Array<E, Dim>) {
+        array.assign(values);
+    }
+
+    fn to_host<E: Pod, Dim: Dimension>(array: &ArrayViewMut<'_, E, Dim>) -> Array<E, Dim> {
+        array.to_owned()
+    }
+
+    fn address<E: Pod, Dim: Dimension>(array: &ArrayViewMut<'_, E, Dim>) -> usize {
+        array.as_ptr() as usize
+    }
+
+    fn placement<E: Pod, Dim: Dimension>(scope: &MemberScope<'_>, array: &ArrayViewMut<'_, E, Dim>) -> Placement {
+        scope.scope().placement(array.as_ptr())
+    }
+
+    fn core(err: &Error) -> Option<&Error> {
+        Some(err)
+    }
+}
+
+/// The policy table on plan group members, each cycle recorded.
+mod member {
+    crate::policy_suite::policy_suite!(crate::on_member, crate::Member, member);
+}
+
 fn ws(config: WorkspaceConfig) -> Workspace {
     Workspace::with_debug_mode("T", config, DebugMode::Disabled).unwrap()
 }

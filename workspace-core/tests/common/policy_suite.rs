@@ -4,8 +4,10 @@
 //! a [`WorkspaceConfig`], enters them and allocates in them. Two test binaries include this
 //! file with `#[path]` and instantiate the table with [`policy_suite!`]:
 //!
-//! - `workspace-core/tests/policies.rs`: host RAM (`Location::Ram`) and anonymous mmap
-//!   (`Location::MmapAnonymous`);
+//! - `workspace-core/tests/policies.rs`: host RAM (`Location::Ram`), anonymous mmap
+//!   (`Location::MmapAnonymous`), and host RAM workspaces that are members of a plan
+//!   group, each cycle an iteration of its own (recorded: the member allocates as an
+//!   unplanned workspace of its configuration, and must give the same outcomes);
 //! - `workspace-cuda/tests/device/main.rs`: the simulated device and a real GPU (skipped,
 //!   with a line on stderr, where there is none).
 //!
@@ -31,7 +33,7 @@ use workspace_core::{
 /// A backend the policy table runs on.
 pub(crate) trait Target: Sized {
     /// The workspace type.
-    type Ws: Send + 'static;
+    type Ws: 'static;
     /// An entered (or borrowed) cycle of a workspace.
     type Scope<'w>
     where
@@ -506,7 +508,10 @@ pub(crate) fn statistics_are_readable_while_arrays_live_and_peak_resets<T: Targe
     assert_eq!(T::stats(&w).peak_bytes, by_unit::<T>(64, 256));
 }
 
-pub(crate) fn workspace_is_send_and_runs_on_another_thread<T: Target>(t: &T) {
+pub(crate) fn workspace_is_send_and_runs_on_another_thread<T: Target>(t: &T)
+where
+    T::Ws: Send,
+{
     let w = ws(t, t.default_config());
     cycle::<T>(&w, &[128]);
     let moved = std::thread::spawn(move || {
@@ -545,6 +550,28 @@ macro_rules! policy_suite {
     };
     ($run:path, $target:ty, learning) => {
         $crate::policy_suite::policy_suite!($run, $target, fixed);
+        $crate::policy_suite::policy_suite!($run, $target, learned);
+    };
+    // A plan group's member: neither circular nor `Send` (its group belongs to a thread).
+    ($run:path, $target:ty, member) => {
+        $crate::policy_suite::policy_suite!(
+            @tests $run,
+            $target,
+            no_learning_keeps_initial_size,
+            offsets_are_aligned_and_packed,
+            spill_external_goes_to_separate_allocations,
+            fail_policy_errors_and_leaves_the_workspace_usable,
+            budget_is_enforced_with_a_typed_error,
+            generations_and_nesting,
+            reset_waits_for_the_last_scope_whatever_the_order,
+            borrowing_a_closed_workspace_is_an_error,
+            zeros_are_zero_even_over_memory_of_an_earlier_cycle,
+            bad_shapes_are_a_typed_error,
+            statistics_are_readable_while_arrays_live_and_peak_resets,
+        );
+        $crate::policy_suite::policy_suite!($run, $target, learned);
+    };
+    ($run:path, $target:ty, learned) => {
         $crate::policy_suite::policy_suite!(
             @tests $run,
             $target,
