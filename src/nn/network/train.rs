@@ -3,7 +3,7 @@
 use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Ix1, Ix2, Ix3, IxDyn};
+use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Axis, Ix1, Ix2, Ix3, IxDyn, Slice};
 use workspace_core::{freeze, ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, Scope, TypedScope};
 
 use crate::{Error, Result};
@@ -298,7 +298,11 @@ pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
     };
     // Sequences not in standard layout are copied first (a flat batch is not), and so
     // are padded ones when training (`training_input`).
-    let padded = labels.is_some() && x.mask().is_some_and(|mask| has_padding(&mask));
+    let padded = labels.is_some()
+        && match x {
+            Input::Sequences { features, mask: Some(mask) } => padding_needs_zeroing(features, mask),
+            _ => false,
+        };
     let copied = matches!(x.activations(), Activations::Sequence(v) if !v.is_standard_layout()) || padded;
     x.activations().shape().iter().for_each(|&d| mix(d));
     mix(usize::from(copied));
@@ -427,7 +431,7 @@ pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Re
 /// loss and gradients are exactly those of the zero-padded batch.
 pub(super) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
     match x {
-        Input::Sequences { features, mask: Some(mask) } if has_padding(&mask) => {
+        Input::Sequences { features, mask: Some(mask) } if padding_needs_zeroing(&features, &mask) => {
             let mut copy = scope.copy_of(&features)?;
             for (mut sequence, live) in copy.outer_iter_mut().zip(mask.rows()) {
                 for (mut step, &live) in sequence.outer_iter_mut().zip(live) {
@@ -442,9 +446,24 @@ pub(super) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<I
     }
 }
 
-/// Whether `mask` marks a step as padding.
-fn has_padding(mask: &ArrayView2<'_, f32>) -> bool {
-    finite::distinct(mask.view()).iter().any(|&v| v == 0.0)
+/// Whether a step that `mask` marks as padding holds anything but `+0.0` in
+/// `features`: then the copy that zeroes it is needed (zeros, as most data sets pad with,
+/// are used as they are). Looks at what the arrays' memory holds: an axis along which
+/// both repeat (a broadcast) is looked at once.
+fn padding_needs_zeroing(features: &ArrayView3<'_, f32>, mask: &ArrayView2<'_, f32>) -> bool {
+    let (mut features, mut mask) = (features.view(), mask.view());
+    if mask.dim() != (features.shape()[0], features.shape()[1]) {
+        return false; // refused by the batch's checks
+    }
+    for axis in [Axis(0), Axis(1)] {
+        if features.stride_of(axis) == 0 && mask.stride_of(axis) == 0 && features.len_of(axis) > 1 {
+            features.slice_axis_inplace(axis, Slice::from(0..1));
+            mask.slice_axis_inplace(axis, Slice::from(0..1));
+        }
+    }
+    mask.indexed_iter().any(|((r, t), &live)| {
+        live == 0.0 && finite::distinct(features.slice(s![r, t, ..])).iter().any(|v| v.to_bits() != 0)
+    })
 }
 
 /// `x` with its sequences in standard layout: as it is, or copied into `scope` (flat
