@@ -207,6 +207,23 @@ pub(crate) enum Mode {
     OffPlan,
 }
 
+/// Arena growths a group's backend refused: the first is reported (by the start that
+/// needed it), later ones only counted ([`PlannedStats::failed_growths`]); the same size
+/// (or a larger one) is asked for again only after a back-off that doubles with each
+/// refusal in a row, counted in starts that needed a growth. Cleared by a growth to the
+/// size refused that succeeds, and by [`PlanGroup::trim`].
+#[derive(Debug, Default)]
+struct GrowthRefusals {
+    /// The smallest arena refused; `None` when nothing was.
+    smallest: Option<usize>,
+    /// Refusals in a row.
+    in_a_row: u32,
+    /// Starts on the general path so far (the back-off's clock).
+    starts: u64,
+    /// The start from which a refused size may be asked for again.
+    retry_at: u64,
+}
+
 /// A group's figures.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[non_exhaustive]
@@ -276,6 +293,8 @@ pub(crate) struct GroupState<B: ArenaBackend> {
     pub(crate) plans: Vec<Script>,
     capacity: usize,
     clock: u64,
+    /// Arena growths the backend refused (see [`GrowthRefusals`]).
+    refusals: GrowthRefusals,
     /// The plan whose figures the statistics show: the one used last.
     shown: Option<usize>,
     /// The steps of plan `shown` (the one a replay follows), at hand.
@@ -356,8 +375,11 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.plans[index].last_used = self.clock;
                 self.show(index);
                 // The memory is there once the shape has been seen (a failure is
-                // reported by the start that needs it).
-                let _ = self.fit_arena(index);
+                // reported by the start that needs it; after a refusal, that start
+                // decides whether to ask again).
+                if self.refusals.smallest.is_none() {
+                    let _ = self.fit_arena(index);
+                }
             }
             Mode::Recording => self.stats.recorded_iterations += 1,
             Mode::Replaying { .. } => {
@@ -404,6 +426,38 @@ impl<B: ArenaBackend> GroupState<B> {
         self.grow_arena(index)
     }
 
+    /// [`GroupState::fit_arena`] for a start, which runs off the plan when it fails: a
+    /// size the backend refused (or a larger one) is asked for again only after a
+    /// back-off, and only the first refusal since the last growth is returned, to be
+    /// reported; `Err(None)` for the others.
+    #[cold]
+    fn fit_arena_or_back_off(&mut self, index: usize) -> std::result::Result<(), Option<crate::error::BackendError>> {
+        if self.live > 0 || self.arena_holds(index) {
+            return Ok(());
+        }
+        let bytes = self.plans[index].bytes;
+        let refusals = &mut self.refusals;
+        if refusals.smallest.is_some_and(|smallest| bytes >= smallest) && refusals.starts < refusals.retry_at {
+            return Err(None);
+        }
+        match self.grow_arena(index) {
+            Ok(()) => {
+                if self.refusals.smallest.is_some_and(|smallest| bytes >= smallest) {
+                    self.refusals = GrowthRefusals { starts: self.refusals.starts, ..GrowthRefusals::default() };
+                }
+                Ok(())
+            }
+            Err(source) => {
+                let refusals = &mut self.refusals;
+                let first = refusals.smallest.is_none();
+                refusals.smallest = Some(refusals.smallest.map_or(bytes, |smallest| smallest.min(bytes)));
+                refusals.in_a_row = refusals.in_a_row.saturating_add(1);
+                refusals.retry_at = refusals.starts.saturating_add(1 << refusals.in_a_row.min(16));
+                Err(first.then_some(source))
+            }
+        }
+    }
+
     /// Whether the arena holds `plans[index]`: long enough, its base aligned enough.
     #[inline]
     fn arena_holds(&self, index: usize) -> bool {
@@ -441,7 +495,7 @@ impl<B: ArenaBackend> GroupState<B> {
     /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
     /// member holds a window of the last iteration), records it otherwise.
     #[inline]
-    fn start(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
+    fn start(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
         // The common case first: after a finished iteration, the same key again. (The
         // plan shown is the one used last, so the cache's order of use stays as it is.)
         if let (Mode::Idle, 0, Some(index)) = (self.mode, self.live, self.shown) {
@@ -459,7 +513,8 @@ impl<B: ArenaBackend> GroupState<B> {
     /// [`GroupState::start`] in every case.
     #[cold]
     #[inline(never)]
-    fn start_general(&mut self, key: u64) -> std::result::Result<(), crate::error::BackendError> {
+    fn start_general(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
+        self.refusals.starts += 1;
         if self.mode != Mode::Idle {
             let _ = self.finish();
         }
@@ -479,7 +534,7 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.stats.blocked_iterations += 1;
             }
             Some(index) if !self.plans[index].stale => {
-                self.fit_arena(index)?;
+                self.fit_arena_or_back_off(index)?;
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
                 self.show(index);
@@ -548,6 +603,7 @@ impl<B: ArenaBackend> GroupShared<B> {
                 plans: Vec::new(),
                 capacity: capacity.max(1),
                 clock: 0,
+                refusals: GrowthRefusals::default(),
                 shown: None,
                 steps: Arc::from([]),
                 stats: PlannedStats::default(),
@@ -699,16 +755,21 @@ impl PlanGroup {
     ///
     /// [`Error::Backend`] when the arena cannot grow to the plan's size: the iteration
     /// has started all the same, off the plan (its members allocate from their own
-    /// blocks), so the caller may go on with it; the next start of the key tries again
-    /// ([`PlannedStats::failed_growths`]).
+    /// blocks), so the caller may go on with it. Reported once: until the backend gives
+    /// that size, later starts that need it run off the plan without an error, asking
+    /// again only after a back-off that doubles with each refusal
+    /// ([`PlannedStats::failed_growths`] counts them all).
     pub fn start_iteration(&self, key: u64) -> Result<()> {
         let mut state = self.state()?;
         match state.start(key) {
             Ok(()) => Ok(()),
-            Err(source) => {
+            Err(refused) => {
                 state.mode = Mode::OffPlan;
                 state.stats.failed_growths += 1;
-                Err(self.backend_error(source))
+                match refused {
+                    Some(source) => Err(self.backend_error(source)),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -786,6 +847,9 @@ impl PlanGroup {
         state.base_align = 1;
         state.arena_bytes = 0;
         state.stats.arena_lower_bound_bytes = 0;
+        // Memory was given back on request: a size refused before may be had now.
+        let starts = state.refusals.starts;
+        state.refusals = GrowthRefusals { starts, ..GrowthRefusals::default() };
         Ok(())
     }
 
@@ -810,10 +874,79 @@ impl PlanGroup {
 mod tests {
     use super::*;
     use crate::backend::Address;
+    use crate::error::BackendError;
     use crate::{LearningPolicy, SpillPolicy};
 
     fn base(group: &PlanGroup) -> Option<u64> {
         group.shared.state().and_then(|state| state.base).map(|base| base.address())
+    }
+
+    /// Host RAM that refuses arenas longer than `limit`, counting what it is asked for.
+    struct Refusing {
+        limit: Arc<std::sync::atomic::AtomicUsize>,
+        asked: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    // SAFETY: every block is host RAM's, as `HostBackend::Ram` hands it out; refusing
+    // more often than it does breaks no promise.
+    unsafe impl ArenaBackend for Refusing {
+        type Block = <HostBackend as ArenaBackend>::Block;
+        fn kind(&self) -> &'static str {
+            "refusing"
+        }
+        fn base_alignment(&self) -> usize {
+            HostBackend::Ram.base_alignment()
+        }
+        fn allocate_arena(&mut self, bytes: usize, align: usize) -> std::result::Result<Self::Block, BackendError> {
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            if bytes > self.limit.load(Ordering::Relaxed) {
+                return Err(BackendError::OutOfMemory { bytes, align });
+            }
+            HostBackend::Ram.allocate_arena(bytes, align)
+        }
+        fn allocate_spill(&mut self, bytes: usize, align: usize) -> std::result::Result<Self::Block, BackendError> {
+            HostBackend::Ram.allocate_spill(bytes, align)
+        }
+        fn release(&mut self, block: Self::Block) {
+            HostBackend::Ram.release(block)
+        }
+    }
+
+    #[test]
+    fn a_refused_arena_is_reported_once_and_asked_for_again_after_a_back_off() {
+        let limit = Arc::new(std::sync::atomic::AtomicUsize::new(1000));
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let shared = GroupShared::new("G", Refusing { limit: limit.clone(), asked: asked.clone() }, 8);
+        let mut state = shared.state().unwrap();
+        let events = [Event::Alloc { owner: 1, bytes: 1 << 20, align: 64 }, Event::Close { owner: 1 }];
+        state.plans.push(Script::new(7, &events).unwrap());
+        // As `PlanGroup::start_iteration` and an iteration whose work was given up.
+        let iteration = |state: &mut GroupState<Refusing>| {
+            let outcome = match state.start(7) {
+                Ok(()) => 'p',
+                Err(refused) => {
+                    state.mode = Mode::OffPlan;
+                    state.stats.failed_growths += 1;
+                    if refused.is_some() {
+                        'E'
+                    } else {
+                        'o'
+                    }
+                }
+            };
+            state.abandon();
+            outcome
+        };
+        let outcomes: String = (0..40).map(|_| iteration(&mut state)).collect();
+        assert_eq!(outcomes, format!("E{}", "o".repeat(39)), "reported once, then run off the plan");
+        // Asked at the first start, then after back-offs of 2, 4, 8 and 16 starts.
+        assert_eq!((asked.load(Ordering::Relaxed), state.stats.failed_growths), (5, 40));
+        // Memory comes back: the next retry grows the arena, without an error.
+        limit.store(usize::MAX, Ordering::Relaxed);
+        let outcomes: String = (0..40).map(|_| iteration(&mut state)).collect();
+        assert!(outcomes.starts_with('o') && outcomes.ends_with('p') && !outcomes.contains('E'), "{outcomes}");
+        assert!(state.arena_bytes >= 1 << 20);
+        assert_eq!(state.refusals.smallest, None);
     }
 
     #[test]
