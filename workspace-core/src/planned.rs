@@ -222,6 +222,17 @@ struct GrowthRefusals {
     starts: u64,
     /// The start from which a refused size may be asked for again.
     retry_at: u64,
+    /// A refusal when a plan was made, which no start has reported yet.
+    unreported: Option<crate::error::BackendError>,
+}
+
+impl GrowthRefusals {
+    /// The backend refused an arena of `bytes`.
+    fn refuse(&mut self, bytes: usize) {
+        self.smallest = Some(self.smallest.map_or(bytes, |smallest| smallest.min(bytes)));
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        self.retry_at = self.starts.saturating_add(1 << self.in_a_row.min(16));
+    }
 }
 
 /// A group's figures.
@@ -378,7 +389,12 @@ impl<B: ArenaBackend> GroupState<B> {
                 // reported by the start that needs it; after a refusal, that start
                 // decides whether to ask again).
                 if self.refusals.smallest.is_none() {
-                    let _ = self.fit_arena(index);
+                    if let Err(source) = self.fit_arena(index) {
+                        // Counted as refused now, reported by the start that needs it.
+                        let bytes = self.plans[index].bytes;
+                        self.refusals.refuse(bytes);
+                        self.refusals.unreported = Some(source);
+                    }
                 }
             }
             Mode::Recording => self.stats.recorded_iterations += 1,
@@ -438,7 +454,8 @@ impl<B: ArenaBackend> GroupState<B> {
         let bytes = self.plans[index].bytes;
         let refusals = &mut self.refusals;
         if refusals.smallest.is_some_and(|smallest| bytes >= smallest) && refusals.starts < refusals.retry_at {
-            return Err(None);
+            // A refusal when the plan was made is reported by the first start it fails.
+            return Err(refusals.unreported.take());
         }
         match self.grow_arena(index) {
             Ok(()) => {
@@ -448,11 +465,8 @@ impl<B: ArenaBackend> GroupState<B> {
                 Ok(())
             }
             Err(source) => {
-                let refusals = &mut self.refusals;
-                let first = refusals.smallest.is_none();
-                refusals.smallest = Some(refusals.smallest.map_or(bytes, |smallest| smallest.min(bytes)));
-                refusals.in_a_row = refusals.in_a_row.saturating_add(1);
-                refusals.retry_at = refusals.starts.saturating_add(1 << refusals.in_a_row.min(16));
+                let first = self.refusals.smallest.is_none() || self.refusals.unreported.take().is_some();
+                self.refusals.refuse(bytes);
                 Err(first.then_some(source))
             }
         }

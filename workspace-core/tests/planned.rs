@@ -441,25 +441,60 @@ fn trimming_the_arena_between_two_cycles_of_a_replay_sends_the_rest_off_the_plan
 /// One iteration of `key` in which `ws` allocates arrays of `sizes` bytes in one cycle;
 /// each allocation's outcome: `Ok` or the error's kind.
 fn outcomes(group: Option<&PlanGroup>, ws: &Workspace, key: u64, sizes: &[usize]) -> Vec<Result<(), String>> {
+    outcomes_framed(group, ws, key, sizes, 0)
+}
+
+/// The outcome of one allocation, keeping the array (with the value written into it).
+fn try_filled<'s>(
+    scope: &'s workspace_core::Scope<'_>,
+    frame: Option<&'s workspace_core::Frame<'_>>,
+    n: usize,
+    value: u8,
+    arrays: &mut Vec<(u8, ndarray::ArrayViewMut1<'s, u8>)>,
+) -> Result<(), String> {
+    let array = match frame {
+        Some(frame) => frame.filled::<u8, _>(n, value),
+        None => scope.filled::<u8, _>(n, value),
+    };
+    match array {
+        Ok(array) => {
+            arrays.push((value, array));
+            Ok(())
+        }
+        Err(Error::Exhausted { .. }) => Err("exhausted".into()),
+        Err(Error::BudgetExceeded { .. }) => Err("budget exceeded".into()),
+        Err(other) => Err(format!("{other:?}")),
+    }
+}
+
+/// As [`outcomes`], the first `framed` arrays in a frame that closes before the others.
+fn outcomes_framed(
+    group: Option<&PlanGroup>,
+    ws: &Workspace,
+    key: u64,
+    sizes: &[usize],
+    framed: usize,
+) -> Vec<Result<(), String>> {
     if let Some(group) = group {
         group.start_iteration(key).unwrap();
     }
     let kinds = {
         let s = ws.enter().unwrap();
+        let mut kinds = Vec::new();
+        if framed > 0 {
+            let f = s.frame().unwrap();
+            let mut arrays = Vec::new();
+            for (i, &n) in sizes[..framed].iter().enumerate() {
+                kinds.push(try_filled(&s, Some(&f), n, i as u8 + 1, &mut arrays));
+            }
+            for (value, array) in &arrays {
+                assert!(array.iter().all(|v| v == value), "array {value} kept its contents");
+            }
+        }
         let mut arrays = Vec::new();
-        let kinds: Vec<Result<(), String>> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| match s.filled::<u8, _>(n, i as u8 + 1) {
-                Ok(array) => {
-                    arrays.push((i as u8 + 1, array));
-                    Ok(())
-                }
-                Err(Error::Exhausted { .. }) => Err("exhausted".into()),
-                Err(Error::BudgetExceeded { .. }) => Err("budget exceeded".into()),
-                Err(other) => Err(format!("{other:?}")),
-            })
-            .collect();
+        for (i, &n) in sizes.iter().enumerate().skip(framed) {
+            kinds.push(try_filled(&s, None, n, i as u8 + 1, &mut arrays));
+        }
         for (value, array) in &arrays {
             assert!(array.iter().all(|v| v == value), "array {value} kept its contents");
         }
@@ -479,12 +514,21 @@ fn same_outcomes_planned_and_unplanned(
     config: &WorkspaceConfig,
     program: &[&[usize]],
 ) -> workspace_core::planned::PlannedStats {
+    same_outcomes_framed(config, &program.iter().map(|&sizes| (sizes, 0)).collect::<Vec<_>>())
+}
+
+/// As [`same_outcomes_planned_and_unplanned`], each iteration's first arrays (as many
+/// as it says) in a frame.
+fn same_outcomes_framed(
+    config: &WorkspaceConfig,
+    program: &[(&[usize], usize)],
+) -> workspace_core::planned::PlannedStats {
     let alone = Workspace::new("ALONE", config.clone()).unwrap();
     let group = PlanGroup::new("G");
     let member = group.workspace("MEMBER", config).unwrap();
-    for (i, sizes) in program.iter().enumerate() {
-        let expected = outcomes(None, &alone, 0, sizes);
-        let got = outcomes(Some(&group), &member, 0, sizes);
+    for (i, &(sizes, framed)) in program.iter().enumerate() {
+        let expected = outcomes_framed(None, &alone, 0, sizes, framed);
+        let got = outcomes_framed(Some(&group), &member, 0, sizes, framed);
         assert_eq!(got, expected, "iteration {i} ({sizes:?}) of {program:?} with {config:?}");
     }
     group.stats()
@@ -518,6 +562,47 @@ fn off_its_plan_a_member_counts_its_windows_in_its_budget() {
         .unwrap();
     let stats = same_outcomes_planned_and_unplanned(&config, &[&[4000], &[4000], &[4000, 4000], &[1000, 3000, 64]]);
     assert!(stats.planned_iterations >= 1, "{stats:?}");
+}
+
+/// One iteration of `key`: a frame in which `ws` allocates `in_frame` bytes, closed,
+/// then `after` bytes in the cycle; each outcome.
+fn frame_then(group: Option<&PlanGroup>, ws: &Workspace, key: u64, in_frame: usize, after: usize) -> Vec<bool> {
+    if let Some(group) = group {
+        group.start_iteration(key).unwrap();
+    }
+    let outcomes = {
+        let s = ws.enter().unwrap();
+        let framed = {
+            let f = s.frame().unwrap();
+            f.filled::<u8, _>(in_frame, 1).is_ok()
+        };
+        vec![framed, s.filled::<u8, _>(after, 2).is_ok()]
+    };
+    if let Some(group) = group {
+        group.finish_iteration().unwrap();
+    }
+    outcomes
+}
+
+#[test]
+fn a_closed_frames_window_bytes_count_no_more_off_the_plan() {
+    // The frame's bytes are given back at its close, planned or not: the cycle's
+    // allocation after it fits the member's 256-byte arena as it fits an unplanned one.
+    let config = WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .initial_size(256)
+        .build()
+        .unwrap();
+    let alone = Workspace::new("ALONE", config.clone()).unwrap();
+    let group = PlanGroup::new("G");
+    let member = group.workspace("MEMBER", &config).unwrap();
+    for after in [128, 128, 256, 256] {
+        let expected = frame_then(None, &alone, 1, 256, after);
+        assert_eq!(expected, [true, true]);
+        assert_eq!(frame_then(Some(&group), &member, 1, 256, after), expected, "then {after} bytes");
+    }
+    assert!(group.stats().planned_iterations >= 1);
 }
 
 #[test]
@@ -567,7 +652,7 @@ fn policy_configs() -> Vec<WorkspaceConfig> {
 }
 
 #[test]
-fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diverging() {
+fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diverging_with_frames() {
     let configs = policy_configs();
     let mut rng = Rng(0x9011_C1E5);
     let (mut planned, mut diverged, mut recorded) = (0u64, 0u64, 0u64);
@@ -577,14 +662,18 @@ fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diver
     for case in 0..cases().div_ceil(20) {
         let config = &configs[(case % configs.len() as u64) as usize];
         // An iteration repeated (recorded, then replayed), then another (diverging from
-        // its plan). The repeated one stays within the member's initial arena, if it has
-        // one: a plan recorded while the member spilled past an arena of its own is
-        // replayed with its windows counted as if packed into that arena (see
-        // `Engine::budget_arena`), which may differ from an unplanned workspace's layout
-        // by the arena's unused tail.
+        // its plan). The repeated one is never recorded while the member spills past an
+        // arena of its own: it fits the member's initial arena if it has one, and its
+        // budget otherwise (so that the arena learned or grown from it holds it). A plan
+        // recorded past an own arena is replayed with its windows counted as if packed
+        // into that arena (see `Engine::budget_arena`), which may differ from an
+        // unplanned workspace's layout by the arena's unused tail.
         let fits = |sizes: &[usize]| {
-            config.initial_size() == 0
-                || sizes.iter().map(|n| n.next_multiple_of(64)).sum::<usize>() <= config.initial_size()
+            let total = sizes.iter().map(|n| n.next_multiple_of(64)).sum::<usize>();
+            match config.initial_size() {
+                0 => total <= config.max_size(),
+                initial => total <= initial,
+            }
         };
         let repeated = loop {
             let sizes = arrays(&mut rng);
@@ -593,9 +682,11 @@ fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diver
             }
         };
         let last = arrays(&mut rng);
-        let mut program: Vec<&[usize]> = vec![&repeated; 1 + rng.below(3) as usize];
-        program.push(&last);
-        let stats = same_outcomes_planned_and_unplanned(config, &program);
+        // Some arrays in a frame that closes before the others are made.
+        let framed = (rng.below(repeated.len() as u64 + 1) as usize, rng.below(last.len() as u64 + 1) as usize);
+        let mut program: Vec<(&[usize], usize)> = vec![(&repeated, framed.0); 1 + rng.below(3) as usize];
+        program.push((&last, framed.1));
+        let stats = same_outcomes_framed(config, &program);
         planned += stats.planned_iterations;
         diverged += stats.divergences;
         recorded += stats.recorded_iterations;

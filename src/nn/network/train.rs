@@ -315,7 +315,10 @@ pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
             // One bit per step: any sequence live there. 64 steps per word. (A value
             // repeated along an axis, as `broadcast` makes, is looked at once.)
             let (mut word, mut bits) = (0usize, 0);
-            for column in finite::distinct(mask.view()).columns() {
+            let distinct = finite::distinct(mask.view());
+            // (A mask repeated along time gives one bit: the count tells it apart.)
+            mix(distinct.ncols());
+            for column in distinct.columns() {
                 word = word << 1 | usize::from(finite::distinct(column).iter().any(|&v| v != 0.0));
                 bits += 1;
                 if bits == usize::BITS {

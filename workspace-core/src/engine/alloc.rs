@@ -194,11 +194,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// Bytes the open cycle holds outside its own arena and spill blocks that an
     /// unplanned workspace would hold in its arena: a plan group member's windows.
     fn held_elsewhere(&self) -> usize {
-        if self.grouped.get() {
-            self.window_bytes()
-        } else {
-            0
-        }
+        self.window_bytes_if_grouped()
     }
 
     /// Carries out what [`Engine::decide`] decided (with nothing changed in between
@@ -338,12 +334,18 @@ impl<B: ArenaBackend> Engine<B> {
     /// tail.
     fn budget_arena(&self) -> usize {
         let capacity = self.capacity.get();
-        match self.held_elsewhere() {
+        if !self.grouped.get() {
+            return capacity;
+        }
+        let arena = match self.window_bytes() {
             0 => capacity,
             windows => {
                 capacity.max(align_up(self.own_cursor().saturating_add(windows), self.min_align).unwrap_or(usize::MAX))
             }
-        }
+        };
+        // Frames that closed gave back their windows' bytes within the arena; those
+        // beyond it count to the end of the cycle, as spill blocks do.
+        arena.saturating_add(self.window_spill_kept())
     }
 
     pub(super) fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {

@@ -129,6 +129,7 @@ impl<B: ArenaBackend> Engine<B> {
         // Memory was given back on request: a size refused before may fit now.
         self.learning.refusals.smallest.set(None);
         self.learning.refusals.in_a_row.set(0);
+        self.refresh_plain_close();
         if left == 0 {
             self.learning.restore_to.set(self.initial_capacity());
             self.attention.set(true);

@@ -93,6 +93,7 @@ impl<B: ArenaBackend> Engine<B> {
                 if refusals.smallest.get().is_some_and(|smallest| target >= smallest) {
                     refusals.smallest.set(None);
                     refusals.in_a_row.set(0);
+                    self.refresh_plain_close();
                 }
                 Growth::Grew
             }
@@ -104,6 +105,7 @@ impl<B: ArenaBackend> Engine<B> {
                 refusals.in_a_row.set(in_a_row);
                 let backoff = 1u64 << in_a_row.min(super::MAX_BACKOFF_SHIFT);
                 refusals.retry_at.set(self.generation.get().saturating_add(backoff));
+                self.refresh_plain_close();
                 Growth::Refused(first.then_some(source))
             }
         }
@@ -238,6 +240,13 @@ impl<B: ArenaBackend> Engine<B> {
         if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
             // Before the spills go: the new arena may be the reservation they sit in.
             self.learn(bytes);
+        } else if self.learning.refusals.smallest.get().is_some() {
+            // The size learned was refused: asked for again (after the back-off) whatever
+            // the spill policy, so that memory that comes back is used. (While a refusal
+            // stands every cycle ends here: `refresh_plain_close`.)
+            if let Some(learned) = self.learning.learned.get() {
+                self.grow_at_close(self.config.capacity_for(learned), true);
+            }
         }
         if spilled {
             self.release_spills();
@@ -285,6 +294,13 @@ impl<B: ArenaBackend> Engine<B> {
         // cycles (each reached a different depth). An arena learned from one cycle has
         // exactly the pages that cycle touched.
         let prefault = left == 0 || matches!(self.config.learning(), LearningPolicy::OverTime { cycles } if cycles > 1);
+        self.grow_at_close(target, prefault);
+    }
+
+    /// Grows the arena to `target` bytes at the end of a cycle, if it is smaller; a
+    /// refusal is reported by the next enter (once: see `Refusals`).
+    #[cold]
+    fn grow_at_close(&self, target: usize, prefault: bool) {
         if target > self.capacity.get() {
             match self.grow(target) {
                 Growth::Grew => {

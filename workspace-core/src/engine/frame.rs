@@ -60,6 +60,8 @@ pub(super) struct Frames {
     floor: Cell<usize>,
     /// Nor the cycle's contiguous size (`virtual_cursor`) below this.
     virtual_floor: Cell<usize>,
+    /// Nor a plan group member's count of bytes in windows below this.
+    window_floor: Cell<usize>,
     /// Nor gives back debug blocks (or, under a debug mode, spill blocks) below these
     /// counts.
     debug_floor: Cell<usize>,
@@ -82,6 +84,9 @@ struct Slot {
     virtual_start: usize,
     /// Wraps of a circular workspace.
     wraps: u64,
+    /// A plan group member's bytes in windows (0 for other workspaces): what the
+    /// member counts as if it were in its arena, given back with the frame's own bytes.
+    window_start: usize,
     /// Debug blocks and spill blocks held.
     debug_blocks: usize,
     spill_blocks: usize,
@@ -144,6 +149,7 @@ impl<B: ArenaBackend> Engine<B> {
             start: self.own_cursor(),
             virtual_start: self.virtual_position(),
             wraps: self.counters.wraps.get(),
+            window_start: self.window_bytes_if_grouped(),
             debug_blocks: self.debug.blocks.borrow().len(),
             spill_blocks: self.spill.blocks.borrow().len(),
         });
@@ -187,6 +193,7 @@ impl<B: ArenaBackend> Engine<B> {
             let f = &self.frames;
             f.floor.set(f.floor.get().max(self.own_cursor()));
             f.virtual_floor.set(f.virtual_floor.get().max(self.virtual_position()));
+            f.window_floor.set(f.window_floor.get().max(self.window_bytes_if_grouped()));
             f.debug_floor.set(self.debug.blocks.borrow().len());
             f.spill_floor.set(self.spill.blocks.borrow().len());
         }
@@ -251,6 +258,17 @@ impl<B: ArenaBackend> Engine<B> {
             return;
         }
         let f = &self.frames;
+        // A plan group member counts the bytes its windows hold as if they were in its
+        // arena (`Engine::decide`): those of the frame's runs are given back too, as an
+        // unplanned workspace's rewind gives back the frame's arena bytes. (Its window
+        // was closed before this.)
+        if self.grouped.get() {
+            let to = slot.window_start.max(f.window_floor.get());
+            if to < self.window_bytes() {
+                f.high.set(f.high.get().max(self.open_bytes()));
+                self.rewind_window_bytes(to);
+            }
+        }
         let to = slot.start.max(f.floor.get());
         if to < self.cursor.get() {
             f.high.set(f.high.get().max(self.open_bytes()));
@@ -298,6 +316,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.frames.slots.borrow_mut().clear();
         self.frames.floor.set(0);
         self.frames.virtual_floor.set(0);
+        self.frames.window_floor.set(0);
         self.frames.debug_floor.set(0);
         self.frames.spill_floor.set(0);
         self.frames.high.set(0);

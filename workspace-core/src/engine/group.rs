@@ -30,8 +30,14 @@ pub(super) struct Window<B: ArenaBackend> {
     base: std::cell::Cell<Option<<B::Block as Block>::Base>>,
     /// The own arena's cursor while a window is open.
     own_cursor: std::cell::Cell<usize>,
-    /// Bytes handed out from the windows of this cycle that are closed.
+    /// Bytes handed out from the windows of this cycle that are closed (less those of
+    /// frames that closed).
     used: std::cell::Cell<usize>,
+    /// Of the bytes closed frames took from windows, those beyond the own arena: an
+    /// unplanned workspace would have held them in spill blocks, which its budget counts
+    /// to the end of the cycle (a frame gives back arena bytes only). Non-zero only in a
+    /// cycle that used frames.
+    spill_kept: std::cell::Cell<usize>,
     /// Whether this cycle holds a window (counted in the group's `live`).
     holds: std::cell::Cell<bool>,
     /// The windows of this cycle, for [`Engine::any_block`].
@@ -48,6 +54,7 @@ impl<B: ArenaBackend> Window<B> {
             base: std::cell::Cell::new(None),
             own_cursor: std::cell::Cell::new(0),
             used: std::cell::Cell::new(0),
+            spill_kept: std::cell::Cell::new(0),
             holds: std::cell::Cell::new(false),
             regions: Regions::default(),
         }
@@ -310,7 +317,34 @@ impl<B: ArenaBackend> Engine<B> {
         }
     }
 
-    /// Bytes handed out from windows in this cycle.
+    /// [`Engine::window_bytes`] for a member of a group, 0 for other workspaces.
+    pub(super) fn window_bytes_if_grouped(&self) -> usize {
+        if self.grouped.get() {
+            self.window_bytes()
+        } else {
+            0
+        }
+    }
+
+    /// A frame closed: the bytes its runs took from windows count no more (only while
+    /// no window is open: the frame's close closed it).
+    /// Of those, the bytes beyond the own arena stay counted by the budget, as an
+    /// unplanned workspace's spill blocks do. Called before the own cursor rewinds.
+    pub(super) fn rewind_window_bytes(&self, to: usize) {
+        debug_assert_eq!(self.window.end.get(), 0, "the closing frame's window was closed first");
+        let (own, used, capacity) = (self.own_cursor(), self.window.used.get(), self.capacity.get());
+        let to = to.min(used);
+        let beyond = own.saturating_add(used).saturating_sub(capacity.max(own.saturating_add(to)));
+        self.window.spill_kept.set(self.window.spill_kept.get().saturating_add(beyond));
+        self.window.used.set(to);
+    }
+
+    /// Bytes of closed frames' windows beyond the own arena (see `Window::spill_kept`).
+    pub(super) fn window_spill_kept(&self) -> usize {
+        self.window.spill_kept.get()
+    }
+
+    /// Bytes handed out from windows in this cycle (less those of frames that closed).
     pub(super) fn window_bytes(&self) -> usize {
         let open = if self.window.end.get() > 0 { self.cursor.get() - self.window.start.get() } else { 0 };
         self.window.used.get() + open
@@ -428,6 +462,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// Resets the per-cycle window accounting (after the cycle's statistics).
     pub(super) fn reset_window_bytes(&self) {
         self.window.used.set(0);
+        self.window.spill_kept.set(0);
     }
 
     /// Whether `test` holds for one of this cycle's windows (address and length).

@@ -497,11 +497,13 @@ impl<B: ArenaBackend> Engine<B> {
         true
     }
 
-    /// The short close paths are taken only without a debug mode, a timeline or a
-    /// recording: `plain_close` outside a plan group, `plain_member` inside one.
+    /// The short close paths are taken only without a debug mode, a timeline, a
+    /// recording or a refused growth (whose retry is on the general close):
+    /// `plain_close` outside a plan group, `plain_member` inside one.
     fn refresh_plain_close(&self) {
         let plain = !self.debug.on.get()
             && !self.recording.get()
+            && self.learning.refusals.smallest.get().is_none()
             && self.config.reset() == ResetPolicy::BlockLeft
             && self.config.timeline_len() == 0;
         self.plain_close.set(plain && !self.grouped.get());

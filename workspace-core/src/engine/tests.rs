@@ -321,3 +321,36 @@ fn restoring_the_arena_after_trim_is_reported_once() {
     }
     assert!(e.stats().failed_growths >= 2);
 }
+
+/// A cycle allocating `sizes`, whatever each allocation gives; the error of the enter.
+fn cycle_allowing_refusals(e: &Engine<Recording>, sizes: &[usize]) -> Result<usize> {
+    e.enter()?;
+    let handed_out = sizes.iter().filter(|&&n| e.alloc(n, 8).is_ok()).count();
+    // SAFETY: the scope counted by `enter` above; nothing refers to the memory.
+    unsafe { e.exit() };
+    Ok(handed_out)
+}
+
+#[test]
+fn a_refused_growth_is_asked_for_again_whatever_the_spill_policy() {
+    for spill in [SpillPolicy::Fail, SpillPolicy::External] {
+        let (e, calls, limit) = refusing_engine(strict().spill(spill).build().unwrap(), None, 1000);
+        cycle_allowing_refusals(&e, &[3000]).unwrap(); // learned, refused
+        assert!(cycle_allowing_refusals(&e, &[100]).is_err(), "{spill:?}: reported once");
+        // Without an arena a Fail workspace refuses; an External one spills.
+        let handed_out = cycle_allowing_refusals(&e, &[100]).unwrap();
+        assert_eq!(handed_out, usize::from(spill == SpillPolicy::External), "{spill:?}");
+        take(&calls);
+        // Memory comes back: the size learned is asked for again within the back-off.
+        *limit.lock().unwrap() = usize::MAX;
+        let mut cycles = 0;
+        while e.capacity() == 0 {
+            cycle_allowing_refusals(&e, &[100]).unwrap();
+            cycles += 1;
+            assert!(cycles <= 8, "{spill:?}: retried within the back-off");
+        }
+        assert_eq!(e.capacity(), 3008, "{spill:?}");
+        assert_eq!(cycle_allowing_refusals(&e, &[3000]).unwrap(), 1, "{spill:?}: served by the arena");
+        assert_eq!(e.stats().growth_events, 1, "{spill:?}");
+    }
+}
