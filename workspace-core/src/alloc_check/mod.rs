@@ -123,6 +123,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 
+mod stack;
+
 /// How many allocations a guard describes one by one ([`AllocationReport::samples`]).
 pub const SAMPLES: usize = 8;
 
@@ -378,41 +380,11 @@ fn first_allocation_in_guard(state: &ThreadState, seq: u64) {
     if state.trace.get() && !state.busy.get() {
         state.busy.set(true);
         let mut addrs = [0_usize; TRACE_FRAMES];
-        let len = walk_stack(&mut addrs);
+        let len = stack::walk(&mut addrs);
         state.frames.set(Some(Frames { seq, len, addrs }));
         state.busy.set(false);
     }
     std::hint::black_box(seq);
-}
-
-/// Fills `addrs` with the return addresses of the calling stack, innermost first, and
-/// returns how many. Never allocates or locks once [`load_stack_walker`] has run.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn walk_stack(addrs: &mut [usize; TRACE_FRAMES]) -> usize {
-    let mut frames = [std::ptr::null_mut::<libc::c_void>(); TRACE_FRAMES];
-    // SAFETY: `backtrace` writes at most `TRACE_FRAMES` pointers into `frames`, which
-    // holds that many, and returns how many it wrote.
-    let written = unsafe { libc::backtrace(frames.as_mut_ptr(), TRACE_FRAMES as libc::c_int) };
-    let len = usize::try_from(written).unwrap_or(0).min(TRACE_FRAMES);
-    for (addr, frame) in addrs.iter_mut().zip(&frames[..len]) {
-        *addr = *frame as usize;
-    }
-    len
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn walk_stack(_addrs: &mut [usize; TRACE_FRAMES]) -> usize {
-    0
-}
-
-/// Loads what [`walk_stack`] needs, outside the allocator: glibc's first `backtrace`
-/// loads the unwinder (`dlopen`, which allocates and takes the loader's lock).
-fn load_stack_walker() {
-    static LOADED: std::sync::Once = std::sync::Once::new();
-    LOADED.call_once(|| {
-        let mut addrs = [0_usize; TRACE_FRAMES];
-        walk_stack(&mut addrs);
-    });
 }
 
 // ---- reading the counters ----------------------------------------------------------------
@@ -641,7 +613,7 @@ impl AllocationGuard {
             return Err(Error::AllocationCheck(AllocationError::NotInstalled { location: location.to_string() }));
         }
         if traced {
-            load_stack_walker();
+            stack::load_walker();
         }
         let start = thread_counts().allocation_counts();
         let (outer_window, outer_trace) = STATE.with(|state| {
@@ -779,7 +751,7 @@ impl AllocationReport {
         if !self.traced || self.is_none() {
             return None;
         }
-        Some(self.trace().map(resolve).unwrap_or_default())
+        Some(self.trace().map(stack::resolve).unwrap_or_default())
     }
 }
 
@@ -802,67 +774,6 @@ impl fmt::Display for AllocationReport {
             Ok(()) => write!(f, "no heap allocation on this thread in the check begun at {}", self.location),
             Err(error) => write!(f, "{error}"),
         }
-    }
-}
-
-/// Each return address as `object file +0xoffset` (the offset of the call instruction
-/// from the object's load address, which `addr2line` takes for position-independent
-/// executables and shared objects), or as the bare address where the object is unknown.
-/// Reads the process's mappings from `/proc/self/maps` when asked (no unsafe code: an
-/// object unloaded since the walk gives a wrong name, never a dangling read).
-#[cfg(target_os = "linux")]
-fn resolve(addrs: &[usize]) -> Vec<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let regions: Vec<Region<'_>> = maps.lines().filter_map(Region::parse).collect();
-    addrs
-        .iter()
-        .map(|&ret| {
-            let addr = ret.saturating_sub(1); // the call, not the instruction after it
-            let Some(region) = regions.iter().find(|r| r.start <= addr && addr < r.end && r.path.starts_with('/'))
-            else {
-                return format!("{addr:#x}");
-            };
-            // The load address: where the object's first page (offset 0) is mapped.
-            let base = regions
-                .iter()
-                .filter(|r| r.path == region.path && r.offset == 0)
-                .map(|r| r.start)
-                .min()
-                .unwrap_or(region.start.wrapping_sub(region.offset));
-            format!("{} +{:#x}", region.path, addr.wrapping_sub(base))
-        })
-        .collect()
-}
-
-#[cfg(not(target_os = "linux"))]
-fn resolve(addrs: &[usize]) -> Vec<String> {
-    addrs.iter().map(|&ret| format!("{:#x}", ret.saturating_sub(1))).collect()
-}
-
-/// One line of `/proc/self/maps`: `start-end perms offset dev inode   path`.
-#[cfg(target_os = "linux")]
-struct Region<'m> {
-    start: usize,
-    end: usize,
-    offset: usize,
-    path: &'m str,
-}
-
-#[cfg(target_os = "linux")]
-impl<'m> Region<'m> {
-    fn parse(line: &'m str) -> Option<Self> {
-        // The first five fields are separated by one space; the path is padded.
-        let mut fields = line.splitn(6, ' ');
-        let (start, end) = fields.next()?.split_once('-')?;
-        let _perms = fields.next()?;
-        let offset = fields.next()?;
-        let path = fields.nth(2).unwrap_or("").trim_start();
-        Some(Region {
-            start: usize::from_str_radix(start, 16).ok()?,
-            end: usize::from_str_radix(end, 16).ok()?,
-            offset: usize::from_str_radix(offset, 16).ok()?,
-            path,
-        })
     }
 }
 
