@@ -263,6 +263,12 @@ fn compare_json_keeps_its_keys_with_per_mode_peak_rss_and_accuracy_per_epoch() {
     }
     assert_eq!(json["enabled"]["test_accuracy_per_epoch"], json["none"]["test_accuracy_per_epoch"]);
     assert_eq!(json["enabled"]["steady_state_allocs_per_iter"], Value::from(0.0));
+    // What the table shows as "in use": the steady iterations' peak, within the capacity
+    // (the whole run's peak includes the first iteration's spills).
+    let enabled = &json["enabled"];
+    let steady = enabled["steady_state_workspace_bytes_in_use"].as_u64().expect("a steady peak with 2 epochs");
+    assert!(steady > 0 && steady <= enabled["workspace_bytes"].as_u64().unwrap(), "{enabled}");
+    assert!(steady <= enabled["workspace_bytes_in_use"].as_u64().unwrap(), "{enabled}");
     // The per-epoch evaluation is outside the counted bracket: every steady iteration
     // without workspaces makes the same number of allocations, the last of each epoch
     // (just before the evaluation) included.

@@ -98,7 +98,10 @@
 //! Further keys (`train_accuracy`, `steady_state_iterations`, `prefetch` (depth, ring
 //! bytes, growths, batches, waits),
 //! `steady_state_faults_per_iter`, `steady_state_allocs_max`, `warmup_allocs`,
-//! `workspace_bytes_in_use`, `steady_state_heap_peak_bytes` (the most heap bytes held at
+//! `workspace_bytes_in_use` (the most workspace bytes an iteration used over the whole
+//! run, the first iteration's spills included, so it may exceed the capacity),
+//! `steady_state_workspace_bytes_in_use` (the same after epoch 1, what the table shows;
+//! `null` with one epoch), `steady_state_heap_peak_bytes` (the most heap bytes held at
 //! once during a steady iteration's `fit_batch`; `null` with one epoch)) add detail.
 
 mod args;

@@ -25,7 +25,12 @@ pub(crate) struct Summary {
     pub(crate) iter_us_median: f64,
     pub(crate) epoch_ms_median: f64,
     pub(crate) workspace_bytes: usize,
+    /// The most workspace bytes one iteration used, over the whole run: the first
+    /// iteration's spills included (it runs before the workspaces have learned their
+    /// size), so it may exceed the capacity.
     pub(crate) workspace_bytes_in_use: u64,
+    /// The same over the steady iterations (after epoch 1): at most the capacity.
+    pub(crate) steady_workspace_bytes_in_use: Option<u64>,
     pub(crate) peak_rss_bytes: Option<u64>,
     pub(crate) test_accuracy_per_epoch: Vec<f64>,
     pub(crate) prefetch: PrefetchStats,
@@ -64,6 +69,7 @@ pub(crate) fn summarize(
     let t = &run.trace;
     let warmup = iters_per_epoch.min(t.loss.len());
     let steady = warmup..t.loss.len();
+    let steady_range = steady.clone();
     let mut hasher = Sha256::new();
     for loss in &t.loss {
         hasher.update(loss.to_bits().to_le_bytes());
@@ -89,6 +95,7 @@ pub(crate) fn summarize(
         epoch_ms_median: median(timed_epochs.iter().copied()),
         workspace_bytes: run.net.workspace_capacity(),
         workspace_bytes_in_use: t.workspace_bytes.iter().copied().max().unwrap_or(0),
+        steady_workspace_bytes_in_use: t.workspace_bytes[steady_range.clone()].iter().copied().max(),
         peak_rss_bytes: t.peak_rss,
         test_accuracy_per_epoch: t.epoch_accuracy.clone(),
         prefetch: run.batches.stats(),
@@ -114,6 +121,7 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         "steady_state_allocs_max": s.steady_allocs_max,
         "warmup_allocs": s.warmup_allocs,
         "workspace_bytes_in_use": s.workspace_bytes_in_use,
+        "steady_state_workspace_bytes_in_use": s.steady_workspace_bytes_in_use,
         "peak_rss_scope": match rss {
             RssMeter::PerEpoch => "mode_epochs",
             RssMeter::Process(_) => "process",
@@ -224,7 +232,9 @@ pub(crate) fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         ("ms per epoch (median)", |s| format!("{:.2}", s.epoch_ms_median)),
         ("µs per iteration (median)", |s| format!("{:.1}", s.iter_us_median)),
         ("workspace bytes (capacity)", |s| bytes_human(s.workspace_bytes as f64)),
-        ("workspace bytes in use (peak)", |s| bytes_human(s.workspace_bytes_in_use as f64)),
+        ("workspace bytes in use (steady peak)", |s| {
+            opt(s.steady_workspace_bytes_in_use.map(|b| b as f64), bytes_human)
+        }),
         ("heap bytes in use (steady peak)", |s| opt(s.steady_heap_peak_bytes.map(|b| b as f64), bytes_human)),
         ("heap allocs / steady iteration", |s| opt(s.steady_allocs_per_iter, |v| format!("{v:.2}"))),
         ("heap bytes allocated / steady iter", |s| opt(s.steady_bytes_per_iter, bytes_human)),
