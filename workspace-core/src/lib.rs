@@ -64,6 +64,7 @@ mod manager;
 pub mod plan;
 #[allow(unsafe_code)]
 pub mod planned;
+mod refusals;
 mod roles;
 #[allow(unsafe_code)]
 mod scope;

@@ -90,6 +90,7 @@ use crate::backend::{ArenaBackend, Block};
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::plan::{Event, Plan, Trace};
+use crate::refusals::Refusals;
 use crate::workspace::Workspace;
 
 /// Plans a group keeps unless told otherwise ([`PlanGroup::with_plans`]).
@@ -207,34 +208,6 @@ pub(crate) enum Mode {
     OffPlan,
 }
 
-/// Arena growths a group's backend refused: the first is reported (by the start that
-/// needed it), later ones only counted ([`PlannedStats::failed_growths`]); the same size
-/// (or a larger one) is asked for again only after a back-off that doubles with each
-/// refusal in a row, counted in starts that needed a growth. Cleared by a growth to the
-/// size refused that succeeds, and by [`PlanGroup::trim`].
-#[derive(Debug, Default)]
-struct GrowthRefusals {
-    /// The smallest arena refused; `None` when nothing was.
-    smallest: Option<usize>,
-    /// Refusals in a row.
-    in_a_row: u32,
-    /// Starts on the general path so far (the back-off's clock).
-    starts: u64,
-    /// The start from which a refused size may be asked for again.
-    retry_at: u64,
-    /// A refusal when a plan was made, which no start has reported yet.
-    unreported: Option<crate::error::BackendError>,
-}
-
-impl GrowthRefusals {
-    /// The backend refused an arena of `bytes`.
-    fn refuse(&mut self, bytes: usize) {
-        self.smallest = Some(self.smallest.map_or(bytes, |smallest| smallest.min(bytes)));
-        self.in_a_row = self.in_a_row.saturating_add(1);
-        self.retry_at = self.starts.saturating_add(1 << self.in_a_row.min(16));
-    }
-}
-
 /// A group's figures.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[non_exhaustive]
@@ -304,8 +277,13 @@ pub(crate) struct GroupState<B: ArenaBackend> {
     pub(crate) plans: Vec<Script>,
     capacity: usize,
     clock: u64,
-    /// Arena growths the backend refused (see [`GrowthRefusals`]).
-    refusals: GrowthRefusals,
+    /// Arena growths the backend refused, in starts that needed a growth (see
+    /// [`crate::refusals`]).
+    refusals: Refusals,
+    /// Starts on the general path so far: the back-off's clock.
+    general_starts: u64,
+    /// A refusal when a plan was made, which no start has reported yet.
+    unreported: Option<crate::error::BackendError>,
     /// The plan whose figures the statistics show: the one used last.
     shown: Option<usize>,
     /// The steps of plan `shown` (the one a replay follows), at hand.
@@ -388,12 +366,11 @@ impl<B: ArenaBackend> GroupState<B> {
                 // The memory is there once the shape has been seen (a failure is
                 // reported by the start that needs it; after a refusal, that start
                 // decides whether to ask again).
-                if self.refusals.smallest.is_none() {
+                if !self.refusals.stand() {
                     if let Err(source) = self.fit_arena(index) {
                         // Counted as refused now, reported by the start that needs it.
-                        let bytes = self.plans[index].bytes;
-                        self.refusals.refuse(bytes);
-                        self.refusals.unreported = Some(source);
+                        self.refusals.refused(self.plans[index].bytes, self.general_starts);
+                        self.unreported = Some(source);
                     }
                 }
             }
@@ -452,21 +429,18 @@ impl<B: ArenaBackend> GroupState<B> {
             return Ok(());
         }
         let bytes = self.plans[index].bytes;
-        let refusals = &mut self.refusals;
-        if refusals.smallest.is_some_and(|smallest| bytes >= smallest) && refusals.starts < refusals.retry_at {
+        if self.refusals.defers(bytes, self.general_starts) {
             // A refusal when the plan was made is reported by the first start it fails.
-            return Err(refusals.unreported.take());
+            return Err(self.unreported.take());
         }
         match self.grow_arena(index) {
             Ok(()) => {
-                if self.refusals.smallest.is_some_and(|smallest| bytes >= smallest) {
-                    self.refusals = GrowthRefusals { starts: self.refusals.starts, ..GrowthRefusals::default() };
-                }
+                self.refusals.granted(bytes);
                 Ok(())
             }
             Err(source) => {
-                let first = self.refusals.smallest.is_none() || self.refusals.unreported.take().is_some();
-                self.refusals.refuse(bytes);
+                let unreported = self.unreported.take().is_some();
+                let first = self.refusals.refused(bytes, self.general_starts) || unreported;
                 Err(first.then_some(source))
             }
         }
@@ -528,7 +502,7 @@ impl<B: ArenaBackend> GroupState<B> {
     #[cold]
     #[inline(never)]
     fn start_general(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
-        self.refusals.starts += 1;
+        self.general_starts += 1;
         if self.mode != Mode::Idle {
             let _ = self.finish();
         }
@@ -617,7 +591,9 @@ impl<B: ArenaBackend> GroupShared<B> {
                 plans: Vec::new(),
                 capacity: capacity.max(1),
                 clock: 0,
-                refusals: GrowthRefusals::default(),
+                refusals: Refusals::default(),
+                general_starts: 0,
+                unreported: None,
                 shown: None,
                 steps: Arc::from([]),
                 stats: PlannedStats::default(),
@@ -862,8 +838,8 @@ impl PlanGroup {
         state.arena_bytes = 0;
         state.stats.arena_lower_bound_bytes = 0;
         // Memory was given back on request: a size refused before may be had now.
-        let starts = state.refusals.starts;
-        state.refusals = GrowthRefusals { starts, ..GrowthRefusals::default() };
+        state.refusals = Refusals::default();
+        state.unreported = None;
         Ok(())
     }
 
@@ -960,7 +936,7 @@ mod tests {
         let outcomes: String = (0..40).map(|_| iteration(&mut state)).collect();
         assert!(outcomes.starts_with('o') && outcomes.ends_with('p') && !outcomes.contains('E'), "{outcomes}");
         assert!(state.arena_bytes >= 1 << 20);
-        assert_eq!(state.refusals.smallest, None);
+        assert!(!state.refusals.stand());
     }
 
     #[test]

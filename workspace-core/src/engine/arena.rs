@@ -127,8 +127,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.learning.max.set(0);
         self.learning.learned.set(None);
         // Memory was given back on request: a size refused before may fit now.
-        self.learning.refusals.smallest.set(None);
-        self.learning.refusals.in_a_row.set(0);
+        self.learning.refusals.set(crate::refusals::Refusals::default());
         self.refresh_plain_close();
         if left == 0 {
             self.learning.restore_to.set(self.initial_capacity());

@@ -78,33 +78,26 @@ impl<B: ArenaBackend> Engine<B> {
 
     /// Replaces the arena with one of `target` bytes (only while closed), unless the
     /// backend refused that size or a smaller one before and the back-off has not run
-    /// out (see `Refusals`).
+    /// out (see [`crate::refusals`]; the back-off counts cycles).
     #[cold]
     pub(super) fn grow(&self, target: usize) -> Growth {
-        let refusals = &self.learning.refusals;
-        if refusals.smallest.get().is_some_and(|smallest| target >= smallest)
-            && self.generation.get() < refusals.retry_at.get()
-        {
+        let mut refusals = self.learning.refusals.get();
+        let now = self.generation.get();
+        if refusals.defers(target, now) {
             return Growth::Deferred;
         }
         match self.replace_arena(target) {
             Ok(()) => {
-                // The sizes refused are backed now (a smaller growth leaves them refused).
-                if refusals.smallest.get().is_some_and(|smallest| target >= smallest) {
-                    refusals.smallest.set(None);
-                    refusals.in_a_row.set(0);
+                if refusals.granted(target) {
+                    self.learning.refusals.set(refusals);
                     self.refresh_plain_close();
                 }
                 Growth::Grew
             }
             Err(source) => {
                 self.counters.failed_growths.set(self.counters.failed_growths.get() + 1);
-                let first = refusals.smallest.get().is_none();
-                refusals.smallest.set(Some(refusals.smallest.get().map_or(target, |s| s.min(target))));
-                let in_a_row = refusals.in_a_row.get().saturating_add(1);
-                refusals.in_a_row.set(in_a_row);
-                let backoff = 1u64 << in_a_row.min(super::MAX_BACKOFF_SHIFT);
-                refusals.retry_at.set(self.generation.get().saturating_add(backoff));
+                let first = refusals.refused(target, now);
+                self.learning.refusals.set(refusals);
                 self.refresh_plain_close();
                 Growth::Refused(first.then_some(source))
             }
@@ -240,7 +233,7 @@ impl<B: ArenaBackend> Engine<B> {
         if learning || (spilled && self.config.spill() == SpillPolicy::Reallocate) {
             // Before the spills go: the new arena may be the reservation they sit in.
             self.learn(bytes);
-        } else if self.learning.refusals.smallest.get().is_some() {
+        } else if self.learning.refusals.get().stand() {
             // The size learned was refused: asked for again (after the back-off) whatever
             // the spill policy, so that memory that comes back is used. (While a refusal
             // stands every cycle ends here: `refresh_plain_close`.)
@@ -298,7 +291,7 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// Grows the arena to `target` bytes at the end of a cycle, if it is smaller; a
-    /// refusal is reported by the next enter (once: see `Refusals`).
+    /// refusal is reported by the next enter (once: see [`crate::refusals`]).
     #[cold]
     fn grow_at_close(&self, target: usize, prefault: bool) {
         if target > self.capacity.get() {

@@ -39,6 +39,7 @@ use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
 use crate::plan::{Event, Trace};
+use crate::refusals::Refusals;
 
 pub use frame::FrameMark;
 pub use stats::WorkspaceStats;
@@ -204,30 +205,10 @@ struct Learning {
     learned: Cell<Option<usize>>,
     /// Set by `trim` without learning: the arena size to restore at the next enter.
     restore_to: Cell<usize>,
-    /// Growths the backend refused since the last one that succeeded (see
-    /// [`Refusals`]).
-    refusals: Refusals,
+    /// Growths the backend refused since the last one that covered them, in cycles
+    /// (see [`crate::refusals`]).
+    refusals: Cell<Refusals>,
 }
-
-/// Growths of the arena that the backend refused: the first is reported (by the next
-/// `enter`), later ones only counted. A growth to the size refused, or larger, is tried
-/// again only after a back-off that doubles with every refusal in a row (in cycles), so a
-/// workspace whose growth can never be backed runs every cycle from spill blocks without
-/// asking the backend each time, and without failing every other `enter`; a smaller
-/// growth is tried at once. Cleared by a growth to the size refused (or more) that
-/// succeeds, and by `trim`.
-#[derive(Default)]
-struct Refusals {
-    /// The smallest arena size refused; `None` when nothing was refused.
-    smallest: Cell<Option<usize>>,
-    /// Refusals in a row (the back-off's exponent).
-    in_a_row: Cell<u32>,
-    /// The generation from which a refused size may be tried again.
-    retry_at: Cell<u64>,
-}
-
-/// The back-off after `n` refusals in a row is `2^min(n, MAX_BACKOFF_SHIFT)` cycles.
-const MAX_BACKOFF_SHIFT: u32 = 16;
 
 /// Statistics counters over the workspace's life.
 #[derive(Default)]
@@ -240,7 +221,7 @@ struct Counters {
     last_cycle_bytes: Cell<usize>,
     /// Cycles that spilled although learning was complete when they began.
     spilled_after_learning: Cell<u64>,
-    /// Growths of the arena that the backend refused (see [`Refusals`]).
+    /// Growths of the arena that the backend refused (see [`crate::refusals`]).
     failed_growths: Cell<u64>,
 }
 
@@ -297,7 +278,7 @@ impl<B: ArenaBackend> Engine<B> {
                 max: Cell::new(0),
                 learned: Cell::new(None),
                 restore_to: Cell::new(0),
-                refusals: Refusals::default(),
+                refusals: Cell::new(Refusals::default()),
             },
             attention: Cell::new(false),
             pending: Cell::new(None),
@@ -503,7 +484,7 @@ impl<B: ArenaBackend> Engine<B> {
     fn refresh_plain_close(&self) {
         let plain = !self.debug.on.get()
             && !self.recording.get()
-            && self.learning.refusals.smallest.get().is_none()
+            && !self.learning.refusals.get().stand()
             && self.config.reset() == ResetPolicy::BlockLeft
             && self.config.timeline_len() == 0;
         self.plain_close.set(plain && !self.grouped.get());
