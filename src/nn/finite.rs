@@ -105,12 +105,7 @@ pub(crate) fn check_activations(
                     if live.is_some_and(|steps| steps[t] == 0.0) {
                         continue;
                     }
-                    let step = distinct(step);
-                    if let Some(step_values) = step.as_slice_memory_order() {
-                        if let Some((c, v)) = first_in_slice(step_values) {
-                            return found(r, t, c, v);
-                        }
-                    } else if let Some((c, &v)) = step.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                    if let Some((_, c, v)) = first_in_matrix(step.insert_axis(Axis(0))) {
                         return found(r, t, c, v);
                     }
                 }

@@ -506,6 +506,16 @@ fn outcomes_framed(
     kinds
 }
 
+/// A member's configuration that never spills: a fixed arena of `bytes`.
+fn fail_config(bytes: usize) -> WorkspaceConfig {
+    WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .initial_size(bytes)
+        .build()
+        .unwrap()
+}
+
 /// Runs the iterations of `program` (the sizes each allocates) on an unplanned workspace
 /// and on a plan group's member of the same configuration, all under one key (so each
 /// iteration replays the plan of the one before where there is one): both give the same
@@ -536,12 +546,7 @@ fn same_outcomes_framed(
 
 #[test]
 fn off_its_plan_a_member_applies_its_spill_policy_fail() {
-    let config = WorkspaceConfig::builder()
-        .learning(LearningPolicy::None)
-        .spill(SpillPolicy::Fail)
-        .initial_size(4096)
-        .build()
-        .unwrap();
+    let config = fail_config(4096);
     // The third iteration replays the plan of the second and diverges at its second array,
     // which an unplanned workspace of 4,096 bytes refuses; so does the member.
     let stats = same_outcomes_planned_and_unplanned(&config, &[&[3000], &[3000], &[3000, 3000], &[3000, 3000]]);
@@ -564,55 +569,26 @@ fn off_its_plan_a_member_counts_its_windows_in_its_budget() {
     assert!(stats.planned_iterations >= 1, "{stats:?}");
 }
 
-/// One iteration of `key`: a frame in which `ws` allocates `in_frame` bytes, closed,
-/// then `after` bytes in the cycle; each outcome.
-fn frame_then(group: Option<&PlanGroup>, ws: &Workspace, key: u64, in_frame: usize, after: usize) -> Vec<bool> {
-    if let Some(group) = group {
-        group.start_iteration(key).unwrap();
-    }
-    let outcomes = {
-        let s = ws.enter().unwrap();
-        let framed = {
-            let f = s.frame().unwrap();
-            f.filled::<u8, _>(in_frame, 1).is_ok()
-        };
-        vec![framed, s.filled::<u8, _>(after, 2).is_ok()]
-    };
-    if let Some(group) = group {
-        group.finish_iteration().unwrap();
-    }
-    outcomes
-}
-
 #[test]
 fn a_closed_frames_window_bytes_count_no_more_off_the_plan() {
     // The frame's bytes are given back at its close, planned or not: the cycle's
     // allocation after it fits the member's 256-byte arena as it fits an unplanned one.
-    let config = WorkspaceConfig::builder()
-        .learning(LearningPolicy::None)
-        .spill(SpillPolicy::Fail)
-        .initial_size(256)
-        .build()
-        .unwrap();
+    let config = fail_config(256);
     let alone = Workspace::new("ALONE", config.clone()).unwrap();
     let group = PlanGroup::new("G");
     let member = group.workspace("MEMBER", &config).unwrap();
     for after in [128, 128, 256, 256] {
-        let expected = frame_then(None, &alone, 1, 256, after);
-        assert_eq!(expected, [true, true]);
-        assert_eq!(frame_then(Some(&group), &member, 1, 256, after), expected, "then {after} bytes");
+        // 256 bytes in a frame that closes, then `after` in the cycle.
+        let expected = outcomes_framed(None, &alone, 1, &[256, after], 1);
+        assert_eq!(expected, [Ok(()), Ok(())]);
+        assert_eq!(outcomes_framed(Some(&group), &member, 1, &[256, after], 1), expected, "then {after} bytes");
     }
     assert!(group.stats().planned_iterations >= 1);
 }
 
 #[test]
 fn an_allocation_refused_in_a_planned_iteration_leaves_the_plan_good() {
-    let config = WorkspaceConfig::builder()
-        .learning(LearningPolicy::None)
-        .spill(SpillPolicy::Fail)
-        .initial_size(4096)
-        .build()
-        .unwrap();
+    let config = fail_config(4096);
     let group = PlanGroup::new("G");
     let member = group.workspace("MEMBER", &config).unwrap();
     // Each iteration asks for one array too many, then goes on with a small one.

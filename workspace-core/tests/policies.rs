@@ -298,7 +298,7 @@ impl Target for Member {
     }
 
     fn kind(scope: &MemberScope<'_>) -> ScopeKind {
-        scope.scope().kind()
+        <Host as Target>::kind(scope.scope())
     }
 
     fn zeros<'s, E: Pod, Sh: ShapeBuilder>(
@@ -323,23 +323,23 @@ impl Target for Member {
     }
 
     fn write<E: Pod, Dim: Dimension>(array: &mut ArrayViewMut<'_, E, Dim>, values: &Array<E, Dim>) {
-        array.assign(values);
+        <Host as Target>::write(array, values)
     }
 
     fn to_host<E: Pod, Dim: Dimension>(array: &ArrayViewMut<'_, E, Dim>) -> Array<E, Dim> {
-        array.to_owned()
+        <Host as Target>::to_host(array)
     }
 
     fn address<E: Pod, Dim: Dimension>(array: &ArrayViewMut<'_, E, Dim>) -> usize {
-        array.as_ptr() as usize
+        <Host as Target>::address(array)
     }
 
     fn placement<E: Pod, Dim: Dimension>(scope: &MemberScope<'_>, array: &ArrayViewMut<'_, E, Dim>) -> Placement {
-        scope.scope().placement(array.as_ptr())
+        <Host as Target>::placement(scope.scope(), array)
     }
 
     fn core(err: &Error) -> Option<&Error> {
-        Some(err)
+        <Host as Target>::core(err)
     }
 }
 

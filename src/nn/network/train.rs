@@ -33,8 +33,9 @@ impl Network {
     /// of its input or of a parameter, the loss ("loss"), or a moment, update or new
     /// value the updater would store. Steps that a features mask marks as padding are
     /// not checked and not used: they are zeroed before the first layer, so whatever
-    /// they hold, the loss and the step are those of the zero-padded batch. After an error the network is unchanged (its
-    /// parameters and its updater's state are as they were before the call) and usable.
+    /// they hold, the loss and the step are those of the zero-padded batch. After an
+    /// error the network is unchanged (its parameters and its updater's state are as
+    /// they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let (x, labels) = (x.into(), labels.into());
         let Some(group) = self.train[0].plan_group().cloned() else {

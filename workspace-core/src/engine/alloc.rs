@@ -158,12 +158,13 @@ impl<B: ArenaBackend> Engine<B> {
     ///
     /// A member of a plan group decides as an unplanned workspace with its configuration
     /// would: the bytes its cycle holds in planned windows count as if they were in its
-    /// own arena, before the bytes it holds there (`held_elsewhere`).
+    /// own arena, before the bytes it holds there (`window_bytes_if_grouped`).
     pub(super) fn decide(&self, size: usize, align: usize) -> Result<Decision> {
         let align = align.max(self.min_align);
         let capacity = self.capacity.get();
         let cursor = self.own_cursor();
-        let held_elsewhere = self.held_elsewhere();
+        // What an unplanned workspace would hold in its arena besides: a member's windows.
+        let held_elsewhere = self.window_bytes_if_grouped();
         // The arena as the accounting sees it: under spill-everything it has no memory,
         // but allocations are placed in it all the same (see `arena_memory`).
         if capacity > 0 && align <= self.base_alignment {
@@ -189,12 +190,6 @@ impl<B: ArenaBackend> Engine<B> {
         }
         self.check_budget(size, align)?;
         Ok(Decision::Spill)
-    }
-
-    /// Bytes the open cycle holds outside its own arena and spill blocks that an
-    /// unplanned workspace would hold in its arena: a plan group member's windows.
-    fn held_elsewhere(&self) -> usize {
-        self.window_bytes_if_grouped()
     }
 
     /// Carries out what [`Engine::decide`] decided (with nothing changed in between
@@ -348,8 +343,9 @@ impl<B: ArenaBackend> Engine<B> {
         arena.saturating_add(self.window_spill_kept())
     }
 
-    pub(super) fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        self.check_budget(size, align)?;
+    /// Places a request in a spill block. Only for a [`Decision::Spill`], which checked
+    /// the budget ([`Engine::check_budget`]).
+    fn spill(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         let max = self.config.max_size();
         let capacity = self.budget_arena();
         let need_before = self.spill.need.get();

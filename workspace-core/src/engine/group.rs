@@ -327,8 +327,7 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// A frame closed: the bytes its runs took from windows count no more (only while
-    /// no window is open: the frame's close closed it).
-    /// Of those, the bytes beyond the own arena stay counted by the budget, as an
+    /// no window is open: the frame's close closed it). Of those, the bytes beyond the own arena stay counted by the budget, as an
     /// unplanned workspace's spill blocks do. Called before the own cursor rewinds.
     pub(super) fn rewind_window_bytes(&self, to: usize) {
         debug_assert_eq!(self.window.end.get(), 0, "the closing frame's window was closed first");

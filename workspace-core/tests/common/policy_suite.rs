@@ -524,27 +524,19 @@ where
 }
 
 /// Instantiates the policy table: one `#[test]` per function, each run as `$run(test::<$target>)`.
-/// `learning` adds the tests that need learning and reallocation to the `fixed` ones.
+/// `fixed`: every target; `learning` adds the tests that need learning and reallocation;
+/// `member` (a plan group's member, neither circular nor `Send`: its group belongs to a
+/// thread) runs the table but for those two.
 macro_rules! policy_suite {
     (@tests $run:path, $target:ty, $($name:ident),* $(,)?) => {
         $( #[test] fn $name() { $run($crate::policy_suite::$name::<$target>) } )*
     };
     ($run:path, $target:ty, fixed) => {
+        $crate::policy_suite::policy_suite!($run, $target, common);
         $crate::policy_suite::policy_suite!(
             @tests $run,
             $target,
-            no_learning_keeps_initial_size,
-            offsets_are_aligned_and_packed,
-            spill_external_goes_to_separate_allocations,
-            fail_policy_errors_and_leaves_the_workspace_usable,
-            budget_is_enforced_with_a_typed_error,
-            generations_and_nesting,
-            reset_waits_for_the_last_scope_whatever_the_order,
-            borrowing_a_closed_workspace_is_an_error,
-            zeros_are_zero_even_over_memory_of_an_earlier_cycle,
             circular_workspace_wraps_without_overwriting_the_open_cycle,
-            bad_shapes_are_a_typed_error,
-            statistics_are_readable_while_arrays_live_and_peak_resets,
             workspace_is_send_and_runs_on_another_thread,
         );
     };
@@ -552,8 +544,12 @@ macro_rules! policy_suite {
         $crate::policy_suite::policy_suite!($run, $target, fixed);
         $crate::policy_suite::policy_suite!($run, $target, learned);
     };
-    // A plan group's member: neither circular nor `Send` (its group belongs to a thread).
     ($run:path, $target:ty, member) => {
+        $crate::policy_suite::policy_suite!($run, $target, common);
+        $crate::policy_suite::policy_suite!($run, $target, learned);
+    };
+    // What every target runs, plan group members included.
+    ($run:path, $target:ty, common) => {
         $crate::policy_suite::policy_suite!(
             @tests $run,
             $target,
@@ -569,7 +565,6 @@ macro_rules! policy_suite {
             bad_shapes_are_a_typed_error,
             statistics_are_readable_while_arrays_live_and_peak_resets,
         );
-        $crate::policy_suite::policy_suite!($run, $target, learned);
     };
     ($run:path, $target:ty, learned) => {
         $crate::policy_suite::policy_suite!(
