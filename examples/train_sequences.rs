@@ -233,6 +233,13 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.loss.push(loss);
             trace.iter_ns.push(elapsed.as_nanos() as u64);
             trace.allocs.push(after.allocations - before.allocations);
+            if std::env::var("TSDBG").is_ok() {
+                eprintln!(
+                    "ALLOC epoch {epoch} shape {:?} allocs {}",
+                    (x.shape()[0], x.shape()[1]),
+                    after.allocations - before.allocations
+                );
+            }
             trace.heap_bytes.push((after.peak_live_bytes - before.live_bytes).max(0) as u64);
             trace.workspace_bytes.push(net.last_iteration_workspace_bytes() as u64);
         }

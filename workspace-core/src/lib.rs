@@ -57,6 +57,7 @@ mod config;
 #[allow(unsafe_code)]
 mod engine;
 mod error;
+mod figures;
 #[allow(unsafe_code)]
 mod handle;
 pub mod layer;

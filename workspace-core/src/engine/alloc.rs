@@ -116,11 +116,11 @@ impl<B: ArenaBackend> Engine<B> {
             self.alloc_slow_unrecorded(size, align)?
         };
         self.pin(level);
-        if self.recording.get() {
+        if self.recording.get() || self.grouped.get() {
             // As the cycle accounts for it: padded to the alignment unit.
             let align = align.max(self.min_align);
             let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
-            self.record(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
+            self.emit(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
         }
         Ok(placed)
     }

@@ -186,15 +186,11 @@ impl<B: ArenaBackend> Engine<B> {
         self.close_cycle_slow();
     }
 
-    /// The end of a cycle that the plain close does not serve: a plan group's member's
-    /// replayed cycle on its own short path (whose registers only it saves), anything
-    /// else on the general one.
+    /// The end of a cycle that the plain close does not serve.
     #[cold]
     #[inline(never)]
     fn close_cycle_slow(&self) {
-        if !(self.plain_member.get() && self.close_replayed()) {
-            self.close_cycle_general();
-        }
+        self.close_cycle_general();
     }
 
     /// Counts a cycle that held `in_use` bytes at most and needs `bytes` of arena.
@@ -207,8 +203,8 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        if self.recording.get() {
-            self.record(crate::plan::Event::Close { owner: self.owner() });
+        if self.recording.get() || self.grouped.get() {
+            self.emit(crate::plan::Event::Close { owner: self.owner() });
         }
         if self.grouped.get() {
             self.close_grouped();

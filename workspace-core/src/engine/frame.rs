@@ -35,7 +35,7 @@
 //! Each frame is an owner of its own in a recorded trace ([`Engine::owner_at`]): its
 //! allocations die at its close, which the planner sees as that owner's
 //! [`Close`](crate::plan::Event::Close). A member of a plan group checks the close
-//! against the plan like the end of a cycle.
+//! against the plan like the end of a cycle (its member is told of the close).
 
 use std::cell::{Cell, RefCell};
 
@@ -227,10 +227,9 @@ impl<B: ArenaBackend> Engine<B> {
         if self.grouped.get() {
             // Before the top moves: the window's limit is the closing frame's.
             self.close_window();
-            self.step_close(owner);
         }
-        if self.recording.get() {
-            self.record(Event::Close { owner });
+        if self.recording.get() || self.grouped.get() {
+            self.emit(Event::Close { owner });
         }
         let lowest = {
             let mut slots = self.frames.slots.borrow_mut();

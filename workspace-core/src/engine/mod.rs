@@ -27,21 +27,23 @@ mod alloc;
 mod arena;
 mod cycle;
 mod frame;
-mod group;
+mod member;
+mod recorder;
 mod stats;
+mod window;
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
-use crate::plan::{Event, Trace};
 use crate::refusals::Refusals;
 
 pub use frame::FrameMark;
+pub(crate) use member::{Lent, Member, Miss, Opened};
 pub use stats::WorkspaceStats;
 
 /// Every allocation is aligned to at least this many bytes (whatever the configured
@@ -90,8 +92,8 @@ pub struct Engine<B: ArenaBackend> {
     /// every later allocation and learning counts them), and `open_start` after a
     /// circular workspace wrapped.
     fast_limit: Cell<usize>,
-    /// Base of the block the fast path serves from: `arena_base`, or the group's arena
-    /// while a planned window is open (see `group.rs`).
+    /// Base of the block the fast path serves from: `arena_base`, or a member's block
+    /// while a window it lent is open (see `window.rs`).
     fast_base: Cell<Option<<B::Block as Block>::Base>>,
     /// Level of the innermost open frame (0: none; see `frame.rs`). While a frame is
     /// open `fast_limit` is 0 and the top frame's fast path serves `[cursor,
@@ -113,9 +115,6 @@ pub struct Engine<B: ArenaBackend> {
     /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
     /// closes on the short path.
     plain_close: Cell<bool>,
-    /// As `plain_close`, for a member of a plan group: a replayed cycle that ran in its
-    /// windows closes on the short path ([`Engine::close_replayed`]).
-    plain_member: Cell<bool>,
     id: u64,
     name: Arc<str>,
     config: WorkspaceConfig,
@@ -148,17 +147,17 @@ pub struct Engine<B: ArenaBackend> {
     pending: Cell<Option<BackendError>>,
     timeline: RefCell<VecDeque<usize>>,
     counters: Counters,
-    /// Whether allocations and closes are recorded (see [`Engine::record_into`]): the
-    /// fast path is off meanwhile, so that every allocation passes the recorder.
+    /// Whether a recorder is set (see [`Engine::record_into`]): the fast path is off
+    /// meanwhile, so that every allocation passes the recorder.
     recording: Cell<bool>,
-    /// Where they are recorded.
-    recorder: RefCell<Option<Arc<Mutex<Trace>>>>,
-    /// Events the trace could not take yet (its lock was held), with when they happened.
-    unrecorded: RefCell<Vec<(u64, Event)>>,
-    /// Whether this workspace is a member of a plan group ([`crate::planned`]).
+    /// The recorder: a [`Member`] that sees every event.
+    recorder: RefCell<Option<Box<dyn Member<B>>>>,
+    /// Whether this workspace is a member of a plan group (`member` is set).
     grouped: Cell<bool>,
-    /// The group and the planned windows of the open cycle.
-    window: group::Window<B>,
+    /// The plan group this workspace is a member of (see `member.rs`).
+    member: RefCell<Option<Box<dyn Member<B>>>>,
+    /// The windows the member lent the open cycle.
+    window: window::Window<B>,
     /// The frames of the open cycle.
     frames: frame::Frames,
 }
@@ -245,7 +244,6 @@ impl<B: ArenaBackend> Engine<B> {
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
             plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
-            plain_member: Cell::new(false),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             fast_base: Cell::new(None),
@@ -286,9 +284,9 @@ impl<B: ArenaBackend> Engine<B> {
             counters: Counters::default(),
             recording: Cell::new(false),
             recorder: RefCell::new(None),
-            unrecorded: RefCell::new(Vec::new()),
             grouped: Cell::new(false),
-            window: group::Window::new(),
+            member: RefCell::new(None),
+            window: window::Window::new(),
             frames: frame::Frames::default(),
             config,
         };
@@ -412,39 +410,22 @@ impl<B: ArenaBackend> Engine<B> {
         Ok(())
     }
 
-    /// Records every later allocation (its padded size and alignment) and the end of
-    /// every later cycle into `trace`, as events of owner [`Engine::owner`], until
-    /// called with `None`: the lifetime trace a plan is made from
-    /// ([`plan`](crate::plan)). Several workspaces may record into one trace, which
-    /// then holds their events in the order they happened. Only where memory comes
-    /// from is unchanged: recording takes every allocation through the slow path.
+    /// Tells `recorder` every later allocation (its padded size and alignment) and the
+    /// close of every later cycle and frame, as events of owner [`Engine::owner_at`],
+    /// until called with `None`. Only where memory comes from is unchanged: recording
+    /// takes every allocation through the slow path.
     ///
     /// # Errors
     ///
-    /// [`Error::StillOpen`] while a scope is open.
-    pub fn record_into(&self, trace: Option<Arc<Mutex<Trace>>>) -> Result<()> {
+    /// [`Error::StillOpen`] while a scope is open; the error of the old recorder's
+    /// [`Member::detach`] (it is then kept).
+    pub(super) fn record_with(&self, recorder: Option<Box<dyn Member<B>>>) -> Result<()> {
         self.require_closed("starting or stopping a recording")?;
-        if !self.unrecorded.borrow().is_empty() {
-            let recorder = self.recorder.borrow();
-            // Another thread may hold the lock for a moment: a few tries before giving up.
-            let taken = recorder.as_ref().is_some_and(|t| {
-                (0..1000).any(|_| {
-                    self.flush_into(t) || {
-                        std::thread::yield_now();
-                        false
-                    }
-                })
-            });
-            if !taken {
-                return Err(Error::InvalidInput(format!(
-                    "workspace '{}' recorded events while its trace was locked, and the trace is still locked: \
-                     release the trace's lock, then start or stop the recording again",
-                    self.name
-                )));
-            }
+        if let Some(old) = self.recorder.borrow().as_ref() {
+            old.detach(&self.name)?;
         }
-        self.recording.set(trace.is_some());
-        *self.recorder.borrow_mut() = trace;
+        self.recording.set(recorder.is_some());
+        *self.recorder.borrow_mut() = recorder;
         self.refresh_plain_close();
         Ok(())
     }
@@ -455,40 +436,16 @@ impl<B: ArenaBackend> Engine<B> {
         self.owner_at(0)
     }
 
-    /// Appends `event` to the trace being recorded. The trace's lock is only tried: while
-    /// someone holds it (the caller itself, between two allocations, must not wait for
-    /// itself) the events wait here, in order, for the next record or the end of the
-    /// recording.
-    #[cold]
-    pub(super) fn record(&self, event: Event) {
-        if let Some(trace) = self.recorder.borrow().as_ref() {
-            self.unrecorded.borrow_mut().push((crate::plan::stamps(1), event));
-            self.flush_into(trace);
-        }
-    }
-
-    /// Moves the waiting events into `trace` if its lock is free; whether it was.
-    fn flush_into(&self, trace: &Mutex<Trace>) -> bool {
-        let mut trace = match trace.try_lock() {
-            Ok(trace) => trace,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return false,
-        };
-        trace.push_all_stamped(std::mem::take(&mut *self.unrecorded.borrow_mut()));
-        true
-    }
-
-    /// The short close paths are taken only without a debug mode, a timeline, a
-    /// recording or a refused growth (whose retry is on the general close):
-    /// `plain_close` outside a plan group, `plain_member` inside one.
+    /// The short close path is taken only without a debug mode, a timeline, a
+    /// recording, a member or a refused growth (whose retry is on the general close).
     fn refresh_plain_close(&self) {
         let plain = !self.debug.on.get()
             && !self.recording.get()
+            && !self.grouped.get()
             && !self.learning.refusals.get().stand()
             && self.config.reset() == ResetPolicy::BlockLeft
             && self.config.timeline_len() == 0;
-        self.plain_close.set(plain && !self.grouped.get());
-        self.plain_member.set(plain && self.grouped.get());
+        self.plain_close.set(plain);
     }
 
     fn require_closed(&self, action: &'static str) -> Result<()> {
@@ -501,9 +458,9 @@ impl<B: ArenaBackend> Engine<B> {
 
 // SAFETY: the only non-`Send` fields are the cached base addresses (`arena_base`,
 // `fast_base`, the spill's `base`, the window's base), which point into blocks that this
-// engine owns (`arena`, `spills`), or into the arena of its plan group, which the
-// engine's `Arc` keeps alive and which the group touches only on its own thread (see
-// `GroupShared`); moving the engine moves its blocks and that `Arc` with it. Nothing outside the engine can hold a
+// engine owns (`arena`, `spills`), or into a block its member lent (a plan group's
+// arena), which the member (`Send`, held by the engine) keeps alive while the cycle holds
+// a window of it; moving the engine moves its blocks and its member with it. Nothing outside the engine can hold a
 // reference into its memory while it moves: every view borrows a scope, and every
 // scope borrows the engine (or holds an `Rc`, which is `!Send`). The engine stays
 // `!Sync` (its `Cell`s), so it is used by one thread at a time.
@@ -511,12 +468,9 @@ unsafe impl<B: ArenaBackend> Send for Engine<B> where B::Block: Send {}
 
 impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {
-        if self.grouped.get() {
-            self.forget_window();
-        }
-        if let Some(trace) = self.recorder.get_mut().take() {
-            // Events still waiting go in if the trace is free now (else they are lost).
-            self.flush_into(&trace);
+        self.forget_window();
+        if let Some(recorder) = self.recorder.get_mut().take() {
+            recorder.dropped();
         }
         self.release_spills();
         self.release_debug_blocks();

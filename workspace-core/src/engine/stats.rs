@@ -60,7 +60,7 @@ pub struct WorkspaceStats {
     /// The figures of the plan group this workspace is a member of
     /// ([`crate::planned`]), read on the group's thread; `None` for other workspaces.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub planned: Option<crate::planned::PlannedStats>,
+    pub planned: Option<crate::figures::PlannedStats>,
 }
 
 impl<B: ArenaBackend> Engine<B> {
@@ -122,7 +122,7 @@ impl<B: ArenaBackend> Engine<B> {
             open_scopes: self.depth.get(),
             cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
             failed_growths: self.counters.failed_growths.get(),
-            planned: if self.grouped.get() { self.group_stats() } else { None },
+            planned: if self.grouped.get() { self.member_stats() } else { None },
         }
     }
 }

@@ -1,0 +1,341 @@
+//! Planned workspaces: the workspaces of one iteration (a network's role workspaces)
+//! served from one arena, at offsets planned from the lifetimes of a recorded
+//! iteration.
+//!
+//! A [`PlanGroup`] holds workspaces that make up one iteration. The caller marks the
+//! iterations ([`PlanGroup::start_iteration`], with a key that tells iterations of
+//! different shapes apart, and [`PlanGroup::finish_iteration`]):
+//!
+//! 1. The first iteration of a key is **recorded**: every allocation of every member
+//!    (its size, alignment and workspace, or the [`Frame`](crate::Frame) of it that
+//!    made it) and every end of a member's cycle or close of a frame, in order. A frame
+//!    is an owner of its own: what it allocated dies at its close, so later arrays of
+//!    any member may be planned into its bytes.
+//!    Its memory comes from the members themselves, as without a group.
+//! 2. At its end a **plan** is made ([`crate::plan`]): an offset in the group's one
+//!    arena for every allocation, such that no two allocations that were live at the
+//!    same moment share a byte. Allocations of one workspace with no other event
+//!    between them (a *run*) live and die together, so they are planned as one block
+//!    and laid out inside it as a bump arena lays them out.
+//! 3. Later iterations of the key **replay** the plan. Each run is a *window* of the
+//!    arena that the member's allocation fast path bumps through (no cost over an
+//!    unplanned workspace); every step between windows (the start of the next run, the
+//!    end of a cycle) is checked in O(1) against the plan: the same workspace, at the
+//!    same position in the order of events, fitting the planned bytes.
+//! 4. On any **divergence** (an allocation the plan does not hold at that position, or
+//!    larger than planned, a cycle ending out of order) the rest of the iteration is
+//!    served *off the plan*: from spill blocks of the member's own, never from planned
+//!    bytes that a live allocation may hold. The plan is marked stale and the next
+//!    iteration of its key is recorded again. Divergences and plans are counted
+//!    ([`PlannedStats`]).
+//!
+//! Why replay is safe: a window is handed to a member only when every earlier event of
+//! the recording happened, in order; so every allocation that the plan lets share the
+//! window's bytes either died before (its cycle's end was one of those events) or is
+//! planned after the member's cycle ends, which its own step will check. A new
+//! iteration starts from the top of the plan only when no member holds a window of the
+//! last one (a member whose cycle is still open keeps its window, and the group then
+//! runs off the plan).
+//!
+//! Keys give each shape of iteration (variable-length sequences) a plan of its own, in a
+//! bounded cache; all plans share the one arena, sized to the largest, which grows only
+//! when a larger plan is made. A key is only a hint: replay verifies every step, so two
+//! iterations of different shapes that share a key can never share a plan by accident
+//! (the second diverges and is recorded again).
+//!
+//! A group belongs to the thread that made it: its members may move to other threads
+//! (a workspace is `Send`), but there they allocate as unplanned workspaces.
+//!
+//! ```
+//! use workspace_core::{planned::PlanGroup, LearningPolicy, SpillPolicy, WorkspaceConfig};
+//!
+//! let config = WorkspaceConfig::builder()
+//!     .learning(LearningPolicy::None)
+//!     .spill(SpillPolicy::External)
+//!     .build()?;
+//! let group = PlanGroup::new("ITERATION");
+//! let act = group.workspace("ACT", &config)?;
+//! let scratch = group.workspace("SCRATCH", &config)?;
+//! for _ in 0..4 {
+//!     group.start_iteration(0)?;
+//!     {
+//!         let a = act.enter()?;
+//!         let x = a.filled::<f32, _>(1024, 1.0)?;
+//!         for _ in 0..3 {
+//!             let s = scratch.enter()?; // each cycle's scratch dies at its end
+//!             let mut t = s.zeros::<f32, _>(4096)?;
+//!             t.fill(x[0]);
+//!         }
+//!     }
+//!     group.finish_iteration()?;
+//! }
+//! let stats = group.stats();
+//! assert_eq!((stats.plans, stats.divergences, stats.planned_iterations), (1, 0, 3));
+//! // The activations and one scratch cycle are live at once: 4 KiB + 16 KiB.
+//! assert_eq!(stats.plan_bytes, 4096 + 16384);
+//! assert_eq!(stats.plan_bytes, stats.lower_bound_bytes);
+//! # Ok::<(), workspace_core::Error>(())
+//! ```
+
+mod group;
+mod member;
+mod script;
+
+use std::cell::{RefCell, RefMut};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use crate::backend::host::HostBackend;
+use crate::backend::ArenaBackend;
+use crate::config::WorkspaceConfig;
+use crate::error::{Error, Result};
+pub use crate::figures::PlannedStats;
+use crate::refusals::Refusals;
+use crate::workspace::Workspace;
+use group::{GroupShared, GroupState, Mode};
+
+/// Plans a group keeps unless told otherwise ([`PlanGroup::with_plans`]).
+pub const DEFAULT_PLANS: usize = 8;
+
+/// Events a recording may hold; a longer iteration is not planned (its members keep
+/// allocating as unplanned workspaces), so that a group whose iterations are never
+/// finished does not grow without bound.
+pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
+
+/// A group of host workspaces planned together; see the [module documentation](self).
+///
+/// Cloning gives another handle to the same group. `!Send`: a group belongs to the
+/// thread that made it.
+#[derive(Clone, Debug)]
+pub struct PlanGroup {
+    shared: Arc<GroupShared<HostBackend>>,
+    members: Rc<RefCell<Vec<Rc<Workspace>>>>,
+}
+
+impl PlanGroup {
+    /// A group named `name` (in statistics) whose arena is host RAM, keeping up to
+    /// [`DEFAULT_PLANS`] plans.
+    pub fn new(name: &str) -> PlanGroup {
+        PlanGroup::with_plans(name, DEFAULT_PLANS)
+    }
+
+    /// A group keeping up to `plans` plans (at least one): the number of shapes of
+    /// iteration it serves from a plan at once.
+    pub fn with_plans(name: &str, plans: usize) -> PlanGroup {
+        PlanGroup {
+            shared: Arc::new(GroupShared::new(name, HostBackend::Ram, plans)),
+            members: Rc::new(RefCell::new(Vec::new())),
+        }
+    }
+
+    /// The member workspace `name`, created with `config` and joined to the group if
+    /// the group has none of that name. Members are the group's own: they are not in
+    /// the thread's [`WorkspaceManager`](crate::WorkspaceManager), so two groups may
+    /// each have a member of the same name.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ConfigMismatch`] when the member exists with another configuration;
+    /// those of [`Workspace::new`] and [`PlanGroup::join`].
+    pub fn workspace(&self, name: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
+        crate::manager::find_or_create(&self.members, name, config, || {
+            let ws = Workspace::new(name, config.clone())?;
+            self.join(&ws)?;
+            Ok(ws)
+        })
+    }
+
+    /// Makes `ws` a member: from the next iteration its allocations and cycles are
+    /// recorded and planned with the others'.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while `ws` is open; [`Error::InvalidConfig`] when it is
+    /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
+    /// group.
+    pub fn join(&self, ws: &Workspace) -> Result<()> {
+        ws.engine().join(Some(Box::new(member::GroupMember(self.shared.clone()))))
+    }
+
+    /// Makes `ws` an unplanned workspace again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while `ws` is open; [`Error::InvalidInput`] when it is not
+    /// a member of this group.
+    pub fn leave(&self, ws: &Workspace) -> Result<()> {
+        if ws.engine().group_id() != Some(self.shared.id()) {
+            return Err(Error::InvalidInput(format!(
+                "workspace '{}' is not a member of plan group '{}'",
+                ws.name(),
+                self.shared.name
+            )));
+        }
+        ws.engine().join(None)?;
+        self.members.borrow_mut().retain(|m| !std::ptr::eq(&**m, ws));
+        Ok(())
+    }
+
+    /// The members made by [`PlanGroup::workspace`].
+    pub fn workspaces(&self) -> Vec<Rc<Workspace>> {
+        self.members.borrow().clone()
+    }
+
+    #[inline]
+    fn state(&self) -> Result<RefMut<'_, GroupState<HostBackend>>> {
+        match self.shared.state() {
+            Some(state) => Ok(state),
+            None => Err(self.busy()),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn busy(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' is busy (used from inside a member's allocation)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn held(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
+             members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for good)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn backend_error(&self, source: crate::error::BackendError) -> Error {
+        Error::Backend { workspace: self.shared.name.clone(), source }
+    }
+
+    /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
+    /// of shape `key`: it replays the key's plan when there is one that has not
+    /// diverged, and is recorded otherwise.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the arena cannot grow to the plan's size: the iteration
+    /// has started all the same, off the plan (its members allocate from their own
+    /// blocks), so the caller may go on with it. Reported once: until the backend gives
+    /// that size, later starts that need it run off the plan without an error, asking
+    /// again only after a back-off that doubles with each refusal
+    /// ([`PlannedStats::failed_growths`] counts them all).
+    pub fn start_iteration(&self, key: u64) -> Result<()> {
+        let mut state = self.state()?;
+        match state.start(key) {
+            Ok(()) => Ok(()),
+            Err(refused) => {
+                state.mode = Mode::OffPlan;
+                state.stats.failed_growths += 1;
+                match refused {
+                    Some(source) => Err(self.backend_error(source)),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Ends the current iteration: a recording is planned (and the arena grown to hold
+    /// the plan), a replay that reached the end of its plan is counted as planned (one
+    /// that did not, as a divergence). Returns whether the iteration was replayed on its
+    /// plan to the end. Members allocate as unplanned workspaces until the next start.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when called from inside a member's allocation.
+    pub fn finish_iteration(&self) -> Result<bool> {
+        Ok(self.state()?.finish())
+    }
+
+    /// Ends the current iteration without a verdict, for an iteration whose work failed
+    /// part-way (an error returned from inside it): a recording is dropped rather than
+    /// planned, and a replay cut short does not mark its plan stale (one that had left
+    /// its plan was counted when it left, and only there). Counted in
+    /// [`PlannedStats::abandoned_iterations`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when called from inside a member's allocation.
+    pub fn abandon_iteration(&self) -> Result<()> {
+        self.state()?.abandon();
+        Ok(())
+    }
+
+    /// Makes the group's arena at least `bytes` long now, as
+    /// [`WorkspaceConfig`]'s initial size does for a workspace: plans up to that size
+    /// then need no growth, and an arena of a huge page or more is backed by huge pages
+    /// (see [`HostBackend`]). The arena never shrinks; plans larger than it still grow it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] while a member's open cycle holds a window of the arena
+    /// (close it first), or when called from inside a member's allocation;
+    /// [`Error::Backend`] when the memory cannot be had (the arena is then unchanged).
+    pub fn reserve(&self, bytes: usize) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(self.held());
+        }
+        if bytes <= state.arena_bytes {
+            return Ok(());
+        }
+        // No alignment beyond the arena's own: `grow_to` keeps that.
+        state.grow_to(bytes, 1).map_err(|source| self.backend_error(source))
+    }
+
+    /// Gives the group's arena back now, as a workspace's `trim` gives back its arena: the
+    /// plans are kept, and the next iteration that replays one allocates an arena for
+    /// it again. Called in the middle of a replayed iteration, the rest of that
+    /// iteration runs off the plan (no window of the arena is handed out after it).
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::reserve`]: not while a member's open cycle holds part of the
+    /// arena.
+    pub fn trim(&self) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(self.held());
+        }
+        if let Mode::Replaying { .. } = state.mode {
+            // Later runs of this iteration would open windows of the arena given back.
+            state.mode = Mode::OffPlan;
+        }
+        if let Some(old) = state.arena.take() {
+            state.backend.release(old);
+        }
+        state.base = None;
+        state.base_align = 1;
+        state.arena_bytes = 0;
+        state.stats.arena_lower_bound_bytes = 0;
+        // Memory was given back on request: a size refused before may be had now.
+        state.refusals = Refusals::default();
+        state.unreported = None;
+        Ok(())
+    }
+
+    /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
+    pub fn plan_bytes(&self) -> usize {
+        self.shared.state().and_then(|s| s.shown.map(|i| s.plans[i].bytes)).unwrap_or(0)
+    }
+
+    /// The group's figures.
+    pub fn stats(&self) -> PlannedStats {
+        self.shared.stats().unwrap_or_default()
+    }
+
+    /// Bytes of the planned arena (0 off the group's thread, or from inside a member's
+    /// allocation). Allocates nothing.
+    pub fn capacity(&self) -> usize {
+        self.shared.state().map_or(0, |state| state.arena_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests;
