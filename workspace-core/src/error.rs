@@ -232,7 +232,7 @@ pub enum Error {
     /// A check for heap allocations failed: the code checked made some, or the counting
     /// allocator is not installed (see [`alloc_check`](crate::alloc_check)).
     #[error(transparent)]
-    AllocationCheck(#[from] crate::alloc_check::AllocationError),
+    AllocationCheck(#[from] crate::alloc_check::failure::AllocationError),
 }
 
 /// Errors reported by an [`ArenaBackend`](crate::ArenaBackend).

@@ -18,12 +18,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use bytemuck::Pod;
-use ndarray::{Array, ArrayView, ArrayViewMut, Dimension};
-
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
-use crate::scope::Scope;
+use ndarray::Dimension;
 
 /// An array in workspace memory that can be stored across borrows; see the module docs.
 ///
@@ -47,11 +42,11 @@ use crate::scope::Scope;
 pub struct Handle<T, Dim> {
     /// Invariant: `dim.size()` initialised elements, valid while the owner is at
     /// `generation`.
-    ptr: NonNull<T>,
-    dim: Dim,
-    owner: u64,
-    generation: u64,
-    workspace: Arc<str>,
+    pub(crate) ptr: NonNull<T>,
+    pub(crate) dim: Dim,
+    pub(crate) owner: u64,
+    pub(crate) generation: u64,
+    pub(crate) workspace: Arc<str>,
 }
 
 // SAFETY: a handle is a token: its memory is only reached through `view`/`view_mut`,
@@ -70,63 +65,6 @@ impl<T: Pod, Dim: Dimension> Handle<T, Dim> {
     /// target `owner` is at `generation`, reachable through no other path.
     pub(crate) unsafe fn new(ptr: NonNull<T>, dim: Dim, owner: u64, generation: u64, workspace: Arc<str>) -> Self {
         Handle { ptr, dim, owner, generation, workspace }
-    }
-
-    /// Checks that `scope` belongs to this handle's workspace, at its generation.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::WrongWorkspace`] or [`Error::StaleHandle`].
-    pub fn check(&self, scope: &Scope<'_>) -> Result<()> {
-        crate::shell::check_identity(
-            (self.owner, self.generation),
-            &self.workspace,
-            scope.identity(),
-            scope.target_name(),
-        )
-    }
-
-    /// A read-only view, borrowed from `scope`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Handle::check`].
-    pub fn view<'a>(&'a self, scope: &'a Scope<'_>) -> Result<ArrayView<'a, T, Dim>> {
-        self.check(scope)?;
-        // SAFETY: the check proves the memory is live and unchanged since allocation;
-        // the view borrows `scope` (so the cycle cannot end) and `self` (so no mutable
-        // view of this handle exists).
-        Ok(unsafe { ArrayView::from_shape_ptr(self.dim.clone(), self.ptr.as_ptr()) })
-    }
-
-    /// A mutable view, borrowed from `scope`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Handle::check`].
-    pub fn view_mut<'a>(&'a mut self, scope: &'a Scope<'_>) -> Result<ArrayViewMut<'a, T, Dim>> {
-        self.check(scope)?;
-        // SAFETY: as in `view`; `&mut self` makes this the only view of the handle.
-        Ok(unsafe { ArrayViewMut::from_shape_ptr(self.dim.clone(), self.ptr.as_ptr()) })
-    }
-
-    /// Copies the data out into an owned array that outlives every reset.
-    ///
-    /// # Errors
-    ///
-    /// As [`Handle::check`].
-    pub fn detach(&self, scope: &Scope<'_>) -> Result<Array<T, Dim>> {
-        Ok(self.view(scope)?.to_owned())
-    }
-
-    /// Copies the data into `target` (another open workspace, typically an outer one),
-    /// returning a handle there.
-    ///
-    /// # Errors
-    ///
-    /// As [`Handle::check`] for `scope`, and `target`'s allocation errors.
-    pub fn leverage_to(&self, scope: &Scope<'_>, target: &Scope<'_>) -> Result<Handle<T, Dim>> {
-        target.copy_handle(&self.view(scope)?)
     }
 
     /// The generation the handle was allocated in.

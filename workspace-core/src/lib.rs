@@ -87,6 +87,6 @@ pub use error::{BackendError, Error, Result};
 pub use handle::Handle;
 pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
 pub use manager::{stats_table, WorkspaceManager};
-pub use scope::{freeze, Frame, Placement, Scope, ScopeKind};
-pub use shell::{CycleHooks, Open, Shell};
+pub use scope::{freeze, Frame, Scope};
+pub use shell::{CycleHooks, Open, Placement, ScopeKind, Shell};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

@@ -23,27 +23,14 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use bytemuck::Pod;
-use ndarray::{ArrayBase, ArrayViewMut, Data, Dimension, ShapeBuilder};
+use ndarray::{Array, ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
 
 use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use crate::engine::FrameMark;
 use crate::error::{Error, Result};
 use crate::handle::Handle;
-use crate::shell::checked_bytes;
+use crate::shell::{checked_bytes, Placement, ScopeKind};
 use crate::workspace::{DebugMode, Workspace};
-
-/// How a scope came to be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScopeKind {
-    /// Opened the workspace: a new cycle and generation.
-    Opened,
-    /// Entered a workspace that was already open, without resetting.
-    Nested,
-    /// Borrowed an open workspace as allocation target.
-    Borrowed,
-    /// Scoped out: allocations go to the heap and are freed with the scope.
-    Heap,
-}
 
 /// How a scope came to be, and what keeps its workspace alive besides the `'ws`
 /// borrow: nothing, an `Rc` (`enter_shared`: the scope owns one strong count, taken
@@ -312,15 +299,6 @@ pub struct Scope<'ws> {
     ws: NonNull<Workspace>,
     tag: Tag,
     _borrow: PhantomData<&'ws Workspace>,
-}
-
-/// Where an array's memory lives, as far as a scope can tell.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// In the arena, at this byte offset.
-    Arena(usize),
-    /// Elsewhere: a spill block, the heap, or another workspace.
-    Elsewhere,
 }
 
 impl<'ws> Scope<'ws> {
@@ -678,6 +656,120 @@ pub fn freeze<'a, T, Dim: Dimension>(view: ArrayViewMut<'a, T, Dim>) -> ndarray:
     // is initialised and aligned, as the mutable view guaranteed.
     unsafe { view.raw_view().deref_into_view() }
 }
+/// Opening scopes: a workspace's cycles are entered here, where scopes are made.
+impl Workspace {
+    /// Opens a cycle (new generation) or, when already open, nests without resetting.
+    ///
+    /// # Errors
+    ///
+    /// A backend error recorded when the previous cycle could not grow the arena, or
+    /// from re-reserving the arena after [`Shell::trim`](crate::Shell::trim). Each refusal of the backend is
+    /// reported once: the workspace stays usable with its previous arena (later cycles
+    /// run from spill blocks) and the next `enter` succeeds; later refusals are counted
+    /// in [`WorkspaceStats::failed_growths`](crate::WorkspaceStats::failed_growths).
+    #[inline]
+    pub fn enter(&self) -> Result<Scope<'_>> {
+        let kind = self.shell.open_raw()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
+        Ok(unsafe { Scope::over(self, kind) })
+    }
+
+    /// Makes this already open workspace an allocation target for a while, without
+    /// nesting a cycle; it still resets only when its last scope closes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open(&self) -> Result<Scope<'_>> {
+        let kind = self.shell.open_borrowed_raw()?;
+        // SAFETY: the shell counted this scope; the scope gives it back on drop.
+        Ok(unsafe { Scope::over(self, kind) })
+    }
+
+    /// As [`Workspace::enter`], the scope keeping the workspace alive through an `Rc`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Workspace::enter`].
+    pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
+        let kind = self.shell.open_raw()?;
+        // SAFETY: counted by the shell; the `Rc` keeps the workspace alive for as long
+        // as the scope lives, whatever `'static` says.
+        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
+    }
+
+    /// As [`Workspace::borrow_open`], the scope keeping the workspace alive through an `Rc`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotOpen`] when the workspace is closed.
+    pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
+        let kind = self.shell.open_borrowed_raw()?;
+        // SAFETY: as in `enter_shared`.
+        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
+    }
+}
+
+/// Reading a handle needs a scope of its workspace, at its generation.
+impl<T: Pod, Dim: Dimension> Handle<T, Dim> {
+    /// Checks that `scope` belongs to this handle's workspace, at its generation.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::WrongWorkspace`] or [`Error::StaleHandle`].
+    pub fn check(&self, scope: &Scope<'_>) -> Result<()> {
+        crate::shell::check_identity(
+            (self.owner, self.generation),
+            &self.workspace,
+            scope.identity(),
+            scope.target_name(),
+        )
+    }
+
+    /// A read-only view, borrowed from `scope`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Handle::check`].
+    pub fn view<'a>(&'a self, scope: &'a Scope<'_>) -> Result<ArrayView<'a, T, Dim>> {
+        self.check(scope)?;
+        // SAFETY: the check proves the memory is live and unchanged since allocation;
+        // the view borrows `scope` (so the cycle cannot end) and `self` (so no mutable
+        // view of this handle exists).
+        Ok(unsafe { ArrayView::from_shape_ptr(self.dim.clone(), self.ptr.as_ptr()) })
+    }
+
+    /// A mutable view, borrowed from `scope`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Handle::check`].
+    pub fn view_mut<'a>(&'a mut self, scope: &'a Scope<'_>) -> Result<ArrayViewMut<'a, T, Dim>> {
+        self.check(scope)?;
+        // SAFETY: as in `view`; `&mut self` makes this the only view of the handle.
+        Ok(unsafe { ArrayViewMut::from_shape_ptr(self.dim.clone(), self.ptr.as_ptr()) })
+    }
+
+    /// Copies the data out into an owned array that outlives every reset.
+    ///
+    /// # Errors
+    ///
+    /// As [`Handle::check`].
+    pub fn detach(&self, scope: &Scope<'_>) -> Result<Array<T, Dim>> {
+        Ok(self.view(scope)?.to_owned())
+    }
+
+    /// Copies the data into `target` (another open workspace, typically an outer one),
+    /// returning a handle there.
+    ///
+    /// # Errors
+    ///
+    /// As [`Handle::check`] for `scope`, and `target`'s allocation errors.
+    pub fn leverage_to(&self, scope: &Scope<'_>, target: &Scope<'_>) -> Result<Handle<T, Dim>> {
+        target.copy_handle(&self.view(scope)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

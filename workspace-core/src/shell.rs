@@ -24,7 +24,28 @@ use crate::backend::{Address, ArenaBackend};
 use crate::config::WorkspaceConfig;
 use crate::engine::{Engine, Entered, WorkspaceStats};
 use crate::error::{Error, Result};
-use crate::scope::{Placement, ScopeKind};
+
+/// How a scope came to be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// Opened the workspace: a new cycle and generation.
+    Opened,
+    /// Entered a workspace that was already open, without resetting.
+    Nested,
+    /// Borrowed an open workspace as allocation target.
+    Borrowed,
+    /// Scoped out: allocations go to the heap and are freed with the scope.
+    Heap,
+}
+
+/// Where an array's memory lives, as far as a scope can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// In the arena, at this byte offset.
+    Arena(usize),
+    /// Elsewhere: a spill block, the heap, or another workspace.
+    Elsewhere,
+}
 
 /// What a kind of workspace does around the engine's cycles, beyond handing out memory
 /// (which is its [`ArenaBackend`]'s job). The host needs nothing (`()`); a device

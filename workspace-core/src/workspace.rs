@@ -1,12 +1,10 @@
 //! The host workspace: one arena engine over a host backend, plus debug modes.
 
 use std::cell::Cell;
-use std::rc::Rc;
 
 use crate::backend::host::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
-use crate::scope::Scope;
 use crate::shell::Shell;
 
 /// Name of the environment variable that sets the [`DebugMode`] of new workspaces.
@@ -72,7 +70,7 @@ impl DebugMode {
 /// A host workspace: a reusable bump arena with cycles, generations, learning,
 /// spilling and statistics.
 ///
-/// `Send` and `!Sync`: one thread uses it at a time. Allocate through the [`Scope`]
+/// `Send` and `!Sync`: one thread uses it at a time. Allocate through the [`Scope`](crate::Scope)
 /// that [`Workspace::enter`] returns; the arena resets when the last scope closes.
 ///
 /// ```
@@ -97,7 +95,7 @@ impl DebugMode {
 /// ```
 #[derive(Debug)]
 pub struct Workspace {
-    shell: Shell<HostBackend>,
+    pub(crate) shell: Shell<HostBackend>,
     debug: Cell<DebugMode>,
 }
 
@@ -133,57 +131,6 @@ impl Workspace {
         let ws = Workspace { shell: Shell::new(name, config, backend, ())?, debug: Cell::new(DebugMode::Disabled) };
         ws.set_debug_mode(mode)?;
         Ok(ws)
-    }
-
-    /// Opens a cycle (new generation) or, when already open, nests without resetting.
-    ///
-    /// # Errors
-    ///
-    /// A backend error recorded when the previous cycle could not grow the arena, or
-    /// from re-reserving the arena after [`Shell::trim`]. Each refusal of the backend is
-    /// reported once: the workspace stays usable with its previous arena (later cycles
-    /// run from spill blocks) and the next `enter` succeeds; later refusals are counted
-    /// in [`WorkspaceStats::failed_growths`](crate::WorkspaceStats::failed_growths).
-    #[inline]
-    pub fn enter(&self) -> Result<Scope<'_>> {
-        let kind = self.shell.open_raw()?;
-        // SAFETY: the shell counted this scope; the scope gives it back on drop.
-        Ok(unsafe { Scope::over(self, kind) })
-    }
-
-    /// Makes this already open workspace an allocation target for a while, without
-    /// nesting a cycle; it still resets only when its last scope closes.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotOpen`] when the workspace is closed.
-    pub fn borrow_open(&self) -> Result<Scope<'_>> {
-        let kind = self.shell.open_borrowed_raw()?;
-        // SAFETY: the shell counted this scope; the scope gives it back on drop.
-        Ok(unsafe { Scope::over(self, kind) })
-    }
-
-    /// As [`Workspace::enter`], the scope keeping the workspace alive through an `Rc`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Workspace::enter`].
-    pub fn enter_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        let kind = self.shell.open_raw()?;
-        // SAFETY: counted by the shell; the `Rc` keeps the workspace alive for as long
-        // as the scope lives, whatever `'static` says.
-        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
-    }
-
-    /// As [`Workspace::borrow_open`], the scope keeping the workspace alive through an `Rc`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::NotOpen`] when the workspace is closed.
-    pub fn borrow_open_shared(self: &Rc<Self>) -> Result<Scope<'static>> {
-        let kind = self.shell.open_borrowed_raw()?;
-        // SAFETY: as in `enter_shared`.
-        Ok(unsafe { Scope::over_shared(self.clone(), kind) })
     }
 
     /// The current debug mode.
