@@ -45,12 +45,12 @@ fn align_up(value: usize, align: usize) -> Option<usize> {
 pub const FRAME_LEVEL_SHIFT: u32 = 48;
 
 /// The cycle an owner belongs to (itself for a cycle; a frame's cycle).
-fn cycle_of(owner: u64) -> u64 {
+pub(crate) fn cycle_of(owner: u64) -> u64 {
     owner & ((1 << FRAME_LEVEL_SHIFT) - 1)
 }
 
 /// Whether `owner` is a cycle (not a frame).
-fn is_cycle(owner: u64) -> bool {
+pub(crate) fn is_cycle(owner: u64) -> bool {
     owner >> FRAME_LEVEL_SHIFT == 0
 }
 

@@ -364,26 +364,41 @@ impl<B: ArenaBackend> Engine<B> {
             }
             _ => {
                 let room = max.saturating_sub(held).max(size);
-                let block = match self.reservation_for(size, align, room) {
-                    Some(block) => block,
-                    None => {
-                        let chunk = if self.debug.on.get() {
-                            size
-                        } else {
-                            let doubled = self.spill.held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
-                            doubled.min(room).max(size)
-                        };
-                        self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
-                    }
+                let chunk = if self.debug.on.get() {
+                    size
+                } else {
+                    let doubled = self.spill.held.get().max(FIRST_SPILL_CHUNK / 2).saturating_mul(2);
+                    doubled.min(room).max(size)
                 };
-                let base = block.base();
-                self.spill.held.set(self.spill.held.get() + block.len());
-                self.spill.base.set(Some(base));
-                self.spill.align.set(align);
-                self.spill.cursor.set(size);
-                self.spill.limit.set(block.len());
-                self.spill.blocks.borrow_mut().push(block);
-                (base, 0)
+                let reserved = self.reservation_for(size, align, room);
+                // A lent chunk holds the request alone: the lender packs what the cycles of
+                // an iteration hold at once, where a doubling chunk would take its room.
+                let lent = if reserved.is_none() { self.lend_spill(size, align) } else { None };
+                if let Some(lent) = lent {
+                    // A chunk the member lends: counted as a spill block, never released
+                    // to the backend (the member takes it back at the cycle's end).
+                    self.spill.held.set(self.spill.held.get() + (lent.end - lent.start));
+                    self.spill.base.set(Some(lent.base));
+                    self.spill.align.set(lent.base_align);
+                    self.spill.cursor.set(lent.start + size);
+                    self.spill.limit.set(lent.end);
+                    (lent.base, lent.start)
+                } else {
+                    let block = match reserved {
+                        Some(block) => block,
+                        None => {
+                            self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
+                        }
+                    };
+                    let base = block.base();
+                    self.spill.held.set(self.spill.held.get() + block.len());
+                    self.spill.base.set(Some(base));
+                    self.spill.align.set(align);
+                    self.spill.cursor.set(size);
+                    self.spill.limit.set(block.len());
+                    self.spill.blocks.borrow_mut().push(block);
+                    (base, 0)
+                }
             }
         };
         self.start_virtual();

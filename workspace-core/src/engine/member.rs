@@ -73,6 +73,12 @@ pub(crate) trait Member<B: ArenaBackend>: Send {
     fn miss(&self, _owner: u64, _holds: bool) -> Miss<B> {
         Miss::Own
     }
+    /// A spill chunk of `size` bytes for the cycle `owner`, its start aligned to
+    /// `align`, lent from memory the member holds if it lends one (a recording
+    /// iteration's, where no live allocation is). The cycle holds it to its end.
+    fn lend(&self, _owner: u64, _size: usize, _align: usize, _holds: bool) -> Option<Lent<B>> {
+        None
+    }
     /// A request left the plan (after [`Miss::Leave`], or a lent window too small).
     fn leave(&self) {}
     /// An allocation was made (padded to the workspace's alignment unit), or an owner

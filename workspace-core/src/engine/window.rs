@@ -280,6 +280,22 @@ impl<B: ArenaBackend> Engine<B> {
         self.set_limit(if serves { lent.end } else { 0 });
     }
 
+    /// A spill chunk of `size` bytes at `align`, lent by the member
+    /// instead of taken from the backend, if it lends one (a recording iteration's, in
+    /// memory where no live allocation is). It is the cycle's until its end, as a
+    /// spill block is, and counted as one: only where the memory comes from differs.
+    pub(super) fn lend_spill(&self, size: usize, align: usize) -> Option<Lent<B>> {
+        if !self.grouped.get() || self.debug.on.get() {
+            return None;
+        }
+        let holds = self.window.holds.get();
+        let lent = self.member.borrow().as_ref()?.lend(self.owner(), size, align, holds)?;
+        self.window.holds.set(true);
+        self.window.base.set(Some(lent.base));
+        self.window.regions.push(lent.start, lent.end);
+        Some(lent)
+    }
+
     /// Closes the open window, if any: the fast path is off and the own cursor back.
     pub(super) fn close_window(&self) {
         if self.window.end.get() == 0 {

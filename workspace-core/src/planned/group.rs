@@ -81,6 +81,12 @@ pub(super) struct GroupState<B: ArenaBackend> {
     /// The steps of plan `shown` (the one a replay follows), at hand.
     pub(super) steps: Arc<[Step]>,
     pub(super) stats: PlannedStats,
+    /// Whether the recording in progress lends the arena to its members' requests that
+    /// would spill: only when it started with no member holding a window.
+    pub(super) lending: bool,
+    /// What the recording in progress has lent and is live: `(start, end, owner)`,
+    /// sorted by start.
+    pub(super) extents: Vec<(usize, usize, u64)>,
 }
 
 impl<B: ArenaBackend> GroupState<B> {
@@ -99,7 +105,15 @@ impl<B: ArenaBackend> GroupState<B> {
     #[inline]
     pub(super) fn step(&mut self, event: Event) {
         match self.mode {
-            Mode::Recording => self.record(event),
+            Mode::Recording => {
+                if let (true, Event::Close { owner }) = (self.lending, event) {
+                    // What the owner allocated dies here (a cycle's close ends its
+                    // frames too).
+                    let cycle = crate::plan::is_cycle(owner);
+                    self.extents.retain(|&(_, _, o)| !(o == owner || cycle && crate::plan::cycle_of(o) == owner));
+                }
+                self.record(event)
+            }
             Mode::Replaying { .. } => {
                 if let Event::Close { owner } = event {
                     if !self.takes_close(owner) {
@@ -142,6 +156,34 @@ impl<B: ArenaBackend> GroupState<B> {
             }
             _ => None,
         }
+    }
+
+    /// While a recording lends: `size` bytes for the cycle `owner` at `align`, in the
+    /// lowest gap of the arena that holds them where no live lent chunk is (first fit).
+    /// A cycle that holds no window yet (`holds`) holds the arena until its release.
+    pub(super) fn lend(&mut self, owner: u64, size: usize, align: usize, holds: bool) -> Option<Lent<B>> {
+        if self.mode != Mode::Recording || !self.lending || align > self.base_align {
+            return None;
+        }
+        let base = self.base?;
+        // The gaps between the live chunks (by start), and the one above the last.
+        let mut from = 0usize;
+        let mut found = None;
+        for (i, &(start, end, _)) in self.extents.iter().chain([&(self.arena_bytes, self.arena_bytes, 0)]).enumerate() {
+            if let Some(at) = from.checked_next_multiple_of(align) {
+                if at.checked_add(size).is_some_and(|e| e <= start) {
+                    found = Some((i, at, at + size));
+                    break;
+                }
+            }
+            from = from.max(end);
+        }
+        let (index, start, end) = found?;
+        self.extents.insert(index, (start, end, owner));
+        if !holds {
+            self.live += 1;
+        }
+        Some(Lent { base, base_align: self.base_align, start, end })
     }
 
     /// Leaves the plan for the rest of the iteration.
@@ -319,6 +361,8 @@ impl<B: ArenaBackend> GroupState<B> {
         debug_assert_eq!(self.live, 0);
         let align = align.max(self.base_align);
         let block = self.backend.allocate_arena(bytes.max(self.arena_bytes).max(1), align)?;
+        // Nothing lent is live while no member holds a window.
+        self.extents.clear();
         self.base = Some(block.base());
         // Aligned as asked, and as the backend aligns every arena (its `unsafe`
         // contract): a plan aligned to no more than that fits without a new arena.
@@ -378,7 +422,14 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.show(index);
                 self.mode = Mode::Replaying { index };
             }
-            _ => self.mode = Mode::Recording,
+            _ => {
+                // The recording lends the arena only where nothing of it is held.
+                self.lending = self.live == 0 && self.base.is_some();
+                if self.live == 0 {
+                    self.extents.clear();
+                }
+                self.mode = Mode::Recording;
+            }
         }
         Ok(())
     }
@@ -447,6 +498,8 @@ impl<B: ArenaBackend> GroupShared<B> {
                 shown: None,
                 steps: Arc::from([]),
                 stats: PlannedStats::default(),
+                lending: false,
+                extents: Vec::new(),
             }),
         }
     }

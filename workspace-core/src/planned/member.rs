@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::group::{GroupShared, Mode};
 use crate::backend::ArenaBackend;
-use crate::engine::{Member, Miss, Opened};
+use crate::engine::{Lent, Member, Miss, Opened};
 use crate::figures::PlannedStats;
 use crate::plan::Event;
 
@@ -46,6 +46,10 @@ where
             Mode::Replaying { .. } => state.take_run(owner, holds).map_or(Miss::Leave, Miss::Window),
             Mode::Idle | Mode::Recording | Mode::OffPlan => Miss::Own,
         }
+    }
+
+    fn lend(&self, owner: u64, size: usize, align: usize, holds: bool) -> Option<Lent<B>> {
+        self.0.state()?.lend(owner, size, align, holds)
     }
 
     fn leave(&self) {

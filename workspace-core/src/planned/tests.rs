@@ -103,3 +103,96 @@ fn plans_are_replayed_in_the_reserved_arena_itself() {
     // Not replaced by a second arena of the same size when the first plan came.
     assert_eq!(base(&group), reserved);
 }
+
+#[test]
+fn a_recording_lends_the_arena_to_what_would_spill_and_frees_it_at_each_close() {
+    let group = PlanGroup::new("G");
+    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build();
+    let config = config.unwrap();
+    let (act, scratch) = (group.workspace("ACT", &config).unwrap(), group.workspace("SCRATCH", &config).unwrap());
+    group.reserve(64 << 10).unwrap();
+    let arena = base(&group).unwrap();
+    let inside = |p: *const f32, n: usize| {
+        let p = p as u64;
+        p >= arena && p + 4 * n as u64 <= arena + group.capacity() as u64
+    };
+    // A new key: recorded, its requests (which would spill: the members have no arena
+    // of their own) served from the group's arena.
+    group.start_iteration(1).unwrap();
+    let mut scratch_at = Vec::new();
+    {
+        let a = act.enter().unwrap();
+        let mut kept = Vec::new();
+        for step in 0..4 {
+            let x = a.filled::<f32, _>(256, step as f32).unwrap();
+            assert!(inside(x.as_ptr(), 256), "an activation in the arena");
+            {
+                let s = scratch.enter().unwrap();
+                let t = s.filled::<f32, _>(1024, -1.0).unwrap();
+                assert!(inside(t.as_ptr(), 1024), "a scratch array in the arena");
+                scratch_at.push(t.as_ptr() as u64);
+                assert_eq!(t.sum(), -1024.0);
+            }
+            kept.push(x);
+        }
+        // Every activation is intact: no later lend overlapped a live one.
+        for (step, x) in kept.iter().enumerate() {
+            assert_eq!(x.sum(), 256.0 * step as f32);
+        }
+        let stats = act.stats();
+        assert_eq!((stats.external_allocations, stats.spilled_in_use), (4, 4 * 1024), "counted as spills");
+    }
+    assert!(!group.finish_iteration().unwrap(), "recorded, not replayed");
+    // Each scratch cycle's bytes were free again once it closed: the next activation
+    // (1 KiB) took the first of them, and the next scratch array the rest (first fit).
+    assert!(scratch_at.windows(2).all(|w| w[1] - w[0] == 1024), "{scratch_at:?}");
+    assert_eq!(group.stats().recorded_iterations, 1);
+    // The plan replays.
+    group.start_iteration(1).unwrap();
+    {
+        let a = act.enter().unwrap();
+        for _ in 0..4 {
+            let _x = a.zeros::<f32, _>(256).unwrap();
+            let s = scratch.enter().unwrap();
+            let _t = s.zeros::<f32, _>(1024).unwrap();
+        }
+    }
+    assert!(group.finish_iteration().unwrap());
+}
+
+#[test]
+fn a_recording_lends_nothing_while_a_cycle_holds_a_window_of_the_last_iteration() {
+    let group = PlanGroup::new("G");
+    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build();
+    let config = config.unwrap();
+    let (a, b) = (group.workspace("A", &config).unwrap(), group.workspace("B", &config).unwrap());
+    let iteration = |key| {
+        group.start_iteration(key).unwrap();
+        {
+            let s = a.enter().unwrap();
+            let _x = s.zeros::<f32, _>(512).unwrap();
+        }
+        group.finish_iteration().unwrap()
+    };
+    iteration(1);
+    assert!(iteration(1), "replayed");
+    // A cycle of A replayed and left open across the next start: its window is held.
+    group.start_iteration(1).unwrap();
+    let held = a.enter().unwrap();
+    let x = held.filled::<f32, _>(512, 3.0).unwrap();
+    group.finish_iteration().unwrap();
+    // A new key records while A's window is live: B's requests must not land on it.
+    group.start_iteration(2).unwrap();
+    {
+        let s = b.enter().unwrap();
+        let y = s.filled::<f32, _>(512, 5.0).unwrap();
+        assert!(!a.contains(y.as_ptr().cast::<u8>(), 4));
+        let (xp, yp) = (x.as_ptr() as u64, y.as_ptr() as u64);
+        assert!(yp + 2048 <= xp || xp + 2048 <= yp, "no overlap with the held window");
+        assert_eq!(y.sum(), 2560.0);
+    }
+    assert_eq!(x.sum(), 1536.0, "the held window's data is intact");
+    group.finish_iteration().unwrap();
+    drop(x);
+    drop(held);
+}
