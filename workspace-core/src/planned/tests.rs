@@ -193,6 +193,5 @@ fn a_recording_lends_nothing_while_a_cycle_holds_a_window_of_the_last_iteration(
     }
     assert_eq!(x.sum(), 1536.0, "the held window's data is intact");
     group.finish_iteration().unwrap();
-    drop(x);
     drop(held);
 }
