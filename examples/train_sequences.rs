@@ -22,7 +22,7 @@
 //! | `--seed N` | 0 | weights and batch order |
 //! | `--prefetch-depth N` | 2 | batches filled ahead on the prefetcher's thread (0: inline) |
 //! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
-//! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`) |
+//! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`; planned: `new_shape_iterations`, the iterations after epoch 1 that recorded a new batch shape, and `new_shape_allocs`, the most heap allocations one of them made) |
 
 #[path = "common/cli.rs"]
 mod cli;
@@ -159,6 +159,9 @@ struct Trace {
     loss: Vec<f32>,
     iter_ns: Vec<u64>,
     allocs: Vec<u64>,
+    /// Planned mode: whether each iteration was recorded (a shape seen for the first
+    /// time, or one whose plan diverged).
+    recorded: Vec<bool>,
     heap_bytes: Vec<u64>,
     faults: Vec<u64>,
     workspace_bytes: Vec<u64>,
@@ -223,6 +226,8 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
                 // recording itself allocates).
                 net.record_next_iteration();
             }
+            // (Read outside the counted span: the figures carry the group's name.)
+            let recorded0 = net.plan_stats().map(|s| s.recorded_iterations);
             let faults0 = faults::minor_faults();
             let before = reset_thread_peak(); // the peak of live bytes restarts here
             let t0 = Instant::now();
@@ -233,13 +238,7 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
             trace.loss.push(loss);
             trace.iter_ns.push(elapsed.as_nanos() as u64);
             trace.allocs.push(after.allocations - before.allocations);
-            if std::env::var("TSDBG").is_ok() {
-                eprintln!(
-                    "ALLOC epoch {epoch} shape {:?} allocs {}",
-                    (x.shape()[0], x.shape()[1]),
-                    after.allocations - before.allocations
-                );
-            }
+            trace.recorded.push(net.plan_stats().map(|s| s.recorded_iterations) != recorded0);
             trace.heap_bytes.push((after.peak_live_bytes - before.live_bytes).max(0) as u64);
             trace.workspace_bytes.push(net.last_iteration_workspace_bytes() as u64);
         }
@@ -325,6 +324,10 @@ fn run(args: &Args) -> Res<()> {
     for (mode, t) in &traces {
         let steady = &t.allocs[per_epoch.min(t.allocs.len())..];
         let steady_max = steady.iter().copied().max();
+        // Planned: the steady iterations that recorded a plan (a new batch shape), and
+        // the most heap allocations one of them made (the plan's own storage).
+        let recorded = t.recorded.iter().skip(per_epoch);
+        let new_shapes: Vec<u64> = steady.iter().zip(recorded).filter(|(_, &r)| r).map(|(&a, _)| a).collect();
         let steady_faults = &t.faults[per_epoch.min(t.faults.len())..];
         let iter_us: Vec<f64> = t.iter_ns.iter().map(|&ns| ns as f64 / 1e3).collect();
         let accuracy = t.test_accuracy.last().copied().unwrap_or(0.0);
@@ -350,6 +353,8 @@ fn run(args: &Args) -> Res<()> {
             "epoch_ms_median": median(&t.epoch_ms),
             "steady_state_iterations": steady.len(),
             "steady_state_allocs_max": steady_max,
+            "new_shape_iterations": (*mode == WorkspaceMode::Planned).then_some(new_shapes.len()),
+            "new_shape_allocs": (*mode == WorkspaceMode::Planned).then(|| new_shapes.iter().copied().max().unwrap_or(0)),
             "steady_state_faults_per_iter": if steady_faults.is_empty() { None } else {
                 Some(steady_faults.iter().sum::<u64>() as f64 / steady_faults.len() as f64)
             },

@@ -180,3 +180,18 @@ fn train_sequences_compares_the_modes_on_variable_length_batches_in_json() {
     assert_eq!(json["enabled"]["steady_state_allocs_max"].as_u64(), Some(0), "{json}");
     assert!(json["none"]["steady_state_allocs_max"].as_u64().is_some_and(|n| n > 0), "{json}");
 }
+
+#[test]
+fn train_sequences_planned_records_new_shapes_after_warm_up_without_heap_allocations_but_the_plan() {
+    let output = run("train_sequences", &["--workspace-mode", "planned", "--epochs", "3", "--hidden", "8", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).unwrap();
+    let planned = &json["planned"];
+    // Batch shapes first seen after the first epoch are recorded then (the shuffled
+    // order of seed 0 has some), in the group's arena: each costs its plan's storage.
+    assert!(planned["new_shape_iterations"].as_u64().is_some_and(|n| n >= 1), "{json}");
+    assert!(planned["new_shape_allocs"].as_u64().is_some_and(|n| n <= 8), "{json}");
+    assert!(planned["steady_state_allocs_max"].as_u64().is_some_and(|n| n <= 8), "{json}");
+    assert_eq!(planned["divergences"].as_u64(), Some(0), "{json}");
+}

@@ -87,19 +87,28 @@ impl<T: Copy> Open<T> {
 
     /// Hands every item that the close of `closed` ends to `end`.
     fn close(&mut self, closed: u64, mut end: impl FnMut(T)) {
-        let mut take = |heads: &mut OwnerMap<usize>, owner: u64| {
+        let Open { items, heads, frames } = self;
+        let mut take = |owner: u64| {
             let mut at = heads.remove(owner).map_or(usize::MAX, |head| head.wrapping_sub(1));
-            while let Some(&(item, next)) = self.items.get(at) {
+            while let Some(&(item, next)) = items.get(at) {
                 end(item);
                 at = next;
             }
         };
-        take(&mut self.heads, closed);
+        take(closed);
         if is_cycle(closed) {
-            for frame in self.frames.remove(closed).unwrap_or_default() {
-                take(&mut self.heads, frame);
+            // The list stays (empty), so that the cycle's next frames reuse its room.
+            if let Some(list) = frames.get_mut(closed) {
+                list.drain(..).for_each(&mut take);
             }
         }
+    }
+
+    /// Forgets every item, keeping the room the lists have grown to.
+    fn clear(&mut self) {
+        self.items.clear();
+        self.heads.clear();
+        self.frames.values_mut(Vec::clear);
     }
 }
 
@@ -144,6 +153,30 @@ impl<V: Default> OwnerMap<V> {
         match self {
             OwnerMap::Small(list) => list.iter().position(|(o, _)| *o == owner).map(|at| list.swap_remove(at).1),
             OwnerMap::Large(map) => map.remove(&owner),
+        }
+    }
+
+    /// `owner`'s value, mutable, if it has one.
+    fn get_mut(&mut self, owner: u64) -> Option<&mut V> {
+        match self {
+            OwnerMap::Small(list) => list.iter_mut().find(|(o, _)| *o == owner).map(|(_, v)| v),
+            OwnerMap::Large(map) => map.get_mut(&owner),
+        }
+    }
+
+    /// Applies `f` to every value.
+    fn values_mut(&mut self, f: impl FnMut(&mut V)) {
+        match self {
+            OwnerMap::Small(list) => list.iter_mut().map(|(_, v)| v).for_each(f),
+            OwnerMap::Large(map) => map.values_mut().for_each(f),
+        }
+    }
+
+    /// Forgets every owner, keeping the room the map has grown to.
+    fn clear(&mut self) {
+        match self {
+            OwnerMap::Small(list) => list.clear(),
+            OwnerMap::Large(map) => map.clear(),
         }
     }
 
@@ -262,38 +295,15 @@ impl Trace {
     /// The allocations' lifetimes, in the order they were allocated: each lives from
     /// its event to the first close of its owner after it.
     pub fn lifetimes(&self) -> Vec<Lifetime> {
-        let mut out: Vec<Lifetime> = Vec::with_capacity(self.events.len());
-        // The allocations still open, as indices into `out`.
-        let mut open = Open::default();
-        for (i, event) in self.events.iter().enumerate() {
-            match *event {
-                Event::Alloc { owner, bytes, align } => {
-                    open.add(owner, out.len());
-                    out.push(Lifetime { start: i, end: self.events.len(), bytes, align });
-                }
-                Event::Close { owner } => open.close(owner, |index| out[index].end = i),
-            }
-        }
+        let mut out = Vec::new();
+        lifetimes_into(&self.events, &mut Open::default(), &mut out);
         out
     }
 
     /// The most bytes live at one moment: no placement can use fewer (computed by a
     /// sweep over the events, independently of any plan).
     pub fn lower_bound(&self) -> usize {
-        // The bytes of each allocation still live.
-        let mut live = Open::default();
-        let (mut total, mut peak) = (0usize, 0usize);
-        for event in &self.events {
-            match *event {
-                Event::Alloc { owner, bytes, .. } => {
-                    live.add(owner, bytes);
-                    total = total.saturating_add(bytes);
-                    peak = peak.max(total);
-                }
-                Event::Close { owner } => live.close(owner, |bytes| total = total.saturating_sub(bytes)),
-            }
-        }
-        peak
+        lower_bound_of(&self.events, &mut Open::default())
     }
 
     /// The trace with each *run* as one allocation: consecutive allocations of one
@@ -303,18 +313,8 @@ impl Trace {
     /// its own, so the run takes exactly the bytes its allocations take in the owner's
     /// arena). What [`planned`](crate::planned) plans.
     pub fn runs(&self) -> Trace {
-        let mut runs: Vec<Event> = Vec::with_capacity(self.events.len());
-        for &event in &self.events {
-            match (event, runs.last_mut()) {
-                (
-                    Event::Alloc { owner, bytes, align },
-                    Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
-                ) if owner == *last && (*run_align).max(1).is_multiple_of(align.max(1)) => {
-                    *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
-                }
-                _ => runs.push(event),
-            }
-        }
+        let mut runs = Vec::new();
+        runs_into(&self.events, &mut runs);
         Trace::from_events(runs)
     }
 
@@ -322,82 +322,163 @@ impl Trace {
     /// its own, sized to its peak, as the per-role workspaces do (the arenas laid end
     /// to end, each aligned for its allocations).
     pub fn per_owner_bytes(&self) -> usize {
-        per_owner_layout(&self.events).0
+        Layout::default().lay_out(&self.events)
     }
 }
 
-/// The per-owner layout of `events`: its size, and the offset of each allocation (by
-/// event position; `usize::MAX` for closes). Each cycle bump-allocates in an arena of
-/// its own, sized to its peak, as a workspace does; its frames share that arena, and a
-/// frame's close gives back the bytes at the top of it that are dead (as the engine's
-/// rewind does: never below an allocation still live).
-fn per_owner_layout(events: &[Event]) -> (usize, Vec<usize>) {
-    /// A cycle's arena: its allocations in address order (end, dead) up to the last
-    /// live one, its peak and its alignment.
-    struct Arena {
-        stack: Vec<(usize, bool)>,
-        peak: usize,
-        align: usize,
-    }
-    // Pass 1: each allocation's offset in its cycle's arena.
-    let mut arenas: Vec<Arena> = Vec::new(); // first use first
-    let mut index: OwnerMap<Option<usize>> = OwnerMap::default();
-    // The live allocations, as (arena, position in its stack).
-    let mut open = Open::default();
-    let mut relative = vec![usize::MAX; events.len()];
+/// The lifetimes of the allocations of `events` into `out` (see [`Trace::lifetimes`]),
+/// with `open` as scratch.
+fn lifetimes_into(events: &[Event], open: &mut Open<usize>, out: &mut Vec<Lifetime>) {
+    out.clear();
+    out.reserve(events.len());
+    open.clear();
     for (i, event) in events.iter().enumerate() {
         match *event {
             Event::Alloc { owner, bytes, align } => {
-                let cycle = cycle_of(owner);
-                let at = *index.entry(cycle).get_or_insert_with(|| {
-                    arenas.push(Arena { stack: Vec::new(), peak: 0, align: 1 });
-                    arenas.len() - 1
-                });
-                let arena = &mut arenas[at];
-                let used = arena.stack.last().map_or(0, |&(end, _)| end);
-                let start = align_up(used, align.max(1)).unwrap_or(usize::MAX);
-                let end = start.saturating_add(bytes);
-                open.add(owner, (at, arena.stack.len()));
-                arena.stack.push((end, false));
-                arena.peak = arena.peak.max(end);
-                arena.align = lcm(arena.align, align.max(1));
-                relative[i] = start;
+                open.add(owner, out.len());
+                out.push(Lifetime { start: i, end: events.len(), bytes, align });
             }
-            Event::Close { owner } => {
-                open.close(owner, |(at, position)| arenas[at].stack[position].1 = true);
-                if let Some(&Some(at)) = index.get(cycle_of(owner)) {
-                    // Dead allocations give their bytes back from the top only: one below a
-                    // live allocation keeps them until that one dies, as in the engine. (A
-                    // live allocation is never popped, so the positions above stay right.)
-                    let stack = &mut arenas[at].stack;
-                    while stack.last().is_some_and(|&(_, dead)| dead) {
-                        stack.pop();
+            Event::Close { owner } => open.close(owner, |index| out[index].end = i),
+        }
+    }
+}
+
+/// The lower bound of `events` (see [`Trace::lower_bound`]), with `live` as scratch.
+fn lower_bound_of(events: &[Event], live: &mut Open<usize>) -> usize {
+    live.clear();
+    let (mut total, mut peak) = (0usize, 0usize);
+    for event in events {
+        match *event {
+            Event::Alloc { owner, bytes, .. } => {
+                live.add(owner, bytes);
+                total = total.saturating_add(bytes);
+                peak = peak.max(total);
+            }
+            Event::Close { owner } => live.close(owner, |bytes| total = total.saturating_sub(bytes)),
+        }
+    }
+    peak
+}
+
+/// The runs of `events` into `runs` (see [`Trace::runs`]).
+fn runs_into(events: &[Event], runs: &mut Vec<Event>) {
+    runs.clear();
+    runs.reserve(events.len());
+    for &event in events {
+        match (event, runs.last_mut()) {
+            (
+                Event::Alloc { owner, bytes, align },
+                Some(Event::Alloc { owner: last, bytes: run, align: run_align }),
+            ) if owner == *last && (*run_align).max(1).is_multiple_of(align.max(1)) => {
+                *run = align_up(*run, align).unwrap_or(usize::MAX).saturating_add(bytes);
+            }
+            _ => runs.push(event),
+        }
+    }
+}
+
+/// A cycle's arena in the per-owner layout: its allocations in address order (end,
+/// dead) up to the last live one, its peak and its alignment.
+struct Arena {
+    stack: Vec<(usize, bool)>,
+    peak: usize,
+    align: usize,
+}
+
+/// The per-owner layout of a list of events, with the room it needs kept for the next:
+/// each cycle bump-allocates in an arena of its own, sized to its peak, as a workspace
+/// does; its frames share that arena, and a frame's close gives back the bytes at the
+/// top of it that are dead (as the engine's rewind does: never below an allocation
+/// still live).
+#[derive(Default)]
+struct Layout {
+    /// The arenas, first use first (the first `used` are this layout's).
+    arenas: Vec<Arena>,
+    used: usize,
+    index: OwnerMap<Option<usize>>,
+    /// The live allocations, as (arena, position in its stack).
+    open: Open<(usize, usize)>,
+    relative: Vec<usize>,
+    bases: Vec<usize>,
+    /// The offset of each allocation (by event position; `usize::MAX` for closes).
+    offsets: Vec<usize>,
+}
+
+impl Layout {
+    /// Lays `events` out; returns the size (the offsets are in `self.offsets`).
+    fn lay_out(&mut self, events: &[Event]) -> usize {
+        self.used = 0;
+        self.index.clear();
+        self.open.clear();
+        self.relative.clear();
+        self.relative.resize(events.len(), usize::MAX);
+        // Pass 1: each allocation's offset in its cycle's arena.
+        for (i, event) in events.iter().enumerate() {
+            match *event {
+                Event::Alloc { owner, bytes, align } => {
+                    let cycle = cycle_of(owner);
+                    let (arenas, used) = (&mut self.arenas, &mut self.used);
+                    let at = *self.index.entry(cycle).get_or_insert_with(|| {
+                        if *used == arenas.len() {
+                            arenas.push(Arena { stack: Vec::new(), peak: 0, align: 1 });
+                        }
+                        let arena = &mut arenas[*used];
+                        arena.stack.clear();
+                        (arena.peak, arena.align) = (0, 1);
+                        *used += 1;
+                        *used - 1
+                    });
+                    let arena = &mut self.arenas[at];
+                    let top = arena.stack.last().map_or(0, |&(end, _)| end);
+                    let start = align_up(top, align.max(1)).unwrap_or(usize::MAX);
+                    let end = start.saturating_add(bytes);
+                    self.open.add(owner, (at, arena.stack.len()));
+                    arena.stack.push((end, false));
+                    arena.peak = arena.peak.max(end);
+                    arena.align = lcm(arena.align, align.max(1));
+                    self.relative[i] = start;
+                }
+                Event::Close { owner } => {
+                    let arenas = &mut self.arenas;
+                    self.open.close(owner, |(at, position)| arenas[at].stack[position].1 = true);
+                    if let Some(&Some(at)) = self.index.get(cycle_of(owner)) {
+                        // Dead allocations give their bytes back from the top only: one
+                        // below a live allocation keeps them until that one dies, as in
+                        // the engine. (A live allocation is never popped, so the positions
+                        // above stay right.)
+                        let stack = &mut self.arenas[at].stack;
+                        while stack.last().is_some_and(|&(_, dead)| dead) {
+                            stack.pop();
+                        }
                     }
                 }
             }
         }
+        // Pass 2: the arenas end to end.
+        self.bases.clear();
+        let mut total = 0usize;
+        for arena in &self.arenas[..self.used] {
+            let base = align_up(total, arena.align).unwrap_or(usize::MAX);
+            self.bases.push(base);
+            total = base.saturating_add(arena.peak);
+        }
+        self.offsets.clear();
+        for (event, &at) in events.iter().zip(&self.relative) {
+            self.offsets.push(match *event {
+                Event::Alloc { owner, .. } => {
+                    let arena = self
+                        .index
+                        .get(cycle_of(owner))
+                        .copied()
+                        .flatten()
+                        .expect("every allocation's cycle has an arena");
+                    self.bases[arena].saturating_add(at)
+                }
+                Event::Close { .. } => usize::MAX,
+            });
+        }
+        total
     }
-    // Pass 2: the arenas end to end.
-    let mut bases = Vec::with_capacity(arenas.len());
-    let mut total = 0usize;
-    for arena in &arenas {
-        let base = align_up(total, arena.align).unwrap_or(usize::MAX);
-        bases.push(base);
-        total = base.saturating_add(arena.peak);
-    }
-    let offsets = events
-        .iter()
-        .zip(relative)
-        .map(|(event, at)| match *event {
-            Event::Alloc { owner, .. } => {
-                let arena =
-                    index.get(cycle_of(owner)).copied().flatten().expect("every allocation's cycle has an arena");
-                bases[arena].saturating_add(at)
-            }
-            Event::Close { .. } => usize::MAX,
-        })
-        .collect();
-    (total, offsets)
 }
 
 /// The least common multiple of two alignments (saturating): the arena's base must suit
@@ -441,79 +522,9 @@ impl Plan {
     /// and stops as soon as it is no smaller: the same plans, in less time.
     pub fn new(trace: &Trace) -> Plan {
         let started = Instant::now();
-        let lifetimes = trace.lifetimes();
-        let lower_bound = trace.lower_bound();
-        let mut best = Best::default();
-        let orders = if lifetimes.len() > GREEDY_LIMIT { 0 } else { ORDERS };
-        let mut placer = Placer::new(&lifetimes);
-        let mut indices: Vec<usize> = Vec::with_capacity(lifetimes.len());
-        for order in 0..orders {
-            if best.is_some() && best.bytes <= lower_bound {
-                break; // nothing can do better
-            }
-            indices.clear();
-            indices.extend(0..lifetimes.len());
-            let key = |l: &Lifetime| -> (usize, usize, usize) {
-                let life = l.end - l.start;
-                match order {
-                    0 => (usize::MAX - l.bytes, l.start, 0),
-                    1 => (usize::MAX - life, usize::MAX - l.bytes, l.start),
-                    2 => (usize::MAX - l.bytes.saturating_mul(life), l.start, 0),
-                    3 => (l.start, usize::MAX - l.bytes, 0),
-                    4 => (usize::MAX - l.end, usize::MAX - l.bytes, l.start),
-                    _ => (usize::MAX - l.bytes, usize::MAX - l.end, l.start),
-                }
-            };
-            indices.sort_by_key(|&i| key(&lifetimes[i]));
-            let bytes = placer.place(&indices, 0, &best);
-            best.keep(bytes, &placer, &indices);
-        }
-        // A short local search for small iterations: a few swaps in the best order,
-        // kept when they do better (deterministic: the swaps come from a fixed seed).
-        // A candidate takes over the placement of the best order up to its first swap.
-        let n = lifetimes.len();
-        // Small iterations (a few dozen allocations, as a layer-by-layer network with
-        // its runs collapsed has) get enough rounds to find the bound where a greedy
-        // order misses it by a few percent; larger ones a few, within the time goals.
-        let rounds = if n > GREEDY_LIMIT {
-            0
-        } else if n <= 48 {
-            64
-        } else {
-            (20_000 / n.saturating_mul(n).max(1)).min(16)
-        };
-        let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ n as u64;
-        let mut random = |below: usize| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let z = (state ^ (state >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            ((z ^ (z >> 29)) % below.max(1) as u64) as usize
-        };
-        let mut order: Vec<usize> = Vec::with_capacity(n);
-        for _ in 0..rounds {
-            if n < 2 || !best.is_some() || best.bytes <= lower_bound {
-                break;
-            }
-            order.clear();
-            order.extend_from_slice(&best.order);
-            let mut from = n;
-            for _ in 0..1 + random(3) {
-                let (a, b) = (random(n), random(n));
-                order.swap(a, b);
-                from = from.min(a).min(b);
-            }
-            let bytes = placer.place(&order, from, &best);
-            best.keep(bytes, &placer, &order);
-        }
-        // No placement (above the limit): the per-owner layout below is the plan.
-        let best_is_none = !best.is_some();
-        let (bytes, by_allocation) = if best_is_none { (usize::MAX, Vec::new()) } else { (best.bytes, best.offsets) };
-        let mut offsets = vec![usize::MAX; trace.events.len()];
-        for (l, offset) in lifetimes.iter().zip(by_allocation) {
-            offsets[l.start] = offset;
-        }
-        let (per_owner, per_owner_offsets) = per_owner_layout(&trace.events);
-        let (bytes, offsets) =
-            if best_is_none || per_owner < bytes { (per_owner, per_owner_offsets) } else { (bytes, offsets) };
+        let mut planner = Planner::default();
+        let (bytes, lower_bound) = planner.plan(&trace.events);
+        let offsets = std::mem::take(&mut planner.offsets);
         Plan { events: trace.events.clone(), offsets, bytes, lower_bound, planning: started.elapsed() }
     }
 
@@ -594,6 +605,143 @@ pub fn check_overlaps(intervals: impl Iterator<Item = (usize, usize, usize, usiz
     Ok(())
 }
 
+/// Plans with buffers it keeps ([`Plan::new`] is one use of a fresh planner): once they
+/// have grown to the largest iteration planned, planning makes no heap allocation.
+#[derive(Default)]
+pub(crate) struct Planner {
+    open: Open<usize>,
+    lifetimes: Vec<Lifetime>,
+    placer: PlacerBuffers,
+    best: Best,
+    indices: Vec<usize>,
+    order: Vec<usize>,
+    /// The offsets of the last plan, by event position (`usize::MAX` for closes).
+    offsets: Vec<usize>,
+    layout: Layout,
+    runs: Vec<Event>,
+}
+
+impl Planner {
+    /// The offsets of the last plan, by event position (`usize::MAX` for closes).
+    pub(crate) fn offsets(&self) -> &[usize] {
+        &self.offsets
+    }
+
+    /// [`Trace::lower_bound`] of `events`.
+    pub(crate) fn lower_bound(&mut self, events: &[Event]) -> usize {
+        lower_bound_of(events, &mut self.open)
+    }
+
+    /// [`Trace::per_owner_bytes`] of `events`.
+    pub(crate) fn per_owner_bytes(&mut self, events: &[Event]) -> usize {
+        self.layout.lay_out(events)
+    }
+
+    /// [`Trace::runs`] of `events`, in a list of the planner's: give it back with
+    /// [`Planner::keep_runs`] for the next time.
+    pub(crate) fn take_runs(&mut self, events: &[Event]) -> Vec<Event> {
+        let mut runs = std::mem::take(&mut self.runs);
+        runs_into(events, &mut runs);
+        runs
+    }
+
+    /// Keeps `runs`'s room for the next [`Planner::take_runs`].
+    pub(crate) fn keep_runs(&mut self, runs: Vec<Event>) {
+        self.runs = runs;
+    }
+
+    /// Plans `events` as [`Plan::new`] does: returns the plan's bytes and the lower
+    /// bound; the offsets are in [`Planner::offsets`].
+    pub(crate) fn plan(&mut self, events: &[Event]) -> (usize, usize) {
+        lifetimes_into(events, &mut self.open, &mut self.lifetimes);
+        let lifetimes = &self.lifetimes[..];
+        let lower_bound = lower_bound_of(events, &mut self.open);
+        let best = &mut self.best;
+        best.clear();
+        let orders = if lifetimes.len() > GREEDY_LIMIT { 0 } else { ORDERS };
+        let mut placer = Placer::with_buffers(lifetimes, std::mem::take(&mut self.placer));
+        let indices = &mut self.indices;
+        indices.clear();
+        indices.reserve(lifetimes.len());
+        for order in 0..orders {
+            if best.is_some() && best.bytes <= lower_bound {
+                break; // nothing can do better
+            }
+            indices.clear();
+            indices.extend(0..lifetimes.len());
+            let key = |l: &Lifetime| -> (usize, usize, usize) {
+                let life = l.end - l.start;
+                match order {
+                    0 => (usize::MAX - l.bytes, l.start, 0),
+                    1 => (usize::MAX - life, usize::MAX - l.bytes, l.start),
+                    2 => (usize::MAX - l.bytes.saturating_mul(life), l.start, 0),
+                    3 => (l.start, usize::MAX - l.bytes, 0),
+                    4 => (usize::MAX - l.end, usize::MAX - l.bytes, l.start),
+                    _ => (usize::MAX - l.bytes, usize::MAX - l.end, l.start),
+                }
+            };
+            indices.sort_by_key(|&i| key(&lifetimes[i]));
+            let bytes = placer.place(indices, 0, best);
+            best.keep(bytes, &placer, indices);
+        }
+        // A short local search for small iterations: a few swaps in the best order,
+        // kept when they do better (deterministic: the swaps come from a fixed seed).
+        // A candidate takes over the placement of the best order up to its first swap.
+        let n = lifetimes.len();
+        // Small iterations (a few dozen allocations, as a layer-by-layer network with
+        // its runs collapsed has) get enough rounds to find the bound where a greedy
+        // order misses it by a few percent; larger ones a few, within the time goals.
+        let rounds = if n > GREEDY_LIMIT {
+            0
+        } else if n <= 48 {
+            64
+        } else {
+            (20_000 / n.saturating_mul(n).max(1)).min(16)
+        };
+        let mut state = 0x9E37_79B9_7F4A_7C15_u64 ^ n as u64;
+        let mut random = |below: usize| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (state ^ (state >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((z ^ (z >> 29)) % below.max(1) as u64) as usize
+        };
+        let order = &mut self.order;
+        order.clear();
+        order.reserve(n);
+        for _ in 0..rounds {
+            if n < 2 || !best.is_some() || best.bytes <= lower_bound {
+                break;
+            }
+            order.clear();
+            order.extend_from_slice(&best.order);
+            let mut from = n;
+            for _ in 0..1 + random(3) {
+                let (a, b) = (random(n), random(n));
+                order.swap(a, b);
+                from = from.min(a).min(b);
+            }
+            let bytes = placer.place(order, from, best);
+            best.keep(bytes, &placer, order);
+        }
+        self.placer = placer.into_buffers();
+        // No placement (above the limit): the per-owner layout below is the plan.
+        let best_is_none = !best.is_some();
+        self.offsets.clear();
+        self.offsets.resize(events.len(), usize::MAX);
+        let bytes = if best_is_none { usize::MAX } else { best.bytes };
+        if !best_is_none {
+            for (l, &offset) in lifetimes.iter().zip(&best.offsets) {
+                self.offsets[l.start] = offset;
+            }
+        }
+        let per_owner = self.layout.lay_out(events);
+        if best_is_none || per_owner < bytes {
+            self.offsets.clone_from(&self.layout.offsets);
+            return (per_owner, lower_bound);
+        }
+        (bytes, lower_bound)
+    }
+}
+
 /// Greedy best fit ([`Placer::place`]), with scratch space that its calls share.
 struct Placer<'l> {
     lifetimes: &'l [Lifetime],
@@ -629,6 +777,15 @@ struct Best {
 }
 
 impl Best {
+    /// Forgets the placement kept, keeping the room.
+    fn clear(&mut self) {
+        self.bytes = 0;
+        self.offsets.clear();
+        self.order.clear();
+        self.by_offset.clear();
+        self.position.clear();
+    }
+
     /// Whether a placement was kept.
     fn is_some(&self) -> bool {
         !self.order.is_empty()
@@ -651,10 +808,36 @@ impl Best {
     }
 }
 
+/// A [`Placer`]'s room, kept between plans.
+#[derive(Default)]
+struct PlacerBuffers {
+    offsets: Vec<usize>,
+    by_offset: Vec<Span>,
+    live: Vec<(usize, usize)>,
+}
+
 impl<'l> Placer<'l> {
+    #[cfg(test)]
     fn new(lifetimes: &'l [Lifetime]) -> Placer<'l> {
+        Placer::with_buffers(lifetimes, PlacerBuffers::default())
+    }
+
+    /// A placer of `lifetimes` in the room of `buffers`.
+    fn with_buffers(lifetimes: &'l [Lifetime], buffers: PlacerBuffers) -> Placer<'l> {
         let n = lifetimes.len();
-        Placer { lifetimes, offsets: vec![usize::MAX; n], by_offset: Vec::with_capacity(n), live: vec![(0, 0); n] }
+        let PlacerBuffers { mut offsets, mut by_offset, mut live } = buffers;
+        offsets.clear();
+        offsets.resize(n, usize::MAX);
+        by_offset.clear();
+        by_offset.reserve(n);
+        live.clear();
+        live.resize(n, (0, 0));
+        Placer { lifetimes, offsets, by_offset, live }
+    }
+
+    /// The room, for the next placer.
+    fn into_buffers(self) -> PlacerBuffers {
+        PlacerBuffers { offsets: self.offsets, by_offset: self.by_offset, live: self.live }
     }
 
     /// Places the allocations in `order`, each in the smallest gap (below the others

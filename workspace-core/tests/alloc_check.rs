@@ -263,3 +263,51 @@ fn a_thread_knows_its_live_bytes_and_their_peak() {
     drop(small);
     assert_eq!(thread_counts().live_bytes - start.live_bytes, 0);
 }
+
+/// A plan group whose arena holds its iterations records a shape it has not seen in the
+/// arena (nothing spills) and plans it with the room its planner kept: the new plan's
+/// storage is the only heap allocation of that iteration.
+#[test]
+fn a_new_shape_is_recorded_and_planned_with_one_heap_allocation_once_warm() {
+    let group = workspace_core::planned::PlanGroup::new("G");
+    let config = WorkspaceConfig::builder()
+        .learning(workspace_core::LearningPolicy::None)
+        .spill(workspace_core::SpillPolicy::External)
+        .build()
+        .unwrap();
+    let (act, scratch) = (group.workspace("ACT", &config).unwrap(), group.workspace("SCRATCH", &config).unwrap());
+    group.reserve(1 << 20).unwrap();
+    // An iteration of `steps` steps: activations kept, a scratch cycle per step, and a
+    // frame of scratch inside each.
+    let iteration = |key: u64, steps: usize| {
+        group.start_iteration(key).unwrap();
+        {
+            let a = act.enter().unwrap();
+            let mut kept = 0.0;
+            for step in 0..steps {
+                let x = a.filled::<f32, _>(64 + step, 1.0).unwrap();
+                let s = scratch.enter().unwrap();
+                let t = s.filled::<f32, _>(512, 2.0).unwrap();
+                let f = s.frame().unwrap();
+                let u = f.filled::<f32, _>(128, 3.0).unwrap();
+                kept += x.sum() + t[0] + u[0];
+            }
+            assert!(kept > 0.0);
+        }
+        group.finish_iteration().unwrap()
+    };
+    // Warm-up: the planner's room grows to iterations of up to 40 steps.
+    for steps in [40, 40] {
+        iteration(steps as u64, steps);
+    }
+    for steps in [7, 23, 31] {
+        let guard = AllocationGuard::begin().unwrap();
+        let replayed = iteration(steps as u64, steps);
+        let report = guard.finish();
+        assert!(!replayed, "a new shape is recorded");
+        assert!(report.allocations() <= 1, "{report:?}");
+        assert!(iteration(steps as u64, steps), "and replayed next time");
+    }
+    let stats = group.stats();
+    assert_eq!((stats.plans, stats.divergences), (4, 0));
+}

@@ -10,7 +10,7 @@ use super::MAX_RECORDED_EVENTS;
 use crate::backend::{ArenaBackend, Block};
 use crate::engine::Lent;
 use crate::figures::PlannedStats;
-use crate::plan::Event;
+use crate::plan::{Event, Planner};
 use crate::refusals::Refusals;
 
 thread_local! {
@@ -84,6 +84,10 @@ pub(super) struct GroupState<B: ArenaBackend> {
     /// Whether the recording in progress lends the arena to its members' requests that
     /// would spill: only when it started with no member holding a window.
     pub(super) lending: bool,
+    /// The planner, whose room is kept between plans.
+    pub(super) planner: Planner,
+    /// Where a plan's steps are built.
+    pub(super) building: Vec<Step>,
     /// What the recording in progress has lent and is live: `(start, end, owner)`,
     /// sorted by start.
     pub(super) extents: Vec<(usize, usize, u64)>,
@@ -218,7 +222,7 @@ impl<B: ArenaBackend> GroupState<B> {
         let mut on_plan = false;
         match self.mode {
             Mode::Recording if !self.truncated && !self.events.is_empty() => {
-                let Some(script) = Script::new(self.key, &self.events) else {
+                let Some(script) = Script::new(self.key, &self.events, &mut self.planner, &mut self.building) else {
                     self.stats.recorded_iterations += 1;
                     self.events.clear();
                     self.mode = Mode::Idle;
@@ -499,6 +503,8 @@ impl<B: ArenaBackend> GroupShared<B> {
                 steps: Arc::from([]),
                 stats: PlannedStats::default(),
                 lending: false,
+                planner: Planner::default(),
+                building: Vec::new(),
                 extents: Vec::new(),
             }),
         }

@@ -2,9 +2,9 @@
 //! iteration's events, with the figures of its recording.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::plan::{Event, Plan, Trace};
+use crate::plan::{Event, Planner};
 
 /// One step of a plan's replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,39 +37,44 @@ impl Script {
     /// one block each, laid out as the owner's bump allocation lays them out. `None`
     /// when no plan fits in the address space (sizes no allocation that succeeded
     /// reaches; the iteration then stays unplanned).
-    pub(super) fn new(key: u64, events: &[Event]) -> Option<Script> {
-        let recorded = Trace::from_events(events.to_vec());
+    pub(super) fn new(key: u64, events: &[Event], planner: &mut Planner, steps: &mut Vec<Step>) -> Option<Script> {
+        let started = Instant::now();
         let allocations = events.iter().filter(|e| matches!(e, Event::Alloc { .. })).count();
-        let runs = recorded.runs();
-        let align_max = runs.events().iter().fold(1, |max, e| match *e {
+        let lower_bound = planner.lower_bound(events);
+        let per_role_bytes = planner.per_owner_bytes(events);
+        let runs = planner.take_runs(events);
+        let align_max = runs.iter().fold(1, |max, e| match *e {
             Event::Alloc { align, .. } => max.max(align),
             Event::Close { .. } => max,
         });
-        let plan = Plan::new(&runs);
-        let steps = plan
-            .events()
-            .iter()
-            .enumerate()
-            .map(|(i, event)| match *event {
+        let (bytes, _) = planner.plan(&runs);
+        // The steps are built in a list the group keeps, then copied once into the
+        // plan's own: the plan is the only thing a new shape allocates.
+        steps.clear();
+        let built = runs.iter().zip(planner.offsets()).try_for_each(|(event, &start)| {
+            steps.push(match *event {
                 Event::Alloc { owner, bytes, .. } => {
-                    let start = plan.offset(i)?;
-                    Some(Step::Run { owner, start, end: start.checked_add(bytes)? })
+                    let start = (start != usize::MAX).then_some(start)?;
+                    Step::Run { owner, start, end: start.checked_add(bytes)? }
                 }
-                Event::Close { owner } => Some(Step::Close { owner }),
-            })
-            .collect::<Option<Arc<[Step]>>>()?;
-        if plan.bytes() == usize::MAX {
+                Event::Close { owner } => Step::Close { owner },
+            });
+            Some(())
+        });
+        planner.keep_runs(runs);
+        built?;
+        if bytes == usize::MAX {
             return None;
         }
         Some(Script {
             key,
-            steps,
-            bytes: plan.bytes(),
+            steps: Arc::from(&steps[..]),
+            bytes,
             align: align_max,
-            lower_bound: recorded.lower_bound(),
-            per_role_bytes: recorded.per_owner_bytes(),
+            lower_bound,
+            per_role_bytes,
             allocations,
-            planning: plan.planning_time(),
+            planning: started.elapsed(),
             stale: false,
             last_used: 0,
         })

@@ -52,7 +52,7 @@ fn a_refused_arena_is_reported_once_and_asked_for_again_after_a_back_off() {
     let shared = GroupShared::new("G", Refusing { limit: limit.clone(), asked: asked.clone() }, 8);
     let mut state = shared.state().unwrap();
     let events = [Event::Alloc { owner: 1, bytes: 1 << 20, align: 64 }, Event::Close { owner: 1 }];
-    state.plans.push(Script::new(7, &events).unwrap());
+    state.plans.push(Script::new(7, &events, &mut Default::default(), &mut Vec::new()).unwrap());
     // As `PlanGroup::start_iteration` and an iteration whose work was given up.
     let iteration = |state: &mut GroupState<Refusing>| {
         let outcome = match state.start(7) {
