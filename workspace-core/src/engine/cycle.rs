@@ -203,11 +203,30 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        if self.recording.get() || self.grouped.get() {
-            self.emit(crate::plan::Event::Close { owner: self.owner() });
+        if self.recording.get() {
+            if let Some(recorder) = self.recorder.borrow().as_ref() {
+                recorder.event(crate::plan::Event::Close { owner: self.owner() });
+            }
         }
         if self.grouped.get() {
+            // The member is told of the close and given its windows back in one call.
             self.close_grouped();
+            if self.plain_member.get()
+                && self.virtual_cursor.get().is_none()
+                && !self.frames.used.get()
+                && self.learning.left.get() == 0
+            {
+                // The common case of a member (a replayed cycle that ran in its windows,
+                // or one in its own arena): nothing spilled, no frame, no learning left,
+                // no debug mode, timeline, recording or refused growth. What the rest of
+                // this function does then: count the cycle and reset.
+                let in_use = self.open_bytes();
+                self.count_cycle(in_use, align_up(in_use, self.min_align).unwrap_or(usize::MAX));
+                self.cursor.set(0);
+                self.fast_limit.set(0);
+                self.reset_window_bytes();
+                return;
+            }
         }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.in_use.get();

@@ -84,6 +84,14 @@ pub(crate) trait Member<B: ArenaBackend>: Send {
     /// An allocation was made (padded to the workspace's alignment unit), or an owner
     /// (the cycle, or a frame of it) closed.
     fn event(&self, event: Event);
+    /// The cycle `owner` closed, holding windows this member lent it or not (`holds`):
+    /// [`Member::event`] and [`Member::release`] in one call.
+    fn cycle_closed(&self, owner: u64, holds: bool) {
+        self.event(Event::Close { owner });
+        if holds {
+            self.release();
+        }
+    }
     /// The open cycle no longer holds the windows this member lent it (its end, or the
     /// workspace dropped with a cycle open).
     fn release(&self) {}

@@ -19,9 +19,23 @@
 //! `mod.rs`: the state (the allocation fast path's fields first, then the spill,
 //! debug, learning and statistics state, each a struct of its own) and the accessors;
 //! `alloc.rs`: handing out memory (the fast path, spilling, the budget); `cycle.rs`:
-//! opening and closing cycles, learning and growth; `arena.rs`: replacing and giving
-//! back blocks, `trim`; `stats.rs`: statistics; `tests.rs`: the engine against a
-//! backend that records what it is asked.
+//! opening and closing cycles, learning and growth; `frame.rs`: release points inside
+//! a cycle; `arena.rs`: replacing and giving back blocks, `trim`; `member.rs`: the
+//! seam to what a workspace is a member of (a plan group, a recorder), which the engine
+//! knows only as a [`Member`]; `window.rs`: the windows a member lends a cycle (the
+//! engine's side of a plan group); `recorder.rs`: the trace recorder, a member that
+//! sees every event; `stats.rs`: statistics; `tests.rs`: the engine against a backend
+//! that records what it is asked.
+//!
+//! # The fast path's limit
+//!
+//! The fast path bumps `cursor` up to `fast_limit` (or, while a frame is open, the top
+//! frame's `frame_limit`) in the block at `fast_base`. The limit is 0, so that every
+//! allocation takes the slow path, while the workspace is closed, under a debug mode,
+//! while a recorder is set, after the first spill of a cycle (learning counts what
+//! follows), while a member says so (a plan group recording or off its plan), and for
+//! any allocation but the top frame's while frames are open. While a member's window is
+//! open the limit is the window's end and `fast_base` the lent block's base.
 
 mod alloc;
 mod arena;
@@ -115,6 +129,9 @@ pub struct Engine<B: ArenaBackend> {
     /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
     /// closes on the short path.
     plain_close: Cell<bool>,
+    /// As `plain_close`, for a member: its cycles without spills, frames or learning
+    /// close on the general close's short branch.
+    plain_member: Cell<bool>,
     id: u64,
     name: Arc<str>,
     config: WorkspaceConfig,
@@ -244,6 +261,7 @@ impl<B: ArenaBackend> Engine<B> {
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
             plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
+            plain_member: Cell::new(false),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
             fast_base: Cell::new(None),
@@ -436,16 +454,18 @@ impl<B: ArenaBackend> Engine<B> {
         self.owner_at(0)
     }
 
-    /// The short close path is taken only without a debug mode, a timeline, a
-    /// recording, a member or a refused growth (whose retry is on the general close).
+    /// The short close paths are taken only without a debug mode, a timeline, a
+    /// recording or a refused growth (whose retry is on the general close):
+    /// `plain_close` outside a plan group, `plain_member` (a branch of the general
+    /// close) inside one.
     fn refresh_plain_close(&self) {
         let plain = !self.debug.on.get()
             && !self.recording.get()
-            && !self.grouped.get()
             && !self.learning.refusals.get().stand()
             && self.config.reset() == ResetPolicy::BlockLeft
             && self.config.timeline_len() == 0;
-        self.plain_close.set(plain);
+        self.plain_close.set(plain && !self.grouped.get());
+        self.plain_member.set(plain && self.grouped.get());
     }
 
     fn require_closed(&self, action: &'static str) -> Result<()> {

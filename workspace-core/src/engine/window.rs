@@ -354,14 +354,13 @@ impl<B: ArenaBackend> Engine<B> {
         self.window.used.get() + open
     }
 
-    /// The end of a member's cycle: its windows are given back (the member told of the
-    /// close first, by `emit`).
+    /// The end of a member's cycle: the member is told of the close, and given back the
+    /// windows it lent the cycle.
     pub(super) fn close_grouped(&self) {
         self.close_window();
-        if self.window.holds.replace(false) {
-            if let Some(member) = self.member.borrow().as_ref() {
-                member.release();
-            }
+        let holds = self.window.holds.replace(false);
+        if let Some(member) = self.member.borrow().as_ref() {
+            member.cycle_closed(self.owner(), holds);
         }
         self.window.regions.clear();
         self.window.base.set(None);

@@ -64,6 +64,16 @@ where
         }
     }
 
+    #[inline]
+    fn cycle_closed(&self, owner: u64, holds: bool) {
+        if let Some(mut state) = self.0.state() {
+            state.step(Event::Close { owner });
+            if holds {
+                state.live -= 1;
+            }
+        }
+    }
+
     /// Off the group's thread the cycle stays counted: the group never replays from the
     /// top again, which is safe.
     fn release(&self) {
