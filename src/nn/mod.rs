@@ -3,12 +3,19 @@
 //!
 //! - [`Layer`]: the trait a custom layer implements; [`ForwardCtx`] and
 //!   [`BackwardCtx`] hand it the open workspaces of each array role.
-//! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`]; the output stage is
+//! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`], [`Lstm`] (over
+//!   variable-length, masked sequences); the sequence heads [`LastStep`] and
+//!   [`MaskedMean`] turn a sequence into one row per example; the output stage is
 //!   [`SoftmaxCrossEntropy`].
 //! - Updaters: [`Updater::Sgd`] with momentum and [`Updater::Adam`].
 //! - [`NetworkConfig`] → [`Network`]: `fit` (one epoch from an
 //!   [`async_iter::Prefetcher`], batches used in place in its ring), `fit_batch`,
-//!   `fit_iter`, `output`, `output_to`, `predict_into`, `evaluate`.
+//!   `fit_iter`, `output`, `output_to`, `predict_into`, `evaluate`; an [`Input`] is a
+//!   matrix of rows or a batch of padded sequences with its mask.
+//! - Workspace modes: `Enabled` gives each array role a learned arena; `Planned` serves
+//!   the roles of an iteration from one arena planned per batch shape from a recorded
+//!   iteration ([`planned_workspace_config`], [`MemoryPlan`], [`Network::plan_stats`]);
+//!   `None` allocates every array on the heap.
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
 //!
@@ -18,10 +25,9 @@
 //! parameter or updater state changes; the next good batch trains as if the bad one had
 //! never been offered.
 //!
-//! Workspaces never change the numbers: a network trained with
-//! [`WorkspaceMode::Enabled`](crate::WorkspaceMode) and one trained with
-//! [`WorkspaceMode::None`](crate::WorkspaceMode) from the same seed produce
-//! bit-identical losses and predictions.
+//! Workspaces never change the numbers: networks trained with
+//! [`WorkspaceMode::Enabled`](crate::WorkspaceMode), `Planned` and `None` from the same
+//! seed produce bit-identical losses and predictions.
 
 mod dense;
 mod finite;

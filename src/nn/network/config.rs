@@ -265,8 +265,9 @@ pub fn workspace_config() -> WorkspaceConfig {
 }
 
 /// The configuration of a planned network's workspaces: no arena of their own (the
-/// plan's arena serves them); a recorded or diverging iteration's arrays go to spill
-/// blocks, given back at the end of each cycle.
+/// plan's arena serves them); a recorded iteration's arrays are counted as spills and
+/// placed in the plan group's arena where it has room (elsewhere, and after a
+/// divergence, in spill blocks given back at the end of each cycle).
 pub fn planned_workspace_config() -> WorkspaceConfig {
     WorkspaceConfig::builder()
         .learning(LearningPolicy::None)
