@@ -4,7 +4,7 @@
 //! a [`WorkspaceConfig`], enters them and allocates in them. Two test binaries include this
 //! file with `#[path]` and instantiate the table with [`policy_suite!`]:
 //!
-//! - `workspace-core/tests/policies.rs`: host RAM (`Location::Ram`), anonymous mmap
+//! - `workspace-core/tests/integration/policies.rs`: host RAM (`Location::Ram`), anonymous mmap
 //!   (`Location::MmapAnonymous`), and host RAM workspaces that are members of a plan
 //!   group, each cycle an iteration of its own (recorded: the member allocates as an
 //!   unplanned workspace of its configuration, and must give the same outcomes);

@@ -9,9 +9,7 @@ use std::collections::HashMap;
 
 use workspace_core::plan::{Event, Placed, Plan, PlanCache, Replay, Trace};
 
-#[path = "common/random.rs"]
-mod random;
-use random::{cases, Rng};
+use crate::common::random::{cases, Rng};
 
 /// A random iteration: allocations in up to 5 owners (role cycles) and closes of
 /// owners, every owner closed by the end.

@@ -10,10 +10,7 @@ use workspace_core::{
     WorkspaceArrayExt, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceManager, WorkspaceStats,
 };
 
-#[path = "common/policy_suite.rs"]
-mod policy_suite;
-
-use policy_suite::Target;
+use crate::policy_suite::Target;
 
 /// Host workspaces in one location: `Location::Ram` or `Location::MmapAnonymous`.
 struct Host {
@@ -161,12 +158,12 @@ impl Target for Host {
 
 /// The policy table on host RAM.
 mod ram {
-    crate::policy_suite::policy_suite!(crate::on_ram, crate::Host, learning);
+    crate::policy_suite::policy_suite!(crate::policies::on_ram, crate::policies::Host, learning);
 }
 
 /// The policy table on anonymous mmap: the tests that need no learning.
 mod mmap_anon {
-    crate::policy_suite::policy_suite!(crate::on_mmap_anon, crate::Host, fixed);
+    crate::policy_suite::policy_suite!(crate::policies::on_mmap_anon, crate::policies::Host, fixed);
 }
 
 /// Host RAM workspaces that are members of a plan group of their own, every cycle an
@@ -345,7 +342,7 @@ impl Target for Member {
 
 /// The policy table on plan group members, each cycle recorded.
 mod member {
-    crate::policy_suite::policy_suite!(crate::on_member, crate::Member, member);
+    crate::policy_suite::policy_suite!(crate::policies::on_member, crate::policies::Member, member);
 }
 
 fn ws(config: WorkspaceConfig) -> Workspace {

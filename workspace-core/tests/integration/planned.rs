@@ -13,12 +13,8 @@ use std::rc::Rc;
 use workspace_core::planned::PlanGroup;
 use workspace_core::{Error, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig};
 
-mod common {
-    pub(crate) mod program;
-    pub(crate) mod random;
-}
-use common::program::{program, run, variants};
-use common::random::{cases, Rng};
+use crate::common::program::{program, run, variants};
+use crate::common::random::{cases, Rng};
 
 /// Every other member has an arena of its own (which serves it between iterations).
 fn member_config(i: usize) -> WorkspaceConfig {

@@ -2,7 +2,7 @@
 //! sequence arrive intact, with their masks, through the ring's growth, over several
 //! epochs, with the producer on its own thread and inline; and an LSTM trains from them.
 
-#[path = "../examples/common/vowels.rs"]
+#[path = "../../examples/common/vowels.rs"]
 mod vowels;
 
 use carve::async_iter::{Prefetcher, Sequences, Threading};
