@@ -220,7 +220,10 @@ impl<B: ArenaBackend> Engine<B> {
                 // or one in its own arena): nothing spilled, no frame, no learning left,
                 // no debug mode, timeline, recording or refused growth. What the rest of
                 // this function does then: count the cycle and reset.
-                let in_use = self.open_bytes();
+                // (`open_bytes` with the window closed: the own arena's bytes, from 0 in a
+                // workspace that resets at each cycle's end, and the windows'.)
+                debug_assert_eq!(self.open_start.get(), 0, "a member resets at each cycle's end");
+                let in_use = self.cursor.get() + self.window_bytes();
                 self.count_cycle(in_use, align_up(in_use, self.min_align).unwrap_or(usize::MAX));
                 self.cursor.set(0);
                 self.fast_limit.set(0);

@@ -349,6 +349,7 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// Bytes handed out from windows in this cycle (less those of frames that closed).
+    #[inline]
     pub(super) fn window_bytes(&self) -> usize {
         let open = if self.window.end.get() > 0 { self.cursor.get() - self.window.start.get() } else { 0 };
         self.window.used.get() + open

@@ -106,7 +106,7 @@ impl<B: ArenaBackend> GroupState<B> {
     /// An event of a member: recorded while recording; while replaying, a close is
     /// checked against the plan's next step (an allocation's run was checked when its
     /// window was lent).
-    #[inline]
+    #[inline(always)]
     pub(super) fn step(&mut self, event: Event) {
         match self.mode {
             Mode::Recording => {
