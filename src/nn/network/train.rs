@@ -261,28 +261,15 @@ impl Network {
     }
 }
 
-/// Runs `work` as an iteration of `group` for a batch of `key`: its value, and whether
-/// it ran on its plan to the end. An arena that cannot grow to the key's plan leaves the
-/// iteration running off the plan (from the members' own blocks), which it can; the
-/// next iteration of the key tries again. Work that fails is abandoned (no plan is made
-/// from it, and it spoils none).
+/// Runs `work` as an iteration of `group` for a batch of `key`
+/// ([`PlanGroup::iteration`](workspace_core::planned::PlanGroup::iteration)): its value,
+/// and whether it ran on its plan to the end.
 pub(super) fn planned_iteration<R>(
     group: &workspace_core::planned::PlanGroup,
     key: u64,
     work: impl FnOnce() -> Result<R>,
 ) -> Result<(R, bool)> {
-    match group.start_iteration(key) {
-        Ok(()) | Err(workspace_core::Error::Backend { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
-    // Every scope of the work has closed when it returns, whatever it returned.
-    match work() {
-        Ok(value) => Ok((value, group.finish_iteration()?)),
-        Err(e) => {
-            group.abandon_iteration()?;
-            Err(e)
-        }
-    }
+    group.iteration(key, work)
 }
 
 /// The key of an iteration's plan: what decides which arrays it allocates (a hint;

@@ -267,6 +267,62 @@ impl PlanGroup {
         Ok(())
     }
 
+    /// Runs `work` as one iteration of shape `key`: started ([`PlanGroup::start_iteration`]),
+    /// then finished when `work` returns `Ok` ([`PlanGroup::finish_iteration`]), and
+    /// abandoned when it returns `Err` or panics ([`PlanGroup::abandon_iteration`]: no
+    /// plan is made from failed work, and it spoils none). Returns the work's value and
+    /// whether the iteration ran on its plan to the end.
+    ///
+    /// An arena that cannot grow to the key's plan does not stop the work: the iteration
+    /// runs off the plan, from the members' own blocks, the refusal counted in
+    /// [`PlannedStats::failed_growths`]; a later iteration of the key asks again.
+    ///
+    /// ```
+    /// use workspace_core::{planned::PlanGroup, LearningPolicy, SpillPolicy, WorkspaceConfig};
+    ///
+    /// let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+    /// let group = PlanGroup::new("STEP");
+    /// let act = group.workspace("ACT", &config)?;
+    /// for _ in 0..3 {
+    ///     let (sum, _on_plan) = group.iteration(16, || {
+    ///         let scope = act.enter()?;
+    ///         let x = scope.filled::<f32, _>(16, 0.5)?;
+    ///         Ok::<_, workspace_core::Error>(x.sum())
+    ///     })?;
+    ///     assert_eq!(sum, 8.0);
+    /// }
+    /// assert_eq!((group.stats().recorded_iterations, group.stats().planned_iterations), (1, 2));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// `work`'s error; [`Error::InvalidInput`] when called from inside a member's
+    /// allocation.
+    pub fn iteration<R, E: From<Error>>(
+        &self,
+        key: u64,
+        work: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<(R, bool), E> {
+        match self.start_iteration(key) {
+            Ok(()) | Err(Error::Backend { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        /// Abandons the iteration unless it finished (work that failed or panicked).
+        struct Open<'g>(Option<&'g PlanGroup>);
+        impl Drop for Open<'_> {
+            fn drop(&mut self) {
+                if let Some(group) = self.0 {
+                    let _ = group.abandon_iteration();
+                }
+            }
+        }
+        let mut open = Open(Some(self));
+        let value = work()?;
+        open.0 = None;
+        Ok((value, self.finish_iteration()?))
+    }
+
     /// Makes the group's arena at least `bytes` long now, as
     /// [`WorkspaceConfig`]'s initial size does for a workspace: plans up to that size
     /// then need no growth, and an arena of a huge page or more is backed by huge pages

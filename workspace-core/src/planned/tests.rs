@@ -195,3 +195,34 @@ fn a_recording_lends_nothing_while_a_cycle_holds_a_window_of_the_last_iteration(
     group.finish_iteration().unwrap();
     drop(held);
 }
+
+#[test]
+fn an_iteration_whose_work_fails_or_panics_is_abandoned_and_plans_nothing() {
+    let group = PlanGroup::new("G");
+    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build();
+    let ws = group.workspace("A", &config.unwrap()).unwrap();
+    let step = |n: usize| -> Result<f32> {
+        let s = ws.enter()?;
+        Ok(s.filled::<f32, _>(n, 1.0)?.sum())
+    };
+    // Work that fails after allocating: abandoned, so its partial recording is no plan.
+    let failed = group.iteration(1, || {
+        step(64)?;
+        Err::<(), Error>(Error::InvalidInput("the work failed".into()))
+    });
+    assert!(matches!(failed, Err(Error::InvalidInput(_))));
+    // Work that panics: abandoned as it unwinds.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = group.iteration(1, || -> Result<()> {
+            step(64)?;
+            panic!("the work panicked");
+        });
+    }));
+    assert!(panicked.is_err());
+    let stats = group.stats();
+    assert_eq!((stats.abandoned_iterations, stats.plans, stats.recorded_iterations), (2, 0, 0));
+    // The key's iterations then record once and replay.
+    let runs: Vec<(f32, bool)> = (0..3).map(|_| group.iteration(1, || step(64)).unwrap()).collect();
+    assert_eq!(runs, vec![(64.0, false), (64.0, true), (64.0, true)]);
+    assert_eq!((group.stats().plans, group.stats().divergences), (1, 0));
+}
