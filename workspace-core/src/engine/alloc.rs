@@ -235,6 +235,12 @@ impl<B: ArenaBackend> Engine<B> {
                 return Ok((base, offset));
             }
         }
+        self.debug_block(size, align)
+    }
+
+    /// Under a debug mode: a block of its own for a request that the accounting places
+    /// in the arena or a window (released at the reset, as their contents are).
+    pub(super) fn debug_block(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
         let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
         let base = block.base();
         self.debug.blocks.borrow_mut().push(block);
@@ -374,31 +380,32 @@ impl<B: ArenaBackend> Engine<B> {
                 // A lent chunk holds the request alone: the lender packs what the cycles of
                 // an iteration hold at once, where a doubling chunk would take its room.
                 let lent = if reserved.is_none() { self.lend_spill(size, align) } else { None };
-                if let Some(lent) = lent {
+                // The chunk: its base, the request's offset in it, its length and end,
+                // the alignment of its base.
+                let (base, start, len, end, base_align) = match lent {
                     // A chunk the member lends: counted as a spill block, never released
                     // to the backend (the member takes it back at the cycle's end).
-                    self.spill.held.set(self.spill.held.get() + (lent.end - lent.start));
-                    self.spill.base.set(Some(lent.base));
-                    self.spill.align.set(lent.base_align);
-                    self.spill.cursor.set(lent.start + size);
-                    self.spill.limit.set(lent.end);
-                    (lent.base, lent.start)
-                } else {
-                    let block = match reserved {
-                        Some(block) => block,
-                        None => {
-                            self.backend.borrow_mut().allocate_spill(chunk, align).map_err(|e| self.backend_error(e))?
-                        }
-                    };
-                    let base = block.base();
-                    self.spill.held.set(self.spill.held.get() + block.len());
-                    self.spill.base.set(Some(base));
-                    self.spill.align.set(align);
-                    self.spill.cursor.set(size);
-                    self.spill.limit.set(block.len());
-                    self.spill.blocks.borrow_mut().push(block);
-                    (base, 0)
-                }
+                    Some(lent) => (lent.base, lent.start, lent.end - lent.start, lent.end, lent.base_align),
+                    None => {
+                        let block = match reserved {
+                            Some(block) => block,
+                            None => self
+                                .backend
+                                .borrow_mut()
+                                .allocate_spill(chunk, align)
+                                .map_err(|e| self.backend_error(e))?,
+                        };
+                        let (base, len) = (block.base(), block.len());
+                        self.spill.blocks.borrow_mut().push(block);
+                        (base, 0, len, len, align)
+                    }
+                };
+                self.spill.held.set(self.spill.held.get() + len);
+                self.spill.base.set(Some(base));
+                self.spill.align.set(base_align);
+                self.spill.cursor.set(start + size);
+                self.spill.limit.set(end);
+                (base, start)
             }
         };
         self.start_virtual();

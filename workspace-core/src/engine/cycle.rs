@@ -183,13 +183,6 @@ impl<B: ArenaBackend> Engine<B> {
             }
             return;
         }
-        self.close_cycle_slow();
-    }
-
-    /// The end of a cycle that the plain close does not serve.
-    #[cold]
-    #[inline(never)]
-    fn close_cycle_slow(&self) {
         self.close_cycle_general();
     }
 
@@ -200,14 +193,12 @@ impl<B: ArenaBackend> Engine<B> {
         self.counters.last_cycle_bytes.set(bytes);
     }
 
+    /// The end of a cycle that the plain close does not serve.
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        if self.recording.get() {
-            if let Some(recorder) = self.recorder.borrow().as_ref() {
-                recorder.event(crate::plan::Event::Close { owner: self.owner() });
-            }
-        }
+        // (A member hears of the close from `close_grouped`.)
+        self.record(crate::plan::Event::Close { owner: self.owner() });
         if self.grouped.get() {
             // The member is told of the close and given its windows back in one call.
             self.close_grouped();

@@ -10,7 +10,7 @@
 
 use super::member::{Base, Lent, Member, Miss, Opened};
 use super::{align_up, Engine};
-use crate::backend::{ArenaBackend, Block};
+use crate::backend::ArenaBackend;
 use crate::config::ResetPolicy;
 use crate::error::{Error, Result};
 use crate::figures::PlannedStats;
@@ -156,14 +156,19 @@ impl<B: ArenaBackend> Engine<B> {
     /// Tells the members (the recorder, then the group) of `event`: each event is
     /// emitted here, once.
     pub(super) fn emit(&self, event: Event) {
-        if self.recording.get() {
-            if let Some(recorder) = self.recorder.borrow().as_ref() {
-                recorder.event(event);
-            }
-        }
+        self.record(event);
         if self.grouped.get() {
             if let Some(member) = self.member.borrow().as_ref() {
                 member.event(event);
+            }
+        }
+    }
+
+    /// Tells the recorder, if one is set, of `event`.
+    pub(super) fn record(&self, event: Event) {
+        if self.recording.get() {
+            if let Some(recorder) = self.recorder.borrow().as_ref() {
+                recorder.event(event);
             }
         }
     }
@@ -240,12 +245,7 @@ impl<B: ArenaBackend> Engine<B> {
         let placed = if self.debug.on.get() {
             // Under a debug mode the memory comes from a block of its own; the plan's
             // accounting runs as without it.
-            let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
-            let base = block.base();
-            self.debug.blocks.borrow_mut().push(block);
-            self.counters.bytes_spilled.set(self.counters.bytes_spilled.get() + size as u64);
-            self.counters.external_allocations.set(self.counters.external_allocations.get() + 1);
-            (base, 0)
+            self.debug_block(size, align)?
         } else {
             let base = self.window.base.get().expect("an open window has the lent block's base");
             (base, start)
