@@ -6,38 +6,13 @@
 //! (a nested `cargo build`, so that the binaries run are the current source); no test
 //! runs an example's workload.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 
-const EXAMPLES: [&str; 5] = ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences"];
-
-/// The examples' directory, after building them once per test process.
-fn examples_dir() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        // This test runs from target/<profile>/deps; examples go to
-        // target/<profile>/examples.
-        let exe = std::env::current_exe().expect("the test's own path");
-        let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
-        let target_dir = profile_dir.parent().expect("target/<profile>");
-        let mut cargo = Command::new(env!("CARGO"));
-        cargo.args(["build", "--quiet"]);
-        for example in EXAMPLES {
-            cargo.args(["--example", example]);
-        }
-        cargo.arg("--target-dir").arg(target_dir);
-        if profile_dir.file_name().is_some_and(|name| name == "release") {
-            cargo.arg("--release");
-        }
-        let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
-        assert!(status.success(), "building the examples failed: {status}");
-        profile_dir.join("examples")
-    })
-}
+pub(crate) const EXAMPLES: [&str; 5] =
+    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences"];
 
 fn example(name: &str) -> Command {
-    Command::new(examples_dir().join(format!("{name}{}", std::env::consts::EXE_SUFFIX)))
+    Command::new(crate::example_binary(name))
 }
 
 fn run(name: &str, args: &[&str]) -> Output {

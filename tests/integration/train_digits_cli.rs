@@ -6,31 +6,15 @@
 //! `cargo build`, so that the binary run is the current source) and run for two or three
 //! epochs.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// The demo's binary, built once per test process.
-fn demo() -> &'static Path {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        // This test runs from target/<profile>/deps; the example goes to
-        // target/<profile>/examples.
-        let exe = std::env::current_exe().expect("the test's own path");
-        let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
-        let target_dir = profile_dir.parent().expect("target/<profile>");
-        let mut cargo = Command::new(env!("CARGO"));
-        cargo.args(["build", "--quiet", "--example", "train_digits", "--target-dir"]).arg(target_dir);
-        if profile_dir.file_name().is_some_and(|name| name == "release") {
-            cargo.arg("--release");
-        }
-        let status = cargo.current_dir(env!("CARGO_MANIFEST_DIR")).status().expect("cargo runs");
-        assert!(status.success(), "building examples/train_digits failed: {status}");
-        profile_dir.join("examples").join(format!("train_digits{}", std::env::consts::EXE_SUFFIX))
-    })
+/// The demo's binary (built once per test process, with the other examples).
+fn demo() -> PathBuf {
+    crate::example_binary("train_digits")
 }
 
 fn run(args: &[&str]) -> Output {
