@@ -171,7 +171,7 @@ struct Trace {
     capacity_final: usize,
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
     producer_allocs: Vec<u64>,
-    plan: Option<carve::nn::MemoryPlan>,
+    plan: Option<carve::nn::PlannedStats>,
     /// Planned mode: plans made (one per batch shape, and one per re-plan), the arena's
     /// bytes and the lower bound of the plan that sized it (the largest).
     plans: Option<(u64, usize, usize)>,
@@ -370,13 +370,13 @@ fn run(args: &Args) -> Res<()> {
             // One recorded iteration (the second): its roles laid out per role, one arena
             // planned from its lifetimes, the bytes live at once; planned, the plan of the
             // last batch, re-plans and divergences (0 in the other modes).
-            "per_role_bytes": t.plan.map(|p| p.per_role_bytes),
-            "plan_bytes": t.plan.map(|p| p.plan_bytes),
-            "lower_bound_bytes": t.plan.map(|p| p.lower_bound_bytes),
-            "plan_to_bound": t.plan.map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
-            "planning_us": t.plan.map(|p| p.planning_us),
-            "replans": t.plan.map(|p| p.replans),
-            "divergences": t.plan.map(|p| p.divergences),
+            "per_role_bytes": t.plan.as_ref().map(|p| p.per_role_bytes),
+            "plan_bytes": t.plan.as_ref().map(|p| p.plan_bytes),
+            "lower_bound_bytes": t.plan.as_ref().map(|p| p.lower_bound_bytes),
+            "plan_to_bound": t.plan.as_ref().map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
+            "planning_us": t.plan.as_ref().map(|p| p.planning_us),
+            "replans": t.plan.as_ref().map(|p| p.replans),
+            "divergences": t.plan.as_ref().map(|p| p.divergences),
             "plans": t.plans.map(|p| p.0),
             "arena_bytes": t.plans.map(|p| p.1),
             "arena_lower_bound_bytes": t.plans.map(|p| p.2),

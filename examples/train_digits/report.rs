@@ -35,7 +35,7 @@ pub(crate) struct Summary {
     pub(crate) test_accuracy_per_epoch: Vec<f64>,
     pub(crate) prefetch: PrefetchStats,
     /// The memory plan of iteration 2 (workspaces enabled).
-    pub(crate) plan: Option<carve::nn::MemoryPlan>,
+    pub(crate) plan: Option<carve::nn::PlannedStats>,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -131,13 +131,13 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         // One recorded iteration: its roles laid out per role, one arena planned from
         // its lifetimes, and the bytes live at once; planned, the plan it trains on,
         // re-plans and divergences (0 in the other modes).
-        "per_role_bytes": s.plan.map(|p| p.per_role_bytes),
-        "plan_bytes": s.plan.map(|p| p.plan_bytes),
-        "lower_bound_bytes": s.plan.map(|p| p.lower_bound_bytes),
-        "plan_to_bound": s.plan.map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
-        "planning_us": s.plan.map(|p| p.planning_us),
-        "replans": s.plan.map(|p| p.replans),
-        "divergences": s.plan.map(|p| p.divergences),
+        "per_role_bytes": s.plan.as_ref().map(|p| p.per_role_bytes),
+        "plan_bytes": s.plan.as_ref().map(|p| p.plan_bytes),
+        "lower_bound_bytes": s.plan.as_ref().map(|p| p.lower_bound_bytes),
+        "plan_to_bound": s.plan.as_ref().map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
+        "planning_us": s.plan.as_ref().map(|p| p.planning_us),
+        "replans": s.plan.as_ref().map(|p| p.replans),
+        "divergences": s.plan.as_ref().map(|p| p.divergences),
     })
 }
 

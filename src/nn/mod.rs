@@ -14,7 +14,7 @@
 //!   matrix of rows or a batch of padded sequences with its mask.
 //! - Workspace modes: `Enabled` gives each array role a learned arena; `Planned` serves
 //!   the roles of an iteration from one arena planned per batch shape from a recorded
-//!   iteration ([`planned_workspace_config`], [`MemoryPlan`], [`Network::plan_stats`]);
+//!   iteration ([`planned_workspace_config`], [`PlannedStats`], [`Network::plan_stats`]);
 //!   `None` allocates every array on the heap.
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
@@ -47,10 +47,10 @@ pub use layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{
-    names, planned_workspace_config, workspace_config, Input, Labels, MemoryPlan, Network, NetworkConfig,
-    NetworkConfigBuilder,
+    names, planned_workspace_config, workspace_config, Input, Labels, Network, NetworkConfig, NetworkConfigBuilder,
 };
 pub use pool::{LastStep, MaskedMean};
 pub use relu::Relu;
 pub use rng::Rng;
 pub use updater::Updater;
+pub use workspace_core::planned::PlannedStats;

@@ -1,6 +1,5 @@
 //! Planned memory: offsets in one arena for every allocation of an iteration, planned
-//! from the lifetimes one recorded iteration shows, and the replay that checks later
-//! iterations against the plan.
+//! from the lifetimes one recorded iteration shows.
 //!
 //! An iteration is a sequence of [`Event`]s: allocations, each made in an *owner* (the
 //! cycle of a role workspace, or a frame inside it), and closes of owners. Everything an
@@ -15,16 +14,15 @@
 //!   orders, as TensorFlow Lite's arena planner and XLA's heap simulator do) and keeps
 //!   the smallest result; [`Plan::check`] verifies that no two allocations live at the
 //!   same time share a byte.
-//! - [`Replay`] serves a later iteration from a plan: each allocation in O(1) at its
-//!   planned offset while the events match the recording exactly; from the first event
-//!   that does not, every allocation goes *above* the plan (into bytes no planned
-//!   allocation uses), so an iteration that differs from the recording can never be
-//!   handed bytes that a live allocation holds.
-//! - [`PlanCache`] keeps a bounded number of plans for iterations of different shapes,
-//!   each found by a key the caller gives and verified event by event while replaying.
+//! - [`crate::planned::PlanGroup`] serves later iterations from plans: each allocation at
+//!   its planned offset while the iteration matches its recording, and off the plan from
+//!   the first event that does not, so an iteration that differs from the recording can
+//!   never be handed bytes that a live allocation holds.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+use crate::figures::PlannedStats;
 
 /// `value` rounded up to a multiple of `align` (any alignment, 0 taken as 1), saturating.
 #[inline]
@@ -548,6 +546,26 @@ impl Plan {
         &self.events
     }
 
+    /// The plan's figures, as a plan group reports its plans ([`PlannedStats`]): one
+    /// recording, one plan, named `name`. What a network reports for an iteration it
+    /// recorded without training planned.
+    pub fn stats(&self, name: &str) -> PlannedStats {
+        PlannedStats {
+            name: name.to_string(),
+            arena_bytes: self.bytes,
+            arena_lower_bound_bytes: self.lower_bound,
+            plan_bytes: self.bytes,
+            lower_bound_bytes: self.lower_bound,
+            plan_to_bound: self.bytes as f64 / self.lower_bound.max(1) as f64,
+            per_role_bytes: Layout::default().lay_out(&self.events),
+            allocations: self.events.iter().filter(|e| matches!(e, Event::Alloc { .. })).count(),
+            planning_us: self.planning.as_micros() as u64,
+            plans: 1,
+            recorded_iterations: 1,
+            ..PlannedStats::default()
+        }
+    }
+
     /// The offset planned for the allocation at event position `index`.
     pub fn offset(&self, index: usize) -> Option<usize> {
         self.offsets.get(index).copied().filter(|&o| o != usize::MAX)
@@ -903,155 +921,6 @@ impl<'l> Placer<'l> {
     }
 }
 
-/// Where [`Replay`] put one allocation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placed {
-    /// At its planned offset.
-    Planned(usize),
-    /// Above the plan (the iteration diverged from it), at this offset.
-    Above(usize),
-}
-
-impl Placed {
-    /// The offset, planned or not.
-    pub fn offset(self) -> usize {
-        match self {
-            Placed::Planned(o) | Placed::Above(o) => o,
-        }
-    }
-}
-
-/// A later iteration served from a plan; see the module docs.
-#[derive(Debug)]
-pub struct Replay<'p> {
-    plan: &'p Plan,
-    next: usize,
-    /// Set at the first event that differs from the plan's.
-    diverged_at: Option<usize>,
-    /// Next free offset above the plan.
-    above: usize,
-}
-
-impl<'p> Replay<'p> {
-    /// Starts replaying `plan`.
-    pub fn new(plan: &'p Plan) -> Replay<'p> {
-        Replay { plan, next: 0, diverged_at: None, above: plan.bytes }
-    }
-
-    /// An allocation of `bytes` bytes aligned to `align` in `owner`: at its planned
-    /// offset when the iteration has matched the plan so far and this event is the
-    /// plan's next (same owner and alignment, no more bytes than planned); otherwise
-    /// above the plan, and every later allocation of the iteration too.
-    pub fn alloc(&mut self, owner: u64, bytes: usize, align: usize) -> Placed {
-        if self.diverged_at.is_none() {
-            if let Some(&Event::Alloc { owner: o, bytes: b, align: a }) = self.plan.events.get(self.next) {
-                if o == owner && a == align && bytes <= b {
-                    let offset = self.plan.offsets[self.next];
-                    self.next += 1;
-                    return Placed::Planned(offset);
-                }
-            }
-            self.diverged_at = Some(self.next);
-        }
-        let at = align_up(self.above, align.max(1)).unwrap_or(usize::MAX);
-        self.above = at.saturating_add(bytes);
-        Placed::Above(at)
-    }
-
-    /// `owner` closed.
-    pub fn close(&mut self, owner: u64) {
-        if self.diverged_at.is_none() {
-            if self.plan.events.get(self.next) == Some(&Event::Close { owner }) {
-                self.next += 1;
-            } else {
-                self.diverged_at = Some(self.next);
-            }
-        }
-    }
-
-    /// Whether every event so far matched the plan's.
-    pub fn on_plan(&self) -> bool {
-        self.diverged_at.is_none()
-    }
-
-    /// Ends the iteration: `true` when it was the plan's exactly (every event, in
-    /// order, none missing), `false` when it diverged (it should be recorded again).
-    pub fn finish(self) -> bool {
-        self.diverged_at.is_none() && self.next == self.plan.events.len()
-    }
-
-    /// The arena bytes this iteration reached (the plan's, plus what went above it).
-    pub fn high_water(&self) -> usize {
-        self.above
-    }
-}
-
-/// A bounded set of plans for iterations of different shapes, each under a key the
-/// caller gives (a batch's shape, say). A plan is found by its key and then verified
-/// event by event while it is replayed ([`Replay`]), so two iterations whose keys
-/// collide can never share a plan by accident: the second diverges and is recorded
-/// again. The arena is sized to the largest plan. The least recently used plan makes
-/// room for a new one.
-#[derive(Debug)]
-pub struct PlanCache {
-    capacity: usize,
-    plans: Vec<(u64, Plan, u64)>,
-    clock: u64,
-    evictions: u64,
-}
-
-impl PlanCache {
-    /// A cache of at most `capacity` plans (at least 1).
-    pub fn new(capacity: usize) -> PlanCache {
-        PlanCache { capacity: capacity.max(1), plans: Vec::new(), clock: 0, evictions: 0 }
-    }
-
-    /// The plan recorded under `key`, if any.
-    pub fn get(&mut self, key: u64) -> Option<&Plan> {
-        self.clock += 1;
-        let clock = self.clock;
-        let entry = self.plans.iter_mut().find(|(k, ..)| *k == key)?;
-        entry.2 = clock;
-        Some(&entry.1)
-    }
-
-    /// Keeps `plan` under `key`, replacing the one there or, when full, the least
-    /// recently used.
-    pub fn insert(&mut self, key: u64, plan: Plan) {
-        self.clock += 1;
-        if let Some(entry) = self.plans.iter_mut().find(|(k, ..)| *k == key) {
-            *entry = (key, plan, self.clock);
-            return;
-        }
-        if self.plans.len() == self.capacity {
-            let oldest = (0..self.plans.len()).min_by_key(|&i| self.plans[i].2).expect("a full cache is not empty");
-            self.plans.swap_remove(oldest);
-            self.evictions += 1;
-        }
-        self.plans.push((key, plan, self.clock));
-    }
-
-    /// Plans held.
-    pub fn len(&self) -> usize {
-        self.plans.len()
-    }
-
-    /// Whether no plan is held.
-    pub fn is_empty(&self) -> bool {
-        self.plans.is_empty()
-    }
-
-    /// Plans dropped to make room.
-    pub fn evictions(&self) -> u64 {
-        self.evictions
-    }
-
-    /// The arena every plan fits in: the largest plan's bytes.
-    pub fn arena_bytes(&self) -> usize {
-        self.plans.iter().map(|(_, p, _)| p.bytes()).max().unwrap_or(0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1083,51 +952,6 @@ mod tests {
         assert!(check_overlaps([(0, 5, 0, 64), (5, 9, 0, 64)].into_iter()).is_ok(), "one after the other");
         assert!(check_overlaps([(0, 5, 0, 64), (4, 9, 63, 128)].into_iter()).is_err());
         assert!(check_overlaps([(0, 5, 0, 64), (1, 2, 64, 128), (3, 9, 0, 1)].into_iter()).is_err());
-    }
-
-    #[test]
-    fn replay_follows_the_plan_and_goes_above_it_from_the_first_difference() {
-        let mut t = Trace::new();
-        for e in [alloc(1, 256), Event::Close { owner: 1 }, alloc(2, 256), Event::Close { owner: 2 }] {
-            t.push(e);
-        }
-        let plan = Plan::new(&t);
-        assert_eq!(plan.bytes(), 256, "the two reuse the same bytes");
-        let mut r = Replay::new(&plan);
-        assert_eq!(r.alloc(1, 200, 64), Placed::Planned(0), "fewer bytes than planned fit");
-        r.close(1);
-        assert_eq!(r.alloc(2, 256, 64), Placed::Planned(0));
-        r.close(2);
-        assert!(r.finish());
-        // The close of owner 1 comes late: owner 2's allocation may not reuse its bytes.
-        let mut r = Replay::new(&plan);
-        assert_eq!(r.alloc(1, 256, 64), Placed::Planned(0));
-        assert_eq!(r.alloc(2, 256, 64), Placed::Above(256));
-        r.close(1);
-        assert_eq!(r.alloc(2, 64, 64), Placed::Above(512), "and everything after");
-        assert!(!r.finish());
-        // More bytes than planned.
-        let mut r = Replay::new(&plan);
-        assert_eq!(r.alloc(1, 320, 64), Placed::Above(256));
-        assert!(!r.finish());
-    }
-
-    #[test]
-    fn the_cache_finds_plans_by_key_and_drops_the_least_recently_used() {
-        let trace = |n: usize| {
-            let mut t = Trace::new();
-            t.push(alloc(1, n));
-            t.push(Event::Close { owner: 1 });
-            t
-        };
-        let mut cache = PlanCache::new(2);
-        cache.insert(10, Plan::new(&trace(64)));
-        cache.insert(20, Plan::new(&trace(128)));
-        assert!(cache.get(10).is_some());
-        cache.insert(30, Plan::new(&trace(192)));
-        assert_eq!(cache.evictions(), 1);
-        assert!(cache.get(20).is_none(), "20 was the least recently used");
-        assert_eq!((cache.len(), cache.arena_bytes()), (2, 192));
     }
 
     #[test]
@@ -1249,11 +1073,6 @@ mod tests {
         let plan = Plan::new(&t);
         assert_eq!(t.lower_bound(), usize::MAX, "saturates");
         assert!(plan.bytes() >= 1);
-        let mut r = Replay::new(&plan);
-        let _ = r.alloc(1, usize::MAX, 3);
-        let _ = r.alloc(9, usize::MAX, 5);
-        r.close(4);
-        assert!(!r.finish());
         assert_eq!(Plan::new(&Trace::new()).bytes(), 0);
     }
 

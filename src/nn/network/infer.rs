@@ -8,9 +8,10 @@ use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
 
 use crate::{Error, Result};
 
-use super::super::layer::{Activations, ForwardCtx};
-use super::train::{lease_input, lease_labels, planned_iteration, shape_key, standard_input, steps_as_rows, validate};
-use super::{check_labels, Input, Labels, Network};
+use super::super::layer::Activations;
+use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
+use super::train::planned_iteration;
+use super::{check_labels, forward, Input, Labels, Network};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
@@ -36,17 +37,7 @@ impl Network {
         let Network { layers, loss, infer: mgr, .. } = self;
         let act = mgr.enter(ArrayType::Activations)?;
         let x = standard_input(x, &act)?;
-        let mut input = x.activations();
-        for layer in layers.iter_mut() {
-            let working = mgr.enter(ArrayType::FfWorkingMem)?;
-            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: false };
-            let y = match input {
-                Activations::Flat(v) => Activations::Flat(layer.forward(v, &ctx)?),
-                Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
-            };
-            validate(mgr, layer.name(), y)?;
-            input = y;
-        }
+        let input = forward(layers, mgr, &act, x.activations(), mask, false, |_, _| Ok(()))?;
         // A sequence output (labels per step) gives a row per example and step.
         let logits = match input {
             Activations::Flat(logits) => logits,

@@ -2,19 +2,20 @@
 //! prefetcher, `fit_batch`, `fit_iter`), and inference and evaluation ([`infer`]), with
 //! workspaces laid out as DL4J lays them out.
 
+mod batch;
 mod config;
 mod infer;
 mod train;
 
 use std::sync::{Arc, Mutex};
 
-use ndarray::{ArrayView1, ArrayView2, ArrayView3};
+use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
-use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
+use workspace_core::{ArrayType, LayerWorkspaceMgr, TypedScope, Workspace, WorkspaceMode};
 
 use super::finite;
-use super::layer::Activations;
+use super::layer::{Activations, ForwardCtx};
 
 use crate::{Error, Result};
 
@@ -23,216 +24,10 @@ use super::loss::SoftmaxCrossEntropy;
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
+use batch::{check_labels, check_mask};
+pub use batch::{Input, Labels};
 use config::{inference_mgr, training_mgrs};
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
-
-/// A batch the network is fed: rows `[batch, features]`, or sequences `[batch, time,
-/// features]` with their mask `[batch, time]` (1 where a step holds data, 0 for
-/// padding; `None`: every step holds data), as DL4J's `DataSet` holds them in its
-/// `RNNFormat.NWC` layout. (DL4J's default, NCW, is `[batch, features, time]`: pass
-/// `x.permuted_axes([0, 2, 1])`; sequences in any layout are copied into standard
-/// layout once per batch.)
-///
-/// Every method that takes a batch takes `impl Into<Input>`: a 2-D view, a 3-D view,
-/// or a `(features, mask)` pair.
-///
-/// ```
-/// use carve::nn::Input;
-/// use carve::ndarray::{Array2, Array3};
-///
-/// let rows = Array2::<f32>::zeros((4, 3));
-/// assert!(matches!(Input::from(rows.view()), Input::Flat(_)));
-/// let (x, mask) = (Array3::<f32>::zeros((4, 7, 3)), Array2::<f32>::ones((4, 7)));
-/// assert!(matches!(Input::from((x.view(), mask.view())), Input::Sequences { mask: Some(_), .. }));
-/// ```
-#[derive(Clone, Copy, Debug)]
-pub enum Input<'a> {
-    /// `[batch, features]`.
-    Flat(ArrayView2<'a, f32>),
-    /// `[batch, time, features]` and the mask `[batch, time]`.
-    Sequences {
-        /// The steps' features.
-        features: ArrayView3<'a, f32>,
-        /// 1 where a step holds data, 0 where it is padding.
-        mask: Option<ArrayView2<'a, f32>>,
-    },
-}
-
-impl<'a> Input<'a> {
-    /// Examples in the batch.
-    pub fn rows(&self) -> usize {
-        match self {
-            Input::Flat(x) => x.nrows(),
-            Input::Sequences { features, .. } => features.shape()[0],
-        }
-    }
-
-    /// The same batch, borrowed for as long as `self` is.
-    pub(crate) fn reborrow(&self) -> Input<'_> {
-        match self {
-            Input::Flat(x) => Input::Flat(x.view()),
-            Input::Sequences { features, mask } => {
-                Input::Sequences { features: features.view(), mask: mask.as_ref().map(|m| m.view()) }
-            }
-        }
-    }
-
-    /// The batch as the first layer's input.
-    pub(crate) fn activations(&self) -> Activations<'a> {
-        match *self {
-            Input::Flat(x) => Activations::Flat(x),
-            Input::Sequences { features, .. } => Activations::Sequence(features),
-        }
-    }
-
-    /// The mask (sequences only).
-    pub(crate) fn mask(&self) -> Option<ArrayView2<'a, f32>> {
-        match *self {
-            Input::Flat(_) => None,
-            Input::Sequences { mask, .. } => mask,
-        }
-    }
-
-    /// Rows `range` of the batch.
-    pub(crate) fn rows_slice(&self, range: std::ops::Range<usize>) -> Input<'a> {
-        use ndarray::s;
-        match *self {
-            Input::Flat(x) => Input::Flat(x.slice_move(s![range, ..])),
-            Input::Sequences { features, mask } => Input::Sequences {
-                features: features.slice_move(s![range.clone(), .., ..]),
-                mask: mask.map(|m| m.slice_move(s![range, ..])),
-            },
-        }
-    }
-}
-
-impl<'a> From<ArrayView2<'a, f32>> for Input<'a> {
-    fn from(x: ArrayView2<'a, f32>) -> Input<'a> {
-        Input::Flat(x)
-    }
-}
-
-impl<'a> From<ArrayView3<'a, f32>> for Input<'a> {
-    fn from(features: ArrayView3<'a, f32>) -> Input<'a> {
-        Input::Sequences { features, mask: None }
-    }
-}
-
-impl<'a> From<(ArrayView3<'a, f32>, ArrayView2<'a, f32>)> for Input<'a> {
-    fn from((features, mask): (ArrayView3<'a, f32>, ArrayView2<'a, f32>)) -> Input<'a> {
-        Input::Sequences { features, mask: Some(mask) }
-    }
-}
-
-impl<'a> From<(ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)> for Input<'a> {
-    fn from((features, mask): (ArrayView3<'a, f32>, Option<ArrayView2<'a, f32>>)) -> Input<'a> {
-        Input::Sequences { features, mask }
-    }
-}
-
-/// The labels of a batch: one class per example, or, for a network whose output is a
-/// sequence (recurrent layers without a head), one class per example and step
-/// `[batch, time]`, with a labels mask `[batch, time]` (1 where the step has a label;
-/// `None`: the steps the features mask marks as data), as DL4J's `RnnOutputLayer`
-/// takes them. The loss is then the mean over the labelled steps (DL4J divides by the
-/// number of examples instead, so its gradients differ by the steps per example).
-///
-/// Every method that takes labels takes `impl Into<Labels>`: a 1-D view, a 2-D view,
-/// or a `(labels, mask)` pair.
-#[derive(Clone, Copy, Debug)]
-pub enum Labels<'a> {
-    /// `[batch]`.
-    PerExample(ArrayView1<'a, u32>),
-    /// `[batch, time]` and the mask `[batch, time]`.
-    PerStep {
-        /// The class of each example's step.
-        labels: ArrayView2<'a, u32>,
-        /// 1 where the step has a label, 0 where it does not.
-        mask: Option<ArrayView2<'a, f32>>,
-    },
-}
-
-impl<'a> From<ArrayView1<'a, u32>> for Labels<'a> {
-    fn from(labels: ArrayView1<'a, u32>) -> Labels<'a> {
-        Labels::PerExample(labels)
-    }
-}
-
-impl<'a> From<ArrayView2<'a, u32>> for Labels<'a> {
-    fn from(labels: ArrayView2<'a, u32>) -> Labels<'a> {
-        Labels::PerStep { labels, mask: None }
-    }
-}
-
-impl<'a> From<(ArrayView2<'a, u32>, ArrayView2<'a, f32>)> for Labels<'a> {
-    fn from((labels, mask): (ArrayView2<'a, u32>, ArrayView2<'a, f32>)) -> Labels<'a> {
-        Labels::PerStep { labels, mask: Some(mask) }
-    }
-}
-
-impl<'a> From<(ArrayView2<'a, u32>, Option<ArrayView2<'a, f32>>)> for Labels<'a> {
-    fn from((labels, mask): (ArrayView2<'a, u32>, Option<ArrayView2<'a, f32>>)) -> Labels<'a> {
-        Labels::PerStep { labels, mask }
-    }
-}
-
-impl<'a> Labels<'a> {
-    /// Examples labelled.
-    pub fn rows(&self) -> usize {
-        match self {
-            Labels::PerExample(y) => y.len(),
-            Labels::PerStep { labels, .. } => labels.nrows(),
-        }
-    }
-
-    /// Labels per step without a mask of their own take `mask` (the features mask: a
-    /// padded step has no label), as DL4J hands the features mask to its output layer.
-    pub fn or_mask(self, mask: Option<ArrayView2<'a, f32>>) -> Labels<'a> {
-        match self {
-            Labels::PerStep { labels, mask: None } => Labels::PerStep { labels, mask },
-            other => other,
-        }
-    }
-
-    /// The same labels, borrowed for as long as `self` is.
-    pub(crate) fn reborrow(&self) -> Labels<'_> {
-        match self {
-            Labels::PerExample(y) => Labels::PerExample(y.view()),
-            Labels::PerStep { labels, mask } => {
-                Labels::PerStep { labels: labels.view(), mask: mask.as_ref().map(|m| m.view()) }
-            }
-        }
-    }
-
-    /// Rows `range`.
-    pub(crate) fn rows_slice(&self, range: std::ops::Range<usize>) -> Labels<'a> {
-        use ndarray::s;
-        match *self {
-            Labels::PerExample(y) => Labels::PerExample(y.slice_move(s![range])),
-            Labels::PerStep { labels, mask } => Labels::PerStep {
-                labels: labels.slice_move(s![range.clone(), ..]),
-                mask: mask.map(|m| m.slice_move(s![range, ..])),
-            },
-        }
-    }
-
-    /// As one label per row of the loss's `[rows, classes]` input (example-major for
-    /// per-step labels: row `b · time + t`), with the mask of those rows.
-    pub(crate) fn flat(&self) -> Result<(ArrayView1<'a, u32>, Option<ArrayView1<'a, f32>>)> {
-        match *self {
-            Labels::PerExample(y) => Ok((y, None)),
-            Labels::PerStep { labels, mask } => {
-                let n = labels.len();
-                let not_standard = || {
-                    Error::InvalidInput("per-step labels and their mask must be in standard (row-major) layout".into())
-                };
-                let labels = labels.into_shape_with_order(n).map_err(|_| not_standard())?;
-                let mask = mask.map(|m| m.into_shape_with_order(n).map_err(|_| not_standard())).transpose()?;
-                Ok((labels, mask))
-            }
-        }
-    }
-}
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -259,29 +54,8 @@ pub struct Network {
     last_workspace_bytes: usize,
     /// Whether the next training iteration is recorded for a memory plan.
     record_next: bool,
-    memory_plan: Option<MemoryPlan>,
+    memory_plan: Option<PlannedStats>,
     recorded: Option<Trace>,
-}
-
-/// What one recorded training iteration says about memory: the bytes its role
-/// workspaces take laid out per role, the bytes one arena planned from its lifetimes
-/// would take, and the physical minimum (see [`workspace_core::plan`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MemoryPlan {
-    /// Allocations in the iteration.
-    pub allocations: usize,
-    /// Each role workspace's peak in the iteration, summed (the per-role layout).
-    pub per_role_bytes: usize,
-    /// The planned arena.
-    pub plan_bytes: usize,
-    /// The most bytes live at one moment.
-    pub lower_bound_bytes: usize,
-    /// Planning time, in microseconds.
-    pub planning_us: u64,
-    /// Plans made again after a divergence (planned networks; 0 otherwise).
-    pub replans: u64,
-    /// Iterations that left their plan (planned networks; 0 otherwise).
-    pub divergences: u64,
 }
 
 impl std::fmt::Debug for Network {
@@ -407,20 +181,15 @@ impl Network {
     }
 
     /// What the last recorded iteration says about memory (see
-    /// [`Network::record_next_iteration`]); for a planned network
-    /// ([`WorkspaceMode::Planned`]), the figures of the plan it trains on.
-    pub fn memory_plan(&self) -> Option<MemoryPlan> {
+    /// [`Network::record_next_iteration`]): the bytes its role workspaces take laid out
+    /// per role, the bytes one arena planned from its lifetimes takes, and the lower
+    /// bound, in the figures a plan group reports ([`PlannedStats`], named
+    /// `"training"`, one plan). For a planned network ([`WorkspaceMode::Planned`]), the
+    /// figures of the plan group it trains on ([`Network::plan_stats`]).
+    pub fn memory_plan(&self) -> Option<PlannedStats> {
         match self.plan_stats() {
-            Some(s) if s.plans > 0 => Some(MemoryPlan {
-                allocations: s.allocations,
-                per_role_bytes: s.per_role_bytes,
-                plan_bytes: s.plan_bytes,
-                lower_bound_bytes: s.lower_bound_bytes,
-                planning_us: s.planning_us,
-                replans: s.replans,
-                divergences: s.divergences,
-            }),
-            _ => self.memory_plan,
+            Some(s) if s.plans > 0 => Some(s),
+            _ => self.memory_plan.clone(),
         }
     }
 
@@ -508,60 +277,38 @@ impl Network {
     }
 }
 
-/// Checks `labels` against the batch `x`: one per row, or per step of sequences with a
-/// labels mask of their shape holding 0 and 1 only.
-fn check_labels(x: &Input<'_>, labels: &Labels<'_>) -> Result<()> {
-    match labels {
-        Labels::PerExample(labels) => check_label_count(x.rows(), labels),
-        Labels::PerStep { labels, mask } => {
-            let Input::Sequences { features, .. } = x else {
-                return Err(Error::InvalidInput(
-                    "labels per step [batch, time] need a batch of sequences [batch, time, features]".into(),
-                ));
-            };
-            let steps = (x.rows(), features.shape()[1]);
-            if labels.dim() != steps {
-                return Err(Error::ShapeMismatch {
-                    context: "labels per step [batch, time]".to_string(),
-                    expected: vec![steps.0, steps.1],
-                    actual: labels.shape().to_vec(),
-                });
-            }
-            match mask {
-                Some(mask) => check_mask(mask, steps, "labels", "a step has a label and 0 where it has none"),
-                None => Ok(()),
-            }
-        }
+/// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
+/// each layer's output checked to be in the activations workspace and handed to `each`
+/// with the layer's name; returns the last layer's output. Training and inference run
+/// this one loop.
+fn forward<'s>(
+    layers: &mut [Box<dyn Layer>],
+    mgr: &LayerWorkspaceMgr,
+    act: &'s TypedScope,
+    mut input: Activations<'s>,
+    mask: Option<ArrayView2<'s, f32>>,
+    training: bool,
+    mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
+) -> Result<Activations<'s>> {
+    for layer in layers.iter_mut() {
+        let working = mgr.enter(ArrayType::FfWorkingMem)?;
+        let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
+        let y = match input {
+            Activations::Flat(v) => Activations::Flat(layer.forward(v, &ctx)?),
+            Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
+        };
+        validate(mgr, layer.name(), y)?;
+        each(layer.name(), y)?;
+        input = y;
     }
+    Ok(input)
 }
 
-/// Checks that the `what` mask is shaped `dims` (`[batch, time]`) and holds only 0 and
-/// 1 (1 where `meaning`).
-fn check_mask(mask: &ArrayView2<'_, f32>, dims: (usize, usize), what: &str, meaning: &str) -> Result<()> {
-    if mask.dim() != dims {
-        return Err(Error::ShapeMismatch {
-            context: format!("{what} mask [batch, time]"),
-            expected: vec![dims.0, dims.1],
-            actual: mask.shape().to_vec(),
-        });
-    }
-    // A value repeated along an axis (a broadcast mask) is looked at once, at its first index.
-    if let Some(((r, t), &v)) = finite::distinct(mask.view()).indexed_iter().find(|(_, &v)| v != 0.0 && v != 1.0) {
-        return Err(Error::InvalidInput(format!(
-            "the {what} mask holds {v} at sequence {r}, step {t}: a mask holds 1 where {meaning}"
-        )));
-    }
-    Ok(())
-}
-
-/// One label per input row.
-pub(super) fn check_label_count(rows: usize, labels: &ArrayView1<'_, u32>) -> Result<()> {
-    if labels.len() != rows {
-        return Err(Error::ShapeMismatch {
-            context: "labels (one per input row)".to_string(),
-            expected: vec![rows],
-            actual: vec![labels.len()],
-        });
+/// Checks that `layer`'s output `y` is in the activations workspace.
+fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
+    match y {
+        Activations::Flat(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
+        Activations::Sequence(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
     }
     Ok(())
 }

@@ -1,20 +1,19 @@
 //! Training: one step on a batch, an epoch from a prefetcher, an epoch from slices.
 
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Axis, Ix1, Ix2, Ix3, IxDyn, Slice};
-use workspace_core::{freeze, ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, Scope, TypedScope};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
+use workspace_core::plan::{Plan, Trace};
+use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 
 use super::super::finite;
-use super::super::layer::{rows_of_steps, Activations, BackwardCtx, ForwardCtx, Layer};
-use std::sync::{Arc, Mutex};
-
-use workspace_core::plan::{Plan, Trace};
-
-use super::{Input, Labels, MemoryPlan, Network};
+use super::super::layer::{Activations, BackwardCtx, Layer};
+use super::batch::{lease_input, lease_labels, loss_input, shape_key, standard_labels, training_input};
+use super::{forward, Input, Labels, Network};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -65,16 +64,7 @@ impl Network {
         if result.is_ok() {
             let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if !trace.events().is_empty() {
-                let plan = Plan::new(&trace);
-                self.memory_plan = Some(MemoryPlan {
-                    allocations: trace.lifetimes().len(),
-                    per_role_bytes: trace.per_owner_bytes(),
-                    plan_bytes: plan.bytes(),
-                    lower_bound_bytes: plan.lower_bound(),
-                    planning_us: plan.planning_time().as_micros() as u64,
-                    replans: 0,
-                    divergences: 0,
-                });
+                self.memory_plan = Some(Plan::new(&trace).stats("training"));
                 self.recorded = Some(trace.clone());
             }
         }
@@ -106,19 +96,11 @@ impl Network {
         let labels = standard_labels(labels, &act)?;
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let mut input = x.activations();
-        for layer in layers.iter_mut() {
-            let working = mgr.enter(ArrayType::FfWorkingMem)?;
-            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
-            let y = match input {
-                Activations::Flat(v) => Activations::Flat(layer.forward(v, &ctx)?),
-                Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
-            };
-            validate(mgr, layer.name(), y)?;
-            finite::check_activations(layer.name(), "its output", y, mask)?;
+        let input = forward(layers, mgr, &act, x.activations(), mask, true, |layer, y| {
+            finite::check_activations(layer, "its output", y, mask)?;
             outputs.push(y);
-            input = y;
-        }
+            Ok(())
+        })?;
         let logits = loss_input(input, &labels)?;
         let probs = loss.probabilities(logits, &act)?;
         let (flat_labels, label_mask) = labels.flat()?;
@@ -272,63 +254,6 @@ pub(super) fn planned_iteration<R>(
     group.iteration(key, work)
 }
 
-/// The key of an iteration's plan: what decides which arrays it allocates (a hint;
-/// replay verifies every step, so a collision only costs a recording). The shapes of
-/// its batch, and of its labels when it trains; whether arrays not in standard layout
-/// are copied first; and for masked sequences, which steps are padding in every
-/// sequence, which a recurrent layer skips (two batches of one padded shape can differ
-/// there, and would otherwise take each other's plans in turn).
-pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
-    let mut key = 0xcbf2_9ce4_8422_2325_u64;
-    let mut mix = |v: usize| {
-        key ^= v as u64;
-        key = key.wrapping_mul(0x0100_0000_01b3);
-    };
-    // Sequences not in standard layout are copied first (a flat batch is not), and so
-    // are padded ones when training (`training_input`).
-    let padded = labels.is_some()
-        && match x {
-            Input::Sequences { features, mask: Some(mask) } => padding_needs_zeroing(features, mask),
-            _ => false,
-        };
-    let copied = matches!(x.activations(), Activations::Sequence(v) if !v.is_standard_layout()) || padded;
-    x.activations().shape().iter().for_each(|&d| mix(d));
-    mix(usize::from(copied));
-    match x.mask() {
-        None => mix(0),
-        Some(mask) => {
-            // Labels per step without a mask of their own take this one, copied when it
-            // is not in standard layout.
-            mix(2 + usize::from(mask.is_standard_layout()));
-            // One bit per step: any sequence live there. 64 steps per word. (A value
-            // repeated along an axis, as `broadcast` makes, is looked at once.)
-            let (mut word, mut bits) = (0usize, 0);
-            let distinct = finite::distinct(mask.view());
-            // (A mask repeated along time gives one bit: the count tells it apart.)
-            mix(distinct.ncols());
-            for column in distinct.columns() {
-                word = word << 1 | usize::from(finite::distinct(column).iter().any(|&v| v != 0.0));
-                bits += 1;
-                if bits == usize::BITS {
-                    mix(word);
-                    (word, bits) = (0, 0);
-                }
-            }
-            mix(word);
-        }
-    }
-    match labels {
-        None => {}
-        Some(Labels::PerExample(l)) => mix(l.len()),
-        Some(Labels::PerStep { labels, mask }) => {
-            labels.shape().iter().for_each(|&d| mix(d + 1));
-            mix(usize::from(labels.is_standard_layout()));
-            mix(2 + usize::from(mask.is_some()) + 2 * usize::from(mask.is_some_and(|m| !m.is_standard_layout())));
-        }
-    }
-    key
-}
-
 /// The gradient flowing down the network in the backward pass: an array in one of the
 /// two gradient workspaces, with the scope that keeps that workspace open.
 ///
@@ -398,148 +323,6 @@ impl Gradient {
             }),
         }
     }
-}
-
-/// The loss's input for `output` and `labels`: the output itself for one label per
-/// example, or its steps as rows `[batch · time, classes]` for labels per step.
-pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Result<ArrayView2<'a, f32>> {
-    match (output, labels) {
-        (Activations::Flat(logits), Labels::PerExample(_)) => Ok(logits),
-        (Activations::Sequence(_), Labels::PerExample(_)) => output.flat(NO_HEAD),
-        (Activations::Sequence(logits), Labels::PerStep { .. }) => steps_as_rows(logits),
-        (Activations::Flat(logits), Labels::PerStep { labels, .. }) => Err(Error::ShapeMismatch {
-            context: "labels per step need an output per step: leave the head out of a network trained on them".into(),
-            expected: vec![logits.nrows()],
-            actual: labels.shape().to_vec(),
-        }),
-    }
-}
-
-/// `x` as a training step uses it: sequences in standard layout and with the steps
-/// their mask marks as padding zeroed, copied into `scope` when either needs it (flat
-/// batches are taken as they are). Nothing uses a padded step; zeroed, whatever the
-/// caller left there (`f32::MAX`, NaN) gives finite values in every layer, and the
-/// loss and gradients are exactly those of the zero-padded batch.
-pub(super) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
-    match x {
-        Input::Sequences { features, mask: Some(mask) } if padding_needs_zeroing(&features, &mask) => {
-            let mut copy = scope.copy_of(&features)?;
-            for (mut sequence, live) in copy.outer_iter_mut().zip(mask.rows()) {
-                for (mut step, &live) in sequence.outer_iter_mut().zip(live) {
-                    if live == 0.0 {
-                        step.fill(0.0);
-                    }
-                }
-            }
-            Ok(Input::Sequences { features: freeze(copy), mask: Some(mask) })
-        }
-        other => standard_input(other, scope),
-    }
-}
-
-/// Whether a step that `mask` marks as padding holds anything but `+0.0` in
-/// `features`: then the copy that zeroes it is needed (zeros, as most data sets pad with,
-/// are used as they are). Looks at what the arrays' memory holds: an axis along which
-/// both repeat (a broadcast) is looked at once.
-fn padding_needs_zeroing(features: &ArrayView3<'_, f32>, mask: &ArrayView2<'_, f32>) -> bool {
-    let (mut features, mut mask) = (features.view(), mask.view());
-    if mask.dim() != (features.shape()[0], features.shape()[1]) {
-        return false; // refused by the batch's checks
-    }
-    for axis in [Axis(0), Axis(1)] {
-        if features.stride_of(axis) == 0 && mask.stride_of(axis) == 0 && features.len_of(axis) > 1 {
-            features.slice_axis_inplace(axis, Slice::from(0..1));
-            mask.slice_axis_inplace(axis, Slice::from(0..1));
-        }
-    }
-    mask.indexed_iter().any(|((r, t), &live)| {
-        live == 0.0 && finite::distinct(features.slice(s![r, t, ..])).iter().any(|v| v.to_bits() != 0)
-    })
-}
-
-/// `x` with its sequences in standard layout: as it is, or copied into `scope` (flat
-/// batches are taken in any layout).
-pub(super) fn standard_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
-    Ok(match x {
-        Input::Sequences { features, mask } if !features.is_standard_layout() => {
-            Input::Sequences { features: freeze(scope.copy_of(&features)?), mask }
-        }
-        other => other,
-    })
-}
-
-/// `labels` with labels per step (and their mask) in standard layout: as they are, or
-/// copied into `scope`.
-pub(super) fn standard_labels<'s>(labels: Labels<'s>, scope: &'s Scope<'_>) -> Result<Labels<'s>> {
-    Ok(match labels {
-        Labels::PerStep { labels, mask } => {
-            let labels = if labels.is_standard_layout() { labels } else { freeze(scope.copy_of(&labels)?) };
-            let mask = match mask {
-                Some(m) if !m.is_standard_layout() => Some(freeze(scope.copy_of(&m)?)),
-                other => other,
-            };
-            Labels::PerStep { labels, mask }
-        }
-        other => other,
-    })
-}
-
-/// A sequence output `[batch, time, classes]` as rows `[batch · time, classes]`.
-pub(super) fn steps_as_rows(logits: ArrayView3<'_, f32>) -> Result<ArrayView2<'_, f32>> {
-    rows_of_steps(logits).ok_or_else(|| {
-        Error::InvalidInput("the network's sequence output must be in standard (row-major) layout".into())
-    })
-}
-
-/// The labels of a prefetched batch: `[batch]` of `u32`, or `[batch, time]` with the
-/// batch's labels mask.
-pub(super) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Labels<'b>> {
-    let labels = batch.labels::<u32, IxDyn>()?;
-    match labels.ndim() {
-        1 => Ok(Labels::PerExample(labels.into_dimensionality::<Ix1>().map_err(|_| dims(1))?)),
-        2 => Ok(Labels::PerStep {
-            labels: labels.into_dimensionality::<Ix2>().map_err(|_| dims(2))?,
-            mask: batch.labels_mask::<f32, Ix2>()?,
-        }),
-        n => Err(Error::InvalidInput(format!(
-            "a prefetched batch's labels have {n} dimensions: the network takes [batch] or [batch, time]"
-        ))),
-    }
-}
-
-/// What the loss says when the last layer's output is still a batch of sequences.
-pub(super) const NO_HEAD: &str = "the network's output (the loss takes one row per example: put a head such as \
-                                  `last_step()` or `masked_mean()` after the recurrent layers, or give labels per \
-                                  step)";
-
-/// Checks that `layer`'s output `y` is in the activations workspace.
-pub(super) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
-    match y {
-        Activations::Flat(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
-        Activations::Sequence(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
-    }
-    Ok(())
-}
-
-/// The network's input from a prefetched batch: features `[batch, features]`, or
-/// `[batch, time, features]` with the batch's features mask, of `f32`.
-pub(super) fn lease_input<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Input<'b>> {
-    let features = batch.features::<f32, IxDyn>()?;
-    match features.ndim() {
-        2 => Ok(Input::Flat(features.into_dimensionality::<Ix2>().map_err(|_| dims(2))?)),
-        3 => Ok(Input::Sequences {
-            features: features.into_dimensionality::<Ix3>().map_err(|_| dims(3))?,
-            mask: batch.features_mask::<f32, Ix2>()?,
-        }),
-        n => Err(Error::InvalidInput(format!(
-            "a prefetched batch's features have {n} dimensions: the network takes [batch, features] or [batch, \
-             time, features]"
-        ))),
-    }
-}
-
-fn dims(n: usize) -> Error {
-    Error::InvalidInput(format!("features of {n} dimensions could not be viewed as such"))
 }
 
 /// Checks the gradients `layer`'s backward pass left: those of its parameters, and
