@@ -19,9 +19,10 @@
 
 use std::time::Instant;
 
+use carve::alloc_check::CountingAllocator;
 use carve::nn::Network;
 use carve::workspace_core::alloc_check::thread_counts;
-use carve::workspace_core::{CountingAllocator, WorkspaceMode};
+use carve::WorkspaceMode;
 use clap::Parser;
 use ndarray::{Array1, Array2};
 

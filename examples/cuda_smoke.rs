@@ -82,7 +82,7 @@ fn smoke(gpu: &CudaDevice) -> Outcome<serde_json::Value> {
         for (k, &n) in sizes.iter().enumerate() {
             let x = scope.zeros::<f32, _>(n)?;
             if step % 25 == 0 && k == 3 {
-                check(x.detach_to_host()?.sum() == 0.0, "zeros read back as zeros")?;
+                check(x.to_host()?.sum() == 0.0, "zeros read back as zeros")?;
             }
         }
     }
@@ -210,7 +210,7 @@ fn bandwidth(gpu: &CudaDevice, rounds: usize) -> Outcome<serde_json::Value> {
     {
         let scope = ws.enter()?;
         let on_device = scope.htod_pinned(&pinned)?;
-        let back = on_device.detach_to_host()?;
+        let back = on_device.to_host()?;
         check(back.as_slice() == Some(&pageable[..]), "a pinned transfer arrived intact")?;
     }
     let gb_s = |ns: f64| TRANSFER as f64 / ns;

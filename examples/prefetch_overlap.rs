@@ -42,7 +42,7 @@ type Res<T> = Result<T, Box<dyn Error>>;
 // (`carve::alloc_check`), which counts `alloc`, `alloc_zeroed` and `realloc` per thread.
 
 #[global_allocator]
-static GLOBAL: carve::CountingAllocator = carve::CountingAllocator::system();
+static GLOBAL: carve::alloc_check::CountingAllocator = carve::alloc_check::CountingAllocator::system();
 
 /// Heap allocation calls of the calling thread so far.
 fn heap_allocs() -> u64 {

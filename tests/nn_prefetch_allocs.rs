@@ -8,8 +8,8 @@
 
 use carve::async_iter::{InMemory, Prefetcher};
 use carve::nn::{Network, NetworkConfig, Updater};
+use carve::workspace_core::alloc_check::CountingAllocator;
 use carve::workspace_core::alloc_check::{process_counts, Threads};
-use carve::workspace_core::CountingAllocator;
 use carve::WorkspaceMode;
 use ndarray::{Array1, Array2};
 

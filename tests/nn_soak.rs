@@ -4,10 +4,10 @@
 //! guard counts), and so does a custom layer that computes with an owned ndarray result,
 //! which the guard's error names.
 
+use carve::alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use carve::freeze;
 use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, Updater};
 use carve::workspace_core::alloc_check::AllocationKind;
-use carve::workspace_core::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use carve::WorkspaceMode;
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2, Axis};
 

@@ -4,8 +4,8 @@
 //! no heap allocation, and take at most 1.05x the bytes live at once; batches of a
 //! new shape are recorded and planned once, then replayed.
 
+use carve::alloc_check::{assert_no_alloc, CountingAllocator};
 use carve::nn::{Network, NetworkConfig, Rng, Updater};
-use carve::workspace_core::{assert_no_alloc, CountingAllocator};
 use carve::WorkspaceMode;
 use ndarray::{s, Array1, Array2, Array3, ShapeBuilder};
 

@@ -11,8 +11,8 @@ mod vowels;
 
 use carve::async_iter::{Prefetcher, Sequences};
 use carve::nn::{Network, NetworkConfig, Updater};
+use carve::workspace_core::alloc_check::CountingAllocator;
 use carve::workspace_core::alloc_check::{process_counts, thread_counts, Threads};
-use carve::workspace_core::CountingAllocator;
 use carve::WorkspaceMode;
 
 #[global_allocator]

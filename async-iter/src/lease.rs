@@ -143,7 +143,7 @@ impl Consumer {
 /// ```
 ///
 /// To keep data, copy it out: [`detach`](Self::detach) gives a [`DetachedBatch`] that
-/// owns all arrays, [`detach_array`](Self::detach_array) one owned `ndarray::Array`.
+/// owns all arrays, [`to_array`](Self::to_array) one owned `ndarray::Array`.
 ///
 /// ```
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, Prefetcher, SourceError};
@@ -251,13 +251,24 @@ impl Lease<'_> {
         self.batch().array(role)
     }
 
-    /// Copies the array of `role` into an owned `ndarray::Array`.
+    /// Copies the array of `role` into an owned `ndarray::Array` (the lease goes on).
     ///
     /// # Errors
     ///
     /// As [`array`](Self::array).
-    pub fn detach_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Array<T, Dim>, Error> {
+    pub fn to_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Array<T, Dim>, Error> {
         Ok(self.array::<T, Dim>(role)?.to_owned())
+    }
+
+    /// The former name of [`to_array`](Self::to_array).
+    ///
+    /// # Errors
+    ///
+    /// As [`to_array`](Self::to_array).
+    #[deprecated(note = "renamed `to_array`, as on `DetachedBatch` and `BatchArrays`")]
+    #[doc(hidden)]
+    pub fn detach_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<Array<T, Dim>, Error> {
+        self.to_array(role)
     }
 
     /// Copies the whole batch out and ends the lease: the [`DetachedBatch`] owns its

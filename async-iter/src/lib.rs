@@ -64,7 +64,8 @@
 //! | a batch's arrays | [`BatchLayout`], [`Role`], [`ElementType`] |
 //! | filling a batch | [`BatchMut`] (writable views, zeroed) |
 //! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`], join timeout |
-//! | one batch, borrowed | [`Lease`]: typed views; [`Lease::detach`] → [`DetachedBatch`] (owned) |
+//! | one batch, borrowed | [`Lease`]: typed views; [`Lease::detach`] → [`DetachedBatch`] (owned); [`BatchArrays`] reads either (and a device's batches) |
+//! | element types | any [`Pod`] (`bytemuck`'s, re-exported) |
 //! | epochs | [`Prefetcher::next`], [`Prefetcher::reset`], [`Prefetcher::stop`] |
 //! | what happened | [`PrefetchStats`], [`Error`] |
 //!
@@ -128,6 +129,7 @@
 
 #![deny(unsafe_code)]
 
+mod arrays;
 mod detached;
 mod error;
 #[allow(unsafe_code)]
@@ -151,6 +153,8 @@ mod sync;
 #[allow(unsafe_code)]
 mod view;
 
+pub use arrays::BatchArrays;
+pub use bytemuck::Pod;
 pub use detached::DetachedBatch;
 pub use error::{Error, LayoutError, Result, SourceCall, SourceError};
 pub use in_memory::InMemory;

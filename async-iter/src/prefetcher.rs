@@ -6,7 +6,8 @@ use std::mem;
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use workspace_core::{ArenaBackend, Block, HostBackend, WorkspaceMode};
+use workspace_core::backend::{ArenaBackend, Block, HostBackend};
+use workspace_core::WorkspaceMode;
 
 use crate::error::{drop_quietly, Error};
 use crate::handoff::{Exit, Shared};

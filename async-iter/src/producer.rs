@@ -10,7 +10,7 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::ptr::NonNull;
 
-use workspace_core::{ArenaBackend, Block};
+use workspace_core::backend::{ArenaBackend, Block};
 
 use crate::error::{drop_quietly, panic_message, Error, SourceCall, SourceError};
 use crate::handoff::{Descriptor, Shared};

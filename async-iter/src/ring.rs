@@ -18,7 +18,8 @@
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 
-use workspace_core::{ArenaBackend, BackendError, Block, WorkspaceMode};
+use workspace_core::backend::{ArenaBackend, Block};
+use workspace_core::{BackendError, WorkspaceMode};
 
 use crate::error::Error;
 use crate::layout::ARRAY_ALIGN;
@@ -223,7 +224,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use workspace_core::HostBackend;
+    use workspace_core::backend::HostBackend;
 
     use super::*;
 
@@ -342,7 +343,7 @@ mod tests {
         }
     }
 
-    struct SkewedBlock(workspace_core::HostBlock);
+    struct SkewedBlock(workspace_core::backend::HostBlock);
 
     // SAFETY: one byte into the inner block, one byte shorter: memory the inner block owns.
     unsafe impl Block for SkewedBlock {

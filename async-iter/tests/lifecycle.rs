@@ -13,7 +13,8 @@ use common::{live_bytes, mix, producer_threads, scaled, Pattern};
 use workspace_core::WorkspaceMode;
 
 #[global_allocator]
-static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+static GLOBAL: workspace_core::alloc_check::CountingAllocator =
+    workspace_core::alloc_check::CountingAllocator::system();
 
 /// One prefetcher's life: build, take `take` batches (holding some, detaching some),
 /// maybe reset, drop.

@@ -20,7 +20,8 @@ use proptest::prelude::*;
 use workspace_core::WorkspaceMode;
 
 #[global_allocator]
-static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+static GLOBAL: workspace_core::alloc_check::CountingAllocator =
+    workspace_core::alloc_check::CountingAllocator::system();
 
 /// Bytes of a [`Pattern`] batch of `rows` rows in the ring: `u32` features and `u16`
 /// labels, each rounded up to 64 bytes.
@@ -335,7 +336,7 @@ fn detached_batches_outlive_the_prefetcher() {
     let mut kept = Vec::new();
     while let Some(lease) = batches.next() {
         let lease = lease.unwrap();
-        let labels = lease.detach_array::<u16, Ix1>(Role::Labels).unwrap();
+        let labels = lease.to_array::<u16, Ix1>(Role::Labels).unwrap();
         kept.push((lease.detach(), labels));
     }
     drop(batches);

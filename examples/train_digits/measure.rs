@@ -1,7 +1,7 @@
 //! What the demo measures besides time: the training thread's heap allocations, bytes
 //! and live bytes (workspace-core's counting allocator), minor page faults, and peak RSS.
 
-use carve::workspace_core::CountingAllocator;
+use carve::workspace_core::alloc_check::CountingAllocator;
 
 // ---------------------------------------------------------------------------------
 // Heap: every allocation, counted per thread (the training thread's counts are what

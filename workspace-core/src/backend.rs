@@ -1,13 +1,37 @@
 //! The arena backend trait: where workspace memory comes from.
 //!
-//! The cycle, learning, spill and statistics logic ([`Engine`](crate::Engine)) is
+//! What a backend author needs; a user of workspaces needs none of it.
+//!
+//! The cycle, learning, spill and statistics logic ([`Engine`]) is
 //! written once against this trait. A backend only hands out and takes back
 //! contiguous blocks; the engine bumps offsets inside them. Host RAM (bumpalo) and
-//! memory maps (memmap2) live in [`host`]; device memory and pinned host memory
+//! memory maps (memmap2) are [`HostBackend`]; device memory and pinned host memory
 //! implement the same trait in `workspace-cuda`, which is how the device path reuses
 //! every semantic test.
+//!
+//! # The shell
+//!
+//! What every kind of workspace does around the engine, written once.
+//!
+//! A host [`Workspace`](crate::Workspace), a device workspace and a pinned workspace
+//! (both in `workspace-cuda`) are each a [`Shell`] over their backend plus a few methods
+//! of their own. The shell opens and closes cycles ([`Shell::open`], whose [`Open`] count closes the scope when dropped),
+//! settles what the last cycle left before the next one opens, checks handles against
+//! the generation ([`Shell::check_handle`]), says where memory lies
+//! ([`Shell::placement`], [`Shell::contains`]), and reads the statistics. What a kind
+//! of workspace adds around the cycles (a device orders the other streams that used the
+//! memory before the reset; a pinned workspace waits for its transfers before the memory
+//! is handed out again) are its [`CycleHooks`].
+//!
+//! The scopes stay per kind, because what one allocates differs (ndarray views on the
+//! host, device views on a device); each holds the [`Open`] count that [`Shell::open`]
+//! or [`Shell::open_borrowed`] returns, whose drop closes it.
 
-pub mod host;
+mod host;
+
+pub use crate::engine::{Engine, Entered, FrameMark};
+pub use crate::shell::{checked_bytes, CycleHooks, Open, Placement, ScopeKind, Shell};
+pub use host::{HostBackend, HostBlock};
 
 use crate::error::BackendError;
 
@@ -77,7 +101,7 @@ impl Address for u64 {
 ///
 /// ```compile_fail,E0200
 /// struct Anywhere;
-/// impl workspace_core::Block for Anywhere {
+/// impl workspace_core::backend::Block for Anywhere {
 ///     type Base = std::ptr::NonNull<u8>;
 ///     fn base(&self) -> std::ptr::NonNull<u8> {
 ///         std::ptr::NonNull::new(0x40 as *mut u8).unwrap()
@@ -125,8 +149,8 @@ pub unsafe trait Block: Send {
 ///
 /// ```compile_fail,E0200
 /// struct Lying;
-/// impl workspace_core::ArenaBackend for Lying {
-///     type Block = workspace_core::HostBlock;
+/// impl workspace_core::backend::ArenaBackend for Lying {
+///     type Block = workspace_core::backend::HostBlock;
 ///     fn kind(&self) -> &'static str {
 ///         "lying"
 ///     }

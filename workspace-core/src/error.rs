@@ -235,7 +235,7 @@ pub enum Error {
     AllocationCheck(#[from] crate::alloc_check::failure::AllocationError),
 }
 
-/// Errors reported by an [`ArenaBackend`](crate::ArenaBackend).
+/// Errors reported by an [`ArenaBackend`](crate::backend::ArenaBackend).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BackendError {

@@ -1,55 +1,4 @@
-//! The layer API, as DL4J users know it: [`WorkspaceMode`], [`ArrayType`] and
-//! [`LayerWorkspaceMgr`].
-//!
-//! A network maps each role an array can play ([`ArrayType`]) to a named workspace,
-//! or to no workspace at all, in a [`LayerWorkspaceMgr`]. It opens the workspaces as
-//! the roles require ([`LayerWorkspaceMgr::enter`] gives a [`TypedScope`]) and hands
-//! the open scopes to its layers. A layer allocates from the scope of the role the
-//! array plays; views borrow that scope, so an array cannot outlive the cycle of its
-//! role, and a function signature can say which role it returns:
-//!
-//! ```
-//! use ndarray::ArrayView2;
-//! use workspace_core::{freeze, ArrayType, LayerWorkspaceMgr, Result, TypedScope, WorkspaceConfig};
-//!
-//! /// A layer's forward pass: the output must outlive the working memory.
-//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
-//!     let mut tmp = working.zeros::<f32, _>(x.raw_dim())?; // reset after this layer
-//!     tmp.assign(&x);
-//!     tmp.mapv_inplace(|v| v.max(0.0));
-//!     Ok(freeze(out.copy_of(&tmp)?))                        // activations: kept for backprop
-//! }
-//!
-//! let mgr = LayerWorkspaceMgr::builder()
-//!     .with(ArrayType::Activations, "WS_ACT", WorkspaceConfig::default())
-//!     .default_workspace("WS_WORKING_MEM", WorkspaceConfig::default())
-//!     .build()?;
-//! let activations = mgr.enter(ArrayType::Activations)?;
-//! let input = freeze(activations.zeros::<f32, _>((4, 3))?);
-//! let y = {
-//!     let working = mgr.enter(ArrayType::FfWorkingMem)?;
-//!     forward(input, &activations, &working)?
-//! }; // working memory reset here; `y` lives on
-//! mgr.validate(ArrayType::Activations, "relu", &y)?;
-//! assert_eq!(y.shape(), &[4, 3]);
-//! # Ok::<(), workspace_core::Error>(())
-//! ```
-//!
-//! Returning working memory as activations does not compile:
-//!
-//! ```compile_fail,E0621
-//! use ndarray::ArrayView2;
-//! use workspace_core::{freeze, Result, TypedScope};
-//!
-//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
-//!     let tmp = working.copy_of(&x)?;
-//!     Ok(freeze(tmp)) // error: `working` does not live for 'a
-//! }
-//! ```
-//!
-//! Allocating the output in the wrong long-lived workspace compiles, and
-//! [`LayerWorkspaceMgr::validate`] reports it with an [`Error::WrongLocation`] that
-//! names the layer, the array type, the expected and the actual workspace.
+//! The layer API, as DL4J users know it (see the crate docs, "Layers").
 
 use std::ops::Deref;
 use std::rc::Rc;
@@ -61,7 +10,7 @@ use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
 use crate::planned::PlanGroup;
-pub use crate::roles::{ArrayType, WorkspaceMode};
+use crate::roles::ArrayType;
 use crate::scope::{extent, Scope};
 use crate::workspace::Workspace;
 use crate::WorkspaceStats;
@@ -75,7 +24,7 @@ enum Target {
 }
 
 /// Maps every [`ArrayType`] to a workspace or to no workspace, opens them, and checks
-/// where arrays live. See the [module documentation](self).
+/// where arrays live. See the crate documentation, "Layers, as DL4J users know them".
 ///
 /// Workspaces are created in the calling thread's [`WorkspaceManager`] by name, so
 /// two managers naming the same workspace share it (with the same configuration, or
@@ -188,7 +137,7 @@ impl LayerWorkspaceMgr {
         LayerWorkspaceMgrBuilder::default()
     }
 
-    /// Every type scoped out to the heap: what [`WorkspaceMode::None`] uses.
+    /// Every type scoped out to the heap: what [`WorkspaceMode::None`](crate::WorkspaceMode::None) uses.
     pub fn no_workspaces() -> LayerWorkspaceMgr {
         LayerWorkspaceMgr { targets: std::array::from_fn(|_| Target::Heap), helpers: Vec::new(), group: None }
     }

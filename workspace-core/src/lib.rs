@@ -38,11 +38,73 @@
 //! | copying out | [`WorkspaceArrayExt::detach`], [`WorkspaceArrayExt::leverage_to`] |
 //! | per-thread registry | [`WorkspaceManager`], [`DebugMode`] |
 //! | layers, as in DL4J | [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`], [`TypedScope`] |
-//! | where memory comes from | [`ArenaBackend`], [`HostBackend`]; the logic is [`Engine`] |
+//! | where memory comes from (for backend authors) | [`backend`]: [`ArenaBackend`](backend::ArenaBackend), [`HostBackend`](backend::HostBackend); the logic is [`Engine`](backend::Engine) |
+//! | proving a step allocation-free | [`alloc_check`]: [`CountingAllocator`](alloc_check::CountingAllocator), [`AllocationGuard`](alloc_check::AllocationGuard) |
+//! | element types | any [`Pod`] (`bytemuck`'s, re-exported) |
 //! | std containers in a workspace | `allocator_api2::alloc::Allocator` for `&Scope` and `&Frame` |
 //!
 //! Use after reset does not compile for views; for handles it is an
 //! [`Error::StaleHandle`] that names the workspace, both generations and the fix.
+//!
+//! # Two tiers
+//!
+//! The root holds what a user of workspaces needs. What a backend author needs (the
+//! [`Engine`](backend::Engine), the [`Shell`](backend::Shell), [`ArenaBackend`](backend::ArenaBackend) and
+//! the host backend) is in [`backend`]; the planner's internals (events, lifetimes,
+//! traces) in [`plan`]; plan groups in [`planned`]; the counting allocator that proves
+//! a step allocation-free in [`alloc_check`]. Each item has one path.
+//!
+//! # Layers, as DL4J users know them
+//!
+//! A network maps each role an array can play ([`ArrayType`]) to a named workspace,
+//! or to no workspace at all, in a [`LayerWorkspaceMgr`]. It opens the workspaces as
+//! the roles require ([`LayerWorkspaceMgr::enter`] gives a [`TypedScope`]) and hands
+//! the open scopes to its layers. A layer allocates from the scope of the role the
+//! array plays; views borrow that scope, so an array cannot outlive the cycle of its
+//! role, and a function signature can say which role it returns:
+//!
+//! ```
+//! use ndarray::ArrayView2;
+//! use workspace_core::{freeze, ArrayType, LayerWorkspaceMgr, Result, TypedScope, WorkspaceConfig};
+//!
+//! /// A layer's forward pass: the output must outlive the working memory.
+//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
+//!     let mut tmp = working.zeros::<f32, _>(x.raw_dim())?; // reset after this layer
+//!     tmp.assign(&x);
+//!     tmp.mapv_inplace(|v| v.max(0.0));
+//!     Ok(freeze(out.copy_of(&tmp)?))                        // activations: kept for backprop
+//! }
+//!
+//! let mgr = LayerWorkspaceMgr::builder()
+//!     .with(ArrayType::Activations, "WS_ACT", WorkspaceConfig::default())
+//!     .default_workspace("WS_WORKING_MEM", WorkspaceConfig::default())
+//!     .build()?;
+//! let activations = mgr.enter(ArrayType::Activations)?;
+//! let input = freeze(activations.zeros::<f32, _>((4, 3))?);
+//! let y = {
+//!     let working = mgr.enter(ArrayType::FfWorkingMem)?;
+//!     forward(input, &activations, &working)?
+//! }; // working memory reset here; `y` lives on
+//! mgr.validate(ArrayType::Activations, "relu", &y)?;
+//! assert_eq!(y.shape(), &[4, 3]);
+//! # Ok::<(), workspace_core::Error>(())
+//! ```
+//!
+//! Returning working memory as activations does not compile:
+//!
+//! ```compile_fail,E0621
+//! use ndarray::ArrayView2;
+//! use workspace_core::{freeze, Result, TypedScope};
+//!
+//! fn forward<'a>(x: ArrayView2<'a, f32>, out: &'a TypedScope, working: &TypedScope) -> Result<ArrayView2<'a, f32>> {
+//!     let tmp = working.copy_of(&x)?;
+//!     Ok(freeze(tmp)) // error: `working` does not live for 'a
+//! }
+//! ```
+//!
+//! Allocating the output in the wrong long-lived workspace compiles, and
+//! [`LayerWorkspaceMgr::validate`] reports it with an [`Error::WrongLocation`] that
+//! names the layer, the array type, the expected and the actual workspace.
 
 #![deny(unsafe_code)]
 
@@ -60,7 +122,7 @@ mod error;
 mod figures;
 #[allow(unsafe_code)]
 mod handle;
-pub mod layer;
+mod layer;
 mod manager;
 pub mod plan;
 #[allow(unsafe_code)]
@@ -70,23 +132,21 @@ mod roles;
 #[allow(unsafe_code)]
 mod scope;
 #[allow(unsafe_code)]
-pub mod shell;
+mod shell;
 #[allow(unsafe_code)]
 mod workspace;
 
-pub use alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, AllocationReport, CountingAllocator};
 pub use array_ext::WorkspaceArrayExt;
-pub use backend::host::{HostBackend, HostBlock};
-pub use backend::{Address, ArenaBackend, Block};
+pub use bytemuck::{Pod, Zeroable};
 pub use config::{
     AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
     WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
 };
-pub use engine::{Engine, Entered, FrameMark, WorkspaceStats};
+pub use engine::WorkspaceStats;
 pub use error::{BackendError, Error, Result};
 pub use handle::Handle;
-pub use layer::{ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope, WorkspaceMode};
+pub use layer::{LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope};
 pub use manager::{stats_table, WorkspaceManager};
+pub use roles::{ArrayType, WorkspaceMode};
 pub use scope::{freeze, Frame, Scope};
-pub use shell::{CycleHooks, Open, Placement, ScopeKind, Shell};
 pub use workspace::{DebugMode, Workspace, DEBUG_ENV};

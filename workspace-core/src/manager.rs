@@ -203,7 +203,10 @@ impl WorkspaceManager {
         self.registry.workspaces.borrow().iter().map(|ws| ws.stats()).collect()
     }
 
-    /// The statistics as a table.
+    /// The statistics as a table: the former way to write
+    /// [`stats_table`]`(&manager.stats())`, the one function that draws the table.
+    #[deprecated(note = "use the function `stats_table(&manager.stats())`: one function draws the table")]
+    #[doc(hidden)]
     pub fn stats_table(&self) -> String {
         stats_table(&self.stats())
     }

@@ -663,7 +663,7 @@ impl Workspace {
     /// # Errors
     ///
     /// A backend error recorded when the previous cycle could not grow the arena, or
-    /// from re-reserving the arena after [`Shell::trim`](crate::Shell::trim). Each refusal of the backend is
+    /// from re-reserving the arena after [`Shell::trim`](crate::backend::Shell::trim). Each refusal of the backend is
     /// reported once: the workspace stays usable with its previous arena (later cycles
     /// run from spill blocks) and the next `enter` succeeds; later refusals are counted
     /// in [`WorkspaceStats::failed_growths`](crate::WorkspaceStats::failed_growths).

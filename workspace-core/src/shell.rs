@@ -1,19 +1,4 @@
-//! The workspace shell: what every kind of workspace does around the engine, written
-//! once.
-//!
-//! A host [`Workspace`](crate::Workspace), a device workspace and a pinned workspace
-//! (both in `workspace-cuda`) are each a [`Shell`] over their backend plus a few methods
-//! of their own. The shell opens and closes cycles ([`Shell::open`], whose [`Open`] count closes the scope when dropped),
-//! settles what the last cycle left before the next one opens, checks handles against
-//! the generation ([`Shell::check_handle`]), says where memory lies
-//! ([`Shell::placement`], [`Shell::contains`]), and reads the statistics. What a kind
-//! of workspace adds around the cycles (a device orders the other streams that used the
-//! memory before the reset; a pinned workspace waits for its transfers before the memory
-//! is handed out again) are its [`CycleHooks`].
-//!
-//! The scopes stay per kind, because what one allocates differs (ndarray views on the
-//! host, device views on a device); each holds the [`Open`] count that [`Shell::open`]
-//! or [`Shell::open_borrowed`] returns, whose drop closes it.
+//! The workspace shell (see the `backend` module's docs, "The shell").
 
 use std::mem::{size_of, ManuallyDrop};
 use std::sync::Arc;
@@ -464,7 +449,7 @@ mod tests {
     use std::cell::{Cell, RefCell};
 
     use super::*;
-    use crate::backend::host::HostBackend;
+    use crate::backend::HostBackend;
     use crate::config::Location;
 
     /// Records what the shell asks of its hooks; fails `before_open` while `refuse` is set.

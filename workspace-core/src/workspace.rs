@@ -2,7 +2,7 @@
 
 use std::cell::Cell;
 
-use crate::backend::host::HostBackend;
+use crate::backend::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::shell::Shell;

@@ -6,12 +6,11 @@
 use std::sync::{Arc, Barrier};
 
 use ndarray::Array2;
+use workspace_core::alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use workspace_core::alloc_check::{
     is_installed, process_counts, reset_thread_peak, thread_counts, AllocationKind, Threads, SAMPLES, TRACE_FRAMES,
 };
-use workspace_core::{
-    assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator, Error, Workspace, WorkspaceConfig,
-};
+use workspace_core::{Error, Workspace, WorkspaceConfig};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator::system();

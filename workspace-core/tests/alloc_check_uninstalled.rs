@@ -1,8 +1,9 @@
 //! `alloc_check` in a binary that does not install the counting allocator: checks
 //! refuse with a message that shows the line to add, instead of reporting zero.
 
+use workspace_core::alloc_check::{assert_no_alloc, AllocationError, AllocationGuard};
 use workspace_core::alloc_check::{is_installed, thread_counts};
-use workspace_core::{assert_no_alloc, AllocationError, AllocationGuard, Error};
+use workspace_core::Error;
 
 #[test]
 fn nothing_is_counted_and_the_allocator_knows_it() {

@@ -9,13 +9,13 @@
 
 use std::rc::Rc;
 
+use workspace_core::backend::Placement;
 use workspace_core::planned::PlanGroup;
-use workspace_core::{
-    DebugMode, Error, LearningPolicy, Placement, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig,
-};
+use workspace_core::{DebugMode, Error, LearningPolicy, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig};
 
 #[global_allocator]
-static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+static GLOBAL: workspace_core::alloc_check::CountingAllocator =
+    workspace_core::alloc_check::CountingAllocator::system();
 
 mod common {
     pub(crate) mod program;

@@ -10,10 +10,8 @@ mod common;
 use std::sync::Mutex;
 
 use common::scaled;
-use workspace_core::{
-    AllocationGuard, AllocationPolicy, CountingAllocator, DebugMode, LearningPolicy, SpillPolicy, Workspace,
-    WorkspaceConfig,
-};
+use workspace_core::alloc_check::{AllocationGuard, CountingAllocator};
+use workspace_core::{AllocationPolicy, DebugMode, LearningPolicy, SpillPolicy, Workspace, WorkspaceConfig};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator::system();

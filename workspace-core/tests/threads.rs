@@ -8,8 +8,9 @@
 mod common;
 
 use common::{live_bytes, scaled};
+use workspace_core::alloc_check::CountingAllocator;
 use workspace_core::alloc_check::{process_counts, Threads};
-use workspace_core::{CountingAllocator, WorkspaceConfig, WorkspaceManager};
+use workspace_core::{WorkspaceConfig, WorkspaceManager};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator::system();

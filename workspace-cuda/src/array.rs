@@ -104,7 +104,7 @@ impl<D: Device, T: Pod, Dim: Dimension> DeviceArray<D, T, Dim> {
     ///
     /// [`Error::Device`].
     pub fn to_host(&self) -> Result<Array<T, Dim>> {
-        self.view().detach_to_host()
+        self.view().to_host()
     }
 
     /// The device address of the first element, for kernels on [`DeviceArray::stream`].

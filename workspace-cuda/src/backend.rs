@@ -12,7 +12,8 @@
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use workspace_core::{ArenaBackend, BackendError, Block};
+use workspace_core::backend::{ArenaBackend, Block};
+use workspace_core::BackendError;
 
 use crate::device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 

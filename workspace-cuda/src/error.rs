@@ -109,7 +109,7 @@ pub enum Error {
     /// Memory of two different devices met in one operation.
     #[error(
         "workspace '{workspace}' lives on {device} but {action} involves memory of {other}; copy through \
-         the host (`detach_to_host`) to move data between devices"
+         the host (`to_host`) to move data between devices"
     )]
     DeviceMismatch {
         /// The workspace asked.

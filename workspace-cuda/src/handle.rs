@@ -30,7 +30,7 @@ use crate::workspace::DeviceWorkspace;
 /// let cached = {
 ///     let scope = ws.enter()?;
 ///     let h = scope.htod_handle(&ndarray::arr1(&[1.0f32, 2.0, 3.0]))?;
-///     assert_eq!(h.detach_to_host(&scope)?.sum(), 6.0);
+///     assert_eq!(h.to_host(&scope)?.sum(), 6.0);
 ///     h
 /// }; // the cycle ends: the handle's memory is reset
 /// let scope = ws.enter()?;
@@ -120,9 +120,20 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     ///
     /// # Errors
     ///
-    /// As [`DeviceHandle::check`], and [`DeviceView::detach_to_host`]'s errors.
+    /// As [`DeviceHandle::check`], and [`DeviceView::to_host`]'s errors.
+    pub fn to_host<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<Array<T, Dim>> {
+        self.view(scope)?.to_host()
+    }
+
+    /// The former name of [`to_host`](Self::to_host).
+    ///
+    /// # Errors
+    ///
+    /// As [`to_host`](Self::to_host).
+    #[deprecated(note = "renamed `to_host`, as on `DeviceView` and `DeviceArray`")]
+    #[doc(hidden)]
     pub fn detach_to_host<D: Device>(&self, scope: &DeviceScope<'_, D>) -> Result<Array<T, Dim>> {
-        self.view(scope)?.detach_to_host()
+        self.to_host(scope)
     }
 
     /// Copies into the open scope `target` of another device workspace, returning a

@@ -9,7 +9,7 @@
 //! | [`Scope`]: the open cycle | [`DeviceScope`]: the open cycle; its reset is ordered on the stream |
 //! | `ArrayViewMut<'scope, T, D>` | [`DeviceViewMut`], [`DeviceView`], [`DeviceUninit`] (same lifetimes) |
 //! | [`Handle`]: checked on every access | [`DeviceHandle`]: the same checks, the same errors |
-//! | `detach()` → `ndarray::Array` | [`DeviceView::detach`] → [`DeviceArray`]; [`DeviceView::detach_to_host`] |
+//! | `detach()` → `ndarray::Array` | [`DeviceView::detach`] → [`DeviceArray`]; [`DeviceView::to_host`] |
 //! | `leverage_to(&outer_scope)` | [`DeviceView::leverage_to`], [`DeviceHandle::leverage_to_workspace`] |
 //! | threads: one at a time | streams: others only through [`DeviceScope::on_stream`] ([`OnStream`]) |
 //! | [`HostBackend`] under the [`Engine`] | [`DeviceBackend`], [`PinnedBackend`] under the same engine |
@@ -20,8 +20,8 @@
 //! [`Workspace`]: workspace_core::Workspace
 //! [`Scope`]: workspace_core::Scope
 //! [`Handle`]: workspace_core::Handle
-//! [`HostBackend`]: workspace_core::HostBackend
-//! [`Engine`]: workspace_core::Engine
+//! [`HostBackend`]: workspace_core::backend::HostBackend
+//! [`Engine`]: workspace_core::backend::Engine
 //! [`Prefetcher`]: async_iter::Prefetcher
 //! [`Lease`]: async_iter::Lease
 //!
@@ -89,7 +89,7 @@
 //! (the staging copy into the device ring, and views of its slots) and `probe` (loading
 //! the driver); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
 //! shell runs them) without unsafe code in them. Scopes, streams, handles and arrays
-//! hold none: a scope holds the shell's [`Open`](workspace_core::Open) count, whose
+//! hold none: a scope holds the shell's [`Open`](workspace_core::backend::Open) count, whose
 //! drop closes it. Every block says why it is sound.
 
 #![deny(unsafe_code)]

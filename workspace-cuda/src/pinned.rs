@@ -19,10 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
-use workspace_core::{
-    AllocationPolicy, CycleHooks, LearningPolicy, Location, Open, Placement, ScopeKind, Shell, SpillPolicy,
-    WorkspaceConfig, WorkspaceStats,
-};
+use workspace_core::backend::{CycleHooks, Open, Placement, ScopeKind, Shell};
+use workspace_core::{AllocationPolicy, LearningPolicy, Location, SpillPolicy, WorkspaceConfig, WorkspaceStats};
 
 use crate::backend::{lock_in_flight, InFlight, PinnedBackend};
 use crate::device::Device;
@@ -48,7 +46,7 @@ const PRUNE_AT: usize = 64;
 ///     x.view_mut()?.fill(batch as f32); // fill on the host
 ///     let scope = device.enter()?;
 ///     let on_device = scope.htod_pinned(&x)?; // asynchronous copy
-///     assert_eq!(on_device.detach_to_host()?.sum(), 256.0 * batch as f32);
+///     assert_eq!(on_device.to_host()?.sum(), 256.0 * batch as f32);
 /// }
 /// assert_eq!(staging.stats().pinned_allocations, 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -66,7 +64,7 @@ const PRUNE_AT: usize = 64;
 /// ```
 ///
 /// ```compile_fail,E0133
-/// use workspace_core::CycleHooks;
+/// use workspace_core::backend::CycleHooks;
 /// use workspace_cuda::{PinnedWorkspace, SimDevice};
 /// let sim = SimDevice::new().unwrap();
 /// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();

@@ -272,7 +272,7 @@ pub struct DevicePrefetchStats {
 ///         let x = batch.features::<f32, Ix2>()?; // a device view, used on batch.stream()
 ///         let y = batch.labels::<u32, Ix1>()?;
 ///         // launch kernels on x.device_ptr(), y.device_ptr() here
-///         assert_eq!(x.detach_to_host()?[[0, 0]], batch.index() as f32);
+///         assert_eq!(x.to_host()?[[0, 0]], batch.index() as f32);
 ///         assert_eq!(y.len(), if batch.index() == 4 { 4 } else { 32 });
 ///     } // dropping the lease lets the copy stream reuse its slot after the kernels
 ///     if epoch == 0 {

@@ -7,7 +7,7 @@
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
-use workspace_core::{Open, Placement, ScopeKind};
+use workspace_core::backend::{Open, Placement, ScopeKind};
 
 use crate::backend::DeviceBackend;
 

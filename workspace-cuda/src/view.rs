@@ -10,7 +10,7 @@
 //! let scope = ws.enter().unwrap();
 //! let view = scope.zeros::<f32, _>(16).unwrap();
 //! drop(scope); // the reset happens here...
-//! view.detach_to_host().unwrap(); // ...so this does not compile
+//! view.to_host().unwrap(); // ...so this does not compile
 //! ```
 //!
 //! Every operation of a view runs on its owner's stream, or is ordered with it by
@@ -146,7 +146,7 @@ impl<'a, D: Device> Owner<'a, D> {
 }
 
 /// Byte size of `dim` elements of `T` in device or pinned memory: the engine's one
-/// shape-to-bytes computation ([`workspace_core::shell::checked_bytes`]), and zero-sized
+/// shape-to-bytes computation ([`workspace_core::backend::checked_bytes`]), and zero-sized
 /// element types refused.
 ///
 /// # Errors
@@ -162,7 +162,7 @@ pub(crate) fn checked_bytes<T, Dim: Dimension>(
     dim: &Dim,
     workspace: impl Fn() -> Arc<str>,
 ) -> Result<usize, workspace_core::Error> {
-    match workspace_core::shell::checked_bytes::<T, Dim>(dim, &workspace)? {
+    match workspace_core::backend::checked_bytes::<T, Dim>(dim, &workspace)? {
         0 => Err(zero_sized::<T>(dim.slice(), workspace())),
         bytes => Ok(bytes),
     }
@@ -303,12 +303,23 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         unsafe { DeviceView::new(self.owner, self.address, self.dim.clone()) }
     }
 
+    /// The former name of [`to_host`](Self::to_host).
+    ///
+    /// # Errors
+    ///
+    /// As [`to_host`](Self::to_host).
+    #[deprecated(note = "renamed `to_host`, as on `DeviceArray`")]
+    #[doc(hidden)]
+    pub fn detach_to_host(&self) -> Result<Array<T, Dim>> {
+        self.to_host()
+    }
+
     /// Copies into an owned host array.
     ///
     /// # Errors
     ///
     /// [`Error::Device`] when the device cannot copy.
-    pub fn detach_to_host(&self) -> Result<Array<T, Dim>> {
+    pub fn to_host(&self) -> Result<Array<T, Dim>> {
         let mut out = Array::from_elem(self.dim.clone(), T::zeroed());
         self.dtoh_into(&mut out)?;
         Ok(out)

@@ -41,7 +41,8 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
-use workspace_core::{CycleHooks, Location, Shell, WorkspaceConfig};
+use workspace_core::backend::{CycleHooks, Shell};
+use workspace_core::{Location, WorkspaceConfig};
 
 use crate::backend::{lock_graveyard, DeviceBackend, Graveyard};
 use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
@@ -65,7 +66,7 @@ use crate::scope::DeviceScope;
 /// for step in 0..3 {
 ///     let scope = ws.enter()?;
 ///     let x = scope.htod(&ndarray::Array2::<f32>::from_elem((4, 8), step as f32))?;
-///     assert_eq!(x.detach_to_host()?.sum(), 32.0 * step as f32);
+///     assert_eq!(x.to_host()?.sum(), 32.0 * step as f32);
 /// } // reset here, ordered on the workspace's stream
 /// assert_eq!(ws.stats().growth_events, 1);
 /// assert_eq!(ws.config().alignment(), 256);

@@ -4,7 +4,8 @@ use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
-use workspace_core::{ArenaBackend, ArrayType, Block, Scope};
+use workspace_core::backend::{ArenaBackend, Block};
+use workspace_core::{ArrayType, Scope};
 
 use crate::{Error, Result};
 

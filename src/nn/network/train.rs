@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
+use workspace_core::backend::{ArenaBackend, Block};
 use workspace_core::plan::{Plan, Trace};
-use workspace_core::{ArenaBackend, ArrayType, Block, Handle, LayerWorkspaceMgr, TypedScope};
+use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 

@@ -96,7 +96,7 @@ impl fmt::Display for AllocationError {
                 "cannot check for heap allocations at {location}: carve's counting allocator is not this \
                  program's global allocator, so no allocation would be seen. Install it in the binary that runs \
                  the check (the test file, example or main.rs): `#[global_allocator] static ALLOC: \
-                 carve::CountingAllocator = carve::CountingAllocator::system();`"
+                 carve::alloc_check::CountingAllocator = carve::alloc_check::CountingAllocator::system();`"
             ),
         }
     }

@@ -17,7 +17,8 @@
 //!    to do instead; [`AllocationReport::assert_none`] panics with that message.
 //!
 //! ```
-//! use workspace_core::{AllocationGuard, CountingAllocator, Workspace, WorkspaceConfig};
+//! use workspace_core::{Workspace, WorkspaceConfig};
+//! use workspace_core::alloc_check::{AllocationGuard, CountingAllocator};
 //!
 //! #[global_allocator]
 //! static ALLOC: CountingAllocator = CountingAllocator::system();
@@ -50,7 +51,7 @@
 //!     assert_eq!(owned.sum(), total);
 //!
 //!     // Or, for a closure: panics with the same message if it allocates.
-//!     let total = workspace_core::assert_no_alloc(|| step(&ws, &a))?;
+//!     let total = workspace_core::alloc_check::assert_no_alloc(|| step(&ws, &a))?;
 //!     assert_eq!(total, 2048.0);
 //!     Ok(())
 //! }
@@ -144,7 +145,7 @@ pub const TRACE_FRAMES: usize = 32;
 ///
 /// ```
 /// #[global_allocator]
-/// static ALLOC: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+/// static ALLOC: workspace_core::alloc_check::CountingAllocator = workspace_core::alloc_check::CountingAllocator::system();
 /// # fn main() { assert!(workspace_core::alloc_check::is_installed()); }
 /// ```
 ///
@@ -519,7 +520,7 @@ pub fn is_installed() -> bool {
 /// no report will show.
 ///
 /// ```
-/// use workspace_core::{AllocationGuard, CountingAllocator};
+/// use workspace_core::alloc_check::{AllocationGuard, CountingAllocator};
 ///
 /// #[global_allocator]
 /// static ALLOC: CountingAllocator = CountingAllocator::system();
@@ -746,11 +747,11 @@ impl fmt::Display for AllocationReport {
 ///
 /// ```
 /// #[global_allocator]
-/// static ALLOC: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+/// static ALLOC: workspace_core::alloc_check::CountingAllocator = workspace_core::alloc_check::CountingAllocator::system();
 ///
 /// # fn main() {
 /// let mut buffer = [0_u32; 64];
-/// let total = workspace_core::assert_no_alloc(|| {
+/// let total = workspace_core::alloc_check::assert_no_alloc(|| {
 ///     buffer.iter_mut().enumerate().for_each(|(i, x)| *x = i as u32);
 ///     buffer.iter().sum::<u32>()
 /// });
@@ -760,10 +761,10 @@ impl fmt::Display for AllocationReport {
 ///
 /// ```should_panic
 /// #[global_allocator]
-/// static ALLOC: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+/// static ALLOC: workspace_core::alloc_check::CountingAllocator = workspace_core::alloc_check::CountingAllocator::system();
 ///
 /// # fn main() {
-/// workspace_core::assert_no_alloc(|| vec![1.0_f32; 64]); // panics: 1 heap allocation (256 bytes)
+/// workspace_core::alloc_check::assert_no_alloc(|| vec![1.0_f32; 64]); // panics: 1 heap allocation (256 bytes)
 /// # }
 /// ```
 #[track_caller]

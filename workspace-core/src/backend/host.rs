@@ -19,7 +19,7 @@ use crate::config::{Location, MappedFile};
 use crate::error::BackendError;
 
 /// Size of a transparent huge page on x86-64 and most aarch64 kernels.
-pub const HUGE_PAGE: usize = 2 << 20;
+const HUGE_PAGE: usize = 2 << 20;
 /// Arena blocks are at least page-aligned.
 const PAGE: usize = 4096;
 

@@ -85,8 +85,8 @@ use std::cell::{RefCell, RefMut};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::backend::host::HostBackend;
 use crate::backend::ArenaBackend;
+use crate::backend::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 pub use crate::figures::PlannedStats;

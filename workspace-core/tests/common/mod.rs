@@ -3,7 +3,7 @@
 //!
 //! ```ignore
 //! #[global_allocator]
-//! static GLOBAL: workspace_core::CountingAllocator = workspace_core::CountingAllocator::system();
+//! static GLOBAL: workspace_core::alloc_check::CountingAllocator = workspace_core::alloc_check::CountingAllocator::system();
 //! ```
 //!
 //! and counts what the code under test does, never the test harness: allocations of

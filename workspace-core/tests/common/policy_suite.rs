@@ -25,9 +25,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use bytemuck::Pod;
 use ndarray::{Array, Array1, Dimension, Ix1, ShapeBuilder};
+use workspace_core::backend::{Placement, ScopeKind};
 use workspace_core::{
-    AllocationPolicy, Error as CoreError, LearningPolicy, Placement, ResetPolicy, ScopeKind, SpillPolicy,
-    WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
+    AllocationPolicy, Error as CoreError, LearningPolicy, ResetPolicy, SpillPolicy, WorkspaceConfig,
+    WorkspaceConfigBuilder, WorkspaceStats,
 };
 
 /// A backend the policy table runs on.

@@ -21,9 +21,9 @@
 //! try (MemoryWorkspace ws = Nd4j.getWorkspaceManager().getAndActivateWorkspace(conf, "CIRC")) { ... }
 //! ```
 
+use workspace_core::backend::Placement;
 use workspace_core::{
-    AllocationPolicy, DebugMode, Error, LearningPolicy, Location, Placement, ResetPolicy, SpillPolicy, Workspace,
-    WorkspaceConfig,
+    AllocationPolicy, DebugMode, Error, LearningPolicy, Location, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig,
 };
 
 /// ND4J's circular configuration: a fixed buffer of `bytes`, no learning, reset at the

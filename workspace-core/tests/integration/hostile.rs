@@ -8,8 +8,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use bytemuck::{Pod, Zeroable};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
+use workspace_core::backend::Placement;
 use workspace_core::{
-    AllocationPolicy, BackendError, DebugMode, Error, LearningPolicy, Location, Placement, SpillPolicy, Workspace,
+    AllocationPolicy, BackendError, DebugMode, Error, LearningPolicy, Location, SpillPolicy, Workspace,
     WorkspaceConfig, MAX_TIMELINE_LEN,
 };
 

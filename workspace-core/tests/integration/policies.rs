@@ -5,9 +5,10 @@
 
 use bytemuck::Pod;
 use ndarray::{Array, Array1, Array2, ArrayViewMut, Dimension, Ix1, ShapeBuilder};
+use workspace_core::backend::{Placement, ScopeKind};
 use workspace_core::{
-    AllocationPolicy, DebugMode, Error, LearningPolicy, Location, Placement, Scope, ScopeKind, SpillPolicy, Workspace,
-    WorkspaceArrayExt, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceManager, WorkspaceStats,
+    AllocationPolicy, DebugMode, Error, LearningPolicy, Location, Scope, SpillPolicy, Workspace, WorkspaceArrayExt,
+    WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceManager, WorkspaceStats,
 };
 
 use crate::policy_suite::Target;
@@ -566,7 +567,7 @@ fn manager_registry() {
     }
     assert!(matches!(m.borrow_open("M1"), Err(Error::NotOpen { .. })));
     m.get_or_create("M2", &config).unwrap();
-    let table = m.stats_table();
+    let table = workspace_core::stats_table(&m.stats());
     assert!(table.contains("M1") && table.contains("M2") && table.contains("capacity"), "{table}");
     // Every value sits under its own header: cells are right-aligned, so a column's
     // value ends where its header ends.

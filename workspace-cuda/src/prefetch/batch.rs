@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use async_iter::{BatchLayout, DetachedBatch, Role};
+use async_iter::{BatchArrays, BatchLayout, DetachedBatch, Role};
 use bytemuck::Pod;
 use ndarray::Dimension;
 
@@ -44,7 +44,8 @@ use crate::view::{DeviceView, Owner};
 /// ```
 ///
 /// To keep a batch, copy it out: [`detach`](Self::detach) to the device,
-/// [`detach_to_host`](Self::detach_to_host) to the host.
+/// [`to_host`](Self::to_host) to the host. [`BatchArrays`] reads its arrays as it
+/// reads a host batch's.
 pub struct DeviceLease<'a, D: Device> {
     pub(super) side: &'a mut Side<D>,
     pub(super) batch: Leased,
@@ -160,13 +161,83 @@ impl<D: Device> DeviceLease<'_, D> {
         unsafe { DeviceView::new(owner, self.batch.place.address, ndarray::Ix1(self.batch.info.bytes)) }
     }
 
-    /// Copies the batch to the host and ends the lease.
+    /// Copies the batch to the host (drop the lease to hand its slot back).
     ///
     /// # Errors
     ///
     /// [`Error::Device`] when the device cannot copy.
-    pub fn detach_to_host(self) -> Result<DetachedBatch> {
+    pub fn to_host(&self) -> Result<DetachedBatch> {
         copy_to_host(&self.whole(), self.batch.info)
+    }
+
+    /// Copies the batch to the host and ends the lease: the former name of
+    /// [`to_host`](Self::to_host).
+    ///
+    /// # Errors
+    ///
+    /// As [`to_host`](Self::to_host).
+    #[deprecated(note = "renamed `to_host`, as on `DeviceBatch` and `DeviceArray`")]
+    #[doc(hidden)]
+    pub fn detach_to_host(self) -> Result<DetachedBatch> {
+        self.to_host()
+    }
+}
+
+impl<D: Device> BatchArrays for DeviceLease<'_, D> {
+    type View<'b, T: Pod, Dim: Dimension>
+        = DeviceView<'b, D, T, Dim>
+    where
+        Self: 'b;
+    type Error = Error;
+
+    fn index(&self) -> usize {
+        DeviceLease::index(self)
+    }
+
+    fn epoch(&self) -> u64 {
+        DeviceLease::epoch(self)
+    }
+
+    fn layout(&self) -> &BatchLayout {
+        DeviceLease::layout(self)
+    }
+
+    fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
+        DeviceLease::array(self, role)
+    }
+
+    /// A copy from the device, on the consumer's stream.
+    fn to_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ndarray::Array<T, Dim>> {
+        DeviceLease::array::<T, Dim>(self, role)?.to_host()
+    }
+}
+
+impl<D: Device> BatchArrays for DeviceBatch<D> {
+    type View<'b, T: Pod, Dim: Dimension>
+        = DeviceView<'b, D, T, Dim>
+    where
+        Self: 'b;
+    type Error = Error;
+
+    fn index(&self) -> usize {
+        DeviceBatch::index(self)
+    }
+
+    fn epoch(&self) -> u64 {
+        DeviceBatch::epoch(self)
+    }
+
+    fn layout(&self) -> &BatchLayout {
+        DeviceBatch::layout(self)
+    }
+
+    fn array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<DeviceView<'_, D, T, Dim>> {
+        DeviceBatch::array(self, role)
+    }
+
+    /// A copy from the device, on the batch's stream.
+    fn to_array<T: Pod, Dim: Dimension>(&self, role: Role) -> Result<ndarray::Array<T, Dim>> {
+        DeviceBatch::array::<T, Dim>(self, role)?.to_host()
     }
 }
 

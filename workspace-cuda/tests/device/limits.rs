@@ -80,7 +80,7 @@ fn configured_alignments_above_the_device_alignment_are_honoured<D: Device>(dev:
                 }
                 // Padding to the alignment never made two allocations overlap.
                 for (bytes, value) in written {
-                    assert!(bytes.detach_to_host().unwrap().iter().all(|&b| b == value), "{name}, alignment {align}");
+                    assert!(bytes.to_host().unwrap().iter().all(|&b| b == value), "{name}, alignment {align}");
                 }
             }
         }

@@ -8,7 +8,8 @@ use std::thread;
 use std::time::Duration;
 
 use ndarray::Array1;
-use workspace_core::{Placement, WorkspaceConfig};
+use workspace_core::backend::Placement;
+use workspace_core::WorkspaceConfig;
 use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, Error, PinnedWorkspace, SimDevice, SimHold};
 
 use crate::policies::fixed;
@@ -227,7 +228,7 @@ fn a_copy_into_a_workspace_on_another_stream_waits_for_the_source() {
         let kept = x.leverage_to(&out).unwrap();
         sim.quiesce();
         drop(hold);
-        let seen = kept.detach_to_host().unwrap()[0];
+        let seen = kept.to_host().unwrap()[0];
         let expected = if ignore_waits { u32::from_ne_bytes([workspace_cuda::POISON; 4]) } else { 3 };
         assert_eq!(seen, expected, "ignore_stream_waits = {ignore_waits}");
     }
@@ -271,7 +272,7 @@ fn pinned_memory_is_handed_out_again_only_after_its_transfers() {
         let y = stage.filled::<u32, _>(256, 2).unwrap(); // host writes
         assert_eq!(stage.placement(&y), first, "the same pinned bytes");
     });
-    assert_eq!(target.detach_to_host().unwrap().sum(), 256, "the copy read the next cycle's data");
+    assert_eq!(target.to_host().unwrap().sum(), 256, "the copy read the next cycle's data");
 }
 
 #[test]
@@ -301,7 +302,7 @@ fn memory_of_two_devices_does_not_mix() {
     let x = sa.htod(&Array1::from_elem(8, 1u8)).unwrap();
     let err = x.leverage_to(&sb).expect_err("two devices");
     assert!(matches!(err, Error::DeviceMismatch { .. }), "{err:?}");
-    assert!(err.to_string().contains("detach_to_host"), "{err}");
+    assert!(err.to_string().contains("to_host"), "{err}");
     let staging = PinnedWorkspace::for_transfers("STAGE", &b, 4096).unwrap();
     let stage = staging.enter().unwrap();
     let mut p = stage.zeros::<u8, _>(8).unwrap();

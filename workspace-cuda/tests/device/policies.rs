@@ -9,9 +9,10 @@
 
 use bytemuck::Pod;
 use ndarray::{arr1, Array, Array1, Array2, Dimension, Ix1, ShapeBuilder};
+use workspace_core::backend::{Placement, ScopeKind};
 use workspace_core::{
-    AllocationPolicy, Error as CoreError, LearningPolicy, Location, Placement, ScopeKind, Workspace, WorkspaceConfig,
-    WorkspaceConfigBuilder, WorkspaceStats,
+    AllocationPolicy, Error as CoreError, LearningPolicy, Location, Workspace, WorkspaceConfig, WorkspaceConfigBuilder,
+    WorkspaceStats,
 };
 use workspace_cuda::{Device, DeviceArray, DeviceScope, DeviceViewMut, DeviceWorkspace, Error, PinnedWorkspace};
 
@@ -130,7 +131,7 @@ impl<D: Device> Target for D {
     }
 
     fn to_host<E: Pod, Dim: Dimension>(array: &DeviceViewMut<'_, D, E, Dim>) -> Array<E, Dim> {
-        array.detach_to_host().unwrap()
+        array.to_host().unwrap()
     }
 
     fn address<E: Pod, Dim: Dimension>(array: &DeviceViewMut<'_, D, E, Dim>) -> usize {
@@ -183,7 +184,7 @@ pub(crate) fn borrowing_an_open_workspace_does_not_reset_it<D: Device>(dev: &D) 
         assert_eq!(outer_ws.generation(), generation, "borrowing opens no generation");
         kept
     }; // INNER resets here
-    assert_eq!(kept.detach_to_host(&outer).unwrap().sum(), 18.0);
+    assert_eq!(kept.to_host(&outer).unwrap().sum(), 18.0);
     assert_eq!(kept.workspace_name().as_ref(), "OUTER");
 }
 
@@ -193,7 +194,7 @@ pub(crate) fn stale_handles_name_the_workspace_the_generations_and_the_fix<D: De
         let s = a.enter().unwrap();
         let mut h = s.zeros_handle::<f32, _>((2, 3)).unwrap();
         h.view_mut(&s).unwrap().htod_from(&Array2::from_elem((2, 3), 1.0)).unwrap();
-        assert_eq!(h.detach_to_host(&s).unwrap().sum(), 6.0);
+        assert_eq!(h.to_host(&s).unwrap().sum(), 6.0);
         h
     };
     let s = a.enter().unwrap();
@@ -206,7 +207,7 @@ pub(crate) fn stale_handles_name_the_workspace_the_generations_and_the_fix<D: De
     for needle in ["'ALPHA'", "generation 1", "generation 2", "detach()", "leverage_to"] {
         assert!(msg.contains(needle), "message lacks {needle}: {msg}");
     }
-    assert!(h.detach(&s).is_err() && h.detach_to_host(&s).is_err());
+    assert!(h.detach(&s).is_err() && h.to_host(&s).is_err());
 }
 
 pub(crate) fn foreign_handles_are_refused_and_leverage_moves_them<D: Device>(dev: &D) {
@@ -220,7 +221,7 @@ pub(crate) fn foreign_handles_are_refused_and_leverage_moves_them<D: Device>(dev
     let moved = h.leverage_to(&sa, &sb).unwrap();
     assert_eq!(moved.view(&sb).unwrap().shape(), &[4]);
     assert_eq!(moved.workspace_name().as_ref(), "BETA");
-    assert_eq!(moved.detach_to_host(&sb).unwrap(), arr1(&[1.0, 2.0, 3.0, 4.0]));
+    assert_eq!(moved.to_host(&sb).unwrap(), arr1(&[1.0, 2.0, 3.0, 4.0]));
 }
 
 pub(crate) fn leverage_to_a_closed_workspace_is_an_error<D: Device>(dev: &D) {
@@ -234,7 +235,7 @@ pub(crate) fn leverage_to_a_closed_workspace_is_an_error<D: Device>(dev: &D) {
     let open = target.enter().unwrap();
     let moved = h.leverage_to_workspace(&s, &target).unwrap();
     drop(s); // SRC resets; the copy in OUT survives
-    assert_eq!(moved.detach_to_host(&open).unwrap(), arr1(&[5, 6, 7]));
+    assert_eq!(moved.to_host(&open).unwrap(), arr1(&[5, 6, 7]));
 }
 
 pub(crate) fn detach_copies_exact_values_that_survive_the_reset<D: Device>(dev: &D) {
@@ -261,7 +262,7 @@ pub(crate) fn copies_follow_logical_order_for_any_host_layout<D: Device>(dev: &D
     let host = Array2::from_shape_fn((3, 4), |(i, j)| (i * 10 + j) as f32);
     let transposed = s.htod(&host.t()).unwrap(); // a non-contiguous source
     assert_eq!(transposed.shape(), &[4, 3]);
-    assert_eq!(transposed.detach_to_host().unwrap(), host.t());
+    assert_eq!(transposed.to_host().unwrap(), host.t());
     let mut target = Array2::<f32>::zeros((3, 4));
     let mut target_t = target.view_mut().reversed_axes(); // a non-contiguous destination
     transposed.dtoh_into(&mut target_t).unwrap();
@@ -281,7 +282,7 @@ pub(crate) fn leverage_into_an_outer_workspace_survives_the_inner_reset<D: Devic
         x.leverage_to(&outer).unwrap()
     };
     assert_eq!(kept.workspace_name().as_ref(), "OUTER");
-    assert_eq!(kept.detach_to_host().unwrap().sum(), 4950);
+    assert_eq!(kept.to_host().unwrap().sum(), 4950);
 }
 
 pub(crate) fn leverage_across_streams_orders_both_streams<D: Device>(dev: &D) {
@@ -297,7 +298,7 @@ pub(crate) fn leverage_across_streams_orders_both_streams<D: Device>(dev: &D) {
         // The source memory is reused next round, right after the copy was issued.
     }
     for (round, copy) in copies.iter().enumerate() {
-        assert_eq!(copy.detach_to_host().unwrap().sum(), 4096.0 * round as f32);
+        assert_eq!(copy.to_host().unwrap().sum(), 4096.0 * round as f32);
     }
 }
 
@@ -319,7 +320,7 @@ pub(crate) fn out_of_device_memory_is_an_error_and_the_workspace_stays_usable<D:
     let err = s.zeros::<u8, _>(1usize << 50).expect_err("out of memory");
     assert!(matches!(err, Error::Workspace(CoreError::Backend { .. })), "{err:?}");
     assert!(err.to_string().contains("'T'") && err.to_string().contains("out of memory"), "{err}");
-    assert_eq!(s.htod(&arr1(&[3u8, 4])).unwrap().detach_to_host().unwrap(), arr1(&[3, 4]));
+    assert_eq!(s.htod(&arr1(&[3u8, 4])).unwrap().to_host().unwrap(), arr1(&[3, 4]));
 }
 
 /// Workspaces are `Send` (the table's `workspace_is_send_and_runs_on_another_thread`), and
@@ -359,8 +360,8 @@ pub(crate) fn uninit_arrays_fill_from_the_host_and_from_the_device<D: Device>(de
     let filled = s.uninit::<u32, _>(1024).unwrap().htod_from(&Array1::from_elem(1024, 3)).unwrap();
     let copied = s.uninit::<u32, _>(1024).unwrap().copy_from(&filled).unwrap();
     assert_eq!(s.placement(&filled), first, "over the earlier cycle's array");
-    assert_eq!(filled.detach_to_host().unwrap(), Array1::from_elem(1024, 3));
-    assert_eq!(copied.detach_to_host().unwrap().sum(), 3 * 1024);
+    assert_eq!(filled.to_host().unwrap(), Array1::from_elem(1024, 3));
+    assert_eq!(copied.to_host().unwrap().sum(), 3 * 1024);
 }
 
 pub(crate) fn on_stream_orders_work_both_ways<D: Device>(dev: &D) {

@@ -12,7 +12,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use async_iter::{BatchLayout, BatchMut, BatchSource, SourceCall, SourceError, Threading};
+use async_iter::{BatchArrays, BatchLayout, BatchMut, BatchSource, Role, SourceCall, SourceError, Threading};
 use ndarray::{Array1, Array2, Ix1, Ix2};
 use workspace_cuda::{Device, DevicePrefetcher, Error, SimDevice};
 
@@ -127,6 +127,16 @@ fn within_30s(f: impl FnOnce() + Send + 'static) {
     }
 }
 
+/// What a batch holds, read through [`BatchArrays`] wherever it lives (a device lease,
+/// a device batch, a host batch): its features and labels copied to the host, and
+/// whether it has a features mask.
+fn read_back<B: BatchArrays>(batch: &B) -> (Array2<f32>, Array1<u32>, bool) {
+    let x = batch.to_array::<f32, Ix2>(Role::Features).unwrap();
+    let y = batch.to_array::<u32, Ix1>(Role::Labels).unwrap();
+    assert_eq!(batch.layout().has(Role::Labels), batch.labels::<u32, Ix1>().is_ok());
+    (x, y, batch.features_mask::<u8, Ix1>().unwrap().is_some())
+}
+
 // ---- on both devices --------------------------------------------------------------
 
 pub(crate) fn checksums_over_epochs_with_random_sizes_and_a_slow_consumer<D: Device>(device: &D) {
@@ -143,23 +153,22 @@ pub(crate) fn checksums_over_epochs_with_random_sizes_and_a_slow_consumer<D: Dev
             thread::sleep(Duration::from_millis(2)); // the consumer is the slow side
             let x = batch.features::<f32, Ix2>().unwrap();
             assert_eq!(x.shape(), &[rows, COLUMNS]);
-            assert_eq!(
-                x.detach_to_host().unwrap(),
-                expected_features(epoch, index, rows),
-                "epoch {epoch} batch {index}"
-            );
+            assert_eq!(x.to_host().unwrap(), expected_features(epoch, index, rows), "epoch {epoch} batch {index}");
             let mask = batch.features_mask::<u8, Ix1>().unwrap();
             assert_eq!(mask.is_some(), index % 2 == 1);
+            let expected = (expected_features(epoch, index, rows), expected_labels(epoch, index, rows), index % 2 == 1);
+            assert_eq!(read_back(&batch), expected, "the lease through BatchArrays");
             match index % 3 {
                 0 => kept.push(batch.detach().unwrap()), // outlives the ring slot and the prefetcher
                 1 => {
-                    let host = batch.detach_to_host().unwrap();
+                    let host = batch.to_host().unwrap();
+                    assert_eq!(read_back(&host), expected, "the host copy through BatchArrays");
                     assert_eq!(host.labels::<u32, Ix1>().unwrap(), expected_labels(epoch, index, rows));
                     assert_eq!(host.features::<f32, Ix2>().unwrap(), expected_features(epoch, index, rows));
                 }
                 _ => {
                     let y = batch.labels::<u32, Ix1>().unwrap();
-                    assert_eq!(y.detach_to_host().unwrap(), expected_labels(epoch, index, rows));
+                    assert_eq!(y.to_host().unwrap(), expected_labels(epoch, index, rows));
                 }
             }
             seen += 1;
@@ -179,9 +188,18 @@ pub(crate) fn checksums_over_epochs_with_random_sizes_and_a_slow_consumer<D: Dev
     drop(batches);
     for batch in &kept {
         let rows = random_rows(batch.epoch(), batch.index()).unwrap();
+        let (x, y, masked) = read_back(batch);
+        assert_eq!(
+            (x, y),
+            (
+                expected_features(batch.epoch(), batch.index(), rows),
+                expected_labels(batch.epoch(), batch.index(), rows)
+            )
+        );
+        assert_eq!(masked, batch.index() % 2 == 1, "the device batch through BatchArrays");
         let host = batch.to_host().unwrap();
         assert_eq!(host.features::<f32, Ix2>().unwrap(), expected_features(batch.epoch(), batch.index(), rows));
-        let y = batch.labels::<u32, Ix1>().unwrap().detach_to_host().unwrap();
+        let y = batch.labels::<u32, Ix1>().unwrap().to_host().unwrap();
         assert_eq!(y, expected_labels(batch.epoch(), batch.index(), rows));
     }
 }
@@ -221,7 +239,7 @@ pub(crate) fn the_last_partial_batch_arrives_whole<D: Device>(device: &D) {
     let mut rows = Vec::new();
     while let Some(batch) = batches.next() {
         let batch = batch.unwrap();
-        let host = batch.detach_to_host().unwrap();
+        let host = batch.to_host().unwrap();
         let x = host.features::<f32, Ix2>().unwrap();
         assert_eq!(x, expected_features(0, host.index(), x.nrows()));
         rows.push(x.nrows());
@@ -272,7 +290,7 @@ pub(crate) fn dropping_or_stopping_mid_epoch_joins_without_hanging<D: Device>(de
         std::mem::forget(batches.next().unwrap().unwrap()); // its slot comes back at the next `next()`
         let second = batches.next().unwrap().unwrap();
         assert_eq!(second.index(), 1);
-        let x = second.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
+        let x = second.features::<f32, Ix2>().unwrap().to_host().unwrap();
         assert_eq!(x, expected_features(0, 1, 64));
         drop(second);
         batches.stop().unwrap();
@@ -467,7 +485,7 @@ fn a_pinned_slot_goes_back_to_the_producer_only_after_its_copy() {
             drop(hold);
         });
         let first = batches.next().unwrap().unwrap(); // waits for the copy of batch 0
-        assert_eq!(first.features::<f32, Ix2>().unwrap().detach_to_host().unwrap(), expected_features(0, 0, 64));
+        assert_eq!(first.features::<f32, Ix2>().unwrap().to_host().unwrap(), expected_features(0, 0, 64));
         drop(first);
         release.join().unwrap();
     });
@@ -555,7 +573,7 @@ fn stop_and_reset_with_a_source_stuck_in_fill_fail_then_work_once_it_returns() {
         while let Some(batch) = batches.next() {
             let batch = batch.unwrap();
             let rows = partial_last(1, batch.index()).unwrap();
-            let x = batch.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
+            let x = batch.features::<f32, Ix2>().unwrap().to_host().unwrap();
             assert_eq!(x, expected_features(1, batch.index(), rows));
             seen += 1;
         }
@@ -604,7 +622,7 @@ fn a_source_that_needs_the_batch_before_to_be_used_does_not_deadlock() {
                 let mut seen = 0;
                 while let Some(batch) = batches.next() {
                     let batch = batch.unwrap();
-                    let x = batch.features::<f32, Ix2>().unwrap().detach_to_host().unwrap();
+                    let x = batch.features::<f32, Ix2>().unwrap().to_host().unwrap();
                     assert_eq!(x, expected_features(0, batch.index(), 8), "{threading:?}");
                     let _ = used.send(batch.index());
                     seen += 1;
