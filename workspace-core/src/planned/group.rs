@@ -72,8 +72,8 @@ pub(super) struct GroupState<B: ArenaBackend> {
     /// Arena growths the backend refused, in starts that needed a growth (see
     /// [`crate::refusals`]).
     pub(super) refusals: Refusals,
-    /// Starts on the general path so far: the back-off's clock.
-    pub(super) general_starts: u64,
+    /// Starts so far: the back-off's clock.
+    pub(super) starts: u64,
     /// A refusal when a plan was made, which no start has reported yet.
     pub(super) unreported: Option<crate::error::BackendError>,
     /// The plan whose figures the statistics show: the one used last.
@@ -201,24 +201,7 @@ impl<B: ArenaBackend> GroupState<B> {
 
     /// Ends the current iteration: plans a recording, counts a replay. Returns whether
     /// the iteration was replayed to its end on its plan.
-    #[inline]
     pub(super) fn finish(&mut self) -> bool {
-        if let Mode::Replaying { index } = self.mode {
-            // The common case first (a replay records no events).
-            debug_assert!(self.shown == Some(index));
-            if self.pos == self.steps.len() {
-                self.stats.planned_iterations += 1;
-                self.mode = Mode::Idle;
-                return true;
-            }
-        }
-        self.finish_general()
-    }
-
-    /// [`GroupState::finish`] but for a replay that reached the end of its plan.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn finish_general(&mut self) -> bool {
         let mut on_plan = false;
         match self.mode {
             Mode::Recording if !self.truncated && !self.events.is_empty() => {
@@ -258,7 +241,7 @@ impl<B: ArenaBackend> GroupState<B> {
                 if !self.refusals.stand() {
                     if let Err(source) = self.fit_arena(index) {
                         // Counted as refused now, reported by the start that needs it.
-                        self.refusals.refused(self.plans[index].bytes, self.general_starts);
+                        self.refusals.refused(self.plans[index].bytes, self.starts);
                         self.unreported = Some(source);
                     }
                 }
@@ -321,7 +304,7 @@ impl<B: ArenaBackend> GroupState<B> {
             return Ok(());
         }
         let bytes = self.plans[index].bytes;
-        if self.refusals.defers(bytes, self.general_starts) {
+        if self.refusals.defers(bytes, self.starts) {
             // A refusal when the plan was made is reported by the first start it fails.
             return Err(self.unreported.take());
         }
@@ -332,7 +315,7 @@ impl<B: ArenaBackend> GroupState<B> {
             }
             Err(source) => {
                 let unreported = self.unreported.take().is_some();
-                let first = self.refusals.refused(bytes, self.general_starts) || unreported;
+                let first = self.refusals.refused(bytes, self.starts) || unreported;
                 Err(first.then_some(source))
             }
         }
@@ -379,28 +362,12 @@ impl<B: ArenaBackend> GroupState<B> {
     }
 
     /// Starts an iteration of `key`: replays its plan when there is a fresh one (and no
-    /// member holds a window of the last iteration), records it otherwise.
+    /// member holds a window of the last iteration), records it otherwise. One path for
+    /// every case: the common one (the key of the iteration before, its plan fresh and
+    /// held by the arena) costs a few compares more than a copy of its own would.
     #[inline]
     pub(super) fn start(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
-        // The common case first: after a finished iteration, the same key again. (The
-        // plan shown is the one used last, so the cache's order of use stays as it is.)
-        if let (Mode::Idle, 0, Some(index)) = (self.mode, self.live, self.shown) {
-            let plan = &self.plans[index];
-            if plan.key == key && !plan.stale && self.arena_holds(index) {
-                self.key = key;
-                self.pos = 0;
-                self.mode = Mode::Replaying { index };
-                return Ok(());
-            }
-        }
-        self.start_general(key)
-    }
-
-    /// [`GroupState::start`] in every case.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn start_general(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
-        self.general_starts += 1;
+        self.starts += 1;
         if self.mode != Mode::Idle {
             let _ = self.finish();
         }
@@ -423,7 +390,9 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.fit_arena_or_back_off(index)?;
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
-                self.show(index);
+                if self.shown != Some(index) {
+                    self.show(index);
+                }
                 self.mode = Mode::Replaying { index };
             }
             _ => {
@@ -497,7 +466,7 @@ impl<B: ArenaBackend> GroupShared<B> {
                 capacity: capacity.max(1),
                 clock: 0,
                 refusals: Refusals::default(),
-                general_starts: 0,
+                starts: 0,
                 unreported: None,
                 shown: None,
                 steps: Arc::from([]),
