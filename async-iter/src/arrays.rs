@@ -13,7 +13,8 @@ use crate::lease::Lease;
 /// (`workspace_cuda`'s `DeviceLease` and `DeviceBatch`): code written against this
 /// trait takes any of them.
 ///
-/// The types keep the same methods as inherent methods too, so that a caller who
+/// The types keep these methods as inherent methods too (a device batch's
+/// `to_array` aside, where `to_host` copies the whole batch), so that a caller who
 /// knows the type needs no import.
 ///
 /// ```

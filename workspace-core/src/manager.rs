@@ -46,7 +46,7 @@ thread_local! {
 ///     scope.zeros::<f32, _>(1024)?;
 /// }
 /// assert_eq!(ws.stats().cycles, 1);
-/// println!("{}", manager.stats_table());
+/// println!("{}", workspace_core::stats_table(&manager.stats()));
 /// manager.destroy("LOOP")?;
 /// # Ok::<(), workspace_core::Error>(())
 /// ```

@@ -1,6 +1,6 @@
 //! Growths a backend refused, and when to ask for them again: the one back-off that a
-//! workspace's arena (counted in cycles) and a plan group's arena (counted in starts of
-//! its iterations) share.
+//! workspace's arena (counted in cycles) and a plan group's arena (counted in starts
+//! that needed a growth) share.
 //!
 //! The first refusal since the last growth that succeeded is the one to report; later
 //! ones are only counted. A size refused, or a larger one, is asked for again only after

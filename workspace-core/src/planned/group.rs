@@ -72,7 +72,7 @@ pub(super) struct GroupState<B: ArenaBackend> {
     /// Arena growths the backend refused, in starts that needed a growth (see
     /// [`crate::refusals`]).
     pub(super) refusals: Refusals,
-    /// Starts so far: the back-off's clock.
+    /// Starts that needed the arena to grow: the back-off's clock.
     pub(super) starts: u64,
     /// A refusal when a plan was made, which no start has reported yet.
     pub(super) unreported: Option<crate::error::BackendError>,
@@ -367,7 +367,6 @@ impl<B: ArenaBackend> GroupState<B> {
     /// held by the arena) costs a few compares more than a copy of its own would.
     #[inline]
     pub(super) fn start(&mut self, key: u64) -> std::result::Result<(), Option<crate::error::BackendError>> {
-        self.starts += 1;
         if self.mode != Mode::Idle {
             let _ = self.finish();
         }
@@ -387,7 +386,11 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.stats.blocked_iterations += 1;
             }
             Some(index) if !self.plans[index].stale => {
-                self.fit_arena_or_back_off(index)?;
+                if !self.arena_holds(index) {
+                    // A start that needs the arena to grow: a tick of the back-off.
+                    self.starts += 1;
+                    self.fit_arena_or_back_off(index)?;
+                }
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
                 if self.shown != Some(index) {

@@ -316,6 +316,24 @@ impl<D: Device> DeviceBatch<D> {
         self.array(Role::Labels)
     }
 
+    /// The features mask, if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::features`].
+    pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
+        optional(self.array(Role::FeaturesMask))
+    }
+
+    /// The labels mask, if the batch has one.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceLease::features`].
+    pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
+        optional(self.array(Role::LabelsMask))
+    }
+
     /// The array of `role`.
     ///
     /// # Errors

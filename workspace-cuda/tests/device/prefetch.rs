@@ -197,6 +197,8 @@ pub(crate) fn checksums_over_epochs_with_random_sizes_and_a_slow_consumer<D: Dev
             )
         );
         assert_eq!(masked, batch.index() % 2 == 1, "the device batch through BatchArrays");
+        assert_eq!(batch.features_mask::<u8, Ix1>().unwrap().is_some(), masked, "and its own method");
+        assert!(batch.labels_mask::<u8, Ix1>().unwrap().is_none());
         let host = batch.to_host().unwrap();
         assert_eq!(host.features::<f32, Ix2>().unwrap(), expected_features(batch.epoch(), batch.index(), rows));
         let y = batch.labels::<u32, Ix1>().unwrap().to_host().unwrap();
