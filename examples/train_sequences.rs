@@ -373,7 +373,7 @@ fn run(args: &Args) -> Res<()> {
             "per_role_bytes": t.plan.as_ref().map(|p| p.per_role_bytes),
             "plan_bytes": t.plan.as_ref().map(|p| p.plan_bytes),
             "lower_bound_bytes": t.plan.as_ref().map(|p| p.lower_bound_bytes),
-            "plan_to_bound": t.plan.as_ref().map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
+            "plan_to_bound": t.plan.as_ref().map(|p| p.plan_to_bound),
             "planning_us": t.plan.as_ref().map(|p| p.planning_us),
             "replans": t.plan.as_ref().map(|p| p.replans),
             "divergences": t.plan.as_ref().map(|p| p.divergences),

@@ -134,7 +134,7 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         "per_role_bytes": s.plan.as_ref().map(|p| p.per_role_bytes),
         "plan_bytes": s.plan.as_ref().map(|p| p.plan_bytes),
         "lower_bound_bytes": s.plan.as_ref().map(|p| p.lower_bound_bytes),
-        "plan_to_bound": s.plan.as_ref().map(|p| p.plan_bytes as f64 / p.lower_bound_bytes.max(1) as f64),
+        "plan_to_bound": s.plan.as_ref().map(|p| p.plan_to_bound),
         "planning_us": s.plan.as_ref().map(|p| p.planning_us),
         "replans": s.plan.as_ref().map(|p| p.replans),
         "divergences": s.plan.as_ref().map(|p| p.divergences),

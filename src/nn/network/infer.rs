@@ -11,7 +11,6 @@ use crate::{Error, Result};
 
 use super::super::layer::Activations;
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
-use super::train::planned_iteration;
 use super::{check_labels, forward, Input, Labels, Network};
 
 impl Network {
@@ -23,7 +22,7 @@ impl Network {
             return self.forward_probabilities(x, f);
         };
         let key = shape_key(&x, None);
-        Ok(planned_iteration(&group, key, || self.forward_probabilities(x, f))?.0)
+        Ok(group.iteration(key, || self.forward_probabilities(x, f))?.0)
     }
 
     /// [`Network::infer`]'s forward pass.

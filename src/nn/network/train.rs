@@ -43,7 +43,7 @@ impl Network {
         };
         // Planned: the iteration replays the plan of its shape (or is recorded).
         let key = shape_key(&x, Some(&labels));
-        let (loss, on_plan) = planned_iteration(&group, key, || self.recorded_step(x, labels))?;
+        let (loss, on_plan) = group.iteration(key, || self.recorded_step(x, labels))?;
         if on_plan {
             // On the plan: the plan's bytes were the iteration's memory.
             self.last_workspace_bytes = group.plan_bytes();
@@ -242,17 +242,6 @@ impl Network {
         }
         Ok((total / count as f64) as f32)
     }
-}
-
-/// Runs `work` as an iteration of `group` for a batch of `key`
-/// ([`PlanGroup::iteration`](workspace_core::planned::PlanGroup::iteration)): its value,
-/// and whether it ran on its plan to the end.
-pub(super) fn planned_iteration<R>(
-    group: &workspace_core::planned::PlanGroup,
-    key: u64,
-    work: impl FnOnce() -> Result<R>,
-) -> Result<(R, bool)> {
-    group.iteration(key, work)
 }
 
 /// The gradient flowing down the network in the backward pass: an array in one of the

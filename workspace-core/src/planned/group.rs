@@ -294,8 +294,9 @@ impl<B: ArenaBackend> GroupState<B> {
     /// [`GroupState::fit_arena`] for a start, which runs off the plan when it fails: a
     /// size the backend refused (or a larger one) is asked for again only after a
     /// back-off, and only the first refusal since the last growth is returned, to be
-    /// reported; `Err(None)` for the others.
-    #[cold]
+    /// reported; `Err(None)` for the others. A start that needs a growth is a tick of
+    /// the back-off's clock.
+    #[inline]
     pub(super) fn fit_arena_or_back_off(
         &mut self,
         index: usize,
@@ -303,6 +304,13 @@ impl<B: ArenaBackend> GroupState<B> {
         if self.live > 0 || self.arena_holds(index) {
             return Ok(());
         }
+        self.starts += 1;
+        self.grow_arena_or_back_off(index)
+    }
+
+    /// [`GroupState::fit_arena_or_back_off`] once a growth is needed.
+    #[cold]
+    fn grow_arena_or_back_off(&mut self, index: usize) -> std::result::Result<(), Option<crate::error::BackendError>> {
         let bytes = self.plans[index].bytes;
         if self.refusals.defers(bytes, self.starts) {
             // A refusal when the plan was made is reported by the first start it fails.
@@ -386,11 +394,7 @@ impl<B: ArenaBackend> GroupState<B> {
                 self.stats.blocked_iterations += 1;
             }
             Some(index) if !self.plans[index].stale => {
-                if !self.arena_holds(index) {
-                    // A start that needs the arena to grow: a tick of the back-off.
-                    self.starts += 1;
-                    self.fit_arena_or_back_off(index)?;
-                }
+                self.fit_arena_or_back_off(index)?;
                 self.clock += 1;
                 self.plans[index].last_used = self.clock;
                 if self.shown != Some(index) {

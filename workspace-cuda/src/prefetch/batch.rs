@@ -109,7 +109,7 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// As [`features`](Self::features).
     pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
-        optional(self.array(Role::FeaturesMask))
+        BatchArrays::features_mask(self)
     }
 
     /// The labels mask, if the batch has one.
@@ -118,7 +118,7 @@ impl<D: Device> DeviceLease<'_, D> {
     ///
     /// As [`features`](Self::features).
     pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
-        optional(self.array(Role::LabelsMask))
+        BatchArrays::labels_mask(self)
     }
 
     /// The array of `role`.
@@ -258,14 +258,6 @@ impl<D: Device> fmt::Debug for DeviceLease<'_, D> {
     }
 }
 
-fn optional<V>(view: Result<V>) -> Result<Option<V>> {
-    match view {
-        Ok(view) => Ok(Some(view)),
-        Err(Error::Prefetch(async_iter::Error::MissingArray { .. })) => Ok(None),
-        Err(err) => Err(err),
-    }
-}
-
 /// A batch copied out of the device ring by [`DeviceLease::detach`]: it owns its device
 /// memory (freed in its stream's order when dropped) and outlives the prefetcher.
 pub struct DeviceBatch<D: Device> {
@@ -322,7 +314,7 @@ impl<D: Device> DeviceBatch<D> {
     ///
     /// As [`DeviceLease::features`].
     pub fn features_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
-        optional(self.array(Role::FeaturesMask))
+        BatchArrays::features_mask(self)
     }
 
     /// The labels mask, if the batch has one.
@@ -331,7 +323,7 @@ impl<D: Device> DeviceBatch<D> {
     ///
     /// As [`DeviceLease::features`].
     pub fn labels_mask<T: Pod, Dim: Dimension>(&self) -> Result<Option<DeviceView<'_, D, T, Dim>>> {
-        optional(self.array(Role::LabelsMask))
+        BatchArrays::labels_mask(self)
     }
 
     /// The array of `role`.
