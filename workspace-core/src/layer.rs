@@ -338,6 +338,32 @@ impl LayerWorkspaceMgr {
     }
 }
 
+impl LayerWorkspaceMgr {
+    /// Whether this manager is planned and nothing reaches its group or workspaces but
+    /// the manager itself (see `PlanGroup::reached_only_through`): no clone of the
+    /// manager, the group or a workspace exists elsewhere, and every workspace it maps
+    /// is a member of its group. Allocates nothing.
+    pub(crate) fn reached_only_here(&self) -> bool {
+        let Some(group) = &self.group else { return false };
+        let mapped = || {
+            self.targets
+                .iter()
+                .filter_map(|t| match t {
+                    Target::Heap => None,
+                    Target::Workspace(ws) => Some(ws),
+                })
+                .chain(self.helpers.iter().map(|(_, ws)| ws))
+        };
+        let uses = |ws: &Workspace| mapped().filter(|m| std::ptr::eq(&***m, ws)).count();
+        // Every mapped workspace is a member: the uses counted over the members add up
+        // to all the mapped workspaces.
+        group.reached_only_through(1, |ws| uses(ws)) && {
+            let counted: usize = group.workspaces_with(|members| members.iter().map(|ws| uses(ws)).sum());
+            counted == mapped().count()
+        }
+    }
+}
+
 /// An open scope for one [`ArrayType`]: everything [`Scope`] offers (through `Deref`),
 /// plus the DL4J-style operations by type.
 #[derive(Debug)]

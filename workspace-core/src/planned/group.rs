@@ -436,14 +436,17 @@ impl<B: ArenaBackend> GroupState<B> {
 pub(super) struct GroupShared<B: ArenaBackend> {
     pub(super) id: u64,
     pub(super) name: Arc<str>,
-    pub(super) thread: u64,
+    /// The thread whose calls reach `state` ([`thread_token`]): the one that made the
+    /// group, or the one [`GroupShared::rebind`] handed it to.
+    pub(super) thread: AtomicU64,
     pub(super) state: RefCell<GroupState<B>>,
 }
 
 // SAFETY: `state` (the only field that is not `Sync` by itself) is borrowed only in
 // `GroupShared::state`, which returns nothing on any thread but `thread`: so it is only
-// ever touched by one thread, the one that made the group. The other fields are
-// immutable. The state is dropped with the last `Arc`, on whichever thread drops it:
+// ever touched by one thread, the one that made the group or the one `rebind` (an
+// `unsafe fn`, whose callers guarantee that no other thread can reach the group) handed
+// it to. The other fields are immutable. The state is dropped with the last `Arc`, on whichever thread drops it:
 // then no other reference exists, and the `Arc`'s count orders that drop after every
 // earlier use; dropping moves the backend and its blocks, which are `Send`.
 unsafe impl<B: ArenaBackend> Sync for GroupShared<B> where B::Block: Send {}
@@ -456,7 +459,7 @@ impl<B: ArenaBackend> GroupShared<B> {
         GroupShared {
             id: crate::engine::next_id(),
             name: Arc::from(name),
-            thread: thread_token(),
+            thread: AtomicU64::new(thread_token()),
             state: RefCell::new(GroupState {
                 backend,
                 arena: None,
@@ -489,10 +492,24 @@ impl<B: ArenaBackend> GroupShared<B> {
     /// The group's state, on the group's thread and when nothing else borrows it.
     #[inline]
     pub(super) fn state(&self) -> Option<RefMut<'_, GroupState<B>>> {
-        if thread_token() != self.thread {
+        if thread_token() != self.thread.load(Ordering::Relaxed) {
             return None;
         }
         self.state.try_borrow_mut().ok()
+    }
+
+    /// Makes the calling thread the group's thread: from now on its calls reach the
+    /// state, and those of the thread that had it do not.
+    ///
+    /// # Safety
+    ///
+    /// No other thread may reach this group now (hold an `Arc` of it, or a member
+    /// workspace that does), and the calling thread got every reference it holds
+    /// through a hand-over that orders the earlier thread's uses before its own (a
+    /// mutex, a channel, a join). Then the state's last user is ordered before this
+    /// thread's first, and relaxed ordering suffices.
+    pub(super) unsafe fn rebind(&self) {
+        self.thread.store(thread_token(), Ordering::Relaxed);
     }
 
     pub(super) fn id(&self) -> u64 {

@@ -79,6 +79,7 @@
 
 mod group;
 mod member;
+mod portable;
 mod script;
 
 use std::cell::{RefCell, RefMut};
@@ -90,6 +91,7 @@ use crate::backend::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 pub use crate::figures::PlannedStats;
+pub use portable::PortableMgr;
 use crate::refusals::Refusals;
 use crate::workspace::Workspace;
 use group::{GroupShared, GroupState, Mode};
@@ -179,6 +181,44 @@ impl PlanGroup {
     /// The members made by [`PlanGroup::workspace`].
     pub fn workspaces(&self) -> Vec<Rc<Workspace>> {
         self.members.borrow().clone()
+    }
+
+    /// Whether nothing reaches this group but `handles` of its handles (clones of it,
+    /// counted by the caller) and its members' memberships, and nothing reaches each
+    /// member but the group's list and `uses(member)` references the caller counts:
+    /// every strong count is what those explain, no weak reference exists, and every
+    /// member is still joined to this group. Allocates nothing.
+    pub(crate) fn reached_only_through(&self, handles: usize, uses: impl Fn(&Workspace) -> usize) -> bool {
+        if Rc::strong_count(&self.members) != handles
+            || Rc::weak_count(&self.members) != 0
+            || Arc::weak_count(&self.shared) != 0
+        {
+            return false;
+        }
+        let Ok(members) = self.members.try_borrow() else { return false };
+        Arc::strong_count(&self.shared) == handles + members.len()
+            && members.iter().all(|ws| {
+                Rc::weak_count(ws) == 0
+                    && Rc::strong_count(ws) == 1 + uses(ws)
+                    && ws.engine().group_id() == Some(self.shared.id())
+            })
+    }
+
+    /// `f` of the member workspaces, without cloning their list.
+    pub(crate) fn workspaces_with<R>(&self, f: impl FnOnce(&[Rc<Workspace>]) -> R) -> R {
+        f(&self.members.borrow())
+    }
+
+    /// Makes the calling thread the group's thread (see `GroupShared::rebind`).
+    ///
+    /// # Safety
+    ///
+    /// No other thread may reach the group or any of its members, and the calling
+    /// thread got its references through a hand-over that orders the earlier thread's
+    /// uses before its own.
+    pub(crate) unsafe fn rebind(&self) {
+        // SAFETY: the caller's contract is `GroupShared::rebind`'s.
+        unsafe { self.shared.rebind() }
     }
 
     #[inline]

@@ -23,3 +23,4 @@ mod model;
 mod plan;
 mod planned;
 mod policies;
+mod portable;
