@@ -66,9 +66,10 @@ pub enum Error {
     /// in a layer's output or gradients, in the loss, or in what the updater would
     /// store. The step was abandoned before any parameter or updater state changed.
     #[error(
-        "non-finite value at '{layer}': {what}. The training step was abandoned before any parameter or \
-         updater state changed, and the network is still usable; remove NaN and infinite values from the \
-         data, or scale the inputs or lower the learning rate if values overflow"
+        "non-finite value at '{layer}': {what}. Refused before anything changed (a training step is abandoned \
+         before any parameter or updater state changes; a request fails alone), and the network or model is \
+         still usable; remove NaN and infinite values from the data, or scale the inputs or lower the learning \
+         rate if values overflow"
     )]
     NonFinite {
         /// The layer where the value appeared ("input" for the batch itself, "loss"
@@ -76,6 +77,51 @@ pub enum Error {
         layer: String,
         /// Which value, where, and what it was.
         what: String,
+    },
+
+    /// Every arena of an inference pool was in use (or, batched, its queue was full)
+    /// and the caller asked not to wait (the `try_` forms). Nothing was run.
+    #[error(
+        "inference pool: all {arenas} arenas are in use (or the batch queue is full); nothing was run. Wait \
+         (`output`), wait at most a while (`output_timeout`), or give the pool more workers"
+    )]
+    PoolBusy {
+        /// The pool's arenas (workers).
+        arenas: usize,
+    },
+
+    /// No arena of an inference pool came free (or, batched, the request's batch did not
+    /// run) within the caller's timeout. Nothing was run, or its result was dropped.
+    #[error("inference pool: the request waited {waited:?}, longer than its timeout, for one of {arenas} arenas")]
+    Timeout {
+        /// The pool's arenas (workers).
+        arenas: usize,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+
+    /// The inference pool was closed (or dropped) before the request ran.
+    #[error("inference pool is closed: the request was not run (the pool was closed or dropped while it waited)")]
+    PoolClosed,
+
+    /// A layer panicked during a request. That request failed; its arena was left clean
+    /// (every scope closed, the iteration abandoned) and the pool goes on serving.
+    #[error("a layer panicked during inference: {message}; this request failed, the pool goes on serving")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
+
+    /// A model file that cannot be read as a model: not safetensors, truncated, a header
+    /// that lies about its lengths, a missing tensor or one of the wrong shape or type.
+    #[error("model file {path}: {reason}")]
+    ModelFile {
+        /// The file.
+        path: String,
+        /// The tensor at fault, when one is.
+        tensor: Option<String>,
+        /// What is wrong, naming the tensor.
+        reason: String,
     },
 }
 

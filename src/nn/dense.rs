@@ -5,7 +5,7 @@ use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
-use super::layer::{BackwardCtx, ForwardCtx, Layer, Param};
+use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param};
 use super::Rng;
 
 /// A dense layer with `inputs × outputs` weights and `outputs` biases, initialised
@@ -123,6 +123,30 @@ impl Dense {
         self.grad_bias.view()
     }
 
+    /// The forward pass, through `&self` (training's and serving's).
+    fn infer<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        self.check_input(&input)?;
+        let (batch, inputs) = input.dim();
+        let outputs = self.weights.ncols();
+        let bias = &self.bias;
+        let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| bias[j])?;
+        let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
+        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch)?;
+        Ok(freeze(out))
+    }
+
+    /// A layer of these weights (`inputs × outputs`) and biases, with no gradients:
+    /// what serving and loading hold.
+    pub(crate) fn from_parts(name: &str, weights: Array2<f32>, bias: Array1<f32>) -> Dense {
+        Dense {
+            name: name.to_string(),
+            weights,
+            bias,
+            grad_weights: Array2::zeros((0, 0)),
+            grad_bias: Array1::zeros(0),
+        }
+    }
+
     fn check_input(&self, input: &ArrayView2<'_, f32>) -> Result<()> {
         if input.ncols() != self.weights.nrows() {
             return Err(Error::ShapeMismatch {
@@ -159,14 +183,11 @@ impl Layer for Dense {
     }
 
     fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        self.check_input(&input)?;
-        let (batch, inputs) = input.dim();
-        let outputs = self.weights.ncols();
-        let bias = &self.bias;
-        let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| bias[j])?;
-        let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
-        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch)?;
-        Ok(freeze(out))
+        self.infer(input, ctx)
+    }
+
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        Some(Box::new(Frozen(Dense::from_parts(&self.name, self.weights.clone(), self.bias.clone()))))
     }
 
     fn backward(
@@ -210,5 +231,23 @@ impl Layer for Dense {
 
     fn param_count(&self) -> usize {
         self.weights.len() + self.bias.len()
+    }
+}
+
+impl FrozenLayer for Frozen<Dense> {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn param_count(&self) -> usize {
+        self.0.weights.len() + self.0.bias.len()
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Layer::output_size(&self.0, inputs)
+    }
+
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        self.0.infer(input, ctx)
     }
 }

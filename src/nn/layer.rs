@@ -357,14 +357,9 @@ pub trait Layer {
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
         let _ = mask;
-        let (b, t, _) = input.dim();
-        let input =
-            if input.is_standard_layout() { input } else { workspace_core::freeze(ctx.activations.copy_of(&input)?) };
-        let y = self.forward(steps_as_rows(input, self.name())?, ctx)?;
-        let features = y.ncols();
-        let y = if y.is_standard_layout() { y } else { workspace_core::freeze(ctx.activations.copy_of(&y)?) };
-        let y = y.into_shape_with_order((b, t, features)).map_err(|_| not_standard(self.name()))?;
-        Ok(Activations::Sequence(y))
+        let (rows, dims) = steps_in(input, ctx, self.name())?;
+        let y = self.forward(rows, ctx)?;
+        steps_out(y, dims, ctx, self.name())
     }
 
     /// The backward pass of [`Layer::forward_sequence`]: `output` is what it returned,
@@ -409,4 +404,99 @@ pub trait Layer {
     fn param_count(&self) -> usize {
         0
     }
+
+    /// A copy of this layer for serving: its parameters (not its gradients or caches)
+    /// in a [`FrozenLayer`], which infers through `&self` from any thread. What
+    /// [`Network::freeze`](crate::nn::Network::freeze) calls for every layer; `None`
+    /// (the default) means the layer cannot be served, and freezing the network fails
+    /// naming it. The layers of [`crate::nn`] all freeze.
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        None
+    }
 }
+
+/// The steps of `input` as one `[batch · time, features]` batch, and `(batch, time)`:
+/// what [`Layer::forward_sequence`]'s default hands to `forward` (copied into standard
+/// layout first when it is not).
+fn steps_in<'a>(
+    input: ArrayView3<'a, f32>,
+    ctx: &ForwardCtx<'a, '_>,
+    name: &str,
+) -> Result<(ArrayView2<'a, f32>, (usize, usize))> {
+    let (b, t, _) = input.dim();
+    let input =
+        if input.is_standard_layout() { input } else { workspace_core::freeze(ctx.activations.copy_of(&input)?) };
+    Ok((steps_as_rows(input, name)?, (b, t)))
+}
+
+/// `forward`'s output over the rows of [`steps_in`] as a sequence again.
+fn steps_out<'a>(
+    y: ArrayView2<'a, f32>,
+    (b, t): (usize, usize),
+    ctx: &ForwardCtx<'a, '_>,
+    name: &str,
+) -> Result<Activations<'a>> {
+    let features = y.ncols();
+    let y = if y.is_standard_layout() { y } else { workspace_core::freeze(ctx.activations.copy_of(&y)?) };
+    let y = y.into_shape_with_order((b, t, features)).map_err(|_| not_standard(name))?;
+    Ok(Activations::Sequence(y))
+}
+
+/// A layer frozen for serving: its parameters only, read through `&self`, so one copy
+/// serves every thread (`Send + Sync`). A [`Model`](crate::nn::Model) holds these;
+/// [`Layer::frozen`] makes one from a trained layer.
+///
+/// The context is the one training's forward pass gets, with
+/// [`ForwardCtx::training`] false: the output goes to [`ForwardCtx::activations`],
+/// scratch to [`ForwardCtx::working`]. A frozen layer must keep nothing of the context
+/// once it returns (no clone of the manager or of a workspace): the model's arena then
+/// stays on the calling thread and is rebuilt for the next caller.
+///
+/// Results must not depend on other rows of the batch (every layer of [`crate::nn`]
+/// computes each row alone): a batched pool relies on it to give a request the same
+/// bits alone or batched with others.
+pub trait FrozenLayer: std::any::Any + Send + Sync {
+    /// A short name for messages.
+    fn name(&self) -> &str;
+
+    /// The number of output columns for `inputs` input columns, or an error when the
+    /// layer cannot take that many.
+    ///
+    /// # Errors
+    ///
+    /// A configuration error naming the mismatch.
+    fn output_size(&self, inputs: usize) -> Result<usize>;
+
+    /// The forward pass over a flat batch, output allocated in `ctx.activations`.
+    ///
+    /// # Errors
+    ///
+    /// Shape and workspace errors.
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>>;
+
+    /// The forward pass over a batch of sequences; the default applies
+    /// [`FrozenLayer::forward`] to every step, as [`Layer::forward_sequence`]'s does.
+    ///
+    /// # Errors
+    ///
+    /// As [`FrozenLayer::forward`].
+    fn forward_sequence<'a>(
+        &self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let _ = mask;
+        let (rows, dims) = steps_in(input, ctx, self.name())?;
+        steps_out(self.forward(rows, ctx)?, dims, ctx, self.name())
+    }
+
+    /// The number of parameters (for the model's weight bytes).
+    fn param_count(&self) -> usize {
+        0
+    }
+}
+
+/// A built-in layer frozen for serving: the layer, its gradients and caches emptied.
+#[derive(Debug)]
+pub(crate) struct Frozen<L>(pub(crate) L);

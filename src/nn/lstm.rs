@@ -7,7 +7,9 @@ use workspace_core::{freeze, ArrayType, Handle};
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
-use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Layer, Param};
+use super::layer::{
+    check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param,
+};
 use super::Rng;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
@@ -136,6 +138,42 @@ impl Lstm {
             cache: Cache::Empty,
             mask_print: 0,
         })
+    }
+
+    /// The forward pass of inference (no cache: two steps' states in working memory),
+    /// through `&self` (training's inference and serving's).
+    fn infer_sequence<'a>(
+        &self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        self.check(&input, mask.as_ref())?;
+        let (batch, steps, _) = input.dim();
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
+        let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, CACHED * self.hidden))?;
+        self.run_forward(input, mask, ring, true, &mut out, ctx)?;
+        Ok(Activations::Sequence(freeze(out)))
+    }
+
+    /// A layer of these weights (`W`: `inputs × 4·hidden`, `U`: `hidden × 4·hidden`, in
+    /// this layer's gate layout) and biases (`4·hidden`), with no gradients: what
+    /// serving and loading hold.
+    pub(crate) fn from_parts(name: &str, w: Array2<f32>, u: Array2<f32>, b: Array1<f32>) -> Lstm {
+        let (inputs, hidden) = (w.nrows(), u.nrows());
+        Lstm {
+            name: name.to_string(),
+            inputs,
+            hidden,
+            w,
+            u,
+            b,
+            grad_w: Array2::zeros((0, 0)),
+            grad_u: Array2::zeros((0, 0)),
+            grad_b: Array1::zeros(0),
+            cache: Cache::Empty,
+            mask_print: 0,
+        }
     }
 
     /// Units (the output features per step).
@@ -360,14 +398,14 @@ impl Layer for Lstm {
     ) -> Result<Activations<'a>> {
         self.check(&input, mask.as_ref())?;
         let (batch, steps, _) = input.dim();
-        let width = CACHED * self.hidden;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
         self.cache = Cache::Empty;
         self.mask_print = fingerprint(mask.as_ref(), batch, steps);
         if !ctx.training {
-            let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, width))?;
-            self.run_forward(input, mask, ring, true, &mut out, ctx)?;
-        } else if ctx.mgr.is_scoped_out(ArrayType::Activations) {
+            return self.infer_sequence(input, mask, ctx);
+        }
+        let width = CACHED * self.hidden;
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
+        if ctx.mgr.is_scoped_out(ArrayType::Activations) {
             let mut cache = Array3::zeros((steps, batch, width));
             self.run_forward(input, mask, cache.view_mut(), false, &mut out, ctx)?;
             self.cache = Cache::Heap(cache);
@@ -410,6 +448,10 @@ impl Layer for Lstm {
 
     fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
         self.params_impl(f);
+    }
+
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        Some(Box::new(Frozen(Lstm::from_parts(&self.name, self.w.clone(), self.u.clone(), self.b.clone()))))
     }
 
     fn param_count(&self) -> usize {
@@ -537,5 +579,39 @@ impl Lstm {
             value: self.b.as_slice_mut().expect("owned biases are contiguous"),
             grad: self.grad_b.as_slice().expect("owned gradients are contiguous"),
         });
+    }
+}
+
+impl FrozenLayer for Frozen<Lstm> {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn param_count(&self) -> usize {
+        self.0.w.len() + self.0.u.len() + self.0.b.len()
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Layer::output_size(&self.0, inputs)
+    }
+
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        Err(Error::ShapeMismatch {
+            context: format!(
+                "layer '{}' is recurrent and takes batches of sequences [batch, time, features]",
+                self.0.name
+            ),
+            expected: vec![input.nrows(), 0, self.0.inputs],
+            actual: input.shape().to_vec(),
+        })
+    }
+
+    fn forward_sequence<'a>(
+        &self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        self.0.infer_sequence(input, mask, ctx)
     }
 }

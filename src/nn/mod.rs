@@ -40,10 +40,11 @@ mod network;
 mod pool;
 mod relu;
 mod rng;
+mod serve;
 mod updater;
 
 pub use dense::Dense;
-pub use layer::{Activations, BackwardCtx, ForwardCtx, Layer, Param};
+pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, Layer, Param};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{
@@ -52,5 +53,6 @@ pub use network::{
 pub use pool::{LastStep, MaskedMean};
 pub use relu::Relu;
 pub use rng::Rng;
+pub use serve::{InferencePool, Model, PoolConfig, PoolLease, PoolMode, PoolStats};
 pub use updater::Updater;
 pub use workspace_core::planned::PlannedStats;

@@ -6,7 +6,7 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Layer};
+use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer};
 
 /// The output of each sequence's last step that holds data (the last unmasked step;
 /// the last step when there is no mask): `[batch, time, features]` → `[batch,
@@ -151,13 +151,11 @@ impl Layer for LastStep {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
-        for r in 0..batch {
-            let (_, last) = held(mask.as_ref(), r, steps, &self.name)?;
-            out.row_mut(r).assign(&input.slice(s![r, last, ..]));
-        }
-        Ok(Activations::Flat(freeze(out)))
+        last_step(self, input, mask, ctx)
+    }
+
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        Some(Box::new(Frozen(self.clone())))
     }
 
     fn backward_sequence(
@@ -200,21 +198,11 @@ impl Layer for MaskedMean {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
-        for r in 0..batch {
-            let (count, _) = held(mask.as_ref(), r, steps, &self.name)?;
-            let mut row = out.row_mut(r);
-            // Summed in step order, then scaled: the same numbers with or without padding.
-            for t in 0..steps {
-                if mask.as_ref().is_none_or(|m| m[[r, t]] != 0.0) {
-                    row += &input.slice(s![r, t, ..]);
-                }
-            }
-            let scale = 1.0 / count as f32;
-            row.mapv_inplace(|v| v * scale);
-        }
-        Ok(Activations::Flat(freeze(out)))
+        masked_mean(self, input, mask, ctx)
+    }
+
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        Some(Box::new(Frozen(self.clone())))
     }
 
     fn backward_sequence(
@@ -245,5 +233,91 @@ impl Layer for MaskedMean {
             }
         }
         Ok(())
+    }
+}
+
+/// [`LastStep`]'s forward pass, training's and serving's.
+fn last_step<'a>(
+    head: &LastStep,
+    input: ArrayView3<'a, f32>,
+    mask: Option<ArrayView2<'a, f32>>,
+    ctx: &ForwardCtx<'a, '_>,
+) -> Result<Activations<'a>> {
+    let (batch, steps, features) = check_mask(&head.name, &input, mask.as_ref())?;
+    let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
+    for r in 0..batch {
+        let (_, last) = held(mask.as_ref(), r, steps, &head.name)?;
+        out.row_mut(r).assign(&input.slice(s![r, last, ..]));
+    }
+    Ok(Activations::Flat(freeze(out)))
+}
+
+impl FrozenLayer for Frozen<LastStep> {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        Err(takes_sequences(&self.0.name, input))
+    }
+
+    fn forward_sequence<'a>(
+        &self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        last_step(&self.0, input, mask, ctx)
+    }
+}
+
+/// [`MaskedMean`]'s forward pass, training's and serving's.
+fn masked_mean<'a>(
+    head: &MaskedMean,
+    input: ArrayView3<'a, f32>,
+    mask: Option<ArrayView2<'a, f32>>,
+    ctx: &ForwardCtx<'a, '_>,
+) -> Result<Activations<'a>> {
+    let (batch, steps, features) = check_mask(&head.name, &input, mask.as_ref())?;
+    let mut out = ctx.activations.zeros::<f32, _>((batch, features))?;
+    for r in 0..batch {
+        let (count, _) = held(mask.as_ref(), r, steps, &head.name)?;
+        let mut row = out.row_mut(r);
+        // Summed in step order, then scaled: the same numbers with or without padding.
+        for t in 0..steps {
+            if mask.as_ref().is_none_or(|m| m[[r, t]] != 0.0) {
+                row += &input.slice(s![r, t, ..]);
+            }
+        }
+        let scale = 1.0 / count as f32;
+        row.mapv_inplace(|v| v * scale);
+    }
+    Ok(Activations::Flat(freeze(out)))
+}
+
+impl FrozenLayer for Frozen<MaskedMean> {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        Err(takes_sequences(&self.0.name, input))
+    }
+
+    fn forward_sequence<'a>(
+        &self,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        masked_mean(&self.0, input, mask, ctx)
     }
 }

@@ -4,7 +4,7 @@ use crate::{Error, Result};
 use ndarray::{ArrayView2, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
-use super::layer::{BackwardCtx, ForwardCtx, Layer};
+use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer};
 
 /// `max(x, 0)` elementwise; the gradient passes where the output is positive.
 #[derive(Clone, Debug)]
@@ -43,9 +43,11 @@ impl Layer for Relu {
     }
 
     fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        let mut out = ctx.activations.copy_of(&input)?;
-        out.mapv_inplace(|v| if v > 0.0 { v } else { 0.0 });
-        Ok(freeze(out))
+        relu(input, ctx)
+    }
+
+    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
+        Some(Box::new(Frozen(self.clone())))
     }
 
     fn backward(
@@ -76,5 +78,26 @@ impl Layer for Relu {
             });
         }
         Ok(())
+    }
+}
+
+/// The forward pass, training's and serving's.
+fn relu<'a>(input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+    let mut out = ctx.activations.copy_of(&input)?;
+    out.mapv_inplace(|v| if v > 0.0 { v } else { 0.0 });
+    Ok(freeze(out))
+}
+
+impl FrozenLayer for Frozen<Relu> {
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+        relu(input, ctx)
     }
 }

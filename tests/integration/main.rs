@@ -8,6 +8,7 @@ mod nn;
 mod nn_prefetch;
 mod sequences;
 mod sequences_prefetch;
+mod serve;
 mod train_digits_cli;
 
 use std::path::{Path, PathBuf};

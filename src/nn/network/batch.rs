@@ -283,7 +283,7 @@ pub(super) fn check_label_count(rows: usize, labels: &ArrayView1<'_, u32>) -> Re
 /// are copied first; and for masked sequences, which steps are padding in every
 /// sequence, which a recurrent layer skips (two batches of one padded shape can differ
 /// there, and would otherwise take each other's plans in turn).
-pub(super) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
+pub(crate) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
     let mut key = 0xcbf2_9ce4_8422_2325_u64;
     let mut mix = |v: usize| {
         key ^= v as u64;

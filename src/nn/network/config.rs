@@ -1,7 +1,9 @@
 //! The network's configuration, its builder, and the workspaces it trains and infers in.
 
 use workspace_core::planned::PlanGroup;
-use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, SpillPolicy, WorkspaceConfig, WorkspaceMode};
+use workspace_core::{
+    ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, LearningPolicy, SpillPolicy, WorkspaceConfig, WorkspaceMode,
+};
 
 #[cfg(doc)]
 use super::Network;
@@ -316,19 +318,23 @@ pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
     if mode == WorkspaceMode::None {
         return Ok(LayerWorkspaceMgr::no_workspaces());
     }
-    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS));
-    let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
-    let builder = LayerWorkspaceMgr::builder();
-    let builder = match &group {
-        Some(group) => builder.planned(group),
-        None => builder,
+    let planned = mode == WorkspaceMode::Planned;
+    let builder = inference_builder(planned);
+    let builder = match planned {
+        true => builder.planned(&PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS)),
+        false => builder,
     };
-    builder
+    builder.build().map_err(Error::from)
+}
+
+/// The inference workspaces (planned: with the configuration of a plan group's
+/// members), as a network's inference and a served model's arenas lay them out.
+pub(crate) fn inference_builder(planned: bool) -> LayerWorkspaceMgrBuilder {
+    let config = if planned { planned_workspace_config() } else { workspace_config() };
+    LayerWorkspaceMgr::builder()
         .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::FfCache, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::RnnFfLoopWorkingMem, names::RNN_LOOP_WORKING_MEM, config.clone())
         .default_workspace(names::LAYER_WORKING_MEM, config)
-        .build()
-        .map_err(Error::from)
 }

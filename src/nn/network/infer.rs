@@ -5,13 +5,14 @@ use std::ptr::NonNull;
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 use workspace_core::backend::{ArenaBackend, Block};
-use workspace_core::{ArrayType, Scope};
+use workspace_core::{ArrayType, LayerWorkspaceMgr, Scope};
 
 use crate::{Error, Result};
 
 use super::super::layer::Activations;
+use super::super::loss::SoftmaxCrossEntropy;
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
-use super::{check_labels, forward, Input, Labels, Network};
+use super::{check_labels, forward, Input, Labels, Network, Stage};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
@@ -33,20 +34,35 @@ impl Network {
     ) -> Result<R> {
         let x = x.reborrow();
         self.check_input(&x)?;
-        let mask = x.mask();
-        let Network { layers, loss, infer: mgr, .. } = self;
-        let act = mgr.enter(ArrayType::Activations)?;
-        let x = standard_input(x, &act)?;
-        let input = forward(layers, mgr, &act, x.activations(), mask, false, |_, _| Ok(()))?;
-        // A sequence output (labels per step) gives a row per example and step.
-        let logits = match input {
-            Activations::Flat(logits) => logits,
-            Activations::Sequence(logits) => steps_as_rows(logits)?,
-        };
-        let probs = loss.probabilities(logits, &act)?;
-        f(probs)
+        let Network { layers, infer: mgr, .. } = self;
+        probabilities(layers.iter_mut(), mgr, x, f)
     }
+}
 
+/// The class probabilities of `x` (checked) through `layers`, computed in `mgr`'s
+/// inference workspaces and handed to `f` while they are alive: the forward pass of a
+/// network's inference and of a served model's.
+pub(crate) fn probabilities<S: Stage, R>(
+    layers: impl IntoIterator<Item = S>,
+    mgr: &LayerWorkspaceMgr,
+    x: Input<'_>,
+    f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+) -> Result<R> {
+    let x = x.reborrow();
+    let mask = x.mask();
+    let act = mgr.enter(ArrayType::Activations)?;
+    let x = standard_input(x, &act)?;
+    let input = forward(layers, mgr, &act, x.activations(), mask, false, |_, _| Ok(()))?;
+    // A sequence output (labels per step) gives a row per example and step.
+    let logits = match input {
+        Activations::Flat(logits) => logits,
+        Activations::Sequence(logits) => steps_as_rows(logits)?,
+    };
+    let probs = SoftmaxCrossEntropy.probabilities(logits, &act)?;
+    f(probs)
+}
+
+impl Network {
     /// Class probabilities of `x`, detached into an owned array.
     ///
     /// # Errors
@@ -204,7 +220,7 @@ fn no_labelled_step(given: &str, rows: usize) -> Error {
 }
 
 /// Index of the largest value (the first on ties).
-fn argmax(row: ArrayView1<'_, f32>) -> u32 {
+pub(crate) fn argmax(row: ArrayView1<'_, f32>) -> u32 {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {
         if v > row[best] {

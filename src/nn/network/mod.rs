@@ -19,15 +19,18 @@ use super::layer::{Activations, ForwardCtx};
 
 use crate::{Error, Result};
 
-use super::layer::Layer;
+use super::layer::{FrozenLayer, Layer};
 use super::loss::SoftmaxCrossEntropy;
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
+pub(crate) use batch::shape_key;
 use batch::{check_labels, check_mask};
 pub use batch::{Input, Labels};
+pub(crate) use config::inference_builder;
 use config::{inference_mgr, training_mgrs};
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
+pub(crate) use infer::{argmax, probabilities};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -238,51 +241,57 @@ impl Network {
     /// Checks a batch: its features against the network's inputs, no empty batch or
     /// sequence, a features mask of the batch's shape holding 0 and 1 only.
     fn check_input(&self, x: &Input<'_>) -> Result<()> {
-        let (rows, features) = match x {
-            Input::Flat(x) => (x.nrows(), x.ncols()),
-            Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
-        };
-        if features != self.inputs {
-            let mut expected = x.activations().shape().to_vec();
-            *expected.last_mut().expect("2 or 3 dimensions") = self.inputs;
-            return Err(Error::ShapeMismatch {
-                context: "network input".to_string(),
-                expected,
-                actual: x.activations().shape().to_vec(),
-            });
-        }
-        if rows == 0 {
-            return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
-        }
-        if let Input::Sequences { features, mask } = x {
-            let steps = features.shape()[1];
-            if steps == 0 {
-                return Err(Error::InvalidInput("a batch of sequences of 0 steps cannot be fed to the network".into()));
-            }
-            if let Some(mask) = mask {
-                check_mask(mask, (rows, steps), "features", "a step holds data and 0 where it is padding")?;
-                // Rows that repeat one another (a broadcast mask) are looked at once.
-                let distinct = finite::distinct(mask.view());
-                if let Some(r) =
-                    (0..distinct.nrows()).find(|&r| finite::distinct(distinct.row(r)).iter().all(|&v| v == 0.0))
-                {
-                    return Err(Error::InvalidInput(format!(
-                        "sequence {r} of the batch has no step that holds data (its mask is all 0); leave empty \
-                         sequences out of the batch"
-                    )));
-                }
-            }
-        }
-        Ok(())
+        check_input(self.inputs, x)
     }
+}
+
+/// Checks a batch for a network of `inputs` input columns: its features, no empty batch
+/// or sequence, a features mask of the batch's shape holding 0 and 1 only.
+pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
+    let (rows, features) = match x {
+        Input::Flat(x) => (x.nrows(), x.ncols()),
+        Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
+    };
+    if features != inputs {
+        let mut expected = x.activations().shape().to_vec();
+        *expected.last_mut().expect("2 or 3 dimensions") = inputs;
+        return Err(Error::ShapeMismatch {
+            context: "network input".to_string(),
+            expected,
+            actual: x.activations().shape().to_vec(),
+        });
+    }
+    if rows == 0 {
+        return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
+    }
+    if let Input::Sequences { features, mask } = x {
+        let steps = features.shape()[1];
+        if steps == 0 {
+            return Err(Error::InvalidInput("a batch of sequences of 0 steps cannot be fed to the network".into()));
+        }
+        if let Some(mask) = mask {
+            check_mask(mask, (rows, steps), "features", "a step holds data and 0 where it is padding")?;
+            // Rows that repeat one another (a broadcast mask) are looked at once.
+            let distinct = finite::distinct(mask.view());
+            if let Some(r) =
+                (0..distinct.nrows()).find(|&r| finite::distinct(distinct.row(r)).iter().all(|&v| v == 0.0))
+            {
+                return Err(Error::InvalidInput(format!(
+                    "sequence {r} of the batch has no step that holds data (its mask is all 0); leave empty \
+                     sequences out of the batch"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
 /// each layer's output checked to be in the activations workspace and handed to `each`
 /// with the layer's name; returns the last layer's output. Training and inference run
 /// this one loop.
-fn forward<'s>(
-    layers: &mut [Box<dyn Layer>],
+pub(crate) fn forward<'s, S: Stage>(
+    layers: impl IntoIterator<Item = S>,
     mgr: &LayerWorkspaceMgr,
     act: &'s TypedScope,
     mut input: Activations<'s>,
@@ -290,18 +299,66 @@ fn forward<'s>(
     training: bool,
     mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
 ) -> Result<Activations<'s>> {
-    for layer in layers.iter_mut() {
+    for mut layer in layers {
         let working = mgr.enter(ArrayType::FfWorkingMem)?;
         let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
-        let y = match input {
-            Activations::Flat(v) => Activations::Flat(layer.forward(v, &ctx)?),
-            Activations::Sequence(v) => layer.forward_sequence(v, mask, &ctx)?,
-        };
-        validate(mgr, layer.name(), y)?;
-        each(layer.name(), y)?;
+        let y = layer.apply(input, mask, &ctx)?;
+        validate(mgr, layer.stage_name(), y)?;
+        each(layer.stage_name(), y)?;
         input = y;
     }
     Ok(input)
+}
+
+/// A layer as [`forward`] runs it: a training network's ([`Layer`], through `&mut`) or a
+/// frozen model's ([`FrozenLayer`], through `&`).
+pub(crate) trait Stage {
+    fn stage_name(&self) -> &str;
+
+    fn apply<'s>(
+        &mut self,
+        input: Activations<'s>,
+        mask: Option<ArrayView2<'s, f32>>,
+        ctx: &ForwardCtx<'s, '_>,
+    ) -> Result<Activations<'s>>;
+}
+
+impl Stage for &mut Box<dyn Layer> {
+    fn stage_name(&self) -> &str {
+        self.name()
+    }
+
+    #[inline]
+    fn apply<'s>(
+        &mut self,
+        input: Activations<'s>,
+        mask: Option<ArrayView2<'s, f32>>,
+        ctx: &ForwardCtx<'s, '_>,
+    ) -> Result<Activations<'s>> {
+        Ok(match input {
+            Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
+            Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
+        })
+    }
+}
+
+impl Stage for &Box<dyn FrozenLayer> {
+    fn stage_name(&self) -> &str {
+        self.name()
+    }
+
+    #[inline]
+    fn apply<'s>(
+        &mut self,
+        input: Activations<'s>,
+        mask: Option<ArrayView2<'s, f32>>,
+        ctx: &ForwardCtx<'s, '_>,
+    ) -> Result<Activations<'s>> {
+        Ok(match input {
+            Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
+            Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
+        })
+    }
 }
 
 /// Checks that `layer`'s output `y` is in the activations workspace.

@@ -97,7 +97,7 @@ impl Network {
         let labels = standard_labels(labels, &act)?;
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let input = forward(layers, mgr, &act, x.activations(), mask, true, |layer, y| {
+        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, true, |layer, y| {
             finite::check_activations(layer, "its output", y, mask)?;
             outputs.push(y);
             Ok(())

@@ -91,10 +91,10 @@ use crate::backend::HostBackend;
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 pub use crate::figures::PlannedStats;
-pub use portable::PortableMgr;
 use crate::refusals::Refusals;
 use crate::workspace::Workspace;
 use group::{GroupShared, GroupState, Mode};
+pub use portable::PortableMgr;
 
 /// Plans a group keeps unless told otherwise ([`PlanGroup::with_plans`]).
 pub const DEFAULT_PLANS: usize = 8;

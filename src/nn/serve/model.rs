@@ -1,0 +1,258 @@
+//! The frozen model: a trained network's weights, held once, inferring through `&self`.
+
+use std::sync::OnceLock;
+
+use ndarray::{Array2, ArrayView2, ArrayViewMut2};
+use workspace_core::LayerWorkspaceMgr;
+
+use super::arenas::{ArenaGuard, Arenas, Wait};
+use crate::nn::finite;
+use crate::nn::layer::FrozenLayer;
+use crate::nn::network::{check_input, probabilities, shape_key, Input, Network};
+use crate::{Error, Result};
+
+/// A trained network frozen for serving: the layers' weights, held once; `Send +
+/// Sync`, so one model shared by [`Arc`](std::sync::Arc) serves every thread. Each call
+/// runs in a planned arena leased for the call: the model's own (as many as the
+/// machine has cores, made on first use), or an [`InferencePool`](super::InferencePool)'s.
+///
+/// ```
+/// use std::sync::Arc;
+/// use carve::nn::{Model, Network, NetworkConfig};
+/// use carve::ndarray::Array2;
+///
+/// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).seed(7).build()?)?;
+/// let model: Arc<Model> = Arc::new(net.freeze()?);
+/// let x = Array2::<f32>::ones((2, 4));
+/// let alone = model.output(x.view())?;
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         let (model, x, alone) = (&model, &x, &alone);
+///         s.spawn(move || assert_eq!(model.output(x.view()).unwrap(), *alone));
+///     }
+/// });
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub struct Model {
+    inputs: usize,
+    classes: usize,
+    layers: Vec<Box<dyn FrozenLayer>>,
+    /// The model's own arenas, for [`Model::output`] and its kin.
+    own: OnceLock<Arenas>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("inputs", &self.inputs)
+            .field("classes", &self.classes)
+            .field("layers", &self.layers.iter().map(|l| l.name()).collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Plans an arena keeps: one per shape of request (rows, and steps for sequences).
+pub(crate) const SERVING_PLANS: usize = 64;
+
+impl Network {
+    /// The network frozen for serving: its layers' parameters copied into a [`Model`]
+    /// (not their gradients, caches or updater state). The network goes on training
+    /// as before; the model is a snapshot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming a layer that cannot be frozen (a custom layer
+    /// whose [`Layer::frozen`](crate::nn::Layer::frozen) returns `None`).
+    pub fn freeze(&self) -> Result<Model> {
+        let layers = self
+            .layers()
+            .iter()
+            .map(|layer| {
+                layer.frozen().ok_or_else(|| Error::InvalidConfig {
+                    reason: format!(
+                        "layer '{}' cannot be frozen for serving: its type does not implement `Layer::frozen`",
+                        layer.name()
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Model::from_layers(self.inputs(), layers)
+    }
+}
+
+impl Model {
+    /// A model of frozen layers taking `inputs` columns (features per step for
+    /// sequences); the output stage is softmax, as a network's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for no layers, 0 inputs, or widths that do not chain.
+    pub fn from_layers(inputs: usize, layers: Vec<Box<dyn FrozenLayer>>) -> Result<Model> {
+        if inputs == 0 || layers.is_empty() {
+            return Err(Error::InvalidConfig { reason: "a model needs at least one input and one layer".into() });
+        }
+        let mut width = inputs;
+        for layer in &layers {
+            width = layer.output_size(width)?;
+        }
+        if width == 0 {
+            return Err(Error::InvalidConfig { reason: "the model's last layer has no output".into() });
+        }
+        Ok(Model { inputs, classes: width, layers, own: OnceLock::new() })
+    }
+
+    /// Input columns (features per step for a sequence model).
+    pub fn inputs(&self) -> usize {
+        self.inputs
+    }
+
+    /// Output classes.
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    /// The layers.
+    pub fn layers(&self) -> &[Box<dyn FrozenLayer>] {
+        &self.layers
+    }
+
+    /// The bytes of the parameters, held once however many threads the model serves.
+    pub fn weight_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.param_count()).sum::<usize>() * size_of::<f32>()
+    }
+
+    /// Class probabilities of `x`, in an owned array (one row per example, or per
+    /// example and step for a sequence model without a head).
+    ///
+    /// # Errors
+    ///
+    /// Shape errors; [`Error::NonFinite`] naming the input for a NaN or infinite
+    /// value; [`Error::InvalidInput`] for an empty batch; [`Error::Panicked`] when a
+    /// layer panics; workspace errors.
+    pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
+        self.own_arena()?.output(self, x.into())
+    }
+
+    /// As [`Model::output`], written into `out` (`[rows, classes]`): no heap
+    /// allocation once the arena has a plan for the shape.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::output`]; [`Error::ShapeMismatch`] when `out` has the wrong shape.
+    pub fn output_into<'x>(&self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        self.own_arena()?.output_into(self, x.into(), out)
+    }
+
+    /// The most probable class of each row of `x`, written to `out`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::output`]; [`Error::ShapeMismatch`] when `out` has the wrong length.
+    pub fn predict_into<'x>(&self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
+        self.own_arena()?.predict_into(self, x.into(), out)
+    }
+
+    fn own_arena(&self) -> Result<ArenaGuard<'_>> {
+        let arenas = match self.own.get() {
+            Some(arenas) => arenas,
+            None => {
+                let k = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let made = Arenas::new(k, SERVING_PLANS)?;
+                self.own.get_or_init(|| made)
+            }
+        };
+        arenas.lease(Wait::Forever)
+    }
+
+    /// Checks `x` as a request: its shape, no empty batch, every value finite.
+    pub(crate) fn check_request(&self, x: &Input<'_>) -> Result<()> {
+        check_input(self.inputs, x)?;
+        finite::check_activations("input", "the request's input", x.activations(), x.mask())
+    }
+
+    /// The rows of the output for `x`: one per example, or per example and step for a
+    /// sequence output.
+    pub(crate) fn output_rows(&self, x: &Input<'_>) -> usize {
+        // Heads turn sequences into rows; a model ending in a per-step layer does not.
+        match x {
+            Input::Flat(x) => x.nrows(),
+            Input::Sequences { features, .. } => {
+                let (batch, steps) = (features.shape()[0], features.shape()[1]);
+                if self.per_step_output() {
+                    batch * steps
+                } else {
+                    batch
+                }
+            }
+        }
+    }
+
+    /// Whether a sequence input gives an output per step (no head turns it into rows).
+    fn per_step_output(&self) -> bool {
+        !self.layers.iter().any(|l| {
+            let any: &dyn std::any::Any = &**l;
+            any.is::<crate::nn::layer::Frozen<crate::nn::LastStep>>()
+                || any.is::<crate::nn::layer::Frozen<crate::nn::MaskedMean>>()
+        })
+    }
+
+    /// The probabilities of `x` (checked by [`Model::check_request`]) in `mgr`, handed to `f`: one planned
+    /// iteration of the arena's group, keyed by the shape of `x`. Returns `f`'s value and
+    /// whether the iteration ran on its plan.
+    pub(crate) fn infer_in<R>(
+        &self,
+        mgr: &LayerWorkspaceMgr,
+        x: Input<'_>,
+        f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+    ) -> Result<(R, bool)> {
+        let group = mgr.plan_group().expect("serving arenas are planned");
+        group.iteration(shape_key(&x, None), || probabilities(self.layers.iter(), mgr, x, f))
+    }
+}
+
+impl ArenaGuard<'_> {
+    pub(crate) fn output(&mut self, model: &Model, x: Input<'_>) -> Result<Array2<f32>> {
+        model.check_request(&x)?;
+        self.run(|mgr| model.infer_in(mgr, x, |probs| Ok(probs.to_owned())))
+    }
+
+    pub(crate) fn output_into(&mut self, model: &Model, x: Input<'_>, mut out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        model.check_request(&x)?;
+        let expected = (model.output_rows(&x), model.classes);
+        if out.dim() != expected {
+            return Err(Error::ShapeMismatch {
+                context: "output buffer ([rows, classes]: one row per example, or per example and step for a \
+                          model without a sequence head)"
+                    .into(),
+                expected: vec![expected.0, expected.1],
+                actual: out.shape().to_vec(),
+            });
+        }
+        self.run(|mgr| {
+            model.infer_in(mgr, x, |probs| {
+                out.assign(&probs);
+                Ok(())
+            })
+        })
+    }
+
+    pub(crate) fn predict_into(&mut self, model: &Model, x: Input<'_>, out: &mut [u32]) -> Result<()> {
+        model.check_request(&x)?;
+        let rows = model.output_rows(&x);
+        if out.len() != rows {
+            return Err(Error::ShapeMismatch {
+                context: "prediction buffer (one per row of the model's output)".into(),
+                expected: vec![rows],
+                actual: vec![out.len()],
+            });
+        }
+        self.run(|mgr| {
+            model.infer_in(mgr, x, |probs| {
+                for (slot, row) in out.iter_mut().zip(probs.rows()) {
+                    *slot = crate::nn::network::argmax(row);
+                }
+                Ok(())
+            })
+        })
+    }
+}

@@ -1,0 +1,418 @@
+//! The inference pool: K arenas serving one model to any number of threads, directly or
+//! in coalesced batches.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ndarray::{Array2, ArrayView2, ArrayViewMut2};
+
+use super::arenas::{ArenaGuard, Arenas, Wait};
+use super::batcher::Batcher;
+use super::model::{Model, SERVING_PLANS};
+use crate::nn::network::Input;
+use crate::{Error, Result};
+
+/// How an [`InferencePool`] runs requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolMode {
+    /// Each request runs alone, on the caller's thread, in an arena leased for it
+    /// (DL4J's `ParallelInference` `SEQUENTIAL`, without a copy of the weights per
+    /// worker).
+    Direct,
+    /// Requests from many callers are coalesced, up to `max_batch` rows or `max_wait`
+    /// after the oldest arrived, run as one inference by the pool's worker threads, and
+    /// scattered back (DL4J's `BATCHED`). A request's result is the same, bit for bit,
+    /// as alone. Flat rows only: a sequence model is served in direct mode.
+    Batched,
+}
+
+/// An [`InferencePool`]'s settings.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Arenas (K): the requests that run at once. The machine's cores are a good
+    /// choice; more callers than K wait their turn, and memory stays K × the plan.
+    pub workers: usize,
+    /// Direct or batched.
+    pub mode: PoolMode,
+    /// Batched: the most rows one inference runs. A request of more rows is split
+    /// across batches (its rows in order), never refused for its size.
+    pub max_batch: usize,
+    /// Batched: how long the oldest waiting request may wait for others to join it.
+    pub max_wait: Duration,
+    /// Batched: the most rows waiting before `try_output` refuses
+    /// ([`Error::PoolBusy`]); waiting callers are never refused.
+    pub max_queued_rows: usize,
+}
+
+impl PoolConfig {
+    /// Direct mode with `workers` arenas.
+    pub fn direct(workers: usize) -> PoolConfig {
+        PoolConfig { workers, mode: PoolMode::Direct, ..PoolConfig::default() }
+    }
+
+    /// Batched mode with `workers` arenas (and worker threads), batches of at most
+    /// `max_batch` rows, and a request waiting at most `max_wait` for others.
+    pub fn batched(workers: usize, max_batch: usize, max_wait: Duration) -> PoolConfig {
+        PoolConfig { workers, mode: PoolMode::Batched, max_batch, max_wait, ..PoolConfig::default() }
+    }
+}
+
+impl Default for PoolConfig {
+    /// Direct, one arena per core; batches of up to 32 rows waiting up to 1 ms.
+    fn default() -> PoolConfig {
+        PoolConfig {
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            mode: PoolMode::Direct,
+            max_batch: 32,
+            max_wait: Duration::from_millis(1),
+            max_queued_rows: 4096,
+        }
+    }
+}
+
+/// What an [`InferencePool`] has done (counts since it was made).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolStats {
+    /// Arenas (K).
+    pub workers: usize,
+    /// `"direct"` or `"batched"`.
+    pub mode: &'static str,
+    /// Arenas leased: one per direct request or lease, one per batch.
+    pub leases: u64,
+    /// Leases that found every arena in use and waited.
+    pub waited: u64,
+    /// Requests refused by a `try_` form.
+    pub busy: u64,
+    /// Requests that timed out.
+    pub timeouts: u64,
+    /// Requests in which a layer panicked.
+    pub panics: u64,
+    /// Arenas replaced because a request kept a reference to one.
+    pub rebuilt_arenas: u64,
+    /// Inferences that replayed their shape's plan, and those that did not (a
+    /// recording, the first of a shape in an arena, or a divergence).
+    pub on_plan: u64,
+    /// See `on_plan`.
+    pub off_plan: u64,
+    /// Batched: inferences run, and the requests' rows they ran.
+    pub batches: u64,
+    /// See `batches`.
+    pub batched_rows: u64,
+    /// The arenas' bytes (K × the plan of the largest shape served, once every arena
+    /// has served it).
+    pub arena_bytes: usize,
+    /// The model's parameter bytes, held once whatever K and the number of callers.
+    pub weight_bytes: usize,
+}
+
+impl PoolStats {
+    /// The statistics as one JSON object.
+    pub fn to_json(&self) -> String {
+        format!(
+            "{{\"workers\":{},\"mode\":\"{}\",\"leases\":{},\"waited\":{},\"busy\":{},\"timeouts\":{},\"panics\":{},\
+             \"rebuilt_arenas\":{},\"on_plan\":{},\"off_plan\":{},\"batches\":{},\"batched_rows\":{},\
+             \"arena_bytes\":{},\"weight_bytes\":{}}}",
+            self.workers,
+            self.mode,
+            self.leases,
+            self.waited,
+            self.busy,
+            self.timeouts,
+            self.panics,
+            self.rebuilt_arenas,
+            self.on_plan,
+            self.off_plan,
+            self.batches,
+            self.batched_rows,
+            self.arena_bytes,
+            self.weight_bytes
+        )
+    }
+}
+
+/// What the pool's callers and worker threads share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) model: Arc<Model>,
+    pub(crate) arenas: Arenas,
+    pub(crate) config: PoolConfig,
+    pub(crate) batcher: Option<Batcher>,
+}
+
+/// K planned arenas serving one [`Model`] to any number of threads (DL4J's
+/// `ParallelInference`, with the weights held once): memory is the weights plus K ×
+/// the plan of the largest request shape, whatever the number of callers.
+///
+/// Every method takes `&self`: share the pool by reference (scoped threads) or in an
+/// [`Arc`]. When all K arenas are busy a caller waits; [`InferencePool::try_output`]
+/// refuses instead ([`Error::PoolBusy`]) and [`InferencePool::output_timeout`] waits
+/// at most a while ([`Error::Timeout`]). [`InferencePool::close`] (or dropping the
+/// pool) fails every waiting request with [`Error::PoolClosed`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+/// use carve::ndarray::Array2;
+///
+/// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).build()?)?;
+/// let pool = InferencePool::new(Arc::new(net.freeze()?), PoolConfig::direct(2))?;
+/// let x = Array2::<f32>::ones((5, 4));
+/// let mut out = Array2::<f32>::zeros((5, 3));
+/// std::thread::scope(|s| {
+///     for _ in 0..8 {
+///         s.spawn(|| pool.output(x.view()).unwrap());
+///     }
+/// });
+/// pool.output_into(x.view(), out.view_mut())?; // no heap allocation once planned
+/// assert_eq!(out, pool.output(x.view())?);
+/// # Ok::<(), carve::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct InferencePool {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl InferencePool {
+    /// A pool of `config.workers` arenas serving `model` (batched: and as many worker
+    /// threads, started here).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for 0 workers, or, batched, a `max_batch` of 0.
+    pub fn new(model: Arc<Model>, config: PoolConfig) -> Result<InferencePool> {
+        let arenas = Arenas::new(config.workers, SERVING_PLANS.max(config.max_batch.saturating_add(1)))?;
+        let batched = config.mode == PoolMode::Batched;
+        if batched && config.max_batch == 0 {
+            return Err(Error::InvalidConfig { reason: "a batched pool needs max_batch of at least 1 row".into() });
+        }
+        let batcher = batched.then(|| Batcher::new(&config));
+        let shared = Arc::new(Shared { model, arenas, config, batcher });
+        let threads = match batched {
+            true => Batcher::start(&shared)?,
+            false => Vec::new(),
+        };
+        Ok(InferencePool { shared, threads })
+    }
+
+    /// The model served.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.shared.model
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &PoolConfig {
+        &self.shared.config
+    }
+
+    /// Leases an arena for requests of the caller's own (whatever the mode), waiting
+    /// while all are busy. The lease borrows the pool, and what it computes borrows the
+    /// lease:
+    ///
+    /// ```compile_fail,E0597
+    /// # use std::sync::Arc;
+    /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
+    /// # let model = Arc::new(net.freeze().unwrap());
+    /// let lease = {
+    ///     let pool = InferencePool::new(model, PoolConfig::direct(1)).unwrap();
+    ///     pool.lease().unwrap()
+    /// }; // the pool is gone here, so the lease may not outlive it
+    /// # drop(lease);
+    /// ```
+    ///
+    /// ```compile_fail
+    /// # use std::sync::Arc;
+    /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// # use carve::ndarray::Array2;
+    /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
+    /// # let pool = InferencePool::new(Arc::new(net.freeze().unwrap()), PoolConfig::direct(1)).unwrap();
+    /// # let x = Array2::<f32>::ones((2, 4));
+    /// let mut lease = pool.lease().unwrap();
+    /// // The probabilities live in the arena only while the request runs.
+    /// let kept = lease.infer(x.view(), |probs| Ok(probs)).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PoolClosed`] once the pool is closed.
+    pub fn lease(&self) -> Result<PoolLease<'_>> {
+        self.lease_waiting(Wait::Forever)
+    }
+
+    /// As [`InferencePool::lease`], refusing at once when every arena is busy.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PoolBusy`]; [`Error::PoolClosed`].
+    pub fn try_lease(&self) -> Result<PoolLease<'_>> {
+        self.lease_waiting(Wait::No)
+    }
+
+    /// As [`InferencePool::lease`], waiting at most `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`]; [`Error::PoolClosed`].
+    pub fn lease_timeout(&self, timeout: Duration) -> Result<PoolLease<'_>> {
+        self.lease_waiting(Wait::For(timeout))
+    }
+
+    fn lease_waiting(&self, wait: Wait) -> Result<PoolLease<'_>> {
+        Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model })
+    }
+
+    /// Class probabilities of `x`, in an owned array; waits while the pool is busy.
+    ///
+    /// # Errors
+    ///
+    /// Shape errors (batched: a sequence input); [`Error::NonFinite`] naming the
+    /// input; [`Error::InvalidInput`] for an empty batch; [`Error::Panicked`] when a
+    /// layer panicked (this request only); [`Error::PoolClosed`].
+    pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
+        let x = x.into();
+        self.shared.model.check_request(&x)?;
+        let mut out = Array2::zeros((self.shared.model.output_rows(&x), self.shared.model.classes()));
+        self.run_into(x, out.view_mut(), Wait::Forever)?;
+        Ok(out)
+    }
+
+    /// As [`InferencePool::output`], written into `out` (`[rows, classes]`): no heap
+    /// allocation once every arena has a plan for the shape, in either mode.
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`]; [`Error::ShapeMismatch`] for `out`'s shape.
+    pub fn output_into<'x>(&self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        self.run_into(x.into(), out, Wait::Forever)
+    }
+
+    /// As [`InferencePool::output_into`], refusing at once when every arena is busy
+    /// (batched: when `max_queued_rows` rows already wait).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PoolBusy`], and as [`InferencePool::output`].
+    pub fn try_output<'x>(&self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        self.run_into(x.into(), out, Wait::No)
+    }
+
+    /// As [`InferencePool::output_into`], waiting at most `timeout` for the result.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Timeout`], and as [`InferencePool::output`].
+    pub fn output_timeout<'x>(
+        &self,
+        x: impl Into<Input<'x>>,
+        out: ArrayViewMut2<'_, f32>,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.run_into(x.into(), out, Wait::For(timeout))
+    }
+
+    fn run_into(&self, x: Input<'_>, out: ArrayViewMut2<'_, f32>, wait: Wait) -> Result<()> {
+        match &self.shared.batcher {
+            Some(batcher) => batcher.submit(&self.shared, x, out, wait),
+            None => self.shared.arenas.lease(wait)?.output_into(&self.shared.model, x, out),
+        }
+    }
+
+    /// Closes the pool: requests waiting for an arena or a batch, and later ones, fail
+    /// with [`Error::PoolClosed`]; requests already running finish.
+    pub fn close(&self) {
+        self.shared.arenas.close();
+        if let Some(batcher) = &self.shared.batcher {
+            batcher.close();
+        }
+    }
+
+    /// What the pool has done.
+    pub fn stats(&self) -> PoolStats {
+        let c = &self.shared.arenas.counters;
+        let (batches, batched_rows) = self.shared.batcher.as_ref().map_or((0, 0), Batcher::counts);
+        PoolStats {
+            workers: self.shared.arenas.len(),
+            mode: match self.shared.config.mode {
+                PoolMode::Direct => "direct",
+                PoolMode::Batched => "batched",
+            },
+            leases: c.leases.load(Ordering::Relaxed),
+            waited: c.waited.load(Ordering::Relaxed),
+            busy: c.busy.load(Ordering::Relaxed),
+            timeouts: c.timeouts.load(Ordering::Relaxed),
+            panics: c.panics.load(Ordering::Relaxed),
+            rebuilt_arenas: c.rebuilt.load(Ordering::Relaxed),
+            on_plan: c.on_plan.load(Ordering::Relaxed),
+            off_plan: c.off_plan.load(Ordering::Relaxed),
+            batches,
+            batched_rows,
+            arena_bytes: self.shared.arenas.capacity(),
+            weight_bytes: self.shared.model.weight_bytes(),
+        }
+    }
+}
+
+impl Drop for InferencePool {
+    fn drop(&mut self) {
+        self.close();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// An arena of an [`InferencePool`], leased for the caller's requests; given back
+/// when dropped. See [`InferencePool::lease`].
+#[derive(Debug)]
+pub struct PoolLease<'p> {
+    guard: ArenaGuard<'p>,
+    model: &'p Model,
+}
+
+impl PoolLease<'_> {
+    /// Class probabilities of `x`, in an owned array.
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`].
+    pub fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
+        self.guard.output(self.model, x.into())
+    }
+
+    /// Class probabilities of `x`, written into `out` (`[rows, classes]`).
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output_into`].
+    pub fn output_into<'x>(&mut self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        self.guard.output_into(self.model, x.into(), out)
+    }
+
+    /// The most probable class of each row of `x`, written to `out`.
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`]; [`Error::ShapeMismatch`] for `out`'s length.
+    pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
+        self.guard.predict_into(self.model, x.into(), out)
+    }
+
+    /// Hands the class probabilities of `x`, in the arena, to `f` (they live only
+    /// while `f` runs), and returns what `f` returns.
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`], and `f`'s.
+    pub fn infer<'x, R>(
+        &mut self,
+        x: impl Into<Input<'x>>,
+        f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+    ) -> Result<R> {
+        let (x, model) = (x.into(), self.model);
+        model.check_request(&x)?;
+        self.guard.run(|mgr| model.infer_in(mgr, x, f))
+    }
+}

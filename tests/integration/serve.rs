@@ -1,0 +1,296 @@
+//! Serving: a frozen model gives a network's probabilities bit for bit, from any number
+//! of threads; the pool's arenas are leased, refused, timed out and closed as
+//! documented; a panicking layer fails its request only; batched requests get the bits
+//! they get alone.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use carve::nn::{
+    ForwardCtx, FrozenLayer, InferencePool, Input, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng,
+};
+use carve::{Error, LayerWorkspaceMgr, WorkspaceMode};
+use ndarray::{Array2, Array3, ArrayView2};
+
+fn random(rows: usize, cols: usize, rng: &mut Rng) -> Array2<f32> {
+    Array2::from_shape_fn((rows, cols), |_| rng.uniform(-1.0, 1.0))
+}
+
+fn mlp(mode: WorkspaceMode, seed: u64) -> Network {
+    let config = NetworkConfig::builder(16)
+        .dense(32)
+        .relu()
+        .dense(24)
+        .relu()
+        .dense(5)
+        .seed(seed)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn a_frozen_model_gives_the_networks_bits_in_every_mode_and_thread() {
+    assert_send_sync::<Model>();
+    assert_send_sync::<InferencePool>();
+    let mut rng = Rng::new(3);
+    let x = random(7, 16, &mut rng);
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+        let mut net = mlp(mode, 11);
+        let expected = net.output(x.view()).unwrap();
+        let model = Arc::new(net.freeze().unwrap());
+        assert_eq!(model.weight_bytes(), (16 * 32 + 32 + 32 * 24 + 24 + 24 * 5 + 5) * 4);
+        assert_eq!(model.output(x.view()).unwrap(), expected, "{mode:?}");
+        let pool = InferencePool::new(model.clone(), PoolConfig::direct(2)).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..6 {
+                let (pool, x, expected) = (&pool, &x, &expected);
+                s.spawn(move || {
+                    for i in 0..20 {
+                        // Shapes vary: row subsets of the batch.
+                        let rows = 1 + (t + i) % 7;
+                        let got = pool.output(x.slice(ndarray::s![..rows, ..])).unwrap();
+                        assert_eq!(got, expected.slice(ndarray::s![..rows, ..]), "rows {rows}");
+                    }
+                });
+            }
+        });
+        let stats = pool.stats();
+        assert_eq!(stats.leases, 120);
+        assert!(stats.on_plan >= 120 - 2 * 7, "every shape is recorded once per arena at most: {stats:?}");
+        assert!(stats.arena_bytes > 0);
+    }
+}
+
+#[test]
+fn sequence_models_serve_their_networks_bits() {
+    let mut rng = Rng::new(5);
+    let (batch, steps, features) = (4, 6, 3);
+    let x = Array3::from_shape_fn((batch, steps, features), |_| rng.uniform(-1.0, 1.0));
+    let mut mask = Array2::<f32>::ones((batch, steps));
+    mask[[1, 5]] = 0.0;
+    mask[[2, 4]] = 0.0;
+    mask[[2, 5]] = 0.0;
+    for head in [true, false] {
+        let builder = NetworkConfig::builder(features).lstm(8);
+        let builder = if head { builder.last_step().dense(4) } else { builder.dense(4) };
+        let mut net = Network::new(builder.seed(9).build().unwrap()).unwrap();
+        let expected = net.output((x.view(), mask.view())).unwrap();
+        let model = net.freeze().unwrap();
+        let pool = InferencePool::new(Arc::new(model), PoolConfig::direct(1)).unwrap();
+        assert_eq!(pool.output((x.view(), mask.view())).unwrap(), expected, "head {head}");
+        let rows = if head { batch } else { batch * steps };
+        let mut out = Array2::zeros((rows, 4));
+        pool.output_into((x.view(), mask.view()), out.view_mut()).unwrap();
+        assert_eq!(out, expected);
+        // A ragged batch whose padding swallowed a whole sequence is refused.
+        let mut empty = mask.clone();
+        empty.row_mut(3).fill(0.0);
+        let err = pool.output((x.view(), empty.view())).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    }
+}
+
+#[test]
+fn bad_requests_are_typed_errors_and_the_pool_goes_on() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 1).freeze().unwrap());
+    for config in [PoolConfig::direct(1), PoolConfig::batched(1, 8, Duration::from_micros(100))] {
+        let pool = InferencePool::new(model.clone(), config).unwrap();
+        let good = Array2::<f32>::ones((3, 16));
+        let expected = model.output(good.view()).unwrap();
+        let wrong = Array2::<f32>::ones((3, 15));
+        assert!(matches!(pool.output(wrong.view()), Err(Error::ShapeMismatch { .. })));
+        let mut nan = good.clone();
+        nan[[2, 7]] = f32::NAN;
+        match pool.output(nan.view()) {
+            Err(Error::NonFinite { layer, what }) => {
+                assert_eq!(layer, "input");
+                assert!(what.contains("row 2, column 7"), "{what}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let empty = Array2::<f32>::zeros((0, 16));
+        assert!(matches!(pool.output(empty.view()), Err(Error::InvalidInput(_))));
+        let mut small = Array2::<f32>::zeros((2, 5));
+        assert!(matches!(pool.output_into(good.view(), small.view_mut()), Err(Error::ShapeMismatch { .. })));
+        assert_eq!(pool.output(good.view()).unwrap(), expected);
+    }
+    assert!(matches!(InferencePool::new(model.clone(), PoolConfig::direct(0)), Err(Error::InvalidConfig { .. })));
+}
+
+#[test]
+fn busy_timeouts_and_close_are_errors_never_hangs() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 2).freeze().unwrap());
+    let pool = InferencePool::new(model, PoolConfig::direct(2)).unwrap();
+    let x = Array2::<f32>::ones((2, 16));
+    let mut out = Array2::<f32>::zeros((2, 5));
+    let a = pool.lease().unwrap();
+    let b = pool.try_lease().unwrap();
+    assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { arenas: 2 })));
+    assert!(matches!(pool.try_output(x.view(), out.view_mut()), Err(Error::PoolBusy { .. })));
+    match pool.output_timeout(x.view(), out.view_mut(), Duration::from_millis(20)) {
+        Err(Error::Timeout { arenas: 2, waited }) => assert!(waited >= Duration::from_millis(20)),
+        other => panic!("{other:?}"),
+    }
+    drop(b);
+    pool.try_output(x.view(), out.view_mut()).unwrap();
+    // Waiters are woken by a close with an error.
+    std::thread::scope(|s| {
+        let b = pool.lease().unwrap();
+        let waiters: Vec<_> = (0..3).map(|_| s.spawn(|| pool.output(x.view()))).collect();
+        std::thread::sleep(Duration::from_millis(50));
+        pool.close();
+        for w in waiters {
+            assert!(matches!(w.join().unwrap(), Err(Error::PoolClosed)));
+        }
+        drop(b);
+    });
+    drop(a);
+    assert!(matches!(pool.lease(), Err(Error::PoolClosed)));
+    let stats = pool.stats();
+    assert_eq!((stats.busy, stats.timeouts), (2, 1), "{stats:?}");
+}
+
+/// A layer that panics on a marked row, and otherwise passes its input on.
+struct Fragile;
+
+impl FrozenLayer for Fragile {
+    fn name(&self) -> &str {
+        "fragile"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> carve::Result<ArrayView2<'a, f32>> {
+        let out = ctx.activations.copy_of(&input)?;
+        assert!(input.iter().all(|&v| v != 42.0), "fragile met 42");
+        Ok(carve::freeze(out))
+    }
+}
+
+/// Keeps `value` alive, and reachable, for the rest of the process: a reference a
+/// layer kept leaves its arena leaked, and leak checkers (valgrind) should see it
+/// still reachable rather than lost.
+fn park<T>(value: T) {
+    static PARKED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    PARKED.lock().unwrap().push(Box::into_raw(Box::new(value)) as usize);
+}
+
+/// A layer that keeps a clone of the arena's manager on a marked row.
+struct Keeper;
+
+impl FrozenLayer for Keeper {
+    fn name(&self) -> &str {
+        "keeper"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> carve::Result<ArrayView2<'a, f32>> {
+        if input.iter().any(|&v| v == 7.0) {
+            park::<LayerWorkspaceMgr>(ctx.mgr.clone());
+        }
+        Ok(carve::freeze(ctx.activations.copy_of(&input)?))
+    }
+}
+
+#[test]
+fn a_panicking_layer_fails_its_request_only() {
+    let model = Arc::new(Model::from_layers(3, vec![Box::new(Fragile), Box::new(Keeper)]).unwrap());
+    for mode in [PoolMode::Direct, PoolMode::Batched] {
+        let config = PoolConfig { workers: 1, mode, ..PoolConfig::batched(1, 4, Duration::from_micros(50)) };
+        let pool = InferencePool::new(model.clone(), config).unwrap();
+        let good = Array2::from_shape_fn((2, 3), |(r, c)| (r + c) as f32);
+        let expected = pool.output(good.view()).unwrap();
+        let mut bad = good.clone();
+        bad[[1, 1]] = 42.0;
+        match pool.output(bad.view()) {
+            Err(Error::Panicked { message }) => assert!(message.contains("fragile met 42"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        for _ in 0..3 {
+            assert_eq!(pool.output(good.view()).unwrap(), expected, "{mode:?}: the arena was left clean");
+        }
+        // A layer that keeps the arena's manager: the request succeeds, the arena is
+        // replaced, and the pool goes on.
+        let mut marked = good.clone();
+        marked[[0, 0]] = 7.0;
+        let kept = pool.output(marked.view()).unwrap();
+        assert_eq!(kept[[0, 0]].to_bits(), model.output(marked.view()).unwrap()[[0, 0]].to_bits());
+        assert_eq!(pool.output(good.view()).unwrap(), expected);
+        let stats = pool.stats();
+        assert_eq!((stats.panics, stats.rebuilt_arenas), (1, 1), "{mode:?}: {stats:?}");
+    }
+}
+
+#[test]
+fn batched_requests_get_the_bits_they_get_alone() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 4).freeze().unwrap());
+    let mut rng = Rng::new(17);
+    // Random requests: 1 to 20 rows (some larger than max_batch, so split).
+    let requests: Vec<Array2<f32>> = (0..60)
+        .map(|i| {
+            let rows = 1 + (rng.uniform(0.0, 20.0) as usize) % 20;
+            let mut x = random(rows, 16, &mut rng);
+            x[[0, 0]] = i as f32;
+            x
+        })
+        .collect();
+    let alone: Vec<Array2<f32>> = requests.iter().map(|x| model.output(x.view()).unwrap()).collect();
+    for (workers, max_batch) in [(1, 8), (2, 16), (2, 64)] {
+        let pool = InferencePool::new(model.clone(), PoolConfig::batched(workers, max_batch, Duration::from_millis(2)))
+            .unwrap();
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let (pool, requests, alone) = (&pool, &requests, &alone);
+                s.spawn(move || {
+                    for i in (t..requests.len()).step_by(8) {
+                        let got = pool.output(requests[i].view()).unwrap();
+                        assert_eq!(got, alone[i], "request {i} ({} rows), batched", requests[i].nrows());
+                        let mut out = Array2::zeros(alone[i].raw_dim());
+                        pool.output_into(Input::from(requests[i].view()), out.view_mut()).unwrap();
+                        assert_eq!(out, alone[i]);
+                    }
+                });
+            }
+        });
+        let stats = pool.stats();
+        let rows: usize = requests.iter().map(|x| x.nrows()).sum();
+        assert_eq!(stats.batched_rows, 2 * rows as u64, "{stats:?}");
+        // Alone, each request would take a batch per `max_batch` rows (twice over).
+        let alone_batches: usize = requests.iter().map(|x| 2 * x.nrows().div_ceil(max_batch)).sum();
+        assert!(stats.batches < alone_batches as u64, "requests were coalesced ({alone_batches} alone): {stats:?}");
+    }
+}
+
+#[test]
+fn closing_a_batched_pool_fails_its_waiting_requests() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 6).freeze().unwrap());
+    // A wait longer than the test: requests sit in the queue until the close.
+    let pool = InferencePool::new(model, PoolConfig::batched(1, 1000, Duration::from_secs(60))).unwrap();
+    let x = Array2::<f32>::ones((2, 16));
+    std::thread::scope(|s| {
+        let waiters: Vec<_> = (0..4).map(|_| s.spawn(|| pool.output(x.view()))).collect();
+        std::thread::sleep(Duration::from_millis(50));
+        pool.close();
+        for w in waiters {
+            assert!(matches!(w.join().unwrap(), Err(Error::PoolClosed)));
+        }
+    });
+    let mut out = Array2::zeros((2, 5));
+    assert!(matches!(pool.output_into(x.view(), out.view_mut()), Err(Error::PoolClosed)));
+    // A timeout takes the request out of the queue.
+    let pool = InferencePool::new(
+        Arc::new(mlp(WorkspaceMode::Planned, 6).freeze().unwrap()),
+        PoolConfig::batched(1, 1000, Duration::from_secs(60)),
+    )
+    .unwrap();
+    assert!(matches!(
+        pool.output_timeout(x.view(), out.view_mut(), Duration::from_millis(10)),
+        Err(Error::Timeout { .. })
+    ));
+    assert_eq!(pool.stats().batches, 0);
+}
