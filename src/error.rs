@@ -66,10 +66,9 @@ pub enum Error {
     /// in a layer's output or gradients, in the loss, or in what the updater would
     /// store. The step was abandoned before any parameter or updater state changed.
     #[error(
-        "non-finite value at '{layer}': {what}. Refused before anything changed (a training step is abandoned \
-         before any parameter or updater state changes; a request fails alone), and the network or model is \
-         still usable; remove NaN and infinite values from the data, or scale the inputs or lower the learning \
-         rate if values overflow"
+        "non-finite value at '{layer}': {what}. The training step was abandoned before any parameter or \
+         updater state changed (a serving request fails alone), and the network is still usable; remove NaN and \
+         infinite values from the data, or scale the inputs or lower the learning rate if values overflow"
     )]
     NonFinite {
         /// The layer where the value appeared ("input" for the batch itself, "loss"
