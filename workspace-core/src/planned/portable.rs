@@ -16,8 +16,9 @@ use crate::layer::{LayerWorkspaceMgr, LayerWorkspaceMgrBuilder};
 /// and group itself, lends the manager to a closure ([`PortableMgr::with`]) on the
 /// calling thread, and checks afterwards that the closure kept nothing (no clone of the
 /// manager, its group or a workspace, strong or weak). A closure that did keep one
-/// leaves the manager on that thread for good: it is leaked there (memory, never a
-/// race), and every later [`PortableMgr::with`] fails with an error saying so.
+/// leaves the manager on that thread for good: the `PortableMgr` lets go of it there
+/// (what the kept references hold stays alive on that thread only), and every later
+/// [`PortableMgr::with`] fails with an error saying so.
 ///
 /// ```
 /// use std::sync::Mutex;
@@ -69,7 +70,7 @@ pub struct PortableMgr {
     /// Planned; nothing but this value reaches its group and workspaces
     /// (`LayerWorkspaceMgr::reached_only_here`), unless `kept`.
     mgr: LayerWorkspaceMgr,
-    /// A closure kept a reference: `mgr` was leaked on that thread and replaced by a
+    /// A closure kept a reference: `mgr` was let go of on that thread and replaced by a
     /// manager with no workspaces.
     kept: Option<String>,
 }
@@ -78,7 +79,7 @@ pub struct PortableMgr {
 // group, member list and workspaces) and its group's binding to a thread. The counts
 // are only touched by the thread that holds the `PortableMgr` (or a `&mut` of it): no
 // other handle exists, as `build` and every `with` check (`reached_only_here`) before
-// the value can move again, and a manager that fails the check is leaked on its thread
+// the value can move again, and a manager that fails the check is dropped on its thread
 // instead. The group is bound to the using thread at the start of every `with`
 // (`PlanGroup::rebind`), under that same exclusivity. Workspaces themselves are `Send`.
 unsafe impl Send for PortableMgr {}
@@ -109,7 +110,7 @@ impl PortableMgr {
     /// A panic in `f` is resumed once the manager has been checked. If `f` kept a
     /// reference to the manager, its group or a workspace (a clone, strong or weak,
     /// still alive when it returns), its value is returned all the same, the manager is
-    /// leaked on this thread, and later calls fail.
+    /// let go of on this thread, and later calls fail.
     ///
     /// # Errors
     ///
@@ -139,16 +140,16 @@ impl PortableMgr {
         self.kept.is_some()
     }
 
-    /// Leaks the manager on this thread, where something still reaches it.
+    /// Gives up the manager on this thread, where something still reaches it.
     #[cold]
     fn keep_here(&mut self) {
         let name = self.mgr.plan_group().map_or_else(String::new, |g| g.stats().name);
-        let kept = std::mem::replace(&mut self.mgr, LayerWorkspaceMgr::no_workspaces());
-        std::mem::forget(kept);
+        // Dropped here, on the thread that holds the kept references: whatever they keep
+        // alive stays on this thread.
+        drop(std::mem::replace(&mut self.mgr, LayerWorkspaceMgr::no_workspaces()));
         self.kept = Some(format!(
             "plan group '{name}': a call kept a reference to the manager, its group or one of its workspaces (a \
-             clone still alive when the call returned), so they stay on the thread of that call and were leaked \
-             there; build a new manager"
+             clone still alive when the call returned), so they stay on the thread of that call; build a new manager"
         ));
     }
 }
