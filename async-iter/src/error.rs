@@ -295,7 +295,7 @@ impl std::fmt::Display for Position {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The message of a panic payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_owned()
     } else if let Some(s) = payload.downcast_ref::<String>() {
@@ -309,7 +309,7 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// a panic of its destructor must not escape: on the producer thread, in `next()`, in
 /// `Drop`. Such a panic is caught, and its own payload dropped the same way; a chain of
 /// payloads that all panic when dropped is cut after a few links by leaking the last.
-pub(crate) fn drop_quietly<T>(value: T) {
+pub fn drop_quietly<T>(value: T) {
     const LINKS: usize = 8;
     let Err(mut payload) = panic::catch_unwind(AssertUnwindSafe(move || drop(value))) else { return };
     for _ in 0..LINKS {

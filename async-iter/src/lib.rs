@@ -153,6 +153,14 @@ mod sync;
 #[allow(unsafe_code)]
 mod view;
 
+/// A caught panic turned into an error: its message, and its payload dropped where a
+/// panicking destructor must not escape. What the prefetcher does with a producer's
+/// panic, for code of its own that catches panics of user code (carve's inference pool
+/// does, for a layer's).
+pub mod panics {
+    pub use crate::error::{drop_quietly, panic_message};
+}
+
 pub use arrays::BatchArrays;
 pub use bytemuck::Pod;
 pub use detached::DetachedBatch;

@@ -252,29 +252,6 @@ fn last_step<'a>(
     Ok(Activations::Flat(freeze(out)))
 }
 
-impl FrozenLayer for Frozen<LastStep> {
-    fn name(&self) -> &str {
-        &self.0.name
-    }
-
-    fn output_size(&self, inputs: usize) -> Result<usize> {
-        Ok(inputs)
-    }
-
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        Err(takes_sequences(&self.0.name, input))
-    }
-
-    fn forward_sequence<'a>(
-        &self,
-        input: ArrayView3<'a, f32>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        last_step(&self.0, input, mask, ctx)
-    }
-}
-
 /// [`MaskedMean`]'s forward pass, training's and serving's.
 fn masked_mean<'a>(
     head: &MaskedMean,
@@ -299,25 +276,38 @@ fn masked_mean<'a>(
     Ok(Activations::Flat(freeze(out)))
 }
 
-impl FrozenLayer for Frozen<MaskedMean> {
-    fn name(&self) -> &str {
-        &self.0.name
-    }
+/// A head frozen for serving: its forward pass through `&self` (`$forward`, the one
+/// training runs); flat batches refused, as training refuses them.
+macro_rules! frozen_head {
+    ($head:ty, $forward:ident) => {
+        impl FrozenLayer for Frozen<$head> {
+            fn name(&self) -> &str {
+                &self.0.name
+            }
 
-    fn output_size(&self, inputs: usize) -> Result<usize> {
-        Ok(inputs)
-    }
+            fn output_size(&self, inputs: usize) -> Result<usize> {
+                Ok(inputs)
+            }
 
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        Err(takes_sequences(&self.0.name, input))
-    }
+            fn forward<'a>(
+                &self,
+                input: ArrayView2<'a, f32>,
+                _ctx: &ForwardCtx<'a, '_>,
+            ) -> Result<ArrayView2<'a, f32>> {
+                Err(takes_sequences(&self.0.name, input))
+            }
 
-    fn forward_sequence<'a>(
-        &self,
-        input: ArrayView3<'a, f32>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        masked_mean(&self.0, input, mask, ctx)
-    }
+            fn forward_sequence<'a>(
+                &self,
+                input: ArrayView3<'a, f32>,
+                mask: Option<ArrayView2<'a, f32>>,
+                ctx: &ForwardCtx<'a, '_>,
+            ) -> Result<Activations<'a>> {
+                $forward(&self.0, input, mask, ctx)
+            }
+        }
+    };
 }
+
+frozen_head!(LastStep, last_step);
+frozen_head!(MaskedMean, masked_mean);

@@ -92,22 +92,7 @@ impl Network {
     ///
     /// Shape errors and workspace errors.
     pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
-        let x = x.into();
-        self.infer(x, |probs| {
-            if probs.nrows() != out.len() {
-                return Err(Error::ShapeMismatch {
-                    context: "prediction buffer (one per row of the network's output: per example and step for a \
-                              network without a head)"
-                        .to_string(),
-                    expected: vec![probs.nrows()],
-                    actual: vec![out.len()],
-                });
-            }
-            for (slot, row) in out.iter_mut().zip(probs.axis_iter(Axis(0))) {
-                *slot = argmax(row);
-            }
-            Ok(())
-        })
+        self.infer(x.into(), |probs| predictions_into(probs, out))
     }
 
     /// Fraction of rows of `x` whose predicted class is the label, in batches of
@@ -219,8 +204,26 @@ fn no_labelled_step(given: &str, rows: usize) -> Error {
     ))
 }
 
+/// The most probable class of each row of `probs`, written to `out` (one per row): what
+/// a network's and a served model's `predict_into` write.
+pub(crate) fn predictions_into(probs: ArrayView2<'_, f32>, out: &mut [u32]) -> Result<()> {
+    if probs.nrows() != out.len() {
+        return Err(Error::ShapeMismatch {
+            context: "prediction buffer (one per row of the network's output: per example and step for a network \
+                      without a head)"
+                .to_string(),
+            expected: vec![probs.nrows()],
+            actual: vec![out.len()],
+        });
+    }
+    for (slot, row) in out.iter_mut().zip(probs.axis_iter(Axis(0))) {
+        *slot = argmax(row);
+    }
+    Ok(())
+}
+
 /// Index of the largest value (the first on ties).
-pub(crate) fn argmax(row: ArrayView1<'_, f32>) -> u32 {
+fn argmax(row: ArrayView1<'_, f32>) -> u32 {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {
         if v > row[best] {

@@ -30,7 +30,7 @@ pub use batch::{Input, Labels};
 pub(crate) use config::inference_builder;
 use config::{inference_mgr, training_mgrs};
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
-pub(crate) use infer::{argmax, probabilities};
+pub(crate) use infer::{predictions_into, probabilities};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///

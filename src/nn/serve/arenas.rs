@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use async_iter::panics::{drop_quietly, panic_message};
 use workspace_core::planned::PortableMgr;
 use workspace_core::LayerWorkspaceMgr;
 
@@ -201,7 +202,9 @@ impl ArenaGuard<'_> {
             Ok((Ok(Err(e)), _)) => Err(e),
             Ok((Err(payload), _)) => {
                 counters.panics.fetch_add(1, Ordering::Relaxed);
-                Err(Error::Panicked { message: panic_message(&*payload) })
+                let message = panic_message(&*payload);
+                drop_quietly(payload);
+                Err(Error::Panicked { message })
             }
             Err(e) => Err(e.into()),
         };
@@ -226,14 +229,5 @@ impl Drop for ArenaGuard<'_> {
     fn drop(&mut self) {
         drop(self.slot.take());
         self.arenas.give_back(self.index);
-    }
-}
-
-/// A panic's message, when it has one.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
-        (Some(s), _) => (*s).to_string(),
-        (_, Some(s)) => s.clone(),
-        _ => "a panic without a message".to_string(),
     }
 }

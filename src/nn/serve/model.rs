@@ -6,9 +6,10 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use workspace_core::LayerWorkspaceMgr;
 
 use super::arenas::{ArenaGuard, Arenas, Wait};
+use super::pool::PoolConfig;
 use crate::nn::finite;
 use crate::nn::layer::FrozenLayer;
-use crate::nn::network::{check_input, probabilities, shape_key, Input, Network};
+use crate::nn::network::{check_input, predictions_into, probabilities, shape_key, Input, Network};
 use crate::{Error, Result};
 
 /// A trained network frozen for serving: the layers' weights, held once; `Send +
@@ -156,8 +157,7 @@ impl Model {
         let arenas = match self.own.get() {
             Some(arenas) => arenas,
             None => {
-                let k = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let made = Arenas::new(k, SERVING_PLANS)?;
+                let made = Arenas::new(PoolConfig::default().workers, SERVING_PLANS)?;
                 self.own.get_or_init(|| made)
             }
         };
@@ -168,32 +168,6 @@ impl Model {
     pub(crate) fn check_request(&self, x: &Input<'_>) -> Result<()> {
         check_input(self.inputs, x)?;
         finite::check_activations("input", "the request's input", x.activations(), x.mask())
-    }
-
-    /// The rows of the output for `x`: one per example, or per example and step for a
-    /// sequence output.
-    pub(crate) fn output_rows(&self, x: &Input<'_>) -> usize {
-        // Heads turn sequences into rows; a model ending in a per-step layer does not.
-        match x {
-            Input::Flat(x) => x.nrows(),
-            Input::Sequences { features, .. } => {
-                let (batch, steps) = (features.shape()[0], features.shape()[1]);
-                if self.per_step_output() {
-                    batch * steps
-                } else {
-                    batch
-                }
-            }
-        }
-    }
-
-    /// Whether a sequence input gives an output per step (no head turns it into rows).
-    fn per_step_output(&self) -> bool {
-        !self.layers.iter().any(|l| {
-            let any: &dyn std::any::Any = &**l;
-            any.is::<crate::nn::layer::Frozen<crate::nn::LastStep>>()
-                || any.is::<crate::nn::layer::Frozen<crate::nn::MaskedMean>>()
-        })
     }
 
     /// The probabilities of `x` (checked by [`Model::check_request`]) in `mgr`, handed to `f`: one planned
@@ -218,18 +192,17 @@ impl ArenaGuard<'_> {
 
     pub(crate) fn output_into(&mut self, model: &Model, x: Input<'_>, mut out: ArrayViewMut2<'_, f32>) -> Result<()> {
         model.check_request(&x)?;
-        let expected = (model.output_rows(&x), model.classes);
-        if out.dim() != expected {
-            return Err(Error::ShapeMismatch {
-                context: "output buffer ([rows, classes]: one row per example, or per example and step for a \
-                          model without a sequence head)"
-                    .into(),
-                expected: vec![expected.0, expected.1],
-                actual: out.shape().to_vec(),
-            });
-        }
         self.run(|mgr| {
             model.infer_in(mgr, x, |probs| {
+                if out.dim() != probs.dim() {
+                    return Err(Error::ShapeMismatch {
+                        context: "output buffer ([rows, classes]: one row per example, or per example and step for \
+                                  a model without a sequence head)"
+                            .into(),
+                        expected: probs.shape().to_vec(),
+                        actual: out.shape().to_vec(),
+                    });
+                }
                 out.assign(&probs);
                 Ok(())
             })
@@ -238,21 +211,6 @@ impl ArenaGuard<'_> {
 
     pub(crate) fn predict_into(&mut self, model: &Model, x: Input<'_>, out: &mut [u32]) -> Result<()> {
         model.check_request(&x)?;
-        let rows = model.output_rows(&x);
-        if out.len() != rows {
-            return Err(Error::ShapeMismatch {
-                context: "prediction buffer (one per row of the model's output)".into(),
-                expected: vec![rows],
-                actual: vec![out.len()],
-            });
-        }
-        self.run(|mgr| {
-            model.infer_in(mgr, x, |probs| {
-                for (slot, row) in out.iter_mut().zip(probs.rows()) {
-                    *slot = crate::nn::network::argmax(row);
-                }
-                Ok(())
-            })
-        })
+        self.run(|mgr| model.infer_in(mgr, x, |probs| predictions_into(probs, out)))
     }
 }

@@ -273,10 +273,15 @@ impl InferencePool {
     /// layer panicked (this request only); [`Error::PoolClosed`].
     pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
         let x = x.into();
-        self.shared.model.check_request(&x)?;
-        let mut out = Array2::zeros((self.shared.model.output_rows(&x), self.shared.model.classes()));
-        self.run_into(x, out.view_mut(), Wait::Forever)?;
-        Ok(out)
+        match &self.shared.batcher {
+            Some(batcher) => {
+                // Batched requests are flat: a row of probabilities per row of input.
+                let mut out = Array2::zeros((x.rows(), self.shared.model.classes()));
+                batcher.submit(&self.shared, x, out.view_mut(), Wait::Forever)?;
+                Ok(out)
+            }
+            None => self.shared.arenas.lease(Wait::Forever)?.output(&self.shared.model, x),
+        }
     }
 
     /// As [`InferencePool::output`], written into `out` (`[rows, classes]`): no heap
