@@ -108,6 +108,11 @@ struct Args {
     /// both to FILE (.svg or .png)
     #[arg(long, value_name = "FILE", value_parser = plot::parse_plot_path, verbatim_doc_comment)]
     plot: Option<std::path::PathBuf>,
+    /// Save the trained network to FILE as a safetensors model
+    /// (`carve::nn::Model::load` serves it); with --compare, the
+    /// first mode's (all modes train the same weights)
+    #[arg(long, value_name = "FILE", verbatim_doc_comment)]
+    save: Option<std::path::PathBuf>,
 }
 
 fn parse_head(s: &str) -> Result<String, String> {
@@ -191,7 +196,14 @@ fn prefetcher(split: &Split, args: &Args, seed: u64, mode: WorkspaceMode) -> Res
     Ok(builder.build()?)
 }
 
-fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) -> Res<Trace> {
+/// Trains in `mode`; saves the trained network to `save` when given.
+fn train(
+    args: &Args,
+    mode: WorkspaceMode,
+    train_split: &Split,
+    test: &Split,
+    save: Option<&std::path::Path>,
+) -> Res<Trace> {
     let mut builder = NetworkConfig::builder(FEATURES);
     for &width in &args.hidden {
         builder = builder.lstm(width);
@@ -268,6 +280,9 @@ fn train(args: &Args, mode: WorkspaceMode, train_split: &Split, test: &Split) ->
     trace.capacity_final = net.workspace_capacity();
     trace.plan = net.memory_plan();
     trace.plans = net.plan_stats().map(|s| (s.plans, s.arena_bytes, s.arena_lower_bound_bytes));
+    if let Some(path) = save {
+        net.save(path).map_err(|e| format!("saving the model: {e}"))?;
+    }
     Ok(trace)
 }
 
@@ -280,6 +295,9 @@ fn median(values: &[f64]) -> f64 {
 fn run(args: &Args) -> Res<()> {
     if let Some(path) = &args.plot {
         plot::check_plot_path(path)?;
+    }
+    if let Some(path) = &args.save {
+        cli::check_writable(path, "--save", "the model")?;
     }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
     let modes: &[WorkspaceMode] = if args.compare || args.plot.is_some() {
@@ -307,7 +325,11 @@ fn run(args: &Args) -> Res<()> {
     ));
     let mut traces = Vec::new();
     for &mode in modes {
-        traces.push((mode, train(args, mode, &train_split, &test)?));
+        let save = if traces.is_empty() { args.save.as_deref() } else { None };
+        traces.push((mode, train(args, mode, &train_split, &test, save)?));
+    }
+    if let Some(path) = &args.save {
+        say(format!("model saved to {}", path.display()));
     }
     let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
     let mut object = serde_json::json!({
@@ -320,6 +342,7 @@ fn run(args: &Args) -> Res<()> {
         "lr": args.lr.to_string().parse::<f64>()?,
         "train_rows": train_split.labels.len(),
         "test_rows": test.labels.len(),
+        "saved": args.save.as_ref().map(|p| p.display().to_string()),
     });
     for (mode, t) in &traces {
         let steady = &t.allocs[per_epoch.min(t.allocs.len())..];

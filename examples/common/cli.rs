@@ -12,6 +12,8 @@
 #![allow(dead_code)]
 
 use std::fmt::Display;
+use std::fs::OpenOptions;
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
@@ -56,6 +58,33 @@ pub(crate) fn exit_status<A: CommandFactory, E: Display>(result: Result<(), E>) 
             eprintln!("{}: error: {}", A::command().get_name(), message.trim_end());
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Checks, before a long run, that `what` can be written to `path` (given as `flag`):
+/// its directory exists and the file can be opened for writing. A file that was not
+/// there is not left behind (a run that fails leaves nothing), one that was is not
+/// changed.
+pub(crate) fn check_writable(path: &Path, flag: &str, what: &str) -> Result<(), String> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        if !dir.exists() {
+            return Err(format!("{flag} {}: the directory {} does not exist", path.display(), dir.display()));
+        }
+        if !dir.is_dir() {
+            return Err(format!("{flag} {}: {} is not a directory", path.display(), dir.display()));
+        }
+    }
+    let existed = path.exists();
+    match OpenOptions::new().write(true).create(true).truncate(false).open(path) {
+        Ok(file) => {
+            drop(file);
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            Ok(())
+        }
+        Err(e) => Err(format!("{flag} {}: cannot write {what} there: {e}", path.display())),
     }
 }
 

@@ -4,7 +4,6 @@
 //! beside it, so it covers no line. Shared by `train_digits` and `train_sequences`,
 //! with the checks of the plot's path they make before training.
 
-use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 
 use carve::WorkspaceMode;
@@ -49,30 +48,10 @@ pub(crate) fn parse_plot_path(s: &str) -> Result<PathBuf, String> {
     }
 }
 
-/// Checks, before training, that the plot can be written to `path`: its directory
-/// exists and the file can be opened for writing. A file that was not there is not
-/// left behind (a training that fails leaves nothing), one that was is not changed.
+/// Checks, before training, that the plot can be written to `path` (see
+/// [`crate::cli::check_writable`]).
 pub(crate) fn check_plot_path(path: &Path) -> Result<(), String> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    if let Some(dir) = dir {
-        if !dir.exists() {
-            return Err(format!("--plot {}: the directory {} does not exist", path.display(), dir.display()));
-        }
-        if !dir.is_dir() {
-            return Err(format!("--plot {}: {} is not a directory", path.display(), dir.display()));
-        }
-    }
-    let existed = path.exists();
-    match OpenOptions::new().write(true).create(true).truncate(false).open(path) {
-        Ok(file) => {
-            drop(file);
-            if !existed {
-                let _ = std::fs::remove_file(path);
-            }
-            Ok(())
-        }
-        Err(e) => Err(format!("--plot {}: cannot write the plot there: {e}", path.display())),
-    }
+    crate::cli::check_writable(path, "--plot", "the plot")
 }
 
 /// Width of the column right of each panel that holds its legend.

@@ -82,6 +82,12 @@ pub(crate) struct Args {
     /// both modes, as --compare does
     #[arg(long, value_name = "FILE", value_parser = parse_plot_path, verbatim_doc_comment)]
     pub(crate) plot: Option<PathBuf>,
+
+    /// Save the trained network to FILE as a safetensors model
+    /// (`serve_digits --model FILE` serves it); with --compare,
+    /// the first mode's (all modes train the same weights)
+    #[arg(long, value_name = "FILE", verbatim_doc_comment)]
+    pub(crate) save: Option<PathBuf>,
 }
 
 impl Args {

@@ -144,6 +144,9 @@ fn run(args: &Args) -> Res<()> {
     if let Some(path) = &args.plot {
         plot::check_plot_path(path)?;
     }
+    if let Some(path) = &args.save {
+        cli::check_writable(path, "--save", "the model")?;
+    }
     let data = data::load_digits(&data::data_path())?;
     let (train_rows, test_rows) = data::stratified_split(&data.y, args.seed);
     let (train, test) = (data::subset(&data, &train_rows), data::subset(&data, &test_rows));
@@ -316,6 +319,11 @@ fn run(args: &Args) -> Res<()> {
         out(&format!("plot written to {}", path.display()));
     }
 
+    if let Some(path) = &args.save {
+        runs[0].net.save(path).map_err(|e| format!("saving the model: {e}"))?;
+        out(&format!("model saved to {} (serve it: serve_digits --model {})", path.display(), path.display()));
+    }
+
     if args.json {
         let us = |mode| summaries.iter().find(|s| s.mode == mode).map(|s| s.iter_us_median);
         let ratio = match (us(WorkspaceMode::Enabled), us(WorkspaceMode::None)) {
@@ -335,6 +343,7 @@ fn run(args: &Args) -> Res<()> {
             "test_rows": test.y.len(),
             "iter_time_ratio_enabled_over_none": ratio,
             "loss_traces_identical": identical,
+            "saved": args.save.as_ref().map(|p| p.display().to_string()),
         });
         for s in &summaries {
             object[mode_name(s.mode)] = summary_json(s, &rss);

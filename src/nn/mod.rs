@@ -16,6 +16,10 @@
 //!   the roles of an iteration from one arena planned per batch shape from a recorded
 //!   iteration ([`planned_workspace_config`], [`PlannedStats`], [`Network::plan_stats`]);
 //!   `None` allocates every array on the heap.
+//! - Serving: [`Network::freeze`] → [`Model`] (weights held once, `Send + Sync`,
+//!   inference through `&self`), served to any number of threads by an
+//!   [`InferencePool`]; [`Network::save`], [`Model::save`], [`Model::load`] and
+//!   [`Model::load_pytorch`] keep models in safetensors, in PyTorch's names and layouts.
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
 //!
@@ -30,6 +34,7 @@
 //! seed produce bit-identical losses and predictions.
 
 mod dense;
+mod file;
 mod finite;
 #[allow(unsafe_code)]
 pub mod gemm;

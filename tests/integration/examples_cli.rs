@@ -157,6 +157,25 @@ fn train_sequences_compares_the_modes_on_variable_length_batches_in_json() {
 }
 
 #[test]
+fn train_sequences_saves_a_model_that_serves_sequences() {
+    let path = std::env::temp_dir().join(format!("carve-train-sequences-save-{}.safetensors", std::process::id()));
+    let output =
+        run("train_sequences", &["--epochs", "1", "--hidden", "8", "--head", "mean", "--save", path.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert!(text(&output.stdout).contains("model saved to"), "{}", text(&output.stdout));
+    let model = carve::nn::Model::load(&path).expect("the saved model loads");
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!((model.inputs(), model.classes()), (12, 9));
+    let names: Vec<&str> = model.layers().iter().map(|l| l.name()).collect();
+    assert_eq!(names, ["lstm_0", "masked_mean_1", "dense_2"]);
+    let x = ndarray::Array3::<f32>::from_elem((2, 5, 12), 0.5);
+    let mask = ndarray::Array2::<f32>::from_shape_fn((2, 5), |(b, t)| f32::from(u8::from(t < 5 - 2 * b)));
+    let probabilities = model.output((x.view(), mask.view())).unwrap();
+    assert_eq!(probabilities.shape(), [2, 9]);
+    assert!(probabilities.rows().into_iter().all(|r| (r.sum() - 1.0).abs() < 1e-5), "{probabilities}");
+}
+
+#[test]
 fn train_sequences_planned_records_new_shapes_after_warm_up_without_heap_allocations_but_the_plan() {
     let output = run("train_sequences", &["--workspace-mode", "planned", "--epochs", "3", "--hidden", "8", "--json"]);
     assert!(output.status.success(), "{}", text(&output.stderr));

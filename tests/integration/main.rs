@@ -4,6 +4,7 @@
 //! their own (`nn_prefetch_allocs`, `nn_soak`, `planned`, `sequences_allocs`).
 
 mod examples_cli;
+mod model_file;
 mod nn;
 mod nn_prefetch;
 mod sequences;

@@ -583,3 +583,32 @@ fn on_a_terminal_each_mode_has_one_progress_bar_within_80_columns() {
         assert_eq!(drawn.len(), 3, "{columns} columns: nothing but the three bars on stderr: {drawn:#?}");
     }
 }
+
+#[test]
+fn save_writes_a_model_that_loads_and_a_bad_path_is_refused_before_training() {
+    let dir = scratch_dir("save");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let (a, b, c) = (path("a.safetensors"), path("b.safetensors"), path("c.safetensors"));
+    for (file, seed) in [(&a, "1"), (&b, "1"), (&c, "2")] {
+        let output = run(&["--epochs", "1", "--hidden", "16", "--seed", seed, "--save", file, "--json"]);
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        assert_eq!(last_json(&output)["saved"].as_str(), Some(file.as_str()));
+        assert!(text(&output.stderr).contains("model saved to"), "{}", text(&output.stderr));
+    }
+    let model = carve::nn::Model::load(&a).expect("the saved model loads");
+    assert_eq!((model.inputs(), model.classes()), (64, 10));
+    assert_eq!(model.weight_bytes(), (64 * 16 + 16 + 16 * 10 + 10) * 4);
+    let probabilities = model.output(ndarray::Array2::<f32>::ones((3, 64)).view()).unwrap();
+    assert!(probabilities.rows().into_iter().all(|r| (r.sum() - 1.0).abs() < 1e-5), "{probabilities}");
+    // The same seed trains and saves the same bytes; another seed other weights.
+    let bytes = |file: &str| std::fs::read(file).unwrap();
+    assert_eq!(bytes(&a), bytes(&b));
+    assert_ne!(bytes(&a), bytes(&c));
+
+    let missing = dir.join("no-such-dir").join("model.safetensors");
+    let output = run(&["--epochs", "1", "--save", missing.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = text(&output.stderr);
+    assert!(stderr.starts_with("train_digits: error: --save ") && stderr.contains("does not exist"), "{stderr}");
+    assert!(output.stdout.is_empty(), "refused before training: {}", text(&output.stdout));
+}

@@ -108,6 +108,16 @@ impl NetworkConfig {
             error: None,
         }
     }
+
+    /// Input columns (features per step for sequences).
+    pub fn inputs(&self) -> usize {
+        self.inputs
+    }
+
+    /// The layers, in order.
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
+        &self.layers
+    }
 }
 
 impl NetworkConfigBuilder {

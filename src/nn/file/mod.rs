@@ -1,0 +1,476 @@
+//! Saving and loading models in safetensors, the format the Rust ML crates (candle,
+//! burn) and PyTorch read.
+//!
+//! A file carve writes holds each layer's parameters under PyTorch's names and layouts
+//! (`nn.Linear`: `{layer}.weight` `[out, in]` and `{layer}.bias`; `nn.LSTM`:
+//! `{layer}.weight_ih_l0` `[4·hidden, in]`, `{layer}.weight_hh_l0`, `{layer}.bias_ih_l0`,
+//! `{layer}.bias_hh_l0`, gates in PyTorch's order i, f, g, o), so that PyTorch loads its
+//! weights by name, and the layer configuration as JSON in the header's metadata
+//! (`carve.model`), so that [`Model::load`] needs nothing else. A PyTorch `state_dict`
+//! saved with `safetensors.torch.save_file` has no configuration: [`Model::load_pytorch`]
+//! takes it from a [`NetworkConfig`] and finds each layer's tensors by its name or its
+//! position (`nn.Sequential` numbers its children).
+//!
+//! Loading checks everything: a truncated file, a header that lies about its lengths,
+//! a tensor of the wrong shape or type, a missing tensor or one no layer uses, a
+//! non-finite weight — each a typed [`Error::ModelFile`] naming the tensor, never a
+//! panic or a read out of bounds.
+
+mod safetensors;
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use ndarray::{Array1, Array2};
+use serde_json::{json, Value};
+
+use self::safetensors::{file_error, Out, Tensors};
+use super::layer::{Frozen, FrozenLayer};
+use super::{Dense, LastStep, Lstm, MaskedMean, Model, Network, NetworkConfig, Relu};
+use crate::{Error, Result};
+
+/// The metadata key of the layer configuration.
+const CONFIG_KEY: &str = "carve.model";
+/// The version of the configuration's layout.
+const VERSION: u64 = 1;
+
+/// `nn.LSTM`'s gate blocks are i, f, g, o; carve's (DL4J's) are g, f, o, i: carve's
+/// block `c` is PyTorch's block `TORCH_BLOCK[c]`.
+const TORCH_BLOCK: [usize; 4] = [2, 1, 3, 0];
+
+/// A layer as a file describes it.
+#[derive(Clone, Debug)]
+enum Kind {
+    Dense { inputs: usize, outputs: usize },
+    Relu,
+    Lstm { inputs: usize, hidden: usize },
+    LastStep,
+    MaskedMean,
+}
+
+impl Kind {
+    /// The kind of a built-in frozen layer; `None` for a user's own.
+    fn of(layer: &dyn FrozenLayer) -> Option<Kind> {
+        let any = layer as &dyn Any;
+        if let Some(Frozen(dense)) = any.downcast_ref::<Frozen<Dense>>() {
+            let (inputs, outputs) = dense.weights().dim();
+            return Some(Kind::Dense { inputs, outputs });
+        }
+        if let Some(Frozen(lstm)) = any.downcast_ref::<Frozen<Lstm>>() {
+            return Some(Kind::Lstm { inputs: lstm.input_weights().nrows(), hidden: lstm.hidden() });
+        }
+        if any.is::<Frozen<Relu>>() {
+            return Some(Kind::Relu);
+        }
+        if any.is::<Frozen<LastStep>>() {
+            return Some(Kind::LastStep);
+        }
+        any.is::<Frozen<MaskedMean>>().then_some(Kind::MaskedMean)
+    }
+
+    /// The name of the tensor that locates the layer's parameters (`None`: it has none).
+    fn key_tensor(&self) -> Option<&'static str> {
+        match self {
+            Kind::Dense { .. } => Some("weight"),
+            Kind::Lstm { .. } => Some("weight_ih_l0"),
+            _ => None,
+        }
+    }
+
+    fn to_json(&self, name: &str, tensors: &str) -> Value {
+        match *self {
+            Kind::Dense { inputs, outputs } => {
+                json!({ "kind": "dense", "name": name, "tensors": tensors, "inputs": inputs, "outputs": outputs })
+            }
+            Kind::Lstm { inputs, hidden } => {
+                json!({ "kind": "lstm", "name": name, "tensors": tensors, "inputs": inputs, "hidden": hidden })
+            }
+            Kind::Relu => json!({ "kind": "relu", "name": name }),
+            Kind::LastStep => json!({ "kind": "last_step", "name": name }),
+            Kind::MaskedMean => json!({ "kind": "masked_mean", "name": name }),
+        }
+    }
+}
+
+impl Network {
+    /// Saves the network's parameters and layer configuration as a safetensors file
+    /// that [`Model::load`] serves (and PyTorch reads by name: see [`Model::save`]).
+    /// The updater's state is not saved.
+    ///
+    /// # Errors
+    ///
+    /// As [`Network::freeze`] and [`Model::save`].
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        self.freeze()?.save(path)
+    }
+}
+
+impl Model {
+    /// Saves the model as a safetensors file: each layer's parameters under PyTorch's
+    /// names and layouts (`{layer}.weight` `[out, in]`, `{layer}.bias`;
+    /// `{layer}.weight_ih_l0`, `weight_hh_l0`, `bias_ih_l0`, `bias_hh_l0`, gates i, f, g,
+    /// o), `{layer}` being the layer's name (or `layers.{index}` when two layers share
+    /// a name), and the layer configuration in the header's metadata. The file is
+    /// written beside `path` and renamed over it, so a failed save leaves no
+    /// half-written file.
+    ///
+    /// An LSTM's biases are saved in `bias_ih_l0`, with `bias_hh_l0` all `-0.0`, so
+    /// that their sum gives back each bias exactly.
+    ///
+    /// ```
+    /// use carve::nn::{Model, Network, NetworkConfig};
+    /// use carve::ndarray::Array2;
+    ///
+    /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).seed(7).build()?)?;
+    /// let path = std::env::temp_dir().join(format!("carve-doc-{}.safetensors", std::process::id()));
+    /// net.save(&path)?;
+    /// let model = Model::load(&path)?;
+    /// let x = Array2::<f32>::ones((2, 4));
+    /// assert_eq!(model.output(x.view())?, net.freeze()?.output(x.view())?);
+    /// # std::fs::remove_file(&path).unwrap();
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming a layer that is not one of carve's built-in
+    /// layers (a custom layer's parameters have no format carve knows);
+    /// [`Error::ModelFile`] when the file cannot be written.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let kinds = self
+            .layers()
+            .iter()
+            .map(|layer| {
+                Kind::of(layer.as_ref()).ok_or_else(|| Error::InvalidConfig {
+                    reason: format!(
+                        "layer '{}' cannot be saved: only carve's built-in layers (Dense, Relu, Lstm, LastStep, \
+                         MaskedMean) have a file format",
+                        layer.name()
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let names: Vec<&str> = self.layers().iter().map(|l| l.name()).collect();
+        let unique = names.iter().collect::<BTreeSet<_>>().len() == names.len()
+            && names.iter().all(|n| !n.is_empty() && !n.contains('.'));
+        let mut config = Vec::new();
+        let mut tensors = Vec::new();
+        for (index, (layer, kind)) in self.layers().iter().zip(&kinds).enumerate() {
+            let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
+            config.push(kind.to_json(layer.name(), &prefix));
+            save_params(layer.as_ref(), &prefix, &mut tensors);
+        }
+        let model = json!({ "version": VERSION, "inputs": self.inputs(), "layers": config });
+        let metadata =
+            BTreeMap::from([("format".to_string(), "pt".to_string()), (CONFIG_KEY.to_string(), model.to_string())]);
+        safetensors::write(path.as_ref(), &metadata, &tensors)
+    }
+
+    /// Loads a model saved by [`Model::save`] or [`Network::save`]: the layer
+    /// configuration from the file's metadata, the parameters from its tensors.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ModelFile`] for a file that cannot be read, is not safetensors, is
+    /// truncated, has a header that lies about its lengths, has no carve configuration
+    /// (a PyTorch `state_dict`: load it with [`Model::load_pytorch`]), or whose tensors
+    /// are missing, of the wrong shape or type, unused, or not finite — naming the
+    /// tensor; [`Error::InvalidConfig`] when the layers do not chain.
+    pub fn load(path: impl AsRef<Path>) -> Result<Model> {
+        let file = Tensors::read(path.as_ref())?;
+        let config = file.metadata().get(CONFIG_KEY).ok_or_else(|| {
+            file_error(
+                file.path(),
+                None,
+                format!(
+                    "its metadata has no '{CONFIG_KEY}' configuration (a PyTorch state_dict?): load it with \
+                     Model::load_pytorch and the network's NetworkConfig"
+                ),
+            )
+        })?;
+        let (inputs, layers) = parse_config(&file, config)?;
+        let mut used = BTreeSet::new();
+        let layers = layers
+            .into_iter()
+            .map(|saved| load_layer(&file, &saved.name, &saved.prefix, &saved.kind, Biases::Required, &mut used))
+            .collect::<Result<Vec<_>>>()?;
+        check_all_used(&file, &used)?;
+        Model::from_layers(inputs, layers)
+    }
+
+    /// Loads a model from a safetensors file of PyTorch's names and layouts (a
+    /// `state_dict` saved with `safetensors.torch.save_file`), with the layers of
+    /// `config` (its updater, seed and workspace modes do not matter).
+    ///
+    /// Each layer with parameters finds its tensors by its name (`fc1.weight` for a
+    /// layer named `fc1`) or by its position in the network (`2.weight` for the third
+    /// layer, as `nn.Sequential` numbers its children: the builder's `dense`, `relu`
+    /// and `lstm` make the same numbering), also under a prefix (`model.2.weight`). A
+    /// layer of `nn.Linear` without bias, or `nn.LSTM` without biases, loads with zero
+    /// biases. Every tensor in the file must be used.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::load`]; also [`Error::ModelFile`] when a layer's tensors are not
+    /// found, or found under more than one name; [`Error::InvalidConfig`] for a layer
+    /// of `config` that is not built in.
+    pub fn load_pytorch(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
+        let file = Tensors::read(path.as_ref())?;
+        let mut used = BTreeSet::new();
+        let mut layers = Vec::new();
+        for (index, layer) in config.layers().iter().enumerate() {
+            let name = layer.name();
+            let kind = layer.frozen().as_deref().and_then(Kind::of).ok_or_else(|| Error::InvalidConfig {
+                reason: format!(
+                    "layer '{name}' cannot be loaded from a file: only carve's built-in layers (Dense, Relu, Lstm, \
+                     LastStep, MaskedMean) have a file format"
+                ),
+            })?;
+            let prefix = match kind.key_tensor() {
+                Some(key) => find_prefix(&file, name, index, key)?,
+                None => String::new(),
+            };
+            layers.push(load_layer(&file, name, &prefix, &kind, Biases::Optional, &mut used)?);
+        }
+        check_all_used(&file, &used)?;
+        Model::from_layers(config.inputs(), layers)
+    }
+}
+
+/// Appends the parameters of `layer` under `prefix`, in PyTorch's layouts.
+fn save_params(layer: &dyn FrozenLayer, prefix: &str, out: &mut Vec<Out>) {
+    let any = layer as &dyn Any;
+    let mut push = |suffix: &str, shape: Vec<usize>, values: Vec<f32>| {
+        out.push(Out { name: format!("{prefix}.{suffix}"), shape, values });
+    };
+    if let Some(Frozen(dense)) = any.downcast_ref::<Frozen<Dense>>() {
+        let (inputs, outputs) = dense.weights().dim();
+        // [in, out] → [out, in]
+        push("weight", vec![outputs, inputs], dense.weights().t().iter().copied().collect());
+        push("bias", vec![outputs], dense.bias().to_vec());
+    } else if let Some(Frozen(lstm)) = any.downcast_ref::<Frozen<Lstm>>() {
+        let h = lstm.hidden();
+        let to_torch = |w: ndarray::ArrayView2<'_, f32>| {
+            // [rows, 4h] in carve's blocks → [4h, rows] in PyTorch's.
+            let mut t = Array2::<f32>::zeros((4 * h, w.nrows()));
+            for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                for j in 0..h {
+                    t.row_mut(torch * h + j).assign(&w.column(c * h + j));
+                }
+            }
+            t.into_raw_vec_and_offset().0
+        };
+        let inputs = lstm.input_weights().nrows();
+        push("weight_ih_l0", vec![4 * h, inputs], to_torch(lstm.input_weights()));
+        push("weight_hh_l0", vec![4 * h, h], to_torch(lstm.recurrent_weights()));
+        let mut bias = vec![0.0; 4 * h];
+        for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+            bias[torch * h..(torch + 1) * h]
+                .copy_from_slice(&lstm.bias().as_slice().expect("contiguous")[c * h..][..h]);
+        }
+        push("bias_ih_l0", vec![4 * h], bias);
+        // x + (-0.0) == x for every x (+0.0 included): the sum gives the bias back bit for bit.
+        push("bias_hh_l0", vec![4 * h], vec![-0.0; 4 * h]);
+    }
+}
+
+/// Whether a layer's biases may be absent (PyTorch's `bias=False`: zero biases).
+#[derive(Clone, Copy, PartialEq)]
+enum Biases {
+    /// carve writes every bias: one missing is a broken file.
+    Required,
+    /// A PyTorch file may have none.
+    Optional,
+}
+
+/// The layer `name` of `kind`, its parameters read from `file` under `prefix`; the
+/// tensors it reads are added to `used`.
+fn load_layer(
+    file: &Tensors,
+    name: &str,
+    prefix: &str,
+    kind: &Kind,
+    biases: Biases,
+    used: &mut BTreeSet<String>,
+) -> Result<Box<dyn FrozenLayer>> {
+    let mut read = |suffix: &str, shape: &[usize], bias: bool| -> Result<Option<Vec<f32>>> {
+        let key = format!("{prefix}.{suffix}");
+        if bias && biases == Biases::Optional && !file.contains(&key) {
+            return Ok(None);
+        }
+        let values = file.values(&key, shape)?;
+        used.insert(key);
+        Ok(Some(values))
+    };
+    Ok(match *kind {
+        Kind::Dense { inputs, outputs } => {
+            let weight = read("weight", &[outputs, inputs], false)?.expect("required");
+            let bias = read("bias", &[outputs], true)?.unwrap_or_else(|| vec![0.0; outputs]);
+            // [out, in] → [in, out]
+            let weights = Array2::from_shape_vec((outputs, inputs), weight).expect("checked shape").reversed_axes();
+            let weights = weights.as_standard_layout().into_owned();
+            Box::new(Frozen(Dense::from_parts(name, weights, Array1::from(bias))))
+        }
+        Kind::Lstm { inputs, hidden: h } => {
+            let from_torch = |t: Vec<f32>, rows: usize| {
+                // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
+                let t = Array2::from_shape_vec((4 * h, rows), t).expect("checked shape");
+                let mut w = Array2::<f32>::zeros((rows, 4 * h));
+                for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                    for j in 0..h {
+                        w.column_mut(c * h + j).assign(&t.row(torch * h + j));
+                    }
+                }
+                w
+            };
+            let w = from_torch(read("weight_ih_l0", &[4 * h, inputs], false)?.expect("required"), inputs);
+            let u = from_torch(read("weight_hh_l0", &[4 * h, h], false)?.expect("required"), h);
+            let b_ih = read("bias_ih_l0", &[4 * h], true)?;
+            let b_hh = read("bias_hh_l0", &[4 * h], true)?;
+            let (b_ih, b_hh) = match (b_ih, b_hh) {
+                (Some(ih), Some(hh)) => (ih, hh),
+                (None, None) => (vec![0.0; 4 * h], vec![-0.0; 4 * h]),
+                (ih, _) => {
+                    let missing = if ih.is_none() { "bias_ih_l0" } else { "bias_hh_l0" };
+                    let key = format!("{prefix}.{missing}");
+                    return Err(file_error(
+                        file.path(),
+                        Some(&key),
+                        "not in the file, but its pair is: an LSTM has both biases or neither",
+                    ));
+                }
+            };
+            let mut b = Array1::<f32>::zeros(4 * h);
+            for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                for j in 0..h {
+                    b[c * h + j] = b_ih[torch * h + j] + b_hh[torch * h + j];
+                }
+            }
+            Box::new(Frozen(Lstm::from_parts(name, w, u, b)))
+        }
+        Kind::Relu => Box::new(Frozen(Relu::named(name))),
+        Kind::LastStep => Box::new(Frozen(LastStep::named(name))),
+        Kind::MaskedMean => Box::new(Frozen(MaskedMean::named(name))),
+    })
+}
+
+/// The prefix of layer `index` (named `name`) in a PyTorch file: the one `P` for which
+/// `P.{key}` is in the file, `P` being the name or the index, alone or after a prefix
+/// of the file's (`model.P`).
+fn find_prefix(file: &Tensors, name: &str, index: usize, key: &str) -> Result<String> {
+    let by_name = format!("{name}.{key}");
+    let by_index = format!("{index}.{key}");
+    let found: Vec<&str> = file
+        .names()
+        .filter(|tensor| {
+            [&by_name, &by_index].iter().any(|want| {
+                *tensor == want.as_str() || tensor.strip_suffix(want.as_str()).is_some_and(|p| p.ends_with('.'))
+            })
+        })
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(one[..one.len() - key.len() - 1].to_string()),
+        [] => Err(file_error(
+            file.path(),
+            Some(&by_name),
+            format!(
+                "not in the file, nor '{by_index}' (layer {index}, '{name}', as nn.Sequential numbers it), alone or \
+                 after a prefix; name the layer as the file does. The file holds: {}",
+                list(file.names())
+            ),
+        )),
+        many => Err(file_error(
+            file.path(),
+            Some(&by_name),
+            format!(
+                "layer {index} ('{name}') matches more than one tensor: {}; name it exactly",
+                list(many.iter().copied())
+            ),
+        )),
+    }
+}
+
+/// A layer as a carve file's configuration gives it.
+struct Saved {
+    name: String,
+    /// Its tensors' names are `{prefix}.weight` and so on.
+    prefix: String,
+    kind: Kind,
+}
+
+/// The configuration in a carve file's metadata: the inputs and, per layer, its name,
+/// tensor prefix and kind. Nothing in it is trusted: a size that disagrees with a
+/// tensor fails when the tensor is read.
+fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
+    let bad = |why: String| file_error(file.path(), None, format!("its '{CONFIG_KEY}' configuration {why}"));
+    let config: Value = serde_json::from_str(config).map_err(|e| bad(format!("is not valid JSON: {e}")))?;
+    let size = |value: &Value, key: &str| -> Result<usize> {
+        value
+            .get(key)
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| bad(format!("has no positive size '{key}' in {value}")))
+    };
+    match config.get("version").and_then(Value::as_u64) {
+        Some(VERSION) => {}
+        other => return Err(bad(format!("has version {other:?}; this carve reads version {VERSION}"))),
+    }
+    let inputs = size(&config, "inputs")?;
+    let Some(Value::Array(entries)) = config.get("layers") else {
+        return Err(bad("has no 'layers' list".into()));
+    };
+    let mut layers = Vec::with_capacity(entries.len().min(1024));
+    for entry in entries {
+        let text = |key: &str| entry.get(key).and_then(Value::as_str).map(str::to_string);
+        let (Some(kind), Some(name)) = (text("kind"), text("name")) else {
+            return Err(bad(format!("has a layer without a kind and a name: {entry}")));
+        };
+        let kind = match kind.as_str() {
+            "dense" => Kind::Dense { inputs: size(entry, "inputs")?, outputs: size(entry, "outputs")? },
+            "lstm" => Kind::Lstm { inputs: size(entry, "inputs")?, hidden: size(entry, "hidden")? },
+            "relu" => Kind::Relu,
+            "last_step" => Kind::LastStep,
+            "masked_mean" => Kind::MaskedMean,
+            other => return Err(bad(format!("has a layer of unknown kind '{other}' (layer '{name}')"))),
+        };
+        if let Kind::Lstm { hidden, .. } = kind {
+            if hidden.checked_mul(4).is_none() {
+                return Err(bad(format!("gives LSTM layer '{name}' {hidden} units, which overflows")));
+            }
+        }
+        let prefix = match kind.key_tensor() {
+            Some(_) => text("tensors").ok_or_else(|| bad(format!("gives layer '{name}' no 'tensors' prefix")))?,
+            None => String::new(),
+        };
+        layers.push(Saved { name, prefix, kind });
+    }
+    Ok((inputs, layers))
+}
+
+/// Fails naming the first tensor of `file` that no layer read.
+fn check_all_used(file: &Tensors, used: &BTreeSet<String>) -> Result<()> {
+    match file.names().find(|name| !used.contains(*name)) {
+        None => Ok(()),
+        Some(unused) => Err(file_error(
+            file.path(),
+            Some(unused),
+            "no layer of the configuration uses it (a layer missing from the configuration, or named differently)",
+        )),
+    }
+}
+
+/// `a, b, c` (at most 12 of them).
+fn list<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let names: Vec<&str> = names.collect();
+    let mut shown = names.iter().take(12).map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ");
+    if names.len() > 12 {
+        shown.push_str(&format!(" and {} more", names.len() - 12));
+    }
+    if shown.is_empty() {
+        "no tensors".into()
+    } else {
+        shown
+    }
+}

@@ -1,0 +1,282 @@
+//! The safetensors format, for `f32` tensors: an 8-byte little-endian header length
+//! `n`, `n` bytes of a JSON header (`{"name": {"dtype", "shape", "data_offsets"}, …,
+//! "__metadata__": {string: string}}`), then the tensors' bytes, little-endian, laid end
+//! to end as the offsets say.
+//!
+//! The reader trusts nothing in a file: every length and offset is checked against the
+//! file's size with checked arithmetic before a byte is read, and every error names the
+//! tensor at fault. It reads by value (`from_le_bytes`), so data need not be aligned.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::{Error, Result};
+
+/// The header key of the string-to-string metadata.
+const METADATA: &str = "__metadata__";
+
+/// A header longer than this is refused before it is read (the reference
+/// implementation's limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// One tensor as the header describes it: checked against the file.
+#[derive(Debug)]
+struct Entry {
+    shape: Vec<usize>,
+    /// Bytes of the data section (after the header).
+    begin: usize,
+    end: usize,
+}
+
+/// A safetensors file, read and checked: its metadata and its `f32` tensors.
+#[derive(Debug)]
+pub(crate) struct Tensors {
+    path: String,
+    metadata: BTreeMap<String, String>,
+    entries: BTreeMap<String, Entry>,
+    data: Vec<u8>,
+}
+
+/// A tensor to write: its name, shape and values (row-major).
+pub(crate) struct Out {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) values: Vec<f32>,
+}
+
+/// The error for `path`, naming `tensor` when there is one.
+pub(crate) fn file_error(path: &str, tensor: Option<&str>, reason: impl Into<String>) -> Error {
+    let reason = reason.into();
+    Error::ModelFile {
+        path: path.to_string(),
+        tensor: tensor.map(str::to_string),
+        reason: match tensor {
+            Some(name) => format!("tensor '{name}': {reason}"),
+            None => reason,
+        },
+    }
+}
+
+impl Tensors {
+    /// Reads and checks the file at `path`.
+    pub(crate) fn read(path: &Path) -> Result<Tensors> {
+        let shown = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| file_error(&shown, None, format!("cannot be read: {e}")))?;
+        Tensors::parse(shown, bytes)
+    }
+
+    /// Checks `bytes` as a safetensors file (`path` names it in errors).
+    pub(crate) fn parse(path: String, mut bytes: Vec<u8>) -> Result<Tensors> {
+        let fail = |tensor: Option<&str>, reason: String| file_error(&path, tensor, reason);
+        let Some(prefix) = bytes.first_chunk::<8>() else {
+            return Err(fail(
+                None,
+                format!("not a safetensors file: {} bytes, shorter than the 8-byte header length", bytes.len()),
+            ));
+        };
+        let declared = u64::from_le_bytes(*prefix);
+        let available = bytes.len() as u64 - 8;
+        if declared > available || declared > MAX_HEADER {
+            return Err(fail(
+                None,
+                format!(
+                    "the header claims {declared} bytes but the file has {available} after its length \
+                     (truncated, or not a safetensors file)"
+                ),
+            ));
+        }
+        let header_end = 8 + declared as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..header_end])
+            .map_err(|e| fail(None, format!("the header is not valid JSON: {e}")))?;
+        let Value::Object(header) = header else {
+            return Err(fail(None, "the header is not a JSON object".into()));
+        };
+        let data_len = bytes.len() - header_end;
+        let mut metadata = BTreeMap::new();
+        let mut entries = BTreeMap::new();
+        for (name, value) in &header {
+            if name == METADATA {
+                let Value::Object(map) = value else {
+                    return Err(fail(None, format!("the header's {METADATA} is not an object of strings")));
+                };
+                for (key, value) in map {
+                    let Value::String(value) = value else {
+                        return Err(fail(None, format!("the header's {METADATA} entry '{key}' is not a string")));
+                    };
+                    metadata.insert(key.clone(), value.clone());
+                }
+                continue;
+            }
+            let entry = entry(value, data_len).map_err(|reason| fail(Some(name), reason))?;
+            entries.insert(name.clone(), entry);
+        }
+        // Every byte of the data section belongs to exactly one tensor, in offset order.
+        let mut by_offset: Vec<(&String, &Entry)> = entries.iter().collect();
+        by_offset.sort_by_key(|(_, e)| (e.begin, e.end));
+        let mut covered = 0;
+        let mut previous: Option<&str> = None;
+        for (name, e) in &by_offset {
+            if e.begin != covered {
+                let reason = match (e.begin < covered, previous) {
+                    (true, Some(before)) => format!(
+                        "its data (bytes {}..{}) overlaps tensor '{before}', which ends at byte {covered}",
+                        e.begin, e.end
+                    ),
+                    _ => format!(
+                        "its data starts at byte {} but the previous tensor ends at byte {covered}: the header \
+                         leaves bytes no tensor owns",
+                        e.begin
+                    ),
+                };
+                return Err(fail(Some(name), reason));
+            }
+            covered = e.end;
+            previous = Some(name);
+        }
+        if covered != data_len {
+            return Err(fail(
+                previous,
+                format!(
+                    "the tensors end at byte {covered} of the data, but the file holds {data_len} bytes of data \
+                     (bytes no tensor owns)"
+                ),
+            ));
+        }
+        bytes.drain(..header_end);
+        Ok(Tensors { path, metadata, entries, data: bytes })
+    }
+
+    /// The file's name, for messages.
+    pub(crate) fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The header's metadata.
+    pub(crate) fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
+    }
+
+    /// The names of the tensors, sorted.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// Whether the file holds a tensor of this name.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The values of tensor `name`, which must have `shape` and hold only finite
+    /// values.
+    pub(crate) fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let fail = |reason: String| file_error(&self.path, Some(name), reason);
+        let Some(entry) = self.entries.get(name) else {
+            return Err(fail("not in the file".into()));
+        };
+        if entry.shape != shape {
+            return Err(fail(format!("has shape {:?}, the model needs {shape:?}", entry.shape)));
+        }
+        let values: Vec<f32> = self.data[entry.begin..entry.end]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            return Err(fail(format!("value {at} is {}: a model's weights must be finite", values[at])));
+        }
+        Ok(values)
+    }
+}
+
+/// Checks one tensor's header entry against a data section of `data_len` bytes.
+fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
+    let Value::Object(info) = value else {
+        return Err("its header entry is not an object with dtype, shape and data_offsets".into());
+    };
+    match info.get("dtype") {
+        Some(Value::String(dtype)) if dtype == "F32" => {}
+        Some(Value::String(dtype)) => {
+            return Err(format!("dtype {dtype}: carve reads F32 tensors (convert with `tensor.float()` before saving)"))
+        }
+        _ => return Err("its header entry has no dtype string".into()),
+    }
+    let numbers = |key: &str| -> std::result::Result<Vec<u64>, String> {
+        let Some(Value::Array(items)) = info.get(key) else {
+            return Err(format!("its header entry has no {key} array"));
+        };
+        items
+            .iter()
+            .map(|item| item.as_u64().ok_or_else(|| format!("its {key} holds {item}, not a non-negative integer")))
+            .collect()
+    };
+    let shape = numbers("shape")?;
+    let offsets = numbers("data_offsets")?;
+    let &[begin, end] = offsets.as_slice() else {
+        return Err(format!("data_offsets has {} numbers, not 2", offsets.len()));
+    };
+    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+    let bytes = elements.and_then(|n| n.checked_mul(4)).filter(|&b| b <= isize::MAX as u64);
+    let Some(bytes) = bytes else {
+        return Err(format!("shape {shape:?} overflows the address space"));
+    };
+    if begin > end || end > data_len as u64 {
+        return Err(format!(
+            "data_offsets [{begin}, {end}] lie outside the file's {data_len} bytes of data (a truncated file, or a \
+             header that lies about its lengths)"
+        ));
+    }
+    if end - begin != bytes {
+        return Err(format!(
+            "shape {shape:?} of F32 needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
+            end - begin
+        ));
+    }
+    let shape = shape.into_iter().map(|d| d as usize).collect();
+    Ok(Entry { shape, begin: begin as usize, end: end as usize })
+}
+
+/// Writes `tensors` (in order) with `metadata` to `path`: to a temporary file beside it,
+/// then renamed over it, so that a failed save leaves no half-written model.
+pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &[Out]) -> Result<()> {
+    let shown = path.display().to_string();
+    let mut header = Map::new();
+    header.insert(
+        METADATA.into(),
+        Value::Object(metadata.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect()),
+    );
+    let mut offset = 0usize;
+    for tensor in tensors {
+        debug_assert_eq!(tensor.shape.iter().product::<usize>(), tensor.values.len());
+        let end = offset + tensor.values.len() * 4;
+        header.insert(
+            tensor.name.clone(),
+            serde_json::json!({ "dtype": "F32", "shape": tensor.shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_vec(&Value::Object(header)).expect("a JSON map of strings and numbers");
+    // Padded with spaces to a multiple of 8 bytes, so that the data is aligned.
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut bytes = Vec::with_capacity(8 + json.len() + offset);
+    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&json);
+    for tensor in tensors {
+        for value in &tensor.values {
+            bytes.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temporary = path.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
+    let written = std::fs::File::create(&temporary)
+        .and_then(|mut file| {
+            file.write_all(&bytes)?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&temporary, path));
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&temporary);
+        file_error(&shown, None, format!("cannot be written: {e}"))
+    })
+}
