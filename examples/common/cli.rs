@@ -95,7 +95,15 @@ fn one_line(e: &clap::Error) -> String {
     let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
     let first = lines.next().unwrap_or("invalid command line");
     let mut out = first.strip_prefix("error: ").unwrap_or(first).to_string();
-    for tip in lines.filter(|l| l.starts_with("tip: ")) {
+    let rest: Vec<&str> = lines.collect();
+    // "the following required arguments were not provided:" lists them on the next lines.
+    if out.ends_with(':') {
+        let listed: Vec<&str> =
+            rest.iter().copied().take_while(|l| !l.starts_with("Usage:") && !l.starts_with("tip: ")).collect();
+        out.push(' ');
+        out.push_str(&listed.join(", "));
+    }
+    for tip in rest.into_iter().filter(|l| l.starts_with("tip: ")) {
         out += " (";
         out += tip;
         out += ")";

@@ -10,6 +10,7 @@ mod nn_prefetch;
 mod sequences;
 mod sequences_prefetch;
 mod serve;
+mod serve_http;
 mod train_digits_cli;
 
 use std::path::{Path, PathBuf};
