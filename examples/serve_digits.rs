@@ -73,12 +73,13 @@ struct Args {
         verbatim_doc_comment
     )]
     max_batch: u32,
-    /// Batched mode: how long a request waits for others, in
-    /// microseconds (0 to 1000000)
+    /// Batched mode: how long a request may wait for others, in
+    /// microseconds (0 to 1000000; 0: a batch is what queued while
+    /// the workers were busy)
     #[arg(
         long,
         value_name = "US",
-        default_value_t = 1000,
+        default_value_t = 0,
         value_parser = clap::value_parser!(u64).range(0..=1_000_000),
         verbatim_doc_comment
     )]

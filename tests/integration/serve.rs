@@ -294,3 +294,38 @@ fn closing_a_batched_pool_fails_its_waiting_requests() {
     ));
     assert_eq!(pool.stats().batches, 0);
 }
+
+#[test]
+fn warm_up_plans_every_arena_so_that_later_requests_plan_nothing() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 8).freeze().unwrap());
+    let mut rng = Rng::new(21);
+    for config in [PoolConfig::direct(3), PoolConfig::batched(3, 12, Duration::ZERO)] {
+        let batched = config.mode == PoolMode::Batched;
+        let pool = InferencePool::new(model.clone(), config).unwrap();
+        let template = random(5, 16, &mut rng);
+        pool.warm_up(template.view()).unwrap();
+        let after = pool.stats();
+        // Every arena holds a plan: direct, of 5 rows; batched, of 1 to 12 rows.
+        assert_eq!(after.off_plan, if batched { 3 * 12 } else { 3 }, "{after:?}");
+        assert!(after.arena_bytes > 0 && after.arena_bytes.is_multiple_of(3), "{after:?}");
+        std::thread::scope(|s| {
+            for t in 0..6 {
+                let (pool, model) = (&pool, &model);
+                s.spawn(move || {
+                    let mut rng = Rng::new(t);
+                    for _ in 0..20 {
+                        // Direct: the warmed shape; batched: any size, batches of 1 to 12 rows.
+                        let rows = if batched { 1 + rng.below(12) } else { 5 };
+                        let x = random(rows, 16, &mut rng);
+                        assert_eq!(pool.output(x.view()).unwrap(), model.output(x.view()).unwrap());
+                    }
+                });
+            }
+        });
+        let later = pool.stats();
+        assert_eq!((later.off_plan, later.arena_bytes), (after.off_plan, after.arena_bytes), "{later:?}");
+        assert!(later.on_plan > after.on_plan, "{later:?}");
+        // Bad input is refused before any arena is touched.
+        assert!(matches!(pool.warm_up(random(2, 15, &mut rng).view()), Err(Error::ShapeMismatch { .. })));
+    }
+}

@@ -2,7 +2,7 @@
 //! in coalesced batches.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -40,6 +40,10 @@ pub struct PoolConfig {
     /// across batches (its rows in order), never refused for its size.
     pub max_batch: usize,
     /// Batched: how long the oldest waiting request may wait for others to join it.
+    /// Zero (the default): a worker takes what is queued as soon as it is free, so
+    /// batches form from the requests that arrived while the workers were busy (large
+    /// under load, single requests when idle, never a wait for company); more trades
+    /// latency at low load for larger batches.
     pub max_wait: Duration,
     /// Batched: the most rows waiting before `try_output` refuses
     /// ([`Error::PoolBusy`]); waiting callers are never refused.
@@ -60,13 +64,14 @@ impl PoolConfig {
 }
 
 impl Default for PoolConfig {
-    /// Direct, one arena per core; batches of up to 32 rows waiting up to 1 ms.
+    /// Direct, one arena per core; batches of up to 32 rows, taken as soon as a worker
+    /// is free.
     fn default() -> PoolConfig {
         PoolConfig {
             workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
             mode: PoolMode::Direct,
             max_batch: 32,
-            max_wait: Duration::from_millis(1),
+            max_wait: Duration::ZERO,
             max_queued_rows: 4096,
         }
     }
@@ -139,6 +144,8 @@ pub(crate) struct Shared {
     pub(crate) arenas: Arenas,
     pub(crate) config: PoolConfig,
     pub(crate) batcher: Option<Batcher>,
+    /// One warm-up at a time: each holds every arena.
+    pub(crate) warming: Mutex<()>,
 }
 
 /// K planned arenas serving one [`Model`] to any number of threads (DL4J's
@@ -152,7 +159,7 @@ pub(crate) struct Shared {
 /// pool) fails every waiting request with [`Error::PoolClosed`].
 ///
 /// ```
-/// use std::sync::Arc;
+/// use std::sync::{Arc, Mutex, PoisonError};
 /// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
 /// use carve::ndarray::Array2;
 ///
@@ -189,7 +196,7 @@ impl InferencePool {
             return Err(Error::InvalidConfig { reason: "a batched pool needs max_batch of at least 1 row".into() });
         }
         let batcher = batched.then(|| Batcher::new(&config));
-        let shared = Arc::new(Shared { model, arenas, config, batcher });
+        let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
         let threads = match batched {
             true => Batcher::start(&shared)?,
             false => Vec::new(),
@@ -212,7 +219,7 @@ impl InferencePool {
     /// lease:
     ///
     /// ```compile_fail,E0597
-    /// # use std::sync::Arc;
+    /// # use std::sync::{Arc, Mutex, PoisonError};
     /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
     /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
     /// # let model = Arc::new(net.freeze().unwrap());
@@ -224,7 +231,7 @@ impl InferencePool {
     /// ```
     ///
     /// ```compile_fail
-    /// # use std::sync::Arc;
+    /// # use std::sync::{Arc, Mutex, PoisonError};
     /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
     /// # use carve::ndarray::Array2;
     /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
@@ -323,6 +330,61 @@ impl InferencePool {
             Some(batcher) => batcher.submit(&self.shared, x, out, wait),
             None => self.shared.arenas.lease(wait)?.output_into(&self.shared.model, x, out),
         }
+    }
+
+    /// Plans every arena for requests shaped as `x` (batched: for every batch a request
+    /// of `x`'s features can land in, 1 to `max_batch` rows), so that no later request
+    /// of that shape pays for planning, and the pool holds its K plans, K × the plan of
+    /// the largest shape, from the start rather than as the load first reaches each
+    /// arena. Call it once per request shape (rows, and steps for sequences) the pool
+    /// will serve; it waits for every arena to be free and holds them all meanwhile.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// use carve::ndarray::Array2;
+    ///
+    /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).build()?)?;
+    /// let pool = InferencePool::new(Arc::new(net.freeze()?), PoolConfig::direct(2))?;
+    /// pool.warm_up(Array2::<f32>::zeros((1, 4)).view())?;
+    /// let planned = pool.stats().arena_bytes;
+    /// assert!(planned > 0);
+    /// pool.output(Array2::<f32>::ones((1, 4)).view())?;
+    /// assert_eq!(pool.stats().arena_bytes, planned, "nothing new to plan");
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`] for `x`.
+    pub fn warm_up<'x>(&self, x: impl Into<Input<'x>>) -> Result<()> {
+        let x = x.into();
+        let model = &self.shared.model;
+        model.check_request(&x)?;
+        let batched = match (&self.shared.batcher, x) {
+            (None, _) => None,
+            (Some(_), Input::Flat(rows)) => {
+                let most = self.shared.config.max_batch;
+                Some(Array2::from_shape_fn((most, rows.ncols()), |(r, c)| rows[[r % rows.nrows(), c]]))
+            }
+            // What a batched pool says of a sequence.
+            (Some(_), sequences) => return self.output(sequences).map(drop),
+        };
+        let _one_at_a_time = self.shared.warming.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut arenas = (0..self.shared.arenas.len())
+            .map(|_| self.shared.arenas.lease(Wait::Forever))
+            .collect::<Result<Vec<_>>>()?;
+        for arena in &mut arenas {
+            match &batched {
+                None => drop(arena.output(model, x)?),
+                Some(rows) => {
+                    for n in 1..=rows.nrows() {
+                        drop(arena.output(model, Input::Flat(rows.slice(ndarray::s![..n, ..])))?);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Closes the pool: requests waiting for an arena or a batch, and later ones, fail
