@@ -113,7 +113,16 @@ fn main() {
         std::process::exit(2);
     }
     let result = match &args.child {
-        Some(child) => child_run(&args, child),
+        Some(child) => {
+            // A panic in any thread ends the child at once (the parent reports its
+            // stderr), rather than leaving the others waiting at a barrier.
+            let report = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                report(info);
+                std::process::exit(101);
+            }));
+            child_run(&args, child)
+        }
         None => parent(&args),
     };
     if let Err(e) = result {
@@ -188,12 +197,15 @@ where
     let xs = requests_for(args, threads);
     let classes = usize::from(*args.shape.last().expect("classes"));
     let per_thread = (args.requests as usize).div_ceil(threads);
-    let mut outs: Vec<Array2<f32>> = (0..threads).map(|_| Array2::zeros((usize::from(args.rows), classes))).collect();
-    let mut latencies = vec![0u32; per_thread * threads];
+    // Written once here, so that their pages are resident before the peak is reset.
+    let mut outs: Vec<Array2<f32>> =
+        (0..threads).map(|_| Array2::from_elem((usize::from(args.rows), classes), 1.0)).collect();
+    let mut latencies = vec![u32::MAX; per_thread * threads];
     let barrier = Barrier::new(threads + 1);
     let mut own_bytes = 0;
     let (mut allocs, mut wall) = (0u64, Duration::ZERO);
     let mut peak = None;
+    let mut reset = false;
     std::thread::scope(|s| -> Res<()> {
         let handles: Vec<_> = latencies
             .chunks_mut(per_thread)
@@ -222,14 +234,15 @@ where
             })
             .collect();
         barrier.wait();
-        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
         allocs = process_counts(Threads::All).allocations;
         let start = Instant::now();
         barrier.wait();
         barrier.wait();
         wall = start.elapsed();
         allocs = process_counts(Threads::All).allocations - allocs;
-        peak = peak_rss_bytes();
+        // Without a reset the peak would include the warm-up's: not reported.
+        peak = peak_rss_bytes().filter(|_| reset);
         for handle in handles {
             own_bytes += handle.join().map_err(|_| "a caller thread panicked")?;
         }
@@ -459,7 +472,10 @@ fn lease_ns(pool: &InferencePool) -> Res<f64> {
 fn parent(args: &Args) -> Res<()> {
     let say = |text: String| if args.json { eprintln!("{text}") } else { println!("{text}") };
     let workers = usize::from(args.workers);
-    let threads: Vec<usize> = args.threads.iter().map(|&t| usize::from(t)).collect();
+    // Ascending, without repeats: growth is from the fewest callers to the most.
+    let mut threads: Vec<usize> = args.threads.iter().map(|&t| usize::from(t)).collect();
+    threads.sort_unstable();
+    threads.dedup();
     let most = *threads.iter().max().expect("at least one caller count");
     let shape: Vec<String> = args.shape.iter().map(u16::to_string).collect();
     let net = network(args)?;

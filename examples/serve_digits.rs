@@ -94,6 +94,16 @@ struct Args {
         verbatim_doc_comment
     )]
     max_body: u64,
+    /// How long a connection may stay silent, in milliseconds
+    /// (10 to 600000)
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 5000,
+        value_parser = clap::value_parser!(u64).range(10..=600_000),
+        verbatim_doc_comment
+    )]
+    idle_timeout_ms: u64,
     /// Threads serving HTTP connections (1 to 1024)
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     http_threads: u16,
@@ -151,9 +161,11 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let limits = Limits {
         max_head: 16 * 1024,
         max_body: args.max_body as usize,
-        idle: Duration::from_secs(5),
+        idle: Duration::from_millis(args.idle_timeout_ms),
         request_time: Duration::from_secs(30),
         queue: 256,
+        requests_per_connection: 1000,
+        connection_time: Duration::from_secs(60),
     };
     let counts = Counts::default();
     http::serve(listener, usize::from(args.http_threads), limits, |request| {
@@ -249,7 +261,8 @@ fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, String> {
     if rows.is_empty() {
         return Err("an empty batch: \"inputs\" holds no rows".into());
     }
-    let mut values = Vec::with_capacity(rows.len() * features);
+    // Each value takes at least two bytes of the body ("0,"): no more room than that.
+    let mut values = Vec::with_capacity(rows.len().saturating_mul(features).min(body.len() / 2 + 1));
     for (r, row) in rows.iter().enumerate() {
         let Value::Array(row) = row else {
             return Err(format!("row {r} of \"inputs\" is not a list of numbers"));

@@ -5,13 +5,19 @@
 //! bound, hang a thread, or stop it serving others.
 //!
 //! A fixed set of threads serves the connections an accepting thread hands them through
-//! a bounded queue; when the queue is full, a new connection gets `503` at once.
+//! a bounded queue; when the queue is full, a new connection gets `503` at once. A
+//! connection is closed after its answer once it has made `requests_per_connection`
+//! requests, been open `connection_time`, or every thread is busy while another
+//! connection waits; writing an
+//! answer has a deadline too, so slow clients cannot keep the threads.
 
 // Not every example needs every helper.
 #![allow(dead_code)]
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -59,6 +65,11 @@ pub(crate) struct Limits {
     pub(crate) request_time: Duration,
     /// Connections accepted but not yet taken by a thread.
     pub(crate) queue: usize,
+    /// Requests one connection may make before it is closed (so that a few clients
+    /// cannot keep every thread for ever).
+    pub(crate) requests_per_connection: usize,
+    /// How long a connection may stay open.
+    pub(crate) connection_time: Duration,
 }
 
 /// Serves `listener` on `threads` threads, answering each request with `handler`,
@@ -69,10 +80,11 @@ where
 {
     let (send, receive) = sync_channel::<TcpStream>(limits.queue);
     let receive = Arc::new(Mutex::new(receive));
+    let load = Load { queued: AtomicUsize::new(0), serving: AtomicUsize::new(0), threads: threads.max(1) };
     std::thread::scope(|s| {
-        for _ in 0..threads.max(1) {
-            let (receive, handler) = (Arc::clone(&receive), &handler);
-            s.spawn(move || worker(&receive, limits, handler));
+        for _ in 0..load.threads {
+            let (receive, handler, load) = (Arc::clone(&receive), &handler, &load);
+            s.spawn(move || worker(&receive, load, limits, handler));
         }
         for stream in listener.incoming() {
             let stream = match stream {
@@ -80,13 +92,15 @@ where
                 // A connection that failed while being accepted: the next one.
                 Err(_) => continue,
             };
+            load.queued.fetch_add(1, Ordering::Relaxed);
             match send.try_send(stream) {
                 Ok(()) => {}
                 Err(TrySendError::Full(mut stream)) => {
-                    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                    load.queued.fetch_sub(1, Ordering::Relaxed);
+                    // Answered in passing (the accepting thread does not wait on a client).
+                    let _ = stream.set_nonblocking(true);
                     let busy = Response::error(503, "the server is busy: every thread is serving; try again");
-                    let _ = write_response(&mut stream, &busy, true);
-                    linger(stream, 64 * 1024, Duration::from_millis(200));
+                    let _ = stream.write_all(&response_bytes(&busy, true, false));
                 }
                 Err(TrySendError::Disconnected(_)) => break,
             }
@@ -96,7 +110,23 @@ where
     })
 }
 
-fn worker<H>(receive: &Mutex<Receiver<TcpStream>>, limits: Limits, handler: &H)
+/// How busy the threads are.
+struct Load {
+    /// Connections accepted and not yet taken by a thread.
+    queued: AtomicUsize,
+    /// Threads serving a connection.
+    serving: AtomicUsize,
+    threads: usize,
+}
+
+impl Load {
+    /// Every thread serves a connection and another waits for one.
+    fn saturated(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) > 0 && self.serving.load(Ordering::Relaxed) >= self.threads
+    }
+}
+
+fn worker<H>(receive: &Mutex<Receiver<TcpStream>>, load: &Load, limits: Limits, handler: &H)
 where
     H: Fn(&Request) -> Response + Sync,
 {
@@ -105,34 +135,45 @@ where
             Ok(Ok(stream)) => stream,
             _ => return,
         };
-        connection(stream, limits, handler);
+        load.serving.fetch_add(1, Ordering::Relaxed);
+        load.queued.fetch_sub(1, Ordering::Relaxed);
+        connection(stream, load, limits, handler);
+        load.serving.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 /// Serves one connection's requests until the client closes it, asks to, goes idle,
 /// or sends something that ends it.
-fn connection<H>(mut stream: TcpStream, limits: Limits, handler: &H)
+fn connection<H>(mut stream: TcpStream, load: &Load, limits: Limits, handler: &H)
 where
     H: Fn(&Request) -> Response,
 {
-    if stream.set_write_timeout(Some(limits.idle)).is_err() {
-        return;
-    }
     let _ = stream.set_nodelay(true);
+    let opened = Instant::now();
     let mut buffer = Vec::with_capacity(4096);
-    loop {
+    for served in 1.. {
         let head = match read_head(&mut stream, &mut buffer, limits) {
             Ok(Some(head)) => head,
             Ok(None) => return,
             Err(response) => return refuse(stream, &response, limits),
         };
-        let (request, close) = match read_body(&mut stream, &mut buffer, head, limits) {
+        let head_only = head.method == "HEAD";
+        let (request, asked_to_close) = match read_body(&mut stream, &mut buffer, head, limits) {
             Ok(Some(done)) => done,
             Ok(None) => return,
             Err(response) => return refuse(stream, &response, limits),
         };
-        let response = handler(&request);
-        if write_response(&mut stream, &response, close).is_err() {
+        // A handler that panics answers 500; the thread goes on serving.
+        let response = catch_unwind(AssertUnwindSafe(|| handler(&request)))
+            .unwrap_or_else(|_| Response::error(500, "the server failed on this request"));
+        // Closed after its answer when the client asks, when the connection has served
+        // its share, or when every thread is busy and another connection waits.
+        let close = asked_to_close
+            || served >= limits.requests_per_connection
+            || opened.elapsed() >= limits.connection_time
+            || load.saturated();
+        let bytes = response_bytes(&response, close, head_only);
+        if write_within(&mut stream, &bytes, Instant::now() + limits.idle).is_err() {
             return;
         }
         if close {
@@ -149,6 +190,8 @@ struct Head {
     len: usize,
     content_length: Option<usize>,
     chunked: bool,
+    /// The client waits for `100 Continue` before it sends the body.
+    continues: bool,
     close: bool,
     /// When its first byte came.
     begun: Instant,
@@ -169,13 +212,29 @@ fn read_head(stream: &mut TcpStream, buffer: &mut Vec<u8>, limits: Limits) -> Re
                         request.headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value)
                     };
                     let text = |value: &[u8]| String::from_utf8_lossy(value).trim().to_ascii_lowercase();
-                    let content_length =
-                        match header("content-length") {
-                            None => None,
-                            Some(value) => Some(text(value).parse::<usize>().map_err(|_| {
-                                Response::error(400, "the Content-Length header is not a number of bytes")
-                            })?),
-                        };
+                    let mut lengths = request.headers.iter().filter(|h| h.name.eq_ignore_ascii_case("content-length"));
+                    let content_length = match lengths.next().map(|h| text(h.value)) {
+                        None => None,
+                        Some(value) => {
+                            if lengths.any(|other| text(other.value) != value) {
+                                return Err(Response::error(400, "two Content-Length headers that disagree"));
+                            }
+                            match value.parse::<usize>() {
+                                Ok(length) => Some(length),
+                                // Digits too many for a number: larger than any limit.
+                                Err(_) if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) => {
+                                    Some(usize::MAX)
+                                }
+                                Err(_) => {
+                                    return Err(Response::error(
+                                        400,
+                                        "the Content-Length header is not a number of bytes",
+                                    ))
+                                }
+                            }
+                        }
+                    };
+                    let continues = header("expect").is_some_and(|v| text(v) == "100-continue");
                     let connection = header("connection").map(text).unwrap_or_default();
                     let close = connection == "close" || (request.version == Some(0) && connection != "keep-alive");
                     let path = request.path.unwrap_or("/");
@@ -185,6 +244,7 @@ fn read_head(stream: &mut TcpStream, buffer: &mut Vec<u8>, limits: Limits) -> Re
                         len,
                         content_length,
                         chunked: header("transfer-encoding").is_some(),
+                        continues,
                         close,
                         begun,
                     }));
@@ -232,6 +292,9 @@ fn read_body(
         ));
     }
     let end = head.len + length;
+    if head.continues && buffer.len() < end {
+        let _ = write_within(stream, b"HTTP/1.1 100 Continue\r\n\r\n", Instant::now() + limits.idle);
+    }
     while buffer.len() < end {
         match fill(stream, buffer, end - buffer.len(), limits, head.begun) {
             Ok(0) | Err(_) => return Ok(None),
@@ -277,7 +340,7 @@ fn fill(
 
 /// Answers a request that ends its connection, then closes it gently.
 fn refuse(mut stream: TcpStream, response: &Response, limits: Limits) {
-    if write_response(&mut stream, response, true).is_ok() {
+    if write_within(&mut stream, &response_bytes(response, true, false), Instant::now() + limits.idle).is_ok() {
         // Reads (and drops) what the client still sends, so that it sees the answer
         // rather than a reset: at most an oversized body's worth, for a second.
         linger(stream, limits.max_body.saturating_mul(64).max(1 << 20), Duration::from_secs(1));
@@ -319,7 +382,8 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-fn write_response(stream: &mut TcpStream, response: &Response, close: bool) -> std::io::Result<()> {
+/// The bytes of `response` (without its body for a `HEAD` request).
+fn response_bytes(response: &Response, close: bool, head_only: bool) -> Vec<u8> {
     let mut head = format!(
         "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: {}\r\n",
         response.status,
@@ -332,7 +396,27 @@ fn write_response(stream: &mut TcpStream, response: &Response, close: bool) -> s
     }
     head.push_str("\r\n");
     let mut bytes = head.into_bytes();
-    bytes.extend_from_slice(response.body.as_bytes());
-    stream.write_all(&bytes)?;
+    if !head_only {
+        bytes.extend_from_slice(response.body.as_bytes());
+    }
+    bytes
+}
+
+/// Writes `bytes` by `deadline`: a client that reads slowly cannot hold the thread
+/// past it.
+fn write_within(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     stream.flush()
 }

@@ -517,3 +517,84 @@ fn a_custom_layer_cannot_be_saved_and_says_so() {
     }
     assert!(!dir.path("custom.safetensors").exists());
 }
+
+#[test]
+fn what_save_and_load_refuse_besides_broken_files() {
+    let dir = Scratch::new();
+    // A weight that is not finite: the save names it and writes nothing.
+    let mut net = trained_mlp();
+    net.layers_mut()[2].params(&mut |p| p.value[3] = f32::NAN);
+    let path = dir.path("diverged.safetensors");
+    match net.save(&path) {
+        Err(Error::ModelFile { tensor, reason, .. }) => {
+            assert!(tensor.as_deref().is_some_and(|t| t.starts_with("dense_2.")), "{tensor:?}");
+            assert!(reason.contains("NaN") && reason.contains("nothing was written"), "{reason}");
+        }
+        other => panic!("expected a model-file error, got {other:?}"),
+    }
+    assert!(!path.exists());
+    assert_eq!(std::fs::read_dir(dir.0.path()).unwrap().count(), 0, "no temporary file left");
+
+    // Not a regular file.
+    let (tensor, reason) = config_error(Model::load(dir.0.path()));
+    assert_eq!(tensor, None);
+    assert!(reason.contains("not a regular file"), "{reason}");
+
+    // A configuration with no layer of parameters, or whose inputs are not its first
+    // layer's: nothing checks its sizes, so it is refused.
+    let relu_only = r#"{\"version\":1,\"inputs\":288230376151711744,\"layers\":[{\"kind\":\"relu\",\"name\":\"r\"}]}"#;
+    let header = format!(r#"{{"__metadata__":{{"carve.model":"{relu_only}"}}}}"#);
+    let (_, reason) = config_error(load_bytes(&dir, &file_of(&header, &[])));
+    assert!(reason.contains("no layer with parameters"), "{reason}");
+    let data: Vec<u8> = [0.5f32, -0.5, 0.25, 1.0, 0.0, 0.1].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let wide = one_dense_header(
+        r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#,
+        r#"{"dtype":"F32","shape":[2],"data_offsets":[16,24]}"#,
+    )
+    .replace(r#"\"inputs\":2,\"layers\""#, r#"\"inputs\":1000000,\"layers\""#);
+    let (_, reason) = config_error(load_bytes(&dir, &file_of(&wide, &data)));
+    assert!(reason.contains("1000000 inputs") && reason.contains("takes 2"), "{reason}");
+
+    // Saves to one path from several threads at once: each writes a whole file of its
+    // own and renames it; what is left is one of them, whole.
+    let path = dir.path("shared.safetensors");
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| trained_mlp().save(&path).unwrap());
+        }
+    });
+    assert_eq!(Model::load(&path).unwrap().classes(), 4);
+    let names: Vec<_> = std::fs::read_dir(dir.0.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(names.iter().all(|n| !n.to_string_lossy().starts_with('.')), "a temporary file left: {names:?}");
+}
+
+#[test]
+fn pytorch_names_prefer_the_exact_tensor_and_no_two_layers_share_one() {
+    let dir = Scratch::new();
+    let tensor = |name: &str, shape: &str, from: usize, to: usize| {
+        format!(r#""{name}":{{"dtype":"F32","shape":{shape},"data_offsets":[{from},{to}]}}"#)
+    };
+    let values = |n: usize| -> Vec<u8> { (0..n).flat_map(|i| (i as f32 * 0.01).to_le_bytes()).collect() };
+    // `0.weight` alone, and a nested `2.0.weight` (which also ends in `.0.weight`):
+    // layer 0 takes the exact one; the layer named `2.0` takes the other.
+    let header = format!(
+        "{{{},{},{},{}}}",
+        tensor("0.weight", "[2,3]", 0, 24),
+        tensor("0.bias", "[2]", 24, 32),
+        tensor("2.0.weight", "[2,2]", 32, 48),
+        tensor("2.0.bias", "[2]", 48, 56)
+    );
+    let path = dir.path("nested.safetensors");
+    std::fs::write(&path, file_of(&header, &values(14))).unwrap();
+    let config = NetworkConfig::builder(3).dense(2).relu().layer(Dense::named("2.0", 2, 2)).build().unwrap();
+    let model = Model::load_pytorch(&path, &config).unwrap();
+    assert_eq!((model.inputs(), model.classes()), (3, 2));
+    // Two layers that find the same tensors: refused, not shared.
+    let header = format!("{{{},{}}}", tensor("fc.weight", "[2,2]", 0, 16), tensor("fc.bias", "[2]", 16, 24));
+    std::fs::write(&path, file_of(&header, &values(6))).unwrap();
+    let config =
+        NetworkConfig::builder(2).layer(Dense::named("fc", 2, 2)).layer(Dense::named("fc", 2, 2)).build().unwrap();
+    let (tensor, reason) = config_error(Model::load_pytorch(&path, &config));
+    assert_eq!(tensor.as_deref(), Some("fc"));
+    assert!(reason.contains("another layer took"), "{reason}");
+}

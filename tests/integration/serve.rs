@@ -329,3 +329,60 @@ fn warm_up_plans_every_arena_so_that_later_requests_plan_nothing() {
         assert!(matches!(pool.warm_up(random(2, 15, &mut rng).view()), Err(Error::ShapeMismatch { .. })));
     }
 }
+
+#[test]
+fn a_caller_that_keeps_taking_the_arena_back_cannot_starve_a_waiter() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 3).freeze().unwrap());
+    let pool = InferencePool::new(model, PoolConfig::direct(1)).unwrap();
+    let x = Array2::<f32>::ones((1, 16));
+    for round in 0..5 {
+        std::thread::scope(|s| {
+            let mut held = pool.lease().unwrap();
+            let waited = pool.stats().waited;
+            let waiter = s.spawn(|| pool.output(x.view()).map(|_| ()));
+            // Until the waiter is waiting (bounded: 10 s), then past the 1 ms bound.
+            let start = std::time::Instant::now();
+            while pool.stats().waited == waited {
+                assert!(start.elapsed() < Duration::from_secs(10), "the waiter never waited");
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(3));
+            // A greedy caller gives the arena back and takes it again at once. Without
+            // a bound, it could keep it from the waiter for ever; with one, the waiter
+            // is handed the arena within a few rounds.
+            let mut taken_back = 0;
+            loop {
+                drop(held);
+                // Served: the arena was handed to the waiter (busy now), or the waiter
+                // already ran and gave it back.
+                if waiter.is_finished() {
+                    break;
+                }
+                match pool.try_lease() {
+                    Ok(lease) => held = lease,
+                    Err(Error::PoolBusy { .. }) => break,
+                    Err(other) => panic!("{other:?}"),
+                }
+                taken_back += 1;
+                assert!(taken_back < 2_000, "round {round}: the waiter starved: {:?}", pool.stats());
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            waiter.join().unwrap().unwrap();
+        });
+        drop(pool.try_lease().unwrap());
+    }
+    // Timed-out waiters leave nothing stranded: the arena is still leased in turn.
+    let held = pool.lease().unwrap();
+    std::thread::scope(|s| {
+        let late: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| pool.output_timeout(x.view(), Array2::zeros((1, 5)).view_mut(), Duration::from_millis(5)))
+            })
+            .collect();
+        for t in late {
+            assert!(matches!(t.join().unwrap(), Err(Error::Timeout { .. })));
+        }
+    });
+    drop(held);
+    drop(pool.try_lease().unwrap());
+}

@@ -208,6 +208,16 @@ fn serve_digits_answers_good_requests_with_the_models_bits_and_bad_ones_with_4xx
                 411,
             ),
             ("a bad Content-Length", b"POST /predict HTTP/1.1\r\nContent-Length: many\r\n\r\n".to_vec(), 400),
+            (
+                "two Content-Lengths that disagree",
+                b"POST /predict HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n".to_vec(),
+                400,
+            ),
+            (
+                "a Content-Length of 30 digits",
+                b"POST /predict HTTP/1.1\r\nContent-Length: 999999999999999999999999999999\r\n\r\n".to_vec(),
+                413,
+            ),
             ("GET /predict", b"GET /predict HTTP/1.1\r\n\r\n".to_vec(), 405),
             ("an unknown path", b"GET /nothing HTTP/1.1\r\n\r\n".to_vec(), 404),
             ("not HTTP", b"\x00\x01\x02 hello\r\n\r\n".to_vec(), 400),
@@ -219,6 +229,32 @@ fn serve_digits_answers_good_requests_with_the_models_bits_and_bad_ones_with_4xx
             assert_eq!(status, want, "{mode}, {what}: {json}");
             assert!(json["error"].is_string(), "{mode}, {what}: {json}");
         }
+
+        // HEAD gets its head only (the next answer on the connection is read whole).
+        let mut connection = server.connect();
+        connection.reader.get_mut().write_all(b"HEAD /stats HTTP/1.1\r\n\r\n").unwrap();
+        let mut head = String::new();
+        while !head.ends_with("\r\n\r\n") {
+            let mut line = String::new();
+            assert!(connection.reader.read_line(&mut line).unwrap() > 0, "{head}");
+            head.push_str(&line);
+        }
+        assert!(head.starts_with("HTTP/1.1 405"), "{head}");
+        assert_eq!(connection.request("GET", "/stats", None).0, 200);
+        // A client that waits for `100 Continue` before its body gets it.
+        let body = rows_json(&x);
+        let expect =
+            format!("POST /predict HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n", body.len());
+        connection.reader.get_mut().write_all(expect.as_bytes()).unwrap();
+        let mut line = String::new();
+        connection.reader.read_line(&mut line).unwrap();
+        assert_eq!(line, "HTTP/1.1 100 Continue\r\n");
+        line.clear();
+        connection.reader.read_line(&mut line).unwrap();
+        assert_eq!(line, "\r\n");
+        let (status, json) = connection.raw(&body);
+        assert_eq!(status, 200, "{json}");
+        assert_answer(&json, &expected);
 
         // Still serving, with the same bits, on a keep-alive connection.
         let mut connection = server.connect();
@@ -235,7 +271,9 @@ fn serve_digits_answers_good_requests_with_the_models_bits_and_bad_ones_with_4xx
         assert_eq!(stats["panics"].as_u64(), Some(0), "{stats}");
         assert_eq!(stats["weight_bytes"].as_u64(), Some(model.weight_bytes() as u64), "{stats}");
         assert!(stats["arena_bytes"].as_u64().is_some_and(|n| n > 0), "{stats}");
-        assert_eq!(stats["http"]["client_errors"].as_u64(), Some(bad.len() as u64 - 1 + 2), "{stats}");
+        // The handler's 4xx: the bad bodies but the oversized one, GET /predict, the
+        // unknown path, and HEAD /stats.
+        assert_eq!(stats["http"]["client_errors"].as_u64(), Some(bad.len() as u64 - 1 + 3), "{stats}");
         assert_eq!(stats["http"]["server_errors"].as_u64(), Some(0), "{stats}");
         if mode == "batched" {
             assert!(stats["batches"].as_u64().is_some_and(|n| n > 0), "{stats}");
@@ -286,4 +324,45 @@ fn serve_digits_refuses_a_missing_or_broken_model_with_one_line() {
         assert!(stderr.starts_with("serve_digits: error: model file "), "{stderr}");
         assert!(output.stdout.is_empty(), "it never listened: {}", String::from_utf8_lossy(&output.stdout));
     }
+}
+
+#[test]
+fn idle_keep_alive_clients_cannot_keep_every_thread_from_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = saved_model(dir.path());
+    let server = Server::start(&path, &["--http-threads", "2", "--idle-timeout-ms", "300"]);
+    // Two clients take both threads and keep their connections open.
+    let mut a = server.connect();
+    let mut b = server.connect();
+    assert_eq!(a.request("GET", "/stats", None).0, 200);
+    assert_eq!(b.request("GET", "/stats", None).0, 200);
+    // A third is answered once an idle one times out (300 ms), not after them.
+    let start = std::time::Instant::now();
+    assert_eq!(server.send("GET", "/stats", None).0, 200);
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    // Clients that keep asking (with a long idle timeout this time): each answer
+    // closes their connection while another waits, so the waiting one is served at
+    // once rather than when they fall idle.
+    drop(server);
+    let server = Server::start(&path, &["--http-threads", "2", "--idle-timeout-ms", "5000"]);
+    let mut c = server.connect();
+    let mut d = server.connect();
+    assert_eq!(c.request("GET", "/stats", None).0, 200);
+    assert_eq!(d.request("GET", "/stats", None).0, 200);
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let waiting = s.spawn(|| server.send("GET", "/stats", None).0);
+        std::thread::sleep(Duration::from_millis(100));
+        // Their next answers say close: the connection ends after them.
+        for connection in [&mut c, &mut d] {
+            let (status, _) = connection.request("GET", "/stats", None);
+            assert_eq!(status, 200);
+            let mut line = String::new();
+            let read = connection.reader.read_line(&mut line);
+            assert!(matches!(read, Ok(0) | Err(_)), "the server closed the connection: {read:?} {line:?}");
+        }
+        assert_eq!(waiting.join().unwrap(), 200);
+        // Closed after the answer, not after 5 s of idling.
+        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    });
 }

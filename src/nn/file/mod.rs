@@ -69,6 +69,14 @@ impl Kind {
         any.is::<Frozen<MaskedMean>>().then_some(Kind::MaskedMean)
     }
 
+    /// The input width of a layer with parameters.
+    fn inputs(&self) -> Option<usize> {
+        match *self {
+            Kind::Dense { inputs, .. } | Kind::Lstm { inputs, .. } => Some(inputs),
+            _ => None,
+        }
+    }
+
     /// The name of the tensor that locates the layer's parameters (`None`: it has none).
     fn key_tensor(&self) -> Option<&'static str> {
         match self {
@@ -136,7 +144,8 @@ impl Model {
     ///
     /// [`Error::InvalidConfig`] naming a layer that is not one of carve's built-in
     /// layers (a custom layer's parameters have no format carve knows);
-    /// [`Error::ModelFile`] when the file cannot be written.
+    /// [`Error::ModelFile`] naming a tensor that holds a value that is not finite (the
+    /// file is not written), or when the file cannot be written.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let kinds = self
             .layers()
@@ -160,6 +169,18 @@ impl Model {
             let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
             config.push(kind.to_json(layer.name(), &prefix));
             save_params(layer.as_ref(), &prefix, &mut tensors);
+        }
+        for tensor in &tensors {
+            if let Some(at) = tensor.values.iter().position(|v| !v.is_finite()) {
+                return Err(file_error(
+                    &path.as_ref().display().to_string(),
+                    Some(&tensor.name),
+                    format!(
+                        "value {at} is {}: a model's weights must be finite (did training diverge?); nothing was written",
+                        tensor.values[at]
+                    ),
+                ));
+            }
         }
         let model = json!({ "version": VERSION, "inputs": self.inputs(), "layers": config });
         let metadata =
@@ -190,6 +211,27 @@ impl Model {
             )
         })?;
         let (inputs, layers) = parse_config(&file, config)?;
+        // The input width is checked against the first layer with parameters (the
+        // layers before it keep the width): a file without one says nothing checkable.
+        match layers.iter().find_map(|saved| saved.kind.inputs()) {
+            Some(first) if first == inputs => {}
+            Some(first) => {
+                return Err(file_error(
+                    file.path(),
+                    None,
+                    format!(
+                        "its configuration says {inputs} inputs, but its first layer with parameters takes {first}"
+                    ),
+                ))
+            }
+            None => {
+                return Err(file_error(
+                    file.path(),
+                    None,
+                    "its configuration has no layer with parameters: nothing in it is a model",
+                ))
+            }
+        }
         let mut used = BTreeSet::new();
         let layers = layers
             .into_iter()
@@ -218,6 +260,7 @@ impl Model {
     pub fn load_pytorch(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
         let file = Tensors::read(path.as_ref())?;
         let mut used = BTreeSet::new();
+        let mut prefixes = BTreeSet::new();
         let mut layers = Vec::new();
         for (index, layer) in config.layers().iter().enumerate() {
             let name = layer.name();
@@ -231,6 +274,13 @@ impl Model {
                 Some(key) => find_prefix(&file, name, index, key)?,
                 None => String::new(),
             };
+            if !prefix.is_empty() && !prefixes.insert(prefix.clone()) {
+                return Err(file_error(
+                    file.path(),
+                    Some(&prefix),
+                    format!("layer {index} ('{name}') finds the tensors another layer took: name the layers as the file does"),
+                ));
+            }
             layers.push(load_layer(&file, name, &prefix, &kind, Biases::Optional, &mut used)?);
         }
         check_all_used(&file, &used)?;
@@ -356,21 +406,27 @@ fn load_layer(
 }
 
 /// The prefix of layer `index` (named `name`) in a PyTorch file: the one `P` for which
-/// `P.{key}` is in the file, `P` being the name or the index, alone or after a prefix
-/// of the file's (`model.P`).
+/// `P.{key}` is in the file, `P` being the name or the index, alone (preferred) or after
+/// a prefix of the file's (`model.P`).
 fn find_prefix(file: &Tensors, name: &str, index: usize, key: &str) -> Result<String> {
     let by_name = format!("{name}.{key}");
     let by_index = format!("{index}.{key}");
+    let prefix_of = |tensor: &str| tensor[..tensor.len() - key.len() - 1].to_string();
+    for exact in [&by_name, &by_index] {
+        if file.contains(exact) {
+            return Ok(prefix_of(exact));
+        }
+    }
     let found: Vec<&str> = file
         .names()
         .filter(|tensor| {
-            [&by_name, &by_index].iter().any(|want| {
-                *tensor == want.as_str() || tensor.strip_suffix(want.as_str()).is_some_and(|p| p.ends_with('.'))
-            })
+            [&by_name, &by_index]
+                .iter()
+                .any(|want| tensor.strip_suffix(want.as_str()).is_some_and(|p| p.ends_with('.')))
         })
         .collect();
     match found.as_slice() {
-        [one] => Ok(one[..one.len() - key.len() - 1].to_string()),
+        [one] => Ok(prefix_of(one)),
         [] => Err(file_error(
             file.path(),
             Some(&by_name),
@@ -411,7 +467,7 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
             .and_then(Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n > 0)
-            .ok_or_else(|| bad(format!("has no positive size '{key}' in {value}")))
+            .ok_or_else(|| bad(format!("has no positive size '{key}' in {}", short(&value.to_string()))))
     };
     match config.get("version").and_then(Value::as_u64) {
         Some(VERSION) => {}
@@ -425,7 +481,7 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
     for entry in entries {
         let text = |key: &str| entry.get(key).and_then(Value::as_str).map(str::to_string);
         let (Some(kind), Some(name)) = (text("kind"), text("name")) else {
-            return Err(bad(format!("has a layer without a kind and a name: {entry}")));
+            return Err(bad(format!("has a layer without a kind and a name: {}", short(&entry.to_string()))));
         };
         let kind = match kind.as_str() {
             "dense" => Kind::Dense { inputs: size(entry, "inputs")?, outputs: size(entry, "outputs")? },
@@ -433,7 +489,9 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
             "relu" => Kind::Relu,
             "last_step" => Kind::LastStep,
             "masked_mean" => Kind::MaskedMean,
-            other => return Err(bad(format!("has a layer of unknown kind '{other}' (layer '{name}')"))),
+            other => {
+                return Err(bad(format!("has a layer of unknown kind '{}' (layer '{}')", short(other), short(&name))))
+            }
         };
         if let Kind::Lstm { hidden, .. } = kind {
             if hidden.checked_mul(4).is_none() {
@@ -461,10 +519,18 @@ fn check_all_used(file: &Tensors, used: &BTreeSet<String>) -> Result<()> {
     }
 }
 
+/// `text`, cut to 120 characters: what a message repeats of a file's contents.
+pub(crate) fn short(text: &str) -> String {
+    match text.char_indices().nth(120) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
 /// `a, b, c` (at most 12 of them).
 fn list<'a>(names: impl Iterator<Item = &'a str>) -> String {
     let names: Vec<&str> = names.collect();
-    let mut shown = names.iter().take(12).map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ");
+    let mut shown = names.iter().take(12).map(|n| format!("'{}'", short(n))).collect::<Vec<_>>().join(", ");
     if names.len() > 12 {
         shown.push_str(&format!(" and {} more", names.len() - 12));
     }

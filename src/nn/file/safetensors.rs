@@ -3,9 +3,10 @@
 //! "__metadata__": {string: string}}`), then the tensors' bytes, little-endian, laid end
 //! to end as the offsets say.
 //!
-//! The reader trusts nothing in a file: every length and offset is checked against the
-//! file's size with checked arithmetic before a byte is read, and every error names the
-//! tensor at fault. It reads by value (`from_le_bytes`), so data need not be aligned.
+//! The reader trusts nothing in a file: it reads regular files only, and every length
+//! and offset is checked against the file's size with checked arithmetic before a
+//! tensor's bytes are used; every error names the tensor at fault. It reads by value
+//! (`from_le_bytes`), so data need not be aligned.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -64,7 +65,12 @@ impl Tensors {
     /// Reads and checks the file at `path`.
     pub(crate) fn read(path: &Path) -> Result<Tensors> {
         let shown = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| file_error(&shown, None, format!("cannot be read: {e}")))?;
+        let cannot = |e: std::io::Error| file_error(&shown, None, format!("cannot be read: {e}"));
+        // Not a FIFO, a device or a directory: those have no size to check against.
+        if !std::fs::metadata(path).map_err(cannot)?.is_file() {
+            return Err(file_error(&shown, None, "is not a regular file"));
+        }
+        let bytes = std::fs::read(path).map_err(cannot)?;
         Tensors::parse(shown, bytes)
     }
 
@@ -79,7 +85,13 @@ impl Tensors {
         };
         let declared = u64::from_le_bytes(*prefix);
         let available = bytes.len() as u64 - 8;
-        if declared > available || declared > MAX_HEADER {
+        if declared > MAX_HEADER && declared <= available {
+            return Err(fail(
+                None,
+                format!("the header claims {declared} bytes, over the limit of {MAX_HEADER} (not a model file?)"),
+            ));
+        }
+        if declared > available {
             return Err(fail(
                 None,
                 format!(
@@ -198,7 +210,10 @@ fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
     match info.get("dtype") {
         Some(Value::String(dtype)) if dtype == "F32" => {}
         Some(Value::String(dtype)) => {
-            return Err(format!("dtype {dtype}: carve reads F32 tensors (convert with `tensor.float()` before saving)"))
+            return Err(format!(
+                "dtype {}: carve reads F32 tensors (convert with `tensor.float()` before saving)",
+                super::short(dtype)
+            ))
         }
         _ => return Err("its header entry has no dtype string".into()),
     }
@@ -208,7 +223,11 @@ fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
         };
         items
             .iter()
-            .map(|item| item.as_u64().ok_or_else(|| format!("its {key} holds {item}, not a non-negative integer")))
+            .map(|item| {
+                item.as_u64().ok_or_else(|| {
+                    format!("its {key} holds {}, not a non-negative integer", super::short(&item.to_string()))
+                })
+            })
             .collect()
     };
     let shape = numbers("shape")?;
@@ -219,7 +238,7 @@ fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
     let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
     let bytes = elements.and_then(|n| n.checked_mul(4)).filter(|&b| b <= isize::MAX as u64);
     let Some(bytes) = bytes else {
-        return Err(format!("shape {shape:?} overflows the address space"));
+        return Err(format!("shape {} overflows the address space", super::short(&format!("{shape:?}"))));
     };
     if begin > end || end > data_len as u64 {
         return Err(format!(
@@ -229,7 +248,8 @@ fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
     }
     if end - begin != bytes {
         return Err(format!(
-            "shape {shape:?} of F32 needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
+            "shape {} of F32 needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
+            super::short(&format!("{shape:?}")),
             end - begin
         ));
     }
@@ -268,13 +288,35 @@ pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &
         }
     }
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let temporary = path.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
-    let written = std::fs::File::create(&temporary)
-        .and_then(|mut file| {
-            file.write_all(&bytes)?;
-            file.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&temporary, path));
+    // A name of this save's own (process, counter, time), created new: two saves to one
+    // path never share it, and a file or link already there is never written through.
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let unique = |attempt: u64| {
+        let count = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        path.with_file_name(format!(".{file_name}.{}-{count}-{nanos}-{attempt}.tmp", std::process::id()))
+    };
+    let mut attempt = 0;
+    let (temporary, file) = loop {
+        let temporary = unique(attempt);
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&temporary) {
+            Ok(file) => break (temporary, file),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
+            Err(e) => return Err(file_error(&shown, None, format!("cannot be written: {e}"))),
+        }
+    };
+    let mut file = file;
+    let written = file
+        .write_all(&bytes)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| std::fs::rename(&temporary, path))
+        .and_then(|()| {
+            // The rename itself made durable (where directories can be opened).
+            match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                Some(dir) => std::fs::File::open(dir).and_then(|d| d.sync_all()).or(Ok(())),
+                None => Ok(()),
+            }
+        });
     written.map_err(|e| {
         let _ = std::fs::remove_file(&temporary);
         file_error(&shown, None, format!("cannot be written: {e}"))

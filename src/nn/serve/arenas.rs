@@ -1,5 +1,6 @@
 //! K planned arenas, leased one request at a time from any thread.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
@@ -36,13 +37,54 @@ pub(crate) struct Counters {
     pub(crate) off_plan: AtomicU64,
 }
 
-/// The free list.
+/// How long a waiter may wait before the arenas go round in turn (see [`Free`]).
+const STARVING_AFTER: Duration = Duration::from_millis(1);
+
+/// Condition variables the waiters are spread over (a waiter waits on the one of its
+/// ticket), so that waking one waiter wakes a few threads, not all of them.
+const STRIPES: usize = 64;
+
+/// The free list and the waiters' queue.
+///
+/// Normally a caller takes any free arena, even while others wait (an arena given back
+/// goes on at once with whoever runs first, which keeps the cores busy), and the
+/// oldest waiter is woken to try. Once the oldest waiter has waited more than
+/// [`STARVING_AFTER`] the arenas are *starving*: each one given back is granted to the
+/// oldest waiter, and callers that arrive later queue, until a waiter is served
+/// within the bound or none is left (Go's `sync.Mutex` does the same). The tail
+/// latency stays bounded under any number of callers, and the throughput is the
+/// free-for-all's otherwise.
 #[derive(Debug)]
 struct Free {
-    /// Indices of the arenas no lease holds (capacity K: pushing never allocates).
+    /// Indices of the arenas no lease holds and none was granted (capacity K: pushing
+    /// never allocates).
     stack: Vec<usize>,
+    /// The tickets of the waiters, oldest first (its capacity grows to the most
+    /// callers that ever waited at once, and is kept).
+    queue: VecDeque<u64>,
+    /// Arenas granted to waiters that have not picked them up: (ticket, arena)
+    /// (capacity K).
+    granted: Vec<(u64, usize)>,
+    next_ticket: u64,
     closed: bool,
-    waiting: usize,
+    starving: bool,
+}
+
+impl Free {
+    /// A free arena for a caller that did not wait: none while starving with waiters.
+    fn take(&mut self) -> Option<usize> {
+        if self.starving && !self.queue.is_empty() {
+            return None;
+        }
+        self.stack.pop()
+    }
+
+    /// Takes ticket `ticket` out of the queue.
+    fn leave(&mut self, ticket: u64) {
+        if let Some(at) = self.queue.iter().position(|&t| t == ticket) {
+            self.queue.remove(at);
+        }
+    }
 }
 
 /// K arenas, each a planned manager of the inference workspaces ([`PortableMgr`]),
@@ -53,7 +95,8 @@ pub(crate) struct Arenas {
     /// Each arena's capacity after its last request (for statistics without a lease).
     capacity: Box<[AtomicUsize]>,
     free: Mutex<Free>,
-    freed: Condvar,
+    /// Waiter `t` waits on `freed[t % STRIPES]`.
+    freed: Box<[Condvar]>,
     plans: usize,
     pub(crate) counters: Counters,
 }
@@ -76,8 +119,15 @@ impl Arenas {
         Ok(Arenas {
             slots: slots.into_boxed_slice(),
             capacity: (0..k).map(|_| AtomicUsize::new(0)).collect(),
-            free: Mutex::new(Free { stack: (0..k).rev().collect(), closed: false, waiting: 0 }),
-            freed: Condvar::new(),
+            free: Mutex::new(Free {
+                stack: (0..k).rev().collect(),
+                queue: VecDeque::new(),
+                granted: Vec::with_capacity(k),
+                next_ticket: 0,
+                closed: false,
+                starving: false,
+            }),
+            freed: (0..STRIPES).map(|_| Condvar::new()).collect(),
             plans,
             counters: Counters::default(),
         })
@@ -97,7 +147,8 @@ impl Arenas {
         self.free.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Leases a free arena, waiting as `wait` says.
+    /// Leases a free arena, waiting as `wait` says (no waiter waits much longer than
+    /// [`STARVING_AFTER`] past its turn: see [`Free`]).
     ///
     /// # Errors
     ///
@@ -105,69 +156,125 @@ impl Arenas {
     /// [`Error::Timeout`] as `wait` says.
     pub(crate) fn lease(&self, wait: Wait) -> Result<ArenaGuard<'_>> {
         let mut free = self.free();
-        let index = loop {
-            if free.closed {
-                return Err(Error::PoolClosed);
-            }
-            if let Some(index) = free.stack.pop() {
-                break index;
-            }
-            free = self.wait(free, wait)?;
+        if free.closed {
+            return Err(Error::PoolClosed);
+        }
+        let taken = free.take();
+        let (free, index) = match taken {
+            Some(index) => (free, Ok(index)),
+            None => self.wait(free, wait),
         };
         drop(free);
+        let index = index?;
         self.counters.leases.fetch_add(1, Ordering::Relaxed);
         let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
-        Ok(ArenaGuard { arenas: self, index, slot: Some(slot) })
+        Ok(ArenaGuard { arenas: self, index, slot: Some(slot), listed: true })
     }
 
-    /// Waits for an arena to come free (or the close), as `wait` says.
+    /// Arena `index` for a warm-up, outside the free list: waits only for the request
+    /// running in it (if any) to end, and holds nothing else meanwhile, so that it
+    /// cannot deadlock with callers that hold leases. A caller leased `index` meanwhile
+    /// waits for this guard to drop before its request runs.
+    pub(crate) fn hold(&self, index: usize) -> ArenaGuard<'_> {
+        let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
+        ArenaGuard { arenas: self, index, slot: Some(slot), listed: false }
+    }
+
+    /// Waits in the queue for an arena to come free or be granted (or the close), as
+    /// `wait` says.
     #[cold]
-    fn wait<'a>(&self, mut free: MutexGuard<'a, Free>, wait: Wait) -> Result<MutexGuard<'a, Free>> {
+    fn wait<'a>(&self, mut free: MutexGuard<'a, Free>, wait: Wait) -> (MutexGuard<'a, Free>, Result<usize>) {
         let arenas = self.len();
         self.counters.waited.fetch_add(1, Ordering::Relaxed);
+        let timeout = match wait {
+            Wait::No => {
+                self.counters.busy.fetch_add(1, Ordering::Relaxed);
+                return (free, Err(Error::PoolBusy { arenas }));
+            }
+            Wait::Forever => None,
+            Wait::For(timeout) => Some(timeout),
+        };
+        let ticket = free.next_ticket;
+        free.next_ticket += 1;
+        free.queue.push_back(ticket);
+        let freed = &self.freed[(ticket % STRIPES as u64) as usize];
         let start = Instant::now();
-        loop {
-            match wait {
-                Wait::No => {
-                    self.counters.busy.fetch_add(1, Ordering::Relaxed);
-                    return Err(Error::PoolBusy { arenas });
+        let outcome = loop {
+            let timed_out = match timeout {
+                None => {
+                    free = freed.wait(free).unwrap_or_else(PoisonError::into_inner);
+                    false
                 }
-                Wait::Forever => {
-                    free.waiting += 1;
-                    free = self.freed.wait(free).unwrap_or_else(PoisonError::into_inner);
-                    free.waiting -= 1;
-                }
-                Wait::For(timeout) => {
-                    let waited = start.elapsed();
-                    if waited >= timeout {
-                        self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                        return Err(Error::Timeout { arenas, waited });
+                Some(timeout) => {
+                    let left = timeout.saturating_sub(start.elapsed());
+                    if !left.is_zero() {
+                        free = freed.wait_timeout(free, left).unwrap_or_else(PoisonError::into_inner).0;
                     }
-                    free.waiting += 1;
-                    free = self.freed.wait_timeout(free, timeout - waited).unwrap_or_else(PoisonError::into_inner).0;
-                    free.waiting -= 1;
+                    start.elapsed() >= timeout
                 }
+            };
+            if free.closed {
+                free.leave(ticket);
+                break Err(Error::PoolClosed);
             }
-            if free.closed || !free.stack.is_empty() {
-                return Ok(free);
+            let waited = start.elapsed();
+            // An arena granted is taken even at the deadline (leaving it would strand
+            // it); a free one is anyone's while not starving.
+            let index = match free.granted.iter().position(|&(t, _)| t == ticket) {
+                Some(at) => Some(free.granted.swap_remove(at).1),
+                None if !free.starving => free.stack.pop().inspect(|_| free.leave(ticket)),
+                None => None,
+            };
+            if let Some(index) = index {
+                // Served within the bound, or the last waiter: back to normal.
+                if waited < STARVING_AFTER || free.queue.is_empty() {
+                    free.starving = false;
+                }
+                break Ok(index);
             }
-        }
+            if waited >= STARVING_AFTER && free.queue.front() == Some(&ticket) {
+                free.starving = true;
+            }
+            if timed_out {
+                free.leave(ticket);
+                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                break Err(Error::Timeout { arenas, waited });
+            }
+        };
+        (free, outcome)
+    }
+
+    /// Whether [`Arenas::close`] ran.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.free().closed
     }
 
     /// Closes the arenas: waiting and later leases fail with [`Error::PoolClosed`];
     /// leases held go on to the end of their requests.
     pub(crate) fn close(&self) {
         self.free().closed = true;
-        self.freed.notify_all();
+        for freed in self.freed.iter() {
+            freed.notify_all();
+        }
     }
 
     fn give_back(&self, index: usize) {
         let mut free = self.free();
-        free.stack.push(index);
-        let waiting = free.waiting > 0;
+        // Starving: granted to the oldest waiter. Otherwise free for whoever comes
+        // first, and the oldest waiter woken to try.
+        let wake = if free.starving {
+            free.queue.pop_front().inspect(|&ticket| free.granted.push((ticket, index)))
+        } else {
+            None
+        };
+        let wake = wake.or_else(|| {
+            free.stack.push(index);
+            free.queue.front().copied()
+        });
         drop(free);
-        if waiting {
-            self.freed.notify_one();
+        if let Some(ticket) = wake {
+            // Everyone on the oldest waiter's stripe: it is among them.
+            self.freed[(ticket % STRIPES as u64) as usize].notify_all();
         }
     }
 }
@@ -179,6 +286,8 @@ pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,
     index: usize,
     slot: Option<MutexGuard<'a, PortableMgr>>,
+    /// Leased from the free list (given back on drop), not held for a warm-up.
+    listed: bool,
 }
 
 impl ArenaGuard<'_> {
@@ -228,6 +337,8 @@ impl ArenaGuard<'_> {
 impl Drop for ArenaGuard<'_> {
     fn drop(&mut self) {
         drop(self.slot.take());
-        self.arenas.give_back(self.index);
+        if self.listed {
+            self.arenas.give_back(self.index);
+        }
     }
 }

@@ -195,6 +195,17 @@ impl InferencePool {
         if batched && config.max_batch == 0 {
             return Err(Error::InvalidConfig { reason: "a batched pool needs max_batch of at least 1 row".into() });
         }
+        // A batch worker keeps one batch's input: it must be allocatable.
+        let batch_bytes = config.max_batch.checked_mul(model.inputs()).and_then(|n| n.checked_mul(size_of::<f32>()));
+        if batched && batch_bytes.is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "a batch of {} rows of {} inputs overflows the address space; lower max_batch",
+                    config.max_batch,
+                    model.inputs()
+                ),
+            });
+        }
         let batcher = batched.then(|| Batcher::new(&config));
         let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
         let threads = match batched {
@@ -337,7 +348,10 @@ impl InferencePool {
     /// of that shape pays for planning, and the pool holds its K plans, K × the plan of
     /// the largest shape, from the start rather than as the load first reaches each
     /// arena. Call it once per request shape (rows, and steps for sequences) the pool
-    /// will serve; it waits for every arena to be free and holds them all meanwhile.
+    /// will serve. It plans the arenas one after the other, each once its running
+    /// request (if any) ends, and never from a thread that holds a [`PoolLease`] of
+    /// this pool (it would wait for its own lease). Batched, it runs `max_batch`
+    /// inferences per arena, one per batch size.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -371,10 +385,13 @@ impl InferencePool {
             (Some(_), sequences) => return self.output(sequences).map(drop),
         };
         let _one_at_a_time = self.shared.warming.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut arenas = (0..self.shared.arenas.len())
-            .map(|_| self.shared.arenas.lease(Wait::Forever))
-            .collect::<Result<Vec<_>>>()?;
-        for arena in &mut arenas {
+        // One arena at a time, outside the free list: a warm-up holds nothing while it
+        // waits, so it cannot deadlock with callers that hold leases.
+        for index in 0..self.shared.arenas.len() {
+            if self.shared.arenas.is_closed() {
+                return Err(Error::PoolClosed);
+            }
+            let mut arena = self.shared.arenas.hold(index);
             match &batched {
                 None => drop(arena.output(model, x)?),
                 Some(rows) => {
