@@ -386,3 +386,33 @@ fn a_caller_that_keeps_taking_the_arena_back_cannot_starve_a_waiter() {
     drop(held);
     drop(pool.try_lease().unwrap());
 }
+
+#[test]
+fn warm_up_does_not_deadlock_with_callers_holding_leases() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 4).freeze().unwrap());
+    let pool = Arc::new(InferencePool::new(model, PoolConfig::direct(2)).unwrap());
+    let (done, finished) = std::sync::mpsc::channel();
+    for round in 0..10 {
+        // A caller holds one arena and asks the pool for another while a warm-up runs:
+        // both finish. Detached threads, so that a deadlock fails the test (20 s)
+        // rather than hanging it.
+        let (pool, done) = (Arc::clone(&pool), done.clone());
+        std::thread::spawn(move || {
+            let x = Array2::<f32>::ones((3, 16));
+            std::thread::scope(|inner| {
+                let caller = inner.spawn(|| {
+                    let held = pool.lease().unwrap();
+                    std::thread::sleep(Duration::from_millis(2));
+                    let out = pool.output(x.view());
+                    drop(held);
+                    out.map(drop)
+                });
+                let warm = inner.spawn(|| pool.warm_up(x.view()));
+                caller.join().unwrap().unwrap();
+                warm.join().unwrap().unwrap();
+            });
+            done.send(round).unwrap();
+        });
+        assert_eq!(finished.recv_timeout(Duration::from_secs(20)), Ok(round), "deadlocked in round {round}");
+    }
+}
