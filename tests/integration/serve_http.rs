@@ -344,7 +344,7 @@ fn idle_keep_alive_clients_cannot_keep_every_thread_from_a_new_one() {
     // closes their connection while another waits, so the waiting one is served at
     // once rather than when they fall idle.
     drop(server);
-    let server = Server::start(&path, &["--http-threads", "2", "--idle-timeout-ms", "5000"]);
+    let server = Server::start(&path, &["--http-threads", "2", "--idle-timeout-ms", "30000"]);
     let mut c = server.connect();
     let mut d = server.connect();
     assert_eq!(c.request("GET", "/stats", None).0, 200);
@@ -362,7 +362,7 @@ fn idle_keep_alive_clients_cannot_keep_every_thread_from_a_new_one() {
             assert!(matches!(read, Ok(0) | Err(_)), "the server closed the connection: {read:?} {line:?}");
         }
         assert_eq!(waiting.join().unwrap(), 200);
-        // Closed after the answer, not after 5 s of idling.
-        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+        // Closed after the answer, not after 30 s of idling.
+        assert!(start.elapsed() < Duration::from_secs(15), "{:?}", start.elapsed());
     });
 }
