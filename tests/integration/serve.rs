@@ -140,8 +140,14 @@ fn busy_timeouts_and_close_are_errors_never_hangs() {
     // Waiters are woken by a close with an error.
     std::thread::scope(|s| {
         let b = pool.lease().unwrap();
+        let waited = pool.stats().waited;
         let waiters: Vec<_> = (0..3).map(|_| s.spawn(|| pool.output(x.view()))).collect();
-        std::thread::sleep(Duration::from_millis(50));
+        // Until all three wait (bounded: 10 s), so that the close wakes them.
+        let start = std::time::Instant::now();
+        while pool.stats().waited < waited + 3 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the waiters never waited");
+            std::thread::yield_now();
+        }
         pool.close();
         for w in waiters {
             assert!(matches!(w.join().unwrap(), Err(Error::PoolClosed)));
@@ -415,4 +421,130 @@ fn warm_up_does_not_deadlock_with_callers_holding_leases() {
         });
         assert_eq!(finished.recv_timeout(Duration::from_secs(20)), Ok(round), "deadlocked in round {round}");
     }
+}
+
+#[test]
+fn batched_requests_from_strided_views_with_timeouts_and_a_close_leave_nothing_behind() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 9).freeze().unwrap());
+    let pool = InferencePool::new(model.clone(), PoolConfig::batched(2, 4, Duration::from_micros(500))).unwrap();
+    let mut rng = Rng::new(31);
+    // Rows every other row of a larger array, and columns-first: the pool reads them
+    // where they are.
+    let big = random(20, 16, &mut rng);
+    let every_other = big.slice(ndarray::s![..;2, ..]);
+    let columns_first = random(16, 7, &mut rng).reversed_axes();
+    for x in [every_other, columns_first.view()] {
+        let expected = model.output(x.to_owned().view()).unwrap();
+        // Written into every third row of a larger buffer.
+        let mut buffer = Array2::<f32>::from_elem((3 * x.nrows(), 5), -1.0);
+        pool.output_into(x, buffer.slice_mut(ndarray::s![..;3, ..])).unwrap();
+        assert_eq!(buffer.slice(ndarray::s![..;3, ..]), expected);
+        assert!(buffer.slice(ndarray::s![1..;3, ..]).iter().all(|&v| v == -1.0), "rows between untouched");
+    }
+    // Requests split across batches, many timing out mid-way: what completes has its
+    // bits, what times out is an error, and the pool goes on.
+    std::thread::scope(|s| {
+        for t in 0..6 {
+            let (pool, model) = (&pool, &model);
+            s.spawn(move || {
+                let mut rng = Rng::new(100 + t);
+                for i in 0..30 {
+                    let x = random(1 + rng.below(10), 16, &mut rng);
+                    let mut out = Array2::<f32>::zeros((x.nrows(), 5));
+                    let timeout = Duration::from_micros(if i % 2 == 0 { 1 } else { 50_000 });
+                    match pool.output_timeout(x.view(), out.view_mut(), timeout) {
+                        Ok(()) => assert_eq!(out, model.output(x.view()).unwrap()),
+                        Err(Error::Timeout { .. }) => {}
+                        Err(other) => panic!("{other:?}"),
+                    }
+                }
+            });
+        }
+    });
+    let x = random(9, 16, &mut rng);
+    assert_eq!(pool.output(x.view()).unwrap(), model.output(x.view()).unwrap());
+    // A close while callers wait: each gets its result or PoolClosed, none hangs.
+    std::thread::scope(|s| {
+        let callers: Vec<_> = (0..6)
+            .map(|t| {
+                let pool = &pool;
+                s.spawn(move || {
+                    let mut rng = Rng::new(200 + t);
+                    (0..50)
+                        .map(|_| pool.output(random(1 + rng.below(10), 16, &mut rng).view()).map(drop))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(5));
+        pool.close();
+        for caller in callers {
+            for outcome in caller.join().unwrap() {
+                assert!(matches!(outcome, Ok(()) | Err(Error::PoolClosed)), "{outcome:?}");
+            }
+        }
+    });
+    assert!(matches!(pool.output(x.view()), Err(Error::PoolClosed)));
+}
+
+#[test]
+fn arenas_given_back_together_wake_as_many_waiters() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 5).freeze().unwrap());
+    let pool = InferencePool::new(model, PoolConfig::direct(2)).unwrap();
+    for round in 0..10 {
+        let (got, leased) = std::sync::mpsc::channel();
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let hold = Mutex::new(hold);
+        std::thread::scope(|s| {
+            let (x, y) = (pool.lease().unwrap(), pool.lease().unwrap());
+            let waited = pool.stats().waited;
+            for _ in 0..2 {
+                let (pool, got, hold) = (&pool, got.clone(), &hold);
+                s.spawn(move || {
+                    let lease = pool.lease().unwrap();
+                    got.send(()).unwrap();
+                    // One of them keeps its arena until the end of the round.
+                    let _ = hold.lock().unwrap().recv_timeout(Duration::from_secs(30));
+                    drop(lease);
+                });
+            }
+            let start = std::time::Instant::now();
+            while pool.stats().waited < waited + 2 {
+                assert!(start.elapsed() < Duration::from_secs(10), "the waiters never waited");
+                std::thread::yield_now();
+            }
+            // Both arenas back at once: both waiters get one, though the first keeps its.
+            drop((x, y));
+            for n in 0..2 {
+                let arrived = leased.recv_timeout(Duration::from_secs(10));
+                assert!(arrived.is_ok(), "round {round}: waiter {n} was never woken for a free arena");
+            }
+            release.send(()).unwrap();
+            release.send(()).unwrap();
+        });
+    }
+}
+
+#[test]
+fn warm_up_from_a_thread_that_holds_a_lease_is_an_error_not_a_hang() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 6).freeze().unwrap());
+    let pool = InferencePool::new(model, PoolConfig::direct(1)).unwrap();
+    let x = Array2::<f32>::ones((2, 16));
+    let lease = pool.lease().unwrap();
+    match pool.warm_up(x.view()) {
+        Err(Error::InvalidInput(message)) => assert!(message.contains("holds a lease"), "{message}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    drop(lease);
+    pool.warm_up(x.view()).unwrap();
+    // While a warm-up waits for an arena, a caller trying for one is refused at once.
+    let held = pool.lease().unwrap();
+    std::thread::scope(|s| {
+        let warm = s.spawn(|| pool.warm_up(x.view()));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { .. })));
+        drop(held);
+        warm.join().unwrap().unwrap();
+    });
+    drop(pool.try_lease().unwrap());
 }

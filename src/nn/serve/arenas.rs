@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use async_iter::panics::{drop_quietly, panic_message};
@@ -68,6 +69,11 @@ struct Free {
     next_ticket: u64,
     closed: bool,
     starving: bool,
+    /// The thread holding each arena (a warm-up must not wait for its own thread).
+    holders: Vec<Option<ThreadId>>,
+    /// The arena a warm-up waits for, and whether it was given to it.
+    wanted: Option<usize>,
+    reserved: bool,
 }
 
 impl Free {
@@ -97,6 +103,8 @@ pub(crate) struct Arenas {
     free: Mutex<Free>,
     /// Waiter `t` waits on `freed[t % STRIPES]`.
     freed: Box<[Condvar]>,
+    /// A warm-up waits on this for the arena it wants.
+    warm: Condvar,
     plans: usize,
     pub(crate) counters: Counters,
 }
@@ -126,7 +134,11 @@ impl Arenas {
                 next_ticket: 0,
                 closed: false,
                 starving: false,
+                holders: vec![None; k],
+                wanted: None,
+                reserved: false,
             }),
+            warm: Condvar::new(),
             freed: (0..STRIPES).map(|_| Condvar::new()).collect(),
             plans,
             counters: Counters::default(),
@@ -160,24 +172,64 @@ impl Arenas {
             return Err(Error::PoolClosed);
         }
         let taken = free.take();
-        let (free, index) = match taken {
+        let (mut free, index) = match taken {
             Some(index) => (free, Ok(index)),
             None => self.wait(free, wait),
         };
-        drop(free);
         let index = index?;
+        free.holders[index] = Some(std::thread::current().id());
+        drop(free);
         self.counters.leases.fetch_add(1, Ordering::Relaxed);
         let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
-        Ok(ArenaGuard { arenas: self, index, slot: Some(slot), listed: true })
+        Ok(ArenaGuard { arenas: self, index, slot: Some(slot) })
     }
 
-    /// Arena `index` for a warm-up, outside the free list: waits only for the request
-    /// running in it (if any) to end, and holds nothing else meanwhile, so that it
-    /// cannot deadlock with callers that hold leases. A caller leased `index` meanwhile
-    /// waits for this guard to drop before its request runs.
-    pub(crate) fn hold(&self, index: usize) -> ArenaGuard<'_> {
+    /// Arena `index` for a warm-up: taken from the free list if it is there, or handed
+    /// over as soon as its lessee gives it back (ahead of any waiter). The warm-up holds
+    /// no other arena meanwhile, so it cannot deadlock with callers that hold leases,
+    /// and a caller never waits on an arena the warm-up holds (it is not free).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::PoolClosed`]; [`Error::InvalidInput`] when the calling thread holds the
+    /// arena (it would wait for itself).
+    pub(crate) fn reserve(&self, index: usize) -> Result<ArenaGuard<'_>> {
+        let me = std::thread::current().id();
+        let mut free = self.free();
+        loop {
+            if free.closed {
+                if free.reserved && free.wanted == Some(index) {
+                    free.stack.push(index);
+                }
+                free.wanted = None;
+                free.reserved = false;
+                return Err(Error::PoolClosed);
+            }
+            if free.reserved && free.wanted == Some(index) {
+                free.reserved = false;
+                free.wanted = None;
+                break;
+            }
+            if let Some(at) = free.stack.iter().position(|&i| i == index) {
+                free.stack.remove(at);
+                free.wanted = None;
+                break;
+            }
+            if free.holders[index] == Some(me) {
+                free.wanted = None;
+                return Err(Error::InvalidInput(
+                    "warm_up called from a thread that holds a lease of this pool: it would wait for itself; drop \
+                     the lease first"
+                        .into(),
+                ));
+            }
+            free.wanted = Some(index);
+            free = self.warm.wait(free).unwrap_or_else(PoisonError::into_inner);
+        }
+        free.holders[index] = Some(me);
+        drop(free);
         let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
-        ArenaGuard { arenas: self, index, slot: Some(slot), listed: false }
+        Ok(ArenaGuard { arenas: self, index, slot: Some(slot) })
     }
 
     /// Waits in the queue for an arena to come free or be granted (or the close), as
@@ -185,7 +237,6 @@ impl Arenas {
     #[cold]
     fn wait<'a>(&self, mut free: MutexGuard<'a, Free>, wait: Wait) -> (MutexGuard<'a, Free>, Result<usize>) {
         let arenas = self.len();
-        self.counters.waited.fetch_add(1, Ordering::Relaxed);
         let timeout = match wait {
             Wait::No => {
                 self.counters.busy.fetch_add(1, Ordering::Relaxed);
@@ -194,6 +245,7 @@ impl Arenas {
             Wait::Forever => None,
             Wait::For(timeout) => Some(timeout),
         };
+        self.counters.waited.fetch_add(1, Ordering::Relaxed);
         let ticket = free.next_ticket;
         free.next_ticket += 1;
         free.queue.push_back(ticket);
@@ -215,6 +267,11 @@ impl Arenas {
             };
             if free.closed {
                 free.leave(ticket);
+                // A grant it will not take goes back to the free list.
+                if let Some(at) = free.granted.iter().position(|&(t, _)| t == ticket) {
+                    let (_, index) = free.granted.swap_remove(at);
+                    free.stack.push(index);
+                }
                 break Err(Error::PoolClosed);
             }
             let waited = start.elapsed();
@@ -229,6 +286,12 @@ impl Arenas {
                 // Served within the bound, or the last waiter: back to normal.
                 if waited < STARVING_AFTER || free.queue.is_empty() {
                     free.starving = false;
+                }
+                // More arenas came back than woke waiters: pass the wake-up on.
+                if !free.stack.is_empty() {
+                    if let Some(&next) = free.queue.front() {
+                        self.freed[(next % STRIPES as u64) as usize].notify_all();
+                    }
                 }
                 break Ok(index);
             }
@@ -256,10 +319,19 @@ impl Arenas {
         for freed in self.freed.iter() {
             freed.notify_all();
         }
+        self.warm.notify_all();
     }
 
     fn give_back(&self, index: usize) {
         let mut free = self.free();
+        free.holders[index] = None;
+        if free.wanted == Some(index) && !free.reserved {
+            // A warm-up waits for this one.
+            free.reserved = true;
+            drop(free);
+            self.warm.notify_all();
+            return;
+        }
         // Starving: granted to the oldest waiter. Otherwise free for whoever comes
         // first, and the oldest waiter woken to try.
         let wake = if free.starving {
@@ -286,8 +358,6 @@ pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,
     index: usize,
     slot: Option<MutexGuard<'a, PortableMgr>>,
-    /// Leased from the free list (given back on drop), not held for a warm-up.
-    listed: bool,
 }
 
 impl ArenaGuard<'_> {
@@ -337,8 +407,6 @@ impl ArenaGuard<'_> {
 impl Drop for ArenaGuard<'_> {
     fn drop(&mut self) {
         drop(self.slot.take());
-        if self.listed {
-            self.arenas.give_back(self.index);
-        }
+        self.arenas.give_back(self.index);
     }
 }

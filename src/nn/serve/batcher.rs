@@ -2,73 +2,130 @@
 //! threads into batches of up to `max_batch` rows (or whatever arrived within
 //! `max_wait` of the oldest), run as one inference each, and scattered back.
 //!
-//! A caller copies its rows into a ticket of its thread (made once per thread and
-//! reused: no heap allocation per request), queues it and sleeps on it; a worker takes
-//! tickets from the front of the queue (a ticket of more rows than fit is split across
-//! batches, in order), copies their rows into its batch buffer, runs the batch in an
-//! arena it leases, writes each ticket's rows of the result back and wakes it.
+//! A request is a [`Ticket`] on its caller's stack: the caller queues a pointer to it
+//! and parks; a worker takes tickets from the front of the queue (a ticket of more rows
+//! than fit is split across batches, in order), copies their rows from the caller's
+//! input into its batch buffer, runs the batch in an arena it leases, writes each
+//! ticket's rows of the result straight into the caller's output and unparks it.
+//! Nothing is allocated per request or per calling thread, and nothing is copied but
+//! the rows into the batch and the probabilities out of it.
+//!
+//! **Why the pointers stay valid.** A ticket is reachable from other threads only while
+//! it is queued (`Ticket::queued`, changed with the queue's lock held) or while a worker
+//! holds some of its rows (`taken > settled`). [`Batcher::submit`] neither returns nor
+//! unwinds before both are over: [`Leave`], a guard in its own frame, takes the ticket
+//! out of the queue and waits for the rows in flight. A worker settles every row it
+//! takes, whatever happens to its batch (a layer's panic is caught by the arena), and
+//! touches the ticket last when it adds its rows to `settled`: it wakes the caller
+//! through its own handle of the caller's thread.
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::thread::{JoinHandle, Thread};
+use std::time::Instant;
 
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::arenas::Wait;
 use super::pool::{PoolConfig, Shared};
+use async_iter::panics::{drop_quietly, panic_message};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use crate::nn::network::Input;
 use crate::{Error, Result};
 
-/// One request: its rows in, its probabilities out.
-#[derive(Debug, Default)]
+/// One request, on its caller's stack: where its rows are read from and its
+/// probabilities written to, and its progress.
 struct Ticket {
-    state: Mutex<TicketState>,
-    done: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct TicketState {
-    /// The request's rows, row-major.
-    input: Vec<f32>,
+    /// The caller's input `[rows, inputs]`: element `(r, c)` at `input + r·s0 + c·s1`.
+    input: *const f32,
+    input_strides: [isize; 2],
+    /// The caller's output `[rows, classes]`, likewise; each row written by the one
+    /// worker that took it.
+    output: *mut f32,
+    output_strides: [isize; 2],
     rows: usize,
-    /// `rows × classes`, row-major.
-    output: Vec<f32>,
-    /// Rows handed to batches, and rows whose results are written.
-    taken: usize,
-    finished: usize,
-    error: Option<Error>,
-    arrived: Option<Instant>,
+    arrived: Instant,
+    /// The caller's thread, unparked as rows settle.
+    caller: Thread,
+    /// In the batcher's queue (changed with the queue's lock held).
+    queued: AtomicBool,
+    /// Rows handed to workers (changed with the queue's lock held).
+    taken: AtomicUsize,
+    /// Rows written or failed: a worker's last touch of the ticket (`Release`).
+    settled: AtomicUsize,
+    error: Mutex<Option<Error>>,
 }
 
-impl Ticket {
-    fn state(&self) -> MutexGuard<'_, TicketState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+/// A queued ticket.
+///
+/// # Safety
+///
+/// The ticket lives on a caller's stack in [`Batcher::submit`], which neither returns
+/// nor unwinds while the ticket is queued or has rows in flight (see the module's
+/// documentation): it may be dereferenced while either holds. Its input is read and
+/// its output rows written from worker threads: `f32` data the caller lent for the
+/// call, each output row written by the one worker that took it, and read by the
+/// caller only after it saw the row settled (`Acquire` on `settled`).
+#[derive(Clone, Copy)]
+struct TicketRef(NonNull<Ticket>);
+
+// SAFETY: see `TicketRef`: what other threads touch of a ticket is `Sync` (atomics, a
+// mutex, a thread handle) or rows lent for the call as described there.
+unsafe impl Send for TicketRef {}
+
+impl TicketRef {
+    /// The ticket.
+    ///
+    /// # Safety
+    ///
+    /// The ticket must be queued, or the caller of this must hold rows of it not yet
+    /// settled.
+    unsafe fn get(&self) -> &Ticket {
+        // SAFETY: the caller's contract: the ticket's frame is alive.
+        unsafe { self.0.as_ref() }
     }
 }
 
-thread_local! {
-    /// The calling thread's ticket, reused from request to request.
-    static TICKET: RefCell<Option<Arc<Ticket>>> = const { RefCell::new(None) };
+impl Ticket {
+    /// Records `error` (the first one wins).
+    fn fail(&self, error: Error) {
+        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.get_or_insert(error);
+    }
+
+    /// Adds `rows` settled rows and wakes the caller: the last use of the ticket by
+    /// whoever holds those rows.
+    fn settle(&self, rows: usize) {
+        // The caller may return once the count is complete: wake it through a handle
+        // of our own (a reference count, no allocation).
+        let caller = self.caller.clone();
+        self.settled.fetch_add(rows, Ordering::Release);
+        caller.unpark();
+    }
 }
 
-#[derive(Debug)]
 struct Queue {
-    pending: VecDeque<Arc<Ticket>>,
+    pending: VecDeque<TicketRef>,
     /// Rows of the pending tickets not yet taken.
     rows: usize,
     closed: bool,
 }
 
 /// The batched mode's queue and counts.
-#[derive(Debug)]
 pub(crate) struct Batcher {
     queue: Mutex<Queue>,
     arrived: Condvar,
     batches: AtomicU64,
     rows: AtomicU64,
+}
+
+impl std::fmt::Debug for Batcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batcher").field("batches", &self.batches).field("rows", &self.rows).finish_non_exhaustive()
+    }
 }
 
 /// The error a request of a failed batch gets.
@@ -77,6 +134,40 @@ fn for_request(error: &Error) -> Error {
         Error::PoolClosed => Error::PoolClosed,
         Error::Panicked { message } => Error::Panicked { message: message.clone() },
         other => Error::InvalidInput(format!("the batch this request ran in failed: {other}")),
+    }
+}
+
+/// Ends other threads' use of a ticket when [`Batcher::submit`] leaves, however it
+/// leaves: out of the queue, and no rows in flight.
+struct Leave<'a> {
+    batcher: &'a Batcher,
+    ticket: &'a Ticket,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let ticket = self.ticket;
+        // `queued` turns false only, with the queue's lock held.
+        if ticket.queued.load(Ordering::Relaxed) {
+            let mut queue = self.batcher.queue();
+            if ticket.queued.load(Ordering::Relaxed) {
+                let me = NonNull::from(ticket);
+                if let Some(i) = queue.pending.iter().position(|t| t.0 == me) {
+                    queue.pending.remove(i);
+                }
+                queue.rows -= ticket.rows - ticket.taken.load(Ordering::Relaxed);
+                ticket.queued.store(false, Ordering::Relaxed);
+            }
+        }
+        // Out of the queue: no more rows are taken. Wait for those in flight (bounded by
+        // their batch).
+        let taken = {
+            let _queue = self.batcher.queue();
+            ticket.taken.load(Ordering::Relaxed)
+        };
+        while ticket.settled.load(Ordering::Acquire) < taken {
+            std::thread::park();
+        }
     }
 }
 
@@ -147,23 +238,20 @@ impl Batcher {
                 actual: out.shape().to_vec(),
             });
         }
-        let ticket = TICKET.with(|t| t.borrow_mut().get_or_insert_with(Default::default).clone());
-        {
-            let mut state = ticket.state();
-            state.input.clear();
-            match x.as_slice() {
-                Some(rows) => state.input.extend_from_slice(rows),
-                None => state.input.extend(x.iter().copied()),
-            }
-            state.rows = x.nrows();
-            state.output.clear();
-            state.output.resize(expected.0 * expected.1, 0.0);
-            state.taken = 0;
-            state.finished = 0;
-            state.error = None;
-            state.arrived = Some(Instant::now());
-        }
-        let start = Instant::now();
+        let strides = |s: &[isize]| [s[0], s[1]];
+        let ticket = Ticket {
+            input: x.as_ptr(),
+            input_strides: strides(x.strides()),
+            output: out.as_mut_ptr(),
+            output_strides: strides(out.strides()),
+            rows: x.nrows(),
+            arrived: Instant::now(),
+            caller: std::thread::current(),
+            queued: AtomicBool::new(false),
+            taken: AtomicUsize::new(0),
+            settled: AtomicUsize::new(0),
+            error: Mutex::new(None),
+        };
         {
             let mut queue = self.queue();
             if queue.closed {
@@ -174,56 +262,45 @@ impl Batcher {
                 return Err(Error::PoolBusy { arenas: shared.arenas.len() });
             }
             queue.rows += x.nrows();
-            queue.pending.push_back(Arc::clone(&ticket));
+            ticket.queued.store(true, Ordering::Relaxed);
+            queue.pending.push_back(TicketRef(NonNull::from(&ticket)));
         }
+        // From here the ticket is shared: `leave` ends that before this frame ends, on
+        // every way out (an unwind included).
+        let leave = Leave { batcher: self, ticket: &ticket };
         self.arrived.notify_all();
-        let mut state = ticket.state();
-        while state.finished < state.rows && state.error.is_none() {
-            state = match wait {
-                Wait::For(timeout) => {
-                    let waited = start.elapsed();
-                    if waited >= timeout {
-                        drop(state);
-                        return Err(self.abandon(shared, &ticket, waited));
-                    }
-                    ticket.done.wait_timeout(state, timeout - waited).unwrap_or_else(PoisonError::into_inner).0
-                }
-                Wait::No | Wait::Forever => ticket.done.wait(state).unwrap_or_else(PoisonError::into_inner),
-            };
-        }
-        if let Some(error) = state.error.take() {
-            return Err(error);
-        }
-        let probs = ArrayView2::from_shape(expected, &state.output).expect("rows × classes values");
-        out.assign(&probs);
-        Ok(())
-    }
-
-    /// A request that timed out: taken out of the queue when no batch has its rows yet;
-    /// otherwise left to its batch, and the thread takes a new ticket next time.
-    #[cold]
-    fn abandon(&self, shared: &Shared, ticket: &Arc<Ticket>, waited: Duration) -> Error {
-        let mut queue = self.queue();
-        let untouched = ticket.state().taken == 0;
-        if untouched {
-            if let Some(i) = queue.pending.iter().position(|t| Arc::ptr_eq(t, ticket)) {
-                queue.pending.remove(i);
-                queue.rows -= ticket.state().rows;
+        let failed = || ticket.error.lock().unwrap_or_else(PoisonError::into_inner).is_some();
+        let outcome = loop {
+            if ticket.settled.load(Ordering::Acquire) == ticket.rows || failed() {
+                break Ok(());
             }
+            match wait {
+                Wait::For(timeout) => {
+                    let waited = ticket.arrived.elapsed();
+                    if waited >= timeout {
+                        shared.arenas.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                        break Err(Error::Timeout { arenas: shared.arenas.len(), waited });
+                    }
+                    std::thread::park_timeout(timeout - waited);
+                }
+                Wait::No | Wait::Forever => std::thread::park(),
+            }
+        };
+        drop(leave);
+        // Every row settled or abandoned: `out` is the caller's alone again.
+        let error = ticket.error.lock().unwrap_or_else(PoisonError::into_inner).take();
+        match (outcome, error) {
+            (Err(timeout), _) => Err(timeout),
+            (Ok(()), Some(error)) => Err(error),
+            (Ok(()), None) => Ok(()),
         }
-        drop(queue);
-        if !untouched {
-            TICKET.with(|t| *t.borrow_mut() = None);
-        }
-        shared.arenas.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-        Error::Timeout { arenas: shared.arenas.len(), waited }
     }
 }
 
 /// A part of a batch: `rows` rows of `ticket` from its row `from`, at row `at` of the
 /// batch.
 struct Part {
-    ticket: Arc<Ticket>,
+    ticket: TicketRef,
     from: usize,
     rows: usize,
     at: usize,
@@ -249,8 +326,8 @@ fn work(shared: &Shared) {
                 queue = batcher.arrived.wait(queue).unwrap_or_else(PoisonError::into_inner);
                 continue;
             };
-            let arrived = front.state().arrived.unwrap_or_else(Instant::now);
-            let deadline = arrived + max_wait;
+            // SAFETY: queued.
+            let deadline = unsafe { front.get() }.arrived + max_wait;
             let now = Instant::now();
             if queue.rows >= max_batch || now >= deadline {
                 break;
@@ -260,58 +337,90 @@ fn work(shared: &Shared) {
         // Take up to `max_batch` rows from the front.
         let mut rows = 0;
         while rows < max_batch {
-            let Some(front) = queue.pending.front() else { break };
-            let mut state = front.state();
-            let n = (state.rows - state.taken).min(max_batch - rows);
-            input.extend_from_slice(&state.input[state.taken * inputs..(state.taken + n) * inputs]);
-            parts.push(Part { ticket: Arc::clone(front), from: state.taken, rows: n, at: rows });
-            state.taken += n;
+            let Some(&front) = queue.pending.front() else { break };
+            // SAFETY: queued (and its rows taken here are in flight until settled below).
+            let ticket = unsafe { front.get() };
+            let from = ticket.taken.load(Ordering::Relaxed);
+            let n = (ticket.rows - from).min(max_batch - rows);
+            let [s0, s1] = ticket.input_strides;
+            for r in from..from + n {
+                for c in 0..inputs {
+                    // SAFETY: (r, c) is inside the caller's input `[rows, inputs]`, lent
+                    // for the call, which lasts while the ticket is queued.
+                    input.push(unsafe { *ticket.input.offset(r as isize * s0 + c as isize * s1) });
+                }
+            }
+            parts.push(Part { ticket: front, from, rows: n, at: rows });
+            ticket.taken.store(from + n, Ordering::Relaxed);
             rows += n;
-            let whole = state.taken == state.rows;
-            drop(state);
-            if whole {
+            if from + n == ticket.rows {
+                ticket.queued.store(false, Ordering::Relaxed);
                 queue.pending.pop_front();
             }
         }
         queue.rows -= rows;
         drop(queue);
-        let x = ArrayView2::from_shape((rows, inputs), &input).expect("rows × inputs values");
-        let result = shared.arenas.lease(Wait::Forever).and_then(|mut arena| {
-            arena.run(|mgr| {
-                shared.model.infer_in(mgr, Input::Flat(x), |probs| {
-                    for part in &parts {
-                        let mut state = part.ticket.state();
-                        let out = &mut state.output[part.from * classes..(part.from + part.rows) * classes];
-                        let src = probs.slice(ndarray::s![part.at..part.at + part.rows, ..]);
-                        for (o, &p) in out.iter_mut().zip(src.iter()) {
-                            *o = p;
-                        }
-                    }
-                    Ok(())
-                })
-            })
+        // Whatever happens below, every part is settled after it (a panic here would
+        // otherwise leave its callers waiting for ever).
+        let ran = catch_unwind(AssertUnwindSafe(|| run_batch(shared, &input, rows, &parts)));
+        let result = ran.unwrap_or_else(|payload| {
+            let message = panic_message(&*payload);
+            drop_quietly(payload);
+            Err(Error::Panicked { message })
         });
+        debug_assert!(parts.iter().all(|p| p.rows > 0) && classes > 0);
         batcher.batches.fetch_add(1, Ordering::Relaxed);
         batcher.rows.fetch_add(rows as u64, Ordering::Relaxed);
         for part in parts.drain(..) {
-            let mut state = part.ticket.state();
-            match &result {
-                Ok(()) => state.finished += part.rows,
-                Err(e) => state.error = Some(for_request(e)),
+            // SAFETY: this worker holds the part's rows, not yet settled.
+            let ticket = unsafe { part.ticket.get() };
+            if let Err(e) = &result {
+                ticket.fail(for_request(e));
             }
-            drop(state);
-            part.ticket.done.notify_all();
+            // The last touch of the ticket.
+            ticket.settle(part.rows);
         }
         input.clear();
     }
+}
+
+/// Runs one batch of `rows` rows (`input`) and writes each part's probabilities into
+/// its caller's output.
+fn run_batch(shared: &Shared, input: &[f32], rows: usize, parts: &[Part]) -> Result<()> {
+    let x = ArrayView2::from_shape((rows, shared.model.inputs()), input).expect("rows × inputs values");
+    shared.arenas.lease(Wait::Forever).and_then(|mut arena| {
+        arena.run(|mgr| {
+            shared.model.infer_in(mgr, Input::Flat(x), |probs| {
+                for part in parts {
+                    // SAFETY: this worker holds the part's rows, not yet settled.
+                    let ticket = unsafe { part.ticket.get() };
+                    let [s0, s1] = ticket.output_strides;
+                    for r in 0..part.rows {
+                        for (c, &p) in probs.row(part.at + r).iter().enumerate() {
+                            let at = (part.from + r) as isize * s0 + c as isize * s1;
+                            // SAFETY: inside the caller's output `[rows, classes]`,
+                            // a row this worker alone writes (it took it), which the
+                            // caller reads only once it is settled.
+                            unsafe { *ticket.output.offset(at) = p };
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+    })
 }
 
 /// Fails every request still queued once the pool closed.
 fn fail_pending(batcher: &Batcher) {
     let mut queue = batcher.queue();
     queue.rows = 0;
-    while let Some(ticket) = queue.pending.pop_front() {
-        ticket.state().error = Some(Error::PoolClosed);
-        ticket.done.notify_all();
+    while let Some(front) = queue.pending.pop_front() {
+        // SAFETY: queued until the store below; the caller's `Leave` waits for the
+        // queue's lock, held here, before it can return.
+        let ticket = unsafe { front.get() };
+        ticket.queued.store(false, Ordering::Relaxed);
+        ticket.fail(Error::PoolClosed);
+        ticket.caller.unpark();
     }
 }

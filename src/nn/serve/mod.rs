@@ -4,6 +4,8 @@
 //! ([`PoolMode::Direct`]) or coalesced with others ([`PoolMode::Batched`]).
 
 mod arenas;
+// The batched mode's tickets live on their callers' stacks (see its module).
+#[allow(unsafe_code)]
 mod batcher;
 mod model;
 mod pool;

@@ -348,10 +348,9 @@ impl InferencePool {
     /// of that shape pays for planning, and the pool holds its K plans, K × the plan of
     /// the largest shape, from the start rather than as the load first reaches each
     /// arena. Call it once per request shape (rows, and steps for sequences) the pool
-    /// will serve. It plans the arenas one after the other, each once its running
-    /// request (if any) ends, and never from a thread that holds a [`PoolLease`] of
-    /// this pool (it would wait for its own lease). Batched, it runs `max_batch`
-    /// inferences per arena, one per batch size.
+    /// will serve. It plans the arenas one after the other, each as soon as its running
+    /// request (if any) ends, holding no other arena meanwhile. Batched, it runs
+    /// `max_batch` inferences per arena, one per batch size.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -370,7 +369,8 @@ impl InferencePool {
     ///
     /// # Errors
     ///
-    /// As [`InferencePool::output`] for `x`.
+    /// As [`InferencePool::output`] for `x`; [`Error::InvalidInput`] from a thread that
+    /// holds a [`PoolLease`] of this pool (it would wait for its own lease).
     pub fn warm_up<'x>(&self, x: impl Into<Input<'x>>) -> Result<()> {
         let x = x.into();
         let model = &self.shared.model;
@@ -391,7 +391,7 @@ impl InferencePool {
             if self.shared.arenas.is_closed() {
                 return Err(Error::PoolClosed);
             }
-            let mut arena = self.shared.arenas.hold(index);
+            let mut arena = self.shared.arenas.reserve(index)?;
             match &batched {
                 None => drop(arena.output(model, x)?),
                 Some(rows) => {
