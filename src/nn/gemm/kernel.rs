@@ -290,24 +290,8 @@ mod x86 {
             }
         }
         if tile.col_stride != 1 {
-            let mut buf = [0.0f32; MAX_TILE];
-            for (i, row) in acc.iter().enumerate() {
-                for (v, acc) in row.iter().enumerate() {
-                    // SAFETY: lane block `v` of row `i` lies inside `buf` (`MR·nr <= MAX_TILE`).
-                    unsafe { _mm512_storeu_ps(buf.as_mut_ptr().add(i * nr + 16 * v), *acc) };
-                }
-            }
-            let mut c = [0.0f32; MAX_TILE];
-            if beta != 0.0 {
-                // SAFETY: the caller's contract; C is readable since `beta != 0`.
-                unsafe { gather(tile, nr, &mut c) };
-            }
-            for (acc, c) in buf.iter_mut().zip(&c) {
-                *acc = if beta == 0.0 { *acc } else { beta.mul_add(*c, *acc) };
-            }
             // SAFETY: the caller's contract.
-            unsafe { scatter(&buf, nr, tile) };
-            return;
+            return unsafe { store_strided(&acc, beta, tile) };
         }
         let vbeta = _mm512_set1_ps(beta);
         for (i, row) in acc.iter().enumerate().take(tile.rows) {
@@ -328,6 +312,37 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// The AVX-512 kernel's store for a tile whose columns are not contiguous: through
+    /// buffers of a frame of its own, so that the kernel's frame (on every caller's
+    /// stack) stays small.
+    ///
+    /// # Safety
+    ///
+    /// As [`super::Kernel::run`], on a CPU with AVX-512F.
+    #[cold]
+    #[inline(never)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_strided<const MR: usize, const NV: usize>(acc: &[[__m512; NV]; MR], beta: f32, tile: Tile) {
+        let nr = 16 * NV;
+        let mut buf = [0.0f32; MAX_TILE];
+        for (i, row) in acc.iter().enumerate() {
+            for (v, acc) in row.iter().enumerate() {
+                // SAFETY: lane block `v` of row `i` lies inside `buf` (`MR·nr <= MAX_TILE`).
+                unsafe { _mm512_storeu_ps(buf.as_mut_ptr().add(i * nr + 16 * v), *acc) };
+            }
+        }
+        let mut c = [0.0f32; MAX_TILE];
+        if beta != 0.0 {
+            // SAFETY: the caller's contract; C is readable since `beta != 0`.
+            unsafe { gather(tile, nr, &mut c) };
+        }
+        for (acc, c) in buf.iter_mut().zip(&c) {
+            *acc = if beta == 0.0 { *acc } else { beta.mul_add(*c, *acc) };
+        }
+        // SAFETY: the caller's contract.
+        unsafe { scatter(&buf, nr, tile) };
     }
 
     /// The 6×16 AVX2/FMA kernel.
