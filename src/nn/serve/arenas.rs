@@ -11,6 +11,7 @@ use async_iter::panics::{drop_quietly, panic_message};
 use workspace_core::planned::PortableMgr;
 use workspace_core::LayerWorkspaceMgr;
 
+use super::stack::ArenaStack;
 use crate::nn::network::inference_builder;
 use crate::{Error, Result};
 
@@ -97,7 +98,7 @@ impl Free {
 /// leased by RAII ([`ArenaGuard`]).
 #[derive(Debug)]
 pub(crate) struct Arenas {
-    slots: Box<[Mutex<PortableMgr>]>,
+    slots: Box<[Mutex<Slot>]>,
     /// Each arena's capacity after its last request (for statistics without a lease).
     capacity: Box<[AtomicUsize]>,
     free: Mutex<Free>,
@@ -107,6 +108,13 @@ pub(crate) struct Arenas {
     warm: Condvar,
     plans: usize,
     pub(crate) counters: Counters,
+}
+
+/// An arena: its planned manager, and the stack its requests run on.
+#[derive(Debug)]
+struct Slot {
+    mgr: PortableMgr,
+    stack: ArenaStack,
 }
 
 /// The name of a serving arena's plan group (in statistics).
@@ -123,7 +131,9 @@ impl Arenas {
         if k == 0 {
             return Err(Error::InvalidConfig { reason: "an inference pool needs at least one worker (arena)".into() });
         }
-        let slots = (0..k).map(|_| arena(plans).map(Mutex::new)).collect::<Result<Vec<_>>>()?;
+        let slots = (0..k)
+            .map(|_| Ok(Mutex::new(Slot { mgr: arena(plans)?, stack: ArenaStack::new()? })))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Arenas {
             slots: slots.into_boxed_slice(),
             capacity: (0..k).map(|_| AtomicUsize::new(0)).collect(),
@@ -357,7 +367,7 @@ impl Arenas {
 pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,
     index: usize,
-    slot: Option<MutexGuard<'a, PortableMgr>>,
+    slot: Option<MutexGuard<'a, Slot>>,
 }
 
 impl ArenaGuard<'_> {
@@ -366,10 +376,13 @@ impl ArenaGuard<'_> {
     /// reference to is replaced by a new one.
     pub(crate) fn run<R>(&mut self, f: impl FnOnce(&LayerWorkspaceMgr) -> Result<(R, bool)>) -> Result<R> {
         let counters = &self.arenas.counters;
-        let slot = self.slot.as_mut().expect("held until dropped");
-        let ran = slot.with(|mgr| {
-            let result = catch_unwind(AssertUnwindSafe(|| f(mgr)));
-            (result, mgr.capacity())
+        let Slot { mgr: slot, stack } = &mut **self.slot.as_mut().expect("held until dropped");
+        // On the arena's stack: what a request touches is the arena's, not its caller's.
+        let ran = stack.run(|| {
+            slot.with(|mgr| {
+                let result = catch_unwind(AssertUnwindSafe(|| f(mgr)));
+                (result, mgr.capacity())
+            })
         });
         let result = match ran {
             Ok((Ok(Ok((value, on_plan))), capacity)) => {
@@ -397,7 +410,7 @@ impl ArenaGuard<'_> {
     #[cold]
     fn rebuild(&mut self) {
         if let Ok(fresh) = arena(self.arenas.plans) {
-            **self.slot.as_mut().expect("held until dropped") = fresh;
+            self.slot.as_mut().expect("held until dropped").mgr = fresh;
             self.arenas.capacity[self.index].store(0, Ordering::Relaxed);
             self.arenas.counters.rebuilt.fetch_add(1, Ordering::Relaxed);
         }

@@ -9,6 +9,9 @@ mod arenas;
 mod batcher;
 mod model;
 mod pool;
+// Requests run on their arena's own stack (see its module).
+#[allow(unsafe_code)]
+mod stack;
 
 pub use model::Model;
 pub use pool::{InferencePool, PoolConfig, PoolLease, PoolMode, PoolStats};

@@ -19,7 +19,10 @@ use crate::{Error, Result};
 pub enum PoolMode {
     /// Each request runs alone, on the caller's thread, in an arena leased for it
     /// (DL4J's `ParallelInference` `SEQUENTIAL`, without a copy of the weights per
-    /// worker).
+    /// worker). Its layers run on the arena's own call stack, not the caller's, so
+    /// what a request touches belongs to one of the K arenas whatever the number of
+    /// callers. A layer that needs more than 2 MiB of stack overflows it (the guard
+    /// page ends the process, as a thread's stack overflow does).
     Direct,
     /// Requests from many callers are coalesced, up to `max_batch` rows or `max_wait`
     /// after the oldest arrived, run as one inference by the pool's worker threads, and
