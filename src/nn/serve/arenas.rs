@@ -61,8 +61,8 @@ struct Free {
     /// Indices of the arenas no lease holds and none was granted (capacity K: pushing
     /// never allocates).
     stack: Vec<usize>,
-    /// The tickets of the waiters, oldest first (its capacity grows to the most
-    /// callers that ever waited at once, and is kept).
+    /// The tickets of the waiters, oldest first (room for [`STRIPES`] made up front;
+    /// beyond that it grows to the most callers that ever waited at once, and keeps it).
     queue: VecDeque<u64>,
     /// Arenas granted to waiters that have not picked them up: (ticket, arena)
     /// (capacity K).
@@ -139,7 +139,9 @@ impl Arenas {
             capacity: (0..k).map(|_| AtomicUsize::new(0)).collect(),
             free: Mutex::new(Free {
                 stack: (0..k).rev().collect(),
-                queue: VecDeque::new(),
+                // Room for as many waiters as there are stripes before the queue grows
+                // (once, to a new most): waiting allocates nothing.
+                queue: VecDeque::with_capacity(STRIPES),
                 granted: Vec::with_capacity(k),
                 next_ticket: 0,
                 closed: false,
