@@ -323,43 +323,32 @@ pub(crate) trait Stage {
     ) -> Result<Activations<'s>>;
 }
 
-impl Stage for &mut Box<dyn Layer> {
-    fn stage_name(&self) -> &str {
-        self.name()
-    }
+/// A training layer and a frozen one are stages alike: the same two calls.
+macro_rules! stage {
+    ($layer:ty) => {
+        impl Stage for $layer {
+            fn stage_name(&self) -> &str {
+                self.name()
+            }
 
-    #[inline]
-    fn apply<'s>(
-        &mut self,
-        input: Activations<'s>,
-        mask: Option<ArrayView2<'s, f32>>,
-        ctx: &ForwardCtx<'s, '_>,
-    ) -> Result<Activations<'s>> {
-        Ok(match input {
-            Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
-            Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
-        })
-    }
+            #[inline]
+            fn apply<'s>(
+                &mut self,
+                input: Activations<'s>,
+                mask: Option<ArrayView2<'s, f32>>,
+                ctx: &ForwardCtx<'s, '_>,
+            ) -> Result<Activations<'s>> {
+                Ok(match input {
+                    Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
+                    Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
+                })
+            }
+        }
+    };
 }
 
-impl Stage for &Box<dyn FrozenLayer> {
-    fn stage_name(&self) -> &str {
-        self.name()
-    }
-
-    #[inline]
-    fn apply<'s>(
-        &mut self,
-        input: Activations<'s>,
-        mask: Option<ArrayView2<'s, f32>>,
-        ctx: &ForwardCtx<'s, '_>,
-    ) -> Result<Activations<'s>> {
-        Ok(match input {
-            Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
-            Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
-        })
-    }
-}
+stage!(&mut Box<dyn Layer>);
+stage!(&Box<dyn FrozenLayer>);
 
 /// Checks that `layer`'s output `y` is in the activations workspace.
 fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {

@@ -319,11 +319,6 @@ impl Arenas {
         (free, outcome)
     }
 
-    /// Whether [`Arenas::close`] ran.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.free().closed
-    }
-
     /// Closes the arenas: waiting and later leases fail with [`Error::PoolClosed`];
     /// leases held go on to the end of their requests.
     pub(crate) fn close(&self) {

@@ -147,24 +147,20 @@ struct Leave<'a> {
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
         let ticket = self.ticket;
-        // `queued` turns false only, with the queue's lock held.
+        // `queued` and `taken` change with the queue's lock held.
+        let mut queue = self.batcher.queue();
         if ticket.queued.load(Ordering::Relaxed) {
-            let mut queue = self.batcher.queue();
-            if ticket.queued.load(Ordering::Relaxed) {
-                let me = NonNull::from(ticket);
-                if let Some(i) = queue.pending.iter().position(|t| t.0 == me) {
-                    queue.pending.remove(i);
-                }
-                queue.rows -= ticket.rows - ticket.taken.load(Ordering::Relaxed);
-                ticket.queued.store(false, Ordering::Relaxed);
+            let me = NonNull::from(ticket);
+            if let Some(i) = queue.pending.iter().position(|t| t.0 == me) {
+                queue.pending.remove(i);
             }
+            queue.rows -= ticket.rows - ticket.taken.load(Ordering::Relaxed);
+            ticket.queued.store(false, Ordering::Relaxed);
         }
         // Out of the queue: no more rows are taken. Wait for those in flight (bounded by
         // their batch).
-        let taken = {
-            let _queue = self.batcher.queue();
-            ticket.taken.load(Ordering::Relaxed)
-        };
+        let taken = ticket.taken.load(Ordering::Relaxed);
+        drop(queue);
         while ticket.settled.load(Ordering::Acquire) < taken {
             std::thread::park();
         }
@@ -310,7 +306,7 @@ struct Part {
 fn work(shared: &Shared) {
     let batcher = shared.batcher.as_ref().expect("a batched pool");
     let (max_batch, max_wait) = (shared.config.max_batch, shared.config.max_wait);
-    let (inputs, classes) = (shared.model.inputs(), shared.model.classes());
+    let inputs = shared.model.inputs();
     let mut input = Vec::<f32>::with_capacity(max_batch * inputs);
     let mut parts = Vec::<Part>::with_capacity(max_batch);
     loop {
@@ -368,7 +364,6 @@ fn work(shared: &Shared) {
             drop_quietly(payload);
             Err(Error::Panicked { message })
         });
-        debug_assert!(parts.iter().all(|p| p.rows > 0) && classes > 0);
         batcher.batches.fetch_add(1, Ordering::Relaxed);
         batcher.rows.fetch_add(rows as u64, Ordering::Relaxed);
         for part in parts.drain(..) {

@@ -391,9 +391,6 @@ impl InferencePool {
         // One arena at a time, outside the free list: a warm-up holds nothing while it
         // waits, so it cannot deadlock with callers that hold leases.
         for index in 0..self.shared.arenas.len() {
-            if self.shared.arenas.is_closed() {
-                return Err(Error::PoolClosed);
-            }
             let mut arena = self.shared.arenas.reserve(index)?;
             match &batched {
                 None => drop(arena.output(model, x)?),
