@@ -111,6 +111,32 @@ pub enum Error {
         message: String,
     },
 
+    /// A data-parallel worker failed a training step ([`crate::nn::DataParallel`]):
+    /// `worker` is its rank (its shard of the batch), `layer` the layer it failed in
+    /// ("input, loss or update" outside the layers), `source` its error. The step was
+    /// abandoned by every worker before any weight or updater state changed.
+    #[error(
+        "data-parallel worker {worker} failed at '{layer}': {source}. The step was abandoned by every worker; the \
+         weights and updater state are as before it"
+    )]
+    Worker {
+        /// The worker's rank (its shard of the batch).
+        worker: usize,
+        /// The layer it failed in.
+        layer: String,
+        /// Its error.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A layer panicked during a training step of a data-parallel worker; the panic was
+    /// caught, and the step failed.
+    #[error("the layer panicked: {message}")]
+    LayerPanicked {
+        /// The panic's message.
+        message: String,
+    },
+
     /// A model file that cannot be read as a model: not safetensors, truncated, a header
     /// that lies about its lengths, a missing tensor or one of the wrong shape or type.
     #[error("model file {path}: {reason}")]

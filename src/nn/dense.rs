@@ -1,11 +1,12 @@
 //! Fully connected layer: `y = x · W + b`.
 
 use crate::{Error, Result};
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut2, Zip};
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
 use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param};
+use super::parallel::{DenseShape, ParallelLayer};
 use super::Rng;
 
 /// A dense layer with `inputs × outputs` weights and `outputs` biases, initialised
@@ -125,14 +126,7 @@ impl Dense {
 
     /// The forward pass, through `&self` (training's and serving's).
     fn infer<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        self.check_input(&input)?;
-        let (batch, inputs) = input.dim();
-        let outputs = self.weights.ncols();
-        let bias = &self.bias;
-        let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| bias[j])?;
-        let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
-        sgemm(1.0, input, self.weights.view(), 1.0, out.view_mut(), scratch)?;
-        Ok(freeze(out))
+        forward(&self.name, self.weights.view(), self.bias.view(), input, ctx)
     }
 
     /// A layer of these weights (`inputs × outputs`) and biases, with no gradients:
@@ -146,17 +140,76 @@ impl Dense {
             grad_bias: Array1::zeros(0),
         }
     }
+}
 
-    fn check_input(&self, input: &ArrayView2<'_, f32>) -> Result<()> {
-        if input.ncols() != self.weights.nrows() {
-            return Err(Error::ShapeMismatch {
-                context: format!("layer '{}' input", self.name),
-                expected: vec![input.nrows(), self.weights.nrows()],
-                actual: input.shape().to_vec(),
-            });
-        }
-        Ok(())
+/// Checks that `input` has a column per row of the weights `w` of layer `name`.
+fn check_input(name: &str, w: ArrayView2<'_, f32>, input: &ArrayView2<'_, f32>) -> Result<()> {
+    if input.ncols() != w.nrows() {
+        return Err(Error::ShapeMismatch {
+            context: format!("layer '{name}' input"),
+            expected: vec![input.nrows(), w.nrows()],
+            actual: input.shape().to_vec(),
+        });
     }
+    Ok(())
+}
+
+/// The forward pass of a dense layer of weights `w` and biases `b`: the layer's own, or
+/// a data-parallel trainer's shared copy.
+pub(crate) fn forward<'a>(
+    name: &str,
+    w: ArrayView2<'_, f32>,
+    b: ArrayView1<'_, f32>,
+    input: ArrayView2<'a, f32>,
+    ctx: &ForwardCtx<'a, '_>,
+) -> Result<ArrayView2<'a, f32>> {
+    check_input(name, w, &input)?;
+    let (batch, inputs) = input.dim();
+    let outputs = w.ncols();
+    let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| b[j])?;
+    let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
+    sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
+    Ok(freeze(out))
+}
+
+/// The backward pass of a dense layer of weights `w`: the gradients of the weights and
+/// biases written into `gw` and `gb` (every element), and of the input into
+/// `grad_input` when given.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    name: &str,
+    w: ArrayView2<'_, f32>,
+    input: ArrayView2<'_, f32>,
+    grad_output: ArrayView2<'_, f32>,
+    mut gw: ArrayViewMut2<'_, f32>,
+    mut gb: ArrayViewMut1<'_, f32>,
+    grad_input: Option<ArrayViewMut2<'_, f32>>,
+    ctx: &BackwardCtx<'_>,
+) -> Result<()> {
+    check_input(name, w, &input)?;
+    let (batch, inputs) = input.dim();
+    let outputs = w.ncols();
+    if grad_output.dim() != (batch, outputs) {
+        return Err(Error::ShapeMismatch {
+            context: format!("layer '{name}' output gradient"),
+            expected: vec![batch, outputs],
+            actual: grad_output.shape().to_vec(),
+        });
+    }
+    let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
+    let scratch = ctx.working.slice_uninit::<f32>(need)?;
+    // dW = xᵀ · dy
+    sgemm(1.0, input.t(), grad_output, 0.0, gw.view_mut(), scratch)?;
+    // db = Σ_rows dy, summed in row order (deterministic)
+    gb.fill(0.0);
+    for row in grad_output.rows() {
+        Zip::from(&mut gb).and(&row).for_each(|acc, &g| *acc += g);
+    }
+    // dx = dy · Wᵀ
+    if let Some(grad_input) = grad_input {
+        sgemm(1.0, grad_output, w.t(), 0.0, grad_input, scratch)?;
+    }
+    Ok(())
 }
 
 impl Layer for Dense {
@@ -186,6 +239,11 @@ impl Layer for Dense {
         self.infer(input, ctx)
     }
 
+    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
+        let (inputs, outputs) = self.weights.dim();
+        Some(Box::new(DenseShape { name: self.name.clone(), inputs, outputs }))
+    }
+
     fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
         Some(Box::new(Frozen(Dense::from_parts(&self.name, self.weights.clone(), self.bias.clone()))))
     }
@@ -198,23 +256,8 @@ impl Layer for Dense {
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        self.check_input(&input)?;
-        let (batch, inputs) = input.dim();
-        let outputs = self.weights.ncols();
-        let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
-        let scratch = ctx.working.slice_uninit::<f32>(need)?;
-        // dW = xᵀ · dy
-        sgemm(1.0, input.t(), grad_output, 0.0, self.grad_weights.view_mut(), scratch)?;
-        // db = Σ_rows dy, summed in row order (deterministic)
-        self.grad_bias.fill(0.0);
-        for row in grad_output.rows() {
-            Zip::from(&mut self.grad_bias).and(&row).for_each(|acc, &g| *acc += g);
-        }
-        // dx = dy · Wᵀ
-        if let Some(grad_input) = grad_input {
-            sgemm(1.0, grad_output, self.weights.t(), 0.0, grad_input, scratch)?;
-        }
-        Ok(())
+        let (w, gw, gb) = (self.weights.view(), self.grad_weights.view_mut(), self.grad_bias.view_mut());
+        backward(&self.name, w, input, grad_output, gw, gb, grad_input, ctx)
     }
 
     fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {

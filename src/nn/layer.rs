@@ -99,7 +99,7 @@ pub(crate) fn check_grad_input(
 
 /// `[batch, time, features]` as `[batch · time, features]` (a view: `x` must be in
 /// standard layout), or the error of `layer`.
-fn steps_as_rows<'a>(x: ArrayView3<'a, f32>, layer: &str) -> Result<ArrayView2<'a, f32>> {
+pub(crate) fn steps_as_rows<'a>(x: ArrayView3<'a, f32>, layer: &str) -> Result<ArrayView2<'a, f32>> {
     rows_of_steps(x).ok_or_else(|| not_standard(layer))
 }
 
@@ -110,7 +110,7 @@ pub(crate) fn rows_of_steps(x: ArrayView3<'_, f32>) -> Option<ArrayView2<'_, f32
     x.into_shape_with_order((b * t, f)).ok()
 }
 
-fn not_standard(layer: &str) -> Error {
+pub(crate) fn not_standard(layer: &str) -> Error {
     Error::InvalidInput(format!(
         "layer '{layer}': a batch of sequences must be in standard (row-major) layout to be applied step by step; \
          allocate it with the scope's `zeros`/`copy_of`"
@@ -413,12 +413,21 @@ pub trait Layer {
     fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
         None
     }
+
+    /// This layer as a data-parallel trainer runs it: its structure, without its
+    /// parameters (the trainer reads those through [`Layer::params`] and holds them
+    /// once, for every worker). What [`DataParallel`](crate::nn::DataParallel) calls
+    /// for every layer; `None` (the default) means the layer cannot train data-parallel,
+    /// and building the trainer fails naming it. The layers of [`crate::nn`] all can.
+    fn data_parallel(&self) -> Option<Box<dyn crate::nn::ParallelLayer>> {
+        None
+    }
 }
 
 /// The steps of `input` as one `[batch · time, features]` batch, and `(batch, time)`:
 /// what [`Layer::forward_sequence`]'s default hands to `forward` (copied into standard
 /// layout first when it is not).
-fn steps_in<'a>(
+pub(crate) fn steps_in<'a>(
     input: ArrayView3<'a, f32>,
     ctx: &ForwardCtx<'a, '_>,
     name: &str,
@@ -430,7 +439,7 @@ fn steps_in<'a>(
 }
 
 /// `forward`'s output over the rows of [`steps_in`] as a sequence again.
-fn steps_out<'a>(
+pub(crate) fn steps_out<'a>(
     y: ArrayView2<'a, f32>,
     (b, t): (usize, usize),
     ctx: &ForwardCtx<'a, '_>,

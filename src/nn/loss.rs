@@ -56,6 +56,18 @@ impl SoftmaxCrossEntropy {
         labels: ArrayView1<'_, u32>,
         mask: Option<ArrayView1<'_, f32>>,
     ) -> Result<f32> {
+        let (total, count) = self.loss_sum(probs, labels, mask)?;
+        Ok((total / some(count)? as f64) as f32)
+    }
+
+    /// The sum of the cross-entropies of the counted rows (in row order, in `f64`) and
+    /// how many rows were counted (possibly none): a shard's part of a batch's loss.
+    pub(crate) fn loss_sum(
+        &self,
+        probs: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
+    ) -> Result<(f64, usize)> {
         let count = check_labels(&probs, &labels, mask.as_ref())?;
         let mut total = 0.0f64;
         for (r, (row, &label)) in probs.rows().into_iter().zip(labels).enumerate() {
@@ -63,7 +75,7 @@ impl SoftmaxCrossEntropy {
                 total -= f64::from(row[label as usize].max(1e-12)).ln();
             }
         }
-        Ok((total / count as f64) as f32)
+        Ok((total, count))
     }
 
     /// Writes the gradient of the mean loss with respect to the logits into `grad`.
@@ -91,9 +103,23 @@ impl SoftmaxCrossEntropy {
         probs: ArrayView2<'_, f32>,
         labels: ArrayView1<'_, u32>,
         mask: Option<ArrayView1<'_, f32>>,
+        grad: ArrayViewMut2<'_, f32>,
+    ) -> Result<()> {
+        let count = some(check_labels(&probs, &labels, mask.as_ref())?)?;
+        self.backward_scaled(probs, labels, mask, 1.0 / count as f32, grad)
+    }
+
+    /// The gradient of the counted rows' cross-entropies, each scaled by `scale` (one over
+    /// the whole batch's count, for a shard of it), into `grad`; 0 for rows not counted.
+    pub(crate) fn backward_scaled(
+        &self,
+        probs: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
+        scale: f32,
         mut grad: ArrayViewMut2<'_, f32>,
     ) -> Result<()> {
-        let count = check_labels(&probs, &labels, mask.as_ref())?;
+        check_labels(&probs, &labels, mask.as_ref())?;
         if grad.dim() != probs.dim() {
             return Err(Error::ShapeMismatch {
                 context: "softmax cross-entropy gradient".to_string(),
@@ -101,7 +127,6 @@ impl SoftmaxCrossEntropy {
                 actual: grad.shape().to_vec(),
             });
         }
-        let scale = 1.0 / count as f32;
         Zip::from(&mut grad).and(&probs).for_each(|g, &p| *g = p * scale);
         for (r, (mut row, &label)) in grad.rows_mut().into_iter().zip(labels).enumerate() {
             if mask.as_ref().is_none_or(|m| m[r] != 0.0) {
@@ -145,7 +170,11 @@ fn check_labels(
             "label {bad} is not a class: the network's output has {classes} classes (0..{classes})"
         )));
     }
-    let count = (0..labels.len()).filter(|&r| counted(r)).count();
+    Ok((0..labels.len()).filter(|&r| counted(r)).count())
+}
+
+/// `count` counted labels, refused when there are none (a mean over nothing).
+fn some(count: usize) -> Result<usize> {
     if count == 0 {
         return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
     }

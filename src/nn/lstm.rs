@@ -10,6 +10,7 @@ use super::gemm::{scratch_len, sgemm};
 use super::layer::{
     check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param,
 };
+use super::parallel::{LstmShape, ParallelLayer};
 use super::Rng;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
@@ -78,7 +79,7 @@ fn fingerprint(mask: Option<&ArrayView2<'_, f32>>, batch: usize, steps: usize) -
 
 /// Where the last training forward pass left what the backward pass reads.
 #[derive(Debug)]
-enum Cache {
+pub(crate) enum Cache {
     Empty,
     /// In the activations workspace, for as long as its cycle lasts.
     Workspace(Handle<f32, Ix3>),
@@ -152,7 +153,7 @@ impl Lstm {
         let (batch, steps, _) = input.dim();
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
         let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, CACHED * self.hidden))?;
-        self.run_forward(input, mask, ring, true, &mut out, ctx)?;
+        self.run_forward(self.weights(), input, mask, ring, true, &mut out, ctx)?;
         Ok(Activations::Sequence(freeze(out)))
     }
 
@@ -174,6 +175,30 @@ impl Lstm {
             cache: Cache::Empty,
             mask_print: 0,
         }
+    }
+
+    /// Checks a backward pass's input, mask and output gradient.
+    pub(crate) fn check_backward(
+        &self,
+        input: &ArrayView3<'_, f32>,
+        mask: Option<&ArrayView2<'_, f32>>,
+        grad_output: &ArrayView3<'_, f32>,
+    ) -> Result<()> {
+        self.check(input, mask)?;
+        let (batch, steps, _) = input.dim();
+        if grad_output.dim() != (batch, steps, self.hidden) {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' output gradient", self.name),
+                expected: vec![batch, steps, self.hidden],
+                actual: grad_output.shape().to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Input features per step.
+    pub(crate) fn inputs(&self) -> usize {
+        self.inputs
     }
 
     /// Units (the output features per step).
@@ -211,25 +236,55 @@ impl Lstm {
 
     /// Scratch elements of the matrix products of one step.
     fn step_scratch(&self, batch: usize) -> usize {
-        let (h, g) = (self.hidden, GATES * self.hidden);
-        // Forward: x·W and h·U. Backward: xᵀ·dz, hᵀ·dz, dz·Wᵀ, dz·Uᵀ.
-        [
-            scratch_len(batch, g, self.inputs),
-            scratch_len(batch, g, h),
-            scratch_len(self.inputs, g, batch),
-            scratch_len(h, g, batch),
-            scratch_len(batch, self.inputs, g),
-            scratch_len(batch, h, g),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
+        step_scratch(self.inputs, self.hidden, batch)
     }
 
+    /// The parameters as the passes read them.
+    fn weights(&self) -> Weights<'_> {
+        Weights { w: self.w.view(), u: self.u.view(), b: self.b.view() }
+    }
+}
+
+/// The parameters of an LSTM as its passes read them: the layer's own, or a
+/// data-parallel trainer's shared copy.
+#[derive(Clone, Copy)]
+pub(crate) struct Weights<'p> {
+    pub(crate) w: ArrayView2<'p, f32>,
+    pub(crate) u: ArrayView2<'p, f32>,
+    pub(crate) b: ndarray::ArrayView1<'p, f32>,
+}
+
+/// Where the backward pass writes the gradients of [`Weights`].
+pub(crate) struct Grads<'g> {
+    pub(crate) w: ArrayViewMut2<'g, f32>,
+    pub(crate) u: ArrayViewMut2<'g, f32>,
+    pub(crate) b: ndarray::ArrayViewMut1<'g, f32>,
+}
+
+/// Scratch elements of the matrix products of one step.
+fn step_scratch(inputs: usize, hidden: usize, batch: usize) -> usize {
+    let (h, g) = (hidden, GATES * hidden);
+    // Forward: x·W and h·U. Backward: xᵀ·dz, hᵀ·dz, dz·Wᵀ, dz·Uᵀ.
+    [
+        scratch_len(batch, g, inputs),
+        scratch_len(batch, g, h),
+        scratch_len(inputs, g, batch),
+        scratch_len(h, g, batch),
+        scratch_len(batch, inputs, g),
+        scratch_len(batch, h, g),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+}
+
+impl Lstm {
     /// The forward pass into `out`, keeping every step's gates and states in `cache`
     /// (`[time, batch, 6·hidden]`), or, with `ring`, only the last two steps' (`[2, ...]`).
-    fn run_forward(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_forward(
         &self,
+        p: Weights<'_>,
         input: ArrayView3<'_, f32>,
         mask: Option<ArrayView2<'_, f32>>,
         mut cache: ArrayViewMut3<'_, f32>,
@@ -253,11 +308,11 @@ impl Lstm {
             let (mut now, before) = split(&mut cache, cur, prev);
             let mut z = now.slice_mut(s![.., ..GATES * h]);
             for mut row in z.rows_mut() {
-                row.assign(&self.b);
+                row.assign(&p.b);
             }
-            sgemm(1.0, input.index_axis(Axis(1), t), self.w.view(), 1.0, z.view_mut(), scratch)?;
+            sgemm(1.0, input.index_axis(Axis(1), t), p.w, 1.0, z.view_mut(), scratch)?;
             if let Some(before) = &before {
-                sgemm(1.0, before.slice(s![.., (CACHED - 1) * h..]), self.u.view(), 1.0, z.view_mut(), scratch)?;
+                sgemm(1.0, before.slice(s![.., (CACHED - 1) * h..]), p.u, 1.0, z.view_mut(), scratch)?;
             }
             for r in 0..batch {
                 let mut state = now.row_mut(r);
@@ -396,25 +451,16 @@ impl Layer for Lstm {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        self.check(&input, mask.as_ref())?;
-        let (batch, steps, _) = input.dim();
         self.cache = Cache::Empty;
-        self.mask_print = fingerprint(mask.as_ref(), batch, steps);
         if !ctx.training {
+            self.check(&input, mask.as_ref())?;
+            let (batch, steps, _) = input.dim();
+            self.mask_print = fingerprint(mask.as_ref(), batch, steps);
             return self.infer_sequence(input, mask, ctx);
         }
-        let width = CACHED * self.hidden;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
-        if ctx.mgr.is_scoped_out(ArrayType::Activations) {
-            let mut cache = Array3::zeros((steps, batch, width));
-            self.run_forward(input, mask, cache.view_mut(), false, &mut out, ctx)?;
-            self.cache = Cache::Heap(cache);
-        } else {
-            let mut cache = ctx.activations.zeros_handle::<f32, _>((steps, batch, width))?;
-            self.run_forward(input, mask, cache.view_mut(ctx.activations)?, false, &mut out, ctx)?;
-            self.cache = Cache::Workspace(cache);
-        }
-        Ok(Activations::Sequence(freeze(out)))
+        let (out, cache, print) = self.train_forward(self.weights(), input, mask, ctx)?;
+        (self.cache, self.mask_print) = (cache, print);
+        Ok(out)
     }
 
     fn backward_sequence(
@@ -426,28 +472,43 @@ impl Layer for Lstm {
         grad_input: Option<ArrayViewMut3<'_, f32>>,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        self.check(&input, mask.as_ref())?;
         let grad_output = grad_output.sequence(&self.name)?;
-        let (batch, steps, _) = input.dim();
-        let h = self.hidden;
-        if grad_output.dim() != (batch, steps, h) {
-            return Err(Error::ShapeMismatch {
-                context: format!("layer '{}' output gradient", self.name),
-                expected: vec![batch, steps, h],
-                actual: grad_output.shape().to_vec(),
-            });
-        }
+        self.check_backward(&input, mask.as_ref(), &grad_output)?;
         check_grad_input(&self.name, &input, &grad_input)?;
         // Taken out of `self` while the gradients are written, and put back whatever
         // happens, so that an error leaves the forward pass's cache in place.
         let cache = std::mem::replace(&mut self.cache, Cache::Empty);
-        let result = self.bptt(&cache, input, mask, grad_output, grad_input, ctx);
+        let (mut gw, mut gu, mut gb) =
+            (std::mem::take(&mut self.grad_w), std::mem::take(&mut self.grad_u), std::mem::take(&mut self.grad_b));
+        let result = self.with_cache(&cache, self.mask_print, &input, mask.as_ref(), ctx.mgr, |cached| {
+            let g = Grads { w: gw.view_mut(), u: gu.view_mut(), b: gb.view_mut() };
+            self.bptt(self.weights(), g, cached, input, mask, grad_output, grad_input, ctx)
+        });
+        (self.grad_w, self.grad_u, self.grad_b) = (gw, gu, gb);
         self.cache = cache;
         result
     }
 
     fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
         self.params_impl(f);
+    }
+
+    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
+        let empty = || Array2::zeros((0, 0));
+        let shape = Lstm {
+            name: self.name.clone(),
+            inputs: self.inputs,
+            hidden: self.hidden,
+            w: empty(),
+            u: empty(),
+            b: Array1::zeros(0),
+            grad_w: empty(),
+            grad_u: empty(),
+            grad_b: Array1::zeros(0),
+            cache: Cache::Empty,
+            mask_print: 0,
+        };
+        Some(Box::new(LstmShape(shape)))
     }
 
     fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
@@ -460,18 +521,19 @@ impl Layer for Lstm {
 }
 
 impl Lstm {
-    /// Backpropagation through time over the forward pass's `cache`.
-    fn bptt(
-        &mut self,
+    /// Runs `f` on the view of a training forward pass's `cache` (`[time, batch,
+    /// 6·hidden]`), checked to be of `input`'s batch and of `mask` (whose fingerprint
+    /// the forward pass left in `mask_print`).
+    pub(crate) fn with_cache<R>(
+        &self,
         cache: &Cache,
-        input: ArrayView3<'_, f32>,
-        mask: Option<ArrayView2<'_, f32>>,
-        grad_output: ArrayView3<'_, f32>,
-        mut grad_input: Option<ArrayViewMut3<'_, f32>>,
-        ctx: &BackwardCtx<'_>,
-    ) -> Result<()> {
+        mask_print: u64,
+        input: &ArrayView3<'_, f32>,
+        mask: Option<&ArrayView2<'_, f32>>,
+        mgr: &workspace_core::LayerWorkspaceMgr,
+        f: impl FnOnce(ArrayView3<'_, f32>) -> Result<R>,
+    ) -> Result<R> {
         let (batch, steps, _) = input.dim();
-        let h = self.hidden;
         let scope;
         let cache_view = match cache {
             Cache::Empty => {
@@ -482,21 +544,65 @@ impl Lstm {
             }
             Cache::Heap(cache) => cache.view(),
             Cache::Workspace(handle) => {
-                scope = ctx.mgr.borrow_open(ArrayType::Activations)?;
+                scope = mgr.borrow_open(ArrayType::Activations)?;
                 handle.view(&scope)?
             }
         };
-        if cache_view.dim() != (steps, batch, CACHED * h) || self.mask_print != fingerprint(mask.as_ref(), batch, steps)
-        {
+        if cache_view.dim() != (steps, batch, CACHED * self.hidden) || mask_print != fingerprint(mask, batch, steps) {
             return Err(Error::InvalidInput(format!(
                 "layer '{}': backward_sequence on another batch or mask than its forward pass ({:?} cached)",
                 self.name,
                 cache_view.shape()
             )));
         }
-        self.grad_w.fill(0.0);
-        self.grad_u.fill(0.0);
-        self.grad_b.fill(0.0);
+        f(cache_view)
+    }
+
+    /// The training forward pass: its output, with every step's gates and states kept in
+    /// the returned cache (and the mask's fingerprint) for [`Lstm::bptt`].
+    pub(crate) fn train_forward<'a>(
+        &self,
+        p: Weights<'_>,
+        input: ArrayView3<'a, f32>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<(Activations<'a>, Cache, u64)> {
+        self.check(&input, mask.as_ref())?;
+        let (batch, steps, _) = input.dim();
+        let print = fingerprint(mask.as_ref(), batch, steps);
+        let width = CACHED * self.hidden;
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
+        let cache = if ctx.mgr.is_scoped_out(ArrayType::Activations) {
+            let mut cache = Array3::zeros((steps, batch, width));
+            self.run_forward(p, input, mask, cache.view_mut(), false, &mut out, ctx)?;
+            Cache::Heap(cache)
+        } else {
+            let mut cache = ctx.activations.zeros_handle::<f32, _>((steps, batch, width))?;
+            self.run_forward(p, input, mask, cache.view_mut(ctx.activations)?, false, &mut out, ctx)?;
+            Cache::Workspace(cache)
+        };
+        Ok((Activations::Sequence(freeze(out)), cache, print))
+    }
+
+    /// Backpropagation through time over the forward pass's cache (`cache_view`), the
+    /// gradients of `p` written into `g` (every element).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn bptt(
+        &self,
+        p: Weights<'_>,
+        mut g: Grads<'_>,
+        cache_view: ArrayView3<'_, f32>,
+        input: ArrayView3<'_, f32>,
+        mask: Option<ArrayView2<'_, f32>>,
+        grad_output: ArrayView3<'_, f32>,
+        mut grad_input: Option<ArrayViewMut3<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let (batch, steps, _) = input.dim();
+        let h = self.hidden;
+        g.w.fill(0.0);
+        g.u.fill(0.0);
+        g.b.fill(0.0);
         if let Some(g) = grad_input.as_mut() {
             g.fill(0.0);
         }
@@ -541,20 +647,20 @@ impl Lstm {
                 }
             }
             let dz = dz.view();
-            sgemm(1.0, input.index_axis(Axis(1), t).t(), dz, 1.0, self.grad_w.view_mut(), scratch)?;
+            sgemm(1.0, input.index_axis(Axis(1), t).t(), dz, 1.0, g.w.view_mut(), scratch)?;
             for row in dz.rows() {
-                Zip::from(&mut self.grad_b).and(&row).for_each(|acc, &d| *acc += d);
+                Zip::from(&mut g.b).and(&row).for_each(|acc, &d| *acc += d);
             }
             if let Some(g) = grad_input.as_mut() {
-                sgemm(1.0, dz, self.w.t(), 0.0, g.index_axis_mut(Axis(1), t), scratch)?;
+                sgemm(1.0, dz, p.w.t(), 0.0, g.index_axis_mut(Axis(1), t), scratch)?;
             }
             if let Some(before) = &before {
                 let h_before = before.slice(s![.., (CACHED - 1) * h..]);
-                sgemm(1.0, h_before.t(), dz, 1.0, self.grad_u.view_mut(), scratch)?;
+                sgemm(1.0, h_before.t(), dz, 1.0, g.u.view_mut(), scratch)?;
                 // The gradient of h_{t-1}: through z for the sequences that hold data here,
                 // carried unchanged for those padded here.
                 let mut dh_before = step.zeros::<f32, _>((batch, h))?;
-                sgemm(1.0, dz, self.u.t(), 0.0, dh_before.view_mut(), scratch)?;
+                sgemm(1.0, dz, p.u.t(), 0.0, dh_before.view_mut(), scratch)?;
                 for r in 0..batch {
                     if mask.is_none_or(|m| m[[r, t]] != 0.0) {
                         carried.slice_mut(s![r, ..h]).assign(&dh_before.row(r));
@@ -565,7 +671,9 @@ impl Lstm {
         }
         Ok(())
     }
+}
 
+impl Lstm {
     fn params_impl(&mut self, f: &mut dyn FnMut(Param<'_>)) {
         f(Param {
             value: self.w.as_slice_mut().expect("owned weights are contiguous"),

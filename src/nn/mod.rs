@@ -42,6 +42,7 @@ mod layer;
 mod loss;
 mod lstm;
 mod network;
+mod parallel;
 mod pool;
 mod relu;
 mod rng;
@@ -54,6 +55,9 @@ pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{
     names, planned_workspace_config, workspace_config, Input, Labels, Network, NetworkConfig, NetworkConfigBuilder,
+};
+pub use parallel::{
+    DataParallel, GradInput, ParallelConfig, ParallelLayer, ParallelStats, Pass, Reducer, ReducerKind, Report, Tape,
 };
 pub use pool::{LastStep, MaskedMean};
 pub use relu::Relu;

@@ -6,6 +6,8 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
+use super::parallel::{ParallelLayer, Replica};
+
 use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer};
 
 /// The output of each sequence's last step that holds data (the last unmasked step;
@@ -158,6 +160,10 @@ impl Layer for LastStep {
         Some(Box::new(Frozen(self.clone())))
     }
 
+    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
+        Some(Box::new(Replica(self.clone())))
+    }
+
     fn backward_sequence(
         &mut self,
         input: ArrayView3<'_, f32>,
@@ -203,6 +209,10 @@ impl Layer for MaskedMean {
 
     fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
         Some(Box::new(Frozen(self.clone())))
+    }
+
+    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
+        Some(Box::new(Replica(self.clone())))
     }
 
     fn backward_sequence(

@@ -1,6 +1,8 @@
 //! Rectified linear unit: `y = max(x, 0)`.
 
 use crate::{Error, Result};
+
+use super::parallel::{ParallelLayer, Replica};
 use ndarray::{ArrayView2, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
@@ -48,6 +50,10 @@ impl Layer for Relu {
 
     fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
         Some(Box::new(Frozen(self.clone())))
+    }
+
+    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
+        Some(Box::new(Replica(self.clone())))
     }
 
     fn backward(

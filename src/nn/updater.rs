@@ -409,3 +409,75 @@ fn adam(beta1: f32, beta2: f32, epsilon: f32, step: f32, m: f32, v: f32, g: f32)
 fn non_finite(values: &[(&'static str, f32)]) -> Option<(&'static str, f32)> {
     values.iter().copied().find(|(_, v)| !v.is_finite())
 }
+
+/// Elements staged per frame of updater working memory when a range is checked.
+const STAGE_CHUNK: usize = 16 * 1024;
+
+/// Checks one step of a range of flat parameters (a data-parallel trainer's share):
+/// `values` with their gradients `grads` and state `m` (and `v` for Adam), at step `t`.
+/// Returns the first element whose update, new moment or new value would not be finite
+/// (its index in the range, what it is, the value). Updates are staged in frames of
+/// `working`, a few thousand elements at a time; nothing is stored.
+///
+/// # Errors
+///
+/// Workspace errors of `working`.
+pub(crate) fn check_range(
+    updater: Updater,
+    t: i32,
+    values: &mut [f32],
+    grads: &[f32],
+    m: &[f32],
+    v: Option<&[f32]>,
+    working: &TypedScope,
+) -> Result<Option<(usize, &'static str, f32)>> {
+    let mut start = 0;
+    while start < values.len() {
+        let end = (start + STAGE_CHUNK).min(values.len());
+        let p = Param { value: &mut values[start..end], grad: &grads[start..end] };
+        let (m, v) = (&m[start..end], v.map(|v| &v[start..end]));
+        let frame = working.frame()?;
+        let update = stage(updater, t, m, v, &p, &frame)?;
+        if let Some((i, what, value)) = first_non_finite(updater, t, m, v, &p, update) {
+            return Ok(Some((start + i, what, value)));
+        }
+        start = end;
+    }
+    Ok(None)
+}
+
+/// Stores a step of a range checked by [`check_range`] (the same arithmetic, so the
+/// same numbers).
+pub(crate) fn commit_range(
+    updater: Updater,
+    t: i32,
+    values: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: Option<&mut [f32]>,
+) {
+    commit(updater, t, m, v, Param { value: values, grad: grads });
+}
+
+impl UpdaterState {
+    /// The step count and the state, one buffer per parameter in layer order (the
+    /// second moments empty but for Adam).
+    pub(crate) fn into_parts(self) -> (u64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+        (self.step, self.first, self.second)
+    }
+
+    /// A state of `layers` from [`UpdaterState::into_parts`]'s parts.
+    pub(crate) fn from_parts(
+        updater: Updater,
+        layers: &mut [Box<dyn Layer>],
+        step: u64,
+        first: Vec<Vec<f32>>,
+        second: Vec<Vec<f32>>,
+    ) -> UpdaterState {
+        let mut state = UpdaterState::new(updater, layers);
+        state.step = step;
+        state.first = first;
+        state.second = second;
+        state
+    }
+}

@@ -7,6 +7,7 @@ mod examples_cli;
 mod model_file;
 mod nn;
 mod nn_prefetch;
+mod parallel;
 mod sequences;
 mod sequences_prefetch;
 mod serve;

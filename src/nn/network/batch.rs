@@ -221,7 +221,7 @@ impl<'a> Labels<'a> {
 
 /// Checks `labels` against the batch `x`: one per row, or per step of sequences with a
 /// labels mask of their shape holding 0 and 1 only.
-pub(super) fn check_labels(x: &Input<'_>, labels: &Labels<'_>) -> Result<()> {
+pub(crate) fn check_labels(x: &Input<'_>, labels: &Labels<'_>) -> Result<()> {
     match labels {
         Labels::PerExample(labels) => check_label_count(x.rows(), labels),
         Labels::PerStep { labels, mask } => {
@@ -336,7 +336,7 @@ pub(crate) fn shape_key(x: &Input<'_>, labels: Option<&Labels<'_>>) -> u64 {
 
 /// The loss's input for `output` and `labels`: the output itself for one label per
 /// example, or its steps as rows `[batch · time, classes]` for labels per step.
-pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Result<ArrayView2<'a, f32>> {
+pub(crate) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Result<ArrayView2<'a, f32>> {
     match (output, labels) {
         (Activations::Flat(logits), Labels::PerExample(_)) => Ok(logits),
         (Activations::Sequence(_), Labels::PerExample(_)) => output.flat(NO_HEAD),
@@ -354,7 +354,7 @@ pub(super) fn loss_input<'a>(output: Activations<'a>, labels: &Labels<'_>) -> Re
 /// batches are taken as they are). Nothing uses a padded step; zeroed, whatever the
 /// caller left there (`f32::MAX`, NaN) gives finite values in every layer, and the
 /// loss and gradients are exactly those of the zero-padded batch.
-pub(super) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
+pub(crate) fn training_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<Input<'s>> {
     match x {
         Input::Sequences { features, mask: Some(mask) } if padding_needs_zeroing(&features, &mask) => {
             let mut copy = scope.copy_of(&features)?;
@@ -404,7 +404,7 @@ pub(super) fn standard_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<I
 
 /// `labels` with labels per step (and their mask) in standard layout: as they are, or
 /// copied into `scope`.
-pub(super) fn standard_labels<'s>(labels: Labels<'s>, scope: &'s Scope<'_>) -> Result<Labels<'s>> {
+pub(crate) fn standard_labels<'s>(labels: Labels<'s>, scope: &'s Scope<'_>) -> Result<Labels<'s>> {
     Ok(match labels {
         Labels::PerStep { labels, mask } => {
             let labels = if labels.is_standard_layout() { labels } else { freeze(scope.copy_of(&labels)?) };
@@ -427,7 +427,7 @@ pub(super) fn steps_as_rows(logits: ArrayView3<'_, f32>) -> Result<ArrayView2<'_
 
 /// The labels of a prefetched batch: `[batch]` of `u32`, or `[batch, time]` with the
 /// batch's labels mask.
-pub(super) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Labels<'b>> {
+pub(crate) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Labels<'b>> {
     let labels = batch.labels::<u32, IxDyn>()?;
     match labels.ndim() {
         1 => Ok(Labels::PerExample(labels.into_dimensionality::<Ix1>().map_err(|_| dims(1))?)),
@@ -443,7 +443,7 @@ pub(super) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Label
 
 /// The network's input from a prefetched batch: features `[batch, features]`, or
 /// `[batch, time, features]` with the batch's features mask, of `f32`.
-pub(super) fn lease_input<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Input<'b>> {
+pub(crate) fn lease_input<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Input<'b>> {
     let features = batch.features::<f32, IxDyn>()?;
     match features.ndim() {
         2 => Ok(Input::Flat(features.into_dimensionality::<Ix2>().map_err(|_| dims(2))?)),

@@ -34,6 +34,8 @@ pub mod names {
     pub const RNN_LOOP_WORKING_MEM: &str = "WS_RNN_LOOP_WORKING_MEM";
     /// Activations during inference.
     pub const INFERENCE_ACT: &str = "WS_INFERENCE_ACT";
+    /// A data-parallel worker's gradient buckets (a member of its training plan group).
+    pub const GRADIENT_BUCKETS: &str = "WS_GRADIENT_BUCKETS";
 }
 
 /// The configuration of a [`Network`]: its layers (the last one produces the class
@@ -295,7 +297,7 @@ pub(super) const PLANS: usize = 64;
 /// go, so that a layer's input gradient and its output gradient are in different
 /// workspaces and the older one can be reset as soon as it is consumed. Planned: the
 /// workspaces are the network's own, members of one plan group.
-pub(super) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
+pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }

@@ -24,13 +24,16 @@ use super::loss::SoftmaxCrossEntropy;
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
+use batch::check_mask;
 pub(crate) use batch::shape_key;
-use batch::{check_labels, check_mask};
+pub(crate) use batch::{check_labels, lease_input, lease_labels, loss_input, standard_labels, training_input};
 pub use batch::{Input, Labels};
 pub(crate) use config::inference_builder;
-use config::{inference_mgr, training_mgrs};
+use config::inference_mgr;
+pub(crate) use config::training_mgrs;
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
 pub(crate) use infer::{predictions_into, probabilities};
+pub(crate) use train::Gradient;
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -103,6 +106,44 @@ impl Network {
             train: training_mgrs(training_workspace_mode)?,
             infer: inference_mgr(inference_workspace_mode)?,
             iterations: 0,
+            last_workspace_bytes: 0,
+            record_next: false,
+            memory_plan: None,
+            recorded: None,
+        })
+    }
+
+    /// The network taken apart for a data-parallel trainer: its input columns, layers,
+    /// updater state and iterations (its workspaces are dropped).
+    pub(crate) fn into_parts(self) -> (usize, Vec<Box<dyn Layer>>, UpdaterState, u64, [WorkspaceMode; 2]) {
+        let modes = [self.training_mode, self.inference_mode];
+        (self.inputs, self.layers, self.updater, self.iterations, modes)
+    }
+
+    /// A network of these trained layers and updater state, with new workspaces of
+    /// `modes` (training, inference).
+    pub(crate) fn from_parts(
+        inputs: usize,
+        layers: Vec<Box<dyn Layer>>,
+        updater: UpdaterState,
+        iterations: u64,
+        modes: [WorkspaceMode; 2],
+    ) -> Result<Network> {
+        let mut width = inputs;
+        for layer in &layers {
+            width = layer.output_size(width)?;
+        }
+        Ok(Network {
+            inputs,
+            classes: width,
+            layers,
+            loss: SoftmaxCrossEntropy,
+            updater,
+            training_mode: modes[0],
+            inference_mode: modes[1],
+            train: training_mgrs(modes[0])?,
+            infer: inference_mgr(modes[1])?,
+            iterations,
             last_workspace_bytes: 0,
             record_next: false,
             memory_plan: None,
@@ -351,7 +392,7 @@ stage!(&mut Box<dyn Layer>);
 stage!(&Box<dyn FrozenLayer>);
 
 /// Checks that `layer`'s output `y` is in the activations workspace.
-fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
+pub(crate) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
     match y {
         Activations::Flat(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
         Activations::Sequence(v) => mgr.validate(ArrayType::Activations, layer, &v)?,

@@ -13,8 +13,9 @@ use crate::{Error, Result};
 
 use super::super::finite;
 use super::super::layer::{Activations, BackwardCtx, Layer};
-use super::batch::{lease_input, lease_labels, loss_input, shape_key, standard_labels, training_input};
+use super::batch::shape_key;
 use super::{forward, Input, Labels, Network};
+use super::{lease_input, lease_labels, loss_input, standard_labels, training_input};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -251,7 +252,7 @@ impl Network {
 /// next together with its scope, and a view cannot move with the scope it borrows.
 /// Each access through the handle checks the generation, and the views it gives borrow
 /// the scope, so nothing outlives the workspace's cycle.
-struct Gradient {
+pub(crate) struct Gradient {
     scope: TypedScope,
     array: GradientArray,
 }
@@ -264,7 +265,7 @@ enum GradientArray {
 
 impl Gradient {
     /// Zeros of `like`'s shape in `mgr`'s gradient workspace.
-    fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
+    pub(crate) fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
         let scope = mgr.enter(ArrayType::ActivationGrad)?;
         let array = match like {
             Activations::Flat(x) => GradientArray::Flat(scope.zeros_handle(x.raw_dim())?),
@@ -273,7 +274,7 @@ impl Gradient {
         Ok(Gradient { scope, array })
     }
 
-    fn view(&self) -> Result<Activations<'_>> {
+    pub(crate) fn view(&self) -> Result<Activations<'_>> {
         Ok(match &self.array {
             GradientArray::Flat(h) => Activations::Flat(h.view(&self.scope)?),
             GradientArray::Sequence(h) => Activations::Sequence(h.view(&self.scope)?),
@@ -281,7 +282,7 @@ impl Gradient {
     }
 
     /// The gradient as rows `[examples (· steps), features]`, as the loss sees them.
-    fn view_mut_rows(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+    pub(crate) fn view_mut_rows(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
         match &mut self.array {
             GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
             GradientArray::Sequence(h) => {
@@ -292,7 +293,7 @@ impl Gradient {
         }
     }
 
-    fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+    pub(crate) fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
         match &mut self.array {
             GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
             GradientArray::Sequence(h) => Err(Error::ShapeMismatch {
@@ -303,7 +304,7 @@ impl Gradient {
         }
     }
 
-    fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
+    pub(crate) fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
         match &mut self.array {
             GradientArray::Sequence(h) => Ok(h.view_mut(&self.scope)?),
             GradientArray::Flat(h) => Err(Error::ShapeMismatch {

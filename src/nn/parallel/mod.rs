@@ -1,0 +1,39 @@
+//! Data-parallel training: [`DataParallel`], DL4J's `ParallelWrapper` in carve's terms.
+//!
+//! - The weights and the updater's state are held **once**, in flat buffers laid out in
+//!   backward order (the last layer's parameters first), and read by every worker
+//!   through `&` during forward and backward.
+//! - Each worker is a thread with its own planned arena (its training workspaces and its
+//!   gradient buckets, one plan group): the backward pass writes each layer's gradients
+//!   straight into the worker's buckets, contiguous ranges of that backward-order layout,
+//!   so nothing is copied between backward and the reduction.
+//! - A [`Reducer`] sums the buckets over the workers in rank order; each worker then
+//!   checks and applies the update of the range it reduced (the update is element by
+//!   element, so it splits without changing a bit), and the next step starts.
+//! - A batch is cut into one shard of consecutive rows per worker, each a view of the
+//!   batch (of the prefetch ring, with [`DataParallel::fit`]): nothing is copied.
+//!
+//! **Determinism.** The losses depend on the number of workers and on nothing else:
+//! every reducer sums in rank order, and the single-thread shard mode
+//! ([`ParallelConfig::sequential`]) runs the same shards on one thread and adds their
+//! gradients in the same order, so it gives the same bits as that many threads. Against
+//! a [`Network`] trained on whole batches, the losses agree to floating-point tolerance
+//! only (the shards' matrix products sum in another order).
+
+mod layer;
+#[allow(unsafe_code)]
+mod reduce;
+#[allow(unsafe_code)]
+mod shared;
+#[allow(unsafe_code)]
+mod trainer;
+#[allow(unsafe_code)]
+mod worker;
+
+pub(crate) use layer::{DenseShape, LstmShape, Replica};
+pub use layer::{GradInput, ParallelLayer, Pass, Tape};
+pub use reduce::{Reducer, Report};
+pub use trainer::{DataParallel, ParallelConfig, ParallelStats, ReducerKind};
+
+#[cfg(doc)]
+use super::Network;

@@ -1,0 +1,651 @@
+//! [`DataParallel`]: the trainer, its workers' threads, and what it reports.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use async_iter::{BatchSource, Prefetcher};
+use ndarray::{ArrayView1, ArrayView2};
+use workspace_core::backend::{ArenaBackend, Block};
+use workspace_core::WorkspaceMode;
+
+use crate::{Error, Result};
+
+use super::super::network::{check_input, check_labels, lease_input, lease_labels, Input, Labels, Network};
+use super::super::serve::Model;
+use super::super::updater::{Updater, UpdaterState};
+use super::reduce::{Alone, Reducer, Threads};
+use super::shared::SharedBuf;
+use super::worker::{Failure, Layout, Shared, StepDesc, Worker};
+
+/// How the workers reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReducerKind {
+    /// One thread per worker, reducing through shared memory.
+    Threads,
+    /// One thread that runs the workers' shards in turn and adds their gradients in the
+    /// same order: the same bits as [`ReducerKind::Threads`] with as many workers.
+    Sequential,
+}
+
+impl ReducerKind {
+    /// The name the demos' `--reducer` flag and JSON use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReducerKind::Threads => "threads",
+            ReducerKind::Sequential => "sequential",
+        }
+    }
+}
+
+/// A data-parallel trainer's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParallelConfig {
+    /// Workers (shards per batch), at least 1.
+    pub workers: usize,
+    /// How they reduce.
+    pub reducer: ReducerKind,
+    /// The target size of a gradient bucket in bytes: buckets are cut at layer
+    /// boundaries once they hold at least this much (a layer larger than it is a bucket
+    /// of its own). Default 4 MiB.
+    pub bucket_bytes: usize,
+}
+
+impl ParallelConfig {
+    /// `workers` threads.
+    pub fn threads(workers: usize) -> ParallelConfig {
+        ParallelConfig { workers, reducer: ReducerKind::Threads, bucket_bytes: 4 << 20 }
+    }
+
+    /// One thread running `workers` shards in turn (the single-thread mode that checks
+    /// the threads' determinism).
+    pub fn sequential(workers: usize) -> ParallelConfig {
+        ParallelConfig { workers, reducer: ReducerKind::Sequential, bucket_bytes: 4 << 20 }
+    }
+}
+
+/// What a data-parallel trainer holds and did, in bytes where it says so.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParallelStats {
+    /// Workers (shards per batch).
+    pub workers: usize,
+    /// The reducer's name ("threads", "sequential").
+    pub reducer: &'static str,
+    /// The parameters, held once.
+    pub weight_bytes: usize,
+    /// The updater's state (velocity, or Adam's two moments), held once.
+    pub updater_state_bytes: usize,
+    /// One worker's gradient buckets (every parameter's gradient, in backward order),
+    /// part of its plan.
+    pub gradient_bucket_bytes: usize,
+    /// Buckets per worker.
+    pub buckets: usize,
+    /// Each worker's plan for its largest shape, gradient buckets included.
+    pub worker_plan_bytes: Vec<usize>,
+    /// Each worker's arena capacity.
+    pub worker_arena_bytes: Vec<usize>,
+    /// Bytes copied out of the gradient buckets before they were reduced, counted by the
+    /// reducers (0: backward writes where the reduction reads).
+    pub bytes_copied_for_reduction: u64,
+    /// Training steps done.
+    pub steps: u64,
+}
+
+impl ParallelStats {
+    /// The memory the trainer holds: the weights and the updater's state once, and each
+    /// worker's arena.
+    pub fn total_bytes(&self) -> usize {
+        self.weight_bytes + self.updater_state_bytes + self.worker_arena_bytes.iter().sum::<usize>()
+    }
+
+    /// What a trainer that copies the model into every worker (DL4J's
+    /// `ParallelWrapper`) holds for the same model: per worker the weights, the updater's
+    /// state, the gradients and the worker's workspaces (taken to be this trainer's plan
+    /// without its buckets).
+    pub fn replicated_bytes(&self) -> usize {
+        let per_worker = self.weight_bytes + self.updater_state_bytes + self.gradient_bucket_bytes;
+        let workspaces: usize =
+            self.worker_arena_bytes.iter().map(|&a| a.saturating_sub(self.gradient_bucket_bytes)).sum();
+        self.workers * per_worker + workspaces
+    }
+}
+
+/// What the threads of a trainer share to run steps.
+struct Control {
+    start: Barrier,
+    end: Barrier,
+    stop: AtomicBool,
+    /// The step the workers run, set before `start` and cleared after `end`.
+    desc: Mutex<Option<StepDesc<'static>>>,
+    /// A failing worker's error, for the coordinator to report.
+    errors: Box<[Mutex<Option<Error>>]>,
+    plan_bytes: Box<[AtomicUsize]>,
+    arena_bytes: Box<[AtomicUsize]>,
+}
+
+/// A data-parallel trainer (DL4J's `ParallelWrapper`): `workers` shards per batch, run
+/// by that many threads that share one copy of the weights and of the updater's state.
+///
+/// ```
+/// use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig};
+/// use carve::ndarray::{Array1, Array2};
+///
+/// let x = Array2::from_shape_fn((64, 4), |(r, c)| ((r * 7 + c * 3) % 11) as f32 / 11.0);
+/// let y = Array1::from_shape_fn(64, |r| (r % 3) as u32);
+/// let config = || NetworkConfig::builder(4).dense(16).relu().dense(3).seed(7).build();
+///
+/// let mut threads = DataParallel::new(Network::new(config()?)?, ParallelConfig::threads(2))?;
+/// let mut one_thread = DataParallel::new(Network::new(config()?)?, ParallelConfig::sequential(2))?;
+/// for _ in 0..5 {
+///     // Two threads, and one thread running the same two shards: the same bits.
+///     assert_eq!(threads.fit_batch(x.view(), y.view())?.to_bits(), one_thread.fit_batch(x.view(), y.view())?.to_bits());
+/// }
+/// assert_eq!(threads.stats().bytes_copied_for_reduction, 0);
+/// let network = threads.into_network()?; // evaluate, save or freeze it
+/// assert_eq!(network.iterations(), 5);
+/// # Ok::<(), carve::Error>(())
+/// ```
+///
+/// The trainer belongs to the thread that made it (worker 0 runs there, on that
+/// thread's workspaces).
+pub struct DataParallel {
+    shared: Arc<Shared>,
+    me: Worker,
+    config: ParallelConfig,
+    control: Option<Arc<Control>>,
+    threads: Vec<JoinHandle<()>>,
+    /// Shard loss sums of the single-thread mode.
+    partials: Vec<f64>,
+    inputs: usize,
+    step: u64,
+    iterations: u64,
+    modes: [WorkspaceMode; 2],
+    copied: u64,
+    /// A trainer stays on its thread (its worker 0's workspaces do).
+    _thread_bound: std::marker::PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel").field("config", &self.config).field("steps", &self.step).finish()
+    }
+}
+
+impl DataParallel {
+    /// A trainer of `network` (its layers, weights, updater state and iteration count;
+    /// its workspaces are dropped): the weights and state moved into the trainer's shared
+    /// buffers, and `config.workers - 1` threads started (none for the single-thread
+    /// mode), each with its own planned workspaces.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for 0 workers, or a layer that cannot train
+    /// data-parallel ([`Layer::data_parallel`](crate::nn::Layer::data_parallel) gives
+    /// `None`, or another number of parameters than [`Layer::params`](crate::nn::Layer::params));
+    /// workspace errors of a worker's planned arena; an error starting a thread.
+    pub fn new(network: Network, config: ParallelConfig) -> Result<DataParallel> {
+        if config.workers == 0 {
+            return Err(Error::InvalidConfig { reason: "a data-parallel trainer needs at least one worker".into() });
+        }
+        let (inputs, mut layers, updater, iterations, modes) = network.into_parts();
+        let (shared, step) = share(&mut layers, updater, config.bucket_bytes)?;
+        drop(layers);
+        let shared = Arc::new(shared);
+        let threads = config.reducer == ReducerKind::Threads && config.workers > 1;
+        let mut reducers: Vec<Box<dyn Reducer>> = match threads {
+            true => Threads::group(config.workers).into_iter().map(|r| Box::new(r) as Box<dyn Reducer>).collect(),
+            false => vec![Box::new(Alone)],
+        };
+        let others = reducers.split_off(1);
+        let me = Worker::new(&shared, reducers.pop().expect("rank 0's reducer"))?;
+        let mut trainer = DataParallel {
+            shared,
+            me,
+            config,
+            control: None,
+            threads: Vec::new(),
+            partials: vec![0.0; config.workers],
+            inputs,
+            step,
+            iterations,
+            modes,
+            copied: 0,
+            _thread_bound: std::marker::PhantomData,
+        };
+        if threads {
+            trainer.start_threads(others)?;
+        }
+        Ok(trainer)
+    }
+
+    /// Starts a thread per reducer (ranks 1 and up), each making its worker on itself.
+    fn start_threads(&mut self, reducers: Vec<Box<dyn Reducer>>) -> Result<()> {
+        let workers = self.config.workers;
+        let counters = || (0..workers).map(|_| AtomicUsize::new(0)).collect::<Box<[_]>>();
+        let control = Arc::new(Control {
+            start: Barrier::new(workers),
+            end: Barrier::new(workers),
+            stop: AtomicBool::new(false),
+            desc: Mutex::new(None),
+            errors: (0..workers).map(|_| Mutex::new(None)).collect(),
+            plan_bytes: counters(),
+            arena_bytes: counters(),
+        });
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<()>)>();
+        for reducer in reducers {
+            let rank = reducer.rank();
+            let (shared, ready) = (Arc::clone(&self.shared), ready_tx.clone());
+            let thread_control = Arc::clone(&control);
+            let spawned = std::thread::Builder::new().name(format!("carve-worker-{rank}")).spawn(move || {
+                let mut worker = match Worker::new(&shared, reducer) {
+                    Ok(worker) => {
+                        let _ = ready.send((rank, Ok(())));
+                        worker
+                    }
+                    Err(e) => {
+                        let _ = ready.send((rank, Err(e)));
+                        return;
+                    }
+                };
+                drop(ready);
+                run_worker(&mut worker, &shared, &thread_control, rank);
+            });
+            match spawned {
+                Ok(handle) => self.threads.push(handle),
+                Err(e) => {
+                    self.stop_threads(&control, 0);
+                    return Err(Error::InvalidConfig { reason: format!("starting data-parallel worker {rank}: {e}") });
+                }
+            }
+        }
+        drop(ready_tx);
+        let mut failed = None;
+        for _ in 1..workers {
+            match ready_rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((rank, Err(e))) => failed = failed.or(Some((rank, e))),
+                Err(_) => failed = failed.or(Some((0, Error::InvalidInput("a worker thread ended at start".into())))),
+            }
+        }
+        if let Some((rank, error)) = failed {
+            self.control = Some(Arc::clone(&control));
+            self.stop_threads(&control, 0);
+            self.control = None;
+            return Err(Error::Worker { worker: rank, layer: "start".into(), source: Box::new(error) });
+        }
+        self.control = Some(control);
+        Ok(())
+    }
+
+    /// Stops the threads (those still running wait at the step's start).
+    fn stop_threads(&mut self, control: &Control, _unused: usize) {
+        control.stop.store(true, Ordering::Release);
+        let running = self.threads.iter().filter(|t| !t.is_finished()).count();
+        if running + 1 == self.config.workers {
+            control.start.wait();
+        }
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+
+    /// One training step on a batch: each worker's shard forward and backward, the
+    /// gradients reduced, one update. Returns the batch's mean loss.
+    ///
+    /// A steady step makes no heap allocation in any worker.
+    ///
+    /// # Errors
+    ///
+    /// The batch's shape and label errors, as [`Network::fit_batch`]'s;
+    /// [`Error::Worker`] when a worker fails (a value that is not finite, a layer that
+    /// panics or errs), naming the worker (its shard) and the layer, with the worker's
+    /// error as its source. After an error the weights and the updater's state are as
+    /// they were before the call, and the trainer is usable.
+    pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
+        let (x, labels) = (x.into(), labels.into());
+        let x = x.reborrow();
+        let labels = labels.reborrow().or_mask(x.mask());
+        check_input(self.inputs, &x)?;
+        check_labels(&x, &labels)?;
+        let count = counted(&labels);
+        if count == 0 {
+            return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
+        }
+        let t = i32::try_from(self.step + 1).unwrap_or(i32::MAX);
+        let desc = StepDesc { x, labels, count, shards: self.config.workers, t };
+        let result = match (&self.control, self.config.reducer) {
+            (Some(control), _) => {
+                let control = Arc::clone(control);
+                run_coordinated(&mut self.me, &self.shared, &control, desc)
+            }
+            (None, ReducerKind::Sequential) => self.me.step_sequential(&self.shared, &desc, &mut self.partials),
+            (None, _) => self.me.step(&self.shared, &desc),
+        };
+        match result {
+            Ok(loss) => {
+                self.step += 1;
+                self.iterations += 1;
+                self.copied = self.copied.max(self.me.reducer.bytes_copied());
+                Ok(loss)
+            }
+            Err(failure) => Err(self.error(failure)),
+        }
+    }
+
+    /// The error of a failed step: the failing worker's own, or a description.
+    fn error(&self, failure: Failure) -> Error {
+        let Failure { worker, layer, error } = failure;
+        let from_thread = || {
+            self.control.as_ref().and_then(|c| c.errors[worker].lock().unwrap_or_else(PoisonError::into_inner).take())
+        };
+        let source = error.or_else(from_thread).unwrap_or_else(|| {
+            Error::InvalidInput(format!("worker {worker} failed; its own error is in its process's output"))
+        });
+        if let Some(control) = &self.control {
+            for slot in control.errors.iter() {
+                slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+            }
+        }
+        let layer = self.shared.layers.get(layer).map_or("input, loss or update", |l| l.name()).to_string();
+        Error::Worker { worker, layer, source: Box::new(source) }
+    }
+
+    /// Trains one epoch on a prefetcher's batches (as [`Network::fit`]), each cut into
+    /// shards that are views of the prefetch ring. Returns the mean batch loss.
+    ///
+    /// # Errors
+    ///
+    /// As [`Network::fit`] and [`DataParallel::fit_batch`].
+    pub fn fit<S, B>(&mut self, batches: &mut Prefetcher<S, B>) -> Result<f32>
+    where
+        S: BatchSource,
+        B: ArenaBackend + 'static,
+        B::Block: Block<Base = NonNull<u8>>,
+    {
+        let (mut total, mut count) = (0.0f64, 0usize);
+        while let Some(batch) = batches.next() {
+            let batch = batch.map_err(Error::from)?;
+            let x = lease_input(&batch)?;
+            let y = lease_labels(&batch)?;
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput(format!(
+                "fit was given an epoch with no batches (epoch {} of the prefetcher had ended)",
+                batches.epoch()
+            )));
+        }
+        batches.reset().map_err(Error::from)?;
+        Ok((total / count as f64) as f32)
+    }
+
+    /// Trains on every `(features, labels)` pair once; returns the mean batch loss.
+    ///
+    /// # Errors
+    ///
+    /// As [`DataParallel::fit_batch`]; an empty iterator is [`Error::InvalidInput`].
+    pub fn fit_iter<'d, I>(&mut self, batches: I) -> Result<f32>
+    where
+        I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
+    {
+        let (mut total, mut count) = (0.0f64, 0usize);
+        for (x, y) in batches {
+            total += f64::from(self.fit_batch(x, y)?);
+            count += 1;
+        }
+        if count == 0 {
+            return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
+        }
+        Ok((total / count as f64) as f32)
+    }
+
+    /// Workers (shards per batch).
+    pub fn workers(&self) -> usize {
+        self.config.workers
+    }
+
+    /// The settings.
+    pub fn config(&self) -> ParallelConfig {
+        self.config
+    }
+
+    /// Training iterations of the network, this trainer's steps included.
+    pub fn iterations(&self) -> u64 {
+        self.iterations
+    }
+
+    /// What the trainer holds and did.
+    pub fn stats(&self) -> ParallelStats {
+        let (plan, arena) = self.me.plan_bytes();
+        let (mut plans, mut arenas) = (vec![plan], vec![arena]);
+        if let Some(control) = &self.control {
+            for w in 1..self.config.workers {
+                plans.push(control.plan_bytes[w].load(Ordering::Acquire));
+                arenas.push(control.arena_bytes[w].load(Ordering::Acquire));
+            }
+        }
+        let bytes = |n: usize| n * size_of::<f32>();
+        ParallelStats {
+            workers: self.config.workers,
+            reducer: self.config.reducer.name(),
+            weight_bytes: bytes(self.shared.params.len()),
+            updater_state_bytes: bytes(self.shared.first.len() + self.shared.second.len()),
+            gradient_bucket_bytes: bytes(self.shared.layout.total),
+            buckets: self.shared.layout.buckets.len(),
+            worker_plan_bytes: plans,
+            worker_arena_bytes: arenas,
+            bytes_copied_for_reduction: self.copied,
+            steps: self.step,
+        }
+    }
+
+    /// The parameters, in the trainer's layout (the last layer's first).
+    fn params(&mut self) -> &mut [f32] {
+        let shared = Arc::get_mut(&mut self.shared);
+        shared.expect("the workers have stopped").params.get_mut()
+    }
+
+    /// The trained model for serving (a copy of the weights).
+    ///
+    /// # Errors
+    ///
+    /// As [`Network::freeze`].
+    pub fn freeze(&self) -> Result<Model> {
+        // SAFETY: no step runs (this takes `&self`, and a step `&mut self`), so nothing
+        // writes the parameters.
+        let params = unsafe { self.shared.params.read() };
+        let layers = self
+            .shared
+            .layers
+            .iter()
+            .zip(&self.shared.layout.regions)
+            .map(|(layer, region)| layer.to_layer(&params[region.clone()]))
+            .collect::<Result<Vec<_>>>()?;
+        let frozen = layers
+            .iter()
+            .map(|layer| {
+                layer.frozen().ok_or_else(|| Error::InvalidConfig {
+                    reason: format!("layer '{}' cannot be frozen for serving", layer.name()),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Model::from_layers(self.inputs, frozen)
+    }
+
+    /// The network again, trained: its layers with the trainer's weights, its updater
+    /// with the trainer's state, new workspaces of its modes. The worker threads stop.
+    ///
+    /// # Errors
+    ///
+    /// Allocation and workspace errors of the new network.
+    pub fn into_network(mut self) -> Result<Network> {
+        if let Some(control) = self.control.take() {
+            self.stop_threads(&control, 0);
+        }
+        let _ = self.params();
+        let shared = &self.shared;
+        let mut layers = Vec::with_capacity(shared.layers.len());
+        // SAFETY: the threads have stopped; nothing else reads or writes.
+        let (params, first, second) = unsafe { (shared.params.read(), shared.first.read(), shared.second.read()) };
+        for (layer, region) in shared.layers.iter().zip(&shared.layout.regions) {
+            layers.push(layer.to_layer(&params[region.clone()])?);
+        }
+        let (mut firsts, mut seconds) = (Vec::new(), Vec::new());
+        for (layer, region) in layers.iter_mut().zip(&shared.layout.regions) {
+            let mut offset = region.start;
+            layer.params(&mut |p| {
+                let n = p.value.len();
+                firsts.push(first[offset..offset + n].to_vec());
+                if !second.is_empty() {
+                    seconds.push(second[offset..offset + n].to_vec());
+                }
+                offset += n;
+            });
+        }
+        let updater = UpdaterState::from_parts(shared.updater, &mut layers, self.step, firsts, seconds);
+        Network::from_parts(self.inputs, layers, updater, self.iterations, self.modes)
+    }
+}
+
+impl Drop for DataParallel {
+    fn drop(&mut self) {
+        if let Some(control) = self.control.take() {
+            self.stop_threads(&control, 0);
+        }
+    }
+}
+
+/// The labels a batch counts: every label, or those its mask keeps.
+fn counted(labels: &Labels<'_>) -> usize {
+    match labels {
+        Labels::PerExample(y) => y.len(),
+        Labels::PerStep { labels, mask: None } => labels.len(),
+        Labels::PerStep { mask: Some(mask), .. } => mask.iter().filter(|&&m| m != 0.0).count(),
+    }
+}
+
+/// Moves `layers`' parameters and the updater's state into shared flat buffers in
+/// backward order; returns them and the updater's step count.
+fn share(
+    layers: &mut [Box<dyn crate::nn::Layer>],
+    updater: UpdaterState,
+    bucket_bytes: usize,
+) -> Result<(Shared, u64)> {
+    let mut shapes = Vec::with_capacity(layers.len());
+    for layer in layers.iter() {
+        let shape = layer.data_parallel().ok_or_else(|| Error::InvalidConfig {
+            reason: format!(
+                "layer '{}' cannot train data-parallel: its type does not implement `Layer::data_parallel`",
+                layer.name()
+            ),
+        })?;
+        shapes.push(shape);
+    }
+    let mut counts = Vec::with_capacity(layers.len());
+    for (layer, shape) in layers.iter_mut().zip(&shapes) {
+        let mut count = 0;
+        layer.params(&mut |p| count += p.value.len());
+        if count != shape.param_count() {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "layer '{}' gives {count} parameter values and its data-parallel form {}",
+                    layer.name(),
+                    shape.param_count()
+                ),
+            });
+        }
+        counts.push(count);
+    }
+    let layout = Layout::new(&counts, (bucket_bytes / size_of::<f32>()).max(1));
+    let kind = updater.updater();
+    let (step, first, second) = updater.into_parts();
+    let mut values = vec![0.0f32; layout.total];
+    let mut m = vec![0.0f32; layout.total];
+    let mut v = match kind {
+        Updater::Adam { .. } => vec![0.0f32; layout.total],
+        Updater::Sgd { .. } => Vec::new(),
+    };
+    let mut param = 0;
+    for (layer, region) in layers.iter_mut().zip(&layout.regions) {
+        let mut offset = region.start;
+        layer.params(&mut |p| {
+            let n = p.value.len();
+            values[offset..offset + n].copy_from_slice(p.value);
+            if let Some(state) = first.get(param) {
+                m[offset..offset + n].copy_from_slice(&state[..n]);
+            }
+            if let (Some(state), false) = (second.get(param), v.is_empty()) {
+                v[offset..offset + n].copy_from_slice(&state[..n]);
+            }
+            offset += n;
+            param += 1;
+        });
+    }
+    let shared = Shared {
+        layers: shapes,
+        layout,
+        params: SharedBuf::new(values),
+        first: SharedBuf::new(m),
+        second: SharedBuf::new(v),
+        updater: kind,
+    };
+    Ok((shared, step))
+}
+
+/// A step run by every thread: the coordinator (worker 0, on the caller's thread) and
+/// the others, between the start and end barriers.
+fn run_coordinated(
+    me: &mut Worker,
+    shared: &Shared,
+    control: &Control,
+    desc: StepDesc<'_>,
+) -> std::result::Result<f32, Failure> {
+    // SAFETY: the workers read the batch only between the two barriers below, and this
+    // function passes both before it returns (nothing between them unwinds: the step runs
+    // under `catch_unwind`); the description is cleared before the batch's borrow ends.
+    let desc_static = unsafe { std::mem::transmute::<StepDesc<'_>, StepDesc<'static>>(desc) };
+    *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = Some(desc_static);
+    control.start.wait();
+    let result = catch_unwind(AssertUnwindSafe(|| me.step(shared, &desc)));
+    control.end.wait();
+    *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    match result {
+        Ok(result) => result,
+        Err(_) => Err(Failure {
+            worker: 0,
+            layer: shared.layers.len(),
+            error: Some(Error::InvalidInput("data-parallel worker 0 panicked outside its layers".into())),
+        }),
+    }
+}
+
+/// A worker thread's loop: a step each time the coordinator starts one, until stopped.
+fn run_worker(worker: &mut Worker, shared: &Shared, control: &Control, rank: usize) {
+    loop {
+        control.start.wait();
+        if control.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let desc = *control.desc.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(desc) = desc {
+            let result = catch_unwind(AssertUnwindSafe(|| worker.step(shared, &desc)));
+            let error = match result {
+                Ok(Ok(_)) => None,
+                Ok(Err(Failure { worker: w, error, .. })) if w == rank => error,
+                Ok(Err(_)) => None,
+                Err(_) => Some(Error::InvalidInput(format!("data-parallel worker {rank} panicked outside its layers"))),
+            };
+            if error.is_some() {
+                *control.errors[rank].lock().unwrap_or_else(PoisonError::into_inner) = error;
+            }
+        }
+        let (plan, arena) = worker.plan_bytes();
+        control.plan_bytes[rank].store(plan, Ordering::Release);
+        control.arena_bytes[rank].store(arena, Ordering::Release);
+        control.end.wait();
+    }
+}

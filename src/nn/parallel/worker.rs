@@ -1,0 +1,466 @@
+//! One worker of a data-parallel trainer: its planned arena, its tapes and its reducer,
+//! and the step it runs on its shard of a batch.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::rc::Rc;
+
+use workspace_core::planned::PlanGroup;
+use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
+
+use crate::{Error, Result};
+
+use super::super::finite;
+use super::super::layer::{Activations, BackwardCtx, ForwardCtx};
+use super::super::loss::SoftmaxCrossEntropy;
+use super::super::network::{
+    loss_input, names, planned_workspace_config, shape_key, standard_labels, training_input, training_mgrs, validate,
+    Gradient, Input, Labels,
+};
+use super::super::updater::{check_range, commit_range, Updater};
+use super::layer::{GradInput, ParallelLayer, Pass, Tape};
+use super::reduce::{Reducer, Report};
+use super::shared::SharedBuf;
+
+/// Where each layer's parameters (and gradients) are in the flat buffers, and the
+/// buckets the gradients are reduced in.
+#[derive(Debug)]
+pub(crate) struct Layout {
+    /// Per layer, in forward order: its range of the flat buffers, which hold the layers
+    /// in backward order (the last layer's first).
+    pub(crate) regions: Vec<Range<usize>>,
+    /// The gradient buckets, in backward order: consecutive ranges of the flat buffers,
+    /// each of whole layers.
+    pub(crate) buckets: Vec<Range<usize>>,
+    /// Values in all.
+    pub(crate) total: usize,
+}
+
+impl Layout {
+    pub(crate) fn new(counts: &[usize], bucket_values: usize) -> Layout {
+        let total = counts.iter().sum();
+        let mut regions = vec![0..0; counts.len()];
+        let mut offset = 0;
+        let mut buckets: Vec<Range<usize>> = Vec::new();
+        for (i, &count) in counts.iter().enumerate().rev() {
+            regions[i] = offset..offset + count;
+            let open = buckets.last().is_some_and(|last| last.len() < bucket_values.max(1));
+            match buckets.last_mut() {
+                Some(last) if open => last.end += count,
+                _ if count > 0 => buckets.push(offset..offset + count),
+                _ => {}
+            }
+            offset += count;
+        }
+        Layout { regions, buckets, total }
+    }
+
+    /// The layer whose region holds flat index `index`, and the index within it.
+    pub(crate) fn locate(&self, index: usize) -> (usize, usize) {
+        self.regions
+            .iter()
+            .position(|r| r.contains(&index))
+            .map_or((self.regions.len(), index), |layer| (layer, index - self.regions[layer].start))
+    }
+}
+
+/// What every worker shares: the layers, the parameters and the updater's state, held
+/// once.
+pub(crate) struct Shared {
+    pub(crate) layers: Vec<Box<dyn ParallelLayer>>,
+    pub(crate) layout: Layout,
+    pub(crate) params: SharedBuf,
+    /// Velocity (SGD) or first moment (Adam), in the parameters' layout.
+    pub(crate) first: SharedBuf,
+    /// Second moment (Adam; empty for SGD).
+    pub(crate) second: SharedBuf,
+    pub(crate) updater: Updater,
+}
+
+/// One step as the coordinator describes it to every worker.
+#[derive(Clone, Copy)]
+pub(crate) struct StepDesc<'x> {
+    pub(crate) x: Input<'x>,
+    pub(crate) labels: Labels<'x>,
+    /// The labels the whole batch counts: each shard's loss gradient is scaled by its
+    /// inverse, so that the sum over shards is the gradient of the batch's mean loss.
+    pub(crate) count: usize,
+    /// Shards the batch is cut into.
+    pub(crate) shards: usize,
+    /// The updater's step (from 1).
+    pub(crate) t: i32,
+}
+
+impl StepDesc<'_> {
+    /// The rows of shard `s`.
+    pub(crate) fn rows(&self, s: usize) -> Range<usize> {
+        let n = self.x.rows();
+        n * s / self.shards..n * (s + 1) / self.shards
+    }
+}
+
+/// Why a worker's step failed: the worker (or shard), where (a layer's name, or
+/// "input", "loss", "update"), and, on the worker that failed, the error.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) worker: usize,
+    pub(crate) layer: usize,
+    pub(crate) error: Option<Error>,
+}
+
+impl From<workspace_core::Error> for Failure {
+    /// A plan group's error, outside every layer (starting the worker's iteration).
+    fn from(error: workspace_core::Error) -> Failure {
+        Failure { worker: 0, layer: usize::MAX, error: Some(error.into()) }
+    }
+}
+
+/// A worker: its own planned arena (the training workspaces and its gradient buckets,
+/// one plan group), its layers' tapes, its reducer.
+pub(crate) struct Worker {
+    train: [LayerWorkspaceMgr; 2],
+    group: PlanGroup,
+    buckets: Rc<Workspace>,
+    tapes: Vec<Tape>,
+    pub(crate) reducer: Box<dyn Reducer>,
+    reports: Vec<Report>,
+    /// The ranges this worker reduced and updates, one per bucket.
+    owned: Vec<Range<usize>>,
+    loss: SoftmaxCrossEntropy,
+}
+
+/// The failure "layer" of what is outside every layer: the input, the loss, the update.
+fn outside(shared: &Shared) -> usize {
+    shared.layers.len()
+}
+
+impl Worker {
+    /// A worker of `shared`'s layers that reduces through `reducer`, made on the thread
+    /// that runs it.
+    pub(crate) fn new(shared: &Shared, reducer: Box<dyn Reducer>) -> Result<Worker> {
+        let train = training_mgrs(WorkspaceMode::Planned)?;
+        let group = train[0].plan_group().cloned().expect("planned training workspaces have a plan group");
+        let buckets = group.workspace(names::GRADIENT_BUCKETS, &planned_workspace_config())?;
+        let workers = reducer.workers();
+        Ok(Worker {
+            train,
+            group,
+            buckets,
+            tapes: shared.layers.iter().map(|layer| layer.tape()).collect(),
+            reducer,
+            reports: vec![Report::default(); workers],
+            owned: Vec::with_capacity(shared.layout.buckets.len()),
+            loss: SoftmaxCrossEntropy,
+        })
+    }
+
+    /// The bytes of this worker's plan for its last shape (the largest iteration it
+    /// planned), and its arena's capacity.
+    pub(crate) fn plan_bytes(&self) -> (usize, usize) {
+        (self.group.plan_bytes(), self.group.capacity())
+    }
+
+    /// One step as rank `rank` of the reducer's workers: forward and backward on this
+    /// rank's shard into its gradient buckets, the reports exchanged, the buckets reduced,
+    /// this worker's ranges of the update checked, the checks exchanged, the ranges
+    /// updated. Returns the batch's mean loss; every worker returns the same.
+    pub(crate) fn step(&mut self, shared: &Shared, desc: &StepDesc<'_>) -> std::result::Result<f32, Failure> {
+        let rank = self.reducer.rank();
+        let rows = desc.rows(rank);
+        let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
+        let key = shape_key(&x, Some(&labels));
+        let group = self.group.clone();
+        let fail = |error: Error| Failure { worker: rank, layer: outside(shared), error: Some(error) };
+        let buckets = Rc::clone(&self.buckets);
+        let (loss, _) = group.iteration(key, || {
+            let scope = buckets.enter().map_err(|e| fail(e.into()))?;
+            let mut grads = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
+            let grads = grads.as_slice_mut().expect("a new array is contiguous");
+            let outcome = self.shard(shared, x, labels, desc.count, grads, rank);
+            let report = match &outcome {
+                Ok(loss_sum) => Report { loss_sum: *loss_sum, status: 0 },
+                Err(f) => Report { loss_sum: 0.0, status: 1 + f.layer as u64 },
+            };
+            self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
+            if let Some(failure) = first_failure(&self.reports, outcome.err()) {
+                return Err(failure);
+            }
+            let loss = batch_loss(self.reports.iter().map(|r| r.loss_sum), desc.count);
+            self.owned.clear();
+            for bucket in &shared.layout.buckets {
+                let range = self.reducer.reduce(&mut grads[bucket.clone()]).map_err(fail)?;
+                self.owned.push(bucket.start + range.start..bucket.start + range.end);
+            }
+            let checked = self.check_update(shared, grads, desc.t);
+            let report = Report { loss_sum: 0.0, status: checked.as_ref().err().map_or(0, |f| 1 + f.layer as u64) };
+            self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
+            if let Some(failure) = first_failure(&self.reports, checked.err()) {
+                return Err(failure);
+            }
+            for range in &self.owned {
+                // SAFETY: every worker has finished its forward and backward passes (the
+                // exchanges above wait for all of them), so nothing reads the parameters
+                // or the state; the workers' ranges are disjoint (each range of a bucket
+                // is reduced by one worker), and nothing else reaches this one until the
+                // step ends.
+                #[allow(unsafe_code)]
+                let (values, m, v) = unsafe {
+                    let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
+                    (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
+                };
+                commit_range(shared.updater, desc.t, values, &grads[range.clone()], m, v);
+            }
+            Ok::<f32, Failure>(loss)
+        })?;
+        Ok(loss)
+    }
+
+    /// One step of the single-thread shard mode: this worker runs every shard of the
+    /// batch in turn, shard 0 into the gradient buckets and each later one into a second
+    /// set that is then added to the first, element by element, in shard order (the
+    /// arithmetic of a reduction in rank order, so the same bits as `shards` workers);
+    /// then the whole update.
+    pub(crate) fn step_sequential(
+        &mut self,
+        shared: &Shared,
+        desc: &StepDesc<'_>,
+        partials: &mut [f64],
+    ) -> std::result::Result<f32, Failure> {
+        let key = shape_key(&desc.x, Some(&desc.labels)) ^ (desc.shards as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let group = self.group.clone();
+        let fail = |error: Error| Failure { worker: 0, layer: outside(shared), error: Some(error) };
+        let buckets = Rc::clone(&self.buckets);
+        let (loss, _) = group.iteration(key, || {
+            let scope = buckets.enter().map_err(|e| fail(e.into()))?;
+            let mut acc = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
+            let acc = acc.as_slice_mut().expect("a new array is contiguous");
+            let mut next = match desc.shards {
+                1 => None,
+                _ => Some(scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?),
+            };
+            for (s, partial) in partials.iter_mut().enumerate().take(desc.shards) {
+                let rows = desc.rows(s);
+                let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
+                let target = match (s, next.as_mut()) {
+                    (0, _) | (_, None) => &mut *acc,
+                    (_, Some(next)) => {
+                        next.fill(0.0);
+                        next.as_slice_mut().expect("a new array is contiguous")
+                    }
+                };
+                *partial = self.shard(shared, x, labels, desc.count, target, s)?;
+                if let (true, Some(next)) = (s > 0, next.as_ref()) {
+                    for (a, &g) in acc.iter_mut().zip(next.iter()) {
+                        *a += g;
+                    }
+                }
+            }
+            let loss = batch_loss(partials.iter().copied(), desc.count);
+            self.owned.clear();
+            self.owned.extend(shared.layout.buckets.iter().cloned());
+            self.check_update(shared, acc, desc.t)?;
+            for range in &self.owned {
+                // SAFETY: this is the only worker, and its passes are over.
+                #[allow(unsafe_code)]
+                let (values, m, v) = unsafe {
+                    let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
+                    (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
+                };
+                commit_range(shared.updater, desc.t, values, &acc[range.clone()], m, v);
+            }
+            Ok::<f32, Failure>(loss)
+        })?;
+        Ok(loss)
+    }
+
+    /// Checks this worker's ranges of the update; the first element that would not be
+    /// finite fails it, naming its layer.
+    fn check_update(&self, shared: &Shared, grads: &mut [f32], t: i32) -> std::result::Result<(), Failure> {
+        let working =
+            self.train[0].enter(ArrayType::UpdaterWorkingMem).map_err(|e| self.update_failure(shared, e.into()))?;
+        for range in &self.owned {
+            // SAFETY: as for the commit in `step`: the passes are over, the ranges disjoint.
+            #[allow(unsafe_code)]
+            let (values, m, v) = unsafe {
+                let v = (shared.second.len() != 0).then(|| &*shared.second.range_mut(range.clone()));
+                (shared.params.range_mut(range.clone()), &*shared.first.range_mut(range.clone()), v)
+            };
+            let found = check_range(shared.updater, t, values, &grads[range.clone()], m, v, &working)
+                .map_err(|e| self.update_failure(shared, e))?;
+            if let Some((i, what, value)) = found {
+                let index = range.start + i;
+                let (layer, element) = shared.layout.locate(index);
+                let name = shared.layers.get(layer).map_or("update", |l| l.name());
+                return Err(Failure {
+                    worker: self.reducer.rank(),
+                    layer,
+                    error: Some(finite::error(
+                        name,
+                        format!(
+                            "the updater's {what} of its parameter value {element} would be {value} (gradient {:e})",
+                            grads[index]
+                        ),
+                    )),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn update_failure(&self, shared: &Shared, error: Error) -> Failure {
+        Failure { worker: self.reducer.rank(), layer: outside(shared), error: Some(error) }
+    }
+
+    /// Forward and backward over one shard, its parameters' gradients written into
+    /// `grads`; returns the shard's loss sum. A panic in a layer is caught and fails the
+    /// shard, naming the layer.
+    pub(crate) fn shard(
+        &mut self,
+        shared: &Shared,
+        x: Input<'_>,
+        labels: Labels<'_>,
+        count: usize,
+        grads: &mut [f32],
+        worker: usize,
+    ) -> std::result::Result<f64, Failure> {
+        if x.rows() == 0 {
+            // A batch of fewer rows than workers: this worker's gradients stay 0.
+            return Ok(0.0);
+        }
+        let mut at = outside(shared);
+        let result = catch_unwind(AssertUnwindSafe(|| self.passes(shared, x, labels, count, grads, &mut at)));
+        match result {
+            Ok(Ok(loss)) => Ok(loss),
+            Ok(Err(error)) => Err(Failure { worker, layer: at, error: Some(error) }),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic with no message".to_string());
+                Err(Failure { worker, layer: at, error: Some(Error::LayerPanicked { message }) })
+            }
+        }
+    }
+
+    /// [`Worker::shard`]'s passes: as a network's training step, with the parameters
+    /// read from `shared` and their gradients written into `grads`; `at` follows the
+    /// layer being run (the number of layers outside them).
+    #[allow(clippy::too_many_arguments)]
+    fn passes(
+        &mut self,
+        shared: &Shared,
+        x: Input<'_>,
+        labels: Labels<'_>,
+        count: usize,
+        grads: &mut [f32],
+        at: &mut usize,
+    ) -> Result<f64> {
+        // SAFETY: parameters are written only in the update, which no worker starts
+        // before every worker has finished these passes (the step's first exchange).
+        #[allow(unsafe_code)]
+        let params = unsafe { shared.params.read() };
+        let x = x.reborrow();
+        let labels = labels.reborrow().or_mask(x.mask());
+        let mask = x.mask();
+        finite::check_activations("input", "the batch", x.activations(), mask)?;
+        let Worker { train, tapes, loss, .. } = self;
+        let layers = &shared.layers;
+        let regions = &shared.layout.regions;
+        let mgr = &train[0];
+        let act = mgr.enter(ArrayType::Activations)?;
+        let x = training_input(x, &act)?;
+        let labels = standard_labels(labels, &act)?;
+        let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
+        let mut input = x.activations();
+        for (i, layer) in layers.iter().enumerate() {
+            *at = i;
+            let working = mgr.enter(ArrayType::FfWorkingMem)?;
+            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
+            let y = layer.forward(&params[regions[i].clone()], input, mask, &mut tapes[i], &ctx)?;
+            validate(mgr, layer.name(), y)?;
+            finite::check_activations(layer.name(), "its output", y, mask)?;
+            outputs.push(y);
+            input = y;
+        }
+        *at = layers.len();
+        let logits = loss_input(input, &labels)?;
+        let probs = loss.probabilities(logits, &act)?;
+        let (flat_labels, label_mask) = labels.flat()?;
+        let (loss_sum, _) = loss.loss_sum(probs, flat_labels, label_mask)?;
+        if !loss_sum.is_finite() {
+            return Err(finite::error("loss", format!("the shard's summed softmax cross-entropy is {loss_sum}")));
+        }
+        let depth = layers.len();
+        let mut grad = Gradient::zeros(&train[0], input)?;
+        loss.backward_scaled(probs, flat_labels, label_mask, 1.0 / count as f32, grad.view_mut_rows()?)?;
+        for (i, layer) in layers.iter().enumerate().rev() {
+            *at = i;
+            let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
+            let mut below = match i {
+                0 => None,
+                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
+            };
+            let region = regions[i].clone();
+            {
+                let working = mgr.enter(ArrayType::BpWorkingMem)?;
+                let ctx = BackwardCtx { working: &working, mgr };
+                let grad_input = match (below.as_mut(), layer_input) {
+                    (None, _) => None,
+                    (Some(b), Activations::Flat(_)) => Some(GradInput::Flat(b.view_mut_flat()?)),
+                    (Some(b), Activations::Sequence(_)) => Some(GradInput::Sequence(b.view_mut_sequence()?)),
+                };
+                let output = outputs[i];
+                let pass =
+                    Pass { input: rebind(&layer_input), mask, output: rebind(&output), grad_output: grad.view()? };
+                layer.backward(
+                    &params[region.clone()],
+                    &mut grads[region.clone()],
+                    pass,
+                    grad_input,
+                    &mut tapes[i],
+                    &ctx,
+                )?;
+            }
+            if let Some((element, value)) = finite::first_in_slice(&grads[region]) {
+                return Err(finite::error(
+                    layer.name(),
+                    format!("the gradient of its parameter value {element} is {value}"),
+                ));
+            }
+            if let Some(below) = below.as_ref() {
+                finite::check_activations(layer.name(), "the gradient of its input", below.view()?, mask)?;
+            }
+            match below {
+                Some(below) => grad = below,
+                None => break,
+            }
+        }
+        *at = layers.len();
+        Ok(loss_sum)
+    }
+}
+
+/// `a` borrowed for as long as `a` is (the views of a [`Pass`] live as long as its
+/// shortest).
+fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
+    match a {
+        Activations::Flat(v) => Activations::Flat(v.view()),
+        Activations::Sequence(v) => Activations::Sequence(v.view()),
+    }
+}
+
+/// The batch's mean loss from its shards' loss sums, added in shard (rank) order.
+fn batch_loss(sums: impl Iterator<Item = f64>, count: usize) -> f32 {
+    let total = sums.fold(0.0f64, |acc, s| acc + s);
+    (total / count as f64) as f32
+}
+
+/// The failure of the lowest rank that reports one: `local`, when it is this worker's.
+fn first_failure(reports: &[Report], local: Option<Failure>) -> Option<Failure> {
+    let rank = reports.iter().position(|r| r.status != 0)?;
+    match local {
+        Some(f) if f.worker == rank => Some(f),
+        _ => Some(Failure { worker: rank, layer: (reports[rank].status - 1) as usize, error: None }),
+    }
+}

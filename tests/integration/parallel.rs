@@ -1,0 +1,162 @@
+//! Data-parallel training: determinism across runs and between threads and the
+//! single-thread shard mode, agreement with plain training, faults.
+
+use carve::ndarray::{Array1, Array2, Array3};
+use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig, Updater};
+use carve::{Error, WorkspaceMode};
+
+fn data(rows: usize, cols: usize, classes: u32) -> (Array2<f32>, Array1<u32>) {
+    let x = Array2::from_shape_fn((rows, cols), |(r, c)| (((r * 31 + c * 17) % 23) as f32 / 23.0) - 0.4);
+    let y = Array1::from_shape_fn(rows, |r| ((r * 7 + r / 3) % classes as usize) as u32);
+    (x, y)
+}
+
+fn mlp(updater: Updater) -> NetworkConfig {
+    NetworkConfig::builder(12).dense(32).relu().dense(16).relu().dense(4).seed(11).updater(updater).build().unwrap()
+}
+
+fn losses(config: ParallelConfig, updater: Updater, steps: usize) -> Vec<u32> {
+    let (x, y) = data(50, 12, 4);
+    let mut trainer = DataParallel::new(Network::new(mlp(updater)).unwrap(), config).unwrap();
+    (0..steps).map(|_| trainer.fit_batch(x.view(), y.view()).unwrap().to_bits()).collect()
+}
+
+#[test]
+fn threads_give_the_same_bits_as_the_single_thread_shard_mode_and_on_every_run() {
+    for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9)] {
+        for workers in [1, 2, 3, 4] {
+            let threads = losses(ParallelConfig::threads(workers), updater, 12);
+            let again = losses(ParallelConfig::threads(workers), updater, 12);
+            let sequential = losses(ParallelConfig::sequential(workers), updater, 12);
+            assert_eq!(threads, again, "{workers} threads, {updater:?}: another run, other bits");
+            assert_eq!(threads, sequential, "{workers} threads vs one thread of {workers} shards, {updater:?}");
+        }
+    }
+}
+
+#[test]
+fn buckets_of_any_size_give_the_same_bits() {
+    let reference = losses(ParallelConfig::threads(3), Updater::adam(0.01), 6);
+    for bucket_bytes in [1, 64, 1000, 1 << 30] {
+        let config = ParallelConfig { bucket_bytes, ..ParallelConfig::threads(3) };
+        assert_eq!(losses(config, Updater::adam(0.01), 6), reference, "buckets of {bucket_bytes} bytes");
+    }
+}
+
+/// Against a network trained on whole batches the losses agree to a relative 1e-4 over
+/// 30 steps: the shards' matrix products and sums add in another order.
+#[test]
+fn losses_agree_with_plain_training_to_tolerance() {
+    let (x, y) = data(64, 12, 4);
+    for workers in [1, 2, 4] {
+        let mut plain = Network::new(mlp(Updater::adam(0.01))).unwrap();
+        let mut parallel =
+            DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), ParallelConfig::threads(workers))
+                .unwrap();
+        for step in 0..30 {
+            let a = plain.fit_batch(x.view(), y.view()).unwrap();
+            let b = parallel.fit_batch(x.view(), y.view()).unwrap();
+            assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "step {step}, {workers} workers: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn the_trained_network_comes_back_with_its_state() {
+    let (x, y) = data(48, 12, 4);
+    let mut plain = Network::new(mlp(Updater::adam(0.01))).unwrap();
+    let mut parallel =
+        DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), ParallelConfig::threads(1)).unwrap();
+    for _ in 0..3 {
+        plain.fit_batch(x.view(), y.view()).unwrap();
+        parallel.fit_batch(x.view(), y.view()).unwrap();
+    }
+    let mut back = parallel.into_network().unwrap();
+    assert_eq!(back.iterations(), 3);
+    // Trained on: the updater's moments came back too, so the next steps follow plain
+    // training's to tolerance.
+    for _ in 0..5 {
+        let (a, b) = (plain.fit_batch(x.view(), y.view()).unwrap(), back.fit_batch(x.view(), y.view()).unwrap());
+        assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn sequences_train_data_parallel_deterministically() {
+    let (batch, steps, features) = (10, 7, 3);
+    let x = Array3::from_shape_fn((batch, steps, features), |(b, t, f)| ((b * 13 + t * 5 + f * 3) % 11) as f32 / 11.0);
+    let mask = Array2::from_shape_fn((batch, steps), |(b, t)| if t < 3 + b % 5 { 1.0 } else { 0.0 });
+    let y = Array1::from_shape_fn(batch, |b| (b % 3) as u32);
+    let config = || {
+        NetworkConfig::builder(features)
+            .lstm(8)
+            .masked_mean()
+            .dense(3)
+            .seed(5)
+            .training_workspace_mode(WorkspaceMode::Planned)
+            .build()
+            .unwrap()
+    };
+    let run = |config_p: ParallelConfig| {
+        let mut t = DataParallel::new(Network::new(config()).unwrap(), config_p).unwrap();
+        (0..8).map(|_| t.fit_batch((x.view(), mask.view()), y.view()).unwrap().to_bits()).collect::<Vec<_>>()
+    };
+    let threads = run(ParallelConfig::threads(3));
+    assert_eq!(threads, run(ParallelConfig::threads(3)));
+    assert_eq!(threads, run(ParallelConfig::sequential(3)));
+    let mut plain = Network::new(config()).unwrap();
+    for (step, &bits) in threads.iter().enumerate() {
+        let a = plain.fit_batch((x.view(), mask.view()), y.view()).unwrap();
+        let b = f32::from_bits(bits);
+        assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "step {step}: {a} vs {b}");
+    }
+}
+
+#[test]
+fn a_worker_that_meets_a_nan_fails_the_step_naming_worker_and_layer_and_changes_nothing() {
+    let (x, y) = data(40, 12, 4);
+    for config in [ParallelConfig::threads(4), ParallelConfig::sequential(4)] {
+        let mut trainer = DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), config).unwrap();
+        let mut reference = DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), config).unwrap();
+        trainer.fit_batch(x.view(), y.view()).unwrap();
+        reference.fit_batch(x.view(), y.view()).unwrap();
+        let mut bad = x.clone();
+        bad[[25, 3]] = f32::NAN; // rows 20..30 are worker 2's
+        let err = trainer.fit_batch(bad.view(), y.view()).unwrap_err();
+        match &err {
+            Error::Worker { worker, layer, source } => {
+                assert_eq!(*worker, 2, "{err}");
+                assert!(matches!(**source, Error::NonFinite { .. }), "{err}");
+                assert!(!layer.is_empty(), "{err}");
+            }
+            other => panic!("expected a worker error, got {other}"),
+        }
+        assert!(err.to_string().contains("worker 2"), "{err}");
+        // Nothing changed: the next steps are the reference's, bit for bit.
+        for _ in 0..3 {
+            let (a, b) =
+                (trainer.fit_batch(x.view(), y.view()).unwrap(), reference.fit_batch(x.view(), y.view()).unwrap());
+            assert_eq!(a.to_bits(), b.to_bits());
+        }
+    }
+}
+
+#[test]
+fn zero_workers_is_a_configuration_error_and_tiny_batches_still_train() {
+    let err =
+        DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), ParallelConfig::threads(0)).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+    // Fewer rows than workers: the empty shards add nothing.
+    let (x, y) = data(3, 12, 4);
+    let threads = {
+        let mut t =
+            DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), ParallelConfig::threads(5)).unwrap();
+        (0..4).map(|_| t.fit_batch(x.view(), y.view()).unwrap().to_bits()).collect::<Vec<_>>()
+    };
+    let sequential = {
+        let mut t =
+            DataParallel::new(Network::new(mlp(Updater::adam(0.01))).unwrap(), ParallelConfig::sequential(5)).unwrap();
+        (0..4).map(|_| t.fit_batch(x.view(), y.view()).unwrap().to_bits()).collect::<Vec<_>>()
+    };
+    assert_eq!(threads, sequential);
+}
