@@ -160,3 +160,146 @@ fn zero_workers_is_a_configuration_error_and_tiny_batches_still_train() {
     };
     assert_eq!(threads, sequential);
 }
+
+/// A layer that panics when its input holds 99 (in one worker's shard only).
+#[derive(Clone)]
+struct Tripwire;
+
+impl carve::nn::Layer for Tripwire {
+    fn name(&self) -> &str {
+        "tripwire"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &mut self,
+        input: carve::ndarray::ArrayView2<'a, f32>,
+        _ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
+        Ok(input)
+    }
+    fn backward(
+        &mut self,
+        _input: carve::ndarray::ArrayView2<'_, f32>,
+        _output: carve::ndarray::ArrayView2<'_, f32>,
+        grad_output: carve::ndarray::ArrayView2<'_, f32>,
+        grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut g) = grad_input {
+            g.assign(&grad_output);
+        }
+        Ok(())
+    }
+    fn data_parallel(&self) -> Option<Box<dyn carve::nn::ParallelLayer>> {
+        Some(Box::new(Tripwire))
+    }
+}
+
+impl carve::nn::ParallelLayer for Tripwire {
+    fn name(&self) -> &str {
+        "tripwire"
+    }
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: carve::nn::Activations<'a>,
+        _mask: Option<carve::ndarray::ArrayView2<'a, f32>>,
+        _tape: &mut carve::nn::Tape,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<carve::nn::Activations<'a>> {
+        let x = input.flat("tripwire")?;
+        assert!(!x.iter().any(|&v| v == 99.0), "tripwire crossed");
+        Ok(carve::nn::Activations::Flat(carve::freeze(ctx.activations.copy_of(&x)?)))
+    }
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: carve::nn::Pass<'_>,
+        grad_input: Option<carve::nn::GradInput<'_>>,
+        _tape: &mut carve::nn::Tape,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(carve::nn::GradInput::Flat(mut g)) = grad_input {
+            g.assign(&pass.grad_output.flat("tripwire")?);
+        }
+        Ok(())
+    }
+    fn to_layer(&self, _params: &[f32]) -> carve::Result<Box<dyn carve::nn::Layer>> {
+        Ok(Box::new(Tripwire))
+    }
+}
+
+#[test]
+fn a_layer_that_panics_in_one_worker_fails_the_step_naming_worker_and_layer() {
+    let (x, y) = data(30, 12, 4);
+    let config = || NetworkConfig::builder(12).dense(8).layer(Tripwire).dense(4).seed(3).build().unwrap();
+    for parallel in [ParallelConfig::threads(3), ParallelConfig::sequential(3)] {
+        let mut trainer = DataParallel::new(Network::new(config()).unwrap(), parallel).unwrap();
+        let mut reference = DataParallel::new(Network::new(config()).unwrap(), parallel).unwrap();
+        trainer.fit_batch(x.view(), y.view()).unwrap();
+        reference.fit_batch(x.view(), y.view()).unwrap();
+        // The first dense layer's output cannot be steered to 99; a batch that holds 99
+        // in the input would stop at the input check first, so the tripwire gets its own
+        // network whose first layer is the tripwire.
+        let mut direct = DataParallel::new(
+            Network::new(NetworkConfig::builder(12).layer(Tripwire).dense(4).seed(3).build().unwrap()).unwrap(),
+            parallel,
+        )
+        .unwrap();
+        let mut bad = x.clone();
+        bad[[12, 0]] = 99.0; // rows 10..20 are worker 1's
+        let err = direct.fit_batch(bad.view(), y.view()).unwrap_err();
+        match &err {
+            Error::Worker { worker: 1, layer, source } => {
+                assert_eq!(layer, "tripwire", "{err}");
+                assert!(matches!(**source, Error::LayerPanicked { .. }), "{err}");
+                assert!(err.to_string().contains("tripwire crossed"), "{err}");
+            }
+            other => panic!("expected worker 1's panic, got {other}"),
+        }
+        // The trainer goes on, and the others are unaffected.
+        direct.fit_batch(x.view(), y.view()).unwrap();
+        for _ in 0..2 {
+            let (a, b) =
+                (trainer.fit_batch(x.view(), y.view()).unwrap(), reference.fit_batch(x.view(), y.view()).unwrap());
+            assert_eq!(a.to_bits(), b.to_bits());
+        }
+    }
+}
+
+#[test]
+fn a_layer_without_a_data_parallel_form_is_named() {
+    #[derive(Clone)]
+    struct Plain;
+    impl carve::nn::Layer for Plain {
+        fn name(&self) -> &str {
+            "plain"
+        }
+        fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+            Ok(inputs)
+        }
+        fn forward<'a>(
+            &mut self,
+            input: carve::ndarray::ArrayView2<'a, f32>,
+            _ctx: &carve::nn::ForwardCtx<'a, '_>,
+        ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
+            Ok(input)
+        }
+        fn backward(
+            &mut self,
+            _input: carve::ndarray::ArrayView2<'_, f32>,
+            _output: carve::ndarray::ArrayView2<'_, f32>,
+            _grad_output: carve::ndarray::ArrayView2<'_, f32>,
+            _grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
+            _ctx: &carve::nn::BackwardCtx<'_>,
+        ) -> carve::Result<()> {
+            Ok(())
+        }
+    }
+    let net = Network::new(NetworkConfig::builder(4).layer(Plain).dense(2).build().unwrap()).unwrap();
+    let err = DataParallel::new(net, ParallelConfig::threads(2)).unwrap_err();
+    assert!(err.to_string().contains("'plain'"), "{err}");
+}
