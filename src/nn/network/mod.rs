@@ -33,7 +33,7 @@ use config::inference_mgr;
 pub(crate) use config::training_mgrs;
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
 pub(crate) use infer::{predictions_into, probabilities};
-pub(crate) use train::Gradient;
+pub(crate) use train::{fit_epoch, fit_pairs, Gradient};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -89,28 +89,11 @@ impl Network {
         let NetworkConfig { inputs, mut layers, seed, updater, training_workspace_mode, inference_workspace_mode } =
             config;
         let mut rng = Rng::new(seed);
-        let mut width = inputs;
         for layer in layers.iter_mut() {
             layer.init(&mut rng);
-            width = layer.output_size(width)?;
         }
         let updater = UpdaterState::new(updater, &mut layers);
-        Ok(Network {
-            inputs,
-            classes: width,
-            layers,
-            loss: SoftmaxCrossEntropy,
-            updater,
-            training_mode: training_workspace_mode,
-            inference_mode: inference_workspace_mode,
-            train: training_mgrs(training_workspace_mode)?,
-            infer: inference_mgr(inference_workspace_mode)?,
-            iterations: 0,
-            last_workspace_bytes: 0,
-            record_next: false,
-            memory_plan: None,
-            recorded: None,
-        })
+        Network::from_parts(inputs, layers, updater, 0, [training_workspace_mode, inference_workspace_mode])
     }
 
     /// The network taken apart for a data-parallel trainer: its input columns, layers,
@@ -120,8 +103,9 @@ impl Network {
         (self.inputs, self.layers, self.updater, self.iterations, modes)
     }
 
-    /// A network of these trained layers and updater state, with new workspaces of
-    /// `modes` (training, inference).
+    /// A network of these layers (initialised or trained) and updater state, with new
+    /// workspaces of `modes` (training, inference); the layers' widths are checked in
+    /// order.
     pub(crate) fn from_parts(
         inputs: usize,
         layers: Vec<Box<dyn Layer>>,

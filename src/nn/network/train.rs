@@ -202,24 +202,7 @@ impl Network {
         B: ArenaBackend + 'static,
         B::Block: Block<Base = NonNull<u8>>,
     {
-        let data = Error::from;
-        let (mut total, mut count) = (0.0f64, 0usize);
-        while let Some(batch) = batches.next() {
-            let batch = batch.map_err(data)?;
-            let x = lease_input(&batch)?;
-            let y = lease_labels(&batch)?;
-            total += f64::from(self.fit_batch(x, y)?);
-            count += 1;
-        }
-        if count == 0 {
-            return Err(Error::InvalidInput(format!(
-                "fit was given an epoch with no batches (epoch {} of the prefetcher had ended; fit resets it after \
-                 each epoch it trains, so reset it once if you consumed an epoch yourself)",
-                batches.epoch()
-            )));
-        }
-        batches.reset().map_err(data)?;
-        Ok((total / count as f64) as f32)
+        fit_epoch(batches, |x, y| self.fit_batch(x, y))
     }
 
     /// Trains on every `(features, labels)` pair of `batches` once, in the caller's
@@ -233,16 +216,57 @@ impl Network {
     where
         I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
     {
-        let (mut total, mut count) = (0.0f64, 0usize);
-        for (x, y) in batches {
-            total += f64::from(self.fit_batch(x, y)?);
-            count += 1;
-        }
-        if count == 0 {
-            return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
-        }
-        Ok((total / count as f64) as f32)
+        fit_pairs(batches, |x, y| self.fit_batch(x, y))
     }
+}
+
+/// One epoch of a prefetcher's batches, each trained in place in the ring by `step`
+/// (a network's or a data-parallel trainer's `fit_batch`): the mean batch loss, and the
+/// prefetcher reset for the next epoch (see [`Network::fit`]).
+pub(crate) fn fit_epoch<S, B>(
+    batches: &mut Prefetcher<S, B>,
+    mut step: impl FnMut(Input<'_>, Labels<'_>) -> Result<f32>,
+) -> Result<f32>
+where
+    S: BatchSource,
+    B: ArenaBackend + 'static,
+    B::Block: Block<Base = NonNull<u8>>,
+{
+    let data = Error::from;
+    let (mut total, mut count) = (0.0f64, 0usize);
+    while let Some(batch) = batches.next() {
+        let batch = batch.map_err(data)?;
+        let x = lease_input(&batch)?;
+        let y = lease_labels(&batch)?;
+        total += f64::from(step(x, y)?);
+        count += 1;
+    }
+    if count == 0 {
+        return Err(Error::InvalidInput(format!(
+            "fit was given an epoch with no batches (epoch {} of the prefetcher had ended; fit resets it after \
+             each epoch it trains, so reset it once if you consumed an epoch yourself)",
+            batches.epoch()
+        )));
+    }
+    batches.reset().map_err(data)?;
+    Ok((total / count as f64) as f32)
+}
+
+/// Every `(features, labels)` pair trained once by `step`: the mean batch loss (see
+/// [`Network::fit_iter`]).
+pub(crate) fn fit_pairs<'d, I>(batches: I, mut step: impl FnMut(Input<'d>, Labels<'d>) -> Result<f32>) -> Result<f32>
+where
+    I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
+{
+    let (mut total, mut count) = (0.0f64, 0usize);
+    for (x, y) in batches {
+        total += f64::from(step(x.into(), y.into())?);
+        count += 1;
+    }
+    if count == 0 {
+        return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
+    }
+    Ok((total / count as f64) as f32)
 }
 
 /// The gradient flowing down the network in the backward pass: an array in one of the

@@ -211,6 +211,16 @@ fn check_len(layer: &str, what: &str, len: usize, expected: usize) -> Result<()>
     Ok(())
 }
 
+/// `layer` (new, of `params.len()` values) holding `params`, in [`Layer::params`]' order.
+fn with_params(mut layer: impl Layer + 'static, params: &[f32]) -> Result<Box<dyn Layer>> {
+    let mut offset = 0;
+    layer.params(&mut |p| {
+        p.value.copy_from_slice(&params[offset..offset + p.value.len()]);
+        offset += p.value.len();
+    });
+    Ok(Box::new(layer))
+}
+
 /// A dense layer's structure: `[W (inputs × outputs, row-major), b (outputs)]`.
 pub(crate) struct DenseShape {
     pub(crate) name: String,
@@ -285,13 +295,7 @@ impl ParallelLayer for DenseShape {
     }
 
     fn to_layer(&self, params: &[f32]) -> Result<Box<dyn Layer>> {
-        let mut layer = dense::Dense::try_named(&self.name, self.inputs, self.outputs)?;
-        let mut offset = 0;
-        layer.params(&mut |p| {
-            p.value.copy_from_slice(&params[offset..offset + p.value.len()]);
-            offset += p.value.len();
-        });
-        Ok(Box::new(layer))
+        with_params(dense::Dense::try_named(&self.name, self.inputs, self.outputs)?, params)
     }
 }
 
@@ -383,12 +387,6 @@ impl ParallelLayer for LstmShape {
     }
 
     fn to_layer(&self, params: &[f32]) -> Result<Box<dyn Layer>> {
-        let mut layer = Lstm::named(self.0.name(), self.0.inputs(), self.0.hidden())?;
-        let mut offset = 0;
-        layer.params(&mut |p| {
-            p.value.copy_from_slice(&params[offset..offset + p.value.len()]);
-            offset += p.value.len();
-        });
-        Ok(Box::new(layer))
+        with_params(Lstm::named(self.0.name(), self.0.inputs(), self.0.hidden())?, params)
     }
 }

@@ -13,7 +13,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
-use super::super::network::{check_input, check_labels, lease_input, lease_labels, Input, Labels, Network};
+use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network};
 use super::super::serve::Model;
 use super::super::updater::{Updater, UpdaterState};
 use super::reduce::{Alone, Reducer, Threads};
@@ -365,22 +365,7 @@ impl DataParallel {
         B: ArenaBackend + 'static,
         B::Block: Block<Base = NonNull<u8>>,
     {
-        let (mut total, mut count) = (0.0f64, 0usize);
-        while let Some(batch) = batches.next() {
-            let batch = batch.map_err(Error::from)?;
-            let x = lease_input(&batch)?;
-            let y = lease_labels(&batch)?;
-            total += f64::from(self.fit_batch(x, y)?);
-            count += 1;
-        }
-        if count == 0 {
-            return Err(Error::InvalidInput(format!(
-                "fit was given an epoch with no batches (epoch {} of the prefetcher had ended)",
-                batches.epoch()
-            )));
-        }
-        batches.reset().map_err(Error::from)?;
-        Ok((total / count as f64) as f32)
+        fit_epoch(batches, |x, y| self.fit_batch(x, y))
     }
 
     /// Trains on every `(features, labels)` pair once; returns the mean batch loss.
@@ -392,15 +377,7 @@ impl DataParallel {
     where
         I: IntoIterator<Item = (ArrayView2<'d, f32>, ArrayView1<'d, u32>)>,
     {
-        let (mut total, mut count) = (0.0f64, 0usize);
-        for (x, y) in batches {
-            total += f64::from(self.fit_batch(x, y)?);
-            count += 1;
-        }
-        if count == 0 {
-            return Err(Error::InvalidInput("fit_iter was given no batches".to_string()));
-        }
-        Ok((total / count as f64) as f32)
+        fit_pairs(batches, |x, y| self.fit_batch(x, y))
     }
 
     /// Workers (shards per batch).

@@ -197,19 +197,7 @@ impl Worker {
             if let Some(failure) = first_failure(&self.reports, checked.err()) {
                 return Err(failure);
             }
-            for range in &self.owned {
-                // SAFETY: every worker has finished its forward and backward passes (the
-                // exchanges above wait for all of them), so nothing reads the parameters
-                // or the state; the workers' ranges are disjoint (each range of a bucket
-                // is reduced by one worker), and nothing else reaches this one until the
-                // step ends.
-                #[allow(unsafe_code)]
-                let (values, m, v) = unsafe {
-                    let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
-                    (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
-                };
-                commit_range(shared.updater, desc.t, values, &grads[range.clone()], m, v);
-            }
+            self.commit_update(shared, grads, desc.t);
             Ok::<f32, Failure>(loss)
         })?;
         Ok(loss)
@@ -259,23 +247,33 @@ impl Worker {
             self.owned.clear();
             self.owned.extend(shared.layout.buckets.iter().cloned());
             self.check_update(shared, acc, desc.t)?;
-            for range in &self.owned {
-                // SAFETY: this is the only worker, and its passes are over.
-                #[allow(unsafe_code)]
-                let (values, m, v) = unsafe {
-                    let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
-                    (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
-                };
-                commit_range(shared.updater, desc.t, values, &acc[range.clone()], m, v);
-            }
+            self.commit_update(shared, acc, desc.t);
             Ok::<f32, Failure>(loss)
         })?;
         Ok(loss)
     }
 
+    /// Stores this worker's ranges of the update, checked by [`Worker::check_update`] and
+    /// agreed by every worker.
+    fn commit_update(&self, shared: &Shared, grads: &[f32], t: i32) {
+        for range in &self.owned {
+            // SAFETY: every worker has finished its forward and backward passes (the
+            // step's exchanges wait for all of them; in the single-thread mode there is
+            // one worker), so nothing reads the parameters or the state; the workers'
+            // ranges are disjoint (each range of a bucket is reduced by one worker), and
+            // nothing else reaches this one until the step ends.
+            #[allow(unsafe_code)]
+            let (values, m, v) = unsafe {
+                let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
+                (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
+            };
+            commit_range(shared.updater, t, values, &grads[range.clone()], m, v);
+        }
+    }
+
     /// Checks this worker's ranges of the update; the first element that would not be
     /// finite fails it, naming its layer.
-    fn check_update(&self, shared: &Shared, grads: &mut [f32], t: i32) -> std::result::Result<(), Failure> {
+    fn check_update(&self, shared: &Shared, grads: &[f32], t: i32) -> std::result::Result<(), Failure> {
         let working =
             self.train[0].enter(ArrayType::UpdaterWorkingMem).map_err(|e| self.update_failure(shared, e.into()))?;
         for range in &self.owned {
