@@ -129,6 +129,17 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// The workers of a data-parallel trainer could not reduce: a peer that did not
+    /// answer within the reducer's timeout (an MPI process that died), buckets of
+    /// different lengths, or a group that a worker abandoned in an earlier step (the
+    /// trainer cannot train on; `into_network` still gives back its weights, those of the
+    /// last step every worker finished).
+    #[error("data-parallel reduction failed: {message}")]
+    Reduction {
+        /// What happened.
+        message: String,
+    },
+
     /// A layer panicked during a training step of a data-parallel worker; the panic was
     /// caught, and the step failed.
     #[error("the layer panicked: {message}")]

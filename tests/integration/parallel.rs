@@ -303,3 +303,144 @@ fn a_layer_without_a_data_parallel_form_is_named() {
     let err = DataParallel::new(net, ParallelConfig::threads(2)).unwrap_err();
     assert!(err.to_string().contains("'plain'"), "{err}");
 }
+
+/// A pass-through layer whose `tape()` panics on its `fuse`-th call (one call per
+/// worker, rank 0 first).
+#[derive(Clone)]
+struct Fuse {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    fuse: usize,
+}
+
+impl carve::nn::Layer for Fuse {
+    fn name(&self) -> &str {
+        "fuse"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &mut self,
+        input: carve::ndarray::ArrayView2<'a, f32>,
+        _ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
+        Ok(input)
+    }
+    fn backward(
+        &mut self,
+        _input: carve::ndarray::ArrayView2<'_, f32>,
+        _output: carve::ndarray::ArrayView2<'_, f32>,
+        grad_output: carve::ndarray::ArrayView2<'_, f32>,
+        grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut g) = grad_input {
+            g.assign(&grad_output);
+        }
+        Ok(())
+    }
+    fn data_parallel(&self) -> Option<Box<dyn carve::nn::ParallelLayer>> {
+        Some(Box::new(self.clone()))
+    }
+}
+
+impl carve::nn::ParallelLayer for Fuse {
+    fn name(&self) -> &str {
+        "fuse"
+    }
+    fn tape(&self) -> carve::nn::Tape {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        assert!(call + 1 != self.fuse, "fuse blown at call {}", call + 1);
+        Box::new(())
+    }
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: carve::nn::Activations<'a>,
+        _mask: Option<carve::ndarray::ArrayView2<'a, f32>>,
+        _tape: &mut carve::nn::Tape,
+        _ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<carve::nn::Activations<'a>> {
+        Ok(input)
+    }
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: carve::nn::Pass<'_>,
+        grad_input: Option<carve::nn::GradInput<'_>>,
+        _tape: &mut carve::nn::Tape,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(carve::nn::GradInput::Flat(mut g)) = grad_input {
+            g.assign(&pass.grad_output.flat("fuse")?);
+        }
+        Ok(())
+    }
+    fn to_layer(&self, _params: &[f32]) -> carve::Result<Box<dyn carve::nn::Layer>> {
+        Ok(Box::new(self.clone()))
+    }
+}
+
+#[test]
+fn a_worker_that_cannot_start_fails_construction_without_a_hang() {
+    // Worker 0 is made on the caller's thread, the others on their own: a panic in any
+    // of them is an error naming it, and the threads already started stop.
+    for fuse in [1, 2, 4] {
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let layer = Fuse { calls: calls.clone(), fuse };
+        let network =
+            Network::new(NetworkConfig::builder(12).dense(8).layer(layer).dense(4).seed(3).build().unwrap()).unwrap();
+        let err = DataParallel::new(network, ParallelConfig::threads(4)).unwrap_err();
+        match &err {
+            Error::Worker { worker, layer, source } => {
+                assert_eq!(layer, "start", "{err}");
+                assert!(matches!(**source, Error::LayerPanicked { .. }), "{err}");
+                assert!(err.to_string().contains("fuse blown"), "{err}");
+                if fuse == 1 {
+                    assert_eq!(*worker, 0, "{err}");
+                } else {
+                    assert!((1..4).contains(worker), "{err}");
+                }
+            }
+            other => panic!("expected a start error, got {other}"),
+        }
+    }
+    // A fuse that never blows: the same layer trains.
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let layer = Fuse { calls, fuse: 0 };
+    let network =
+        Network::new(NetworkConfig::builder(12).dense(8).layer(layer).dense(4).seed(3).build().unwrap()).unwrap();
+    let mut trainer = DataParallel::new(network, ParallelConfig::threads(4)).unwrap();
+    let (x, y) = data(20, 12, 4);
+    assert!(trainer.fit_batch(x.view(), y.view()).unwrap().is_finite());
+}
+
+#[test]
+fn an_update_that_would_overflow_fails_the_same_way_in_both_modes_and_changes_nothing() {
+    // Inputs of 1e4 make gradients far above 1; a learning rate of 1e37 takes the SGD
+    // update past f32::MAX.
+    let (x, y) = data(30, 12, 4);
+    let big = x.mapv(|v| v * 1e4);
+    let config = || {
+        let net = NetworkConfig::builder(12).dense(16).relu().dense(4).seed(5).updater(Updater::sgd(1e37, 0.9));
+        Network::new(net.build().unwrap()).unwrap()
+    };
+    let mut errors = Vec::new();
+    for parallel in [ParallelConfig::threads(3), ParallelConfig::sequential(3)] {
+        let mut trainer = DataParallel::new(config(), parallel).unwrap();
+        let err = trainer.fit_batch(big.view(), y.view()).unwrap_err();
+        match &err {
+            Error::Worker { source, .. } => assert!(matches!(**source, Error::NonFinite { .. }), "{err}"),
+            other => panic!("expected a worker error, got {other}"),
+        }
+        assert!(err.to_string().contains("the updater's"), "{err}");
+        // Nothing changed: the trainer gives back the untrained network's weights.
+        let untrained = config().freeze().unwrap();
+        let trained = trainer.freeze().unwrap();
+        let probe = x.slice(carve::ndarray::s![..4, ..]).to_owned();
+        assert_eq!(untrained.output(probe.view()).unwrap(), trained.output(probe.view()).unwrap());
+        errors.push(err.to_string());
+    }
+    assert_eq!(errors[0], errors[1], "threads and the shard mode name the same worker, layer and value");
+}

@@ -3,7 +3,9 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::shared::Gate;
 
 use crate::{Error, Result};
 
@@ -22,21 +24,23 @@ pub struct Report {
 }
 
 /// How the workers of a data-parallel trainer reduce their gradients: the trainer calls
-/// it with contiguous `&mut [f32]` buckets of each worker's gradients, in the same order
-/// in every worker.
+/// it with contiguous `&mut [f32]` buckets of each worker's gradients (ranges of its
+/// plan, where backward wrote them), in the same order in every worker.
 ///
 /// Every implementation sums element by element **in rank order**, `((b₀ + b₁) + b₂) +
 /// …`, so that every reducer (and the trainer's single-thread shard mode) gives the same
-/// bits. An implementation may leave the sum in part of the bucket only (its rank's
-/// share, for a reduce-scatter): the trainer updates the parameters of the range
-/// [`Reducer::reduce`] returns, and every range is returned by exactly one worker when
-/// the workers share their parameters ([`Reducer::shares_parameters`]), or by every
-/// worker (the whole bucket) when each holds its own copy.
+/// bits. [`Reducer::reduce`] returns the range of the bucket that holds the sum, and the
+/// trainer updates the parameters of that range: the whole bucket when each worker holds
+/// its own parameters (a process, with MPI); the workers of one process that share their
+/// parameters (threads) each return their share, `r`-th of `workers` ranges cut at
+/// multiples of 16 values, which the trainer checks.
 ///
 /// Calls are collective: every worker makes the same calls in the same order, and a
 /// worker that fails still takes part (it reports its failure through
-/// [`Reducer::exchange`]), so that no call waits for ever. Implementations that talk to
-/// other processes bound each wait and return an error when a peer does not answer.
+/// [`Reducer::exchange`]), so that no call waits for ever. A worker that cannot finish a
+/// step's calls (a panic in the middle of them) calls [`Reducer::abandon`]. Implementations
+/// that talk to other processes bound each wait and return [`Error::Reduction`] when a
+/// peer does not answer.
 pub trait Reducer: Send {
     /// The number of workers (ranks `0..workers`).
     fn workers(&self) -> usize;
@@ -44,17 +48,13 @@ pub trait Reducer: Send {
     /// This worker's rank.
     fn rank(&self) -> usize;
 
-    /// Whether the workers share one copy of the parameters (threads of a process), so
-    /// that each updates only the ranges it reduced; otherwise each worker holds a copy
-    /// and updates all of it (processes).
-    fn shares_parameters(&self) -> bool;
-
     /// Sums `bucket` over the workers, in rank order; returns the range of `bucket` that
     /// holds the sum on return.
     ///
     /// # Errors
     ///
-    /// A peer that does not answer in time; a bucket of another length than the others'.
+    /// [`Error::Reduction`]: a peer that does not answer in time, a bucket of another
+    /// length than the others', a group abandoned by a worker.
     fn reduce(&mut self, bucket: &mut [f32]) -> Result<Range<usize>>;
 
     /// Exchanges the workers' reports: `all[r]` is rank `r`'s on return.
@@ -63,6 +63,10 @@ pub trait Reducer: Send {
     ///
     /// As [`Reducer::reduce`].
     fn exchange(&mut self, mine: Report, all: &mut [Report]) -> Result<()>;
+
+    /// Gives up this step's remaining calls: every other worker's pending and later calls
+    /// fail (or time out) instead of waiting for this one. The group is not used again.
+    fn abandon(&mut self) {}
 
     /// Bytes this reducer copied out of the gradient buckets before reducing them (into
     /// staging buffers), over its life: 0 for the reducers of this crate, which read the
@@ -85,10 +89,6 @@ impl Reducer for Alone {
         0
     }
 
-    fn shares_parameters(&self) -> bool {
-        true
-    }
-
     fn reduce(&mut self, bucket: &mut [f32]) -> Result<Range<usize>> {
         Ok(0..bucket.len())
     }
@@ -101,14 +101,21 @@ impl Reducer for Alone {
 
 /// What the threads of one process share to reduce.
 struct Group {
-    barrier: Barrier,
+    gate: Gate,
     /// Each worker's current bucket, double-buffered by the parity of the call (a worker
-    /// publishes call `k + 2` only after every worker has passed call `k + 1`'s barrier,
-    /// so after every worker has finished reading call `k`'s pointers).
+    /// publishes call `k + 2` only after every worker has passed call `k + 1`'s gate, so
+    /// after every worker has finished reading call `k`'s pointers).
     buckets: [Box<[AtomicPtr<f32>]>; 2],
     lengths: [Box<[AtomicUsize]>; 2],
     reports: Mutex<Box<[Report]>>,
 }
+
+/// The buckets of the other workers, read during one call.
+struct Peers(Vec<*const f32>);
+
+// SAFETY: the pointers are only dereferenced inside `Threads::reduce`, under the
+// contract written there; between calls they are stale values that nothing reads.
+unsafe impl Send for Peers {}
 
 /// Threads of one process: a reduce-scatter through shared memory. Worker `r` sums its
 /// share (the `r`-th of `workers` ranges, cut at multiples of 16 elements) of every
@@ -118,6 +125,7 @@ pub(crate) struct Threads {
     group: Arc<Group>,
     rank: usize,
     calls: usize,
+    peers: Peers,
 }
 
 impl Threads {
@@ -126,12 +134,30 @@ impl Threads {
         let slots = || (0..workers).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect::<Box<[_]>>();
         let lengths = || (0..workers).map(|_| AtomicUsize::new(0)).collect::<Box<[_]>>();
         let group = Arc::new(Group {
-            barrier: Barrier::new(workers),
+            gate: Gate::new(workers),
             buckets: [slots(), slots()],
             lengths: [lengths(), lengths()],
             reports: Mutex::new(vec![Report::default(); workers].into_boxed_slice()),
         });
-        (0..workers).map(|rank| Threads { group: Arc::clone(&group), rank, calls: 0 }).collect()
+        (0..workers)
+            .map(|rank| Threads {
+                group: Arc::clone(&group),
+                rank,
+                calls: 0,
+                peers: Peers(vec![std::ptr::null(); workers]),
+            })
+            .collect()
+    }
+
+    fn meet(&self) -> Result<()> {
+        match self.group.gate.wait() {
+            true => Ok(()),
+            false => Err(Error::Reduction {
+                message: "a worker abandoned the reduction in the middle of a step (it panicked outside its layers); \
+                          this trainer cannot train on, into_network() gives back the weights of its last whole step"
+                    .into(),
+            }),
+        }
     }
 }
 
@@ -142,6 +168,9 @@ pub(crate) fn share(len: usize, workers: usize, rank: usize) -> Range<usize> {
     cut(rank)..cut(rank + 1)
 }
 
+/// Values summed at a time: one block of partial sums stays in registers or L1.
+const CHUNK: usize = 256;
+
 impl Reducer for Threads {
     fn workers(&self) -> usize {
         self.group.buckets[0].len()
@@ -151,55 +180,147 @@ impl Reducer for Threads {
         self.rank
     }
 
-    fn shares_parameters(&self) -> bool {
-        true
-    }
-
-    #[allow(unsafe_code)]
     fn reduce(&mut self, bucket: &mut [f32]) -> Result<Range<usize>> {
         let parity = self.calls % 2;
         self.calls += 1;
         let workers = self.workers();
         let (slots, lengths) = (&self.group.buckets[parity], &self.group.lengths[parity]);
-        slots[self.rank].store(bucket.as_mut_ptr(), Ordering::Release);
+        let own = bucket.as_mut_ptr();
+        slots[self.rank].store(own, Ordering::Release);
         lengths[self.rank].store(bucket.len(), Ordering::Release);
-        self.group.barrier.wait();
+        self.meet()?;
         if let Some(other) = (0..workers).find(|&w| lengths[w].load(Ordering::Acquire) != bucket.len()) {
-            return Err(Error::InvalidInput(format!(
-                "data-parallel reduction: worker {other}'s bucket holds {} values and worker {}'s {}; every worker \
-                 must reduce the same buckets",
-                lengths[other].load(Ordering::Acquire),
-                self.rank,
-                bucket.len()
-            )));
+            return Err(Error::Reduction {
+                message: format!(
+                    "worker {other}'s bucket holds {} values and worker {}'s {}; every worker must reduce the same \
+                     buckets",
+                    lengths[other].load(Ordering::Acquire),
+                    self.rank,
+                    bucket.len()
+                ),
+            });
+        }
+        for (peer, slot) in self.peers.0.iter_mut().zip(slots.iter()) {
+            *peer = slot.load(Ordering::Acquire).cast_const();
         }
         let mine = share(bucket.len(), workers, self.rank);
-        let own = bucket.as_mut_ptr();
-        for i in mine.clone() {
-            // Rank order, ((b₀ + b₁) + b₂) + …, in a register: this worker's own values
-            // are read in their turn before the sum is written over them.
+        let mut sums = [0.0f32; CHUNK];
+        let mut at = mine.start;
+        while at < mine.end {
+            let n = CHUNK.min(mine.end - at);
+            let sums = &mut sums[..n];
+            // Rank order, ((b₀ + b₁) + b₂) + …, a block at a time: this worker's own values
+            // are read in their turn before the block's sums are written over them.
             // SAFETY: every worker published a bucket of `bucket.len()` values (checked
-            // above) before the barrier and keeps it alive, unwritten but for its own
-            // share, until the trainer's next collective call, which no worker makes
-            // before finishing this one; this worker writes only its own share `mine` of
-            // its own bucket, which no other worker reads or writes.
+            // above) before the gate and keeps it alive, unwritten but for its own share,
+            // until the trainer's next collective call, which no worker makes before
+            // finishing this one; `at..at + n` is within this worker's share `mine`, which
+            // only this worker reads or writes while the others read theirs.
             unsafe {
-                let mut sum = *slots[0].load(Ordering::Acquire).add(i);
-                for slot in &slots[1..workers] {
-                    sum += *slot.load(Ordering::Acquire).add(i);
+                sums.copy_from_slice(std::slice::from_raw_parts(self.peers.0[0].add(at), n));
+                for &peer in &self.peers.0[1..workers] {
+                    for (sum, &value) in sums.iter_mut().zip(std::slice::from_raw_parts(peer.add(at), n)) {
+                        *sum += value;
+                    }
                 }
-                *own.add(i) = sum;
+                std::ptr::copy_nonoverlapping(sums.as_ptr(), own.add(at), n);
             }
+            at += n;
         }
         Ok(mine)
     }
 
     fn exchange(&mut self, mine: Report, all: &mut [Report]) -> Result<()> {
         self.group.reports.lock().unwrap_or_else(PoisonError::into_inner)[self.rank] = mine;
-        self.group.barrier.wait();
+        self.meet()?;
         all.copy_from_slice(&self.group.reports.lock().unwrap_or_else(PoisonError::into_inner));
         // Nobody writes the next reports before everyone has read these.
-        self.group.barrier.wait();
-        Ok(())
+        self.meet()
+    }
+
+    fn abandon(&mut self) {
+        self.group.gate.break_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_sum_in_rank_order_and_return_their_share() {
+        let mut group = Threads::group(3);
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter_mut()
+                .enumerate()
+                .map(|(rank, reducer)| {
+                    s.spawn(move || {
+                        let mut bucket: Vec<f32> = (0..100).map(|i| (i * (rank + 1)) as f32 + 0.25).collect();
+                        let range = reducer.reduce(&mut bucket).unwrap();
+                        (range.clone(), bucket[range].to_vec())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        let mut covered = 0;
+        for (rank, (range, values)) in results.iter().enumerate() {
+            assert_eq!(*range, share(100, 3, rank));
+            for (i, v) in range.clone().zip(values) {
+                let expected = ((i as f32 + 0.25) + (2 * i) as f32 + 0.25) + ((3 * i) as f32 + 0.25);
+                assert_eq!(v.to_bits(), expected.to_bits(), "value {i}");
+            }
+            covered += range.len();
+        }
+        assert_eq!(covered, 100);
+    }
+
+    #[test]
+    fn a_worker_that_abandons_frees_the_others_at_once() {
+        let mut group = Threads::group(3);
+        let mut quitter = group.pop().unwrap();
+        std::thread::scope(|s| {
+            let waiting: Vec<_> = group
+                .iter_mut()
+                .map(|reducer| {
+                    s.spawn(move || {
+                        let mut bucket = vec![1.0f32; 64];
+                        let reduced = reducer.reduce(&mut bucket).map(|_| ());
+                        let mut all = [Report::default(); 3];
+                        let exchanged = reducer.exchange(Report::default(), &mut all);
+                        (reduced, exchanged)
+                    })
+                })
+                .collect();
+            quitter.abandon();
+            for handle in waiting {
+                let (reduced, exchanged) = handle.join().unwrap();
+                assert!(matches!(reduced, Err(Error::Reduction { .. })), "{reduced:?}");
+                assert!(matches!(exchanged, Err(Error::Reduction { .. })), "{exchanged:?}");
+            }
+        });
+    }
+
+    #[test]
+    fn buckets_of_different_lengths_are_an_error_on_every_worker() {
+        let mut group = Threads::group(2);
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter_mut()
+                .enumerate()
+                .map(|(rank, reducer)| {
+                    s.spawn(move || {
+                        let mut bucket = vec![1.0f32; 32 + rank];
+                        reducer.reduce(&mut bucket).map(|_| ())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for result in results {
+            let err = result.unwrap_err();
+            assert!(err.to_string().contains("every worker must reduce the same buckets"), "{err}");
+        }
     }
 }

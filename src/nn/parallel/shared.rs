@@ -4,6 +4,7 @@
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
+use std::sync::{Condvar, Mutex, PoisonError};
 
 /// A buffer of `f32` that several threads read at once, or write in disjoint ranges, in
 /// phases that the trainer's barriers separate.
@@ -66,4 +67,66 @@ impl SharedBuf {
         // SAFETY: `&mut self` excludes every other access; the layout is that of `f32`.
         unsafe { std::slice::from_raw_parts_mut(UnsafeCell::raw_get(self.0.as_ptr()), len) }
     }
+}
+
+/// A barrier of `n` threads that any of them can break: every wait, pending or later,
+/// then returns `false` at once. The trainer's workers meet at gates, so that a worker
+/// that cannot go on (a panic in the middle of a reduction, a trainer that stops) never
+/// leaves the others waiting.
+pub(crate) struct Gate {
+    n: usize,
+    state: Mutex<GateState>,
+    turned: Condvar,
+}
+
+struct GateState {
+    waiting: usize,
+    generation: u64,
+    broken: bool,
+}
+
+impl Gate {
+    pub(crate) fn new(n: usize) -> Gate {
+        Gate { n, state: Mutex::new(GateState { waiting: 0, generation: 0, broken: false }), turned: Condvar::new() }
+    }
+
+    /// Waits until all `n` threads wait; `false` when the gate is (or gets) broken.
+    pub(crate) fn wait(&self) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.broken {
+            return false;
+        }
+        state.waiting += 1;
+        if state.waiting == self.n {
+            state.waiting = 0;
+            state.generation += 1;
+            self.turned.notify_all();
+            return true;
+        }
+        let generation = state.generation;
+        while state.generation == generation && !state.broken {
+            state = self.turned.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+        state.generation != generation
+    }
+
+    /// Breaks the gate for good.
+    pub(crate) fn break_all(&self) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).broken = true;
+        self.turned.notify_all();
+    }
+}
+
+/// A panic's message, the payload disposed of without unwinding again (a payload whose
+/// drop panics is leaked).
+pub(crate) fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".to_string());
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(payload))) {
+        std::mem::forget(again);
+    }
+    message
 }

@@ -4,6 +4,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
+
+use super::shared::{panic_message, Gate};
 use std::thread::JoinHandle;
 
 use async_iter::{BatchSource, Prefetcher};
@@ -115,7 +117,11 @@ impl ParallelStats {
 
 /// What the threads of a trainer share to run steps.
 struct Control {
-    start: Barrier,
+    /// Where the threads wait for a step; broken to stop them.
+    start: Gate,
+    /// Where a step ends. Never broken: the coordinator passes it only once every thread
+    /// has finished reading the step's batch (every thread reaches it: a step's failures
+    /// and panics are caught).
     end: Barrier,
     stop: AtomicBool,
     /// The step the workers run, set before `start` and cleared after `end`.
@@ -200,7 +206,15 @@ impl DataParallel {
             false => vec![Box::new(Alone)],
         };
         let others = reducers.split_off(1);
-        let me = Worker::new(&shared, reducers.pop().expect("rank 0's reducer"))?;
+        let reducer = reducers.pop().expect("rank 0's reducer");
+        let me = match catch_unwind(AssertUnwindSafe(|| Worker::new(&shared, reducer, threads, config.workers))) {
+            Ok(made) => made?,
+            Err(panic) => {
+                let message = format!("making the worker: {}", panic_message(panic));
+                let source = Box::new(Error::LayerPanicked { message });
+                return Err(Error::Worker { worker: 0, layer: "start".into(), source });
+            }
+        };
         let mut trainer = DataParallel {
             shared,
             me,
@@ -222,11 +236,13 @@ impl DataParallel {
     }
 
     /// Starts a thread per reducer (ranks 1 and up), each making its worker on itself.
+    /// Every thread started waits at the start gate, its worker made or not, so that
+    /// stopping them never waits for one that is missing.
     fn start_threads(&mut self, reducers: Vec<Box<dyn Reducer>>) -> Result<()> {
         let workers = self.config.workers;
         let counters = || (0..workers).map(|_| AtomicUsize::new(0)).collect::<Box<[_]>>();
         let control = Arc::new(Control {
-            start: Barrier::new(workers),
+            start: Gate::new(workers),
             end: Barrier::new(workers),
             stop: AtomicBool::new(false),
             desc: Mutex::new(None),
@@ -234,58 +250,70 @@ impl DataParallel {
             plan_bytes: counters(),
             arena_bytes: counters(),
         });
+        self.control = Some(Arc::clone(&control));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<(usize, Result<()>)>();
+        let mut started = 0;
+        let mut failed = None;
         for reducer in reducers {
             let rank = reducer.rank();
             let (shared, ready) = (Arc::clone(&self.shared), ready_tx.clone());
             let thread_control = Arc::clone(&control);
             let spawned = std::thread::Builder::new().name(format!("carve-worker-{rank}")).spawn(move || {
-                let mut worker = match Worker::new(&shared, reducer) {
-                    Ok(worker) => {
+                let made = catch_unwind(AssertUnwindSafe(|| Worker::new(&shared, reducer, true, 1)));
+                let mut worker = match made {
+                    Ok(Ok(worker)) => {
                         let _ = ready.send((rank, Ok(())));
-                        worker
+                        Some(worker)
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         let _ = ready.send((rank, Err(e)));
-                        return;
+                        None
+                    }
+                    Err(panic) => {
+                        let message = format!("making the worker: {}", panic_message(panic));
+                        let _ = ready.send((rank, Err(Error::LayerPanicked { message })));
+                        None
                     }
                 };
                 drop(ready);
-                run_worker(&mut worker, &shared, &thread_control, rank);
+                run_worker(worker.as_mut(), &shared, &thread_control, rank);
             });
             match spawned {
-                Ok(handle) => self.threads.push(handle),
+                Ok(handle) => {
+                    self.threads.push(handle);
+                    started += 1;
+                }
                 Err(e) => {
-                    self.stop_threads(&control, 0);
-                    return Err(Error::InvalidConfig { reason: format!("starting data-parallel worker {rank}: {e}") });
+                    let error = Error::InvalidConfig { reason: format!("starting data-parallel worker {rank}: {e}") };
+                    failed = Some((rank, error));
+                    break;
                 }
             }
         }
         drop(ready_tx);
-        let mut failed = None;
-        for _ in 1..workers {
+        for _ in 0..started {
             match ready_rx.recv() {
                 Ok((_, Ok(()))) => {}
-                Ok((rank, Err(e))) => failed = failed.or(Some((rank, e))),
-                Err(_) => failed = failed.or(Some((0, Error::InvalidInput("a worker thread ended at start".into())))),
+                Ok((rank, Err(e))) => {
+                    if failed.as_ref().is_none_or(|(r, _)| rank < *r) {
+                        failed = Some((rank, e));
+                    }
+                }
+                Err(_) => break,
             }
         }
         if let Some((rank, error)) = failed {
-            self.control = Some(Arc::clone(&control));
-            self.stop_threads(&control, 0);
-            self.control = None;
+            self.stop_threads();
             return Err(Error::Worker { worker: rank, layer: "start".into(), source: Box::new(error) });
         }
-        self.control = Some(control);
         Ok(())
     }
 
-    /// Stops the threads (those still running wait at the step's start).
-    fn stop_threads(&mut self, control: &Control, _unused: usize) {
-        control.stop.store(true, Ordering::Release);
-        let running = self.threads.iter().filter(|t| !t.is_finished()).count();
-        if running + 1 == self.config.workers {
-            control.start.wait();
+    /// Stops the threads: they leave the start gate, broken, and end.
+    fn stop_threads(&mut self) {
+        if let Some(control) = self.control.take() {
+            control.stop.store(true, Ordering::Release);
+            control.start.break_all();
         }
         for handle in self.threads.drain(..) {
             let _ = handle.join();
@@ -335,20 +363,37 @@ impl DataParallel {
         }
     }
 
-    /// The error of a failed step: the failing worker's own, or a description.
+    /// The error of a failed step: the failing worker's own, or a description. When a
+    /// worker abandoned the reduction, the others fail with [`Error::Reduction`]; the
+    /// abandoning worker's own error is reported.
     fn error(&self, failure: Failure) -> Error {
-        let Failure { worker, layer, error } = failure;
-        let from_thread = || {
-            self.control.as_ref().and_then(|c| c.errors[worker].lock().unwrap_or_else(PoisonError::into_inner).take())
-        };
-        let source = error.or_else(from_thread).unwrap_or_else(|| {
-            Error::InvalidInput(format!("worker {worker} failed; its own error is in its process's output"))
-        });
+        let Failure { mut worker, mut layer, mut error } = failure;
+        let mut stored: Vec<(usize, Error)> = Vec::new();
         if let Some(control) = &self.control {
-            for slot in control.errors.iter() {
-                slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+            for (w, slot) in control.errors.iter().enumerate() {
+                if let Some(e) = slot.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                    stored.push((w, e));
+                }
             }
         }
+        if matches!(error, Some(Error::Reduction { .. }) | None) {
+            let cause = stored.iter().position(|(_, e)| !matches!(e, Error::Reduction { .. }));
+            let pick = match error {
+                None => stored.iter().position(|(w, _)| *w == worker),
+                Some(_) => cause,
+            };
+            if let Some(i) = pick {
+                let (w, e) = stored.swap_remove(i);
+                if w != worker {
+                    layer = self.shared.layers.len();
+                }
+                worker = w;
+                error = Some(e);
+            }
+        }
+        let source = error.unwrap_or_else(|| {
+            Error::InvalidInput(format!("worker {worker} failed; its own error is in its process's output"))
+        });
         let layer = self.shared.layers.get(layer).map_or("input, loss or update", |l| l.name()).to_string();
         Error::Worker { worker, layer, source: Box::new(source) }
     }
@@ -460,9 +505,7 @@ impl DataParallel {
     ///
     /// Allocation and workspace errors of the new network.
     pub fn into_network(mut self) -> Result<Network> {
-        if let Some(control) = self.control.take() {
-            self.stop_threads(&control, 0);
-        }
+        self.stop_threads();
         let _ = self.params();
         let shared = &self.shared;
         let mut layers = Vec::with_capacity(shared.layers.len());
@@ -474,14 +517,21 @@ impl DataParallel {
         let (mut firsts, mut seconds) = (Vec::new(), Vec::new());
         for (layer, region) in layers.iter_mut().zip(&shared.layout.regions) {
             let mut offset = region.start;
+            let mut fits = true;
             layer.params(&mut |p| {
                 let n = p.value.len();
-                firsts.push(first[offset..offset + n].to_vec());
-                if !second.is_empty() {
-                    seconds.push(second[offset..offset + n].to_vec());
+                fits &= offset + n <= region.end;
+                if fits {
+                    firsts.push(first[offset..offset + n].to_vec());
+                    if !second.is_empty() {
+                        seconds.push(second[offset..offset + n].to_vec());
+                    }
                 }
                 offset += n;
             });
+            if !fits || offset != region.end {
+                return Err(param_count_error(layer.name(), offset - region.start, region.len()));
+            }
         }
         let updater = UpdaterState::from_parts(shared.updater, &mut layers, self.step, firsts, seconds);
         Network::from_parts(self.inputs, layers, updater, self.iterations, self.modes)
@@ -490,9 +540,7 @@ impl DataParallel {
 
 impl Drop for DataParallel {
     fn drop(&mut self) {
-        if let Some(control) = self.control.take() {
-            self.stop_threads(&control, 0);
-        }
+        self.stop_threads();
     }
 }
 
@@ -527,13 +575,7 @@ fn share(
         let mut count = 0;
         layer.params(&mut |p| count += p.value.len());
         if count != shape.param_count() {
-            return Err(Error::InvalidConfig {
-                reason: format!(
-                    "layer '{}' gives {count} parameter values and its data-parallel form {}",
-                    layer.name(),
-                    shape.param_count()
-                ),
-            });
+            return Err(param_count_error(layer.name(), count, shape.param_count()));
         }
         counts.push(count);
     }
@@ -549,18 +591,25 @@ fn share(
     let mut param = 0;
     for (layer, region) in layers.iter_mut().zip(&layout.regions) {
         let mut offset = region.start;
+        let mut fits = true;
         layer.params(&mut |p| {
             let n = p.value.len();
-            values[offset..offset + n].copy_from_slice(p.value);
-            if let Some(state) = first.get(param) {
-                m[offset..offset + n].copy_from_slice(&state[..n]);
-            }
-            if let (Some(state), false) = (second.get(param), v.is_empty()) {
-                v[offset..offset + n].copy_from_slice(&state[..n]);
+            fits &= offset + n <= region.end;
+            if fits {
+                values[offset..offset + n].copy_from_slice(p.value);
+                if let Some(state) = first.get(param).and_then(|s| s.get(..n)) {
+                    m[offset..offset + n].copy_from_slice(state);
+                }
+                if let (Some(state), false) = (second.get(param).and_then(|s| s.get(..n)), v.is_empty()) {
+                    v[offset..offset + n].copy_from_slice(state);
+                }
             }
             offset += n;
             param += 1;
         });
+        if !fits || offset != region.end {
+            return Err(param_count_error(layer.name(), offset - region.start, region.len()));
+        }
     }
     let shared = Shared {
         layers: shapes,
@@ -574,55 +623,73 @@ fn share(
 }
 
 /// A step run by every thread: the coordinator (worker 0, on the caller's thread) and
-/// the others, between the start and end barriers.
+/// the others, between the start gate and the end barrier.
 fn run_coordinated(
     me: &mut Worker,
     shared: &Shared,
     control: &Control,
     desc: StepDesc<'_>,
 ) -> std::result::Result<f32, Failure> {
-    // SAFETY: the workers read the batch only between the two barriers below, and this
-    // function passes both before it returns (nothing between them unwinds: the step runs
-    // under `catch_unwind`); the description is cleared before the batch's borrow ends.
+    // SAFETY: the workers read the batch only between the start gate and the end
+    // barrier, and this function passes both before it returns (the step catches its
+    // panics, and the end barrier is never broken); the description is cleared before the
+    // batch's borrow ends.
     let desc_static = unsafe { std::mem::transmute::<StepDesc<'_>, StepDesc<'static>>(desc) };
     *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = Some(desc_static);
-    control.start.wait();
-    let result = catch_unwind(AssertUnwindSafe(|| me.step(shared, &desc)));
-    control.end.wait();
-    *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = None;
-    match result {
-        Ok(result) => result,
-        Err(_) => Err(Failure {
+    let started = control.start.wait();
+    let result = match started {
+        true => me.step(shared, &desc),
+        false => Err(Failure {
             worker: 0,
             layer: shared.layers.len(),
-            error: Some(Error::InvalidInput("data-parallel worker 0 panicked outside its layers".into())),
+            error: Some(Error::InvalidInput("the data-parallel trainer's worker threads have stopped".into())),
         }),
+    };
+    if started {
+        control.end.wait();
     }
+    *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    result
 }
 
 /// A worker thread's loop: a step each time the coordinator starts one, until stopped.
-fn run_worker(worker: &mut Worker, shared: &Shared, control: &Control, rank: usize) {
+/// Every step's failures and panics are caught, so the thread always reaches the end
+/// barrier.
+fn run_worker(mut worker: Option<&mut Worker>, shared: &Shared, control: &Control, rank: usize) {
     loop {
-        control.start.wait();
-        if control.stop.load(Ordering::Acquire) {
+        if !control.start.wait() || control.stop.load(Ordering::Acquire) {
             return;
         }
         let desc = *control.desc.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(desc) = desc {
-            let result = catch_unwind(AssertUnwindSafe(|| worker.step(shared, &desc)));
+        if let (Some(desc), Some(worker)) = (desc, worker.as_deref_mut()) {
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                let result = worker.step(shared, &desc);
+                (result, worker.plan_bytes())
+            }));
             let error = match result {
-                Ok(Ok(_)) => None,
-                Ok(Err(Failure { worker: w, error, .. })) if w == rank => error,
-                Ok(Err(_)) => None,
-                Err(_) => Some(Error::InvalidInput(format!("data-parallel worker {rank} panicked outside its layers"))),
+                Ok((result, (plan, arena))) => {
+                    control.plan_bytes[rank].store(plan, Ordering::Release);
+                    control.arena_bytes[rank].store(arena, Ordering::Release);
+                    match result {
+                        Err(Failure { worker: w, error, .. }) if w == rank => error,
+                        _ => None,
+                    }
+                }
+                Err(panic) => Some(Error::LayerPanicked {
+                    message: format!("data-parallel worker {rank} outside its layers: {}", panic_message(panic)),
+                }),
             };
             if error.is_some() {
                 *control.errors[rank].lock().unwrap_or_else(PoisonError::into_inner) = error;
             }
         }
-        let (plan, arena) = worker.plan_bytes();
-        control.plan_bytes[rank].store(plan, Ordering::Release);
-        control.arena_bytes[rank].store(arena, Ordering::Release);
         control.end.wait();
+    }
+}
+
+/// A layer whose parameters do not add up to its data-parallel form's count.
+fn param_count_error(name: &str, count: usize, expected: usize) -> Error {
+    Error::InvalidConfig {
+        reason: format!("layer '{name}' gives {count} parameter values and its data-parallel form {expected}"),
     }
 }

@@ -19,8 +19,8 @@ use super::super::network::{
 };
 use super::super::updater::{check_range, commit_range, Updater};
 use super::layer::{GradInput, ParallelLayer, Pass, Tape};
-use super::reduce::{Reducer, Report};
-use super::shared::SharedBuf;
+use super::reduce::{share, Reducer, Report};
+use super::shared::{panic_message, SharedBuf};
 
 /// Where each layer's parameters (and gradients) are in the flat buffers, and the
 /// buckets the gradients are reduced in.
@@ -108,11 +108,40 @@ pub(crate) struct Failure {
     pub(crate) error: Option<Error>,
 }
 
+/// The worker of a [`Failure`] made from a plan group's error, before the step knows
+/// whose it is.
+const THIS_WORKER: usize = usize::MAX;
+
 impl From<workspace_core::Error> for Failure {
-    /// A plan group's error, outside every layer (starting the worker's iteration).
+    /// A plan group's error, outside every layer (starting the worker's iteration); the
+    /// step names the worker.
     fn from(error: workspace_core::Error) -> Failure {
-        Failure { worker: 0, layer: usize::MAX, error: Some(error.into()) }
+        Failure { worker: THIS_WORKER, layer: usize::MAX, error: Some(error.into()) }
     }
+}
+
+impl Failure {
+    /// The failure with the plan group's placeholders filled in: `rank` the worker,
+    /// outside every layer.
+    fn of(self, rank: usize, shared: &Shared) -> Failure {
+        match self.worker {
+            THIS_WORKER => Failure { worker: rank, layer: outside(shared), error: self.error },
+            _ => self,
+        }
+    }
+}
+
+/// How far a worker got through a step's collective calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Before the first exchange: a failure here is reported to the others by an
+    /// exchange made after it.
+    Passes,
+    /// In the collective calls: a failure here leaves them unfinished, and the worker
+    /// abandons the group.
+    Collective,
+    /// Every worker knows the step's outcome.
+    Agreed,
 }
 
 /// A worker: its own planned arena (the training workspaces and its gradient buckets,
@@ -123,9 +152,13 @@ pub(crate) struct Worker {
     buckets: Rc<Workspace>,
     tapes: Vec<Tape>,
     pub(crate) reducer: Box<dyn Reducer>,
+    /// Whether the reducer's workers are threads sharing the parameters (each updates
+    /// its share of every bucket), or this worker updates them all.
+    shares: bool,
     reports: Vec<Report>,
-    /// The ranges this worker reduced and updates, one per bucket.
-    owned: Vec<Range<usize>>,
+    /// The ranges whose update this worker checks and stores, with the worker (shard)
+    /// each belongs to, in the order failures are reported: by worker, then bucket.
+    owned: Vec<(usize, Range<usize>)>,
     loss: SoftmaxCrossEntropy,
 }
 
@@ -136,8 +169,9 @@ fn outside(shared: &Shared) -> usize {
 
 impl Worker {
     /// A worker of `shared`'s layers that reduces through `reducer`, made on the thread
-    /// that runs it.
-    pub(crate) fn new(shared: &Shared, reducer: Box<dyn Reducer>) -> Result<Worker> {
+    /// that runs it. `shares`: the reducer's workers are threads of this process that
+    /// share the parameters. `shards`: the shards it runs in the single-thread mode.
+    pub(crate) fn new(shared: &Shared, reducer: Box<dyn Reducer>, shares: bool, shards: usize) -> Result<Worker> {
         let train = training_mgrs(WorkspaceMode::Planned)?;
         let group = train[0].plan_group().cloned().expect("planned training workspaces have a plan group");
         let buckets = group.workspace(names::GRADIENT_BUCKETS, &planned_workspace_config())?;
@@ -148,8 +182,9 @@ impl Worker {
             buckets,
             tapes: shared.layers.iter().map(|layer| layer.tape()).collect(),
             reducer,
+            shares,
             reports: vec![Report::default(); workers],
-            owned: Vec::with_capacity(shared.layout.buckets.len()),
+            owned: Vec::with_capacity(shared.layout.buckets.len() * shards.max(1)),
             loss: SoftmaxCrossEntropy,
         })
     }
@@ -164,42 +199,114 @@ impl Worker {
     /// rank's shard into its gradient buckets, the reports exchanged, the buckets reduced,
     /// this worker's ranges of the update checked, the checks exchanged, the ranges
     /// updated. Returns the batch's mean loss; every worker returns the same.
+    ///
+    /// Whatever fails, this worker takes part in every collective call the others make,
+    /// or abandons the group: no worker is left waiting.
     pub(crate) fn step(&mut self, shared: &Shared, desc: &StepDesc<'_>) -> std::result::Result<f32, Failure> {
         let rank = self.reducer.rank();
         let rows = desc.rows(rank);
         let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
         let key = shape_key(&x, Some(&labels));
         let group = self.group.clone();
+        let mut stage = Stage::Passes;
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            group.iteration(key, || self.collective_step(shared, desc, x, labels, &mut stage))
+        }));
+        let result = match run {
+            Ok(Ok((loss, _))) => return Ok(loss),
+            Ok(Err(failure)) => failure,
+            Err(panic) => Failure {
+                worker: rank,
+                layer: outside(shared),
+                error: Some(Error::LayerPanicked { message: format!("outside the layers: {}", panic_message(panic)) }),
+            },
+        };
+        let failure = result.of(rank, shared);
+        match stage {
+            Stage::Agreed => Err(failure),
+            Stage::Passes => {
+                // Failed before telling the others: tell them, so that every worker
+                // abandons the step.
+                let report = Report { loss_sum: 0.0, status: 1 + failure.layer as u64 };
+                match self.reducer.exchange(report, &mut self.reports) {
+                    Ok(()) => Err(first_failure(&self.reports, Some(failure)).expect("this worker's failure")),
+                    Err(_) => {
+                        self.reducer.abandon();
+                        Err(failure)
+                    }
+                }
+            }
+            Stage::Collective => {
+                self.reducer.abandon();
+                Err(failure)
+            }
+        }
+    }
+
+    /// [`Worker::step`]'s work in its plan group's iteration; `stage` follows its
+    /// collective calls.
+    fn collective_step(
+        &mut self,
+        shared: &Shared,
+        desc: &StepDesc<'_>,
+        x: Input<'_>,
+        labels: Labels<'_>,
+        stage: &mut Stage,
+    ) -> std::result::Result<f32, Failure> {
+        let rank = self.reducer.rank();
         let fail = |error: Error| Failure { worker: rank, layer: outside(shared), error: Some(error) };
         let buckets = Rc::clone(&self.buckets);
-        let (loss, _) = group.iteration(key, || {
-            let scope = buckets.enter().map_err(|e| fail(e.into()))?;
-            let mut grads = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
-            let grads = grads.as_slice_mut().expect("a new array is contiguous");
-            let outcome = self.shard(shared, x, labels, desc.count, grads, rank);
-            let report = match &outcome {
-                Ok(loss_sum) => Report { loss_sum: *loss_sum, status: 0 },
-                Err(f) => Report { loss_sum: 0.0, status: 1 + f.layer as u64 },
+        let scope = buckets.enter().map_err(|e| fail(e.into()))?;
+        let mut grads = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
+        let grads = grads.as_slice_mut().expect("a new array is contiguous");
+        let outcome = self.shard(shared, x, labels, desc.count, grads, rank);
+        let report = match &outcome {
+            Ok(loss_sum) => Report { loss_sum: *loss_sum, status: 0 },
+            Err(f) => Report { loss_sum: 0.0, status: 1 + f.layer as u64 },
+        };
+        *stage = Stage::Collective;
+        self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
+        if let Some(failure) = first_failure(&self.reports, outcome.err()) {
+            *stage = Stage::Agreed;
+            return Err(failure);
+        }
+        let loss = batch_loss(self.reports.iter().map(|r| r.loss_sum), desc.count);
+        let (workers, len, base) = (self.reducer.workers(), grads.len(), grads.as_mut_ptr());
+        self.owned.clear();
+        for bucket in &shared.layout.buckets {
+            assert!(bucket.end <= len, "a gradient bucket lies within the gradients");
+            // SAFETY: `bucket` is within the gradients (asserted); no other reference to
+            // them lives from here to the end of the step (`grads` is not used again), and
+            // the buckets are disjoint, so this slice is the only one of its values. The
+            // other workers read it through the reducer, which the reducer's own
+            // contract covers.
+            let values = unsafe { std::slice::from_raw_parts_mut(base.add(bucket.start), bucket.len()) };
+            let range = self.reducer.reduce(values).map_err(fail)?;
+            let expected = match self.shares {
+                true => share(bucket.len(), workers, rank),
+                false => 0..bucket.len(),
             };
-            self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
-            if let Some(failure) = first_failure(&self.reports, outcome.err()) {
-                return Err(failure);
+            if range != expected {
+                return Err(fail(Error::Reduction {
+                    message: format!(
+                        "the reducer left the sum of a bucket of {} values in {range:?}; worker {rank} of {workers} \
+                         updates {expected:?}",
+                        bucket.len()
+                    ),
+                }));
             }
-            let loss = batch_loss(self.reports.iter().map(|r| r.loss_sum), desc.count);
-            self.owned.clear();
-            for bucket in &shared.layout.buckets {
-                let range = self.reducer.reduce(&mut grads[bucket.clone()]).map_err(fail)?;
-                self.owned.push(bucket.start + range.start..bucket.start + range.end);
-            }
-            let checked = self.check_update(shared, grads, desc.t);
-            let report = Report { loss_sum: 0.0, status: checked.as_ref().err().map_or(0, |f| 1 + f.layer as u64) };
-            self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
-            if let Some(failure) = first_failure(&self.reports, checked.err()) {
-                return Err(failure);
-            }
-            self.commit_update(shared, grads, desc.t);
-            Ok::<f32, Failure>(loss)
-        })?;
+            self.owned.push((rank, bucket.start + range.start..bucket.start + range.end));
+        }
+        // SAFETY: as above; from here on the gradients are only read.
+        let grads = unsafe { std::slice::from_raw_parts(base.cast_const(), len) };
+        let checked = self.check_update_caught(shared, grads, desc.t);
+        let report = Report { loss_sum: 0.0, status: checked.as_ref().err().map_or(0, |f| 1 + f.layer as u64) };
+        self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
+        *stage = Stage::Agreed;
+        if let Some(failure) = first_failure(&self.reports, checked.err()) {
+            return Err(failure);
+        }
+        self.commit_update(shared, grads, desc.t);
         Ok(loss)
     }
 
@@ -207,7 +314,7 @@ impl Worker {
     /// batch in turn, shard 0 into the gradient buckets and each later one into a second
     /// set that is then added to the first, element by element, in shard order (the
     /// arithmetic of a reduction in rank order, so the same bits as `shards` workers);
-    /// then the whole update.
+    /// then the whole update, checked in the order the workers would report failures.
     pub(crate) fn step_sequential(
         &mut self,
         shared: &Shared,
@@ -218,51 +325,65 @@ impl Worker {
         let group = self.group.clone();
         let fail = |error: Error| Failure { worker: 0, layer: outside(shared), error: Some(error) };
         let buckets = Rc::clone(&self.buckets);
-        let (loss, _) = group.iteration(key, || {
-            let scope = buckets.enter().map_err(|e| fail(e.into()))?;
-            let mut acc = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
-            let acc = acc.as_slice_mut().expect("a new array is contiguous");
-            let mut next = match desc.shards {
-                1 => None,
-                _ => Some(scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?),
-            };
-            for (s, partial) in partials.iter_mut().enumerate().take(desc.shards) {
-                let rows = desc.rows(s);
-                let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
-                let target = match (s, next.as_mut()) {
-                    (0, _) | (_, None) => &mut *acc,
-                    (_, Some(next)) => {
-                        next.fill(0.0);
-                        next.as_slice_mut().expect("a new array is contiguous")
-                    }
+        let run = catch_unwind(AssertUnwindSafe(|| {
+            group.iteration(key, || {
+                let scope = buckets.enter().map_err(|e| fail(e.into()))?;
+                let mut acc = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
+                let acc = acc.as_slice_mut().expect("a new array is contiguous");
+                let mut next = match desc.shards {
+                    1 => None,
+                    _ => Some(scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?),
                 };
-                *partial = self.shard(shared, x, labels, desc.count, target, s)?;
-                if let (true, Some(next)) = (s > 0, next.as_ref()) {
-                    for (a, &g) in acc.iter_mut().zip(next.iter()) {
-                        *a += g;
+                for (s, partial) in partials.iter_mut().enumerate().take(desc.shards) {
+                    let rows = desc.rows(s);
+                    let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
+                    let target = match (s, next.as_mut()) {
+                        (0, _) | (_, None) => &mut *acc,
+                        (_, Some(next)) => {
+                            next.fill(0.0);
+                            next.as_slice_mut().expect("a new array is contiguous")
+                        }
+                    };
+                    *partial = self.shard(shared, x, labels, desc.count, target, s)?;
+                    if let (true, Some(next)) = (s > 0, next.as_ref()) {
+                        for (a, &g) in acc.iter_mut().zip(next.iter()) {
+                            *a += g;
+                        }
                     }
                 }
-            }
-            let loss = batch_loss(partials.iter().copied(), desc.count);
-            self.owned.clear();
-            self.owned.extend(shared.layout.buckets.iter().cloned());
-            self.check_update(shared, acc, desc.t)?;
-            self.commit_update(shared, acc, desc.t);
-            Ok::<f32, Failure>(loss)
-        })?;
-        Ok(loss)
+                let loss = batch_loss(partials.iter().copied(), desc.count);
+                self.owned.clear();
+                for s in 0..desc.shards {
+                    for bucket in &shared.layout.buckets {
+                        let part = share(bucket.len(), desc.shards, s);
+                        self.owned.push((s, bucket.start + part.start..bucket.start + part.end));
+                    }
+                }
+                self.check_update_caught(shared, acc, desc.t)?;
+                self.commit_update(shared, acc, desc.t);
+                Ok::<f32, Failure>(loss)
+            })
+        }));
+        match run {
+            Ok(Ok((loss, _))) => Ok(loss),
+            Ok(Err(failure)) => Err(failure.of(0, shared)),
+            Err(panic) => Err(Failure {
+                worker: 0,
+                layer: outside(shared),
+                error: Some(Error::LayerPanicked { message: format!("outside the layers: {}", panic_message(panic)) }),
+            }),
+        }
     }
 
     /// Stores this worker's ranges of the update, checked by [`Worker::check_update`] and
     /// agreed by every worker.
     fn commit_update(&self, shared: &Shared, grads: &[f32], t: i32) {
-        for range in &self.owned {
+        for (_, range) in &self.owned {
             // SAFETY: every worker has finished its forward and backward passes (the
             // step's exchanges wait for all of them; in the single-thread mode there is
             // one worker), so nothing reads the parameters or the state; the workers'
-            // ranges are disjoint (each range of a bucket is reduced by one worker), and
-            // nothing else reaches this one until the step ends.
-            #[allow(unsafe_code)]
+            // ranges are disjoint (each is the share `reduce::share` gives its rank, which
+            // the step checked), and nothing else reaches this one until the step ends.
             let (values, m, v) = unsafe {
                 let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
                 (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
@@ -271,14 +392,25 @@ impl Worker {
         }
     }
 
+    /// [`Worker::check_update`], a panic in it (a layer's `name`) a failure of the
+    /// update.
+    fn check_update_caught(&self, shared: &Shared, grads: &[f32], t: i32) -> std::result::Result<(), Failure> {
+        catch_unwind(AssertUnwindSafe(|| self.check_update(shared, grads, t))).unwrap_or_else(|panic| {
+            Err(Failure {
+                worker: self.reducer.rank(),
+                layer: outside(shared),
+                error: Some(Error::LayerPanicked { message: format!("checking the update: {}", panic_message(panic)) }),
+            })
+        })
+    }
+
     /// Checks this worker's ranges of the update; the first element that would not be
-    /// finite fails it, naming its layer.
+    /// finite fails it, naming its worker and its layer.
     fn check_update(&self, shared: &Shared, grads: &[f32], t: i32) -> std::result::Result<(), Failure> {
         let working =
             self.train[0].enter(ArrayType::UpdaterWorkingMem).map_err(|e| self.update_failure(shared, e.into()))?;
-        for range in &self.owned {
-            // SAFETY: as for the commit in `step`: the passes are over, the ranges disjoint.
-            #[allow(unsafe_code)]
+        for (worker, range) in &self.owned {
+            // SAFETY: as for the commit: the passes are over, the ranges disjoint.
             let (values, m, v) = unsafe {
                 let v = (shared.second.len() != 0).then(|| &*shared.second.range_mut(range.clone()));
                 (shared.params.range_mut(range.clone()), &*shared.first.range_mut(range.clone()), v)
@@ -290,7 +422,7 @@ impl Worker {
                 let (layer, element) = shared.layout.locate(index);
                 let name = shared.layers.get(layer).map_or("update", |l| l.name());
                 return Err(Failure {
-                    worker: self.reducer.rank(),
+                    worker: *worker,
                     layer,
                     error: Some(finite::error(
                         name,
@@ -331,12 +463,7 @@ impl Worker {
             Ok(Ok(loss)) => Ok(loss),
             Ok(Err(error)) => Err(Failure { worker, layer: at, error: Some(error) }),
             Err(panic) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic with no message".to_string());
-                Err(Failure { worker, layer: at, error: Some(Error::LayerPanicked { message }) })
+                Err(Failure { worker, layer: at, error: Some(Error::LayerPanicked { message: panic_message(panic) }) })
             }
         }
     }
