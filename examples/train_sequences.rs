@@ -22,12 +22,16 @@
 //! | `--seed N` | 0 | weights and batch order |
 //! | `--prefetch-depth N` | 2 | batches filled ahead on the prefetcher's thread (0: inline) |
 //! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
+//! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given); not with `--compare` or `--plot` |
+//! | `--reducer threads\|sequential\|mpi` | `threads` | a thread per worker; one thread running the N shards in turn (the same bits); a process per worker under `mpirun -np N` (`--features mpi`) |
 //! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`; planned: `new_shape_iterations`, the iterations after epoch 1 that recorded a new batch shape, and `new_shape_allocs`, the most heap allocations one of them made) |
 
 #[path = "common/cli.rs"]
 mod cli;
 #[path = "common/faults.rs"]
 mod faults;
+#[path = "common/parallel.rs"]
+mod parallel;
 #[path = "common/plot.rs"]
 mod plot;
 #[path = "common/vowels.rs"]
@@ -113,6 +117,15 @@ struct Args {
     /// first mode's (all modes train the same weights)
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     save: Option<std::path::PathBuf>,
+    /// Train data-parallel with N workers (1 to 256; default 2 with
+    /// --reducer, the number of processes with --reducer mpi)
+    #[arg(long, value_name = "N", value_parser = parallel::parse_workers, verbatim_doc_comment)]
+    workers: Option<usize>,
+    /// How the workers reduce: `threads`, `sequential` (one thread
+    /// running the N shards in turn: the same bits) or `mpi` (a
+    /// process each under `mpirun -np N`; `--features mpi`)
+    #[arg(long, value_name = "REDUCER", value_parser = parallel::parse_reducer, verbatim_doc_comment)]
+    reducer: Option<parallel::ReducerArg>,
 }
 
 fn parse_head(s: &str) -> Result<String, String> {
@@ -196,14 +209,8 @@ fn prefetcher(split: &Split, args: &Args, seed: u64, mode: WorkspaceMode) -> Res
     Ok(builder.build()?)
 }
 
-/// Trains in `mode`; saves the trained network to `save` when given.
-fn train(
-    args: &Args,
-    mode: WorkspaceMode,
-    train_split: &Split,
-    test: &Split,
-    save: Option<&std::path::Path>,
-) -> Res<Trace> {
+/// The LSTM classifier of the flags.
+fn network(args: &Args, mode: WorkspaceMode) -> carve::Result<Network> {
     let mut builder = NetworkConfig::builder(FEATURES);
     for &width in &args.hidden {
         builder = builder.lstm(width);
@@ -216,7 +223,110 @@ fn train(
         .training_workspace_mode(mode)
         .inference_workspace_mode(mode)
         .build()?;
-    let mut net = Network::new(config)?;
+    Network::new(config)
+}
+
+/// `--workers`, `--reducer`: trains data-parallel, a one-worker trainer alongside;
+/// prints the results (their JSON with `--json`).
+fn run_parallel(args: &Args, train_split: &Split, test: &Split) -> Res<()> {
+    let mut setup = parallel::Setup::new(args.workers, args.reducer)?;
+    let root = setup.is_root();
+    let say = |text: String| match (root, args.json) {
+        (false, _) => {}
+        (true, true) => eprintln!("{text}"),
+        (true, false) => println!("{text}"),
+    };
+    let mode = args.workspace_mode;
+    let widths: Vec<String> = args.hidden.iter().map(usize::to_string).collect();
+    say(format!(
+        "train_sequences: LSTM {FEATURES}-{}-{CLASSES} ({} head), Adam lr {}, batch {}, seed {}; {} workers ({})",
+        widths.join("-"),
+        args.head,
+        args.lr,
+        args.batch_size,
+        args.seed,
+        setup.workers,
+        setup.reducer.name(),
+    ));
+    let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
+    let mut trainers = setup.trainers(|| network(args, mode))?;
+    trainers.reserve(per_epoch.saturating_mul(args.epochs));
+    let mut batches = prefetcher(train_split, args, args.seed, mode)?;
+    for epoch in 1..=args.epochs {
+        let start = Instant::now();
+        let mut loss_sum = 0.0f64;
+        let mut b = 0usize;
+        while let Some(lease) = batches.next() {
+            let lease = lease?;
+            // Each worker's shard is a view of the batch in the prefetch ring.
+            let x = lease.features::<f32, Ix3>()?;
+            let mask = lease.features_mask::<f32, Ix2>()?;
+            let y = lease.labels::<u32, Ix1>()?;
+            let loss = trainers
+                .fit(Input::Sequences { features: x, mask }, y.into())
+                .map_err(|e| format!("epoch {epoch}, batch {}: {e}", b + 1))?;
+            loss_sum += f64::from(loss);
+            b += 1;
+        }
+        batches.reset()?;
+        if !args.json && (epoch == 1 || epoch == args.epochs || epoch % 10 == 0) {
+            say(format!(
+                "epoch {epoch:>3}/{}: loss {:.4}  {:.1} ms",
+                args.epochs,
+                loss_sum / b.max(1) as f64,
+                start.elapsed().as_secs_f64() * 1e3
+            ));
+        }
+    }
+    let summary = trainers.summary(&setup, per_epoch);
+    let mut fields = trainers.json(&setup, per_epoch);
+    let mut net = trainers.main.into_network()?;
+    let mut test_batches = prefetcher(test, args, 0, mode)?;
+    let accuracy = net.evaluate_batches(&mut test_batches)?;
+    say(summary);
+    say(format!(
+        "test accuracy {accuracy:.4}; loss trace sha256 {}",
+        fields["loss_trace_sha256"].as_str().unwrap_or("")
+    ));
+    if let (Some(path), true) = (&args.save, root) {
+        net.save(path).map_err(|e| format!("saving the model: {e}"))?;
+        say(format!("model saved to {}", path.display()));
+    }
+    if args.json && root {
+        fields["test_accuracy"] = accuracy.into();
+        fields["final_loss"] = trainers.loss.last().map(|&l| f64::from(l)).into();
+        let mut object = serde_json::json!({
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "batch_size_used": args.batch_size.min(train_split.labels.len()),
+            "hidden": args.hidden,
+            "head": args.head,
+            "seed": args.seed,
+            "lr": args.lr.to_string().parse::<f64>()?,
+            "train_rows": train_split.labels.len(),
+            "test_rows": test.labels.len(),
+            "saved": args.save.as_ref().map(|p| p.display().to_string()),
+        });
+        if let (Some(object), Some(keys)) = (object.as_object_mut(), fields.as_object()) {
+            for (k, v) in keys {
+                object.insert(k.clone(), v.clone());
+            }
+        }
+        object[mode_name(mode)] = fields;
+        println!("{}", serde_json::to_string(&object)?);
+    }
+    Ok(())
+}
+
+/// Trains in `mode`; saves the trained network to `save` when given.
+fn train(
+    args: &Args,
+    mode: WorkspaceMode,
+    train_split: &Split,
+    test: &Split,
+    save: Option<&std::path::Path>,
+) -> Res<Trace> {
+    let mut net = network(args, mode)?;
     let mut batches = prefetcher(train_split, args, args.seed, mode)?;
     let mut test_batches = prefetcher(test, args, 0, mode)?;
     let mut trace = Trace::default();
@@ -293,6 +403,12 @@ fn median(values: &[f64]) -> f64 {
 }
 
 fn run(args: &Args) -> Res<()> {
+    if (args.workers.is_some() || args.reducer.is_some()) && (args.compare || args.plot.is_some()) {
+        cli::usage_error::<Args>(
+            "--workers and --reducer train one data-parallel run, --compare and --plot compare workspace modes: use \
+             one or the other",
+        );
+    }
     if let Some(path) = &args.plot {
         plot::check_plot_path(path)?;
     }
@@ -300,6 +416,9 @@ fn run(args: &Args) -> Res<()> {
         cli::check_writable(path, "--save", "the model")?;
     }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
+    if args.workers.is_some() || args.reducer.is_some() {
+        return run_parallel(args, &train_split, &test);
+    }
     let modes: &[WorkspaceMode] = if args.compare || args.plot.is_some() {
         &[WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None]
     } else {

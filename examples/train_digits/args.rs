@@ -6,6 +6,7 @@ use carve::async_iter::MAX_DEPTH;
 use carve::WorkspaceMode;
 use clap::Parser;
 
+use crate::parallel::{parse_reducer, parse_workers, ReducerArg};
 use crate::plot::parse_plot_path;
 use crate::report::{bytes_human, thousands};
 use crate::{CLASSES, FEATURES};
@@ -88,6 +89,20 @@ pub(crate) struct Args {
     /// the first mode's (all modes train the same weights)
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     pub(crate) save: Option<PathBuf>,
+
+    /// Train data-parallel with N workers (1 to 256; default 2 with
+    /// --reducer, the number of processes with --reducer mpi): each
+    /// batch is cut into N shards, the gradients reduced in rank
+    /// order; a one-worker trainer trains alongside for the speedup
+    #[arg(long, value_name = "N", value_parser = parse_workers, verbatim_doc_comment)]
+    pub(crate) workers: Option<usize>,
+
+    /// How the workers reduce: `threads` (a thread each),
+    /// `sequential` (one thread running the N shards in turn: the
+    /// same bits as N threads) or `mpi` (a process each, under
+    /// `mpirun -np N`; built with `--features mpi`)
+    #[arg(long, value_name = "REDUCER", value_parser = parse_reducer, verbatim_doc_comment)]
+    pub(crate) reducer: Option<ReducerArg>,
 }
 
 impl Args {
@@ -101,8 +116,14 @@ impl Args {
         args
     }
 
-    /// What the parsers of single values cannot see: the size of the whole network.
+    /// What the parsers of single values cannot see: the size of the whole network,
+    /// flags that do not go together.
     fn check(&self) -> Result<(), String> {
+        if self.data_parallel() && self.both_modes() {
+            return Err("--workers and --reducer train one data-parallel run, --compare and --plot compare \
+                        workspace modes: use one or the other"
+                .to_string());
+        }
         let parameters = parameter_count(&self.hidden);
         if parameters > MAX_PARAMETERS {
             let widths: Vec<String> = self.hidden.iter().map(usize::to_string).collect();
@@ -117,6 +138,11 @@ impl Args {
             ));
         }
         Ok(())
+    }
+
+    /// Training is data-parallel: with `--workers` or `--reducer`.
+    pub(crate) fn data_parallel(&self) -> bool {
+        self.workers.is_some() || self.reducer.is_some()
     }
 
     /// Both modes train: with `--compare`, and with `--plot`, which draws both.

@@ -41,6 +41,8 @@
 //! | `--prefetch-depth N` | 2 | batches the prefetcher fills ahead on its thread, 0 to 1024; 0: inline in the training thread (shield mode) |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
+//! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
+//! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
 //!
 //! `--help` prints the flags and exits 0, running nothing. A usage error (an unknown flag,
 //! a bad or out-of-range value) is one line on stderr naming the flag and what is valid,
@@ -59,6 +61,25 @@
 //! must open for writing.
 //!
 //! Environment: `TRAIN_DIGITS_DATA` overrides the path of the data file.
+//!
+//! ## Data-parallel training (`--workers`, `--reducer`)
+//!
+//! With either flag the network trains through [`carve::nn::DataParallel`]: each batch of
+//! the prefetcher is cut into N shards of consecutive rows, views of the prefetch ring
+//! (nothing is copied), one per worker; the weights and Adam's state are held once;
+//! each worker writes its gradients into its gradient buckets, which are reduced in
+//! rank order. A one-worker trainer trains alongside on the same batches, so that the
+//! speedup is measured in the same run. `--compare` and `--plot` do not combine with
+//! it. The JSON adds, at the top level and under the workspace mode's key:
+//! `workers`, `reducer`, `bytes_copied_for_reduction` (0: backward writes where the
+//! reduction reads), `gradient_bucket_bytes` (one worker's buckets),
+//! `speedup_vs_one_worker` (samples per second after epoch 1, against the one-worker
+//! trainer), `loss_trace_sha256`, and the memory: `weight_bytes`,
+//! `updater_state_bytes`, `worker_plan_bytes`, `worker_arena_bytes`, `memory_bytes`
+//! (all of it) and `dl4j_design_bytes` (a copy of the weights, the state and the
+//! gradients per worker, plus the same workspaces, as DL4J's `ParallelWrapper` holds).
+//! `--reducer sequential` gives the same `loss_trace_sha256` as `--reducer threads` with
+//! as many workers, and `mpirun -np N ... --reducer mpi` the same again.
 //!
 //! ## Peak RSS
 //!
@@ -108,9 +129,12 @@ mod args;
 #[path = "../common/cli.rs"]
 mod cli;
 mod data;
+mod data_parallel;
 #[path = "../common/faults.rs"]
 mod faults;
 mod measure;
+#[path = "../common/parallel.rs"]
+mod parallel;
 #[path = "../common/plot.rs"]
 mod plot;
 mod report;
@@ -160,6 +184,10 @@ fn run(args: &Args) -> Res<()> {
             test.y.len()
         )
         .into());
+    }
+
+    if args.data_parallel() {
+        return data_parallel::run(args, &train, &test);
     }
 
     let modes: &[WorkspaceMode] = if args.both_modes() {

@@ -56,6 +56,8 @@ pub use lstm::Lstm;
 pub use network::{
     names, planned_workspace_config, workspace_config, Input, Labels, Network, NetworkConfig, NetworkConfigBuilder,
 };
+#[cfg(feature = "mpi")]
+pub use parallel::Mpi;
 pub use parallel::{
     DataParallel, GradInput, ParallelConfig, ParallelLayer, ParallelStats, Pass, Reducer, ReducerKind, Report, Tape,
 };

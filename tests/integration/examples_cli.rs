@@ -194,3 +194,26 @@ fn train_sequences_planned_records_new_shapes_after_warm_up_without_heap_allocat
     assert!(planned["steady_state_allocs_max"].as_u64().is_some_and(|n| n <= 8), "{json}");
     assert_eq!(planned["divergences"].as_u64(), Some(0), "{json}");
 }
+
+#[test]
+fn train_sequences_trains_data_parallel_with_threads_matching_the_shard_mode() {
+    let mut traces = Vec::new();
+    for reducer in ["threads", "sequential"] {
+        let args = ["--workers", "3", "--reducer", reducer, "--epochs", "2", "--hidden", "8", "--json"];
+        let output = run("train_sequences", &args);
+        assert!(output.status.success(), "{reducer}: {}", text(&output.stderr));
+        let stdout = text(&output.stdout);
+        let json: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).unwrap();
+        for key in
+            ["workers", "reducer", "bytes_copied_for_reduction", "gradient_bucket_bytes", "speedup_vs_one_worker"]
+        {
+            assert!(!json[key].is_null() && json[key] == json["enabled"][key], "{key} in {json}");
+        }
+        assert_eq!(json["workers"].as_u64(), Some(3), "{json}");
+        assert_eq!(json["bytes_copied_for_reduction"].as_u64(), Some(0), "{json}");
+        traces.push(json["enabled"]["loss_trace_sha256"].as_str().expect("a trace").to_string());
+    }
+    assert_eq!(traces[0], traces[1], "3 threads and one thread of 3 shards: the same losses");
+    let line = usage_error("train_sequences", &["--workers", "2", "--compare"]);
+    assert!(line.contains("--compare"), "{line}");
+}

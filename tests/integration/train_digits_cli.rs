@@ -612,3 +612,55 @@ fn save_writes_a_model_that_loads_and_a_bad_path_is_refused_before_training() {
     assert!(stderr.starts_with("train_digits: error: --save ") && stderr.contains("does not exist"), "{stderr}");
     assert!(output.stdout.is_empty(), "refused before training: {}", text(&output.stdout));
 }
+
+#[test]
+fn data_parallel_runs_report_the_reduction_and_threads_match_the_shard_mode_bit_for_bit() {
+    let mut traces = Vec::new();
+    for reducer in ["threads", "sequential"] {
+        let output = run(&["--workers", "2", "--reducer", reducer, "--epochs", "2", "--hidden", "32", "--json"]);
+        assert!(output.status.success(), "{reducer}: {}", text(&output.stderr));
+        let json = last_json(&output);
+        // At the top level and under the workspace mode's key, next to the loss trace.
+        for object in [&json, &json["enabled"]] {
+            assert_eq!(object["workers"].as_u64(), Some(2), "{json}");
+            assert_eq!(object["reducer"].as_str(), Some(reducer), "{json}");
+            assert_eq!(object["bytes_copied_for_reduction"].as_u64(), Some(0), "{json}");
+            // 64-32-10: (65·32 + 33·10) values of 4 bytes, in one worker's buckets.
+            assert_eq!(object["gradient_bucket_bytes"].as_u64(), Some((65 * 32 + 33 * 10) * 4), "{json}");
+            assert!(object["speedup_vs_one_worker"].as_f64().is_some_and(|s| s > 0.0 && s.is_finite()), "{json}");
+            assert_eq!(object["loss_trace_sha256"].as_str().map(str::len), Some(64), "{json}");
+            assert_eq!(object["steady_state_allocs_max"].as_u64(), Some(0), "{json}");
+        }
+        // The weights and Adam's state are held once: less than a copy per worker.
+        let (memory, dl4j) = (json["memory_bytes"].as_u64().unwrap(), json["dl4j_design_bytes"].as_u64().unwrap());
+        assert!(memory < dl4j, "{memory} vs {dl4j}: {json}");
+        assert!(json["test_accuracy"].as_f64().is_some_and(|a| a > 0.5), "{json}");
+        traces.push(json["loss_trace_sha256"].as_str().unwrap().to_string());
+    }
+    assert_eq!(traces[0], traces[1], "2 threads and one thread of 2 shards: the same losses");
+    // The other number of workers trains on other shards: other bits, same keys.
+    let output = run(&["--workers", "3", "--epochs", "2", "--hidden", "32", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    assert_eq!((json["workers"].as_u64(), json["reducer"].as_str()), (Some(3), Some("threads")), "{json}");
+    assert_ne!(json["loss_trace_sha256"].as_str(), Some(traces[0].as_str()), "{json}");
+}
+
+#[test]
+fn data_parallel_flags_are_checked_before_training() {
+    for (args, names) in [
+        (&["--workers", "0"][..], "--workers"),
+        (&["--workers", "100000"][..], "--workers"),
+        (&["--reducer", "carrier-pigeon"][..], "--reducer"),
+        (&["--workers", "2", "--compare"][..], "--compare"),
+    ] {
+        let line = usage_error(args);
+        assert!(line.contains(names), "{args:?}: {line}");
+    }
+    if !cfg!(feature = "mpi") {
+        // Without the feature, the MPI reducer is an error that says how to get it.
+        let output = run(&["--reducer", "mpi", "--epochs", "1"]);
+        assert_eq!(output.status.code(), Some(1), "{}", text(&output.stderr));
+        assert!(text(&output.stderr).contains("--features mpi"), "{}", text(&output.stderr));
+    }
+}

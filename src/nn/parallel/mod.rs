@@ -21,6 +21,9 @@
 //! only (the shards' matrix products sum in another order).
 
 mod layer;
+#[cfg(feature = "mpi")]
+#[allow(unsafe_code)]
+mod mpi;
 #[allow(unsafe_code)]
 mod reduce;
 #[allow(unsafe_code)]
@@ -32,6 +35,8 @@ mod worker;
 
 pub(crate) use layer::{DenseShape, LstmShape, Replica};
 pub use layer::{GradInput, ParallelLayer, Pass, Tape};
+#[cfg(feature = "mpi")]
+pub use mpi::Mpi;
 pub use reduce::{Reducer, Report};
 pub use trainer::{DataParallel, ParallelConfig, ParallelStats, ReducerKind};
 

@@ -48,6 +48,11 @@ pub trait Reducer: Send {
     /// This worker's rank.
     fn rank(&self) -> usize;
 
+    /// A short name for reports ("threads", "mpi").
+    fn name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Sums `bucket` over the workers, in rank order; returns the range of `bucket` that
     /// holds the sum on return.
     ///
@@ -174,6 +179,10 @@ const CHUNK: usize = 256;
 impl Reducer for Threads {
     fn workers(&self) -> usize {
         self.group.buckets[0].len()
+    }
+
+    fn name(&self) -> &'static str {
+        "threads"
     }
 
     fn rank(&self) -> usize {

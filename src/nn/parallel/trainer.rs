@@ -31,6 +31,11 @@ pub enum ReducerKind {
     /// One thread that runs the workers' shards in turn and adds their gradients in the
     /// same order: the same bits as [`ReducerKind::Threads`] with as many workers.
     Sequential,
+    /// One worker in this process, reducing with the workers of other processes through
+    /// a [`Reducer`] given to [`DataParallel::with_reducer`] (MPI: [`Mpi`]).
+    ///
+    /// [`Mpi`]: crate::nn::Mpi
+    Process,
 }
 
 impl ReducerKind {
@@ -39,6 +44,7 @@ impl ReducerKind {
         match self {
             ReducerKind::Threads => "threads",
             ReducerKind::Sequential => "sequential",
+            ReducerKind::Process => "process",
         }
     }
 }
@@ -170,6 +176,8 @@ pub struct DataParallel {
     iterations: u64,
     modes: [WorkspaceMode; 2],
     copied: u64,
+    /// The reducer's name.
+    name: &'static str,
     /// A trainer stays on its thread (its worker 0's workspaces do).
     _thread_bound: std::marker::PhantomData<*const ()>,
 }
@@ -196,15 +204,55 @@ impl DataParallel {
         if config.workers == 0 {
             return Err(Error::InvalidConfig { reason: "a data-parallel trainer needs at least one worker".into() });
         }
+        if config.reducer == ReducerKind::Process {
+            return Err(Error::InvalidConfig {
+                reason: "a trainer of one worker per process is made by DataParallel::with_reducer, with the \
+                         processes' reducer"
+                    .into(),
+            });
+        }
+        let threads = config.reducer == ReducerKind::Threads && config.workers > 1;
+        let reducers: Vec<Box<dyn Reducer>> = match threads {
+            true => Threads::group(config.workers).into_iter().map(|r| Box::new(r) as Box<dyn Reducer>).collect(),
+            false => vec![Box::new(Alone)],
+        };
+        DataParallel::build(network, config, reducers, threads)
+    }
+
+    /// A trainer of one worker in this process that reduces with the workers of other
+    /// processes through `reducer` (MPI: [`Mpi`](crate::nn::Mpi)), each process holding
+    /// its own copy of the weights and the updater's state. Every process runs the same
+    /// steps on the same batches; worker `r` (this process, `reducer.rank()`) trains on
+    /// the `r`-th of `reducer.workers()` shards of each, and updates every parameter from
+    /// the reduced gradients, so that the copies stay equal bit for bit.
+    ///
+    /// # Errors
+    ///
+    /// As [`DataParallel::new`]; the reducer's errors at each step ([`Error::Reduction`]).
+    pub fn with_reducer(network: Network, reducer: Box<dyn Reducer>, bucket_bytes: usize) -> Result<DataParallel> {
+        let workers = reducer.workers();
+        if workers == 0 || reducer.rank() >= workers {
+            return Err(Error::InvalidConfig {
+                reason: format!("a reducer of rank {} among {workers} workers", reducer.rank()),
+            });
+        }
+        let config = ParallelConfig { workers, reducer: ReducerKind::Process, bucket_bytes };
+        DataParallel::build(network, config, vec![reducer], false)
+    }
+
+    /// The trainer of `network` with `reducers`, one per worker of this process (rank 0
+    /// first); `threads`: they are threads that share the parameters.
+    fn build(
+        network: Network,
+        config: ParallelConfig,
+        mut reducers: Vec<Box<dyn Reducer>>,
+        threads: bool,
+    ) -> Result<DataParallel> {
         let (inputs, mut layers, updater, iterations, modes) = network.into_parts();
         let (shared, step) = share(&mut layers, updater, config.bucket_bytes)?;
         drop(layers);
         let shared = Arc::new(shared);
-        let threads = config.reducer == ReducerKind::Threads && config.workers > 1;
-        let mut reducers: Vec<Box<dyn Reducer>> = match threads {
-            true => Threads::group(config.workers).into_iter().map(|r| Box::new(r) as Box<dyn Reducer>).collect(),
-            false => vec![Box::new(Alone)],
-        };
+        let (name, first_rank) = (reducers[0].name(), reducers[0].rank());
         let others = reducers.split_off(1);
         let reducer = reducers.pop().expect("rank 0's reducer");
         let me = match catch_unwind(AssertUnwindSafe(|| Worker::new(&shared, reducer, threads, config.workers))) {
@@ -212,7 +260,7 @@ impl DataParallel {
             Err(panic) => {
                 let message = format!("making the worker: {}", panic_message(panic));
                 let source = Box::new(Error::LayerPanicked { message });
-                return Err(Error::Worker { worker: 0, layer: "start".into(), source });
+                return Err(Error::Worker { worker: first_rank, layer: "start".into(), source });
             }
         };
         let mut trainer = DataParallel {
@@ -227,6 +275,7 @@ impl DataParallel {
             iterations,
             modes,
             copied: 0,
+            name,
             _thread_bound: std::marker::PhantomData,
         };
         if threads {
@@ -453,7 +502,10 @@ impl DataParallel {
         let bytes = |n: usize| n * size_of::<f32>();
         ParallelStats {
             workers: self.config.workers,
-            reducer: self.config.reducer.name(),
+            reducer: match self.config.reducer {
+                ReducerKind::Process => self.name,
+                kind => kind.name(),
+            },
             weight_bytes: bytes(self.shared.params.len()),
             updater_state_bytes: bytes(self.shared.first.len() + self.shared.second.len()),
             gradient_bucket_bytes: bytes(self.shared.layout.total),
