@@ -126,6 +126,7 @@ impl Setup {
         Ok(Trainers {
             main,
             one,
+            mpi_rank: (self.reducer == ReducerArg::Mpi).then_some(self.rank),
             loss: Vec::new(),
             main_ns: Vec::new(),
             one_ns: Vec::new(),
@@ -139,6 +140,8 @@ impl Setup {
 pub(crate) struct Trainers {
     pub(crate) main: DataParallel,
     one: Option<DataParallel>,
+    /// This process's rank under MPI.
+    mpi_rank: Option<usize>,
     pub(crate) loss: Vec<f32>,
     main_ns: Vec<u64>,
     one_ns: Vec<u64>,
@@ -162,7 +165,12 @@ impl Trainers {
         let rows = x.rows();
         let before = reset_thread_peak();
         let t0 = Instant::now();
-        let loss = self.main.fit_batch(x, y)?;
+        let loss = self.main.fit_batch(x, y).inspect_err(|e| {
+            if let Some(rank) = self.mpi_rank {
+                // Said now: a failed MPI group ends the job when the trainer drops.
+                eprintln!("rank {rank}: {e}");
+            }
+        })?;
         let elapsed = t0.elapsed();
         self.allocs.push(thread_counts().allocations - before.allocations);
         self.main_ns.push(elapsed.as_nanos() as u64);
