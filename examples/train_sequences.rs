@@ -252,6 +252,11 @@ fn run_parallel(args: &Args, train_split: &Split, test: &Split) -> Res<()> {
     let mut trainers = setup.trainers(|| network(args, mode))?;
     trainers.reserve(per_epoch.saturating_mul(args.epochs));
     let mut batches = prefetcher(train_split, args, args.seed, mode)?;
+    // The one-worker trainer's batches: the same, in the same order.
+    let mut baseline = match trainers.has_baseline() {
+        true => Some(prefetcher(train_split, args, args.seed, mode)?),
+        false => None,
+    };
     for epoch in 1..=args.epochs {
         let start = Instant::now();
         let mut loss_sum = 0.0f64;
@@ -269,6 +274,15 @@ fn run_parallel(args: &Args, train_split: &Split, test: &Split) -> Res<()> {
             b += 1;
         }
         batches.reset()?;
+        if let Some(baseline) = baseline.as_mut() {
+            while let Some(lease) = baseline.next() {
+                let lease = lease?;
+                let features = lease.features::<f32, Ix3>()?;
+                let mask = lease.features_mask::<f32, Ix2>()?;
+                trainers.fit_one(Input::Sequences { features, mask }, lease.labels::<u32, Ix1>()?.into())?;
+            }
+            baseline.reset()?;
+        }
         if !args.json && (epoch == 1 || epoch == args.epochs || epoch % 10 == 0) {
             say(format!(
                 "epoch {epoch:>3}/{}: loss {:.4}  {:.1} ms",

@@ -3,9 +3,9 @@
 //! keys they add.
 //!
 //! With more than one worker, a trainer of one worker trains alongside on the same
-//! batches, step by step, so that `speedup_vs_one_worker` (samples per second of the N
-//! workers over those of one, after the first epoch) is measured in the same run, on
-//! the same machine state. Under `mpirun` every process does so (each its own one-worker
+//! batches (from a second prefetcher of the same seed), epoch by epoch in turn, so that
+//! `speedup_vs_one_worker` (samples per second of the N workers over those of one, after
+//! the first epoch) is measured in the same run, on the same machine state. Under `mpirun` every process does so (each its own one-worker
 //! trainer, at the same time), and rank 0 reports.
 
 // Not every demo needs every helper.
@@ -176,12 +176,23 @@ impl Trainers {
         self.main_ns.push(elapsed.as_nanos() as u64);
         self.loss.push(loss);
         self.rows.push(rows);
+        Ok(loss)
+    }
+
+    /// Whether a one-worker trainer trains alongside (more than one worker).
+    pub(crate) fn has_baseline(&self) -> bool {
+        self.one.is_some()
+    }
+
+    /// One step of the one-worker trainer (the same batches, in an epoch of its own
+    /// after the N workers' epoch, so that neither's threads wait on the other's steps).
+    pub(crate) fn fit_one(&mut self, x: Input<'_>, y: Labels<'_>) -> carve::Result<()> {
         if let Some(one) = &mut self.one {
             let t0 = Instant::now();
             one.fit_batch(x, y)?;
             self.one_ns.push(t0.elapsed().as_nanos() as u64);
         }
-        Ok(loss)
+        Ok(())
     }
 
     /// Samples per second of the N workers and of one, over the steps from `steady`

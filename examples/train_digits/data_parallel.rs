@@ -36,6 +36,11 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
     let mut trainers = setup.trainers(|| build_network(args, mode))?;
     trainers.reserve(per_epoch.saturating_mul(args.epochs));
     let mut batches = prefetcher(train, batch, args.seed, args.prefetch_depth, mode)?;
+    // The one-worker trainer's batches: the same, in the same order.
+    let mut baseline = match trainers.has_baseline() {
+        true => Some(prefetcher(train, batch, args.seed, args.prefetch_depth, mode)?),
+        false => None,
+    };
     for epoch in 1..=args.epochs {
         let start = Instant::now();
         let mut loss_sum = 0.0f64;
@@ -51,6 +56,13 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
             b += 1;
         }
         batches.reset()?;
+        if let Some(baseline) = baseline.as_mut() {
+            while let Some(lease) = baseline.next() {
+                let lease = lease?;
+                trainers.fit_one(lease.features::<f32, Ix2>()?.into(), lease.labels::<u32, Ix1>()?.into())?;
+            }
+            baseline.reset()?;
+        }
         if !args.json && (epoch == 1 || epoch == args.epochs || epoch.is_multiple_of(10)) {
             say(format!(
                 "epoch {epoch:>4}/{}: loss {:.4}  {:.1} ms",

@@ -112,7 +112,7 @@ struct Group {
     /// after every worker has finished reading call `k`'s pointers).
     buckets: [Box<[AtomicPtr<f32>]>; 2],
     lengths: [Box<[AtomicUsize]>; 2],
-    reports: Mutex<Box<[Report]>>,
+    reports: [Mutex<Box<[Report]>>; 2],
 }
 
 /// The buckets of the other workers, read during one call.
@@ -130,6 +130,7 @@ pub(crate) struct Threads {
     group: Arc<Group>,
     rank: usize,
     calls: usize,
+    exchanges: usize,
     peers: Peers,
 }
 
@@ -142,13 +143,14 @@ impl Threads {
             gate: Gate::new(workers),
             buckets: [slots(), slots()],
             lengths: [lengths(), lengths()],
-            reports: Mutex::new(vec![Report::default(); workers].into_boxed_slice()),
+            reports: [(); 2].map(|_| Mutex::new(vec![Report::default(); workers].into_boxed_slice())),
         });
         (0..workers)
             .map(|rank| Threads {
                 group: Arc::clone(&group),
                 rank,
                 calls: 0,
+                exchanges: 0,
                 peers: Peers(vec![std::ptr::null(); workers]),
             })
             .collect()
@@ -240,11 +242,15 @@ impl Reducer for Threads {
     }
 
     fn exchange(&mut self, mine: Report, all: &mut [Report]) -> Result<()> {
-        self.group.reports.lock().unwrap_or_else(PoisonError::into_inner)[self.rank] = mine;
+        // Double-buffered by the exchange's parity: a worker writes exchange k + 2's
+        // reports only after passing exchange k + 1's gate, so after every worker has
+        // read exchange k's.
+        let parity = self.exchanges % 2;
+        self.exchanges += 1;
+        self.group.reports[parity].lock().unwrap_or_else(PoisonError::into_inner)[self.rank] = mine;
         self.meet()?;
-        all.copy_from_slice(&self.group.reports.lock().unwrap_or_else(PoisonError::into_inner));
-        // Nobody writes the next reports before everyone has read these.
-        self.meet()
+        all.copy_from_slice(&self.group.reports[parity].lock().unwrap_or_else(PoisonError::into_inner));
+        Ok(())
     }
 
     fn abandon(&mut self) {
@@ -267,7 +273,12 @@ mod tests {
                     s.spawn(move || {
                         let mut bucket: Vec<f32> = (0..100).map(|i| (i * (rank + 1)) as f32 + 0.25).collect();
                         let range = reducer.reduce(&mut bucket).unwrap();
-                        (range.clone(), bucket[range].to_vec())
+                        let sums = bucket[range.clone()].to_vec();
+                        // The others read this bucket until the next collective call.
+                        let mut all = [Report::default(); 3];
+                        reducer.exchange(Report::default(), &mut all).unwrap();
+                        drop(bucket);
+                        (range, sums)
                     })
                 })
                 .collect();
@@ -321,7 +332,10 @@ mod tests {
                 .map(|(rank, reducer)| {
                     s.spawn(move || {
                         let mut bucket = vec![1.0f32; 32 + rank];
-                        reducer.reduce(&mut bucket).map(|_| ())
+                        let result = reducer.reduce(&mut bucket).map(|_| ());
+                        let mut all = [Report::default(); 2];
+                        reducer.exchange(Report::default(), &mut all).unwrap();
+                        result
                     })
                 })
                 .collect();

@@ -4,6 +4,7 @@
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 
 /// A buffer of `f32` that several threads read at once, or write in disjoint ranges, in
@@ -73,10 +74,15 @@ impl SharedBuf {
 /// then returns `false` at once. The trainer's workers meet at gates, so that a worker
 /// that cannot go on (a panic in the middle of a reduction, a trainer that stops) never
 /// leaves the others waiting.
+///
+/// A waiter spins a little on the generation before it sleeps: the workers of a step
+/// arrive within microseconds of each other, and a futex wake-up costs more.
 pub(crate) struct Gate {
     n: usize,
     state: Mutex<GateState>,
     turned: Condvar,
+    /// The state's generation and broken flag, to spin on: `generation << 1 | broken`.
+    seen: AtomicU64,
 }
 
 struct GateState {
@@ -85,9 +91,17 @@ struct GateState {
     broken: bool,
 }
 
+/// Spins of a waiter before it sleeps.
+const SPINS: u32 = 4000;
+
 impl Gate {
     pub(crate) fn new(n: usize) -> Gate {
-        Gate { n, state: Mutex::new(GateState { waiting: 0, generation: 0, broken: false }), turned: Condvar::new() }
+        Gate {
+            n,
+            state: Mutex::new(GateState { waiting: 0, generation: 0, broken: false }),
+            turned: Condvar::new(),
+            seen: AtomicU64::new(0),
+        }
     }
 
     /// Waits until all `n` threads wait; `false` when the gate is (or gets) broken.
@@ -100,10 +114,23 @@ impl Gate {
         if state.waiting == self.n {
             state.waiting = 0;
             state.generation += 1;
+            self.seen.store(state.generation << 1, Ordering::Release);
             self.turned.notify_all();
             return true;
         }
         let generation = state.generation;
+        drop(state);
+        for _ in 0..SPINS {
+            let seen = self.seen.load(Ordering::Acquire);
+            if seen & 1 == 1 {
+                return false;
+            }
+            if seen >> 1 != generation {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         while state.generation == generation && !state.broken {
             state = self.turned.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
@@ -112,7 +139,10 @@ impl Gate {
 
     /// Breaks the gate for good.
     pub(crate) fn break_all(&self) {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner).broken = true;
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.broken = true;
+        self.seen.store(state.generation << 1 | 1, Ordering::Release);
+        drop(state);
         self.turned.notify_all();
     }
 }

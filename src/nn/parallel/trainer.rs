@@ -3,7 +3,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::shared::{panic_message, Gate};
 use std::thread::JoinHandle;
@@ -128,7 +128,7 @@ struct Control {
     /// Where a step ends. Never broken: the coordinator passes it only once every thread
     /// has finished reading the step's batch (every thread reaches it: a step's failures
     /// and panics are caught).
-    end: Barrier,
+    end: Gate,
     stop: AtomicBool,
     /// The step the workers run, set before `start` and cleared after `end`.
     desc: Mutex<Option<StepDesc<'static>>>,
@@ -292,7 +292,7 @@ impl DataParallel {
         let counters = || (0..workers).map(|_| AtomicUsize::new(0)).collect::<Box<[_]>>();
         let control = Arc::new(Control {
             start: Gate::new(workers),
-            end: Barrier::new(workers),
+            end: Gate::new(workers),
             stop: AtomicBool::new(false),
             desc: Mutex::new(None),
             errors: (0..workers).map(|_| Mutex::new(None)).collect(),
