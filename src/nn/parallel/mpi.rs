@@ -29,8 +29,19 @@ use crate::{Error, Result};
 
 use super::reduce::{share, Reducer, Report};
 
-/// The reducer of one worker per MPI process: see the [module](self) for the order and
-/// the bounded waits.
+/// The reducer of one worker per MPI process.
+///
+/// **Order.** A bucket is cut into the threads' shares (the `r`-th of `P` ranges at
+/// multiples of 16 values); an all-to-all sends each rank its share of every rank's
+/// bucket, read where backward wrote it; rank `r` adds the `P` pieces in rank order, an
+/// all-gather gives every rank every sum. So `P` processes give the bits of `P` threads;
+/// no `MPI_Allreduce` (whose order is the library's) is used.
+///
+/// **Bounded waits.** Every collective is nonblocking, polled against a deadline
+/// ([`Mpi::timeout`]; `CARVE_MPI_TIMEOUT_MS`, 60 s by default): a peer that does not
+/// answer fails the step with [`Error::Reduction`]. The group is then unusable (MPI
+/// cannot cancel a collective): later calls fail at once, and dropping the reducer ends
+/// the job with `MPI_Abort` rather than wait in `MPI_Finalize`.
 ///
 /// ```no_run
 /// # use carve::nn::{DataParallel, Mpi, Network, NetworkConfig};

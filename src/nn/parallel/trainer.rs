@@ -32,9 +32,8 @@ pub enum ReducerKind {
     /// same order: the same bits as [`ReducerKind::Threads`] with as many workers.
     Sequential,
     /// One worker in this process, reducing with the workers of other processes through
-    /// a [`Reducer`] given to [`DataParallel::with_reducer`] (MPI: [`Mpi`]).
-    ///
-    /// [`Mpi`]: crate::nn::Mpi
+    /// a [`Reducer`] given to [`DataParallel::with_reducer`] (MPI: `carve::nn::Mpi`, the
+    /// `mpi` feature).
     Process,
 }
 
@@ -220,7 +219,7 @@ impl DataParallel {
     }
 
     /// A trainer of one worker in this process that reduces with the workers of other
-    /// processes through `reducer` (MPI: [`Mpi`](crate::nn::Mpi)), each process holding
+    /// processes through `reducer` (MPI: `carve::nn::Mpi`, the `mpi` feature), each process holding
     /// its own copy of the weights and the updater's state. Every process runs the same
     /// steps on the same batches; worker `r` (this process, `reducer.rank()`) trains on
     /// the `r`-th of `reducer.workers()` shards of each, and updates every parameter from
