@@ -11,9 +11,8 @@
 //! mpirun -np 2 target/release/examples/mpi_check --fault die-at 5
 //! ```
 //!
-//! `--fault stall-at N`: the last rank sleeps 60 s before step N; the others fail that
-//! step with a reduction error after `--timeout-ms`, print it, and the job is aborted
-//! (`MPI_Abort`). `--fault die-at N`: the last rank exits before step N; `mpirun` ends
+//! `--fault stall-at N`: the last rank sleeps 60 s before step N; the others wait
+//! `--timeout-ms`, say why on stderr and end the job (`MPI_Abort`). `--fault die-at N`: the last rank exits before step N; `mpirun` ends
 //! the job (or the others' timeout does). Either way nothing hangs: the exit status is
 //! not 0 and the time is bounded by the timeout.
 

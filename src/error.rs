@@ -129,11 +129,11 @@ pub enum Error {
         source: Box<Error>,
     },
 
-    /// The workers of a data-parallel trainer could not reduce: a peer that did not
-    /// answer within the reducer's timeout (an MPI process that died), buckets of
-    /// different lengths, or a group that a worker abandoned in an earlier step (the
-    /// trainer cannot train on; `into_network` still gives back its weights, those of the
-    /// last step every worker finished).
+    /// The workers of a data-parallel trainer could not reduce: buckets of different
+    /// lengths, a reducer that left the sum elsewhere than the worker's share, or a group
+    /// that a worker abandoned (a panic in the middle of a step's collective calls: the
+    /// trainer cannot train on; `into_network` still gives back its weights, those of
+    /// the last step every worker finished).
     #[error("data-parallel reduction failed: {message}")]
     Reduction {
         /// What happened.

@@ -10,11 +10,10 @@
 //!
 //! **Bounded waits.** Every collective is nonblocking (`MPI_Ialltoallv`,
 //! `MPI_Iallgatherv`), polled against a deadline ([`Mpi::timeout`], 60 s by default):
-//! a peer that does not answer in time fails the step with [`Error::Reduction`] instead of
-//! hanging. A peer that dies is usually noticed sooner by `mpirun`, which ends the whole
-//! job. After a timeout the group is unusable (MPI cannot cancel a collective): every
-//! later call fails at once, and dropping the reducer ends the job with `MPI_Abort`
-//! rather than wait in `MPI_Finalize` for the peer.
+//! a peer that does not answer in time ends the job: the waiting rank says why on stderr
+//! and calls `MPI_Abort` (MPI cannot cancel a collective call, and its buffers are the
+//! worker's gradient buckets, so no error can be returned while it may still write them).
+//! A peer that dies is usually noticed sooner by `mpirun`, which ends the whole job.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -39,9 +38,10 @@ use super::reduce::{share, Reducer, Report};
 ///
 /// **Bounded waits.** Every collective is nonblocking, polled against a deadline
 /// ([`Mpi::timeout`]; `CARVE_MPI_TIMEOUT_MS`, 60 s by default): a peer that does not
-/// answer fails the step with [`Error::Reduction`]. The group is then unusable (MPI
-/// cannot cancel a collective): later calls fail at once, and dropping the reducer ends
-/// the job with `MPI_Abort` rather than wait in `MPI_Finalize`.
+/// answer ends the job, the waiting rank saying why on stderr (`MPI_Abort`: MPI cannot
+/// cancel a collective whose buffers are the worker's buckets). A worker that abandons
+/// a step makes the group unusable: its later calls fail with [`Error::Reduction`], and
+/// dropping the reducer ends the job rather than wait in `MPI_Finalize`.
 ///
 /// ```no_run
 /// # use carve::nn::{DataParallel, Mpi, Network, NetworkConfig};
@@ -77,6 +77,8 @@ pub struct Mpi {
     broken: Option<String>,
     /// MPI itself, finalized on drop (unless the group broke: then the job is aborted).
     universe: Option<Universe>,
+    /// The thread that initialized MPI, the one that may finalize it.
+    init_thread: std::thread::ThreadId,
 }
 
 impl std::fmt::Debug for Mpi {
@@ -87,7 +89,8 @@ impl std::fmt::Debug for Mpi {
 
 // SAFETY: MPI is initialized with `Threading::Serialized` (checked in `Mpi::init`), so
 // any thread may call it as long as no two do at once; the reducer makes its calls through
-// `&mut self`, one thread at a time.
+// `&mut self`, one thread at a time. Only the initializing thread finalizes MPI (`Drop`
+// checks the thread).
 unsafe impl Send for Mpi {}
 
 impl Mpi {
@@ -128,6 +131,7 @@ impl Mpi {
             reports: vec![0; 2 * size],
             broken: None,
             universe: Some(universe),
+            init_thread: std::thread::current().id(),
         })
     }
 
@@ -154,19 +158,16 @@ impl Mpi {
         }
     }
 
-    /// Fails the group after a peer did not answer `what` in time.
-    fn timed_out(&mut self, what: &str) -> Error {
-        let why = format!(
-            "rank {} waited {:?} for its peers in {what} (a peer died or hangs); the job cannot go on",
+    /// Ends the job after a peer did not answer `what` in time: MPI cannot cancel a
+    /// collective call, and its buffers are this worker's gradient buckets, so no error
+    /// can be returned while the call may still write them.
+    fn timed_out(&self, what: &str) -> ! {
+        eprintln!(
+            "carve: data-parallel reduction failed: rank {} waited {:?} for its peers in {what} (a peer died or \
+             hangs); MPI cannot cancel the call, so the job ends (MPI_Abort)",
             self.rank, self.timeout
         );
-        self.broken = Some(why.clone());
-        // MPI may still write the receive buffers: they are never freed.
-        std::mem::forget(std::mem::take(&mut self.pieces));
-        std::mem::forget(std::mem::take(&mut self.sums));
-        std::mem::forget(std::mem::take(&mut self.reports));
-        std::mem::forget(std::mem::replace(&mut self.report, Box::new([0; 2])));
-        Error::Reduction { message: why }
+        self.world.abort(1)
     }
 }
 
@@ -184,8 +185,8 @@ fn wait_until<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
         }
         if Instant::now() >= deadline {
             // SAFETY: unregistered from its scope so that the scope's end does not abort
-            // the process; the caller keeps the buffers alive for good and makes no more
-            // MPI calls but `MPI_Abort`.
+            // the process before the caller says why; the caller's next and last MPI call
+            // is `MPI_Abort`, and it returns to nothing that could free the buffers.
             let _ = unsafe { request.into_raw() };
             return false;
         }
@@ -240,7 +241,7 @@ impl Reducer for Mpi {
             })
         };
         if !done {
-            return Err(self.timed_out("the all-to-all of a gradient bucket"));
+            self.timed_out("the all-to-all of a gradient bucket");
         }
         for (j, sum) in self.sums.iter_mut().enumerate() {
             let mut s = self.pieces[j];
@@ -257,7 +258,7 @@ impl Reducer for Mpi {
             })
         };
         if !done {
-            return Err(self.timed_out("the all-gather of a gradient bucket's sums"));
+            self.timed_out("the all-gather of a gradient bucket's sums");
         }
         Ok(0..len)
     }
@@ -270,7 +271,7 @@ impl Reducer for Mpi {
         let done =
             mpi::request::scope(|scope| wait_until(world.immediate_all_gather_into(scope, report, reports), deadline));
         if !done {
-            return Err(self.timed_out("the exchange of the workers' reports"));
+            self.timed_out("the exchange of the workers' reports");
         }
         for (report, pair) in all.iter_mut().zip(self.reports.chunks_exact(2)) {
             *report = Report { loss_sum: f64::from_bits(pair[0]), status: pair[1] };
@@ -288,9 +289,14 @@ impl Reducer for Mpi {
 impl Drop for Mpi {
     fn drop(&mut self) {
         if self.broken.is_some() {
-            // A collective is unfinished: `MPI_Finalize` could wait for ever.
+            // The peers are in a step this rank abandoned: `MPI_Finalize` could wait for
+            // ever.
             std::mem::forget(self.universe.take());
             self.world.abort(1);
+        }
+        if std::thread::current().id() != self.init_thread {
+            // MPI is finalized by the thread that initialized it, or not at all.
+            std::mem::forget(self.universe.take());
         }
     }
 }

@@ -107,12 +107,26 @@ impl Reducer for Alone {
 /// What the threads of one process share to reduce.
 struct Group {
     gate: Gate,
+    /// Workers that may be reading other workers' buckets: counted in before the gate of
+    /// a reduction, out after its reads (or when the gate fails). A worker that abandons
+    /// waits for none before its buckets may go.
+    reading: AtomicUsize,
     /// Each worker's current bucket, double-buffered by the parity of the call (a worker
     /// publishes call `k + 2` only after every worker has passed call `k + 1`'s gate, so
     /// after every worker has finished reading call `k`'s pointers).
     buckets: [Box<[AtomicPtr<f32>]>; 2],
     lengths: [Box<[AtomicUsize]>; 2],
     reports: [Mutex<Box<[Report]>>; 2],
+}
+
+/// A worker counted among the readers of the others' buckets until this drops (at the
+/// end of its reads, or on an early return).
+struct Reading<'g>(&'g AtomicUsize);
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The buckets of the other workers, read during one call.
@@ -141,6 +155,7 @@ impl Threads {
         let lengths = || (0..workers).map(|_| AtomicUsize::new(0)).collect::<Box<[_]>>();
         let group = Arc::new(Group {
             gate: Gate::new(workers),
+            reading: AtomicUsize::new(0),
             buckets: [slots(), slots()],
             lengths: [lengths(), lengths()],
             reports: [(); 2].map(|_| Mutex::new(vec![Report::default(); workers].into_boxed_slice())),
@@ -199,6 +214,8 @@ impl Reducer for Threads {
         let own = bucket.as_mut_ptr();
         slots[self.rank].store(own, Ordering::Release);
         lengths[self.rank].store(bucket.len(), Ordering::Release);
+        self.group.reading.fetch_add(1, Ordering::AcqRel);
+        let reading = Reading(&self.group.reading);
         self.meet()?;
         if let Some(other) = (0..workers).find(|&w| lengths[w].load(Ordering::Acquire) != bucket.len()) {
             return Err(Error::Reduction {
@@ -238,6 +255,7 @@ impl Reducer for Threads {
             }
             at += n;
         }
+        drop(reading);
         Ok(mine)
     }
 
@@ -255,6 +273,11 @@ impl Reducer for Threads {
 
     fn abandon(&mut self) {
         self.group.gate.break_all();
+        // This worker's buckets may go once nobody reads them: the others' reads end
+        // within their current call (the gate is broken: no new one starts).
+        while self.group.reading.load(Ordering::Acquire) != 0 {
+            std::thread::yield_now();
+        }
     }
 }
 

@@ -122,11 +122,12 @@ impl Gate {
         drop(state);
         for _ in 0..SPINS {
             let seen = self.seen.load(Ordering::Acquire);
-            if seen & 1 == 1 {
-                return false;
-            }
+            // The generation first: a gate that turned and then broke did turn.
             if seen >> 1 != generation {
                 return true;
+            }
+            if seen & 1 == 1 {
+                return false;
             }
             std::hint::spin_loop();
         }

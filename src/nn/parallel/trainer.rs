@@ -379,7 +379,12 @@ impl DataParallel {
     /// [`Error::Worker`] when a worker fails (a value that is not finite, a layer that
     /// panics or errs), naming the worker (its shard) and the layer, with the worker's
     /// error as its source. After an error the weights and the updater's state are as
-    /// they were before the call, and the trainer is usable.
+    /// they were before the call, and the trainer is usable; except when a worker had to
+    /// abandon the reduction (a panic outside its layers, in the middle of the step's
+    /// collective calls): that step still changed nothing, but every later step fails
+    /// with [`Error::Reduction`] (`into_network` gives the weights back). Under MPI, a
+    /// peer that does not answer within the reducer's timeout ends the job instead (see
+    /// `carve::nn::Mpi`).
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let (x, labels) = (x.into(), labels.into());
         let x = x.reborrow();
@@ -674,22 +679,33 @@ fn share(
 }
 
 /// A step run by every thread: the coordinator (worker 0, on the caller's thread) and
-/// the others, between the start gate and the end barrier.
+/// the others, between the start gate and the end gate.
 fn run_coordinated(
     me: &mut Worker,
     shared: &Shared,
     control: &Control,
     desc: StepDesc<'_>,
 ) -> std::result::Result<f32, Failure> {
-    // SAFETY: the workers read the batch only between the start gate and the end
-    // barrier, and this function passes both before it returns (the step catches its
-    // panics, and the end barrier is never broken); the description is cleared before the
+    // SAFETY: the workers read the batch only between the start gate and the end gate,
+    // and this function passes both before it returns (the step's panics are caught
+    // below, and the end gate is never broken); the description is cleared before the
     // batch's borrow ends.
     let desc_static = unsafe { std::mem::transmute::<StepDesc<'_>, StepDesc<'static>>(desc) };
     *control.desc.lock().unwrap_or_else(PoisonError::into_inner) = Some(desc_static);
     let started = control.start.wait();
     let result = match started {
-        true => me.step(shared, &desc),
+        true => catch_unwind(AssertUnwindSafe(|| me.step(shared, &desc))).unwrap_or_else(|panic| {
+            // Outside every collective call's own catch: the others must not wait for
+            // this worker.
+            me.reducer.abandon();
+            Err(Failure {
+                worker: 0,
+                layer: shared.layers.len(),
+                error: Some(Error::LayerPanicked {
+                    message: format!("data-parallel worker 0 outside its layers: {}", panic_message(panic)),
+                }),
+            })
+        }),
         false => Err(Failure {
             worker: 0,
             layer: shared.layers.len(),
@@ -726,9 +742,14 @@ fn run_worker(mut worker: Option<&mut Worker>, shared: &Shared, control: &Contro
                         _ => None,
                     }
                 }
-                Err(panic) => Some(Error::LayerPanicked {
-                    message: format!("data-parallel worker {rank} outside its layers: {}", panic_message(panic)),
-                }),
+                Err(panic) => {
+                    // Outside every collective call's own catch: the others must not wait
+                    // for this worker.
+                    worker.reducer.abandon();
+                    Some(Error::LayerPanicked {
+                        message: format!("data-parallel worker {rank} outside its layers: {}", panic_message(panic)),
+                    })
+                }
             };
             if error.is_some() {
                 *control.errors[rank].lock().unwrap_or_else(PoisonError::into_inner) = error;

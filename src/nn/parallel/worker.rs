@@ -152,6 +152,8 @@ pub(crate) struct Worker {
     buckets: Rc<Workspace>,
     tapes: Vec<Tape>,
     pub(crate) reducer: Box<dyn Reducer>,
+    /// The reducer's rank, checked once.
+    rank: usize,
     /// Whether the reducer's workers are threads sharing the parameters (each updates
     /// its share of every bucket), or this worker updates them all.
     shares: bool,
@@ -175,13 +177,17 @@ impl Worker {
         let train = training_mgrs(WorkspaceMode::Planned)?;
         let group = train[0].plan_group().cloned().expect("planned training workspaces have a plan group");
         let buckets = group.workspace(names::GRADIENT_BUCKETS, &planned_workspace_config())?;
-        let workers = reducer.workers();
+        let (workers, rank) = (reducer.workers(), reducer.rank());
+        if rank >= workers {
+            return Err(Error::InvalidConfig { reason: format!("a reducer of rank {rank} among {workers} workers") });
+        }
         Ok(Worker {
             train,
             group,
             buckets,
             tapes: shared.layers.iter().map(|layer| layer.tape()).collect(),
             reducer,
+            rank,
             shares,
             reports: vec![Report::default(); workers],
             owned: Vec::with_capacity(shared.layout.buckets.len() * shards.max(1)),
@@ -203,7 +209,7 @@ impl Worker {
     /// Whatever fails, this worker takes part in every collective call the others make,
     /// or abandons the group: no worker is left waiting.
     pub(crate) fn step(&mut self, shared: &Shared, desc: &StepDesc<'_>) -> std::result::Result<f32, Failure> {
-        let rank = self.reducer.rank();
+        let rank = self.rank;
         let rows = desc.rows(rank);
         let (x, labels) = (desc.x.rows_slice(rows.clone()), desc.labels.rows_slice(rows));
         let key = shape_key(&x, Some(&labels));
@@ -244,7 +250,9 @@ impl Worker {
     }
 
     /// [`Worker::step`]'s work in its plan group's iteration; `stage` follows its
-    /// collective calls.
+    /// collective calls. A failure or a panic in the middle of them abandons the group
+    /// here, while this worker's buckets are still alive: the reducer's `abandon` returns
+    /// only once no other worker reads them.
     fn collective_step(
         &mut self,
         shared: &Shared,
@@ -253,13 +261,40 @@ impl Worker {
         labels: Labels<'_>,
         stage: &mut Stage,
     ) -> std::result::Result<f32, Failure> {
-        let rank = self.reducer.rank();
+        let rank = self.rank;
         let fail = |error: Error| Failure { worker: rank, layer: outside(shared), error: Some(error) };
         let buckets = Rc::clone(&self.buckets);
         let scope = buckets.enter().map_err(|e| fail(e.into()))?;
         let mut grads = scope.zeros::<f32, _>(shared.layout.total).map_err(|e| fail(e.into()))?;
         let grads = grads.as_slice_mut().expect("a new array is contiguous");
         let outcome = self.shard(shared, x, labels, desc.count, grads, rank);
+        let run = catch_unwind(AssertUnwindSafe(|| self.collectives(shared, desc, grads, outcome, stage)));
+        let result = match run {
+            Ok(result) => result,
+            Err(panic) => {
+                *stage = Stage::Collective;
+                Err(fail(Error::LayerPanicked { message: format!("in the reduction: {}", panic_message(panic)) }))
+            }
+        };
+        if result.is_err() && *stage == Stage::Collective {
+            self.reducer.abandon();
+        }
+        result
+    }
+
+    /// The collective calls of a step, after this worker's passes (`outcome`): the
+    /// reports exchanged, the buckets reduced, the update checked, the checks exchanged,
+    /// the update committed.
+    fn collectives(
+        &mut self,
+        shared: &Shared,
+        desc: &StepDesc<'_>,
+        grads: &mut [f32],
+        outcome: std::result::Result<f64, Failure>,
+        stage: &mut Stage,
+    ) -> std::result::Result<f32, Failure> {
+        let rank = self.rank;
+        let fail = |error: Error| Failure { worker: rank, layer: outside(shared), error: Some(error) };
         let report = match &outcome {
             Ok(loss_sum) => Report { loss_sum: *loss_sum, status: 0 },
             Err(f) => Report { loss_sum: 0.0, status: 1 + f.layer as u64 },
@@ -271,7 +306,7 @@ impl Worker {
             return Err(failure);
         }
         let loss = batch_loss(self.reports.iter().map(|r| r.loss_sum), desc.count);
-        let (workers, len, base) = (self.reducer.workers(), grads.len(), grads.as_mut_ptr());
+        let (workers, len, base) = (self.reports.len(), grads.len(), grads.as_mut_ptr());
         self.owned.clear();
         for bucket in &shared.layout.buckets {
             assert!(bucket.end <= len, "a gradient bucket lies within the gradients");
@@ -295,7 +330,14 @@ impl Worker {
                     ),
                 }));
             }
-            self.owned.push((rank, bucket.start + range.start..bucket.start + range.end));
+            if self.shares {
+                self.owned.push((rank, bucket.start + range.start..bucket.start + range.end));
+            }
+        }
+        if !self.shares {
+            // Every process updates everything; its checks run in the order the threads'
+            // would report a failure (by worker share, then bucket).
+            self.own_in_rank_order(shared, workers);
         }
         // SAFETY: as above; from here on the gradients are only read.
         let grads = unsafe { std::slice::from_raw_parts(base.cast_const(), len) };
@@ -303,11 +345,29 @@ impl Worker {
         let report = Report { loss_sum: 0.0, status: checked.as_ref().err().map_or(0, |f| 1 + f.layer as u64) };
         self.reducer.exchange(report, &mut self.reports).map_err(fail)?;
         *stage = Stage::Agreed;
-        if let Some(failure) = first_failure(&self.reports, checked.err()) {
-            return Err(failure);
+        match (self.shares, checked) {
+            // Every process checked the same values: its own failure is everyone's.
+            (false, Err(failure)) => return Err(failure),
+            (_, checked) => {
+                if let Some(failure) = first_failure(&self.reports, checked.err()) {
+                    return Err(failure);
+                }
+            }
         }
         self.commit_update(shared, grads, desc.t);
         Ok(loss)
+    }
+
+    /// The whole update as `workers` shares of every bucket, by share (worker), then by
+    /// bucket: the order failures are reported in.
+    fn own_in_rank_order(&mut self, shared: &Shared, workers: usize) {
+        self.owned.clear();
+        for w in 0..workers {
+            for bucket in &shared.layout.buckets {
+                let part = share(bucket.len(), workers, w);
+                self.owned.push((w, bucket.start + part.start..bucket.start + part.end));
+            }
+        }
     }
 
     /// One step of the single-thread shard mode: this worker runs every shard of the
@@ -352,13 +412,7 @@ impl Worker {
                     }
                 }
                 let loss = batch_loss(partials.iter().copied(), desc.count);
-                self.owned.clear();
-                for s in 0..desc.shards {
-                    for bucket in &shared.layout.buckets {
-                        let part = share(bucket.len(), desc.shards, s);
-                        self.owned.push((s, bucket.start + part.start..bucket.start + part.end));
-                    }
-                }
+                self.own_in_rank_order(shared, desc.shards);
                 self.check_update_caught(shared, acc, desc.t)?;
                 self.commit_update(shared, acc, desc.t);
                 Ok::<f32, Failure>(loss)
@@ -397,7 +451,7 @@ impl Worker {
     fn check_update_caught(&self, shared: &Shared, grads: &[f32], t: i32) -> std::result::Result<(), Failure> {
         catch_unwind(AssertUnwindSafe(|| self.check_update(shared, grads, t))).unwrap_or_else(|panic| {
             Err(Failure {
-                worker: self.reducer.rank(),
+                worker: self.rank,
                 layer: outside(shared),
                 error: Some(Error::LayerPanicked { message: format!("checking the update: {}", panic_message(panic)) }),
             })
@@ -438,7 +492,7 @@ impl Worker {
     }
 
     fn update_failure(&self, shared: &Shared, error: Error) -> Failure {
-        Failure { worker: self.reducer.rank(), layer: outside(shared), error: Some(error) }
+        Failure { worker: self.rank, layer: outside(shared), error: Some(error) }
     }
 
     /// Forward and backward over one shard, its parameters' gradients written into
