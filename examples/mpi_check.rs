@@ -11,6 +11,9 @@
 //! mpirun -np 2 target/release/examples/mpi_check --fault die-at 5
 //! ```
 //!
+//! `--fault nan-at N`: step N's batch holds a NaN in the last rank's shard: every
+//! process's step fails naming that worker, as the threads' does, and training goes on
+//! with the same bits (exit 0).
 //! `--fault stall-at N`: the last rank sleeps 60 s before step N; the others wait
 //! `--timeout-ms`, say why on stderr and end the job (`MPI_Abort`). `--fault die-at N`: the last rank exits before step N; `mpirun` ends
 //! the job (or the others' timeout does). Either way nothing hangs: the exit status is
@@ -33,7 +36,7 @@ struct Args {
     /// Steps to train
     #[arg(long, default_value_t = 20)]
     steps: usize,
-    /// `none`, `stall-at` or `die-at` (the last rank, before step --at)
+    /// `none`, `nan-at`, `stall-at` or `die-at` (the last rank, at step --at)
     #[arg(long, default_value = "none")]
     fault: String,
     /// The step the fault comes before
@@ -76,7 +79,27 @@ fn run(args: &Args) -> Res<()> {
                 _ => {}
             }
         }
-        let (x, y) = batch(step);
+        let (mut x, y) = batch(step);
+        if args.fault == "nan-at" && step == args.at {
+            // A row of the last shard (rows n·r/P .. n·(r+1)/P).
+            let last_row = x.nrows() - 1;
+            x[[last_row, 3]] = f32::NAN;
+            let last_rank = size - 1;
+            let named = |e: &carve::Error| matches!(e, carve::Error::Worker { worker, .. } if *worker == last_rank);
+            let processes = trainer.fit_batch(x.view(), y.view());
+            if !processes.as_ref().is_err_and(named) {
+                return Err(
+                    format!("rank {rank}: the NaN step gave {processes:?}, not worker {last_rank}'s error").into()
+                );
+            }
+            if let Some(threads) = threads.as_mut() {
+                let local = threads.fit_batch(x.view(), y.view());
+                if !local.as_ref().is_err_and(named) {
+                    return Err(format!("the threads' NaN step gave {local:?}").into());
+                }
+            }
+            continue;
+        }
         let loss = match trainer.fit_batch(x.view(), y.view()) {
             Ok(loss) => loss,
             Err(e) => {
