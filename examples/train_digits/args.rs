@@ -90,6 +90,14 @@ pub(crate) struct Args {
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     pub(crate) save: Option<PathBuf>,
 
+    /// Measure where each training step's time goes (matrix
+    /// multiply, elementwise, loss, updater, checks, copies,
+    /// bookkeeping) after epoch 1, and carve's matrix multiply
+    /// alone on the step's shapes; adds `breakdown_us`,
+    /// `step_gflops` and `gemm_gflops_same_shapes` to the JSON
+    #[arg(long, verbatim_doc_comment)]
+    pub(crate) breakdown: bool,
+
     /// Train data-parallel with N workers (1 to 256; default 2 with
     /// --reducer, the number of processes with --reducer mpi): each
     /// batch is cut into N shards, the gradients reduced in rank

@@ -41,6 +41,7 @@
 //! | `--prefetch-depth N` | 2 | batches the prefetcher fills ahead on its thread, 0 to 1024; 0: inline in the training thread (shield mode) |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
+//! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
 //!
@@ -126,6 +127,7 @@
 //! once during a steady iteration's `fit_batch`; `null` with one epoch)) add detail.
 
 mod args;
+mod breakdown;
 #[path = "../common/cli.rs"]
 mod cli;
 mod data;
@@ -256,9 +258,28 @@ fn run(args: &Args) -> Res<()> {
     }
     let mut rss = RssMeter::new();
     for epoch in 1..=args.epochs {
+        if args.breakdown && epoch <= 2 {
+            // Measured from the start, and again from epoch 2 (the steady steps).
+            for run in runs.iter_mut() {
+                run.net.set_breakdown(true);
+            }
+        }
         for run in runs.iter_mut() {
             train_epoch(run, (epoch, args.epochs), &test, &progress, &mut rss)?;
         }
+    }
+    let widths = breakdown::widths(&args.hidden);
+    let gemm_gflops = match args.breakdown {
+        true => Some(breakdown::gemm_gflops(&widths, batch, 200)?),
+        false => None,
+    };
+    if let Some(gemm) = gemm_gflops {
+        for run in &runs {
+            if let Some(b) = run.net.breakdown() {
+                out(&breakdown::breakdown_lines(mode_name(run.mode), &b));
+            }
+        }
+        out(&format!("carve's matrix multiply alone on the step's shapes: {gemm:.1} GFLOP/s"));
     }
 
     let mut summaries = Vec::with_capacity(runs.len());
@@ -373,8 +394,24 @@ fn run(args: &Args) -> Res<()> {
             "loss_traces_identical": identical,
             "saved": args.save.as_ref().map(|p| p.display().to_string()),
         });
-        for s in &summaries {
+        for (s, run) in summaries.iter().zip(&runs) {
             object[mode_name(s.mode)] = summary_json(s, &rss);
+            if let (Some(b), Some(gemm)) = (run.net.breakdown(), gemm_gflops) {
+                let step_gflops = breakdown::step_flops(&widths, batch) / (s.iter_us_median * 1e-6) / 1e9;
+                let keys = [
+                    ("breakdown_us", breakdown::breakdown_json(&b)),
+                    ("step_gflops", step_gflops.into()),
+                    ("gemm_gflops_same_shapes", gemm.into()),
+                    ("step_over_gemm", (step_gflops / gemm).into()),
+                ];
+                for (key, value) in keys {
+                    if object.get(key).is_none() {
+                        // The first mode's at the top level too.
+                        object[key] = value.clone();
+                    }
+                    object[mode_name(s.mode)][key] = value;
+                }
+            }
         }
         println!("{}", serde_json::to_string(&object)?);
     }

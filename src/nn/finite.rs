@@ -80,6 +80,7 @@ pub(crate) fn check_activations(
     a: Activations<'_>,
     mask: Option<ArrayView2<'_, f32>>,
 ) -> Result<(), Error> {
+    let _span = super::profile::span(super::profile::Part::Checks);
     match a {
         Activations::Flat(a) => check_matrix(layer, what, a),
         Activations::Sequence(a) => {

@@ -44,6 +44,7 @@ mod lstm;
 mod network;
 mod parallel;
 mod pool;
+mod profile;
 mod relu;
 mod rng;
 mod serve;
@@ -62,6 +63,7 @@ pub use parallel::{
     DataParallel, GradInput, ParallelConfig, ParallelLayer, ParallelStats, Pass, Reducer, ReducerKind, Report, Tape,
 };
 pub use pool::{LastStep, MaskedMean};
+pub use profile::StepBreakdown;
 pub use relu::Relu;
 pub use rng::Rng;
 pub use serve::{InferencePool, Model, PoolConfig, PoolLease, PoolMode, PoolStats};

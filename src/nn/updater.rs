@@ -155,7 +155,10 @@ impl UpdaterState {
     /// the layer when a moment, update or new parameter value would not be finite;
     /// workspace errors of `working`.
     pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], working: &TypedScope) -> Result<()> {
-        self.check(layers)?;
+        {
+            let _span = super::profile::span(super::profile::Part::Checks);
+            self.check(layers)?;
+        }
         let t = (self.step + 1) as i32;
         let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
         // Check: every update, each in a frame of updater working memory.

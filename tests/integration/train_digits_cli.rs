@@ -664,3 +664,30 @@ fn data_parallel_flags_are_checked_before_training() {
         assert!(text(&output.stderr).contains("--features mpi"), "{}", text(&output.stderr));
     }
 }
+
+#[test]
+fn breakdown_reports_every_part_of_a_step_and_the_matrix_multiply_alone() {
+    let output = run(&["--breakdown", "--epochs", "3", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    for object in [&json, &json["enabled"]] {
+        let parts = object["breakdown_us"].as_object().unwrap_or_else(|| panic!("breakdown_us in {json}"));
+        let names = ["matmul", "elementwise", "loss", "updater", "checks", "copies", "bookkeeping"];
+        for name in names {
+            assert!(parts[name].as_f64().is_some_and(|us| us >= 0.0), "{name} in {json}");
+        }
+        // Two epochs after the first, every full batch a step.
+        assert!(parts["steps"].as_u64().is_some_and(|s| s >= 80), "{json}");
+        // The step's parts add up to about the median step (the parts are means).
+        let total: f64 = names.iter().map(|n| parts[*n].as_f64().unwrap()).sum();
+        let median = json["enabled"]["iter_us_median"].as_f64().unwrap();
+        assert!(total > 0.3 * median && total < 3.0 * median, "{total} µs vs a median of {median} µs: {json}");
+        assert!(parts["matmul"].as_f64().unwrap() > 0.0 && parts["updater"].as_f64().unwrap() > 0.0, "{json}");
+        let (step, gemm) =
+            (object["step_gflops"].as_f64().unwrap(), object["gemm_gflops_same_shapes"].as_f64().unwrap());
+        assert!(step > 0.0 && gemm > 0.0 && step.is_finite() && gemm.is_finite(), "{json}");
+    }
+    // Without the flag, none of it.
+    let plain = last_json(&run(&["--epochs", "1", "--json"]));
+    assert!(plain.get("breakdown_us").is_none() && plain["enabled"].get("step_gflops").is_none(), "{plain}");
+}

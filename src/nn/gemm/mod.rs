@@ -98,6 +98,7 @@ pub fn sgemm(
     c: ArrayViewMut2<'_, f32>,
     scratch: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
+    let _span = crate::nn::profile::span(crate::nn::profile::Part::MatMul);
     sgemm_with(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch)
 }
 

@@ -21,6 +21,7 @@ use crate::{Error, Result};
 
 use super::layer::{FrozenLayer, Layer};
 use super::loss::SoftmaxCrossEntropy;
+use super::profile::{self, Part, StepBreakdown};
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
@@ -62,6 +63,8 @@ pub struct Network {
     record_next: bool,
     memory_plan: Option<PlannedStats>,
     recorded: Option<Trace>,
+    /// Where the training steps' time goes, when measured.
+    breakdown: Option<StepBreakdown>,
 }
 
 impl std::fmt::Debug for Network {
@@ -129,6 +132,7 @@ impl Network {
             infer: inference_mgr(modes[1])?,
             iterations,
             last_workspace_bytes: 0,
+            breakdown: None,
             record_next: false,
             memory_plan: None,
             recorded: None,
@@ -327,7 +331,11 @@ pub(crate) fn forward<'s, S: Stage>(
     for mut layer in layers {
         let working = mgr.enter(ArrayType::FfWorkingMem)?;
         let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
-        let y = layer.apply(input, mask, &ctx)?;
+        let y = {
+            // The layer's own work; its matrix products are charged to MatMul.
+            let _span = profile::span(Part::Elementwise);
+            layer.apply(input, mask, &ctx)?
+        };
         validate(mgr, layer.stage_name(), y)?;
         each(layer.stage_name(), y)?;
         input = y;
