@@ -127,6 +127,7 @@
 //! once during a steady iteration's `fit_batch`; `null` with one epoch)) add detail.
 
 mod args;
+#[path = "../common/breakdown.rs"]
 mod breakdown;
 #[path = "../common/cli.rs"]
 mod cli;
@@ -268,7 +269,7 @@ fn run(args: &Args) -> Res<()> {
             train_epoch(run, (epoch, args.epochs), &test, &progress, &mut rss)?;
         }
     }
-    let widths = breakdown::widths(&args.hidden);
+    let widths = breakdown::widths(FEATURES, &args.hidden, CLASSES);
     let gemm_gflops = match args.breakdown {
         true => Some(breakdown::gemm_gflops(&widths, batch, 200)?),
         false => None,

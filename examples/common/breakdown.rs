@@ -1,6 +1,10 @@
-//! `--breakdown`: where a training step's time goes (the network's own
-//! [`StepBreakdown`](carve::nn::StepBreakdown)), the step's floating-point rate, and the
+//! Where a training step's time goes (included with `#[path]` by the demo's
+//! `--breakdown` and by `benches/step_breakdown.rs`): the network's own
+//! [`StepBreakdown`](carve::nn::StepBreakdown), the step's floating-point rate, and the
 //! rate of carve's matrix multiply alone on the step's shapes, measured in the same run.
+
+// Not every user needs every helper.
+#![allow(dead_code)]
 
 use std::mem::MaybeUninit;
 use std::time::Instant;
@@ -9,11 +13,9 @@ use carve::nn::gemm::{scratch_len, sgemm};
 use carve::nn::StepBreakdown;
 use ndarray::Array2;
 
-use crate::{CLASSES, FEATURES};
-
-/// The layer widths of the MLP: inputs, the hidden widths, the classes.
-pub(crate) fn widths(hidden: &[usize]) -> Vec<usize> {
-    std::iter::once(FEATURES).chain(hidden.iter().copied()).chain(std::iter::once(CLASSES)).collect()
+/// The layer widths of an MLP: inputs, the hidden widths, the classes.
+pub(crate) fn widths(inputs: usize, hidden: &[usize], classes: usize) -> Vec<usize> {
+    std::iter::once(inputs).chain(hidden.iter().copied()).chain(std::iter::once(classes)).collect()
 }
 
 /// The floating-point operations of one training step of `batch` rows: per dense layer
