@@ -48,6 +48,8 @@ mod profile;
 mod relu;
 mod rng;
 mod serve;
+#[allow(unsafe_code)]
+mod simd;
 mod updater;
 
 pub use dense::Dense;

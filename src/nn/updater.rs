@@ -1,14 +1,14 @@
 //! Parameter updaters: SGD with momentum, and Adam. Their state lives outside
-//! workspaces (it persists across iterations); each parameter's update is staged in a
-//! frame of updater working memory, checked, and given back before the next one, so
-//! the step needs the bytes of its largest parameter, not of all of them.
+//! workspaces (it persists across iterations). A step is checked in one pass that
+//! computes every update, new moment and new value without storing any (so it needs no
+//! memory), then stored in a second pass that computes them again with the same
+//! arithmetic: a step updates everything or nothing.
 
 use crate::{Error, Result};
-use workspace_core::{Frame, TypedScope};
-
-use super::finite::first_in_slice;
+use workspace_core::TypedScope;
 
 use super::layer::{Layer, Param};
+use super::simd::{self, AdamStep, Width};
 
 /// How parameters follow their gradients.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -137,24 +137,23 @@ impl UpdaterState {
         self.updater
     }
 
-    /// One step over every parameter of `layers`, with updates computed in `working`.
+    /// One step over every parameter of `layers` (`_working`, the updater working memory,
+    /// is not needed: the check stores nothing).
     ///
     /// The step is checked before anything is stored: the parameters are checked first,
-    /// then every update is computed into a frame of `working` (one parameter at a
-    /// time, each given back before the next) and checked to be finite, with the new
-    /// moments (or velocities) and parameter values; only then are the moments and
-    /// parameters written, each update computed again as it is stored (the same
-    /// arithmetic, so the same numbers; storing needs no memory, so it cannot fail
-    /// half-way). So a step updates every parameter and its state, or none.
+    /// then every update is computed, with the new moments (or velocities) and parameter
+    /// values, and checked to be finite, in one pass that stores nothing; only then are
+    /// the moments and parameters written, each update computed again as it is stored
+    /// (the same arithmetic, so the same numbers; storing needs no memory, so it cannot
+    /// fail half-way). So a step updates every parameter and its state, or none.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] when a layer gives another number of parameters than
     /// when the network was built; [`Error::ShapeMismatch`] when a parameter changed
     /// size, or its gradient is not as long as its values; [`Error::NonFinite`] naming
-    /// the layer when a moment, update or new parameter value would not be finite;
-    /// workspace errors of `working`.
-    pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], working: &TypedScope) -> Result<()> {
+    /// the layer when a moment, update or new parameter value would not be finite.
+    pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], _working: &TypedScope) -> Result<()> {
         {
             let _span = super::profile::span(super::profile::Part::Checks);
             self.check(layers)?;
@@ -177,17 +176,9 @@ impl UpdaterState {
                 }
                 let index = base + param;
                 let v = second.get(index).map(Vec::as_slice);
-                let checked = working.frame().map_err(Error::from).and_then(|frame| {
-                    let update = stage(updater, t, &first[index], v, &p, &frame)?;
-                    Ok(first_non_finite(updater, t, &first[index], v, &p, update))
-                }); // the update's bytes are given back here
-                match checked {
-                    Ok(None) => {}
-                    Ok(Some((element, what, value))) => {
-                        let grad = p.grad[element];
-                        failure = Some(Failure::NonFinite { param, element, what, value, grad });
-                    }
-                    Err(e) => failure = Some(Failure::Workspace(e)),
+                if let Some((element, what, value)) = first_non_finite(updater, t, &first[index], v, &p) {
+                    let grad = p.grad[element];
+                    failure = Some(Failure::NonFinite { param, element, what, value, grad });
                 }
                 param += 1;
             });
@@ -266,14 +257,12 @@ impl UpdaterState {
     }
 }
 
-/// Why a parameter's update could not be staged.
+/// Why a parameter's step could not be taken.
 enum Failure {
     /// The parameters are not those the state was built for.
     Mismatch(Mismatch),
     /// A value of the step would not be finite.
     NonFinite { param: usize, element: usize, what: &'static str, value: f32, grad: f32 },
-    /// Updater working memory failed.
-    Workspace(Error),
 }
 
 impl Failure {
@@ -287,77 +276,54 @@ impl Failure {
                      {grad:e})"
                 ),
             },
-            Failure::Workspace(e) => e,
         }
     }
 }
 
-/// The update of one parameter, computed into `working` from its state (`m`, and `v`
-/// for Adam) and gradient, at step `t`; nothing is stored.
-fn stage<'w>(
-    updater: Updater,
-    t: i32,
-    m: &[f32],
-    v: Option<&[f32]>,
-    p: &Param<'_>,
-    working: &'w Frame<'_>,
-) -> Result<&'w mut [f32]> {
-    let n = p.value.len();
-    let (m, g) = (&m[..n], &p.grad[..n]);
-    match (updater, v) {
-        (Updater::Sgd { learning_rate, momentum }, _) => {
-            Ok(working.slice_from_fn(n, |i| sgd_velocity(learning_rate, momentum, m[i], g[i]))?)
-        }
-        (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
-            let step = adam_step_size(learning_rate, beta1, beta2, t);
-            let v = &v[..n];
-            Ok(working.slice_from_fn(n, |i| adam(beta1, beta2, epsilon, step, m[i], v[i], g[i]).2)?)
-        }
-        (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
-    }
-}
-
-/// The first element of a staged step whose new moment (or velocity), update or new
-/// parameter value is not finite: its index, what it is, and the value. Branch-free
-/// over chunks, so that it vectorises; the element is looked for only when there is one.
+/// The first element of one parameter's step (from its state `m`, and `v` for Adam,
+/// and gradient, at step `t`) whose new moment (or velocity), update or new value would
+/// not be finite: its index, what it is, and the value. One pass that computes the step
+/// as [`commit`] will, stores nothing, and keeps one flag per chunk, branch-free, so
+/// that it vectorises; the element is looked for only when there is one.
 fn first_non_finite(
     updater: Updater,
     t: i32,
     m: &[f32],
     v: Option<&[f32]>,
     p: &Param<'_>,
-    update: &[f32],
 ) -> Option<(usize, &'static str, f32)> {
-    let n = update.len();
+    let n = p.value.len();
     let (values, grads, m) = (&p.value[..n], &p.grad[..n], &m[..n]);
-    // What the commit will store: each value plus its update, and Adam's moments.
-    let sums_finite = values
-        .chunks(64)
-        .zip(update.chunks(64))
-        .all(|(w, u)| w.iter().zip(u).fold(true, |ok, (&w, &u)| ok & (w + u).is_finite()));
-    let moments_finite = match (updater, v) {
-        (Updater::Adam { beta1, beta2, .. }, Some(v)) => {
-            m.chunks(64).zip(v[..n].chunks(64)).zip(grads.chunks(64)).all(|((m, v), g)| {
-                m.iter().zip(v).zip(g).fold(true, |ok, ((&m, &v), &g)| {
-                    let (m, v) = (beta1 * m + (1.0 - beta1) * g, beta2 * v + (1.0 - beta2) * g * g);
-                    ok & m.is_finite() & v.is_finite()
+    let finite = match (updater, v) {
+        (Updater::Sgd { learning_rate, momentum }, _) => {
+            values.chunks(64).zip(m.chunks(64)).zip(grads.chunks(64)).all(|((w, m), g)| {
+                w.iter().zip(m).zip(g).fold(true, |ok, ((&w, &m), &g)| {
+                    let u = sgd_velocity(learning_rate, momentum, m, g);
+                    ok & u.is_finite() & (w + u).is_finite()
                 })
             })
         }
-        _ => true,
+        (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
+            let step = adam_step_size(learning_rate, beta1, beta2, t);
+            simd::adam_finite(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v)
+        }
+        (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     };
-    if sums_finite && moments_finite && first_in_slice(update).is_none() {
+    if finite {
         return None;
     }
     (0..n).find_map(|i| {
-        let value = ("new value", values[i] + update[i]);
         let found = match (updater, v) {
             (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
                 let step = adam_step_size(learning_rate, beta1, beta2, t);
-                let (m, v, u) = adam(beta1, beta2, epsilon, step, m[i], v[i], grads[i]);
-                non_finite(&[("first moment", m), ("second moment", v), ("update", u), value])
+                let (m, v, u) = simd::adam(AdamStep { beta1, beta2, epsilon, step }, m[i], v[i], grads[i]);
+                non_finite(&[("first moment", m), ("second moment", v), ("update", u), ("new value", values[i] + u)])
             }
-            _ => non_finite(&[("velocity", update[i]), value]),
+            (Updater::Sgd { learning_rate, momentum }, _) => {
+                let u = sgd_velocity(learning_rate, momentum, m[i], grads[i]);
+                non_finite(&[("velocity", u), ("new value", values[i] + u)])
+            }
+            (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
         };
         found.map(|(what, bad)| (i, what, bad))
     })
@@ -379,11 +345,7 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
         }
         (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
             let step = adam_step_size(learning_rate, beta1, beta2, t);
-            for (((w, m), v), &g) in p.value.iter_mut().zip(m).zip(&mut v[..n]).zip(g) {
-                let (m_new, v_new, u) = adam(beta1, beta2, epsilon, step, *m, *v, g);
-                (*m, *v) = (m_new, v_new);
-                *w += u;
-            }
+            simd::adam_commit(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v);
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     }
@@ -400,31 +362,19 @@ fn adam_step_size(learning_rate: f32, beta1: f32, beta2: f32, t: i32) -> f32 {
     learning_rate * (1.0 - beta2.powi(t)).sqrt() / (1.0 - beta1.powi(t))
 }
 
-/// One Adam step of one value: the new first and second moments, and the update.
-#[inline(always)]
-fn adam(beta1: f32, beta2: f32, epsilon: f32, step: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
-    let m = beta1 * m + (1.0 - beta1) * g;
-    let v = beta2 * v + (1.0 - beta2) * g * g;
-    (m, v, -step * m / (v.sqrt() + epsilon))
-}
-
 /// The first of the named values that is not finite.
 fn non_finite(values: &[(&'static str, f32)]) -> Option<(&'static str, f32)> {
     values.iter().copied().find(|(_, v)| !v.is_finite())
 }
 
-/// Elements staged per frame of updater working memory when a range is checked.
-const STAGE_CHUNK: usize = 16 * 1024;
-
 /// Checks one step of a range of flat parameters (a data-parallel trainer's share):
 /// `values` with their gradients `grads` and state `m` (and `v` for Adam), at step `t`.
 /// Returns the first element whose update, new moment or new value would not be finite
-/// (its index in the range, what it is, the value). Updates are staged in frames of
-/// `working`, a few thousand elements at a time; nothing is stored.
+/// (its index in the range, what it is, the value); nothing is stored.
 ///
 /// # Errors
 ///
-/// Workspace errors of `working`.
+/// None today: the check needs no memory (the signature keeps room for one that does).
 pub(crate) fn check_range(
     updater: Updater,
     t: i32,
@@ -432,21 +382,11 @@ pub(crate) fn check_range(
     grads: &[f32],
     m: &[f32],
     v: Option<&[f32]>,
-    working: &TypedScope,
+    _working: &TypedScope,
 ) -> Result<Option<(usize, &'static str, f32)>> {
-    let mut start = 0;
-    while start < values.len() {
-        let end = (start + STAGE_CHUNK).min(values.len());
-        let p = Param { value: &mut values[start..end], grad: &grads[start..end] };
-        let (m, v) = (&m[start..end], v.map(|v| &v[start..end]));
-        let frame = working.frame()?;
-        let update = stage(updater, t, m, v, &p, &frame)?;
-        if let Some((i, what, value)) = first_non_finite(updater, t, m, v, &p, update) {
-            return Ok(Some((start + i, what, value)));
-        }
-        start = end;
-    }
-    Ok(None)
+    let n = values.len();
+    let p = Param { value: values, grad: &grads[..n] };
+    Ok(first_non_finite(updater, t, m, v, &p))
 }
 
 /// Stores a step of a range checked by [`check_range`] (the same arithmetic, so the

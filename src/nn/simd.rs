@@ -1,0 +1,173 @@
+//! Elementwise loops compiled for the widest vectors the CPU has (AVX-512, AVX2, or the
+//! baseline), chosen at run time. The arithmetic is the same in every version: each
+//! operation is IEEE-754 single precision, correctly rounded whatever the vector width,
+//! and nothing is fused (Rust never contracts `a * b + c` into an FMA), so every version
+//! gives the same bits; the tests check it.
+
+use super::layer::Param;
+
+/// Adam's hyper-parameters for one step, the bias correction folded into `step`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamStep {
+    pub(crate) beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) epsilon: f32,
+    pub(crate) step: f32,
+}
+
+/// One Adam step of one value: the new first and second moments, and the update.
+#[inline(always)]
+pub(crate) fn adam(a: AdamStep, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
+    let m = a.beta1 * m + (1.0 - a.beta1) * g;
+    let v = a.beta2 * v + (1.0 - a.beta2) * g * g;
+    (m, v, -a.step * m / (v.sqrt() + a.epsilon))
+}
+
+#[inline(always)]
+fn adam_finite_body(a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> bool {
+    w.chunks(64).zip(m.chunks(64)).zip(v.chunks(64)).zip(g.chunks(64)).all(|(((w, m), v), g)| {
+        w.iter().zip(m).zip(v).zip(g).fold(true, |ok, (((&w, &m), &v), &g)| {
+            let (m, v, u) = adam(a, m, v, g);
+            ok & m.is_finite() & v.is_finite() & u.is_finite() & (w + u).is_finite()
+        })
+    })
+}
+
+#[inline(always)]
+fn adam_commit_body(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g) {
+        let (m_new, v_new, u) = adam(a, *m, *v, g);
+        (*m, *v) = (m_new, v_new);
+        *w += u;
+    }
+}
+
+/// The vector width a loop runs at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Width {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Width {
+    /// The widest this CPU runs.
+    pub(crate) fn detect() -> Width {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Width::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Width::Avx2;
+            }
+        }
+        Width::Baseline
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn adam_finite_avx512(a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> bool {
+        adam_finite_body(a, w, m, v, g)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn adam_finite_avx2(a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> bool {
+        adam_finite_body(a, w, m, v, g)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn adam_commit_avx512(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        adam_commit_body(a, w, m, v, g)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn adam_commit_avx2(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        adam_commit_body(a, w, m, v, g)
+    }
+}
+
+/// Whether one Adam step of `p` (state `m`, `v`) is finite everywhere: the new moments,
+/// the updates and the new values. Stores nothing.
+pub(crate) fn adam_finite(width: Width, a: AdamStep, p: &Param<'_>, m: &[f32], v: &[f32]) -> bool {
+    let n = p.value.len();
+    let (w, g, m, v) = (&p.value[..n], &p.grad[..n], &m[..n], &v[..n]);
+    match width {
+        Width::Baseline => adam_finite_body(a, w, m, v, g),
+        // SAFETY: `Width::detect` found the feature on this CPU (a `Width` is made only
+        // by it, or by the tests after the same check).
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { x86::adam_finite_avx2(a, w, m, v, g) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { x86::adam_finite_avx512(a, w, m, v, g) },
+    }
+}
+
+/// Stores one Adam step of `p`: the new moments into `m` and `v`, each value plus its
+/// update.
+pub(crate) fn adam_commit(width: Width, a: AdamStep, p: Param<'_>, m: &mut [f32], v: &mut [f32]) {
+    let n = p.value.len();
+    let (w, g, m, v) = (p.value, &p.grad[..n], &mut m[..n], &mut v[..n]);
+    match width {
+        Width::Baseline => adam_commit_body(a, w, m, v, g),
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { x86::adam_commit_avx2(a, w, m, v, g) },
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { x86::adam_commit_avx512(a, w, m, v, g) },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32).map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 10_007) as f32 / 997.0 - 5.0).collect()
+    }
+
+    #[test]
+    fn every_width_gives_the_same_bits() {
+        let a = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0.0013 };
+        let n = 1000 + 7;
+        let mut widths = vec![Width::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                widths.push(Width::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                widths.push(Width::Avx512);
+            }
+        }
+        let mut results = Vec::new();
+        for &width in &widths {
+            let (mut w, g) = (values(n, 1), values(n, 2));
+            let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
+            let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
+            adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            results.push((finite, bits(&w), bits(&m), bits(&v)));
+        }
+        for (width, r) in widths.iter().zip(&results) {
+            assert_eq!(r, &results[0], "{width:?} against the baseline");
+        }
+        assert!(results[0].0);
+        // A value that would overflow is seen at every width.
+        for &width in &widths {
+            let (mut w, g) = (values(n, 1), values(n, 2));
+            w[n - 3] = f32::MAX;
+            let (m, v) = (vec![-1e30f32; n], vec![0.0f32; n]);
+            let big = AdamStep { step: 1e30, ..a };
+            assert!(!adam_finite(width, big, &Param { value: &mut w, grad: &g }, &m, &v), "{width:?}");
+        }
+    }
+}
