@@ -166,7 +166,7 @@ pub(crate) fn forward<'a>(
     check_input(name, w, &input)?;
     let (batch, inputs) = input.dim();
     let outputs = w.ncols();
-    let mut out = ctx.activations.from_shape_fn((batch, outputs), |(_, j)| b[j])?;
+    let mut out = ctx.activations.rows_of(&b, batch)?;
     let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
     sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
     Ok(freeze(out))

@@ -89,8 +89,7 @@ impl Layer for Relu {
 
 /// The forward pass, training's and serving's.
 fn relu<'a>(input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-    let mut out = ctx.activations.copy_of(&input)?;
-    out.mapv_inplace(|v| if v > 0.0 { v } else { 0.0 });
+    let out = ctx.activations.map_of(&input, |v| if v > 0.0 { v } else { 0.0 })?;
     Ok(freeze(out))
 }
 

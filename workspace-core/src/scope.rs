@@ -238,6 +238,49 @@ macro_rules! allocation_methods {
             Ok(unsafe { view.assume_init() })
         }
 
+        /// `f` of every element of `source`, in standard (row-major) layout: one pass
+        /// (where [`copy_of`](Self::copy_of) then an in-place map takes two).
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        pub fn map_of<T: Pod, U: Pod, S: Data<Elem = T>, Dim: Dimension>(
+            &self,
+            source: &ArrayBase<S, Dim>,
+            mut f: impl FnMut(T) -> U,
+        ) -> Result<ArrayViewMut<'_, U, Dim>> {
+            let mut view = self.uninit::<U, _>(source.raw_dim())?;
+            match (source.as_slice(), view.as_slice_mut()) {
+                (Some(from), Some(to)) => {
+                    for (slot, &value) in to.iter_mut().zip(from) {
+                        *slot = MaybeUninit::new(f(value));
+                    }
+                }
+                _ => view.zip_mut_with(source, |slot, &value| *slot = MaybeUninit::new(f(value))),
+            }
+            // SAFETY: every element was just written (same shape).
+            Ok(unsafe { view.assume_init() })
+        }
+
+        /// `rows` copies of `row`, one per row: `[rows, row.len()]` (a bias broadcast
+        /// over a batch, say).
+        ///
+        /// # Errors
+        ///
+        /// As [`Scope::zeros`].
+        pub fn rows_of<T: Pod, S: Data<Elem = T>>(
+            &self,
+            row: &ArrayBase<S, ndarray::Ix1>,
+            rows: usize,
+        ) -> Result<ArrayViewMut<'_, T, ndarray::Ix2>> {
+            let mut view = self.uninit::<T, _>((rows, row.len()))?;
+            for mut out in view.rows_mut() {
+                out.zip_mut_with(row, |slot, &value| *slot = MaybeUninit::new(value));
+            }
+            // SAFETY: every element of every row was just written.
+            Ok(unsafe { view.assume_init() })
+        }
+
         /// A zero-filled slice (for scratch buffers that are not arrays).
         ///
         /// # Errors

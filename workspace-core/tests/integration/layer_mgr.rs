@@ -386,3 +386,29 @@ fn dl4j_spellings_are_aliases_of_the_scope_names() {
     assert_eq!(uninit.len(), 3);
     assert!(act.holds(&uninit.view_mut()));
 }
+
+#[test]
+fn map_of_and_rows_of_write_every_element_in_one_pass() {
+    let m = mgr();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let source = Array2::<f32>::from_shape_fn((4, 5), |(r, c)| r as f32 - c as f32);
+    // Contiguous, and a transposed (non-contiguous) source: the same values.
+    let relu = act.map_of(&source, |v| v.max(0.0)).unwrap();
+    assert_eq!(relu, source.mapv(|v| v.max(0.0)));
+    assert!(act.holds(&relu));
+    let t = act.map_of(&source.t(), |v| v * 2.0).unwrap();
+    assert_eq!(t, source.t().mapv(|v| v * 2.0));
+    // Another element type.
+    let bits = act.map_of(&source, f32::to_bits).unwrap();
+    assert_eq!(bits[[3, 1]], 2.0f32.to_bits());
+    // A row broadcast over rows, also from a strided row.
+    let bias = ndarray::arr1(&[1.0f32, -2.0, 3.5]);
+    let rows = act.rows_of(&bias, 4).unwrap();
+    assert_eq!(rows.dim(), (4, 3));
+    assert!(rows.rows().into_iter().all(|r| r == bias));
+    let column = source.column(2);
+    let strided = act.rows_of(&column, 2).unwrap();
+    assert_eq!(strided.row(1), column);
+    // No rows is no memory: an error, as for every empty allocation.
+    assert!(act.rows_of(&bias, 0).is_err());
+}
