@@ -25,11 +25,7 @@ pub(crate) fn distinct<'a, A, D: Dimension>(mut a: ArrayView<'a, A, D>) -> Array
     a
 }
 
-/// Whether every value of `values` is finite. Branch-free within chunks, so that it
-/// vectorises; stops at the first chunk that holds a non-finite value.
-fn all_finite(values: &[f32]) -> bool {
-    values.chunks(64).all(|chunk| chunk.iter().fold(true, |ok, v| ok & v.is_finite()))
-}
+use super::simd::all_finite;
 
 /// The first value of `values` that is not finite: its index and the value.
 pub(crate) fn first_in_slice(values: &[f32]) -> Option<(usize, f32)> {

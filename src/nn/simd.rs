@@ -68,9 +68,38 @@ impl Width {
     }
 }
 
+#[inline(always)]
+fn all_finite_body(values: &[f32]) -> bool {
+    values.chunks(64).all(|chunk| chunk.iter().fold(true, |ok, v| ok & v.is_finite()))
+}
+
+/// Whether every value of `values` is finite. Branch-free within chunks of 64, at the
+/// widest vectors the CPU has; stops at the first chunk that holds a non-finite value.
+pub(crate) fn all_finite(values: &[f32]) -> bool {
+    match Width::detect() {
+        Width::Baseline => all_finite_body(values),
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { x86::all_finite_avx2(values) },
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { x86::all_finite_avx512(values) },
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn all_finite_avx512(values: &[f32]) -> bool {
+        all_finite_body(values)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn all_finite_avx2(values: &[f32]) -> bool {
+        all_finite_body(values)
+    }
 
     #[target_feature(enable = "avx512f")]
     pub(super) fn adam_finite_avx512(a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> bool {
@@ -161,6 +190,16 @@ mod tests {
             assert_eq!(r, &results[0], "{width:?} against the baseline");
         }
         assert!(results[0].0);
+        // The finite scan, at the CPU's width, against the plain one.
+        let mut scan = values(n, 5);
+        assert!(all_finite(&scan) && all_finite_body(&scan));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 63, 64, n - 1] {
+                let keep = std::mem::replace(&mut scan[at], bad);
+                assert!(!all_finite(&scan) && !all_finite_body(&scan), "{bad} at {at}");
+                scan[at] = keep;
+            }
+        }
         // A value that would overflow is seen at every width.
         for &width in &widths {
             let (mut w, g) = (values(n, 1), values(n, 2));
