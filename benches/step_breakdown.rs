@@ -83,8 +83,58 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "step_over_gemm": step_gflops / gemm,
         }));
     }
+    // The wide MLP on 1 and 2 threads (`Network::set_threads`), interleaved rounds of
+    // 4 steps each; the same batches, so the same losses are expected, bit for bit.
+    let threads = {
+        let make = |threads: usize| -> Result<Network, Box<dyn std::error::Error>> {
+            let config = NetworkConfig::builder(784)
+                .dense(1024)
+                .relu()
+                .dense(1024)
+                .relu()
+                .dense(10)
+                .seed(1)
+                .updater(Updater::adam(1e-3));
+            let mut net = Network::new(config.build()?)?;
+            net.set_threads(threads)?;
+            Ok(net)
+        };
+        let (mut one, mut two) = (make(1)?, make(2)?);
+        let batches: Vec<(Array2<f32>, Array1<u32>)> = (0..4)
+            .map(|b| {
+                let x = Array2::from_shape_fn((128, 784), |(r, c)| ((r * 131 + c * 71 + b * 37) % 257) as f32 / 257.0);
+                (x, Array1::from_shape_fn(128, |r| ((r * 7 + b) % 10) as u32))
+            })
+            .collect();
+        let (mut same, mut ratios, mut step) = (true, Vec::new(), 0usize);
+        for round in 0..(args.steps / 40).max(4) + 1 {
+            let mut ns = [0f64; 2];
+            for (i, net) in [&mut one, &mut two].into_iter().enumerate() {
+                let t0 = Instant::now();
+                for s in 0..4 {
+                    let (x, y) = &batches[(step + s) % batches.len()];
+                    net.fit_batch(x.view(), y.view())?;
+                }
+                ns[i] = t0.elapsed().as_secs_f64();
+            }
+            for s in 0..1 {
+                let (x, y) = &batches[(step + s) % batches.len()];
+                same &= one.fit_batch(x.view(), y.view())?.to_bits() == two.fit_batch(x.view(), y.view())?.to_bits();
+            }
+            step += 5;
+            if round > 0 {
+                ratios.push(ns[0] / ns[1]);
+            }
+        }
+        ratios.sort_by(f64::total_cmp);
+        let speedup = ratios[ratios.len() / 2];
+        println!(
+            "784-1024-1024-10, batch 128: 2 threads {speedup:.2}x one thread's steps per second; same losses {same}"
+        );
+        serde_json::json!({ "network": "784-1024-1024-10", "batch": 128, "two_threads_over_one": speedup, "same_bits": same })
+    };
     if args.json {
-        println!("{}", serde_json::json!({ "cases": cases }));
+        println!("{}", serde_json::json!({ "cases": cases, "threads": threads }));
     }
     Ok(())
 }

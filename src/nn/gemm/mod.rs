@@ -18,6 +18,7 @@
 //! the result is bit-identical whether the scratch comes from a workspace or the heap.
 
 mod kernel;
+pub(crate) mod pool;
 
 use std::mem::MaybeUninit;
 
@@ -154,9 +155,14 @@ fn sgemm_with(
         k,
     };
     // SAFETY: `a` and `b` are live views of `m × k` and `k × n` elements and `c` a
-    // live, exclusive view of `m × n`, described exactly by `operands`; the buffers
-    // have at least the sizes `packed_sizes` gives for these shapes and this kernel.
-    unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf) };
+    // live, exclusive view of `m × n`, described exactly by `operands`, borrowed until
+    // this returns; the buffers have at least the sizes `packed_sizes` gives for these
+    // shapes and this kernel. Split across this thread's pool when there is one (the
+    // same bits), or here.
+    if !unsafe { pool::split(kernel, alpha, beta, &operands, a_buf, b_buf) } {
+        // SAFETY: as above.
+        unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf) };
+    }
     Ok(())
 }
 

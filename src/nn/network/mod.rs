@@ -65,6 +65,8 @@ pub struct Network {
     recorded: Option<Trace>,
     /// Where the training steps' time goes, when measured.
     breakdown: Option<StepBreakdown>,
+    /// The threads a training step's large matrix multiplies split across.
+    pool: Option<super::gemm::pool::Pool>,
 }
 
 impl std::fmt::Debug for Network {
@@ -133,6 +135,7 @@ impl Network {
             iterations,
             last_workspace_bytes: 0,
             breakdown: None,
+            pool: None,
             record_next: false,
             memory_plan: None,
             recorded: None,

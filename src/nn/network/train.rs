@@ -12,6 +12,7 @@ use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 use crate::{Error, Result};
 
 use super::super::finite;
+use super::super::gemm;
 use super::super::layer::{Activations, BackwardCtx, Layer};
 use super::super::profile::{self, Part, StepBreakdown};
 use super::batch::shape_key;
@@ -40,6 +41,7 @@ impl Network {
     /// they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let measured = profile::start(self.breakdown.is_some());
+        let _pool = gemm::pool::use_pool(self.pool.as_ref());
         let loss = self.fit_batch_unmeasured(x.into(), labels.into())?;
         if let Some(breakdown) = self.breakdown.as_mut() {
             measured.finish(breakdown);
@@ -83,6 +85,50 @@ impl Network {
     /// ```
     pub fn set_breakdown(&mut self, on: bool) {
         self.breakdown = on.then(StepBreakdown::default);
+    }
+
+    /// Splits a training step's large matrix multiplies across `threads` threads (the
+    /// caller's and `threads - 1` more, started now and kept until the network drops or
+    /// this is called again; 1: none). Each product's columns are cut into blocks of
+    /// whole tiles, one per thread, each computed in the same order as on one thread:
+    /// the losses are the same bits whatever the number of threads. Products under 8
+    /// MFLOP (the demo's) stay on the calling thread, where the hand-off would cost
+    /// more than it gives. A step allocates nothing either way.
+    ///
+    /// ```
+    /// use carve::nn::{Network, NetworkConfig};
+    /// use carve::ndarray::{Array1, Array2};
+    ///
+    /// let config = || NetworkConfig::builder(256).dense(512).relu().dense(4).seed(2).build();
+    /// let (mut one, mut two) = (Network::new(config()?)?, Network::new(config()?)?);
+    /// two.set_threads(2)?;
+    /// let x = Array2::from_shape_fn((64, 256), |(r, c)| ((r * 7 + c) % 13) as f32 / 13.0);
+    /// let y = Array1::from_shape_fn(64, |r| (r % 4) as u32);
+    /// for _ in 0..3 {
+    ///     let (a, b) = (one.fit_batch(x.view(), y.view())?, two.fit_batch(x.view(), y.view())?);
+    ///     assert_eq!(a.to_bits(), b.to_bits());
+    /// }
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for 0 threads, or a thread that cannot start.
+    pub fn set_threads(&mut self, threads: usize) -> Result<()> {
+        self.pool = None;
+        match threads {
+            0 => Err(Error::InvalidConfig { reason: "a network trains on at least 1 thread".into() }),
+            1 => Ok(()),
+            n => {
+                self.pool = Some(gemm::pool::Pool::new(n)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// The threads a training step's large matrix multiplies split across.
+    pub fn threads(&self) -> usize {
+        self.pool.as_ref().map_or(1, |p| p.threads())
     }
 
     /// Where the training steps' time went since [`Network::set_breakdown`] (`None`

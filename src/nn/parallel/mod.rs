@@ -27,7 +27,7 @@ mod mpi;
 #[allow(unsafe_code)]
 mod reduce;
 #[allow(unsafe_code)]
-mod shared;
+pub(crate) mod shared;
 #[allow(unsafe_code)]
 mod trainer;
 #[allow(unsafe_code)]
