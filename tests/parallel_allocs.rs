@@ -1,4 +1,5 @@
-//! A steady data-parallel step makes no heap allocation in any worker: the count is
+//! A steady data-parallel step makes no heap allocation in any worker, nor a network's
+//! step whose matrix multiplies split across threads: the count is
 //! process-wide (every worker thread), leaving out the harness's main thread, and the
 //! binary holds one test, so that nothing but the trainer is counted.
 
@@ -41,6 +42,20 @@ fn steady_steps_allocate_nothing_in_any_worker() {
             let during = allocations() - before;
             assert_eq!(during, 0, "{config:?}: {during} allocations in 40 steady steps");
         }
+        // A network whose products split across 2 threads (each at least 8 MFLOP).
+        let wide = NetworkConfig::builder(256).dense(512).relu().dense(10).seed(4);
+        let mut net = Network::new(wide.build().unwrap()).unwrap();
+        net.set_threads(2).unwrap();
+        let x = Array2::from_shape_fn((64, 256), |(r, c)| ((r * 5 + c * 3) % 17) as f32 / 17.0);
+        for _ in 0..3 {
+            net.fit_batch(x.view(), y.view()).unwrap();
+        }
+        let before = allocations();
+        for _ in 0..10 {
+            net.fit_batch(x.view(), y.view()).unwrap();
+        }
+        let during = allocations() - before;
+        assert_eq!(during, 0, "set_threads(2): {during} allocations in 10 steady steps");
     })
     .join()
     .unwrap();
