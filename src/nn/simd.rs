@@ -122,11 +122,29 @@ mod x86 {
     }
 }
 
+/// Parameters shorter than this are stepped on the calling thread; longer ones are
+/// split across the thread's matrix-multiply pool when it has one (each element's
+/// arithmetic is the same wherever it runs).
+const SPLIT_MIN: usize = 1 << 16;
+
 /// Whether one Adam step of `p` (state `m`, `v`) is finite everywhere: the new moments,
 /// the updates and the new values. Stores nothing.
 pub(crate) fn adam_finite(width: Width, a: AdamStep, p: &Param<'_>, m: &[f32], v: &[f32]) -> bool {
     let n = p.value.len();
     let (w, g, m, v) = (&p.value[..n], &p.grad[..n], &m[..n], &v[..n]);
+    let ok = std::sync::atomic::AtomicBool::new(true);
+    let part = |s: usize, e: usize| {
+        if !adam_finite_at(width, a, &w[s..e], &m[s..e], &v[s..e], &g[s..e]) {
+            ok.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    if super::gemm::pool::for_parts(n, SPLIT_MIN, 16, &part) {
+        return ok.into_inner();
+    }
+    adam_finite_at(width, a, w, m, v, g)
+}
+
+fn adam_finite_at(width: Width, a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> bool {
     match width {
         Width::Baseline => adam_finite_body(a, w, m, v, g),
         // SAFETY: `Width::detect` found the feature on this CPU (a `Width` is made only
@@ -139,11 +157,65 @@ pub(crate) fn adam_finite(width: Width, a: AdamStep, p: &Param<'_>, m: &[f32], v
     }
 }
 
+/// The four arrays of an Adam step, for the threads that each store a range of them.
+#[derive(Clone, Copy)]
+struct Arrays {
+    w: *mut f32,
+    m: *mut f32,
+    v: *mut f32,
+    g: *const f32,
+}
+
+impl Arrays {
+    /// The elements `s..e` of the four arrays.
+    ///
+    /// # Safety
+    ///
+    /// `s..e` lies within every array, and nothing else reaches those elements while
+    /// the slices live.
+    #[allow(clippy::type_complexity)]
+    unsafe fn range<'a>(&self, s: usize, e: usize) -> (&'a mut [f32], &'a mut [f32], &'a mut [f32], &'a [f32]) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.w.add(s), e - s),
+                std::slice::from_raw_parts_mut(self.m.add(s), e - s),
+                std::slice::from_raw_parts_mut(self.v.add(s), e - s),
+                std::slice::from_raw_parts(self.g.add(s), e - s),
+            )
+        }
+    }
+}
+
+// SAFETY: used only by `adam_commit`, whose threads each write a range of the arrays that
+// no other thread reads or writes (`for_parts` gives every range to one thread), while
+// `adam_commit` keeps them borrowed.
+unsafe impl Send for Arrays {}
+// SAFETY: as above.
+unsafe impl Sync for Arrays {}
+
 /// Stores one Adam step of `p`: the new moments into `m` and `v`, each value plus its
 /// update.
 pub(crate) fn adam_commit(width: Width, a: AdamStep, p: Param<'_>, m: &mut [f32], v: &mut [f32]) {
     let n = p.value.len();
     let (w, g, m, v) = (p.value, &p.grad[..n], &mut m[..n], &mut v[..n]);
+    if n >= SPLIT_MIN {
+        let arrays = Arrays { w: w.as_mut_ptr(), m: m.as_mut_ptr(), v: v.as_mut_ptr(), g: g.as_ptr() };
+        let part = |s: usize, e: usize| {
+            // SAFETY: `s..e` lies within the `n` elements of each array (`for_parts` cuts
+            // `0..n`); this range is this call's alone (every range goes to one thread),
+            // and the arrays stay borrowed, unused otherwise, until every part is done.
+            let (w, m, v, g) = unsafe { arrays.range(s, e) };
+            adam_commit_at(width, a, w, m, v, g);
+        };
+        if super::gemm::pool::for_parts(n, SPLIT_MIN, 16, &part) {
+            return;
+        }
+    }
+    adam_commit_at(width, a, w, m, v, g)
+}
+
+fn adam_commit_at(width: Width, a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
     match width {
         Width::Baseline => adam_commit_body(a, w, m, v, g),
         // SAFETY: as in `adam_finite`.
@@ -161,6 +233,30 @@ mod tests {
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32).map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 10_007) as f32 / 997.0 - 5.0).collect()
+    }
+
+    #[test]
+    fn a_step_split_across_a_pool_is_the_same_bits() {
+        let a = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0.0013 };
+        let n = SPLIT_MIN * 2 + 37;
+        let run = |pool: Option<&crate::nn::gemm::pool::Pool>| {
+            let _in_use = crate::nn::gemm::pool::use_pool(pool);
+            let (mut w, g) = (values(n, 1), values(n, 2));
+            let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
+            let width = Width::detect();
+            let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
+            adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
+            w[n - 1] = f32::NAN;
+            let bad = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            (finite, bad, bits(&w), bits(&m), bits(&v))
+        };
+        let alone = run(None);
+        assert!(alone.0 && !alone.1);
+        for threads in [2, 3] {
+            let pool = crate::nn::gemm::pool::Pool::new(threads).unwrap();
+            assert_eq!(run(Some(&pool)), alone, "{threads} threads");
+        }
     }
 
     #[test]

@@ -104,6 +104,36 @@ impl Job {
     }
 }
 
+/// A range-split loop as the threads share it: `f(start, end)` for each thread's range.
+#[derive(Clone, Copy)]
+struct Parts {
+    f: *const (dyn Fn(usize, usize) + Sync + 'static),
+    len: usize,
+    parts: usize,
+    align: usize,
+}
+
+// SAFETY: `f` is called only between the start and done gates of its loop, while the
+// caller of `for_parts` keeps it borrowed (it returns only after the done gate); it is
+// `Sync`, so calls from several threads at once are allowed.
+unsafe impl Send for Parts {}
+
+impl Parts {
+    /// The range of part `p`: cut at multiples of `align`.
+    fn range(&self, p: usize) -> (usize, usize) {
+        let blocks = self.len.div_ceil(self.align);
+        let cut = |p: usize| (blocks * p / self.parts * self.align).min(self.len);
+        (cut(p), cut(p + 1))
+    }
+}
+
+/// What the helpers run.
+#[derive(Clone, Copy)]
+enum Task {
+    Gemm(Job),
+    Parts(Parts),
+}
+
 /// What a pool's threads share.
 pub(crate) struct Shared {
     helpers: usize,
@@ -113,7 +143,7 @@ pub(crate) struct Shared {
     /// Set while a caller uses the pool; another caller meanwhile multiplies alone.
     busy: AtomicBool,
     stop: AtomicBool,
-    job: Mutex<Option<Job>>,
+    job: Mutex<Option<Task>>,
     /// A helper's panic message (the product then fails on the caller).
     failed: Mutex<Option<String>>,
 }
@@ -190,18 +220,28 @@ fn helper(shared: &Shared, p: usize) {
         if !shared.start.wait() || shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let job = *shared.job.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(job) = job {
-            let ran = catch_unwind(AssertUnwindSafe(|| {
-                let need = job.scratch_len(p);
-                if scratch.len() < need {
-                    // The largest product so far: its buffers stay for the next ones.
-                    scratch.resize(need, MaybeUninit::uninit());
+        let task = *shared.job.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(task) = task {
+            let ran = catch_unwind(AssertUnwindSafe(|| match task {
+                Task::Gemm(job) => {
+                    let need = job.scratch_len(p);
+                    if scratch.len() < need {
+                        // The largest product so far: its buffers stay for the next ones.
+                        scratch.resize(need, MaybeUninit::uninit());
+                    }
+                    // SAFETY: the caller keeps the job's matrices borrowed until the done
+                    // gate, which this thread reaches only after this call; part `p` of C
+                    // is this thread's alone; the buffer was just sized for the part.
+                    unsafe { job.run(p, &mut scratch) };
                 }
-                // SAFETY: the caller keeps the job's matrices borrowed until the done
-                // gate, which this thread reaches only after this call; part `p` of C is
-                // this thread's alone; the buffer was just sized for the part.
-                unsafe { job.run(p, &mut scratch) };
+                Task::Parts(parts) => {
+                    let (start, end) = parts.range(p);
+                    if start < end {
+                        // SAFETY: the caller keeps `f` borrowed until the done gate, which
+                        // this thread reaches only after this call.
+                        unsafe { (*parts.f)(start, end) };
+                    }
+                }
             }));
             if let Err(panic) = ran {
                 *shared.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(panic_message(panic));
@@ -252,7 +292,7 @@ impl Shared {
             k: ops.k,
             parts,
         };
-        *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(job);
+        *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Task::Gemm(job));
         if !self.start.wait() {
             // Stopped: the helpers are gone.
             *self.job.lock().unwrap_or_else(PoisonError::into_inner) = None;
@@ -278,6 +318,58 @@ impl Shared {
         }
         true
     }
+}
+
+impl Shared {
+    /// Runs `f` over `len` elements cut into one range per thread (at multiples of
+    /// `align`), range 0 on this thread. `false` when the pool is busy or stopped: then
+    /// nothing was done.
+    fn for_parts(&self, len: usize, align: usize, f: &(dyn Fn(usize, usize) + Sync)) -> bool {
+        if self.busy.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        // SAFETY: erasing `f`'s lifetime: the helpers call it only between the start and
+        // done gates below, and this function passes the done gate before it
+        // returns (its own part's panic is caught until then), so `f` outlives every
+        // call; the job is cleared before `f`'s borrow ends.
+        let f: *const (dyn Fn(usize, usize) + Sync + 'static) = unsafe {
+            std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), *const (dyn Fn(usize, usize) + Sync)>(f)
+        };
+        let parts = Parts { f, len, parts: self.helpers + 1, align: align.max(1) };
+        *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Task::Parts(parts));
+        if !self.start.wait() {
+            *self.job.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            self.busy.store(false, Ordering::Release);
+            return false;
+        }
+        let (start, end) = parts.range(0);
+        // SAFETY: `f` is the caller's, alive for this call.
+        let mine = catch_unwind(AssertUnwindSafe(|| unsafe { (*parts.f)(start, end) }));
+        self.done.wait();
+        *self.job.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.busy.store(false, Ordering::Release);
+        if let Err(panic) = mine {
+            resume_unwind(panic);
+        }
+        if let Some(message) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            panic!("a pool thread panicked: {message}");
+        }
+        true
+    }
+}
+
+/// Runs `f(start, end)` over `len` elements cut into one range per thread of this
+/// thread's pool (at multiples of `align`), when there is a pool and `len` is at least
+/// `min_len`; `false` when it was not done (then the caller runs `f(0, len)` itself).
+/// Every range is given to one thread, so `f` may write the elements of its range.
+pub(crate) fn for_parts(len: usize, min_len: usize, align: usize, f: &(dyn Fn(usize, usize) + Sync)) -> bool {
+    if len < min_len.max(1) {
+        return false;
+    }
+    let Some(shared) = CURRENT.with(|current| current.borrow().clone()) else {
+        return false;
+    };
+    shared.for_parts(len, align, f)
 }
 
 thread_local! {
