@@ -309,7 +309,7 @@ fn run_parallel(args: &Args, train_split: &Split, test: &Split) -> Res<()> {
     if args.json && root {
         fields["test_accuracy"] = accuracy.into();
         fields["final_loss"] = trainers.loss.last().map(|&l| f64::from(l)).into();
-        let mut object = serde_json::json!({
+        let object = serde_json::json!({
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "batch_size_used": args.batch_size.min(train_split.labels.len()),
@@ -321,13 +321,7 @@ fn run_parallel(args: &Args, train_split: &Split, test: &Split) -> Res<()> {
             "test_rows": test.labels.len(),
             "saved": args.save.as_ref().map(|p| p.display().to_string()),
         });
-        if let (Some(object), Some(keys)) = (object.as_object_mut(), fields.as_object()) {
-            for (k, v) in keys {
-                object.insert(k.clone(), v.clone());
-            }
-        }
-        object[mode_name(mode)] = fields;
-        println!("{}", serde_json::to_string(&object)?);
+        parallel::print_json(object, fields, mode_name(mode))?;
     }
     Ok(())
 }

@@ -257,6 +257,19 @@ impl Trainers {
     }
 }
 
+/// `object` (a demo's run description) with the data-parallel `fields` added at its
+/// top level and under `mode`'s key, printed as the last line of stdout.
+pub(crate) fn print_json(mut object: serde_json::Value, fields: serde_json::Value, mode: &str) -> Res<()> {
+    if let (Some(object), Some(keys)) = (object.as_object_mut(), fields.as_object()) {
+        for (k, v) in keys {
+            object.insert(k.clone(), v.clone());
+        }
+    }
+    object[mode] = fields;
+    println!("{}", serde_json::to_string(&object)?);
+    Ok(())
+}
+
 /// SHA-256 of the losses as little-endian `f32` bits, in order (the demos'
 /// `loss_trace_sha256`).
 pub(crate) fn sha256_of_losses(losses: &[f32]) -> String {

@@ -7,7 +7,7 @@ use ndarray::{Ix1, Ix2};
 
 use crate::args::Args;
 use crate::data::Dataset;
-use crate::parallel::Setup;
+use crate::parallel::{self, Setup};
 use crate::train::{build_network, mode_name, prefetcher};
 use crate::{Res, CLASSES, FEATURES};
 
@@ -91,7 +91,7 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
         fields["train_accuracy"] = train_accuracy.into();
         fields["final_loss"] = trainers.loss.last().map(|&l| f64::from(l)).into();
         let lr: f64 = args.lr.to_string().parse()?;
-        let mut object = serde_json::json!({
+        let object = serde_json::json!({
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "batch_size_used": batch,
@@ -102,13 +102,7 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
             "test_rows": test.y.len(),
             "saved": args.save.as_ref().map(|p| p.display().to_string()),
         });
-        if let (Some(object), Some(keys)) = (object.as_object_mut(), fields.as_object()) {
-            for (k, v) in keys {
-                object.insert(k.clone(), v.clone());
-            }
-        }
-        object[mode_name(mode)] = fields;
-        println!("{}", serde_json::to_string(&object)?);
+        parallel::print_json(object, fields, mode_name(mode))?;
     }
     Ok(())
 }

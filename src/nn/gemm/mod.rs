@@ -189,6 +189,7 @@ impl Matrix {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Operands {
     a: Matrix,
     b: Matrix,

@@ -34,14 +34,7 @@ struct Job {
     kernel: Kernel,
     alpha: f32,
     beta: f32,
-    a: Matrix,
-    b: Matrix,
-    c: *mut f32,
-    c_row_stride: isize,
-    c_col_stride: isize,
-    m: usize,
-    n: usize,
-    k: usize,
+    ops: Operands,
     parts: usize,
 }
 
@@ -54,8 +47,8 @@ impl Job {
     /// The columns of part `p`: cut at multiples of the kernel's tile width.
     fn columns(&self, p: usize) -> (usize, usize) {
         let nr = self.kernel.nr();
-        let tiles = self.n.div_ceil(nr);
-        let cut = |p: usize| (tiles * p / self.parts * nr).min(self.n);
+        let tiles = self.ops.n.div_ceil(nr);
+        let cut = |p: usize| (tiles * p / self.parts * nr).min(self.ops.n);
         (cut(p), cut(p + 1))
     }
 
@@ -73,23 +66,14 @@ impl Job {
         }
         let n = j1 - j0;
         let skip = scratch.as_ptr().align_offset(64).min(ALIGN_ELEMENTS);
-        let (a_len, b_len) = packed_sizes(self.kernel, self.m, n, self.k);
+        let (a_len, b_len) = packed_sizes(self.kernel, self.ops.m, n, self.ops.k);
         let (a_buf, rest) = scratch[skip..].split_at_mut(a_len);
         let b_buf = &mut rest[..b_len];
+        let o = &self.ops;
         // SAFETY: columns `j0..j1` lie inside B and C (`j1 <= n`).
-        let (b_ptr, c_ptr) = unsafe {
-            (self.b.ptr.offset(j0 as isize * self.b.col_stride), self.c.offset(j0 as isize * self.c_col_stride))
-        };
-        let ops = Operands {
-            a: self.a,
-            b: Matrix { ptr: b_ptr, ..self.b },
-            c: c_ptr,
-            c_row_stride: self.c_row_stride,
-            c_col_stride: self.c_col_stride,
-            m: self.m,
-            n,
-            k: self.k,
-        };
+        let (b_ptr, c_ptr) =
+            unsafe { (o.b.ptr.offset(j0 as isize * o.b.col_stride), o.c.offset(j0 as isize * o.c_col_stride)) };
+        let ops = Operands { b: Matrix { ptr: b_ptr, ..o.b }, c: c_ptr, n, ..*o };
         // SAFETY: `ops` describes the part of live matrices (the caller's promise), the
         // buffers have the sizes `packed_sizes` gives for it, the kernel came from
         // `Kernel::detect`.
@@ -99,7 +83,7 @@ impl Job {
     /// Packing buffers part `p` needs.
     fn scratch_len(&self, p: usize) -> usize {
         let (j0, j1) = self.columns(p);
-        let (a, b) = packed_sizes(self.kernel, self.m, (j1 - j0).max(1), self.k);
+        let (a, b) = packed_sizes(self.kernel, self.ops.m, (j1 - j0).max(1), self.ops.k);
         a + b + ALIGN_ELEMENTS
     }
 }
@@ -278,20 +262,7 @@ impl Shared {
         if self.busy.swap(true, Ordering::AcqRel) {
             return false;
         }
-        let job = Job {
-            kernel,
-            alpha,
-            beta,
-            a: ops.a,
-            b: ops.b,
-            c: ops.c,
-            c_row_stride: ops.c_row_stride,
-            c_col_stride: ops.c_col_stride,
-            m: ops.m,
-            n: ops.n,
-            k: ops.k,
-            parts,
-        };
+        let job = Job { kernel, alpha, beta, ops: *ops, parts };
         *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Task::Gemm(job));
         if !self.start.wait() {
             // Stopped: the helpers are gone.
