@@ -24,6 +24,10 @@ struct Args {
     /// Steady steps measured per network (after 20 warm-up steps).
     #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u32).range(10..))]
     steps: u32,
+    /// Threads of the networks broken down (`Network::set_threads`; the comparison of 1
+    /// and 2 threads at the end runs either way).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
     /// Print one JSON line after the table.
     #[arg(long)]
     json: bool,
@@ -41,6 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             builder = builder.dense(w).relu();
         }
         let mut net = Network::new(builder.dense(classes).seed(1).updater(Updater::adam(1e-3)).build()?)?;
+        net.set_threads(args.threads as usize)?;
         let batches: Vec<(Array2<f32>, Array1<u32>)> = (0..8)
             .map(|b| {
                 let x =
@@ -75,6 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cases.push(serde_json::json!({
             "network": name,
             "batch": batch,
+            "threads": args.threads,
             "steps": b.steps,
             "step_us_median": median_s * 1e6,
             "breakdown_us": breakdown::breakdown_json(&b),

@@ -20,7 +20,15 @@ pub(crate) struct Dataset {
 pub(crate) fn data_path() -> PathBuf {
     match std::env::var_os("TRAIN_DIGITS_DATA") {
         Some(path) => PathBuf::from(path),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/digits.csv.gz"),
+        None => {
+            // The repository's root package, or the bench package inside it.
+            let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+            let file = |dir: &Path| dir.join("examples/data/digits.csv.gz");
+            match manifest.parent() {
+                Some(root) if !file(manifest).exists() && file(root).exists() => file(root),
+                _ => file(manifest),
+            }
+        }
     }
 }
 
