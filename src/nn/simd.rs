@@ -4,6 +4,8 @@
 //! and nothing is fused (Rust never contracts `a * b + c` into an FMA), so every version
 //! gives the same bits; the tests check it.
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
 use super::layer::Param;
 
 /// Adam's hyper-parameters for one step, the bias correction folded into `step`.
@@ -33,13 +35,112 @@ fn adam_finite_body(a: AdamStep, w: &[f32], m: &[f32], v: &[f32], g: &[f32]) -> 
     })
 }
 
+/// Stores the step and returns the largest `|m|` and `|v|` it stored (as [`Moments`]; a
+/// NaN, which a checked step never stores, would be the largest).
 #[inline(always)]
-fn adam_commit_body(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+fn adam_commit_body(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> Moments {
+    // The maxima of the magnitudes, kept as bits: for non-negative floats their order is
+    // the order of the values, and an integer maximum vectorises where a float one
+    // (whose NaN rules make it order-dependent) does not. A NaN's magnitude is above
+    // every other.
+    let (mut m_max, mut v_max) = (0u32, 0u32);
     for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g) {
         let (m_new, v_new, u) = adam(a, *m, *v, g);
         (*m, *v) = (m_new, v_new);
         *w += u;
+        m_max = m_max.max(m_new.abs().to_bits());
+        v_max = v_max.max(v_new.abs().to_bits());
     }
+    Moments { m: f32::from_bits(m_max), v: f32::from_bits(v_max) }
+}
+
+/// The largest `|m|` and the largest `v` of an Adam state (0 for none), what a
+/// [`Bounds`] check starts from.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub(crate) struct Moments {
+    pub(crate) m: f32,
+    pub(crate) v: f32,
+}
+
+impl Moments {
+    /// The larger of each.
+    pub(crate) fn max(self, other: Moments) -> Moments {
+        Moments { m: self.m.max(other.m), v: self.v.max(other.v) }
+    }
+
+    /// The maxima of a state held elsewhere (a restored or handed-over one): one scan.
+    /// `None` when a value is not finite or a second moment is negative, which no
+    /// checked step stores.
+    pub(crate) fn of(m: &[f32], v: &[f32]) -> Option<Moments> {
+        let finite = m.iter().chain(v).all(|x| x.is_finite()) && v.iter().all(|&x| x >= 0.0);
+        finite.then(|| Moments {
+            m: m.iter().fold(0f32, |a, x| a.max(x.abs())),
+            v: v.iter().fold(0f32, |a, &x| a.max(x)),
+        })
+    }
+}
+
+/// What a bounds scan of a parameter found: whether every value is within
+/// [`VALUE_LIMIT`] and every gradient finite, and the largest `|gradient|`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Scan {
+    pub(crate) in_range: bool,
+    pub(crate) g_max: f32,
+}
+
+/// The largest `|value|` for which an Adam step of a bounded update is known finite
+/// without computing it (see [`adam_step_is_finite`]).
+pub(crate) const VALUE_LIMIT: f32 = 1e38;
+
+#[inline(always)]
+fn scan_body(w: &[f32], g: &[f32]) -> Scan {
+    // The largest magnitude as bits (see `adam_commit_body`).
+    let (mut ok, mut g_max) = (true, 0u32);
+    for (&w, &g) in w.iter().zip(g) {
+        let a = g.abs();
+        // Comparisons with a NaN are false: a NaN gradient or value fails `ok`.
+        ok &= (a <= f32::MAX) & (w.abs() <= VALUE_LIMIT);
+        g_max = g_max.max(a.to_bits());
+    }
+    Scan { in_range: ok, g_max: f32::from_bits(g_max) }
+}
+
+/// Whether an Adam step whose state holds at most `moments` and whose gradients are at
+/// most `g_max` in magnitude, applied to values within [`VALUE_LIMIT`], gives finite
+/// moments, updates and values everywhere — known from these bounds alone, before any
+/// element is computed. `false` means "not known", not "not finite": the step is then
+/// checked element by element.
+///
+/// With `0 ≤ β₁, β₂ ≤ 1` and `ε > 0`, each stored value is at most (the computed
+/// roundings each add a relative 2⁻²⁴, far inside the margins below):
+/// - `|m'| ≤ β₁·|m| + (1 − β₁)·|g| =: M`,
+/// - `0 ≤ v' ≤ β₂·v + (1 − β₂)·g² =: V` (so `√v' + ε ≥ ε > 0`),
+/// - `|step·m'| ≤ |step|·M` (the kernel's numerator) and
+///   `|u| = |step·m' / (√v' + ε)| ≤ |step|·M / ε =: U`,
+/// - `|w + u| ≤ VALUE_LIMIT + U`.
+///
+/// With `M, V, |step|·M ≤ 10³⁷` and `U ≤ 10³⁸` every one is below `f32::MAX`
+/// (3.4·10³⁸).
+pub(crate) fn adam_step_is_finite(a: AdamStep, moments: Moments, g_max: f32) -> bool {
+    let (b1, b2, eps, step) = (f64::from(a.beta1), f64::from(a.beta2), f64::from(a.epsilon), f64::from(a.step));
+    // The complements as the kernel computes them (in f32).
+    let (c1, c2) = (f64::from(1.0 - a.beta1), f64::from(1.0 - a.beta2));
+    let (m, v, g) = (f64::from(moments.m), f64::from(moments.v), f64::from(g_max));
+    let hyper = (0.0..=1.0).contains(&b1)
+        && (0.0..=1.0).contains(&b2)
+        && c1 >= 0.0
+        && c2 >= 0.0
+        && eps > 0.0
+        && eps.is_finite()
+        && step.is_finite();
+    if !(hyper && m.is_finite() && v.is_finite() && g.is_finite() && v >= 0.0) {
+        return false;
+    }
+    let big_m = b1 * m + c1 * g;
+    let big_v = b2 * v + c2 * g * g;
+    // The kernel multiplies `step · m'` before it divides: that product is bounded too.
+    let numerator = step.abs() * big_m;
+    big_m <= 1e37 && big_v <= 1e37 && numerator <= 1e37 && numerator / eps <= 1e38
 }
 
 /// The vector width a loop runs at.
@@ -75,7 +176,23 @@ fn all_finite_body(values: &[f32]) -> bool {
 
 /// Whether every value of `values` is finite. Branch-free within chunks of 64, at the
 /// widest vectors the CPU has; stops at the first chunk that holds a non-finite value.
+/// Long slices are split across the thread's matrix-multiply pool when it has one.
 pub(crate) fn all_finite(values: &[f32]) -> bool {
+    if values.len() >= SPLIT_MIN {
+        let ok = AtomicBool::new(true);
+        let part = |s: usize, e: usize| {
+            if !all_finite_at(&values[s..e]) {
+                ok.store(false, Ordering::Relaxed);
+            }
+        };
+        if super::gemm::pool::for_parts(values.len(), SPLIT_MIN, 16, &part) {
+            return ok.into_inner();
+        }
+    }
+    all_finite_at(values)
+}
+
+fn all_finite_at(values: &[f32]) -> bool {
     match Width::detect() {
         Width::Baseline => all_finite_body(values),
         // SAFETY: as in `adam_finite`.
@@ -112,13 +229,23 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub(super) fn adam_commit_avx512(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    pub(super) fn adam_commit_avx512(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> Moments {
         adam_commit_body(a, w, m, v, g)
     }
 
     #[target_feature(enable = "avx2")]
-    pub(super) fn adam_commit_avx2(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+    pub(super) fn adam_commit_avx2(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> Moments {
         adam_commit_body(a, w, m, v, g)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn scan_avx512(w: &[f32], g: &[f32]) -> Scan {
+        scan_body(w, g)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn scan_avx2(w: &[f32], g: &[f32]) -> Scan {
+        scan_body(w, g)
     }
 }
 
@@ -132,10 +259,10 @@ const SPLIT_MIN: usize = 1 << 16;
 pub(crate) fn adam_finite(width: Width, a: AdamStep, p: &Param<'_>, m: &[f32], v: &[f32]) -> bool {
     let n = p.value.len();
     let (w, g, m, v) = (&p.value[..n], &p.grad[..n], &m[..n], &v[..n]);
-    let ok = std::sync::atomic::AtomicBool::new(true);
+    let ok = AtomicBool::new(true);
     let part = |s: usize, e: usize| {
         if !adam_finite_at(width, a, &w[s..e], &m[s..e], &v[s..e], &g[s..e]) {
-            ok.store(false, std::sync::atomic::Ordering::Relaxed);
+            ok.store(false, Ordering::Relaxed);
         }
     };
     if super::gemm::pool::for_parts(n, SPLIT_MIN, 16, &part) {
@@ -194,28 +321,70 @@ unsafe impl Send for Arrays {}
 // SAFETY: as above.
 unsafe impl Sync for Arrays {}
 
+/// The larger of `value` and a non-negative `f32` held as bits in `max` (for such
+/// floats the order of the bits is the order of the values).
+fn atomic_max(max: &AtomicU32, value: f32) {
+    max.fetch_max(value.max(0.0).to_bits(), Ordering::Relaxed);
+}
+
 /// Stores one Adam step of `p`: the new moments into `m` and `v`, each value plus its
-/// update.
-pub(crate) fn adam_commit(width: Width, a: AdamStep, p: Param<'_>, m: &mut [f32], v: &mut [f32]) {
+/// update. Returns the largest `|m|` and `v` stored.
+pub(crate) fn adam_commit(width: Width, a: AdamStep, p: Param<'_>, m: &mut [f32], v: &mut [f32]) -> Moments {
     let n = p.value.len();
     let (w, g, m, v) = (p.value, &p.grad[..n], &mut m[..n], &mut v[..n]);
     if n >= SPLIT_MIN {
         let arrays = Arrays { w: w.as_mut_ptr(), m: m.as_mut_ptr(), v: v.as_mut_ptr(), g: g.as_ptr() };
+        let (m_max, v_max) = (AtomicU32::new(0), AtomicU32::new(0));
         let part = |s: usize, e: usize| {
             // SAFETY: `s..e` lies within the `n` elements of each array (`for_parts` cuts
             // `0..n`); this range is this call's alone (every range goes to one thread),
             // and the arrays stay borrowed, unused otherwise, until every part is done.
             let (w, m, v, g) = unsafe { arrays.range(s, e) };
-            adam_commit_at(width, a, w, m, v, g);
+            let moments = adam_commit_at(width, a, w, m, v, g);
+            atomic_max(&m_max, moments.m);
+            atomic_max(&v_max, moments.v);
         };
         if super::gemm::pool::for_parts(n, SPLIT_MIN, 16, &part) {
-            return;
+            return Moments { m: f32::from_bits(m_max.into_inner()), v: f32::from_bits(v_max.into_inner()) };
         }
     }
     adam_commit_at(width, a, w, m, v, g)
 }
 
-fn adam_commit_at(width: Width, a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+/// A bounds scan of `p` (see [`Scan`]): split across the thread's pool for long
+/// parameters, as the step is.
+pub(crate) fn scan(width: Width, p: &Param<'_>) -> Scan {
+    let n = p.value.len();
+    let (w, g) = (&p.value[..n], &p.grad[..n]);
+    if n >= SPLIT_MIN {
+        let (ok, g_max) = (AtomicBool::new(true), AtomicU32::new(0));
+        let part = |s: usize, e: usize| {
+            let found = scan_at(width, &w[s..e], &g[s..e]);
+            if !found.in_range {
+                ok.store(false, Ordering::Relaxed);
+            }
+            atomic_max(&g_max, found.g_max);
+        };
+        if super::gemm::pool::for_parts(n, SPLIT_MIN, 16, &part) {
+            return Scan { in_range: ok.into_inner(), g_max: f32::from_bits(g_max.into_inner()) };
+        }
+    }
+    scan_at(width, w, g)
+}
+
+fn scan_at(width: Width, w: &[f32], g: &[f32]) -> Scan {
+    match width {
+        Width::Baseline => scan_body(w, g),
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { x86::scan_avx2(w, g) },
+        // SAFETY: as in `adam_finite`.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { x86::scan_avx512(w, g) },
+    }
+}
+
+fn adam_commit_at(width: Width, a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> Moments {
     match width {
         Width::Baseline => adam_commit_body(a, w, m, v, g),
         // SAFETY: as in `adam_finite`.
@@ -245,14 +414,21 @@ mod tests {
             let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
             let width = Width::detect();
             let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
-            adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
+            let scanned = scan(width, &Param { value: &mut w, grad: &g });
+            let moments = adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
+            // The maxima returned are those of what was stored.
+            assert_eq!(Some(moments), Moments::of(&m, &v));
             w[n - 1] = f32::NAN;
             let bad = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
+            let bad_scan = scan(width, &Param { value: &mut w, grad: &g });
+            let all = all_finite(&w);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            (finite, bad, bits(&w), bits(&m), bits(&v))
+            (finite, bad, bits(&w), bits(&m), bits(&v), moments, scanned, bad_scan, all)
         };
         let alone = run(None);
         assert!(alone.0 && !alone.1);
+        assert_eq!(alone.6, Scan { in_range: true, g_max: values(n, 2).iter().fold(0f32, |a, g| a.max(g.abs())) });
+        assert!(!alone.7.in_range && !alone.8);
         for threads in [2, 3] {
             let pool = crate::nn::gemm::pool::Pool::new(threads).unwrap();
             assert_eq!(run(Some(&pool)), alone, "{threads} threads");
@@ -278,23 +454,42 @@ mod tests {
             let (mut w, g) = (values(n, 1), values(n, 2));
             let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
             let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
-            adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
+            let scanned = scan(width, &Param { value: &mut w, grad: &g });
+            let moments = adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            results.push((finite, bits(&w), bits(&m), bits(&v)));
+            results.push((finite, bits(&w), bits(&m), bits(&v), moments, scanned));
         }
         for (width, r) in widths.iter().zip(&results) {
             assert_eq!(r, &results[0], "{width:?} against the baseline");
         }
         assert!(results[0].0);
         // The finite scan, at the CPU's width, against the plain one.
-        let mut scan = values(n, 5);
-        assert!(all_finite(&scan) && all_finite_body(&scan));
+        let mut scanned = values(n, 5);
+        assert!(all_finite(&scanned) && all_finite_body(&scanned));
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             for at in [0, 63, 64, n - 1] {
-                let keep = std::mem::replace(&mut scan[at], bad);
-                assert!(!all_finite(&scan) && !all_finite_body(&scan), "{bad} at {at}");
-                scan[at] = keep;
+                let keep = std::mem::replace(&mut scanned[at], bad);
+                assert!(!all_finite(&scanned) && !all_finite_body(&scanned), "{bad} at {at}");
+                scanned[at] = keep;
             }
+        }
+        // The bounds scan, at every width: a value beyond the limit, a gradient that is
+        // not finite.
+        for &width in &widths {
+            let (mut w, mut g) = (values(n, 1), values(n, 2));
+            assert!(scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?}");
+            for (at, value) in [(0, 2e38f32), (n - 1, -f32::MAX), (64, f32::NAN)] {
+                let keep = std::mem::replace(&mut w[at], value);
+                assert!(!scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?} {value} at {at}");
+                w[at] = keep;
+            }
+            for (at, bad) in [(5, f32::INFINITY), (n - 1, f32::NAN)] {
+                let keep = std::mem::replace(&mut g[at], bad);
+                assert!(!scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?} {bad} at {at}");
+                g[at] = keep;
+            }
+            g[700] = -3e30;
+            assert_eq!(scan(width, &Param { value: &mut w, grad: &g }).g_max, 3e30, "{width:?}");
         }
         // A value that would overflow is seen at every width.
         for &width in &widths {

@@ -1,14 +1,17 @@
 //! Parameter updaters: SGD with momentum, and Adam. Their state lives outside
-//! workspaces (it persists across iterations). A step is checked in one pass that
-//! computes every update, new moment and new value without storing any (so it needs no
-//! memory), then stored in a second pass that computes them again with the same
-//! arithmetic: a step updates everything or nothing.
+//! workspaces (it persists across iterations). A step updates everything or nothing:
+//! it is known finite before anything is stored. An Adam step usually is from bounds
+//! (the largest moments the last step stored, and one scan of the values and gradients
+//! that computes nothing), and is then computed and stored in one pass; otherwise it is
+//! checked in one pass that computes every update, new moment and new value without
+//! storing any (so it needs no memory), then stored in a second pass that computes them
+//! again with the same arithmetic.
 
 use crate::{Error, Result};
 use workspace_core::TypedScope;
 
 use super::layer::{Layer, Param};
-use super::simd::{self, AdamStep, Width};
+use super::simd::{self, AdamStep, Moments, Width};
 
 /// How parameters follow their gradients.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -64,6 +67,9 @@ pub(crate) struct UpdaterState {
     first: Vec<Vec<f32>>,
     /// Second moment (Adam), one buffer per parameter.
     second: Vec<Vec<f32>>,
+    /// The largest `|first|` and `second` over every parameter, when known: what the
+    /// last step stored (Adam), for the next step's bounds.
+    moments: Option<Moments>,
 }
 
 /// How a layer's parameters differ from those the updater state was built for.
@@ -130,7 +136,9 @@ impl UpdaterState {
             Updater::Adam { .. } => sizes.iter().map(|&n| vec![0.0; n]).collect(),
             Updater::Sgd { .. } => Vec::new(),
         };
-        UpdaterState { updater, step: 0, layer_params, first: sizes.iter().map(|&n| vec![0.0; n]).collect(), second }
+        let first = sizes.iter().map(|&n| vec![0.0; n]).collect();
+        // Zero moments: the bounds of a first step are known.
+        UpdaterState { updater, step: 0, layer_params, first, second, moments: Some(Moments::default()) }
     }
 
     pub(crate) fn updater(&self) -> Updater {
@@ -138,14 +146,21 @@ impl UpdaterState {
     }
 
     /// One step over every parameter of `layers` (`_working`, the updater working memory,
-    /// is not needed: the check stores nothing).
+    /// is not needed: nothing is staged).
     ///
-    /// The step is checked before anything is stored: the parameters are checked first,
-    /// then every update is computed, with the new moments (or velocities) and parameter
-    /// values, and checked to be finite, in one pass that stores nothing; only then are
-    /// the moments and parameters written, each update computed again as it is stored
-    /// (the same arithmetic, so the same numbers; storing needs no memory, so it cannot
-    /// fail half-way). So a step updates every parameter and its state, or none.
+    /// A step updates every parameter and its state, or none: it is known to be finite
+    /// everywhere before anything is stored. For Adam that is usually known from bounds:
+    /// the largest first and second moments the last step stored (tracked as it stores
+    /// them), and one scan of the values and gradients that computes nothing (every
+    /// gradient finite, its largest magnitude, every value within
+    /// [`simd::VALUE_LIMIT`]); [`simd::adam_step_is_finite`] shows that such a step
+    /// cannot overflow. Then the step is one pass that computes and stores. Otherwise
+    /// (SGD, a state handed over without its bounds, bounds too large to tell) every
+    /// update is computed, with the new moments (or velocities) and parameter values,
+    /// and checked in a pass that stores nothing, and stored in a second that computes
+    /// each again (the same arithmetic, so the same numbers). Either way the numbers
+    /// stored are the same bits, and storing needs no memory, so it cannot fail
+    /// half-way.
     ///
     /// # Errors
     ///
@@ -159,8 +174,47 @@ impl UpdaterState {
             self.check(layers)?;
         }
         let t = (self.step + 1) as i32;
-        let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
-        // Check: every update, each in a frame of updater working memory.
+        if !self.known_finite(layers, t) {
+            self.check_every_update(layers, t)?;
+        }
+        self.commit(layers, t)
+    }
+
+    /// Whether this Adam step at `t` is known to be finite everywhere from bounds alone
+    /// (see [`UpdaterState::apply`]): one scan of the values and gradients.
+    fn known_finite(&self, layers: &mut [Box<dyn Layer>], t: i32) -> bool {
+        let (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(moments)) = (self.updater, self.moments)
+        else {
+            return false;
+        };
+        let a = AdamStep { beta1, beta2, epsilon, step: adam_step_size(learning_rate, beta1, beta2, t) };
+        // The hyper-parameters and the moments alone may already rule it out.
+        if !simd::adam_step_is_finite(a, moments, 0.0) {
+            return false;
+        }
+        let width = Width::detect();
+        let (mut in_range, mut g_max) = (true, 0f32);
+        for layer in layers.iter_mut() {
+            layer.params(&mut |p| {
+                // A gradient of another length is reported by the element-wise check.
+                in_range &= p.grad.len() == p.value.len();
+                if in_range {
+                    let scan = simd::scan(width, &p);
+                    in_range &= scan.in_range;
+                    g_max = g_max.max(scan.g_max);
+                }
+            });
+            if !in_range {
+                return false;
+            }
+        }
+        simd::adam_step_is_finite(a, moments, g_max)
+    }
+
+    /// Computes every update of the step at `t`, with its new moments (or velocity) and
+    /// value, and checks that each is finite; stores nothing.
+    fn check_every_update(&mut self, layers: &mut [Box<dyn Layer>], t: i32) -> Result<()> {
+        let (first, second, updater) = (&self.first, &self.second, self.updater);
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
@@ -191,9 +245,18 @@ impl UpdaterState {
             }
             base += expected;
         }
+        Ok(())
+    }
 
-        // Commit: the moments and the parameters, each update computed again.
+    /// Stores the step at `t`, known finite: the moments and the parameters, each
+    /// update computed as it is stored; keeps the largest moments stored for the next
+    /// step's bounds.
+    fn commit(&mut self, layers: &mut [Box<dyn Layer>], t: i32) -> Result<()> {
         self.step += 1;
+        // Unknown until every parameter is stored.
+        self.moments = None;
+        let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
+        let mut moments = Moments::default();
         let mut base = 0;
         for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
             let mut param = 0;
@@ -210,7 +273,8 @@ impl UpdaterState {
                 }
                 let index = base + param;
                 param += 1;
-                commit(updater, t, &mut first[index], second.get_mut(index).map(Vec::as_mut_slice), p);
+                let v = second.get_mut(index).map(Vec::as_mut_slice);
+                moments = moments.max(commit(updater, t, &mut first[index], v, p));
             });
             match failure {
                 Some(m) => return Err(m.into_error(layer.name())),
@@ -221,6 +285,7 @@ impl UpdaterState {
             }
             base += expected;
         }
+        self.moments = Some(moments);
         Ok(())
     }
 
@@ -330,9 +395,10 @@ fn first_non_finite(
 }
 
 /// Stores a checked step of one parameter: the new moments (or velocity, which is also
-/// the update) and each value plus its update, computed as [`stage`] computed them (the
-/// same arithmetic on the same state, so the same numbers), without memory.
-fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Param<'_>) {
+/// the update) and each value plus its update, computed as [`first_non_finite`]
+/// computed them (the same arithmetic on the same state, so the same numbers), without
+/// memory. For Adam, returns the largest `|m|` and `v` stored.
+fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Param<'_>) -> Moments {
     let n = p.value.len();
     let (m, g) = (&mut m[..n], &p.grad[..n]);
     match (updater, v) {
@@ -342,10 +408,11 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
                 *m = u;
                 *w += u;
             }
+            Moments::default()
         }
         (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
             let step = adam_step_size(learning_rate, beta1, beta2, t);
-            simd::adam_commit(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v);
+            simd::adam_commit(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v)
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     }
@@ -399,7 +466,8 @@ pub(crate) fn commit_range(
     m: &mut [f32],
     v: Option<&mut [f32]>,
 ) {
-    commit(updater, t, m, v, Param { value: values, grad: grads });
+    // The data-parallel trainer checks every update: it keeps no bounds.
+    let _ = commit(updater, t, m, v, Param { value: values, grad: grads });
 }
 
 impl UpdaterState {
@@ -419,8 +487,232 @@ impl UpdaterState {
     ) -> UpdaterState {
         let mut state = UpdaterState::new(updater, layers);
         state.step = step;
+        // The bounds of a state from elsewhere: one scan.
+        state.moments = match updater {
+            Updater::Adam { .. } if first.len() == second.len() => {
+                first.iter().zip(&second).try_fold(Moments::default(), |acc, (m, v)| Some(acc.max(Moments::of(m, v)?)))
+            }
+            _ => None,
+        };
         state.first = first;
         state.second = second;
         state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::layer::{BackwardCtx, ForwardCtx};
+    use ndarray::{ArrayView2, ArrayViewMut2};
+    use workspace_core::{ArrayType, LayerWorkspaceMgr};
+
+    /// A layer that is only parameters with set gradients.
+    struct Params {
+        value: Vec<f32>,
+        grad: Vec<f32>,
+    }
+
+    impl Layer for Params {
+        fn name(&self) -> &str {
+            "params"
+        }
+
+        fn output_size(&self, inputs: usize) -> Result<usize> {
+            Ok(inputs)
+        }
+
+        fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, _: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
+            Ok(input)
+        }
+
+        fn backward(
+            &mut self,
+            _: ArrayView2<'_, f32>,
+            _: ArrayView2<'_, f32>,
+            _: ArrayView2<'_, f32>,
+            _: Option<ArrayViewMut2<'_, f32>>,
+            _: &BackwardCtx<'_>,
+        ) -> Result<()> {
+            Ok(())
+        }
+
+        fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
+            f(Param { value: &mut self.value, grad: &self.grad });
+        }
+    }
+
+    /// Reproducible values in `[-scale, scale)`.
+    fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 10_007) as f32 / 5003.5 * scale - scale)
+            .collect()
+    }
+
+    fn layers(sizes: &[usize]) -> Vec<Box<dyn Layer>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Box::new(Params { value: values(n, i as u32, 1.0), grad: vec![0.0; n] }) as Box<dyn Layer>)
+            .collect()
+    }
+
+    /// Sets every gradient of `layers` from `seed` (the values kept).
+    fn set_gradients(layers: &mut [Box<dyn Layer>], seed: u32, scale: f32) {
+        for (i, layer) in layers.iter_mut().enumerate() {
+            let mut value = Vec::new();
+            layer.params(&mut |p| value = p.value.to_vec());
+            let grad = values(value.len(), seed.wrapping_mul(31).wrapping_add(i as u32), scale);
+            *layer = Box::new(Params { value, grad });
+        }
+    }
+
+    fn bits(layers: &mut [Box<dyn Layer>]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for layer in layers {
+            layer.params(&mut |p| out.extend(p.value.iter().map(|v| v.to_bits())));
+        }
+        out
+    }
+
+    fn scope() -> (LayerWorkspaceMgr, ArrayType) {
+        (LayerWorkspaceMgr::no_workspaces(), ArrayType::UpdaterWorkingMem)
+    }
+
+    /// The bounds path (one pass) and the checked path (a check, then a second pass)
+    /// store the same bits, step after step, at every size (split across a pool or
+    /// not) and for gradients of every scale the bounds admit.
+    #[test]
+    fn the_bounds_path_and_the_checked_path_store_the_same_bits() {
+        let (mgr, ty) = scope();
+        let working = mgr.enter(ty).unwrap();
+        let sizes = [7, 64, 1000, (1 << 16) + 33];
+        let updater = Updater::Adam { learning_rate: 3e-3, beta1: 0.9, beta2: 0.999, epsilon: 1e-8 };
+        let (mut fast, mut checked) = (layers(&sizes), layers(&sizes));
+        let mut fast_state = UpdaterState::new(updater, &mut fast);
+        let mut checked_state = UpdaterState::new(updater, &mut checked);
+        for step in 0..12u32 {
+            let scale = [1.0, 1e-20, 1e6, 1e15][step as usize % 4];
+            set_gradients(&mut fast, step, scale);
+            set_gradients(&mut checked, step, scale);
+            assert!(fast_state.known_finite(&mut fast, step as i32 + 1), "step {step}: the bounds path is taken");
+            fast_state.apply(&mut fast, &working).unwrap();
+            // No bounds: every update computed and checked before it is stored.
+            checked_state.moments = None;
+            assert!(!checked_state.known_finite(&mut checked, step as i32 + 1));
+            checked_state.apply(&mut checked, &working).unwrap();
+            assert!(bits(&mut fast) == bits(&mut checked), "step {step}");
+            assert_eq!(fast_state.first, checked_state.first);
+            assert_eq!(fast_state.second, checked_state.second);
+        }
+        // The bounds tracked as the steps were stored are the state's own maxima.
+        let scanned = fast_state
+            .first
+            .iter()
+            .zip(&fast_state.second)
+            .try_fold(Moments::default(), |acc, (m, v)| Some(acc.max(Moments::of(m, v)?)));
+        assert_eq!(fast_state.moments, scanned);
+    }
+
+    /// Where the bounds cannot tell (a value beyond the limit, a gradient whose square
+    /// would overflow, a huge step size) the element-wise check decides: a step that
+    /// would not be finite is refused and changes nothing, one that would is stored.
+    #[test]
+    fn beyond_the_bounds_every_update_is_checked() {
+        let (mgr, ty) = scope();
+        let working = mgr.enter(ty).unwrap();
+        let adam = |learning_rate| Updater::Adam { learning_rate, beta1: 0.9, beta2: 0.999, epsilon: 1e-8 };
+        // (updater, a value set to, gradient scale, finite?)
+        let cases: [(Updater, f32, f32, bool); 5] = [
+            (adam(1e-2), 3.4e38, 1.0, true),  // a value beyond VALUE_LIMIT, a small step: fine
+            (adam(1e-2), 1.0, 1e30, false),   // g² overflows the second moment
+            (adam(1e-2), 1.0, 1e18, true),    // large, still finite
+            (adam(1e37), 3.4e38, 1.0, false), // the new value overflows (the step is +1e37)
+            (adam(1e30), 1.0, 1.0, true),     // a huge step, finite
+        ];
+        for (case, &(updater, value, scale, finite)) in cases.iter().enumerate() {
+            let mut net = layers(&[100]);
+            let mut state = UpdaterState::new(updater, &mut net);
+            set_gradients(&mut net, 5, scale);
+            let mut value_37 = Vec::new();
+            net[0].params(&mut |p| {
+                p.value[37] = value;
+                value_37 = p.value.to_vec();
+            });
+            // A negative gradient there: Adam's first step moves it up by about the step.
+            let mut grad = values(100, 5u32.wrapping_mul(31), scale);
+            grad[37] = -scale;
+            net[0] = Box::new(Params { value: value_37, grad });
+            let before = bits(&mut net);
+            let known = state.known_finite(&mut net, 1);
+            let result = state.apply(&mut net, &working);
+            assert_eq!(result.is_ok(), finite, "case {case}: {result:?}");
+            if finite {
+                assert!(bits(&mut net) != before, "case {case}: stored");
+                assert_eq!(state.step, 1);
+            } else {
+                assert!(!known, "case {case}: the bounds never admit a step that overflows");
+                assert!(bits(&mut net) == before, "case {case}: a refused step changes nothing");
+                assert!(state.first.iter().chain(&state.second).flatten().all(|&x| x == 0.0), "case {case}");
+                assert_eq!(state.step, 0);
+            }
+        }
+    }
+
+    /// Whenever [`simd::adam_step_is_finite`] admits a step, the step at the extremes
+    /// its bounds allow is finite: every sign and magnitude at the bounds, over a grid
+    /// of hyper-parameters, moments and gradients (large and small).
+    #[test]
+    fn a_step_the_bounds_admit_is_finite_at_their_extremes() {
+        let mut admitted = 0;
+        for beta1 in [0.0f32, 0.5, 0.9, 1.0] {
+            for beta2 in [0.0f32, 0.999, 1.0] {
+                for epsilon in [1e-8f32, 1.0, 1e6] {
+                    for step in [0.0f32, 1e-3, -1e-3, 1e10, 1e29, f32::MAX] {
+                        for m_max in [0.0f32, 1.0, 1e20, 1e36, 1e37, 3e38] {
+                            for v_max in [0.0f32, 1.0, 1e30, 1e37, 3e38] {
+                                for g_max in [0.0f32, 1.0, 1e18, 3e18, 1e19, 1e30] {
+                                    let a = AdamStep { beta1, beta2, epsilon, step };
+                                    let moments = Moments { m: m_max, v: v_max };
+                                    if !simd::adam_step_is_finite(a, moments, g_max) {
+                                        continue;
+                                    }
+                                    admitted += 1;
+                                    for m in [m_max, -m_max] {
+                                        for v in [0.0, v_max] {
+                                            for g in [g_max, -g_max] {
+                                                let (m2, v2, u) = simd::adam(a, m, v, g);
+                                                for w in [simd::VALUE_LIMIT, -simd::VALUE_LIMIT, 0.0] {
+                                                    assert!(
+                                                        [m2, v2, u, w + u].iter().all(|x| x.is_finite()),
+                                                        "{a:?} m {m} v {v} g {g} w {w}: {m2} {v2} {u}"
+                                                    );
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(admitted > 1000, "the bounds admit the usual cases ({admitted})");
+        // Training's usual case is admitted.
+        let usual = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 1e-3 };
+        assert!(simd::adam_step_is_finite(usual, Moments { m: 10.0, v: 100.0 }, 1e3));
+        // Unusual hyper-parameters never are.
+        for bad in [
+            AdamStep { beta1: 1.5, ..usual },
+            AdamStep { beta2: -0.1, ..usual },
+            AdamStep { epsilon: 0.0, ..usual },
+            AdamStep { epsilon: f32::NAN, ..usual },
+            AdamStep { step: f32::INFINITY, ..usual },
+        ] {
+            assert!(!simd::adam_step_is_finite(bad, Moments::default(), 0.0), "{bad:?}");
+        }
+        assert!(!simd::adam_step_is_finite(usual, Moments { m: f32::NAN, v: 0.0 }, 0.0));
+        assert!(!simd::adam_step_is_finite(usual, Moments::default(), f32::INFINITY));
     }
 }
