@@ -98,6 +98,13 @@ pub(crate) struct Args {
     #[arg(long, verbatim_doc_comment)]
     pub(crate) breakdown: bool,
 
+    /// Threads of each training step (1 to 64): the step's large
+    /// matrix multiplies and updater passes split across them
+    /// (`Network::set_threads`), the same bits as one thread; the
+    /// default MLP's are too small to gain from it
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_threads, verbatim_doc_comment)]
+    pub(crate) threads: usize,
+
     /// Train data-parallel with N workers (1 to 256; default 2 with
     /// --reducer, the number of processes with --reducer mpi): each
     /// batch is cut into N shards, the gradients reduced in rank
@@ -130,6 +137,11 @@ impl Args {
         if self.data_parallel() && self.both_modes() {
             return Err("--workers and --reducer train one data-parallel run, --compare and --plot compare \
                         workspace modes: use one or the other"
+                .to_string());
+        }
+        if self.data_parallel() && self.threads > 1 {
+            return Err("--threads splits one network's steps, --workers and --reducer train data-parallel \
+                        (a thread per worker): use one or the other"
                 .to_string());
         }
         let parameters = parameter_count(&self.hidden);
@@ -180,6 +192,16 @@ fn parse_count(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".to_string()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("'{s}' is not a positive integer ({e})")),
+    }
+}
+
+/// The most threads `--threads` takes.
+const MAX_THREADS: usize = 64;
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_THREADS).contains(&n) => Ok(n),
+        _ => Err(format!("'{s}' is not a number of threads from 1 to {MAX_THREADS}")),
     }
 }
 

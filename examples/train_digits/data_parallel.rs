@@ -96,6 +96,7 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
             "batch_size": args.batch_size,
             "batch_size_used": batch,
             "hidden": args.hidden,
+            "threads": args.threads,
             "seed": args.seed,
             "lr": lr,
             "train_rows": train.y.len(),

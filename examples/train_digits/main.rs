@@ -41,6 +41,7 @@
 //! | `--prefetch-depth N` | 2 | batches the prefetcher fills ahead on its thread, 0 to 1024; 0: inline in the training thread (shield mode) |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
+//! | `--threads N` | 1 | threads of each training step, 1 to 64 (`Network::set_threads`: large matrix multiplies and updater passes split, the same bits); not with `--workers` |
 //! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
@@ -97,7 +98,7 @@
 //! ## `--json`
 //!
 //! The last line of stdout is one JSON object: `epochs`, `batch_size` (as given),
-//! `batch_size_used` (at most the training rows), `hidden`, `seed`,
+//! `batch_size_used` (at most the training rows), `hidden`, `threads`, `seed`,
 //! `lr`, `train_rows`, `test_rows`, `iter_time_ratio_enabled_over_none` (median time of
 //! an iteration, enabled over none; `null` with one mode), `loss_traces_identical`
 //! (`null` with one mode), and one object per mode trained, under `enabled`, `planned` and `none`
@@ -206,8 +207,9 @@ fn run(args: &Args) -> Res<()> {
 
     let mut runs = Vec::with_capacity(modes.len());
     for &mode in modes {
-        let net =
+        let mut net =
             build_network(args, mode).map_err(|e| format!("building the network ({} mode): {e}", mode_name(mode)))?;
+        net.set_threads(args.threads).map_err(|e| format!("starting {} training threads: {e}", args.threads))?;
         let batches = prefetcher(&train, batch, args.seed, args.prefetch_depth, mode)
             .map_err(|e| format!("starting the prefetcher ({} mode): {e}", mode_name(mode)))?;
         runs.push(Run {
@@ -387,6 +389,7 @@ fn run(args: &Args) -> Res<()> {
             "batch_size": args.batch_size,
             "batch_size_used": batch,
             "hidden": args.hidden,
+            "threads": args.threads,
             "seed": args.seed,
             "lr": lr,
             "train_rows": train.y.len(),

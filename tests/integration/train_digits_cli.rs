@@ -691,3 +691,27 @@ fn breakdown_reports_every_part_of_a_step_and_the_matrix_multiply_alone() {
     let plain = last_json(&run(&["--epochs", "1", "--json"]));
     assert!(plain.get("breakdown_us").is_none() && plain["enabled"].get("step_gflops").is_none(), "{plain}");
 }
+
+/// `--threads N` splits a wide network's steps across N threads with the same losses,
+/// bit for bit, as one thread; it says so in the JSON, refuses 0 and data-parallel
+/// training, and allocates nothing in a steady step either way.
+#[test]
+fn threads_give_the_losses_of_one_thread() {
+    // Products of 8 MFLOP or more split: 256 rows of 64 inputs into 512 columns is 16.
+    let wide = ["--hidden", "512,512", "--batch-size", "256", "--epochs", "2", "--json"];
+    let mut traces = Vec::new();
+    for threads in ["1", "2", "3"] {
+        let output = run(&[&wide[..], &["--threads", threads]].concat());
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        let json = last_json(&output);
+        assert_eq!(json["threads"].as_u64(), threads.parse().ok(), "{json}");
+        assert_eq!(json["enabled"]["steady_state_allocs_per_iter"], Value::from(0.0), "{json}");
+        traces.push(json["enabled"]["loss_trace_sha256"].as_str().unwrap().to_string());
+    }
+    assert!(traces.iter().all(|t| *t == traces[0]), "{traces:?}");
+    for bad in [&["--threads", "0"][..], &["--threads", "65"], &["--threads", "2", "--workers", "2"]] {
+        let output = run(bad);
+        assert_eq!(output.status.code(), Some(2), "{bad:?}: {}", text(&output.stderr));
+        assert!(text(&output.stderr).contains("--threads"), "{bad:?}: {}", text(&output.stderr));
+    }
+}
