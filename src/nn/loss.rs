@@ -139,6 +139,57 @@ impl SoftmaxCrossEntropy {
     }
 }
 
+impl SoftmaxCrossEntropy {
+    /// Softmax, the mean cross-entropy over the rows `mask` counts and its gradient
+    /// with respect to the logits, in one pass over each row: the gradient is written
+    /// into `grad` (0 in rows not counted) and the loss returned. The same arithmetic,
+    /// in the same order, as [`Self::probabilities`], [`Self::loss_masked`] and
+    /// [`Self::backward_masked`] one after the other, so the same bits, without the
+    /// probabilities' array.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::backward_masked`].
+    pub(crate) fn loss_and_gradient(
+        &self,
+        logits: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
+        mut grad: ArrayViewMut2<'_, f32>,
+    ) -> Result<f32> {
+        let count = some(check_labels(&logits, &labels, mask.as_ref())?)?;
+        if grad.dim() != logits.dim() {
+            return Err(Error::ShapeMismatch {
+                context: "softmax cross-entropy gradient".to_string(),
+                expected: logits.shape().to_vec(),
+                actual: grad.shape().to_vec(),
+            });
+        }
+        let scale = 1.0 / count as f32;
+        let mut total = 0.0f64;
+        for (r, (row, mut g)) in logits.rows().into_iter().zip(grad.rows_mut()).enumerate() {
+            if mask.as_ref().is_some_and(|m| m[r] == 0.0) {
+                g.fill(0.0);
+                continue;
+            }
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut sum = 0.0f32;
+            Zip::from(&mut g).and(&row).for_each(|g, &v| {
+                let e = (v - max).exp();
+                sum += e;
+                *g = e;
+            });
+            let inv = 1.0 / sum;
+            g.mapv_inplace(|e| e * inv);
+            let label = labels[r] as usize;
+            total -= f64::from(g[label].max(1e-12)).ln();
+            g.mapv_inplace(|p| p * scale);
+            g[label] -= scale;
+        }
+        Ok((total / count as f64) as f32)
+    }
+}
+
 /// Checks the labels (those the mask selects) and returns how many rows count.
 fn check_labels(
     probs: &ArrayView2<'_, f32>,
@@ -179,4 +230,73 @@ fn some(count: usize) -> Result<usize> {
         return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
     }
     Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{Array1, Array2};
+    use workspace_core::{Workspace, WorkspaceConfig};
+
+    /// The one-pass loss and gradient against softmax, the loss and its gradient one
+    /// after the other: the same bits, with and without a mask, for ordinary, large,
+    /// tied and extreme logits.
+    #[test]
+    fn one_pass_gives_the_bits_of_the_three_passes() {
+        let ws = Workspace::new("LOSS", WorkspaceConfig::default()).unwrap();
+        let loss = SoftmaxCrossEntropy;
+        for (rows, classes) in [(1, 2), (32, 10), (7, 33), (64, 3)] {
+            for kind in 0..4 {
+                let logits = Array2::from_shape_fn((rows, classes), |(r, c)| {
+                    let x = ((r * 37 + c * 11) % 23) as f32 / 7.0 - 1.5;
+                    match kind {
+                        0 => x,
+                        1 => x * 1e3,        // softmax saturates: probabilities of 0 and 1
+                        2 => (c % 2) as f32, // ties
+                        _ => {
+                            if c == 0 {
+                                -f32::MAX
+                            } else {
+                                x * 40.0
+                            }
+                        }
+                    }
+                });
+                let labels = Array1::from_shape_fn(rows, |r| ((r * 3 + kind) % classes) as u32);
+                let mask = Array1::from_shape_fn(rows, |r| if r % 3 == 1 { 0.0 } else { 1.0 });
+                for mask in [None, Some(mask.view())] {
+                    if mask.is_some_and(|m| m.sum() == 0.0) {
+                        continue;
+                    }
+                    let scope = ws.enter().unwrap();
+                    let probs = loss.probabilities(logits.view(), &scope).unwrap();
+                    let expected = loss.loss_masked(probs, labels.view(), mask).unwrap();
+                    let mut expected_grad = Array2::from_elem((rows, classes), f32::NAN);
+                    loss.backward_masked(probs, labels.view(), mask, expected_grad.view_mut()).unwrap();
+                    let mut grad = Array2::from_elem((rows, classes), f32::NAN);
+                    let got = loss.loss_and_gradient(logits.view(), labels.view(), mask, grad.view_mut()).unwrap();
+                    let context = format!("{rows}x{classes}, kind {kind}, mask {}", mask.is_some());
+                    assert_eq!(got.to_bits(), expected.to_bits(), "{context}");
+                    let bits = |a: &Array2<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&grad), bits(&expected_grad), "{context}");
+                }
+            }
+        }
+        // The errors of the three passes: a label that is not a class, a mask that
+        // selects nothing, a gradient of another shape.
+        let logits = Array2::<f32>::zeros((2, 3));
+        let mut grad = Array2::<f32>::zeros((2, 3));
+        let bad = Array1::from(vec![0u32, 3]);
+        assert!(matches!(
+            loss.loss_and_gradient(logits.view(), bad.view(), None, grad.view_mut()),
+            Err(Error::InvalidInput(_))
+        ));
+        let labels = Array1::from(vec![0u32, 1]);
+        let none = Array1::from(vec![0.0f32, 0.0]);
+        let err = loss.loss_and_gradient(logits.view(), labels.view(), Some(none.view()), grad.view_mut());
+        assert!(matches!(err, Err(Error::InvalidInput(_))));
+        let mut small = Array2::<f32>::zeros((2, 2));
+        let err = loss.loss_and_gradient(logits.view(), labels.view(), None, small.view_mut());
+        assert!(matches!(err, Err(Error::ShapeMismatch { .. })));
+    }
 }

@@ -191,23 +191,19 @@ impl Network {
             Ok(())
         })?;
         let logits = loss_input(input, &labels)?;
-        let loss_span = profile::span(Part::Loss);
-        let probs = loss.probabilities(logits, &act)?;
         let (flat_labels, label_mask) = labels.flat()?;
-        let batch_loss = loss.loss_masked(probs, flat_labels, label_mask)?;
-        drop(loss_span);
-        if !batch_loss.is_finite() {
-            return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
-        }
-
         // Backward, from the loss down: the gradient of each layer's output is in one
         // of the two gradient workspaces, and the layer writes the gradient of its
-        // input into the other (see `Gradient`).
+        // input into the other (see `Gradient`). The loss and its gradient come from
+        // one pass over the logits.
         let depth = layers.len();
         let mut grad = Gradient::zeros(&train[0], input)?;
-        {
+        let batch_loss = {
             let _span = profile::span(Part::Loss);
-            loss.backward_masked(probs, flat_labels, label_mask, grad.view_mut_rows()?)?;
+            loss.loss_and_gradient(logits, flat_labels, label_mask, grad.view_mut_rows()?)?
+        };
+        if !batch_loss.is_finite() {
+            return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
         }
         for (i, layer) in layers.iter_mut().enumerate().rev() {
             let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
