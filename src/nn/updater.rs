@@ -418,10 +418,12 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
     }
 }
 
-/// The new velocity of SGD with momentum (which is also the update).
+/// The new velocity of SGD with momentum (which is also the update); a subnormal one is
+/// 0 (see [`simd::flush`]).
 #[inline(always)]
 fn sgd_velocity(learning_rate: f32, momentum: f32, velocity: f32, grad: f32) -> f32 {
-    momentum * velocity - learning_rate * grad
+    // A velocity decaying through the subnormal range is 0, as Adam's moments are.
+    simd::flush(momentum * velocity - learning_rate * grad)
 }
 
 /// Adam's step size at step `t` (from 1), with the bias correction folded in.
