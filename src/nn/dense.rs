@@ -168,7 +168,10 @@ pub(crate) fn forward<'a>(
     let outputs = w.ncols();
     let mut out = ctx.activations.rows_of(&b, batch)?;
     let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
-    sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
+    // A dry run (shape-only workspaces) allocates and computes nothing.
+    if !ctx.working.is_shape_only() {
+        sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
+    }
     Ok(freeze(out))
 }
 
@@ -198,6 +201,10 @@ pub(crate) fn backward(
     }
     let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
     let scratch = ctx.working.slice_uninit::<f32>(need)?;
+    if ctx.working.is_shape_only() {
+        // A dry run: allocated, nothing computed.
+        return Ok(());
+    }
     // dW = xᵀ · dy
     sgemm(1.0, input.t(), grad_output, 0.0, gw.view_mut(), scratch)?;
     // db = Σ_rows dy, summed in row order (deterministic)

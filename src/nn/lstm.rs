@@ -305,6 +305,11 @@ impl Lstm {
             }
             let step = ctx.mgr.enter(ArrayType::RnnFfLoopWorkingMem)?;
             let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
+            if step.is_shape_only() {
+                // A dry run: the step's memory allocated, nothing computed.
+                seen = true;
+                continue;
+            }
             let (mut now, before) = split(&mut cache, cur, prev);
             let mut z = now.slice_mut(s![.., ..GATES * h]);
             for mut row in z.rows_mut() {
@@ -600,11 +605,14 @@ impl Lstm {
     ) -> Result<()> {
         let (batch, steps, _) = input.dim();
         let h = self.hidden;
-        g.w.fill(0.0);
-        g.u.fill(0.0);
-        g.b.fill(0.0);
-        if let Some(g) = grad_input.as_mut() {
-            g.fill(0.0);
+        let dry = ctx.working.is_shape_only();
+        if !dry {
+            g.w.fill(0.0);
+            g.u.fill(0.0);
+            g.b.fill(0.0);
+            if let Some(g) = grad_input.as_mut() {
+                g.fill(0.0);
+            }
         }
         // The gradients flowing back along the sequence: of h (first `h` columns) and of
         // c (the next `h`), per sequence.
@@ -617,6 +625,13 @@ impl Lstm {
             let step = ctx.mgr.enter(ArrayType::RnnBpLoopWorkingMem)?;
             let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
             let mut dz = step.zeros::<f32, _>((batch, GATES * h))?;
+            if dry {
+                // A dry run: the step's memory allocated as below, nothing computed.
+                if t > 0 {
+                    step.zeros::<f32, _>((batch, h))?;
+                }
+                continue;
+            }
             let now = cache_view.index_axis(Axis(0), t);
             let before = (t > 0).then(|| cache_view.index_axis(Axis(0), t - 1));
             for r in 0..batch {

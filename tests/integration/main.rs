@@ -3,6 +3,7 @@
 //! allocations install the counting allocator as the global one and stay binaries of
 //! their own (`nn_prefetch_allocs`, `nn_soak`, `planned`, `sequences_allocs`).
 
+mod dry_run;
 mod examples_cli;
 mod model_file;
 mod nn;

@@ -46,6 +46,9 @@ pub struct LayerWorkspaceMgrBuilder {
     default: Option<(String, WorkspaceConfig)>,
     helpers: Vec<(String, WorkspaceConfig)>,
     group: Option<PlanGroup>,
+    /// Where unplanned workspaces are found or created: the thread's registry unless
+    /// [`LayerWorkspaceMgrBuilder::in_manager`] named another.
+    manager: Option<WorkspaceManager>,
 }
 
 impl LayerWorkspaceMgrBuilder {
@@ -83,7 +86,16 @@ impl LayerWorkspaceMgrBuilder {
         self
     }
 
-    /// Creates (or finds, on this thread) the workspaces and builds the manager.
+    /// Finds or creates the unplanned workspaces in `manager` rather than in the
+    /// thread's registry: a [`WorkspaceManager::shape_only`] registry gives a manager
+    /// for a dry run, whose workspaces share names as the real ones do.
+    pub fn in_manager(mut self, manager: &WorkspaceManager) -> Self {
+        self.manager = Some(manager.clone());
+        self
+    }
+
+    /// Creates (or finds, on this thread or in the manager given to
+    /// [`LayerWorkspaceMgrBuilder::in_manager`]) the workspaces and builds the manager.
     ///
     /// # Errors
     ///
@@ -91,7 +103,7 @@ impl LayerWorkspaceMgrBuilder {
     /// or a helper is declared twice; [`Error::ConfigMismatch`] when a name is used
     /// with two configurations; the errors of [`WorkspaceManager::get_or_create`].
     pub fn build(self) -> Result<LayerWorkspaceMgr> {
-        let manager = WorkspaceManager::current();
+        let manager = self.manager.clone().unwrap_or_else(WorkspaceManager::current);
         let get = |name: &str, config: &WorkspaceConfig| match &self.group {
             Some(group) => group.workspace(name, config),
             None => manager.get_or_create(name, config),

@@ -21,6 +21,9 @@ struct Registry {
     debug: RefCell<Result<DebugMode>>,
     /// Whether `set_debug_mode` overrode the environment.
     overridden: Cell<bool>,
+    /// A registry of [`WorkspaceManager::shape_only`]: not the thread's, its workspaces
+    /// shape-only.
+    shape_only: bool,
 }
 
 thread_local! {
@@ -28,6 +31,7 @@ thread_local! {
         workspaces: RefCell::new(Vec::new()),
         debug: RefCell::new(DebugMode::from_env()),
         overridden: Cell::new(false),
+        shape_only: false,
     });
 }
 
@@ -61,6 +65,38 @@ impl WorkspaceManager {
         WorkspaceManager { registry: REGISTRY.with(Rc::clone) }
     }
 
+    /// A registry of its own (not the thread's), whose workspaces are shape-only
+    /// ([`Workspace::is_shape_only`]): for a dry run of code that finds its workspaces
+    /// by name, as a network's do, without touching the thread's. Its debug mode is the
+    /// calling thread's now.
+    ///
+    /// ```
+    /// use workspace_core::{WorkspaceManager, WorkspaceConfig};
+    ///
+    /// let dry = WorkspaceManager::shape_only();
+    /// let ws = dry.get_or_create("LOOP", &WorkspaceConfig::default())?;
+    /// assert!(ws.is_shape_only());
+    /// assert!(!WorkspaceManager::current().exists("LOOP"));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    pub fn shape_only() -> WorkspaceManager {
+        let debug = WorkspaceManager::current().debug_mode();
+        WorkspaceManager {
+            registry: Rc::new(Registry {
+                workspaces: RefCell::new(Vec::new()),
+                debug: RefCell::new(debug),
+                overridden: Cell::new(true),
+                shape_only: true,
+            }),
+        }
+    }
+
+    /// Whether this registry makes shape-only workspaces (see
+    /// [`WorkspaceManager::shape_only`]).
+    pub fn is_shape_only(&self) -> bool {
+        self.registry.shape_only
+    }
+
     fn find(&self, id: &str) -> Option<Rc<Workspace>> {
         self.registry.workspaces.borrow().iter().find(|ws| &**ws.name() == id).cloned()
     }
@@ -74,7 +110,7 @@ impl WorkspaceManager {
     /// [`Error::Backend`] when the initial arena cannot be reserved.
     pub fn get_or_create(&self, id: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
         find_or_create(&self.registry.workspaces, id, config, || {
-            Workspace::with_debug_mode(id, config.clone(), self.debug_mode()?)
+            Workspace::create(id, config.clone(), self.debug_mode()?, self.registry.shape_only)
         })
     }
 

@@ -401,6 +401,13 @@ impl<'ws> Scope<'ws> {
         (self.tag != Tag::Heap).then(|| self.workspace_ref())
     }
 
+    /// Whether this scope serves a dry run ([`Workspace::is_shape_only`]): allocate
+    /// as the real code does and compute nothing. A heap scope never is.
+    #[inline]
+    pub fn is_shape_only(&self) -> bool {
+        self.workspace().is_some_and(Workspace::is_shape_only)
+    }
+
     /// How this scope came to be.
     pub fn kind(&self) -> ScopeKind {
         self.tag.kind()

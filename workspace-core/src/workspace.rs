@@ -97,6 +97,8 @@ impl DebugMode {
 pub struct Workspace {
     pub(crate) shell: Shell<HostBackend>,
     debug: Cell<DebugMode>,
+    /// Made for a dry run: see [`Workspace::is_shape_only`].
+    shape_only: bool,
 }
 
 /// The accessors every kind of workspace shares (name, generation, capacity,
@@ -127,10 +129,28 @@ impl Workspace {
     ///
     /// As [`Workspace::new`], except the environment is not read.
     pub fn with_debug_mode(name: &str, config: WorkspaceConfig, mode: DebugMode) -> Result<Workspace> {
+        Workspace::create(name, config, mode, false)
+    }
+
+    /// A workspace, shape-only or not (see [`Workspace::is_shape_only`]).
+    pub(crate) fn create(name: &str, config: WorkspaceConfig, mode: DebugMode, shape_only: bool) -> Result<Workspace> {
         let backend = HostBackend::for_location(config.location());
-        let ws = Workspace { shell: Shell::new(name, config, backend, ())?, debug: Cell::new(DebugMode::Disabled) };
+        let shell = Shell::new(name, config, backend, ())?;
+        let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only };
         ws.set_debug_mode(mode)?;
         Ok(ws)
+    }
+
+    /// Whether this workspace serves a dry run: it allocates, accounts, learns and
+    /// plans exactly as a workspace of its configuration does, and the code that
+    /// allocates from it computes nothing (the layers of carve's networks skip their
+    /// arithmetic when [`Scope::is_shape_only`](crate::Scope::is_shape_only) says so),
+    /// so that the bytes a step would take are known before it runs. Only the
+    /// registries of [`WorkspaceManager::shape_only`](crate::WorkspaceManager::shape_only)
+    /// and the groups of [`PlanGroup::shape_only`](crate::planned::PlanGroup::shape_only)
+    /// make such workspaces.
+    pub fn is_shape_only(&self) -> bool {
+        self.shape_only
     }
 
     /// The current debug mode.

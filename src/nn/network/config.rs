@@ -2,7 +2,8 @@
 
 use workspace_core::planned::PlanGroup;
 use workspace_core::{
-    ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, LearningPolicy, SpillPolicy, WorkspaceConfig, WorkspaceMode,
+    ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, LearningPolicy, SpillPolicy, WorkspaceConfig,
+    WorkspaceManager, WorkspaceMode,
 };
 
 #[cfg(doc)]
@@ -298,14 +299,30 @@ pub(super) const PLANS: usize = 64;
 /// workspaces and the older one can be reset as soon as it is consumed. Planned: the
 /// workspaces are the network's own, members of one plan group.
 pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
+    training_mgrs_in(mode, None)
+}
+
+/// [`training_mgrs`], their workspaces in `registry` when given (a shape-only one, for
+/// a dry run: then a planned network's group is shape-only too).
+pub(crate) fn training_mgrs_in(
+    mode: WorkspaceMode,
+    registry: Option<&WorkspaceManager>,
+) -> Result<[LayerWorkspaceMgr; 2]> {
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
     // One plan per batch shape: variable-length sequences have a few dozen.
-    let group = (mode == WorkspaceMode::Planned).then(|| PlanGroup::with_plans("WS_PLANNED_ITERATION", PLANS));
+    let group = (mode == WorkspaceMode::Planned).then(|| match registry.is_some_and(WorkspaceManager::is_shape_only) {
+        true => PlanGroup::shape_only("WS_PLANNED_ITERATION", PLANS),
+        false => PlanGroup::with_plans("WS_PLANNED_ITERATION", PLANS),
+    });
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
     let base = |grad: &str| {
         let builder = LayerWorkspaceMgr::builder();
+        let builder = match registry {
+            Some(registry) => builder.in_manager(registry),
+            None => builder,
+        };
         let builder = match &group {
             Some(group) => builder.planned(group),
             None => builder,
@@ -327,14 +344,25 @@ pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2
 /// The inference workspace manager. Planned: the workspaces are the network's own,
 /// members of a plan group of their own (an inference is an iteration).
 pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
+    inference_mgr_in(mode, None)
+}
+
+/// [`inference_mgr`], its workspaces in `registry` when given (as
+/// [`training_mgrs_in`]).
+pub(super) fn inference_mgr_in(mode: WorkspaceMode, registry: Option<&WorkspaceManager>) -> Result<LayerWorkspaceMgr> {
     if mode == WorkspaceMode::None {
         return Ok(LayerWorkspaceMgr::no_workspaces());
     }
     let planned = mode == WorkspaceMode::Planned;
     let builder = inference_builder(planned);
-    let builder = match planned {
-        true => builder.planned(&PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS)),
-        false => builder,
+    let builder = match registry {
+        Some(registry) => builder.in_manager(registry),
+        None => builder,
+    };
+    let builder = match (planned, registry.is_some_and(WorkspaceManager::is_shape_only)) {
+        (true, true) => builder.planned(&PlanGroup::shape_only("WS_PLANNED_INFERENCE", PLANS)),
+        (true, false) => builder.planned(&PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS)),
+        (false, _) => builder,
     };
     builder.build().map_err(Error::from)
 }

@@ -4,9 +4,11 @@
 
 mod batch;
 mod config;
+mod dry;
 mod infer;
 mod train;
 
+use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
 use ndarray::ArrayView2;
@@ -33,6 +35,7 @@ pub(crate) use config::inference_builder;
 use config::inference_mgr;
 pub(crate) use config::training_mgrs;
 pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
+pub use dry::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
 pub(crate) use infer::{predictions_into, probabilities};
 pub(crate) use train::{fit_epoch, fit_pairs, Gradient};
 
@@ -67,6 +70,8 @@ pub struct Network {
     breakdown: Option<StepBreakdown>,
     /// The threads a training step's large matrix multiplies split across.
     pool: Option<super::gemm::pool::Pool>,
+    /// The shape-only workspaces of [`Network::dry_run`], made by its first call.
+    dry_run: Option<Box<dry::Shadow>>,
 }
 
 impl std::fmt::Debug for Network {
@@ -139,6 +144,7 @@ impl Network {
             record_next: false,
             memory_plan: None,
             recorded: None,
+            dry_run: None,
         })
     }
 
@@ -196,15 +202,12 @@ impl Network {
     /// Total arena capacity of the training workspaces (0 with workspaces off); for a
     /// planned network, the plan's arena.
     pub fn workspace_capacity(&self) -> usize {
-        let planned = self.train[0].plan_group().map_or(0, |group| group.capacity());
-        planned + self.sum_over_training_workspaces(|ws| ws.capacity())
+        training_capacity(&self.train)
     }
 
-    /// `f` summed over the training workspaces: those of the first manager, and the
-    /// second manager's gradient workspace (the rest it shares with the first).
+    /// `f` summed over the training workspaces (see [`sum_over_training_workspaces`]).
     fn sum_over_training_workspaces(&self, f: impl Fn(&Workspace) -> usize) -> usize {
-        let second = self.train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| f(ws));
-        self.train[0].workspaces().map(|ws| f(ws)).sum::<usize>() + second
+        sum_over_training_workspaces(&self.train, f)
     }
 
     /// Records the next training iteration's allocations and scope closes in the
@@ -250,8 +253,7 @@ impl Network {
 
     /// Starts (`Some`) or stops (`None`) recording in every training workspace.
     fn record_training_workspaces(&self, trace: Option<&Arc<Mutex<Trace>>>) -> Result<()> {
-        let second = self.train[1].workspace(ArrayType::ActivationGrad);
-        for ws in self.train[0].workspaces().chain(second) {
+        for ws in training_workspaces(&self.train) {
             ws.record_into(trace.cloned())?;
         }
         Ok(())
@@ -275,6 +277,26 @@ impl Network {
     fn check_input(&self, x: &Input<'_>) -> Result<()> {
         check_input(self.inputs, x)
     }
+}
+
+/// The arenas of the training workspaces of `train` (see
+/// [`Network::workspace_capacity`]).
+pub(crate) fn training_capacity(train: &[LayerWorkspaceMgr; 2]) -> usize {
+    let planned = train[0].plan_group().map_or(0, |group| group.capacity());
+    planned + sum_over_training_workspaces(train, |ws| ws.capacity())
+}
+
+/// `f` summed over the training workspaces of `train`: those of the first manager, and
+/// the second manager's gradient workspace (the rest it shares with the first).
+pub(crate) fn sum_over_training_workspaces(train: &[LayerWorkspaceMgr; 2], f: impl Fn(&Workspace) -> usize) -> usize {
+    let second = train[1].workspace(ArrayType::ActivationGrad).map_or(0, |ws| f(ws));
+    train[0].workspaces().map(|ws| f(ws)).sum::<usize>() + second
+}
+
+/// The training workspaces of `train`, each once (the first manager's, and the
+/// second's gradient workspace).
+pub(crate) fn training_workspaces(train: &[LayerWorkspaceMgr; 2]) -> impl Iterator<Item = &Rc<Workspace>> {
+    train[0].workspaces().chain(train[1].workspace(ArrayType::ActivationGrad))
 }
 
 /// Checks a batch for a network of `inputs` input columns: its features, no empty batch

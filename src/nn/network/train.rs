@@ -140,12 +140,12 @@ impl Network {
     /// One training iteration, recorded when [`Network::record_next_iteration`] asked.
     fn recorded_step(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
         if !self.record_next {
-            return self.step(x, labels);
+            return self.step(x, labels, false);
         }
         self.record_next = false;
         let trace = Arc::new(Mutex::new(Trace::new()));
         self.record_training_workspaces(Some(&trace))?;
-        let result = self.step(x, labels);
+        let result = self.step(x, labels, false);
         // Every scope of the step has closed, whatever it returned.
         self.record_training_workspaces(None)?;
         if result.is_ok() {
@@ -158,8 +158,12 @@ impl Network {
         result
     }
 
-    /// One training iteration (see [`Network::fit_batch`]).
-    fn step(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
+    /// One training iteration (see [`Network::fit_batch`]); with `dry`, a dry run of
+    /// one in the shape-only workspaces of [`Network::dry_run`]: the same allocations
+    /// and scopes, in the same order, and no arithmetic (the layers skip theirs in
+    /// shape-only scopes; the checks, the loss and the update are skipped here), so
+    /// nothing of the network changes.
+    pub(super) fn step(&mut self, x: Input<'_>, labels: Labels<'_>, dry: bool) -> Result<f32> {
         let x = x.reborrow();
         // Labels per step without a mask of their own are masked like the features.
         let labels = labels.reborrow().or_mask(x.mask());
@@ -170,8 +174,15 @@ impl Network {
         // steps are not checked: nothing uses them (they are zeroed below). The scan
         // costs what the batch's memory holds: a broadcast value is looked at once, so a
         // batch too large to lay out fails at its first allocation, not hours later.
-        finite::check_activations("input", "the batch", x.activations(), mask)?;
-        let Network { layers, loss, updater, train, .. } = self;
+        if !dry {
+            finite::check_activations("input", "the batch", x.activations(), mask)?;
+        }
+        let Network { layers, loss, updater, train, dry_run, .. } = self;
+        let train = match (dry, dry_run.as_deref()) {
+            (false, _) => &*train,
+            (true, Some(shadow)) => &shadow.train,
+            (true, None) => return Err(Error::InvalidInput("a dry run needs its shape-only workspaces".into())),
+        };
         let mgr = &train[0];
         train[0].reset_peaks();
         train[1].reset_peaks();
@@ -186,7 +197,9 @@ impl Network {
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
         let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, true, |layer, y| {
-            finite::check_activations(layer, "its output", y, mask)?;
+            if !dry {
+                finite::check_activations(layer, "its output", y, mask)?;
+            }
             outputs.push(y);
             Ok(())
         })?;
@@ -198,9 +211,13 @@ impl Network {
         // one pass over the logits.
         let depth = layers.len();
         let mut grad = Gradient::zeros(&train[0], input)?;
-        let batch_loss = {
-            let _span = profile::span(Part::Loss);
-            loss.loss_and_gradient(logits, flat_labels, label_mask, grad.view_mut_rows()?)?
+        // A dry run allocates the loss's gradient (above) and computes nothing.
+        let batch_loss = match dry {
+            true => 0.0,
+            false => {
+                let _span = profile::span(Part::Loss);
+                loss.loss_and_gradient(logits, flat_labels, label_mask, grad.view_mut_rows()?)?
+            }
         };
         if !batch_loss.is_finite() {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
@@ -229,7 +246,7 @@ impl Network {
                     }
                 }
             }
-            {
+            if !dry {
                 let _span = profile::span(Part::Checks);
                 check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?, mask)?;
             }
@@ -246,8 +263,13 @@ impl Network {
 
         {
             let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
-            let _span = profile::span(Part::Updater);
-            updater.apply(layers, &working)?;
+            if !dry {
+                let _span = profile::span(Part::Updater);
+                updater.apply(layers, &working)?;
+            }
+        }
+        if dry {
+            return Ok(batch_loss);
         }
         self.last_workspace_bytes = self.sum_over_training_workspaces(|ws| ws.peak_bytes());
         self.iterations += 1;

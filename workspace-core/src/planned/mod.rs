@@ -112,6 +112,8 @@ pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
 pub struct PlanGroup {
     shared: Arc<GroupShared<HostBackend>>,
     members: Rc<RefCell<Vec<Rc<Workspace>>>>,
+    /// Its members are shape-only (see [`PlanGroup::shape_only`]).
+    shape_only: bool,
 }
 
 impl PlanGroup {
@@ -127,7 +129,21 @@ impl PlanGroup {
         PlanGroup {
             shared: Arc::new(GroupShared::new(name, HostBackend::Ram, plans)),
             members: Rc::new(RefCell::new(Vec::new())),
+            shape_only: false,
         }
+    }
+
+    /// A group like [`PlanGroup::with_plans`] whose members
+    /// ([`PlanGroup::workspace`]) are shape-only
+    /// ([`Workspace::is_shape_only`](crate::Workspace::is_shape_only)): for a dry run
+    /// of a planned iteration, which records, plans and replays as the real group would.
+    pub fn shape_only(name: &str, plans: usize) -> PlanGroup {
+        PlanGroup { shape_only: true, ..PlanGroup::with_plans(name, plans) }
+    }
+
+    /// Whether its members are shape-only (see [`PlanGroup::shape_only`]).
+    pub fn is_shape_only(&self) -> bool {
+        self.shape_only
     }
 
     /// The member workspace `name`, created with `config` and joined to the group if
@@ -141,7 +157,7 @@ impl PlanGroup {
     /// those of [`Workspace::new`] and [`PlanGroup::join`].
     pub fn workspace(&self, name: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
         crate::manager::find_or_create(&self.members, name, config, || {
-            let ws = Workspace::new(name, config.clone())?;
+            let ws = Workspace::create(name, config.clone(), crate::DebugMode::from_env()?, self.shape_only)?;
             self.join(&ws)?;
             Ok(ws)
         })

@@ -1,0 +1,576 @@
+//! Sizing before the first step: a shape-only dry run of training steps and
+//! inferences ([`Network::dry_run`]).
+//!
+//! A dry pass runs the network's own code — the same layers, scopes and allocations in
+//! the same order — in shape-only workspaces ([`WorkspaceManager::shape_only`]) made
+//! with the configurations of the network's own, and computes nothing: the layers skip
+//! their arithmetic in shape-only scopes, and the checks, the loss and the update are
+//! skipped. So the shadow workspaces account, learn their sizes and plan exactly as the
+//! network's will, and what they report is what the real passes will take, to the byte.
+
+use std::fmt;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ndarray::{Array1, Array2, Array3};
+use workspace_core::plan::{Plan, Trace};
+use workspace_core::{LayerWorkspaceMgr, LearningPolicy, Workspace, WorkspaceManager, WorkspaceMode};
+
+use crate::{Error, Result};
+
+use super::config::{inference_mgr_in, training_mgrs_in};
+use super::{probabilities, shape_key, sum_over_training_workspaces, training_capacity, training_workspaces};
+use super::{Input, Labels, Network};
+
+/// The shape of a batch for a dry run ([`Network::dry_run`]); its features are as wide
+/// as the network's inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BatchShape {
+    /// `rows` examples, a label each.
+    Flat {
+        /// Examples.
+        rows: usize,
+    },
+    /// `batch` sequences of `steps` steps, as one padded batch.
+    Sequences {
+        /// Sequences.
+        batch: usize,
+        /// Steps (the longest sequence's).
+        steps: usize,
+        /// Whether the batch has a features mask (padded batches do).
+        masked: bool,
+        /// Labels per step (a network without a head); otherwise one per sequence.
+        labels_per_step: bool,
+    },
+}
+
+impl BatchShape {
+    /// A flat batch of `rows` examples.
+    pub fn flat(rows: usize) -> BatchShape {
+        BatchShape::Flat { rows }
+    }
+
+    /// A padded batch of `batch` sequences of `steps` steps, with its mask, a label per
+    /// sequence (what a prefetcher of [`Sequences`](crate::async_iter::Sequences) gives).
+    pub fn sequences(batch: usize, steps: usize) -> BatchShape {
+        BatchShape::Sequences { batch, steps, masked: true, labels_per_step: false }
+    }
+}
+
+impl fmt::Display for BatchShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            BatchShape::Flat { rows } => write!(f, "{rows} rows"),
+            BatchShape::Sequences { batch, steps, masked, labels_per_step } => write!(
+                f,
+                "{batch} sequences of {steps} steps{}{}",
+                if masked { ", masked" } else { "" },
+                if labels_per_step { ", labels per step" } else { "" }
+            ),
+        }
+    }
+}
+
+/// One pass of a dry run: a training step or an inference of a batch shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DryPass {
+    /// A training step ([`Network::fit_batch`]).
+    Train(BatchShape),
+    /// An inference ([`Network::output`], [`Network::evaluate`] per batch).
+    Infer(BatchShape),
+}
+
+impl fmt::Display for DryPass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DryPass::Train(shape) => write!(f, "training step of {shape}"),
+            DryPass::Infer(shape) => write!(f, "inference of {shape}"),
+        }
+    }
+}
+
+/// What a dry run found for one distinct pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassEstimate {
+    /// The pass.
+    pub pass: DryPass,
+    /// Workspace bytes a real pass of this shape uses: for a training step, what
+    /// [`Network::last_iteration_workspace_bytes`] reports after it (the training
+    /// workspaces' peaks, summed; planned, the plan's bytes; 0 with workspaces off);
+    /// for an inference, the same of the inference workspaces.
+    pub bytes: usize,
+    /// The pass laid out per role: each workspace an arena of its own, sized to its
+    /// peak (what workspaces enabled take).
+    pub per_role_bytes: usize,
+    /// One arena planned from the pass's lifetimes (what workspaces planned take).
+    pub plan_bytes: usize,
+    /// The most bytes live at one moment of the pass: no layout takes less.
+    pub lower_bound_bytes: usize,
+    /// Allocations the pass makes in workspaces.
+    pub allocations: usize,
+}
+
+/// What a dry run ([`Network::dry_run`]) says a run of its passes will take.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryEstimate {
+    /// The network's training workspace mode.
+    pub training_mode: WorkspaceMode,
+    /// The network's inference workspace mode.
+    pub inference_mode: WorkspaceMode,
+    /// One per distinct pass, in the order they first came.
+    pub passes: Vec<PassEstimate>,
+    /// The bytes the training workspaces' arenas will hold after these passes: what
+    /// [`Network::workspace_capacity`] then reports (0 with workspaces off).
+    pub workspace_bytes: usize,
+    /// The bytes of the inference workspaces' arenas that the training workspaces do
+    /// not already count.
+    pub inference_workspace_bytes: usize,
+    /// Weights, gradients and the updater's state (outside workspaces).
+    pub parameter_bytes: usize,
+    /// Each arena, largest first: a workspace's (by name) or a plan group's.
+    pub arenas: Vec<(String, usize)>,
+    /// Dry passes run (a pass seen before is run again only while workspaces still
+    /// learn their sizes).
+    pub passes_run: usize,
+    /// How long the dry run took, in microseconds.
+    pub dry_run_us: f64,
+}
+
+impl MemoryEstimate {
+    /// All the network will hold: parameters, training and inference arenas.
+    pub fn total_bytes(&self) -> usize {
+        self.parameter_bytes.saturating_add(self.workspace_bytes).saturating_add(self.inference_workspace_bytes)
+    }
+
+    /// The most workspace bytes one training step uses (see [`PassEstimate::bytes`]).
+    pub fn step_bytes(&self) -> usize {
+        self.passes.iter().filter(|p| matches!(p.pass, DryPass::Train(_))).map(|p| p.bytes).max().unwrap_or(0)
+    }
+
+    /// The estimate of `pass`, when it was run.
+    pub fn pass(&self, pass: DryPass) -> Option<&PassEstimate> {
+        self.passes.iter().find(|p| p.pass == pass)
+    }
+
+    /// Whether everything the network will hold ([`MemoryEstimate::total_bytes`]) fits
+    /// in `budget` bytes: the bytes to spare, or what is short and by how much.
+    ///
+    /// # Errors
+    ///
+    /// A [`Shortfall`] naming the bytes needed, the budget, the difference and the
+    /// largest arenas.
+    pub fn fits(&self, budget: usize) -> std::result::Result<usize, Shortfall> {
+        let needed = self.total_bytes();
+        match budget.checked_sub(needed) {
+            Some(spare) => Ok(spare),
+            None => Err(Shortfall {
+                needed,
+                budget,
+                short_by: needed - budget,
+                parameter_bytes: self.parameter_bytes,
+                workspace_bytes: self.workspace_bytes,
+                inference_workspace_bytes: self.inference_workspace_bytes,
+                largest: self.arenas.iter().take(5).cloned().collect(),
+                lower_bound_bytes: self.passes.iter().map(|p| p.lower_bound_bytes).max().unwrap_or(0),
+            }),
+        }
+    }
+}
+
+/// What does not fit in a budget ([`MemoryEstimate::fits`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// Bytes the network will hold.
+    pub needed: usize,
+    /// The budget asked about.
+    pub budget: usize,
+    /// `needed - budget`.
+    pub short_by: usize,
+    /// Of `needed`: weights, gradients and the updater's state.
+    pub parameter_bytes: usize,
+    /// Of `needed`: the training workspaces' arenas.
+    pub workspace_bytes: usize,
+    /// Of `needed`: the inference workspaces' arenas.
+    pub inference_workspace_bytes: usize,
+    /// The five largest arenas, by name.
+    pub largest: Vec<(String, usize)>,
+    /// The most bytes any one pass holds live at once: what its workspaces could
+    /// shrink to at best (planned workspaces come closest).
+    pub lower_bound_bytes: usize,
+}
+
+impl fmt::Display for Shortfall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the network needs {} bytes and the budget is {}: {} bytes short ({} of parameters, gradients and \
+             updater state, {} of training workspaces, {} of inference workspaces",
+            self.needed,
+            self.budget,
+            self.short_by,
+            self.parameter_bytes,
+            self.workspace_bytes,
+            self.inference_workspace_bytes
+        )?;
+        if !self.largest.is_empty() {
+            let largest: Vec<String> = self.largest.iter().map(|(name, bytes)| format!("'{name}' {bytes}")).collect();
+            write!(f, "; largest arenas: {}", largest.join(", "))?;
+        }
+        write!(
+            f,
+            "); a pass holds at most {} bytes live at once, which planned workspaces come closest to: try \
+             WorkspaceMode::Planned, a smaller batch, or a larger budget",
+            self.lower_bound_bytes
+        )
+    }
+}
+
+impl std::error::Error for Shortfall {}
+
+/// The most rounds of a dry run's passes run again for workspaces to learn their sizes
+/// (a workspace learns from at most 16 cycles that allocate, and every round runs at
+/// least one).
+const LEARNING_ROUNDS: usize = 16;
+
+/// The shape-only workspaces a network's dry runs use: a registry of their own and the
+/// network's managers over it, with the same names, configurations and modes as the
+/// network's (workspaces off: enabled ones, so that the figures of each pass are known
+/// all the same).
+pub(super) struct Shadow {
+    pub(super) train: [LayerWorkspaceMgr; 2],
+    pub(super) infer: LayerWorkspaceMgr,
+    /// The passes run so far.
+    seen: Vec<DryPass>,
+}
+
+impl Shadow {
+    fn new(training: WorkspaceMode, inference: WorkspaceMode) -> Result<Shadow> {
+        let registry = WorkspaceManager::shape_only();
+        let on = |mode| if mode == WorkspaceMode::None { WorkspaceMode::Enabled } else { mode };
+        Ok(Shadow {
+            train: training_mgrs_in(on(training), Some(&registry))?,
+            infer: inference_mgr_in(on(inference), Some(&registry))?,
+            seen: Vec::new(),
+        })
+    }
+
+    /// Every workspace of the shadow, each once.
+    fn workspaces(&self) -> Vec<Rc<Workspace>> {
+        let mut all: Vec<Rc<Workspace>> = Vec::new();
+        for ws in training_workspaces(&self.train).chain(self.infer.workspaces()) {
+            if !all.iter().any(|w| w.id() == ws.id()) {
+                all.push(ws.clone());
+            }
+        }
+        all
+    }
+
+    /// Whether every workspace that has allocated has learned its size (a cycle that
+    /// allocates nothing teaches nothing).
+    fn learned(&self) -> bool {
+        self.workspaces().iter().all(|ws| {
+            let stats = ws.stats();
+            ws.config().learning() == LearningPolicy::None || stats.learned_size.is_some() || stats.bytes_spilled == 0
+        })
+    }
+}
+
+/// The arrays of a dry pass's batch: zeros of the shape (a mask of ones), allocated
+/// zeroed, so that the pages of a large batch are not touched.
+struct DryBatch {
+    flat: Option<Array2<f32>>,
+    features: Option<Array3<f32>>,
+    mask: Option<Array2<f32>>,
+    labels: Option<Array1<u32>>,
+    step_labels: Option<Array2<u32>>,
+}
+
+impl DryBatch {
+    fn new(shape: BatchShape, inputs: usize) -> Result<DryBatch> {
+        let empty = || Error::InvalidInput(format!("a dry run of {shape}: a batch needs at least one row and step"));
+        let too_large = || Error::InvalidInput(format!("a dry run of {shape}: the batch overflows the address space"));
+        let check = |dims: &[usize]| -> Result<()> {
+            let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(too_large)?;
+            elements.checked_mul(4).filter(|&b| b <= isize::MAX as usize).map(|_| ()).ok_or_else(too_large)
+        };
+        Ok(match shape {
+            BatchShape::Flat { rows } => {
+                if rows == 0 {
+                    return Err(empty());
+                }
+                check(&[rows, inputs])?;
+                DryBatch {
+                    flat: Some(Array2::zeros((rows, inputs))),
+                    features: None,
+                    mask: None,
+                    labels: Some(Array1::zeros(rows)),
+                    step_labels: None,
+                }
+            }
+            BatchShape::Sequences { batch, steps, masked, labels_per_step } => {
+                if batch == 0 || steps == 0 {
+                    return Err(empty());
+                }
+                check(&[batch, steps, inputs])?;
+                DryBatch {
+                    flat: None,
+                    features: Some(Array3::zeros((batch, steps, inputs))),
+                    mask: masked.then(|| Array2::ones((batch, steps))),
+                    labels: (!labels_per_step).then(|| Array1::zeros(batch)),
+                    step_labels: labels_per_step.then(|| Array2::zeros((batch, steps))),
+                }
+            }
+        })
+    }
+
+    fn input(&self) -> Input<'_> {
+        match (&self.flat, &self.features) {
+            (Some(x), _) => Input::Flat(x.view()),
+            (None, Some(features)) => {
+                Input::Sequences { features: features.view(), mask: self.mask.as_ref().map(|m| m.view()) }
+            }
+            (None, None) => unreachable!("a dry batch has features"),
+        }
+    }
+
+    fn labels(&self) -> Labels<'_> {
+        match (&self.labels, &self.step_labels) {
+            (Some(y), _) => Labels::PerExample(y.view()),
+            (None, Some(y)) => Labels::PerStep { labels: y.view(), mask: None },
+            (None, None) => unreachable!("a dry batch has labels"),
+        }
+    }
+}
+
+impl Network {
+    /// Sizes the network's memory before its first step: a dry run of `passes` (the
+    /// training steps and inferences of a run, in the order the run makes them) in
+    /// shape-only workspaces of the network's configuration. The layers allocate as
+    /// they will, scope by scope; nothing is computed and nothing of the network
+    /// changes (its weights, updater state, workspaces and counters). The estimate
+    /// says, per distinct pass, the workspace bytes a real pass of that shape will use
+    /// ([`PassEstimate::bytes`], equal to the byte to what the real pass then reports),
+    /// its plan and lower bound, and what the training workspaces will hold after the
+    /// run ([`MemoryEstimate::workspace_bytes`], what
+    /// [`Network::workspace_capacity`] will report); [`MemoryEstimate::fits`] says
+    /// whether a budget holds it all.
+    ///
+    /// Workspaces learn their sizes from their first cycles (16 that allocate), so the
+    /// order matters: a pass seen before is run again only while some workspace still
+    /// learns, and after the passes given, they are run again (in order) until every
+    /// workspace has learned, as a run of many passes would. The estimate is of that
+    /// run: a run shorter than the learning (16 steps, 16 inferences) holds less. Each
+    /// dry run continues the last: call [`Network::reset_dry_run`] to start afresh.
+    ///
+    /// ```
+    /// use carve::nn::{BatchShape, DryPass, Network, NetworkConfig};
+    /// use carve::ndarray::{Array1, Array2};
+    ///
+    /// let mut net = Network::new(NetworkConfig::builder(64).dense(128).relu().dense(10).build()?)?;
+    /// let estimate = net.dry_run(&[DryPass::Train(BatchShape::flat(32))])?;
+    /// assert!(estimate.fits(1 << 30).is_ok());
+    /// let short = estimate.fits(1000).unwrap_err();
+    /// assert_eq!(short.short_by, estimate.total_bytes() - 1000);
+    ///
+    /// // The real steps then take exactly what was predicted.
+    /// let (x, y) = (Array2::<f32>::zeros((32, 64)), Array1::<u32>::zeros(32));
+    /// for _ in 0..20 {
+    ///     net.fit_batch(x.view(), y.view())?;
+    /// }
+    /// assert_eq!(net.last_iteration_workspace_bytes(), estimate.step_bytes());
+    /// assert_eq!(net.workspace_capacity(), estimate.workspace_bytes);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for no passes, or a shape with no rows or steps, or too
+    /// large to lay out; the errors a real pass of the shape would return for it
+    /// (shapes the layers refuse); workspace errors.
+    pub fn dry_run(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
+        let started = Instant::now();
+        if passes.is_empty() {
+            return Err(Error::InvalidInput("a dry run needs at least one pass".into()));
+        }
+        if self.dry_run.is_none() {
+            self.dry_run = Some(Box::new(Shadow::new(self.training_mode, self.inference_mode)?));
+        }
+        // The passes in order, as the run makes them: a pass seen before only while
+        // some workspace still learns its size.
+        let mut distinct: Vec<DryPass> = Vec::new();
+        let mut run = 0;
+        for &pass in passes {
+            let shadow = self.dry_run.as_deref().expect("made above");
+            if !distinct.contains(&pass) {
+                distinct.push(pass);
+            } else if shadow.learned() && shadow.seen.contains(&pass) {
+                continue;
+            }
+            self.dry_pass(pass)?;
+            run += 1;
+        }
+        // A run of many passes: its passes again, in order, until every workspace
+        // learned (each round runs at least one more cycle of each workspace they use).
+        for _ in 0..LEARNING_ROUNDS {
+            if self.dry_run.as_deref().is_none_or(Shadow::learned) {
+                break;
+            }
+            for &pass in &distinct {
+                self.dry_pass(pass)?;
+                run += 1;
+            }
+        }
+        // Each distinct pass once more, in the steady state the run then reaches: its
+        // figures (a pass seen before cannot outgrow what the workspaces learned).
+        let mut figures = Vec::with_capacity(distinct.len());
+        for &pass in &distinct {
+            figures.push(self.dry_pass(pass)?);
+            run += 1;
+        }
+        let shadow = self.dry_run.as_deref().expect("made above");
+        let off = self.training_mode == WorkspaceMode::None;
+        let (workspace_bytes, inference_workspace_bytes, arenas) = arenas(shadow, off, self.inference_mode);
+        Ok(MemoryEstimate {
+            training_mode: self.training_mode,
+            inference_mode: self.inference_mode,
+            passes: figures,
+            workspace_bytes,
+            inference_workspace_bytes,
+            parameter_bytes: self.parameter_bytes(),
+            arenas,
+            passes_run: run,
+            dry_run_us: started.elapsed().as_secs_f64() * 1e6,
+        })
+    }
+
+    /// Forgets what earlier dry runs taught the shape-only workspaces: the next
+    /// [`Network::dry_run`] starts from new ones, as a new network would.
+    pub fn reset_dry_run(&mut self) {
+        self.dry_run = None;
+    }
+
+    /// Weights, gradients and the updater's state, in bytes.
+    fn parameter_bytes(&self) -> usize {
+        let params: usize = self.layers.iter().map(|l| l.param_count()).sum();
+        let per = match self.updater.updater() {
+            super::super::Updater::Adam { .. } => 4,
+            super::super::Updater::Sgd { .. } => 3,
+        };
+        params.saturating_mul(per * size_of::<f32>())
+    }
+
+    /// One dry pass, and its figures.
+    fn dry_pass(&mut self, pass: DryPass) -> Result<PassEstimate> {
+        let (shape, training) = match pass {
+            DryPass::Train(shape) => (shape, true),
+            DryPass::Infer(shape) => (shape, false),
+        };
+        let batch = DryBatch::new(shape, self.inputs)?;
+        let shadow = self.dry_run.as_deref().expect("made by dry_run");
+        let mgr = if training { &shadow.train[0] } else { &shadow.infer };
+        let figures = match mgr.plan_group().cloned() {
+            // Planned: recorded the first time (and planned), then replayed on its plan.
+            Some(group) => {
+                let key = shape_key(&batch.input(), training.then(|| batch.labels()).as_ref());
+                for _ in 0..2 {
+                    group.iteration(key, || self.dry_pass_once(&batch, training))?;
+                }
+                let stats = group.stats();
+                PassEstimate {
+                    pass,
+                    bytes: stats.plan_bytes,
+                    per_role_bytes: stats.per_role_bytes,
+                    plan_bytes: stats.plan_bytes,
+                    lower_bound_bytes: stats.lower_bound_bytes,
+                    allocations: stats.allocations,
+                }
+            }
+            None => {
+                let trace = Arc::new(Mutex::new(Trace::new()));
+                let shadow = self.dry_run.as_deref().expect("made by dry_run");
+                let recorded: Vec<Rc<Workspace>> = match training {
+                    true => training_workspaces(&shadow.train).cloned().collect(),
+                    false => shadow.infer.workspaces().cloned().collect(),
+                };
+                for ws in &recorded {
+                    ws.record_into(Some(trace.clone()))?;
+                }
+                let result = self.dry_pass_once(&batch, training);
+                for ws in &recorded {
+                    ws.record_into(None)?;
+                }
+                result?;
+                let shadow = self.dry_run.as_deref().expect("made by dry_run");
+                let bytes = match training {
+                    true => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
+                    false => shadow.infer.peak_bytes(),
+                };
+                let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let stats = Plan::new(&trace).stats("dry run");
+                let off = match training {
+                    true => self.training_mode == WorkspaceMode::None,
+                    false => self.inference_mode == WorkspaceMode::None,
+                };
+                PassEstimate {
+                    pass,
+                    bytes: if off { 0 } else { bytes },
+                    per_role_bytes: stats.per_role_bytes,
+                    plan_bytes: stats.plan_bytes,
+                    lower_bound_bytes: stats.lower_bound_bytes,
+                    allocations: stats.allocations,
+                }
+            }
+        };
+        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
+        if !shadow.seen.contains(&pass) {
+            shadow.seen.push(pass);
+        }
+        Ok(figures)
+    }
+
+    /// One dry training step or inference of `batch`.
+    fn dry_pass_once(&mut self, batch: &DryBatch, training: bool) -> Result<()> {
+        if training {
+            return self.step(batch.input(), batch.labels(), true).map(|_| ());
+        }
+        self.check_input(&batch.input())?;
+        let Network { layers, dry_run, .. } = self;
+        let shadow = dry_run.as_deref().expect("made by dry_run");
+        shadow.infer.reset_peaks();
+        probabilities(layers.iter_mut(), &shadow.infer, batch.input(), |_| Ok(()))
+    }
+}
+
+/// The arenas the shadow's workspaces hold: the training workspaces' (what
+/// [`Network::workspace_capacity`] counts; 0 when `training_off`), the inference ones
+/// not among them (0 when inference is off), and each arena by name, largest first.
+fn arenas(shadow: &Shadow, training_off: bool, inference: WorkspaceMode) -> (usize, usize, Vec<(String, usize)>) {
+    let training = if training_off { 0 } else { training_capacity(&shadow.train) };
+    let mut named: Vec<(String, usize)> = Vec::new();
+    let mut inference_bytes = 0;
+    if !training_off {
+        if let Some(group) = shadow.train[0].plan_group() {
+            named.push((group.stats().name, group.capacity()));
+        }
+        for ws in training_workspaces(&shadow.train) {
+            named.push((ws.name().to_string(), ws.capacity()));
+        }
+    }
+    if inference != WorkspaceMode::None {
+        if let Some(group) = shadow.infer.plan_group() {
+            named.push((group.stats().name, group.capacity()));
+            inference_bytes += group.capacity();
+        }
+        let counted: Vec<u64> = training_workspaces(&shadow.train).map(|ws| ws.id()).collect();
+        for ws in shadow.infer.workspaces() {
+            if training_off || !counted.contains(&ws.id()) {
+                named.push((ws.name().to_string(), ws.capacity()));
+                inference_bytes += ws.capacity();
+            }
+        }
+    }
+    named.retain(|(_, bytes)| *bytes > 0);
+    named.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    (training, inference_bytes, named)
+}

@@ -1,0 +1,272 @@
+//! Sizing before the first step (`Network::dry_run`): the bytes a dry run predicts
+//! against the bytes real steps and inferences then take, for the networks the
+//! repository ships (the demo's MLP, a wider one, the LSTM of the sequences demo) in
+//! every workspace mode, at several shapes; a dry run changes nothing of the network.
+
+use carve::nn::{BatchShape, DryPass, Input, Labels, Network, NetworkConfig, Updater};
+use carve::{Error, WorkspaceMode};
+use ndarray::{s, Array1, Array2, Array3};
+
+const MODES: [WorkspaceMode; 3] = [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None];
+
+fn mlp(mode: WorkspaceMode, inputs: usize, hidden: &[usize]) -> Network {
+    let mut builder = NetworkConfig::builder(inputs);
+    for &w in hidden {
+        builder = builder.dense(w).relu();
+    }
+    let config = builder
+        .dense(10)
+        .seed(3)
+        .updater(Updater::adam(1e-3))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+/// The sequences demo's network: an LSTM, the last step of each sequence, a dense head.
+fn lstm(mode: WorkspaceMode) -> Network {
+    let config = NetworkConfig::builder(12)
+        .lstm(16)
+        .last_step()
+        .dense(9)
+        .seed(5)
+        .updater(Updater::adam(5e-3))
+        .training_workspace_mode(mode)
+        .inference_workspace_mode(mode)
+        .build()
+        .unwrap();
+    Network::new(config).unwrap()
+}
+
+/// A real batch of `shape`: values in (0, 1); sequences padded at their ends (their
+/// lengths vary, the first is full), the padding zero and masked.
+struct Batch {
+    flat: Option<Array2<f32>>,
+    features: Option<Array3<f32>>,
+    mask: Option<Array2<f32>>,
+    labels: Array1<u32>,
+}
+
+impl Batch {
+    fn new(shape: BatchShape, inputs: usize, classes: u32, seed: usize) -> Batch {
+        let value =
+            |a: usize, b: usize, c: usize| ((a * 131 + b * 71 + c * 37 + seed * 17) % 251) as f32 / 251.0 + 1e-3;
+        match shape {
+            BatchShape::Flat { rows } => Batch {
+                flat: Some(Array2::from_shape_fn((rows, inputs), |(r, c)| value(r, c, 0))),
+                features: None,
+                mask: None,
+                labels: Array1::from_shape_fn(rows, |r| (r as u32 + seed as u32) % classes),
+            },
+            BatchShape::Sequences { batch, steps, masked, .. } => {
+                let length = |b: usize| if b == 0 || !masked { steps } else { 1 + (b * 7 + seed) % steps };
+                let mut features =
+                    Array3::from_shape_fn((batch, steps, inputs), |(b, t, c)| value(b * steps + t, c, 1));
+                let mut mask = Array2::<f32>::ones((batch, steps));
+                for b in 0..batch {
+                    features.slice_mut(s![b, length(b).., ..]).fill(0.0);
+                    mask.slice_mut(s![b, length(b)..]).fill(0.0);
+                }
+                Batch {
+                    flat: None,
+                    features: Some(features),
+                    mask: masked.then_some(mask),
+                    labels: Array1::from_shape_fn(batch, |b| (b as u32 + seed as u32) % classes),
+                }
+            }
+        }
+    }
+
+    fn input(&self) -> Input<'_> {
+        match &self.flat {
+            Some(x) => Input::Flat(x.view()),
+            None => Input::Sequences {
+                features: self.features.as_ref().unwrap().view(),
+                mask: self.mask.as_ref().map(|m| m.view()),
+            },
+        }
+    }
+
+    fn labels(&self) -> Labels<'_> {
+        Labels::PerExample(self.labels.view())
+    }
+}
+
+/// What a real pass of `pass` takes: a training step's `last_iteration_workspace_bytes`,
+/// an inference's peak in the inference workspaces (planned: its plan's bytes).
+fn real_pass(net: &mut Network, pass: DryPass, inputs: usize, seed: usize) -> usize {
+    let classes = net.classes() as u32;
+    match pass {
+        DryPass::Train(shape) => {
+            let batch = Batch::new(shape, inputs, classes, seed);
+            net.fit_batch(batch.input(), batch.labels()).unwrap();
+            net.last_iteration_workspace_bytes()
+        }
+        DryPass::Infer(shape) => {
+            let batch = Batch::new(shape, inputs, classes, seed);
+            net.inference_mgr().reset_peaks();
+            net.output(batch.input()).unwrap();
+            match net.inference_workspace_mode() {
+                WorkspaceMode::None => 0,
+                WorkspaceMode::Planned => net.inference_plan_stats().unwrap().plan_bytes,
+                WorkspaceMode::Enabled => net.inference_mgr().peak_bytes(),
+            }
+        }
+    }
+}
+
+/// Predicts `run` with a dry run, then runs it for real on `net` and checks every
+/// figure: each distinct pass's bytes (measured once the run is steady, as the
+/// prediction is), and the training arenas after the run.
+fn check_prediction(mut net: Network, inputs: usize, run: &[DryPass], what: &str) {
+    let estimate = net.dry_run(run).unwrap();
+    assert_eq!(net.iterations(), 0, "{what}: a dry run trains nothing");
+    for (i, &pass) in run.iter().enumerate() {
+        real_pass(&mut net, pass, inputs, i);
+    }
+    let mode = net.training_workspace_mode();
+    assert_eq!(net.workspace_capacity(), estimate.workspace_bytes, "{what} ({mode:?}): the training arenas");
+    for predicted in &estimate.passes {
+        let real = real_pass(&mut net, predicted.pass, inputs, 1000);
+        assert_eq!(real, predicted.bytes, "{what} ({mode:?}): {}", predicted.pass);
+        assert!(predicted.lower_bound_bytes <= predicted.plan_bytes, "{what}: {predicted:?}");
+        assert!(predicted.plan_bytes <= predicted.per_role_bytes, "{what}: {predicted:?}");
+        assert!(predicted.allocations > 0, "{what}: {predicted:?}");
+        if mode == WorkspaceMode::None {
+            assert_eq!(predicted.bytes, 0, "{what}: no workspace bytes with workspaces off");
+        }
+    }
+    if mode == WorkspaceMode::None {
+        assert_eq!(estimate.workspace_bytes, 0);
+    } else {
+        assert!(estimate.workspace_bytes > 0, "{what}: {estimate:?}");
+    }
+    // The arenas named add up to the training and inference arenas.
+    let named: usize = estimate.arenas.iter().map(|(_, b)| b).sum();
+    assert_eq!(named, estimate.workspace_bytes + estimate.inference_workspace_bytes, "{what}: {estimate:?}");
+    // The run did not outgrow the prediction either.
+    assert_eq!(net.workspace_capacity(), estimate.workspace_bytes, "{what} ({mode:?}): after the steady passes");
+}
+
+/// The demo's epochs, shortened, as a run: steps of 32 rows and a short last one, then
+/// the test set's evaluation in batches of 32 and a short last one, three times (long
+/// enough for every workspace to learn its size: 16 cycles that allocate).
+fn demo_run() -> Vec<DryPass> {
+    let mut run = Vec::new();
+    for _ in 0..3 {
+        run.extend(std::iter::repeat_n(DryPass::Train(BatchShape::flat(32)), 6));
+        run.push(DryPass::Train(BatchShape::flat(30)));
+        run.extend(std::iter::repeat_n(DryPass::Infer(BatchShape::flat(32)), 5));
+        run.push(DryPass::Infer(BatchShape::flat(7)));
+    }
+    run
+}
+
+#[test]
+fn the_demo_mlp_takes_what_its_dry_run_predicts_in_every_mode() {
+    for mode in MODES {
+        check_prediction(mlp(mode, 64, &[128, 64]), 64, &demo_run(), "64-128-64-10");
+    }
+}
+
+#[test]
+fn a_wide_mlp_at_three_batch_sizes_takes_what_its_dry_run_predicts() {
+    // Long enough for every workspace to learn its size (16 cycles that allocate; the
+    // activations workspaces have one a step, or an inference): the estimate is of a
+    // run past that.
+    let run: Vec<DryPass> = [32, 32, 32, 64, 32, 9]
+        .repeat(3)
+        .iter()
+        .map(|&rows| DryPass::Train(BatchShape::flat(rows)))
+        .chain(std::iter::repeat_n(DryPass::Infer(BatchShape::flat(50)), 16))
+        .collect();
+    for mode in MODES {
+        check_prediction(mlp(mode, 784, &[128, 32]), 784, &run, "784-128-32-10");
+    }
+}
+
+#[test]
+fn the_sequences_lstm_at_several_lengths_takes_what_its_dry_run_predicts() {
+    // Padded batches of several lengths, as the sequences demo's prefetcher gives them,
+    // a longer one after the workspaces learned, and 16 inferences.
+    let lengths = [9, 14, 9, 7, 20, 9, 14, 26, 9, 3];
+    let mut run: Vec<DryPass> = Vec::new();
+    for round in 0..3 {
+        for &steps in &lengths[..if round == 0 { 7 } else { lengths.len() }] {
+            run.push(DryPass::Train(BatchShape::sequences(16, steps)));
+        }
+    }
+    for _ in 0..8 {
+        run.push(DryPass::Infer(BatchShape::sequences(32, 26)));
+        run.push(DryPass::Infer(BatchShape::sequences(5, 11)));
+    }
+    for mode in MODES {
+        check_prediction(lstm(mode), 12, &run, "LSTM 12-16-9");
+    }
+}
+
+#[test]
+fn a_dry_run_changes_nothing_of_the_network() {
+    for mode in MODES {
+        let (mut dry, mut twin) = (mlp(mode, 64, &[32]), mlp(mode, 64, &[32]));
+        let estimate = dry.dry_run(&demo_run()).unwrap();
+        assert!(estimate.passes_run >= 4);
+        assert_eq!((dry.iterations(), dry.workspace_capacity()), (0, twin.workspace_capacity()));
+        assert!(dry.memory_plan().is_none());
+        for i in 0..5 {
+            let batch = Batch::new(BatchShape::flat(32), 64, 10, i);
+            let a = dry.fit_batch(batch.input(), batch.labels()).unwrap();
+            let b = twin.fit_batch(batch.input(), batch.labels()).unwrap();
+            assert_eq!(a.to_bits(), b.to_bits(), "{mode:?} step {i}");
+        }
+        let batch = Batch::new(BatchShape::flat(9), 64, 10, 7);
+        assert_eq!(dry.output(batch.input()).unwrap(), twin.output(batch.input()).unwrap());
+        // A dry run after training continues from what the shadow learned; reset, it
+        // starts afresh and predicts the same.
+        let again = dry.dry_run(&demo_run()).unwrap();
+        dry.reset_dry_run();
+        let fresh = dry.dry_run(&demo_run()).unwrap();
+        assert_eq!((again.workspace_bytes, &again.passes), (fresh.workspace_bytes, &fresh.passes));
+        assert_eq!(fresh.workspace_bytes, estimate.workspace_bytes);
+    }
+}
+
+#[test]
+fn fits_says_what_is_short_and_by_how_much() {
+    let mut net = mlp(WorkspaceMode::Enabled, 64, &[128, 64]);
+    let estimate = net.dry_run(&[DryPass::Train(BatchShape::flat(32))]).unwrap();
+    let total = estimate.total_bytes();
+    assert_eq!(total, estimate.parameter_bytes + estimate.workspace_bytes + estimate.inference_workspace_bytes);
+    // 64·128 + 128 + 128·64 + 64 + 64·10 + 10 parameters, each a value, a gradient
+    // and Adam's two moments.
+    assert_eq!(estimate.parameter_bytes, (64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10) * 16);
+    assert_eq!(estimate.fits(total), Ok(0));
+    assert_eq!(estimate.fits(total + 5), Ok(5));
+    let short = estimate.fits(total - 100).unwrap_err();
+    assert_eq!((short.needed, short.budget, short.short_by), (total, total - 100, 100));
+    assert_eq!(short.largest, estimate.arenas.iter().take(5).cloned().collect::<Vec<_>>());
+    let message = short.to_string();
+    for part in [total.to_string(), "100 bytes short".to_string(), "WS_LAYER_WORKING_MEM".to_string()] {
+        assert!(message.contains(&part), "'{part}' not in: {message}");
+    }
+    assert!(estimate.fits(0).is_err());
+}
+
+#[test]
+fn bad_dry_runs_are_errors_that_say_why() {
+    let mut net = mlp(WorkspaceMode::Enabled, 64, &[16]);
+    let empty = net.dry_run(&[]).unwrap_err();
+    assert!(matches!(&empty, Error::InvalidInput(m) if m.contains("at least one pass")), "{empty}");
+    let zero = net.dry_run(&[DryPass::Train(BatchShape::flat(0))]).unwrap_err();
+    assert!(zero.to_string().contains("at least one row"), "{zero}");
+    let huge = net.dry_run(&[DryPass::Train(BatchShape::flat(usize::MAX / 8))]).unwrap_err();
+    assert!(huge.to_string().contains("overflows the address space"), "{huge}");
+    // A shape the layers refuse is the error a real step of it would be.
+    let mut recurrent = lstm(WorkspaceMode::Enabled);
+    let flat = recurrent.dry_run(&[DryPass::Train(BatchShape::flat(4))]).unwrap_err();
+    assert!(flat.to_string().contains("recurrent"), "{flat}");
+    // The network is still usable.
+    assert!(net.dry_run(&[DryPass::Infer(BatchShape::flat(3))]).is_ok());
+}
