@@ -153,7 +153,7 @@ use carve::WorkspaceMode;
 use args::Args;
 use measure::{peak_rss_bytes, RssMeter};
 use report::{summarize, summary_json, table, wrap};
-use train::{build_network, mode_name, prefetcher, train_epoch, Progress, Run, Trace};
+use train::{build_network, mode_name, prefetcher, run_passes, train_epoch, Progress, Run, Trace};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -210,6 +210,10 @@ fn run(args: &Args) -> Res<()> {
         let mut net =
             build_network(args, mode).map_err(|e| format!("building the network ({} mode): {e}", mode_name(mode)))?;
         net.set_threads(args.threads).map_err(|e| format!("starting {} training threads: {e}", args.threads))?;
+        // The run's memory, known before its first step.
+        let passes = run_passes(train.y.len(), test.y.len(), batch, args.epochs);
+        let estimate =
+            net.dry_run(&passes).map_err(|e| format!("sizing the network ({} mode): {e}", mode_name(mode)))?;
         let batches = prefetcher(&train, batch, args.seed, args.prefetch_depth, mode)
             .map_err(|e| format!("starting the prefetcher ({} mode): {e}", mode_name(mode)))?;
         runs.push(Run {
@@ -220,6 +224,7 @@ fn run(args: &Args) -> Res<()> {
             batch_size: batch,
             trace: Trace::with_capacity(iterations, args.epochs)?,
             bar: None,
+            estimate,
         });
     }
 

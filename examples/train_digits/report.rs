@@ -36,6 +36,8 @@ pub(crate) struct Summary {
     pub(crate) prefetch: PrefetchStats,
     /// The memory plan of iteration 2 (workspaces enabled).
     pub(crate) plan: Option<carve::nn::PlannedStats>,
+    /// The dry run's estimate, made before the first step.
+    pub(crate) estimate: carve::nn::MemoryEstimate,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -100,6 +102,7 @@ pub(crate) fn summarize(
         test_accuracy_per_epoch: t.epoch_accuracy.clone(),
         prefetch: run.batches.stats(),
         plan: run.net.memory_plan(),
+        estimate: run.estimate.clone(),
     })
 }
 
@@ -114,6 +117,14 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         "iter_us_median": s.iter_us_median,
         "epoch_ms_median": s.epoch_ms_median,
         "workspace_bytes": s.workspace_bytes,
+        // The dry run's, before the first step: the arenas after the run (to compare
+        // with workspace_bytes) and the bytes of the largest step (with
+        // steady_state_workspace_bytes_in_use).
+        "predicted_bytes": s.estimate.workspace_bytes,
+        "predicted_step_bytes": s.estimate.step_bytes(),
+        "predicted_total_bytes": s.estimate.total_bytes(),
+        "dry_run_us": s.estimate.dry_run_us,
+        "dry_run_passes": s.estimate.passes_run,
         "peak_rss_bytes": s.peak_rss_bytes,
         "train_accuracy": s.train_accuracy,
         "steady_state_iterations": s.steady_iterations,
@@ -219,7 +230,7 @@ pub(crate) fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         RssMeter::PerEpoch => "peak RSS during its epochs (VmHWM)",
         RssMeter::Process(_) => "peak RSS (VmHWM, whole process)",
     };
-    let rows: [(&str, Cell); 15] = [
+    let rows: [(&str, Cell); 16] = [
         ("test accuracy", |s| format!("{:.4}", s.test_accuracy)),
         ("train accuracy", |s| format!("{:.4}", s.train_accuracy)),
         ("final loss (last epoch mean)", |s| {
@@ -232,6 +243,7 @@ pub(crate) fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         ("ms per epoch (median)", |s| format!("{:.2}", s.epoch_ms_median)),
         ("µs per iteration (median)", |s| format!("{:.1}", s.iter_us_median)),
         ("workspace bytes (capacity)", |s| bytes_human(s.workspace_bytes as f64)),
+        ("  predicted before step 1 (dry run)", |s| bytes_human(s.estimate.workspace_bytes as f64)),
         ("workspace bytes in use (steady peak)", |s| {
             opt(s.steady_workspace_bytes_in_use.map(|b| b as f64), bytes_human)
         }),

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use carve::async_iter::{InMemory, Prefetcher, Threading};
-use carve::nn::{Network, NetworkConfig, Updater};
+use carve::nn::{BatchShape, DryPass, MemoryEstimate, Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ndarray::{Ix1, Ix2};
@@ -88,6 +88,20 @@ pub(crate) struct Run {
     pub(crate) trace: Trace,
     /// The run's progress bar, on a terminal.
     pub(crate) bar: Option<ProgressBar>,
+    /// The dry run's estimate of the run, made before the first step.
+    pub(crate) estimate: MemoryEstimate,
+}
+
+/// The passes of the demo's run, in order: per epoch, its training steps (batches of
+/// `batch` rows, the last one short), then the evaluation of the test set in batches
+/// as large. What the dry run sizes the network from.
+pub(crate) fn run_passes(train_rows: usize, test_rows: usize, batch: usize, epochs: usize) -> Vec<DryPass> {
+    let cut = |rows: usize| (0..rows).step_by(batch.max(1)).map(move |start| (rows - start).min(batch));
+    let epoch: Vec<DryPass> = cut(train_rows)
+        .map(|rows| DryPass::Train(BatchShape::flat(rows)))
+        .chain(cut(test_rows).map(|rows| DryPass::Infer(BatchShape::flat(rows))))
+        .collect();
+    epoch.repeat(epochs)
 }
 
 /// The prefetcher of one mode's training batches: the rows shuffled every epoch from

@@ -715,3 +715,26 @@ fn threads_give_the_losses_of_one_thread() {
         assert!(text(&output.stderr).contains("--threads"), "{bad:?}: {}", text(&output.stderr));
     }
 }
+
+/// The dry run made before the first step predicts, in every mode, the arenas the run
+/// ends with and the bytes of its steady steps, to the byte, in well under the time of
+/// an epoch; the table shows the prediction next to the capacity.
+#[test]
+fn the_dry_run_before_step_one_predicts_the_run_to_the_byte() {
+    let output = run(&["--compare", "--epochs", "2", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    for mode in ["enabled", "planned", "none"] {
+        let m = &json[mode];
+        assert_eq!(m["predicted_bytes"], m["workspace_bytes"], "{mode}: {m}");
+        assert_eq!(m["predicted_step_bytes"], m["steady_state_workspace_bytes_in_use"], "{mode}: {m}");
+        assert!(m["dry_run_us"].as_f64().is_some_and(|us| us > 0.0), "{mode}: {m}");
+        assert!(m["dry_run_passes"].as_u64().is_some_and(|n| n >= 4), "{mode}: {m}");
+        let total = m["predicted_total_bytes"].as_u64().unwrap();
+        assert!(total > m["predicted_bytes"].as_u64().unwrap(), "{mode}: parameters count too: {m}");
+    }
+    assert_eq!(json["none"]["predicted_bytes"], Value::from(0));
+    assert!(json["enabled"]["predicted_bytes"].as_u64().unwrap() > 0);
+    let table = text(&run(&["--epochs", "1"]).stdout);
+    assert!(table.contains("predicted before step 1 (dry run)"), "{table}");
+}

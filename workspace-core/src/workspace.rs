@@ -134,7 +134,12 @@ impl Workspace {
 
     /// A workspace, shape-only or not (see [`Workspace::is_shape_only`]).
     pub(crate) fn create(name: &str, config: WorkspaceConfig, mode: DebugMode, shape_only: bool) -> Result<Workspace> {
-        let backend = HostBackend::for_location(config.location());
+        let backend = match shape_only {
+            // Where memory comes from (no first-cycle reservation, no prefaulting): the
+            // accounting is the configuration's.
+            true if matches!(config.location(), crate::Location::Ram) => HostBackend::ShapeOnly,
+            _ => HostBackend::for_location(config.location()),
+        };
         let shell = Shell::new(name, config, backend, ())?;
         let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only };
         ws.set_debug_mode(mode)?;

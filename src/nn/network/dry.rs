@@ -242,6 +242,9 @@ pub(super) struct Shadow {
     pub(super) infer: LayerWorkspaceMgr,
     /// The passes run so far.
     seen: Vec<DryPass>,
+    /// Whether every workspace a training step (`[0]`) or an inference (`[1]`) uses
+    /// has learned its size (once true, it stays: learning does not start again).
+    learned: [bool; 2],
 }
 
 impl Shadow {
@@ -252,27 +255,32 @@ impl Shadow {
             train: training_mgrs_in(on(training), Some(&registry))?,
             infer: inference_mgr_in(on(inference), Some(&registry))?,
             seen: Vec::new(),
+            learned: [false; 2],
         })
     }
 
-    /// Every workspace of the shadow, each once.
-    fn workspaces(&self) -> Vec<Rc<Workspace>> {
-        let mut all: Vec<Rc<Workspace>> = Vec::new();
-        for ws in training_workspaces(&self.train).chain(self.infer.workspaces()) {
-            if !all.iter().any(|w| w.id() == ws.id()) {
-                all.push(ws.clone());
-            }
+    /// Whether every workspace that `pass` uses, and that has allocated, has learned its
+    /// size (a cycle that allocates nothing teaches nothing).
+    fn learned(&mut self, pass: DryPass) -> bool {
+        let kind = usize::from(matches!(pass, DryPass::Infer(_)));
+        if !self.learned[kind] {
+            let learned = |ws: &Rc<Workspace>| {
+                let stats = ws.stats();
+                ws.config().learning() == LearningPolicy::None
+                    || stats.learned_size.is_some()
+                    || stats.bytes_spilled == 0
+            };
+            self.learned[kind] = match kind {
+                0 => training_workspaces(&self.train).all(learned),
+                _ => self.infer.workspaces().all(learned),
+            };
         }
-        all
+        self.learned[kind]
     }
 
-    /// Whether every workspace that has allocated has learned its size (a cycle that
-    /// allocates nothing teaches nothing).
-    fn learned(&self) -> bool {
-        self.workspaces().iter().all(|ws| {
-            let stats = ws.stats();
-            ws.config().learning() == LearningPolicy::None || stats.learned_size.is_some() || stats.bytes_spilled == 0
-        })
+    /// Whether every workspace of the shadow has learned its size.
+    fn all_learned(&mut self, passes: &[DryPass]) -> bool {
+        passes.iter().all(|&pass| self.learned(pass))
     }
 }
 
@@ -401,23 +409,24 @@ impl Network {
         let mut distinct: Vec<DryPass> = Vec::new();
         let mut run = 0;
         for &pass in passes {
-            let shadow = self.dry_run.as_deref().expect("made above");
+            let shadow = self.dry_run.as_deref_mut().expect("made above");
             if !distinct.contains(&pass) {
                 distinct.push(pass);
-            } else if shadow.learned() && shadow.seen.contains(&pass) {
+            } else if shadow.seen.contains(&pass) && shadow.learned(pass) {
+                // Its workspaces learned from it already: it cannot outgrow them.
                 continue;
             }
-            self.dry_pass(pass)?;
+            self.dry_pass(pass, false)?;
             run += 1;
         }
         // A run of many passes: its passes again, in order, until every workspace
         // learned (each round runs at least one more cycle of each workspace they use).
         for _ in 0..LEARNING_ROUNDS {
-            if self.dry_run.as_deref().is_none_or(Shadow::learned) {
+            if self.dry_run.as_deref_mut().is_none_or(|shadow| shadow.all_learned(&distinct)) {
                 break;
             }
             for &pass in &distinct {
-                self.dry_pass(pass)?;
+                self.dry_pass(pass, false)?;
                 run += 1;
             }
         }
@@ -425,7 +434,7 @@ impl Network {
         // figures (a pass seen before cannot outgrow what the workspaces learned).
         let mut figures = Vec::with_capacity(distinct.len());
         for &pass in &distinct {
-            figures.push(self.dry_pass(pass)?);
+            figures.push(self.dry_pass(pass, true)?);
             run += 1;
         }
         let shadow = self.dry_run.as_deref().expect("made above");
@@ -460,8 +469,10 @@ impl Network {
         params.saturating_mul(per * size_of::<f32>())
     }
 
-    /// One dry pass, and its figures.
-    fn dry_pass(&mut self, pass: DryPass) -> Result<PassEstimate> {
+    /// One dry pass, and its figures (recorded and planned only when `figures`: the
+    /// passes that only teach the workspaces their sizes skip it; their other figures
+    /// are of a pass whose workspaces may still learn).
+    fn dry_pass(&mut self, pass: DryPass, figures: bool) -> Result<PassEstimate> {
         let (shape, training) = match pass {
             DryPass::Train(shape) => (shape, true),
             DryPass::Infer(shape) => (shape, false),
@@ -485,6 +496,10 @@ impl Network {
                     lower_bound_bytes: stats.lower_bound_bytes,
                     allocations: stats.allocations,
                 }
+            }
+            None if !figures => {
+                self.dry_pass_once(&batch, training)?;
+                PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 }
             }
             None => {
                 let trace = Arc::new(Mutex::new(Trace::new()));

@@ -304,6 +304,13 @@ pub enum HostBackend {
     MmapFile(MappedFile),
     /// An anonymous mapping.
     MmapAnonymous,
+    /// Host RAM for a dry run's shape-only workspaces
+    /// ([`Workspace::is_shape_only`](crate::Workspace::is_shape_only)): RAM's arenas and
+    /// spill blocks, without RAM's first-cycle reservation (a mapping and its page
+    /// faults per cycle while a workspace learns) and without prefaulting a learned
+    /// arena. Where memory comes from only: the accounting, learning and planning are
+    /// RAM's.
+    ShapeOnly,
 }
 
 impl HostBackend {
@@ -351,6 +358,7 @@ unsafe impl ArenaBackend for HostBackend {
     fn kind(&self) -> &'static str {
         match self {
             HostBackend::Ram => "ram",
+            HostBackend::ShapeOnly => "shape-only",
             HostBackend::MmapFile(_) => "mmap-file",
             HostBackend::MmapAnonymous => "mmap-anon",
         }
@@ -366,7 +374,7 @@ unsafe impl ArenaBackend for HostBackend {
 
     fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<HostBlock, BackendError> {
         match self {
-            HostBackend::Ram => HostBlock::ram_arena(bytes, align),
+            HostBackend::Ram | HostBackend::ShapeOnly => HostBlock::ram_arena(bytes, align),
             HostBackend::MmapFile(file) => {
                 if align > PAGE {
                     // The file's contents start at the mapping's (page-aligned) start.

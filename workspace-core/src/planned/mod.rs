@@ -138,7 +138,11 @@ impl PlanGroup {
     /// ([`Workspace::is_shape_only`](crate::Workspace::is_shape_only)): for a dry run
     /// of a planned iteration, which records, plans and replays as the real group would.
     pub fn shape_only(name: &str, plans: usize) -> PlanGroup {
-        PlanGroup { shape_only: true, ..PlanGroup::with_plans(name, plans) }
+        PlanGroup {
+            shared: Arc::new(GroupShared::new(name, HostBackend::ShapeOnly, plans)),
+            members: Rc::new(RefCell::new(Vec::new())),
+            shape_only: true,
+        }
     }
 
     /// Whether its members are shape-only (see [`PlanGroup::shape_only`]).
