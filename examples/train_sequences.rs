@@ -42,8 +42,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use carve::alloc_check::{process_counts, reset_thread_peak, thread_counts, CountingAllocator, Threads};
-use carve::async_iter::{Prefetcher, Sequences, Threading, MAX_DEPTH};
-use carve::nn::{Input, Network, NetworkConfig, Updater};
+use carve::async_iter::{BatchSource, Prefetcher, Role, Sequences, Threading, MAX_DEPTH};
+use carve::nn::{BatchShape, DryPass, Input, MemoryEstimate, Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
 use clap::Parser;
 use ndarray::{Ix1, Ix2, Ix3};
@@ -196,17 +196,46 @@ struct Trace {
     shapes: BTreeSet<(usize, usize)>,
     max_steps: usize,
     ring_growths: u64,
+    /// The dry run's estimate, made before the first step.
+    estimate: Option<MemoryEstimate>,
+}
+
+/// The batches of `split`, shuffled from `seed` (and bucketed, with `--bucket`).
+fn source(split: &Split, args: &Args, seed: u64) -> Res<Sequences<f32, u32>> {
+    let source = Sequences::new(split.sequences.clone(), split.labels.clone(), args.batch_size)?.shuffled(seed);
+    Ok(if args.bucket > 0 { source.bucketed(args.bucket)? } else { source })
 }
 
 fn prefetcher(split: &Split, args: &Args, seed: u64, mode: WorkspaceMode) -> Res<Prefetcher<Sequences<f32, u32>>> {
-    let source = Sequences::new(split.sequences.clone(), split.labels.clone(), args.batch_size)?.shuffled(seed);
-    let source = if args.bucket > 0 { source.bucketed(args.bucket)? } else { source };
-    let builder = Prefetcher::builder(source).workspace_mode(mode);
+    let builder = Prefetcher::builder(source(split, args, seed)?).workspace_mode(mode);
     let builder = match args.prefetch_depth {
         0 => builder.threading(Threading::Shield),
         depth => builder.depth(depth),
     };
     Ok(builder.build()?)
+}
+
+/// The passes of the run, in order: per epoch, the training batches in the order the
+/// training prefetcher gives them, then the test set's as its evaluation does (each
+/// batch padded to its longest sequence, masked). What the dry run sizes the network
+/// from; the sources' layouts give the shapes without filling any batch.
+fn run_passes(args: &Args, train_split: &Split, test: &Split) -> Res<Vec<DryPass>> {
+    let (mut train, mut evaluation) = (source(train_split, args, args.seed)?, source(test, args, 0)?);
+    let mut passes = Vec::new();
+    for _ in 0..args.epochs {
+        for (batches, training) in [(&mut train, true), (&mut evaluation, false)] {
+            let mut index = 0;
+            while let Some(layout) = batches.next_layout(index).map_err(|e| e.to_string())? {
+                let shape = layout.spec(Role::Features).map(|spec| spec.shape().to_vec()).unwrap_or_default();
+                let shape =
+                    BatchShape::sequences(shape.first().copied().unwrap_or(0), shape.get(1).copied().unwrap_or(0));
+                passes.push(if training { DryPass::Train(shape) } else { DryPass::Infer(shape) });
+                index += 1;
+            }
+            batches.reset().map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(passes)
 }
 
 /// The LSTM classifier of the flags.
@@ -335,9 +364,11 @@ fn train(
     save: Option<&std::path::Path>,
 ) -> Res<Trace> {
     let mut net = network(args, mode)?;
+    // The run's memory, known before its first step.
+    let estimate = net.dry_run(&run_passes(args, train_split, test)?)?;
     let mut batches = prefetcher(train_split, args, args.seed, mode)?;
     let mut test_batches = prefetcher(test, args, 0, mode)?;
-    let mut trace = Trace::default();
+    let mut trace = Trace { estimate: Some(estimate), ..Trace::default() };
     for epoch in 1..=args.epochs {
         // This example's main thread is the training thread: every other thread is the
         // prefetcher's producer.
@@ -513,6 +544,15 @@ fn run(args: &Args) -> Res<()> {
                 Some(steady.iter().sum::<u64>() as f64 / steady.len() as f64)
             },
             "workspace_bytes": t.workspace_bytes.iter().copied().max(),
+            // The dry run's, before the first step: the most bytes a step takes, its
+            // first steps included (to compare with workspace_bytes), the arenas after the
+            // run (with workspace_capacity).
+            "predicted_bytes": t.estimate.as_ref().map(|e| e.peak_step_bytes),
+            "predicted_steady_bytes": t.estimate.as_ref().map(MemoryEstimate::step_bytes),
+            "predicted_capacity": t.estimate.as_ref().map(|e| e.workspace_bytes),
+            "predicted_total_bytes": t.estimate.as_ref().map(MemoryEstimate::total_bytes),
+            "dry_run_us": t.estimate.as_ref().map(|e| e.dry_run_us),
+            "dry_run_passes": t.estimate.as_ref().map(|e| e.passes_run),
             // The producer restarts once per epoch (a constant), and allocates nothing
             // per batch: compare with the batches per epoch.
             "steady_state_producer_allocs_per_epoch_max": t.producer_allocs.iter().skip(1).copied().max(),

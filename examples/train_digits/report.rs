@@ -122,6 +122,7 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         // steady_state_workspace_bytes_in_use).
         "predicted_bytes": s.estimate.workspace_bytes,
         "predicted_step_bytes": s.estimate.step_bytes(),
+        "predicted_bytes_in_use": s.estimate.peak_step_bytes,
         "predicted_total_bytes": s.estimate.total_bytes(),
         "dry_run_us": s.estimate.dry_run_us,
         "dry_run_passes": s.estimate.passes_run,

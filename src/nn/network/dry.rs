@@ -130,6 +130,12 @@ pub struct MemoryEstimate {
     pub parameter_bytes: usize,
     /// Each arena, largest first: a workspace's (by name) or a plan group's.
     pub arenas: Vec<(String, usize)>,
+    /// The most workspace bytes any training step of the run reports
+    /// ([`Network::last_iteration_workspace_bytes`]), its first steps included: while
+    /// the workspaces learn their sizes (enabled) or a shape is recorded for its plan
+    /// (planned) a step may take more than in the steady state
+    /// ([`MemoryEstimate::step_bytes`]).
+    pub peak_step_bytes: usize,
     /// Dry passes run (a pass seen before is run again only while workspaces still
     /// learn their sizes).
     pub passes_run: usize,
@@ -228,11 +234,6 @@ impl fmt::Display for Shortfall {
 
 impl std::error::Error for Shortfall {}
 
-/// The most rounds of a dry run's passes run again for workspaces to learn their sizes
-/// (a workspace learns from at most 16 cycles that allocate, and every round runs at
-/// least one).
-const LEARNING_ROUNDS: usize = 16;
-
 /// The shape-only workspaces a network's dry runs use: a registry of their own and the
 /// network's managers over it, with the same names, configurations and modes as the
 /// network's (workspaces off: enabled ones, so that the figures of each pass are known
@@ -245,6 +246,8 @@ pub(super) struct Shadow {
     /// Whether every workspace a training step (`[0]`) or an inference (`[1]`) uses
     /// has learned its size (once true, it stays: learning does not start again).
     learned: [bool; 2],
+    /// The most bytes a dry training step would have reported as the real one does.
+    peak_step_bytes: usize,
 }
 
 impl Shadow {
@@ -256,6 +259,7 @@ impl Shadow {
             infer: inference_mgr_in(on(inference), Some(&registry))?,
             seen: Vec::new(),
             learned: [false; 2],
+            peak_step_bytes: 0,
         })
     }
 
@@ -281,6 +285,17 @@ impl Shadow {
     /// Whether every workspace of the shadow has learned its size.
     fn all_learned(&mut self, passes: &[DryPass]) -> bool {
         passes.iter().all(|&pass| self.learned(pass))
+    }
+
+    /// Every workspace of the shadow, each once.
+    fn workspaces(&self) -> Vec<Rc<Workspace>> {
+        let mut all: Vec<Rc<Workspace>> = Vec::new();
+        for ws in training_workspaces(&self.train).chain(self.infer.workspaces()) {
+            if !all.iter().any(|w| w.id() == ws.id()) {
+                all.push(ws.clone());
+            }
+        }
+        all
     }
 }
 
@@ -366,10 +381,11 @@ impl Network {
     ///
     /// Workspaces learn their sizes from their first cycles (16 that allocate), so the
     /// order matters: a pass seen before is run again only while some workspace still
-    /// learns, and after the passes given, they are run again (in order) until every
-    /// workspace has learned, as a run of many passes would. The estimate is of that
-    /// run: a run shorter than the learning (16 steps, 16 inferences) holds less. Each
-    /// dry run continues the last: call [`Network::reset_dry_run`] to start afresh.
+    /// learns. After the passes given, the workspaces still learning end their learning
+    /// as a run that repeats these passes would (the repeats teach them nothing
+    /// larger): the estimate is of a run past learning; a run shorter than that (16
+    /// steps, 16 inferences) may hold less. Each dry run continues the last: call
+    /// [`Network::reset_dry_run`] to start afresh.
     ///
     /// ```
     /// use carve::nn::{BatchShape, DryPass, Network, NetworkConfig};
@@ -419,16 +435,15 @@ impl Network {
             self.dry_pass(pass, false)?;
             run += 1;
         }
-        // A run of many passes: its passes again, in order, until every workspace
-        // learned (each round runs at least one more cycle of each workspace they use).
-        for _ in 0..LEARNING_ROUNDS {
-            if self.dry_run.as_deref_mut().is_none_or(|shadow| shadow.all_learned(&distinct)) {
-                break;
+        // A run of many passes repeats these: its workspaces end learning with the
+        // largest cycle seen, every pass having run (repeats would teach them nothing
+        // larger), so learning ends here without running them.
+        let shadow = self.dry_run.as_deref_mut().expect("made above");
+        if !shadow.all_learned(&distinct) {
+            for ws in shadow.workspaces() {
+                ws.finish_learning()?;
             }
-            for &pass in &distinct {
-                self.dry_pass(pass, false)?;
-                run += 1;
-            }
+            shadow.learned = [false; 2];
         }
         // Each distinct pass once more, in the steady state the run then reaches: its
         // figures (a pass seen before cannot outgrow what the workspaces learned).
@@ -448,6 +463,7 @@ impl Network {
             inference_workspace_bytes,
             parameter_bytes: self.parameter_bytes(),
             arenas,
+            peak_step_bytes: if off { 0 } else { shadow.peak_step_bytes },
             passes_run: run,
             dry_run_us: started.elapsed().as_secs_f64() * 1e6,
         })
@@ -485,7 +501,16 @@ impl Network {
             Some(group) => {
                 let key = shape_key(&batch.input(), training.then(|| batch.labels()).as_ref());
                 for _ in 0..2 {
-                    group.iteration(key, || self.dry_pass_once(&batch, training))?;
+                    let ((), on_plan) = group.iteration(key, || self.dry_pass_once(&batch, training))?;
+                    if training {
+                        // As the real step reports it: on its plan, the plan's bytes.
+                        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
+                        let bytes = match on_plan {
+                            true => group.plan_bytes(),
+                            false => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
+                        };
+                        shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
+                    }
                 }
                 let stats = group.stats();
                 PassEstimate {
@@ -499,6 +524,7 @@ impl Network {
             }
             None if !figures => {
                 self.dry_pass_once(&batch, training)?;
+                self.note_step_bytes(training);
                 PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 }
             }
             None => {
@@ -516,13 +542,16 @@ impl Network {
                     ws.record_into(None)?;
                 }
                 result?;
+                self.note_step_bytes(training);
                 let shadow = self.dry_run.as_deref().expect("made by dry_run");
                 let bytes = match training {
                     true => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
                     false => shadow.infer.peak_bytes(),
                 };
                 let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let stats = Plan::new(&trace).stats("dry run");
+                // Planned as a plan group plans: each run of allocations that live and die
+                // together as one (the same bytes and bound, in less time).
+                let stats = Plan::new(&trace.runs()).stats("dry run");
                 let off = match training {
                     true => self.training_mode == WorkspaceMode::None,
                     false => self.inference_mode == WorkspaceMode::None,
@@ -542,6 +571,16 @@ impl Network {
             shadow.seen.push(pass);
         }
         Ok(figures)
+    }
+
+    /// After an unplanned dry pass: a training step's bytes, as the real step reports
+    /// them, into the peak.
+    fn note_step_bytes(&mut self, training: bool) {
+        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
+        if training {
+            let bytes = sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes());
+            shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
+        }
     }
 
     /// One dry training step or inference of `batch`.
