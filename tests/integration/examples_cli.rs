@@ -159,6 +159,15 @@ fn train_sequences_compares_the_modes_on_variable_length_batches_in_json() {
     // one does without.
     assert_eq!(json["enabled"]["steady_state_allocs_max"].as_u64(), Some(0), "{json}");
     assert!(json["none"]["steady_state_allocs_max"].as_u64().is_some_and(|n| n > 0), "{json}");
+    // The dry run before the first step predicts every mode's bytes to the byte: the
+    // most a step took, and the arenas at the end.
+    for mode in ["enabled", "planned", "none"] {
+        let m = &json[mode];
+        assert_eq!(m["predicted_bytes"], m["workspace_bytes"], "{mode}: {m}");
+        assert_eq!(m["predicted_capacity"], m["workspace_capacity"], "{mode}: {m}");
+        assert!(m["dry_run_us"].as_f64().is_some_and(|us| us > 0.0), "{mode}: {m}");
+    }
+    assert!(json["enabled"]["predicted_bytes"].as_u64().is_some_and(|b| b > 0), "{json}");
 }
 
 #[test]

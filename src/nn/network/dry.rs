@@ -299,6 +299,15 @@ impl Shadow {
     }
 }
 
+/// A distinct pass of a dry run: how often the run made it so far, whether the run has
+/// a steady repeat of it (one that mirrors nothing new), and its figures when known.
+struct Distinct {
+    pass: DryPass,
+    count: usize,
+    steady_repeat: bool,
+    figures: Option<PassEstimate>,
+}
+
 /// The arrays of a dry pass's batch: zeros of the shape (a mask of ones), allocated
 /// zeroed, so that the pages of a large batch are not touched.
 struct DryBatch {
@@ -420,37 +429,66 @@ impl Network {
         if self.dry_run.is_none() {
             self.dry_run = Some(Box::new(Shadow::new(self.training_mode, self.inference_mode)?));
         }
-        // The passes in order, as the run makes them: a pass seen before only while
-        // some workspace still learns its size.
-        let mut distinct: Vec<DryPass> = Vec::new();
+        // The passes in order, mirroring the run: each pass the run makes while its
+        // workspaces still learn their sizes (enabled), and the first two of each shape
+        // (planned: the recording, and the first replay, which sizes the arena for its
+        // plan). The other passes are steady repeats, which change nothing.
+        let mut distinct: Vec<Distinct> = Vec::new();
         let mut run = 0;
         for &pass in passes {
+            let i = match distinct.iter().position(|d| d.pass == pass) {
+                Some(i) => i,
+                None => {
+                    distinct.push(Distinct { pass, count: 0, steady_repeat: false, figures: None });
+                    distinct.len() - 1
+                }
+            };
+            distinct[i].count += 1;
+            let planned = self.dry_mgr(pass).plan_group().is_some();
             let shadow = self.dry_run.as_deref_mut().expect("made above");
-            if !distinct.contains(&pass) {
-                distinct.push(pass);
-            } else if shadow.seen.contains(&pass) && shadow.learned(pass) {
-                // Its workspaces learned from it already: it cannot outgrow them.
+            let mirrored = match planned {
+                true => distinct[i].count <= 2,
+                false => distinct[i].count == 1 || !shadow.learned(pass),
+            };
+            if !mirrored {
+                distinct[i].steady_repeat = true;
                 continue;
             }
-            self.dry_pass(pass, false)?;
+            let figures = self.dry_pass(pass, planned && distinct[i].count == 1)?;
+            if planned && distinct[i].count == 1 {
+                distinct[i].figures = Some(figures);
+            }
             run += 1;
         }
         // A run of many passes repeats these: its workspaces end learning with the
         // largest cycle seen, every pass having run (repeats would teach them nothing
         // larger), so learning ends here without running them.
         let shadow = self.dry_run.as_deref_mut().expect("made above");
-        if !shadow.all_learned(&distinct) {
+        let all: Vec<DryPass> = distinct.iter().map(|d| d.pass).collect();
+        if !shadow.all_learned(&all) {
             for ws in shadow.workspaces() {
                 ws.finish_learning()?;
             }
             shadow.learned = [false; 2];
         }
-        // Each distinct pass once more, in the steady state the run then reaches: its
-        // figures (a pass seen before cannot outgrow what the workspaces learned).
+        // The figures of each distinct pass in the steady state: planned, its plan's (from
+        // its recording); otherwise a pass once more, as its steady repeats run (which
+        // count in the peak when the run has one).
         let mut figures = Vec::with_capacity(distinct.len());
-        for &pass in &distinct {
-            figures.push(self.dry_pass(pass, true)?);
-            run += 1;
+        for d in &mut distinct {
+            let estimate = match d.figures.take() {
+                Some(estimate) => estimate,
+                None => {
+                    run += 1;
+                    let estimate = self.dry_pass(d.pass, true)?;
+                    if d.steady_repeat && matches!(d.pass, DryPass::Train(_)) {
+                        let shadow = self.dry_run.as_deref_mut().expect("made above");
+                        shadow.peak_step_bytes = shadow.peak_step_bytes.max(estimate.bytes);
+                    }
+                    estimate
+                }
+            };
+            figures.push(estimate);
         }
         let shadow = self.dry_run.as_deref().expect("made above");
         let off = self.training_mode == WorkspaceMode::None;
@@ -485,47 +523,59 @@ impl Network {
         params.saturating_mul(per * size_of::<f32>())
     }
 
-    /// One dry pass, and its figures (recorded and planned only when `figures`: the
-    /// passes that only teach the workspaces their sizes skip it; their other figures
-    /// are of a pass whose workspaces may still learn).
+    /// The shadow manager a pass runs in.
+    fn dry_mgr(&self, pass: DryPass) -> &LayerWorkspaceMgr {
+        let shadow = self.dry_run.as_deref().expect("made by dry_run");
+        match pass {
+            DryPass::Train(_) => &shadow.train[0],
+            DryPass::Infer(_) => &shadow.infer,
+        }
+    }
+
+    /// One dry pass, mirroring a pass of the run (a training step's bytes, as the real
+    /// step reports them, go into the peak), and its figures when `figures`: planned,
+    /// its plan's (made at the end of a recording); otherwise recorded and planned here
+    /// (the passes that only mirror the run skip that).
     fn dry_pass(&mut self, pass: DryPass, figures: bool) -> Result<PassEstimate> {
         let (shape, training) = match pass {
             DryPass::Train(shape) => (shape, true),
             DryPass::Infer(shape) => (shape, false),
         };
         let batch = DryBatch::new(shape, self.inputs)?;
-        let shadow = self.dry_run.as_deref().expect("made by dry_run");
-        let mgr = if training { &shadow.train[0] } else { &shadow.infer };
-        let figures = match mgr.plan_group().cloned() {
-            // Planned: recorded the first time (and planned), then replayed on its plan.
+        let nothing =
+            PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 };
+        let estimate = match self.dry_mgr(pass).plan_group().cloned() {
             Some(group) => {
                 let key = shape_key(&batch.input(), training.then(|| batch.labels()).as_ref());
-                for _ in 0..2 {
-                    let ((), on_plan) = group.iteration(key, || self.dry_pass_once(&batch, training))?;
-                    if training {
-                        // As the real step reports it: on its plan, the plan's bytes.
-                        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
-                        let bytes = match on_plan {
-                            true => group.plan_bytes(),
-                            false => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
-                        };
-                        shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
-                    }
+                let ((), on_plan) = group.iteration(key, || self.dry_pass_once(&batch, training))?;
+                if training {
+                    // As the real step reports it: on its plan, the plan's bytes.
+                    let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
+                    let bytes = match on_plan {
+                        true => group.plan_bytes(),
+                        false => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
+                    };
+                    shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
                 }
-                let stats = group.stats();
-                PassEstimate {
-                    pass,
-                    bytes: stats.plan_bytes,
-                    per_role_bytes: stats.per_role_bytes,
-                    plan_bytes: stats.plan_bytes,
-                    lower_bound_bytes: stats.lower_bound_bytes,
-                    allocations: stats.allocations,
+                match figures {
+                    false => nothing,
+                    true => {
+                        let stats = group.stats();
+                        PassEstimate {
+                            pass,
+                            bytes: stats.plan_bytes,
+                            per_role_bytes: stats.per_role_bytes,
+                            plan_bytes: stats.plan_bytes,
+                            lower_bound_bytes: stats.lower_bound_bytes,
+                            allocations: stats.allocations,
+                        }
+                    }
                 }
             }
             None if !figures => {
                 self.dry_pass_once(&batch, training)?;
                 self.note_step_bytes(training);
-                PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 }
+                nothing
             }
             None => {
                 let trace = Arc::new(Mutex::new(Trace::new()));
@@ -542,7 +592,6 @@ impl Network {
                     ws.record_into(None)?;
                 }
                 result?;
-                self.note_step_bytes(training);
                 let shadow = self.dry_run.as_deref().expect("made by dry_run");
                 let bytes = match training {
                     true => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
@@ -570,7 +619,7 @@ impl Network {
         if !shadow.seen.contains(&pass) {
             shadow.seen.push(pass);
         }
-        Ok(figures)
+        Ok(estimate)
     }
 
     /// After an unplanned dry pass: a training step's bytes, as the real step reports
