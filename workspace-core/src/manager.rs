@@ -295,9 +295,14 @@ fn human(bytes: usize) -> String {
     }
 }
 
-/// Formats statistics as an aligned text table, one row per workspace.
+/// Formats statistics as an aligned text table, one row per workspace. When any of
+/// them is a member of a plan group ([`WorkspaceStats::planned`]), five columns more
+/// give its group's plan figures: the bytes of the current plan, its lower bound, the
+/// same iteration laid out per role, re-plans and divergences ("-" for the others).
 pub fn stats_table(stats: &[WorkspaceStats]) -> String {
     const COLUMNS: usize = 12;
+    const PLANNED: [&str; 5] = ["plan", "bound", "per role", "replans", "diverged"];
+    let planned = stats.iter().any(|s| s.planned.is_some());
     let header: [&str; COLUMNS] = [
         "workspace",
         "backend",
@@ -312,10 +317,10 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
         "growths",
         "late spills",
     ];
-    let rows: Vec<[String; COLUMNS]> = stats
+    let rows: Vec<Vec<String>> = stats
         .iter()
         .map(|s| {
-            [
+            let mut row = vec![
                 s.name.clone(),
                 s.backend.to_string(),
                 human(s.capacity),
@@ -328,10 +333,24 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
                 s.generation.to_string(),
                 s.growth_events.to_string(),
                 s.cycles_spilled_after_learning.to_string(),
-            ]
+            ];
+            if planned {
+                match &s.planned {
+                    Some(p) => row.extend([
+                        human(p.plan_bytes),
+                        human(p.lower_bound_bytes),
+                        human(p.per_role_bytes),
+                        p.replans.to_string(),
+                        p.divergences.to_string(),
+                    ]),
+                    None => row.extend(PLANNED.map(|_| "-".to_string())),
+                }
+            }
+            row
         })
         .collect();
-    let mut widths = header.map(str::len);
+    let header: Vec<&str> = header.iter().chain(planned.then_some(&PLANNED).into_iter().flatten()).copied().collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
             *width = (*width).max(cell.chars().count());
@@ -339,7 +358,7 @@ pub fn stats_table(stats: &[WorkspaceStats]) -> String {
     }
     let mut out = String::new();
     let line = |out: &mut String, cells: &[&str]| {
-        for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
+        for (i, (cell, &width)) in cells.iter().zip(&widths).enumerate() {
             if i == 0 {
                 let _ = write!(out, "{cell:<width$}");
             } else {

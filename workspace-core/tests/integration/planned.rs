@@ -666,3 +666,49 @@ fn members_give_the_outcomes_of_unplanned_workspaces_recorded_replayed_and_diver
     // Every phase was exercised.
     assert!(planned > 0 && diverged > 0 && recorded > 0, "{planned} {diverged} {recorded}");
 }
+
+/// The stats table shows a plan group's figures on each member's row (the plan, its
+/// bound, the iteration per role, re-plans and divergences), "-" on a workspace of no
+/// group, and no such columns when no workspace is planned.
+#[test]
+fn the_stats_table_gives_each_member_its_groups_plan_figures() {
+    let group = PlanGroup::new("G");
+    let act = group.workspace("ACT", &config()).unwrap();
+    let work = group.workspace("WORK", &config()).unwrap();
+    let alone = Workspace::new("ALONE", WorkspaceConfig::default()).unwrap();
+    for i in 0..4 {
+        group.start_iteration(1).unwrap();
+        {
+            let a = act.enter().unwrap();
+            a.zeros::<f32, _>(1000).unwrap();
+            let w = work.enter().unwrap();
+            // The last iteration leaves its plan: a larger allocation than recorded.
+            w.zeros::<f32, _>(if i == 3 { 9000 } else { 5000 }).unwrap();
+        }
+        group.finish_iteration().unwrap();
+        drop(alone.enter().unwrap());
+    }
+    let stats = group.stats();
+    assert_eq!((stats.plans, stats.divergences), (1, 1));
+    let table = workspace_core::stats_table(&[act.stats(), work.stats(), alone.stats()]);
+    let lines: Vec<&str> = table.lines().collect();
+    for column in ["plan", "bound", "per role", "replans", "diverged"] {
+        assert!(lines[0].contains(column), "{column}: {table}");
+    }
+    let cells =
+        |line: &str| line.split("  ").map(str::trim).filter(|c| !c.is_empty()).map(String::from).collect::<Vec<_>>();
+    let human = |bytes: usize| format!("{:.1} KiB", bytes as f64 / 1024.0);
+    for member in [&lines[2], &lines[3]] {
+        let row = cells(member);
+        let tail = &row[row.len() - 5..];
+        assert_eq!(tail[0], human(stats.plan_bytes), "{table}");
+        assert_eq!(tail[1], human(stats.lower_bound_bytes), "{table}");
+        assert_eq!(tail[2], human(stats.per_role_bytes), "{table}");
+        assert_eq!((tail[3].as_str(), tail[4].as_str()), ("0", "1"), "{table}");
+    }
+    let row = cells(lines[4]);
+    assert!(row[0] == "ALONE" && row[row.len() - 5..].iter().all(|c| c == "-"), "{table}");
+    // No member: the table as before, without the plan columns.
+    let plain = workspace_core::stats_table(&[alone.stats()]);
+    assert!(!plain.contains("per role") && plain.contains("late spills"), "{plain}");
+}
