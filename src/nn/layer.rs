@@ -314,6 +314,12 @@ pub trait Layer {
 
     /// The forward pass: returns the output, allocated in `ctx.activations`.
     ///
+    /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) the scopes are
+    /// shape-only (`ctx.working.is_shape_only()`): a layer then allocates exactly as it
+    /// would and may skip its arithmetic, as carve's layers do (the same holds for the
+    /// backward pass). One that computes anyway works on zeros and changes its own
+    /// state as a pass would.
+    ///
     /// # Errors
     ///
     /// Workspace errors (allocation, a misplaced array).

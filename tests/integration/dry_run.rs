@@ -134,7 +134,11 @@ fn check_prediction(mut net: Network, inputs: usize, run: &[DryPass], what: &str
         assert!(predicted.lower_bound_bytes <= predicted.plan_bytes, "{what}: {predicted:?}");
         assert!(predicted.plan_bytes <= predicted.per_role_bytes, "{what}: {predicted:?}");
         assert!(predicted.allocations > 0, "{what}: {predicted:?}");
-        if mode == WorkspaceMode::None {
+        let off = match predicted.pass {
+            DryPass::Train(_) => mode == WorkspaceMode::None,
+            DryPass::Infer(_) => net.inference_workspace_mode() == WorkspaceMode::None,
+        };
+        if off {
             assert_eq!(predicted.bytes, 0, "{what}: no workspace bytes with workspaces off");
         }
     }
@@ -169,6 +173,43 @@ fn the_demo_mlp_takes_what_its_dry_run_predicts_in_every_mode() {
     for mode in MODES {
         check_prediction(mlp(mode, 64, &[128, 64]), 64, &demo_run(), "64-128-64-10");
     }
+}
+
+/// Training and inference in different modes: a mode without workspaces shares none
+/// with the other, in the dry run as in the real run.
+#[test]
+fn mixed_modes_take_what_their_dry_run_predicts() {
+    let pairs = [
+        (WorkspaceMode::Enabled, WorkspaceMode::None),
+        (WorkspaceMode::None, WorkspaceMode::Enabled),
+        (WorkspaceMode::Planned, WorkspaceMode::Enabled),
+        (WorkspaceMode::Enabled, WorkspaceMode::Planned),
+    ];
+    // Each on a thread of its own: enabled workspaces are the thread's, and an earlier
+    // network's would keep what it taught them.
+    for (training, inference) in pairs {
+        std::thread::spawn(move || mixed(training, inference)).join().unwrap();
+    }
+}
+
+fn mixed(training: WorkspaceMode, inference: WorkspaceMode) {
+    let config = NetworkConfig::builder(64)
+        .dense(48)
+        .relu()
+        .dense(10)
+        .seed(3)
+        .training_workspace_mode(training)
+        .inference_workspace_mode(inference)
+        .build()
+        .unwrap();
+    // Evaluation batches larger than the training ones: were they counted in the
+    // training workspaces' learning, the prediction would be too large.
+    let mut run = Vec::new();
+    for _ in 0..3 {
+        run.extend(std::iter::repeat_n(DryPass::Train(BatchShape::flat(8)), 6));
+        run.extend(std::iter::repeat_n(DryPass::Infer(BatchShape::flat(200)), 6));
+    }
+    check_prediction(Network::new(config).unwrap(), 64, &run, &format!("{training:?}/{inference:?}"));
 }
 
 #[test]
@@ -263,10 +304,22 @@ fn bad_dry_runs_are_errors_that_say_why() {
     assert!(zero.to_string().contains("at least one row"), "{zero}");
     let huge = net.dry_run(&[DryPass::Train(BatchShape::flat(usize::MAX / 8))]).unwrap_err();
     assert!(huge.to_string().contains("overflows the address space"), "{huge}");
-    // A shape the layers refuse is the error a real step of it would be.
+    // 16 TiB of features: refused as an error, not an abort.
+    let vast = net.dry_run(&[DryPass::Train(BatchShape::flat(1 << 36))]).unwrap_err();
+    assert!(vast.to_string().contains("cannot be allocated"), "{vast}");
+    // A shape the layers refuse is the error a real step of it would be; the failed
+    // pass teaches the next dry run nothing (it starts afresh).
     let mut recurrent = lstm(WorkspaceMode::Enabled);
     let flat = recurrent.dry_run(&[DryPass::Train(BatchShape::flat(4))]).unwrap_err();
     assert!(flat.to_string().contains("recurrent"), "{flat}");
+    let good = [DryPass::Train(BatchShape::sequences(4, 9))];
+    let after = recurrent.dry_run(&good).unwrap();
+    let fresh = lstm(WorkspaceMode::Enabled).dry_run(&good).unwrap();
+    assert_eq!((after.workspace_bytes, &after.passes), (fresh.workspace_bytes, &fresh.passes));
+    // Each dry run's peak is its own passes'.
+    let large = net.dry_run(&[DryPass::Train(BatchShape::flat(500))]).unwrap();
+    let small = net.dry_run(&[DryPass::Train(BatchShape::flat(5))]).unwrap();
+    assert!(small.peak_step_bytes < large.peak_step_bytes, "{small:?} after {large:?}");
     // The network is still usable.
     assert!(net.dry_run(&[DryPass::Infer(BatchShape::flat(3))]).is_ok());
 }

@@ -135,10 +135,11 @@ impl Workspace {
     /// A workspace, shape-only or not (see [`Workspace::is_shape_only`]).
     pub(crate) fn create(name: &str, config: WorkspaceConfig, mode: DebugMode, shape_only: bool) -> Result<Workspace> {
         let backend = match shape_only {
-            // Where memory comes from (no first-cycle reservation, no prefaulting): the
-            // accounting is the configuration's.
-            true if matches!(config.location(), crate::Location::Ram) => HostBackend::ShapeOnly,
-            _ => HostBackend::for_location(config.location()),
+            // Where memory comes from (RAM, without a first-cycle reservation or
+            // prefaulting; never a file the configuration names): the accounting is the
+            // configuration's.
+            true => HostBackend::ShapeOnly,
+            false => HostBackend::for_location(config.location()),
         };
         let shell = Shell::new(name, config, backend, ())?;
         let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only };

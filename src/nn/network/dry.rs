@@ -24,7 +24,9 @@ use super::{probabilities, shape_key, sum_over_training_workspaces, training_cap
 use super::{Input, Labels, Network};
 
 /// The shape of a batch for a dry run ([`Network::dry_run`]); its features are as wide
-/// as the network's inputs.
+/// as the network's inputs. The batch is taken as the prefetchers give it: in standard
+/// layout, its padded steps zero (a batch in another layout, or whose padding holds
+/// values, is copied into the activations workspace first, and takes that copy too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BatchShape {
     /// `rows` examples, a label each.
@@ -112,7 +114,7 @@ pub struct PassEstimate {
 }
 
 /// What a dry run ([`Network::dry_run`]) says a run of its passes will take.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct MemoryEstimate {
     /// The network's training workspace mode.
     pub training_mode: WorkspaceMode,
@@ -136,17 +138,35 @@ pub struct MemoryEstimate {
     /// (planned) a step may take more than in the steady state
     /// ([`MemoryEstimate::step_bytes`]).
     pub peak_step_bytes: usize,
-    /// Dry passes run (a pass seen before is run again only while workspaces still
-    /// learn their sizes).
+    /// Dry passes run: those of the run that its workspaces still learned from (or,
+    /// planned, the recording and the first replay of each shape), and one more per
+    /// distinct unplanned pass for its steady figures.
     pub passes_run: usize,
     /// How long the dry run took, in microseconds.
     pub dry_run_us: f64,
 }
 
 impl MemoryEstimate {
-    /// All the network will hold: parameters, training and inference arenas.
+    /// All the network will hold: parameters, training and inference arenas, and with
+    /// workspaces off the heap a pass holds at its peak (its lower bound: its arrays are
+    /// heap allocations, freed as they die).
     pub fn total_bytes(&self) -> usize {
-        self.parameter_bytes.saturating_add(self.workspace_bytes).saturating_add(self.inference_workspace_bytes)
+        let heap = |off: bool, training: bool| match off {
+            false => 0,
+            true => self
+                .passes
+                .iter()
+                .filter(|p| matches!(p.pass, DryPass::Train(_)) == training)
+                .map(|p| p.lower_bound_bytes)
+                .max()
+                .unwrap_or(0),
+        };
+        let heap = heap(self.training_mode == WorkspaceMode::None, true)
+            .max(heap(self.inference_mode == WorkspaceMode::None, false));
+        self.parameter_bytes
+            .saturating_add(self.workspace_bytes)
+            .saturating_add(self.inference_workspace_bytes)
+            .saturating_add(heap)
     }
 
     /// The most workspace bytes one training step uses (see [`PassEstimate::bytes`]).
@@ -179,6 +199,7 @@ impl MemoryEstimate {
                 inference_workspace_bytes: self.inference_workspace_bytes,
                 largest: self.arenas.iter().take(5).cloned().collect(),
                 lower_bound_bytes: self.passes.iter().map(|p| p.lower_bound_bytes).max().unwrap_or(0),
+                planned: self.training_mode == WorkspaceMode::Planned,
             }),
         }
     }
@@ -204,6 +225,8 @@ pub struct Shortfall {
     /// The most bytes any one pass holds live at once: what its workspaces could
     /// shrink to at best (planned workspaces come closest).
     pub lower_bound_bytes: usize,
+    /// Whether the network trains planned already.
+    pub planned: bool,
 }
 
 impl fmt::Display for Shortfall {
@@ -223,12 +246,15 @@ impl fmt::Display for Shortfall {
             let largest: Vec<String> = self.largest.iter().map(|(name, bytes)| format!("'{name}' {bytes}")).collect();
             write!(f, "; largest arenas: {}", largest.join(", "))?;
         }
-        write!(
-            f,
-            "); a pass holds at most {} bytes live at once, which planned workspaces come closest to: try \
-             WorkspaceMode::Planned, a smaller batch, or a larger budget",
-            self.lower_bound_bytes
-        )
+        write!(f, "); a pass holds at most {} bytes live at once", self.lower_bound_bytes)?;
+        match self.planned {
+            true => write!(f, ", which its planned workspaces come close to: try a smaller batch or a larger budget"),
+            false => write!(
+                f,
+                ", which planned workspaces come closest to: try WorkspaceMode::Planned, a smaller batch, or a \
+                 larger budget"
+            ),
+        }
     }
 }
 
@@ -241,8 +267,6 @@ impl std::error::Error for Shortfall {}
 pub(super) struct Shadow {
     pub(super) train: [LayerWorkspaceMgr; 2],
     pub(super) infer: LayerWorkspaceMgr,
-    /// The passes run so far.
-    seen: Vec<DryPass>,
     /// Whether every workspace a training step (`[0]`) or an inference (`[1]`) uses
     /// has learned its size (once true, it stays: learning does not start again).
     learned: [bool; 2],
@@ -253,11 +277,15 @@ pub(super) struct Shadow {
 impl Shadow {
     fn new(training: WorkspaceMode, inference: WorkspaceMode) -> Result<Shadow> {
         let registry = WorkspaceManager::shape_only();
+        // Training and inference share workspaces by name in one registry, as on the
+        // network's thread; a mode that has no workspaces gets its figures from
+        // workspaces of its own, which the other mode's do not see.
+        let off = training == WorkspaceMode::None || inference == WorkspaceMode::None;
+        let inference_registry = if off { WorkspaceManager::shape_only() } else { registry.clone() };
         let on = |mode| if mode == WorkspaceMode::None { WorkspaceMode::Enabled } else { mode };
         Ok(Shadow {
             train: training_mgrs_in(on(training), Some(&registry))?,
-            infer: inference_mgr_in(on(inference), Some(&registry))?,
-            seen: Vec::new(),
+            infer: inference_mgr_in(on(inference), Some(&inference_registry))?,
             learned: [false; 2],
             peak_step_bytes: 0,
         })
@@ -326,6 +354,25 @@ impl DryBatch {
             let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(too_large)?;
             elements.checked_mul(4).filter(|&b| b <= isize::MAX as usize).map(|_| ()).ok_or_else(too_large)
         };
+        // The batch's arrays, refused with an error rather than an abort when the machine
+        // cannot hold them.
+        let filled = |len: usize, value: f32| -> Result<Vec<f32>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(len).map_err(|e| {
+                Error::InvalidInput(format!("a dry run of {shape}: the batch itself cannot be allocated ({e})"))
+            })?;
+            v.resize(len, value);
+            Ok(v)
+        };
+        let labels = |len: usize| -> Result<Vec<u32>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(len).map_err(|e| {
+                Error::InvalidInput(format!("a dry run of {shape}: the batch's labels cannot be allocated ({e})"))
+            })?;
+            v.resize(len, 0);
+            Ok(v)
+        };
+        let shaped = |e: ndarray::ShapeError| Error::InvalidInput(format!("a dry run of {shape}: {e}"));
         Ok(match shape {
             BatchShape::Flat { rows } => {
                 if rows == 0 {
@@ -333,10 +380,10 @@ impl DryBatch {
                 }
                 check(&[rows, inputs])?;
                 DryBatch {
-                    flat: Some(Array2::zeros((rows, inputs))),
+                    flat: Some(Array2::from_shape_vec((rows, inputs), filled(rows * inputs, 0.0)?).map_err(shaped)?),
                     features: None,
                     mask: None,
-                    labels: Some(Array1::zeros(rows)),
+                    labels: Some(Array1::from(labels(rows)?)),
                     step_labels: None,
                 }
             }
@@ -345,12 +392,23 @@ impl DryBatch {
                     return Err(empty());
                 }
                 check(&[batch, steps, inputs])?;
+                let features = filled(batch * steps * inputs, 0.0)?;
+                let mask = match masked {
+                    true => Some(Array2::from_shape_vec((batch, steps), filled(batch * steps, 1.0)?).map_err(shaped)?),
+                    false => None,
+                };
+                let (per_sequence, per_step) = match labels_per_step {
+                    false => (Some(Array1::from(labels(batch)?)), None),
+                    true => {
+                        (None, Some(Array2::from_shape_vec((batch, steps), labels(batch * steps)?).map_err(shaped)?))
+                    }
+                };
                 DryBatch {
                     flat: None,
-                    features: Some(Array3::zeros((batch, steps, inputs))),
-                    mask: masked.then(|| Array2::ones((batch, steps))),
-                    labels: (!labels_per_step).then(|| Array1::zeros(batch)),
-                    step_labels: labels_per_step.then(|| Array2::zeros((batch, steps))),
+                    features: Some(Array3::from_shape_vec((batch, steps, inputs), features).map_err(shaped)?),
+                    mask,
+                    labels: per_sequence,
+                    step_labels: per_step,
                 }
             }
         })
@@ -379,8 +437,8 @@ impl Network {
     /// Sizes the network's memory before its first step: a dry run of `passes` (the
     /// training steps and inferences of a run, in the order the run makes them) in
     /// shape-only workspaces of the network's configuration. The layers allocate as
-    /// they will, scope by scope; nothing is computed and nothing of the network
-    /// changes (its weights, updater state, workspaces and counters). The estimate
+    /// they will, scope by scope, and the built-in ones compute nothing; the network's
+    /// weights, updater state, workspaces and counters do not change. The estimate
     /// says, per distinct pass, the workspace bytes a real pass of that shape will use
     /// ([`PassEstimate::bytes`], equal to the byte to what the real pass then reports),
     /// its plan and lower bound, and what the training workspaces will hold after the
@@ -395,6 +453,19 @@ impl Network {
     /// larger): the estimate is of a run past learning; a run shorter than that (16
     /// steps, 16 inferences) may hold less. Each dry run continues the last: call
     /// [`Network::reset_dry_run`] to start afresh.
+    ///
+    /// What it assumes:
+    /// - The network alone on its thread, from new workspaces. Enabled workspaces are
+    ///   the thread's, by name: another network on the thread, or earlier training,
+    ///   leaves them at least the size it taught them.
+    /// - Batches as the prefetchers give them (see [`BatchShape`]).
+    /// - Layers that ask [`Scope::is_shape_only`](workspace_core::Scope::is_shape_only)
+    ///   skip their arithmetic, as carve's do. A custom layer that does not runs its
+    ///   whole pass on the zeros of the dry batch: the prediction holds, and whatever
+    ///   state of its own the pass changes (its gradients, a counter) changes.
+    /// - Memory for it: the shape-only workspaces take the memory they predict, and keep
+    ///   it until [`Network::reset_dry_run`] (or the network drops). A shape that the
+    ///   machine cannot hold is the allocation's error, not an estimate.
     ///
     /// ```
     /// use carve::nn::{BatchShape, DryPass, Network, NetworkConfig};
@@ -422,10 +493,21 @@ impl Network {
     /// large to lay out; the errors a real pass of the shape would return for it
     /// (shapes the layers refuse); workspace errors.
     pub fn dry_run(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
-        let started = Instant::now();
         if passes.is_empty() {
             return Err(Error::InvalidInput("a dry run needs at least one pass".into()));
         }
+        let estimate = self.dry_run_passes(passes);
+        if estimate.is_err() {
+            // A pass that failed half-way taught the shadow workspaces a part of itself:
+            // the next dry run starts afresh.
+            self.dry_run = None;
+        }
+        estimate
+    }
+
+    /// [`Network::dry_run`] of passes that are there.
+    fn dry_run_passes(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
+        let started = Instant::now();
         if self.dry_run.is_none() {
             self.dry_run = Some(Box::new(Shadow::new(self.training_mode, self.inference_mode)?));
         }
@@ -435,11 +517,15 @@ impl Network {
         // plan). The other passes are steady repeats, which change nothing.
         let mut distinct: Vec<Distinct> = Vec::new();
         let mut run = 0;
+        let shadow = self.dry_run.as_deref_mut().expect("made above");
+        shadow.peak_step_bytes = 0;
         for &pass in passes {
             let i = match distinct.iter().position(|d| d.pass == pass) {
                 Some(i) => i,
                 None => {
                     distinct.push(Distinct { pass, count: 0, steady_repeat: false, figures: None });
+                    // A new pass may be the first to allocate in a workspace: ask again.
+                    self.dry_run.as_deref_mut().expect("made above").learned = [false; 2];
                     distinct.len() - 1
                 }
             };
@@ -507,8 +593,9 @@ impl Network {
         })
     }
 
-    /// Forgets what earlier dry runs taught the shape-only workspaces: the next
-    /// [`Network::dry_run`] starts from new ones, as a new network would.
+    /// Forgets what earlier dry runs taught the shape-only workspaces and gives their
+    /// memory back: the next [`Network::dry_run`] starts from new ones, as a new network
+    /// would.
     pub fn reset_dry_run(&mut self) {
         self.dry_run = None;
     }
@@ -615,10 +702,6 @@ impl Network {
                 }
             }
         };
-        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
-        if !shadow.seen.contains(&pass) {
-            shadow.seen.push(pass);
-        }
         Ok(estimate)
     }
 

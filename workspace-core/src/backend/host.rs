@@ -295,6 +295,7 @@ fn advise_huge_pages(_ptr: NonNull<u8>, _bytes: usize) {}
 
 /// The host backend for a [`Location`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum HostBackend {
     /// Host RAM: bumpalo, and fresh huge-page-aligned anonymous mappings for large arenas.
     Ram,
