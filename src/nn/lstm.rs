@@ -295,6 +295,7 @@ impl Lstm {
         let (batch, steps, _) = input.dim();
         let h = self.hidden;
         let slot = |t: usize| if ring { t % 2 } else { t };
+        let scratch_len = self.step_scratch(batch);
         let mut seen = false;
         for t in 0..steps {
             let (cur, prev) = (slot(t), seen.then(|| slot(t - 1)));
@@ -304,7 +305,7 @@ impl Lstm {
                 continue;
             }
             let step = ctx.mgr.enter(ArrayType::RnnFfLoopWorkingMem)?;
-            let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
+            let scratch = step.slice_uninit::<f32>(scratch_len)?;
             if step.is_shape_only() {
                 // A dry run: the step's memory allocated, nothing computed.
                 seen = true;
@@ -617,13 +618,14 @@ impl Lstm {
         // The gradients flowing back along the sequence: of h (first `h` columns) and of
         // c (the next `h`), per sequence.
         let mut carried = ctx.working.zeros::<f32, _>((batch, 2 * h))?;
+        let scratch_len = self.step_scratch(batch);
         for t in (0..steps).rev() {
             if !step_active(mask, t) {
                 // Padding of every sequence: nothing changed here, nothing flows back.
                 continue;
             }
             let step = ctx.mgr.enter(ArrayType::RnnBpLoopWorkingMem)?;
-            let scratch = step.slice_uninit::<f32>(self.step_scratch(batch))?;
+            let scratch = step.slice_uninit::<f32>(scratch_len)?;
             let mut dz = step.zeros::<f32, _>((batch, GATES * h))?;
             if dry {
                 // A dry run: the step's memory allocated as below, nothing computed.

@@ -272,6 +272,10 @@ pub(super) struct Shadow {
     learned: [bool; 2],
     /// The most bytes a dry training step would have reported as the real one does.
     peak_step_bytes: usize,
+    /// Whether a training step (`[0]`) or an inference (`[1]`) has run: the
+    /// workspaces a pass of that kind uses have then allocated (what they hold does not
+    /// depend on the shape), so that `learned` says they learned their sizes.
+    ran: [bool; 2],
 }
 
 impl Shadow {
@@ -288,6 +292,7 @@ impl Shadow {
             infer: inference_mgr_in(on(inference), Some(&inference_registry))?,
             learned: [false; 2],
             peak_step_bytes: 0,
+            ran: [false; 2],
         })
     }
 
@@ -308,6 +313,13 @@ impl Shadow {
             };
         }
         self.learned[kind]
+    }
+
+    /// The bytes of every arena of the shadow (its workspaces' and its groups').
+    fn arena_bytes(&self) -> usize {
+        let groups = [self.train[0].plan_group(), self.infer.plan_group()];
+        self.workspaces().iter().map(|ws| ws.capacity()).sum::<usize>()
+            + groups.iter().flatten().map(|g| g.capacity()).sum::<usize>()
     }
 
     /// Whether every workspace of the shadow has learned its size.
@@ -540,8 +552,15 @@ impl Network {
                 distinct[i].steady_repeat = true;
                 continue;
             }
-            let figures = self.dry_pass(pass, planned && distinct[i].count == 1)?;
-            if planned && distinct[i].count == 1 {
+            // A new unplanned pass whose workspaces learned already runs as it will run
+            // again: its figures are the steady ones, unless it grew an arena.
+            let first = distinct[i].count == 1;
+            let kind = usize::from(matches!(pass, DryPass::Infer(_)));
+            let steady_first = first && !planned && shadow.ran[kind] && shadow.learned(pass);
+            let arenas_before = steady_first.then(|| shadow.arena_bytes());
+            let figures = self.dry_pass(pass, (planned && first) || steady_first, true)?;
+            let shadow = self.dry_run.as_deref_mut().expect("made above");
+            if (planned && first) || arenas_before.is_some_and(|before| before == shadow.arena_bytes()) {
                 distinct[i].figures = Some(figures);
             }
             run += 1;
@@ -566,7 +585,7 @@ impl Network {
                 Some(estimate) => estimate,
                 None => {
                     run += 1;
-                    let estimate = self.dry_pass(d.pass, true)?;
+                    let estimate = self.dry_pass(d.pass, true, false)?;
                     if d.steady_repeat && matches!(d.pass, DryPass::Train(_)) {
                         let shadow = self.dry_run.as_deref_mut().expect("made above");
                         shadow.peak_step_bytes = shadow.peak_step_bytes.max(estimate.bytes);
@@ -623,11 +642,12 @@ impl Network {
     /// step reports them, go into the peak), and its figures when `figures`: planned,
     /// its plan's (made at the end of a recording); otherwise recorded and planned here
     /// (the passes that only mirror the run skip that).
-    fn dry_pass(&mut self, pass: DryPass, figures: bool) -> Result<PassEstimate> {
+    fn dry_pass(&mut self, pass: DryPass, figures: bool, mirrored: bool) -> Result<PassEstimate> {
         let (shape, training) = match pass {
             DryPass::Train(shape) => (shape, true),
             DryPass::Infer(shape) => (shape, false),
         };
+        self.dry_run.as_deref_mut().expect("made by dry_run").ran[usize::from(!training)] = true;
         let batch = DryBatch::new(shape, self.inputs)?;
         let nothing =
             PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 };
@@ -635,7 +655,7 @@ impl Network {
             Some(group) => {
                 let key = shape_key(&batch.input(), training.then(|| batch.labels()).as_ref());
                 let ((), on_plan) = group.iteration(key, || self.dry_pass_once(&batch, training))?;
-                if training {
+                if training && mirrored {
                     // As the real step reports it: on its plan, the plan's bytes.
                     let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
                     let bytes = match on_plan {
@@ -661,7 +681,9 @@ impl Network {
             }
             None if !figures => {
                 self.dry_pass_once(&batch, training)?;
-                self.note_step_bytes(training);
+                if mirrored {
+                    self.note_step_bytes(training);
+                }
                 nothing
             }
             None => {
@@ -679,6 +701,9 @@ impl Network {
                     ws.record_into(None)?;
                 }
                 result?;
+                if mirrored {
+                    self.note_step_bytes(training);
+                }
                 let shadow = self.dry_run.as_deref().expect("made by dry_run");
                 let bytes = match training {
                     true => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
