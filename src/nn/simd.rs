@@ -422,6 +422,21 @@ mod tests {
         (0..n as u32).map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 10_007) as f32 / 997.0 - 5.0).collect()
     }
 
+    /// Every vector width this CPU runs.
+    fn widths() -> Vec<Width> {
+        let mut widths = vec![Width::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                widths.push(Width::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                widths.push(Width::Avx512);
+            }
+        }
+        widths
+    }
+
     #[test]
     fn a_step_split_across_a_pool_is_the_same_bits() {
         let a = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0.0013 };
@@ -458,16 +473,7 @@ mod tests {
     #[test]
     fn moments_never_store_a_subnormal() {
         let a = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0.001 };
-        let mut widths = vec![Width::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                widths.push(Width::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                widths.push(Width::Avx512);
-            }
-        }
+        let widths = widths();
         let n = 67;
         let mut results = Vec::new();
         for &width in &widths {
@@ -494,16 +500,7 @@ mod tests {
     fn every_width_gives_the_same_bits() {
         let a = AdamStep { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0.0013 };
         let n = 1000 + 7;
-        let mut widths = vec![Width::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                widths.push(Width::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                widths.push(Width::Avx512);
-            }
-        }
+        let widths = widths();
         let mut results = Vec::new();
         for &width in &widths {
             let (mut w, g) = (values(n, 1), values(n, 2));

@@ -302,6 +302,14 @@ pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2
     training_mgrs_in(mode, None)
 }
 
+/// A plan group named `name`, of [`PLANS`] plans: shape-only when `registry` is.
+fn plan_group(name: &str, registry: Option<&WorkspaceManager>) -> PlanGroup {
+    match registry.is_some_and(WorkspaceManager::is_shape_only) {
+        true => PlanGroup::shape_only(name, PLANS),
+        false => PlanGroup::with_plans(name, PLANS),
+    }
+}
+
 /// [`training_mgrs`], their workspaces in `registry` when given (a shape-only one, for
 /// a dry run: then a planned network's group is shape-only too).
 pub(crate) fn training_mgrs_in(
@@ -312,10 +320,7 @@ pub(crate) fn training_mgrs_in(
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
     // One plan per batch shape: variable-length sequences have a few dozen.
-    let group = (mode == WorkspaceMode::Planned).then(|| match registry.is_some_and(WorkspaceManager::is_shape_only) {
-        true => PlanGroup::shape_only("WS_PLANNED_ITERATION", PLANS),
-        false => PlanGroup::with_plans("WS_PLANNED_ITERATION", PLANS),
-    });
+    let group = (mode == WorkspaceMode::Planned).then(|| plan_group("WS_PLANNED_ITERATION", registry));
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
     let base = |grad: &str| {
         let builder = LayerWorkspaceMgr::builder();
@@ -359,10 +364,9 @@ pub(super) fn inference_mgr_in(mode: WorkspaceMode, registry: Option<&WorkspaceM
         Some(registry) => builder.in_manager(registry),
         None => builder,
     };
-    let builder = match (planned, registry.is_some_and(WorkspaceManager::is_shape_only)) {
-        (true, true) => builder.planned(&PlanGroup::shape_only("WS_PLANNED_INFERENCE", PLANS)),
-        (true, false) => builder.planned(&PlanGroup::with_plans("WS_PLANNED_INFERENCE", PLANS)),
-        (false, _) => builder,
+    let builder = match planned {
+        true => builder.planned(&plan_group("WS_PLANNED_INFERENCE", registry)),
+        false => builder,
     };
     builder.build().map_err(Error::from)
 }

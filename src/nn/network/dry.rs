@@ -83,6 +83,18 @@ pub enum DryPass {
     Infer(BatchShape),
 }
 
+impl DryPass {
+    /// Whether it is a training step.
+    fn is_training(self) -> bool {
+        matches!(self, DryPass::Train(_))
+    }
+
+    /// Its kind as an index: 0 for a training step, 1 for an inference.
+    fn kind(self) -> usize {
+        usize::from(!self.is_training())
+    }
+}
+
 impl fmt::Display for DryPass {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -156,7 +168,7 @@ impl MemoryEstimate {
             true => self
                 .passes
                 .iter()
-                .filter(|p| matches!(p.pass, DryPass::Train(_)) == training)
+                .filter(|p| p.pass.is_training() == training)
                 .map(|p| p.lower_bound_bytes)
                 .max()
                 .unwrap_or(0),
@@ -171,7 +183,7 @@ impl MemoryEstimate {
 
     /// The most workspace bytes one training step uses (see [`PassEstimate::bytes`]).
     pub fn step_bytes(&self) -> usize {
-        self.passes.iter().filter(|p| matches!(p.pass, DryPass::Train(_))).map(|p| p.bytes).max().unwrap_or(0)
+        self.passes.iter().filter(|p| p.pass.is_training()).map(|p| p.bytes).max().unwrap_or(0)
     }
 
     /// The estimate of `pass`, when it was run.
@@ -299,7 +311,7 @@ impl Shadow {
     /// Whether every workspace that `pass` uses, and that has allocated, has learned its
     /// size (a cycle that allocates nothing teaches nothing).
     fn learned(&mut self, pass: DryPass) -> bool {
-        let kind = usize::from(matches!(pass, DryPass::Infer(_)));
+        let kind = pass.kind();
         if !self.learned[kind] {
             let learned = |ws: &Rc<Workspace>| {
                 let stats = ws.stats();
@@ -348,8 +360,8 @@ struct Distinct {
     figures: Option<PassEstimate>,
 }
 
-/// The arrays of a dry pass's batch: zeros of the shape (a mask of ones), allocated
-/// zeroed, so that the pages of a large batch are not touched.
+/// The arrays of a dry pass's batch: zeros of the shape (a mask of ones, labels of
+/// class 0).
 struct DryBatch {
     flat: Option<Array2<f32>>,
     features: Option<Array3<f32>>,
@@ -368,22 +380,14 @@ impl DryBatch {
         };
         // The batch's arrays, refused with an error rather than an abort when the machine
         // cannot hold them.
-        let filled = |len: usize, value: f32| -> Result<Vec<f32>> {
+        fn filled<T: Clone>(shape: BatchShape, len: usize, value: T) -> Result<Vec<T>> {
             let mut v = Vec::new();
             v.try_reserve_exact(len).map_err(|e| {
                 Error::InvalidInput(format!("a dry run of {shape}: the batch itself cannot be allocated ({e})"))
             })?;
             v.resize(len, value);
             Ok(v)
-        };
-        let labels = |len: usize| -> Result<Vec<u32>> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(len).map_err(|e| {
-                Error::InvalidInput(format!("a dry run of {shape}: the batch's labels cannot be allocated ({e})"))
-            })?;
-            v.resize(len, 0);
-            Ok(v)
-        };
+        }
         let shaped = |e: ndarray::ShapeError| Error::InvalidInput(format!("a dry run of {shape}: {e}"));
         Ok(match shape {
             BatchShape::Flat { rows } => {
@@ -392,10 +396,13 @@ impl DryBatch {
                 }
                 check(&[rows, inputs])?;
                 DryBatch {
-                    flat: Some(Array2::from_shape_vec((rows, inputs), filled(rows * inputs, 0.0)?).map_err(shaped)?),
+                    flat: Some(
+                        Array2::from_shape_vec((rows, inputs), filled(shape, rows * inputs, 0.0f32)?)
+                            .map_err(shaped)?,
+                    ),
                     features: None,
                     mask: None,
-                    labels: Some(Array1::from(labels(rows)?)),
+                    labels: Some(Array1::from(filled(shape, rows, 0u32)?)),
                     step_labels: None,
                 }
             }
@@ -404,16 +411,23 @@ impl DryBatch {
                     return Err(empty());
                 }
                 check(&[batch, steps, inputs])?;
-                let features = filled(batch * steps * inputs, 0.0)?;
+                let features = filled(shape, batch * steps * inputs, 0.0f32)?;
                 let mask = match masked {
-                    true => Some(Array2::from_shape_vec((batch, steps), filled(batch * steps, 1.0)?).map_err(shaped)?),
+                    true => Some(
+                        Array2::from_shape_vec((batch, steps), filled(shape, batch * steps, 1.0f32)?)
+                            .map_err(shaped)?,
+                    ),
                     false => None,
                 };
                 let (per_sequence, per_step) = match labels_per_step {
-                    false => (Some(Array1::from(labels(batch)?)), None),
-                    true => {
-                        (None, Some(Array2::from_shape_vec((batch, steps), labels(batch * steps)?).map_err(shaped)?))
-                    }
+                    false => (Some(Array1::from(filled(shape, batch, 0u32)?)), None),
+                    true => (
+                        None,
+                        Some(
+                            Array2::from_shape_vec((batch, steps), filled(shape, batch * steps, 0u32)?)
+                                .map_err(shaped)?,
+                        ),
+                    ),
                 };
                 DryBatch {
                     flat: None,
@@ -555,8 +569,7 @@ impl Network {
             // A new unplanned pass whose workspaces learned already runs as it will run
             // again: its figures are the steady ones, unless it grew an arena.
             let first = distinct[i].count == 1;
-            let kind = usize::from(matches!(pass, DryPass::Infer(_)));
-            let steady_first = first && !planned && shadow.ran[kind] && shadow.learned(pass);
+            let steady_first = first && !planned && shadow.ran[pass.kind()] && shadow.learned(pass);
             let arenas_before = steady_first.then(|| shadow.arena_bytes());
             let figures = self.dry_pass(pass, (planned && first) || steady_first, true)?;
             let shadow = self.dry_run.as_deref_mut().expect("made above");
@@ -586,7 +599,7 @@ impl Network {
                 None => {
                     run += 1;
                     let estimate = self.dry_pass(d.pass, true, false)?;
-                    if d.steady_repeat && matches!(d.pass, DryPass::Train(_)) {
+                    if d.steady_repeat && d.pass.is_training() {
                         let shadow = self.dry_run.as_deref_mut().expect("made above");
                         shadow.peak_step_bytes = shadow.peak_step_bytes.max(estimate.bytes);
                     }
@@ -647,7 +660,7 @@ impl Network {
             DryPass::Train(shape) => (shape, true),
             DryPass::Infer(shape) => (shape, false),
         };
-        self.dry_run.as_deref_mut().expect("made by dry_run").ran[usize::from(!training)] = true;
+        self.dry_run.as_deref_mut().expect("made by dry_run").ran[pass.kind()] = true;
         let batch = DryBatch::new(shape, self.inputs)?;
         let nothing =
             PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 };
@@ -681,9 +694,7 @@ impl Network {
             }
             None if !figures => {
                 self.dry_pass_once(&batch, training)?;
-                if mirrored {
-                    self.note_step_bytes(training);
-                }
+                self.unplanned_pass_bytes(training, mirrored);
                 nothing
             }
             None => {
@@ -701,14 +712,7 @@ impl Network {
                     ws.record_into(None)?;
                 }
                 result?;
-                if mirrored {
-                    self.note_step_bytes(training);
-                }
-                let shadow = self.dry_run.as_deref().expect("made by dry_run");
-                let bytes = match training {
-                    true => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
-                    false => shadow.infer.peak_bytes(),
-                };
+                let bytes = self.unplanned_pass_bytes(training, mirrored);
                 let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 // Planned as a plan group plans: each run of allocations that live and die
                 // together as one (the same bytes and bound, in less time).
@@ -730,14 +734,18 @@ impl Network {
         Ok(estimate)
     }
 
-    /// After an unplanned dry pass: a training step's bytes, as the real step reports
-    /// them, into the peak.
-    fn note_step_bytes(&mut self, training: bool) {
+    /// After an unplanned dry pass: the bytes it held, as a real pass reports them (a
+    /// training step's into the peak, when it mirrors one of the run).
+    fn unplanned_pass_bytes(&mut self, training: bool, mirrored: bool) -> usize {
         let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
-        if training {
-            let bytes = sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes());
+        if !training {
+            return shadow.infer.peak_bytes();
+        }
+        let bytes = sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes());
+        if mirrored {
             shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
         }
+        bytes
     }
 
     /// One dry training step or inference of `batch`.
