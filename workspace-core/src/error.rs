@@ -47,7 +47,7 @@ pub enum Error {
     #[error(
         "workspace '{workspace}' is full: {requested} bytes requested, {available} of {capacity} \
          bytes free, and its spill policy is Fail; the workspace is unchanged and still usable. \
-         Raise `initial_size`, use a learning policy, or choose SpillPolicy::External"
+         Raise `initial_size`, use a learning policy, or choose SpillPolicy::External. Memory: {report}"
     )]
     Exhausted {
         /// The workspace asked.
@@ -58,6 +58,9 @@ pub enum Error {
         available: usize,
         /// Arena capacity in bytes.
         capacity: usize,
+        /// What held the memory: the iteration's lower bound so far, padding,
+        /// fragmentation and the largest live holders by role and layer.
+        report: Box<crate::timeline::MemoryReport>,
     },
 
     /// Granting an allocation would take the workspace past its `max_size`.
@@ -65,7 +68,7 @@ pub enum Error {
         "workspace '{workspace}' would exceed its budget: {requested} more bytes requested, \
          {in_use} bytes in use this cycle in an arena of {arena} bytes and spills, max_size is \
          {max_size}; the workspace is unchanged and still usable. Raise `max_size` or allocate \
-         less per cycle"
+         less per cycle. Memory: {report}"
     )]
     BudgetExceeded {
         /// The workspace asked.
@@ -80,6 +83,8 @@ pub enum Error {
         arena: usize,
         /// The configured budget.
         max_size: usize,
+        /// What held the memory (see [`MemoryReport`](crate::timeline::MemoryReport)).
+        report: Box<crate::timeline::MemoryReport>,
     },
 
     /// A stored handle was used after its workspace was reset.
@@ -220,13 +225,16 @@ pub enum Error {
     },
 
     /// The memory backend could not provide memory.
-    #[error("workspace '{workspace}': {source}")]
+    #[error("workspace '{workspace}': {source}. Memory: {report}")]
     Backend {
         /// The workspace.
         workspace: Arc<str>,
         /// What the backend reported.
         #[source]
         source: BackendError,
+        /// What held the memory when the backend refused (see
+        /// [`MemoryReport`](crate::timeline::MemoryReport)).
+        report: Box<crate::timeline::MemoryReport>,
     },
 
     /// A check for heap allocations failed: the code checked made some, or the counting

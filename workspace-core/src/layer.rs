@@ -187,7 +187,11 @@ impl LayerWorkspaceMgr {
     pub fn enter(&self, ty: ArrayType) -> Result<TypedScope> {
         let scope = match &self.targets[ty.index()] {
             Target::Heap => Scope::heap(),
-            Target::Workspace(ws) => ws.enter_shared()?,
+            Target::Workspace(ws) => {
+                let scope = ws.enter_shared()?;
+                ws.shell.engine().note_role(ty);
+                scope
+            }
         };
         Ok(TypedScope { ty, scope })
     }

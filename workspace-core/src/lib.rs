@@ -133,6 +133,7 @@ mod roles;
 mod scope;
 #[allow(unsafe_code)]
 mod shell;
+pub mod timeline;
 #[allow(unsafe_code)]
 mod workspace;
 

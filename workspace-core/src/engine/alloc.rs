@@ -121,6 +121,9 @@ impl<B: ArenaBackend> Engine<B> {
             let align = align.max(self.min_align);
             let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
             self.emit(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
+            if let Some(tap) = self.tap.get() {
+                crate::timeline::tapped_alloc(tap, level, size, bytes);
+            }
         }
         Ok(placed)
     }
@@ -257,6 +260,7 @@ impl<B: ArenaBackend> Engine<B> {
             requested: size,
             available: limit.saturating_sub(align_up(cursor, align).unwrap_or(usize::MAX)),
             capacity,
+            report: self.report(size),
         }
     }
 
@@ -318,6 +322,7 @@ impl<B: ArenaBackend> Engine<B> {
                 in_use: self.open_bytes() + need_before,
                 arena,
                 max_size: max,
+                report: self.report(size),
             });
         }
         Ok(())

@@ -36,6 +36,9 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
+        if self.tap.get().is_some() {
+            self.refresh_tap();
+        }
         let slow_only = self.debug.on.get() || self.recording.get();
         self.fast_base.set(self.arena_base.get());
         let fast_limit = if slow_only { 0 } else { self.capacity.get() };

@@ -169,6 +169,12 @@ pub struct Engine<B: ArenaBackend> {
     recording: Cell<bool>,
     /// The recorder: a [`Member`] that sees every event.
     recorder: RefCell<Option<Box<dyn Member<B>>>>,
+    /// The timeline recording this workspace (see [`crate::timeline`]): told every
+    /// allocation and close, with the fast path off as for a recorder.
+    tap: Cell<Option<crate::timeline::Tap>>,
+    /// The role of the open cycle ([`crate::ArrayType::index`]), as the layer manager
+    /// entered it (`NO_ROLE`: none), for the report of a failure.
+    role: Cell<u8>,
     /// Whether this workspace is a member of a plan group (`member` is set).
     grouped: Cell<bool>,
     /// The plan group this workspace is a member of (see `member.rs`).
@@ -302,6 +308,8 @@ impl<B: ArenaBackend> Engine<B> {
             counters: Counters::default(),
             recording: Cell::new(false),
             recorder: RefCell::new(None),
+            tap: Cell::new(None),
+            role: Cell::new(crate::timeline::NO_ROLE),
             grouped: Cell::new(false),
             member: RefCell::new(None),
             window: window::Window::new(),
@@ -390,7 +398,62 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     pub(crate) fn backend_error(&self, source: BackendError) -> Error {
-        Error::Backend { workspace: self.name.clone(), source }
+        let requested = match &source {
+            BackendError::OutOfMemory { bytes, .. } => *bytes,
+            _ => 0,
+        };
+        let report = self.report(requested);
+        Error::Backend { workspace: self.name.clone(), source, report }
+    }
+
+    /// The report of a failed request of `requested` bytes (see
+    /// [`MemoryReport`](crate::timeline::MemoryReport)).
+    #[cold]
+    pub(crate) fn report(&self, requested: usize) -> Box<crate::timeline::MemoryReport> {
+        let in_use = if self.depth.get() > 0 { self.open_bytes() + self.spill.need.get() } else { 0 };
+        crate::timeline::MemoryReport::new(
+            self.tap.get(),
+            &self.name,
+            self.role.get(),
+            requested,
+            self.capacity.get(),
+            in_use,
+        )
+    }
+
+    /// The open cycle serves `role` (what the layer manager entered it for): the label
+    /// of its allocations in a timeline and in a failure's report.
+    #[inline]
+    pub(crate) fn note_role(&self, role: crate::ArrayType) {
+        self.role.set(role.index() as u8);
+        if let Some(tap) = self.tap.get() {
+            crate::timeline::tapped_role(tap, role);
+        }
+    }
+
+    /// Records this workspace's events into the timeline of `tap` from its next cycle
+    /// on (`None`: stops). The fast path is off meanwhile, as for a recorder.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while a scope is open.
+    pub(crate) fn set_tap(&self, tap: Option<crate::timeline::Tap>) -> Result<()> {
+        self.require_closed("attaching a timeline or detaching it")?;
+        self.tap.set(tap);
+        self.recording.set(self.recorder.borrow().is_some() || tap.is_some());
+        self.refresh_plain_close();
+        Ok(())
+    }
+
+    /// A tap whose timeline no longer records on this thread is dropped (at a cycle's
+    /// start, while closed).
+    #[cold]
+    fn refresh_tap(&self) {
+        if let Some(tap) = self.tap.get() {
+            if !crate::timeline::is_recording(tap) {
+                let _ = self.set_tap(None);
+            }
+        }
     }
 
     /// Sends every later allocation to a block of its own (debugging aid). Only where
@@ -442,7 +505,7 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(old) = self.recorder.borrow().as_ref() {
             old.detach(&self.name)?;
         }
-        self.recording.set(recorder.is_some());
+        self.recording.set(recorder.is_some() || self.tap.get().is_some());
         *self.recorder.borrow_mut() = recorder;
         self.refresh_plain_close();
         Ok(())

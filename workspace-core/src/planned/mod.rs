@@ -271,7 +271,28 @@ impl PlanGroup {
     #[cold]
     #[inline(never)]
     fn backend_error(&self, source: crate::error::BackendError) -> Error {
-        Error::Backend { workspace: self.shared.name.clone(), source }
+        self.plan_error(source, None)
+    }
+
+    /// The backend's refusal to hold a plan: its report names the request, the arena,
+    /// and the plan's lower bound and the bytes its layout loses above it.
+    #[cold]
+    #[inline(never)]
+    fn plan_error(&self, source: crate::error::BackendError, stats: Option<PlannedStats>) -> Error {
+        let requested = match &source {
+            crate::error::BackendError::OutOfMemory { bytes, .. } => *bytes,
+            _ => 0,
+        };
+        let mut report = crate::timeline::MemoryReport { requested, ..Default::default() };
+        if let Some(stats) = stats {
+            report.capacity = stats.arena_bytes;
+            if stats.plan_bytes > 0 {
+                report.lower_bound = Some(stats.lower_bound_bytes as u64);
+                report.padding_bytes = Some(0);
+                report.fragmentation_bytes = Some(stats.plan_bytes.saturating_sub(stats.lower_bound_bytes) as u64);
+            }
+        }
+        Error::Backend { workspace: self.shared.name.clone(), source, report: Box::new(report) }
     }
 
     /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
@@ -294,7 +315,7 @@ impl PlanGroup {
                 state.mode = Mode::OffPlan;
                 state.stats.failed_growths += 1;
                 match refused {
-                    Some(source) => Err(self.backend_error(source)),
+                    Some(source) => Err(self.plan_error(source, Some(state.stats(&self.shared.name)))),
                     None => Ok(()),
                 }
             }

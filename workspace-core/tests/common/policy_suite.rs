@@ -375,9 +375,23 @@ pub(crate) fn budget_is_enforced_with_a_typed_error<T: Target>(t: &T) {
         matches!(core::<T>(&err), CoreError::BudgetExceeded { requested: 100, in_use: u, arena: 1024, max_size: 4096, .. } if *u == in_use),
         "{err:?}"
     );
-    let budget =
-        CoreError::BudgetExceeded { requested: 100, in_use, arena: 1024, max_size: 4096, workspace: "T".into() };
+    let CoreError::BudgetExceeded { report, .. } = core::<T>(&err) else { panic!("{err:?}") };
+    // The report: the request, the arena, what the open cycle holds (by role: no
+    // timeline records this workspace, and it was not entered by role).
+    assert_eq!((report.requested, report.capacity, report.in_use), (100, 1024, in_use), "{report:?}");
+    assert_eq!(report.lower_bound, None, "no timeline records it");
+    assert_eq!(report.holders.len(), 1, "{report:?}");
+    assert_eq!((report.holders[0].bytes, report.holders[0].role), (in_use as u64, None), "{report:?}");
+    let budget = CoreError::BudgetExceeded {
+        requested: 100,
+        in_use,
+        arena: 1024,
+        max_size: 4096,
+        workspace: "T".into(),
+        report: report.clone(),
+    };
     assert_eq!(err.to_string(), budget.to_string());
+    assert!(err.to_string().contains("request 100 bytes, capacity 1024 bytes"), "{err}");
     assert!(err.to_string().contains("max_size"), "{err}");
     // What is left fits to the byte, and not one more.
     let left = 4096 - in_use;

@@ -24,3 +24,4 @@ mod plan;
 mod planned;
 mod policies;
 mod portable;
+mod timeline;

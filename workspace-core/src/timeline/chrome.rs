@@ -1,0 +1,188 @@
+//! Export in the Chrome trace-event format (the JSON object form), which Perfetto and
+//! `chrome://tracing` open: thread 0 holds a slice per iteration, thread `w + 1` a
+//! slice per allocation of workspace `w` (from the allocation to the close that ends
+//! it), and each workspace has a counter track of its live bytes.
+
+use std::io::{self, Write};
+
+use super::state::Step;
+use super::{role_of, IterationRecord, TimelineSnapshot};
+
+/// Iterations [`TimelineSnapshot::write_chrome_trace`] exports at most.
+pub const EXPORTED_ITERATIONS: usize = 256;
+
+/// What an export wrote.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChromeTraceSummary {
+    /// Iterations exported (each a slice on thread 0).
+    pub iterations: usize,
+    /// Allocation slices.
+    pub slices: usize,
+    /// Counter events.
+    pub counters: usize,
+}
+
+impl TimelineSnapshot {
+    /// Writes the history as a Chrome trace: the most recent iterations and a sample
+    /// of the whole run, [`EXPORTED_ITERATIONS`] at most (see
+    /// [`TimelineSnapshot::write_chrome_trace_of`]).
+    ///
+    /// # Errors
+    ///
+    /// The writer's.
+    pub fn write_chrome_trace(&self, writer: impl Write) -> io::Result<ChromeTraceSummary> {
+        self.write_chrome_trace_of(writer, EXPORTED_ITERATIONS)
+    }
+
+    /// As [`TimelineSnapshot::write_chrome_trace`], with at most `iterations`
+    /// iterations: the most recent half of them, and the rest spread evenly over the
+    /// earlier ones the snapshot keeps. Each exported iteration lays its script's
+    /// events over its own start and duration.
+    ///
+    /// # Errors
+    ///
+    /// The writer's.
+    pub fn write_chrome_trace_of(&self, writer: impl Write, iterations: usize) -> io::Result<ChromeTraceSummary> {
+        let mut w = io::BufWriter::new(writer);
+        let chosen = choose(&self.records, iterations);
+        let mut summary = ChromeTraceSummary::default();
+        write!(
+            w,
+            "{{\"displayTimeUnit\":\"ns\",\"otherData\":{{\"iterations\":{},\"events\":{},\"scripts\":{},\
+             \"history_bytes\":{},\"exported_iterations\":{}}},\"traceEvents\":[",
+            self.iterations,
+            self.events,
+            self.scripts.len(),
+            self.history_bytes,
+            chosen.len()
+        )?;
+        write!(w, "{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,\"args\":{{\"name\":\"carve workspaces\"}}}}")?;
+        write!(w, ",{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":0,\"args\":{{\"name\":\"iterations\"}}}}")?;
+        for (i, ws) in self.workspaces.iter().enumerate() {
+            write!(
+                w,
+                ",{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":{},\"args\":{{\"name\":{}}}}}",
+                i + 1,
+                json(ws)
+            )?;
+        }
+        let mut live = vec![0u64; self.workspaces.len()];
+        let (mut ends, mut ended) = (Vec::new(), Vec::new());
+        for record in chosen {
+            let start = record.start_ns as f64;
+            let duration = record.duration_ns as f64;
+            write!(
+                w,
+                ",{{\"name\":\"iteration {}\",\"cat\":\"iteration\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":1,\
+                 \"tid\":0,\"args\":{{\"iteration\":{},\"script\":{},\"events\":{}}}}}",
+                record.index,
+                start / 1e3,
+                duration / 1e3,
+                record.index,
+                record.script.map_or("null".to_string(), |s| s.to_string()),
+                record.events
+            )?;
+            summary.iterations += 1;
+            let Some(script) = record.script.and_then(|s| self.scripts.get(s as usize)) else { continue };
+            // The script's times, scaled to this iteration's duration.
+            let scale = if script.duration_ns > 0 { duration / script.duration_ns as f64 } else { 1.0 };
+            let at = |i: usize| start + f64::from(script.times.get(i).copied().unwrap_or(0)) * scale;
+            end_of_each(&script.steps, &mut ends, &mut ended);
+            live.iter_mut().for_each(|l| *l = 0);
+            for (i, step) in script.steps.iter().enumerate() {
+                let ws = usize::from(step.workspace);
+                let ts = at(i);
+                if step.close {
+                    // What the close ends is no longer live.
+                    live[ws] = live[ws].saturating_sub(ended[i]);
+                } else {
+                    let end = ends[i].map_or(start + duration, at).max(ts);
+                    let role = role_of(step.role).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
+                    let layer = self.layer_name(step.layer);
+                    let name = match &layer {
+                        Some(layer) => format!("{role} · {layer}"),
+                        None => role.clone(),
+                    };
+                    write!(
+                        w,
+                        ",{{\"name\":{},\"cat\":\"alloc\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":1,\"tid\":{},\
+                         \"args\":{{\"workspace\":{},\"role\":{},\"layer\":{},\"bytes\":{},\"requested\":{},\
+                         \"level\":{},\"iteration\":{},\"event\":{}}}}}",
+                        json(&name),
+                        ts / 1e3,
+                        (end - ts) / 1e3,
+                        ws + 1,
+                        json(&self.workspaces[ws]),
+                        json(&role),
+                        layer.as_deref().map_or("null".to_string(), json),
+                        step.bytes,
+                        step.requested,
+                        step.level,
+                        record.index,
+                        i
+                    )?;
+                    summary.slices += 1;
+                    live[ws] += step.bytes;
+                }
+                write!(
+                    w,
+                    ",{{\"name\":{},\"ph\":\"C\",\"ts\":{:.3},\"pid\":1,\"args\":{{\"bytes\":{}}}}}",
+                    json(&format!("{} live bytes", self.workspaces[ws])),
+                    ts / 1e3,
+                    live[ws]
+                )?;
+                summary.counters += 1;
+            }
+        }
+        write!(w, "]}}")?;
+        w.flush()?;
+        Ok(summary)
+    }
+}
+
+/// A JSON string.
+fn json(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"?\"".into())
+}
+
+/// The records to export: all when they fit, else the most recent half and the rest
+/// spread evenly over the earlier ones.
+fn choose(records: &[IterationRecord], most: usize) -> Vec<IterationRecord> {
+    if records.len() <= most {
+        return records.to_vec();
+    }
+    let recent = most / 2;
+    let (earlier, last) = records.split_at(records.len() - recent);
+    let spread = most - recent;
+    let mut chosen: Vec<IterationRecord> =
+        (0..spread).map(|k| earlier[k * earlier.len() / spread.max(1)]).collect();
+    chosen.dedup_by_key(|r| r.index);
+    chosen.extend_from_slice(last);
+    chosen
+}
+
+/// For each allocation of `steps`, the step of the close that ends it (`None`: it
+/// outlives the iteration); for each close, the bytes it ends.
+fn end_of_each(steps: &[Step], ends: &mut Vec<Option<usize>>, ended: &mut Vec<u64>) {
+    ends.clear();
+    ends.resize(steps.len(), None);
+    ended.clear();
+    ended.resize(steps.len(), 0);
+    let mut open: Vec<usize> = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        if step.close {
+            let ended_bytes = &mut *ended;
+            open.retain(|&a| {
+                let s = &steps[a];
+                let ended = s.workspace == step.workspace && s.level >= step.level;
+                if ended {
+                    ends[a] = Some(i);
+                    ended_bytes[i] += s.bytes;
+                }
+                !ended
+            });
+        } else {
+            open.push(i);
+        }
+    }
+}

@@ -1,0 +1,498 @@
+//! A timeline of a whole run's workspace memory, at a bounded cost.
+//!
+//! A [`Timeline`] records every allocation and every close of the workspaces attached
+//! to it, labelled with the role of the cycle ([`ArrayType`], from
+//! [`LayerWorkspaceMgr::enter`](crate::LayerWorkspaceMgr::enter)) and the layer that
+//! made it ([`layer`]). The run is cut into *iterations* by
+//! [`Timeline::end_iteration`] (a network calls it after each step).
+//!
+//! A steady iteration repeats one before it, so the history stores each distinct
+//! iteration once, as a *script* of events, and every iteration as a reference to its
+//! script: while an iteration matches the script it is expected to repeat, recording
+//! an event is a comparison and nothing is stored; from the first event that differs
+//! the iteration keeps its own events, and at its end they are found among the stored
+//! scripts or stored as a new one. The records of past iterations are bounded (the
+//! last 4,096 with their times, and a sample of the whole run that thins itself as the
+//! run grows), so the history's memory does not grow with the run's length; a steady
+//! iteration allocates nothing.
+//!
+//! [`Timeline::snapshot`] copies the history (the scripts are shared, not copied);
+//! [`TimelineSnapshot::write_chrome_trace`] exports it in the Chrome trace-event
+//! format, which Perfetto (<https://ui.perfetto.dev>) and `chrome://tracing` open: a
+//! counter track of live bytes per workspace and a slice per allocation, named by its
+//! role and layer.
+//!
+//! ```
+//! use workspace_core::timeline::{self, Timeline};
+//! use workspace_core::{ArrayType, LayerWorkspaceMgr, WorkspaceConfig};
+//!
+//! let mgr = LayerWorkspaceMgr::builder()
+//!     .with(ArrayType::Activations, "TL_DOC_ACT", WorkspaceConfig::default())
+//!     .default_workspace("TL_DOC_WORKING", WorkspaceConfig::default())
+//!     .build()?;
+//! let timeline = Timeline::start()?;
+//! timeline.attach_mgr(&mgr)?;
+//! for _ in 0..100 {
+//!     let act = mgr.enter(ArrayType::Activations)?;
+//!     let _dense = timeline::layer("dense");
+//!     let _x = act.zeros::<f32, _>((32, 64))?;
+//!     let working = mgr.enter(ArrayType::FfWorkingMem)?;
+//!     let _tmp = working.zeros::<f32, _>(1024)?;
+//!     drop(working);
+//!     drop(act);
+//!     timeline.end_iteration();
+//! }
+//! let snapshot = timeline.snapshot();
+//! assert_eq!(snapshot.iterations_recorded(), 100);
+//! assert_eq!(snapshot.scripts().len(), 1); // one distinct iteration, stored once
+//! let mut trace = Vec::new();
+//! snapshot.write_chrome_trace(&mut trace)?;
+//! assert!(String::from_utf8(trace).unwrap().contains("\"traceEvents\""));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A timeline belongs to the thread that started it, as workspaces do: it records the
+//! events of its workspaces on that thread, and one timeline records on a thread at a
+//! time. Times inside an iteration that repeated a script are the script's, scaled to
+//! the iteration's duration (reading the clock at every allocation would cost more than
+//! the recording); the order of the events, their sizes and labels are exact.
+
+mod chrome;
+mod report;
+mod state;
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::{ArrayType, LayerWorkspaceMgr, Workspace};
+
+pub use chrome::{ChromeTraceSummary, EXPORTED_ITERATIONS};
+pub use report::{Holder, MemoryReport, HOLDERS};
+pub(crate) use state::Step;
+use state::{Script, State};
+
+/// No layer is allocating.
+pub(crate) const NO_LAYER: u32 = u32::MAX;
+/// No role was given for the cycle.
+pub(crate) const NO_ROLE: u8 = u8::MAX;
+
+static NEXT_TIMELINE: AtomicU32 = AtomicU32::new(1);
+
+thread_local! {
+    static STATE: RefCell<Option<Box<State>>> = const { RefCell::new(None) };
+}
+
+/// A workspace's place in the timeline recording on its thread (what the engine keeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tap {
+    timeline: u32,
+    workspace: u16,
+}
+
+/// Runs `f` on the state of timeline `id` if it records on this thread (and is not
+/// borrowed: a hook never runs inside another).
+#[inline]
+fn with_state<R>(id: u32, f: impl FnOnce(&mut State) -> R) -> Option<R> {
+    STATE
+        .try_with(|cell| {
+            let mut state = cell.try_borrow_mut().ok()?;
+            let state = state.as_mut().filter(|s| s.id == id)?;
+            Some(f(state))
+        })
+        .ok()
+        .flatten()
+}
+
+/// Whether the timeline of `tap` still records on this thread.
+pub(crate) fn is_recording(tap: Tap) -> bool {
+    with_state(tap.timeline, |_| ()).is_some()
+}
+
+/// An allocation of `requested` bytes (`bytes` padded) by the owner at `level`.
+#[inline]
+pub(crate) fn tapped_alloc(tap: Tap, level: u32, requested: usize, bytes: usize) {
+    with_state(tap.timeline, |state| {
+        state.event(Step {
+            bytes: bytes as u64,
+            requested: requested as u64,
+            layer: NO_LAYER,
+            workspace: tap.workspace,
+            level: level.min(255) as u8,
+            role: NO_ROLE,
+            close: false,
+        })
+    });
+}
+
+/// The close of the owner at `level`.
+#[inline]
+pub(crate) fn tapped_close(tap: Tap, level: u32) {
+    with_state(tap.timeline, |state| {
+        state.event(Step {
+            bytes: 0,
+            requested: 0,
+            layer: NO_LAYER,
+            workspace: tap.workspace,
+            level: level.min(255) as u8,
+            role: NO_ROLE,
+            close: true,
+        })
+    });
+}
+
+/// The cycle of `tap`'s workspace serves `role` from now on.
+#[inline]
+pub(crate) fn tapped_role(tap: Tap, role: ArrayType) {
+    with_state(tap.timeline, |state| {
+        if let Some(slot) = state.roles.get_mut(usize::from(tap.workspace)) {
+            *slot = role.index() as u8;
+        }
+    });
+}
+
+/// Labels what the thread allocates, until the guard drops, as made by layer `name`
+/// (when a timeline records on this thread; otherwise it does nothing and costs a
+/// thread-local read). Guards nest: dropping one restores the label before it.
+#[must_use = "the label holds until the guard drops"]
+pub fn layer(name: &str) -> LayerGuard {
+    let previous = STATE
+        .try_with(|cell| {
+            let mut state = cell.try_borrow_mut().ok()?;
+            let state = state.as_mut()?;
+            let id = state.intern(name);
+            Some((state.id, std::mem::replace(&mut state.layer, id)))
+        })
+        .ok()
+        .flatten();
+    LayerGuard { previous, _thread: PhantomData }
+}
+
+/// Restores the layer label before it when dropped (see [`layer`]).
+#[derive(Debug)]
+pub struct LayerGuard {
+    previous: Option<(u32, u32)>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for LayerGuard {
+    fn drop(&mut self) {
+        if let Some((id, previous)) = self.previous {
+            with_state(id, |state| state.layer = previous);
+        }
+    }
+}
+
+/// Ends the iteration of the timeline recording on this thread, if one does (what
+/// [`Timeline::end_iteration`] does, for code that does not hold the timeline).
+pub fn end_iteration() {
+    let _ = STATE.try_with(|cell| {
+        if let Ok(mut state) = cell.try_borrow_mut() {
+            if let Some(state) = state.as_mut() {
+                state.end_iteration();
+            }
+        }
+    });
+}
+
+/// Whether a timeline records on this thread.
+pub fn is_active() -> bool {
+    STATE.try_with(|cell| cell.try_borrow().map(|s| s.is_some()).unwrap_or(true)).unwrap_or(false)
+}
+
+/// The recording timeline of this thread; see the module docs.
+///
+/// Dropping it ends the recording: its workspaces leave it at their next cycle.
+#[derive(Debug)]
+pub struct Timeline {
+    id: u32,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Timeline {
+    /// Starts recording on this thread (no workspace is attached yet).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when a timeline already records on this thread.
+    pub fn start() -> Result<Timeline> {
+        let id = NEXT_TIMELINE.fetch_add(1, Ordering::Relaxed);
+        STATE.with(|cell| {
+            let mut state = cell.try_borrow_mut().map_err(|_| busy())?;
+            if state.is_some() {
+                return Err(Error::InvalidInput(
+                    "a timeline already records on this thread: drop it (or take its snapshot and drop it) before \
+                     starting another"
+                        .into(),
+                ));
+            }
+            *state = Some(Box::new(State::new(id)));
+            Ok(())
+        })?;
+        Ok(Timeline { id, _thread: PhantomData })
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> Result<R> {
+        with_state(self.id, f).ok_or_else(busy)
+    }
+
+    /// Records the events of `workspace` from its next cycle on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while the workspace is open; [`Error::InvalidInput`] for a
+    /// 65,537th workspace.
+    pub fn attach(&self, workspace: &Workspace) -> Result<()> {
+        let name: Arc<str> = workspace.name().clone();
+        let index = self.with(|state| state.add_workspace(name))?;
+        let Some(index) = index else {
+            return Err(Error::InvalidInput("a timeline records 65,536 workspaces at most".into()));
+        };
+        workspace.shell.engine().set_tap(Some(Tap { timeline: self.id, workspace: index }))
+    }
+
+    /// Records the events of every workspace of `mgr` (each once).
+    ///
+    /// # Errors
+    ///
+    /// As [`Timeline::attach`].
+    pub fn attach_mgr(&self, mgr: &LayerWorkspaceMgr) -> Result<()> {
+        mgr.workspaces().try_for_each(|ws| self.attach(ws))
+    }
+
+    /// Stops recording `workspace` (its events so far stay in the history).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while the workspace is open.
+    pub fn detach(&self, workspace: &Workspace) -> Result<()> {
+        workspace.shell.engine().set_tap(None)
+    }
+
+    /// Ends the iteration in progress: the events since the last call are one
+    /// iteration of the history.
+    pub fn end_iteration(&self) {
+        let _ = self.with(State::end_iteration);
+    }
+
+    /// Iterations ended so far.
+    pub fn iterations(&self) -> u64 {
+        self.with(|s| s.iterations).unwrap_or(0)
+    }
+
+    /// Events of the iterations ended so far.
+    pub fn events(&self) -> u64 {
+        self.with(|s| s.events).unwrap_or(0)
+    }
+
+    /// Bytes of heap the history holds: the scripts, the records of past iterations,
+    /// the names and the iteration in progress. Flat once every distinct iteration of a
+    /// run has been seen, however long the run.
+    pub fn history_bytes(&self) -> usize {
+        self.with(|s| s.heap_bytes()).unwrap_or(0)
+    }
+
+    /// A copy of the history now (the scripts shared, not copied).
+    pub fn snapshot(&self) -> TimelineSnapshot {
+        self.with(|state| TimelineSnapshot {
+            workspaces: state.workspaces.clone(),
+            layers: state.layers.clone(),
+            scripts: state.scripts.clone(),
+            stats: state.stats.clone(),
+            records: merged_records(state),
+            iterations: state.iterations,
+            events: state.events,
+            unstored: state.unstored,
+            history_bytes: state.heap_bytes(),
+        })
+        .unwrap_or_else(|_| TimelineSnapshot::default())
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        let _ = STATE.try_with(|cell| {
+            if let Ok(mut state) = cell.try_borrow_mut() {
+                if state.as_ref().is_some_and(|s| s.id == self.id) {
+                    *state = None;
+                }
+            }
+        });
+    }
+}
+
+fn busy() -> Error {
+    Error::InvalidInput("the timeline is not recording on this thread (or is in use by the call that asks)".into())
+}
+
+/// The sample of the whole run and the recent iterations, in order, each once.
+fn merged_records(state: &State) -> Vec<IterationRecord> {
+    let mut records: Vec<IterationRecord> = Vec::with_capacity(state.samples.len() + state.recent.len());
+    let first_recent = state.recent.front().map_or(u64::MAX, |r| r.index);
+    records.extend(state.samples.iter().filter(|r| r.index < first_recent));
+    records.extend(state.recent.iter());
+    records
+}
+
+/// One iteration of the history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IterationRecord {
+    /// Its place in the run, from 0.
+    pub index: u64,
+    /// The script it repeated (`None`: unlike every stored script, and the store was
+    /// full).
+    pub script: Option<u32>,
+    /// Nanoseconds from the timeline's start to the iteration's start.
+    pub start_ns: u64,
+    /// Its duration in nanoseconds.
+    pub duration_ns: u64,
+    /// Its events.
+    pub events: u64,
+}
+
+/// The figures of one script (a distinct iteration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScriptStats {
+    /// Its id (its place among the scripts).
+    pub script: u32,
+    /// Its events.
+    pub events: usize,
+    /// The most bytes, as asked for, live at once in it.
+    pub lower_bound: u64,
+    /// The most bytes, padded, live at once in it.
+    pub peak_bytes: u64,
+    /// The first and the last iteration that repeated it.
+    pub first_iteration: u64,
+    /// See `first_iteration`.
+    pub last_iteration: u64,
+    /// Iterations that repeated it.
+    pub iterations: u64,
+    /// Their total duration in nanoseconds.
+    pub total_ns: u64,
+}
+
+/// One event of a script, as a user reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TimelineEvent {
+    /// The workspace's name.
+    pub workspace: Arc<str>,
+    /// What happened.
+    pub kind: EventKind,
+    /// 0 for the cycle, the frame's level for a frame.
+    pub level: u8,
+    /// The role of the cycle (an allocation's; `None` for a close, or a workspace not
+    /// entered through a [`LayerWorkspaceMgr`]).
+    pub role: Option<ArrayType>,
+    /// The layer that was allocating ([`layer`]), if any.
+    pub layer: Option<Arc<str>>,
+    /// Nanoseconds from the start of the iteration the script was recorded in.
+    pub time_ns: u32,
+}
+
+/// What an event did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// An allocation.
+    Alloc {
+        /// Bytes it takes (padded to the workspace's alignment unit).
+        bytes: u64,
+        /// Bytes it asked for.
+        requested: u64,
+    },
+    /// The close of the cycle (level 0) or a frame: what it allocated is dead.
+    Close,
+}
+
+/// A copy of a timeline's history (see [`Timeline::snapshot`]).
+#[derive(Clone, Default)]
+pub struct TimelineSnapshot {
+    workspaces: Vec<Arc<str>>,
+    layers: Vec<Arc<str>>,
+    scripts: Vec<Arc<Script>>,
+    stats: Vec<ScriptStats>,
+    records: Vec<IterationRecord>,
+    iterations: u64,
+    events: u64,
+    unstored: u64,
+    history_bytes: usize,
+}
+
+impl std::fmt::Debug for TimelineSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TimelineSnapshot")
+            .field("workspaces", &self.workspaces)
+            .field("scripts", &self.scripts.len())
+            .field("iterations", &self.iterations)
+            .field("events", &self.events)
+            .finish()
+    }
+}
+
+impl TimelineSnapshot {
+    /// Iterations the run had when the snapshot was taken.
+    pub fn iterations_recorded(&self) -> u64 {
+        self.iterations
+    }
+
+    /// Events of those iterations.
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// Iterations unlike every stored script when the store was full (counted only).
+    pub fn unstored_iterations(&self) -> u64 {
+        self.unstored
+    }
+
+    /// Bytes the history held (see [`Timeline::history_bytes`]).
+    pub fn history_bytes(&self) -> usize {
+        self.history_bytes
+    }
+
+    /// The workspaces recorded, in the order they were attached.
+    pub fn workspaces(&self) -> &[Arc<str>] {
+        &self.workspaces
+    }
+
+    /// The figures of every script.
+    pub fn scripts(&self) -> &[ScriptStats] {
+        &self.stats
+    }
+
+    /// The iterations kept: a sample of the whole run, then the most recent ones, in
+    /// order.
+    pub fn records(&self) -> &[IterationRecord] {
+        &self.records
+    }
+
+    /// The events of script `id` (empty for an unknown id).
+    pub fn script_events(&self, id: u32) -> Vec<TimelineEvent> {
+        let Some(script) = self.scripts.get(id as usize) else { return Vec::new() };
+        script.steps.iter().zip(&script.times).map(|(step, &time_ns)| self.event(step, time_ns)).collect()
+    }
+
+    fn event(&self, step: &Step, time_ns: u32) -> TimelineEvent {
+        TimelineEvent {
+            workspace: self.workspaces.get(usize::from(step.workspace)).cloned().unwrap_or_else(|| "?".into()),
+            kind: match step.close {
+                true => EventKind::Close,
+                false => EventKind::Alloc { bytes: step.bytes, requested: step.requested },
+            },
+            level: step.level,
+            role: role_of(step.role),
+            layer: self.layer_name(step.layer),
+            time_ns,
+        }
+    }
+
+    fn layer_name(&self, layer: u32) -> Option<Arc<str>> {
+        self.layers.get(layer as usize).cloned()
+    }
+}
+
+/// The role of a step's role index.
+pub(crate) fn role_of(role: u8) -> Option<ArrayType> {
+    ArrayType::ALL.get(usize::from(role)).copied()
+}
