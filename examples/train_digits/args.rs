@@ -90,6 +90,16 @@ pub(crate) struct Args {
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     pub(crate) save: Option<PathBuf>,
 
+    /// Record a timeline of the run's workspace memory and write it
+    /// to FILE as a Chrome trace (open it in https://ui.perfetto.dev
+    /// or chrome://tracing): a counter track per workspace, a slice
+    /// per allocation with its role and layer; adds
+    /// `timeline_events` and `timeline_bytes` to the JSON. With
+    /// --compare the timeline is on in odd epochs and off in even
+    /// ones, for `iter_time_ratio_timeline_over_off`
+    #[arg(long, value_name = "FILE", verbatim_doc_comment)]
+    pub(crate) timeline: Option<PathBuf>,
+
     /// Measure where each training step's time goes (matrix
     /// multiply, elementwise, loss, updater, checks, copies,
     /// bookkeeping) after epoch 1, and carve's matrix multiply
@@ -137,6 +147,11 @@ impl Args {
         if self.data_parallel() && self.both_modes() {
             return Err("--workers and --reducer train one data-parallel run, --compare and --plot compare \
                         workspace modes: use one or the other"
+                .to_string());
+        }
+        if self.data_parallel() && self.timeline.is_some() {
+            return Err("--timeline records the workspaces of the training thread's network, --workers and \
+                        --reducer train on a thread or process per worker: use one or the other"
                 .to_string());
         }
         if self.data_parallel() && self.threads > 1 {

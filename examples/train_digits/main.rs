@@ -142,12 +142,15 @@ mod parallel;
 #[path = "../common/plot.rs"]
 mod plot;
 mod report;
+#[path = "../common/timeline.rs"]
+mod timeline;
 mod train;
 
 use std::error::Error;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+use carve::workspace_core::timeline::Timeline;
 use carve::WorkspaceMode;
 
 use args::Args;
@@ -174,6 +177,9 @@ fn run(args: &Args) -> Res<()> {
     }
     if let Some(path) = &args.save {
         cli::check_writable(path, "--save", "the model")?;
+    }
+    if let Some(path) = &args.timeline {
+        cli::check_writable(path, "--timeline", "the timeline")?;
     }
     let data = data::load_digits(&data::data_path())?;
     let (train_rows, test_rows) = data::stratified_split(&data.y, args.seed);
@@ -260,6 +266,19 @@ fn run(args: &Args) -> Res<()> {
     ));
     out(&format!("workspaces: {}", modes.iter().map(|&m| mode_name(m)).collect::<Vec<_>>().join(" and ")));
 
+    // The timeline records every mode's network; with --compare, in odd epochs only.
+    let timeline = match &args.timeline {
+        Some(_) => {
+            let timeline = Timeline::start()?;
+            for run in runs.iter_mut() {
+                run.net.attach_timeline(&timeline)?;
+            }
+            Some(timeline)
+        }
+        None => None,
+    };
+    let toggle_timeline = timeline.is_some() && args.both_modes();
+
     let progress = Progress::new(args.json, std::io::stderr().is_terminal())?;
     for run in runs.iter_mut() {
         run.bar = progress.bar(run.mode, iterations);
@@ -273,6 +292,12 @@ fn run(args: &Args) -> Res<()> {
             }
         }
         for run in runs.iter_mut() {
+            if let (Some(timeline), true) = (&timeline, toggle_timeline) {
+                match epoch % 2 {
+                    1 => run.net.attach_timeline(timeline)?,
+                    _ => run.net.detach_timeline(timeline)?,
+                }
+            }
             train_epoch(run, (epoch, args.epochs), &test, &progress, &mut rss)?;
         }
     }
@@ -376,6 +401,19 @@ fn run(args: &Args) -> Res<()> {
         out(&format!("plot written to {}", path.display()));
     }
 
+    let timeline_figures = match (&timeline, &args.timeline) {
+        (Some(timeline), Some(path)) => {
+            let figures = timeline::export(
+                timeline,
+                path,
+                toggle_timeline.then(|| (&runs[0].trace.iter_ns[..], iters_per_epoch)),
+            )?;
+            out(&figures.line(path));
+            Some(figures)
+        }
+        _ => None,
+    };
+
     if let Some(path) = &args.save {
         runs[0].net.save(path).map_err(|e| format!("saving the model: {e}"))?;
         out(&format!("model saved to {} (serve it: serve_digits --model {})", path.display(), path.display()));
@@ -403,6 +441,9 @@ fn run(args: &Args) -> Res<()> {
             "loss_traces_identical": identical,
             "saved": args.save.as_ref().map(|p| p.display().to_string()),
         });
+        if let Some(figures) = &timeline_figures {
+            figures.add_to(&mut object);
+        }
         for (s, run) in summaries.iter().zip(&runs) {
             object[mode_name(s.mode)] = summary_json(s, &rss);
             if let (Some(b), Some(gemm)) = (run.net.breakdown(), gemm_gflops) {

@@ -757,7 +757,7 @@ impl Network {
         let Network { layers, dry_run, .. } = self;
         let shadow = dry_run.as_deref().expect("made by dry_run");
         shadow.infer.reset_peaks();
-        probabilities(layers.iter_mut(), &shadow.infer, batch.input(), |_| Ok(()))
+        probabilities(layers.iter_mut(), &shadow.infer, batch.input(), None, |_| Ok(()))
     }
 }
 

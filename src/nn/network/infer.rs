@@ -13,17 +13,22 @@ use super::super::layer::Activations;
 use super::super::loss::SoftmaxCrossEntropy;
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
 use super::{check_labels, forward, Input, Labels, Network, Stage};
+use workspace_core::timeline::LayerLabel;
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
     /// handed to `f` while they are alive. Planned: the inference replays the plan of
     /// its input's shape (or is recorded).
     fn infer<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
-        let Some(group) = self.infer.plan_group().cloned() else {
-            return self.forward_probabilities(x, f);
+        let result = match self.infer.plan_group().cloned() {
+            None => self.forward_probabilities(x, f),
+            Some(group) => {
+                let key = shape_key(&x, None);
+                group.iteration(key, || self.forward_probabilities(x, f)).map(|(r, _)| r)
+            }
         };
-        let key = shape_key(&x, None);
-        Ok(group.iteration(key, || self.forward_probabilities(x, f))?.0)
+        self.end_timeline_iteration();
+        result
     }
 
     /// [`Network::infer`]'s forward pass.
@@ -34,8 +39,8 @@ impl Network {
     ) -> Result<R> {
         let x = x.reborrow();
         self.check_input(&x)?;
-        let Network { layers, infer: mgr, .. } = self;
-        probabilities(layers.iter_mut(), mgr, x, f)
+        let Network { layers, infer: mgr, timeline, .. } = self;
+        probabilities(layers.iter_mut(), mgr, x, timeline.as_deref().map(|l| &l.layers[..]), f)
     }
 }
 
@@ -46,13 +51,14 @@ pub(crate) fn probabilities<S: Stage, R>(
     layers: impl IntoIterator<Item = S>,
     mgr: &LayerWorkspaceMgr,
     x: Input<'_>,
+    labels: Option<&[LayerLabel]>,
     f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
 ) -> Result<R> {
     let x = x.reborrow();
     let mask = x.mask();
     let act = mgr.enter(ArrayType::Activations)?;
     let x = standard_input(x, &act)?;
-    let input = forward(layers, mgr, &act, x.activations(), mask, false, |_, _| Ok(()))?;
+    let input = forward(layers, mgr, &act, x.activations(), mask, false, labels, |_, _| Ok(()))?;
     // A sequence output (labels per step) gives a row per example and step.
     let logits = match input {
         Activations::Flat(logits) => logits,

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
+use workspace_core::timeline::{self, LayerLabel, Timeline};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, TypedScope, Workspace, WorkspaceMode};
 
 use super::finite;
@@ -72,6 +73,37 @@ pub struct Network {
     pool: Option<super::gemm::pool::Pool>,
     /// The shape-only workspaces of [`Network::dry_run`], made by its first call.
     dry_run: Option<Box<dry::Shadow>>,
+    /// The labels of a [`Timeline`] recording this network's workspaces (`None`: none
+    /// does): each training step and inference then ends one of its iterations.
+    timeline: Option<Box<LayerLabels>>,
+}
+
+/// The layer labels of a network that a timeline records, interned once.
+pub(crate) struct LayerLabels {
+    pub(crate) layers: Vec<LayerLabel>,
+    pub(crate) input: LayerLabel,
+    pub(crate) loss: LayerLabel,
+    pub(crate) updater: LayerLabel,
+}
+
+impl LayerLabels {
+    fn new(layers: &[Box<dyn Layer>]) -> LayerLabels {
+        LayerLabels {
+            layers: layers.iter().map(|l| LayerLabel::new(l.name())).collect(),
+            input: LayerLabel::new("input"),
+            loss: LayerLabel::new("loss"),
+            updater: LayerLabel::new("updater"),
+        }
+    }
+}
+
+/// Labels the allocations from here on as `label`'s, while a timeline records this
+/// network (see [`LayerLabels`]; the end of the step clears the label).
+#[inline]
+pub(crate) fn label(label: Option<LayerLabel>) {
+    if label.is_some() {
+        timeline::set_layer(label);
+    }
 }
 
 impl std::fmt::Debug for Network {
@@ -145,7 +177,66 @@ impl Network {
             memory_plan: None,
             recorded: None,
             dry_run: None,
+            timeline: None,
         })
+    }
+
+    /// Records this network's workspaces (training and inference) in `timeline`, the
+    /// timeline recording on this thread, from the next step on: every training step
+    /// and every inference is then one iteration of its history, its allocations
+    /// labelled by role and layer (see [`workspace_core::timeline`]). Several networks
+    /// of a thread may record in one timeline.
+    ///
+    /// ```
+    /// use carve::nn::{Network, NetworkConfig};
+    /// use carve::ndarray::{Array1, Array2};
+    /// use carve::workspace_core::timeline::Timeline;
+    ///
+    /// let mut net = Network::new(NetworkConfig::builder(8).dense(16).relu().dense(3).build()?)?;
+    /// let timeline = Timeline::start()?;
+    /// net.attach_timeline(&timeline)?;
+    /// let (x, y) = (Array2::<f32>::ones((4, 8)), Array1::<u32>::zeros(4));
+    /// for _ in 0..10 {
+    ///     net.fit_batch(x.view(), y.view())?;
+    /// }
+    /// let snapshot = timeline.snapshot();
+    /// assert_eq!(snapshot.iterations_recorded(), 10);
+    /// assert!(snapshot.scripts().len() <= 2); // the first steps learn; the rest repeat
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Workspace`] when `timeline` does not record on this thread or a
+    /// workspace is open.
+    pub fn attach_timeline(&mut self, timeline: &Timeline) -> Result<()> {
+        for mgr in self.train.iter().chain(std::iter::once(&self.infer)) {
+            timeline.attach_mgr(mgr)?;
+        }
+        self.timeline = Some(Box::new(LayerLabels::new(&self.layers)));
+        Ok(())
+    }
+
+    /// Stops recording this network's workspaces in `timeline` (what it recorded stays).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Workspace`] when a workspace is open.
+    pub fn detach_timeline(&mut self, timeline: &Timeline) -> Result<()> {
+        for mgr in self.train.iter().chain(std::iter::once(&self.infer)) {
+            mgr.workspaces().try_for_each(|ws| timeline.detach(ws))?;
+        }
+        self.timeline = None;
+        Ok(())
+    }
+
+    /// Ends an iteration of the timeline recording this network, if one does.
+    #[inline]
+    fn end_timeline_iteration(&self) {
+        if self.timeline.is_some() {
+            timeline::set_layer(None);
+            timeline::end_iteration();
+        }
     }
 
     /// Input columns.
@@ -351,9 +442,11 @@ pub(crate) fn forward<'s, S: Stage>(
     mut input: Activations<'s>,
     mask: Option<ArrayView2<'s, f32>>,
     training: bool,
+    labels: Option<&[LayerLabel]>,
     mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
 ) -> Result<Activations<'s>> {
-    for mut layer in layers {
+    for (i, mut layer) in layers.into_iter().enumerate() {
+        label(labels.and_then(|l| l.get(i).copied()));
         let working = mgr.enter(ArrayType::FfWorkingMem)?;
         let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
         let y = {

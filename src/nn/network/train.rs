@@ -16,7 +16,7 @@ use super::super::gemm;
 use super::super::layer::{Activations, BackwardCtx, Layer};
 use super::super::profile::{self, Part, StepBreakdown};
 use super::batch::shape_key;
-use super::{forward, Input, Labels, Network};
+use super::{forward, label, Input, Labels, Network};
 use super::{lease_input, lease_labels, loss_input, standard_labels, training_input};
 
 impl Network {
@@ -42,7 +42,9 @@ impl Network {
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let measured = profile::start(self.breakdown.is_some());
         let _pool = gemm::pool::use_pool(self.pool.as_ref());
-        let loss = self.fit_batch_unmeasured(x.into(), labels.into())?;
+        let loss = self.fit_batch_unmeasured(x.into(), labels.into());
+        self.end_timeline_iteration();
+        let loss = loss?;
         if let Some(breakdown) = self.breakdown.as_mut() {
             measured.finish(breakdown);
         }
@@ -177,7 +179,8 @@ impl Network {
         if !dry {
             finite::check_activations("input", "the batch", x.activations(), mask)?;
         }
-        let Network { layers, loss, updater, train, dry_run, .. } = self;
+        let Network { layers, loss, updater, train, dry_run, timeline, .. } = self;
+        let tl = timeline.as_deref();
         let train = match (dry, dry_run.as_deref()) {
             (false, _) => &*train,
             (true, Some(shadow)) => &shadow.train,
@@ -190,13 +193,15 @@ impl Network {
         let act = mgr.enter(ArrayType::Activations)?;
         // Sequences (and labels per step) in another layout, or with padding, are copied
         // once, here.
+        label(tl.map(|l| l.input));
         let (x, labels) = {
             let _span = profile::span(Part::Copies);
             (training_input(x, &act)?, standard_labels(labels, &act)?)
         };
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, true, |layer, y| {
+        let layer_labels = tl.map(|l| &l.layers[..]);
+        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, true, layer_labels, |layer, y| {
             if !dry {
                 finite::check_activations(layer, "its output", y, mask)?;
             }
@@ -210,6 +215,7 @@ impl Network {
         // input into the other (see `Gradient`). The loss and its gradient come from
         // one pass over the logits.
         let depth = layers.len();
+        label(tl.map(|l| l.loss));
         let mut grad = Gradient::zeros(&train[0], input)?;
         // A dry run allocates the loss's gradient (above) and computes nothing.
         let batch_loss = match dry {
@@ -223,6 +229,7 @@ impl Network {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
         }
         for (i, layer) in layers.iter_mut().enumerate().rev() {
+            label(tl.and_then(|l| l.layers.get(i).copied()));
             let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
             // The gradient of the first layer's input is not needed.
             let mut below = match i {
@@ -262,6 +269,7 @@ impl Network {
         drop(act);
 
         {
+            label(tl.map(|l| l.updater));
             let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
             if !dry {
                 let _span = profile::span(Part::Updater);

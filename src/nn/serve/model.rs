@@ -180,7 +180,7 @@ impl Model {
         f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
     ) -> Result<(R, bool)> {
         let group = mgr.plan_group().expect("serving arenas are planned");
-        group.iteration(shape_key(&x, None), || probabilities(self.layers.iter(), mgr, x, f))
+        group.iteration(shape_key(&x, None), || probabilities(self.layers.iter(), mgr, x, None, f))
     }
 }
 

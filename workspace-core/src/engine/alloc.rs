@@ -71,6 +71,10 @@ impl<B: ArenaBackend> Engine<B> {
                 // close moves `cursor` down, never below the start of the block's range.
                 let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
+                if self.tap.get().is_some() {
+                    // Only the top frame (or the cycle, with none open) bumps here.
+                    self.tap_alloc(self.frame_top.get(), size, end - cursor);
+                }
                 return Some((base, cursor));
             }
         }
@@ -121,9 +125,9 @@ impl<B: ArenaBackend> Engine<B> {
             let align = align.max(self.min_align);
             let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
             self.emit(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
-            if let Some(tap) = self.tap.get() {
-                crate::timeline::tapped_alloc(tap, level, size, bytes);
-            }
+        }
+        if self.tap.get().is_some() {
+            self.tap_alloc(level, size, align_up(size, self.min_align).unwrap_or(usize::MAX));
         }
         Ok(placed)
     }

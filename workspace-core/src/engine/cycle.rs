@@ -36,9 +36,6 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        if self.tap.get().is_some() {
-            self.refresh_tap();
-        }
         let slow_only = self.debug.on.get() || self.recording.get();
         self.fast_base.set(self.arena_base.get());
         let fast_limit = if slow_only { 0 } else { self.capacity.get() };
@@ -172,6 +169,11 @@ impl<B: ArenaBackend> Engine<B> {
 
     #[inline(always)]
     pub(super) fn close_cycle(&self) {
+        if self.tap.get().is_some() {
+            self.tap_close(0);
+        }
+        // The next cycle's role is what its enter says, if anything.
+        self.role.set(crate::timeline::NO_ROLE);
         // The common case: a scoped workspace whose cycle did not spill (so the fast
         // path is still on and `open_start` is 0), with no timeline to record.
         if self.plain_close.get() && self.virtual_cursor.get().is_none() {

@@ -231,6 +231,9 @@ impl<B: ArenaBackend> Engine<B> {
         if self.recording.get() || self.grouped.get() {
             self.emit(Event::Close { owner });
         }
+        if self.tap.get().is_some() {
+            self.tap_close(mark.level);
+        }
         let lowest = {
             let mut slots = self.frames.slots.borrow_mut();
             slots[level - 1].open = false;

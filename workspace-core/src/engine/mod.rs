@@ -170,7 +170,7 @@ pub struct Engine<B: ArenaBackend> {
     /// The recorder: a [`Member`] that sees every event.
     recorder: RefCell<Option<Box<dyn Member<B>>>>,
     /// The timeline recording this workspace (see [`crate::timeline`]): told every
-    /// allocation and close, with the fast path off as for a recorder.
+    /// allocation (on the fast path too) and every close.
     tap: Cell<Option<crate::timeline::Tap>>,
     /// The role of the open cycle ([`crate::ArrayType::index`]), as the layer manager
     /// entered it (`NO_ROLE`: none), for the report of a failure.
@@ -426,9 +426,6 @@ impl<B: ArenaBackend> Engine<B> {
     #[inline]
     pub(crate) fn note_role(&self, role: crate::ArrayType) {
         self.role.set(role.index() as u8);
-        if let Some(tap) = self.tap.get() {
-            crate::timeline::tapped_role(tap, role);
-        }
     }
 
     /// Records this workspace's events into the timeline of `tap` from its next cycle
@@ -440,18 +437,29 @@ impl<B: ArenaBackend> Engine<B> {
     pub(crate) fn set_tap(&self, tap: Option<crate::timeline::Tap>) -> Result<()> {
         self.require_closed("attaching a timeline or detaching it")?;
         self.tap.set(tap);
-        self.recording.set(self.recorder.borrow().is_some() || tap.is_some());
-        self.refresh_plain_close();
         Ok(())
     }
 
-    /// A tap whose timeline no longer records on this thread is dropped (at a cycle's
-    /// start, while closed).
+    /// Tells the timeline of an allocation of `size` bytes (`bytes` padded) by the
+    /// owner at `level` (out of line: the fast path only tests for a tap).
     #[cold]
-    fn refresh_tap(&self) {
+    #[inline(never)]
+    pub(super) fn tap_alloc(&self, level: u32, size: usize, bytes: usize) {
         if let Some(tap) = self.tap.get() {
-            if !crate::timeline::is_recording(tap) {
-                let _ = self.set_tap(None);
+            if !crate::timeline::tapped_alloc(tap, level, size, bytes, self.role.get()) {
+                // The timeline ended (or records on another thread): let go of it.
+                self.tap.set(None);
+            }
+        }
+    }
+
+    /// Tells the timeline of the close of the owner at `level` (0: the cycle).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn tap_close(&self, level: u32) {
+        if let Some(tap) = self.tap.get() {
+            if !crate::timeline::tapped_close(tap, level) {
+                self.tap.set(None);
             }
         }
     }
@@ -505,7 +513,7 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(old) = self.recorder.borrow().as_ref() {
             old.detach(&self.name)?;
         }
-        self.recording.set(recorder.is_some() || self.tap.get().is_some());
+        self.recording.set(recorder.is_some());
         *self.recorder.borrow_mut() = recorder;
         self.refresh_plain_close();
         Ok(())

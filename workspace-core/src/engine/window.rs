@@ -170,9 +170,6 @@ impl<B: ArenaBackend> Engine<B> {
             if let Some(recorder) = self.recorder.borrow().as_ref() {
                 recorder.event(event);
             }
-            if let (Some(tap), Event::Close { owner }) = (self.tap.get(), event) {
-                crate::timeline::tapped_close(tap, (owner >> crate::plan::FRAME_LEVEL_SHIFT) as u32);
-            }
         }
     }
 

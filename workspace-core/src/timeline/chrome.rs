@@ -57,7 +57,10 @@ impl TimelineSnapshot {
             chosen.len()
         )?;
         write!(w, "{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,\"args\":{{\"name\":\"carve workspaces\"}}}}")?;
-        write!(w, ",{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":0,\"args\":{{\"name\":\"iterations\"}}}}")?;
+        write!(
+            w,
+            ",{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":0,\"args\":{{\"name\":\"iterations\"}}}}"
+        )?;
         for (i, ws) in self.workspaces.iter().enumerate() {
             write!(
                 w,
@@ -90,15 +93,15 @@ impl TimelineSnapshot {
             end_of_each(&script.steps, &mut ends, &mut ended);
             live.iter_mut().for_each(|l| *l = 0);
             for (i, step) in script.steps.iter().enumerate() {
-                let ws = usize::from(step.workspace);
+                let ws = usize::from(step.workspace());
                 let ts = at(i);
-                if step.close {
+                if step.close() {
                     // What the close ends is no longer live.
                     live[ws] = live[ws].saturating_sub(ended[i]);
                 } else {
                     let end = ends[i].map_or(start + duration, at).max(ts);
-                    let role = role_of(step.role).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
-                    let layer = self.layer_name(step.layer);
+                    let role = role_of(step.role()).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
+                    let layer = self.layer_name(step.layer());
                     let name = match &layer {
                         Some(layer) => format!("{role} · {layer}"),
                         None => role.clone(),
@@ -117,7 +120,7 @@ impl TimelineSnapshot {
                         layer.as_deref().map_or("null".to_string(), json),
                         step.bytes,
                         step.requested,
-                        step.level,
+                        step.level(),
                         record.index,
                         i
                     )?;
@@ -154,8 +157,7 @@ fn choose(records: &[IterationRecord], most: usize) -> Vec<IterationRecord> {
     let recent = most / 2;
     let (earlier, last) = records.split_at(records.len() - recent);
     let spread = most - recent;
-    let mut chosen: Vec<IterationRecord> =
-        (0..spread).map(|k| earlier[k * earlier.len() / spread.max(1)]).collect();
+    let mut chosen: Vec<IterationRecord> = (0..spread).map(|k| earlier[k * earlier.len() / spread.max(1)]).collect();
     chosen.dedup_by_key(|r| r.index);
     chosen.extend_from_slice(last);
     chosen
@@ -170,11 +172,11 @@ fn end_of_each(steps: &[Step], ends: &mut Vec<Option<usize>>, ended: &mut Vec<u6
     ended.resize(steps.len(), 0);
     let mut open: Vec<usize> = Vec::new();
     for (i, step) in steps.iter().enumerate() {
-        if step.close {
+        if step.close() {
             let ended_bytes = &mut *ended;
             open.retain(|&a| {
                 let s = &steps[a];
-                let ended = s.workspace == step.workspace && s.level >= step.level;
+                let ended = s.workspace() == step.workspace() && s.level() >= step.level();
                 if ended {
                     ends[a] = Some(i);
                     ended_bytes[i] += s.bytes;

@@ -62,9 +62,12 @@ mod report;
 mod state;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::{ArrayType, LayerWorkspaceMgr, Workspace};
@@ -106,68 +109,106 @@ fn with_state<R>(id: u32, f: impl FnOnce(&mut State) -> R) -> Option<R> {
         .flatten()
 }
 
-/// Whether the timeline of `tap` still records on this thread.
-pub(crate) fn is_recording(tap: Tap) -> bool {
-    with_state(tap.timeline, |_| ()).is_some()
+/// An allocation of `requested` bytes (`bytes` padded) by the owner at `level`, in a
+/// cycle of `role`; whether the timeline of `tap` still records on this thread (else
+/// the workspace lets go of it).
+#[inline]
+pub(crate) fn tapped_alloc(tap: Tap, level: u32, requested: usize, bytes: usize, role: u8) -> bool {
+    let step = Step::new(bytes as u64, requested as u64, tap.workspace, level, role, false);
+    with_state(tap.timeline, |state| state.event(step)).is_some()
 }
 
-/// An allocation of `requested` bytes (`bytes` padded) by the owner at `level`.
+/// The close of the owner at `level`; whether the timeline still records (as
+/// [`tapped_alloc`]).
 #[inline]
-pub(crate) fn tapped_alloc(tap: Tap, level: u32, requested: usize, bytes: usize) {
-    with_state(tap.timeline, |state| {
-        state.event(Step {
-            bytes: bytes as u64,
-            requested: requested as u64,
-            layer: NO_LAYER,
-            workspace: tap.workspace,
-            level: level.min(255) as u8,
-            role: NO_ROLE,
-            close: false,
-        })
-    });
+pub(crate) fn tapped_close(tap: Tap, level: u32) -> bool {
+    let step = Step::new(0, 0, tap.workspace, level, NO_ROLE, true);
+    with_state(tap.timeline, |state| state.event(step)).is_some()
 }
 
-/// The close of the owner at `level`.
-#[inline]
-pub(crate) fn tapped_close(tap: Tap, level: u32) {
-    with_state(tap.timeline, |state| {
-        state.event(Step {
-            bytes: 0,
-            requested: 0,
-            layer: NO_LAYER,
-            workspace: tap.workspace,
-            level: level.min(255) as u8,
-            role: NO_ROLE,
-            close: true,
-        })
-    });
+/// The names of layer labels, process-wide: a label is an index into them.
+struct Names {
+    list: Vec<Arc<str>>,
+    index: HashMap<Arc<str>, u32, BuildHasherDefault<std::collections::hash_map::DefaultHasher>>,
 }
 
-/// The cycle of `tap`'s workspace serves `role` from now on.
-#[inline]
-pub(crate) fn tapped_role(tap: Tap, role: ArrayType) {
-    with_state(tap.timeline, |state| {
-        if let Some(slot) = state.roles.get_mut(usize::from(tap.workspace)) {
-            *slot = role.index() as u8;
+static NAMES: Mutex<Names> =
+    Mutex::new(Names { list: Vec::new(), index: HashMap::with_hasher(BuildHasherDefault::new()) });
+
+fn names() -> std::sync::MutexGuard<'static, Names> {
+    NAMES.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The name of label `id`, if there is one.
+pub(crate) fn label_name(id: u32) -> Option<Arc<str>> {
+    names().list.get(id as usize).cloned()
+}
+
+/// A layer's name, interned once (process-wide), to label allocations without
+/// comparing strings at each step ([`labelled`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerLabel(u32);
+
+impl LayerLabel {
+    /// The label of layer `name` (the same label for the same name, on any thread).
+    pub fn new(name: &str) -> LayerLabel {
+        let mut names = names();
+        if let Some(&id) = names.index.get(name) {
+            return LayerLabel(id);
         }
-    });
+        let id = u32::try_from(names.list.len()).unwrap_or(NO_LAYER - 1).min(NO_LAYER - 1);
+        let name: Arc<str> = name.into();
+        names.list.push(name.clone());
+        names.index.insert(name, id);
+        LayerLabel(id)
+    }
+
+    /// The layer's name.
+    pub fn name(self) -> Arc<str> {
+        label_name(self.0).unwrap_or_else(|| "?".into())
+    }
 }
 
-/// Labels what the thread allocates, until the guard drops, as made by layer `name`
-/// (when a timeline records on this thread; otherwise it does nothing and costs a
-/// thread-local read). Guards nest: dropping one restores the label before it.
+/// Labels what the thread allocates, until the guard drops, as made by the layer of
+/// `label` (when a timeline records on this thread; otherwise it does nothing and
+/// costs a thread-local read). Guards nest: dropping one restores the label before it.
 #[must_use = "the label holds until the guard drops"]
-pub fn layer(name: &str) -> LayerGuard {
+#[inline]
+pub fn labelled(label: LayerLabel) -> LayerGuard {
     let previous = STATE
         .try_with(|cell| {
             let mut state = cell.try_borrow_mut().ok()?;
             let state = state.as_mut()?;
-            let id = state.intern(name);
-            Some((state.id, std::mem::replace(&mut state.layer, id)))
+            Some((state.id, std::mem::replace(&mut state.layer, label.0)))
         })
         .ok()
         .flatten();
     LayerGuard { previous, _thread: PhantomData }
+}
+
+/// Labels what the thread allocates from now on as made by the layer of `label`
+/// (`None`: no layer), until the next call or guard: [`labelled`] without a guard, for
+/// code that labels each part of a step in turn and clears the label at its end.
+#[inline]
+pub fn set_layer(label: Option<LayerLabel>) {
+    let _ = STATE.try_with(|cell| {
+        if let Ok(mut state) = cell.try_borrow_mut() {
+            if let Some(state) = state.as_mut() {
+                state.layer = label.map_or(NO_LAYER, |l| l.0);
+            }
+        }
+    });
+}
+
+/// [`labelled`] by name: the name is interned (under a process-wide lock) only while a
+/// timeline records on this thread. Code that labels at every step keeps a
+/// [`LayerLabel`] instead.
+#[must_use = "the label holds until the guard drops"]
+pub fn layer(name: &str) -> LayerGuard {
+    if !is_active() {
+        return LayerGuard { previous: None, _thread: PhantomData };
+    }
+    labelled(LayerLabel::new(name))
 }
 
 /// Restores the layer label before it when dropped (see [`layer`]).
@@ -298,7 +339,7 @@ impl Timeline {
     pub fn snapshot(&self) -> TimelineSnapshot {
         self.with(|state| TimelineSnapshot {
             workspaces: state.workspaces.clone(),
-            layers: state.layers.clone(),
+            layers: names().list.clone(),
             scripts: state.scripts.clone(),
             stats: state.stats.clone(),
             records: merged_records(state),
@@ -475,14 +516,14 @@ impl TimelineSnapshot {
 
     fn event(&self, step: &Step, time_ns: u32) -> TimelineEvent {
         TimelineEvent {
-            workspace: self.workspaces.get(usize::from(step.workspace)).cloned().unwrap_or_else(|| "?".into()),
-            kind: match step.close {
+            workspace: self.workspaces.get(usize::from(step.workspace())).cloned().unwrap_or_else(|| "?".into()),
+            kind: match step.close() {
                 true => EventKind::Close,
                 false => EventKind::Alloc { bytes: step.bytes, requested: step.requested },
             },
-            level: step.level,
-            role: role_of(step.role),
-            layer: self.layer_name(step.layer),
+            level: step.level(),
+            role: role_of(step.role()),
+            layer: self.layer_name(step.layer()),
             time_ns,
         }
     }

@@ -94,16 +94,16 @@ impl MemoryReport {
         }
         self.lower_bound = Some(lower_bound);
         self.padding_bytes = Some(last.iter().map(|s| s.bytes - s.requested.min(s.bytes)).sum());
-        let own: u64 = last.iter().filter(|s| s.workspace == workspace).map(|s| s.bytes).sum();
+        let own: u64 = last.iter().filter(|s| s.workspace() == workspace).map(|s| s.bytes).sum();
         self.fragmentation_bytes = Some((self.in_use as u64).saturating_sub(own));
         let mut holders: Vec<(u16, u8, u32, u64, u64)> = Vec::new();
         for s in &last {
-            match holders.iter_mut().find(|h| (h.0, h.1, h.2) == (s.workspace, s.role, s.layer)) {
+            match holders.iter_mut().find(|h| (h.0, h.1, h.2) == (s.workspace(), s.role(), s.layer())) {
                 Some(h) => {
                     h.3 += s.bytes;
                     h.4 += 1;
                 }
-                None => holders.push((s.workspace, s.role, s.layer, s.bytes, 1)),
+                None => holders.push((s.workspace(), s.role(), s.layer(), s.bytes, 1)),
             }
         }
         holders.sort_by(|a, b| b.3.cmp(&a.3));
@@ -113,7 +113,7 @@ impl MemoryReport {
             .map(|(ws, role, layer, bytes, allocations)| Holder {
                 workspace: state.workspaces.get(usize::from(ws)).cloned().unwrap_or_else(|| "?".into()),
                 role: if role == NO_ROLE { None } else { role_of(role) },
-                layer: state.layers.get(layer as usize).cloned(),
+                layer: super::label_name(layer),
                 bytes,
                 allocations,
             })

@@ -8,7 +8,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{IterationRecord, ScriptStats, NO_LAYER, NO_ROLE};
+use super::{IterationRecord, ScriptStats, NO_LAYER};
 
 /// Iterations kept with their times, most recent last.
 pub(super) const RECENT: usize = 4096;
@@ -20,23 +20,56 @@ pub(super) const MAX_SCRIPTS: usize = 1024;
 /// Events all stored scripts hold together, at most.
 pub(super) const MAX_STORED_EVENTS: usize = 1 << 21;
 
-/// One event of an iteration, as compared with the script it is expected to repeat.
+/// One event of an iteration, as compared with the script it is expected to repeat:
+/// three words, compared as three words.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Step {
     /// Bytes of an allocation, padded to the workspace's alignment unit (0 for a close).
     pub(crate) bytes: u64,
     /// Bytes the allocation asked for.
     pub(crate) requested: u64,
-    /// The layer allocating (an index into the timeline's names; `NO_LAYER`: none).
-    pub(crate) layer: u32,
-    /// The workspace (an index into the timeline's workspaces).
-    pub(crate) workspace: u16,
-    /// 0 for the cycle, the frame's level for a frame.
-    pub(crate) level: u8,
-    /// The role of the workspace's cycle (`ArrayType::index`; `NO_ROLE`: none).
-    pub(crate) role: u8,
-    /// A close of the owner (`level`), not an allocation.
-    pub(crate) close: bool,
+    /// The layer allocating (bits 0-31: a [`LayerLabel`](super::LayerLabel)'s index,
+    /// `NO_LAYER`: none), the workspace (32-47: its index in the timeline), the owner's
+    /// level (48-54: 0 for the cycle, a frame's level, at most 127), whether it is a
+    /// close (55) and the role of the cycle (56-63: `ArrayType::index`, `NO_ROLE`: none).
+    key: u64,
+}
+
+impl Step {
+    #[inline]
+    pub(crate) fn new(bytes: u64, requested: u64, workspace: u16, level: u32, role: u8, close: bool) -> Step {
+        let key = u64::from(NO_LAYER)
+            | u64::from(workspace) << 32
+            | u64::from(level.min(127)) << 48
+            | u64::from(close) << 55
+            | u64::from(role) << 56;
+        Step { bytes, requested, key }
+    }
+
+    #[inline]
+    fn with_layer(self, layer: u32) -> Step {
+        Step { key: (self.key & !0xffff_ffff) | u64::from(layer), ..self }
+    }
+
+    pub(crate) fn layer(&self) -> u32 {
+        self.key as u32
+    }
+
+    pub(crate) fn workspace(&self) -> u16 {
+        (self.key >> 32) as u16
+    }
+
+    pub(crate) fn level(&self) -> u8 {
+        (self.key >> 48) as u8 & 0x7f
+    }
+
+    pub(crate) fn close(&self) -> bool {
+        self.key >> 55 & 1 == 1
+    }
+
+    pub(crate) fn role(&self) -> u8 {
+        (self.key >> 56) as u8
+    }
 }
 
 /// A distinct iteration: its events, their times in the iteration it was recorded in,
@@ -73,9 +106,9 @@ impl Script {
 pub(crate) fn live_walk(steps: &[Step], mut each: impl FnMut(&[Step])) {
     let mut live: Vec<Step> = Vec::new();
     for step in steps {
-        if step.close {
+        if step.close() {
             // The close of a cycle ends its frames too.
-            live.retain(|s| s.workspace != step.workspace || s.level < step.level);
+            live.retain(|s| s.workspace() != step.workspace() || s.level() < step.level());
         } else {
             live.push(*step);
         }
@@ -88,18 +121,16 @@ pub(crate) struct State {
     pub(super) id: u32,
     pub(super) started: Instant,
     pub(super) workspaces: Vec<Arc<str>>,
-    /// The role of each workspace's open cycle.
-    pub(super) roles: Vec<u8>,
     /// The layer allocating now.
     pub(super) layer: u32,
-    pub(super) layers: Vec<Arc<str>>,
-    layer_index: HashMap<Arc<str>, u32>,
     pub(super) scripts: Vec<Arc<Script>>,
     pub(super) stats: Vec<ScriptStats>,
     by_hash: HashMap<u64, Vec<u32>>,
     stored_events: usize,
     /// The script this iteration is expected to repeat, and how far it has.
     expected: Option<u32>,
+    /// `expected`'s script.
+    expected_script: Option<Arc<Script>>,
     pos: usize,
     /// This iteration's events from the first that did not match (with the matched
     /// prefix copied in front).
@@ -121,15 +152,13 @@ impl State {
             id,
             started: Instant::now(),
             workspaces: Vec::new(),
-            roles: Vec::new(),
             layer: NO_LAYER,
-            layers: Vec::new(),
-            layer_index: HashMap::new(),
             scripts: Vec::new(),
             stats: Vec::new(),
             by_hash: HashMap::new(),
             stored_events: 0,
             expected: None,
+            expected_script: None,
             pos: 0,
             diverged: false,
             scratch: Vec::new(),
@@ -154,36 +183,16 @@ impl State {
         }
         let at = u16::try_from(self.workspaces.len()).ok()?;
         self.workspaces.push(name);
-        self.roles.push(NO_ROLE);
         Some(at)
-    }
-
-    /// The index of layer `name`, interned on first use.
-    pub(super) fn intern(&mut self, name: &str) -> u32 {
-        // A scan beats hashing for the few layers of a network.
-        if let Some(at) = self.layers.iter().take(16).position(|l| &**l == name) {
-            return at as u32;
-        }
-        if let Some(&at) = self.layer_index.get(name) {
-            return at;
-        }
-        let at = self.layers.len() as u32;
-        let name: Arc<str> = name.into();
-        self.layers.push(name.clone());
-        self.layer_index.insert(name, at);
-        at
     }
 
     /// The allocation or close `step`, now.
     #[inline]
-    pub(super) fn event(&mut self, mut step: Step) {
-        step.layer = self.layer;
-        if !step.close {
-            step.role = self.roles.get(usize::from(step.workspace)).copied().unwrap_or(NO_ROLE);
-        }
+    pub(super) fn event(&mut self, step: Step) {
+        let step = step.with_layer(self.layer);
         if !self.diverged {
-            if let Some(expected) = self.expected {
-                if self.scripts[expected as usize].steps.get(self.pos) == Some(&step) {
+            if let Some(script) = &self.expected_script {
+                if script.steps.get(self.pos) == Some(&step) {
                     self.pos += 1;
                     return;
                 }
@@ -220,8 +229,7 @@ impl State {
     pub(super) fn end_iteration(&mut self) {
         let now = self.now_ns();
         let duration_ns = now.saturating_sub(self.iteration_start_ns);
-        let matched = !self.diverged
-            && self.expected.is_some_and(|e| self.pos == self.scripts[e as usize].steps.len());
+        let matched = !self.diverged && self.expected.is_some_and(|e| self.pos == self.scripts[e as usize].steps.len());
         let script = if matched {
             self.expected
         } else {
@@ -271,7 +279,10 @@ impl State {
             }
         }
         self.iterations += 1;
-        self.expected = script.or(self.expected);
+        if script.is_some() && script != self.expected {
+            self.expected = script;
+            self.expected_script = script.map(|s| self.scripts[s as usize].clone());
+        }
         self.pos = 0;
         self.diverged = false;
         self.scratch.clear();
@@ -316,7 +327,7 @@ impl State {
         let scripts: usize = self.scripts.iter().map(|s| s.heap_bytes() + std::mem::size_of::<Script>()).sum();
         let records = (self.recent.capacity() + self.samples.capacity()) * std::mem::size_of::<IterationRecord>();
         let scratch = self.scratch.capacity() * std::mem::size_of::<Step>() + self.scratch_times.capacity() * 4;
-        let names: usize = self.layers.iter().chain(&self.workspaces).map(|n| n.len() * 2 + 48).sum();
+        let names: usize = self.workspaces.iter().map(|n| n.len() + 48).sum();
         let index = self.by_hash.capacity() * 40 + self.stats.capacity() * std::mem::size_of::<ScriptStats>();
         scripts + records + scratch + names + index
     }

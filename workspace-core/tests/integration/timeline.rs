@@ -274,7 +274,12 @@ fn a_budget_failure_names_the_lower_bound_padding_and_the_largest_holders() {
 
 #[test]
 fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
-    let fail = WorkspaceConfig::builder().initial_size(1024).learning(LearningPolicy::None).spill(SpillPolicy::Fail).build().unwrap();
+    let fail = WorkspaceConfig::builder()
+        .initial_size(1024)
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::Fail)
+        .build()
+        .unwrap();
     let ws = Workspace::new("TL_EXHAUSTED", fail).unwrap();
     let timeline = Timeline::start().unwrap();
     timeline.attach(&ws).unwrap();
@@ -290,7 +295,12 @@ fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
     timeline.end_iteration();
 
     // A spill the system allocator cannot give.
-    let external = WorkspaceConfig::builder().initial_size(1024).learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap();
+    let external = WorkspaceConfig::builder()
+        .initial_size(1024)
+        .learning(LearningPolicy::None)
+        .spill(SpillPolicy::External)
+        .build()
+        .unwrap();
     let ws = Workspace::new("TL_OOM", external).unwrap();
     timeline.attach(&ws).unwrap();
     let scope = ws.enter().unwrap();
@@ -299,5 +309,8 @@ fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
     let Error::Backend { report, .. } = &err else { panic!("{err:?}") };
     assert_eq!((report.requested, report.capacity), (usize::MAX / 4, 1024));
     assert_eq!(report.lower_bound, Some(512));
-    assert!(err.to_string().contains("largest live holders: unlabelled of layer 'conv' in 'TL_OOM': 512 bytes"), "{err}");
+    assert!(
+        err.to_string().contains("largest live holders: unlabelled of layer 'conv' in 'TL_OOM': 512 bytes"),
+        "{err}"
+    );
 }
