@@ -24,6 +24,7 @@
 //! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given); not with `--compare` or `--plot` |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | a thread per worker; one thread running the N shards in turn (the same bits); a process per worker under `mpirun -np N` (`--features mpi`) |
+//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); JSON: `timeline_events`, `timeline_bytes`; with `--compare` on in odd epochs only, for `iter_time_ratio_timeline_over_off`; not with `--workers` |
 //! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`; planned: `new_shape_iterations`, the iterations after epoch 1 that recorded a new batch shape, and `new_shape_allocs`, the most heap allocations one of them made) |
 
 #[path = "common/cli.rs"]
@@ -34,6 +35,8 @@ mod faults;
 mod parallel;
 #[path = "common/plot.rs"]
 mod plot;
+#[path = "common/timeline.rs"]
+mod timeline;
 #[path = "common/vowels.rs"]
 mod vowels;
 
@@ -44,6 +47,7 @@ use std::time::Instant;
 use carve::alloc_check::{process_counts, reset_thread_peak, thread_counts, CountingAllocator, Threads};
 use carve::async_iter::{BatchSource, Prefetcher, Role, Sequences, Threading, MAX_DEPTH};
 use carve::nn::{BatchShape, DryPass, Input, MemoryEstimate, Network, NetworkConfig, Updater};
+use carve::workspace_core::timeline::Timeline;
 use carve::WorkspaceMode;
 use clap::Parser;
 use ndarray::{Ix1, Ix2, Ix3};
@@ -117,6 +121,12 @@ struct Args {
     /// first mode's (all modes train the same weights)
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     save: Option<std::path::PathBuf>,
+    /// Record a timeline of the run's workspace memory and write
+    /// it to FILE as a Chrome trace (open it in
+    /// https://ui.perfetto.dev or chrome://tracing); with
+    /// --compare on in odd epochs only
+    #[arg(long, value_name = "FILE", verbatim_doc_comment)]
+    timeline: Option<std::path::PathBuf>,
     /// Train data-parallel with N workers (1 to 256; default 2 with
     /// --reducer, the number of processes with --reducer mpi)
     #[arg(long, value_name = "N", value_parser = parallel::parse_workers, verbatim_doc_comment)]
@@ -362,6 +372,7 @@ fn train(
     train_split: &Split,
     test: &Split,
     save: Option<&std::path::Path>,
+    timeline: Option<(&Timeline, bool)>,
 ) -> Res<Trace> {
     let mut net = network(args, mode)?;
     // The run's memory, known before its first step.
@@ -370,6 +381,12 @@ fn train(
     let mut test_batches = prefetcher(test, args, 0, mode)?;
     let mut trace = Trace { estimate: Some(estimate), ..Trace::default() };
     for epoch in 1..=args.epochs {
+        // Recording: every epoch, or the odd ones only (`toggle`).
+        match timeline {
+            Some((timeline, toggle)) if !toggle || epoch % 2 == 1 => net.attach_timeline(timeline)?,
+            Some((timeline, _)) => net.detach_timeline(timeline)?,
+            None => {}
+        }
         // This example's main thread is the training thread: every other thread is the
         // prefetcher's producer.
         let producer0 = process_counts(Threads::ExceptMain).allocations;
@@ -454,6 +471,15 @@ fn run(args: &Args) -> Res<()> {
     if let Some(path) = &args.save {
         cli::check_writable(path, "--save", "the model")?;
     }
+    if (args.workers.is_some() || args.reducer.is_some()) && args.timeline.is_some() {
+        cli::usage_error::<Args>(
+            "--timeline records the workspaces of the training thread's network, --workers and --reducer train on a \
+             thread or process per worker: use one or the other",
+        );
+    }
+    if let Some(path) = &args.timeline {
+        cli::check_writable(path, "--timeline", "the timeline")?;
+    }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
     if args.workers.is_some() || args.reducer.is_some() {
         return run_parallel(args, &train_split, &test);
@@ -481,15 +507,31 @@ fn run(args: &Args) -> Res<()> {
         train_split.sequences.iter().chain(&test.sequences).map(|s| s.nrows()).min().unwrap_or(0),
         train_split.sequences.iter().chain(&test.sequences).map(|s| s.nrows()).max().unwrap_or(0),
     ));
+    // The timeline records every mode's network; with --compare, in odd epochs only.
+    let timeline = match args.timeline {
+        Some(_) => Some(Timeline::start()?),
+        None => None,
+    };
+    let toggle = modes.len() > 1;
     let mut traces = Vec::new();
     for &mode in modes {
         let save = if traces.is_empty() { args.save.as_deref() } else { None };
-        traces.push((mode, train(args, mode, &train_split, &test, save)?));
+        let recording = timeline.as_ref().map(|t| (t, toggle));
+        traces.push((mode, train(args, mode, &train_split, &test, save, recording)?));
     }
+    let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
+    let timeline_figures = match (&timeline, &args.timeline) {
+        (Some(timeline), Some(path)) => {
+            let toggled = traces.first().filter(|_| toggle).map(|(_, t)| (&t.iter_ns[..], per_epoch));
+            let figures = timeline::export(timeline, path, toggled)?;
+            say(figures.line(path));
+            Some(figures)
+        }
+        _ => None,
+    };
     if let Some(path) = &args.save {
         say(format!("model saved to {}", path.display()));
     }
-    let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
     let mut object = serde_json::json!({
         "epochs": args.epochs,
         "batch_size": args.batch_size,
@@ -609,6 +651,9 @@ fn run(args: &Args) -> Res<()> {
         _ => None,
     };
     object["loss_traces_identical"] = identical.into();
+    if let Some(figures) = &timeline_figures {
+        figures.add_to(&mut object);
+    }
     if let Some(path) = &args.plot {
         let series: Vec<plot::Series<'_>> = traces
             .iter()

@@ -226,3 +226,24 @@ fn train_sequences_trains_data_parallel_with_threads_matching_the_shard_mode() {
     let line = usage_error("train_sequences", &["--workers", "2", "--compare"]);
     assert!(line.contains("--compare"), "{line}");
 }
+
+#[test]
+fn train_sequences_writes_a_timeline_of_variable_length_batches() {
+    let path = std::env::temp_dir().join(format!("carve-train-sequences-timeline-{}.json", std::process::id()));
+    let output =
+        run("train_sequences", &["--epochs", "2", "--hidden", "8", "--timeline", path.to_str().unwrap(), "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json: serde_json::Value = serde_json::from_str(text(&output.stdout).lines().last().unwrap()).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(json["timeline_events"], trace["otherData"]["events"], "{json}");
+    // Batches of several lengths: distinct iterations, each stored once.
+    assert!(json["timeline_scripts"].as_u64().is_some_and(|n| n > 1), "{json}");
+    let slices: Vec<&serde_json::Value> =
+        trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "alloc").collect();
+    // The LSTM's time steps allocate in the recurrent loops' working memory, both ways.
+    for role in ["RnnFfLoopWorkingMem", "RnnBpLoopWorkingMem"] {
+        assert!(slices.iter().any(|s| s["args"]["role"] == role), "no {role} allocation");
+    }
+    assert!(slices.iter().any(|s| s["args"]["layer"].as_str().is_some_and(|l| l.starts_with("lstm"))));
+}

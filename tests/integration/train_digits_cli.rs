@@ -738,3 +738,65 @@ fn the_dry_run_before_step_one_predicts_the_run_to_the_byte() {
     let table = text(&run(&["--epochs", "1"]).stdout);
     assert!(table.contains("predicted before step 1 (dry run)"), "{table}");
 }
+
+/// The slices, counters and iterations of a Chrome trace the demo wrote.
+fn read_trace(path: &std::path::Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+#[test]
+fn timeline_writes_a_chrome_trace_of_the_run_with_every_allocation_labelled() {
+    let dir = scratch_dir("timeline");
+    let path = dir.join("run.json");
+    let output = run(&["--epochs", "3", "--timeline", path.to_str().unwrap(), "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    let trace = read_trace(&path);
+    // The JSON's figures are the file's.
+    assert_eq!(json["timeline_events"], trace["otherData"]["events"], "{json}");
+    assert_eq!(json["timeline_iterations"], trace["otherData"]["iterations"], "{json}");
+    assert!(json["timeline_bytes"].as_u64().is_some_and(|b| b > 0), "{json}");
+    assert!(json["iter_time_ratio_timeline_over_off"].is_null(), "on all the run without --compare: {json}");
+    // Three epochs of training steps and evaluations, each an iteration.
+    let iterations = json["timeline_iterations"].as_u64().unwrap();
+    assert!(iterations > 3 * json["train_rows"].as_u64().unwrap() / 32, "{json}");
+    let events = trace["traceEvents"].as_array().unwrap();
+    let slices: Vec<&Value> = events.iter().filter(|e| e["cat"] == "alloc").collect();
+    assert!(!slices.is_empty());
+    for slice in &slices {
+        let args = &slice["args"];
+        assert!(args["bytes"].as_u64().is_some_and(|b| b > 0), "{slice}");
+        assert!(args["workspace"].as_str().is_some_and(|w| w.starts_with("WS_")), "{slice}");
+        assert!(args["role"].is_string() && args["role"] != "unlabelled", "{slice}");
+    }
+    // Training steps label every allocation with a layer of the network (or the
+    // input, the loss, the updater).
+    let layers: std::collections::BTreeSet<&str> = slices.iter().filter_map(|s| s["args"]["layer"].as_str()).collect();
+    for layer in ["input", "loss", "dense_0", "dense_4"] {
+        assert!(layers.contains(layer), "{layer} in {layers:?}");
+    }
+    // A counter track per workspace.
+    let counters: std::collections::BTreeSet<&str> =
+        events.iter().filter(|e| e["ph"] == "C").filter_map(|e| e["name"].as_str()).collect();
+    assert!(counters.contains("WS_ALL_LAYERS_ACT live bytes"), "{counters:?}");
+    assert!(counters.contains("WS_LAYER_WORKING_MEM live bytes"), "{counters:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn timeline_with_compare_measures_its_cost_and_is_refused_with_workers() {
+    let dir = scratch_dir("timeline-compare");
+    let path = dir.join("compare.json");
+    let output = run(&["--compare", "--epochs", "4", "--timeline", path.to_str().unwrap(), "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    let ratio = json["iter_time_ratio_timeline_over_off"].as_f64();
+    assert!(ratio.is_some_and(|r| r > 0.2 && r < 5.0), "{json}");
+    assert_eq!(json["loss_traces_identical"], Value::Bool(true), "recording changes no arithmetic: {json}");
+    assert!(read_trace(&path)["traceEvents"].as_array().is_some_and(|e| !e.is_empty()));
+    let output = run(&["--workers", "2", "--timeline", path.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(text(&output.stderr).contains("--timeline"), "{}", text(&output.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}

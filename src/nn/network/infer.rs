@@ -13,7 +13,7 @@ use super::super::layer::Activations;
 use super::super::loss::SoftmaxCrossEntropy;
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
 use super::{check_labels, forward, Input, Labels, Network, Stage};
-use workspace_core::timeline::LayerLabel;
+use super::{label, LayerLabels};
 
 impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
@@ -40,7 +40,7 @@ impl Network {
         let x = x.reborrow();
         self.check_input(&x)?;
         let Network { layers, infer: mgr, timeline, .. } = self;
-        probabilities(layers.iter_mut(), mgr, x, timeline.as_deref().map(|l| &l.layers[..]), f)
+        probabilities(layers.iter_mut(), mgr, x, timeline.as_deref(), f)
     }
 }
 
@@ -51,14 +51,17 @@ pub(crate) fn probabilities<S: Stage, R>(
     layers: impl IntoIterator<Item = S>,
     mgr: &LayerWorkspaceMgr,
     x: Input<'_>,
-    labels: Option<&[LayerLabel]>,
+    labels: Option<&LayerLabels>,
     f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
 ) -> Result<R> {
     let x = x.reborrow();
     let mask = x.mask();
     let act = mgr.enter(ArrayType::Activations)?;
+    label(labels.map(|l| l.input));
     let x = standard_input(x, &act)?;
-    let input = forward(layers, mgr, &act, x.activations(), mask, false, labels, |_, _| Ok(()))?;
+    let layer_labels = labels.map(|l| &l.layers[..]);
+    let input = forward(layers, mgr, &act, x.activations(), mask, false, layer_labels, |_, _| Ok(()))?;
+    label(labels.map(|l| l.loss));
     // A sequence output (labels per step) gives a row per example and step.
     let logits = match input {
         Activations::Flat(logits) => logits,

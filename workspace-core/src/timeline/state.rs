@@ -4,7 +4,6 @@
 //! bounded records of past iterations.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,7 +21,7 @@ pub(super) const MAX_STORED_EVENTS: usize = 1 << 21;
 
 /// One event of an iteration, as compared with the script it is expected to repeat:
 /// three words, compared as three words.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Step {
     /// Bytes of an allocation, padded to the workspace's alignment unit (0 for a close).
     pub(crate) bytes: u64,
@@ -70,6 +69,14 @@ impl Step {
     pub(crate) fn role(&self) -> u8 {
         (self.key >> 56) as u8
     }
+}
+
+/// A hash of `steps` (multiply-rotate over their words: an iteration that diverged
+/// is looked up among the scripts at its end, so this is on the path of every such
+/// iteration).
+fn hash_steps(steps: &[Step]) -> u64 {
+    let mix = |h: u64, w: u64| (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95);
+    steps.iter().fold(steps.len() as u64, |h, s| mix(mix(mix(h, s.bytes), s.requested), s.key))
 }
 
 /// A distinct iteration: its events, their times in the iteration it was recorded in,
@@ -293,9 +300,7 @@ impl State {
     /// The scratch's script: one stored already, a new one, or none when the store is
     /// full.
     fn store(&mut self, duration_ns: u64) -> Option<u32> {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.scratch.hash(&mut hasher);
-        let hash = hasher.finish();
+        let hash = hash_steps(&self.scratch);
         if let Some(ids) = self.by_hash.get(&hash) {
             if let Some(&id) = ids.iter().find(|&&id| self.scripts[id as usize].steps == self.scratch) {
                 return Some(id);
