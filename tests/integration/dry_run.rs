@@ -293,6 +293,26 @@ fn fits_says_what_is_short_and_by_how_much() {
         assert!(message.contains(&part), "'{part}' not in: {message}");
     }
     assert!(estimate.fits(0).is_err());
+    // At the largest pass's peak, the largest live holders by role and layer: the
+    // first layer's activations and working memory, among others.
+    assert!(!short.holders.is_empty() && short.holders.len() <= 5, "{short:?}");
+    assert!(short.holders.windows(2).all(|w| w[0].bytes >= w[1].bytes), "{short:?}");
+    assert!(short.holders.iter().all(|h| h.role.is_some() && h.layer.is_some()), "{short:?}");
+    let first = net.layers()[0].name().to_string();
+    assert!(
+        short
+            .holders
+            .iter()
+            .any(|h| h.layer.as_deref() == Some(first.as_str()) && h.role == Some(carve::ArrayType::Activations)),
+        "{short:?}"
+    );
+    assert!(message.contains("the largest live holders are "), "{message}");
+    assert!(message.contains(&format!("Activations of layer '{first}' in 'WS_ALL_LAYERS_ACT'")), "{message}");
+    // With a timeline of the user's recording on the thread, the dry run leaves it be.
+    let timeline = carve::workspace_core::timeline::Timeline::start().unwrap();
+    let quiet = net.dry_run(&[DryPass::Train(BatchShape::flat(32))]).unwrap();
+    assert!(quiet.peak_holders.is_empty());
+    assert_eq!(timeline.snapshot().events(), 0);
 }
 
 #[test]

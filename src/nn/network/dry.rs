@@ -15,13 +15,14 @@ use std::time::Instant;
 
 use ndarray::{Array1, Array2, Array3};
 use workspace_core::plan::{Plan, Trace};
+use workspace_core::timeline::{self, Holder, Timeline};
 use workspace_core::{LayerWorkspaceMgr, LearningPolicy, Workspace, WorkspaceManager, WorkspaceMode};
 
 use crate::{Error, Result};
 
 use super::config::{inference_mgr_in, training_mgrs_in};
 use super::{probabilities, shape_key, sum_over_training_workspaces, training_capacity, training_workspaces};
-use super::{Input, Labels, Network};
+use super::{Input, Labels, LayerLabels, Network};
 
 /// The shape of a batch for a dry run ([`Network::dry_run`]); its features are as wide
 /// as the network's inputs. The batch is taken as the prefetchers give it: in standard
@@ -156,6 +157,10 @@ pub struct MemoryEstimate {
     pub passes_run: usize,
     /// How long the dry run took, in microseconds.
     pub dry_run_us: f64,
+    /// The five largest holders, by workspace, role and layer, at the moment of the
+    /// largest pass with the most bytes live (empty when a timeline already recorded on
+    /// the thread: the dry run records that pass with a timeline of its own).
+    pub peak_holders: Vec<Holder>,
 }
 
 impl MemoryEstimate {
@@ -212,6 +217,7 @@ impl MemoryEstimate {
                 largest: self.arenas.iter().take(5).cloned().collect(),
                 lower_bound_bytes: self.passes.iter().map(|p| p.lower_bound_bytes).max().unwrap_or(0),
                 planned: self.training_mode == WorkspaceMode::Planned,
+                holders: self.peak_holders.clone(),
             }),
         }
     }
@@ -239,6 +245,9 @@ pub struct Shortfall {
     pub lower_bound_bytes: usize,
     /// Whether the network trains planned already.
     pub planned: bool,
+    /// The five largest live holders by workspace, role and layer at the peak of the
+    /// largest pass ([`MemoryEstimate::peak_holders`]).
+    pub holders: Vec<Holder>,
 }
 
 impl fmt::Display for Shortfall {
@@ -260,13 +269,18 @@ impl fmt::Display for Shortfall {
         }
         write!(f, "); a pass holds at most {} bytes live at once", self.lower_bound_bytes)?;
         match self.planned {
-            true => write!(f, ", which its planned workspaces come close to: try a smaller batch or a larger budget"),
+            true => write!(f, ", which its planned workspaces come close to: try a smaller batch or a larger budget")?,
             false => write!(
                 f,
                 ", which planned workspaces come closest to: try WorkspaceMode::Planned, a smaller batch, or a \
                  larger budget"
-            ),
+            )?,
         }
+        if !self.holders.is_empty() {
+            let holders: Vec<String> = self.holders.iter().map(Holder::to_string).collect();
+            write!(f, ". At the largest pass's peak the largest live holders are {}", holders.join(", "))?;
+        }
+        Ok(())
     }
 }
 
@@ -608,6 +622,11 @@ impl Network {
             };
             figures.push(estimate);
         }
+        let largest = figures.iter().max_by_key(|p| p.bytes.max(p.lower_bound_bytes)).map(|p| p.pass);
+        let peak_holders = match largest {
+            Some(pass) => self.peak_holders(pass)?,
+            None => Vec::new(),
+        };
         let shadow = self.dry_run.as_deref().expect("made above");
         let off = self.training_mode == WorkspaceMode::None;
         let (workspace_bytes, inference_workspace_bytes, arenas) = arenas(shadow, off, self.inference_mode);
@@ -622,7 +641,35 @@ impl Network {
             peak_step_bytes: if off { 0 } else { shadow.peak_step_bytes },
             passes_run: run,
             dry_run_us: started.elapsed().as_secs_f64() * 1e6,
+            peak_holders,
         })
+    }
+
+    /// The five largest holders, by role and layer, at the peak of `pass`: the pass once
+    /// more (a steady repeat, which changes no figure), recorded by a timeline of its
+    /// own; none when a timeline records on this thread already (the user's).
+    fn peak_holders(&mut self, pass: DryPass) -> Result<Vec<Holder>> {
+        if timeline::is_active() {
+            return Ok(Vec::new());
+        }
+        let recording = Timeline::start()?;
+        for ws in self.dry_run.as_deref().expect("made by dry_run").workspaces() {
+            recording.attach(&ws)?;
+        }
+        let unlabelled = self.timeline.is_none();
+        if unlabelled {
+            self.timeline = Some(Box::new(LayerLabels::new(&self.layers)));
+        }
+        let ran = self.dry_pass(pass, false, false);
+        timeline::set_layer(None);
+        recording.end_iteration();
+        if unlabelled {
+            self.timeline = None;
+        }
+        ran?;
+        let snapshot = recording.snapshot();
+        let script = snapshot.records().first().and_then(|r| r.script);
+        Ok(script.and_then(|s| snapshot.peak(s)).map(|peak| peak.holders).unwrap_or_default())
     }
 
     /// Forgets what earlier dry runs taught the shape-only workspaces and gives their

@@ -377,6 +377,17 @@ fn merged_records(state: &State) -> Vec<IterationRecord> {
     records
 }
 
+/// The moment of an iteration with the most bytes live ([`TimelineSnapshot::peak`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Peak {
+    /// Bytes live then (padded to each workspace's alignment unit).
+    pub bytes: u64,
+    /// Bytes live then, as asked for.
+    pub requested: u64,
+    /// The five largest holders then, most bytes first.
+    pub holders: Vec<Holder>,
+}
+
 /// One iteration of the history.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IterationRecord {
@@ -526,6 +537,34 @@ impl TimelineSnapshot {
             layer: self.layer_name(step.layer()),
             time_ns,
         }
+    }
+
+    /// The moment of script `id` with the most bytes live, and the five largest holders
+    /// then by workspace, role and layer (`None` for an unknown id).
+    pub fn peak(&self, id: u32) -> Option<Peak> {
+        let script = self.scripts.get(id as usize)?;
+        let (mut at, mut most) = (None, 0);
+        let mut i = 0;
+        state::live_walk(&script.steps, |live| {
+            let bytes: u64 = live.iter().map(|s| s.bytes).sum();
+            if bytes > most || at.is_none() {
+                (at, most) = (Some(i), bytes);
+            }
+            i += 1;
+        });
+        let mut peak = Peak::default();
+        if let Some(at) = at {
+            let mut i = 0;
+            state::live_walk(&script.steps, |live| {
+                if i == at {
+                    peak.bytes = live.iter().map(|s| s.bytes).sum();
+                    peak.requested = live.iter().map(|s| s.requested).sum();
+                    peak.holders = report::holders(live, &self.workspaces);
+                }
+                i += 1;
+            });
+        }
+        Some(peak)
     }
 
     fn layer_name(&self, layer: u32) -> Option<Arc<str>> {

@@ -96,28 +96,7 @@ impl MemoryReport {
         self.padding_bytes = Some(last.iter().map(|s| s.bytes - s.requested.min(s.bytes)).sum());
         let own: u64 = last.iter().filter(|s| s.workspace() == workspace).map(|s| s.bytes).sum();
         self.fragmentation_bytes = Some((self.in_use as u64).saturating_sub(own));
-        let mut holders: Vec<(u16, u8, u32, u64, u64)> = Vec::new();
-        for s in &last {
-            match holders.iter_mut().find(|h| (h.0, h.1, h.2) == (s.workspace(), s.role(), s.layer())) {
-                Some(h) => {
-                    h.3 += s.bytes;
-                    h.4 += 1;
-                }
-                None => holders.push((s.workspace(), s.role(), s.layer(), s.bytes, 1)),
-            }
-        }
-        holders.sort_by(|a, b| b.3.cmp(&a.3));
-        self.holders = holders
-            .into_iter()
-            .take(HOLDERS)
-            .map(|(ws, role, layer, bytes, allocations)| Holder {
-                workspace: state.workspaces.get(usize::from(ws)).cloned().unwrap_or_else(|| "?".into()),
-                role: if role == NO_ROLE { None } else { role_of(role) },
-                layer: super::label_name(layer),
-                bytes,
-                allocations,
-            })
-            .collect();
+        self.holders = holders(&last, &state.workspaces);
     }
 
     /// Whether the figures come from a timeline (all of them) or from the workspace
@@ -125,6 +104,32 @@ impl MemoryReport {
     pub fn is_recorded(&self) -> bool {
         self.lower_bound.is_some()
     }
+}
+
+/// The largest holders of `live` by workspace, role and layer, most bytes first.
+pub(crate) fn holders(live: &[Step], workspaces: &[Arc<str>]) -> Vec<Holder> {
+    let mut holders: Vec<(u16, u8, u32, u64, u64)> = Vec::new();
+    for s in live {
+        match holders.iter_mut().find(|h| (h.0, h.1, h.2) == (s.workspace(), s.role(), s.layer())) {
+            Some(h) => {
+                h.3 += s.bytes;
+                h.4 += 1;
+            }
+            None => holders.push((s.workspace(), s.role(), s.layer(), s.bytes, 1)),
+        }
+    }
+    holders.sort_by(|a, b| b.3.cmp(&a.3));
+    holders
+        .into_iter()
+        .take(HOLDERS)
+        .map(|(ws, role, layer, bytes, allocations)| Holder {
+            workspace: workspaces.get(usize::from(ws)).cloned().unwrap_or_else(|| "?".into()),
+            role: if role == NO_ROLE { None } else { role_of(role) },
+            layer: super::label_name(layer),
+            bytes,
+            allocations,
+        })
+        .collect()
 }
 
 impl fmt::Display for Holder {
