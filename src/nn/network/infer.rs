@@ -60,7 +60,7 @@ pub(crate) fn probabilities<S: Stage, R>(
     label(labels.map(|l| l.input));
     let x = standard_input(x, &act)?;
     let layer_labels = labels.map(|l| &l.layers[..]);
-    let input = forward(layers, mgr, &act, x.activations(), mask, false, layer_labels, |_, _| Ok(()))?;
+    let input = forward(layers, mgr, &act, x.activations(), mask, (false, layer_labels), |_, _| Ok(()))?;
     label(labels.map(|l| l.loss));
     // A sequence output (labels per step) gives a row per example and step.
     let logits = match input {

@@ -434,15 +434,15 @@ pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
 /// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
 /// each layer's output checked to be in the activations workspace and handed to `each`
 /// with the layer's name; returns the last layer's output. Training and inference run
-/// this one loop.
+/// this one loop (`training`), each layer's allocations labelled with its label in
+/// `labels` while a timeline records the network.
 pub(crate) fn forward<'s, S: Stage>(
     layers: impl IntoIterator<Item = S>,
     mgr: &LayerWorkspaceMgr,
     act: &'s TypedScope,
     mut input: Activations<'s>,
     mask: Option<ArrayView2<'s, f32>>,
-    training: bool,
-    labels: Option<&[LayerLabel]>,
+    (training, labels): (bool, Option<&[LayerLabel]>),
     mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
 ) -> Result<Activations<'s>> {
     for (i, mut layer) in layers.into_iter().enumerate() {

@@ -201,7 +201,7 @@ impl Network {
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
         let layer_labels = tl.map(|l| &l.layers[..]);
-        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, true, layer_labels, |layer, y| {
+        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, (true, layer_labels), |layer, y| {
             if !dry {
                 finite::check_activations(layer, "its output", y, mask)?;
             }

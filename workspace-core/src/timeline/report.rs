@@ -118,7 +118,7 @@ pub(crate) fn holders(live: &[Step], workspaces: &[Arc<str>]) -> Vec<Holder> {
             None => holders.push((s.workspace(), s.role(), s.layer(), s.bytes, 1)),
         }
     }
-    holders.sort_by(|a, b| b.3.cmp(&a.3));
+    holders.sort_by_key(|h| std::cmp::Reverse(h.3));
     holders
         .into_iter()
         .take(HOLDERS)

@@ -270,7 +270,7 @@ impl State {
             self.recent.pop_front();
         }
         self.recent.push_back(record);
-        if self.iterations % self.stride == 0 {
+        if self.iterations.is_multiple_of(self.stride) {
             if self.samples.len() == SAMPLES {
                 // Every other sample goes: the rest are every `2 * stride`-th iteration.
                 let mut keep = 0;
@@ -281,7 +281,7 @@ impl State {
                 self.samples.truncate(keep);
                 self.stride *= 2;
             }
-            if self.iterations % self.stride == 0 {
+            if self.iterations.is_multiple_of(self.stride) {
                 self.samples.push(record);
             }
         }
