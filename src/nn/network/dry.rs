@@ -656,16 +656,12 @@ impl Network {
         for ws in self.dry_run.as_deref().expect("made by dry_run").workspaces() {
             recording.attach(&ws)?;
         }
-        let unlabelled = self.timeline.is_none();
-        if unlabelled {
-            self.timeline = Some(Box::new(LayerLabels::new(&self.layers)));
-        }
+        // The network's labels for this timeline while the pass runs.
+        let labels = Box::new(LayerLabels::new(&self.layers, recording.id()));
+        let attached = self.timeline.replace(labels);
         let ran = self.dry_pass(pass, false, false);
-        timeline::set_layer(None);
         recording.end_iteration();
-        if unlabelled {
-            self.timeline = None;
-        }
+        self.timeline = attached;
         ran?;
         let snapshot = recording.snapshot();
         let script = snapshot.records().first().and_then(|r| r.script);

@@ -57,11 +57,10 @@ pub(crate) fn probabilities<S: Stage, R>(
     let x = x.reborrow();
     let mask = x.mask();
     let act = mgr.enter(ArrayType::Activations)?;
-    label(labels.map(|l| l.input));
+    label(labels, |l| Some(l.input));
     let x = standard_input(x, &act)?;
-    let layer_labels = labels.map(|l| &l.layers[..]);
-    let input = forward(layers, mgr, &act, x.activations(), mask, (false, layer_labels), |_, _| Ok(()))?;
-    label(labels.map(|l| l.loss));
+    let input = forward(layers, mgr, &act, x.activations(), mask, (false, labels), |_, _| Ok(()))?;
+    label(labels, |l| Some(l.loss));
     // A sequence output (labels per step) gives a row per example and step.
     let logits = match input {
         Activations::Flat(logits) => logits,

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
-use workspace_core::timeline::{self, LayerLabel, Timeline};
+use workspace_core::timeline::{LayerLabel, Timeline, TimelineId};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, TypedScope, Workspace, WorkspaceMode};
 
 use super::finite;
@@ -80,6 +80,8 @@ pub struct Network {
 
 /// The layer labels of a network that a timeline records, interned once.
 pub(crate) struct LayerLabels {
+    /// The timeline they label for (no other).
+    pub(crate) timeline: TimelineId,
     pub(crate) layers: Vec<LayerLabel>,
     pub(crate) input: LayerLabel,
     pub(crate) loss: LayerLabel,
@@ -87,8 +89,9 @@ pub(crate) struct LayerLabels {
 }
 
 impl LayerLabels {
-    fn new(layers: &[Box<dyn Layer>]) -> LayerLabels {
+    fn new(layers: &[Box<dyn Layer>], timeline: TimelineId) -> LayerLabels {
         LayerLabels {
+            timeline,
             layers: layers.iter().map(|l| LayerLabel::new(l.name())).collect(),
             input: LayerLabel::new("input"),
             loss: LayerLabel::new("loss"),
@@ -97,12 +100,12 @@ impl LayerLabels {
     }
 }
 
-/// Labels the allocations from here on as `label`'s, while a timeline records this
-/// network (see [`LayerLabels`]; the end of the step clears the label).
+/// Labels the allocations from here on as `pick`'s label, while a timeline records
+/// this network (see [`LayerLabels`]; the end of the iteration clears the label).
 #[inline]
-pub(crate) fn label(label: Option<LayerLabel>) {
-    if label.is_some() {
-        timeline::set_layer(label);
+pub(crate) fn label(labels: Option<&LayerLabels>, pick: impl FnOnce(&LayerLabels) -> Option<LayerLabel>) {
+    if let Some(labels) = labels {
+        labels.timeline.set_layer(pick(labels));
     }
 }
 
@@ -213,11 +216,14 @@ impl Network {
         for mgr in self.train.iter().chain(std::iter::once(&self.infer)) {
             timeline.attach_mgr(mgr)?;
         }
-        self.timeline = Some(Box::new(LayerLabels::new(&self.layers)));
+        self.timeline = Some(Box::new(LayerLabels::new(&self.layers, timeline.id())));
         Ok(())
     }
 
     /// Stops recording this network's workspaces in `timeline` (what it recorded stays).
+    /// The networks of a thread in one workspace mode share their workspaces (by name,
+    /// in the thread's registry): detaching one detaches those it shares with the
+    /// others too.
     ///
     /// # Errors
     ///
@@ -233,9 +239,8 @@ impl Network {
     /// Ends an iteration of the timeline recording this network, if one does.
     #[inline]
     fn end_timeline_iteration(&self) {
-        if self.timeline.is_some() {
-            timeline::set_layer(None);
-            timeline::end_iteration();
+        if let Some(labels) = &self.timeline {
+            labels.timeline.end_iteration();
         }
     }
 
@@ -442,11 +447,11 @@ pub(crate) fn forward<'s, S: Stage>(
     act: &'s TypedScope,
     mut input: Activations<'s>,
     mask: Option<ArrayView2<'s, f32>>,
-    (training, labels): (bool, Option<&[LayerLabel]>),
+    (training, labels): (bool, Option<&LayerLabels>),
     mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
 ) -> Result<Activations<'s>> {
     for (i, mut layer) in layers.into_iter().enumerate() {
-        label(labels.and_then(|l| l.get(i).copied()));
+        label(labels, |l| l.layers.get(i).copied());
         let working = mgr.enter(ArrayType::FfWorkingMem)?;
         let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
         let y = {

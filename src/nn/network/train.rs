@@ -193,15 +193,14 @@ impl Network {
         let act = mgr.enter(ArrayType::Activations)?;
         // Sequences (and labels per step) in another layout, or with padding, are copied
         // once, here.
-        label(tl.map(|l| l.input));
+        label(tl, |l| Some(l.input));
         let (x, labels) = {
             let _span = profile::span(Part::Copies);
             (training_input(x, &act)?, standard_labels(labels, &act)?)
         };
         // The list of activations lives in the activations workspace too.
         let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let layer_labels = tl.map(|l| &l.layers[..]);
-        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, (true, layer_labels), |layer, y| {
+        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, (true, tl), |layer, y| {
             if !dry {
                 finite::check_activations(layer, "its output", y, mask)?;
             }
@@ -215,7 +214,7 @@ impl Network {
         // input into the other (see `Gradient`). The loss and its gradient come from
         // one pass over the logits.
         let depth = layers.len();
-        label(tl.map(|l| l.loss));
+        label(tl, |l| Some(l.loss));
         let mut grad = Gradient::zeros(&train[0], input)?;
         // A dry run allocates the loss's gradient (above) and computes nothing.
         let batch_loss = match dry {
@@ -229,7 +228,7 @@ impl Network {
             return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
         }
         for (i, layer) in layers.iter_mut().enumerate().rev() {
-            label(tl.and_then(|l| l.layers.get(i).copied()));
+            label(tl, |l| l.layers.get(i).copied());
             let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
             // The gradient of the first layer's input is not needed.
             let mut below = match i {
@@ -269,7 +268,7 @@ impl Network {
         drop(act);
 
         {
-            label(tl.map(|l| l.updater));
+            label(tl, |l| Some(l.updater));
             let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
             if !dry {
                 let _span = profile::span(Part::Updater);

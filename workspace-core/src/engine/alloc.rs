@@ -248,7 +248,8 @@ impl<B: ArenaBackend> Engine<B> {
     /// Under a debug mode: a block of its own for a request that the accounting places
     /// in the arena or a window (released at the reset, as their contents are).
     pub(super) fn debug_block(&self, size: usize, align: usize) -> Result<(<B::Block as Block>::Base, usize)> {
-        let block = self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error(e))?;
+        let block =
+            self.backend.borrow_mut().allocate_spill(size, align).map_err(|e| self.backend_error_for(e, size))?;
         let base = block.base();
         self.debug.blocks.borrow_mut().push(block);
         self.counters.bytes_spilled.set(self.counters.bytes_spilled.get() + size as u64);
@@ -402,7 +403,7 @@ impl<B: ArenaBackend> Engine<B> {
                                 .backend
                                 .borrow_mut()
                                 .allocate_spill(chunk, align)
-                                .map_err(|e| self.backend_error(e))?,
+                                .map_err(|e| self.backend_error_for(e, size))?,
                         };
                         let (base, len) = (block.base(), block.len());
                         self.spill.blocks.borrow_mut().push(block);

@@ -402,6 +402,12 @@ impl<B: ArenaBackend> Engine<B> {
             BackendError::OutOfMemory { bytes, .. } => *bytes,
             _ => 0,
         };
+        self.backend_error_for(source, requested)
+    }
+
+    /// The backend's refusal of memory for a request of `requested` bytes (the
+    /// backend's own figure, a spill chunk, stays in `source`).
+    pub(crate) fn backend_error_for(&self, source: BackendError, requested: usize) -> Error {
         let report = self.report(requested);
         Error::Backend { workspace: self.name.clone(), source, report }
     }
@@ -425,7 +431,10 @@ impl<B: ArenaBackend> Engine<B> {
     /// of its allocations in a timeline and in a failure's report.
     #[inline]
     pub(crate) fn note_role(&self, role: crate::ArrayType) {
-        self.role.set(role.index() as u8);
+        // A nested enter (another role of a workspace already open) leaves the cycle's.
+        if self.role.get() == crate::timeline::NO_ROLE {
+            self.role.set(role.index() as u8);
+        }
     }
 
     /// Records this workspace's events into the timeline of `tap` from its next cycle

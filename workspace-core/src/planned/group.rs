@@ -297,6 +297,11 @@ impl<B: ArenaBackend> GroupState<B> {
     /// reported; `Err(None)` for the others. A start that needs a growth is a tick of
     /// the back-off's clock.
     #[inline]
+    /// The bytes and the lower bound of the plan of the key started last, if it has one.
+    pub(super) fn plan_of_key(&self) -> Option<(usize, usize)> {
+        self.plans.iter().find(|p| p.key == self.key).map(|p| (p.bytes, p.lower_bound))
+    }
+
     pub(super) fn fit_arena_or_back_off(
         &mut self,
         index: usize,

@@ -116,6 +116,27 @@ pub struct PlanGroup {
     shape_only: bool,
 }
 
+/// The report of a backend's refusal to hold a plan (`plan`: the arena it outgrew, its
+/// bytes and its lower bound): the plan's request, the arena, the plan's lower bound and
+/// what its layout takes above it (no allocation is live: its iteration has not begun).
+fn plan_report(
+    source: &crate::error::BackendError,
+    plan: Option<(usize, usize, usize)>,
+) -> crate::timeline::MemoryReport {
+    let requested = match source {
+        crate::error::BackendError::OutOfMemory { bytes, .. } => *bytes,
+        _ => 0,
+    };
+    let mut report = crate::timeline::MemoryReport { requested, ..Default::default() };
+    if let Some((arena, plan_bytes, lower_bound)) = plan {
+        report.requested = plan_bytes;
+        report.capacity = arena;
+        report.lower_bound = Some(lower_bound as u64);
+        report.fragmentation_bytes = Some(plan_bytes.saturating_sub(lower_bound) as u64);
+    }
+    report
+}
+
 impl PlanGroup {
     /// A group named `name` (in statistics) whose arena is host RAM, keeping up to
     /// [`DEFAULT_PLANS`] plans.
@@ -278,21 +299,9 @@ impl PlanGroup {
     /// and the plan's lower bound and the bytes its layout loses above it.
     #[cold]
     #[inline(never)]
-    fn plan_error(&self, source: crate::error::BackendError, stats: Option<PlannedStats>) -> Error {
-        let requested = match &source {
-            crate::error::BackendError::OutOfMemory { bytes, .. } => *bytes,
-            _ => 0,
-        };
-        let mut report = crate::timeline::MemoryReport { requested, ..Default::default() };
-        if let Some(stats) = stats {
-            report.capacity = stats.arena_bytes;
-            if stats.plan_bytes > 0 {
-                report.lower_bound = Some(stats.lower_bound_bytes as u64);
-                report.padding_bytes = Some(0);
-                report.fragmentation_bytes = Some(stats.plan_bytes.saturating_sub(stats.lower_bound_bytes) as u64);
-            }
-        }
-        Error::Backend { workspace: self.shared.name.clone(), source, report: Box::new(report) }
+    fn plan_error(&self, source: crate::error::BackendError, plan: Option<(usize, usize, usize)>) -> Error {
+        let report = Box::new(plan_report(&source, plan));
+        Error::Backend { workspace: self.shared.name.clone(), source, report }
     }
 
     /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
@@ -315,7 +324,10 @@ impl PlanGroup {
                 state.mode = Mode::OffPlan;
                 state.stats.failed_growths += 1;
                 match refused {
-                    Some(source) => Err(self.plan_error(source, Some(state.stats(&self.shared.name)))),
+                    Some(source) => {
+                        let plan = state.plan_of_key().map(|(bytes, bound)| (state.arena_bytes, bytes, bound));
+                        Err(self.plan_error(source, plan))
+                    }
                     None => Ok(()),
                 }
             }

@@ -72,6 +72,16 @@ fn a_refused_arena_is_reported_once_and_asked_for_again_after_a_back_off() {
     };
     let outcomes: String = (0..40).map(|_| iteration(&mut state)).collect();
     assert_eq!(outcomes, format!("E{}", "o".repeat(39)), "reported once, then run off the plan");
+    // The report of the refusal: the plan's bytes against the arena it outgrew, its
+    // lower bound and what its layout takes above it.
+    let plan = state.plan_of_key().map(|(bytes, bound)| (state.arena_bytes, bytes, bound));
+    let source = BackendError::OutOfMemory { bytes: 1 << 20, align: 64 };
+    let report = plan_report(&source, plan);
+    assert_eq!((report.requested, report.capacity, report.lower_bound), (1 << 20, 0, Some(1 << 20)), "{report:?}");
+    assert_eq!(report.fragmentation_bytes, Some(0));
+    let message = report.to_string();
+    assert!(message.contains("request 1048576 bytes, capacity 0 bytes"), "{message}");
+    assert!(message.contains("lower bound of the iteration so far 1048576 bytes"), "{message}");
     // Asked at the first start, then after back-offs of 2, 4, 8 and 16 starts.
     assert_eq!((asked.load(Ordering::Relaxed), state.stats.failed_growths), (5, 40));
     // Memory comes back: the next retry grows the arena, without an error.

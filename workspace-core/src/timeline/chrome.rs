@@ -89,7 +89,8 @@ impl TimelineSnapshot {
             let Some(script) = record.script.and_then(|s| self.scripts.get(s as usize)) else { continue };
             // The script's times, scaled to this iteration's duration.
             let scale = if script.duration_ns > 0 { duration / script.duration_ns as f64 } else { 1.0 };
-            let at = |i: usize| start + f64::from(script.times.get(i).copied().unwrap_or(0)) * scale;
+            // Within the iteration, whatever the script's times.
+            let at = |i: usize| start + (script.times.get(i).copied().unwrap_or(0) as f64 * scale).min(duration);
             end_of_each(&script.steps, &mut ends, &mut ended);
             live.iter_mut().for_each(|l| *l = 0);
             for (i, step) in script.steps.iter().enumerate() {
@@ -176,7 +177,7 @@ fn end_of_each(steps: &[Step], ends: &mut Vec<Option<usize>>, ended: &mut Vec<u6
             let ended_bytes = &mut *ended;
             open.retain(|&a| {
                 let s = &steps[a];
-                let ended = s.workspace() == step.workspace() && s.level() >= step.level();
+                let ended = step.ends(s);
                 if ended {
                     ends[a] = Some(i);
                     ended_bytes[i] += s.bytes;

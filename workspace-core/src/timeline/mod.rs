@@ -65,7 +65,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 
@@ -78,11 +78,11 @@ pub(crate) use state::Step;
 use state::{Script, State};
 
 /// No layer is allocating.
-pub(crate) const NO_LAYER: u32 = u32::MAX;
+pub(crate) const NO_LAYER: u32 = (1 << 24) - 1;
 /// No role was given for the cycle.
 pub(crate) const NO_ROLE: u8 = u8::MAX;
 
-static NEXT_TIMELINE: AtomicU32 = AtomicU32::new(1);
+static NEXT_TIMELINE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static STATE: RefCell<Option<Box<State>>> = const { RefCell::new(None) };
@@ -91,14 +91,14 @@ thread_local! {
 /// A workspace's place in the timeline recording on its thread (what the engine keeps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tap {
-    timeline: u32,
+    timeline: u64,
     workspace: u16,
 }
 
 /// Runs `f` on the state of timeline `id` if it records on this thread (and is not
 /// borrowed: a hook never runs inside another).
 #[inline]
-fn with_state<R>(id: u32, f: impl FnOnce(&mut State) -> R) -> Option<R> {
+fn with_state<R>(id: u64, f: impl FnOnce(&mut State) -> R) -> Option<R> {
     STATE
         .try_with(|cell| {
             let mut state = cell.try_borrow_mut().ok()?;
@@ -156,7 +156,11 @@ impl LayerLabel {
         if let Some(&id) = names.index.get(name) {
             return LayerLabel(id);
         }
+        // Past 16,777,214 names, the last label stands for every later one.
         let id = u32::try_from(names.list.len()).unwrap_or(NO_LAYER - 1).min(NO_LAYER - 1);
+        if id == NO_LAYER - 1 && names.list.len() > id as usize {
+            return LayerLabel(id);
+        }
         let name: Arc<str> = name.into();
         names.list.push(name.clone());
         names.index.insert(name, id);
@@ -214,7 +218,7 @@ pub fn layer(name: &str) -> LayerGuard {
 /// Restores the layer label before it when dropped (see [`layer`]).
 #[derive(Debug)]
 pub struct LayerGuard {
-    previous: Option<(u32, u32)>,
+    previous: Option<(u64, u32)>,
     _thread: PhantomData<*const ()>,
 }
 
@@ -223,6 +227,29 @@ impl Drop for LayerGuard {
         if let Some((id, previous)) = self.previous {
             with_state(id, |state| state.layer = previous);
         }
+    }
+}
+
+/// A timeline's identity ([`Timeline::id`]): what code that does not hold the
+/// timeline keeps to act on it, and on no other, while it records on this thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TimelineId(u64);
+
+impl TimelineId {
+    /// [`Timeline::end_iteration`], if the timeline still records on this thread.
+    pub fn end_iteration(self) {
+        with_state(self.0, State::end_iteration);
+    }
+
+    /// [`set_layer`], if the timeline still records on this thread.
+    #[inline]
+    pub fn set_layer(self, label: Option<LayerLabel>) {
+        with_state(self.0, |state| state.layer = label.map_or(NO_LAYER, |l| l.0));
+    }
+
+    /// Whether the timeline records on this thread.
+    pub fn is_recording(self) -> bool {
+        with_state(self.0, |_| ()).is_some()
     }
 }
 
@@ -248,7 +275,7 @@ pub fn is_active() -> bool {
 /// Dropping it ends the recording: its workspaces leave it at their next cycle.
 #[derive(Debug)]
 pub struct Timeline {
-    id: u32,
+    id: u64,
     _thread: PhantomData<*const ()>,
 }
 
@@ -275,6 +302,11 @@ impl Timeline {
         Ok(Timeline { id, _thread: PhantomData })
     }
 
+    /// Its identity.
+    pub fn id(&self) -> TimelineId {
+        TimelineId(self.id)
+    }
+
     fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> Result<R> {
         with_state(self.id, f).ok_or_else(busy)
     }
@@ -286,8 +318,7 @@ impl Timeline {
     /// [`Error::StillOpen`] while the workspace is open; [`Error::InvalidInput`] for a
     /// 65,537th workspace.
     pub fn attach(&self, workspace: &Workspace) -> Result<()> {
-        let name: Arc<str> = workspace.name().clone();
-        let index = self.with(|state| state.add_workspace(name))?;
+        let index = self.with(|state| state.add_workspace(workspace.id(), workspace.name()))?;
         let Some(index) = index else {
             return Err(Error::InvalidInput("a timeline records 65,536 workspaces at most".into()));
         };
@@ -432,15 +463,15 @@ pub struct TimelineEvent {
     pub workspace: Arc<str>,
     /// What happened.
     pub kind: EventKind,
-    /// 0 for the cycle, the frame's level for a frame.
-    pub level: u8,
+    /// 0 for the cycle, the frame's level for a frame (levels past 32,767 share it).
+    pub level: u16,
     /// The role of the cycle (an allocation's; `None` for a close, or a workspace not
     /// entered through a [`LayerWorkspaceMgr`]).
     pub role: Option<ArrayType>,
     /// The layer that was allocating ([`layer`]), if any.
     pub layer: Option<Arc<str>>,
     /// Nanoseconds from the start of the iteration the script was recorded in.
-    pub time_ns: u32,
+    pub time_ns: u64,
 }
 
 /// What an event did.
@@ -525,7 +556,7 @@ impl TimelineSnapshot {
         script.steps.iter().zip(&script.times).map(|(step, &time_ns)| self.event(step, time_ns)).collect()
     }
 
-    fn event(&self, step: &Step, time_ns: u32) -> TimelineEvent {
+    fn event(&self, step: &Step, time_ns: u64) -> TimelineEvent {
         TimelineEvent {
             workspace: self.workspaces.get(usize::from(step.workspace())).cloned().unwrap_or_else(|| "?".into()),
             kind: match step.close() {

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::state::{live_walk, Step};
+use super::state::{live_walk_from, Step};
 use super::{role_of, with_state, Tap, NO_ROLE};
 use crate::ArrayType;
 
@@ -18,8 +18,11 @@ pub const HOLDERS: usize = 5;
 ///
 /// The figures that need every allocation of the iteration (the lower bound, padding,
 /// fragmentation and the holders by layer) come from the [`Timeline`](super::Timeline)
-/// recording the workspace; without one, the holders are the failing workspace's open
-/// cycle, by role.
+/// recording the workspace (the iteration so far, from what the iteration before left
+/// live); without one, the holders are the failing workspace's open cycle, by role. A
+/// plan group that cannot grow its arena to a plan reports the plan's bytes as the
+/// request, its lower bound, and as fragmentation the bytes its layout takes above
+/// that bound (no allocation is live then: no holders).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryReport {
     /// Bytes the failing request asked for.
@@ -81,17 +84,16 @@ impl MemoryReport {
     }
 
     fn fill(&mut self, state: &super::state::State, workspace: u16) {
-        let steps = state.current();
-        let mut lower_bound = 0;
+        // The iteration so far, from what the one before left live.
+        let carried = state.carried();
+        let mut lower_bound = carried.iter().map(|s| s.requested).sum::<u64>();
         let mut last: Vec<Step> = Vec::new();
-        live_walk(steps, |live| {
-            lower_bound = lower_bound.max(live.iter().map(|s| s.requested).sum::<u64>());
-            last.clear();
-            last.extend_from_slice(live);
-        });
-        if steps.is_empty() {
-            last.clear();
-        }
+        live_walk_from(
+            carried,
+            state.current(),
+            |live| lower_bound = lower_bound.max(live.iter().map(|s| s.requested).sum::<u64>()),
+            |live| last = live.to_vec(),
+        );
         self.lower_bound = Some(lower_bound);
         self.padding_bytes = Some(last.iter().map(|s| s.bytes - s.requested.min(s.bytes)).sum());
         let own: u64 = last.iter().filter(|s| s.workspace() == workspace).map(|s| s.bytes).sum();
@@ -152,16 +154,20 @@ impl fmt::Display for Holder {
 impl fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "request {} bytes, capacity {} bytes, {} bytes in use", self.requested, self.capacity, self.in_use)?;
-        match (self.lower_bound, self.padding_bytes, self.fragmentation_bytes) {
-            (Some(lower_bound), Some(padding), Some(fragmentation)) => write!(
-                f,
-                "; lower bound of the iteration so far {lower_bound} bytes; {padding} bytes lost to padding and \
-                 {fragmentation} to fragmentation"
-            )?,
-            _ => f.write_str(
+        match self.lower_bound {
+            Some(lower_bound) => write!(f, "; lower bound of the iteration so far {lower_bound} bytes")?,
+            None => f.write_str(
                 "; lower bound of the iteration so far, padding and fragmentation: unknown (no timeline records this \
                  workspace; start a workspace_core::timeline::Timeline to have them and the holders by layer)",
             )?,
+        }
+        match (self.padding_bytes, self.fragmentation_bytes) {
+            (Some(padding), Some(fragmentation)) => {
+                write!(f, "; {padding} bytes lost to padding and {fragmentation} to fragmentation")?
+            }
+            (None, Some(fragmentation)) => write!(f, "; {fragmentation} bytes lost to fragmentation")?,
+            (Some(padding), None) => write!(f, "; {padding} bytes lost to padding")?,
+            (None, None) => {}
         }
         if self.holders.is_empty() {
             return f.write_str("; no live holders");

@@ -18,6 +18,9 @@ pub(super) const SAMPLES: usize = 1024;
 pub(super) const MAX_SCRIPTS: usize = 1024;
 /// Events all stored scripts hold together, at most.
 pub(super) const MAX_STORED_EVENTS: usize = 1 << 21;
+/// Events one iteration keeps, at most (an iteration never ended, or a very long one,
+/// has the rest counted only: it is not stored).
+pub(super) const MAX_ITERATION_EVENTS: usize = 1 << 18;
 
 /// One event of an iteration, as compared with the script it is expected to repeat:
 /// three words, compared as three words.
@@ -27,19 +30,23 @@ pub(crate) struct Step {
     pub(crate) bytes: u64,
     /// Bytes the allocation asked for.
     pub(crate) requested: u64,
-    /// The layer allocating (bits 0-31: a [`LayerLabel`](super::LayerLabel)'s index,
-    /// `NO_LAYER`: none), the workspace (32-47: its index in the timeline), the owner's
-    /// level (48-54: 0 for the cycle, a frame's level, at most 127), whether it is a
-    /// close (55) and the role of the cycle (56-63: `ArrayType::index`, `NO_ROLE`: none).
+    /// The layer allocating (bits 0-23: a [`LayerLabel`](super::LayerLabel)'s index,
+    /// `NO_LAYER`: none), the workspace (24-39: its index in the timeline), the
+    /// owner's level (40-54: 0 for the cycle, a frame's level, at most `MAX_LEVEL`),
+    /// whether it is a close (55) and the role of the cycle (56-63: `ArrayType::index`,
+    /// `NO_ROLE`: none).
     key: u64,
 }
+
+/// The deepest frame level a step tells apart (deeper levels share it).
+pub(crate) const MAX_LEVEL: u32 = (1 << 15) - 1;
 
 impl Step {
     #[inline]
     pub(crate) fn new(bytes: u64, requested: u64, workspace: u16, level: u32, role: u8, close: bool) -> Step {
         let key = u64::from(NO_LAYER)
-            | u64::from(workspace) << 32
-            | u64::from(level.min(127)) << 48
+            | u64::from(workspace) << 24
+            | u64::from(level.min(MAX_LEVEL)) << 40
             | u64::from(close) << 55
             | u64::from(role) << 56;
         Step { bytes, requested, key }
@@ -47,23 +54,31 @@ impl Step {
 
     #[inline]
     fn with_layer(self, layer: u32) -> Step {
-        Step { key: (self.key & !0xffff_ffff) | u64::from(layer), ..self }
+        Step { key: (self.key & !0xff_ffff) | u64::from(layer.min(NO_LAYER)), ..self }
     }
 
     pub(crate) fn layer(&self) -> u32 {
-        self.key as u32
+        self.key as u32 & NO_LAYER
     }
 
     pub(crate) fn workspace(&self) -> u16 {
-        (self.key >> 32) as u16
+        (self.key >> 24) as u16
     }
 
-    pub(crate) fn level(&self) -> u8 {
-        (self.key >> 48) as u8 & 0x7f
+    pub(crate) fn level(&self) -> u16 {
+        (self.key >> 40) as u16 & 0x7fff
     }
 
     pub(crate) fn close(&self) -> bool {
         self.key >> 55 & 1 == 1
+    }
+
+    /// Whether `self`, a close, ends `alloc`: the close of a cycle ends everything its
+    /// workspace allocated; a frame's close what that frame allocated (frames may close
+    /// out of order: one below the top ends only its own).
+    #[inline]
+    pub(crate) fn ends(&self, alloc: &Step) -> bool {
+        alloc.workspace() == self.workspace() && (self.level() == 0 || alloc.level() == self.level())
     }
 
     pub(crate) fn role(&self) -> u8 {
@@ -84,50 +99,68 @@ fn hash_steps(steps: &[Step]) -> u64 {
 pub(crate) struct Script {
     pub(crate) steps: Vec<Step>,
     /// Nanoseconds from the start of the recorded iteration, per step.
-    pub(crate) times: Vec<u32>,
+    pub(crate) times: Vec<u64>,
     /// The recorded iteration's duration.
     pub(crate) duration_ns: u64,
     /// The most bytes (as asked for) live at once.
     pub(crate) lower_bound: u64,
     /// The most bytes (padded) live at once.
     pub(crate) peak_bytes: u64,
+    /// The allocations still live at its end (a cycle open across the iteration's
+    /// end): the next iteration starts with them.
+    pub(crate) tail: Vec<Step>,
 }
 
 impl Script {
-    fn new(steps: Vec<Step>, times: Vec<u32>, duration_ns: u64) -> Script {
-        let (mut lower_bound, mut peak_bytes) = (0, 0);
+    fn new(steps: Vec<Step>, times: Vec<u64>, duration_ns: u64) -> Script {
+        let (mut lower_bound, mut peak_bytes, mut tail) = (0, 0, Vec::new());
         live_walk(&steps, |live| {
             let (requested, bytes) = live.iter().fold((0, 0), |(r, b), s| (r + s.requested, b + s.bytes));
             lower_bound = lower_bound.max(requested);
             peak_bytes = peak_bytes.max(bytes);
         });
-        Script { steps, times, duration_ns, lower_bound, peak_bytes }
+        live_walk_from(&[], &steps, |_| {}, |live| tail = live.to_vec());
+        Script { steps, times, duration_ns, lower_bound, peak_bytes, tail }
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.steps.capacity() * std::mem::size_of::<Step>() + self.times.capacity() * 4
+        (self.steps.capacity() + self.tail.capacity()) * std::mem::size_of::<Step>() + self.times.capacity() * 8
     }
 }
 
 /// Walks `steps`, calling `each` with the allocations live after each one.
-pub(crate) fn live_walk(steps: &[Step], mut each: impl FnMut(&[Step])) {
-    let mut live: Vec<Step> = Vec::new();
+pub(crate) fn live_walk(steps: &[Step], each: impl FnMut(&[Step])) {
+    live_walk_from(&[], steps, each, |_| {});
+}
+
+/// [`live_walk`] from the allocations `before` (live when `steps` start), and `end`
+/// with those live after the last step.
+pub(crate) fn live_walk_from(
+    before: &[Step],
+    steps: &[Step],
+    mut each: impl FnMut(&[Step]),
+    end: impl FnOnce(&[Step]),
+) {
+    let mut live: Vec<Step> = before.to_vec();
     for step in steps {
         if step.close() {
-            // The close of a cycle ends its frames too.
-            live.retain(|s| s.workspace() != step.workspace() || s.level() < step.level());
+            live.retain(|s| !step.ends(s));
         } else {
             live.push(*step);
         }
         each(&live);
     }
+    end(&live);
 }
 
 /// What a thread's timeline holds while it records.
 pub(crate) struct State {
-    pub(super) id: u32,
+    pub(super) id: u64,
     pub(super) started: Instant,
+    /// The workspaces' names as the timeline shows them (a name two workspaces share
+    /// gets `#2`, `#3`... after the first), and their ids.
     pub(super) workspaces: Vec<Arc<str>>,
+    workspace_ids: Vec<(u64, Arc<str>)>,
     /// The layer allocating now.
     pub(super) layer: u32,
     pub(super) scripts: Vec<Arc<Script>>,
@@ -139,11 +172,16 @@ pub(crate) struct State {
     /// `expected`'s script.
     expected_script: Option<Arc<Script>>,
     pos: usize,
+    /// The script of the iteration before (whose live allocations at its end, its
+    /// `tail`, this one starts with).
+    pub(super) before: Option<Arc<Script>>,
+    /// Events of this iteration beyond what one iteration keeps (counted only).
+    overflow: u64,
     /// This iteration's events from the first that did not match (with the matched
     /// prefix copied in front).
     diverged: bool,
     scratch: Vec<Step>,
-    scratch_times: Vec<u32>,
+    scratch_times: Vec<u64>,
     iteration_start_ns: u64,
     pub(super) iterations: u64,
     pub(super) events: u64,
@@ -154,11 +192,12 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub(super) fn new(id: u32) -> State {
+    pub(super) fn new(id: u64) -> State {
         State {
             id,
             started: Instant::now(),
             workspaces: Vec::new(),
+            workspace_ids: Vec::new(),
             layer: NO_LAYER,
             scripts: Vec::new(),
             stats: Vec::new(),
@@ -167,6 +206,8 @@ impl State {
             expected: None,
             expected_script: None,
             pos: 0,
+            before: None,
+            overflow: 0,
             diverged: false,
             scratch: Vec::new(),
             scratch_times: Vec::new(),
@@ -184,12 +225,18 @@ impl State {
         u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    pub(super) fn add_workspace(&mut self, name: Arc<str>) -> Option<u16> {
-        if let Some(at) = self.workspaces.iter().position(|w| *w == name) {
+    /// The index of the workspace of id `id` and name `name`, added on first use.
+    pub(super) fn add_workspace(&mut self, id: u64, name: &Arc<str>) -> Option<u16> {
+        if let Some(at) = self.workspace_ids.iter().position(|(w, _)| *w == id) {
             return u16::try_from(at).ok();
         }
         let at = u16::try_from(self.workspaces.len()).ok()?;
-        self.workspaces.push(name);
+        let shown = match self.workspace_ids.iter().filter(|(_, n)| n == name).count() {
+            0 => name.clone(),
+            n => format!("{name}#{}", n + 1).into(),
+        };
+        self.workspaces.push(shown);
+        self.workspace_ids.push((id, name.clone()));
         Some(at)
     }
 
@@ -206,9 +253,14 @@ impl State {
             }
             self.diverge();
         }
+        if self.scratch.len() >= MAX_ITERATION_EVENTS {
+            // One iteration keeps this many events at most; the rest are counted.
+            self.overflow += 1;
+            return;
+        }
         let now = self.now_ns().saturating_sub(self.iteration_start_ns);
         self.scratch.push(step);
-        self.scratch_times.push(u32::try_from(now).unwrap_or(u32::MAX));
+        self.scratch_times.push(now);
     }
 
     /// From here on the iteration keeps its own events: the matched prefix first.
@@ -217,11 +269,24 @@ impl State {
         self.diverged = true;
         self.scratch.clear();
         self.scratch_times.clear();
-        if let Some(expected) = self.expected {
-            let script = &self.scripts[expected as usize];
+        if let Some(script) = &self.expected_script {
             self.scratch.extend_from_slice(&script.steps[..self.pos]);
-            self.scratch_times.extend_from_slice(&script.times[..self.pos]);
+            // The prefix's times as the script has them, scaled to this iteration's so
+            // far (the script may have been recorded in a slower or faster iteration).
+            let now = self.now_ns().saturating_sub(self.iteration_start_ns);
+            let last = self.pos.checked_sub(1).map_or(0, |i| script.times[i]);
+            let scale = |t: u64| match last {
+                0 => now,
+                _ => (u128::from(t) * u128::from(now) / u128::from(last)) as u64,
+            };
+            self.scratch_times.extend(script.times[..self.pos].iter().map(|&t| scale(t)));
         }
+    }
+
+    /// The allocations live when this iteration started (those of the iteration
+    /// before that its end left open).
+    pub(super) fn carried(&self) -> &[Step] {
+        self.before.as_deref().map_or(&[], |s| &s.tail)
     }
 
     /// This iteration's events so far.
@@ -243,20 +308,19 @@ impl State {
             if !self.diverged {
                 self.diverge();
             }
-            self.store(duration_ns)
+            match self.overflow {
+                0 => self.store(duration_ns),
+                _ => None,
+            }
         };
         let events = match script {
-            Some(s) => self.scripts[s as usize].steps.len(),
-            None => self.scratch.len(),
+            Some(s) => self.scripts[s as usize].steps.len() as u64,
+            None => self.scratch.len() as u64 + self.overflow,
         };
-        self.events += events as u64;
-        let record = IterationRecord {
-            index: self.iterations,
-            script,
-            start_ns: self.iteration_start_ns,
-            duration_ns,
-            events: events as u64,
-        };
+        self.overflow = 0;
+        self.events += events;
+        let record =
+            IterationRecord { index: self.iterations, script, start_ns: self.iteration_start_ns, duration_ns, events };
         match script {
             Some(s) => {
                 let stats = &mut self.stats[s as usize];
@@ -290,6 +354,13 @@ impl State {
             self.expected = script;
             self.expected_script = script.map(|s| self.scripts[s as usize].clone());
         }
+        // What this iteration left live, the next starts with (an unstored one's: none).
+        let before = script.map(|s| &self.scripts[s as usize]).filter(|s| !s.tail.is_empty());
+        if before.map(Arc::as_ptr) != self.before.as_ref().map(Arc::as_ptr) {
+            self.before = before.cloned();
+        }
+        // A label left set (a guard forgotten, or dropped out of order) ends here.
+        self.layer = NO_LAYER;
         self.pos = 0;
         self.diverged = false;
         self.scratch.clear();
@@ -331,7 +402,7 @@ impl State {
     pub(super) fn heap_bytes(&self) -> usize {
         let scripts: usize = self.scripts.iter().map(|s| s.heap_bytes() + std::mem::size_of::<Script>()).sum();
         let records = (self.recent.capacity() + self.samples.capacity()) * std::mem::size_of::<IterationRecord>();
-        let scratch = self.scratch.capacity() * std::mem::size_of::<Step>() + self.scratch_times.capacity() * 4;
+        let scratch = self.scratch.capacity() * std::mem::size_of::<Step>() + self.scratch_times.capacity() * 8;
         let names: usize = self.workspaces.iter().map(|n| n.len() + 48).sum();
         let index = self.by_hash.capacity() * 40 + self.stats.capacity() * std::mem::size_of::<ScriptStats>();
         scripts + records + scratch + names + index

@@ -292,7 +292,7 @@ fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
     assert_eq!(report.holders[0].layer.as_deref(), Some("conv"));
     assert!(err.to_string().contains("unlabelled of layer 'conv' in 'TL_EXHAUSTED': 640 bytes"), "{err}");
     drop(scope);
-    timeline.end_iteration();
+    timeline.end_iteration(); // and the label with it
 
     // A spill the system allocator cannot give.
     let external = WorkspaceConfig::builder()
@@ -304,6 +304,7 @@ fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
     let ws = Workspace::new("TL_OOM", external).unwrap();
     timeline.attach(&ws).unwrap();
     let scope = ws.enter().unwrap();
+    let _l = timeline::layer("conv");
     let _a = scope.zeros::<u8, _>(512).unwrap();
     let err = scope.zeros::<u8, _>(usize::MAX / 4).unwrap_err();
     let Error::Backend { report, .. } = &err else { panic!("{err:?}") };
@@ -313,4 +314,113 @@ fn an_exhausted_arena_and_a_backend_refusal_carry_reports() {
         err.to_string().contains("largest live holders: unlabelled of layer 'conv' in 'TL_OOM': 512 bytes"),
         "{err}"
     );
+}
+
+#[test]
+fn a_frame_closed_below_the_top_ends_only_its_own_allocations() {
+    let ws = Workspace::new("TL_FRAMES", WorkspaceConfig::default()).unwrap();
+    let timeline = Timeline::start().unwrap();
+    timeline.attach(&ws).unwrap();
+    {
+        let scope = ws.enter().unwrap();
+        let f1 = scope.frame().unwrap();
+        let _a = f1.zeros::<u8, _>(64).unwrap();
+        let f2 = scope.frame().unwrap();
+        let _b = f2.zeros::<u8, _>(4096).unwrap();
+        drop(f1); // below the top: frame 2's allocation lives on
+        let _c = scope.zeros::<u8, _>(4096).unwrap();
+    }
+    timeline.end_iteration();
+    let snapshot = timeline.snapshot();
+    assert_eq!(snapshot.scripts()[0].lower_bound, 4096 + 4096);
+}
+
+#[test]
+fn workspaces_of_one_name_stay_apart() {
+    let a = Workspace::new("TL_SAME", WorkspaceConfig::default()).unwrap();
+    let other = workspace_core::WorkspaceManager::shape_only();
+    let b = other.get_or_create("TL_SAME", &WorkspaceConfig::default()).unwrap();
+    let timeline = Timeline::start().unwrap();
+    timeline.attach(&a).unwrap();
+    timeline.attach(&b).unwrap();
+    let sa = a.enter().unwrap();
+    let _x = sa.zeros::<u8, _>(1000).unwrap();
+    {
+        let sb = b.enter().unwrap();
+        let _y = sb.zeros::<u8, _>(10).unwrap();
+    } // b's close ends nothing of a's
+    let _z = sa.zeros::<u8, _>(1000).unwrap();
+    drop(sa);
+    timeline.end_iteration();
+    let snapshot = timeline.snapshot();
+    assert_eq!(snapshot.workspaces().iter().map(|w| w.to_string()).collect::<Vec<_>>(), ["TL_SAME", "TL_SAME#2"]);
+    assert_eq!(snapshot.scripts()[0].lower_bound, 2000);
+}
+
+#[test]
+fn a_nested_enter_keeps_the_cycle_role_and_a_report_sees_what_an_earlier_iteration_left_live() {
+    let budget = WorkspaceConfig::builder().initial_size(8192).max_size(8192).build().unwrap();
+    let mgr = LayerWorkspaceMgr::builder()
+        .with(ArrayType::Activations, "TL_NESTED", budget.clone())
+        .default_workspace("TL_NESTED", budget)
+        .build()
+        .unwrap();
+    let timeline = Timeline::start().unwrap();
+    timeline.attach_mgr(&mgr).unwrap();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let _a = act.zeros::<u8, _>(64).unwrap();
+    {
+        let cache = mgr.enter(ArrayType::FfCache).unwrap();
+        let _c = cache.zeros::<u8, _>(128).unwrap();
+    }
+    let _b = act.zeros::<u8, _>(3000).unwrap();
+    // The cycle stays open across the end of the iteration.
+    timeline.end_iteration();
+    let err = act.zeros::<u8, _>(8000).unwrap_err();
+    let Error::BudgetExceeded { report, .. } = &err else { panic!("{err:?}") };
+    // What the iteration before left live is live now: 64 + 128 + 3000 bytes.
+    assert_eq!(report.lower_bound, Some(64 + 128 + 3000), "{report:?}");
+    assert_eq!(report.holders.len(), 1, "{report:?}");
+    assert_eq!(report.holders[0].role, Some(ArrayType::Activations), "{report:?}");
+    assert_eq!((report.holders[0].bytes, report.holders[0].allocations), (64 + 128 + 3008, 3), "{report:?}");
+    assert_eq!(report.fragmentation_bytes, Some(0), "{report:?}");
+}
+
+#[test]
+fn a_new_iteration_scales_the_times_it_shares_with_a_slower_one_and_labels_end_with_it() {
+    let ws = Workspace::new("TL_TIMES", WorkspaceConfig::default()).unwrap();
+    let timeline = Timeline::start().unwrap();
+    timeline.attach(&ws).unwrap();
+    let step = |extra: bool, sleep: bool| {
+        let scope = ws.enter().unwrap();
+        let _a = scope.zeros::<u8, _>(64).unwrap();
+        if sleep {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _b = scope.zeros::<u8, _>(64).unwrap();
+        if extra {
+            let _c = scope.zeros::<u8, _>(64).unwrap();
+        }
+    };
+    step(false, true);
+    timeline.end_iteration();
+    {
+        let _forgotten = timeline::layer("left set");
+        std::mem::forget(_forgotten);
+    }
+    step(true, false); // diverges after two events of the slow script
+    timeline.end_iteration();
+    let snapshot = timeline.snapshot();
+    let fast = snapshot.scripts().iter().find(|s| s.events == 4).expect("the second script");
+    let events = snapshot.script_events(fast.script);
+    let times: Vec<u64> = events.iter().map(|e| e.time_ns).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    assert!(times.iter().all(|&t| t < 20_000_000), "the slow iteration's times, unscaled: {times:?}");
+    // A label left set is cleared by the end of the iteration.
+    step(false, false);
+    timeline.end_iteration();
+    let last = snapshot.records().len();
+    let now = timeline.snapshot();
+    let script = now.records()[last].script.unwrap();
+    assert!(now.script_events(script).iter().all(|e| e.layer.is_none()), "{:?}", now.script_events(script));
 }
