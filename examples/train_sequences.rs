@@ -195,6 +195,8 @@ struct Trace {
     workspace_bytes: Vec<u64>,
     epoch_ms: Vec<f64>,
     test_accuracy: Vec<f64>,
+    /// Events the timeline recorded of this mode's network (with `--timeline`).
+    timeline_events: u64,
     capacity_after_first_epoch: usize,
     capacity_final: usize,
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
@@ -387,6 +389,7 @@ fn train(
             Some((timeline, _)) => net.detach_timeline(timeline)?,
             None => {}
         }
+        let events0 = timeline.map_or(0, |(t, _)| t.events());
         // This example's main thread is the training thread: every other thread is the
         // prefetcher's producer.
         let producer0 = process_counts(Threads::ExceptMain).allocations;
@@ -425,6 +428,7 @@ fn train(
         trace.producer_allocs.push(process_counts(Threads::ExceptMain).allocations - producer0);
         let accuracy = net.evaluate_batches(&mut test_batches)?;
         trace.test_accuracy.push(accuracy);
+        trace.timeline_events += timeline.map_or(0, |(t, _)| t.events()) - events0;
         if epoch == 1 {
             // After the epoch's evaluation too: inference shares the working-memory
             // workspaces, and the test set's sequences are longer.
@@ -653,6 +657,10 @@ fn run(args: &Args) -> Res<()> {
     object["loss_traces_identical"] = identical.into();
     if let Some(figures) = &timeline_figures {
         figures.add_to(&mut object);
+        for (mode, t) in &traces {
+            let ratio = toggle.then(|| timeline::on_over_off(&t.iter_ns, per_epoch)).flatten();
+            timeline::add_to_mode(&mut object[mode_name(*mode)], t.timeline_events, figures.bytes, ratio);
+        }
     }
     if let Some(path) = &args.plot {
         let series: Vec<plot::Series<'_>> = traces

@@ -36,17 +36,7 @@ pub(crate) fn export(
     let file = std::fs::File::create(path).map_err(|e| format!("writing the timeline to {}: {e}", path.display()))?;
     let summary =
         snapshot.write_chrome_trace(file).map_err(|e| format!("writing the timeline to {}: {e}", path.display()))?;
-    let ratio = toggled.and_then(|(iter_ns, per_epoch)| {
-        let (mut on, mut off) = (Vec::new(), Vec::new());
-        for (i, chunk) in iter_ns.chunks(per_epoch.max(1)).enumerate() {
-            match i + 1 {
-                1 => {} // learning
-                e if e % 2 == 1 => on.extend_from_slice(chunk),
-                _ => off.extend_from_slice(chunk),
-            }
-        }
-        Some(median(on)? / median(off)?)
-    });
+    let ratio = toggled.and_then(|(iter_ns, per_epoch)| on_over_off(iter_ns, per_epoch));
     Ok(TimelineFigures {
         events: snapshot.events(),
         bytes: snapshot.history_bytes(),
@@ -56,6 +46,28 @@ pub(crate) fn export(
         slices: summary.slices,
         ratio,
     })
+}
+
+/// The median iteration time of the odd epochs from 3 on (timeline on) over that of
+/// the even ones (off), from a run's iteration times and its iterations per epoch.
+pub(crate) fn on_over_off(iter_ns: &[u64], per_epoch: usize) -> Option<f64> {
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for (i, chunk) in iter_ns.chunks(per_epoch.max(1)).enumerate() {
+        match i + 1 {
+            1 => {} // learning
+            e if e % 2 == 1 => on.extend_from_slice(chunk),
+            _ => off.extend_from_slice(chunk),
+        }
+    }
+    Some(median(on)? / median(off)?)
+}
+
+/// The keys of one mode's object: the events its network's iterations recorded, the
+/// history's bytes (the one timeline's), and its own on-over-off ratio.
+pub(crate) fn add_to_mode(mode: &mut serde_json::Value, events: u64, bytes: usize, ratio: Option<f64>) {
+    mode["timeline_events"] = events.into();
+    mode["timeline_bytes"] = bytes.into();
+    mode["iter_time_ratio_timeline_over_off"] = ratio.into();
 }
 
 fn median(mut v: Vec<u64>) -> Option<f64> {

@@ -42,6 +42,7 @@
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
 //! | `--threads N` | 1 | threads of each training step, 1 to 64 (`Network::set_threads`: large matrix multiplies and updater passes split, the same bits); not with `--workers` |
+//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); with `--compare`, on in odd epochs and off in even ones; not with `--workers` |
 //! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
@@ -126,6 +127,14 @@
 //! `steady_state_workspace_bytes_in_use` (the same after epoch 1, what the table shows;
 //! `null` with one epoch), `steady_state_heap_peak_bytes` (the most heap bytes held at
 //! once during a steady iteration's `fit_batch`; `null` with one epoch)) add detail.
+//!
+//! With `--timeline FILE`, at the top level: `timeline_events` (events recorded),
+//! `timeline_bytes` (heap the history holds), `timeline_iterations`, `timeline_scripts`
+//! (distinct iterations, each stored once), `timeline_snapshot_us`,
+//! `timeline_slices_exported` and `iter_time_ratio_timeline_over_off` (with
+//! `--compare`: the enabled mode's median iteration time in the odd epochs from 3 on,
+//! recorded, over the even ones, not; `null` without); per mode, `timeline_events` (its
+//! network's), `timeline_bytes` and its own `iter_time_ratio_timeline_over_off`.
 
 mod args;
 #[path = "../common/breakdown.rs"]
@@ -278,6 +287,8 @@ fn run(args: &Args) -> Res<()> {
         None => None,
     };
     let toggle_timeline = timeline.is_some() && args.both_modes();
+    // The events each mode's network recorded.
+    let mut mode_events = vec![0u64; runs.len()];
 
     let progress = Progress::new(args.json, std::io::stderr().is_terminal())?;
     for run in runs.iter_mut() {
@@ -291,14 +302,16 @@ fn run(args: &Args) -> Res<()> {
                 run.net.set_breakdown(true);
             }
         }
-        for run in runs.iter_mut() {
+        for (r, run) in runs.iter_mut().enumerate() {
             if let (Some(timeline), true) = (&timeline, toggle_timeline) {
                 match epoch % 2 {
                     1 => run.net.attach_timeline(timeline)?,
                     _ => run.net.detach_timeline(timeline)?,
                 }
             }
+            let before = timeline.as_ref().map_or(0, Timeline::events);
             train_epoch(run, (epoch, args.epochs), &test, &progress, &mut rss)?;
+            mode_events[r] += timeline.as_ref().map_or(0, Timeline::events) - before;
         }
     }
     let widths = breakdown::widths(FEATURES, &args.hidden, CLASSES);
@@ -316,8 +329,11 @@ fn run(args: &Args) -> Res<()> {
     }
 
     let mut summaries = Vec::with_capacity(runs.len());
-    for run in runs.iter_mut() {
+    for (r, run) in runs.iter_mut().enumerate() {
+        // Its evaluations are iterations of the timeline too.
+        let before = timeline.as_ref().map_or(0, Timeline::events);
         summaries.push(summarize(run, iters_per_epoch, &test, &train, batch)?);
+        mode_events[r] += timeline.as_ref().map_or(0, Timeline::events) - before;
     }
     if let RssMeter::Process(_) = rss {
         let peak_rss = peak_rss_bytes();
@@ -444,8 +460,13 @@ fn run(args: &Args) -> Res<()> {
         if let Some(figures) = &timeline_figures {
             figures.add_to(&mut object);
         }
-        for (s, run) in summaries.iter().zip(&runs) {
+        for (r, (s, run)) in summaries.iter().zip(&runs).enumerate() {
             object[mode_name(s.mode)] = summary_json(s, &rss);
+            if let Some(figures) = &timeline_figures {
+                let ratio =
+                    toggle_timeline.then(|| timeline::on_over_off(&run.trace.iter_ns, iters_per_epoch)).flatten();
+                timeline::add_to_mode(&mut object[mode_name(s.mode)], mode_events[r], figures.bytes, ratio);
+            }
             if let (Some(b), Some(gemm)) = (run.net.breakdown(), gemm_gflops) {
                 let step_gflops = breakdown::step_flops(&widths, batch) / (s.iter_us_median * 1e-6) / 1e9;
                 let keys = [

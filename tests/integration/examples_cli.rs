@@ -237,6 +237,8 @@ fn train_sequences_writes_a_timeline_of_variable_length_batches() {
     let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let _ = std::fs::remove_file(&path);
     assert_eq!(json["timeline_events"], trace["otherData"]["events"], "{json}");
+    assert_eq!(json["enabled"]["timeline_events"], json["timeline_events"], "{json}");
+    assert_eq!(json["enabled"]["timeline_bytes"], json["timeline_bytes"], "{json}");
     // Batches of several lengths: distinct iterations, each stored once.
     assert!(json["timeline_scripts"].as_u64().is_some_and(|n| n > 1), "{json}");
     let slices: Vec<&serde_json::Value> =

@@ -758,6 +758,7 @@ fn timeline_writes_a_chrome_trace_of_the_run_with_every_allocation_labelled() {
     assert_eq!(json["timeline_iterations"], trace["otherData"]["iterations"], "{json}");
     assert!(json["timeline_bytes"].as_u64().is_some_and(|b| b > 0), "{json}");
     assert!(json["iter_time_ratio_timeline_over_off"].is_null(), "on all the run without --compare: {json}");
+    assert_eq!(json["enabled"]["timeline_events"], json["timeline_events"], "the one mode's: {json}");
     // Three epochs of training steps and evaluations, each an iteration.
     let iterations = json["timeline_iterations"].as_u64().unwrap();
     assert!(iterations > 3 * json["train_rows"].as_u64().unwrap() / 32, "{json}");
@@ -793,6 +794,18 @@ fn timeline_with_compare_measures_its_cost_and_is_refused_with_workers() {
     let json = last_json(&output);
     let ratio = json["iter_time_ratio_timeline_over_off"].as_f64();
     assert!(ratio.is_some_and(|r| r > 0.2 && r < 5.0), "{json}");
+    // Per mode: its network's events (none without workspaces), the one history's
+    // bytes, its own ratio; the events add up to the run's.
+    let mut events = 0;
+    for mode in ["enabled", "planned", "none"] {
+        let m = &json[mode];
+        assert_eq!(m["timeline_bytes"], json["timeline_bytes"], "{mode}: {m}");
+        assert!(m["iter_time_ratio_timeline_over_off"].as_f64().is_some_and(|r| r > 0.2 && r < 5.0), "{mode}: {m}");
+        events += m["timeline_events"].as_u64().unwrap();
+    }
+    assert_eq!(json["none"]["timeline_events"], 0, "{json}");
+    assert!(json["enabled"]["timeline_events"].as_u64().is_some_and(|e| e > 0), "{json}");
+    assert_eq!(Some(events), json["timeline_events"].as_u64(), "{json}");
     assert_eq!(json["loss_traces_identical"], Value::Bool(true), "recording changes no arithmetic: {json}");
     assert!(read_trace(&path)["traceEvents"].as_array().is_some_and(|e| !e.is_empty()));
     let output = run(&["--workers", "2", "--timeline", path.to_str().unwrap()]);
