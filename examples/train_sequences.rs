@@ -24,7 +24,7 @@
 //! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given); not with `--compare` or `--plot` |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | a thread per worker; one thread running the N shards in turn (the same bits); a process per worker under `mpirun -np N` (`--features mpi`) |
-//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); JSON: `timeline_events`, `timeline_bytes`; with `--compare` on in odd epochs only, for `iter_time_ratio_timeline_over_off`; not with `--workers` |
+//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); JSON: `timeline_events`, `timeline_bytes` (top level and per mode); with `--compare` or `--plot` on in odd epochs only, for `iter_time_ratio_timeline_over_off` (from 3 epochs on); not with `--workers` |
 //! | `--json` | off | one JSON object on stdout (the train_digits keys, plus `ring_growths`, `distinct_batch_shapes`, `max_steps`; planned: `new_shape_iterations`, the iterations after epoch 1 that recorded a new batch shape, and `new_shape_allocs`, the most heap allocations one of them made) |
 
 #[path = "common/cli.rs"]
@@ -483,6 +483,11 @@ fn run(args: &Args) -> Res<()> {
     }
     if let Some(path) = &args.timeline {
         cli::check_writable(path, "--timeline", "the timeline")?;
+        if [&args.save, &args.plot].into_iter().flatten().any(|p| p == path) {
+            cli::usage_error::<Args>(
+                "--timeline writes a file of its own: give it a path other than --save's and --plot's",
+            );
+        }
     }
     let (train_split, test) = vowels::load(&vowels::data_path())?;
     if args.workers.is_some() || args.reducer.is_some() {

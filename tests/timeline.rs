@@ -177,3 +177,25 @@ fn an_exported_network_trace_reads_back_and_a_detached_network_is_recorded_no_mo
     );
     assert!(inference.iter().all(|e| ["Activations", "FfWorkingMem"].contains(&e["args"]["role"].as_str().unwrap())));
 }
+
+#[test]
+fn a_network_sharing_the_workspaces_of_an_attached_one_ends_its_own_iterations() {
+    // Two networks of one mode on a thread share the thread's workspaces by name.
+    let (mut attached, mut other) = (mlp(WorkspaceMode::Enabled), mlp(WorkspaceMode::Enabled));
+    let timeline = Timeline::start().unwrap();
+    attached.attach_timeline(&timeline).unwrap();
+    let (x, y) = data(16);
+    let (x8, y8) = data(8);
+    for _ in 0..6 {
+        attached.fit_batch(x.view(), y.view()).unwrap();
+        other.fit_batch(x8.view(), y8.view()).unwrap();
+    }
+    // Each step of either is an iteration; the other's are unlabelled, not folded into
+    // the attached network's.
+    assert_eq!(timeline.iterations(), 12);
+    let snapshot = timeline.snapshot();
+    let steady: Vec<u32> = snapshot.records().iter().skip(6).map(|r| r.script.unwrap()).collect();
+    assert_eq!(steady[0], steady[2], "{steady:?}");
+    assert_eq!(steady[1], steady[3], "{steady:?}");
+    assert_ne!(steady[0], steady[1], "{steady:?}");
+}

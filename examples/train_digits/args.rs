@@ -95,8 +95,9 @@ pub(crate) struct Args {
     /// or chrome://tracing): a counter track per workspace, a slice
     /// per allocation with its role and layer; adds
     /// `timeline_events` and `timeline_bytes` to the JSON. With
-    /// --compare the timeline is on in odd epochs and off in even
-    /// ones, for `iter_time_ratio_timeline_over_off`
+    /// --compare (or --plot) the timeline is on in odd epochs and
+    /// off in even ones, for `iter_time_ratio_timeline_over_off`
+    /// (from 3 epochs on; null with fewer)
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     pub(crate) timeline: Option<PathBuf>,
 
@@ -148,6 +149,13 @@ impl Args {
             return Err("--workers and --reducer train one data-parallel run, --compare and --plot compare \
                         workspace modes: use one or the other"
                 .to_string());
+        }
+        if let Some(timeline) = &self.timeline {
+            if [&self.save, &self.plot].into_iter().flatten().any(|p| p == timeline) {
+                return Err(
+                    "--timeline writes a file of its own: give it a path other than --save's and --plot's".to_string()
+                );
+            }
         }
         if self.data_parallel() && self.timeline.is_some() {
             return Err("--timeline records the workspaces of the training thread's network, --workers and \

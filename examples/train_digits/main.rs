@@ -42,7 +42,7 @@
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
 //! | `--threads N` | 1 | threads of each training step, 1 to 64 (`Network::set_threads`: large matrix multiplies and updater passes split, the same bits); not with `--workers` |
-//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); with `--compare`, on in odd epochs and off in even ones; not with `--workers` |
+//! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); with `--compare` or `--plot`, on in odd epochs and off in even ones; not with `--workers` |
 //! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
@@ -132,8 +132,9 @@
 //! `timeline_bytes` (heap the history holds), `timeline_iterations`, `timeline_scripts`
 //! (distinct iterations, each stored once), `timeline_snapshot_us`,
 //! `timeline_slices_exported` and `iter_time_ratio_timeline_over_off` (with
-//! `--compare`: the enabled mode's median iteration time in the odd epochs from 3 on,
-//! recorded, over the even ones, not; `null` without); per mode, `timeline_events` (its
+//! `--compare` or `--plot`: the enabled mode's median iteration time in the odd epochs
+//! from 3 on, recorded, over the even ones, not; `null` without, or with fewer than 3
+//! epochs); per mode, `timeline_events` (its
 //! network's), `timeline_bytes` and its own `iter_time_ratio_timeline_over_off`.
 
 mod args;
@@ -417,6 +418,12 @@ fn run(args: &Args) -> Res<()> {
         out(&format!("plot written to {}", path.display()));
     }
 
+    if let Some(path) = &args.save {
+        runs[0].net.save(path).map_err(|e| format!("saving the model: {e}"))?;
+        out(&format!("model saved to {} (serve it: serve_digits --model {})", path.display(), path.display()));
+    }
+
+    // After the model is saved: a failure to write the timeline does not lose it.
     let timeline_figures = match (&timeline, &args.timeline) {
         (Some(timeline), Some(path)) => {
             let figures = timeline::export(
@@ -429,11 +436,6 @@ fn run(args: &Args) -> Res<()> {
         }
         _ => None,
     };
-
-    if let Some(path) = &args.save {
-        runs[0].net.save(path).map_err(|e| format!("saving the model: {e}"))?;
-        out(&format!("model saved to {} (serve it: serve_digits --model {})", path.display(), path.display()));
-    }
 
     if args.json {
         let us = |mode| summaries.iter().find(|s| s.mode == mode).map(|s| s.iter_us_median);

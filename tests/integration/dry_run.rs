@@ -308,11 +308,17 @@ fn fits_says_what_is_short_and_by_how_much() {
     );
     assert!(message.contains("the largest live holders are "), "{message}");
     assert!(message.contains(&format!("Activations of layer '{first}' in 'WS_ALL_LAYERS_ACT'")), "{message}");
-    // With a timeline of the user's recording on the thread, the dry run leaves it be.
+    // With a timeline of the user's recording this network, the dry run records
+    // nothing in it, labels nothing, and still names the holders.
     let timeline = carve::workspace_core::timeline::Timeline::start().unwrap();
-    let quiet = net.dry_run(&[DryPass::Train(BatchShape::flat(32))]).unwrap();
-    assert!(quiet.peak_holders.is_empty());
-    assert_eq!(timeline.snapshot().events(), 0);
+    net.attach_timeline(&timeline).unwrap();
+    let again = net.dry_run(&[DryPass::Train(BatchShape::flat(32))]).unwrap();
+    assert_eq!(again.peak_holders, estimate.peak_holders);
+    assert_eq!((timeline.snapshot().events(), timeline.iterations()), (0, 0));
+    let (x, y) = (ndarray::Array2::<f32>::zeros((32, 64)), ndarray::Array1::<u32>::zeros(32));
+    net.fit_batch(x.view(), y.view()).unwrap();
+    assert_eq!(timeline.iterations(), 1, "the user's timeline records on");
+    assert!(timeline.snapshot().events() > 0);
 }
 
 #[test]

@@ -813,3 +813,10 @@ fn timeline_with_compare_measures_its_cost_and_is_refused_with_workers() {
     assert!(text(&output.stderr).contains("--timeline"), "{}", text(&output.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn timeline_refuses_the_path_of_another_output() {
+    let output = run(&["--timeline", "same.json", "--save", "same.json"]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+    assert!(text(&output.stderr).contains("--timeline writes a file of its own"), "{}", text(&output.stderr));
+}

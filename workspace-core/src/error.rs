@@ -225,7 +225,7 @@ pub enum Error {
     },
 
     /// The memory backend could not provide memory.
-    #[error("workspace '{workspace}': {source}. Memory: {report}")]
+    #[error("workspace '{workspace}': {source}{}", memory_of(.source, .report))]
     Backend {
         /// The workspace.
         workspace: Arc<str>,
@@ -316,5 +316,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
+    }
+}
+
+/// The report of a backend's error, for the refusals of memory (an out-of-memory, a
+/// fixed arena too small); nothing for the others (a file that cannot be mapped).
+fn memory_of(source: &BackendError, report: &crate::timeline::MemoryReport) -> String {
+    match source {
+        BackendError::OutOfMemory { .. } | BackendError::FixedSize { .. } => format!(". Memory: {report}"),
+        _ => String::new(),
     }
 }

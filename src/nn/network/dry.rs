@@ -158,8 +158,8 @@ pub struct MemoryEstimate {
     /// How long the dry run took, in microseconds.
     pub dry_run_us: f64,
     /// The five largest holders, by workspace, role and layer, at the moment of the
-    /// largest pass with the most bytes live (empty when a timeline already recorded on
-    /// the thread: the dry run records that pass with a timeline of its own).
+    /// largest pass with the most bytes live (the dry run records that pass once more
+    /// with a timeline of its own).
     pub peak_holders: Vec<Holder>,
 }
 
@@ -536,6 +536,8 @@ impl Network {
         if passes.is_empty() {
             return Err(Error::InvalidInput("a dry run needs at least one pass".into()));
         }
+        // A timeline recording on this thread records none of it (and labels nothing).
+        let _paused = timeline::suspend();
         let estimate = self.dry_run_passes(passes);
         if estimate.is_err() {
             // A pass that failed half-way taught the shadow workspaces a part of itself:
@@ -647,11 +649,8 @@ impl Network {
 
     /// The five largest holders, by role and layer, at the peak of `pass`: the pass once
     /// more (a steady repeat, which changes no figure), recorded by a timeline of its
-    /// own; none when a timeline records on this thread already (the user's).
+    /// own (a user's recording on this thread is paused by `dry_run`).
     fn peak_holders(&mut self, pass: DryPass) -> Result<Vec<Holder>> {
-        if timeline::is_active() {
-            return Ok(Vec::new());
-        }
         let recording = Timeline::start()?;
         for ws in self.dry_run.as_deref().expect("made by dry_run").workspaces() {
             recording.attach(&ws)?;

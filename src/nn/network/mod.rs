@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
-use workspace_core::timeline::{LayerLabel, Timeline, TimelineId};
+use workspace_core::timeline::{self, LayerLabel, Timeline, TimelineId};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, TypedScope, Workspace, WorkspaceMode};
 
 use super::finite;
@@ -90,9 +90,24 @@ pub(crate) struct LayerLabels {
 
 impl LayerLabels {
     fn new(layers: &[Box<dyn Layer>], timeline: TimelineId) -> LayerLabels {
+        // A name two layers share (custom layers may) is told apart: `name#2`, ...; the
+        // network's own parts keep theirs.
+        let mut seen: Vec<&str> = vec!["input", "loss", "updater"];
+        let names: Vec<String> = layers
+            .iter()
+            .map(|l| {
+                let name = l.name();
+                let count = seen.iter().filter(|&&n| n == name).count();
+                seen.push(name);
+                match count {
+                    0 => name.to_string(),
+                    n => format!("{name}#{}", n + 1),
+                }
+            })
+            .collect();
         LayerLabels {
             timeline,
-            layers: layers.iter().map(|l| LayerLabel::new(l.name())).collect(),
+            layers: names.iter().map(|name| LayerLabel::new(name)).collect(),
             input: LayerLabel::new("input"),
             loss: LayerLabel::new("loss"),
             updater: LayerLabel::new("updater"),
@@ -239,8 +254,15 @@ impl Network {
     /// Ends an iteration of the timeline recording this network, if one does.
     #[inline]
     fn end_timeline_iteration(&self) {
-        if let Some(labels) = &self.timeline {
-            labels.timeline.end_iteration();
+        match &self.timeline {
+            Some(labels) => labels.timeline.end_iteration(),
+            // Not attached, yet recorded through workspaces it shares with a network
+            // that is (of the same mode, on this thread): its step is an iteration too.
+            None => {
+                if let Some(id) = self.train[0].workspaces().next().and_then(|ws| timeline::recording(ws)) {
+                    id.end_iteration();
+                }
+            }
         }
     }
 

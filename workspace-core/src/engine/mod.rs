@@ -438,7 +438,7 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// Records this workspace's events into the timeline of `tap` from its next cycle
-    /// on (`None`: stops). The fast path is off meanwhile, as for a recorder.
+    /// on (`None`: stops). The fast path stays on: it tests for a tap.
     ///
     /// # Errors
     ///
@@ -447,6 +447,11 @@ impl<B: ArenaBackend> Engine<B> {
         self.require_closed("attaching a timeline or detaching it")?;
         self.tap.set(tap);
         Ok(())
+    }
+
+    /// The timeline tap, if one is set.
+    pub(crate) fn tap(&self) -> Option<crate::timeline::Tap> {
+        self.tap.get()
     }
 
     /// Tells the timeline of an allocation of `size` bytes (`bytes` padded) by the

@@ -291,17 +291,17 @@ impl<B: ArenaBackend> GroupState<B> {
         self.grow_arena(index)
     }
 
+    /// The bytes and the lower bound of the plan of the key started last, if it has one.
+    pub(super) fn plan_of_key(&self) -> Option<(usize, usize)> {
+        self.plans.iter().find(|p| p.key == self.key).map(|p| (p.bytes, p.lower_bound))
+    }
+
     /// [`GroupState::fit_arena`] for a start, which runs off the plan when it fails: a
     /// size the backend refused (or a larger one) is asked for again only after a
     /// back-off, and only the first refusal since the last growth is returned, to be
     /// reported; `Err(None)` for the others. A start that needs a growth is a tick of
     /// the back-off's clock.
     #[inline]
-    /// The bytes and the lower bound of the plan of the key started last, if it has one.
-    pub(super) fn plan_of_key(&self) -> Option<(usize, usize)> {
-        self.plans.iter().find(|p| p.key == self.key).map(|p| (p.bytes, p.lower_bound))
-    }
-
     pub(super) fn fit_arena_or_back_off(
         &mut self,
         index: usize,

@@ -1,7 +1,9 @@
 //! Export in the Chrome trace-event format (the JSON object form), which Perfetto and
 //! `chrome://tracing` open: thread 0 holds a slice per iteration, thread `w + 1` a
-//! slice per allocation of workspace `w` (from the allocation to the close that ends
-//! it), and each workspace has a counter track of its live bytes.
+//! slice per allocation of workspace `w`'s cycles (from the allocation to the close
+//! that ends it), a thread of its own each frame level that allocated ("NAME frame
+//! L"), and each workspace has a counter track of its live bytes. Times are whole
+//! nanoseconds printed as microseconds, so slices that nest nest as printed.
 
 use std::io::{self, Write};
 
@@ -71,26 +73,35 @@ impl TimelineSnapshot {
         }
         let mut live = vec![0u64; self.workspaces.len()];
         let (mut ends, mut ended) = (Vec::new(), Vec::new());
+        // A track per workspace (its cycles' allocations, tid `w + 1`) and per frame
+        // level it used (frames' allocations may end before a cycle allocation made
+        // while the frame was open: on one track their slices would not nest).
+        let mut frame_tracks: Vec<((u16, u16), usize)> = Vec::new();
         for record in chosen {
-            let start = record.start_ns as f64;
-            let duration = record.duration_ns as f64;
+            let (start, duration) = (record.start_ns, record.duration_ns);
             write!(
                 w,
-                ",{{\"name\":\"iteration {}\",\"cat\":\"iteration\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":1,\
+                ",{{\"name\":\"iteration {}\",\"cat\":\"iteration\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":1,\
                  \"tid\":0,\"args\":{{\"iteration\":{},\"script\":{},\"events\":{}}}}}",
                 record.index,
-                start / 1e3,
-                duration / 1e3,
+                Us(start),
+                Us(duration),
                 record.index,
                 record.script.map_or("null".to_string(), |s| s.to_string()),
                 record.events
             )?;
             summary.iterations += 1;
             let Some(script) = record.script.and_then(|s| self.scripts.get(s as usize)) else { continue };
-            // The script's times, scaled to this iteration's duration.
-            let scale = if script.duration_ns > 0 { duration / script.duration_ns as f64 } else { 1.0 };
-            // Within the iteration, whatever the script's times.
-            let at = |i: usize| start + (script.times.get(i).copied().unwrap_or(0) as f64 * scale).min(duration);
+            // The script's times scaled to this iteration's duration, within it; whole
+            // nanoseconds, so that slices that nest in time nest as printed.
+            let at = |i: usize| {
+                let t = u128::from(script.times.get(i).copied().unwrap_or(0));
+                let scaled = match script.duration_ns {
+                    0 => t,
+                    d => t * u128::from(duration) / u128::from(d),
+                };
+                start + (scaled.min(u128::from(duration)) as u64)
+            };
             end_of_each(&script.steps, &mut ends, &mut ended);
             live.iter_mut().for_each(|l| *l = 0);
             for (i, step) in script.steps.iter().enumerate() {
@@ -101,6 +112,26 @@ impl TimelineSnapshot {
                     live[ws] = live[ws].saturating_sub(ended[i]);
                 } else {
                     let end = ends[i].map_or(start + duration, at).max(ts);
+                    let tid = match step.level() {
+                        0 => ws + 1,
+                        level => {
+                            let key = (step.workspace(), level);
+                            match frame_tracks.iter().find(|(k, _)| *k == key) {
+                                Some(&(_, tid)) => tid,
+                                None => {
+                                    let tid = self.workspaces.len() + 1 + frame_tracks.len();
+                                    frame_tracks.push((key, tid));
+                                    let name = format!("{} frame {level}", self.workspaces[ws]);
+                                    write!(
+                                        w,
+                                        ",{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":{tid},\"args\":{{\"name\":{}}}}}",
+                                        json(&name)
+                                    )?;
+                                    tid
+                                }
+                            }
+                        }
+                    };
                     let role = role_of(step.role()).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
                     let layer = self.layer_name(step.layer());
                     let name = match &layer {
@@ -109,13 +140,13 @@ impl TimelineSnapshot {
                     };
                     write!(
                         w,
-                        ",{{\"name\":{},\"cat\":\"alloc\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":1,\"tid\":{},\
+                        ",{{\"name\":{},\"cat\":\"alloc\",\"ph\":\"X\",\"ts\":{},\"dur\":{},\"pid\":1,\"tid\":{},\
                          \"args\":{{\"workspace\":{},\"role\":{},\"layer\":{},\"bytes\":{},\"requested\":{},\
                          \"level\":{},\"iteration\":{},\"event\":{}}}}}",
                         json(&name),
-                        ts / 1e3,
-                        (end - ts) / 1e3,
-                        ws + 1,
+                        Us(ts),
+                        Us(end - ts),
+                        tid,
                         json(&self.workspaces[ws]),
                         json(&role),
                         layer.as_deref().map_or("null".to_string(), json),
@@ -130,9 +161,9 @@ impl TimelineSnapshot {
                 }
                 write!(
                     w,
-                    ",{{\"name\":{},\"ph\":\"C\",\"ts\":{:.3},\"pid\":1,\"args\":{{\"bytes\":{}}}}}",
+                    ",{{\"name\":{},\"ph\":\"C\",\"ts\":{},\"pid\":1,\"args\":{{\"bytes\":{}}}}}",
                     json(&format!("{} live bytes", self.workspaces[ws])),
-                    ts / 1e3,
+                    Us(ts),
                     live[ws]
                 )?;
                 summary.counters += 1;
@@ -141,6 +172,15 @@ impl TimelineSnapshot {
         write!(w, "]}}")?;
         w.flush()?;
         Ok(summary)
+    }
+}
+
+/// Nanoseconds written as microseconds, exactly (three decimals).
+struct Us(u64);
+
+impl std::fmt::Display for Us {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{:03}", self.0 / 1000, self.0 % 1000)
     }
 }
 

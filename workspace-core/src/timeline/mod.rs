@@ -253,6 +253,51 @@ impl TimelineId {
     }
 }
 
+/// Pauses the timeline recording on this thread, if one does, until the guard drops:
+/// nothing that happens meanwhile is recorded (its workspaces' events are dropped), and
+/// another timeline may record meanwhile (a dry run sizes a network under one of its
+/// own this way). A guard that is forgotten (`mem::forget`) ends the paused timeline's
+/// recording for good: it is dropped with the thread.
+#[must_use = "the timeline is paused until the guard drops"]
+pub fn suspend() -> Suspended {
+    let paused = STATE.try_with(|cell| cell.try_borrow_mut().ok().and_then(|mut s| s.take())).ok().flatten();
+    Suspended { paused, _thread: PhantomData }
+}
+
+/// A paused timeline ([`suspend`]), recording again when this drops (unless another
+/// records on the thread then: the paused one is then dropped).
+pub struct Suspended {
+    paused: Option<Box<State>>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for Suspended {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Suspended").field("paused", &self.paused.is_some()).finish()
+    }
+}
+
+impl Drop for Suspended {
+    fn drop(&mut self) {
+        if let Some(paused) = self.paused.take() {
+            let _ = STATE.try_with(|cell| {
+                if let Ok(mut state) = cell.try_borrow_mut() {
+                    if state.is_none() {
+                        *state = Some(paused);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// The timeline recording `workspace` on this thread, if one does.
+pub fn recording(workspace: &Workspace) -> Option<TimelineId> {
+    let tap = workspace.shell.engine().tap()?;
+    let id = TimelineId(tap.timeline);
+    id.is_recording().then_some(id)
+}
+
 /// Ends the iteration of the timeline recording on this thread, if one does (what
 /// [`Timeline::end_iteration`] does, for code that does not hold the timeline).
 pub fn end_iteration() {
@@ -574,27 +619,20 @@ impl TimelineSnapshot {
     /// then by workspace, role and layer (`None` for an unknown id).
     pub fn peak(&self, id: u32) -> Option<Peak> {
         let script = self.scripts.get(id as usize)?;
-        let (mut at, mut most) = (None, 0);
-        let mut i = 0;
-        state::live_walk(&script.steps, |live| {
-            let bytes: u64 = live.iter().map(|s| s.bytes).sum();
-            if bytes > most || at.is_none() {
-                (at, most) = (Some(i), bytes);
+        // The first moment with the most bytes live, then the holders at it.
+        let (mut at, mut most) = (0, 0);
+        let mut live = state::LiveSet::default();
+        for (i, step) in script.steps.iter().enumerate() {
+            live.apply(step);
+            if live.bytes > most {
+                (at, most) = (i, live.bytes);
             }
-            i += 1;
-        });
-        let mut peak = Peak::default();
-        if let Some(at) = at {
-            let mut i = 0;
-            state::live_walk(&script.steps, |live| {
-                if i == at {
-                    peak.bytes = live.iter().map(|s| s.bytes).sum();
-                    peak.requested = live.iter().map(|s| s.requested).sum();
-                    peak.holders = report::holders(live, &self.workspaces);
-                }
-                i += 1;
-            });
         }
+        let mut live = state::LiveSet::default();
+        script.steps.iter().take(at + 1).for_each(|s| live.apply(s));
+        let steps: Vec<Step> = live.steps().copied().collect();
+        let peak =
+            Peak { bytes: live.bytes, requested: live.requested, holders: report::holders(&steps, &self.workspaces) };
         Some(peak)
     }
 

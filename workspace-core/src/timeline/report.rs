@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::state::{live_walk_from, Step};
+use super::state::{LiveSet, Step};
 use super::{role_of, with_state, Tap, NO_ROLE};
 use crate::ArrayType;
 
@@ -85,15 +85,13 @@ impl MemoryReport {
 
     fn fill(&mut self, state: &super::state::State, workspace: u16) {
         // The iteration so far, from what the one before left live.
-        let carried = state.carried();
-        let mut lower_bound = carried.iter().map(|s| s.requested).sum::<u64>();
-        let mut last: Vec<Step> = Vec::new();
-        live_walk_from(
-            carried,
-            state.current(),
-            |live| lower_bound = lower_bound.max(live.iter().map(|s| s.requested).sum::<u64>()),
-            |live| last = live.to_vec(),
-        );
+        let mut live = LiveSet::from(state.carried());
+        let mut lower_bound = live.requested;
+        for step in state.current() {
+            live.apply(step);
+            lower_bound = lower_bound.max(live.requested);
+        }
+        let last: Vec<Step> = live.steps().copied().collect();
         self.lower_bound = Some(lower_bound);
         self.padding_bytes = Some(last.iter().map(|s| s.bytes - s.requested.min(s.bytes)).sum());
         let own: u64 = last.iter().filter(|s| s.workspace() == workspace).map(|s| s.bytes).sum();
@@ -158,7 +156,8 @@ impl fmt::Display for MemoryReport {
             Some(lower_bound) => write!(f, "; lower bound of the iteration so far {lower_bound} bytes")?,
             None => f.write_str(
                 "; lower bound of the iteration so far, padding and fragmentation: unknown (no timeline records this \
-                 workspace; start a workspace_core::timeline::Timeline to have them and the holders by layer)",
+                 workspace: start a workspace_core::timeline::Timeline and attach the workspace to it, with \
+                 Timeline::attach or attach_mgr, or Network::attach_timeline, to have them and the holders by layer)",
             )?,
         }
         match (self.padding_bytes, self.fragmentation_bytes) {

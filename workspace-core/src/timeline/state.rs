@@ -113,13 +113,14 @@ pub(crate) struct Script {
 
 impl Script {
     fn new(steps: Vec<Step>, times: Vec<u64>, duration_ns: u64) -> Script {
-        let (mut lower_bound, mut peak_bytes, mut tail) = (0, 0, Vec::new());
-        live_walk(&steps, |live| {
-            let (requested, bytes) = live.iter().fold((0, 0), |(r, b), s| (r + s.requested, b + s.bytes));
-            lower_bound = lower_bound.max(requested);
-            peak_bytes = peak_bytes.max(bytes);
-        });
-        live_walk_from(&[], &steps, |_| {}, |live| tail = live.to_vec());
+        let (mut lower_bound, mut peak_bytes) = (0, 0);
+        let mut live = LiveSet::default();
+        for step in &steps {
+            live.apply(step);
+            lower_bound = lower_bound.max(live.requested);
+            peak_bytes = peak_bytes.max(live.bytes);
+        }
+        let tail = live.steps().copied().collect();
         Script { steps, times, duration_ns, lower_bound, peak_bytes, tail }
     }
 
@@ -128,29 +129,56 @@ impl Script {
     }
 }
 
-/// Walks `steps`, calling `each` with the allocations live after each one.
-pub(crate) fn live_walk(steps: &[Step], each: impl FnMut(&[Step])) {
-    live_walk_from(&[], steps, each, |_| {});
+/// The allocations live at a moment of an iteration, grouped by workspace and level
+/// (what a close ends is one group, or a workspace's groups), with running totals: a
+/// walk over an iteration costs its events times its groups, not times what is live.
+#[derive(Default)]
+pub(crate) struct LiveSet {
+    groups: Vec<(u16, u16, Vec<Step>)>,
+    /// Bytes live, as asked for.
+    pub(crate) requested: u64,
+    /// Bytes live, padded.
+    pub(crate) bytes: u64,
 }
 
-/// [`live_walk`] from the allocations `before` (live when `steps` start), and `end`
-/// with those live after the last step.
-pub(crate) fn live_walk_from(
-    before: &[Step],
-    steps: &[Step],
-    mut each: impl FnMut(&[Step]),
-    end: impl FnOnce(&[Step]),
-) {
-    let mut live: Vec<Step> = before.to_vec();
-    for step in steps {
-        if step.close() {
-            live.retain(|s| !step.ends(s));
-        } else {
-            live.push(*step);
-        }
-        each(&live);
+impl LiveSet {
+    /// Those live at the start of an iteration: `before`.
+    pub(crate) fn from(before: &[Step]) -> LiveSet {
+        let mut live = LiveSet::default();
+        before.iter().for_each(|s| live.apply(s));
+        live
     }
-    end(&live);
+
+    /// After `step`.
+    pub(crate) fn apply(&mut self, step: &Step) {
+        if step.close() {
+            for (ws, level, list) in &mut self.groups {
+                if *ws == step.workspace() && (step.level() == 0 || *level == step.level()) {
+                    for s in list.drain(..) {
+                        self.requested -= s.requested;
+                        self.bytes -= s.bytes;
+                    }
+                }
+            }
+            return;
+        }
+        let key = (step.workspace(), step.level());
+        let at = match self.groups.iter().position(|(ws, level, _)| (*ws, *level) == key) {
+            Some(at) => at,
+            None => {
+                self.groups.push((key.0, key.1, Vec::new()));
+                self.groups.len() - 1
+            }
+        };
+        self.groups[at].2.push(*step);
+        self.requested += step.requested;
+        self.bytes += step.bytes;
+    }
+
+    /// The live allocations.
+    pub(crate) fn steps(&self) -> impl Iterator<Item = &Step> {
+        self.groups.iter().flat_map(|(_, _, list)| list)
+    }
 }
 
 /// What a thread's timeline holds while it records.

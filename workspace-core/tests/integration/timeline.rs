@@ -194,6 +194,30 @@ fn an_exported_trace_reads_back_as_the_recorded_events() {
     assert_eq!(last.len(), snapshot.workspaces().len(), "{last:?}");
     assert!(last.values().all(|&b| b == 0), "{last:?}");
     assert_eq!(summary.slices, events.iter().filter(|e| e["cat"] == "alloc").count());
+    assert_slices_nest(events);
+}
+
+/// Slices on one track nest (Perfetto's rule for complete events): whole nanoseconds.
+fn assert_slices_nest(events: &[Value]) {
+    let ns = |v: &Value| (v.as_f64().unwrap() * 1000.0).round() as i64;
+    let mut tracks: HashMap<u64, Vec<(i64, i64)>> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        let (ts, dur) = (ns(&e["ts"]), ns(&e["dur"]));
+        tracks.entry(e["tid"].as_u64().unwrap()).or_default().push((ts, ts + dur));
+    }
+    for (tid, mut slices) in tracks {
+        slices.sort_by_key(|&(start, end)| (start, std::cmp::Reverse(end)));
+        let mut open: Vec<i64> = Vec::new();
+        for (start, end) in slices {
+            while open.last().is_some_and(|&e| e <= start) {
+                open.pop();
+            }
+            if let Some(&outer) = open.last() {
+                assert!(end <= outer, "track {tid}: [{start}, {end}) overlaps a slice ending at {outer}");
+            }
+            open.push(end);
+        }
+    }
 }
 
 #[test]
@@ -333,6 +357,15 @@ fn a_frame_closed_below_the_top_ends_only_its_own_allocations() {
     timeline.end_iteration();
     let snapshot = timeline.snapshot();
     assert_eq!(snapshot.scripts()[0].lower_bound, 4096 + 4096);
+    // Exported, the frames' allocations are on tracks of their own, and nest.
+    let mut bytes = Vec::new();
+    snapshot.write_chrome_trace(&mut bytes).unwrap();
+    let trace: Value = serde_json::from_slice(&bytes).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let names: Vec<&str> =
+        events.iter().filter(|e| e["name"] == "thread_name").filter_map(|e| e["args"]["name"].as_str()).collect();
+    assert!(names.contains(&"TL_FRAMES frame 1") && names.contains(&"TL_FRAMES frame 2"), "{names:?}");
+    assert_slices_nest(events);
 }
 
 #[test]
@@ -423,4 +456,19 @@ fn a_new_iteration_scales_the_times_it_shares_with_a_slower_one_and_labels_end_w
     let now = timeline.snapshot();
     let script = now.records()[last].script.unwrap();
     assert!(now.script_events(script).iter().all(|e| e.layer.is_none()), "{:?}", now.script_events(script));
+}
+
+#[test]
+fn a_backend_error_that_refuses_no_memory_prints_no_memory_report() {
+    // SAFETY: nothing else maps the file: its directory does not exist.
+    let location = unsafe { workspace_core::Location::mmap("/nonexistent-carve-timeline-dir/x.ws") };
+    let config = WorkspaceConfig::builder()
+        .location(location)
+        .learning(LearningPolicy::None)
+        .initial_size(4096)
+        .build()
+        .unwrap();
+    let err = Workspace::new("TL_MMAP", config).unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err:?}");
+    assert!(!err.to_string().contains("Memory:"), "{err}");
 }
