@@ -324,7 +324,7 @@ impl<B: ArenaBackend> Engine<B> {
             return Err(Error::BudgetExceeded {
                 workspace: self.name.clone(),
                 requested: size,
-                in_use: self.open_bytes() + need_before,
+                in_use: self.budget_in_use(),
                 arena,
                 max_size: max,
                 report: self.report(size),

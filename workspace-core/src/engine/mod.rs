@@ -412,11 +412,17 @@ impl<B: ArenaBackend> Engine<B> {
         Error::Backend { workspace: self.name.clone(), source, report }
     }
 
+    /// Bytes the open cycle has in use as the budget counts them: the arena's handed
+    /// out, and the spills laid out as an arena would lay them out.
+    pub(super) fn budget_in_use(&self) -> usize {
+        self.open_bytes() + self.spill.need.get()
+    }
+
     /// The report of a failed request of `requested` bytes (see
     /// [`MemoryReport`](crate::timeline::MemoryReport)).
     #[cold]
     pub(crate) fn report(&self, requested: usize) -> Box<crate::timeline::MemoryReport> {
-        let in_use = if self.depth.get() > 0 { self.open_bytes() + self.spill.need.get() } else { 0 };
+        let in_use = if self.depth.get() > 0 { self.budget_in_use() } else { 0 };
         crate::timeline::MemoryReport::new(
             self.tap.get(),
             &self.name,

@@ -95,18 +95,29 @@ pub(crate) struct Tap {
     workspace: u16,
 }
 
-/// Runs `f` on the state of timeline `id` if it records on this thread (and is not
-/// borrowed: a hook never runs inside another).
+/// Runs `f` on this thread's slot of the recording timeline, unless the thread is
+/// ending or the slot is borrowed (a hook never runs inside another).
+#[inline]
+fn with_slot<R>(f: impl FnOnce(&mut Option<Box<State>>) -> R) -> Option<R> {
+    STATE.try_with(|cell| cell.try_borrow_mut().ok().map(|mut slot| f(&mut slot))).ok().flatten()
+}
+
+/// Runs `f` on the state of the timeline recording on this thread, if one does.
+#[inline]
+fn with_any_state<R>(f: impl FnOnce(&mut State) -> R) -> Option<R> {
+    with_slot(|slot| slot.as_deref_mut().map(f)).flatten()
+}
+
+/// Runs `f` on the state of timeline `id` if it records on this thread.
 #[inline]
 fn with_state<R>(id: u64, f: impl FnOnce(&mut State) -> R) -> Option<R> {
-    STATE
-        .try_with(|cell| {
-            let mut state = cell.try_borrow_mut().ok()?;
-            let state = state.as_mut().filter(|s| s.id == id)?;
-            Some(f(state))
-        })
-        .ok()
-        .flatten()
+    with_any_state(|state| (state.id == id).then(|| f(state))).flatten()
+}
+
+/// The index a step keeps of `label` (`NO_LAYER`: none).
+#[inline]
+fn layer_index(label: Option<LayerLabel>) -> u32 {
+    label.map_or(NO_LAYER, |l| l.0)
 }
 
 /// An allocation of `requested` bytes (`bytes` padded) by the owner at `level`, in a
@@ -179,14 +190,7 @@ impl LayerLabel {
 #[must_use = "the label holds until the guard drops"]
 #[inline]
 pub fn labelled(label: LayerLabel) -> LayerGuard {
-    let previous = STATE
-        .try_with(|cell| {
-            let mut state = cell.try_borrow_mut().ok()?;
-            let state = state.as_mut()?;
-            Some((state.id, std::mem::replace(&mut state.layer, label.0)))
-        })
-        .ok()
-        .flatten();
+    let previous = with_any_state(|state| (state.id, std::mem::replace(&mut state.layer, label.0)));
     LayerGuard { previous, _thread: PhantomData }
 }
 
@@ -195,13 +199,7 @@ pub fn labelled(label: LayerLabel) -> LayerGuard {
 /// code that labels each part of a step in turn and clears the label at its end.
 #[inline]
 pub fn set_layer(label: Option<LayerLabel>) {
-    let _ = STATE.try_with(|cell| {
-        if let Ok(mut state) = cell.try_borrow_mut() {
-            if let Some(state) = state.as_mut() {
-                state.layer = label.map_or(NO_LAYER, |l| l.0);
-            }
-        }
-    });
+    with_any_state(|state| state.layer = layer_index(label));
 }
 
 /// [`labelled`] by name: the name is interned (under a process-wide lock) only while a
@@ -244,7 +242,7 @@ impl TimelineId {
     /// [`set_layer`], if the timeline still records on this thread.
     #[inline]
     pub fn set_layer(self, label: Option<LayerLabel>) {
-        with_state(self.0, |state| state.layer = label.map_or(NO_LAYER, |l| l.0));
+        with_state(self.0, |state| state.layer = layer_index(label));
     }
 
     /// Whether the timeline records on this thread.
@@ -260,7 +258,7 @@ impl TimelineId {
 /// recording for good: it is dropped with the thread.
 #[must_use = "the timeline is paused until the guard drops"]
 pub fn suspend() -> Suspended {
-    let paused = STATE.try_with(|cell| cell.try_borrow_mut().ok().and_then(|mut s| s.take())).ok().flatten();
+    let paused = with_slot(Option::take).flatten();
     Suspended { paused, _thread: PhantomData }
 }
 
@@ -280,11 +278,9 @@ impl std::fmt::Debug for Suspended {
 impl Drop for Suspended {
     fn drop(&mut self) {
         if let Some(paused) = self.paused.take() {
-            let _ = STATE.try_with(|cell| {
-                if let Ok(mut state) = cell.try_borrow_mut() {
-                    if state.is_none() {
-                        *state = Some(paused);
-                    }
+            with_slot(|slot| {
+                if slot.is_none() {
+                    *slot = Some(paused);
                 }
             });
         }
@@ -301,13 +297,7 @@ pub fn recording(workspace: &Workspace) -> Option<TimelineId> {
 /// Ends the iteration of the timeline recording on this thread, if one does (what
 /// [`Timeline::end_iteration`] does, for code that does not hold the timeline).
 pub fn end_iteration() {
-    let _ = STATE.try_with(|cell| {
-        if let Ok(mut state) = cell.try_borrow_mut() {
-            if let Some(state) = state.as_mut() {
-                state.end_iteration();
-            }
-        }
-    });
+    with_any_state(State::end_iteration);
 }
 
 /// Whether a timeline records on this thread.
@@ -332,18 +322,18 @@ impl Timeline {
     /// [`Error::InvalidInput`] when a timeline already records on this thread.
     pub fn start() -> Result<Timeline> {
         let id = NEXT_TIMELINE.fetch_add(1, Ordering::Relaxed);
-        STATE.with(|cell| {
-            let mut state = cell.try_borrow_mut().map_err(|_| busy())?;
-            if state.is_some() {
-                return Err(Error::InvalidInput(
-                    "a timeline already records on this thread: drop it (or take its snapshot and drop it) before \
-                     starting another"
-                        .into(),
-                ));
+        let started = with_slot(|slot| match slot {
+            Some(_) => Err(Error::InvalidInput(
+                "a timeline already records on this thread: drop it (or take its snapshot and drop it) before \
+                 starting another"
+                    .into(),
+            )),
+            None => {
+                *slot = Some(Box::new(State::new(id)));
+                Ok(())
             }
-            *state = Some(Box::new(State::new(id)));
-            Ok(())
-        })?;
+        });
+        started.ok_or_else(busy)??;
         Ok(Timeline { id, _thread: PhantomData })
     }
 
@@ -430,11 +420,9 @@ impl Timeline {
 
 impl Drop for Timeline {
     fn drop(&mut self) {
-        let _ = STATE.try_with(|cell| {
-            if let Ok(mut state) = cell.try_borrow_mut() {
-                if state.as_ref().is_some_and(|s| s.id == self.id) {
-                    *state = None;
-                }
+        with_slot(|slot| {
+            if slot.as_ref().is_some_and(|s| s.id == self.id) {
+                *slot = None;
             }
         });
     }
