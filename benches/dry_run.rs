@@ -9,22 +9,13 @@
 
 use std::time::Instant;
 
-use carve::nn::{BatchShape, DryPass, Network, NetworkConfig, Updater};
+use carve::nn::{BatchShape, DryPass};
 use carve::WorkspaceMode;
 
-fn network(lstm: bool, mode: WorkspaceMode) -> carve::Result<Network> {
-    let builder = match lstm {
-        true => NetworkConfig::builder(12).lstm(64).last_step().dense(9),
-        false => NetworkConfig::builder(64).dense(128).relu().dense(64).relu().dense(10),
-    };
-    let config = builder
-        .seed(0)
-        .updater(Updater::adam(1e-3))
-        .training_workspace_mode(mode)
-        .inference_workspace_mode(mode)
-        .build()?;
-    Network::new(config)
-}
+#[path = "demo_networks.rs"]
+mod demo_networks;
+
+use demo_networks::network;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let json = std::env::args().any(|a| a == "--json");

@@ -11,23 +11,15 @@
 use std::time::Instant;
 
 use carve::ndarray::{Array1, Array2};
-use carve::nn::{Network, NetworkConfig, Updater};
 use carve::workspace_core::timeline::Timeline;
 use carve::WorkspaceMode;
 
-fn network(mode: WorkspaceMode) -> carve::Result<Network> {
-    let config = NetworkConfig::builder(64)
-        .dense(128)
-        .relu()
-        .dense(64)
-        .relu()
-        .dense(10)
-        .seed(0)
-        .updater(Updater::adam(1e-3))
-        .training_workspace_mode(mode)
-        .inference_workspace_mode(mode)
-        .build()?;
-    Network::new(config)
+#[path = "demo_networks.rs"]
+mod demo_networks;
+
+/// The digits MLP.
+fn network(mode: WorkspaceMode) -> carve::Result<carve::nn::Network> {
+    demo_networks::network(false, mode)
 }
 
 fn batch(rows: usize) -> (Array2<f32>, Array1<u32>) {

@@ -529,10 +529,12 @@ fn run(args: &Args) -> Res<()> {
         traces.push((mode, train(args, mode, &train_split, &test, save, recording)?));
     }
     let per_epoch = train_split.labels.len().div_ceil(args.batch_size);
+    // Each mode's iteration time with the timeline on over off, where it was toggled.
+    let timeline_ratios: Vec<Option<f64>> =
+        traces.iter().map(|(_, t)| toggle.then(|| timeline::on_over_off(&t.iter_ns, per_epoch)).flatten()).collect();
     let timeline_figures = match (&timeline, &args.timeline) {
         (Some(timeline), Some(path)) => {
-            let toggled = traces.first().filter(|_| toggle).map(|(_, t)| (&t.iter_ns[..], per_epoch));
-            let figures = timeline::export(timeline, path, toggled)?;
+            let figures = timeline::export(timeline, path, timeline_ratios[0])?;
             say(figures.line(path));
             Some(figures)
         }
@@ -662,9 +664,8 @@ fn run(args: &Args) -> Res<()> {
     object["loss_traces_identical"] = identical.into();
     if let Some(figures) = &timeline_figures {
         figures.add_to(&mut object);
-        for (mode, t) in &traces {
-            let ratio = toggle.then(|| timeline::on_over_off(&t.iter_ns, per_epoch)).flatten();
-            timeline::add_to_mode(&mut object[mode_name(*mode)], t.timeline_events, figures.bytes, ratio);
+        for ((mode, t), ratio) in traces.iter().zip(&timeline_ratios) {
+            timeline::add_to_mode(&mut object[mode_name(*mode)], t.timeline_events, figures.bytes, *ratio);
         }
     }
     if let Some(path) = &args.plot {

@@ -23,20 +23,15 @@ pub(crate) struct TimelineFigures {
     pub(crate) ratio: Option<f64>,
 }
 
-/// Writes `timeline`'s snapshot to `path`. `toggled`: the iteration times of a run
-/// whose timeline was on in odd epochs only, and its iterations per epoch.
-pub(crate) fn export(
-    timeline: &Timeline,
-    path: &Path,
-    toggled: Option<(&[u64], usize)>,
-) -> Result<TimelineFigures, Box<dyn Error>> {
+/// Writes `timeline`'s snapshot to `path`; `ratio`: the first mode's
+/// [`on_over_off`], where the timeline was toggled.
+pub(crate) fn export(timeline: &Timeline, path: &Path, ratio: Option<f64>) -> Result<TimelineFigures, Box<dyn Error>> {
     let t0 = Instant::now();
     let snapshot = timeline.snapshot();
     let snapshot_us = t0.elapsed().as_secs_f64() * 1e6;
     let file = std::fs::File::create(path).map_err(|e| format!("writing the timeline to {}: {e}", path.display()))?;
     let summary =
         snapshot.write_chrome_trace(file).map_err(|e| format!("writing the timeline to {}: {e}", path.display()))?;
-    let ratio = toggled.and_then(|(iter_ns, per_epoch)| on_over_off(iter_ns, per_epoch));
     Ok(TimelineFigures {
         events: snapshot.events(),
         bytes: snapshot.history_bytes(),

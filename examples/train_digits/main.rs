@@ -424,13 +424,14 @@ fn run(args: &Args) -> Res<()> {
     }
 
     // After the model is saved: a failure to write the timeline does not lose it.
+    // Each mode's iteration time with the timeline on over off, where it was toggled.
+    let timeline_ratios: Vec<Option<f64>> = runs
+        .iter()
+        .map(|run| toggle_timeline.then(|| timeline::on_over_off(&run.trace.iter_ns, iters_per_epoch)).flatten())
+        .collect();
     let timeline_figures = match (&timeline, &args.timeline) {
         (Some(timeline), Some(path)) => {
-            let figures = timeline::export(
-                timeline,
-                path,
-                toggle_timeline.then(|| (&runs[0].trace.iter_ns[..], iters_per_epoch)),
-            )?;
+            let figures = timeline::export(timeline, path, timeline_ratios[0])?;
             out(&figures.line(path));
             Some(figures)
         }
@@ -465,9 +466,8 @@ fn run(args: &Args) -> Res<()> {
         for (r, (s, run)) in summaries.iter().zip(&runs).enumerate() {
             object[mode_name(s.mode)] = summary_json(s, &rss);
             if let Some(figures) = &timeline_figures {
-                let ratio =
-                    toggle_timeline.then(|| timeline::on_over_off(&run.trace.iter_ns, iters_per_epoch)).flatten();
-                timeline::add_to_mode(&mut object[mode_name(s.mode)], mode_events[r], figures.bytes, ratio);
+                let mode = &mut object[mode_name(s.mode)];
+                timeline::add_to_mode(mode, mode_events[r], figures.bytes, timeline_ratios[r]);
             }
             if let (Some(b), Some(gemm)) = (run.net.breakdown(), gemm_gflops) {
                 let step_gflops = breakdown::step_flops(&widths, batch) / (s.iter_us_median * 1e-6) / 1e9;
