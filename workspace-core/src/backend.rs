@@ -30,7 +30,7 @@
 mod host;
 
 pub use crate::engine::{Engine, Entered, FrameMark};
-pub use crate::shell::{checked_bytes, CycleHooks, Open, Placement, ScopeKind, Shell};
+pub use crate::shell::{checked_bytes, CycleHooks, Open, OpenFrame, Placement, ScopeKind, Shell};
 pub use host::{HostBackend, HostBlock};
 
 use crate::error::BackendError;

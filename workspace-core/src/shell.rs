@@ -7,7 +7,7 @@ use ndarray::Dimension;
 
 use crate::backend::{Address, ArenaBackend};
 use crate::config::WorkspaceConfig;
-use crate::engine::{Engine, Entered, WorkspaceStats};
+use crate::engine::{Engine, Entered, FrameMark, WorkspaceStats};
 use crate::error::{Error, Result};
 
 /// How a scope came to be.
@@ -68,6 +68,20 @@ pub trait CycleHooks {
     ///
     /// Called by the shell only, as the last scope of a cycle closes.
     unsafe fn before_reset(&self);
+
+    /// When a frame of the open cycle (opened with [`Open::frame`]) closes, before the
+    /// engine hands its bytes out again. Returns whether it may: `false` keeps them to
+    /// the end of the cycle, as a frame that is never closed (`mem::forget`) keeps them,
+    /// for the work the hooks could not order (what goes wrong is kept for
+    /// [`CycleHooks::before_open`]). `level` is the frame's level.
+    ///
+    /// # Safety
+    ///
+    /// Called by the shell only, as a frame of the open cycle closes.
+    unsafe fn before_frame_close(&self, level: u32) -> bool {
+        let _ = level;
+        true
+    }
 
     /// Before the workspace (its engine and its memory) is dropped. Returns whether the
     /// memory may be freed; `false` leaks it (memory that other work may still use).
@@ -324,6 +338,17 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn depth(&self) -> usize {
         self.engine.depth()
     }
+
+    /// The engine, for this crate's layers above it (a plan group joins it). Not
+    /// public: its `enter` would open a cycle without the hooks.
+    pub(crate) fn engine_ref(&self) -> &Engine<B> {
+        &self.engine
+    }
+
+    /// The id of the plan group this workspace is a member of, if any.
+    pub fn group_id(&self) -> Option<u64> {
+        self.engine.group_id()
+    }
 }
 
 /// The host's shell has no hooks, so its engine, which opens cycles without any, may be
@@ -425,6 +450,96 @@ impl<'s, B: ArenaBackend, H: CycleHooks> Open<'s, B, H> {
     /// The shell this count belongs to.
     pub fn shell(&self) -> &'s Shell<B, H> {
         self.shell
+    }
+
+    /// Opens a frame in the open cycle: a release point whose allocations
+    /// ([`OpenFrame::alloc`]) are handed out again when it closes (the engine's frames,
+    /// as the host's [`Frame`](crate::Frame) uses them). The frame borrows this count,
+    /// so it closes before the scope holding it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when 65,535 frames of the workspace are open already.
+    pub fn frame(&self) -> Result<OpenFrame<'_, B, H>> {
+        OpenFrame::open(self.shell)
+    }
+}
+
+/// An open frame of a [`Shell`]'s cycle, from [`Open::frame`] or [`OpenFrame::frame`]:
+/// the frame of a kind of workspace holds it, and dropping it closes the frame (after
+/// [`CycleHooks::before_frame_close`], which may keep its bytes to the end of the
+/// cycle). Whatever refers to memory the frame handed out borrows the frame, hence this
+/// value. Closing frames out of order, or never (`mem::forget`), is safe, as for the
+/// host's [`Frame`](crate::Frame).
+///
+/// `!Send` and `!Sync`, like the shell it borrows.
+#[must_use = "dropping the frame closes it at once"]
+pub struct OpenFrame<'f, B: ArenaBackend, H: CycleHooks = ()> {
+    shell: &'f Shell<B, H>,
+    mark: FrameMark,
+}
+
+impl<'f, B: ArenaBackend, H: CycleHooks> OpenFrame<'f, B, H> {
+    fn open(shell: &'f Shell<B, H>) -> Result<Self> {
+        let mark = shell.engine.open_frame()?;
+        Ok(OpenFrame { shell, mark })
+    }
+
+    /// Opens a frame inside this one (its level is one more).
+    ///
+    /// # Errors
+    ///
+    /// As [`Open::frame`].
+    pub fn frame(&self) -> Result<OpenFrame<'_, B, H>> {
+        OpenFrame::open(self.shell)
+    }
+
+    /// The frame's level in its cycle: 1 for a frame opened while no other frame of the
+    /// workspace was open, one more for each frame open when it opened.
+    pub fn level(&self) -> u32 {
+        self.mark.level()
+    }
+
+    /// The shell this frame belongs to.
+    pub fn shell(&self) -> &'f Shell<B, H> {
+        self.shell
+    }
+
+    /// Reserves `size` bytes aligned to `align` at the frame's level: handed out again
+    /// once the frame closes (or, when it is not the top frame then, once the frames
+    /// above it have closed too). Only raw addresses, as [`Open::alloc`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Engine::alloc`].
+    #[inline(always)]
+    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as crate::backend::Block>::Base, usize)> {
+        let engine = &self.shell.engine;
+        let level = self.mark.level();
+        match engine.try_alloc_frame(level, size, align) {
+            Some(placed) => Ok(placed),
+            None => engine.alloc_slow_at(size, align, level),
+        }
+    }
+}
+
+impl<B: ArenaBackend, H: CycleHooks> Drop for OpenFrame<'_, B, H> {
+    fn drop(&mut self) {
+        // SAFETY: a frame of the open cycle closes (it borrows a count of the cycle).
+        if unsafe { self.shell.hooks.before_frame_close(self.mark.level()) } {
+            // SAFETY: the mark is this frame's, closed once (here). The engine hands out
+            // raw addresses only, which unsafe code turns into references tied to the
+            // frame holding this value, so none of the frame's memory is referred to.
+            unsafe { self.shell.engine.close_frame(self.mark) };
+        }
+        // Otherwise the frame stays open in the engine, as a forgotten one: its bytes
+        // are kept to the end of the cycle.
+    }
+}
+
+impl<B: ArenaBackend, H: CycleHooks> std::fmt::Debug for OpenFrame<'_, B, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenFrame").field("workspace", self.shell.name()).field("level", &self.mark.level()).finish()
     }
 }
 

@@ -16,6 +16,7 @@ use workspace_core::backend::{ArenaBackend, Block};
 use workspace_core::BackendError;
 
 use crate::device::{Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
+use crate::ledger::Ledger;
 
 /// Device memory for a workspace bound to one stream.
 #[derive(Debug)]
@@ -23,6 +24,9 @@ pub struct DeviceBackend<D: Device> {
     device: D,
     stream: D::Stream,
     graveyard: Arc<Mutex<Graveyard<D>>>,
+    /// For a device plan group's arena: the streams that use it, which every new arena
+    /// is published to and every free waits for.
+    ledger: Option<Arc<Ledger<D>>>,
 }
 
 /// Blocks a device backend was given back while another stream that may still use them
@@ -43,7 +47,13 @@ impl<D: Device> DeviceBackend<D> {
     /// A backend allocating on `stream` of `device`.
     pub fn new(device: D, stream: D::Stream) -> DeviceBackend<D> {
         let graveyard = Arc::new(Mutex::new(Graveyard { holding: false, blocks: Vec::new() }));
-        DeviceBackend { device, stream, graveyard }
+        DeviceBackend { device, stream, graveyard, ledger: None }
+    }
+
+    /// The backend of a device plan group's arena, on `stream`, ordered with the other
+    /// streams of the group through `ledger`.
+    pub(crate) fn for_group(device: D, stream: D::Stream, ledger: Arc<Ledger<D>>) -> DeviceBackend<D> {
+        DeviceBackend { ledger: Some(ledger), ..DeviceBackend::new(device, stream) }
     }
 
     /// The graveyard this backend shares with its workspace, which decides when blocks
@@ -116,7 +126,16 @@ unsafe impl<D: Device> ArenaBackend for DeviceBackend<D> {
     }
 
     fn allocate_arena(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
-        self.block(bytes, align.max(DEVICE_ALIGNMENT))
+        let block = self.block(bytes, align.max(DEVICE_ALIGNMENT))?;
+        if let Some(ledger) = &self.ledger {
+            // Allocated in this stream's order: other streams wait for it before using it.
+            if let Err(error) = ledger.arena_allocated(block.base, block.base + block.len as u64) {
+                // Never handed out: freed in this stream's order, which no one else uses.
+                drop(block);
+                return Err(error.into_backend(align));
+            }
+        }
+        Ok(block)
     }
 
     fn allocate_spill(&mut self, bytes: usize, align: usize) -> Result<DeviceBlock<D>, BackendError> {
@@ -124,6 +143,14 @@ unsafe impl<D: Device> ArenaBackend for DeviceBackend<D> {
     }
 
     fn release(&mut self, block: DeviceBlock<D>) {
+        if let Some(ledger) = &self.ledger {
+            if !ledger.before_free(block.base, block.base + block.len as u64) {
+                // Another stream that may still use it could not be ordered before the
+                // free: leaked (its error is kept for the device's next report).
+                std::mem::forget(block);
+                return;
+            }
+        }
         let mut graveyard = lock_graveyard(&self.graveyard);
         if graveyard.holding {
             graveyard.blocks.push(block);

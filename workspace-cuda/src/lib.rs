@@ -101,8 +101,10 @@ mod backend;
 pub mod device;
 mod error;
 mod handle;
+mod ledger;
 #[allow(unsafe_code)]
 mod pinned;
+mod planned;
 #[allow(unsafe_code)]
 mod prefetch;
 #[allow(unsafe_code)]
@@ -124,9 +126,10 @@ pub use device::{Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMEN
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
 pub use pinned::{PendingTransfers, PinnedArray, PinnedScope, PinnedWorkspace};
+pub use planned::DevicePlanGroup;
 pub use prefetch::{DeviceBatch, DeviceLease, DevicePrefetchStats, DevicePrefetcher, DevicePrefetcherBuilder};
 pub use probe::{probe, Probe, DISABLE_ENV};
-pub use scope::DeviceScope;
+pub use scope::{DeviceFrame, DeviceScope};
 pub use stream::OnStream;
 pub use view::{DeviceUninit, DeviceView, DeviceViewMut};
 pub use workspace::{DeviceWorkspace, StreamOrder};

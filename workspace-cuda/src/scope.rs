@@ -1,23 +1,111 @@
-//! Device scopes: the open cycle that device views borrow.
+//! Device scopes and frames: the open cycle, and release points inside it, that device
+//! views borrow.
 //!
 //! A [`DeviceScope`] is the guard of one enter, nested enter or borrow of a
 //! [`DeviceWorkspace`]. Allocation takes `&self` and returns views that borrow the
 //! scope; the arena resets (ordered on the workspace's stream) when the last scope
-//! closes.
+//! closes. A [`DeviceFrame`] is a release point inside a scope, as the host's
+//! [`Frame`](workspace_core::Frame): its views borrow it, and its bytes are handed out
+//! again in the same cycle once it closes, after every other stream that used them is
+//! ordered before the workspace's stream.
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
-use workspace_core::backend::{Open, Placement, ScopeKind};
+use workspace_core::backend::{Open, OpenFrame, Placement, ScopeKind};
 
 use crate::backend::DeviceBackend;
 
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
 use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut};
 use crate::workspace::{DeviceWorkspace, StreamOrder};
+
+/// The allocation methods of [`DeviceScope`] and [`DeviceFrame`], written once: each
+/// type has a `reserve` of its own (the cycle's, or the frame's level).
+macro_rules! allocation_methods {
+    () => {
+        /// A zero-filled array (zeroed on the workspace's stream).
+        ///
+        /// # Errors
+        ///
+        /// [`workspace_core::Error::ZeroLength`] for an empty shape,
+        /// [`workspace_core::Error::ShapeOverflow`] when the element count or the byte size
+        /// exceeds `isize::MAX`, [`workspace_core::Error::InvalidInput`] for a zero-sized
+        /// element type, the workspace's allocation errors (exhausted, over budget, out of
+        /// device memory), or a device error.
+        pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceViewMut<'_, D, T, Sh::Dim>> {
+            self.uninit::<T, Sh>(shape)?.zeroed()
+        }
+
+        /// An array whose memory holds no data yet; fill it before reading.
+        ///
+        /// # Errors
+        ///
+        /// As [`DeviceScope::zeros`], without the device error.
+        pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceUninit<'_, D, T, Sh::Dim>> {
+            DeviceUninit::allocate(self, shape.into_shape_with_order().raw_dim().clone())
+        }
+
+        /// A copy of the host array `src` (any layout; copied in standard order on the
+        /// workspace's stream, `src` read before this returns).
+        ///
+        /// # Errors
+        ///
+        /// As [`DeviceScope::zeros`].
+        pub fn htod<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
+            &self,
+            src: &ArrayBase<S, Dim>,
+        ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+            self.uninit::<T, Dim>(src.raw_dim())?.htod_from(src)
+        }
+
+        /// A copy of the pinned staging array `src`, copied asynchronously on the
+        /// workspace's stream.
+        ///
+        /// # Errors
+        ///
+        /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+        pub fn htod_pinned<T: Pod, Dim: Dimension>(
+            &self,
+            src: &PinnedArray<'_, D, T, Dim>,
+        ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+            self.uninit::<T, Dim>(src.raw_dim())?.htod_pinned(src)
+        }
+
+        /// A copy of the device view `src` (from another workspace, an owned array, or this
+        /// workspace): the leverage target. The copy runs on this workspace's stream,
+        /// ordered with the source's stream.
+        ///
+        /// # Errors
+        ///
+        /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+        pub fn copy_of<T: Pod, Dim: Dimension>(
+            &self,
+            src: &DeviceView<'_, D, T, Dim>,
+        ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
+            self.uninit::<T, Dim>(src.raw_dim())?.copy_from(src)
+        }
+
+        /// Declares that work on `stream` will use this workspace's memory, and returns the
+        /// handle to issue it through. Each operation issued through it first makes `stream`
+        /// wait for the workspace stream's work so far; when the handle is dropped (or
+        /// [`OnStream::finish`]ed) the workspace's stream waits for `stream`. Neither rests on
+        /// the handle being dropped: the workspace records every use when it is issued, and
+        /// waits for `stream` before its own stream next touches that memory, at the reset,
+        /// and when it is dropped (see [`OnStream`]).
+        ///
+        /// # Errors
+        ///
+        /// [`Error::StreamMismatch`](crate::Error::StreamMismatch) for a stream of another
+        /// device.
+        pub fn on_stream<'v>(&self, stream: &D::Stream) -> Result<OnStream<'_, 'v, D>> {
+            OnStream::new(self.ws, stream)
+        }
+    };
+}
 
 /// An open scope of a device workspace; see the module docs.
 ///
@@ -56,74 +144,7 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         self.ws.placement(view.address)
     }
 
-    /// Reserves memory for `dim` elements of `T` in the open cycle: its device address.
-    pub(crate) fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
-        let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
-        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
-        Ok(base + offset as u64)
-    }
-
-    /// A zero-filled array (zeroed on the workspace's stream).
-    ///
-    /// # Errors
-    ///
-    /// [`workspace_core::Error::ZeroLength`] for an empty shape,
-    /// [`workspace_core::Error::ShapeOverflow`] when the element count or the byte size
-    /// exceeds `isize::MAX`, [`workspace_core::Error::InvalidInput`] for a zero-sized
-    /// element type, the workspace's allocation errors (exhausted, over budget, out of
-    /// device memory), or a device error.
-    pub fn zeros<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceViewMut<'_, D, T, Sh::Dim>> {
-        self.uninit::<T, Sh>(shape)?.zeroed()
-    }
-
-    /// An array whose memory holds no data yet; fill it before reading.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`], without the device error.
-    pub fn uninit<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceUninit<'_, D, T, Sh::Dim>> {
-        DeviceUninit::allocate(self, shape.into_shape_with_order().raw_dim().clone())
-    }
-
-    /// A copy of the host array `src` (any layout; copied in standard order on the
-    /// workspace's stream, `src` read before this returns).
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`].
-    pub fn htod<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
-        &self,
-        src: &ArrayBase<S, Dim>,
-    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
-        self.uninit::<T, Dim>(src.raw_dim())?.htod_from(src)
-    }
-
-    /// A copy of the pinned staging array `src`, copied asynchronously on the
-    /// workspace's stream.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
-    pub fn htod_pinned<T: Pod, Dim: Dimension>(
-        &self,
-        src: &PinnedArray<'_, D, T, Dim>,
-    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
-        self.uninit::<T, Dim>(src.raw_dim())?.htod_pinned(src)
-    }
-
-    /// A copy of the device view `src` (from another workspace, an owned array, or this
-    /// workspace): the leverage target. The copy runs on this workspace's stream,
-    /// ordered with the source's stream.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`], and [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
-    pub fn copy_of<T: Pod, Dim: Dimension>(
-        &self,
-        src: &DeviceView<'_, D, T, Dim>,
-    ) -> Result<DeviceViewMut<'_, D, T, Dim>> {
-        self.uninit::<T, Dim>(src.raw_dim())?.copy_from(src)
-    }
+    allocation_methods!();
 
     /// A zero-filled array behind a [`DeviceHandle`] that can be stored and is checked
     /// against this workspace's generation on every access.
@@ -158,20 +179,186 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         let view = self.copy_of(src)?;
         Ok(DeviceHandle::of_view(&view, self))
     }
+}
 
-    /// Declares that work on `stream` will use this workspace's memory, and returns the
-    /// handle to issue it through. Each operation issued through it first makes `stream`
-    /// wait for the workspace stream's work so far; when the handle is dropped (or
-    /// [`OnStream::finish`]ed) the workspace's stream waits for `stream`. Neither rests on
-    /// the handle being dropped: the workspace records every use when it is issued, and
-    /// waits for `stream` before its own stream next touches that memory, at the reset,
-    /// and when it is dropped (see [`OnStream`]).
+impl<'ws, D: Device> DeviceScope<'ws, D> {
+    /// Opens a [`DeviceFrame`] in this scope: a release point for what it allocates.
     ///
     /// # Errors
     ///
-    /// [`Error::StreamMismatch`](crate::Error::StreamMismatch) for a stream of another
-    /// device.
-    pub fn on_stream<'v>(&self, stream: &D::Stream) -> Result<OnStream<'_, 'v, D>> {
-        OnStream::new(self.ws, stream)
+    /// [`workspace_core::Error::InvalidInput`] when 65,535 frames of this workspace are
+    /// open already.
+    pub fn frame(&self) -> Result<DeviceFrame<'_, D>> {
+        Ok(DeviceFrame { ws: self.ws, open: self.open.frame()? })
+    }
+
+    /// Reserves memory for `dim` elements of `T` in the open cycle: its device address.
+    fn reserve_cycle<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+        let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
+        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
+        ordered_reservation(self.ws, base + offset as u64, bytes)
+    }
+}
+
+/// The address of `bytes` just reserved at `address` in `ws`, once the workspace's
+/// stream is ordered after every other stream that used them before (in a plan group's
+/// arena).
+#[inline]
+fn ordered_reservation<D: Device>(ws: &DeviceWorkspace<D>, address: u64, bytes: usize) -> Result<u64> {
+    match ws.order().order_reservation(address, bytes) {
+        Ok(()) => Ok(address),
+        Err(error) => Err(ws.device_error("ordering a reuse of the plan group's memory after another stream", error)),
+    }
+}
+
+/// What hands out device memory that views may borrow: a scope's cycle, or a frame.
+///
+/// # Safety
+///
+/// `reserve` returns the address of memory for `dim.size()` elements of `T`, aligned for
+/// `T`, in the memory of `workspace()`, that nothing else refers to and that stays
+/// valid (not reset, reused or freed) while `self` is borrowed, with every earlier use
+/// of it on another stream ordered before the workspace's stream.
+#[allow(unsafe_code)]
+pub(crate) unsafe trait Carve<D: Device> {
+    /// The workspace the memory belongs to.
+    fn workspace(&self) -> &DeviceWorkspace<D>;
+    /// See the trait's contract.
+    fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64>;
+}
+
+// SAFETY: the engine reserves the bytes in the open cycle, handed out again only when
+// the cycle ends, which waits for this scope (its `Open` count) to close; the reset is
+// ordered on the workspace's stream (module docs of `workspace`), and a reuse of a plan
+// group's bytes is ordered by `ordered_reservation`.
+#[allow(unsafe_code)]
+unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
+    fn workspace(&self) -> &DeviceWorkspace<D> {
+        self.ws
+    }
+
+    #[inline]
+    fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+        self.reserve_cycle::<T, Dim>(dim)
+    }
+}
+
+/// A release point inside an open device scope: arrays allocated from the frame live
+/// until the frame closes, and then the bytes they took are handed out again in the
+/// same cycle (the host's [`Frame`](workspace_core::Frame), on the device). Opened with
+/// [`DeviceScope::frame`] (or [`DeviceFrame::frame`], nested).
+///
+/// The views borrow the frame, so the compiler proves them dead when it closes:
+///
+/// ```compile_fail,E0505
+/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// let sim = SimDevice::new().unwrap();
+/// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
+/// let scope = ws.enter().unwrap();
+/// let frame = scope.frame().unwrap();
+/// let tmp = frame.zeros::<f32, _>(16).unwrap();
+/// drop(frame); // its bytes are handed out again here...
+/// tmp.to_host().unwrap(); // ...so this does not compile
+/// ```
+///
+/// Reuse is ordered on the stream: the bytes go to the next allocation of the same
+/// cycle, whose work runs on the workspace's stream after everything issued there
+/// before; and when the frame closes, every other stream with a use of the
+/// workspace's memory not yet ordered (an [`OnStream`] still open, or leaked, or a copy
+/// read there) is first made to finish before the workspace's stream. When that cannot be
+/// issued, the frame's bytes are kept to the end of the cycle instead (as for a frame
+/// never closed), and the error is reported by the next `enter`.
+///
+/// ```
+/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_core::{LearningPolicy, WorkspaceConfig};
+///
+/// let sim = SimDevice::new()?;
+/// let config = WorkspaceConfig::builder().learning(LearningPolicy::None).initial_size(1 << 20).build()?;
+/// let ws = DeviceWorkspace::new("UPDATER", config, &sim, &sim.default_stream())?;
+/// let scope = ws.enter()?;
+/// let mut total = scope.zeros::<f32, _>(1 << 16)?; // lives to the end of the scope
+/// for step in 0..3 {
+///     let frame = scope.frame()?;
+///     let update = frame.htod(&ndarray::Array1::from_elem(1 << 16, step as f32))?; // 256 KiB
+///     total.copy_from(&update)?; // a kernel would accumulate here
+/// } // each frame's 256 KiB are handed out again to the next
+/// drop(scope);
+/// assert!(ws.stats().peak_bytes < 3 * 256 * 1024);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// A frame makes no handles (a handle outlives the views' borrow, and a frame's bytes
+/// are reused before its cycle ends). In a device plan group
+/// ([`DevicePlanGroup`](crate::DevicePlanGroup)) each frame is an owner of its own, so
+/// the plan lets later arrays, of any member and on any stream, share its bytes.
+///
+/// `!Send` and `!Sync`, like its scope.
+pub struct DeviceFrame<'f, D: Device> {
+    ws: &'f DeviceWorkspace<D>,
+    /// The engine's frame; dropping it closes the frame (after the workspace's hooks
+    /// ordered the other streams).
+    open: OpenFrame<'f, DeviceBackend<D>, StreamOrder<D>>,
+}
+
+impl<'f, D: Device> DeviceFrame<'f, D> {
+    /// Opens a frame inside this one (its level is one more).
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::frame`].
+    pub fn frame(&self) -> Result<DeviceFrame<'_, D>> {
+        Ok(DeviceFrame { ws: self.ws, open: self.open.frame()? })
+    }
+
+    /// The frame's level in its cycle: 1 for a frame opened while no other frame of
+    /// the workspace was open, one more for each frame open when it opened.
+    pub fn level(&self) -> u32 {
+        self.open.level()
+    }
+
+    /// The workspace this frame allocates in.
+    pub fn workspace(&self) -> &'f DeviceWorkspace<D> {
+        self.ws
+    }
+
+    /// Where `view`'s memory lies relative to this workspace's arena.
+    pub fn placement<T, Dim: Dimension>(&self, view: &DeviceView<'_, D, T, Dim>) -> Placement {
+        self.ws.placement(view.address)
+    }
+
+    /// Reserves memory for `dim` elements of `T` at the frame's level.
+    fn reserve_frame<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+        let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
+        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>()).map_err(Error::from)?;
+        ordered_reservation(self.ws, base + offset as u64, bytes)
+    }
+
+    allocation_methods!();
+}
+
+// SAFETY: the engine reserves the bytes at the frame's level; they are handed out again
+// only when the frame closes (or, if it never does, when the cycle ends), and the frame
+// closes when this value drops, after the workspace's hooks ordered every other stream
+// with a use of the memory before the workspace's stream (or keeps them to the end of
+// the cycle when it cannot). The frame borrows its scope, so the cycle cannot end first.
+#[allow(unsafe_code)]
+unsafe impl<D: Device> Carve<D> for DeviceFrame<'_, D> {
+    fn workspace(&self) -> &DeviceWorkspace<D> {
+        self.ws
+    }
+
+    #[inline]
+    fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
+        self.reserve_frame::<T, Dim>(dim)
+    }
+}
+
+impl<D: Device> std::fmt::Debug for DeviceFrame<'_, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceFrame")
+            .field("workspace", self.ws.name())
+            .field("level", &self.open.level())
+            .finish_non_exhaustive()
     }
 }

@@ -30,7 +30,7 @@ use crate::device::{ordered_with, Device};
 use crate::error::{DeviceError, Error, Result};
 use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
-use crate::scope::DeviceScope;
+use crate::scope::{Carve, DeviceScope};
 use crate::workspace::DeviceWorkspace;
 
 /// Whose memory a view shows, and so which stream orders it.
@@ -440,17 +440,19 @@ pub struct DeviceUninit<'a, D: Device, T, Dim: Dimension = Ix1> {
 }
 
 impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceUninit<'a, D, T, Dim> {
-    /// Memory for `dim` elements of `T` reserved in `scope`'s cycle.
+    /// Memory for `dim` elements of `T` reserved in `target` (a scope's cycle, or a
+    /// frame of it).
     ///
     /// # Errors
     ///
-    /// The scope's allocation errors.
-    pub(crate) fn allocate(scope: &'a DeviceScope<'_, D>, dim: Dim) -> Result<Self> {
-        let address = scope.reserve::<T, Dim>(&dim)?;
-        // SAFETY: the range was just reserved in the scope's cycle for `dim.size()`
-        // elements: nothing else refers to it until the cycle ends, and the view borrows
-        // the scope. (Its bytes are not initialised: `DeviceUninit` can only be written.)
-        Ok(DeviceUninit { view: unsafe { DeviceViewMut::new(Owner::Workspace(scope.workspace()), address, dim) } })
+    /// The target's allocation errors.
+    pub(crate) fn allocate<C: Carve<D>>(target: &'a C, dim: Dim) -> Result<Self> {
+        let address = target.reserve::<T, Dim>(&dim)?;
+        // SAFETY: the range was just reserved by `target` for `dim.size()` elements:
+        // nothing else refers to it while `target` is borrowed (the `Carve` contract),
+        // and the view borrows it. (Its bytes are not initialised: `DeviceUninit` can
+        // only be written.)
+        Ok(DeviceUninit { view: unsafe { DeviceViewMut::new(Owner::Workspace(target.workspace()), address, dim) } })
     }
 
     /// The shape.

@@ -38,7 +38,7 @@
 //! [`OnStream`]: crate::OnStream
 //! [`order_home_use`]: StreamOrder::order_home_use
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::{Arc, Mutex};
 
 use workspace_core::backend::{CycleHooks, Shell};
@@ -47,7 +47,11 @@ use workspace_core::{Location, WorkspaceConfig};
 use crate::backend::{lock_graveyard, DeviceBackend, Graveyard};
 use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::{DeviceError, Error, Result};
+use crate::ledger::Ledger;
 use crate::scope::DeviceScope;
+
+/// No bytes of a group's arena.
+const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
 
 /// A workspace in device memory, bound to one stream; see the module docs.
 ///
@@ -124,6 +128,19 @@ pub struct StreamOrder<D: Device> {
     /// Shared with the backend: while `unjoined` is not empty, blocks the engine gives
     /// back are kept here instead of freed, and freed once every stream is ordered.
     graveyard: Arc<Mutex<Graveyard<D>>>,
+    /// The device plan group this workspace is a member of, if any: its arena's bytes
+    /// are reused across streams in the order its ledger keeps.
+    group: RefCell<Option<GroupLink<D>>>,
+    /// The bytes of the group's arena this cycle was handed (`(u64::MAX, 0)`: none),
+    /// released to the group's other streams when the cycle or one of its frames closes.
+    touched: Cell<(u64, u64)>,
+}
+
+/// A workspace's membership of a device plan group: the group's ledger and the lane of
+/// the workspace's stream in it.
+pub(crate) struct GroupLink<D: Device> {
+    pub(crate) ledger: Arc<Ledger<D>>,
+    pub(crate) lane: usize,
 }
 
 /// Work on another stream that reads or writes `start..end` of a workspace's memory.
@@ -220,6 +237,8 @@ impl<D: Device> DeviceWorkspace<D> {
             pending: RefCell::new(None),
             uses: RefCell::new(Vec::new()),
             graveyard: backend.graveyard(),
+            group: RefCell::new(None),
+            touched: Cell::new(NONE_TOUCHED),
         };
         Ok(DeviceWorkspace { shell: Shell::new(name, config, backend, order)? })
     }
@@ -406,6 +425,55 @@ impl<D: Device> StreamOrder<D> {
     pub(crate) fn defer(&self, error: DeviceError) {
         self.pending.borrow_mut().get_or_insert(error);
     }
+
+    /// Makes the workspace a member of the group of `link` (or of none).
+    pub(crate) fn set_group(&self, link: Option<GroupLink<D>>) {
+        *self.group.borrow_mut() = link;
+    }
+
+    /// Whether the workspace is a member of a device plan group.
+    pub(crate) fn in_group(&self) -> bool {
+        self.group.borrow().is_some()
+    }
+
+    /// After `bytes` at `address` were reserved in the open cycle, before the address is
+    /// handed out: when they lie in the arena of the workspace's plan group, its stream
+    /// waits for every other stream that used them before (see `ledger`).
+    ///
+    /// # Errors
+    ///
+    /// When such a stream can be ordered neither on the device nor on the host: the
+    /// bytes must not be used.
+    #[inline]
+    pub(crate) fn order_reservation(&self, address: u64, bytes: usize) -> Result<(), DeviceError> {
+        let group = self.group.borrow();
+        let Some(link) = group.as_ref() else { return Ok(()) };
+        if !link.ledger.in_arena(address) {
+            return Ok(());
+        }
+        let (low, high) = self.touched.get();
+        self.touched.set((low.min(address), high.max(address.saturating_add(bytes as u64))));
+        link.ledger.order_use(link.lane, address, bytes)
+    }
+
+    /// Tells the group that the bytes of its arena this cycle was handed may be reused by
+    /// its other streams after the work issued so far (every other stream that used
+    /// them is ordered before the workspace's stream by now, except `unordered` ones,
+    /// which the group waits for on the host before any reuse).
+    fn release_group(&self, ends_cycle: bool, unordered: &[D::Stream]) {
+        let touched = self.touched.get();
+        if touched.0 < touched.1 {
+            if let Some(link) = self.group.borrow().as_ref() {
+                for stream in unordered {
+                    link.ledger.unordered(stream);
+                }
+                link.ledger.release(link.lane, touched);
+            }
+        }
+        if ends_cycle {
+            self.touched.set(NONE_TOUCHED);
+        }
+    }
 }
 
 // The hooks are `unsafe fn`s because only the shell may run them (see `CycleHooks`);
@@ -461,8 +529,28 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
             }
         }
         // Every stream is ordered, or kept in `unjoined`, which `before_open` orders
-        // before anything touches the memory again.
+        // before anything touches the memory again (and which the plan group, if any,
+        // waits for before its arena's bytes are reused).
         self.uses.borrow_mut().clear();
+        self.release_group(true, &self.unjoined.borrow());
+    }
+
+    /// Orders every other stream with an unordered use of the memory before the
+    /// workspace's stream, which every reuse of the frame's bytes is issued to (or
+    /// waits for, in a plan group's arena). When one cannot be ordered, the frame's
+    /// bytes are kept to the end of the cycle, whose close orders it or keeps it
+    /// `unjoined`.
+    unsafe fn before_frame_close(&self, _level: u32) -> bool {
+        loop {
+            let next = self.uses.borrow().first().map(|u| u.stream.clone());
+            let Some(stream) = next else { break };
+            if let Err(error) = self.join_or_wait(&stream) {
+                self.defer(error);
+                return false;
+            }
+        }
+        self.release_group(false, &[]);
+        true
     }
 
     /// `foreign` is empty unless a scope was forgotten and the cycle never closed: its
@@ -471,15 +559,19 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
     unsafe fn before_drop(&mut self) -> bool {
         let mut ordered = true;
         let foreign = std::mem::take(self.foreign.get_mut());
+        let mut failed = Vec::new();
         for stream in foreign.iter().chain(std::mem::take(self.unjoined.get_mut()).iter()) {
             if let Err(error) = self.join_or_wait(stream) {
                 self.device.defer_error(error);
+                failed.push(stream.clone());
                 ordered = false;
             }
         }
         if let Some(error) = self.pending.get_mut().take() {
             self.device.defer_error(error);
         }
+        // The group may hand this cycle's part of its arena to another member next.
+        self.release_group(true, &failed);
         let buried = {
             let mut graveyard = lock_graveyard(&self.graveyard);
             graveyard.holding = !ordered;

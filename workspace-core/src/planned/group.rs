@@ -436,6 +436,16 @@ impl<B: ArenaBackend> GroupState<B> {
     }
 }
 
+/// The arena goes back through the backend's `release`, as a replaced one does (a
+/// backend may order the free after work that still uses it: a device group's does).
+impl<B: ArenaBackend> Drop for GroupState<B> {
+    fn drop(&mut self) {
+        if let Some(arena) = self.arena.take() {
+            self.backend.release(arena);
+        }
+    }
+}
+
 /// What a group's members share: the group's state, reachable on the group's thread
 /// only.
 pub(super) struct GroupShared<B: ArenaBackend> {

@@ -86,8 +86,7 @@ use std::cell::{RefCell, RefMut};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::backend::ArenaBackend;
-use crate::backend::HostBackend;
+use crate::backend::{ArenaBackend, Block, CycleHooks, HostBackend, Shell};
 use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 pub use crate::figures::PlannedStats;
@@ -103,18 +102,6 @@ pub const DEFAULT_PLANS: usize = 8;
 /// allocating as unplanned workspaces), so that a group whose iterations are never
 /// finished does not grow without bound.
 pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
-
-/// A group of host workspaces planned together; see the [module documentation](self).
-///
-/// Cloning gives another handle to the same group. `!Send`: a group belongs to the
-/// thread that made it.
-#[derive(Clone, Debug)]
-pub struct PlanGroup {
-    shared: Arc<GroupShared<HostBackend>>,
-    members: Rc<RefCell<Vec<Rc<Workspace>>>>,
-    /// Its members are shape-only (see [`PlanGroup::shape_only`]).
-    shape_only: bool,
-}
 
 /// The report of a backend's refusal to hold a plan (`plan`: the arena it outgrew, its
 /// bytes and its lower bound): the plan's request, the arena, the plan's lower bound and
@@ -137,6 +124,287 @@ fn plan_report(
     report
 }
 
+/// A plan group over any backend `B`: the iteration protocol, the plan cache and the
+/// arena, for members of every kind of workspace ([`Shell`]s over `B`). The host's
+/// [`PlanGroup`] is one over [`HostBackend`] with its member list; a device plan group
+/// (in `workspace-cuda`) is one over device memory. The replay and its checks are
+/// these, whatever the backend (see the [module documentation](self)).
+///
+/// Cloning gives another handle to the same group. A group belongs to the thread that
+/// made it (its members allocate from it on that thread only).
+pub struct Group<B: ArenaBackend> {
+    shared: Arc<GroupShared<B>>,
+}
+
+impl<B: ArenaBackend> Clone for Group<B> {
+    fn clone(&self) -> Self {
+        Group { shared: self.shared.clone() }
+    }
+}
+
+impl<B: ArenaBackend> std::fmt::Debug for Group<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.shared, f)
+    }
+}
+
+impl<B: ArenaBackend + 'static> Group<B>
+where
+    B::Block: Send,
+{
+    /// A group named `name` (in statistics and errors) whose arena comes from `backend`,
+    /// keeping up to `plans` plans (at least one).
+    pub fn new(name: &str, backend: B, plans: usize) -> Group<B> {
+        Group { shared: Arc::new(GroupShared::new(name, backend, plans)) }
+    }
+
+    /// The group's name.
+    pub fn name(&self) -> &Arc<str> {
+        &self.shared.name
+    }
+
+    /// A process-unique id of the group.
+    pub fn id(&self) -> u64 {
+        self.shared.id()
+    }
+
+    /// Makes the workspace of `shell` a member: from the next iteration its allocations
+    /// and cycles are recorded and planned with the others'.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while it is open; [`Error::InvalidConfig`] when it is
+    /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
+    /// group.
+    pub fn join<H: CycleHooks>(&self, shell: &Shell<B, H>) -> Result<()> {
+        shell.engine_ref().join(Some(Box::new(member::GroupMember(self.shared.clone()))))
+    }
+
+    /// Makes the workspace of `shell` an unplanned workspace again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while it is open; [`Error::InvalidInput`] when it is not a
+    /// member of this group.
+    pub fn leave<H: CycleHooks>(&self, shell: &Shell<B, H>) -> Result<()> {
+        if !self.has_member(shell) {
+            return Err(Error::InvalidInput(format!(
+                "workspace '{}' is not a member of plan group '{}'",
+                shell.name(),
+                self.shared.name
+            )));
+        }
+        shell.engine_ref().join(None)
+    }
+
+    /// Whether the workspace of `shell` is a member of this group.
+    pub fn has_member<H: CycleHooks>(&self, shell: &Shell<B, H>) -> bool {
+        shell.engine_ref().group_id() == Some(self.shared.id())
+    }
+
+    /// `f` of the group's backend, on the group's thread when nothing else uses the
+    /// group; `None` otherwise.
+    pub fn with_backend<R>(&self, f: impl FnOnce(&B) -> R) -> Option<R> {
+        self.shared.state().map(|state| f(&state.backend))
+    }
+
+    #[inline]
+    fn state(&self) -> Result<RefMut<'_, GroupState<B>>> {
+        match self.shared.state() {
+            Some(state) => Ok(state),
+            None => Err(self.busy()),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn busy(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' is busy (used from inside a member's allocation, or off the thread that made it)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn held(&self) -> Error {
+        Error::InvalidInput(format!(
+            "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
+             members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for good)",
+            self.shared.name
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn backend_error(&self, source: crate::error::BackendError) -> Error {
+        self.plan_error(source, None)
+    }
+
+    /// The backend's refusal to hold a plan: its report names the request, the arena,
+    /// and the plan's lower bound and the bytes its layout loses above it.
+    #[cold]
+    #[inline(never)]
+    fn plan_error(&self, source: crate::error::BackendError, plan: Option<(usize, usize, usize)>) -> Error {
+        let report = Box::new(plan_report(&source, plan));
+        Error::Backend { workspace: self.shared.name.clone(), source, report }
+    }
+
+    /// As [`PlanGroup::start_iteration`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::start_iteration`].
+    pub fn start_iteration(&self, key: u64) -> Result<()> {
+        let mut state = self.state()?;
+        match state.start(key) {
+            Ok(()) => Ok(()),
+            Err(refused) => {
+                state.mode = Mode::OffPlan;
+                state.stats.failed_growths += 1;
+                match refused {
+                    Some(source) => {
+                        let plan = state.plan_of_key().map(|(bytes, bound)| (state.arena_bytes, bytes, bound));
+                        Err(self.plan_error(source, plan))
+                    }
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// As [`PlanGroup::finish_iteration`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::finish_iteration`].
+    pub fn finish_iteration(&self) -> Result<bool> {
+        Ok(self.state()?.finish())
+    }
+
+    /// As [`PlanGroup::abandon_iteration`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::abandon_iteration`].
+    pub fn abandon_iteration(&self) -> Result<()> {
+        self.state()?.abandon();
+        Ok(())
+    }
+
+    /// As [`PlanGroup::iteration`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::iteration`].
+    pub fn iteration<R, E: From<Error>>(
+        &self,
+        key: u64,
+        work: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<(R, bool), E> {
+        match self.start_iteration(key) {
+            Ok(()) | Err(Error::Backend { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        /// Abandons the iteration unless it finished (work that failed or panicked).
+        struct Open<'g, B: ArenaBackend + 'static>(Option<&'g Group<B>>)
+        where
+            B::Block: Send;
+        impl<B: ArenaBackend + 'static> Drop for Open<'_, B>
+        where
+            B::Block: Send,
+        {
+            fn drop(&mut self) {
+                if let Some(group) = self.0 {
+                    let _ = group.abandon_iteration();
+                }
+            }
+        }
+        let mut open = Open(Some(self));
+        let value = work()?;
+        open.0 = None;
+        Ok((value, self.finish_iteration()?))
+    }
+
+    /// As [`PlanGroup::reserve`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::reserve`].
+    pub fn reserve(&self, bytes: usize) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(self.held());
+        }
+        if bytes <= state.arena_bytes {
+            return Ok(());
+        }
+        // No alignment beyond the arena's own: `grow_to` keeps that.
+        state.grow_to(bytes, 1).map_err(|source| self.backend_error(source))
+    }
+
+    /// As [`PlanGroup::trim`].
+    ///
+    /// # Errors
+    ///
+    /// As [`PlanGroup::trim`].
+    pub fn trim(&self) -> Result<()> {
+        let mut state = self.state()?;
+        if state.live > 0 {
+            return Err(self.held());
+        }
+        if let Mode::Replaying { .. } = state.mode {
+            // Later runs of this iteration would open windows of the arena given back.
+            state.mode = Mode::OffPlan;
+        }
+        if let Some(old) = state.arena.take() {
+            state.backend.release(old);
+        }
+        state.base = None;
+        state.base_align = 1;
+        state.arena_bytes = 0;
+        state.stats.arena_lower_bound_bytes = 0;
+        // Memory was given back on request: a size refused before may be had now.
+        state.refusals = Refusals::default();
+        state.unreported = None;
+        Ok(())
+    }
+
+    /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
+    pub fn plan_bytes(&self) -> usize {
+        self.shared.state().and_then(|s| s.shown.map(|i| s.plans[i].bytes)).unwrap_or(0)
+    }
+
+    /// The group's figures.
+    pub fn stats(&self) -> PlannedStats {
+        self.shared.stats().unwrap_or_default()
+    }
+
+    /// Bytes of the planned arena (0 off the group's thread, or from inside a member's
+    /// allocation). Allocates nothing.
+    pub fn capacity(&self) -> usize {
+        self.shared.state().map_or(0, |state| state.arena_bytes)
+    }
+
+    /// Where the arena lies: its base and its bytes (`None` without one, off the
+    /// group's thread, or from inside a member's allocation).
+    pub fn arena_extent(&self) -> Option<(<B::Block as Block>::Base, usize)> {
+        self.shared.state().and_then(|state| state.base.map(|base| (base, state.arena_bytes)))
+    }
+}
+
+/// A group of host workspaces planned together; see the [module documentation](self).
+///
+/// Cloning gives another handle to the same group. `!Send`: a group belongs to the
+/// thread that made it.
+#[derive(Clone, Debug)]
+pub struct PlanGroup {
+    group: Group<HostBackend>,
+    members: Rc<RefCell<Vec<Rc<Workspace>>>>,
+    /// Its members are shape-only (see [`PlanGroup::shape_only`]).
+    shape_only: bool,
+}
+
 impl PlanGroup {
     /// A group named `name` (in statistics) whose arena is host RAM, keeping up to
     /// [`DEFAULT_PLANS`] plans.
@@ -148,7 +416,7 @@ impl PlanGroup {
     /// iteration it serves from a plan at once.
     pub fn with_plans(name: &str, plans: usize) -> PlanGroup {
         PlanGroup {
-            shared: Arc::new(GroupShared::new(name, HostBackend::Ram, plans)),
+            group: Group::new(name, HostBackend::Ram, plans),
             members: Rc::new(RefCell::new(Vec::new())),
             shape_only: false,
         }
@@ -160,7 +428,7 @@ impl PlanGroup {
     /// of a planned iteration, which records, plans and replays as the real group would.
     pub fn shape_only(name: &str, plans: usize) -> PlanGroup {
         PlanGroup {
-            shared: Arc::new(GroupShared::new(name, HostBackend::ShapeOnly, plans)),
+            group: Group::new(name, HostBackend::ShapeOnly, plans),
             members: Rc::new(RefCell::new(Vec::new())),
             shape_only: true,
         }
@@ -197,7 +465,7 @@ impl PlanGroup {
     /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
     /// group.
     pub fn join(&self, ws: &Workspace) -> Result<()> {
-        ws.engine().join(Some(Box::new(member::GroupMember(self.shared.clone()))))
+        self.group.join(&ws.shell)
     }
 
     /// Makes `ws` an unplanned workspace again.
@@ -207,14 +475,7 @@ impl PlanGroup {
     /// [`Error::StillOpen`] while `ws` is open; [`Error::InvalidInput`] when it is not
     /// a member of this group.
     pub fn leave(&self, ws: &Workspace) -> Result<()> {
-        if ws.engine().group_id() != Some(self.shared.id()) {
-            return Err(Error::InvalidInput(format!(
-                "workspace '{}' is not a member of plan group '{}'",
-                ws.name(),
-                self.shared.name
-            )));
-        }
-        ws.engine().join(None)?;
+        self.group.leave(&ws.shell)?;
         self.members.borrow_mut().retain(|m| !std::ptr::eq(&**m, ws));
         Ok(())
     }
@@ -232,16 +493,14 @@ impl PlanGroup {
     pub(crate) fn reached_only_through(&self, handles: usize, uses: impl Fn(&Workspace) -> usize) -> bool {
         if Rc::strong_count(&self.members) != handles
             || Rc::weak_count(&self.members) != 0
-            || Arc::weak_count(&self.shared) != 0
+            || Arc::weak_count(&self.group.shared) != 0
         {
             return false;
         }
         let Ok(members) = self.members.try_borrow() else { return false };
-        Arc::strong_count(&self.shared) == handles + members.len()
+        Arc::strong_count(&self.group.shared) == handles + members.len()
             && members.iter().all(|ws| {
-                Rc::weak_count(ws) == 0
-                    && Rc::strong_count(ws) == 1 + uses(ws)
-                    && ws.engine().group_id() == Some(self.shared.id())
+                Rc::weak_count(ws) == 0 && Rc::strong_count(ws) == 1 + uses(ws) && self.group.has_member(&ws.shell)
             })
     }
 
@@ -259,49 +518,7 @@ impl PlanGroup {
     /// uses before its own.
     pub(crate) unsafe fn rebind(&self) {
         // SAFETY: the caller's contract is `GroupShared::rebind`'s.
-        unsafe { self.shared.rebind() }
-    }
-
-    #[inline]
-    fn state(&self) -> Result<RefMut<'_, GroupState<HostBackend>>> {
-        match self.shared.state() {
-            Some(state) => Ok(state),
-            None => Err(self.busy()),
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn busy(&self) -> Error {
-        Error::InvalidInput(format!(
-            "plan group '{}' is busy (used from inside a member's allocation)",
-            self.shared.name
-        ))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn held(&self) -> Error {
-        Error::InvalidInput(format!(
-            "plan group '{}' cannot replace its arena while a member's open cycle holds part of it: close the \
-             members' scopes first (a cycle whose scope was forgotten, with `mem::forget`, holds its part for good)",
-            self.shared.name
-        ))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn backend_error(&self, source: crate::error::BackendError) -> Error {
-        self.plan_error(source, None)
-    }
-
-    /// The backend's refusal to hold a plan: its report names the request, the arena,
-    /// and the plan's lower bound and the bytes its layout loses above it.
-    #[cold]
-    #[inline(never)]
-    fn plan_error(&self, source: crate::error::BackendError, plan: Option<(usize, usize, usize)>) -> Error {
-        let report = Box::new(plan_report(&source, plan));
-        Error::Backend { workspace: self.shared.name.clone(), source, report }
+        unsafe { self.group.shared.rebind() }
     }
 
     /// Ends the current iteration (as [`PlanGroup::finish_iteration`]) and starts one
@@ -317,21 +534,7 @@ impl PlanGroup {
     /// again only after a back-off that doubles with each refusal
     /// ([`PlannedStats::failed_growths`] counts them all).
     pub fn start_iteration(&self, key: u64) -> Result<()> {
-        let mut state = self.state()?;
-        match state.start(key) {
-            Ok(()) => Ok(()),
-            Err(refused) => {
-                state.mode = Mode::OffPlan;
-                state.stats.failed_growths += 1;
-                match refused {
-                    Some(source) => {
-                        let plan = state.plan_of_key().map(|(bytes, bound)| (state.arena_bytes, bytes, bound));
-                        Err(self.plan_error(source, plan))
-                    }
-                    None => Ok(()),
-                }
-            }
-        }
+        self.group.start_iteration(key)
     }
 
     /// Ends the current iteration: a recording is planned (and the arena grown to hold
@@ -343,7 +546,7 @@ impl PlanGroup {
     ///
     /// [`Error::InvalidInput`] when called from inside a member's allocation.
     pub fn finish_iteration(&self) -> Result<bool> {
-        Ok(self.state()?.finish())
+        self.group.finish_iteration()
     }
 
     /// Ends the current iteration without a verdict, for an iteration whose work failed
@@ -356,8 +559,7 @@ impl PlanGroup {
     ///
     /// [`Error::InvalidInput`] when called from inside a member's allocation.
     pub fn abandon_iteration(&self) -> Result<()> {
-        self.state()?.abandon();
-        Ok(())
+        self.group.abandon_iteration()
     }
 
     /// Runs `work` as one iteration of shape `key`: started ([`PlanGroup::start_iteration`]),
@@ -397,23 +599,7 @@ impl PlanGroup {
         key: u64,
         work: impl FnOnce() -> std::result::Result<R, E>,
     ) -> std::result::Result<(R, bool), E> {
-        match self.start_iteration(key) {
-            Ok(()) | Err(Error::Backend { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
-        /// Abandons the iteration unless it finished (work that failed or panicked).
-        struct Open<'g>(Option<&'g PlanGroup>);
-        impl Drop for Open<'_> {
-            fn drop(&mut self) {
-                if let Some(group) = self.0 {
-                    let _ = group.abandon_iteration();
-                }
-            }
-        }
-        let mut open = Open(Some(self));
-        let value = work()?;
-        open.0 = None;
-        Ok((value, self.finish_iteration()?))
+        self.group.iteration(key, work)
     }
 
     /// Makes the group's arena at least `bytes` long now, as
@@ -427,15 +613,7 @@ impl PlanGroup {
     /// (close it first), or when called from inside a member's allocation;
     /// [`Error::Backend`] when the memory cannot be had (the arena is then unchanged).
     pub fn reserve(&self, bytes: usize) -> Result<()> {
-        let mut state = self.state()?;
-        if state.live > 0 {
-            return Err(self.held());
-        }
-        if bytes <= state.arena_bytes {
-            return Ok(());
-        }
-        // No alignment beyond the arena's own: `grow_to` keeps that.
-        state.grow_to(bytes, 1).map_err(|source| self.backend_error(source))
+        self.group.reserve(bytes)
     }
 
     /// Gives the group's arena back now, as a workspace's `trim` gives back its arena: the
@@ -448,41 +626,23 @@ impl PlanGroup {
     /// As [`PlanGroup::reserve`]: not while a member's open cycle holds part of the
     /// arena.
     pub fn trim(&self) -> Result<()> {
-        let mut state = self.state()?;
-        if state.live > 0 {
-            return Err(self.held());
-        }
-        if let Mode::Replaying { .. } = state.mode {
-            // Later runs of this iteration would open windows of the arena given back.
-            state.mode = Mode::OffPlan;
-        }
-        if let Some(old) = state.arena.take() {
-            state.backend.release(old);
-        }
-        state.base = None;
-        state.base_align = 1;
-        state.arena_bytes = 0;
-        state.stats.arena_lower_bound_bytes = 0;
-        // Memory was given back on request: a size refused before may be had now.
-        state.refusals = Refusals::default();
-        state.unreported = None;
-        Ok(())
+        self.group.trim()
     }
 
     /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
     pub fn plan_bytes(&self) -> usize {
-        self.shared.state().and_then(|s| s.shown.map(|i| s.plans[i].bytes)).unwrap_or(0)
+        self.group.plan_bytes()
     }
 
     /// The group's figures.
     pub fn stats(&self) -> PlannedStats {
-        self.shared.stats().unwrap_or_default()
+        self.group.stats()
     }
 
     /// Bytes of the planned arena (0 off the group's thread, or from inside a member's
     /// allocation). Allocates nothing.
     pub fn capacity(&self) -> usize {
-        self.shared.state().map_or(0, |state| state.arena_bytes)
+        self.group.capacity()
     }
 }
 

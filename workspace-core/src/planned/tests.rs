@@ -11,7 +11,7 @@ use crate::plan::Event;
 use crate::{LearningPolicy, SpillPolicy};
 
 fn base(group: &PlanGroup) -> Option<u64> {
-    group.shared.state().and_then(|state| state.base).map(|base| base.address())
+    group.group.shared.state().and_then(|state| state.base).map(|base| base.address())
 }
 
 /// Host RAM that refuses arenas longer than `limit`, counting what it is asked for.
