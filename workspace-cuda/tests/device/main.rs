@@ -8,6 +8,10 @@
 //!   with one line on stderr that says why.
 //! - `ordering`: stream ordering on the simulator (held streams, injected failures, the
 //!   bypass knob that shows the hazards).
+//! - `frames`: frames on device workspaces, ordered on the stream (held and slowed
+//!   streams, and the bypass knob that shows the hazard).
+//! - `planned`: device plan groups: reuse of the arena across streams ordered by events,
+//!   and random programs over members on several streams.
 //! - `model`: property tests of random cycles against the data they should hold.
 //! - `limits`: alignments and shapes at their limits, on both devices (`limits::sim`,
 //!   `limits::cuda`).
@@ -17,11 +21,13 @@
 //! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
 //!   and with held and bypassed streams on the simulator.
 
+mod frames;
 mod limits;
 #[path = "../../../async-iter/tests/common/misbehaving.rs"]
 mod misbehaving;
 mod model;
 mod ordering;
+mod planned;
 mod policies;
 #[path = "../../../workspace-core/tests/common/policy_suite.rs"]
 mod policy_suite;

@@ -18,7 +18,7 @@ use crate::policies::fixed;
 /// valgrind's leak check (which CI runs over this binary) does not report the
 /// deliberate leak as memory definitely lost. Its destructor never runs, as with
 /// `mem::forget`.
-fn forget<T>(value: T) {
+pub(crate) fn forget<T>(value: T) {
     static KEPT: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
     let leaked = Box::into_raw(Box::new(value));
     KEPT.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(leaked as usize);
