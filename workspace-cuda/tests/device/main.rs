@@ -42,6 +42,11 @@ use workspace_cuda::{CudaDevice, Device, SimDevice};
 /// Runs `test` on a fresh simulated device, then checks that it left no fault, no pending
 /// error and no memory behind (every free has run in its stream's order).
 fn on_sim(test: fn(&SimDevice)) {
+    on_sim_with(|sim| test(sim));
+}
+
+/// `on_sim` for any test of a simulated device.
+fn on_sim_with(test: impl FnOnce(&SimDevice)) {
     let sim = SimDevice::new().expect("a simulated device");
     test(&sim);
     sim.quiesce();
@@ -49,6 +54,11 @@ fn on_sim(test: fn(&SimDevice)) {
     assert_eq!(sim.take_deferred_error(), None);
     assert_eq!(sim.live_device_bytes(), 0, "device memory leaked");
     assert_eq!(sim.live_pinned_bytes(), 0, "pinned memory leaked");
+}
+
+/// Runs `test` on plan group members of a fresh simulated device, with `on_sim`'s checks.
+fn on_sim_member(test: fn(&policies::DeviceMember<SimDevice>)) {
+    on_sim_with(|sim| test(&policies::DeviceMember(sim.clone())));
 }
 
 /// Runs `test` on GPU 0, or says once why the real-GPU suite is skipped.
@@ -83,6 +93,16 @@ macro_rules! on_both {
             $( #[test] fn $name() { crate::on_gpu(crate::policies::$name::<workspace_cuda::CudaDevice>) } )*
         }
     };
+}
+
+/// The policy table on members of device plan groups (each on a stream of its own, the
+/// group on the default stream), every cycle recorded.
+mod sim_member {
+    crate::policy_suite::policy_suite!(
+        crate::on_sim_member,
+        crate::policies::DeviceMember<workspace_cuda::SimDevice>,
+        member
+    );
 }
 
 // The device's own policy tests; `policy_suite!` adds the shared table.

@@ -466,3 +466,187 @@ pub(crate) fn pinned_learning_stays_flat_after_warm_up<D: Device>(dev: &D) {
     // arena (8064, a multiple of 64); nothing after warm-up.
     assert_eq!((stats.pinned_allocations, stats.growth_events, stats.capacity), (2, 1, 8064));
 }
+
+/// Device workspaces that are members of a device plan group of their own (on a second
+/// stream of the device, so that the group orders its streams), every cycle an
+/// iteration with a key of its own: each is recorded, so the member allocates as an
+/// unplanned device workspace of its configuration would, and the table's outcomes must
+/// hold as they are. (Replays, with memory from the group's arena, are compared in
+/// `planned.rs`.)
+pub(crate) struct DeviceMember<D: Device>(pub(crate) D);
+
+/// A member and its group; the next iteration's key.
+pub(crate) struct MemberWs<D: Device> {
+    group: workspace_cuda::DevicePlanGroup<D>,
+    ws: DeviceWorkspace<D>,
+    key: std::cell::Cell<u64>,
+}
+
+/// A scope of a member; the one that opened its cycle ends the iteration after it.
+pub(crate) struct MemberScope<'w, D: Device> {
+    scope: Option<DeviceScope<'w, D>>,
+    iteration: Option<&'w workspace_cuda::DevicePlanGroup<D>>,
+}
+
+impl<'w, D: Device> MemberScope<'w, D> {
+    fn scope(&self) -> &DeviceScope<'w, D> {
+        self.scope.as_ref().expect("the scope lives as long as this")
+    }
+}
+
+impl<D: Device> Drop for MemberScope<'_, D> {
+    fn drop(&mut self) {
+        drop(self.scope.take());
+        if let Some(group) = self.iteration {
+            group.finish_iteration().expect("an iteration ends");
+        }
+    }
+}
+
+impl<D: Device> Target for DeviceMember<D> {
+    type Ws = MemberWs<D>;
+    type Scope<'w>
+        = MemberScope<'w, D>
+    where
+        D: 'w;
+    type Array<'s, E: Pod, Dim: Dimension>
+        = DeviceViewMut<'s, D, E, Dim>
+    where
+        D: 's;
+    type Error = Error;
+
+    const UNIT: usize = workspace_cuda::DEVICE_ALIGNMENT;
+
+    fn backend(&self) -> &'static str {
+        D::ARENA_KIND
+    }
+
+    fn builder(&self) -> WorkspaceConfigBuilder {
+        WorkspaceConfig::builder()
+    }
+
+    fn default_config(&self) -> WorkspaceConfig {
+        WorkspaceConfig::default()
+    }
+
+    fn named(&self, name: &str, config: WorkspaceConfig) -> MemberWs<D> {
+        let dev = &self.0;
+        let group = workspace_cuda::DevicePlanGroup::new("MEMBERS", dev, &dev.default_stream()).unwrap();
+        let ws = group.workspace(name, &config, &dev.new_stream().unwrap()).unwrap();
+        MemberWs { group, ws, key: std::cell::Cell::new(0) }
+    }
+
+    fn enter<'w>(ws: &'w MemberWs<D>) -> Result<MemberScope<'w, D>, Error>
+    where
+        D: 'w,
+    {
+        let opens = !ws.ws.is_open();
+        if opens {
+            ws.key.set(ws.key.get() + 1);
+            ws.group.start_iteration(ws.key.get())?;
+        }
+        match ws.ws.enter() {
+            Ok(scope) => Ok(MemberScope { scope: Some(scope), iteration: opens.then_some(&ws.group) }),
+            Err(err) => {
+                if opens {
+                    ws.group.abandon_iteration()?;
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn borrow_open<'w>(ws: &'w MemberWs<D>) -> Result<MemberScope<'w, D>, Error>
+    where
+        D: 'w,
+    {
+        Ok(MemberScope { scope: Some(ws.ws.borrow_open()?), iteration: None })
+    }
+
+    fn trim(ws: &MemberWs<D>) -> Result<(), Error> {
+        ws.ws.trim()
+    }
+
+    fn generation(ws: &MemberWs<D>) -> u64 {
+        ws.ws.generation()
+    }
+
+    fn is_open(ws: &MemberWs<D>) -> bool {
+        ws.ws.is_open()
+    }
+
+    fn capacity(ws: &MemberWs<D>) -> usize {
+        ws.ws.capacity()
+    }
+
+    fn bytes_in_use(ws: &MemberWs<D>) -> usize {
+        ws.ws.bytes_in_use()
+    }
+
+    fn stats(ws: &MemberWs<D>) -> WorkspaceStats {
+        ws.ws.stats()
+    }
+
+    fn reset_peak(ws: &MemberWs<D>) {
+        ws.ws.reset_peak()
+    }
+
+    fn timeline(ws: &MemberWs<D>) -> Vec<usize> {
+        ws.ws.timeline()
+    }
+
+    fn config(ws: &MemberWs<D>) -> &WorkspaceConfig {
+        ws.ws.config()
+    }
+
+    fn kind(scope: &MemberScope<'_, D>) -> ScopeKind {
+        scope.scope().kind()
+    }
+
+    fn zeros<'s, E: Pod, Sh: ShapeBuilder>(
+        scope: &'s MemberScope<'_, D>,
+        shape: Sh,
+    ) -> Result<DeviceViewMut<'s, D, E, Sh::Dim>, Error>
+    where
+        D: 's,
+    {
+        scope.scope().zeros(shape)
+    }
+
+    fn uninit_address<E: Pod>(scope: &MemberScope<'_, D>, len: usize) -> Result<usize, Error> {
+        <D as Target>::uninit_address::<E>(scope.scope(), len)
+    }
+
+    fn from_host<'s, E: Pod>(
+        scope: &'s MemberScope<'_, D>,
+        values: &Array1<E>,
+    ) -> Result<DeviceViewMut<'s, D, E, Ix1>, Error>
+    where
+        D: 's,
+    {
+        scope.scope().htod(values)
+    }
+
+    fn write<E: Pod, Dim: Dimension>(array: &mut DeviceViewMut<'_, D, E, Dim>, values: &Array<E, Dim>) {
+        <D as Target>::write(array, values)
+    }
+
+    fn to_host<E: Pod, Dim: Dimension>(array: &DeviceViewMut<'_, D, E, Dim>) -> Array<E, Dim> {
+        <D as Target>::to_host(array)
+    }
+
+    fn address<E: Pod, Dim: Dimension>(array: &DeviceViewMut<'_, D, E, Dim>) -> usize {
+        <D as Target>::address(array)
+    }
+
+    fn placement<E: Pod, Dim: Dimension>(
+        scope: &MemberScope<'_, D>,
+        array: &DeviceViewMut<'_, D, E, Dim>,
+    ) -> Placement {
+        scope.scope().placement(array)
+    }
+
+    fn core(err: &Error) -> Option<&CoreError> {
+        <D as Target>::core(err)
+    }
+}
