@@ -7,6 +7,8 @@
 //! |---|---|
 //! | [`Workspace`]: one arena, `Send + !Sync` | [`DeviceWorkspace<D>`]: one device arena, bound to one stream |
 //! | [`Scope`]: the open cycle | [`DeviceScope`]: the open cycle; its reset is ordered on the stream |
+//! | [`Frame`]: a release point inside a cycle | [`DeviceFrame`]: the same, its bytes reused only after every stream that used them |
+//! | [`PlanGroup`]: one planned arena for an iteration's workspaces | [`DevicePlanGroup`]: one device allocation; reuse across members' streams ordered by events |
 //! | `ArrayViewMut<'scope, T, D>` | [`DeviceViewMut`], [`DeviceView`], [`DeviceUninit`] (same lifetimes) |
 //! | [`Handle`]: checked on every access | [`DeviceHandle`]: the same checks, the same errors |
 //! | `detach()` → `ndarray::Array` | [`DeviceView::detach`] → [`DeviceArray`]; [`DeviceView::to_host`] |
@@ -19,6 +21,8 @@
 //!
 //! [`Workspace`]: workspace_core::Workspace
 //! [`Scope`]: workspace_core::Scope
+//! [`Frame`]: workspace_core::Frame
+//! [`PlanGroup`]: workspace_core::planned::PlanGroup
 //! [`Handle`]: workspace_core::Handle
 //! [`HostBackend`]: workspace_core::backend::HostBackend
 //! [`Engine`]: workspace_core::backend::Engine

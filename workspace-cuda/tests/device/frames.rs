@@ -51,11 +51,9 @@ fn frames_close_in_any_order_and_a_forgotten_frame_keeps_its_bytes_to_the_end_of
     assert_eq!(inner.level(), 2);
     let b = inner.zeros::<u8, _>(256).unwrap();
     assert_eq!(inner.placement(&b), Placement::Arena(256));
-    drop(b);
     // The scope allocates while frames are open: that stays, whatever closes.
     let c = scope.htod(&Array1::from_elem(64, 5u8)).unwrap();
     assert_eq!(scope.placement(&c), Placement::Arena(512));
-    drop(a);
     drop(outer); // below the top: marked closed, nothing given back yet
     drop(inner); // the top: both go, down to the scope's allocation
     let d = scope.zeros::<u8, _>(256).unwrap();
@@ -64,7 +62,6 @@ fn frames_close_in_any_order_and_a_forgotten_frame_keeps_its_bytes_to_the_end_of
     let forgotten = scope.frame().unwrap();
     let e = forgotten.htod(&Array1::from_elem(256, 9u8)).unwrap();
     let at = forgotten.placement(&e);
-    drop(e);
     forget(forgotten);
     let f = scope.zeros::<u8, _>(256).unwrap();
     assert!(scope.placement(&f) != at, "a forgotten frame's bytes are kept");

@@ -42,7 +42,7 @@ use workspace_cuda::{CudaDevice, Device, SimDevice};
 /// Runs `test` on a fresh simulated device, then checks that it left no fault, no pending
 /// error and no memory behind (every free has run in its stream's order).
 fn on_sim(test: fn(&SimDevice)) {
-    on_sim_with(|sim| test(sim));
+    on_sim_with(test);
 }
 
 /// `on_sim` for any test of a simulated device.
@@ -63,6 +63,11 @@ fn on_sim_member(test: fn(&policies::DeviceMember<SimDevice>)) {
 
 /// Runs `test` on GPU 0, or says once why the real-GPU suite is skipped.
 fn on_gpu(test: fn(&CudaDevice)) {
+    on_gpu_with(test);
+}
+
+/// `on_gpu` for any test of GPU 0.
+fn on_gpu_with(test: impl FnOnce(&CudaDevice)) {
     match CudaDevice::new(0) {
         Ok(gpu) => {
             test(&gpu);
@@ -78,6 +83,11 @@ fn on_gpu(test: fn(&CudaDevice)) {
             });
         }
     }
+}
+
+/// Runs `test` on plan group members of GPU 0, with `on_gpu`'s checks, or skips it.
+fn on_gpu_member(test: fn(&policies::DeviceMember<CudaDevice>)) {
+    on_gpu_with(|gpu| test(&policies::DeviceMember(gpu.clone())));
 }
 
 macro_rules! on_both {
@@ -101,6 +111,15 @@ mod sim_member {
     crate::policy_suite::policy_suite!(
         crate::on_sim_member,
         crate::policies::DeviceMember<workspace_cuda::SimDevice>,
+        member
+    );
+}
+
+/// The same on a real GPU, skipped without one.
+mod cuda_member {
+    crate::policy_suite::policy_suite!(
+        crate::on_gpu_member,
+        crate::policies::DeviceMember<workspace_cuda::CudaDevice>,
         member
     );
 }
