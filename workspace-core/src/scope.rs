@@ -591,7 +591,8 @@ impl<'ws> Scope<'ws> {
 }
 
 impl<'s> Frame<'s> {
-    /// Opens a frame inside this one (its level is one more).
+    /// Opens a frame while this one is open, as the scope's `frame` does: its level is one
+    /// more than the top frame's (the newest open one, which may be another).
     ///
     /// # Errors
     ///

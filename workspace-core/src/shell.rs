@@ -485,7 +485,8 @@ impl<'f, B: ArenaBackend, H: CycleHooks> OpenFrame<'f, B, H> {
         Ok(OpenFrame { shell, mark })
     }
 
-    /// Opens a frame inside this one (its level is one more).
+    /// Opens a frame while this one is open, as the scope's `frame` does: its level is one
+    /// more than the top frame's (the newest open one, which may be another).
     ///
     /// # Errors
     ///

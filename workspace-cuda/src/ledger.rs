@@ -18,7 +18,8 @@
 //! The noted bytes of a stream are one range (the union of what it released since the
 //! other stream last waited for it): a wait for the latest event of a stream covers
 //! all of its earlier releases, and a range too wide costs a wait, never a race. With
-//! one stream in the group nothing is recorded: stream order is enough.
+//! one stream in the group nothing is recorded: stream order is enough (until a stream
+//! could not be ordered, see below).
 //!
 //! What could be ordered neither by an event nor by waiting on the host is kept in
 //! `unordered`: every later reservation in the arena, and the arena's free, waits for
@@ -49,7 +50,8 @@ pub(crate) struct Ledger<D: Device> {
     /// The arena's first byte and its end (both 0 without an arena).
     arena_start: AtomicU64,
     arena_end: AtomicU64,
-    /// Whether more than one stream touches the arena.
+    /// Whether anything needs ordering: more than one stream touches the arena, or a
+    /// stream could not be ordered (`unordered`). Until then stream order is enough.
     multi: AtomicBool,
     lanes: Mutex<Lanes<D>>,
 }
@@ -196,6 +198,8 @@ impl<D: Device> Ledger<D> {
         if !lanes.unordered.contains(stream) {
             lanes.unordered.push(stream.clone());
         }
+        // Even with one stream in the group: its reuse must wait for this one now.
+        self.multi.store(true, Ordering::Release);
     }
 
     /// Waits on the host for the streams that could not be ordered.

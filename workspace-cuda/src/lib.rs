@@ -90,8 +90,9 @@
 //! [`OnStream`]'s methods), `view` (the views' unsafe constructors, reached through
 //! safe ones that carry their proof: a borrowed array, a checked handle, a fresh
 //! reservation in a scope), `pinned` (host views of page-locked memory), `prefetch`
-//! (the staging copy into the device ring, and views of its slots) and `probe` (loading
-//! the driver); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
+//! (the staging copy into the device ring, and views of its slots), `probe` (loading
+//! the driver) and `planned` (joining a device workspace to a plan group, whose reuse
+//! the ledger orders); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
 //! shell runs them) without unsafe code in them. Scopes, streams, handles and arrays
 //! hold none: a scope holds the shell's [`Open`](workspace_core::backend::Open) count, whose
 //! drop closes it. Every block says why it is sound.
@@ -108,6 +109,7 @@ mod handle;
 mod ledger;
 #[allow(unsafe_code)]
 mod pinned;
+#[allow(unsafe_code)]
 mod planned;
 #[allow(unsafe_code)]
 mod prefetch;

@@ -12,7 +12,9 @@
 //! and a member on another stream waits for it before it is handed overlapping bytes
 //! (the crate's `ledger` module); the arena is freed (a larger plan, `trim`, the group
 //! dropped) only after every stream that used it. With every member on the group's
-//! stream nothing is recorded: stream order is enough.
+//! stream nothing is recorded (stream order is enough), unless a stream that used a
+//! member's memory could not be ordered when it closed: then every reuse waits for that
+//! stream on the host first.
 //!
 //! ```
 //! use workspace_cuda::{Device, DevicePlanGroup, SimDevice};
@@ -150,18 +152,28 @@ impl<D: Device> DevicePlanGroup<D> {
                 other: self.device.describe(),
             });
         }
-        self.group.join(ws)?;
-        match self.ledger.lane(ws.stream()) {
-            Ok(lane) => {
-                ws.order().set_group(Some(GroupLink { ledger: self.ledger.clone(), lane }));
-                Ok(())
-            }
-            Err(error) => {
-                // Not ordered after the group's streams: not a member.
-                let _ = self.group.leave(ws);
-                Err(ws.device_error("ordering its stream after the plan group's streams", error))
-            }
+        if ws.is_open() || ws.group_id().is_some() {
+            // The group's own checks give the error (and change nothing).
+            // SAFETY: the join is refused: the workspace does not become a member.
+            return unsafe { self.group.join(ws) }.map_err(Error::from);
         }
+        let lane = self
+            .ledger
+            .lane(ws.stream())
+            .map_err(|error| ws.device_error("ordering its stream after the plan group's streams", error))?;
+        ws.order().set_group(Some(GroupLink { ledger: self.ledger.clone(), lane }));
+        // SAFETY: the workspace's hooks order every use of the group's arena through the
+        // ledger linked just above: every other stream that used its memory is ordered
+        // before its own stream when a cycle or frame closes (`before_reset`,
+        // `before_frame_close`), which then records the release that any other stream
+        // waits for before it is handed those bytes (`order_reservation`), and the
+        // group's backend waits for every stream before it frees the arena
+        // (`DeviceBackend::for_group`).
+        if let Err(error) = unsafe { self.group.join(ws) } {
+            ws.order().set_group(None);
+            return Err(error.into());
+        }
+        Ok(())
     }
 
     /// Makes `ws` an unplanned workspace again.

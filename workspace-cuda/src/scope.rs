@@ -302,7 +302,8 @@ pub struct DeviceFrame<'f, D: Device> {
 }
 
 impl<'f, D: Device> DeviceFrame<'f, D> {
-    /// Opens a frame inside this one (its level is one more).
+    /// Opens a frame while this one is open, as the scope's `frame` does: its level is one
+    /// more than the top frame's (the newest open one, which may be another).
     ///
     /// # Errors
     ///

@@ -305,7 +305,21 @@ impl<D: Device> DeviceWorkspace<D> {
     ) -> Result<()> {
         let order = self.order();
         order.note_foreign(stream);
-        ordered_with(&order.device, stream, &order.stream, op).map_err(|e| self.device_error(action, e))
+        ordered_with(&order.device, stream, &order.stream, op).map_err(|e| {
+            // The operation may have been issued without the workspace's stream being
+            // ordered after it: until that stream is waited for, it counts as writing
+            // all of the workspace's memory (every later use, a frame's close and the
+            // reset wait for it first).
+            if *stream != order.stream {
+                order.uses.borrow_mut().push(ForeignUse {
+                    stream: stream.clone(),
+                    start: 0,
+                    end: u64::MAX,
+                    writes: true,
+                });
+            }
+            self.device_error(action, e)
+        })
     }
 }
 

@@ -132,6 +132,18 @@ fn plan_report(
 ///
 /// Cloning gives another handle to the same group. A group belongs to the thread that
 /// made it (its members allocate from it on that thread only).
+///
+/// Joining is `unsafe` ([`Group::join`]): the group reuses a window's bytes as soon as
+/// its owner closes, which is sound only for a workspace whose use of them is over (or
+/// ordered) by then. The safe ways in are [`PlanGroup::join`] and a device plan group's.
+///
+/// ```compile_fail,E0133
+/// use workspace_core::backend::HostBackend;
+/// use workspace_core::planned::Group;
+/// let group = Group::new("G", HostBackend::Ram, 8);
+/// let ws = workspace_core::Workspace::new("W", Default::default()).unwrap();
+/// group.join(&*ws).unwrap(); // needs `unsafe`
+/// ```
 pub struct Group<B: ArenaBackend> {
     shared: Arc<GroupShared<B>>,
 }
@@ -176,7 +188,20 @@ where
     /// [`Error::StillOpen`] while it is open; [`Error::InvalidConfig`] when it is
     /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
     /// group.
-    pub fn join<H: CycleHooks>(&self, shell: &Shell<B, H>) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// The group hands the bytes of a window to the next owner the plan puts there as
+    /// soon as the engine tells it the window's owner closed (its cycle ended or its
+    /// frame closed), and the backend frees or replaces the arena as soon as no open
+    /// cycle holds a window. So every use of the arena's memory by the workspace (and by
+    /// any work it issued, on any queue) must be complete, or ordered before whatever
+    /// uses those bytes next and before the backend's free, by the time its owner
+    /// closes. Host workspaces meet this: their memory is used by the thread, through
+    /// borrows of the scope or frame that handed it out, which end before it closes
+    /// ([`PlanGroup::join`]). A device workspace meets it only with the ordering a
+    /// device plan group keeps (`workspace_cuda::DevicePlanGroup::join`).
+    pub unsafe fn join<H: CycleHooks>(&self, shell: &Shell<B, H>) -> Result<()> {
         shell.engine_ref().join(Some(Box::new(member::GroupMember(self.shared.clone()))))
     }
 
@@ -465,7 +490,11 @@ impl PlanGroup {
     /// circular ([`ResetPolicy::EndOfBuffer`](crate::ResetPolicy)) or a member of another
     /// group.
     pub fn join(&self, ws: &Workspace) -> Result<()> {
-        self.group.join(&ws.shell)
+        // SAFETY: a host workspace's memory is used only by the thread, through borrows
+        // of the scope or frame that handed it out, which have ended when it closes;
+        // the host backend frees the arena only when the group replaces or drops it,
+        // which needs no member to hold a window.
+        unsafe { self.group.join(&ws.shell) }
     }
 
     /// Makes `ws` an unplanned workspace again.

@@ -237,7 +237,7 @@ fn a_copy_into_a_workspace_on_another_stream_waits_for_the_source() {
 /// Runs `host_side` on this thread while a helper releases `hold` once this thread blocks
 /// on the device, or once `host_side` is over (then it did not wait, and the device work
 /// runs after it).
-fn release_when_blocked(sim: &SimDevice, hold: SimHold, host_side: impl FnOnce()) {
+pub(crate) fn release_when_blocked(sim: &SimDevice, hold: SimHold, host_side: impl FnOnce()) {
     let done = AtomicBool::new(false);
     thread::scope(|t| {
         t.spawn(|| {

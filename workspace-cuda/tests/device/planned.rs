@@ -570,3 +570,61 @@ fn a_frames_close_orders_a_forgotten_read_before_another_member_reuses_its_bytes
     assert_eq!(forgotten_read_of_a_frame_sees(false), 1.0, "the read saw the other member's data");
     assert_eq!(forgotten_read_of_a_frame_sees(true), 2.0, "the bypass shows the race");
 }
+
+/// A group with one stream: member A's memory is written on a third stream through a
+/// forgotten `OnStream` (held), and the close of A's cycle can order that stream
+/// neither by an event nor on the host (failures injected). Member B, on the same
+/// stream, then takes the bytes. Returns what B's zeros read afterwards.
+fn unordered_write_then_reuse_sees(_: ()) -> f32 {
+    let sim = SimDevice::new().unwrap();
+    let (home, writer) = (sim.default_stream(), sim.new_stream().unwrap());
+    let group = DevicePlanGroup::new("G", &sim, &home).unwrap();
+    let a = group.workspace("A", &config(), &home).unwrap();
+    let b = group.workspace("B", &config(), &home).unwrap();
+    let ones = DeviceArray::htod(&sim, &writer, &Array1::from_elem(256, 1.0f32)).unwrap();
+    sim.synchronize(&writer).unwrap();
+    let mut seen = 0.0;
+    for replay in [false, true] {
+        group.start_iteration(5).unwrap();
+        let mut hold = None;
+        {
+            let s = a.enter().unwrap();
+            let _src = s.htod(&Array1::from_elem(256, 1.0f32)).unwrap();
+            let mut x = s.zeros::<f32, _>(256).unwrap();
+            if replay {
+                sim.synchronize(&home).unwrap();
+                hold = Some(sim.hold(&writer));
+                let ones_view = ones.view();
+                let on = s.on_stream(&writer).unwrap();
+                on.dtod(&ones_view, &mut x).unwrap(); // held: writes x later
+                forget(on);
+                sim.fail_next_records(2); // the join at the close, and its host wait
+            }
+        }
+        {
+            let s = b.enter().unwrap();
+            let mut y = None;
+            match hold {
+                // Over A's bytes: with the wait, taken only once the late write is done.
+                Some(hold) => crate::ordering::release_when_blocked(&sim, hold, || {
+                    y = Some(s.zeros::<f32, _>(512).unwrap());
+                }),
+                None => y = Some(s.zeros::<f32, _>(512).unwrap()),
+            }
+            sim.quiesce();
+            sim.synchronize(&writer).unwrap();
+            let y = y.unwrap();
+            seen = y.to_host().unwrap().sum();
+        }
+        group.finish_iteration().unwrap();
+    }
+    assert_eq!(group.streams(), 1);
+    sim.synchronize(&writer).unwrap();
+    let _ = sim.take_deferred_error();
+    seen
+}
+
+#[test]
+fn a_stream_that_could_not_be_ordered_is_waited_for_before_a_single_stream_group_reuses_bytes() {
+    assert_eq!(unordered_write_then_reuse_sees(()), 0.0, "B's zeros were overwritten by the late write");
+}
