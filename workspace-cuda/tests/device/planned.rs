@@ -12,7 +12,6 @@ use ndarray::Array1;
 use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use workspace_cuda::{
     Device, DeviceArray, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceViewMut, DeviceWorkspace, Error, SimDevice,
-    SimStream,
 };
 
 use crate::ordering::forget;
@@ -262,9 +261,9 @@ impl Rng {
     }
 }
 
-/// Programs per run: 300, or `PROPTEST_CASES` / 30 (scaled down under valgrind).
+/// Programs per run: 1,000, or `PROPTEST_CASES` / 10 (scaled down under valgrind).
 fn cases() -> u64 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse::<u64>().ok()).map_or(300, |n| (n / 30).max(4))
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse::<u64>().ok()).map_or(1000, |n| (n / 10).max(4))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -304,35 +303,35 @@ fn program(rng: &mut Rng, members: usize) -> Vec<Op> {
 /// A live allocation: its view (its lifetime extended to the run's, and dropped before
 /// the scope or frame it borrows), the member, the frame it dies with (0: the cycle),
 /// and its pattern byte.
-struct Live {
-    view: DeviceViewMut<'static, SimDevice, u8>,
+struct Live<D: Device> {
+    view: DeviceViewMut<'static, D, u8>,
     member: usize,
     frame: u64,
     tag: u8,
 }
 
 /// Reads queued at deaths: what each should see.
-type Reads = Vec<(DeviceArray<SimDevice, u8>, u8)>;
+type Reads<D> = Vec<(DeviceArray<D, u8>, u8)>;
 
-struct Open {
-    frame: DeviceFrame<'static, SimDevice>,
+struct Open<D: Device> {
+    frame: DeviceFrame<'static, D>,
     scope: usize,
     id: u64,
 }
 
 /// Queues reads of the allocations of `member` that `dies` picks, on the member's
-/// stream or, every other time, on `other` through the scope's `on_stream` (which is
+/// stream or, every third time, on `other` through the scope's `on_stream` (which is
 /// dropped or forgotten), and forgets them.
-fn end(
-    live: &mut Vec<Live>,
-    reads: &mut Reads,
+fn end<D: Device>(
+    live: &mut Vec<Live<D>>,
+    reads: &mut Reads<D>,
     member: usize,
-    scope: &DeviceScope<'_, SimDevice>,
-    other: &SimStream,
+    scope: &DeviceScope<'_, D>,
+    other: &D::Stream,
     rng: &mut Rng,
-    dies: impl Fn(&Live) -> bool,
+    dies: impl Fn(&Live<D>) -> bool,
 ) {
-    let sim = scope.workspace().device().clone();
+    let device = scope.workspace().device().clone();
     let mut kept = Vec::new();
     for l in live.drain(..) {
         if l.member != member || !dies(&l) {
@@ -342,7 +341,7 @@ fn end(
         let len = l.view.len();
         match rng.below(3) {
             0 => {
-                let mut out = DeviceArray::<_, u8>::zeros(&sim, other, len).unwrap();
+                let mut out = DeviceArray::<_, u8>::zeros(&device, other, len).unwrap();
                 {
                     let mut out_view = out.view_mut();
                     let on = scope.on_stream(other).unwrap();
@@ -354,7 +353,7 @@ fn end(
                 reads.push((out, l.tag));
             }
             _ => {
-                let mut out = DeviceArray::<_, u8>::zeros(&sim, l.view.stream(), len).unwrap();
+                let mut out = DeviceArray::<_, u8>::zeros(&device, l.view.stream(), len).unwrap();
                 out.view_mut().copy_from(&l.view).unwrap();
                 reads.push((out, l.tag));
             }
@@ -364,29 +363,29 @@ fn end(
 }
 
 /// Runs `ops` as one iteration of `group` over `members`; every allocation's pattern is
-/// read (on a slowed stream, often another one) when it dies, and checked at the end,
-/// after every stream has finished. Returns the allocations made.
-fn run(
-    sim: &SimDevice,
-    group: &DevicePlanGroup<SimDevice>,
-    members: &[DeviceWorkspace<SimDevice>],
-    others: &[SimStream],
+/// read (often on another stream, which may be slowed) when it dies, and checked at the
+/// end, after every stream has finished. Returns the allocations made.
+fn run<D: Device>(
+    device: &D,
+    group: &DevicePlanGroup<D>,
+    members: &[DeviceWorkspace<D>],
+    others: &[D::Stream],
     ops: &[Op],
     seed: u64,
 ) -> usize {
     let mut rng = Rng(seed);
     group.start_iteration(7).unwrap();
-    let mut scopes: Vec<Vec<Box<DeviceScope<'static, SimDevice>>>> = members.iter().map(|_| Vec::new()).collect();
-    let mut frames: Vec<Vec<Open>> = members.iter().map(|_| Vec::new()).collect();
-    let mut live: Vec<Live> = Vec::new();
-    let mut reads: Reads = Vec::new();
+    let mut scopes: Vec<Vec<Box<DeviceScope<'static, D>>>> = members.iter().map(|_| Vec::new()).collect();
+    let mut frames: Vec<Vec<Open<D>>> = members.iter().map(|_| Vec::new()).collect();
+    let mut live: Vec<Live<D>> = Vec::new();
+    let mut reads: Reads<D> = Vec::new();
     let (mut made, mut next_frame, mut tag) = (0, 0u64, seed as u8);
     for &op in ops {
         match op {
             Op::Open(m) => {
                 let scope = members[m].enter().unwrap();
                 // SAFETY: the workspaces outlive the run; every scope is dropped in it.
-                let scope: DeviceScope<'static, SimDevice> = unsafe { std::mem::transmute(scope) };
+                let scope: DeviceScope<'static, D> = unsafe { std::mem::transmute(scope) };
                 scopes[m].push(Box::new(scope));
             }
             Op::Close(m) => {
@@ -404,8 +403,7 @@ fn run(
                 let Some(scope) = scopes[m].last() else { continue };
                 // SAFETY: the box stays in `scopes[m]` until every frame made from it has
                 // been dropped (`Close` and the end of the run drop them first).
-                let scope: &'static DeviceScope<'static, SimDevice> =
-                    unsafe { &*(&**scope as *const DeviceScope<'static, SimDevice>) };
+                let scope: &'static DeviceScope<'static, D> = unsafe { &*(&**scope as *const DeviceScope<'static, D>) };
                 next_frame += 1;
                 frames[m].push(Open { frame: scope.frame().unwrap(), scope: scopes[m].len() - 1, id: next_frame });
             }
@@ -446,7 +444,7 @@ fn run(
                 }
                 // SAFETY: the view is dropped (by `end`, or at the end of the run) before
                 // the scope or frame it borrows.
-                let view: DeviceViewMut<'static, SimDevice, u8> = unsafe { std::mem::transmute(view) };
+                let view: DeviceViewMut<'static, D, u8> = unsafe { std::mem::transmute(view) };
                 live.push(Live { view, member: m, frame, tag });
                 made += 1;
             }
@@ -464,7 +462,7 @@ fn run(
     assert!(live.is_empty());
     group.finish_iteration().unwrap();
     for stream in others.iter().chain(members.iter().map(|ws| ws.stream())) {
-        sim.synchronize(stream).unwrap();
+        device.synchronize(stream).unwrap();
     }
     for (out, tag) in reads {
         let seen = out.to_host().unwrap();
@@ -473,50 +471,91 @@ fn run(
     made
 }
 
-#[test]
-fn random_programs_over_members_on_several_streams_never_see_their_bytes_overwritten() {
+/// `cases` random programs, each over 1 to 3 members of a fresh group on three streams
+/// of `new_device()` (the group and every member on a random one of them): recorded,
+/// replayed as recorded, replayed with an operation left out, and replayed again.
+/// `slow` may slow a stream; `after` checks the device after each program. Returns the
+/// exact replays and the cross-stream waits the groups issued.
+fn random_programs<D: Device>(
+    cases: u64,
+    new_device: impl Fn() -> D,
+    slow: impl Fn(&D, &D::Stream, u64),
+    after: impl Fn(&D, &[Op]),
+) -> (u64, u64) {
     let mut rng = Rng(0xDE71_CE5E_ED00);
     let (mut exact, mut waits) = (0u64, 0u64);
-    for case in 0..cases() {
-        let sim = SimDevice::new().unwrap();
-        let streams: Vec<SimStream> =
-            [sim.default_stream()].into_iter().chain((0..2).map(|_| sim.new_stream().unwrap())).collect();
+    for case in 0..cases {
+        let device = new_device();
+        let streams: Vec<D::Stream> =
+            [device.default_stream()].into_iter().chain((0..2).map(|_| device.new_stream().unwrap())).collect();
         for stream in &streams {
-            let delay = [0, 0, 20, 100][rng.below(4) as usize];
-            sim.set_delay(stream, Duration::from_micros(delay));
+            slow(&device, stream, rng.below(4));
         }
         let count = 1 + rng.below(3) as usize;
-        let group = DevicePlanGroup::new("G", &sim, &streams[rng.below(3) as usize]).unwrap();
-        let members: Vec<DeviceWorkspace<SimDevice>> = (0..count)
+        let group = DevicePlanGroup::new("G", &device, &streams[rng.below(3) as usize]).unwrap();
+        let members: Vec<DeviceWorkspace<D>> = (0..count)
             .map(|i| group.workspace(&format!("M{i}"), &config(), &streams[rng.below(3) as usize]).unwrap())
             .collect();
-        let others: Vec<SimStream> = (0..count).map(|_| streams[rng.below(3) as usize].clone()).collect();
+        let others: Vec<D::Stream> = (0..count).map(|_| streams[rng.below(3) as usize].clone()).collect();
         let ops = program(&mut rng, count);
-        let made = run(&sim, &group, &members, &others, &ops, case);
+        let made = run(&device, &group, &members, &others, &ops, case);
         let before = group.stats();
-        run(&sim, &group, &members, &others, &ops, case ^ 1);
-        let after = group.stats();
+        run(&device, &group, &members, &others, &ops, case ^ 1);
+        let after_exact = group.stats();
         if made > 0 {
-            assert_eq!(after.divergences, 0, "an exact replay diverged: {ops:?}");
-            assert_eq!(after.planned_iterations, before.planned_iterations + 1, "{ops:?}");
+            assert_eq!(after_exact.divergences, 0, "an exact replay diverged: {ops:?}");
+            assert_eq!(after_exact.planned_iterations, before.planned_iterations + 1, "{ops:?}");
             exact += 1;
         }
         // A variant that diverges (an operation left out), then the original again.
         let mut fewer = ops.clone();
         fewer.remove(rng.below(ops.len() as u64) as usize);
-        run(&sim, &group, &members, &others, &fewer, case ^ 2);
-        run(&sim, &group, &members, &others, &ops, case ^ 3);
+        run(&device, &group, &members, &others, &fewer, case ^ 2);
+        run(&device, &group, &members, &others, &ops, case ^ 3);
         waits += group.cross_stream_waits();
         drop(members);
         drop(group);
-        sim.quiesce();
-        assert!(sim.faults().is_empty(), "{:?}: {ops:?}", sim.faults());
-        assert_eq!(sim.take_deferred_error(), None);
-        assert_eq!(sim.live_device_bytes(), 0, "device memory leaked: {ops:?}");
+        after(&device, &ops);
     }
+    (exact, waits)
+}
+
+#[test]
+fn random_programs_over_members_on_several_streams_never_see_their_bytes_overwritten() {
+    let cases = cases();
+    let (exact, waits) = random_programs(
+        cases,
+        || SimDevice::new().unwrap(),
+        |sim, stream, pick| sim.set_delay(stream, Duration::from_micros([0, 0, 20, 100][pick as usize])),
+        |sim, ops| {
+            sim.quiesce();
+            assert!(sim.faults().is_empty(), "{:?}: {ops:?}", sim.faults());
+            assert_eq!(sim.take_deferred_error(), None);
+            assert_eq!(sim.live_device_bytes(), 0, "device memory leaked: {ops:?}");
+        },
+    );
     // The test can fail: most replays ran on their plan, and reuse crossed streams.
-    assert!(exact > cases() / 2, "{exact} exact replays of {} programs", cases());
+    assert!(exact > cases / 2, "{exact} exact replays of {cases} programs");
     assert!(waits > 0, "no reuse across streams was ordered");
+}
+
+/// The random programs on GPU 0 (no knobs to slow a stream there: the device's own
+/// timing), or skipped with a line on stderr without one.
+#[test]
+fn random_programs_on_a_real_gpu() {
+    crate::on_gpu_with(|gpu| {
+        let cases = cases().min(100);
+        let (exact, _) = random_programs(
+            cases,
+            || gpu.clone(),
+            |_, _, _| {},
+            |gpu, _| {
+                gpu.synchronize(&gpu.default_stream()).unwrap();
+                assert_eq!(gpu.take_deferred_error(), None);
+            },
+        );
+        assert!(exact > cases / 2, "{exact} exact replays of {cases} programs");
+    });
 }
 
 /// Member A reads its frame's array on a third stream through an `OnStream` that it
