@@ -83,6 +83,22 @@ pub trait CycleHooks {
         true
     }
 
+    /// After the engine reserved `bytes` bytes at `address` for a scope or a frame of
+    /// the open cycle ([`Open::alloc`], [`OpenFrame::alloc`]), before the address is
+    /// handed out: order what must come before any use of them (a device workspace in a
+    /// plan group waits for the other streams that used those bytes of the group's
+    /// arena). An error withholds the address (the bytes stay reserved, unused, to the
+    /// end of the scope or frame).
+    ///
+    /// # Errors
+    ///
+    /// The hook's own.
+    #[inline(always)]
+    fn after_alloc(&self, address: u64, bytes: usize) -> Result<(), Self::Error> {
+        let _ = (address, bytes);
+        Ok(())
+    }
+
     /// Before the workspace (its engine and its memory) is dropped. Returns whether the
     /// memory may be freed; `false` leaks it (memory that other work may still use).
     ///
@@ -439,12 +455,21 @@ impl<'s, B: ArenaBackend, H: CycleHooks> Open<'s, B, H> {
     /// again once the cycle ends. Only raw addresses: turning them into references is
     /// the caller's unsafe code, tied to the scope holding this count.
     ///
+    /// Whatever the kind of workspace orders before memory is used
+    /// ([`CycleHooks::after_alloc`]) is done before this returns.
+    ///
     /// # Errors
     ///
-    /// As [`Engine::alloc`].
+    /// As [`Engine::alloc`], and the hook's.
     #[inline(always)]
-    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as crate::backend::Block>::Base, usize)> {
-        self.shell.engine.alloc(size, align)
+    pub fn alloc(
+        &self,
+        size: usize,
+        align: usize,
+    ) -> Result<(<B::Block as crate::backend::Block>::Base, usize), H::Error> {
+        let (base, offset) = self.shell.engine.alloc(size, align)?;
+        self.shell.hooks.after_alloc(base.address() + offset as u64, size)?;
+        Ok((base, offset))
     }
 
     /// The shell this count belongs to.
@@ -512,15 +537,21 @@ impl<'f, B: ArenaBackend, H: CycleHooks> OpenFrame<'f, B, H> {
     ///
     /// # Errors
     ///
-    /// As [`Engine::alloc`].
+    /// As [`Open::alloc`].
     #[inline(always)]
-    pub fn alloc(&self, size: usize, align: usize) -> Result<(<B::Block as crate::backend::Block>::Base, usize)> {
+    pub fn alloc(
+        &self,
+        size: usize,
+        align: usize,
+    ) -> Result<(<B::Block as crate::backend::Block>::Base, usize), H::Error> {
         let engine = &self.shell.engine;
         let level = self.mark.level();
-        match engine.try_alloc_frame(level, size, align) {
-            Some(placed) => Ok(placed),
-            None => engine.alloc_slow_at(size, align, level),
-        }
+        let (base, offset) = match engine.try_alloc_frame(level, size, align) {
+            Some(placed) => placed,
+            None => engine.alloc_slow_at(size, align, level)?,
+        };
+        self.shell.hooks.after_alloc(base.address() + offset as u64, size)?;
+        Ok((base, offset))
     }
 }
 

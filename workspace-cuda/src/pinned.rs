@@ -203,6 +203,12 @@ impl<D: Device> CycleHooks for PendingTransfers<D> {
     /// next open waits for them, and blocks freed at the reset go to the graveyard.
     unsafe fn before_reset(&self) {}
 
+    /// A frame of a pinned workspace keeps its bytes to the end of the cycle: transfers
+    /// issued on them may still run, and only opening the next cycle waits for them.
+    unsafe fn before_frame_close(&self, _level: u32) -> bool {
+        false
+    }
+
     /// Waits for every transfer; leaks the memory when one cannot be waited for.
     unsafe fn before_drop(&mut self) -> bool {
         let mut shared = lock_in_flight(&self.shared);

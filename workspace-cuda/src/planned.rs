@@ -152,9 +152,15 @@ impl<D: Device> DevicePlanGroup<D> {
                 other: self.device.describe(),
             });
         }
-        if ws.is_open() || ws.group_id().is_some() {
-            // The group's own checks give the error (and change nothing).
-            // SAFETY: the join is refused: the workspace does not become a member.
+        let circular = ws.config().reset() != workspace_core::ResetPolicy::BlockLeft;
+        if ws.is_open() || ws.group_id().is_some() || circular {
+            // The group's own checks give the error (and change nothing), or, for a
+            // member of this group already, join it again.
+            // SAFETY: the join is refused (the workspace does not become a member), or
+            // the workspace is a member of this group already, which it became only
+            // through this method (`Group::join` is unsafe and private to this type
+            // here), so its ledger link is set (only `leave` removes it, along with the
+            // membership).
             return unsafe { self.group.join(ws) }.map_err(Error::from);
         }
         let lane = self
@@ -163,12 +169,18 @@ impl<D: Device> DevicePlanGroup<D> {
             .map_err(|error| ws.device_error("ordering its stream after the plan group's streams", error))?;
         ws.order().set_group(Some(GroupLink { ledger: self.ledger.clone(), lane }));
         // SAFETY: the workspace's hooks order every use of the group's arena through the
-        // ledger linked just above: every other stream that used its memory is ordered
-        // before its own stream when a cycle or frame closes (`before_reset`,
-        // `before_frame_close`), which then records the release that any other stream
-        // waits for before it is handed those bytes (`order_reservation`), and the
-        // group's backend waits for every stream before it frees the arena
-        // (`DeviceBackend::for_group`).
+        // ledger linked just above. Every reservation, of a scope or a frame, raw or
+        // typed, waits for the other streams that released those bytes
+        // (`CycleHooks::after_alloc`, `order_reservation`). When a cycle or frame closes,
+        // every other stream that used the workspace's memory is ordered before its own
+        // stream, which then records the release the other streams wait for; a stream
+        // that cannot be ordered is handed to the ledger as unordered, and every later
+        // reservation in the arena (and its free) waits for it on the host first
+        // (`before_reset`); a frame whose streams cannot be ordered keeps its bytes to
+        // the end of the cycle (`before_frame_close`). A workspace dropped with a cycle
+        // open releases the same way (`before_drop`). The group's backend waits for
+        // every stream before it frees the arena (`DeviceBackend::for_group`), and a new
+        // stream is ordered after all the group's streams' work so far (`Ledger::lane`).
         if let Err(error) = unsafe { self.group.join(ws) } {
             ws.order().set_group(None);
             return Err(error.into());

@@ -16,7 +16,7 @@ use workspace_core::backend::{Open, OpenFrame, Placement, ScopeKind};
 use crate::backend::DeviceBackend;
 
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::handle::DeviceHandle;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
@@ -195,19 +195,9 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     /// Reserves memory for `dim` elements of `T` in the open cycle: its device address.
     fn reserve_cycle<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
         let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
+        // The shell orders a reuse of a plan group's bytes (`StreamOrder::after_alloc`).
         let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
-        ordered_reservation(self.ws, base + offset as u64, bytes)
-    }
-}
-
-/// The address of `bytes` just reserved at `address` in `ws`, once the workspace's
-/// stream is ordered after every other stream that used them before (in a plan group's
-/// arena).
-#[inline]
-fn ordered_reservation<D: Device>(ws: &DeviceWorkspace<D>, address: u64, bytes: usize) -> Result<u64> {
-    match ws.order().order_reservation(address, bytes) {
-        Ok(()) => Ok(address),
-        Err(error) => Err(ws.device_error("ordering a reuse of the plan group's memory after another stream", error)),
+        Ok(base + offset as u64)
     }
 }
 
@@ -230,7 +220,7 @@ pub(crate) unsafe trait Carve<D: Device> {
 // SAFETY: the engine reserves the bytes in the open cycle, handed out again only when
 // the cycle ends, which waits for this scope (its `Open` count) to close; the reset is
 // ordered on the workspace's stream (module docs of `workspace`), and a reuse of a plan
-// group's bytes is ordered by `ordered_reservation`.
+// group's bytes is ordered by the shell's `after_alloc` hook before `alloc` returns.
 #[allow(unsafe_code)]
 unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
     fn workspace(&self) -> &DeviceWorkspace<D> {
@@ -331,8 +321,8 @@ impl<'f, D: Device> DeviceFrame<'f, D> {
     /// Reserves memory for `dim` elements of `T` at the frame's level.
     fn reserve_frame<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64> {
         let bytes = checked_bytes::<T, Dim>(dim, || self.ws.name().clone())?;
-        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>()).map_err(Error::from)?;
-        ordered_reservation(self.ws, base + offset as u64, bytes)
+        let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
+        Ok(base + offset as u64)
     }
 
     allocation_methods!();

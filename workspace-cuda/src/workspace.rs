@@ -112,6 +112,8 @@ impl<D: Device> std::ops::Deref for DeviceWorkspace<D> {
 /// orders every other stream that used the memory before its own stream, which every
 /// reuse of the memory is issued to (module docs).
 pub struct StreamOrder<D: Device> {
+    /// The workspace's name, for errors.
+    name: Arc<str>,
     device: D,
     stream: D::Stream,
     /// Streams other than `stream` that used this workspace's memory in the open cycle.
@@ -230,6 +232,7 @@ impl<D: Device> DeviceWorkspace<D> {
         let config = device_config(name, config, "device")?;
         let backend = DeviceBackend::new(device.clone(), stream.clone());
         let order = StreamOrder {
+            name: Arc::from(name),
             device: device.clone(),
             stream: stream.clone(),
             foreign: RefCell::new(Vec::new()),
@@ -470,6 +473,16 @@ impl<D: Device> StreamOrder<D> {
         link.ledger.order_use(link.lane, address, bytes)
     }
 
+    #[cold]
+    #[inline(never)]
+    fn reservation_error(&self, error: DeviceError) -> Error {
+        Error::Device {
+            workspace: self.name.clone(),
+            action: "ordering a reuse of the plan group's memory after another stream",
+            source: error,
+        }
+    }
+
     /// Tells the group that the bytes of its arena this cycle was handed may be reused by
     /// its other streams after the work issued so far (every other stream that used
     /// them is ordered before the workspace's stream by now, except `unordered` ones,
@@ -547,6 +560,17 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
         // waits for before its arena's bytes are reused).
         self.uses.borrow_mut().clear();
         self.release_group(true, &self.unjoined.borrow());
+    }
+
+    /// A reservation in a plan group's arena waits for the other streams that used
+    /// those bytes before (`order_reservation`); every scope and frame reserves through
+    /// here, raw ones included.
+    #[inline(always)]
+    fn after_alloc(&self, address: u64, bytes: usize) -> Result<()> {
+        match self.order_reservation(address, bytes) {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.reservation_error(error)),
+        }
     }
 
     /// Orders every other stream with an unordered use of the memory before the

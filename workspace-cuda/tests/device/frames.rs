@@ -4,6 +4,12 @@
 //! bytes overwritten, and the simulator shows the overwrite when the waits are bypassed.
 //! No test depends on timing: streams are held, or slowed, and `quiesce` waits until
 //! everything that can run has run.
+//!
+//! Within one workspace two mechanisms order a closed frame's bytes: the frame's close
+//! makes the workspace's stream wait for every stream with a use not yet ordered, and
+//! every later write through the workspace waits for conflicting uses anyway
+//! (`order_home_use`); the tests here hold with either. Where only the close can order
+//! the reuse (another member of a plan group takes the bytes), `planned.rs` tests it.
 
 use std::time::Duration;
 

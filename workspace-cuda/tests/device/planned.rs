@@ -363,22 +363,21 @@ fn end<D: Device>(
 }
 
 /// Runs `ops` as one iteration of `group` over `members`; every allocation's pattern is
-/// read (often on another stream, which may be slowed) when it dies, and checked at the
-/// end, after every stream has finished. Returns the allocations made.
+/// read (often on another stream, which may be slowed) when it dies, into `reads`, which
+/// the caller checks once every stream has finished. Returns the allocations made.
 fn run<D: Device>(
-    device: &D,
     group: &DevicePlanGroup<D>,
     members: &[DeviceWorkspace<D>],
     others: &[D::Stream],
     ops: &[Op],
     seed: u64,
+    reads: &mut Reads<D>,
 ) -> usize {
     let mut rng = Rng(seed);
     group.start_iteration(7).unwrap();
     let mut scopes: Vec<Vec<Box<DeviceScope<'static, D>>>> = members.iter().map(|_| Vec::new()).collect();
     let mut frames: Vec<Vec<Open<D>>> = members.iter().map(|_| Vec::new()).collect();
     let mut live: Vec<Live<D>> = Vec::new();
-    let mut reads: Reads<D> = Vec::new();
     let (mut made, mut next_frame, mut tag) = (0, 0u64, seed as u8);
     for &op in ops {
         match op {
@@ -392,10 +391,10 @@ fn run<D: Device>(
                 let Some(index) = scopes[m].len().checked_sub(1) else { continue };
                 while let Some(at) = frames[m].iter().rposition(|f| f.scope == index) {
                     let open = frames[m].remove(at);
-                    end(&mut live, &mut reads, m, &scopes[m][index], &others[m], &mut rng, |l| l.frame == open.id);
+                    end(&mut live, reads, m, &scopes[m][index], &others[m], &mut rng, |l| l.frame == open.id);
                 }
                 if index == 0 {
-                    end(&mut live, &mut reads, m, &scopes[m][0], &others[m], &mut rng, |_| true);
+                    end(&mut live, reads, m, &scopes[m][0], &others[m], &mut rng, |_| true);
                 }
                 scopes[m].pop();
             }
@@ -413,7 +412,7 @@ fn run<D: Device>(
                     continue;
                 }
                 let open = frames[m].remove(count - 1 - k % count);
-                end(&mut live, &mut reads, m, &scopes[m][open.scope], &others[m], &mut rng, |l| l.frame == open.id);
+                end(&mut live, reads, m, &scopes[m][open.scope], &others[m], &mut rng, |l| l.frame == open.id);
             }
             Op::Forget(m) => {
                 let Some(open) = frames[m].pop() else { continue };
@@ -452,38 +451,55 @@ fn run<D: Device>(
     }
     for m in 0..members.len() {
         while let Some(open) = frames[m].pop() {
-            end(&mut live, &mut reads, m, &scopes[m][open.scope], &others[m], &mut rng, |l| l.frame == open.id);
+            end(&mut live, reads, m, &scopes[m][open.scope], &others[m], &mut rng, |l| l.frame == open.id);
         }
         if let Some(first) = scopes[m].first() {
-            end(&mut live, &mut reads, m, first, &others[m], &mut rng, |_| true);
+            end(&mut live, reads, m, first, &others[m], &mut rng, |_| true);
         }
         while scopes[m].pop().is_some() {}
     }
     assert!(live.is_empty());
     group.finish_iteration().unwrap();
-    for stream in others.iter().chain(members.iter().map(|ws| ws.stream())) {
+    made
+}
+
+/// Waits for `streams`, then counts the reads in `reads` that saw something else than
+/// the pattern written before them.
+fn overwritten<D: Device>(device: &D, streams: &[D::Stream], reads: Reads<D>) -> usize {
+    for stream in streams {
         device.synchronize(stream).unwrap();
     }
-    for (out, tag) in reads {
-        let seen = out.to_host().unwrap();
-        assert!(seen.iter().all(|&b| b == tag), "an allocation was overwritten before a read of it: {tag} vs {seen:?}");
-    }
-    made
+    reads.into_iter().filter(|(out, tag)| out.to_host().unwrap().iter().any(|b| b != tag)).count()
+}
+
+/// What `random_programs` saw.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Programs whose exact replay ran on its plan.
+    exact: u64,
+    /// Waits the groups issued to order a reuse after another stream.
+    waits: u64,
+    /// Reads that saw bytes overwritten, and the programs where that happened.
+    overwritten: usize,
+    spoiled: u64,
 }
 
 /// `cases` random programs, each over 1 to 3 members of a fresh group on three streams
 /// of `new_device()` (the group and every member on a random one of them): recorded,
-/// replayed as recorded, replayed with an operation left out, and replayed again.
-/// `slow` may slow a stream; `after` checks the device after each program. Returns the
-/// exact replays and the cross-stream waits the groups issued.
+/// replayed as recorded, replayed with an operation left out, and replayed again, the
+/// group's arena sometimes given back between iterations while their work still runs.
+/// The reads of every allocation are checked once the four iterations are over, so
+/// that reuse across iterations and streams is checked too. `slow` may slow a stream;
+/// `after` checks the device after each program.
 fn random_programs<D: Device>(
     cases: u64,
+    seed: u64,
     new_device: impl Fn() -> D,
     slow: impl Fn(&D, &D::Stream, u64),
-    after: impl Fn(&D, &[Op]),
-) -> (u64, u64) {
-    let mut rng = Rng(0xDE71_CE5E_ED00);
-    let (mut exact, mut waits) = (0u64, 0u64);
+    after: impl Fn(&D, &[Op], usize),
+) -> Seen {
+    let mut rng = Rng(seed);
+    let mut seen = Seen::default();
     for case in 0..cases {
         let device = new_device();
         let streams: Vec<D::Stream> =
@@ -498,36 +514,47 @@ fn random_programs<D: Device>(
             .collect();
         let others: Vec<D::Stream> = (0..count).map(|_| streams[rng.below(3) as usize].clone()).collect();
         let ops = program(&mut rng, count);
-        let made = run(&device, &group, &members, &others, &ops, case);
-        let before = group.stats();
-        run(&device, &group, &members, &others, &ops, case ^ 1);
-        let after_exact = group.stats();
-        if made > 0 {
-            assert_eq!(after_exact.divergences, 0, "an exact replay diverged: {ops:?}");
-            assert_eq!(after_exact.planned_iterations, before.planned_iterations + 1, "{ops:?}");
-            exact += 1;
-        }
-        // A variant that diverges (an operation left out), then the original again.
         let mut fewer = ops.clone();
         fewer.remove(rng.below(ops.len() as u64) as usize);
-        run(&device, &group, &members, &others, &fewer, case ^ 2);
-        run(&device, &group, &members, &others, &ops, case ^ 3);
-        waits += group.cross_stream_waits();
+        let mut reads = Vec::new();
+        let mut made = 0;
+        for (i, (program, salt)) in [(&ops, 0), (&ops, 1), (&fewer, 2), (&ops, 3)].into_iter().enumerate() {
+            let before = group.stats();
+            let allocations = run(&group, &members, &others, program, case ^ salt, &mut reads);
+            if i == 0 {
+                made = allocations;
+            }
+            if i == 1 && made > 0 {
+                let after_exact = group.stats();
+                assert_eq!(after_exact.divergences, before.divergences, "an exact replay diverged: {ops:?}");
+                assert_eq!(after_exact.planned_iterations, before.planned_iterations + 1, "{ops:?}");
+                seen.exact += 1;
+            }
+            if rng.below(4) == 0 {
+                group.trim().unwrap(); // freed while the reads may still run
+            }
+        }
+        seen.waits += group.cross_stream_waits();
         drop(members);
         drop(group);
-        after(&device, &ops);
+        let overwritten = overwritten(&device, &streams, reads);
+        seen.overwritten += overwritten;
+        seen.spoiled += u64::from(overwritten > 0);
+        after(&device, &ops, overwritten);
     }
-    (exact, waits)
+    seen
 }
 
 #[test]
 fn random_programs_over_members_on_several_streams_never_see_their_bytes_overwritten() {
     let cases = cases();
-    let (exact, waits) = random_programs(
+    let seen = random_programs(
         cases,
+        0xDE71_CE5E_ED00,
         || SimDevice::new().unwrap(),
         |sim, stream, pick| sim.set_delay(stream, Duration::from_micros([0, 0, 20, 100][pick as usize])),
-        |sim, ops| {
+        |sim, ops, overwritten| {
+            assert_eq!(overwritten, 0, "a read saw its allocation overwritten: {ops:?}");
             sim.quiesce();
             assert!(sim.faults().is_empty(), "{:?}: {ops:?}", sim.faults());
             assert_eq!(sim.take_deferred_error(), None);
@@ -535,8 +562,41 @@ fn random_programs_over_members_on_several_streams_never_see_their_bytes_overwri
         },
     );
     // The test can fail: most replays ran on their plan, and reuse crossed streams.
-    assert!(exact > cases / 2, "{exact} exact replays of {cases} programs");
-    assert!(waits > 0, "no reuse across streams was ordered");
+    assert!(seen.exact > cases / 2, "{seen:?} of {cases} programs");
+    assert!(seen.waits > 0, "no reuse across streams was ordered: {seen:?}");
+}
+
+#[test]
+fn without_the_waits_random_programs_see_their_bytes_overwritten() {
+    // The checker of the test above catches the races that the waits prevent: with them
+    // bypassed, some program reads overwritten bytes (or its device reports a use after
+    // free, which makes its next call fail).
+    let cases = (cases() / 10).max(20);
+    let spoiled = (0..cases)
+        .filter(|&case| {
+            let outcome = std::panic::catch_unwind(|| {
+                random_programs(
+                    1,
+                    0xBAD_5EED ^ case,
+                    || {
+                        let sim = SimDevice::new().unwrap();
+                        sim.ignore_stream_waits(true);
+                        sim
+                    },
+                    |sim, stream, pick| sim.set_delay(stream, Duration::from_micros([0, 50, 200, 500][pick as usize])),
+                    |sim, _, _| {
+                        sim.quiesce();
+                        let _ = sim.take_deferred_error();
+                    },
+                )
+            });
+            match outcome {
+                Ok(seen) => seen.spoiled > 0,
+                Err(_) => true,
+            }
+        })
+        .count();
+    assert!(spoiled > 0, "none of {cases} programs saw an overwrite without the waits");
 }
 
 /// The random programs on GPU 0 (no knobs to slow a stream there: the device's own
@@ -545,16 +605,18 @@ fn random_programs_over_members_on_several_streams_never_see_their_bytes_overwri
 fn random_programs_on_a_real_gpu() {
     crate::on_gpu_with(|gpu| {
         let cases = cases().min(100);
-        let (exact, _) = random_programs(
+        let seen = random_programs(
             cases,
+            0xDE71_CE5E_ED00,
             || gpu.clone(),
             |_, _, _| {},
-            |gpu, _| {
+            |gpu, ops, overwritten| {
+                assert_eq!(overwritten, 0, "a read saw its allocation overwritten: {ops:?}");
                 gpu.synchronize(&gpu.default_stream()).unwrap();
                 assert_eq!(gpu.take_deferred_error(), None);
             },
         );
-        assert!(exact > cases / 2, "{exact} exact replays of {cases} programs");
+        assert!(seen.exact > cases / 2, "{seen:?} of {cases} programs");
     });
 }
 
@@ -666,4 +728,103 @@ fn unordered_write_then_reuse_sees(_: ()) -> f32 {
 #[test]
 fn a_stream_that_could_not_be_ordered_is_waited_for_before_a_single_stream_group_reuses_bytes() {
     assert_eq!(unordered_write_then_reuse_sees(()), 0.0, "B's zeros were overwritten by the late write");
+}
+
+/// Member A, on the group's stream, reads its slot (the read held); then member B joins
+/// on a second stream, and a recording iteration lends B the arena's bytes A read.
+/// Nothing was recorded while the group had one stream: only the join orders B's stream
+/// after A's. Returns what the read saw.
+fn late_member_sees(ignore_waits: bool) -> f32 {
+    let sim = SimDevice::new().unwrap();
+    let (home, s2) = (sim.default_stream(), sim.new_stream().unwrap());
+    let group = DevicePlanGroup::new("G", &sim, &home).unwrap();
+    let a = group.workspace("A", &config(), &home).unwrap();
+    let mut out = DeviceArray::<_, f32>::zeros(&sim, &home, 256).unwrap();
+    let mut hold = None;
+    for replay in [false, true] {
+        group.start_iteration(1).unwrap();
+        let s = a.enter().unwrap();
+        let x = s.htod(&Array1::from_elem(256, 1.0f32)).unwrap();
+        if replay {
+            out.view_mut().fill_zeros().unwrap();
+            sim.synchronize(&home).unwrap();
+            sim.ignore_stream_waits(ignore_waits);
+            hold = Some(sim.hold(&home));
+        }
+        out.view_mut().copy_from(&x).unwrap(); // held on the replay
+        drop(s);
+        group.finish_iteration().unwrap();
+    }
+    let b = group.workspace("B", &config(), &s2).unwrap();
+    group.start_iteration(2).unwrap(); // a new key: recorded, lending the arena
+    {
+        let s = b.enter().unwrap();
+        let y = s.zeros::<f32, _>(256).unwrap();
+        assert_eq!(group.stats().arena_bytes, 1024);
+        let _ = y;
+    }
+    group.finish_iteration().unwrap();
+    sim.quiesce();
+    drop(hold);
+    sim.synchronize(&home).unwrap();
+    sim.synchronize(&s2).unwrap();
+    sim.ignore_stream_waits(false);
+    out.to_host().unwrap()[0]
+}
+
+#[test]
+fn a_member_joining_on_a_new_stream_waits_for_what_the_group_did_before() {
+    assert_eq!(late_member_sees(false), 1.0, "the late member overwrote a slot still being read");
+    assert_eq!(late_member_sees(true), 0.0, "the bypass shows the race");
+}
+
+/// As `slot_reuse_sees`, with B's bytes reserved raw (`Shell::open` and `Open::alloc`,
+/// what a kernel author without views would use) and zeroed by a raw device call.
+fn raw_reuse_sees(ignore_waits: bool) -> f32 {
+    let sim = SimDevice::new().unwrap();
+    let (s1, s2) = (sim.default_stream(), sim.new_stream().unwrap());
+    let group = DevicePlanGroup::new("G", &sim, &s1).unwrap();
+    let a = group.workspace("A", &config(), &s1).unwrap();
+    let b = group.workspace("B", &config(), &s2).unwrap();
+    let mut out = DeviceArray::<_, f32>::zeros(&sim, &s1, 256).unwrap();
+    let mut hold = None;
+    let mut slots = Vec::new();
+    for replay in [false, true] {
+        group.start_iteration(4).unwrap();
+        {
+            let sa = a.enter().unwrap();
+            let x = sa.htod(&Array1::from_elem(256, 1.0f32)).unwrap();
+            slots.push(x.device_ptr());
+            if replay {
+                sim.synchronize(&s1).unwrap();
+                sim.ignore_stream_waits(ignore_waits);
+                hold = Some(sim.hold(&s1));
+            }
+            out.view_mut().copy_from(&x).unwrap(); // queued on A's stream
+        }
+        {
+            let open = b.open().unwrap();
+            let (base, offset) = open.alloc(1024, 256).unwrap();
+            let address = base + offset as u64;
+            slots.push(address);
+            // SAFETY: the 1,024 bytes were just reserved in B's open cycle, which lasts
+            // until `open` drops; the memset runs on B's stream, which the reservation
+            // ordered after every other stream that used them.
+            unsafe { sim.memset_zero(&s2, address, 1024).unwrap() };
+        }
+        group.finish_iteration().unwrap();
+    }
+    assert_eq!(slots[2], slots[3], "the replay gives B's raw bytes the slot A read");
+    sim.quiesce();
+    drop(hold);
+    sim.synchronize(&s1).unwrap();
+    sim.synchronize(&s2).unwrap();
+    sim.ignore_stream_waits(false);
+    out.to_host().unwrap()[0]
+}
+
+#[test]
+fn raw_reservations_of_a_member_are_ordered_too() {
+    assert_eq!(raw_reuse_sees(false), 1.0, "a raw reservation overwrote a slot still being read");
+    assert_eq!(raw_reuse_sees(true), 0.0, "the bypass shows the race");
 }
