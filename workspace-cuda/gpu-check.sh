@@ -6,8 +6,8 @@
 #   workspace-cuda/gpu-check.sh run DIR [OUT]    # on the GPU machine: run them, logs in OUT
 #
 # `build` puts in DIR: workspace_cuda-unit and workspace_cuda-device (the test binaries:
-# the device suite runs the policy table on the simulator and on GPU 0), cuda_smoke (the
-# example) and cuda_bench (the criterion bench), plus this script; about 18 MB in all
+# the device suite runs the policy table on the simulator and on GPU 0), cuda_smoke and
+# device_plan (the examples) and cuda_bench (the criterion bench), plus this script; about 18 MB in all
 # (debug info stripped). They load libcuda at run time and need nothing else but glibc.
 # `run` runs each with its output in OUT (default DIR/results), then prints a summary:
 # it fails when a test fails, when the smoke run fails, or when a GPU is visible
@@ -37,8 +37,9 @@ for line in sys.stdin:
     while read -r kind name exe; do
         if [ "$kind" = lib ]; then cp "$exe" "$dir/workspace_cuda-unit"; else cp "$exe" "$dir/workspace_cuda-$name"; fi
     done <<< "$tests"
-    cargo build --release --example cuda_smoke
+    cargo build --release --example cuda_smoke --example device_plan
     cp target/release/examples/cuda_smoke "$dir/cuda_smoke"
+    cp target/release/examples/device_plan "$dir/device_plan"
     local bench
     bench=$(cargo bench --bench cuda --no-run --message-format=json 2>/dev/null \
         | python3 -c 'import json, sys
@@ -50,7 +51,7 @@ for line in sys.stdin:
     cp "$bench" "$dir/cuda_bench"
     # Debug info makes up most of the bytes (~100 MB in all); symbols stay for backtraces.
     if command -v strip >/dev/null 2>&1; then
-        strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/cuda_bench"
+        strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/device_plan" "$dir/cuda_bench"
     fi
     cp "$script" "$dir/gpu-check.sh"
     ls -l "$dir"
@@ -86,6 +87,17 @@ run() {
     cat "$out/cuda_smoke.log"
     if [ "$gpu_visible" = 1 ] && grep -q '"cuda":false' "$out/cuda_smoke.log"; then
         echo "FAILED: nvidia-smi sees a GPU but cuda_smoke found none"
+        failed=1
+    fi
+    echo "=== device_plan"
+    # Device plan groups on the GPU (the simulated device without one): planned bytes
+    # against one device workspace per role, on one stream and on two.
+    local plan_args=(--json)
+    [ "$gpu_visible" = 1 ] && plan_args+=(--gpu)
+    if "$dir/device_plan" "${plan_args[@]}" >"$out/device_plan.log" 2>&1; then
+        cat "$out/device_plan.log"
+    else
+        echo "FAILED (see $out/device_plan.log)"
         failed=1
     fi
     echo "=== cuda_bench"
