@@ -24,13 +24,14 @@
 
 use std::collections::BTreeMap;
 
-use carve::nn::{Network, NetworkConfig, Updater};
+use carve::nn::{Network, Updater};
 use carve::workspace_core::plan::{Event, Plan, Trace, FRAME_LEVEL_SHIFT};
 use carve::workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use carve::WorkspaceMode;
 use clap::Parser;
-use ndarray::{Array1, Array2};
 use workspace_cuda::{CudaDevice, Device, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceWorkspace, SimDevice};
+
+mod workloads;
 
 #[derive(Parser, Debug)]
 #[command(about = "Planned against per-role device bytes for the demo networks' training steps")]
@@ -49,19 +50,14 @@ struct Args {
 /// The recorded events of one training step of an MLP of `widths` at `batch`, its role
 /// workspaces in `mode`.
 fn recorded_step(widths: &[usize], batch: usize, mode: WorkspaceMode) -> Trace {
-    let mut builder = NetworkConfig::builder(widths[0]);
-    for (i, &width) in widths[1..].iter().enumerate() {
-        builder = builder.dense(width);
-        if i + 2 < widths.len() {
-            builder = builder.relu();
-        }
-    }
-    let config =
-        builder.seed(7).updater(Updater::adam(1e-3)).training_workspace_mode(mode).build().expect("a valid network");
+    let config = workloads::mlp(widths)
+        .seed(7)
+        .updater(Updater::adam(1e-3))
+        .training_workspace_mode(mode)
+        .build()
+        .expect("a valid network");
     let mut net = Network::new(config).expect("a network");
-    let classes = *widths.last().expect("widths");
-    let x = Array2::from_shape_fn((batch, widths[0]), |(r, c)| ((r * 31 + c * 17) % 97) as f32 / 97.0);
-    let y = Array1::from_shape_fn(batch, |r| (r % classes) as u32);
+    let (x, y) = workloads::mlp_batch(widths, batch);
     net.fit_batch(x.view(), y.view()).expect("a warm-up step");
     net.record_next_iteration();
     net.fit_batch(x.view(), y.view()).expect("a recorded step");
@@ -196,10 +192,6 @@ fn run<D: Device>(
 
 fn main() {
     let args = Args::parse();
-    let networks: [(&str, &[usize], usize); 2] = [
-        ("digits 64-128-64-10, batch 32", &[64, 128, 64, 10], 32),
-        ("784-1024-1024-10, batch 128", &[784, 1024, 1024, 10], 128),
-    ];
     let mut rows = Vec::new();
     let gpu = match args.gpu {
         true => match CudaDevice::new(0) {
@@ -213,7 +205,7 @@ fn main() {
     };
     let sim = SimDevice::new().expect("a simulated device");
     let device_name = gpu.as_ref().map_or_else(|| sim.describe(), |gpu| gpu.describe());
-    for (name, widths, batch) in networks {
+    for (name, widths, batch) in workloads::PLANNED_NETWORKS {
         for (recorded_in, mode) in [("planned", WorkspaceMode::Planned)] {
             let trace = recorded_step(widths, batch, mode);
             for streams in [1, 2] {

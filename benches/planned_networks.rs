@@ -24,7 +24,6 @@ use carve::nn::Network;
 use carve::workspace_core::alloc_check::thread_counts;
 use carve::WorkspaceMode;
 use clap::Parser;
-use ndarray::{Array1, Array2};
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator::system();
@@ -68,10 +67,7 @@ fn network(widths: &[usize], mode: WorkspaceMode) -> Network {
 
 fn train(widths: &[usize], batch: usize, mode: WorkspaceMode, iterations: u32) -> Run {
     let net = network(widths, mode);
-    let inputs = widths[0];
-    let classes = *widths.last().expect("widths");
-    let x = Array2::from_shape_fn((batch, inputs), |(r, c)| ((r * 31 + c * 17) % 97) as f32 / 97.0);
-    let y = Array1::from_shape_fn(batch, |r| (r % classes) as u32);
+    let (x, y) = workloads::mlp_batch(widths, batch);
     let mut run = Run { losses: Vec::new(), times_ns: Vec::new(), allocs: Vec::new(), faults: Vec::new(), net };
     for _ in 0..iterations {
         let (faults0, heap0) = (faults::minor_faults(), thread_counts());
@@ -95,12 +91,8 @@ fn median(values: &[u64]) -> f64 {
 
 fn main() {
     let args = Args::parse();
-    let networks: [(&str, &[usize], usize); 2] = [
-        ("digits 64-128-64-10, batch 32", &[64, 128, 64, 10], 32),
-        ("784-1024-1024-10, batch 128", &[784, 1024, 1024, 10], 128),
-    ];
     let mut rows = Vec::new();
-    for (name, widths, batch) in networks {
+    for (name, widths, batch) in workloads::PLANNED_NETWORKS {
         // Interleaved per network, so that both modes see the same machine state.
         let enabled = train(widths, batch, WorkspaceMode::Enabled, args.iterations);
         let planned = train(widths, batch, WorkspaceMode::Planned, args.iterations);

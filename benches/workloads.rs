@@ -1,7 +1,7 @@
 //! The workloads the benches share, written once: the training step's arrays (an MLP
 //! 784-1024-1024-10 forward and backward pass at batch 128) and the small-array loop.
-//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs`, `gemm.rs`, `network.rs`, `plan.rs` and
-//! `planned_networks.rs` include it with `mod workloads;`, and the root package's
+//! `alloc.rs`, `alloc_compare.rs`, `cuda.rs`, `device_plan.rs`, `gemm.rs`, `network.rs`,
+//! `plan.rs` and `planned_networks.rs` include it with `mod workloads;`, and the root package's
 //! `examples/cuda_smoke.rs` with `#[path]`.
 
 // Each bench uses part of this module.
@@ -18,6 +18,22 @@ pub(crate) fn mlp(widths: &[usize]) -> carve::nn::NetworkConfigBuilder {
         }
     }
     builder
+}
+
+/// The networks the planned-workspace figures compare (`planned_networks.rs`,
+/// `device_plan.rs`): a name, the widths and the batch size.
+pub(crate) const PLANNED_NETWORKS: [(&str, &[usize], usize); 2] = [
+    ("digits 64-128-64-10, batch 32", &[64, 128, 64, 10], 32),
+    ("784-1024-1024-10, batch 128", &[784, 1024, 1024, 10], 128),
+];
+
+/// A fixed batch of `batch` rows for an MLP of `widths`: features in [0, 1) and a label
+/// per row.
+pub(crate) fn mlp_batch(widths: &[usize], batch: usize) -> (ndarray::Array2<f32>, ndarray::Array1<u32>) {
+    let classes = *widths.last().expect("widths");
+    let x = ndarray::Array2::from_shape_fn((batch, widths[0]), |(r, c)| ((r * 31 + c * 17) % 97) as f32 / 97.0);
+    let y = ndarray::Array1::from_shape_fn(batch, |r| (r % classes) as u32);
+    (x, y)
 }
 
 /// The training step's batch size.

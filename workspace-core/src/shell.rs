@@ -355,6 +355,19 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
         self.engine.depth()
     }
 
+    /// `placed` (a block's base and an offset), once [`CycleHooks::after_alloc`] has
+    /// ordered the `size` bytes there: what [`Open::alloc`] and [`OpenFrame::alloc`]
+    /// return.
+    #[inline(always)]
+    fn after_alloc(
+        &self,
+        placed: (<B::Block as crate::backend::Block>::Base, usize),
+        size: usize,
+    ) -> Result<(<B::Block as crate::backend::Block>::Base, usize), H::Error> {
+        self.hooks.after_alloc(placed.0.address() + placed.1 as u64, size)?;
+        Ok(placed)
+    }
+
     /// The engine, for this crate's layers above it (a plan group joins it). Not
     /// public: its `enter` would open a cycle without the hooks.
     pub(crate) fn engine_ref(&self) -> &Engine<B> {
@@ -467,9 +480,8 @@ impl<'s, B: ArenaBackend, H: CycleHooks> Open<'s, B, H> {
         size: usize,
         align: usize,
     ) -> Result<(<B::Block as crate::backend::Block>::Base, usize), H::Error> {
-        let (base, offset) = self.shell.engine.alloc(size, align)?;
-        self.shell.hooks.after_alloc(base.address() + offset as u64, size)?;
-        Ok((base, offset))
+        let placed = self.shell.engine.alloc(size, align)?;
+        self.shell.after_alloc(placed, size)
     }
 
     /// The shell this count belongs to.
@@ -546,12 +558,11 @@ impl<'f, B: ArenaBackend, H: CycleHooks> OpenFrame<'f, B, H> {
     ) -> Result<(<B::Block as crate::backend::Block>::Base, usize), H::Error> {
         let engine = &self.shell.engine;
         let level = self.mark.level();
-        let (base, offset) = match engine.try_alloc_frame(level, size, align) {
+        let placed = match engine.try_alloc_frame(level, size, align) {
             Some(placed) => placed,
             None => engine.alloc_slow_at(size, align, level)?,
         };
-        self.shell.hooks.after_alloc(base.address() + offset as u64, size)?;
-        Ok((base, offset))
+        self.shell.after_alloc(placed, size)
     }
 }
 

@@ -139,7 +139,13 @@ impl<D: Device> Ledger<D> {
         if !self.multi.load(Ordering::Acquire) {
             return Ok(());
         }
-        let range = (address, address.saturating_add(bytes as u64));
+        self.order_lane(lane, (address, address.saturating_add(bytes as u64)))
+    }
+
+    /// Makes lane `lane`'s stream wait for every other stream that released bytes of
+    /// `range` it has not waited for yet, and for the streams that could not be ordered
+    /// (on the host): the one ordering step of a reservation and of a free.
+    fn order_lane(&self, lane: usize, range: Range) -> Result<(), DeviceError> {
         let mut lanes = self.lock();
         let lanes = &mut *lanes;
         self.settle_unordered(lanes)?;
@@ -171,24 +177,26 @@ impl<D: Device> Ledger<D> {
         }
         let mut lanes = self.lock();
         let lanes = &mut *lanes;
-        match self.device.record(&lanes.streams[lane]) {
-            Ok(event) => {
-                lanes.latest[lane] = Some(event);
-                let row = &mut lanes.pending[lane];
-                for (to, pending) in row.iter_mut().enumerate() {
-                    if to != lane {
-                        *pending = union(*pending, range);
-                    }
-                }
-            }
-            Err(error) => {
-                if self.device.synchronize(&lanes.streams[lane]).is_err() {
-                    self.device.defer_error(error);
-                    let stream = lanes.streams[lane].clone();
-                    lanes.unordered.push(stream);
-                }
+        if let Err(error) = self.publish(lanes, lane, range) {
+            if self.device.synchronize(&lanes.streams[lane]).is_err() {
+                self.device.defer_error(error);
+                let stream = lanes.streams[lane].clone();
+                lanes.unordered.push(stream);
             }
         }
+    }
+
+    /// Records an event on lane `lane` and notes `range` for every other lane to wait
+    /// for: the one recording step of a release and of a new arena.
+    fn publish(&self, lanes: &mut Lanes<D>, lane: usize, range: Range) -> Result<(), DeviceError> {
+        let event = self.device.record(&lanes.streams[lane])?;
+        lanes.latest[lane] = Some(event);
+        for (to, pending) in lanes.pending[lane].iter_mut().enumerate() {
+            if to != lane {
+                *pending = union(*pending, range);
+            }
+        }
+        Ok(())
     }
 
     /// Keeps `stream` (which used arena bytes and could not be ordered) to be waited
@@ -221,14 +229,8 @@ impl<D: Device> Ledger<D> {
         if self.multi.load(Ordering::Acquire) {
             let mut lanes = self.lock();
             let lanes = &mut *lanes;
-            match self.device.record(&lanes.streams[0]) {
-                Ok(event) => {
-                    lanes.latest[0] = Some(event);
-                    for pending in lanes.pending[0].iter_mut().skip(1) {
-                        *pending = union(*pending, (start, end));
-                    }
-                }
-                Err(_) => self.device.synchronize(&lanes.streams[0])?,
+            if self.publish(lanes, 0, (start, end)).is_err() {
+                self.device.synchronize(&lanes.streams[0])?;
             }
         }
         self.arena_start.store(start, Ordering::Relaxed);
@@ -247,30 +249,13 @@ impl<D: Device> Ledger<D> {
         if !self.multi.load(Ordering::Acquire) {
             return true;
         }
-        let mut lanes = self.lock();
-        let lanes = &mut *lanes;
-        if let Err(error) = self.settle_unordered(lanes) {
-            self.device.defer_error(error);
-            return false;
-        }
-        for from in 1..lanes.streams.len() {
-            if !overlaps(lanes.pending[from][0], (start, end)) {
-                continue;
+        match self.order_lane(0, (start, end)) {
+            Ok(()) => true,
+            Err(error) => {
+                self.device.defer_error(error);
+                false
             }
-            let ordered = match &lanes.latest[from] {
-                Some(event) => self.device.wait(&lanes.streams[0], event),
-                None => Ok(()),
-            };
-            if ordered.is_err() {
-                if let Err(error) = self.device.synchronize(&lanes.streams[from]) {
-                    self.device.defer_error(error);
-                    return false;
-                }
-            }
-            lanes.pending[from][0] = EMPTY;
-            lanes.waits += 1;
         }
-        true
     }
 
     /// Waits issued so far to order a reuse of arena bytes after another stream.

@@ -473,16 +473,6 @@ impl<D: Device> StreamOrder<D> {
         link.ledger.order_use(link.lane, address, bytes)
     }
 
-    #[cold]
-    #[inline(never)]
-    fn reservation_error(&self, error: DeviceError) -> Error {
-        Error::Device {
-            workspace: self.name.clone(),
-            action: "ordering a reuse of the plan group's memory after another stream",
-            source: error,
-        }
-    }
-
     /// Tells the group that the bytes of its arena this cycle was handed may be reused by
     /// its other streams after the work issued so far (every other stream that used
     /// them is ordered before the workspace's stream by now, except `unordered` ones,
@@ -567,10 +557,9 @@ impl<D: Device> CycleHooks for StreamOrder<D> {
     /// here, raw ones included.
     #[inline(always)]
     fn after_alloc(&self, address: u64, bytes: usize) -> Result<()> {
-        match self.order_reservation(address, bytes) {
-            Ok(()) => Ok(()),
-            Err(error) => Err(self.reservation_error(error)),
-        }
+        self.order_reservation(address, bytes).map_err(|error| {
+            device_error(&self.name, "ordering a reuse of the plan group's memory after another stream", error)
+        })
     }
 
     /// Orders every other stream with an unordered use of the memory before the

@@ -16,6 +16,8 @@
 //! - `limits`: alignments and shapes at their limits, on both devices (`limits::sim`,
 //!   `limits::cuda`).
 //! - `probe`: the probe on this machine.
+//! - `random`: the seeded generator and the case count of the random-program tests,
+//!   shared with workspace-core's (`workspace-core/tests/common/random.rs`).
 //! - `misbehaving`: the misbehaving batch sources shared with async-iter's tests
 //!   (`async-iter/tests/common/misbehaving.rs`).
 //! - `prefetch`: the device prefetcher, on both devices (`prefetch::sim`, `prefetch::cuda`)
@@ -33,6 +35,8 @@ mod policies;
 mod policy_suite;
 mod prefetch;
 mod probe;
+#[path = "../../../workspace-core/tests/common/random.rs"]
+mod random;
 
 use std::io::Write;
 use std::sync::Once;

@@ -12,9 +12,11 @@ use ndarray::Array1;
 use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use workspace_cuda::{
     Device, DeviceArray, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceViewMut, DeviceWorkspace, Error, SimDevice,
+    SimHold, SimStream,
 };
 
 use crate::ordering::forget;
+use crate::random::{self, Rng};
 
 fn config() -> WorkspaceConfig {
     WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build().unwrap()
@@ -105,6 +107,18 @@ fn an_arena_the_device_cannot_give_is_a_typed_error_and_the_group_stays_usable()
     assert_eq!(group.stats().planned_iterations, 2);
 }
 
+/// The end of a held-read test: lets everything run that can (a wait keeps what comes
+/// after the held stream's work blocked), releases `hold`, waits for `streams` and turns
+/// the stream waits back on.
+fn release_and_drain(sim: &SimDevice, hold: Option<SimHold>, streams: [&SimStream; 2]) {
+    sim.quiesce();
+    drop(hold);
+    for stream in streams {
+        sim.synchronize(stream).unwrap();
+    }
+    sim.ignore_stream_waits(false);
+}
+
 /// What is delayed on the first member's stream while a later member on another stream
 /// takes the same bytes.
 #[derive(Clone, Copy, Debug)]
@@ -161,13 +175,9 @@ fn slot_reuse_sees(framed: bool, delay: Delay, ignore_waits: bool) -> (f32, Devi
         group.finish_iteration().unwrap();
     }
     assert_eq!(seen_slot[2], seen_slot[3], "the replay gives B the bytes A's slot had");
-    sim.quiesce(); // with the wait, B's write is blocked behind the delayed read
-    drop(hold);
-    sim.synchronize(&s1).unwrap();
-    sim.synchronize(&s2).unwrap();
-    let seen = out.to_host().unwrap()[0];
-    sim.ignore_stream_waits(false);
-    (seen, group)
+    // With the wait, B's write is blocked behind the delayed read.
+    release_and_drain(&sim, hold, [&s1, &s2]);
+    (out.to_host().unwrap()[0], group)
 }
 
 #[test]
@@ -218,11 +228,7 @@ fn arena_free_after_a_held_read(ignore_waits: bool) -> (f32, Vec<String>) {
     }
     group.trim().unwrap(); // frees the arena on the group's stream
     assert_eq!(group.capacity(), 0);
-    sim.quiesce();
-    drop(hold);
-    sim.synchronize(&s1).unwrap();
-    sim.synchronize(&home).unwrap();
-    sim.ignore_stream_waits(false);
+    release_and_drain(&sim, hold, [&s1, &home]);
     (out.to_host().unwrap().sum(), sim.faults())
 }
 
@@ -244,26 +250,10 @@ fn without_the_wait_the_arena_is_freed_under_the_read() {
 // ---------------------------------------------------------------------------------------
 // Random programs
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
-/// Programs per run: 1,000, or `PROPTEST_CASES` / 10 (scaled down under valgrind).
+/// Programs per run: a tenth of the host's (`random::cases`): 1,000, or `PROPTEST_CASES`
+/// / 10 (scaled down under valgrind).
 fn cases() -> u64 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse::<u64>().ok()).map_or(1000, |n| (n / 10).max(4))
+    (random::cases() / 10).max(4)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -658,11 +648,7 @@ fn forgotten_read_of_a_frame_sees(ignore_waits: bool) -> f32 {
         group.finish_iteration().unwrap();
     }
     assert_eq!(slots[2], slots[3], "the replay gives B the frame's bytes");
-    sim.quiesce();
-    drop(hold);
-    sim.synchronize(&reader).unwrap();
-    sim.synchronize(&home).unwrap();
-    sim.ignore_stream_waits(false);
+    release_and_drain(&sim, hold, [&reader, &home]);
     out.to_host().unwrap()[0]
 }
 
@@ -764,11 +750,7 @@ fn late_member_sees(ignore_waits: bool) -> f32 {
         let _ = y;
     }
     group.finish_iteration().unwrap();
-    sim.quiesce();
-    drop(hold);
-    sim.synchronize(&home).unwrap();
-    sim.synchronize(&s2).unwrap();
-    sim.ignore_stream_waits(false);
+    release_and_drain(&sim, hold, [&home, &s2]);
     out.to_host().unwrap()[0]
 }
 
@@ -815,11 +797,7 @@ fn raw_reuse_sees(ignore_waits: bool) -> f32 {
         group.finish_iteration().unwrap();
     }
     assert_eq!(slots[2], slots[3], "the replay gives B's raw bytes the slot A read");
-    sim.quiesce();
-    drop(hold);
-    sim.synchronize(&s1).unwrap();
-    sim.synchronize(&s2).unwrap();
-    sim.ignore_stream_waits(false);
+    release_and_drain(&sim, hold, [&s1, &s2]);
     out.to_host().unwrap()[0]
 }
 
