@@ -6,6 +6,7 @@ use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
 use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param};
+use super::limits::try_filled;
 use super::parallel::{DenseShape, ParallelLayer};
 use super::Rng;
 
@@ -78,16 +79,10 @@ impl Dense {
                 ),
             });
         };
-        let zeros = |len: usize| -> Result<Vec<f32>> {
-            let mut values = Vec::new();
-            values.try_reserve_exact(len).map_err(|e| Error::InvalidConfig {
-                reason: format!(
-                    "dense layer '{name}' of {inputs} × {outputs} weights cannot be allocated ({e}); \
-                     check the layer widths"
-                ),
-            })?;
-            values.resize(len, 0.0);
-            Ok(values)
+        let zeros = |len: usize| {
+            try_filled(len, 0.0, || {
+                format!("dense layer '{name}' of {inputs} × {outputs} weights (check the layer widths)")
+            })
         };
         let matrix = |values| Array2::from_shape_vec((inputs, outputs), values).expect("inputs × outputs values");
         Ok(Dense {

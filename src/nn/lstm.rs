@@ -10,6 +10,7 @@ use super::gemm::{scratch_len, sgemm};
 use super::layer::{
     check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param,
 };
+use super::limits::try_filled;
 use super::parallel::{LstmShape, ParallelLayer};
 use super::Rng;
 
@@ -121,9 +122,8 @@ impl Lstm {
             return Err(invalid("its weights overflow the address space"));
         }
         let zeros = |rows: usize| -> Result<Array2<f32>> {
-            let mut values = Vec::new();
-            values.try_reserve_exact(rows * columns).map_err(|_| invalid("its weights cannot be allocated"))?;
-            values.resize(rows * columns, 0.0);
+            let what = || format!("LSTM layer '{name}' of {inputs} inputs and {hidden} units: its weights");
+            let values = try_filled(rows * columns, 0.0, what)?;
             Ok(Array2::from_shape_vec((rows, columns), values).expect("rows × columns values"))
         };
         Ok(Lstm {
@@ -579,7 +579,12 @@ impl Lstm {
         let width = CACHED * self.hidden;
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
         let cache = if ctx.mgr.is_scoped_out(ArrayType::Activations) {
-            let mut cache = Array3::zeros((steps, batch, width));
+            // Workspaces off: the cache is a heap array, reserved fallibly like the
+            // workspaces' own heap allocations.
+            let len = steps.saturating_mul(batch).saturating_mul(width);
+            let what = || format!("LSTM layer '{}': the forward cache of {steps} steps × {batch} rows", self.name);
+            let mut cache = Array3::from_shape_vec((steps, batch, width), try_filled(len, 0.0, what)?)
+                .expect("steps × batch × width values");
             self.run_forward(p, input, mask, cache.view_mut(), false, &mut out, ctx)?;
             Cache::Heap(cache)
         } else {

@@ -39,6 +39,7 @@ mod finite;
 #[allow(unsafe_code)]
 pub mod gemm;
 mod layer;
+mod limits;
 mod loss;
 mod lstm;
 mod network;
@@ -54,6 +55,7 @@ mod updater;
 
 pub use dense::Dense;
 pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, Layer, Param};
+pub use limits::MAX_THREADS;
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{

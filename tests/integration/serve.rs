@@ -548,3 +548,47 @@ fn warm_up_from_a_thread_that_holds_a_lease_is_an_error_not_a_hang() {
     });
     drop(pool.try_lease().unwrap());
 }
+
+/// Issue: `PoolConfig::batched(1, 1 << 36, ..)` was accepted, and the batch worker then
+/// asked the allocator for 4 TiB in its own thread, which ended the process. Whatever a
+/// pool needs is reserved before `new` returns, and a size the machine cannot give is
+/// refused there, named.
+#[test]
+fn pool_sizes_the_machine_cannot_give_are_refused_by_new_not_aborts_in_a_worker() {
+    let model = Arc::new(mlp(WorkspaceMode::Enabled, 1).freeze().unwrap());
+    let start = std::time::Instant::now();
+    for (max_batch, bytes) in [(1usize << 36, "4398046511104 bytes"), (usize::MAX, "more than usize::MAX bytes")] {
+        let refused = InferencePool::new(model.clone(), PoolConfig::batched(1, max_batch, Duration::ZERO));
+        let Err(Error::InvalidConfig { reason }) = refused else { panic!("max_batch {max_batch}: {refused:?}") };
+        assert!(reason.contains(&format!("max_batch {max_batch}")) && reason.contains(bytes), "{reason}");
+    }
+    // Counts of arenas (and worker threads) are bounded before anything is made.
+    for workers in [carve::nn::MAX_THREADS + 1, usize::MAX] {
+        for config in [PoolConfig::direct(workers), PoolConfig::batched(workers, 4, Duration::ZERO)] {
+            let refused = InferencePool::new(model.clone(), config);
+            let Err(Error::InvalidConfig { reason }) = refused else { panic!("{workers} workers: {refused:?}") };
+            assert!(reason.contains(&workers.to_string()) && reason.contains("MAX_THREADS"), "{reason}");
+        }
+    }
+    assert!(start.elapsed() < Duration::from_secs(5), "refusing took {:?}", start.elapsed());
+    // A large batch the machine can hold is served, and warms up.
+    let pool = InferencePool::new(model.clone(), PoolConfig::batched(2, 1 << 12, Duration::ZERO)).unwrap();
+    let x = random(3, 16, &mut Rng::new(5));
+    assert_eq!(pool.output(x.view()).unwrap(), model.output(x.view()).unwrap());
+}
+
+#[test]
+fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
+    use carve::nn::{DataParallel, ParallelConfig};
+    let mut net = mlp(WorkspaceMode::Enabled, 2);
+    for threads in [0, carve::nn::MAX_THREADS + 1, usize::MAX] {
+        let refused = net.set_threads(threads).unwrap_err();
+        assert!(matches!(refused, Error::InvalidConfig { .. }), "{threads}: {refused}");
+    }
+    for workers in [0, carve::nn::MAX_THREADS + 1, usize::MAX] {
+        for config in [ParallelConfig::threads(workers), ParallelConfig::sequential(workers)] {
+            let refused = DataParallel::new(mlp(WorkspaceMode::Enabled, 2), config).map(drop).unwrap_err();
+            assert!(matches!(&refused, Error::InvalidConfig { reason } if reason.contains("workers")), "{refused}");
+        }
+    }
+}

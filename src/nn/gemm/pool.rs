@@ -211,6 +211,11 @@ fn helper(shared: &Shared, p: usize) {
                     let need = job.scratch_len(p);
                     if scratch.len() < need {
                         // The largest product so far: its buffers stay for the next ones.
+                        // Reserved fallibly: a size the machine cannot give fails the
+                        // product (the panic is caught below), never the process.
+                        if let Err(e) = scratch.try_reserve_exact(need - scratch.len()) {
+                            panic!("a matrix multiply's packing buffer of {need} values cannot be allocated: {e}");
+                        }
                         scratch.resize(need, MaybeUninit::uninit());
                     }
                     // SAFETY: the caller keeps the job's matrices borrowed until the done

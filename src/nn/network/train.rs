@@ -14,6 +14,7 @@ use crate::{Error, Result};
 use super::super::finite;
 use super::super::gemm;
 use super::super::layer::{Activations, BackwardCtx, Layer};
+use super::super::limits::check_threads;
 use super::super::profile::{self, Part, StepBreakdown};
 use super::batch::shape_key;
 use super::{forward, label, Input, Labels, Network};
@@ -115,11 +116,12 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 threads, or a thread that cannot start.
+    /// [`Error::InvalidConfig`] for 0 threads or more than [`MAX_THREADS`](crate::nn::MAX_THREADS), or a
+    /// thread that cannot start.
     pub fn set_threads(&mut self, threads: usize) -> Result<()> {
         self.pool = None;
+        check_threads("a network's training threads", threads)?;
         match threads {
-            0 => Err(Error::InvalidConfig { reason: "a network trains on at least 1 thread".into() }),
             1 => Ok(()),
             n => {
                 self.pool = Some(gemm::pool::Pool::new(n)?);

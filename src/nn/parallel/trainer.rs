@@ -15,6 +15,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
+use super::super::limits::check_threads;
 use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network};
 use super::super::serve::Model;
 use super::super::updater::{Updater, UpdaterState};
@@ -195,14 +196,12 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers, or a layer that cannot train
-    /// data-parallel ([`Layer::data_parallel`](crate::nn::Layer::data_parallel) gives
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS),
+    /// or a layer that cannot train data-parallel ([`Layer::data_parallel`](crate::nn::Layer::data_parallel) gives
     /// `None`, or another number of parameters than [`Layer::params`](crate::nn::Layer::params));
     /// workspace errors of a worker's planned arena; an error starting a thread.
     pub fn new(network: Network, config: ParallelConfig) -> Result<DataParallel> {
-        if config.workers == 0 {
-            return Err(Error::InvalidConfig { reason: "a data-parallel trainer needs at least one worker".into() });
-        }
+        check_threads("a data-parallel trainer's workers", config.workers)?;
         if config.reducer == ReducerKind::Process {
             return Err(Error::InvalidConfig {
                 reason: "a trainer of one worker per process is made by DataParallel::with_reducer, with the \

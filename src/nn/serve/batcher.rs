@@ -33,6 +33,7 @@ use super::pool::{PoolConfig, Shared};
 use async_iter::panics::{drop_quietly, panic_message};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use crate::nn::limits::try_with_capacity;
 use crate::nn::network::Input;
 use crate::{Error, Result};
 
@@ -186,17 +187,29 @@ impl Batcher {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts the worker threads, one per arena.
-    pub(crate) fn start(shared: &Arc<Shared>) -> Result<Vec<JoinHandle<()>>> {
-        (0..shared.arenas.len())
-            .map(|i| {
-                let shared = Arc::clone(shared);
-                std::thread::Builder::new()
-                    .name(format!("carve-batcher-{i}"))
-                    .spawn(move || work(&shared))
-                    .map_err(|e| Error::InvalidConfig { reason: format!("cannot start a batch worker thread: {e}") })
-            })
-            .collect()
+    /// Starts a worker thread per buffer (one per arena; none for a direct pool). If a
+    /// thread cannot start, those started are stopped and joined before the error
+    /// returns.
+    pub(crate) fn start(shared: &Arc<Shared>, buffers: Vec<BatchBuffers>) -> Result<Vec<JoinHandle<()>>> {
+        let mut threads = Vec::with_capacity(buffers.len());
+        for (i, buffers) in buffers.into_iter().enumerate() {
+            let worker = Arc::clone(shared);
+            let spawned =
+                std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || work(&worker, buffers));
+            match spawned {
+                Ok(thread) => threads.push(thread),
+                Err(e) => {
+                    if let Some(batcher) = &shared.batcher {
+                        batcher.close();
+                    }
+                    for thread in threads {
+                        let _ = thread.join();
+                    }
+                    return Err(Error::InvalidConfig { reason: format!("cannot start a batch worker thread: {e}") });
+                }
+            }
+        }
+        Ok(threads)
     }
 
     pub(crate) fn counts(&self) -> (u64, u64) {
@@ -302,13 +315,34 @@ struct Part {
     at: usize,
 }
 
+/// What a worker thread keeps from batch to batch: room for one batch's input rows and
+/// its parts. Made by [`InferencePool::new`](super::InferencePool::new) on the caller's
+/// thread, so that a batch size the machine cannot hold is refused there.
+pub(crate) struct BatchBuffers {
+    input: Vec<f32>,
+    parts: Vec<Part>,
+}
+
+impl BatchBuffers {
+    /// Room for `config.max_batch` rows of `inputs` values, reserved fallibly.
+    pub(crate) fn new(config: &PoolConfig, inputs: usize) -> Result<BatchBuffers> {
+        let rows = config.max_batch;
+        let what = |kind: &'static str| {
+            move || format!("a batch worker's {kind} for max_batch {rows} rows of {inputs} inputs; lower max_batch")
+        };
+        Ok(BatchBuffers {
+            input: try_with_capacity(rows.saturating_mul(inputs), what("input rows"))?,
+            parts: try_with_capacity(rows, what("request parts"))?,
+        })
+    }
+}
+
 /// A worker thread: takes batches until the pool closes, then fails what is left.
-fn work(shared: &Shared) {
+fn work(shared: &Shared, buffers: BatchBuffers) {
     let batcher = shared.batcher.as_ref().expect("a batched pool");
     let (max_batch, max_wait) = (shared.config.max_batch, shared.config.max_wait);
     let inputs = shared.model.inputs();
-    let mut input = Vec::<f32>::with_capacity(max_batch * inputs);
-    let mut parts = Vec::<Part>::with_capacity(max_batch);
+    let BatchBuffers { mut input, mut parts } = buffers;
     loop {
         let mut queue = batcher.queue();
         // Wait for a request, then for the batch to fill or the oldest to have waited

@@ -9,8 +9,9 @@ use std::time::Duration;
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
 use super::arenas::{ArenaGuard, Arenas, Wait};
-use super::batcher::Batcher;
+use super::batcher::{BatchBuffers, Batcher};
 use super::model::{Model, SERVING_PLANS};
+use crate::nn::limits::{check_threads, try_filled};
 use crate::nn::network::Input;
 use crate::{Error, Result};
 
@@ -191,30 +192,26 @@ impl InferencePool {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers, or, batched, a `max_batch` of 0.
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS);
+    /// batched: a `max_batch` of 0, or batch buffers (K × `max_batch` rows of the
+    /// model's inputs) that the machine cannot allocate, naming their size.
     pub fn new(model: Arc<Model>, config: PoolConfig) -> Result<InferencePool> {
-        let arenas = Arenas::new(config.workers, SERVING_PLANS.max(config.max_batch.saturating_add(1)))?;
         let batched = config.mode == PoolMode::Batched;
+        check_threads("an inference pool's workers (arenas)", config.workers)?;
         if batched && config.max_batch == 0 {
             return Err(Error::InvalidConfig { reason: "a batched pool needs max_batch of at least 1 row".into() });
         }
-        // A batch worker keeps one batch's input: it must be allocatable.
-        let batch_bytes = config.max_batch.checked_mul(model.inputs()).and_then(|n| n.checked_mul(size_of::<f32>()));
-        if batched && batch_bytes.is_none_or(|b| b > isize::MAX as usize) {
-            return Err(Error::InvalidConfig {
-                reason: format!(
-                    "a batch of {} rows of {} inputs overflows the address space; lower max_batch",
-                    config.max_batch,
-                    model.inputs()
-                ),
-            });
-        }
-        let batcher = batched.then(|| Batcher::new(&config));
-        let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
-        let threads = match batched {
-            true => Batcher::start(&shared)?,
+        // Everything a batch worker needs is reserved here, on the caller's thread: a
+        // size the machine cannot give is an error now, not an abort in a worker.
+        let buffers = match batched {
+            true => (0..config.workers).map(|_| BatchBuffers::new(&config, model.inputs())).collect::<Result<_>>()?,
             false => Vec::new(),
         };
+        let plans = SERVING_PLANS.max(if batched { config.max_batch.saturating_add(1) } else { 0 });
+        let arenas = Arenas::new(config.workers, plans)?;
+        let batcher = batched.then(|| Batcher::new(&config));
+        let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
+        let threads = Batcher::start(&shared, buffers)?;
         Ok(InferencePool { shared, threads })
     }
 
@@ -382,7 +379,13 @@ impl InferencePool {
             (None, _) => None,
             (Some(_), Input::Flat(rows)) => {
                 let most = self.shared.config.max_batch;
-                Some(Array2::from_shape_fn((most, rows.ncols()), |(r, c)| rows[[r % rows.nrows(), c]]))
+                let what = || format!("a warm-up batch of {most} rows of {} inputs", rows.ncols());
+                let values = try_filled(most.saturating_mul(rows.ncols()), 0.0, what)?;
+                let mut batch = Array2::from_shape_vec((most, rows.ncols()), values).expect("rows × inputs values");
+                for (r, mut row) in batch.rows_mut().into_iter().enumerate() {
+                    row.assign(&rows.row(r % rows.nrows()));
+                }
+                Some(batch)
             }
             // What a batched pool says of a sequence.
             (Some(_), sequences) => return self.output(sequences).map(drop),

@@ -1,0 +1,88 @@
+//! Bounds on what a caller may ask `carve::nn` to make, checked before anything is
+//! allocated or started.
+//!
+//! A size that comes from a caller (a thread count, a batch size, a layer width, a
+//! tensor's shape in a file) never reaches an infallible allocation: the global
+//! allocator's answer to a size it cannot give is to end the process, in whatever thread
+//! asked. Every such buffer is reserved here, fallibly, on the caller's thread, and a
+//! size the machine cannot give is [`Error::InvalidConfig`] (or the caller's own error)
+//! naming the size.
+
+use crate::{Error, Result};
+
+/// The most threads (or inference arenas, or data-parallel workers in a process) that
+/// one pool, trainer or network may ask for.
+///
+/// A count is memory and a thread each; beyond the cores a machine has, more only
+/// queue. This bound keeps a mistaken count (`usize::MAX`, a negative number cast)
+/// an error in microseconds instead of a machine brought down thread by thread.
+///
+/// ```
+/// use std::sync::Arc;
+/// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig, MAX_THREADS};
+///
+/// let model = Arc::new(Network::new(NetworkConfig::builder(4).dense(3).build()?)?.freeze()?);
+/// let refused = InferencePool::new(model, PoolConfig::direct(MAX_THREADS + 1));
+/// assert!(matches!(refused, Err(carve::Error::InvalidConfig { .. })));
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub const MAX_THREADS: usize = 4096;
+
+/// Refuses a count of threads, arenas or workers above [`MAX_THREADS`] (and zero),
+/// naming `what` asked for them.
+pub(crate) fn check_threads(what: &str, count: usize) -> Result<()> {
+    if count == 0 {
+        return Err(Error::InvalidConfig { reason: format!("{what}: 0 asked for; at least 1 is needed") });
+    }
+    if count > MAX_THREADS {
+        return Err(Error::InvalidConfig {
+            reason: format!(
+                "{what}: {count} asked for, more than the {MAX_THREADS} that carve starts at most \
+                 (carve::nn::MAX_THREADS); the machine's cores are a good choice"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `len` elements of `value`, allocated fallibly: a length the machine cannot give
+/// (or whose bytes overflow) is [`Error::InvalidConfig`] saying `what` needed them.
+pub(crate) fn try_filled<T: Clone>(len: usize, value: T, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+    let mut values = try_with_capacity(len, what)?;
+    values.resize(len, value);
+    Ok(values)
+}
+
+/// An empty vector with room for `len` elements, allocated fallibly (see
+/// [`try_filled`]).
+pub(crate) fn try_with_capacity<T>(len: usize, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+    let mut values = Vec::new();
+    if let Err(e) = values.try_reserve_exact(len) {
+        let bytes = len.checked_mul(size_of::<T>()).map_or_else(|| "more than usize::MAX".into(), |b| b.to_string());
+        return Err(Error::InvalidConfig { reason: format!("{} ({bytes} bytes) cannot be allocated: {e}", what()) });
+    }
+    Ok(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_above_the_bound_and_zero_are_refused_with_the_count() {
+        assert!(check_threads("a pool", 1).is_ok());
+        assert!(check_threads("a pool", MAX_THREADS).is_ok());
+        let e = check_threads("a pool's workers", MAX_THREADS + 1).unwrap_err().to_string();
+        assert!(e.contains("4097 asked for") && e.contains("a pool's workers"), "{e}");
+        assert!(check_threads("a pool", 0).is_err());
+    }
+
+    #[test]
+    fn sizes_the_machine_cannot_give_are_errors_not_aborts() {
+        let e = try_filled(1usize << 60, 0.0f32, || "a huge buffer".into()).unwrap_err().to_string();
+        assert!(e.contains("a huge buffer") && e.contains("4611686018427387904 bytes"), "{e}");
+        let e = try_with_capacity::<u64>(usize::MAX, || "an overflowing buffer".into()).unwrap_err().to_string();
+        assert!(e.contains("more than usize::MAX"), "{e}");
+        assert_eq!(try_filled(3, 1.5f32, String::new).unwrap(), vec![1.5; 3]);
+    }
+}
