@@ -598,3 +598,104 @@ fn pytorch_names_prefer_the_exact_tensor_and_no_two_layers_share_one() {
     assert_eq!(tensor.as_deref(), Some("fc"));
     assert!(reason.contains("another layer took"), "{reason}");
 }
+
+/// A sparse file of `size` bytes: `header` (with its length) at the front, zeros after.
+fn sparse_file(dir: &Scratch, name: &str, declared: u64, header: &str, size: u64) -> PathBuf {
+    use std::io::Write;
+    let path = dir.path(name);
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(&declared.to_le_bytes()).unwrap();
+    file.write_all(header.as_bytes()).unwrap();
+    file.set_len(size).unwrap();
+    path
+}
+
+/// Issue: `Model::load` read a file whole before checking it (a 1 GiB file took 3.3 s
+/// and 1 GiB of memory to refuse; one as large as the machine's memory got the process
+/// killed). The header is read first and checked against the file's length, and the
+/// whole configuration against the header, before any tensor's data: refusing a lying
+/// or mismatched file costs O(header) whatever its size. Sparse files of 1 GiB and
+/// 64 GiB, so that nothing of their size is ever written.
+#[test]
+fn refusing_a_huge_or_lying_file_reads_only_its_header() {
+    let dir = Scratch::new();
+    let dense = |inputs: u64, outputs: u64| {
+        format!(
+            r#"{{\"version\":1,\"inputs\":{inputs},\"layers\":[{{\"kind\":\"dense\",\"name\":\"fc\",\"tensors\":\"fc\",\"inputs\":{inputs},\"outputs\":{outputs}}}]}}"#
+        )
+    };
+    for size in [1u64 << 30, 64 << 30] {
+        let gib = size >> 30;
+        // The tensors' place in a file of `size` bytes after a header of `header` bytes.
+        let weight = |header: usize, outputs: u64, inputs: u64| {
+            let data = size - 8 - header as u64;
+            let bytes = outputs * inputs * 4;
+            format!(
+                r#"{{"__metadata__":{{"carve.model":"{}"}},"fc.weight":{{"dtype":"F32","shape":[{outputs},{inputs}],"data_offsets":[0,{bytes}]}},"fc.bias":{{"dtype":"F32","shape":[{outputs}],"data_offsets":[{bytes},{data}]}}}}"#,
+                dense(inputs, outputs)
+            )
+        };
+        // A header padded with spaces to `pad` bytes, so that the data's length is known
+        // before the header is written, and holds `outputs` × (4 inputs + 1 bias) values
+        // exactly.
+        let pad = 4096 + ((size - 8 - 4096) % 20) as usize;
+        let padded = |header: String| format!("{header:<pad$}");
+        let outputs = (size - 8 - pad as u64) / 4 / 5;
+        let exact = weight(pad, outputs, 4);
+        let cases: Vec<(&str, u64, String, &str)> = vec![
+            ("a header length beyond the file", size, exact.clone(), "the header claims"),
+            ("a header length over the limit", size / 2, exact.clone(), "over the limit"),
+            ("a header length that cuts the JSON", 100, exact.clone(), "not valid JSON"),
+            ("a tensor whose offsets disagree with its shape", 4096, weight(pad, outputs - 1, 4), "'fc.bias'"),
+            (
+                "a configuration whose layer does not fit its tensors",
+                4096,
+                exact.replace(&format!(r#"\"outputs\":{outputs}"#), r#"\"outputs\":3"#),
+                "has shape",
+            ),
+            (
+                "a tensor missing, and one no layer uses in its place",
+                4096,
+                exact.replace(r#""fc.bias""#, r#""fc.extra""#),
+                "'fc.bias': not in the file",
+            ),
+        ];
+        for (what, declared, header, expected) in cases {
+            let declared = if declared == 4096 { pad as u64 } else { declared };
+            let path = sparse_file(&dir, "huge.safetensors", declared, &padded(header), size);
+            let start = std::time::Instant::now();
+            let refused = Model::load(&path).map(drop).unwrap_err();
+            let took = start.elapsed();
+            assert!(matches!(refused, Error::ModelFile { .. }), "{gib} GiB, {what}: {refused}");
+            assert!(refused.to_string().contains(expected), "{gib} GiB, {what}: {refused}");
+            // Reading the file would take seconds per GiB; the header, microseconds.
+            assert!(took < std::time::Duration::from_secs(2), "{gib} GiB, {what}: refused in {took:?}");
+            println!("{gib} GiB, {what}: refused in {took:?}");
+        }
+    }
+}
+
+/// A file cut short after its header was checked (another process truncating it while
+/// it loads) is an I/O error naming the tensor, never a fault: tensors are read with
+/// positioned reads, not through a mapping.
+#[test]
+fn a_file_cut_short_under_the_reader_is_an_error() {
+    let dir = Scratch::new();
+    let net = trained_mlp();
+    let path = dir.path("cut.safetensors");
+    net.save(&path).unwrap();
+    let full = std::fs::metadata(&path).unwrap().len();
+    // A FIFO is refused without blocking for a writer.
+    let fifo = dir.path("fifo.safetensors");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|s| s.success()) {
+        let refused = Model::load(&fifo).map(drop).unwrap_err();
+        assert!(refused.to_string().contains("not a regular file"), "{refused}");
+    }
+    // Simulated: the header's lengths hold for the file as opened, then the data goes.
+    // (Cut before opening, the length check refuses it; this is the reader's own check.)
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(full - 4).unwrap();
+    let refused = Model::load(&path).map(drop).unwrap_err();
+    assert!(matches!(refused, Error::ModelFile { .. }), "{refused}");
+}

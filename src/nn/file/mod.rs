@@ -14,7 +14,9 @@
 //! Loading checks everything: a truncated file, a header that lies about its lengths,
 //! a tensor of the wrong shape or type, a missing tensor or one no layer uses, a
 //! non-finite weight — each a typed [`Error::ModelFile`] naming the tensor, never a
-//! panic or a read out of bounds.
+//! panic or a read out of bounds. The header is read and checked against the file's
+//! length, and the whole configuration against the header, before any tensor's data is
+//! read: refusing a lying or mismatched file costs O(header), however large the file.
 
 mod safetensors;
 
@@ -199,7 +201,7 @@ impl Model {
     /// are missing, of the wrong shape or type, unused, or not finite — naming the
     /// tensor; [`Error::InvalidConfig`] when the layers do not chain.
     pub fn load(path: impl AsRef<Path>) -> Result<Model> {
-        let file = Tensors::read(path.as_ref())?;
+        let file = Tensors::open(path.as_ref())?;
         let config = file.metadata().get(CONFIG_KEY).ok_or_else(|| {
             file_error(
                 file.path(),
@@ -232,12 +234,16 @@ impl Model {
                 ))
             }
         }
+        // Every layer's tensors are found and checked against the header before any
+        // tensor's data is read: a file that does not fit its configuration costs
+        // O(header) to refuse.
         let mut used = BTreeSet::new();
-        let layers = layers
+        let found = layers
             .into_iter()
-            .map(|saved| load_layer(&file, &saved.name, &saved.prefix, &saved.kind, Biases::Required, &mut used))
+            .map(|saved| Found::find(&file, saved.name, &saved.prefix, saved.kind, Biases::Required, &mut used))
             .collect::<Result<Vec<_>>>()?;
         check_all_used(&file, &used)?;
+        let layers = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
         Model::from_layers(inputs, layers)
     }
 
@@ -258,10 +264,10 @@ impl Model {
     /// found, or found under more than one name; [`Error::InvalidConfig`] for a layer
     /// of `config` that is not built in.
     pub fn load_pytorch(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
-        let file = Tensors::read(path.as_ref())?;
+        let file = Tensors::open(path.as_ref())?;
         let mut used = BTreeSet::new();
         let mut prefixes = BTreeSet::new();
-        let mut layers = Vec::new();
+        let mut found = Vec::new();
         for (index, layer) in config.layers().iter().enumerate() {
             let name = layer.name();
             let kind = layer.frozen().as_deref().and_then(Kind::of).ok_or_else(|| Error::InvalidConfig {
@@ -281,9 +287,10 @@ impl Model {
                     format!("layer {index} ('{name}') finds the tensors another layer took: name the layers as the file does"),
                 ));
             }
-            layers.push(load_layer(&file, name, &prefix, &kind, Biases::Optional, &mut used)?);
+            found.push(Found::find(&file, name.to_string(), &prefix, kind, Biases::Optional, &mut used)?);
         }
         check_all_used(&file, &used)?;
+        let layers = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
         Model::from_layers(config.inputs(), layers)
     }
 }
@@ -334,75 +341,118 @@ enum Biases {
     Optional,
 }
 
-/// The layer `name` of `kind`, its parameters read from `file` under `prefix`; the
-/// tensors it reads are added to `used`.
-fn load_layer(
-    file: &Tensors,
-    name: &str,
-    prefix: &str,
-    kind: &Kind,
-    biases: Biases,
-    used: &mut BTreeSet<String>,
-) -> Result<Box<dyn FrozenLayer>> {
-    let mut read = |suffix: &str, shape: &[usize], bias: bool| -> Result<Option<Vec<f32>>> {
-        let key = format!("{prefix}.{suffix}");
-        if bias && biases == Biases::Optional && !file.contains(&key) {
-            return Ok(None);
+/// A layer whose tensors were found in a file and checked against its header (shapes
+/// and presence), not yet read.
+struct Found {
+    name: String,
+    kind: Kind,
+    /// The tensor of each of the kind's [`Kind::tensors`] (`None`: an optional bias
+    /// the file does not have).
+    tensors: Vec<Option<String>>,
+}
+
+impl Kind {
+    /// The tensors of a layer of this kind: their names' suffixes, shapes (PyTorch's
+    /// layouts), and whether each is a bias.
+    fn tensors(&self) -> Vec<(&'static str, Vec<usize>, bool)> {
+        match *self {
+            Kind::Dense { inputs, outputs } => {
+                vec![("weight", vec![outputs, inputs], false), ("bias", vec![outputs], true)]
+            }
+            Kind::Lstm { inputs, hidden: h } => vec![
+                ("weight_ih_l0", vec![4 * h, inputs], false),
+                ("weight_hh_l0", vec![4 * h, h], false),
+                ("bias_ih_l0", vec![4 * h], true),
+                ("bias_hh_l0", vec![4 * h], true),
+            ],
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean => Vec::new(),
         }
-        let values = file.values(&key, shape)?;
-        used.insert(key);
-        Ok(Some(values))
-    };
-    Ok(match *kind {
-        Kind::Dense { inputs, outputs } => {
-            let weight = read("weight", &[outputs, inputs], false)?.expect("required");
-            let bias = read("bias", &[outputs], true)?.unwrap_or_else(|| vec![0.0; outputs]);
-            // [out, in] → [in, out]
-            let weights = Array2::from_shape_vec((outputs, inputs), weight).expect("checked shape").reversed_axes();
-            let weights = weights.as_standard_layout().into_owned();
-            Box::new(Frozen(Dense::from_parts(name, weights, Array1::from(bias))))
+    }
+}
+
+impl Found {
+    /// Finds the tensors of layer `name` of `kind` under `prefix` in `file`'s header
+    /// and checks their shapes; the tensors found are added to `used`.
+    fn find(
+        file: &Tensors,
+        name: String,
+        prefix: &str,
+        kind: Kind,
+        biases: Biases,
+        used: &mut BTreeSet<String>,
+    ) -> Result<Found> {
+        let mut tensors = Vec::new();
+        for (suffix, shape, bias) in kind.tensors() {
+            let key = format!("{prefix}.{suffix}");
+            if bias && biases == Biases::Optional && !file.contains(&key) {
+                tensors.push(None);
+                continue;
+            }
+            file.check(&key, &shape)?;
+            used.insert(key.clone());
+            tensors.push(Some(key));
         }
-        Kind::Lstm { inputs, hidden: h } => {
-            let from_torch = |t: Vec<f32>, rows: usize| {
-                // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
-                let t = Array2::from_shape_vec((4 * h, rows), t).expect("checked shape");
-                let mut w = Array2::<f32>::zeros((rows, 4 * h));
+        if let [_, _, ih, hh] = tensors.as_slice() {
+            if ih.is_some() != hh.is_some() {
+                let missing = if ih.is_none() { "bias_ih_l0" } else { "bias_hh_l0" };
+                return Err(file_error(
+                    file.path(),
+                    Some(&format!("{prefix}.{missing}")),
+                    "not in the file, but its pair is: an LSTM has both biases or neither",
+                ));
+            }
+        }
+        Ok(Found { name, kind, tensors })
+    }
+
+    /// Reads the layer's tensors and makes the layer.
+    fn load(self, file: &Tensors) -> Result<Box<dyn FrozenLayer>> {
+        let shapes = self.kind.tensors();
+        let read = |slot: usize| -> Result<Option<Vec<f32>>> {
+            self.tensors[slot].as_deref().map(|key| file.values(key, &shapes[slot].1)).transpose()
+        };
+        let name = self.name.as_str();
+        Ok(match self.kind {
+            Kind::Dense { inputs, outputs } => {
+                let weight = read(0)?.expect("a weight is required");
+                let bias = read(1)?.unwrap_or_else(|| vec![0.0; outputs]);
+                // [out, in] → [in, out]
+                let weights = Array2::from_shape_vec((outputs, inputs), weight).expect("checked shape").reversed_axes();
+                let weights = weights.as_standard_layout().into_owned();
+                Box::new(Frozen(Dense::from_parts(name, weights, Array1::from(bias))))
+            }
+            Kind::Lstm { inputs, hidden: h } => {
+                let from_torch = |t: Vec<f32>, rows: usize| {
+                    // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
+                    let t = Array2::from_shape_vec((4 * h, rows), t).expect("checked shape");
+                    let mut w = Array2::<f32>::zeros((rows, 4 * h));
+                    for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                        for j in 0..h {
+                            w.column_mut(c * h + j).assign(&t.row(torch * h + j));
+                        }
+                    }
+                    w
+                };
+                let w = from_torch(read(0)?.expect("required"), inputs);
+                let u = from_torch(read(1)?.expect("required"), h);
+                // Both biases or neither: checked by `find`.
+                let (b_ih, b_hh) = match (read(2)?, read(3)?) {
+                    (Some(ih), Some(hh)) => (ih, hh),
+                    _ => (vec![0.0; 4 * h], vec![-0.0; 4 * h]),
+                };
+                let mut b = Array1::<f32>::zeros(4 * h);
                 for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                     for j in 0..h {
-                        w.column_mut(c * h + j).assign(&t.row(torch * h + j));
+                        b[c * h + j] = b_ih[torch * h + j] + b_hh[torch * h + j];
                     }
                 }
-                w
-            };
-            let w = from_torch(read("weight_ih_l0", &[4 * h, inputs], false)?.expect("required"), inputs);
-            let u = from_torch(read("weight_hh_l0", &[4 * h, h], false)?.expect("required"), h);
-            let b_ih = read("bias_ih_l0", &[4 * h], true)?;
-            let b_hh = read("bias_hh_l0", &[4 * h], true)?;
-            let (b_ih, b_hh) = match (b_ih, b_hh) {
-                (Some(ih), Some(hh)) => (ih, hh),
-                (None, None) => (vec![0.0; 4 * h], vec![-0.0; 4 * h]),
-                (ih, _) => {
-                    let missing = if ih.is_none() { "bias_ih_l0" } else { "bias_hh_l0" };
-                    let key = format!("{prefix}.{missing}");
-                    return Err(file_error(
-                        file.path(),
-                        Some(&key),
-                        "not in the file, but its pair is: an LSTM has both biases or neither",
-                    ));
-                }
-            };
-            let mut b = Array1::<f32>::zeros(4 * h);
-            for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
-                for j in 0..h {
-                    b[c * h + j] = b_ih[torch * h + j] + b_hh[torch * h + j];
-                }
+                Box::new(Frozen(Lstm::from_parts(name, w, u, b)))
             }
-            Box::new(Frozen(Lstm::from_parts(name, w, u, b)))
-        }
-        Kind::Relu => Box::new(Frozen(Relu::named(name))),
-        Kind::LastStep => Box::new(Frozen(LastStep::named(name))),
-        Kind::MaskedMean => Box::new(Frozen(MaskedMean::named(name))),
-    })
+            Kind::Relu => Box::new(Frozen(Relu::named(name))),
+            Kind::LastStep => Box::new(Frozen(LastStep::named(name))),
+            Kind::MaskedMean => Box::new(Frozen(MaskedMean::named(name))),
+        })
+    }
 }
 
 /// The prefix of layer `index` (named `name`) in a PyTorch file: the one `P` for which

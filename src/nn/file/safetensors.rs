@@ -7,13 +7,33 @@
 //! and offset is checked against the file's size with checked arithmetic before a
 //! tensor's bytes are used; every error names the tensor at fault. It reads by value
 //! (`from_le_bytes`), so data need not be aligned.
+//!
+//! **What a file costs before it is trusted.** [`Tensors::open`] reads the 8-byte
+//! length and the header only, and checks every tensor's place against the file's size
+//! (from the open file, so a file replaced meanwhile cannot swap in another size):
+//! refusing a lying, truncated or huge file costs O(header), whatever its size. A
+//! tensor's bytes are read only when a layer asks for them ([`Tensors::values`]), once
+//! the whole configuration has been checked against the header, straight into the
+//! tensor's own buffer, reserved fallibly (a tensor the machine cannot hold is an
+//! error, not an abort).
+//!
+//! **Why positioned reads, not a memory map.** A mapping of a file that another
+//! process truncates faults on the next read of the lost pages (`SIGBUS` ends the
+//! process), and no safe API can rule that out; carve reaches such mappings only
+//! through `unsafe` constructors whose callers promise the file stays whole. The model
+//! owns its weights in any case (they are laid out anew: transposed, gates reordered),
+//! so a mapping would save no copy: each tensor is read once, with `pread`, into the
+//! buffer that becomes its values, and a file cut short meanwhile is an I/O error.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::nn::limits::try_with_capacity;
 use crate::{Error, Result};
 
 /// The header key of the string-to-string metadata.
@@ -32,13 +52,16 @@ struct Entry {
     end: usize,
 }
 
-/// A safetensors file, read and checked: its metadata and its `f32` tensors.
+/// A safetensors file, open, its header read and checked: its metadata and its `f32`
+/// tensors' places, read on demand.
 #[derive(Debug)]
 pub(crate) struct Tensors {
     path: String,
     metadata: BTreeMap<String, String>,
     entries: BTreeMap<String, Entry>,
-    data: Vec<u8>,
+    file: File,
+    /// Where the data section begins in the file (after the length and the header).
+    data_start: u64,
 }
 
 /// A tensor to write: its name, shape and values (row-major).
@@ -62,29 +85,30 @@ pub(crate) fn file_error(path: &str, tensor: Option<&str>, reason: impl Into<Str
 }
 
 impl Tensors {
-    /// Reads and checks the file at `path`.
-    pub(crate) fn read(path: &Path) -> Result<Tensors> {
+    /// Opens the file at `path` and reads and checks its header (nothing of its data).
+    pub(crate) fn open(path: &Path) -> Result<Tensors> {
         let shown = path.display().to_string();
         let cannot = |e: std::io::Error| file_error(&shown, None, format!("cannot be read: {e}"));
-        // Not a FIFO, a device or a directory: those have no size to check against.
-        if !std::fs::metadata(path).map_err(cannot)?.is_file() {
+        // Non-blocking, so that opening a FIFO does not wait for a writer; the type is
+        // then checked on what was opened. Not a FIFO, a device or a directory: those
+        // have no size to check against.
+        let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(cannot)?;
+        let meta = file.metadata().map_err(cannot)?;
+        if !meta.is_file() {
             return Err(file_error(&shown, None, "is not a regular file"));
         }
-        let bytes = std::fs::read(path).map_err(cannot)?;
-        Tensors::parse(shown, bytes)
-    }
-
-    /// Checks `bytes` as a safetensors file (`path` names it in errors).
-    pub(crate) fn parse(path: String, mut bytes: Vec<u8>) -> Result<Tensors> {
-        let fail = |tensor: Option<&str>, reason: String| file_error(&path, tensor, reason);
-        let Some(prefix) = bytes.first_chunk::<8>() else {
+        let size = meta.len();
+        let fail = |tensor: Option<&str>, reason: String| file_error(&shown, tensor, reason);
+        let mut prefix = [0u8; 8];
+        if size < 8 {
             return Err(fail(
                 None,
-                format!("not a safetensors file: {} bytes, shorter than the 8-byte header length", bytes.len()),
+                format!("not a safetensors file: {size} bytes, shorter than the 8-byte header length"),
             ));
-        };
-        let declared = u64::from_le_bytes(*prefix);
-        let available = bytes.len() as u64 - 8;
+        }
+        file.read_exact_at(&mut prefix, 0).map_err(cannot)?;
+        let declared = u64::from_le_bytes(prefix);
+        let available = size - 8;
         if declared > MAX_HEADER && declared <= available {
             return Err(fail(
                 None,
@@ -100,13 +124,18 @@ impl Tensors {
                 ),
             ));
         }
-        let header_end = 8 + declared as usize;
-        let header: Value = serde_json::from_slice(&bytes[8..header_end])
-            .map_err(|e| fail(None, format!("the header is not valid JSON: {e}")))?;
+        // At most MAX_HEADER bytes: the only part of the file read before it is checked.
+        let mut header = try_with_capacity::<u8>(declared as usize, || "the file's header".into())?;
+        header.resize(declared as usize, 0);
+        file.read_exact_at(&mut header, 8).map_err(cannot)?;
+        let header: Value =
+            serde_json::from_slice(&header).map_err(|e| fail(None, format!("the header is not valid JSON: {e}")))?;
         let Value::Object(header) = header else {
             return Err(fail(None, "the header is not a JSON object".into()));
         };
-        let data_len = bytes.len() - header_end;
+        let data_start = 8 + declared;
+        let data_len = usize::try_from(size - data_start)
+            .map_err(|_| fail(None, format!("its {} bytes of data exceed the address space", size - data_start)))?;
         let mut metadata = BTreeMap::new();
         let mut entries = BTreeMap::new();
         for (name, value) in &header {
@@ -157,8 +186,8 @@ impl Tensors {
                 ),
             ));
         }
-        bytes.drain(..header_end);
-        Ok(Tensors { path, metadata, entries, data: bytes })
+        drop(by_offset);
+        Ok(Tensors { path: shown, metadata, entries, file, data_start })
     }
 
     /// The file's name, for messages.
@@ -181,9 +210,13 @@ impl Tensors {
         self.entries.contains_key(name)
     }
 
-    /// The values of tensor `name`, which must have `shape` and hold only finite
-    /// values.
-    pub(crate) fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    /// Checks that the file holds tensor `name` of `shape` (from the header: nothing
+    /// is read).
+    pub(crate) fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.entry(name, shape).map(drop)
+    }
+
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
         let fail = |reason: String| file_error(&self.path, Some(name), reason);
         let Some(entry) = self.entries.get(name) else {
             return Err(fail("not in the file".into()));
@@ -191,10 +224,31 @@ impl Tensors {
         if entry.shape != shape {
             return Err(fail(format!("has shape {:?}, the model needs {shape:?}", entry.shape)));
         }
-        let values: Vec<f32> = self.data[entry.begin..entry.end]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        Ok(entry)
+    }
+
+    /// The values of tensor `name`, which must have `shape` and hold only finite
+    /// values: read from the file into a buffer of their own, reserved fallibly.
+    pub(crate) fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let entry = self.entry(name, shape)?;
+        let fail = |reason: String| file_error(&self.path, Some(name), reason);
+        let count = (entry.end - entry.begin) / 4;
+        let mut values = Vec::<f32>::new();
+        values.try_reserve_exact(count).map_err(|e| {
+            let bytes = entry.end - entry.begin;
+            fail(format!(
+                "its {count} values ({bytes} bytes) cannot be allocated ({e}): the machine cannot hold this model"
+            ))
+        })?;
+        values.resize(count, 0.0);
+        let at = self.data_start + entry.begin as u64;
+        self.file
+            .read_exact_at(bytemuck::cast_slice_mut(&mut values), at)
+            .map_err(|e| fail(format!("its data cannot be read (was the file cut short?): {e}")))?;
+        for value in &mut values {
+            // Little-endian in the file: a no-op on little-endian machines.
+            *value = f32::from_bits(u32::from_le(value.to_bits()));
+        }
         if let Some(at) = values.iter().position(|v| !v.is_finite()) {
             return Err(fail(format!("value {at} is {}: a model's weights must be finite", values[at])));
         }
