@@ -149,7 +149,7 @@ pub mod slot_ring;
 mod source;
 mod stats;
 #[allow(unsafe_code)]
-mod sync;
+pub mod sync;
 #[allow(unsafe_code)]
 mod view;
 

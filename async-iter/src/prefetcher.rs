@@ -371,7 +371,7 @@ where
         let shared = self.consumer.shared.clone();
         let exit = Arc::new(Exit::new());
         let way_back = exit.clone();
-        let spawned = sync::spawn(move || {
+        let spawned = sync::spawn("carve-prefetch", move || {
             let producer = producer.run(&shared);
             if let Some(abandoned) = way_back.hand_back(producer) {
                 // The prefetcher is gone: the source and the ring go with this thread.

@@ -41,6 +41,9 @@ pub mod gemm;
 mod layer;
 mod limits;
 mod loss;
+// The loom models of the protocols below (`--cfg loom`).
+#[cfg(all(test, loom))]
+mod loom;
 mod lstm;
 mod network;
 mod parallel;

@@ -25,7 +25,7 @@ mod layer;
 #[allow(unsafe_code)]
 mod mpi;
 #[allow(unsafe_code)]
-mod reduce;
+pub(crate) mod reduce;
 #[allow(unsafe_code)]
 pub(crate) mod shared;
 #[allow(unsafe_code)]

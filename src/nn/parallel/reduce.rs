@@ -2,8 +2,10 @@
 //! workers agree on each step's outcome.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+
+// The reduction's primitives are loom's under `--cfg loom` (its model: `src/nn/loom.rs`).
+use async_iter::sync::{self, Arc, AtomicPtr, AtomicUsize, Mutex};
 
 use super::shared::Gate;
 
@@ -265,9 +267,9 @@ impl Reducer for Threads {
         // read exchange k's.
         let parity = self.exchanges % 2;
         self.exchanges += 1;
-        self.group.reports[parity].lock().unwrap_or_else(PoisonError::into_inner)[self.rank] = mine;
+        sync::lock(&self.group.reports[parity])[self.rank] = mine;
         self.meet()?;
-        all.copy_from_slice(&self.group.reports[parity].lock().unwrap_or_else(PoisonError::into_inner));
+        all.copy_from_slice(&sync::lock(&self.group.reports[parity]));
         Ok(())
     }
 
@@ -276,7 +278,7 @@ impl Reducer for Threads {
         // This worker's buckets may go once nobody reads them: the others' reads end
         // within their current call (the gate is broken: no new one starts).
         while self.group.reading.load(Ordering::Acquire) != 0 {
-            std::thread::yield_now();
+            sync::yield_now();
         }
     }
 }

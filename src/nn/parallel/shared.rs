@@ -4,8 +4,10 @@
 
 use std::cell::UnsafeCell;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+
+// The barrier's primitives are loom's under `--cfg loom` (its model: `src/nn/loom.rs`).
+use async_iter::sync::{self, AtomicU64, Condvar, Mutex};
 
 /// A buffer of `f32` that several threads read at once, or write in disjoint ranges, in
 /// phases that the trainer's barriers separate.
@@ -91,8 +93,9 @@ struct GateState {
     broken: bool,
 }
 
-/// Spins of a waiter before it sleeps.
-const SPINS: u32 = 4000;
+/// Spins of a waiter before it sleeps (under loom, one: each spin is a load loom
+/// explores, and the sleeping path is the one that can go wrong).
+const SPINS: u32 = if cfg!(loom) { 1 } else { 4000 };
 
 impl Gate {
     pub(crate) fn new(n: usize) -> Gate {
@@ -106,7 +109,7 @@ impl Gate {
 
     /// Waits until all `n` threads wait; `false` when the gate is (or gets) broken.
     pub(crate) fn wait(&self) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut state = sync::lock(&self.state);
         if state.broken {
             return false;
         }
@@ -129,18 +132,18 @@ impl Gate {
             if seen & 1 == 1 {
                 return false;
             }
-            std::hint::spin_loop();
+            sync::spin_loop();
         }
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut state = sync::lock(&self.state);
         while state.generation == generation && !state.broken {
-            state = self.turned.wait(state).unwrap_or_else(PoisonError::into_inner);
+            state = sync::wait(&self.turned, state);
         }
         state.generation != generation
     }
 
     /// Breaks the gate for good.
     pub(crate) fn break_all(&self) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut state = sync::lock(&self.state);
         state.broken = true;
         self.seen.store(state.generation << 1 | 1, Ordering::Release);
         drop(state);

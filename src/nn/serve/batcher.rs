@@ -20,19 +20,21 @@
 //! through its own handle of the caller's thread.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::{JoinHandle, Thread};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
+use async_iter::panics::{drop_quietly, panic_message};
+// The protocol's primitives are loom's under `--cfg loom` (its model: `src/nn/loom.rs`);
+// the batch and row counts are statistics, std atomics.
+use async_iter::sync::{self, AtomicBool, AtomicUsize, Condvar, Deadline, Mutex, MutexGuard, Stopwatch, Thread};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
-use super::arenas::Wait;
+use super::arenas::{Counters, Wait};
 use super::pool::{PoolConfig, Shared};
-use async_iter::panics::{drop_quietly, panic_message};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use crate::nn::limits::try_with_capacity;
 use crate::nn::network::Input;
 use crate::{Error, Result};
@@ -48,7 +50,10 @@ struct Ticket {
     output: *mut f32,
     output_strides: [isize; 2],
     rows: usize,
-    arrived: Instant,
+    /// When the batch it is the oldest of must go (its arrival + `max_wait`).
+    batch_by: Deadline,
+    /// Since its arrival, for a timeout's report.
+    waited: Stopwatch,
     /// The caller's thread, unparked as rows settle.
     caller: Thread,
     /// In the batcher's queue (changed with the queue's lock held).
@@ -93,8 +98,7 @@ impl TicketRef {
 impl Ticket {
     /// Records `error` (the first one wins).
     fn fail(&self, error: Error) {
-        let mut slot = self.error.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.get_or_insert(error);
+        sync::lock(&self.error).get_or_insert(error);
     }
 
     /// Adds `rows` settled rows and wakes the caller: the last use of the ticket by
@@ -115,10 +119,18 @@ struct Queue {
     closed: bool,
 }
 
-/// The batched mode's queue and counts.
+/// The batched mode's queue, settings and counts.
 pub(crate) struct Batcher {
     queue: Mutex<Queue>,
     arrived: Condvar,
+    max_batch: usize,
+    max_wait: Duration,
+    max_queued_rows: usize,
+    /// The width of a request's rows, and of its probabilities.
+    inputs: usize,
+    classes: usize,
+    /// The pool's arenas (K), for errors.
+    arenas: usize,
     batches: AtomicU64,
     rows: AtomicU64,
 }
@@ -163,13 +175,15 @@ impl Drop for Leave<'_> {
         let taken = ticket.taken.load(Ordering::Relaxed);
         drop(queue);
         while ticket.settled.load(Ordering::Acquire) < taken {
-            std::thread::park();
+            sync::park();
         }
     }
 }
 
 impl Batcher {
-    pub(crate) fn new(config: &PoolConfig) -> Batcher {
+    /// The queue of a pool of `config` whose requests have rows of `inputs` values and
+    /// probabilities of `classes`.
+    pub(crate) fn new(config: &PoolConfig, inputs: usize, classes: usize) -> Batcher {
         Batcher {
             // Room for a ticket per queued row: queuing never allocates.
             queue: Mutex::new(Queue {
@@ -178,24 +192,32 @@ impl Batcher {
                 closed: false,
             }),
             arrived: Condvar::new(),
+            max_batch: config.max_batch,
+            max_wait: config.max_wait,
+            max_queued_rows: config.max_queued_rows,
+            inputs,
+            classes,
+            arenas: config.workers,
             batches: AtomicU64::new(0),
             rows: AtomicU64::new(0),
         }
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+        sync::lock(&self.queue)
     }
 
-    /// Starts a worker thread per buffer (one per arena; none for a direct pool). If a
-    /// thread cannot start, those started are stopped and joined before the error
-    /// returns.
+    /// Starts a worker thread per buffer (one per arena; none for a direct pool), each
+    /// running its batches in an arena of the pool. If a thread cannot start, those
+    /// started are stopped and joined before the error returns.
     pub(crate) fn start(shared: &Arc<Shared>, buffers: Vec<BatchBuffers>) -> Result<Vec<JoinHandle<()>>> {
         let mut threads = Vec::with_capacity(buffers.len());
         for (i, buffers) in buffers.into_iter().enumerate() {
             let worker = Arc::clone(shared);
-            let spawned =
-                std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || work(&worker, buffers));
+            let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
+                let batcher = worker.batcher.as_ref().expect("a batched pool");
+                batcher.work(buffers, |x, scatter| run_in_arena(&worker, x, scatter));
+            });
             match spawned {
                 Ok(thread) => threads.push(thread),
                 Err(e) => {
@@ -221,17 +243,16 @@ impl Batcher {
         self.arrived.notify_all();
     }
 
-    /// Queues `x` (checked here, so that a bad request fails alone) and waits for its
-    /// rows' probabilities, written into `out`.
-    pub(crate) fn submit(
+    /// Checks `x` for `model` (here, so that a bad request fails alone), queues it and
+    /// waits for its rows' probabilities, written into `out`.
+    pub(crate) fn submit_request(
         &self,
         shared: &Shared,
         x: Input<'_>,
-        mut out: ArrayViewMut2<'_, f32>,
+        out: ArrayViewMut2<'_, f32>,
         wait: Wait,
     ) -> Result<()> {
-        let model = &shared.model;
-        model.check_request(&x)?;
+        shared.model.check_request(&x)?;
         let Input::Flat(x) = x else {
             return Err(Error::InvalidInput(
                 "a batched pool coalesces flat rows [batch, features]; serve a sequence model from a direct pool \
@@ -239,7 +260,32 @@ impl Batcher {
                     .into(),
             ));
         };
-        let expected = (x.nrows(), model.classes());
+        self.submit(x, out, wait, &shared.arenas.counters)
+    }
+
+    /// Queues the rows of `x` (`[rows, inputs]`) and waits, as `wait` says, for their
+    /// probabilities, written into `out` (`[rows, classes]`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] for the shapes; [`Error::PoolBusy`] (`Wait::No` with
+    /// `max_queued_rows` rows waiting); [`Error::Timeout`]; [`Error::PoolClosed`]; the
+    /// error of the batch the rows ran in.
+    pub(crate) fn submit(
+        &self,
+        x: ArrayView2<'_, f32>,
+        mut out: ArrayViewMut2<'_, f32>,
+        wait: Wait,
+        counters: &Counters,
+    ) -> Result<()> {
+        if x.ncols() != self.inputs {
+            return Err(Error::ShapeMismatch {
+                context: "input rows ([rows, inputs])".into(),
+                expected: vec![x.nrows(), self.inputs],
+                actual: x.shape().to_vec(),
+            });
+        }
+        let expected = (x.nrows(), self.classes);
         if out.dim() != expected {
             return Err(Error::ShapeMismatch {
                 context: "output buffer ([rows, classes])".into(),
@@ -254,8 +300,9 @@ impl Batcher {
             output: out.as_mut_ptr(),
             output_strides: strides(out.strides()),
             rows: x.nrows(),
-            arrived: Instant::now(),
-            caller: std::thread::current(),
+            batch_by: Deadline::after(self.max_wait),
+            waited: Stopwatch::start(),
+            caller: sync::current(),
             queued: AtomicBool::new(false),
             taken: AtomicUsize::new(0),
             settled: AtomicUsize::new(0),
@@ -266,9 +313,9 @@ impl Batcher {
             if queue.closed {
                 return Err(Error::PoolClosed);
             }
-            if matches!(wait, Wait::No) && queue.rows + x.nrows() > shared.config.max_queued_rows {
-                shared.arenas.counters.busy.fetch_add(1, Ordering::Relaxed);
-                return Err(Error::PoolBusy { arenas: shared.arenas.len() });
+            if matches!(wait, Wait::No) && queue.rows + x.nrows() > self.max_queued_rows {
+                counters.busy.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::PoolBusy { arenas: self.arenas });
             }
             queue.rows += x.nrows();
             ticket.queued.store(true, Ordering::Relaxed);
@@ -278,41 +325,33 @@ impl Batcher {
         // every way out (an unwind included).
         let leave = Leave { batcher: self, ticket: &ticket };
         self.arrived.notify_all();
-        let failed = || ticket.error.lock().unwrap_or_else(PoisonError::into_inner).is_some();
+        let failed = || sync::lock(&ticket.error).is_some();
+        let deadline = match wait {
+            Wait::For(timeout) => Some(Deadline::after(timeout)),
+            Wait::No | Wait::Forever => None,
+        };
         let outcome = loop {
             if ticket.settled.load(Ordering::Acquire) == ticket.rows || failed() {
                 break Ok(());
             }
-            match wait {
-                Wait::For(timeout) => {
-                    let waited = ticket.arrived.elapsed();
-                    if waited >= timeout {
-                        shared.arenas.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                        break Err(Error::Timeout { arenas: shared.arenas.len(), waited });
-                    }
-                    std::thread::park_timeout(timeout - waited);
+            match deadline.map(|d| d.remaining()) {
+                Some(None) => {
+                    counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                    break Err(Error::Timeout { arenas: self.arenas, waited: ticket.waited.elapsed() });
                 }
-                Wait::No | Wait::Forever => std::thread::park(),
+                Some(Some(left)) => sync::park_timeout(left),
+                None => sync::park(),
             }
         };
         drop(leave);
         // Every row settled or abandoned: `out` is the caller's alone again.
-        let error = ticket.error.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let error = sync::lock(&ticket.error).take();
         match (outcome, error) {
             (Err(timeout), _) => Err(timeout),
             (Ok(()), Some(error)) => Err(error),
             (Ok(()), None) => Ok(()),
         }
     }
-}
-
-/// A part of a batch: `rows` rows of `ticket` from its row `from`, at row `at` of the
-/// batch.
-struct Part {
-    ticket: TicketRef,
-    from: usize,
-    rows: usize,
-    at: usize,
 }
 
 /// What a worker thread keeps from batch to batch: room for one batch's input rows and
@@ -337,119 +376,150 @@ impl BatchBuffers {
     }
 }
 
-/// A worker thread: takes batches until the pool closes, then fails what is left.
-fn work(shared: &Shared, buffers: BatchBuffers) {
-    let batcher = shared.batcher.as_ref().expect("a batched pool");
-    let (max_batch, max_wait) = (shared.config.max_batch, shared.config.max_wait);
-    let inputs = shared.model.inputs();
-    let BatchBuffers { mut input, mut parts } = buffers;
-    loop {
-        let mut queue = batcher.queue();
-        // Wait for a request, then for the batch to fill or the oldest to have waited
-        // `max_wait`.
-        loop {
-            if queue.closed {
-                drop(queue);
-                return fail_pending(batcher);
-            }
-            let Some(front) = queue.pending.front() else {
-                queue = batcher.arrived.wait(queue).unwrap_or_else(PoisonError::into_inner);
-                continue;
-            };
-            // SAFETY: queued.
-            let deadline = unsafe { front.get() }.arrived + max_wait;
-            let now = Instant::now();
-            if queue.rows >= max_batch || now >= deadline {
-                break;
-            }
-            queue = batcher.arrived.wait_timeout(queue, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
-        }
-        // Take up to `max_batch` rows from the front.
-        let mut rows = 0;
-        while rows < max_batch {
-            let Some(&front) = queue.pending.front() else { break };
-            // SAFETY: queued (and its rows taken here are in flight until settled below).
-            let ticket = unsafe { front.get() };
-            let from = ticket.taken.load(Ordering::Relaxed);
-            let n = (ticket.rows - from).min(max_batch - rows);
-            let [s0, s1] = ticket.input_strides;
-            for r in from..from + n {
-                for c in 0..inputs {
-                    // SAFETY: (r, c) is inside the caller's input `[rows, inputs]`, lent
-                    // for the call, which lasts while the ticket is queued.
-                    input.push(unsafe { *ticket.input.offset(r as isize * s0 + c as isize * s1) });
-                }
-            }
-            parts.push(Part { ticket: front, from, rows: n, at: rows });
-            ticket.taken.store(from + n, Ordering::Relaxed);
-            rows += n;
-            if from + n == ticket.rows {
-                ticket.queued.store(false, Ordering::Relaxed);
-                queue.pending.pop_front();
-            }
-        }
-        queue.rows -= rows;
-        drop(queue);
-        // Whatever happens below, every part is settled after it (a panic here would
-        // otherwise leave its callers waiting for ever).
-        let ran = catch_unwind(AssertUnwindSafe(|| run_batch(shared, &input, rows, &parts)));
-        let result = ran.unwrap_or_else(|payload| {
-            let message = panic_message(&*payload);
-            drop_quietly(payload);
-            Err(Error::Panicked { message })
-        });
-        batcher.batches.fetch_add(1, Ordering::Relaxed);
-        batcher.rows.fetch_add(rows as u64, Ordering::Relaxed);
-        for part in parts.drain(..) {
-            // SAFETY: this worker holds the part's rows, not yet settled.
-            let ticket = unsafe { part.ticket.get() };
-            if let Err(e) = &result {
-                ticket.fail(for_request(e));
-            }
-            // The last touch of the ticket.
-            ticket.settle(part.rows);
-        }
-        input.clear();
-    }
-}
-
-/// Runs one batch of `rows` rows (`input`) and writes each part's probabilities into
-/// its caller's output.
-fn run_batch(shared: &Shared, input: &[f32], rows: usize, parts: &[Part]) -> Result<()> {
-    let x = ArrayView2::from_shape((rows, shared.model.inputs()), input).expect("rows × inputs values");
+/// Runs one batch in an arena of the pool and hands its probabilities to `scatter`.
+fn run_in_arena(shared: &Shared, x: ArrayView2<'_, f32>, scatter: &mut dyn FnMut(ArrayView2<'_, f32>)) -> Result<()> {
     shared.arenas.lease(Wait::Forever).and_then(|mut arena| {
         arena.run(|mgr| {
             shared.model.infer_in(mgr, Input::Flat(x), |probs| {
-                for part in parts {
-                    // SAFETY: this worker holds the part's rows, not yet settled.
-                    let ticket = unsafe { part.ticket.get() };
-                    let [s0, s1] = ticket.output_strides;
-                    for r in 0..part.rows {
-                        for (c, &p) in probs.row(part.at + r).iter().enumerate() {
-                            let at = (part.from + r) as isize * s0 + c as isize * s1;
-                            // SAFETY: inside the caller's output `[rows, classes]`,
-                            // a row this worker alone writes (it took it), which the
-                            // caller reads only once it is settled.
-                            unsafe { *ticket.output.offset(at) = p };
-                        }
-                    }
-                }
+                scatter(probs);
                 Ok(())
             })
         })
     })
 }
 
-/// Fails every request still queued once the pool closed.
-fn fail_pending(batcher: &Batcher) {
-    let mut queue = batcher.queue();
-    queue.rows = 0;
-    while let Some(front) = queue.pending.pop_front() {
-        // SAFETY: queued until the store below; the caller's `Leave` waits for the
-        // queue's lock, held here, before it can return.
-        let ticket = unsafe { front.get() };
-        ticket.queued.store(false, Ordering::Relaxed);
-        ticket.fail(Error::PoolClosed);
-        ticket.caller.unpark();
+impl Batcher {
+    /// A worker's loop: takes batches until the close, then fails what is left. `run`
+    /// runs a batch (`[rows, inputs]`) and hands its probabilities (`[rows, classes]`)
+    /// to the scatter it is given, which writes each request's rows into its caller's
+    /// output.
+    pub(crate) fn work(
+        &self,
+        buffers: BatchBuffers,
+        mut run: impl FnMut(ArrayView2<'_, f32>, &mut dyn FnMut(ArrayView2<'_, f32>)) -> Result<()>,
+    ) {
+        let (max_batch, inputs) = (self.max_batch, self.inputs);
+        let BatchBuffers { mut input, mut parts } = buffers;
+        loop {
+            let mut queue = self.queue();
+            // Wait for a request, then for the batch to fill or the oldest to have
+            // waited `max_wait`.
+            loop {
+                if queue.closed {
+                    drop(queue);
+                    return self.fail_pending();
+                }
+                let Some(front) = queue.pending.front() else {
+                    queue = sync::wait(&self.arrived, queue);
+                    continue;
+                };
+                // SAFETY: queued.
+                let batch_by = unsafe { front.get() }.batch_by;
+                if queue.rows >= max_batch {
+                    break;
+                }
+                match batch_by.remaining() {
+                    None => break,
+                    Some(left) => queue = sync::wait_timeout(&self.arrived, queue, left),
+                }
+            }
+            // Take up to `max_batch` rows from the front.
+            let mut rows = 0;
+            while rows < max_batch {
+                let Some(&front) = queue.pending.front() else { break };
+                // SAFETY: queued (and its rows taken here are in flight until settled
+                // below).
+                let ticket = unsafe { front.get() };
+                let from = ticket.taken.load(Ordering::Relaxed);
+                let n = (ticket.rows - from).min(max_batch - rows);
+                let [s0, s1] = ticket.input_strides;
+                for r in from..from + n {
+                    for c in 0..inputs {
+                        // SAFETY: (r, c) is inside the caller's input `[rows, inputs]`,
+                        // lent for the call, which lasts while the ticket is queued.
+                        input.push(unsafe { *ticket.input.offset(r as isize * s0 + c as isize * s1) });
+                    }
+                }
+                parts.push(Part { ticket: front, from, rows: n, at: rows });
+                ticket.taken.store(from + n, Ordering::Relaxed);
+                rows += n;
+                if from + n == ticket.rows {
+                    ticket.queued.store(false, Ordering::Relaxed);
+                    queue.pending.pop_front();
+                }
+            }
+            queue.rows -= rows;
+            drop(queue);
+            // Whatever happens below, every part is settled after it (a panic here would
+            // otherwise leave its callers waiting for ever).
+            let x = ArrayView2::from_shape((rows, inputs), &input[..]).expect("rows × inputs values");
+            let ran = catch_unwind(AssertUnwindSafe(|| run(x, &mut |probs| self.scatter(probs, &parts))));
+            let result = ran.unwrap_or_else(|payload| {
+                let message = panic_message(&*payload);
+                drop_quietly(payload);
+                Err(Error::Panicked { message })
+            });
+            self.batches.fetch_add(1, Ordering::Relaxed);
+            self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+            for part in parts.drain(..) {
+                // SAFETY: this worker holds the part's rows, not yet settled.
+                let ticket = unsafe { part.ticket.get() };
+                if let Err(e) = &result {
+                    ticket.fail(for_request(e));
+                }
+                // The last touch of the ticket.
+                ticket.settle(part.rows);
+            }
+            input.clear();
+        }
     }
+
+    /// Writes each part's rows of `probs` (the batch's probabilities) into its caller's
+    /// output.
+    ///
+    /// # Panics
+    ///
+    /// When `probs` is not `[rows of the parts, classes]` (caught by the worker: the
+    /// batch fails, nothing is written out of bounds).
+    fn scatter(&self, probs: ArrayView2<'_, f32>, parts: &[Part]) {
+        let rows = parts.last().map_or(0, |p| p.at + p.rows);
+        assert_eq!(probs.dim(), (rows, self.classes), "a batch's probabilities are [rows, classes]");
+        for part in parts {
+            // SAFETY: this worker holds the part's rows, not yet settled.
+            let ticket = unsafe { part.ticket.get() };
+            let [s0, s1] = ticket.output_strides;
+            for r in 0..part.rows {
+                for (c, &p) in probs.row(part.at + r).iter().enumerate() {
+                    let at = (part.from + r) as isize * s0 + c as isize * s1;
+                    // SAFETY: inside the caller's output `[rows, classes]` (the shape was
+                    // checked when it was queued and above), a row this worker alone
+                    // writes (it took it), which the caller reads only once it is settled.
+                    unsafe { *ticket.output.offset(at) = p };
+                }
+            }
+        }
+    }
+
+    /// Fails every request still queued once the pool closed.
+    fn fail_pending(&self) {
+        let mut queue = self.queue();
+        queue.rows = 0;
+        while let Some(front) = queue.pending.pop_front() {
+            // SAFETY: queued until the store below; the caller's `Leave` waits for the
+            // queue's lock, held here, before it can return.
+            let ticket = unsafe { front.get() };
+            ticket.queued.store(false, Ordering::Relaxed);
+            ticket.fail(Error::PoolClosed);
+            ticket.caller.unpark();
+        }
+    }
+}
+
+/// A part of a batch: `rows` rows of `ticket` from its row `from`, at row `at` of the
+/// batch.
+struct Part {
+    ticket: TicketRef,
+    from: usize,
+    rows: usize,
+    at: usize,
 }

@@ -6,12 +6,13 @@
 mod arenas;
 // The batched mode's tickets live on their callers' stacks (see its module).
 #[allow(unsafe_code)]
-mod batcher;
+pub(crate) mod batcher;
 mod model;
 mod pool;
 // Requests run on their arena's own stack (see its module).
 #[allow(unsafe_code)]
 mod stack;
+pub(crate) mod turns;
 
 pub use model::Model;
 pub use pool::{InferencePool, PoolConfig, PoolLease, PoolMode, PoolStats};

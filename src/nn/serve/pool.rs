@@ -209,7 +209,7 @@ impl InferencePool {
         };
         let plans = SERVING_PLANS.max(if batched { config.max_batch.saturating_add(1) } else { 0 });
         let arenas = Arenas::new(config.workers, plans)?;
-        let batcher = batched.then(|| Batcher::new(&config));
+        let batcher = batched.then(|| Batcher::new(&config, model.inputs(), model.classes()));
         let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
         let threads = Batcher::start(&shared, buffers)?;
         Ok(InferencePool { shared, threads })
@@ -295,7 +295,7 @@ impl InferencePool {
             Some(batcher) => {
                 // Batched requests are flat: a row of probabilities per row of input.
                 let mut out = Array2::zeros((x.rows(), self.shared.model.classes()));
-                batcher.submit(&self.shared, x, out.view_mut(), Wait::Forever)?;
+                batcher.submit_request(&self.shared, x, out.view_mut(), Wait::Forever)?;
                 Ok(out)
             }
             None => self.shared.arenas.lease(Wait::Forever)?.output(&self.shared.model, x),
@@ -338,7 +338,7 @@ impl InferencePool {
 
     fn run_into(&self, x: Input<'_>, out: ArrayViewMut2<'_, f32>, wait: Wait) -> Result<()> {
         match &self.shared.batcher {
-            Some(batcher) => batcher.submit(&self.shared, x, out, wait),
+            Some(batcher) => batcher.submit_request(&self.shared, x, out, wait),
             None => self.shared.arenas.lease(wait)?.output_into(&self.shared.model, x, out),
         }
     }
