@@ -403,7 +403,7 @@ fn idle_and_silent_clients_hold_nothing_and_are_closed_at_their_deadlines() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = saved_model(dir.path());
     // One runtime thread: connections are tasks, not threads.
-    let args = ["--http-threads", "1", "--header-timeout-ms", "500", "--idle-timeout-ms", "300"];
+    let args = ["--http-threads", "1", "--header-timeout-ms", "1000", "--idle-timeout-ms", "300"];
     let server = Server::start(&path, &args);
     // Two keep-alive clients fall silent after an answer.
     let mut a = server.connect();
@@ -413,13 +413,13 @@ fn idle_and_silent_clients_hold_nothing_and_are_closed_at_their_deadlines() {
     let idle_since = Instant::now();
     // A third is answered at once, not after they time out.
     assert_eq!(server.send("GET", "/stats", None).0, 200);
-    assert!(idle_since.elapsed() < Duration::from_millis(400), "{:?}", idle_since.elapsed());
-    // The idle ones are closed once the next head is 500 ms late.
+    assert!(idle_since.elapsed() < Duration::from_millis(800), "{:?}", idle_since.elapsed());
+    // The idle ones are closed once their next head is 1 s late.
     for connection in [&mut a, &mut b] {
         assert!(connection.closed_within(Duration::from_secs(5)), "an idle connection stayed open");
     }
     let closed = idle_since.elapsed();
-    assert!(closed >= Duration::from_millis(450) && closed < Duration::from_secs(3), "{closed:?}");
+    assert!(closed >= Duration::from_millis(900) && closed < Duration::from_secs(4), "{closed:?}");
 
     // A client that falls silent within its body: 408 once it has said nothing for
     // 300 ms, and the connection ends.
@@ -487,7 +487,7 @@ fn dribble(port: u16, head: &[u8], every: Duration, most: Duration) -> Cut {
 #[test]
 fn good_requests_are_answered_within_a_second_while_8_slow_loris_clients_dribble_until_their_header_deadline() {
     const SLOW_CLIENTS: usize = 8;
-    const HEADER_TIMEOUT: Duration = Duration::from_millis(3000);
+    const HEADER_TIMEOUT: Duration = Duration::from_millis(4000);
     const EVERY: Duration = Duration::from_millis(300);
     let dir = tempfile::tempdir().unwrap();
     let (path, model) = saved_model(dir.path());
@@ -513,11 +513,9 @@ fn good_requests_are_answered_within_a_second_while_8_slow_loris_clients_dribble
         std::thread::sleep(EVERY * 2);
         let dribbling_since = Instant::now();
         let mut latencies = Vec::new();
-        // Good requests, each on a new connection, until 0.5 s before the slow clients'
+        // Good requests, each on a new connection, until 1 s before the slow clients'
         // deadline (at most 100).
-        while dribbling_since.elapsed() + EVERY * 2 + Duration::from_millis(500) < HEADER_TIMEOUT
-            && latencies.len() < 100
-        {
+        while dribbling_since.elapsed() + EVERY * 2 + Duration::from_secs(1) < HEADER_TIMEOUT && latencies.len() < 100 {
             let start = Instant::now();
             let (status, json) = server.send("POST", "/predict", Some(&body));
             latencies.push(start.elapsed());

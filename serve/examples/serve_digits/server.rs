@@ -14,9 +14,10 @@
 //! | no silence longer than `body_idle` within a body | tower-http, `RequestBodyTimeoutLayer` | 408 |
 //! | an answer within `request_time` | tower-http, `TimeoutLayer`; the pool's `output_timeout` | 503 |
 //!
-//! (`routes.rs` applies the tower layers.) axum's own `serve` does not expose hyper's
-//! header read timeout, so the connections are driven here with hyper's connection
-//! builder, as `axum::serve` does inside.
+//! (`routes.rs` applies the tower layers.) `axum::serve` does not let a caller set
+//! hyper's header read timeout (axum 0.8.9 gives hyper no timer, so no deadline holds at
+//! all), so the connections are driven here with hyper's HTTP/1.1 connection builder,
+//! which is what `axum::serve` does inside.
 
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
@@ -85,7 +86,7 @@ const LINGER_BYTES: usize = 16 << 20;
 const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 
 /// What hyper's service returns: boxed, so that it is `Unpin`, which
-/// `poll_without_shutdown` needs to give the socket back for the lingering close.
+/// `poll_without_shutdown` needs to give the socket back for [`linger`].
 type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
 /// Accepts connections on `listener` and serves each on a task of its own, until the
@@ -138,9 +139,10 @@ async fn connection(stream: TcpStream, http: http1::Builder, app: Router, limits
 }
 
 /// Closes `stream` for writing, then reads and drops what the client still sends, for
-/// at most [`LINGER_TIME`] and [`LINGER_BYTES`]: closing a socket with unread bytes
-/// resets the connection, and a reset can make the client lose the answer it has not
-/// read yet (a 413 sent before the body, say).
+/// at most [`LINGER_TIME`] and [`LINGER_BYTES`]: the staged close of RFC 9112 §9.6.
+/// Closing a socket with unread bytes (a body after its 413, the rest of a head over the
+/// limit) resets the connection, and a client's system may then drop the answer that
+/// the client has not read yet.
 async fn linger(mut stream: TcpStream) {
     if poll_fn(|cx| Pin::new(&mut stream).poll_shutdown(cx)).await.is_err() {
         return;
