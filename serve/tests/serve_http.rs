@@ -442,7 +442,7 @@ fn idle_and_silent_clients_hold_nothing_and_are_closed_at_their_deadlines() {
     let start = Instant::now();
     assert_eq!(server.send("GET", "/stats", None).0, 200);
     let waited = start.elapsed();
-    assert!(waited >= Duration::from_millis(400) && waited < Duration::from_secs(5), "{waited:?}");
+    assert!(waited >= Duration::from_millis(400) && waited < Duration::from_secs(3), "{waited:?}");
     assert!(first.closed_within(Duration::from_secs(1)));
 }
 
@@ -542,8 +542,9 @@ fn good_requests_are_answered_within_a_second_while_8_slow_loris_clients_dribble
     assert!(latencies.len() >= 10, "{} good requests", latencies.len());
     assert!(sorted[sorted.len() - 1] < Duration::from_secs(1), "a good request waited {max:.0} ms: {latencies:?}");
     for cut in &cuts {
-        // Cut off by the server, at its header deadline (counted from a little after the
-        // client connected), and not before the good requests were answered.
+        // Cut off by the server at its header deadline, which runs from when the server
+        // took the connection, just after the client's connect returned (50 ms of slack
+        // for a client thread descheduled in between); and after the last good answer.
         assert!(cut.how == "closed" || cut.how.contains("failed"), "{cut:?}");
         assert!(cut.after >= HEADER_TIMEOUT - Duration::from_millis(50), "{cut:?}");
         assert!(cut.after < HEADER_TIMEOUT + Duration::from_millis(1500), "{cut:?}");

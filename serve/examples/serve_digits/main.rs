@@ -203,8 +203,6 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         );
         println!("listening on 127.0.0.1:{port}");
         std::io::stdout().flush()?;
-        let app = routes::router(pool, &limits);
-        server::serve(listener, app, &limits).await?;
-        Ok(())
+        match server::serve(listener, routes::router(pool, &limits), &limits).await {}
     })
 }

@@ -77,8 +77,9 @@ impl Default for Limits {
 }
 
 /// How long a closing connection reads (and drops) what the client still sends, so that
-/// the client reads the answer rather than a reset; and the most it reads.
+/// the client reads the answer rather than a reset ([`linger`]).
 const LINGER_TIME: Duration = Duration::from_secs(1);
+/// The most a closing connection reads meanwhile.
 const LINGER_BYTES: usize = 16 << 20;
 
 /// How long to wait before accepting again after `accept` failed (out of file
@@ -90,13 +91,9 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(50);
 type Answer = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
 /// Accepts connections on `listener` and serves each on a task of its own, until the
-/// process ends.
-///
-/// # Errors
-///
-/// None in practice: a failed `accept` is retried (it is what the listener says of one
-/// connection, or of the process's file descriptors, not of the listener).
-pub(crate) async fn serve(listener: TcpListener, app: Router, limits: &Limits) -> std::io::Result<()> {
+/// process ends. A failed `accept` is retried: it says something of one connection, or
+/// of the process's file descriptors, not of the listener.
+pub(crate) async fn serve(listener: TcpListener, app: Router, limits: &Limits) -> Infallible {
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).max_buf_size(limits.max_head);
     let open = Arc::new(Semaphore::new(limits.max_connections));
@@ -119,7 +116,7 @@ pub(crate) async fn serve(listener: TcpListener, app: Router, limits: &Limits) -
 /// Serves one connection's requests until it ends (the client closes it, stays silent
 /// past a deadline, sends something that is not HTTP, or the connection has been open
 /// `connection_time`), then closes it gently.
-async fn connection(stream: TcpStream, http: http1::Builder, app: Router, limits: Limits, _open: OwnedSemaphorePermit) {
+async fn connection(stream: TcpStream, http: http1::Builder, app: Router, limits: Limits, open: OwnedSemaphorePermit) {
     let service = hyper::service::service_fn(move |request: Request<Incoming>| -> Answer {
         Box::pin(app.clone().oneshot(request))
     });
@@ -127,14 +124,20 @@ async fn connection(stream: TcpStream, http: http1::Builder, app: Router, limits
     // An error (a head that is not HTTP, past its deadline, a client gone) has been
     // answered by hyper where HTTP has an answer for it; the connection ends either way.
     let ended = match timeout(limits.connection_time, poll_fn(|cx| connection.poll_without_shutdown(cx))).await {
-        Ok(_) => true,
+        Ok(ended) => Some(ended),
         Err(_) => {
             Pin::new(&mut connection).graceful_shutdown();
-            timeout(limits.request_time, poll_fn(|cx| connection.poll_without_shutdown(cx))).await.is_ok()
+            timeout(limits.request_time, poll_fn(|cx| connection.poll_without_shutdown(cx))).await.ok()
         }
     };
-    if ended {
-        linger(connection.into_parts().io.into_inner()).await;
+    // The connection is no longer served: another may be accepted while this one closes.
+    drop(open);
+    match ended {
+        // Cut off within a head, past its deadline: there is no answer to read.
+        Some(Err(e)) if e.is_timeout() => {}
+        Some(_) => linger(connection.into_parts().io.into_inner()).await,
+        // Still busy past its time and the grace after it: dropped.
+        None => {}
     }
 }
 
