@@ -1,5 +1,6 @@
 //! The command lines of the examples besides the demo (`quickstart`, `custom_layer`,
-//! `prefetch_overlap`, `cuda_smoke`; the demo has `train_digits_cli`): `--help` prints
+//! `prefetch_overlap`, `cuda_smoke`, `train_sequences`; the demo has `train_digits_cli`,
+//! and `serve_digits` the tests of its package, serve/): `--help` prints
 //! usage and runs nothing, an unknown flag or a bad value is one line on stderr and exit
 //! status 2 (never a panic), and an error while running prints its message, not a
 //! `Debug` dump. The examples are built once, together, with the profile of this test
@@ -8,8 +9,8 @@
 
 use std::process::{Command, Output};
 
-pub(crate) const EXAMPLES: [&str; 6] =
-    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences", "serve_digits"];
+pub(crate) const EXAMPLES: [&str; 5] =
+    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences"];
 
 fn example(name: &str) -> Command {
     Command::new(crate::example_binary(name))
@@ -110,11 +111,6 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("train_sequences", &["--prefetch-depth", "2000"], "'--prefetch-depth <N>'", "0 to 1024"),
         ("train_sequences", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
         ("train_sequences", &["--head", "max"], "'--head <HEAD>'", "last"),
-        ("serve_digits", &["--model", "m", "--mode", "fast"], "'--mode <MODE>'", "direct"),
-        ("serve_digits", &["--model", "m", "--workers", "0"], "'--workers <K>'", "1..=1024"),
-        ("serve_digits", &["--model", "m", "--port", "70000"], "'--port <N>'", "65535"),
-        ("serve_digits", &["--model", "m", "--max-body", "10"], "'--max-body <BYTES>'", "1024.."),
-        ("serve_digits", &["--port", "0"], "--model <PATH>", "required"),
     ] {
         let stderr = usage_error(name, args);
         assert!(stderr.contains(flag) && stderr.contains(range), "{name} {args:?}: '{flag}', '{range}' in {stderr}");

@@ -12,7 +12,6 @@ mod parallel;
 mod sequences;
 mod sequences_prefetch;
 mod serve;
-mod serve_http;
 mod train_digits_cli;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,275 @@
+//! The routes (`POST /predict`, `GET /stats`), the tower layers that bound every
+//! request, and the JSON of every answer: `{"error": "…"}` for each 4xx and 5xx, the
+//! layers' own included.
+
+use std::error::Error as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{to_bytes, Body};
+use axum::extract::{Request, State};
+use axum::http::header::{ALLOW, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use carve::nn::InferencePool;
+use carve::Error;
+use ndarray::Array2;
+use serde_json::Value;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::ServiceBuilder;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
+
+use crate::server::Limits;
+
+/// What the handlers share.
+struct App {
+    pool: Arc<InferencePool>,
+    counts: Counts,
+    limits: Limits,
+}
+
+/// What the server counts, besides the pool.
+#[derive(Default)]
+struct Counts {
+    requests: AtomicU64,
+    predictions: AtomicU64,
+    client_errors: AtomicU64,
+    server_errors: AtomicU64,
+}
+
+impl Counts {
+    /// Counts an answer: every request, each 4xx and 5xx, and each prediction.
+    fn record(&self, predict: bool, status: StatusCode) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let counter = if status.is_client_error() {
+            &self.client_errors
+        } else if status.is_server_error() {
+            &self.server_errors
+        } else if predict {
+            &self.predictions
+        } else {
+            return;
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The routes, inside the layers that bound each request (outermost first): the JSON
+/// of errors and the counts; the time to answer; the requests in flight; the body's
+/// size; the body's silences.
+pub(crate) fn router(pool: Arc<InferencePool>, limits: &Limits) -> Router {
+    let app = Arc::new(App { pool, counts: Counts::default(), limits: *limits });
+    let wrong_method = |allow: &'static str, message: &'static str| {
+        move || async move { ApiError { allow: Some(allow), ..ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message) } }
+    };
+    let layers = ServiceBuilder::new()
+        .layer(middleware::from_fn_with_state(Arc::clone(&app), observe))
+        .layer(TimeoutLayer::with_status_code(StatusCode::SERVICE_UNAVAILABLE, limits.request_time))
+        .layer(GlobalConcurrencyLimitLayer::new(limits.in_flight))
+        .layer(RequestBodyLimitLayer::new(limits.max_body))
+        .layer(RequestBodyTimeoutLayer::new(limits.body_idle));
+    Router::new()
+        .route("/predict", post(predict).fallback(wrong_method("POST", "use POST /predict")))
+        // axum answers HEAD with the GET route's head; this server takes GET only.
+        .route(
+            "/stats",
+            get(stats).head(wrong_method("GET", "use GET /stats")).fallback(wrong_method("GET", "use GET /stats")),
+        )
+        .fallback(|request: Request| async move {
+            let path = request.uri().path();
+            ApiError::new(StatusCode::NOT_FOUND, format!("no such path '{path}': use POST /predict or GET /stats"))
+        })
+        .layer(layers)
+        .with_state(app)
+}
+
+/// Counts each answer, and gives the layers' errors (413, 503; plain text or empty) a
+/// JSON body as the handlers' own.
+async fn observe(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let predict = request.uri().path() == "/predict";
+    let mut response = next.run(request).await;
+    let status = response.status();
+    let json = response.headers().get(CONTENT_TYPE).is_some_and(|t| t == "application/json");
+    if (status.is_client_error() || status.is_server_error()) && !json {
+        let message = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                format!("the body is larger than the limit of {} bytes", app.limits.max_body)
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                format!("no answer within {} ms: the server is busy; try again", app.limits.request_time.as_millis())
+            }
+            _ => status.canonical_reason().unwrap_or("refused").to_string(),
+        };
+        response = ApiError::new(status, message).into_response();
+    }
+    app.counts.record(predict, status);
+    response
+}
+
+/// `GET /stats`: the pool's statistics and the server's counts.
+async fn stats(State(app): State<Arc<App>>) -> Response {
+    let mut stats: Value = serde_json::from_str(&app.pool.stats().to_json()).expect("the pool's JSON");
+    let counts = &app.counts;
+    stats["http"] = serde_json::json!({
+        "requests": counts.requests.load(Ordering::Relaxed),
+        "predictions": counts.predictions.load(Ordering::Relaxed),
+        "client_errors": counts.client_errors.load(Ordering::Relaxed),
+        "server_errors": counts.server_errors.load(Ordering::Relaxed),
+    });
+    json(StatusCode::OK, stats.to_string())
+}
+
+/// `POST /predict`: the body read and checked, the rows run through the pool on a
+/// blocking thread.
+async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let deadline = Instant::now() + app.limits.request_time;
+    if headers.contains_key(TRANSFER_ENCODING) {
+        return Err(ApiError::new(
+            StatusCode::LENGTH_REQUIRED,
+            "chunked bodies are not taken: send the body with a Content-Length",
+        ));
+    }
+    if !headers.contains_key(CONTENT_LENGTH) {
+        return Err(ApiError::new(StatusCode::LENGTH_REQUIRED, "a request with a body needs a Content-Length"));
+    }
+    let body = to_bytes(body, app.limits.max_body).await.map_err(|e| body_error(&e, &app.limits))?;
+    let x = parse_inputs(&body, app.pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
+
+    let pool = Arc::clone(&app.pool);
+    let inference = tokio::task::spawn_blocking(move || {
+        // Never longer than the request may take: past it, no one reads the answer.
+        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut probabilities = Array2::zeros((x.nrows(), pool.model().classes()));
+        pool.output_timeout(x.view(), probabilities.view_mut(), wait).map(|()| probabilities)
+    });
+    let probabilities = match inference.await {
+        Ok(Ok(probabilities)) => probabilities,
+        Ok(Err(e)) => {
+            let status = match e {
+                Error::NonFinite { .. } | Error::ShapeMismatch { .. } | Error::InvalidInput { .. } => {
+                    StatusCode::BAD_REQUEST
+                }
+                Error::PoolBusy { .. } | Error::Timeout { .. } | Error::PoolClosed => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            };
+            return Err(ApiError::new(status, e.to_string()));
+        }
+        Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
+    };
+    let classes: Vec<u32> = probabilities
+        .rows()
+        .into_iter()
+        .map(|row| {
+            // The first of equal maxima, as `Network::predict_into`.
+            let mut best = 0;
+            for (class, &p) in row.iter().enumerate() {
+                if p > row[best] {
+                    best = class;
+                }
+            }
+            best as u32
+        })
+        .collect();
+    let rows: Vec<Vec<f32>> = probabilities.rows().into_iter().map(|r| r.to_vec()).collect();
+    // Serialized as f32 (the shortest text that reads back as the same f32), not widened
+    // to f64 as a `serde_json::Value` would.
+    let classes = serde_json::to_string(&classes).expect("numbers");
+    let rows = serde_json::to_string(&rows).expect("finite numbers");
+    Ok(json(StatusCode::OK, format!("{{\"classes\":{classes},\"probabilities\":{rows}}}")))
+}
+
+/// The answer to a body that could not be read: too large (the client sent more than
+/// its Content-Length said it would not), silent too long, or cut short.
+fn body_error(e: &axum::Error, limits: &Limits) -> ApiError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = e.source();
+    while let Some(error) = source {
+        if error.is::<http_body_util::LengthLimitError>() {
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is larger than the limit of {} bytes", limits.max_body),
+            );
+        }
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body stopped for {} ms", limits.body_idle.as_millis()),
+            );
+        }
+        source = error.source();
+    }
+    ApiError::new(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}"))
+}
+
+/// `{"inputs": [[f32; features], …]}` as a matrix, or what is wrong with it.
+fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, String> {
+    let json: Value = serde_json::from_slice(body).map_err(|e| {
+        let text = String::from_utf8_lossy(body);
+        if ["NaN", "Infinity"].iter().any(|word| text.contains(word)) {
+            format!("malformed JSON ({e}): NaN and Infinity are not JSON numbers, and the model takes finite values")
+        } else {
+            format!("malformed JSON: {e}")
+        }
+    })?;
+    let Some(rows) = json.get("inputs") else {
+        return Err("the body needs \"inputs\": [[f32, ...], ...], one row of features per example".into());
+    };
+    let Value::Array(rows) = rows else {
+        return Err("\"inputs\" must be a list of rows, each a list of numbers".into());
+    };
+    if rows.is_empty() {
+        return Err("an empty batch: \"inputs\" holds no rows".into());
+    }
+    // Each value takes at least two bytes of the body ("0,"): no more room than that.
+    let mut values = Vec::with_capacity(rows.len().saturating_mul(features).min(body.len() / 2 + 1));
+    for (r, row) in rows.iter().enumerate() {
+        let Value::Array(row) = row else {
+            return Err(format!("row {r} of \"inputs\" is not a list of numbers"));
+        };
+        if row.len() != features {
+            return Err(format!("row {r} has {} values; the model takes {features} features per row", row.len()));
+        }
+        for (c, value) in row.iter().enumerate() {
+            let Some(number) = value.as_f64() else {
+                return Err(format!("row {r}, column {c} is {value}, not a number"));
+            };
+            // A number beyond f32's range becomes infinite: the pool refuses it, naming it.
+            values.push(number as f32);
+        }
+    }
+    Ok(Array2::from_shape_vec((rows.len(), features), values).expect("rows × features values"))
+}
+
+/// A JSON answer.
+fn json(status: StatusCode, body: String) -> Response {
+    (status, [(CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response()
+}
+
+/// A refused request: its status and `{"error": message}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    /// The methods the path takes (`405` answers).
+    allow: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into(), allow: None }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = json(self.status, serde_json::json!({ "error": self.message }).to_string());
+        if let Some(allow) = self.allow {
+            response.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
+        }
+        response
+    }
+}
