@@ -592,3 +592,20 @@ fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
         }
     }
 }
+
+/// A `max_wait` too long to add to an instant (`Duration::MAX`: wait for a full batch,
+/// however long) is a batch that waits for company, not a worker thread that panics on
+/// the overflow and leaves every later request waiting for ever.
+#[test]
+fn a_batching_wait_too_long_to_represent_waits_for_a_full_batch() {
+    let model = Arc::new(mlp(WorkspaceMode::Enabled, 4).freeze().unwrap());
+    let pool = InferencePool::new(model.clone(), PoolConfig::batched(1, 2, Duration::MAX)).unwrap();
+    let x = random(2, 16, &mut Rng::new(8));
+    let mut one = Array2::zeros((1, 5));
+    let alone = pool.output_timeout(x.slice(ndarray::s![..1, ..]), one.view_mut(), Duration::from_millis(50));
+    assert!(matches!(alone, Err(Error::Timeout { .. })), "a lone row waits for company: {alone:?}");
+    // Two rows fill the batch: it runs at once.
+    let mut two = Array2::zeros((2, 5));
+    pool.output_timeout(x.view(), two.view_mut(), Duration::from_secs(20)).unwrap();
+    assert_eq!(two, model.output(x.view()).unwrap());
+}
