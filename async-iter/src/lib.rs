@@ -149,6 +149,7 @@ pub mod slot_ring;
 mod source;
 mod stats;
 #[allow(unsafe_code)]
+#[doc(hidden)] // carve's own crates' std/loom switch, not a stable API
 pub mod sync;
 #[allow(unsafe_code)]
 mod view;

@@ -6,7 +6,7 @@ use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
 use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param};
-use super::limits::try_filled;
+use super::limits::config_filled;
 use super::parallel::{DenseShape, ParallelLayer};
 use super::Rng;
 
@@ -80,7 +80,7 @@ impl Dense {
             });
         };
         let zeros = |len: usize| {
-            try_filled(len, 0.0, || {
+            config_filled(len, 0.0, || {
                 format!("dense layer '{name}' of {inputs} × {outputs} weights (check the layer widths)")
             })
         };

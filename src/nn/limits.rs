@@ -28,6 +28,11 @@ use crate::{Error, Result};
 /// ```
 pub const MAX_THREADS: usize = 4096;
 
+/// The most workers (processes, typically MPI ranks) that a [`Reducer`](crate::nn::Reducer)
+/// may report: a trainer keeps a report and a partial loss per worker and walks them
+/// every step.
+pub const MAX_RANKS: usize = 1 << 20;
+
 /// Refuses a count of threads, arenas or workers above [`MAX_THREADS`] (and zero),
 /// naming `what` asked for them.
 pub(crate) fn check_threads(what: &str, count: usize) -> Result<()> {
@@ -45,23 +50,30 @@ pub(crate) fn check_threads(what: &str, count: usize) -> Result<()> {
     Ok(())
 }
 
-/// `len` elements of `value`, allocated fallibly: a length the machine cannot give
-/// (or whose bytes overflow) is [`Error::InvalidConfig`] saying `what` needed them.
-pub(crate) fn try_filled<T: Clone>(len: usize, value: T, what: impl FnOnce() -> String) -> Result<Vec<T>> {
-    let mut values = try_with_capacity(len, what)?;
+/// `len` elements of `value`, allocated fallibly: a length the machine cannot give (or
+/// whose bytes overflow) is the reason, `"N bytes cannot be allocated (…)"`, for the
+/// caller's own error.
+pub(crate) fn reserve_filled<T: Clone>(len: usize, value: T) -> std::result::Result<Vec<T>, String> {
+    let mut values = reserve(len)?;
     values.resize(len, value);
     Ok(values)
 }
 
 /// An empty vector with room for `len` elements, allocated fallibly (see
-/// [`try_filled`]).
-pub(crate) fn try_with_capacity<T>(len: usize, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+/// [`reserve_filled`]).
+pub(crate) fn reserve<T>(len: usize) -> std::result::Result<Vec<T>, String> {
     let mut values = Vec::new();
     if let Err(e) = values.try_reserve_exact(len) {
         let bytes = len.checked_mul(size_of::<T>()).map_or_else(|| "more than usize::MAX".into(), |b| b.to_string());
-        return Err(Error::InvalidConfig { reason: format!("{} ({bytes} bytes) cannot be allocated: {e}", what()) });
+        return Err(format!("{bytes} bytes cannot be allocated ({e})"));
     }
     Ok(values)
+}
+
+/// [`reserve_filled`] for a configuration: the reason is [`Error::InvalidConfig`]
+/// naming `what`.
+pub(crate) fn config_filled<T: Clone>(len: usize, value: T, what: impl FnOnce() -> String) -> Result<Vec<T>> {
+    reserve_filled(len, value).map_err(|why| Error::InvalidConfig { reason: format!("{}: {why}", what()) })
 }
 
 #[cfg(test)]
@@ -79,10 +91,10 @@ mod tests {
 
     #[test]
     fn sizes_the_machine_cannot_give_are_errors_not_aborts() {
-        let e = try_filled(1usize << 60, 0.0f32, || "a huge buffer".into()).unwrap_err().to_string();
-        assert!(e.contains("a huge buffer") && e.contains("4611686018427387904 bytes"), "{e}");
-        let e = try_with_capacity::<u64>(usize::MAX, || "an overflowing buffer".into()).unwrap_err().to_string();
-        assert!(e.contains("more than usize::MAX"), "{e}");
-        assert_eq!(try_filled(3, 1.5f32, String::new).unwrap(), vec![1.5; 3]);
+        let e = config_filled(1usize << 60, 0.0f32, || "a huge buffer".into()).unwrap_err().to_string();
+        assert!(e.contains("a huge buffer: 4611686018427387904 bytes cannot be allocated"), "{e}");
+        let e = reserve::<u64>(usize::MAX).unwrap_err();
+        assert!(e.starts_with("more than usize::MAX bytes"), "{e}");
+        assert_eq!(reserve_filled(3, 1.5f32).unwrap(), vec![1.5; 3]);
     }
 }

@@ -4,9 +4,11 @@
 //! two or three threads, in the manner of tokio's `loom_oneshot.rs`:
 //!
 //! - the batcher's tickets: a caller's `submit` (and its leaving, on a timeout) against
-//!   a worker's settle, with the close racing them;
+//!   a worker's settle, with the close racing them; a request split across two batches
+//!   against the close;
 //! - the arenas' turns: a grant to the oldest waiter against a returning lease and the
-//!   close;
+//!   close; two arenas given back to two waiters (the wake-up passed on); a warm-up's
+//!   reservation against a returning lease;
 //! - the workers' barrier ([`Gate`]): a break against a turn;
 //! - the reducer's double-buffered buckets ([`Threads::reduce`]): two workers, two
 //!   steps.
@@ -17,7 +19,7 @@
 //! Time does not pass under loom: a zero timeout (or starving bound, or batching wait)
 //! has expired at once, any other never does.
 //!
-//! Run: `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
+//! Run (CI's bound): `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=3 \
 //!       cargo test -p carve --lib --release nn::loom`
 
 use std::sync::Arc;
@@ -49,10 +51,14 @@ fn a_request_returns_only_when_its_rows_are_no_longer_written() {
         let worker = {
             let batcher = Arc::clone(&batcher);
             thread::spawn(move || {
-                batcher.work(buffers, |x, scatter| {
-                    scatter(x.mapv(|v| v * 2.0).view());
-                    Ok(())
-                })
+                batcher.work(
+                    buffers,
+                    || Ok(()),
+                    |(), x, scatter| {
+                        scatter(x.mapv(|v| v * 2.0).view());
+                        Ok(())
+                    },
+                )
             })
         };
         let closer = {
@@ -66,6 +72,46 @@ fn a_request_returns_only_when_its_rows_are_no_longer_written() {
         worker.join().unwrap();
         closer.join().unwrap();
         assert!(out[[0, 0]] == seen && (result.is_err() || seen == 6.0), "{result:?}: saw {seen}, then {out}");
+    });
+}
+
+/// A request of two rows, split across two batches of one row each (the worker takes a
+/// ticket's rows in two goes), waiting without a deadline, against the close: it gets
+/// both rows' results, or `PoolClosed` once no worker holds a row of it.
+#[test]
+fn a_request_split_across_batches_gets_every_row_or_the_close() {
+    loom::model(|| {
+        let config = PoolConfig::batched(1, 1, Duration::ZERO);
+        let batcher = Arc::new(Batcher::new(&config, 1, 1));
+        let buffers = BatchBuffers::new(&config, 1).unwrap();
+        let worker = {
+            let batcher = Arc::clone(&batcher);
+            thread::spawn(move || {
+                batcher.work(
+                    buffers,
+                    || Ok(()),
+                    |(), x, scatter| {
+                        scatter(x.mapv(|v| v * 2.0).view());
+                        Ok(())
+                    },
+                )
+            })
+        };
+        let closer = {
+            let batcher = Arc::clone(&batcher);
+            thread::spawn(move || batcher.close())
+        };
+        let x = Array2::from_shape_vec((2, 1), vec![3.0f32, 4.0]).unwrap();
+        let mut out = Array2::from_elem((2, 1), -1.0f32);
+        let result = batcher.submit(x.view(), out.view_mut(), Wait::Forever, &Counters::default());
+        let seen = out.clone();
+        worker.join().unwrap();
+        closer.join().unwrap();
+        let whole = seen.as_slice() == Some(&[6.0, 8.0][..]);
+        assert!(
+            out == seen && (whole || matches!(result, Err(Error::PoolClosed))),
+            "{result:?}: saw {seen}, then {out}"
+        );
     });
 }
 
@@ -156,5 +202,57 @@ fn two_workers_two_steps_sum_their_own_steps_buckets() {
         let outcomes: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
         let wrong: Vec<_> = outcomes.iter().flat_map(|(wrong, _)| wrong.iter()).collect();
         assert!(wrong.is_empty(), "sums other than this step's (step, index, value): {wrong:?}");
+    });
+}
+
+/// Two arenas, both held; two callers wait (the arenas go to whoever comes first: the
+/// starving bound never passes). Both arenas come back one after the other, and the
+/// waiters keep what they get: each gets one, though each give-back wakes only the
+/// oldest waiter's stripe (the first woken passes the wake-up on).
+#[test]
+fn two_arenas_given_back_reach_two_waiters() {
+    loom::model(|| {
+        let turns = Arc::new(Turns::new(2, Duration::MAX));
+        let counters = Counters::default();
+        let held = [0, 1].map(|_| turns.lease(Wait::Forever, &counters).unwrap());
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let turns = Arc::clone(&turns);
+                // Each keeps its arena: the other is served by the give-backs alone.
+                thread::spawn(move || turns.lease(Wait::Forever, &Counters::default()).unwrap())
+            })
+            .collect();
+        for index in held {
+            turns.give_back(index);
+        }
+        let mut got: Vec<usize> = waiters.into_iter().map(|waiter| waiter.join().unwrap()).collect();
+        got.sort_unstable();
+        for &index in &got {
+            turns.give_back(index);
+        }
+        assert!(got == [0, 1] && turns.free_count() == 2, "{got:?}");
+    });
+}
+
+/// A warm-up reserves the one arena while its lessee gives it back: the warm-up gets it
+/// (ahead of any waiter), and gives it back to the free list.
+#[test]
+fn a_reservation_racing_a_returning_lease_gets_the_arena() {
+    loom::model(|| {
+        let turns = Arc::new(Turns::new(1, Duration::ZERO));
+        let held = turns.lease(Wait::Forever, &Counters::default()).unwrap();
+        let warm_up = {
+            let turns = Arc::clone(&turns);
+            thread::spawn(move || {
+                let reserved = turns.reserve(0);
+                if reserved.is_ok() {
+                    turns.give_back(0);
+                }
+                reserved
+            })
+        };
+        turns.give_back(held);
+        let reserved = warm_up.join().unwrap();
+        assert!(reserved.is_ok() && turns.free_count() == 1, "{reserved:?}");
     });
 }

@@ -10,7 +10,7 @@ use super::gemm::{scratch_len, sgemm};
 use super::layer::{
     check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param,
 };
-use super::limits::try_filled;
+use super::limits::{config_filled, reserve_filled};
 use super::parallel::{LstmShape, ParallelLayer};
 use super::Rng;
 
@@ -123,7 +123,7 @@ impl Lstm {
         }
         let zeros = |rows: usize| -> Result<Array2<f32>> {
             let what = || format!("LSTM layer '{name}' of {inputs} inputs and {hidden} units: its weights");
-            let values = try_filled(rows * columns, 0.0, what)?;
+            let values = config_filled(rows * columns, 0.0, what)?;
             Ok(Array2::from_shape_vec((rows, columns), values).expect("rows × columns values"))
         };
         Ok(Lstm {
@@ -582,9 +582,14 @@ impl Lstm {
             // Workspaces off: the cache is a heap array, reserved fallibly like the
             // workspaces' own heap allocations.
             let len = steps.saturating_mul(batch).saturating_mul(width);
-            let what = || format!("LSTM layer '{}': the forward cache of {steps} steps × {batch} rows", self.name);
-            let mut cache = Array3::from_shape_vec((steps, batch, width), try_filled(len, 0.0, what)?)
-                .expect("steps × batch × width values");
+            let values = reserve_filled(len, 0.0).map_err(|why| {
+                Error::InvalidInput(format!(
+                    "LSTM layer '{}': the forward cache of {steps} steps × {batch} rows: {why}; use smaller batches",
+                    self.name
+                ))
+            })?;
+            let mut cache =
+                Array3::from_shape_vec((steps, batch, width), values).expect("steps × batch × width values");
             self.run_forward(p, input, mask, cache.view_mut(), false, &mut out, ctx)?;
             Cache::Heap(cache)
         } else {

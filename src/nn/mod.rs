@@ -58,7 +58,7 @@ mod updater;
 
 pub use dense::Dense;
 pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, Layer, Param};
-pub use limits::MAX_THREADS;
+pub use limits::{MAX_RANKS, MAX_THREADS};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{

@@ -699,3 +699,25 @@ fn a_file_cut_short_under_the_reader_is_an_error() {
     let refused = Model::load(&path).map(drop).unwrap_err();
     assert!(matches!(refused, Error::ModelFile { .. }), "{refused}");
 }
+
+/// Layers that all claim one tensor would make a small file as costly to load as the
+/// layers are many (each read the tensor anew): each tensor belongs to one layer.
+#[test]
+fn a_tensor_claimed_by_two_layers_is_refused_before_anything_is_read() {
+    let dir = Scratch::new();
+    let layer = |name: &str| {
+        format!(
+            r#"{{\"kind\":\"dense\",\"name\":\"{name}\",\"tensors\":\"fc\",\"inputs\":2,\"outputs\":2}},{{\"kind\":\"relu\",\"name\":\"r{name}\"}}"#
+        )
+    };
+    let layers = (0..400).map(|i| layer(&format!("d{i}"))).collect::<Vec<_>>().join(",");
+    let config = format!(r#"{{\"version\":1,\"inputs\":2,\"layers\":[{layers}]}}"#);
+    let header = format!(
+        r#"{{"__metadata__":{{"carve.model":"{config}"}},"fc.weight":{{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}},"fc.bias":{{"dtype":"F32","shape":[2],"data_offsets":[16,24]}}}}"#
+    );
+    let data: Vec<u8> = [0.5f32, -0.5, 0.25, 1.0, 0.0, 0.1].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let refused = load_bytes(&dir, &file_of(&header, &data)).map(drop).unwrap_err();
+    let message = refused.to_string();
+    assert!(matches!(&refused, Error::ModelFile { tensor: Some(t), .. } if t == "fc.weight"), "{refused}");
+    assert!(message.contains("layer 'd1' reads it, but another layer already does"), "{message}");
+}

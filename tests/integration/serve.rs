@@ -591,6 +591,29 @@ fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
             assert!(matches!(&refused, Error::InvalidConfig { reason } if reason.contains("workers")), "{refused}");
         }
     }
+    // A reducer (a safe trait: untrusted) that claims more workers than a trainer keeps
+    // reports for: refused before a report is allocated.
+    struct Vast(usize);
+    impl carve::nn::Reducer for Vast {
+        fn workers(&self) -> usize {
+            self.0
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn reduce(&mut self, _: &mut [f32]) -> carve::Result<std::ops::Range<usize>> {
+            unreachable!("never called: the trainer is refused")
+        }
+        fn exchange(&mut self, _: carve::nn::Report, _: &mut [carve::nn::Report]) -> carve::Result<()> {
+            unreachable!("never called: the trainer is refused")
+        }
+    }
+    for workers in [carve::nn::MAX_RANKS + 1, 1 << 40, usize::MAX] {
+        let refused = DataParallel::with_reducer(mlp(WorkspaceMode::Enabled, 2), Box::new(Vast(workers)), 1 << 20)
+            .map(drop)
+            .unwrap_err();
+        assert!(matches!(&refused, Error::InvalidConfig { reason } if reason.contains("MAX_RANKS")), "{refused}");
+    }
 }
 
 /// A `max_wait` too long to add to an instant (`Duration::MAX`: wait for a full batch,
@@ -608,4 +631,74 @@ fn a_batching_wait_too_long_to_represent_waits_for_a_full_batch() {
     let mut two = Array2::zeros((2, 5));
     pool.output_timeout(x.view(), two.view_mut(), Duration::from_secs(20)).unwrap();
     assert_eq!(two, model.output(x.view()).unwrap());
+}
+
+/// Issue: a batched worker took a request's rows, then waited for an arena without
+/// limit, and the request waited for its rows: `output_timeout` returned only when the
+/// arena came back (never, when the caller held it). A worker now takes rows only once
+/// it holds an arena, so a request's timeout holds whatever the arenas do.
+#[test]
+fn a_batched_requests_timeout_holds_while_every_arena_is_leased() {
+    let model = Arc::new(mlp(WorkspaceMode::Enabled, 6).freeze().unwrap());
+    let pool = InferencePool::new(model.clone(), PoolConfig::batched(1, 4, Duration::ZERO)).unwrap();
+    let x = random(2, 16, &mut Rng::new(12));
+    let mut out = Array2::zeros((2, 5));
+    // The caller itself holds the only arena.
+    let lease = pool.lease().unwrap();
+    let start = std::time::Instant::now();
+    let waited = pool.output_timeout(x.view(), out.view_mut(), Duration::from_millis(100));
+    let took = start.elapsed();
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+    assert!(took < Duration::from_secs(5), "the timeout of 100 ms returned after {took:?}");
+    // The forms that wait without a deadline would wait for this thread's own lease:
+    // refused at once, in both modes.
+    let refused = pool.try_output(x.view(), out.view_mut());
+    assert!(matches!(&refused, Err(Error::InvalidInput(m)) if m.contains("would wait for itself")), "{refused:?}");
+    assert!(matches!(pool.output(x.view()), Err(Error::InvalidInput(_))));
+    drop(lease);
+    let direct = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let held = direct.lease().unwrap();
+    assert!(matches!(direct.output(x.view()), Err(Error::InvalidInput(_))));
+    assert!(matches!(direct.try_output(x.view(), out.view_mut()), Err(Error::PoolBusy { .. })));
+    let forgotten = direct.lease_timeout(Duration::from_millis(10));
+    assert!(matches!(forgotten, Err(Error::Timeout { .. })), "{forgotten:?}");
+    std::mem::forget(held);
+    assert!(matches!(direct.output(x.view()), Err(Error::InvalidInput(_))), "a forgotten lease is still held");
+    // Another thread holds it for a while: the timeout still holds, and the pool serves
+    // once the arena is back.
+    std::thread::scope(|s| {
+        let (leased, wait) = std::sync::mpsc::channel();
+        let pool = &pool;
+        let holder = s.spawn(move || {
+            let held = pool.lease().unwrap();
+            leased.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(400));
+            drop(held);
+        });
+        wait.recv().unwrap();
+        let start = std::time::Instant::now();
+        let waited = pool.output_timeout(x.view(), out.view_mut(), Duration::from_millis(50));
+        assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+        assert!(start.elapsed() < Duration::from_millis(350), "returned after {:?}", start.elapsed());
+        holder.join().unwrap();
+    });
+    pool.output_timeout(x.view(), out.view_mut(), Duration::from_secs(20)).unwrap();
+    assert_eq!(out, model.output(x.view()).unwrap());
+}
+
+/// A broadcast input claims any number of rows for the memory of one: a batched pool's
+/// `output` checked the request only after allocating its answer, and the process
+/// aborted. Both modes refuse it with a typed error.
+#[test]
+fn a_broadcast_input_of_vast_rows_is_an_error_in_both_modes() {
+    let model = Arc::new(mlp(WorkspaceMode::Enabled, 9).freeze().unwrap());
+    let row = Array2::<f32>::ones((1, 16));
+    let vast = row.broadcast((1 << 40, 16)).unwrap();
+    for config in [PoolConfig::batched(1, 4, Duration::ZERO), PoolConfig::direct(1)] {
+        let pool = InferencePool::new(model.clone(), config).unwrap();
+        let refused = pool.output(vast.view());
+        assert!(refused.is_err(), "{:?}", pool.config().mode);
+        // And the pool goes on.
+        assert_eq!(pool.output(row.view()).unwrap(), model.output(row.view()).unwrap());
+    }
 }

@@ -29,6 +29,7 @@ use serde_json::{json, Value};
 
 use self::safetensors::{file_error, Out, Tensors};
 use super::layer::{Frozen, FrozenLayer};
+use super::limits::reserve_filled;
 use super::{Dense, LastStep, Lstm, MaskedMean, Model, Network, NetworkConfig, Relu};
 use crate::{Error, Result};
 
@@ -389,7 +390,18 @@ impl Found {
                 continue;
             }
             file.check(&key, &shape)?;
-            used.insert(key.clone());
+            if !used.insert(key.clone()) {
+                // Read once per layer that claims it, a tensor shared by many layers would
+                // make a small file cost any memory and time to load.
+                return Err(file_error(
+                    file.path(),
+                    Some(&key),
+                    format!(
+                        "layer '{}' reads it, but another layer already does: each tensor belongs to one layer",
+                        short(&name)
+                    ),
+                ));
+            }
             tensors.push(Some(key));
         }
         if let [_, _, ih, hh] = tensors.as_slice() {
@@ -406,47 +418,72 @@ impl Found {
     }
 
     /// Reads the layer's tensors and makes the layer.
+    ///
+    /// A tensor is read into a buffer of its own and laid out anew (transposed, gates
+    /// reordered) into another: loading a layer takes up to twice its largest tensor,
+    /// every buffer reserved fallibly (a model the machine cannot hold is an error
+    /// naming the tensor, not an abort).
     fn load(self, file: &Tensors) -> Result<Box<dyn FrozenLayer>> {
         let shapes = self.kind.tensors();
         let read = |slot: usize| -> Result<Option<Vec<f32>>> {
             self.tensors[slot].as_deref().map(|key| file.values(key, &shapes[slot].1)).transpose()
         };
+        // A buffer of `len` values of `value` for the tensor in `slot` (its new layout,
+        // or the zeros of a bias the file does not have).
+        let filled = |slot: usize, len: usize, value: f32| {
+            reserve_filled(len, value).map_err(|why| {
+                let tensor = self.tensors[slot].clone().unwrap_or_else(|| shapes[slot].0.to_string());
+                file_error(file.path(), Some(&tensor), format!("{why}: the machine cannot hold this model"))
+            })
+        };
         let name = self.name.as_str();
         Ok(match self.kind {
             Kind::Dense { inputs, outputs } => {
-                let weight = read(0)?.expect("a weight is required");
-                let bias = read(1)?.unwrap_or_else(|| vec![0.0; outputs]);
-                // [out, in] → [in, out]
-                let weights = Array2::from_shape_vec((outputs, inputs), weight).expect("checked shape").reversed_axes();
-                let weights = weights.as_standard_layout().into_owned();
+                let weight = Array2::from_shape_vec((outputs, inputs), read(0)?.expect("a weight is required"))
+                    .expect("checked shape");
+                // [out, in] → [in, out]: the same memory when either is 1.
+                let weights = if inputs == 1 || outputs == 1 {
+                    weight.into_shape_with_order((inputs, outputs)).expect("one row or column")
+                } else {
+                    let mut weights = Array2::from_shape_vec((inputs, outputs), filled(0, weight.len(), 0.0)?)
+                        .expect("inputs × outputs values");
+                    weights.assign(&weight.t());
+                    weights
+                };
+                let bias = match read(1)? {
+                    Some(bias) => bias,
+                    None => filled(1, outputs, 0.0)?,
+                };
                 Box::new(Frozen(Dense::from_parts(name, weights, Array1::from(bias))))
             }
             Kind::Lstm { inputs, hidden: h } => {
-                let from_torch = |t: Vec<f32>, rows: usize| {
+                let from_torch = |slot: usize, rows: usize| -> Result<Array2<f32>> {
                     // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
-                    let t = Array2::from_shape_vec((4 * h, rows), t).expect("checked shape");
-                    let mut w = Array2::<f32>::zeros((rows, 4 * h));
+                    let t =
+                        Array2::from_shape_vec((4 * h, rows), read(slot)?.expect("required")).expect("checked shape");
+                    let mut w =
+                        Array2::from_shape_vec((rows, 4 * h), filled(slot, t.len(), 0.0)?).expect("rows × 4h values");
                     for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                         for j in 0..h {
                             w.column_mut(c * h + j).assign(&t.row(torch * h + j));
                         }
                     }
-                    w
+                    Ok(w)
                 };
-                let w = from_torch(read(0)?.expect("required"), inputs);
-                let u = from_torch(read(1)?.expect("required"), h);
+                let w = from_torch(0, inputs)?;
+                let u = from_torch(1, h)?;
                 // Both biases or neither: checked by `find`.
                 let (b_ih, b_hh) = match (read(2)?, read(3)?) {
                     (Some(ih), Some(hh)) => (ih, hh),
-                    _ => (vec![0.0; 4 * h], vec![-0.0; 4 * h]),
+                    _ => (filled(2, 4 * h, 0.0)?, filled(3, 4 * h, -0.0)?),
                 };
-                let mut b = Array1::<f32>::zeros(4 * h);
+                let mut b = filled(2, 4 * h, 0.0)?;
                 for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                     for j in 0..h {
                         b[c * h + j] = b_ih[torch * h + j] + b_hh[torch * h + j];
                     }
                 }
-                Box::new(Frozen(Lstm::from_parts(name, w, u, b)))
+                Box::new(Frozen(Lstm::from_parts(name, w, u, Array1::from(b))))
             }
             Kind::Relu => Box::new(Frozen(Relu::named(name))),
             Kind::LastStep => Box::new(Frozen(LastStep::named(name))),

@@ -33,7 +33,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::nn::limits::try_with_capacity;
+use crate::nn::limits::reserve;
 use crate::{Error, Result};
 
 /// The header key of the string-to-string metadata.
@@ -74,13 +74,16 @@ pub(crate) struct Out {
 /// The error for `path`, naming `tensor` when there is one.
 pub(crate) fn file_error(path: &str, tensor: Option<&str>, reason: impl Into<String>) -> Error {
     let reason = reason.into();
+    // A name comes from the file: shortened, so that a hostile one cannot make the error
+    // as large as the header.
+    let tensor = tensor.map(super::short);
     Error::ModelFile {
         path: path.to_string(),
-        tensor: tensor.map(str::to_string),
-        reason: match tensor {
+        reason: match &tensor {
             Some(name) => format!("tensor '{name}': {reason}"),
             None => reason,
         },
+        tensor,
     }
 }
 
@@ -89,10 +92,14 @@ impl Tensors {
     pub(crate) fn open(path: &Path) -> Result<Tensors> {
         let shown = path.display().to_string();
         let cannot = |e: std::io::Error| file_error(&shown, None, format!("cannot be read: {e}"));
-        // Non-blocking, so that opening a FIFO does not wait for a writer; the type is
-        // then checked on what was opened. Not a FIFO, a device or a directory: those
+        // Non-blocking, so that opening a FIFO does not wait for a writer (and never the
+        // process's controlling terminal); the type is then checked on what was opened. Not a FIFO, a device or a directory: those
         // have no size to check against.
-        let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(cannot)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(cannot)?;
         let meta = file.metadata().map_err(cannot)?;
         if !meta.is_file() {
             return Err(file_error(&shown, None, "is not a regular file"));
@@ -125,7 +132,7 @@ impl Tensors {
             ));
         }
         // At most MAX_HEADER bytes: the only part of the file read before it is checked.
-        let mut header = try_with_capacity::<u8>(declared as usize, || "the file's header".into())?;
+        let mut header = reserve::<u8>(declared as usize).map_err(|why| fail(None, format!("its header: {why}")))?;
         header.resize(declared as usize, 0);
         file.read_exact_at(&mut header, 8).map_err(cannot)?;
         let header: Value =

@@ -212,9 +212,11 @@ fn helper(shared: &Shared, p: usize) {
                     if scratch.len() < need {
                         // The largest product so far: its buffers stay for the next ones.
                         // Reserved fallibly: a size the machine cannot give fails the
-                        // product (the panic is caught below), never the process.
+                        // product, never the process.
                         if let Err(e) = scratch.try_reserve_exact(need - scratch.len()) {
-                            panic!("a matrix multiply's packing buffer of {need} values cannot be allocated: {e}");
+                            return Err(format!(
+                                "a matrix multiply's packing buffer of {need} values cannot be allocated ({e})"
+                            ));
                         }
                         scratch.resize(need, MaybeUninit::uninit());
                     }
@@ -222,6 +224,7 @@ fn helper(shared: &Shared, p: usize) {
                     // gate, which this thread reaches only after this call; part `p` of C
                     // is this thread's alone; the buffer was just sized for the part.
                     unsafe { job.run(p, &mut scratch) };
+                    Ok(())
                 }
                 Task::Parts(parts) => {
                     let (start, end) = parts.range(p);
@@ -230,10 +233,16 @@ fn helper(shared: &Shared, p: usize) {
                         // this thread reaches only after this call.
                         unsafe { (*parts.f)(start, end) };
                     }
+                    Ok(())
                 }
             }));
-            if let Err(panic) = ran {
-                *shared.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(panic_message(panic));
+            let failure = match ran {
+                Ok(Ok(())) => None,
+                Ok(Err(message)) => Some(message),
+                Err(panic) => Some(panic_message(panic)),
+            };
+            if let Some(message) = failure {
+                *shared.failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(message);
             }
         }
         shared.done.wait();
@@ -290,7 +299,7 @@ impl Shared {
             resume_unwind(panic);
         }
         if let Some(message) = self.failed.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            panic!("a matrix-multiply thread panicked: {message}");
+            panic!("a matrix-multiply thread failed: {message}");
         }
         true
     }

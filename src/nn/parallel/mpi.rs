@@ -175,7 +175,7 @@ impl Mpi {
 /// given up, never completed (its buffers must then never be freed).
 fn wait_until<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
     mut request: mpi::request::Request<'a, D, S>,
-    deadline: Instant,
+    deadline: Option<Instant>,
 ) -> bool {
     let mut polls = 0u32;
     loop {
@@ -183,7 +183,7 @@ fn wait_until<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
             Ok(_) => return true,
             Err(pending) => request = pending,
         }
-        if Instant::now() >= deadline {
+        if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
             // SAFETY: unregistered from its scope so that the scope's end does not abort
             // the process before the caller says why; the caller's next and last MPI call
             // is `MPI_Abort`, and it returns to nothing that could free the buffers.
@@ -223,7 +223,8 @@ impl Reducer for Mpi {
         let n = mine.len();
         self.pieces.resize(n * p, 0.0);
         self.sums.resize(n, 0.0);
-        let deadline = Instant::now() + self.timeout;
+        // A timeout too long to represent never expires.
+        let deadline = Instant::now().checked_add(self.timeout);
         // All-to-all: rank q gets its share of this bucket; this rank gets its share of
         // every bucket, by source rank.
         count(len)?;
@@ -266,7 +267,8 @@ impl Reducer for Mpi {
     fn exchange(&mut self, mine: Report, all: &mut [Report]) -> Result<()> {
         self.check()?;
         self.report[..].copy_from_slice(&[mine.loss_sum.to_bits(), mine.status]);
-        let deadline = Instant::now() + self.timeout;
+        // A timeout too long to represent never expires.
+        let deadline = Instant::now().checked_add(self.timeout);
         let (world, report, reports) = (&self.world, &self.report[..], &mut self.reports[..]);
         let done =
             mpi::request::scope(|scope| wait_until(world.immediate_all_gather_into(scope, report, reports), deadline));

@@ -15,7 +15,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
-use super::super::limits::check_threads;
+use super::super::limits::{check_threads, MAX_RANKS};
 use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network};
 use super::super::serve::Model;
 use super::super::updater::{Updater, UpdaterState};
@@ -226,12 +226,22 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// As [`DataParallel::new`]; the reducer's errors at each step ([`Error::Reduction`]).
+    /// As [`DataParallel::new`]; [`Error::InvalidConfig`] for a reducer of more than
+    /// [`MAX_RANKS`](crate::nn::MAX_RANKS) workers; the reducer's errors at each step
+    /// ([`Error::Reduction`]).
     pub fn with_reducer(network: Network, reducer: Box<dyn Reducer>, bucket_bytes: usize) -> Result<DataParallel> {
         let workers = reducer.workers();
         if workers == 0 || reducer.rank() >= workers {
             return Err(Error::InvalidConfig {
                 reason: format!("a reducer of rank {} among {workers} workers", reducer.rank()),
+            });
+        }
+        if workers > MAX_RANKS {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "a reducer of {workers} workers, more than the {MAX_RANKS} a trainer keeps reports for \
+                     (carve::nn::MAX_RANKS)"
+                ),
             });
         }
         let config = ParallelConfig { workers, reducer: ReducerKind::Process, bucket_bytes };

@@ -83,6 +83,11 @@ impl Arenas {
         Ok(self.guard(index))
     }
 
+    /// Whether the calling thread holds every arena (see [`Turns::all_held_here`]).
+    pub(crate) fn all_held_here(&self) -> bool {
+        self.turns.all_held_here()
+    }
+
     /// Arena `index` for a warm-up (see [`Turns::reserve`]).
     ///
     /// # Errors
@@ -105,8 +110,10 @@ impl Arenas {
     }
 }
 
-/// A leased arena: given back when dropped (a forgotten guard keeps its arena for
-/// good: the pool then has one arena fewer, nothing else).
+/// A leased arena: given back when dropped. A forgotten guard keeps its arena for good:
+/// the pool has one arena fewer, a `warm_up` from another thread waits for it until the
+/// pool is closed, and a request from the forgetting thread that would wait for it
+/// without a deadline is refused.
 #[derive(Debug)]
 pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,

@@ -3,10 +3,12 @@
 //! `max_wait` of the oldest), run as one inference each, and scattered back.
 //!
 //! A request is a [`Ticket`] on its caller's stack: the caller queues a pointer to it
-//! and parks; a worker takes tickets from the front of the queue (a ticket of more rows
-//! than fit is split across batches, in order), copies their rows from the caller's
-//! input into its batch buffer, runs the batch in an arena it leases, writes each
-//! ticket's rows of the result straight into the caller's output and unparks it.
+//! and parks; a worker leases an arena, then takes tickets from the front of the queue
+//! (a ticket of more rows than fit is split across batches, in order), copies their
+//! rows from the caller's input into its batch buffer, runs the batch in the arena,
+//! writes each ticket's rows of the result straight into the caller's output and
+//! unparks it. Rows are taken only once the arena is held, so that no request waits on
+//! a worker that waits for an arena: a request's timeout holds whatever the arenas do.
 //! Nothing is allocated per request or per calling thread, and nothing is copied but
 //! the rows into the batch and the probabilities out of it.
 //!
@@ -33,9 +35,10 @@ use async_iter::panics::{drop_quietly, panic_message};
 use async_iter::sync::{self, AtomicBool, AtomicUsize, Condvar, Deadline, Mutex, MutexGuard, Stopwatch, Thread};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
-use super::arenas::{Counters, Wait};
+use super::arenas::{ArenaGuard, Counters, Wait};
 use super::pool::{PoolConfig, Shared};
-use crate::nn::limits::try_with_capacity;
+use super::turns::waits_for_itself;
+use crate::nn::limits::reserve;
 use crate::nn::network::Input;
 use crate::{Error, Result};
 
@@ -216,7 +219,11 @@ impl Batcher {
             let worker = Arc::clone(shared);
             let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
                 let batcher = worker.batcher.as_ref().expect("a batched pool");
-                batcher.work(buffers, |x, scatter| run_in_arena(&worker, x, scatter));
+                batcher.work(
+                    buffers,
+                    || worker.arenas.lease(Wait::Forever),
+                    |arena, x, scatter| run_in_arena(&worker, arena, x, scatter),
+                );
             });
             match spawned {
                 Ok(thread) => threads.push(thread),
@@ -253,6 +260,11 @@ impl Batcher {
         wait: Wait,
     ) -> Result<()> {
         shared.model.check_request(&x)?;
+        // The workers need an arena to run the batch: none comes while this thread holds
+        // them all.
+        if !matches!(wait, Wait::For(_)) && shared.arenas.all_held_here() {
+            return Err(Error::InvalidInput(waits_for_itself()));
+        }
         let Input::Flat(x) = x else {
             return Err(Error::InvalidInput(
                 "a batched pool coalesces flat rows [batch, features]; serve a sequence model from a direct pool \
@@ -366,99 +378,89 @@ impl BatchBuffers {
     /// Room for `config.max_batch` rows of `inputs` values, reserved fallibly.
     pub(crate) fn new(config: &PoolConfig, inputs: usize) -> Result<BatchBuffers> {
         let rows = config.max_batch;
-        let what = |kind: &'static str| {
-            move || format!("a batch worker's {kind} for max_batch {rows} rows of {inputs} inputs; lower max_batch")
+        let refused = |kind: &'static str| {
+            move |why: String| Error::InvalidConfig {
+                reason: format!(
+                    "a batch worker's {kind} for max_batch {rows} rows of {inputs} inputs: {why}; lower max_batch"
+                ),
+            }
         };
         Ok(BatchBuffers {
-            input: try_with_capacity(rows.saturating_mul(inputs), what("input rows"))?,
-            parts: try_with_capacity(rows, what("request parts"))?,
+            input: reserve(rows.saturating_mul(inputs)).map_err(refused("input rows"))?,
+            parts: reserve(rows).map_err(refused("request parts"))?,
         })
     }
 }
 
-/// Runs one batch in an arena of the pool and hands its probabilities to `scatter`.
-fn run_in_arena(shared: &Shared, x: ArrayView2<'_, f32>, scatter: &mut dyn FnMut(ArrayView2<'_, f32>)) -> Result<()> {
-    shared.arenas.lease(Wait::Forever).and_then(|mut arena| {
-        arena.run(|mgr| {
-            shared.model.infer_in(mgr, Input::Flat(x), |probs| {
-                scatter(probs);
-                Ok(())
-            })
+/// Runs one batch in `arena` and hands its probabilities to `scatter`.
+fn run_in_arena(
+    shared: &Shared,
+    arena: &mut ArenaGuard<'_>,
+    x: ArrayView2<'_, f32>,
+    scatter: &mut dyn FnMut(ArrayView2<'_, f32>),
+) -> Result<()> {
+    arena.run(|mgr| {
+        shared.model.infer_in(mgr, Input::Flat(x), |probs| {
+            scatter(probs);
+            Ok(())
         })
     })
 }
 
 impl Batcher {
-    /// A worker's loop: takes batches until the close, then fails what is left. `run`
-    /// runs a batch (`[rows, inputs]`) and hands its probabilities (`[rows, classes]`)
-    /// to the scatter it is given, which writes each request's rows into its caller's
-    /// output.
-    pub(crate) fn work(
+    /// A worker's loop: takes batches until the close, then fails what is left.
+    ///
+    /// For each batch it first waits for a request (and for the batch to fill or its
+    /// oldest request to have waited `max_wait`), then leases an arena with `lease`,
+    /// and only then takes the rows: a worker never holds a request's rows while it
+    /// waits for an arena, so a request that times out (or whose caller holds the only
+    /// arena) leaves the queue at its deadline. `run` runs the batch (`[rows, inputs]`)
+    /// in the arena and hands its probabilities (`[rows, classes]`) to the scatter it is
+    /// given, which writes each request's rows into its caller's output; a lease that
+    /// fails fails the batch's requests with its error.
+    pub(crate) fn work<A>(
         &self,
         buffers: BatchBuffers,
-        mut run: impl FnMut(ArrayView2<'_, f32>, &mut dyn FnMut(ArrayView2<'_, f32>)) -> Result<()>,
+        mut lease: impl FnMut() -> Result<A>,
+        mut run: impl FnMut(&mut A, ArrayView2<'_, f32>, &mut dyn FnMut(ArrayView2<'_, f32>)) -> Result<()>,
     ) {
-        let (max_batch, inputs) = (self.max_batch, self.inputs);
         let BatchBuffers { mut input, mut parts } = buffers;
         loop {
-            let mut queue = self.queue();
-            // Wait for a request, then for the batch to fill or the oldest to have
-            // waited `max_wait`.
-            loop {
-                if queue.closed {
-                    drop(queue);
-                    return self.fail_pending();
-                }
-                let Some(front) = queue.pending.front() else {
-                    queue = sync::wait(&self.arrived, queue);
-                    continue;
-                };
-                // SAFETY: queued.
-                let batch_by = unsafe { front.get() }.batch_by;
-                if queue.rows >= max_batch {
-                    break;
-                }
-                match batch_by.remaining() {
-                    None => break,
-                    Some(left) => queue = sync::wait_timeout(&self.arrived, queue, left),
-                }
+            if !self.wait_for_batch() {
+                return self.fail_pending();
             }
-            // Take up to `max_batch` rows from the front.
-            let mut rows = 0;
-            while rows < max_batch {
-                let Some(&front) = queue.pending.front() else { break };
-                // SAFETY: queued (and its rows taken here are in flight until settled
-                // below).
-                let ticket = unsafe { front.get() };
-                let from = ticket.taken.load(Ordering::Relaxed);
-                let n = (ticket.rows - from).min(max_batch - rows);
-                let [s0, s1] = ticket.input_strides;
-                for r in from..from + n {
-                    for c in 0..inputs {
-                        // SAFETY: (r, c) is inside the caller's input `[rows, inputs]`,
-                        // lent for the call, which lasts while the ticket is queued.
-                        input.push(unsafe { *ticket.input.offset(r as isize * s0 + c as isize * s1) });
-                    }
-                }
-                parts.push(Part { ticket: front, from, rows: n, at: rows });
-                ticket.taken.store(from + n, Ordering::Relaxed);
-                rows += n;
-                if from + n == ticket.rows {
-                    ticket.queued.store(false, Ordering::Relaxed);
-                    queue.pending.pop_front();
-                }
+            let arena = lease();
+            let rows = self.take(&mut input, &mut parts);
+            if rows == 0 {
+                // Every request left while this worker waited for an arena.
+                continue;
             }
-            queue.rows -= rows;
-            drop(queue);
             // Whatever happens below, every part is settled after it (a panic here would
             // otherwise leave its callers waiting for ever).
-            let x = ArrayView2::from_shape((rows, inputs), &input[..]).expect("rows × inputs values");
-            let ran = catch_unwind(AssertUnwindSafe(|| run(x, &mut |probs| self.scatter(probs, &parts))));
-            let result = ran.unwrap_or_else(|payload| {
-                let message = panic_message(&*payload);
-                drop_quietly(payload);
-                Err(Error::Panicked { message })
-            });
+            let x = ArrayView2::from_shape((rows, self.inputs), &input[..]).expect("rows × inputs values");
+            let result = match arena {
+                Err(e) => Err(e),
+                Ok(mut arena) => {
+                    let mut scattered = false;
+                    let ran = catch_unwind(AssertUnwindSafe(|| {
+                        run(&mut arena, x, &mut |probs| {
+                            self.scatter(probs, &parts);
+                            scattered = true;
+                        })
+                    }));
+                    match ran {
+                        Ok(Ok(())) if !scattered => {
+                            Err(Error::InvalidInput("the batch's inference gave no probabilities".into()))
+                        }
+                        Ok(result) => result,
+                        Err(payload) => {
+                            let message = panic_message(&*payload);
+                            drop_quietly(payload);
+                            Err(Error::Panicked { message })
+                        }
+                    }
+                }
+            };
             self.batches.fetch_add(1, Ordering::Relaxed);
             self.rows.fetch_add(rows as u64, Ordering::Relaxed);
             for part in parts.drain(..) {
@@ -472,6 +474,63 @@ impl Batcher {
             }
             input.clear();
         }
+    }
+
+    /// Waits for a request, then for the batch to fill or the oldest request to have
+    /// waited `max_wait`: `false` once the batcher is closed.
+    fn wait_for_batch(&self) -> bool {
+        let mut queue = self.queue();
+        loop {
+            if queue.closed {
+                return false;
+            }
+            let Some(front) = queue.pending.front() else {
+                queue = sync::wait(&self.arrived, queue);
+                continue;
+            };
+            // SAFETY: queued.
+            let batch_by = unsafe { front.get() }.batch_by;
+            if queue.rows >= self.max_batch {
+                return true;
+            }
+            match batch_by.remaining() {
+                None => return true,
+                Some(left) => queue = sync::wait_timeout(&self.arrived, queue, left),
+            }
+        }
+    }
+
+    /// Takes up to `max_batch` rows from the front of the queue: their values into
+    /// `input`, their places into `parts`. Returns the rows taken (none when every
+    /// request left meanwhile).
+    fn take(&self, input: &mut Vec<f32>, parts: &mut Vec<Part>) -> usize {
+        let mut queue = self.queue();
+        let mut rows = 0;
+        while rows < self.max_batch {
+            let Some(&front) = queue.pending.front() else { break };
+            // SAFETY: queued (and its rows taken here are in flight until settled by the
+            // worker).
+            let ticket = unsafe { front.get() };
+            let from = ticket.taken.load(Ordering::Relaxed);
+            let n = (ticket.rows - from).min(self.max_batch - rows);
+            let [s0, s1] = ticket.input_strides;
+            for r in from..from + n {
+                for c in 0..self.inputs {
+                    // SAFETY: (r, c) is inside the caller's input `[rows, inputs]`, lent
+                    // for the call, which lasts while the ticket is queued.
+                    input.push(unsafe { *ticket.input.offset(r as isize * s0 + c as isize * s1) });
+                }
+            }
+            parts.push(Part { ticket: front, from, rows: n, at: rows });
+            ticket.taken.store(from + n, Ordering::Relaxed);
+            rows += n;
+            if from + n == ticket.rows {
+                ticket.queued.store(false, Ordering::Relaxed);
+                queue.pending.pop_front();
+            }
+        }
+        queue.rows -= rows;
+        rows
     }
 
     /// Writes each part's rows of `probs` (the batch's probabilities) into its caller's

@@ -11,7 +11,7 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use super::arenas::{ArenaGuard, Arenas, Wait};
 use super::batcher::{BatchBuffers, Batcher};
 use super::model::{Model, SERVING_PLANS};
-use crate::nn::limits::{check_threads, try_filled};
+use crate::nn::limits::{check_threads, config_filled, reserve_filled};
 use crate::nn::network::Input;
 use crate::{Error, Result};
 
@@ -293,8 +293,15 @@ impl InferencePool {
         let x = x.into();
         match &self.shared.batcher {
             Some(batcher) => {
-                // Batched requests are flat: a row of probabilities per row of input.
-                let mut out = Array2::zeros((x.rows(), self.shared.model.classes()));
+                // Batched requests are flat: a row of probabilities per row of input. The
+                // request is checked before its output is allocated (a broadcast input
+                // can claim any number of rows), and the output reserved fallibly.
+                self.shared.model.check_request(&x)?;
+                let (rows, classes) = (x.rows(), self.shared.model.classes());
+                let values = reserve_filled(rows.saturating_mul(classes), 0.0).map_err(|why| {
+                    Error::InvalidInput(format!("the probabilities of {rows} rows of {classes} classes: {why}"))
+                })?;
+                let mut out = Array2::from_shape_vec((rows, classes), values).expect("rows × classes values");
                 batcher.submit_request(&self.shared, x, out.view_mut(), Wait::Forever)?;
                 Ok(out)
             }
@@ -380,7 +387,7 @@ impl InferencePool {
             (Some(_), Input::Flat(rows)) => {
                 let most = self.shared.config.max_batch;
                 let what = || format!("a warm-up batch of {most} rows of {} inputs", rows.ncols());
-                let values = try_filled(most.saturating_mul(rows.ncols()), 0.0, what)?;
+                let values = config_filled(most.saturating_mul(rows.ncols()), 0.0, what)?;
                 let mut batch = Array2::from_shape_vec((most, rows.ncols()), values).expect("rows × inputs values");
                 for (r, mut row) in batch.rows_mut().into_iter().enumerate() {
                     row.assign(&rows.row(r % rows.nrows()));

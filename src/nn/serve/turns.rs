@@ -52,6 +52,13 @@ pub(crate) struct Counters {
     pub(crate) off_plan: AtomicU64,
 }
 
+/// What a request that would wait for its own thread's leases is told.
+pub(crate) fn waits_for_itself() -> String {
+    "this thread holds every arena of the pool (PoolLease, or a forgotten one) and would wait for itself; drop a \
+     lease first, make requests through the lease, or use output_timeout"
+        .into()
+}
+
 /// How long a pool's waiter may wait before the arenas go round in turn.
 pub(crate) const STARVING_AFTER: Duration = Duration::from_millis(1);
 
@@ -89,6 +96,11 @@ impl Free {
             return None;
         }
         self.stack.pop()
+    }
+
+    /// Whether thread `me` holds every index (so that it would wait for itself).
+    fn all_held_by(&self, me: ThreadId) -> bool {
+        self.holders.iter().all(|&holder| holder == Some(me))
     }
 
     /// Takes ticket `ticket` out of the queue.
@@ -149,7 +161,8 @@ impl Turns {
     /// # Errors
     ///
     /// [`Error::PoolClosed`] once [`Turns::close`] ran; [`Error::PoolBusy`] and
-    /// [`Error::Timeout`] as `wait` says.
+    /// [`Error::Timeout`] as `wait` says; [`Error::InvalidInput`] when it would wait
+    /// without a deadline while the calling thread holds every index.
     pub(crate) fn lease(&self, wait: Wait, counters: &Counters) -> Result<usize> {
         let mut free = self.free();
         if free.closed {
@@ -229,6 +242,9 @@ impl Turns {
             Wait::Forever => None,
             Wait::For(timeout) => Some(Deadline::after(timeout)),
         };
+        if deadline.is_none() && free.all_held_by(sync::current().id()) {
+            return (free, Err(Error::InvalidInput(waits_for_itself())));
+        }
         counters.waited.fetch_add(1, Ordering::Relaxed);
         let ticket = free.next_ticket;
         free.next_ticket += 1;
@@ -294,6 +310,12 @@ impl Turns {
             }
         };
         (free, outcome)
+    }
+
+    /// Whether the calling thread holds every index: then a request that needs one and
+    /// waits without a deadline would wait for itself.
+    pub(crate) fn all_held_here(&self) -> bool {
+        self.free().all_held_by(sync::current().id())
     }
 
     /// Closes the turns: waiting and later leases fail with [`Error::PoolClosed`];
