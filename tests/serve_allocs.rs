@@ -80,4 +80,25 @@ fn output_into_allocates_nothing_per_request_in_either_mode() {
         // plan by now; the count above shows none of them allocated.
         assert!(pool.stats().leases > 0);
     }
+    // `warm_up` alone readies every arena: the first request each arena serves after it
+    // allocates nothing either (a first replay once grew the engine's list of an
+    // iteration's windows, in whichever arena the load reached last).
+    for config in [PoolConfig::direct(2), PoolConfig::batched(2, 4, Duration::ZERO)] {
+        let pool = InferencePool::new(model.clone(), config).unwrap();
+        let x = Array2::from_shape_fn((3, 64), |(r, c)| ((r * 64 + c) % 11) as f32 / 11.0);
+        pool.warm_up(x.view()).unwrap();
+        let spent = std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut out = Array2::<f32>::zeros((3, 10));
+                let (mut a, mut b) = (pool.lease().unwrap(), pool.lease().unwrap());
+                let before = allocations();
+                a.output_into(x.view(), out.view_mut()).unwrap();
+                b.output_into(x.view(), out.view_mut()).unwrap();
+                allocations() - before
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(spent, 0, "{:?}: the first request of each arena after warm_up", pool.config().mode);
+    }
 }

@@ -356,8 +356,10 @@ impl InferencePool {
     /// the largest shape, from the start rather than as the load first reaches each
     /// arena. Call it once per request shape (rows, and steps for sequences) the pool
     /// will serve. It plans the arenas one after the other, each as soon as its running
-    /// request (if any) ends, holding no other arena meanwhile. Batched, it runs
-    /// `max_batch` inferences per arena, one per batch size.
+    /// request (if any) ends, holding no other arena meanwhile, and runs each shape twice
+    /// per arena (its recording and a first replay), so that no later request of the
+    /// shape allocates. Batched, it runs `2 × max_batch` inferences per arena, two per
+    /// batch size.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -402,11 +404,20 @@ impl InferencePool {
         // waits, so it cannot deadlock with callers that hold leases.
         for index in 0..self.shared.arenas.len() {
             let mut arena = self.shared.arenas.reserve(index)?;
+            // Each shape twice: the recording that plans it, then a first replay, whose
+            // one-time costs (the engine's list of an iteration's windows grows to its
+            // size) are paid here rather than by the first request of the load.
             match &batched {
-                None => drop(arena.output(model, x)?),
+                None => {
+                    for _ in 0..2 {
+                        drop(arena.output(model, x)?);
+                    }
+                }
                 Some(rows) => {
                     for n in 1..=rows.nrows() {
-                        drop(arena.output(model, Input::Flat(rows.slice(ndarray::s![..n, ..])))?);
+                        for _ in 0..2 {
+                            drop(arena.output(model, Input::Flat(rows.slice(ndarray::s![..n, ..])))?);
+                        }
                     }
                 }
             }
