@@ -251,6 +251,12 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
         Ok(self.engine.finish_learning()?)
     }
 
+    /// What decides the arena from now on: its size and where learning is (see
+    /// [`Sizing`](crate::Sizing)).
+    pub fn sizing(&self) -> crate::Sizing {
+        self.engine.sizing()
+    }
+
     /// Checks that an array allocated by workspace `owner` at `generation` (named
     /// `array_workspace`) may be used now, in this workspace.
     ///
@@ -320,8 +326,9 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn reset_peak(&self) {
         self.engine.reset_peak()
     }
-    /// Largest bytes in use (arena and spills) since creation or [`Shell::reset_peak`];
-    /// cheaper than [`Shell::stats`] (no allocation).
+    /// Largest bytes in use (arena and spills, the spills padded as the arena pads
+    /// them) since creation or [`Shell::reset_peak`]; cheaper than [`Shell::stats`] (no
+    /// allocation).
     pub fn peak_bytes(&self) -> usize {
         self.engine.peak()
     }
