@@ -57,8 +57,8 @@ pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, Layer, Param}
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{
-    names, planned_workspace_config, workspace_config, BatchShape, DryPass, Input, Labels, MemoryEstimate, Network,
-    NetworkConfig, NetworkConfigBuilder, PassEstimate, Shortfall,
+    names, planned_workspace_config, workspace_config, workspace_config_with, BatchShape, DryPass, Input, Labels,
+    MemoryEstimate, Network, NetworkConfig, NetworkConfigBuilder, PassEstimate, Shortfall,
 };
 #[cfg(feature = "mpi")]
 pub use parallel::Mpi;

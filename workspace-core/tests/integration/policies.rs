@@ -646,7 +646,8 @@ fn a_twin_sizes_its_arena_as_its_workspace_does() {
             run(&original, &sizes);
             run(&twin, &sizes);
             let (a, b) = (original.stats(), twin.stats());
-            let what = format!("seed {seed} ({learning:?}, {spill:?}), {before} cycles before, cycle {step}: {sizes:?}");
+            let what =
+                format!("seed {seed} ({learning:?}, {spill:?}), {before} cycles before, cycle {step}: {sizes:?}");
             assert_eq!(original.sizing(), twin.sizing(), "{what}");
             let figures = |s: &WorkspaceStats| (s.capacity, s.learned_size, s.last_cycle_bytes, s.peak_bytes);
             assert_eq!(figures(&a), figures(&b), "{what}");
