@@ -349,7 +349,7 @@ pub(super) const PLANS: usize = 64;
 /// workspaces and the older one can be reset as soon as it is consumed. Planned: the
 /// workspaces are the network's own, members of one plan group.
 pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
-    training_mgrs_in(mode, LEARNING, None)
+    training_mgrs_in(mode, LEARNING, None, None)
 }
 
 /// A plan group named `name`, of [`PLANS`] plans: shape-only when `registry` is.
@@ -362,17 +362,20 @@ fn plan_group(name: &str, registry: Option<&WorkspaceManager>) -> PlanGroup {
 
 /// [`training_mgrs`], enabled workspaces learning by `learning`, their workspaces in
 /// `registry` when given (a shape-only one, for a dry run: then a planned network's
-/// group is shape-only too).
+/// group is shape-only too), a planned network's in `group` when given (a dry run's
+/// twin of the network's).
 pub(crate) fn training_mgrs_in(
     mode: WorkspaceMode,
     learning: LearningPolicy,
     registry: Option<&WorkspaceManager>,
+    group: Option<PlanGroup>,
 ) -> Result<[LayerWorkspaceMgr; 2]> {
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
     // One plan per batch shape: variable-length sequences have a few dozen.
-    let group = (mode == WorkspaceMode::Planned).then(|| plan_group("WS_PLANNED_ITERATION", registry));
+    let group =
+        (mode == WorkspaceMode::Planned).then(|| group.unwrap_or_else(|| plan_group("WS_PLANNED_ITERATION", registry)));
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config_with(learning)? };
     let base = |grad: &str| {
         let builder = LayerWorkspaceMgr::builder();
@@ -402,15 +405,16 @@ pub(crate) fn training_mgrs_in(
 /// the workspaces are the network's own, members of a plan group of their own (an
 /// inference is an iteration).
 pub(super) fn inference_mgr(mode: WorkspaceMode, learning: LearningPolicy) -> Result<LayerWorkspaceMgr> {
-    inference_mgr_in(mode, learning, None)
+    inference_mgr_in(mode, learning, None, None)
 }
 
-/// [`inference_mgr`], its workspaces in `registry` when given (as
+/// [`inference_mgr`], its workspaces in `registry` and `group` when given (as
 /// [`training_mgrs_in`]).
 pub(super) fn inference_mgr_in(
     mode: WorkspaceMode,
     learning: LearningPolicy,
     registry: Option<&WorkspaceManager>,
+    group: Option<PlanGroup>,
 ) -> Result<LayerWorkspaceMgr> {
     if mode == WorkspaceMode::None {
         return Ok(LayerWorkspaceMgr::no_workspaces());
@@ -423,7 +427,7 @@ pub(super) fn inference_mgr_in(
         None => builder,
     };
     let builder = match planned {
-        true => builder.planned(&plan_group("WS_PLANNED_INFERENCE", registry)),
+        true => builder.planned(&group.unwrap_or_else(|| plan_group("WS_PLANNED_INFERENCE", registry))),
         false => builder,
     };
     builder.build().map_err(Error::from)

@@ -310,10 +310,12 @@ impl Shadow {
     /// The shadow of `net`'s workspaces now. Enabled workspaces are the thread's, by
     /// name: other networks of the thread, and this one's earlier passes, have taught
     /// them already, and the real passes go on from there; so each shadow workspace is a
-    /// twin of the real one ([`WorkspaceManager::twin`]). Training and inference share
-    /// workspaces by name, as on the network's thread; a mode that has no workspaces
-    /// gets its figures from new workspaces of its own, which the other mode's do not
-    /// see.
+    /// twin of the real one ([`WorkspaceManager::twin`]), and a planned manager's group
+    /// a twin of the network's, with the plans it made
+    /// ([`PlanGroup::shape_only_twin`](workspace_core::planned::PlanGroup::shape_only_twin)).
+    /// Training and inference share workspaces by name, as on the network's thread; a
+    /// mode that has no workspaces gets its figures from new workspaces of its own,
+    /// which the other mode's do not see.
     fn of(net: &Network) -> Result<Shadow> {
         let twins = WorkspaceManager::shape_only();
         for mgr in net.train.iter().chain(std::iter::once(&net.infer)) {
@@ -330,8 +332,9 @@ impl Shadow {
         };
         let on = |mode| if mode == WorkspaceMode::None { WorkspaceMode::Enabled } else { mode };
         let (training, inference) = (net.training_mode, net.inference_mode);
-        let train = training_mgrs_in(on(training), net.learning, Some(&registry(training)))?;
-        let infer = inference_mgr_in(on(inference), net.learning, Some(&registry(inference)))?;
+        let group = |mgr: &LayerWorkspaceMgr| mgr.plan_group().map(|g| g.shape_only_twin()).transpose();
+        let train = training_mgrs_in(on(training), net.learning, Some(&registry(training)), group(&net.train[0])?)?;
+        let infer = inference_mgr_in(on(inference), net.learning, Some(&registry(inference)), group(&net.infer)?)?;
         let of_kind: [Vec<Rc<Workspace>>; 2] =
             [training_workspaces(&train).cloned().collect(), infer.workspaces().cloned().collect()];
         let mut all: Vec<Rc<Workspace>> = Vec::new();
@@ -518,9 +521,8 @@ impl Network {
     ///   passes have left them (their arenas, and how far they have learned). Another
     ///   network that runs on the thread between the dry run and the run changes what
     ///   the run will take.
-    /// - A planned network's plans are its own: the dry run starts from none, so it is
-    ///   exact for a network that has not run planned passes yet (a shape planned
-    ///   before replays its plan in the real run where the dry run records it).
+    /// - A planned network's plan groups are its own: the dry run starts from the plans
+    ///   they hold (the shapes the network has run replay them).
     /// - Batches as the prefetchers give them (see [`BatchShape`]).
     /// - Layers that ask [`Scope::is_shape_only`](workspace_core::Scope::is_shape_only)
     ///   skip their arithmetic, as carve's do. A custom layer that does not runs its
@@ -583,7 +585,8 @@ impl Network {
         let mut unchanged: Vec<(DryPass, usize)> = Vec::new();
         // A plan group keeps `PLANS` plans and drops the one used least recently, which
         // a pass that is not run would not touch: repeats are left out only where the
-        // run's shapes of that kind all fit in the cache (nothing is ever dropped).
+        // plans kept and the run's shapes of that kind all fit in the cache (nothing is
+        // ever dropped).
         let kinds = |kind: usize| {
             let mut seen: Vec<DryPass> = Vec::new();
             for &pass in passes.iter().filter(|p| p.kind() == kind) {
@@ -591,7 +594,8 @@ impl Network {
                     seen.push(pass);
                 }
             }
-            seen.len() <= PLANS
+            let kept = self.shadow().mgr(kind).plan_group().map_or(0, |group| group.stats().cached_plans);
+            kept + seen.len() <= PLANS
         };
         let skips = [kinds(0), kinds(1)];
         let mut run = 0;

@@ -209,7 +209,7 @@ impl Network {
             training_mode: layout.training,
             inference_mode: layout.inference,
             learning: layout.learning,
-            train: training_mgrs_in(layout.training, layout.learning, None)?,
+            train: training_mgrs_in(layout.training, layout.learning, None, None)?,
             infer: inference_mgr(layout.inference, layout.learning)?,
             iterations,
             last_workspace_bytes: 0,
