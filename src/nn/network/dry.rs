@@ -5,8 +5,16 @@
 //! the same order — in shape-only workspaces ([`WorkspaceManager::shape_only`]) made
 //! with the configurations of the network's own, and computes nothing: the layers skip
 //! their arithmetic in shape-only scopes, and the checks, the loss and the update are
-//! skipped. So the shadow workspaces account, learn their sizes and plan exactly as the
-//! network's will, and what they report is what the real passes will take, to the byte.
+//! skipped. The shadow workspaces are twins of the network's as they are when the dry
+//! run starts (their arenas, how far they have learned, the plans of its groups), so
+//! they account, learn their sizes and plan exactly as the network's will, and a dry
+//! pass reports what the real pass will, to the byte, through the one figure both
+//! compute (`network::pass_bytes`).
+//!
+//! What a dry run may be used for: sizing (budgets, `fits`, the arenas a run ends
+//! with) and the holders of a pass's peak. What it may not: timing (nothing is
+//! computed), and any prediction once something else changes the thread's workspaces
+//! between the dry run and the run (another network's passes).
 
 use std::fmt;
 use std::rc::Rc;
@@ -142,7 +150,9 @@ pub struct MemoryEstimate {
     /// [`Network::workspace_capacity`] then reports (0 with workspaces off).
     pub workspace_bytes: usize,
     /// The bytes of the inference workspaces' arenas that the training workspaces do
-    /// not already count.
+    /// not already count, after these passes: what
+    /// [`Network::inference_workspace_capacity`] then reports (0 with inference
+    /// workspaces off).
     pub inference_workspace_bytes: usize,
     /// Weights, gradients and the updater's state (outside workspaces).
     pub parameter_bytes: usize,
@@ -193,7 +203,9 @@ impl MemoryEstimate {
             .saturating_add(heap)
     }
 
-    /// The most workspace bytes one training step uses (see [`PassEstimate::bytes`]).
+    /// The most workspace bytes one training step reports at the last of its shape in
+    /// the run (see [`PassEstimate::bytes`]): the steady figure of the run's largest
+    /// step; never above [`MemoryEstimate::peak_step_bytes`].
     pub fn step_bytes(&self) -> usize {
         self.passes.iter().filter(|p| p.pass.is_training()).map(|p| p.bytes).max().unwrap_or(0)
     }

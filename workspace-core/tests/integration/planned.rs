@@ -245,7 +245,7 @@ fn a_shape_only_twin_plans_as_its_group_does() {
         let members: Vec<Rc<Workspace>> = (0..1 + rng.below(3) as usize)
             .map(|i| group.workspace(&format!("M{i}"), &member_config(i)).unwrap())
             .collect();
-        let mut next = |rng: &mut Rng| (rng.below(5), rng.below(8) == 0);
+        let next = |rng: &mut Rng| (rng.below(5), rng.below(8) == 0);
         for _ in 0..rng.below(12) {
             let (key, odd) = next(&mut rng);
             shaped_iteration(&group, &members, key, odd);
