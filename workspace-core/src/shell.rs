@@ -232,25 +232,6 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
         Ok(self.engine.trim()?)
     }
 
-    /// Ends learning now, as if the learning cycles still to come repeated those seen:
-    /// the arena is sized from the largest cycle so far, as learning would size it (a
-    /// refused growth is reported by the next enter). Nothing changes when the size is
-    /// learned already, or no cycle allocated yet. A dry run uses it to skip the
-    /// repeats.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`] while a scope is open; the hook's error (what
-    /// [`Shell::open`] would report).
-    pub fn finish_learning(&self) -> Result<(), H::Error> {
-        if !self.engine.is_open() {
-            // SAFETY: closed; growing replaces the arena, which, like opening, needs
-            // what the last cycle left settled first.
-            unsafe { self.hooks.before_open(self.engine.name())? };
-        }
-        Ok(self.engine.finish_learning()?)
-    }
-
     /// What decides the arena from now on: its size and where learning is (see
     /// [`Sizing`](crate::Sizing)).
     pub fn sizing(&self) -> crate::Sizing {
