@@ -116,7 +116,7 @@ impl WorkspaceManager {
 
     /// The workspace of `of`'s name in this registry; when there is none, a new one of
     /// `of`'s configuration and debug mode that starts where `of` is now: its arena of
-    /// `of`'s size and its learning as far as `of`'s ([`Workspace::sizing`]). From
+    /// `of`'s size and its learning as far as `of`'s ([`Sizing`](crate::Sizing)). From
     /// there the two size their arenas alike, cycle for cycle. In a
     /// [`WorkspaceManager::shape_only`] registry the twin is shape-only: a dry run's
     /// copy of a workspace that other code on the thread has already taught.
