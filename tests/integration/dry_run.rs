@@ -542,3 +542,24 @@ fn a_planned_network_dry_runs_from_the_plans_it_holds() {
     assert_eq!(estimate.per_pass_bytes, expected, "only the new shape is recorded");
     run_as_predicted(&mut net, &estimate, &run, "planned, after its own passes");
 }
+
+/// More shapes than a planned network keeps plans for (64): plans are dropped, least
+/// recently used first, and recorded again when their shape comes back, in the dry run
+/// as in the run.
+#[test]
+fn a_planned_run_of_more_shapes_than_plans_is_predicted_pass_by_pass() {
+    // (A network whose plans take less than its per-role layout: a recorded step and a
+    // replayed one report different bytes.)
+    let mut net = mlp(WorkspaceMode::Planned, 16, &[16]);
+    let shapes: Vec<DryPass> = (1..=70).map(|rows| DryPass::Train(BatchShape::flat(rows))).collect();
+    // The cache full (shapes 0 to 63, each then replayed once), shape 0 used last, then
+    // a new shape: the plan used least recently (shape 1's) goes, which only a count of
+    // every use of shape 0 tells; then the rest, new shapes and old ones dropped.
+    let run: Vec<DryPass> =
+        [&shapes[..64], &shapes[..64], &shapes[..1], &shapes[64..65], &shapes[..2], &shapes[60..], &shapes[..3]]
+            .concat();
+    let estimate = net.dry_run(&run).unwrap();
+    run_as_predicted(&mut net, &estimate, &run, "70 shapes, 64 plans");
+    let stats = net.plan_stats().unwrap();
+    assert!(stats.evictions > 0 && stats.plans > 70, "{stats:?}");
+}

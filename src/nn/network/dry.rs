@@ -373,25 +373,35 @@ impl Shadow {
     }
 
     /// What decides every later pass's arenas and figures: each workspace's sizing, and
-    /// each plan group's arena and plans. A pass that leaves it as it found it runs the
-    /// same way, to the byte, whenever it comes again with the state unchanged.
+    /// each plan group's arena and plans (see [`ShadowState`]).
     fn state(&self) -> ShadowState {
-        let groups = [self.train[0].plan_group(), self.infer.plan_group()].map(|group| {
-            group.map(|g| {
-                let s = g.stats();
-                [s.arena_bytes as u64, s.plans, s.recorded_iterations, s.divergences, s.evictions, s.blocked_iterations]
-            })
-        });
-        ShadowState { sizings: self.all.iter().map(|ws| ws.sizing()).collect(), groups }
+        let groups = [self.train[0].plan_group(), self.infer.plan_group()].map(|group| group.map(|g| g.stats()));
+        ShadowState {
+            grown: (
+                self.all.iter().map(|ws| ws.sizing()).collect(),
+                groups.clone().map(|s| s.map(|s| [s.arena_bytes as u64, s.plans, s.recorded_iterations])),
+            ),
+            spoilt: groups.map(|s| {
+                s.map(|s| [s.divergences, s.evictions, s.blocked_iterations, s.failed_growths, s.abandoned_iterations])
+            }),
+        }
     }
 }
 
-/// See [`Shadow::state`].
+/// The shadow's state ([`Shadow::state`]), in two parts. `grown` only ever grows: arenas
+/// grow and never shrink (nothing trims them), learning only ends, plans are only added.
+/// A pass that found the workspaces in some state and left them so fit in them, learned
+/// nothing and replayed its plan: it does so again, to the byte, in any state grown from
+/// that one. `spoilt` counts what could undo that: a plan left stale by a divergence, or
+/// dropped from the cache, or not reached.
 #[derive(PartialEq)]
 struct ShadowState {
-    sizings: Vec<Sizing>,
-    groups: [Option<[u64; 6]>; 2],
+    grown: GrownState,
+    spoilt: [Option<[u64; 5]>; 2],
 }
+
+/// Each workspace's sizing; each plan group's arena, plans made and recordings.
+type GrownState = (Vec<Sizing>, [Option<[u64; 3]>; 2]);
 
 /// A distinct pass of a dry run: its figures from its first pass, and what it reported
 /// at its last.
@@ -591,9 +601,9 @@ impl Network {
     fn dry_run_in_shadow(&mut self, passes: &[DryPass], started: Instant) -> Result<MemoryEstimate> {
         let mut distinct: Vec<Distinct> = Vec::new();
         let mut per_pass_bytes = Vec::with_capacity(passes.len());
-        // The passes run since the shadow's state last changed, each of which left it
-        // unchanged, with what each reported: a repeat of one runs the same way, to the
-        // byte, and changes nothing, so it is not run.
+        // The passes run that left the shadow's state unchanged, with what each reported:
+        // a repeat of one runs the same way, to the byte, and changes nothing, so it is
+        // not run (see `ShadowState` for why the state's growing since does not matter).
         let mut unchanged: Vec<(DryPass, usize)> = Vec::new();
         // A plan group keeps `PLANS` plans and drops the one used least recently, which
         // a pass that is not run would not touch: repeats are left out only where the
@@ -629,10 +639,11 @@ impl Network {
                 (None, Some(figures)) => distinct.push(Distinct { pass, figures }),
                 (None, None) => unreachable!("a first pass gives its figures"),
             }
-            if skips[pass.kind()] && self.shadow().state() == before {
-                unchanged.push((pass, bytes));
-            } else {
+            let after = self.shadow().state();
+            if after.spoilt != before.spoilt {
                 unchanged.clear();
+            } else if skips[pass.kind()] && after.grown == before.grown {
+                unchanged.push((pass, bytes));
             }
         }
         // What the run ends with, read before the holders' pass below runs.
