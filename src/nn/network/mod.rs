@@ -6,6 +6,7 @@ mod batch;
 mod config;
 mod dry;
 mod infer;
+mod shadow;
 mod train;
 
 use std::rc::Rc;
@@ -78,8 +79,8 @@ pub struct Network {
     breakdown: Option<StepBreakdown>,
     /// The threads a training step's large matrix multiplies split across.
     pool: Option<super::gemm::pool::Pool>,
-    /// The shape-only workspaces of [`Network::dry_run`], made by its first call.
-    dry_run: Option<Box<dry::Shadow>>,
+    /// The shape-only workspaces of the [`Network::dry_run`] under way.
+    dry_run: Option<Box<shadow::Shadow>>,
     /// The labels of a [`Timeline`] recording this network's workspaces (`None`: none
     /// does): each training step and inference then ends one of its iterations.
     timeline: Option<Box<LayerLabels>>,
@@ -465,9 +466,9 @@ pub(crate) fn inference_capacity(
     planned + infer.workspaces().filter(|ws| !counted(ws)).map(|ws| ws.capacity()).sum::<usize>()
 }
 
-/// What a pass reports of the workspaces of `mgrs` (a training step's, or an
-/// inference's): on its plan, the plan's bytes; otherwise the bytes each workspace held
-/// at its peak since the pass began, summed (see
+/// What a pass reports of `workspaces` (a training step's, or an inference's): on its
+/// plan, the plan's bytes; otherwise the bytes each workspace held at its peak since the
+/// pass began, summed (see
 /// [`Network::last_iteration_workspace_bytes`]). The one figure real and dry passes
 /// report.
 pub(crate) fn pass_bytes<'m>(workspaces: impl Iterator<Item = &'m Rc<Workspace>>, plan: Option<usize>) -> usize {
