@@ -285,7 +285,7 @@ fn check(net: &mut Network, estimate: &MemoryEstimate, run: &[DryPass], rng: &mu
 /// as on a fresh thread (the last case's networks are gone: what a new thread has is no
 /// workspaces, and a new thread costs as much as a case).
 fn case(seed: u64) {
-    if seed % 8 == 0 {
+    if seed.is_multiple_of(8) {
         let ran = std::thread::spawn(move || run_case(seed)).join();
         assert!(ran.is_ok(), "case {seed} failed: run it alone with CARVE_DRY_RUN_SEED={seed}");
     } else {
