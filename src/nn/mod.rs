@@ -62,8 +62,8 @@ pub use limits::{MAX_RANKS, MAX_THREADS};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{
-    names, planned_workspace_config, workspace_config, BatchShape, DryPass, Input, Labels, MemoryEstimate, Network,
-    NetworkConfig, NetworkConfigBuilder, PassEstimate, Shortfall,
+    names, planned_workspace_config, workspace_config, workspace_config_with, BatchShape, DryPass, Input, Labels,
+    MemoryEstimate, Network, NetworkConfig, NetworkConfigBuilder, PassEstimate, Shortfall,
 };
 #[cfg(feature = "mpi")]
 pub use parallel::Mpi;

@@ -3,7 +3,7 @@
 //! repository ships (the demo's MLP, another one, the LSTM of the sequences demo) in
 //! every workspace mode, at several shapes; a dry run changes nothing of the network.
 
-use carve::nn::{BatchShape, DryPass, Input, Labels, Network, NetworkConfig, Updater};
+use carve::nn::{BatchShape, DryPass, Input, Labels, MemoryEstimate, Network, NetworkConfig, Updater};
 use carve::{Error, WorkspaceMode};
 use ndarray::{s, Array1, Array2, Array3};
 
@@ -94,8 +94,8 @@ impl Batch {
     }
 }
 
-/// What a real pass of `pass` takes: a training step's `last_iteration_workspace_bytes`,
-/// an inference's peak in the inference workspaces (planned: its plan's bytes).
+/// What a real pass of `pass` reports: a training step's
+/// `last_iteration_workspace_bytes`, an inference's `last_inference_workspace_bytes`.
 fn real_pass(net: &mut Network, pass: DryPass, inputs: usize, seed: usize) -> usize {
     let classes = net.classes() as u32;
     match pass {
@@ -106,31 +106,36 @@ fn real_pass(net: &mut Network, pass: DryPass, inputs: usize, seed: usize) -> us
         }
         DryPass::Infer(shape) => {
             let batch = Batch::new(shape, inputs, classes, seed);
-            net.inference_mgr().reset_peaks();
             net.output(batch.input()).unwrap();
-            match net.inference_workspace_mode() {
-                WorkspaceMode::None => 0,
-                WorkspaceMode::Planned => net.inference_plan_stats().unwrap().plan_bytes,
-                WorkspaceMode::Enabled => net.inference_mgr().peak_bytes(),
-            }
+            net.last_inference_workspace_bytes()
         }
     }
 }
 
 /// Predicts `run` with a dry run, then runs it for real on `net` and checks every
-/// figure: each distinct pass's bytes (measured once the run is steady, as the
-/// prediction is), and the training arenas after the run.
+/// figure: what each pass reports, each distinct pass's figures, the training and
+/// inference arenas after the run; then each distinct pass once more, as a steady
+/// repeat (every shape of these runs repeats, and their workspaces have learned).
 fn check_prediction(mut net: Network, inputs: usize, run: &[DryPass], what: &str) {
     let estimate = net.dry_run(run).unwrap();
     assert_eq!(net.iterations(), 0, "{what}: a dry run trains nothing");
-    for (i, &pass) in run.iter().enumerate() {
-        real_pass(&mut net, pass, inputs, i);
-    }
     let mode = net.training_workspace_mode();
+    assert_eq!(estimate.per_pass_bytes.len(), run.len(), "{what}");
+    for (i, &pass) in run.iter().enumerate() {
+        let real = real_pass(&mut net, pass, inputs, i);
+        assert_eq!(real, estimate.per_pass_bytes[i], "{what} ({mode:?}): pass {i}, {pass}");
+    }
     assert_eq!(net.workspace_capacity(), estimate.workspace_bytes, "{what} ({mode:?}): the training arenas");
+    assert_eq!(
+        net.inference_workspace_capacity(),
+        estimate.inference_workspace_bytes,
+        "{what} ({mode:?}): the inference arenas"
+    );
     for predicted in &estimate.passes {
+        let last = run.iter().rposition(|&p| p == predicted.pass).expect("a pass of the run");
+        assert_eq!(predicted.bytes, estimate.per_pass_bytes[last], "{what}: {predicted:?} at its last");
         let real = real_pass(&mut net, predicted.pass, inputs, 1000);
-        assert_eq!(real, predicted.bytes, "{what} ({mode:?}): {}", predicted.pass);
+        assert_eq!(real, predicted.bytes, "{what} ({mode:?}): {} once more", predicted.pass);
         assert!(predicted.lower_bound_bytes <= predicted.plan_bytes, "{what}: {predicted:?}");
         assert!(predicted.plan_bytes <= predicted.per_role_bytes, "{what}: {predicted:?}");
         assert!(predicted.allocations > 0, "{what}: {predicted:?}");
@@ -264,13 +269,11 @@ fn a_dry_run_changes_nothing_of_the_network() {
         }
         let batch = Batch::new(BatchShape::flat(9), 64, 10, 7);
         assert_eq!(dry.output(batch.input()).unwrap(), twin.output(batch.input()).unwrap());
-        // A dry run after training continues from what the shadow learned; reset, it
-        // starts afresh and predicts the same.
+        // A dry run keeps nothing: each starts from the workspaces as they are.
         let again = dry.dry_run(&demo_run()).unwrap();
-        dry.reset_dry_run();
-        let fresh = dry.dry_run(&demo_run()).unwrap();
-        assert_eq!((again.workspace_bytes, &again.passes), (fresh.workspace_bytes, &fresh.passes));
-        assert_eq!(fresh.workspace_bytes, estimate.workspace_bytes);
+        let twice = dry.dry_run(&demo_run()).unwrap();
+        assert_eq!((&again.per_pass_bytes, &again.passes), (&twice.per_pass_bytes, &twice.passes));
+        assert_eq!((&again.arenas, again.workspace_bytes), (&twice.arenas, twice.workspace_bytes));
     }
 }
 
@@ -348,4 +351,215 @@ fn bad_dry_runs_are_errors_that_say_why() {
     assert!(small.peak_step_bytes < large.peak_step_bytes, "{small:?} after {large:?}");
     // The network is still usable.
     assert!(net.dry_run(&[DryPass::Infer(BatchShape::flat(3))]).is_ok());
+}
+
+// The defects of the dry run's issue, each as its reporter met it: a run of the network
+// on a thread of its own, predicted, then run for real pass by pass.
+
+/// Runs `f` on a thread of its own: its workspaces are that thread's, shared with no
+/// other test.
+fn on_a_thread(f: impl FnOnce() + Send + 'static) {
+    std::thread::spawn(f).join().unwrap();
+}
+
+/// Runs `run` for real on `net` and checks each pass against the estimate's figure,
+/// and the arenas after it.
+fn run_as_predicted(net: &mut Network, estimate: &MemoryEstimate, run: &[DryPass], what: &str) {
+    let inputs = net.inputs();
+    for (i, &pass) in run.iter().enumerate() {
+        let real = real_pass(net, pass, inputs, i);
+        assert_eq!(real, estimate.per_pass_bytes[i], "{what}: pass {i}, {pass}");
+        // Enabled, each pass of a shape reports the same; planned, the last is the plan.
+        let last = run.iter().rposition(|&p| p == pass) == Some(i);
+        let mode = match pass {
+            DryPass::Train(_) => net.training_workspace_mode(),
+            DryPass::Infer(_) => net.inference_workspace_mode(),
+        };
+        if last || mode == WorkspaceMode::Enabled {
+            assert_eq!(real, estimate.pass(pass).expect("a pass of the run").bytes, "{what}: pass {i}, {pass}");
+        }
+    }
+    assert_eq!(net.workspace_capacity(), estimate.workspace_bytes, "{what}: the training arenas");
+    assert_eq!(net.inference_workspace_capacity(), estimate.inference_workspace_bytes, "{what}: the inference arenas");
+}
+
+/// An LSTM in the default (enabled) mode, 20 steps of one padded shape: every step
+/// reports what the dry run said, the steps that learn the workspaces' sizes (whose
+/// arrays spilled) as the later ones.
+#[test]
+fn an_enabled_lstm_reports_the_predicted_bytes_from_its_first_step() {
+    on_a_thread(|| {
+        let config = NetworkConfig::builder(12).lstm(8).last_step().dense(9).seed(5).build().unwrap();
+        let mut net = Network::new(config).unwrap();
+        assert_eq!(net.training_workspace_mode(), WorkspaceMode::Enabled, "the default");
+        let run = vec![DryPass::Train(BatchShape::sequences(6, 9)); 20];
+        let estimate = net.dry_run(&run).unwrap();
+        run_as_predicted(&mut net, &estimate, &run, "LSTM, 20 steps");
+        assert_eq!(estimate.peak_step_bytes, estimate.step_bytes());
+    });
+}
+
+/// Three shapes in one short run, after another network trained on the thread: the
+/// arenas are those the run ends with, and `fits` says so to the byte.
+#[test]
+fn three_shapes_after_another_network_end_with_the_predicted_arenas_and_fits_says_so() {
+    on_a_thread(|| {
+        // The thread's workspaces learn from the LSTM first: the MLP's are those.
+        let mut other = lstm(WorkspaceMode::Enabled);
+        for i in 0..4 {
+            real_pass(&mut other, DryPass::Train(BatchShape::sequences(6, 9)), 12, i);
+        }
+        let mut net = mlp(WorkspaceMode::Enabled, 16, &[16]);
+        let run: Vec<DryPass> =
+            [4, 16, 8, 4, 16, 8].iter().map(|&rows| DryPass::Train(BatchShape::flat(rows))).collect();
+        let estimate = net.dry_run(&run).unwrap();
+        run_as_predicted(&mut net, &estimate, &run, "three shapes");
+        let real = estimate.parameter_bytes + net.workspace_capacity() + net.inference_workspace_capacity();
+        assert_eq!(estimate.total_bytes(), real);
+        assert_eq!(estimate.fits(real), Ok(0));
+        assert_eq!(estimate.fits(real - 1).map_err(|short| short.short_by), Err(1));
+    });
+}
+
+/// An MLP whose enabled inferences come between its training steps (the two share
+/// their working memory workspace): each step and each inference reports what the dry
+/// run said, from the first on.
+#[test]
+fn inferences_between_training_steps_report_the_predicted_bytes() {
+    on_a_thread(|| {
+        let mut net = mlp(WorkspaceMode::Enabled, 16, &[16]);
+        let run: Vec<DryPass> =
+            (0..20).flat_map(|_| [DryPass::Train(BatchShape::flat(8)), DryPass::Infer(BatchShape::flat(8))]).collect();
+        let estimate = net.dry_run(&run).unwrap();
+        run_as_predicted(&mut net, &estimate, &run, "steps and inferences");
+    });
+}
+
+/// Five MLPs in the enabled mode, and the README's run: the first steps (while the
+/// workspaces learn) report the bytes predicted.
+#[test]
+fn enabled_mlps_report_the_predicted_bytes_from_their_first_step() {
+    let shapes: [(usize, &[usize]); 5] =
+        [(64, &[128, 64]), (256, &[64, 16]), (16, &[16]), (8, &[]), (32, &[32, 32, 32])];
+    for (inputs, hidden) in shapes {
+        on_a_thread(move || {
+            let mut net = mlp(WorkspaceMode::Enabled, inputs, hidden);
+            let mut run = vec![DryPass::Train(BatchShape::flat(32)); 44];
+            run.push(DryPass::Train(BatchShape::flat(30)));
+            run.push(DryPass::Infer(BatchShape::flat(32)));
+            let estimate = net.dry_run(&run).unwrap();
+            let step = estimate.pass(DryPass::Train(BatchShape::flat(32))).unwrap().bytes;
+            for (i, &pass) in run.iter().take(3).enumerate() {
+                assert_eq!(real_pass(&mut net, pass, inputs, i), step, "{inputs}-{hidden:?}: step {i}");
+            }
+        });
+    }
+}
+
+/// What the estimate says of single passes never exceeds what it says of the run's
+/// largest step.
+#[test]
+fn no_pass_of_a_run_reports_more_than_its_peak_step() {
+    let runs = [
+        vec![DryPass::Train(BatchShape::flat(32))],
+        vec![DryPass::Train(BatchShape::flat(32)), DryPass::Train(BatchShape::flat(8))],
+        demo_run(),
+    ];
+    for mode in MODES {
+        for run in &runs {
+            let estimate = mlp(mode, 64, &[32]).dry_run(run).unwrap();
+            for pass in estimate.passes.iter().filter(|p| matches!(p.pass, DryPass::Train(_))) {
+                assert!(
+                    pass.bytes <= estimate.peak_step_bytes,
+                    "{mode:?}: {pass:?} above {}",
+                    estimate.peak_step_bytes
+                );
+            }
+            let steps = run.iter().zip(&estimate.per_pass_bytes).filter(|(p, _)| matches!(p, DryPass::Train(_)));
+            assert_eq!(steps.map(|(_, &b)| b).max(), Some(estimate.peak_step_bytes), "{mode:?}");
+        }
+    }
+}
+
+/// A planned network: the first step of each shape (recorded) reports what its
+/// workspaces held, laid out per role; later ones, the shape's plan.
+#[test]
+fn a_planned_shapes_first_step_reports_the_predicted_bytes() {
+    let mut net = mlp(WorkspaceMode::Planned, 64, &[128, 64]);
+    let run: Vec<DryPass> =
+        [32, 32, 32, 30, 30, 32].iter().map(|&rows| DryPass::Train(BatchShape::flat(rows))).collect();
+    let estimate = net.dry_run(&run).unwrap();
+    for (i, &pass) in run.iter().enumerate() {
+        let real = real_pass(&mut net, pass, 64, i);
+        let figures = estimate.pass(pass).unwrap();
+        let first = run.iter().position(|&p| p == pass) == Some(i);
+        let expected = if first { figures.per_role_bytes } else { figures.plan_bytes };
+        assert_eq!((real, estimate.per_pass_bytes[i]), (expected, expected), "step {i}, {pass}");
+    }
+}
+
+/// Networks that ran on the thread before, and the network's own earlier passes, left
+/// the thread's (shared) workspaces as they are: the dry run starts from there.
+#[test]
+fn what_ran_before_on_the_thread_is_in_the_prediction() {
+    on_a_thread(|| {
+        let run: Vec<DryPass> = [DryPass::Train(BatchShape::flat(8)), DryPass::Infer(BatchShape::flat(8))].repeat(10);
+        // Alone on a fresh thread.
+        let mut alone = mlp(WorkspaceMode::Enabled, 16, &[16]);
+        let fresh = alone.dry_run(&run).unwrap();
+        // A larger network teaches the thread's workspaces more (and is dropped).
+        let mut other = mlp(WorkspaceMode::Enabled, 64, &[128, 64]);
+        for i in 0..3 {
+            real_pass(&mut other, DryPass::Train(BatchShape::flat(32)), 64, i);
+            real_pass(&mut other, DryPass::Infer(BatchShape::flat(64)), 64, i);
+        }
+        drop(other);
+        let estimate = alone.dry_run(&run).unwrap();
+        assert!(estimate.workspace_bytes > fresh.workspace_bytes, "{estimate:?} against {fresh:?}");
+        run_as_predicted(&mut alone, &estimate, &run, "after another network");
+        // Its own passes, too: the run again, from where the last one left it.
+        let again = alone.dry_run(&run).unwrap();
+        run_as_predicted(&mut alone, &again, &run, "after its own passes");
+    });
+}
+
+/// A planned network that has run passes already: the dry run starts from the plans its
+/// groups hold, so the shapes it planned replay from their first pass of the run.
+#[test]
+fn a_planned_network_dry_runs_from_the_plans_it_holds() {
+    let mut net = mlp(WorkspaceMode::Planned, 64, &[32]);
+    for i in 0..2 {
+        real_pass(&mut net, DryPass::Train(BatchShape::flat(32)), 64, i);
+        real_pass(&mut net, DryPass::Infer(BatchShape::flat(9)), 64, i);
+    }
+    let run: Vec<DryPass> = [32, 16, 32, 16].iter().map(|&rows| DryPass::Train(BatchShape::flat(rows))).collect();
+    let mut run = run;
+    run.push(DryPass::Infer(BatchShape::flat(9)));
+    let estimate = net.dry_run(&run).unwrap();
+    let plan = |pass| estimate.pass(pass).unwrap().plan_bytes;
+    let per_role = |pass| estimate.pass(pass).unwrap().per_role_bytes;
+    let expected = [plan(run[0]), per_role(run[1]), plan(run[2]), plan(run[3]), plan(run[4])];
+    assert_eq!(estimate.per_pass_bytes, expected, "only the new shape is recorded");
+    run_as_predicted(&mut net, &estimate, &run, "planned, after its own passes");
+}
+
+/// More shapes than a planned network keeps plans for (64): plans are dropped, least
+/// recently used first, and recorded again when their shape comes back, in the dry run
+/// as in the run.
+#[test]
+fn a_planned_run_of_more_shapes_than_plans_is_predicted_pass_by_pass() {
+    // (A network whose plans take less than its per-role layout: a recorded step and a
+    // replayed one report different bytes.)
+    let mut net = mlp(WorkspaceMode::Planned, 16, &[16]);
+    let shapes: Vec<DryPass> = (1..=70).map(|rows| DryPass::Train(BatchShape::flat(rows))).collect();
+    // The cache full (shapes 0 to 63, each then replayed once), shape 0 used last, then
+    // a new shape: the plan used least recently (shape 1's) goes, which only a count of
+    // every use of shape 0 tells; then the rest, new shapes and old ones dropped.
+    let run: Vec<DryPass> =
+        [&shapes[..64], &shapes[..64], &shapes[..1], &shapes[64..65], &shapes[..2], &shapes[60..], &shapes[..3]]
+            .concat();
+    let estimate = net.dry_run(&run).unwrap();
+    run_as_predicted(&mut net, &estimate, &run, "70 shapes, 64 plans");
+    let stats = net.plan_stats().unwrap();
+    assert!(stats.evictions > 0 && stats.plans > 70, "{stats:?}");
 }

@@ -4,6 +4,7 @@
 //! their own (`nn_prefetch_allocs`, `nn_soak`, `planned`, `sequences_allocs`).
 
 mod dry_run;
+mod dry_run_random;
 mod examples_cli;
 mod model_file;
 mod nn;

@@ -143,7 +143,7 @@ pub use config::{
     AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
     WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
 };
-pub use engine::WorkspaceStats;
+pub use engine::{Sizing, WorkspaceStats};
 pub use error::{BackendError, Error, Result};
 pub use handle::Handle;
 pub use layer::{LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, TypedScope};

@@ -114,6 +114,48 @@ impl WorkspaceManager {
         })
     }
 
+    /// The workspace of `of`'s name in this registry; when there is none, a new one of
+    /// `of`'s configuration and debug mode that starts where `of` is now: its arena of
+    /// `of`'s size and its learning as far as `of`'s ([`Sizing`](crate::Sizing)). From
+    /// there the two size their arenas alike, cycle for cycle. In a
+    /// [`WorkspaceManager::shape_only`] registry the twin is shape-only: a dry run's
+    /// copy of a workspace that other code on the thread has already taught.
+    ///
+    /// ```
+    /// use workspace_core::{Workspace, WorkspaceConfig, WorkspaceManager};
+    ///
+    /// let ws = Workspace::new("ACT", WorkspaceConfig::default())?;
+    /// for n in [100, 300] {
+    ///     let scope = ws.enter()?;
+    ///     scope.zeros::<f32, _>(n)?;
+    /// }
+    /// let dry = WorkspaceManager::shape_only();
+    /// let twin = dry.twin(&ws)?;
+    /// assert!(twin.is_shape_only());
+    /// assert_eq!((twin.capacity(), twin.sizing()), (ws.capacity(), ws.sizing()));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::StillOpen`] while `of` is open (a cycle under way has not taught it yet);
+    /// [`Error::ConfigMismatch`] when this registry has a workspace of that name with
+    /// another configuration; [`Error::Backend`] when the twin's arena cannot be had.
+    pub fn twin(&self, of: &Workspace) -> Result<Rc<Workspace>> {
+        if of.is_open() {
+            return Err(Error::StillOpen {
+                workspace: of.name().clone(),
+                depth: of.engine().depth(),
+                action: "making a twin of it",
+            });
+        }
+        find_or_create(&self.registry.workspaces, of.name(), of.config(), || {
+            let twin = Workspace::create(of.name(), of.config().clone(), of.debug_mode(), self.registry.shape_only)?;
+            twin.engine().adopt_sizing(of.sizing())?;
+            Ok(twin)
+        })
+    }
+
     /// The workspace `id`.
     ///
     /// # Errors

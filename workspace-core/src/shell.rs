@@ -232,23 +232,10 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
         Ok(self.engine.trim()?)
     }
 
-    /// Ends learning now, as if the learning cycles still to come repeated those seen:
-    /// the arena is sized from the largest cycle so far, as learning would size it (a
-    /// refused growth is reported by the next enter). Nothing changes when the size is
-    /// learned already, or no cycle allocated yet. A dry run uses it to skip the
-    /// repeats.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`] while a scope is open; the hook's error (what
-    /// [`Shell::open`] would report).
-    pub fn finish_learning(&self) -> Result<(), H::Error> {
-        if !self.engine.is_open() {
-            // SAFETY: closed; growing replaces the arena, which, like opening, needs
-            // what the last cycle left settled first.
-            unsafe { self.hooks.before_open(self.engine.name())? };
-        }
-        Ok(self.engine.finish_learning()?)
+    /// What decides the arena from now on: its size and where learning is (see
+    /// [`Sizing`](crate::Sizing)).
+    pub fn sizing(&self) -> crate::Sizing {
+        self.engine.sizing()
     }
 
     /// Checks that an array allocated by workspace `owner` at `generation` (named
@@ -320,8 +307,9 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn reset_peak(&self) {
         self.engine.reset_peak()
     }
-    /// Largest bytes in use (arena and spills) since creation or [`Shell::reset_peak`];
-    /// cheaper than [`Shell::stats`] (no allocation).
+    /// Largest bytes in use (arena and spills, the spills padded as the arena pads
+    /// them) since creation or [`Shell::reset_peak`]; cheaper than [`Shell::stats`] (no
+    /// allocation).
     pub fn peak_bytes(&self) -> usize {
         self.engine.peak()
     }

@@ -48,6 +48,17 @@ pub struct NetworkConfig {
     pub(super) updater: Updater,
     pub(super) training_workspace_mode: WorkspaceMode,
     pub(super) inference_workspace_mode: WorkspaceMode,
+    pub(super) workspace_learning: LearningPolicy,
+}
+
+/// How a network lays out its workspaces: the modes of training and inference, and how
+/// its enabled workspaces learn their sizes. What a network's workspaces are made from
+/// (and made again from, when a data-parallel trainer gives the network back).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct WorkspaceLayout {
+    pub(crate) training: WorkspaceMode,
+    pub(crate) inference: WorkspaceMode,
+    pub(crate) learning: LearningPolicy,
 }
 
 impl std::fmt::Debug for NetworkConfig {
@@ -59,6 +70,7 @@ impl std::fmt::Debug for NetworkConfig {
             .field("updater", &self.updater)
             .field("training_workspace_mode", &self.training_workspace_mode)
             .field("inference_workspace_mode", &self.inference_workspace_mode)
+            .field("workspace_learning", &self.workspace_learning)
             .finish()
     }
 }
@@ -94,6 +106,7 @@ pub struct NetworkConfigBuilder {
     updater: Updater,
     training_workspace_mode: WorkspaceMode,
     inference_workspace_mode: WorkspaceMode,
+    workspace_learning: LearningPolicy,
     error: Option<Error>,
 }
 
@@ -108,6 +121,7 @@ impl NetworkConfig {
             updater: Updater::default(),
             training_workspace_mode: WorkspaceMode::Enabled,
             inference_workspace_mode: WorkspaceMode::Enabled,
+            workspace_learning: LEARNING,
             error: None,
         }
     }
@@ -224,14 +238,35 @@ impl NetworkConfigBuilder {
         self
     }
 
+    /// How the enabled workspaces ([`WorkspaceMode::Enabled`]) learn their sizes (by
+    /// default from the largest of their first 16 cycles: see [`workspace_config`]).
+    /// Networks of a thread share their enabled workspaces by name, so the networks of
+    /// one thread take one policy: a second policy is the
+    /// [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) of [`Network::new`].
+    /// Planned workspaces learn nothing: their plan sizes them.
+    ///
+    /// ```
+    /// use carve::nn::{Network, NetworkConfig};
+    /// use carve::LearningPolicy;
+    ///
+    /// let config = NetworkConfig::builder(8).dense(4).workspace_learning(LearningPolicy::FirstLoop).build()?;
+    /// let net = Network::new(config)?;
+    /// assert_eq!(net.workspace_learning(), LearningPolicy::FirstLoop);
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    pub fn workspace_learning(mut self, learning: LearningPolicy) -> Self {
+        self.workspace_learning = learning;
+        self
+    }
+
     /// Checks the configuration.
     ///
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for no inputs, no layers, a layer that produces no
-    /// columns, a dense layer too large to allocate, fewer than two classes or a bad
-    /// learning rate; [`Error::ShapeMismatch`] when a layer cannot take the previous
-    /// layer's width.
+    /// columns, a dense layer too large to allocate, fewer than two classes, a bad
+    /// learning rate or a workspace learning policy that watches no cycle;
+    /// [`Error::ShapeMismatch`] when a layer cannot take the previous layer's width.
     pub fn build(self) -> Result<NetworkConfig> {
         if let Some(e) = self.error {
             return Err(e);
@@ -255,6 +290,9 @@ impl NetworkConfigBuilder {
         if !(lr.is_finite() && lr > 0.0) {
             return invalid(format!("learning rate {lr} must be finite and positive"));
         }
+        if let Err(e) = workspace_config_with(self.workspace_learning) {
+            return invalid(format!("workspace learning {:?}: {e}", self.workspace_learning));
+        }
         Ok(NetworkConfig {
             inputs: self.inputs,
             layers: self.layers,
@@ -262,21 +300,33 @@ impl NetworkConfigBuilder {
             updater: self.updater,
             training_workspace_mode: self.training_workspace_mode,
             inference_workspace_mode: self.inference_workspace_mode,
+            workspace_learning: self.workspace_learning,
         })
     }
 }
 
-/// The configuration of every network workspace: sized from the largest of the
-/// first 16 cycles (working memory and gradient workspaces see cycles of different
-/// sizes within one iteration, as DL4J's `cyclesBeforeInitialization` accounts for),
-/// growing once more if a later cycle is larger (a bigger batch), never shrinking.
-/// Fixed, so that networks of any depth share the workspaces of their thread.
+/// How enabled network workspaces learn their sizes unless told otherwise: from the
+/// largest of their first 16 cycles (working memory and gradient workspaces see cycles
+/// of different sizes within one iteration, as DL4J's `cyclesBeforeInitialization`
+/// accounts for).
+const LEARNING: LearningPolicy = LearningPolicy::OverTime { cycles: 16 };
+
+/// The configuration of every enabled network workspace: sized from the largest of the
+/// first 16 cycles, growing once more if a later cycle is larger (a bigger batch), never
+/// shrinking. The same for every network (of the default learning), so that networks of
+/// any depth share the workspaces of their thread.
 pub fn workspace_config() -> WorkspaceConfig {
-    WorkspaceConfig::builder()
-        .learning(LearningPolicy::OverTime { cycles: 16 })
-        .spill(SpillPolicy::Reallocate)
-        .build()
-        .expect("a valid workspace configuration")
+    workspace_config_with(LEARNING).expect("a valid workspace configuration")
+}
+
+/// [`workspace_config`] with another learning policy
+/// ([`NetworkConfigBuilder::workspace_learning`]).
+///
+/// # Errors
+///
+/// [`Error::Workspace`] for a policy the workspaces refuse (`OverTime { cycles: 0 }`).
+pub fn workspace_config_with(learning: LearningPolicy) -> Result<WorkspaceConfig> {
+    Ok(WorkspaceConfig::builder().learning(learning).spill(SpillPolicy::Reallocate).build()?)
 }
 
 /// The configuration of a planned network's workspaces: no arena of their own (the
@@ -299,7 +349,7 @@ pub(super) const PLANS: usize = 64;
 /// workspaces and the older one can be reset as soon as it is consumed. Planned: the
 /// workspaces are the network's own, members of one plan group.
 pub(crate) fn training_mgrs(mode: WorkspaceMode) -> Result<[LayerWorkspaceMgr; 2]> {
-    training_mgrs_in(mode, None)
+    training_mgrs_in(mode, LEARNING, None, None)
 }
 
 /// A plan group named `name`, of [`PLANS`] plans: shape-only when `registry` is.
@@ -310,18 +360,23 @@ fn plan_group(name: &str, registry: Option<&WorkspaceManager>) -> PlanGroup {
     }
 }
 
-/// [`training_mgrs`], their workspaces in `registry` when given (a shape-only one, for
-/// a dry run: then a planned network's group is shape-only too).
+/// [`training_mgrs`], enabled workspaces learning by `learning`, their workspaces in
+/// `registry` when given (a shape-only one, for a dry run: then a planned network's
+/// group is shape-only too), a planned network's in `group` when given (a dry run's
+/// twin of the network's).
 pub(crate) fn training_mgrs_in(
     mode: WorkspaceMode,
+    learning: LearningPolicy,
     registry: Option<&WorkspaceManager>,
+    group: Option<PlanGroup>,
 ) -> Result<[LayerWorkspaceMgr; 2]> {
     if mode == WorkspaceMode::None {
         return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
     }
     // One plan per batch shape: variable-length sequences have a few dozen.
-    let group = (mode == WorkspaceMode::Planned).then(|| plan_group("WS_PLANNED_ITERATION", registry));
-    let config = if group.is_some() { planned_workspace_config() } else { workspace_config() };
+    let group =
+        (mode == WorkspaceMode::Planned).then(|| group.unwrap_or_else(|| plan_group("WS_PLANNED_ITERATION", registry)));
+    let config = if group.is_some() { planned_workspace_config() } else { workspace_config_with(learning)? };
     let base = |grad: &str| {
         let builder = LayerWorkspaceMgr::builder();
         let builder = match registry {
@@ -346,26 +401,33 @@ pub(crate) fn training_mgrs_in(
     Ok([base(names::ACT_GRAD_1)?, base(names::ACT_GRAD_2)?])
 }
 
-/// The inference workspace manager. Planned: the workspaces are the network's own,
-/// members of a plan group of their own (an inference is an iteration).
-pub(super) fn inference_mgr(mode: WorkspaceMode) -> Result<LayerWorkspaceMgr> {
-    inference_mgr_in(mode, None)
+/// The inference workspace manager, enabled workspaces learning by `learning`. Planned:
+/// the workspaces are the network's own, members of a plan group of their own (an
+/// inference is an iteration).
+pub(super) fn inference_mgr(mode: WorkspaceMode, learning: LearningPolicy) -> Result<LayerWorkspaceMgr> {
+    inference_mgr_in(mode, learning, None, None)
 }
 
-/// [`inference_mgr`], its workspaces in `registry` when given (as
+/// [`inference_mgr`], its workspaces in `registry` and `group` when given (as
 /// [`training_mgrs_in`]).
-pub(super) fn inference_mgr_in(mode: WorkspaceMode, registry: Option<&WorkspaceManager>) -> Result<LayerWorkspaceMgr> {
+pub(super) fn inference_mgr_in(
+    mode: WorkspaceMode,
+    learning: LearningPolicy,
+    registry: Option<&WorkspaceManager>,
+    group: Option<PlanGroup>,
+) -> Result<LayerWorkspaceMgr> {
     if mode == WorkspaceMode::None {
         return Ok(LayerWorkspaceMgr::no_workspaces());
     }
     let planned = mode == WorkspaceMode::Planned;
-    let builder = inference_builder(planned);
+    let config = if planned { planned_workspace_config() } else { workspace_config_with(learning)? };
+    let builder = inference_builder_of(config);
     let builder = match registry {
         Some(registry) => builder.in_manager(registry),
         None => builder,
     };
     let builder = match planned {
-        true => builder.planned(&plan_group("WS_PLANNED_INFERENCE", registry)),
+        true => builder.planned(&group.unwrap_or_else(|| plan_group("WS_PLANNED_INFERENCE", registry))),
         false => builder,
     };
     builder.build().map_err(Error::from)
@@ -374,7 +436,11 @@ pub(super) fn inference_mgr_in(mode: WorkspaceMode, registry: Option<&WorkspaceM
 /// The inference workspaces (planned: with the configuration of a plan group's
 /// members), as a network's inference and a served model's arenas lay them out.
 pub(crate) fn inference_builder(planned: bool) -> LayerWorkspaceMgrBuilder {
-    let config = if planned { planned_workspace_config() } else { workspace_config() };
+    inference_builder_of(if planned { planned_workspace_config() } else { workspace_config() })
+}
+
+/// The inference workspaces, each of `config`.
+fn inference_builder_of(config: WorkspaceConfig) -> LayerWorkspaceMgrBuilder {
     LayerWorkspaceMgr::builder()
         .with(ArrayType::Input, names::INFERENCE_ACT, config.clone())
         .with(ArrayType::Activations, names::INFERENCE_ACT, config.clone())

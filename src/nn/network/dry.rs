@@ -2,26 +2,35 @@
 //! inferences ([`Network::dry_run`]).
 //!
 //! A dry pass runs the network's own code — the same layers, scopes and allocations in
-//! the same order — in shape-only workspaces ([`WorkspaceManager::shape_only`]) made
+//! the same order — in shape-only workspaces
+//! ([`WorkspaceManager::shape_only`](workspace_core::WorkspaceManager::shape_only)) made
 //! with the configurations of the network's own, and computes nothing: the layers skip
 //! their arithmetic in shape-only scopes, and the checks, the loss and the update are
-//! skipped. So the shadow workspaces account, learn their sizes and plan exactly as the
-//! network's will, and what they report is what the real passes will take, to the byte.
+//! skipped. The shadow workspaces are twins of the network's as they are when the dry
+//! run starts (their arenas, how far they have learned, the plans of its groups), so
+//! they account, learn their sizes and plan exactly as the network's will, and a dry
+//! pass reports what the real pass will, to the byte, through the one figure both
+//! compute (`network::pass_bytes`).
+//!
+//! What a dry run may be used for: sizing (budgets, `fits`, the arenas a run ends
+//! with) and the holders of a pass's peak. What it may not: timing (nothing is
+//! computed), and any prediction once something else changes the thread's workspaces
+//! between the dry run and the run (another network's passes).
 
 use std::fmt;
-use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ndarray::{Array1, Array2, Array3};
 use workspace_core::plan::{Plan, Trace};
 use workspace_core::timeline::{self, Holder, Timeline};
-use workspace_core::{LayerWorkspaceMgr, LearningPolicy, Workspace, WorkspaceManager, WorkspaceMode};
+use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
-use super::config::{inference_mgr_in, training_mgrs_in};
-use super::{probabilities, shape_key, sum_over_training_workspaces, training_capacity, training_workspaces};
+use super::config::PLANS;
+use super::shadow::Shadow;
+use super::{inference_capacity, pass_bytes, probabilities, shape_key, training_capacity, training_workspaces};
 use super::{Input, Labels, LayerLabels, Network};
 
 /// The shape of a batch for a dry run ([`Network::dry_run`]); its features are as wide
@@ -110,10 +119,13 @@ impl fmt::Display for DryPass {
 pub struct PassEstimate {
     /// The pass.
     pub pass: DryPass,
-    /// Workspace bytes a real pass of this shape uses: for a training step, what
-    /// [`Network::last_iteration_workspace_bytes`] reports after it (the training
-    /// workspaces' peaks, summed; planned, the plan's bytes; 0 with workspaces off);
-    /// for an inference, the same of the inference workspaces.
+    /// What the real pass of this shape reports at its last in the run: for a training
+    /// step, [`Network::last_iteration_workspace_bytes`]; for an inference,
+    /// [`Network::last_inference_workspace_bytes`] (0 with workspaces off). Enabled
+    /// workspaces report the same bytes at every pass of a shape, learning or not;
+    /// planned, a shape's first pass (recorded) reports what its workspaces held, and
+    /// once the shape repeats the plan's bytes ([`PassEstimate::plan_bytes`]). Every
+    /// pass's figure is in [`MemoryEstimate::per_pass_bytes`].
     pub bytes: usize,
     /// The pass laid out per role: each workspace an arena of its own, sized to its
     /// peak (what workspaces enabled take).
@@ -139,21 +151,27 @@ pub struct MemoryEstimate {
     /// [`Network::workspace_capacity`] then reports (0 with workspaces off).
     pub workspace_bytes: usize,
     /// The bytes of the inference workspaces' arenas that the training workspaces do
-    /// not already count.
+    /// not already count, after these passes: what
+    /// [`Network::inference_workspace_capacity`] then reports (0 with inference
+    /// workspaces off).
     pub inference_workspace_bytes: usize,
     /// Weights, gradients and the updater's state (outside workspaces).
     pub parameter_bytes: usize,
-    /// Each arena, largest first: a workspace's (by name) or a plan group's.
+    /// Each arena after these passes, largest first: a workspace's (by name) or a plan
+    /// group's; those of 0 bytes left out.
     pub arenas: Vec<(String, usize)>,
-    /// The most workspace bytes any training step of the run reports
-    /// ([`Network::last_iteration_workspace_bytes`]), its first steps included: while
-    /// the workspaces learn their sizes (enabled) or a shape is recorded for its plan
-    /// (planned) a step may take more than in the steady state
-    /// ([`MemoryEstimate::step_bytes`]).
+    /// Per pass of the run, in its order: what the real pass reports after it
+    /// ([`Network::last_iteration_workspace_bytes`] for a training step,
+    /// [`Network::last_inference_workspace_bytes`] for an inference).
+    pub per_pass_bytes: Vec<usize>,
+    /// The most workspace bytes any training step of the run reports, its first steps
+    /// included: the largest training figure of [`MemoryEstimate::per_pass_bytes`]
+    /// (planned, a shape's recorded first step takes more than its plan).
     pub peak_step_bytes: usize,
-    /// Dry passes run: those of the run that its workspaces still learned from (or,
-    /// planned, the recording and the first replay of each shape), and one more per
-    /// distinct unplanned pass for its steady figures.
+    /// Dry passes run: each pass of the run that could change what the workspaces hold
+    /// (while they learn their sizes or grow; planned, a shape's first pass) or whose
+    /// figures were not known yet, and one more for [`MemoryEstimate::peak_holders`].
+    /// The others repeat a pass that changed nothing, exactly, and are not run.
     pub passes_run: usize,
     /// How long the dry run took, in microseconds.
     pub dry_run_us: f64,
@@ -164,9 +182,9 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    /// All the network will hold: parameters, training and inference arenas, and with
-    /// workspaces off the heap a pass holds at its peak (its lower bound: its arrays are
-    /// heap allocations, freed as they die).
+    /// All the network will hold after the run: parameters, the training and inference
+    /// arenas the run ends with, and with workspaces off the heap a pass holds at its
+    /// peak (its lower bound: its arrays are heap allocations, freed as they die).
     pub fn total_bytes(&self) -> usize {
         let heap = |off: bool, training: bool| match off {
             false => 0,
@@ -186,7 +204,9 @@ impl MemoryEstimate {
             .saturating_add(heap)
     }
 
-    /// The most workspace bytes one training step uses (see [`PassEstimate::bytes`]).
+    /// The most workspace bytes one training step reports at the last of its shape in
+    /// the run (see [`PassEstimate::bytes`]): the steady figure of the run's largest
+    /// step; never above [`MemoryEstimate::peak_step_bytes`].
     pub fn step_bytes(&self) -> usize {
         self.passes.iter().filter(|p| p.pass.is_training()).map(|p| p.bytes).max().unwrap_or(0)
     }
@@ -286,92 +306,11 @@ impl fmt::Display for Shortfall {
 
 impl std::error::Error for Shortfall {}
 
-/// The shape-only workspaces a network's dry runs use: a registry of their own and the
-/// network's managers over it, with the same names, configurations and modes as the
-/// network's (workspaces off: enabled ones, so that the figures of each pass are known
-/// all the same).
-pub(super) struct Shadow {
-    pub(super) train: [LayerWorkspaceMgr; 2],
-    pub(super) infer: LayerWorkspaceMgr,
-    /// Whether every workspace a training step (`[0]`) or an inference (`[1]`) uses
-    /// has learned its size (once true, it stays: learning does not start again).
-    learned: [bool; 2],
-    /// The most bytes a dry training step would have reported as the real one does.
-    peak_step_bytes: usize,
-    /// Whether a training step (`[0]`) or an inference (`[1]`) has run: the
-    /// workspaces a pass of that kind uses have then allocated (what they hold does not
-    /// depend on the shape), so that `learned` says they learned their sizes.
-    ran: [bool; 2],
-}
-
-impl Shadow {
-    fn new(training: WorkspaceMode, inference: WorkspaceMode) -> Result<Shadow> {
-        let registry = WorkspaceManager::shape_only();
-        // Training and inference share workspaces by name in one registry, as on the
-        // network's thread; a mode that has no workspaces gets its figures from
-        // workspaces of its own, which the other mode's do not see.
-        let off = training == WorkspaceMode::None || inference == WorkspaceMode::None;
-        let inference_registry = if off { WorkspaceManager::shape_only() } else { registry.clone() };
-        let on = |mode| if mode == WorkspaceMode::None { WorkspaceMode::Enabled } else { mode };
-        Ok(Shadow {
-            train: training_mgrs_in(on(training), Some(&registry))?,
-            infer: inference_mgr_in(on(inference), Some(&inference_registry))?,
-            learned: [false; 2],
-            peak_step_bytes: 0,
-            ran: [false; 2],
-        })
-    }
-
-    /// Whether every workspace that `pass` uses, and that has allocated, has learned its
-    /// size (a cycle that allocates nothing teaches nothing).
-    fn learned(&mut self, pass: DryPass) -> bool {
-        let kind = pass.kind();
-        if !self.learned[kind] {
-            let learned = |ws: &Rc<Workspace>| {
-                let stats = ws.stats();
-                ws.config().learning() == LearningPolicy::None
-                    || stats.learned_size.is_some()
-                    || stats.bytes_spilled == 0
-            };
-            self.learned[kind] = match kind {
-                0 => training_workspaces(&self.train).all(learned),
-                _ => self.infer.workspaces().all(learned),
-            };
-        }
-        self.learned[kind]
-    }
-
-    /// The bytes of every arena of the shadow (its workspaces' and its groups').
-    fn arena_bytes(&self) -> usize {
-        let groups = [self.train[0].plan_group(), self.infer.plan_group()];
-        self.workspaces().iter().map(|ws| ws.capacity()).sum::<usize>()
-            + groups.iter().flatten().map(|g| g.capacity()).sum::<usize>()
-    }
-
-    /// Whether every workspace of the shadow has learned its size.
-    fn all_learned(&mut self, passes: &[DryPass]) -> bool {
-        passes.iter().all(|&pass| self.learned(pass))
-    }
-
-    /// Every workspace of the shadow, each once.
-    fn workspaces(&self) -> Vec<Rc<Workspace>> {
-        let mut all: Vec<Rc<Workspace>> = Vec::new();
-        for ws in training_workspaces(&self.train).chain(self.infer.workspaces()) {
-            if !all.iter().any(|w| w.id() == ws.id()) {
-                all.push(ws.clone());
-            }
-        }
-        all
-    }
-}
-
-/// A distinct pass of a dry run: how often the run made it so far, whether the run has
-/// a steady repeat of it (one that mirrors nothing new), and its figures when known.
+/// A distinct pass of a dry run: its figures from its first pass, and what it reported
+/// at its last.
 struct Distinct {
     pass: DryPass,
-    count: usize,
-    steady_repeat: bool,
-    figures: Option<PassEstimate>,
+    figures: PassEstimate,
 }
 
 /// The arrays of a dry pass's batch: zeros of the shape (a mask of ones, labels of
@@ -478,49 +417,62 @@ impl Network {
     /// training steps and inferences of a run, in the order the run makes them) in
     /// shape-only workspaces of the network's configuration. The layers allocate as
     /// they will, scope by scope, and the built-in ones compute nothing; the network's
-    /// weights, updater state, workspaces and counters do not change. The estimate
-    /// says, per distinct pass, the workspace bytes a real pass of that shape will use
-    /// ([`PassEstimate::bytes`], equal to the byte to what the real pass then reports),
-    /// its plan and lower bound, and what the training workspaces will hold after the
-    /// run ([`MemoryEstimate::workspace_bytes`], what
-    /// [`Network::workspace_capacity`] will report); [`MemoryEstimate::fits`] says
-    /// whether a budget holds it all.
+    /// weights, updater state, workspaces and counters do not change.
     ///
-    /// Workspaces learn their sizes from their first cycles (16 that allocate), so the
-    /// order matters: a pass seen before is run again only while some workspace still
-    /// learns. After the passes given, the workspaces still learning end their learning
-    /// as a run that repeats these passes would (the repeats teach them nothing
-    /// larger): the estimate is of a run past learning; a run shorter than that (16
-    /// steps, 16 inferences) may hold less. Each dry run continues the last: call
-    /// [`Network::reset_dry_run`] to start afresh.
+    /// The estimate is of exactly these passes, run next, from the workspaces as they
+    /// are now, and it is exact: per pass, what the real pass then reports
+    /// ([`MemoryEstimate::per_pass_bytes`]: [`Network::last_iteration_workspace_bytes`]
+    /// after a training step, [`Network::last_inference_workspace_bytes`] after an
+    /// inference); per distinct pass, that figure at its last pass, its plan and lower
+    /// bound ([`PassEstimate`]); after the run, every arena
+    /// ([`MemoryEstimate::arenas`]), those of the training workspaces
+    /// ([`MemoryEstimate::workspace_bytes`], what [`Network::workspace_capacity`] then
+    /// reports) and those of inference ([`MemoryEstimate::inference_workspace_bytes`],
+    /// what [`Network::inference_workspace_capacity`] then reports);
+    /// [`MemoryEstimate::fits`] says whether a budget holds it all.
     ///
-    /// What it assumes:
-    /// - The network alone on its thread, from new workspaces. Enabled workspaces are
-    ///   the thread's, by name: another network on the thread, or earlier training,
-    ///   leaves them at least the size it taught them.
+    /// Enabled workspaces learn their sizes from their first cycles (16 that allocate,
+    /// unless [`NetworkConfigBuilder::workspace_learning`](super::NetworkConfigBuilder::workspace_learning)
+    /// says otherwise), and grow when a later cycle is larger, so the order and the
+    /// length of the run matter: pass the whole run (a run shorter than learning ends
+    /// with smaller arenas, which the estimate says). A pass is run dry unless it
+    /// repeats one that found the workspaces as they are now and left them so: that one
+    /// would change nothing again, and its figures are known. So a long run costs about
+    /// the passes that learn, and one of each shape.
+    ///
+    /// Where it starts from:
+    /// - Enabled workspaces are the thread's, shared by name with the thread's other
+    ///   networks: the dry run starts from them as those networks and this one's earlier
+    ///   passes have left them (their arenas, and how far they have learned). Another
+    ///   network that runs on the thread between the dry run and the run changes what
+    ///   the run will take.
+    /// - A planned network's plan groups are its own: the dry run starts from the plans
+    ///   they hold (the shapes the network has run replay them).
     /// - Batches as the prefetchers give them (see [`BatchShape`]).
     /// - Layers that ask [`Scope::is_shape_only`](workspace_core::Scope::is_shape_only)
     ///   skip their arithmetic, as carve's do. A custom layer that does not runs its
     ///   whole pass on the zeros of the dry batch: the prediction holds, and whatever
     ///   state of its own the pass changes (its gradients, a counter) changes.
-    /// - Memory for it: the shape-only workspaces take the memory they predict, and keep
-    ///   it until [`Network::reset_dry_run`] (or the network drops). A shape that the
-    ///   machine cannot hold is the allocation's error, not an estimate.
+    /// - Memory for it: the shape-only workspaces take the memory they predict while
+    ///   the dry run lasts, and give it back when it returns. A shape that the machine
+    ///   cannot hold is the allocation's error, not an estimate.
     ///
     /// ```
     /// use carve::nn::{BatchShape, DryPass, Network, NetworkConfig};
     /// use carve::ndarray::{Array1, Array2};
     ///
     /// let mut net = Network::new(NetworkConfig::builder(64).dense(128).relu().dense(10).build()?)?;
-    /// let estimate = net.dry_run(&[DryPass::Train(BatchShape::flat(32))])?;
+    /// let run = [DryPass::Train(BatchShape::flat(32)); 20];
+    /// let estimate = net.dry_run(&run)?;
     /// assert!(estimate.fits(1 << 30).is_ok());
     /// let short = estimate.fits(1000).unwrap_err();
     /// assert_eq!(short.short_by, estimate.total_bytes() - 1000);
     ///
-    /// // The real steps then take exactly what was predicted.
+    /// // The real steps then take exactly what was predicted, step by step.
     /// let (x, y) = (Array2::<f32>::zeros((32, 64)), Array1::<u32>::zeros(32));
-    /// for _ in 0..20 {
+    /// for predicted in &estimate.per_pass_bytes {
     ///     net.fit_batch(x.view(), y.view())?;
+    ///     assert_eq!(net.last_iteration_workspace_bytes(), *predicted);
     /// }
     /// assert_eq!(net.last_iteration_workspace_bytes(), estimate.step_bytes());
     /// assert_eq!(net.workspace_capacity(), estimate.workspace_bytes);
@@ -531,107 +483,86 @@ impl Network {
     ///
     /// [`Error::InvalidInput`] for no passes, or a shape with no rows or steps, or too
     /// large to lay out; the errors a real pass of the shape would return for it
-    /// (shapes the layers refuse); workspace errors.
+    /// (shapes the layers refuse); workspace errors ([`StillOpen`](workspace_core::Error::StillOpen)
+    /// while one of the network's workspaces is open).
     pub fn dry_run(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
         if passes.is_empty() {
             return Err(Error::InvalidInput("a dry run needs at least one pass".into()));
         }
         // A timeline recording on this thread records none of it (and labels nothing).
         let _paused = timeline::suspend();
-        let estimate = self.dry_run_passes(passes);
-        if estimate.is_err() {
-            // A pass that failed half-way taught the shadow workspaces a part of itself:
-            // the next dry run starts afresh.
-            self.dry_run = None;
-        }
+        let started = Instant::now();
+        self.dry_run = Some(Box::new(Shadow::of(self)?));
+        let estimate = self.dry_run_in_shadow(passes, started);
+        // The shadow and its memory go: the next dry run starts from the workspaces as
+        // they are then.
+        self.dry_run = None;
         estimate
     }
 
-    /// [`Network::dry_run`] of passes that are there.
-    fn dry_run_passes(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
-        let started = Instant::now();
-        if self.dry_run.is_none() {
-            self.dry_run = Some(Box::new(Shadow::new(self.training_mode, self.inference_mode)?));
-        }
-        // The passes in order, mirroring the run: each pass the run makes while its
-        // workspaces still learn their sizes (enabled), and the first two of each shape
-        // (planned: the recording, and the first replay, which sizes the arena for its
-        // plan). The other passes are steady repeats, which change nothing.
+    /// [`Network::dry_run`] of passes that are there, in its shadow.
+    fn dry_run_in_shadow(&mut self, passes: &[DryPass], started: Instant) -> Result<MemoryEstimate> {
         let mut distinct: Vec<Distinct> = Vec::new();
-        let mut run = 0;
-        let shadow = self.dry_run.as_deref_mut().expect("made above");
-        shadow.peak_step_bytes = 0;
-        for &pass in passes {
-            let i = match distinct.iter().position(|d| d.pass == pass) {
-                Some(i) => i,
-                None => {
-                    distinct.push(Distinct { pass, count: 0, steady_repeat: false, figures: None });
-                    // A new pass may be the first to allocate in a workspace: ask again.
-                    self.dry_run.as_deref_mut().expect("made above").learned = [false; 2];
-                    distinct.len() - 1
+        let mut per_pass_bytes = Vec::with_capacity(passes.len());
+        // The passes run that left the shadow's state unchanged, with what each reported:
+        // a repeat of one runs the same way, to the byte, and changes nothing, so it is
+        // not run (see `ShadowState` for why the state's growing since does not matter).
+        let mut unchanged: Vec<(DryPass, usize)> = Vec::new();
+        // A plan group keeps `PLANS` plans and drops the one used least recently, which
+        // a pass that is not run would not touch: repeats are left out only where the
+        // plans kept and the run's shapes of that kind all fit in the cache (nothing is
+        // ever dropped).
+        let kinds = |kind: usize| {
+            let mut seen: Vec<DryPass> = Vec::new();
+            for &pass in passes.iter().filter(|p| p.kind() == kind) {
+                if !seen.contains(&pass) {
+                    seen.push(pass);
                 }
-            };
-            distinct[i].count += 1;
-            let planned = self.dry_mgr(pass).plan_group().is_some();
-            let shadow = self.dry_run.as_deref_mut().expect("made above");
-            let mirrored = match planned {
-                true => distinct[i].count <= 2,
-                false => distinct[i].count == 1 || !shadow.learned(pass),
-            };
-            if !mirrored {
-                distinct[i].steady_repeat = true;
+            }
+            let kept = self.shadow().mgr(kind).plan_group().map_or(0, |group| group.stats().cached_plans);
+            kept + seen.len() <= PLANS
+        };
+        let skips = [kinds(0), kinds(1)];
+        let mut run = 0;
+        for &pass in passes {
+            let index = distinct.iter().position(|d| d.pass == pass);
+            if let Some(&(_, bytes)) = unchanged.iter().find(|(p, _)| *p == pass) {
+                per_pass_bytes.push(bytes);
+                if let Some(i) = index {
+                    distinct[i].figures.bytes = bytes;
+                }
                 continue;
             }
-            // A new unplanned pass whose workspaces learned already runs as it will run
-            // again: its figures are the steady ones, unless it grew an arena.
-            let first = distinct[i].count == 1;
-            let steady_first = first && !planned && shadow.ran[pass.kind()] && shadow.learned(pass);
-            let arenas_before = steady_first.then(|| shadow.arena_bytes());
-            let figures = self.dry_pass(pass, (planned && first) || steady_first, true)?;
-            let shadow = self.dry_run.as_deref_mut().expect("made above");
-            if (planned && first) || arenas_before.is_some_and(|before| before == shadow.arena_bytes()) {
-                distinct[i].figures = Some(figures);
-            }
+            let before = self.shadow().state();
+            let (bytes, figures) = self.dry_pass(pass, index.is_none())?;
             run += 1;
-        }
-        // A run of many passes repeats these: its workspaces end learning with the
-        // largest cycle seen, every pass having run (repeats would teach them nothing
-        // larger), so learning ends here without running them.
-        let shadow = self.dry_run.as_deref_mut().expect("made above");
-        let all: Vec<DryPass> = distinct.iter().map(|d| d.pass).collect();
-        if !shadow.all_learned(&all) {
-            for ws in shadow.workspaces() {
-                ws.finish_learning()?;
+            per_pass_bytes.push(bytes);
+            match (index, figures) {
+                (Some(i), _) => distinct[i].figures.bytes = bytes,
+                (None, Some(figures)) => distinct.push(Distinct { pass, figures }),
+                (None, None) => unreachable!("a first pass gives its figures"),
             }
-            shadow.learned = [false; 2];
+            let after = self.shadow().state();
+            if after.spoilt != before.spoilt {
+                unchanged.clear();
+            } else if skips[pass.kind()] && after.grown == before.grown {
+                unchanged.push((pass, bytes));
+            }
         }
-        // The figures of each distinct pass in the steady state: planned, its plan's (from
-        // its recording); otherwise a pass once more, as its steady repeats run (which
-        // count in the peak when the run has one).
-        let mut figures = Vec::with_capacity(distinct.len());
-        for d in &mut distinct {
-            let estimate = match d.figures.take() {
-                Some(estimate) => estimate,
-                None => {
-                    run += 1;
-                    let estimate = self.dry_pass(d.pass, true, false)?;
-                    if d.steady_repeat && d.pass.is_training() {
-                        let shadow = self.dry_run.as_deref_mut().expect("made above");
-                        shadow.peak_step_bytes = shadow.peak_step_bytes.max(estimate.bytes);
-                    }
-                    estimate
-                }
-            };
-            figures.push(estimate);
-        }
+        // What the run ends with, read before the holders' pass below runs.
+        let (workspace_bytes, inference_workspace_bytes, arenas) =
+            arenas(self.shadow(), self.training_mode, self.inference_mode);
+        let figures: Vec<PassEstimate> = distinct.into_iter().map(|d| d.figures).collect();
         let largest = figures.iter().max_by_key(|p| p.bytes.max(p.lower_bound_bytes)).map(|p| p.pass);
         let peak_holders = match largest {
-            Some(pass) => self.peak_holders(pass)?,
+            Some(pass) => {
+                run += 1;
+                self.peak_holders(pass)?
+            }
             None => Vec::new(),
         };
-        let shadow = self.dry_run.as_deref().expect("made above");
-        let off = self.training_mode == WorkspaceMode::None;
-        let (workspace_bytes, inference_workspace_bytes, arenas) = arenas(shadow, off, self.inference_mode);
+        let peak_step_bytes =
+            passes.iter().zip(&per_pass_bytes).filter(|(p, _)| p.is_training()).map(|(_, &b)| b).max().unwrap_or(0);
         Ok(MemoryEstimate {
             training_mode: self.training_mode,
             inference_mode: self.inference_mode,
@@ -640,25 +571,32 @@ impl Network {
             inference_workspace_bytes,
             parameter_bytes: self.parameter_bytes(),
             arenas,
-            peak_step_bytes: if off { 0 } else { shadow.peak_step_bytes },
+            per_pass_bytes,
+            peak_step_bytes,
             passes_run: run,
             dry_run_us: started.elapsed().as_secs_f64() * 1e6,
             peak_holders,
         })
     }
 
+    /// The shadow of the dry run under way.
+    fn shadow(&self) -> &Shadow {
+        self.dry_run.as_deref().expect("made by dry_run")
+    }
+
     /// The five largest holders, by role and layer, at the peak of `pass`: the pass once
-    /// more (a steady repeat, which changes no figure), recorded by a timeline of its
-    /// own (a user's recording on this thread is paused by `dry_run`).
+    /// more, recorded by a timeline of its own (a user's recording on this thread is
+    /// paused by `dry_run`). Only the holders come of it: the dry run's figures were
+    /// read before.
     fn peak_holders(&mut self, pass: DryPass) -> Result<Vec<Holder>> {
         let recording = Timeline::start()?;
-        for ws in self.dry_run.as_deref().expect("made by dry_run").workspaces() {
-            recording.attach(&ws)?;
+        for ws in &self.shadow().all {
+            recording.attach(ws)?;
         }
         // The network's labels for this timeline while the pass runs.
         let labels = Box::new(LayerLabels::new(&self.layers, recording.id()));
         let attached = self.timeline.replace(labels);
-        let ran = self.dry_pass(pass, false, false);
+        let ran = self.dry_pass(pass, false);
         recording.end_iteration();
         self.timeline = attached;
         ran?;
@@ -667,12 +605,10 @@ impl Network {
         Ok(script.and_then(|s| snapshot.peak(s)).map(|peak| peak.holders).unwrap_or_default())
     }
 
-    /// Forgets what earlier dry runs taught the shape-only workspaces and gives their
-    /// memory back: the next [`Network::dry_run`] starts from new ones, as a new network
-    /// would.
-    pub fn reset_dry_run(&mut self) {
-        self.dry_run = None;
-    }
+    /// Does nothing: each dry run starts from the network's workspaces as they are, and
+    /// gives its own back when it returns.
+    #[deprecated(note = "each dry run starts from the workspaces as they are and keeps no memory: nothing to reset")]
+    pub fn reset_dry_run(&mut self) {}
 
     /// Weights, gradients and the updater's state, in bytes.
     fn parameter_bytes(&self) -> usize {
@@ -684,110 +620,76 @@ impl Network {
         params.saturating_mul(per * size_of::<f32>())
     }
 
-    /// The shadow manager a pass runs in.
-    fn dry_mgr(&self, pass: DryPass) -> &LayerWorkspaceMgr {
-        let shadow = self.dry_run.as_deref().expect("made by dry_run");
-        match pass {
-            DryPass::Train(_) => &shadow.train[0],
-            DryPass::Infer(_) => &shadow.infer,
-        }
-    }
-
-    /// One dry pass, mirroring a pass of the run (a training step's bytes, as the real
-    /// step reports them, go into the peak), and its figures when `figures`: planned,
-    /// its plan's (made at the end of a recording); otherwise recorded and planned here
-    /// (the passes that only mirror the run skip that).
-    fn dry_pass(&mut self, pass: DryPass, figures: bool, mirrored: bool) -> Result<PassEstimate> {
+    /// One dry pass: what the real pass would report after it (as
+    /// [`Network::last_iteration_workspace_bytes`] and
+    /// [`Network::last_inference_workspace_bytes`] compute it), and with `first` the
+    /// figures of its shape (its bytes the same): planned, its group's plan (the pass
+    /// is the shape's first, so it was recorded and planned); otherwise recorded here
+    /// and planned as a group would plan it (recording only observes).
+    fn dry_pass(&mut self, pass: DryPass, first: bool) -> Result<(usize, Option<PassEstimate>)> {
         let (shape, training) = match pass {
             DryPass::Train(shape) => (shape, true),
             DryPass::Infer(shape) => (shape, false),
         };
-        self.dry_run.as_deref_mut().expect("made by dry_run").ran[pass.kind()] = true;
+        let off = match training {
+            true => self.training_mode == WorkspaceMode::None,
+            false => self.inference_mode == WorkspaceMode::None,
+        };
         let batch = DryBatch::new(shape, self.inputs)?;
-        let nothing =
-            PassEstimate { pass, bytes: 0, per_role_bytes: 0, plan_bytes: 0, lower_bound_bytes: 0, allocations: 0 };
-        let estimate = match self.dry_mgr(pass).plan_group().cloned() {
+        let shadow = self.shadow();
+        let group = shadow.mgr(pass.kind()).plan_group().cloned();
+        let workspaces = shadow.workspaces_of(pass.kind()).to_vec();
+        let trace = (first && group.is_none()).then(|| Arc::new(Mutex::new(Trace::new())));
+        if let Some(trace) = &trace {
+            for ws in &workspaces {
+                ws.record_into(Some(trace.clone()))?;
+            }
+        }
+        let ran = match &group {
+            None => self.dry_pass_once(&batch, training).map(|()| None),
             Some(group) => {
                 let key = shape_key(&batch.input(), training.then(|| batch.labels()).as_ref());
                 let ((), on_plan) = group.iteration(key, || self.dry_pass_once(&batch, training))?;
-                if training && mirrored {
-                    // As the real step reports it: on its plan, the plan's bytes.
-                    let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
-                    let bytes = match on_plan {
-                        true => group.plan_bytes(),
-                        false => sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes()),
-                    };
-                    shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
-                }
-                match figures {
-                    false => nothing,
-                    true => {
-                        let stats = group.stats();
-                        PassEstimate {
-                            pass,
-                            bytes: stats.plan_bytes,
-                            per_role_bytes: stats.per_role_bytes,
-                            plan_bytes: stats.plan_bytes,
-                            lower_bound_bytes: stats.lower_bound_bytes,
-                            allocations: stats.allocations,
-                        }
-                    }
-                }
+                Ok(on_plan.then(|| group.plan_bytes()))
             }
-            None if !figures => {
-                self.dry_pass_once(&batch, training)?;
-                self.unplanned_pass_bytes(training, mirrored);
-                nothing
+        };
+        if trace.is_some() {
+            for ws in &workspaces {
+                ws.record_into(None)?;
             }
-            None => {
-                let trace = Arc::new(Mutex::new(Trace::new()));
-                let shadow = self.dry_run.as_deref().expect("made by dry_run");
-                let recorded: Vec<Rc<Workspace>> = match training {
-                    true => training_workspaces(&shadow.train).cloned().collect(),
-                    false => shadow.infer.workspaces().cloned().collect(),
-                };
-                for ws in &recorded {
-                    ws.record_into(Some(trace.clone()))?;
-                }
-                let result = self.dry_pass_once(&batch, training);
-                for ws in &recorded {
-                    ws.record_into(None)?;
-                }
-                result?;
-                let bytes = self.unplanned_pass_bytes(training, mirrored);
-                let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                // Planned as a plan group plans: each run of allocations that live and die
-                // together as one (the same bytes and bound, in less time).
-                let stats = Plan::new(&trace.runs()).stats("dry run");
-                let off = match training {
-                    true => self.training_mode == WorkspaceMode::None,
-                    false => self.inference_mode == WorkspaceMode::None,
-                };
-                PassEstimate {
+        }
+        let plan = ran?;
+        let bytes = if off { 0 } else { pass_bytes(workspaces.iter(), plan) };
+        let figures = match (first, group, trace) {
+            (false, _, _) => None,
+            (true, Some(group), _) => {
+                let stats = group.stats();
+                Some(PassEstimate {
                     pass,
-                    bytes: if off { 0 } else { bytes },
+                    bytes,
                     per_role_bytes: stats.per_role_bytes,
                     plan_bytes: stats.plan_bytes,
                     lower_bound_bytes: stats.lower_bound_bytes,
                     allocations: stats.allocations,
-                }
+                })
+            }
+            (true, None, trace) => {
+                let trace = trace.expect("a first unplanned pass is recorded");
+                let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                // Planned as a plan group plans: each run of allocations that live and die
+                // together as one (the same bytes and bound, in less time).
+                let stats = Plan::new(&trace.runs()).stats("dry run");
+                Some(PassEstimate {
+                    pass,
+                    bytes,
+                    per_role_bytes: stats.per_role_bytes,
+                    plan_bytes: stats.plan_bytes,
+                    lower_bound_bytes: stats.lower_bound_bytes,
+                    allocations: stats.allocations,
+                })
             }
         };
-        Ok(estimate)
-    }
-
-    /// After an unplanned dry pass: the bytes it held, as a real pass reports them (a
-    /// training step's into the peak, when it mirrors one of the run).
-    fn unplanned_pass_bytes(&mut self, training: bool, mirrored: bool) -> usize {
-        let shadow = self.dry_run.as_deref_mut().expect("made by dry_run");
-        if !training {
-            return shadow.infer.peak_bytes();
-        }
-        let bytes = sum_over_training_workspaces(&shadow.train, |ws| ws.peak_bytes());
-        if mirrored {
-            shadow.peak_step_bytes = shadow.peak_step_bytes.max(bytes);
-        }
-        bytes
+        Ok((bytes, figures))
     }
 
     /// One dry training step or inference of `batch`.
@@ -804,34 +706,41 @@ impl Network {
 }
 
 /// The arenas the shadow's workspaces hold: the training workspaces' (what
-/// [`Network::workspace_capacity`] counts; 0 when `training_off`), the inference ones
-/// not among them (0 when inference is off), and each arena by name, largest first.
-fn arenas(shadow: &Shadow, training_off: bool, inference: WorkspaceMode) -> (usize, usize, Vec<(String, usize)>) {
-    let training = if training_off { 0 } else { training_capacity(&shadow.train) };
+/// [`Network::workspace_capacity`] counts; 0 with `training` off), the inference ones
+/// (what [`Network::inference_workspace_capacity`] counts; 0 with `inference` off), and
+/// each arena by name, largest first.
+fn arenas(shadow: &Shadow, training: WorkspaceMode, inference: WorkspaceMode) -> (usize, usize, Vec<(String, usize)>) {
     let mut named: Vec<(String, usize)> = Vec::new();
-    let mut inference_bytes = 0;
-    if !training_off {
-        if let Some(group) = shadow.train[0].plan_group() {
-            named.push((group.stats().name, group.capacity()));
-        }
-        for ws in training_workspaces(&shadow.train) {
-            named.push((ws.name().to_string(), ws.capacity()));
-        }
-    }
-    if inference != WorkspaceMode::None {
-        if let Some(group) = shadow.infer.plan_group() {
-            named.push((group.stats().name, group.capacity()));
-            inference_bytes += group.capacity();
-        }
-        let counted: Vec<u64> = training_workspaces(&shadow.train).map(|ws| ws.id()).collect();
-        for ws in shadow.infer.workspaces() {
-            if training_off || !counted.contains(&ws.id()) {
-                named.push((ws.name().to_string(), ws.capacity()));
-                inference_bytes += ws.capacity();
+    let training_bytes = match training {
+        WorkspaceMode::None => 0,
+        _ => {
+            if let Some(group) = shadow.train[0].plan_group() {
+                named.push((group.stats().name, group.capacity()));
             }
+            for ws in training_workspaces(&shadow.train) {
+                named.push((ws.name().to_string(), ws.capacity()));
+            }
+            training_capacity(&shadow.train)
         }
-    }
+    };
+    let inference_bytes = match inference {
+        WorkspaceMode::None => 0,
+        _ => {
+            if let Some(group) = shadow.infer.plan_group() {
+                named.push((group.stats().name, group.capacity()));
+            }
+            // Those training counted already: the working memory both modes share.
+            let counted: Vec<u64> = match training {
+                WorkspaceMode::None => Vec::new(),
+                _ => training_workspaces(&shadow.train).map(|ws| ws.id()).collect(),
+            };
+            for ws in shadow.infer.workspaces().filter(|ws| !counted.contains(&ws.id())) {
+                named.push((ws.name().to_string(), ws.capacity()));
+            }
+            inference_capacity(&shadow.train, training, &shadow.infer)
+        }
+    };
     named.retain(|(_, bytes)| *bytes > 0);
     named.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    (training, inference_bytes, named)
+    (training_bytes, inference_bytes, named)
 }

@@ -12,7 +12,7 @@ use crate::{Error, Result};
 use super::super::layer::Activations;
 use super::super::loss::SoftmaxCrossEntropy;
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
-use super::{check_labels, forward, Input, Labels, Network, Stage};
+use super::{check_labels, forward, pass_bytes, Input, Labels, Network, Stage};
 use super::{label, LayerLabels};
 
 impl Network {
@@ -20,15 +20,20 @@ impl Network {
     /// handed to `f` while they are alive. Planned: the inference replays the plan of
     /// its input's shape (or is recorded).
     fn infer<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        self.infer.reset_peaks();
         let result = match self.infer.plan_group().cloned() {
-            None => self.forward_probabilities(x, f),
+            None => self.forward_probabilities(x, f).map(|r| (r, None)),
             Some(group) => {
                 let key = shape_key(&x, None);
-                group.iteration(key, || self.forward_probabilities(x, f)).map(|(r, _)| r)
+                group
+                    .iteration(key, || self.forward_probabilities(x, f))
+                    .map(|(r, on_plan)| (r, on_plan.then(|| group.plan_bytes())))
             }
         };
         self.end_timeline_iteration();
-        result
+        let (result, plan) = result?;
+        self.last_inference_bytes = pass_bytes(self.infer.workspaces(), plan);
+        Ok(result)
     }
 
     /// [`Network::infer`]'s forward pass.

@@ -6,6 +6,7 @@ mod batch;
 mod config;
 mod dry;
 mod infer;
+mod shadow;
 mod train;
 
 use std::rc::Rc;
@@ -15,7 +16,7 @@ use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
 use workspace_core::timeline::{self, LayerLabel, Timeline, TimelineId};
-use workspace_core::{ArrayType, LayerWorkspaceMgr, TypedScope, Workspace, WorkspaceMode};
+use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, TypedScope, Workspace, WorkspaceMode};
 
 use super::finite;
 use super::layer::{Activations, ForwardCtx};
@@ -33,9 +34,11 @@ pub(crate) use batch::shape_key;
 pub(crate) use batch::{check_labels, lease_input, lease_labels, loss_input, standard_labels, training_input};
 pub use batch::{Input, Labels};
 pub(crate) use config::inference_builder;
-use config::inference_mgr;
-pub(crate) use config::training_mgrs;
-pub use config::{names, planned_workspace_config, workspace_config, NetworkConfig, NetworkConfigBuilder};
+use config::{inference_mgr, training_mgrs_in};
+pub use config::{
+    names, planned_workspace_config, workspace_config, workspace_config_with, NetworkConfig, NetworkConfigBuilder,
+};
+pub(crate) use config::{training_mgrs, WorkspaceLayout};
 pub use dry::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
 pub(crate) use infer::{predictions_into, probabilities};
 pub(crate) use train::{fit_epoch, fit_pairs, Gradient};
@@ -59,10 +62,15 @@ pub struct Network {
     updater: UpdaterState,
     training_mode: WorkspaceMode,
     inference_mode: WorkspaceMode,
+    /// How the enabled workspaces learn their sizes.
+    learning: LearningPolicy,
     train: [LayerWorkspaceMgr; 2],
     infer: LayerWorkspaceMgr,
     iterations: u64,
+    /// What the last training step reports ([`Network::last_iteration_workspace_bytes`]).
     last_workspace_bytes: usize,
+    /// What the last inference reports ([`Network::last_inference_workspace_bytes`]).
+    last_inference_bytes: usize,
     /// Whether the next training iteration is recorded for a memory plan.
     record_next: bool,
     memory_plan: Option<PlannedStats>,
@@ -71,8 +79,8 @@ pub struct Network {
     breakdown: Option<StepBreakdown>,
     /// The threads a training step's large matrix multiplies split across.
     pool: Option<super::gemm::pool::Pool>,
-    /// The shape-only workspaces of [`Network::dry_run`], made by its first call.
-    dry_run: Option<Box<dry::Shadow>>,
+    /// The shape-only workspaces of the [`Network::dry_run`] under way.
+    dry_run: Option<Box<shadow::Shadow>>,
     /// The labels of a [`Timeline`] recording this network's workspaces (`None`: none
     /// does): each training step and inference then ends one of its iterations.
     timeline: Option<Box<LayerLabels>>,
@@ -146,32 +154,48 @@ impl Network {
     /// Workspace creation errors (for example [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) when this
     /// thread already has a workspace of the same name with another configuration).
     pub fn new(config: NetworkConfig) -> Result<Network> {
-        let NetworkConfig { inputs, mut layers, seed, updater, training_workspace_mode, inference_workspace_mode } =
-            config;
+        let NetworkConfig {
+            inputs,
+            mut layers,
+            seed,
+            updater,
+            training_workspace_mode,
+            inference_workspace_mode,
+            workspace_learning,
+        } = config;
         let mut rng = Rng::new(seed);
         for layer in layers.iter_mut() {
             layer.init(&mut rng);
         }
         let updater = UpdaterState::new(updater, &mut layers);
-        Network::from_parts(inputs, layers, updater, 0, [training_workspace_mode, inference_workspace_mode])
+        let layout = WorkspaceLayout {
+            training: training_workspace_mode,
+            inference: inference_workspace_mode,
+            learning: workspace_learning,
+        };
+        Network::from_parts(inputs, layers, updater, 0, layout)
     }
 
     /// The network taken apart for a data-parallel trainer: its input columns, layers,
     /// updater state and iterations (its workspaces are dropped).
-    pub(crate) fn into_parts(self) -> (usize, Vec<Box<dyn Layer>>, UpdaterState, u64, [WorkspaceMode; 2]) {
-        let modes = [self.training_mode, self.inference_mode];
-        (self.inputs, self.layers, self.updater, self.iterations, modes)
+    pub(crate) fn into_parts(self) -> (usize, Vec<Box<dyn Layer>>, UpdaterState, u64, WorkspaceLayout) {
+        let layout = self.layout();
+        (self.inputs, self.layers, self.updater, self.iterations, layout)
+    }
+
+    /// How the network lays out its workspaces.
+    fn layout(&self) -> WorkspaceLayout {
+        WorkspaceLayout { training: self.training_mode, inference: self.inference_mode, learning: self.learning }
     }
 
     /// A network of these layers (initialised or trained) and updater state, with new
-    /// workspaces of `modes` (training, inference); the layers' widths are checked in
-    /// order.
+    /// workspaces laid out by `layout`; the layers' widths are checked in order.
     pub(crate) fn from_parts(
         inputs: usize,
         layers: Vec<Box<dyn Layer>>,
         updater: UpdaterState,
         iterations: u64,
-        modes: [WorkspaceMode; 2],
+        layout: WorkspaceLayout,
     ) -> Result<Network> {
         let mut width = inputs;
         for layer in &layers {
@@ -183,12 +207,14 @@ impl Network {
             layers,
             loss: SoftmaxCrossEntropy,
             updater,
-            training_mode: modes[0],
-            inference_mode: modes[1],
-            train: training_mgrs(modes[0])?,
-            infer: inference_mgr(modes[1])?,
+            training_mode: layout.training,
+            inference_mode: layout.inference,
+            learning: layout.learning,
+            train: training_mgrs_in(layout.training, layout.learning, None, None)?,
+            infer: inference_mgr(layout.inference, layout.learning)?,
             iterations,
             last_workspace_bytes: 0,
+            last_inference_bytes: 0,
             breakdown: None,
             pool: None,
             record_next: false,
@@ -301,6 +327,12 @@ impl Network {
         self.inference_mode
     }
 
+    /// How the enabled workspaces learn their sizes
+    /// ([`NetworkConfigBuilder::workspace_learning`]).
+    pub fn workspace_learning(&self) -> LearningPolicy {
+        self.learning
+    }
+
     /// Training iterations done.
     pub fn iterations(&self) -> u64 {
         self.iterations
@@ -323,9 +355,12 @@ impl Network {
         training_capacity(&self.train)
     }
 
-    /// `f` summed over the training workspaces (see [`sum_over_training_workspaces`]).
-    fn sum_over_training_workspaces(&self, f: impl Fn(&Workspace) -> usize) -> usize {
-        sum_over_training_workspaces(&self.train, f)
+    /// Total arena capacity of the inference workspaces that training does not use (the
+    /// working memory workspaces enabled training and inference share are counted by
+    /// [`Network::workspace_capacity`]); planned, the inference plans' arena; 0 with
+    /// inference workspaces off.
+    pub fn inference_workspace_capacity(&self) -> usize {
+        inference_capacity(&self.train, self.training_mode, &self.infer)
     }
 
     /// Records the next training iteration's allocations and scope closes in the
@@ -377,10 +412,23 @@ impl Network {
         Ok(())
     }
 
-    /// Workspace bytes in use at the peaks of the last training iteration, summed over
-    /// the training workspaces (0 with workspaces off).
+    /// What the last training iteration took of its workspaces: the bytes each
+    /// training workspace held at its peak, summed, every allocation counted as an arena
+    /// counts it (padded to the alignment) whether it lay in the arena or spilled (while
+    /// a workspace still learns its size, or grows); for a planned network an iteration
+    /// replayed on its plan takes the plan's bytes, and one recorded (the first of its
+    /// shape) what its workspaces held, as above; 0 with workspaces off. A dry run
+    /// predicts it pass by pass ([`MemoryEstimate::per_pass_bytes`]).
     pub fn last_iteration_workspace_bytes(&self) -> usize {
         self.last_workspace_bytes
+    }
+
+    /// What the last inference ([`Network::output`], and each batch of
+    /// [`Network::evaluate`]) took of the inference workspaces, counted as
+    /// [`Network::last_iteration_workspace_bytes`] counts a training step's (planned:
+    /// the plan's bytes when replayed on it); 0 with inference workspaces off.
+    pub fn last_inference_workspace_bytes(&self) -> usize {
+        self.last_inference_bytes
     }
 
     /// Checks a batch and, when given, its labels (see [`Network::check_input`] and
@@ -402,6 +450,32 @@ impl Network {
 pub(crate) fn training_capacity(train: &[LayerWorkspaceMgr; 2]) -> usize {
     let planned = train[0].plan_group().map_or(0, |group| group.capacity());
     planned + sum_over_training_workspaces(train, |ws| ws.capacity())
+}
+
+/// The arenas of the inference workspaces of `infer` that the training workspaces of
+/// `train` (in `training` mode) do not count (see
+/// [`Network::inference_workspace_capacity`]).
+pub(crate) fn inference_capacity(
+    train: &[LayerWorkspaceMgr; 2],
+    training: WorkspaceMode,
+    infer: &LayerWorkspaceMgr,
+) -> usize {
+    let counted =
+        |ws: &Rc<Workspace>| training != WorkspaceMode::None && training_workspaces(train).any(|t| t.id() == ws.id());
+    let planned = infer.plan_group().map_or(0, |group| group.capacity());
+    planned + infer.workspaces().filter(|ws| !counted(ws)).map(|ws| ws.capacity()).sum::<usize>()
+}
+
+/// What a pass reports of `workspaces` (a training step's, or an inference's): on its
+/// plan, the plan's bytes; otherwise the bytes each workspace held at its peak since the
+/// pass began, summed (see
+/// [`Network::last_iteration_workspace_bytes`]). The one figure real and dry passes
+/// report.
+pub(crate) fn pass_bytes<'m>(workspaces: impl Iterator<Item = &'m Rc<Workspace>>, plan: Option<usize>) -> usize {
+    match plan {
+        Some(bytes) => bytes,
+        None => workspaces.map(|ws| ws.peak_bytes()).sum(),
+    }
 }
 
 /// `f` summed over the training workspaces of `train`: those of the first manager, and

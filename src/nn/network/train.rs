@@ -17,7 +17,7 @@ use super::super::layer::{Activations, BackwardCtx, Layer};
 use super::super::limits::check_threads;
 use super::super::profile::{self, Part, StepBreakdown};
 use super::batch::shape_key;
-use super::{forward, label, Input, Labels, Network};
+use super::{forward, label, pass_bytes, training_workspaces, Input, Labels, Network};
 use super::{lease_input, lease_labels, loss_input, standard_labels, training_input};
 
 impl Network {
@@ -62,7 +62,7 @@ impl Network {
         let (loss, on_plan) = group.iteration(key, || self.recorded_step(x, labels))?;
         if on_plan {
             // On the plan: the plan's bytes were the iteration's memory.
-            self.last_workspace_bytes = group.plan_bytes();
+            self.last_workspace_bytes = pass_bytes(training_workspaces(&self.train), Some(group.plan_bytes()));
         }
         Ok(loss)
     }
@@ -280,7 +280,7 @@ impl Network {
         if dry {
             return Ok(batch_loss);
         }
-        self.last_workspace_bytes = self.sum_over_training_workspaces(|ws| ws.peak_bytes());
+        self.last_workspace_bytes = pass_bytes(training_workspaces(&self.train), None);
         self.iterations += 1;
         Ok(batch_loss)
     }

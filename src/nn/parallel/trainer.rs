@@ -11,12 +11,11 @@ use std::thread::JoinHandle;
 use async_iter::{BatchSource, Prefetcher};
 use ndarray::{ArrayView1, ArrayView2};
 use workspace_core::backend::{ArenaBackend, Block};
-use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
 use super::super::limits::{check_threads, MAX_RANKS};
-use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network};
+use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout};
 use super::super::serve::Model;
 use super::super::updater::{Updater, UpdaterState};
 use super::reduce::{Alone, Reducer, Threads};
@@ -174,7 +173,7 @@ pub struct DataParallel {
     inputs: usize,
     step: u64,
     iterations: u64,
-    modes: [WorkspaceMode; 2],
+    modes: WorkspaceLayout,
     copied: u64,
     /// The reducer's name.
     name: &'static str,

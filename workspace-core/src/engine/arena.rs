@@ -87,28 +87,6 @@ impl<B: ArenaBackend> Engine<B> {
         (!spills.is_empty()).then(|| spills.remove(0))
     }
 
-    /// Ends learning now, as if the learning cycles still to come repeated those seen:
-    /// the arena is sized from the largest cycle so far, as learning would size it (a
-    /// refused growth is reported by the next enter, as after learning). Nothing
-    /// changes when the workspace has learned its size, or no cycle allocated yet.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`](crate::Error::StillOpen) while a scope is open.
-    pub fn finish_learning(&self) -> Result<()> {
-        self.require_closed("finish_learning()")?;
-        let left = self.learning.left.get();
-        if left == 0 || self.learning.max.get() == 0 {
-            return Ok(());
-        }
-        // The last learning cycle, of no new size: the arena is sized from the largest
-        // so far, as `learn` does at the end of learning.
-        self.learning.left.set(1);
-        self.learn(0);
-        self.refresh_plain_close();
-        Ok(())
-    }
-
     /// Gives memory back: spill blocks, and the arena down to `min_size` (a file
     /// mapping keeps its arena). Learning starts again, so the next cycles re-learn
     /// the size; without learning the arena comes back at its configured size on the

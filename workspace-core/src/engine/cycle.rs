@@ -228,7 +228,7 @@ impl<B: ArenaBackend> Engine<B> {
             }
         }
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
-        let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.in_use.get();
+        let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.need.get();
         self.count_cycle(in_use, bytes);
         if self.config.timeline_len() > 0 {
             self.record_timeline(bytes);

@@ -24,7 +24,8 @@
 //! seam to what a workspace is a member of (a plan group, a recorder), which the engine
 //! knows only as a [`Member`]; `window.rs`: the windows a member lends a cycle (the
 //! engine's side of a plan group); `recorder.rs`: the trace recorder, a member that
-//! sees every event; `stats.rs`: statistics; `tests.rs`: the engine against a backend
+//! sees every event; `sizing.rs`: the state that decides the arena from here on, read
+//! and adopted; `stats.rs`: statistics; `tests.rs`: the engine against a backend
 //! that records what it is asked.
 //!
 //! # The fast path's limit
@@ -43,6 +44,7 @@ mod cycle;
 mod frame;
 mod member;
 mod recorder;
+mod sizing;
 mod stats;
 mod window;
 
@@ -58,6 +60,7 @@ use crate::refusals::Refusals;
 
 pub use frame::FrameMark;
 pub(crate) use member::{Lent, Member, Miss, Opened};
+pub use sizing::Sizing;
 pub use stats::WorkspaceStats;
 
 /// Every allocation is aligned to at least this many bytes (whatever the configured

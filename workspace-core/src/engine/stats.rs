@@ -22,9 +22,13 @@ pub struct WorkspaceStats {
     /// Arena bytes handed out since the workspace was opened (0 when closed, except
     /// for circular workspaces, which report bytes handed out in the last open period).
     pub bytes_in_use: usize,
-    /// Bytes held in spill blocks, freed at the next reset.
+    /// Bytes of the allocations held in spill blocks (as requested), freed at the next
+    /// reset.
     pub spilled_in_use: usize,
-    /// Largest `bytes_in_use + spilled_in_use` seen since creation or `reset_peak`.
+    /// The most bytes in use at once since creation or `reset_peak`: the arena's
+    /// (`bytes_in_use`) and the spilled allocations', each counted as the arena counts
+    /// it (padded to the alignment), so that a cycle counts the same bytes whether it
+    /// ran in the arena or spilled (while the workspace learns its size, or grows).
     pub peak_bytes: usize,
     /// Total bytes of allocations that spilled, over the workspace's life.
     pub bytes_spilled: u64,
@@ -82,15 +86,16 @@ impl<B: ArenaBackend> Engine<B> {
         self.spill.in_use.get()
     }
 
-    /// Largest `bytes_in_use + spilled_in_use` since creation or `reset_peak` (as in
-    /// the statistics, without building them).
+    /// The most bytes in use at once since creation or `reset_peak`, spills padded as
+    /// the arena pads them (as [`WorkspaceStats::peak_bytes`], without building the
+    /// statistics).
     pub fn peak(&self) -> usize {
-        self.counters.peak.get().max(self.bytes_in_use() + self.spill.in_use.get())
+        self.counters.peak.get().max(self.bytes_in_use() + self.spill.need.get())
     }
 
     /// Restarts the peak from the bytes in use now.
     pub fn reset_peak(&self) {
-        self.counters.peak.set(self.bytes_in_use() + self.spill.in_use.get());
+        self.counters.peak.set(self.bytes_in_use() + self.spill.need.get());
     }
 
     /// The per-cycle sizes kept for plots, oldest first.
@@ -108,7 +113,7 @@ impl<B: ArenaBackend> Engine<B> {
             capacity: self.capacity.get(),
             bytes_in_use: in_use,
             spilled_in_use: spilled,
-            peak_bytes: self.counters.peak.get().max(in_use + spilled),
+            peak_bytes: self.counters.peak.get().max(in_use + self.spill.need.get()),
             bytes_spilled: self.counters.bytes_spilled.get(),
             external_allocations: self.counters.external_allocations.get(),
             pinned_allocations: 0,

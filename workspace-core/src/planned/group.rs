@@ -37,6 +37,15 @@ fn fresh_thread_token() -> u64 {
     fresh
 }
 
+/// Why a group could not become another's twin ([`GroupState::copy_from`]).
+#[derive(Debug)]
+pub(super) enum CopyError {
+    /// A plan's step names a workspace the twin has no member for.
+    Owner,
+    /// The backend refused the arena.
+    Backend(crate::error::BackendError),
+}
+
 /// What the group is doing in the current iteration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Mode {
@@ -415,6 +424,48 @@ impl<B: ArenaBackend> GroupState<B> {
                 }
                 self.mode = Mode::Recording;
             }
+        }
+        Ok(())
+    }
+
+    /// Takes `from`'s plans (each step's owner mapped by `owner`), their cache's size and
+    /// order of use, its arena's size and alignment and its figures as its own: a
+    /// new group becomes a twin of `from` (see `PlanGroup::shape_only_twin`). Only while
+    /// both are idle and this one is new.
+    ///
+    /// # Errors
+    ///
+    /// The owner `owner` could not map, or the backend's refusal of the arena.
+    pub(super) fn copy_from(
+        &mut self,
+        from: &GroupState<B>,
+        owner: impl Fn(u64) -> Option<u64>,
+    ) -> std::result::Result<(), CopyError> {
+        debug_assert!(self.plans.is_empty() && self.mode == Mode::Idle && from.mode == Mode::Idle);
+        let mut plans = Vec::with_capacity(from.plans.len());
+        for plan in &from.plans {
+            let steps = plan
+                .steps
+                .iter()
+                .map(|&step| match step {
+                    Step::Run { owner: o, start, end } => owner(o).map(|o| Step::Run { owner: o, start, end }),
+                    Step::Close { owner: o } => owner(o).map(|o| Step::Close { owner: o }),
+                })
+                .collect::<Option<Vec<Step>>>()
+                .ok_or(CopyError::Owner)?;
+            plans.push(Script { steps: Arc::from(steps), ..plan.clone_figures() });
+        }
+        if from.arena_bytes > 0 {
+            self.grow_to(from.arena_bytes, from.base_align).map_err(CopyError::Backend)?;
+        }
+        self.plans = plans;
+        self.capacity = from.capacity;
+        self.clock = from.clock;
+        self.starts = from.starts;
+        self.stats = from.stats.clone();
+        self.key = from.key;
+        if let Some(index) = from.shown {
+            self.show(index);
         }
         Ok(())
     }

@@ -464,6 +464,68 @@ impl PlanGroup {
         self.shape_only
     }
 
+    /// A shape-only group ([`PlanGroup::shape_only`]) that starts where this one is: a
+    /// shape-only member of the same name and configuration for each of its members, its
+    /// plans for the same keys in the same order of use, an arena of the same size, and
+    /// its figures. From there the twin records, replays and grows its arena as this
+    /// group would, iteration for iteration: a dry run's copy of a group that has
+    /// planned already.
+    ///
+    /// ```
+    /// use workspace_core::{planned::PlanGroup, LearningPolicy, SpillPolicy, WorkspaceConfig};
+    ///
+    /// let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+    /// let group = PlanGroup::new("STEP");
+    /// let act = group.workspace("ACT", &config)?;
+    /// let step = |act: &workspace_core::Workspace| -> workspace_core::Result<()> {
+    ///     act.enter()?.zeros::<f32, _>(256)?;
+    ///     Ok(())
+    /// };
+    /// group.iteration(1, || step(&act))?; // recorded and planned
+    /// let twin = group.shape_only_twin()?;
+    /// let twin_act = &twin.workspaces()[0];
+    /// let ((), on_plan) = twin.iteration(1, || step(twin_act))?;
+    /// assert!(on_plan, "the twin replays the plan it took");
+    /// assert_eq!((twin.capacity(), twin.stats().plans), (group.capacity(), 1));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] during an iteration, off the group's thread, or when a
+    /// plan names a workspace that joined with [`PlanGroup::join`] (only the members
+    /// [`PlanGroup::workspace`] made have twins); those of [`PlanGroup::workspace`];
+    /// [`Error::Backend`] when the arena cannot be had.
+    pub fn shape_only_twin(&self) -> Result<PlanGroup> {
+        let from = self.group.state()?;
+        let name = &self.group.shared.name;
+        if from.mode != Mode::Idle || from.live > 0 {
+            return Err(Error::InvalidInput(format!(
+                "plan group '{name}' is in an iteration: its twin is made between iterations"
+            )));
+        }
+        let twin = PlanGroup::shape_only(name, from.capacity);
+        // Each member's cycles, and the twin member that stands for it.
+        let mut members: Vec<(u64, Rc<Workspace>)> = Vec::new();
+        for member in self.members.borrow().iter() {
+            members.push((member.engine().owner(), twin.workspace(member.name(), member.config())?));
+        }
+        let owner = |owner: u64| {
+            let (cycle, level) = (crate::plan::cycle_of(owner), owner >> crate::plan::FRAME_LEVEL_SHIFT);
+            let (_, twin) = members.iter().find(|(of, _)| *of == cycle)?;
+            Some(twin.engine().owner_at(u32::try_from(level).ok()?))
+        };
+        let copied = twin.group.state()?.copy_from(&from, owner);
+        match copied {
+            Ok(()) => Ok(twin),
+            Err(group::CopyError::Owner) => Err(Error::InvalidInput(format!(
+                "plan group '{name}' has a plan for a workspace that joined it (PlanGroup::join): only the members it \
+                 made (PlanGroup::workspace) have twins"
+            ))),
+            Err(group::CopyError::Backend(source)) => Err(self.group.backend_error(source)),
+        }
+    }
+
     /// The member workspace `name`, created with `config` and joined to the group if
     /// the group has none of that name. Members are the group's own: they are not in
     /// the thread's [`WorkspaceManager`](crate::WorkspaceManager), so two groups may

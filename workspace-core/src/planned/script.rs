@@ -33,6 +33,23 @@ pub(super) struct Script {
 }
 
 impl Script {
+    /// The plan's figures with its steps, for a copy whose steps differ (a twin
+    /// group's, its owners mapped).
+    pub(super) fn clone_figures(&self) -> Script {
+        Script {
+            key: self.key,
+            steps: self.steps.clone(),
+            bytes: self.bytes,
+            align: self.align,
+            lower_bound: self.lower_bound,
+            per_role_bytes: self.per_role_bytes,
+            allocations: self.allocations,
+            planning: self.planning,
+            stale: self.stale,
+            last_used: self.last_used,
+        }
+    }
+
     /// Plans the recorded `events`: runs (consecutive allocations of one owner) become
     /// one block each, laid out as the owner's bump allocation lays them out. `None`
     /// when no plan fits in the address space (sizes no allocation that succeeded

@@ -226,6 +226,21 @@ pub(crate) fn trim_gives_memory_back_and_relearns<T: Target>(t: &T) {
     assert_eq!(T::capacity(&w), 2048, "the configured size comes back");
 }
 
+/// A cycle's peak counts what it holds as the arena holds it, wherever it is: the same
+/// bytes while it spills (learning) as once it runs in the learned arena, so that a
+/// loop reports one figure from its first cycle on.
+pub(crate) fn a_cycle_peaks_alike_spilled_or_in_the_arena<T: Target>(t: &T) {
+    let w = ws(t, strict(t).learning(LearningPolicy::OverTime { cycles: 2 }).build().unwrap());
+    let mut peaks = Vec::new();
+    for _ in 0..4 {
+        T::reset_peak(&w);
+        cycle::<T>(&w, &[10, 100, 1000, 7]);
+        peaks.push(T::stats(&w).peak_bytes);
+    }
+    assert_eq!(T::stats(&w).external_allocations, 8, "the learning cycles spilled, the later ones did not");
+    assert_eq!(peaks, vec![by_unit::<T>(64 + 128 + 1024 + 64, 256 + 256 + 1024 + 256); 4]);
+}
+
 pub(crate) fn a_panic_inside_a_scope_leaves_the_workspace_closed_and_usable<T: Target>(t: &T) {
     let w = ws(t, strict(t).build().unwrap());
     cycle::<T>(&w, &[512]);
@@ -594,6 +609,7 @@ macro_rules! policy_suite {
             trim_gives_memory_back_and_relearns,
             a_panic_inside_a_scope_leaves_the_workspace_closed_and_usable,
             a_fixed_shape_loop_keeps_memory_flat,
+            a_cycle_peaks_alike_spilled_or_in_the_arena,
         );
     };
 }

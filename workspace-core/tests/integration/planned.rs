@@ -211,6 +211,82 @@ fn a_key_shared_by_two_shapes_never_shares_a_plan_by_accident() {
     assert!(group.stats().divergences >= 9);
 }
 
+/// One iteration of shape `key` over the members: each member's cycle allocates what the
+/// key says, part of it in a frame (whose bytes later ones reuse); `odd` makes the
+/// iteration differ from the key's usual (a divergence). Returns whether it ran on its
+/// plan; the members' peaks are the iteration's.
+fn shaped_iteration(group: &PlanGroup, members: &[Rc<Workspace>], key: u64, odd: bool) -> bool {
+    members.iter().for_each(|ws| ws.reset_peak());
+    let ((), on_plan) = group
+        .iteration(key, || -> workspace_core::Result<()> {
+            for (i, ws) in members.iter().enumerate() {
+                let scope = ws.enter()?;
+                let _kept = scope.zeros::<u8, _>(64 * (1 + key as usize + i))?;
+                {
+                    let frame = scope.frame()?;
+                    let _scratch = frame.zeros::<u8, _>(100 * (1 + key as usize % 3) + usize::from(odd) * 4096)?;
+                }
+                let _after = scope.zeros::<u8, _>(32 * (1 + i))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    on_plan
+}
+
+/// A twin starts where its group is and then records, replays, diverges, evicts and
+/// grows alike, iteration for iteration: random streams of shapes over a cache of 3
+/// plans, the twin made at a random point between iterations.
+#[test]
+fn a_shape_only_twin_plans_as_its_group_does() {
+    for seed in 0..cases().min(500) {
+        let mut rng = Rng(seed);
+        let group = PlanGroup::with_plans("G", 3);
+        let members: Vec<Rc<Workspace>> = (0..1 + rng.below(3) as usize)
+            .map(|i| group.workspace(&format!("M{i}"), &member_config(i)).unwrap())
+            .collect();
+        let next = |rng: &mut Rng| (rng.below(5), rng.below(8) == 0);
+        for _ in 0..rng.below(12) {
+            let (key, odd) = next(&mut rng);
+            shaped_iteration(&group, &members, key, odd);
+        }
+        let twin = group.shape_only_twin().unwrap();
+        let twins = twin.workspaces();
+        assert!(twins.iter().all(|ws| ws.is_shape_only()) && twins.len() == members.len());
+        // The figures but how long planning took, which is the clock's.
+        let figures = |group: &PlanGroup| {
+            let mut stats = group.stats();
+            stats.planning_us = 0;
+            (group.capacity(), group.plan_bytes(), stats)
+        };
+        assert_eq!(figures(&twin), figures(&group), "seed {seed}");
+        for step in 0..rng.below(16) {
+            let (key, odd) = next(&mut rng);
+            let real = shaped_iteration(&group, &members, key, odd);
+            let dry = shaped_iteration(&twin, &twins, key, odd);
+            let what = format!("seed {seed}, iteration {step} after the twin: key {key}, odd {odd}");
+            assert_eq!(real, dry, "{what}");
+            assert_eq!(figures(&group), figures(&twin), "{what}");
+            let peaks = |ws: &[Rc<Workspace>]| ws.iter().map(|w| w.stats().peak_bytes).collect::<Vec<_>>();
+            assert_eq!(peaks(&members), peaks(&twins), "{what}");
+        }
+    }
+    // Between iterations only.
+    let group = PlanGroup::new("G");
+    let ws = group.workspace("W", &config()).unwrap();
+    group.start_iteration(1).unwrap();
+    let err = group.shape_only_twin().unwrap_err();
+    assert!(err.to_string().contains("between iterations"), "{err}");
+    group.finish_iteration().unwrap();
+    // A plan of a workspace that joined (not one of the group's own) has no twin.
+    let joined = Workspace::new("J", config()).unwrap();
+    group.join(&joined).unwrap();
+    group.iteration(2, || joined.enter().and_then(|s| s.zeros::<u8, _>(8).map(|_| ()))).unwrap();
+    let err = group.shape_only_twin().unwrap_err();
+    assert!(err.to_string().contains("only the members it made"), "{err}");
+    drop(ws);
+}
+
 #[test]
 fn validation_still_tells_the_roles_apart() {
     use workspace_core::{ArrayType, LayerWorkspaceMgr};
