@@ -352,7 +352,9 @@ mod tests {
         Array2::from_shape_simple_fn((rows, cols), || rng.uniform(-1.0, 1.0))
     }
 
-    /// Products in f64, the reference.
+    /// Products in f64, the reference (on plain row-major copies: indexing the views
+    /// element by element costs most of these tests' time in a debug build, and far more
+    /// under valgrind).
     fn reference(
         alpha: f32,
         a: &ArrayView2<'_, f32>,
@@ -362,43 +364,44 @@ mod tests {
     ) -> Array2<f64> {
         let (m, k) = a.dim();
         let n = b.ncols();
+        let rows: Vec<f64> = a.iter().map(|&v| f64::from(v)).collect(); // m × k, row-major
+        let columns: Vec<f64> = b.t().iter().map(|&v| f64::from(v)).collect(); // n × k
+        let start: Vec<f64> = c.iter().map(|&v| f64::from(v)).collect(); // m × n
         Array2::from_shape_fn((m, n), |(i, j)| {
-            let dot: f64 = (0..k).map(|p| f64::from(a[[i, p]]) * f64::from(b[[p, j]])).sum();
-            let scaled = if beta == 0.0 { 0.0 } else { f64::from(beta) * f64::from(c[[i, j]]) };
+            let (row, column) = (&rows[i * k..(i + 1) * k], &columns[j * k..(j + 1) * k]);
+            let dot: f64 = row.iter().zip(column).map(|(x, y)| x * y).sum();
+            let scaled = if beta == 0.0 { 0.0 } else { f64::from(beta) * start[i * n + j] };
             f64::from(alpha) * dot + scaled
         })
     }
 
+    /// Every kernel of this machine against the reference, computed once.
     fn check(m: usize, n: usize, k: usize, alpha: f32, beta: f32, layout: u8) {
-        for kernel in Kernel::all_available() {
-            check_with(kernel, m, n, k, alpha, beta, layout);
-        }
-    }
-
-    fn check_with(kernel: Kernel, m: usize, n: usize, k: usize, alpha: f32, beta: f32, layout: u8) {
         let a_store = if layout & 1 == 0 { matrix(m, k, 1) } else { matrix(k, m, 1) };
         let b_store = if layout & 2 == 0 { matrix(k, n, 2) } else { matrix(n, k, 2) };
         let a = if layout & 1 == 0 { a_store.view() } else { a_store.t() };
         let b = if layout & 2 == 0 { b_store.view() } else { b_store.t() };
         let start = matrix(m, n, 3);
         let expected = reference(alpha, &a, &b, beta, &start);
-        // C column-major when layout & 4, to exercise strided stores.
-        let mut c = if layout & 4 == 0 { start.clone() } else { Array2::zeros((m, n).f()) };
-        if layout & 4 != 0 {
-            c.assign(&start);
-        }
-        if beta == 0.0 {
-            c.fill(f32::NAN); // must be overwritten, never read
-        }
-        let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(m, n, k)];
-        sgemm_with(kernel, alpha, a, b, beta, c.view_mut(), &mut scratch).unwrap();
-        for ((i, j), &want) in expected.indexed_iter() {
-            let got = f64::from(c[[i, j]]);
-            let tolerance = 1e-5 * (k as f64 + 1.0) * (1.0 + want.abs());
-            assert!(
-                (got - want).abs() <= tolerance,
-                "{kernel:?}: {m}×{n}×{k} layout {layout} at ({i}, {j}): {got} vs {want}"
-            );
+        for kernel in Kernel::all_available() {
+            // C column-major when layout & 4, to exercise strided stores.
+            let mut c = if layout & 4 == 0 { start.clone() } else { Array2::zeros((m, n).f()) };
+            if layout & 4 != 0 {
+                c.assign(&start);
+            }
+            if beta == 0.0 {
+                c.fill(f32::NAN); // must be overwritten, never read
+            }
+            let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(m, n, k)];
+            sgemm_with(kernel, alpha, a, b, beta, c.view_mut(), &mut scratch).unwrap();
+            for ((i, j), &want) in expected.indexed_iter() {
+                let got = f64::from(c[[i, j]]);
+                let tolerance = 1e-5 * (k as f64 + 1.0) * (1.0 + want.abs());
+                assert!(
+                    (got - want).abs() <= tolerance,
+                    "{kernel:?}: {m}×{n}×{k} layout {layout} at ({i}, {j}): {got} vs {want}"
+                );
+            }
         }
     }
 
