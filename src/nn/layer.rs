@@ -2,6 +2,8 @@
 //! network hands it.
 
 use crate::{Error, Result};
+use std::any::Any;
+
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3};
 use workspace_core::{LayerWorkspaceMgr, TypedScope};
 
@@ -115,6 +117,64 @@ pub(crate) fn not_standard(layer: &str) -> Error {
         "layer '{layer}': a batch of sequences must be in standard (row-major) layout to be applied step by step; \
          allocate it with the scope's `zeros`/`copy_of`"
     ))
+}
+
+/// What one worker's forward pass of a layer leaves for its backward pass besides the
+/// input and output the trainer keeps (an LSTM's gates and states), made once per worker
+/// by [`ParallelLayer::tape`](crate::nn::ParallelLayer::tape); `()` for most layers.
+pub type Tape = Box<dyn Any + Send>;
+
+/// The gradient of a layer's input, of the kind of the input, that its backward pass
+/// writes (every element).
+#[derive(Debug)]
+pub enum GradInput<'g> {
+    /// Of a flat batch `[batch, features]`.
+    Flat(ArrayViewMut2<'g, f32>),
+    /// Of a batch of sequences `[batch, time, features]`.
+    Sequence(ArrayViewMut3<'g, f32>),
+}
+
+/// What a layer's backward pass reads: the forward pass's input (and the batch's mask),
+/// its output, and the gradient of the loss with respect to that output.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass<'p> {
+    /// The forward pass's input.
+    pub input: Activations<'p>,
+    /// The features mask of a batch of sequences (`[batch, time]`), if it has one.
+    pub mask: Option<ArrayView2<'p, f32>>,
+    /// The forward pass's output.
+    pub output: Activations<'p>,
+    /// The gradient of the loss with respect to the output.
+    pub grad_output: Activations<'p>,
+}
+
+pub(crate) fn flat_grad_input<'g>(g: GradInput<'g>, layer: &str) -> Result<ArrayViewMut2<'g, f32>> {
+    match g {
+        GradInput::Flat(g) => Ok(g),
+        GradInput::Sequence(g) => Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}': the gradient of a flat input"),
+            expected: vec![g.shape()[0], g.shape()[2]],
+            actual: g.shape().to_vec(),
+        }),
+    }
+}
+
+pub(crate) fn sequence_grad_input<'g>(g: GradInput<'g>, layer: &str) -> Result<ArrayViewMut3<'g, f32>> {
+    match g {
+        GradInput::Sequence(g) => Ok(g),
+        GradInput::Flat(g) => Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}': the gradient of a batch of sequences"),
+            expected: vec![g.nrows(), 0, g.ncols()],
+            actual: g.shape().to_vec(),
+        }),
+    }
+}
+
+/// A gradient of a batch of sequences as rows of steps (a view: new gradients are in
+/// standard layout).
+pub(crate) fn rows_of_grad<'g>(g: ArrayViewMut3<'g, f32>, layer: &str) -> Result<ArrayViewMut2<'g, f32>> {
+    let (b, t, f) = g.dim();
+    g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(layer))
 }
 
 /// What a layer's forward pass gets besides its input.

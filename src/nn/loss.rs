@@ -154,14 +154,40 @@ impl SoftmaxCrossEntropy {
     /// # Errors
     ///
     /// As [`Self::backward_masked`].
+    #[cfg(test)]
     pub(crate) fn loss_and_gradient(
         &self,
         logits: ArrayView2<'_, f32>,
         labels: ArrayView1<'_, u32>,
         mask: Option<ArrayView1<'_, f32>>,
-        mut grad: ArrayViewMut2<'_, f32>,
+        grad: ArrayViewMut2<'_, f32>,
     ) -> Result<f32> {
         let count = some(check_labels(&logits, &labels, mask.as_ref())?)?;
+        let total = self.loss_sum_and_gradient(logits, labels, mask, 1.0 / count as f32, grad)?;
+        Ok((total / count as f64) as f32)
+    }
+
+    /// Softmax, the sum of the cross-entropies of the rows `mask` counts (in row order,
+    /// in `f64`) and their gradient with respect to the logits, each scaled by `scale`
+    /// (one over the labels the whole batch counts, of which these rows may be a shard),
+    /// in one pass over each row: the gradient is written into `grad` (0 in rows not
+    /// counted) and the sum returned. The arithmetic of [`Self::probabilities`],
+    /// [`Self::loss_sum`] and [`Self::backward_scaled`] one after the other, in the same
+    /// order, so the same bits, without the probabilities' array. Every training step
+    /// (a network's, a data-parallel worker's shard) takes its loss from here.
+    ///
+    /// # Errors
+    ///
+    /// As [`Self::backward_scaled`].
+    pub(crate) fn loss_sum_and_gradient(
+        &self,
+        logits: ArrayView2<'_, f32>,
+        labels: ArrayView1<'_, u32>,
+        mask: Option<ArrayView1<'_, f32>>,
+        scale: f32,
+        mut grad: ArrayViewMut2<'_, f32>,
+    ) -> Result<f64> {
+        check_labels(&logits, &labels, mask.as_ref())?;
         if grad.dim() != logits.dim() {
             return Err(Error::ShapeMismatch {
                 context: "softmax cross-entropy gradient".to_string(),
@@ -169,7 +195,6 @@ impl SoftmaxCrossEntropy {
                 actual: grad.shape().to_vec(),
             });
         }
-        let scale = 1.0 / count as f32;
         let mut total = 0.0f64;
         for (r, (row, mut g)) in logits.rows().into_iter().zip(grad.rows_mut()).enumerate() {
             if mask.as_ref().is_some_and(|m| m[r] == 0.0) {
@@ -190,7 +215,7 @@ impl SoftmaxCrossEntropy {
             g.mapv_inplace(|p| p * scale);
             g[label] -= scale;
         }
-        Ok((total / count as f64) as f32)
+        Ok(total)
     }
 }
 

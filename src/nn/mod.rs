@@ -54,10 +54,11 @@ mod rng;
 mod serve;
 #[allow(unsafe_code)]
 mod simd;
+mod step;
 mod updater;
 
 pub use dense::Dense;
-pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, Layer, Param};
+pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, GradInput, Layer, Param, Pass, Tape};
 pub use limits::{MAX_RANKS, MAX_THREADS};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
@@ -67,9 +68,7 @@ pub use network::{
 };
 #[cfg(feature = "mpi")]
 pub use parallel::Mpi;
-pub use parallel::{
-    DataParallel, GradInput, ParallelConfig, ParallelLayer, ParallelStats, Pass, Reducer, ReducerKind, Report, Tape,
-};
+pub use parallel::{DataParallel, ParallelConfig, ParallelLayer, ParallelStats, Reducer, ReducerKind, Report};
 pub use pool::{LastStep, MaskedMean};
 pub use profile::StepBreakdown;
 pub use relu::Relu;

@@ -61,6 +61,65 @@ fn losses_agree_with_plain_training_to_tolerance() {
     }
 }
 
+/// A network and one data-parallel worker run one training step (the same passes, the
+/// same loss reduction, the same update): the same bits, step after step, in every
+/// workspace mode, for an MLP and for masked sequences, and the same weights after.
+#[test]
+fn one_worker_gives_the_bits_of_plain_training() {
+    let (x, y) = data(40, 12, 4);
+    let (batch, steps, features) = (9, 6, 3);
+    let seq =
+        Array3::from_shape_fn((batch, steps, features), |(b, t, f)| ((b * 13 + t * 5 + f * 3) % 11) as f32 / 11.0);
+    let mask = Array2::from_shape_fn((batch, steps), |(b, t)| if t < 2 + b % 4 { 1.0 } else { 0.0 });
+    let seq_y = Array1::from_shape_fn(batch, |b| (b % 3) as u32);
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+        for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9)] {
+            for parallel in [ParallelConfig::threads(1), ParallelConfig::sequential(1)] {
+                let mlp = || {
+                    NetworkConfig::builder(12)
+                        .dense(32)
+                        .relu()
+                        .dense(4)
+                        .seed(11)
+                        .updater(updater)
+                        .training_workspace_mode(mode)
+                        .build()
+                        .unwrap()
+                };
+                let lstm = || {
+                    NetworkConfig::builder(features)
+                        .lstm(8)
+                        .masked_mean()
+                        .dense(3)
+                        .seed(5)
+                        .updater(updater)
+                        .training_workspace_mode(mode)
+                        .build()
+                        .unwrap()
+                };
+                let context = format!("{mode:?}, {updater:?}, {parallel:?}");
+                let mut plain = Network::new(mlp()).unwrap();
+                let mut one = DataParallel::new(Network::new(mlp()).unwrap(), parallel).unwrap();
+                for step in 0..6 {
+                    let a = plain.fit_batch(x.view(), y.view()).unwrap();
+                    let b = one.fit_batch(x.view(), y.view()).unwrap();
+                    assert_eq!(a.to_bits(), b.to_bits(), "MLP, step {step}, {context}: {a} vs {b}");
+                }
+                let mut back = one.into_network().unwrap();
+                assert_eq!(plain.output(x.view()).unwrap(), back.output(x.view()).unwrap(), "MLP weights, {context}");
+
+                let mut plain = Network::new(lstm()).unwrap();
+                let mut one = DataParallel::new(Network::new(lstm()).unwrap(), parallel).unwrap();
+                for step in 0..6 {
+                    let a = plain.fit_batch((seq.view(), mask.view()), seq_y.view()).unwrap();
+                    let b = one.fit_batch((seq.view(), mask.view()), seq_y.view()).unwrap();
+                    assert_eq!(a.to_bits(), b.to_bits(), "LSTM, step {step}, {context}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_trained_network_comes_back_with_its_state() {
     let (x, y) = data(48, 12, 4);

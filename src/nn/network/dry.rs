@@ -28,6 +28,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
+use super::super::step::Owned;
 use super::config::PLANS;
 use super::shadow::Shadow;
 use super::{inference_capacity, pass_bytes, probabilities, shape_key, training_capacity, training_workspaces};
@@ -701,7 +702,7 @@ impl Network {
         let Network { layers, dry_run, .. } = self;
         let shadow = dry_run.as_deref().expect("made by dry_run");
         shadow.infer.reset_peaks();
-        probabilities(layers.iter_mut(), &shadow.infer, batch.input(), None, |_| Ok(()))
+        probabilities(&mut Owned(layers), &shadow.infer, batch.input(), None, |_| Ok(()))
     }
 }
 

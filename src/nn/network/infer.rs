@@ -11,8 +11,9 @@ use crate::{Error, Result};
 
 use super::super::layer::Activations;
 use super::super::loss::SoftmaxCrossEntropy;
+use super::super::step::{self, StepLayers};
 use super::batch::{lease_input, lease_labels, shape_key, standard_input, steps_as_rows};
-use super::{check_labels, forward, pass_bytes, Input, Labels, Network, Stage};
+use super::{check_labels, pass_bytes, Input, Labels, Network};
 use super::{label, LayerLabels};
 
 impl Network {
@@ -45,15 +46,15 @@ impl Network {
         let x = x.reborrow();
         self.check_input(&x)?;
         let Network { layers, infer: mgr, timeline, .. } = self;
-        probabilities(layers.iter_mut(), mgr, x, timeline.as_deref(), f)
+        probabilities(&mut step::Owned(layers), mgr, x, timeline.as_deref(), f)
     }
 }
 
 /// The class probabilities of `x` (checked) through `layers`, computed in `mgr`'s
 /// inference workspaces and handed to `f` while they are alive: the forward pass of a
 /// network's inference and of a served model's.
-pub(crate) fn probabilities<S: Stage, R>(
-    layers: impl IntoIterator<Item = S>,
+pub(crate) fn probabilities<R>(
+    layers: &mut impl StepLayers,
     mgr: &LayerWorkspaceMgr,
     x: Input<'_>,
     labels: Option<&LayerLabels>,
@@ -64,7 +65,7 @@ pub(crate) fn probabilities<S: Stage, R>(
     let act = mgr.enter(ArrayType::Activations)?;
     label(labels, |l| Some(l.input));
     let x = standard_input(x, &act)?;
-    let input = forward(layers, mgr, &act, x.activations(), mask, (false, labels), |_, _| Ok(()))?;
+    let input = step::forward(layers, mgr, &act, x.activations(), mask, (false, labels), &mut 0, |_, _| Ok(()))?;
     label(labels, |l| Some(l.loss));
     // A sequence output (labels per step) gives a row per example and step.
     let logits = match input {

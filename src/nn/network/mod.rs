@@ -12,20 +12,18 @@ mod train;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
-use ndarray::ArrayView2;
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
 use workspace_core::timeline::{self, LayerLabel, Timeline, TimelineId};
-use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, TypedScope, Workspace, WorkspaceMode};
+use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, Workspace, WorkspaceMode};
 
 use super::finite;
-use super::layer::{Activations, ForwardCtx};
+use super::layer::Activations;
 
 use crate::{Error, Result};
 
-use super::layer::{FrozenLayer, Layer};
-use super::loss::SoftmaxCrossEntropy;
-use super::profile::{self, Part, StepBreakdown};
+use super::layer::Layer;
+use super::profile::StepBreakdown;
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
 
@@ -41,7 +39,7 @@ pub use config::{
 pub(crate) use config::{training_mgrs, WorkspaceLayout};
 pub use dry::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
 pub(crate) use infer::{predictions_into, probabilities};
-pub(crate) use train::{fit_epoch, fit_pairs, Gradient};
+pub(crate) use train::{counted, fit_epoch, fit_pairs};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
@@ -58,7 +56,6 @@ pub struct Network {
     inputs: usize,
     classes: usize,
     layers: Vec<Box<dyn Layer>>,
-    loss: SoftmaxCrossEntropy,
     updater: UpdaterState,
     training_mode: WorkspaceMode,
     inference_mode: WorkspaceMode,
@@ -205,7 +202,6 @@ impl Network {
             inputs,
             classes: width,
             layers,
-            loss: SoftmaxCrossEntropy,
             updater,
             training_mode: layout.training,
             inference_mode: layout.inference,
@@ -531,76 +527,6 @@ pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
     }
     Ok(())
 }
-
-/// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
-/// each layer's output checked to be in the activations workspace and handed to `each`
-/// with the layer's name; returns the last layer's output. Training and inference run
-/// this one loop (`training`), each layer's allocations labelled with its label in
-/// `labels` while a timeline records the network.
-pub(crate) fn forward<'s, S: Stage>(
-    layers: impl IntoIterator<Item = S>,
-    mgr: &LayerWorkspaceMgr,
-    act: &'s TypedScope,
-    mut input: Activations<'s>,
-    mask: Option<ArrayView2<'s, f32>>,
-    (training, labels): (bool, Option<&LayerLabels>),
-    mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
-) -> Result<Activations<'s>> {
-    for (i, mut layer) in layers.into_iter().enumerate() {
-        label(labels, |l| l.layers.get(i).copied());
-        let working = mgr.enter(ArrayType::FfWorkingMem)?;
-        let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
-        let y = {
-            // The layer's own work; its matrix products are charged to MatMul.
-            let _span = profile::span(Part::Elementwise);
-            layer.apply(input, mask, &ctx)?
-        };
-        validate(mgr, layer.stage_name(), y)?;
-        each(layer.stage_name(), y)?;
-        input = y;
-    }
-    Ok(input)
-}
-
-/// A layer as [`forward`] runs it: a training network's ([`Layer`], through `&mut`) or a
-/// frozen model's ([`FrozenLayer`], through `&`).
-pub(crate) trait Stage {
-    fn stage_name(&self) -> &str;
-
-    fn apply<'s>(
-        &mut self,
-        input: Activations<'s>,
-        mask: Option<ArrayView2<'s, f32>>,
-        ctx: &ForwardCtx<'s, '_>,
-    ) -> Result<Activations<'s>>;
-}
-
-/// A training layer and a frozen one are stages alike: the same two calls.
-macro_rules! stage {
-    ($layer:ty) => {
-        impl Stage for $layer {
-            fn stage_name(&self) -> &str {
-                self.name()
-            }
-
-            #[inline]
-            fn apply<'s>(
-                &mut self,
-                input: Activations<'s>,
-                mask: Option<ArrayView2<'s, f32>>,
-                ctx: &ForwardCtx<'s, '_>,
-            ) -> Result<Activations<'s>> {
-                Ok(match input {
-                    Activations::Flat(v) => Activations::Flat(self.forward(v, ctx)?),
-                    Activations::Sequence(v) => self.forward_sequence(v, mask, ctx)?,
-                })
-            }
-        }
-    };
-}
-
-stage!(&mut Box<dyn Layer>);
-stage!(&Box<dyn FrozenLayer>);
 
 /// Checks that `layer`'s output `y` is in the activations workspace.
 pub(crate) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {

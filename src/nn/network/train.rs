@@ -4,21 +4,19 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
+use ndarray::{ArrayView1, ArrayView2};
 use workspace_core::backend::{ArenaBackend, Block};
 use workspace_core::plan::{Plan, Trace};
-use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
+use workspace_core::ArrayType;
 
 use crate::{Error, Result};
 
-use super::super::finite;
 use super::super::gemm;
-use super::super::layer::{Activations, BackwardCtx, Layer};
 use super::super::limits::check_threads;
 use super::super::profile::{self, Part, StepBreakdown};
+use super::super::step::{self, Owned, Run};
 use super::batch::shape_key;
-use super::{forward, label, pass_bytes, training_workspaces, Input, Labels, Network};
-use super::{lease_input, lease_labels, loss_input, standard_labels, training_input};
+use super::{label, lease_input, lease_labels, pass_bytes, training_workspaces, Input, Labels, Network};
 
 impl Network {
     /// One training iteration on a batch: forward, loss, backward, update. Returns
@@ -172,117 +170,35 @@ impl Network {
         // Labels per step without a mask of their own are masked like the features.
         let labels = labels.reborrow().or_mask(x.mask());
         self.check_batch(&x, Some(&labels))?;
-        let mask = x.mask();
-        // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
-        // it, the loss clamps it, and the parameters would silently become NaN. Padded
-        // steps are not checked: nothing uses them (they are zeroed below). The scan
-        // costs what the batch's memory holds: a broadcast value is looked at once, so a
-        // batch too large to lay out fails at its first allocation, not hours later.
-        if !dry {
-            finite::check_activations("input", "the batch", x.activations(), mask)?;
+        let count = counted(&labels);
+        if count == 0 && !dry {
+            return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
         }
-        let Network { layers, loss, updater, train, dry_run, timeline, .. } = self;
-        let tl = timeline.as_deref();
+        let Network { layers, updater, train, dry_run, timeline, .. } = self;
         let train = match (dry, dry_run.as_deref()) {
             (false, _) => &*train,
             (true, Some(shadow)) => &shadow.train,
             (true, None) => return Err(Error::InvalidInput("a dry run needs its shape-only workspaces".into())),
         };
-        let mgr = &train[0];
         train[0].reset_peaks();
         train[1].reset_peaks();
-
-        let act = mgr.enter(ArrayType::Activations)?;
-        // Sequences (and labels per step) in another layout, or with padding, are copied
-        // once, here.
-        label(tl, |l| Some(l.input));
-        let (x, labels) = {
-            let _span = profile::span(Part::Copies);
-            (training_input(x, &act)?, standard_labels(labels, &act)?)
-        };
-        // The list of activations lives in the activations workspace too.
-        let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let input = forward(layers.iter_mut(), mgr, &act, x.activations(), mask, (true, tl), |layer, y| {
-            if !dry {
-                finite::check_activations(layer, "its output", y, mask)?;
-            }
-            outputs.push(y);
-            Ok(())
-        })?;
-        let logits = loss_input(input, &labels)?;
-        let (flat_labels, label_mask) = labels.flat()?;
-        // Backward, from the loss down: the gradient of each layer's output is in one
-        // of the two gradient workspaces, and the layer writes the gradient of its
-        // input into the other (see `Gradient`). The loss and its gradient come from
-        // one pass over the logits.
-        let depth = layers.len();
-        label(tl, |l| Some(l.loss));
-        let mut grad = Gradient::zeros(&train[0], input)?;
-        // A dry run allocates the loss's gradient (above) and computes nothing.
-        let batch_loss = match dry {
-            true => 0.0,
-            false => {
-                let _span = profile::span(Part::Loss);
-                loss.loss_and_gradient(logits, flat_labels, label_mask, grad.view_mut_rows()?)?
-            }
-        };
-        if !batch_loss.is_finite() {
-            return Err(finite::error("loss", format!("the mean softmax cross-entropy is {batch_loss}")));
-        }
-        for (i, layer) in layers.iter_mut().enumerate().rev() {
-            label(tl, |l| l.layers.get(i).copied());
-            let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
-            // The gradient of the first layer's input is not needed.
-            let mut below = match i {
-                0 => None,
-                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
-            };
-            {
-                let working = mgr.enter(ArrayType::BpWorkingMem)?;
-                let ctx = BackwardCtx { working: &working, mgr };
-                // The layer's own work; its matrix products are charged to MatMul.
-                let _span = profile::span(Part::Elementwise);
-                match layer_input {
-                    Activations::Flat(v) => {
-                        let grad_input = below.as_mut().map(Gradient::view_mut_flat).transpose()?;
-                        let output = outputs[i].flat(layer.name())?;
-                        layer.backward(v, output, grad.view()?.flat(layer.name())?, grad_input, &ctx)?;
-                    }
-                    Activations::Sequence(v) => {
-                        let grad_input = below.as_mut().map(Gradient::view_mut_sequence).transpose()?;
-                        layer.backward_sequence(v, mask, outputs[i], grad.view()?, grad_input, &ctx)?;
-                    }
-                }
-            }
-            if !dry {
-                let _span = profile::span(Part::Checks);
-                check_gradients(&mut **layer, below.as_ref().map(Gradient::view).transpose()?, mask)?;
-            }
-            match below {
-                // The gradient just consumed closes its workspace here.
-                Some(below) => grad = below,
-                None => break,
-            }
-        }
-        drop(grad);
+        let run = Run { train, labels: timeline.as_deref(), count, dry };
+        let loss_sum = step::passes(&mut Owned(layers), x, labels, &run, &mut 0)?;
         // The update reads no activation: their bytes are free for its working memory.
-        drop(outputs);
-        drop(act);
-
         {
-            label(tl, |l| Some(l.updater));
-            let working = mgr.enter(ArrayType::UpdaterWorkingMem)?;
+            label(run.labels, |l| Some(l.updater));
+            let working = train[0].enter(ArrayType::UpdaterWorkingMem)?;
             if !dry {
                 let _span = profile::span(Part::Updater);
                 updater.apply(layers, &working)?;
             }
         }
         if dry {
-            return Ok(batch_loss);
+            return Ok(0.0);
         }
         self.last_workspace_bytes = pass_bytes(training_workspaces(&self.train), None);
         self.iterations += 1;
-        Ok(batch_loss)
+        Ok((loss_sum / count as f64) as f32)
     }
 
     /// Trains one epoch on the batches of a [`Prefetcher`]: every remaining batch of
@@ -394,100 +310,11 @@ where
     Ok((total / count as f64) as f32)
 }
 
-/// The gradient flowing down the network in the backward pass: an array in one of the
-/// two gradient workspaces, with the scope that keeps that workspace open.
-///
-/// It is a [`Handle`] and not a view because it moves from one loop iteration to the
-/// next together with its scope, and a view cannot move with the scope it borrows.
-/// Each access through the handle checks the generation, and the views it gives borrow
-/// the scope, so nothing outlives the workspace's cycle.
-pub(crate) struct Gradient {
-    scope: TypedScope,
-    array: GradientArray,
-}
-
-/// A gradient of the kind of the array it is the gradient of.
-enum GradientArray {
-    Flat(Handle<f32, Ix2>),
-    Sequence(Handle<f32, Ix3>),
-}
-
-impl Gradient {
-    /// Zeros of `like`'s shape in `mgr`'s gradient workspace.
-    pub(crate) fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
-        let _span = profile::span(Part::Copies);
-        let scope = mgr.enter(ArrayType::ActivationGrad)?;
-        let array = match like {
-            Activations::Flat(x) => GradientArray::Flat(scope.zeros_handle(x.raw_dim())?),
-            Activations::Sequence(x) => GradientArray::Sequence(scope.zeros_handle(x.raw_dim())?),
-        };
-        Ok(Gradient { scope, array })
-    }
-
-    pub(crate) fn view(&self) -> Result<Activations<'_>> {
-        Ok(match &self.array {
-            GradientArray::Flat(h) => Activations::Flat(h.view(&self.scope)?),
-            GradientArray::Sequence(h) => Activations::Sequence(h.view(&self.scope)?),
-        })
-    }
-
-    /// The gradient as rows `[examples (· steps), features]`, as the loss sees them.
-    pub(crate) fn view_mut_rows(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
-        match &mut self.array {
-            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
-            GradientArray::Sequence(h) => {
-                let (b, t, f) = (h.shape()[0], h.shape()[1], h.shape()[2]);
-                let view = h.view_mut(&self.scope)?;
-                Ok(view.into_shape_with_order((b * t, f)).expect("a new array is in standard layout"))
-            }
-        }
-    }
-
-    pub(crate) fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
-        match &mut self.array {
-            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
-            GradientArray::Sequence(h) => Err(Error::ShapeMismatch {
-                context: "the gradient of a flat array".into(),
-                expected: vec![h.shape()[0], h.shape()[2]],
-                actual: h.shape().to_vec(),
-            }),
-        }
-    }
-
-    pub(crate) fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
-        match &mut self.array {
-            GradientArray::Sequence(h) => Ok(h.view_mut(&self.scope)?),
-            GradientArray::Flat(h) => Err(Error::ShapeMismatch {
-                context: "the gradient of a batch of sequences".into(),
-                expected: vec![h.shape()[0], 0, h.shape()[1]],
-                actual: h.shape().to_vec(),
-            }),
-        }
-    }
-}
-
-/// Checks the gradients `layer`'s backward pass left: those of its parameters, and
-/// `grad_input`, the gradient of its input.
-fn check_gradients(
-    layer: &mut dyn Layer,
-    grad_input: Option<Activations<'_>>,
-    mask: Option<ArrayView2<'_, f32>>,
-) -> Result<()> {
-    if let Some(grad_input) = grad_input {
-        finite::check_activations(layer.name(), "the gradient of its input", grad_input, mask)?;
-    }
-    let (mut param, mut bad) = (0, None);
-    layer.params(&mut |p| {
-        if bad.is_none() {
-            bad = finite::first_in_slice(p.grad).map(|(element, value)| (param, element, value));
-        }
-        param += 1;
-    });
-    match bad {
-        None => Ok(()),
-        Some((param, element, value)) => Err(finite::error(
-            layer.name(),
-            format!("the gradient of its parameter {param} (element {element}) is {value}"),
-        )),
+/// The labels a batch counts: every label, or those its mask keeps.
+pub(crate) fn counted(labels: &Labels<'_>) -> usize {
+    match labels {
+        Labels::PerExample(y) => y.len(),
+        Labels::PerStep { labels, mask: None } => labels.len(),
+        Labels::PerStep { mask: Some(mask), .. } => mask.iter().filter(|&&m| m != 0.0).count(),
     }
 }

@@ -2,44 +2,16 @@
 //! from one shared copy by every worker and its gradients written into the worker's
 //! gradient bucket.
 
-use std::any::Any;
-
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 
 use crate::{Error, Result};
 
 use super::super::dense;
-use super::super::layer::{steps_as_rows, steps_in, steps_out, Activations, BackwardCtx, ForwardCtx, Layer};
+use super::super::layer::{
+    flat_grad_input, rows_of_grad, sequence_grad_input, steps_as_rows, steps_in, steps_out, Activations, BackwardCtx,
+    ForwardCtx, GradInput, Layer, Pass, Tape,
+};
 use super::super::lstm::{Cache, Grads, Lstm, Weights};
-
-/// What one worker's forward pass of a layer leaves for its backward pass besides the
-/// input and output the trainer keeps (an LSTM's gates and states), made once per worker
-/// by [`ParallelLayer::tape`]; `()` for most layers.
-pub type Tape = Box<dyn Any + Send>;
-
-/// The gradient of a layer's input, of the kind of the input, that its backward pass
-/// writes (every element).
-#[derive(Debug)]
-pub enum GradInput<'g> {
-    /// Of a flat batch `[batch, features]`.
-    Flat(ArrayViewMut2<'g, f32>),
-    /// Of a batch of sequences `[batch, time, features]`.
-    Sequence(ArrayViewMut3<'g, f32>),
-}
-
-/// What a layer's backward pass reads: the forward pass's input (and the batch's mask),
-/// its output, and the gradient of the loss with respect to that output.
-#[derive(Clone, Copy, Debug)]
-pub struct Pass<'p> {
-    /// The forward pass's input.
-    pub input: Activations<'p>,
-    /// The features mask of a batch of sequences (`[batch, time]`), if it has one.
-    pub mask: Option<ArrayView2<'p, f32>>,
-    /// The forward pass's output.
-    pub output: Activations<'p>,
-    /// The gradient of the loss with respect to the output.
-    pub grad_output: Activations<'p>,
-}
 
 /// A layer as a data-parallel trainer ([`DataParallel`](crate::nn::DataParallel)) runs
 /// it: the layer's structure only, shared by every worker through `&self`. Its
@@ -168,35 +140,6 @@ impl<L: Layer + Clone + Send + Sync + 'static> ParallelLayer for Replica<L> {
     fn to_layer(&self, _params: &[f32]) -> Result<Box<dyn Layer>> {
         Ok(Box::new(self.0.clone()))
     }
-}
-
-fn flat_grad_input<'g>(g: GradInput<'g>, layer: &str) -> Result<ArrayViewMut2<'g, f32>> {
-    match g {
-        GradInput::Flat(g) => Ok(g),
-        GradInput::Sequence(g) => Err(Error::ShapeMismatch {
-            context: format!("layer '{layer}': the gradient of a flat input"),
-            expected: vec![g.shape()[0], g.shape()[2]],
-            actual: g.shape().to_vec(),
-        }),
-    }
-}
-
-fn sequence_grad_input<'g>(g: GradInput<'g>, layer: &str) -> Result<ArrayViewMut3<'g, f32>> {
-    match g {
-        GradInput::Sequence(g) => Ok(g),
-        GradInput::Flat(g) => Err(Error::ShapeMismatch {
-            context: format!("layer '{layer}': the gradient of a batch of sequences"),
-            expected: vec![g.nrows(), 0, g.ncols()],
-            actual: g.shape().to_vec(),
-        }),
-    }
-}
-
-/// A gradient of a batch of sequences as rows of steps (a view: new gradients are in
-/// standard layout).
-fn rows_of_grad<'g>(g: ArrayViewMut3<'g, f32>, layer: &str) -> Result<ArrayViewMut2<'g, f32>> {
-    let (b, t, f) = g.dim();
-    g.into_shape_with_order((b * t, f)).map_err(|_| super::super::layer::not_standard(layer))
 }
 
 /// Splits `params` (or `grads`) of a layer into its parameters' lengths.

@@ -16,9 +16,14 @@
 //! **Determinism.** The losses depend on the number of workers and on nothing else:
 //! every reducer sums in rank order, and the single-thread shard mode
 //! ([`ParallelConfig::sequential`]) runs the same shards on one thread and adds their
-//! gradients in the same order, so it gives the same bits as that many threads. Against
-//! a [`Network`] trained on whole batches, the losses agree to floating-point tolerance
-//! only (the shards' matrix products sum in another order).
+//! gradients in the same order, so it gives the same bits as that many threads. Each
+//! worker runs the network's own training step on its shard (`nn::step`: the same
+//! passes, loss reduction and checks), so one worker gives the bits of a [`Network`]
+//! trained on whole batches; with more, the losses agree to floating-point tolerance
+//! (the shards' matrix products sum in another order).
+//!
+//! **Breakdown.** [`DataParallel::set_breakdown`] measures the steps on the calling
+//! thread, part by part, as [`Network::set_breakdown`] does.
 
 mod layer;
 #[cfg(feature = "mpi")]
@@ -33,8 +38,8 @@ mod trainer;
 #[allow(unsafe_code)]
 mod worker;
 
+pub use layer::ParallelLayer;
 pub(crate) use layer::{DenseShape, LstmShape, Replica};
-pub use layer::{GradInput, ParallelLayer, Pass, Tape};
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
 pub use reduce::{Reducer, Report};

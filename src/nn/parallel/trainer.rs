@@ -15,7 +15,10 @@ use workspace_core::backend::{ArenaBackend, Block};
 use crate::{Error, Result};
 
 use super::super::limits::{check_threads, MAX_RANKS};
-use super::super::network::{check_input, check_labels, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout};
+use super::super::network::{
+    check_input, check_labels, counted, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout,
+};
+use super::super::profile::{self, StepBreakdown};
 use super::super::serve::Model;
 use super::super::updater::{Updater, UpdaterState};
 use super::reduce::{Alone, Reducer, Threads};
@@ -177,6 +180,8 @@ pub struct DataParallel {
     copied: u64,
     /// The reducer's name.
     name: &'static str,
+    /// Where the steps' time goes on the calling thread, when measured.
+    breakdown: Option<StepBreakdown>,
     /// A trainer stays on its thread (its worker 0's workspaces do).
     _thread_bound: std::marker::PhantomData<*const ()>,
 }
@@ -283,6 +288,7 @@ impl DataParallel {
             modes,
             copied: 0,
             name,
+            breakdown: None,
             _thread_bound: std::marker::PhantomData,
         };
         if threads {
@@ -394,7 +400,47 @@ impl DataParallel {
     /// peer that does not answer within the reducer's timeout ends the job instead (see
     /// `carve::nn::Mpi`).
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
-        let (x, labels) = (x.into(), labels.into());
+        let measured = profile::start(self.breakdown.is_some());
+        let loss = self.fit_batch_unmeasured(x.into(), labels.into())?;
+        if let Some(breakdown) = self.breakdown.as_mut() {
+            measured.finish(breakdown);
+        }
+        Ok(loss)
+    }
+
+    /// Switches the breakdown of each step's time on (from zero) or off, as
+    /// [`Network::set_breakdown`] does: the parts of the step on the calling thread
+    /// (worker 0's passes on its shard, its share of the update); the time it waits for
+    /// the other workers and the reduction count as bookkeeping.
+    ///
+    /// ```
+    /// use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig};
+    /// use carve::ndarray::{Array1, Array2};
+    ///
+    /// let net = Network::new(NetworkConfig::builder(8).dense(16).relu().dense(3).build()?)?;
+    /// let mut trainer = DataParallel::new(net, ParallelConfig::threads(2))?;
+    /// trainer.set_breakdown(true);
+    /// let (x, y) = (Array2::<f32>::ones((8, 8)), Array1::<u32>::zeros(8));
+    /// for _ in 0..3 {
+    ///     trainer.fit_batch(x.view(), y.view())?;
+    /// }
+    /// let breakdown = trainer.breakdown().expect("switched on");
+    /// assert_eq!(breakdown.steps, 3);
+    /// assert!(breakdown.matmul_ns > 0 && breakdown.loss_ns > 0 && breakdown.updater_ns > 0);
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    pub fn set_breakdown(&mut self, on: bool) {
+        self.breakdown = on.then(StepBreakdown::default);
+    }
+
+    /// Where the steps' time went since [`DataParallel::set_breakdown`] (`None` when
+    /// off), over the steps that succeeded.
+    pub fn breakdown(&self) -> Option<StepBreakdown> {
+        self.breakdown
+    }
+
+    /// [`DataParallel::fit_batch`] without its breakdown.
+    fn fit_batch_unmeasured(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
         let x = x.reborrow();
         let labels = labels.reborrow().or_mask(x.mask());
         check_input(self.inputs, &x)?;
@@ -605,15 +651,6 @@ impl DataParallel {
 impl Drop for DataParallel {
     fn drop(&mut self) {
         self.stop_threads();
-    }
-}
-
-/// The labels a batch counts: every label, or those its mask keeps.
-fn counted(labels: &Labels<'_>) -> usize {
-    match labels {
-        Labels::PerExample(y) => y.len(),
-        Labels::PerStep { labels, mask: None } => labels.len(),
-        Labels::PerStep { mask: Some(mask), .. } => mask.iter().filter(|&&m| m != 0.0).count(),
     }
 }
 

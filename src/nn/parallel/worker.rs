@@ -10,15 +10,15 @@ use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
 
 use crate::{Error, Result};
 
+use ndarray::ArrayView2;
+
 use super::super::finite;
-use super::super::layer::{Activations, BackwardCtx, ForwardCtx};
-use super::super::loss::SoftmaxCrossEntropy;
-use super::super::network::{
-    loss_input, names, planned_workspace_config, shape_key, standard_labels, training_input, training_mgrs, validate,
-    Gradient, Input, Labels,
-};
+use super::super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Pass, Tape};
+use super::super::network::{names, planned_workspace_config, shape_key, training_mgrs, Input, Labels};
+use super::super::profile::{self, Part};
+use super::super::step::{self, Run, StepLayers};
 use super::super::updater::{check_range, commit_range, Updater};
-use super::layer::{GradInput, ParallelLayer, Pass, Tape};
+use super::layer::ParallelLayer;
 use super::reduce::{share, Reducer, Report};
 use super::shared::{panic_message, SharedBuf};
 
@@ -161,7 +161,6 @@ pub(crate) struct Worker {
     /// The ranges whose update this worker checks and stores, with the worker (shard)
     /// each belongs to, in the order failures are reported: by worker, then bucket.
     owned: Vec<(usize, Range<usize>)>,
-    loss: SoftmaxCrossEntropy,
 }
 
 /// The failure "layer" of what is outside every layer: the input, the loss, the update.
@@ -191,7 +190,6 @@ impl Worker {
             shares,
             reports: vec![Report::default(); workers],
             owned: Vec::with_capacity(shared.layout.buckets.len() * shards.max(1)),
-            loss: SoftmaxCrossEntropy,
         })
     }
 
@@ -432,6 +430,7 @@ impl Worker {
     /// Stores this worker's ranges of the update, checked by [`Worker::check_update`] and
     /// agreed by every worker.
     fn commit_update(&self, shared: &Shared, grads: &[f32], t: i32) {
+        let _span = profile::span(Part::Updater);
         for (_, range) in &self.owned {
             // SAFETY: every worker has finished its forward and backward passes (the
             // step's exchanges wait for all of them; in the single-thread mode there is
@@ -461,6 +460,7 @@ impl Worker {
     /// Checks this worker's ranges of the update; the first element that would not be
     /// finite fails it, naming its worker and its layer.
     fn check_update(&self, shared: &Shared, grads: &[f32], t: i32) -> std::result::Result<(), Failure> {
+        let _span = profile::span(Part::Updater);
         let working =
             self.train[0].enter(ArrayType::UpdaterWorkingMem).map_err(|e| self.update_failure(shared, e.into()))?;
         for (worker, range) in &self.owned {
@@ -522,9 +522,9 @@ impl Worker {
         }
     }
 
-    /// [`Worker::shard`]'s passes: as a network's training step, with the parameters
-    /// read from `shared` and their gradients written into `grads`; `at` follows the
-    /// layer being run (the number of layers outside them).
+    /// [`Worker::shard`]'s passes: the training step's ([`step::passes`]), with the
+    /// parameters read from `shared` and their gradients written into `grads`; `at`
+    /// follows the layer being run (the number of layers outside them).
     #[allow(clippy::too_many_arguments)]
     fn passes(
         &mut self,
@@ -539,93 +539,62 @@ impl Worker {
         // before every worker has finished these passes (the step's first exchange).
         #[allow(unsafe_code)]
         let params = unsafe { shared.params.read() };
-        let x = x.reborrow();
-        let labels = labels.reborrow().or_mask(x.mask());
-        let mask = x.mask();
-        finite::check_activations("input", "the batch", x.activations(), mask)?;
-        let Worker { train, tapes, loss, .. } = self;
-        let layers = &shared.layers;
-        let regions = &shared.layout.regions;
-        let mgr = &train[0];
-        let act = mgr.enter(ArrayType::Activations)?;
-        let x = training_input(x, &act)?;
-        let labels = standard_labels(labels, &act)?;
-        let mut outputs = allocator_api2::vec::Vec::with_capacity_in(layers.len(), &*act);
-        let mut input = x.activations();
-        for (i, layer) in layers.iter().enumerate() {
-            *at = i;
-            let working = mgr.enter(ArrayType::FfWorkingMem)?;
-            let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
-            let y = layer.forward(&params[regions[i].clone()], input, mask, &mut tapes[i], &ctx)?;
-            validate(mgr, layer.name(), y)?;
-            finite::check_activations(layer.name(), "its output", y, mask)?;
-            outputs.push(y);
-            input = y;
-        }
-        *at = layers.len();
-        let logits = loss_input(input, &labels)?;
-        let probs = loss.probabilities(logits, &act)?;
-        let (flat_labels, label_mask) = labels.flat()?;
-        let (loss_sum, _) = loss.loss_sum(probs, flat_labels, label_mask)?;
-        if !loss_sum.is_finite() {
-            return Err(finite::error("loss", format!("the shard's summed softmax cross-entropy is {loss_sum}")));
-        }
-        let depth = layers.len();
-        let mut grad = Gradient::zeros(&train[0], input)?;
-        loss.backward_scaled(probs, flat_labels, label_mask, 1.0 / count as f32, grad.view_mut_rows()?)?;
-        for (i, layer) in layers.iter().enumerate().rev() {
-            *at = i;
-            let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
-            let mut below = match i {
-                0 => None,
-                _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
-            };
-            let region = regions[i].clone();
-            {
-                let working = mgr.enter(ArrayType::BpWorkingMem)?;
-                let ctx = BackwardCtx { working: &working, mgr };
-                let grad_input = match (below.as_mut(), layer_input) {
-                    (None, _) => None,
-                    (Some(b), Activations::Flat(_)) => Some(GradInput::Flat(b.view_mut_flat()?)),
-                    (Some(b), Activations::Sequence(_)) => Some(GradInput::Sequence(b.view_mut_sequence()?)),
-                };
-                let output = outputs[i];
-                let pass =
-                    Pass { input: rebind(&layer_input), mask, output: rebind(&output), grad_output: grad.view()? };
-                layer.backward(
-                    &params[region.clone()],
-                    &mut grads[region.clone()],
-                    pass,
-                    grad_input,
-                    &mut tapes[i],
-                    &ctx,
-                )?;
-            }
-            if let Some((element, value)) = finite::first_in_slice(&grads[region]) {
-                return Err(finite::error(
-                    layer.name(),
-                    format!("the gradient of its parameter value {element} is {value}"),
-                ));
-            }
-            if let Some(below) = below.as_ref() {
-                finite::check_activations(layer.name(), "the gradient of its input", below.view()?, mask)?;
-            }
-            match below {
-                Some(below) => grad = below,
-                None => break,
-            }
-        }
-        *at = layers.len();
-        Ok(loss_sum)
+        let Worker { train, tapes, .. } = self;
+        let mut layers = Sharing { layers: &shared.layers, regions: &shared.layout.regions, params, grads, tapes };
+        let run = Run { train, labels: None, count, dry: false };
+        step::passes(&mut layers, x, labels, &run, at)
     }
 }
 
-/// `a` borrowed for as long as `a` is (the views of a [`Pass`] live as long as its
-/// shortest).
-fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
-    match a {
-        Activations::Flat(v) => Activations::Flat(v.view()),
-        Activations::Sequence(v) => Activations::Sequence(v.view()),
+/// The layers as a worker runs them: shared by every worker, each call handed its part
+/// of the shared parameters, of this worker's gradient bucket and its own tape.
+struct Sharing<'w> {
+    layers: &'w [Box<dyn ParallelLayer>],
+    regions: &'w [Range<usize>],
+    params: &'w [f32],
+    grads: &'w mut [f32],
+    tapes: &'w mut [Tape],
+}
+
+impl StepLayers for Sharing<'_> {
+    fn count(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn name(&self, i: usize) -> &str {
+        self.layers[i].name()
+    }
+
+    fn forward<'a>(
+        &mut self,
+        i: usize,
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        self.layers[i].forward(&self.params[self.regions[i].clone()], input, mask, &mut self.tapes[i], ctx)
+    }
+
+    fn backward(
+        &mut self,
+        i: usize,
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let region = self.regions[i].clone();
+        let (params, grads) = (&self.params[region.clone()], &mut self.grads[region]);
+        self.layers[i].backward(params, grads, pass, grad_input, &mut self.tapes[i], ctx)
+    }
+
+    fn check_param_gradients(&mut self, i: usize) -> Result<()> {
+        match finite::first_in_slice(&self.grads[self.regions[i].clone()]) {
+            None => Ok(()),
+            Some((element, value)) => Err(finite::error(
+                self.layers[i].name(),
+                format!("the gradient of its parameter value {element} is {value}"),
+            )),
+        }
     }
 }
 

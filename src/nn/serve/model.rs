@@ -10,6 +10,7 @@ use super::pool::PoolConfig;
 use crate::nn::finite;
 use crate::nn::layer::FrozenLayer;
 use crate::nn::network::{check_input, predictions_into, probabilities, shape_key, Input, Network};
+use crate::nn::step::Frozen;
 use crate::{Error, Result};
 
 /// A trained network frozen for serving: the layers' weights, held once; `Send +
@@ -180,7 +181,7 @@ impl Model {
         f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
     ) -> Result<(R, bool)> {
         let group = mgr.plan_group().expect("serving arenas are planned");
-        group.iteration(shape_key(&x, None), || probabilities(self.layers.iter(), mgr, x, None, f))
+        group.iteration(shape_key(&x, None), || probabilities(&mut Frozen(&self.layers), mgr, x, None, f))
     }
 }
 

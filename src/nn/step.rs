@@ -1,0 +1,405 @@
+//! The training step's passes, written once: input checks, forward, loss, backward into
+//! the gradient buffers, finite checks, with the breakdown's spans and the timeline's
+//! labels. Three callers drive it:
+//!
+//! - [`Network::fit_batch`](crate::nn::Network::fit_batch), on the whole batch, its
+//!   layers' own gradients;
+//! - each data-parallel worker, on its shard, into its gradient bucket (the
+//!   parameters shared by every worker);
+//! - the dry run ([`Network::dry_run`](crate::nn::Network::dry_run)), in shape-only
+//!   workspaces: the same allocations and scopes, in the same order, and no arithmetic
+//!   of the step's own (no checks, no loss).
+//!
+//! The loss is summed, not averaged, and its gradient scaled by one over the labels
+//! the *whole batch* counts, so a shard's gradients add up to the batch's: a network
+//! and one data-parallel worker run the same arithmetic and give the same bits.
+//!
+//! [`forward`] is the forward pass alone, the one loop inference runs too.
+
+use allocator_api2::vec::Vec as ArenaVec;
+use ndarray::{ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
+use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
+
+use crate::{Error, Result};
+
+use super::finite;
+use super::layer::{
+    flat_grad_input, sequence_grad_input, Activations, BackwardCtx, ForwardCtx, FrozenLayer, GradInput, Layer, Pass,
+};
+use super::loss::SoftmaxCrossEntropy;
+use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
+use super::profile::{self, Part};
+
+/// The layers of a step as the step drives them, by index in forward order: a
+/// network's own layers, a data-parallel worker's view of the shared ones (their part
+/// of the shared parameters, of its gradient bucket and its tapes), or a served
+/// model's (forward only).
+pub(crate) trait StepLayers {
+    /// The number of layers.
+    fn count(&self) -> usize;
+
+    /// Layer `i`'s name.
+    fn name(&self, i: usize) -> &str;
+
+    /// Layer `i`'s forward pass.
+    fn forward<'a>(
+        &mut self,
+        i: usize,
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>>;
+
+    /// Layer `i`'s backward pass: its parameters' gradients into their buffer, and the
+    /// gradient of its input into `grad_input` when given.
+    fn backward(
+        &mut self,
+        i: usize,
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()>;
+
+    /// Checks the gradients of layer `i`'s parameters that its last backward pass left:
+    /// [`Error::NonFinite`] naming the first value that is not finite.
+    fn check_param_gradients(&mut self, i: usize) -> Result<()>;
+}
+
+/// What a step runs in besides its layers and its batch.
+pub(crate) struct Run<'r> {
+    /// The training workspaces (the second manager's gradient workspace alternates
+    /// with the first's).
+    pub(crate) train: &'r [LayerWorkspaceMgr; 2],
+    /// The labels of a timeline recording the network, if one does.
+    pub(crate) labels: Option<&'r LayerLabels>,
+    /// The labels the whole batch counts: the loss's gradient is scaled by its inverse.
+    pub(crate) count: usize,
+    /// A dry run: allocations and scopes only.
+    pub(crate) dry: bool,
+}
+
+/// One step's passes over `x` (checked against the network by the caller): the batch's
+/// finite check, forward, the loss, backward through every layer into its gradient
+/// buffers, each layer's output and gradients checked. Returns the sum of the counted
+/// rows' losses (0 in a dry run); `at` follows the layer being run (the number of
+/// layers outside them: the input and the loss), for the caller's error reports.
+///
+/// Every array of the step is in `run.train`'s workspaces, closed when this returns,
+/// so the caller's update can use their bytes.
+pub(crate) fn passes(
+    layers: &mut impl StepLayers,
+    x: Input<'_>,
+    labels: Labels<'_>,
+    run: &Run<'_>,
+    at: &mut usize,
+) -> Result<f64> {
+    let depth = layers.count();
+    *at = depth;
+    let x = x.reborrow();
+    // Labels per step without a mask of their own are masked like the features.
+    let labels = labels.reborrow().or_mask(x.mask());
+    let mask = x.mask();
+    let (train, tl, dry) = (run.train, run.labels, run.dry);
+    // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
+    // it, the loss clamps it, and the parameters would silently become NaN. Padded
+    // steps are not checked: nothing uses them (they are zeroed below). The scan costs
+    // what the batch's memory holds: a broadcast value is looked at once, so a batch too
+    // large to lay out fails at its first allocation, not hours later.
+    if !dry {
+        finite::check_activations("input", "the batch", x.activations(), mask)?;
+    }
+    let mgr = &train[0];
+    let act = mgr.enter(ArrayType::Activations)?;
+    // Sequences (and labels per step) in another layout, or with padding, are copied
+    // once, here.
+    label(tl, |l| Some(l.input));
+    let (x, labels) = {
+        let _span = profile::span(Part::Copies);
+        (training_input(x, &act)?, standard_labels(labels, &act)?)
+    };
+    // The list of activations lives in the activations workspace too.
+    let mut outputs = ArenaVec::with_capacity_in(depth, &*act);
+    let input = forward(layers, mgr, &act, x.activations(), mask, (true, tl), at, |layer, y| {
+        if !dry {
+            finite::check_activations(layer, "its output", y, mask)?;
+        }
+        outputs.push(y);
+        Ok(())
+    })?;
+    *at = depth;
+    let logits = loss_input(input, &labels)?;
+    let (flat_labels, label_mask) = labels.flat()?;
+    // Backward, from the loss down: the gradient of each layer's output is in one of
+    // the two gradient workspaces, and the layer writes the gradient of its input into
+    // the other (see `Gradient`). The loss and its gradient come from one pass over the
+    // logits.
+    label(tl, |l| Some(l.loss));
+    let mut grad = Gradient::zeros(mgr, input)?;
+    // A dry run allocates the loss's gradient (above) and computes nothing.
+    let loss_sum = match dry {
+        true => 0.0,
+        false => {
+            let _span = profile::span(Part::Loss);
+            let scale = 1.0 / run.count as f32;
+            SoftmaxCrossEntropy.loss_sum_and_gradient(logits, flat_labels, label_mask, scale, grad.view_mut_rows()?)?
+        }
+    };
+    if !loss_sum.is_finite() {
+        return Err(finite::error("loss", format!("the summed softmax cross-entropy is {loss_sum}")));
+    }
+    for i in (0..depth).rev() {
+        *at = i;
+        label(tl, |l| l.layers.get(i).copied());
+        let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
+        // The gradient of the first layer's input is not needed.
+        let mut below = match i {
+            0 => None,
+            _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
+        };
+        {
+            let working = mgr.enter(ArrayType::BpWorkingMem)?;
+            let ctx = BackwardCtx { working: &working, mgr };
+            let grad_input = match (below.as_mut(), layer_input) {
+                (None, _) => None,
+                (Some(b), Activations::Flat(_)) => Some(GradInput::Flat(b.view_mut_flat()?)),
+                (Some(b), Activations::Sequence(_)) => Some(GradInput::Sequence(b.view_mut_sequence()?)),
+            };
+            let output = outputs[i];
+            let pass = Pass { input: rebind(&layer_input), mask, output: rebind(&output), grad_output: grad.view()? };
+            // The layer's own work; its matrix products are charged to MatMul.
+            let _span = profile::span(Part::Elementwise);
+            layers.backward(i, pass, grad_input, &ctx)?;
+        }
+        if !dry {
+            let _span = profile::span(Part::Checks);
+            if let Some(below) = below.as_ref() {
+                finite::check_activations(layers.name(i), "the gradient of its input", below.view()?, mask)?;
+            }
+            layers.check_param_gradients(i)?;
+        }
+        match below {
+            // The gradient just consumed closes its workspace here.
+            Some(below) => grad = below,
+            None => break,
+        }
+    }
+    *at = depth;
+    Ok(loss_sum)
+}
+
+/// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
+/// each layer's output checked to be in the activations workspace and handed to `each`
+/// with the layer's name; returns the last layer's output. Training and inference run
+/// this one loop (`training`), each layer's allocations labelled with its label in
+/// `labels` while a timeline records the network; `at` follows the layer being run.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward<'s>(
+    layers: &mut impl StepLayers,
+    mgr: &LayerWorkspaceMgr,
+    act: &'s TypedScope,
+    mut input: Activations<'s>,
+    mask: Option<ArrayView2<'s, f32>>,
+    (training, labels): (bool, Option<&LayerLabels>),
+    at: &mut usize,
+    mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
+) -> Result<Activations<'s>> {
+    for i in 0..layers.count() {
+        *at = i;
+        label(labels, |l| l.layers.get(i).copied());
+        let working = mgr.enter(ArrayType::FfWorkingMem)?;
+        let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
+        let y = {
+            // The layer's own work; its matrix products are charged to MatMul.
+            let _span = profile::span(Part::Elementwise);
+            layers.forward(i, input, mask, &ctx)?
+        };
+        validate(mgr, layers.name(i), y)?;
+        each(layers.name(i), y)?;
+        input = y;
+    }
+    Ok(input)
+}
+
+/// `a` borrowed for as long as `a` is (the views of a [`Pass`] live as long as its
+/// shortest).
+fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
+    match a {
+        Activations::Flat(v) => Activations::Flat(v.view()),
+        Activations::Sequence(v) => Activations::Sequence(v.view()),
+    }
+}
+
+/// A network's own layers, through `&mut`: each holds its parameters and gradients.
+pub(crate) struct Owned<'l>(pub(crate) &'l mut [Box<dyn Layer>]);
+
+impl StepLayers for Owned<'_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+
+    fn name(&self, i: usize) -> &str {
+        self.0[i].name()
+    }
+
+    #[inline]
+    fn forward<'a>(
+        &mut self,
+        i: usize,
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let layer = &mut self.0[i];
+        Ok(match input {
+            Activations::Flat(v) => Activations::Flat(layer.forward(v, ctx)?),
+            Activations::Sequence(v) => layer.forward_sequence(v, mask, ctx)?,
+        })
+    }
+
+    fn backward(
+        &mut self,
+        i: usize,
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let layer = &mut self.0[i];
+        match pass.input {
+            Activations::Flat(x) => {
+                let grad_input = grad_input.map(|g| flat_grad_input(g, layer.name())).transpose()?;
+                let output = pass.output.flat(layer.name())?;
+                layer.backward(x, output, pass.grad_output.flat(layer.name())?, grad_input, ctx)
+            }
+            Activations::Sequence(x) => {
+                let grad_input = grad_input.map(|g| sequence_grad_input(g, layer.name())).transpose()?;
+                layer.backward_sequence(x, pass.mask, pass.output, pass.grad_output, grad_input, ctx)
+            }
+        }
+    }
+
+    fn check_param_gradients(&mut self, i: usize) -> Result<()> {
+        let layer = &mut self.0[i];
+        let (mut param, mut bad) = (0, None);
+        layer.params(&mut |p| {
+            if bad.is_none() {
+                bad = finite::first_in_slice(p.grad).map(|(element, value)| (param, element, value));
+            }
+            param += 1;
+        });
+        match bad {
+            None => Ok(()),
+            Some((param, element, value)) => Err(finite::error(
+                layer.name(),
+                format!("the gradient of its parameter {param} (element {element}) is {value}"),
+            )),
+        }
+    }
+}
+
+/// A served model's layers: forward only, through `&`.
+pub(crate) struct Frozen<'l>(pub(crate) &'l [Box<dyn FrozenLayer>]);
+
+impl StepLayers for Frozen<'_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+
+    fn name(&self, i: usize) -> &str {
+        self.0[i].name()
+    }
+
+    #[inline]
+    fn forward<'a>(
+        &mut self,
+        i: usize,
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let layer = &self.0[i];
+        Ok(match input {
+            Activations::Flat(v) => Activations::Flat(layer.forward(v, ctx)?),
+            Activations::Sequence(v) => layer.forward_sequence(v, mask, ctx)?,
+        })
+    }
+
+    fn backward(&mut self, i: usize, _: Pass<'_>, _: Option<GradInput<'_>>, _: &BackwardCtx<'_>) -> Result<()> {
+        Err(Error::InvalidInput(format!("layer '{}' is frozen for serving: it has no backward pass", self.0[i].name())))
+    }
+
+    fn check_param_gradients(&mut self, _: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The gradient flowing down the network in the backward pass: an array in one of the
+/// two gradient workspaces, with the scope that keeps that workspace open.
+///
+/// It is a [`Handle`] and not a view because it moves from one loop iteration to the
+/// next together with its scope, and a view cannot move with the scope it borrows.
+/// Each access through the handle checks the generation, and the views it gives borrow
+/// the scope, so nothing outlives the workspace's cycle.
+pub(crate) struct Gradient {
+    scope: TypedScope,
+    array: GradientArray,
+}
+
+/// A gradient of the kind of the array it is the gradient of.
+enum GradientArray {
+    Flat(Handle<f32, Ix2>),
+    Sequence(Handle<f32, Ix3>),
+}
+
+impl Gradient {
+    /// Zeros of `like`'s shape in `mgr`'s gradient workspace.
+    pub(crate) fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
+        let _span = profile::span(Part::Copies);
+        let scope = mgr.enter(ArrayType::ActivationGrad)?;
+        let array = match like {
+            Activations::Flat(x) => GradientArray::Flat(scope.zeros_handle(x.raw_dim())?),
+            Activations::Sequence(x) => GradientArray::Sequence(scope.zeros_handle(x.raw_dim())?),
+        };
+        Ok(Gradient { scope, array })
+    }
+
+    pub(crate) fn view(&self) -> Result<Activations<'_>> {
+        Ok(match &self.array {
+            GradientArray::Flat(h) => Activations::Flat(h.view(&self.scope)?),
+            GradientArray::Sequence(h) => Activations::Sequence(h.view(&self.scope)?),
+        })
+    }
+
+    /// The gradient as rows `[examples (· steps), features]`, as the loss sees them.
+    pub(crate) fn view_mut_rows(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Sequence(h) => {
+                let (b, t, f) = (h.shape()[0], h.shape()[1], h.shape()[2]);
+                let view = h.view_mut(&self.scope)?;
+                Ok(view.into_shape_with_order((b * t, f)).expect("a new array is in standard layout"))
+            }
+        }
+    }
+
+    pub(crate) fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Sequence(h) => Err(Error::ShapeMismatch {
+                context: "the gradient of a flat array".into(),
+                expected: vec![h.shape()[0], h.shape()[2]],
+                actual: h.shape().to_vec(),
+            }),
+        }
+    }
+
+    pub(crate) fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
+        match &mut self.array {
+            GradientArray::Sequence(h) => Ok(h.view_mut(&self.scope)?),
+            GradientArray::Flat(h) => Err(Error::ShapeMismatch {
+                context: "the gradient of a batch of sequences".into(),
+                expected: vec![h.shape()[0], 0, h.shape()[1]],
+                actual: h.shape().to_vec(),
+            }),
+        }
+    }
+}
