@@ -753,7 +753,11 @@ fn files_carve_wrote_before_the_crate_still_load() {
         assert_eq!(crate_view(&old), crate_view(&new), "{name}: the same tensors and metadata");
         let x = Array3::from_shape_fn((2, 3, inputs), |(b, t, i)| ((b * 7 + t * 3 + i) % 11) as f32 * 0.1 - 0.5);
         let again = Model::load(&path).unwrap();
-        assert_eq!(model.output(Input::from(x.view())).unwrap(), again.output(Input::from(x.view())).unwrap(), "{name}");
+        assert_eq!(
+            model.output(Input::from(x.view())).unwrap(),
+            again.output(Input::from(x.view())).unwrap(),
+            "{name}"
+        );
     }
 }
 
@@ -796,36 +800,38 @@ fn header_entries_the_crate_refuses_get_errors_naming_the_tensor() {
     let dir = Scratch::new();
     let data: Vec<u8> = (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect();
     let bias = r#"{"dtype":"F32","shape":[2],"data_offsets":[16,24]}"#;
-    let cases: Vec<(&str, String, &[u8], Option<&str>, &str)> = vec![
+    // Each case: the header, the bytes of data after it, the tensor at fault, what the
+    // error says.
+    let cases: Vec<(&str, String, usize, Option<&str>, &str)> = vec![
         (
             "a dtype the format does not have",
             one_dense_header(r#"{"dtype":"F128","shape":[2,2],"data_offsets":[0,16]}"#, bias),
-            &data[..24],
+            24,
             Some("dense_0.weight"),
             "F128",
         ),
         (
             "a negative dimension",
             one_dense_header(r#"{"dtype":"F32","shape":[-2,2],"data_offsets":[0,16]}"#, bias),
-            &data[..24],
+            24,
             Some("dense_0.weight"),
             "-2",
         ),
         (
             "three offsets",
             one_dense_header(r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,8,16]}"#, bias),
-            &data[..24],
+            24,
             Some("dense_0.weight"),
             "header entry",
         ),
-        ("an entry that is not an object", one_dense_header("5", bias), &data[..24], Some("dense_0.weight"), "header entry"),
+        ("an entry that is not an object", one_dense_header("5", bias), 24, Some("dense_0.weight"), "header entry"),
         (
             "a gap between tensors",
             one_dense_header(
                 r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#,
                 r#"{"dtype":"F32","shape":[2],"data_offsets":[24,32]}"#,
             ),
-            &data,
+            32,
             Some("dense_0.bias"),
             "previous tensor ends at byte 16",
         ),
@@ -835,21 +841,24 @@ fn header_entries_the_crate_refuses_get_errors_naming_the_tensor() {
                 r#"{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}"#,
                 r#"{"dtype":"F32","shape":[2],"data_offsets":[24,32]}"#,
             ),
-            &data,
+            32,
             Some("dense_0.weight"),
             "starts at byte 8",
         ),
         (
             "metadata that is not strings",
-            one_dense_header(r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#, bias)
-                .replacen(r#"{"__metadata__":{"#, r#"{"__metadata__":{"n":1,"#, 1),
-            &data[..24],
+            one_dense_header(r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#, bias).replacen(
+                r#"{"__metadata__":{"#,
+                r#"{"__metadata__":{"n":1,"#,
+                1,
+            ),
+            24,
             None,
             "not an object of strings",
         ),
     ];
-    for (what, header, data, tensor, needle) in cases {
-        match load_bytes(&dir, &file_of(&header, data)) {
+    for (what, header, len, tensor, needle) in cases {
+        match load_bytes(&dir, &file_of(&header, &data[..len])) {
             Err(Error::ModelFile { tensor: got, reason, .. }) => {
                 assert_eq!(got.as_deref(), tensor, "{what}: {reason}");
                 assert!(reason.contains(needle), "{what}: '{reason}' should say '{needle}'");

@@ -157,13 +157,18 @@ impl Tensors {
         let data_start = 8 + declared;
         let data_len = usize::try_from(size - data_start)
             .map_err(|_| fail(None, format!("its {} bytes of data exceed the address space", size - data_start)))?;
+        // Entry by entry, not the crate's `Metadata` deserialized whole: an error then
+        // names its tensor, and each tensor's place is checked against the file before
+        // the crate checks its size.
         let mut metadata = BTreeMap::new();
         let mut tensors = Vec::with_capacity(header.len());
         for (name, value) in header {
             if name == METADATA {
-                metadata = serde_json::from_value(value).map_err(|e| {
-                    fail(None, format!("the header's {METADATA} is not an object of strings: {}", super::short(&e.to_string())))
-                })?;
+                let not_strings = |e: serde_json::Error| {
+                    let why = super::short(&e.to_string());
+                    fail(None, format!("the header's {METADATA} is not an object of strings: {why}"))
+                };
+                metadata = serde_json::from_value(value).map_err(not_strings)?;
                 continue;
             }
             let info = tensor_info(value, data_len).map_err(|reason| fail(Some(&name), reason))?;
@@ -291,7 +296,10 @@ fn explain<'a>(tensors: &'a [(String, TensorInfo)], error: &SafeTensorError) -> 
             let previous = at.checked_sub(1).map(|p| (tensors[p].0.as_str(), tensors[p].1.data_offsets.1));
             let reason = match previous {
                 Some((before, covered)) if begin < covered => {
-                    format!("its data (bytes {begin}..{end}) overlaps tensor '{}', which ends at byte {covered}", super::short(before))
+                    format!(
+                        "its data (bytes {begin}..{end}) overlaps tensor '{}', which ends at byte {covered}",
+                        super::short(before)
+                    )
                 }
                 _ => format!(
                     "its data starts at byte {begin} but the previous tensor ends at byte {}: the header leaves bytes \
@@ -310,7 +318,8 @@ fn explain<'a>(tensors: &'a [(String, TensorInfo)], error: &SafeTensorError) -> 
         let reason = match e {
             SafeTensorError::ValidationOverflow => format!("shape {shape} overflows the address space"),
             SafeTensorError::TensorInvalidInfo => {
-                let needs = info.shape.iter().try_fold(info.dtype.bitsize(), |n, &d| n.checked_mul(d)).map(|bits| bits / 8);
+                let needs =
+                    info.shape.iter().try_fold(info.dtype.bitsize(), |n, &d| n.checked_mul(d)).map(|bits| bits / 8);
                 match needs {
                     Some(bytes) => format!(
                         "shape {shape} of {} needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
@@ -379,8 +388,8 @@ pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &
     let shown = path.display().to_string();
     let cannot = |e: &dyn std::fmt::Display| file_error(&shown, None, format!("cannot be written: {e}"));
     let metadata = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    let mut bytes = safetensors::serialize(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata))
-        .map_err(|e| cannot(&e))?;
+    let mut bytes =
+        safetensors::serialize(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata)).map_err(|e| cannot(&e))?;
     sort_metadata(&mut bytes);
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     // A name of this save's own (process, counter, time), created new: two saves to one
