@@ -721,3 +721,152 @@ fn a_tensor_claimed_by_two_layers_is_refused_before_anything_is_read() {
     assert!(matches!(&refused, Error::ModelFile { tensor: Some(t), .. } if t == "fc.weight"), "{refused}");
     assert!(message.contains("layer 'd1' reads it, but another layer already does"), "{message}");
 }
+
+/// The tensors of a safetensors file as the `safetensors` crate reads them: name, shape
+/// and bytes, sorted by name; and its metadata, sorted.
+#[allow(clippy::type_complexity)]
+fn crate_view(bytes: &[u8]) -> (Vec<(String, Vec<usize>, Vec<u8>)>, Vec<(String, String)>) {
+    let tensors = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let mut out: Vec<_> =
+        tensors.tensors().into_iter().map(|(name, view)| (name, view.shape().to_vec(), view.data().to_vec())).collect();
+    out.sort();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
+    let mut metadata: Vec<_> =
+        metadata.metadata().as_ref().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    metadata.sort();
+    (out, metadata)
+}
+
+/// Files carve wrote with its own writer, before the `safetensors` crate laid its files
+/// out (tensors in layer order, not by name), load, and save anew to the same tensors
+/// and configuration.
+#[test]
+fn files_carve_wrote_before_the_crate_still_load() {
+    let dir = Scratch::new();
+    for (name, inputs, classes) in [("mlp_carve_old.safetensors", 64, 10), ("lstm_carve_old.safetensors", 12, 9)] {
+        let model = Model::load(fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((model.inputs(), model.classes()), (inputs, classes), "{name}");
+        let path = dir.path(name);
+        model.save(&path).unwrap();
+        let (old, new) = (std::fs::read(fixture(name)).unwrap(), std::fs::read(&path).unwrap());
+        assert_ne!(old, new, "{name}: the fixture is laid out as carve no longer writes");
+        assert_eq!(crate_view(&old), crate_view(&new), "{name}: the same tensors and metadata");
+        let x = Array3::from_shape_fn((2, 3, inputs), |(b, t, i)| ((b * 7 + t * 3 + i) % 11) as f32 * 0.1 - 0.5);
+        let again = Model::load(&path).unwrap();
+        assert_eq!(
+            model.output(Input::from(x.view())).unwrap(),
+            again.output(Input::from(x.view())).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+/// The crate writes the metadata's keys in a hash map's order, which changes from one
+/// save to the next: carve sorts them, so that a model saves to the same bytes, laid
+/// out as the crate lays them out.
+#[test]
+fn a_model_saves_to_the_same_bytes_every_time_laid_out_as_the_crate_does() {
+    let dir = Scratch::new();
+    let net = trained_mlp();
+    let saves: Vec<Vec<u8>> = (0..8)
+        .map(|i| {
+            let path = dir.path(&format!("same_{i}.safetensors"));
+            net.save(&path).unwrap();
+            std::fs::read(&path).unwrap()
+        })
+        .collect();
+    assert!(saves.iter().all(|bytes| *bytes == saves[0]), "every save gives the same bytes");
+    let bytes = &saves[0];
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let (config, format) = (header.find(r#""carve.model":"#).unwrap(), header.find(r#""format":"#).unwrap());
+    assert!(config < format, "the metadata's keys sorted: {header}");
+    // The crate's own layout of the same tensors and metadata: the same length, the same
+    // data, the same header but for the order of its keys.
+    let tensors = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
+    let theirs = safetensors::serialize(tensors.tensors(), metadata.metadata().clone()).unwrap();
+    assert_eq!(theirs.len(), bytes.len());
+    assert_eq!(theirs[..8], bytes[..8], "the header's length");
+    assert_eq!(theirs[8 + n..], bytes[8 + n..], "the data");
+    let json = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+    assert_eq!(json(&theirs[8..8 + n]), json(&bytes[8..8 + n]), "the header");
+}
+
+/// What the crate refuses in a header names the tensor at fault too: an entry it cannot
+/// parse, tensors that leave a gap or do not start the data.
+#[test]
+fn header_entries_the_crate_refuses_get_errors_naming_the_tensor() {
+    let dir = Scratch::new();
+    let data: Vec<u8> = (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let bias = r#"{"dtype":"F32","shape":[2],"data_offsets":[16,24]}"#;
+    // Each case: the header, the bytes of data after it, the tensor at fault, what the
+    // error says.
+    let cases: Vec<(&str, String, usize, Option<&str>, &str)> = vec![
+        (
+            "a dtype the format does not have",
+            one_dense_header(r#"{"dtype":"F128","shape":[2,2],"data_offsets":[0,16]}"#, bias),
+            24,
+            Some("dense_0.weight"),
+            "F128",
+        ),
+        (
+            "a negative dimension",
+            one_dense_header(r#"{"dtype":"F32","shape":[-2,2],"data_offsets":[0,16]}"#, bias),
+            24,
+            Some("dense_0.weight"),
+            "-2",
+        ),
+        (
+            "three offsets",
+            one_dense_header(r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,8,16]}"#, bias),
+            24,
+            Some("dense_0.weight"),
+            "header entry",
+        ),
+        ("an entry that is not an object", one_dense_header("5", bias), 24, Some("dense_0.weight"), "header entry"),
+        (
+            "a gap between tensors",
+            one_dense_header(
+                r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#,
+                r#"{"dtype":"F32","shape":[2],"data_offsets":[24,32]}"#,
+            ),
+            32,
+            Some("dense_0.bias"),
+            "previous tensor ends at byte 16",
+        ),
+        (
+            "data that no tensor starts",
+            one_dense_header(
+                r#"{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}"#,
+                r#"{"dtype":"F32","shape":[2],"data_offsets":[24,32]}"#,
+            ),
+            32,
+            Some("dense_0.weight"),
+            "starts at byte 8",
+        ),
+        (
+            "metadata that is not strings",
+            one_dense_header(r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#, bias).replacen(
+                r#"{"__metadata__":{"#,
+                r#"{"__metadata__":{"n":1,"#,
+                1,
+            ),
+            24,
+            None,
+            "not an object of strings",
+        ),
+    ];
+    for (what, header, len, tensor, needle) in cases {
+        match load_bytes(&dir, &file_of(&header, &data[..len])) {
+            Err(Error::ModelFile { tensor: got, reason, .. }) => {
+                assert_eq!(got.as_deref(), tensor, "{what}: {reason}");
+                assert!(reason.contains(needle), "{what}: '{reason}' should say '{needle}'");
+                if let Some(tensor) = tensor {
+                    assert!(reason.contains(&format!("'{tensor}'")), "{what}: the message names the tensor: {reason}");
+                }
+            }
+            other => panic!("{what}: expected a model-file error, got {other:?}"),
+        }
+    }
+}

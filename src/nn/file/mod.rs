@@ -11,6 +11,11 @@
 //! takes it from a [`NetworkConfig`] and finds each layer's tensors by its name or its
 //! position (`nn.Sequential` numbers its children).
 //!
+//! The format itself is the `safetensors` crate's: it parses and checks each header and
+//! lays out each file carve saves; `safetensors.rs` reads files header first, so that a
+//! file is checked before any of its data is read, and names the tensor at fault in
+//! every error.
+//!
 //! Loading checks everything: a truncated file, a header that lies about its lengths,
 //! a tensor of the wrong shape or type, a missing tensor or one no layer uses, a
 //! non-finite weight — each a typed [`Error::ModelFile`] naming the tensor, never a

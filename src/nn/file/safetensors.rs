@@ -1,37 +1,55 @@
-//! The safetensors format, for `f32` tensors: an 8-byte little-endian header length
-//! `n`, `n` bytes of a JSON header (`{"name": {"dtype", "shape", "data_offsets"}, …,
-//! "__metadata__": {string: string}}`), then the tensors' bytes, little-endian, laid end
-//! to end as the offsets say.
+//! Safetensors files of `f32` tensors, parsed, checked and written by the format's own
+//! crate ([`safetensors`]), read the way carve needs.
 //!
-//! The reader trusts nothing in a file: it reads regular files only, and every length
-//! and offset is checked against the file's size with checked arithmetic before a
-//! tensor's bytes are used; every error names the tensor at fault. It reads by value
-//! (`from_le_bytes`), so data need not be aligned.
+//! The format: an 8-byte little-endian header length `n`, `n` bytes of a JSON header
+//! (`{"name": {"dtype", "shape", "data_offsets"}, …, "__metadata__": {string: string}}`),
+//! then the tensors' bytes, little-endian, laid end to end as the offsets say.
 //!
-//! **What a file costs before it is trusted.** [`Tensors::open`] reads the 8-byte
-//! length and the header only, and checks every tensor's place against the file's size
-//! (from the open file, so a file replaced meanwhile cannot swap in another size):
-//! refusing a lying, truncated or huge file costs O(header), whatever its size. A
+//! **What the crate does.** It parses each tensor's header entry ([`TensorInfo`]: its
+//! dtype, shape and offsets), and checks the whole header ([`Metadata::new`]): the
+//! tensors lie end to end from the data's first byte, none overlapping and none
+//! leaving a gap, and each holds exactly the bytes its shape and dtype need, computed
+//! without overflow. When saving, it lays out the header and the data
+//! ([`safetensors::serialize`]).
+//!
+//! **What carve keeps.** The crate checks a *whole file in memory*
+//! ([`safetensors::SafeTensors::read_metadata`] wants every byte of it); carve reads and
+//! checks a file header first, so that refusing one costs O(header) whatever its size.
+//! [`Tensors::open`] opens regular files only (non-blocking, so that a FIFO is refused
+//! without waiting for a writer), reads the 8-byte length and refuses a header over 16
+//! MiB or longer than the file before reading it, then reads the header alone, hands its
+//! entries to the crate, and checks every tensor's place against the file's size (from
+//! the open file, so that a file replaced meanwhile cannot swap in another size) and its
+//! dtype (`F32`). Every error names the tensor at fault: the crate's errors that do not
+//! are traced back to the tensor, by the crate's own check of that tensor alone. A
 //! tensor's bytes are read only when a layer asks for them ([`Tensors::values`]), once
 //! the whole configuration has been checked against the header, straight into the
 //! tensor's own buffer, reserved fallibly (a tensor the machine cannot hold is an
-//! error, not an abort).
+//! error, not an abort). When saving, carve sorts the metadata's keys (the crate writes
+//! them in a hash map's order, which differs from one save to the next: safetensors
+//! issue 584), so that a model saves to the same bytes every time, and writes the file
+//! beside its path and renames it, durably.
 //!
-//! **Why positioned reads, not a memory map.** A mapping of a file that another
-//! process truncates faults on the next read of the lost pages (`SIGBUS` ends the
-//! process), and no safe API can rule that out; carve reaches such mappings only
-//! through `unsafe` constructors whose callers promise the file stays whole. The model
-//! owns its weights in any case (they are laid out anew: transposed, gates reordered),
-//! so a mapping would save no copy: each tensor is read once, with `pread`, into the
-//! buffer that becomes its values, and a file cut short meanwhile is an I/O error.
+//! **Why positioned reads, not a memory map.** The crate reads tensors in place from a
+//! buffer, typically a memory map. A mapping of a file that another process truncates
+//! faults on the next read of the lost pages (`SIGBUS` ends the process), and no safe
+//! API can rule that out; carve reaches such mappings only through `unsafe`
+//! constructors whose callers promise the file stays whole. The model owns its weights
+//! in any case (they are laid out anew: transposed, gates reordered), so a mapping
+//! would save no copy, and carve offers no mapped loader: each tensor is read once, with
+//! `pread`, into the buffer that becomes its values, and a file cut short meanwhile is
+//! an I/O error.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use serde_json::{Map, Value};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensorError, View};
+use serde_json::Value;
 
 use crate::nn::limits::reserve;
 use crate::{Error, Result};
@@ -42,17 +60,8 @@ const METADATA: &str = "__metadata__";
 /// A header longer than this is refused before it is read. Parsed, a JSON header takes
 /// up to about 20 times its bytes (a number is a 32-byte value), so the limit is the
 /// header parse's memory too: 16 MiB, about 350 MB at worst. A model of 100,000 tensors
-/// has a header of about 10 MiB (the reference implementation allows 100 MB).
+/// has a header of about 10 MiB (the crate allows 100 MB).
 const MAX_HEADER: u64 = 16 << 20;
-
-/// One tensor as the header describes it: checked against the file.
-#[derive(Debug)]
-struct Entry {
-    shape: Vec<usize>,
-    /// Bytes of the data section (after the header).
-    begin: usize,
-    end: usize,
-}
 
 /// A safetensors file, open, its header read and checked: its metadata and its `f32`
 /// tensors' places, read on demand.
@@ -60,7 +69,10 @@ struct Entry {
 pub(crate) struct Tensors {
     path: String,
     metadata: BTreeMap<String, String>,
-    entries: BTreeMap<String, Entry>,
+    /// The tensors' places, as the crate checked them.
+    header: Metadata,
+    /// The tensors' names, sorted.
+    names: Vec<String>,
     file: File,
     /// Where the data section begins in the file (after the length and the header).
     data_start: u64,
@@ -95,8 +107,8 @@ impl Tensors {
         let shown = path.display().to_string();
         let cannot = |e: std::io::Error| file_error(&shown, None, format!("cannot be read: {e}"));
         // Non-blocking, so that opening a FIFO does not wait for a writer (and never the
-        // process's controlling terminal); the type is then checked on what was opened. Not a FIFO, a device or a directory: those
-        // have no size to check against.
+        // process's controlling terminal); the type is then checked on what was opened.
+        // Not a FIFO, a device or a directory: those have no size to check against.
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
@@ -145,58 +157,44 @@ impl Tensors {
         let data_start = 8 + declared;
         let data_len = usize::try_from(size - data_start)
             .map_err(|_| fail(None, format!("its {} bytes of data exceed the address space", size - data_start)))?;
+        // Entry by entry, not the crate's `Metadata` deserialized whole: an error then
+        // names its tensor, and each tensor's place is checked against the file before
+        // the crate checks its size.
         let mut metadata = BTreeMap::new();
-        let mut entries = BTreeMap::new();
-        for (name, value) in &header {
+        let mut tensors = Vec::with_capacity(header.len());
+        for (name, value) in header {
             if name == METADATA {
-                let Value::Object(map) = value else {
-                    return Err(fail(None, format!("the header's {METADATA} is not an object of strings")));
+                let not_strings = |e: serde_json::Error| {
+                    let why = super::short(&e.to_string());
+                    fail(None, format!("the header's {METADATA} is not an object of strings: {why}"))
                 };
-                for (key, value) in map {
-                    let Value::String(value) = value else {
-                        return Err(fail(None, format!("the header's {METADATA} entry '{key}' is not a string")));
-                    };
-                    metadata.insert(key.clone(), value.clone());
-                }
+                metadata = serde_json::from_value(value).map_err(not_strings)?;
                 continue;
             }
-            let entry = entry(value, data_len).map_err(|reason| fail(Some(name), reason))?;
-            entries.insert(name.clone(), entry);
+            let info = tensor_info(value, data_len).map_err(|reason| fail(Some(&name), reason))?;
+            tensors.push((name, info));
         }
-        // Every byte of the data section belongs to exactly one tensor, in offset order.
-        let mut by_offset: Vec<(&String, &Entry)> = entries.iter().collect();
-        by_offset.sort_by_key(|(_, e)| (e.begin, e.end));
-        let mut covered = 0;
-        let mut previous: Option<&str> = None;
-        for (name, e) in &by_offset {
-            if e.begin != covered {
-                let reason = match (e.begin < covered, previous) {
-                    (true, Some(before)) => format!(
-                        "its data (bytes {}..{}) overlaps tensor '{before}', which ends at byte {covered}",
-                        e.begin, e.end
-                    ),
-                    _ => format!(
-                        "its data starts at byte {} but the previous tensor ends at byte {covered}: the header \
-                         leaves bytes no tensor owns",
-                        e.begin
-                    ),
-                };
-                return Err(fail(Some(name), reason));
-            }
-            covered = e.end;
-            previous = Some(name);
-        }
-        if covered != data_len {
+        let mut names: Vec<String> = tensors.iter().map(|(name, _)| name.clone()).collect();
+        names.sort_unstable();
+        // The crate checks the tensors in the order of their data, as it reads them.
+        tensors.sort_by_key(|(_, info)| info.data_offsets);
+        let header = Metadata::new(None, tensors.clone()).map_err(|e| {
+            let (tensor, reason) = explain(&tensors, &e);
+            fail(tensor, reason)
+        })?;
+        // Each tensor ends within the data, and they lie end to end: the last one must
+        // end where the data does.
+        if header.data_len() != data_len {
             return Err(fail(
-                previous,
+                tensors.last().map(|(name, _)| name.as_str()),
                 format!(
-                    "the tensors end at byte {covered} of the data, but the file holds {data_len} bytes of data \
-                     (bytes no tensor owns)"
+                    "the tensors end at byte {} of the data, but the file holds {data_len} bytes of data \
+                     (bytes no tensor owns)",
+                    header.data_len()
                 ),
             ));
         }
-        drop(by_offset);
-        Ok(Tensors { path: shown, metadata, entries, file, data_start })
+        Ok(Tensors { path: shown, metadata, header, names, file, data_start })
     }
 
     /// The file's name, for messages.
@@ -211,46 +209,46 @@ impl Tensors {
 
     /// The names of the tensors, sorted.
     pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys().map(String::as_str)
+        self.names.iter().map(String::as_str)
     }
 
     /// Whether the file holds a tensor of this name.
     pub(crate) fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        self.header.info(name).is_some()
     }
 
     /// Checks that the file holds tensor `name` of `shape` (from the header: nothing
     /// is read).
     pub(crate) fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
-        self.entry(name, shape).map(drop)
+        self.info(name, shape).map(drop)
     }
 
-    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
+    fn info(&self, name: &str, shape: &[usize]) -> Result<&TensorInfo> {
         let fail = |reason: String| file_error(&self.path, Some(name), reason);
-        let Some(entry) = self.entries.get(name) else {
+        let Some(info) = self.header.info(name) else {
             return Err(fail("not in the file".into()));
         };
-        if entry.shape != shape {
-            return Err(fail(format!("has shape {:?}, the model needs {shape:?}", entry.shape)));
+        if info.shape != shape {
+            return Err(fail(format!("has shape {:?}, the model needs {shape:?}", info.shape)));
         }
-        Ok(entry)
+        Ok(info)
     }
 
     /// The values of tensor `name`, which must have `shape` and hold only finite
     /// values: read from the file into a buffer of their own, reserved fallibly.
     pub(crate) fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let entry = self.entry(name, shape)?;
+        let (begin, end) = self.info(name, shape)?.data_offsets;
         let fail = |reason: String| file_error(&self.path, Some(name), reason);
-        let count = (entry.end - entry.begin) / 4;
+        let count = (end - begin) / 4;
         let mut values = Vec::<f32>::new();
         values.try_reserve_exact(count).map_err(|e| {
-            let bytes = entry.end - entry.begin;
+            let bytes = end - begin;
             fail(format!(
                 "its {count} values ({bytes} bytes) cannot be allocated ({e}): the machine cannot hold this model"
             ))
         })?;
         values.resize(count, 0.0);
-        let at = self.data_start + entry.begin as u64;
+        let at = self.data_start + begin as u64;
         self.file
             .read_exact_at(bytemuck::cast_slice_mut(&mut values), at)
             .map_err(|e| fail(format!("its data cannot be read (was the file cut short?): {e}")))?;
@@ -265,91 +263,134 @@ impl Tensors {
     }
 }
 
-/// Checks one tensor's header entry against a data section of `data_len` bytes.
-fn entry(value: &Value, data_len: usize) -> std::result::Result<Entry, String> {
-    let Value::Object(info) = value else {
-        return Err("its header entry is not an object with dtype, shape and data_offsets".into());
-    };
-    match info.get("dtype") {
-        Some(Value::String(dtype)) if dtype == "F32" => {}
-        Some(Value::String(dtype)) => {
-            return Err(format!(
-                "dtype {}: carve reads F32 tensors (convert with `tensor.float()` before saving)",
-                super::short(dtype)
-            ))
-        }
-        _ => return Err("its header entry has no dtype string".into()),
+/// One tensor's header entry, parsed by the crate, of dtype `F32`, and lying within a
+/// data section of `data_len` bytes.
+fn tensor_info(value: Value, data_len: usize) -> std::result::Result<TensorInfo, String> {
+    let info: TensorInfo = serde_json::from_value(value).map_err(|e| {
+        format!("its header entry is not a tensor's dtype, shape and data_offsets: {}", super::short(&e.to_string()))
+    })?;
+    if info.dtype != Dtype::F32 {
+        return Err(format!(
+            "dtype {}: carve reads F32 tensors (convert with `tensor.float()` before saving)",
+            info.dtype
+        ));
     }
-    let numbers = |key: &str| -> std::result::Result<Vec<u64>, String> {
-        let Some(Value::Array(items)) = info.get(key) else {
-            return Err(format!("its header entry has no {key} array"));
-        };
-        items
-            .iter()
-            .map(|item| {
-                item.as_u64().ok_or_else(|| {
-                    format!("its {key} holds {}, not a non-negative integer", super::short(&item.to_string()))
-                })
-            })
-            .collect()
-    };
-    let shape = numbers("shape")?;
-    let offsets = numbers("data_offsets")?;
-    let &[begin, end] = offsets.as_slice() else {
-        return Err(format!("data_offsets has {} numbers, not 2", offsets.len()));
-    };
-    let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-    let bytes = elements.and_then(|n| n.checked_mul(4)).filter(|&b| b <= isize::MAX as u64);
-    let Some(bytes) = bytes else {
-        return Err(format!("shape {} overflows the address space", super::short(&format!("{shape:?}"))));
-    };
-    if begin > end || end > data_len as u64 {
+    let (begin, end) = info.data_offsets;
+    if begin > end || end > data_len {
         return Err(format!(
             "data_offsets [{begin}, {end}] lie outside the file's {data_len} bytes of data (a truncated file, or a \
              header that lies about its lengths)"
         ));
     }
-    if end - begin != bytes {
-        return Err(format!(
-            "shape {} of F32 needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
-            super::short(&format!("{shape:?}")),
-            end - begin
-        ));
-    }
-    let shape = shape.into_iter().map(|d| d as usize).collect();
-    Ok(Entry { shape, begin: begin as usize, end: end as usize })
+    Ok(info)
 }
 
-/// Writes `tensors` (in order) with `metadata` to `path`: to a temporary file beside it,
-/// then renamed over it, so that a failed save leaves no half-written model.
-pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &[Out]) -> Result<()> {
-    let shown = path.display().to_string();
-    let mut header = Map::new();
-    header.insert(
-        METADATA.into(),
-        Value::Object(metadata.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect()),
-    );
-    let mut offset = 0usize;
-    for tensor in tensors {
-        debug_assert_eq!(tensor.shape.iter().product::<usize>(), tensor.values.len());
-        let end = offset + tensor.values.len() * 4;
-        header.insert(
-            tensor.name.clone(),
-            serde_json::json!({ "dtype": "F32", "shape": tensor.shape, "data_offsets": [offset, end] }),
-        );
-        offset = end;
-    }
-    let mut json = serde_json::to_vec(&Value::Object(header)).expect("a JSON map of strings and numbers");
-    // Padded with spaces to a multiple of 8 bytes, so that the data is aligned.
-    json.resize(json.len().next_multiple_of(8), b' ');
-    let mut bytes = Vec::with_capacity(8 + json.len() + offset);
-    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&json);
-    for tensor in tensors {
-        for value in &tensor.values {
-            bytes.extend_from_slice(&value.to_le_bytes());
+/// The tensor at fault and what is wrong, for the crate's `error` on `tensors` (in the
+/// order of their data). Its errors of a tensor's size do not say which: each tensor is
+/// checked alone, by the crate, to find it.
+fn explain<'a>(tensors: &'a [(String, TensorInfo)], error: &SafeTensorError) -> (Option<&'a str>, String) {
+    if let SafeTensorError::InvalidOffset(name) = error {
+        // Not where the previous tensor ends (begin <= end was checked).
+        if let Some(at) = tensors.iter().position(|(n, _)| n == name) {
+            let (begin, end) = tensors[at].1.data_offsets;
+            let previous = at.checked_sub(1).map(|p| (tensors[p].0.as_str(), tensors[p].1.data_offsets.1));
+            let reason = match previous {
+                Some((before, covered)) if begin < covered => {
+                    format!(
+                        "its data (bytes {begin}..{end}) overlaps tensor '{}', which ends at byte {covered}",
+                        super::short(before)
+                    )
+                }
+                _ => format!(
+                    "its data starts at byte {begin} but the previous tensor ends at byte {}: the header leaves bytes \
+                     no tensor owns",
+                    previous.map_or(0, |(_, covered)| covered)
+                ),
+            };
+            return (Some(tensors[at].0.as_str()), reason);
         }
     }
+    for (name, info) in tensors {
+        let (begin, end) = info.data_offsets;
+        let alone = TensorInfo { data_offsets: (0, end - begin), ..info.clone() };
+        let Err(e) = Metadata::new(None, vec![(name.clone(), alone)]) else { continue };
+        let shape = super::short(&format!("{:?}", info.shape));
+        let reason = match e {
+            SafeTensorError::ValidationOverflow => format!("shape {shape} overflows the address space"),
+            SafeTensorError::TensorInvalidInfo => {
+                let needs =
+                    info.shape.iter().try_fold(info.dtype.bitsize(), |n, &d| n.checked_mul(d)).map(|bits| bits / 8);
+                match needs {
+                    Some(bytes) => format!(
+                        "shape {shape} of {} needs {bytes} bytes, but data_offsets [{begin}, {end}] give {}",
+                        info.dtype,
+                        end - begin
+                    ),
+                    None => format!("shape {shape} overflows the address space"),
+                }
+            }
+            other => format!("its header entry is invalid: {other}"),
+        };
+        return (Some(name), reason);
+    }
+    (None, format!("the header's tensors are invalid: {error}"))
+}
+
+/// A tensor to write, as the crate sees it.
+impl View for &Out {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            Cow::Borrowed(bytemuck::cast_slice(&self.values))
+        } else {
+            Cow::Owned(self.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.values.len() * 4
+    }
+}
+
+/// `bytes`, a file the crate serialized, with its metadata's keys sorted: the crate
+/// writes them in its hash map's order, which differs from one map to the next
+/// (safetensors issue 584). The header's entries in another order take the same bytes,
+/// so the header keeps its length, and the data its place.
+fn sort_metadata(bytes: &mut [u8]) {
+    let Some(n) = bytes.get(..8).map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")) as usize) else {
+        return;
+    };
+    let Some(header) = bytes.get_mut(8..8 + n) else { return };
+    let Ok(mut entries) = serde_json::from_slice::<BTreeMap<String, Value>>(header) else { return };
+    if let Some(metadata) = entries.get_mut(METADATA) {
+        let Ok(sorted) = serde_json::from_value::<BTreeMap<String, String>>(metadata.take()) else { return };
+        *metadata = Value::from_iter(sorted);
+    }
+    let Ok(canonical) = serde_json::to_vec(&entries) else { return };
+    // The crate pads its JSON with spaces: what is left of the header after the
+    // canonical JSON is padding.
+    debug_assert!(canonical.len() <= n && header[canonical.len()..].iter().all(|&b| b == b' '), "same length");
+    if canonical.len() <= n && header[canonical.len()..].iter().all(|&b| b == b' ') {
+        header[..canonical.len()].copy_from_slice(&canonical);
+    }
+}
+
+/// Writes `tensors` with `metadata` to `path`: to a temporary file beside it, then
+/// renamed over it, so that a failed save leaves no half-written model.
+pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &[Out]) -> Result<()> {
+    let shown = path.display().to_string();
+    let cannot = |e: &dyn std::fmt::Display| file_error(&shown, None, format!("cannot be written: {e}"));
+    let metadata = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut bytes =
+        safetensors::serialize(tensors.iter().map(|t| (t.name.as_str(), t)), Some(metadata)).map_err(|e| cannot(&e))?;
+    sort_metadata(&mut bytes);
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     // A name of this save's own (process, counter, time), created new: two saves to one
     // path never share it, and a file or link already there is never written through.
@@ -365,7 +406,7 @@ pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &
         match std::fs::OpenOptions::new().write(true).create_new(true).open(&temporary) {
             Ok(file) => break (temporary, file),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
-            Err(e) => return Err(file_error(&shown, None, format!("cannot be written: {e}"))),
+            Err(e) => return Err(cannot(&e)),
         }
     };
     let mut file = file;
@@ -382,6 +423,6 @@ pub(crate) fn write(path: &Path, metadata: &BTreeMap<String, String>, tensors: &
         });
     written.map_err(|e| {
         let _ = std::fs::remove_file(&temporary);
-        file_error(&shown, None, format!("cannot be written: {e}"))
+        cannot(&e)
     })
 }
