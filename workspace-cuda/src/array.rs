@@ -15,7 +15,8 @@ use crate::view::{checked_bytes, DeviceView, DeviceViewMut, Owner, OWNED};
 /// stream's order.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceArray, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceArray};
 ///
 /// let sim = SimDevice::new()?;
 /// let host = ndarray::Array2::from_shape_fn((2, 3), |(i, j)| (i * 3 + j) as f32);

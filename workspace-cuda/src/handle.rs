@@ -22,7 +22,8 @@ use crate::workspace::DeviceWorkspace;
 /// docs.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::{Error as CoreError, WorkspaceConfig};
 ///
 /// let sim = SimDevice::new()?;

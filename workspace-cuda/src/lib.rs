@@ -17,8 +17,9 @@
 //! | [`HostBackend`] under the [`Engine`] | [`DeviceBackend`], [`PinnedBackend`] under the same engine |
 //! | host RAM | page-locked staging: [`PinnedWorkspace`], [`PinnedArray`]; copies named `htod`/`dtoh` |
 //! | async-iter's [`Prefetcher`] and [`Lease`] | [`DevicePrefetcher`] and [`DeviceLease`]: batches staged in pinned memory, copied into a device ring ahead of use |
-//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory), [`probe`] |
+//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory; [`device::sim`]), [`probe`] |
 //!
+//! [`SimDevice`]: device::sim::SimDevice
 //! [`Workspace`]: workspace_core::Workspace
 //! [`Scope`]: workspace_core::Scope
 //! [`Frame`]: workspace_core::Frame
@@ -37,7 +38,8 @@
 //! # A tour (on the simulated device, so it runs anywhere)
 //!
 //! ```
-//! use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace};
 //! use workspace_core::WorkspaceConfig;
 //!
 //! let gpu = SimDevice::new()?; // or CudaDevice::new(0)? where there is one
@@ -127,7 +129,6 @@ pub use array::DeviceArray;
 pub use backend::{DeviceBackend, DeviceBlock, PinnedBackend, PinnedBlock};
 pub use cudarc;
 pub use device::cuda::{CudaDevice, CudaMemory, CudaPinned};
-pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStream, POISON};
 pub use device::{Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
@@ -139,3 +140,7 @@ pub use scope::{DeviceFrame, DeviceScope};
 pub use stream::OnStream;
 pub use view::{DeviceUninit, DeviceView, DeviceViewMut};
 pub use workspace::{DeviceWorkspace, StreamOrder};
+
+/// The simulator's former paths at the root, kept working; its types are under [`device::sim`].
+#[doc(hidden)]
+pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStream, POISON};

@@ -241,7 +241,8 @@ unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
 /// The views borrow the frame, so the compiler proves them dead when it closes:
 ///
 /// ```compile_fail,E0505
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// let sim = SimDevice::new().unwrap();
 /// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 /// let scope = ws.enter().unwrap();
@@ -260,7 +261,8 @@ unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
 /// never closed), and the error is reported by the next `enter`.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::{LearningPolicy, WorkspaceConfig};
 ///
 /// let sim = SimDevice::new()?;

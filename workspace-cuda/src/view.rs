@@ -4,7 +4,8 @@
 //! so the compiler rejects any use after the reset, as on the host:
 //!
 //! ```compile_fail
-//! use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DeviceWorkspace};
 //! let sim = SimDevice::new().unwrap();
 //! let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 //! let scope = ws.enter().unwrap();

@@ -62,7 +62,8 @@ const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
 /// [`MAX_DEVICE_ALIGNMENT`] is refused.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::WorkspaceConfig;
 ///
 /// let sim = SimDevice::new()?;
@@ -81,14 +82,15 @@ const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
 ///
 /// ```compile_fail
 /// fn needs_sync<T: Sync>() {}
-/// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::SimDevice>>();
+/// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::device::sim::SimDevice>>();
 /// ```
 ///
 /// Its engine is not exposed (its `enter` would open a cycle without ordering the other
 /// streams first):
 ///
 /// ```compile_fail,E0599
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// let sim = SimDevice::new().unwrap();
 /// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 /// ws.engine().enter().unwrap();

@@ -20,7 +20,8 @@
 //! missing wait would do.
 //!
 //! ```
-//! use workspace_cuda::{Device, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::Device;
 //!
 //! let sim = SimDevice::new()?;
 //! let (home, copy) = (sim.default_stream(), sim.new_stream()?);

@@ -27,7 +27,8 @@ use crate::view::{DeviceView, Owner};
 ///
 /// ```compile_fail,E0499
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
-/// # use workspace_cuda::{DevicePrefetcher, SimDevice};
+/// # use workspace_cuda::device::sim::SimDevice;
+/// # use workspace_cuda::DevicePrefetcher;
 /// # struct Two;
 /// # impl BatchSource for Two {
 /// #     fn next_layout(&mut self, i: usize) -> Result<Option<BatchLayout>, SourceError> {
