@@ -51,9 +51,8 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
 use memory::Memory;
-pub use memory::{SimMemory, SimPinned};
 use queue::{lock, Op, Sched, Shared};
-pub use queue::{SimEvent, SimHold, SimStream};
+pub use queue::{SimEvent, SimHold, SimMemory, SimPinned, SimStream};
 
 use super::{sealed, Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::DeviceError;
