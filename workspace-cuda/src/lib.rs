@@ -87,17 +87,19 @@
 //!
 //! Unsafe code lives in a few modules, each behind safe methods: `device` (driver calls
 //! and the simulator, behind the sealed [`Device`] trait), `backend` (the `unsafe impl`s
-//! of the core's backend traits), `transfer` (every copy and fill a workspace issues:
-//! the only caller of the device's unsafe copies, behind the views' and
-//! [`OnStream`]'s methods), `view` (the views' unsafe constructors, reached through
-//! safe ones that carry their proof: a borrowed array, a checked handle, a fresh
-//! reservation in a scope), `pinned` (host views of page-locked memory), `prefetch`
-//! (the staging copy into the device ring, and views of its slots), `probe` (loading
-//! the driver) and `planned` (joining a device workspace to a plan group, whose reuse
-//! the ledger orders); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
-//! shell runs them) without unsafe code in them. Scopes, streams, handles and arrays
-//! hold none: a scope holds the shell's [`Open`](workspace_core::backend::Open) count, whose
-//! drop closes it. Every block says why it is sound.
+//! of the core's backend traits), `transfer` (every copy and fill a workspace issues: the
+//! only caller of the device's unsafe copies, behind the views' and [`OnStream`]'s
+//! methods), `view` (the views' unsafe constructors, reached through safe ones that carry
+//! their proof: a fresh reservation in a scope, and a borrowed array or a checked handle,
+//! whose `view` methods are in `array` and `handle`, next to the invariants they rest
+//! on), `pinned` (host views of page-locked memory), `prefetch` (the staging copy into
+//! the device ring, and views of its slots), `probe` (loading the driver) and `planned`
+//! (joining a device workspace to a plan group, whose reuse the ledger orders);
+//! `workspace` declares its stream-ordering hooks `unsafe fn` (only the shell runs them)
+//! without unsafe code in them. Streams hold none, and scopes only the `unsafe impl`s of
+//! the reservation contract views rest on: a scope holds the shell's
+//! [`Open`](workspace_core::backend::Open) count, whose drop closes it. Every block says
+//! why it is sound.
 
 #![deny(unsafe_code)]
 
@@ -109,6 +111,7 @@ pub mod device;
 mod error;
 mod handle;
 mod ledger;
+mod memory;
 #[allow(unsafe_code)]
 mod pinned;
 #[allow(unsafe_code)]

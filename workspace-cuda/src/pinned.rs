@@ -25,7 +25,7 @@ use workspace_core::{AllocationPolicy, LearningPolicy, Location, SpillPolicy, Wo
 use crate::backend::{lock_in_flight, InFlight, PinnedBackend};
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
-use crate::view::checked_bytes;
+use crate::memory::checked_bytes;
 use crate::workspace::check_alignment;
 
 /// Events kept per pinned workspace before completed ones are dropped from the list.

@@ -21,7 +21,7 @@ use ring::{DeviceRing, DeviceSlots};
 use crate::backend::{InFlight, PinnedBackend};
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
-use crate::view::RING;
+use crate::memory::RING;
 
 /// Configures a [`DevicePrefetcher`]; from [`DevicePrefetcher::builder`].
 ///

@@ -44,7 +44,8 @@ use ndarray::Dimension;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{DeviceView, DeviceViewMut, Owner};
+use crate::memory::Owner;
+use crate::view::{DeviceView, DeviceViewMut};
 use crate::workspace::DeviceWorkspace;
 
 /// Work on another stream with a workspace's memory; see the module docs.

@@ -12,7 +12,8 @@ use super::ring::Place;
 use super::Side;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{DeviceView, Owner};
+use crate::memory::Owner;
+use crate::view::DeviceView;
 
 /// One batch in the device ring, lent to the consumer by
 /// [`DevicePrefetcher::next`](super::DevicePrefetcher::next).
