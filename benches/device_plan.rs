@@ -29,7 +29,8 @@ use carve::workspace_core::plan::{Event, Plan, Trace, FRAME_LEVEL_SHIFT};
 use carve::workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use carve::WorkspaceMode;
 use clap::Parser;
-use workspace_cuda::{CudaDevice, Device, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceWorkspace, SimDevice};
+use workspace_cuda::device::sim::SimDevice;
+use workspace_cuda::{CudaDevice, Device, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceWorkspace};
 
 mod workloads;
 

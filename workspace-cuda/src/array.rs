@@ -8,14 +8,16 @@ use ndarray::{Array, ArrayBase, Data, Dimension, Ix1, ShapeBuilder};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{checked_bytes, DeviceView, DeviceViewMut, Owner, OWNED};
+use crate::memory::{checked_bytes, Owner, OWNED};
+use crate::view::{DeviceView, DeviceViewMut};
 
 /// A device array that owns its memory (one device allocation), bound to one stream:
 /// every operation on it runs on that stream, and dropping it frees the memory in that
 /// stream's order.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceArray, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceArray};
 ///
 /// let sim = SimDevice::new()?;
 /// let host = ndarray::Array2::from_shape_fn((2, 3), |(i, j)| (i * 3 + j) as f32);
@@ -81,13 +83,18 @@ impl<D: Device, T: Pod, Dim: Dimension> DeviceArray<D, T, Dim> {
     }
 
     /// A read-only view.
+    #[allow(unsafe_code)]
     pub fn view(&self) -> DeviceView<'_, D, T, Dim> {
-        DeviceView::of_array(self)
+        // SAFETY: the array owns `dim.size()` initialised elements at its address, freed
+        // only when it is dropped, which the borrow of `self` prevents.
+        unsafe { DeviceView::new(self.owner(), self.device_ptr(), self.raw_dim()) }
     }
 
     /// A mutable view.
+    #[allow(unsafe_code)]
     pub fn view_mut(&mut self) -> DeviceViewMut<'_, D, T, Dim> {
-        DeviceViewMut::of_array(self)
+        // SAFETY: as in `view`; the borrow is exclusive.
+        unsafe { DeviceViewMut::new(self.owner(), self.device_ptr(), self.raw_dim()) }
     }
 
     pub(crate) fn raw_dim(&self) -> Dim {

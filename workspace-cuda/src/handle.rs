@@ -9,11 +9,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use bytemuck::Pod;
-use ndarray::{Array, Dimension};
+use ndarray::{Array, ArrayBase, Data, Dimension, ShapeBuilder};
 
 use crate::array::DeviceArray;
 use crate::device::Device;
 use crate::error::Result;
+use crate::memory::Owner;
 use crate::scope::DeviceScope;
 use crate::view::{DeviceView, DeviceViewMut};
 use crate::workspace::DeviceWorkspace;
@@ -22,7 +23,8 @@ use crate::workspace::DeviceWorkspace;
 /// docs.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::{Error as CoreError, WorkspaceConfig};
 ///
 /// let sim = SimDevice::new()?;
@@ -55,7 +57,7 @@ pub struct DeviceHandle<T, Dim> {
 impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     /// A handle to `view`'s memory, which `scope`'s cycle holds (the handle records the
     /// workspace and generation the view belongs to).
-    pub(crate) fn of_view<D: Device>(view: &DeviceView<'_, D, T, Dim>, scope: &DeviceScope<'_, D>) -> Self {
+    fn of_view<D: Device>(view: &DeviceView<'_, D, T, Dim>, scope: &DeviceScope<'_, D>) -> Self {
         let ws = scope.workspace();
         DeviceHandle {
             address: view.address,
@@ -65,10 +67,6 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
             workspace: ws.name().clone(),
             _elements: PhantomData,
         }
-    }
-
-    pub(crate) fn address(&self) -> u64 {
-        self.address
     }
 
     pub(crate) fn raw_dim(&self) -> Dim {
@@ -91,8 +89,14 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     /// # Errors
     ///
     /// As [`DeviceHandle::check`].
+    #[allow(unsafe_code)]
     pub fn view<'a, D: Device>(&'a self, scope: &'a DeviceScope<'_, D>) -> Result<DeviceView<'a, D, T, Dim>> {
-        DeviceView::of_handle(self, scope)
+        self.check(scope)?;
+        // SAFETY: a handle is made from a view of its workspace's memory at a generation
+        // (`DeviceHandle::of_view`), and the check proves the workspace is still at that
+        // generation, so the memory holds the elements; the view borrows `scope` (the
+        // cycle cannot end) and the handle.
+        Ok(unsafe { DeviceView::new(Owner::Workspace(scope.workspace()), self.address, self.raw_dim()) })
     }
 
     /// A mutable view, borrowed from `scope`.
@@ -100,11 +104,15 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     /// # Errors
     ///
     /// As [`DeviceHandle::check`].
+    #[allow(unsafe_code)]
     pub fn view_mut<'a, D: Device>(
         &'a mut self,
         scope: &'a DeviceScope<'_, D>,
     ) -> Result<DeviceViewMut<'a, D, T, Dim>> {
-        DeviceViewMut::of_handle(self, scope)
+        self.check(scope)?;
+        // SAFETY: as in `view`; `&mut` on the handle keeps every other view of it away
+        // for `'a`.
+        Ok(unsafe { DeviceViewMut::new(Owner::Workspace(scope.workspace()), self.address, self.raw_dim()) })
     }
 
     /// Copies into an owned device array.
@@ -178,5 +186,42 @@ impl<T: Pod, Dim: Dimension> DeviceHandle<T, Dim> {
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         self.dim.slice()
+    }
+}
+
+/// The scope's handle constructors: each allocates a view and makes a handle of it.
+impl<D: Device> DeviceScope<'_, D> {
+    /// A zero-filled array behind a [`DeviceHandle`] that can be stored and is checked
+    /// against this workspace's generation on every access.
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`].
+    pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceHandle<T, Sh::Dim>> {
+        let view = self.zeros::<T, Sh>(shape)?;
+        Ok(DeviceHandle::of_view(&view, self))
+    }
+
+    /// A copy of the host array `src` behind a [`DeviceHandle`].
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::zeros`].
+    pub fn htod_handle<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
+        &self,
+        src: &ArrayBase<S, Dim>,
+    ) -> Result<DeviceHandle<T, Dim>> {
+        let view = self.htod(src)?;
+        Ok(DeviceHandle::of_view(&view, self))
+    }
+
+    /// A copy of the device view `src` behind a [`DeviceHandle`].
+    ///
+    /// # Errors
+    ///
+    /// As [`DeviceScope::copy_of`].
+    pub fn copy_handle<T: Pod, Dim: Dimension>(&self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceHandle<T, Dim>> {
+        let view = self.copy_of(src)?;
+        Ok(DeviceHandle::of_view(&view, self))
     }
 }

@@ -17,8 +17,9 @@
 //! | [`HostBackend`] under the [`Engine`] | [`DeviceBackend`], [`PinnedBackend`] under the same engine |
 //! | host RAM | page-locked staging: [`PinnedWorkspace`], [`PinnedArray`]; copies named `htod`/`dtoh` |
 //! | async-iter's [`Prefetcher`] and [`Lease`] | [`DevicePrefetcher`] and [`DeviceLease`]: batches staged in pinned memory, copied into a device ring ahead of use |
-//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory), [`probe`] |
+//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory; [`device::sim`]), [`probe`] |
 //!
+//! [`SimDevice`]: device::sim::SimDevice
 //! [`Workspace`]: workspace_core::Workspace
 //! [`Scope`]: workspace_core::Scope
 //! [`Frame`]: workspace_core::Frame
@@ -37,7 +38,8 @@
 //! # A tour (on the simulated device, so it runs anywhere)
 //!
 //! ```
-//! use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace};
 //! use workspace_core::WorkspaceConfig;
 //!
 //! let gpu = SimDevice::new()?; // or CudaDevice::new(0)? where there is one
@@ -85,17 +87,19 @@
 //!
 //! Unsafe code lives in a few modules, each behind safe methods: `device` (driver calls
 //! and the simulator, behind the sealed [`Device`] trait), `backend` (the `unsafe impl`s
-//! of the core's backend traits), `transfer` (every copy and fill a workspace issues:
-//! the only caller of the device's unsafe copies, behind the views' and
-//! [`OnStream`]'s methods), `view` (the views' unsafe constructors, reached through
-//! safe ones that carry their proof: a borrowed array, a checked handle, a fresh
-//! reservation in a scope), `pinned` (host views of page-locked memory), `prefetch`
-//! (the staging copy into the device ring, and views of its slots), `probe` (loading
-//! the driver) and `planned` (joining a device workspace to a plan group, whose reuse
-//! the ledger orders); `workspace` declares its stream-ordering hooks `unsafe fn` (only the
-//! shell runs them) without unsafe code in them. Scopes, streams, handles and arrays
-//! hold none: a scope holds the shell's [`Open`](workspace_core::backend::Open) count, whose
-//! drop closes it. Every block says why it is sound.
+//! of the core's backend traits), `transfer` (every copy and fill a workspace issues: the
+//! only caller of the device's unsafe copies, behind the views' and [`OnStream`]'s
+//! methods), `view` (the views' unsafe constructors, reached through safe ones that carry
+//! their proof: a fresh reservation in a scope, and a borrowed array or a checked handle,
+//! whose `view` methods are in `array` and `handle`, next to the invariants they rest
+//! on), `pinned` (host views of page-locked memory), `prefetch` (the staging copy into
+//! the device ring, and views of its slots), `probe` (loading the driver) and `planned`
+//! (joining a device workspace to a plan group, whose reuse the ledger orders);
+//! `workspace` declares its stream-ordering hooks `unsafe fn` (only the shell runs them)
+//! without unsafe code in them. Streams hold none, and scopes only the `unsafe impl`s of
+//! the reservation contract views rest on: a scope holds the shell's
+//! [`Open`](workspace_core::backend::Open) count, whose drop closes it. Every block says
+//! why it is sound.
 
 #![deny(unsafe_code)]
 
@@ -107,6 +111,7 @@ pub mod device;
 mod error;
 mod handle;
 mod ledger;
+mod memory;
 #[allow(unsafe_code)]
 mod pinned;
 #[allow(unsafe_code)]
@@ -127,7 +132,6 @@ pub use array::DeviceArray;
 pub use backend::{DeviceBackend, DeviceBlock, PinnedBackend, PinnedBlock};
 pub use cudarc;
 pub use device::cuda::{CudaDevice, CudaMemory, CudaPinned};
-pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStream, POISON};
 pub use device::{Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 pub use error::{DeviceError, Error, Result};
 pub use handle::DeviceHandle;
@@ -139,3 +143,7 @@ pub use scope::{DeviceFrame, DeviceScope};
 pub use stream::OnStream;
 pub use view::{DeviceUninit, DeviceView, DeviceViewMut};
 pub use workspace::{DeviceWorkspace, StreamOrder};
+
+/// The simulator's former paths at the root, kept working; its types are under [`device::sim`].
+#[doc(hidden)]
+pub use device::sim::{SimDevice, SimEvent, SimHold, SimMemory, SimPinned, SimStream, POISON};

@@ -25,7 +25,7 @@ use workspace_core::{AllocationPolicy, LearningPolicy, Location, SpillPolicy, Wo
 use crate::backend::{lock_in_flight, InFlight, PinnedBackend};
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
-use crate::view::checked_bytes;
+use crate::memory::checked_bytes;
 use crate::workspace::check_alignment;
 
 /// Events kept per pinned workspace before completed ones are dropped from the list.
@@ -34,7 +34,8 @@ const PRUNE_AT: usize = 64;
 /// A workspace of page-locked host memory for staging transfers; see the module docs.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace, PinnedWorkspace};
 /// use workspace_core::WorkspaceConfig;
 ///
 /// let sim = SimDevice::new()?;
@@ -57,7 +58,8 @@ const PRUNE_AT: usize = 64;
 /// open one), and the hooks that wait run only inside the shell:
 ///
 /// ```compile_fail,E0599
-/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::PinnedWorkspace;
 /// let sim = SimDevice::new().unwrap();
 /// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
 /// staging.engine().enter().unwrap(); // no `engine()` on a shell with hooks
@@ -65,7 +67,8 @@ const PRUNE_AT: usize = 64;
 ///
 /// ```compile_fail,E0133
 /// use workspace_core::backend::CycleHooks;
-/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::PinnedWorkspace;
 /// let sim = SimDevice::new().unwrap();
 /// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
 /// staging.hooks().before_reset(); // unsafe to call: only the shell runs its hooks
@@ -320,7 +323,8 @@ impl<'ws, D: Device> PinnedScope<'ws, D> {
 /// array's last transfer. It borrows its scope, so it cannot outlive the cycle:
 ///
 /// ```compile_fail
-/// use workspace_cuda::{PinnedWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::PinnedWorkspace;
 /// let sim = SimDevice::new().unwrap();
 /// let staging = PinnedWorkspace::for_transfers("STAGE", &sim, 4096).unwrap();
 /// let kept = {

@@ -17,7 +17,8 @@
 //! stream on the host first.
 //!
 //! ```
-//! use workspace_cuda::{Device, DevicePlanGroup, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DevicePlanGroup};
 //! use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 //!
 //! let gpu = SimDevice::new()?;

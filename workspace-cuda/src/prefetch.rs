@@ -21,13 +21,14 @@ use ring::{DeviceRing, DeviceSlots};
 use crate::backend::{InFlight, PinnedBackend};
 use crate::device::Device;
 use crate::error::{DeviceError, Error, Result};
-use crate::view::RING;
+use crate::memory::RING;
 
 /// Configures a [`DevicePrefetcher`]; from [`DevicePrefetcher::builder`].
 ///
 /// ```
 /// use std::time::Duration;
-/// use workspace_cuda::{Device, DevicePrefetcher, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DevicePrefetcher};
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
 /// # struct Empty;
 /// # impl BatchSource for Empty {
@@ -241,7 +242,8 @@ pub struct DevicePrefetchStats {
 /// ```
 /// use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
 /// use ndarray::{Ix1, Ix2};
-/// use workspace_cuda::{DevicePrefetcher, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::DevicePrefetcher;
 ///
 /// /// 5 batches of 32 rows of 8 features; the last has 4 rows.
 /// struct Rows;

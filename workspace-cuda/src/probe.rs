@@ -12,6 +12,12 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{result, sys};
 
+/// A driver error in words: its name and the driver's description.
+pub(crate) fn describe(error: result::DriverError) -> String {
+    let message = error.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    format!("{:?} ({message})", error.0)
+}
+
 /// Environment variable that makes [`probe`] report no device when set to anything but
 /// `0` or the empty string: for running the no-GPU paths on a machine with a GPU.
 pub const DISABLE_ENV: &str = "CARVE_CUDA_DISABLE";
@@ -121,9 +127,9 @@ fn probe_now() -> Probe {
         Ok(Ok((count, driver_version))) => {
             Probe::Available { devices: usize::try_from(count).unwrap_or(0), driver_version }
         }
-        Ok(Err(error)) => Probe::NoDevice {
-            reason: format!("initialising the CUDA driver failed: {}", crate::device::cuda::describe(error)),
-        },
+        Ok(Err(error)) => {
+            Probe::NoDevice { reason: format!("initialising the CUDA driver failed: {}", describe(error)) }
+        }
         Err(_) => Probe::NoDriver { reason: "the CUDA driver library failed while initialising".into() },
     }
 }

@@ -8,6 +8,10 @@
 //! [`Frame`](workspace_core::Frame): its views borrow it, and its bytes are handed out
 //! again in the same cycle once it closes, after every other stream that used them is
 //! ordered before the workspace's stream.
+//!
+//! [`DeviceWorkspace::enter`] and [`DeviceWorkspace::borrow_open`], which open a scope,
+//! are here; the scope's handle constructors ([`DeviceScope::zeros_handle`] and the
+//! like) are with [`DeviceHandle`](crate::DeviceHandle).
 
 use bytemuck::Pod;
 use ndarray::{ArrayBase, Data, Dimension, ShapeBuilder};
@@ -17,10 +21,10 @@ use crate::backend::DeviceBackend;
 
 use crate::device::Device;
 use crate::error::Result;
-use crate::handle::DeviceHandle;
+use crate::memory::checked_bytes;
 use crate::pinned::PinnedArray;
 use crate::stream::OnStream;
-use crate::view::{checked_bytes, DeviceUninit, DeviceView, DeviceViewMut};
+use crate::view::{Carve, DeviceUninit, DeviceView, DeviceViewMut};
 use crate::workspace::{DeviceWorkspace, StreamOrder};
 
 /// The allocation methods of [`DeviceScope`] and [`DeviceFrame`], written once: each
@@ -107,6 +111,32 @@ macro_rules! allocation_methods {
     };
 }
 
+/// Opening a scope.
+impl<D: Device> DeviceWorkspace<D> {
+    /// Opens a cycle (new generation) or, when already open, nests without resetting.
+    ///
+    /// # Errors
+    ///
+    /// When opening: an error recorded since the last cycle (a stream that could not be
+    /// ordered, a device error from a `Drop`, a failed arena growth). The workspace
+    /// stays closed and usable; entering again retries.
+    #[inline]
+    pub fn enter(&self) -> Result<DeviceScope<'_, D>> {
+        Ok(DeviceScope::new(self, (**self).open()?))
+    }
+
+    /// Makes this already open workspace an allocation target for a while (as
+    /// [`Workspace::borrow_open`](workspace_core::Workspace::borrow_open)).
+    ///
+    /// # Errors
+    ///
+    /// [`workspace_core::Error::NotOpen`] when the workspace is closed: leveraging into a
+    /// closed workspace is an error, never a silent no-op.
+    pub fn borrow_open(&self) -> Result<DeviceScope<'_, D>> {
+        Ok(DeviceScope::new(self, (**self).open_borrowed()?))
+    }
+}
+
 /// An open scope of a device workspace; see the module docs.
 ///
 /// `!Send` and `!Sync`: it closes on the thread that opened it.
@@ -145,40 +175,6 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
     }
 
     allocation_methods!();
-
-    /// A zero-filled array behind a [`DeviceHandle`] that can be stored and is checked
-    /// against this workspace's generation on every access.
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`].
-    pub fn zeros_handle<T: Pod, Sh: ShapeBuilder>(&self, shape: Sh) -> Result<DeviceHandle<T, Sh::Dim>> {
-        let view = self.zeros::<T, Sh>(shape)?;
-        Ok(DeviceHandle::of_view(&view, self))
-    }
-
-    /// A copy of the host array `src` behind a [`DeviceHandle`].
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::zeros`].
-    pub fn htod_handle<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
-        &self,
-        src: &ArrayBase<S, Dim>,
-    ) -> Result<DeviceHandle<T, Dim>> {
-        let view = self.htod(src)?;
-        Ok(DeviceHandle::of_view(&view, self))
-    }
-
-    /// A copy of the device view `src` behind a [`DeviceHandle`].
-    ///
-    /// # Errors
-    ///
-    /// As [`DeviceScope::copy_of`].
-    pub fn copy_handle<T: Pod, Dim: Dimension>(&self, src: &DeviceView<'_, D, T, Dim>) -> Result<DeviceHandle<T, Dim>> {
-        let view = self.copy_of(src)?;
-        Ok(DeviceHandle::of_view(&view, self))
-    }
 }
 
 impl<'ws, D: Device> DeviceScope<'ws, D> {
@@ -199,22 +195,6 @@ impl<'ws, D: Device> DeviceScope<'ws, D> {
         let (base, offset) = self.open.alloc(bytes, std::mem::align_of::<T>())?;
         Ok(base + offset as u64)
     }
-}
-
-/// What hands out device memory that views may borrow: a scope's cycle, or a frame.
-///
-/// # Safety
-///
-/// `reserve` returns the address of memory for `dim.size()` elements of `T`, aligned for
-/// `T`, in the memory of `workspace()`, that nothing else refers to and that stays
-/// valid (not reset, reused or freed) while `self` is borrowed, with every earlier use
-/// of it on another stream ordered before the workspace's stream.
-#[allow(unsafe_code)]
-pub(crate) unsafe trait Carve<D: Device> {
-    /// The workspace the memory belongs to.
-    fn workspace(&self) -> &DeviceWorkspace<D>;
-    /// See the trait's contract.
-    fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64>;
 }
 
 // SAFETY: the engine reserves the bytes in the open cycle, handed out again only when
@@ -241,7 +221,8 @@ unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
 /// The views borrow the frame, so the compiler proves them dead when it closes:
 ///
 /// ```compile_fail,E0505
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// let sim = SimDevice::new().unwrap();
 /// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 /// let scope = ws.enter().unwrap();
@@ -260,7 +241,8 @@ unsafe impl<D: Device> Carve<D> for DeviceScope<'_, D> {
 /// never closed), and the error is reported by the next `enter`.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::{LearningPolicy, WorkspaceConfig};
 ///
 /// let sim = SimDevice::new()?;

@@ -17,7 +17,8 @@
 //! in any case. Leaking costs overlap, never correctness.
 //!
 //! ```
-//! use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DeviceArray, DeviceWorkspace};
 //! use workspace_core::WorkspaceConfig;
 //!
 //! let sim = SimDevice::new()?;
@@ -43,7 +44,8 @@ use ndarray::Dimension;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{DeviceView, DeviceViewMut, Owner};
+use crate::memory::Owner;
+use crate::view::{DeviceView, DeviceViewMut};
 use crate::workspace::DeviceWorkspace;
 
 /// Work on another stream with a workspace's memory; see the module docs.
@@ -52,7 +54,8 @@ use crate::workspace::DeviceWorkspace;
 /// workspace's stream cannot write a view that the other stream may still be reading:
 ///
 /// ```compile_fail
-/// use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceArray, DeviceWorkspace};
 /// let sim = SimDevice::new().unwrap();
 /// let copy_stream = sim.new_stream().unwrap();
 /// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();

@@ -18,6 +18,7 @@ use crate::device::Device;
 use crate::error::Error;
 use crate::error::Result;
 use crate::pinned::PinnedArray;
+use crate::scope::DeviceScope;
 use crate::stream::OnStream;
 use crate::view::{copy_to_host, with_host_bytes, DeviceView, DeviceViewMut};
 
@@ -36,6 +37,17 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
 
     /// Copies the view's bytes into a new allocation of its device (device to device, on
     /// the owner's stream).
+    /// Copies into `target` (another open device workspace, typically an outer one),
+    /// returning a view there. When `target` is on another stream, that stream waits for
+    /// this view's stream before the copy, and this view's stream waits for the copy.
+    ///
+    /// # Errors
+    ///
+    /// `target`'s allocation errors, [`Error::DeviceMismatch`], or [`Error::Device`].
+    pub fn leverage_to<'t>(&self, target: &'t DeviceScope<'_, D>) -> Result<DeviceViewMut<'t, D, T, Dim>> {
+        target.copy_of(self)
+    }
+
     pub(crate) fn detach_memory(&self, action: &'static str) -> Result<D::Memory> {
         let device = self.owner.device();
         let stream = self.owner.stream();

@@ -1,10 +1,12 @@
 //! Typed views of device memory, tied to the cycle (or to the owned array) they show.
 //!
-//! [`DeviceView`] and [`DeviceViewMut`] borrow their scope (or their [`DeviceArray`]),
-//! so the compiler rejects any use after the reset, as on the host:
+//! [`DeviceView`] and [`DeviceViewMut`] borrow their scope (or their
+//! [`DeviceArray`](crate::DeviceArray)), so the compiler rejects any use after the reset,
+//! as on the host:
 //!
 //! ```compile_fail
-//! use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::{Device, DeviceWorkspace};
 //! let sim = SimDevice::new().unwrap();
 //! let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 //! let scope = ws.enter().unwrap();
@@ -25,159 +27,11 @@ use bytemuck::Pod;
 use ndarray::{Array, ArrayBase, ArrayViewMut, Data, DataMut, Dimension, Ix1};
 use workspace_core::Scope;
 
-use crate::array::DeviceArray;
-use crate::device::{ordered_with, Device};
-use crate::error::{DeviceError, Error, Result};
-use crate::handle::DeviceHandle;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::memory::Owner;
 use crate::pinned::PinnedArray;
-use crate::scope::{Carve, DeviceScope};
 use crate::workspace::DeviceWorkspace;
-
-/// Whose memory a view shows, and so which stream orders it.
-pub(crate) enum Owner<'a, D: Device> {
-    /// A workspace's arena or spill blocks, valid for the open cycle.
-    Workspace(&'a DeviceWorkspace<D>),
-    /// A [`DeviceArray`], valid while it lives.
-    Array {
-        /// The array's device.
-        device: &'a D,
-        /// The stream the array belongs to.
-        stream: &'a D::Stream,
-    },
-    /// A batch in a device prefetch ring, valid while its lease lives.
-    Ring {
-        /// The ring's device.
-        device: &'a D,
-        /// The consumer's stream, which orders every use of the batch.
-        stream: &'a D::Stream,
-    },
-}
-
-impl<D: Device> Clone for Owner<'_, D> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<D: Device> Copy for Owner<'_, D> {}
-
-/// Name used in errors about owned device arrays.
-pub(crate) const OWNED: &str = "owned device array";
-
-/// Name used in errors about batches of a device prefetch ring.
-pub(crate) const RING: &str = "device prefetch ring";
-
-impl<'a, D: Device> Owner<'a, D> {
-    pub(crate) fn device(&self) -> &'a D {
-        match self {
-            Owner::Workspace(ws) => ws.device(),
-            Owner::Array { device, .. } | Owner::Ring { device, .. } => device,
-        }
-    }
-
-    pub(crate) fn stream(&self) -> &'a D::Stream {
-        match self {
-            Owner::Workspace(ws) => ws.stream(),
-            Owner::Array { stream, .. } | Owner::Ring { stream, .. } => stream,
-        }
-    }
-
-    pub(crate) fn name(&self) -> Arc<str> {
-        match self {
-            Owner::Workspace(ws) => ws.name().clone(),
-            Owner::Array { .. } => Arc::from(OWNED),
-            Owner::Ring { .. } => Arc::from(RING),
-        }
-    }
-
-    pub(crate) fn error(&self, action: &'static str, source: DeviceError) -> Error {
-        Error::Device { workspace: self.name(), action, source }
-    }
-
-    /// Runs `op` on `stream` with this owner's memory, ordered with the owner's stream.
-    pub(crate) fn run_on(
-        &self,
-        stream: &D::Stream,
-        action: &'static str,
-        op: impl FnOnce(&D::Stream) -> Result<(), DeviceError>,
-    ) -> Result<()> {
-        match self {
-            Owner::Workspace(ws) => ws.run_on(stream, action, op),
-            Owner::Array { device, stream: home } | Owner::Ring { device, stream: home } => {
-                ordered_with(*device, stream, home, op).map_err(|e| self.error(action, e))
-            }
-        }
-    }
-
-    /// Before work on the owner's own stream reads (or, with `writes`, writes) `bytes`
-    /// bytes at `address`: for a workspace, orders first every other stream whose use of
-    /// that memory, recorded by an [`OnStream`](crate::OnStream), conflicts (see
-    /// [`DeviceWorkspace`]'s module docs). Nothing to do for arrays and rings, which only
-    /// their own stream uses.
-    pub(crate) fn order_home_use(&self, address: u64, bytes: usize, writes: bool, action: &'static str) -> Result<()> {
-        match self {
-            Owner::Workspace(ws) => {
-                ws.order().order_home_use(address, bytes, writes, None).map_err(|e| self.error(action, e))
-            }
-            Owner::Array { .. } | Owner::Ring { .. } => Ok(()),
-        }
-    }
-
-    /// As [`Owner::order_home_use`], for a raw address handed to a kernel (no error to
-    /// return: one is kept for the workspace's next `enter`).
-    pub(crate) fn order_home_use_or_defer(&self, address: u64, bytes: usize, writes: bool) {
-        if let Owner::Workspace(ws) = self {
-            ws.order().order_home_use_or_defer(address, bytes, writes);
-        }
-    }
-
-    /// An error unless `other` lives on the same device.
-    pub(crate) fn check_device(&self, other: &D, action: &'static str) -> Result<()> {
-        if self.device().same_device(other) {
-            Ok(())
-        } else {
-            Err(Error::DeviceMismatch {
-                workspace: self.name(),
-                action,
-                device: self.device().describe(),
-                other: other.describe(),
-            })
-        }
-    }
-}
-
-/// Byte size of `dim` elements of `T` in device or pinned memory: the engine's one
-/// shape-to-bytes computation ([`workspace_core::backend::checked_bytes`]), and zero-sized
-/// element types refused.
-///
-/// # Errors
-///
-/// In this order: [`ShapeOverflow`](workspace_core::Error::ShapeOverflow) when the
-/// element count overflows or exceeds `isize::MAX` (for every element type, zero-sized
-/// ones included), [`ZeroLength`](workspace_core::Error::ZeroLength) for no elements,
-/// [`InvalidInput`](workspace_core::Error::InvalidInput) for a zero-sized element type,
-/// and `ShapeOverflow` again when the byte size exceeds `isize::MAX`. `workspace` names
-/// the workspace in the error.
-#[inline(always)]
-pub(crate) fn checked_bytes<T, Dim: Dimension>(
-    dim: &Dim,
-    workspace: impl Fn() -> Arc<str>,
-) -> Result<usize, workspace_core::Error> {
-    match workspace_core::backend::checked_bytes::<T, Dim>(dim, &workspace)? {
-        0 => Err(zero_sized::<T>(dim.slice(), workspace())),
-        bytes => Ok(bytes),
-    }
-}
-
-#[cold]
-#[inline(never)]
-fn zero_sized<T>(shape: &[usize], workspace: Arc<str>) -> workspace_core::Error {
-    workspace_core::Error::InvalidInput(format!(
-        "workspace '{workspace}': elements of type `{}` are zero-sized, and device and pinned arrays hold \
-         elements of non-zero size (shape {shape:?}); an array of zero-sized elements needs no memory, so \
-         create it on the host with `ndarray::Array`",
-        std::any::type_name::<T>()
-    ))
-}
 
 /// The elements of `src` in standard (row-major) order, as bytes.
 pub(crate) fn with_host_bytes<T: Pod, S: Data<Elem = T>, Dim: Dimension, R>(
@@ -208,7 +62,7 @@ pub(crate) fn copy_to_host<T: Pod, S: DataMut<Elem = T>, Dim: Dimension>(
 }
 
 /// A read-only view of device memory: of a workspace (for the cycle it was allocated in)
-/// or of a [`DeviceArray`].
+/// or of a [`DeviceArray`](crate::DeviceArray).
 ///
 /// Its elements are `T` in standard (row-major) layout with shape `Dim`.
 pub struct DeviceView<'a, D: Device, T, Dim: Dimension = Ix1> {
@@ -235,28 +89,10 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         DeviceView { owner, address, dim, _elements: PhantomData }
     }
 
-    /// A view of an owned device array, for as long as it is borrowed.
-    pub(crate) fn of_array(array: &'a DeviceArray<D, T, Dim>) -> Self {
-        // SAFETY: the array owns `dim.size()` initialised elements at its address, freed
-        // only when it is dropped, which the borrow for `'a` prevents.
-        unsafe { DeviceView::new(array.owner(), array.device_ptr(), array.raw_dim()) }
-    }
-
-    /// The view of `handle`'s memory in `scope`, after checking that the handle belongs
-    /// to the scope's workspace at its generation.
-    pub(crate) fn of_handle(handle: &'a DeviceHandle<T, Dim>, scope: &'a DeviceScope<'_, D>) -> Result<Self> {
-        handle.check(scope)?;
-        // SAFETY: a handle is made from a view of its workspace's memory at a generation
-        // (`DeviceHandle::of_view`), and the check proves the workspace is still at that
-        // generation, so the memory holds the elements; the view borrows `scope` (the
-        // cycle cannot end) and the handle.
-        Ok(unsafe { DeviceView::new(Owner::Workspace(scope.workspace()), handle.address(), handle.raw_dim()) })
-    }
-
     /// The device address of the first element, for kernels launched on
     /// [`DeviceView::stream`] that read it (using it elsewhere needs
-    /// [`DeviceScope::on_stream`]). Work on another stream that may still write this
-    /// memory is ordered before the stream's later work first.
+    /// [`DeviceScope::on_stream`](crate::DeviceScope::on_stream)). Work on another stream
+    /// that may still write this memory is ordered before the stream's later work first.
     pub fn device_ptr(&self) -> u64 {
         self.owner.order_home_use_or_defer(self.address, self.byte_len(), false);
         self.address
@@ -336,17 +172,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         Ok(out)
     }
 
-    /// Copies into `target` (another open device workspace, typically an outer one),
-    /// returning a view there. When `target` is on another stream, that stream waits for
-    /// this view's stream before the copy, and this view's stream waits for the copy.
-    ///
-    /// # Errors
-    ///
-    /// `target`'s allocation errors, [`Error::DeviceMismatch`], or [`Error::Device`].
-    pub fn leverage_to<'t>(&self, target: &'t DeviceScope<'_, D>) -> Result<DeviceViewMut<'t, D, T, Dim>> {
-        target.copy_of(self)
-    }
-
     pub(crate) fn check_shape(&self, other: &[usize], action: &'static str) -> Result<()> {
         if other == self.shape() {
             Ok(())
@@ -368,20 +193,6 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceViewMut<'a, D, T, Dim> {
     pub(crate) unsafe fn new(owner: Owner<'a, D>, address: u64, dim: Dim) -> Self {
         // SAFETY: the caller's contract.
         DeviceViewMut { view: unsafe { DeviceView::new(owner, address, dim) }, _exclusive: PhantomData }
-    }
-
-    /// A mutable view of an owned device array, for as long as it is borrowed.
-    pub(crate) fn of_array(array: &'a mut DeviceArray<D, T, Dim>) -> Self {
-        // SAFETY: as in `DeviceView::of_array`; the borrow is exclusive.
-        unsafe { DeviceViewMut::new(array.owner(), array.device_ptr(), array.raw_dim()) }
-    }
-
-    /// The mutable view of `handle`'s memory in `scope` (as [`DeviceView::of_handle`]).
-    pub(crate) fn of_handle(handle: &'a mut DeviceHandle<T, Dim>, scope: &'a DeviceScope<'_, D>) -> Result<Self> {
-        handle.check(scope)?;
-        // SAFETY: as in `DeviceView::of_handle`; `&mut` on the handle keeps every other
-        // view of it away for `'a`.
-        Ok(unsafe { DeviceViewMut::new(Owner::Workspace(scope.workspace()), handle.address(), handle.raw_dim()) })
     }
 
     /// The device address of the first element, for kernels that write it on
@@ -437,6 +248,22 @@ impl<'a, D: Device, T, Dim: Dimension> Deref for DeviceViewMut<'a, D, T, Dim> {
 /// zeros, or a kernel) but not read.
 pub struct DeviceUninit<'a, D: Device, T, Dim: Dimension = Ix1> {
     view: DeviceViewMut<'a, D, T, Dim>,
+}
+
+/// What hands out device memory that views may borrow: a scope's cycle, or a frame.
+///
+/// # Safety
+///
+/// `reserve` returns the address of memory for `dim.size()` elements of `T`, aligned for
+/// `T`, in the memory of `workspace()`, that nothing else refers to and that stays
+/// valid (not reset, reused or freed) while `self` is borrowed, with every earlier use
+/// of it on another stream ordered before the workspace's stream.
+#[allow(unsafe_code)]
+pub(crate) unsafe trait Carve<D: Device> {
+    /// The workspace the memory belongs to.
+    fn workspace(&self) -> &DeviceWorkspace<D>;
+    /// See the trait's contract.
+    fn reserve<T, Dim: Dimension>(&self, dim: &Dim) -> Result<u64>;
 }
 
 impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceUninit<'a, D, T, Dim> {

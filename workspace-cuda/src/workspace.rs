@@ -48,7 +48,6 @@ use crate::backend::{lock_graveyard, DeviceBackend, Graveyard};
 use crate::device::{ordered_with, Device, DEVICE_ALIGNMENT, MAX_DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::{DeviceError, Error, Result};
 use crate::ledger::Ledger;
-use crate::scope::DeviceScope;
 
 /// No bytes of a group's arena.
 const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
@@ -62,7 +61,8 @@ const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
 /// [`MAX_DEVICE_ALIGNMENT`] is refused.
 ///
 /// ```
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// use workspace_core::WorkspaceConfig;
 ///
 /// let sim = SimDevice::new()?;
@@ -81,14 +81,15 @@ const NONE_TOUCHED: (u64, u64) = (u64::MAX, 0);
 ///
 /// ```compile_fail
 /// fn needs_sync<T: Sync>() {}
-/// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::SimDevice>>();
+/// needs_sync::<workspace_cuda::DeviceWorkspace<workspace_cuda::device::sim::SimDevice>>();
 /// ```
 ///
 /// Its engine is not exposed (its `enter` would open a cycle without ordering the other
 /// streams first):
 ///
 /// ```compile_fail,E0599
-/// use workspace_cuda::{Device, DeviceWorkspace, SimDevice};
+/// use workspace_cuda::device::sim::SimDevice;
+/// use workspace_cuda::{Device, DeviceWorkspace};
 /// let sim = SimDevice::new().unwrap();
 /// let ws = DeviceWorkspace::new("W", Default::default(), &sim, &sim.default_stream()).unwrap();
 /// ws.engine().enter().unwrap();
@@ -244,29 +245,6 @@ impl<D: Device> DeviceWorkspace<D> {
             touched: Cell::new(NONE_TOUCHED),
         };
         Ok(DeviceWorkspace { shell: Shell::new(name, config, backend, order)? })
-    }
-
-    /// Opens a cycle (new generation) or, when already open, nests without resetting.
-    ///
-    /// # Errors
-    ///
-    /// When opening: an error recorded since the last cycle (a stream that could not be
-    /// ordered, a device error from a `Drop`, a failed arena growth). The workspace
-    /// stays closed and usable; entering again retries.
-    #[inline]
-    pub fn enter(&self) -> Result<DeviceScope<'_, D>> {
-        Ok(DeviceScope::new(self, self.shell.open()?))
-    }
-
-    /// Makes this already open workspace an allocation target for a while (as
-    /// [`Workspace::borrow_open`](workspace_core::Workspace::borrow_open)).
-    ///
-    /// # Errors
-    ///
-    /// [`workspace_core::Error::NotOpen`] when the workspace is closed: leveraging into a
-    /// closed workspace is an error, never a silent no-op.
-    pub fn borrow_open(&self) -> Result<DeviceScope<'_, D>> {
-        Ok(DeviceScope::new(self, self.shell.open_borrowed()?))
     }
 
     /// Blocks until all work issued to the workspace's stream is complete.

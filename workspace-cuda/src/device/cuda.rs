@@ -22,13 +22,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream,
 
 use super::{sealed, Device};
 use crate::error::{DeviceError, Error};
-use crate::probe::{probe, Probe};
-
-/// A driver error in words: its name and the driver's description.
-pub(crate) fn describe(error: DriverError) -> String {
-    let message = error.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    format!("{:?} ({message})", error.0)
-}
+use crate::probe::{describe, probe, Probe};
 
 fn driver(call: &'static str, error: DriverError) -> DeviceError {
     let message = error.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();

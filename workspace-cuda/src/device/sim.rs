@@ -20,7 +20,8 @@
 //! missing wait would do.
 //!
 //! ```
-//! use workspace_cuda::{Device, SimDevice};
+//! use workspace_cuda::device::sim::SimDevice;
+//! use workspace_cuda::Device;
 //!
 //! let sim = SimDevice::new()?;
 //! let (home, copy) = (sim.default_stream(), sim.new_stream()?);
@@ -50,9 +51,8 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
 use memory::Memory;
-pub use memory::{SimMemory, SimPinned};
 use queue::{lock, Op, Sched, Shared};
-pub use queue::{SimEvent, SimHold, SimStream};
+pub use queue::{SimEvent, SimHold, SimMemory, SimPinned, SimStream};
 
 use super::{sealed, Device, DEVICE_ALIGNMENT, PINNED_ALIGNMENT};
 use crate::error::DeviceError;

@@ -12,7 +12,8 @@ use super::ring::Place;
 use super::Side;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::view::{DeviceView, Owner};
+use crate::memory::Owner;
+use crate::view::DeviceView;
 
 /// One batch in the device ring, lent to the consumer by
 /// [`DevicePrefetcher::next`](super::DevicePrefetcher::next).
@@ -27,7 +28,8 @@ use crate::view::{DeviceView, Owner};
 ///
 /// ```compile_fail,E0499
 /// # use async_iter::{BatchLayout, BatchMut, BatchSource, SourceError};
-/// # use workspace_cuda::{DevicePrefetcher, SimDevice};
+/// # use workspace_cuda::device::sim::SimDevice;
+/// # use workspace_cuda::DevicePrefetcher;
 /// # struct Two;
 /// # impl BatchSource for Two {
 /// #     fn next_layout(&mut self, i: usize) -> Result<Option<BatchLayout>, SourceError> {

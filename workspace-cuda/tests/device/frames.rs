@@ -15,12 +15,13 @@ use std::time::Duration;
 
 use ndarray::Array1;
 use workspace_core::backend::Placement;
-use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
+use workspace_cuda::device::sim::SimDevice;
+use workspace_cuda::{Device, DeviceArray, DeviceWorkspace};
 
 use crate::ordering::forget;
 use crate::policies::fixed;
 
-fn setup() -> (SimDevice, DeviceWorkspace<SimDevice>, workspace_cuda::SimStream) {
+fn setup() -> (SimDevice, DeviceWorkspace<SimDevice>, workspace_cuda::device::sim::SimStream) {
     let sim = SimDevice::new().unwrap();
     let copy = sim.new_stream().unwrap();
     let ws = DeviceWorkspace::new("W", fixed(16 << 10), &sim, &sim.default_stream()).unwrap();

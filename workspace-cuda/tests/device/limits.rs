@@ -18,7 +18,7 @@ macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
         /// On the simulated device.
         mod sim {
-            $( #[test] fn $name() { crate::on_sim(super::$name::<workspace_cuda::SimDevice>) } )*
+            $( #[test] fn $name() { crate::on_sim(super::$name::<workspace_cuda::device::sim::SimDevice>) } )*
         }
         /// On a real GPU, skipped without one.
         mod cuda {

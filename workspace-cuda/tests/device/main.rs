@@ -41,7 +41,8 @@ mod random;
 use std::io::Write;
 use std::sync::Once;
 
-use workspace_cuda::{CudaDevice, Device, SimDevice};
+use workspace_cuda::device::sim::SimDevice;
+use workspace_cuda::{CudaDevice, Device};
 
 /// Runs `test` on a fresh simulated device, then checks that it left no fault, no pending
 /// error and no memory behind (every free has run in its stream's order).
@@ -98,8 +99,8 @@ macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
         /// The policy table and the device's own policy tests on the simulated device.
         mod sim {
-            crate::policy_suite::policy_suite!(crate::on_sim, workspace_cuda::SimDevice, learning);
-            $( #[test] fn $name() { crate::on_sim(crate::policies::$name::<workspace_cuda::SimDevice>) } )*
+            crate::policy_suite::policy_suite!(crate::on_sim, workspace_cuda::device::sim::SimDevice, learning);
+            $( #[test] fn $name() { crate::on_sim(crate::policies::$name::<workspace_cuda::device::sim::SimDevice>) } )*
         }
         /// The policy table and the device's own policy tests on a real GPU, skipped without one.
         mod cuda {
@@ -114,7 +115,7 @@ macro_rules! on_both {
 mod sim_member {
     crate::policy_suite::policy_suite!(
         crate::on_sim_member,
-        crate::policies::DeviceMember<workspace_cuda::SimDevice>,
+        crate::policies::DeviceMember<workspace_cuda::device::sim::SimDevice>,
         member
     );
 }

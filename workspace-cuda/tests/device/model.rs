@@ -6,7 +6,8 @@
 use ndarray::Array1;
 use proptest::prelude::*;
 use workspace_core::{AllocationPolicy, LearningPolicy, ResetPolicy, SpillPolicy, WorkspaceConfig};
-use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, SimDevice};
+use workspace_cuda::device::sim::SimDevice;
+use workspace_cuda::{Device, DeviceArray, DeviceWorkspace};
 
 fn configs() -> impl Strategy<Value = WorkspaceConfig> {
     let learning = prop_oneof![

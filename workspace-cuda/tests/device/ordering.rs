@@ -10,7 +10,8 @@ use std::time::Duration;
 use ndarray::Array1;
 use workspace_core::backend::Placement;
 use workspace_core::WorkspaceConfig;
-use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, Error, PinnedWorkspace, SimDevice, SimHold};
+use workspace_cuda::device::sim::{SimDevice, SimHold};
+use workspace_cuda::{Device, DeviceArray, DeviceWorkspace, Error, PinnedWorkspace};
 
 use crate::policies::fixed;
 
@@ -25,7 +26,7 @@ pub(crate) fn forget<T>(value: T) {
 }
 
 /// A device, its default (home) stream and a copy stream.
-fn setup() -> (SimDevice, DeviceWorkspace<SimDevice>, workspace_cuda::SimStream) {
+fn setup() -> (SimDevice, DeviceWorkspace<SimDevice>, workspace_cuda::device::sim::SimStream) {
     let sim = SimDevice::new().unwrap();
     let copy = sim.new_stream().unwrap();
     let ws = DeviceWorkspace::new("W", fixed(4096), &sim, &sim.default_stream()).unwrap();
@@ -210,7 +211,7 @@ fn a_declared_stream_waits_for_the_workspaces_writes() {
         drop(scope);
         sim.synchronize(&copy).unwrap();
         let seen = out.to_host().unwrap()[0];
-        let expected = if ignore_waits { u32::from_ne_bytes([workspace_cuda::POISON; 4]) } else { 6 };
+        let expected = if ignore_waits { u32::from_ne_bytes([workspace_cuda::device::sim::POISON; 4]) } else { 6 };
         assert_eq!(seen, expected, "ignore_stream_waits = {ignore_waits}");
     }
 }
@@ -229,7 +230,7 @@ fn a_copy_into_a_workspace_on_another_stream_waits_for_the_source() {
         sim.quiesce();
         drop(hold);
         let seen = kept.to_host().unwrap()[0];
-        let expected = if ignore_waits { u32::from_ne_bytes([workspace_cuda::POISON; 4]) } else { 3 };
+        let expected = if ignore_waits { u32::from_ne_bytes([workspace_cuda::device::sim::POISON; 4]) } else { 3 };
         assert_eq!(seen, expected, "ignore_stream_waits = {ignore_waits}");
     }
 }

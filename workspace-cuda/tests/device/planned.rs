@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use ndarray::Array1;
 use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceConfig};
+use workspace_cuda::device::sim::{SimDevice, SimHold, SimStream};
 use workspace_cuda::{
-    Device, DeviceArray, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceViewMut, DeviceWorkspace, Error, SimDevice,
-    SimHold, SimStream,
+    Device, DeviceArray, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceViewMut, DeviceWorkspace, Error,
 };
 
 use crate::ordering::forget;

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use async_iter::{BatchArrays, BatchLayout, BatchMut, BatchSource, Role, SourceCall, SourceError, Threading};
 use ndarray::{Array1, Array2, Ix1, Ix2};
-use workspace_cuda::{Device, DevicePrefetcher, Error, SimDevice};
+use workspace_cuda::device::sim::SimDevice;
+use workspace_cuda::{Device, DevicePrefetcher, Error};
 
 use crate::misbehaving::{self, Detonating, Gate, Note, Stuck};
 
@@ -365,7 +366,7 @@ macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
         /// On the simulated device.
         mod sim {
-            $( #[test] fn $name() { crate::on_sim(super::$name::<workspace_cuda::SimDevice>) } )*
+            $( #[test] fn $name() { crate::on_sim(super::$name::<workspace_cuda::device::sim::SimDevice>) } )*
         }
         /// On a real GPU, skipped without one.
         mod cuda {

@@ -1,13 +1,9 @@
 //! The simulator's memory: device allocations at made-up addresses, checked on every
 //! access, and the pinned host memory it knows about.
 
-use std::alloc::{dealloc, Layout};
+use std::alloc::Layout;
 use std::collections::BTreeMap;
-use std::fmt;
-use std::ptr::NonNull;
-use std::sync::Arc;
 
-use super::queue::{lock, Op, Shared, SimStream};
 use crate::device::PINNED_ALIGNMENT;
 
 /// The simulated device memory.
@@ -59,66 +55,9 @@ impl Memory {
     }
 }
 
-/// A simulated device allocation; dropping it frees it in its stream's order.
-pub struct SimMemory {
-    pub(super) address: u64,
-    pub(super) stream: SimStream,
-}
-
-impl fmt::Debug for SimMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimMemory({:#x} on {:?})", self.address, self.stream)
-    }
-}
-
-impl Drop for SimMemory {
-    fn drop(&mut self) {
-        self.stream.enqueue(Op::Free(self.address));
-    }
-}
-
 /// The layout of a simulated pinned allocation of `bytes` bytes: one spare
 /// [`PINNED_ALIGNMENT`] in front, the start aligned to twice that, so that the bytes
 /// handed out (after the spare) are aligned to [`PINNED_ALIGNMENT`] and no more.
 pub(super) fn pinned_layout(bytes: usize) -> Option<Layout> {
     Layout::from_size_align(bytes.checked_add(PINNED_ALIGNMENT)?, 2 * PINNED_ALIGNMENT).ok()
-}
-
-/// Host memory that the simulated device treats as pinned; freed (and unregistered)
-/// when dropped.
-pub struct SimPinned {
-    /// Invariant: `PINNED_ALIGNMENT` bytes past the start of an allocation made with
-    /// `pinned_layout(len)`, owned here.
-    pub(super) ptr: NonNull<u8>,
-    pub(super) len: usize,
-    pub(super) shared: Arc<Shared>,
-}
-
-// SAFETY: a `SimPinned` exclusively owns its allocation (nothing else frees it), and the
-// pointer is only its address; moving it to another thread moves that ownership. Which
-// thread accesses the bytes is governed by the workspaces' event protocol, not by this
-// handle.
-unsafe impl Send for SimPinned {}
-
-impl fmt::Debug for SimPinned {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimPinned({:p}, {} bytes)", self.ptr, self.len)
-    }
-}
-
-impl Drop for SimPinned {
-    fn drop(&mut self) {
-        {
-            // Unregister first, under the memory lock: no simulated copy can reach the
-            // bytes after this.
-            let mut memory = lock(&self.shared.memory);
-            memory.pinned.remove(&(self.ptr.as_ptr() as usize));
-            memory.live_pinned -= self.len;
-        }
-        if let Some(layout) = pinned_layout(self.len) {
-            // SAFETY: `ptr - PINNED_ALIGNMENT` is the start of an allocation made in
-            // `alloc_pinned` with this very layout (`ptr` invariant), freed once, here.
-            unsafe { dealloc(self.ptr.as_ptr().sub(PINNED_ALIGNMENT), layout) };
-        }
-    }
 }

@@ -1,14 +1,18 @@
 //! The simulator's streams: one worker thread per stream running its queue in order,
-//! events, holds, and the execution of each operation against the device memory.
+//! events, holds, the device and pinned allocations (freed through the queue), and the
+//! execution of each operation against the device memory.
 
+use std::alloc::dealloc;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::Duration;
 
-use super::memory::Memory;
+use super::memory::{pinned_layout, Memory};
+use crate::device::PINNED_ALIGNMENT;
 use crate::error::DeviceError;
 
 static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
@@ -212,6 +216,63 @@ impl Drop for SimHold {
             state.holds -= 1;
         }
         self.shared.changed.notify_all();
+    }
+}
+
+/// A simulated device allocation; dropping it frees it in its stream's order.
+pub struct SimMemory {
+    pub(super) address: u64,
+    pub(super) stream: SimStream,
+}
+
+impl fmt::Debug for SimMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimMemory({:#x} on {:?})", self.address, self.stream)
+    }
+}
+
+impl Drop for SimMemory {
+    fn drop(&mut self) {
+        self.stream.enqueue(Op::Free(self.address));
+    }
+}
+
+/// Host memory that the simulated device treats as pinned; freed (and unregistered)
+/// when dropped.
+pub struct SimPinned {
+    /// Invariant: `PINNED_ALIGNMENT` bytes past the start of an allocation made with
+    /// `pinned_layout(len)`, owned here.
+    pub(super) ptr: NonNull<u8>,
+    pub(super) len: usize,
+    pub(super) shared: Arc<Shared>,
+}
+
+// SAFETY: a `SimPinned` exclusively owns its allocation (nothing else frees it), and the
+// pointer is only its address; moving it to another thread moves that ownership. Which
+// thread accesses the bytes is governed by the workspaces' event protocol, not by this
+// handle.
+unsafe impl Send for SimPinned {}
+
+impl fmt::Debug for SimPinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimPinned({:p}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+impl Drop for SimPinned {
+    fn drop(&mut self) {
+        {
+            // Unregister first, under the memory lock: no simulated copy can reach the
+            // bytes after this.
+            let mut memory = lock(&self.shared.memory);
+            memory.pinned.remove(&(self.ptr.as_ptr() as usize));
+            memory.live_pinned -= self.len;
+        }
+        if let Some(layout) = pinned_layout(self.len) {
+            // SAFETY: `ptr - PINNED_ALIGNMENT` is the start of an allocation made in
+            // `alloc_pinned` with this very layout (`ptr` invariant), freed once, here.
+            unsafe { dealloc(self.ptr.as_ptr().sub(PINNED_ALIGNMENT), layout) };
+        }
     }
 }
 
