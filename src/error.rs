@@ -167,7 +167,45 @@ impl From<async_iter::Error> for Error {
     }
 }
 
+/// Constructors for layer authors: the errors a custom layer's `forward`, `backward`
+/// or shape method returns, without spelling out a variant's fields.
+///
+/// ```
+/// use carve::Error;
+///
+/// fn check_width(layer: &str, inputs: usize) -> carve::Result<usize> {
+///     if inputs % 2 != 0 {
+///         return Err(Error::invalid_config(format!("layer '{layer}' pairs its inputs: {inputs} is odd")));
+///     }
+///     Ok(inputs / 2)
+/// }
+/// assert!(matches!(check_width("pairs", 3), Err(Error::InvalidConfig { .. })));
+/// let err = Error::shape_mismatch("layer 'pairs' input", [4, 2], [4, 3]);
+/// assert_eq!(err.to_string(), "layer 'pairs' input: expected shape [4, 2], got [4, 3]");
+/// assert_eq!(Error::invalid_input("an empty batch").to_string(), "an empty batch");
+/// ```
 impl Error {
+    /// [`Error::InvalidConfig`]: a configuration that contradicts itself or cannot be
+    /// built; `reason` says what is wrong and how to fix it.
+    pub fn invalid_config(reason: impl Into<String>) -> Error {
+        Error::InvalidConfig { reason: reason.into() }
+    }
+
+    /// [`Error::ShapeMismatch`]: `context` (who complains, about which array) expected
+    /// `expected` and was handed `actual`.
+    pub fn shape_mismatch(
+        context: impl Into<String>,
+        expected: impl Into<Vec<usize>>,
+        actual: impl Into<Vec<usize>>,
+    ) -> Error {
+        Error::ShapeMismatch { context: context.into(), expected: expected.into(), actual: actual.into() }
+    }
+
+    /// [`Error::InvalidInput`]: a value out of range, described by `message`.
+    pub fn invalid_input(message: impl Into<String>) -> Error {
+        Error::InvalidInput(message.into())
+    }
+
     /// The workspace error inside, if this is one.
     pub fn as_workspace(&self) -> Option<&workspace_core::Error> {
         match self {

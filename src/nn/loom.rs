@@ -31,9 +31,9 @@ use ndarray::Array2;
 use std::sync::atomic::Ordering;
 
 use super::parallel::reduce::{Reducer, Threads};
-use super::parallel::shared::Gate;
 use super::serve::batcher::{BatchBuffers, Batcher};
 use super::serve::turns::{Counters, Turns, Wait};
+use super::sync::Gate;
 use super::PoolConfig;
 use crate::Error;
 

@@ -55,6 +55,7 @@ mod serve;
 #[allow(unsafe_code)]
 mod simd;
 mod step;
+mod sync;
 mod updater;
 
 pub use dense::Dense;

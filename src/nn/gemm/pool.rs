@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use crate::nn::parallel::shared::{panic_message, Gate};
+use crate::nn::sync::{panic_message, Gate};
 use crate::{Error, Result};
 
 use super::kernel::Kernel;

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 // The reduction's primitives are loom's under `--cfg loom` (its model: `src/nn/loom.rs`).
 use async_iter::sync::{self, Arc, AtomicPtr, AtomicUsize, Mutex};
 
-use super::shared::Gate;
+use super::super::sync::Gate;
 
 use crate::{Error, Result};
 

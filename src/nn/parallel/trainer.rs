@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::shared::{panic_message, Gate};
+use super::super::sync::{panic_message, Gate};
 use std::thread::JoinHandle;
 
 use async_iter::{BatchSource, Prefetcher};

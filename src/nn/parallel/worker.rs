@@ -17,10 +17,11 @@ use super::super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Pass,
 use super::super::network::{names, planned_workspace_config, shape_key, training_mgrs, Input, Labels};
 use super::super::profile::{self, Part};
 use super::super::step::{self, Run, StepLayers};
+use super::super::sync::panic_message;
 use super::super::updater::{check_range, commit_range, Updater};
 use super::layer::ParallelLayer;
 use super::reduce::{share, Reducer, Report};
-use super::shared::{panic_message, SharedBuf};
+use super::shared::SharedBuf;
 
 /// Where each layer's parameters (and gradients) are in the flat buffers, and the
 /// buckets the gradients are reduced in.
