@@ -5,8 +5,9 @@ use ndarray::{Array, ArrayView, Dimension};
 
 use crate::detached::DetachedBatch;
 use crate::error::Error;
-use crate::layout::{BatchLayout, Role};
+use crate::layout::BatchLayout;
 use crate::lease::Lease;
+use crate::role::Role;
 
 /// A batch's arrays, read the same way whether the batch is leased from a ring
 /// ([`Lease`]), owned on the host ([`DetachedBatch`]), or on a device

@@ -6,7 +6,8 @@ use bytemuck::Pod;
 use ndarray::{Array, ArrayView, Dimension};
 
 use crate::error::Error;
-use crate::layout::{BatchLayout, Role, ARRAY_ALIGN};
+use crate::layout::{BatchLayout, ARRAY_ALIGN};
+use crate::role::Role;
 use crate::view::{Align64, BatchRef};
 
 /// A batch copied out of the ring by [`Lease::detach`](crate::Lease::detach).

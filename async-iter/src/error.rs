@@ -6,7 +6,7 @@
 
 use std::panic::{self, AssertUnwindSafe};
 
-use crate::layout::Role;
+use crate::role::Role;
 
 /// The error type batch sources return: any error that can cross threads.
 ///

@@ -11,48 +11,15 @@ use std::fmt;
 
 use bytemuck::Pod;
 use ndarray::{Dimension, IntoDimension};
-use serde::Serialize;
 
 use crate::error::{Error, LayoutError};
+use crate::role::Role;
 
 /// Most dimensions an array of a batch can have (ndarray's largest fixed dimension).
 pub const MAX_DIMS: usize = 6;
 
 /// Alignment of every array in a batch, and of every batch in the ring (a cache line).
 pub const ARRAY_ALIGN: usize = 64;
-
-/// The role of an array in a batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-pub enum Role {
-    /// The inputs (required).
-    Features,
-    /// The targets.
-    Labels,
-    /// Which feature entries are real (padding masks of variable-length inputs).
-    FeaturesMask,
-    /// Which label entries count in the loss.
-    LabelsMask,
-}
-
-impl Role {
-    /// Every role, in layout order.
-    pub const ALL: [Role; 4] = [Role::Features, Role::Labels, Role::FeaturesMask, Role::LabelsMask];
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Role::Features => "features",
-            Role::Labels => "labels",
-            Role::FeaturesMask => "features mask",
-            Role::LabelsMask => "labels mask",
-        })
-    }
-}
 
 /// The element type of an array: any `bytemuck::Pod` type, identified by its `TypeId`.
 #[derive(Clone, Copy)]

@@ -143,6 +143,7 @@ mod prefetcher;
 mod producer;
 #[allow(unsafe_code)]
 mod ring;
+mod role;
 mod sequences;
 #[allow(unsafe_code)] // the `unsafe trait SlotMemory`; the ring itself has no unsafe code
 pub mod slot_ring;
@@ -167,9 +168,10 @@ pub use bytemuck::Pod;
 pub use detached::DetachedBatch;
 pub use error::{Error, LayoutError, Result, SourceCall, SourceError};
 pub use in_memory::InMemory;
-pub use layout::{ArraySpec, BatchLayout, ElementType, Role, ARRAY_ALIGN, MAX_DIMS};
+pub use layout::{ArraySpec, BatchLayout, ElementType, ARRAY_ALIGN, MAX_DIMS};
 pub use lease::Lease;
 pub use prefetcher::{Prefetcher, PrefetcherBuilder, Threading, MAX_DEPTH};
+pub use role::Role;
 pub use sequences::Sequences;
 pub use source::BatchSource;
 pub use stats::PrefetchStats;

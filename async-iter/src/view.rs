@@ -15,7 +15,8 @@ use bytemuck::{Pod, Zeroable};
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 
 use crate::error::Error;
-use crate::layout::{BatchLayout, Role, ARRAY_ALIGN};
+use crate::layout::{BatchLayout, ARRAY_ALIGN};
+use crate::role::Role;
 
 /// One cache line of bytes, aligned to [`ARRAY_ALIGN`]: the storage unit of detached
 /// batches, so their arrays can be viewed in place like the ring's.
