@@ -8,7 +8,8 @@
 //! | the DL4J layer API: [`WorkspaceMode`], [`ArrayType`], [`LayerWorkspaceMgr`] | the top level, from [`workspace_core`] |
 //! | what backends are built from ([`Engine`](workspace_core::backend::Engine), [`ArenaBackend`](workspace_core::backend::ArenaBackend), ...) | [`workspace_core::backend`] |
 //! | plans and plan groups | [`workspace_core::plan`], [`workspace_core::planned`] |
-//! | prefetching batches ahead of the loop into a ring workspace | [`async_iter`] |
+//! | prefetching batches ahead of the loop into a ring workspace | [`Prefetcher`], and the rest of [`async_iter`] |
+//! | a whole run's allocations, role by role and layer by layer (Chrome traces, memory reports) | [`Timeline`], and the rest of [`workspace_core::timeline`] |
 //! | device workspaces on CUDA (and a simulated device for tests), pinned staging | [`workspace_cuda`] |
 //! | the reference network (dense, ReLU, softmax cross-entropy, SGD/Adam) | [`nn`] |
 //! | arrays: the `ndarray` crate carve's views and owned arrays come from | [`ndarray`] |
@@ -37,15 +38,19 @@
 //! # Ok::<(), carve::workspace_core::Error>(())
 //! ```
 #![deny(unsafe_code)]
+// A link that does not resolve renders as literal brackets: an error, in private docs too.
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 mod error;
 pub mod nn;
 
 pub use async_iter;
+pub use async_iter::Prefetcher;
 pub use error::{Error, Result};
 pub use ndarray;
 pub use workspace_core;
 pub use workspace_core::alloc_check;
+pub use workspace_core::timeline::Timeline;
 pub use workspace_core::{
     freeze, stats_table, AllocationPolicy, ArrayType, DebugMode, Handle, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder,
     LearningPolicy, Location, MappedFile, Pod, ResetPolicy, Scope, SpillPolicy, TypedScope, Workspace,

@@ -128,6 +128,8 @@
 //! async-iter --release --test loom`).
 
 #![deny(unsafe_code)]
+// A link that does not resolve renders as literal brackets: an error, in private docs too.
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 mod arrays;
 mod detached;

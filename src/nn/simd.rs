@@ -73,7 +73,7 @@ fn adam_commit_body(a: AdamStep, w: &mut [f32], m: &mut [f32], v: &mut [f32], g:
 }
 
 /// The largest `|m|` and the largest `v` of an Adam state (0 for none), what a
-/// [`Bounds`] check starts from.
+/// bounds check ([`adam_step_is_finite`]) starts from.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub(crate) struct Moments {
     pub(crate) m: f32,

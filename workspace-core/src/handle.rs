@@ -1,7 +1,7 @@
 //! Storable handles: arrays that may outlive a borrow, checked on every access.
 //!
 //! A [`Handle`] remembers the workspace it was allocated in and that workspace's
-//! generation. Reading it needs a [`Scope`] of the same workspace and generation, and
+//! generation. Reading it needs a [`Scope`](crate::Scope) of the same workspace and generation, and
 //! the view it gives borrows that scope, so it cannot outlive the cycle either:
 //!
 //! ```compile_fail,E0505

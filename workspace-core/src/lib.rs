@@ -107,6 +107,8 @@
 //! names the layer, the array type, the expected and the actual workspace.
 
 #![deny(unsafe_code)]
+// A link that does not resolve renders as literal brackets: an error, in private docs too.
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 #[allow(unsafe_code)]
 mod alloc_api;

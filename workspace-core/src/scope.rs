@@ -107,7 +107,7 @@ unsafe fn release(ws: NonNull<Workspace>, tag: Tag) {
     }
 }
 
-/// The allocation methods of [`Scope`] and [`Frame`](crate::Frame), written once: each
+/// The allocation methods of [`Scope`] and [`Frame`], written once: each
 /// type gives `workspace_ref` (the workspace allocated in) and `alloc_bytes` (which
 /// path reserves the bytes).
 macro_rules! allocation_methods {

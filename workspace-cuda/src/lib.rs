@@ -17,7 +17,7 @@
 //! | [`HostBackend`] under the [`Engine`] | [`DeviceBackend`], [`PinnedBackend`] under the same engine |
 //! | host RAM | page-locked staging: [`PinnedWorkspace`], [`PinnedArray`]; copies named `htod`/`dtoh` |
 //! | async-iter's [`Prefetcher`] and [`Lease`] | [`DevicePrefetcher`] and [`DeviceLease`]: batches staged in pinned memory, copied into a device ring ahead of use |
-//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory; [`device::sim`]), [`probe`] |
+//! | — | the device layer: [`Device`], [`CudaDevice`] (cudarc), [`SimDevice`] (host memory; [`device::sim`]), [`probe()`] |
 //!
 //! [`SimDevice`]: device::sim::SimDevice
 //! [`Workspace`]: workspace_core::Workspace
@@ -61,7 +61,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! On a machine without CUDA, [`CudaDevice::new`] and [`probe`] say why, as values:
+//! On a machine without CUDA, [`CudaDevice::new`] and [`probe()`] say why, as values:
 //!
 //! ```
 //! match workspace_cuda::CudaDevice::new(0) {
@@ -102,6 +102,8 @@
 //! why it is sound.
 
 #![deny(unsafe_code)]
+// A link that does not resolve renders as literal brackets: an error, in private docs too.
+#![deny(rustdoc::broken_intra_doc_links, rustdoc::private_intra_doc_links)]
 
 mod array;
 #[allow(unsafe_code)]

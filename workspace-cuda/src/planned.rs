@@ -3,7 +3,7 @@
 //!
 //! The planning, the replay and its checks are the host's
 //! ([`workspace_core::planned`]): a [`DevicePlanGroup`] is a
-//! [`Group`](workspace_core::planned::Group) over device memory, and its members join
+//! [`Group`] over device memory, and its members join
 //! it through the engine's member seam, as host workspaces do. What the device adds is
 //! the order of reuse: a plan lets an allocation take bytes that an earlier, dead one
 //! held, and on a device the work issued on the dead one may still be queued. On the

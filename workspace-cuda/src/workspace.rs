@@ -391,7 +391,7 @@ impl<D: Device> StreamOrder<D> {
         }
     }
 
-    /// As [`DeviceWorkspace::order_home_use`], for an infallible caller (a raw address for
+    /// As [`StreamOrder::order_home_use`], for an infallible caller (a raw address for
     /// a kernel): when ordering on the device fails, waits for the streams on the host;
     /// when that fails too, keeps the error for the next `enter`.
     pub(crate) fn order_home_use_or_defer(&self, address: u64, bytes: usize, writes: bool) {

@@ -64,7 +64,7 @@ impl Shadow {
         Ok(Shadow { train, infer, of_kind, all })
     }
 
-    /// The manager a pass of `kind` ([`DryPass::kind`]) runs in.
+    /// The manager a pass of `kind` (`DryPass::kind`) runs in.
     pub(super) fn mgr(&self, kind: usize) -> &LayerWorkspaceMgr {
         match kind {
             0 => &self.train[0],

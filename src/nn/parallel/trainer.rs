@@ -231,7 +231,7 @@ impl DataParallel {
     /// # Errors
     ///
     /// As [`DataParallel::new`]; [`Error::InvalidConfig`] for a reducer of more than
-    /// [`MAX_RANKS`](crate::nn::MAX_RANKS) workers; the reducer's errors at each step
+    /// [`MAX_RANKS`] workers; the reducer's errors at each step
     /// ([`Error::Reduction`]).
     pub fn with_reducer(network: Network, reducer: Box<dyn Reducer>, bucket_bytes: usize) -> Result<DataParallel> {
         let workers = reducer.workers();

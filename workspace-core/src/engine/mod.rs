@@ -156,7 +156,7 @@ pub struct Engine<B: ArenaBackend> {
     virtual_cursor: Cell<Option<usize>>,
     /// Allocations that did not fit in the arena this cycle.
     spill: Spill<B>,
-    /// Spill-everything and bypass-everything (see [`Debug`]).
+    /// Spill-everything and bypass-everything (see [`Debug`](struct@Debug)).
     debug: Debug<B>,
     /// How the arena's size is learned.
     learning: Learning,
