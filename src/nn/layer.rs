@@ -493,7 +493,7 @@ pub struct RowsPass<'p> {
 /// Results must not depend on other rows of the batch (every layer of [`crate::nn`]
 /// computes each row, or each sequence, alone): a batched inference pool relies on it to
 /// give a request the same bits alone or batched with others.
-pub trait Layer: Send + Sync + 'static {
+pub trait Layer: Any + Send + Sync {
     /// A short name for messages and model files ("dense_0", "dropout").
     fn name(&self) -> &str;
 

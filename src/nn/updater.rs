@@ -129,7 +129,7 @@ impl UpdaterState {
         if !self.known_finite(params, grads, t) {
             self.check_every_update(params, grads, t, layout, layers)?;
         }
-        self.commit(Arc::make_mut(params), grads, t);
+        self.commit(Arc::make_mut(params).as_mut_slice(), grads, t);
         Ok(())
     }
 
