@@ -88,11 +88,6 @@ pub(crate) struct Moments {
 }
 
 impl Moments {
-    /// The larger of each.
-    pub(crate) fn max(self, other: Moments) -> Moments {
-        Moments { m: self.m.max(other.m), v: self.v.max(other.v) }
-    }
-
     /// The maxima of a state held elsewhere (a restored or handed-over one): one scan.
     /// `None` when a value is not finite or a second moment is negative, which no
     /// checked step stores.

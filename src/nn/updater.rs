@@ -361,17 +361,13 @@ impl UpdaterState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::layer::{BackwardCtx, ForwardCtx};
-    use ndarray::{ArrayView2, ArrayViewMut2};
+    use crate::nn::layer::ParamShape;
     use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
-    /// A layer that is only parameters with set gradients.
-    struct Params {
-        value: Vec<f32>,
-        grad: Vec<f32>,
-    }
+    /// A layer that is only `n` parameter values.
+    struct Values(usize);
 
-    impl Layer for Params {
+    impl Layer for Values {
         fn name(&self) -> &str {
             "params"
         }
@@ -380,23 +376,30 @@ mod tests {
             Ok(inputs)
         }
 
-        fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, _: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-            Ok(input)
+        fn param_shapes(&self, _inputs: usize) -> Vec<ParamShape> {
+            vec![ParamShape::new("value", &[self.0])]
+        }
+    }
+
+    /// Layers of parameters with their flat buffers, as a network holds them.
+    struct Net {
+        layers: Vec<Box<dyn Layer>>,
+        layout: Params,
+        params: Arc<Vec<f32>>,
+        grads: Vec<f32>,
+    }
+
+    impl Net {
+        fn apply(&mut self, state: &mut UpdaterState, working: &TypedScope) -> Result<()> {
+            state.apply(&mut self.params, &self.grads, &self.layout, &self.layers, working)
         }
 
-        fn backward(
-            &mut self,
-            _: ArrayView2<'_, f32>,
-            _: ArrayView2<'_, f32>,
-            _: ArrayView2<'_, f32>,
-            _: Option<ArrayViewMut2<'_, f32>>,
-            _: &BackwardCtx<'_>,
-        ) -> Result<()> {
-            Ok(())
+        fn known_finite(&self, state: &UpdaterState, t: i32) -> bool {
+            state.known_finite(&self.params, &self.grads, t)
         }
 
-        fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
-            f(Param { value: &mut self.value, grad: &self.grad });
+        fn bits(&self) -> Vec<u32> {
+            self.params.iter().map(|v| v.to_bits()).collect()
         }
     }
 
@@ -407,30 +410,23 @@ mod tests {
             .collect()
     }
 
-    fn layers(sizes: &[usize]) -> Vec<Box<dyn Layer>> {
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| Box::new(Params { value: values(n, i as u32, 1.0), grad: vec![0.0; n] }) as Box<dyn Layer>)
-            .collect()
+    fn layers(sizes: &[usize]) -> Net {
+        let layers: Vec<Box<dyn Layer>> = sizes.iter().map(|&n| Box::new(Values(n)) as Box<dyn Layer>).collect();
+        let layout = Params::of(1, &layers).unwrap();
+        let mut params = vec![0.0; layout.layout.total];
+        for (i, region) in layout.layout.regions.iter().enumerate() {
+            params[region.clone()].copy_from_slice(&values(sizes[i], i as u32, 1.0));
+        }
+        let grads = vec![0.0; layout.layout.total];
+        Net { layers, layout, params: Arc::new(params), grads }
     }
 
-    /// Sets every gradient of `layers` from `seed` (the values kept).
-    fn set_gradients(layers: &mut [Box<dyn Layer>], seed: u32, scale: f32) {
-        for (i, layer) in layers.iter_mut().enumerate() {
-            let mut value = Vec::new();
-            layer.params(&mut |p| value = p.value.to_vec());
-            let grad = values(value.len(), seed.wrapping_mul(31).wrapping_add(i as u32), scale);
-            *layer = Box::new(Params { value, grad });
+    /// Sets every gradient of `net` from `seed` (the values kept).
+    fn set_gradients(net: &mut Net, seed: u32, scale: f32) {
+        for (i, region) in net.layout.layout.regions.iter().enumerate() {
+            let grad = values(region.len(), seed.wrapping_mul(31).wrapping_add(i as u32), scale);
+            net.grads[region.clone()].copy_from_slice(&grad);
         }
-    }
-
-    fn bits(layers: &mut [Box<dyn Layer>]) -> Vec<u32> {
-        let mut out = Vec::new();
-        for layer in layers {
-            layer.params(&mut |p| out.extend(p.value.iter().map(|v| v.to_bits())));
-        }
-        out
     }
 
     fn scope() -> (LayerWorkspaceMgr, ArrayType) {
@@ -447,28 +443,24 @@ mod tests {
         let sizes = [7, 64, 1000, (1 << 16) + 33];
         let updater = Updater::Adam { learning_rate: 3e-3, beta1: 0.9, beta2: 0.999, epsilon: 1e-8 };
         let (mut fast, mut checked) = (layers(&sizes), layers(&sizes));
-        let mut fast_state = UpdaterState::new(updater, &mut fast);
-        let mut checked_state = UpdaterState::new(updater, &mut checked);
+        let mut fast_state = UpdaterState::new(updater, fast.layout.layout.total).unwrap();
+        let mut checked_state = UpdaterState::new(updater, checked.layout.layout.total).unwrap();
         for step in 0..12u32 {
             let scale = [1.0, 1e-20, 1e6, 1e15][step as usize % 4];
             set_gradients(&mut fast, step, scale);
             set_gradients(&mut checked, step, scale);
-            assert!(fast_state.known_finite(&mut fast, step as i32 + 1), "step {step}: the bounds path is taken");
-            fast_state.apply(&mut fast, &working).unwrap();
+            assert!(fast.known_finite(&fast_state, step as i32 + 1), "step {step}: the bounds path is taken");
+            fast.apply(&mut fast_state, &working).unwrap();
             // No bounds: every update computed and checked before it is stored.
             checked_state.moments = None;
-            assert!(!checked_state.known_finite(&mut checked, step as i32 + 1));
-            checked_state.apply(&mut checked, &working).unwrap();
-            assert!(bits(&mut fast) == bits(&mut checked), "step {step}");
+            assert!(!checked.known_finite(&checked_state, step as i32 + 1));
+            checked.apply(&mut checked_state, &working).unwrap();
+            assert!(fast.bits() == checked.bits(), "step {step}");
             assert_eq!(fast_state.first, checked_state.first);
             assert_eq!(fast_state.second, checked_state.second);
         }
         // The bounds tracked as the steps were stored are the state's own maxima.
-        let scanned = fast_state
-            .first
-            .iter()
-            .zip(&fast_state.second)
-            .try_fold(Moments::default(), |acc, (m, v)| Some(acc.max(Moments::of(m, v)?)));
+        let scanned = Moments::of(&fast_state.first, &fast_state.second);
         assert_eq!(fast_state.moments, scanned);
     }
 
@@ -490,28 +482,24 @@ mod tests {
         ];
         for (case, &(updater, value, scale, finite)) in cases.iter().enumerate() {
             let mut net = layers(&[100]);
-            let mut state = UpdaterState::new(updater, &mut net);
+            let mut state = UpdaterState::new(updater, net.layout.layout.total).unwrap();
             set_gradients(&mut net, 5, scale);
-            let mut value_37 = Vec::new();
-            net[0].params(&mut |p| {
-                p.value[37] = value;
-                value_37 = p.value.to_vec();
-            });
+            Arc::make_mut(&mut net.params)[37] = value;
             // A negative gradient there: Adam's first step moves it up by about the step.
             let mut grad = values(100, 5u32.wrapping_mul(31), scale);
             grad[37] = -scale;
-            net[0] = Box::new(Params { value: value_37, grad });
-            let before = bits(&mut net);
-            let known = state.known_finite(&mut net, 1);
-            let result = state.apply(&mut net, &working);
+            net.grads.copy_from_slice(&grad);
+            let before = net.bits();
+            let known = net.known_finite(&state, 1);
+            let result = net.apply(&mut state, &working);
             assert_eq!(result.is_ok(), finite, "case {case}: {result:?}");
             if finite {
-                assert!(bits(&mut net) != before, "case {case}: stored");
+                assert!(net.bits() != before, "case {case}: stored");
                 assert_eq!(state.step, 1);
             } else {
                 assert!(!known, "case {case}: the bounds never admit a step that overflows");
-                assert!(bits(&mut net) == before, "case {case}: a refused step changes nothing");
-                assert!(state.first.iter().chain(&state.second).flatten().all(|&x| x == 0.0), "case {case}");
+                assert!(net.bits() == before, "case {case}: a refused step changes nothing");
+                assert!(state.first.iter().chain(&state.second).all(|&x| x == 0.0), "case {case}");
                 assert_eq!(state.step, 0);
             }
         }
