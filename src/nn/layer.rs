@@ -655,3 +655,22 @@ pub(crate) fn check_len(layer: &str, what: &str, len: usize, expected: usize) ->
     }
     Ok(())
 }
+
+/// `layer`'s parameters for `inputs` input columns, initialised as a network of seed
+/// `seed` whose first layer it is initialises them: for running a layer on its own (a
+/// gradient check, a tool), the parameters in [`Layer::param_shapes`]' layout.
+///
+/// ```
+/// use carve::nn::{initial_params, Dense};
+///
+/// let params = initial_params(&Dense::new(4, 3), 4, 7);
+/// assert_eq!(params.len(), 4 * 3 + 3);
+/// assert!(params[12..].iter().all(|&b| b == 0.0)); // zero biases
+/// ```
+pub fn initial_params(layer: &dyn Layer, inputs: usize, seed: u64) -> Vec<f32> {
+    let count = layer.param_shapes(inputs).iter().map(ParamShape::len).fold(0usize, usize::saturating_add);
+    let mut params = vec![0.0; count];
+    let mut rng = crate::nn::Rng::new(seed);
+    layer.init(inputs, &mut params, &mut Init::new(&mut rng));
+    params
+}

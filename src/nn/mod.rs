@@ -60,7 +60,9 @@ mod sync;
 mod updater;
 
 pub use dense::Dense;
-pub use layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape};
+pub use layer::{
+    initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
+};
 pub use limits::{MAX_RANKS, MAX_THREADS};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
