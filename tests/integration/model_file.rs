@@ -518,7 +518,7 @@ fn a_custom_layer_saves_and_loads_with_the_configuration_that_builds_it() {
         }
     }
     let config = || NetworkConfig::builder(3).layer(Doubler).dense(2).seed(4).build().unwrap();
-    let net = Network::new(config()).unwrap();
+    let mut net = Network::new(config()).unwrap();
     let dir = Scratch::new();
     let path = dir.path("custom.safetensors");
     net.save(&path).unwrap();

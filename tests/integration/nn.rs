@@ -323,8 +323,7 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
 fn dense_gradients_match_finite_differences_beyond_a_micro_tile() {
     // 17 × 40 → 33 reaches a full micro-tile of every blocked kernel (8×32, 16×16,
     // 6×16) in all three products (forward; dW = xᵀ·dy; dx = dy·Wᵀ), with ragged edges.
-    let mut dense = Dense::new(40, 33);
-    dense.init(&mut Rng::new(21));
+    let mut dense = Standalone::new(Dense::new(40, 33), 40, 21);
     check_layer(&mut dense, 17, 40, 33, 23);
 }
 
@@ -388,16 +387,17 @@ fn relus_are_numbered_like_the_dense_layers() {
 
 #[test]
 fn relu_rejects_an_input_gradient_of_another_shape() {
-    let mut relu = Relu::named("relu_7");
+    let relu = Relu::named("relu_7");
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
     let ctx = BackwardCtx { working: &bp, mgr: &mgr };
     let (x, y, dy) = (Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)));
     let mut dx = Array2::<f32>::zeros((3, 5));
-    let err = relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap_err();
+    let pass = RowsPass { input: x.view(), output: y.view(), grad_output: dy.view() };
+    let err = relu.backward_rows(&[], &mut [], pass, Some(dx.view_mut()), &ctx).unwrap_err();
     assert_eq!(err.to_string(), "layer 'relu_7' input gradient: expected shape [3, 4], got [3, 5]");
     let mut dx = Array2::<f32>::zeros((3, 4));
-    relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap();
+    relu.backward_rows(&[], &mut [], pass, Some(dx.view_mut()), &ctx).unwrap();
     assert_eq!(dx, dy);
 }
 
@@ -586,10 +586,9 @@ enum Taint {
     ParamGradient,
 }
 
-/// A user layer adding a bias per column, which can taint what it computes.
+/// A user layer adding a bias per column (starting at 0.1), which can taint what it
+/// computes.
 struct Tainting {
-    bias: Vec<f32>,
-    grad: Vec<f32>,
     taint: Switch<Taint>,
 }
 
