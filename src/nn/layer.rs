@@ -202,7 +202,7 @@ pub struct BackwardCtx<'w> {
 }
 
 /// The steps of `input` as one `[batch · time, features]` batch, and `(batch, time)`:
-/// what [`Layer::forward_sequence`]'s default hands to `forward` (copied into standard
+/// what [`Layer::forward`]'s default hands to `forward_rows` (copied into standard
 /// layout first when it is not).
 pub(crate) fn steps_in<'a>(
     input: ArrayView3<'a, f32>,

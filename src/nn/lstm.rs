@@ -491,7 +491,7 @@ impl Lstm {
         let cache_view = match cache {
             Cache::Empty => {
                 return Err(Error::InvalidInput(format!(
-                    "layer '{}': backward_sequence without a training forward pass before it",
+                    "layer '{}': a backward pass without a training forward pass before it",
                     self.name
                 )))
             }
@@ -503,7 +503,7 @@ impl Lstm {
         };
         if cache_view.dim() != (steps, batch, CACHED * self.hidden) || mask_print != fingerprint(mask, batch, steps) {
             return Err(Error::InvalidInput(format!(
-                "layer '{}': backward_sequence on another batch or mask than its forward pass ({:?} cached)",
+                "layer '{}': a backward pass on another batch or mask than its forward pass ({:?} cached)",
                 self.name,
                 cache_view.shape()
             )));
