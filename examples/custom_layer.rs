@@ -21,8 +21,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use carve::nn::{
-    BackwardCtx, DataParallel, ForwardCtx, InferencePool, Init, Layer, Model, Network, NetworkConfig,
-    ParallelConfig, ParamShape, PoolConfig, RowsPass, Updater,
+    BackwardCtx, DataParallel, ForwardCtx, InferencePool, Init, Layer, Model, Network, NetworkConfig, ParallelConfig,
+    ParamShape, PoolConfig, RowsPass, Updater,
 };
 use carve::{freeze, WorkspaceMode};
 use clap::Parser;
@@ -31,8 +31,9 @@ use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2, Axis, Zip};
 #[path = "common/cli.rs"]
 mod cli;
 
-/// A user's own layer (a learned per-feature scale), trained by a network and by two
-/// data-parallel workers, saved, loaded and served; prints one JSON line.
+/// A user's own layer (a learned per-feature scale), trained by a
+/// network and by two data-parallel workers, saved, loaded and served;
+/// prints one JSON line.
 #[derive(Parser)]
 #[command(name = "custom_layer", verbatim_doc_comment)]
 struct Args {}

@@ -228,7 +228,6 @@ pub(crate) fn steps_out<'a>(
     Ok(Activations::Sequence(y))
 }
 
-
 /// What a layer's forward pass leaves for its backward pass besides the input and output
 /// the step keeps (an LSTM's gates and states): one per layer, per network or
 /// data-parallel worker, made once by [`Layer::tape`]. Most layers need none
@@ -626,7 +625,8 @@ pub trait Layer: Any + Send + Sync {
         match pass.input {
             Activations::Flat(x) => {
                 let grad_input = grad_input.map(|g| flat_grad_input(g, name)).transpose()?;
-                let rows = RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
+                let rows =
+                    RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
                 self.backward_rows(params, grads, rows, grad_input, ctx)
             }
             Activations::Sequence(x) => {

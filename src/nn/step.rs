@@ -25,8 +25,8 @@ use crate::{Error, Result};
 use super::finite;
 use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape};
 use super::loss::SoftmaxCrossEntropy;
-use super::params::Params;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
+use super::params::Params;
 use super::profile::{self, Part};
 
 /// The layers of a step as the step drives them, by index in forward order, with the

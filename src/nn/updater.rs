@@ -174,7 +174,8 @@ impl UpdaterState {
         for (i, region) in layout.layout.regions.iter().enumerate() {
             let r = region.clone();
             let v = (!self.second.is_empty()).then(|| &self.second[r.clone()]);
-            let found = first_non_finite(self.updater, t, &values[r.clone()], &grads[r.clone()], &self.first[r.clone()], v);
+            let found =
+                first_non_finite(self.updater, t, &values[r.clone()], &grads[r.clone()], &self.first[r.clone()], v);
             if let Some((element, what, value)) = found {
                 let grad = grads[r.start + element];
                 let (param, element) = layout.param_of(i, element);

@@ -2,8 +2,8 @@
 //! None equality, configuration and input errors, validation of misplaced outputs.
 
 use carve::nn::{
-    Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu,
-    Rng, RowsPass, SoftmaxCrossEntropy, Updater,
+    Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu, Rng,
+    RowsPass, SoftmaxCrossEntropy, Updater,
 };
 
 use crate::standalone::Standalone;
@@ -33,7 +33,8 @@ fn analytic(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> (Array2
     let y = layer.forward(Activations::Flat(x.view()), None, &ctx).unwrap();
     let mut gx = Array2::<f32>::from_elem(x.raw_dim(), f32::NAN);
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
-    let pass = Pass { input: Activations::Flat(x.view()), mask: None, output: y, grad_output: Activations::Flat(r.view()) };
+    let pass =
+        Pass { input: Activations::Flat(x.view()), mask: None, output: y, grad_output: Activations::Flat(r.view()) };
     layer.backward(pass, Some(GradInput::Flat(gx.view_mut())), &BackwardCtx { working: &bp, mgr: &mgr }).unwrap();
     (gx, layer.param_grads())
 }

@@ -225,7 +225,8 @@ fn hostile_shapes_at_the_layer_api_are_errors_not_panics() {
     for head in [Standalone::new(LastStep::new(), 3, 0), Standalone::new(MaskedMean::new(), 3, 0)] {
         let mut head = head;
         let y = head.forward(seq(&x), Some(m.view()), &ctx).unwrap();
-        let pass = Pass { input: seq(&x), mask: Some(m.view()), output: y, grad_output: Activations::Flat(flat.view()) };
+        let pass =
+            Pass { input: seq(&x), mask: Some(m.view()), output: y, grad_output: Activations::Flat(flat.view()) };
         let err = head.backward(pass, Some(GradInput::Sequence(short.view_mut())), &bctx).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { .. }), "{}: {err}", head.name());
         let empty = Array3::<f32>::zeros((2, 0, 3));

@@ -6,9 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use carve::nn::{
-    ForwardCtx, InferencePool, Input, Layer, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng,
-};
+use carve::nn::{ForwardCtx, InferencePool, Input, Layer, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng};
 use carve::{Error, LayerWorkspaceMgr, WorkspaceMode};
 use ndarray::{Array2, Array3, ArrayView2};
 

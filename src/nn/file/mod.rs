@@ -55,14 +55,23 @@ const TORCH_BLOCK: [usize; 4] = [2, 1, 3, 0];
 /// A layer as a file describes it.
 #[derive(Clone, Debug)]
 enum Kind {
-    Dense { inputs: usize, outputs: usize },
+    Dense {
+        inputs: usize,
+        outputs: usize,
+    },
     Relu,
-    Lstm { inputs: usize, hidden: usize },
+    Lstm {
+        inputs: usize,
+        hidden: usize,
+    },
     LastStep,
     MaskedMean,
     /// A user's own layer of `inputs` input columns: its parameters under its own names,
     /// in carve's layout.
-    Custom { inputs: usize, params: Vec<ParamShape> },
+    Custom {
+        inputs: usize,
+        params: Vec<ParamShape>,
+    },
 }
 
 impl Kind {
@@ -329,7 +338,8 @@ impl Model {
 /// Whether every layer name is unique, non-empty and free of dots: then each layer's
 /// tensors are saved under its name, otherwise under its position (`layers.{index}`).
 fn unique_names(names: &[&str]) -> bool {
-    names.iter().collect::<BTreeSet<_>>().len() == names.len() && names.iter().all(|n| !n.is_empty() && !n.contains('.'))
+    names.iter().collect::<BTreeSet<_>>().len() == names.len()
+        && names.iter().all(|n| !n.is_empty() && !n.contains('.'))
 }
 
 /// A model of `layers` on `inputs` columns, each layer's parameters from `values` (in
@@ -545,8 +555,8 @@ impl Found {
                 let (u, b) = rest.split_at_mut(h * columns);
                 for (slot, rows, dst) in [(0, inputs, w), (1, h, u)] {
                     // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
-                    let t = Array2::from_shape_vec((columns, rows), read(slot)?.expect("required"))
-                        .expect("checked shape");
+                    let t =
+                        Array2::from_shape_vec((columns, rows), read(slot)?.expect("required")).expect("checked shape");
                     let mut dst = ndarray::ArrayViewMut2::from_shape((rows, columns), dst).expect("rows × 4h values");
                     for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                         for j in 0..h {

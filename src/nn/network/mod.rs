@@ -397,6 +397,7 @@ impl Network {
     }
 
     /// The layers, their layout and the parameters, shared (what a model holds).
+    #[allow(clippy::type_complexity)]
     pub(crate) fn shared_parts(&self) -> (Arc<[Box<dyn Layer>]>, Arc<Params>, Arc<Vec<f32>>) {
         (Arc::clone(&self.layers), Arc::clone(&self.layout), Arc::clone(&self.params))
     }

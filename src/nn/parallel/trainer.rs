@@ -18,9 +18,9 @@ use super::super::limits::{check_threads, MAX_RANKS};
 use super::super::network::{
     check_input, check_labels, counted, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout,
 };
+use super::super::params::{Layout, Params};
 use super::super::profile::{self, StepBreakdown};
 use super::super::serve::Model;
-use super::super::params::{Layout, Params};
 use super::super::updater::UpdaterState;
 use super::reduce::{Alone, Reducer, Threads};
 use super::shared::SharedBuf;
@@ -589,7 +589,12 @@ impl DataParallel {
         // writes the parameters.
         let params = unsafe { self.shared.params.read() };
         let shared = &self.shared;
-        Model::from_parts(self.inputs, Arc::clone(&shared.layers), Arc::clone(&shared.params_layout), Arc::new(params.to_vec()))
+        Model::from_parts(
+            self.inputs,
+            Arc::clone(&shared.layers),
+            Arc::clone(&shared.params_layout),
+            Arc::new(params.to_vec()),
+        )
     }
 
     /// The network again, trained: the trainer's weights and updater state moved back

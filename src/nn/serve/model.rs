@@ -230,8 +230,13 @@ impl Model {
     ) -> Result<(R, bool)> {
         let group = mgr.plan_group().expect("serving arenas are planned");
         group.iteration(shape_key(&x, None), || {
-            let mut layers =
-                StepLayers { layers: &self.layers, params: &self.layout, values: &self.params, grads: None, tapes: None };
+            let mut layers = StepLayers {
+                layers: &self.layers,
+                params: &self.layout,
+                values: &self.params,
+                grads: None,
+                tapes: None,
+            };
             probabilities(&mut layers, mgr, x, None, f)
         })
     }
