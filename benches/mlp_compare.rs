@@ -245,10 +245,14 @@ fn carve_network(widths: &[usize], threads: usize) -> Res<Network> {
 
 /// carve's initial parameters for `widths` (every configuration starts from them).
 fn start(widths: &[usize]) -> Res<Start> {
-    let mut net = carve_network(widths, 1)?;
+    let net = carve_network(widths, 1)?;
     let mut values = Vec::new();
-    for layer in net.layers_mut() {
-        layer.params(&mut |p| values.push(p.value.to_vec()));
+    for i in 0..net.layers().len() {
+        let (params, mut at) = (net.layer_params(i), 0);
+        for shape in net.param_shapes(i) {
+            values.push(params[at..at + shape.len()].to_vec());
+            at += shape.len();
+        }
     }
     if values.len() != 2 * (widths.len() - 1) {
         return Err(format!("expected a weight and a bias per dense layer, found {} parameters", values.len()).into());

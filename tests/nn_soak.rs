@@ -6,7 +6,7 @@
 
 use carve::alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use carve::freeze;
-use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, Updater};
+use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, RowsPass, Updater};
 use carve::workspace_core::alloc_check::AllocationKind;
 use carve::WorkspaceMode;
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2, Axis};
@@ -103,8 +103,9 @@ impl Layer for Centre {
         Ok(inputs)
     }
 
-    fn forward<'a>(
-        &mut self,
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
@@ -125,14 +126,15 @@ impl Layer for Centre {
         Ok(freeze(out))
     }
 
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> carve::Result<()> {
+        let grad_output = pass.grad_output;
         if let Some(mut grad_input) = grad_input {
             grad_input.assign(&grad_output); // (the means' share of the gradient left out)
         }

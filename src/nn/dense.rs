@@ -1,36 +1,33 @@
 //! Fully connected layer: `y = x · W + b`.
 
 use crate::{Error, Result};
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
-use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param};
-use super::limits::config_filled;
-use super::parallel::{DenseShape, ParallelLayer};
-use super::Rng;
+use super::layer::{check_len, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass};
 
-/// A dense layer with `inputs × outputs` weights and `outputs` biases, initialised
-/// with Glorot (Xavier) uniform weights and zero biases.
+/// A dense layer from `inputs` to `outputs` columns: `inputs × outputs` weights
+/// (PyTorch's `weight`, stored transposed: carve keeps them `inputs × outputs`, row-major)
+/// and `outputs` biases (`bias`), initialised with Glorot (Xavier) uniform weights and
+/// zero biases.
 ///
 /// The matrix products take their packing buffers from the layer's working memory,
 /// so with workspaces enabled a forward and backward pass allocate nothing.
 #[derive(Clone, Debug)]
 pub struct Dense {
     name: String,
-    weights: Array2<f32>,
-    bias: Array1<f32>,
-    grad_weights: Array2<f32>,
-    grad_bias: Array1<f32>,
+    inputs: usize,
+    outputs: usize,
 }
 
 impl Dense {
-    /// A layer from `inputs` to `outputs` columns (weights zero until initialised).
+    /// A layer from `inputs` to `outputs` columns.
     ///
     /// # Panics
     ///
-    /// When the weights cannot be allocated (see [`Dense::try_new`], which returns an
-    /// error instead).
+    /// When `inputs × outputs` weights overflow the address space (see
+    /// [`Dense::try_new`], which returns an error instead).
     pub fn new(inputs: usize, outputs: usize) -> Dense {
         Dense::named("dense", inputs, outputs)
     }
@@ -45,7 +42,7 @@ impl Dense {
     }
 
     /// As [`Dense::new`], with an error instead of a panic for sizes that cannot be
-    /// allocated.
+    /// laid out.
     ///
     /// ```
     /// use carve::nn::Dense;
@@ -57,7 +54,7 @@ impl Dense {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] when `inputs × outputs` weights overflow the address
-    /// space or cannot be allocated.
+    /// space.
     pub fn try_new(inputs: usize, outputs: usize) -> Result<Dense> {
         Dense::try_named("dense", inputs, outputs)
     }
@@ -68,72 +65,38 @@ impl Dense {
     ///
     /// As [`Dense::try_new`].
     pub fn try_named(name: &str, inputs: usize, outputs: usize) -> Result<Dense> {
-        let weights = inputs
+        let values = inputs
             .checked_mul(outputs)
+            .and_then(|n| n.checked_add(outputs))
             .filter(|&n| n.checked_mul(size_of::<f32>()).is_some_and(|bytes| bytes <= isize::MAX as usize));
-        let Some(weights) = weights else {
+        if values.is_none() {
             return Err(Error::InvalidConfig {
                 reason: format!(
                     "dense layer '{name}' of {inputs} × {outputs} weights overflows the address space; \
                      check the layer widths"
                 ),
             });
-        };
-        let zeros = |len: usize| {
-            config_filled(len, 0.0, || {
-                format!("dense layer '{name}' of {inputs} × {outputs} weights (check the layer widths)")
-            })
-        };
-        let matrix = |values| Array2::from_shape_vec((inputs, outputs), values).expect("inputs × outputs values");
-        Ok(Dense {
-            name: name.to_string(),
-            weights: matrix(zeros(weights)?),
-            bias: Array1::from(zeros(outputs)?),
-            grad_weights: matrix(zeros(weights)?),
-            grad_bias: Array1::from(zeros(outputs)?),
-        })
-    }
-
-    /// The weights, `inputs × outputs`.
-    pub fn weights(&self) -> ArrayView2<'_, f32> {
-        self.weights.view()
-    }
-
-    /// The weights, for tests and loading.
-    pub fn weights_mut(&mut self) -> ArrayViewMut2<'_, f32> {
-        self.weights.view_mut()
-    }
-
-    /// The biases.
-    pub fn bias(&self) -> ArrayView1<'_, f32> {
-        self.bias.view()
-    }
-
-    /// The gradient of the weights from the last backward pass.
-    pub fn grad_weights(&self) -> ArrayView2<'_, f32> {
-        self.grad_weights.view()
-    }
-
-    /// The gradient of the biases from the last backward pass.
-    pub fn grad_bias(&self) -> ArrayView1<'_, f32> {
-        self.grad_bias.view()
-    }
-
-    /// The forward pass, through `&self` (training's and serving's).
-    fn infer<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        forward(&self.name, self.weights.view(), self.bias.view(), input, ctx)
-    }
-
-    /// A layer of these weights (`inputs × outputs`) and biases, with no gradients:
-    /// what serving and loading hold.
-    pub(crate) fn from_parts(name: &str, weights: Array2<f32>, bias: Array1<f32>) -> Dense {
-        Dense {
-            name: name.to_string(),
-            weights,
-            bias,
-            grad_weights: Array2::zeros((0, 0)),
-            grad_bias: Array1::zeros(0),
         }
+        Ok(Dense { name: name.to_string(), inputs, outputs })
+    }
+
+    /// Input columns.
+    pub fn inputs(&self) -> usize {
+        self.inputs
+    }
+
+    /// Output columns.
+    pub fn outputs(&self) -> usize {
+        self.outputs
+    }
+
+    /// The weights (`inputs × outputs`) and biases in this layer's region of the
+    /// parameters.
+    fn weights<'p>(&self, params: &'p [f32]) -> Result<(ArrayView2<'p, f32>, ArrayView1<'p, f32>)> {
+        check_len(&self.name, "parameters", params.len(), self.inputs * self.outputs + self.outputs)?;
+        let (w, b) = params.split_at(self.inputs * self.outputs);
+        let w = ArrayView2::from_shape((self.inputs, self.outputs), w).expect("inputs × outputs values");
+        Ok((w, ArrayView1::from(b)))
     }
 }
 
@@ -149,9 +112,8 @@ fn check_input(name: &str, w: ArrayView2<'_, f32>, input: &ArrayView2<'_, f32>) 
     Ok(())
 }
 
-/// The forward pass of a dense layer of weights `w` and biases `b`: the layer's own, or
-/// a data-parallel trainer's shared copy.
-pub(crate) fn forward<'a>(
+/// The forward pass of a dense layer of weights `w` and biases `b`.
+fn forward<'a>(
     name: &str,
     w: ArrayView2<'_, f32>,
     b: ArrayView1<'_, f32>,
@@ -174,7 +136,7 @@ pub(crate) fn forward<'a>(
 /// biases written into `gw` and `gb` (every element), and of the input into
 /// `grad_input` when given.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(
+fn backward(
     name: &str,
     w: ArrayView2<'_, f32>,
     input: ArrayView2<'_, f32>,
@@ -220,79 +182,48 @@ impl Layer for Dense {
     }
 
     fn output_size(&self, inputs: usize) -> Result<usize> {
-        if inputs != self.weights.nrows() {
+        if inputs != self.inputs {
             return Err(Error::ShapeMismatch {
-                context: format!("layer '{}' takes {} inputs", self.name, self.weights.nrows()),
-                expected: vec![self.weights.nrows()],
+                context: format!("layer '{}' takes {} inputs", self.name, self.inputs),
+                expected: vec![self.inputs],
                 actual: vec![inputs],
             });
         }
-        Ok(self.weights.ncols())
+        Ok(self.outputs)
     }
 
-    fn init(&mut self, rng: &mut Rng) {
-        let (inputs, outputs) = self.weights.dim();
-        let limit = (6.0 / (inputs + outputs) as f32).sqrt();
-        self.weights.mapv_inplace(|_| rng.uniform(-limit, limit));
-        self.bias.fill(0.0);
+    fn param_shapes(&self, _inputs: usize) -> Vec<ParamShape> {
+        vec![ParamShape::new("weight", &[self.inputs, self.outputs]), ParamShape::new("bias", &[self.outputs])]
     }
 
-    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        self.infer(input, ctx)
+    fn init(&self, _inputs: usize, params: &mut [f32], init: &mut Init<'_>) {
+        let (w, b) = params.split_at_mut(self.inputs * self.outputs);
+        init.glorot_uniform(self.inputs, self.outputs, w);
+        b.fill(0.0);
     }
 
-    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
-        let (inputs, outputs) = self.weights.dim();
-        Some(Box::new(DenseShape { name: self.name.clone(), inputs, outputs }))
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<ArrayView2<'a, f32>> {
+        let (w, b) = self.weights(params)?;
+        forward(&self.name, w, b, input, ctx)
     }
 
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        Some(Box::new(Frozen(Dense::from_parts(&self.name, self.weights.clone(), self.bias.clone()))))
-    }
-
-    fn backward(
-        &mut self,
-        input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        let (w, gw, gb) = (self.weights.view(), self.grad_weights.view_mut(), self.grad_bias.view_mut());
-        backward(&self.name, w, input, grad_output, gw, gb, grad_input, ctx)
-    }
-
-    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
-        let (w, gw) = (&mut self.weights, &self.grad_weights);
-        f(Param {
-            value: w.as_slice_mut().expect("owned weights are contiguous"),
-            grad: gw.as_slice().expect("owned gradients are contiguous"),
-        });
-        f(Param {
-            value: self.bias.as_slice_mut().expect("owned biases are contiguous"),
-            grad: self.grad_bias.as_slice().expect("owned gradients are contiguous"),
-        });
-    }
-
-    fn param_count(&self) -> usize {
-        self.weights.len() + self.bias.len()
-    }
-}
-
-impl FrozenLayer for Frozen<Dense> {
-    fn name(&self) -> &str {
-        &self.0.name
-    }
-
-    fn param_count(&self) -> usize {
-        self.0.weights.len() + self.0.bias.len()
-    }
-
-    fn output_size(&self, inputs: usize) -> Result<usize> {
-        Layer::output_size(&self.0, inputs)
-    }
-
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        self.0.infer(input, ctx)
+        let (w, _) = self.weights(params)?;
+        check_len(&self.name, "gradients", grads.len(), params.len())?;
+        let (gw, gb) = grads.split_at_mut(self.inputs * self.outputs);
+        let gw = ArrayViewMut2::from_shape((self.inputs, self.outputs), gw).expect("inputs × outputs values");
+        backward(&self.name, w, pass.input, pass.grad_output, gw, ArrayViewMut1::from(gb), grad_input, ctx)
     }
 }

@@ -119,11 +119,6 @@ pub(crate) fn not_standard(layer: &str) -> Error {
     ))
 }
 
-/// What one worker's forward pass of a layer leaves for its backward pass besides the
-/// input and output the trainer keeps (an LSTM's gates and states), made once per worker
-/// by [`ParallelLayer::tape`](crate::nn::ParallelLayer::tape); `()` for most layers.
-pub type Tape = Box<dyn Any + Send>;
-
 /// The gradient of a layer's input, of the kind of the input, that its backward pass
 /// writes (every element).
 #[derive(Debug)]
@@ -206,292 +201,8 @@ pub struct BackwardCtx<'w> {
     pub mgr: &'w LayerWorkspaceMgr,
 }
 
-/// One trainable parameter and its gradient, as the updater sees them.
-pub struct Param<'p> {
-    /// The values, updated in place.
-    pub value: &'p mut [f32],
-    /// The gradient of the loss with respect to `value`, from the last backward pass.
-    pub grad: &'p [f32],
-}
-
-/// A layer of a feed-forward network on 2-D batches (rows are examples).
-///
-/// Parameters and their gradients belong to the layer (outside any workspace);
-/// everything else a layer needs it takes from the workspaces in its context.
-///
-/// # Where a layer's output may live
-///
-/// The output of [`Layer::forward`] must outlive the call (the backward pass reads it),
-/// so it is allocated from [`ForwardCtx::activations`]. This layer doubles its input
-/// into the activations workspace:
-///
-/// ```
-/// use carve::freeze;
-/// use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// use carve::ndarray::{ArrayView2, ArrayViewMut2};
-///
-/// struct Double;
-///
-/// impl Layer for Double {
-///     fn name(&self) -> &str {
-///         "double"
-///     }
-///     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
-///         Ok(inputs)
-///     }
-///     fn forward<'a>(
-///         &mut self,
-///         input: ArrayView2<'a, f32>,
-///         ctx: &ForwardCtx<'a, '_>,
-///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
-///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
-///         Ok(freeze(out))
-///     }
-///     fn backward(
-///         &mut self,
-///         _input: ArrayView2<'_, f32>,
-///         _output: ArrayView2<'_, f32>,
-///         grad_output: ArrayView2<'_, f32>,
-///         grad_input: Option<ArrayViewMut2<'_, f32>>,
-///         _ctx: &BackwardCtx<'_>,
-///     ) -> carve::Result<()> {
-///         if let Some(mut grad_input) = grad_input {
-///             grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
-///         }
-///         Ok(())
-///     }
-/// }
-///
-/// let config = carve::nn::NetworkConfig::builder(4).layer(Double).dense(2).build()?;
-/// let mut net = carve::nn::Network::new(config)?;
-/// let x = carve::ndarray::Array2::<f32>::ones((3, 4));
-/// assert!(net.fit_batch(x.view(), carve::ndarray::arr1(&[0, 1, 0]).view())?.is_finite());
-/// # Ok::<(), carve::Error>(())
-/// ```
-///
-/// Working memory ([`ForwardCtx::working`]) is reset as soon as the layer returns, so
-/// the same layer returning an array of working memory as its output does not compile
-/// (the working scope lives for the context's second lifetime, not for the
-/// activations' `'a`). The block differs from the one above in one word; rustc reports
-/// the error ("lifetime may not live long enough") without an error code, so none is
-/// pinned here.
-///
-/// ```compile_fail
-/// # use carve::freeze;
-/// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// # use carve::ndarray::{ArrayView2, ArrayViewMut2};
-/// # struct Double;
-/// impl Layer for Double {
-/// #   fn name(&self) -> &str {
-/// #       "double"
-/// #   }
-/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
-/// #       Ok(inputs)
-/// #   }
-///     fn forward<'a>(
-///         &mut self,
-///         input: ArrayView2<'a, f32>,
-///         ctx: &ForwardCtx<'a, '_>,
-///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
-///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
-///         Ok(freeze(out))
-///     }
-/// #   fn backward(
-/// #       &mut self,
-/// #       _input: ArrayView2<'_, f32>,
-/// #       _output: ArrayView2<'_, f32>,
-/// #       grad_output: ArrayView2<'_, f32>,
-/// #       grad_input: Option<ArrayViewMut2<'_, f32>>,
-/// #       _ctx: &BackwardCtx<'_>,
-/// #   ) -> carve::Result<()> {
-/// #       if let Some(mut grad_input) = grad_input {
-/// #           grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
-/// #       }
-/// #       Ok(())
-/// #   }
-/// }
-/// ```
-///
-/// Nor can a layer tie the two lifetimes together to make it compile: an `impl` whose
-/// `forward` takes `&ForwardCtx<'a, 'a>` does not match the trait.
-///
-/// ```compile_fail
-/// # use carve::freeze;
-/// # use carve::nn::{BackwardCtx, ForwardCtx, Layer};
-/// # use carve::ndarray::{ArrayView2, ArrayViewMut2};
-/// # struct Double;
-/// impl Layer for Double {
-/// #   fn name(&self) -> &str {
-/// #       "double"
-/// #   }
-/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
-/// #       Ok(inputs)
-/// #   }
-///     fn forward<'a>(
-///         &mut self,
-///         input: ArrayView2<'a, f32>,
-///         ctx: &ForwardCtx<'a, 'a>,
-///     ) -> carve::Result<ArrayView2<'a, f32>> {
-///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
-///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
-///         Ok(freeze(out))
-///     }
-/// #   fn backward(
-/// #       &mut self,
-/// #       _input: ArrayView2<'_, f32>,
-/// #       _output: ArrayView2<'_, f32>,
-/// #       grad_output: ArrayView2<'_, f32>,
-/// #       grad_input: Option<ArrayViewMut2<'_, f32>>,
-/// #       _ctx: &BackwardCtx<'_>,
-/// #   ) -> carve::Result<()> {
-/// #       if let Some(mut grad_input) = grad_input {
-/// #           grad_input.zip_mut_with(&grad_output, |gi, &g| *gi = 2.0 * g);
-/// #       }
-/// #       Ok(())
-/// #   }
-/// }
-/// ```
-///
-/// What the compiler cannot see (an output that has the right lifetime but lives
-/// elsewhere, such as the layer's own input) the network catches at run time with
-/// [`Error::WrongLocation`](crate::workspace_core::Error::WrongLocation), naming the layer.
-pub trait Layer {
-    /// A short name for messages ("dense_0", "dropout").
-    fn name(&self) -> &str;
-
-    /// The number of output columns for `inputs` input columns, or an error when the
-    /// layer cannot take that many.
-    ///
-    /// # Errors
-    ///
-    /// A configuration error naming the mismatch.
-    fn output_size(&self, inputs: usize) -> Result<usize>;
-
-    /// Initialises the parameters from the network's seeded generator.
-    fn init(&mut self, _rng: &mut crate::nn::Rng) {}
-
-    /// The forward pass: returns the output, allocated in `ctx.activations`.
-    ///
-    /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) the scopes are
-    /// shape-only (`ctx.working.is_shape_only()`): a layer then allocates exactly as it
-    /// would and may skip its arithmetic, as carve's layers do (the same holds for the
-    /// backward pass). One that computes anyway works on zeros and changes its own
-    /// state as a pass would.
-    ///
-    /// # Errors
-    ///
-    /// Workspace errors (allocation, a misplaced array).
-    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>>;
-
-    /// The backward pass: given the input and output of the last forward pass and the
-    /// gradient of the loss with respect to the output, stores the parameter
-    /// gradients and, when `grad_input` is given, writes the gradient with respect to
-    /// the input into it (every element).
-    ///
-    /// # Errors
-    ///
-    /// Workspace errors.
-    fn backward(
-        &mut self,
-        input: ArrayView2<'_, f32>,
-        output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
-        grad_input: Option<ArrayViewMut2<'_, f32>>,
-        ctx: &BackwardCtx<'_>,
-    ) -> Result<()>;
-
-    /// The forward pass over a batch of sequences `[batch, time, features]`, whose
-    /// `mask` (`[batch, time]`, 1 for a step that holds data and 0 for padding; `None`:
-    /// every step holds data) the network hands to every sequence layer.
-    ///
-    /// The default applies [`Layer::forward`] to every step, as one `[batch · time,
-    /// features]` batch (DL4J's time-distributed feed-forward layers): a dense layer or
-    /// a ReLU works on sequences as it is, its output at padded steps ignored by what
-    /// follows. Recurrent layers ([`Lstm`](crate::nn::Lstm)) and heads
-    /// ([`LastStep`](crate::nn::LastStep), [`MaskedMean`](crate::nn::MaskedMean))
-    /// override it.
-    ///
-    /// # Errors
-    ///
-    /// As [`Layer::forward`].
-    fn forward_sequence<'a>(
-        &mut self,
-        input: ArrayView3<'a, f32>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        let _ = mask;
-        let (rows, dims) = steps_in(input, ctx, self.name())?;
-        let y = self.forward(rows, ctx)?;
-        steps_out(y, dims, ctx, self.name())
-    }
-
-    /// The backward pass of [`Layer::forward_sequence`]: `output` is what it returned,
-    /// `grad_output` the gradient of the loss with respect to it (of the same kind), and
-    /// `grad_input`, when given, receives the gradient with respect to `input` (every
-    /// element; 0 at padded steps).
-    ///
-    /// The default is [`Layer::backward`] over every step, as
-    /// [`Layer::forward_sequence`]'s default runs [`Layer::forward`].
-    ///
-    /// # Errors
-    ///
-    /// As [`Layer::backward`].
-    fn backward_sequence(
-        &mut self,
-        input: ArrayView3<'_, f32>,
-        mask: Option<ArrayView2<'_, f32>>,
-        output: Activations<'_>,
-        grad_output: Activations<'_>,
-        grad_input: Option<ArrayViewMut3<'_, f32>>,
-        ctx: &BackwardCtx<'_>,
-    ) -> Result<()> {
-        let _ = mask;
-        // Nothing here allocates (the name is read only to build an error).
-        let input = steps_as_rows(input, self.name())?;
-        let output = steps_as_rows(output.sequence(self.name())?, self.name())?;
-        let grad_output = steps_as_rows(grad_output.sequence(self.name())?, self.name())?;
-        let grad_input = match grad_input {
-            None => None,
-            Some(g) => {
-                let (b, t, f) = g.dim();
-                Some(g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(self.name()))?)
-            }
-        };
-        self.backward(input, output, grad_output, grad_input, ctx)
-    }
-
-    /// Calls `f` on each parameter with its gradient, in a fixed order.
-    fn params(&mut self, _f: &mut dyn FnMut(Param<'_>)) {}
-
-    /// The number of trainable values.
-    fn param_count(&self) -> usize {
-        0
-    }
-
-    /// A copy of this layer for serving: its parameters (not its gradients or caches)
-    /// in a [`FrozenLayer`], which infers through `&self` from any thread. What
-    /// [`Network::freeze`](crate::nn::Network::freeze) calls for every layer; `None`
-    /// (the default) means the layer cannot be served, and freezing the network fails
-    /// naming it. The layers of [`crate::nn`] all freeze.
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        None
-    }
-
-    /// This layer as a data-parallel trainer runs it: its structure, without its
-    /// parameters (the trainer reads those through [`Layer::params`] and holds them
-    /// once, for every worker). What [`DataParallel`](crate::nn::DataParallel) calls
-    /// for every layer; `None` (the default) means the layer cannot train data-parallel,
-    /// and building the trainer fails naming it. The layers of [`crate::nn`] all can.
-    fn data_parallel(&self) -> Option<Box<dyn crate::nn::ParallelLayer>> {
-        None
-    }
-}
-
 /// The steps of `input` as one `[batch · time, features]` batch, and `(batch, time)`:
-/// what [`Layer::forward_sequence`]'s default hands to `forward` (copied into standard
+/// what [`Layer::forward`]'s default hands to `forward_rows` (copied into standard
 /// layout first when it is not).
 pub(crate) fn steps_in<'a>(
     input: ArrayView3<'a, f32>,
@@ -517,61 +228,449 @@ pub(crate) fn steps_out<'a>(
     Ok(Activations::Sequence(y))
 }
 
-/// A layer frozen for serving: its parameters only, read through `&self`, so one copy
-/// serves every thread (`Send + Sync`). A [`Model`](crate::nn::Model) holds these;
-/// [`Layer::frozen`] makes one from a trained layer.
+/// What a layer's forward pass leaves for its backward pass besides the input and output
+/// the step keeps (an LSTM's gates and states): one per layer, per network or
+/// data-parallel worker, made once by [`Layer::tape`]. Most layers need none
+/// ([`Tape::none`], which allocates nothing: serving runs every layer with one).
+#[derive(Default)]
+pub struct Tape(Option<Box<dyn Any + Send>>);
+
+impl Tape {
+    /// No tape.
+    pub const fn none() -> Tape {
+        Tape(None)
+    }
+
+    /// A tape holding `value`.
+    pub fn new<T: Any + Send>(value: T) -> Tape {
+        Tape(Some(Box::new(value)))
+    }
+
+    /// The value, when this tape holds a `T`.
+    pub fn get_mut<T: Any>(&mut self) -> Option<&mut T> {
+        self.0.as_mut().and_then(|value| value.downcast_mut::<T>())
+    }
+
+    /// Whether this tape holds nothing.
+    pub fn is_none(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+impl std::fmt::Debug for Tape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Tape(..)" } else { "Tape(none)" })
+    }
+}
+
+/// The value of `layer`'s tape, or an error saying the tape is not the one the layer
+/// made (a training pass handed the tape of another layer, or none).
+pub(crate) fn tape_of<'t, T: Any>(tape: &'t mut Tape, layer: &str) -> Result<&'t mut T> {
+    tape.get_mut::<T>().ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "layer '{layer}': the tape handed to its training pass is not the one `Layer::tape` made for it"
+        ))
+    })
+}
+
+/// One parameter of a layer: its name (PyTorch's where PyTorch has the layer: "weight",
+/// "bias", "weight_ih_l0", ...) and its shape in carve's layout. A layer's parameters are
+/// consecutive in its region of the network's flat buffer, in the order
+/// [`Layer::param_shapes`] gives them, each in row-major order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamShape {
+    /// The name, unique within the layer; model files store the parameter as
+    /// `{layer}.{name}`.
+    pub name: String,
+    /// The shape.
+    pub shape: Vec<usize>,
+}
+
+impl ParamShape {
+    /// A parameter named `name` of `shape`.
+    pub fn new(name: &str, shape: &[usize]) -> ParamShape {
+        ParamShape { name: name.to_string(), shape: shape.to_vec() }
+    }
+
+    /// Its number of values (saturating: a layer whose values overflow is refused when
+    /// the network is built).
+    pub fn len(&self) -> usize {
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
+    }
+
+    /// Whether it holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The network's seeded generator, as a layer's [`Layer::init`] draws from it: layers
+/// are initialised in order from one generator, so the same seed gives the same
+/// parameters on every machine.
+pub struct Init<'r> {
+    rng: &'r mut crate::nn::Rng,
+}
+
+impl<'r> Init<'r> {
+    pub(crate) fn new(rng: &'r mut crate::nn::Rng) -> Init<'r> {
+        Init { rng }
+    }
+
+    /// Uniform in `[low, high)`.
+    pub fn uniform(&mut self, low: f32, high: f32) -> f32 {
+        self.rng.uniform(low, high)
+    }
+
+    /// Each of `values`, in order, uniform in `[low, high)`.
+    pub fn fill_uniform(&mut self, values: &mut [f32], low: f32, high: f32) {
+        for v in values {
+            *v = self.rng.uniform(low, high);
+        }
+    }
+
+    /// Glorot (Xavier) uniform: each of `values`, in order, uniform in `[-l, l)` with
+    /// `l = √(6 / (fan_in + fan_out))`.
+    pub fn glorot_uniform(&mut self, fan_in: usize, fan_out: usize, values: &mut [f32]) {
+        let limit = (6.0 / (fan_in + fan_out) as f32).sqrt();
+        self.fill_uniform(values, -limit, limit);
+    }
+
+    /// The next 64 random bits (a seed for a layer's own generator).
+    pub fn next_u64(&mut self) -> u64 {
+        self.rng.next_u64()
+    }
+}
+
+/// What [`Layer::backward_rows`] reads: the forward pass's input and output as rows, and
+/// the gradient of the loss with respect to the output.
+#[derive(Clone, Copy, Debug)]
+pub struct RowsPass<'p> {
+    /// The forward pass's input, `[rows, inputs]`.
+    pub input: ArrayView2<'p, f32>,
+    /// The forward pass's output, `[rows, outputs]`.
+    pub output: ArrayView2<'p, f32>,
+    /// The gradient of the loss with respect to the output.
+    pub grad_output: ArrayView2<'p, f32>,
+}
+
+/// A layer: its configuration and its passes, through `&self`, written once for
+/// training ([`Network`](crate::nn::Network)), every data-parallel worker, serving
+/// ([`Model`](crate::nn::Model)) and dry runs.
 ///
-/// The context is the one training's forward pass gets, with
-/// [`ForwardCtx::training`] false: the output goes to [`ForwardCtx::activations`],
-/// scratch to [`ForwardCtx::working`]. A frozen layer must keep nothing of the context
-/// once it returns (no clone of the manager or of a workspace): the model's arena then
-/// stays on the calling thread and is rebuilt for the next caller.
+/// A layer holds no parameters. The network holds every layer's parameters in one flat
+/// buffer (the layers in backward order, the layout data-parallel training reduces) and
+/// hands each call the layer's region: `params`, the values [`Layer::param_shapes`]
+/// lists, in its order; the backward pass writes their gradients, in the same layout,
+/// into `grads`. Whatever the backward pass needs of the forward pass beyond its input
+/// and output goes in the layer's [`Tape`]. Arrays come from the workspaces of the
+/// contexts.
+///
+/// The network tells the layer its input width: [`Layer::output_size`],
+/// [`Layer::param_shapes`] and [`Layer::init`] take it.
+///
+/// A layer of rows implements [`Layer::forward_rows`] and [`Layer::backward_rows`]; a
+/// batch of sequences `[batch, time, features]` then goes through them as `[batch · time,
+/// features]` rows (DL4J's time-distributed layers). Sequence layers (recurrent layers,
+/// heads) implement [`Layer::forward`] and [`Layer::backward`] instead.
+///
+/// # Where a layer's output may live
+///
+/// The output of a forward pass must outlive the call (the backward pass reads it), so
+/// it is allocated from [`ForwardCtx::activations`]. This layer doubles its input into
+/// the activations workspace:
+///
+/// ```
+/// use carve::freeze;
+/// use carve::nn::{BackwardCtx, ForwardCtx, Layer, RowsPass};
+/// use carve::ndarray::{ArrayView2, ArrayViewMut2};
+///
+/// struct Double;
+///
+/// impl Layer for Double {
+///     fn name(&self) -> &str {
+///         "double"
+///     }
+///     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+///         Ok(inputs)
+///     }
+///     fn forward_rows<'a>(
+///         &self,
+///         _params: &[f32],
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, '_>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+///     fn backward_rows(
+///         &self,
+///         _params: &[f32],
+///         _grads: &mut [f32],
+///         pass: RowsPass<'_>,
+///         grad_input: Option<ArrayViewMut2<'_, f32>>,
+///         _ctx: &BackwardCtx<'_>,
+///     ) -> carve::Result<()> {
+///         if let Some(mut grad_input) = grad_input {
+///             grad_input.zip_mut_with(&pass.grad_output, |gi, &g| *gi = 2.0 * g);
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// let config = carve::nn::NetworkConfig::builder(4).layer(Double).dense(2).build()?;
+/// let mut net = carve::nn::Network::new(config)?;
+/// let x = carve::ndarray::Array2::<f32>::ones((3, 4));
+/// assert!(net.fit_batch(x.view(), carve::ndarray::arr1(&[0, 1, 0]).view())?.is_finite());
+/// # Ok::<(), carve::Error>(())
+/// ```
+///
+/// Working memory ([`ForwardCtx::working`]) is reset as soon as the layer returns, so
+/// the same layer returning an array of working memory as its output does not compile
+/// (the working scope lives for the context's second lifetime, not for the
+/// activations' `'a`). The block differs from the one above in one word; rustc reports
+/// the error ("lifetime may not live long enough") without an error code, so none is
+/// pinned here.
+///
+/// ```compile_fail
+/// # use carve::freeze;
+/// # use carve::nn::{ForwardCtx, Layer};
+/// # use carve::ndarray::ArrayView2;
+/// # struct Double;
+/// impl Layer for Double {
+/// #   fn name(&self) -> &str {
+/// #       "double"
+/// #   }
+/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+/// #       Ok(inputs)
+/// #   }
+///     fn forward_rows<'a>(
+///         &self,
+///         _params: &[f32],
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, '_>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+/// }
+/// ```
+///
+/// Nor can a layer tie the two lifetimes together to make it compile: an `impl` whose
+/// `forward_rows` takes `&ForwardCtx<'a, 'a>` does not match the trait.
+///
+/// ```compile_fail
+/// # use carve::freeze;
+/// # use carve::nn::{ForwardCtx, Layer};
+/// # use carve::ndarray::ArrayView2;
+/// # struct Double;
+/// impl Layer for Double {
+/// #   fn name(&self) -> &str {
+/// #       "double"
+/// #   }
+/// #   fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+/// #       Ok(inputs)
+/// #   }
+///     fn forward_rows<'a>(
+///         &self,
+///         _params: &[f32],
+///         input: ArrayView2<'a, f32>,
+///         ctx: &ForwardCtx<'a, 'a>,
+///     ) -> carve::Result<ArrayView2<'a, f32>> {
+///         let mut out = ctx.working.zeros::<f32, _>(input.raw_dim())?;
+///         out.zip_mut_with(&input, |o, &x| *o = 2.0 * x);
+///         Ok(freeze(out))
+///     }
+/// }
+/// ```
+///
+/// What the compiler cannot see (an output that has the right lifetime but lives
+/// elsewhere, such as the layer's own input) the network catches at run time with
+/// [`Error::WrongLocation`](crate::workspace_core::Error::WrongLocation), naming the layer.
 ///
 /// Results must not depend on other rows of the batch (every layer of [`crate::nn`]
-/// computes each row alone): a batched pool relies on it to give a request the same
-/// bits alone or batched with others.
-pub trait FrozenLayer: std::any::Any + Send + Sync {
-    /// A short name for messages.
+/// computes each row, or each sequence, alone): a batched inference pool relies on it to
+/// give a request the same bits alone or batched with others.
+pub trait Layer: Any + Send + Sync {
+    /// A short name for messages and model files ("dense_0", "dropout").
     fn name(&self) -> &str;
 
-    /// The number of output columns for `inputs` input columns, or an error when the
-    /// layer cannot take that many.
+    /// The number of output columns (features per step) for `inputs` input columns, or
+    /// an error when the layer cannot take that many.
     ///
     /// # Errors
     ///
     /// A configuration error naming the mismatch.
     fn output_size(&self, inputs: usize) -> Result<usize>;
 
-    /// The forward pass over a flat batch, output allocated in `ctx.activations`.
-    ///
-    /// # Errors
-    ///
-    /// Shape and workspace errors.
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>>;
-
-    /// The forward pass over a batch of sequences; the default applies
-    /// [`FrozenLayer::forward`] to every step, as [`Layer::forward_sequence`]'s does.
-    ///
-    /// # Errors
-    ///
-    /// As [`FrozenLayer::forward`].
-    fn forward_sequence<'a>(
-        &self,
-        input: ArrayView3<'a, f32>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        let _ = mask;
-        let (rows, dims) = steps_in(input, ctx, self.name())?;
-        steps_out(self.forward(rows, ctx)?, dims, ctx, self.name())
+    /// The parameters for `inputs` input columns, in the order of the layer's region of
+    /// the flat buffer, with their names and shapes. The default: none.
+    fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
+        let _ = inputs;
+        Vec::new()
     }
 
-    /// The number of parameters (for the model's weight bytes).
-    fn param_count(&self) -> usize {
-        0
+    /// Fills this layer's parameters (`params`, zeros, in [`Layer::param_shapes`]'
+    /// layout) from the network's seeded generator. The default leaves them 0.
+    fn init(&self, inputs: usize, params: &mut [f32], init: &mut Init<'_>) {
+        let _ = (inputs, params, init);
+    }
+
+    /// A tape for what this layer's training forward pass leaves for its backward pass
+    /// (made once per network and per data-parallel worker). The default: none.
+    fn tape(&self) -> Tape {
+        Tape::none()
+    }
+
+    /// The forward pass over rows `[rows, inputs]`: the output, allocated in
+    /// `ctx.activations`. What the default [`Layer::forward`] calls, for a flat batch and
+    /// for every step of a batch of sequences.
+    ///
+    /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) the scopes are
+    /// shape-only (`ctx.working.is_shape_only()`): a layer then allocates exactly as it
+    /// would and may skip its arithmetic, as carve's layers do.
+    ///
+    /// # Errors
+    ///
+    /// Shape and workspace errors; the default, an error saying the layer implements
+    /// neither this nor [`Layer::forward`].
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<ArrayView2<'a, f32>> {
+        let _ = (params, input, ctx);
+        Err(Error::InvalidConfig {
+            reason: format!("layer '{}' implements neither `Layer::forward_rows` nor `Layer::forward`", self.name()),
+        })
+    }
+
+    /// The backward pass over rows: writes the gradient of every parameter into `grads`
+    /// (every element, in `params`' layout) and, when given, the gradient of the input
+    /// into `grad_input` (every element).
+    ///
+    /// # Errors
+    ///
+    /// Shape and workspace errors; the default, an error saying the layer implements
+    /// neither this nor [`Layer::backward`].
+    fn backward_rows(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let _ = (params, grads, pass, grad_input, ctx);
+        Err(Error::InvalidConfig {
+            reason: format!("layer '{}' implements neither `Layer::backward_rows` nor `Layer::backward`", self.name()),
+        })
+    }
+
+    /// The forward pass: the output, allocated in `ctx.activations`, of the kind of the
+    /// input (but for heads that pool sequences into rows). `mask` (`[batch, time]`, 1
+    /// for a step that holds data, 0 for padding; `None`: every step holds data) comes
+    /// with a batch of sequences. `tape` is this layer's (from [`Layer::tape`]) in
+    /// training, and [`Tape::none`] in inference (`ctx.training` false).
+    ///
+    /// The default runs [`Layer::forward_rows`] on a flat batch, and on every step of a
+    /// batch of sequences as one `[batch · time, features]` batch: its output at padded
+    /// steps is ignored by what follows.
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::forward_rows`].
+    fn forward<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let _ = (mask, tape);
+        match input {
+            Activations::Flat(x) => Ok(Activations::Flat(self.forward_rows(params, x, ctx)?)),
+            Activations::Sequence(x) => {
+                let (rows, dims) = steps_in(x, ctx, self.name())?;
+                let y = self.forward_rows(params, rows, ctx)?;
+                steps_out(y, dims, ctx, self.name())
+            }
+        }
+    }
+
+    /// The backward pass of [`Layer::forward`]: the gradient of every parameter into
+    /// `grads` (every element) and, when given, of the input into `grad_input` (every
+    /// element; 0 at padded steps), of the kind of the input.
+    ///
+    /// The default runs [`Layer::backward_rows`] as [`Layer::forward`]'s default runs
+    /// [`Layer::forward_rows`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::backward_rows`].
+    fn backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let _ = tape;
+        let name = self.name();
+        match pass.input {
+            Activations::Flat(x) => {
+                let grad_input = grad_input.map(|g| flat_grad_input(g, name)).transpose()?;
+                let rows =
+                    RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
+                self.backward_rows(params, grads, rows, grad_input, ctx)
+            }
+            Activations::Sequence(x) => {
+                // Nothing here allocates (the name is read only to build an error).
+                let rows = RowsPass {
+                    input: steps_as_rows(x, name)?,
+                    output: steps_as_rows(pass.output.sequence(name)?, name)?,
+                    grad_output: steps_as_rows(pass.grad_output.sequence(name)?, name)?,
+                };
+                let grad_input =
+                    grad_input.map(|g| sequence_grad_input(g, name).and_then(|g| rows_of_grad(g, name))).transpose()?;
+                self.backward_rows(params, grads, rows, grad_input, ctx)
+            }
+        }
     }
 }
 
-/// A built-in layer frozen for serving: the layer, its gradients and caches emptied.
-#[derive(Debug)]
-pub(crate) struct Frozen<L>(pub(crate) L);
+/// Checks that `values` (a layer's parameters or gradients) holds `expected` values.
+pub(crate) fn check_len(layer: &str, what: &str, len: usize, expected: usize) -> Result<()> {
+    if len != expected {
+        return Err(Error::ShapeMismatch {
+            context: format!("layer '{layer}' {what} (one per parameter value)"),
+            expected: vec![expected],
+            actual: vec![len],
+        });
+    }
+    Ok(())
+}
+
+/// `layer`'s parameters for `inputs` input columns, initialised as a network of seed
+/// `seed` whose first layer it is initialises them: for running a layer on its own (a
+/// gradient check, a tool), the parameters in [`Layer::param_shapes`]' layout.
+///
+/// ```
+/// use carve::nn::{initial_params, Dense};
+///
+/// let params = initial_params(&Dense::new(4, 3), 4, 7);
+/// assert_eq!(params.len(), 4 * 3 + 3);
+/// assert!(params[12..].iter().all(|&b| b == 0.0)); // zero biases
+/// ```
+pub fn initial_params(layer: &dyn Layer, inputs: usize, seed: u64) -> Vec<f32> {
+    let count = layer.param_shapes(inputs).iter().map(ParamShape::len).fold(0usize, usize::saturating_add);
+    let mut params = vec![0.0; count];
+    let mut rng = crate::nn::Rng::new(seed);
+    layer.init(inputs, &mut params, &mut Init::new(&mut rng));
+    params
+}

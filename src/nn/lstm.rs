@@ -1,18 +1,19 @@
 //! Long short-term memory over batches of sequences, trained by backpropagation
 //! through time, with masks.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, Axis, Ix3, Zip};
+use ndarray::{
+    s, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, Axis, Ix3, Zip,
+};
 use workspace_core::{freeze, ArrayType, Handle};
 
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
 use super::layer::{
-    check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer, Param,
+    check_grad_input, check_len, check_mask, sequence_grad_input, tape_of, Activations, BackwardCtx, ForwardCtx,
+    GradInput, Init, Layer, ParamShape, Pass, Tape,
 };
-use super::limits::{config_filled, reserve_filled};
-use super::parallel::{LstmShape, ParallelLayer};
-use super::Rng;
+use super::limits::reserve_filled;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
 /// (`tanh`), 1 the forget gate, 2 the output gate, 3 the input gate (DL4J's "input
@@ -32,6 +33,11 @@ const CACHED: usize = GATES + 2;
 /// states. The forget gate's biases start at 1 (the others at 0); `W` and `U` are
 /// Glorot-uniform.
 ///
+/// **Parameters**, in the layer's region of the network's flat buffer: `weight_ih_l0`
+/// (`W`, `inputs × 4·hidden`), `weight_hh_l0` (`U`, `hidden × 4·hidden`) and `bias`
+/// (`b`, `4·hidden`), in the gate layout above. (PyTorch's `nn.LSTM` names its weights
+/// alike, transposed and in its own gate order, with two biases; model files convert.)
+///
 /// **Masks.** A masked step (mask 0) leaves the sequence's state as it was, outputs
 /// zeros, and takes no gradient: a sequence padded with masked steps (of finite
 /// values) gives the same states, loss and gradients as without them.
@@ -43,25 +49,19 @@ const CACHED: usize = GATES + 2;
 /// in the activations workspace, through a checked [`Handle`], until the backward pass.
 /// With workspaces switched off ([`WorkspaceMode::None`](workspace_core::WorkspaceMode))
 /// it is an array of its own on the heap, as every array is then.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Lstm {
     name: String,
     inputs: usize,
     hidden: usize,
-    /// `inputs × 4·hidden`.
-    w: Array2<f32>,
-    /// `hidden × 4·hidden`.
-    u: Array2<f32>,
-    /// `4·hidden`.
-    b: Array1<f32>,
-    grad_w: Array2<f32>,
-    grad_u: Array2<f32>,
-    grad_b: Array1<f32>,
-    /// The last training forward pass's gates and states, `[time, batch, 6·hidden]`.
+}
+
+/// What an LSTM's training forward pass leaves for its backward pass: every step's gates
+/// and states, and its mask's fingerprint (masked rows of the cache hold no gate
+/// activations, so the backward pass must get the same mask).
+struct LstmTape {
     cache: Cache,
-    /// A fingerprint of the last training forward pass's mask: the backward pass must
-    /// get the same one (masked rows of the cache hold no gate activations).
-    mask_print: u64,
+    print: u64,
 }
 
 /// A fingerprint of a mask (its shape and which steps hold data), or of none.
@@ -80,7 +80,7 @@ fn fingerprint(mask: Option<&ArrayView2<'_, f32>>, batch: usize, steps: usize) -
 
 /// Where the last training forward pass left what the backward pass reads.
 #[derive(Debug)]
-pub(crate) enum Cache {
+enum Cache {
     Empty,
     /// In the activations workspace, for as long as its cycle lasts.
     Workspace(Handle<f32, Ix3>),
@@ -121,30 +121,14 @@ impl Lstm {
         if !fits(inputs) || !fits(hidden) {
             return Err(invalid("its weights overflow the address space"));
         }
-        let zeros = |rows: usize| -> Result<Array2<f32>> {
-            let what = || format!("LSTM layer '{name}' of {inputs} inputs and {hidden} units: its weights");
-            let values = config_filled(rows * columns, 0.0, what)?;
-            Ok(Array2::from_shape_vec((rows, columns), values).expect("rows × columns values"))
-        };
-        Ok(Lstm {
-            name: name.to_string(),
-            inputs,
-            hidden,
-            w: zeros(inputs)?,
-            u: zeros(hidden)?,
-            b: Array1::zeros(columns),
-            grad_w: zeros(inputs)?,
-            grad_u: zeros(hidden)?,
-            grad_b: Array1::zeros(columns),
-            cache: Cache::Empty,
-            mask_print: 0,
-        })
+        Ok(Lstm { name: name.to_string(), inputs, hidden })
     }
 
     /// The forward pass of inference (no cache: two steps' states in working memory),
     /// through `&self` (training's inference and serving's).
     fn infer_sequence<'a>(
         &self,
+        p: Weights<'_>,
         input: ArrayView3<'a, f32>,
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
@@ -153,32 +137,12 @@ impl Lstm {
         let (batch, steps, _) = input.dim();
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
         let ring = ctx.working.zeros::<f32, _>((steps.min(2), batch, CACHED * self.hidden))?;
-        self.run_forward(self.weights(), input, mask, ring, true, &mut out, ctx)?;
+        self.run_forward(p, input, mask, ring, true, &mut out, ctx)?;
         Ok(Activations::Sequence(freeze(out)))
     }
 
-    /// A layer of these weights (`W`: `inputs × 4·hidden`, `U`: `hidden × 4·hidden`, in
-    /// this layer's gate layout) and biases (`4·hidden`), with no gradients: what
-    /// serving and loading hold.
-    pub(crate) fn from_parts(name: &str, w: Array2<f32>, u: Array2<f32>, b: Array1<f32>) -> Lstm {
-        let (inputs, hidden) = (w.nrows(), u.nrows());
-        Lstm {
-            name: name.to_string(),
-            inputs,
-            hidden,
-            w,
-            u,
-            b,
-            grad_w: Array2::zeros((0, 0)),
-            grad_u: Array2::zeros((0, 0)),
-            grad_b: Array1::zeros(0),
-            cache: Cache::Empty,
-            mask_print: 0,
-        }
-    }
-
     /// Checks a backward pass's input, mask and output gradient.
-    pub(crate) fn check_backward(
+    fn check_backward(
         &self,
         input: &ArrayView3<'_, f32>,
         mask: Option<&ArrayView2<'_, f32>>,
@@ -197,29 +161,13 @@ impl Lstm {
     }
 
     /// Input features per step.
-    pub(crate) fn inputs(&self) -> usize {
+    pub fn inputs(&self) -> usize {
         self.inputs
     }
 
     /// Units (the output features per step).
     pub fn hidden(&self) -> usize {
         self.hidden
-    }
-
-    /// The input weights `W`, `inputs × 4·hidden` (blocks: cell input, forget, output,
-    /// input gate).
-    pub fn input_weights(&self) -> ArrayView2<'_, f32> {
-        self.w.view()
-    }
-
-    /// The recurrent weights `U`, `hidden × 4·hidden`.
-    pub fn recurrent_weights(&self) -> ArrayView2<'_, f32> {
-        self.u.view()
-    }
-
-    /// The biases, `4·hidden` (the forget gate's start at 1).
-    pub fn bias(&self) -> ndarray::ArrayView1<'_, f32> {
-        self.b.view()
     }
 
     fn check(&self, input: &ArrayView3<'_, f32>, mask: Option<&ArrayView2<'_, f32>>) -> Result<()> {
@@ -239,26 +187,54 @@ impl Lstm {
         step_scratch(self.inputs, self.hidden, batch)
     }
 
-    /// The parameters as the passes read them.
-    fn weights(&self) -> Weights<'_> {
-        Weights { w: self.w.view(), u: self.u.view(), b: self.b.view() }
+    /// The parameters as the passes read them, from the layer's region of the flat
+    /// buffer.
+    fn weights<'p>(&self, params: &'p [f32]) -> Result<Weights<'p>> {
+        let (inputs, hidden) = (self.inputs, self.hidden);
+        check_len(&self.name, "parameters", params.len(), self.param_count())?;
+        let columns = GATES * hidden;
+        let (w, rest) = params.split_at(inputs * columns);
+        let (u, b) = rest.split_at(hidden * columns);
+        Ok(Weights {
+            w: ArrayView2::from_shape((inputs, columns), w).expect("inputs × 4·hidden values"),
+            u: ArrayView2::from_shape((hidden, columns), u).expect("hidden × 4·hidden values"),
+            b: ArrayView1::from(b),
+        })
+    }
+
+    /// Where the backward pass writes the gradients of [`Lstm::weights`].
+    fn grads<'g>(&self, grads: &'g mut [f32]) -> Result<Grads<'g>> {
+        let (inputs, hidden) = (self.inputs, self.hidden);
+        check_len(&self.name, "gradients", grads.len(), self.param_count())?;
+        let columns = GATES * hidden;
+        let (gw, rest) = grads.split_at_mut(inputs * columns);
+        let (gu, gb) = rest.split_at_mut(hidden * columns);
+        Ok(Grads {
+            w: ArrayViewMut2::from_shape((inputs, columns), gw).expect("inputs × 4·hidden values"),
+            u: ArrayViewMut2::from_shape((hidden, columns), gu).expect("hidden × 4·hidden values"),
+            b: ArrayViewMut1::from(gb),
+        })
+    }
+
+    /// The number of parameter values.
+    fn param_count(&self) -> usize {
+        (self.inputs + self.hidden + 1) * GATES * self.hidden
     }
 }
 
-/// The parameters of an LSTM as its passes read them: the layer's own, or a
-/// data-parallel trainer's shared copy.
+/// The parameters of an LSTM as its passes read them.
 #[derive(Clone, Copy)]
-pub(crate) struct Weights<'p> {
-    pub(crate) w: ArrayView2<'p, f32>,
-    pub(crate) u: ArrayView2<'p, f32>,
-    pub(crate) b: ndarray::ArrayView1<'p, f32>,
+struct Weights<'p> {
+    w: ArrayView2<'p, f32>,
+    u: ArrayView2<'p, f32>,
+    b: ndarray::ArrayView1<'p, f32>,
 }
 
 /// Where the backward pass writes the gradients of [`Weights`].
-pub(crate) struct Grads<'g> {
-    pub(crate) w: ArrayViewMut2<'g, f32>,
-    pub(crate) u: ArrayViewMut2<'g, f32>,
-    pub(crate) b: ndarray::ArrayViewMut1<'g, f32>,
+struct Grads<'g> {
+    w: ArrayViewMut2<'g, f32>,
+    u: ArrayViewMut2<'g, f32>,
+    b: ndarray::ArrayViewMut1<'g, f32>,
 }
 
 /// Scratch elements of the matrix products of one step.
@@ -282,7 +258,7 @@ impl Lstm {
     /// The forward pass into `out`, keeping every step's gates and states in `cache`
     /// (`[time, batch, 6·hidden]`), or, with `ring`, only the last two steps' (`[2, ...]`).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run_forward(
+    fn run_forward(
         &self,
         p: Weights<'_>,
         input: ArrayView3<'_, f32>,
@@ -413,116 +389,87 @@ impl Layer for Lstm {
         Ok(self.hidden)
     }
 
-    fn init(&mut self, rng: &mut Rng) {
+    fn param_shapes(&self, _inputs: usize) -> Vec<ParamShape> {
+        let columns = GATES * self.hidden;
+        vec![
+            ParamShape::new("weight_ih_l0", &[self.inputs, columns]),
+            ParamShape::new("weight_hh_l0", &[self.hidden, columns]),
+            ParamShape::new("bias", &[columns]),
+        ]
+    }
+
+    fn init(&self, _inputs: usize, params: &mut [f32], init: &mut Init<'_>) {
         let h = self.hidden;
-        let limit = |fan_in: usize| (6.0 / (fan_in + h) as f32).sqrt();
-        let (lw, lu) = (limit(self.inputs), limit(h));
-        self.w.mapv_inplace(|_| rng.uniform(-lw, lw));
-        self.u.mapv_inplace(|_| rng.uniform(-lu, lu));
-        self.b.fill(0.0);
-        self.b.slice_mut(s![h..2 * h]).fill(1.0);
+        let columns = GATES * h;
+        let (w, rest) = params.split_at_mut(self.inputs * columns);
+        let (u, b) = rest.split_at_mut(h * columns);
+        init.glorot_uniform(self.inputs, h, w);
+        init.glorot_uniform(h, h, u);
+        b.fill(0.0);
+        b[h..2 * h].fill(1.0);
     }
 
-    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        Err(Error::ShapeMismatch {
-            context: format!(
-                "layer '{}' is recurrent and takes batches of sequences [batch, time, features]; feed the network \
-                 3-D batches (with their mask)",
-                self.name
-            ),
-            expected: vec![input.nrows(), 0, self.inputs],
-            actual: input.shape().to_vec(),
-        })
+    fn tape(&self) -> Tape {
+        Tape::new(LstmTape { cache: Cache::Empty, print: 0 })
     }
 
-    fn backward(
-        &mut self,
-        input: ArrayView2<'_, f32>,
-        output: ArrayView2<'_, f32>,
-        _grad_output: ArrayView2<'_, f32>,
-        _grad_input: Option<ArrayViewMut2<'_, f32>>,
-        _ctx: &BackwardCtx<'_>,
-    ) -> Result<()> {
-        let _ = output;
-        Err(Error::ShapeMismatch {
-            context: format!("layer '{}' is recurrent and takes batches of sequences", self.name),
-            expected: vec![input.nrows(), 0, self.inputs],
-            actual: input.shape().to_vec(),
-        })
-    }
-
-    fn forward_sequence<'a>(
-        &mut self,
-        input: ArrayView3<'a, f32>,
+    fn forward<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
         mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        self.cache = Cache::Empty;
+        let input = match input {
+            Activations::Sequence(x) => x,
+            Activations::Flat(x) => {
+                return Err(Error::ShapeMismatch {
+                    context: format!(
+                        "layer '{}' is recurrent and takes batches of sequences [batch, time, features]; feed the \
+                         network 3-D batches (with their mask)",
+                        self.name
+                    ),
+                    expected: vec![x.nrows(), 0, self.inputs],
+                    actual: x.shape().to_vec(),
+                })
+            }
+        };
+        let p = self.weights(params)?;
         if !ctx.training {
-            self.check(&input, mask.as_ref())?;
-            let (batch, steps, _) = input.dim();
-            self.mask_print = fingerprint(mask.as_ref(), batch, steps);
-            return self.infer_sequence(input, mask, ctx);
+            if let Some(tape) = tape.get_mut::<LstmTape>() {
+                tape.cache = Cache::Empty;
+            }
+            return self.infer_sequence(p, input, mask, ctx);
         }
-        let (out, cache, print) = self.train_forward(self.weights(), input, mask, ctx)?;
-        (self.cache, self.mask_print) = (cache, print);
+        let tape = tape_of::<LstmTape>(tape, &self.name)?;
+        tape.cache = Cache::Empty;
+        let (out, cache, print) = self.train_forward(p, input, mask, ctx)?;
+        (tape.cache, tape.print) = (cache, print);
         Ok(out)
     }
 
-    fn backward_sequence(
-        &mut self,
-        input: ArrayView3<'_, f32>,
-        mask: Option<ArrayView2<'_, f32>>,
-        _output: Activations<'_>,
-        grad_output: Activations<'_>,
-        grad_input: Option<ArrayViewMut3<'_, f32>>,
+    fn backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        tape: &mut Tape,
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
-        let grad_output = grad_output.sequence(&self.name)?;
-        self.check_backward(&input, mask.as_ref(), &grad_output)?;
-        check_grad_input(&self.name, &input, &grad_input)?;
-        // Taken out of `self` while the gradients are written, and put back whatever
-        // happens, so that an error leaves the forward pass's cache in place.
-        let cache = std::mem::replace(&mut self.cache, Cache::Empty);
-        let (mut gw, mut gu, mut gb) =
-            (std::mem::take(&mut self.grad_w), std::mem::take(&mut self.grad_u), std::mem::take(&mut self.grad_b));
-        let result = self.with_cache(&cache, self.mask_print, &input, mask.as_ref(), ctx.mgr, |cached| {
-            let g = Grads { w: gw.view_mut(), u: gu.view_mut(), b: gb.view_mut() };
-            self.bptt(self.weights(), g, cached, input, mask, grad_output, grad_input, ctx)
-        });
-        (self.grad_w, self.grad_u, self.grad_b) = (gw, gu, gb);
-        self.cache = cache;
-        result
-    }
-
-    fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
-        self.params_impl(f);
-    }
-
-    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
-        let empty = || Array2::zeros((0, 0));
-        let shape = Lstm {
-            name: self.name.clone(),
-            inputs: self.inputs,
-            hidden: self.hidden,
-            w: empty(),
-            u: empty(),
-            b: Array1::zeros(0),
-            grad_w: empty(),
-            grad_u: empty(),
-            grad_b: Array1::zeros(0),
-            cache: Cache::Empty,
-            mask_print: 0,
-        };
-        Some(Box::new(LstmShape(shape)))
-    }
-
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        Some(Box::new(Frozen(Lstm::from_parts(&self.name, self.w.clone(), self.u.clone(), self.b.clone()))))
-    }
-
-    fn param_count(&self) -> usize {
-        self.w.len() + self.u.len() + self.b.len()
+        let name = &self.name;
+        let tape = tape_of::<LstmTape>(tape, name)?;
+        let p = self.weights(params)?;
+        let g = self.grads(grads)?;
+        let input = pass.input.sequence(name)?;
+        let grad_output = pass.grad_output.sequence(name)?;
+        self.check_backward(&input, pass.mask.as_ref(), &grad_output)?;
+        let grad_input = grad_input.map(|g| sequence_grad_input(g, name)).transpose()?;
+        check_grad_input(name, &input, &grad_input)?;
+        self.with_cache(&tape.cache, tape.print, &input, pass.mask.as_ref(), ctx.mgr, |cached| {
+            self.bptt(p, g, cached, input, pass.mask, grad_output, grad_input, ctx)
+        })
     }
 }
 
@@ -530,7 +477,7 @@ impl Lstm {
     /// Runs `f` on the view of a training forward pass's `cache` (`[time, batch,
     /// 6·hidden]`), checked to be of `input`'s batch and of `mask` (whose fingerprint
     /// the forward pass left in `mask_print`).
-    pub(crate) fn with_cache<R>(
+    fn with_cache<R>(
         &self,
         cache: &Cache,
         mask_print: u64,
@@ -544,7 +491,7 @@ impl Lstm {
         let cache_view = match cache {
             Cache::Empty => {
                 return Err(Error::InvalidInput(format!(
-                    "layer '{}': backward_sequence without a training forward pass before it",
+                    "layer '{}': a backward pass without a training forward pass before it",
                     self.name
                 )))
             }
@@ -556,7 +503,7 @@ impl Lstm {
         };
         if cache_view.dim() != (steps, batch, CACHED * self.hidden) || mask_print != fingerprint(mask, batch, steps) {
             return Err(Error::InvalidInput(format!(
-                "layer '{}': backward_sequence on another batch or mask than its forward pass ({:?} cached)",
+                "layer '{}': a backward pass on another batch or mask than its forward pass ({:?} cached)",
                 self.name,
                 cache_view.shape()
             )));
@@ -566,7 +513,7 @@ impl Lstm {
 
     /// The training forward pass: its output, with every step's gates and states kept in
     /// the returned cache (and the mask's fingerprint) for [`Lstm::bptt`].
-    pub(crate) fn train_forward<'a>(
+    fn train_forward<'a>(
         &self,
         p: Weights<'_>,
         input: ArrayView3<'a, f32>,
@@ -603,7 +550,7 @@ impl Lstm {
     /// Backpropagation through time over the forward pass's cache (`cache_view`), the
     /// gradients of `p` written into `g` (every element).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn bptt(
+    fn bptt(
         &self,
         p: Weights<'_>,
         mut g: Grads<'_>,
@@ -697,56 +644,5 @@ impl Lstm {
             drop(step);
         }
         Ok(())
-    }
-}
-
-impl Lstm {
-    fn params_impl(&mut self, f: &mut dyn FnMut(Param<'_>)) {
-        f(Param {
-            value: self.w.as_slice_mut().expect("owned weights are contiguous"),
-            grad: self.grad_w.as_slice().expect("owned gradients are contiguous"),
-        });
-        f(Param {
-            value: self.u.as_slice_mut().expect("owned weights are contiguous"),
-            grad: self.grad_u.as_slice().expect("owned gradients are contiguous"),
-        });
-        f(Param {
-            value: self.b.as_slice_mut().expect("owned biases are contiguous"),
-            grad: self.grad_b.as_slice().expect("owned gradients are contiguous"),
-        });
-    }
-}
-
-impl FrozenLayer for Frozen<Lstm> {
-    fn name(&self) -> &str {
-        &self.0.name
-    }
-
-    fn param_count(&self) -> usize {
-        self.0.w.len() + self.0.u.len() + self.0.b.len()
-    }
-
-    fn output_size(&self, inputs: usize) -> Result<usize> {
-        Layer::output_size(&self.0, inputs)
-    }
-
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, _ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        Err(Error::ShapeMismatch {
-            context: format!(
-                "layer '{}' is recurrent and takes batches of sequences [batch, time, features]",
-                self.0.name
-            ),
-            expected: vec![input.nrows(), 0, self.0.inputs],
-            actual: input.shape().to_vec(),
-        })
-    }
-
-    fn forward_sequence<'a>(
-        &self,
-        input: ArrayView3<'a, f32>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        self.0.infer_sequence(input, mask, ctx)
     }
 }

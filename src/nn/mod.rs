@@ -47,6 +47,7 @@ mod loom;
 mod lstm;
 mod network;
 mod parallel;
+mod params;
 mod pool;
 mod profile;
 mod relu;
@@ -59,7 +60,9 @@ mod sync;
 mod updater;
 
 pub use dense::Dense;
-pub use layer::{Activations, BackwardCtx, ForwardCtx, FrozenLayer, GradInput, Layer, Param, Pass, Tape};
+pub use layer::{
+    initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
+};
 pub use limits::{MAX_RANKS, MAX_THREADS};
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
@@ -69,7 +72,7 @@ pub use network::{
 };
 #[cfg(feature = "mpi")]
 pub use parallel::Mpi;
-pub use parallel::{DataParallel, ParallelConfig, ParallelLayer, ParallelStats, Reducer, ReducerKind, Report};
+pub use parallel::{DataParallel, ParallelConfig, ParallelStats, Reducer, ReducerKind, Report};
 pub use pool::{LastStep, MaskedMean};
 pub use profile::StepBreakdown;
 pub use relu::Relu;

@@ -1,14 +1,15 @@
 //! Sequence heads: one row per sequence from a batch of sequences, reading only the
 //! steps that hold data.
 
-use ndarray::{s, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3};
+use ndarray::{s, ArrayView2, ArrayView3, ArrayViewMut3};
 use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::parallel::{ParallelLayer, Replica};
-
-use super::layer::{check_grad_input, check_mask, Activations, BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer};
+use super::layer::{
+    check_grad_input, check_mask, sequence_grad_input, Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass,
+    Tape,
+};
 
 /// The output of each sequence's last step that holds data (the last unmasked step;
 /// the last step when there is no mask): `[batch, time, features]` → `[batch,
@@ -113,27 +114,12 @@ fn flat_grad<'g>(
     Ok(grad)
 }
 
-macro_rules! flat_methods_refused {
-    () => {
-        fn forward<'a>(
-            &mut self,
-            input: ArrayView2<'a, f32>,
-            _ctx: &ForwardCtx<'a, '_>,
-        ) -> Result<ArrayView2<'a, f32>> {
-            Err(takes_sequences(&self.name, input))
-        }
-
-        fn backward(
-            &mut self,
-            input: ArrayView2<'_, f32>,
-            _output: ArrayView2<'_, f32>,
-            _grad_output: ArrayView2<'_, f32>,
-            _grad_input: Option<ArrayViewMut2<'_, f32>>,
-            _ctx: &BackwardCtx<'_>,
-        ) -> Result<()> {
-            Err(takes_sequences(&self.name, input))
-        }
-    };
+/// A head's input, which must be a batch of sequences.
+fn sequences<'a>(layer: &str, input: Activations<'a>) -> Result<ArrayView3<'a, f32>> {
+    match input {
+        Activations::Sequence(x) => Ok(x),
+        Activations::Flat(x) => Err(takes_sequences(layer, x)),
+    }
 }
 
 impl Layer for LastStep {
@@ -145,36 +131,30 @@ impl Layer for LastStep {
         Ok(inputs)
     }
 
-    flat_methods_refused!();
-
-    fn forward_sequence<'a>(
-        &mut self,
-        input: ArrayView3<'a, f32>,
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: Activations<'a>,
         mask: Option<ArrayView2<'a, f32>>,
+        _tape: &mut Tape,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        last_step(self, input, mask, ctx)
+        last_step(self, sequences(&self.name, input)?, mask, ctx)
     }
 
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        Some(Box::new(Frozen(self.clone())))
-    }
-
-    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
-        Some(Box::new(Replica(self.clone())))
-    }
-
-    fn backward_sequence(
-        &mut self,
-        input: ArrayView3<'_, f32>,
-        mask: Option<ArrayView2<'_, f32>>,
-        _output: Activations<'_>,
-        grad_output: Activations<'_>,
-        grad_input: Option<ArrayViewMut3<'_, f32>>,
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        _tape: &mut Tape,
         _ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
+        let (input, mask) = (sequences(&self.name, pass.input)?, pass.mask);
+        let grad_input = grad_input.map(|g| sequence_grad_input(g, &self.name)).transpose()?;
         let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
-        let grad = flat_grad(&self.name, grad_output, batch, features)?;
+        let grad = flat_grad(&self.name, pass.grad_output, batch, features)?;
         check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {
             grad_input.fill(0.0);
@@ -196,36 +176,31 @@ impl Layer for MaskedMean {
         Ok(inputs)
     }
 
-    flat_methods_refused!();
-
-    fn forward_sequence<'a>(
-        &mut self,
-        input: ArrayView3<'a, f32>,
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: Activations<'a>,
         mask: Option<ArrayView2<'a, f32>>,
+        _tape: &mut Tape,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        masked_mean(self, input, mask, ctx)
+        masked_mean(self, sequences(&self.name, input)?, mask, ctx)
     }
 
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        Some(Box::new(Frozen(self.clone())))
-    }
-
-    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
-        Some(Box::new(Replica(self.clone())))
-    }
-
-    fn backward_sequence(
-        &mut self,
-        input: ArrayView3<'_, f32>,
-        mask: Option<ArrayView2<'_, f32>>,
-        _output: Activations<'_>,
-        grad_output: Activations<'_>,
-        grad_input: Option<ArrayViewMut3<'_, f32>>,
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        _tape: &mut Tape,
         _ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
+        let (input, mask) = (sequences(&self.name, pass.input)?, pass.mask);
+        let grad_input: Option<ArrayViewMut3<'_, f32>> =
+            grad_input.map(|g| sequence_grad_input(g, &self.name)).transpose()?;
         let (batch, steps, features) = check_mask(&self.name, &input, mask.as_ref())?;
-        let grad = flat_grad(&self.name, grad_output, batch, features)?;
+        let grad = flat_grad(&self.name, pass.grad_output, batch, features)?;
         check_grad_input(&self.name, &input, &grad_input)?;
         if let Some(mut grad_input) = grad_input {
             for r in 0..batch {
@@ -246,7 +221,7 @@ impl Layer for MaskedMean {
     }
 }
 
-/// [`LastStep`]'s forward pass, training's and serving's.
+/// [`LastStep`]'s forward pass.
 fn last_step<'a>(
     head: &LastStep,
     input: ArrayView3<'a, f32>,
@@ -262,7 +237,7 @@ fn last_step<'a>(
     Ok(Activations::Flat(freeze(out)))
 }
 
-/// [`MaskedMean`]'s forward pass, training's and serving's.
+/// [`MaskedMean`]'s forward pass.
 fn masked_mean<'a>(
     head: &MaskedMean,
     input: ArrayView3<'a, f32>,
@@ -285,39 +260,3 @@ fn masked_mean<'a>(
     }
     Ok(Activations::Flat(freeze(out)))
 }
-
-/// A head frozen for serving: its forward pass through `&self` (`$forward`, the one
-/// training runs); flat batches refused, as training refuses them.
-macro_rules! frozen_head {
-    ($head:ty, $forward:ident) => {
-        impl FrozenLayer for Frozen<$head> {
-            fn name(&self) -> &str {
-                &self.0.name
-            }
-
-            fn output_size(&self, inputs: usize) -> Result<usize> {
-                Ok(inputs)
-            }
-
-            fn forward<'a>(
-                &self,
-                input: ArrayView2<'a, f32>,
-                _ctx: &ForwardCtx<'a, '_>,
-            ) -> Result<ArrayView2<'a, f32>> {
-                Err(takes_sequences(&self.0.name, input))
-            }
-
-            fn forward_sequence<'a>(
-                &self,
-                input: ArrayView3<'a, f32>,
-                mask: Option<ArrayView2<'a, f32>>,
-                ctx: &ForwardCtx<'a, '_>,
-            ) -> Result<Activations<'a>> {
-                $forward(&self.0, input, mask, ctx)
-            }
-        }
-    };
-}
-
-frozen_head!(LastStep, last_step);
-frozen_head!(MaskedMean, masked_mean);

@@ -2,11 +2,10 @@
 
 use crate::{Error, Result};
 
-use super::parallel::{ParallelLayer, Replica};
 use ndarray::{ArrayView2, ArrayViewMut2, Zip};
 use workspace_core::freeze;
 
-use super::layer::{BackwardCtx, ForwardCtx, Frozen, FrozenLayer, Layer};
+use super::layer::{BackwardCtx, ForwardCtx, Layer, RowsPass};
 
 /// `max(x, 0)` elementwise; the gradient passes where the output is positive.
 #[derive(Clone, Debug)]
@@ -44,26 +43,25 @@ impl Layer for Relu {
         Ok(inputs)
     }
 
-    fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        relu(input, ctx)
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<ArrayView2<'a, f32>> {
+        let out = ctx.activations.map_of(&input, |v| if v > 0.0 { v } else { 0.0 })?;
+        Ok(freeze(out))
     }
 
-    fn frozen(&self) -> Option<Box<dyn FrozenLayer>> {
-        Some(Box::new(Frozen(self.clone())))
-    }
-
-    fn data_parallel(&self) -> Option<Box<dyn ParallelLayer>> {
-        Some(Box::new(Replica(self.clone())))
-    }
-
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
+        let (output, grad_output) = (pass.output, pass.grad_output);
         if output.dim() != grad_output.dim() {
             return Err(Error::ShapeMismatch {
                 context: format!("layer '{}' output gradient", self.name),
@@ -84,25 +82,5 @@ impl Layer for Relu {
             });
         }
         Ok(())
-    }
-}
-
-/// The forward pass, training's and serving's.
-fn relu<'a>(input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-    let out = ctx.activations.map_of(&input, |v| if v > 0.0 { v } else { 0.0 })?;
-    Ok(freeze(out))
-}
-
-impl FrozenLayer for Frozen<Relu> {
-    fn name(&self) -> &str {
-        &self.0.name
-    }
-
-    fn output_size(&self, inputs: usize) -> Result<usize> {
-        Ok(inputs)
-    }
-
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-        relu(input, ctx)
     }
 }

@@ -6,7 +6,14 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
-use super::layer::Param;
+/// One parameter (or a range of the flat parameters) and its gradient, as a step
+/// stores it.
+pub(crate) struct Param<'p> {
+    /// The values, updated in place.
+    pub(crate) value: &'p mut [f32],
+    /// The gradient of the loss with respect to `value`.
+    pub(crate) grad: &'p [f32],
+}
 
 /// Adam's hyper-parameters for one step, the bias correction folded into `step`.
 #[derive(Clone, Copy, Debug)]
@@ -81,11 +88,6 @@ pub(crate) struct Moments {
 }
 
 impl Moments {
-    /// The larger of each.
-    pub(crate) fn max(self, other: Moments) -> Moments {
-        Moments { m: self.m.max(other.m), v: self.v.max(other.v) }
-    }
-
     /// The maxima of a state held elsewhere (a restored or handed-over one): one scan.
     /// `None` when a value is not finite or a second moment is negative, which no
     /// checked step stores.
@@ -272,11 +274,11 @@ mod x86 {
 /// arithmetic is the same wherever it runs).
 const SPLIT_MIN: usize = 1 << 16;
 
-/// Whether one Adam step of `p` (state `m`, `v`) is finite everywhere: the new moments,
+/// Whether one Adam step of values `w` (gradients `g`, state `m`, `v`) is finite everywhere: the new moments,
 /// the updates and the new values. Stores nothing.
-pub(crate) fn adam_finite(width: Width, a: AdamStep, p: &Param<'_>, m: &[f32], v: &[f32]) -> bool {
-    let n = p.value.len();
-    let (w, g, m, v) = (&p.value[..n], &p.grad[..n], &m[..n], &v[..n]);
+pub(crate) fn adam_finite(width: Width, a: AdamStep, w: &[f32], g: &[f32], m: &[f32], v: &[f32]) -> bool {
+    let n = w.len();
+    let (g, m, v) = (&g[..n], &m[..n], &v[..n]);
     let ok = AtomicBool::new(true);
     let part = |s: usize, e: usize| {
         if !adam_finite_at(width, a, &w[s..e], &m[s..e], &v[s..e], &g[s..e]) {
@@ -369,11 +371,11 @@ pub(crate) fn adam_commit(width: Width, a: AdamStep, p: Param<'_>, m: &mut [f32]
     adam_commit_at(width, a, w, m, v, g)
 }
 
-/// A bounds scan of `p` (see [`Scan`]): split across the thread's pool for long
+/// A bounds scan of values `w` and gradients `g` (see [`Scan`]): split across the thread's pool for long
 /// parameters, as the step is.
-pub(crate) fn scan(width: Width, p: &Param<'_>) -> Scan {
-    let n = p.value.len();
-    let (w, g) = (&p.value[..n], &p.grad[..n]);
+pub(crate) fn scan(width: Width, w: &[f32], g: &[f32]) -> Scan {
+    let n = w.len();
+    let g = &g[..n];
     if n >= SPLIT_MIN {
         let (ok, g_max) = (AtomicBool::new(true), AtomicU32::new(0));
         let part = |s: usize, e: usize| {
@@ -446,14 +448,14 @@ mod tests {
             let (mut w, g) = (values(n, 1), values(n, 2));
             let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
             let width = Width::detect();
-            let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
-            let scanned = scan(width, &Param { value: &mut w, grad: &g });
+            let finite = adam_finite(width, a, &w, &g, &m, &v);
+            let scanned = scan(width, &w, &g);
             let moments = adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
             // The maxima returned are those of what was stored.
             assert_eq!(Some(moments), Moments::of(&m, &v));
             w[n - 1] = f32::NAN;
-            let bad = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
-            let bad_scan = scan(width, &Param { value: &mut w, grad: &g });
+            let bad = adam_finite(width, a, &w, &g, &m, &v);
+            let bad_scan = scan(width, &w, &g);
             let all = all_finite(&w);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             (finite, bad, bits(&w), bits(&m), bits(&v), moments, scanned, bad_scan, all)
@@ -505,8 +507,8 @@ mod tests {
         for &width in &widths {
             let (mut w, g) = (values(n, 1), values(n, 2));
             let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x.abs()).collect::<Vec<_>>());
-            let finite = adam_finite(width, a, &Param { value: &mut w, grad: &g }, &m, &v);
-            let scanned = scan(width, &Param { value: &mut w, grad: &g });
+            let finite = adam_finite(width, a, &w, &g, &m, &v);
+            let scanned = scan(width, &w, &g);
             let moments = adam_commit(width, a, Param { value: &mut w, grad: &g }, &mut m, &mut v);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             results.push((finite, bits(&w), bits(&m), bits(&v), moments, scanned));
@@ -529,19 +531,19 @@ mod tests {
         // not finite.
         for &width in &widths {
             let (mut w, mut g) = (values(n, 1), values(n, 2));
-            assert!(scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?}");
+            assert!(scan(width, &w, &g).in_range, "{width:?}");
             for (at, value) in [(0, 2e38f32), (n - 1, -f32::MAX), (64, f32::NAN)] {
                 let keep = std::mem::replace(&mut w[at], value);
-                assert!(!scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?} {value} at {at}");
+                assert!(!scan(width, &w, &g).in_range, "{width:?} {value} at {at}");
                 w[at] = keep;
             }
             for (at, bad) in [(5, f32::INFINITY), (n - 1, f32::NAN)] {
                 let keep = std::mem::replace(&mut g[at], bad);
-                assert!(!scan(width, &Param { value: &mut w, grad: &g }).in_range, "{width:?} {bad} at {at}");
+                assert!(!scan(width, &w, &g).in_range, "{width:?} {bad} at {at}");
                 g[at] = keep;
             }
             g[700] = -3e30;
-            assert_eq!(scan(width, &Param { value: &mut w, grad: &g }).g_max, 3e30, "{width:?}");
+            assert_eq!(scan(width, &w, &g).g_max, 3e30, "{width:?}");
         }
         // A value that would overflow is seen at every width.
         for &width in &widths {
@@ -549,7 +551,7 @@ mod tests {
             w[n - 3] = f32::MAX;
             let (m, v) = (vec![-1e30f32; n], vec![0.0f32; n]);
             let big = AdamStep { step: 1e30, ..a };
-            assert!(!adam_finite(width, big, &Param { value: &mut w, grad: &g }, &m, &v), "{width:?}");
+            assert!(!adam_finite(width, big, &w, &g, &m, &v), "{width:?}");
         }
     }
 }

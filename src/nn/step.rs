@@ -23,46 +23,92 @@ use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 use crate::{Error, Result};
 
 use super::finite;
-use super::layer::{
-    flat_grad_input, sequence_grad_input, Activations, BackwardCtx, ForwardCtx, FrozenLayer, GradInput, Layer, Pass,
-};
+use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape};
 use super::loss::SoftmaxCrossEntropy;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
+use super::params::Params;
 use super::profile::{self, Part};
 
-/// The layers of a step as the step drives them, by index in forward order: a
-/// network's own layers, a data-parallel worker's view of the shared ones (their part
-/// of the shared parameters, of its gradient bucket and its tapes), or a served
-/// model's (forward only).
-pub(crate) trait StepLayers {
+/// The layers of a step as the step drives them, by index in forward order, with the
+/// parameters they read, the gradient buffers their backward passes write and their
+/// tapes: a network's own, a data-parallel worker's (the shared parameters, its
+/// gradient bucket and its tapes), or a served model's (no gradients, no tapes: forward
+/// only).
+pub(crate) struct StepLayers<'s> {
+    pub(crate) layers: &'s [Box<dyn Layer>],
+    /// Where each layer's parameters are in `values` and `grads`.
+    pub(crate) params: &'s Params,
+    pub(crate) values: &'s [f32],
+    /// The gradients, in `values`' layout (`None`: forward only).
+    pub(crate) grads: Option<&'s mut [f32]>,
+    /// One tape per layer (`None`: inference, every layer handed [`Tape::none`]).
+    pub(crate) tapes: Option<&'s mut [Tape]>,
+}
+
+impl StepLayers<'_> {
     /// The number of layers.
-    fn count(&self) -> usize;
+    pub(crate) fn count(&self) -> usize {
+        self.layers.len()
+    }
 
     /// Layer `i`'s name.
-    fn name(&self, i: usize) -> &str;
+    pub(crate) fn name(&self, i: usize) -> &str {
+        self.layers[i].name()
+    }
 
     /// Layer `i`'s forward pass.
-    fn forward<'a>(
+    #[inline]
+    pub(crate) fn forward<'a>(
         &mut self,
         i: usize,
         input: Activations<'a>,
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>>;
+    ) -> Result<Activations<'a>> {
+        let region = self.params.layout.regions[i].clone();
+        let mut none = Tape::none();
+        let tape = match self.tapes.as_deref_mut() {
+            Some(tapes) => &mut tapes[i],
+            None => &mut none,
+        };
+        self.layers[i].forward(&self.values[region], input, mask, tape, ctx)
+    }
 
     /// Layer `i`'s backward pass: its parameters' gradients into their buffer, and the
     /// gradient of its input into `grad_input` when given.
-    fn backward(
+    pub(crate) fn backward(
         &mut self,
         i: usize,
         pass: Pass<'_>,
         grad_input: Option<GradInput<'_>>,
         ctx: &BackwardCtx<'_>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let layer = &self.layers[i];
+        let (Some(grads), Some(tapes)) = (self.grads.as_deref_mut(), self.tapes.as_deref_mut()) else {
+            return Err(Error::InvalidInput(format!(
+                "layer '{}' is run for inference only here: it has no backward pass",
+                layer.name()
+            )));
+        };
+        let region = self.params.layout.regions[i].clone();
+        layer.backward(&self.values[region.clone()], &mut grads[region], pass, grad_input, &mut tapes[i], ctx)
+    }
 
     /// Checks the gradients of layer `i`'s parameters that its last backward pass left:
     /// [`Error::NonFinite`] naming the first value that is not finite.
-    fn check_param_gradients(&mut self, i: usize) -> Result<()>;
+    pub(crate) fn check_param_gradients(&mut self, i: usize) -> Result<()> {
+        let Some(grads) = self.grads.as_deref() else { return Ok(()) };
+        match finite::first_in_slice(&grads[self.params.layout.regions[i].clone()]) {
+            None => Ok(()),
+            Some((element, value)) => {
+                let (param, element) = self.params.param_of(i, element);
+                Err(finite::error(
+                    self.layers[i].name(),
+                    format!("the gradient of its parameter {param} (element {element}) is {value}"),
+                ))
+            }
+        }
+    }
 }
 
 /// What a step runs in besides its layers and its batch.
@@ -87,7 +133,7 @@ pub(crate) struct Run<'r> {
 /// Every array of the step is in `run.train`'s workspaces, closed when this returns,
 /// so the caller's update can use their bytes.
 pub(crate) fn passes(
-    layers: &mut impl StepLayers,
+    layers: &mut StepLayers<'_>,
     x: Input<'_>,
     labels: Labels<'_>,
     run: &Run<'_>,
@@ -194,7 +240,7 @@ pub(crate) fn passes(
 /// `labels` while a timeline records the network; `at` follows the layer being run.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<'s>(
-    layers: &mut impl StepLayers,
+    layers: &mut StepLayers<'_>,
     mgr: &LayerWorkspaceMgr,
     act: &'s TypedScope,
     mut input: Activations<'s>,
@@ -226,109 +272,6 @@ fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
     match a {
         Activations::Flat(v) => Activations::Flat(v.view()),
         Activations::Sequence(v) => Activations::Sequence(v.view()),
-    }
-}
-
-/// A network's own layers, through `&mut`: each holds its parameters and gradients.
-pub(crate) struct Owned<'l>(pub(crate) &'l mut [Box<dyn Layer>]);
-
-impl StepLayers for Owned<'_> {
-    fn count(&self) -> usize {
-        self.0.len()
-    }
-
-    fn name(&self, i: usize) -> &str {
-        self.0[i].name()
-    }
-
-    #[inline]
-    fn forward<'a>(
-        &mut self,
-        i: usize,
-        input: Activations<'a>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        let layer = &mut self.0[i];
-        Ok(match input {
-            Activations::Flat(v) => Activations::Flat(layer.forward(v, ctx)?),
-            Activations::Sequence(v) => layer.forward_sequence(v, mask, ctx)?,
-        })
-    }
-
-    fn backward(
-        &mut self,
-        i: usize,
-        pass: Pass<'_>,
-        grad_input: Option<GradInput<'_>>,
-        ctx: &BackwardCtx<'_>,
-    ) -> Result<()> {
-        let layer = &mut self.0[i];
-        match pass.input {
-            Activations::Flat(x) => {
-                let grad_input = grad_input.map(|g| flat_grad_input(g, layer.name())).transpose()?;
-                let output = pass.output.flat(layer.name())?;
-                layer.backward(x, output, pass.grad_output.flat(layer.name())?, grad_input, ctx)
-            }
-            Activations::Sequence(x) => {
-                let grad_input = grad_input.map(|g| sequence_grad_input(g, layer.name())).transpose()?;
-                layer.backward_sequence(x, pass.mask, pass.output, pass.grad_output, grad_input, ctx)
-            }
-        }
-    }
-
-    fn check_param_gradients(&mut self, i: usize) -> Result<()> {
-        let layer = &mut self.0[i];
-        let (mut param, mut bad) = (0, None);
-        layer.params(&mut |p| {
-            if bad.is_none() {
-                bad = finite::first_in_slice(p.grad).map(|(element, value)| (param, element, value));
-            }
-            param += 1;
-        });
-        match bad {
-            None => Ok(()),
-            Some((param, element, value)) => Err(finite::error(
-                layer.name(),
-                format!("the gradient of its parameter {param} (element {element}) is {value}"),
-            )),
-        }
-    }
-}
-
-/// A served model's layers: forward only, through `&`.
-pub(crate) struct Frozen<'l>(pub(crate) &'l [Box<dyn FrozenLayer>]);
-
-impl StepLayers for Frozen<'_> {
-    fn count(&self) -> usize {
-        self.0.len()
-    }
-
-    fn name(&self, i: usize) -> &str {
-        self.0[i].name()
-    }
-
-    #[inline]
-    fn forward<'a>(
-        &mut self,
-        i: usize,
-        input: Activations<'a>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        let layer = &self.0[i];
-        Ok(match input {
-            Activations::Flat(v) => Activations::Flat(layer.forward(v, ctx)?),
-            Activations::Sequence(v) => layer.forward_sequence(v, mask, ctx)?,
-        })
-    }
-
-    fn backward(&mut self, i: usize, _: Pass<'_>, _: Option<GradInput<'_>>, _: &BackwardCtx<'_>) -> Result<()> {
-        Err(Error::InvalidInput(format!("layer '{}' is frozen for serving: it has no backward pass", self.0[i].name())))
-    }
-
-    fn check_param_gradients(&mut self, _: usize) -> Result<()> {
-        Ok(())
     }
 }
 

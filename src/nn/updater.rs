@@ -10,8 +10,12 @@
 use crate::{Error, Result};
 use workspace_core::TypedScope;
 
-use super::layer::{Layer, Param};
-use super::simd::{self, AdamStep, Moments, Width};
+use std::sync::Arc;
+
+use super::layer::Layer;
+use super::limits::config_filled;
+use super::params::Params;
+use super::simd::{self, AdamStep, Moments, Param, Width};
 
 /// How parameters follow their gradients.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -55,98 +59,45 @@ impl Default for Updater {
     }
 }
 
-/// An updater with its per-parameter state.
+/// An updater with its state, in the parameters' flat layout.
 #[derive(Debug)]
 pub(crate) struct UpdaterState {
     updater: Updater,
     step: u64,
-    /// The number of parameters of each layer when the network was built; the
-    /// buffers below hold them in layer order.
-    layer_params: Vec<usize>,
-    /// Velocity (SGD) or first moment (Adam), one buffer per parameter.
-    first: Vec<Vec<f32>>,
-    /// Second moment (Adam), one buffer per parameter.
-    second: Vec<Vec<f32>>,
+    /// Velocity (SGD) or first moment (Adam), one value per parameter value.
+    first: Vec<f32>,
+    /// Second moment (Adam; empty for SGD), one value per parameter value.
+    second: Vec<f32>,
     /// The largest `|first|` and `second` over every parameter, when known: what the
     /// last step stored (Adam), for the next step's bounds.
     moments: Option<Moments>,
 }
 
-/// How a layer's parameters differ from those the updater state was built for.
-#[derive(Clone, Copy, Debug)]
-enum Mismatch {
-    /// Another number of parameters.
-    Count { expected: usize, actual: usize },
-    /// Parameter `param` (of its layer) changed size.
-    Size { param: usize, expected: usize, actual: usize },
-    /// The gradient of parameter `param` is not as long as its values.
-    Grad { param: usize, values: usize, grads: usize },
-}
-
-impl Mismatch {
-    fn into_error(self, layer: &str) -> Error {
-        match self {
-            Mismatch::Count { expected, actual } => Error::InvalidInput(format!(
-                "layer '{layer}' gave the updater {actual} parameter(s), but {expected} when the network was \
-                 built: `Layer::params` must give the same parameters, in the same order, at every step"
-            )),
-            Mismatch::Size { param, expected, actual } => Error::ShapeMismatch {
-                context: format!(
-                    "layer '{layer}' parameter {param} (its size is fixed when the network is built, as the \
-                     updater's state is)"
-                ),
-                expected: vec![expected],
-                actual: vec![actual],
-            },
-            Mismatch::Grad { param, values, grads } => Error::ShapeMismatch {
-                context: format!("layer '{layer}' gradient of parameter {param} (one per value)"),
-                expected: vec![values],
-                actual: vec![grads],
-            },
-        }
-    }
-}
-
-/// Checks parameter `param` of a layer that had `expected` parameters of the sizes in
-/// `sizes` when the network was built.
-fn mismatch(sizes: &[Vec<f32>], expected: usize, param: usize, p: &Param<'_>) -> Option<Mismatch> {
-    if param >= expected {
-        return Some(Mismatch::Count { expected, actual: param + 1 });
-    }
-    let size = sizes[param].len();
-    if p.value.len() != size {
-        return Some(Mismatch::Size { param, expected: size, actual: p.value.len() });
-    }
-    if p.grad.len() != size {
-        return Some(Mismatch::Grad { param, values: size, grads: p.grad.len() });
-    }
-    None
-}
-
 impl UpdaterState {
-    pub(crate) fn new(updater: Updater, layers: &mut [Box<dyn Layer>]) -> UpdaterState {
-        let mut sizes = Vec::new();
-        let mut layer_params = Vec::with_capacity(layers.len());
-        for layer in layers.iter_mut() {
-            let before = sizes.len();
-            layer.params(&mut |p| sizes.push(p.value.len()));
-            layer_params.push(sizes.len() - before);
-        }
+    /// A fresh state for `total` parameter values.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when the state cannot be allocated.
+    pub(crate) fn new(updater: Updater, total: usize) -> Result<UpdaterState> {
+        let what = || format!("the updater's state of {total} parameter values (check the layer widths)");
+        let first = config_filled(total, 0.0, what)?;
         let second = match updater {
-            Updater::Adam { .. } => sizes.iter().map(|&n| vec![0.0; n]).collect(),
+            Updater::Adam { .. } => config_filled(total, 0.0, what)?,
             Updater::Sgd { .. } => Vec::new(),
         };
-        let first = sizes.iter().map(|&n| vec![0.0; n]).collect();
         // Zero moments: the bounds of a first step are known.
-        UpdaterState { updater, step: 0, layer_params, first, second, moments: Some(Moments::default()) }
+        Ok(UpdaterState { updater, step: 0, first, second, moments: Some(Moments::default()) })
     }
 
     pub(crate) fn updater(&self) -> Updater {
         self.updater
     }
 
-    /// One step over every parameter of `layers` (`_working`, the updater working memory,
-    /// is not needed: nothing is staged).
+    /// One step over every parameter (`params`, with their gradients `grads`, laid out
+    /// by `layout` for `layers`; `_working`, the updater working memory, is not needed:
+    /// nothing is staged). The parameters are written through [`Arc::make_mut`]: a
+    /// model that still holds them keeps the values it was frozen with.
     ///
     /// A step updates every parameter and its state, or none: it is known to be finite
     /// everywhere before anything is stored. For Adam that is usually known from bounds:
@@ -157,32 +108,34 @@ impl UpdaterState {
     /// cannot overflow. Then the step is one pass that computes and stores. Otherwise
     /// (SGD, a state handed over without its bounds, bounds too large to tell) every
     /// update is computed, with the new moments (or velocities) and parameter values,
-    /// and checked in a pass that stores nothing, and stored in a second that computes
-    /// each again (the same arithmetic, so the same numbers). Either way the numbers
-    /// stored are the same bits, and storing needs no memory, so it cannot fail
-    /// half-way.
+    /// and checked in a pass that stores nothing, layer by layer in forward order, and
+    /// stored in a second that computes each again (the same arithmetic, so the same
+    /// numbers). Either way the numbers stored are the same bits, and storing needs no
+    /// memory, so it cannot fail half-way.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidInput`] when a layer gives another number of parameters than
-    /// when the network was built; [`Error::ShapeMismatch`] when a parameter changed
-    /// size, or its gradient is not as long as its values; [`Error::NonFinite`] naming
-    /// the layer when a moment, update or new parameter value would not be finite.
-    pub(crate) fn apply(&mut self, layers: &mut [Box<dyn Layer>], _working: &TypedScope) -> Result<()> {
-        {
-            let _span = super::profile::span(super::profile::Part::Checks);
-            self.check(layers)?;
-        }
+    /// [`Error::NonFinite`] naming the layer when a moment, update or new parameter value
+    /// would not be finite.
+    pub(crate) fn apply(
+        &mut self,
+        params: &mut Arc<Vec<f32>>,
+        grads: &[f32],
+        layout: &Params,
+        layers: &[Box<dyn Layer>],
+        _working: &TypedScope,
+    ) -> Result<()> {
         let t = (self.step + 1) as i32;
-        if !self.known_finite(layers, t) {
-            self.check_every_update(layers, t)?;
+        if !self.known_finite(params, grads, t) {
+            self.check_every_update(params, grads, t, layout, layers)?;
         }
-        self.commit(layers, t)
+        self.commit(Arc::make_mut(params).as_mut_slice(), grads, t);
+        Ok(())
     }
 
     /// Whether this Adam step at `t` is known to be finite everywhere from bounds alone
     /// (see [`UpdaterState::apply`]): one scan of the values and gradients.
-    fn known_finite(&self, layers: &mut [Box<dyn Layer>], t: i32) -> bool {
+    fn known_finite(&self, values: &[f32], grads: &[f32], t: i32) -> bool {
         let (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(moments)) = (self.updater, self.moments)
         else {
             return false;
@@ -192,58 +145,43 @@ impl UpdaterState {
         if !simd::adam_step_is_finite(a, moments, 0.0) {
             return false;
         }
-        let width = Width::detect();
-        let (mut in_range, mut g_max) = (true, 0f32);
-        for layer in layers.iter_mut() {
-            layer.params(&mut |p| {
-                // A gradient of another length is reported by the element-wise check.
-                in_range &= p.grad.len() == p.value.len();
-                if in_range {
-                    let scan = simd::scan(width, &p);
-                    in_range &= scan.in_range;
-                    g_max = g_max.max(scan.g_max);
-                }
-            });
-            if !in_range {
-                return false;
-            }
+        // Gradients of another length are reported by the element-wise check.
+        if grads.len() != values.len() {
+            return false;
         }
-        simd::adam_step_is_finite(a, moments, g_max)
+        let scan = simd::scan(Width::detect(), values, grads);
+        scan.in_range && simd::adam_step_is_finite(a, moments, scan.g_max)
     }
 
     /// Computes every update of the step at `t`, with its new moments (or velocity) and
-    /// value, and checks that each is finite; stores nothing.
-    fn check_every_update(&mut self, layers: &mut [Box<dyn Layer>], t: i32) -> Result<()> {
-        let (first, second, updater) = (&self.first, &self.second, self.updater);
-        let mut base = 0;
-        for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
-            let mut param = 0;
-            let mut failure = None;
-            layer.params(&mut |p| {
-                if failure.is_some() {
-                    return;
-                }
-                // Checked above; checked again in case `params` changes between calls.
-                if let Some(m) = mismatch(&first[base..base + expected], expected, param, &p) {
-                    failure = Some(Failure::Mismatch(m));
-                    return;
-                }
-                let index = base + param;
-                let v = second.get(index).map(Vec::as_slice);
-                if let Some((element, what, value)) = first_non_finite(updater, t, &first[index], v, &p) {
-                    let grad = p.grad[element];
-                    failure = Some(Failure::NonFinite { param, element, what, value, grad });
-                }
-                param += 1;
+    /// value, and checks that each is finite, layer by layer in forward order; stores
+    /// nothing.
+    fn check_every_update(
+        &self,
+        values: &[f32],
+        grads: &[f32],
+        t: i32,
+        layout: &Params,
+        layers: &[Box<dyn Layer>],
+    ) -> Result<()> {
+        if grads.len() != values.len() || self.first.len() != values.len() {
+            return Err(Error::ShapeMismatch {
+                context: "the network's parameters, their gradients and the updater's state".into(),
+                expected: vec![values.len(), values.len()],
+                actual: vec![grads.len(), self.first.len()],
             });
-            match failure {
-                Some(failure) => return Err(failure.into_error(layer.name())),
-                None if param != expected => {
-                    return Err(Mismatch::Count { expected, actual: param }.into_error(layer.name()))
-                }
-                None => {}
+        }
+        for (i, region) in layout.layout.regions.iter().enumerate() {
+            let r = region.clone();
+            let v = (!self.second.is_empty()).then(|| &self.second[r.clone()]);
+            let found =
+                first_non_finite(self.updater, t, &values[r.clone()], &grads[r.clone()], &self.first[r.clone()], v);
+            if let Some((element, what, value)) = found {
+                let grad = grads[r.start + element];
+                let (param, element) = layout.param_of(i, element);
+                let name = layers.get(i).map_or("update", |l| l.name());
+                return Err(Failure::NonFinite { param, element, what, value, grad }.into_error(name));
             }
-            base += expected;
         }
         Ok(())
     }
@@ -251,81 +189,15 @@ impl UpdaterState {
     /// Stores the step at `t`, known finite: the moments and the parameters, each
     /// update computed as it is stored; keeps the largest moments stored for the next
     /// step's bounds.
-    fn commit(&mut self, layers: &mut [Box<dyn Layer>], t: i32) -> Result<()> {
+    fn commit(&mut self, values: &mut [f32], grads: &[f32], t: i32) {
         self.step += 1;
-        // Unknown until every parameter is stored.
-        self.moments = None;
-        let (first, second, updater) = (&mut self.first, &mut self.second, self.updater);
-        let mut moments = Moments::default();
-        let mut base = 0;
-        for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
-            let mut param = 0;
-            let mut failure = None;
-            layer.params(&mut |p| {
-                if failure.is_some() {
-                    return;
-                }
-                // `params` gave these very parameters to the check just above; a layer
-                // whose `params` changes between two calls gets an error here.
-                if let Some(m) = mismatch(&first[base..base + expected], expected, param, &p) {
-                    failure = Some(m);
-                    return;
-                }
-                let index = base + param;
-                param += 1;
-                let v = second.get_mut(index).map(Vec::as_mut_slice);
-                moments = moments.max(commit(updater, t, &mut first[index], v, p));
-            });
-            match failure {
-                Some(m) => return Err(m.into_error(layer.name())),
-                None if param != expected => {
-                    return Err(Mismatch::Count { expected, actual: param }.into_error(layer.name()))
-                }
-                None => {}
-            }
-            base += expected;
-        }
-        self.moments = Some(moments);
-        Ok(())
-    }
-
-    /// Checks that `layers` give the parameters the state was built for: as many per
-    /// layer, each of the same size, each with a gradient as long as its values.
-    fn check(&self, layers: &mut [Box<dyn Layer>]) -> Result<()> {
-        if layers.len() != self.layer_params.len() {
-            return Err(Error::InvalidInput(format!(
-                "the updater was built for {} layers, and is given {}",
-                self.layer_params.len(),
-                layers.len()
-            )));
-        }
-        let mut base = 0;
-        for (layer, &expected) in layers.iter_mut().zip(&self.layer_params) {
-            let sizes = &self.first[base..base + expected];
-            let mut param = 0;
-            let mut failure = None;
-            layer.params(&mut |p| {
-                if failure.is_none() && param < expected {
-                    failure = mismatch(sizes, expected, param, &p);
-                }
-                param += 1;
-            });
-            if param != expected {
-                failure = Some(Mismatch::Count { expected, actual: param });
-            }
-            if let Some(m) = failure {
-                return Err(m.into_error(layer.name()));
-            }
-            base += expected;
-        }
-        Ok(())
+        let v = (!self.second.is_empty()).then_some(self.second.as_mut_slice());
+        self.moments = Some(commit(self.updater, t, &mut self.first, v, Param { value: values, grad: grads }));
     }
 }
 
 /// Why a parameter's step could not be taken.
 enum Failure {
-    /// The parameters are not those the state was built for.
-    Mismatch(Mismatch),
     /// A value of the step would not be finite.
     NonFinite { param: usize, element: usize, what: &'static str, value: f32, grad: f32 },
 }
@@ -333,7 +205,6 @@ enum Failure {
 impl Failure {
     fn into_error(self, layer: &str) -> Error {
         match self {
-            Failure::Mismatch(m) => m.into_error(layer),
             Failure::NonFinite { param, element, what, value, grad } => Error::NonFinite {
                 layer: layer.to_string(),
                 what: format!(
@@ -353,12 +224,13 @@ impl Failure {
 fn first_non_finite(
     updater: Updater,
     t: i32,
+    values: &[f32],
+    grads: &[f32],
     m: &[f32],
     v: Option<&[f32]>,
-    p: &Param<'_>,
 ) -> Option<(usize, &'static str, f32)> {
-    let n = p.value.len();
-    let (values, grads, m) = (&p.value[..n], &p.grad[..n], &m[..n]);
+    let n = values.len();
+    let (grads, m) = (&grads[..n], &m[..n]);
     let finite = match (updater, v) {
         (Updater::Sgd { learning_rate, momentum }, _) => {
             values.chunks(64).zip(m.chunks(64)).zip(grads.chunks(64)).all(|((w, m), g)| {
@@ -370,7 +242,7 @@ fn first_non_finite(
         }
         (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(v)) => {
             let step = adam_step_size(learning_rate, beta1, beta2, t);
-            simd::adam_finite(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v)
+            simd::adam_finite(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, values, grads, m, v)
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
     };
@@ -447,15 +319,13 @@ fn non_finite(values: &[(&'static str, f32)]) -> Option<(&'static str, f32)> {
 pub(crate) fn check_range(
     updater: Updater,
     t: i32,
-    values: &mut [f32],
+    values: &[f32],
     grads: &[f32],
     m: &[f32],
     v: Option<&[f32]>,
     _working: &TypedScope,
 ) -> Result<Option<(usize, &'static str, f32)>> {
-    let n = values.len();
-    let p = Param { value: values, grad: &grads[..n] };
-    Ok(first_non_finite(updater, t, m, v, &p))
+    Ok(first_non_finite(updater, t, values, grads, m, v))
 }
 
 /// Stores a step of a range checked by [`check_range`] (the same arithmetic, so the
@@ -473,49 +343,32 @@ pub(crate) fn commit_range(
 }
 
 impl UpdaterState {
-    /// The step count and the state, one buffer per parameter in layer order (the
-    /// second moments empty but for Adam).
-    pub(crate) fn into_parts(self) -> (u64, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    /// The step count and the state (the second moments empty but for Adam).
+    pub(crate) fn into_parts(self) -> (u64, Vec<f32>, Vec<f32>) {
         (self.step, self.first, self.second)
     }
 
-    /// A state of `layers` from [`UpdaterState::into_parts`]'s parts.
-    pub(crate) fn from_parts(
-        updater: Updater,
-        layers: &mut [Box<dyn Layer>],
-        step: u64,
-        first: Vec<Vec<f32>>,
-        second: Vec<Vec<f32>>,
-    ) -> UpdaterState {
-        let mut state = UpdaterState::new(updater, layers);
-        state.step = step;
+    /// A state from [`UpdaterState::into_parts`]'s parts.
+    pub(crate) fn from_parts(updater: Updater, step: u64, first: Vec<f32>, second: Vec<f32>) -> UpdaterState {
         // The bounds of a state from elsewhere: one scan.
-        state.moments = match updater {
-            Updater::Adam { .. } if first.len() == second.len() => {
-                first.iter().zip(&second).try_fold(Moments::default(), |acc, (m, v)| Some(acc.max(Moments::of(m, v)?)))
-            }
+        let moments = match updater {
+            Updater::Adam { .. } if first.len() == second.len() => Moments::of(&first, &second),
             _ => None,
         };
-        state.first = first;
-        state.second = second;
-        state
+        UpdaterState { updater, step, first, second, moments }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::layer::{BackwardCtx, ForwardCtx};
-    use ndarray::{ArrayView2, ArrayViewMut2};
+    use crate::nn::layer::ParamShape;
     use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
-    /// A layer that is only parameters with set gradients.
-    struct Params {
-        value: Vec<f32>,
-        grad: Vec<f32>,
-    }
+    /// A layer that is only `n` parameter values.
+    struct Values(usize);
 
-    impl Layer for Params {
+    impl Layer for Values {
         fn name(&self) -> &str {
             "params"
         }
@@ -524,23 +377,30 @@ mod tests {
             Ok(inputs)
         }
 
-        fn forward<'a>(&mut self, input: ArrayView2<'a, f32>, _: &ForwardCtx<'a, '_>) -> Result<ArrayView2<'a, f32>> {
-            Ok(input)
+        fn param_shapes(&self, _inputs: usize) -> Vec<ParamShape> {
+            vec![ParamShape::new("value", &[self.0])]
+        }
+    }
+
+    /// Layers of parameters with their flat buffers, as a network holds them.
+    struct Net {
+        layers: Vec<Box<dyn Layer>>,
+        layout: Params,
+        params: Arc<Vec<f32>>,
+        grads: Vec<f32>,
+    }
+
+    impl Net {
+        fn apply(&mut self, state: &mut UpdaterState, working: &TypedScope) -> Result<()> {
+            state.apply(&mut self.params, &self.grads, &self.layout, &self.layers, working)
         }
 
-        fn backward(
-            &mut self,
-            _: ArrayView2<'_, f32>,
-            _: ArrayView2<'_, f32>,
-            _: ArrayView2<'_, f32>,
-            _: Option<ArrayViewMut2<'_, f32>>,
-            _: &BackwardCtx<'_>,
-        ) -> Result<()> {
-            Ok(())
+        fn known_finite(&self, state: &UpdaterState, t: i32) -> bool {
+            state.known_finite(&self.params, &self.grads, t)
         }
 
-        fn params(&mut self, f: &mut dyn FnMut(Param<'_>)) {
-            f(Param { value: &mut self.value, grad: &self.grad });
+        fn bits(&self) -> Vec<u32> {
+            self.params.iter().map(|v| v.to_bits()).collect()
         }
     }
 
@@ -551,30 +411,23 @@ mod tests {
             .collect()
     }
 
-    fn layers(sizes: &[usize]) -> Vec<Box<dyn Layer>> {
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| Box::new(Params { value: values(n, i as u32, 1.0), grad: vec![0.0; n] }) as Box<dyn Layer>)
-            .collect()
+    fn layers(sizes: &[usize]) -> Net {
+        let layers: Vec<Box<dyn Layer>> = sizes.iter().map(|&n| Box::new(Values(n)) as Box<dyn Layer>).collect();
+        let layout = Params::of(1, &layers).unwrap();
+        let mut params = vec![0.0; layout.layout.total];
+        for (i, region) in layout.layout.regions.iter().enumerate() {
+            params[region.clone()].copy_from_slice(&values(sizes[i], i as u32, 1.0));
+        }
+        let grads = vec![0.0; layout.layout.total];
+        Net { layers, layout, params: Arc::new(params), grads }
     }
 
-    /// Sets every gradient of `layers` from `seed` (the values kept).
-    fn set_gradients(layers: &mut [Box<dyn Layer>], seed: u32, scale: f32) {
-        for (i, layer) in layers.iter_mut().enumerate() {
-            let mut value = Vec::new();
-            layer.params(&mut |p| value = p.value.to_vec());
-            let grad = values(value.len(), seed.wrapping_mul(31).wrapping_add(i as u32), scale);
-            *layer = Box::new(Params { value, grad });
+    /// Sets every gradient of `net` from `seed` (the values kept).
+    fn set_gradients(net: &mut Net, seed: u32, scale: f32) {
+        for (i, region) in net.layout.layout.regions.iter().enumerate() {
+            let grad = values(region.len(), seed.wrapping_mul(31).wrapping_add(i as u32), scale);
+            net.grads[region.clone()].copy_from_slice(&grad);
         }
-    }
-
-    fn bits(layers: &mut [Box<dyn Layer>]) -> Vec<u32> {
-        let mut out = Vec::new();
-        for layer in layers {
-            layer.params(&mut |p| out.extend(p.value.iter().map(|v| v.to_bits())));
-        }
-        out
     }
 
     fn scope() -> (LayerWorkspaceMgr, ArrayType) {
@@ -591,28 +444,24 @@ mod tests {
         let sizes = [7, 64, 1000, (1 << 16) + 33];
         let updater = Updater::Adam { learning_rate: 3e-3, beta1: 0.9, beta2: 0.999, epsilon: 1e-8 };
         let (mut fast, mut checked) = (layers(&sizes), layers(&sizes));
-        let mut fast_state = UpdaterState::new(updater, &mut fast);
-        let mut checked_state = UpdaterState::new(updater, &mut checked);
+        let mut fast_state = UpdaterState::new(updater, fast.layout.layout.total).unwrap();
+        let mut checked_state = UpdaterState::new(updater, checked.layout.layout.total).unwrap();
         for step in 0..12u32 {
             let scale = [1.0, 1e-20, 1e6, 1e15][step as usize % 4];
             set_gradients(&mut fast, step, scale);
             set_gradients(&mut checked, step, scale);
-            assert!(fast_state.known_finite(&mut fast, step as i32 + 1), "step {step}: the bounds path is taken");
-            fast_state.apply(&mut fast, &working).unwrap();
+            assert!(fast.known_finite(&fast_state, step as i32 + 1), "step {step}: the bounds path is taken");
+            fast.apply(&mut fast_state, &working).unwrap();
             // No bounds: every update computed and checked before it is stored.
             checked_state.moments = None;
-            assert!(!checked_state.known_finite(&mut checked, step as i32 + 1));
-            checked_state.apply(&mut checked, &working).unwrap();
-            assert!(bits(&mut fast) == bits(&mut checked), "step {step}");
+            assert!(!checked.known_finite(&checked_state, step as i32 + 1));
+            checked.apply(&mut checked_state, &working).unwrap();
+            assert!(fast.bits() == checked.bits(), "step {step}");
             assert_eq!(fast_state.first, checked_state.first);
             assert_eq!(fast_state.second, checked_state.second);
         }
         // The bounds tracked as the steps were stored are the state's own maxima.
-        let scanned = fast_state
-            .first
-            .iter()
-            .zip(&fast_state.second)
-            .try_fold(Moments::default(), |acc, (m, v)| Some(acc.max(Moments::of(m, v)?)));
+        let scanned = Moments::of(&fast_state.first, &fast_state.second);
         assert_eq!(fast_state.moments, scanned);
     }
 
@@ -634,28 +483,24 @@ mod tests {
         ];
         for (case, &(updater, value, scale, finite)) in cases.iter().enumerate() {
             let mut net = layers(&[100]);
-            let mut state = UpdaterState::new(updater, &mut net);
+            let mut state = UpdaterState::new(updater, net.layout.layout.total).unwrap();
             set_gradients(&mut net, 5, scale);
-            let mut value_37 = Vec::new();
-            net[0].params(&mut |p| {
-                p.value[37] = value;
-                value_37 = p.value.to_vec();
-            });
+            Arc::make_mut(&mut net.params)[37] = value;
             // A negative gradient there: Adam's first step moves it up by about the step.
             let mut grad = values(100, 5u32.wrapping_mul(31), scale);
             grad[37] = -scale;
-            net[0] = Box::new(Params { value: value_37, grad });
-            let before = bits(&mut net);
-            let known = state.known_finite(&mut net, 1);
-            let result = state.apply(&mut net, &working);
+            net.grads.copy_from_slice(&grad);
+            let before = net.bits();
+            let known = net.known_finite(&state, 1);
+            let result = net.apply(&mut state, &working);
             assert_eq!(result.is_ok(), finite, "case {case}: {result:?}");
             if finite {
-                assert!(bits(&mut net) != before, "case {case}: stored");
+                assert!(net.bits() != before, "case {case}: stored");
                 assert_eq!(state.step, 1);
             } else {
                 assert!(!known, "case {case}: the bounds never admit a step that overflows");
-                assert!(bits(&mut net) == before, "case {case}: a refused step changes nothing");
-                assert!(state.first.iter().chain(&state.second).flatten().all(|&x| x == 0.0), "case {case}");
+                assert!(net.bits() == before, "case {case}: a refused step changes nothing");
+                assert!(state.first.iter().chain(&state.second).all(|&x| x == 0.0), "case {case}");
                 assert_eq!(state.step, 0);
             }
         }

@@ -13,6 +13,7 @@ mod parallel;
 mod sequences;
 mod sequences_prefetch;
 mod serve;
+mod standalone;
 mod train_digits_cli;
 
 use std::path::{Path, PathBuf};

@@ -492,30 +492,45 @@ fn no_truncation_or_corruption_of_a_real_file_panics() {
 }
 
 #[test]
-fn a_custom_layer_cannot_be_saved_and_says_so() {
+fn a_custom_layer_saves_and_loads_with_the_configuration_that_builds_it() {
+    /// `y = 2x + b`, one learned bias per column (starting at 0.25).
     struct Doubler;
-    impl carve::nn::FrozenLayer for Doubler {
+    impl carve::nn::Layer for Doubler {
         fn name(&self) -> &str {
             "doubler"
         }
         fn output_size(&self, inputs: usize) -> carve::Result<usize> {
             Ok(inputs)
         }
-        fn forward<'a>(
+        fn param_shapes(&self, inputs: usize) -> Vec<carve::nn::ParamShape> {
+            vec![carve::nn::ParamShape::new("bias", &[inputs])]
+        }
+        fn init(&self, _inputs: usize, params: &mut [f32], _init: &mut carve::nn::Init<'_>) {
+            params.fill(0.25);
+        }
+        fn forward_rows<'a>(
             &self,
+            params: &[f32],
             input: ndarray::ArrayView2<'a, f32>,
-            _ctx: &carve::nn::ForwardCtx<'a, '_>,
+            ctx: &carve::nn::ForwardCtx<'a, '_>,
         ) -> carve::Result<ndarray::ArrayView2<'a, f32>> {
-            Ok(input)
+            Ok(carve::freeze(ctx.activations.from_shape_fn(input.raw_dim(), |(i, j)| 2.0 * input[[i, j]] + params[j])?))
         }
     }
-    let model = Model::from_layers(3, vec![Box::new(Doubler)]).unwrap();
+    let config = || NetworkConfig::builder(3).layer(Doubler).dense(2).seed(4).build().unwrap();
+    let mut net = Network::new(config()).unwrap();
     let dir = Scratch::new();
-    match model.save(dir.path("custom.safetensors")) {
-        Err(Error::InvalidConfig { reason }) => assert!(reason.contains("'doubler' cannot be saved"), "{reason}"),
-        other => panic!("expected a configuration error, got {other:?}"),
+    let path = dir.path("custom.safetensors");
+    net.save(&path).unwrap();
+    // Without the configuration, the file names what it needs.
+    match Model::load(&path) {
+        Err(Error::ModelFile { reason, .. }) => assert!(reason.contains("Model::load_with"), "{reason}"),
+        other => panic!("expected a model-file error, got {other:?}"),
     }
-    assert!(!dir.path("custom.safetensors").exists());
+    let model = Model::load_with(&path, &config()).unwrap();
+    assert_eq!(model.layer_params(0), [0.25; 3]);
+    let x = Array2::from_shape_fn((4, 3), |(r, c)| (r * 3 + c) as f32 / 7.0);
+    assert_eq!(model.output(x.view()).unwrap(), net.output(x.view()).unwrap());
 }
 
 #[test]
@@ -523,7 +538,7 @@ fn what_save_and_load_refuse_besides_broken_files() {
     let dir = Scratch::new();
     // A weight that is not finite: the save names it and writes nothing.
     let mut net = trained_mlp();
-    net.layers_mut()[2].params(&mut |p| p.value[3] = f32::NAN);
+    net.layer_params_mut(2)[3] = f32::NAN;
     let path = dir.path("diverged.safetensors");
     match net.save(&path) {
         Err(Error::ModelFile { tensor, reason, .. }) => {

@@ -2,8 +2,11 @@
 //! None equality, configuration and input errors, validation of misplaced outputs.
 
 use carve::nn::{
-    BackwardCtx, Dense, ForwardCtx, Layer, Network, NetworkConfig, Relu, Rng, SoftmaxCrossEntropy, Updater,
+    Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu, Rng,
+    RowsPass, SoftmaxCrossEntropy, Updater,
 };
+
+use crate::standalone::Standalone;
 use carve::{freeze, ArrayType, Error, LayerWorkspaceMgr, Scope, WorkspaceMode};
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewMut2};
 
@@ -12,28 +15,28 @@ fn random(rows: usize, cols: usize, rng: &mut Rng) -> Array2<f32> {
 }
 
 /// `Σ y ⊙ r` for the layer's output `y` on input `x` (so that `∂/∂y = r`).
-fn project(layer: &mut dyn Layer, x: &Array2<f32>, r: &Array2<f32>) -> f64 {
+fn project(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> f64 {
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-    let y = layer.forward(x.view(), &ctx).unwrap();
+    let y = layer.forward(Activations::Flat(x.view()), None, &ctx).unwrap().flat("y").unwrap();
     y.iter().zip(r.iter()).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
 }
 
 /// Analytic gradients of `project` with respect to the input and the parameters.
-fn analytic(layer: &mut dyn Layer, x: &Array2<f32>, r: &Array2<f32>) -> (Array2<f32>, Vec<Vec<f32>>) {
+fn analytic(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> (Array2<f32>, Vec<Vec<f32>>) {
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-    let y = layer.forward(x.view(), &ctx).unwrap();
+    let y = layer.forward(Activations::Flat(x.view()), None, &ctx).unwrap();
     let mut gx = Array2::<f32>::from_elem(x.raw_dim(), f32::NAN);
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
-    layer.backward(x.view(), y, r.view(), Some(gx.view_mut()), &BackwardCtx { working: &bp, mgr: &mgr }).unwrap();
-    let mut grads = Vec::new();
-    layer.params(&mut |p| grads.push(p.grad.to_vec()));
-    (gx, grads)
+    let pass =
+        Pass { input: Activations::Flat(x.view()), mask: None, output: y, grad_output: Activations::Flat(r.view()) };
+    layer.backward(pass, Some(GradInput::Flat(gx.view_mut())), &BackwardCtx { working: &bp, mgr: &mgr }).unwrap();
+    (gx, layer.param_grads())
 }
 
 fn close(numeric: f64, analytic: f32, what: &str) {
@@ -42,18 +45,7 @@ fn close(numeric: f64, analytic: f32, what: &str) {
     assert!((n - a).abs() / scale < 2e-2, "{what}: numeric {n} vs analytic {a}");
 }
 
-/// Adds `delta` to element `k` of parameter `p`.
-fn nudge(layer: &mut dyn Layer, p: usize, k: usize, delta: f32) {
-    let mut index = 0;
-    layer.params(&mut |param| {
-        if index == p {
-            param.value[k] += delta;
-        }
-        index += 1;
-    });
-}
-
-fn check_layer(layer: &mut dyn Layer, rows: usize, cols: usize, outs: usize, seed: u64) {
+fn check_layer(layer: &mut Standalone, rows: usize, cols: usize, outs: usize, seed: u64) {
     let mut rng = Rng::new(seed);
     // Inputs are kept away from 0, where ReLU's kink would make finite differences
     // straddle two slopes.
@@ -72,11 +64,11 @@ fn check_layer(layer: &mut dyn Layer, rows: usize, cols: usize, outs: usize, see
     }
     for (p, grad) in grads.iter().enumerate() {
         for (k, &g) in grad.iter().enumerate() {
-            nudge(layer, p, k, eps);
+            layer.nudge(p, k, eps);
             let up = project(layer, &x, &r);
-            nudge(layer, p, k, -2.0 * eps);
+            layer.nudge(p, k, -2.0 * eps);
             let down = project(layer, &x, &r);
-            nudge(layer, p, k, eps);
+            layer.nudge(p, k, eps);
             close((up - down) / f64::from(2.0 * eps), g, &format!("{} d/dparam{p}[{k}]", layer.name()));
         }
     }
@@ -84,15 +76,14 @@ fn check_layer(layer: &mut dyn Layer, rows: usize, cols: usize, outs: usize, see
 
 #[test]
 fn dense_gradients_match_finite_differences() {
-    let mut dense = Dense::new(5, 4);
-    dense.init(&mut Rng::new(3));
+    let mut dense = Standalone::new(Dense::new(5, 4), 5, 3);
     check_layer(&mut dense, 3, 5, 4, 11);
-    assert_eq!(dense.param_count(), 24);
+    assert_eq!(dense.layer.param_shapes(5).iter().map(ParamShape::len).sum::<usize>(), 24);
 }
 
 #[test]
 fn relu_gradients_match_finite_differences() {
-    check_layer(&mut Relu::new(), 4, 6, 6, 5);
+    check_layer(&mut Standalone::new(Relu::new(), 6, 0), 4, 6, 6, 5);
 }
 
 #[test]
@@ -276,8 +267,9 @@ impl Layer for Shortcut {
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(
-        &mut self,
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
@@ -287,14 +279,15 @@ impl Layer for Shortcut {
             Ok(input) // the bug: the caller's memory, not the activations workspace
         }
     }
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> carve::Result<()> {
+        let grad_output = pass.grad_output;
         if let Some(mut g) = grad_input {
             g.assign(&grad_output);
         }
@@ -331,8 +324,7 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
 fn dense_gradients_match_finite_differences_beyond_a_micro_tile() {
     // 17 × 40 → 33 reaches a full micro-tile of every blocked kernel (8×32, 16×16,
     // 6×16) in all three products (forward; dW = xᵀ·dy; dx = dy·Wᵀ), with ragged edges.
-    let mut dense = Dense::new(40, 33);
-    dense.init(&mut Rng::new(21));
+    let mut dense = Standalone::new(Dense::new(40, 33), 40, 21);
     check_layer(&mut dense, 17, 40, 33, 23);
 }
 
@@ -396,16 +388,17 @@ fn relus_are_numbered_like_the_dense_layers() {
 
 #[test]
 fn relu_rejects_an_input_gradient_of_another_shape() {
-    let mut relu = Relu::named("relu_7");
+    let relu = Relu::named("relu_7");
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
     let ctx = BackwardCtx { working: &bp, mgr: &mgr };
     let (x, y, dy) = (Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)), Array2::<f32>::ones((3, 4)));
     let mut dx = Array2::<f32>::zeros((3, 5));
-    let err = relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap_err();
+    let pass = RowsPass { input: x.view(), output: y.view(), grad_output: dy.view() };
+    let err = relu.backward_rows(&[], &mut [], pass, Some(dx.view_mut()), &ctx).unwrap_err();
     assert_eq!(err.to_string(), "layer 'relu_7' input gradient: expected shape [3, 4], got [3, 5]");
     let mut dx = Array2::<f32>::zeros((3, 4));
-    relu.backward(x.view(), y.view(), dy.view(), Some(dx.view_mut()), &ctx).unwrap();
+    relu.backward_rows(&[], &mut [], pass, Some(dx.view_mut()), &ctx).unwrap();
     assert_eq!(dx, dy);
 }
 
@@ -448,7 +441,7 @@ static HEAP_OUTPUTS: std::sync::Mutex<Vec<&'static Array2<f32>>> = std::sync::Mu
 /// A user layer (the identity) whose output placement the test switches.
 struct Misplacing {
     name: &'static str,
-    output: std::rc::Rc<std::cell::Cell<Output>>,
+    output: Switch<Output>,
 }
 
 impl Layer for Misplacing {
@@ -458,8 +451,9 @@ impl Layer for Misplacing {
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(
-        &mut self,
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
@@ -474,14 +468,15 @@ impl Layer for Misplacing {
             }
         }
     }
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> carve::Result<()> {
+        let grad_output = pass.grad_output;
         if let Some(mut g) = grad_input {
             g.assign(&grad_output);
         }
@@ -507,7 +502,7 @@ fn misplacing_network(first: &Misplacing, second: &Misplacing) -> Network {
 
 #[test]
 fn a_layer_misplacing_its_output_in_training_fails_and_the_network_stays_usable() {
-    let place = |name| Misplacing { name, output: std::rc::Rc::new(std::cell::Cell::new(Output::Activations)) };
+    let place = |name| Misplacing { name, output: Switch::new(Output::Activations) };
     let (first, second) = (place("first_identity"), place("second_identity"));
     let mut net = misplacing_network(&first, &second);
     // A twin that never fails: the reference for "usable afterwards".
@@ -546,137 +541,38 @@ fn a_layer_misplacing_its_output_in_training_fails_and_the_network_stays_usable(
     assert_eq!(net.iterations(), 4);
 }
 
-/// How [`Shifting`] misreports its parameters to the updater.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum ParamFault {
-    None,
-    /// One parameter more than when the network was built.
-    Extra,
-    /// No parameter at all.
-    Missing,
-    /// Its bias, one value longer.
-    Resized,
-    /// A gradient one value shorter than the bias.
-    ShortGradient,
-}
-
-/// A user layer adding a bias per column, whose `params()` the test can break.
-struct Shifting {
-    bias: Vec<f32>,
-    grad: Vec<f32>,
-    longer: Vec<f32>,
-    fault: std::rc::Rc<std::cell::Cell<ParamFault>>,
-}
-
-impl Layer for Shifting {
-    fn name(&self) -> &str {
-        "shift"
-    }
-    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
-        Ok(inputs)
-    }
-    fn forward<'a>(
-        &mut self,
-        input: ArrayView2<'a, f32>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> carve::Result<ArrayView2<'a, f32>> {
-        let bias = &self.bias;
-        Ok(freeze(ctx.activations.from_shape_fn(input.raw_dim(), |(i, j)| input[[i, j]] + bias[j])?))
-    }
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
-        grad_input: Option<ArrayViewMut2<'_, f32>>,
-        _ctx: &BackwardCtx<'_>,
-    ) -> carve::Result<()> {
-        self.grad.fill(0.0);
-        for row in grad_output.rows() {
-            self.grad.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
-        }
-        if let Some(mut g) = grad_input {
-            g.assign(&grad_output);
-        }
-        Ok(())
-    }
-    fn params(&mut self, f: &mut dyn FnMut(carve::nn::Param<'_>)) {
-        let n = self.grad.len();
-        match self.fault.get() {
-            ParamFault::None => f(carve::nn::Param { value: &mut self.bias, grad: &self.grad }),
-            ParamFault::Extra => {
-                f(carve::nn::Param { value: &mut self.bias, grad: &self.grad });
-                f(carve::nn::Param { value: &mut self.longer[..n], grad: &self.grad });
-            }
-            ParamFault::Missing => {}
-            ParamFault::Resized => f(carve::nn::Param { value: &mut self.longer, grad: &self.grad }),
-            ParamFault::ShortGradient => f(carve::nn::Param { value: &mut self.bias, grad: &self.grad[..n - 1] }),
-        }
-    }
-    fn param_count(&self) -> usize {
-        self.bias.len()
-    }
-}
-
-#[test]
-fn a_layer_whose_parameters_change_is_a_typed_error_and_nothing_is_updated() {
-    let fault = std::rc::Rc::new(std::cell::Cell::new(ParamFault::None));
-    for updater in [Updater::adam(1e-2), Updater::sgd(0.1, 0.9)] {
-        let shift = Shifting { bias: vec![0.0; 6], grad: vec![0.0; 6], longer: vec![0.0; 7], fault: fault.clone() };
-        let config = NetworkConfig::builder(8).dense(6).layer(shift).relu().dense(3).updater(updater).build().unwrap();
-        let mut net = Network::new(config).unwrap();
-        let (x, y) = blobs(10, 3, 9);
-        net.fit_batch(x.view(), y.view()).unwrap();
-        let cases = [
-            (ParamFault::Extra, "layer 'shift' gave the updater 2 parameter(s), but 1 when the network was built"),
-            (ParamFault::Missing, "layer 'shift' gave the updater 0 parameter(s), but 1 when the network was built"),
-            (
-                ParamFault::Resized,
-                "layer 'shift' parameter 0 (its size is fixed when the network is built, as the updater's state \
-                 is): expected shape [6], got [7]",
-            ),
-            (
-                ParamFault::ShortGradient,
-                "layer 'shift' gradient of parameter 0 (one per value): expected shape [6], got [5]",
-            ),
-        ];
-        for (case, message) in cases {
-            fault.set(case);
-            let before = net.output(x.view()).unwrap();
-            let err = net.fit_batch(x.view(), y.view()).unwrap_err();
-            assert!(err.to_string().starts_with(message), "{updater:?} {case:?}: {err}");
-            match case {
-                ParamFault::Extra | ParamFault::Missing => assert!(matches!(err, Error::InvalidInput(_)), "{err:?}"),
-                _ => assert!(matches!(err, Error::ShapeMismatch { .. }), "{err:?}"),
-            }
-            fault.set(ParamFault::None);
-            // The step was refused before any parameter (the dense layers' too) moved.
-            assert_eq!(net.output(x.view()).unwrap(), before, "{updater:?} {case:?}");
-        }
-        let before = net.output(x.view()).unwrap();
-        assert!(net.fit_batch(x.view(), y.view()).unwrap().is_finite());
-        assert_ne!(net.output(x.view()).unwrap(), before, "{updater:?}: a good step changes the parameters");
-    }
-}
-
-/// Every parameter value of the network, as bits.
+/// Every parameter value of the network, as bits, layer by layer.
 fn param_bits(net: &mut Network) -> Vec<Vec<u32>> {
-    let mut all = Vec::new();
-    for layer in net.layers_mut() {
-        layer.params(&mut |p| all.push(p.value.iter().map(|v| v.to_bits()).collect()));
-    }
-    all
+    (0..net.layers().len()).map(|i| net.layer_params(i).iter().map(|v| v.to_bits()).collect()).collect()
 }
 
 /// Sets every value of parameter `param` of layer `layer` to `value`.
 fn set_param(net: &mut Network, layer: usize, param: usize, value: f32) {
-    let mut index = 0;
-    net.layers_mut()[layer].params(&mut |p| {
-        if index == param {
-            p.value.fill(value);
-        }
-        index += 1;
-    });
+    let shapes = net.param_shapes(layer).to_vec();
+    let start: usize = shapes[..param].iter().map(ParamShape::len).sum();
+    net.layer_params_mut(layer)[start..start + shapes[param].len()].fill(value);
+}
+
+/// A setting a test switches while a layer of a network holds it (layers are `Send +
+/// Sync`).
+struct Switch<T>(std::sync::Arc<std::sync::Mutex<T>>);
+
+impl<T> Clone for Switch<T> {
+    fn clone(&self) -> Self {
+        Switch(std::sync::Arc::clone(&self.0))
+    }
+}
+
+impl<T: Copy> Switch<T> {
+    fn new(value: T) -> Self {
+        Switch(std::sync::Arc::new(std::sync::Mutex::new(value)))
+    }
+    fn get(&self) -> T {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+    fn set(&self, value: T) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = value;
+    }
 }
 
 /// Where [`Tainting`] puts a NaN.
@@ -691,11 +587,10 @@ enum Taint {
     ParamGradient,
 }
 
-/// A user layer adding a bias per column, which can taint what it computes.
+/// A user layer adding a bias per column (starting at 0.1), which can taint what it
+/// computes.
 struct Tainting {
-    bias: Vec<f32>,
-    grad: Vec<f32>,
-    taint: std::rc::Rc<std::cell::Cell<Taint>>,
+    taint: Switch<Taint>,
 }
 
 impl Layer for Tainting {
@@ -705,32 +600,40 @@ impl Layer for Tainting {
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(
-        &mut self,
+    fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
+        vec![ParamShape::new("bias", &[inputs])]
+    }
+    fn init(&self, _inputs: usize, params: &mut [f32], _init: &mut carve::nn::Init<'_>) {
+        params.fill(0.1);
+    }
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
-        let bias = &self.bias;
+        let bias = params;
         let mut out = ctx.activations.from_shape_fn(input.raw_dim(), |(i, j)| input[[i, j]] + bias[j])?;
         if self.taint.get() == Taint::Output {
             out[[0, 1]] = f32::INFINITY;
         }
         Ok(freeze(out))
     }
-    fn backward(
-        &mut self,
-        _input: ArrayView2<'_, f32>,
-        _output: ArrayView2<'_, f32>,
-        grad_output: ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        grads: &mut [f32],
+        pass: RowsPass<'_>,
         grad_input: Option<ArrayViewMut2<'_, f32>>,
         _ctx: &BackwardCtx<'_>,
     ) -> carve::Result<()> {
-        self.grad.fill(0.0);
+        let grad_output = pass.grad_output;
+        grads.fill(0.0);
         for row in grad_output.rows() {
-            self.grad.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
+            grads.iter_mut().zip(row).for_each(|(g, &d)| *g += d);
         }
         if self.taint.get() == Taint::ParamGradient {
-            self.grad[2] = f32::NAN;
+            grads[2] = f32::NAN;
         }
         if let Some(mut g) = grad_input {
             g.assign(&grad_output);
@@ -740,16 +643,10 @@ impl Layer for Tainting {
         }
         Ok(())
     }
-    fn params(&mut self, f: &mut dyn FnMut(carve::nn::Param<'_>)) {
-        f(carve::nn::Param { value: &mut self.bias, grad: &self.grad });
-    }
-    fn param_count(&self) -> usize {
-        self.bias.len()
-    }
 }
 
-fn tainting_network(mode: WorkspaceMode, updater: Updater, taint: &std::rc::Rc<std::cell::Cell<Taint>>) -> Network {
-    let tainting = Tainting { bias: vec![0.1; 16], grad: vec![0.0; 16], taint: taint.clone() };
+fn tainting_network(mode: WorkspaceMode, updater: Updater, taint: &Switch<Taint>) -> Network {
+    let tainting = Tainting { taint: taint.clone() };
     let config = NetworkConfig::builder(8)
         .dense(16)
         .layer(tainting)
@@ -783,7 +680,7 @@ fn refused(net: &mut Network, x: ArrayView2<'_, f32>, y: ndarray::ArrayView1<'_,
 
 #[test]
 fn a_non_finite_step_is_an_error_naming_the_layer_and_changes_nothing() {
-    let taint = std::rc::Rc::new(std::cell::Cell::new(Taint::None));
+    let taint = Switch::new(Taint::None);
     for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
         for updater in [Updater::adam(1e-2), Updater::sgd(0.1, 0.9)] {
             let (x, y) = blobs(32, 3, 6);
@@ -821,11 +718,7 @@ fn a_non_finite_step_is_an_error_naming_the_layer_and_changes_nothing() {
             let err = net.fit_batch(good, labels).unwrap_err();
             assert!(matches!(&err, Error::NonFinite { layer, .. } if layer == "dense_3"), "{err}");
             assert!(param_bits(&mut net) == poisoned, "the refused step changed parameters");
-            let mut index = 0;
-            net.layers_mut()[3].params(&mut |p| {
-                p.value.iter_mut().zip(&saved[3 + index]).for_each(|(v, &bits)| *v = f32::from_bits(bits));
-                index += 1;
-            });
+            net.layer_params_mut(3).iter_mut().zip(&saved[3]).for_each(|(v, &bits)| *v = f32::from_bits(bits));
             assert!(param_bits(&mut net) == saved);
 
             // fit_iter stops at the bad batch, after the good one before it was applied.

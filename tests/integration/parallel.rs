@@ -231,63 +231,27 @@ impl carve::nn::Layer for Tripwire {
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(
-        &mut self,
-        input: carve::ndarray::ArrayView2<'a, f32>,
-        _ctx: &carve::nn::ForwardCtx<'a, '_>,
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        x: carve::ndarray::ArrayView2<'a, f32>,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
     ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
-        Ok(input)
+        assert!(!x.iter().any(|&v| v == 99.0), "tripwire crossed");
+        Ok(carve::freeze(ctx.activations.copy_of(&x)?))
     }
-    fn backward(
-        &mut self,
-        _input: carve::ndarray::ArrayView2<'_, f32>,
-        _output: carve::ndarray::ArrayView2<'_, f32>,
-        grad_output: carve::ndarray::ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: carve::nn::RowsPass<'_>,
         grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
         _ctx: &carve::nn::BackwardCtx<'_>,
     ) -> carve::Result<()> {
         if let Some(mut g) = grad_input {
-            g.assign(&grad_output);
+            g.assign(&pass.grad_output);
         }
         Ok(())
-    }
-    fn data_parallel(&self) -> Option<Box<dyn carve::nn::ParallelLayer>> {
-        Some(Box::new(Tripwire))
-    }
-}
-
-impl carve::nn::ParallelLayer for Tripwire {
-    fn name(&self) -> &str {
-        "tripwire"
-    }
-    fn forward<'a>(
-        &self,
-        _params: &[f32],
-        input: carve::nn::Activations<'a>,
-        _mask: Option<carve::ndarray::ArrayView2<'a, f32>>,
-        _tape: &mut carve::nn::Tape,
-        ctx: &carve::nn::ForwardCtx<'a, '_>,
-    ) -> carve::Result<carve::nn::Activations<'a>> {
-        let x = input.flat("tripwire")?;
-        assert!(!x.iter().any(|&v| v == 99.0), "tripwire crossed");
-        Ok(carve::nn::Activations::Flat(carve::freeze(ctx.activations.copy_of(&x)?)))
-    }
-    fn backward(
-        &self,
-        _params: &[f32],
-        _grads: &mut [f32],
-        pass: carve::nn::Pass<'_>,
-        grad_input: Option<carve::nn::GradInput<'_>>,
-        _tape: &mut carve::nn::Tape,
-        _ctx: &carve::nn::BackwardCtx<'_>,
-    ) -> carve::Result<()> {
-        if let Some(carve::nn::GradInput::Flat(mut g)) = grad_input {
-            g.assign(&pass.grad_output.flat("tripwire")?);
-        }
-        Ok(())
-    }
-    fn to_layer(&self, _params: &[f32]) -> carve::Result<Box<dyn carve::nn::Layer>> {
-        Ok(Box::new(Tripwire))
     }
 }
 
@@ -330,7 +294,9 @@ fn a_layer_that_panics_in_one_worker_fails_the_step_naming_worker_and_layer() {
 }
 
 #[test]
-fn a_layer_without_a_data_parallel_form_is_named() {
+fn a_custom_layer_trains_data_parallel_as_it_is() {
+    // One trait: a layer that trains in a network trains in every worker too (there is
+    // no data-parallel form to forget).
     #[derive(Clone)]
     struct Plain;
     impl carve::nn::Layer for Plain {
@@ -340,31 +306,36 @@ fn a_layer_without_a_data_parallel_form_is_named() {
         fn output_size(&self, inputs: usize) -> carve::Result<usize> {
             Ok(inputs)
         }
-        fn forward<'a>(
-            &mut self,
+        fn forward_rows<'a>(
+            &self,
+            _params: &[f32],
             input: carve::ndarray::ArrayView2<'a, f32>,
-            _ctx: &carve::nn::ForwardCtx<'a, '_>,
+            ctx: &carve::nn::ForwardCtx<'a, '_>,
         ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
-            Ok(input)
+            Ok(ctx.activations.leverage(input)?)
         }
-        fn backward(
-            &mut self,
-            _input: carve::ndarray::ArrayView2<'_, f32>,
-            _output: carve::ndarray::ArrayView2<'_, f32>,
-            _grad_output: carve::ndarray::ArrayView2<'_, f32>,
-            _grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
+        fn backward_rows(
+            &self,
+            _params: &[f32],
+            _grads: &mut [f32],
+            pass: carve::nn::RowsPass<'_>,
+            grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
             _ctx: &carve::nn::BackwardCtx<'_>,
         ) -> carve::Result<()> {
+            if let Some(mut g) = grad_input {
+                g.assign(&pass.grad_output);
+            }
             Ok(())
         }
     }
+    let (x, y) = data(8, 4, 2);
     let net = Network::new(NetworkConfig::builder(4).layer(Plain).dense(2).build().unwrap()).unwrap();
-    let err = DataParallel::new(net, ParallelConfig::threads(2)).unwrap_err();
-    assert!(err.to_string().contains("'plain'"), "{err}");
+    let mut trainer = DataParallel::new(net, ParallelConfig::threads(2)).unwrap();
+    assert!(trainer.fit_batch(x.view(), y.view()).unwrap().is_finite());
 }
 
-/// A pass-through layer whose `tape()` panics on its `fuse`-th call (one call per
-/// worker, rank 0 first).
+/// A pass-through layer whose `tape()` panics on its `fuse`-th call after the one the
+/// network makes for itself (then one call per worker, rank 0 first); 0: never.
 #[derive(Clone)]
 struct Fuse {
     calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
@@ -378,66 +349,31 @@ impl carve::nn::Layer for Fuse {
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(
-        &mut self,
+    fn tape(&self) -> carve::nn::Tape {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        assert!(self.fuse == 0 || call != self.fuse, "fuse blown at call {call}");
+        carve::nn::Tape::none()
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
         input: carve::ndarray::ArrayView2<'a, f32>,
         _ctx: &carve::nn::ForwardCtx<'a, '_>,
     ) -> carve::Result<carve::ndarray::ArrayView2<'a, f32>> {
         Ok(input)
     }
-    fn backward(
-        &mut self,
-        _input: carve::ndarray::ArrayView2<'_, f32>,
-        _output: carve::ndarray::ArrayView2<'_, f32>,
-        grad_output: carve::ndarray::ArrayView2<'_, f32>,
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: carve::nn::RowsPass<'_>,
         grad_input: Option<carve::ndarray::ArrayViewMut2<'_, f32>>,
         _ctx: &carve::nn::BackwardCtx<'_>,
     ) -> carve::Result<()> {
         if let Some(mut g) = grad_input {
-            g.assign(&grad_output);
+            g.assign(&pass.grad_output);
         }
         Ok(())
-    }
-    fn data_parallel(&self) -> Option<Box<dyn carve::nn::ParallelLayer>> {
-        Some(Box::new(self.clone()))
-    }
-}
-
-impl carve::nn::ParallelLayer for Fuse {
-    fn name(&self) -> &str {
-        "fuse"
-    }
-    fn tape(&self) -> carve::nn::Tape {
-        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        assert!(call + 1 != self.fuse, "fuse blown at call {}", call + 1);
-        Box::new(())
-    }
-    fn forward<'a>(
-        &self,
-        _params: &[f32],
-        input: carve::nn::Activations<'a>,
-        _mask: Option<carve::ndarray::ArrayView2<'a, f32>>,
-        _tape: &mut carve::nn::Tape,
-        _ctx: &carve::nn::ForwardCtx<'a, '_>,
-    ) -> carve::Result<carve::nn::Activations<'a>> {
-        Ok(input)
-    }
-    fn backward(
-        &self,
-        _params: &[f32],
-        _grads: &mut [f32],
-        pass: carve::nn::Pass<'_>,
-        grad_input: Option<carve::nn::GradInput<'_>>,
-        _tape: &mut carve::nn::Tape,
-        _ctx: &carve::nn::BackwardCtx<'_>,
-    ) -> carve::Result<()> {
-        if let Some(carve::nn::GradInput::Flat(mut g)) = grad_input {
-            g.assign(&pass.grad_output.flat("fuse")?);
-        }
-        Ok(())
-    }
-    fn to_layer(&self, _params: &[f32]) -> carve::Result<Box<dyn carve::nn::Layer>> {
-        Ok(Box::new(self.clone()))
     }
 }
 

@@ -3,10 +3,13 @@
 //! sequence errors.
 
 use carve::nn::{
-    Activations, BackwardCtx, ForwardCtx, Input, LastStep, Layer, Lstm, MaskedMean, Network, NetworkConfig, Rng,
+    Activations, BackwardCtx, ForwardCtx, GradInput, Input, LastStep, Layer, Lstm, MaskedMean, Network, NetworkConfig,
+    Pass, Rng, Tape,
 };
 use carve::{ArrayType, Error, LayerWorkspaceMgr, WorkspaceConfig, WorkspaceMode};
-use ndarray::{s, Array1, Array2, Array3, Axis};
+use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis};
+
+use crate::standalone::Standalone;
 
 /// A manager as the network's: the RNN loop roles in a workspace of their own.
 fn workspaces() -> LayerWorkspaceMgr {
@@ -25,11 +28,11 @@ fn random3(shape: (usize, usize, usize), rng: &mut Rng) -> Array3<f32> {
 }
 
 /// `Σ y ⊙ r` for the layer's output `y` (so that `∂/∂y = r`), in f64.
-fn project(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, r: &[f32]) -> f64 {
+fn project(layer: &mut Standalone, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, r: &[f32]) -> f64 {
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
-    let y = layer.forward_sequence(x.view(), Some(mask.view()), &ctx).unwrap();
+    let y = layer.forward(Activations::Sequence(x.view()), Some(mask.view()), &ctx).unwrap();
     let values: Vec<f32> = match y {
         Activations::Flat(y) => y.iter().copied().collect(),
         Activations::Sequence(y) => y.iter().copied().collect(),
@@ -39,7 +42,7 @@ fn project(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask
 
 /// The analytic gradients of `project`: of the input, and of each parameter.
 fn analytic(
-    layer: &mut dyn Layer,
+    layer: &mut Standalone,
     mgr: &LayerWorkspaceMgr,
     x: &Array3<f32>,
     mask: &Array2<f32>,
@@ -48,7 +51,7 @@ fn analytic(
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr, training: true };
-    let y = layer.forward_sequence(x.view(), Some(mask.view()), &ctx).unwrap();
+    let y = layer.forward(Activations::Sequence(x.view()), Some(mask.view()), &ctx).unwrap();
     drop(working);
     let grad_y_flat;
     let grad_y_seq;
@@ -65,10 +68,9 @@ fn analytic(
     let mut gx = Array3::<f32>::from_elem(x.raw_dim(), f32::NAN);
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
     let ctx = BackwardCtx { working: &bp, mgr };
-    layer.backward_sequence(x.view(), Some(mask.view()), y, grad_y, Some(gx.view_mut()), &ctx).unwrap();
-    let mut grads = Vec::new();
-    layer.params(&mut |p| grads.push(p.grad.to_vec()));
-    (gx, grads)
+    let pass = Pass { input: Activations::Sequence(x.view()), mask: Some(mask.view()), output: y, grad_output: grad_y };
+    layer.backward(pass, Some(GradInput::Sequence(gx.view_mut())), &ctx).unwrap();
+    (gx, layer.param_grads())
 }
 
 fn close(numeric: f64, analytic: f32, what: &str) {
@@ -77,19 +79,9 @@ fn close(numeric: f64, analytic: f32, what: &str) {
     assert!((n - a).abs() / scale < 2e-2, "{what}: numeric {n} vs analytic {a}");
 }
 
-fn nudge(layer: &mut dyn Layer, p: usize, k: usize, delta: f32) {
-    let mut index = 0;
-    layer.params(&mut |param| {
-        if index == p {
-            param.value[k] += delta;
-        }
-        index += 1;
-    });
-}
-
 /// Checks every input and parameter gradient of `layer` on `x` with `mask` against
 /// central differences, with the workspaces of `mgr`.
-fn check(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, outputs: usize) {
+fn check(layer: &mut Standalone, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: &Array2<f32>, outputs: usize) {
     let mut rng = Rng::new(99);
     let r: Vec<f32> = (0..outputs).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let (gx, grads) = analytic(layer, mgr, x, mask, &r);
@@ -106,11 +98,11 @@ fn check(layer: &mut dyn Layer, mgr: &LayerWorkspaceMgr, x: &Array3<f32>, mask: 
     }
     for (p, grad) in grads.iter().enumerate() {
         for (k, &g) in grad.iter().enumerate() {
-            nudge(layer, p, k, eps);
+            layer.nudge(p, k, eps);
             let up = project(layer, mgr, x, mask, &r);
-            nudge(layer, p, k, -2.0 * eps);
+            layer.nudge(p, k, -2.0 * eps);
             let down = project(layer, mgr, x, mask, &r);
-            nudge(layer, p, k, eps);
+            layer.nudge(p, k, eps);
             close((up - down) / 0.02, g, &format!("{} d/dparam{p}[{k}]", layer.name()));
         }
     }
@@ -122,42 +114,50 @@ fn mask() -> Array2<f32> {
     ndarray::array![[1., 1., 1., 1., 1., 1.], [1., 1., 0., 1., 0., 0.], [1., 1., 1., 0., 0., 0.]]
 }
 
+/// `a` as a batch of sequences.
+fn seq(a: &Array3<f32>) -> Activations<'_> {
+    Activations::Sequence(a.view())
+}
+
+/// The forward pass of a layer without parameters or tape (a head) on `x`.
+fn head_forward<'a>(
+    head: &dyn Layer,
+    x: &'a Array3<f32>,
+    mask: Option<ArrayView2<'a, f32>>,
+    ctx: &ForwardCtx<'a, '_>,
+) -> carve::Result<Activations<'a>> {
+    head.forward(&[], Activations::Sequence(x.view()), mask, &mut Tape::none(), ctx)
+}
+
 #[test]
 fn lstm_gradients_match_finite_differences_with_masked_steps_in_the_middle_and_at_the_end() {
     for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
-        let mut lstm = Lstm::new(3, 4).unwrap();
-        lstm.init(&mut Rng::new(5));
+        let mut lstm = Standalone::new(Lstm::new(3, 4).unwrap(), 3, 5);
         let x = random3((3, 6, 3), &mut Rng::new(6));
         check(&mut lstm, &mgr, &x, &mask(), 3 * 6 * 4);
-        assert_eq!(lstm.param_count(), 4 * 4 * (3 + 4 + 1));
+        assert_eq!(lstm.params.len(), 4 * 4 * (3 + 4 + 1));
     }
 }
 
 #[test]
 fn the_gates_are_laid_out_as_dl4j_lays_them_out_and_the_forget_biases_start_at_one() {
-    let mut lstm = Lstm::new(2, 3).unwrap();
-    lstm.init(&mut Rng::new(1));
-    let b = lstm.bias().to_vec();
+    let mut lstm = Standalone::new(Lstm::new(2, 3).unwrap(), 2, 1);
+    let b = lstm.param_mut(2).to_vec();
     assert_eq!(b, [0., 0., 0., 1., 1., 1., 0., 0., 0., 0., 0., 0.], "blocks: cell input, forget, output, input");
-    assert_eq!(lstm.input_weights().dim(), (2, 12));
-    assert_eq!(lstm.recurrent_weights().dim(), (3, 12));
+    let shapes = lstm.layer.param_shapes(2);
+    assert_eq!(shapes[0].shape, [2, 12]);
+    assert_eq!(shapes[1].shape, [3, 12]);
     // DL4J's LSTMHelpers: block 0 is the cell input (tanh), 3 the input gate (sigmoid).
     // With only block 0's bias set, the cell takes σ(0) · tanh(2); in the order i, f, o,
     // g it would take σ(2) · tanh(0) = 0.
-    let mut index = 0;
-    lstm.params(&mut |p| {
-        p.value.fill(0.0);
-        if index == 2 {
-            p.value[..3].fill(2.0);
-        }
-        index += 1;
-    });
+    lstm.params.fill(0.0);
+    lstm.param_mut(2)[..3].fill(2.0);
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: false };
     let x = Array3::<f32>::zeros((1, 1, 2));
-    let h = lstm.forward_sequence(x.view(), None, &ctx).unwrap().sequence("h").unwrap().to_owned();
+    let h = lstm.forward(Activations::Sequence(x.view()), None, &ctx).unwrap().sequence("h").unwrap().to_owned();
     let sigma0 = 0.5f32;
     let expected = sigma0 * (sigma0 * 2f32.tanh()).tanh();
     assert!(h.iter().all(|&v| (v - expected).abs() < 1e-6), "{h:?} against {expected}");
@@ -168,8 +168,7 @@ fn lstm_gradients_match_finite_differences_with_steps_padded_for_every_sequence(
     // Step 0 (leading) and step 3 (middle) are padding for every sequence: skipped.
     let mask = ndarray::array![[0., 1., 1., 0., 1., 1.], [0., 1., 0., 0., 1., 0.], [0., 1., 1., 0., 0., 0.]];
     for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
-        let mut lstm = Lstm::new(3, 4).unwrap();
-        lstm.init(&mut Rng::new(15));
+        let mut lstm = Standalone::new(Lstm::new(3, 4).unwrap(), 3, 15);
         let x = random3((3, 6, 3), &mut Rng::new(16));
         check(&mut lstm, &mgr, &x, &mask, 3 * 6 * 4);
     }
@@ -177,8 +176,7 @@ fn lstm_gradients_match_finite_differences_with_steps_padded_for_every_sequence(
 
 #[test]
 fn inference_keeps_two_steps_and_gives_the_training_outputs() {
-    let mut lstm = Lstm::new(3, 5).unwrap();
-    lstm.init(&mut Rng::new(2));
+    let mut lstm = Standalone::new(Lstm::new(3, 5).unwrap(), 3, 2);
     let x = random3((4, 9, 3), &mut Rng::new(3));
     let m = Array2::from_shape_fn((4, 9), |(r, t)| if t == 0 || t == 4 || t > 8 - r { 0.0 } else { 1.0 });
     let mgr = workspaces();
@@ -188,7 +186,7 @@ fn inference_keeps_two_steps_and_gives_the_training_outputs() {
             let act = mgr.enter(ArrayType::Activations).unwrap();
             let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
             let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training };
-            let y = lstm.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+            let y = lstm.forward(Activations::Sequence(x.view()), Some(m.view()), &ctx).unwrap();
             y.sequence("y").unwrap().to_owned()
         })
         .collect();
@@ -201,55 +199,38 @@ fn hostile_shapes_at_the_layer_api_are_errors_not_panics() {
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let x = random3((2, 4, 3), &mut Rng::new(4));
     let m = Array2::<f32>::ones((2, 4));
-    let mut lstm = Lstm::new(3, 2).unwrap();
-    lstm.init(&mut Rng::new(1));
+    let mut lstm = Standalone::new(Lstm::new(3, 2).unwrap(), 3, 1);
     let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
     let bctx = BackwardCtx { working: &bp, mgr: &mgr };
     let g = Array3::<f32>::zeros((2, 4, 2));
     // Backward before any forward pass.
-    let err = lstm
-        .backward_sequence(
-            x.view(),
-            None,
-            Activations::Sequence(g.view()),
-            Activations::Sequence(g.view()),
-            None,
-            &bctx,
-        )
-        .unwrap_err();
+    let pass = Pass { input: seq(&x), mask: None, output: seq(&g), grad_output: seq(&g) };
+    let err = lstm.backward(pass, None, &bctx).unwrap_err();
     assert!(err.to_string().contains("without a training forward pass"), "{err}");
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-    let y = lstm.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    let y = lstm.forward(seq(&x), Some(m.view()), &ctx).unwrap();
     // An input gradient of another shape, and another mask than the forward pass's.
     let mut short = Array3::<f32>::zeros((2, 3, 3));
-    let err = lstm
-        .backward_sequence(x.view(), Some(m.view()), y, Activations::Sequence(g.view()), Some(short.view_mut()), &bctx)
-        .unwrap_err();
+    let pass = Pass { input: seq(&x), mask: Some(m.view()), output: y, grad_output: seq(&g) };
+    let err = lstm.backward(pass, Some(GradInput::Sequence(short.view_mut())), &bctx).unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
     let other = ndarray::array![[1., 1., 0., 0.], [1., 1., 1., 1.]];
-    let err = lstm
-        .backward_sequence(x.view(), Some(other.view()), y, Activations::Sequence(g.view()), None, &bctx)
-        .unwrap_err();
+    let pass = Pass { input: seq(&x), mask: Some(other.view()), output: y, grad_output: seq(&g) };
+    let err = lstm.backward(pass, None, &bctx).unwrap_err();
     assert!(err.to_string().contains("another batch or mask"), "{err}");
     // Heads: a wrong input gradient, and sequences of no steps.
     let flat = Array2::<f32>::zeros((2, 3));
-    for head in [&mut LastStep::new() as &mut dyn Layer, &mut MaskedMean::new()] {
-        let y = head.forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
-        let err = head
-            .backward_sequence(
-                x.view(),
-                Some(m.view()),
-                y,
-                Activations::Flat(flat.view()),
-                Some(short.view_mut()),
-                &bctx,
-            )
-            .unwrap_err();
+    for head in [Standalone::new(LastStep::new(), 3, 0), Standalone::new(MaskedMean::new(), 3, 0)] {
+        let mut head = head;
+        let y = head.forward(seq(&x), Some(m.view()), &ctx).unwrap();
+        let pass =
+            Pass { input: seq(&x), mask: Some(m.view()), output: y, grad_output: Activations::Flat(flat.view()) };
+        let err = head.backward(pass, Some(GradInput::Sequence(short.view_mut())), &bctx).unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { .. }), "{}: {err}", head.name());
         let empty = Array3::<f32>::zeros((2, 0, 3));
-        let err = head.forward_sequence(empty.view(), None, &ctx).unwrap_err();
+        let err = head.forward(seq(&empty), None, &ctx).unwrap_err();
         assert!(err.to_string().contains("0 steps"), "{}: {err}", head.name());
     }
 }
@@ -258,8 +239,8 @@ fn hostile_shapes_at_the_layer_api_are_errors_not_panics() {
 fn head_gradients_match_finite_differences_with_masks() {
     let x = random3((3, 6, 4), &mut Rng::new(8));
     for mgr in [workspaces(), LayerWorkspaceMgr::no_workspaces()] {
-        check(&mut LastStep::new(), &mgr, &x, &mask(), 3 * 4);
-        check(&mut MaskedMean::new(), &mgr, &x, &mask(), 3 * 4);
+        check(&mut Standalone::new(LastStep::new(), 4, 0), &mgr, &x, &mask(), 3 * 4);
+        check(&mut Standalone::new(MaskedMean::new(), 4, 0), &mgr, &x, &mask(), 3 * 4);
     }
 }
 
@@ -271,17 +252,17 @@ fn heads_read_only_the_steps_that_hold_data() {
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
     let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: false };
     let m = mask();
-    let last = LastStep::new().forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    let last = head_forward(&LastStep::new(), &x, Some(m.view()), &ctx).unwrap();
     let last = last.flat("last").unwrap();
     assert_eq!(last.column(0).to_vec(), [5.0, 13.0, 22.0]);
-    let mean = MaskedMean::new().forward_sequence(x.view(), Some(m.view()), &ctx).unwrap();
+    let mean = head_forward(&MaskedMean::new(), &x, Some(m.view()), &ctx).unwrap();
     let mean = mean.flat("mean").unwrap();
     let expected = [2.5, (10. + 11. + 13.) / 3., 21.0];
     for (got, want) in mean.column(0).iter().zip(expected) {
         assert!((got - want).abs() < 1e-5, "mean {got} against {want}");
     }
     let empty = ndarray::array![[1., 1., 1., 1., 1., 1.], [0., 0., 0., 0., 0., 0.], [1., 0., 0., 0., 0., 0.]];
-    let err = LastStep::new().forward_sequence(x.view(), Some(empty.view()), &ctx).unwrap_err();
+    let err = head_forward(&LastStep::new(), &x, Some(empty.view()), &ctx).unwrap_err();
     assert!(err.to_string().contains("sequence 1 of the batch has no step that holds data"), "{err}");
 }
 
@@ -294,11 +275,7 @@ fn sequence_network(mode: WorkspaceMode, seed: u64, mean: bool) -> Network {
 
 /// Every parameter's bits.
 fn param_bits(net: &mut Network) -> Vec<u32> {
-    let mut bits = Vec::new();
-    for layer in net.layers_mut() {
-        layer.params(&mut |p| bits.extend(p.value.iter().map(|v| v.to_bits())));
-    }
-    bits
+    net.params().iter().map(|v| v.to_bits()).collect()
 }
 
 /// Pads a batch with `extra` steps of mask 0 (holding junk, which must not matter).

@@ -6,9 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use carve::nn::{
-    ForwardCtx, FrozenLayer, InferencePool, Input, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng,
-};
+use carve::nn::{ForwardCtx, InferencePool, Input, Layer, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng};
 use carve::{Error, LayerWorkspaceMgr, WorkspaceMode};
 use ndarray::{Array2, Array3, ArrayView2};
 
@@ -163,14 +161,19 @@ fn busy_timeouts_and_close_are_errors_never_hangs() {
 /// A layer that panics on a marked row, and otherwise passes its input on.
 struct Fragile;
 
-impl FrozenLayer for Fragile {
+impl Layer for Fragile {
     fn name(&self) -> &str {
         "fragile"
     }
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> carve::Result<ArrayView2<'a, f32>> {
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
         let out = ctx.activations.copy_of(&input)?;
         assert!(input.iter().all(|&v| v != 42.0), "fragile met 42");
         Ok(carve::freeze(out))
@@ -188,14 +191,19 @@ fn park<T>(value: T) {
 /// A layer that keeps a clone of the arena's manager on a marked row.
 struct Keeper;
 
-impl FrozenLayer for Keeper {
+impl Layer for Keeper {
     fn name(&self) -> &str {
         "keeper"
     }
     fn output_size(&self, inputs: usize) -> carve::Result<usize> {
         Ok(inputs)
     }
-    fn forward<'a>(&self, input: ArrayView2<'a, f32>, ctx: &ForwardCtx<'a, '_>) -> carve::Result<ArrayView2<'a, f32>> {
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
         if input.iter().any(|&v| v == 7.0) {
             park::<LayerWorkspaceMgr>(ctx.mgr.clone());
         }
@@ -205,7 +213,8 @@ impl FrozenLayer for Keeper {
 
 #[test]
 fn a_panicking_layer_fails_its_request_only() {
-    let model = Arc::new(Model::from_layers(3, vec![Box::new(Fragile), Box::new(Keeper)]).unwrap());
+    let config = NetworkConfig::builder(3).layer(Fragile).layer(Keeper).build().unwrap();
+    let model = Arc::new(Model::from_config(&config, Vec::new()).unwrap());
     for mode in [PoolMode::Direct, PoolMode::Batched] {
         let config = PoolConfig { workers: 1, mode, ..PoolConfig::batched(1, 4, Duration::from_micros(50)) };
         let pool = InferencePool::new(model.clone(), config).unwrap();

@@ -6,7 +6,10 @@
 //! `{layer}.weight_ih_l0` `[4·hidden, in]`, `{layer}.weight_hh_l0`, `{layer}.bias_ih_l0`,
 //! `{layer}.bias_hh_l0`, gates in PyTorch's order i, f, g, o), so that PyTorch loads its
 //! weights by name, and the layer configuration as JSON in the header's metadata
-//! (`carve.model`), so that [`Model::load`] needs nothing else. A PyTorch `state_dict`
+//! (`carve.model`), so that [`Model::load`] needs nothing else. A user's own layer is
+//! saved under the names it gives its parameters ([`Layer::param_shapes`]:
+//! `{layer}.{param}`, in carve's layout) with its width in the configuration; such a file
+//! loads with the configuration that builds the layer ([`Model::load_with`]). A PyTorch `state_dict`
 //! saved with `safetensors.torch.save_file` has no configuration: [`Model::load_pytorch`]
 //! takes it from a [`NetworkConfig`] and finds each layer's tensors by its name or its
 //! position (`nn.Sequential` numbers its children).
@@ -28,13 +31,15 @@ mod safetensors;
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::Arc;
 
-use ndarray::{Array1, Array2};
+use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
 use self::safetensors::{file_error, Out, Tensors};
-use super::layer::{Frozen, FrozenLayer};
+use super::layer::{Layer, ParamShape};
 use super::limits::reserve_filled;
+use super::params::Params;
 use super::{Dense, LastStep, Lstm, MaskedMean, Model, Network, NetworkConfig, Relu};
 use crate::{Error, Result};
 
@@ -50,34 +55,48 @@ const TORCH_BLOCK: [usize; 4] = [2, 1, 3, 0];
 /// A layer as a file describes it.
 #[derive(Clone, Debug)]
 enum Kind {
-    Dense { inputs: usize, outputs: usize },
+    Dense {
+        inputs: usize,
+        outputs: usize,
+    },
     Relu,
-    Lstm { inputs: usize, hidden: usize },
+    Lstm {
+        inputs: usize,
+        hidden: usize,
+    },
     LastStep,
     MaskedMean,
+    /// A user's own layer of `inputs` input columns: its parameters under its own names,
+    /// in carve's layout.
+    Custom {
+        inputs: usize,
+        params: Vec<ParamShape>,
+    },
 }
 
 impl Kind {
-    /// The kind of a built-in frozen layer; `None` for a user's own.
-    fn of(layer: &dyn FrozenLayer) -> Option<Kind> {
-        let any = layer as &dyn Any;
-        if let Some(Frozen(dense)) = any.downcast_ref::<Frozen<Dense>>() {
-            let (inputs, outputs) = dense.weights().dim();
-            return Some(Kind::Dense { inputs, outputs });
+    /// The kind of a layer of `inputs` input columns: a built-in one, or a user's own.
+    fn of(layer: &dyn Layer, inputs: usize) -> Kind {
+        let any: &dyn Any = layer;
+        if let Some(dense) = any.downcast_ref::<Dense>() {
+            return Kind::Dense { inputs: dense.inputs(), outputs: dense.outputs() };
         }
-        if let Some(Frozen(lstm)) = any.downcast_ref::<Frozen<Lstm>>() {
-            return Some(Kind::Lstm { inputs: lstm.input_weights().nrows(), hidden: lstm.hidden() });
+        if let Some(lstm) = any.downcast_ref::<Lstm>() {
+            return Kind::Lstm { inputs: lstm.inputs(), hidden: lstm.hidden() };
         }
-        if any.is::<Frozen<Relu>>() {
-            return Some(Kind::Relu);
+        if any.is::<Relu>() {
+            return Kind::Relu;
         }
-        if any.is::<Frozen<LastStep>>() {
-            return Some(Kind::LastStep);
+        if any.is::<LastStep>() {
+            return Kind::LastStep;
         }
-        any.is::<Frozen<MaskedMean>>().then_some(Kind::MaskedMean)
+        if any.is::<MaskedMean>() {
+            return Kind::MaskedMean;
+        }
+        Kind::Custom { inputs, params: layer.param_shapes(inputs) }
     }
 
-    /// The input width of a layer with parameters.
+    /// The input width of a built-in layer with parameters.
     fn inputs(&self) -> Option<usize> {
         match *self {
             Kind::Dense { inputs, .. } | Kind::Lstm { inputs, .. } => Some(inputs),
@@ -86,16 +105,17 @@ impl Kind {
     }
 
     /// The name of the tensor that locates the layer's parameters (`None`: it has none).
-    fn key_tensor(&self) -> Option<&'static str> {
+    fn key_tensor(&self) -> Option<String> {
         match self {
-            Kind::Dense { .. } => Some("weight"),
-            Kind::Lstm { .. } => Some("weight_ih_l0"),
+            Kind::Dense { .. } => Some("weight".into()),
+            Kind::Lstm { .. } => Some("weight_ih_l0".into()),
+            Kind::Custom { params, .. } => params.first().map(|p| p.name.clone()),
             _ => None,
         }
     }
 
     fn to_json(&self, name: &str, tensors: &str) -> Value {
-        match *self {
+        match self {
             Kind::Dense { inputs, outputs } => {
                 json!({ "kind": "dense", "name": name, "tensors": tensors, "inputs": inputs, "outputs": outputs })
             }
@@ -105,6 +125,10 @@ impl Kind {
             Kind::Relu => json!({ "kind": "relu", "name": name }),
             Kind::LastStep => json!({ "kind": "last_step", "name": name }),
             Kind::MaskedMean => json!({ "kind": "masked_mean", "name": name }),
+            Kind::Custom { inputs, params } => {
+                let params: Vec<Value> = params.iter().map(|p| json!({ "name": p.name, "shape": p.shape })).collect();
+                json!({ "kind": "custom", "name": name, "tensors": tensors, "inputs": inputs, "params": params })
+            }
         }
     }
 }
@@ -150,33 +174,19 @@ impl Model {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming a layer that is not one of carve's built-in
-    /// layers (a custom layer's parameters have no format carve knows);
     /// [`Error::ModelFile`] naming a tensor that holds a value that is not finite (the
     /// file is not written), or when the file cannot be written.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        let kinds = self
-            .layers()
-            .iter()
-            .map(|layer| {
-                Kind::of(layer.as_ref()).ok_or_else(|| Error::InvalidConfig {
-                    reason: format!(
-                        "layer '{}' cannot be saved: only carve's built-in layers (Dense, Relu, Lstm, LastStep, \
-                         MaskedMean) have a file format",
-                        layer.name()
-                    ),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let kinds: Vec<Kind> =
+            self.layers().iter().enumerate().map(|(i, layer)| Kind::of(layer.as_ref(), self.layer_inputs(i))).collect();
         let names: Vec<&str> = self.layers().iter().map(|l| l.name()).collect();
-        let unique = names.iter().collect::<BTreeSet<_>>().len() == names.len()
-            && names.iter().all(|n| !n.is_empty() && !n.contains('.'));
+        let unique = unique_names(&names);
         let mut config = Vec::new();
         let mut tensors = Vec::new();
         for (index, (layer, kind)) in self.layers().iter().zip(&kinds).enumerate() {
             let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
             config.push(kind.to_json(layer.name(), &prefix));
-            save_params(layer.as_ref(), &prefix, &mut tensors);
+            save_params(kind, self.layer_params(index), &prefix, &mut tensors);
         }
         for tensor in &tensors {
             if let Some(at) = tensor.values.iter().position(|v| !v.is_finite()) {
@@ -249,8 +259,36 @@ impl Model {
             .map(|saved| Found::find(&file, saved.name, &saved.prefix, saved.kind, Biases::Required, &mut used))
             .collect::<Result<Vec<_>>>()?;
         check_all_used(&file, &used)?;
-        let layers = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
-        Model::from_layers(inputs, layers)
+        let layers = found.iter().map(Found::layer).collect::<Result<Vec<_>>>()?;
+        let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
+        assemble(&file, inputs, layers.into(), values)
+    }
+
+    /// Loads a model saved by [`Model::save`] or [`Network::save`] with the layers of
+    /// `config` (its updater, seed and workspace modes do not matter): what loads a
+    /// model of a user's own layers, whose configuration only the caller can build. Each
+    /// layer's parameters are found under the name the file gives them
+    /// (`{layer}.{param}`, or `layers.{index}.{param}` when two layers share a name).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::load`]; also [`Error::ModelFile`] when a layer's tensors are not
+    /// found or are of another shape than `config`'s layer takes.
+    pub fn load_with(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
+        let file = Tensors::open(path.as_ref())?;
+        let layout = Params::of(config.inputs(), config.layers())?;
+        let names: Vec<&str> = config.layers().iter().map(|l| l.name()).collect();
+        let unique = unique_names(&names);
+        let mut used = BTreeSet::new();
+        let mut found = Vec::with_capacity(names.len());
+        for (index, layer) in config.layers().iter().enumerate() {
+            let kind = Kind::of(layer.as_ref(), layout.widths[index]);
+            let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
+            found.push(Found::find(&file, layer.name().to_string(), &prefix, kind, Biases::Required, &mut used)?);
+        }
+        check_all_used(&file, &used)?;
+        let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
+        assemble(&file, config.inputs(), config.shared_layers(), values)
     }
 
     /// Loads a model from a safetensors file of PyTorch's names and layouts (a
@@ -274,16 +312,12 @@ impl Model {
         let mut used = BTreeSet::new();
         let mut prefixes = BTreeSet::new();
         let mut found = Vec::new();
+        let layout = Params::of(config.inputs(), config.layers())?;
         for (index, layer) in config.layers().iter().enumerate() {
             let name = layer.name();
-            let kind = layer.frozen().as_deref().and_then(Kind::of).ok_or_else(|| Error::InvalidConfig {
-                reason: format!(
-                    "layer '{name}' cannot be loaded from a file: only carve's built-in layers (Dense, Relu, Lstm, \
-                     LastStep, MaskedMean) have a file format"
-                ),
-            })?;
+            let kind = Kind::of(layer.as_ref(), layout.widths[index]);
             let prefix = match kind.key_tensor() {
-                Some(key) => find_prefix(&file, name, index, key)?,
+                Some(key) => find_prefix(&file, name, index, &key)?,
                 None => String::new(),
             };
             if !prefix.is_empty() && !prefixes.insert(prefix.clone()) {
@@ -296,45 +330,86 @@ impl Model {
             found.push(Found::find(&file, name.to_string(), &prefix, kind, Biases::Optional, &mut used)?);
         }
         check_all_used(&file, &used)?;
-        let layers = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
-        Model::from_layers(config.inputs(), layers)
+        let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
+        assemble(&file, config.inputs(), config.shared_layers(), values)
     }
 }
 
-/// Appends the parameters of `layer` under `prefix`, in PyTorch's layouts.
-fn save_params(layer: &dyn FrozenLayer, prefix: &str, out: &mut Vec<Out>) {
-    let any = layer as &dyn Any;
+/// Whether every layer name is unique, non-empty and free of dots: then each layer's
+/// tensors are saved under its name, otherwise under its position (`layers.{index}`).
+fn unique_names(names: &[&str]) -> bool {
+    names.iter().collect::<BTreeSet<_>>().len() == names.len()
+        && names.iter().all(|n| !n.is_empty() && !n.contains('.'))
+}
+
+/// A model of `layers` on `inputs` columns, each layer's parameters from `values` (in
+/// carve's layout) laid into the flat buffer.
+fn assemble(file: &Tensors, inputs: usize, layers: Arc<[Box<dyn Layer>]>, values: Vec<Vec<f32>>) -> Result<Model> {
+    let layout = Params::of(inputs, &layers)?;
+    let mut params = reserve_filled(layout.layout.total, 0.0).map_err(|why| {
+        file_error(file.path(), None, format!("{why}: the machine cannot hold this model's parameters"))
+    })?;
+    for ((layer, region), values) in layers.iter().zip(&layout.layout.regions).zip(values) {
+        if values.len() != region.len() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' parameters from the file", layer.name()),
+                expected: vec![region.len()],
+                actual: vec![values.len()],
+            });
+        }
+        params[region.clone()].copy_from_slice(&values);
+    }
+    Model::from_parts(inputs, layers, Arc::new(layout), Arc::new(params))
+}
+
+/// Appends the parameters of a layer of `kind` (`values`, its region of the flat
+/// buffer) under `prefix`: a built-in layer's in PyTorch's layouts, a user's own under
+/// its names, in carve's layout.
+fn save_params(kind: &Kind, values: &[f32], prefix: &str, out: &mut Vec<Out>) {
     let mut push = |suffix: &str, shape: Vec<usize>, values: Vec<f32>| {
         out.push(Out { name: format!("{prefix}.{suffix}"), shape, values });
     };
-    if let Some(Frozen(dense)) = any.downcast_ref::<Frozen<Dense>>() {
-        let (inputs, outputs) = dense.weights().dim();
-        // [in, out] → [out, in]
-        push("weight", vec![outputs, inputs], dense.weights().t().iter().copied().collect());
-        push("bias", vec![outputs], dense.bias().to_vec());
-    } else if let Some(Frozen(lstm)) = any.downcast_ref::<Frozen<Lstm>>() {
-        let h = lstm.hidden();
-        let to_torch = |w: ndarray::ArrayView2<'_, f32>| {
-            // [rows, 4h] in carve's blocks → [4h, rows] in PyTorch's.
-            let mut t = Array2::<f32>::zeros((4 * h, w.nrows()));
-            for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
-                for j in 0..h {
-                    t.row_mut(torch * h + j).assign(&w.column(c * h + j));
-                }
-            }
-            t.into_raw_vec_and_offset().0
-        };
-        let inputs = lstm.input_weights().nrows();
-        push("weight_ih_l0", vec![4 * h, inputs], to_torch(lstm.input_weights()));
-        push("weight_hh_l0", vec![4 * h, h], to_torch(lstm.recurrent_weights()));
-        let mut bias = vec![0.0; 4 * h];
-        for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
-            bias[torch * h..(torch + 1) * h]
-                .copy_from_slice(&lstm.bias().as_slice().expect("contiguous")[c * h..][..h]);
+    match *kind {
+        Kind::Dense { inputs, outputs } => {
+            let (w, b) = values.split_at(inputs * outputs);
+            let w = ArrayView2::from_shape((inputs, outputs), w).expect("inputs × outputs values");
+            // [in, out] → [out, in]
+            push("weight", vec![outputs, inputs], w.t().iter().copied().collect());
+            push("bias", vec![outputs], b.to_vec());
         }
-        push("bias_ih_l0", vec![4 * h], bias);
-        // x + (-0.0) == x for every x (+0.0 included): the sum gives the bias back bit for bit.
-        push("bias_hh_l0", vec![4 * h], vec![-0.0; 4 * h]);
+        Kind::Lstm { inputs, hidden: h } => {
+            let to_torch = |w: ArrayView2<'_, f32>| {
+                // [rows, 4h] in carve's blocks → [4h, rows] in PyTorch's.
+                let mut t = Array2::<f32>::zeros((4 * h, w.nrows()));
+                for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                    for j in 0..h {
+                        t.row_mut(torch * h + j).assign(&w.column(c * h + j));
+                    }
+                }
+                t.into_raw_vec_and_offset().0
+            };
+            let (w, rest) = values.split_at(inputs * 4 * h);
+            let (u, b) = rest.split_at(h * 4 * h);
+            let w = ArrayView2::from_shape((inputs, 4 * h), w).expect("inputs × 4h values");
+            let u = ArrayView2::from_shape((h, 4 * h), u).expect("h × 4h values");
+            push("weight_ih_l0", vec![4 * h, inputs], to_torch(w));
+            push("weight_hh_l0", vec![4 * h, h], to_torch(u));
+            let mut bias = vec![0.0; 4 * h];
+            for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
+                bias[torch * h..(torch + 1) * h].copy_from_slice(&b[c * h..][..h]);
+            }
+            push("bias_ih_l0", vec![4 * h], bias);
+            // x + (-0.0) == x for every x (+0.0 included): the sum gives the bias back bit for bit.
+            push("bias_hh_l0", vec![4 * h], vec![-0.0; 4 * h]);
+        }
+        Kind::Custom { ref params, .. } => {
+            let mut at = 0;
+            for p in params {
+                push(&p.name, p.shape.clone(), values[at..at + p.len()].to_vec());
+                at += p.len();
+            }
+        }
+        Kind::Relu | Kind::LastStep | Kind::MaskedMean => {}
     }
 }
 
@@ -360,17 +435,19 @@ struct Found {
 impl Kind {
     /// The tensors of a layer of this kind: their names' suffixes, shapes (PyTorch's
     /// layouts), and whether each is a bias.
-    fn tensors(&self) -> Vec<(&'static str, Vec<usize>, bool)> {
-        match *self {
-            Kind::Dense { inputs, outputs } => {
-                vec![("weight", vec![outputs, inputs], false), ("bias", vec![outputs], true)]
+    fn tensors(&self) -> Vec<(String, Vec<usize>, bool)> {
+        let t = |name: &str, shape: Vec<usize>, bias: bool| (name.to_string(), shape, bias);
+        match self {
+            &Kind::Dense { inputs, outputs } => {
+                vec![t("weight", vec![outputs, inputs], false), t("bias", vec![outputs], true)]
             }
-            Kind::Lstm { inputs, hidden: h } => vec![
-                ("weight_ih_l0", vec![4 * h, inputs], false),
-                ("weight_hh_l0", vec![4 * h, h], false),
-                ("bias_ih_l0", vec![4 * h], true),
-                ("bias_hh_l0", vec![4 * h], true),
+            &Kind::Lstm { inputs, hidden: h } => vec![
+                t("weight_ih_l0", vec![4 * h, inputs], false),
+                t("weight_hh_l0", vec![4 * h, h], false),
+                t("bias_ih_l0", vec![4 * h], true),
+                t("bias_hh_l0", vec![4 * h], true),
             ],
+            Kind::Custom { params, .. } => params.iter().map(|p| t(&p.name, p.shape.clone(), false)).collect(),
             Kind::Relu | Kind::LastStep | Kind::MaskedMean => Vec::new(),
         }
     }
@@ -409,7 +486,7 @@ impl Found {
             }
             tensors.push(Some(key));
         }
-        if let [_, _, ih, hh] = tensors.as_slice() {
+        if let (Kind::Lstm { .. }, [_, _, ih, hh]) = (&kind, tensors.as_slice()) {
             if ih.is_some() != hh.is_some() {
                 let missing = if ih.is_none() { "bias_ih_l0" } else { "bias_hh_l0" };
                 return Err(file_error(
@@ -422,13 +499,28 @@ impl Found {
         Ok(Found { name, kind, tensors })
     }
 
-    /// Reads the layer's tensors and makes the layer.
+    /// The layer a carve file's configuration describes (built-in layers only: a
+    /// user's own is built by the configuration [`Model::load_with`] takes).
+    fn layer(&self) -> Result<Box<dyn Layer>> {
+        let name = self.name.as_str();
+        Ok(match self.kind {
+            Kind::Dense { inputs, outputs } => Box::new(Dense::try_named(name, inputs, outputs)?),
+            Kind::Lstm { inputs, hidden } => Box::new(Lstm::named(name, inputs, hidden)?),
+            Kind::Relu => Box::new(Relu::named(name)),
+            Kind::LastStep => Box::new(LastStep::named(name)),
+            Kind::MaskedMean => Box::new(MaskedMean::named(name)),
+            Kind::Custom { .. } => unreachable!("a carve file's configuration lists built-in layers only"),
+        })
+    }
+
+    /// Reads the layer's tensors: its parameters in carve's layout (its region of the
+    /// flat buffer).
     ///
     /// A tensor is read into a buffer of its own and laid out anew (transposed, gates
     /// reordered) into another: loading a layer takes up to twice its largest tensor,
     /// every buffer reserved fallibly (a model the machine cannot hold is an error
     /// naming the tensor, not an abort).
-    fn load(self, file: &Tensors) -> Result<Box<dyn FrozenLayer>> {
+    fn load(self, file: &Tensors) -> Result<Vec<f32>> {
         let shapes = self.kind.tensors();
         let read = |slot: usize| -> Result<Option<Vec<f32>>> {
             self.tensors[slot].as_deref().map(|key| file.values(key, &shapes[slot].1)).transpose()
@@ -437,62 +529,65 @@ impl Found {
         // or the zeros of a bias the file does not have).
         let filled = |slot: usize, len: usize, value: f32| {
             reserve_filled(len, value).map_err(|why| {
-                let tensor = self.tensors[slot].clone().unwrap_or_else(|| shapes[slot].0.to_string());
+                let tensor = self.tensors[slot].clone().unwrap_or_else(|| shapes[slot].0.clone());
                 file_error(file.path(), Some(&tensor), format!("{why}: the machine cannot hold this model"))
             })
         };
-        let name = self.name.as_str();
         Ok(match self.kind {
             Kind::Dense { inputs, outputs } => {
                 let weight = Array2::from_shape_vec((outputs, inputs), read(0)?.expect("a weight is required"))
                     .expect("checked shape");
-                // [out, in] → [in, out]: the same memory when either is 1.
-                let weights = if inputs == 1 || outputs == 1 {
-                    weight.into_shape_with_order((inputs, outputs)).expect("one row or column")
-                } else {
-                    let mut weights = Array2::from_shape_vec((inputs, outputs), filled(0, weight.len(), 0.0)?)
-                        .expect("inputs × outputs values");
-                    weights.assign(&weight.t());
-                    weights
-                };
-                let bias = match read(1)? {
-                    Some(bias) => bias,
-                    None => filled(1, outputs, 0.0)?,
-                };
-                Box::new(Frozen(Dense::from_parts(name, weights, Array1::from(bias))))
+                let mut values = filled(0, inputs * outputs + outputs, 0.0)?;
+                let (w, b) = values.split_at_mut(inputs * outputs);
+                // [out, in] → [in, out]
+                for (dst, &src) in w.iter_mut().zip(weight.t().iter()) {
+                    *dst = src;
+                }
+                if let Some(bias) = read(1)? {
+                    b.copy_from_slice(&bias);
+                }
+                values
             }
             Kind::Lstm { inputs, hidden: h } => {
-                let from_torch = |slot: usize, rows: usize| -> Result<Array2<f32>> {
+                let columns = 4 * h;
+                let mut values = filled(0, (inputs + h + 1) * columns, 0.0)?;
+                let (w, rest) = values.split_at_mut(inputs * columns);
+                let (u, b) = rest.split_at_mut(h * columns);
+                for (slot, rows, dst) in [(0, inputs, w), (1, h, u)] {
                     // [4h, rows] in PyTorch's blocks → [rows, 4h] in carve's.
                     let t =
-                        Array2::from_shape_vec((4 * h, rows), read(slot)?.expect("required")).expect("checked shape");
-                    let mut w =
-                        Array2::from_shape_vec((rows, 4 * h), filled(slot, t.len(), 0.0)?).expect("rows × 4h values");
+                        Array2::from_shape_vec((columns, rows), read(slot)?.expect("required")).expect("checked shape");
+                    let mut dst = ndarray::ArrayViewMut2::from_shape((rows, columns), dst).expect("rows × 4h values");
                     for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                         for j in 0..h {
-                            w.column_mut(c * h + j).assign(&t.row(torch * h + j));
+                            dst.column_mut(c * h + j).assign(&t.row(torch * h + j));
                         }
                     }
-                    Ok(w)
-                };
-                let w = from_torch(0, inputs)?;
-                let u = from_torch(1, h)?;
+                }
                 // Both biases or neither: checked by `find`.
                 let (b_ih, b_hh) = match (read(2)?, read(3)?) {
                     (Some(ih), Some(hh)) => (ih, hh),
-                    _ => (filled(2, 4 * h, 0.0)?, filled(3, 4 * h, -0.0)?),
+                    _ => (filled(2, columns, 0.0)?, filled(3, columns, -0.0)?),
                 };
-                let mut b = filled(2, 4 * h, 0.0)?;
                 for (c, &torch) in TORCH_BLOCK.iter().enumerate() {
                     for j in 0..h {
                         b[c * h + j] = b_ih[torch * h + j] + b_hh[torch * h + j];
                     }
                 }
-                Box::new(Frozen(Lstm::from_parts(name, w, u, Array1::from(b))))
+                values
             }
-            Kind::Relu => Box::new(Frozen(Relu::named(name))),
-            Kind::LastStep => Box::new(Frozen(LastStep::named(name))),
-            Kind::MaskedMean => Box::new(Frozen(MaskedMean::named(name))),
+            Kind::Custom { ref params, .. } => {
+                let total = params.iter().map(ParamShape::len).sum();
+                let mut values = filled(0, total, 0.0)?;
+                let mut at = 0;
+                for (slot, p) in params.iter().enumerate() {
+                    let tensor = read(slot)?.expect("a user's layer's parameters are required");
+                    values[at..at + p.len()].copy_from_slice(&tensor);
+                    at += p.len();
+                }
+                values
+            }
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean => Vec::new(),
         })
     }
 }
@@ -581,6 +676,13 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
             "relu" => Kind::Relu,
             "last_step" => Kind::LastStep,
             "masked_mean" => Kind::MaskedMean,
+            "custom" => {
+                return Err(bad(format!(
+                    "has a layer of the user's own (layer '{}'): load the file with Model::load_with and the \
+                     configuration that builds its layers",
+                    short(&name)
+                )))
+            }
             other => {
                 return Err(bad(format!("has a layer of unknown kind '{}' (layer '{}')", short(other), short(&name))))
             }

@@ -1,5 +1,7 @@
 //! The network's configuration, its builder, and the workspaces it trains and infers in.
 
+use std::sync::Arc;
+
 use workspace_core::planned::PlanGroup;
 use workspace_core::{
     ArrayType, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, LearningPolicy, SpillPolicy, WorkspaceConfig,
@@ -41,9 +43,14 @@ pub mod names {
 
 /// The configuration of a [`Network`]: its layers (the last one produces the class
 /// scores, followed by softmax cross-entropy), seed, updater and workspace modes.
+///
+/// Layers hold no parameters, so a configuration is cheap to clone (its layers are
+/// shared): the one a network was built from also loads its saved models
+/// ([`Model::load_with`](crate::nn::Model::load_with)).
+#[derive(Clone)]
 pub struct NetworkConfig {
     pub(super) inputs: usize,
-    pub(super) layers: Vec<Box<dyn Layer>>,
+    pub(super) layers: Arc<[Box<dyn Layer>]>,
     pub(super) seed: u64,
     pub(super) updater: Updater,
     pub(super) training_workspace_mode: WorkspaceMode,
@@ -135,14 +142,21 @@ impl NetworkConfig {
     pub fn layers(&self) -> &[Box<dyn Layer>] {
         &self.layers
     }
+
+    /// The layers, shared.
+    pub(crate) fn shared_layers(&self) -> Arc<[Box<dyn Layer>]> {
+        Arc::clone(&self.layers)
+    }
 }
 
 impl NetworkConfigBuilder {
-    /// Appends a layer (a user's custom layer, or one of [`Dense`], [`Relu`]).
+    /// Appends a layer (a user's custom layer, or one of [`Dense`], [`Relu`]); the
+    /// network hands it the current width ([`Layer::output_size`],
+    /// [`Layer::param_shapes`], [`Layer::init`]).
     ///
     /// A layer that cannot take the current width, or that produces no columns, makes
     /// [`NetworkConfigBuilder::build`] fail.
-    pub fn layer(mut self, layer: impl Layer + 'static) -> Self {
+    pub fn layer(mut self, layer: impl Layer) -> Self {
         if self.error.is_none() {
             match layer.output_size(self.width) {
                 Ok(0) => {
@@ -295,7 +309,7 @@ impl NetworkConfigBuilder {
         }
         Ok(NetworkConfig {
             inputs: self.inputs,
-            layers: self.layers,
+            layers: self.layers.into(),
             seed: self.seed,
             updater: self.updater,
             training_workspace_mode: self.training_workspace_mode,

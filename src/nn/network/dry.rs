@@ -28,7 +28,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
-use super::super::step::Owned;
+use super::super::step::StepLayers;
 use super::config::PLANS;
 use super::shadow::Shadow;
 use super::{inference_capacity, pass_bytes, probabilities, shape_key, training_capacity, training_workspaces};
@@ -613,7 +613,7 @@ impl Network {
 
     /// Weights, gradients and the updater's state, in bytes.
     fn parameter_bytes(&self) -> usize {
-        let params: usize = self.layers.iter().map(|l| l.param_count()).sum();
+        let params: usize = self.layout.layout.total;
         let per = match self.updater.updater() {
             super::super::Updater::Adam { .. } => 4,
             super::super::Updater::Sgd { .. } => 3,
@@ -699,10 +699,11 @@ impl Network {
             return self.step(batch.input(), batch.labels(), true).map(|_| ());
         }
         self.check_input(&batch.input())?;
-        let Network { layers, dry_run, .. } = self;
+        let Network { layers, layout, params, dry_run, .. } = self;
         let shadow = dry_run.as_deref().expect("made by dry_run");
         shadow.infer.reset_peaks();
-        probabilities(&mut Owned(layers), &shadow.infer, batch.input(), None, |_| Ok(()))
+        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None };
+        probabilities(&mut layers, &shadow.infer, batch.input(), None, |_| Ok(()))
     }
 }
 

@@ -45,8 +45,9 @@ impl Network {
     ) -> Result<R> {
         let x = x.reborrow();
         self.check_input(&x)?;
-        let Network { layers, infer: mgr, timeline, .. } = self;
-        probabilities(&mut step::Owned(layers), mgr, x, timeline.as_deref(), f)
+        let Network { layers, layout, params, infer: mgr, timeline, .. } = self;
+        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None };
+        probabilities(&mut layers, mgr, x, timeline.as_deref(), f)
     }
 }
 
@@ -54,7 +55,7 @@ impl Network {
 /// inference workspaces and handed to `f` while they are alive: the forward pass of a
 /// network's inference and of a served model's.
 pub(crate) fn probabilities<R>(
-    layers: &mut impl StepLayers,
+    layers: &mut StepLayers<'_>,
     mgr: &LayerWorkspaceMgr,
     x: Input<'_>,
     labels: Option<&LayerLabels>,

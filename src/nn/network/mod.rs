@@ -22,7 +22,9 @@ use super::layer::Activations;
 
 use crate::{Error, Result};
 
-use super::layer::Layer;
+use super::layer::{Init, Layer, ParamShape, Tape};
+use super::limits::config_filled;
+use super::params::Params;
 use super::profile::StepBreakdown;
 use super::updater::{Updater, UpdaterState};
 use super::Rng;
@@ -43,7 +45,9 @@ pub(crate) use train::{counted, fit_epoch, fit_pairs};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.
 ///
-/// Parameters live in the layers (outside workspaces). In a training iteration
+/// The network holds every layer's parameters in one flat buffer (outside workspaces;
+/// the layers in backward order, see [`Network::layer_params`]), with their gradients
+/// and the updater's state in the same layout, and each layer's [`Tape`]. In a training iteration
 /// ([`Network::fit_batch`]) the input and all activations live in
 /// `WS_ALL_LAYERS_ACT` until the update is done; each layer's forward and backward
 /// scratch in `WS_LAYER_WORKING_MEM`, reset after the layer; input gradients in
@@ -55,7 +59,15 @@ pub(crate) use train::{counted, fit_epoch, fit_pairs};
 pub struct Network {
     inputs: usize,
     classes: usize,
-    layers: Vec<Box<dyn Layer>>,
+    layers: Arc<[Box<dyn Layer>]>,
+    /// Each layer's input width, parameter shapes and region of the flat buffers.
+    layout: Arc<Params>,
+    /// The parameters, shared with the models frozen from this network until the next
+    /// update writes them (copy on write).
+    params: Arc<Vec<f32>>,
+    /// The gradients of the last backward pass, in `params`' layout.
+    grads: Vec<f32>,
+    tapes: Vec<Tape>,
     updater: UpdaterState,
     training_mode: WorkspaceMode,
     inference_mode: WorkspaceMode,
@@ -153,61 +165,81 @@ impl Network {
     pub fn new(config: NetworkConfig) -> Result<Network> {
         let NetworkConfig {
             inputs,
-            mut layers,
+            layers,
             seed,
             updater,
             training_workspace_mode,
             inference_workspace_mode,
             workspace_learning,
         } = config;
+        let layout = Params::of(inputs, &layers)?;
+        let total = layout.layout.total;
+        let what = || format!("the network's {total} parameter values (check the layer widths)");
+        let mut params = config_filled(total, 0.0, what)?;
         let mut rng = Rng::new(seed);
-        for layer in layers.iter_mut() {
-            layer.init(&mut rng);
+        let mut init = Init::new(&mut rng);
+        for (i, layer) in layers.iter().enumerate() {
+            layer.init(layout.widths[i], &mut params[layout.layout.regions[i].clone()], &mut init);
         }
-        let updater = UpdaterState::new(updater, &mut layers);
-        let layout = WorkspaceLayout {
+        let updater = UpdaterState::new(updater, total)?;
+        let workspaces = WorkspaceLayout {
             training: training_workspace_mode,
             inference: inference_workspace_mode,
             learning: workspace_learning,
         };
-        Network::from_parts(inputs, layers, updater, 0, layout)
+        Network::from_parts(inputs, layers, Arc::new(layout), Arc::new(params), updater, 0, workspaces)
     }
 
     /// The network taken apart for a data-parallel trainer: its input columns, layers,
-    /// updater state and iterations (its workspaces are dropped).
-    pub(crate) fn into_parts(self) -> (usize, Vec<Box<dyn Layer>>, UpdaterState, u64, WorkspaceLayout) {
-        let layout = self.layout();
-        (self.inputs, self.layers, self.updater, self.iterations, layout)
+    /// their layout, parameters, updater state and iterations, and how it lays out its
+    /// workspaces (which are dropped).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn into_parts(
+        self,
+    ) -> (usize, Arc<[Box<dyn Layer>]>, Arc<Params>, Arc<Vec<f32>>, UpdaterState, u64, WorkspaceLayout) {
+        let workspaces = self.workspace_layout();
+        (self.inputs, self.layers, self.layout, self.params, self.updater, self.iterations, workspaces)
     }
 
     /// How the network lays out its workspaces.
-    fn layout(&self) -> WorkspaceLayout {
+    fn workspace_layout(&self) -> WorkspaceLayout {
         WorkspaceLayout { training: self.training_mode, inference: self.inference_mode, learning: self.learning }
     }
 
-    /// A network of these layers (initialised or trained) and updater state, with new
-    /// workspaces laid out by `layout`; the layers' widths are checked in order.
+    /// A network of these layers, laid out by `layout` (of `inputs` columns), with these
+    /// parameters (initialised or trained) and updater state, and new workspaces laid out
+    /// by `workspaces`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when the gradients cannot be allocated; workspace
+    /// creation errors.
     pub(crate) fn from_parts(
         inputs: usize,
-        layers: Vec<Box<dyn Layer>>,
+        layers: Arc<[Box<dyn Layer>]>,
+        layout: Arc<Params>,
+        params: Arc<Vec<f32>>,
         updater: UpdaterState,
         iterations: u64,
-        layout: WorkspaceLayout,
+        workspaces: WorkspaceLayout,
     ) -> Result<Network> {
-        let mut width = inputs;
-        for layer in &layers {
-            width = layer.output_size(width)?;
-        }
+        let total = layout.layout.total;
+        let grads = config_filled(total, 0.0, || format!("the gradients of {total} parameter values"))?;
+        let tapes = layers.iter().map(|layer| layer.tape()).collect();
         Ok(Network {
             inputs,
-            classes: width,
+            classes: layout.outputs,
             layers,
+            layout,
+            params,
+            grads,
+            tapes,
             updater,
-            training_mode: layout.training,
-            inference_mode: layout.inference,
-            learning: layout.learning,
-            train: training_mgrs_in(layout.training, layout.learning, None, None)?,
-            infer: inference_mgr(layout.inference, layout.learning)?,
+            training_mode: workspaces.training,
+            inference_mode: workspaces.inference,
+            learning: workspaces.learning,
+            train: training_mgrs_in(workspaces.training, workspaces.learning, None, None)?,
+            infer: inference_mgr(workspaces.inference, workspaces.learning)?,
             iterations,
             last_workspace_bytes: 0,
             last_inference_bytes: 0,
@@ -303,9 +335,77 @@ impl Network {
         &self.layers
     }
 
-    /// The layers, mutably (for tests that set weights).
-    pub fn layers_mut(&mut self) -> &mut [Box<dyn Layer>] {
-        &mut self.layers
+    /// Layer `i`'s input width (features per step for sequences).
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_inputs(&self, i: usize) -> usize {
+        self.layout.widths[i]
+    }
+
+    /// Layer `i`'s parameters: their names and shapes, in the order of
+    /// [`Network::layer_params`].
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn param_shapes(&self, i: usize) -> &[ParamShape] {
+        &self.layout.shapes[i]
+    }
+
+    /// Layer `i`'s parameters: its region of the network's flat parameter buffer, each
+    /// parameter of [`Network::param_shapes`] in turn, row-major.
+    ///
+    /// ```
+    /// use carve::nn::{Network, NetworkConfig};
+    ///
+    /// let net = Network::new(NetworkConfig::builder(4).dense(3).relu().dense(2).build()?)?;
+    /// let shapes = net.param_shapes(0);
+    /// assert_eq!((shapes[0].name.as_str(), shapes[0].shape.as_slice()), ("weight", &[4, 3][..]));
+    /// assert_eq!(net.layer_params(0).len(), 4 * 3 + 3);
+    /// assert!(net.layer_params(1).is_empty()); // a ReLU has none
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_params(&self, i: usize) -> &[f32] {
+        &self.params[self.layout.layout.regions[i].clone()]
+    }
+
+    /// Layer `i`'s parameters, to set them (a model frozen from this network keeps the
+    /// values it was frozen with: they are copied here first).
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_params_mut(&mut self, i: usize) -> &mut [f32] {
+        let region = self.layout.layout.regions[i].clone();
+        &mut Arc::make_mut(&mut self.params)[region]
+    }
+
+    /// The gradients of layer `i`'s parameters from the last backward pass, in
+    /// [`Network::layer_params`]' layout.
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_grads(&self, i: usize) -> &[f32] {
+        &self.grads[self.layout.layout.regions[i].clone()]
+    }
+
+    /// The layers, their layout and the parameters, shared (what a model holds).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn shared_parts(&self) -> (Arc<[Box<dyn Layer>]>, Arc<Params>, Arc<Vec<f32>>) {
+        (Arc::clone(&self.layers), Arc::clone(&self.layout), Arc::clone(&self.params))
+    }
+
+    /// Every parameter value, in the flat buffer's layout (the layers in backward order:
+    /// the last layer's first).
+    pub fn params(&self) -> &[f32] {
+        &self.params
     }
 
     /// The updater.

@@ -14,7 +14,7 @@ use crate::{Error, Result};
 use super::super::gemm;
 use super::super::limits::check_threads;
 use super::super::profile::{self, Part, StepBreakdown};
-use super::super::step::{self, Owned, Run};
+use super::super::step::{self, Run, StepLayers};
 use super::batch::shape_key;
 use super::{label, lease_input, lease_labels, pass_bytes, training_workspaces, Input, Labels, Network};
 
@@ -174,7 +174,7 @@ impl Network {
         if count == 0 && !dry {
             return Err(Error::InvalidInput("the labels mask selects no label: there is nothing to learn from".into()));
         }
-        let Network { layers, updater, train, dry_run, timeline, .. } = self;
+        let Network { layers, layout, params, grads, tapes, updater, train, dry_run, timeline, .. } = self;
         let train = match (dry, dry_run.as_deref()) {
             (false, _) => &*train,
             (true, Some(shadow)) => &shadow.train,
@@ -183,14 +183,16 @@ impl Network {
         train[0].reset_peaks();
         train[1].reset_peaks();
         let run = Run { train, labels: timeline.as_deref(), count, dry };
-        let loss_sum = step::passes(&mut Owned(layers), x, labels, &run, &mut 0)?;
+        let mut step_layers =
+            StepLayers { layers, params: layout, values: params, grads: Some(grads), tapes: Some(tapes) };
+        let loss_sum = step::passes(&mut step_layers, x, labels, &run, &mut 0)?;
         // The update reads no activation: their bytes are free for its working memory.
         {
             label(run.labels, |l| Some(l.updater));
             let working = train[0].enter(ArrayType::UpdaterWorkingMem)?;
             if !dry {
                 let _span = profile::span(Part::Updater);
-                updater.apply(layers, &working)?;
+                updater.apply(params, grads, layout, layers, &working)?;
             }
         }
         if dry {

@@ -25,7 +25,6 @@
 //! **Breakdown.** [`DataParallel::set_breakdown`] measures the steps on the calling
 //! thread, part by part, as [`Network::set_breakdown`] does.
 
-mod layer;
 #[cfg(feature = "mpi")]
 #[allow(unsafe_code)]
 mod mpi;
@@ -38,8 +37,6 @@ mod trainer;
 #[allow(unsafe_code)]
 mod worker;
 
-pub use layer::ParallelLayer;
-pub(crate) use layer::{DenseShape, LstmShape, Replica};
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
 pub use reduce::{Reducer, Report};

@@ -66,4 +66,9 @@ impl SharedBuf {
         // SAFETY: `&mut self` excludes every other access; the layout is that of `f32`.
         unsafe { std::slice::from_raw_parts_mut(UnsafeCell::raw_get(self.0.as_ptr()), len) }
     }
+
+    /// The values, the buffer given up.
+    pub(crate) fn into_vec(self) -> Vec<f32> {
+        self.0.into_vec().into_iter().map(UnsafeCell::into_inner).collect()
+    }
 }

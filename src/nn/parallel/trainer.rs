@@ -18,12 +18,13 @@ use super::super::limits::{check_threads, MAX_RANKS};
 use super::super::network::{
     check_input, check_labels, counted, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout,
 };
+use super::super::params::{Layout, Params};
 use super::super::profile::{self, StepBreakdown};
 use super::super::serve::Model;
-use super::super::updater::{Updater, UpdaterState};
+use super::super::updater::UpdaterState;
 use super::reduce::{Alone, Reducer, Threads};
 use super::shared::SharedBuf;
-use super::worker::{Failure, Layout, Shared, StepDesc, Worker};
+use super::worker::{Failure, Shared, StepDesc, Worker};
 
 /// How the workers reduce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,9 +201,7 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS),
-    /// or a layer that cannot train data-parallel ([`Layer::data_parallel`](crate::nn::Layer::data_parallel) gives
-    /// `None`, or another number of parameters than [`Layer::params`](crate::nn::Layer::params));
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS);
     /// workspace errors of a worker's planned arena; an error starting a thread.
     pub fn new(network: Network, config: ParallelConfig) -> Result<DataParallel> {
         check_threads("a data-parallel trainer's workers", config.workers)?;
@@ -260,9 +259,8 @@ impl DataParallel {
         mut reducers: Vec<Box<dyn Reducer>>,
         threads: bool,
     ) -> Result<DataParallel> {
-        let (inputs, mut layers, updater, iterations, modes) = network.into_parts();
-        let (shared, step) = share(&mut layers, updater, config.bucket_bytes)?;
-        drop(layers);
+        let (inputs, layers, params_layout, params, updater, iterations, modes) = network.into_parts();
+        let (shared, step) = share(layers, params_layout, params, updater, config.bucket_bytes);
         let shared = Arc::new(shared);
         let (name, first_rank) = (reducers[0].name(), reducers[0].rank());
         let others = reducers.split_off(1);
@@ -581,7 +579,7 @@ impl DataParallel {
         shared.expect("the workers have stopped").params.get_mut()
     }
 
-    /// The trained model for serving (a copy of the weights).
+    /// The trained model for serving: the layers, shared, and a copy of the weights.
     ///
     /// # Errors
     ///
@@ -590,26 +588,17 @@ impl DataParallel {
         // SAFETY: no step runs (this takes `&self`, and a step `&mut self`), so nothing
         // writes the parameters.
         let params = unsafe { self.shared.params.read() };
-        let layers = self
-            .shared
-            .layers
-            .iter()
-            .zip(&self.shared.layout.regions)
-            .map(|(layer, region)| layer.to_layer(&params[region.clone()]))
-            .collect::<Result<Vec<_>>>()?;
-        let frozen = layers
-            .iter()
-            .map(|layer| {
-                layer.frozen().ok_or_else(|| Error::InvalidConfig {
-                    reason: format!("layer '{}' cannot be frozen for serving", layer.name()),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Model::from_layers(self.inputs, frozen)
+        let shared = &self.shared;
+        Model::from_parts(
+            self.inputs,
+            Arc::clone(&shared.layers),
+            Arc::clone(&shared.params_layout),
+            Arc::new(params.to_vec()),
+        )
     }
 
-    /// The network again, trained: its layers with the trainer's weights, its updater
-    /// with the trainer's state, new workspaces of its modes. The worker threads stop.
+    /// The network again, trained: the trainer's weights and updater state moved back
+    /// into it, new workspaces of its modes. The worker threads stop.
     ///
     /// # Errors
     ///
@@ -617,34 +606,12 @@ impl DataParallel {
     pub fn into_network(mut self) -> Result<Network> {
         self.stop_threads();
         let _ = self.params();
-        let shared = &self.shared;
-        let mut layers = Vec::with_capacity(shared.layers.len());
-        // SAFETY: the threads have stopped; nothing else reads or writes.
-        let (params, first, second) = unsafe { (shared.params.read(), shared.first.read(), shared.second.read()) };
-        for (layer, region) in shared.layers.iter().zip(&shared.layout.regions) {
-            layers.push(layer.to_layer(&params[region.clone()])?);
-        }
-        let (mut firsts, mut seconds) = (Vec::new(), Vec::new());
-        for (layer, region) in layers.iter_mut().zip(&shared.layout.regions) {
-            let mut offset = region.start;
-            let mut fits = true;
-            layer.params(&mut |p| {
-                let n = p.value.len();
-                fits &= offset + n <= region.end;
-                if fits {
-                    firsts.push(first[offset..offset + n].to_vec());
-                    if !second.is_empty() {
-                        seconds.push(second[offset..offset + n].to_vec());
-                    }
-                }
-                offset += n;
-            });
-            if !fits || offset != region.end {
-                return Err(param_count_error(layer.name(), offset - region.start, region.len()));
-            }
-        }
-        let updater = UpdaterState::from_parts(shared.updater, &mut layers, self.step, firsts, seconds);
-        Network::from_parts(self.inputs, layers, updater, self.iterations, self.modes)
+        let shared = Arc::try_unwrap(std::mem::replace(&mut self.shared, Arc::new(Shared::empty())))
+            .unwrap_or_else(|_| unreachable!("the workers have stopped"));
+        let Shared { layers, params_layout, params, first, second, updater, .. } = shared;
+        let updater = UpdaterState::from_parts(updater, self.step, first.into_vec(), second.into_vec());
+        let params = Arc::new(params.into_vec());
+        Network::from_parts(self.inputs, layers, params_layout, params, updater, self.iterations, self.modes)
     }
 }
 
@@ -654,73 +621,31 @@ impl Drop for DataParallel {
     }
 }
 
-/// Moves `layers`' parameters and the updater's state into shared flat buffers in
-/// backward order; returns them and the updater's step count.
+/// The network's layers, parameters and updater state as the workers share them (the
+/// network's flat buffers, in the layout the trainer reduces, moved; the parameters
+/// copied only when a model still holds them), with gradient buckets of `bucket_bytes`;
+/// and the updater's step count.
 fn share(
-    layers: &mut [Box<dyn crate::nn::Layer>],
+    layers: Arc<[Box<dyn crate::nn::Layer>]>,
+    params_layout: Arc<Params>,
+    params: Arc<Vec<f32>>,
     updater: UpdaterState,
     bucket_bytes: usize,
-) -> Result<(Shared, u64)> {
-    let mut shapes = Vec::with_capacity(layers.len());
-    for layer in layers.iter() {
-        let shape = layer.data_parallel().ok_or_else(|| Error::InvalidConfig {
-            reason: format!(
-                "layer '{}' cannot train data-parallel: its type does not implement `Layer::data_parallel`",
-                layer.name()
-            ),
-        })?;
-        shapes.push(shape);
-    }
-    let mut counts = Vec::with_capacity(layers.len());
-    for (layer, shape) in layers.iter_mut().zip(&shapes) {
-        let mut count = 0;
-        layer.params(&mut |p| count += p.value.len());
-        if count != shape.param_count() {
-            return Err(param_count_error(layer.name(), count, shape.param_count()));
-        }
-        counts.push(count);
-    }
-    let layout = Layout::new(&counts, (bucket_bytes / size_of::<f32>()).max(1));
+) -> (Shared, u64) {
+    let layout = Layout::new(&params_layout.layout.counts(), (bucket_bytes / size_of::<f32>()).max(1));
     let kind = updater.updater();
     let (step, first, second) = updater.into_parts();
-    let mut values = vec![0.0f32; layout.total];
-    let mut m = vec![0.0f32; layout.total];
-    let mut v = match kind {
-        Updater::Adam { .. } => vec![0.0f32; layout.total],
-        Updater::Sgd { .. } => Vec::new(),
-    };
-    let mut param = 0;
-    for (layer, region) in layers.iter_mut().zip(&layout.regions) {
-        let mut offset = region.start;
-        let mut fits = true;
-        layer.params(&mut |p| {
-            let n = p.value.len();
-            fits &= offset + n <= region.end;
-            if fits {
-                values[offset..offset + n].copy_from_slice(p.value);
-                if let Some(state) = first.get(param).and_then(|s| s.get(..n)) {
-                    m[offset..offset + n].copy_from_slice(state);
-                }
-                if let (Some(state), false) = (second.get(param).and_then(|s| s.get(..n)), v.is_empty()) {
-                    v[offset..offset + n].copy_from_slice(state);
-                }
-            }
-            offset += n;
-            param += 1;
-        });
-        if !fits || offset != region.end {
-            return Err(param_count_error(layer.name(), offset - region.start, region.len()));
-        }
-    }
+    let values = Arc::try_unwrap(params).unwrap_or_else(|shared| (*shared).clone());
     let shared = Shared {
-        layers: shapes,
+        layers,
+        params_layout,
         layout,
         params: SharedBuf::new(values),
-        first: SharedBuf::new(m),
-        second: SharedBuf::new(v),
+        first: SharedBuf::new(first),
+        second: SharedBuf::new(second),
         updater: kind,
     };
-    Ok((shared, step))
+    (shared, step)
 }
 
 /// A step run by every thread: the coordinator (worker 0, on the caller's thread) and
@@ -801,12 +726,5 @@ fn run_worker(mut worker: Option<&mut Worker>, shared: &Shared, control: &Contro
             }
         }
         control.end.wait();
-    }
-}
-
-/// A layer whose parameters do not add up to its data-parallel form's count.
-fn param_count_error(name: &str, count: usize, expected: usize) -> Error {
-    Error::InvalidConfig {
-        reason: format!("layer '{name}' gives {count} parameter values and its data-parallel form {expected}"),
     }
 }

@@ -4,71 +4,31 @@
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
+use std::sync::Arc;
 
 use workspace_core::planned::PlanGroup;
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Workspace, WorkspaceMode};
 
 use crate::{Error, Result};
 
-use ndarray::ArrayView2;
-
 use super::super::finite;
-use super::super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Pass, Tape};
+use super::super::layer::{Layer, Tape};
 use super::super::network::{names, planned_workspace_config, shape_key, training_mgrs, Input, Labels};
+use super::super::params::{Layout, Params};
 use super::super::profile::{self, Part};
 use super::super::step::{self, Run, StepLayers};
 use super::super::sync::panic_message;
 use super::super::updater::{check_range, commit_range, Updater};
-use super::layer::ParallelLayer;
 use super::reduce::{share, Reducer, Report};
 use super::shared::SharedBuf;
-
-/// Where each layer's parameters (and gradients) are in the flat buffers, and the
-/// buckets the gradients are reduced in.
-#[derive(Debug)]
-pub(crate) struct Layout {
-    /// Per layer, in forward order: its range of the flat buffers, which hold the layers
-    /// in backward order (the last layer's first).
-    pub(crate) regions: Vec<Range<usize>>,
-    /// The gradient buckets, in backward order: consecutive ranges of the flat buffers,
-    /// each of whole layers.
-    pub(crate) buckets: Vec<Range<usize>>,
-    /// Values in all.
-    pub(crate) total: usize,
-}
-
-impl Layout {
-    pub(crate) fn new(counts: &[usize], bucket_values: usize) -> Layout {
-        let total = counts.iter().sum();
-        let mut regions = vec![0..0; counts.len()];
-        let mut offset = 0;
-        let mut buckets: Vec<Range<usize>> = Vec::new();
-        for (i, &count) in counts.iter().enumerate().rev() {
-            regions[i] = offset..offset + count;
-            let open = buckets.last().is_some_and(|last| last.len() < bucket_values.max(1));
-            match buckets.last_mut() {
-                Some(last) if open => last.end += count,
-                _ if count > 0 => buckets.push(offset..offset + count),
-                _ => {}
-            }
-            offset += count;
-        }
-        Layout { regions, buckets, total }
-    }
-
-    /// The layer whose region holds flat index `index`, and the index within it.
-    pub(crate) fn locate(&self, index: usize) -> (usize, usize) {
-        self.regions
-            .iter()
-            .position(|r| r.contains(&index))
-            .map_or((self.regions.len(), index), |layer| (layer, index - self.regions[layer].start))
-    }
-}
 
 /// What every worker shares: the layers, the parameters and the updater's state, held
 /// once.
 pub(crate) struct Shared {
-    pub(crate) layers: Vec<Box<dyn ParallelLayer>>,
+    pub(crate) layers: Arc<[Box<dyn Layer>]>,
+    /// The network's layout of the layers' parameters.
+    pub(crate) params_layout: Arc<Params>,
+    /// The same regions, with the gradient buckets of this trainer.
     pub(crate) layout: Layout,
     pub(crate) params: SharedBuf,
     /// Velocity (SGD) or first moment (Adam), in the parameters' layout.
@@ -76,6 +36,22 @@ pub(crate) struct Shared {
     /// Second moment (Adam; empty for SGD).
     pub(crate) second: SharedBuf,
     pub(crate) updater: Updater,
+}
+
+impl Shared {
+    /// A shared part of no layers: what a trainer is left with once
+    /// [`DataParallel::into_network`](crate::nn::DataParallel::into_network) took its own.
+    pub(crate) fn empty() -> Shared {
+        Shared {
+            layers: Arc::from(Vec::<Box<dyn Layer>>::new()),
+            params_layout: Arc::new(Params::of(0, &[]).expect("no layers to check")),
+            layout: Layout::new(&[], 1),
+            params: SharedBuf::new(Vec::new()),
+            first: SharedBuf::new(Vec::new()),
+            second: SharedBuf::new(Vec::new()),
+            updater: Updater::default(),
+        }
+    }
 }
 
 /// One step as the coordinator describes it to every worker.
@@ -475,6 +451,7 @@ impl Worker {
             if let Some((i, what, value)) = found {
                 let index = range.start + i;
                 let (layer, element) = shared.layout.locate(index);
+                let (param, element) = shared.params_layout.param_of(layer, element);
                 let name = shared.layers.get(layer).map_or("update", |l| l.name());
                 return Err(Failure {
                     worker: *worker,
@@ -482,7 +459,8 @@ impl Worker {
                     error: Some(finite::error(
                         name,
                         format!(
-                            "the updater's {what} of its parameter value {element} would be {value} (gradient {:e})",
+                            "the updater's {what} of its parameter {param} (element {element}) would be {value} (gradient \
+                             {:e})",
                             grads[index]
                         ),
                     )),
@@ -541,61 +519,15 @@ impl Worker {
         #[allow(unsafe_code)]
         let params = unsafe { shared.params.read() };
         let Worker { train, tapes, .. } = self;
-        let mut layers = Sharing { layers: &shared.layers, regions: &shared.layout.regions, params, grads, tapes };
+        let mut layers = StepLayers {
+            layers: &shared.layers,
+            params: &shared.params_layout,
+            values: params,
+            grads: Some(grads),
+            tapes: Some(tapes),
+        };
         let run = Run { train, labels: None, count, dry: false };
         step::passes(&mut layers, x, labels, &run, at)
-    }
-}
-
-/// The layers as a worker runs them: shared by every worker, each call handed its part
-/// of the shared parameters, of this worker's gradient bucket and its own tape.
-struct Sharing<'w> {
-    layers: &'w [Box<dyn ParallelLayer>],
-    regions: &'w [Range<usize>],
-    params: &'w [f32],
-    grads: &'w mut [f32],
-    tapes: &'w mut [Tape],
-}
-
-impl StepLayers for Sharing<'_> {
-    fn count(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn name(&self, i: usize) -> &str {
-        self.layers[i].name()
-    }
-
-    fn forward<'a>(
-        &mut self,
-        i: usize,
-        input: Activations<'a>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        self.layers[i].forward(&self.params[self.regions[i].clone()], input, mask, &mut self.tapes[i], ctx)
-    }
-
-    fn backward(
-        &mut self,
-        i: usize,
-        pass: Pass<'_>,
-        grad_input: Option<GradInput<'_>>,
-        ctx: &BackwardCtx<'_>,
-    ) -> Result<()> {
-        let region = self.regions[i].clone();
-        let (params, grads) = (&self.params[region.clone()], &mut self.grads[region]);
-        self.layers[i].backward(params, grads, pass, grad_input, &mut self.tapes[i], ctx)
-    }
-
-    fn check_param_gradients(&mut self, i: usize) -> Result<()> {
-        match finite::first_in_slice(&self.grads[self.regions[i].clone()]) {
-            None => Ok(()),
-            Some((element, value)) => Err(finite::error(
-                self.layers[i].name(),
-                format!("the gradient of its parameter value {element} is {value}"),
-            )),
-        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! The frozen model: a trained network's weights, held once, inferring through `&self`.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use workspace_core::LayerWorkspaceMgr;
@@ -8,13 +8,14 @@ use workspace_core::LayerWorkspaceMgr;
 use super::arenas::{ArenaGuard, Arenas, Wait};
 use super::pool::PoolConfig;
 use crate::nn::finite;
-use crate::nn::layer::FrozenLayer;
-use crate::nn::network::{check_input, predictions_into, probabilities, shape_key, Input, Network};
-use crate::nn::step::Frozen;
+use crate::nn::layer::Layer;
+use crate::nn::network::{check_input, predictions_into, probabilities, shape_key, Input, Network, NetworkConfig};
+use crate::nn::params::Params;
+use crate::nn::step::StepLayers;
 use crate::{Error, Result};
 
-/// A trained network frozen for serving: the layers' weights, held once; `Send +
-/// Sync`, so one model shared by [`Arc`](std::sync::Arc) serves every thread. Each call
+/// A trained network frozen for serving: its layers and their weights, shared and
+/// immutable (a network freezes into a model without copying either); `Send + Sync`, so one model shared by [`Arc`](std::sync::Arc) serves every thread. Each call
 /// runs in a planned arena leased for the call: the model's own (as many as the
 /// machine has cores, made on first use), or an [`InferencePool`](super::InferencePool)'s.
 ///
@@ -38,7 +39,11 @@ use crate::{Error, Result};
 pub struct Model {
     inputs: usize,
     classes: usize,
-    layers: Vec<Box<dyn FrozenLayer>>,
+    layers: Arc<[Box<dyn Layer>]>,
+    /// Each layer's input width, parameters and region of `params`.
+    layout: Arc<Params>,
+    /// Every layer's parameters, in the network's flat layout.
+    params: Arc<Vec<f32>>,
     /// The model's own arenas, for [`Model::output`] and its kin.
     own: OnceLock<Arenas>,
 }
@@ -57,50 +62,60 @@ impl std::fmt::Debug for Model {
 pub(crate) const SERVING_PLANS: usize = 64;
 
 impl Network {
-    /// The network frozen for serving: its layers' parameters copied into a [`Model`]
-    /// (not their gradients, caches or updater state). The network goes on training
-    /// as before; the model is a snapshot.
+    /// The network frozen for serving: a [`Model`] of its layers and parameters, shared,
+    /// not copied (not its gradients, tapes or updater state). The network goes on
+    /// training as before; the model is a snapshot: the network's next update copies the
+    /// parameters before it writes them, while a model still holds them.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] naming a layer that cannot be frozen (a custom layer
-    /// whose [`Layer::frozen`](crate::nn::Layer::frozen) returns `None`).
+    /// None today (the signature keeps room for a layer that cannot be served).
     pub fn freeze(&self) -> Result<Model> {
-        let layers = self
-            .layers()
-            .iter()
-            .map(|layer| {
-                layer.frozen().ok_or_else(|| Error::InvalidConfig {
-                    reason: format!(
-                        "layer '{}' cannot be frozen for serving: its type does not implement `Layer::frozen`",
-                        layer.name()
-                    ),
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Model::from_layers(self.inputs(), layers)
+        let (layers, layout, params) = self.shared_parts();
+        Model::from_parts(self.inputs(), layers, layout, params)
     }
 }
 
 impl Model {
-    /// A model of frozen layers taking `inputs` columns (features per step for
-    /// sequences); the output stage is softmax, as a network's.
+    /// A model of `config`'s layers holding `params`, every layer's parameters in the
+    /// network's flat layout (the layers in backward order, as
+    /// [`Network::params`] gives them).
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for no layers, 0 inputs, or widths that do not chain.
-    pub fn from_layers(inputs: usize, layers: Vec<Box<dyn FrozenLayer>>) -> Result<Model> {
+    /// The layers' width errors; [`Error::ShapeMismatch`] when `params` is not as long
+    /// as the layers' parameters.
+    pub fn from_config(config: &NetworkConfig, params: Vec<f32>) -> Result<Model> {
+        let layout = Params::of(config.inputs(), config.layers())?;
+        if params.len() != layout.layout.total {
+            return Err(Error::ShapeMismatch {
+                context: "a model's parameters (the layers' values, in the network's flat layout)".into(),
+                expected: vec![layout.layout.total],
+                actual: vec![params.len()],
+            });
+        }
+        Model::from_parts(config.inputs(), config.shared_layers(), Arc::new(layout), Arc::new(params))
+    }
+
+    /// A model of `layers` laid out by `layout` (of `inputs` columns), holding `params`;
+    /// the output stage is softmax, as a network's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for no layers, 0 inputs, or no output.
+    pub(crate) fn from_parts(
+        inputs: usize,
+        layers: Arc<[Box<dyn Layer>]>,
+        layout: Arc<Params>,
+        params: Arc<Vec<f32>>,
+    ) -> Result<Model> {
         if inputs == 0 || layers.is_empty() {
             return Err(Error::InvalidConfig { reason: "a model needs at least one input and one layer".into() });
         }
-        let mut width = inputs;
-        for layer in &layers {
-            width = layer.output_size(width)?;
-        }
-        if width == 0 {
+        if layout.outputs == 0 {
             return Err(Error::InvalidConfig { reason: "the model's last layer has no output".into() });
         }
-        Ok(Model { inputs, classes: width, layers, own: OnceLock::new() })
+        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, own: OnceLock::new() })
     }
 
     /// Input columns (features per step for a sequence model).
@@ -114,13 +129,46 @@ impl Model {
     }
 
     /// The layers.
-    pub fn layers(&self) -> &[Box<dyn FrozenLayer>] {
+    pub fn layers(&self) -> &[Box<dyn Layer>] {
         &self.layers
+    }
+
+    /// Every layer's parameters, in the network's flat layout (see
+    /// [`Network::params`]).
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// Layer `i`'s parameters (see [`Network::layer_params`]).
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_params(&self, i: usize) -> &[f32] {
+        &self.params[self.layout.layout.regions[i].clone()]
+    }
+
+    /// Layer `i`'s parameters' names and shapes (see [`Network::param_shapes`]).
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn param_shapes(&self, i: usize) -> &[crate::nn::ParamShape] {
+        &self.layout.shapes[i]
+    }
+
+    /// Layer `i`'s input width.
+    ///
+    /// # Panics
+    ///
+    /// When there is no layer `i`.
+    pub fn layer_inputs(&self, i: usize) -> usize {
+        self.layout.widths[i]
     }
 
     /// The bytes of the parameters, held once however many threads the model serves.
     pub fn weight_bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.param_count()).sum::<usize>() * size_of::<f32>()
+        self.params.len() * size_of::<f32>()
     }
 
     /// Class probabilities of `x`, in an owned array (one row per example, or per
@@ -181,7 +229,16 @@ impl Model {
         f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
     ) -> Result<(R, bool)> {
         let group = mgr.plan_group().expect("serving arenas are planned");
-        group.iteration(shape_key(&x, None), || probabilities(&mut Frozen(&self.layers), mgr, x, None, f))
+        group.iteration(shape_key(&x, None), || {
+            let mut layers = StepLayers {
+                layers: &self.layers,
+                params: &self.layout,
+                values: &self.params,
+                grads: None,
+                tapes: None,
+            };
+            probabilities(&mut layers, mgr, x, None, f)
+        })
     }
 }
 
