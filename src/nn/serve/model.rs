@@ -88,6 +88,7 @@ fn nested() -> Error {
             .into(),
     )
 }
+
 impl Network {
     /// The network frozen for serving: its layers' parameters copied into a [`Model`]
     /// (not their gradients, caches or updater state). The network goes on training
