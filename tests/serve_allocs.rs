@@ -1,6 +1,7 @@
 //! `InferencePool::output_into` makes no heap allocation per request once every arena
 //! has a plan for the shape, in direct and in batched mode, from several threads (the
-//! batch workers included: carve's counting allocator counts every thread). The count
+//! batch workers included: carve's counting allocator counts every thread); nor does
+//! `Model::output_into` once its caller's thread has a plan for the shape. The count
 //! leaves out the harness's thread, and the binary holds one test, so that nothing but
 //! the code under test is counted.
 
@@ -101,4 +102,23 @@ fn output_into_allocates_nothing_per_request_in_either_mode() {
         });
         assert_eq!(spent, 0, "{:?}: the first request of each arena after warm_up", pool.config().mode);
     }
+    // A model alone serves in its calling thread's workspaces: once they have a plan for
+    // the shape (its recording and a first replay), no allocation either.
+    let spent = std::thread::scope(|s| {
+        s.spawn(|| {
+            let x = Array2::from_shape_fn((3, 64), |(r, c)| ((r * 64 + c) % 7) as f32 / 7.0);
+            let mut out = Array2::<f32>::zeros((3, 10));
+            for _ in 0..2 {
+                model.output_into(x.view(), out.view_mut()).unwrap();
+            }
+            let before = allocations();
+            for _ in 0..50 {
+                model.output_into(x.view(), out.view_mut()).unwrap();
+            }
+            allocations() - before
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(spent, 0, "Model::output_into in its thread's serving workspaces, over 50 requests");
 }

@@ -12,6 +12,8 @@
 //!   [`async_iter::Prefetcher`], batches used in place in its ring), `fit_batch`,
 //!   `fit_iter`, `output`, `output_to`, `predict_into`, `evaluate`; an [`Input`] is a
 //!   matrix of rows or a batch of padded sequences with its mask.
+//! - [`Infer`]: the one trait of inference (`output`, `output_into`, `predict_into`),
+//!   implemented by [`Network`], [`Model`], [`InferencePool`] and [`PoolLease`].
 //! - Workspace modes: `Enabled` gives each array role a learned arena; `Planned` serves
 //!   the roles of an iteration from one arena planned per batch shape from a recorded
 //!   iteration ([`planned_workspace_config`], [`PlannedStats`], [`Network::plan_stats`]);
@@ -38,6 +40,7 @@ mod file;
 mod finite;
 #[allow(unsafe_code)]
 pub mod gemm;
+mod infer;
 mod layer;
 mod limits;
 mod loss;
@@ -60,6 +63,7 @@ mod sync;
 mod updater;
 
 pub use dense::Dense;
+pub use infer::Infer;
 pub use layer::{
     initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
 };

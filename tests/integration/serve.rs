@@ -712,3 +712,72 @@ fn a_broadcast_input_of_vast_rows_is_an_error_in_both_modes() {
         assert_eq!(pool.output(row.view()).unwrap(), model.output(row.view()).unwrap());
     }
 }
+
+#[test]
+fn a_model_serves_in_its_callers_thread_workspaces_and_arena_stacks_change_no_bits() {
+    let model = Arc::new(mlp(WorkspaceMode::Planned, 9).freeze().unwrap());
+    let x = random(5, 16, &mut Rng::new(23));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(Model::thread_workspace_bytes(), 0, "a new thread has no serving workspaces");
+            let first = model.output(x.view()).unwrap();
+            let planned = Model::thread_workspace_bytes();
+            assert!(planned > 0);
+            for _ in 0..3 {
+                assert_eq!(model.output(x.view()).unwrap(), first);
+            }
+            assert_eq!(Model::thread_workspace_bytes(), planned, "the shape's plan is kept");
+            Model::release_thread_workspaces().unwrap();
+            assert_eq!(Model::thread_workspace_bytes(), 0);
+            assert_eq!(model.output(x.view()).unwrap(), first);
+            // Requests on the arenas' own stacks (opt-in) get the same bits.
+            for config in [
+                PoolConfig::direct(2).with_arena_stacks(true),
+                PoolConfig::batched(2, 4, Duration::ZERO).with_arena_stacks(true),
+            ] {
+                let pool = InferencePool::new(model.clone(), config).unwrap();
+                assert_eq!(pool.output(x.view()).unwrap(), first, "{:?}", pool.config());
+            }
+        })
+        .join()
+        .unwrap();
+    });
+}
+
+/// A layer that serves another model from inside its own forward pass.
+struct Nested(Arc<Model>);
+
+impl Layer for Nested {
+    fn name(&self) -> &str {
+        "nested"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        self.0.output(input)?;
+        Ok(carve::freeze(ctx.activations.copy_of(&input)?))
+    }
+}
+
+#[test]
+fn a_model_served_from_inside_another_models_request_is_an_error_not_a_panic() {
+    let inner = Arc::new(Network::new(NetworkConfig::builder(3).dense(3).build().unwrap()).unwrap().freeze().unwrap());
+    let config = NetworkConfig::builder(3).layer(Nested(inner.clone())).build().unwrap();
+    let outer = Model::from_config(&config, Vec::new()).unwrap();
+    let x = Array2::<f32>::ones((2, 3));
+    match outer.output(x.view()) {
+        Err(Error::InvalidInput(message)) => assert!(message.contains("InferencePool"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    // From a pool's arena the inner model has the thread's workspaces to itself.
+    let pool = InferencePool::new(Arc::new(outer), PoolConfig::direct(1)).unwrap();
+    let probs = pool.output(x.view()).unwrap();
+    assert!(probs.iter().all(|&p| (p - 1.0 / 3.0).abs() < 1e-6), "{probs:?}");
+    assert!(inner.output(x.view()).is_ok());
+}

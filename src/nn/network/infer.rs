@@ -3,12 +3,13 @@
 use std::ptr::NonNull;
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis};
+use ndarray::{ArrayView2, ArrayViewMut2, Axis};
 use workspace_core::backend::{ArenaBackend, Block};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, Scope};
 
 use crate::{Error, Result};
 
+use super::super::infer::{argmax, Infer};
 use super::super::layer::Activations;
 use super::super::loss::SoftmaxCrossEntropy;
 use super::super::step::{self, StepLayers};
@@ -20,7 +21,7 @@ impl Network {
     /// The class probabilities of `x`, computed in the inference workspaces and
     /// handed to `f` while they are alive. Planned: the inference replays the plan of
     /// its input's shape (or is recorded).
-    fn infer<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+    fn run_inference<R>(&mut self, x: Input<'_>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
         self.infer.reset_peaks();
         let result = match self.infer.plan_group().cloned() {
             None => self.forward_probabilities(x, f).map(|r| (r, None)),
@@ -37,7 +38,7 @@ impl Network {
         Ok(result)
     }
 
-    /// [`Network::infer`]'s forward pass.
+    /// [`Network::run_inference`]'s forward pass.
     fn forward_probabilities<R>(
         &mut self,
         x: Input<'_>,
@@ -77,14 +78,31 @@ pub(crate) fn probabilities<R>(
     f(probs)
 }
 
+/// A network infers in its inference workspaces, on the thread that owns it.
+impl Infer for Network {
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        self.run_inference(x.into(), f)
+    }
+}
+
 impl Network {
-    /// Class probabilities of `x`, detached into an owned array.
+    /// Class probabilities of `x`, detached into an owned array ([`Infer::output`]).
     ///
     /// # Errors
     ///
     /// Shape errors and workspace errors.
     pub fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<ndarray::Array2<f32>> {
-        self.infer(x.into(), |probs| Ok(probs.to_owned()))
+        Infer::output(self, x)
+    }
+
+    /// Class probabilities of `x`, written into `out` (`[rows, classes]`;
+    /// [`Infer::output_into`]).
+    ///
+    /// # Errors
+    ///
+    /// Shape errors and workspace errors; [`Error::ShapeMismatch`] for `out`'s shape.
+    pub fn output_into<'x>(&mut self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        Infer::output_into(self, x, out)
     }
 
     /// Class probabilities of `x`, copied into the caller's open scope (for example
@@ -98,16 +116,17 @@ impl Network {
         x: impl Into<Input<'x>>,
         target: &'s Scope<'_>,
     ) -> Result<ArrayViewMut2<'s, f32>> {
-        self.infer(x.into(), |probs| Ok(target.copy_of(&probs)?))
+        self.run_inference(x.into(), |probs| Ok(target.copy_of(&probs)?))
     }
 
-    /// Predicted classes of `x` (the most probable per row), written to `out`.
+    /// Predicted classes of `x` (the most probable per row), written to `out`
+    /// ([`Infer::predict_into`]).
     ///
     /// # Errors
     ///
     /// Shape errors and workspace errors.
     pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
-        self.infer(x.into(), |probs| predictions_into(probs, out))
+        Infer::predict_into(self, x, out)
     }
 
     /// Fraction of rows of `x` whose predicted class is the label, in batches of
@@ -131,7 +150,7 @@ impl Network {
         if batch_size == 0 || rows == 0 {
             return Err(Error::InvalidInput("evaluate needs at least one row and a batch size above 0".into()));
         }
-        // The batches themselves are checked as they are fed (`infer`).
+        // The batches themselves are checked as they are fed (`run_inference`).
         check_labels(&x, &labels)?;
         let (mut correct, mut total) = (0usize, 0usize);
         for start in (0..rows).step_by(batch_size) {
@@ -150,7 +169,7 @@ impl Network {
     /// class is the label, and how many are labelled.
     fn count_correct(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<(usize, usize)> {
         let (flat, mask) = labels.flat()?;
-        self.infer(x, |probs| {
+        self.run_inference(x, |probs| {
             if probs.nrows() != flat.len() {
                 return Err(Error::ShapeMismatch {
                     context: "labels (one per row of the network's output)".into(),
@@ -217,33 +236,4 @@ fn no_labelled_step(given: &str, rows: usize) -> Error {
         "{given} {rows} sequences and no labelled step (the labels mask is 0 at every step): there is nothing to \
          evaluate; give labels at least one step with mask 1"
     ))
-}
-
-/// The most probable class of each row of `probs`, written to `out` (one per row): what
-/// a network's and a served model's `predict_into` write.
-pub(crate) fn predictions_into(probs: ArrayView2<'_, f32>, out: &mut [u32]) -> Result<()> {
-    if probs.nrows() != out.len() {
-        return Err(Error::ShapeMismatch {
-            context: "prediction buffer (one per row of the network's output: per example and step for a network \
-                      without a head)"
-                .to_string(),
-            expected: vec![probs.nrows()],
-            actual: vec![out.len()],
-        });
-    }
-    for (slot, row) in out.iter_mut().zip(probs.axis_iter(Axis(0))) {
-        *slot = argmax(row);
-    }
-    Ok(())
-}
-
-/// Index of the largest value (the first on ties).
-fn argmax(row: ArrayView1<'_, f32>) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

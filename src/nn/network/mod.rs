@@ -40,7 +40,7 @@ pub use config::{
 };
 pub(crate) use config::{training_mgrs, WorkspaceLayout};
 pub use dry::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
-pub(crate) use infer::{predictions_into, probabilities};
+pub(crate) use infer::probabilities;
 pub(crate) use train::{counted, fit_epoch, fit_pairs};
 
 /// A feed-forward classifier: layers, then softmax cross-entropy.

@@ -28,11 +28,12 @@ pub(crate) struct Arenas {
     pub(crate) counters: Counters,
 }
 
-/// An arena: its planned manager, and the stack its requests run on.
+/// An arena: its planned manager, and the stack its requests run on (none: they run
+/// on the stack of the thread that runs them).
 #[derive(Debug)]
 struct Slot {
     mgr: PortableMgr,
-    stack: ArenaStack,
+    stack: Option<ArenaStack>,
 }
 
 /// The name of a serving arena's plan group (in statistics).
@@ -44,13 +45,18 @@ fn arena(plans: usize) -> Result<PortableMgr> {
 
 impl Arenas {
     /// `k` arenas (at least one), each keeping up to `plans` plans (one per shape of
-    /// request). Nothing is reserved until the first request of a shape.
-    pub(crate) fn new(k: usize, plans: usize) -> Result<Arenas> {
+    /// request), and with a call stack of its own for its requests when `stacks` (see
+    /// [`PoolConfig::arena_stacks`](super::PoolConfig::arena_stacks)). Nothing is
+    /// reserved until the first request of a shape.
+    pub(crate) fn new(k: usize, plans: usize, stacks: bool) -> Result<Arenas> {
         if k == 0 {
             return Err(Error::InvalidConfig { reason: "an inference pool needs at least one worker (arena)".into() });
         }
         let slots = (0..k)
-            .map(|_| Ok(Mutex::new(Slot { mgr: arena(plans)?, stack: ArenaStack::new()? })))
+            .map(|_| {
+                let stack = if stacks { Some(ArenaStack::new()?) } else { None };
+                Ok(Mutex::new(Slot { mgr: arena(plans)?, stack }))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arenas {
             slots: slots.into_boxed_slice(),
@@ -122,19 +128,24 @@ pub(crate) struct ArenaGuard<'a> {
 }
 
 impl ArenaGuard<'_> {
-    /// Runs `f` in the arena on this thread. A panic in `f` is [`Error::Panicked`]
-    /// (the scopes it held were closed as it unwound); an arena that `f` kept a
-    /// reference to is replaced by a new one.
+    /// Runs `f` in the arena on this thread (on the arena's stack, when it has one). A
+    /// panic in `f` is [`Error::Panicked`] (the scopes it held were closed as it
+    /// unwound); an arena that `f` kept a reference to is replaced by a new one.
     pub(crate) fn run<R>(&mut self, f: impl FnOnce(&LayerWorkspaceMgr) -> Result<(R, bool)>) -> Result<R> {
         let counters = &self.arenas.counters;
         let Slot { mgr: slot, stack } = &mut **self.slot.as_mut().expect("held until dropped");
-        // On the arena's stack: what a request touches is the arena's, not its caller's.
-        let ran = stack.run(|| {
+        let body = || {
             slot.with(|mgr| {
                 let result = catch_unwind(AssertUnwindSafe(|| f(mgr)));
                 (result, mgr.capacity())
             })
-        });
+        };
+        // On the arena's stack, when it has one: what a request touches is then the
+        // arena's, not its caller's.
+        let ran = match stack {
+            Some(stack) => stack.run(body),
+            None => body(),
+        };
         let result = match ran {
             Ok((Ok(Ok((value, on_plan))), capacity)) => {
                 self.arenas.capacity[self.index].store(capacity, Ordering::Relaxed);

@@ -25,8 +25,6 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use async_iter::panics::{drop_quietly, panic_message};
@@ -35,8 +33,9 @@ use async_iter::panics::{drop_quietly, panic_message};
 use async_iter::sync::{self, AtomicBool, AtomicUsize, Condvar, Deadline, Mutex, MutexGuard, Stopwatch, Thread};
 use ndarray::{ArrayView2, ArrayViewMut2};
 
-use super::arenas::{ArenaGuard, Counters, Wait};
-use super::pool::{PoolConfig, Shared};
+use super::arenas::{ArenaGuard, Arenas, Counters, Wait};
+use super::config::PoolConfig;
+use super::model::Model;
 use super::turns::waits_for_itself;
 use crate::nn::limits::reserve;
 use crate::nn::network::Input;
@@ -210,35 +209,10 @@ impl Batcher {
         sync::lock(&self.queue)
     }
 
-    /// Starts a worker thread per buffer (one per arena; none for a direct pool), each
-    /// running its batches in an arena of the pool. If a thread cannot start, those
-    /// started are stopped and joined before the error returns.
-    pub(crate) fn start(shared: &Arc<Shared>, buffers: Vec<BatchBuffers>) -> Result<Vec<JoinHandle<()>>> {
-        let mut threads = Vec::with_capacity(buffers.len());
-        for (i, buffers) in buffers.into_iter().enumerate() {
-            let worker = Arc::clone(shared);
-            let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
-                let batcher = worker.batcher.as_ref().expect("a batched pool");
-                batcher.work(
-                    buffers,
-                    || worker.arenas.lease(Wait::Forever),
-                    |arena, x, scatter| run_in_arena(&worker, arena, x, scatter),
-                );
-            });
-            match spawned {
-                Ok(thread) => threads.push(thread),
-                Err(e) => {
-                    if let Some(batcher) = &shared.batcher {
-                        batcher.close();
-                    }
-                    for thread in threads {
-                        let _ = thread.join();
-                    }
-                    return Err(Error::InvalidConfig { reason: format!("cannot start a batch worker thread: {e}") });
-                }
-            }
-        }
-        Ok(threads)
+    /// A worker thread's body: runs batches of `model` in `arenas` until the close (see
+    /// [`Batcher::work`]).
+    pub(crate) fn serve(&self, buffers: BatchBuffers, arenas: &Arenas, model: &Model) {
+        self.work(buffers, || arenas.lease(Wait::Forever), |arena, x, scatter| run_in_arena(model, arena, x, scatter));
     }
 
     pub(crate) fn counts(&self) -> (u64, u64) {
@@ -251,18 +225,19 @@ impl Batcher {
     }
 
     /// Checks `x` for `model` (here, so that a bad request fails alone), queues it and
-    /// waits for its rows' probabilities, written into `out`.
+    /// waits for its rows' probabilities (computed in `arenas`), written into `out`.
     pub(crate) fn submit_request(
         &self,
-        shared: &Shared,
+        model: &Model,
+        arenas: &Arenas,
         x: Input<'_>,
         out: ArrayViewMut2<'_, f32>,
         wait: Wait,
     ) -> Result<()> {
-        shared.model.check_request(&x)?;
+        model.check_request(&x)?;
         // The workers need an arena to run the batch: none comes while this thread holds
         // them all.
-        if !matches!(wait, Wait::For(_)) && shared.arenas.all_held_here() {
+        if !matches!(wait, Wait::For(_)) && arenas.all_held_here() {
             return Err(Error::InvalidInput(waits_for_itself()));
         }
         let Input::Flat(x) = x else {
@@ -272,7 +247,7 @@ impl Batcher {
                     .into(),
             ));
         };
-        self.submit(x, out, wait, &shared.arenas.counters)
+        self.submit(x, out, wait, &arenas.counters)
     }
 
     /// Queues the rows of `x` (`[rows, inputs]`) and waits, as `wait` says, for their
@@ -392,15 +367,15 @@ impl BatchBuffers {
     }
 }
 
-/// Runs one batch in `arena` and hands its probabilities to `scatter`.
+/// Runs one batch of `model` in `arena` and hands its probabilities to `scatter`.
 fn run_in_arena(
-    shared: &Shared,
+    model: &Model,
     arena: &mut ArenaGuard<'_>,
     x: ArrayView2<'_, f32>,
     scatter: &mut dyn FnMut(ArrayView2<'_, f32>),
 ) -> Result<()> {
     arena.run(|mgr| {
-        shared.model.infer_in(mgr, Input::Flat(x), |probs| {
+        model.infer_in(mgr, Input::Flat(x), |probs| {
             scatter(probs);
             Ok(())
         })

@@ -1,18 +1,27 @@
 //! Serving: a trained [`Network`](super::Network) frozen into a [`Model`] (weights held
-//! once, `Send + Sync`, inference through `&self`), and an [`InferencePool`] of K
-//! planned arenas that serves it to any number of threads, each request alone
-//! ([`PoolMode::Direct`]) or coalesced with others ([`PoolMode::Batched`]).
+//! once, `Send + Sync`, inference through `&self` in the calling thread's serving
+//! workspaces), and an [`InferencePool`] of K planned arenas that serves it to any
+//! number of threads, each request alone ([`PoolMode::Direct`]) or coalesced with
+//! others ([`PoolMode::Batched`]).
+//!
+//! The files, each depending only on those listed before it: `turns` (whose turn it is
+//! with each of K arenas), `stack` (an arena's own call stack, opt-in), `arenas` (the K
+//! planned arenas and their leases), `config` (the pool's settings), `model` (the frozen
+//! model), `batcher` (batched mode's queue, over the arenas and the model), `pool` (the
+//! pool and its leases).
 
 mod arenas;
 // The batched mode's tickets live on their callers' stacks (see its module).
 #[allow(unsafe_code)]
 pub(crate) mod batcher;
+mod config;
 mod model;
 mod pool;
-// Requests run on their arena's own stack (see its module).
+// With `PoolConfig::arena_stacks`, requests run on their arena's own stack (see its module).
 #[allow(unsafe_code)]
 mod stack;
 pub(crate) mod turns;
 
+pub use config::{PoolConfig, PoolMode};
 pub use model::Model;
-pub use pool::{InferencePool, PoolConfig, PoolLease, PoolMode, PoolStats};
+pub use pool::{InferencePool, PoolLease, PoolStats};

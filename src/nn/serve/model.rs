@@ -1,23 +1,36 @@
-//! The frozen model: a trained network's weights, held once, inferring through `&self`.
+//! The frozen model: a trained network's weights, held once, inferring through `&self`
+//! in the calling thread's serving workspaces.
 
-use std::sync::{Arc, OnceLock};
+use std::cell::RefCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
+use async_iter::panics::{drop_quietly, panic_message};
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
+use workspace_core::planned::PlanGroup;
 use workspace_core::LayerWorkspaceMgr;
 
-use super::arenas::{ArenaGuard, Arenas, Wait};
-use super::pool::PoolConfig;
 use crate::nn::finite;
+use crate::nn::infer::Infer;
 use crate::nn::layer::Layer;
-use crate::nn::network::{check_input, predictions_into, probabilities, shape_key, Input, Network, NetworkConfig};
+use crate::nn::network::{check_input, inference_builder, probabilities, shape_key, Input, Network, NetworkConfig};
 use crate::nn::params::Params;
 use crate::nn::step::StepLayers;
 use crate::{Error, Result};
 
 /// A trained network frozen for serving: its layers and their weights, shared and
-/// immutable (a network freezes into a model without copying either); `Send + Sync`, so one model shared by [`Arc`](std::sync::Arc) serves every thread. Each call
-/// runs in a planned arena leased for the call: the model's own (as many as the
-/// machine has cores, made on first use), or an [`InferencePool`](super::InferencePool)'s.
+/// immutable (a network freezes into a model without copying either); `Send + Sync`, so
+/// one model shared by [`Arc`] serves every thread.
+///
+/// [`Model::output`] and its kin run in the calling thread's serving workspaces, as a
+/// [`Network`]'s inference runs in its thread's (DL4J's workspaces are per thread, by
+/// name): one planned arena per thread that calls them (the plan group
+/// `WS_PLANNED_MODEL`), made at the thread's first call, shared by every model that
+/// thread serves, holding the plan of each request shape it met, and dropped when the
+/// thread ends or by [`Model::release_thread_workspaces`]. A model holds no memory of
+/// its own beyond its weights; to bound the arenas to K whatever the number of threads,
+/// serve it from an [`InferencePool`](super::InferencePool) of K arenas instead.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -28,12 +41,15 @@ use crate::{Error, Result};
 /// let model: Arc<Model> = Arc::new(net.freeze()?);
 /// let x = Array2::<f32>::ones((2, 4));
 /// let alone = model.output(x.view())?;
+/// assert!(Model::thread_workspace_bytes() > 0, "this thread's serving arena");
 /// std::thread::scope(|s| {
 ///     for _ in 0..4 {
 ///         let (model, x, alone) = (&model, &x, &alone);
 ///         s.spawn(move || assert_eq!(model.output(x.view()).unwrap(), *alone));
 ///     }
 /// });
+/// Model::release_thread_workspaces()?;
+/// assert_eq!(Model::thread_workspace_bytes(), 0);
 /// # Ok::<(), carve::Error>(())
 /// ```
 pub struct Model {
@@ -44,8 +60,9 @@ pub struct Model {
     layout: Arc<Params>,
     /// Every layer's parameters, in the network's flat layout.
     params: Arc<Vec<f32>>,
-    /// The model's own arenas, for [`Model::output`] and its kin.
-    own: OnceLock<Arenas>,
+    /// A number of this model's own, unique over the process's life: a thread's serving
+    /// arena keys its plans by it and the request's shape.
+    id: u64,
 }
 
 impl std::fmt::Debug for Model {
@@ -60,6 +77,24 @@ impl std::fmt::Debug for Model {
 
 /// Plans an arena keeps: one per shape of request (rows, and steps for sequences).
 pub(crate) const SERVING_PLANS: usize = 64;
+
+/// The name of a thread's serving arena's plan group (in statistics).
+const THREAD_GROUP: &str = "WS_PLANNED_MODEL";
+
+thread_local! {
+    /// The calling thread's serving workspaces ([`Model`]'s documentation): made at its
+    /// first request, borrowed for each.
+    static THREAD_ARENA: RefCell<Option<LayerWorkspaceMgr>> = const { RefCell::new(None) };
+}
+
+/// The error of a model's request made from inside another's, on the same thread.
+fn nested() -> Error {
+    Error::InvalidInput(
+        "a model's request was made from inside another model request on the same thread (a layer that serves a \
+         model): the thread's serving workspaces are in use; serve the inner model from an InferencePool"
+            .into(),
+    )
+}
 
 impl Network {
     /// The network frozen for serving: a [`Model`] of its layers and parameters, shared,
@@ -115,7 +150,9 @@ impl Model {
         if layout.outputs == 0 {
             return Err(Error::InvalidConfig { reason: "the model's last layer has no output".into() });
         }
-        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, own: OnceLock::new() })
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, id })
     }
 
     /// Input columns (features per step for a sequence model).
@@ -172,45 +209,66 @@ impl Model {
     }
 
     /// Class probabilities of `x`, in an owned array (one row per example, or per
-    /// example and step for a sequence model without a head).
+    /// example and step for a sequence model without a head), computed in the calling
+    /// thread's serving workspaces ([`Infer::output`]).
     ///
     /// # Errors
     ///
     /// Shape errors; [`Error::NonFinite`] naming the input for a NaN or infinite
-    /// value; [`Error::InvalidInput`] for an empty batch; [`Error::Panicked`] when a
-    /// layer panics; workspace errors.
+    /// value; [`Error::InvalidInput`] for an empty batch, or a request made from inside
+    /// another model's on the same thread; [`Error::Panicked`] when a layer panics;
+    /// workspace errors.
     pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
-        self.own_arena()?.output(self, x.into())
+        Infer::output(&mut &*self, x)
     }
 
     /// As [`Model::output`], written into `out` (`[rows, classes]`): no heap
-    /// allocation once the arena has a plan for the shape.
+    /// allocation once the thread's serving arena has a plan for the shape
+    /// ([`Infer::output_into`]).
     ///
     /// # Errors
     ///
     /// As [`Model::output`]; [`Error::ShapeMismatch`] when `out` has the wrong shape.
     pub fn output_into<'x>(&self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
-        self.own_arena()?.output_into(self, x.into(), out)
+        Infer::output_into(&mut &*self, x, out)
     }
 
-    /// The most probable class of each row of `x`, written to `out`.
+    /// The most probable class of each row of `x`, written to `out`
+    /// ([`Infer::predict_into`]).
     ///
     /// # Errors
     ///
     /// As [`Model::output`]; [`Error::ShapeMismatch`] when `out` has the wrong length.
     pub fn predict_into<'x>(&self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
-        self.own_arena()?.predict_into(self, x.into(), out)
+        Infer::predict_into(&mut &*self, x, out)
     }
 
-    fn own_arena(&self) -> Result<ArenaGuard<'_>> {
-        let arenas = match self.own.get() {
-            Some(arenas) => arenas,
-            None => {
-                let made = Arenas::new(PoolConfig::default().workers, SERVING_PLANS)?;
-                self.own.get_or_init(|| made)
+    /// The bytes of the calling thread's serving workspaces (0 before its first
+    /// request, or after [`Model::release_thread_workspaces`]).
+    pub fn thread_workspace_bytes() -> usize {
+        THREAD_ARENA
+            .try_with(|arena| arena.try_borrow().map_or(0, |mgr| mgr.as_ref().map_or(0, LayerWorkspaceMgr::capacity)))
+            .unwrap_or(0)
+    }
+
+    /// Drops the calling thread's serving workspaces and their plans (the thread's
+    /// next request makes new ones), as DL4J's
+    /// `destroyAllWorkspacesForCurrentThread` does for its workspaces.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when called from inside a model's request on this thread.
+    pub fn release_thread_workspaces() -> Result<()> {
+        let released = THREAD_ARENA.try_with(|arena| arena.try_borrow_mut().map(|mut mgr| mgr.take()));
+        match released {
+            Ok(Ok(mgr)) => {
+                drop(mgr);
+                Ok(())
             }
-        };
-        arenas.lease(Wait::Forever)
+            Ok(Err(_)) => Err(nested()),
+            // The thread is ending: its workspaces go with it.
+            Err(_) => Ok(()),
+        }
     }
 
     /// Checks `x` as a request: its shape, no empty batch, every value finite.
@@ -219,9 +277,9 @@ impl Model {
         finite::check_activations("input", "the request's input", x.activations(), x.mask())
     }
 
-    /// The probabilities of `x` (checked by [`Model::check_request`]) in `mgr`, handed to `f`: one planned
-    /// iteration of the arena's group, keyed by the shape of `x`. Returns `f`'s value and
-    /// whether the iteration ran on its plan.
+    /// The probabilities of `x` (checked by [`Model::check_request`]) in `mgr`, handed to
+    /// `f`: one planned iteration of the arena's group, keyed by the model and the shape
+    /// of `x`. Returns `f`'s value and whether the iteration ran on its plan.
     pub(crate) fn infer_in<R>(
         &self,
         mgr: &LayerWorkspaceMgr,
@@ -229,7 +287,8 @@ impl Model {
         f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
     ) -> Result<(R, bool)> {
         let group = mgr.plan_group().expect("serving arenas are planned");
-        group.iteration(shape_key(&x, None), || {
+        let key = shape_key(&x, None).wrapping_mul(0x0100_0000_01b3) ^ self.id;
+        group.iteration(key, || {
             let mut layers = StepLayers {
                 layers: &self.layers,
                 params: &self.layout,
@@ -242,33 +301,45 @@ impl Model {
     }
 }
 
-impl ArenaGuard<'_> {
-    pub(crate) fn output(&mut self, model: &Model, x: Input<'_>) -> Result<Array2<f32>> {
+/// A model infers in the calling thread's serving workspaces (see [`Model`]).
+impl Infer for &Model {
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        let (model, x) = (*self, x.into());
         model.check_request(&x)?;
-        self.run(|mgr| model.infer_in(mgr, x, |probs| Ok(probs.to_owned())))
-    }
-
-    pub(crate) fn output_into(&mut self, model: &Model, x: Input<'_>, mut out: ArrayViewMut2<'_, f32>) -> Result<()> {
-        model.check_request(&x)?;
-        self.run(|mgr| {
-            model.infer_in(mgr, x, |probs| {
-                if out.dim() != probs.dim() {
-                    return Err(Error::ShapeMismatch {
-                        context: "output buffer ([rows, classes]: one row per example, or per example and step for \
-                                  a model without a sequence head)"
-                            .into(),
-                        expected: probs.shape().to_vec(),
-                        actual: out.shape().to_vec(),
-                    });
+        let ran = THREAD_ARENA.try_with(|arena| {
+            let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
+            let mgr = match &mut *arena {
+                Some(mgr) => mgr,
+                None => arena.insert(thread_arena()?),
+            };
+            // A panic in a layer fails this request only: the scopes it held were closed
+            // as it unwound, and the arena goes on.
+            match catch_unwind(AssertUnwindSafe(|| model.infer_in(mgr, x, f))) {
+                Ok(result) => result.map(|(value, _on_plan)| value),
+                Err(payload) => {
+                    let message = panic_message(&*payload);
+                    drop_quietly(payload);
+                    Err(Error::Panicked { message })
                 }
-                out.assign(&probs);
-                Ok(())
-            })
+            }
+        });
+        ran.unwrap_or_else(|_| {
+            Err(Error::InvalidInput(
+                "a model's request was made while its thread was ending (a thread-local destructor)".into(),
+            ))
         })
     }
+}
 
-    pub(crate) fn predict_into(&mut self, model: &Model, x: Input<'_>, out: &mut [u32]) -> Result<()> {
-        model.check_request(&x)?;
-        self.run(|mgr| model.infer_in(mgr, x, |probs| predictions_into(probs, out)))
+/// As `&Model` (so that an owned model serves generic code too).
+impl Infer for Model {
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        Infer::infer(&mut &*self, x, f)
     }
+}
+
+/// A thread's serving arena: the inference workspaces planned over a group of their own.
+fn thread_arena() -> Result<LayerWorkspaceMgr> {
+    let group = PlanGroup::with_plans(THREAD_GROUP, SERVING_PLANS);
+    Ok(inference_builder(true).planned(&group).build()?)
 }

@@ -10,76 +10,12 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
 use super::arenas::{ArenaGuard, Arenas, Wait};
 use super::batcher::{BatchBuffers, Batcher};
+use super::config::{PoolConfig, PoolMode};
 use super::model::{Model, SERVING_PLANS};
+use crate::nn::infer::{copy_into, Infer};
 use crate::nn::limits::{check_threads, config_filled, reserve_filled};
 use crate::nn::network::Input;
 use crate::{Error, Result};
-
-/// How an [`InferencePool`] runs requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PoolMode {
-    /// Each request runs alone, on the caller's thread, in an arena leased for it
-    /// (DL4J's `ParallelInference` `SEQUENTIAL`, without a copy of the weights per
-    /// worker). Its layers run on the arena's own call stack, not the caller's, so
-    /// what a request touches belongs to one of the K arenas whatever the number of
-    /// callers. A layer that needs more than 2 MiB of stack overflows it (the guard
-    /// page ends the process, as a thread's stack overflow does).
-    Direct,
-    /// Requests from many callers are coalesced, up to `max_batch` rows or `max_wait`
-    /// after the oldest arrived, run as one inference by the pool's worker threads, and
-    /// scattered back (DL4J's `BATCHED`). A request's result is the same, bit for bit,
-    /// as alone. Flat rows only: a sequence model is served in direct mode.
-    Batched,
-}
-
-/// An [`InferencePool`]'s settings.
-#[derive(Clone, Debug)]
-pub struct PoolConfig {
-    /// Arenas (K): the requests that run at once. The machine's cores are a good
-    /// choice; more callers than K wait their turn, and memory stays K × the plan.
-    pub workers: usize,
-    /// Direct or batched.
-    pub mode: PoolMode,
-    /// Batched: the most rows one inference runs. A request of more rows is split
-    /// across batches (its rows in order), never refused for its size.
-    pub max_batch: usize,
-    /// Batched: how long the oldest waiting request may wait for others to join it.
-    /// Zero (the default): a worker takes what is queued as soon as it is free, so
-    /// batches form from the requests that arrived while the workers were busy (large
-    /// under load, single requests when idle, never a wait for company); more trades
-    /// latency at low load for larger batches.
-    pub max_wait: Duration,
-    /// Batched: the most rows waiting before `try_output` refuses
-    /// ([`Error::PoolBusy`]); waiting callers are never refused.
-    pub max_queued_rows: usize,
-}
-
-impl PoolConfig {
-    /// Direct mode with `workers` arenas.
-    pub fn direct(workers: usize) -> PoolConfig {
-        PoolConfig { workers, mode: PoolMode::Direct, ..PoolConfig::default() }
-    }
-
-    /// Batched mode with `workers` arenas (and worker threads), batches of at most
-    /// `max_batch` rows, and a request waiting at most `max_wait` for others.
-    pub fn batched(workers: usize, max_batch: usize, max_wait: Duration) -> PoolConfig {
-        PoolConfig { workers, mode: PoolMode::Batched, max_batch, max_wait, ..PoolConfig::default() }
-    }
-}
-
-impl Default for PoolConfig {
-    /// Direct, one arena per core; batches of up to 32 rows, taken as soon as a worker
-    /// is free.
-    fn default() -> PoolConfig {
-        PoolConfig {
-            workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            mode: PoolMode::Direct,
-            max_batch: 32,
-            max_wait: Duration::ZERO,
-            max_queued_rows: 4096,
-        }
-    }
-}
 
 /// What an [`InferencePool`] has done (counts since it was made).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -143,13 +79,54 @@ impl PoolStats {
 
 /// What the pool's callers and worker threads share.
 #[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) model: Arc<Model>,
-    pub(crate) arenas: Arenas,
-    pub(crate) config: PoolConfig,
-    pub(crate) batcher: Option<Batcher>,
+struct Shared {
+    model: Arc<Model>,
+    arenas: Arenas,
+    config: PoolConfig,
+    batcher: Option<Batcher>,
     /// One warm-up at a time: each holds every arena.
-    pub(crate) warming: Mutex<()>,
+    warming: Mutex<()>,
+}
+
+impl Shared {
+    /// Starts a batch worker thread per buffer (one per arena; none for a direct pool).
+    /// If a thread cannot start, those started are stopped and joined before the error
+    /// returns.
+    fn start_workers(self: &Arc<Shared>, buffers: Vec<BatchBuffers>) -> Result<Vec<JoinHandle<()>>> {
+        let mut threads = Vec::with_capacity(buffers.len());
+        for (i, buffers) in buffers.into_iter().enumerate() {
+            let worker = Arc::clone(self);
+            let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
+                let batcher = worker.batcher.as_ref().expect("a batched pool");
+                batcher.serve(buffers, &worker.arenas, &worker.model);
+            });
+            match spawned {
+                Ok(thread) => threads.push(thread),
+                Err(e) => {
+                    if let Some(batcher) = &self.batcher {
+                        batcher.close();
+                    }
+                    for thread in threads {
+                        let _ = thread.join();
+                    }
+                    return Err(Error::InvalidConfig { reason: format!("cannot start a batch worker thread: {e}") });
+                }
+            }
+        }
+        Ok(threads)
+    }
+}
+
+/// Runs the request `x` of `model` in `arena`: checked, then inferred, its
+/// probabilities handed to `f`.
+fn infer_in_arena<R>(
+    arena: &mut ArenaGuard<'_>,
+    model: &Model,
+    x: Input<'_>,
+    f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+) -> Result<R> {
+    model.check_request(&x)?;
+    arena.run(|mgr| model.infer_in(mgr, x, f))
 }
 
 /// K planned arenas serving one [`Model`] to any number of threads (DL4J's
@@ -208,10 +185,10 @@ impl InferencePool {
             false => Vec::new(),
         };
         let plans = SERVING_PLANS.max(if batched { config.max_batch.saturating_add(1) } else { 0 });
-        let arenas = Arenas::new(config.workers, plans)?;
+        let arenas = Arenas::new(config.workers, plans, config.arena_stacks)?;
         let batcher = batched.then(|| Batcher::new(&config, model.inputs(), model.classes()));
         let shared = Arc::new(Shared { model, arenas, config, batcher, warming: Mutex::new(()) });
-        let threads = Batcher::start(&shared, buffers)?;
+        let threads = shared.start_workers(buffers)?;
         Ok(InferencePool { shared, threads })
     }
 
@@ -282,7 +259,8 @@ impl InferencePool {
         Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model })
     }
 
-    /// Class probabilities of `x`, in an owned array; waits while the pool is busy.
+    /// Class probabilities of `x`, in an owned array; waits while the pool is busy
+    /// ([`Infer::output`]).
     ///
     /// # Errors
     ///
@@ -290,33 +268,29 @@ impl InferencePool {
     /// input; [`Error::InvalidInput`] for an empty batch; [`Error::Panicked`] when a
     /// layer panicked (this request only); [`Error::PoolClosed`].
     pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
-        let x = x.into();
-        match &self.shared.batcher {
-            Some(batcher) => {
-                // Batched requests are flat: a row of probabilities per row of input. The
-                // request is checked before its output is allocated (a broadcast input
-                // can claim any number of rows), and the output reserved fallibly.
-                self.shared.model.check_request(&x)?;
-                let (rows, classes) = (x.rows(), self.shared.model.classes());
-                let values = reserve_filled(rows.saturating_mul(classes), 0.0).map_err(|why| {
-                    Error::InvalidInput(format!("the probabilities of {rows} rows of {classes} classes: {why}"))
-                })?;
-                let mut out = Array2::from_shape_vec((rows, classes), values).expect("rows × classes values");
-                batcher.submit_request(&self.shared, x, out.view_mut(), Wait::Forever)?;
-                Ok(out)
-            }
-            None => self.shared.arenas.lease(Wait::Forever)?.output(&self.shared.model, x),
-        }
+        Infer::output(&mut &*self, x)
     }
 
     /// As [`InferencePool::output`], written into `out` (`[rows, classes]`): no heap
-    /// allocation once every arena has a plan for the shape, in either mode.
+    /// allocation once every arena has a plan for the shape, in either mode
+    /// ([`Infer::output_into`]).
     ///
     /// # Errors
     ///
     /// As [`InferencePool::output`]; [`Error::ShapeMismatch`] for `out`'s shape.
     pub fn output_into<'x>(&self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
-        self.run_into(x.into(), out, Wait::Forever)
+        Infer::output_into(&mut &*self, x, out)
+    }
+
+    /// The most probable class of each row of `x`, written to `out`
+    /// ([`Infer::predict_into`]; batched, the probabilities are gathered in an owned
+    /// array first).
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::output`]; [`Error::ShapeMismatch`] for `out`'s length.
+    pub fn predict_into<'x>(&self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
+        Infer::predict_into(&mut &*self, x, out)
     }
 
     /// As [`InferencePool::output_into`], refusing at once when every arena is busy
@@ -344,10 +318,26 @@ impl InferencePool {
     }
 
     fn run_into(&self, x: Input<'_>, out: ArrayViewMut2<'_, f32>, wait: Wait) -> Result<()> {
-        match &self.shared.batcher {
-            Some(batcher) => batcher.submit_request(&self.shared, x, out, wait),
-            None => self.shared.arenas.lease(wait)?.output_into(&self.shared.model, x, out),
+        let Shared { model, arenas, batcher, .. } = &*self.shared;
+        match batcher {
+            Some(batcher) => batcher.submit_request(model, arenas, x, out, wait),
+            None => infer_in_arena(&mut arenas.lease(wait)?, model, x, |probs| copy_into(probs, out)),
         }
+    }
+
+    /// A batched request's probabilities, in an owned array. The request is checked
+    /// before its output is allocated (a broadcast input can claim any number of rows),
+    /// and the output reserved fallibly.
+    fn batched_output(&self, batcher: &Batcher, x: Input<'_>) -> Result<Array2<f32>> {
+        let Shared { model, arenas, .. } = &*self.shared;
+        model.check_request(&x)?;
+        let (rows, classes) = (x.rows(), model.classes());
+        let values = reserve_filled(rows.saturating_mul(classes), 0.0).map_err(|why| {
+            Error::InvalidInput(format!("the probabilities of {rows} rows of {classes} classes: {why}"))
+        })?;
+        let mut out = Array2::from_shape_vec((rows, classes), values).expect("rows × classes values");
+        batcher.submit_request(model, arenas, x, out.view_mut(), Wait::Forever)?;
+        Ok(out)
     }
 
     /// Plans every arena for requests shaped as `x` (batched: for every batch a request
@@ -410,13 +400,15 @@ impl InferencePool {
             match &batched {
                 None => {
                     for _ in 0..2 {
-                        drop(arena.output(model, x)?);
+                        infer_in_arena(&mut arena, model, x, |_| Ok(()))?;
                     }
                 }
                 Some(rows) => {
                     for n in 1..=rows.nrows() {
                         for _ in 0..2 {
-                            drop(arena.output(model, Input::Flat(rows.slice(ndarray::s![..n, ..])))?);
+                            infer_in_arena(&mut arena, model, Input::Flat(rows.slice(ndarray::s![..n, ..])), |_| {
+                                Ok(())
+                            })?;
                         }
                     }
                 }
@@ -477,36 +469,86 @@ pub struct PoolLease<'p> {
     model: &'p Model,
 }
 
+/// A pool infers in an arena leased for the request (direct), or in a batch with other
+/// requests (batched); either way the same bits.
+impl Infer for &InferencePool {
+    /// Batched, the probabilities are gathered in an owned array first, and then handed
+    /// to `f`.
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        let x = x.into();
+        match &self.shared.batcher {
+            Some(batcher) => f(self.batched_output(batcher, x)?.view()),
+            None => infer_in_arena(&mut self.shared.arenas.lease(Wait::Forever)?, &self.shared.model, x, f),
+        }
+    }
+
+    fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
+        let x = x.into();
+        match &self.shared.batcher {
+            Some(batcher) => self.batched_output(batcher, x),
+            None => self.infer(x, |probs| Ok(probs.to_owned())),
+        }
+    }
+
+    fn output_into<'x>(&mut self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        self.run_into(x.into(), out, Wait::Forever)
+    }
+}
+
+/// As `&InferencePool` (so that an owned pool serves generic code too).
+impl Infer for InferencePool {
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        Infer::infer(&mut &*self, x, f)
+    }
+
+    fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
+        Infer::output(&mut &*self, x)
+    }
+
+    fn output_into<'x>(&mut self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
+        Infer::output_into(&mut &*self, x, out)
+    }
+}
+
+/// A lease infers in its arena.
+impl Infer for PoolLease<'_> {
+    fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
+        infer_in_arena(&mut self.guard, self.model, x.into(), f)
+    }
+}
+
 impl PoolLease<'_> {
-    /// Class probabilities of `x`, in an owned array.
+    /// Class probabilities of `x`, in an owned array ([`Infer::output`]).
     ///
     /// # Errors
     ///
     /// As [`InferencePool::output`].
     pub fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
-        self.guard.output(self.model, x.into())
+        Infer::output(self, x)
     }
 
-    /// Class probabilities of `x`, written into `out` (`[rows, classes]`).
+    /// Class probabilities of `x`, written into `out` (`[rows, classes]`;
+    /// [`Infer::output_into`]).
     ///
     /// # Errors
     ///
     /// As [`InferencePool::output_into`].
     pub fn output_into<'x>(&mut self, x: impl Into<Input<'x>>, out: ArrayViewMut2<'_, f32>) -> Result<()> {
-        self.guard.output_into(self.model, x.into(), out)
+        Infer::output_into(self, x, out)
     }
 
-    /// The most probable class of each row of `x`, written to `out`.
+    /// The most probable class of each row of `x`, written to `out`
+    /// ([`Infer::predict_into`]).
     ///
     /// # Errors
     ///
     /// As [`InferencePool::output`]; [`Error::ShapeMismatch`] for `out`'s length.
     pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
-        self.guard.predict_into(self.model, x.into(), out)
+        Infer::predict_into(self, x, out)
     }
 
     /// Hands the class probabilities of `x`, in the arena, to `f` (they live only
-    /// while `f` runs), and returns what `f` returns.
+    /// while `f` runs), and returns what `f` returns ([`Infer::infer`]).
     ///
     /// # Errors
     ///
@@ -516,8 +558,6 @@ impl PoolLease<'_> {
         x: impl Into<Input<'x>>,
         f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
     ) -> Result<R> {
-        let (x, model) = (x.into(), self.model);
-        model.check_request(&x)?;
-        self.guard.run(|mgr| model.infer_in(mgr, x, f))
+        Infer::infer(self, x, f)
     }
 }
