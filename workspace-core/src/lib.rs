@@ -124,6 +124,7 @@ mod figures;
 mod handle;
 mod layer;
 mod manager;
+mod memory_report;
 pub mod plan;
 #[allow(unsafe_code)]
 pub mod planned;

@@ -36,11 +36,11 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        let slow_only = self.debug.on.get() || self.recording.get();
+        let slow_only = self.debug.on.get() || self.observers.recording.get();
         self.fast_base.set(self.arena_base.get());
         let fast_limit = if slow_only { 0 } else { self.capacity.get() };
         self.depth.set(1);
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             self.fast_limit.set(0);
             self.enter_grouped(fast_limit);
         } else {
@@ -147,7 +147,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// Arena bytes handed out since the workspace was last opened.
     pub(super) fn open_bytes(&self) -> usize {
         let start = self.open_start.get();
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             // A member of a plan group: its own arena's bytes and its planned windows'.
             return self.own_cursor().saturating_sub(start) + self.window_bytes();
         }
@@ -169,11 +169,12 @@ impl<B: ArenaBackend> Engine<B> {
 
     #[inline(always)]
     pub(super) fn close_cycle(&self) {
-        if self.tap.get().is_some() {
-            self.tap_close(0);
+        if self.observers.watch_closes() {
+            // (A member hears of the close from `close_grouped`, with its windows.)
+            self.emit(crate::plan::Event::Close { owner: self.owner() }, 0, false);
         }
         // The next cycle's role is what its enter says, if anything.
-        self.role.set(crate::timeline::NO_ROLE);
+        self.role.set(crate::roles::NO_ROLE);
         // The common case: a scoped workspace whose cycle did not spill (so the fast
         // path is still on and `open_start` is 0), with no timeline to record.
         if self.plain_close.get() && self.virtual_cursor.get().is_none() {
@@ -202,9 +203,7 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        // (A member hears of the close from `close_grouped`.)
-        self.record(crate::plan::Event::Close { owner: self.owner() });
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             // The member is told of the close and given its windows back in one call.
             self.close_grouped();
             if self.plain_member.get()
@@ -259,7 +258,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.release_spills();
         }
         self.fast_limit.set(0);
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             self.reset_window_bytes();
         }
         if self.frames.used.replace(false) {

@@ -127,7 +127,7 @@ impl<B: ArenaBackend> Engine<B> {
             open_scopes: self.depth.get(),
             cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
             failed_growths: self.counters.failed_growths.get(),
-            planned: if self.grouped.get() { self.member_stats() } else { None },
+            planned: if self.observers.grouped.get() { self.member_stats() } else { None },
         }
     }
 }
