@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::state::{LiveSet, State, Step};
+use super::state::{self, LiveSet, State, Step};
 use crate::memory_report::{Holder, MemoryReport, HOLDERS};
 use crate::roles::{ArrayType, NO_ROLE};
 
@@ -12,13 +12,9 @@ use crate::roles::{ArrayType, NO_ROLE};
 pub(super) fn fill(report: &mut MemoryReport, state: &State, workspace: u16) {
     // The iteration so far, from what the one before left live.
     let mut live = LiveSet::from(state.carried());
-    let mut lower_bound = live.requested;
-    for step in state.current() {
-        live.apply(step);
-        lower_bound = lower_bound.max(live.requested);
-    }
+    state.current().iter().for_each(|step| live.apply(step));
     let last: Vec<Step> = live.steps().copied().collect();
-    report.lower_bound = Some(lower_bound);
+    report.lower_bound = Some(state::lower_bound(state.carried().iter().chain(state.current()), false));
     report.padding_bytes = Some(last.iter().map(|s| s.bytes - s.requested.min(s.bytes)).sum());
     let own: u64 = last.iter().filter(|s| s.workspace() == workspace).map(|s| s.bytes).sum();
     report.fragmentation_bytes = Some((report.in_use as u64).saturating_sub(own));
