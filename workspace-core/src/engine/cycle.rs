@@ -176,7 +176,7 @@ impl<B: ArenaBackend> Engine<B> {
         // The next cycle's role is what its enter says, if anything.
         self.role.set(crate::roles::NO_ROLE);
         // The common case: a scoped workspace whose cycle did not spill (so the fast
-        // path is still on and `open_start` is 0), with no timeline to record.
+        // path is still on and `open_start` is 0), with no cycle history to record.
         if self.plain_close.get() && self.virtual_cursor.get().is_none() {
             // A cycle counts whole multiples of the alignment wherever it ran (the last
             // allocation may end unpadded at the end of an arena capped by `max_size`).
@@ -213,7 +213,7 @@ impl<B: ArenaBackend> Engine<B> {
             {
                 // The common case of a member (a replayed cycle that ran in its windows,
                 // or one in its own arena): nothing spilled, no frame, no learning left,
-                // no debug mode, timeline, recording or refused growth. What the rest of
+                // no debug mode, cycle history, recording or refused growth. What the rest of
                 // this function does then: count the cycle and reset.
                 // (`open_bytes` with the window closed: the own arena's bytes, from 0 in a
                 // workspace that resets at each cycle's end, and the windows'.)
@@ -229,8 +229,8 @@ impl<B: ArenaBackend> Engine<B> {
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.need.get();
         self.count_cycle(in_use, bytes);
-        if self.config.timeline_len() > 0 {
-            self.record_timeline(bytes);
+        if self.config.cycle_history_len() > 0 {
+            self.record_cycle(bytes);
         }
         // Every spill starts the virtual cursor, so no virtual cursor means no spills.
         let spilled = self.virtual_cursor.take().is_some();
@@ -268,12 +268,12 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     #[cold]
-    pub(super) fn record_timeline(&self, bytes: usize) {
-        let mut timeline = self.timeline.borrow_mut();
-        if timeline.len() == self.config.timeline_len() {
-            timeline.pop_front();
+    pub(super) fn record_cycle(&self, bytes: usize) {
+        let mut history = self.cycle_history.borrow_mut();
+        if history.len() == self.config.cycle_history_len() {
+            history.pop_front();
         }
-        timeline.push_back(bytes);
+        history.push_back(bytes);
     }
 
     /// Learning and Reallocate growth at the end of a cycle that needed `bytes`.

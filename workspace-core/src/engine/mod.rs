@@ -134,7 +134,7 @@ pub struct Engine<B: ArenaBackend> {
     /// alignment, whichever is larger (read once). Offsets are aligned relative to the
     /// base, so requests aligned beyond it spill.
     base_alignment: usize,
-    /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
+    /// `BlockLeft` reset, no cycle history and no spill-everything: a cycle without spills
     /// closes on the short path.
     plain_close: Cell<bool>,
     /// As `plain_close`, for a member: its cycles without spills, frames or learning
@@ -170,7 +170,8 @@ pub struct Engine<B: ArenaBackend> {
     /// An error from work done where it could not be reported (closing in `Drop`),
     /// reported by the next `enter`.
     pending: Cell<Option<BackendError>>,
-    timeline: RefCell<VecDeque<usize>>,
+    /// The sizes of the last `cycle_history_len` cycles, oldest first.
+    cycle_history: RefCell<VecDeque<usize>>,
     counters: Counters,
     /// The recorder, the plan group's member and the tap (see `observer.rs`).
     observers: observer::Observers<B>,
@@ -257,14 +258,14 @@ impl<B: ArenaBackend> Engine<B> {
             LearningPolicy::FirstLoop => 1,
             LearningPolicy::OverTime { cycles } => cycles,
         };
-        let timeline = VecDeque::with_capacity(config.timeline_len());
+        let cycle_history = VecDeque::with_capacity(config.cycle_history_len());
         let engine = Engine {
             id: next_id(),
             name: Arc::from(name),
             base_alignment: backend.base_alignment().max(config.alignment()),
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
-            plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
+            plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.cycle_history_len() == 0),
             plain_member: Cell::new(false),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
@@ -302,7 +303,7 @@ impl<B: ArenaBackend> Engine<B> {
             },
             attention: Cell::new(false),
             pending: Cell::new(None),
-            timeline: RefCell::new(timeline),
+            cycle_history: RefCell::new(cycle_history),
             counters: Counters::default(),
             observers: observer::Observers::new(),
             role: Cell::new(NO_ROLE),
@@ -495,7 +496,7 @@ impl<B: ArenaBackend> Engine<B> {
         self.owner_at(0)
     }
 
-    /// The short close paths are taken only without a debug mode, a timeline, a
+    /// The short close paths are taken only without a debug mode, a cycle history, a
     /// recording or a refused growth (whose retry is on the general close):
     /// `plain_close` outside a plan group, `plain_member` (a branch of the general
     /// close) inside one.
@@ -504,7 +505,7 @@ impl<B: ArenaBackend> Engine<B> {
             && !self.observers.recording.get()
             && !self.learning.refusals.get().stand()
             && self.config.reset() == ResetPolicy::BlockLeft
-            && self.config.timeline_len() == 0;
+            && self.config.cycle_history_len() == 0;
         self.plain_close.set(plain && !self.observers.grouped.get());
         self.plain_member.set(plain && self.observers.grouped.get());
     }
