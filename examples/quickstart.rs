@@ -55,7 +55,7 @@ fn run() -> carve::Result<()> {
     let config = WorkspaceConfig::builder()
         .learning(LearningPolicy::FirstLoop)
         .spill(SpillPolicy::Reallocate)
-        .timeline_len(64)
+        .cycle_history_len(64)
         .build()?;
     let ws = Workspace::new("WS_TRAIN_STEP", config)?;
     println!("{:>5}  {:>12}  {:>12}  {:>12}  {:>10}", "cycle", "allocated", "spilled", "capacity", "loss");

@@ -51,10 +51,13 @@ pub use ndarray;
 pub use workspace_core;
 pub use workspace_core::alloc_check;
 pub use workspace_core::timeline::Timeline;
+/// The former name of [`MAX_CYCLE_HISTORY`] (deprecated).
+#[allow(deprecated)]
+pub use workspace_core::MAX_TIMELINE_LEN;
 pub use workspace_core::{
     freeze, stats_table, AllocationPolicy, ArrayType, DebugMode, Handle, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder,
     LearningPolicy, Location, MappedFile, Pod, ResetPolicy, Scope, SpillPolicy, TypedScope, Workspace,
     WorkspaceArrayExt, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceManager, WorkspaceMode, WorkspaceStats,
-    Zeroable, DEBUG_ENV, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
+    Zeroable, DEBUG_ENV, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_CYCLE_HISTORY,
 };
 pub use workspace_cuda;

@@ -169,9 +169,14 @@ pub const DEFAULT_ALIGNMENT: usize = 64;
 /// Largest configurable alignment (1 GiB).
 pub const MAX_ALIGNMENT: usize = 1 << 30;
 
-/// Largest timeline a workspace keeps: a million cycles (8 MiB of sizes, reserved
-/// when the workspace is made so that recording never allocates).
-pub const MAX_TIMELINE_LEN: usize = 1 << 20;
+/// Longest cycle history a workspace keeps ([`WorkspaceConfigBuilder::cycle_history_len`]):
+/// a million cycles (8 MiB of sizes, reserved when the workspace is made so that
+/// recording never allocates).
+pub const MAX_CYCLE_HISTORY: usize = 1 << 20;
+
+/// The former name of [`MAX_CYCLE_HISTORY`].
+#[deprecated(note = "renamed MAX_CYCLE_HISTORY: it bounds the ring of the last cycles' sizes, not a timeline")]
+pub const MAX_TIMELINE_LEN: usize = MAX_CYCLE_HISTORY;
 
 /// A file mapping starts at the file's first byte, which the kernel maps at a page
 /// boundary: file-backed arenas are aligned to a page and no more.
@@ -216,7 +221,9 @@ pub struct WorkspaceConfig {
     spill: SpillPolicy,
     reset: ResetPolicy,
     location: Location,
-    timeline_len: usize,
+    /// Serialized under its former name, so that saved configurations still load.
+    #[serde(rename = "timeline_len")]
+    cycle_history_len: usize,
 }
 
 /// What a serialized [`WorkspaceConfig`] holds, before validation.
@@ -231,7 +238,8 @@ struct Fields {
     spill: SpillPolicy,
     reset: ResetPolicy,
     location: Location,
-    timeline_len: usize,
+    #[serde(rename = "timeline_len", alias = "cycle_history_len")]
+    cycle_history_len: usize,
 }
 
 impl TryFrom<Fields> for WorkspaceConfig {
@@ -249,7 +257,7 @@ impl TryFrom<Fields> for WorkspaceConfig {
                 spill: f.spill,
                 reset: f.reset,
                 location: f.location,
-                timeline_len: f.timeline_len,
+                cycle_history_len: f.cycle_history_len,
             },
             spill_chosen: true,
         }
@@ -305,9 +313,15 @@ impl WorkspaceConfig {
     pub fn location(&self) -> &Location {
         &self.location
     }
-    /// How many per-cycle sizes the statistics timeline keeps (0: none).
+    /// How many of the last cycles' sizes the workspace keeps, in a ring, for plots
+    /// (0: none; see [`Workspace::cycle_history`](crate::Workspace)).
+    pub fn cycle_history_len(&self) -> usize {
+        self.cycle_history_len
+    }
+    /// The former name of [`WorkspaceConfig::cycle_history_len`].
+    #[deprecated(note = "renamed cycle_history_len: the ring of the last cycles' sizes is not a Timeline")]
     pub fn timeline_len(&self) -> usize {
-        self.timeline_len
+        self.cycle_history_len
     }
 
     /// The capacity for a learned size: the allocation policy applied, clamped to
@@ -373,7 +387,7 @@ impl Default for WorkspaceConfigBuilder {
                 spill: SpillPolicy::External,
                 reset: ResetPolicy::BlockLeft,
                 location: Location::Ram,
-                timeline_len: 0,
+                cycle_history_len: 0,
             },
             spill_chosen: false,
         }
@@ -431,10 +445,16 @@ impl WorkspaceConfigBuilder {
         self.config.location = location;
         self
     }
-    /// Keep the sizes of the last `cycles` cycles for plots (default 0: off).
-    pub fn timeline_len(mut self, cycles: usize) -> Self {
-        self.config.timeline_len = cycles;
+    /// Keep the sizes of the last `cycles` cycles, in a ring, for plots (default 0:
+    /// off; at most [`MAX_CYCLE_HISTORY`]).
+    pub fn cycle_history_len(mut self, cycles: usize) -> Self {
+        self.config.cycle_history_len = cycles;
         self
+    }
+    /// The former name of [`WorkspaceConfigBuilder::cycle_history_len`].
+    #[deprecated(note = "renamed cycle_history_len: the ring of the last cycles' sizes is not a Timeline")]
+    pub fn timeline_len(self, cycles: usize) -> Self {
+        self.cycle_history_len(cycles)
     }
 
     /// Validates and returns the configuration.
@@ -443,7 +463,7 @@ impl WorkspaceConfigBuilder {
     ///
     /// [`Error::InvalidConfig`] when settings contradict each other: an alignment that
     /// is not a power of two or above 1 GiB (or above a page for a file-backed
-    /// workspace), a `timeline_len` above [`MAX_TIMELINE_LEN`], `min_size > max_size`, an initial size outside
+    /// workspace), a `cycle_history_len` above [`MAX_CYCLE_HISTORY`], `min_size > max_size`, an initial size outside
     /// `min_size..=max_size`, a negative or non-finite over-allocation factor,
     /// `OverTime { cycles: 0 }`, a memory-mapped workspace with a learning policy or
     /// with `SpillPolicy::Reallocate` (a mapping has the size it was created with), a
@@ -467,11 +487,12 @@ impl WorkspaceConfigBuilder {
         if c.alignment > MAX_ALIGNMENT {
             return invalid(format!("alignment {} is larger than 1 GiB", c.alignment));
         }
-        if c.timeline_len > MAX_TIMELINE_LEN {
+        if c.cycle_history_len > MAX_CYCLE_HISTORY {
             return invalid(format!(
-                "timeline_len {} is more than {MAX_TIMELINE_LEN} cycles; the timeline is held in \
-                 memory for plots, so keep the last few thousand cycles",
-                c.timeline_len
+                "cycle_history_len (\"timeline_len\" in a serialized config) {} is more than \
+                 {MAX_CYCLE_HISTORY} cycles; the history is held in memory for plots, so keep the last \
+                 few thousand cycles",
+                c.cycle_history_len
             ));
         }
         if c.min_size > c.max_size {

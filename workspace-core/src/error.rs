@@ -60,7 +60,7 @@ pub enum Error {
         capacity: usize,
         /// What held the memory: the iteration's lower bound so far, padding,
         /// fragmentation and the largest live holders by role and layer.
-        report: Box<crate::timeline::MemoryReport>,
+        report: Box<crate::memory_report::MemoryReport>,
     },
 
     /// Granting an allocation would take the workspace past its `max_size`.
@@ -84,7 +84,7 @@ pub enum Error {
         /// The configured budget.
         max_size: usize,
         /// What held the memory (see [`MemoryReport`](crate::timeline::MemoryReport)).
-        report: Box<crate::timeline::MemoryReport>,
+        report: Box<crate::memory_report::MemoryReport>,
     },
 
     /// A stored handle was used after its workspace was reset.
@@ -234,7 +234,7 @@ pub enum Error {
         source: BackendError,
         /// What held the memory when the backend refused (see
         /// [`MemoryReport`](crate::timeline::MemoryReport)).
-        report: Box<crate::timeline::MemoryReport>,
+        report: Box<crate::memory_report::MemoryReport>,
     },
 
     /// A check for heap allocations failed: the code checked made some, or the counting
@@ -321,7 +321,7 @@ impl fmt::Debug for Error {
 
 /// The report of a backend's error, for the refusals of memory (an out-of-memory, a
 /// fixed arena too small); nothing for the others (a file that cannot be mapped).
-fn memory_of(source: &BackendError, report: &crate::timeline::MemoryReport) -> String {
+fn memory_of(source: &BackendError, report: &crate::memory_report::MemoryReport) -> String {
     match source {
         BackendError::OutOfMemory { .. } | BackendError::FixedSize { .. } => format!(". Memory: {report}"),
         _ => String::new(),

@@ -126,6 +126,7 @@ mod figures;
 mod handle;
 mod layer;
 mod manager;
+mod memory_report;
 pub mod plan;
 #[allow(unsafe_code)]
 pub mod planned;
@@ -141,9 +142,12 @@ mod workspace;
 
 pub use array_ext::WorkspaceArrayExt;
 pub use bytemuck::{Pod, Zeroable};
+/// The former name of [`MAX_CYCLE_HISTORY`] (deprecated).
+#[allow(deprecated)]
+pub use config::MAX_TIMELINE_LEN;
 pub use config::{
     AllocationPolicy, LearningPolicy, Location, MappedFile, ResetPolicy, SpillPolicy, WorkspaceConfig,
-    WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_TIMELINE_LEN,
+    WorkspaceConfigBuilder, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_CYCLE_HISTORY,
 };
 pub use engine::{Sizing, WorkspaceStats};
 pub use error::{BackendError, Error, Result};

@@ -301,7 +301,7 @@ impl Trace {
     /// The most bytes live at one moment: no placement can use fewer (computed by a
     /// sweep over the events, independently of any plan).
     pub fn lower_bound(&self) -> usize {
-        lower_bound_of(&self.events, &mut Open::default())
+        lower_bound_of(self.events.iter().copied(), &mut Open::default())
     }
 
     /// The trace with each *run* as one allocation: consecutive allocations of one
@@ -341,12 +341,19 @@ fn lifetimes_into(events: &[Event], open: &mut Open<usize>, out: &mut Vec<Lifeti
     }
 }
 
+/// [`Trace::lower_bound`] of events as they come, from whatever records them (a
+/// timeline keeps its own compact records and gives their events here): the one
+/// computation of the most bytes live at one moment.
+pub(crate) fn lower_bound(events: impl IntoIterator<Item = Event>) -> usize {
+    lower_bound_of(events, &mut Open::default())
+}
+
 /// The lower bound of `events` (see [`Trace::lower_bound`]), with `live` as scratch.
-fn lower_bound_of(events: &[Event], live: &mut Open<usize>) -> usize {
+fn lower_bound_of(events: impl IntoIterator<Item = Event>, live: &mut Open<usize>) -> usize {
     live.clear();
     let (mut total, mut peak) = (0usize, 0usize);
     for event in events {
-        match *event {
+        match event {
             Event::Alloc { owner, bytes, .. } => {
                 live.add(owner, bytes);
                 total = total.saturating_add(bytes);
@@ -647,7 +654,7 @@ impl Planner {
 
     /// [`Trace::lower_bound`] of `events`.
     pub(crate) fn lower_bound(&mut self, events: &[Event]) -> usize {
-        lower_bound_of(events, &mut self.open)
+        lower_bound_of(events.iter().copied(), &mut self.open)
     }
 
     /// [`Trace::per_owner_bytes`] of `events`.
@@ -673,7 +680,7 @@ impl Planner {
     pub(crate) fn plan(&mut self, events: &[Event]) -> (usize, usize) {
         lifetimes_into(events, &mut self.open, &mut self.lifetimes);
         let lifetimes = &self.lifetimes[..];
-        let lower_bound = lower_bound_of(events, &mut self.open);
+        let lower_bound = lower_bound_of(events.iter().copied(), &mut self.open);
         let best = &mut self.best;
         best.clear();
         let orders = if lifetimes.len() > GREEDY_LIMIT { 0 } else { ORDERS };

@@ -102,4 +102,14 @@ impl ArrayType {
     pub(crate) const fn index(self) -> usize {
         self as usize
     }
+
+    /// The role of index `index` ([`ArrayType::index`]; `None` for [`NO_ROLE`] or any
+    /// other index past the roles).
+    pub(crate) fn from_index(index: u8) -> Option<ArrayType> {
+        ArrayType::ALL.get(usize::from(index)).copied()
+    }
 }
+
+/// The role index of a cycle entered without a role (a workspace not entered through a
+/// [`LayerWorkspaceMgr`](crate::LayerWorkspaceMgr)).
+pub(crate) const NO_ROLE: u8 = u8::MAX;

@@ -313,9 +313,16 @@ impl<B: ArenaBackend, H: CycleHooks> Shell<B, H> {
     pub fn peak_bytes(&self) -> usize {
         self.engine.peak()
     }
-    /// The bounded timeline of per-cycle bytes (see `timeline_len` in the config).
+    /// The sizes of the last cycles, oldest first (see
+    /// [`WorkspaceConfigBuilder::cycle_history_len`](crate::WorkspaceConfigBuilder::cycle_history_len)).
+    pub fn cycle_history(&self) -> Vec<usize> {
+        self.engine.cycle_history()
+    }
+
+    /// The former name of [`Shell::cycle_history`].
+    #[deprecated(note = "renamed cycle_history: the sizes of the last cycles are not a Timeline")]
     pub fn timeline(&self) -> Vec<usize> {
-        self.engine.timeline()
+        self.cycle_history()
     }
     /// The hooks of this kind of workspace (their cycle methods are `unsafe` to call:
     /// only the shell runs them).

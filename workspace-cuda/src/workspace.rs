@@ -191,7 +191,7 @@ pub(crate) fn device_config(name: &str, config: WorkspaceConfig, what: &str) -> 
         .learning(config.learning())
         .spill(config.spill())
         .reset(config.reset())
-        .timeline_len(config.timeline_len())
+        .cycle_history_len(config.cycle_history_len())
         .build()?)
 }
 

@@ -71,9 +71,10 @@ impl<B: ArenaBackend> Engine<B> {
                 // close moves `cursor` down, never below the start of the block's range.
                 let base = unsafe { self.fast_base.get().unwrap_unchecked() };
                 self.cursor.set(end);
-                if self.tap.get().is_some() {
-                    // Only the top frame (or the cycle, with none open) bumps here.
-                    self.tap_alloc(self.frame_top.get(), size, end - cursor);
+                if self.observers.tapped() {
+                    // Only the top frame (or the cycle, with none open) bumps here. A
+                    // member is not told: its window served the allocation as planned.
+                    self.emit_alloc(self.frame_top.get(), size, align, false);
                 }
                 return Some((base, cursor));
             }
@@ -114,20 +115,14 @@ impl<B: ArenaBackend> Engine<B> {
         align: usize,
         level: u32,
     ) -> Result<(<B::Block as Block>::Base, usize)> {
-        let placed = if self.grouped.get() {
+        let placed = if self.observers.grouped.get() {
             self.alloc_grouped(size, align, level)?
         } else {
             self.alloc_slow_unrecorded(size, align)?
         };
         self.pin(level);
-        if self.recording.get() || self.grouped.get() {
-            // As the cycle accounts for it: padded to the alignment unit.
-            let align = align.max(self.min_align);
-            let bytes = align_up(size, self.min_align).unwrap_or(usize::MAX);
-            self.emit(crate::plan::Event::Alloc { owner: self.owner_at(level), bytes, align });
-        }
-        if self.tap.get().is_some() {
-            self.tap_alloc(level, size, align_up(size, self.min_align).unwrap_or(usize::MAX));
+        if self.observers.any() {
+            self.emit_alloc(level, size, align, true);
         }
         Ok(placed)
     }
@@ -222,7 +217,7 @@ impl<B: ArenaBackend> Engine<B> {
                 self.wrap_waste.set(capacity - cursor);
                 self.counters.wraps.set(self.counters.wraps.get() + 1);
                 self.advance_to(size);
-                if self.virtual_cursor.get().is_none() && !self.debug.on.get() && !self.recording.get() {
+                if self.virtual_cursor.get().is_none() && !self.debug.on.get() && !self.observers.recording.get() {
                     self.set_limit(self.open_start.get());
                 }
                 self.count_virtual(size, align);
@@ -345,7 +340,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// tail.
     fn budget_arena(&self) -> usize {
         let capacity = self.capacity.get();
-        if !self.grouped.get() {
+        if !self.observers.grouped.get() {
             return capacity;
         }
         let arena = match self.window_bytes() {

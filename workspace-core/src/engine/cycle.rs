@@ -36,11 +36,11 @@ impl<B: ArenaBackend> Engine<B> {
             self.wrapped.set(false);
             self.wrap_waste.set(0);
         }
-        let slow_only = self.debug.on.get() || self.recording.get();
+        let slow_only = self.debug.on.get() || self.observers.recording.get();
         self.fast_base.set(self.arena_base.get());
         let fast_limit = if slow_only { 0 } else { self.capacity.get() };
         self.depth.set(1);
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             self.fast_limit.set(0);
             self.enter_grouped(fast_limit);
         } else {
@@ -147,7 +147,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// Arena bytes handed out since the workspace was last opened.
     pub(super) fn open_bytes(&self) -> usize {
         let start = self.open_start.get();
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             // A member of a plan group: its own arena's bytes and its planned windows'.
             return self.own_cursor().saturating_sub(start) + self.window_bytes();
         }
@@ -169,13 +169,14 @@ impl<B: ArenaBackend> Engine<B> {
 
     #[inline(always)]
     pub(super) fn close_cycle(&self) {
-        if self.tap.get().is_some() {
-            self.tap_close(0);
+        if self.observers.watch_closes() {
+            // (A member hears of the close from `close_grouped`, with its windows.)
+            self.emit(crate::plan::Event::Close { owner: self.owner() }, 0, false);
         }
         // The next cycle's role is what its enter says, if anything.
-        self.role.set(crate::timeline::NO_ROLE);
+        self.role.set(crate::roles::NO_ROLE);
         // The common case: a scoped workspace whose cycle did not spill (so the fast
-        // path is still on and `open_start` is 0), with no timeline to record.
+        // path is still on and `open_start` is 0), with no cycle history to record.
         if self.plain_close.get() && self.virtual_cursor.get().is_none() {
             // A cycle counts whole multiples of the alignment wherever it ran (the last
             // allocation may end unpadded at the end of an arena capped by `max_size`).
@@ -202,9 +203,7 @@ impl<B: ArenaBackend> Engine<B> {
     #[cold]
     #[inline(never)]
     pub(super) fn close_cycle_general(&self) {
-        // (A member hears of the close from `close_grouped`.)
-        self.record(crate::plan::Event::Close { owner: self.owner() });
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             // The member is told of the close and given its windows back in one call.
             self.close_grouped();
             if self.plain_member.get()
@@ -214,7 +213,7 @@ impl<B: ArenaBackend> Engine<B> {
             {
                 // The common case of a member (a replayed cycle that ran in its windows,
                 // or one in its own arena): nothing spilled, no frame, no learning left,
-                // no debug mode, timeline, recording or refused growth. What the rest of
+                // no debug mode, cycle history, recording or refused growth. What the rest of
                 // this function does then: count the cycle and reset.
                 // (`open_bytes` with the window closed: the own arena's bytes, from 0 in a
                 // workspace that resets at each cycle's end, and the windows'.)
@@ -230,8 +229,8 @@ impl<B: ArenaBackend> Engine<B> {
         let bytes = align_up(self.cycle_bytes(), self.min_align).unwrap_or(usize::MAX);
         let in_use = self.open_bytes().max(self.frames.high.get()) + self.spill.need.get();
         self.count_cycle(in_use, bytes);
-        if self.config.timeline_len() > 0 {
-            self.record_timeline(bytes);
+        if self.config.cycle_history_len() > 0 {
+            self.record_cycle(bytes);
         }
         // Every spill starts the virtual cursor, so no virtual cursor means no spills.
         let spilled = self.virtual_cursor.take().is_some();
@@ -259,7 +258,7 @@ impl<B: ArenaBackend> Engine<B> {
             self.release_spills();
         }
         self.fast_limit.set(0);
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             self.reset_window_bytes();
         }
         if self.frames.used.replace(false) {
@@ -269,12 +268,12 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     #[cold]
-    pub(super) fn record_timeline(&self, bytes: usize) {
-        let mut timeline = self.timeline.borrow_mut();
-        if timeline.len() == self.config.timeline_len() {
-            timeline.pop_front();
+    pub(super) fn record_cycle(&self, bytes: usize) {
+        let mut history = self.cycle_history.borrow_mut();
+        if history.len() == self.config.cycle_history_len() {
+            history.pop_front();
         }
-        timeline.push_back(bytes);
+        history.push_back(bytes);
     }
 
     /// Learning and Reallocate growth at the end of a cycle that needed `bytes`.

@@ -138,7 +138,7 @@ impl<B: ArenaBackend> Engine<B> {
             // The cycle's fast path is off while frames are open; the top frame's is on.
             self.frame_limit.set(self.fast_limit.replace(0));
         }
-        if self.grouped.get() && self.window_is_open() {
+        if self.observers.grouped.get() && self.window_is_open() {
             // The open window is the run of another owner: the frame's first allocation
             // takes the slow path, to the plan's next step. (The window stays open: a
             // frame's open is no event, so the run may go on after it.)
@@ -224,15 +224,12 @@ impl<B: ArenaBackend> Engine<B> {
             return;
         }
         let owner = self.owner_at(mark.level);
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             // Before the top moves: the window's limit is the closing frame's.
             self.close_window();
         }
-        if self.recording.get() || self.grouped.get() {
-            self.emit(Event::Close { owner });
-        }
-        if self.tap.get().is_some() {
-            self.tap_close(mark.level);
+        if self.observers.any() {
+            self.emit(Event::Close { owner }, 0, true);
         }
         let lowest = {
             let mut slots = self.frames.slots.borrow_mut();
@@ -264,7 +261,7 @@ impl<B: ArenaBackend> Engine<B> {
         // arena (`Engine::decide`): those of the frame's runs are given back too, as an
         // unplanned workspace's rewind gives back the frame's arena bytes. (Its window
         // was closed before this.)
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             let to = slot.window_start.max(f.window_floor.get());
             if to < self.window_bytes() {
                 f.high.set(f.high.get().max(self.open_bytes()));

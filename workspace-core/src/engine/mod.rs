@@ -22,9 +22,10 @@
 //! opening and closing cycles, learning and growth; `frame.rs`: release points inside
 //! a cycle; `arena.rs`: replacing and giving back blocks, `trim`; `member.rs`: the
 //! seam to what a workspace is a member of (a plan group, a recorder), which the engine
-//! knows only as a [`Member`]; `window.rs`: the windows a member lends a cycle (the
-//! engine's side of a plan group); `recorder.rs`: the trace recorder, a member that
-//! sees every event; `sizing.rs`: the state that decides the arena from here on, read
+//! knows only as a [`Member`]; `observer.rs`: the one list of what is told each event
+//! (the recorder, the member and a tap, an [`Observer`] such as a timeline) and the one
+//! emit; `window.rs`: the windows a member lends a cycle (the engine's side of a plan
+//! group); `recorder.rs`: the trace recorder, a member that sees every event; `sizing.rs`: the state that decides the arena from here on, read
 //! and adopted; `stats.rs`: statistics; `tests.rs`: the engine against a backend
 //! that records what it is asked.
 //!
@@ -43,6 +44,7 @@ mod arena;
 mod cycle;
 mod frame;
 mod member;
+mod observer;
 mod recorder;
 mod sizing;
 mod stats;
@@ -56,10 +58,13 @@ use std::sync::Arc;
 use crate::backend::{ArenaBackend, Block};
 use crate::config::{LearningPolicy, ResetPolicy, WorkspaceConfig};
 use crate::error::{BackendError, Error, Result};
+use crate::memory_report::MemoryReport;
 use crate::refusals::Refusals;
+use crate::roles::{ArrayType, NO_ROLE};
 
 pub use frame::FrameMark;
 pub(crate) use member::{Lent, Member, Miss, Opened};
+pub(crate) use observer::{Observer, Tap};
 pub use sizing::Sizing;
 pub use stats::WorkspaceStats;
 
@@ -129,7 +134,7 @@ pub struct Engine<B: ArenaBackend> {
     /// alignment, whichever is larger (read once). Offsets are aligned relative to the
     /// base, so requests aligned beyond it spill.
     base_alignment: usize,
-    /// `BlockLeft` reset, no timeline and no spill-everything: a cycle without spills
+    /// `BlockLeft` reset, no cycle history and no spill-everything: a cycle without spills
     /// closes on the short path.
     plain_close: Cell<bool>,
     /// As `plain_close`, for a member: its cycles without spills, frames or learning
@@ -165,23 +170,14 @@ pub struct Engine<B: ArenaBackend> {
     /// An error from work done where it could not be reported (closing in `Drop`),
     /// reported by the next `enter`.
     pending: Cell<Option<BackendError>>,
-    timeline: RefCell<VecDeque<usize>>,
+    /// The sizes of the last `cycle_history_len` cycles, oldest first.
+    cycle_history: RefCell<VecDeque<usize>>,
     counters: Counters,
-    /// Whether a recorder is set (see [`Engine::record_into`]): the fast path is off
-    /// meanwhile, so that every allocation passes the recorder.
-    recording: Cell<bool>,
-    /// The recorder: a [`Member`] that sees every event.
-    recorder: RefCell<Option<Box<dyn Member<B>>>>,
-    /// The timeline recording this workspace (see [`crate::timeline`]): told every
-    /// allocation (on the fast path too) and every close.
-    tap: Cell<Option<crate::timeline::Tap>>,
+    /// The recorder, the plan group's member and the tap (see `observer.rs`).
+    observers: observer::Observers<B>,
     /// The role of the open cycle ([`crate::ArrayType::index`]), as the layer manager
-    /// entered it (`NO_ROLE`: none), for the report of a failure.
+    /// entered it (`NO_ROLE`: none), for the observers and the report of a failure.
     role: Cell<u8>,
-    /// Whether this workspace is a member of a plan group (`member` is set).
-    grouped: Cell<bool>,
-    /// The plan group this workspace is a member of (see `member.rs`).
-    member: RefCell<Option<Box<dyn Member<B>>>>,
     /// The windows the member lent the open cycle.
     window: window::Window<B>,
     /// The frames of the open cycle.
@@ -262,14 +258,14 @@ impl<B: ArenaBackend> Engine<B> {
             LearningPolicy::FirstLoop => 1,
             LearningPolicy::OverTime { cycles } => cycles,
         };
-        let timeline = VecDeque::with_capacity(config.timeline_len());
+        let cycle_history = VecDeque::with_capacity(config.cycle_history_len());
         let engine = Engine {
             id: next_id(),
             name: Arc::from(name),
             base_alignment: backend.base_alignment().max(config.alignment()),
             min_align: config.alignment().max(MIN_ALIGN_FLOOR),
             align_mask: config.alignment().max(MIN_ALIGN_FLOOR) - 1,
-            plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.timeline_len() == 0),
+            plain_close: Cell::new(config.reset() == ResetPolicy::BlockLeft && config.cycle_history_len() == 0),
             plain_member: Cell::new(false),
             backend: RefCell::new(backend),
             arena: RefCell::new(None),
@@ -307,14 +303,10 @@ impl<B: ArenaBackend> Engine<B> {
             },
             attention: Cell::new(false),
             pending: Cell::new(None),
-            timeline: RefCell::new(timeline),
+            cycle_history: RefCell::new(cycle_history),
             counters: Counters::default(),
-            recording: Cell::new(false),
-            recorder: RefCell::new(None),
-            tap: Cell::new(None),
-            role: Cell::new(crate::timeline::NO_ROLE),
-            grouped: Cell::new(false),
-            member: RefCell::new(None),
+            observers: observer::Observers::new(),
+            role: Cell::new(NO_ROLE),
             window: window::Window::new(),
             frames: frame::Frames::default(),
             config,
@@ -389,7 +381,7 @@ impl<B: ArenaBackend> Engine<B> {
         if self.arena_extent().is_some_and(|(base, len)| test(base.address(), len)) {
             return true;
         }
-        if self.grouped.get() && self.any_window(&test) {
+        if self.observers.grouped.get() && self.any_window(&test) {
             return true;
         }
         self.spill
@@ -422,68 +414,24 @@ impl<B: ArenaBackend> Engine<B> {
     }
 
     /// The report of a failed request of `requested` bytes (see
-    /// [`MemoryReport`](crate::timeline::MemoryReport)).
+    /// [`MemoryReport`]): what the workspace knows, and
+    /// what its tap fills in.
     #[cold]
-    pub(crate) fn report(&self, requested: usize) -> Box<crate::timeline::MemoryReport> {
+    pub(crate) fn report(&self, requested: usize) -> Box<MemoryReport> {
         let in_use = if self.depth.get() > 0 { self.budget_in_use() } else { 0 };
-        crate::timeline::MemoryReport::new(
-            self.tap.get(),
-            &self.name,
-            self.role.get(),
-            requested,
-            self.capacity.get(),
-            in_use,
-        )
+        let role = ArrayType::from_index(self.role.get());
+        let mut report = MemoryReport::of_workspace(&self.name, role, requested, self.capacity.get(), in_use);
+        self.fill_report(&mut report);
+        Box::new(report)
     }
 
     /// The open cycle serves `role` (what the layer manager entered it for): the label
     /// of its allocations in a timeline and in a failure's report.
     #[inline]
-    pub(crate) fn note_role(&self, role: crate::ArrayType) {
+    pub(crate) fn note_role(&self, role: ArrayType) {
         // A nested enter (another role of a workspace already open) leaves the cycle's.
-        if self.role.get() == crate::timeline::NO_ROLE {
+        if self.role.get() == NO_ROLE {
             self.role.set(role.index() as u8);
-        }
-    }
-
-    /// Records this workspace's events into the timeline of `tap` from its next cycle
-    /// on (`None`: stops). The fast path stays on: it tests for a tap.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::StillOpen`] while a scope is open.
-    pub(crate) fn set_tap(&self, tap: Option<crate::timeline::Tap>) -> Result<()> {
-        self.require_closed("attaching a timeline or detaching it")?;
-        self.tap.set(tap);
-        Ok(())
-    }
-
-    /// The timeline tap, if one is set.
-    pub(crate) fn tap(&self) -> Option<crate::timeline::Tap> {
-        self.tap.get()
-    }
-
-    /// Tells the timeline of an allocation of `size` bytes (`bytes` padded) by the
-    /// owner at `level` (out of line: the fast path only tests for a tap).
-    #[cold]
-    #[inline(never)]
-    pub(super) fn tap_alloc(&self, level: u32, size: usize, bytes: usize) {
-        if let Some(tap) = self.tap.get() {
-            if !crate::timeline::tapped_alloc(tap, level, size, bytes, self.role.get()) {
-                // The timeline ended (or records on another thread): let go of it.
-                self.tap.set(None);
-            }
-        }
-    }
-
-    /// Tells the timeline of the close of the owner at `level` (0: the cycle).
-    #[cold]
-    #[inline(never)]
-    pub(super) fn tap_close(&self, level: u32) {
-        if let Some(tap) = self.tap.get() {
-            if !crate::timeline::tapped_close(tap, level) {
-                self.tap.set(None);
-            }
         }
     }
 
@@ -533,11 +481,11 @@ impl<B: ArenaBackend> Engine<B> {
     /// [`Member::detach`] (it is then kept).
     pub(super) fn record_with(&self, recorder: Option<Box<dyn Member<B>>>) -> Result<()> {
         self.require_closed("starting or stopping a recording")?;
-        if let Some(old) = self.recorder.borrow().as_ref() {
+        if let Some(old) = self.observers.recorder.borrow().as_ref() {
             old.detach(&self.name)?;
         }
-        self.recording.set(recorder.is_some());
-        *self.recorder.borrow_mut() = recorder;
+        self.observers.recording.set(recorder.is_some());
+        *self.observers.recorder.borrow_mut() = recorder;
         self.refresh_plain_close();
         Ok(())
     }
@@ -548,18 +496,18 @@ impl<B: ArenaBackend> Engine<B> {
         self.owner_at(0)
     }
 
-    /// The short close paths are taken only without a debug mode, a timeline, a
+    /// The short close paths are taken only without a debug mode, a cycle history, a
     /// recording or a refused growth (whose retry is on the general close):
     /// `plain_close` outside a plan group, `plain_member` (a branch of the general
     /// close) inside one.
     fn refresh_plain_close(&self) {
         let plain = !self.debug.on.get()
-            && !self.recording.get()
+            && !self.observers.recording.get()
             && !self.learning.refusals.get().stand()
             && self.config.reset() == ResetPolicy::BlockLeft
-            && self.config.timeline_len() == 0;
-        self.plain_close.set(plain && !self.grouped.get());
-        self.plain_member.set(plain && self.grouped.get());
+            && self.config.cycle_history_len() == 0;
+        self.plain_close.set(plain && !self.observers.grouped.get());
+        self.plain_member.set(plain && self.observers.grouped.get());
     }
 
     fn require_closed(&self, action: &'static str) -> Result<()> {
@@ -583,7 +531,7 @@ unsafe impl<B: ArenaBackend> Send for Engine<B> where B::Block: Send {}
 impl<B: ArenaBackend> Drop for Engine<B> {
     fn drop(&mut self) {
         self.forget_window();
-        if let Some(recorder) = self.recorder.get_mut().take() {
+        if let Some(recorder) = self.observers.recorder.get_mut().take() {
             recorder.dropped();
         }
         self.release_spills();

@@ -1,5 +1,5 @@
 //! Statistics: cheap snapshots readable while arrays are alive, the peak and the
-//! timeline of cycle sizes.
+//! history of the last cycles' sizes.
 
 use serde::Serialize;
 
@@ -98,9 +98,17 @@ impl<B: ArenaBackend> Engine<B> {
         self.counters.peak.set(self.bytes_in_use() + self.spill.need.get());
     }
 
-    /// The per-cycle sizes kept for plots, oldest first.
+    /// The sizes of the last cycles, kept for plots
+    /// ([`WorkspaceConfigBuilder::cycle_history_len`](crate::WorkspaceConfigBuilder::cycle_history_len)),
+    /// oldest first.
+    pub fn cycle_history(&self) -> Vec<usize> {
+        self.cycle_history.borrow().iter().copied().collect()
+    }
+
+    /// The former name of [`Engine::cycle_history`].
+    #[deprecated(note = "renamed cycle_history: the sizes of the last cycles are not a Timeline")]
     pub fn timeline(&self) -> Vec<usize> {
-        self.timeline.borrow().iter().copied().collect()
+        self.cycle_history()
     }
 
     /// A statistics snapshot.
@@ -127,7 +135,7 @@ impl<B: ArenaBackend> Engine<B> {
             open_scopes: self.depth.get(),
             cycles_spilled_after_learning: self.counters.spilled_after_learning.get(),
             failed_growths: self.counters.failed_growths.get(),
-            planned: if self.grouped.get() { self.member_stats() } else { None },
+            planned: if self.observers.grouped.get() { self.member_stats() } else { None },
         }
     }
 }

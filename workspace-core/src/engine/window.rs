@@ -14,7 +14,6 @@ use crate::backend::ArenaBackend;
 use crate::config::ResetPolicy;
 use crate::error::{Error, Result};
 use crate::figures::PlannedStats;
-use crate::plan::Event;
 
 /// A member's window state; see the module docs.
 pub(super) struct Window<B: ArenaBackend> {
@@ -134,43 +133,23 @@ impl<B: ArenaBackend> Engine<B> {
                 });
             }
         }
-        if let Some(old) = self.member.borrow().as_ref() {
+        if let Some(old) = self.observers.member.borrow().as_ref() {
             old.detach(&self.name)?;
         }
-        self.grouped.set(member.is_some());
-        *self.member.borrow_mut() = member;
+        self.observers.grouped.set(member.is_some());
+        *self.observers.member.borrow_mut() = member;
         self.refresh_plain_close();
         Ok(())
     }
 
     /// The id of the group this workspace is a member of.
     pub(crate) fn group_id(&self) -> Option<u64> {
-        self.member.borrow().as_ref().and_then(|m| m.group_id())
+        self.observers.member.borrow().as_ref().and_then(|m| m.group_id())
     }
 
     /// The figures of the group this workspace is a member of (on the group's thread).
     pub(crate) fn member_stats(&self) -> Option<PlannedStats> {
-        self.member.borrow().as_ref().and_then(|m| m.stats())
-    }
-
-    /// Tells the members (the recorder, then the group) of `event`: each event is
-    /// emitted here, once.
-    pub(super) fn emit(&self, event: Event) {
-        self.record(event);
-        if self.grouped.get() {
-            if let Some(member) = self.member.borrow().as_ref() {
-                member.event(event);
-            }
-        }
-    }
-
-    /// Tells the recorder, if one is set, of `event`.
-    pub(super) fn record(&self, event: Event) {
-        if self.recording.get() {
-            if let Some(recorder) = self.recorder.borrow().as_ref() {
-                recorder.event(event);
-            }
-        }
+        self.observers.member.borrow().as_ref().and_then(|m| m.stats())
     }
 
     /// A member's cycle opens (the fast path is off): the member says whether the fast
@@ -179,7 +158,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// too).
     #[cold]
     pub(super) fn enter_grouped(&self, fast_limit: usize) {
-        let opened = match self.member.borrow().as_ref() {
+        let opened = match self.observers.member.borrow().as_ref() {
             Some(member) => member.opened(self.owner(), self.window.holds.get()),
             None => Opened::Own,
         };
@@ -202,7 +181,7 @@ impl<B: ArenaBackend> Engine<B> {
         if let Some(placed) = self.place_in_window(size, align, owner)? {
             return Ok(placed);
         }
-        let miss = match self.member.borrow().as_ref() {
+        let miss = match self.observers.member.borrow().as_ref() {
             Some(member) => member.miss(owner, self.window.holds.get()),
             None => Miss::Own,
         };
@@ -224,7 +203,7 @@ impl<B: ArenaBackend> Engine<B> {
         // windows hold count as if in its arena). A request its policy refuses changes
         // nothing, so the plan stays good: the recording did not hold it either.
         let decision = self.decide(size, align)?;
-        if let Some(member) = self.member.borrow().as_ref() {
+        if let Some(member) = self.observers.member.borrow().as_ref() {
             member.leave();
         }
         self.close_window();
@@ -273,7 +252,8 @@ impl<B: ArenaBackend> Engine<B> {
         // own arena's limit). The fast path serves the window when `owner` is whoever
         // allocates on it now (the top frame, or the cycle when no frame is open);
         // anyone else's window is served on the slow path, which checks the owner.
-        let serves = !self.debug.on.get() && !self.recording.get() && owner == self.owner_at(self.frame_top.get());
+        let serves =
+            !self.debug.on.get() && !self.observers.recording.get() && owner == self.owner_at(self.frame_top.get());
         if serves {
             self.fast_base.set(Some(lent.base));
         }
@@ -285,11 +265,11 @@ impl<B: ArenaBackend> Engine<B> {
     /// memory where no live allocation is). It is the cycle's until its end, as a
     /// spill block is, and counted as one: only where the memory comes from differs.
     pub(super) fn lend_spill(&self, size: usize, align: usize) -> Option<Lent<B>> {
-        if !self.grouped.get() || self.debug.on.get() {
+        if !self.observers.grouped.get() || self.debug.on.get() {
             return None;
         }
         let holds = self.window.holds.get();
-        let lent = self.member.borrow().as_ref()?.lend(self.owner(), size, align, holds)?;
+        let lent = self.observers.member.borrow().as_ref()?.lend(self.owner(), size, align, holds)?;
         self.window.holds.set(true);
         self.window.base.set(Some(lent.base));
         self.window.regions.push(lent.start, lent.end);
@@ -324,7 +304,7 @@ impl<B: ArenaBackend> Engine<B> {
 
     /// [`Engine::window_bytes`] for a member of a group, 0 for other workspaces.
     pub(super) fn window_bytes_if_grouped(&self) -> usize {
-        if self.grouped.get() {
+        if self.observers.grouped.get() {
             self.window_bytes()
         } else {
             0
@@ -360,7 +340,7 @@ impl<B: ArenaBackend> Engine<B> {
     pub(super) fn close_grouped(&self) {
         self.close_window();
         let holds = self.window.holds.replace(false);
-        if let Some(member) = self.member.borrow().as_ref() {
+        if let Some(member) = self.observers.member.borrow().as_ref() {
             member.cycle_closed(self.owner(), holds);
         }
         self.window.regions.clear();
@@ -371,7 +351,7 @@ impl<B: ArenaBackend> Engine<B> {
     /// member stops counting it. No view can outlive the workspace it borrows, so the
     /// window's bytes are free.
     pub(super) fn forget_window(&mut self) {
-        if let Some(member) = self.member.get_mut().take() {
+        if let Some(member) = self.observers.member.get_mut().take() {
             if self.window.holds.replace(false) {
                 member.release();
             }

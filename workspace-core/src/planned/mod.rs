@@ -109,12 +109,12 @@ pub const MAX_RECORDED_EVENTS: usize = 1 << 20;
 fn plan_report(
     source: &crate::error::BackendError,
     plan: Option<(usize, usize, usize)>,
-) -> crate::timeline::MemoryReport {
+) -> crate::memory_report::MemoryReport {
     let requested = match source {
         crate::error::BackendError::OutOfMemory { bytes, .. } => *bytes,
         _ => 0,
     };
-    let mut report = crate::timeline::MemoryReport { requested, ..Default::default() };
+    let mut report = crate::memory_report::MemoryReport { requested, ..Default::default() };
     if let Some((arena, plan_bytes, lower_bound)) = plan {
         report.requested = plan_bytes;
         report.capacity = arena;

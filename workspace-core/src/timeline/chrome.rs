@@ -8,7 +8,8 @@
 use std::io::{self, Write};
 
 use super::state::Step;
-use super::{role_of, IterationRecord, TimelineSnapshot};
+use super::{IterationRecord, TimelineSnapshot};
+use crate::roles::ArrayType;
 
 /// Iterations [`TimelineSnapshot::write_chrome_trace`] exports at most.
 pub const EXPORTED_ITERATIONS: usize = 256;
@@ -132,7 +133,8 @@ impl TimelineSnapshot {
                             }
                         }
                     };
-                    let role = role_of(step.role()).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
+                    let role =
+                        ArrayType::from_index(step.role()).map_or("unlabelled".to_string(), |r| format!("{r:?}"));
                     let layer = self.layer_name(step.layer());
                     let name = match &layer {
                         Some(layer) => format!("{role} · {layer}"),

@@ -69,30 +69,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 
+use crate::engine::{Observer, Tap};
 use crate::error::{Error, Result};
-use crate::{ArrayType, LayerWorkspaceMgr, Workspace};
+use crate::layer::LayerWorkspaceMgr;
+use crate::plan::{Event, FRAME_LEVEL_SHIFT};
+use crate::roles::{ArrayType, NO_ROLE};
+use crate::workspace::Workspace;
 
+pub use crate::memory_report::{Holder, MemoryReport, HOLDERS};
 pub use chrome::{ChromeTraceSummary, EXPORTED_ITERATIONS};
-pub use report::{Holder, MemoryReport, HOLDERS};
 pub(crate) use state::Step;
 use state::{Script, State};
 
 /// No layer is allocating.
 pub(crate) const NO_LAYER: u32 = (1 << 24) - 1;
-/// No role was given for the cycle.
-pub(crate) const NO_ROLE: u8 = u8::MAX;
 
 static NEXT_TIMELINE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static STATE: RefCell<Option<Box<State>>> = const { RefCell::new(None) };
-}
-
-/// A workspace's place in the timeline recording on its thread (what the engine keeps).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Tap {
-    timeline: u64,
-    workspace: u16,
 }
 
 /// Runs `f` on this thread's slot of the recording timeline, unless the thread is
@@ -120,21 +115,35 @@ fn layer_index(label: Option<LayerLabel>) -> u32 {
     label.map_or(NO_LAYER, |l| l.0)
 }
 
-/// An allocation of `requested` bytes (`bytes` padded) by the owner at `level`, in a
-/// cycle of `role`; whether the timeline of `tap` still records on this thread (else
-/// the workspace lets go of it).
-#[inline]
-pub(crate) fn tapped_alloc(tap: Tap, level: u32, requested: usize, bytes: usize, role: u8) -> bool {
-    let step = Step::new(bytes as u64, requested as u64, tap.workspace, level, role, false);
-    with_state(tap.timeline, |state| state.event(step)).is_some()
+/// What the timeline is to the workspaces it taps: an observer of their events, which
+/// records them into the state of the timeline of the tap's `recording` id while it
+/// records on this thread.
+struct Tapping;
+
+/// The one observer every tap of a timeline names.
+static TAPPING: Tapping = Tapping;
+
+impl Observer for Tapping {
+    #[inline]
+    fn observe(&self, tap: Tap, event: Event, requested: usize, role: u8) -> bool {
+        let step = match event {
+            Event::Alloc { owner, bytes, .. } => {
+                Step::new(bytes as u64, requested as u64, tap.index, level_of(owner), role, false)
+            }
+            Event::Close { owner } => Step::new(0, 0, tap.index, level_of(owner), NO_ROLE, true),
+        };
+        with_state(tap.recording, |state| state.event(step)).is_some()
+    }
+
+    fn fill(&self, tap: Tap, report: &mut MemoryReport) -> bool {
+        with_state(tap.recording, |state| report::fill(report, state, tap.index)).is_some()
+    }
 }
 
-/// The close of the owner at `level`; whether the timeline still records (as
-/// [`tapped_alloc`]).
+/// The level of an owner of the engine's events: 0 for the cycle, a frame's level.
 #[inline]
-pub(crate) fn tapped_close(tap: Tap, level: u32) -> bool {
-    let step = Step::new(0, 0, tap.workspace, level, NO_ROLE, true);
-    with_state(tap.timeline, |state| state.event(step)).is_some()
+fn level_of(owner: u64) -> u32 {
+    (owner >> FRAME_LEVEL_SHIFT) as u32
 }
 
 /// The names of layer labels, process-wide: a label is an index into them.
@@ -290,7 +299,7 @@ impl Drop for Suspended {
 /// The timeline recording `workspace` on this thread, if one does.
 pub fn recording(workspace: &Workspace) -> Option<TimelineId> {
     let tap = workspace.shell.engine().tap()?;
-    let id = TimelineId(tap.timeline);
+    let id = TimelineId(tap.recording);
     id.is_recording().then_some(id)
 }
 
@@ -357,7 +366,7 @@ impl Timeline {
         let Some(index) = index else {
             return Err(Error::InvalidInput("a timeline records 65,536 workspaces at most".into()));
         };
-        workspace.shell.engine().set_tap(Some(Tap { timeline: self.id, workspace: index }))
+        workspace.shell.engine().set_tap(Some(Tap { observer: &TAPPING, recording: self.id, index }))
     }
 
     /// Records the events of every workspace of `mgr` (each once).
@@ -597,7 +606,7 @@ impl TimelineSnapshot {
                 false => EventKind::Alloc { bytes: step.bytes, requested: step.requested },
             },
             level: step.level(),
-            role: role_of(step.role()),
+            role: ArrayType::from_index(step.role()),
             layer: self.layer_name(step.layer()),
             time_ns,
         }
@@ -627,9 +636,4 @@ impl TimelineSnapshot {
     fn layer_name(&self, layer: u32) -> Option<Arc<str>> {
         self.layers.get(layer as usize).cloned()
     }
-}
-
-/// The role of a step's role index.
-pub(crate) fn role_of(role: u8) -> Option<ArrayType> {
-    ArrayType::ALL.get(usize::from(role)).copied()
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{IterationRecord, ScriptStats, NO_LAYER};
+use crate::plan::{self, Event, FRAME_LEVEL_SHIFT};
 
 /// Iterations kept with their times, most recent last.
 pub(super) const RECENT: usize = 4096;
@@ -84,6 +85,26 @@ impl Step {
     pub(crate) fn role(&self) -> u8 {
         (self.key >> 56) as u8
     }
+
+    /// The step as an event of the plan's vocabulary, of `bytes` bytes if an
+    /// allocation: its owner is the workspace's cycle (level 0) or the frame of its
+    /// level, so that a close ends what [`Step::ends`] says it ends.
+    #[inline]
+    pub(crate) fn event(&self, bytes: u64) -> Event {
+        let owner = u64::from(self.workspace()) | u64::from(self.level()) << FRAME_LEVEL_SHIFT;
+        match self.close() {
+            true => Event::Close { owner },
+            false => Event::Alloc { owner, bytes: usize::try_from(bytes).unwrap_or(usize::MAX), align: 1 },
+        }
+    }
+}
+
+/// The plan's lower bound ([`plan::lower_bound`]) of `steps`: the most bytes live at
+/// one moment, as asked for (`padded` false) or padded to each workspace's alignment
+/// unit.
+pub(crate) fn lower_bound<'a>(steps: impl IntoIterator<Item = &'a Step>, padded: bool) -> u64 {
+    let events = steps.into_iter().map(|s| s.event(if padded { s.bytes } else { s.requested }));
+    plan::lower_bound(events) as u64
 }
 
 /// A hash of `steps` (multiply-rotate over their words: an iteration that diverged
@@ -113,14 +134,9 @@ pub(crate) struct Script {
 
 impl Script {
     fn new(steps: Vec<Step>, times: Vec<u64>, duration_ns: u64) -> Script {
-        let (mut lower_bound, mut peak_bytes) = (0, 0);
-        let mut live = LiveSet::default();
-        for step in &steps {
-            live.apply(step);
-            lower_bound = lower_bound.max(live.requested);
-            peak_bytes = peak_bytes.max(live.bytes);
-        }
-        let tail = live.steps().copied().collect();
+        let peak_bytes = lower_bound(&steps, true);
+        let lower_bound = lower_bound(&steps, false);
+        let tail = LiveSet::from(&steps).steps().copied().collect();
         Script { steps, times, duration_ns, lower_bound, peak_bytes, tail }
     }
 

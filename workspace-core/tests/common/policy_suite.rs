@@ -72,7 +72,7 @@ pub(crate) trait Target: Sized {
     fn bytes_in_use(ws: &Self::Ws) -> usize;
     fn stats(ws: &Self::Ws) -> WorkspaceStats;
     fn reset_peak(ws: &Self::Ws);
-    fn timeline(ws: &Self::Ws) -> Vec<usize>;
+    fn cycle_history(ws: &Self::Ws) -> Vec<usize>;
     fn config(ws: &Self::Ws) -> &WorkspaceConfig;
 
     fn kind(scope: &Self::Scope<'_>) -> ScopeKind;
@@ -519,7 +519,7 @@ pub(crate) fn bad_shapes_are_a_typed_error<T: Target>(t: &T) {
 }
 
 pub(crate) fn statistics_are_readable_while_arrays_live_and_peak_resets<T: Target>(t: &T) {
-    let w = ws(t, strict(t).learning(LearningPolicy::None).initial_size(4096).timeline_len(3).build().unwrap());
+    let w = ws(t, strict(t).learning(LearningPolicy::None).initial_size(4096).cycle_history_len(3).build().unwrap());
     for n in [100usize, 2000, 300, 50] {
         let s = T::enter(&w).unwrap();
         let _a = T::zeros::<u8, _>(&s, n).unwrap();
@@ -528,11 +528,11 @@ pub(crate) fn statistics_are_readable_while_arrays_live_and_peak_resets<T: Targe
         assert_eq!(live.backend, t.backend());
     }
     assert_eq!(T::stats(&w).peak_bytes, 2048);
-    let timeline = match T::UNIT {
+    let history = match T::UNIT {
         64 => vec![2048, 320, 64],
         _ => vec![2048, 512, 256],
     };
-    assert_eq!(T::timeline(&w), timeline, "bounded timeline keeps the last 3");
+    assert_eq!(T::cycle_history(&w), history, "the bounded cycle history keeps the last 3");
     T::reset_peak(&w);
     cycle::<T>(&w, &[64]);
     assert_eq!(T::stats(&w).peak_bytes, by_unit::<T>(64, 256));

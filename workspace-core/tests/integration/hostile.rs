@@ -11,7 +11,7 @@ use proptest::test_runner::{Config, TestRunner};
 use workspace_core::backend::Placement;
 use workspace_core::{
     AllocationPolicy, BackendError, DebugMode, Error, LearningPolicy, Location, SpillPolicy, Workspace,
-    WorkspaceConfig, MAX_TIMELINE_LEN,
+    WorkspaceConfig, MAX_CYCLE_HISTORY,
 };
 
 const MODES: [DebugMode; 3] = [DebugMode::Disabled, DebugMode::SpillEverything, DebugMode::BypassEverything];
@@ -252,13 +252,13 @@ fn a_growth_the_machine_cannot_back_is_reported_once_and_every_later_cycle_runs(
 
 #[test]
 fn absurd_configurations_are_errors_and_new_never_panics() {
-    let err = WorkspaceConfig::builder().timeline_len(usize::MAX).build().unwrap_err();
+    let err = WorkspaceConfig::builder().cycle_history_len(usize::MAX).build().unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }) && err.to_string().contains("timeline_len"), "{err}");
-    assert!(WorkspaceConfig::builder().timeline_len(1 << 40).build().is_err());
-    let c = WorkspaceConfig::builder().timeline_len(MAX_TIMELINE_LEN).build().unwrap();
+    assert!(WorkspaceConfig::builder().cycle_history_len(1 << 40).build().is_err());
+    let c = WorkspaceConfig::builder().cycle_history_len(MAX_CYCLE_HISTORY).build().unwrap();
     let w = Workspace::new("TL", c).unwrap();
     drop(w.enter().unwrap());
-    assert_eq!(w.timeline(), [0], "an empty cycle, recorded");
+    assert_eq!(w.cycle_history(), [0], "an empty cycle, recorded");
 
     // Extreme sizes: a workspace or an error, never a panic or an abort.
     for initial in [usize::MAX, isize::MAX as usize, HUGE, 1 << 30] {
@@ -289,7 +289,7 @@ fn absurd_configurations_are_errors_and_new_never_panics() {
                 .min_size(min % (cap.max(1)))
                 .max_size(if over { max } else { usize::MAX })
                 .alignment(1usize.checked_shl(align_pow % 40).unwrap_or(3))
-                .timeline_len(timeline)
+                .cycle_history_len(timeline)
                 .allocation(if factor.is_sign_negative() {
                     AllocationPolicy::Strict
                 } else {
@@ -309,7 +309,7 @@ fn absurd_configurations_are_errors_and_new_never_panics() {
             match built.unwrap() {
                 Ok(config) => {
                     prop_assert!(config.alignment().is_power_of_two());
-                    prop_assert!(config.timeline_len() <= MAX_TIMELINE_LEN);
+                    prop_assert!(config.cycle_history_len() <= MAX_CYCLE_HISTORY);
                     let made = catch_unwind(AssertUnwindSafe(|| Workspace::new("P", config).map(|_| ())));
                     prop_assert!(made.is_ok(), "Workspace::new panicked");
                     if let Err(err) = made.unwrap() {

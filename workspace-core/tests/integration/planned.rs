@@ -440,7 +440,7 @@ fn a_replayed_cycle_is_counted_alike_on_the_short_and_the_general_close() {
             .learning(LearningPolicy::None)
             .spill(SpillPolicy::External)
             .initial_size(4096)
-            .timeline_len(timeline)
+            .cycle_history_len(timeline)
             .build()
             .unwrap();
         let ws = group.workspace("A", &config).unwrap();

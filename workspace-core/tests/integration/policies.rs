@@ -103,8 +103,8 @@ impl Target for Host {
         ws.reset_peak()
     }
 
-    fn timeline(ws: &Workspace) -> Vec<usize> {
-        ws.timeline()
+    fn cycle_history(ws: &Workspace) -> Vec<usize> {
+        ws.cycle_history()
     }
 
     fn config(ws: &Workspace) -> &WorkspaceConfig {
@@ -287,8 +287,8 @@ impl Target for Member {
         ws.ws.reset_peak()
     }
 
-    fn timeline(ws: &MemberWs) -> Vec<usize> {
-        ws.ws.timeline()
+    fn cycle_history(ws: &MemberWs) -> Vec<usize> {
+        ws.ws.cycle_history()
     }
 
     fn config(ws: &MemberWs) -> &WorkspaceConfig {

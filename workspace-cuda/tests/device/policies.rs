@@ -90,8 +90,8 @@ impl<D: Device> Target for D {
         ws.reset_peak()
     }
 
-    fn timeline(ws: &DeviceWorkspace<D>) -> Vec<usize> {
-        ws.timeline()
+    fn cycle_history(ws: &DeviceWorkspace<D>) -> Vec<usize> {
+        ws.cycle_history()
     }
 
     fn config(ws: &DeviceWorkspace<D>) -> &WorkspaceConfig {
@@ -591,8 +591,8 @@ impl<D: Device> Target for DeviceMember<D> {
         ws.ws.reset_peak()
     }
 
-    fn timeline(ws: &MemberWs<D>) -> Vec<usize> {
-        ws.ws.timeline()
+    fn cycle_history(ws: &MemberWs<D>) -> Vec<usize> {
+        ws.ws.cycle_history()
     }
 
     fn config(ws: &MemberWs<D>) -> &WorkspaceConfig {
