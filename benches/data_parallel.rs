@@ -21,7 +21,9 @@
 use std::time::Instant;
 
 use carve::alloc_check::{process_counts, CountingAllocator, Threads};
-use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig, ParallelStats, Updater};
+use carve::nn::{
+    parallel::DataParallel, parallel::ParallelConfig, parallel::ParallelStats, Network, NetworkConfig, Updater,
+};
 use clap::Parser;
 use ndarray::{Array1, Array2};
 

@@ -9,7 +9,7 @@
 
 use std::time::Instant;
 
-use carve::nn::{BatchShape, DryPass};
+use carve::nn::{dry::BatchShape, dry::DryPass};
 use carve::WorkspaceMode;
 
 #[path = "demo_networks.rs"]

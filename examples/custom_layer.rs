@@ -21,8 +21,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use carve::nn::{
-    BackwardCtx, DataParallel, ForwardCtx, InferencePool, Init, Layer, Model, Network, NetworkConfig, ParallelConfig,
-    ParamShape, PoolConfig, RowsPass, Updater,
+    parallel::DataParallel, parallel::ParallelConfig, serve::InferencePool, serve::Model, serve::PoolConfig,
+    BackwardCtx, ForwardCtx, Init, Layer, Network, NetworkConfig, ParamShape, RowsPass, Updater,
 };
 use carve::{freeze, WorkspaceMode};
 use clap::Parser;

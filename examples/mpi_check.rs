@@ -1,5 +1,5 @@
 //! Checks the MPI reducer under `mpirun` (the `mpi` feature): every process trains the
-//! same MLP on the same batches through [`carve::nn::Mpi`], one shard each, and rank 0
+//! same MLP on the same batches through [`carve::nn::parallel::Mpi`], one shard each, and rank 0
 //! trains a [`DataParallel`] of as many *threads* alongside: the losses must be the
 //! same bits, step for step, and rank 0's copy of the trained weights must give the
 //! threads' outputs, bit for bit.
@@ -26,7 +26,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use carve::ndarray::{Array1, Array2};
-use carve::nn::{DataParallel, Mpi, Network, NetworkConfig, ParallelConfig, Reducer, Updater};
+use carve::nn::{
+    parallel::DataParallel, parallel::Mpi, parallel::ParallelConfig, parallel::Reducer, Network, NetworkConfig, Updater,
+};
 use clap::Parser;
 
 /// Checks the MPI reducer against threads, or a peer's fault.

@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use carve::alloc_check::{process_counts, reset_thread_peak, thread_counts, CountingAllocator, Threads};
 use carve::async_iter::{BatchSource, Prefetcher, Role, Sequences, Threading, MAX_DEPTH};
-use carve::nn::{BatchShape, DryPass, Input, MemoryEstimate, Network, NetworkConfig, Updater};
+use carve::nn::{dry::BatchShape, dry::DryPass, dry::MemoryEstimate, Input, Network, NetworkConfig, Updater};
 use carve::workspace_core::timeline::Timeline;
 use carve::WorkspaceMode;
 use clap::Parser;
@@ -117,7 +117,7 @@ struct Args {
     #[arg(long, value_name = "FILE", value_parser = plot::parse_plot_path, verbatim_doc_comment)]
     plot: Option<std::path::PathBuf>,
     /// Save the trained network to FILE as a safetensors model
-    /// (`carve::nn::Model::load` serves it); with --compare, the
+    /// (`carve::nn::serve::Model::load` serves it); with --compare, the
     /// first mode's (all modes train the same weights)
     #[arg(long, value_name = "FILE", verbatim_doc_comment)]
     save: Option<std::path::PathBuf>,
@@ -201,7 +201,7 @@ struct Trace {
     capacity_final: usize,
     /// Heap allocations of the other threads (the prefetcher's producer) per epoch.
     producer_allocs: Vec<u64>,
-    plan: Option<carve::nn::PlannedStats>,
+    plan: Option<carve::nn::workspaces::PlannedStats>,
     /// Planned mode: plans made (one per batch shape, and one per re-plan), the arena's
     /// bytes and the lower bound of the plan that sized it (the largest).
     plans: Option<(u64, usize, usize)>,

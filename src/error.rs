@@ -111,7 +111,7 @@ pub enum Error {
         message: String,
     },
 
-    /// A data-parallel worker failed a training step ([`crate::nn::DataParallel`]):
+    /// A data-parallel worker failed a training step ([`crate::nn::parallel::DataParallel`]):
     /// `worker` is its rank (its shard of the batch), `layer` the layer it failed in
     /// ("input, loss or update" outside the layers), `source` its error. The step was
     /// abandoned by every worker before any weight or updater state changed.

@@ -3,7 +3,7 @@
 //! process-wide (every worker thread), leaving out the harness's main thread, and the
 //! binary holds one test, so that nothing but the trainer is counted.
 
-use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig};
+use carve::nn::{parallel::DataParallel, parallel::ParallelConfig, Network, NetworkConfig};
 use carve::workspace_core::alloc_check::CountingAllocator;
 use carve::workspace_core::alloc_check::{process_counts, Threads};
 use carve::WorkspaceMode;

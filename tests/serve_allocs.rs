@@ -8,7 +8,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+use carve::nn::{serve::InferencePool, serve::PoolConfig, Network, NetworkConfig};
 use carve::workspace_core::alloc_check::CountingAllocator;
 use carve::workspace_core::alloc_check::{process_counts, Threads};
 use ndarray::Array2;

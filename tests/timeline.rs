@@ -172,7 +172,7 @@ fn an_exported_network_trace_reads_back_and_a_detached_network_is_recorded_no_mo
     assert!(
         inference.iter().any(|e| e["args"]["layer"] == first.as_str()
             && e["args"]["role"] == "Activations"
-            && e["args"]["workspace"] == carve::nn::names::INFERENCE_ACT),
+            && e["args"]["workspace"] == carve::nn::workspaces::names::INFERENCE_ACT),
         "{inference:?}"
     );
     assert!(inference.iter().all(|e| ["Activations", "FfWorkingMem"].contains(&e["args"]["role"].as_str().unwrap())));

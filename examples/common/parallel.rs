@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use carve::alloc_check::{reset_thread_peak, thread_counts};
-use carve::nn::{DataParallel, Input, Labels, Network, ParallelConfig, ParallelStats};
+use carve::nn::{parallel::DataParallel, parallel::ParallelConfig, parallel::ParallelStats, Input, Labels, Network};
 
 /// How the workers reduce (`--reducer`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +62,7 @@ pub(crate) struct Setup {
     pub(crate) reducer: ReducerArg,
     pub(crate) rank: usize,
     #[cfg(feature = "mpi")]
-    mpi: Option<carve::nn::Mpi>,
+    mpi: Option<carve::nn::parallel::Mpi>,
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -83,8 +83,8 @@ impl Setup {
         }
         #[cfg(feature = "mpi")]
         {
-            use carve::nn::Reducer;
-            let mpi = carve::nn::Mpi::init()?;
+            use carve::nn::parallel::Reducer;
+            let mpi = carve::nn::parallel::Mpi::init()?;
             let (rank, size) = (mpi.rank(), mpi.workers());
             if let Some(n) = workers.filter(|&n| n != size) {
                 return Err(format!("--workers {n} under mpirun of {size} processes: one worker per process").into());

@@ -67,7 +67,7 @@
 //!
 //! ## Data-parallel training (`--workers`, `--reducer`)
 //!
-//! With either flag the network trains through [`carve::nn::DataParallel`]: each batch of
+//! With either flag the network trains through [`carve::nn::parallel::DataParallel`]: each batch of
 //! the prefetcher is cut into N shards of consecutive rows, views of the prefetch ring
 //! (nothing is copied), one per worker; the weights and Adam's state are held once;
 //! each worker writes its gradients into its gradient buckets, which are reduced in

@@ -35,9 +35,9 @@ pub(crate) struct Summary {
     pub(crate) test_accuracy_per_epoch: Vec<f64>,
     pub(crate) prefetch: PrefetchStats,
     /// The memory plan of iteration 2 (workspaces enabled).
-    pub(crate) plan: Option<carve::nn::PlannedStats>,
+    pub(crate) plan: Option<carve::nn::workspaces::PlannedStats>,
     /// The dry run's estimate, made before the first step.
-    pub(crate) estimate: carve::nn::MemoryEstimate,
+    pub(crate) estimate: carve::nn::dry::MemoryEstimate,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {

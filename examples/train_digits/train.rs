@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use carve::async_iter::{InMemory, Prefetcher, Threading};
-use carve::nn::{BatchShape, DryPass, MemoryEstimate, Network, NetworkConfig, Updater};
+use carve::nn::{dry::BatchShape, dry::DryPass, dry::MemoryEstimate, Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ndarray::{Ix1, Ix2};

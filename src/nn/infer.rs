@@ -4,8 +4,8 @@
 //! buffer, the most probable classes) are written once, here.
 //!
 //! [`Network`]: super::Network
-//! [`Model`]: super::Model
-//! [`InferencePool`]: super::InferencePool
+//! [`Model`]: super::serve::Model
+//! [`InferencePool`]: super::serve::InferencePool
 
 use ndarray::{Array2, ArrayView1, ArrayView2, ArrayViewMut2, Axis};
 
@@ -13,9 +13,9 @@ use super::network::Input;
 use crate::{Error, Result};
 
 /// Computes class probabilities: implemented by [`Network`](super::Network) (in its
-/// inference workspaces), [`Model`](super::Model) and `&Model` (in the calling thread's
-/// serving workspaces), [`InferencePool`](super::InferencePool) and `&InferencePool` (in
-/// a leased arena, or a batch), and [`PoolLease`](super::PoolLease) (in its arena).
+/// inference workspaces), [`Model`](super::serve::Model) and `&Model` (in the calling thread's
+/// serving workspaces), [`InferencePool`](super::serve::InferencePool) and `&InferencePool` (in
+/// a leased arena, or a batch), and [`PoolLease`](super::serve::PoolLease) (in its arena).
 ///
 /// The methods take `&mut self`, as a network's inference does; the shared forms are
 /// implemented for shared references too (as `std::io::Read` is for `&File`), so that a
@@ -25,7 +25,7 @@ use crate::{Error, Result};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use carve::nn::{Infer, InferencePool, Network, NetworkConfig, PoolConfig};
+/// use carve::nn::{Infer, serve::InferencePool, Network, NetworkConfig, serve::PoolConfig};
 /// use carve::ndarray::Array2;
 ///
 /// /// The most probable class of each row, from anything that infers.

@@ -355,7 +355,7 @@ pub struct RowsPass<'p> {
 
 /// A layer: its configuration and its passes, through `&self`, written once for
 /// training ([`Network`](crate::nn::Network)), every data-parallel worker, serving
-/// ([`Model`](crate::nn::Model)) and dry runs.
+/// ([`Model`](crate::nn::serve::Model)) and dry runs.
 ///
 /// A layer holds no parameters. The network holds every layer's parameters in one flat
 /// buffer (the layers in backward order, the layout data-parallel training reduces) and

@@ -19,7 +19,7 @@ use crate::{Error, Result};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig, MAX_THREADS};
+/// use carve::nn::{serve::InferencePool, Network, NetworkConfig, serve::PoolConfig, limits::MAX_THREADS};
 ///
 /// let model = Arc::new(Network::new(NetworkConfig::builder(4).dense(3).build()?)?.freeze()?);
 /// let refused = InferencePool::new(model, PoolConfig::direct(MAX_THREADS + 1));
@@ -28,7 +28,7 @@ use crate::{Error, Result};
 /// ```
 pub const MAX_THREADS: usize = 4096;
 
-/// The most workers (processes, typically MPI ranks) that a [`Reducer`](crate::nn::Reducer)
+/// The most workers (processes, typically MPI ranks) that a [`Reducer`](crate::nn::parallel::Reducer)
 /// may report: a trainer keeps a report and a partial loss per worker and walks them
 /// every step.
 pub const MAX_RANKS: usize = 1 << 20;
@@ -43,7 +43,7 @@ pub(crate) fn check_threads(what: &str, count: usize) -> Result<()> {
         return Err(Error::InvalidConfig {
             reason: format!(
                 "{what}: {count} asked for, more than the {MAX_THREADS} that carve starts at most \
-                 (carve::nn::MAX_THREADS); the machine's cores are a good choice"
+                 (carve::nn::limits::MAX_THREADS); the machine's cores are a good choice"
             ),
         });
     }

@@ -2,7 +2,7 @@
 //! gradients, each moment of the updater), the layers in backward order (the last
 //! layer's first), so that the gradients a backward pass finishes first are contiguous
 //! and can be reduced while the pass goes on. [`Network`](crate::nn::Network),
-//! every data-parallel worker and [`Model`](crate::nn::Model) share this layout: a
+//! every data-parallel worker and [`Model`](crate::nn::serve::Model) share this layout: a
 //! network's buffers are handed to a trainer or a model as they are.
 
 use std::ops::Range;

@@ -3,7 +3,7 @@
 //! repository ships (the demo's MLP, another one, the LSTM of the sequences demo) in
 //! every workspace mode, at several shapes; a dry run changes nothing of the network.
 
-use carve::nn::{BatchShape, DryPass, Input, Labels, MemoryEstimate, Network, NetworkConfig, Updater};
+use carve::nn::{dry::BatchShape, dry::DryPass, dry::MemoryEstimate, Input, Labels, Network, NetworkConfig, Updater};
 use carve::{Error, WorkspaceMode};
 use ndarray::{s, Array1, Array2, Array3};
 

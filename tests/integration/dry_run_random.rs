@@ -9,7 +9,10 @@
 //! `CARVE_DRY_RUN_SEED=<seed>` runs that one case alone. 1,000 cases per run (a few
 //! seconds), `PROPTEST_CASES` for more (see [`cases`]).
 
-use carve::nn::{names, BatchShape, DryPass, Input, Labels, MemoryEstimate, Network, NetworkConfig, Rng, Updater};
+use carve::nn::{
+    dry::BatchShape, dry::DryPass, dry::MemoryEstimate, workspaces::names, Input, Labels, Network, NetworkConfig, Rng,
+    Updater,
+};
 use carve::{LearningPolicy, WorkspaceManager, WorkspaceMode};
 use ndarray::{s, Array1, Array2, Array3};
 

@@ -173,7 +173,7 @@ fn train_sequences_saves_a_model_that_serves_sequences() {
         run("train_sequences", &["--epochs", "1", "--hidden", "8", "--head", "mean", "--save", path.to_str().unwrap()]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert!(text(&output.stdout).contains("model saved to"), "{}", text(&output.stdout));
-    let model = carve::nn::Model::load(&path).expect("the saved model loads");
+    let model = carve::nn::serve::Model::load(&path).expect("the saved model loads");
     std::fs::remove_file(&path).unwrap();
     assert_eq!((model.inputs(), model.classes()), (12, 9));
     let names: Vec<&str> = model.layers().iter().map(|l| l.name()).collect();

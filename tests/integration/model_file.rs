@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use carve::nn::{Dense, Input, Lstm, Model, Network, NetworkConfig, Rng};
+use carve::nn::{serve::Model, Dense, Input, Lstm, Network, NetworkConfig, Rng};
 use carve::Error;
 use ndarray::{Array1, Array2, Array3, ArrayD};
 

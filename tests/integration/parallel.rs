@@ -2,7 +2,7 @@
 //! single-thread shard mode, agreement with plain training, faults.
 
 use carve::ndarray::{Array1, Array2, Array3};
-use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig, Updater};
+use carve::nn::{parallel::DataParallel, parallel::ParallelConfig, Network, NetworkConfig, Updater};
 use carve::{Error, WorkspaceMode};
 
 fn data(rows: usize, cols: usize, classes: u32) -> (Array2<f32>, Array1<u32>) {

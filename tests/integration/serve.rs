@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use carve::nn::{ForwardCtx, InferencePool, Input, Layer, Model, Network, NetworkConfig, PoolConfig, PoolMode, Rng};
+use carve::nn::{
+    serve::InferencePool, serve::Model, serve::PoolConfig, serve::PoolMode, ForwardCtx, Input, Layer, Network,
+    NetworkConfig, Rng,
+};
 use carve::{Error, LayerWorkspaceMgr, WorkspaceMode};
 use ndarray::{Array2, Array3, ArrayView2};
 
@@ -572,7 +575,7 @@ fn pool_sizes_the_machine_cannot_give_are_refused_by_new_not_aborts_in_a_worker(
         assert!(reason.contains(&format!("max_batch {max_batch}")) && reason.contains(bytes), "{reason}");
     }
     // Counts of arenas (and worker threads) are bounded before anything is made.
-    for workers in [carve::nn::MAX_THREADS + 1, usize::MAX] {
+    for workers in [carve::nn::limits::MAX_THREADS + 1, usize::MAX] {
         for config in [PoolConfig::direct(workers), PoolConfig::batched(workers, 4, Duration::ZERO)] {
             let refused = InferencePool::new(model.clone(), config);
             let Err(Error::InvalidConfig { reason }) = refused else { panic!("{workers} workers: {refused:?}") };
@@ -588,13 +591,13 @@ fn pool_sizes_the_machine_cannot_give_are_refused_by_new_not_aborts_in_a_worker(
 
 #[test]
 fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
-    use carve::nn::{DataParallel, ParallelConfig};
+    use carve::nn::{parallel::DataParallel, parallel::ParallelConfig};
     let mut net = mlp(WorkspaceMode::Enabled, 2);
-    for threads in [0, carve::nn::MAX_THREADS + 1, usize::MAX] {
+    for threads in [0, carve::nn::limits::MAX_THREADS + 1, usize::MAX] {
         let refused = net.set_threads(threads).unwrap_err();
         assert!(matches!(refused, Error::InvalidConfig { .. }), "{threads}: {refused}");
     }
-    for workers in [0, carve::nn::MAX_THREADS + 1, usize::MAX] {
+    for workers in [0, carve::nn::limits::MAX_THREADS + 1, usize::MAX] {
         for config in [ParallelConfig::threads(workers), ParallelConfig::sequential(workers)] {
             let refused = DataParallel::new(mlp(WorkspaceMode::Enabled, 2), config).map(drop).unwrap_err();
             assert!(matches!(&refused, Error::InvalidConfig { reason } if reason.contains("workers")), "{refused}");
@@ -603,7 +606,7 @@ fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
     // A reducer (a safe trait: untrusted) that claims more workers than a trainer keeps
     // reports for: refused before a report is allocated.
     struct Vast(usize);
-    impl carve::nn::Reducer for Vast {
+    impl carve::nn::parallel::Reducer for Vast {
         fn workers(&self) -> usize {
             self.0
         }
@@ -613,11 +616,15 @@ fn thread_counts_beyond_the_bound_are_refused_in_training_too() {
         fn reduce(&mut self, _: &mut [f32]) -> carve::Result<std::ops::Range<usize>> {
             unreachable!("never called: the trainer is refused")
         }
-        fn exchange(&mut self, _: carve::nn::Report, _: &mut [carve::nn::Report]) -> carve::Result<()> {
+        fn exchange(
+            &mut self,
+            _: carve::nn::parallel::Report,
+            _: &mut [carve::nn::parallel::Report],
+        ) -> carve::Result<()> {
             unreachable!("never called: the trainer is refused")
         }
     }
-    for workers in [carve::nn::MAX_RANKS + 1, 1 << 40, usize::MAX] {
+    for workers in [carve::nn::limits::MAX_RANKS + 1, 1 << 40, usize::MAX] {
         let refused = DataParallel::with_reducer(mlp(WorkspaceMode::Enabled, 2), Box::new(Vast(workers)), 1 << 20)
             .map(drop)
             .unwrap_err();

@@ -595,7 +595,7 @@ fn save_writes_a_model_that_loads_and_a_bad_path_is_refused_before_training() {
         assert_eq!(last_json(&output)["saved"].as_str(), Some(file.as_str()));
         assert!(text(&output.stderr).contains("model saved to"), "{}", text(&output.stderr));
     }
-    let model = carve::nn::Model::load(&a).expect("the saved model loads");
+    let model = carve::nn::serve::Model::load(&a).expect("the saved model loads");
     assert_eq!((model.inputs(), model.classes()), (64, 10));
     assert_eq!(model.weight_bytes(), (64 * 16 + 16 + 16 * 10 + 10) * 4);
     let probabilities = model.output(ndarray::Array2::<f32>::ones((3, 64)).view()).unwrap();

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::roles::WorkspaceMode;
 
 /// How the arena capacity follows from the learned size.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -546,6 +547,22 @@ impl WorkspaceConfigBuilder {
             );
         }
         Ok(c)
+    }
+}
+
+/// A workspace mode by name (`enabled`, `planned`, `none`, any case), as configuration
+/// files and command lines give it.
+impl std::str::FromStr for WorkspaceMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<WorkspaceMode> {
+        match s.to_ascii_lowercase().as_str() {
+            "enabled" => Ok(WorkspaceMode::Enabled),
+            "none" => Ok(WorkspaceMode::None),
+            "planned" => Ok(WorkspaceMode::Planned),
+            _ => Err(Error::InvalidConfig {
+                reason: format!("unknown workspace mode '{s}': use 'enabled', 'planned' or 'none'"),
+            }),
+        }
     }
 }
 

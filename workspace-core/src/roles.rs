@@ -5,8 +5,6 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
-
 /// Whether a network uses workspaces, set separately for training and inference.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -37,20 +35,6 @@ impl WorkspaceMode {
 impl fmt::Display for WorkspaceMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for WorkspaceMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<WorkspaceMode> {
-        match s.to_ascii_lowercase().as_str() {
-            "enabled" => Ok(WorkspaceMode::Enabled),
-            "none" => Ok(WorkspaceMode::None),
-            "planned" => Ok(WorkspaceMode::Planned),
-            _ => Err(Error::InvalidConfig {
-                reason: format!("unknown workspace mode '{s}': use 'enabled', 'planned' or 'none'"),
-            }),
-        }
     }
 }
 

@@ -46,7 +46,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use carve::nn::{InferencePool, Model, PoolConfig, PoolMode};
+use carve::nn::{serve::InferencePool, serve::Model, serve::PoolConfig, serve::PoolMode};
 use clap::Parser;
 
 #[path = "../../../examples/common/cli.rs"]

@@ -15,7 +15,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use carve::nn::InferencePool;
+use carve::nn::serve::InferencePool;
 use carve::Error;
 use ndarray::Array2;
 use serde_json::Value;

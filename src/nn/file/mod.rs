@@ -40,7 +40,8 @@ use self::safetensors::{file_error, Out, Tensors};
 use super::layer::{Layer, ParamShape};
 use super::limits::reserve_filled;
 use super::params::Params;
-use super::{Dense, LastStep, Lstm, MaskedMean, Model, Network, NetworkConfig, Relu};
+use super::serve::Model;
+use super::{Dense, LastStep, Lstm, MaskedMean, Network, NetworkConfig, Relu};
 use crate::{Error, Result};
 
 /// The metadata key of the layer configuration.
@@ -159,7 +160,7 @@ impl Model {
     /// that their sum gives back each bias exactly.
     ///
     /// ```
-    /// use carve::nn::{Model, Network, NetworkConfig};
+    /// use carve::nn::{serve::Model, Network, NetworkConfig};
     /// use carve::ndarray::Array2;
     ///
     /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).seed(7).build()?)?;

@@ -46,7 +46,7 @@ pub mod names {
 ///
 /// Layers hold no parameters, so a configuration is cheap to clone (its layers are
 /// shared): the one a network was built from also loads its saved models
-/// ([`Model::load_with`](crate::nn::Model::load_with)).
+/// ([`Model::load_with`](crate::nn::serve::Model::load_with)).
 #[derive(Clone)]
 pub struct NetworkConfig {
     pub(super) inputs: usize,

@@ -459,7 +459,7 @@ impl Network {
     ///   cannot hold is the allocation's error, not an estimate.
     ///
     /// ```
-    /// use carve::nn::{BatchShape, DryPass, Network, NetworkConfig};
+    /// use carve::nn::{dry::BatchShape, dry::DryPass, Network, NetworkConfig};
     /// use carve::ndarray::{Array1, Array2};
     ///
     /// let mut net = Network::new(NetworkConfig::builder(64).dense(128).relu().dense(10).build()?)?;

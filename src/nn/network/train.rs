@@ -114,7 +114,7 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 threads or more than [`MAX_THREADS`](crate::nn::MAX_THREADS), or a
+    /// [`Error::InvalidConfig`] for 0 threads or more than [`MAX_THREADS`](crate::nn::limits::MAX_THREADS), or a
     /// thread that cannot start.
     pub fn set_threads(&mut self, threads: usize) -> Result<()> {
         self.pool = None;

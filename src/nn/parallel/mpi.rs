@@ -44,7 +44,7 @@ use super::reduce::{share, Reducer, Report};
 /// dropping the reducer ends the job rather than wait in `MPI_Finalize`.
 ///
 /// ```no_run
-/// # use carve::nn::{DataParallel, Mpi, Network, NetworkConfig};
+/// # use carve::nn::{parallel::DataParallel, parallel::Mpi, Network, NetworkConfig};
 /// # fn main() -> carve::Result<()> {
 /// // Run as `mpirun -np 2 <program>`: every process builds the same network and sees
 /// // the same batches; each trains on its shard.

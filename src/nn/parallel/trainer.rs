@@ -36,7 +36,7 @@ pub enum ReducerKind {
     /// same order: the same bits as [`ReducerKind::Threads`] with as many workers.
     Sequential,
     /// One worker in this process, reducing with the workers of other processes through
-    /// a [`Reducer`] given to [`DataParallel::with_reducer`] (MPI: `carve::nn::Mpi`, the
+    /// a [`Reducer`] given to [`DataParallel::with_reducer`] (MPI: `carve::nn::parallel::Mpi`, the
     /// `mpi` feature).
     Process,
 }
@@ -145,7 +145,7 @@ struct Control {
 /// by that many threads that share one copy of the weights and of the updater's state.
 ///
 /// ```
-/// use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig};
+/// use carve::nn::{parallel::DataParallel, Network, NetworkConfig, parallel::ParallelConfig};
 /// use carve::ndarray::{Array1, Array2};
 ///
 /// let x = Array2::from_shape_fn((64, 4), |(r, c)| ((r * 7 + c * 3) % 11) as f32 / 11.0);
@@ -201,7 +201,7 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS);
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::limits::MAX_THREADS);
     /// workspace errors of a worker's planned arena; an error starting a thread.
     pub fn new(network: Network, config: ParallelConfig) -> Result<DataParallel> {
         check_threads("a data-parallel trainer's workers", config.workers)?;
@@ -221,7 +221,7 @@ impl DataParallel {
     }
 
     /// A trainer of one worker in this process that reduces with the workers of other
-    /// processes through `reducer` (MPI: `carve::nn::Mpi`, the `mpi` feature), each process holding
+    /// processes through `reducer` (MPI: `carve::nn::parallel::Mpi`, the `mpi` feature), each process holding
     /// its own copy of the weights and the updater's state. Every process runs the same
     /// steps on the same batches; worker `r` (this process, `reducer.rank()`) trains on
     /// the `r`-th of `reducer.workers()` shards of each, and updates every parameter from
@@ -243,7 +243,7 @@ impl DataParallel {
             return Err(Error::InvalidConfig {
                 reason: format!(
                     "a reducer of {workers} workers, more than the {MAX_RANKS} a trainer keeps reports for \
-                     (carve::nn::MAX_RANKS)"
+                     (carve::nn::limits::MAX_RANKS)"
                 ),
             });
         }
@@ -396,7 +396,7 @@ impl DataParallel {
     /// collective calls): that step still changed nothing, but every later step fails
     /// with [`Error::Reduction`] (`into_network` gives the weights back). Under MPI, a
     /// peer that does not answer within the reducer's timeout ends the job instead (see
-    /// `carve::nn::Mpi`).
+    /// `carve::nn::parallel::Mpi`).
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let measured = profile::start(self.breakdown.is_some());
         let loss = self.fit_batch_unmeasured(x.into(), labels.into())?;
@@ -412,7 +412,7 @@ impl DataParallel {
     /// the other workers and the reduction count as bookkeeping.
     ///
     /// ```
-    /// use carve::nn::{DataParallel, Network, NetworkConfig, ParallelConfig};
+    /// use carve::nn::{parallel::DataParallel, Network, NetworkConfig, parallel::ParallelConfig};
     /// use carve::ndarray::{Array1, Array2};
     ///
     /// let net = Network::new(NetworkConfig::builder(8).dense(16).relu().dense(3).build()?)?;

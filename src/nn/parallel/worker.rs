@@ -40,7 +40,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// A shared part of no layers: what a trainer is left with once
-    /// [`DataParallel::into_network`](crate::nn::DataParallel::into_network) took its own.
+    /// [`DataParallel::into_network`](crate::nn::parallel::DataParallel::into_network) took its own.
     pub(crate) fn empty() -> Shared {
         Shared {
             layers: Arc::from(Vec::<Box<dyn Layer>>::new()),

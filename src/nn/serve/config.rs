@@ -22,7 +22,7 @@ pub enum PoolMode {
 ///
 /// ```
 /// use std::time::Duration;
-/// use carve::nn::{PoolConfig, PoolMode};
+/// use carve::nn::{serve::PoolConfig, serve::PoolMode};
 ///
 /// let config = PoolConfig::batched(4, 64, Duration::from_micros(200)).with_arena_stacks(true);
 /// assert_eq!((config.workers, config.mode, config.arena_stacks), (4, PoolMode::Batched, true));

@@ -34,7 +34,7 @@ use crate::{Error, Result};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use carve::nn::{Model, Network, NetworkConfig};
+/// use carve::nn::{serve::Model, Network, NetworkConfig};
 /// use carve::ndarray::Array2;
 ///
 /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).seed(7).build()?)?;

@@ -141,7 +141,7 @@ fn infer_in_arena<R>(
 ///
 /// ```
 /// use std::sync::{Arc, Mutex, PoisonError};
-/// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+/// use carve::nn::{serve::InferencePool, Network, NetworkConfig, serve::PoolConfig};
 /// use carve::ndarray::Array2;
 ///
 /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).build()?)?;
@@ -169,7 +169,7 @@ impl InferencePool {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::MAX_THREADS);
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::limits::MAX_THREADS);
     /// batched: a `max_batch` of 0, or batch buffers (K × `max_batch` rows of the
     /// model's inputs) that the machine cannot allocate, naming their size.
     pub fn new(model: Arc<Model>, config: PoolConfig) -> Result<InferencePool> {
@@ -208,7 +208,7 @@ impl InferencePool {
     ///
     /// ```compile_fail,E0597
     /// # use std::sync::{Arc, Mutex, PoisonError};
-    /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// # use carve::nn::{serve::InferencePool, Network, NetworkConfig, serve::PoolConfig};
     /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
     /// # let model = Arc::new(net.freeze().unwrap());
     /// let lease = {
@@ -220,7 +220,7 @@ impl InferencePool {
     ///
     /// ```compile_fail
     /// # use std::sync::{Arc, Mutex, PoisonError};
-    /// # use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// # use carve::nn::{serve::InferencePool, Network, NetworkConfig, serve::PoolConfig};
     /// # use carve::ndarray::Array2;
     /// # let net = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap();
     /// # let pool = InferencePool::new(Arc::new(net.freeze().unwrap()), PoolConfig::direct(1)).unwrap();
@@ -353,7 +353,7 @@ impl InferencePool {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use carve::nn::{InferencePool, Network, NetworkConfig, PoolConfig};
+    /// use carve::nn::{serve::InferencePool, Network, NetworkConfig, serve::PoolConfig};
     /// use carve::ndarray::Array2;
     ///
     /// let net = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).build()?)?;
