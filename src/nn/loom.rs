@@ -33,8 +33,8 @@ use std::sync::atomic::Ordering;
 use super::parallel::reduce::{Reducer, Threads};
 use super::serve::batcher::{BatchBuffers, Batcher};
 use super::serve::turns::{Counters, Turns, Wait};
+use super::serve::PoolConfig;
 use super::sync::Gate;
-use super::PoolConfig;
 use crate::Error;
 
 /// A caller's request of one row, queued with a timeout that has expired at once,
