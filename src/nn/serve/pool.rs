@@ -94,9 +94,19 @@ impl Shared {
     /// returns.
     fn start_workers(self: &Arc<Shared>, buffers: Vec<BatchBuffers>) -> Result<Vec<JoinHandle<()>>> {
         let mut threads = Vec::with_capacity(buffers.len());
+        // Each worker says when it runs: `new` returns a pool whose workers have started
+        // (a thread's start-up is not the first request's work).
+        let started = Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
         for (i, buffers) in buffers.into_iter().enumerate() {
             let worker = Arc::clone(self);
+            let started = Arc::clone(&started);
             let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
+                {
+                    let (count, changed) = &*started;
+                    *count.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+                    changed.notify_all();
+                }
+                drop(started);
                 let batcher = worker.batcher.as_ref().expect("a batched pool");
                 batcher.serve(buffers, &worker.arenas, &worker.model);
             });
@@ -113,6 +123,12 @@ impl Shared {
                 }
             }
         }
+        let (count, changed) = &*started;
+        let mut running = count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *running < threads.len() {
+            running = changed.wait(running).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        drop(running);
         Ok(threads)
     }
 }
