@@ -24,8 +24,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{AdamW, LSTMConfig, Optimizer, ParamsAdamW, VarBuilder, VarMap, RNN};
 use carve::alloc_check::CountingAllocator;
 use carve::alloc_check::{process_counts, Threads};
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::nn::{Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, Array3};
 
 #[global_allocator]

@@ -34,8 +34,9 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use carve::alloc_check::{process_counts, CountingAllocator, Threads};
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::nn::{Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
+use carve_rng::Rng;
 use ndarray::{Array1, Array2, Axis};
 
 #[global_allocator]

@@ -6,8 +6,9 @@
 
 use std::hint::black_box;
 
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::nn::{Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
+use carve_rng::Rng;
 use criterion::{criterion_main, Criterion};
 use ndarray::{Array1, Array2};
 

@@ -38,7 +38,8 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use carve::alloc_check::{process_counts, CountingAllocator, Threads};
-use carve::nn::{serve::InferencePool, serve::PoolConfig, serve::PoolMode, Network, NetworkConfig, Rng};
+use carve::nn::{serve::InferencePool, serve::PoolConfig, serve::PoolMode, Network, NetworkConfig};
+use carve_rng::Rng;
 use clap::Parser;
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 use serde_json::{json, Value};

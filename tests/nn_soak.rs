@@ -6,9 +6,10 @@
 
 use carve::alloc_check::{assert_no_alloc, AllocationError, AllocationGuard, CountingAllocator};
 use carve::freeze;
-use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, Rng, RowsPass, Updater};
+use carve::nn::{BackwardCtx, ForwardCtx, Layer, Network, NetworkConfig, RowsPass, Updater};
 use carve::workspace_core::alloc_check::AllocationKind;
 use carve::WorkspaceMode;
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2, Axis};
 
 #[global_allocator]

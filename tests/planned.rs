@@ -5,8 +5,9 @@
 //! new shape are recorded and planned once, then replayed.
 
 use carve::alloc_check::{assert_no_alloc, CountingAllocator};
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::nn::{Network, NetworkConfig, Updater};
 use carve::WorkspaceMode;
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, Array3, ShapeBuilder};
 
 #[global_allocator]

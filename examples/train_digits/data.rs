@@ -5,7 +5,7 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
-use carve::nn::Rng;
+use carve_rng::Rng;
 use flate2::read::GzDecoder;
 use ndarray::{Array1, Array2, Axis};
 

@@ -13,7 +13,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
-use carve::nn::{serve::Model, Network, NetworkConfig, Rng};
+use carve::nn::{serve::Model, Network, NetworkConfig};
+use carve_rng::Rng;
 use ndarray::Array2;
 use serde_json::Value;
 

@@ -1,10 +1,11 @@
 //! Fully connected layer: `y = x · W + b`.
 
 use crate::{Error, Result};
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
+use super::kernels::sum_rows;
 use super::layer::{check_len, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass};
 
 /// A dense layer from `inputs` to `outputs` columns: `inputs × outputs` weights
@@ -125,10 +126,7 @@ fn forward<'a>(
     let outputs = w.ncols();
     let mut out = ctx.activations.rows_of(&b, batch)?;
     let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
-    // A dry run (shape-only workspaces) allocates and computes nothing.
-    if !ctx.working.is_shape_only() {
-        sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
-    }
+    sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
     Ok(freeze(out))
 }
 
@@ -142,7 +140,7 @@ fn backward(
     input: ArrayView2<'_, f32>,
     grad_output: ArrayView2<'_, f32>,
     mut gw: ArrayViewMut2<'_, f32>,
-    mut gb: ArrayViewMut1<'_, f32>,
+    gb: ArrayViewMut1<'_, f32>,
     grad_input: Option<ArrayViewMut2<'_, f32>>,
     ctx: &BackwardCtx<'_>,
 ) -> Result<()> {
@@ -158,17 +156,10 @@ fn backward(
     }
     let need = scratch_len(inputs, outputs, batch).max(scratch_len(batch, inputs, outputs));
     let scratch = ctx.working.slice_uninit::<f32>(need)?;
-    if ctx.working.is_shape_only() {
-        // A dry run: allocated, nothing computed.
-        return Ok(());
-    }
     // dW = xᵀ · dy
     sgemm(1.0, input.t(), grad_output, 0.0, gw.view_mut(), scratch)?;
     // db = Σ_rows dy, summed in row order (deterministic)
-    gb.fill(0.0);
-    for row in grad_output.rows() {
-        Zip::from(&mut gb).and(&row).for_each(|acc, &g| *acc += g);
-    }
+    sum_rows(gb, grad_output);
     // dx = dy · Wᵀ
     if let Some(grad_input) = grad_input {
         sgemm(1.0, grad_output, w.t(), 0.0, grad_input, scratch)?;

@@ -308,11 +308,11 @@ impl ParamShape {
 /// are initialised in order from one generator, so the same seed gives the same
 /// parameters on every machine.
 pub struct Init<'r> {
-    rng: &'r mut crate::nn::Rng,
+    rng: &'r mut carve_rng::Rng,
 }
 
 impl<'r> Init<'r> {
-    pub(crate) fn new(rng: &'r mut crate::nn::Rng) -> Init<'r> {
+    pub(crate) fn new(rng: &'r mut carve_rng::Rng) -> Init<'r> {
         Init { rng }
     }
 
@@ -527,9 +527,10 @@ pub trait Layer: Any + Send + Sync {
     /// `ctx.activations`. What the default [`Layer::forward`] calls, for a flat batch and
     /// for every step of a batch of sequences.
     ///
-    /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) the scopes are
-    /// shape-only (`ctx.working.is_shape_only()`): a layer then allocates exactly as it
-    /// would and may skip its arithmetic, as carve's layers do.
+    /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) a layer
+    /// allocates exactly as it would; carve's kernels ([`sgemm`](crate::nn::gemm::sgemm)
+    /// among them) compute nothing then, and a layer's own loops may skip their
+    /// arithmetic by asking [`dry::running`](crate::nn::dry::running).
     ///
     /// # Errors
     ///
@@ -670,7 +671,7 @@ pub(crate) fn check_len(layer: &str, what: &str, len: usize, expected: usize) ->
 pub fn initial_params(layer: &dyn Layer, inputs: usize, seed: u64) -> Vec<f32> {
     let count = layer.param_shapes(inputs).iter().map(ParamShape::len).fold(0usize, usize::saturating_add);
     let mut params = vec![0.0; count];
-    let mut rng = crate::nn::Rng::new(seed);
+    let mut rng = carve_rng::Rng::new(seed);
     layer.init(inputs, &mut params, &mut Init::new(&mut rng));
     params
 }

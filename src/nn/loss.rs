@@ -4,6 +4,8 @@ use crate::{Error, Result};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Axis, Zip};
 use workspace_core::{freeze, Scope};
 
+use super::kernels::running;
+
 /// Softmax over each row of the logits, with the mean cross-entropy against integer
 /// class labels as the loss. Its gradient with respect to the logits is
 /// `(softmax − onehot) / batch`.
@@ -19,7 +21,7 @@ impl SoftmaxCrossEntropy {
     /// Allocation errors of `out`.
     pub fn probabilities<'s>(&self, logits: ArrayView2<'_, f32>, out: &'s Scope<'_>) -> Result<ArrayView2<'s, f32>> {
         let mut probs = out.copy_of(&logits)?;
-        if out.is_shape_only() {
+        if running() {
             // A dry run: allocated, nothing computed.
             return Ok(freeze(probs));
         }
@@ -124,12 +126,9 @@ impl SoftmaxCrossEntropy {
         mut grad: ArrayViewMut2<'_, f32>,
     ) -> Result<()> {
         check_labels(&probs, &labels, mask.as_ref())?;
-        if grad.dim() != probs.dim() {
-            return Err(Error::ShapeMismatch {
-                context: "softmax cross-entropy gradient".to_string(),
-                expected: probs.shape().to_vec(),
-                actual: grad.shape().to_vec(),
-            });
+        check_gradient(&probs, &grad)?;
+        if running() {
+            return Ok(());
         }
         Zip::from(&mut grad).and(&probs).for_each(|g, &p| *g = p * scale);
         for (r, (mut row, &label)) in grad.rows_mut().into_iter().zip(labels).enumerate() {
@@ -188,12 +187,10 @@ impl SoftmaxCrossEntropy {
         mut grad: ArrayViewMut2<'_, f32>,
     ) -> Result<f64> {
         check_labels(&logits, &labels, mask.as_ref())?;
-        if grad.dim() != logits.dim() {
-            return Err(Error::ShapeMismatch {
-                context: "softmax cross-entropy gradient".to_string(),
-                expected: logits.shape().to_vec(),
-                actual: grad.shape().to_vec(),
-            });
+        check_gradient(&logits, &grad)?;
+        // A dry run: checked, nothing computed (the gradient stays as allocated).
+        if running() {
+            return Ok(0.0);
         }
         let mut total = 0.0f64;
         for (r, (row, mut g)) in logits.rows().into_iter().zip(grad.rows_mut()).enumerate() {
@@ -217,6 +214,18 @@ impl SoftmaxCrossEntropy {
         }
         Ok(total)
     }
+}
+
+/// Checks that the gradient `grad` is shaped like the logits (or probabilities) `like`.
+fn check_gradient(like: &ArrayView2<'_, f32>, grad: &ArrayViewMut2<'_, f32>) -> Result<()> {
+    if grad.dim() != like.dim() {
+        return Err(Error::ShapeMismatch {
+            context: "softmax cross-entropy gradient".to_string(),
+            expected: like.shape().to_vec(),
+            actual: grad.shape().to_vec(),
+        });
+    }
+    Ok(())
 }
 
 /// Checks the labels (those the mask selects) and returns how many rows count.

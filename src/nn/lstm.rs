@@ -1,14 +1,13 @@
 //! Long short-term memory over batches of sequences, trained by backpropagation
 //! through time, with masks.
 
-use ndarray::{
-    s, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, Axis, Ix3, Zip,
-};
+use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, Axis, Ix3};
 use workspace_core::{freeze, ArrayType, Handle};
 
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
+use super::kernels::{add_rows, fill, lstm_cell_backward, lstm_cell_forward};
 use super::layer::{
     check_grad_input, check_len, check_mask, sequence_grad_input, tape_of, Activations, BackwardCtx, ForwardCtx,
     GradInput, Init, Layer, ParamShape, Pass, Tape,
@@ -282,11 +281,6 @@ impl Lstm {
             }
             let step = ctx.mgr.enter(ArrayType::RnnFfLoopWorkingMem)?;
             let scratch = step.slice_uninit::<f32>(scratch_len)?;
-            if step.is_shape_only() {
-                // A dry run: the step's memory allocated, nothing computed.
-                seen = true;
-                continue;
-            }
             let (mut now, before) = split(&mut cache, cur, prev);
             let mut z = now.slice_mut(s![.., ..GATES * h]);
             for mut row in z.rows_mut() {
@@ -310,23 +304,7 @@ impl Lstm {
                 }
                 let state = state.as_slice_mut().expect("a cache row is contiguous");
                 let previous = previous.map(|p| p.to_slice().expect("a cache row is contiguous"));
-                let mut output = out.slice_mut(s![r, t, ..]);
-                for j in 0..h {
-                    let g = state[j].tanh();
-                    let f = sigmoid(state[h + j]);
-                    let o = sigmoid(state[2 * h + j]);
-                    let i = sigmoid(state[3 * h + j]);
-                    let c_prev = previous.map_or(0.0, |p| p[GATES * h + j]);
-                    let c = f * c_prev + i * g;
-                    let hv = o * c.tanh();
-                    state[j] = g;
-                    state[h + j] = f;
-                    state[2 * h + j] = o;
-                    state[3 * h + j] = i;
-                    state[GATES * h + j] = c;
-                    state[(GATES + 1) * h + j] = hv;
-                    output[j] = hv;
-                }
+                lstm_cell_forward(h, state, previous, out.slice_mut(s![r, t, ..]));
             }
             seen = true;
             drop(step);
@@ -367,10 +345,6 @@ fn split<'c>(
         }
         None => (cache.index_axis_mut(Axis(0), cur), None),
     }
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 impl Layer for Lstm {
@@ -563,14 +537,11 @@ impl Lstm {
     ) -> Result<()> {
         let (batch, steps, _) = input.dim();
         let h = self.hidden;
-        let dry = ctx.working.is_shape_only();
-        if !dry {
-            g.w.fill(0.0);
-            g.u.fill(0.0);
-            g.b.fill(0.0);
-            if let Some(g) = grad_input.as_mut() {
-                g.fill(0.0);
-            }
+        fill(g.w.view_mut(), 0.0);
+        fill(g.u.view_mut(), 0.0);
+        fill(g.b.view_mut(), 0.0);
+        if let Some(g) = grad_input.as_mut() {
+            fill(g.view_mut(), 0.0);
         }
         // The gradients flowing back along the sequence: of h (first `h` columns) and of
         // c (the next `h`), per sequence.
@@ -584,13 +555,6 @@ impl Lstm {
             let step = ctx.mgr.enter(ArrayType::RnnBpLoopWorkingMem)?;
             let scratch = step.slice_uninit::<f32>(scratch_len)?;
             let mut dz = step.zeros::<f32, _>((batch, GATES * h))?;
-            if dry {
-                // A dry run: the step's memory allocated as below, nothing computed.
-                if t > 0 {
-                    step.zeros::<f32, _>((batch, h))?;
-                }
-                continue;
-            }
             let now = cache_view.index_axis(Axis(0), t);
             let before = (t > 0).then(|| cache_view.index_axis(Axis(0), t - 1));
             for r in 0..batch {
@@ -604,27 +568,12 @@ impl Lstm {
                 let carry_row = carry_row.as_slice_mut().expect("a row of a new array is contiguous");
                 let mut dz_row = dz.row_mut(r);
                 let dz_row = dz_row.as_slice_mut().expect("a row of a new array is contiguous");
-                let g_out = grad_output.slice(s![r, t, ..]);
-                for j in 0..h {
-                    let (g, f, o, i) = (state[j], state[h + j], state[2 * h + j], state[3 * h + j]);
-                    let c = state[GATES * h + j];
-                    let c_prev = before.as_ref().map_or(0.0, |b| b[[r, GATES * h + j]]);
-                    let dh = carry_row[j] + g_out[j];
-                    let tc = c.tanh();
-                    let d_o = dh * tc;
-                    let dc = carry_row[h + j] + dh * o * (1.0 - tc * tc);
-                    dz_row[j] = dc * i * (1.0 - g * g);
-                    dz_row[h + j] = dc * c_prev * f * (1.0 - f);
-                    dz_row[2 * h + j] = d_o * o * (1.0 - o);
-                    dz_row[3 * h + j] = dc * g * i * (1.0 - i);
-                    carry_row[h + j] = dc * f;
-                }
+                let c_prev = before.as_ref().map(|b| b.slice(s![r, GATES * h..(GATES + 1) * h]));
+                lstm_cell_backward(h, state, c_prev, grad_output.slice(s![r, t, ..]), carry_row, dz_row);
             }
             let dz = dz.view();
             sgemm(1.0, input.index_axis(Axis(1), t).t(), dz, 1.0, g.w.view_mut(), scratch)?;
-            for row in dz.rows() {
-                Zip::from(&mut g.b).and(&row).for_each(|acc, &d| *acc += d);
-            }
+            add_rows(g.b.view_mut(), dz);
             if let Some(g) = grad_input.as_mut() {
                 sgemm(1.0, dz, p.w.t(), 0.0, g.index_axis_mut(Axis(1), t), scratch)?;
             }

@@ -48,6 +48,7 @@ mod finite;
 #[allow(unsafe_code)]
 pub mod gemm;
 mod infer;
+mod kernels;
 mod layer;
 pub mod limits;
 mod loss;
@@ -61,7 +62,6 @@ mod params;
 mod pool;
 mod profile;
 mod relu;
-mod rng;
 pub mod serve;
 #[allow(unsafe_code)]
 mod simd;
@@ -80,7 +80,6 @@ pub use network::{Input, Labels, Network, NetworkConfig, NetworkConfigBuilder};
 pub use pool::{LastStep, MaskedMean};
 pub use profile::StepBreakdown;
 pub use relu::Relu;
-pub use rng::Rng;
 pub use updater::Updater;
 
 /// Memory before the first step: a dry run of a network's passes in shape-only
@@ -98,6 +97,7 @@ pub use updater::Updater;
 ///
 /// The field-by-field meaning is on [`MemoryEstimate`](dry::MemoryEstimate).
 pub mod dry {
+    pub use super::kernels::running;
     pub use super::network::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
 }
 

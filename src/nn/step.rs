@@ -7,8 +7,10 @@
 //! - each data-parallel worker, on its shard, into its gradient bucket (the
 //!   parameters shared by every worker);
 //! - the dry run ([`Network::dry_run`](crate::nn::Network::dry_run)), in shape-only
-//!   workspaces: the same allocations and scopes, in the same order, and no arithmetic
-//!   of the step's own (no checks, no loss).
+//!   workspaces: the same allocations and scopes, in the same order, and no arithmetic.
+//!   The step does not ask: the kernels that issue arithmetic (the matrix multiply,
+//!   the layers' elementwise kernels, the loss, the finite checks) skip it while a dry
+//!   run runs (see `nn::kernels`).
 //!
 //! The loss is summed, not averaged, and its gradient scaled by one over the labels
 //! the *whole batch* counts, so a shard's gradients add up to the batch's: a network
@@ -120,8 +122,6 @@ pub(crate) struct Run<'r> {
     pub(crate) labels: Option<&'r LayerLabels>,
     /// The labels the whole batch counts: the loss's gradient is scaled by its inverse.
     pub(crate) count: usize,
-    /// A dry run: allocations and scopes only.
-    pub(crate) dry: bool,
 }
 
 /// One step's passes over `x` (checked against the network by the caller): the batch's
@@ -145,15 +145,13 @@ pub(crate) fn passes(
     // Labels per step without a mask of their own are masked like the features.
     let labels = labels.reborrow().or_mask(x.mask());
     let mask = x.mask();
-    let (train, tl, dry) = (run.train, run.labels, run.dry);
+    let (train, tl) = (run.train, run.labels);
     // A NaN would not surface by itself: ReLU maps it to 0, softmax's maximum skips
     // it, the loss clamps it, and the parameters would silently become NaN. Padded
     // steps are not checked: nothing uses them (they are zeroed below). The scan costs
     // what the batch's memory holds: a broadcast value is looked at once, so a batch too
     // large to lay out fails at its first allocation, not hours later.
-    if !dry {
-        finite::check_activations("input", "the batch", x.activations(), mask)?;
-    }
+    finite::check_activations("input", "the batch", x.activations(), mask)?;
     let mgr = &train[0];
     let act = mgr.enter(ArrayType::Activations)?;
     // Sequences (and labels per step) in another layout, or with padding, are copied
@@ -166,9 +164,7 @@ pub(crate) fn passes(
     // The list of activations lives in the activations workspace too.
     let mut outputs = ArenaVec::with_capacity_in(depth, &*act);
     let input = forward(layers, mgr, &act, x.activations(), mask, (true, tl), at, |layer, y| {
-        if !dry {
-            finite::check_activations(layer, "its output", y, mask)?;
-        }
+        finite::check_activations(layer, "its output", y, mask)?;
         outputs.push(y);
         Ok(())
     })?;
@@ -181,14 +177,10 @@ pub(crate) fn passes(
     // logits.
     label(tl, |l| Some(l.loss));
     let mut grad = Gradient::zeros(mgr, input)?;
-    // A dry run allocates the loss's gradient (above) and computes nothing.
-    let loss_sum = match dry {
-        true => 0.0,
-        false => {
-            let _span = profile::span(Part::Loss);
-            let scale = 1.0 / run.count as f32;
-            SoftmaxCrossEntropy.loss_sum_and_gradient(logits, flat_labels, label_mask, scale, grad.view_mut_rows()?)?
-        }
+    let loss_sum = {
+        let _span = profile::span(Part::Loss);
+        let scale = 1.0 / run.count as f32;
+        SoftmaxCrossEntropy.loss_sum_and_gradient(logits, flat_labels, label_mask, scale, grad.view_mut_rows()?)?
     };
     if !loss_sum.is_finite() {
         return Err(finite::error("loss", format!("the summed softmax cross-entropy is {loss_sum}")));
@@ -216,7 +208,7 @@ pub(crate) fn passes(
             let _span = profile::span(Part::Elementwise);
             layers.backward(i, pass, grad_input, &ctx)?;
         }
-        if !dry {
+        {
             let _span = profile::span(Part::Checks);
             if let Some(below) = below.as_ref() {
                 finite::check_activations(layers.name(i), "the gradient of its input", below.view()?, mask)?;

@@ -563,3 +563,97 @@ fn a_planned_run_of_more_shapes_than_plans_is_predicted_pass_by_pass() {
     let stats = net.plan_stats().unwrap();
     assert!(stats.evictions > 0 && stats.plans > 70, "{stats:?}");
 }
+
+/// A layer whose forward pass fills its output with 7 by a loop of its own, then
+/// overwrites it with `input · W` through carve's `sgemm`, and records what the output
+/// held after the product and whether a dry run was running.
+struct Probe {
+    seen: std::sync::Mutex<Vec<(bool, f32)>>,
+}
+
+impl carve::nn::Layer for Probe {
+    fn name(&self) -> &str {
+        "probe"
+    }
+
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+
+    fn param_shapes(&self, inputs: usize) -> Vec<carve::nn::ParamShape> {
+        vec![carve::nn::ParamShape::new("weight", &[inputs, inputs])]
+    }
+
+    fn init(&self, inputs: usize, params: &mut [f32], _init: &mut carve::nn::Init<'_>) {
+        for (i, w) in params.iter_mut().enumerate() {
+            *w = if i % (inputs + 1) == 0 { 1.0 } else { 0.0 };
+        }
+    }
+
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        input: ndarray::ArrayView2<'a, f32>,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<ndarray::ArrayView2<'a, f32>> {
+        use carve::nn::gemm::{scratch_len, sgemm};
+        let (rows, n) = input.dim();
+        let mut out = ctx.activations.zeros::<f32, _>((rows, n))?;
+        out.fill(7.0);
+        let scratch = ctx.working.slice_uninit::<f32>(scratch_len(rows, n, n))?;
+        let w = ndarray::ArrayView2::from_shape((n, n), params).unwrap();
+        sgemm(1.0, input, w, 0.0, out.view_mut(), scratch)?;
+        self.seen.lock().unwrap().push((carve::nn::dry::running(), out[[0, 0]]));
+        Ok(carve::freeze(out))
+    }
+}
+
+#[test]
+fn a_dry_run_issues_no_arithmetic_in_carves_kernels_and_says_so_to_custom_layers() {
+    use std::sync::Arc;
+    let probe = Arc::new(Probe { seen: Default::default() });
+    struct Shared(Arc<Probe>);
+    impl carve::nn::Layer for Shared {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+            self.0.output_size(inputs)
+        }
+        fn param_shapes(&self, inputs: usize) -> Vec<carve::nn::ParamShape> {
+            self.0.param_shapes(inputs)
+        }
+        fn init(&self, inputs: usize, params: &mut [f32], init: &mut carve::nn::Init<'_>) {
+            self.0.init(inputs, params, init)
+        }
+        fn forward_rows<'a>(
+            &self,
+            params: &[f32],
+            input: ndarray::ArrayView2<'a, f32>,
+            ctx: &carve::nn::ForwardCtx<'a, '_>,
+        ) -> carve::Result<ndarray::ArrayView2<'a, f32>> {
+            self.0.forward_rows(params, input, ctx)
+        }
+    }
+    for mode in MODES {
+        let config = NetworkConfig::builder(3)
+            .layer(Shared(Arc::clone(&probe)))
+            .dense(2)
+            .training_workspace_mode(mode)
+            .inference_workspace_mode(mode)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        probe.seen.lock().unwrap().clear();
+        let estimate = net.dry_run(&[DryPass::Infer(BatchShape::flat(4))]).unwrap();
+        assert!(!carve::nn::dry::running(), "only while the dry run runs");
+        // The layer ran in the dry run; the product into its output issued nothing.
+        let seen = probe.seen.lock().unwrap().clone();
+        assert!(!seen.is_empty() && seen.iter().all(|&s| s == (true, 7.0)), "{mode:?}: {seen:?}");
+        let x = Array2::from_elem((4, 3), 0.5f32);
+        net.output(x.view()).unwrap();
+        let last = *probe.seen.lock().unwrap().last().unwrap();
+        assert_eq!(last, (false, 0.5), "{mode:?}: a real pass multiplies");
+        assert_eq!(net.last_inference_workspace_bytes(), estimate.per_pass_bytes[0], "{mode:?}");
+    }
+}

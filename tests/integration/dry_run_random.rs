@@ -5,15 +5,16 @@
 //! passes; what `Network::dry_run` says each pass reports, and the arenas the run ends
 //! with, are what the real run then reports, pass by pass.
 //!
-//! Each case is a seed (`carve::nn::Rng`); a failure names it and the case, and
+//! Each case is a seed (`carve_rng::Rng`); a failure names it and the case, and
 //! `CARVE_DRY_RUN_SEED=<seed>` runs that one case alone. 1,000 cases per run (a few
 //! seconds), `PROPTEST_CASES` for more (see [`cases`]).
 
 use carve::nn::{
-    dry::BatchShape, dry::DryPass, dry::MemoryEstimate, workspaces::names, Input, Labels, Network, NetworkConfig, Rng,
+    dry::BatchShape, dry::DryPass, dry::MemoryEstimate, workspaces::names, Input, Labels, Network, NetworkConfig,
     Updater,
 };
 use carve::{LearningPolicy, WorkspaceManager, WorkspaceMode};
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, Array3};
 
 const MODES: [WorkspaceMode; 3] = [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None];

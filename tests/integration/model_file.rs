@@ -7,8 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
-use carve::nn::{serve::Model, Dense, Input, Lstm, Network, NetworkConfig, Rng};
+use carve::nn::{serve::Model, Dense, Input, Lstm, Network, NetworkConfig};
 use carve::Error;
+use carve_rng::Rng;
 use ndarray::{Array1, Array2, Array3, ArrayD};
 
 fn fixture(name: &str) -> PathBuf {

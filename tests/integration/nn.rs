@@ -2,9 +2,10 @@
 //! None equality, configuration and input errors, validation of misplaced outputs.
 
 use carve::nn::{
-    Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu, Rng,
+    Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu,
     RowsPass, SoftmaxCrossEntropy, Updater,
 };
+use carve_rng::Rng;
 
 use crate::standalone::Standalone;
 use carve::{freeze, ArrayType, Error, LayerWorkspaceMgr, Scope, WorkspaceMode};

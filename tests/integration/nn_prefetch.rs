@@ -4,8 +4,9 @@
 //! (fit resets the prefetcher after each epoch).
 
 use carve::async_iter::{self, BatchLayout, BatchMut, BatchSource, InMemory, Prefetcher, SourceError, Threading};
-use carve::nn::{Network, NetworkConfig, Rng, Updater};
+use carve::nn::{Network, NetworkConfig, Updater};
 use carve::{Error, WorkspaceMode};
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, Ix1, Ix2};
 
 fn data(rows: usize, seed: u64) -> (Array2<f32>, Array1<u32>) {

@@ -4,9 +4,10 @@
 
 use carve::nn::{
     Activations, BackwardCtx, ForwardCtx, GradInput, Input, LastStep, Layer, Lstm, MaskedMean, Network, NetworkConfig,
-    Pass, Rng, Tape,
+    Pass, Tape,
 };
 use carve::{ArrayType, Error, LayerWorkspaceMgr, WorkspaceConfig, WorkspaceMode};
+use carve_rng::Rng;
 use ndarray::{s, Array1, Array2, Array3, ArrayView2, Axis};
 
 use crate::standalone::Standalone;

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use carve::nn::{
     serve::InferencePool, serve::Model, serve::PoolConfig, serve::PoolMode, ForwardCtx, Input, Layer, Network,
-    NetworkConfig, Rng,
+    NetworkConfig,
 };
 use carve::{Error, LayerWorkspaceMgr, WorkspaceMode};
+use carve_rng::Rng;
 use ndarray::{Array2, Array3, ArrayView2};
 
 fn random(rows: usize, cols: usize, rng: &mut Rng) -> Array2<f32> {

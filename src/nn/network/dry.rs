@@ -28,6 +28,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
+use super::super::kernels;
 use super::super::step::StepLayers;
 use super::config::PLANS;
 use super::shadow::Shadow;
@@ -450,10 +451,12 @@ impl Network {
     /// - A planned network's plan groups are its own: the dry run starts from the plans
     ///   they hold (the shapes the network has run replay them).
     /// - Batches as the prefetchers give them (see [`BatchShape`]).
-    /// - Layers that ask [`Scope::is_shape_only`](workspace_core::Scope::is_shape_only)
-    ///   skip their arithmetic, as carve's do. A custom layer that does not runs its
-    ///   whole pass on the zeros of the dry batch: the prediction holds, and whatever
-    ///   state of its own the pass changes (its gradients, a counter) changes.
+    /// - No arithmetic: carve's kernels (the matrix multiply, its layers' elementwise
+    ///   kernels, the loss, the finite checks) skip theirs while
+    ///   [`dry::running`](crate::nn::dry::running) says a dry run runs on the thread, so
+    ///   a custom layer built on them computes nothing either. A custom layer's own
+    ///   loops run on the zeros of the dry batch unless they ask: the prediction holds,
+    ///   and whatever state of its own the pass changes (a counter) changes.
     /// - Memory for it: the shape-only workspaces take the memory they predict while
     ///   the dry run lasts, and give it back when it returns. A shape that the machine
     ///   cannot hold is the allocation's error, not an estimate.
@@ -494,7 +497,8 @@ impl Network {
         let _paused = timeline::suspend();
         let started = Instant::now();
         self.dry_run = Some(Box::new(Shadow::of(self)?));
-        let estimate = self.dry_run_in_shadow(passes, started);
+        // carve's kernels issue no arithmetic while it runs (see `dry::running`).
+        let estimate = kernels::dry_run(|| self.dry_run_in_shadow(passes, started));
         // The shadow and its memory go: the next dry run starts from the workspaces as
         // they are then.
         self.dry_run = None;

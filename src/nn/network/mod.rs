@@ -27,7 +27,7 @@ use super::limits::config_filled;
 use super::params::Params;
 use super::profile::StepBreakdown;
 use super::updater::{Updater, UpdaterState};
-use super::Rng;
+use carve_rng::Rng;
 
 use batch::check_mask;
 pub(crate) use batch::shape_key;

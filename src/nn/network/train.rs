@@ -182,7 +182,7 @@ impl Network {
         };
         train[0].reset_peaks();
         train[1].reset_peaks();
-        let run = Run { train, labels: timeline.as_deref(), count, dry };
+        let run = Run { train, labels: timeline.as_deref(), count };
         let mut step_layers =
             StepLayers { layers, params: layout, values: params, grads: Some(grads), tapes: Some(tapes) };
         let loss_sum = step::passes(&mut step_layers, x, labels, &run, &mut 0)?;

@@ -526,7 +526,7 @@ impl Worker {
             grads: Some(grads),
             tapes: Some(tapes),
         };
-        let run = Run { train, labels: None, count, dry: false };
+        let run = Run { train, labels: None, count };
         step::passes(&mut layers, x, labels, &run, at)
     }
 }

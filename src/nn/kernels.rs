@@ -1,0 +1,189 @@
+//! Where a pass's arithmetic is issued, and the one place a dry run turns it off.
+//!
+//! A dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) runs the real passes
+//! in shape-only workspaces: every allocation and scope as a real pass makes them, and
+//! no arithmetic. The decision is made here, where arithmetic is issued, and nowhere
+//! else: [`sgemm`](crate::nn::gemm::sgemm), the elementwise kernels below (a dense
+//! layer's bias gradient, the LSTM cell), the loss and the finite checks each ask
+//! [`running`] and return at once while a dry run runs on the thread. A layer's own code
+//! allocates and moves data as in a real pass, on the zeros of the dry batch, and asks
+//! nothing (cubecl-runtime's dry-run mode works the same way: kernels are not launched,
+//! everything else runs).
+//!
+//! The flag belongs to the thread that runs the dry run: a dry run's passes run on the
+//! calling thread, and the matrix multiply asks before it hands work to its helpers.
+
+use std::cell::Cell;
+
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, Dimension, Zip};
+
+thread_local! {
+    /// Whether a dry run runs on this thread.
+    static DRY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) is running on
+/// the calling thread. carve's kernels (the matrix multiply, the elementwise kernels of
+/// its layers, the loss, the finite checks) issue no arithmetic while it is; a custom
+/// layer's own loops run on the zeros of the dry batch unless they ask this.
+///
+/// ```
+/// use carve::nn::{dry::{running, BatchShape, DryPass}, Network, NetworkConfig};
+///
+/// assert!(!running());
+/// let mut net = Network::new(NetworkConfig::builder(4).dense(3).build()?)?;
+/// net.dry_run(&[DryPass::Train(BatchShape::flat(2))])?;
+/// assert!(!running()); // only while the dry run's passes run
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub fn running() -> bool {
+    DRY.with(Cell::get)
+}
+
+/// Runs `f` as a dry run's passes: [`running`] says so on this thread until `f` returns
+/// or unwinds, then says what it said before.
+pub(crate) fn dry_run<R>(f: impl FnOnce() -> R) -> R {
+    /// Puts the flag back, on return and on unwinding alike.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DRY.with(|d| d.set(self.0));
+        }
+    }
+    let _restore = Restore(DRY.with(|d| d.replace(true)));
+    f()
+}
+
+/// Sets every element of `a` to `value`.
+pub(crate) fn fill<D: Dimension>(mut a: ArrayViewMut<'_, f32, D>, value: f32) {
+    if !running() {
+        a.fill(value);
+    }
+}
+
+/// `acc += Σ rows` (a bias's gradient from its output's gradient), summed in row order
+/// (deterministic).
+pub(crate) fn add_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32>) {
+    if running() {
+        return;
+    }
+    for row in rows.rows() {
+        Zip::from(&mut acc).and(&row).for_each(|acc, &g| *acc += g);
+    }
+}
+
+/// `acc = Σ rows`, summed in row order.
+pub(crate) fn sum_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32>) {
+    fill(acc.view_mut(), 0.0);
+    add_rows(acc, rows);
+}
+
+/// The logistic function.
+#[inline]
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The LSTM cell of one sequence at one step, in place: `state` holds the
+/// pre-activations of the gates (g, f, o, i: `4 · h`) and gets the activated gates, the
+/// cell `c` and the hidden state `h` (`6 · h` in all); `previous` is the step before's
+/// state row (its `c` read), `output` gets `h`.
+pub(crate) fn lstm_cell_forward(
+    h: usize,
+    state: &mut [f32],
+    previous: Option<&[f32]>,
+    mut output: ArrayViewMut1<'_, f32>,
+) {
+    if running() {
+        return;
+    }
+    const G: usize = 4;
+    for j in 0..h {
+        let g = state[j].tanh();
+        let f = sigmoid(state[h + j]);
+        let o = sigmoid(state[2 * h + j]);
+        let i = sigmoid(state[3 * h + j]);
+        let c_prev = previous.map_or(0.0, |p| p[G * h + j]);
+        let c = f * c_prev + i * g;
+        let hv = o * c.tanh();
+        state[j] = g;
+        state[h + j] = f;
+        state[2 * h + j] = o;
+        state[3 * h + j] = i;
+        state[G * h + j] = c;
+        state[(G + 1) * h + j] = hv;
+        output[j] = hv;
+    }
+}
+
+/// The LSTM cell's backward pass for one sequence at one step: from its `state` (as
+/// [`lstm_cell_forward`] left it), the step before's cell `c_prev` (`h` values, or
+/// none at the first step), the gradient of its output `g_out` and the gradients
+/// carried from the step after (`carry`: of `h`, then of `c`), writes the gradient of
+/// the gates' pre-activations into `dz` and the gradient of the previous cell into the
+/// second half of `carry`.
+pub(crate) fn lstm_cell_backward(
+    h: usize,
+    state: &[f32],
+    c_prev: Option<ArrayView1<'_, f32>>,
+    g_out: ArrayView1<'_, f32>,
+    carry: &mut [f32],
+    dz: &mut [f32],
+) {
+    if running() {
+        return;
+    }
+    const G: usize = 4;
+    for j in 0..h {
+        let (g, f, o, i) = (state[j], state[h + j], state[2 * h + j], state[3 * h + j]);
+        let c = state[G * h + j];
+        let c_prev = c_prev.as_ref().map_or(0.0, |c| c[j]);
+        let dh = carry[j] + g_out[j];
+        let tc = c.tanh();
+        let d_o = dh * tc;
+        let dc = carry[h + j] + dh * o * (1.0 - tc * tc);
+        dz[j] = dc * i * (1.0 - g * g);
+        dz[h + j] = dc * c_prev * f * (1.0 - f);
+        dz[2 * h + j] = d_o * o * (1.0 - o);
+        dz[3 * h + j] = dc * g * i * (1.0 - i);
+        carry[h + j] = dc * f;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{array, Array1};
+
+    #[test]
+    fn a_dry_run_issues_nothing_and_ends_with_its_closure_even_by_unwinding() {
+        let mut acc = Array1::<f32>::from_elem(2, 7.0);
+        let rows = array![[1.0f32, 2.0], [3.0, 4.0]];
+        dry_run(|| {
+            assert!(running());
+            sum_rows(acc.view_mut(), rows.view());
+        });
+        assert_eq!(acc, array![7.0, 7.0], "a dry run leaves the numbers alone");
+        assert!(!running());
+        sum_rows(acc.view_mut(), rows.view());
+        assert_eq!(acc, array![4.0, 6.0]);
+        let unwound = std::panic::catch_unwind(|| dry_run(|| panic!("a layer panicked")));
+        assert!(unwound.is_err());
+        assert!(!running(), "the flag is put back when a dry run unwinds");
+        dry_run(|| dry_run(|| assert!(running())));
+        assert!(!running(), "nested dry runs put back what was before");
+    }
+
+    #[test]
+    fn the_lstm_cell_is_skipped_in_a_dry_run() {
+        let h = 1;
+        let mut state = [0.5f32, 0.25, -0.5, 1.0, 9.0, 9.0];
+        let mut out = Array1::<f32>::zeros(1);
+        dry_run(|| lstm_cell_forward(h, &mut state, None, out.view_mut()));
+        assert_eq!(state, [0.5, 0.25, -0.5, 1.0, 9.0, 9.0]);
+        lstm_cell_forward(h, &mut state, None, out.view_mut());
+        let (g, i, o) = (0.5f32.tanh(), sigmoid(1.0), sigmoid(-0.5));
+        assert_eq!(state[4], i * g);
+        assert_eq!(out[0], o * (i * g).tanh());
+    }
+}
