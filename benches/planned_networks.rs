@@ -96,7 +96,7 @@ fn main() {
         // Interleaved per network, so that both modes see the same machine state.
         let enabled = train(widths, batch, WorkspaceMode::Enabled, args.iterations);
         let planned = train(widths, batch, WorkspaceMode::Planned, args.iterations);
-        let stats = planned.net.plan_stats().expect("a planned network has a plan group");
+        let stats = planned.net.memory_plan().expect("a planned network has a plan group");
         let steady = 2..args.iterations as usize;
         let max = |v: &[u64]| v[steady.clone()].iter().copied().max().unwrap_or(0);
         let (enabled_ns, planned_ns) =

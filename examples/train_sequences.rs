@@ -408,7 +408,7 @@ fn train(
                 net.record_next_iteration();
             }
             // (Read outside the counted span: the figures carry the group's name.)
-            let recorded0 = net.plan_stats().map(|s| s.recorded_iterations);
+            let recorded0 = net.memory_plan().map(|s| s.recorded_iterations);
             let faults0 = faults::minor_faults();
             let before = reset_thread_peak(); // the peak of live bytes restarts here
             let t0 = Instant::now();
@@ -419,7 +419,7 @@ fn train(
             trace.loss.push(loss);
             trace.iter_ns.push(elapsed.as_nanos() as u64);
             trace.allocs.push(after.allocations - before.allocations);
-            trace.recorded.push(net.plan_stats().map(|s| s.recorded_iterations) != recorded0);
+            trace.recorded.push(net.memory_plan().map(|s| s.recorded_iterations) != recorded0);
             trace.heap_bytes.push((after.peak_live_bytes - before.live_bytes).max(0) as u64);
             trace.workspace_bytes.push(net.last_iteration_workspace_bytes() as u64);
         }
@@ -449,7 +449,7 @@ fn train(
     trace.ring_growths = batches.stats().ring_growths;
     trace.capacity_final = net.workspace_capacity();
     trace.plan = net.memory_plan();
-    trace.plans = net.plan_stats().map(|s| (s.plans, s.arena_bytes, s.arena_lower_bound_bytes));
+    trace.plans = net.memory_plan().map(|s| (s.plans, s.arena_bytes, s.arena_lower_bound_bytes));
     if let Some(path) = save {
         net.save(path).map_err(|e| format!("saving the model: {e}"))?;
     }

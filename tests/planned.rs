@@ -68,7 +68,7 @@ fn planned_training_is_bit_identical_stays_on_its_plan_and_allocates_nothing() {
             assert_eq!(le.to_bits(), lp.to_bits(), "epoch {epoch}, rows {a}..{b}");
         }
     }
-    let stats = planned.plan_stats().unwrap();
+    let stats = planned.memory_plan().unwrap();
     assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
     assert_eq!(stats.planned_iterations, 6 * 7 - 2);
     assert!(stats.plan_bytes as f64 <= 1.05 * stats.lower_bound_bytes as f64, "{stats:?}");
@@ -106,7 +106,7 @@ fn variable_length_sequences_get_a_plan_per_shape_and_the_arena_stops_growing() 
         }
         capacity.push(planned.workspace_capacity());
     }
-    let stats = planned.plan_stats().unwrap();
+    let stats = planned.memory_plan().unwrap();
     let shapes = 6; // lengths 3, 7, 4, 8, 5, 9
     assert_eq!((stats.plans, stats.divergences, stats.evictions), (shapes, 0, 0), "{stats:?}");
     assert_eq!(stats.planned_iterations, 4 * 6 - shapes);
@@ -114,7 +114,7 @@ fn variable_length_sequences_get_a_plan_per_shape_and_the_arena_stops_growing() 
     // The arena is the largest plan, within 1.05x of the largest batch's bound.
     let longest = batches.iter().max_by_key(|b| b.0.shape()[1]).unwrap();
     planned.fit_batch((longest.0.view(), longest.1.view()), longest.2.view()).unwrap();
-    let last = planned.plan_stats().unwrap();
+    let last = planned.memory_plan().unwrap();
     assert_eq!(last.arena_bytes, last.plan_bytes, "the longest batch's plan is the largest");
     assert!(last.arena_bytes as f64 <= 1.05 * last.lower_bound_bytes as f64, "{last:?}");
 }
@@ -159,7 +159,7 @@ fn planned_inference_is_bit_identical_stays_on_its_plan_and_allocates_nothing() 
     assert!(stats.plan_bytes <= stats.per_role_bytes, "{stats:?}");
     assert!(stats.arena_bytes > 0 && stats.arena_bytes <= enabled.inference_mgr().capacity(), "{stats:?}");
     // The training plan is a group of its own, untouched by inference.
-    assert_eq!(planned.plan_stats().unwrap().divergences, 0);
+    assert_eq!(planned.memory_plan().unwrap().divergences, 0);
     assert!(enabled.inference_plan_stats().is_none());
     // Evaluation is inference too, and gives the same numbers.
     let (ae, ap) =
@@ -189,7 +189,7 @@ fn batches_of_one_padded_shape_whose_padding_differs_keep_their_plans() {
             assert!(oe.iter().zip(op.iter()).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
-    for stats in [planned.plan_stats().unwrap(), planned.inference_plan_stats().unwrap()] {
+    for stats in [planned.memory_plan().unwrap(), planned.inference_plan_stats().unwrap()] {
         assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
         assert_eq!(stats.planned_iterations, 6 * 2 - 2, "{stats:?}");
     }
@@ -215,7 +215,7 @@ fn an_iteration_that_fails_part_way_is_abandoned_and_its_plan_stays_good() {
         planned.fit_batch(x.view(), y.view()).unwrap();
         planned.output(x.view()).unwrap();
     }
-    for stats in [planned.plan_stats().unwrap(), planned.inference_plan_stats().unwrap()] {
+    for stats in [planned.memory_plan().unwrap(), planned.inference_plan_stats().unwrap()] {
         assert_eq!((stats.plans, stats.replans, stats.divergences), (1, 0, 0), "{stats:?}");
         assert_eq!((stats.planned_iterations, stats.abandoned_iterations), (4, 1), "{stats:?}");
     }
@@ -261,7 +261,7 @@ fn a_features_mask_in_another_layout_gets_a_plan_of_its_own() {
             assert_eq!(le.to_bits(), lp.to_bits(), "round {round}");
         }
     }
-    let stats = planned.plan_stats().unwrap();
+    let stats = planned.memory_plan().unwrap();
     assert_eq!((stats.plans, stats.replans, stats.divergences), (2, 0, 0), "{stats:?}");
     assert_eq!(stats.planned_iterations, 5 * 2 - 2);
 }

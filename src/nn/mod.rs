@@ -18,7 +18,7 @@
 //! - Workspace modes: `Enabled` gives each array role a learned arena; `Planned` serves
 //!   the roles of an iteration from one arena planned per batch shape from a recorded
 //!   iteration ([`workspaces::planned_workspace_config`], [`workspaces::PlannedStats`],
-//!   [`Network::plan_stats`]); `None` allocates every array on the heap.
+//!   [`Network::memory_plan`]); `None` allocates every array on the heap.
 //! - [`gemm`]: the matrix multiply, which takes its packing buffers from the caller
 //!   (layer working memory), so that a steady-state iteration allocates nothing.
 //!

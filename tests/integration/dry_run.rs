@@ -560,7 +560,7 @@ fn a_planned_run_of_more_shapes_than_plans_is_predicted_pass_by_pass() {
             .concat();
     let estimate = net.dry_run(&run).unwrap();
     run_as_predicted(&mut net, &estimate, &run, "70 shapes, 64 plans");
-    let stats = net.plan_stats().unwrap();
+    let stats = net.memory_plan().unwrap();
     assert!(stats.evictions > 0 && stats.plans > 70, "{stats:?}");
 }
 

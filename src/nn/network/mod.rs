@@ -471,19 +471,22 @@ impl Network {
     /// [`Network::record_next_iteration`]): the bytes its role workspaces take laid out
     /// per role, the bytes one arena planned from its lifetimes takes, and the lower
     /// bound, in the figures a plan group reports ([`PlannedStats`], named
-    /// `"training"`, one plan). For a planned network ([`WorkspaceMode::Planned`]), the
-    /// figures of the plan group it trains on ([`Network::plan_stats`]).
+    /// `"training"`, one plan). For a network that trains planned
+    /// ([`WorkspaceMode::Planned`]), the figures of the plan group it trains on once it
+    /// holds a plan. `None` before a recorded iteration. The one name of these figures
+    /// (the inference's are [`Network::inference_plan_stats`]).
     pub fn memory_plan(&self) -> Option<PlannedStats> {
-        match self.plan_stats() {
+        match self.train[0].plan_group().map(|group| group.stats()) {
             Some(s) if s.plans > 0 => Some(s),
             _ => self.memory_plan.clone(),
         }
     }
 
-    /// The figures of the training workspaces' plan group, for a network that trains
-    /// planned.
+    /// [`Network::memory_plan`], by its former second name.
+    #[deprecated(since = "0.1.0", note = "one name per figure: use `memory_plan`, which returns the same")]
+    #[doc(hidden)]
     pub fn plan_stats(&self) -> Option<PlannedStats> {
-        self.train[0].plan_group().map(|group| group.stats())
+        self.memory_plan()
     }
 
     /// The figures of the inference workspaces' plan group: `Some` when inference is
