@@ -10,6 +10,8 @@
 //!   close; two arenas given back to two waiters (the wake-up passed on); a warm-up's
 //!   reservation against a returning lease;
 //! - the workers' barrier ([`Gate`]): a break against a turn;
+//! - the inference pool's start ([`Latch`]): two batch workers arriving while the
+//!   starter waits;
 //! - the reducer's double-buffered buckets ([`Threads::reduce`]): two workers, two
 //!   steps.
 //!
@@ -34,7 +36,7 @@ use super::parallel::reduce::{Reducer, Threads};
 use super::serve::batcher::{BatchBuffers, Batcher};
 use super::serve::turns::{Counters, Turns, Wait};
 use super::serve::PoolConfig;
-use super::sync::Gate;
+use super::sync::{Gate, Latch};
 use crate::Error;
 
 /// A caller's request of one row, queued with a timeout that has expired at once,
@@ -166,6 +168,31 @@ fn a_break_racing_a_turn_is_seen_alike_by_every_waiter() {
         gate.break_all();
         let turned: Vec<bool> = waiters.into_iter().map(|w| w.join().unwrap()).collect();
         assert_eq!(turned[0], turned[1], "one waiter saw the gate turn and the other saw it broken");
+    });
+}
+
+/// An inference pool's start: the starter waits while two batch workers arrive; the
+/// wait returns, and only once both have run up to their arrival (what each did before
+/// arriving is seen).
+#[test]
+fn the_pools_start_returns_once_every_worker_runs() {
+    loom::model(|| {
+        let latch = Arc::new(Latch::new());
+        let ran = Arc::new([AtomicBool::new(false), AtomicBool::new(false)]);
+        let workers: Vec<_> = (0..2)
+            .map(|i| {
+                let (latch, ran) = (Arc::clone(&latch), Arc::clone(&ran));
+                thread::spawn(move || {
+                    ran[i].store(true, Ordering::Relaxed);
+                    latch.arrive();
+                })
+            })
+            .collect();
+        latch.wait_for(2);
+        assert!(ran.iter().all(|r| r.load(Ordering::Relaxed)), "the start returned before a worker ran");
+        for worker in workers {
+            worker.join().unwrap();
+        }
     });
 }
 

@@ -1,6 +1,8 @@
 //! What the threads of `carve::nn` meet at: [`Gate`], a barrier any of them can break
-//! (the trainer's workers and the matrix multiply's threads), and [`panic_message`],
-//! the one way a caught panic becomes an error's message.
+//! (the trainer's workers and the matrix multiply's threads), [`Latch`], which a
+//! thread that starts others waits on until they run (the inference pool's batch
+//! workers), and [`panic_message`], the one way a caught panic becomes an error's
+//! message.
 
 use std::sync::atomic::Ordering;
 
@@ -83,6 +85,34 @@ impl Gate {
         self.seen.store(state.generation << 1 | 1, Ordering::Release);
         drop(state);
         self.turned.notify_all();
+    }
+}
+
+/// A count of threads that have arrived, and a wait until `n` have: the thread that
+/// starts `n` workers waits until each of them runs (a thread's start-up is then not
+/// the first request's work). Arriving never blocks; a worker arrives once, first thing.
+pub(crate) struct Latch {
+    arrived: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl Latch {
+    pub(crate) fn new() -> Latch {
+        Latch { arrived: Mutex::new(0), changed: Condvar::new() }
+    }
+
+    /// One more thread has arrived.
+    pub(crate) fn arrive(&self) {
+        *sync::lock(&self.arrived) += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until `n` threads have arrived.
+    pub(crate) fn wait_for(&self, n: usize) {
+        let mut arrived = sync::lock(&self.arrived);
+        while *arrived < n {
+            arrived = sync::wait(&self.changed, arrived);
+        }
     }
 }
 

@@ -21,8 +21,13 @@ pub(crate) struct SharedBuf(Box<[UnsafeCell<f32>]>);
 unsafe impl Sync for SharedBuf {}
 
 impl SharedBuf {
+    /// The buffer of `values`, moved, not copied.
     pub(crate) fn new(values: Vec<f32>) -> SharedBuf {
-        SharedBuf(values.into_iter().map(UnsafeCell::new).collect())
+        let values = Box::into_raw(values.into_boxed_slice());
+        // SAFETY: `UnsafeCell<f32>` has the in-memory representation of `f32`
+        // (`repr(transparent)`), so a boxed slice of the one is a boxed slice of the
+        // other, of the same length and allocation layout; the box is given up above.
+        SharedBuf(unsafe { Box::from_raw(values as *mut [UnsafeCell<f32>]) })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -67,8 +72,31 @@ impl SharedBuf {
         unsafe { std::slice::from_raw_parts_mut(UnsafeCell::raw_get(self.0.as_ptr()), len) }
     }
 
-    /// The values, the buffer given up.
+    /// The values, the buffer given up (moved, not copied).
     pub(crate) fn into_vec(self) -> Vec<f32> {
-        self.0.into_vec().into_iter().map(UnsafeCell::into_inner).collect()
+        let cells = Box::into_raw(self.0);
+        // SAFETY: as in `new`, the other way round: `f32` is `UnsafeCell<f32>`'s
+        // representation, and owning the box means no reference into the cells is live.
+        unsafe { Box::from_raw(cells as *mut [f32]) }.into_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SharedBuf;
+
+    #[test]
+    fn the_buffer_moves_in_and_out_without_a_copy() {
+        let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
+        let (at, expected) = (values.as_ptr(), values.clone());
+        let mut buf = SharedBuf::new(values);
+        assert_eq!((buf.len(), buf.get_mut().as_ptr()), (1000, at));
+        buf.get_mut()[3] = -1.0;
+        // SAFETY: nothing writes while the slice is read.
+        assert_eq!(unsafe { buf.read() }[3], -1.0);
+        let back = buf.into_vec();
+        assert_eq!(back.as_ptr(), at);
+        assert_eq!(back[..3], expected[..3]);
+        assert_eq!(back[4..], expected[4..]);
     }
 }

@@ -15,6 +15,7 @@ use super::model::{Model, SERVING_PLANS};
 use crate::nn::infer::{copy_into, Infer};
 use crate::nn::limits::{check_threads, config_filled, reserve_filled};
 use crate::nn::network::Input;
+use crate::nn::sync::Latch;
 use crate::{Error, Result};
 
 /// What an [`InferencePool`] has done (counts since it was made).
@@ -96,16 +97,12 @@ impl Shared {
         let mut threads = Vec::with_capacity(buffers.len());
         // Each worker says when it runs: `new` returns a pool whose workers have started
         // (a thread's start-up is not the first request's work).
-        let started = Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
+        let started = Arc::new(Latch::new());
         for (i, buffers) in buffers.into_iter().enumerate() {
             let worker = Arc::clone(self);
             let started = Arc::clone(&started);
             let spawned = std::thread::Builder::new().name(format!("carve-batcher-{i}")).spawn(move || {
-                {
-                    let (count, changed) = &*started;
-                    *count.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
-                    changed.notify_all();
-                }
+                started.arrive();
                 drop(started);
                 let batcher = worker.batcher.as_ref().expect("a batched pool");
                 batcher.serve(buffers, &worker.arenas, &worker.model);
@@ -123,12 +120,7 @@ impl Shared {
                 }
             }
         }
-        let (count, changed) = &*started;
-        let mut running = count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        while *running < threads.len() {
-            running = changed.wait(running).unwrap_or_else(std::sync::PoisonError::into_inner);
-        }
-        drop(running);
+        started.wait_for(threads.len());
         Ok(threads)
     }
 }
