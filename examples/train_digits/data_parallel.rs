@@ -6,6 +6,7 @@ use std::time::Instant;
 use ndarray::{Ix1, Ix2};
 
 use crate::args::Args;
+use crate::breakdown;
 use crate::data::Dataset;
 use crate::parallel::{self, Setup};
 use crate::train::{build_network, mode_name, prefetcher};
@@ -42,6 +43,11 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
         false => None,
     };
     for epoch in 1..=args.epochs {
+        if args.breakdown && epoch == 2 {
+            // The steady steps' breakdown: the workers' passes and the reduction, the
+            // update, each worker's shard (the N workers' trainer only).
+            trainers.main.set_breakdown(true);
+        }
         let start = Instant::now();
         let mut loss_sum = 0.0f64;
         let mut b = 0;
@@ -74,6 +80,10 @@ pub(crate) fn run(args: &Args, train: &Dataset, test: &Dataset) -> Res<()> {
     }
     let summary = trainers.summary(&setup, per_epoch);
     let mut fields = trainers.json(&setup, per_epoch);
+    if let Some(b) = trainers.main.breakdown() {
+        say(breakdown::breakdown_lines(&format!("{} workers", setup.workers), &b));
+        fields["breakdown_us"] = breakdown::breakdown_json(&b);
+    }
     let mut network = trainers.main.into_network()?;
     let test_accuracy = network.evaluate(test.x.view(), test.y.view(), batch)?;
     let train_accuracy = network.evaluate(train.x.view(), train.y.view(), batch)?;

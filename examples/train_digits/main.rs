@@ -43,7 +43,7 @@
 //! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
 //! | `--threads N` | 1 | threads of each training step, 1 to 64 (`Network::set_threads`: large matrix multiplies and updater passes split, the same bits); not with `--workers` |
 //! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); with `--compare` or `--plot`, on in odd epochs and off in even ones; not with `--workers` |
-//! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`) |
+//! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`); with `--workers`, the N workers' steps after epoch 1 (JSON: `breakdown_us`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given) |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce: a thread each; one thread running the N shards in turn (the same bits); a process each under `mpirun -np N` (`--features mpi`) |
 //!

@@ -692,6 +692,28 @@ fn breakdown_reports_every_part_of_a_step_and_the_matrix_multiply_alone() {
     assert!(plain.get("breakdown_us").is_none() && plain["enabled"].get("step_gflops").is_none(), "{plain}");
 }
 
+/// `--breakdown` with `--workers`: the data-parallel trainer's steady steps, every part,
+/// and the same losses as without it.
+#[test]
+fn breakdown_of_data_parallel_steps_reports_every_part_and_changes_no_loss() {
+    let args = ["--workers", "2", "--hidden", "32", "--epochs", "3", "--json"];
+    let output = run(&[&args[..], &["--breakdown"]].concat());
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json = last_json(&output);
+    for object in [&json, &json["enabled"]] {
+        let parts = object["breakdown_us"].as_object().unwrap_or_else(|| panic!("breakdown_us in {json}"));
+        for name in ["matmul", "elementwise", "loss", "updater", "checks", "copies", "bookkeeping"] {
+            assert!(parts[name].as_f64().is_some_and(|us| us >= 0.0), "{name} in {json}");
+        }
+        assert!(parts["matmul"].as_f64().unwrap() > 0.0 && parts["loss"].as_f64().unwrap() > 0.0, "{json}");
+        // Two epochs after the first, every full batch a step.
+        assert!(parts["steps"].as_u64().is_some_and(|s| s >= 80), "{json}");
+    }
+    let plain = last_json(&run(&args));
+    assert!(plain.get("breakdown_us").is_none(), "{plain}");
+    assert_eq!(plain["loss_trace_sha256"], json["loss_trace_sha256"], "the breakdown changed a loss");
+}
+
 /// `--threads N` splits a wide network's steps across N threads with the same losses,
 /// bit for bit, as one thread; it says so in the JSON, refuses 0 and data-parallel
 /// training, and allocates nothing in a steady step either way.
