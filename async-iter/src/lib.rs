@@ -60,7 +60,7 @@
 //!
 //! | concept | type |
 //! |---|---|
-//! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset`; or use [`InMemory`] |
+//! | what you implement | [`BatchSource`]: `next_layout`, `fill`, `reset`; or use [`InMemory`] (rows), [`Sequences`] (padded sequences) or [`TokenWindows`] (random windows of a token stream) |
 //! | a batch's arrays | [`BatchLayout`], [`Role`], [`ElementType`] |
 //! | filling a batch | [`BatchMut`] (writable views, zeroed) |
 //! | configuration | [`Prefetcher::builder`] → [`PrefetcherBuilder`]: depth, workspace mode, headroom, [`Threading`], join timeout |
@@ -156,6 +156,7 @@ mod stats;
 pub mod sync;
 #[allow(unsafe_code)]
 mod view;
+mod windows;
 
 /// A caught panic turned into an error: its message, and its payload dropped where a
 /// panicking destructor must not escape. What the prefetcher does with a producer's
@@ -178,3 +179,4 @@ pub use sequences::Sequences;
 pub use source::BatchSource;
 pub use stats::PrefetchStats;
 pub use view::BatchMut;
+pub use windows::TokenWindows;

@@ -4,7 +4,8 @@
 //! in shape-only workspaces: every allocation and scope as a real pass makes them, and
 //! no arithmetic. The decision is made here, where arithmetic is issued, and nowhere
 //! else: [`sgemm`](crate::nn::gemm::sgemm), the elementwise kernels below (a dense
-//! layer's bias gradient, the LSTM cell), the loss and the finite checks each ask
+//! layer's bias gradient, the LSTM cell, GELU, layer normalisation), the loss and the
+//! finite checks each ask
 //! [`running`] and return at once while a dry run runs on the thread. A layer's own code
 //! allocates and moves data as in a real pass, on the zeros of the dry batch, and asks
 //! nothing (cubecl-runtime's dry-run mode works the same way: kernels are not launched,
@@ -15,7 +16,7 @@
 
 use std::cell::Cell;
 
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, Dimension, Zip};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 
 thread_local! {
     /// Whether a dry run runs on this thread.
@@ -147,6 +148,191 @@ pub(crate) fn lstm_cell_backward(
         dz[2 * h + j] = d_o * o * (1.0 - o);
         dz[3 * h + j] = dc * g * i * (1.0 - i);
         carry[h + j] = dc * f;
+    }
+}
+
+/// √(2/π), GELU's tanh form's constant.
+const GELU_C: f32 = 0.797_884_6;
+/// The cubic term's weight in GELU's tanh form.
+const GELU_A: f32 = 0.044_715;
+
+/// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
+/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub(crate) fn gelu_forward(x: ArrayView2<'_, f32>, mut y: ArrayViewMut2<'_, f32>) {
+    if running() {
+        return;
+    }
+    Zip::from(&mut y).and(&x).for_each(|y, &x| {
+        let u = GELU_C * (x + GELU_A * x * x * x);
+        *y = 0.5 * x * (1.0 + u.tanh());
+    });
+}
+
+/// The gradient of [`gelu_forward`]'s input: `dx = dy · gelu'(x)`.
+pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut dx: ArrayViewMut2<'_, f32>) {
+    if running() {
+        return;
+    }
+    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| {
+        let x2 = x * x;
+        let t = (GELU_C * (x + GELU_A * x2 * x)).tanh();
+        let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2);
+        *dx = g * slope;
+    });
+}
+
+/// One row's mean and reciprocal standard deviation (the biased variance, as
+/// `nn.LayerNorm` normalises with), summed in element order.
+fn row_statistics(x: ArrayView1<'_, f32>, eps: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Layer normalisation of each row: `y = (x − mean) / √(var + eps) · gamma + beta`.
+pub(crate) fn layer_norm_forward(
+    x: ArrayView2<'_, f32>,
+    gamma: ArrayView1<'_, f32>,
+    beta: ArrayView1<'_, f32>,
+    eps: f32,
+    mut y: ArrayViewMut2<'_, f32>,
+) {
+    if running() {
+        return;
+    }
+    for (x, mut y) in x.rows().into_iter().zip(y.rows_mut()) {
+        let (mean, rstd) = row_statistics(x, eps);
+        Zip::from(&mut y).and(&x).and(&gamma).and(&beta).for_each(|y, &x, &g, &b| {
+            *y = (x - mean) * rstd * g + b;
+        });
+    }
+}
+
+/// The backward pass of [`layer_norm_forward`], each row's statistics rebuilt from its
+/// input (nothing kept from the forward pass): `dgamma += Σ dy·x̂`, `dbeta += Σ dy`
+/// over the rows, in row order, and, when asked, `dx = rstd·(dx̂ − mean(dx̂) −
+/// x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm_backward(
+    x: ArrayView2<'_, f32>,
+    gamma: ArrayView1<'_, f32>,
+    eps: f32,
+    dy: ArrayView2<'_, f32>,
+    mut dgamma: ArrayViewMut1<'_, f32>,
+    mut dbeta: ArrayViewMut1<'_, f32>,
+    mut dx: Option<ArrayViewMut2<'_, f32>>,
+) {
+    if running() {
+        return;
+    }
+    dgamma.fill(0.0);
+    dbeta.fill(0.0);
+    let n = x.ncols() as f32;
+    for (r, (x, dy)) in x.rows().into_iter().zip(dy.rows()).enumerate() {
+        let (mean, rstd) = row_statistics(x, eps);
+        let (mut m1, mut m2) = (0.0f32, 0.0f32);
+        Zip::from(&x).and(&dy).and(&gamma).and(&mut dgamma).and(&mut dbeta).for_each(|&x, &g, &w, dw, db| {
+            let xhat = (x - mean) * rstd;
+            let dxhat = g * w;
+            m1 += dxhat;
+            m2 += dxhat * xhat;
+            *dw += g * xhat;
+            *db += g;
+        });
+        let (m1, m2) = (m1 / n, m2 / n);
+        if let Some(dx) = dx.as_mut() {
+            Zip::from(dx.row_mut(r)).and(&x).and(&dy).and(&gamma).for_each(|dx, &x, &g, &w| {
+                let xhat = (x - mean) * rstd;
+                *dx = rstd * (g * w - m1 - xhat * m2);
+            });
+        }
+    }
+}
+
+/// Whether key `j` of a sequence whose steps `mask` marks (1: data) may be attended to.
+#[inline]
+fn live(mask: Option<&ArrayView1<'_, f32>>, j: usize) -> bool {
+    mask.is_none_or(|m| m[j] != 0.0)
+}
+
+/// The causal softmax of one sequence's and head's scores `s` (`[T, T]`, query rows,
+/// key columns), in place: row `i` over the keys `j ≤ i` that are not padding; the
+/// other entries, and every entry of a padded query's row, become 0. Each row's
+/// maximum and the reciprocal of its sum go into `stats` (`[T, 2]`: what
+/// [`causal_softmax_again`] rebuilds the row from, to the bit).
+pub(crate) fn causal_softmax(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>>, stats: &mut [f32]) {
+    if running() {
+        return;
+    }
+    for (i, mut row) in s.rows_mut().into_iter().enumerate() {
+        let row = row.as_slice_mut().expect("a score row is contiguous");
+        if !live(mask.as_ref(), i) {
+            row.fill(0.0);
+            stats[2 * i..2 * i + 2].fill(0.0);
+            continue;
+        }
+        let mut max = f32::NEG_INFINITY;
+        for (j, &v) in row[..=i].iter().enumerate() {
+            if live(mask.as_ref(), j) {
+                max = max.max(v);
+            }
+        }
+        let mut sum = 0.0f32;
+        for (j, v) in row[..=i].iter_mut().enumerate() {
+            *v = if live(mask.as_ref(), j) { (*v - max).exp() } else { 0.0 };
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        for v in &mut row[..=i] {
+            *v *= inv;
+        }
+        row[i + 1..].fill(0.0);
+        stats[2 * i] = max;
+        stats[2 * i + 1] = inv;
+    }
+}
+
+/// [`causal_softmax`] of scores computed again, from the `stats` it left: the same
+/// operations on the same values, so the same probabilities, bit for bit.
+pub(crate) fn causal_softmax_again(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>>, stats: &[f32]) {
+    if running() {
+        return;
+    }
+    for (i, mut row) in s.rows_mut().into_iter().enumerate() {
+        let row = row.as_slice_mut().expect("a score row is contiguous");
+        if !live(mask.as_ref(), i) {
+            row.fill(0.0);
+            continue;
+        }
+        let (max, inv) = (stats[2 * i], stats[2 * i + 1]);
+        for (j, v) in row[..=i].iter_mut().enumerate() {
+            *v = if live(mask.as_ref(), j) { (*v - max).exp() } else { 0.0 };
+        }
+        for v in &mut row[..=i] {
+            *v *= inv;
+        }
+        row[i + 1..].fill(0.0);
+    }
+}
+
+/// The gradient of a softmax's scores from its probabilities `p` and the gradient of
+/// the probabilities `dp`, in place of `dp`: `ds_ij = p_ij · (dp_ij − Σ_k p_ik·dp_ik)`,
+/// times `scale`.
+pub(crate) fn softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_, f32>, scale: f32) {
+    if running() {
+        return;
+    }
+    for (p, mut d) in p.rows().into_iter().zip(dp.rows_mut()) {
+        let dot = p.iter().zip(d.iter()).fold(0.0f32, |acc, (&p, &d)| acc + p * d);
+        Zip::from(&mut d).and(&p).for_each(|d, &p| *d = scale * p * (*d - dot));
+    }
+}
+
+/// Every row of `a` set to `row` (a bias broadcast before a product adds into it).
+pub(crate) fn rows_from(mut a: ArrayViewMut2<'_, f32>, row: ArrayView1<'_, f32>) {
+    for mut r in a.rows_mut() {
+        r.assign(&row);
     }
 }
 

@@ -335,6 +335,18 @@ impl<'r> Init<'r> {
         self.fill_uniform(values, -limit, limit);
     }
 
+    /// Each of `values`, in order, from the normal distribution of mean 0 and standard
+    /// deviation `std` (Box–Muller, one draw per value; GPT-2's initialisation draws
+    /// from N(0, 0.02²)).
+    pub fn fill_normal(&mut self, values: &mut [f32], std: f32) {
+        for v in values {
+            // u1 in (0, 1]: its logarithm is finite.
+            let (u1, u2) = (1.0 - f64::from(self.rng.next_f32()), f64::from(self.rng.next_f32()));
+            let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+            *v = (f64::from(std) * z) as f32;
+        }
+    }
+
     /// The next 64 random bits (a seed for a layer's own generator).
     pub fn next_u64(&mut self) -> u64 {
         self.rng.next_u64()

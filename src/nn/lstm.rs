@@ -7,6 +7,7 @@ use workspace_core::{freeze, ArrayType, Handle};
 use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm};
+use super::kept::fingerprint;
 use super::kernels::{add_rows, fill, lstm_cell_backward, lstm_cell_forward};
 use super::layer::{
     check_grad_input, check_len, check_mask, sequence_grad_input, tape_of, Activations, BackwardCtx, ForwardCtx,
@@ -61,20 +62,6 @@ pub struct Lstm {
 struct LstmTape {
     cache: Cache,
     print: u64,
-}
-
-/// A fingerprint of a mask (its shape and which steps hold data), or of none.
-fn fingerprint(mask: Option<&ArrayView2<'_, f32>>, batch: usize, steps: usize) -> u64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325_u64 ^ (batch as u64).wrapping_mul(0x1000_0000_01b3);
-    hash = (hash ^ steps as u64).wrapping_mul(0x1000_0000_01b3);
-    if let Some(mask) = mask {
-        for &m in mask.iter() {
-            hash = (hash ^ u64::from(m != 0.0)).wrapping_mul(0x1000_0000_01b3);
-        }
-    } else {
-        hash ^= 0x9e37_79b9_7f4a_7c15;
-    }
-    hash
 }
 
 /// Where the last training forward pass left what the backward pass reads.

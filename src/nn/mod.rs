@@ -42,12 +42,15 @@
 //! [`WorkspaceMode::Enabled`](crate::WorkspaceMode), `Planned` and `None` from the same
 //! seed produce bit-identical losses and predictions.
 
+mod attention;
 mod dense;
 mod file;
 mod finite;
+mod gelu;
 #[allow(unsafe_code)]
 pub mod gemm;
 mod infer;
+mod kept;
 mod kernels;
 mod layer;
 pub mod limits;
@@ -57,6 +60,7 @@ mod loss;
 mod loom;
 mod lstm;
 mod network;
+mod norm;
 pub mod parallel;
 mod params;
 mod pool;
@@ -69,7 +73,9 @@ mod step;
 mod sync;
 mod updater;
 
+pub use attention::Attention;
 pub use dense::Dense;
+pub use gelu::Gelu;
 pub use infer::Infer;
 pub use layer::{
     initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
@@ -77,6 +83,7 @@ pub use layer::{
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;
 pub use network::{Input, Labels, Network, NetworkConfig, NetworkConfigBuilder};
+pub use norm::LayerNorm;
 pub use pool::{LastStep, MaskedMean};
 pub use profile::StepBreakdown;
 pub use relu::Relu;

@@ -15,6 +15,7 @@ mod sequences_prefetch;
 mod serve;
 mod standalone;
 mod train_digits_cli;
+mod transformer;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

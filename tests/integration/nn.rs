@@ -26,7 +26,7 @@ fn project(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> f64 {
 }
 
 /// Analytic gradients of `project` with respect to the input and the parameters.
-fn analytic(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> (Array2<f32>, Vec<Vec<f32>>) {
+pub(crate) fn analytic(layer: &mut Standalone, x: &Array2<f32>, r: &Array2<f32>) -> (Array2<f32>, Vec<Vec<f32>>) {
     let mgr = LayerWorkspaceMgr::no_workspaces();
     let act = mgr.enter(ArrayType::Activations).unwrap();
     let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
@@ -46,7 +46,7 @@ fn close(numeric: f64, analytic: f32, what: &str) {
     assert!((n - a).abs() / scale < 2e-2, "{what}: numeric {n} vs analytic {a}");
 }
 
-fn check_layer(layer: &mut Standalone, rows: usize, cols: usize, outs: usize, seed: u64) {
+pub(crate) fn check_layer(layer: &mut Standalone, rows: usize, cols: usize, outs: usize, seed: u64) {
     let mut rng = Rng::new(seed);
     // Inputs are kept away from 0, where ReLU's kink would make finite differences
     // straddle two slopes.

@@ -12,9 +12,12 @@ use workspace_core::{
 use super::Network;
 use crate::{Error, Result};
 
+use super::super::attention::Attention;
 use super::super::dense::Dense;
+use super::super::gelu::Gelu;
 use super::super::layer::Layer;
 use super::super::lstm::Lstm;
+use super::super::norm::LayerNorm;
 use super::super::pool::{LastStep, MaskedMean};
 use super::super::relu::Relu;
 use super::super::updater::Updater;
@@ -188,6 +191,45 @@ impl NetworkConfigBuilder {
                 self
             }
         }
+    }
+
+    /// Appends causal self-attention of `heads` heads over the current width
+    /// ([`Attention`], keeping the attention probabilities for the backward pass),
+    /// named after its position (`attention_1`).
+    pub fn attention(self, heads: usize) -> Self {
+        self.attention_layer(heads, false)
+    }
+
+    /// As [`NetworkConfigBuilder::attention`], in the recompute form: only the softmax
+    /// statistics are kept, and the backward pass rebuilds the scores
+    /// ([`Attention::recomputing`]). The same bits, less memory, more arithmetic.
+    pub fn attention_recompute(self, heads: usize) -> Self {
+        self.attention_layer(heads, true)
+    }
+
+    fn attention_layer(mut self, heads: usize, recompute: bool) -> Self {
+        let name = format!("attention_{}", self.layers.len());
+        match Attention::named(&name, self.width, heads) {
+            Ok(attention) if recompute => self.layer(attention.recomputing()),
+            Ok(attention) => self.layer(attention),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
+    }
+
+    /// Appends a [`Gelu`] (the tanh form), named after its position (`gelu_2`).
+    pub fn gelu(self) -> Self {
+        let name = format!("gelu_{}", self.layers.len());
+        self.layer(Gelu::named(&name))
+    }
+
+    /// Appends a [`LayerNorm`] over the current width (eps 1e-5), named after its
+    /// position (`layer_norm_0`).
+    pub fn layer_norm(self) -> Self {
+        let name = format!("layer_norm_{}", self.layers.len());
+        self.layer(LayerNorm::named(&name))
     }
 
     /// Appends a [`Relu`], named after its position like the dense layers (`relu_1`

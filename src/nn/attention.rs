@@ -1,0 +1,496 @@
+//! Causal multi-head self-attention (GPT-2's `CausalSelfAttention`, without dropout).
+
+use std::mem::MaybeUninit;
+
+use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2};
+use workspace_core::freeze;
+
+use crate::{Error, Result};
+
+use super::gemm::{scratch_len, sgemm};
+use super::kept::{fingerprint, Kept};
+use super::kernels::{causal_softmax, causal_softmax_again, rows_from, softmax_backward, sum_rows};
+use super::layer::{
+    check_grad_input, check_len, check_mask, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
+    BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape,
+};
+
+/// Causal multi-head self-attention over a batch of sequences `[batch, time, width]`:
+/// one projection to the queries, keys and values of every head (`qkv`, `width → 3 ·
+/// width`), each head's scaled causal softmax (a step attends to itself and the steps
+/// before it; padded steps, where the mask is 0, are attended to by no step and attend
+/// to none), the heads' outputs side by side, and an output projection (`proj`, `width
+/// → width`). Parameters, carve's layout (`[inputs, outputs]`, as [`Dense`]'s):
+/// `qkv.weight`, `qkv.bias`, `proj.weight`, `proj.bias`.
+///
+/// What its training forward pass keeps for backward besides its input and output: the
+/// queries, keys and values and the heads' outputs (`4 · width` values per step), and
+/// then either every head's attention probabilities (`heads · time` per step: the
+/// largest activation of a transformer) or, in the recompute form
+/// ([`Attention::recomputing`]), only each row's softmax statistics (2 values per head
+/// and step), the scores rebuilt in the backward pass one head at a time, as
+/// flash-attention does. The two forms give the same bits.
+///
+/// [`Dense`]: crate::nn::Dense
+#[derive(Clone, Debug)]
+pub struct Attention {
+    name: String,
+    width: usize,
+    heads: usize,
+    recompute: bool,
+}
+
+/// What the training forward pass left.
+#[derive(Debug, Default)]
+struct AttentionTape {
+    kept: Kept,
+}
+
+/// The parameters as the passes read them.
+#[derive(Clone, Copy)]
+struct Weights<'p> {
+    qkv_w: ArrayView2<'p, f32>,
+    qkv_b: ArrayView1<'p, f32>,
+    proj_w: ArrayView2<'p, f32>,
+    proj_b: ArrayView1<'p, f32>,
+}
+
+/// Where the kept values of one batch are, in one buffer: `qkv` `[rows, 3·width]`,
+/// `att` `[rows, width]`, then per sequence and head the softmax statistics and (unless
+/// recomputed) the probabilities.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    batch: usize,
+    steps: usize,
+    width: usize,
+    heads: usize,
+    recompute: bool,
+}
+
+impl Layout {
+    fn rows(&self) -> usize {
+        self.batch * self.steps
+    }
+
+    fn qkv(&self) -> usize {
+        self.rows() * 3 * self.width
+    }
+
+    fn att(&self) -> usize {
+        self.rows() * self.width
+    }
+
+    /// Per head and sequence: the softmax statistics (`[time, 2]`), then, unless
+    /// recomputed, the probabilities (`[time, time]`).
+    fn per_head(&self) -> usize {
+        2 * self.steps + if self.recompute { 0 } else { self.steps * self.steps }
+    }
+
+    fn len(&self) -> Option<usize> {
+        let rest = self.batch.checked_mul(self.heads)?.checked_mul(self.per_head())?;
+        self.rows().checked_mul(4 * self.width)?.checked_add(rest)
+    }
+}
+
+impl Attention {
+    /// Self-attention of `heads` heads over `width` features per step.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for 0 heads or width, or a width the heads do not
+    /// divide.
+    pub fn named(name: &str, width: usize, heads: usize) -> Result<Attention> {
+        if width == 0 || heads == 0 || !width.is_multiple_of(heads) {
+            return Err(Error::invalid_config(format!(
+                "attention layer '{name}': {heads} heads over a width of {width}: the heads must divide the width \
+                 (both at least 1)"
+            )));
+        }
+        if width.checked_mul(4).and_then(|w| w.checked_mul(width)).is_none() {
+            return Err(Error::invalid_config(format!("attention layer '{name}': a width of {width} overflows")));
+        }
+        Ok(Attention { name: name.to_string(), width, heads, recompute: false })
+    }
+
+    /// The recompute form: the backward pass rebuilds the attention scores instead of
+    /// keeping the probabilities (see [`Attention`]).
+    pub fn recomputing(mut self) -> Attention {
+        self.recompute = true;
+        self
+    }
+
+    /// Features per step.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Heads.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Whether the backward pass rebuilds the scores (the recompute form).
+    pub fn is_recomputing(&self) -> bool {
+        self.recompute
+    }
+
+    /// Values kept for the backward pass of a batch of `batch` sequences of `steps`
+    /// steps (besides the input and output the network keeps).
+    pub fn kept_values(&self, batch: usize, steps: usize) -> Option<usize> {
+        self.layout(batch, steps).len()
+    }
+
+    fn layout(&self, batch: usize, steps: usize) -> Layout {
+        Layout { batch, steps, width: self.width, heads: self.heads, recompute: self.recompute }
+    }
+
+    fn head_width(&self) -> usize {
+        self.width / self.heads
+    }
+
+    fn param_count(&self) -> usize {
+        let d = self.width;
+        d * 3 * d + 3 * d + d * d + d
+    }
+
+    fn weights<'p>(&self, params: &'p [f32]) -> Result<Weights<'p>> {
+        check_len(&self.name, "parameters", params.len(), self.param_count())?;
+        let d = self.width;
+        let (qkv_w, rest) = params.split_at(d * 3 * d);
+        let (qkv_b, rest) = rest.split_at(3 * d);
+        let (proj_w, proj_b) = rest.split_at(d * d);
+        Ok(Weights {
+            qkv_w: ArrayView2::from_shape((d, 3 * d), qkv_w).expect("width × 3·width values"),
+            qkv_b: ArrayView1::from(qkv_b),
+            proj_w: ArrayView2::from_shape((d, d), proj_w).expect("width × width values"),
+            proj_b: ArrayView1::from(proj_b),
+        })
+    }
+
+    /// The scratch elements of the passes' matrix products for `steps` steps of
+    /// `rows` rows in all.
+    fn scratch(&self, rows: usize, steps: usize) -> usize {
+        let (d, hd) = (self.width, self.head_width());
+        [
+            scratch_len(rows, 3 * d, d),
+            scratch_len(rows, d, d),
+            scratch_len(d, 3 * d, rows),
+            scratch_len(rows, d, 3 * d),
+            scratch_len(d, d, rows),
+            scratch_len(steps, steps, hd),
+            scratch_len(steps, hd, steps),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+    }
+
+    /// Checks a batch of sequences against the layer.
+    fn check(&self, input: &ArrayView3<'_, f32>, mask: Option<&ArrayView2<'_, f32>>) -> Result<()> {
+        let (batch, steps, features) = check_mask(&self.name, input, mask)?;
+        if features != self.width {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' input [batch, time, features]", self.name),
+                expected: vec![batch, steps, self.width],
+                actual: input.shape().to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The forward pass of rows `x` (`[batch · steps, width]`) into `out`, with the
+    /// queries, keys and values in `qkv`, the heads' outputs in `att`, and per head and
+    /// sequence the softmax statistics and (unless recomputed: then the scores are
+    /// worked out in `scores`, `[steps, steps]`) the probabilities in `heads`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_forward(
+        &self,
+        p: Weights<'_>,
+        x: ArrayView2<'_, f32>,
+        l: Layout,
+        mask: Option<ArrayView2<'_, f32>>,
+        mut qkv: ArrayViewMut2<'_, f32>,
+        mut att: ArrayViewMut2<'_, f32>,
+        heads: &mut [f32],
+        mut scores: ArrayViewMut2<'_, f32>,
+        mut out: ArrayViewMut2<'_, f32>,
+        scratch: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
+        let (d, hd, t) = (self.width, self.head_width(), l.steps);
+        let scale = 1.0 / (hd as f32).sqrt();
+        rows_from(qkv.view_mut(), p.qkv_b);
+        sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
+        for (b, slots) in heads.chunks_exact_mut(self.heads * l.per_head()).enumerate() {
+            let rows = b * t..(b + 1) * t;
+            let keys = mask.as_ref().map(|m| m.row(b));
+            for (h, slot) in slots.chunks_exact_mut(l.per_head()).enumerate() {
+                let q = qkv.slice(s![rows.clone(), h * hd..(h + 1) * hd]);
+                let k = qkv.slice(s![rows.clone(), d + h * hd..d + (h + 1) * hd]);
+                let v = qkv.slice(s![rows.clone(), 2 * d + h * hd..2 * d + (h + 1) * hd]);
+                let (stats, probs) = slot.split_at_mut(2 * t);
+                let mut probs = match l.recompute {
+                    true => scores.view_mut(),
+                    false => ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values"),
+                };
+                sgemm(scale, q, k.t(), 0.0, probs.view_mut(), scratch)?;
+                causal_softmax(probs.view_mut(), keys, stats);
+                let o = att.slice_mut(s![rows.clone(), h * hd..(h + 1) * hd]);
+                sgemm(1.0, probs.view(), v, 0.0, o, scratch)?;
+            }
+        }
+        rows_from(out.view_mut(), p.proj_b);
+        sgemm(1.0, att.view(), p.proj_w, 1.0, out, scratch)?;
+        Ok(())
+    }
+
+    /// [`Attention::run_forward`] with its arrays in `kept`, laid out as `l` says.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_into(
+        &self,
+        p: Weights<'_>,
+        x: ArrayView2<'_, f32>,
+        l: Layout,
+        mask: Option<ArrayView2<'_, f32>>,
+        kept: &mut [f32],
+        scores: ArrayViewMut2<'_, f32>,
+        out: ArrayViewMut2<'_, f32>,
+        scratch: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
+        let (qkv, rest) = kept.split_at_mut(l.qkv());
+        let (att, heads) = rest.split_at_mut(l.att());
+        let qkv = ArrayViewMut2::from_shape((l.rows(), 3 * self.width), qkv).expect("rows × 3·width values");
+        let att = ArrayViewMut2::from_shape((l.rows(), self.width), att).expect("rows × width values");
+        self.run_forward(p, x, l, mask, qkv, att, heads, scores, out, scratch)
+    }
+
+    /// The backward pass from the kept values (`qkv`, `att`, per head the statistics
+    /// and the probabilities or, recomputed, the scores rebuilt in `scores`): the
+    /// parameters' gradients into `g` (every element), the input's into `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_backward(
+        &self,
+        p: Weights<'_>,
+        g: &mut [f32],
+        x: ArrayView2<'_, f32>,
+        l: Layout,
+        mask: Option<ArrayView2<'_, f32>>,
+        kept: &[f32],
+        dy: ArrayView2<'_, f32>,
+        dx: Option<ArrayViewMut2<'_, f32>>,
+        work: Work<'_>,
+    ) -> Result<()> {
+        let (d, hd, t) = (self.width, self.head_width(), l.steps);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let Work { mut d_att, mut d_qkv, mut scores, mut d_probs, scratch } = work;
+        let (qkv, rest) = kept.split_at(l.qkv());
+        let (att, heads) = rest.split_at(l.att());
+        let qkv = ArrayView2::from_shape((l.rows(), 3 * d), qkv).expect("rows × 3·width values");
+        let att = ArrayView2::from_shape((l.rows(), d), att).expect("rows × width values");
+        let (g_qkv_w, rest) = g.split_at_mut(d * 3 * d);
+        let (g_qkv_b, rest) = rest.split_at_mut(3 * d);
+        let (g_proj_w, g_proj_b) = rest.split_at_mut(d * d);
+        let g_qkv_w = ArrayViewMut2::from_shape((d, 3 * d), g_qkv_w).expect("width × 3·width values");
+        let g_proj_w = ArrayViewMut2::from_shape((d, d), g_proj_w).expect("width × width values");
+        // The output projection.
+        sgemm(1.0, att.t(), dy, 0.0, g_proj_w, scratch)?;
+        sum_rows(ArrayViewMut1::from(g_proj_b), dy);
+        sgemm(1.0, dy, p.proj_w.t(), 0.0, d_att.view_mut(), scratch)?;
+        // Each head of each sequence.
+        for (b, slots) in heads.chunks_exact(self.heads * l.per_head()).enumerate() {
+            let rows = b * t..(b + 1) * t;
+            let keys = mask.as_ref().map(|m| m.row(b));
+            for (h, slot) in slots.chunks_exact(l.per_head()).enumerate() {
+                let (qc, kc, vc) =
+                    (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
+                let q = qkv.slice(s![rows.clone(), qc.clone()]);
+                let k = qkv.slice(s![rows.clone(), kc.clone()]);
+                let v = qkv.slice(s![rows.clone(), vc.clone()]);
+                let (stats, probs) = slot.split_at(2 * t);
+                let probs = match l.recompute {
+                    true => {
+                        sgemm(scale, q, k.t(), 0.0, scores.view_mut(), scratch)?;
+                        causal_softmax_again(scores.view_mut(), keys, stats);
+                        scores.view()
+                    }
+                    false => ArrayView2::from_shape((t, t), probs).expect("steps × steps values"),
+                };
+                let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
+                // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
+                sgemm(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch)?;
+                sgemm(1.0, probs.t(), d_o, 0.0, d_qkv.slice_mut(s![rows.clone(), vc]), scratch)?;
+                softmax_backward(probs, d_probs.view_mut(), scale);
+                // dQ = dS·K, dK = dSᵀ·Q.
+                sgemm(1.0, d_probs.view(), k, 0.0, d_qkv.slice_mut(s![rows.clone(), qc]), scratch)?;
+                sgemm(1.0, d_probs.t(), q, 0.0, d_qkv.slice_mut(s![rows.clone(), kc]), scratch)?;
+            }
+        }
+        // The input projection.
+        sgemm(1.0, x.t(), d_qkv.view(), 0.0, g_qkv_w, scratch)?;
+        sum_rows(ArrayViewMut1::from(g_qkv_b), d_qkv.view());
+        if let Some(dx) = dx {
+            sgemm(1.0, d_qkv.view(), p.qkv_w.t(), 0.0, dx, scratch)?;
+        }
+        Ok(())
+    }
+}
+
+/// The backward pass's working arrays.
+struct Work<'w> {
+    d_att: ArrayViewMut2<'w, f32>,
+    d_qkv: ArrayViewMut2<'w, f32>,
+    scores: ArrayViewMut2<'w, f32>,
+    d_probs: ArrayViewMut2<'w, f32>,
+    scratch: &'w mut [MaybeUninit<f32>],
+}
+
+impl Layer for Attention {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        if inputs != self.width {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' takes {} features per step", self.name, self.width),
+                expected: vec![self.width],
+                actual: vec![inputs],
+            });
+        }
+        Ok(self.width)
+    }
+
+    fn param_shapes(&self, _inputs: usize) -> Vec<ParamShape> {
+        let d = self.width;
+        vec![
+            ParamShape::new("qkv.weight", &[d, 3 * d]),
+            ParamShape::new("qkv.bias", &[3 * d]),
+            ParamShape::new("proj.weight", &[d, d]),
+            ParamShape::new("proj.bias", &[d]),
+        ]
+    }
+
+    fn init(&self, _inputs: usize, params: &mut [f32], init: &mut Init<'_>) {
+        // GPT-2's: weights from N(0, 0.02²), biases 0.
+        let d = self.width;
+        let (qkv_w, rest) = params.split_at_mut(d * 3 * d);
+        let (qkv_b, rest) = rest.split_at_mut(3 * d);
+        let (proj_w, proj_b) = rest.split_at_mut(d * d);
+        init.fill_normal(qkv_w, 0.02);
+        qkv_b.fill(0.0);
+        init.fill_normal(proj_w, 0.02);
+        proj_b.fill(0.0);
+    }
+
+    fn tape(&self) -> Tape {
+        Tape::new(AttentionTape::default())
+    }
+
+    fn forward<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let x = self.sequence_input(input)?;
+        self.check(&x, mask.as_ref())?;
+        let p = self.weights(params)?;
+        let (batch, steps, _) = x.dim();
+        if batch == 0 || steps == 0 {
+            return Err(Error::InvalidInput(format!(
+                "layer '{}': a batch of {batch} sequences of {steps} steps has nothing to attend over",
+                self.name
+            )));
+        }
+        let l = self.layout(batch, steps);
+        let len = l.len().ok_or_else(|| {
+            Error::InvalidInput(format!("layer '{}': a batch of {batch} × {steps} steps overflows", self.name))
+        })?;
+        let rows = steps_as_rows(x, &self.name)?;
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.width))?;
+        let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
+        let scores = ctx.working.zeros::<f32, _>((steps, steps))?;
+        let out_rows = out.view_mut().into_shape_with_order((l.rows(), self.width)).expect("a new array is standard");
+        if ctx.training {
+            let tape = tape_of::<AttentionTape>(tape, &self.name)?;
+            let print = fingerprint(mask.as_ref(), batch, steps);
+            let what = || format!("attention layer '{}': the values kept for backward", self.name);
+            tape.kept.fill(len, print, ctx, what, |kept| {
+                self.forward_into(p, rows, l, mask, kept, scores, out_rows, scratch)
+            })?;
+        } else {
+            if let Some(tape) = tape.get_mut::<AttentionTape>() {
+                tape.kept.clear();
+            }
+            // Inference: the same values in working memory, the probabilities of one
+            // head at a time (the recompute form's layout).
+            let l = Layout { recompute: true, ..l };
+            let mut work = ctx.working.zeros::<f32, _>(l.len().unwrap_or(usize::MAX))?;
+            let work = work.as_slice_mut().expect("a new array is contiguous");
+            self.forward_into(p, rows, l, mask, work, scores, out_rows, scratch)?;
+        }
+        Ok(Activations::Sequence(freeze(out)))
+    }
+
+    fn backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let name = &self.name;
+        let tape = tape_of::<AttentionTape>(tape, name)?;
+        let p = self.weights(params)?;
+        check_len(name, "gradients", grads.len(), self.param_count())?;
+        let x = pass.input.sequence(name)?;
+        self.check(&x, pass.mask.as_ref())?;
+        let dy = pass.grad_output.sequence(name)?;
+        if dy.dim() != x.dim() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{name}' output gradient"),
+                expected: x.shape().to_vec(),
+                actual: dy.shape().to_vec(),
+            });
+        }
+        let grad_input = grad_input.map(|g| sequence_grad_input(g, name)).transpose()?;
+        check_grad_input(name, &x, &grad_input)?;
+        let (batch, steps, _) = x.dim();
+        let l = self.layout(batch, steps);
+        let len = l.len().ok_or_else(|| Error::InvalidInput(format!("layer '{name}': the batch overflows")))?;
+        let print = fingerprint(pass.mask.as_ref(), batch, steps);
+        let rows = steps_as_rows(x, name)?;
+        let dy = steps_as_rows(dy, name)?;
+        let dx = grad_input.map(|g| rows_of_grad(g, name)).transpose()?;
+        let w = &ctx.working;
+        let work = Work {
+            d_att: w.zeros::<f32, _>((l.rows(), self.width))?,
+            d_qkv: w.zeros::<f32, _>((l.rows(), 3 * self.width))?,
+            scores: w.zeros::<f32, _>((steps, steps))?,
+            d_probs: w.zeros::<f32, _>((steps, steps))?,
+            scratch: w.slice_uninit::<f32>(self.scratch(l.rows(), steps))?,
+        };
+        tape.kept
+            .with(len, print, ctx.mgr, name, |kept| self.run_backward(p, grads, rows, l, pass.mask, kept, dy, dx, work))
+    }
+}
+
+impl Attention {
+    /// The input as a batch of sequences, or the error saying attention needs one.
+    fn sequence_input<'a>(&self, input: Activations<'a>) -> Result<ArrayView3<'a, f32>> {
+        match input {
+            Activations::Sequence(x) => Ok(x),
+            Activations::Flat(x) => Err(Error::ShapeMismatch {
+                context: format!(
+                    "layer '{}' attends over time and takes batches of sequences [batch, time, features]",
+                    self.name
+                ),
+                expected: vec![x.nrows(), 0, self.width],
+                actual: x.shape().to_vec(),
+            }),
+        }
+    }
+}

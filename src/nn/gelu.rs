@@ -1,0 +1,85 @@
+//! GELU in its tanh form (GPT-2's activation).
+
+use crate::{Error, Result};
+
+use ndarray::{ArrayView2, ArrayViewMut2};
+use workspace_core::freeze;
+
+use super::kernels::{gelu_backward, gelu_forward};
+use super::layer::{BackwardCtx, ForwardCtx, Layer, RowsPass};
+
+/// `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` elementwise: the Gaussian error linear
+/// unit in the tanh form GPT-2 uses (PyTorch's `nn.GELU(approximate="tanh")`). Its
+/// backward pass reads the forward pass's input only.
+#[derive(Clone, Debug)]
+pub struct Gelu {
+    name: String,
+}
+
+impl Gelu {
+    /// A GELU layer named "gelu".
+    pub fn new() -> Gelu {
+        Gelu::named("gelu")
+    }
+
+    /// A GELU layer with a name for messages ([`NetworkConfigBuilder::gelu`] numbers
+    /// them after their position).
+    ///
+    /// [`NetworkConfigBuilder::gelu`]: crate::nn::NetworkConfigBuilder::gelu
+    pub fn named(name: &str) -> Gelu {
+        Gelu { name: name.to_string() }
+    }
+}
+
+impl Default for Gelu {
+    fn default() -> Gelu {
+        Gelu::new()
+    }
+}
+
+impl Layer for Gelu {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn output_size(&self, inputs: usize) -> Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<ArrayView2<'a, f32>> {
+        let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
+        gelu_forward(input, out.view_mut());
+        Ok(freeze(out))
+    }
+
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> Result<()> {
+        let (input, grad_output) = (pass.input, pass.grad_output);
+        let wrong = |what: &str, shape: &[usize]| Error::ShapeMismatch {
+            context: format!("layer '{}' {what}", self.name),
+            expected: input.shape().to_vec(),
+            actual: shape.to_vec(),
+        };
+        if grad_output.dim() != input.dim() {
+            return Err(wrong("output gradient", grad_output.shape()));
+        }
+        if let Some(g) = grad_input.as_ref().filter(|g| g.dim() != input.dim()) {
+            return Err(wrong("input gradient", g.shape()));
+        }
+        if let Some(grad_input) = grad_input {
+            gelu_backward(input, grad_output, grad_input);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,126 @@
+//! What a layer's training forward pass keeps for its backward pass besides its input
+//! and output: one buffer of values, in the activations workspace (where it lives as
+//! long as the step's activations, and a planned arena counts it), or on the heap when
+//! workspaces are off.
+
+use ndarray::Ix1;
+use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr};
+
+use crate::{Error, Result};
+
+use super::layer::ForwardCtx;
+use super::limits::reserve_filled;
+
+/// A layer's kept values of its last training forward pass, with the fingerprint of
+/// the batch they belong to (see [`fingerprint`]).
+#[derive(Debug, Default)]
+pub(crate) struct Kept {
+    values: Values,
+    print: u64,
+}
+
+#[derive(Debug, Default)]
+enum Values {
+    #[default]
+    Empty,
+    /// In the activations workspace, for as long as its cycle lasts.
+    Workspace(Handle<f32, Ix1>),
+    /// On the heap (workspaces switched off).
+    Heap(Vec<f32>),
+}
+
+impl Kept {
+    /// Drops what was kept (an inference pass, or a failed one, leaves nothing).
+    pub(crate) fn clear(&mut self) {
+        *self = Kept::default();
+    }
+
+    /// `len` zeros kept for the backward pass of the batch of fingerprint `print`, and
+    /// `f` run on them (to fill them). `what` names them in an error.
+    pub(crate) fn fill<R>(
+        &mut self,
+        len: usize,
+        print: u64,
+        ctx: &ForwardCtx<'_, '_>,
+        what: impl Fn() -> String,
+        f: impl FnOnce(&mut [f32]) -> Result<R>,
+    ) -> Result<R> {
+        self.clear();
+        if ctx.mgr.is_scoped_out(ArrayType::Activations) {
+            // Workspaces off: a heap buffer, reserved fallibly like the workspaces'
+            // own heap allocations.
+            let mut values =
+                reserve_filled(len, 0.0).map_err(|why| Error::InvalidInput(format!("{}: {why}", what())))?;
+            let result = f(&mut values)?;
+            self.values = Values::Heap(values);
+            self.print = print;
+            return Ok(result);
+        }
+        let mut handle = ctx.activations.zeros_handle::<f32, _>(len)?;
+        let result = {
+            let mut view = handle.view_mut(ctx.activations)?;
+            f(view.as_slice_mut().expect("a new array is contiguous"))?
+        };
+        self.values = Values::Workspace(handle);
+        self.print = print;
+        Ok(result)
+    }
+
+    /// Runs `f` on the kept values, checked to be `len` long and of the batch of
+    /// fingerprint `print`; `layer` names the layer in an error.
+    pub(crate) fn with<R>(
+        &self,
+        len: usize,
+        print: u64,
+        mgr: &LayerWorkspaceMgr,
+        layer: &str,
+        f: impl FnOnce(&[f32]) -> Result<R>,
+    ) -> Result<R> {
+        let scope;
+        let values: &[f32] = match &self.values {
+            Values::Empty => {
+                return Err(Error::InvalidInput(format!(
+                    "layer '{layer}': a backward pass without a training forward pass before it"
+                )))
+            }
+            Values::Heap(values) => values,
+            Values::Workspace(handle) => {
+                scope = mgr.borrow_open(ArrayType::Activations)?;
+                let view = handle.view(&scope)?;
+                return self.checked(view.as_slice().expect("a new array is contiguous"), len, print, layer, f);
+            }
+        };
+        self.checked(values, len, print, layer, f)
+    }
+
+    fn checked<R>(
+        &self,
+        values: &[f32],
+        len: usize,
+        print: u64,
+        layer: &str,
+        f: impl FnOnce(&[f32]) -> Result<R>,
+    ) -> Result<R> {
+        if values.len() != len || print != self.print {
+            return Err(Error::InvalidInput(format!(
+                "layer '{layer}': a backward pass on another batch or mask than its forward pass"
+            )));
+        }
+        f(values)
+    }
+}
+
+/// A fingerprint of a batch's shape and mask (which steps hold data), or of none: a
+/// backward pass checks that it runs on the batch its forward pass kept values of.
+pub(crate) fn fingerprint(mask: Option<&ndarray::ArrayView2<'_, f32>>, batch: usize, steps: usize) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325_u64 ^ (batch as u64).wrapping_mul(0x1000_0000_01b3);
+    hash = (hash ^ steps as u64).wrapping_mul(0x1000_0000_01b3);
+    if let Some(mask) = mask {
+        for &m in mask.iter() {
+            hash = (hash ^ u64::from(m != 0.0)).wrapping_mul(0x1000_0000_01b3);
+        }
+    } else {
+        hash ^= 0x9e37_79b9_7f4a_7c15;
+    }
+    hash
+}

@@ -1,0 +1,316 @@
+//! The transformer's layers: gradients against finite differences, and values against
+//! references computed independently (numpy in float64 from the published equations:
+//! `tests/fixtures/layers/make_fixtures.py`, which wrote `layers.json`).
+
+use carve::nn::{Gelu, LayerNorm, NetworkConfig, ParamShape};
+use ndarray::{Array1, Array2};
+use serde_json::Value;
+
+use crate::nn::{analytic, check_layer};
+use crate::standalone::Standalone;
+
+fn fixture() -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/layers/layers.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("the fixture is in the repository")).unwrap()
+}
+
+fn matrix(value: &Value) -> Array2<f32> {
+    let rows: Vec<Vec<f32>> = serde_json::from_value(value.clone()).unwrap();
+    Array2::from_shape_fn((rows.len(), rows[0].len()), |(r, c)| rows[r][c])
+}
+
+fn vector(value: &Value) -> Array1<f32> {
+    Array1::from(serde_json::from_value::<Vec<f32>>(value.clone()).unwrap())
+}
+
+/// `actual` within float32 rounding of the float64 reference `expected`.
+fn assert_close(actual: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}");
+    for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+        let tolerance = 1e-5 + 1e-5 * e.abs();
+        assert!((a - e).abs() <= tolerance, "{what}[{i}]: {a} vs the reference {e}");
+    }
+}
+
+#[test]
+fn gelu_gradients_match_finite_differences() {
+    check_layer(&mut Standalone::new(Gelu::new(), 7, 0), 4, 7, 7, 3);
+}
+
+#[test]
+fn layer_norm_gradients_match_finite_differences() {
+    let mut norm = Standalone::new(LayerNorm::named("ln"), 6, 0);
+    // Scale and bias away from their initial 1 and 0, so that their gradients matter.
+    for (k, v) in norm.param_mut(0).iter_mut().enumerate() {
+        *v = 0.5 + 0.25 * k as f32;
+    }
+    for (k, v) in norm.param_mut(1).iter_mut().enumerate() {
+        *v = 0.1 * k as f32 - 0.2;
+    }
+    check_layer(&mut norm, 5, 6, 6, 9);
+    let shapes = norm.layer.param_shapes(6);
+    assert_eq!(shapes, [ParamShape::new("weight", &[6]), ParamShape::new("bias", &[6])]);
+}
+
+#[test]
+fn gelu_matches_the_float64_reference() {
+    let case = &fixture()["gelu"];
+    let (x, dy) = (matrix(&case["x"]), matrix(&case["dy"]));
+    let mut gelu = Standalone::new(Gelu::new(), x.ncols(), 0);
+    let (dx, _) = analytic(&mut gelu, &x, &dy);
+    let y = forward(&mut gelu, &x);
+    assert_close(y.as_slice().unwrap(), matrix(&case["y"]).as_slice().unwrap(), "gelu y");
+    assert_close(dx.as_slice().unwrap(), matrix(&case["dx"]).as_slice().unwrap(), "gelu dx");
+}
+
+#[test]
+fn layer_norm_matches_the_float64_reference() {
+    let case = &fixture()["layer_norm"];
+    let (x, dy) = (matrix(&case["x"]), matrix(&case["dy"]));
+    let (w, b) = (vector(&case["weight"]), vector(&case["bias"]));
+    assert_eq!(case["eps"].as_f64().map(|e| e as f32), Some(LayerNorm::DEFAULT_EPS));
+    let mut norm = Standalone::new(LayerNorm::named("ln"), x.ncols(), 0);
+    norm.param_mut(0).copy_from_slice(w.as_slice().unwrap());
+    norm.param_mut(1).copy_from_slice(b.as_slice().unwrap());
+    let (dx, grads) = analytic(&mut norm, &x, &dy);
+    let y = forward(&mut norm, &x);
+    assert_close(y.as_slice().unwrap(), matrix(&case["y"]).as_slice().unwrap(), "layer norm y");
+    assert_close(dx.as_slice().unwrap(), matrix(&case["dx"]).as_slice().unwrap(), "layer norm dx");
+    assert_close(&grads[0], vector(&case["dweight"]).as_slice().unwrap(), "layer norm d weight");
+    assert_close(&grads[1], vector(&case["dbias"]).as_slice().unwrap(), "layer norm d bias");
+}
+
+/// The layer's output on `x`, copied out.
+fn forward(layer: &mut Standalone, x: &Array2<f32>) -> Array2<f32> {
+    use carve::nn::{Activations, ForwardCtx};
+    use carve::{ArrayType, LayerWorkspaceMgr};
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
+    layer.forward(Activations::Flat(x.view()), None, &ctx).unwrap().flat("y").unwrap().to_owned()
+}
+
+#[test]
+fn the_builder_makes_a_pre_ln_mlp_that_learns_over_sequences() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    use ndarray::Array3;
+    // [batch, time, features] as rows: LayerNorm and GELU run on every step.
+    let config = NetworkConfig::builder(8)
+        .layer_norm()
+        .dense(16)
+        .gelu()
+        .dense(3)
+        .updater(Updater::adam(1e-2))
+        .seed(3)
+        .build()
+        .unwrap();
+    let names: Vec<&str> = config.layers().iter().map(|l| l.name()).collect();
+    assert_eq!(names, ["layer_norm_0", "dense_1", "gelu_2", "dense_3"]);
+    let mut net = Network::new(config).unwrap();
+    let x = Array3::from_shape_fn((4, 5, 8), |(b, t, f)| ((b * 7 + t * 3 + f) % 5) as f32 - 2.0);
+    let y = Array2::from_shape_fn((4, 5), |(b, t)| ((b * 7 + t * 3) % 5 % 3) as u32);
+    let mut losses = Vec::new();
+    for _ in 0..60 {
+        let input = Input::Sequences { features: x.view(), mask: None };
+        losses.push(net.fit_batch(input, Labels::from(y.view())).unwrap());
+    }
+    assert!(losses[59] < 0.5 * losses[0], "{losses:?}");
+}
+
+#[test]
+fn a_bad_eps_is_refused() {
+    for eps in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        assert!(matches!(LayerNorm::named("ln").with_eps(eps), Err(carve::Error::InvalidConfig { .. })), "{eps}");
+    }
+    assert_eq!(LayerNorm::named("ln").with_eps(1e-6).unwrap().eps(), 1e-6);
+}
+
+fn tensor3(value: &Value) -> ndarray::Array3<f32> {
+    let rows: Vec<Vec<Vec<f32>>> = serde_json::from_value(value.clone()).unwrap();
+    ndarray::Array3::from_shape_fn((rows.len(), rows[0].len(), rows[0][0].len()), |(b, t, f)| rows[b][t][f])
+}
+
+/// One training forward and backward pass of a sequence layer on its own: its output,
+/// the gradient of its input and of each parameter, for the upstream gradient `dy`.
+fn sequence_pass(
+    layer: &mut Standalone,
+    x: &ndarray::Array3<f32>,
+    mask: Option<&Array2<f32>>,
+    dy: &ndarray::Array3<f32>,
+) -> (ndarray::Array3<f32>, ndarray::Array3<f32>, Vec<Vec<f32>>) {
+    use carve::nn::{Activations, BackwardCtx, ForwardCtx, GradInput, Pass};
+    use carve::{ArrayType, LayerWorkspaceMgr};
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let act = mgr.enter(ArrayType::Activations).unwrap();
+    let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+    let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
+    let mask = mask.map(|m| m.view());
+    let y = layer.forward(Activations::Sequence(x.view()), mask, &ctx).unwrap();
+    drop(working);
+    let mut dx = ndarray::Array3::<f32>::from_elem(x.raw_dim(), f32::NAN);
+    let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
+    let pass =
+        Pass { input: Activations::Sequence(x.view()), mask, output: y, grad_output: Activations::Sequence(dy.view()) };
+    layer.backward(pass, Some(GradInput::Sequence(dx.view_mut())), &BackwardCtx { working: &bp, mgr: &mgr }).unwrap();
+    (y.sequence("y").unwrap().to_owned(), dx, layer.param_grads())
+}
+
+/// An attention layer of `heads` heads over `width`, its parameters the fixture's.
+fn attention_from(case: &Value, width: usize, recompute: bool) -> Standalone {
+    let heads = case["heads"].as_u64().unwrap() as usize;
+    let attention = carve::nn::Attention::named("attn", width, heads).unwrap();
+    let attention = if recompute { attention.recomputing() } else { attention };
+    let mut layer = Standalone::new(attention, width, 0);
+    let params = ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"];
+    for (p, name) in params.iter().enumerate() {
+        let values: Vec<f32> = match &case[*name][0] {
+            Value::Array(_) => matrix(&case[*name]).iter().copied().collect(),
+            _ => vector(&case[*name]).to_vec(),
+        };
+        layer.param_mut(p).copy_from_slice(&values);
+    }
+    layer
+}
+
+/// Within the reference's finite differences (float64, step 1e-6) and float32 rounding.
+fn assert_near(actual: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}");
+    for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+        let tolerance = 2e-5 + 1e-4 * e.abs();
+        assert!((a - e).abs() <= tolerance, "{what}[{i}]: {a} vs the reference {e}");
+    }
+}
+
+#[test]
+fn attention_matches_the_float64_reference_in_both_forms_and_with_padding() {
+    let case = &fixture()["attention"];
+    let (x, dy, mask) = (tensor3(&case["x"]), tensor3(&case["dy"]), matrix(&case["mask"]));
+    let width = x.shape()[2];
+    let mut bits = Vec::new();
+    for recompute in [false, true] {
+        let mut layer = attention_from(case, width, recompute);
+        let (y, dx, grads) = sequence_pass(&mut layer, &x, Some(&mask), &dy);
+        let form = if recompute { "recompute" } else { "keep" };
+        assert_near(y.as_slice().unwrap(), tensor3(&case["y"]).as_slice().unwrap(), &format!("{form}: y"));
+        assert_near(dx.as_slice().unwrap(), tensor3(&case["dx"]).as_slice().unwrap(), &format!("{form}: dx"));
+        for (p, name) in ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"].iter().enumerate() {
+            let expected: Vec<f32> = match &case[format!("d {name}")][0] {
+                Value::Array(_) => matrix(&case[format!("d {name}")]).iter().copied().collect(),
+                _ => vector(&case[format!("d {name}")]).to_vec(),
+            };
+            assert_near(&grads[p], &expected, &format!("{form}: d {name}"));
+        }
+        // Padded steps get no gradient.
+        assert!(dx.slice(ndarray::s![1, 3.., ..]).iter().all(|&v| v == 0.0), "{form}: {dx}");
+        let all: Vec<u32> = y.iter().chain(&dx).chain(grads.iter().flatten()).map(|v| v.to_bits()).collect();
+        bits.push(all);
+    }
+    assert!(bits[0] == bits[1], "the keep and recompute forms give other bits");
+}
+
+#[test]
+fn attention_gradients_match_finite_differences_of_its_own_forward() {
+    let mut rng = carve_rng::Rng::new(17);
+    let (b, t, d) = (2, 4, 6);
+    let x = ndarray::Array3::from_shape_fn((b, t, d), |_| rng.uniform(-1.0, 1.0));
+    let dy = ndarray::Array3::from_shape_fn((b, t, d), |_| rng.uniform(-1.0, 1.0));
+    let mut layer = Standalone::new(carve::nn::Attention::named("attn", d, 3).unwrap(), d, 5);
+    for p in 0..4 {
+        for v in layer.param_mut(p) {
+            *v = rng.uniform(-0.5, 0.5);
+        }
+    }
+    let (_, dx, grads) = sequence_pass(&mut layer, &x, None, &dy);
+    let project = |layer: &mut Standalone, x: &ndarray::Array3<f32>| -> f64 {
+        let (y, _, _) = sequence_pass(layer, x, None, &dy);
+        y.iter().zip(dy.iter()).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum()
+    };
+    let eps = 1e-2f32;
+    let close = |numeric: f64, analytic: f32, what: &str| {
+        let scale = numeric.abs().max(f64::from(analytic).abs()).max(1e-2);
+        assert!((numeric - f64::from(analytic)).abs() / scale < 2e-2, "{what}: numeric {numeric} vs {analytic}");
+    };
+    for i in 0..x.len() {
+        let (mut up, mut down) = (x.clone(), x.clone());
+        up.as_slice_mut().unwrap()[i] += eps;
+        down.as_slice_mut().unwrap()[i] -= eps;
+        let numeric = (project(&mut layer, &up) - project(&mut layer, &down)) / f64::from(2.0 * eps);
+        close(numeric, dx.as_slice().unwrap()[i], &format!("dx[{i}]"));
+    }
+    for (p, grad) in grads.iter().enumerate() {
+        for (k, &g) in grad.iter().enumerate().step_by(7) {
+            layer.nudge(p, k, eps);
+            let up = project(&mut layer, &x);
+            layer.nudge(p, k, -2.0 * eps);
+            let down = project(&mut layer, &x);
+            layer.nudge(p, k, eps);
+            close((up - down) / f64::from(2.0 * eps), g, &format!("param {p}[{k}]"));
+        }
+    }
+}
+
+#[test]
+fn attention_is_causal() {
+    let mut rng = carve_rng::Rng::new(3);
+    let (b, t, d) = (1, 6, 8);
+    let x = ndarray::Array3::from_shape_fn((b, t, d), |_| rng.uniform(-1.0, 1.0));
+    let dy = ndarray::Array3::zeros((b, t, d));
+    let mut layer = Standalone::new(carve::nn::Attention::named("attn", d, 2).unwrap(), d, 9);
+    let (y, _, _) = sequence_pass(&mut layer, &x, None, &dy);
+    let mut later = x.clone();
+    later.slice_mut(ndarray::s![0, 4.., ..]).fill(7.0);
+    let (y2, _, _) = sequence_pass(&mut layer, &later, None, &dy);
+    assert_eq!(y.slice(ndarray::s![0, ..4, ..]), y2.slice(ndarray::s![0, ..4, ..]), "a step saw the steps after it");
+    assert_ne!(y.slice(ndarray::s![0, 4.., ..]), y2.slice(ndarray::s![0, 4.., ..]));
+}
+
+#[test]
+fn attention_refuses_widths_its_heads_do_not_divide_and_flat_batches() {
+    use carve::nn::Attention;
+    assert!(matches!(Attention::named("a", 10, 3), Err(carve::Error::InvalidConfig { .. })));
+    assert!(matches!(Attention::named("a", 0, 1), Err(carve::Error::InvalidConfig { .. })));
+    assert!(matches!(Attention::named("a", 8, 0), Err(carve::Error::InvalidConfig { .. })));
+    let config = NetworkConfig::builder(10).attention(3).build();
+    assert!(matches!(config, Err(carve::Error::InvalidConfig { .. })), "{config:?}");
+    let mut net = carve::nn::Network::new(NetworkConfig::builder(8).attention(2).dense(3).build().unwrap()).unwrap();
+    let flat = Array2::<f32>::zeros((4, 8));
+    assert!(net.output(flat.view()).is_err(), "attention over a flat batch");
+}
+
+#[test]
+fn a_transformer_block_learns_and_its_modes_and_forms_give_the_same_bits() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    use carve::WorkspaceMode;
+    use ndarray::Array3;
+    // Predict each step's token class from the steps up to it.
+    let x = Array3::from_shape_fn((6, 8, 16), |(b, t, f)| (((b * 5 + t * 3 + f) % 7) as f32 - 3.0) * 0.3);
+    let y = Array2::from_shape_fn((6, 8), |(b, t)| ((b * 5 + t * 3) % 7 % 4) as u32);
+    let mut traces = Vec::new();
+    for recompute in [false, true] {
+        for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+            let builder = NetworkConfig::builder(16).layer_norm();
+            let builder = if recompute { builder.attention_recompute(4) } else { builder.attention(4) };
+            let config = builder
+                .layer_norm()
+                .dense(32)
+                .gelu()
+                .dense(4)
+                .updater(Updater::adam(3e-3))
+                .seed(11)
+                .training_workspace_mode(mode)
+                .inference_workspace_mode(mode)
+                .build()
+                .unwrap();
+            let mut net = Network::new(config).unwrap();
+            let mut losses = Vec::new();
+            for _ in 0..40 {
+                let input = Input::Sequences { features: x.view(), mask: None };
+                losses.push(net.fit_batch(input, Labels::from(y.view())).unwrap());
+            }
+            assert!(losses[39] < 0.6 * losses[0], "{mode:?}, recompute {recompute}: {losses:?}");
+            traces.push(losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>());
+        }
+    }
+    assert!(traces.iter().all(|t| *t == traces[0]), "modes or forms gave other losses");
+}
