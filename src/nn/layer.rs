@@ -9,7 +9,11 @@ use workspace_core::{LayerWorkspaceMgr, TypedScope};
 
 /// What flows between layers: a flat batch `[batch, features]`, or a batch of
 /// sequences `[batch, time, features]` (whose mask, `[batch, time]`, the network hands
-/// to every sequence method alongside).
+/// to every sequence method alongside). Token ids ([`Input::Tokens`]) reach the first
+/// layer (an [`Embedding`](crate::nn::Embedding)) as a batch of sequences of one
+/// feature, the id's value (exact: vocabularies hold at most 2²⁴ tokens).
+///
+/// [`Input::Tokens`]: crate::nn::Input::Tokens
 ///
 /// Layers keep the kind of their input, except the heads that turn a sequence into
 /// one row per sequence ([`LastStep`](crate::nn::LastStep),

@@ -10,6 +10,8 @@
 
 use crate::{Error, Result};
 
+pub use super::embedding::MAX_VOCABULARY;
+
 /// The most threads (or inference arenas, or data-parallel workers in a process) that
 /// one pool, trainer or network may ask for.
 ///

@@ -44,6 +44,7 @@
 
 mod attention;
 mod dense;
+mod embedding;
 mod file;
 mod finite;
 mod gelu;
@@ -66,6 +67,7 @@ mod params;
 mod pool;
 mod profile;
 mod relu;
+mod residual;
 pub mod serve;
 #[allow(unsafe_code)]
 mod simd;
@@ -75,6 +77,7 @@ mod updater;
 
 pub use attention::Attention;
 pub use dense::Dense;
+pub use embedding::{Embedding, PositionEmbedding};
 pub use gelu::Gelu;
 pub use infer::Infer;
 pub use layer::{

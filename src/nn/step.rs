@@ -20,7 +20,7 @@
 
 use allocator_api2::vec::Vec as ArenaVec;
 use ndarray::{ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
-use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
+use workspace_core::{freeze, ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 
@@ -30,6 +30,7 @@ use super::loss::SoftmaxCrossEntropy;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
 use super::params::Params;
 use super::profile::{self, Part};
+use super::residual::{self, blocks_starting_at, join_of, Stack};
 
 /// The layers of a step as the step drives them, by index in forward order, with the
 /// parameters they read, the gradient buffers their backward passes write and their
@@ -185,9 +186,17 @@ pub(crate) fn passes(
     if !loss_sum.is_finite() {
         return Err(finite::error("loss", format!("the summed softmax cross-entropy is {loss_sum}")));
     }
+    // The gradients of the residual joins passed, waiting for their blocks' inputs.
+    let mut skips: Stack<(usize, Skip)> = Stack::new();
     for i in (0..depth).rev() {
         *at = i;
         label(tl, |l| l.layers.get(i).copied());
+        if let Some(from) = join_of(layers.layers, i) {
+            // A join: its gradient flows to the block's last layer as it is, and to the
+            // block's input once the block is through.
+            skips.push((from, Skip::of(&grad, &act)?))?;
+            continue;
+        }
         let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
         // The gradient of the first layer's input is not needed.
         let mut below = match i {
@@ -207,6 +216,12 @@ pub(crate) fn passes(
             // The layer's own work; its matrix products are charged to MatMul.
             let _span = profile::span(Part::Elementwise);
             layers.backward(i, pass, grad_input, &ctx)?;
+        }
+        while skips.last().is_some_and(|(from, _)| *from == i) {
+            let (_, skip) = skips.pop().expect("just looked at");
+            if let Some(below) = below.as_mut() {
+                skip.add_to(below, &act)?;
+            }
         }
         {
             let _span = profile::span(Part::Checks);
@@ -241,21 +256,89 @@ pub(crate) fn forward<'s>(
     at: &mut usize,
     mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
 ) -> Result<Activations<'s>> {
+    // The inputs of the residual blocks under way (see `nn::residual`).
+    let mut blocks: Stack<Activations<'s>> = Stack::new();
     for i in 0..layers.count() {
         *at = i;
         label(labels, |l| l.layers.get(i).copied());
-        let working = mgr.enter(ArrayType::FfWorkingMem)?;
-        let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
-        let y = {
-            // The layer's own work; its matrix products are charged to MatMul.
-            let _span = profile::span(Part::Elementwise);
-            layers.forward(i, input, mask, &ctx)?
+        for _ in 0..blocks_starting_at(layers.layers, i) {
+            blocks.push(input)?;
+        }
+        let y = match join_of(layers.layers, i) {
+            Some(_) => {
+                let block_input = blocks.pop().expect("a join's block started before it");
+                let _span = profile::span(Part::Elementwise);
+                join(act, layers.name(i), input, block_input)?
+            }
+            None => {
+                let working = mgr.enter(ArrayType::FfWorkingMem)?;
+                let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
+                // The layer's own work; its matrix products are charged to MatMul.
+                let _span = profile::span(Part::Elementwise);
+                layers.forward(i, input, mask, &ctx)?
+            }
         };
         validate(mgr, layers.name(i), y)?;
         each(layers.name(i), y)?;
         input = y;
     }
     Ok(input)
+}
+
+/// A residual join's output: the block's output `a` plus its input `b`, in `act`.
+fn join<'s>(act: &'s TypedScope, name: &str, a: Activations<'s>, b: Activations<'s>) -> Result<Activations<'s>> {
+    match (a, b) {
+        (Activations::Flat(a), Activations::Flat(b)) if a.dim() == b.dim() => {
+            let mut y = act.zeros::<f32, _>(a.raw_dim())?;
+            residual::add(a, b, y.view_mut());
+            Ok(Activations::Flat(freeze(y)))
+        }
+        (Activations::Sequence(a), Activations::Sequence(b)) if a.dim() == b.dim() => {
+            let mut y = act.zeros::<f32, _>(a.raw_dim())?;
+            residual::add(a, b, y.view_mut());
+            Ok(Activations::Sequence(freeze(y)))
+        }
+        (a, b) => Err(Error::ShapeMismatch {
+            context: format!("residual join '{name}': the block's output must be shaped as its input"),
+            expected: b.shape().to_vec(),
+            actual: a.shape().to_vec(),
+        }),
+    }
+}
+
+/// A copy of a residual join's gradient, kept in the activations workspace until the
+/// backward pass reaches the block's input.
+enum Skip {
+    Flat(Handle<f32, Ix2>),
+    Sequence(Handle<f32, Ix3>),
+}
+
+impl Skip {
+    /// A copy of `grad` in `act`.
+    fn of(grad: &Gradient, act: &TypedScope) -> Result<Skip> {
+        let _span = profile::span(Part::Copies);
+        Ok(match grad.view()? {
+            Activations::Flat(g) => Skip::Flat(act.copy_handle(&g)?),
+            Activations::Sequence(g) => Skip::Sequence(act.copy_handle(&g)?),
+        })
+    }
+
+    /// Adds the kept gradient into `below`, the gradient of the block's input.
+    fn add_to(&self, below: &mut Gradient, act: &TypedScope) -> Result<()> {
+        let _span = profile::span(Part::Elementwise);
+        match (self, &mut below.array) {
+            (Skip::Flat(h), GradientArray::Flat(b)) if h.shape() == b.shape() => {
+                residual::add_assign(b.view_mut(&below.scope)?, h.view(act)?)
+            }
+            (Skip::Sequence(h), GradientArray::Sequence(b)) if h.shape() == b.shape() => {
+                residual::add_assign(b.view_mut(&below.scope)?, h.view(act)?)
+            }
+            _ => {
+                return Err(Error::InvalidInput("a residual block's input and output gradients differ in shape".into()))
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `a` borrowed for as long as `a` is (the views of a [`Pass`] live as long as its

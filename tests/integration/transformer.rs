@@ -314,3 +314,115 @@ fn a_transformer_block_learns_and_its_modes_and_forms_give_the_same_bits() {
     }
     assert!(traces.iter().all(|t| *t == traces[0]), "modes or forms gave other losses");
 }
+
+/// A GPT of `blocks` pre-LN blocks over a vocabulary of `vocab`, width `d`.
+fn tiny_gpt(vocab: usize, d: usize, heads: usize, context: usize, blocks: usize) -> carve::nn::NetworkConfigBuilder {
+    let mut b = NetworkConfig::builder(vocab).embedding(d).position_embedding(context);
+    for _ in 0..blocks {
+        b = b.residual(|b| b.layer_norm().attention(heads)).residual(|b| b.layer_norm().dense(4 * d).gelu().dense(d));
+    }
+    b.layer_norm().dense(vocab)
+}
+
+/// Token ids and their next tokens: windows of a repeating text.
+fn windows(batch: usize, steps: usize, vocab: usize) -> (Array2<u32>, Array2<u32>) {
+    let text: Vec<u32> = (0..400).map(|i| ((i * 7 + i / 5) % vocab) as u32).collect();
+    let ids = Array2::from_shape_fn((batch, steps), |(b, t)| text[b * 11 + t]);
+    let next = Array2::from_shape_fn((batch, steps), |(b, t)| text[b * 11 + t + 1]);
+    (ids, next)
+}
+
+#[test]
+fn a_gpt_trains_on_tokens_and_every_mode_gives_the_same_bits() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    use carve::WorkspaceMode;
+    let (ids, next) = windows(4, 12, 13);
+    let mut traces = Vec::new();
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+        let config = tiny_gpt(13, 16, 2, 16, 2)
+            .updater(Updater::adam(1e-2))
+            .seed(4)
+            .training_workspace_mode(mode)
+            .inference_workspace_mode(mode)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        let mut losses = Vec::new();
+        for _ in 0..60 {
+            losses.push(net.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap());
+        }
+        assert!(losses[59] < 0.3 * losses[0], "{mode:?}: {losses:?}");
+        // Inference on tokens: a row of probabilities per step.
+        let probs = net.output(Input::tokens(ids.view())).unwrap();
+        assert_eq!(probs.dim(), (4 * 12, 13));
+        traces.push(losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>());
+    }
+    assert!(traces.iter().all(|t| *t == traces[0]), "the modes gave other losses");
+}
+
+#[test]
+fn a_gpts_gradients_match_finite_differences_of_its_loss() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    let (ids, next) = windows(2, 5, 7);
+    // A learning rate of 1e-12: each step reports the loss at the same parameters, to
+    // float32 rounding.
+    let config = tiny_gpt(7, 8, 2, 6, 1).updater(Updater::sgd(1e-12, 0.0)).seed(9).build().unwrap();
+    let mut net = Network::new(config).unwrap();
+    let loss =
+        |net: &mut Network| f64::from(net.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap());
+    loss(&mut net);
+    let layers = net.layers().len();
+    let grads: Vec<Vec<f32>> = (0..layers).map(|i| net.layer_grads(i).to_vec()).collect();
+    // Small: the embeddings are drawn from N(0, 0.02²), and the layer norms after them
+    // are far from linear over a step of their size.
+    let eps = 1e-3f32;
+    let mut checked = 0;
+    for (i, grad) in grads.iter().enumerate() {
+        for (k, &g) in grad.iter().enumerate().step_by(13) {
+            net.layer_params_mut(i)[k] += eps;
+            let up = loss(&mut net);
+            net.layer_params_mut(i)[k] -= 2.0 * eps;
+            let down = loss(&mut net);
+            net.layer_params_mut(i)[k] += eps;
+            let numeric = (up - down) / f64::from(2.0 * eps);
+            let scale = numeric.abs().max(f64::from(g).abs()).max(1e-2);
+            assert!((numeric - f64::from(g)).abs() / scale < 3e-2, "layer {i} param {k}: numeric {numeric} vs {g}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 50, "{checked}");
+}
+
+#[test]
+fn residual_blocks_that_change_the_width_or_hold_nothing_are_refused() {
+    let widen = NetworkConfig::builder(8).residual(|b| b.dense(4)).build();
+    assert!(matches!(widen, Err(carve::Error::InvalidConfig { .. })), "{widen:?}");
+    let empty = NetworkConfig::builder(8).residual(|b| b).build();
+    assert!(matches!(empty, Err(carve::Error::InvalidConfig { .. })), "{empty:?}");
+    let mut deep = NetworkConfig::builder(8);
+    fn nest(b: carve::nn::NetworkConfigBuilder, depth: usize) -> carve::nn::NetworkConfigBuilder {
+        if depth == 0 {
+            b.dense(8)
+        } else {
+            b.residual(|b| nest(b, depth - 1))
+        }
+    }
+    deep = nest(deep, 9);
+    assert!(matches!(deep.build(), Err(carve::Error::InvalidConfig { .. })));
+    assert!(nest(NetworkConfig::builder(8), 3).dense(2).build().is_ok());
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary_and_features_fed_to_an_embedding_are_errors() {
+    use carve::nn::{Input, Labels, Network};
+    let mut net = Network::new(tiny_gpt(5, 8, 2, 4, 1).build().unwrap()).unwrap();
+    let bad = Array2::from_elem((2, 3), 5u32);
+    let next = Array2::<u32>::zeros((2, 3));
+    let err = net.fit_batch(Input::tokens(bad.view()), Labels::from(next.view())).unwrap_err();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let long = Array2::<u32>::zeros((1, 5));
+    let err = net.output(Input::tokens(long.view())).unwrap_err();
+    assert!(err.to_string().contains("context"), "{err}");
+    let features = ndarray::Array3::<f32>::zeros((2, 3, 5));
+    assert!(net.output(Input::from(features.view())).is_err());
+}

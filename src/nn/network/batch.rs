@@ -3,7 +3,7 @@
 //! zeroed) and the key of its plan, which must follow those decisions
 //! ([`shape_key`]), and batches leased from a prefetcher.
 
-use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, Axis, Ix1, Ix2, Ix3, IxDyn, Slice};
+use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, Axis, Ix1, Ix2, Ix3, IxDyn, Slice, Zip};
 use workspace_core::{freeze, Scope};
 
 use crate::{Error, Result};
@@ -41,14 +41,29 @@ pub enum Input<'a> {
         /// 1 where a step holds data, 0 where it is padding.
         mask: Option<ArrayView2<'a, f32>>,
     },
+    /// Token ids `[batch, time]` (each below the network's input width, its vocabulary)
+    /// and the mask `[batch, time]`, for a network whose first layer is an
+    /// [`Embedding`](crate::nn::Embedding).
+    Tokens {
+        /// Each step's token.
+        ids: ArrayView2<'a, u32>,
+        /// 1 where a step holds a token, 0 where it is padding.
+        mask: Option<ArrayView2<'a, f32>>,
+    },
 }
 
 impl<'a> Input<'a> {
+    /// Token ids `[batch, time]` without a mask ([`Input::Tokens`]).
+    pub fn tokens(ids: ArrayView2<'a, u32>) -> Input<'a> {
+        Input::Tokens { ids, mask: None }
+    }
+
     /// Examples in the batch.
     pub fn rows(&self) -> usize {
         match self {
             Input::Flat(x) => x.nrows(),
             Input::Sequences { features, .. } => features.shape()[0],
+            Input::Tokens { ids, .. } => ids.nrows(),
         }
     }
 
@@ -59,6 +74,7 @@ impl<'a> Input<'a> {
             Input::Sequences { features, mask } => {
                 Input::Sequences { features: features.view(), mask: mask.as_ref().map(|m| m.view()) }
             }
+            Input::Tokens { ids, mask } => Input::Tokens { ids: ids.view(), mask: mask.as_ref().map(|m| m.view()) },
         }
     }
 
@@ -67,6 +83,10 @@ impl<'a> Input<'a> {
         match *self {
             Input::Flat(x) => Activations::Flat(x),
             Input::Sequences { features, .. } => Activations::Sequence(features),
+            // Not yet the first layer's input (see `standard_input`): its shape only.
+            Input::Tokens { ids, .. } => Activations::Sequence(
+                ArrayView3::from_shape((ids.nrows(), ids.ncols(), 0), &[]).expect("an empty view of any shape"),
+            ),
         }
     }
 
@@ -74,7 +94,7 @@ impl<'a> Input<'a> {
     pub(crate) fn mask(&self) -> Option<ArrayView2<'a, f32>> {
         match *self {
             Input::Flat(_) => None,
-            Input::Sequences { mask, .. } => mask,
+            Input::Sequences { mask, .. } | Input::Tokens { mask, .. } => mask,
         }
     }
 
@@ -85,6 +105,10 @@ impl<'a> Input<'a> {
             Input::Flat(x) => Input::Flat(x.slice_move(s![range, ..])),
             Input::Sequences { features, mask } => Input::Sequences {
                 features: features.slice_move(s![range.clone(), .., ..]),
+                mask: mask.map(|m| m.slice_move(s![range, ..])),
+            },
+            Input::Tokens { ids, mask } => Input::Tokens {
+                ids: ids.slice_move(s![range.clone(), ..]),
                 mask: mask.map(|m| m.slice_move(s![range, ..])),
             },
         }
@@ -225,12 +249,17 @@ pub(crate) fn check_labels(x: &Input<'_>, labels: &Labels<'_>) -> Result<()> {
     match labels {
         Labels::PerExample(labels) => check_label_count(x.rows(), labels),
         Labels::PerStep { labels, mask } => {
-            let Input::Sequences { features, .. } = x else {
-                return Err(Error::InvalidInput(
-                    "labels per step [batch, time] need a batch of sequences [batch, time, features]".into(),
-                ));
+            let steps = match x {
+                Input::Sequences { features, .. } => (x.rows(), features.shape()[1]),
+                Input::Tokens { ids, .. } => ids.dim(),
+                Input::Flat(_) => {
+                    return Err(Error::InvalidInput(
+                        "labels per step [batch, time] need a batch of sequences [batch, time, features] or of \
+                         token ids [batch, time]"
+                            .into(),
+                    ))
+                }
             };
-            let steps = (x.rows(), features.shape()[1]);
             if labels.dim() != steps {
                 return Err(Error::ShapeMismatch {
                     context: "labels per step [batch, time]".to_string(),
@@ -397,6 +426,13 @@ pub(super) fn standard_input<'s>(x: Input<'s>, scope: &'s Scope<'_>) -> Result<I
     Ok(match x {
         Input::Sequences { features, mask } if !features.is_standard_layout() => {
             Input::Sequences { features: freeze(scope.copy_of(&features)?), mask }
+        }
+        // Token ids reach the first layer as one feature per step, the id's value
+        // (exact: the network's vocabulary holds at most 2²⁴ tokens, see `check_input`).
+        Input::Tokens { ids, mask } => {
+            let mut values = scope.zeros::<f32, _>((ids.nrows(), ids.ncols(), 1))?;
+            Zip::from(values.index_axis_mut(Axis(2), 0)).and(&ids).for_each(|v, &id| *v = id as f32);
+            Input::Sequences { features: freeze(values), mask }
         }
         other => other,
     })

@@ -14,12 +14,14 @@ use crate::{Error, Result};
 
 use super::super::attention::Attention;
 use super::super::dense::Dense;
+use super::super::embedding::{Embedding, PositionEmbedding};
 use super::super::gelu::Gelu;
 use super::super::layer::Layer;
 use super::super::lstm::Lstm;
 use super::super::norm::LayerNorm;
 use super::super::pool::{LastStep, MaskedMean};
 use super::super::relu::Relu;
+use super::super::residual::{Residual, MAX_NESTING};
 use super::super::updater::Updater;
 
 /// Workspace names, as DL4J calls them.
@@ -118,6 +120,8 @@ pub struct NetworkConfigBuilder {
     inference_workspace_mode: WorkspaceMode,
     workspace_learning: LearningPolicy,
     error: Option<Error>,
+    /// Residual blocks under way (see [`NetworkConfigBuilder::residual`]).
+    nesting: usize,
 }
 
 impl NetworkConfig {
@@ -133,6 +137,7 @@ impl NetworkConfig {
             inference_workspace_mode: WorkspaceMode::Enabled,
             workspace_learning: LEARNING,
             error: None,
+            nesting: 0,
         }
     }
 
@@ -186,6 +191,101 @@ impl NetworkConfigBuilder {
         let name = format!("dense_{}", self.layers.len());
         match Dense::try_named(&name, self.width, outputs) {
             Ok(dense) => self.layer(dense),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
+    }
+
+    /// Appends a residual block: the layers `block` appends, then a join that adds the
+    /// block's input to their output, `y = x + f(x)`. A pre-LN transformer block reads
+    /// as it is drawn:
+    ///
+    /// ```
+    /// use carve::nn::NetworkConfig;
+    ///
+    /// let (d, heads) = (32, 4);
+    /// let config = NetworkConfig::builder(65)
+    ///     .embedding(d)
+    ///     .position_embedding(16)
+    ///     .residual(|b| b.layer_norm().attention(heads))
+    ///     .residual(|b| b.layer_norm().dense(4 * d).gelu().dense(d))
+    ///     .layer_norm()
+    ///     .dense(65)
+    ///     .build()?;
+    /// let names: Vec<&str> = config.layers().iter().map(|l| l.name()).collect();
+    /// assert_eq!(names[2..5], ["layer_norm_2", "attention_3", "residual_4"]);
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    ///
+    /// The block's layers are the network's (trained, saved and served as its other
+    /// layers are); the join is named after its position (`residual_4`). Blocks may nest,
+    /// 8 deep.
+    ///
+    /// # Errors (from [`NetworkConfigBuilder::build`])
+    ///
+    /// [`Error::InvalidConfig`] for a block with no layer, or one that changes the
+    /// width.
+    pub fn residual(mut self, block: impl FnOnce(NetworkConfigBuilder) -> NetworkConfigBuilder) -> Self {
+        if self.error.is_some() {
+            return self;
+        }
+        let (from, width) = (self.layers.len(), self.width);
+        if self.nesting == MAX_NESTING {
+            self.error = Some(Error::invalid_config(format!(
+                "residual blocks nested more than {MAX_NESTING} deep (block at layer {from})"
+            )));
+            return self;
+        }
+        self.nesting += 1;
+        let mut b = block(self);
+        b.nesting -= 1;
+        if b.error.is_some() {
+            return b;
+        }
+        let reason = if b.layers.len() == from {
+            Some(format!("the residual block at layer {from} has no layer"))
+        } else if b.width != width {
+            Some(format!(
+                "the residual block of layers {from}..{} turns {width} features into {}: a block keeps the width, to \
+                 add its input to its output",
+                b.layers.len(),
+                b.width
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            b.error = Some(Error::invalid_config(reason));
+            return b;
+        }
+        let name = format!("residual_{}", b.layers.len());
+        b.layer(Residual::new(&name, from))
+    }
+
+    /// Appends an [`Embedding`] of `width` features per token: the network's input
+    /// width is its vocabulary, and its input token ids ([`Input::Tokens`]). Named
+    /// after its position (`embedding_0`).
+    ///
+    /// [`Input::Tokens`]: crate::nn::Input::Tokens
+    pub fn embedding(mut self, width: usize) -> Self {
+        let name = format!("embedding_{}", self.layers.len());
+        match Embedding::named(&name, self.width, width) {
+            Ok(embedding) => self.layer(embedding),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                self
+            }
+        }
+    }
+
+    /// Appends a learned [`PositionEmbedding`] of `context` positions over the current
+    /// width, named after its position (`position_embedding_1`).
+    pub fn position_embedding(mut self, context: usize) -> Self {
+        let name = format!("position_embedding_{}", self.layers.len());
+        match PositionEmbedding::named(&name, context, self.width) {
+            Ok(positions) => self.layer(positions),
             Err(e) => {
                 self.error.get_or_insert(e);
                 self

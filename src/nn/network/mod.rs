@@ -19,6 +19,7 @@ use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, Workspace, Wo
 
 use super::finite;
 use super::layer::Activations;
+use crate::nn::embedding::MAX_VOCABULARY;
 
 use crate::{Error, Result};
 
@@ -593,24 +594,37 @@ pub(crate) fn training_workspaces(train: &[LayerWorkspaceMgr; 2]) -> impl Iterat
 /// Checks a batch for a network of `inputs` input columns: its features, no empty batch
 /// or sequence, a features mask of the batch's shape holding 0 and 1 only.
 pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
-    let (rows, features) = match x {
-        Input::Flat(x) => (x.nrows(), x.ncols()),
-        Input::Sequences { features, .. } => (features.shape()[0], features.shape()[2]),
+    let (rows, steps_and_mask) = match x {
+        Input::Flat(flat) => {
+            check_features(inputs, flat.ncols(), x)?;
+            (flat.nrows(), None)
+        }
+        Input::Sequences { features, mask } => {
+            check_features(inputs, features.shape()[2], x)?;
+            (features.shape()[0], Some((features.shape()[1], mask)))
+        }
+        Input::Tokens { ids, mask } => {
+            if inputs > MAX_VOCABULARY {
+                return Err(Error::InvalidInput(format!(
+                    "token ids for a network of {inputs} inputs: a vocabulary holds at most {MAX_VOCABULARY} tokens"
+                )));
+            }
+            // Each id below the network's input width, its vocabulary; an id repeated
+            // along a broadcast axis is looked at once.
+            let distinct = finite::distinct(ids.view());
+            if let Some(((r, t), id)) = distinct.indexed_iter().find(|(_, &id)| id as usize >= inputs) {
+                return Err(Error::InvalidInput(format!(
+                    "token id {id} (sequence {r}, step {t}) is not in the network's vocabulary of {inputs} tokens \
+                     (0..{inputs})"
+                )));
+            }
+            (ids.nrows(), Some((ids.ncols(), mask)))
+        }
     };
-    if features != inputs {
-        let mut expected = x.activations().shape().to_vec();
-        *expected.last_mut().expect("2 or 3 dimensions") = inputs;
-        return Err(Error::ShapeMismatch {
-            context: "network input".to_string(),
-            expected,
-            actual: x.activations().shape().to_vec(),
-        });
-    }
     if rows == 0 {
         return Err(Error::InvalidInput("an empty batch (0 rows) cannot be fed to the network".to_string()));
     }
-    if let Input::Sequences { features, mask } = x {
-        let steps = features.shape()[1];
+    if let Some((steps, mask)) = steps_and_mask {
         if steps == 0 {
             return Err(Error::InvalidInput("a batch of sequences of 0 steps cannot be fed to the network".into()));
         }
@@ -627,6 +641,20 @@ pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
                 )));
             }
         }
+    }
+    Ok(())
+}
+
+/// Checks that a batch of `features` columns feeds a network of `inputs`.
+fn check_features(inputs: usize, features: usize, x: &Input<'_>) -> Result<()> {
+    if features != inputs {
+        let mut expected = x.activations().shape().to_vec();
+        *expected.last_mut().expect("2 or 3 dimensions") = inputs;
+        return Err(Error::ShapeMismatch {
+            context: "network input".to_string(),
+            expected,
+            actual: x.activations().shape().to_vec(),
+        });
     }
     Ok(())
 }
