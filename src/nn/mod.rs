@@ -3,11 +3,14 @@
 //!
 //! - [`Layer`]: the trait a custom layer implements; [`ForwardCtx`] and
 //!   [`BackwardCtx`] hand it the open workspaces of each array role.
-//! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`], [`Lstm`] (over
+//! - Layers: [`Dense`] (Glorot-uniform weights), [`Relu`], [`Gelu`], [`LayerNorm`],
+//!   [`Embedding`] and [`PositionEmbedding`] (token input), causal [`Attention`], residual
+//!   blocks ([`NetworkConfigBuilder::residual`]), [`Lstm`] (over
 //!   variable-length, masked sequences); the sequence heads [`LastStep`] and
 //!   [`MaskedMean`] turn a sequence into one row per example; the output stage is
 //!   [`SoftmaxCrossEntropy`].
-//! - Updaters: [`Updater::Sgd`] with momentum and [`Updater::Adam`].
+//! - Updaters: [`Updater::Sgd`] with momentum, [`Updater::Adam`] and [`Updater::AdamW`]
+//!   (decoupled weight decay on matrices).
 //! - [`NetworkConfig`] → [`Network`]: `fit` (one epoch from an
 //!   [`async_iter::Prefetcher`], batches used in place in its ring), `fit_batch`,
 //!   `fit_iter`, `output`, `output_to`, `predict_into`, `evaluate`; an [`Input`] is a

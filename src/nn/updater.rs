@@ -39,6 +39,23 @@ pub enum Updater {
         /// Added to the root of the second moment.
         epsilon: f32,
     },
+    /// AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as PyTorch's
+    /// `AdamW` steps: each parameter that is a matrix (two or more dimensions: weights
+    /// and embeddings, not biases or layer-norm scales, as nanoGPT's parameter groups
+    /// choose) is first multiplied by `1 − learning_rate · weight_decay`, then takes
+    /// Adam's step.
+    AdamW {
+        /// Step size.
+        learning_rate: f32,
+        /// Decay of the first moment.
+        beta1: f32,
+        /// Decay of the second moment.
+        beta2: f32,
+        /// Added to the root of the second moment.
+        epsilon: f32,
+        /// The decay per unit of learning rate (PyTorch's `weight_decay`).
+        weight_decay: f32,
+    },
 }
 
 impl Updater {
@@ -50,6 +67,38 @@ impl Updater {
     /// Adam with the usual constants (β₁ 0.9, β₂ 0.999, ε 1e-8).
     pub fn adam(learning_rate: f32) -> Updater {
         Updater::Adam { learning_rate, beta1: 0.9, beta2: 0.999, epsilon: 1e-8 }
+    }
+
+    /// AdamW with PyTorch's constants (β₁ 0.9, β₂ 0.999, ε 1e-8) and `weight_decay`.
+    pub fn adamw(learning_rate: f32, weight_decay: f32) -> Updater {
+        Updater::AdamW { learning_rate, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay }
+    }
+
+    /// The step size.
+    pub fn learning_rate(&self) -> f32 {
+        match *self {
+            Updater::Sgd { learning_rate, .. }
+            | Updater::Adam { learning_rate, .. }
+            | Updater::AdamW { learning_rate, .. } => learning_rate,
+        }
+    }
+
+    /// The update without its weight decay (AdamW's moments and step are Adam's).
+    pub(crate) fn core(self) -> Updater {
+        match self {
+            Updater::AdamW { learning_rate, beta1, beta2, epsilon, .. } => {
+                Updater::Adam { learning_rate, beta1, beta2, epsilon }
+            }
+            other => other,
+        }
+    }
+
+    /// What each matrix parameter is multiplied by before the step (1: no decay).
+    pub(crate) fn decay_factor(self) -> f32 {
+        match self {
+            Updater::AdamW { learning_rate, weight_decay, .. } => 1.0 - learning_rate * weight_decay,
+            _ => 1.0,
+        }
     }
 }
 
@@ -83,7 +132,7 @@ impl UpdaterState {
         let what = || format!("the updater's state of {total} parameter values (check the layer widths)");
         let first = config_filled(total, 0.0, what)?;
         let second = match updater {
-            Updater::Adam { .. } => config_filled(total, 0.0, what)?,
+            Updater::Adam { .. } | Updater::AdamW { .. } => config_filled(total, 0.0, what)?,
             Updater::Sgd { .. } => Vec::new(),
         };
         // Zero moments: the bounds of a first step are known.
@@ -129,14 +178,17 @@ impl UpdaterState {
         if !self.known_finite(params, grads, t) {
             self.check_every_update(params, grads, t, layout, layers)?;
         }
-        self.commit(Arc::make_mut(params).as_mut_slice(), grads, t);
+        let values = Arc::make_mut(params).as_mut_slice();
+        decay_matrices(self.updater.decay_factor(), values, 0, layout);
+        self.commit(values, grads, t);
         Ok(())
     }
 
     /// Whether this Adam step at `t` is known to be finite everywhere from bounds alone
     /// (see [`UpdaterState::apply`]): one scan of the values and gradients.
     fn known_finite(&self, values: &[f32], grads: &[f32], t: i32) -> bool {
-        let (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(moments)) = (self.updater, self.moments)
+        let (Updater::Adam { learning_rate, beta1, beta2, epsilon }, Some(moments)) =
+            (self.updater.core(), self.moments)
         else {
             return false;
         };
@@ -174,8 +226,14 @@ impl UpdaterState {
         for (i, region) in layout.layout.regions.iter().enumerate() {
             let r = region.clone();
             let v = (!self.second.is_empty()).then(|| &self.second[r.clone()]);
-            let found =
-                first_non_finite(self.updater, t, &values[r.clone()], &grads[r.clone()], &self.first[r.clone()], v);
+            let found = first_non_finite(
+                self.updater.core(),
+                t,
+                &values[r.clone()],
+                &grads[r.clone()],
+                &self.first[r.clone()],
+                v,
+            );
             if let Some((element, what, value)) = found {
                 let grad = grads[r.start + element];
                 let (param, element) = layout.param_of(i, element);
@@ -192,7 +250,7 @@ impl UpdaterState {
     fn commit(&mut self, values: &mut [f32], grads: &[f32], t: i32) {
         self.step += 1;
         let v = (!self.second.is_empty()).then_some(self.second.as_mut_slice());
-        self.moments = Some(commit(self.updater, t, &mut self.first, v, Param { value: values, grad: grads }));
+        self.moments = Some(commit(self.updater.core(), t, &mut self.first, v, Param { value: values, grad: grads }));
     }
 }
 
@@ -245,6 +303,7 @@ fn first_non_finite(
             simd::adam_finite(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, values, grads, m, v)
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
+        (Updater::AdamW { .. }, _) => unreachable!("AdamW steps as Adam (`Updater::core`) after its decay"),
     };
     if finite {
         return None;
@@ -261,6 +320,7 @@ fn first_non_finite(
                 non_finite(&[("velocity", u), ("new value", values[i] + u)])
             }
             (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
+            (Updater::AdamW { .. }, _) => unreachable!("AdamW steps as Adam (`Updater::core`) after its decay"),
         };
         found.map(|(what, bad)| (i, what, bad))
     })
@@ -287,6 +347,7 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
             simd::adam_commit(Width::detect(), AdamStep { beta1, beta2, epsilon, step }, p, m, v)
         }
         (Updater::Adam { .. }, None) => unreachable!("Adam's state has a second moment per parameter"),
+        (Updater::AdamW { .. }, _) => unreachable!("AdamW steps as Adam (`Updater::core`) after its decay"),
     }
 }
 
@@ -325,21 +386,51 @@ pub(crate) fn check_range(
     v: Option<&[f32]>,
     _working: &TypedScope,
 ) -> Result<Option<(usize, &'static str, f32)>> {
-    Ok(first_non_finite(updater, t, values, grads, m, v))
+    Ok(first_non_finite(updater.core(), t, values, grads, m, v))
 }
 
 /// Stores a step of a range checked by [`check_range`] (the same arithmetic, so the
 /// same numbers).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn commit_range(
     updater: Updater,
     t: i32,
     values: &mut [f32],
+    offset: usize,
+    layout: &Params,
     grads: &[f32],
     m: &mut [f32],
     v: Option<&mut [f32]>,
 ) {
+    decay_matrices(updater.decay_factor(), values, offset, layout);
     // The data-parallel trainer checks every update: it keeps no bounds.
-    let _ = commit(updater, t, m, v, Param { value: values, grad: grads });
+    let _ = commit(updater.core(), t, m, v, Param { value: values, grad: grads });
+}
+
+/// AdamW's decoupled weight decay: each value of `values` (the flat parameters from
+/// `offset` on) that belongs to a matrix parameter of `layout` multiplied by `factor`
+/// (nothing when it is 1). Every caller multiplies the same values by the same factor
+/// before the same step, so a network and a data-parallel trainer get the same bits.
+/// A factor in `[0, 1]` only shrinks values: a step found finite on the values before
+/// their decay is finite after it.
+fn decay_matrices(factor: f32, values: &mut [f32], offset: usize, layout: &Params) {
+    if factor == 1.0 {
+        return;
+    }
+    let end = offset + values.len();
+    for (region, shapes) in layout.layout.regions.iter().zip(&layout.shapes) {
+        let mut start = region.start;
+        for shape in shapes {
+            let len = shape.len();
+            if shape.shape.len() >= 2 {
+                let (from, to) = (start.max(offset), (start + len).min(end));
+                if from < to {
+                    values[from - offset..to - offset].iter_mut().for_each(|w| *w *= factor);
+                }
+            }
+            start += len;
+        }
+    }
 }
 
 impl UpdaterState {
@@ -352,7 +443,7 @@ impl UpdaterState {
     pub(crate) fn from_parts(updater: Updater, step: u64, first: Vec<f32>, second: Vec<f32>) -> UpdaterState {
         // The bounds of a state from elsewhere: one scan.
         let moments = match updater {
-            Updater::Adam { .. } if first.len() == second.len() => Moments::of(&first, &second),
+            Updater::Adam { .. } | Updater::AdamW { .. } if first.len() == second.len() => Moments::of(&first, &second),
             _ => None,
         };
         UpdaterState { updater, step, first, second, moments }

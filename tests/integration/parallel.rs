@@ -23,7 +23,7 @@ fn losses(config: ParallelConfig, updater: Updater, steps: usize) -> Vec<u32> {
 
 #[test]
 fn threads_give_the_same_bits_as_the_single_thread_shard_mode_and_on_every_run() {
-    for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9)] {
+    for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9), Updater::adamw(0.01, 0.1)] {
         for workers in [1, 2, 3, 4] {
             let threads = losses(ParallelConfig::threads(workers), updater, 12);
             let again = losses(ParallelConfig::threads(workers), updater, 12);
@@ -36,10 +36,14 @@ fn threads_give_the_same_bits_as_the_single_thread_shard_mode_and_on_every_run()
 
 #[test]
 fn buckets_of_any_size_give_the_same_bits() {
-    let reference = losses(ParallelConfig::threads(3), Updater::adam(0.01), 6);
-    for bucket_bytes in [1, 64, 1000, 1 << 30] {
-        let config = ParallelConfig { bucket_bytes, ..ParallelConfig::threads(3) };
-        assert_eq!(losses(config, Updater::adam(0.01), 6), reference, "buckets of {bucket_bytes} bytes");
+    // AdamW decays the matrices only: its ranges cut across the buckets and the workers'
+    // shares of the update.
+    for updater in [Updater::adam(0.01), Updater::adamw(0.01, 0.5)] {
+        let reference = losses(ParallelConfig::threads(3), updater, 6);
+        for bucket_bytes in [1, 64, 1000, 1 << 30] {
+            let config = ParallelConfig { bucket_bytes, ..ParallelConfig::threads(3) };
+            assert_eq!(losses(config, updater, 6), reference, "buckets of {bucket_bytes} bytes, {updater:?}");
+        }
     }
 }
 
@@ -73,7 +77,7 @@ fn one_worker_gives_the_bits_of_plain_training() {
     let mask = Array2::from_shape_fn((batch, steps), |(b, t)| if t < 2 + b % 4 { 1.0 } else { 0.0 });
     let seq_y = Array1::from_shape_fn(batch, |b| (b % 3) as u32);
     for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
-        for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9)] {
+        for updater in [Updater::adam(0.01), Updater::sgd(0.1, 0.9), Updater::adamw(0.01, 0.1)] {
             for parallel in [ParallelConfig::threads(1), ParallelConfig::sequential(1)] {
                 let mlp = || {
                     NetworkConfig::builder(12)

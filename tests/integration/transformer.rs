@@ -426,3 +426,59 @@ fn token_ids_outside_the_vocabulary_and_features_fed_to_an_embedding_are_errors(
     let features = ndarray::Array3::<f32>::zeros((2, 3, 5));
     assert!(net.output(Input::from(features.view())).is_err());
 }
+
+/// AdamW's first step, written out (carve's Adam folds the bias correction into the step
+/// size): matrices decay by `1 − lr·wd` before Adam's update, vectors take Adam's
+/// update alone.
+#[test]
+fn adamw_decays_matrices_only_before_adams_step() {
+    use carve::nn::{Network, Updater};
+    let (lr, wd) = (0.01f32, 0.5f32);
+    let config = NetworkConfig::builder(6).dense(5).layer_norm().dense(3).updater(Updater::adamw(lr, wd)).seed(2);
+    let mut net = Network::new(config.build().unwrap()).unwrap();
+    let before: Vec<f32> = net.params().to_vec();
+    let x = Array2::from_shape_fn((4, 6), |(r, c)| (r * 6 + c) as f32 * 0.1 - 1.0);
+    let y = ndarray::Array1::from(vec![0u32, 1, 2, 1]);
+    net.fit_batch(x.view(), y.view()).unwrap();
+    let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+    let step = lr * (1.0 - b2).sqrt() / (1.0 - b1);
+    let mut decayed = 0;
+    for i in 0..net.layers().len() {
+        let shapes = net.param_shapes(i).to_vec();
+        let mut start = 0;
+        let values = net.layer_params(i).to_vec();
+        let grads = net.layer_grads(i).to_vec();
+        // This layer's values before the step: its region of the flat buffer.
+        let region = layer_region(&net, i);
+        for shape in &shapes {
+            for k in start..start + shape.len() {
+                let (w0, g) = (before[region.start + k], grads[k]);
+                let (m, v) = ((1.0 - b1) * g, (1.0 - b2) * g * g);
+                let u = -step * m / (v.sqrt() + eps);
+                let expected = if shape.shape.len() >= 2 { w0 * (1.0 - lr * wd) + u } else { w0 + u };
+                assert_eq!(values[k], expected, "layer {i} {} [{}]", shape.name, k - start);
+                decayed += usize::from(shape.shape.len() >= 2);
+            }
+            start += shape.len();
+        }
+    }
+    assert!(decayed > 0);
+}
+
+/// Where layer `i`'s parameters are in the network's flat buffer.
+fn layer_region(net: &carve::nn::Network, i: usize) -> std::ops::Range<usize> {
+    let all = net.params().as_ptr() as usize;
+    let mine = net.layer_params(i);
+    let start = (mine.as_ptr() as usize - all) / std::mem::size_of::<f32>();
+    start..start + mine.len()
+}
+
+#[test]
+fn adamw_refuses_decays_that_are_not_a_shrinking_factor() {
+    use carve::nn::Updater;
+    for wd in [-0.1f32, f32::NAN, f32::INFINITY, 200.0] {
+        let config = NetworkConfig::builder(4).dense(2).updater(Updater::adamw(0.01, wd)).build();
+        assert!(matches!(config, Err(carve::Error::InvalidConfig { .. })), "{wd}: {config:?}");
+    }
+    assert!(NetworkConfig::builder(4).dense(2).updater(Updater::adamw(0.01, 0.0)).build().is_ok());
+}

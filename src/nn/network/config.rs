@@ -440,11 +440,17 @@ impl NetworkConfigBuilder {
                 self.width
             ));
         }
-        let lr = match self.updater {
-            Updater::Sgd { learning_rate, .. } | Updater::Adam { learning_rate, .. } => learning_rate,
-        };
+        let lr = self.updater.learning_rate();
         if !(lr.is_finite() && lr > 0.0) {
             return invalid(format!("learning rate {lr} must be finite and positive"));
+        }
+        if let Updater::AdamW { weight_decay, .. } = self.updater {
+            if !(weight_decay.is_finite() && weight_decay >= 0.0 && lr * weight_decay <= 1.0) {
+                return invalid(format!(
+                    "weight decay {weight_decay} must be finite, at least 0, and at most 1 / the learning rate \
+                     ({lr}): each step multiplies the weights by 1 − learning rate · weight decay"
+                ));
+            }
         }
         if let Err(e) = workspace_config_with(self.workspace_learning) {
             return invalid(format!("workspace learning {:?}: {e}", self.workspace_learning));

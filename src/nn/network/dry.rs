@@ -619,7 +619,7 @@ impl Network {
     fn parameter_bytes(&self) -> usize {
         let params: usize = self.layout.layout.total;
         let per = match self.updater.updater() {
-            super::super::Updater::Adam { .. } => 4,
+            super::super::Updater::Adam { .. } | super::super::Updater::AdamW { .. } => 4,
             super::super::Updater::Sgd { .. } => 3,
         };
         params.saturating_mul(per * size_of::<f32>())

@@ -418,7 +418,7 @@ impl Worker {
                 let v = (shared.second.len() != 0).then(|| shared.second.range_mut(range.clone()));
                 (shared.params.range_mut(range.clone()), shared.first.range_mut(range.clone()), v)
             };
-            commit_range(shared.updater, t, values, &grads[range.clone()], m, v);
+            commit_range(shared.updater, t, values, range.start, &shared.params_layout, &grads[range.clone()], m, v);
         }
     }
 
