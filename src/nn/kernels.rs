@@ -156,16 +156,57 @@ const GELU_C: f32 = 0.797_884_6;
 /// The cubic term's weight in GELU's tanh form.
 const GELU_A: f32 = 0.044_715;
 
+/// `tanh(x)` as a rational function (Eigen's `generic_fast_tanh_float`: a degree-13/6
+/// odd/even pair on `x` clamped to ±7.9988, where `tanh` is 1 in `f32`): within 3·10⁻⁷
+/// of `tanh` everywhere, about forty times faster than the C library's `tanhf` (which
+/// this kernel would otherwise spend most of a GPT step in), and vectorisable. Plain
+/// `f32` operations, so the same bits on every machine.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // Eigen's coefficients as published; each rounds to its f32
+pub(crate) fn fast_tanh(x: f32) -> f32 {
+    let x = x.clamp(-7.998_811_7, 7.998_811_7);
+    let x2 = x * x;
+    let mut p = x2 * -2.760_768_5e-16 + 2.000_187_9e-13;
+    p = x2 * p + -8.604_671_5e-11;
+    p = x2 * p + 5.122_297e-8;
+    p = x2 * p + 1.485_722_4e-5;
+    p = x2 * p + 6.372_619_3e-4;
+    p = x2 * p + 4.893_524_6e-3;
+    p *= x;
+    let mut q = x2 * 1.198_258_4e-6 + 1.185_347_1e-4;
+    q = x2 * q + 2.268_434_6e-3;
+    q = x2 * q + 4.893_525_2e-3;
+    p / q
+}
+
+/// GELU of one value.
+#[inline(always)]
+fn gelu(x: f32) -> f32 {
+    let u = GELU_C * (x + GELU_A * x * x * x);
+    0.5 * x * (1.0 + fast_tanh(u))
+}
+
+/// GELU's derivative at `x`.
+#[inline(always)]
+fn gelu_slope(x: f32) -> f32 {
+    let x2 = x * x;
+    let t = fast_tanh(GELU_C * (x + GELU_A * x2 * x));
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2)
+}
+
 /// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
-/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, with
+/// [`fast_tanh`].
 pub(crate) fn gelu_forward(x: ArrayView2<'_, f32>, mut y: ArrayViewMut2<'_, f32>) {
     if running() {
         return;
     }
-    Zip::from(&mut y).and(&x).for_each(|y, &x| {
-        let u = GELU_C * (x + GELU_A * x * x * x);
-        *y = 0.5 * x * (1.0 + u.tanh());
-    });
+    if let (Some(x), Some(y)) = (x.as_slice(), y.as_slice_mut()) {
+        // Contiguous: one loop the compiler vectorises.
+        y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x));
+        return;
+    }
+    Zip::from(&mut y).and(&x).for_each(|y, &x| *y = gelu(x));
 }
 
 /// The gradient of [`gelu_forward`]'s input: `dx = dy · gelu'(x)`.
@@ -173,12 +214,11 @@ pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut
     if running() {
         return;
     }
-    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| {
-        let x2 = x * x;
-        let t = (GELU_C * (x + GELU_A * x2 * x)).tanh();
-        let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2);
-        *dx = g * slope;
-    });
+    if let (Some(x), Some(dy), Some(dx)) = (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
+        dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x));
+        return;
+    }
+    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * gelu_slope(x));
 }
 
 /// One row's mean and reciprocal standard deviation (the biased variance, as

@@ -482,3 +482,46 @@ fn adamw_refuses_decays_that_are_not_a_shrinking_factor() {
     }
     assert!(NetworkConfig::builder(4).dense(2).updater(Updater::adamw(0.01, 0.0)).build().is_ok());
 }
+
+#[test]
+fn a_gpts_dry_run_predicts_what_its_steps_take_in_every_mode() {
+    use carve::nn::{dry::BatchShape, dry::DryPass, Input, Labels, Network, Updater};
+    use carve::WorkspaceMode;
+    let (ids, next) = windows(3, 8, 11);
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+        for recompute in [false, true] {
+            let mut b = NetworkConfig::builder(11).embedding(16).position_embedding(8);
+            b = b.residual(
+                |b| if recompute { b.layer_norm().attention_recompute(2) } else { b.layer_norm().attention(2) },
+            );
+            b = b.residual(|b| b.layer_norm().dense(32).gelu().dense(16));
+            let config = b
+                .layer_norm()
+                .dense(11)
+                .updater(Updater::adamw(1e-3, 0.1))
+                .training_workspace_mode(mode)
+                .inference_workspace_mode(mode)
+                .build()
+                .unwrap();
+            let mut net = Network::new(config).unwrap();
+            let shape = BatchShape::tokens(3, 8);
+            let mut run = vec![DryPass::Train(shape); 6];
+            run.insert(3, DryPass::Infer(shape));
+            let estimate = net.dry_run(&run).unwrap();
+            for (k, (pass, predicted)) in run.iter().zip(&estimate.per_pass_bytes).enumerate() {
+                let taken = match pass {
+                    DryPass::Train(_) => {
+                        net.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap();
+                        net.last_iteration_workspace_bytes()
+                    }
+                    DryPass::Infer(_) => {
+                        net.output(Input::tokens(ids.view())).unwrap();
+                        net.last_inference_workspace_bytes()
+                    }
+                };
+                assert_eq!(taken, *predicted, "{mode:?}, recompute {recompute}: pass {k} ({pass:?})");
+            }
+            assert_eq!(net.workspace_capacity(), estimate.workspace_bytes, "{mode:?}, recompute {recompute}");
+        }
+    }
+}

@@ -28,6 +28,7 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
+use super::super::embedding::Embedding;
 use super::super::kernels;
 use super::super::step::StepLayers;
 use super::config::PLANS;
@@ -69,6 +70,15 @@ impl BatchShape {
     /// sequence (what a prefetcher of [`Sequences`](crate::async_iter::Sequences) gives).
     pub fn sequences(batch: usize, steps: usize) -> BatchShape {
         BatchShape::Sequences { batch, steps, masked: true, labels_per_step: false }
+    }
+
+    /// `batch` windows of `steps` steps, unmasked, with a label per step: a language
+    /// model's batch (what a prefetcher of
+    /// [`TokenWindows`](crate::async_iter::TokenWindows) gives). A network whose first
+    /// layer is an [`Embedding`](crate::nn::Embedding) takes token ids
+    /// ([`Input::Tokens`]), and its dry runs feed it token ids of the shape.
+    pub fn tokens(batch: usize, steps: usize) -> BatchShape {
+        BatchShape::Sequences { batch, steps, masked: false, labels_per_step: true }
     }
 }
 
@@ -318,6 +328,7 @@ struct Distinct {
 /// The arrays of a dry pass's batch: zeros of the shape (a mask of ones, labels of
 /// class 0).
 struct DryBatch {
+    tokens: Option<Array2<u32>>,
     flat: Option<Array2<f32>>,
     features: Option<Array3<f32>>,
     mask: Option<Array2<f32>>,
@@ -326,7 +337,9 @@ struct DryBatch {
 }
 
 impl DryBatch {
-    fn new(shape: BatchShape, inputs: usize) -> Result<DryBatch> {
+    /// A batch of `shape` for a network of `inputs` input columns; with `tokens` (a
+    /// network whose first layer is an embedding), token ids in place of features.
+    fn new(shape: BatchShape, inputs: usize, tokens: bool) -> Result<DryBatch> {
         let empty = || Error::InvalidInput(format!("a dry run of {shape}: a batch needs at least one row and step"));
         let too_large = || Error::InvalidInput(format!("a dry run of {shape}: the batch overflows the address space"));
         let check = |dims: &[usize]| -> Result<()> {
@@ -351,6 +364,7 @@ impl DryBatch {
                 }
                 check(&[rows, inputs])?;
                 DryBatch {
+                    tokens: None,
                     flat: Some(
                         Array2::from_shape_vec((rows, inputs), filled(shape, rows * inputs, 0.0f32)?)
                             .map_err(shaped)?,
@@ -365,8 +379,15 @@ impl DryBatch {
                 if batch == 0 || steps == 0 {
                     return Err(empty());
                 }
-                check(&[batch, steps, inputs])?;
-                let features = filled(shape, batch * steps * inputs, 0.0f32)?;
+                let width = if tokens { 0 } else { inputs };
+                check(&[batch, steps, width.max(1)])?;
+                let features = filled(shape, batch * steps * width, 0.0f32)?;
+                let ids = match tokens {
+                    true => Some(
+                        Array2::from_shape_vec((batch, steps), filled(shape, batch * steps, 0u32)?).map_err(shaped)?,
+                    ),
+                    false => None,
+                };
                 let mask = match masked {
                     true => Some(
                         Array2::from_shape_vec((batch, steps), filled(shape, batch * steps, 1.0f32)?)
@@ -385,8 +406,9 @@ impl DryBatch {
                     ),
                 };
                 DryBatch {
+                    tokens: ids,
                     flat: None,
-                    features: Some(Array3::from_shape_vec((batch, steps, inputs), features).map_err(shaped)?),
+                    features: Some(Array3::from_shape_vec((batch, steps, width), features).map_err(shaped)?),
                     mask,
                     labels: per_sequence,
                     step_labels: per_step,
@@ -396,6 +418,9 @@ impl DryBatch {
     }
 
     fn input(&self) -> Input<'_> {
+        if let Some(ids) = &self.tokens {
+            return Input::Tokens { ids: ids.view(), mask: self.mask.as_ref().map(|m| m.view()) };
+        }
         match (&self.flat, &self.features) {
             (Some(x), _) => Input::Flat(x.view()),
             (None, Some(features)) => {
@@ -640,7 +665,8 @@ impl Network {
             true => self.training_mode == WorkspaceMode::None,
             false => self.inference_mode == WorkspaceMode::None,
         };
-        let batch = DryBatch::new(shape, self.inputs)?;
+        let tokens = self.layers.first().is_some_and(|l| (l.as_ref() as &dyn std::any::Any).is::<Embedding>());
+        let batch = DryBatch::new(shape, self.inputs, tokens)?;
         let shadow = self.shadow();
         let group = shadow.mgr(pass.kind()).plan_group().cloned();
         let workspaces = shadow.workspaces_of(pass.kind()).to_vec();
