@@ -105,7 +105,7 @@ struct Args {
     /// Attention: `keep` the probabilities for backward, or
     /// `recompute` them from kept softmax statistics
     #[arg(long, value_name = "FORM", default_value = "recompute", value_parser = parse_attention, verbatim_doc_comment)]
-    attention: bool,
+    attention: Form,
     /// Threads of each step (1 to 64); not with --workers
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = parse_threads)]
     threads: usize,
@@ -147,7 +147,7 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 12, value_parser = parse_width)]
     batch_size: usize,
     /// AdamW learning rate (finite, above 0)
-    #[arg(long, value_name = "X", default_value_t = 1e-3, value_parser = parse_lr)]
+    #[arg(long, value_name = "X", default_value_t = 1e-3, value_parser = parse_lr, allow_negative_numbers = true)]
     lr: f32,
     /// Print one JSON object on stdout (the rest goes to stderr)
     #[arg(long)]
@@ -194,10 +194,19 @@ fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
     s.parse::<WorkspaceMode>().map_err(|e| e.to_string())
 }
 
-fn parse_attention(s: &str) -> Result<bool, String> {
+/// Where the attention probabilities live between forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Form {
+    /// Kept.
+    Keep,
+    /// Rebuilt in backward from kept softmax statistics.
+    Recompute,
+}
+
+fn parse_attention(s: &str) -> Result<Form, String> {
     match s {
-        "keep" => Ok(false),
-        "recompute" => Ok(true),
+        "keep" => Ok(Form::Keep),
+        "recompute" => Ok(Form::Recompute),
         other => Err(format!("'{other}' is not an attention form: keep or recompute")),
     }
 }
@@ -248,8 +257,8 @@ fn gpt(args: &Args, vocab: usize, mode: WorkspaceMode) -> carve::Result<NetworkC
     let mut b: NetworkConfigBuilder = NetworkConfig::builder(vocab).embedding(d).position_embedding(args.context);
     for _ in 0..args.layers {
         b = b.residual(|b| match args.attention {
-            true => b.layer_norm().attention_recompute(heads),
-            false => b.layer_norm().attention(heads),
+            Form::Recompute => b.layer_norm().attention_recompute(heads),
+            Form::Keep => b.layer_norm().attention(heads),
         });
         b = b.residual(|b| b.layer_norm().dense(4 * d).gelu().dense(d));
     }
@@ -454,7 +463,7 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         "training_rss_growth_bytes": rss_after_warm_up.saturating_sub(rss_before),
         "params": params,
         "loss_trace_sha256": parallel::sha256_of_losses(&run.losses),
-        "attention": if args.attention { "recompute" } else { "keep" },
+        "attention": if args.attention == Form::Recompute { "recompute" } else { "keep" },
         "attention_kept_bytes": {"keep": kept(false), "recompute": kept(true)},
         "sample": text,
     });

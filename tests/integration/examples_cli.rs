@@ -1,5 +1,5 @@
 //! The command lines of the examples besides the demo (`quickstart`, `custom_layer`,
-//! `prefetch_overlap`, `cuda_smoke`, `train_sequences`; the demo has `train_digits_cli`,
+//! `prefetch_overlap`, `cuda_smoke`, `train_sequences`, `train_gpt`; the demo has `train_digits_cli`,
 //! and `serve_digits` the tests of its package, serve/): `--help` prints
 //! usage and runs nothing, an unknown flag or a bad value is one line on stderr and exit
 //! status 2 (never a panic), and an error while running prints its message, not a
@@ -9,8 +9,8 @@
 
 use std::process::{Command, Output};
 
-pub(crate) const EXAMPLES: [&str; 5] =
-    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences"];
+pub(crate) const EXAMPLES: [&str; 6] =
+    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences", "train_gpt"];
 
 fn example(name: &str) -> Command {
     Command::new(crate::example_binary(name))
@@ -54,6 +54,7 @@ fn help_prints_usage_within_80_columns_and_runs_nothing() {
         ("prefetch_overlap", &["prefetch overlap:"]),
         ("cuda_smoke", &["no CUDA device:", "device:"]),
         ("train_sequences", &["train_sequences:", "enabled", "loss traces"]),
+        ("train_gpt", &["train_gpt:", "enabled", "sample"]),
     ] {
         let stdout = text(&run(name, &["--help"]).stdout);
         let ran = stdout.lines().any(|line| running.iter().any(|start| line.starts_with(start)));
@@ -111,6 +112,12 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("train_sequences", &["--prefetch-depth", "2000"], "'--prefetch-depth <N>'", "0 to 1024"),
         ("train_sequences", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
         ("train_sequences", &["--head", "max"], "'--head <HEAD>'", "last"),
+        ("train_gpt", &["--iters", "0"], "'--iters <N>'", "1 to"),
+        ("train_gpt", &["--heads", "0"], "'--heads <N>'", "1 to 64"),
+        ("train_gpt", &["--width", "5000"], "'--width <N>'", "1 to 4096"),
+        ("train_gpt", &["--lr", "-1"], "'--lr <X>'", "above 0"),
+        ("train_gpt", &["--attention", "all"], "'--attention <FORM>'", "keep or recompute"),
+        ("train_gpt", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
     ] {
         let stderr = usage_error(name, args);
         assert!(stderr.contains(flag) && stderr.contains(range), "{name} {args:?}: '{flag}', '{range}' in {stderr}");
@@ -164,6 +171,61 @@ fn train_sequences_compares_the_modes_on_variable_length_batches_in_json() {
         assert!(m["dry_run_us"].as_f64().is_some_and(|us| us > 0.0), "{mode}: {m}");
     }
     assert!(json["enabled"]["predicted_bytes"].as_u64().is_some_and(|b| b > 0), "{json}");
+}
+
+/// The GPT's JSON keys (issue 41's contract), on a small shape: every mode takes what
+/// its dry run predicted, the planned arena is at the peak of its live bytes, no steady
+/// step allocates with workspaces, and the three modes give the same losses.
+#[test]
+fn train_gpt_reports_its_keys_and_the_modes_agree() {
+    let shape = ["--layers", "1", "--width", "16", "--heads", "2", "--context", "8", "--batch-size", "2"];
+    let args = [&shape[..], &["--iters", "14", "--eval-every", "7", "--sample", "12", "--compare", "--json"]].concat();
+    let output = run("train_gpt", &args);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().expect("a JSON line")).unwrap();
+    assert_eq!(json["loss_traces_equal"], serde_json::Value::Bool(true), "{json}");
+    let keys = [
+        "train_loss",
+        "val_loss",
+        "step_us_median",
+        "steady_state_allocs_max",
+        "workspace_bytes",
+        "plan_bytes",
+        "lower_bound_bytes",
+        "predicted_bytes",
+        "peak_rss_bytes",
+        "training_rss_growth_bytes",
+        "params",
+        "loss_trace_sha256",
+    ];
+    for mode in ["enabled", "planned", "none"] {
+        let m = &json[mode];
+        for key in keys {
+            assert!(m.get(key).is_some(), "{mode}.{key} in {json}");
+        }
+        assert_eq!(m["predicted_bytes"], m["workspace_bytes"], "{mode}: {m}");
+        assert_eq!(m["loss_trace_sha256"], json["enabled"]["loss_trace_sha256"], "{mode}");
+        assert_eq!(m["sample"].as_str().map(|s| s.chars().count()), Some(12), "{mode}: {m}");
+        assert!(m["val_loss"].as_f64().is_some_and(|l| l.is_finite() && l > 0.0), "{mode}: {m}");
+    }
+    for mode in ["enabled", "planned"] {
+        assert_eq!(json[mode]["steady_state_allocs_max"].as_u64(), Some(0), "{mode}: {json}");
+    }
+    let planned = &json["planned"];
+    let (plan, bound) = (planned["plan_bytes"].as_f64().unwrap(), planned["lower_bound_bytes"].as_f64().unwrap());
+    assert!(plan >= bound && plan <= 1.05 * bound, "{planned}");
+    // 77 tokens; a block of width 16: 77·16 + 8·16 + 2·(2·16) + (16·48 + 48 + 16·16 + 16) + (16·64 + 64 + 64·16
+    // + 16) + 2·16 + 16·77 + 77.
+    let d = 16u64;
+    let params = 77 * d + 8 * d + 2 * (2 * d) + (d * 3 * d + 3 * d + d * d + d) + (d * 4 * d + 4 * d + 4 * d * d + d)
+        + 2 * d
+        + d * 77
+        + 77;
+    assert_eq!(json["params"].as_u64(), Some(params), "{json}");
+    for key in keys {
+        assert_eq!(json[key], json["enabled"][key], "the top level is the first mode's: {key}");
+    }
 }
 
 #[test]
