@@ -5,6 +5,7 @@
 //! every data-parallel worker and [`Model`](crate::nn::serve::Model) share this layout: a
 //! network's buffers are handed to a trainer or a model as they are.
 
+use super::residual::{residual_from, MAX_NESTING};
 use std::ops::Range;
 
 use crate::{Error, Result};
@@ -87,7 +88,30 @@ impl Params {
         let mut counts = Vec::with_capacity(layers.len());
         let mut width = inputs;
         let mut total = 0usize;
-        for layer in layers {
+        // The residual blocks open at each layer, innermost last: a join must close the
+        // innermost block, of its input's width (blocks nest, never cross).
+        let mut open: Vec<usize> = Vec::new();
+        for (i, layer) in layers.iter().enumerate() {
+            open.extend(std::iter::repeat_n(
+                i,
+                (i + 1..layers.len()).filter(|&j| residual_from(layers[j].as_ref()) == Some(i)).count(),
+            ));
+            if let Some(from) = residual_from(layer.as_ref()) {
+                if open.pop() != Some(from) || widths.get(from) != Some(&width) {
+                    return Err(Error::InvalidConfig {
+                        reason: format!(
+                            "residual join '{}' (layer {i}) closes a block from layer {from}: a block starts before its \
+                             join, nests inside the blocks around it, and keeps its input's width",
+                            layer.name()
+                        ),
+                    });
+                }
+            }
+            if open.len() > MAX_NESTING {
+                return Err(Error::InvalidConfig {
+                    reason: format!("residual blocks nested more than {MAX_NESTING} deep at layer {i}"),
+                });
+            }
             widths.push(width);
             let output = layer.output_size(width)?;
             let params = layer.param_shapes(width);

@@ -59,6 +59,12 @@ impl Layer for Residual {
     }
 }
 
+/// The first layer of the block that `layer` joins, when it is a residual join.
+pub(crate) fn residual_from(layer: &dyn Layer) -> Option<usize> {
+    let any: &dyn std::any::Any = layer;
+    any.downcast_ref::<Residual>().map(|r| r.from)
+}
+
 /// Where layer `i` of `layers` joins a residual block: the index of the block's first
 /// layer.
 pub(crate) fn join_of(layers: &[Box<dyn Layer>], i: usize) -> Option<usize> {

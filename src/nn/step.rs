@@ -266,7 +266,9 @@ pub(crate) fn forward<'s>(
         }
         let y = match join_of(layers.layers, i) {
             Some(_) => {
-                let block_input = blocks.pop().expect("a join's block started before it");
+                let block_input = blocks.pop().ok_or_else(|| {
+                    Error::InvalidInput(format!("residual join '{}' has no block to close", layers.name(i)))
+                })?;
                 let _span = profile::span(Part::Elementwise);
                 join(act, layers.name(i), input, block_input)?
             }

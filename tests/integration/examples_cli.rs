@@ -218,7 +218,11 @@ fn train_gpt_reports_its_keys_and_the_modes_agree() {
     // 77 tokens; a block of width 16: 77·16 + 8·16 + 2·(2·16) + (16·48 + 48 + 16·16 + 16) + (16·64 + 64 + 64·16
     // + 16) + 2·16 + 16·77 + 77.
     let d = 16u64;
-    let params = 77 * d + 8 * d + 2 * (2 * d) + (d * 3 * d + 3 * d + d * d + d) + (d * 4 * d + 4 * d + 4 * d * d + d)
+    let params = 77 * d
+        + 8 * d
+        + 2 * (2 * d)
+        + (d * 3 * d + 3 * d + d * d + d)
+        + (d * 4 * d + 4 * d + 4 * d * d + d)
         + 2 * d
         + d * 77
         + 77;

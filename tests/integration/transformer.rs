@@ -525,3 +525,65 @@ fn a_gpts_dry_run_predicts_what_its_steps_take_in_every_mode() {
         }
     }
 }
+
+fn nanogpt_fixture() -> (std::path::PathBuf, Value) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    let expected = serde_json::from_str(&std::fs::read_to_string(dir.join("nanogpt_tiny.json")).unwrap()).unwrap();
+    (dir.join("nanogpt_tiny.safetensors"), expected)
+}
+
+/// The tensor names in a safetensors file's header.
+fn tensor_names(path: &std::path::Path) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let mut names: Vec<String> = header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
+    use carve::nn::{serve::Model, Infer, Input};
+    let (path, expected) = nanogpt_fixture();
+    let size = |k: &str| expected[k].as_u64().unwrap() as usize;
+    let config =
+        tiny_gpt(size("vocab"), size("width"), size("heads"), size("context"), size("layers")).build().unwrap();
+    let model = Model::load_pytorch(&path, &config).unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(expected["ids"].clone()).unwrap();
+    let ids = Array2::from_shape_fn((rows.len(), rows[0].len()), |(b, t)| rows[b][t]);
+    let probs = model.output(Input::tokens(ids.view())).unwrap();
+    let reference: Vec<Vec<Vec<f32>>> = serde_json::from_value(expected["probabilities"].clone()).unwrap();
+    let reference: Vec<f32> = reference.into_iter().flatten().flatten().collect();
+    assert_eq!(probs.len(), reference.len());
+    for (i, (&a, &e)) in probs.iter().zip(&reference).enumerate() {
+        assert!((a - e).abs() <= 1e-5 + 1e-4 * e, "probability {i}: {a} vs the reference {e}");
+    }
+}
+
+#[test]
+fn a_gpt_saves_under_nanogpts_names_and_loads_back_with_its_configuration() {
+    use carve::nn::{serve::Model, Infer, Input, Network};
+    let (fixture, _) = nanogpt_fixture();
+    let net = Network::new(tiny_gpt(11, 8, 2, 6, 2).seed(3).build().unwrap()).unwrap();
+    let path = std::env::temp_dir().join(format!("carve-gpt-{}.safetensors", std::process::id()));
+    net.save(&path).unwrap();
+    // The names nanoGPT's state dict has, but its causal-mask buffers.
+    let ours = tensor_names(&path);
+    let theirs: Vec<String> = tensor_names(&fixture).into_iter().filter(|n| !n.ends_with(".attn.bias")).collect();
+    let without_head_bias: Vec<String> = ours.iter().filter(|n| *n != "lm_head.bias").cloned().collect();
+    assert_eq!(without_head_bias, theirs);
+    let ids = Array2::from_shape_fn((2, 6), |(b, t)| ((b * 5 + t * 3) % 11) as u32);
+    let loaded = Model::load(&path).unwrap();
+    let before = net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap();
+    assert_eq!(loaded.output(Input::tokens(ids.view())).unwrap(), before);
+    // A join whose block is not there: an error, not a panic.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let at = text.find("\\\"from\\\":2").expect("the first join's block in the configuration");
+    bytes[at + 9] = b'9';
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Model::load(&path).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(err, carve::Error::InvalidConfig { .. }), "{err}");
+}

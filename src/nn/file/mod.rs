@@ -12,7 +12,11 @@
 //! loads with the configuration that builds the layer ([`Model::load_with`]). A PyTorch `state_dict`
 //! saved with `safetensors.torch.save_file` has no configuration: [`Model::load_pytorch`]
 //! takes it from a [`NetworkConfig`] and finds each layer's tensors by its name or its
-//! position (`nn.Sequential` numbers its children).
+//! position (`nn.Sequential` numbers its children). A GPT of nanoGPT's shape (embedding,
+//! position embedding, pre-LN blocks of attention and a GELU MLP, a final layer norm and
+//! a head) is saved and found under nanoGPT's names (`transformer.wte.weight`,
+//! `transformer.h.{i}.attn.c_attn.weight`, `lm_head.weight`, ...), so that nanoGPT's
+//! state dicts load and carve's files load in nanoGPT.
 //!
 //! The format itself is the `safetensors` crate's: it parses and checks each header and
 //! lays out each file carve saves; `safetensors.rs` reads files header first, so that a
@@ -40,8 +44,12 @@ use self::safetensors::{file_error, Out, Tensors};
 use super::layer::{Layer, ParamShape};
 use super::limits::reserve_filled;
 use super::params::Params;
+use super::residual::{residual_from, Residual};
 use super::serve::Model;
-use super::{Dense, LastStep, Lstm, MaskedMean, Network, NetworkConfig, Relu};
+use super::{
+    Attention, Dense, Embedding, Gelu, LastStep, LayerNorm, Lstm, MaskedMean, Network, NetworkConfig,
+    PositionEmbedding, Relu,
+};
 use crate::{Error, Result};
 
 /// The metadata key of the layer configuration.
@@ -67,6 +75,32 @@ enum Kind {
     },
     LastStep,
     MaskedMean,
+    /// `nn.Embedding(vocabulary, width)`.
+    Embedding {
+        vocabulary: usize,
+        width: usize,
+    },
+    /// A learned position embedding (`nn.Embedding(context, width)`).
+    Positions {
+        context: usize,
+        width: usize,
+    },
+    /// `nn.LayerNorm(width, eps)`.
+    LayerNorm {
+        width: usize,
+        eps: f32,
+    },
+    Gelu,
+    /// The join of a residual block that starts at layer `from`.
+    Residual {
+        from: usize,
+    },
+    /// Causal self-attention, GPT-2's `c_attn` and `c_proj` (`nn.Linear` layouts).
+    Attention {
+        width: usize,
+        heads: usize,
+        recompute: bool,
+    },
     /// A user's own layer of `inputs` input columns: its parameters under its own names,
     /// in carve's layout.
     Custom {
@@ -94,6 +128,24 @@ impl Kind {
         if any.is::<MaskedMean>() {
             return Kind::MaskedMean;
         }
+        if let Some(e) = any.downcast_ref::<Embedding>() {
+            return Kind::Embedding { vocabulary: e.vocabulary(), width: e.width() };
+        }
+        if let Some(p) = any.downcast_ref::<PositionEmbedding>() {
+            return Kind::Positions { context: p.context(), width: inputs };
+        }
+        if let Some(n) = any.downcast_ref::<LayerNorm>() {
+            return Kind::LayerNorm { width: inputs, eps: n.eps() };
+        }
+        if any.is::<Gelu>() {
+            return Kind::Gelu;
+        }
+        if let Some(from) = residual_from(layer) {
+            return Kind::Residual { from };
+        }
+        if let Some(a) = any.downcast_ref::<Attention>() {
+            return Kind::Attention { width: a.width(), heads: a.heads(), recompute: a.is_recomputing() };
+        }
         Kind::Custom { inputs, params: layer.param_shapes(inputs) }
     }
 
@@ -101,6 +153,7 @@ impl Kind {
     fn inputs(&self) -> Option<usize> {
         match *self {
             Kind::Dense { inputs, .. } | Kind::Lstm { inputs, .. } => Some(inputs),
+            Kind::Embedding { vocabulary, .. } => Some(vocabulary),
             _ => None,
         }
     }
@@ -110,6 +163,8 @@ impl Kind {
         match self {
             Kind::Dense { .. } => Some("weight".into()),
             Kind::Lstm { .. } => Some("weight_ih_l0".into()),
+            Kind::Embedding { .. } | Kind::Positions { .. } | Kind::LayerNorm { .. } => Some("weight".into()),
+            Kind::Attention { .. } => Some("c_attn.weight".into()),
             Kind::Custom { params, .. } => params.first().map(|p| p.name.clone()),
             _ => None,
         }
@@ -126,6 +181,21 @@ impl Kind {
             Kind::Relu => json!({ "kind": "relu", "name": name }),
             Kind::LastStep => json!({ "kind": "last_step", "name": name }),
             Kind::MaskedMean => json!({ "kind": "masked_mean", "name": name }),
+            Kind::Embedding { vocabulary, width } => {
+                json!({ "kind": "embedding", "name": name, "tensors": tensors, "vocabulary": vocabulary, "width": width })
+            }
+            Kind::Positions { context, width } => {
+                json!({ "kind": "positions", "name": name, "tensors": tensors, "context": context, "width": width })
+            }
+            Kind::LayerNorm { width, eps } => {
+                json!({ "kind": "layer_norm", "name": name, "tensors": tensors, "width": width, "eps": eps })
+            }
+            Kind::Gelu => json!({ "kind": "gelu", "name": name }),
+            Kind::Residual { from } => json!({ "kind": "residual", "name": name, "from": from }),
+            Kind::Attention { width, heads, recompute } => json!({
+                "kind": "attention", "name": name, "tensors": tensors, "width": width, "heads": heads,
+                "recompute": recompute
+            }),
             Kind::Custom { inputs, params } => {
                 let params: Vec<Value> = params.iter().map(|p| json!({ "name": p.name, "shape": p.shape })).collect();
                 json!({ "kind": "custom", "name": name, "tensors": tensors, "inputs": inputs, "params": params })
@@ -182,10 +252,15 @@ impl Model {
             self.layers().iter().enumerate().map(|(i, layer)| Kind::of(layer.as_ref(), self.layer_inputs(i))).collect();
         let names: Vec<&str> = self.layers().iter().map(|l| l.name()).collect();
         let unique = unique_names(&names);
+        let gpt = gpt_prefixes(&kinds);
         let mut config = Vec::new();
         let mut tensors = Vec::new();
         for (index, (layer, kind)) in self.layers().iter().zip(&kinds).enumerate() {
-            let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
+            let prefix = match &gpt {
+                Some(prefixes) => prefixes[index].clone(),
+                None if unique => layer.name().to_string(),
+                None => format!("layers.{index}"),
+            };
             config.push(kind.to_json(layer.name(), &prefix));
             save_params(kind, self.layer_params(index), &prefix, &mut tensors);
         }
@@ -314,12 +389,29 @@ impl Model {
         let mut prefixes = BTreeSet::new();
         let mut found = Vec::new();
         let layout = Params::of(config.inputs(), config.layers())?;
-        for (index, layer) in config.layers().iter().enumerate() {
+        let kinds: Vec<Kind> = config
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(index, layer)| Kind::of(layer.as_ref(), layout.widths[index]))
+            .collect();
+        // A GPT of nanoGPT's shape finds its tensors under nanoGPT's names when the file
+        // has them.
+        let gpt = gpt_prefixes(&kinds).filter(|p| file.contains(&format!("{}.weight", p[0])));
+        if gpt.is_some() {
+            // nanoGPT's causal-mask buffer (`attn.bias`, [1, 1, T, T]) is not a parameter.
+            for name in file.names() {
+                if name.starts_with("transformer.h.") && name.ends_with(".attn.bias") {
+                    used.insert(name.to_string());
+                }
+            }
+        }
+        for (index, (layer, kind)) in config.layers().iter().zip(kinds).enumerate() {
             let name = layer.name();
-            let kind = Kind::of(layer.as_ref(), layout.widths[index]);
-            let prefix = match kind.key_tensor() {
-                Some(key) => find_prefix(&file, name, index, &key)?,
-                None => String::new(),
+            let prefix = match (kind.key_tensor(), &gpt) {
+                (Some(_), Some(prefixes)) => prefixes[index].clone(),
+                (Some(key), None) => find_prefix(&file, name, index, &key)?,
+                (None, _) => String::new(),
             };
             if !prefix.is_empty() && !prefixes.insert(prefix.clone()) {
                 return Err(file_error(
@@ -334,6 +426,52 @@ impl Model {
         let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
         assemble(&file, config.inputs(), config.shared_layers(), values)
     }
+}
+
+/// The tensor prefixes of nanoGPT's `GPT` for layers of `kinds`, when they are its
+/// shape: an embedding, a position embedding, blocks of (layer norm, attention, join,
+/// layer norm, dense, GELU, dense, join), a layer norm and a dense head —
+/// `transformer.wte`, `transformer.wpe`, `transformer.h.{i}.ln_1`, `.attn`, `.ln_2`,
+/// `.mlp.c_fc`, `.mlp.c_proj`, `transformer.ln_f`, `lm_head` (empty for the layers
+/// without parameters).
+fn gpt_prefixes(kinds: &[Kind]) -> Option<Vec<String>> {
+    let n = kinds.len();
+    if n < 4 || !(n - 4).is_multiple_of(8) {
+        return None;
+    }
+    let mut prefixes = vec![String::new(); n];
+    match (&kinds[0], &kinds[1], &kinds[n - 2], &kinds[n - 1]) {
+        (Kind::Embedding { .. }, Kind::Positions { .. }, Kind::LayerNorm { .. }, Kind::Dense { .. }) => {}
+        _ => return None,
+    }
+    prefixes[0] = "transformer.wte".into();
+    prefixes[1] = "transformer.wpe".into();
+    prefixes[n - 2] = "transformer.ln_f".into();
+    prefixes[n - 1] = "lm_head".into();
+    for (b, block) in kinds[2..n - 2].chunks_exact(8).enumerate() {
+        let start = 2 + 8 * b;
+        let shape = matches!(
+            block,
+            [
+                Kind::LayerNorm { .. },
+                Kind::Attention { .. },
+                Kind::Residual { from: a },
+                Kind::LayerNorm { .. },
+                Kind::Dense { .. },
+                Kind::Gelu,
+                Kind::Dense { .. },
+                Kind::Residual { from: m },
+            ] if *a == start && *m == start + 3
+        );
+        if !shape {
+            return None;
+        }
+        let h = format!("transformer.h.{b}");
+        for (k, suffix) in [(0, "ln_1"), (1, "attn"), (3, "ln_2"), (4, "mlp.c_fc"), (6, "mlp.c_proj")] {
+            prefixes[start + k] = format!("{h}.{suffix}");
+        }
+    }
+    Some(prefixes)
 }
 
 /// Whether every layer name is unique, non-empty and free of dots: then each layer's
@@ -410,7 +548,26 @@ fn save_params(kind: &Kind, values: &[f32], prefix: &str, out: &mut Vec<Out>) {
                 at += p.len();
             }
         }
-        Kind::Relu | Kind::LastStep | Kind::MaskedMean => {}
+        Kind::Embedding { vocabulary: rows, width } | Kind::Positions { context: rows, width } => {
+            push("weight", vec![rows, width], values.to_vec());
+        }
+        Kind::LayerNorm { width, .. } => {
+            push("weight", vec![width], values[..width].to_vec());
+            push("bias", vec![width], values[width..].to_vec());
+        }
+        Kind::Attention { width: d, .. } => {
+            let (qkv_w, rest) = values.split_at(d * 3 * d);
+            let (qkv_b, rest) = rest.split_at(3 * d);
+            let (proj_w, proj_b) = rest.split_at(d * d);
+            // [in, out] → [out, in], as nn.Linear holds them.
+            let qkv_w = ArrayView2::from_shape((d, 3 * d), qkv_w).expect("d × 3d values");
+            let proj_w = ArrayView2::from_shape((d, d), proj_w).expect("d × d values");
+            push("c_attn.weight", vec![3 * d, d], qkv_w.t().iter().copied().collect());
+            push("c_attn.bias", vec![3 * d], qkv_b.to_vec());
+            push("c_proj.weight", vec![d, d], proj_w.t().iter().copied().collect());
+            push("c_proj.bias", vec![d], proj_b.to_vec());
+        }
+        Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => {}
     }
 }
 
@@ -449,7 +606,17 @@ impl Kind {
                 t("bias_hh_l0", vec![4 * h], true),
             ],
             Kind::Custom { params, .. } => params.iter().map(|p| t(&p.name, p.shape.clone(), false)).collect(),
-            Kind::Relu | Kind::LastStep | Kind::MaskedMean => Vec::new(),
+            &Kind::Embedding { vocabulary: rows, width } | &Kind::Positions { context: rows, width } => {
+                vec![t("weight", vec![rows, width], false)]
+            }
+            &Kind::LayerNorm { width, .. } => vec![t("weight", vec![width], false), t("bias", vec![width], true)],
+            &Kind::Attention { width: d, .. } => vec![
+                t("c_attn.weight", vec![3 * d, d], false),
+                t("c_attn.bias", vec![3 * d], true),
+                t("c_proj.weight", vec![d, d], false),
+                t("c_proj.bias", vec![d], true),
+            ],
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => Vec::new(),
         }
     }
 }
@@ -510,6 +677,15 @@ impl Found {
             Kind::Relu => Box::new(Relu::named(name)),
             Kind::LastStep => Box::new(LastStep::named(name)),
             Kind::MaskedMean => Box::new(MaskedMean::named(name)),
+            Kind::Embedding { vocabulary, width } => Box::new(Embedding::named(name, vocabulary, width)?),
+            Kind::Positions { context, width } => Box::new(PositionEmbedding::named(name, context, width)?),
+            Kind::LayerNorm { eps, .. } => Box::new(LayerNorm::named(name).with_eps(eps)?),
+            Kind::Gelu => Box::new(Gelu::named(name)),
+            Kind::Residual { from } => Box::new(Residual::new(name, from)),
+            Kind::Attention { width, heads, recompute } => {
+                let attention = Attention::named(name, width, heads)?;
+                Box::new(if recompute { attention.recomputing() } else { attention })
+            }
             Kind::Custom { .. } => unreachable!("a carve file's configuration lists built-in layers only"),
         })
     }
@@ -588,7 +764,35 @@ impl Found {
                 }
                 values
             }
-            Kind::Relu | Kind::LastStep | Kind::MaskedMean => Vec::new(),
+            Kind::Embedding { .. } | Kind::Positions { .. } => read(0)?.expect("a table is required"),
+            Kind::LayerNorm { width, .. } => {
+                let mut values = filled(0, 2 * width, 0.0)?;
+                values[..width].copy_from_slice(&read(0)?.expect("a scale is required"));
+                if let Some(bias) = read(1)? {
+                    values[width..].copy_from_slice(&bias);
+                }
+                values
+            }
+            Kind::Attention { width: d, .. } => {
+                let mut values = filled(0, d * 3 * d + 3 * d + d * d + d, 0.0)?;
+                let (qkv_w, rest) = values.split_at_mut(d * 3 * d);
+                let (qkv_b, rest) = rest.split_at_mut(3 * d);
+                let (proj_w, proj_b) = rest.split_at_mut(d * d);
+                // [out, in] → [in, out]
+                for (slot, rows, dst) in [(0, 3 * d, qkv_w), (2, d, proj_w)] {
+                    let t = Array2::from_shape_vec((rows, d), read(slot)?.expect("required")).expect("checked shape");
+                    for (dst, &src) in dst.iter_mut().zip(t.t().iter()) {
+                        *dst = src;
+                    }
+                }
+                for (slot, dst) in [(1, qkv_b), (3, proj_b)] {
+                    if let Some(bias) = read(slot)? {
+                        dst.copy_from_slice(&bias);
+                    }
+                }
+                values
+            }
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => Vec::new(),
         })
     }
 }
@@ -677,6 +881,29 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
             "relu" => Kind::Relu,
             "last_step" => Kind::LastStep,
             "masked_mean" => Kind::MaskedMean,
+            "embedding" => Kind::Embedding { vocabulary: size(entry, "vocabulary")?, width: size(entry, "width")? },
+            "positions" => Kind::Positions { context: size(entry, "context")?, width: size(entry, "width")? },
+            "layer_norm" => Kind::LayerNorm {
+                width: size(entry, "width")?,
+                eps: entry
+                    .get("eps")
+                    .and_then(Value::as_f64)
+                    .map(|e| e as f32)
+                    .ok_or_else(|| bad(format!("gives layer norm '{}' no 'eps'", short(&name))))?,
+            },
+            "gelu" => Kind::Gelu,
+            "residual" => Kind::Residual {
+                from: entry
+                    .get("from")
+                    .and_then(Value::as_u64)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| bad(format!("gives residual join '{}' no 'from' layer", short(&name))))?,
+            },
+            "attention" => Kind::Attention {
+                width: size(entry, "width")?,
+                heads: size(entry, "heads")?,
+                recompute: entry.get("recompute").and_then(Value::as_bool).unwrap_or(false),
+            },
             "custom" => {
                 return Err(bad(format!(
                     "has a layer of the user's own (layer '{}'): load the file with Model::load_with and the \
