@@ -544,7 +544,7 @@ fn tensor_names(path: &std::path::Path) -> Vec<String> {
 
 #[test]
 fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
-    use carve::nn::{serve::Model, Infer, Input};
+    use carve::nn::{serve::Model, Input};
     let (path, expected) = nanogpt_fixture();
     let size = |k: &str| expected[k].as_u64().unwrap() as usize;
     let config =
@@ -563,7 +563,7 @@ fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
 
 #[test]
 fn a_gpt_saves_under_nanogpts_names_and_loads_back_with_its_configuration() {
-    use carve::nn::{serve::Model, Infer, Input, Network};
+    use carve::nn::{serve::Model, Input, Network};
     let (fixture, _) = nanogpt_fixture();
     let net = Network::new(tiny_gpt(11, 8, 2, 6, 2).seed(3).build().unwrap()).unwrap();
     let path = std::env::temp_dir().join(format!("carve-gpt-{}.safetensors", std::process::id()));
