@@ -42,7 +42,8 @@
 //! `workspace_bytes` before the first step), `peak_rss_bytes`,
 //! `training_rss_growth_bytes` (RSS after 10 steps minus RSS before the first),
 //! `params`, `loss_trace_sha256`, `attention`, `attention_kept_bytes` (what a step
-//! keeps for backward in its attention layers, in each form), `sample`.
+//! keeps for backward in its attention layers besides their outputs, in each form),
+//! `kept_bytes_per_layer_kind` (each kind's outputs and what it keeps besides), `sample`.
 
 #[path = "common/breakdown.rs"]
 mod breakdown;
@@ -444,6 +445,19 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
     }
     steady.sort_unstable();
     let step_us_median = steady[steady.len() / 2] as f64 / 1e3;
+    // What a step keeps for backward, per layer kind: each layer's output (the network
+    // keeps every output until the backward pass), and what attention keeps besides.
+    let mut kept_by_kind = serde_json::Map::new();
+    let rows = args.batch_size * args.context;
+    for (i, layer) in net.layers().iter().enumerate() {
+        let kind = layer.name().trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
+        let any: &dyn std::any::Any = layer.as_ref();
+        let width = layer.output_size(net.layer_inputs(i))?;
+        let extra = any.downcast_ref::<Attention>().and_then(|a| a.kept_values(args.batch_size, args.context)).unwrap_or(0);
+        let bytes = 4 * (rows * width + extra);
+        let entry = kept_by_kind.entry(kind).or_insert(json!(0));
+        *entry = json!(entry.as_u64().unwrap_or(0) + bytes as u64);
+    }
     let kept = |recompute: bool| -> Option<usize> {
         let a = Attention::named("a", args.width, args.heads).ok()?;
         let a = if recompute { a.recomputing() } else { a };
@@ -465,6 +479,7 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         "loss_trace_sha256": parallel::sha256_of_losses(&run.losses),
         "attention": if args.attention == Form::Recompute { "recompute" } else { "keep" },
         "attention_kept_bytes": {"keep": kept(false), "recompute": kept(true)},
+        "kept_bytes_per_layer_kind": kept_by_kind,
         "sample": text,
     });
     if let Some(b) = net.breakdown() {
