@@ -125,7 +125,7 @@ def main():
         "params": params,
         "step_ms_median": 1e3 * steady[len(steady) // 2],
         "training_rss_growth_bytes": after - before,
-        "train_loss": float(loss),
+        "train_loss": loss.item(),
     }
     if args.eval:
         model.eval()
