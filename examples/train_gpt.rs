@@ -453,7 +453,8 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         let kind = layer.name().trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
         let any: &dyn std::any::Any = layer.as_ref();
         let width = layer.output_size(net.layer_inputs(i))?;
-        let extra = any.downcast_ref::<Attention>().and_then(|a| a.kept_values(args.batch_size, args.context)).unwrap_or(0);
+        let extra =
+            any.downcast_ref::<Attention>().and_then(|a| a.kept_values(args.batch_size, args.context)).unwrap_or(0);
         let bytes = 4 * (rows * width + extra);
         let entry = kept_by_kind.entry(kind).or_insert(json!(0));
         *entry = json!(entry.as_u64().unwrap_or(0) + bytes as u64);

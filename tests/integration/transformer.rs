@@ -587,3 +587,19 @@ fn a_gpt_saves_under_nanogpts_names_and_loads_back_with_its_configuration() {
     std::fs::remove_file(&path).unwrap();
     assert!(matches!(err, carve::Error::InvalidConfig { .. }), "{err}");
 }
+
+#[test]
+fn a_gpt_trains_data_parallel_with_the_bits_of_one_thread_running_the_shards() {
+    use carve::nn::{parallel::DataParallel, parallel::ParallelConfig, Input, Labels, Network, Updater};
+    let (ids, next) = windows(6, 8, 13);
+    let losses = |config: ParallelConfig| -> Vec<u32> {
+        let net = Network::new(tiny_gpt(13, 16, 2, 8, 1).updater(Updater::adamw(3e-3, 0.1)).seed(6).build().unwrap());
+        let mut trainer = DataParallel::new(net.unwrap(), config).unwrap();
+        (0..8)
+            .map(|_| trainer.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap().to_bits())
+            .collect()
+    };
+    let threads = losses(ParallelConfig::threads(2));
+    assert_eq!(threads, losses(ParallelConfig::sequential(2)), "2 threads vs one thread of 2 shards");
+    assert_eq!(threads, losses(ParallelConfig::threads(2)), "another run, other bits");
+}
