@@ -40,7 +40,7 @@
 //! `workspace_bytes`, `plan_bytes` and `lower_bound_bytes` (one arena planned from a
 //! recorded step, and the peak of its live bytes), `predicted_bytes` (the dry run's
 //! `workspace_bytes` before the first step), `peak_rss_bytes`,
-//! `training_rss_growth_bytes` (RSS after 10 steps minus RSS before the first),
+//! `training_rss_growth_bytes` (RSS after 10 steps, or the last of fewer, minus RSS before the first),
 //! `params`, `loss_trace_sha256`, `attention`, `attention_kept_bytes` (what a step
 //! keeps for backward in its attention layers besides their outputs, in each form),
 //! `kept_bytes_per_layer_kind` (each kind's outputs and what it keeps besides), `sample`.
@@ -411,7 +411,8 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         run.losses.push(loss);
         drop(lease);
         step += 1;
-        if step == WARM_UP {
+        // After 10 steps, or after the last of a shorter run.
+        if step == WARM_UP.min(args.iters) {
             rss_after_warm_up = rss().0;
         }
         if let Some(bar) = &bar {
