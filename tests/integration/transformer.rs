@@ -603,3 +603,45 @@ fn a_gpt_trains_data_parallel_with_the_bits_of_one_thread_running_the_shards() {
     assert_eq!(threads, losses(ParallelConfig::sequential(2)), "2 threads vs one thread of 2 shards");
     assert_eq!(threads, losses(ParallelConfig::threads(2)), "another run, other bits");
 }
+
+#[test]
+fn load_with_finds_a_gpts_nanogpt_names_and_refuses_a_configuration_the_file_does_not_hold() {
+    use carve::nn::{serve::Model, Input, Network};
+    let config = tiny_gpt(11, 8, 2, 6, 1).seed(5).build().unwrap();
+    let net = Network::new(config.clone()).unwrap();
+    let path = std::env::temp_dir().join(format!("carve-gpt-with-{}.safetensors", std::process::id()));
+    net.save(&path).unwrap();
+    let ids = Array2::from_shape_fn((1, 6), |(_, t)| t as u32);
+    let loaded = Model::load_with(&path, &config).unwrap();
+    assert_eq!(
+        loaded.output(Input::tokens(ids.view())).unwrap(),
+        net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap()
+    );
+    // Attention that recomputes its scores is the same layer.
+    let recompute = NetworkConfig::builder(11)
+        .embedding(8)
+        .position_embedding(6)
+        .residual(|b| b.layer_norm().attention_recompute(2))
+        .residual(|b| b.layer_norm().dense(32).gelu().dense(8))
+        .layer_norm()
+        .dense(11)
+        .build()
+        .unwrap();
+    let again = Model::load_with(&path, &recompute).unwrap();
+    assert_eq!(again.output(Input::tokens(ids.view())).unwrap(), loaded.output(Input::tokens(ids.view())).unwrap());
+    // The same tensors, another model: a wider context is not.
+    let other = tiny_gpt(11, 8, 2, 7, 1).build().unwrap();
+    let err = Model::load_with(&path, &other).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(err, carve::Error::ModelFile { .. }), "{err}");
+    // An MLP saved with ReLU and loaded as one with GELU: the same tensors, refused.
+    let mlp = Network::new(NetworkConfig::builder(4).dense(8).relu().dense(3).build().unwrap()).unwrap();
+    let path = std::env::temp_dir().join(format!("carve-mlp-with-{}.safetensors", std::process::id()));
+    mlp.save(&path).unwrap();
+    let gelu = NetworkConfig::builder(4).dense(8).gelu().dense(3).build().unwrap();
+    let err = Model::load_with(&path, &gelu).unwrap_err();
+    let same = Model::load_with(&path, &NetworkConfig::builder(4).dense(8).relu().dense(3).build().unwrap());
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.to_string().contains("layer 1"), "{err}");
+    assert!(same.is_ok(), "{same:?}");
+}

@@ -250,17 +250,11 @@ impl Model {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let kinds: Vec<Kind> =
             self.layers().iter().enumerate().map(|(i, layer)| Kind::of(layer.as_ref(), self.layer_inputs(i))).collect();
-        let names: Vec<&str> = self.layers().iter().map(|l| l.name()).collect();
-        let unique = unique_names(&names);
-        let gpt = gpt_prefixes(&kinds);
+        let prefixes = tensor_prefixes(self.layers(), &kinds);
         let mut config = Vec::new();
         let mut tensors = Vec::new();
         for (index, (layer, kind)) in self.layers().iter().zip(&kinds).enumerate() {
-            let prefix = match &gpt {
-                Some(prefixes) => prefixes[index].clone(),
-                None if unique => layer.name().to_string(),
-                None => format!("layers.{index}"),
-            };
+            let prefix = prefixes[index].clone();
             config.push(kind.to_json(layer.name(), &prefix));
             save_params(kind, self.layer_params(index), &prefix, &mut tensors);
         }
@@ -353,14 +347,21 @@ impl Model {
     pub fn load_with(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
         let file = Tensors::open(path.as_ref())?;
         let layout = Params::of(config.inputs(), config.layers())?;
-        let names: Vec<&str> = config.layers().iter().map(|l| l.name()).collect();
-        let unique = unique_names(&names);
+        let kinds: Vec<Kind> = config
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(index, layer)| Kind::of(layer.as_ref(), layout.widths[index]))
+            .collect();
+        // A carve file says what it holds: its layers must be the configuration's.
+        if let Some(saved) = file.metadata().get(CONFIG_KEY) {
+            check_saved_layers(&file, saved, config, &kinds)?;
+        }
+        let prefixes = tensor_prefixes(config.layers(), &kinds);
         let mut used = BTreeSet::new();
-        let mut found = Vec::with_capacity(names.len());
-        for (index, layer) in config.layers().iter().enumerate() {
-            let kind = Kind::of(layer.as_ref(), layout.widths[index]);
-            let prefix = if unique { layer.name().to_string() } else { format!("layers.{index}") };
-            found.push(Found::find(&file, layer.name().to_string(), &prefix, kind, Biases::Required, &mut used)?);
+        let mut found = Vec::with_capacity(kinds.len());
+        for ((layer, kind), prefix) in config.layers().iter().zip(kinds).zip(&prefixes) {
+            found.push(Found::find(&file, layer.name().to_string(), prefix, kind, Biases::Required, &mut used)?);
         }
         check_all_used(&file, &used)?;
         let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
@@ -472,6 +473,64 @@ fn gpt_prefixes(kinds: &[Kind]) -> Option<Vec<String>> {
         }
     }
     Some(prefixes)
+}
+
+/// The prefix of each layer's tensors in a file carve writes: nanoGPT's names for a GPT
+/// of its shape, otherwise each layer's name, or `layers.{index}` when the names are
+/// not unique (or empty, or dotted).
+fn tensor_prefixes(layers: &[Box<dyn Layer>], kinds: &[Kind]) -> Vec<String> {
+    if let Some(prefixes) = gpt_prefixes(kinds) {
+        return prefixes;
+    }
+    let names: Vec<&str> = layers.iter().map(|l| l.name()).collect();
+    let unique = unique_names(&names);
+    names
+        .iter()
+        .enumerate()
+        .map(|(index, name)| if unique { name.to_string() } else { format!("layers.{index}") })
+        .collect()
+}
+
+/// Checks a carve file's saved configuration (`saved`, its metadata) against the
+/// layers `config` builds: the same input width, and per layer the same kind and
+/// sizes (and, for a user's own layer, the same parameter names and shapes).
+fn check_saved_layers(file: &Tensors, saved: &str, config: &NetworkConfig, kinds: &[Kind]) -> Result<()> {
+    let bad = |why: String| file_error(file.path(), None, why);
+    let saved: Value = serde_json::from_str(saved)
+        .map_err(|e| bad(format!("its '{CONFIG_KEY}' configuration is not valid JSON: {e}")))?;
+    let entries = saved.get("layers").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    if saved.get("inputs").and_then(Value::as_u64) != Some(config.inputs() as u64) || entries.len() != kinds.len() {
+        return Err(bad(format!(
+            "it holds a model of {} inputs and {} layers; the configuration builds {} inputs and {} layers: load it \
+             with the configuration it was saved from",
+            saved.get("inputs").map_or("no".into(), Value::to_string),
+            entries.len(),
+            config.inputs(),
+            kinds.len()
+        )));
+    }
+    // What a layer is, without where its tensors are or how attention keeps its
+    // scores (either form runs the same parameters to the same bits).
+    let described = |value: &Value| {
+        let mut value = value.clone();
+        if let Some(object) = value.as_object_mut() {
+            object.remove("tensors");
+            object.remove("recompute");
+        }
+        value
+    };
+    for (index, ((layer, kind), entry)) in config.layers().iter().zip(kinds).zip(entries).enumerate() {
+        let ours = described(&kind.to_json(layer.name(), ""));
+        if described(entry) != ours {
+            return Err(bad(format!(
+                "layer {index} is saved as {} but the configuration builds {}: load the file with the configuration \
+                 it was saved from",
+                short(&described(entry).to_string()),
+                short(&ours.to_string())
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Whether every layer name is unique, non-empty and free of dots: then each layer's
