@@ -294,6 +294,13 @@ struct Run {
     json: Value,
 }
 
+/// The fixed validation batches: the same windows of the validation split every time,
+/// whichever way the run trains.
+fn validation_batches(args: &Args, corpus: &Corpus) -> Res<Prefetcher<TokenWindows>> {
+    let windows = TokenWindows::new(corpus.val.clone(), args.context, args.batch_size, VAL_BATCHES)?;
+    Ok(Prefetcher::builder(windows.seeded(args.seed ^ 0x76616c).fixed()).build()?)
+}
+
 /// The mean loss over the fixed validation batches.
 fn validate(net: &mut Network, val: &mut Prefetcher<TokenWindows>) -> Res<f64> {
     let mut sum = 0.0f64;
@@ -360,11 +367,8 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
     let estimate = net.dry_run(&passes)?;
     let train_source =
         TokenWindows::new(corpus.train.clone(), args.context, args.batch_size, args.iters)?.seeded(args.seed);
-    let val_source = TokenWindows::new(corpus.val.clone(), args.context, args.batch_size, VAL_BATCHES)?
-        .seeded(args.seed ^ 0x76616c)
-        .fixed();
     let mut batches = Prefetcher::builder(train_source).build()?;
-    let mut val = Prefetcher::builder(val_source).build()?;
+    let mut val = validation_batches(args, corpus)?;
     let mut timeline = match &args.timeline {
         Some(_) => {
             let t = Timeline::start()?;
@@ -621,10 +625,7 @@ fn data_parallel(args: &Args) -> Res<()> {
     }
     let losses = trainers.loss.clone();
     let mut network = trainers.main.into_network()?;
-    let val_source = TokenWindows::new(corpus.val.clone(), args.context, args.batch_size, VAL_BATCHES)?
-        .seeded(args.seed ^ 0x76616c)
-        .fixed();
-    let mut val = Prefetcher::builder(val_source).build()?;
+    let mut val = validation_batches(args, &corpus)?;
     let val_loss = validate(&mut network, &mut val)?;
     say(summary);
     say(format!("val loss {val_loss:.4}; loss trace sha256 {}", parallel::sha256_of_losses(&losses)));
