@@ -424,11 +424,13 @@ fn a_new_iteration_scales_the_times_it_shares_with_a_slower_one_and_labels_end_w
     let ws = Workspace::new("TL_TIMES", WorkspaceConfig::default()).unwrap();
     let timeline = Timeline::start().unwrap();
     timeline.attach(&ws).unwrap();
+    // The slow iteration sleeps far longer than the fast one takes, even under valgrind.
+    const SLOW: std::time::Duration = std::time::Duration::from_millis(300);
     let step = |extra: bool, sleep: bool| {
         let scope = ws.enter().unwrap();
         let _a = scope.zeros::<u8, _>(64).unwrap();
         if sleep {
-            std::thread::sleep(std::time::Duration::from_millis(20));
+            std::thread::sleep(SLOW);
         }
         let _b = scope.zeros::<u8, _>(64).unwrap();
         if extra {
@@ -436,19 +438,23 @@ fn a_new_iteration_scales_the_times_it_shares_with_a_slower_one_and_labels_end_w
         }
     };
     step(false, true);
+    // The fast iteration begins inside this call: its times are at most `began.elapsed()`.
+    let began = std::time::Instant::now();
     timeline.end_iteration();
     {
         let _forgotten = timeline::layer("left set");
         std::mem::forget(_forgotten);
     }
     step(true, false); // diverges after two events of the slow script
+    let took = u64::try_from(began.elapsed().as_nanos()).unwrap();
     timeline.end_iteration();
     let snapshot = timeline.snapshot();
     let fast = snapshot.scripts().iter().find(|s| s.events == 4).expect("the second script");
     let events = snapshot.script_events(fast.script);
     let times: Vec<u64> = events.iter().map(|e| e.time_ns).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
-    assert!(times.iter().all(|&t| t < 20_000_000), "the slow iteration's times, unscaled: {times:?}");
+    assert!(took < SLOW.as_nanos() as u64, "the fast iteration took {took} ns: the test cannot tell the two apart");
+    assert!(times.iter().all(|&t| t <= took), "the slow iteration's times, unscaled: {times:?} (fast took {took} ns)");
     // A label left set is cleared by the end of the iteration.
     step(false, false);
     timeline.end_iteration();
