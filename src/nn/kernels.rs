@@ -18,6 +18,8 @@ use std::cell::Cell;
 
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 
+use super::vector;
+
 thread_local! {
     /// Whether a dry run runs on this thread.
     static DRY: Cell<bool> = const { Cell::new(false) };
@@ -151,62 +153,17 @@ pub(crate) fn lstm_cell_backward(
     }
 }
 
-/// √(2/π), GELU's tanh form's constant.
-const GELU_C: f32 = 0.797_884_6;
-/// The cubic term's weight in GELU's tanh form.
-const GELU_A: f32 = 0.044_715;
-
-/// `tanh(x)` as a rational function (Eigen's `generic_fast_tanh_float`: a degree-13/6
-/// odd/even pair on `x` clamped to ±7.9988, where `tanh` is 1 in `f32`): within 3·10⁻⁷
-/// of `tanh` everywhere, about forty times faster than the C library's `tanhf` (which
-/// this kernel would otherwise spend most of a GPT step in), and vectorisable. Plain
-/// `f32` operations, so the same bits on every machine.
-#[inline(always)]
-#[allow(clippy::excessive_precision)] // Eigen's coefficients as published; each rounds to its f32
-pub(crate) fn fast_tanh(x: f32) -> f32 {
-    let x = x.clamp(-7.998_811_7, 7.998_811_7);
-    let x2 = x * x;
-    let mut p = x2 * -2.760_768_5e-16 + 2.000_187_9e-13;
-    p = x2 * p + -8.604_671_5e-11;
-    p = x2 * p + 5.122_297e-8;
-    p = x2 * p + 1.485_722_4e-5;
-    p = x2 * p + 6.372_619_3e-4;
-    p = x2 * p + 4.893_524_6e-3;
-    p *= x;
-    let mut q = x2 * 1.198_258_4e-6 + 1.185_347_1e-4;
-    q = x2 * q + 2.268_434_6e-3;
-    q = x2 * q + 4.893_525_2e-3;
-    p / q
-}
-
-/// GELU of one value.
-#[inline(always)]
-fn gelu(x: f32) -> f32 {
-    let u = GELU_C * (x + GELU_A * x * x * x);
-    0.5 * x * (1.0 + fast_tanh(u))
-}
-
-/// GELU's derivative at `x`.
-#[inline(always)]
-fn gelu_slope(x: f32) -> f32 {
-    let x2 = x * x;
-    let t = fast_tanh(GELU_C * (x + GELU_A * x2 * x));
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2)
-}
-
 /// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
 /// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, with
-/// [`fast_tanh`].
+/// [`fast_tanh`](super::vector::fast_tanh).
 pub(crate) fn gelu_forward(x: ArrayView2<'_, f32>, mut y: ArrayViewMut2<'_, f32>) {
     if running() {
         return;
     }
     if let (Some(x), Some(y)) = (x.as_slice(), y.as_slice_mut()) {
-        // Contiguous: one loop the compiler vectorises.
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x));
-        return;
+        return vector::gelu_slices(x, y);
     }
-    Zip::from(&mut y).and(&x).for_each(|y, &x| *y = gelu(x));
+    Zip::from(&mut y).and(&x).for_each(|y, &x| *y = vector::gelu(x));
 }
 
 /// The gradient of [`gelu_forward`]'s input: `dx = dy · gelu'(x)`.
@@ -215,22 +172,13 @@ pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut
         return;
     }
     if let (Some(x), Some(dy), Some(dx)) = (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
-        dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x));
-        return;
+        return vector::gelu_backward_slices(x, dy, dx);
     }
-    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * gelu_slope(x));
+    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope(x));
 }
 
-/// One row's mean and reciprocal standard deviation (the biased variance, as
-/// `nn.LayerNorm` normalises with), summed in element order.
-fn row_statistics(x: ArrayView1<'_, f32>, eps: f32) -> (f32, f32) {
-    let n = x.len() as f32;
-    let mean = x.iter().sum::<f32>() / n;
-    let var = x.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / n;
-    (mean, 1.0 / (var + eps).sqrt())
-}
-
-/// Layer normalisation of each row: `y = (x − mean) / √(var + eps) · gamma + beta`.
+/// Layer normalisation of each row: `y = (x − mean) / √(var + eps) · gamma + beta`,
+/// with the biased variance (as `nn.LayerNorm`), sums in [`vector`]'s lane order.
 pub(crate) fn layer_norm_forward(
     x: ArrayView2<'_, f32>,
     gamma: ArrayView1<'_, f32>,
@@ -241,8 +189,14 @@ pub(crate) fn layer_norm_forward(
     if running() {
         return;
     }
+    if let (Some(xs), Some(g), Some(b), Some(ys)) = (x.as_slice(), gamma.as_slice(), beta.as_slice(), y.as_slice_mut())
+    {
+        if g.len() == x.ncols() && b.len() == g.len() && !g.is_empty() {
+            return vector::layer_norm_slices(xs, g, b, eps, ys);
+        }
+    }
     for (x, mut y) in x.rows().into_iter().zip(y.rows_mut()) {
-        let (mean, rstd) = row_statistics(x, eps);
+        let (mean, rstd) = vector::strided::row_statistics(x, eps);
         Zip::from(&mut y).and(&x).and(&gamma).and(&beta).for_each(|y, &x, &g, &b| {
             *y = (x - mean) * rstd * g + b;
         });
@@ -250,8 +204,8 @@ pub(crate) fn layer_norm_forward(
 }
 
 /// The backward pass of [`layer_norm_forward`], each row's statistics rebuilt from its
-/// input (nothing kept from the forward pass): `dgamma += Σ dy·x̂`, `dbeta += Σ dy`
-/// over the rows, in row order, and, when asked, `dx = rstd·(dx̂ − mean(dx̂) −
+/// input (nothing kept from the forward pass): `dgamma = Σ dy·x̂`, `dbeta = Σ dy` over
+/// the rows, in row order, and, when asked, `dx = rstd·(dx̂ − mean(dx̂) −
 /// x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm_backward(
@@ -268,32 +222,22 @@ pub(crate) fn layer_norm_backward(
     }
     dgamma.fill(0.0);
     dbeta.fill(0.0);
-    let n = x.ncols() as f32;
-    for (r, (x, dy)) in x.rows().into_iter().zip(dy.rows()).enumerate() {
-        let (mean, rstd) = row_statistics(x, eps);
-        let (mut m1, mut m2) = (0.0f32, 0.0f32);
-        Zip::from(&x).and(&dy).and(&gamma).and(&mut dgamma).and(&mut dbeta).for_each(|&x, &g, &w, dw, db| {
-            let xhat = (x - mean) * rstd;
-            let dxhat = g * w;
-            m1 += dxhat;
-            m2 += dxhat * xhat;
-            *dw += g * xhat;
-            *db += g;
-        });
-        let (m1, m2) = (m1 / n, m2 / n);
-        if let Some(dx) = dx.as_mut() {
-            Zip::from(dx.row_mut(r)).and(&x).and(&dy).and(&gamma).for_each(|dx, &x, &g, &w| {
-                let xhat = (x - mean) * rstd;
-                *dx = rstd * (g * w - m1 - xhat * m2);
-            });
+    let n = x.ncols();
+    if n > 0 && gamma.len() == n && dgamma.len() == n && dbeta.len() == n {
+        if let (Some(xs), Some(dys), Some(g)) = (x.as_slice(), dy.as_slice(), gamma.as_slice()) {
+            if let (Some(dg), Some(db)) = (dgamma.as_slice_mut(), dbeta.as_slice_mut()) {
+                match dx.as_mut().map(|d| d.as_slice_mut()) {
+                    None => return vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, None),
+                    Some(Some(dxs)) => return vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, Some(dxs)),
+                    Some(None) => {}
+                }
+            }
         }
     }
-}
-
-/// Whether key `j` of a sequence whose steps `mask` marks (1: data) may be attended to.
-#[inline]
-fn live(mask: Option<&ArrayView1<'_, f32>>, j: usize) -> bool {
-    mask.is_none_or(|m| m[j] != 0.0)
+    for (r, (x, dy)) in x.rows().into_iter().zip(dy.rows()).enumerate() {
+        let dx = dx.as_mut().map(|d| d.row_mut(r));
+        vector::strided::layer_norm_backward_row(x, dy, gamma, eps, dgamma.view_mut(), dbeta.view_mut(), dx);
+    }
 }
 
 /// The causal softmax of one sequence's and head's scores `s` (`[T, T]`, query rows,
@@ -305,32 +249,7 @@ pub(crate) fn causal_softmax(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayVi
     if running() {
         return;
     }
-    for (i, mut row) in s.rows_mut().into_iter().enumerate() {
-        let row = row.as_slice_mut().expect("a score row is contiguous");
-        if !live(mask.as_ref(), i) {
-            row.fill(0.0);
-            stats[2 * i..2 * i + 2].fill(0.0);
-            continue;
-        }
-        let mut max = f32::NEG_INFINITY;
-        for (j, &v) in row[..=i].iter().enumerate() {
-            if live(mask.as_ref(), j) {
-                max = max.max(v);
-            }
-        }
-        let mut sum = 0.0f32;
-        for (j, v) in row[..=i].iter_mut().enumerate() {
-            *v = if live(mask.as_ref(), j) { (*v - max).exp() } else { 0.0 };
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        for v in &mut row[..=i] {
-            *v *= inv;
-        }
-        row[i + 1..].fill(0.0);
-        stats[2 * i] = max;
-        stats[2 * i + 1] = inv;
-    }
+    softmax_block(s.view_mut(), mask, vector::Stats::Write(stats));
 }
 
 /// [`causal_softmax`] of scores computed again, from the `stats` it left: the same
@@ -339,20 +258,27 @@ pub(crate) fn causal_softmax_again(mut s: ArrayViewMut2<'_, f32>, mask: Option<A
     if running() {
         return;
     }
-    for (i, mut row) in s.rows_mut().into_iter().enumerate() {
-        let row = row.as_slice_mut().expect("a score row is contiguous");
-        if !live(mask.as_ref(), i) {
-            row.fill(0.0);
-            continue;
-        }
-        let (max, inv) = (stats[2 * i], stats[2 * i + 1]);
-        for (j, v) in row[..=i].iter_mut().enumerate() {
-            *v = if live(mask.as_ref(), j) { (*v - max).exp() } else { 0.0 };
-        }
-        for v in &mut row[..=i] {
-            *v *= inv;
-        }
-        row[i + 1..].fill(0.0);
+    softmax_block(s.view_mut(), mask, vector::Stats::Read(stats));
+}
+
+/// A square, contiguous score block (attention allocates them so) through
+/// [`vector::causal_softmax_slices`]; a mask row that is not contiguous takes the same
+/// operations through the baseline loop.
+fn softmax_block(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>>, stats: vector::Stats<'_>) {
+    let t = s.ncols();
+    assert_eq!(s.nrows(), t, "a score block is square");
+    let held = match &stats {
+        vector::Stats::Write(s) => s.len(),
+        vector::Stats::Read(s) => s.len(),
+    };
+    assert!(held >= 2 * t, "two statistics per row");
+    let scores = s.as_slice_mut().expect("a score block is contiguous");
+    match mask {
+        None => vector::causal_softmax_slices(scores, t, None, stats),
+        Some(m) => match m.as_slice() {
+            Some(m) => vector::causal_softmax_slices(scores, t, Some(m), stats),
+            None => vector::causal_softmax_by(scores, t, |j| m[j] != 0.0, stats),
+        },
     }
 }
 
@@ -363,8 +289,14 @@ pub(crate) fn softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_,
     if running() {
         return;
     }
+    let t = p.ncols();
+    if let (Some(ps), Some(ds)) = (p.as_slice(), dp.as_slice_mut()) {
+        if t > 0 {
+            return vector::softmax_backward_slices(ps, ds, t, scale);
+        }
+    }
     for (p, mut d) in p.rows().into_iter().zip(dp.rows_mut()) {
-        let dot = p.iter().zip(d.iter()).fold(0.0f32, |acc, (&p, &d)| acc + p * d);
+        let dot = vector::lane_sum_iter(p.iter().zip(d.iter()).map(|(&p, &d)| p * d));
         Zip::from(&mut d).and(&p).for_each(|d, &p| *d = scale * p * (*d - dot));
     }
 }

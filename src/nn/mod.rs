@@ -77,6 +77,8 @@ mod simd;
 mod step;
 mod sync;
 mod updater;
+#[allow(unsafe_code)] // calls to its `#[target_feature]` loops only
+mod vector;
 
 pub use attention::Attention;
 pub use dense::Dense;

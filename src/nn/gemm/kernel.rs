@@ -89,6 +89,12 @@ impl Kernel {
         Kernel::Generic { mr: self.mr(), nr: self.nr() }
     }
 
+    /// Whether the CPU has AVX (every x86 kernel needs it): packing may use it.
+    #[inline]
+    pub(super) fn has_avx(self) -> bool {
+        !matches!(self, Kernel::Generic { .. })
+    }
+
     /// Rows of the tile.
     #[inline]
     pub(super) fn mr(self) -> usize {

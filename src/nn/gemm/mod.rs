@@ -18,6 +18,7 @@
 //! the result is bit-identical whether the scratch comes from a workspace or the heap.
 
 mod kernel;
+mod pack;
 pub(crate) mod pool;
 
 use std::mem::MaybeUninit;
@@ -218,6 +219,9 @@ unsafe fn multiply(
     b_buf: &mut [MaybeUninit<f32>],
 ) {
     let (mr, nr) = (kernel.mr(), kernel.nr());
+    let vector = kernel.has_avx();
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vector;
     let (a_dst, b_dst) = (a_buf.as_mut_ptr().cast::<f32>(), b_buf.as_mut_ptr().cast::<f32>());
     for jc in (0..ops.n).step_by(NC) {
         let nc = NC.min(ops.n - jc);
@@ -227,11 +231,11 @@ unsafe fn multiply(
             let beta = if pc == 0 { beta } else { 1.0 };
             // SAFETY: rows `pc..pc+kc` and columns `jc..jc+nc` lie inside B, and the
             // buffer holds `round_up(nc, nr)·kc` elements (`nc <= NC`, `kc <= KC`).
-            unsafe { pack_b(&ops.b, pc, kc, jc, nc, nr, b_dst) };
+            unsafe { pack_b(&ops.b, pc, kc, jc, nc, nr, vector, b_dst) };
             for ic in (0..ops.m).step_by(MC) {
                 let mc = MC.min(ops.m - ic);
                 // SAFETY: as for B, with `mc <= MC`.
-                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, a_dst) };
+                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, a_dst) };
                 for jr in (0..nc).step_by(nr) {
                     for ir in (0..mc).step_by(mr) {
                         let (row, col) = (ic + ir, jc + jr);
@@ -258,26 +262,60 @@ unsafe fn multiply(
 
 /// Packs `alpha · A[ic..ic+mc, pc..pc+kc]` into `mr`-tall panels at `dst`: panel `r`
 /// holds, for each step `p`, the `mr` values of rows `r·mr ..` at column `pc + p`
-/// (zeros past the last row).
+/// (zeros past the last row). `vector`: the CPU has AVX (see the `pack` module).
 ///
 /// # Safety
 ///
-/// The block lies inside `a`; `dst` is writable for `round_up(mc, mr)·kc` elements.
+/// The block lies inside `a`; `dst` is writable for `round_up(mc, mr)·kc` elements;
+/// `vector` only where the CPU has AVX.
 #[allow(clippy::too_many_arguments)] // one block of one matrix: the loop nest's indices
-unsafe fn pack_a(a: &Matrix, alpha: f32, ic: usize, mc: usize, pc: usize, kc: usize, mr: usize, dst: *mut f32) {
+unsafe fn pack_a(
+    a: &Matrix,
+    alpha: f32,
+    ic: usize,
+    mc: usize,
+    pc: usize,
+    kc: usize,
+    mr: usize,
+    vector: bool,
+    dst: *mut f32,
+) {
     for ir in (0..mc).step_by(mr) {
         let rows = mr.min(mc - ir);
         // SAFETY: panel `ir / mr` starts at `ir·kc` and spans `mr·kc` elements.
         let panel = unsafe { dst.add(ir * kc) };
-        if a.row_stride == 1 && rows == mr {
-            // Transposed A (a weight gradient's `xᵀ`): each step's `mr` values are contiguous.
-            for p in 0..kc {
-                // SAFETY: rows `ic+ir .. ic+ir+mr` and column `pc + p` lie in the block.
-                let src = unsafe { a.at(ic + ir, pc + p) };
+        let mut from = 0;
+        #[cfg(target_arch = "x86_64")]
+        if vector && a.col_stride == 1 && rows == mr && a.row_stride != 1 && (mr < 8 || mr.is_multiple_of(8)) {
+            // Row-major A: each row contiguous along the steps. SAFETY: AVX per the
+            // caller; rows `ic+ir ..+mr` hold `kc` steps from column `pc`; the panel
+            // spans `mr·kc` elements.
+            from = unsafe { pack::x86::interleave(a.at(ic + ir, pc), a.row_stride, mr, kc, alpha, panel) };
+        }
+        if from > 0 {
+            for p in from..kc {
                 for i in 0..mr {
-                    // SAFETY: as above, and `p·mr + i < mr·kc`.
-                    unsafe { *panel.add(p * mr + i) = alpha * *src.add(i) };
+                    // SAFETY: row `ic + ir + i`, column `pc + p` lie in the block;
+                    // `p·mr + i < mr·kc`.
+                    unsafe { *panel.add(p * mr + i) = alpha * *a.at(ic + ir + i, pc + p) };
                 }
+            }
+            continue;
+        }
+        if a.row_stride == 1 && rows == mr {
+            // Transposed A (a weight gradient's `xᵀ`): each step's `mr` values are
+            // contiguous; a tile height known to the compiler moves them as vectors.
+            match mr {
+                // Rows `ic+ir .. ic+ir+mr` of the block, `kc` steps from column `pc`, unit
+                // row stride; the panel spans `mr·kc` elements.
+                // SAFETY: as just said.
+                6 => unsafe { copy_steps::<6>(a, alpha, ic + ir, pc, kc, panel) },
+                // SAFETY: as above.
+                8 => unsafe { copy_steps::<8>(a, alpha, ic + ir, pc, kc, panel) },
+                // SAFETY: as above.
+                16 => unsafe { copy_steps::<16>(a, alpha, ic + ir, pc, kc, panel) },
+                // SAFETY: as above.
+                _ => unsafe { copy_steps_any(a, alpha, ic + ir, pc, kc, mr, panel) },
             }
             continue;
         }
@@ -299,18 +337,75 @@ unsafe fn pack_a(a: &Matrix, alpha: f32, ic: usize, mc: usize, pc: usize, kc: us
     }
 }
 
-/// Packs `B[pc..pc+kc, jc..jc+nc]` into `nr`-wide panels at `dst`: panel `c` holds,
-/// for each step `p`, the `nr` values of columns `c·nr ..` in row `pc + p` (zeros past
-/// the last column).
+/// `panel[p·MR + i] = alpha · A[row + i, pc + p]` for `p < kc`, `i < MR`.
 ///
 /// # Safety
 ///
-/// The block lies inside `b`; `dst` is writable for `round_up(nc, nr)·kc` elements.
-unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usize, dst: *mut f32) {
+/// `a`'s row stride is 1; rows `row .. row + MR` and columns `pc .. pc + kc` lie in
+/// it; `panel` is writable for `MR·kc` elements.
+#[inline(always)]
+unsafe fn copy_steps<const MR: usize>(a: &Matrix, alpha: f32, row: usize, pc: usize, kc: usize, panel: *mut f32) {
+    for p in 0..kc {
+        // SAFETY: `MR` contiguous values of column `pc + p` from `row` (unit row
+        // stride), per the contract; step `p` of the panel.
+        unsafe {
+            let mut v = a.at(row, pc + p).cast::<[f32; MR]>().read_unaligned();
+            if alpha != 1.0 {
+                v.iter_mut().for_each(|x| *x *= alpha);
+            }
+            panel.add(p * MR).cast::<[f32; MR]>().write_unaligned(v);
+        }
+    }
+}
+
+/// [`copy_steps`] for a tile height the compiler does not know.
+///
+/// # Safety
+///
+/// As [`copy_steps`] with `MR = mr`.
+unsafe fn copy_steps_any(a: &Matrix, alpha: f32, row: usize, pc: usize, kc: usize, mr: usize, panel: *mut f32) {
+    for p in 0..kc {
+        // SAFETY: as in `copy_steps`.
+        let src = unsafe { a.at(row, pc + p) };
+        for i in 0..mr {
+            // SAFETY: as above, and `p·mr + i < mr·kc`.
+            unsafe { *panel.add(p * mr + i) = alpha * *src.add(i) };
+        }
+    }
+}
+
+/// Packs `B[pc..pc+kc, jc..jc+nc]` into `nr`-wide panels at `dst`: panel `c` holds,
+/// for each step `p`, the `nr` values of columns `c·nr ..` in row `pc + p` (zeros past
+/// the last column). `vector`: the CPU has AVX (see the `pack` module).
+///
+/// # Safety
+///
+/// The block lies inside `b`; `dst` is writable for `round_up(nc, nr)·kc` elements;
+/// `vector` only where the CPU has AVX.
+#[allow(clippy::too_many_arguments)] // one block of one matrix: the loop nest's indices
+unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usize, vector: bool, dst: *mut f32) {
     for jr in (0..nc).step_by(nr) {
         let cols = nr.min(nc - jr);
         // SAFETY: panel `jr / nr` starts at `jr·kc` and spans `nr·kc` elements.
         let panel = unsafe { dst.add(jr * kc) };
+        let mut from = 0;
+        #[cfg(target_arch = "x86_64")]
+        if vector && b.row_stride == 1 && cols == nr && b.col_stride != 1 && (nr < 8 || nr.is_multiple_of(8)) {
+            // Transposed B: each column contiguous along the steps. SAFETY: AVX per the
+            // caller; columns `jc+jr ..+nr` hold `kc` steps from row `pc`; the panel
+            // spans `nr·kc` elements.
+            from = unsafe { pack::x86::interleave(b.at(pc, jc + jr), b.col_stride, nr, kc, 1.0, panel) };
+        }
+        if from > 0 {
+            for p in from..kc {
+                for j in 0..nr {
+                    // SAFETY: row `pc + p`, column `jc + jr + j` lie in the block;
+                    // `p·nr + j < nr·kc`.
+                    unsafe { *panel.add(p * nr + j) = *b.at(pc + p, jc + jr + j) };
+                }
+            }
+            continue;
+        }
         if b.col_stride == 1 {
             // Row-major B (weights in a forward pass): each step's values are contiguous.
             for p in 0..kc {
@@ -441,6 +536,34 @@ mod tests {
                 sgemm_with(which, 1.0, a.view(), b.view(), 0.5, c.view_mut(), &mut scratch).unwrap();
             }
             assert_eq!(out[0], out[1], "{kernel:?} and its portable twin round differently");
+        }
+    }
+
+    #[test]
+    fn vector_packing_gives_the_bits_of_the_portable_packing() {
+        // Row-major and transposed operands, steps that are and are not multiples of the
+        // eight-step blocks (with the last block's overflow into the next step), a
+        // scaled A, a reversed (negative-stride) view: the AVX kernel packs with register
+        // transposes, its portable twin one value at a time, and the kernels' own
+        // arithmetic is the same (see the twin test above).
+        for (m, n, k) in [(12, 32, 8), (13, 35, 9), (18, 48, 16), (24, 17, 17), (7, 64, 70), (64, 64, 32)] {
+            for layout in 0..4u8 {
+                for alpha in [1.0f32, 0.5] {
+                    let a_store = if layout & 1 == 0 { matrix(m, k, 9) } else { matrix(k, m, 9) };
+                    let b_store = if layout & 2 == 0 { matrix(k, n, 10) } else { matrix(n, k, 10) };
+                    let a = if layout & 1 == 0 { a_store.view() } else { a_store.t() };
+                    let b = if layout & 2 == 0 { b_store.view() } else { b_store.t() };
+                    let b = if k % 2 == 0 { b.slice_move(s![.., ..;-1]) } else { b };
+                    for kernel in Kernel::all_available() {
+                        let mut out = [Array2::zeros((m, n)), Array2::zeros((m, n))];
+                        for (which, c) in [kernel, kernel.generic_twin()].into_iter().zip(&mut out) {
+                            let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(m, n, k)];
+                            sgemm_with(which, alpha, a, b, 0.0, c.view_mut(), &mut scratch).unwrap();
+                        }
+                        assert_eq!(out[0], out[1], "{kernel:?}: {m}×{n}×{k} layout {layout} alpha {alpha}");
+                    }
+                }
+            }
         }
     }
 

@@ -1,0 +1,518 @@
+//! The transformer layers' elementwise and row kernels (GELU, layer normalisation, the
+//! causal softmax and its gradient), written once as loops over contiguous slices and
+//! compiled three times: for AVX-512, for AVX2 and for the baseline, chosen at run time
+//! as [`simd`](super::simd) chooses its loops.
+//!
+//! The bits are the same in every version and on every machine:
+//! - every operation is a plain `f32` operation, correctly rounded whatever the vector
+//!   width, and nothing is fused (Rust never contracts `a * b + c`);
+//! - sums are taken in eight interleaved lanes, element `j` into lane `j % 8`, the
+//!   lanes then added in one fixed tree ([`lane_sum`]): an order the compiler can
+//!   vectorise at any width without reassociating anything;
+//! - `tanh` and `exp` are rational and polynomial approximations in those operations
+//!   ([`fast_tanh`], [`fast_exp`]) rather than the C library's, which differ between
+//!   libraries and cannot be vectorised.
+//!
+//! A row that is not contiguous (a view a caller built with strides) runs the same
+//! operations in the same order element by element ([`lane_sum_iter`]), so the result
+//! does not depend on the layout either.
+
+/// Lanes of a sum (see the module documentation).
+const LANES: usize = 8;
+
+/// The lanes' partial sums added in a fixed tree.
+#[inline(always)]
+fn fold_lanes(acc: [f32; LANES]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// `Σ f(j)` for `j < n`: term `j` into lane `j % 8` in order, then the lanes in a fixed
+/// tree. Eight terms at a time, so the compiler makes each eight one vector operation.
+#[inline(always)]
+pub(crate) fn lane_sum_by(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let whole = n - n % LANES;
+    for c in (0..whole).step_by(LANES) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(c + l);
+        }
+    }
+    for j in whole..n {
+        acc[j - whole] += f(j);
+    }
+    fold_lanes(acc)
+}
+
+/// `Σ f(x_j)` in [`lane_sum_by`]'s order.
+#[inline(always)]
+pub(crate) fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    lane_sum_by(x.len(), |j| f(x[j]))
+}
+
+/// `Σ a_j·b_j` in [`lane_sum_by`]'s order.
+#[inline(always)]
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    lane_sum_by(n, |j| a[j] * b[j])
+}
+
+/// [`lane_sum`] over values in any layout: the same order, so the same bits.
+pub(crate) fn lane_sum_iter(values: impl Iterator<Item = f32>) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (j, v) in values.enumerate() {
+        acc[j % LANES] += v;
+    }
+    fold_lanes(acc)
+}
+
+/// `tanh(x)` as a rational function (Eigen's `generic_fast_tanh_float`: a degree-13/6
+/// odd/even pair on `x` clamped to ±7.9988, where `tanh` is 1 in `f32`): within 4·10⁻⁷
+/// of `tanh` everywhere (3.6·10⁻⁷ at worst, near ±6), about forty times faster than the C library's `tanhf`, and
+/// vectorisable.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // Eigen's coefficients as published; each rounds to its f32
+pub(crate) fn fast_tanh(x: f32) -> f32 {
+    let x = x.clamp(-7.998_811_7, 7.998_811_7);
+    let x2 = x * x;
+    let mut p = x2 * -2.760_768_5e-16 + 2.000_187_9e-13;
+    p = x2 * p + -8.604_671_5e-11;
+    p = x2 * p + 5.122_297e-8;
+    p = x2 * p + 1.485_722_4e-5;
+    p = x2 * p + 6.372_619_3e-4;
+    p = x2 * p + 4.893_524_6e-3;
+    p *= x;
+    let mut q = x2 * 1.198_258_4e-6 + 1.185_347_1e-4;
+    q = x2 * q + 2.268_434_6e-3;
+    q = x2 * q + 4.893_525_2e-3;
+    p / q
+}
+
+/// `eˣ` for `x` in [−87.3, 88] (clamped there; a NaN stays NaN): Cephes' `expf` —
+/// `x = n·ln 2 + r` with `n` rounded to nearest by the 1.5·2²³ trick and `ln 2` split in
+/// two, a degree-5 polynomial for `eʳ`, `2ⁿ` built in the exponent bits — within 2 ulp
+/// of `eˣ`, in operations that vectorise (the C library's `expf` is a call per value).
+/// Below −87.3 it returns about 1.2·10⁻³⁸ rather than less: a softmax's terms there
+/// are beneath its sum's last bit.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // Cephes' coefficients as published
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer
+    let x = x.clamp(-87.336_55, 88.0);
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = (x - n * 0.693_359_375) - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * (r * r) + r + 1.0;
+    // `t`'s low bits hold `n` (|n| ≤ 127): the exponent field of 2ⁿ is n + 127 ≥ 1.
+    let n_int = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    y * f32::from_bits(((n_int + 127) as u32) << 23)
+}
+
+/// √(2/π), GELU's tanh form's constant.
+const GELU_C: f32 = 0.797_884_6;
+/// The cubic term's weight in GELU's tanh form.
+const GELU_A: f32 = 0.044_715;
+
+/// GELU of one value.
+#[inline(always)]
+pub(crate) fn gelu(x: f32) -> f32 {
+    let u = GELU_C * (x + GELU_A * x * x * x);
+    0.5 * x * (1.0 + fast_tanh(u))
+}
+
+/// GELU's derivative at `x`.
+#[inline(always)]
+pub(crate) fn gelu_slope(x: f32) -> f32 {
+    let x2 = x * x;
+    let t = fast_tanh(GELU_C * (x + GELU_A * x2 * x));
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2)
+}
+
+#[inline(always)]
+fn gelu_body(x: &[f32], y: &mut [f32]) {
+    y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x));
+}
+
+#[inline(always)]
+fn gelu_backward_body(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x));
+}
+
+/// One row's mean and reciprocal standard deviation (the biased variance, as
+/// `nn.LayerNorm` normalises with).
+#[inline(always)]
+pub(crate) fn row_statistics(x: &[f32], eps: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = lane_sum(x, |v| v) / n;
+    let var = lane_sum(x, |v| (v - mean) * (v - mean)) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Layer normalisation of the rows of `x` (`n` wide, contiguous) into `y`.
+#[inline(always)]
+fn layer_norm_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) {
+    let n = gamma.len();
+    for (x, y) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+        let (mean, rstd) = row_statistics(x, eps);
+        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+            *y = (x - mean) * rstd * g + b;
+        }
+    }
+}
+
+/// One row of layer normalisation's backward pass: adds the row's terms to `dgamma`
+/// and `dbeta` and, when asked, writes the row's input gradient.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_backward_row(
+    x: &[f32],
+    dy: &[f32],
+    gamma: &[f32],
+    eps: f32,
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+    dx: Option<&mut [f32]>,
+) {
+    let n = x.len();
+    let (dy, gamma) = (&dy[..n], &gamma[..n]);
+    let nf = n as f32;
+    let (mean, rstd) = row_statistics(x, eps);
+    let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
+    let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
+    for (((dw, db), &x), &g) in dgamma[..n].iter_mut().zip(&mut dbeta[..n]).zip(x).zip(dy) {
+        *dw += g * ((x - mean) * rstd);
+        *db += g;
+    }
+    if let Some(dx) = dx {
+        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
+            let xhat = (x - mean) * rstd;
+            *dx = rstd * (g * w - m1 - xhat * m2);
+        }
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_backward_body(
+    x: &[f32],
+    dy: &[f32],
+    gamma: &[f32],
+    eps: f32,
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+    dx: Option<&mut [f32]>,
+) {
+    let n = gamma.len();
+    match dx {
+        Some(dx) => {
+            for ((x, dy), dx) in x.chunks_exact(n).zip(dy.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+                layer_norm_backward_row(x, dy, gamma, eps, dgamma, dbeta, Some(dx));
+            }
+        }
+        None => {
+            for (x, dy) in x.chunks_exact(n).zip(dy.chunks_exact(n)) {
+                layer_norm_backward_row(x, dy, gamma, eps, dgamma, dbeta, None);
+            }
+        }
+    }
+}
+
+/// The causal softmax of one score row `row` (query `i`: keys `0..=i` count, the rest
+/// become 0) over the keys `live` admits (dead ones become 0), in place; returns the
+/// row's maximum and the reciprocal of its sum. `again`: rebuild the row from those
+/// (given) instead of computing them.
+#[inline(always)]
+fn softmax_row(row: &mut [f32], i: usize, live: impl Fn(usize) -> bool, again: Option<(f32, f32)>) -> (f32, f32) {
+    let (head, tail) = row.split_at_mut(i + 1);
+    let (max, inv) = match again {
+        Some(stats) => {
+            let (max, _) = stats;
+            for (j, v) in head.iter_mut().enumerate() {
+                let e = fast_exp(*v - max);
+                *v = if live(j) { e } else { 0.0 };
+            }
+            stats
+        }
+        None => {
+            let max = head.iter().enumerate().fold(f32::NEG_INFINITY, |m, (j, &v)| if live(j) { m.max(v) } else { m });
+            for (j, v) in head.iter_mut().enumerate() {
+                let e = fast_exp(*v - max);
+                *v = if live(j) { e } else { 0.0 };
+            }
+            (max, 1.0 / lane_sum(head, |v| v))
+        }
+    };
+    for v in head.iter_mut() {
+        *v *= inv;
+    }
+    tail.fill(0.0);
+    (max, inv)
+}
+
+/// A softmax's per-row statistics (`[T, 2]`: each row's maximum and the reciprocal of
+/// its sum): written by the first pass over the scores, read when they are rebuilt.
+pub(crate) enum Stats<'s> {
+    /// Compute them, and store them here.
+    Write(&'s mut [f32]),
+    /// Rebuild the probabilities from these.
+    Read(&'s [f32]),
+}
+
+/// The causal softmax of a `[T, T]` score block (rows contiguous, `t` wide) in place;
+/// `mask` marks live steps.
+#[inline(always)]
+fn causal_softmax_body(s: &mut [f32], t: usize, mask: Option<&[f32]>, stats: Stats<'_>) {
+    match mask {
+        None => causal_softmax_by(s, t, |_| true, stats),
+        Some(m) => causal_softmax_by(s, t, |j| m[j] != 0.0, stats),
+    }
+}
+
+/// [`causal_softmax_body`] with the live steps given by `live`.
+#[inline(always)]
+pub(crate) fn causal_softmax_by(s: &mut [f32], t: usize, live: impl Fn(usize) -> bool + Copy, mut stats: Stats<'_>) {
+    for (i, row) in s.chunks_exact_mut(t).enumerate() {
+        let given = match &stats {
+            Stats::Read(stats) => Some((stats[2 * i], stats[2 * i + 1])),
+            Stats::Write(_) => None,
+        };
+        let (max, inv) = if live(i) {
+            softmax_row(row, i, live, given)
+        } else {
+            row.fill(0.0);
+            (0.0, 0.0)
+        };
+        if let Stats::Write(stats) = &mut stats {
+            stats[2 * i] = max;
+            stats[2 * i + 1] = inv;
+        }
+    }
+}
+
+/// `dp ← scale · p ⊙ (dp − Σ p⊙dp)` row by row (`t` wide).
+#[inline(always)]
+fn softmax_backward_body(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
+    for (p, d) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
+        let dot = lane_dot(p, d);
+        for (d, &p) in d.iter_mut().zip(p) {
+            *d = scale * p * (*d - dot);
+        }
+    }
+}
+
+/// Generates the dispatching function `$name` and its AVX2 and AVX-512 twins, each
+/// compiling `$body` for its target.
+macro_rules! multiversion {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $body:ident;) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx512($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx2($($arg: $ty),*) {
+                    $body($($arg),*)
+                }
+                match super::simd::Width::detect() {
+                    // SAFETY: the CPU has the feature the function is compiled for.
+                    super::simd::Width::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    super::simd::Width::Avx2 => return unsafe { avx2($($arg),*) },
+                    super::simd::Width::Baseline => {}
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    /// `y = gelu(x)` elementwise.
+    fn gelu_slices(x: &[f32], y: &mut [f32]) => gelu_body;
+}
+
+multiversion! {
+    /// `dx = dy · gelu'(x)` elementwise.
+    fn gelu_backward_slices(x: &[f32], dy: &[f32], dx: &mut [f32]) => gelu_backward_body;
+}
+
+multiversion! {
+    /// Layer normalisation of contiguous rows `gamma.len()` wide.
+    fn layer_norm_slices(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) => layer_norm_body;
+}
+
+multiversion! {
+    /// Layer normalisation's backward pass over contiguous rows: `dgamma` and `dbeta`
+    /// are added to, `dx` written.
+    fn layer_norm_backward_slices(
+        x: &[f32],
+        dy: &[f32],
+        gamma: &[f32],
+        eps: f32,
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+        dx: Option<&mut [f32]>,
+    ) => layer_norm_backward_body;
+}
+
+multiversion! {
+    /// The causal softmax of a contiguous `[T, T]` block (see `kernels::causal_softmax`).
+    fn causal_softmax_slices(s: &mut [f32], t: usize, mask: Option<&[f32]>, stats: Stats<'_>) => causal_softmax_body;
+}
+
+multiversion! {
+    /// The softmax's gradient over contiguous rows `t` wide.
+    fn softmax_backward_slices(p: &[f32], dp: &mut [f32], t: usize, scale: f32) => softmax_backward_body;
+}
+
+/// Scalar versions of the row kernels for rows that are not contiguous: the same
+/// operations in the same order.
+pub(crate) mod strided {
+    use super::{lane_sum_by, lane_sum_iter};
+    use ndarray::{ArrayView1, ArrayViewMut1};
+
+    /// [`super::row_statistics`] of a row in any layout.
+    pub(crate) fn row_statistics(x: ArrayView1<'_, f32>, eps: f32) -> (f32, f32) {
+        let n = x.len() as f32;
+        let mean = lane_sum_iter(x.iter().copied()) / n;
+        let var = lane_sum_iter(x.iter().map(|&v| (v - mean) * (v - mean))) / n;
+        (mean, 1.0 / (var + eps).sqrt())
+    }
+
+    /// [`super::layer_norm_backward_row`] of rows in any layout.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layer_norm_backward_row(
+        x: ArrayView1<'_, f32>,
+        dy: ArrayView1<'_, f32>,
+        gamma: ArrayView1<'_, f32>,
+        eps: f32,
+        mut dgamma: ArrayViewMut1<'_, f32>,
+        mut dbeta: ArrayViewMut1<'_, f32>,
+        dx: Option<ArrayViewMut1<'_, f32>>,
+    ) {
+        let n = x.len();
+        let nf = n as f32;
+        let (mean, rstd) = row_statistics(x, eps);
+        let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
+        let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
+        for j in 0..n {
+            dgamma[j] += dy[j] * ((x[j] - mean) * rstd);
+            dbeta[j] += dy[j];
+        }
+        if let Some(mut dx) = dx {
+            for j in 0..n {
+                let xhat = (x[j] - mean) * rstd;
+                dx[j] = rstd * (dy[j] * gamma[j] - m1 - xhat * m2);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = carve_rng::Rng::new(seed);
+        (0..n).map(|_| rng.uniform(-6.0, 6.0)).collect()
+    }
+
+    #[test]
+    fn fast_exp_is_within_two_ulp_of_exp_over_its_range() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = f64::from(fast_exp(x));
+            let want = f64::from(x).exp();
+            let ulp = f64::from(f32::EPSILON) * want;
+            worst = worst.max((got - want).abs() / ulp);
+            x += 0.001_3;
+        }
+        assert!(worst <= 2.0, "{worst} ulp");
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert!(fast_exp(f32::NAN).is_nan());
+        assert!(fast_exp(-1000.0) < 1.2e-38 && fast_exp(-1000.0) > 0.0);
+        assert!(fast_exp(1000.0).is_finite());
+    }
+
+    #[test]
+    fn fast_tanh_is_within_4e7_of_tanh() {
+        let mut x = -10.0f32;
+        while x < 10.0 {
+            assert!((f64::from(fast_tanh(x)) - f64::from(x).tanh()).abs() < 4e-7, "{x}");
+            x += 0.000_7;
+        }
+    }
+
+    #[test]
+    fn lane_sums_are_the_same_in_every_layout() {
+        for n in [0, 1, 7, 8, 9, 63, 64, 130] {
+            let x = values(n, n as u64);
+            let exact: f64 = x.iter().map(|&v| f64::from(v)).sum();
+            let sum = lane_sum(&x, |v| v);
+            assert_eq!(sum.to_bits(), lane_sum_iter(x.iter().copied()).to_bits(), "n = {n}");
+            assert!((f64::from(sum) - exact).abs() < 1e-4, "n = {n}: {sum} vs {exact}");
+            let y = values(n, 99);
+            let dot = lane_dot(&x, &y);
+            assert_eq!(dot.to_bits(), lane_sum_iter(x.iter().zip(&y).map(|(a, b)| a * b)).to_bits());
+        }
+    }
+
+    #[test]
+    fn every_width_gives_the_same_bits() {
+        let (t, n) = (13, 40);
+        let x = values(t * n, 1);
+        let dy = values(t * n, 2);
+        let gamma = values(n, 3);
+        let beta = values(n, 4);
+        let scores = values(t * t, 5);
+        let mask: Vec<f32> = (0..t).map(|j| if j % 5 == 3 { 0.0 } else { 1.0 }).collect();
+        type Outputs = Vec<Vec<f32>>;
+        let run = |baseline: bool| -> Outputs {
+            let mut out: Outputs = vec![vec![0.0; t * n]; 8];
+            let mut stats = vec![0.0; 2 * t];
+            let mut sm = scores.clone();
+            let mut dg = vec![0.0; n];
+            let mut db = vec![0.0; n];
+            let mut dp = dy[..t * t].to_vec();
+            if baseline {
+                gelu_body(&x, &mut out[0]);
+                gelu_backward_body(&x, &dy, &mut out[1]);
+                layer_norm_body(&x, &gamma, &beta, 1e-5, &mut out[2]);
+                layer_norm_backward_body(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
+                causal_softmax_body(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
+                softmax_backward_body(&sm, &mut dp, t, 0.5);
+            } else {
+                gelu_slices(&x, &mut out[0]);
+                gelu_backward_slices(&x, &dy, &mut out[1]);
+                layer_norm_slices(&x, &gamma, &beta, 1e-5, &mut out[2]);
+                layer_norm_backward_slices(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
+                causal_softmax_slices(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
+                softmax_backward_slices(&sm, &mut dp, t, 0.5);
+            }
+            out[4] = sm;
+            out[5] = stats;
+            out[6] = [dg, db].concat();
+            out[7] = dp;
+            out
+        };
+        let (baseline, widest) = (run(true), run(false));
+        for (k, (a, b)) in baseline.iter().zip(&widest).enumerate() {
+            let (a, b): (Vec<u32>, Vec<u32>) =
+                (a.iter().map(|v| v.to_bits()).collect(), b.iter().map(|v| v.to_bits()).collect());
+            assert_eq!(a, b, "output {k} differs between the baseline and {:?}", super::super::simd::Width::detect());
+        }
+    }
+}
