@@ -1,5 +1,5 @@
-//! One matrix multiply split across threads: C's columns cut into blocks of whole
-//! tiles, one block per thread, each computed by the same kernel with the same loop
+//! One matrix multiply split across threads: C's columns (or, when C has more rows than
+//! columns, its rows) cut into blocks of whole tiles, one block per thread, each computed by the same kernel with the same loop
 //! nest, so every element is the same sum in the same order as on one thread (the same
 //! bits). The helper threads are made once and wait at a gate between products; a
 //! product allocates nothing (a helper's packing buffers grow to the largest product it
@@ -36,20 +36,47 @@ struct Job {
     beta: f32,
     ops: Operands,
     parts: usize,
+    /// Cut C's rows rather than its columns: each thread then packs its own rows of A
+    /// and all of B, where a column split would have every thread pack all of A (the
+    /// larger operand when C is tall: `dy·Wᵀ`, `x·W` over many tokens).
+    by_rows: bool,
 }
 
 // SAFETY: a job's pointers are dereferenced only between the start and done gates of
 // its product, while the caller of `Shared::split` keeps the matrices borrowed (it
-// returns only after the done gate) and each thread writes only its own columns of C.
+// returns only after the done gate) and each thread writes only its own part of C.
 unsafe impl Send for Job {}
 
 impl Job {
-    /// The columns of part `p`: cut at multiples of the kernel's tile width.
-    fn columns(&self, p: usize) -> (usize, usize) {
-        let nr = self.kernel.nr();
-        let tiles = self.ops.n.div_ceil(nr);
-        let cut = |p: usize| (tiles * p / self.parts * nr).min(self.ops.n);
+    /// The rows (or columns) of part `p`: cut at multiples of the kernel's tile height
+    /// (or width).
+    fn range(&self, p: usize) -> (usize, usize) {
+        let (len, unit) = if self.by_rows { (self.ops.m, self.kernel.mr()) } else { (self.ops.n, self.kernel.nr()) };
+        let tiles = len.div_ceil(unit);
+        let cut = |p: usize| (tiles * p / self.parts * unit).min(len);
         (cut(p), cut(p + 1))
+    }
+
+    /// Part `p` of the product, or `None` when it is empty.
+    fn part(&self, p: usize) -> Option<Operands> {
+        let (start, end) = self.range(p);
+        if start == end {
+            return None;
+        }
+        let o = &self.ops;
+        Some(if self.by_rows {
+            // SAFETY: rows `start..end` lie inside A and C (`end <= m`).
+            let (a_ptr, c_ptr) = unsafe {
+                (o.a.ptr.offset(start as isize * o.a.row_stride), o.c.offset(start as isize * o.c_row_stride))
+            };
+            Operands { a: Matrix { ptr: a_ptr, ..o.a }, c: c_ptr, m: end - start, ..*o }
+        } else {
+            // SAFETY: columns `start..end` lie inside B and C (`end <= n`).
+            let (b_ptr, c_ptr) = unsafe {
+                (o.b.ptr.offset(start as isize * o.b.col_stride), o.c.offset(start as isize * o.c_col_stride))
+            };
+            Operands { b: Matrix { ptr: b_ptr, ..o.b }, c: c_ptr, n: end - start, ..*o }
+        })
     }
 
     /// Multiplies part `p` with the packing buffers `scratch`.
@@ -60,20 +87,11 @@ impl Job {
     /// thread alone) and `scratch` is at least `packed_sizes` long for the part (plus
     /// the alignment slack).
     unsafe fn run(&self, p: usize, scratch: &mut [MaybeUninit<f32>]) {
-        let (j0, j1) = self.columns(p);
-        if j0 == j1 {
-            return;
-        }
-        let n = j1 - j0;
+        let Some(ops) = self.part(p) else { return };
         let skip = scratch.as_ptr().align_offset(64).min(ALIGN_ELEMENTS);
-        let (a_len, b_len) = packed_sizes(self.kernel, self.ops.m, n, self.ops.k);
+        let (a_len, b_len) = packed_sizes(self.kernel, ops.m, ops.n, ops.k);
         let (a_buf, rest) = scratch[skip..].split_at_mut(a_len);
         let b_buf = &mut rest[..b_len];
-        let o = &self.ops;
-        // SAFETY: columns `j0..j1` lie inside B and C (`j1 <= n`).
-        let (b_ptr, c_ptr) =
-            unsafe { (o.b.ptr.offset(j0 as isize * o.b.col_stride), o.c.offset(j0 as isize * o.c_col_stride)) };
-        let ops = Operands { b: Matrix { ptr: b_ptr, ..o.b }, c: c_ptr, n, ..*o };
         // SAFETY: `ops` describes the part of live matrices (the caller's promise), the
         // buffers have the sizes `packed_sizes` gives for it, the kernel came from
         // `Kernel::detect`.
@@ -82,8 +100,8 @@ impl Job {
 
     /// Packing buffers part `p` needs.
     fn scratch_len(&self, p: usize) -> usize {
-        let (j0, j1) = self.columns(p);
-        let (a, b) = packed_sizes(self.kernel, self.ops.m, (j1 - j0).max(1), self.ops.k);
+        let (m, n) = self.part(p).map_or((1, 1), |o| (o.m, o.n));
+        let (a, b) = packed_sizes(self.kernel, m, n, self.ops.k);
         a + b + ALIGN_ELEMENTS
     }
 }
@@ -270,13 +288,18 @@ impl Shared {
     ) -> bool {
         let parts = self.helpers + 1;
         let flops = 2usize.saturating_mul(ops.m).saturating_mul(ops.n).saturating_mul(ops.k);
-        if flops < MIN_FLOPS || ops.n < 2 * parts * kernel.nr() {
+        let by_rows = ops.m > ops.n;
+        let enough = match by_rows {
+            true => ops.m >= 2 * parts * kernel.mr(),
+            false => ops.n >= 2 * parts * kernel.nr(),
+        };
+        if flops < MIN_FLOPS || !enough {
             return false;
         }
         if self.busy.swap(true, Ordering::AcqRel) {
             return false;
         }
-        let job = Job { kernel, alpha, beta, ops: *ops, parts };
+        let job = Job { kernel, alpha, beta, ops: *ops, parts, by_rows };
         *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Task::Gemm(job));
         if !self.start.wait() {
             // Stopped: the helpers are gone.
@@ -284,12 +307,13 @@ impl Shared {
             self.busy.store(false, Ordering::Release);
             return false;
         }
-        let (j0, j1) = job.columns(0);
         let mine = catch_unwind(AssertUnwindSafe(|| {
-            let ops = Operands { n: j1 - j0, ..*ops };
-            // SAFETY: part 0 of live matrices (the caller's promise), this thread's
-            // columns alone; the whole product's buffers are at least the part's.
-            unsafe { multiply(kernel, alpha, beta, &ops, a_buf, b_buf) }
+            if let Some(ops) = job.part(0) {
+                // SAFETY: part 0 of live matrices (the caller's promise), this thread's
+                // rows or columns alone; the whole product's buffers are at least the
+                // part's.
+                unsafe { multiply(kernel, alpha, beta, &ops, a_buf, b_buf) }
+            }
         }));
         // Every helper has finished with the matrices once this returns.
         self.done.wait();
@@ -413,8 +437,15 @@ mod tests {
     fn a_split_product_is_the_same_bits_as_one_thread() {
         // (m, n, k), transposed A or B, beta: each at least MIN_FLOPS, n not a multiple
         // of the tile width in some.
-        let cases =
-            [(64, 256, 256, false, false, 0.0), (48, 333, 300, true, false, 1.0), (40, 517, 210, false, true, 0.5)];
+        // Taller than wide (split by rows) in the last two, m not a multiple of the tile
+        // height in one.
+        let cases = [
+            (64, 256, 256, false, false, 0.0),
+            (48, 333, 300, true, false, 1.0),
+            (40, 517, 210, false, true, 0.5),
+            (769, 128, 96, false, true, 0.0),
+            (500, 77, 260, true, false, 1.0),
+        ];
         for threads in [2, 3] {
             let pool = Pool::new(threads).unwrap();
             for &(m, n, k, ta, tb, beta) in &cases {
