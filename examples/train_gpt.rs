@@ -450,8 +450,9 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
     }
     steady.sort_unstable();
     let step_us_median = steady[steady.len() / 2] as f64 / 1e3;
-    // What a step keeps for backward, per layer kind: each layer's output (the network
-    // keeps every output until the backward pass), and what attention keeps besides.
+    // What a step keeps for backward, per layer kind: each layer's output (kept until
+    // the backward pass, unless the step computes it again there), and what attention
+    // keeps besides.
     let mut kept_by_kind = serde_json::Map::new();
     let rows = args.batch_size * args.context;
     for (i, layer) in net.layers().iter().enumerate() {
@@ -460,7 +461,8 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         let width = layer.output_size(net.layer_inputs(i))?;
         let extra =
             any.downcast_ref::<Attention>().and_then(|a| a.kept_values(args.batch_size, args.context)).unwrap_or(0);
-        let bytes = 4 * (rows * width + extra);
+        let output = if net.output_rebuilt(i) { 0 } else { rows * width };
+        let bytes = 4 * (output + extra);
         let entry = kept_by_kind.entry(kind).or_insert(json!(0));
         *entry = json!(entry.as_u64().unwrap_or(0) + bytes as u64);
     }

@@ -393,46 +393,23 @@ impl Layer for Attention {
         tape: &mut Tape,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let x = self.sequence_input(input)?;
-        self.check(&x, mask.as_ref())?;
-        let p = self.weights(params)?;
-        let (batch, steps, _) = x.dim();
-        if batch == 0 || steps == 0 {
-            return Err(Error::InvalidInput(format!(
-                "layer '{}': a batch of {batch} sequences of {steps} steps has nothing to attend over",
-                self.name
-            )));
-        }
-        let l = self.layout(batch, steps);
-        let len = l.len().ok_or_else(|| {
-            Error::InvalidInput(format!("layer '{}': a batch of {batch} × {steps} steps overflows", self.name))
-        })?;
-        let rows = steps_as_rows(x, &self.name)?;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.width))?;
-        let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
-        let scores = ctx.working.zeros::<f32, _>((steps, steps))?;
-        let out_rows = out.view_mut().into_shape_with_order((l.rows(), self.width)).expect("a new array is standard");
-        if ctx.training {
-            let tape = tape_of::<AttentionTape>(tape, &self.name)?;
-            let print = fingerprint(mask.as_ref(), batch, steps);
-            let what = || format!("attention layer '{}': the values kept for backward", self.name);
-            tape.kept.fill(len, print, ctx, what, |kept| {
-                self.forward_into(p, rows, l, mask, kept, scores, out_rows, scratch)
-            })?;
-        } else {
-            if let Some(tape) = tape.get_mut::<AttentionTape>() {
-                tape.kept.clear();
-            }
-            // Inference: the same values in working memory, the probabilities of one
-            // head at a time (the recompute form's layout).
-            let l = Layout { recompute: true, ..l };
-            let mut work = ctx.working.zeros::<f32, _>(l.len().unwrap_or(usize::MAX))?;
-            let work = work.as_slice_mut().expect("a new array is contiguous");
-            self.forward_into(p, rows, l, mask, work, scores, out_rows, scratch)?;
-        }
-        Ok(Activations::Sequence(freeze(out)))
+        self.forward_any(params, input, mask, tape, ctx)
     }
 
+    fn detaches(&self) -> bool {
+        true
+    }
+
+    fn forward_detached<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'_>,
+        mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Option<Result<Activations<'a>>> {
+        Some(self.forward_any(params, input, mask, tape, ctx))
+    }
     fn backward(
         &self,
         params: &[f32],
@@ -480,6 +457,56 @@ impl Layer for Attention {
 
 impl Attention {
     /// The input as a batch of sequences, or the error saying attention needs one.
+    /// The forward pass, the output in `ctx.activations` whatever the input's lifetime.
+    fn forward_any<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'_>,
+        mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let x = self.sequence_input(input)?;
+
+        self.check(&x, mask.as_ref())?;
+        let p = self.weights(params)?;
+        let (batch, steps, _) = x.dim();
+        if batch == 0 || steps == 0 {
+            return Err(Error::InvalidInput(format!(
+                "layer '{}': a batch of {batch} sequences of {steps} steps has nothing to attend over",
+                self.name
+            )));
+        }
+        let l = self.layout(batch, steps);
+        let len = l.len().ok_or_else(|| {
+            Error::InvalidInput(format!("layer '{}': a batch of {batch} × {steps} steps overflows", self.name))
+        })?;
+        let rows = steps_as_rows(x, &self.name)?;
+        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.width))?;
+        let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
+        let scores = ctx.working.zeros::<f32, _>((steps, steps))?;
+        let out_rows = out.view_mut().into_shape_with_order((l.rows(), self.width)).expect("a new array is standard");
+        if ctx.training {
+            let tape = tape_of::<AttentionTape>(tape, &self.name)?;
+            let print = fingerprint(mask.as_ref(), batch, steps);
+            let what = || format!("attention layer '{}': the values kept for backward", self.name);
+            tape.kept.fill(len, print, ctx, what, |kept| {
+                self.forward_into(p, rows, l, mask, kept, scores, out_rows, scratch)
+            })?;
+        } else {
+            if let Some(tape) = tape.get_mut::<AttentionTape>() {
+                tape.kept.clear();
+            }
+            // Inference: the same values in working memory, the probabilities of one
+            // head at a time (the recompute form's layout).
+            let l = Layout { recompute: true, ..l };
+            let mut work = ctx.working.zeros::<f32, _>(l.len().unwrap_or(usize::MAX))?;
+            let work = work.as_slice_mut().expect("a new array is contiguous");
+            self.forward_into(p, rows, l, mask, work, scores, out_rows, scratch)?;
+        }
+        Ok(Activations::Sequence(freeze(out)))
+    }
+
     fn sequence_input<'a>(&self, input: Activations<'a>) -> Result<ArrayView3<'a, f32>> {
         match input {
             Activations::Sequence(x) => Ok(x),

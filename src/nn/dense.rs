@@ -6,7 +6,9 @@ use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
 use super::kernels::sum_rows;
-use super::layer::{check_len, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass};
+use super::layer::{
+    check_len, steps_in, steps_out, Activations, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass, Tape,
+};
 
 /// A dense layer from `inputs` to `outputs` columns: `inputs × outputs` weights
 /// (PyTorch's `weight`, stored transposed: carve keeps them `inputs × outputs`, row-major)
@@ -118,7 +120,7 @@ fn forward<'a>(
     name: &str,
     w: ArrayView2<'_, f32>,
     b: ArrayView1<'_, f32>,
-    input: ArrayView2<'a, f32>,
+    input: ArrayView2<'_, f32>,
     ctx: &ForwardCtx<'a, '_>,
 ) -> Result<ArrayView2<'a, f32>> {
     check_input(name, w, &input)?;
@@ -201,6 +203,33 @@ impl Layer for Dense {
     ) -> Result<ArrayView2<'a, f32>> {
         let (w, b) = self.weights(params)?;
         forward(&self.name, w, b, input, ctx)
+    }
+
+    fn detaches(&self) -> bool {
+        true
+    }
+
+    fn forward_detached<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'_>,
+        _mask: Option<ArrayView2<'a, f32>>,
+        _tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Option<Result<Activations<'a>>> {
+        // What the default `forward` runs, the output in `ctx.activations` whatever the
+        // input's lifetime.
+        let run = || {
+            let (w, b) = self.weights(params)?;
+            match input {
+                Activations::Flat(x) => Ok(Activations::Flat(forward(&self.name, w, b, x, ctx)?)),
+                Activations::Sequence(x) => {
+                    let (rows, dims) = steps_in(x, ctx, &self.name)?;
+                    steps_out(forward(&self.name, w, b, rows, ctx)?, dims, ctx, &self.name)
+                }
+            }
+        };
+        Some(run())
     }
 
     fn backward_rows(

@@ -46,6 +46,12 @@ impl Layer for Gelu {
         Ok(inputs)
     }
 
+    fn rebuilt_in_backward(&self) -> bool {
+        // Computing it again costs a pass over the input; keeping it, its bytes for the
+        // whole step.
+        true
+    }
+
     fn forward_rows<'a>(
         &self,
         _params: &[f32],

@@ -539,6 +539,43 @@ pub trait Layer: Any + Send + Sync {
         Tape::none()
     }
 
+    /// Whether a training step may let this layer's output go once the next layer's
+    /// forward pass has read it, and compute it again ([`Layer::forward`] on the same
+    /// input) when the backward pass reaches the next layer, rather than keep it for the
+    /// whole step: for a layer whose forward pass costs little next to what its output
+    /// would hold through the step — an elementwise function ([`Gelu`](crate::nn::Gelu)),
+    /// a normalisation ([`LayerNorm`](crate::nn::LayerNorm)). Its forward pass must give
+    /// the same bits the second time and leave nothing on its tape.
+    ///
+    /// The step does so only where the next layer offers [`Layer::forward_detached`]
+    /// and nothing else reads the output (it is not the last layer's, a residual join's
+    /// or a block's input); elsewhere it keeps the output. The default: `false`.
+    fn rebuilt_in_backward(&self) -> bool {
+        false
+    }
+
+    /// Whether [`Layer::forward_detached`] is offered. The default: `false`.
+    fn detaches(&self) -> bool {
+        false
+    }
+
+    /// [`Layer::forward`] of an input that lives shorter than the output (the output of
+    /// a layer that is [rebuilt in backward](Layer::rebuilt_in_backward)): the output
+    /// must be allocated in `ctx.activations`, never a view of the input, which the
+    /// signature guarantees. The same arithmetic and the same tape as `forward`. `None`
+    /// (the default) where the layer does not offer it; [`Layer::detaches`] says which.
+    fn forward_detached<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'_>,
+        mask: Option<ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Option<Result<Activations<'a>>> {
+        let _ = (params, input, mask, tape, ctx);
+        None
+    }
+
     /// The forward pass over rows `[rows, inputs]`: the output, allocated in
     /// `ctx.activations`. What the default [`Layer::forward`] calls, for a flat batch and
     /// for every step of a batch of sequences.

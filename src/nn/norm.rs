@@ -70,6 +70,12 @@ impl Layer for LayerNorm {
         Ok(inputs)
     }
 
+    fn rebuilt_in_backward(&self) -> bool {
+        // Computing it again costs a pass over the input; keeping it, its bytes for the
+        // whole step.
+        true
+    }
+
     fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
         vec![ParamShape::new("weight", &[inputs]), ParamShape::new("bias", &[inputs])]
     }

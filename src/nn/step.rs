@@ -77,6 +77,29 @@ impl StepLayers<'_> {
         self.layers[i].forward(&self.values[region], input, mask, tape, ctx)
     }
 
+    /// Layer `i`'s [`Layer::forward_detached`]: its output outlives its input.
+    pub(crate) fn forward_detached<'a>(
+        &mut self,
+        i: usize,
+        input: Activations<'_>,
+        mask: Option<ArrayView2<'a, f32>>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let region = self.params.layout.regions[i].clone();
+        let mut none = Tape::none();
+        let tape = match self.tapes.as_deref_mut() {
+            Some(tapes) => &mut tapes[i],
+            None => &mut none,
+        };
+        let layer = &self.layers[i];
+        layer.forward_detached(&self.values[region], input, mask, tape, ctx).unwrap_or_else(|| {
+            Err(Error::InvalidInput(format!(
+                "layer '{}' says it detaches its output from its input but offers no `forward_detached`",
+                layer.name()
+            )))
+        })
+    }
+
     /// Layer `i`'s backward pass: its parameters' gradients into their buffer, and the
     /// gradient of its input into `grad_input` when given.
     pub(crate) fn backward(
@@ -165,7 +188,9 @@ pub(crate) fn passes(
     // The list of activations lives in the activations workspace too.
     let mut outputs = ArenaVec::with_capacity_in(depth, &*act);
     let input = forward(layers, mgr, &act, x.activations(), mask, (true, tl), at, |layer, y| {
-        finite::check_activations(layer, "its output", y, mask)?;
+        if let Some(y) = y {
+            finite::check_activations(layer, "its output", y, mask)?;
+        }
         outputs.push(y);
         Ok(())
     })?;
@@ -188,7 +213,10 @@ pub(crate) fn passes(
     }
     // The gradients of the residual joins passed, waiting for their blocks' inputs.
     let mut skips: Stack<(usize, Skip)> = Stack::new();
-    for i in (0..depth).rev() {
+    let back = Back { run, mgr, act: &act, mask, depth };
+    let mut i = depth;
+    while i > 0 {
+        i -= 1;
         *at = i;
         label(tl, |l| l.layers.get(i).copied());
         if let Some(from) = join_of(layers.layers, i) {
@@ -197,22 +225,84 @@ pub(crate) fn passes(
             skips.push((from, Skip::of(&grad, &act)?))?;
             continue;
         }
-        let layer_input = if i == 0 { x.activations() } else { outputs[i - 1] };
+        let output = outputs[i].ok_or_else(|| let_go_misread(layers, i))?;
+        let kept_input = if i == 0 { Some(x.activations()) } else { outputs[i - 1] };
+        if let Some(input) = kept_input {
+            match back.layer(layers, i, input, output, &grad, &mut skips)? {
+                Some(below) => grad = below,
+                None => break,
+            }
+            continue;
+        }
+        // Layer `r`'s output was let go once this layer had read it (see `let_go`):
+        // computed again, from the input kept for it, for this layer's backward pass and
+        // then its own, and let go again.
+        let r = i - 1;
+        let r_input = match r {
+            0 => x.activations(),
+            _ => outputs[r - 1].ok_or_else(|| let_go_misread(layers, r))?,
+        };
+        let held = mgr.enter(ArrayType::FfWorkingMem)?;
+        let rebuilt = {
+            label(tl, |l| l.layers.get(r).copied());
+            let working = mgr.enter(ArrayType::FfWorkingMem)?;
+            let ctx = ForwardCtx { activations: &held, working: &working, mgr, training: true };
+            let _span = profile::span(Part::Elementwise);
+            // Views are invariant in their lifetime: reborrowed for the held scope's.
+            layers.forward(r, rebind(&r_input), mask.as_ref().map(|m| m.view()), &ctx)?
+        };
+        label(tl, |l| l.layers.get(i).copied());
+        grad = back.layer(layers, i, rebuilt, output, &grad, &mut skips)?.ok_or_else(|| let_go_misread(layers, i))?;
+        i = r;
+        *at = r;
+        label(tl, |l| l.layers.get(r).copied());
+        match back.layer(layers, r, r_input, rebuilt, &grad, &mut skips)? {
+            Some(below) => grad = below,
+            None => break,
+        }
+    }
+    *at = depth;
+    Ok(loss_sum)
+}
+
+/// What the backward pass of one layer runs in.
+struct Back<'b, 's> {
+    run: &'b Run<'b>,
+    mgr: &'b LayerWorkspaceMgr,
+    act: &'b TypedScope,
+    mask: Option<ArrayView2<'s, f32>>,
+    depth: usize,
+}
+
+impl Back<'_, '_> {
+    /// Layer `i`'s backward pass from the gradient of its output `grad`: its parameters'
+    /// gradients, the gradient of its input (returned; `None` for the first layer, whose
+    /// input's gradient is not needed) with the residual joins' gradients waiting for
+    /// this input added, and the finite checks of both.
+    fn layer(
+        &self,
+        layers: &mut StepLayers<'_>,
+        i: usize,
+        input: Activations<'_>,
+        output: Activations<'_>,
+        grad: &Gradient,
+        skips: &mut Stack<(usize, Skip)>,
+    ) -> Result<Option<Gradient>> {
+        let (mgr, mask) = (self.mgr, self.mask);
         // The gradient of the first layer's input is not needed.
         let mut below = match i {
             0 => None,
-            _ => Some(Gradient::zeros(&train[(depth - i) % 2], layer_input)?),
+            _ => Some(Gradient::zeros(&self.run.train[(self.depth - i) % 2], input)?),
         };
         {
             let working = mgr.enter(ArrayType::BpWorkingMem)?;
             let ctx = BackwardCtx { working: &working, mgr };
-            let grad_input = match (below.as_mut(), layer_input) {
+            let grad_input = match (below.as_mut(), input) {
                 (None, _) => None,
                 (Some(b), Activations::Flat(_)) => Some(GradInput::Flat(b.view_mut_flat()?)),
                 (Some(b), Activations::Sequence(_)) => Some(GradInput::Sequence(b.view_mut_sequence()?)),
             };
-            let output = outputs[i];
-            let pass = Pass { input: rebind(&layer_input), mask, output: rebind(&output), grad_output: grad.view()? };
+            let pass = Pass { input: rebind(&input), mask, output: rebind(&output), grad_output: grad.view()? };
             // The layer's own work; its matrix products are charged to MatMul.
             let _span = profile::span(Part::Elementwise);
             layers.backward(i, pass, grad_input, &ctx)?;
@@ -220,7 +310,7 @@ pub(crate) fn passes(
         while skips.last().is_some_and(|(from, _)| *from == i) {
             let (_, skip) = skips.pop().expect("just looked at");
             if let Some(below) = below.as_mut() {
-                skip.add_to(below, &act)?;
+                skip.add_to(below, self.act)?;
             }
         }
         {
@@ -230,14 +320,32 @@ pub(crate) fn passes(
             }
             layers.check_param_gradients(i)?;
         }
-        match below {
-            // The gradient just consumed closes its workspace here.
-            Some(below) => grad = below,
-            None => break,
-        }
+        Ok(below)
     }
-    *at = depth;
-    Ok(loss_sum)
+}
+
+/// Whether a training step lets layer `i`'s output go once layer `i + 1` has read it,
+/// to compute it again in the backward pass (see [`Layer::rebuilt_in_backward`]): the
+/// layer allows it, the next one reads its input into an output of its own
+/// ([`Layer::detaches`]), and nothing else reads it (it is not the last layer's, and
+/// neither a residual join nor a block's input).
+pub(crate) fn let_go(layers: &[Box<dyn Layer>], i: usize) -> bool {
+    i + 1 < layers.len()
+        && layers[i].rebuilt_in_backward()
+        && layers[i + 1].detaches()
+        && join_of(layers, i).is_none()
+        && join_of(layers, i + 1).is_none()
+        && blocks_starting_at(layers, i + 1) == 0
+}
+
+/// An output the backward pass expected kept and found let go: the forward pass's and
+/// the backward pass's reading of [`let_go`] disagree, which would be a bug here.
+#[cold]
+fn let_go_misread(layers: &StepLayers<'_>, i: usize) -> Error {
+    Error::InvalidInput(format!(
+        "layer '{}': its output was not kept for the backward pass, and not computed again",
+        layers.name(i)
+    ))
 }
 
 /// The layers' forward pass from `input` (the batch, in `act` and in standard layout):
@@ -254,15 +362,45 @@ pub(crate) fn forward<'s>(
     mask: Option<ArrayView2<'s, f32>>,
     (training, labels): (bool, Option<&LayerLabels>),
     at: &mut usize,
-    mut each: impl FnMut(&str, Activations<'s>) -> Result<()>,
+    mut each: impl FnMut(&str, Option<Activations<'s>>) -> Result<()>,
 ) -> Result<Activations<'s>> {
     // The inputs of the residual blocks under way (see `nn::residual`).
     let mut blocks: Stack<Activations<'s>> = Stack::new();
-    for i in 0..layers.count() {
+    let mut i = 0;
+    while i < layers.count() {
         *at = i;
         label(labels, |l| l.layers.get(i).copied());
         for _ in 0..blocks_starting_at(layers.layers, i) {
             blocks.push(input)?;
+        }
+        if training && let_go(layers.layers, i) {
+            // Layer `i`'s output lives only until layer `i + 1` has read it: the
+            // backward pass computes it again (see `passes`).
+            let held = mgr.enter(ArrayType::FfWorkingMem)?;
+            let y = {
+                let working = mgr.enter(ArrayType::FfWorkingMem)?;
+                let ctx = ForwardCtx { activations: &held, working: &working, mgr, training };
+                let _span = profile::span(Part::Elementwise);
+                // Views are invariant in their lifetime: reborrowed for the held scope's.
+                layers.forward(i, rebind(&input), mask.as_ref().map(|m| m.view()), &ctx)?
+            };
+            validate_in(mgr, ArrayType::FfWorkingMem, layers.name(i), y)?;
+            finite::check_activations(layers.name(i), "its output", y, mask)?;
+            each(layers.name(i), None)?;
+            i += 1;
+            *at = i;
+            label(labels, |l| l.layers.get(i).copied());
+            let out = {
+                let working = mgr.enter(ArrayType::FfWorkingMem)?;
+                let ctx = ForwardCtx { activations: act, working: &working, mgr, training };
+                let _span = profile::span(Part::Elementwise);
+                layers.forward_detached(i, y, mask, &ctx)?
+            };
+            validate(mgr, layers.name(i), out)?;
+            each(layers.name(i), Some(out))?;
+            input = out;
+            i += 1;
+            continue;
         }
         let y = match join_of(layers.layers, i) {
             Some(_) => {
@@ -281,10 +419,20 @@ pub(crate) fn forward<'s>(
             }
         };
         validate(mgr, layers.name(i), y)?;
-        each(layers.name(i), y)?;
+        each(layers.name(i), Some(y))?;
         input = y;
+        i += 1;
     }
     Ok(input)
+}
+
+/// [`validate`] for an array of role `ty`.
+fn validate_in(mgr: &LayerWorkspaceMgr, ty: ArrayType, layer: &str, y: Activations<'_>) -> Result<()> {
+    match y {
+        Activations::Flat(v) => mgr.validate(ty, layer, &v)?,
+        Activations::Sequence(v) => mgr.validate(ty, layer, &v)?,
+    }
+    Ok(())
 }
 
 /// A residual join's output: the block's output `a` plus its input `b`, in `act`.

@@ -645,3 +645,100 @@ fn load_with_finds_a_gpts_nanogpt_names_and_refuses_a_configuration_the_file_doe
     assert!(err.to_string().contains("layer 1"), "{err}");
     assert!(same.is_ok(), "{same:?}");
 }
+
+/// `L`, keeping its output through the step: every method but
+/// [`Layer::rebuilt_in_backward`] is `L`'s.
+struct KeepOutput<L>(L);
+
+impl<L: carve::nn::Layer> carve::nn::Layer for KeepOutput<L> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        self.0.output_size(inputs)
+    }
+
+    fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
+        self.0.param_shapes(inputs)
+    }
+
+    fn init(&self, inputs: usize, params: &mut [f32], init: &mut carve::nn::Init<'_>) {
+        self.0.init(inputs, params, init)
+    }
+
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        input: ndarray::ArrayView2<'a, f32>,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<ndarray::ArrayView2<'a, f32>> {
+        self.0.forward_rows(params, input, ctx)
+    }
+
+    fn backward_rows(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: carve::nn::RowsPass<'_>,
+        grad_input: Option<ndarray::ArrayViewMut2<'_, f32>>,
+        ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        self.0.backward_rows(params, grads, pass, grad_input, ctx)
+    }
+}
+
+#[test]
+fn outputs_rebuilt_in_backward_give_the_bits_of_kept_ones_in_less_memory() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    use carve::WorkspaceMode;
+    let (ids, next) = windows(3, 8, 11);
+    // The same GPT block twice: GELU and the layer norms let their outputs go (and the
+    // step computes them again in backward), or keep them (the same layers, wrapped).
+    let gpt = |keep: bool, mode: WorkspaceMode| {
+        let norm = |b: carve::nn::NetworkConfigBuilder, name: &str| match keep {
+            true => b.layer(KeepOutput(LayerNorm::named(name))),
+            false => b.layer(LayerNorm::named(name)),
+        };
+        let mut b = NetworkConfig::builder(11).embedding(16).position_embedding(8);
+        b = b.residual(|b| norm(b, "ln_1").attention_recompute(2));
+        b = b.residual(|b| {
+            let b = norm(b, "ln_2").dense(32);
+            let b = if keep { b.layer(KeepOutput(Gelu::named("gelu"))) } else { b.layer(Gelu::named("gelu")) };
+            b.dense(16)
+        });
+        let config = norm(b, "ln_f")
+            .dense(11)
+            .updater(Updater::adamw(1e-2, 0.1))
+            .seed(9)
+            .training_workspace_mode(mode)
+            .build()
+            .unwrap();
+        Network::new(config).unwrap()
+    };
+    for mode in [WorkspaceMode::Planned, WorkspaceMode::Enabled, WorkspaceMode::None] {
+        let (mut rebuilt, mut kept) = (gpt(false, mode), gpt(true, mode));
+        let let_go: Vec<usize> = (0..rebuilt.layers().len()).filter(|&i| rebuilt.output_rebuilt(i)).collect();
+        let names: Vec<&str> = let_go.iter().map(|&i| rebuilt.layers()[i].name()).collect();
+        assert_eq!(names, ["ln_1", "ln_2", "gelu", "ln_f"], "{mode:?}");
+        assert!((0..kept.layers().len()).all(|i| !kept.output_rebuilt(i)));
+        rebuilt.record_next_iteration();
+        kept.record_next_iteration();
+        for step in 0..5 {
+            let a = rebuilt.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap();
+            let b = kept.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap();
+            assert_eq!(a.to_bits(), b.to_bits(), "{mode:?}: step {step}: {a} against {b}");
+        }
+        assert_eq!(rebuilt.params(), kept.params(), "{mode:?}");
+        if mode == WorkspaceMode::Planned {
+            // Four outputs of 3 · 8 rows (three 16 wide, one 32) are not live at the peak.
+            let (r, k) = (rebuilt.memory_plan().unwrap(), kept.memory_plan().unwrap());
+            assert!(
+                r.arena_lower_bound_bytes + 4 * 3 * 8 * 16 <= k.arena_lower_bound_bytes,
+                "rebuilt {} against kept {} bytes",
+                r.arena_lower_bound_bytes,
+                k.arena_lower_bound_bytes
+            );
+        }
+    }
+}

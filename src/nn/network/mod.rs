@@ -345,6 +345,25 @@ impl Network {
         self.layout.widths[i]
     }
 
+    /// Whether a training step lets layer `i`'s output go once the next layer has read
+    /// it and computes it again in the backward pass (see
+    /// [`Layer::rebuilt_in_backward`](crate::nn::Layer::rebuilt_in_backward)), rather
+    /// than keep it through the step. `false` when there is no layer `i`.
+    ///
+    /// ```
+    /// use carve::nn::{Network, NetworkConfig};
+    ///
+    /// let config = NetworkConfig::builder(8).layer_norm().dense(16).gelu().dense(4).build()?;
+    /// let net = Network::new(config)?;
+    /// let rebuilt: Vec<bool> = (0..4).map(|i| net.output_rebuilt(i)).collect();
+    /// // The norm's and GELU's outputs, each read by a dense layer; not the last output.
+    /// assert_eq!(rebuilt, [true, false, true, false]);
+    /// # Ok::<(), carve::Error>(())
+    /// ```
+    pub fn output_rebuilt(&self, i: usize) -> bool {
+        i < self.layers.len() && crate::nn::step::let_go(&self.layers, i)
+    }
+
     /// Layer `i`'s parameters: their names and shapes, in the order of
     /// [`Network::layer_params`].
     ///
