@@ -16,6 +16,15 @@
 //! the *whole batch* counts, so a shard's gradients add up to the batch's: a network
 //! and one data-parallel worker run the same arithmetic and give the same bits.
 //!
+//! A layer that allows it ([`Layer::rebuilt_in_backward`]: GELU, layer norms) has its
+//! output let go once the next layer has read it, when that layer reads its input into
+//! an output of its own ([`Layer::detaches`]) and nothing else reads it: the output
+//! lives in the forward working memory for the two layers' forward passes, and the
+//! backward pass computes it again there, from the input kept for it, for the next
+//! layer's backward pass and its own. The arithmetic is the same, so are the bits; the
+//! step keeps fewer bytes through the forward pass (a GPT: its GELU and layer norm
+//! outputs, a fifth of what the step holds at its peak).
+//!
 //! [`forward`] is the forward pass alone, the one loop inference runs too.
 
 use allocator_api2::vec::Vec as ArenaVec;
