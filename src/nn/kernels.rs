@@ -161,7 +161,8 @@ pub(crate) fn gelu_forward(x: ArrayView2<'_, f32>, mut y: ArrayViewMut2<'_, f32>
         return;
     }
     if let (Some(x), Some(y)) = (x.as_slice(), y.as_slice_mut()) {
-        return vector::gelu_slices(x, y);
+        let n = x.len().min(y.len());
+        return vector::split(y, n, 1, &|s, e, y| vector::gelu_slices(&x[s..e], y));
     }
     Zip::from(&mut y).and(&x).for_each(|y, &x| *y = vector::gelu(x));
 }
@@ -172,7 +173,8 @@ pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut
         return;
     }
     if let (Some(x), Some(dy), Some(dx)) = (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
-        return vector::gelu_backward_slices(x, dy, dx);
+        let n = x.len().min(dy.len()).min(dx.len());
+        return vector::split(dx, n, 1, &|s, e, dx| vector::gelu_backward_slices(&x[s..e], &dy[s..e], dx));
     }
     Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope(x));
 }
@@ -191,8 +193,10 @@ pub(crate) fn layer_norm_forward(
     }
     if let (Some(xs), Some(g), Some(b), Some(ys)) = (x.as_slice(), gamma.as_slice(), beta.as_slice(), y.as_slice_mut())
     {
-        if g.len() == x.ncols() && b.len() == g.len() && !g.is_empty() {
-            return vector::layer_norm_slices(xs, g, b, eps, ys);
+        let n = g.len();
+        if n == x.ncols() && b.len() == n && n > 0 && ys.len() == xs.len() {
+            let rows = xs.len() / n;
+            return vector::split(ys, rows, n, &|s, e, ys| vector::layer_norm_slices(&xs[s * n..e * n], g, b, eps, ys));
         }
     }
     for (x, mut y) in x.rows().into_iter().zip(y.rows_mut()) {
@@ -227,8 +231,18 @@ pub(crate) fn layer_norm_backward(
         if let (Some(xs), Some(dys), Some(g)) = (x.as_slice(), dy.as_slice(), gamma.as_slice()) {
             if let (Some(dg), Some(db)) = (dgamma.as_slice_mut(), dbeta.as_slice_mut()) {
                 match dx.as_mut().map(|d| d.as_slice_mut()) {
-                    None => return vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, None),
-                    Some(Some(dxs)) => return vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, Some(dxs)),
+                    None => {
+                        if !vector::layer_norm_backward_split(xs, dys, g, eps, dg, db, None) {
+                            vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, None);
+                        }
+                        return;
+                    }
+                    Some(Some(dxs)) => {
+                        if !vector::layer_norm_backward_split(xs, dys, g, eps, dg, db, Some(&mut *dxs)) {
+                            vector::layer_norm_backward_slices(xs, dys, g, eps, dg, db, Some(dxs));
+                        }
+                        return;
+                    }
                     Some(None) => {}
                 }
             }

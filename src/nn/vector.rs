@@ -377,6 +377,161 @@ multiversion! {
     fn softmax_backward_slices(p: &[f32], dp: &mut [f32], t: usize, scale: f32) => softmax_backward_body;
 }
 
+/// Loops shorter than this many elements stay on the calling thread: splitting costs a
+/// hand-off of a few µs, a pass over 32 Ki values about as much.
+const SPLIT_ELEMENTS: usize = 1 << 15;
+
+/// An output shared by the threads of a split loop, each writing a range of its own.
+#[derive(Clone, Copy)]
+struct SharedOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+impl SharedOut {
+    /// Elements `s..e`.
+    ///
+    /// # Safety
+    ///
+    /// `s <= e <= len`, and nothing else reaches those elements while the slice lives.
+    unsafe fn range<'a>(&self, s: usize, e: usize) -> &'a mut [f32] {
+        debug_assert!(s <= e && e <= self.len);
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(s), e - s) }
+    }
+}
+
+// SAFETY: used only by `split`, whose threads each write a range of the output that no
+// other thread reads or writes (`for_parts` gives every range to one thread), while
+// `split` keeps the output borrowed.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+/// Runs `f(s, e, out[s·unit .. e·unit])` over the units `0..units` of `out` (`unit`
+/// elements each): across this thread's matrix-multiply pool in one range per thread
+/// when there is a pool and the loop is long enough, else `f(0, units, out)` here. Each
+/// unit is computed by the same code either way, so the bits do not depend on the
+/// split.
+pub(crate) fn split(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) {
+    let units = units.min(out.len() / unit.max(1));
+    if units >= 2 && units * unit >= SPLIT_ELEMENTS {
+        let shared = SharedOut { ptr: out.as_mut_ptr(), len: units * unit };
+        let part = |s: usize, e: usize| {
+            // SAFETY: `s..e` lies within `0..units` (`for_parts` cuts `0..units`), so the
+            // elements `s·unit .. e·unit` lie within `out`; this range is this call's
+            // alone (every range goes to one thread), and `out` stays borrowed, unused
+            // otherwise, until every part is done.
+            let out = unsafe { shared.range(s * unit, e * unit) };
+            f(s, e, out);
+        };
+        let min_units = SPLIT_ELEMENTS.div_ceil(unit.max(1)).max(2);
+        if super::gemm::pool::for_parts(units, min_units, 1, &part) {
+            return;
+        }
+    }
+    f(0, units, &mut out[..units * unit]);
+}
+
+/// Layer normalisation's input gradients, rows of `x`/`dy` into the rows of `dx`
+/// (`gamma.len()` wide), as [`layer_norm_backward_row`] writes them.
+#[inline(always)]
+fn layer_norm_input_grads_body(x: &[f32], dy: &[f32], gamma: &[f32], eps: f32, dx: &mut [f32]) {
+    let n = gamma.len();
+    for ((x, dy), dx) in x.chunks_exact(n).zip(dy.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+        let (mean, rstd) = row_statistics(x, eps);
+        let nf = n as f32;
+        let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
+        let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
+        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
+            let xhat = (x - mean) * rstd;
+            *dx = rstd * (g * w - m1 - xhat * m2);
+        }
+    }
+}
+
+/// Columns `c0 .. c0 + dgamma.len()` of layer normalisation's `dgamma` and `dbeta`,
+/// added over every row (`n` wide) in row order, as [`layer_norm_backward_row`] adds
+/// them (each row's statistics computed again).
+#[inline(always)]
+fn layer_norm_param_grads_body(
+    x: &[f32],
+    dy: &[f32],
+    n: usize,
+    eps: f32,
+    c0: usize,
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    let c1 = c0 + dgamma.len();
+    for (x, dy) in x.chunks_exact(n).zip(dy.chunks_exact(n)) {
+        let (mean, rstd) = row_statistics(x, eps);
+        for (((dw, db), &x), &g) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&x[c0..c1]).zip(&dy[c0..c1]) {
+            *dw += g * ((x - mean) * rstd);
+            *db += g;
+        }
+    }
+}
+
+multiversion! {
+    /// [`layer_norm_input_grads_body`] at the widest vectors.
+    fn layer_norm_input_grads(x: &[f32], dy: &[f32], gamma: &[f32], eps: f32, dx: &mut [f32]) => layer_norm_input_grads_body;
+}
+
+multiversion! {
+    /// [`layer_norm_param_grads_body`] at the widest vectors.
+    fn layer_norm_param_grads(x: &[f32], dy: &[f32], n: usize, eps: f32, c0: usize, dgamma: &mut [f32], dbeta: &mut [f32]) => layer_norm_param_grads_body;
+}
+
+/// Layer normalisation's backward pass split across this thread's pool, when it has
+/// one and the rows are many: the input gradients by rows, then `dgamma` and `dbeta`
+/// by columns (each column summed over the rows in row order: the bits of the fused
+/// loop). `false` when it was not split (the caller runs the fused loop).
+pub(crate) fn layer_norm_backward_split(
+    x: &[f32],
+    dy: &[f32],
+    gamma: &[f32],
+    eps: f32,
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+    dx: Option<&mut [f32]>,
+) -> bool {
+    let n = gamma.len();
+    let rows = x.len() / n.max(1);
+    if n == 0 || rows * n < SPLIT_ELEMENTS || dgamma.len() != n || dbeta.len() != n || !super::gemm::pool::has_pool() {
+        return false;
+    }
+    if let Some(dx) = dx {
+        split(dx, rows, n, &|s, e, dx| layer_norm_input_grads(&x[s * n..e * n], &dy[s * n..e * n], gamma, eps, dx));
+    }
+    // `dgamma` and `dbeta` side by side, cut by columns: both halves of a range go to
+    // the same thread.
+    let shared = SharedOut { ptr: dbeta.as_mut_ptr(), len: n };
+    let part = |s: usize, e: usize, dgamma: &mut [f32]| {
+        // SAFETY: `s..e` lies within `0..n` (`split_always` cuts `0..n` of `dgamma`,
+        // which is `n` long, as `dbeta` is); this range is this call's alone, and `dbeta`
+        // stays borrowed, unused otherwise, until every part is done.
+        let dbeta = unsafe { shared.range(s, e) };
+        layer_norm_param_grads(x, dy, n, eps, s, dgamma, dbeta);
+    };
+    split_always(dgamma, n, 1, &part);
+    true
+}
+
+/// [`split`] whatever the loop's length (the caller decided it is worth it).
+fn split_always(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) {
+    let units = units.min(out.len() / unit.max(1));
+    let shared = SharedOut { ptr: out.as_mut_ptr(), len: units * unit };
+    let part = |s: usize, e: usize| {
+        // SAFETY: as in `split`.
+        let out = unsafe { shared.range(s * unit, e * unit) };
+        f(s, e, out);
+    };
+    if !super::gemm::pool::for_parts(units, 2, 1, &part) {
+        f(0, units, &mut out[..units * unit]);
+    }
+}
+
 /// Scalar versions of the row kernels for rows that are not contiguous: the same
 /// operations in the same order.
 pub(crate) mod strided {

@@ -402,6 +402,12 @@ impl Drop for InUse {
     }
 }
 
+/// Whether this thread has a pool to split work across (one that may still be busy or
+/// stopped: `for_parts` then runs nothing and says so).
+pub(crate) fn has_pool() -> bool {
+    CURRENT.with(|current| current.borrow().as_ref().is_some_and(|shared| shared.helpers > 0))
+}
+
 /// Multiplies `ops` across this thread's pool when there is one and the product is
 /// large enough; `false` when it was not done.
 ///
