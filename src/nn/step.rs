@@ -253,6 +253,7 @@ pub(crate) fn passes(
         };
         let held = mgr.enter(ArrayType::FfWorkingMem)?;
         let rebuilt = {
+            *at = r;
             label(tl, |l| l.layers.get(r).copied());
             let working = mgr.enter(ArrayType::FfWorkingMem)?;
             let ctx = ForwardCtx { activations: &held, working: &working, mgr, training: true };
@@ -260,6 +261,7 @@ pub(crate) fn passes(
             // Views are invariant in their lifetime: reborrowed for the held scope's.
             layers.forward(r, rebind(&r_input), mask.as_ref().map(|m| m.view()), &ctx)?
         };
+        *at = i;
         label(tl, |l| l.layers.get(i).copied());
         grad = back.layer(layers, i, rebuilt, output, &grad, &mut skips)?.ok_or_else(|| let_go_misread(layers, i))?;
         i = r;
@@ -345,6 +347,23 @@ pub(crate) fn let_go(layers: &[Box<dyn Layer>], i: usize) -> bool {
         && join_of(layers, i).is_none()
         && join_of(layers, i + 1).is_none()
         && blocks_starting_at(layers, i + 1) == 0
+}
+
+/// Whether the forward pass lets layer `i`'s output go: [`let_go`] where the pass pairs
+/// layers, from the first, a let-go layer with the one after it (which is then kept).
+pub(crate) fn let_go_at(layers: &[Box<dyn Layer>], i: usize) -> bool {
+    let mut j = 0;
+    while j <= i {
+        if let_go(layers, j) {
+            if j == i {
+                return true;
+            }
+            j += 2;
+        } else {
+            j += 1;
+        }
+    }
+    false
 }
 
 /// An output the backward pass expected kept and found let go: the forward pass's and

@@ -240,7 +240,10 @@ fn softmax_row(row: &mut [f32], i: usize, live: impl Fn(usize) -> bool, again: O
             stats
         }
         None => {
-            let max = head.iter().enumerate().fold(f32::NEG_INFINITY, |m, (j, &v)| if live(j) { m.max(v) } else { m });
+            // A strict comparison: the first of equal values (+0 or −0) stays, whatever
+            // order a vectorised fold would take (`f32::max` may return either).
+            let max =
+                head.iter().enumerate().fold(f32::NEG_INFINITY, |m, (j, &v)| if live(j) && v > m { v } else { m });
             for (j, v) in head.iter_mut().enumerate() {
                 let e = fast_exp(*v - max);
                 *v = if live(j) { e } else { 0.0 };
@@ -401,9 +404,10 @@ impl SharedOut {
     }
 }
 
-// SAFETY: used only by `split`, whose threads each write a range of the output that no
-// other thread reads or writes (`for_parts` gives every range to one thread), while
-// `split` keeps the output borrowed.
+// SAFETY: used only by the split loops of this module (`split`, `split_always`,
+// `layer_norm_backward_split`), whose threads each write a range of the output that no
+// other thread reads or writes (`for_parts` gives every range to one thread), while the
+// loop keeps the output borrowed; when `for_parts` runs nothing, the pointer is not used.
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
@@ -498,7 +502,14 @@ pub(crate) fn layer_norm_backward_split(
 ) -> bool {
     let n = gamma.len();
     let rows = x.len() / n.max(1);
-    if n == 0 || rows * n < SPLIT_ELEMENTS || dgamma.len() != n || dbeta.len() != n || !super::gemm::pool::has_pool() {
+    let shapes_agree = dy.len() == x.len() && dx.as_ref().is_none_or(|dx| dx.len() == x.len());
+    if n == 0
+        || !shapes_agree
+        || rows * n < SPLIT_ELEMENTS
+        || dgamma.len() != n
+        || dbeta.len() != n
+        || !super::gemm::pool::has_pool()
+    {
         return false;
     }
     if let Some(dx) = dx {

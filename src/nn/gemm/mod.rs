@@ -286,7 +286,7 @@ unsafe fn pack_a(
         let panel = unsafe { dst.add(ir * kc) };
         let mut from = 0;
         #[cfg(target_arch = "x86_64")]
-        if vector && a.col_stride == 1 && rows == mr && a.row_stride != 1 && (mr < 8 || mr.is_multiple_of(8)) {
+        if vector && a.col_stride == 1 && rows == mr && a.row_stride != 1 && pack::x86::usable(mr) {
             // Row-major A: each row contiguous along the steps. SAFETY: AVX per the
             // caller; rows `ic+ir ..+mr` hold `kc` steps from column `pc`; the panel
             // spans `mr·kc` elements.
@@ -390,7 +390,7 @@ unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usi
         let panel = unsafe { dst.add(jr * kc) };
         let mut from = 0;
         #[cfg(target_arch = "x86_64")]
-        if vector && b.row_stride == 1 && cols == nr && b.col_stride != 1 && (nr < 8 || nr.is_multiple_of(8)) {
+        if vector && b.row_stride == 1 && cols == nr && b.col_stride != 1 && pack::x86::usable(nr) {
             // Transposed B: each column contiguous along the steps. SAFETY: AVX per the
             // caller; columns `jc+jr ..+nr` hold `kc` steps from row `pc`; the panel
             // spans `nr·kc` elements.

@@ -21,6 +21,11 @@ pub(super) mod x86 {
         _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
     };
 
+    /// Whether [`interleave`] takes panels of `lines` lines.
+    pub(in crate::nn::gemm) fn usable(lines: usize) -> bool {
+        (4..8).contains(&lines) || (lines > 0 && lines.is_multiple_of(8))
+    }
+
     /// `out[j]` = element `j` of every `r[i]`, in `i` order.
     #[target_feature(enable = "avx")]
     #[inline]
@@ -63,12 +68,14 @@ pub(super) mod x86 {
     /// 8 the last group's eight-wide stores run into the next step's slots (rewritten
     /// by that step's store), so a block is taken only while a step follows it; such a
     /// group must be the only one (`lines < 8`), or a later group's overflow would land
-    /// on an earlier group's values of the next step.
+    /// on an earlier group's values of the next step, and at least 4 lines wide, so that
+    /// the last store's overflow (`8 − lines` slots) stays within the next step's slots.
     ///
     /// # Safety
     ///
-    /// The CPU has AVX; `lines < 8` or `lines.is_multiple_of(8)`; for every `l < lines`, `src + l·line_stride` is readable for
-    /// `kc` elements; `panel` is writable for `lines·kc` elements.
+    /// The CPU has AVX; [`usable`]`(lines)` (`4 <= lines < 8`, or a multiple of 8); for
+    /// every `l < lines`, `src + l·line_stride` is readable for `kc` elements; `panel` is
+    /// writable for `lines·kc` elements.
     #[target_feature(enable = "avx")]
     pub(in crate::nn::gemm) unsafe fn interleave(
         src: *const f32,
@@ -78,7 +85,7 @@ pub(super) mod x86 {
         alpha: f32,
         panel: *mut f32,
     ) -> usize {
-        debug_assert!(lines < 8 || lines.is_multiple_of(8), "{lines} lines");
+        debug_assert!(usable(lines), "{lines} lines");
         let whole = lines.is_multiple_of(8);
         let scale = _mm256_set1_ps(alpha);
         let mut p0 = 0;

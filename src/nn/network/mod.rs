@@ -361,7 +361,7 @@ impl Network {
     /// # Ok::<(), carve::Error>(())
     /// ```
     pub fn output_rebuilt(&self, i: usize) -> bool {
-        i < self.layers.len() && crate::nn::step::let_go(&self.layers, i)
+        i < self.layers.len() && crate::nn::step::let_go_at(&self.layers, i)
     }
 
     /// Layer `i`'s parameters: their names and shapes, in the order of
