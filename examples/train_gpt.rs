@@ -25,7 +25,7 @@
 //! | `--threads N` | 1 | threads of each step (`Network::set_threads`, the same bits); not with `--workers` |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256), a one-worker trainer alongside for `speedup_vs_one_worker` |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce (`sequential`: one thread running the N shards in turn, the same bits) |
-//! | `--breakdown` | off | where a steady step's time goes (JSON: `breakdown_us`) |
+//! | `--breakdown` | off | where a steady step's time goes (JSON: `breakdown_us`), and the step's products against carve's multiply alone on the same shapes (`step_gflops`, `products_gflops`, `gemm_gflops_same_shapes`, `step_over_gemm`, `products_over_gemm`) |
 //! | `--timeline FILE` | none | record the run's workspace memory as a Chrome trace |
 //! | `--save PATH` | none | save the trained model (safetensors) |
 //! | `--seed S` | 0 | weights, batches and the sample |
@@ -272,6 +272,97 @@ fn gpt(args: &Args, vocab: usize, mode: WorkspaceMode) -> carve::Result<NetworkC
         .build()
 }
 
+/// One matrix product of a training step: `m × k` by `k × n`, either operand read
+/// transposed as the step reads it.
+#[derive(Clone, Copy)]
+struct Product {
+    m: usize,
+    n: usize,
+    k: usize,
+    a_t: bool,
+    b_t: bool,
+}
+
+impl Product {
+    fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+/// Every matrix product of one training step of the command line's GPT, as its layers
+/// issue them: per dense map `in → out` over the batch's rows, `x·W`, `xᵀ·dy` and
+/// `dy·Wᵀ`; per head of each sequence, the scores `q·kᵀ` and `p·v` forward and, backward,
+/// the scores again (recompute form), `dO·vᵀ`, `pᵀ·dO`, `dS·k` and `dSᵀ·q`.
+fn step_products(args: &Args, vocab: usize) -> Vec<Product> {
+    let (d, t, rows) = (args.width, args.context, args.batch_size * args.context);
+    let hd = d / args.heads;
+    let dense = |inputs: usize, outputs: usize| {
+        [
+            Product { m: rows, n: outputs, k: inputs, a_t: false, b_t: false },
+            Product { m: inputs, n: outputs, k: rows, a_t: true, b_t: false },
+            Product { m: rows, n: inputs, k: outputs, a_t: false, b_t: true },
+        ]
+    };
+    let mut head = vec![
+        Product { m: t, n: t, k: hd, a_t: false, b_t: true },
+        Product { m: t, n: hd, k: t, a_t: false, b_t: false },
+        Product { m: t, n: t, k: hd, a_t: false, b_t: true },
+        Product { m: t, n: hd, k: t, a_t: true, b_t: false },
+        Product { m: t, n: hd, k: t, a_t: false, b_t: false },
+        Product { m: t, n: hd, k: t, a_t: true, b_t: false },
+    ];
+    if args.attention == Form::Recompute {
+        head.push(Product { m: t, n: t, k: hd, a_t: false, b_t: true });
+    }
+    let mut all = Vec::new();
+    for _ in 0..args.layers {
+        all.extend(dense(d, 3 * d));
+        all.extend(dense(d, d));
+        for _ in 0..args.batch_size * args.heads {
+            all.extend(head.iter().copied());
+        }
+        all.extend(dense(d, 4 * d));
+        all.extend(dense(4 * d, d));
+    }
+    all.extend(dense(d, vocab));
+    all
+}
+
+/// GFLOP/s of carve's matrix multiply alone (one thread) on `products`, the median of
+/// `rounds` rounds of the whole set after three untimed ones.
+fn gemm_alone_gflops(products: &[Product], rounds: usize) -> Res<f64> {
+    use carve::nn::gemm::{scratch_len, sgemm};
+    use std::mem::MaybeUninit;
+    let fill =
+        |r: usize, c: usize| Array2::from_shape_fn((r, c), |(i, j)| (((i * 31 + j * 17) % 97) as f32 / 97.0) - 0.5);
+    let operands: Vec<_> = products
+        .iter()
+        .map(|p| {
+            let a = if p.a_t { fill(p.k, p.m) } else { fill(p.m, p.k) };
+            let b = if p.b_t { fill(p.n, p.k) } else { fill(p.k, p.n) };
+            (a, b, Array2::<f32>::zeros((p.m, p.n)))
+        })
+        .collect();
+    let need = products.iter().map(|p| scratch_len(p.m, p.n, p.k)).max().unwrap_or(0);
+    let mut scratch = vec![MaybeUninit::<f32>::uninit(); need];
+    let flops: f64 = products.iter().map(Product::flops).sum();
+    let mut operands = operands;
+    let mut times = Vec::with_capacity(rounds);
+    for round in 0..rounds + 3 {
+        let t0 = Instant::now();
+        for (p, (a, b, c)) in products.iter().zip(operands.iter_mut()) {
+            let a = if p.a_t { a.t() } else { a.view() };
+            let b = if p.b_t { b.t() } else { b.view() };
+            sgemm(1.0, a, b, 0.0, c.view_mut(), &mut scratch)?;
+        }
+        if round >= 3 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(flops / times[times.len() / 2] / 1e9)
+}
+
 /// Resident set size now, and its peak (`VmRSS`, `VmHWM` in /proc/self/status), in bytes.
 fn rss() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -493,6 +584,25 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
     if let Some(b) = net.breakdown() {
         say(breakdown::breakdown_lines(mode_name(mode), &b));
         object["breakdown_us"] = breakdown::breakdown_json(&b);
+        // The step's products against carve's matrix multiply alone on the same shapes.
+        let products = step_products(args, vocab);
+        let flops: f64 = products.iter().map(Product::flops).sum();
+        let gemm = gemm_alone_gflops(&products, 20)?;
+        let matmul_us = b.per_step_us().iter().find(|(part, _)| *part == "matmul").map_or(0.0, |p| p.1);
+        let step_gflops = flops / (step_us_median * 1e3);
+        let products_gflops = if matmul_us > 0.0 { flops / (matmul_us * 1e3) } else { 0.0 };
+        say(format!(
+            "{}: the step's products, {:.2} GFLOP: {products_gflops:.1} GFLOP/s in the step's matrix multiplies \
+             ({:.0} % of carve's multiply alone on the same shapes, {gemm:.1} GFLOP/s on one thread)",
+            mode_name(mode),
+            flops / 1e9,
+            100.0 * products_gflops / gemm
+        ));
+        object["step_gflops"] = step_gflops.into();
+        object["products_gflops"] = products_gflops.into();
+        object["gemm_gflops_same_shapes"] = gemm.into();
+        object["step_over_gemm"] = (step_gflops / gemm).into();
+        object["products_over_gemm"] = (products_gflops / gemm).into();
     }
     if let (Some(t), Some(path)) = (timeline.take(), &args.timeline) {
         let figures = timeline::export(&t, path, None)?;
