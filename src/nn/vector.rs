@@ -166,6 +166,37 @@ fn layer_norm_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f3
     }
 }
 
+/// One row's input gradient from its statistics: `dx = rstd·(dx̂ − mean(dx̂) −
+/// x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.
+#[inline(always)]
+fn layer_norm_input_grad_row(x: &[f32], dy: &[f32], gamma: &[f32], (mean, rstd): (f32, f32), dx: &mut [f32]) {
+    let n = x.len();
+    let (dy, gamma) = (&dy[..n], &gamma[..n]);
+    let nf = n as f32;
+    let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
+    let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
+    for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
+        let xhat = (x - mean) * rstd;
+        *dx = rstd * (g * w - m1 - xhat * m2);
+    }
+}
+
+/// One row's terms of `dgamma` (`dy·x̂`) and `dbeta` (`dy`), added, over the columns
+/// the slices hold (`x` and `dy` cut to the same columns).
+#[inline(always)]
+fn layer_norm_add_param_grads_row(
+    x: &[f32],
+    dy: &[f32],
+    (mean, rstd): (f32, f32),
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    for (((dw, db), &x), &g) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(x).zip(dy) {
+        *dw += g * ((x - mean) * rstd);
+        *db += g;
+    }
+}
+
 /// One row of layer normalisation's backward pass: adds the row's terms to `dgamma`
 /// and `dbeta` and, when asked, writes the row's input gradient.
 #[inline(always)]
@@ -179,21 +210,10 @@ fn layer_norm_backward_row(
     dbeta: &mut [f32],
     dx: Option<&mut [f32]>,
 ) {
-    let n = x.len();
-    let (dy, gamma) = (&dy[..n], &gamma[..n]);
-    let nf = n as f32;
-    let (mean, rstd) = row_statistics(x, eps);
-    let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
-    let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
-    for (((dw, db), &x), &g) in dgamma[..n].iter_mut().zip(&mut dbeta[..n]).zip(x).zip(dy) {
-        *dw += g * ((x - mean) * rstd);
-        *db += g;
-    }
+    let stats = row_statistics(x, eps);
+    layer_norm_add_param_grads_row(x, dy, stats, dgamma, dbeta);
     if let Some(dx) = dx {
-        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
-            let xhat = (x - mean) * rstd;
-            *dx = rstd * (g * w - m1 - xhat * m2);
-        }
+        layer_norm_input_grad_row(x, dy, gamma, stats, dx);
     }
 }
 
@@ -443,14 +463,7 @@ pub(crate) fn split(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usiz
 fn layer_norm_input_grads_body(x: &[f32], dy: &[f32], gamma: &[f32], eps: f32, dx: &mut [f32]) {
     let n = gamma.len();
     for ((x, dy), dx) in x.chunks_exact(n).zip(dy.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
-        let (mean, rstd) = row_statistics(x, eps);
-        let nf = n as f32;
-        let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
-        let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
-        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
-            let xhat = (x - mean) * rstd;
-            *dx = rstd * (g * w - m1 - xhat * m2);
-        }
+        layer_norm_input_grad_row(x, dy, gamma, row_statistics(x, eps), dx);
     }
 }
 
@@ -469,11 +482,7 @@ fn layer_norm_param_grads_body(
 ) {
     let c1 = c0 + dgamma.len();
     for (x, dy) in x.chunks_exact(n).zip(dy.chunks_exact(n)) {
-        let (mean, rstd) = row_statistics(x, eps);
-        for (((dw, db), &x), &g) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(&x[c0..c1]).zip(&dy[c0..c1]) {
-            *dw += g * ((x - mean) * rstd);
-            *db += g;
-        }
+        layer_norm_add_param_grads_row(&x[c0..c1], &dy[c0..c1], row_statistics(x, eps), dgamma, dbeta);
     }
 }
 
