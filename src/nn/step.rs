@@ -68,6 +68,18 @@ impl StepLayers<'_> {
         self.layers[i].name()
     }
 
+    /// `f` with layer `i`, its parameters and its tape (an empty one for inference).
+    #[inline]
+    fn with_layer<R>(&mut self, i: usize, f: impl FnOnce(&dyn Layer, &[f32], &mut Tape) -> R) -> R {
+        let region = self.params.layout.regions[i].clone();
+        let mut none = Tape::none();
+        let tape = match self.tapes.as_deref_mut() {
+            Some(tapes) => &mut tapes[i],
+            None => &mut none,
+        };
+        f(self.layers[i].as_ref(), &self.values[region], tape)
+    }
+
     /// Layer `i`'s forward pass.
     #[inline]
     pub(crate) fn forward<'a>(
@@ -77,13 +89,7 @@ impl StepLayers<'_> {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let region = self.params.layout.regions[i].clone();
-        let mut none = Tape::none();
-        let tape = match self.tapes.as_deref_mut() {
-            Some(tapes) => &mut tapes[i],
-            None => &mut none,
-        };
-        self.layers[i].forward(&self.values[region], input, mask, tape, ctx)
+        self.with_layer(i, |layer, params, tape| layer.forward(params, input, mask, tape, ctx))
     }
 
     /// Layer `i`'s [`Layer::forward_detached`]: its output outlives its input.
@@ -94,18 +100,13 @@ impl StepLayers<'_> {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
-        let region = self.params.layout.regions[i].clone();
-        let mut none = Tape::none();
-        let tape = match self.tapes.as_deref_mut() {
-            Some(tapes) => &mut tapes[i],
-            None => &mut none,
-        };
-        let layer = &self.layers[i];
-        layer.forward_detached(&self.values[region], input, mask, tape, ctx).unwrap_or_else(|| {
-            Err(Error::InvalidInput(format!(
-                "layer '{}' says it detaches its output from its input but offers no `forward_detached`",
-                layer.name()
-            )))
+        self.with_layer(i, |layer, params, tape| {
+            layer.forward_detached(params, input, mask, tape, ctx).unwrap_or_else(|| {
+                Err(Error::InvalidInput(format!(
+                    "layer '{}' says it detaches its output from its input but offers no `forward_detached`",
+                    layer.name()
+                )))
+            })
         })
     }
 
