@@ -410,6 +410,7 @@ impl Layer for Attention {
     ) -> Option<Result<Activations<'a>>> {
         Some(self.forward_any(params, input, mask, tape, ctx))
     }
+
     fn backward(
         &self,
         params: &[f32],
@@ -456,7 +457,6 @@ impl Layer for Attention {
 }
 
 impl Attention {
-    /// The input as a batch of sequences, or the error saying attention needs one.
     /// The forward pass, the output in `ctx.activations` whatever the input's lifetime.
     fn forward_any<'a>(
         &self,
@@ -507,6 +507,7 @@ impl Attention {
         Ok(Activations::Sequence(freeze(out)))
     }
 
+    /// The input as a batch of sequences, or the error saying attention needs one.
     fn sequence_input<'a>(&self, input: Activations<'a>) -> Result<ArrayView3<'a, f32>> {
         match input {
             Activations::Sequence(x) => Ok(x),
