@@ -14,6 +14,7 @@ use super::layer::{
     check_grad_input, check_len, check_mask, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
     BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape,
 };
+use super::vector::{split_with_work, PartWork};
 
 /// Causal multi-head self-attention over a batch of sequences `[batch, time, width]`:
 /// one projection to the queries, keys and values of every head (`qkv`, `width → 3 ·
@@ -201,7 +202,9 @@ impl Attention {
     /// The forward pass of rows `x` (`[batch · steps, width]`) into `out`, with the
     /// queries, keys and values in `qkv`, the heads' outputs in `att`, and per head and
     /// sequence the softmax statistics and (unless recomputed: then the scores are
-    /// worked out in `scores`, `[steps, steps]`) the probabilities in `heads`.
+    /// worked out in `scores`, `[steps, steps]`) the probabilities in `heads`. The
+    /// sequences' heads are split across the thread's pool when it has one (each
+    /// sequence computed by the same code: the same bits).
     #[allow(clippy::too_many_arguments)]
     fn run_forward(
         &self,
@@ -210,9 +213,9 @@ impl Attention {
         l: Layout,
         mask: Option<ArrayView2<'_, f32>>,
         mut qkv: ArrayViewMut2<'_, f32>,
-        mut att: ArrayViewMut2<'_, f32>,
+        att: &mut [f32],
         heads: &mut [f32],
-        mut scores: ArrayViewMut2<'_, f32>,
+        scores: &mut [f32],
         mut out: ArrayViewMut2<'_, f32>,
         scratch: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
@@ -220,27 +223,42 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         rows_from(qkv.view_mut(), p.qkv_b);
         sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
-        for (b, slots) in heads.chunks_exact_mut(self.heads * l.per_head()).enumerate() {
-            let rows = b * t..(b + 1) * t;
-            let keys = mask.as_ref().map(|m| m.row(b));
-            for (h, slot) in slots.chunks_exact_mut(l.per_head()).enumerate() {
-                let q = qkv.slice(s![rows.clone(), h * hd..(h + 1) * hd]);
-                let k = qkv.slice(s![rows.clone(), d + h * hd..d + (h + 1) * hd]);
-                let v = qkv.slice(s![rows.clone(), 2 * d + h * hd..2 * d + (h + 1) * hd]);
-                let (stats, probs) = slot.split_at_mut(2 * t);
-                let mut probs = match l.recompute {
-                    true => scores.view_mut(),
-                    false => ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values"),
-                };
-                sgemm(scale, q, k.t(), 0.0, probs.view_mut(), scratch)?;
-                causal_softmax(probs.view_mut(), keys, stats);
-                let o = att.slice_mut(s![rows.clone(), h * hd..(h + 1) * hd]);
-                sgemm(1.0, probs.view(), v, 0.0, o, scratch)?;
+        let qkv = qkv.view();
+        let head_scratch = self.head_scratch(t).min(scratch.len());
+        let own = PartWork { values: scores, packing: &mut scratch[..head_scratch] };
+        let sequences = |s: usize, e: usize, att: &mut [f32], heads: &mut [f32], work: PartWork<'_>| {
+            let PartWork { values: scores, packing: scratch } = work;
+            let mut att = ArrayViewMut2::from_shape(((e - s) * t, d), att).expect("rows × width values");
+            for (i, slots) in heads.chunks_exact_mut(self.heads * l.per_head()).enumerate() {
+                let b = s + i;
+                let (rows, own_rows) = (b * t..(b + 1) * t, i * t..(i + 1) * t);
+                let keys = mask.as_ref().map(|m| m.row(b));
+                for (h, slot) in slots.chunks_exact_mut(l.per_head()).enumerate() {
+                    let q = qkv.slice(s![rows.clone(), h * hd..(h + 1) * hd]);
+                    let k = qkv.slice(s![rows.clone(), d + h * hd..d + (h + 1) * hd]);
+                    let v = qkv.slice(s![rows.clone(), 2 * d + h * hd..2 * d + (h + 1) * hd]);
+                    let (stats, probs) = slot.split_at_mut(2 * t);
+                    let probs = if l.recompute { &mut scores[..t * t] } else { probs };
+                    let mut probs = ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values");
+                    sgemm(scale, q, k.t(), 0.0, probs.view_mut(), scratch)?;
+                    causal_softmax(probs.view_mut(), keys, stats);
+                    let o = att.slice_mut(s![own_rows.clone(), h * hd..(h + 1) * hd]);
+                    sgemm(1.0, probs.view(), v, 0.0, o, scratch)?;
+                }
             }
-        }
+            Ok(())
+        };
+        split_with_work(att, heads, l.batch, own, &sequences)?;
+        let att = ArrayView2::from_shape((l.rows(), d), &*att).expect("rows × width values");
         rows_from(out.view_mut(), p.proj_b);
-        sgemm(1.0, att.view(), p.proj_w, 1.0, out, scratch)?;
+        sgemm(1.0, att, p.proj_w, 1.0, out, scratch)?;
         Ok(())
+    }
+
+    /// Packing space for one head's products over `steps` steps.
+    fn head_scratch(&self, steps: usize) -> usize {
+        let hd = self.head_width();
+        scratch_len(steps, steps, hd).max(scratch_len(steps, hd, steps))
     }
 
     /// [`Attention::run_forward`] with its arrays in `kept`, laid out as `l` says.
@@ -252,14 +270,13 @@ impl Attention {
         l: Layout,
         mask: Option<ArrayView2<'_, f32>>,
         kept: &mut [f32],
-        scores: ArrayViewMut2<'_, f32>,
+        scores: &mut [f32],
         out: ArrayViewMut2<'_, f32>,
         scratch: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
         let (qkv, rest) = kept.split_at_mut(l.qkv());
         let (att, heads) = rest.split_at_mut(l.att());
         let qkv = ArrayViewMut2::from_shape((l.rows(), 3 * self.width), qkv).expect("rows × 3·width values");
-        let att = ArrayViewMut2::from_shape((l.rows(), self.width), att).expect("rows × width values");
         self.run_forward(p, x, l, mask, qkv, att, heads, scores, out, scratch)
     }
 
@@ -281,7 +298,7 @@ impl Attention {
     ) -> Result<()> {
         let (d, hd, t) = (self.width, self.head_width(), l.steps);
         let scale = 1.0 / (hd as f32).sqrt();
-        let Work { mut d_att, mut d_qkv, mut scores, mut d_probs, scratch } = work;
+        let Work { mut d_att, mut d_qkv, values: work_values, scratch } = work;
         let (qkv, rest) = kept.split_at(l.qkv());
         let (att, heads) = rest.split_at(l.att());
         let qkv = ArrayView2::from_shape((l.rows(), 3 * d), qkv).expect("rows × 3·width values");
@@ -295,35 +312,51 @@ impl Attention {
         sgemm(1.0, att.t(), dy, 0.0, g_proj_w, scratch)?;
         sum_rows(ArrayViewMut1::from(g_proj_b), dy);
         sgemm(1.0, dy, p.proj_w.t(), 0.0, d_att.view_mut(), scratch)?;
-        // Each head of each sequence.
-        for (b, slots) in heads.chunks_exact(self.heads * l.per_head()).enumerate() {
-            let rows = b * t..(b + 1) * t;
-            let keys = mask.as_ref().map(|m| m.row(b));
-            for (h, slot) in slots.chunks_exact(l.per_head()).enumerate() {
-                let (qc, kc, vc) =
-                    (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
-                let q = qkv.slice(s![rows.clone(), qc.clone()]);
-                let k = qkv.slice(s![rows.clone(), kc.clone()]);
-                let v = qkv.slice(s![rows.clone(), vc.clone()]);
-                let (stats, probs) = slot.split_at(2 * t);
-                let probs = match l.recompute {
-                    true => {
-                        sgemm(scale, q, k.t(), 0.0, scores.view_mut(), scratch)?;
-                        causal_softmax_again(scores.view_mut(), keys, stats);
-                        scores.view()
-                    }
-                    false => ArrayView2::from_shape((t, t), probs).expect("steps × steps values"),
-                };
-                let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
-                // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
-                sgemm(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch)?;
-                sgemm(1.0, probs.t(), d_o, 0.0, d_qkv.slice_mut(s![rows.clone(), vc]), scratch)?;
-                softmax_backward(probs, d_probs.view_mut(), scale);
-                // dQ = dS·K, dK = dSᵀ·Q.
-                sgemm(1.0, d_probs.view(), k, 0.0, d_qkv.slice_mut(s![rows.clone(), qc]), scratch)?;
-                sgemm(1.0, d_probs.t(), q, 0.0, d_qkv.slice_mut(s![rows.clone(), kc]), scratch)?;
+        // Each head of each sequence, the sequences split across the thread's pool.
+        let d_att = d_att.view();
+        let head_scratch = self.head_scratch(t).min(scratch.len());
+        let own = PartWork { values: work_values, packing: &mut scratch[..head_scratch] };
+        let sequences = |s: usize, e: usize, d_qkv: &mut [f32], _: &mut [f32], work: PartWork<'_>| {
+            let PartWork { values, packing: scratch } = work;
+            let (scores, d_probs) = values.split_at_mut(t * t);
+            let mut scores = ArrayViewMut2::from_shape((t, t), scores).expect("steps × steps values");
+            let mut d_probs = ArrayViewMut2::from_shape((t, t), &mut d_probs[..t * t]).expect("steps × steps values");
+            let mut d_qkv = ArrayViewMut2::from_shape(((e - s) * t, 3 * d), d_qkv).expect("rows × 3·width values");
+            let per_sequence = self.heads * l.per_head();
+            for b in s..e {
+                let slots = &heads[b * per_sequence..(b + 1) * per_sequence];
+                let (rows, own_rows) = (b * t..(b + 1) * t, (b - s) * t..(b - s + 1) * t);
+                let keys = mask.as_ref().map(|m| m.row(b));
+                for (h, slot) in slots.chunks_exact(l.per_head()).enumerate() {
+                    let (qc, kc, vc) =
+                        (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
+                    let q = qkv.slice(s![rows.clone(), qc.clone()]);
+                    let k = qkv.slice(s![rows.clone(), kc.clone()]);
+                    let v = qkv.slice(s![rows.clone(), vc.clone()]);
+                    let (stats, probs) = slot.split_at(2 * t);
+                    let probs = match l.recompute {
+                        true => {
+                            sgemm(scale, q, k.t(), 0.0, scores.view_mut(), scratch)?;
+                            causal_softmax_again(scores.view_mut(), keys, stats);
+                            scores.view()
+                        }
+                        false => ArrayView2::from_shape((t, t), probs).expect("steps × steps values"),
+                    };
+                    let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
+                    // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
+                    sgemm(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch)?;
+                    sgemm(1.0, probs.t(), d_o, 0.0, d_qkv.slice_mut(s![own_rows.clone(), vc]), scratch)?;
+                    softmax_backward(probs, d_probs.view_mut(), scale);
+                    // dQ = dS·K, dK = dSᵀ·Q.
+                    sgemm(1.0, d_probs.view(), k, 0.0, d_qkv.slice_mut(s![own_rows.clone(), qc]), scratch)?;
+                    sgemm(1.0, d_probs.t(), q, 0.0, d_qkv.slice_mut(s![own_rows.clone(), kc]), scratch)?;
+                }
             }
-        }
+            Ok(())
+        };
+        let d_qkv_values = d_qkv.as_slice_mut().expect("a working array is contiguous");
+        split_with_work(d_qkv_values, &mut [], l.batch, own, &sequences)?;
+        let d_qkv = ArrayView2::from_shape((l.rows(), 3 * d), &*d_qkv_values).expect("rows × 3·width values");
         // The input projection.
         sgemm(1.0, x.t(), d_qkv.view(), 0.0, g_qkv_w, scratch)?;
         sum_rows(ArrayViewMut1::from(g_qkv_b), d_qkv.view());
@@ -334,12 +367,12 @@ impl Attention {
     }
 }
 
-/// The backward pass's working arrays.
+/// The backward pass's working arrays: `values` holds a head's rebuilt scores and the
+/// probabilities' gradient (`[steps, steps]` each).
 struct Work<'w> {
     d_att: ArrayViewMut2<'w, f32>,
     d_qkv: ArrayViewMut2<'w, f32>,
-    scores: ArrayViewMut2<'w, f32>,
-    d_probs: ArrayViewMut2<'w, f32>,
+    values: &'w mut [f32],
     scratch: &'w mut [MaybeUninit<f32>],
 }
 
@@ -447,8 +480,7 @@ impl Layer for Attention {
         let work = Work {
             d_att: w.zeros::<f32, _>((l.rows(), self.width))?,
             d_qkv: w.zeros::<f32, _>((l.rows(), 3 * self.width))?,
-            scores: w.zeros::<f32, _>((steps, steps))?,
-            d_probs: w.zeros::<f32, _>((steps, steps))?,
+            values: w.slice_zeroed::<f32>(2 * steps * steps)?,
             scratch: w.slice_uninit::<f32>(self.scratch(l.rows(), steps))?,
         };
         tape.kept
@@ -484,7 +516,7 @@ impl Attention {
         let rows = steps_as_rows(x, &self.name)?;
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.width))?;
         let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
-        let scores = ctx.working.zeros::<f32, _>((steps, steps))?;
+        let scores = ctx.working.slice_zeroed::<f32>(steps * steps)?;
         let out_rows = out.view_mut().into_shape_with_order((l.rows(), self.width)).expect("a new array is standard");
         if ctx.training {
             let tape = tape_of::<AttentionTape>(tape, &self.name)?;

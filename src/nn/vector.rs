@@ -17,6 +17,10 @@
 //! operations in the same order element by element ([`lane_sum_iter`]), so the result
 //! does not depend on the layout either.
 
+use std::cell::RefCell;
+use std::mem::MaybeUninit;
+use std::sync::{Mutex, PoisonError};
+
 /// Lanes of a sum (see the module documentation).
 const LANES: usize = 8;
 
@@ -425,7 +429,7 @@ impl SharedOut {
 }
 
 // SAFETY: used only by the split loops of this module (`split`, `split_always`,
-// `layer_norm_backward_split`), whose threads each write a range of the output that no
+// `layer_norm_backward_split`, `split_with_work`), whose threads each write a range of the output that no
 // other thread reads or writes (`for_parts` gives every range to one thread), while the
 // loop keeps the output borrowed; when `for_parts` runs nothing, the pointer is not used.
 unsafe impl Send for SharedOut {}
@@ -455,6 +459,93 @@ pub(crate) fn split(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usiz
         }
     }
     f(0, units, &mut out[..units * unit]);
+}
+
+/// One part's working arrays in [`split_with_work`]: values and a matrix multiply's
+/// packing space.
+pub(crate) struct PartWork<'w> {
+    pub(crate) values: &'w mut [f32],
+    pub(crate) packing: &'w mut [MaybeUninit<f32>],
+}
+
+thread_local! {
+    /// A pool helper's working arrays for the parts of [`split_with_work`] it runs: they
+    /// grow to the largest asked for and then stay, so a steady loop allocates nothing.
+    static HELPER_WORK: RefCell<(Vec<f32>, Vec<MaybeUninit<f32>>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One part of [`split_with_work`]'s loop: `(start, end, a's units, b's units, work)`.
+pub(crate) type SequencePart<'f> =
+    dyn Fn(usize, usize, &mut [f32], &mut [f32], PartWork<'_>) -> crate::Result<()> + Sync + 'f;
+
+/// Runs `f(s, e, a_units, b_units, work)` over the units `0..units` of `a` and `b` (each
+/// cut into `units` equal units): across this thread's matrix-multiply pool in one
+/// range per thread when there is a pool, else `f(0, units, a, b, own)` here. The
+/// calling thread's part works in `own` (the caller's, from its workspace); a helper's
+/// part in working arrays of the helper's own, as long as `own`'s. Each unit is
+/// computed by the same code either way, so the bits do not depend on the split. The
+/// first error of any part is returned (the other parts still run to their end).
+pub(crate) fn split_with_work(
+    a: &mut [f32],
+    b: &mut [f32],
+    units: usize,
+    own: PartWork<'_>,
+    f: &SequencePart<'_>,
+) -> crate::Result<()> {
+    let units = units.max(1);
+    let (ua, ub) = (a.len() / units, b.len() / units);
+    if units >= 2 && super::gemm::pool::has_pool() && !super::kernels::running() {
+        let (values, packing) = (own.values.len(), own.packing.len());
+        let (sa, sb) =
+            (SharedOut { ptr: a.as_mut_ptr(), len: units * ua }, SharedOut { ptr: b.as_mut_ptr(), len: units * ub });
+        let own = Mutex::new(Some(own));
+        let failed: Mutex<Option<crate::Error>> = Mutex::new(None);
+        let part = |p: usize, s: usize, e: usize| {
+            if s == e {
+                return;
+            }
+            // SAFETY: `s..e` lies within `0..units` (`for_each_part` cuts `0..units`), so
+            // the elements `s·ua .. e·ua` lie within `a` and `s·ub .. e·ub` within `b`;
+            // these ranges are this call's alone (every range goes to one thread), and `a`
+            // and `b` stay borrowed, unused otherwise, until every part is done.
+            let (pa, pb) = unsafe { (sa.range(s * ua, e * ua), sb.range(s * ub, e * ub)) };
+            let result = if p == 0 {
+                match own.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                    Some(work) => f(s, e, pa, pb, work),
+                    None => Err(crate::Error::InvalidInput("a split loop ran its first part twice".into())),
+                }
+            } else {
+                HELPER_WORK.with(|work| {
+                    let mut work = work.borrow_mut();
+                    let (v, k) = &mut *work;
+                    if v.len() < values || k.len() < packing {
+                        let grown = v
+                            .try_reserve_exact(values.saturating_sub(v.len()))
+                            .and_then(|()| k.try_reserve_exact(packing.saturating_sub(k.len())));
+                        if let Err(e) = grown {
+                            return Err(crate::Error::InvalidInput(format!(
+                                "a pool thread's working arrays of {values} + {packing} values cannot be allocated ({e})"
+                            )));
+                        }
+                        v.resize(v.len().max(values), 0.0);
+                        k.resize(k.len().max(packing), MaybeUninit::uninit());
+                    }
+                    f(s, e, pa, pb, PartWork { values: &mut v[..values], packing: &mut k[..packing] })
+                })
+            };
+            if let Err(e) = result {
+                failed.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+            }
+        };
+        if super::gemm::pool::for_each_part(units, 2, 1, &part) {
+            return failed.into_inner().unwrap_or_else(PoisonError::into_inner).map_or(Ok(()), Err);
+        }
+        return match own.into_inner().unwrap_or_else(PoisonError::into_inner) {
+            Some(own) => f(0, units, &mut a[..units * ua], &mut b[..units * ub], own),
+            None => Err(crate::Error::InvalidInput("a split loop lost its working arrays".into())),
+        };
+    }
+    f(0, units, &mut a[..units * ua], &mut b[..units * ub], own)
 }
 
 /// Layer normalisation's input gradients, rows of `x`/`dy` into the rows of `dx`

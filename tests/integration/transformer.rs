@@ -762,3 +762,35 @@ fn a_gpt_on_two_threads_gives_the_bits_of_one() {
     assert_eq!(traces[0].0, traces[1].0, "the losses");
     assert!(traces[0].1 == traces[1].1, "the parameters");
 }
+
+#[test]
+fn attention_split_across_threads_gives_the_bits_of_one_with_padding_and_both_forms() {
+    use carve::nn::{Input, Labels, Network, Updater};
+    use ndarray::Array3;
+    // 7 sequences (an odd split over 2 and 3 threads), the last steps of some padded.
+    let (batch, steps) = (7, 12);
+    let x = Array3::from_shape_fn((batch, steps, 16), |(b, t, f)| (((b * 5 + t * 3 + f) % 7) as f32 - 3.0) * 0.3);
+    let y = Array2::from_shape_fn((batch, steps), |(b, t)| ((b * 5 + t * 3) % 7 % 4) as u32);
+    let mask = Array2::from_shape_fn((batch, steps), |(b, t)| if t + b % 3 < steps { 1.0f32 } else { 0.0 });
+    for recompute in [false, true] {
+        let mut traces = Vec::new();
+        for threads in [1, 2, 3] {
+            let builder = NetworkConfig::builder(16).layer_norm();
+            let builder = if recompute { builder.attention_recompute(4) } else { builder.attention(4) };
+            let config = builder.dense(4).updater(Updater::adam(3e-3)).seed(5).build().unwrap();
+            let mut net = Network::new(config).unwrap();
+            net.set_threads(threads).unwrap();
+            let losses: Vec<u32> = (0..3)
+                .map(|_| {
+                    let input = Input::Sequences { features: x.view(), mask: Some(mask.view()) };
+                    net.fit_batch(input, Labels::from(y.view())).unwrap().to_bits()
+                })
+                .collect();
+            traces.push((losses, net.params().to_vec()));
+        }
+        for (threads, trace) in [2, 3].iter().zip(&traces[1..]) {
+            assert_eq!(trace.0, traces[0].0, "recompute {recompute}, {threads} threads: the losses");
+            assert!(trace.1 == traces[0].1, "recompute {recompute}, {threads} threads: the parameters");
+        }
+    }
+}

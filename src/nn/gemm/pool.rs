@@ -106,10 +106,11 @@ impl Job {
     }
 }
 
-/// A range-split loop as the threads share it: `f(start, end)` for each thread's range.
+/// A range-split loop as the threads share it: `f(part, start, end)` for each thread's
+/// range (part 0 is the caller's).
 #[derive(Clone, Copy)]
 struct Parts {
-    f: *const (dyn Fn(usize, usize) + Sync + 'static),
+    f: *const (dyn Fn(usize, usize, usize) + Sync + 'static),
     len: usize,
     parts: usize,
     align: usize,
@@ -249,7 +250,7 @@ fn helper(shared: &Shared, p: usize) {
                     if start < end {
                         // SAFETY: the caller keeps `f` borrowed until the done gate, which
                         // this thread reaches only after this call.
-                        unsafe { (*parts.f)(start, end) };
+                        unsafe { (*parts.f)(p, start, end) };
                     }
                     Ok(())
                 }
@@ -330,10 +331,10 @@ impl Shared {
 }
 
 impl Shared {
-    /// Runs `f` over `len` elements cut into one range per thread (at multiples of
-    /// `align`), range 0 on this thread. `false` when the pool is busy or stopped: then
-    /// nothing was done.
-    fn for_parts(&self, len: usize, align: usize, f: &(dyn Fn(usize, usize) + Sync)) -> bool {
+    /// Runs `f(part, start, end)` over `len` elements cut into one range per thread (at
+    /// multiples of `align`), part 0 on this thread. `false` when the pool is busy or
+    /// stopped: then nothing was done.
+    fn for_parts(&self, len: usize, align: usize, f: &(dyn Fn(usize, usize, usize) + Sync)) -> bool {
         if self.busy.swap(true, Ordering::AcqRel) {
             return false;
         }
@@ -341,8 +342,11 @@ impl Shared {
         // done gates below, and this function passes the done gate before it
         // returns (its own part's panic is caught until then), so `f` outlives every
         // call; the job is cleared before `f`'s borrow ends.
-        let f: *const (dyn Fn(usize, usize) + Sync + 'static) = unsafe {
-            std::mem::transmute::<*const (dyn Fn(usize, usize) + Sync + '_), *const (dyn Fn(usize, usize) + Sync)>(f)
+        let f: *const (dyn Fn(usize, usize, usize) + Sync + 'static) = unsafe {
+            std::mem::transmute::<
+                *const (dyn Fn(usize, usize, usize) + Sync + '_),
+                *const (dyn Fn(usize, usize, usize) + Sync),
+            >(f)
         };
         let parts = Parts { f, len, parts: self.helpers + 1, align: align.max(1) };
         *self.job.lock().unwrap_or_else(PoisonError::into_inner) = Some(Task::Parts(parts));
@@ -353,7 +357,7 @@ impl Shared {
         }
         let (start, end) = parts.range(0);
         // SAFETY: `f` is the caller's, alive for this call.
-        let mine = catch_unwind(AssertUnwindSafe(|| unsafe { (*parts.f)(start, end) }));
+        let mine = catch_unwind(AssertUnwindSafe(|| unsafe { (*parts.f)(0, start, end) }));
         self.done.wait();
         *self.job.lock().unwrap_or_else(PoisonError::into_inner) = None;
         self.busy.store(false, Ordering::Release);
@@ -372,6 +376,18 @@ impl Shared {
 /// `min_len`; `false` when it was not done (then the caller runs `f(0, len)` itself).
 /// Every range is given to one thread, so `f` may write the elements of its range.
 pub(crate) fn for_parts(len: usize, min_len: usize, align: usize, f: &(dyn Fn(usize, usize) + Sync)) -> bool {
+    for_each_part(len, min_len, align, &|_, start, end| f(start, end))
+}
+
+/// [`for_parts`] telling `f` which part it runs: `f(part, start, end)`, part 0 on this
+/// thread, part `p ≥ 1` always on the pool's helper thread `p` (so a part may keep
+/// working buffers of its thread between loops).
+pub(crate) fn for_each_part(
+    len: usize,
+    min_len: usize,
+    align: usize,
+    f: &(dyn Fn(usize, usize, usize) + Sync),
+) -> bool {
     if len < min_len.max(1) {
         return false;
     }
