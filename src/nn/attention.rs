@@ -7,7 +7,7 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::gemm::{scratch_len, sgemm};
+use super::gemm::{scratch_len, sgemm, sgemm_tri, Triangle};
 use super::kept::{fingerprint, Kept};
 use super::kernels::{causal_softmax, causal_softmax_again, rows_from, softmax_backward, sum_rows};
 use super::layer::{
@@ -240,10 +240,10 @@ impl Attention {
                     let (stats, probs) = slot.split_at_mut(2 * t);
                     let probs = if l.recompute { &mut scores[..t * t] } else { probs };
                     let mut probs = ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values");
-                    sgemm(scale, q, k.t(), 0.0, probs.view_mut(), scratch)?;
+                    sgemm_tri(scale, q, k.t(), 0.0, probs.view_mut(), scratch, Triangle::LowerC)?;
                     causal_softmax(probs.view_mut(), keys, stats);
                     let o = att.slice_mut(s![own_rows.clone(), h * hd..(h + 1) * hd]);
-                    sgemm(1.0, probs.view(), v, 0.0, o, scratch)?;
+                    sgemm_tri(1.0, probs.view(), v, 0.0, o, scratch, Triangle::LowerA)?;
                 }
             }
             Ok(())
@@ -336,7 +336,7 @@ impl Attention {
                     let (stats, probs) = slot.split_at(2 * t);
                     let probs = match l.recompute {
                         true => {
-                            sgemm(scale, q, k.t(), 0.0, scores.view_mut(), scratch)?;
+                            sgemm_tri(scale, q, k.t(), 0.0, scores.view_mut(), scratch, Triangle::LowerC)?;
                             causal_softmax_again(scores.view_mut(), keys, stats);
                             scores.view()
                         }
@@ -344,12 +344,36 @@ impl Attention {
                     };
                     let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
                     // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
-                    sgemm(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch)?;
-                    sgemm(1.0, probs.t(), d_o, 0.0, d_qkv.slice_mut(s![own_rows.clone(), vc]), scratch)?;
+                    sgemm_tri(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch, Triangle::LowerC)?;
+                    sgemm_tri(
+                        1.0,
+                        probs.t(),
+                        d_o,
+                        0.0,
+                        d_qkv.slice_mut(s![own_rows.clone(), vc]),
+                        scratch,
+                        Triangle::UpperA,
+                    )?;
                     softmax_backward(probs, d_probs.view_mut(), scale);
                     // dQ = dS·K, dK = dSᵀ·Q.
-                    sgemm(1.0, d_probs.view(), k, 0.0, d_qkv.slice_mut(s![own_rows.clone(), qc]), scratch)?;
-                    sgemm(1.0, d_probs.t(), q, 0.0, d_qkv.slice_mut(s![own_rows.clone(), kc]), scratch)?;
+                    sgemm_tri(
+                        1.0,
+                        d_probs.view(),
+                        k,
+                        0.0,
+                        d_qkv.slice_mut(s![own_rows.clone(), qc]),
+                        scratch,
+                        Triangle::LowerA,
+                    )?;
+                    sgemm_tri(
+                        1.0,
+                        d_probs.t(),
+                        q,
+                        0.0,
+                        d_qkv.slice_mut(s![own_rows.clone(), kc]),
+                        scratch,
+                        Triangle::UpperA,
+                    )?;
                 }
             }
             Ok(())

@@ -296,9 +296,10 @@ fn softmax_block(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>
     }
 }
 
-/// The gradient of a softmax's scores from its probabilities `p` and the gradient of
-/// the probabilities `dp`, in place of `dp`: `ds_ij = p_ij · (dp_ij − Σ_k p_ik·dp_ik)`,
-/// times `scale`.
+/// The gradient of a causal softmax's scores from its probabilities `p` (row `i` zero
+/// past step `i`) and the gradient of the probabilities `dp`, in place of `dp`:
+/// `ds_ij = p_ij · (dp_ij − Σ_k p_ik·dp_ik)`, times `scale`, for `j ≤ i`, and 0 past
+/// the diagonal, where `dp` is not read (a causal product may not have written it).
 pub(crate) fn softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_, f32>, scale: f32) {
     if running() {
         return;
@@ -309,9 +310,11 @@ pub(crate) fn softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_,
             return vector::softmax_backward_slices(ps, ds, t, scale);
         }
     }
-    for (p, mut d) in p.rows().into_iter().zip(dp.rows_mut()) {
-        let dot = vector::lane_sum_iter(p.iter().zip(d.iter()).map(|(&p, &d)| p * d));
+    for (i, (p, mut d)) in p.rows().into_iter().zip(dp.rows_mut()).enumerate() {
+        let head = (i + 1).min(t);
+        let dot = vector::lane_sum_iter(p.iter().zip(d.iter()).take(head).map(|(&p, &d)| p * d));
         Zip::from(&mut d).and(&p).for_each(|d, &p| *d = scale * p * (*d - dot));
+        d.slice_mut(ndarray::s![head..]).fill(0.0);
     }
 }
 

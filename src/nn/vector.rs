@@ -322,14 +322,19 @@ pub(crate) fn causal_softmax_by(s: &mut [f32], t: usize, live: impl Fn(usize) ->
     }
 }
 
-/// `dp ← scale · p ⊙ (dp − Σ p⊙dp)` row by row (`t` wide).
+/// `dp ← scale · p ⊙ (dp − Σ p⊙dp)` row by row (`t` wide) for a causal softmax's
+/// probabilities: row `i`'s terms past step `i` (where `p` is 0) are not read, and
+/// its gradient there is 0.
 #[inline(always)]
 fn softmax_backward_body(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
-    for (p, d) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
-        let dot = lane_dot(p, d);
-        for (d, &p) in d.iter_mut().zip(p) {
+    for (i, (p, d)) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
+        let (head, tail) = d.split_at_mut((i + 1).min(t));
+        let p = &p[..head.len()];
+        let dot = lane_dot(p, head);
+        for (d, &p) in head.iter_mut().zip(p) {
             *d = scale * p * (*d - dot);
         }
+        tail.fill(0.0);
     }
 }
 

@@ -104,6 +104,45 @@ pub fn sgemm(
     sgemm_with(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch)
 }
 
+/// Which zeros of a product's operands, or which elements of its result, a causal
+/// product may skip (attention's scores and probabilities are lower triangular).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Triangle {
+    /// Every element of C, every step of the shared dimension.
+    Full,
+    /// Only C's lower triangle (`j ≤ i`) is wanted: tiles wholly above the diagonal
+    /// are not computed, and C's elements there are left as they were or set to any
+    /// value (C square).
+    LowerC,
+    /// A is lower triangular (`A[i][p] = 0` for `p > i`; A square): row `i`'s sum
+    /// stops after step `i`'s tile.
+    LowerA,
+    /// A is upper triangular (`A[i][p] = 0` for `p < i`; A square): row `i`'s sum
+    /// starts at its tile's first row.
+    UpperA,
+}
+
+/// [`sgemm`] of a causal product: the steps and tiles `tri` says are zero or unwanted
+/// are skipped. Each element kept is the same sum as [`sgemm`]'s but for terms that
+/// are exactly zero (`0·x`, so its bits but for the sign of a zero, as long as B is
+/// finite); `tri` is trusted, not checked against the values.
+///
+/// # Errors
+///
+/// As [`sgemm`], and [`Error::ShapeMismatch`] when the triangle's matrix is not square.
+pub(crate) fn sgemm_tri(
+    alpha: f32,
+    a: ArrayView2<'_, f32>,
+    b: ArrayView2<'_, f32>,
+    beta: f32,
+    c: ArrayViewMut2<'_, f32>,
+    scratch: &mut [MaybeUninit<f32>],
+    tri: Triangle,
+) -> Result<()> {
+    let _span = crate::nn::profile::span(crate::nn::profile::Part::MatMul);
+    sgemm_full(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch, tri)
+}
+
 /// [`sgemm`] with a given micro-kernel (one this CPU supports).
 fn sgemm_with(
     kernel: Kernel,
@@ -111,8 +150,23 @@ fn sgemm_with(
     a: ArrayView2<'_, f32>,
     b: ArrayView2<'_, f32>,
     beta: f32,
+    c: ArrayViewMut2<'_, f32>,
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    sgemm_full(kernel, alpha, a, b, beta, c, scratch, Triangle::Full)
+}
+
+/// [`sgemm_tri`] with a given micro-kernel (one this CPU supports).
+#[allow(clippy::too_many_arguments)] // sgemm's arguments and the triangle
+fn sgemm_full(
+    kernel: Kernel,
+    alpha: f32,
+    a: ArrayView2<'_, f32>,
+    b: ArrayView2<'_, f32>,
+    beta: f32,
     mut c: ArrayViewMut2<'_, f32>,
     scratch: &mut [MaybeUninit<f32>],
+    tri: Triangle,
 ) -> Result<()> {
     let (m, k) = a.dim();
     let n = b.ncols();
@@ -121,6 +175,22 @@ fn sgemm_with(
             context: format!("sgemm of A {:?} and B {:?} into C", a.shape(), b.shape()),
             expected: vec![m, n],
             actual: if b.nrows() != k { vec![b.nrows(), usize::MAX] } else { c.shape().to_vec() },
+        });
+    }
+    let square = match tri {
+        Triangle::Full => true,
+        Triangle::LowerC => m == n,
+        Triangle::LowerA | Triangle::UpperA => m == k,
+    };
+    if !square {
+        return Err(Error::ShapeMismatch {
+            context: format!(
+                "a {tri:?} product of A {:?} and B {:?}: the triangle's matrix is square",
+                a.shape(),
+                b.shape()
+            ),
+            expected: vec![m, m],
+            actual: if tri == Triangle::LowerC { vec![m, n] } else { vec![m, k] },
         });
     }
     let need = scratch_len(m, n, k);
@@ -161,9 +231,10 @@ fn sgemm_with(
     // this returns; the buffers have at least the sizes `packed_sizes` gives for these
     // shapes and this kernel. Split across this thread's pool when there is one (the
     // same bits), or here.
-    if !unsafe { pool::split(kernel, alpha, beta, &operands, a_buf, b_buf) } {
+    // A causal product stays on this thread (they are small: attention's heads).
+    if tri != Triangle::Full || !unsafe { pool::split(kernel, alpha, beta, &operands, a_buf, b_buf) } {
         // SAFETY: as above.
-        unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf) };
+        unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf, tri) };
     }
     Ok(())
 }
@@ -209,7 +280,8 @@ struct Operands {
 ///
 /// `ops` describes live matrices (C exclusively borrowed) with `m, n, k > 0`;
 /// `a_buf` and `b_buf` are at least as long as [`packed_sizes`] says for `kernel`,
-/// which came from [`Kernel::detect`].
+/// which came from [`Kernel::detect`]; the triangle's matrix is square (`m == n` for
+/// [`Triangle::LowerC`], `m == k` for the others).
 unsafe fn multiply(
     kernel: Kernel,
     alpha: f32,
@@ -217,6 +289,7 @@ unsafe fn multiply(
     ops: &Operands,
     a_buf: &mut [MaybeUninit<f32>],
     b_buf: &mut [MaybeUninit<f32>],
+    tri: Triangle,
 ) {
     let (mr, nr) = (kernel.mr(), kernel.nr());
     let vector = kernel.has_avx();
@@ -239,6 +312,19 @@ unsafe fn multiply(
                 for jr in (0..nc).step_by(nr) {
                     for ir in (0..mc).step_by(mr) {
                         let (row, col) = (ic + ir, jc + jr);
+                        let last_row = row + mr.min(mc - ir) - 1;
+                        // The tile's steps `from..to` of this slice (all but zeros of A).
+                        let (from, to) = match tri {
+                            Triangle::Full => (0, kc),
+                            Triangle::LowerC if col > last_row => continue,
+                            Triangle::LowerC => (0, kc),
+                            Triangle::LowerA => (0, (last_row + 1).saturating_sub(pc).min(kc)),
+                            Triangle::UpperA => (row.saturating_sub(pc).min(kc), kc),
+                        };
+                        if from == to && pc > 0 {
+                            // Nothing to add to what the earlier slices wrote.
+                            continue;
+                        }
                         let tile = Tile {
                             // SAFETY: `row < m`, `col < n`: inside C.
                             ptr: unsafe {
@@ -252,7 +338,17 @@ unsafe fn multiply(
                         // SAFETY: panel `ir / mr` of A and `jr / nr` of B hold `kc`
                         // initialised steps each (packing padded them with zeros); the
                         // tile is the part of C that exists; the kernel came from `detect`.
-                        unsafe { kernel.run(kc, a_dst.add(ir * kc), b_dst.add(jr * kc), beta, tile) };
+                        // Steps `from..to` of the panels (`from <= to <= kc`): the
+                        // panels hold each step's `mr` (`nr`) values one after another.
+                        unsafe {
+                            kernel.run(
+                                to - from,
+                                a_dst.add(ir * kc + from * mr),
+                                b_dst.add(jr * kc + from * nr),
+                                beta,
+                                tile,
+                            )
+                        };
                     }
                 }
             }
@@ -608,5 +704,50 @@ mod tests {
         let err = sgemm(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut short).unwrap_err();
         assert!(err.to_string().contains("scratch_len"), "{err}");
         assert!(c.iter().all(|&x| x == 7.0), "C untouched on error");
+    }
+
+    #[test]
+    fn causal_products_give_the_full_products_values() {
+        // Square triangles across tile edges, MC blocks (m > 96) and KC slices (k > 256),
+        // with transposed operands as attention takes them; every kernel; beta 0 and 1.
+        for &(m, other) in &[(1, 3), (7, 5), (64, 32), (64, 64), (131, 17), (300, 9)] {
+            let lower = |seed| {
+                let mut a = matrix(m, m, seed);
+                a.indexed_iter_mut().for_each(|((i, p), v)| *v = if p > i { 0.0 } else { *v });
+                a
+            };
+            for kernel in Kernel::all_available() {
+                for beta in [0.0, 1.0] {
+                    let check = |tri: Triangle, a: ArrayView2<'_, f32>, b: ArrayView2<'_, f32>| {
+                        let (rows, n, k) = (a.nrows(), b.ncols(), a.ncols());
+                        let start = matrix(rows, n, 9);
+                        let mut scratch = vec![MaybeUninit::uninit(); scratch_len(rows, n, k)];
+                        let mut full = start.clone();
+                        sgemm_with(kernel, 0.5, a, b, beta, full.view_mut(), &mut scratch).unwrap();
+                        let mut causal = start.clone();
+                        sgemm_full(kernel, 0.5, a, b, beta, causal.view_mut(), &mut scratch, tri).unwrap();
+                        for ((i, j), &x) in full.indexed_iter() {
+                            if tri == Triangle::LowerC && j > i {
+                                continue;
+                            }
+                            // `==`: the same values (a zero's sign may differ).
+                            assert!(causal[[i, j]] == x, "{kernel:?} {tri:?} m {m} beta {beta}: ({i}, {j})");
+                        }
+                    };
+                    let (l, b) = (lower(1), matrix(m, other, 2));
+                    check(Triangle::LowerA, l.view(), b.view());
+                    check(Triangle::UpperA, l.t(), b.view());
+                    let (q, k) = (matrix(m, other, 3), matrix(m, other, 4));
+                    check(Triangle::LowerC, q.view(), k.t());
+                }
+            }
+        }
+        // The triangle's matrix must be square.
+        let (a, b) = (matrix(4, 5, 1), matrix(5, 4, 2));
+        let mut c = Array2::<f32>::zeros((4, 4));
+        let mut scratch = vec![MaybeUninit::uninit(); scratch_len(4, 4, 5)];
+        let err = sgemm_tri(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut scratch, Triangle::LowerA).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+        assert!(sgemm_tri(1.0, a.view(), b.view(), 0.0, c.view_mut(), &mut scratch, Triangle::LowerC).is_ok());
     }
 }

@@ -95,7 +95,7 @@ impl Job {
         // SAFETY: `ops` describes the part of live matrices (the caller's promise), the
         // buffers have the sizes `packed_sizes` gives for it, the kernel came from
         // `Kernel::detect`.
-        unsafe { multiply(self.kernel, self.alpha, self.beta, &ops, a_buf, b_buf) };
+        unsafe { multiply(self.kernel, self.alpha, self.beta, &ops, a_buf, b_buf, super::Triangle::Full) };
     }
 
     /// Packing buffers part `p` needs.
@@ -313,7 +313,7 @@ impl Shared {
                 // SAFETY: part 0 of live matrices (the caller's promise), this thread's
                 // rows or columns alone; the whole product's buffers are at least the
                 // part's.
-                unsafe { multiply(kernel, alpha, beta, &ops, a_buf, b_buf) }
+                unsafe { multiply(kernel, alpha, beta, &ops, a_buf, b_buf, super::Triangle::Full) }
             }
         }));
         // Every helper has finished with the matrices once this returns.
