@@ -5,8 +5,9 @@ use crate::{Error, Result};
 use ndarray::{ArrayView2, ArrayViewMut2};
 use workspace_core::freeze;
 
-use super::kernels::{gelu_backward, gelu_forward};
+use super::kernels::gelu_backward;
 use super::layer::{BackwardCtx, ForwardCtx, Layer, RowsPass};
+use super::vector::gelu_new;
 
 /// `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` elementwise: the Gaussian error linear
 /// unit in the tanh form GPT-2 uses (PyTorch's `nn.GELU(approximate="tanh")`). Its
@@ -58,9 +59,8 @@ impl Layer for Gelu {
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<ArrayView2<'a, f32>> {
-        let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
-        gelu_forward(input, out.view_mut());
-        Ok(freeze(out))
+        let out = ctx.activations.uninit::<f32, _>(input.raw_dim())?;
+        Ok(freeze(gelu_new(input, out)))
     }
 
     fn backward_rows(

@@ -153,21 +153,7 @@ pub(crate) fn lstm_cell_backward(
     }
 }
 
-/// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
-/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, with
-/// [`fast_tanh`](super::vector::fast_tanh).
-pub(crate) fn gelu_forward(x: ArrayView2<'_, f32>, mut y: ArrayViewMut2<'_, f32>) {
-    if running() {
-        return;
-    }
-    if let (Some(x), Some(y)) = (x.as_slice(), y.as_slice_mut()) {
-        let n = x.len().min(y.len());
-        return vector::split(y, n, 1, &|s, e, y| vector::gelu_slices(&x[s..e], y));
-    }
-    Zip::from(&mut y).and(&x).for_each(|y, &x| *y = vector::gelu(x));
-}
-
-/// The gradient of [`gelu_forward`]'s input: `dx = dy · gelu'(x)`.
+/// The gradient of GELU's input ([`vector::gelu_new`]): `dx = dy · gelu'(x)`.
 pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut dx: ArrayViewMut2<'_, f32>) {
     if running() {
         return;
@@ -179,35 +165,7 @@ pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut
     Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope(x));
 }
 
-/// Layer normalisation of each row: `y = (x − mean) / √(var + eps) · gamma + beta`,
-/// with the biased variance (as `nn.LayerNorm`), sums in [`vector`]'s lane order.
-pub(crate) fn layer_norm_forward(
-    x: ArrayView2<'_, f32>,
-    gamma: ArrayView1<'_, f32>,
-    beta: ArrayView1<'_, f32>,
-    eps: f32,
-    mut y: ArrayViewMut2<'_, f32>,
-) {
-    if running() {
-        return;
-    }
-    if let (Some(xs), Some(g), Some(b), Some(ys)) = (x.as_slice(), gamma.as_slice(), beta.as_slice(), y.as_slice_mut())
-    {
-        let n = g.len();
-        if n == x.ncols() && b.len() == n && n > 0 && ys.len() == xs.len() {
-            let rows = xs.len() / n;
-            return vector::split(ys, rows, n, &|s, e, ys| vector::layer_norm_slices(&xs[s * n..e * n], g, b, eps, ys));
-        }
-    }
-    for (x, mut y) in x.rows().into_iter().zip(y.rows_mut()) {
-        let (mean, rstd) = vector::strided::row_statistics(x, eps);
-        Zip::from(&mut y).and(&x).and(&gamma).and(&beta).for_each(|y, &x, &g, &b| {
-            *y = (x - mean) * rstd * g + b;
-        });
-    }
-}
-
-/// The backward pass of [`layer_norm_forward`], each row's statistics rebuilt from its
+/// The backward pass of layer normalisation ([`vector::layer_norm_new`]), each row's statistics rebuilt from its
 /// input (nothing kept from the forward pass): `dgamma = Σ dy·x̂`, `dbeta = Σ dy` over
 /// the rows, in row order, and, when asked, `dx = rstd·(dx̂ − mean(dx̂) −
 /// x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.

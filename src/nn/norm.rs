@@ -6,8 +6,9 @@ use crate::{Error, Result};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use workspace_core::freeze;
 
-use super::kernels::{layer_norm_backward, layer_norm_forward};
+use super::kernels::layer_norm_backward;
 use super::layer::{check_len, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass};
+use super::vector::layer_norm_new;
 
 /// Normalises each row (each step of a sequence) over its features:
 /// `y = (x − mean) / √(var + eps) · weight + bias`, the variance biased, as PyTorch's
@@ -93,9 +94,8 @@ impl Layer for LayerNorm {
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<ArrayView2<'a, f32>> {
         let (w, b) = self.split(params, input.ncols())?;
-        let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
-        layer_norm_forward(input, w, b, self.eps, out.view_mut());
-        Ok(freeze(out))
+        let out = ctx.activations.uninit::<f32, _>(input.raw_dim())?;
+        Ok(freeze(layer_norm_new(input, w, b, self.eps, out)))
     }
 
     fn backward_rows(

@@ -19,6 +19,8 @@
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
+
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Zip};
 use std::sync::{Mutex, PoisonError};
 
 /// Lanes of a sum (see the module documentation).
@@ -138,9 +140,13 @@ pub(crate) fn gelu_slope(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2)
 }
 
+/// `y = gelu(x)`, every element of `y` written (the slices are as long).
 #[inline(always)]
-fn gelu_body(x: &[f32], y: &mut [f32]) {
-    y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x));
+fn gelu_body(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+    assert_eq!(x.len(), y.len(), "gelu's output is as long as its input");
+    y.iter_mut().zip(x).for_each(|(y, &x)| {
+        y.write(gelu(x));
+    });
 }
 
 #[inline(always)]
@@ -158,14 +164,19 @@ pub(crate) fn row_statistics(x: &[f32], eps: f32) -> (f32, f32) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-/// Layer normalisation of the rows of `x` (`n` wide, contiguous) into `y`.
+/// Layer normalisation of the rows of `x` (`n` wide, contiguous) into `y`, every
+/// element of `y` written (`x` and `y` whole rows of `gamma`'s width, as `beta`).
 #[inline(always)]
-fn layer_norm_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) {
+fn layer_norm_body(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [MaybeUninit<f32>]) {
     let n = gamma.len();
+    assert!(
+        n > 0 && beta.len() == n && x.len() == y.len() && x.len().is_multiple_of(n),
+        "layer norm's rows are whole and as wide as its parameters"
+    );
     for (x, y) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
         let (mean, rstd) = row_statistics(x, eps);
         for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-            *y = (x - mean) * rstd * g + b;
+            y.write((x - mean) * rstd * g + b);
         }
     }
 }
@@ -372,7 +383,7 @@ macro_rules! multiversion {
 
 multiversion! {
     /// `y = gelu(x)` elementwise.
-    fn gelu_slices(x: &[f32], y: &mut [f32]) => gelu_body;
+    fn gelu_slices(x: &[f32], y: &mut [MaybeUninit<f32>]) => gelu_body;
 }
 
 multiversion! {
@@ -382,7 +393,7 @@ multiversion! {
 
 multiversion! {
     /// Layer normalisation of contiguous rows `gamma.len()` wide.
-    fn layer_norm_slices(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [f32]) => layer_norm_body;
+    fn layer_norm_slices(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, y: &mut [MaybeUninit<f32>]) => layer_norm_body;
 }
 
 multiversion! {
@@ -414,19 +425,26 @@ multiversion! {
 const SPLIT_ELEMENTS: usize = 1 << 15;
 
 /// An output shared by the threads of a split loop, each writing a range of its own.
-#[derive(Clone, Copy)]
-struct SharedOut {
-    ptr: *mut f32,
+struct SharedOut<T = f32> {
+    ptr: *mut T,
     len: usize,
 }
 
-impl SharedOut {
+impl<T> Clone for SharedOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
     /// Elements `s..e`.
     ///
     /// # Safety
     ///
     /// `s <= e <= len`, and nothing else reaches those elements while the slice lives.
-    unsafe fn range<'a>(&self, s: usize, e: usize) -> &'a mut [f32] {
+    unsafe fn range<'a>(&self, s: usize, e: usize) -> &'a mut [T] {
         debug_assert!(s <= e && e <= self.len);
         // SAFETY: the caller's promise.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(s), e - s) }
@@ -434,19 +452,20 @@ impl SharedOut {
 }
 
 // SAFETY: used only by the split loops of this module (`split`, `split_always`,
-// `layer_norm_backward_split`, `split_with_work`), whose threads each write a range of the output that no
-// other thread reads or writes (`for_parts` gives every range to one thread), while the
-// loop keeps the output borrowed; when `for_parts` runs nothing, the pointer is not used.
-unsafe impl Send for SharedOut {}
+// `layer_norm_backward_split`, `split_with_work`), whose threads each write a range of
+// the output that no other thread reads or writes (`for_parts` gives every range to one
+// thread), while the loop keeps the output borrowed; when `for_parts` runs nothing, the
+// pointer is not used. The elements are `f32` or `MaybeUninit<f32>`, both `Send`.
+unsafe impl<T: Send> Send for SharedOut<T> {}
 // SAFETY: as above.
-unsafe impl Sync for SharedOut {}
+unsafe impl<T: Send> Sync for SharedOut<T> {}
 
 /// Runs `f(s, e, out[s·unit .. e·unit])` over the units `0..units` of `out` (`unit`
 /// elements each): across this thread's matrix-multiply pool in one range per thread
 /// when there is a pool and the loop is long enough, else `f(0, units, out)` here. Each
 /// unit is computed by the same code either way, so the bits do not depend on the
 /// split.
-pub(crate) fn split(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) {
+pub(crate) fn split<T: Send>(out: &mut [T], units: usize, unit: usize, f: &(dyn Fn(usize, usize, &mut [T]) + Sync)) {
     let units = units.min(out.len() / unit.max(1));
     if units >= 2 && units * unit >= SPLIT_ELEMENTS {
         let shared = SharedOut { ptr: out.as_mut_ptr(), len: units * unit };
@@ -464,6 +483,79 @@ pub(crate) fn split(out: &mut [f32], units: usize, unit: usize, f: &(dyn Fn(usiz
         }
     }
     f(0, units, &mut out[..units * unit]);
+}
+
+/// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
+/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, with
+/// [`fast_tanh`], into `y`, an uninitialised array of `x`'s shape (a workspace's
+/// [`uninit`](workspace_core::Scope::uninit)), split as [`split`] splits; `y`
+/// initialised. Writing it once saves the pass that zeroing it first would cost. In a
+/// dry run, which issues no arithmetic, `y` is zeroed.
+///
+/// # Panics
+///
+/// When the shapes differ.
+pub(crate) fn gelu_new<'y>(
+    x: ArrayView2<'_, f32>,
+    mut y: ArrayViewMut2<'y, MaybeUninit<f32>>,
+) -> ArrayViewMut2<'y, f32> {
+    assert_eq!(x.dim(), y.dim(), "gelu's output has its input's shape");
+    let dry = super::kernels::running();
+    match (x.as_slice(), y.as_slice_mut()) {
+        (Some(xs), Some(ys)) if !dry => {
+            let n = xs.len();
+            split(ys, n, 1, &|s, e, ys| gelu_slices(&xs[s..e], ys));
+        }
+        _ => Zip::from(&mut y).and(&x).for_each(|y, &x| {
+            y.write(if dry { 0.0 } else { gelu(x) });
+        }),
+    }
+    // SAFETY: every element of `y` was written: the slices of `x` and `y` are as long
+    // (the same shape, both contiguous), `split` hands out ranges covering `0..n` (one
+    // element per unit), and `gelu_body` writes every element of its range; the `Zip`
+    // writes every element.
+    unsafe { y.assume_init() }
+}
+
+/// Layer normalisation of each row, `y = (x − mean) / √(var + eps) · gamma + beta` with
+/// the biased variance (as `nn.LayerNorm`), sums in lane order, into `y`, an
+/// uninitialised array of `x`'s shape, as [`gelu_new`] writes GELU; `y` initialised.
+///
+/// # Panics
+///
+/// When the shapes differ, or `gamma` and `beta` are not as wide as the rows.
+pub(crate) fn layer_norm_new<'y>(
+    x: ArrayView2<'_, f32>,
+    gamma: ArrayView1<'_, f32>,
+    beta: ArrayView1<'_, f32>,
+    eps: f32,
+    mut y: ArrayViewMut2<'y, MaybeUninit<f32>>,
+) -> ArrayViewMut2<'y, f32> {
+    let n = x.ncols();
+    assert!(
+        x.dim() == y.dim() && gamma.len() == n && beta.len() == n,
+        "layer norm's output has its input's shape, its parameters the rows' width"
+    );
+    let dry = super::kernels::running();
+    match (x.as_slice(), gamma.as_slice(), beta.as_slice(), y.as_slice_mut()) {
+        (Some(xs), Some(g), Some(b), Some(ys)) if !dry && n > 0 => {
+            let rows = xs.len() / n;
+            split(ys, rows, n, &|s, e, ys| layer_norm_slices(&xs[s * n..e * n], g, b, eps, ys));
+        }
+        _ => {
+            for (x, mut y) in x.rows().into_iter().zip(y.rows_mut()) {
+                let (mean, rstd) = if dry { (0.0, 0.0) } else { strided::row_statistics(x, eps) };
+                Zip::from(&mut y).and(&x).and(&gamma).and(&beta).for_each(|y, &x, &g, &b| {
+                    y.write(if dry { 0.0 } else { (x - mean) * rstd * g + b });
+                });
+            }
+        }
+    }
+    // SAFETY: every element of `y` was written: with contiguous arrays `split` hands out
+    // whole rows covering all `rows · n` elements (`x` and `y` have the same shape) and
+    // `layer_norm_body` writes every element of its rows; otherwise the `Zip` over each
+    // row (as long as `gamma` and `beta`, checked above) writes every element.
+    unsafe { y.assume_init() }
 }
 
 /// One part's working arrays in [`split_with_work`]: values and a matrix multiply's
@@ -695,6 +787,13 @@ pub(crate) mod strided {
 mod tests {
     use super::*;
 
+    /// `y` as the kernels' uninitialised output.
+    fn uninit(y: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the kernels write only
+        // initialised values through it.
+        unsafe { &mut *(y as *mut [f32] as *mut [MaybeUninit<f32>]) }
+    }
+
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = carve_rng::Rng::new(seed);
         (0..n).map(|_| rng.uniform(-6.0, 6.0)).collect()
@@ -759,16 +858,16 @@ mod tests {
             let mut db = vec![0.0; n];
             let mut dp = dy[..t * t].to_vec();
             if baseline {
-                gelu_body(&x, &mut out[0]);
+                gelu_body(&x, uninit(&mut out[0]));
                 gelu_backward_body(&x, &dy, &mut out[1]);
-                layer_norm_body(&x, &gamma, &beta, 1e-5, &mut out[2]);
+                layer_norm_body(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_body(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_body(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
                 softmax_backward_body(&sm, &mut dp, t, 0.5);
             } else {
-                gelu_slices(&x, &mut out[0]);
+                gelu_slices(&x, uninit(&mut out[0]));
                 gelu_backward_slices(&x, &dy, &mut out[1]);
-                layer_norm_slices(&x, &gamma, &beta, 1e-5, &mut out[2]);
+                layer_norm_slices(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_slices(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_slices(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
                 softmax_backward_slices(&sm, &mut dp, t, 0.5);

@@ -502,6 +502,18 @@ unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usi
             }
             continue;
         }
+        if b.col_stride == 1 && cols == nr && (nr == 16 || nr == 32) {
+            // Row-major B, a whole panel: each step's values copied as one fixed-size
+            // block (vector moves, where a copy of a run-time length calls `memmove`).
+            // SAFETY: as below, with `cols == nr`.
+            unsafe {
+                match nr {
+                    16 => copy_rows::<16>(b, pc, kc, jc + jr, panel),
+                    _ => copy_rows::<32>(b, pc, kc, jc + jr, panel),
+                }
+            }
+            continue;
+        }
         if b.col_stride == 1 {
             // Row-major B (weights in a forward pass): each step's values are contiguous.
             for p in 0..kc {
@@ -530,6 +542,23 @@ unsafe fn pack_b(b: &Matrix, pc: usize, kc: usize, jc: usize, nc: usize, nr: usi
                     unsafe { *panel.add(p * nr + j) = 0.0 };
                 }
             }
+        }
+    }
+}
+
+/// `panel[p·N ..][..N] = B[pc + p, col .. col + N]` for `p < kc` (B row-major).
+///
+/// # Safety
+///
+/// Rows `pc .. pc + kc` of B hold columns `col .. col + N` with unit column stride;
+/// `panel` is writable for `N·kc` elements.
+#[inline(always)]
+unsafe fn copy_rows<const N: usize>(b: &Matrix, pc: usize, kc: usize, col: usize, panel: *mut f32) {
+    for p in 0..kc {
+        // SAFETY: the caller's promise; `[f32; N]` has alignment 4, as `f32`.
+        unsafe {
+            let src = b.at(pc + p, col).cast::<[f32; N]>();
+            panel.add(p * N).cast::<[f32; N]>().write_unaligned(src.read_unaligned());
         }
     }
 }
