@@ -4,8 +4,12 @@
 //! as [`simd`](super::simd) chooses its loops.
 //!
 //! The bits are the same in every version and on every machine:
-//! - every operation is a plain `f32` operation, correctly rounded whatever the vector
-//!   width, and nothing is fused (Rust never contracts `a * b + c`);
+//! - every operation is a plain `f32` operation or a fused multiply-add written as
+//!   `mul_add`, each correctly rounded whatever the vector width: a fused multiply-add
+//!   is one rounding, whether an FMA instruction computes it (the AVX2 loops, which
+//!   run only where the CPU has FMA, and the AVX-512 ones) or the C library's correctly
+//!   rounded `fmaf` (the baseline loop, slower); nothing else is fused (Rust never
+//!   contracts `a * b + c`);
 //! - sums are taken in eight interleaved lanes, element `j` into lane `j % 8`, the
 //!   lanes then added in one fixed tree ([`lane_sum`]): an order the compiler can
 //!   vectorise at any width without reassociating anything;
@@ -81,16 +85,16 @@ pub(crate) fn lane_sum_iter(values: impl Iterator<Item = f32>) -> f32 {
 pub(crate) fn fast_tanh(x: f32) -> f32 {
     let x = x.clamp(-7.998_811_7, 7.998_811_7);
     let x2 = x * x;
-    let mut p = x2 * -2.760_768_5e-16 + 2.000_187_9e-13;
-    p = x2 * p + -8.604_671_5e-11;
-    p = x2 * p + 5.122_297e-8;
-    p = x2 * p + 1.485_722_4e-5;
-    p = x2 * p + 6.372_619_3e-4;
-    p = x2 * p + 4.893_524_6e-3;
+    let mut p = x2.mul_add(-2.760_768_5e-16, 2.000_187_9e-13);
+    p = x2.mul_add(p, -8.604_671_5e-11);
+    p = x2.mul_add(p, 5.122_297e-8);
+    p = x2.mul_add(p, 1.485_722_4e-5);
+    p = x2.mul_add(p, 6.372_619_3e-4);
+    p = x2.mul_add(p, 4.893_524_6e-3);
     p *= x;
-    let mut q = x2 * 1.198_258_4e-6 + 1.185_347_1e-4;
-    q = x2 * q + 2.268_434_6e-3;
-    q = x2 * q + 4.893_525_2e-3;
+    let mut q = x2.mul_add(1.198_258_4e-6, 1.185_347_1e-4);
+    q = x2.mul_add(q, 2.268_434_6e-3);
+    q = x2.mul_add(q, 4.893_525_2e-3);
     p / q
 }
 
@@ -105,16 +109,16 @@ pub(crate) fn fast_tanh(x: f32) -> f32 {
 pub(crate) fn fast_exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer
     let x = x.clamp(-87.336_55, 88.0);
-    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let t = x.mul_add(std::f32::consts::LOG2_E, ROUND);
     let n = t - ROUND;
-    let r = (x - n * 0.693_359_375) - n * -2.121_944_4e-4;
+    let r = n.mul_add(2.121_944_4e-4, (-n).mul_add(0.693_359_375, x));
     let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
-    let y = p * (r * r) + r + 1.0;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 5.000_000_1e-1);
+    let y = p.mul_add(r * r, r) + 1.0;
     // `t`'s low bits hold `n` (|n| ≤ 127): the exponent field of 2ⁿ is n + 127 ≥ 1.
     let n_int = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     y * f32::from_bits(((n_int + 127) as u32) << 23)
@@ -128,16 +132,19 @@ const GELU_A: f32 = 0.044_715;
 /// GELU of one value.
 #[inline(always)]
 pub(crate) fn gelu(x: f32) -> f32 {
-    let u = GELU_C * (x + GELU_A * x * x * x);
-    0.5 * x * (1.0 + fast_tanh(u))
+    let u = GELU_C * (GELU_A * x * x).mul_add(x, x);
+    let h = 0.5 * x;
+    h.mul_add(fast_tanh(u), h)
 }
 
 /// GELU's derivative at `x`.
 #[inline(always)]
 pub(crate) fn gelu_slope(x: f32) -> f32 {
     let x2 = x * x;
-    let t = fast_tanh(GELU_C * (x + GELU_A * x2 * x));
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x2)
+    let t = fast_tanh(GELU_C * (GELU_A * x2).mul_add(x, x));
+    let sech2 = (-t).mul_add(t, 1.0);
+    let inner = x2.mul_add(3.0 * GELU_A, 1.0);
+    ((0.5 * GELU_C) * x * sech2).mul_add(inner, t.mul_add(0.5, 0.5))
 }
 
 /// `y = gelu(x)`, every element of `y` written (the slices are as long).
@@ -363,7 +370,7 @@ macro_rules! multiversion {
                 fn avx512($($arg: $ty),*) {
                     $body($($arg),*)
                 }
-                #[target_feature(enable = "avx2")]
+                #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn avx2($($arg: $ty),*) {
                     $body($($arg),*)
@@ -371,9 +378,11 @@ macro_rules! multiversion {
                 match super::simd::Width::detect() {
                     // SAFETY: the CPU has the feature the function is compiled for.
                     super::simd::Width::Avx512 => return unsafe { avx512($($arg),*) },
-                    // SAFETY: as above.
-                    super::simd::Width::Avx2 => return unsafe { avx2($($arg),*) },
-                    super::simd::Width::Baseline => {}
+                    // SAFETY: as above (AVX2 and FMA).
+                    super::simd::Width::Avx2 if std::arch::is_x86_feature_detected!("fma") => {
+                        return unsafe { avx2($($arg),*) }
+                    }
+                    _ => {}
                 }
             }
             $body($($arg),*)
