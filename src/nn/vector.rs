@@ -378,9 +378,9 @@ macro_rules! multiversion {
                 match super::simd::Width::detect() {
                     // SAFETY: the CPU has the feature the function is compiled for.
                     super::simd::Width::Avx512 => return unsafe { avx512($($arg),*) },
-                    // SAFETY: as above (AVX2 and FMA).
                     super::simd::Width::Avx2 if std::arch::is_x86_feature_detected!("fma") => {
-                        return unsafe { avx2($($arg),*) }
+                        // SAFETY: as above (AVX2 and FMA).
+                        return unsafe { avx2($($arg),*) };
                     }
                     _ => {}
                 }
