@@ -415,6 +415,20 @@ unsafe fn pack_a(
             }
             continue;
         }
+        if a.row_stride == 1 {
+            // Transposed A, the last rows (fewer than a tile): each step's values
+            // contiguous, zeros after them.
+            for p in 0..kc {
+                // SAFETY: rows `ic+ir .. ic+ir+rows`, column `pc + p` lie in the block,
+                // contiguous (unit row stride).
+                let src = unsafe { a.at(ic + ir, pc + p) };
+                for i in 0..mr {
+                    // SAFETY: `i < rows` lies in the block, as above; `p·mr + i < mr·kc`.
+                    unsafe { *panel.add(p * mr + i) = if i < rows { alpha * *src.add(i) } else { 0.0 } };
+                }
+            }
+            continue;
+        }
         for i in 0..mr {
             if i < rows {
                 // SAFETY: row `ic + ir + i` lies in the block, from column `pc`.
@@ -441,15 +455,29 @@ unsafe fn pack_a(
 /// it; `panel` is writable for `MR·kc` elements.
 #[inline(always)]
 unsafe fn copy_steps<const MR: usize>(a: &Matrix, alpha: f32, row: usize, pc: usize, kc: usize, panel: *mut f32) {
-    for p in 0..kc {
-        // SAFETY: `MR` contiguous values of column `pc + p` from `row` (unit row
-        // stride), per the contract; step `p` of the panel.
-        unsafe {
-            let mut v = a.at(row, pc + p).cast::<[f32; MR]>().read_unaligned();
-            if alpha != 1.0 {
+    if kc == 0 {
+        return;
+    }
+    // SAFETY: `(row, pc)` lies in A (the contract, `kc > 0`).
+    let mut src = unsafe { a.at(row, pc) };
+    // The scaling decided once, not per step; each step's column one stride on
+    // (`wrapping_offset`: past the last step the pointer is not read).
+    if alpha == 1.0 {
+        for p in 0..kc {
+            // SAFETY: `MR` contiguous values of column `pc + p` from `row` (unit row
+            // stride), per the contract; step `p` of the panel.
+            unsafe { panel.add(p * MR).cast::<[f32; MR]>().write_unaligned(src.cast::<[f32; MR]>().read_unaligned()) };
+            src = src.wrapping_offset(a.col_stride);
+        }
+    } else {
+        for p in 0..kc {
+            // SAFETY: as above.
+            unsafe {
+                let mut v = src.cast::<[f32; MR]>().read_unaligned();
                 v.iter_mut().for_each(|x| *x *= alpha);
+                panel.add(p * MR).cast::<[f32; MR]>().write_unaligned(v);
             }
-            panel.add(p * MR).cast::<[f32; MR]>().write_unaligned(v);
+            src = src.wrapping_offset(a.col_stride);
         }
     }
 }
