@@ -66,10 +66,11 @@ pub(super) mod x86 {
     /// steps `p` it can take eight at a time, and returns how many it wrote: the caller
     /// packs steps from there to `kc` one at a time. When `lines` is not a multiple of
     /// 8 the last group's eight-wide stores run into the next step's slots (rewritten
-    /// by that step's store), so a block is taken only while a step follows it; such a
-    /// group must be the only one (`lines < 8`), or a later group's overflow would land
-    /// on an earlier group's values of the next step, and at least 4 lines wide, so that
-    /// the last store's overflow (`8 − lines` slots) stays within the next step's slots.
+    /// by that step's store), so such a block is stored so only while a step follows
+    /// it (the block ending at `kc` goes through a buffer); such a group must be the
+    /// only one (`lines < 8`), or a later group's overflow would land on an earlier
+    /// group's values of the next step, and at least 4 lines wide, so that the last
+    /// store's overflow (`8 − lines` slots) stays within the next step's slots.
     ///
     /// # Safety
     ///
@@ -103,6 +104,27 @@ pub(super) mod x86 {
                     // group is whole (`g + 8 <= lines`); otherwise the last `8 - lanes`
                     // fall on step `p0 + q + 1 < kc`'s first slots (the loop's bound).
                     unsafe { _mm256_storeu_ps(panel.add((p0 + q) * lines + g), column) };
+                }
+            }
+            p0 += 8;
+        }
+        if !whole && p0 + 8 == kc {
+            // The last eight steps of a group narrower than 8 (the only group): no step
+            // follows to take the overflow, so each step's values go through a buffer.
+            let mut r = [_mm256_setzero_ps(); 8];
+            for (i, r) in r.iter_mut().enumerate().take(lines) {
+                // SAFETY: line `i < lines`, steps `p0 .. p0 + 8 == kc`.
+                let v = unsafe { _mm256_loadu_ps(src.offset(i as isize * line_stride).add(p0)) };
+                *r = if alpha == 1.0 { v } else { _mm256_mul_ps(scale, v) };
+            }
+            for (q, column) in transpose(r).into_iter().enumerate() {
+                let mut values = [0.0f32; 8];
+                // SAFETY: `values` holds eight values.
+                unsafe { _mm256_storeu_ps(values.as_mut_ptr(), column) };
+                for (l, &v) in values.iter().enumerate().take(lines) {
+                    // SAFETY: slot `(p0+q)·lines + l` lies in the panel (`p0 + q < kc`,
+                    // `l < lines`).
+                    unsafe { *panel.add((p0 + q) * lines + l) = v };
                 }
             }
             p0 += 8;
