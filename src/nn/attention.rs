@@ -199,7 +199,8 @@ impl Attention {
         Ok(())
     }
 
-    /// The forward pass of rows `x` (`[batch · steps, width]`) into `out`, with the
+    /// The forward pass of rows `x` (`[batch · steps, width]`) added to `out` (which
+    /// holds the output projection's bias in every row), with the
     /// queries, keys and values in `qkv`, the heads' outputs in `att`, and per head and
     /// sequence the softmax statistics and (unless recomputed: then the scores are
     /// worked out in `scores`, `[steps, steps]`) the probabilities in `heads`. The
@@ -216,7 +217,7 @@ impl Attention {
         att: &mut [f32],
         heads: &mut [f32],
         scores: &mut [f32],
-        mut out: ArrayViewMut2<'_, f32>,
+        out: ArrayViewMut2<'_, f32>,
         scratch: &mut [MaybeUninit<f32>],
     ) -> Result<()> {
         let (d, hd, t) = (self.width, self.head_width(), l.steps);
@@ -250,7 +251,6 @@ impl Attention {
         };
         split_with_work(att, heads, l.batch, own, &sequences)?;
         let att = ArrayView2::from_shape((l.rows(), d), &*att).expect("rows × width values");
-        rows_from(out.view_mut(), p.proj_b);
         sgemm(1.0, att, p.proj_w, 1.0, out, scratch)?;
         Ok(())
     }
@@ -538,16 +538,16 @@ impl Attention {
             Error::InvalidInput(format!("layer '{}': a batch of {batch} × {steps} steps overflows", self.name))
         })?;
         let rows = steps_as_rows(x, &self.name)?;
-        let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.width))?;
+        // The output starts as the projection's bias in every row; the product adds to it.
+        let mut out_rows = ctx.activations.rows_of(&p.proj_b, l.rows())?;
         let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
         let scores = ctx.working.slice_zeroed::<f32>(steps * steps)?;
-        let out_rows = out.view_mut().into_shape_with_order((l.rows(), self.width)).expect("a new array is standard");
         if ctx.training {
             let tape = tape_of::<AttentionTape>(tape, &self.name)?;
             let print = fingerprint(mask.as_ref(), batch, steps);
             let what = || format!("attention layer '{}': the values kept for backward", self.name);
             tape.kept.fill(len, print, ctx, what, |kept| {
-                self.forward_into(p, rows, l, mask, kept, scores, out_rows, scratch)
+                self.forward_into(p, rows, l, mask, kept, scores, out_rows.view_mut(), scratch)
             })?;
         } else {
             if let Some(tape) = tape.get_mut::<AttentionTape>() {
@@ -558,8 +558,9 @@ impl Attention {
             let l = Layout { recompute: true, ..l };
             let mut work = ctx.working.zeros::<f32, _>(l.len().unwrap_or(usize::MAX))?;
             let work = work.as_slice_mut().expect("a new array is contiguous");
-            self.forward_into(p, rows, l, mask, work, scores, out_rows, scratch)?;
+            self.forward_into(p, rows, l, mask, work, scores, out_rows.view_mut(), scratch)?;
         }
+        let out = out_rows.into_shape_with_order((batch, steps, self.width)).expect("a new array is standard");
         Ok(Activations::Sequence(freeze(out)))
     }
 
