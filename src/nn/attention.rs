@@ -9,7 +9,7 @@ use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm, sgemm_tri, Triangle};
 use super::kept::{fingerprint, Kept};
-use super::kernels::{causal_softmax, causal_softmax_again, rows_from, softmax_backward, sum_rows};
+use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward, rows_from, sum_rows};
 use super::layer::{
     check_grad_input, check_len, check_mask, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
     BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape,
@@ -224,6 +224,18 @@ impl Attention {
         let scale = 1.0 / (hd as f32).sqrt();
         rows_from(qkv.view_mut(), p.qkv_b);
         sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
+        // A padded step's queries, keys and values are zero: no live step attends to it,
+        // and a padded step's input (which nothing checks: it may be anything, NaN
+        // included) then cannot reach a live step through a product by a zero
+        // probability (`0 · NaN`), whatever the products skip. Their gradients are zero
+        // either way.
+        if let Some(mask) = mask.as_ref() {
+            for ((b, step), &live) in mask.indexed_iter() {
+                if live == 0.0 {
+                    qkv.row_mut(b * t + step).fill(0.0);
+                }
+            }
+        }
         let qkv = qkv.view();
         let head_scratch = self.head_scratch(t).min(scratch.len());
         let own = PartWork { values: scores, packing: &mut scratch[..head_scratch] };
@@ -354,7 +366,7 @@ impl Attention {
                         scratch,
                         Triangle::UpperA,
                     )?;
-                    softmax_backward(probs, d_probs.view_mut(), scale);
+                    causal_softmax_backward(probs, d_probs.view_mut(), scale);
                     // dQ = dS·K, dK = dSᵀ·Q.
                     sgemm_tri(
                         1.0,

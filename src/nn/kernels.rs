@@ -258,14 +258,14 @@ fn softmax_block(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>
 /// past step `i`) and the gradient of the probabilities `dp`, in place of `dp`:
 /// `ds_ij = p_ij · (dp_ij − Σ_k p_ik·dp_ik)`, times `scale`, for `j ≤ i`, and 0 past
 /// the diagonal, where `dp` is not read (a causal product may not have written it).
-pub(crate) fn softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_, f32>, scale: f32) {
+pub(crate) fn causal_softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewMut2<'_, f32>, scale: f32) {
     if running() {
         return;
     }
     let t = p.ncols();
     if let (Some(ps), Some(ds)) = (p.as_slice(), dp.as_slice_mut()) {
         if t > 0 {
-            return vector::softmax_backward_slices(ps, ds, t, scale);
+            return vector::causal_softmax_backward_slices(ps, ds, t, scale);
         }
     }
     for (i, (p, mut d)) in p.rows().into_iter().zip(dp.rows_mut()).enumerate() {

@@ -8,8 +8,9 @@
 //!   `mul_add`, each correctly rounded whatever the vector width: a fused multiply-add
 //!   is one rounding, whether an FMA instruction computes it (the AVX2 loops, which
 //!   run only where the CPU has FMA, and the AVX-512 ones) or the C library's correctly
-//!   rounded `fmaf` (the baseline loop, slower); nothing else is fused (Rust never
-//!   contracts `a * b + c`);
+//!   rounded `fmaf` (the baseline loop, slower; this relies on the platform's `fmaf`
+//!   being correctly rounded, as `f32::mul_add` documents and glibc and musl provide);
+//!   nothing else is fused (Rust never contracts `a * b + c`);
 //! - sums are taken in eight interleaved lanes, element `j` into lane `j % 8`, the
 //!   lanes then added in one fixed tree ([`lane_sum`]): an order the compiler can
 //!   vectorise at any width without reassociating anything;
@@ -344,7 +345,7 @@ pub(crate) fn causal_softmax_by(s: &mut [f32], t: usize, live: impl Fn(usize) ->
 /// probabilities: row `i`'s terms past step `i` (where `p` is 0) are not read, and
 /// its gradient there is 0.
 #[inline(always)]
-fn softmax_backward_body(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
+fn causal_softmax_backward_body(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
     for (i, (p, d)) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
         let (head, tail) = d.split_at_mut((i + 1).min(t));
         let p = &p[..head.len()];
@@ -426,7 +427,7 @@ multiversion! {
 
 multiversion! {
     /// The softmax's gradient over contiguous rows `t` wide.
-    fn softmax_backward_slices(p: &[f32], dp: &mut [f32], t: usize, scale: f32) => softmax_backward_body;
+    fn causal_softmax_backward_slices(p: &[f32], dp: &mut [f32], t: usize, scale: f32) => causal_softmax_backward_body;
 }
 
 /// Loops shorter than this many elements stay on the calling thread: splitting costs a
@@ -577,6 +578,9 @@ pub(crate) struct PartWork<'w> {
 thread_local! {
     /// A pool helper's working arrays for the parts of [`split_with_work`] it runs: they
     /// grow to the largest asked for and then stay, so a steady loop allocates nothing.
+    /// Like the helpers' packing buffers (see `gemm::pool`), they live outside every
+    /// workspace, for the pool's life: for a GPT's attention, two `[T, T]` blocks and a
+    /// head product's packing space per helper.
     static HELPER_WORK: RefCell<(Vec<f32>, Vec<MaybeUninit<f32>>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -605,7 +609,8 @@ pub(crate) fn split_with_work(
         let (sa, sb) =
             (SharedOut { ptr: a.as_mut_ptr(), len: units * ua }, SharedOut { ptr: b.as_mut_ptr(), len: units * ub });
         let own = Mutex::new(Some(own));
-        let failed: Mutex<Option<crate::Error>> = Mutex::new(None);
+        // The error of the earliest part that failed (the same error whatever the timing).
+        let failed: Mutex<Option<(usize, crate::Error)>> = Mutex::new(None);
         let part = |p: usize, s: usize, e: usize| {
             if s == e {
                 return;
@@ -616,7 +621,8 @@ pub(crate) fn split_with_work(
             // and `b` stay borrowed, unused otherwise, until every part is done.
             let (pa, pb) = unsafe { (sa.range(s * ua, e * ua), sb.range(s * ub, e * ub)) };
             let result = if p == 0 {
-                match own.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                let work = own.lock().unwrap_or_else(PoisonError::into_inner).take();
+                match work {
                     Some(work) => f(s, e, pa, pb, work),
                     None => Err(crate::Error::InvalidInput("a split loop ran its first part twice".into())),
                 }
@@ -625,9 +631,10 @@ pub(crate) fn split_with_work(
                     let mut work = work.borrow_mut();
                     let (v, k) = &mut *work;
                     if v.len() < values || k.len() < packing {
+                        // Amortised growth: sizes that creep up grow the arrays rarely.
                         let grown = v
-                            .try_reserve_exact(values.saturating_sub(v.len()))
-                            .and_then(|()| k.try_reserve_exact(packing.saturating_sub(k.len())));
+                            .try_reserve(values.saturating_sub(v.len()))
+                            .and_then(|()| k.try_reserve(packing.saturating_sub(k.len())));
                         if let Err(e) = grown {
                             return Err(crate::Error::InvalidInput(format!(
                                 "a pool thread's working arrays of {values} + {packing} values cannot be allocated ({e})"
@@ -640,11 +647,14 @@ pub(crate) fn split_with_work(
                 })
             };
             if let Err(e) = result {
-                failed.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(e);
+                let mut failed = failed.lock().unwrap_or_else(PoisonError::into_inner);
+                if failed.as_ref().is_none_or(|(first, _)| s < *first) {
+                    *failed = Some((s, e));
+                }
             }
         };
         if super::gemm::pool::for_each_part(units, 2, 1, &part) {
-            return failed.into_inner().unwrap_or_else(PoisonError::into_inner).map_or(Ok(()), Err);
+            return failed.into_inner().unwrap_or_else(PoisonError::into_inner).map_or(Ok(()), |(_, e)| Err(e));
         }
         return match own.into_inner().unwrap_or_else(PoisonError::into_inner) {
             Some(own) => f(0, units, &mut a[..units * ua], &mut b[..units * ub], own),
@@ -872,14 +882,14 @@ mod tests {
                 layer_norm_body(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_body(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_body(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
-                softmax_backward_body(&sm, &mut dp, t, 0.5);
+                causal_softmax_backward_body(&sm, &mut dp, t, 0.5);
             } else {
                 gelu_slices(&x, uninit(&mut out[0]));
                 gelu_backward_slices(&x, &dy, &mut out[1]);
                 layer_norm_slices(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_slices(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_slices(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
-                softmax_backward_slices(&sm, &mut dp, t, 0.5);
+                causal_softmax_backward_slices(&sm, &mut dp, t, 0.5);
             }
             out[4] = sm;
             out[5] = stats;

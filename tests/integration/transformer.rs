@@ -794,3 +794,45 @@ fn attention_split_across_threads_gives_the_bits_of_one_with_padding_and_both_fo
         }
     }
 }
+
+#[test]
+fn a_padded_steps_values_never_reach_a_live_step_even_as_nan() {
+    // Padded steps hold anything (nothing checks them): NaN there gives the live steps
+    // the bits that zeros there give, in both forms, at a padding that ends inside a
+    // tile of the products (steps 7 and 21 of 24, in rows of 6).
+    let case = &fixture()["attention"];
+    let width = tensor3(&case["x"]).shape()[2];
+    let (batch, steps) = (3, 24);
+    let x = ndarray::Array3::from_shape_fn((batch, steps, width), |(b, t, f)| {
+        ((b * 7 + t * 3 + f) % 11) as f32 * 0.1 - 0.5
+    });
+    let dy =
+        ndarray::Array3::from_shape_fn((batch, steps, width), |(b, t, f)| ((b + t * 5 + f * 3) % 7) as f32 * 0.1 - 0.3);
+    let live = [7, 21, 24];
+    let mask = Array2::from_shape_fn((batch, steps), |(b, t)| if t < live[b] { 1.0f32 } else { 0.0 });
+    let padded_with = |v: f32| {
+        let mut x = x.clone();
+        x.indexed_iter_mut().filter(|((b, t, _), _)| *t >= live[*b]).for_each(|(_, x)| *x = v);
+        x
+    };
+    for recompute in [false, true] {
+        let mut zeros = attention_from(case, width, recompute);
+        let mut nans = attention_from(case, width, recompute);
+        let (y0, dx0, g0) = sequence_pass(&mut zeros, &padded_with(0.0), Some(&mask), &dy);
+        let (y1, dx1, g1) = sequence_pass(&mut nans, &padded_with(f32::NAN), Some(&mask), &dy);
+        for b in 0..batch {
+            for t in 0..live[b] {
+                for f in 0..width {
+                    let (a, n) = ((y0[[b, t, f]], dx0[[b, t, f]]), (y1[[b, t, f]], dx1[[b, t, f]]));
+                    assert!(a.0.is_finite() && a.0 == n.0, "recompute {recompute}: y at ({b}, {t}, {f})");
+                    assert!(a.1.is_finite() && a.1 == n.1, "recompute {recompute}: dx at ({b}, {t}, {f})");
+                }
+            }
+        }
+        // The weights' gradients read the padded inputs (xᵀ·d_qkv with a zero d_qkv row
+        // there), so only the biases' and the output projection's are compared.
+        for p in [1, 2, 3] {
+            assert!(g0[p] == g1[p] && g0[p].iter().all(|v| v.is_finite()), "recompute {recompute}: gradient {p}");
+        }
+    }
+}
