@@ -1,6 +1,7 @@
 //! Causal multi-head self-attention (GPT-2's `CausalSelfAttention`, without dropout).
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2};
 use workspace_core::freeze;
@@ -247,15 +248,16 @@ impl Attention {
                 let (rows, own_rows) = (b * t..(b + 1) * t, i * t..(i + 1) * t);
                 let keys = mask.as_ref().map(|m| m.row(b));
                 for (h, slot) in slots.chunks_exact_mut(l.per_head()).enumerate() {
-                    let q = qkv.slice(s![rows.clone(), h * hd..(h + 1) * hd]);
-                    let k = qkv.slice(s![rows.clone(), d + h * hd..d + (h + 1) * hd]);
-                    let v = qkv.slice(s![rows.clone(), 2 * d + h * hd..2 * d + (h + 1) * hd]);
+                    let (qc, kc, vc) = self.head_columns(h);
+                    let q = qkv.slice(s![rows.clone(), qc.clone()]);
+                    let k = qkv.slice(s![rows.clone(), kc]);
+                    let v = qkv.slice(s![rows.clone(), vc]);
                     let (stats, probs) = slot.split_at_mut(2 * t);
                     let probs = if l.recompute { &mut scores[..t * t] } else { probs };
                     let mut probs = ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values");
                     sgemm_tri(scale, q, k.t(), 0.0, probs.view_mut(), scratch, Triangle::LowerC)?;
                     causal_softmax(probs.view_mut(), keys, stats);
-                    let o = att.slice_mut(s![own_rows.clone(), h * hd..(h + 1) * hd]);
+                    let o = att.slice_mut(s![own_rows.clone(), qc]);
                     sgemm_tri(1.0, probs.view(), v, 0.0, o, scratch, Triangle::LowerA)?;
                 }
             }
@@ -265,6 +267,13 @@ impl Attention {
         let att = ArrayView2::from_shape((l.rows(), d), &*att).expect("rows × width values");
         sgemm(1.0, att, p.proj_w, 1.0, out, scratch)?;
         Ok(())
+    }
+
+    /// Head `h`'s columns of the queries, the keys and the values in `qkv` (its
+    /// queries' columns are also its output's columns in `att`).
+    fn head_columns(&self, h: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
+        let (d, hd) = (self.width, self.head_width());
+        (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd)
     }
 
     /// Packing space for one head's products over `steps` steps.
@@ -340,8 +349,7 @@ impl Attention {
                 let (rows, own_rows) = (b * t..(b + 1) * t, (b - s) * t..(b - s + 1) * t);
                 let keys = mask.as_ref().map(|m| m.row(b));
                 for (h, slot) in slots.chunks_exact(l.per_head()).enumerate() {
-                    let (qc, kc, vc) =
-                        (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
+                    let (qc, kc, vc) = self.head_columns(h);
                     let q = qkv.slice(s![rows.clone(), qc.clone()]);
                     let k = qkv.slice(s![rows.clone(), kc.clone()]);
                     let v = qkv.slice(s![rows.clone(), vc.clone()]);

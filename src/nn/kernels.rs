@@ -165,10 +165,10 @@ pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut
     Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope(x));
 }
 
-/// The backward pass of layer normalisation ([`vector::layer_norm_new`]), each row's statistics rebuilt from its
-/// input (nothing kept from the forward pass): `dgamma = Σ dy·x̂`, `dbeta = Σ dy` over
-/// the rows, in row order, and, when asked, `dx = rstd·(dx̂ − mean(dx̂) −
-/// x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.
+/// The backward pass of layer normalisation ([`vector::layer_norm_new`]), each row's
+/// statistics rebuilt from its input (nothing kept from the forward pass): `dgamma =
+/// Σ dy·x̂`, `dbeta = Σ dy` over the rows, in row order, and, when asked, `dx =
+/// rstd·(dx̂ − mean(dx̂) − x̂·mean(dx̂·x̂))` with `dx̂ = dy·gamma`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn layer_norm_backward(
     x: ArrayView2<'_, f32>,

@@ -100,8 +100,7 @@ pub fn sgemm(
     c: ArrayViewMut2<'_, f32>,
     scratch: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
-    let _span = crate::nn::profile::span(crate::nn::profile::Part::MatMul);
-    sgemm_with(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch)
+    sgemm_tri(alpha, a, b, beta, c, scratch, Triangle::Full)
 }
 
 /// Which zeros of a product's operands, or which elements of its result, a causal
@@ -143,7 +142,8 @@ pub(crate) fn sgemm_tri(
     sgemm_full(Kernel::detect(b.ncols()), alpha, a, b, beta, c, scratch, tri)
 }
 
-/// [`sgemm`] with a given micro-kernel (one this CPU supports).
+/// [`sgemm`] with a given micro-kernel (one this CPU supports), for the tests.
+#[cfg(test)]
 fn sgemm_with(
     kernel: Kernel,
     alpha: f32,

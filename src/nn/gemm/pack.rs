@@ -62,6 +62,33 @@ pub(super) mod x86 {
         ]
     }
 
+    /// Eight steps from `p0` of the `lanes` (at most 8) lines from line `first`, times
+    /// `alpha`; the rows past `lanes` zero.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX; for every `i < lanes`, `src + (first + i)·line_stride` is
+    /// readable for steps `p0 .. p0 + 8`.
+    #[target_feature(enable = "avx")]
+    #[inline]
+    unsafe fn load_block(
+        src: *const f32,
+        line_stride: isize,
+        first: usize,
+        lanes: usize,
+        p0: usize,
+        alpha: f32,
+    ) -> [__m256; 8] {
+        let scale = _mm256_set1_ps(alpha);
+        let mut r = [_mm256_setzero_ps(); 8];
+        for (i, r) in r.iter_mut().enumerate().take(lanes) {
+            // SAFETY: line `first + i`, steps `p0 .. p0 + 8`, readable per the contract.
+            let v = unsafe { _mm256_loadu_ps(src.offset((first + i) as isize * line_stride).add(p0)) };
+            *r = if alpha == 1.0 { v } else { _mm256_mul_ps(scale, v) };
+        }
+        r
+    }
+
     /// Writes `panel[p·lines + l] = alpha · src[l·line_stride + p]` for the leading
     /// steps `p` it can take eight at a time, and returns how many it wrote: the caller
     /// packs steps from there to `kc` one at a time. When `lines` is not a multiple of
@@ -88,17 +115,11 @@ pub(super) mod x86 {
     ) -> usize {
         debug_assert!(usable(lines), "{lines} lines");
         let whole = lines.is_multiple_of(8);
-        let scale = _mm256_set1_ps(alpha);
         let mut p0 = 0;
         while p0 + 8 < kc || (whole && p0 + 8 == kc) {
             for g in (0..lines).step_by(8) {
-                let lanes = (lines - g).min(8);
-                let mut r = [_mm256_setzero_ps(); 8];
-                for (i, r) in r.iter_mut().enumerate().take(lanes) {
-                    // SAFETY: line `g + i < lines`, steps `p0 .. p0 + 8 <= kc`.
-                    let v = unsafe { _mm256_loadu_ps(src.offset((g + i) as isize * line_stride).add(p0)) };
-                    *r = if alpha == 1.0 { v } else { _mm256_mul_ps(scale, v) };
-                }
+                // SAFETY: lines `g .. g + min(8, lines - g)` exist, steps `p0 .. p0 + 8 <= kc`.
+                let r = unsafe { load_block(src, line_stride, g, (lines - g).min(8), p0, alpha) };
                 for (q, column) in transpose(r).into_iter().enumerate() {
                     // SAFETY: slots `(p0+q)·lines + g .. + 8`: inside the panel when the
                     // group is whole (`g + 8 <= lines`); otherwise the last `8 - lanes`
@@ -111,12 +132,8 @@ pub(super) mod x86 {
         if !whole && p0 + 8 == kc {
             // The last eight steps of a group narrower than 8 (the only group): no step
             // follows to take the overflow, so each step's values go through a buffer.
-            let mut r = [_mm256_setzero_ps(); 8];
-            for (i, r) in r.iter_mut().enumerate().take(lines) {
-                // SAFETY: line `i < lines`, steps `p0 .. p0 + 8 == kc`.
-                let v = unsafe { _mm256_loadu_ps(src.offset(i as isize * line_stride).add(p0)) };
-                *r = if alpha == 1.0 { v } else { _mm256_mul_ps(scale, v) };
-            }
+            // SAFETY: lines `0 .. lines`, steps `p0 .. p0 + 8 == kc`.
+            let r = unsafe { load_block(src, line_stride, 0, lines, p0, alpha) };
             for (q, column) in transpose(r).into_iter().enumerate() {
                 let mut values = [0.0f32; 8];
                 // SAFETY: `values` holds eight values.
