@@ -10,12 +10,12 @@ use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm, sgemm_tri, Triangle};
 use super::kept::{fingerprint, Kept};
-use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward, rows_from, sum_rows};
+use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward};
 use super::layer::{
     check_grad_input, check_len, check_mask, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
     BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape,
 };
-use super::vector::{split_with_work, PartWork};
+use super::vector::{fill_rows, rows_new, split_with_work, sum_rows, zeros_new, PartWork};
 
 /// Causal multi-head self-attention over a batch of sequences `[batch, time, width]`:
 /// one projection to the queries, keys and values of every head (`qkv`, `width → 3 ·
@@ -223,7 +223,7 @@ impl Attention {
     ) -> Result<()> {
         let (d, hd, t) = (self.width, self.head_width(), l.steps);
         let scale = 1.0 / (hd as f32).sqrt();
-        rows_from(qkv.view_mut(), p.qkv_b);
+        fill_rows(qkv.view_mut(), p.qkv_b);
         sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
         // A padded step's queries, keys and values are zero: no live step attends to it,
         // and a padded step's input (which nothing checks: it may be anything, NaN
@@ -522,8 +522,8 @@ impl Layer for Attention {
         let dx = grad_input.map(|g| rows_of_grad(g, name)).transpose()?;
         let w = &ctx.working;
         let work = Work {
-            d_att: w.zeros::<f32, _>((l.rows(), self.width))?,
-            d_qkv: w.zeros::<f32, _>((l.rows(), 3 * self.width))?,
+            d_att: zeros_new(w.uninit::<f32, _>((l.rows(), self.width))?),
+            d_qkv: zeros_new(w.uninit::<f32, _>((l.rows(), 3 * self.width))?),
             values: w.slice_zeroed::<f32>(2 * steps * steps)?,
             scratch: w.slice_uninit::<f32>(self.scratch(l.rows(), steps))?,
         };
@@ -559,7 +559,7 @@ impl Attention {
         })?;
         let rows = steps_as_rows(x, &self.name)?;
         // The output starts as the projection's bias in every row; the product adds to it.
-        let mut out_rows = ctx.activations.rows_of(&p.proj_b, l.rows())?;
+        let mut out_rows = rows_new(p.proj_b, ctx.activations.uninit::<f32, _>((l.rows(), self.width))?);
         let scratch = ctx.working.slice_uninit::<f32>(self.scratch(l.rows(), steps))?;
         let scores = ctx.working.slice_zeroed::<f32>(steps * steps)?;
         if ctx.training {

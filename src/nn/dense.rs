@@ -5,10 +5,10 @@ use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use workspace_core::freeze;
 
 use super::gemm::{scratch_len, sgemm};
-use super::kernels::sum_rows;
 use super::layer::{
     check_len, steps_in, steps_out, Activations, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass, Tape,
 };
+use super::vector::{rows_new, sum_rows};
 
 /// A dense layer from `inputs` to `outputs` columns: `inputs × outputs` weights
 /// (PyTorch's `weight`, stored transposed: carve keeps them `inputs × outputs`, row-major)
@@ -126,7 +126,7 @@ fn forward<'a>(
     check_input(name, w, &input)?;
     let (batch, inputs) = input.dim();
     let outputs = w.ncols();
-    let mut out = ctx.activations.rows_of(&b, batch)?;
+    let mut out = rows_new(b, ctx.activations.uninit::<f32, _>((batch, outputs))?);
     let scratch = ctx.working.slice_uninit::<f32>(scratch_len(batch, outputs, inputs))?;
     sgemm(1.0, input, w, 1.0, out.view_mut(), scratch)?;
     Ok(freeze(out))

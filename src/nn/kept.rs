@@ -10,6 +10,7 @@ use crate::{Error, Result};
 
 use super::layer::ForwardCtx;
 use super::limits::reserve_filled;
+use super::vector::zeros_new;
 
 /// A layer's kept values of its last training forward pass, with the fingerprint of
 /// the batch they belong to (see [`fingerprint`]).
@@ -56,7 +57,7 @@ impl Kept {
             self.print = print;
             return Ok(result);
         }
-        let mut handle = ctx.activations.zeros_handle::<f32, _>(len)?;
+        let mut handle = ctx.activations.handle_with::<f32, _>(len, zeros_new)?;
         let result = {
             let mut view = handle.view_mut(ctx.activations)?;
             f(view.as_slice_mut().expect("a new array is contiguous"))?

@@ -75,12 +75,6 @@ pub(crate) fn add_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32
     }
 }
 
-/// `acc = Σ rows`, summed in row order.
-pub(crate) fn sum_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32>) {
-    fill(acc.view_mut(), 0.0);
-    add_rows(acc, rows);
-}
-
 /// The logistic function.
 #[inline]
 pub(crate) fn sigmoid(x: f32) -> f32 {
@@ -276,13 +270,6 @@ pub(crate) fn causal_softmax_backward(p: ArrayView2<'_, f32>, mut dp: ArrayViewM
     }
 }
 
-/// Every row of `a` set to `row` (a bias broadcast before a product adds into it).
-pub(crate) fn rows_from(mut a: ArrayViewMut2<'_, f32>, row: ArrayView1<'_, f32>) {
-    for mut r in a.rows_mut() {
-        r.assign(&row);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,11 +281,11 @@ mod tests {
         let rows = array![[1.0f32, 2.0], [3.0, 4.0]];
         dry_run(|| {
             assert!(running());
-            sum_rows(acc.view_mut(), rows.view());
+            crate::nn::vector::sum_rows(acc.view_mut(), rows.view());
         });
         assert_eq!(acc, array![7.0, 7.0], "a dry run leaves the numbers alone");
         assert!(!running());
-        sum_rows(acc.view_mut(), rows.view());
+        crate::nn::vector::sum_rows(acc.view_mut(), rows.view());
         assert_eq!(acc, array![4.0, 6.0]);
         let unwound = std::panic::catch_unwind(|| dry_run(|| panic!("a layer panicked")));
         assert!(unwound.is_err());

@@ -10,11 +10,8 @@
 //! costs one array for its output and, while its backward pass runs, one copy of its
 //! output's gradient.
 
-use ndarray::{ArrayView, ArrayViewMut, Dimension, Zip};
-
 use crate::{Error, Result};
 
-use super::kernels::running;
 use super::layer::{Activations, ForwardCtx, Layer, Tape};
 
 /// How deeply blocks may nest (a block inside a block ...): the step keeps the pending
@@ -75,22 +72,6 @@ pub(crate) fn join_of(layers: &[Box<dyn Layer>], i: usize) -> Option<usize> {
 /// How many blocks start at layer `i` (blocks may nest and start together).
 pub(crate) fn blocks_starting_at(layers: &[Box<dyn Layer>], i: usize) -> usize {
     (i + 1..layers.len()).filter(|&j| join_of(layers, j) == Some(i)).count()
-}
-
-/// `out = a + b`, elementwise (a dry run computes nothing).
-pub(crate) fn add<D: Dimension>(a: ArrayView<'_, f32, D>, b: ArrayView<'_, f32, D>, mut out: ArrayViewMut<'_, f32, D>) {
-    if running() {
-        return;
-    }
-    Zip::from(&mut out).and(&a).and(&b).for_each(|o, &a, &b| *o = a + b);
-}
-
-/// `acc += x`, elementwise (a dry run computes nothing).
-pub(crate) fn add_assign<D: Dimension>(mut acc: ArrayViewMut<'_, f32, D>, x: ArrayView<'_, f32, D>) {
-    if running() {
-        return;
-    }
-    Zip::from(&mut acc).and(&x).for_each(|a, &x| *a += x);
 }
 
 /// A fixed stack of at most [`MAX_NESTING`] values.

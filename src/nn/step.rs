@@ -39,7 +39,8 @@ use super::loss::SoftmaxCrossEntropy;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
 use super::params::Params;
 use super::profile::{self, Part};
-use super::residual::{self, blocks_starting_at, join_of, Stack};
+use super::residual::{blocks_starting_at, join_of, Stack};
+use super::vector::{add_assign, copy_new, sum_new, zeros_new};
 
 /// The layers of a step as the step drives them, by index in forward order, with the
 /// parameters they read, the gradient buffers their backward passes write and their
@@ -468,14 +469,12 @@ fn validate_in(mgr: &LayerWorkspaceMgr, ty: ArrayType, layer: &str, y: Activatio
 fn join<'s>(act: &'s TypedScope, name: &str, a: Activations<'s>, b: Activations<'s>) -> Result<Activations<'s>> {
     match (a, b) {
         (Activations::Flat(a), Activations::Flat(b)) if a.dim() == b.dim() => {
-            let mut y = act.zeros::<f32, _>(a.raw_dim())?;
-            residual::add(a, b, y.view_mut());
-            Ok(Activations::Flat(freeze(y)))
+            let y = act.uninit::<f32, _>(a.raw_dim())?;
+            Ok(Activations::Flat(freeze(sum_new(a, b, y))))
         }
         (Activations::Sequence(a), Activations::Sequence(b)) if a.dim() == b.dim() => {
-            let mut y = act.zeros::<f32, _>(a.raw_dim())?;
-            residual::add(a, b, y.view_mut());
-            Ok(Activations::Sequence(freeze(y)))
+            let y = act.uninit::<f32, _>(a.raw_dim())?;
+            Ok(Activations::Sequence(freeze(sum_new(a, b, y))))
         }
         (a, b) => Err(Error::ShapeMismatch {
             context: format!("residual join '{name}': the block's output must be shaped as its input"),
@@ -497,8 +496,8 @@ impl Skip {
     fn of(grad: &Gradient, act: &TypedScope) -> Result<Skip> {
         let _span = profile::span(Part::Copies);
         Ok(match grad.view()? {
-            Activations::Flat(g) => Skip::Flat(act.copy_handle(&g)?),
-            Activations::Sequence(g) => Skip::Sequence(act.copy_handle(&g)?),
+            Activations::Flat(g) => Skip::Flat(act.handle_with(g.raw_dim(), |y| copy_new(g, y))?),
+            Activations::Sequence(g) => Skip::Sequence(act.handle_with(g.raw_dim(), |y| copy_new(g, y))?),
         })
     }
 
@@ -507,10 +506,10 @@ impl Skip {
         let _span = profile::span(Part::Elementwise);
         match (self, &mut below.array) {
             (Skip::Flat(h), GradientArray::Flat(b)) if h.shape() == b.shape() => {
-                residual::add_assign(b.view_mut(&below.scope)?, h.view(act)?)
+                add_assign(b.view_mut(&below.scope)?, h.view(act)?)
             }
             (Skip::Sequence(h), GradientArray::Sequence(b)) if h.shape() == b.shape() => {
-                residual::add_assign(b.view_mut(&below.scope)?, h.view(act)?)
+                add_assign(b.view_mut(&below.scope)?, h.view(act)?)
             }
             _ => {
                 return Err(Error::InvalidInput("a residual block's input and output gradients differ in shape".into()))
@@ -553,8 +552,8 @@ impl Gradient {
         let _span = profile::span(Part::Copies);
         let scope = mgr.enter(ArrayType::ActivationGrad)?;
         let array = match like {
-            Activations::Flat(x) => GradientArray::Flat(scope.zeros_handle(x.raw_dim())?),
-            Activations::Sequence(x) => GradientArray::Sequence(scope.zeros_handle(x.raw_dim())?),
+            Activations::Flat(x) => GradientArray::Flat(scope.handle_with(x.raw_dim(), zeros_new)?),
+            Activations::Sequence(x) => GradientArray::Sequence(scope.handle_with(x.raw_dim(), zeros_new)?),
         };
         Ok(Gradient { scope, array })
     }

@@ -25,7 +25,7 @@
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, Zip};
+use ndarray::{ArrayView, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 use std::sync::{Mutex, PoisonError};
 
 /// Lanes of a sum (see the module documentation).
@@ -54,18 +54,37 @@ pub(crate) fn lane_sum_by(n: usize, f: impl Fn(usize) -> f32) -> f32 {
     fold_lanes(acc)
 }
 
-/// `Σ f(x_j)` in [`lane_sum_by`]'s order.
+/// `Σ f(x_j)` in [`lane_sum_by`]'s order. Over slices cut in arrays of eight, where an
+/// index into a slice would leave a bounds check in each term and the loop scalar.
 #[inline(always)]
 pub(crate) fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    lane_sum_by(x.len(), |j| f(x[j]))
+    lane_sum3(x, x, x, |x, _, _| f(x))
 }
 
 /// `Σ a_j·b_j` in [`lane_sum_by`]'s order.
 #[inline(always)]
 fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    lane_sum_by(n, |j| a[j] * b[j])
+    lane_sum3(a, b, b, |a, b, _| a * b)
+}
+
+/// `Σ f(a_j, b_j, c_j)` over the shortest slice's length, in [`lane_sum_by`]'s order.
+#[inline(always)]
+fn lane_sum3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32) -> f32 {
+    let n = a.len().min(b.len()).min(c.len());
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    let (a8, a_rest) = a.as_chunks::<LANES>();
+    let (b8, b_rest) = b.as_chunks::<LANES>();
+    let (c8, c_rest) = c.as_chunks::<LANES>();
+    let mut acc = [0.0f32; LANES];
+    for ((a, b), c) in a8.iter().zip(b8).zip(c8) {
+        for l in 0..LANES {
+            acc[l] += f(a[l], b[l], c[l]);
+        }
+    }
+    for (l, ((&a, &b), &c)) in a_rest.iter().zip(b_rest).zip(c_rest).enumerate() {
+        acc[l] += f(a, b, c);
+    }
+    fold_lanes(acc)
 }
 
 /// [`lane_sum`] over values in any layout: the same order, so the same bits.
@@ -196,8 +215,8 @@ fn layer_norm_input_grad_row(x: &[f32], dy: &[f32], gamma: &[f32], (mean, rstd):
     let n = x.len();
     let (dy, gamma) = (&dy[..n], &gamma[..n]);
     let nf = n as f32;
-    let m1 = lane_sum_by(n, |j| dy[j] * gamma[j]) / nf;
-    let m2 = lane_sum_by(n, |j| (dy[j] * gamma[j]) * ((x[j] - mean) * rstd)) / nf;
+    let m1 = lane_sum3(dy, gamma, x, |dy, g, _| dy * g) / nf;
+    let m2 = lane_sum3(dy, gamma, x, |dy, g, x| (dy * g) * ((x - mean) * rstd)) / nf;
     for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(dy).zip(gamma) {
         let xhat = (x - mean) * rstd;
         *dx = rstd * (g * w - m1 - xhat * m2);
@@ -493,6 +512,193 @@ pub(crate) fn split<T: Send>(out: &mut [T], units: usize, unit: usize, f: &(dyn 
         }
     }
     f(0, units, &mut out[..units * unit]);
+}
+
+/// Zeros written into `y` (an uninitialised array, a workspace's
+/// [`uninit`](workspace_core::Scope::uninit)), split across this thread's pool as
+/// [`split`] splits; `y` initialised. What [`Scope::zeros`](workspace_core::Scope::zeros)
+/// gives, with the fill shared by the threads.
+pub(crate) fn zeros_new<D: Dimension>(mut y: ArrayViewMut<'_, MaybeUninit<f32>, D>) -> ArrayViewMut<'_, f32, D> {
+    match y.as_slice_mut() {
+        Some(ys) => {
+            let n = ys.len();
+            split(ys, n, 1, &|_, _, ys| ys.fill(MaybeUninit::new(0.0)));
+        }
+        None => y.fill(MaybeUninit::new(0.0)),
+    }
+    // SAFETY: every element was written: `split` hands out ranges covering `0..n`, one
+    // element per unit, each filled; otherwise `fill` wrote every element.
+    unsafe { y.assume_init() }
+}
+
+/// A copy of `x` written into `y` (uninitialised, of `x`'s shape), split as
+/// [`zeros_new`] splits; `y` initialised.
+///
+/// # Panics
+///
+/// When the shapes differ.
+pub(crate) fn copy_new<'y, D: Dimension>(
+    x: ArrayView<'_, f32, D>,
+    mut y: ArrayViewMut<'y, MaybeUninit<f32>, D>,
+) -> ArrayViewMut<'y, f32, D> {
+    assert_eq!(x.shape(), y.shape(), "a copy has its source's shape");
+    match (x.as_slice(), y.as_slice_mut()) {
+        (Some(xs), Some(ys)) => {
+            let n = xs.len();
+            split(ys, n, 1, &|s, e, ys| {
+                for (y, &x) in ys.iter_mut().zip(&xs[s..e]) {
+                    y.write(x);
+                }
+            });
+        }
+        _ => y.zip_mut_with(&x, |y, &x| {
+            y.write(x);
+        }),
+    }
+    // SAFETY: as in `zeros_new`; the slices are as long (the same shape, both
+    // contiguous), and `zip_mut_with` writes every element of `y`.
+    unsafe { y.assume_init() }
+}
+
+/// `a + b` written into `y` (uninitialised, of their shape), split as [`zeros_new`]
+/// splits; `y` initialised. A dry run writes zeros (it issues no arithmetic).
+///
+/// # Panics
+///
+/// When the shapes differ.
+pub(crate) fn sum_new<'y, D: Dimension>(
+    a: ArrayView<'_, f32, D>,
+    b: ArrayView<'_, f32, D>,
+    mut y: ArrayViewMut<'y, MaybeUninit<f32>, D>,
+) -> ArrayViewMut<'y, f32, D> {
+    assert!(a.shape() == y.shape() && b.shape() == y.shape(), "a sum has its terms' shape");
+    if super::kernels::running() {
+        return zeros_new(y);
+    }
+    match (a.as_slice(), b.as_slice(), y.as_slice_mut()) {
+        (Some(a), Some(b), Some(ys)) => {
+            let n = ys.len();
+            split(ys, n, 1, &|s, e, ys| {
+                for ((y, &a), &b) in ys.iter_mut().zip(&a[s..e]).zip(&b[s..e]) {
+                    y.write(a + b);
+                }
+            });
+        }
+        _ => Zip::from(&mut y).and(&a).and(&b).for_each(|y, &a, &b| {
+            y.write(a + b);
+        }),
+    }
+    // SAFETY: as in `copy_new`.
+    unsafe { y.assume_init() }
+}
+
+/// `acc += x`, elementwise, split as [`split`] splits (a dry run computes nothing).
+///
+/// # Panics
+///
+/// When the shapes differ.
+pub(crate) fn add_assign<D: Dimension>(mut acc: ArrayViewMut<'_, f32, D>, x: ArrayView<'_, f32, D>) {
+    assert_eq!(acc.shape(), x.shape(), "a sum has its terms' shape");
+    if super::kernels::running() {
+        return;
+    }
+    match (acc.as_slice_mut(), x.as_slice()) {
+        (Some(acc), Some(xs)) => {
+            let n = acc.len();
+            split(acc, n, 1, &|s, e, acc| {
+                for (a, &x) in acc.iter_mut().zip(&xs[s..e]) {
+                    *a += x;
+                }
+            });
+        }
+        _ => Zip::from(&mut acc).and(&x).for_each(|a, &x| *a += x),
+    }
+}
+
+/// `row` written into every row of `y` (uninitialised, `[rows, row.len()]`), split by
+/// rows as [`split`] splits; `y` initialised: a bias broadcast over a batch.
+///
+/// # Panics
+///
+/// When `row` is not as long as `y`'s rows.
+pub(crate) fn rows_new<'y>(
+    row: ArrayView1<'_, f32>,
+    mut y: ArrayViewMut2<'y, MaybeUninit<f32>>,
+) -> ArrayViewMut2<'y, f32> {
+    let n = y.ncols();
+    assert_eq!(row.len(), n, "a row broadcast over rows as long as they are");
+    match (row.as_slice(), y.as_slice_mut()) {
+        (Some(r), Some(ys)) if n > 0 => {
+            let rows = ys.len() / n;
+            split(ys, rows, n, &|_, _, ys| {
+                for y in ys.chunks_exact_mut(n) {
+                    for (y, &v) in y.iter_mut().zip(r) {
+                        y.write(v);
+                    }
+                }
+            });
+        }
+        _ => {
+            for mut out in y.rows_mut() {
+                out.zip_mut_with(&row, |y, &v| {
+                    y.write(v);
+                });
+            }
+        }
+    }
+    // SAFETY: every element was written: `split` hands out whole rows covering all
+    // `rows · n` elements, each row written from `row` (as long); otherwise every row
+    // was written.
+    unsafe { y.assume_init() }
+}
+
+/// `row` assigned to every row of `y`, split by rows as [`rows_new`] splits.
+///
+/// # Panics
+///
+/// When `row` is not as long as `y`'s rows.
+pub(crate) fn fill_rows(mut y: ArrayViewMut2<'_, f32>, row: ArrayView1<'_, f32>) {
+    let n = y.ncols();
+    assert_eq!(row.len(), n, "a row broadcast over rows as long as they are");
+    match (row.as_slice(), y.as_slice_mut()) {
+        (Some(r), Some(ys)) if n > 0 => {
+            let rows = ys.len() / n;
+            split(ys, rows, n, &|_, _, ys| ys.chunks_exact_mut(n).for_each(|y| y.copy_from_slice(r)));
+        }
+        _ => y.rows_mut().into_iter().for_each(|mut out| out.assign(&row)),
+    }
+}
+
+/// `acc = Σ rows`, each column summed in row order (the bits of one thread), the
+/// columns split across this thread's pool when the rows are many.
+///
+/// # Panics
+///
+/// When `acc` is not as long as the rows.
+pub(crate) fn sum_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32>) {
+    let n = rows.ncols();
+    assert_eq!(acc.len(), n, "the sum of rows is as long as they are");
+    if super::kernels::running() {
+        return;
+    }
+    match (acc.as_slice_mut(), rows.as_slice()) {
+        (Some(acc), Some(xs)) if n > 0 && xs.len() >= SPLIT_ELEMENTS && super::gemm::pool::has_pool() => {
+            split_always(acc, n, 1, &|s, e, acc| {
+                acc.fill(0.0);
+                for row in xs.chunks_exact(n) {
+                    for (a, &x) in acc.iter_mut().zip(&row[s..e]) {
+                        *a += x;
+                    }
+                }
+            });
+        }
+        _ => {
+            acc.fill(0.0);
+            for row in rows.rows() {
+                Zip::from(&mut acc).and(&row).for_each(|a, &x| *a += x);
+            }
+        }
+    }
 }
 
 /// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
@@ -843,6 +1049,64 @@ mod tests {
             assert!((f64::from(fast_tanh(x)) - f64::from(x).tanh()).abs() < 4e-7, "{x}");
             x += 0.000_7;
         }
+    }
+
+    #[test]
+    fn split_fills_copies_and_sums_give_the_bits_of_one_thread_in_every_layout() {
+        use ndarray::{Array1, Array2};
+        // Above the split threshold, with rows that do not divide evenly among threads.
+        let (rows, n) = (SPLIT_ELEMENTS / 40 + 7, 41);
+        let a = Array2::from_shape_vec((rows, n), values(rows * n, 1)).expect("rows × n");
+        let b = Array2::from_shape_vec((rows, n), values(rows * n, 2)).expect("rows × n");
+        let row = Array1::from(values(n, 3));
+        let run = |a: ArrayView2<'_, f32>, b: ArrayView2<'_, f32>| {
+            let mut y = Array2::from_elem(a.raw_dim(), f32::NAN);
+            let zeros = zeros_new(uninit2(&mut y)).to_owned();
+            let copy = copy_new(a, uninit2(&mut y)).to_owned();
+            let sum = sum_new(a, b, uninit2(&mut y)).to_owned();
+            let mut acc = a.to_owned();
+            add_assign(acc.view_mut(), b);
+            let broadcast = rows_new(row.view(), uninit2(&mut y)).to_owned();
+            let mut filled = a.to_owned();
+            fill_rows(filled.view_mut(), row.view());
+            let mut column_sums = Array1::from_elem(n, f32::NAN);
+            sum_rows(column_sums.view_mut(), a);
+            [zeros, copy, sum, acc, broadcast, filled, column_sums.insert_axis(ndarray::Axis(0))]
+        };
+        let mut sums = Array1::<f32>::zeros(n);
+        for r in a.rows() {
+            sums += &r;
+        }
+        let expected = [
+            Array2::zeros((rows, n)),
+            a.clone(),
+            &a + &b,
+            &a + &b,
+            row.broadcast((rows, n)).expect("rows").to_owned(),
+            row.broadcast((rows, n)).expect("rows").to_owned(),
+            sums.insert_axis(ndarray::Axis(0)),
+        ];
+        let same = |x: &[Array2<f32>; 7], what: &str| {
+            for (i, (x, e)) in x.iter().zip(&expected).enumerate() {
+                let bits = |v: &Array2<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(x), bits(e), "{what}: helper {i}");
+            }
+        };
+        for threads in [1, 2, 3] {
+            let pool = (threads > 1).then(|| super::super::gemm::pool::Pool::new(threads).expect("a pool"));
+            let _in_use = super::super::gemm::pool::use_pool(pool.as_ref());
+            same(&run(a.view(), b.view()), &format!("{threads} threads, contiguous"));
+            // The same values through transposed (strided) views take the element loops.
+            let (at, bt) = (a.t().to_owned(), b.t().to_owned());
+            let strided = run(at.t(), bt.t());
+            same(&strided, &format!("{threads} threads, strided"));
+        }
+    }
+
+    /// `y`'s elements as an uninitialised array of its shape.
+    fn uninit2(y: &mut ndarray::Array2<f32>) -> ArrayViewMut2<'_, MaybeUninit<f32>> {
+        let dim = y.raw_dim();
+        ArrayViewMut2::from_shape(dim, uninit(y.as_slice_mut().expect("standard layout"))).expect("its own shape")
     }
 
     #[test]

@@ -484,6 +484,40 @@ impl<'ws> Scope<'ws> {
         Ok(self.handle(ptr, dim))
     }
 
+    /// An array behind a [`Handle`] whose elements `init` writes, as
+    /// [`zeros_handle`](Scope::zeros_handle) but with the filling left to the caller (a
+    /// fill split across threads, a copy, values computed in place): `init` gets the
+    /// new array uninitialised and gives back the same elements initialised (what
+    /// `assume_init` of its argument gives once every element is written).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`].
+    ///
+    /// # Panics
+    ///
+    /// When `init` gives back a view of other elements, or of the same elements in
+    /// another shape or layout (nothing then reaches the array).
+    pub fn handle_with<T: Pod, Sh: ShapeBuilder>(
+        &self,
+        shape: Sh,
+        init: impl for<'v> FnOnce(ArrayViewMut<'v, MaybeUninit<T>, Sh::Dim>) -> ArrayViewMut<'v, T, Sh::Dim>,
+    ) -> Result<Handle<T, Sh::Dim>> {
+        let shape = shape.into_shape_with_order();
+        let dim = shape.raw_dim().clone();
+        let ptr = self.alloc_elements::<T, _>(&dim, false)?;
+        // SAFETY: as in `uninit`: fresh, exclusively owned memory for `dim` elements.
+        let fresh = unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) };
+        let done = init(fresh);
+        // A view of `T`s is initialised by its type; being of these very elements, in
+        // standard layout and this shape, it covers every one of them.
+        assert!(
+            std::ptr::eq(done.as_ptr(), ptr.as_ptr()) && done.raw_dim() == dim && done.is_standard_layout(),
+            "handle_with: `init` gives back the array it was given, initialised"
+        );
+        Ok(self.handle(ptr, dim))
+    }
+
     /// A copy of `source` behind a [`Handle`].
     ///
     /// # Errors
@@ -836,5 +870,39 @@ mod tests {
         assert_eq!(frozen, expected);
         assert_eq!(frozen[[0, 0]], 20.0);
         assert_eq!(frozen[[3, 2]], 3.0);
+    }
+
+    #[test]
+    fn handle_with_keeps_what_init_wrote_and_refuses_another_array() {
+        let ws = Workspace::new("handle_with", WorkspaceConfig::default()).unwrap();
+        let scope = ws.enter().unwrap();
+        let h = scope
+            .handle_with::<f32, _>((2, 3), |mut v| {
+                v.indexed_iter_mut().for_each(|((i, j), slot)| {
+                    slot.write((10 * i + j) as f32);
+                });
+                // SAFETY: every element was just written.
+                unsafe { v.assume_init() }
+            })
+            .unwrap();
+        assert_eq!(h.view(&scope).unwrap(), ndarray::array![[0.0f32, 1.0, 2.0], [10.0, 11.0, 12.0]]);
+        let other = scope.zeros::<f32, _>((2, 3)).unwrap();
+        let elsewhere = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: not called: the closure hands back another, initialised array.
+            let _ = scope.handle_with::<f32, _>((2, 3), |_| unsafe {
+                ArrayViewMut::from_shape_ptr((2, 3), other.as_ptr().cast_mut())
+            });
+        }));
+        assert!(elsewhere.is_err(), "a view of other elements is refused");
+        let reshaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = scope.handle_with::<f32, _>((3, 3), |mut v| {
+                v.iter_mut().for_each(|slot| {
+                    slot.write(1.0);
+                });
+                // SAFETY: every element was just written.
+                unsafe { v.assume_init() }.reversed_axes()
+            });
+        }));
+        assert!(reshaped.is_err(), "the same elements in another layout are refused");
     }
 }
