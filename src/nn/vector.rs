@@ -682,21 +682,49 @@ pub(crate) fn sum_rows(mut acc: ArrayViewMut1<'_, f32>, rows: ArrayView2<'_, f32
         return;
     }
     match (acc.as_slice_mut(), rows.as_slice()) {
-        (Some(acc), Some(xs)) if n > 0 && xs.len() >= SPLIT_ELEMENTS && super::gemm::pool::has_pool() => {
-            split_always(acc, n, 1, &|s, e, acc| {
-                acc.fill(0.0);
-                for row in xs.chunks_exact(n) {
-                    for (a, &x) in acc.iter_mut().zip(&row[s..e]) {
-                        *a += x;
-                    }
-                }
-            });
+        (Some(acc), Some(xs)) if n > 0 => {
+            if xs.len() >= SPLIT_ELEMENTS && super::gemm::pool::has_pool() {
+                split_always(acc, n, 1, &|s, _, acc| column_sums(xs, n, s, acc));
+            } else {
+                column_sums(xs, n, 0, acc);
+            }
         }
         _ => {
             acc.fill(0.0);
             for row in rows.rows() {
                 Zip::from(&mut acc).and(&row).for_each(|a, &x| *a += x);
             }
+        }
+    }
+}
+
+multiversion! {
+    /// Columns `c0 ..` of the rows `xs` (`n` wide), each summed in row order into `acc`.
+    fn column_sums(xs: &[f32], n: usize, c0: usize, acc: &mut [f32]) => column_sums_body;
+}
+
+/// [`column_sums`]: 32 columns at a time, their sums held in registers down the rows.
+#[inline(always)]
+fn column_sums_body(xs: &[f32], n: usize, c0: usize, acc: &mut [f32]) {
+    const BLOCK: usize = 32;
+    let rows = xs.chunks_exact(n);
+    let (blocks, rest) = acc.as_chunks_mut::<BLOCK>();
+    for (b, block) in blocks.iter_mut().enumerate() {
+        let c = c0 + b * BLOCK;
+        let mut sums = [0.0f32; BLOCK];
+        for row in rows.clone() {
+            let row: &[f32; BLOCK] = row[c..c + BLOCK].try_into().expect("a block of columns");
+            for j in 0..BLOCK {
+                sums[j] += row[j];
+            }
+        }
+        *block = sums;
+    }
+    let c = c0 + blocks.len() * BLOCK;
+    rest.fill(0.0);
+    for row in rows {
+        for (a, &x) in rest.iter_mut().zip(&row[c..]) {
+            *a += x;
         }
     }
 }
