@@ -190,6 +190,7 @@ impl Width {
 }
 
 #[inline(always)]
+#[allow(clippy::eq_op)] // `x − x` is the test: 0, or NaN for a value that is not finite
 fn all_finite_body(values: &[f32]) -> bool {
     // `x − x` is 0 for a finite `x` and NaN for an infinity or a NaN, and a sum that
     // meets a NaN stays NaN: a run of 1,024 values is finite when its 32 lanes' sums are
