@@ -222,8 +222,8 @@ fn all_finite_body(values: &[f32]) -> bool {
     ok
 }
 
-/// Whether every value of `values` is finite. Branch-free within chunks of 64, at the
-/// widest vectors the CPU has; stops at the first chunk that holds a non-finite value.
+/// Whether every value of `values` is finite. Branch-free within runs of 1,024, at the
+/// widest vectors the CPU has; stops at the first run that holds a non-finite value.
 /// Long slices are split across the thread's matrix-multiply pool when it has one.
 pub(crate) fn all_finite(values: &[f32]) -> bool {
     if values.len() >= SPLIT_MIN {

@@ -488,7 +488,8 @@ impl<'ws> Scope<'ws> {
     /// [`zeros_handle`](Scope::zeros_handle) but with the filling left to the caller (a
     /// fill split across threads, a copy, values computed in place): `init` gets the
     /// new array uninitialised and gives back the same elements initialised (what
-    /// `assume_init` of its argument gives once every element is written).
+    /// `assume_init` of its argument gives once every element is written). The array is
+    /// in standard (row-major) layout whatever order `shape` asks for.
     ///
     /// # Errors
     ///
@@ -506,8 +507,9 @@ impl<'ws> Scope<'ws> {
         let shape = shape.into_shape_with_order();
         let dim = shape.raw_dim().clone();
         let ptr = self.alloc_elements::<T, _>(&dim, false)?;
-        // SAFETY: as in `uninit`: fresh, exclusively owned memory for `dim` elements.
-        let fresh = unsafe { ArrayViewMut::from_shape_ptr(shape, ptr.cast::<MaybeUninit<T>>().as_ptr()) };
+        // SAFETY: as in `uninit`: fresh, exclusively owned memory for `dim` elements,
+        // in standard layout (`dim` alone: whatever order `shape` asked for).
+        let fresh = unsafe { ArrayViewMut::from_shape_ptr(dim.clone(), ptr.cast::<MaybeUninit<T>>().as_ptr()) };
         let done = init(fresh);
         // A view of `T`s is initialised by its type; being of these very elements, in
         // standard layout and this shape, it covers every one of them.
@@ -515,6 +517,7 @@ impl<'ws> Scope<'ws> {
             std::ptr::eq(done.as_ptr(), ptr.as_ptr()) && done.raw_dim() == dim && done.is_standard_layout(),
             "handle_with: `init` gives back the array it was given, initialised"
         );
+        drop(done);
         Ok(self.handle(ptr, dim))
     }
 
@@ -886,6 +889,18 @@ mod tests {
             })
             .unwrap();
         assert_eq!(h.view(&scope).unwrap(), ndarray::array![[0.0f32, 1.0, 2.0], [10.0, 11.0, 12.0]]);
+        // A column-major shape gets a standard array all the same.
+        let f = scope
+            .handle_with::<f32, _>(ndarray::ShapeBuilder::f((2, 3)), |mut v| {
+                assert!(v.is_standard_layout());
+                v.iter_mut().for_each(|slot| {
+                    slot.write(7.0);
+                });
+                // SAFETY: every element was just written.
+                unsafe { v.assume_init() }
+            })
+            .unwrap();
+        assert_eq!(f.view(&scope).unwrap(), ndarray::Array2::from_elem((2, 3), 7.0f32));
         let other = scope.zeros::<f32, _>((2, 3)).unwrap();
         let elsewhere = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // SAFETY: not called: the closure hands back another, initialised array.
