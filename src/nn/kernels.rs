@@ -281,11 +281,11 @@ mod tests {
         let rows = array![[1.0f32, 2.0], [3.0, 4.0]];
         dry_run(|| {
             assert!(running());
-            crate::nn::vector::sum_rows(acc.view_mut(), rows.view());
+            vector::sum_rows(acc.view_mut(), rows.view());
         });
         assert_eq!(acc, array![7.0, 7.0], "a dry run leaves the numbers alone");
         assert!(!running());
-        crate::nn::vector::sum_rows(acc.view_mut(), rows.view());
+        vector::sum_rows(acc.view_mut(), rows.view());
         assert_eq!(acc, array![4.0, 6.0]);
         let unwound = std::panic::catch_unwind(|| dry_run(|| panic!("a layer panicked")));
         assert!(unwound.is_err());

@@ -553,7 +553,7 @@ mod tests {
         scanned[2] = -f32::MAX;
         assert!(all_finite(&scanned) && all_finite_body(&scanned), "the largest finite values are finite");
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            // Every lane, both sides of a chunk's edge, the tail past the last 32.
+            // Every lane, both sides of a run's edge, the tail past the last 32.
             for at in [0, 5, 31, 32, 63, 64, 1023, 1024, 1025, 2047, 2048, len - 1] {
                 let keep = std::mem::replace(&mut scanned[at], bad);
                 assert!(!all_finite(&scanned) && !all_finite_body(&scanned), "{bad} at {at}");

@@ -903,7 +903,8 @@ mod tests {
         assert_eq!(f.view(&scope).unwrap(), ndarray::Array2::from_elem((2, 3), 7.0f32));
         let other = scope.zeros::<f32, _>((2, 3)).unwrap();
         let elsewhere = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            // SAFETY: not called: the closure hands back another, initialised array.
+            // SAFETY: `other`'s six zeros, initialised and alive for the call; nothing
+            // reads or writes them through this view (`handle_with` refuses it).
             let _ = scope.handle_with::<f32, _>((2, 3), |_| unsafe {
                 ArrayViewMut::from_shape_ptr((2, 3), other.as_ptr().cast_mut())
             });
