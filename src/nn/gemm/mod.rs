@@ -121,6 +121,20 @@ pub(crate) enum Triangle {
     UpperA,
 }
 
+impl Triangle {
+    /// The steps `from..to` of the `kc`-step slice from step `pc` that rows `row ..=
+    /// last_row` of A hold: all of them but where A is zero. The micro-kernel reads
+    /// these steps of a panel, and packing writes only these.
+    #[inline]
+    fn steps(self, row: usize, last_row: usize, pc: usize, kc: usize) -> (usize, usize) {
+        match self {
+            Triangle::Full | Triangle::LowerC => (0, kc),
+            Triangle::LowerA => (0, (last_row + 1).saturating_sub(pc).min(kc)),
+            Triangle::UpperA => (row.saturating_sub(pc).min(kc), kc),
+        }
+    }
+}
+
 /// [`sgemm`] of a causal product: the steps and tiles `tri` says are zero or unwanted
 /// are skipped. Each element kept is the same sum as [`sgemm`]'s but for terms that
 /// are exactly zero (`0·x`, so its bits but for the sign of a zero, as long as B is
@@ -308,19 +322,16 @@ unsafe fn multiply(
             for ic in (0..ops.m).step_by(MC) {
                 let mc = MC.min(ops.m - ic);
                 // SAFETY: as for B, with `mc <= MC`.
-                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, a_dst) };
+                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, tri, a_dst) };
                 for jr in (0..nc).step_by(nr) {
                     for ir in (0..mc).step_by(mr) {
                         let (row, col) = (ic + ir, jc + jr);
                         let last_row = row + mr.min(mc - ir) - 1;
                         // The tile's steps `from..to` of this slice (all but zeros of A).
-                        let (from, to) = match tri {
-                            Triangle::Full => (0, kc),
-                            Triangle::LowerC if col > last_row => continue,
-                            Triangle::LowerC => (0, kc),
-                            Triangle::LowerA => (0, (last_row + 1).saturating_sub(pc).min(kc)),
-                            Triangle::UpperA => (row.saturating_sub(pc).min(kc), kc),
-                        };
+                        if tri == Triangle::LowerC && col > last_row {
+                            continue;
+                        }
+                        let (from, to) = tri.steps(row, last_row, pc, kc);
                         if from == to && pc > 0 {
                             // Nothing to add to what the earlier slices wrote.
                             continue;
@@ -358,7 +369,10 @@ unsafe fn multiply(
 
 /// Packs `alpha · A[ic..ic+mc, pc..pc+kc]` into `mr`-tall panels at `dst`: panel `r`
 /// holds, for each step `p`, the `mr` values of rows `r·mr ..` at column `pc + p`
-/// (zeros past the last row). `vector`: the CPU has AVX (see the `pack` module).
+/// (zeros past the last row). Of a causal product's A only the steps `tri` says a
+/// panel's rows hold ([`Triangle::steps`], the steps the micro-kernel reads) are
+/// written; the panel's other slots are left as they were. `vector`: the CPU has AVX
+/// (see the `pack` module).
 ///
 /// # Safety
 ///
@@ -374,74 +388,106 @@ unsafe fn pack_a(
     kc: usize,
     mr: usize,
     vector: bool,
+    tri: Triangle,
     dst: *mut f32,
 ) {
     for ir in (0..mc).step_by(mr) {
         let rows = mr.min(mc - ir);
-        // SAFETY: panel `ir / mr` starts at `ir·kc` and spans `mr·kc` elements.
-        let panel = unsafe { dst.add(ir * kc) };
-        let mut from = 0;
-        #[cfg(target_arch = "x86_64")]
-        if vector && a.col_stride == 1 && rows == mr && a.row_stride != 1 && pack::x86::usable(mr) {
-            // Row-major A: each row contiguous along the steps. SAFETY: AVX per the
-            // caller; rows `ic+ir ..+mr` hold `kc` steps from column `pc`; the panel
-            // spans `mr·kc` elements.
-            from = unsafe { pack::x86::interleave(a.at(ic + ir, pc), a.row_stride, mr, kc, alpha, panel) };
+        let (from, to) = tri.steps(ic + ir, ic + ir + rows - 1, pc, kc);
+        if from < to {
+            // SAFETY: panel `ir / mr` starts at `ir·kc` and spans `mr·kc` elements, of
+            // which steps `from..to` (`to <= kc`) start at `from·mr`; rows `ic+ir ..
+            // +rows` and columns `pc+from .. pc+to` lie in the block.
+            unsafe {
+                pack_a_panel(a, alpha, ic + ir, rows, pc + from, to - from, mr, vector, dst.add(ir * kc + from * mr))
+            };
         }
-        if from > 0 {
-            for p in from..kc {
-                for i in 0..mr {
-                    // SAFETY: row `ic + ir + i`, column `pc + p` lie in the block;
-                    // `p·mr + i < mr·kc`.
-                    unsafe { *panel.add(p * mr + i) = alpha * *a.at(ic + ir + i, pc + p) };
-                }
+    }
+}
+
+/// Packs `alpha · A[row..row+rows, pc..pc+kc]` into one `mr`-tall panel at `panel`
+/// (zeros in the rows past `rows`).
+///
+/// # Safety
+///
+/// The block lies inside `a`; `rows <= mr`; `panel` is writable for `mr·kc` elements;
+/// `vector` only where the CPU has AVX.
+#[allow(clippy::too_many_arguments)] // one panel of one matrix
+#[inline]
+unsafe fn pack_a_panel(
+    a: &Matrix,
+    alpha: f32,
+    row: usize,
+    rows: usize,
+    pc: usize,
+    kc: usize,
+    mr: usize,
+    vector: bool,
+    panel: *mut f32,
+) {
+    let mut from = 0;
+    #[cfg(target_arch = "x86_64")]
+    if vector && a.col_stride == 1 && rows == mr && a.row_stride != 1 && pack::x86::usable(mr) {
+        // Row-major A: each row contiguous along the steps. SAFETY: AVX per the
+        // caller; rows `row ..+mr` hold `kc` steps from column `pc`; the panel spans
+        // `mr·kc` elements.
+        from = unsafe { pack::x86::interleave(a.at(row, pc), a.row_stride, mr, kc, alpha, panel) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vector;
+    if from > 0 {
+        for p in from..kc {
+            for i in 0..mr {
+                // SAFETY: row `row + i`, column `pc + p` lie in the block; `p·mr + i <
+                // mr·kc`.
+                unsafe { *panel.add(p * mr + i) = alpha * *a.at(row + i, pc + p) };
             }
-            continue;
         }
-        if a.row_stride == 1 && rows == mr {
-            // Transposed A (a weight gradient's `xᵀ`): each step's `mr` values are
-            // contiguous; a tile height known to the compiler moves them as vectors.
-            match mr {
-                // Rows `ic+ir .. ic+ir+mr` of the block, `kc` steps from column `pc`, unit
-                // row stride; the panel spans `mr·kc` elements.
-                // SAFETY: as just said.
-                6 => unsafe { copy_steps::<6>(a, alpha, ic + ir, pc, kc, panel) },
-                // SAFETY: as above.
-                8 => unsafe { copy_steps::<8>(a, alpha, ic + ir, pc, kc, panel) },
-                // SAFETY: as above.
-                16 => unsafe { copy_steps::<16>(a, alpha, ic + ir, pc, kc, panel) },
-                // SAFETY: as above.
-                _ => unsafe { copy_steps_any(a, alpha, ic + ir, pc, kc, mr, panel) },
+        return;
+    }
+    if a.row_stride == 1 && rows == mr {
+        // Transposed A (a weight gradient's `xᵀ`): each step's `mr` values are
+        // contiguous; a tile height known to the compiler moves them as vectors.
+        match mr {
+            // Rows `row .. row+mr` of the block, `kc` steps from column `pc`, unit row
+            // stride; the panel spans `mr·kc` elements.
+            // SAFETY: as just said.
+            6 => unsafe { copy_steps::<6>(a, alpha, row, pc, kc, panel) },
+            // SAFETY: as above.
+            8 => unsafe { copy_steps::<8>(a, alpha, row, pc, kc, panel) },
+            // SAFETY: as above.
+            16 => unsafe { copy_steps::<16>(a, alpha, row, pc, kc, panel) },
+            // SAFETY: as above.
+            _ => unsafe { copy_steps_any(a, alpha, row, pc, kc, mr, panel) },
+        }
+        return;
+    }
+    if a.row_stride == 1 {
+        // Transposed A, the last rows (fewer than a tile): each step's values
+        // contiguous, zeros after them.
+        for p in 0..kc {
+            // SAFETY: rows `row .. row+rows`, column `pc + p` lie in the block,
+            // contiguous (unit row stride).
+            let src = unsafe { a.at(row, pc + p) };
+            for i in 0..mr {
+                // SAFETY: `i < rows` lies in the block, as above; `p·mr + i < mr·kc`.
+                unsafe { *panel.add(p * mr + i) = if i < rows { alpha * *src.add(i) } else { 0.0 } };
             }
-            continue;
         }
-        if a.row_stride == 1 {
-            // Transposed A, the last rows (fewer than a tile): each step's values
-            // contiguous, zeros after them.
+        return;
+    }
+    for i in 0..mr {
+        if i < rows {
+            // SAFETY: row `row + i` lies in the block, from column `pc`.
+            let src = unsafe { a.at(row + i, pc) };
             for p in 0..kc {
-                // SAFETY: rows `ic+ir .. ic+ir+rows`, column `pc + p` lie in the block,
-                // contiguous (unit row stride).
-                let src = unsafe { a.at(ic + ir, pc + p) };
-                for i in 0..mr {
-                    // SAFETY: `i < rows` lies in the block, as above; `p·mr + i < mr·kc`.
-                    unsafe { *panel.add(p * mr + i) = if i < rows { alpha * *src.add(i) } else { 0.0 } };
-                }
+                // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
+                unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
             }
-            continue;
-        }
-        for i in 0..mr {
-            if i < rows {
-                // SAFETY: row `ic + ir + i` lies in the block, from column `pc`.
-                let src = unsafe { a.at(ic + ir + i, pc) };
-                for p in 0..kc {
-                    // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
-                    unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
-                }
-            } else {
-                for p in 0..kc {
-                    // SAFETY: `p·mr + i < mr·kc`.
-                    unsafe { *panel.add(p * mr + i) = 0.0 };
-                }
+        } else {
+            for p in 0..kc {
+                // SAFETY: `p·mr + i < mr·kc`.
+                unsafe { *panel.add(p * mr + i) = 0.0 };
             }
         }
     }
@@ -781,6 +827,9 @@ mod tests {
                         let mut scratch = vec![MaybeUninit::uninit(); scratch_len(rows, n, k)];
                         let mut full = start.clone();
                         sgemm_with(kernel, 0.5, a, b, beta, full.view_mut(), &mut scratch).unwrap();
+                        // NaN in every packing slot: a step the causal product skips
+                        // when packing must be one its micro-kernel skips too.
+                        scratch.fill(MaybeUninit::new(f32::NAN));
                         let mut causal = start.clone();
                         sgemm_full(kernel, 0.5, a, b, beta, causal.view_mut(), &mut scratch, tri).unwrap();
                         for ((i, j), &x) in full.indexed_iter() {
