@@ -117,34 +117,37 @@ impl Kernel {
         }
     }
 
-    /// Runs the kernel over `kc` steps.
+    /// Runs the kernel over `kc` steps; step `p`'s `nr` values of B start at
+    /// `b + p·b_step` (`b_step == nr` for a packed panel; B's row stride when the
+    /// kernel reads a row-major B where it lies).
     ///
     /// # Safety
     ///
-    /// `a` holds `kc·mr` and `b` `kc·nr` readable, initialised values; `tile`
+    /// `a` holds `kc·mr` readable, initialised values, and `b + p·b_step` holds `nr`
+    /// for every `p < kc`; `tile`
     /// addresses `rows × cols` (at most `mr × nr`) writable elements, readable too
     /// unless `beta == 0`; `self` came from [`Kernel::detect`] on this CPU (or is one
     /// of [`Kernel::SHAPES`]).
     #[inline]
-    pub(super) unsafe fn run(self, kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+    pub(super) unsafe fn run(self, kc: usize, a: *const f32, b: *const f32, b_step: isize, beta: f32, tile: Tile) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `detect` saw AVX-512F; the rest is the caller's contract.
-            Kernel::Avx512Wide => unsafe { x86::avx512::<8, 2>(kc, a, b, beta, tile) },
+            Kernel::Avx512Wide => unsafe { x86::avx512::<8, 2>(kc, a, b, b_step, beta, tile) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Kernel::Avx512Narrow => unsafe { x86::avx512::<16, 1>(kc, a, b, beta, tile) },
+            Kernel::Avx512Narrow => unsafe { x86::avx512::<16, 1>(kc, a, b, b_step, beta, tile) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `detect` saw AVX2 and FMA; the rest is the caller's contract.
-            Kernel::Avx2Fma => unsafe { x86::avx2_6x16(kc, a, b, beta, tile) },
+            Kernel::Avx2Fma => unsafe { x86::avx2_6x16(kc, a, b, b_step, beta, tile) },
             // SAFETY: the caller's contract.
-            Kernel::Generic { mr: 8, nr: 32 } => unsafe { generic::<8, 32>(kc, a, b, beta, tile) },
+            Kernel::Generic { mr: 8, nr: 32 } => unsafe { generic::<8, 32>(kc, a, b, b_step, beta, tile) },
             // SAFETY: the caller's contract.
-            Kernel::Generic { mr: 16, nr: 16 } => unsafe { generic::<16, 16>(kc, a, b, beta, tile) },
+            Kernel::Generic { mr: 16, nr: 16 } => unsafe { generic::<16, 16>(kc, a, b, b_step, beta, tile) },
             // The remaining shape, 6×16 (the x86 kernels exist only where they are
             // compiled, so nothing else reaches here).
             // SAFETY: the caller's contract.
-            _ => unsafe { generic::<6, 16>(kc, a, b, beta, tile) },
+            _ => unsafe { generic::<6, 16>(kc, a, b, b_step, beta, tile) },
         }
     }
 }
@@ -185,11 +188,18 @@ unsafe fn scatter(buf: &[f32], nr: usize, tile: Tile) {
 /// # Safety
 ///
 /// As [`Kernel::run`], with `MR × NR` the panels' shape.
-unsafe fn generic<const MR: usize, const NR: usize>(kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+unsafe fn generic<const MR: usize, const NR: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    b_step: isize,
+    beta: f32,
+    tile: Tile,
+) {
     let mut acc = [0.0f32; MAX_TILE];
     for p in 0..kc {
         // SAFETY: `p < kc`: inside both panels.
-        let (ap, bp) = unsafe { (a.add(p * MR), b.add(p * NR)) };
+        let (ap, bp) = unsafe { (a.add(p * MR), b.offset(p as isize * b_step)) };
         for i in 0..MR {
             // SAFETY: `i < MR`.
             let ai = unsafe { *ap.add(i) };
@@ -271,15 +281,16 @@ mod x86 {
         kc: usize,
         a: *const f32,
         b: *const f32,
+        b_step: isize,
         beta: f32,
         tile: Tile,
     ) {
-        let nr = 16 * NV;
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {
             // SAFETY: each step reads `nr` values of B and `MR` of A, inside the panels
-            // (`kc` steps in all), then moves both pointers one step on.
+            // (`kc` steps in all, B's `b_step` apart), then moves both pointers one step
+            // on (`wrapping_offset`: past the last step B's pointer is not read).
             unsafe {
                 let mut bv = [_mm512_setzero_ps(); NV];
                 for (v, slot) in bv.iter_mut().enumerate() {
@@ -292,7 +303,7 @@ mod x86 {
                     }
                 }
                 a = a.add(MR);
-                b = b.add(nr);
+                b = b.wrapping_offset(b_step);
             }
         }
         if tile.col_stride != 1 {
@@ -357,7 +368,7 @@ mod x86 {
     ///
     /// As [`super::Kernel::run`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn avx2_6x16(kc: usize, a: *const f32, b: *const f32, beta: f32, tile: Tile) {
+    pub(super) unsafe fn avx2_6x16(kc: usize, a: *const f32, b: *const f32, b_step: isize, beta: f32, tile: Tile) {
         const MR: usize = 6;
         const NR: usize = 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
@@ -373,7 +384,7 @@ mod x86 {
                     row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
                 }
                 a = a.add(MR);
-                b = b.add(NR);
+                b = b.wrapping_offset(b_step);
             }
         }
         store_rows!(acc, tile, beta, NR, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);

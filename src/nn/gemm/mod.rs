@@ -37,6 +37,11 @@ const MC: usize = 96;
 /// Columns of B packed at once (2 MiB at `KC`): fits L2 on large-L2 parts, L3
 /// elsewhere. A multiple of every kernel's `NR`.
 const NC: usize = 2048;
+/// Products of at most this many rows read a row-major B where it lies instead of
+/// packing it: each of B's values then serves one or two row panels of A, too few to
+/// repay a copy (one-row inference requests, a token's step through a network). The
+/// kernel reads the same values in the same order either way: the same bits.
+const FEW_ROWS: usize = 8;
 /// Packed buffers start on a cache line.
 const ALIGN_ELEMENTS: usize = 64 / std::mem::size_of::<f32>();
 
@@ -310,15 +315,26 @@ unsafe fn multiply(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = vector;
     let (a_dst, b_dst) = (a_buf.as_mut_ptr().cast::<f32>(), b_buf.as_mut_ptr().cast::<f32>());
+    // B read where it lies, but for a last panel narrower than the kernel's (packed,
+    // with its zeros, so that no read runs past B's columns).
+    let direct = ops.m <= FEW_ROWS && ops.b.col_stride == 1 && tri == Triangle::Full;
     for jc in (0..ops.n).step_by(NC) {
         let nc = NC.min(ops.n - jc);
         for pc in (0..ops.k).step_by(KC) {
             let kc = KC.min(ops.k - pc);
             // Later slices of the shared dimension add to what the first one wrote.
             let beta = if pc == 0 { beta } else { 1.0 };
-            // SAFETY: rows `pc..pc+kc` and columns `jc..jc+nc` lie inside B, and the
-            // buffer holds `round_up(nc, nr)·kc` elements (`nc <= NC`, `kc <= KC`).
-            unsafe { pack_b(&ops.b, pc, kc, jc, nc, nr, vector, b_dst) };
+            // Panels from column `jc + packed_from` are packed: all of them, or the last
+            // narrow one.
+            let packed_from = if direct { nc / nr * nr } else { 0 };
+            if packed_from < nc {
+                // SAFETY: rows `pc..pc+kc` and columns `jc..jc+nc` lie inside B, and the
+                // buffer holds `round_up(nc, nr)·kc` elements (`nc <= NC`, `kc <= KC`),
+                // panel `packed_from / nr` starting at `packed_from·kc`.
+                unsafe {
+                    pack_b(&ops.b, pc, kc, jc + packed_from, nc - packed_from, nr, vector, b_dst.add(packed_from * kc))
+                };
+            }
             for ic in (0..ops.m).step_by(MC) {
                 let mc = MC.min(ops.m - ic);
                 // SAFETY: as for B, with `mc <= MC`.
@@ -346,20 +362,24 @@ unsafe fn multiply(
                             rows: mr.min(mc - ir),
                             cols: nr.min(nc - jr),
                         };
-                        // SAFETY: panel `ir / mr` of A and `jr / nr` of B hold `kc`
-                        // initialised steps each (packing padded them with zeros); the
-                        // tile is the part of C that exists; the kernel came from `detect`.
-                        // Steps `from..to` of the panels (`from <= to <= kc`): the
-                        // panels hold each step's `mr` (`nr`) values one after another.
-                        unsafe {
-                            kernel.run(
-                                to - from,
-                                a_dst.add(ir * kc + from * mr),
-                                b_dst.add(jr * kc + from * nr),
-                                beta,
-                                tile,
-                            )
+                        // Steps `from..to` of panel `jr / nr` of B: packed, each step's
+                        // `nr` values one after another; or B's own rows `pc + from ..`,
+                        // columns `col .. col + nr` (a whole panel: `jr < packed_from`).
+                        let (b_panel, b_step) = if jr < packed_from {
+                            // SAFETY: row `pc + from` (a full product's `from == 0 < kc`)
+                            // and column `col < n` lie in B.
+                            (unsafe { ops.b.at(pc + from, col) }, ops.b.row_stride)
+                        } else {
+                            // SAFETY: inside the packed buffer, as in `pack_b`.
+                            (unsafe { b_dst.add(jr * kc + from * nr) }.cast_const(), nr as isize)
                         };
+                        // SAFETY: panel `ir / mr` of A holds `kc` initialised steps
+                        // (packing padded it with zeros), and B's panel, packed or in
+                        // place, `nr` values at each of steps `from..to`, `b_step` apart;
+                        // the tile is the part of C that exists; the kernel came from
+                        // `detect`. Steps `from..to` of the panels (`from <= to <= kc`):
+                        // A's panel holds each step's `mr` values one after another.
+                        unsafe { kernel.run(to - from, a_dst.add(ir * kc + from * mr), b_panel, b_step, beta, tile) };
                     }
                 }
             }
@@ -735,6 +755,49 @@ mod tests {
                 sgemm_with(which, 1.0, a.view(), b.view(), 0.5, c.view_mut(), &mut scratch).unwrap();
             }
             assert_eq!(out[0], out[1], "{kernel:?} and its portable twin round differently");
+        }
+    }
+
+    #[test]
+    fn few_rows_read_b_in_place_and_give_the_bits_of_packed_rows() {
+        // A product of at most `FEW_ROWS` rows reads a row-major B where it lies (but
+        // for a last narrow panel); its rows must be the bits of the same rows of a
+        // taller product, which packs B. Widths below, at and past a panel, a KC slice
+        // crossed, B with a row stride past its width and reversed, beta 0 and 1, every
+        // kernel; the packing buffers poisoned with NaN, so that a panel read from the
+        // buffer that was never packed shows.
+        let tall = 3 * FEW_ROWS;
+        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33)] {
+            let a_tall = matrix(tall, k, 11);
+            let b_store = matrix(k + 3, n + 5, 12);
+            let wide = b_store.slice(s![..k, 2..n + 2]);
+            let reversed = b_store.slice(s![..k;-1, ..n]);
+            // Exactly `k × n`: a read past B's last column would leave its allocation
+            // (valgrind's runs of these tests see it).
+            let exact = matrix(k, n, 14);
+            for b in [wide, reversed, exact.view()] {
+                for kernel in Kernel::all_available() {
+                    for beta in [0.0f32, 1.0] {
+                        let start = matrix(tall, n, 13);
+                        let mut packed = start.clone();
+                        let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(tall, n, k)];
+                        sgemm_with(kernel, 0.5, a_tall.view(), b, beta, packed.view_mut(), &mut scratch).unwrap();
+                        for m in 1..=FEW_ROWS + 1 {
+                            let mut few = start.slice(s![..m, ..]).to_owned();
+                            scratch.fill(MaybeUninit::new(f32::NAN));
+                            let a = a_tall.slice(s![..m, ..]);
+                            sgemm_with(kernel, 0.5, a, b, beta, few.view_mut(), &mut scratch).unwrap();
+                            for ((i, j), x) in few.indexed_iter() {
+                                assert_eq!(
+                                    x.to_bits(),
+                                    packed[[i, j]].to_bits(),
+                                    "{kernel:?} m {m} n {n} k {k} beta {beta}: ({i}, {j})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 
