@@ -222,7 +222,7 @@ unsafe fn generic<const MR: usize, const NR: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{gather, scatter, Tile, MAX_TILE};
@@ -388,5 +388,52 @@ mod x86 {
             }
         }
         store_rows!(acc, tile, beta, NR, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);
+    }
+
+    /// A few rows' tile, `M × 8·V`, of a product that reads a row-major B where it lies
+    /// (the parent module's `FEW_ROWS`): the 6×16 kernel would spend most of its fused
+    /// multiply-adds on the zero rows that pad one or two rows to six, so these take as
+    /// many columns as the registers hold for `M` rows instead (`M·V` accumulators, `M`
+    /// broadcasts and one load of B at a time: at most 16 registers). Each element is
+    /// the same sum as the 6×16 kernel's (the products in step order, then one fused
+    /// `beta·C + acc`): the same bits.
+    ///
+    /// # Safety
+    ///
+    /// On a CPU with AVX2 and FMA: `a + p·a_step` holds `M` readable values and `b +
+    /// p·b_step` holds `8·V` for every `p < kc`; `tile` addresses `rows × cols` (at most
+    /// `M × 8·V`) writable elements, readable too unless `beta == 0`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(in crate::nn::gemm) unsafe fn avx2_rows<const M: usize, const V: usize>(
+        kc: usize,
+        a: *const f32,
+        a_step: usize,
+        b: *const f32,
+        b_step: isize,
+        beta: f32,
+        tile: Tile,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); V]; M];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: step `p < kc` reads `M` values of A and `8·V` of B, per the
+            // contract; then both pointers move one step on (`wrapping_offset`: past the
+            // last step they are not read).
+            unsafe {
+                let mut ai = [_mm256_setzero_ps(); M];
+                for (i, ai) in ai.iter_mut().enumerate() {
+                    *ai = _mm256_broadcast_ss(&*a.add(i));
+                }
+                for v in 0..V {
+                    let bv = _mm256_loadu_ps(b.add(8 * v));
+                    for (row, ai) in acc.iter_mut().zip(&ai) {
+                        row[v] = _mm256_fmadd_ps(*ai, bv, row[v]);
+                    }
+                }
+                a = a.wrapping_add(a_step);
+                b = b.wrapping_offset(b_step);
+            }
+        }
+        store_rows!(acc, tile, beta, 8 * V, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);
     }
 }

@@ -318,6 +318,8 @@ unsafe fn multiply(
     // B read where it lies, but for a last panel narrower than the kernel's (packed,
     // with its zeros, so that no read runs past B's columns).
     let direct = ops.m <= FEW_ROWS && ops.b.col_stride == 1 && tri == Triangle::Full;
+    // Up to four rows on AVX2: tiles as wide as the registers allow (see `avx2_rows`).
+    let wide_tiles = direct && ops.m <= 4 && kernel == Kernel::Avx2Fma;
     for jc in (0..ops.n).step_by(NC) {
         let nc = NC.min(ops.n - jc);
         for pc in (0..ops.k).step_by(KC) {
@@ -339,7 +341,19 @@ unsafe fn multiply(
                 let mc = MC.min(ops.m - ic);
                 // SAFETY: as for B, with `mc <= MC`.
                 unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, tri, a_dst) };
-                for jr in (0..nc).step_by(nr) {
+                let mut first_jr = 0;
+                #[cfg(target_arch = "x86_64")]
+                if wide_tiles && packed_from > 0 {
+                    // SAFETY: AVX2 and FMA (the kernel `detect` chose); A's one panel
+                    // (`m <= 4 < mr`, `ic == 0`) holds `kc` steps of `mr` values, the
+                    // first `m` of them A's rows; columns `jc .. jc + packed_from` of B's
+                    // rows `pc .. pc + kc` and of C's `m` rows lie inside them.
+                    unsafe { few_rows(ops, kc, a_dst, mr, pc, jc, packed_from, beta) };
+                    first_jr = packed_from;
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = wide_tiles;
+                for jr in (first_jr..nc).step_by(nr) {
                     for ir in (0..mc).step_by(mr) {
                         let (row, col) = (ic + ir, jc + jr);
                         let last_row = row + mr.min(mc - ir) - 1;
@@ -383,6 +397,81 @@ unsafe fn multiply(
                     }
                 }
             }
+        }
+    }
+}
+
+/// Columns `jc .. jc + cols` (`cols` a multiple of 16) of the `m <= 4` rows of C, from
+/// steps `pc .. pc + kc`: A's packed panel at `a` (`a_step` values a step) by B's rows
+/// read where they lie, in the widest tiles of [`kernel::x86::avx2_rows`] for `m` rows,
+/// then 16 columns at a time.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA; `ops` describes live matrices (C exclusively borrowed),
+/// B with unit column stride; `a + p·a_step` holds `m` values for `p < kc`; rows `pc ..
+/// pc + kc` and columns `jc .. jc + cols` lie in B, and columns `jc .. jc + cols` in C.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)] // one slice of one product
+unsafe fn few_rows(
+    ops: &Operands,
+    kc: usize,
+    a: *const f32,
+    a_step: usize,
+    pc: usize,
+    jc: usize,
+    cols: usize,
+    beta: f32,
+) {
+    /// Tiles `M × 8·V` while they fit, then `M × 16`.
+    ///
+    /// # Safety
+    ///
+    /// As [`few_rows`], with `M == ops.m`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run<const M: usize, const V: usize>(
+        ops: &Operands,
+        kc: usize,
+        a: *const f32,
+        a_step: usize,
+        pc: usize,
+        jc: usize,
+        cols: usize,
+        beta: f32,
+    ) {
+        let mut j = 0;
+        while j < cols {
+            let width = if j + 8 * V <= cols { 8 * V } else { 16 };
+            let col = jc + j;
+            let tile = Tile {
+                ptr: ops.c.wrapping_offset(col as isize * ops.c_col_stride),
+                row_stride: ops.c_row_stride,
+                col_stride: ops.c_col_stride,
+                rows: M,
+                cols: width,
+            };
+            // SAFETY: columns `col .. col + width <= jc + cols` of B's rows `pc ..` and
+            // of C's `M` rows lie inside them (the contract; `cols` a multiple of 16, so
+            // a 16-wide tile fits whenever a wider one does not); A as the contract says.
+            unsafe {
+                let b = ops.b.at(pc, col);
+                if width == 8 * V {
+                    kernel::x86::avx2_rows::<M, V>(kc, a, a_step, b, ops.b.row_stride, beta, tile);
+                } else {
+                    kernel::x86::avx2_rows::<M, 2>(kc, a, a_step, b, ops.b.row_stride, beta, tile);
+                }
+            }
+            j += width;
+        }
+    }
+    // At most 16 registers: `M·V` accumulators, `M` broadcasts of A, one load of B.
+    // SAFETY (each arm): the contract, with `M == ops.m`.
+    unsafe {
+        match ops.m {
+            1 => run::<1, 12>(ops, kc, a, a_step, pc, jc, cols, beta),
+            2 => run::<2, 6>(ops, kc, a, a_step, pc, jc, cols, beta),
+            3 => run::<3, 4>(ops, kc, a, a_step, pc, jc, cols, beta),
+            _ => run::<4, 2>(ops, kc, a, a_step, pc, jc, cols, beta),
         }
     }
 }
@@ -767,7 +856,7 @@ mod tests {
         // kernel; the packing buffers poisoned with NaN, so that a panel read from the
         // buffer that was never packed shows.
         let tall = 3 * FEW_ROWS;
-        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33)] {
+        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 260), (200, 9)] {
             let a_tall = matrix(tall, k, 11);
             let b_store = matrix(k + 3, n + 5, 12);
             let wide = b_store.slice(s![..k, 2..n + 2]);
@@ -787,12 +876,16 @@ mod tests {
                             scratch.fill(MaybeUninit::new(f32::NAN));
                             let a = a_tall.slice(s![..m, ..]);
                             sgemm_with(kernel, 0.5, a, b, beta, few.view_mut(), &mut scratch).unwrap();
+                            // And into a column-major C (its tiles stored through a buffer).
+                            let mut columns = start.slice(s![..m, ..]).t().to_owned();
+                            scratch.fill(MaybeUninit::new(f32::NAN));
+                            let c = columns.view_mut().reversed_axes();
+                            sgemm_with(kernel, 0.5, a, b, beta, c, &mut scratch).unwrap();
                             for ((i, j), x) in few.indexed_iter() {
-                                assert_eq!(
-                                    x.to_bits(),
-                                    packed[[i, j]].to_bits(),
-                                    "{kernel:?} m {m} n {n} k {k} beta {beta}: ({i}, {j})"
-                                );
+                                let want = packed[[i, j]].to_bits();
+                                let what = format!("{kernel:?} m {m} n {n} k {k} beta {beta}: ({i}, {j})");
+                                assert_eq!(x.to_bits(), want, "{what}");
+                                assert_eq!(columns[[j, i]].to_bits(), want, "{what}, C column-major");
                             }
                         }
                     }
