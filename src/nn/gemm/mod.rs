@@ -14,8 +14,18 @@
 //! `MR × NR` tile of C. Packing makes every operand layout (row-major, transposed,
 //! strided views) run the same unit-stride kernel.
 //!
-//! The summation order depends on the shapes only, never on where the buffers are, so
-//! the result is bit-identical whether the scratch comes from a workspace or the heap.
+//! A product of few rows (at most 8: a one-row inference request, a generated token's
+//! step) reads a row-major B where it lies instead of packing it, since each of B's
+//! values then serves one or two row panels, too few to repay the copy; up to four rows
+//! on AVX2 run in tiles as wide as the registers hold rather than the 6×16 tile, whose
+//! padding rows would be most of its arithmetic. A causal product packs only the steps
+//! of A its triangle holds.
+//!
+//! The summation order depends on the shapes only, never on where the buffers are or
+//! which tile computes an element (each element's products are added in step order with
+//! fused multiply-adds, then one fused `beta·C + acc`), so the result is bit-identical
+//! whether the scratch comes from a workspace or the heap, and a row's values are the
+//! same in a product of one row as in a product of many.
 
 mod kernel;
 mod pack;
@@ -464,15 +474,17 @@ unsafe fn few_rows(
             j += width;
         }
     }
+    debug_assert!((1..=4).contains(&ops.m), "{} rows", ops.m);
     // At most 16 registers: `M·V` accumulators, `M` broadcasts of A, one load of B.
-    // SAFETY (each arm): the contract, with `M == ops.m`.
-    unsafe {
-        match ops.m {
-            1 => run::<1, 12>(ops, kc, a, a_step, pc, jc, cols, beta),
-            2 => run::<2, 6>(ops, kc, a, a_step, pc, jc, cols, beta),
-            3 => run::<3, 4>(ops, kc, a, a_step, pc, jc, cols, beta),
-            _ => run::<4, 2>(ops, kc, a, a_step, pc, jc, cols, beta),
-        }
+    match ops.m {
+        // SAFETY: the contract, with `M == ops.m`.
+        1 => unsafe { run::<1, 12>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above.
+        2 => unsafe { run::<2, 6>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above.
+        3 => unsafe { run::<3, 4>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
+        _ => unsafe { run::<4, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
     }
 }
 
