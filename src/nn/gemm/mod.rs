@@ -351,18 +351,23 @@ unsafe fn multiply(
                 let mc = MC.min(ops.m - ic);
                 // SAFETY: as for B, with `mc <= MC`.
                 unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, tri, a_dst) };
-                let mut first_jr = 0;
+                // The columns the wide tiles took.
                 #[cfg(target_arch = "x86_64")]
-                if wide_tiles && packed_from > 0 {
+                let first_jr = if wide_tiles && packed_from > 0 {
                     // SAFETY: AVX2 and FMA (the kernel `detect` chose); A's one panel
                     // (`m <= 4 < mr`, `ic == 0`) holds `kc` steps of `mr` values, the
                     // first `m` of them A's rows; columns `jc .. jc + packed_from` of B's
                     // rows `pc .. pc + kc` and of C's `m` rows lie inside them.
                     unsafe { few_rows(ops, kc, a_dst, mr, pc, jc, packed_from, beta) };
-                    first_jr = packed_from;
-                }
+                    packed_from
+                } else {
+                    0
+                };
                 #[cfg(not(target_arch = "x86_64"))]
-                let _ = wide_tiles;
+                let first_jr = {
+                    let _ = wide_tiles;
+                    0
+                };
                 for jr in (first_jr..nc).step_by(nr) {
                     for ir in (0..mc).step_by(mr) {
                         let (row, col) = (ic + ir, jc + jr);
@@ -397,9 +402,10 @@ unsafe fn multiply(
                             // SAFETY: inside the packed buffer, as in `pack_b`.
                             (unsafe { b_dst.add(jr * kc + from * nr) }.cast_const(), nr as isize)
                         };
-                        // SAFETY: panel `ir / mr` of A holds `kc` initialised steps
-                        // (packing padded it with zeros), and B's panel, packed or in
-                        // place, `nr` values at each of steps `from..to`, `b_step` apart;
+                        // SAFETY: panel `ir / mr` of A holds steps `from..to` as
+                        // `pack_a` wrote them (the same `Triangle::steps`; rows past A's
+                        // padded with zeros), and B's panel, packed or in place, `nr`
+                        // values at each of steps `from..to`, `b_step` apart;
                         // the tile is the part of C that exists; the kernel came from
                         // `detect`. Steps `from..to` of the panels (`from <= to <= kc`):
                         // A's panel holds each step's `mr` values one after another.
@@ -474,7 +480,7 @@ unsafe fn few_rows(
             j += width;
         }
     }
-    debug_assert!((1..=4).contains(&ops.m), "{} rows", ops.m);
+    debug_assert!((1..=4).contains(&ops.m) && cols.is_multiple_of(16), "{} rows, {cols} columns", ops.m);
     // At most 16 registers: `M·V` accumulators, `M` broadcasts of A, one load of B.
     match ops.m {
         // SAFETY: the contract, with `M == ops.m`.
@@ -868,7 +874,8 @@ mod tests {
         // kernel; the packing buffers poisoned with NaN, so that a panel read from the
         // buffer that was never packed shows.
         let tall = 3 * FEW_ROWS;
-        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 260), (200, 9)] {
+        // (`NC + 52`: a second block of columns, whose 48 whole ones take the wide tiles.)
+        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 20), (200, 9), (NC + 52, 3)] {
             let a_tall = matrix(tall, k, 11);
             let b_store = matrix(k + 3, n + 5, 12);
             let wide = b_store.slice(s![..k, 2..n + 2]);
@@ -876,9 +883,14 @@ mod tests {
             // Exactly `k × n`: a read past B's last column would leave its allocation
             // (valgrind's runs of these tests see it).
             let exact = matrix(k, n, 14);
-            for b in [wide, reversed, exact.view()] {
+            for (which, b) in [wide, reversed, exact.view()].into_iter().enumerate() {
                 for kernel in Kernel::all_available() {
-                    for beta in [0.0f32, 1.0] {
+                    for beta in [0.0f32, 1.0, 0.5] {
+                        if n > NC && (which < 2 || beta != 0.5) {
+                            // The second column block once: each case is a tenth of a
+                            // second in a debug build, far more under valgrind.
+                            continue;
+                        }
                         let start = matrix(tall, n, 13);
                         let mut packed = start.clone();
                         let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(tall, n, k)];
