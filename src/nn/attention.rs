@@ -8,12 +8,12 @@ use workspace_core::freeze;
 
 use crate::{Error, Result};
 
-use super::gemm::{scratch_len, sgemm, sgemm_tri, Triangle};
+use super::gemm::{scratch_len, sgemm, sgemm_tri, sgemm_uninit, Triangle};
 use super::kept::{fingerprint, Kept};
 use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward};
 use super::layer::{
-    check_grad_input, check_len, check_mask, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
-    BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape,
+    check_len, check_mask, not_standard, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
+    BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape, UninitGradInput,
 };
 use super::vector::{fill_rows, rows_new, split_with_work, sum_rows, zeros_new, PartWork};
 
@@ -303,9 +303,10 @@ impl Attention {
 
     /// The backward pass from the kept values (`qkv`, `att`, per head the statistics
     /// and the probabilities or, recomputed, the scores rebuilt in `scores`): the
-    /// parameters' gradients into `g` (every element), the input's into `dx`.
+    /// parameters' gradients into `g` (every element), the input's into `dx` (given
+    /// back when it came uninitialised).
     #[allow(clippy::too_many_arguments)]
-    fn run_backward(
+    fn run_backward<'g>(
         &self,
         p: Weights<'_>,
         g: &mut [f32],
@@ -314,12 +315,12 @@ impl Attention {
         mask: Option<ArrayView2<'_, f32>>,
         kept: &[f32],
         dy: ArrayView2<'_, f32>,
-        dx: Option<ArrayViewMut2<'_, f32>>,
+        dx: Dx<'g>,
         work: Work<'_>,
-    ) -> Result<()> {
+    ) -> Result<Option<ArrayViewMut2<'g, f32>>> {
         let (d, hd, t) = (self.width, self.head_width(), l.steps);
         let scale = 1.0 / (hd as f32).sqrt();
-        let Work { mut d_att, mut d_qkv, values: work_values, scratch } = work;
+        let Work { d_att, mut d_qkv, values: work_values, scratch } = work;
         let (qkv, rest) = kept.split_at(l.qkv());
         let (att, heads) = rest.split_at(l.att());
         let qkv = ArrayView2::from_shape((l.rows(), 3 * d), qkv).expect("rows × 3·width values");
@@ -332,7 +333,7 @@ impl Attention {
         // The output projection.
         sgemm(1.0, att.t(), dy, 0.0, g_proj_w, scratch)?;
         sum_rows(ArrayViewMut1::from(g_proj_b), dy);
-        sgemm(1.0, dy, p.proj_w.t(), 0.0, d_att.view_mut(), scratch)?;
+        let d_att = sgemm_uninit(1.0, dy, p.proj_w.t(), d_att, scratch)?;
         // Each head of each sequence, the sequences split across the thread's pool.
         let d_att = d_att.view();
         let head_scratch = self.head_scratch(t).min(scratch.len());
@@ -404,17 +405,28 @@ impl Attention {
         // The input projection.
         sgemm(1.0, x.t(), d_qkv.view(), 0.0, g_qkv_w, scratch)?;
         sum_rows(ArrayViewMut1::from(g_qkv_b), d_qkv.view());
-        if let Some(dx) = dx {
-            sgemm(1.0, d_qkv.view(), p.qkv_w.t(), 0.0, dx, scratch)?;
+        match dx {
+            Dx::None => Ok(None),
+            Dx::Zeroed(dx) => sgemm(1.0, d_qkv.view(), p.qkv_w.t(), 0.0, dx, scratch).map(|()| None),
+            Dx::Uninit(dx) => sgemm_uninit(1.0, d_qkv.view(), p.qkv_w.t(), dx, scratch).map(Some),
         }
-        Ok(())
     }
+}
+
+/// Where the backward pass writes the gradient of the input (as rows of steps).
+enum Dx<'g> {
+    /// Not wanted.
+    None,
+    /// Into an initialised array ([`Layer::backward`]).
+    Zeroed(ArrayViewMut2<'g, f32>),
+    /// Into an uninitialised one, given back written ([`Layer::backward_uninit`]).
+    Uninit(ArrayViewMut2<'g, MaybeUninit<f32>>),
 }
 
 /// The backward pass's working arrays: `values` holds a head's rebuilt scores and the
 /// probabilities' gradient (`[steps, steps]` each).
 struct Work<'w> {
-    d_att: ArrayViewMut2<'w, f32>,
+    d_att: ArrayViewMut2<'w, MaybeUninit<f32>>,
     d_qkv: ArrayViewMut2<'w, f32>,
     values: &'w mut [f32],
     scratch: &'w mut [MaybeUninit<f32>],
@@ -498,6 +510,70 @@ impl Layer for Attention {
         ctx: &BackwardCtx<'_>,
     ) -> Result<()> {
         let name = &self.name;
+        let dx = match grad_input {
+            None => Dx::None,
+            Some(g) => {
+                let g = sequence_grad_input(g, name)?;
+                let x = pass.input.sequence(name)?;
+                if g.dim() != x.dim() {
+                    return Err(wrong_grad_input(name, &x, g.shape()));
+                }
+                Dx::Zeroed(rows_of_grad(g, name)?)
+            }
+        };
+        self.backward_with(params, grads, pass, dx, tape, ctx).map(|_| ())
+    }
+
+    fn backward_uninit<'g>(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<GradInput<'g>> {
+        // The input projection's product writes every element of the input's gradient:
+        // no zeros first.
+        let name = &self.name;
+        let x = pass.input.sequence(name)?;
+        let g = match grad_input {
+            UninitGradInput::Sequence(g) if g.dim() == x.dim() => g,
+            UninitGradInput::Sequence(g) => return Err(wrong_grad_input(name, &x, g.shape())),
+            UninitGradInput::Flat(g) => return Err(wrong_grad_input(name, &x, g.shape())),
+        };
+        let dims = g.raw_dim();
+        let (b, t, f) = g.dim();
+        let rows = g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(name))?;
+        match self.backward_with(params, grads, pass, Dx::Uninit(rows), tape, ctx)? {
+            Some(dx) => Ok(GradInput::Sequence(dx.into_shape_with_order(dims).map_err(|_| not_standard(name))?)),
+            None => Err(Error::InvalidInput(format!("layer '{name}': the gradient of its input was not written"))),
+        }
+    }
+}
+
+/// The error of an input gradient of another shape than the input's.
+fn wrong_grad_input(name: &str, x: &ArrayView3<'_, f32>, actual: &[usize]) -> Error {
+    Error::ShapeMismatch {
+        context: format!("layer '{name}' input gradient"),
+        expected: x.shape().to_vec(),
+        actual: actual.to_vec(),
+    }
+}
+
+impl Attention {
+    /// The backward pass ([`Layer::backward`]), the input's gradient into `dx` (its
+    /// shape checked by the caller) and given back when it came uninitialised.
+    fn backward_with<'g>(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        dx: Dx<'g>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<Option<ArrayViewMut2<'g, f32>>> {
+        let name = &self.name;
         let tape = tape_of::<AttentionTape>(tape, name)?;
         let p = self.weights(params)?;
         check_len(name, "gradients", grads.len(), self.param_count())?;
@@ -511,18 +587,15 @@ impl Layer for Attention {
                 actual: dy.shape().to_vec(),
             });
         }
-        let grad_input = grad_input.map(|g| sequence_grad_input(g, name)).transpose()?;
-        check_grad_input(name, &x, &grad_input)?;
         let (batch, steps, _) = x.dim();
         let l = self.layout(batch, steps);
         let len = l.len().ok_or_else(|| Error::InvalidInput(format!("layer '{name}': the batch overflows")))?;
         let print = fingerprint(pass.mask.as_ref(), batch, steps);
         let rows = steps_as_rows(x, name)?;
         let dy = steps_as_rows(dy, name)?;
-        let dx = grad_input.map(|g| rows_of_grad(g, name)).transpose()?;
         let w = &ctx.working;
         let work = Work {
-            d_att: zeros_new(w.uninit::<f32, _>((l.rows(), self.width))?),
+            d_att: w.uninit::<f32, _>((l.rows(), self.width))?,
             d_qkv: zeros_new(w.uninit::<f32, _>((l.rows(), 3 * self.width))?),
             values: w.slice_zeroed::<f32>(2 * steps * steps)?,
             scratch: w.slice_uninit::<f32>(self.scratch(l.rows(), steps))?,
@@ -530,9 +603,7 @@ impl Layer for Attention {
         tape.kept
             .with(len, print, ctx.mgr, name, |kept| self.run_backward(p, grads, rows, l, pass.mask, kept, dy, dx, work))
     }
-}
 
-impl Attention {
     /// The forward pass, the output in `ctx.activations` whatever the input's lifetime.
     fn forward_any<'a>(
         &self,

@@ -4,9 +4,12 @@ use crate::{Error, Result};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use workspace_core::freeze;
 
-use super::gemm::{scratch_len, sgemm};
+use std::mem::MaybeUninit;
+
+use super::gemm::{scratch_len, sgemm, sgemm_uninit};
 use super::layer::{
-    check_len, steps_in, steps_out, Activations, BackwardCtx, ForwardCtx, Init, Layer, ParamShape, RowsPass, Tape,
+    backward_rows_uninit, check_len, steps_in, steps_out, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer,
+    ParamShape, Pass, RowsPass, Tape, UninitGradInput,
 };
 use super::vector::{rows_new, sum_rows};
 
@@ -132,20 +135,17 @@ fn forward<'a>(
     Ok(freeze(out))
 }
 
-/// The backward pass of a dense layer of weights `w`: the gradients of the weights and
-/// biases written into `gw` and `gb` (every element), and of the input into
-/// `grad_input` when given.
-#[allow(clippy::too_many_arguments)]
-fn backward(
+/// The parameters' gradients, `dW = xᵀ·dy` and `db = Σ_rows dy` (in row order), of
+/// the checked shapes; gives back the scratch the input's gradient's product takes.
+fn param_grads<'w>(
     name: &str,
     w: ArrayView2<'_, f32>,
     input: ArrayView2<'_, f32>,
     grad_output: ArrayView2<'_, f32>,
     mut gw: ArrayViewMut2<'_, f32>,
     gb: ArrayViewMut1<'_, f32>,
-    grad_input: Option<ArrayViewMut2<'_, f32>>,
-    ctx: &BackwardCtx<'_>,
-) -> Result<()> {
+    ctx: &BackwardCtx<'w>,
+) -> Result<&'w mut [MaybeUninit<f32>]> {
     check_input(name, w, &input)?;
     let (batch, inputs) = input.dim();
     let outputs = w.ncols();
@@ -162,11 +162,7 @@ fn backward(
     sgemm(1.0, input.t(), grad_output, 0.0, gw.view_mut(), scratch)?;
     // db = Σ_rows dy, summed in row order (deterministic)
     sum_rows(gb, grad_output);
-    // dx = dy · Wᵀ
-    if let Some(grad_input) = grad_input {
-        sgemm(1.0, grad_output, w.t(), 0.0, grad_input, scratch)?;
-    }
-    Ok(())
+    Ok(scratch)
 }
 
 impl Layer for Dense {
@@ -244,6 +240,38 @@ impl Layer for Dense {
         check_len(&self.name, "gradients", grads.len(), params.len())?;
         let (gw, gb) = grads.split_at_mut(self.inputs * self.outputs);
         let gw = ArrayViewMut2::from_shape((self.inputs, self.outputs), gw).expect("inputs × outputs values");
-        backward(&self.name, w, pass.input, pass.grad_output, gw, ArrayViewMut1::from(gb), grad_input, ctx)
+        let scratch = param_grads(&self.name, w, pass.input, pass.grad_output, gw, ArrayViewMut1::from(gb), ctx)?;
+        // dx = dy · Wᵀ
+        if let Some(grad_input) = grad_input {
+            sgemm(1.0, pass.grad_output, w.t(), 0.0, grad_input, scratch)?;
+        }
+        Ok(())
+    }
+
+    fn backward_uninit<'g>(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        _tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<GradInput<'g>> {
+        // The product writes every element of the input's gradient: no zeros first.
+        let (w, _) = self.weights(params)?;
+        check_len(&self.name, "gradients", grads.len(), params.len())?;
+        let (gw, gb) = grads.split_at_mut(self.inputs * self.outputs);
+        let gw = ArrayViewMut2::from_shape((self.inputs, self.outputs), gw).expect("inputs × outputs values");
+        backward_rows_uninit(&self.name, pass, grad_input, |rows, dx| {
+            let scratch = param_grads(&self.name, w, rows.input, rows.grad_output, gw, ArrayViewMut1::from(gb), ctx)?;
+            if dx.dim() != rows.input.dim() {
+                return Err(Error::ShapeMismatch {
+                    context: format!("layer '{}' input gradient", self.name),
+                    expected: rows.input.shape().to_vec(),
+                    actual: dx.shape().to_vec(),
+                });
+            }
+            sgemm_uninit(1.0, rows.grad_output, w.t(), dx, scratch)
+        })
     }
 }

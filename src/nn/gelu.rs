@@ -6,8 +6,10 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 use workspace_core::freeze;
 
 use super::kernels::gelu_backward;
-use super::layer::{BackwardCtx, ForwardCtx, Layer, RowsPass};
-use super::vector::gelu_new;
+use super::layer::{
+    backward_rows_uninit, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, RowsPass, Tape, UninitGradInput,
+};
+use super::vector::{gelu_backward_new, gelu_new};
 
 /// `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` elementwise: the Gaussian error linear
 /// unit in the tanh form GPT-2 uses (PyTorch's `nn.GELU(approximate="tanh")`). Its
@@ -87,5 +89,32 @@ impl Layer for Gelu {
             gelu_backward(input, grad_output, grad_input);
         }
         Ok(())
+    }
+
+    fn backward_uninit<'g>(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        _tape: &mut Tape,
+        _ctx: &BackwardCtx<'_>,
+    ) -> Result<GradInput<'g>> {
+        // Every element of the input's gradient is written: no zeros first.
+        backward_rows_uninit(&self.name, pass, grad_input, |rows, dx| {
+            let (input, grad_output) = (rows.input, rows.grad_output);
+            let wrong = |what: &str, shape: &[usize]| Error::ShapeMismatch {
+                context: format!("layer '{}' {what}", self.name),
+                expected: input.shape().to_vec(),
+                actual: shape.to_vec(),
+            };
+            if grad_output.dim() != input.dim() {
+                return Err(wrong("output gradient", grad_output.shape()));
+            }
+            if dx.dim() != input.dim() {
+                return Err(wrong("input gradient", dx.shape()));
+            }
+            Ok(gelu_backward_new(input, grad_output, dx))
+        })
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::{Error, Result};
 use std::any::Any;
+use std::mem::MaybeUninit;
 
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3};
 use workspace_core::{LayerWorkspaceMgr, TypedScope};
@@ -131,6 +132,79 @@ pub enum GradInput<'g> {
     Flat(ArrayViewMut2<'g, f32>),
     /// Of a batch of sequences `[batch, time, features]`.
     Sequence(ArrayViewMut3<'g, f32>),
+}
+
+impl GradInput<'_> {
+    /// The same elements, borrowed for a shorter while.
+    pub fn reborrow(&mut self) -> GradInput<'_> {
+        match self {
+            GradInput::Flat(g) => GradInput::Flat(g.view_mut()),
+            GradInput::Sequence(g) => GradInput::Sequence(g.view_mut()),
+        }
+    }
+}
+
+/// The gradient of a layer's input before anything is written to it, for
+/// [`Layer::backward_uninit`]: of the kind of the input, in standard (row-major) layout.
+#[derive(Debug)]
+pub enum UninitGradInput<'g> {
+    /// Of a flat batch `[batch, features]`.
+    Flat(ArrayViewMut2<'g, MaybeUninit<f32>>),
+    /// Of a batch of sequences `[batch, time, features]`.
+    Sequence(ArrayViewMut3<'g, MaybeUninit<f32>>),
+}
+
+impl<'g> UninitGradInput<'g> {
+    /// The array filled with zeros (split across the thread's matrix-multiply pool when
+    /// it has one), what [`Layer::backward`] is handed.
+    pub fn zeroed(self) -> GradInput<'g> {
+        match self {
+            UninitGradInput::Flat(g) => GradInput::Flat(super::vector::zeros_new(g)),
+            UninitGradInput::Sequence(g) => GradInput::Sequence(super::vector::zeros_new(g)),
+        }
+    }
+}
+
+/// [`Layer::backward_uninit`] of a layer that works on rows (as
+/// [`Layer::backward_rows`]): `write` gets the pass as rows and the input's gradient as
+/// uninitialised rows (`[batch · time, features]` for a sequence), and gives those rows
+/// back initialised; they come back here in the input's kind.
+pub(crate) fn backward_rows_uninit<'g>(
+    name: &str,
+    pass: Pass<'_>,
+    grad_input: UninitGradInput<'g>,
+    write: impl FnOnce(RowsPass<'_>, ArrayViewMut2<'g, MaybeUninit<f32>>) -> Result<ArrayViewMut2<'g, f32>>,
+) -> Result<GradInput<'g>> {
+    match (pass.input, grad_input) {
+        (Activations::Flat(x), UninitGradInput::Flat(g)) => {
+            let rows =
+                RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
+            Ok(GradInput::Flat(write(rows, g)?))
+        }
+        (Activations::Sequence(x), UninitGradInput::Sequence(g)) => {
+            let rows = RowsPass {
+                input: steps_as_rows(x, name)?,
+                output: steps_as_rows(pass.output.sequence(name)?, name)?,
+                grad_output: steps_as_rows(pass.grad_output.sequence(name)?, name)?,
+            };
+            let dims = g.raw_dim();
+            let (b, t, f) = g.dim();
+            let g = g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(name))?;
+            let written = write(rows, g)?;
+            Ok(GradInput::Sequence(written.into_shape_with_order(dims).map_err(|_| not_standard(name))?))
+        }
+        (x, g) => Err(Error::ShapeMismatch {
+            context: format!("layer '{name}': the gradient of its input is of the input's kind"),
+            expected: match x {
+                Activations::Flat(x) => x.shape().to_vec(),
+                Activations::Sequence(x) => x.shape().to_vec(),
+            },
+            actual: match g {
+                UninitGradInput::Flat(g) => g.shape().to_vec(),
+                UninitGradInput::Sequence(g) => g.shape().to_vec(),
+            },
+        }),
+    }
 }
 
 /// What a layer's backward pass reads: the forward pass's input (and the batch's mask),
@@ -387,7 +461,10 @@ pub struct RowsPass<'p> {
 /// A layer of rows implements [`Layer::forward_rows`] and [`Layer::backward_rows`]; a
 /// batch of sequences `[batch, time, features]` then goes through them as `[batch · time,
 /// features]` rows (DL4J's time-distributed layers). Sequence layers (recurrent layers,
-/// heads) implement [`Layer::forward`] and [`Layer::backward`] instead.
+/// heads) implement [`Layer::forward`] and [`Layer::backward`] instead. A layer whose
+/// backward pass writes every element of its input's gradient anyway (a matrix product
+/// into it) may also implement [`Layer::backward_uninit`], which is handed that
+/// gradient uninitialised: the network then writes no zeros first.
 ///
 /// # Where a layer's output may live
 ///
@@ -695,6 +772,32 @@ pub trait Layer: Any + Send + Sync {
                 self.backward_rows(params, grads, rows, grad_input, ctx)
             }
         }
+    }
+
+    /// [`Layer::backward`] with the gradient of the input given uninitialised: the
+    /// layer writes every element and gives the same array back initialised (the
+    /// network checks it is the same elements, in the same shape and layout). The
+    /// network calls this, not [`Layer::backward`], whenever it needs the gradient of a
+    /// layer's input; a layer whose backward pass writes every element anyway (a matrix
+    /// product into it) implements it to spare the zeros the default writes first.
+    ///
+    /// The default fills the array with zeros and runs [`Layer::backward`] on it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::backward`].
+    fn backward_uninit<'g>(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<GradInput<'g>> {
+        let mut grad_input = grad_input.zeroed();
+        self.backward(params, grads, pass, Some(grad_input.reborrow()), tape, ctx)?;
+        Ok(grad_input)
     }
 }
 

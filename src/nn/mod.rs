@@ -87,6 +87,7 @@ pub use gelu::Gelu;
 pub use infer::Infer;
 pub use layer::{
     initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
+    UninitGradInput,
 };
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;

@@ -28,13 +28,13 @@
 //! [`forward`] is the forward pass alone, the one loop inference runs too.
 
 use allocator_api2::vec::Vec as ArenaVec;
-use ndarray::{ArrayView2, ArrayViewMut2, ArrayViewMut3, Ix2, Ix3};
+use ndarray::{ArrayView2, ArrayViewMut2, Ix2, Ix3};
 use workspace_core::{freeze, ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 
 use crate::{Error, Result};
 
 use super::finite;
-use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape};
+use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape, UninitGradInput};
 use super::loss::SoftmaxCrossEntropy;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
 use super::params::Params;
@@ -129,6 +129,26 @@ impl StepLayers<'_> {
         };
         let region = self.params.layout.regions[i].clone();
         layer.backward(&self.values[region.clone()], &mut grads[region], pass, grad_input, &mut tapes[i], ctx)
+    }
+
+    /// [`StepLayers::backward`] writing the gradient of layer `i`'s input into
+    /// `grad_input` ([`Layer::backward_uninit`]), given back initialised.
+    pub(crate) fn backward_uninit<'g>(
+        &mut self,
+        i: usize,
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        ctx: &BackwardCtx<'_>,
+    ) -> Result<GradInput<'g>> {
+        let layer = &self.layers[i];
+        let (Some(grads), Some(tapes)) = (self.grads.as_deref_mut(), self.tapes.as_deref_mut()) else {
+            return Err(Error::InvalidInput(format!(
+                "layer '{}' is run for inference only here: it has no backward pass",
+                layer.name()
+            )));
+        };
+        let region = self.params.layout.regions[i].clone();
+        layer.backward_uninit(&self.values[region.clone()], &mut grads[region], pass, grad_input, &mut tapes[i], ctx)
     }
 
     /// Checks the gradients of layer `i`'s parameters that its last backward pass left:
@@ -288,6 +308,26 @@ struct Back<'b, 's> {
 }
 
 impl Back<'_, '_> {
+    /// Layer `i`'s own backward pass, in working memory of its own: its parameters'
+    /// gradients and, when given, the gradient of its input written into `grad_input`
+    /// and given back.
+    fn layer_pass<'g>(
+        &self,
+        layers: &mut StepLayers<'_>,
+        i: usize,
+        pass: Pass<'_>,
+        grad_input: Option<UninitGradInput<'g>>,
+    ) -> Result<Option<GradInput<'g>>> {
+        let working = self.mgr.enter(ArrayType::BpWorkingMem)?;
+        let ctx = BackwardCtx { working: &working, mgr: self.mgr };
+        // The layer's own work; its matrix products are charged to MatMul.
+        let _span = profile::span(Part::Elementwise);
+        match grad_input {
+            Some(g) => layers.backward_uninit(i, pass, g, &ctx).map(Some),
+            None => layers.backward(i, pass, None, &ctx).map(|()| None),
+        }
+    }
+
     /// Layer `i`'s backward pass from the gradient of its output `grad`: its parameters'
     /// gradients, the gradient of its input (returned; `None` for the first layer, whose
     /// input's gradient is not needed) with the residual joins' gradients waiting for
@@ -301,25 +341,24 @@ impl Back<'_, '_> {
         grad: &Gradient,
         skips: &mut Stack<(usize, Skip)>,
     ) -> Result<Option<Gradient>> {
-        let (mgr, mask) = (self.mgr, self.mask);
-        // The gradient of the first layer's input is not needed.
+        let pass = Pass { input: rebind(&input), mask: self.mask, output: rebind(&output), grad_output: grad.view()? };
+        // The gradient of the first layer's input is not needed; the others' the layer
+        // writes (`Layer::backward_uninit`).
         let mut below = match i {
-            0 => None,
-            _ => Some(Gradient::zeros(&self.run.train[(self.depth - i) % 2], input)?),
+            0 => {
+                self.layer_pass(layers, i, pass, None)?;
+                None
+            }
+            _ => {
+                let all = layers.layers;
+                let mgr = &self.run.train[(self.depth - i) % 2];
+                Some(Gradient::written_by(mgr, input, all[i].name(), |g| {
+                    self.layer_pass(layers, i, pass, Some(g))?.ok_or_else(|| {
+                        Error::InvalidInput(format!("layer '{}': no gradient of its input came back", all[i].name()))
+                    })
+                })?)
+            }
         };
-        {
-            let working = mgr.enter(ArrayType::BpWorkingMem)?;
-            let ctx = BackwardCtx { working: &working, mgr };
-            let grad_input = match (below.as_mut(), input) {
-                (None, _) => None,
-                (Some(b), Activations::Flat(_)) => Some(GradInput::Flat(b.view_mut_flat()?)),
-                (Some(b), Activations::Sequence(_)) => Some(GradInput::Sequence(b.view_mut_sequence()?)),
-            };
-            let pass = Pass { input: rebind(&input), mask, output: rebind(&output), grad_output: grad.view()? };
-            // The layer's own work; its matrix products are charged to MatMul.
-            let _span = profile::span(Part::Elementwise);
-            layers.backward(i, pass, grad_input, &ctx)?;
-        }
         while skips.last().is_some_and(|(from, _)| *from == i) {
             let (_, skip) = skips.pop().expect("just looked at");
             if let Some(below) = below.as_mut() {
@@ -329,7 +368,7 @@ impl Back<'_, '_> {
         {
             let _span = profile::span(Part::Checks);
             if let Some(below) = below.as_ref() {
-                finite::check_activations(layers.name(i), "the gradient of its input", below.view()?, mask)?;
+                finite::check_activations(layers.name(i), "the gradient of its input", below.view()?, self.mask)?;
             }
             layers.check_param_gradients(i)?;
         }
@@ -535,6 +574,11 @@ fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
 /// next together with its scope, and a view cannot move with the scope it borrows.
 /// Each access through the handle checks the generation, and the views it gives borrow
 /// the scope, so nothing outlives the workspace's cycle.
+/// Whether `view` is the array of `dim` elements at `ptr`, in standard layout.
+fn same<D: ndarray::Dimension>(view: &ndarray::ArrayViewMut<'_, f32, D>, ptr: *const f32, dim: &D) -> bool {
+    std::ptr::eq(view.as_ptr(), ptr) && view.raw_dim() == *dim && view.is_standard_layout()
+}
+
 pub(crate) struct Gradient {
     scope: TypedScope,
     array: GradientArray,
@@ -547,6 +591,41 @@ enum GradientArray {
 }
 
 impl Gradient {
+    /// An array of `like`'s shape in `mgr`'s gradient workspace that `write` fills: it
+    /// gets the array uninitialised and gives the same elements back initialised, in
+    /// the same shape and layout (anything else is an error naming `layer`).
+    fn written_by(
+        mgr: &LayerWorkspaceMgr,
+        like: Activations<'_>,
+        layer: &str,
+        write: impl for<'g> FnOnce(UninitGradInput<'g>) -> Result<GradInput<'g>>,
+    ) -> Result<Gradient> {
+        let scope = mgr.enter(ArrayType::ActivationGrad)?;
+        let other = || {
+            Error::InvalidInput(format!(
+                "layer '{layer}': its backward pass gave back another array than the gradient of its input it was \
+                 handed (`Layer::backward_uninit` gives back the same elements, initialised)"
+            ))
+        };
+        let array = match like {
+            Activations::Flat(x) => GradientArray::Flat(scope.try_handle_with(x.raw_dim(), |g| {
+                let (ptr, dim) = (g.as_ptr().cast::<f32>(), g.raw_dim());
+                match write(UninitGradInput::Flat(g))? {
+                    GradInput::Flat(done) if same(&done, ptr, &dim) => Ok(done),
+                    _ => Err(other()),
+                }
+            })?),
+            Activations::Sequence(x) => GradientArray::Sequence(scope.try_handle_with(x.raw_dim(), |g| {
+                let (ptr, dim) = (g.as_ptr().cast::<f32>(), g.raw_dim());
+                match write(UninitGradInput::Sequence(g))? {
+                    GradInput::Sequence(done) if same(&done, ptr, &dim) => Ok(done),
+                    _ => Err(other()),
+                }
+            })?),
+        };
+        Ok(Gradient { scope, array })
+    }
+
     /// Zeros of `like`'s shape in `mgr`'s gradient workspace.
     pub(crate) fn zeros(mgr: &LayerWorkspaceMgr, like: Activations<'_>) -> Result<Gradient> {
         let _span = profile::span(Part::Copies);
@@ -574,28 +653,6 @@ impl Gradient {
                 let view = h.view_mut(&self.scope)?;
                 Ok(view.into_shape_with_order((b * t, f)).expect("a new array is in standard layout"))
             }
-        }
-    }
-
-    pub(crate) fn view_mut_flat(&mut self) -> Result<ArrayViewMut2<'_, f32>> {
-        match &mut self.array {
-            GradientArray::Flat(h) => Ok(h.view_mut(&self.scope)?),
-            GradientArray::Sequence(h) => Err(Error::ShapeMismatch {
-                context: "the gradient of a flat array".into(),
-                expected: vec![h.shape()[0], h.shape()[2]],
-                actual: h.shape().to_vec(),
-            }),
-        }
-    }
-
-    pub(crate) fn view_mut_sequence(&mut self) -> Result<ArrayViewMut3<'_, f32>> {
-        match &mut self.array {
-            GradientArray::Sequence(h) => Ok(h.view_mut(&self.scope)?),
-            GradientArray::Flat(h) => Err(Error::ShapeMismatch {
-                context: "the gradient of a batch of sequences".into(),
-                expected: vec![h.shape()[0], 0, h.shape()[1]],
-                actual: h.shape().to_vec(),
-            }),
         }
     }
 }

@@ -181,6 +181,16 @@ fn gelu_backward_body(x: &[f32], dy: &[f32], dx: &mut [f32]) {
     dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x));
 }
 
+/// [`gelu_backward_body`] into an uninitialised `dx` (every element written: the three
+/// slices are as long).
+#[inline(always)]
+fn gelu_backward_new_body(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
+    assert!(x.len() == dx.len() && dy.len() == dx.len(), "gelu's gradients are as long as its input");
+    dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| {
+        dx.write(g * gelu_slope(x));
+    });
+}
+
 /// One row's mean and reciprocal standard deviation (the biased variance, as
 /// `nn.LayerNorm` normalises with).
 #[inline(always)]
@@ -418,6 +428,11 @@ multiversion! {
 multiversion! {
     /// `dx = dy · gelu'(x)` elementwise.
     fn gelu_backward_slices(x: &[f32], dy: &[f32], dx: &mut [f32]) => gelu_backward_body;
+}
+
+multiversion! {
+    /// `dx = dy · gelu'(x)` elementwise, into an uninitialised `dx`.
+    fn gelu_backward_new_slices(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) => gelu_backward_new_body;
 }
 
 multiversion! {
@@ -759,6 +774,32 @@ pub(crate) fn gelu_new<'y>(
     // element per unit), and `gelu_body` writes every element of its range; the `Zip`
     // writes every element.
     unsafe { y.assume_init() }
+}
+
+/// The gradient of GELU's input, `dx = dy · gelu'(x)`, written into `dx` (an
+/// uninitialised array of `x`'s shape, as [`gelu_new`] writes GELU; zeros in a dry
+/// run); `dx` initialised. The same bits as `kernels::gelu_backward`.
+pub(crate) fn gelu_backward_new<'d>(
+    x: ArrayView2<'_, f32>,
+    dy: ArrayView2<'_, f32>,
+    mut dx: ArrayViewMut2<'d, MaybeUninit<f32>>,
+) -> ArrayViewMut2<'d, f32> {
+    assert!(x.dim() == dx.dim() && dy.dim() == dx.dim(), "gelu's gradients have its input's shape");
+    let dry = super::kernels::running();
+    match (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
+        (Some(xs), Some(dys), Some(dxs)) if !dry => {
+            let n = xs.len();
+            split(dxs, n, 1, &|s, e, dxs| gelu_backward_new_slices(&xs[s..e], &dys[s..e], dxs));
+        }
+        _ => Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| {
+            dx.write(if dry { 0.0 } else { g * gelu_slope(x) });
+        }),
+    }
+    // SAFETY: every element of `dx` was written: the three slices are as long (the same
+    // shape, all contiguous), `split` hands out ranges covering `0..n` (one element per
+    // unit), and `gelu_backward_new_body` writes every element of its range; the `Zip`
+    // writes every element.
+    unsafe { dx.assume_init() }
 }
 
 /// Layer normalisation of each row, `y = (x − mean) / √(var + eps) · gamma + beta` with

@@ -3,7 +3,7 @@
 
 use carve::nn::{
     Activations, BackwardCtx, Dense, ForwardCtx, GradInput, Layer, Network, NetworkConfig, ParamShape, Pass, Relu,
-    RowsPass, SoftmaxCrossEntropy, Updater,
+    RowsPass, SoftmaxCrossEntropy, Tape, UninitGradInput, Updater,
 };
 use carve_rng::Rng;
 
@@ -847,4 +847,123 @@ fn dump_digits_trace() {
     net.fit_batch(x.view(), y.view()).unwrap();
     println!("{:?}", net.recorded_iteration().unwrap().events());
     println!("{:?}", net.memory_plan());
+}
+
+/// What [`Handing`] gives back from `backward_uninit`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum HandBack {
+    /// The array it was handed, written.
+    Same,
+    /// Another array (leaked, so that it outlives the call).
+    Other,
+    /// The array it was handed, written, in another layout.
+    Transposed,
+}
+
+/// A user layer (the identity) implementing `Layer::backward_uninit`, whose answer the
+/// test switches.
+struct Handing {
+    hand_back: Switch<HandBack>,
+}
+
+impl Layer for Handing {
+    fn name(&self) -> &str {
+        "handing"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        Ok(freeze(ctx.activations.copy_of(&input)?))
+    }
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut g) = grad_input {
+            g.assign(&pass.grad_output);
+        }
+        Ok(())
+    }
+    fn backward_uninit<'g>(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        _tape: &mut Tape,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<GradInput<'g>> {
+        let UninitGradInput::Flat(mut g) = grad_input else { panic!("a flat batch") };
+        let dy = pass.grad_output.flat("handing")?;
+        ndarray::Zip::from(&mut g).and(&dy).for_each(|g, &d| {
+            g.write(d);
+        });
+        // SAFETY: every element was just written.
+        let written = unsafe { g.assume_init() };
+        Ok(GradInput::Flat(match self.hand_back.get() {
+            HandBack::Same => written,
+            HandBack::Transposed => written.reversed_axes(),
+            HandBack::Other => {
+                let leaked: &'static mut Array2<f32> = Box::leak(Box::new(dy.to_owned()));
+                leaked.view_mut()
+            }
+        }))
+    }
+}
+
+#[test]
+fn a_layer_handing_back_another_array_as_its_input_gradient_fails_with_an_error_and_the_network_stays_usable() {
+    let network = |hand_back: &Switch<HandBack>| {
+        let config = NetworkConfig::builder(8)
+            .dense(6)
+            .layer(Handing { hand_back: hand_back.clone() })
+            .dense(3)
+            .seed(4)
+            .updater(Updater::adam(1e-2))
+            .build()
+            .unwrap();
+        Network::new(config).unwrap()
+    };
+    let (switch, same) = (Switch::new(HandBack::Same), Switch::new(HandBack::Same));
+    let (mut net, mut twin) = (network(&switch), network(&same));
+    let (x, y) = blobs(12, 3, 8);
+    // Handing back the array it was handed, written: the bits of the default path's
+    // (a twin whose identity layer is a plain copy through `backward`).
+    let plain = NetworkConfig::builder(8)
+        .dense(6)
+        .layer(Misplacing { name: "handing", output: Switch::new(Output::Activations) })
+        .dense(3)
+        .seed(4)
+        .updater(Updater::adam(1e-2))
+        .build()
+        .unwrap();
+    let mut plain = Network::new(plain).unwrap();
+    let first = net.fit_batch(x.view(), y.view()).unwrap();
+    assert_eq!(first.to_bits(), twin.fit_batch(x.view(), y.view()).unwrap().to_bits());
+    assert_eq!(first.to_bits(), plain.fit_batch(x.view(), y.view()).unwrap().to_bits());
+    for hand_back in [HandBack::Other, HandBack::Transposed] {
+        switch.set(hand_back);
+        let err = net.fit_batch(x.view(), y.view()).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidInput(m) if m.contains("layer 'handing'") && m.contains("another array")),
+            "{hand_back:?}: {err}"
+        );
+    }
+    // Usable afterwards: a refused step changes nothing (the twin took one step fewer
+    // each time, none).
+    switch.set(HandBack::Same);
+    assert_eq!(
+        net.fit_batch(x.view(), y.view()).unwrap().to_bits(),
+        twin.fit_batch(x.view(), y.view()).unwrap().to_bits()
+    );
 }

@@ -1,7 +1,7 @@
 //! A layer run on its own, as a network runs it: its parameters, their gradients and
 //! its tape held here (for gradient checks and the layer API's errors).
 
-use carve::nn::{initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape};
+use carve::nn::{initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape, UninitGradInput};
 use ndarray::ArrayView2;
 
 pub(crate) struct Standalone {
@@ -41,6 +41,15 @@ impl Standalone {
         ctx: &BackwardCtx<'_>,
     ) -> carve::Result<()> {
         self.layer.backward(&self.params, &mut self.grads, pass, grad_input, &mut self.tape, ctx)
+    }
+
+    pub(crate) fn backward_uninit<'g>(
+        &mut self,
+        pass: Pass<'_>,
+        grad_input: UninitGradInput<'g>,
+        ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<GradInput<'g>> {
+        self.layer.backward_uninit(&self.params, &mut self.grads, pass, grad_input, &mut self.tape, ctx)
     }
 
     /// Where parameter `p` starts in `params`, and its length.

@@ -156,6 +156,117 @@ fn sequence_pass(
     (y.sequence("y").unwrap().to_owned(), dx, layer.param_grads())
 }
 
+/// A layer's backward pass both ways, from the same forward pass: the gradient of its
+/// input written into zeros (`Layer::backward`) and into uninitialised memory, poisoned
+/// with NaN (`Layer::backward_uninit`, which must give back the same elements, every one
+/// written); the two gradients' bits and the two runs' parameter gradients' bits.
+fn backward_both_ways(
+    make: &dyn Fn() -> Standalone,
+    x: &ndarray::ArrayD<f32>,
+    mask: Option<&Array2<f32>>,
+    dy: &ndarray::ArrayD<f32>,
+) -> [(Vec<u32>, Vec<u32>); 2] {
+    use carve::nn::{Activations, BackwardCtx, ForwardCtx, GradInput, Pass, UninitGradInput};
+    use carve::{ArrayType, LayerWorkspaceMgr};
+    use ndarray::{Ix2, Ix3};
+    use std::mem::MaybeUninit;
+    let bits = |v: &mut dyn Iterator<Item = f32>| v.map(f32::to_bits).collect::<Vec<u32>>();
+    fn activations(a: &ndarray::ArrayD<f32>) -> Activations<'_> {
+        match a.ndim() {
+            2 => Activations::Flat(a.view().into_dimensionality::<Ix2>().unwrap()),
+            _ => Activations::Sequence(a.view().into_dimensionality::<Ix3>().unwrap()),
+        }
+    }
+    let mgr = LayerWorkspaceMgr::no_workspaces();
+    let mut out = Vec::new();
+    for uninit in [false, true] {
+        let mut layer = make();
+        let act = mgr.enter(ArrayType::Activations).unwrap();
+        let working = mgr.enter(ArrayType::FfWorkingMem).unwrap();
+        let (x, dy, mask) = (activations(x), activations(dy), mask.map(|m| m.view()));
+        let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
+        let y = layer.forward(x, mask, &ctx).unwrap();
+        drop(working);
+        let bp = mgr.enter(ArrayType::BpWorkingMem).unwrap();
+        let ctx = BackwardCtx { working: &bp, mgr: &mgr };
+        let pass = Pass { input: x, mask, output: y, grad_output: dy };
+        let dx = match (x, uninit) {
+            (Activations::Flat(x), false) => {
+                let mut dx = Array2::<f32>::zeros(x.raw_dim());
+                layer.backward(pass, Some(GradInput::Flat(dx.view_mut())), &ctx).unwrap();
+                bits(&mut dx.iter().copied())
+            }
+            (Activations::Sequence(x), false) => {
+                let mut dx = ndarray::Array3::<f32>::zeros(x.raw_dim());
+                layer.backward(pass, Some(GradInput::Sequence(dx.view_mut())), &ctx).unwrap();
+                bits(&mut dx.iter().copied())
+            }
+            (Activations::Flat(x), true) => {
+                let mut dx = Array2::from_elem(x.raw_dim(), MaybeUninit::new(f32::NAN));
+                let ptr = dx.as_ptr().cast::<f32>();
+                match layer.backward_uninit(pass, UninitGradInput::Flat(dx.view_mut()), &ctx).unwrap() {
+                    GradInput::Flat(g) => {
+                        assert!(std::ptr::eq(g.as_ptr(), ptr) && g.dim() == x.dim(), "{}: another array", layer.name());
+                        bits(&mut g.iter().copied())
+                    }
+                    GradInput::Sequence(_) => panic!("{}: a flat input's gradient came back a sequence", layer.name()),
+                }
+            }
+            (Activations::Sequence(x), true) => {
+                let mut dx = ndarray::Array3::from_elem(x.raw_dim(), MaybeUninit::new(f32::NAN));
+                let ptr = dx.as_ptr().cast::<f32>();
+                match layer.backward_uninit(pass, UninitGradInput::Sequence(dx.view_mut()), &ctx).unwrap() {
+                    GradInput::Sequence(g) => {
+                        assert!(std::ptr::eq(g.as_ptr(), ptr) && g.dim() == x.dim(), "{}: another array", layer.name());
+                        bits(&mut g.iter().copied())
+                    }
+                    GradInput::Flat(_) => panic!("{}: a sequence's gradient came back flat", layer.name()),
+                }
+            }
+        };
+        out.push((dx, bits(&mut layer.grads.iter().copied())));
+    }
+    [out.remove(0), out.remove(0)]
+}
+
+#[test]
+fn built_in_layers_write_the_input_gradient_uninitialised_with_the_bits_of_backward() {
+    use carve::nn::{Attention, Dense};
+    let mut rng = carve_rng::Rng::new(23);
+    let (b, t, d) = (3, 5, 8);
+    let x3 = ndarray::Array3::from_shape_simple_fn((b, t, d), || rng.uniform(-1.0, 1.0));
+    let dy3 = ndarray::Array3::from_shape_simple_fn((b, t, d), || rng.uniform(-1.0, 1.0));
+    let x2 = Array2::from_shape_simple_fn((b * t, d), || rng.uniform(-1.0, 1.0));
+    let dy2 = Array2::from_shape_simple_fn((b * t, d), || rng.uniform(-1.0, 1.0));
+    // The last sequence's last two steps padded.
+    let mask = Array2::from_shape_fn((b, t), |(s, step)| if s == b - 1 && step >= t - 2 { 0.0 } else { 1.0 });
+    let make = |what: &str| match what {
+        "dense" => Standalone::new(Dense::named("dense", d, d), d, 1),
+        "gelu" => Standalone::new(Gelu::named("gelu"), d, 1),
+        // The default: zeros, then `backward`.
+        _ => Standalone::new(LayerNorm::named("ln"), d, 1),
+    };
+    let (x2, dy2, x3, dy3) = (x2.into_dyn(), dy2.into_dyn(), x3.into_dyn(), dy3.into_dyn());
+    for what in ["dense", "gelu", "layer norm"] {
+        for (x, dy) in [(&x2, &dy2), (&x3, &dy3)] {
+            let [zeroed, uninit] = backward_both_ways(&|| make(what), x, None, dy);
+            assert!(uninit.0.iter().all(|&v| !f32::from_bits(v).is_nan()), "{what}: an element left unwritten");
+            assert_eq!(zeroed, uninit, "{what}: other bits");
+        }
+    }
+    for recompute in [false, true] {
+        let make = move || {
+            let attention = Attention::named("attn", d, 2).unwrap();
+            Standalone::new(if recompute { attention.recomputing() } else { attention }, d, 1)
+        };
+        for mask in [None, Some(&mask)] {
+            let [zeroed, uninit] = backward_both_ways(&make, &x3, mask, &dy3);
+            assert!(uninit.0.iter().all(|&v| !f32::from_bits(v).is_nan()), "attention: an element left unwritten");
+            assert_eq!(zeroed, uninit, "attention (recompute {recompute}, mask {}): other bits", mask.is_some());
+        }
+    }
+}
+
 /// An attention layer of `heads` heads over `width`, its parameters the fixture's.
 fn attention_from(case: &Value, width: usize, recompute: bool) -> Standalone {
     let heads = case["heads"].as_u64().unwrap() as usize;

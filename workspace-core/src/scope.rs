@@ -504,13 +504,34 @@ impl<'ws> Scope<'ws> {
         shape: Sh,
         init: impl for<'v> FnOnce(ArrayViewMut<'v, MaybeUninit<T>, Sh::Dim>) -> ArrayViewMut<'v, T, Sh::Dim>,
     ) -> Result<Handle<T, Sh::Dim>> {
+        self.try_handle_with(shape, |fresh| Ok(init(fresh)))
+    }
+
+    /// [`handle_with`](Scope::handle_with) whose `init` may fail: its error is returned
+    /// and no handle made (the elements stay allocated, unread, until the scope ends).
+    /// For a fill that runs code which can refuse (a layer's backward pass writing the
+    /// gradient of its input).
+    ///
+    /// # Errors
+    ///
+    /// As [`Scope::zeros`], and `init`'s error.
+    ///
+    /// # Panics
+    ///
+    /// As [`handle_with`](Scope::handle_with): when `init` gives back a view of other
+    /// elements, or of the same elements in another shape or layout.
+    pub fn try_handle_with<T: Pod, Sh: ShapeBuilder, E: From<Error>>(
+        &self,
+        shape: Sh,
+        init: impl for<'v> FnOnce(ArrayViewMut<'v, MaybeUninit<T>, Sh::Dim>) -> Result<ArrayViewMut<'v, T, Sh::Dim>, E>,
+    ) -> Result<Handle<T, Sh::Dim>, E> {
         let shape = shape.into_shape_with_order();
         let dim = shape.raw_dim().clone();
         let ptr = self.alloc_elements::<T, _>(&dim, false)?;
         // SAFETY: as in `uninit`: fresh, exclusively owned memory for `dim` elements,
         // in standard layout (`dim` alone: whatever order `shape` asked for).
         let fresh = unsafe { ArrayViewMut::from_shape_ptr(dim.clone(), ptr.cast::<MaybeUninit<T>>().as_ptr()) };
-        let done = init(fresh);
+        let done = init(fresh)?;
         // A view of `T`s is initialised by its type; being of these very elements, in
         // standard layout and this shape, it covers every one of them.
         assert!(
@@ -920,5 +941,24 @@ mod tests {
             });
         }));
         assert!(reshaped.is_err(), "the same elements in another layout are refused");
+    }
+
+    #[test]
+    fn try_handle_with_returns_init_s_error_and_makes_no_handle() {
+        let ws = Workspace::new("try_handle_with", WorkspaceConfig::default()).unwrap();
+        let scope = ws.enter().unwrap();
+        let refused = scope
+            .try_handle_with::<f32, _, Error>((2, 3), |_| Err(Error::InvalidConfig { reason: "init refused".into() }));
+        assert!(matches!(refused, Err(Error::InvalidConfig { ref reason }) if reason == "init refused"));
+        let h = scope
+            .try_handle_with::<f32, _, Error>((2, 2), |mut v| {
+                v.iter_mut().for_each(|slot| {
+                    slot.write(3.0);
+                });
+                // SAFETY: every element was just written.
+                Ok(unsafe { v.assume_init() })
+            })
+            .unwrap();
+        assert_eq!(h.view(&scope).unwrap(), ndarray::Array2::from_elem((2, 2), 3.0f32));
     }
 }

@@ -197,13 +197,89 @@ fn sgemm_full(
     scratch: &mut [MaybeUninit<f32>],
     tri: Triangle,
 ) -> Result<()> {
+    let need = check(&a, &b, c.shape(), scratch.len(), tri)?;
+    let ((m, k), n) = (a.dim(), b.ncols());
+    // A dry run issues no arithmetic (see `nn::dry::running`): checked, then nothing.
+    if m == 0 || n == 0 || crate::nn::kernels::running() {
+        return Ok(());
+    }
+    if k == 0 || alpha == 0.0 {
+        // Nothing to add: scale C (BLAS semantics: beta == 0 overwrites, NaN included).
+        if beta == 0.0 {
+            c.fill(0.0);
+        } else {
+            c.mapv_inplace(|x| beta * x);
+        }
+        return Ok(());
+    }
+    let strides = [c.strides()[0], c.strides()[1]];
+    // SAFETY: `c` is a live, exclusive view of `m × n` elements with these strides,
+    // borrowed until this returns; `check` passed; `m, n, k > 0`.
+    unsafe { product(kernel, alpha, &a, &b, beta, c.as_mut_ptr(), strides, &mut scratch[..need], tri) };
+    Ok(())
+}
+
+/// `C = alpha·A·B` into `c`, uninitialised, for a product that writes every element
+/// anyway: the same bits as [`sgemm`] with `beta == 0`, without zeros written first
+/// (a dry run, and a product with nothing to add, fill it with zeros); `c` initialised.
+///
+/// # Errors
+///
+/// As [`sgemm`].
+pub(crate) fn sgemm_uninit<'c>(
+    alpha: f32,
+    a: ArrayView2<'_, f32>,
+    b: ArrayView2<'_, f32>,
+    mut c: ArrayViewMut2<'c, MaybeUninit<f32>>,
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<ArrayViewMut2<'c, f32>> {
+    let _span = crate::nn::profile::span(crate::nn::profile::Part::MatMul);
+    let kernel = Kernel::detect(b.ncols());
+    let need = check(&a, &b, c.shape(), scratch.len(), Triangle::Full)?;
+    let ((m, k), n) = (a.dim(), b.ncols());
+    if m == 0 || n == 0 || k == 0 || alpha == 0.0 || crate::nn::kernels::running() {
+        c.fill(MaybeUninit::new(0.0));
+    } else {
+        let strides = [c.strides()[0], c.strides()[1]];
+        // SAFETY: as in `sgemm_full`; C is only written, never read, with `beta == 0`
+        // (the kernels read C only when `beta != 0`, and the later slices of the shared
+        // dimension add to what the first wrote).
+        unsafe {
+            product(
+                kernel,
+                alpha,
+                &a,
+                &b,
+                0.0,
+                c.as_mut_ptr().cast::<f32>(),
+                strides,
+                &mut scratch[..need],
+                Triangle::Full,
+            )
+        };
+    }
+    // SAFETY: every element was written: by `fill`, or by the full product, whose first
+    // slice of the shared dimension runs every tile of C (`multiply`; split across the
+    // pool, every part's), each tile storing all its elements.
+    Ok(unsafe { c.assume_init() })
+}
+
+/// The shapes chain, the triangle's matrix is square and `scratch` is long enough:
+/// the scratch elements the product uses, or the error saying what does not fit.
+fn check(
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    c: &[usize],
+    scratch: usize,
+    tri: Triangle,
+) -> Result<usize> {
     let (m, k) = a.dim();
     let n = b.ncols();
-    if b.nrows() != k || c.dim() != (m, n) {
+    if b.nrows() != k || c != [m, n] {
         return Err(Error::ShapeMismatch {
             context: format!("sgemm of A {:?} and B {:?} into C", a.shape(), b.shape()),
             expected: vec![m, n],
-            actual: if b.nrows() != k { vec![b.nrows(), usize::MAX] } else { c.shape().to_vec() },
+            actual: if b.nrows() != k { vec![b.nrows(), usize::MAX] } else { c.to_vec() },
         });
     }
     let square = match tri {
@@ -223,34 +299,44 @@ fn sgemm_full(
         });
     }
     let need = scratch_len(m, n, k);
-    if scratch.len() < need {
+    if scratch < need {
         return Err(Error::InvalidInput(format!(
-            "sgemm of {m}×{k} by {k}×{n} needs {need} scratch elements, got {}: size it with `scratch_len`",
-            scratch.len()
+            "sgemm of {m}×{k} by {k}×{n} needs {need} scratch elements, got {scratch}: size it with `scratch_len`"
         )));
     }
-    // A dry run issues no arithmetic (see `nn::dry::running`): checked, then nothing.
-    if m == 0 || n == 0 || crate::nn::kernels::running() {
-        return Ok(());
-    }
-    if k == 0 || alpha == 0.0 {
-        // Nothing to add: scale C (BLAS semantics: beta == 0 overwrites, NaN included).
-        if beta == 0.0 {
-            c.fill(0.0);
-        } else {
-            c.mapv_inplace(|x| beta * x);
-        }
-        return Ok(());
-    }
+    Ok(need)
+}
+
+/// The product proper: `C = alpha·A·B + beta·C` (C read only when `beta != 0`).
+///
+/// # Safety
+///
+/// `c` with `c_strides` addresses `m × n` elements (`a`'s rows, `b`'s columns), live
+/// and exclusively borrowed until this returns, initialised unless `beta == 0`; `m, n,
+/// k > 0`; [`check`] passed for these shapes and `scratch` (its first `need`
+/// elements); `kernel` came from [`Kernel::detect`].
+#[allow(clippy::too_many_arguments)] // sgemm's arguments, C in raw parts
+unsafe fn product(
+    kernel: Kernel,
+    alpha: f32,
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    beta: f32,
+    c: *mut f32,
+    c_strides: [isize; 2],
+    scratch: &mut [MaybeUninit<f32>],
+    tri: Triangle,
+) {
+    let ((m, k), n) = (a.dim(), b.ncols());
     let skip = scratch.as_ptr().align_offset(64).min(ALIGN_ELEMENTS);
     let (a_len, _) = packed_sizes(kernel, m, n, k);
-    let (a_buf, b_buf) = scratch[skip..need].split_at_mut(a_len);
+    let (a_buf, b_buf) = scratch[skip..].split_at_mut(a_len);
     let operands = Operands {
-        a: Matrix::of(&a),
-        b: Matrix::of(&b),
-        c: c.as_mut_ptr(),
-        c_row_stride: c.strides()[0],
-        c_col_stride: c.strides()[1],
+        a: Matrix::of(a),
+        b: Matrix::of(b),
+        c,
+        c_row_stride: c_strides[0],
+        c_col_stride: c_strides[1],
         m,
         n,
         k,
@@ -265,7 +351,6 @@ fn sgemm_full(
         // SAFETY: as above.
         unsafe { multiply(kernel, alpha, beta, &operands, a_buf, b_buf, tri) };
     }
-    Ok(())
 }
 
 /// A read-only strided matrix.
