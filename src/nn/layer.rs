@@ -158,6 +158,7 @@ impl<'g> UninitGradInput<'g> {
     /// The array filled with zeros (split across the thread's matrix-multiply pool when
     /// it has one), what [`Layer::backward`] is handed.
     pub fn zeroed(self) -> GradInput<'g> {
+        let _span = super::profile::span(super::profile::Part::Copies);
         match self {
             UninitGradInput::Flat(g) => GradInput::Flat(super::vector::zeros_new(g)),
             UninitGradInput::Sequence(g) => GradInput::Sequence(super::vector::zeros_new(g)),

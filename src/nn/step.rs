@@ -567,6 +567,11 @@ fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
     }
 }
 
+/// Whether `view` is the array of `dim` elements at `ptr`, in standard layout.
+fn same<D: ndarray::Dimension>(view: &ndarray::ArrayViewMut<'_, f32, D>, ptr: *const f32, dim: &D) -> bool {
+    std::ptr::eq(view.as_ptr(), ptr) && view.raw_dim() == *dim && view.is_standard_layout()
+}
+
 /// The gradient flowing down the network in the backward pass: an array in one of the
 /// two gradient workspaces, with the scope that keeps that workspace open.
 ///
@@ -574,11 +579,6 @@ fn rebind<'s>(a: &'s Activations<'_>) -> Activations<'s> {
 /// next together with its scope, and a view cannot move with the scope it borrows.
 /// Each access through the handle checks the generation, and the views it gives borrow
 /// the scope, so nothing outlives the workspace's cycle.
-/// Whether `view` is the array of `dim` elements at `ptr`, in standard layout.
-fn same<D: ndarray::Dimension>(view: &ndarray::ArrayViewMut<'_, f32, D>, ptr: *const f32, dim: &D) -> bool {
-    std::ptr::eq(view.as_ptr(), ptr) && view.raw_dim() == *dim && view.is_standard_layout()
-}
-
 pub(crate) struct Gradient {
     scope: TypedScope,
     array: GradientArray,

@@ -924,8 +924,10 @@ impl Layer for Handing {
 #[test]
 fn a_layer_handing_back_another_array_as_its_input_gradient_fails_with_an_error_and_the_network_stays_usable() {
     let network = |hand_back: &Switch<HandBack>| {
+        // Its input 12 wide, as the batch is long: the transposed gradient keeps its
+        // shape and only its layout tells it apart.
         let config = NetworkConfig::builder(8)
-            .dense(6)
+            .dense(12)
             .layer(Handing { hand_back: hand_back.clone() })
             .dense(3)
             .seed(4)
@@ -940,7 +942,7 @@ fn a_layer_handing_back_another_array_as_its_input_gradient_fails_with_an_error_
     // Handing back the array it was handed, written: the bits of the default path's
     // (a twin whose identity layer is a plain copy through `backward`).
     let plain = NetworkConfig::builder(8)
-        .dense(6)
+        .dense(12)
         .layer(Misplacing { name: "handing", output: Switch::new(Output::Activations) })
         .dense(3)
         .seed(4)

@@ -241,14 +241,27 @@ fn built_in_layers_write_the_input_gradient_uninitialised_with_the_bits_of_backw
     // The last sequence's last two steps padded.
     let mask = Array2::from_shape_fn((b, t), |(s, step)| if s == b - 1 && step >= t - 2 { 0.0 } else { 1.0 });
     let make = |what: &str| match what {
-        "dense" => Standalone::new(Dense::named("dense", d, d), d, 1),
+        "dense" => Standalone::new(Dense::named("dense", d, 2 * d), d, 1),
         "gelu" => Standalone::new(Gelu::named("gelu"), d, 1),
         // The default: zeros, then `backward`.
         _ => Standalone::new(LayerNorm::named("ln"), d, 1),
     };
+    let dy2_wide = Array2::from_shape_simple_fn((b * t, 2 * d), || rng.uniform(-1.0, 1.0)).into_dyn();
+    let dy3_wide = ndarray::Array3::from_shape_simple_fn((b, t, 2 * d), || rng.uniform(-1.0, 1.0)).into_dyn();
+    // A few rows through a wide dense layer: the product's shared dimension (its
+    // outputs) crosses a packing slice (`KC`, 256).
+    let (few, few_dy) = (
+        Array2::from_shape_simple_fn((3, 40), || rng.uniform(-1.0, 1.0)).into_dyn(),
+        Array2::from_shape_simple_fn((3, 300), || rng.uniform(-1.0, 1.0)).into_dyn(),
+    );
+    let [zeroed, uninit] =
+        backward_both_ways(&|| Standalone::new(Dense::named("wide", 40, 300), 40, 2), &few, None, &few_dy);
+    assert!(uninit.0.iter().all(|&v| !f32::from_bits(v).is_nan()), "wide dense: an element left unwritten");
+    assert_eq!(zeroed, uninit, "wide dense: other bits");
     let (x2, dy2, x3, dy3) = (x2.into_dyn(), dy2.into_dyn(), x3.into_dyn(), dy3.into_dyn());
     for what in ["dense", "gelu", "layer norm"] {
-        for (x, dy) in [(&x2, &dy2), (&x3, &dy3)] {
+        let (dy2, dy3) = if what == "dense" { (&dy2_wide, &dy3_wide) } else { (&dy2, &dy3) };
+        for (x, dy) in [(&x2, dy2), (&x3, dy3)] {
             let [zeroed, uninit] = backward_both_ways(&|| make(what), x, None, dy);
             assert!(uninit.0.iter().all(|&v| !f32::from_bits(v).is_nan()), "{what}: an element left unwritten");
             assert_eq!(zeroed, uninit, "{what}: other bits");
