@@ -860,6 +860,10 @@ enum HandBack {
     Transposed,
 }
 
+/// The addresses of the arrays [`Handing`] handed back instead of its own, which live
+/// until the process ends.
+static HANDED_BACK: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
 /// A user layer (the identity) implementing `Layer::backward_uninit`, whose answer the
 /// test switches.
 struct Handing {
@@ -915,6 +919,12 @@ impl Layer for Handing {
             HandBack::Transposed => written.reversed_axes(),
             HandBack::Other => {
                 let leaked: &'static mut Array2<f32> = Box::leak(Box::new(dy.to_owned()));
+                // Kept reachable, so that memory checkers see a deliberate leak, not a
+                // lost block.
+                HANDED_BACK
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(std::ptr::from_mut(leaked) as usize);
                 leaked.view_mut()
             }
         }))
