@@ -10,10 +10,10 @@ use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm, sgemm_tri, sgemm_uninit, Triangle};
 use super::kept::{fingerprint, Kept};
-use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward};
+use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward, causal_softmax_from};
 use super::layer::{
-    check_len, check_mask, not_standard, rows_of_grad, sequence_grad_input, steps_as_rows, tape_of, Activations,
-    BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, Tape, UninitGradInput,
+    check_len, check_mask, not_standard, rows_of_grad, sequence_grad_input, steps_as_rows, steps_in, tape_of,
+    Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, StreamState, Tape, UninitGradInput,
 };
 use super::vector::{fill_rows, rows_new, split_with_work, sum_rows, zeros_new, PartWork};
 
@@ -489,6 +489,25 @@ impl Layer for Attention {
         true
     }
 
+    fn stream_state_len(&self, _inputs: usize, context: usize) -> Result<usize> {
+        context.checked_mul(2 * self.width).ok_or_else(|| {
+            Error::invalid_config(format!(
+                "attention layer '{}': the keys and values of {context} steps overflow",
+                self.name
+            ))
+        })
+    }
+
+    fn forward_stream<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        state: &mut StreamState<'_>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        self.forward_cached(params, input, state, ctx)
+    }
+
     fn forward_detached<'a>(
         &self,
         params: &[f32],
@@ -549,6 +568,101 @@ impl Layer for Attention {
             Some(dx) => Ok(GradInput::Sequence(dx.into_shape_with_order(dims).map_err(|_| not_standard(name))?)),
             None => Err(Error::InvalidInput(format!("layer '{name}': the gradient of its input was not written"))),
         }
+    }
+}
+
+impl Attention {
+    /// [`Layer::forward_stream`]: the new steps' keys and values appended to each
+    /// stream's cache (`[context, 2 · width]`: a step's keys, then its values), and
+    /// each new step attending to its stream's steps so far. Every product and the
+    /// softmax compute a new step's values in the same order as the whole sequence's
+    /// forward pass does, so a stream's outputs are those of the sequence run at once
+    /// (and the same whatever other streams share the batch: each row's products are
+    /// its own).
+    fn forward_cached<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        state: &mut StreamState<'_>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let name = &self.name;
+        let x = self.sequence_input(input)?;
+        let p = self.weights(params)?;
+        let (streams, steps, features) = x.dim();
+        if features != self.width || streams != state.streams() || steps == 0 {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{name}' input [streams, new steps, features] (at least one new step)"),
+                expected: vec![state.streams(), steps.max(1), self.width],
+                actual: x.shape().to_vec(),
+            });
+        }
+        let context = state.context();
+        let (d, hd) = (self.width, self.head_width());
+        for b in 0..streams {
+            let len = state.state(b).len();
+            if len != context * 2 * d {
+                return Err(Error::ShapeMismatch {
+                    context: format!("attention layer '{name}': a stream's keys and values ([context, 2 · width])"),
+                    expected: vec![context, 2 * d],
+                    actual: vec![len],
+                });
+            }
+            if state.position(b).checked_add(steps).is_none_or(|end| end > context) {
+                return Err(Error::InvalidInput(format!(
+                    "attention layer '{name}': a stream at step {} cannot take {steps} more: it holds at most {context}",
+                    state.position(b)
+                )));
+            }
+        }
+        let (x, _) = steps_in(x, ctx, name)?;
+        let rows = streams * steps;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let w = ctx.working;
+        let scratch = w.slice_uninit::<f32>(self.stream_scratch(rows, steps, context))?;
+        let mut qkv = rows_new(p.qkv_b, w.uninit::<f32, _>((rows, 3 * d))?);
+        sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
+        let mut scores = w.zeros::<f32, _>((steps, context))?;
+        let mut att = w.zeros::<f32, _>((rows, d))?;
+        for b in 0..streams {
+            let first = state.position(b);
+            let end = first + steps;
+            let cache = state.state_mut(b);
+            let mut cache = ArrayViewMut2::from_shape((context, 2 * d), cache).expect("checked length");
+            let own = b * steps..(b + 1) * steps;
+            cache.slice_mut(s![first..end, ..]).assign(&qkv.slice(s![own.clone(), d..]));
+            let cache = cache.view();
+            for h in 0..self.heads {
+                let (qc, kc, vc) = self.head_columns(h);
+                let (kc, vc) = (kc.start - d..kc.end - d, vc.start - d..vc.end - d);
+                let q = qkv.slice(s![own.clone(), qc.clone()]);
+                let k = cache.slice(s![..end, kc]);
+                let v = cache.slice(s![..end, vc]);
+                sgemm(scale, q, k.t(), 0.0, scores.slice_mut(s![.., ..end]), scratch)?;
+                causal_softmax_from(scores.view_mut(), first);
+                sgemm(1.0, scores.slice(s![.., ..end]), v, 0.0, att.slice_mut(s![own.clone(), qc]), scratch)?;
+            }
+        }
+        let mut out = rows_new(p.proj_b, ctx.activations.uninit::<f32, _>((rows, d))?);
+        sgemm(1.0, att.view(), p.proj_w, 1.0, out.view_mut(), scratch)?;
+        let out = out.into_shape_with_order((streams, steps, d)).expect("a new array is standard");
+        Ok(Activations::Sequence(freeze(out)))
+    }
+
+    /// Packing space for [`Attention::forward_cached`]'s products: `rows` new steps in
+    /// all, `steps` per stream, against at most `context` steps (the same for every
+    /// position, so that a stream's every step allocates alike).
+    fn stream_scratch(&self, rows: usize, steps: usize, context: usize) -> usize {
+        let (d, hd) = (self.width, self.head_width());
+        [
+            scratch_len(rows, 3 * d, d),
+            scratch_len(steps, context, hd),
+            scratch_len(steps, hd, context),
+            scratch_len(rows, d, d),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
     }
 }
 

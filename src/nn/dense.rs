@@ -166,6 +166,10 @@ fn param_grads<'w>(
 }
 
 impl Layer for Dense {
+    fn per_step(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -8,7 +8,7 @@ use crate::{Error, Result};
 use super::kernels::{add_rows, fill};
 use super::layer::{
     check_grad_input, check_len, check_mask, sequence_grad_input, Activations, BackwardCtx, ForwardCtx, GradInput,
-    Init, Layer, ParamShape, Pass, Tape,
+    Init, Layer, ParamShape, Pass, StreamState, Tape,
 };
 
 /// The most tokens a vocabulary holds: ids reach the first layer as `f32` values,
@@ -66,6 +66,10 @@ impl Embedding {
 }
 
 impl Layer for Embedding {
+    fn per_step(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }
@@ -295,6 +299,38 @@ impl Layer for PositionEmbedding {
             g.assign(&dy);
         }
         Ok(())
+    }
+
+    fn max_steps(&self) -> Option<usize> {
+        Some(self.context)
+    }
+
+    fn forward_stream<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        state: &mut StreamState<'_>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        // Row `b`'s new steps are at positions `position(b)..`: their rows of the table.
+        let x = input.sequence(&self.name)?;
+        check_len(&self.name, "parameters", params.len(), self.context * self.width)?;
+        let (streams, steps, features) = x.dim();
+        if features != self.width || streams != state.streams() {
+            return Err(Error::ShapeMismatch {
+                context: format!("layer '{}' input [streams, new steps, features]", self.name),
+                expected: vec![state.streams(), steps, self.width],
+                actual: x.shape().to_vec(),
+            });
+        }
+        let table = ArrayView2::from_shape((self.context, self.width), params).expect("checked length");
+        let mut out = ctx.activations.copy_of(&x)?;
+        for (b, mut sequence) in out.outer_iter_mut().enumerate() {
+            let first = state.position(b);
+            self.check_steps(first.saturating_add(steps))?;
+            sequence += &table.slice(s![first..first + steps, ..]);
+        }
+        Ok(Activations::Sequence(freeze(out)))
     }
 }
 

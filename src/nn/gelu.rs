@@ -41,6 +41,10 @@ impl Default for Gelu {
 }
 
 impl Layer for Gelu {
+    fn per_step(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -218,6 +218,20 @@ pub(crate) fn causal_softmax(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayVi
     softmax_block(s.view_mut(), mask, vector::Stats::Write(stats));
 }
 
+/// The causal softmax of the scores of a sequence's new steps `first..` against its
+/// steps so far, in place: `s` is `[new steps, width]`, contiguous, and row `r` attends
+/// to steps `0..=first + r` (`first + r < width`); the rest of the row becomes 0. Each
+/// row gets the same bits as the same step's row of [`causal_softmax`] without a mask.
+pub(crate) fn causal_softmax_from(mut s: ArrayViewMut2<'_, f32>, first: usize) {
+    if running() {
+        return;
+    }
+    let width = s.ncols();
+    assert!(first + s.nrows() <= width, "a new step's row holds every step up to it");
+    let scores = s.as_slice_mut().expect("a score block is contiguous");
+    vector::causal_softmax_from_slices(scores, width, first);
+}
+
 /// [`causal_softmax`] of scores computed again, from the `stats` it left: the same
 /// operations on the same values, so the same probabilities, bit for bit.
 pub(crate) fn causal_softmax_again(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>>, stats: &[f32]) {

@@ -800,6 +800,142 @@ pub trait Layer: Any + Send + Sync {
         self.backward(params, grads, pass, Some(grad_input.reborrow()), tape, ctx)?;
         Ok(grad_input)
     }
+
+    /// Whether each step's output depends on that step's input alone (a dense layer, a
+    /// normalisation, an elementwise function, a token embedding), so that the next
+    /// steps of a generation stream run through [`Layer::forward`] as they are. The
+    /// default: `false` (a layer that mixes steps, as an LSTM does, says how it runs
+    /// in a stream with [`Layer::forward_stream`], or cannot generate).
+    fn per_step(&self) -> bool {
+        false
+    }
+
+    /// The most steps a stream through this layer may hold (a position embedding's
+    /// table); `None` (the default): no bound of its own.
+    fn max_steps(&self) -> Option<usize> {
+        None
+    }
+
+    /// The values this layer keeps per generation stream of at most `context` steps,
+    /// for `inputs` features per step (an attention layer: the keys and values of every
+    /// step). The default: none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when the state's size overflows.
+    fn stream_state_len(&self, inputs: usize, context: usize) -> Result<usize> {
+        let _ = (inputs, context);
+        Ok(0)
+    }
+
+    /// The forward pass of the next steps of a batch of generation streams (one row of
+    /// `input`, `[streams, new steps, features]`, per stream), given what the streams'
+    /// earlier steps left in `state` (and updating it): the output, allocated in
+    /// `ctx.activations`, as [`Layer::forward`] of the whole sequences would give at
+    /// the new steps. Inference only (`ctx.training` is false; no mask: a stream has
+    /// no padding).
+    ///
+    /// The default runs [`Layer::forward`] on the new steps when the layer is
+    /// [per step](Layer::per_step), and otherwise fails.
+    ///
+    /// # Errors
+    ///
+    /// As [`Layer::forward`]; [`Error::InvalidConfig`] for a layer that cannot run in
+    /// a stream.
+    fn forward_stream<'a>(
+        &self,
+        params: &[f32],
+        input: Activations<'a>,
+        state: &mut StreamState<'_>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> Result<Activations<'a>> {
+        let _ = state;
+        if !self.per_step() {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "layer '{}' cannot generate token by token: its steps depend on each other and it implements no \
+                     `Layer::forward_stream`",
+                    self.name()
+                ),
+            });
+        }
+        self.forward(params, input, None, &mut Tape::none(), ctx)
+    }
+}
+
+/// What the forward pass of the next steps of a batch of generation streams
+/// ([`Layer::forward_stream`]) sees of the steps before them: per row of the batch
+/// (one stream each), the steps its stream has taken (the position of its first new
+/// step) and this layer's state for that stream, [`Layer::stream_state_len`] values
+/// (an attention layer's keys and values of the steps before: its KV cache), kept
+/// from one call to the next while the stream lives.
+pub struct StreamState<'s> {
+    /// Every stream slot's state, `per_slot` values each.
+    values: &'s mut [f32],
+    per_slot: usize,
+    /// This layer's values within a slot's.
+    region: std::ops::Range<usize>,
+    /// Per row: its stream's slot and position.
+    rows: &'s [StreamRow],
+    context: usize,
+}
+
+/// A row of a batch of generation streams: its stream's slot of state and the steps
+/// the stream has taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamRow {
+    pub(crate) slot: usize,
+    pub(crate) position: usize,
+}
+
+impl<'s> StreamState<'s> {
+    /// The state of `rows` in `values` (`per_slot` values per slot, this layer's at
+    /// `region` of each); the rows' slots are distinct and in `values`.
+    pub(crate) fn new(
+        values: &'s mut [f32],
+        per_slot: usize,
+        region: std::ops::Range<usize>,
+        rows: &'s [StreamRow],
+        context: usize,
+    ) -> StreamState<'s> {
+        debug_assert!(region.end <= per_slot);
+        debug_assert!(rows.iter().all(|r| (r.slot + 1) * per_slot <= values.len()));
+        StreamState { values, per_slot, region, rows, context }
+    }
+
+    /// The streams (rows of the batch).
+    pub fn streams(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The steps stream `row` has taken before this call's: the position of its first
+    /// new step.
+    pub fn position(&self, row: usize) -> usize {
+        self.rows[row].position
+    }
+
+    /// The most steps a stream holds (the state was sized for them).
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// This layer's state for stream `row`.
+    pub fn state(&self, row: usize) -> &[f32] {
+        let at = self.rows[row].slot * self.per_slot;
+        &self.values[at + self.region.start..at + self.region.end]
+    }
+
+    /// This layer's state for stream `row`, to update.
+    pub fn state_mut(&mut self, row: usize) -> &mut [f32] {
+        let at = self.rows[row].slot * self.per_slot;
+        &mut self.values[at + self.region.start..at + self.region.end]
+    }
+}
+
+impl std::fmt::Debug for StreamState<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamState").field("rows", &self.rows).field("context", &self.context).finish_non_exhaustive()
+    }
 }
 
 /// Checks that `values` (a layer's parameters or gradients) holds `expected` values.

@@ -86,8 +86,8 @@ pub use embedding::{Embedding, PositionEmbedding};
 pub use gelu::Gelu;
 pub use infer::Infer;
 pub use layer::{
-    initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass, Tape,
-    UninitGradInput,
+    initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass,
+    StreamState, Tape, UninitGradInput,
 };
 pub use loss::SoftmaxCrossEntropy;
 pub use lstm::Lstm;

@@ -63,6 +63,10 @@ impl LayerNorm {
 }
 
 impl Layer for LayerNorm {
+    fn per_step(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -35,6 +35,10 @@ impl Default for Relu {
 }
 
 impl Layer for Relu {
+    fn per_step(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

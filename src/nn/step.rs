@@ -34,7 +34,9 @@ use workspace_core::{freeze, ArrayType, Handle, LayerWorkspaceMgr, TypedScope};
 use crate::{Error, Result};
 
 use super::finite;
-use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape, UninitGradInput};
+use super::layer::{
+    Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, StreamRow, StreamState, Tape, UninitGradInput,
+};
 use super::loss::SoftmaxCrossEntropy;
 use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
 use super::params::Params;
@@ -56,6 +58,20 @@ pub(crate) struct StepLayers<'s> {
     pub(crate) grads: Option<&'s mut [f32]>,
     /// One tape per layer (`None`: inference, every layer handed [`Tape::none`]).
     pub(crate) tapes: Option<&'s mut [Tape]>,
+    /// Generation: the streams whose next steps the forward pass runs (every layer
+    /// through [`Layer::forward_stream`]).
+    pub(crate) streams: Option<Streams<'s>>,
+}
+
+/// The state of the streams a generation step runs: `per_slot` values per stream slot,
+/// each layer's at its region of a slot's; the rows of the batch and the streams'
+/// context.
+pub(crate) struct Streams<'s> {
+    pub(crate) values: &'s mut [f32],
+    pub(crate) per_slot: usize,
+    pub(crate) regions: &'s [std::ops::Range<usize>],
+    pub(crate) rows: &'s [StreamRow],
+    pub(crate) context: usize,
 }
 
 impl StepLayers<'_> {
@@ -90,6 +106,17 @@ impl StepLayers<'_> {
         mask: Option<ArrayView2<'a, f32>>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<Activations<'a>> {
+        if let Some(streams) = self.streams.as_mut() {
+            let params = &self.values[self.params.layout.regions[i].clone()];
+            let mut state = StreamState::new(
+                &mut *streams.values,
+                streams.per_slot,
+                streams.regions[i].clone(),
+                streams.rows,
+                streams.context,
+            );
+            return self.layers[i].forward_stream(params, input, &mut state, ctx);
+        }
         self.with_layer(i, |layer, params, tape| layer.forward(params, input, mask, tape, ctx))
     }
 

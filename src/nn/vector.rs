@@ -460,6 +460,22 @@ multiversion! {
 }
 
 multiversion! {
+    /// The causal softmax of the score rows of new steps `first..` of a sequence
+    /// (contiguous rows `width` wide; row `r`, step `first + r`, attends to steps
+    /// `0..=first + r`, the rest of it becomes 0): each row the same operations as row
+    /// `first + r` of [`causal_softmax_slices`] without a mask.
+    fn causal_softmax_from_slices(s: &mut [f32], width: usize, first: usize) => causal_softmax_from_body;
+}
+
+/// See [`causal_softmax_from_slices`].
+#[inline(always)]
+fn causal_softmax_from_body(s: &mut [f32], width: usize, first: usize) {
+    for (r, row) in s.chunks_exact_mut(width).enumerate() {
+        softmax_row(row, first + r, |_| true, None);
+    }
+}
+
+multiversion! {
     /// The softmax's gradient over contiguous rows `t` wide.
     fn causal_softmax_backward_slices(p: &[f32], dp: &mut [f32], t: usize, scale: f32) => causal_softmax_backward_body;
 }

@@ -732,7 +732,7 @@ impl Network {
         let Network { layers, layout, params, dry_run, .. } = self;
         let shadow = dry_run.as_deref().expect("made by dry_run");
         shadow.infer.reset_peaks();
-        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None };
+        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None, streams: None };
         probabilities(&mut layers, &shadow.infer, batch.input(), None, |_| Ok(()))
     }
 }

@@ -47,7 +47,7 @@ impl Network {
         let x = x.reborrow();
         self.check_input(&x)?;
         let Network { layers, layout, params, infer: mgr, timeline, .. } = self;
-        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None };
+        let mut layers = StepLayers { layers, params: layout, values: params, grads: None, tapes: None, streams: None };
         probabilities(&mut layers, mgr, x, timeline.as_deref(), f)
     }
 }

@@ -183,8 +183,14 @@ impl Network {
         train[0].reset_peaks();
         train[1].reset_peaks();
         let run = Run { train, labels: timeline.as_deref(), count };
-        let mut step_layers =
-            StepLayers { layers, params: layout, values: params, grads: Some(grads), tapes: Some(tapes) };
+        let mut step_layers = StepLayers {
+            layers,
+            params: layout,
+            values: params,
+            grads: Some(grads),
+            tapes: Some(tapes),
+            streams: None,
+        };
         let loss_sum = step::passes(&mut step_layers, x, labels, &run, &mut 0)?;
         // The update reads no activation: their bytes are free for its working memory.
         {

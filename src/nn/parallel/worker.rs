@@ -525,6 +525,7 @@ impl Worker {
             values: params,
             grads: Some(grads),
             tapes: Some(tapes),
+            streams: None,
         };
         let run = Run { train, labels: None, count };
         step::passes(&mut layers, x, labels, &run, at)

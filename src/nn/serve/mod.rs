@@ -15,6 +15,7 @@ mod arenas;
 #[allow(unsafe_code)]
 pub(crate) mod batcher;
 mod config;
+mod generate;
 mod model;
 mod pool;
 // With `PoolConfig::arena_stacks`, requests run on their arena's own stack (see its module).
@@ -23,5 +24,6 @@ mod stack;
 pub(crate) mod turns;
 
 pub use config::{PoolConfig, PoolMode};
+pub use generate::{Sampling, TokenStream};
 pub use model::Model;
 pub use pool::{InferencePool, PoolLease, PoolStats};

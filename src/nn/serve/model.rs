@@ -203,6 +203,16 @@ impl Model {
         self.layout.widths[i]
     }
 
+    /// A number of this model's own, unique over the process's life.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Where each layer's parameters are.
+    pub(crate) fn layout(&self) -> &Params {
+        &self.layout
+    }
+
     /// The bytes of the parameters, held once however many threads the model serves.
     pub fn weight_bytes(&self) -> usize {
         self.params.len() * size_of::<f32>()
@@ -295,6 +305,7 @@ impl Model {
                 values: &self.params,
                 grads: None,
                 tapes: None,
+                streams: None,
             };
             probabilities(&mut layers, mgr, x, None, f)
         })
@@ -306,29 +317,34 @@ impl Infer for &Model {
     fn infer<'x, R>(&mut self, x: impl Into<Input<'x>>, f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>) -> Result<R> {
         let (model, x) = (*self, x.into());
         model.check_request(&x)?;
-        let ran = THREAD_ARENA.try_with(|arena| {
-            let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
-            let mgr = match &mut *arena {
-                Some(mgr) => mgr,
-                None => arena.insert(thread_arena()?),
-            };
-            // A panic in a layer fails this request only: the scopes it held were closed
-            // as it unwound, and the arena goes on.
-            match catch_unwind(AssertUnwindSafe(|| model.infer_in(mgr, x, f))) {
-                Ok(result) => result.map(|(value, _on_plan)| value),
-                Err(payload) => {
-                    let message = panic_message(&*payload);
-                    drop_quietly(payload);
-                    Err(Error::Panicked { message })
-                }
-            }
-        });
-        ran.unwrap_or_else(|_| {
-            Err(Error::InvalidInput(
-                "a model's request was made while its thread was ending (a thread-local destructor)".into(),
-            ))
-        })
+        in_thread_arena(|mgr| model.infer_in(mgr, x, f).map(|(value, _on_plan)| value))
     }
+}
+
+/// `f` in the calling thread's serving arena (made at its first use). A panic in `f`
+/// fails this call only ([`Error::Panicked`]): the scopes it held were closed as it
+/// unwound, and the arena goes on.
+pub(crate) fn in_thread_arena<R>(f: impl FnOnce(&LayerWorkspaceMgr) -> Result<R>) -> Result<R> {
+    let ran = THREAD_ARENA.try_with(|arena| {
+        let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
+        let mgr = match &mut *arena {
+            Some(mgr) => mgr,
+            None => arena.insert(thread_arena()?),
+        };
+        match catch_unwind(AssertUnwindSafe(|| f(mgr))) {
+            Ok(result) => result,
+            Err(payload) => {
+                let message = panic_message(&*payload);
+                drop_quietly(payload);
+                Err(Error::Panicked { message })
+            }
+        }
+    });
+    ran.unwrap_or_else(|_| {
+        Err(Error::InvalidInput(
+            "a model's request was made while its thread was ending (a thread-local destructor)".into(),
+        ))
+    })
 }
 
 /// As `&Model` (so that an owned model serves generic code too).

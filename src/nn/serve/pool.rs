@@ -525,7 +525,12 @@ impl Infer for PoolLease<'_> {
     }
 }
 
-impl PoolLease<'_> {
+impl<'p> PoolLease<'p> {
+    /// The leased arena.
+    pub(crate) fn guard(&mut self) -> &mut ArenaGuard<'p> {
+        &mut self.guard
+    }
+
     /// Class probabilities of `x`, in an owned array ([`Infer::output`]).
     ///
     /// # Errors

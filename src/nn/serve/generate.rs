@@ -1,0 +1,624 @@
+//! Generation: a language model's streams of tokens, one step at a time, each stream's
+//! keys and values kept in a cache sized before its first token.
+//!
+//! A stream starts from a prompt (one forward pass over it, its keys and values written
+//! to the cache), then each [`TokenStream::next_token`] draws a token from the last
+//! step's distribution and runs that one token through the layers ([`Layer::forward_stream`]:
+//! attention reads the cache, a position embedding adds the token's position, the other
+//! layers run their step alone). Every step runs in a planned arena (the calling
+//! thread's serving arena for [`Model::stream`], a leased arena of an
+//! [`InferencePool`](super::InferencePool) for its streams), keyed by the model and
+//! the step's shape, so that once a shape has run a step allocates nothing.
+//!
+//! **The window.** A stream holds at most the model's context of steps (its position
+//! embedding's). When the cache is full, the stream keeps its last `context / 2`
+//! tokens (at least one), computes their keys and values again from position 0 (one
+//! forward pass over them), and goes on: every token is drawn from at least
+//! `context / 2` tokens of history, and a slide costs a pass over half a context every
+//! half a context of tokens. (Shifting the cache in place is not an option with learned
+//! positions: a kept token's keys depend on its position.)
+//!
+//! **Batches of streams.** [`TokenStreams`] steps several streams as one batch (each
+//! product's rows are the streams); each stream's tokens are the bits it draws alone,
+//! as every product computes a row the same whatever the rows beside it, and every
+//! stream attends to its own cache.
+
+use carve_rng::Rng;
+use ndarray::Axis;
+use workspace_core::{ArrayType, LayerWorkspaceMgr};
+
+use super::model::{in_thread_arena, Model};
+use super::pool::{InferencePool, PoolLease};
+use crate::nn::layer::{Activations, StreamRow};
+use crate::nn::residual::join_of;
+use crate::nn::step::{self, StepLayers, Streams};
+use crate::nn::Embedding;
+use crate::{Error, Result};
+
+/// How a stream draws its next token from the model's distribution.
+///
+/// ```
+/// use carve::nn::serve::Sampling;
+///
+/// assert_eq!(Sampling::greedy().temperature(), 0.0);
+/// let s = Sampling::random(0.8, 40, 7)?;
+/// assert_eq!((s.top_k(), s.seed()), (40, 7));
+/// assert!(Sampling::random(-1.0, 0, 7).is_err());
+/// # Ok::<(), carve::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    temperature: f32,
+    top_k: usize,
+    seed: u64,
+}
+
+impl Sampling {
+    /// The most probable token, always (the first of equals).
+    pub fn greedy() -> Sampling {
+        Sampling { temperature: 0.0, top_k: 0, seed: 0 }
+    }
+
+    /// A token drawn from the distribution of the logits divided by `temperature`,
+    /// among the `top_k` most probable (0: among all), by a generator seeded with
+    /// `seed` (nanoGPT's `generate`). A temperature of 0 is [`Sampling::greedy`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a temperature that is negative or not finite.
+    pub fn random(temperature: f32, top_k: usize, seed: u64) -> Result<Sampling> {
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(Error::InvalidConfig {
+                reason: format!("a sampling temperature of {temperature}: it must be finite and at least 0"),
+            });
+        }
+        Ok(Sampling { temperature, top_k, seed })
+    }
+
+    /// The temperature (0: greedy).
+    pub fn temperature(&self) -> f32 {
+        self.temperature
+    }
+
+    /// Among how many of the most probable tokens a token is drawn (0: all).
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// The seed of the stream's generator.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+}
+
+/// Where a model's streams keep their state: per stream slot, each layer's region
+/// ([`Layer::stream_state_len`](crate::nn::Layer::stream_state_len)).
+#[derive(Clone, Debug)]
+pub(crate) struct StatePlan {
+    /// Each layer's values within a slot's.
+    regions: Vec<std::ops::Range<usize>>,
+    /// A slot's values.
+    per_slot: usize,
+    /// The most steps a stream holds.
+    context: usize,
+    vocabulary: usize,
+}
+
+impl StatePlan {
+    /// The plan of `model`'s streams, or why it cannot generate.
+    pub(crate) fn of(model: &Model) -> Result<StatePlan> {
+        let layers = model.layers();
+        let first: &dyn std::any::Any = layers[0].as_ref();
+        if first.downcast_ref::<Embedding>().is_none() {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "the model cannot generate tokens: its first layer ('{}') is not a token embedding",
+                    layers[0].name()
+                ),
+            });
+        }
+        let vocabulary = model.inputs();
+        if model.classes() != vocabulary {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "the model cannot generate tokens: it reads {vocabulary} tokens but gives a distribution over {} \
+                     classes",
+                    model.classes()
+                ),
+            });
+        }
+        let context = layers.iter().filter_map(|l| l.max_steps()).min().ok_or_else(|| Error::InvalidConfig {
+            reason: "the model cannot generate tokens: no layer bounds its context (a position embedding does)".into(),
+        })?;
+        let mut regions = Vec::with_capacity(layers.len());
+        let mut per_slot = 0usize;
+        for (i, layer) in layers.iter().enumerate() {
+            let len = match join_of(layers, i) {
+                Some(_) => 0,
+                None => layer.stream_state_len(model.layer_inputs(i), context)?,
+            };
+            let end = per_slot
+                .checked_add(len)
+                .ok_or_else(|| Error::InvalidConfig { reason: "the model's per-stream state overflows".into() })?;
+            regions.push(per_slot..end);
+            per_slot = end;
+        }
+        per_slot
+            .checked_mul(size_of::<f32>())
+            .ok_or_else(|| Error::InvalidConfig { reason: "the model's per-stream state overflows".into() })?;
+        Ok(StatePlan { regions, per_slot, context, vocabulary })
+    }
+
+    /// The bytes of one stream's state.
+    pub(crate) fn bytes(&self) -> usize {
+        self.per_slot * size_of::<f32>()
+    }
+}
+
+/// Where a stream's steps run: the calling thread's serving arena, or an arena leased
+/// from a pool for the stream's life.
+#[derive(Debug)]
+enum Arena<'a> {
+    Thread,
+    Leased(PoolLease<'a>),
+}
+
+impl Arena<'_> {
+    /// Runs `f` in the arena; it returns whether the step ran on its plan. A panic in
+    /// `f` is [`Error::Panicked`].
+    fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr) -> Result<bool>) -> Result<()> {
+        match self {
+            Arena::Thread => in_thread_arena(|mgr| f(mgr).map(|_| ())),
+            Arena::Leased(lease) => lease.guard().run(|mgr| f(mgr).map(|on_plan| ((), on_plan))),
+        }
+    }
+}
+
+/// One stream's state besides its cache.
+#[derive(Debug)]
+struct Stream {
+    /// The tokens in the cache (the window), and room for one more.
+    window: Vec<u32>,
+    /// The logits of the token after the window.
+    logits: Vec<f32>,
+    /// The weights a token is drawn by (working space of `draw`).
+    weights: Vec<f32>,
+    /// The token drawn last, not yet run through the model.
+    pending: Option<u32>,
+    sampling: Sampling,
+    rng: Rng,
+}
+
+impl Stream {
+    /// The next token from the logits, as the stream's sampling says.
+    fn draw(&mut self) -> u32 {
+        let s = self.sampling;
+        if s.temperature == 0.0 || s.top_k == 1 {
+            return argmax(&self.logits) as u32;
+        }
+        let (logits, weights) = (&self.logits, &mut self.weights);
+        // Tokens below the k-th largest logit are not drawn (ties with it are).
+        let floor = match s.top_k {
+            k if k == 0 || k >= logits.len() => f32::NEG_INFINITY,
+            k => kth_largest(logits, k),
+        };
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f64;
+        for (w, &v) in weights.iter_mut().zip(logits) {
+            let p = if v >= floor { (f64::from(v - max) / f64::from(s.temperature)).exp() } else { 0.0 };
+            *w = p as f32;
+            sum += f64::from(*w);
+        }
+        let mut u = f64::from(self.rng.next_f32()) * sum;
+        let mut last = argmax(logits);
+        for (i, &p) in weights.iter().enumerate() {
+            if p > 0.0 {
+                last = i;
+                if u < f64::from(p) {
+                    return i as u32;
+                }
+                u -= f64::from(p);
+            }
+        }
+        last as u32
+    }
+}
+
+/// The index of the largest value (the first of equals).
+fn argmax(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// The `k`-th largest of `values` (`1 <= k < values.len()`, counting equal values
+/// apart), without allocating.
+fn kth_largest(values: &[f32], k: usize) -> f32 {
+    let mut bound = f32::INFINITY;
+    loop {
+        // The largest value below `bound`, and how many are at or above it.
+        let next = values.iter().copied().filter(|&v| v < bound).fold(f32::NEG_INFINITY, f32::max);
+        let at_least = values.iter().filter(|&&v| v >= next).count();
+        if at_least >= k || next == f32::NEG_INFINITY {
+            return next;
+        }
+        bound = next;
+    }
+}
+
+/// One or more streams of tokens from a language model ([`Model::stream`],
+/// [`Model::streams`], [`InferencePool::stream`]), stepped together: each stream's
+/// keys and values in its own slot of a cache allocated when the streams start, at
+/// exactly [`Model::kv_cache_bytes`] per stream, and every step run in a planned arena
+/// (see the [module](self)), so that a token allocates nothing once its step's shape
+/// has run in the arena. Dropping it ends the streams (and gives back a leased arena).
+///
+/// A step that fails (a panic in a layer, a workspace error) fails the streams: their
+/// caches may be half written, so every later call says so instead of drawing from
+/// them.
+///
+/// ```
+/// use carve::nn::{serve::Sampling, Network, NetworkConfig};
+///
+/// let config = NetworkConfig::builder(10)
+///     .embedding(8)
+///     .position_embedding(6)
+///     .residual(|b| b.layer_norm().attention(2))
+///     .layer_norm()
+///     .dense(10)
+///     .seed(3)
+///     .build()?;
+/// let model = Network::new(config)?.freeze()?;
+/// let mut stream = model.stream(&[1, 2, 3], Sampling::greedy())?;
+/// let tokens: Vec<u32> = (0..8).map(|_| stream.next_token()).collect::<Result<_, _>>()?;
+/// assert_eq!(tokens, model.generate(&[1, 2, 3], 8, Sampling::greedy())?);
+/// assert_eq!(stream.kv_cache_bytes(), model.kv_cache_bytes()?);
+/// # Ok::<(), carve::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct TokenStream<'a> {
+    model: &'a Model,
+    arena: Arena<'a>,
+    plan: StatePlan,
+    cache: Box<[f32]>,
+    streams: Vec<Stream>,
+    /// The rows of a step (room for every stream).
+    rows: Vec<StreamRow>,
+    /// Why an earlier step failed.
+    failed: Option<String>,
+}
+
+impl<'a> TokenStream<'a> {
+    /// Streams of `model` from `prompts` (each cut to its last `context` tokens), each
+    /// drawn as its `sampling` says, run in `arena`: their caches allocated, and every
+    /// prompt run through the model.
+    fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'a>> {
+        let plan = StatePlan::of(model)?;
+        if prompts.is_empty() || prompts.len() != sampling.len() {
+            return Err(Error::InvalidInput(format!(
+                "{} prompts and {} samplings: give at least one prompt, and one sampling per prompt",
+                prompts.len(),
+                sampling.len()
+            )));
+        }
+        for (i, prompt) in prompts.iter().enumerate() {
+            if prompt.is_empty() {
+                return Err(Error::InvalidInput(format!(
+                    "prompt {i} is empty: a stream starts from at least one token"
+                )));
+            }
+            if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= plan.vocabulary) {
+                return Err(Error::InvalidInput(format!(
+                    "prompt {i} holds token {bad}, outside the model's vocabulary of {} tokens",
+                    plan.vocabulary
+                )));
+            }
+        }
+        let n = prompts.len();
+        let values = n
+            .checked_mul(plan.per_slot)
+            .filter(|v| v.checked_mul(size_of::<f32>()).is_some())
+            .ok_or_else(|| Error::InvalidInput(format!("the caches of {n} streams overflow")))?;
+        let cache = zeroed(values, n, plan.bytes())?;
+        let streams = prompts
+            .iter()
+            .zip(sampling)
+            .map(|(prompt, &sampling)| {
+                let mut window = Vec::with_capacity(plan.context + 1);
+                window.extend_from_slice(&prompt[prompt.len().saturating_sub(plan.context)..]);
+                Stream {
+                    window,
+                    logits: vec![0.0; plan.vocabulary],
+                    weights: vec![0.0; plan.vocabulary],
+                    pending: None,
+                    sampling,
+                    rng: Rng::new(sampling.seed),
+                }
+            })
+            .collect();
+        let mut started = TokenStream { model, arena, plan, cache, streams, rows: Vec::with_capacity(n), failed: None };
+        for s in 0..n {
+            started.prefill(s)?;
+        }
+        Ok(started)
+    }
+
+    /// The streams stepped together.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// The most tokens a stream's cache holds (the model's context).
+    pub fn context(&self) -> usize {
+        self.plan.context
+    }
+
+    /// The bytes of one stream's cache ([`Model::kv_cache_bytes`]).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.plan.bytes()
+    }
+
+    /// The logits stream `s`'s last token was drawn from (before its first token: those
+    /// its first token will be drawn from).
+    ///
+    /// # Panics
+    ///
+    /// When there is no stream `s`.
+    pub fn logits(&self, s: usize) -> &[f32] {
+        &self.streams[s].logits
+    }
+
+    /// The tokens stream `s`'s cache holds (the window its next token attends to,
+    /// which ends with the token it drew last once that has run through the model).
+    ///
+    /// # Panics
+    ///
+    /// When there is no stream `s`.
+    pub fn window(&self, s: usize) -> &[u32] {
+        &self.streams[s].window
+    }
+
+    /// The next token of the one stream.
+    ///
+    /// # Errors
+    ///
+    /// As [`TokenStream::next_tokens`]; [`Error::InvalidInput`] when there are several
+    /// streams.
+    pub fn next_token(&mut self) -> Result<u32> {
+        let mut token = [0];
+        if self.streams.len() != 1 {
+            return Err(Error::InvalidInput(format!(
+                "next_token steps one stream; these are {}: use next_tokens",
+                self.streams.len()
+            )));
+        }
+        self.next_tokens(&mut token)?;
+        Ok(token[0])
+    }
+
+    /// The next token of every stream, into `out` (one per stream): the token drawn
+    /// last is run through the model (the streams that need it sliding their window
+    /// first, each alone; the others in one step, a row each), and a token drawn from
+    /// each stream's distribution.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] when `out` does not hold one token per stream;
+    /// [`Error::Panicked`] when a layer panics; workspace errors; and, once a step has
+    /// failed, [`Error::InvalidInput`] saying so.
+    pub fn next_tokens(&mut self, out: &mut [u32]) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::InvalidInput(format!(
+                "these streams failed at an earlier step ({why}); their caches may be half written: start new streams"
+            )));
+        }
+        if out.len() != self.streams.len() {
+            return Err(Error::ShapeMismatch {
+                context: "tokens out of a step of streams (one per stream)".into(),
+                expected: vec![self.streams.len()],
+                actual: vec![out.len()],
+            });
+        }
+        // The drawn tokens into the model: the streams whose cache is full slide
+        // their window, the others take one step together.
+        let context = self.plan.context;
+        for s in 0..self.streams.len() {
+            let stream = &mut self.streams[s];
+            if let Some(token) = stream.pending {
+                if stream.window.len() == context {
+                    stream.window.push(token);
+                    let keep = (context / 2).max(1);
+                    stream.window.drain(..stream.window.len() - keep);
+                    stream.pending = None;
+                    self.prefill(s)?;
+                }
+            }
+        }
+        self.rows.clear();
+        for (s, stream) in self.streams.iter_mut().enumerate() {
+            if let Some(token) = stream.pending.take() {
+                self.rows.push(StreamRow { slot: s, position: stream.window.len() });
+                stream.window.push(token);
+            }
+        }
+        if !self.rows.is_empty() {
+            self.step(1)?;
+        }
+        for (stream, out) in self.streams.iter_mut().zip(out) {
+            let token = stream.draw();
+            stream.pending = Some(token);
+            *out = token;
+        }
+        Ok(())
+    }
+
+    /// Stream `s`'s window run from position 0: its cache and logits.
+    fn prefill(&mut self, s: usize) -> Result<()> {
+        self.rows.clear();
+        self.rows.push(StreamRow { slot: s, position: 0 });
+        let steps = self.streams[s].window.len();
+        self.step(steps)
+    }
+
+    /// One step of the rows in `self.rows`, each taking the last `steps` tokens of its
+    /// window: their caches and logits. A failure fails the streams.
+    fn step(&mut self, steps: usize) -> Result<()> {
+        let TokenStream { model, arena, plan, cache, streams, rows, failed } = self;
+        let n = rows.len();
+        // The plan of a step is keyed by the model and the step's shape.
+        let key =
+            (model.id().wrapping_mul(0x0100_0000_01b3) ^ 0x5354_5245_414d_0000) ^ ((n as u64) << 24 | steps as u64);
+        let mut f = |mgr: &LayerWorkspaceMgr| {
+            let group = mgr.plan_group().expect("serving arenas are planned");
+            let ((), on_plan) = group.iteration(key, || {
+                let act = mgr.enter(ArrayType::Activations)?;
+                let mut ids = act.zeros::<f32, _>((n, steps, 1))?;
+                for (row, mut ids) in rows.iter().zip(ids.outer_iter_mut()) {
+                    let window = &streams[row.slot].window;
+                    let new = &window[window.len() - steps..];
+                    for (v, &id) in ids.iter_mut().zip(new) {
+                        *v = id as f32;
+                    }
+                }
+                let mut layers = StepLayers {
+                    layers: model.layers(),
+                    params: model.layout(),
+                    values: model.params(),
+                    grads: None,
+                    tapes: None,
+                    streams: Some(Streams {
+                        values: &mut cache[..],
+                        per_slot: plan.per_slot,
+                        regions: &plan.regions,
+                        rows,
+                        context: plan.context,
+                    }),
+                };
+                let input = Activations::Sequence(workspace_core::freeze(ids));
+                let out = step::forward(&mut layers, mgr, &act, input, None, (false, None), &mut 0, |_, _| Ok(()))?;
+                let logits = out.sequence("the model's output")?;
+                if logits.dim() != (n, steps, plan.vocabulary) {
+                    return Err(Error::ShapeMismatch {
+                        context: "a generation step's logits [streams, new steps, vocabulary]".into(),
+                        expected: vec![n, steps, plan.vocabulary],
+                        actual: logits.shape().to_vec(),
+                    });
+                }
+                for (row, last) in rows.iter().zip(logits.index_axis(Axis(1), steps - 1).outer_iter()) {
+                    if let Some(bad) = last.iter().find(|v| !v.is_finite()) {
+                        return Err(Error::InvalidInput(format!(
+                            "the model's logits hold {bad}: its weights or a layer give values that are not finite"
+                        )));
+                    }
+                    streams[row.slot].logits.iter_mut().zip(last).for_each(|(o, &v)| *o = v);
+                }
+                Ok(())
+            })?;
+            Ok(on_plan)
+        };
+        let result = arena.run(&mut f);
+        if let Err(e) = &result {
+            *failed = Some(e.to_string());
+        }
+        result
+    }
+}
+
+/// `values` zeros for the caches of `n` streams of `bytes` each, or the error naming
+/// their size when the machine cannot give them.
+fn zeroed(values: usize, n: usize, bytes: usize) -> Result<Box<[f32]>> {
+    let mut cache = Vec::new();
+    cache.try_reserve_exact(values).map_err(|_| {
+        Error::InvalidInput(format!("the caches of {n} streams ({bytes} bytes each) cannot be allocated"))
+    })?;
+    cache.resize(values, 0.0);
+    Ok(cache.into_boxed_slice())
+}
+
+impl Model {
+    /// The most tokens a stream of this model holds at once (its position embedding's
+    /// context), when it can generate.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] saying why the model cannot generate tokens: its first
+    /// layer is not a token embedding, its output is not a distribution over its
+    /// vocabulary, or no layer bounds its context.
+    pub fn context(&self) -> Result<usize> {
+        StatePlan::of(self).map(|plan| plan.context)
+    }
+
+    /// The bytes of one stream's cache (every attention layer's keys and values for
+    /// [`Model::context`] tokens): exactly what [`Model::stream`] allocates per stream,
+    /// known before the first token.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::context`].
+    pub fn kv_cache_bytes(&self) -> Result<usize> {
+        StatePlan::of(self).map(|plan| plan.bytes())
+    }
+
+    /// A stream of tokens from `prompt`, drawn as `sampling` says, its steps run in the
+    /// calling thread's serving arena (see [`TokenStream`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::context`]; [`Error::InvalidInput`] for an empty prompt or a token
+    /// outside the vocabulary; the errors of the prompt's pass.
+    pub fn stream(&self, prompt: &[u32], sampling: Sampling) -> Result<TokenStream<'_>> {
+        TokenStream::start(self, Arena::Thread, &[prompt], &[sampling])
+    }
+
+    /// Streams from several prompts, stepped together (each product's rows are the
+    /// streams); each stream's tokens are those it draws alone.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::stream`]; [`Error::InvalidInput`] when `sampling` does not hold one
+    /// sampling per prompt.
+    pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
+        TokenStream::start(self, Arena::Thread, prompts, sampling)
+    }
+
+    /// `tokens` tokens generated from `prompt` (a [`Model::stream`] stepped `tokens`
+    /// times).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::stream`].
+    pub fn generate(&self, prompt: &[u32], tokens: usize, sampling: Sampling) -> Result<Vec<u32>> {
+        let mut stream = self.stream(prompt, sampling)?;
+        (0..tokens).map(|_| stream.next_token()).collect()
+    }
+}
+
+impl InferencePool {
+    /// A stream of tokens of the pool's model from `prompt` (see [`Model::stream`]),
+    /// its steps run in an arena leased for the stream's life (waiting while every
+    /// arena is in use): K arenas serve K streams at once, whatever the number of
+    /// callers, in the weights plus K × (an arena's plans and a stream's cache).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::stream`] and [`InferencePool::lease`].
+    pub fn stream(&self, prompt: &[u32], sampling: Sampling) -> Result<TokenStream<'_>> {
+        self.streams(&[prompt], &[sampling])
+    }
+
+    /// Streams from several prompts stepped together (see [`Model::streams`]) in one
+    /// leased arena.
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::streams`] and [`InferencePool::lease`].
+    pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
+        let model: &Model = self.model();
+        StatePlan::of(model)?;
+        TokenStream::start(model, Arena::Leased(self.lease()?), prompts, sampling)
+    }
+}

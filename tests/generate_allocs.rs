@@ -1,0 +1,82 @@
+//! A generated token makes no heap allocation once its step's shape has run in the
+//! arena: a stream of `Model::stream` (the thread's serving arena), a stream of an
+//! `InferencePool` (its leased arena), and a batch of streams, their windows sliding
+//! meanwhile. The count leaves out the harness's thread (the streams run in a thread
+//! of their own), and the binary holds one test, so that nothing but the code under
+//! test is counted.
+
+use std::sync::Arc;
+
+use carve::nn::serve::{InferencePool, PoolConfig, Sampling};
+use carve::nn::{Network, NetworkConfig};
+use carve::workspace_core::alloc_check::CountingAllocator;
+use carve::workspace_core::alloc_check::{process_counts, Threads};
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator::system();
+
+fn allocations() -> u64 {
+    process_counts(Threads::ExceptMain).allocations
+}
+
+#[test]
+fn a_generated_token_allocates_nothing() {
+    let context = 16;
+    let mut b = NetworkConfig::builder(20).embedding(16).position_embedding(context);
+    for _ in 0..2 {
+        b = b.residual(|b| b.layer_norm().attention(2)).residual(|b| b.layer_norm().dense(64).gelu().dense(16));
+    }
+    let model = Arc::new(Network::new(b.layer_norm().dense(20).seed(4).build().unwrap()).unwrap().freeze().unwrap());
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let sampling = Sampling::random(1.0, 5, 3).unwrap();
+    // Each stream: two contexts of tokens to warm up (every shape a step takes: one
+    // token, and a slide's half context), then four contexts counted.
+    let measured = 4 * context;
+    let counted = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut counts = Vec::new();
+            let mut model_stream = model.stream(&[1, 2, 3], sampling).unwrap();
+            let mut pool_stream = pool.stream(&[4, 5], sampling).unwrap();
+            let prompts: [&[u32]; 5] = [&[1], &[2, 3], &[4], &[5, 6, 7], &[8]];
+            let mut batch = model.streams(&prompts, &[sampling; 5]).unwrap();
+            let mut out = [0u32; 5];
+            for _ in 0..2 * context {
+                model_stream.next_token().unwrap();
+                pool_stream.next_token().unwrap();
+                batch.next_tokens(&mut out).unwrap();
+            }
+            let before = allocations();
+            for _ in 0..measured {
+                model_stream.next_token().unwrap();
+            }
+            counts.push(("Model::stream", allocations() - before));
+            let before = allocations();
+            for _ in 0..measured {
+                pool_stream.next_token().unwrap();
+            }
+            counts.push(("InferencePool::stream", allocations() - before));
+            let before = allocations();
+            for _ in 0..measured {
+                batch.next_tokens(&mut out).unwrap();
+            }
+            counts.push(("Model::streams (5)", allocations() - before));
+            counts
+        })
+        .join()
+        .unwrap()
+    });
+    for (what, count) in counted {
+        assert_eq!(count, 0, "{what}: {count} heap allocations over {measured} tokens");
+    }
+    // The count can see an allocation: a stream's start allocates its cache.
+    let start = std::thread::scope(|s| {
+        s.spawn(|| {
+            let before = allocations();
+            drop(model.stream(&[1], sampling).unwrap());
+            allocations() - before
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(start > 0, "a stream's start allocates (its cache), and the count sees it");
+}

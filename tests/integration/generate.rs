@@ -1,0 +1,256 @@
+//! Generation: a stream's cached steps against the whole window run at once, batched
+//! streams against each alone, streams through a pool, and bad input.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling};
+use carve::nn::{ForwardCtx, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder};
+use carve::Error;
+use ndarray::{Array2, ArrayView2};
+
+/// A GPT of `blocks` pre-LN blocks (as the transformer tests'), its weights drawn from
+/// `seed` and made larger than GPT-2's start so that its distributions are far from
+/// uniform.
+fn gpt(vocab: usize, d: usize, heads: usize, context: usize, blocks: usize) -> NetworkConfigBuilder {
+    let mut b = NetworkConfig::builder(vocab).embedding(d).position_embedding(context);
+    for _ in 0..blocks {
+        b = b.residual(|b| b.layer_norm().attention(heads)).residual(|b| b.layer_norm().dense(4 * d).gelu().dense(d));
+    }
+    b.layer_norm().dense(vocab)
+}
+
+fn model(context: usize, seed: u64) -> Model {
+    let net = Network::new(gpt(13, 16, 2, context, 2).seed(seed).build().unwrap()).unwrap();
+    let mut params = net.params().to_vec();
+    // Weights far from N(0, 0.02²): the tokens then depend on every layer.
+    params.iter_mut().for_each(|v| *v *= 4.0);
+    Model::from_config(&gpt(13, 16, 2, context, 2).seed(seed).build().unwrap(), params).unwrap()
+}
+
+#[test]
+fn a_streams_cached_steps_give_the_bits_of_its_window_run_at_once() {
+    let model = model(12, 5);
+    assert_eq!(model.context().unwrap(), 12);
+    // Two blocks' attention: keys and values of 12 steps of 16 features.
+    assert_eq!(model.kv_cache_bytes().unwrap(), 2 * 12 * 2 * 16 * 4);
+    let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 9).unwrap()).unwrap();
+    let mut slides = 0;
+    let mut last_len = stream.window(0).len();
+    // 40 tokens over a context of 12: the window slides several times.
+    for i in 0..40 {
+        stream.next_token().unwrap();
+        let window = stream.window(0).to_vec();
+        if window.len() < last_len {
+            slides += 1;
+            assert_eq!(window.len(), 6, "a slide keeps half the context");
+        }
+        last_len = window.len();
+        // The same window, prompted afresh: one pass over every step.
+        let alone = model.stream(&window, Sampling::greedy()).unwrap();
+        let (cached, whole) = (stream.logits(0), alone.logits(0));
+        assert!(
+            cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "token {i} (window of {}): cached {cached:?} vs whole {whole:?}",
+            window.len()
+        );
+        // And the network's own inference of the window agrees with the logits.
+        let ids = Array2::from_shape_vec((1, window.len()), window.clone()).unwrap();
+        let probs = model.output(Input::tokens(ids.view())).unwrap();
+        let last = probs.row(window.len() - 1);
+        let max = cached.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = cached.iter().map(|&l| f64::from(l - max).exp()).sum();
+        for (&p, &l) in last.iter().zip(cached) {
+            let expected = f64::from(l - max).exp() / sum;
+            assert!((f64::from(p) - expected).abs() < 1e-5, "token {i}: probability {p} vs {expected}");
+        }
+    }
+    assert!(slides >= 3, "{slides} slides");
+}
+
+#[test]
+fn greedy_tokens_follow_the_most_probable_of_the_network_inference() {
+    let model = model(16, 8);
+    let prompt = [4u32, 4, 7];
+    let tokens = model.generate(&prompt, 10, Sampling::greedy()).unwrap();
+    let mut window = prompt.to_vec();
+    for &token in &tokens {
+        let ids = Array2::from_shape_vec((1, window.len()), window.clone()).unwrap();
+        let probs = model.output(Input::tokens(ids.view())).unwrap();
+        let last = probs.row(window.len() - 1);
+        let best = last.iter().enumerate().fold(0, |b, (i, &p)| if p > last[b] { i } else { b });
+        assert_eq!(token as usize, best, "{window:?}");
+        window.push(token);
+    }
+    // Distinct tokens: the weights are not degenerate.
+    assert!(tokens.iter().collect::<std::collections::BTreeSet<_>>().len() > 1, "{tokens:?}");
+}
+
+#[test]
+fn batched_streams_give_each_streams_bits_alone() {
+    let model = model(10, 3);
+    // Eleven streams (more rows than a few-row product takes), prompts of different
+    // lengths (one longer than the context), greedy and random draws.
+    let prompts: Vec<Vec<u32>> =
+        (0..11).map(|s| (0..1 + s * 3 / 2).map(|t| ((s * 5 + t * 3) % 13) as u32).collect()).collect();
+    let sampling: Vec<Sampling> = (0..11)
+        .map(|s| match s % 3 {
+            0 => Sampling::greedy(),
+            1 => Sampling::random(0.8, 0, s as u64).unwrap(),
+            _ => Sampling::random(1.3, 4, 100 + s as u64).unwrap(),
+        })
+        .collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let mut batch = model.streams(&refs, &sampling).unwrap();
+    assert_eq!(batch.streams(), 11);
+    let mut alone: Vec<_> = refs.iter().zip(&sampling).map(|(p, &s)| model.stream(p, s).unwrap()).collect();
+    let mut out = [0u32; 11];
+    for step in 0..25 {
+        batch.next_tokens(&mut out).unwrap();
+        for (s, stream) in alone.iter_mut().enumerate() {
+            assert_eq!(stream.next_token().unwrap(), out[s], "stream {s}, step {step}");
+            let same = stream.logits(0).iter().zip(batch.logits(s)).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "stream {s}, step {step}: logits differ");
+        }
+    }
+    assert!(batch.next_token().is_err(), "next_token steps one stream");
+    assert!(matches!(batch.next_tokens(&mut [0; 3]), Err(Error::ShapeMismatch { .. })));
+}
+
+#[test]
+fn sampling_is_seeded_and_top_k_keeps_to_the_most_probable() {
+    let model = model(16, 4);
+    let draw = |s: Sampling| model.generate(&[1, 2], 30, s).unwrap();
+    let a = draw(Sampling::random(1.0, 0, 11).unwrap());
+    assert_eq!(a, draw(Sampling::random(1.0, 0, 11).unwrap()), "the same seed, the same tokens");
+    assert_ne!(a, draw(Sampling::random(1.0, 0, 12).unwrap()), "another seed");
+    assert_eq!(draw(Sampling::random(2.0, 1, 5).unwrap()), draw(Sampling::greedy()), "top-1 is greedy");
+    // Top-2: every token is one of the two most probable.
+    let mut stream = model.stream(&[3], Sampling::random(5.0, 2, 1).unwrap()).unwrap();
+    for _ in 0..30 {
+        let token = stream.next_token().unwrap() as usize;
+        let logits = stream.logits(0);
+        let above = logits.iter().filter(|&&l| l > logits[token]).count();
+        assert!(above < 2, "token {token} has {above} more probable");
+    }
+}
+
+#[test]
+fn a_pool_serves_streams_from_its_arenas_with_each_streams_bits_alone() {
+    let model = Arc::new(model(12, 6));
+    let expected: Vec<Vec<u32>> =
+        (0..6).map(|s| model.generate(&[s as u32 + 1], 20, Sampling::random(1.0, 5, s).unwrap()).unwrap()).collect();
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(2)).unwrap();
+    std::thread::scope(|scope| {
+        for (s, expected) in expected.iter().enumerate() {
+            let pool = &pool;
+            scope.spawn(move || {
+                let mut stream = pool.stream(&[s as u32 + 1], Sampling::random(1.0, 5, s as u64).unwrap()).unwrap();
+                let tokens: Vec<u32> = (0..20).map(|_| stream.next_token().unwrap()).collect();
+                assert_eq!(&tokens, expected, "stream {s}");
+            });
+        }
+    });
+    // A stream abandoned mid-generation gives its arena back.
+    let mut held = pool.stream(&[1], Sampling::greedy()).unwrap();
+    held.next_token().unwrap();
+    let other = pool.stream(&[2], Sampling::greedy()).unwrap();
+    assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { .. })), "both arenas hold a stream");
+    drop(held);
+    drop(pool.try_lease().expect("the abandoned stream's arena is back"));
+    drop(other);
+    let stats = pool.stats();
+    assert_eq!(stats.workers, 2);
+    assert!(stats.arena_bytes > 0);
+}
+
+#[test]
+fn bad_prompts_and_models_that_cannot_generate_are_clear_errors() {
+    let model = model(8, 1);
+    match model.stream(&[], Sampling::greedy()) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("empty"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    match model.stream(&[1, 13], Sampling::greedy()) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("token 13") && m.contains("vocabulary of 13"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(model.streams(&[&[1]], &[]), Err(Error::InvalidInput(_))));
+    assert!(matches!(Sampling::random(f32::NAN, 0, 0), Err(Error::InvalidConfig { .. })));
+    // A prompt longer than the context: its last `context` tokens.
+    let long: Vec<u32> = (0..30).map(|t| t % 13).collect();
+    let stream = model.stream(&long, Sampling::greedy()).unwrap();
+    assert_eq!(stream.window(0), &long[22..]);
+    // An MLP reads no tokens.
+    let mlp = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap().freeze().unwrap();
+    match mlp.stream(&[1], Sampling::greedy()) {
+        Err(Error::InvalidConfig { reason }) => assert!(reason.contains("token embedding"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // A recurrent layer's steps depend on each other: it cannot run a step alone.
+    let lstm = NetworkConfig::builder(13).embedding(8).position_embedding(8).lstm(8).dense(13).build().unwrap();
+    let lstm = Network::new(lstm).unwrap().freeze().unwrap();
+    match lstm.stream(&[1], Sampling::greedy()) {
+        Err(Error::InvalidConfig { reason }) => assert!(reason.contains("cannot generate token by token"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // No position embedding: nothing bounds the cache.
+    let unbounded = NetworkConfig::builder(13).embedding(8).residual(|b| b.attention(2)).dense(13).build().unwrap();
+    let unbounded = Network::new(unbounded).unwrap().freeze().unwrap();
+    assert!(matches!(unbounded.kv_cache_bytes(), Err(Error::InvalidConfig { .. })));
+}
+
+/// A per-step layer that panics while `ARMED` is set.
+struct Tripwire;
+
+static ARMED: AtomicBool = AtomicBool::new(false);
+
+impl Layer for Tripwire {
+    fn name(&self) -> &str {
+        "tripwire"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn per_step(&self) -> bool {
+        true
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        assert!(!ARMED.load(Ordering::Relaxed), "the tripwire went off");
+        Ok(carve::freeze(ctx.activations.copy_of(&input)?))
+    }
+}
+
+#[test]
+fn a_step_that_panics_fails_its_streams_and_the_arena_goes_on() {
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
+        b.layer(Tripwire).dense(13).seed(2).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let model = Model::from_config(&config(), net.params().to_vec()).unwrap();
+    let pool = InferencePool::new(Arc::new(model), PoolConfig::direct(1)).unwrap();
+    let expected = pool.model().generate(&[1, 2], 5, Sampling::greedy()).unwrap();
+    let mut stream = pool.stream(&[1, 2], Sampling::greedy()).unwrap();
+    stream.next_token().unwrap();
+    ARMED.store(true, Ordering::Relaxed);
+    let caught = stream.next_token();
+    ARMED.store(false, Ordering::Relaxed);
+    match caught {
+        Err(Error::Panicked { message }) => assert!(message.contains("tripwire"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    match stream.next_token() {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("failed at an earlier step"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    drop(stream);
+    let mut again = pool.stream(&[1, 2], Sampling::greedy()).unwrap();
+    let tokens: Vec<u32> = (0..5).map(|_| again.next_token().unwrap()).collect();
+    assert_eq!(tokens, expected, "the arena serves the next stream as before");
+}
