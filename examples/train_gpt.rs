@@ -437,6 +437,14 @@ fn sample(net: &mut Network, corpus: &Corpus, n: usize, context: usize, seed: u6
     Ok(out)
 }
 
+/// Saves the trained model with its characters (the vocabulary `examples/generate.rs`
+/// reads text by).
+fn save(net: &Network, corpus: &Corpus, path: &Path) -> Res<()> {
+    let symbols: String = corpus.chars.iter().collect();
+    let model = net.freeze()?.with_symbols(&symbols)?;
+    model.save(path).map_err(|e| format!("saving the model: {e}").into())
+}
+
 /// One mode's training run.
 fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)) -> Res<Run> {
     let vocab = corpus.chars.len();
@@ -609,7 +617,7 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         say(figures.line(path));
     }
     if let Some(path) = &args.save {
-        net.save(path).map_err(|e| format!("saving the model: {e}"))?;
+        save(&net, corpus, path)?;
         say(format!("model saved to {}", path.display()));
     }
     say(format!(
@@ -742,7 +750,7 @@ fn data_parallel(args: &Args) -> Res<()> {
     say(summary);
     say(format!("val loss {val_loss:.4}; loss trace sha256 {}", parallel::sha256_of_losses(&losses)));
     if let (Some(path), true) = (&args.save, root) {
-        network.save(path).map_err(|e| format!("saving the model: {e}"))?;
+        save(&network, &corpus, path)?;
     }
     if args.json && root {
         fields["val_loss"] = val_loss.into();

@@ -54,6 +54,10 @@ use crate::{Error, Result};
 
 /// The metadata key of the layer configuration.
 const CONFIG_KEY: &str = "carve.model";
+
+/// The metadata key of a text model's symbols ([`Model::with_symbols`]): one character
+/// per token, in token order.
+const SYMBOLS_KEY: &str = "carve.symbols";
 /// The version of the configuration's layout.
 const VERSION: u64 = 1;
 
@@ -271,8 +275,11 @@ impl Model {
             }
         }
         let model = json!({ "version": VERSION, "inputs": self.inputs(), "layers": config });
-        let metadata =
+        let mut metadata =
             BTreeMap::from([("format".to_string(), "pt".to_string()), (CONFIG_KEY.to_string(), model.to_string())]);
+        if let Some(symbols) = self.symbols() {
+            metadata.insert(SYMBOLS_KEY.to_string(), symbols.iter().collect());
+        }
         safetensors::write(path.as_ref(), &metadata, &tensors)
     }
 
@@ -331,7 +338,13 @@ impl Model {
         check_all_used(&file, &used)?;
         let layers = found.iter().map(Found::layer).collect::<Result<Vec<_>>>()?;
         let values = found.into_iter().map(|layer| layer.load(&file)).collect::<Result<Vec<_>>>()?;
-        assemble(&file, inputs, layers.into(), values)
+        let model = assemble(&file, inputs, layers.into(), values)?;
+        match file.metadata().get(SYMBOLS_KEY) {
+            None => Ok(model),
+            Some(symbols) => model.with_symbols(symbols).map_err(|e| {
+                file_error(file.path(), None, format!("its '{SYMBOLS_KEY}' metadata does not fit the model: {e}"))
+            }),
+        }
     }
 
     /// Loads a model saved by [`Model::save`] or [`Network::save`] with the layers of

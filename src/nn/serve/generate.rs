@@ -597,6 +597,86 @@ impl Model {
     }
 }
 
+impl Model {
+    /// The model with the text symbol of each of its tokens (`symbols`' characters, in
+    /// token order; a character-level model's vocabulary), so that it reads and writes
+    /// text ([`Model::encode`], [`Model::decode`]); [`Model::save`] keeps them in the
+    /// file's metadata (`carve.symbols`) and [`Model::load`] gives them back.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] when `symbols` does not hold one character per input
+    /// token, or holds a character twice.
+    pub fn with_symbols(mut self, symbols: &str) -> Result<Model> {
+        let chars: Vec<char> = symbols.chars().collect();
+        if chars.len() != self.inputs() {
+            return Err(Error::InvalidConfig {
+                reason: format!("{} symbols for a model of {} input tokens", chars.len(), self.inputs()),
+            });
+        }
+        let mut sorted = chars.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidConfig { reason: format!("the symbol {:?} stands for two tokens", pair[0]) });
+        }
+        self.symbols = Some(chars.into());
+        Ok(self)
+    }
+
+    /// The text symbol of each token, when the model has them ([`Model::with_symbols`]).
+    pub fn symbols(&self) -> Option<&[char]> {
+        self.symbols.as_deref()
+    }
+
+    /// The tokens of `text`, one per character.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] naming the first character that is not a symbol of the
+    /// model, or when the model has no symbols.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let symbols = self.symbols_or_error()?;
+        text.chars()
+            .enumerate()
+            .map(|(i, c)| {
+                symbols.iter().position(|&s| s == c).map(|t| t as u32).ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "character {i} of the text, {c:?}, is not one of the model's {} symbols",
+                        symbols.len()
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// The text of `tokens`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for a token outside the vocabulary, or when the model has
+    /// no symbols.
+    pub fn decode(&self, tokens: &[u32]) -> Result<String> {
+        let symbols = self.symbols_or_error()?;
+        tokens
+            .iter()
+            .map(|&t| {
+                symbols.get(t as usize).copied().ok_or_else(|| {
+                    Error::InvalidInput(format!("token {t} is outside the model's vocabulary of {}", symbols.len()))
+                })
+            })
+            .collect()
+    }
+
+    fn symbols_or_error(&self) -> Result<&[char]> {
+        self.symbols().ok_or_else(|| {
+            Error::InvalidInput(
+                "the model has no text symbols (Model::with_symbols; a model trained by train_gpt --save has them)"
+                    .into(),
+            )
+        })
+    }
+}
+
 impl InferencePool {
     /// A stream of tokens of the pool's model from `prompt` (see [`Model::stream`]),
     /// its steps run in an arena leased for the stream's life (waiting while every

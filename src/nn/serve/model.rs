@@ -63,6 +63,9 @@ pub struct Model {
     /// A number of this model's own, unique over the process's life: a thread's serving
     /// arena keys its plans by it and the request's shape.
     id: u64,
+    /// The text symbol of each token, when the model reads text
+    /// ([`Model::with_symbols`]).
+    pub(crate) symbols: Option<Arc<[char]>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -152,7 +155,7 @@ impl Model {
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, id })
+        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, id, symbols: None })
     }
 
     /// Input columns (features per step for a sequence model).
