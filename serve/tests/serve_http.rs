@@ -616,3 +616,85 @@ fn unknown_flags_and_bad_values_are_one_line_usage_errors_naming_the_flag_and_th
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
+
+/// A small character-level GPT saved with its characters, and the model itself.
+fn saved_gpt(dir: &Path) -> (PathBuf, Model) {
+    let symbols = "\n !',.:;?abcdefghijklmnopqrstuvwxyzAEHIMNORST";
+    let vocab = symbols.chars().count();
+    let mut b = NetworkConfig::builder(vocab).embedding(16).position_embedding(16);
+    b = b.residual(|b| b.layer_norm().attention(2)).residual(|b| b.layer_norm().dense(32).gelu().dense(16));
+    let net = Network::new(b.layer_norm().dense(vocab).seed(9).build().unwrap()).unwrap();
+    let model = net.freeze().unwrap().with_symbols(symbols).unwrap();
+    let path = dir.join("gpt.safetensors");
+    model.save(&path).unwrap();
+    let loaded = Model::load(&path).unwrap();
+    (path, loaded)
+}
+
+#[test]
+fn generate_answers_the_models_own_text_and_bad_requests_with_4xx_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model) = saved_gpt(dir.path());
+    assert!(model.symbols().is_some(), "the file keeps the characters");
+    let server = Server::start(&path, &["--workers", "1", "--max-tokens", "50"]);
+    let body = br#"{"prompt": "ROMEO:", "tokens": 40, "temperature": 0.8, "top_k": 5, "seed": 3}"#;
+    let (status, json) = server.send("POST", "/generate", Some(body));
+    assert_eq!(status, 200, "{json}");
+    let prompt = model.encode("ROMEO:").unwrap();
+    let sampling = carve::nn::serve::Sampling::random(0.8, 5, 3).unwrap();
+    let expected = model.decode(&model.generate(&prompt, 40, sampling).unwrap()).unwrap();
+    assert_eq!(json["text"], expected.as_str(), "the model's own continuation");
+    assert_eq!(json["tokens"], 40);
+    // Greedy by temperature 0, and the same answer twice.
+    let greedy = br#"{"prompt": "a", "tokens": 30, "temperature": 0}"#;
+    let first = server.send("POST", "/generate", Some(greedy));
+    assert_eq!(first, server.send("POST", "/generate", Some(greedy)));
+    let bad: [(&[u8], u16, &str); 9] = [
+        (br#"{"prompt": "", "tokens": 5}"#, 400, "empty"),
+        (br#"{"prompt": "ROMEO\u20ac", "tokens": 5}"#, 400, "'\u{20ac}'"),
+        (br#"{"prompt": "a", "tokens": 0}"#, 400, "from 1 to 50"),
+        (br#"{"prompt": "a", "tokens": 51}"#, 400, "from 1 to 50"),
+        (br#"{"prompt": "a", "tokens": -3}"#, 400, "from 1 to 50"),
+        (br#"{"tokens": 5}"#, 400, "\"prompt\""),
+        (br#"{"prompt": 7, "tokens": 5}"#, 400, "must be a string"),
+        (br#"{"prompt": "a", "tokens": 5, "temperature": -1}"#, 400, "temperature"),
+        (br#"{"prompt": "a""#, 400, "malformed JSON"),
+    ];
+    for (body, want, says) in bad {
+        let (status, json) = server.send("POST", "/generate", Some(body));
+        let message = json["error"].as_str().unwrap_or_default();
+        assert_eq!(status, want, "{}: {json}", String::from_utf8_lossy(body));
+        assert!(message.contains(says), "{}: {message}", String::from_utf8_lossy(body));
+    }
+    let (status, json) = server.send("GET", "/generate", None);
+    assert_eq!(status, 405, "{json}");
+    // A client that goes away mid-stream: its stream ends and the one arena is back.
+    let start = Instant::now();
+    for _ in 0..3 {
+        let mut gone = server.connect();
+        let body = br#"{"prompt": "a", "tokens": 50}"#;
+        let head = format!("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+        gone.send_raw(head.as_bytes());
+        gone.send_raw(body);
+        drop(gone);
+    }
+    let (status, json) = server.send("POST", "/generate", Some(greedy));
+    assert_eq!((status, &json), (200, &first.1), "served after clients left");
+    assert!(start.elapsed() < Duration::from_secs(20));
+    let (_, stats) = server.send("GET", "/stats", None);
+    assert_eq!(stats["workers"], 1, "{stats}");
+    assert!(stats["http"]["client_errors"].as_u64().unwrap() >= 10, "{stats}");
+}
+
+#[test]
+fn generate_on_a_model_that_reads_no_text_is_a_422() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = saved_model(dir.path());
+    let server = Server::start(&path, &[]);
+    let (status, json) = server.send("POST", "/generate", Some(br#"{"prompt": "a", "tokens": 5}"#));
+    assert_eq!(status, 422, "{json}");
+    assert!(json["error"].as_str().unwrap().contains("does not generate text"), "{json}");
+    // And the model's own route still answers.
+    let (status, _) = server.send("POST", "/predict", Some(&rows_json(&Array2::zeros((1, 64)))));
+    assert_eq!(status, 200);
+}

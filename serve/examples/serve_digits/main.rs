@@ -10,6 +10,13 @@
 //!
 //! - `POST /predict` with `{"inputs": [[f32, …], …]}` (one row of the model's features
 //!   per example) answers `{"classes": [u32, …], "probabilities": [[f32, …], …]}`.
+//! - `POST /generate` with `{"prompt": "…", "tokens": N}` (and optionally
+//!   `"temperature"`, default 1, 0 for greedy; `"top_k"`, default 0: all; `"seed"`,
+//!   default 0) answers `{"text": "…", "tokens": N}`: the model's continuation of the
+//!   prompt, a stream of a language model saved with its characters (`train_gpt
+//!   --save`), its steps in an arena leased for the stream's life. At most
+//!   `--max-tokens` tokens; a client that goes away mid-stream ends its stream at the
+//!   next token, and its arena goes back to the pool.
 //! - `GET /stats` answers the pool's statistics (`InferencePool::stats`) and the
 //!   server's request counts.
 //! - A bad request (malformed JSON, a wrong number of features, a value that is not a
@@ -143,6 +150,16 @@ struct Args {
         verbatim_doc_comment
     )]
     max_connections: u32,
+    /// The most tokens one POST /generate may ask for (1 to
+    /// 100000)
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u32).range(1..=100_000),
+        verbatim_doc_comment
+    )]
+    max_tokens: u32,
     /// The runtime's threads, serving every connection (1 to
     /// 1024; default: the machine's cores)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), verbatim_doc_comment)]
@@ -178,6 +195,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         body_idle: Duration::from_millis(args.idle_timeout_ms),
         max_body: usize::try_from(args.max_body)?,
         max_connections: args.max_connections as usize,
+        max_tokens: args.max_tokens as usize,
         ..Limits::default()
     };
 

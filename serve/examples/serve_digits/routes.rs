@@ -1,9 +1,9 @@
-//! The routes (`POST /predict`, `GET /stats`), the tower layers that bound every
+//! The routes (`POST /predict`, `POST /generate`, `GET /stats`), the tower layers that bound every
 //! request, and the JSON of every answer: `{"error": "…"}` for each 4xx and 5xx, the
 //! layers' own included.
 
 use std::error::Error as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use carve::nn::serve::InferencePool;
+use carve::nn::serve::{InferencePool, Sampling};
 use carve::Error;
 use ndarray::Array2;
 use serde_json::Value;
@@ -75,6 +75,7 @@ pub(crate) fn router(pool: Arc<InferencePool>, limits: &Limits) -> Router {
         .layer(RequestBodyTimeoutLayer::new(limits.body_idle));
     Router::new()
         .route("/predict", post(predict).fallback(wrong_method("POST", "use POST /predict")))
+        .route("/generate", post(generate).fallback(wrong_method("POST", "use POST /generate")))
         // axum answers HEAD with the GET route's head; this server takes GET only.
         .route(
             "/stats",
@@ -82,7 +83,10 @@ pub(crate) fn router(pool: Arc<InferencePool>, limits: &Limits) -> Router {
         )
         .fallback(|request: Request| async move {
             let path = request.uri().path();
-            ApiError::new(StatusCode::NOT_FOUND, format!("no such path '{path}': use POST /predict or GET /stats"))
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no such path '{path}': use POST /predict, POST /generate or GET /stats"),
+            )
         })
         .layer(layers)
         .with_state(app)
@@ -124,10 +128,8 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
     json(StatusCode::OK, stats.to_string())
 }
 
-/// `POST /predict`: the body read and checked, the rows run through the pool on a
-/// blocking thread.
-async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let deadline = Instant::now() + app.limits.request_time;
+/// The body of a request, read whole: one with a Content-Length, within the limits.
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
     if headers.contains_key(TRANSFER_ENCODING) {
         return Err(ApiError::new(
             StatusCode::LENGTH_REQUIRED,
@@ -137,7 +139,128 @@ async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
     if !headers.contains_key(CONTENT_LENGTH) {
         return Err(ApiError::new(StatusCode::LENGTH_REQUIRED, "a request with a body needs a Content-Length"));
     }
-    let body = to_bytes(body, app.limits.max_body).await.map_err(|e| body_error(&e, &app.limits))?;
+    to_bytes(body, app.limits.max_body).await.map_err(|e| body_error(&e, &app.limits))
+}
+
+/// The status of a pool's error: the client's fault, the server's load, or the
+/// server's fault.
+fn status_of(e: &Error) -> StatusCode {
+    match e {
+        Error::NonFinite { .. } | Error::ShapeMismatch { .. } | Error::InvalidInput { .. } => StatusCode::BAD_REQUEST,
+        Error::PoolBusy { .. } | Error::Timeout { .. } | Error::PoolClosed => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// Set when the request that started a generation is gone (its client disconnected,
+/// or its time ran out): the stream stops at its next token.
+struct Cancel(Arc<AtomicBool>);
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `POST /generate`: `{"prompt": "…", "tokens": N}` (and optionally `temperature`,
+/// `top_k`, `seed`) → `{"text": "…", "tokens": N}`, a stream of the pool's model run
+/// on a blocking thread in an arena leased for it.
+async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let deadline = Instant::now() + app.limits.request_time;
+    let body = read_body(&app, &headers, body).await?;
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
+    let request = parse_generate(&body, app.limits.max_tokens).map_err(bad)?;
+    let model = app.pool.model();
+    if let Err(e) = model.context() {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("this model does not generate text: {e}")));
+    }
+    if model.symbols().is_none() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "this model does not generate text: it was saved without its characters (save it with train_gpt --save)",
+        ));
+    }
+    let prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
+    let sampling =
+        Sampling::random(request.temperature, request.top_k, request.seed).map_err(|e| bad(e.to_string()))?;
+    let pool = Arc::clone(&app.pool);
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let _cancel = Cancel(Arc::clone(&cancelled));
+    let (tokens, app_time) = (request.tokens, app.limits.request_time);
+    let generation = tokio::task::spawn_blocking(move || {
+        let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
+        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut stream = pool.stream_timeout(&prompt, sampling, wait).map_err(refused)?;
+        let mut out = Vec::with_capacity(tokens);
+        for _ in 0..tokens {
+            if cancelled.load(Ordering::Relaxed) || Instant::now() >= deadline {
+                // No one reads the answer: the stream ends, its arena goes back.
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the generation took longer than {} ms", app_time.as_millis()),
+                ));
+            }
+            out.push(stream.next_token().map_err(refused)?);
+        }
+        drop(stream);
+        pool.model().decode(&out).map_err(refused)
+    });
+    let text = match generation.await {
+        Ok(result) => result?,
+        Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
+    };
+    Ok(json(StatusCode::OK, serde_json::json!({ "text": text, "tokens": tokens }).to_string()))
+}
+
+/// A `POST /generate` body.
+struct GenerateRequest {
+    prompt: String,
+    tokens: usize,
+    temperature: f32,
+    top_k: usize,
+    seed: u64,
+}
+
+/// `{"prompt": "…", "tokens": N, …}`, or what is wrong with it.
+fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, String> {
+    let json: Value = serde_json::from_slice(body).map_err(|e| format!("malformed JSON: {e}"))?;
+    let usage = "the body needs {\"prompt\": \"text\", \"tokens\": N}";
+    let Some(prompt) = json.get("prompt") else {
+        return Err(usage.into());
+    };
+    let Some(prompt) = prompt.as_str() else {
+        return Err(format!("\"prompt\" must be a string of text, not {prompt}"));
+    };
+    if prompt.is_empty() {
+        return Err("the prompt is empty: a stream starts from at least one character".into());
+    }
+    let Some(tokens) = json.get("tokens") else {
+        return Err(usage.into());
+    };
+    let tokens = match tokens.as_u64() {
+        Some(n) if n >= 1 && n <= max_tokens as u64 => n as usize,
+        _ => return Err(format!("\"tokens\" must be a whole number from 1 to {max_tokens}, not {tokens}")),
+    };
+    let temperature = match json.get("temperature") {
+        None => 1.0,
+        Some(t) => match t.as_f64() {
+            Some(t) if t.is_finite() && t >= 0.0 && t <= f64::from(f32::MAX) => t as f32,
+            _ => return Err(format!("\"temperature\" must be a finite number of at least 0, not {t}")),
+        },
+    };
+    let whole = |key: &str| match json.get(key) {
+        None => Ok(0),
+        Some(v) => v.as_u64().ok_or_else(|| format!("\"{key}\" must be a whole number of at least 0, not {v}")),
+    };
+    let top_k = usize::try_from(whole("top_k")?).unwrap_or(usize::MAX);
+    Ok(GenerateRequest { prompt: prompt.to_string(), tokens, temperature, top_k, seed: whole("seed")? })
+}
+
+/// `POST /predict`: the body read and checked, the rows run through the pool on a
+/// blocking thread.
+async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let deadline = Instant::now() + app.limits.request_time;
+    let body = read_body(&app, &headers, body).await?;
     let x = parse_inputs(&body, app.pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
 
     let pool = Arc::clone(&app.pool);
@@ -149,16 +272,7 @@ async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
     });
     let probabilities = match inference.await {
         Ok(Ok(probabilities)) => probabilities,
-        Ok(Err(e)) => {
-            let status = match e {
-                Error::NonFinite { .. } | Error::ShapeMismatch { .. } | Error::InvalidInput { .. } => {
-                    StatusCode::BAD_REQUEST
-                }
-                Error::PoolBusy { .. } | Error::Timeout { .. } | Error::PoolClosed => StatusCode::SERVICE_UNAVAILABLE,
-                _ => StatusCode::INTERNAL_SERVER_ERROR,
-            };
-            return Err(ApiError::new(status, e.to_string()));
-        }
+        Ok(Err(e)) => return Err(ApiError::new(status_of(&e), e.to_string())),
         Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
     };
     let classes: Vec<u32> = probabilities

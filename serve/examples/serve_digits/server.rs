@@ -59,6 +59,8 @@ pub(crate) struct Limits {
     /// How long a connection may stay open (then it closes after the answer in
     /// flight, if any).
     pub(crate) connection_time: Duration,
+    /// The most tokens one `POST /generate` may ask for.
+    pub(crate) max_tokens: usize,
 }
 
 impl Default for Limits {
@@ -72,6 +74,7 @@ impl Default for Limits {
             in_flight: 256,
             max_connections: 1024,
             connection_time: Duration::from_secs(60),
+            max_tokens: 1000,
         }
     }
 }

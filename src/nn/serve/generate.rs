@@ -23,6 +23,8 @@
 //! as every product computes a row the same whatever the rows beside it, and every
 //! stream attends to its own cache.
 
+use std::time::Duration;
+
 use carve_rng::Rng;
 use ndarray::Axis;
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
@@ -700,5 +702,17 @@ impl InferencePool {
         let model: &Model = self.model();
         StatePlan::of(model)?;
         TokenStream::start(model, Arena::Leased(self.lease()?), prompts, sampling)
+    }
+
+    /// [`InferencePool::stream`], waiting at most `timeout` for an arena.
+    ///
+    /// # Errors
+    ///
+    /// As [`InferencePool::stream`]; [`Error::Timeout`] when no arena came free in
+    /// time.
+    pub fn stream_timeout(&self, prompt: &[u32], sampling: Sampling, timeout: Duration) -> Result<TokenStream<'_>> {
+        let model: &Model = self.model();
+        StatePlan::of(model)?;
+        TokenStream::start(model, Arena::Leased(self.lease_timeout(timeout)?), &[prompt], &[sampling])
     }
 }
