@@ -10,7 +10,7 @@ use crate::{Error, Result};
 
 use super::gemm::{scratch_len, sgemm, sgemm_tri, sgemm_uninit, Triangle};
 use super::kept::{fingerprint, Kept};
-use super::kernels::{causal_softmax, causal_softmax_again, causal_softmax_backward, causal_softmax_from};
+use super::kernels::{attend_one, causal_softmax, causal_softmax_again, causal_softmax_backward, causal_softmax_from};
 use super::layer::{
     check_len, check_mask, not_standard, rows_of_grad, sequence_grad_input, steps_as_rows, steps_in, tape_of,
     Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, StreamState, Tape, UninitGradInput,
@@ -573,7 +573,9 @@ impl Layer for Attention {
 
 impl Attention {
     /// [`Layer::forward_stream`]: the new steps' keys and values appended to each
-    /// stream's cache (`[context, 2 · width]`: a step's keys, then its values), and
+    /// stream's cache (the keys transposed, `[width, context]`, so that a query's
+    /// scores are a product that reads them where they lie; then the values,
+    /// `[context, width]`), and
     /// each new step attending to its stream's steps so far. Every product and the
     /// softmax compute a new step's values in the same order as the whole sequence's
     /// forward pass does, so a stream's outputs are those of the sequence run at once
@@ -603,8 +605,8 @@ impl Attention {
             let len = state.state(b).len();
             if len != context * 2 * d {
                 return Err(Error::ShapeMismatch {
-                    context: format!("attention layer '{name}': a stream's keys and values ([context, 2 · width])"),
-                    expected: vec![context, 2 * d],
+                    context: format!("attention layer '{name}': a stream's keys and values (2 · width · context)"),
+                    expected: vec![2 * d * context],
                     actual: vec![len],
                 });
             }
@@ -627,18 +629,35 @@ impl Attention {
         for b in 0..streams {
             let first = state.position(b);
             let end = first + steps;
-            let cache = state.state_mut(b);
-            let mut cache = ArrayViewMut2::from_shape((context, 2 * d), cache).expect("checked length");
+            let (keys, values) = state.state_mut(b).split_at_mut(d * context);
+            let mut keys = ArrayViewMut2::from_shape((d, context), keys).expect("checked length");
+            let mut values = ArrayViewMut2::from_shape((context, d), values).expect("checked length");
             let own = b * steps..(b + 1) * steps;
-            cache.slice_mut(s![first..end, ..]).assign(&qkv.slice(s![own.clone(), d..]));
-            let cache = cache.view();
+            keys.slice_mut(s![.., first..end]).assign(&qkv.slice(s![own.clone(), d..2 * d]).t());
+            values.slice_mut(s![first..end, ..]).assign(&qkv.slice(s![own.clone(), 2 * d..]));
+            let (keys, values) = (keys.view(), values.view());
+            if steps == 1 {
+                // One new step: each head straight over the cache (the same bits as
+                // the products below, without their packing).
+                let (keys, values) = (keys.as_slice().expect("a stream's keys"), values.as_slice().expect("values"));
+                let q = qkv.row(b);
+                let q = q.as_slice().expect("a new array is contiguous");
+                let mut out = att.row_mut(b);
+                let out = out.as_slice_mut().expect("a new array is contiguous");
+                let scores = &mut scores.as_slice_mut().expect("a new array is contiguous")[..end];
+                for h in 0..self.heads {
+                    let c = h * hd..(h + 1) * hd;
+                    let (k, v) = (&keys[c.start * context..], &values[c.start..]);
+                    attend_one(&q[c.clone()], scale, k, context, v, d, scores, &mut out[c]);
+                }
+                continue;
+            }
             for h in 0..self.heads {
-                let (qc, kc, vc) = self.head_columns(h);
-                let (kc, vc) = (kc.start - d..kc.end - d, vc.start - d..vc.end - d);
+                let (qc, _, _) = self.head_columns(h);
                 let q = qkv.slice(s![own.clone(), qc.clone()]);
-                let k = cache.slice(s![..end, kc]);
-                let v = cache.slice(s![..end, vc]);
-                sgemm(scale, q, k.t(), 0.0, scores.slice_mut(s![.., ..end]), scratch)?;
+                let k_t = keys.slice(s![qc.clone(), ..end]);
+                let v = values.slice(s![..end, qc.clone()]);
+                sgemm(scale, q, k_t, 0.0, scores.slice_mut(s![.., ..end]), scratch)?;
                 causal_softmax_from(scores.view_mut(), first);
                 sgemm(1.0, scores.slice(s![.., ..end]), v, 0.0, att.slice_mut(s![own.clone(), qc]), scratch)?;
             }

@@ -232,6 +232,30 @@ pub(crate) fn causal_softmax_from(mut s: ArrayViewMut2<'_, f32>, first: usize) {
     vector::causal_softmax_from_slices(scores, width, first);
 }
 
+/// One head of one new step attending to its stream's `scores.len()` steps (see
+/// [`vector::attend_one_slices`]): `out` gets the bits the whole sequence's products
+/// and softmax give that step.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_one(
+    q: &[f32],
+    scale: f32,
+    keys: &[f32],
+    key_stride: usize,
+    values: &[f32],
+    value_stride: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    if running() || scores.is_empty() {
+        return;
+    }
+    let (hd, steps) = (q.len(), scores.len());
+    assert!(out.len() == hd && hd > 0, "one value per feature of the head");
+    assert!(keys.len() >= (hd - 1) * key_stride + steps, "the head's keys of every step");
+    assert!(values.len() >= (steps - 1) * value_stride + hd, "the head's values of every step");
+    vector::attend_one_slices(q, scale, keys, key_stride, values, value_stride, scores, out);
+}
+
 /// [`causal_softmax`] of scores computed again, from the `stats` it left: the same
 /// operations on the same values, so the same probabilities, bit for bit.
 pub(crate) fn causal_softmax_again(mut s: ArrayViewMut2<'_, f32>, mask: Option<ArrayView1<'_, f32>>, stats: &[f32]) {

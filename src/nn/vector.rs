@@ -460,6 +460,59 @@ multiversion! {
 }
 
 multiversion! {
+    /// One head of one new step of a stream attending to the stream's `scores.len()`
+    /// steps so far (itself the last): the scores `scale·q·kⱼ` (`keys` holds the head's
+    /// keys transposed, a row of `key_stride` per feature, each step's in its column),
+    /// their causal softmax, and `out = Σⱼ pⱼ·vⱼ` (`values` a row of `value_stride` per
+    /// step, the head's features first). Each value is the same sequence of operations
+    /// as the matrix multiply's and [`causal_softmax_slices`]' for the same step of the
+    /// whole sequence (the products of each sum in step order, fused, from 0; the query
+    /// scaled first, as the multiply scales A as it packs it): the same bits.
+    fn attend_one_slices(
+        q: &[f32],
+        scale: f32,
+        keys: &[f32],
+        key_stride: usize,
+        values: &[f32],
+        value_stride: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) => attend_one_body;
+}
+
+/// See [`attend_one_slices`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_one_body(
+    q: &[f32],
+    scale: f32,
+    keys: &[f32],
+    key_stride: usize,
+    values: &[f32],
+    value_stride: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let steps = scores.len();
+    scores.fill(0.0);
+    for (c, &qc) in q.iter().enumerate() {
+        let a = scale * qc;
+        let row = &keys[c * key_stride..c * key_stride + steps];
+        for (s, &k) in scores.iter_mut().zip(row) {
+            *s = a.mul_add(k, *s);
+        }
+    }
+    softmax_row(scores, steps - 1, |_| true, None);
+    out.fill(0.0);
+    for (j, &p) in scores.iter().enumerate() {
+        let row = &values[j * value_stride..j * value_stride + out.len()];
+        for (o, &v) in out.iter_mut().zip(row) {
+            *o = p.mul_add(v, *o);
+        }
+    }
+}
+
+multiversion! {
     /// The causal softmax of the score rows of new steps `first..` of a sequence
     /// (contiguous rows `width` wide; row `r`, step `first + r`, attends to steps
     /// `0..=first + r`, the rest of it becomes 0): each row the same operations as row

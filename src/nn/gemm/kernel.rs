@@ -331,6 +331,72 @@ pub(super) mod x86 {
         }
     }
 
+    /// A few rows' tile, `M × 16·V`, of a product that reads a row-major B where it
+    /// lies: the AVX-512 twin of [`avx2_rows`] (`M·V` accumulators, `M` broadcasts and
+    /// one load of B at a time: at most 32 registers), stored as the AVX-512 kernel
+    /// stores. Each element is the same sum as the AVX-512 kernel's: the same bits.
+    ///
+    /// # Safety
+    ///
+    /// On a CPU with AVX-512F: `a + p·a_step` holds `M` readable values and `b +
+    /// p·b_step` holds `16·V` for every `p < kc`; `tile` addresses `rows × cols` (at
+    /// most `M × 16·V`, and `M·16·V <= MAX_TILE`) writable elements, readable too unless
+    /// `beta == 0`.
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::nn::gemm) unsafe fn avx512_rows<const M: usize, const V: usize>(
+        kc: usize,
+        a: *const f32,
+        a_step: usize,
+        b: *const f32,
+        b_step: isize,
+        beta: f32,
+        tile: Tile,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); V]; M];
+        let (mut a, mut b) = (a, b);
+        for _ in 0..kc {
+            // SAFETY: step `p < kc` reads `M` values of A and `16·V` of B, per the
+            // contract; then both pointers move one step on (`wrapping_offset`: past the
+            // last step they are not read).
+            unsafe {
+                let mut ai = [_mm512_setzero_ps(); M];
+                for (i, ai) in ai.iter_mut().enumerate() {
+                    *ai = _mm512_set1_ps(*a.add(i));
+                }
+                for v in 0..V {
+                    let bv = _mm512_loadu_ps(b.add(16 * v));
+                    for (row, ai) in acc.iter_mut().zip(&ai) {
+                        row[v] = _mm512_fmadd_ps(*ai, bv, row[v]);
+                    }
+                }
+                a = a.wrapping_add(a_step);
+                b = b.wrapping_offset(b_step);
+            }
+        }
+        if tile.col_stride != 1 {
+            // SAFETY: the caller's contract.
+            return unsafe { store_strided(&acc, beta, tile) };
+        }
+        let vbeta = _mm512_set1_ps(beta);
+        for (i, row) in acc.iter().enumerate().take(tile.rows) {
+            for (v, acc) in row.iter().enumerate() {
+                let lanes = tile.cols.saturating_sub(16 * v).min(16);
+                if lanes == 0 {
+                    break;
+                }
+                let mask: __mmask16 = if lanes == 16 { !0 } else { (1u16 << lanes) - 1 };
+                // SAFETY: as in the AVX-512 kernel: row `i < rows`, the mask's columns
+                // `< cols`, contiguous, writable (readable when `beta != 0`).
+                unsafe {
+                    let c = tile.ptr.offset(i as isize * tile.row_stride).add(16 * v);
+                    let out =
+                        if beta == 0.0 { *acc } else { _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask, c), *acc) };
+                    _mm512_mask_storeu_ps(c, mask, out);
+                }
+            }
+        }
+    }
+
     /// The AVX-512 kernel's store for a tile whose columns are not contiguous: through
     /// buffers of a frame of its own, so that the kernel's frame (on every caller's
     /// stack) stays small.

@@ -48,10 +48,11 @@ const MC: usize = 96;
 /// elsewhere. A multiple of every kernel's `NR`.
 const NC: usize = 2048;
 /// Products of at most this many rows read a row-major B where it lies instead of
-/// packing it: each of B's values then serves one or two row panels of A, too few to
-/// repay a copy (one-row inference requests, a token's step through a network). The
-/// kernel reads the same values in the same order either way: the same bits.
-const FEW_ROWS: usize = 8;
+/// packing it: each of B's values then serves at most three row panels of A (of 6, 8 or
+/// 16 rows), too few to repay a copy (one-row inference requests, a token's step
+/// through a network, a step of 16 generation streams). The kernel reads the same values
+/// in the same order either way: the same bits.
+const FEW_ROWS: usize = 16;
 /// Packed buffers start on a cache line.
 const ALIGN_ELEMENTS: usize = 64 / std::mem::size_of::<f32>();
 
@@ -413,8 +414,9 @@ unsafe fn multiply(
     // B read where it lies, but for a last panel narrower than the kernel's (packed,
     // with its zeros, so that no read runs past B's columns).
     let direct = ops.m <= FEW_ROWS && ops.b.col_stride == 1 && tri == Triangle::Full;
-    // Up to four rows on AVX2: tiles as wide as the registers allow (see `avx2_rows`).
-    let wide_tiles = direct && ops.m <= 4 && kernel == Kernel::Avx2Fma;
+    // Up to four rows on AVX2 or AVX-512: tiles as wide as the registers allow (see
+    // `avx2_rows`, `avx512_rows`).
+    let wide_tiles = direct && ops.m <= 4 && matches!(kernel, Kernel::Avx2Fma | Kernel::Avx512Wide);
     for jc in (0..ops.n).step_by(NC) {
         let nc = NC.min(ops.n - jc);
         for pc in (0..ops.k).step_by(KC) {
@@ -439,11 +441,16 @@ unsafe fn multiply(
                 // The columns the wide tiles took.
                 #[cfg(target_arch = "x86_64")]
                 let first_jr = if wide_tiles && packed_from > 0 {
-                    // SAFETY: AVX2 and FMA (the kernel `detect` chose); A's one panel
-                    // (`m <= 4 < mr`, `ic == 0`) holds `kc` steps of `mr` values, the
+                    // SAFETY: AVX2 and FMA, or AVX-512F (the kernel `detect` chose); A's
+                    // one panel (`m <= 4 < mr`, `ic == 0`) holds `kc` steps of `mr` values, the
                     // first `m` of them A's rows; columns `jc .. jc + packed_from` of B's
                     // rows `pc .. pc + kc` and of C's `m` rows lie inside them.
-                    unsafe { few_rows(ops, kc, a_dst, mr, pc, jc, packed_from, beta) };
+                    unsafe {
+                        match kernel {
+                            Kernel::Avx512Wide => few_rows_avx512(ops, kc, a_dst, mr, pc, jc, packed_from, beta),
+                            _ => few_rows(ops, kc, a_dst, mr, pc, jc, packed_from, beta),
+                        }
+                    };
                     packed_from
                 } else {
                     0
@@ -576,6 +583,107 @@ unsafe fn few_rows(
         3 => unsafe { run::<3, 4>(ops, kc, a, a_step, pc, jc, cols, beta) },
         // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
         _ => unsafe { run::<4, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
+    }
+}
+
+/// [`few_rows`] on AVX-512: columns `jc .. jc + cols` (`cols` a multiple of 16) of the
+/// `m <= 4` rows of C in the widest tiles of [`kernel::x86::avx512_rows`] for `m` rows
+/// that fit what is left, down to 16 columns.
+///
+/// # Safety
+///
+/// As [`few_rows`], on a CPU with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)] // one slice of one product
+unsafe fn few_rows_avx512(
+    ops: &Operands,
+    kc: usize,
+    a: *const f32,
+    a_step: usize,
+    pc: usize,
+    jc: usize,
+    cols: usize,
+    beta: f32,
+) {
+    /// One tile of `M × 16·V` at column `col`.
+    ///
+    /// # Safety
+    ///
+    /// As [`few_rows_avx512`], with `M == ops.m` and columns `col .. col + 16·V` inside
+    /// those it covers.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const M: usize, const V: usize>(
+        ops: &Operands,
+        kc: usize,
+        a: *const f32,
+        a_step: usize,
+        pc: usize,
+        col: usize,
+        beta: f32,
+    ) {
+        let tile = Tile {
+            ptr: ops.c.wrapping_offset(col as isize * ops.c_col_stride),
+            row_stride: ops.c_row_stride,
+            col_stride: ops.c_col_stride,
+            rows: M,
+            cols: 16 * V,
+        };
+        // SAFETY: the contract: B's rows `pc ..` and C's `M` rows hold columns `col ..
+        // col + 16·V`; A as `few_rows_avx512`'s contract says; `M·16·V <= MAX_TILE`
+        // for every instance below.
+        unsafe { kernel::x86::avx512_rows::<M, V>(kc, a, a_step, ops.b.at(pc, col), ops.b.row_stride, beta, tile) };
+    }
+    /// Tiles `M × 16·V` while they fit, then 128, 32 and 16 columns.
+    ///
+    /// # Safety
+    ///
+    /// As [`few_rows_avx512`], with `M == ops.m`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run<const M: usize, const V: usize>(
+        ops: &Operands,
+        kc: usize,
+        a: *const f32,
+        a_step: usize,
+        pc: usize,
+        jc: usize,
+        cols: usize,
+        beta: f32,
+    ) {
+        let mut j = 0;
+        while j < cols {
+            let (left, col) = (cols - j, jc + j);
+            // SAFETY: each tile's columns `col .. col + width` lie within `jc .. jc +
+            // cols` (`left >= width`; `cols` a multiple of 16, so 16 always fits).
+            let width = unsafe {
+                if left >= 16 * V {
+                    tile::<M, V>(ops, kc, a, a_step, pc, col, beta);
+                    16 * V
+                } else if V > 8 && left >= 128 {
+                    tile::<M, 8>(ops, kc, a, a_step, pc, col, beta);
+                    128
+                } else if V > 2 && left >= 32 {
+                    tile::<M, 2>(ops, kc, a, a_step, pc, col, beta);
+                    32
+                } else {
+                    tile::<M, 1>(ops, kc, a, a_step, pc, col, beta);
+                    16
+                }
+            };
+            j += width;
+        }
+    }
+    debug_assert!((1..=4).contains(&ops.m) && cols.is_multiple_of(16), "{} rows, {cols} columns", ops.m);
+    // At most 32 registers (`M·V` accumulators, `M` broadcasts, one load of B), and
+    // a tile of at most `MAX_TILE` elements (a strided C's buffer).
+    match ops.m {
+        // SAFETY: the contract, with `M == ops.m`.
+        1 => unsafe { run::<1, 16>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above.
+        2 => unsafe { run::<2, 8>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above.
+        3 => unsafe { run::<3, 5>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
+        _ => unsafe { run::<4, 4>(ops, kc, a, a_step, pc, jc, cols, beta) },
     }
 }
 

@@ -404,7 +404,7 @@ impl<'a> TokenStream<'a> {
 
     /// The next token of every stream, into `out` (one per stream): the token drawn
     /// last is run through the model (the streams that need it sliding their window
-    /// first, each alone; the others in one step, a row each), and a token drawn from
+    /// first, in one step; the others in one step, a row each), and a token drawn from
     /// each stream's distribution.
     ///
     /// # Errors
@@ -425,20 +425,22 @@ impl<'a> TokenStream<'a> {
                 actual: vec![out.len()],
             });
         }
-        // The drawn tokens into the model: the streams whose cache is full slide
-        // their window, the others take one step together.
+        // The drawn tokens into the model: the streams whose cache is full slide their
+        // window (one step together: every slide keeps as many tokens), the others
+        // take one step together.
         let context = self.plan.context;
-        for s in 0..self.streams.len() {
-            let stream = &mut self.streams[s];
-            if let Some(token) = stream.pending {
-                if stream.window.len() == context {
-                    stream.window.push(token);
-                    let keep = (context / 2).max(1);
-                    stream.window.drain(..stream.window.len() - keep);
-                    stream.pending = None;
-                    self.prefill(s)?;
-                }
+        let keep = (context / 2).max(1);
+        self.rows.clear();
+        for (s, stream) in self.streams.iter_mut().enumerate() {
+            if let Some(token) = stream.pending.filter(|_| stream.window.len() == context) {
+                stream.window.push(token);
+                stream.window.drain(..stream.window.len() - keep);
+                stream.pending = None;
+                self.rows.push(StreamRow { slot: s, position: 0 });
             }
+        }
+        if !self.rows.is_empty() {
+            self.step(keep)?;
         }
         self.rows.clear();
         for (s, stream) in self.streams.iter_mut().enumerate() {
