@@ -796,19 +796,19 @@ unsafe fn pack_a_panel(
         }
         return;
     }
-    for i in 0..mr {
-        if i < rows {
-            // SAFETY: row `row + i` lies in the block, from column `pc`.
-            let src = unsafe { a.at(row + i, pc) };
-            for p in 0..kc {
-                // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
-                unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
-            }
-        } else {
-            for p in 0..kc {
-                // SAFETY: `p·mr + i < mr·kc`.
-                unsafe { *panel.add(p * mr + i) = 0.0 };
-            }
+    for i in 0..rows {
+        // SAFETY: row `row + i` lies in the block, from column `pc`.
+        let src = unsafe { a.at(row + i, pc) };
+        for p in 0..kc {
+            // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
+            unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
+        }
+    }
+    if rows < mr {
+        // The rows past A's: each step's zeros are contiguous.
+        for p in 0..kc {
+            // SAFETY: `p·mr + rows .. (p + 1)·mr` lies in the panel's `mr·kc` elements.
+            unsafe { std::ptr::write_bytes(panel.add(p * mr + rows), 0, mr - rows) };
         }
     }
 }

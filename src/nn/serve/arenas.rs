@@ -22,18 +22,64 @@ pub(crate) struct Arenas {
     slots: Box<[Mutex<Slot>]>,
     /// Each arena's capacity after its last request (for statistics without a lease).
     capacity: Box<[AtomicUsize]>,
+    /// Each arena's stream buffers' bytes, as of its last stream's start.
+    stream_bytes: Box<[AtomicUsize]>,
     /// Which arena is whose.
     turns: Turns,
     plans: usize,
     pub(crate) counters: Counters,
 }
 
-/// An arena: its planned manager, and the stack its requests run on (none: they run
-/// on the stack of the thread that runs them).
+/// An arena: its planned manager, the stack its requests run on (none: they run on the
+/// stack of the thread that runs them), and what its generation streams keep between
+/// their steps.
 #[derive(Debug)]
 struct Slot {
     mgr: PortableMgr,
     stack: Option<ArenaStack>,
+    streams: StreamBuffers,
+}
+
+/// What generation streams keep between their steps (their key/value caches, windows of
+/// tokens and logits; laid out by `generate`): held by the arena that runs them, so that
+/// the arena's next streams reuse it, and a stream's start allocates nothing once its
+/// arena has run one as large.
+#[derive(Debug, Default)]
+pub(crate) struct StreamBuffers {
+    pub(crate) values: Vec<f32>,
+    pub(crate) tokens: Vec<u32>,
+}
+
+impl StreamBuffers {
+    /// The buffers sized to `values` and `tokens` elements (their contents are the
+    /// caller's to write), growing only when they are smaller.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] naming the bytes when the machine cannot give them.
+    pub(crate) fn fit(&mut self, values: usize, tokens: usize) -> Result<()> {
+        let short = |what: &str, bytes: usize| {
+            Error::InvalidInput(format!("generation streams' {what} ({bytes} bytes) cannot be allocated"))
+        };
+        if values > self.values.len() {
+            self.values
+                .try_reserve_exact(values - self.values.len())
+                .map_err(|_| short("caches and logits", values.saturating_mul(4)))?;
+            self.values.resize(values, 0.0);
+        }
+        if tokens > self.tokens.len() {
+            self.tokens
+                .try_reserve_exact(tokens - self.tokens.len())
+                .map_err(|_| short("windows of tokens", tokens.saturating_mul(4)))?;
+            self.tokens.resize(tokens, 0);
+        }
+        Ok(())
+    }
+
+    /// The bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        (self.values.capacity() + self.tokens.capacity()) * 4
+    }
 }
 
 /// The name of a serving arena's plan group (in statistics).
@@ -55,12 +101,13 @@ impl Arenas {
         let slots = (0..k)
             .map(|_| {
                 let stack = if stacks { Some(ArenaStack::new()?) } else { None };
-                Ok(Mutex::new(Slot { mgr: arena(plans)?, stack }))
+                Ok(Mutex::new(Slot { mgr: arena(plans)?, stack, streams: StreamBuffers::default() }))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arenas {
             slots: slots.into_boxed_slice(),
             capacity: (0..k).map(|_| AtomicUsize::new(0)).collect(),
+            stream_bytes: (0..k).map(|_| AtomicUsize::new(0)).collect(),
             turns: Turns::new(k, STARVING_AFTER),
             plans,
             counters: Counters::default(),
@@ -75,6 +122,11 @@ impl Arenas {
     /// The arenas' capacities summed, as of their last requests.
     pub(crate) fn capacity(&self) -> usize {
         self.capacity.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The arenas' stream buffers' bytes summed (see [`StreamBuffers`]).
+    pub(crate) fn stream_bytes(&self) -> usize {
+        self.stream_bytes.iter().map(|c| c.load(Ordering::Relaxed)).sum()
     }
 
     /// Leases a free arena, waiting as `wait` says (see [`Turns`]).
@@ -132,11 +184,36 @@ impl ArenaGuard<'_> {
     /// panic in `f` is [`Error::Panicked`] (the scopes it held were closed as it
     /// unwound); an arena that `f` kept a reference to is replaced by a new one.
     pub(crate) fn run<R>(&mut self, f: impl FnOnce(&LayerWorkspaceMgr) -> Result<(R, bool)>) -> Result<R> {
+        self.run_with_streams(|mgr, _| f(mgr))
+    }
+
+    /// The arena's stream buffers, sized to hold `values` and `tokens` elements.
+    ///
+    /// # Errors
+    ///
+    /// As [`StreamBuffers::fit`].
+    pub(crate) fn stream_buffers(&mut self, values: usize, tokens: usize) -> Result<&mut StreamBuffers> {
+        let slot = &mut **self.slot.as_mut().expect("held until dropped");
+        slot.streams.fit(values, tokens)?;
+        self.arenas.stream_bytes[self.index].store(slot.streams.bytes(), Ordering::Relaxed);
+        Ok(&mut slot.streams)
+    }
+
+    /// The arena's stream buffers as they are.
+    pub(crate) fn streams(&self) -> &StreamBuffers {
+        &self.slot.as_ref().expect("held until dropped").streams
+    }
+
+    /// [`ArenaGuard::run`] with the arena's stream buffers handed to `f` too.
+    pub(crate) fn run_with_streams<R>(
+        &mut self,
+        f: impl FnOnce(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<(R, bool)>,
+    ) -> Result<R> {
         let counters = &self.arenas.counters;
-        let Slot { mgr: slot, stack } = &mut **self.slot.as_mut().expect("held until dropped");
+        let Slot { mgr: slot, stack, streams } = &mut **self.slot.as_mut().expect("held until dropped");
         let body = || {
             slot.with(|mgr| {
-                let result = catch_unwind(AssertUnwindSafe(|| f(mgr)));
+                let result = catch_unwind(AssertUnwindSafe(|| f(mgr, streams)));
                 (result, mgr.capacity())
             })
         };

@@ -29,6 +29,7 @@ use carve_rng::Rng;
 use ndarray::Axis;
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
+use super::arenas::StreamBuffers;
 use super::model::{in_thread_arena, Model};
 use super::pool::{InferencePool, PoolLease};
 use crate::nn::layer::{Activations, StreamRow};
@@ -157,73 +158,132 @@ impl StatePlan {
     }
 }
 
-/// Where a stream's steps run: the calling thread's serving arena, or an arena leased
-/// from a pool for the stream's life.
+/// Where a stream's steps run: the calling thread's serving arena (the streams' buffers
+/// their own), or an arena leased from a pool for the streams' life (the buffers the
+/// arena's).
 #[derive(Debug)]
 enum Arena<'a> {
-    Thread,
+    Thread(StreamBuffers),
     Leased(PoolLease<'a>),
 }
 
 impl Arena<'_> {
-    /// Runs `f` in the arena; it returns whether the step ran on its plan. A panic in
-    /// `f` is [`Error::Panicked`].
-    fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr) -> Result<bool>) -> Result<()> {
+    /// The streams' buffers, at least `values` and `tokens` long.
+    fn buffers(&mut self, values: usize, tokens: usize) -> Result<&mut StreamBuffers> {
         match self {
-            Arena::Thread => in_thread_arena(|mgr| f(mgr).map(|_| ())),
-            Arena::Leased(lease) => lease.guard().run(|mgr| f(mgr).map(|on_plan| ((), on_plan))),
+            Arena::Thread(buffers) => {
+                buffers.fit(values, tokens)?;
+                Ok(buffers)
+            }
+            Arena::Leased(lease) => lease.guard().stream_buffers(values, tokens),
+        }
+    }
+
+    /// The streams' buffers as they are.
+    fn held(&self) -> &StreamBuffers {
+        match self {
+            Arena::Thread(buffers) => buffers,
+            Arena::Leased(lease) => lease.stream_buffers(),
+        }
+    }
+
+    /// Runs `f` in the arena with the buffers; `f` returns whether the step ran on its
+    /// plan. A panic in `f` is [`Error::Panicked`].
+    fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<bool>) -> Result<()> {
+        match self {
+            Arena::Thread(buffers) => in_thread_arena(|mgr| f(mgr, buffers).map(|_| ())),
+            Arena::Leased(lease) => {
+                lease.guard().run_with_streams(|mgr, buffers| f(mgr, buffers).map(|on_plan| ((), on_plan)))
+            }
         }
     }
 }
 
-/// One stream's state besides its cache.
+/// Where the streams' parts lie in their buffers: in `values`, every stream's cache,
+/// then every stream's logits, then the weights each one's draws use; in `tokens`,
+/// each stream's window (room for `context + 1`).
+#[derive(Clone, Copy, Debug)]
+struct Places {
+    streams: usize,
+    per_slot: usize,
+    vocabulary: usize,
+    window: usize,
+}
+
+impl Places {
+    fn of(plan: &StatePlan, streams: usize) -> Result<Places> {
+        let places = Places { streams, per_slot: plan.per_slot, vocabulary: plan.vocabulary, window: plan.context + 1 };
+        let values = places.per_slot.checked_add(2 * places.vocabulary).and_then(|v| v.checked_mul(streams));
+        let tokens = places.window.checked_mul(streams);
+        match (values, tokens) {
+            (Some(v), Some(t)) if v.checked_mul(size_of::<f32>()).is_some() && t.checked_mul(4).is_some() => Ok(places),
+            _ => Err(Error::InvalidInput(format!("the caches of {streams} streams overflow"))),
+        }
+    }
+
+    fn caches(&self) -> usize {
+        self.streams * self.per_slot
+    }
+
+    fn values(&self) -> usize {
+        self.caches() + 2 * self.streams * self.vocabulary
+    }
+
+    fn tokens(&self) -> usize {
+        self.streams * self.window
+    }
+
+    fn logits(&self, s: usize) -> std::ops::Range<usize> {
+        let at = self.caches() + s * self.vocabulary;
+        at..at + self.vocabulary
+    }
+
+    fn window(&self, s: usize, len: usize) -> std::ops::Range<usize> {
+        s * self.window..s * self.window + len
+    }
+}
+
+/// One stream's state besides its buffers.
 #[derive(Debug)]
 struct Stream {
-    /// The tokens in the cache (the window), and room for one more.
-    window: Vec<u32>,
-    /// The logits of the token after the window.
-    logits: Vec<f32>,
-    /// The weights a token is drawn by (working space of `draw`).
-    weights: Vec<f32>,
+    /// Tokens in its window (the cache holds their keys and values).
+    len: usize,
     /// The token drawn last, not yet run through the model.
     pending: Option<u32>,
     sampling: Sampling,
     rng: Rng,
 }
 
-impl Stream {
-    /// The next token from the logits, as the stream's sampling says.
-    fn draw(&mut self) -> u32 {
-        let s = self.sampling;
-        if s.temperature == 0.0 || s.top_k == 1 {
-            return argmax(&self.logits) as u32;
-        }
-        let (logits, weights) = (&self.logits, &mut self.weights);
-        // Tokens below the k-th largest logit are not drawn (ties with it are).
-        let floor = match s.top_k {
-            k if k == 0 || k >= logits.len() => f32::NEG_INFINITY,
-            k => kth_largest(logits, k),
-        };
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f64;
-        for (w, &v) in weights.iter_mut().zip(logits) {
-            let p = if v >= floor { (f64::from(v - max) / f64::from(s.temperature)).exp() } else { 0.0 };
-            *w = p as f32;
-            sum += f64::from(*w);
-        }
-        let mut u = f64::from(self.rng.next_f32()) * sum;
-        let mut last = argmax(logits);
-        for (i, &p) in weights.iter().enumerate() {
-            if p > 0.0 {
-                last = i;
-                if u < f64::from(p) {
-                    return i as u32;
-                }
-                u -= f64::from(p);
-            }
-        }
-        last as u32
+/// The next token from `logits`, as `sampling` says (`weights`: working space as long).
+fn draw(sampling: Sampling, rng: &mut Rng, logits: &[f32], weights: &mut [f32]) -> u32 {
+    let s = sampling;
+    if s.temperature == 0.0 || s.top_k == 1 {
+        return argmax(logits) as u32;
     }
+    // Tokens below the k-th largest logit are not drawn (ties with it are).
+    let floor = match s.top_k {
+        k if k == 0 || k >= logits.len() => f32::NEG_INFINITY,
+        k => kth_largest(logits, k),
+    };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for (w, &v) in weights.iter_mut().zip(logits) {
+        let p = if v >= floor { (f64::from(v - max) / f64::from(s.temperature)).exp() } else { 0.0 };
+        *w = p as f32;
+        sum += f64::from(*w);
+    }
+    let mut u = f64::from(rng.next_f32()) * sum;
+    let mut last = argmax(logits);
+    for (i, &p) in weights.iter().enumerate() {
+        if p > 0.0 {
+            last = i;
+            if u < f64::from(p) {
+                return i as u32;
+            }
+            u -= f64::from(p);
+        }
+    }
+    last as u32
 }
 
 /// The index of the largest value (the first of equals).
@@ -254,10 +314,13 @@ fn kth_largest(values: &[f32], k: usize) -> f32 {
 
 /// One or more streams of tokens from a language model ([`Model::stream`],
 /// [`Model::streams`], [`InferencePool::stream`]), stepped together: each stream's
-/// keys and values in its own slot of a cache allocated when the streams start, at
-/// exactly [`Model::kv_cache_bytes`] per stream, and every step run in a planned arena
-/// (see the [module](self)), so that a token allocates nothing once its step's shape
-/// has run in the arena. Dropping it ends the streams (and gives back a leased arena).
+/// keys and values in its own slot of a cache of exactly [`Model::kv_cache_bytes`] per
+/// stream, known before the first token, and every step run in a planned arena (see the
+/// [module](self)), so that a token allocates nothing once its step's shape has run in
+/// the arena. A pool's stream keeps its cache, window and logits in its leased arena,
+/// which the arena's next streams reuse (the pool holds K of them, whatever the number
+/// of callers); a stream of [`Model::stream`] holds its own. Dropping it ends the
+/// streams (and gives back a leased arena).
 ///
 /// A step that fails (a panic in a layer, a workspace error) fails the streams: their
 /// caches may be half written, so every later call says so instead of drawing from
@@ -286,7 +349,7 @@ pub struct TokenStream<'a> {
     model: &'a Model,
     arena: Arena<'a>,
     plan: StatePlan,
-    cache: Box<[f32]>,
+    places: Places,
     streams: Vec<Stream>,
     /// The rows of a step (room for every stream).
     rows: Vec<StreamRow>,
@@ -296,7 +359,7 @@ pub struct TokenStream<'a> {
 
 impl<'a> TokenStream<'a> {
     /// Streams of `model` from `prompts` (each cut to its last `context` tokens), each
-    /// drawn as its `sampling` says, run in `arena`: their caches allocated, and every
+    /// drawn as its `sampling` says, run in `arena`: their buffers fitted, and every
     /// prompt run through the model.
     fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'a>> {
         let plan = StatePlan::of(model)?;
@@ -321,30 +384,21 @@ impl<'a> TokenStream<'a> {
             }
         }
         let n = prompts.len();
-        let values = n
-            .checked_mul(plan.per_slot)
-            .filter(|v| v.checked_mul(size_of::<f32>()).is_some())
-            .ok_or_else(|| Error::InvalidInput(format!("the caches of {n} streams overflow")))?;
-        let cache = zeroed(values, n, plan.bytes())?;
-        let streams = prompts
-            .iter()
-            .zip(sampling)
-            .map(|(prompt, &sampling)| {
-                let mut window = Vec::with_capacity(plan.context + 1);
-                window.extend_from_slice(&prompt[prompt.len().saturating_sub(plan.context)..]);
-                Stream {
-                    window,
-                    logits: vec![0.0; plan.vocabulary],
-                    weights: vec![0.0; plan.vocabulary],
-                    pending: None,
-                    sampling,
-                    rng: Rng::new(sampling.seed),
-                }
-            })
-            .collect();
-        let mut started = TokenStream { model, arena, plan, cache, streams, rows: Vec::with_capacity(n), failed: None };
+        let places = Places::of(&plan, n)?;
+        let mut arena = arena;
+        let buffers = arena.buffers(places.values(), places.tokens())?;
+        let mut streams = Vec::with_capacity(n);
+        for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
+            let kept = &prompt[prompt.len().saturating_sub(plan.context)..];
+            buffers.tokens[places.window(s, kept.len())].copy_from_slice(kept);
+            streams.push(Stream { len: kept.len(), pending: None, sampling, rng: Rng::new(sampling.seed) });
+        }
+        let mut started =
+            TokenStream { model, arena, plan, places, streams, rows: Vec::with_capacity(n), failed: None };
         for s in 0..n {
-            started.prefill(s)?;
+            started.rows.clear();
+            started.rows.push(StreamRow { slot: s, position: 0 });
+            started.step(started.streams[s].len)?;
         }
         Ok(started)
     }
@@ -371,7 +425,8 @@ impl<'a> TokenStream<'a> {
     ///
     /// When there is no stream `s`.
     pub fn logits(&self, s: usize) -> &[f32] {
-        &self.streams[s].logits
+        assert!(s < self.streams.len(), "no stream {s} of {}", self.streams.len());
+        &self.arena.held().values[self.places.logits(s)]
     }
 
     /// The tokens stream `s`'s cache holds (the window its next token attends to,
@@ -381,7 +436,7 @@ impl<'a> TokenStream<'a> {
     ///
     /// When there is no stream `s`.
     pub fn window(&self, s: usize) -> &[u32] {
-        &self.streams[s].window
+        &self.arena.held().tokens[self.places.window(s, self.streams[s].len)]
     }
 
     /// The next token of the one stream.
@@ -425,65 +480,66 @@ impl<'a> TokenStream<'a> {
                 actual: vec![out.len()],
             });
         }
-        // The drawn tokens into the model: the streams whose cache is full slide their
-        // window (one step together: every slide keeps as many tokens), the others
-        // take one step together.
-        let context = self.plan.context;
+        let (context, places) = (self.plan.context, self.places);
         let keep = (context / 2).max(1);
+        // The drawn tokens into the windows: the streams whose cache is full slide their
+        // window (one step together: every slide keeps as many tokens), the others take
+        // one step together.
+        let buffers = self.arena.buffers(places.values(), places.tokens())?;
         self.rows.clear();
         for (s, stream) in self.streams.iter_mut().enumerate() {
-            if let Some(token) = stream.pending.filter(|_| stream.window.len() == context) {
-                stream.window.push(token);
-                stream.window.drain(..stream.window.len() - keep);
-                stream.pending = None;
-                self.rows.push(StreamRow { slot: s, position: 0 });
-            }
+            let Some(token) = stream.pending.filter(|_| stream.len == context) else { continue };
+            let window = &mut buffers.tokens[places.window(s, context + 1)];
+            window[context] = token;
+            window.copy_within(context + 1 - keep.., 0);
+            stream.len = keep;
+            stream.pending = None;
+            self.rows.push(StreamRow { slot: s, position: 0 });
         }
         if !self.rows.is_empty() {
             self.step(keep)?;
         }
+        let buffers = self.arena.buffers(places.values(), places.tokens())?;
         self.rows.clear();
         for (s, stream) in self.streams.iter_mut().enumerate() {
             if let Some(token) = stream.pending.take() {
-                self.rows.push(StreamRow { slot: s, position: stream.window.len() });
-                stream.window.push(token);
+                self.rows.push(StreamRow { slot: s, position: stream.len });
+                buffers.tokens[places.window(s, context + 1)][stream.len] = token;
+                stream.len += 1;
             }
         }
         if !self.rows.is_empty() {
             self.step(1)?;
         }
-        for (stream, out) in self.streams.iter_mut().zip(out) {
-            let token = stream.draw();
+        let buffers = self.arena.buffers(places.values(), places.tokens())?;
+        let (logits, weights) = buffers.values[places.caches()..].split_at_mut(places.streams * places.vocabulary);
+        let per = places.vocabulary;
+        for (s, (stream, out)) in self.streams.iter_mut().zip(out).enumerate() {
+            let (logits, weights) = (&logits[s * per..(s + 1) * per], &mut weights[s * per..(s + 1) * per]);
+            let token = draw(stream.sampling, &mut stream.rng, logits, weights);
             stream.pending = Some(token);
             *out = token;
         }
         Ok(())
     }
 
-    /// Stream `s`'s window run from position 0: its cache and logits.
-    fn prefill(&mut self, s: usize) -> Result<()> {
-        self.rows.clear();
-        self.rows.push(StreamRow { slot: s, position: 0 });
-        let steps = self.streams[s].window.len();
-        self.step(steps)
-    }
-
     /// One step of the rows in `self.rows`, each taking the last `steps` tokens of its
     /// window: their caches and logits. A failure fails the streams.
     fn step(&mut self, steps: usize) -> Result<()> {
-        let TokenStream { model, arena, plan, cache, streams, rows, failed } = self;
-        let n = rows.len();
+        let TokenStream { model, arena, plan, places, streams, rows, failed } = self;
+        let (n, places) = (rows.len(), *places);
         // The plan of a step is keyed by the model and the step's shape.
         let key =
             (model.id().wrapping_mul(0x0100_0000_01b3) ^ 0x5354_5245_414d_0000) ^ ((n as u64) << 24 | steps as u64);
-        let mut f = |mgr: &LayerWorkspaceMgr| {
+        let mut f = |mgr: &LayerWorkspaceMgr, buffers: &mut StreamBuffers| {
             let group = mgr.plan_group().expect("serving arenas are planned");
             let ((), on_plan) = group.iteration(key, || {
                 let act = mgr.enter(ArrayType::Activations)?;
                 let mut ids = act.zeros::<f32, _>((n, steps, 1))?;
+                let (cache, rest) = buffers.values.split_at_mut(places.caches());
                 for (row, mut ids) in rows.iter().zip(ids.outer_iter_mut()) {
-                    let window = &streams[row.slot].window;
-                    let new = &window[window.len() - steps..];
+                    let len = streams[row.slot].len;
+                    let new = &buffers.tokens[places.window(row.slot, len)][len - steps..];
                     for (v, &id) in ids.iter_mut().zip(new) {
                         *v = id as f32;
                     }
@@ -495,7 +551,7 @@ impl<'a> TokenStream<'a> {
                     grads: None,
                     tapes: None,
                     streams: Some(Streams {
-                        values: &mut cache[..],
+                        values: cache,
                         per_slot: plan.per_slot,
                         regions: &plan.regions,
                         rows,
@@ -518,7 +574,8 @@ impl<'a> TokenStream<'a> {
                             "the model's logits hold {bad}: its weights or a layer give values that are not finite"
                         )));
                     }
-                    streams[row.slot].logits.iter_mut().zip(last).for_each(|(o, &v)| *o = v);
+                    let at = places.logits(row.slot).start - places.caches();
+                    rest[at..at + places.vocabulary].iter_mut().zip(last).for_each(|(o, &v)| *o = v);
                 }
                 Ok(())
             })?;
@@ -530,17 +587,6 @@ impl<'a> TokenStream<'a> {
         }
         result
     }
-}
-
-/// `values` zeros for the caches of `n` streams of `bytes` each, or the error naming
-/// their size when the machine cannot give them.
-fn zeroed(values: usize, n: usize, bytes: usize) -> Result<Box<[f32]>> {
-    let mut cache = Vec::new();
-    cache.try_reserve_exact(values).map_err(|_| {
-        Error::InvalidInput(format!("the caches of {n} streams ({bytes} bytes each) cannot be allocated"))
-    })?;
-    cache.resize(values, 0.0);
-    Ok(cache.into_boxed_slice())
 }
 
 impl Model {
@@ -575,7 +621,7 @@ impl Model {
     /// As [`Model::context`]; [`Error::InvalidInput`] for an empty prompt or a token
     /// outside the vocabulary; the errors of the prompt's pass.
     pub fn stream(&self, prompt: &[u32], sampling: Sampling) -> Result<TokenStream<'_>> {
-        TokenStream::start(self, Arena::Thread, &[prompt], &[sampling])
+        TokenStream::start(self, Arena::Thread(StreamBuffers::default()), &[prompt], &[sampling])
     }
 
     /// Streams from several prompts, stepped together (each product's rows are the
@@ -586,7 +632,7 @@ impl Model {
     /// As [`Model::stream`]; [`Error::InvalidInput`] when `sampling` does not hold one
     /// sampling per prompt.
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
-        TokenStream::start(self, Arena::Thread, prompts, sampling)
+        TokenStream::start(self, Arena::Thread(StreamBuffers::default()), prompts, sampling)
     }
 
     /// `tokens` tokens generated from `prompt` (a [`Model::stream`] stepped `tokens`

@@ -49,6 +49,10 @@ pub struct PoolStats {
     /// The arenas' bytes (K × the plan of the largest shape served, once every arena
     /// has served it).
     pub arena_bytes: usize,
+    /// The arenas' generation buffers (each arena's streams' key/value caches, windows
+    /// and logits, kept for its next streams: K × those of the most streams an arena
+    /// ran at once).
+    pub stream_bytes: usize,
     /// The model's parameter bytes, held once whatever K and the number of callers.
     pub weight_bytes: usize,
 }
@@ -59,7 +63,7 @@ impl PoolStats {
         format!(
             "{{\"workers\":{},\"mode\":\"{}\",\"leases\":{},\"waited\":{},\"busy\":{},\"timeouts\":{},\"panics\":{},\
              \"rebuilt_arenas\":{},\"on_plan\":{},\"off_plan\":{},\"batches\":{},\"batched_rows\":{},\
-             \"arena_bytes\":{},\"weight_bytes\":{}}}",
+             \"arena_bytes\":{},\"stream_bytes\":{},\"weight_bytes\":{}}}",
             self.workers,
             self.mode,
             self.leases,
@@ -73,6 +77,7 @@ impl PoolStats {
             self.batches,
             self.batched_rows,
             self.arena_bytes,
+            self.stream_bytes,
             self.weight_bytes
         )
     }
@@ -455,6 +460,7 @@ impl InferencePool {
             batches,
             batched_rows,
             arena_bytes: self.shared.arenas.capacity(),
+            stream_bytes: self.shared.arenas.stream_bytes(),
             weight_bytes: self.shared.model.weight_bytes(),
         }
     }
@@ -529,6 +535,11 @@ impl<'p> PoolLease<'p> {
     /// The leased arena.
     pub(crate) fn guard(&mut self) -> &mut ArenaGuard<'p> {
         &mut self.guard
+    }
+
+    /// The leased arena's generation buffers.
+    pub(crate) fn stream_buffers(&self) -> &super::arenas::StreamBuffers {
+        self.guard.streams()
     }
 
     /// Class probabilities of `x`, in an owned array ([`Infer::output`]).
