@@ -254,3 +254,52 @@ fn a_step_that_panics_fails_its_streams_and_the_arena_goes_on() {
     let tokens: Vec<u32> = (0..5).map(|_| again.next_token().unwrap()).collect();
     assert_eq!(tokens, expected, "the arena serves the next stream as before");
 }
+
+#[test]
+fn a_models_symbols_read_and_write_text_and_its_file_keeps_them() {
+    let symbols = "\nabcdefghijkl";
+    let text_model = model(8, 2).with_symbols(symbols).unwrap();
+    assert_eq!(text_model.symbols().unwrap().iter().collect::<String>(), symbols);
+    let tokens = text_model.encode("a\nlab").unwrap();
+    assert_eq!(tokens, [1, 0, 12, 1, 2]);
+    assert_eq!(text_model.decode(&tokens).unwrap(), "a\nlab");
+    match text_model.encode("abz") {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("'z'") && m.contains("character 2"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(text_model.decode(&[13]), Err(Error::InvalidInput(_))));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpt.safetensors");
+    text_model.save(&path).unwrap();
+    let loaded = Model::load(&path).unwrap();
+    assert_eq!(loaded.symbols(), text_model.symbols());
+    let prompt = loaded.encode("abc").unwrap();
+    let sampling = Sampling::random(0.9, 3, 4).unwrap();
+    assert_eq!(loaded.generate(&prompt, 20, sampling).unwrap(), text_model.generate(&prompt, 20, sampling).unwrap());
+    // Symbols that do not fit the model: too few, or one twice.
+    for bad in ["abc", "\nabcdefghijka"] {
+        assert!(matches!(model(8, 2).with_symbols(bad), Err(Error::InvalidConfig { .. })), "{bad:?}");
+    }
+    // A model without symbols reads no text.
+    assert!(matches!(model(8, 2).encode("a"), Err(Error::InvalidInput(_))));
+}
+
+#[test]
+fn a_file_whose_symbols_lie_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpt.safetensors");
+    model(8, 2).with_symbols("\nabcdefghijkl").unwrap().save(&path).unwrap();
+    // The same file with a symbol twice in its metadata (the header's length kept).
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let text = String::from_utf8(bytes[8..8 + header].to_vec()).unwrap();
+    let lied = text.replace("abcdefghijkl", "abcdefghijkk");
+    assert_eq!(lied.len(), text.len());
+    assert_ne!(lied, text);
+    bytes[8..8 + header].copy_from_slice(lied.as_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    match Model::load(&path) {
+        Err(Error::ModelFile { reason, .. }) => assert!(reason.contains("carve.symbols"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
