@@ -3,7 +3,8 @@
 //! streams from an [`InferencePool`] of K arenas (each stream leases an arena for its
 //! life, so K streams run at once whatever the number of callers), against (with the
 //! `candle` feature) candle running the same weights with its own key/value cache
-//! (`candle_nn::kv_cache::KvCache`) on every caller thread.
+//! (`candle_nn::kv_cache::KvCache`) on every caller thread, its products one thread each
+//! (`RAYON_NUM_THREADS=1`), as carve's.
 //!
 //! Each run is a fresh child process: the model built, every arena warmed up (K streams
 //! at once, each through a slide of its window), every caller thread started and warmed
@@ -306,6 +307,16 @@ fn child_run(args: &Args, child: &[String]) -> Res<()> {
             let gpt = Arc::new(candle_gpt::Gpt::load(&path)?);
             let _ = std::fs::remove_file(&path);
             let gpt = &gpt;
+            // The peer runs the same model: its greedy tokens are carve's (a check of the
+            // comparison, not of either; the sums' orders differ, so a near tie could
+            // part them).
+            let mut peer = candle_gpt::Caller::new(gpt);
+            peer.start(&prompt(0));
+            let theirs: Vec<u32> = (0..CONTEXT + 8).map(|_| peer.next()).collect();
+            let ours = model.generate(&prompt(0), CONTEXT + 8, Sampling::greedy())?;
+            if theirs != ours {
+                eprintln!("generate_pool: candle's greedy tokens differ from carve's: {theirs:?} vs {ours:?}");
+            }
             (callers(args, threads, |_| candle_gpt::Caller::new(gpt))?, 0)
         }
         other => return Err(format!("unknown variant '{other}'").into()),
@@ -356,29 +367,11 @@ mod candle_gpt {
     }
 
     impl Gpt {
-        /// The GPT of a file carve saved: the layers in the builder's order and names.
+        /// The GPT of a file carve saved (a GPT's tensors under nanoGPT's names).
         pub(crate) fn load(path: &std::path::Path) -> candle_core::Result<Gpt> {
             let t = candle_core::safetensors::load(path, &Device::Cpu)?;
-            let mut names: Vec<&String> = t.keys().collect();
-            names.sort();
             let get = |name: &str| -> candle_core::Result<Tensor> {
-                t.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no tensor {name} in {names:?}")))
-            };
-            // The builder's layers, in order: embedding, positions, per block
-            // (layer_norm, attention, join, layer_norm, dense, gelu, dense, join), then
-            // layer_norm and dense. Their names carry their index.
-            let prefix = |kind: &str, n: usize| -> String {
-                let mut of_kind: Vec<&&String> = names.iter().filter(|k| k.starts_with(kind)).collect();
-                of_kind.sort_by_key(|k| {
-                    k.trim_start_matches(kind).split(['_', '.']).nth(1).and_then(|i| i.parse::<usize>().ok())
-                });
-                let name = of_kind
-                    .iter()
-                    .map(|k| k.split('.').next().unwrap_or(""))
-                    .collect::<std::collections::BTreeSet<_>>();
-                let mut name: Vec<&str> = name.into_iter().collect();
-                name.sort_by_key(|k| k.rsplit('_').next().and_then(|i| i.parse::<usize>().ok()));
-                name[n].to_string()
+                t.get(name).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no tensor {name}")))
             };
             let norm = |p: &str| -> candle_core::Result<LayerNorm> {
                 Ok(LayerNorm::new(get(&format!("{p}.weight"))?, get(&format!("{p}.bias"))?, 1e-5))
@@ -388,29 +381,23 @@ mod candle_gpt {
             };
             let blocks = (0..LAYERS)
                 .map(|i| {
-                    let attention = prefix("attention", i);
+                    let h = format!("transformer.h.{i}");
                     Ok(Block {
-                        ln_1: norm(&prefix("layer_norm", 2 * i))?,
-                        qkv: Linear::new(
-                            get(&format!("{attention}.qkv.weight"))?,
-                            Some(get(&format!("{attention}.qkv.bias"))?),
-                        ),
-                        proj: Linear::new(
-                            get(&format!("{attention}.proj.weight"))?,
-                            Some(get(&format!("{attention}.proj.bias"))?),
-                        ),
-                        ln_2: norm(&prefix("layer_norm", 2 * i + 1))?,
-                        fc: linear(&prefix("dense", 2 * i))?,
-                        fc_proj: linear(&prefix("dense", 2 * i + 1))?,
+                        ln_1: norm(&format!("{h}.ln_1"))?,
+                        qkv: linear(&format!("{h}.attn.c_attn"))?,
+                        proj: linear(&format!("{h}.attn.c_proj"))?,
+                        ln_2: norm(&format!("{h}.ln_2"))?,
+                        fc: linear(&format!("{h}.mlp.c_fc"))?,
+                        fc_proj: linear(&format!("{h}.mlp.c_proj"))?,
                     })
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Ok(Gpt {
-                wte: Embedding::new(get(&format!("{}.weight", prefix("embedding", 0)))?, WIDTH),
-                wpe: Embedding::new(get(&format!("{}.weight", prefix("position_embedding", 0)))?, WIDTH),
+                wte: Embedding::new(get("transformer.wte.weight")?, WIDTH),
+                wpe: Embedding::new(get("transformer.wpe.weight")?, WIDTH),
                 blocks,
-                ln_f: norm(&prefix("layer_norm", 2 * LAYERS))?,
-                head: linear(&prefix("dense", 2 * LAYERS))?,
+                ln_f: norm("transformer.ln_f")?,
+                head: linear("lm_head")?,
             })
         }
 
@@ -508,6 +495,9 @@ mod candle_gpt {
 fn run_child(args: &Args, variant: &str, threads: usize, workers: usize) -> Res<Value> {
     let exe = std::env::current_exe()?;
     let output = Command::new(exe)
+        // A stream is one thread's work in either framework: candle's products one
+        // thread each, as carve's.
+        .env("RAYON_NUM_THREADS", "1")
         .args(["--total", &args.total.to_string(), "--tokens", &args.tokens.to_string()])
         .args(args.arena_stacks.then_some("--arena-stacks"))
         .args(["--child", variant, &threads.to_string(), &workers.to_string()])

@@ -493,20 +493,66 @@ fn attend_one_body(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    const LANES: usize = 16;
     let steps = scores.len();
-    scores.fill(0.0);
-    for (c, &qc) in q.iter().enumerate() {
-        let a = scale * qc;
-        let row = &keys[c * key_stride..c * key_stride + steps];
-        for (s, &k) in scores.iter_mut().zip(row) {
-            *s = a.mul_add(k, *s);
+    // The scores 16 steps at a time, each block's sums held in registers over the
+    // features (each score's products in feature order, as before).
+    let whole = steps / LANES * LANES;
+    for (b, block) in scores[..whole].chunks_exact_mut(LANES).enumerate() {
+        let mut acc = [0.0f32; LANES];
+        for (c, &qc) in q.iter().enumerate() {
+            let a = scale * qc;
+            let row = &keys[c * key_stride + b * LANES..][..LANES];
+            for (acc, &k) in acc.iter_mut().zip(row) {
+                *acc = a.mul_add(k, *acc);
+            }
+        }
+        block.copy_from_slice(&acc);
+    }
+    let tail = &mut scores[whole..];
+    let hd = q.len();
+    if !tail.is_empty() && whole + LANES <= key_stride && (hd - 1) * key_stride + whole + LANES <= keys.len() {
+        // The last steps as a whole block too, reading past them into the rest of the
+        // keys' rows (values of other steps, or zeros: finite, and their lanes unused).
+        let mut acc = [0.0f32; LANES];
+        for (c, &qc) in q.iter().enumerate() {
+            let a = scale * qc;
+            let row = &keys[c * key_stride + whole..][..LANES];
+            for (acc, &k) in acc.iter_mut().zip(row) {
+                *acc = a.mul_add(k, *acc);
+            }
+        }
+        let n = tail.len();
+        tail.copy_from_slice(&acc[..n]);
+    } else {
+        tail.fill(0.0);
+        for (c, &qc) in q.iter().enumerate() {
+            let a = scale * qc;
+            let row = &keys[c * key_stride + whole..c * key_stride + steps];
+            for (s, &k) in tail.iter_mut().zip(row) {
+                *s = a.mul_add(k, *s);
+            }
         }
     }
     softmax_row(scores, steps - 1, |_| true, None);
-    out.fill(0.0);
+    // The output 16 features at a time, likewise (each sum's products in step order).
+    let width = out.len();
+    let whole = width / LANES * LANES;
+    for (b, block) in out[..whole].chunks_exact_mut(LANES).enumerate() {
+        let mut acc = [0.0f32; LANES];
+        for (j, &p) in scores.iter().enumerate() {
+            let row = &values[j * value_stride + b * LANES..][..LANES];
+            for (acc, &v) in acc.iter_mut().zip(row) {
+                *acc = p.mul_add(v, *acc);
+            }
+        }
+        block.copy_from_slice(&acc);
+    }
+    let tail = &mut out[whole..];
+    tail.fill(0.0);
     for (j, &p) in scores.iter().enumerate() {
-        let row = &values[j * value_stride..j * value_stride + out.len()];
-        for (o, &v) in out.iter_mut().zip(row) {
+        let row = &values[j * value_stride + whole..j * value_stride + width];
+        for (o, &v) in tail.iter_mut().zip(row) {
             *o = p.mul_add(v, *o);
         }
     }
