@@ -67,7 +67,7 @@ fn a_streams_cached_steps_give_the_bits_of_its_window_run_at_once() {
                 assert!((f64::from(p) - expected).abs() < 1e-5, "token {i}: probability {p} vs {expected}");
             }
         }
-        assert!(slides >= 1 + tokens / context, "context {context}: {slides} slides");
+        assert!(slides > tokens / context, "context {context}: {slides} slides");
     }
 }
 
