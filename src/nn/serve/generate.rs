@@ -315,12 +315,19 @@ fn kth_largest(values: &[f32], k: usize) -> f32 {
 /// One or more streams of tokens from a language model ([`Model::stream`],
 /// [`Model::streams`], [`InferencePool::stream`]), stepped together: each stream's
 /// keys and values in its own slot of a cache of exactly [`Model::kv_cache_bytes`] per
-/// stream, known before the first token, and every step run in a planned arena (see the
-/// [module](self)), so that a token allocates nothing once its step's shape has run in
-/// the arena. A pool's stream keeps its cache, window and logits in its leased arena,
+/// stream, known before the first token, and every step run in a planned arena keyed by
+/// the model and the step's shape, so that a token allocates nothing once its step's
+/// shape has run in the arena. A pool's stream keeps its cache, window and logits in its leased arena,
 /// which the arena's next streams reuse (the pool holds K of them, whatever the number
 /// of callers); a stream of [`Model::stream`] holds its own. Dropping it ends the
 /// streams (and gives back a leased arena).
+///
+/// **The window.** A stream holds at most the model's context of tokens (its position
+/// embedding's). When the cache is full, the stream keeps its last `context / 2` tokens
+/// (at least one), runs them again from position 0, and goes on: every token is drawn
+/// from at least `context / 2` tokens of history, and a slide costs a pass over half a
+/// context every half a context of tokens. (Shifting the cache in place is not an
+/// option with learned positions: a kept token's keys depend on its position.)
 ///
 /// A step that fails (a panic in a layer, a workspace error) fails the streams: their
 /// caches may be half written, so every later call says so instead of drawing from

@@ -2,13 +2,16 @@
 //! once, `Send + Sync`, inference through `&self` in the calling thread's serving
 //! workspaces), and an [`InferencePool`] of K planned arenas that serves it to any
 //! number of threads, each request alone ([`PoolMode::Direct`]) or coalesced with
-//! others ([`PoolMode::Batched`]).
+//! others ([`PoolMode::Batched`]); a language model's streams of generated tokens
+//! ([`TokenStream`]: [`Model::stream`], [`InferencePool::stream`]), each with a
+//! key/value cache sized before its first token.
 //!
 //! The files, each depending only on those listed before it: `turns` (whose turn it is
 //! with each of K arenas), `stack` (an arena's own call stack, opt-in), `arenas` (the K
-//! planned arenas and their leases), `config` (the pool's settings), `model` (the frozen
-//! model), `batcher` (batched mode's queue, over the arenas and the model), `pool` (the
-//! pool and its leases).
+//! planned arenas and their leases, and what their generation streams keep), `config`
+//! (the pool's settings), `model` (the frozen model), `batcher` (batched mode's queue,
+//! over the arenas and the model), `pool` (the pool and its leases), `generate`
+//! (generation streams, in the thread's arena or a pool's).
 
 mod arenas;
 // The batched mode's tickets live on their callers' stacks (see its module).
