@@ -868,7 +868,9 @@ pub trait Layer: Any + Send + Sync {
 /// (one stream each), the steps its stream has taken (the position of its first new
 /// step) and this layer's state for that stream, [`Layer::stream_state_len`] values
 /// (an attention layer's keys and values of the steps before: its KV cache), kept
-/// from one call to the next while the stream lives.
+/// from one call to the next while the stream lives. A stream's state starts as zeros;
+/// when its window slides it runs again from position 0 over what it held, so a layer
+/// reads only what it wrote for the positions before `position(row)`.
 pub struct StreamState<'s> {
     /// Every stream slot's state, `per_slot` values each.
     values: &'s mut [f32],

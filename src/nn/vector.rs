@@ -28,6 +28,8 @@ use std::mem::MaybeUninit;
 use ndarray::{ArrayView, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 use std::sync::{Mutex, PoisonError};
 
+use super::gemm::KC;
+
 /// Lanes of a sum (see the module documentation).
 const LANES: usize = 8;
 
@@ -466,8 +468,9 @@ multiversion! {
     /// their causal softmax, and `out = Σⱼ pⱼ·vⱼ` (`values` a row of `value_stride` per
     /// step, the head's features first). Each value is the same sequence of operations
     /// as the matrix multiply's and [`causal_softmax_slices`]' for the same step of the
-    /// whole sequence (the products of each sum in step order, fused, from 0; the query
-    /// scaled first, as the multiply scales A as it packs it): the same bits.
+    /// whole sequence (the products of each sum in step order, fused, from 0, a fresh sum
+    /// per slice of `KC` terms added to the slices before; the query scaled first, as the
+    /// multiply scales A as it packs it): the same bits.
     fn attend_one_slices(
         q: &[f32],
         scale: f32,
@@ -493,69 +496,98 @@ fn attend_one_body(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    const LANES: usize = 16;
-    let steps = scores.len();
+    let (steps, hd) = (scores.len(), q.len());
     // The scores 16 steps at a time, each block's sums held in registers over the
-    // features (each score's products in feature order, as before).
-    let whole = steps / LANES * LANES;
-    for (b, block) in scores[..whole].chunks_exact_mut(LANES).enumerate() {
-        let mut acc = [0.0f32; LANES];
-        for (c, &qc) in q.iter().enumerate() {
-            let a = scale * qc;
-            let row = &keys[c * key_stride + b * LANES..][..LANES];
-            for (acc, &k) in acc.iter_mut().zip(row) {
-                *acc = a.mul_add(k, *acc);
-            }
-        }
-        block.copy_from_slice(&acc);
+    // features; the last steps as a whole block too when the keys' rows reach past
+    // them (values of other steps, or zeros: finite, their lanes unused).
+    let whole = steps / BLOCK * BLOCK;
+    for (b, block) in scores[..whole].chunks_exact_mut(BLOCK).enumerate() {
+        block.copy_from_slice(&score_block(q, scale, keys, key_stride, b * BLOCK));
     }
     let tail = &mut scores[whole..];
-    let hd = q.len();
-    if !tail.is_empty() && whole + LANES <= key_stride && (hd - 1) * key_stride + whole + LANES <= keys.len() {
-        // The last steps as a whole block too, reading past them into the rest of the
-        // keys' rows (values of other steps, or zeros: finite, and their lanes unused).
-        let mut acc = [0.0f32; LANES];
-        for (c, &qc) in q.iter().enumerate() {
-            let a = scale * qc;
-            let row = &keys[c * key_stride + whole..][..LANES];
-            for (acc, &k) in acc.iter_mut().zip(row) {
-                *acc = a.mul_add(k, *acc);
-            }
-        }
+    if !tail.is_empty() && whole + BLOCK <= key_stride && (hd - 1) * key_stride + whole + BLOCK <= keys.len() {
         let n = tail.len();
-        tail.copy_from_slice(&acc[..n]);
+        tail.copy_from_slice(&score_block(q, scale, keys, key_stride, whole)[..n]);
     } else {
-        tail.fill(0.0);
-        for (c, &qc) in q.iter().enumerate() {
-            let a = scale * qc;
-            let row = &keys[c * key_stride + whole..c * key_stride + steps];
-            for (s, &k) in tail.iter_mut().zip(row) {
-                *s = a.mul_add(k, *s);
-            }
+        // Each score alone, the same sums.
+        for (j, s) in tail.iter_mut().enumerate() {
+            *s = sliced(hd, |c| (scale * q[c], keys[c * key_stride + whole + j]));
         }
     }
     softmax_row(scores, steps - 1, |_| true, None);
-    // The output 16 features at a time, likewise (each sum's products in step order).
+    // The output 16 features at a time, likewise over the steps.
     let width = out.len();
-    let whole = width / LANES * LANES;
-    for (b, block) in out[..whole].chunks_exact_mut(LANES).enumerate() {
-        let mut acc = [0.0f32; LANES];
-        for (j, &p) in scores.iter().enumerate() {
-            let row = &values[j * value_stride + b * LANES..][..LANES];
-            for (acc, &v) in acc.iter_mut().zip(row) {
-                *acc = p.mul_add(v, *acc);
+    let whole = width / BLOCK * BLOCK;
+    for (b, block) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
+        let mut total = [0.0f32; BLOCK];
+        for (slice, from) in (0..steps).step_by(KC).enumerate() {
+            let mut acc = [0.0f32; BLOCK];
+            for (j, &p) in scores.iter().enumerate().take((from + KC).min(steps)).skip(from) {
+                let row = &values[j * value_stride + b * BLOCK..][..BLOCK];
+                for (acc, &v) in acc.iter_mut().zip(row) {
+                    *acc = p.mul_add(v, *acc);
+                }
+            }
+            add_slice(&mut total, &acc, slice);
+        }
+        block.copy_from_slice(&total);
+    }
+    for (i, o) in out[whole..].iter_mut().enumerate() {
+        *o = sliced(steps, |j| (scores[j], values[j * value_stride + whole + i]));
+    }
+}
+
+/// Lanes of [`attend_one_body`]'s blocks.
+const BLOCK: usize = 16;
+
+/// The scores of steps `first .. first + 16` (`keys`' rows reach that far): each the
+/// matrix multiply's sum, the products in feature order from 0, a fresh sum per slice of
+/// `KC` features added to the slices before (as the multiply adds a later slice's sums
+/// to what the earlier ones wrote).
+#[inline(always)]
+fn score_block(q: &[f32], scale: f32, keys: &[f32], key_stride: usize, first: usize) -> [f32; BLOCK] {
+    let mut total = [0.0f32; BLOCK];
+    for (slice, from) in (0..q.len()).step_by(KC).enumerate() {
+        let mut acc = [0.0f32; BLOCK];
+        for (c, &qc) in q.iter().enumerate().take((from + KC).min(q.len())).skip(from) {
+            let a = scale * qc;
+            let row = &keys[c * key_stride + first..][..BLOCK];
+            for (acc, &k) in acc.iter_mut().zip(row) {
+                *acc = a.mul_add(k, *acc);
             }
         }
-        block.copy_from_slice(&acc);
+        add_slice(&mut total, &acc, slice);
     }
-    let tail = &mut out[whole..];
-    tail.fill(0.0);
-    for (j, &p) in scores.iter().enumerate() {
-        let row = &values[j * value_stride + whole..j * value_stride + width];
-        for (o, &v) in tail.iter_mut().zip(row) {
-            *o = p.mul_add(v, *o);
+    total
+}
+
+/// `total` after slice `slice` of a sum: the slice's sums (the first), or added to it.
+#[inline(always)]
+fn add_slice(total: &mut [f32; BLOCK], acc: &[f32; BLOCK], slice: usize) {
+    if slice == 0 {
+        *total = *acc;
+    } else {
+        for (t, &a) in total.iter_mut().zip(acc) {
+            *t += a;
         }
     }
+}
+
+/// `Σ a·b` over `terms` products `term(i) = (a, b)` as the matrix multiply sums one
+/// element: fused, in order from 0, a fresh sum per slice of `KC` terms added to the
+/// slices before.
+#[inline(always)]
+fn sliced(terms: usize, term: impl Fn(usize) -> (f32, f32)) -> f32 {
+    let mut total = 0.0f32;
+    for (slice, from) in (0..terms).step_by(KC).enumerate() {
+        let mut acc = 0.0f32;
+        for i in from..(from + KC).min(terms) {
+            let (a, b) = term(i);
+            acc = a.mul_add(b, acc);
+        }
+        total = if slice == 0 { acc } else { total + acc };
+    }
+    total
 }
 
 multiversion! {

@@ -39,10 +39,10 @@ fn a_streams_cached_steps_give_the_bits_of_its_window_run_at_once() {
         let context = model.context().unwrap();
         let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 9).unwrap()).unwrap();
         let mut slides = 0;
-        let mut last_len = stream.window(0).len();
+        let mut last_len = stream.window(0).unwrap().len();
         for i in 0..tokens {
             stream.next_token().unwrap();
-            let window = stream.window(0).to_vec();
+            let window = stream.window(0).unwrap().to_vec();
             if window.len() < last_len {
                 slides += 1;
                 assert_eq!(window.len(), context / 2, "a slide keeps half the context");
@@ -50,7 +50,7 @@ fn a_streams_cached_steps_give_the_bits_of_its_window_run_at_once() {
             last_len = window.len();
             // The same window, prompted afresh: one pass over every step.
             let alone = model.stream(&window, Sampling::greedy()).unwrap();
-            let (cached, whole) = (stream.logits(0), alone.logits(0));
+            let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
             assert!(
                 cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "context {context}, token {i} (window of {}): cached {cached:?} vs whole {whole:?}",
@@ -92,11 +92,12 @@ fn greedy_tokens_follow_the_most_probable_of_the_network_inference() {
 #[test]
 fn batched_streams_give_each_streams_bits_alone() {
     let model = model(10, 3);
-    // Eleven streams (more rows than a few-row product takes), prompts of different
-    // lengths (one longer than the context), greedy and random draws.
+    // Seventeen streams (more rows than a few-row product takes: their one-token steps
+    // take the packed path), prompts of different lengths (some longer than the
+    // context), greedy and random draws.
     let prompts: Vec<Vec<u32>> =
-        (0..11).map(|s| (0..1 + s * 3 / 2).map(|t| ((s * 5 + t * 3) % 13) as u32).collect()).collect();
-    let sampling: Vec<Sampling> = (0..11)
+        (0..17).map(|s| (0..1 + s * 3 / 2).map(|t| ((s * 5 + t * 3) % 13) as u32).collect()).collect();
+    let sampling: Vec<Sampling> = (0..17)
         .map(|s| match s % 3 {
             0 => Sampling::greedy(),
             1 => Sampling::random(0.8, 0, s as u64).unwrap(),
@@ -105,14 +106,15 @@ fn batched_streams_give_each_streams_bits_alone() {
         .collect();
     let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut batch = model.streams(&refs, &sampling).unwrap();
-    assert_eq!(batch.streams(), 11);
+    assert_eq!(batch.streams(), 17);
     let mut alone: Vec<_> = refs.iter().zip(&sampling).map(|(p, &s)| model.stream(p, s).unwrap()).collect();
-    let mut out = [0u32; 11];
+    let mut out = [0u32; 17];
     for step in 0..25 {
         batch.next_tokens(&mut out).unwrap();
         for (s, stream) in alone.iter_mut().enumerate() {
             assert_eq!(stream.next_token().unwrap(), out[s], "stream {s}, step {step}");
-            let same = stream.logits(0).iter().zip(batch.logits(s)).all(|(a, b)| a.to_bits() == b.to_bits());
+            let same =
+                stream.logits(0).unwrap().iter().zip(batch.logits(s).unwrap()).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "stream {s}, step {step}: logits differ");
         }
     }
@@ -132,7 +134,7 @@ fn sampling_is_seeded_and_top_k_keeps_to_the_most_probable() {
     let mut stream = model.stream(&[3], Sampling::random(5.0, 2, 1).unwrap()).unwrap();
     for _ in 0..30 {
         let token = stream.next_token().unwrap() as usize;
-        let logits = stream.logits(0);
+        let logits = stream.logits(0).unwrap();
         let above = logits.iter().filter(|&&l| l > logits[token]).count();
         assert!(above < 2, "token {token} has {above} more probable");
     }
@@ -183,7 +185,7 @@ fn bad_prompts_and_models_that_cannot_generate_are_clear_errors() {
     // A prompt longer than the context: its last `context` tokens.
     let long: Vec<u32> = (0..30).map(|t| t % 13).collect();
     let stream = model.stream(&long, Sampling::greedy()).unwrap();
-    assert_eq!(stream.window(0), &long[22..]);
+    assert_eq!(stream.window(0).unwrap(), &long[22..]);
     // An MLP reads no tokens.
     let mlp = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap().freeze().unwrap();
     match mlp.stream(&[1], Sampling::greedy()) {
@@ -305,4 +307,29 @@ fn a_file_whose_symbols_lie_is_refused_naming_the_key() {
         Err(Error::ModelFile { reason, .. }) => assert!(reason.contains("carve.symbols"), "{reason}"),
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn past_a_slice_of_the_multiply_a_cached_step_still_gives_the_bits_of_its_window() {
+    // A context of 300 steps: past 256 a step's sums cross the multiply's first slice of
+    // its shared dimension, and the cached step must add its slices as the multiply does.
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(300);
+        b.residual(|b| b.layer_norm().attention(2)).layer_norm().dense(13).seed(4).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let params: Vec<f32> = net.params().iter().map(|v| v * 4.0).collect();
+    let model = Model::from_config(&config(), params).unwrap();
+    let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 2).unwrap()).unwrap();
+    for _ in 0..280 {
+        stream.next_token().unwrap();
+    }
+    let window = stream.window(0).unwrap().to_vec();
+    assert!(window.len() > 257, "{}", window.len());
+    let alone = model.stream(&window, Sampling::greedy()).unwrap();
+    let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
+    assert!(cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()), "{cached:?} vs {whole:?}");
+    // And a stream that is not there is an error, not a panic.
+    assert!(matches!(stream.logits(1), Err(Error::InvalidInput(_))));
+    assert!(matches!(stream.window(7), Err(Error::InvalidInput(_))));
 }

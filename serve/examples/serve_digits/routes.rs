@@ -180,7 +180,6 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
             "this model does not generate text: it was saved without its characters (save it with train_gpt --save)",
         ));
     }
-    let prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
     let sampling =
         Sampling::random(request.temperature, request.top_k, request.seed).map_err(|e| bad(e.to_string()))?;
     let pool = Arc::clone(&app.pool);
@@ -189,16 +188,25 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
     let (tokens, app_time) = (request.tokens, app.limits.request_time);
     let generation = tokio::task::spawn_blocking(move || {
         let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
+        // A prompt as long as the body may be: read on this blocking thread, not the
+        // runtime's.
+        let prompt = pool.model().encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
+        let gone = || {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the generation took longer than {} ms, or its client went away", app_time.as_millis()),
+            )
+        };
+        if cancelled.load(Ordering::Relaxed) {
+            return Err(gone());
+        }
         let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let mut stream = pool.stream_timeout(&prompt, sampling, wait).map_err(refused)?;
         let mut out = Vec::with_capacity(tokens);
         for _ in 0..tokens {
             if cancelled.load(Ordering::Relaxed) || Instant::now() >= deadline {
                 // No one reads the answer: the stream ends, its arena goes back.
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("the generation took longer than {} ms", app_time.as_millis()),
-                ));
+                return Err(gone());
             }
             out.push(stream.next_token().map_err(refused)?);
         }

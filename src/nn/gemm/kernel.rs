@@ -352,6 +352,8 @@ pub(super) mod x86 {
         beta: f32,
         tile: Tile,
     ) {
+        // A tile a strided C's buffer (`store_strided`) holds; checked when compiled.
+        const { assert!(M * 16 * V <= MAX_TILE, "an AVX-512 few-row tile larger than MAX_TILE") };
         let mut acc = [[_mm512_setzero_ps(); V]; M];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {

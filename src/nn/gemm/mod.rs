@@ -40,7 +40,7 @@ use kernel::{Kernel, Tile};
 
 /// Depth of one packed slice: an `MR × KC` panel of A and a `KC × NR` panel of B
 /// (8 KiB + 32 KiB for the 8×32 kernel) fit the 48 KiB L1 data cache together.
-const KC: usize = 256;
+pub(crate) const KC: usize = 256;
 /// Rows of A packed at once (96 KiB at `KC`): fits L2. A multiple of every kernel's `MR`
 /// (6, 8, 16).
 const MC: usize = 96;
@@ -629,17 +629,18 @@ unsafe fn few_rows_avx512(
             cols: 16 * V,
         };
         // SAFETY: the contract: B's rows `pc ..` and C's `M` rows hold columns `col ..
-        // col + 16·V`; A as `few_rows_avx512`'s contract says; `M·16·V <= MAX_TILE`
-        // for every instance below.
+        // col + 16·V`; A as `few_rows_avx512`'s contract says; `avx512_rows` checks
+        // `M·16·V <= MAX_TILE` when it is compiled.
         unsafe { kernel::x86::avx512_rows::<M, V>(kc, a, a_step, ops.b.at(pc, col), ops.b.row_stride, beta, tile) };
     }
-    /// Tiles `M × 16·V` while they fit, then 128, 32 and 16 columns.
+    /// Tiles `M × 16·V` while they fit, then `M × 16·H` (when `H` is narrower than
+    /// `V` and wider than 2), 32 and 16 columns.
     ///
     /// # Safety
     ///
     /// As [`few_rows_avx512`], with `M == ops.m`.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn run<const M: usize, const V: usize>(
+    unsafe fn run<const M: usize, const V: usize, const H: usize>(
         ops: &Operands,
         kc: usize,
         a: *const f32,
@@ -658,10 +659,10 @@ unsafe fn few_rows_avx512(
                 if left >= 16 * V {
                     tile::<M, V>(ops, kc, a, a_step, pc, col, beta);
                     16 * V
-                } else if V > 8 && left >= 128 {
-                    tile::<M, 8>(ops, kc, a, a_step, pc, col, beta);
-                    128
-                } else if V > 2 && left >= 32 {
+                } else if H < V && H > 2 && left >= 16 * H {
+                    tile::<M, H>(ops, kc, a, a_step, pc, col, beta);
+                    16 * H
+                } else if left >= 32 {
                     tile::<M, 2>(ops, kc, a, a_step, pc, col, beta);
                     32
                 } else {
@@ -677,13 +678,13 @@ unsafe fn few_rows_avx512(
     // a tile of at most `MAX_TILE` elements (a strided C's buffer).
     match ops.m {
         // SAFETY: the contract, with `M == ops.m`.
-        1 => unsafe { run::<1, 16>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        1 => unsafe { run::<1, 16, 8>(ops, kc, a, a_step, pc, jc, cols, beta) },
         // SAFETY: as above.
-        2 => unsafe { run::<2, 8>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        2 => unsafe { run::<2, 8, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
         // SAFETY: as above.
-        3 => unsafe { run::<3, 5>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        3 => unsafe { run::<3, 5, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
         // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
-        _ => unsafe { run::<4, 4>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        _ => unsafe { run::<4, 4, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
     }
 }
 
@@ -1068,7 +1069,10 @@ mod tests {
         // buffer that was never packed shows.
         let tall = 3 * FEW_ROWS;
         // (`NC + 52`: a second block of columns, whose 48 whole ones take the wide tiles.)
-        for &(n, k) in &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 20), (200, 9), (NC + 52, 3)] {
+        // (`(300, 300)`: the AVX-512 wide tiles of every width across a KC slice.)
+        for &(n, k) in
+            &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 20), (200, 9), (300, 300), (NC + 52, 3)]
+        {
             let a_tall = matrix(tall, k, 11);
             let b_store = matrix(k + 3, n + 5, 12);
             let wide = b_store.slice(s![..k, 2..n + 2]);
@@ -1079,9 +1083,10 @@ mod tests {
             for (which, b) in [wide, reversed, exact.view()].into_iter().enumerate() {
                 for kernel in Kernel::all_available() {
                     for beta in [0.0f32, 1.0, 0.5] {
-                        if n > NC && (which < 2 || beta != 0.5) {
-                            // The second column block once: each case is a tenth of a
-                            // second in a debug build, far more under valgrind.
+                        if (n > NC || (k > KC && n > 256)) && (which < 2 || beta != 0.5) {
+                            // The second column block, and the wide tiles across a KC
+                            // slice, once: each case is a tenth of a second in a debug
+                            // build, far more under valgrind.
                             continue;
                         }
                         let start = matrix(tall, n, 13);

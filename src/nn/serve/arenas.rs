@@ -44,10 +44,16 @@ struct Slot {
 /// tokens and logits; laid out by `generate`): held by the arena that runs them, so that
 /// the arena's next streams reuse it, and a stream's start allocates nothing once its
 /// arena has run one as large.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct StreamBuffers {
     pub(crate) values: Vec<f32>,
     pub(crate) tokens: Vec<u32>,
+}
+
+impl std::fmt::Debug for StreamBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamBuffers").field("bytes", &self.bytes()).finish()
+    }
 }
 
 impl StreamBuffers {

@@ -94,6 +94,9 @@ impl Sampling {
     }
 }
 
+/// The longest context a stream holds (a bound on what a layer's `max_steps` may say).
+pub const MAX_CONTEXT: usize = 1 << 24;
+
 /// Where a model's streams keep their state: per stream slot, each layer's region
 /// ([`Layer::stream_state_len`](crate::nn::Layer::stream_state_len)).
 #[derive(Clone, Debug)]
@@ -133,6 +136,13 @@ impl StatePlan {
         let context = layers.iter().filter_map(|l| l.max_steps()).min().ok_or_else(|| Error::InvalidConfig {
             reason: "the model cannot generate tokens: no layer bounds its context (a position embedding does)".into(),
         })?;
+        if context == 0 || context > MAX_CONTEXT {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "the model cannot generate tokens: a context of {context} steps (a stream holds 1 to {MAX_CONTEXT})"
+                ),
+            });
+        }
         let mut regions = Vec::with_capacity(layers.len());
         let mut per_slot = 0usize;
         for (i, layer) in layers.iter().enumerate() {
@@ -351,7 +361,6 @@ fn kth_largest(values: &[f32], k: usize) -> f32 {
 /// assert_eq!(stream.kv_cache_bytes(), model.kv_cache_bytes()?);
 /// # Ok::<(), carve::Error>(())
 /// ```
-#[derive(Debug)]
 pub struct TokenStream<'a> {
     model: &'a Model,
     arena: Arena<'a>,
@@ -362,6 +371,17 @@ pub struct TokenStream<'a> {
     rows: Vec<StreamRow>,
     /// Why an earlier step failed.
     failed: Option<String>,
+}
+
+impl std::fmt::Debug for TokenStream<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenStream")
+            .field("streams", &self.streams.len())
+            .field("context", &self.plan.context)
+            .field("leased", &matches!(self.arena, Arena::Leased(_)))
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'a> TokenStream<'a> {
@@ -394,6 +414,9 @@ impl<'a> TokenStream<'a> {
         let places = Places::of(&plan, n)?;
         let mut arena = arena;
         let buffers = arena.buffers(places.values(), places.tokens())?;
+        // An arena's earlier streams leave their values: a new stream's state starts
+        // from zeros (no stream reads another's, whatever a layer reads).
+        buffers.values[..places.caches()].fill(0.0);
         let mut streams = Vec::with_capacity(n);
         for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
             let kept = &prompt[prompt.len().saturating_sub(plan.context)..];
@@ -428,22 +451,37 @@ impl<'a> TokenStream<'a> {
     /// The logits stream `s`'s last token was drawn from (before its first token: those
     /// its first token will be drawn from).
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// When there is no stream `s`.
-    pub fn logits(&self, s: usize) -> &[f32] {
-        assert!(s < self.streams.len(), "no stream {s} of {}", self.streams.len());
-        &self.arena.held().values[self.places.logits(s)]
+    /// [`Error::InvalidInput`] when there is no stream `s`, or after a failed step (what
+    /// the buffers hold then is not the streams' state).
+    pub fn logits(&self, s: usize) -> Result<&[f32]> {
+        self.check_stream(s)?;
+        Ok(&self.arena.held().values[self.places.logits(s)])
     }
 
     /// The tokens stream `s`'s cache holds (the window its next token attends to,
     /// which ends with the token it drew last once that has run through the model).
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// When there is no stream `s`.
-    pub fn window(&self, s: usize) -> &[u32] {
-        &self.arena.held().tokens[self.places.window(s, self.streams[s].len)]
+    /// As [`TokenStream::logits`].
+    pub fn window(&self, s: usize) -> Result<&[u32]> {
+        self.check_stream(s)?;
+        Ok(&self.arena.held().tokens[self.places.window(s, self.streams[s].len)])
+    }
+
+    /// Whether stream `s` is there to read.
+    fn check_stream(&self, s: usize) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::InvalidInput(format!(
+                "these streams failed at an earlier step ({why}); their buffers hold no stream's state"
+            )));
+        }
+        if s >= self.streams.len() {
+            return Err(Error::InvalidInput(format!("there is no stream {s} of {}", self.streams.len())));
+        }
+        Ok(())
     }
 
     /// The next token of the one stream.
@@ -604,14 +642,16 @@ impl Model {
     ///
     /// [`Error::InvalidConfig`] saying why the model cannot generate tokens: its first
     /// layer is not a token embedding, its output is not a distribution over its
-    /// vocabulary, or no layer bounds its context.
+    /// vocabulary, or no layer bounds its context (or the bound is 0 or past
+    /// [`MAX_CONTEXT`]).
     pub fn context(&self) -> Result<usize> {
         StatePlan::of(self).map(|plan| plan.context)
     }
 
     /// The bytes of one stream's cache (every attention layer's keys and values for
-    /// [`Model::context`] tokens): exactly what [`Model::stream`] allocates per stream,
-    /// known before the first token.
+    /// [`Model::context`] tokens), known before the first token: a stream's cache is
+    /// exactly this (besides it, a stream keeps its logits and the weights its draws use,
+    /// two floats per token of the vocabulary, and its window, `context + 1` tokens).
     ///
     /// # Errors
     ///

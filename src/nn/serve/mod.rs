@@ -27,6 +27,6 @@ mod stack;
 pub(crate) mod turns;
 
 pub use config::{PoolConfig, PoolMode};
-pub use generate::{Sampling, TokenStream};
+pub use generate::{Sampling, TokenStream, MAX_CONTEXT};
 pub use model::Model;
 pub use pool::{InferencePool, PoolLease, PoolStats};
