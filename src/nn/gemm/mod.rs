@@ -797,19 +797,18 @@ unsafe fn pack_a_panel(
         }
         return;
     }
+    if rows < mr {
+        // The rows past A's are zeros: the whole panel zeroed at once, A's rows then
+        // written over it (one fill, not one per step).
+        // SAFETY: the panel spans `mr·kc` writable elements.
+        unsafe { std::ptr::write_bytes(panel, 0, mr * kc) };
+    }
     for i in 0..rows {
         // SAFETY: row `row + i` lies in the block, from column `pc`.
         let src = unsafe { a.at(row + i, pc) };
         for p in 0..kc {
             // SAFETY: column `pc + p` lies in the block; `p·mr + i < mr·kc`.
             unsafe { *panel.add(p * mr + i) = alpha * *src.offset(p as isize * a.col_stride) };
-        }
-    }
-    if rows < mr {
-        // The rows past A's: each step's zeros are contiguous.
-        for p in 0..kc {
-            // SAFETY: `p·mr + rows .. (p + 1)·mr` lies in the panel's `mr·kc` elements.
-            unsafe { std::ptr::write_bytes(panel.add(p * mr + rows), 0, mr - rows) };
         }
     }
 }
