@@ -12,8 +12,9 @@ use super::gemm::{scratch_len, sgemm, sgemm_tri, sgemm_uninit, Triangle};
 use super::kept::{fingerprint, Kept};
 use super::kernels::{attend_one, causal_softmax, causal_softmax_again, causal_softmax_backward, causal_softmax_from};
 use super::layer::{
-    check_len, check_mask, not_standard, rows_of_grad, sequence_grad_input, steps_as_rows, steps_in, tape_of,
-    Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, StreamState, Tape, UninitGradInput,
+    check_len, check_mask, rows_of_grad, sequence_as_rows_uninit, sequence_grad_input, steps_as_rows, steps_in,
+    tape_of, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, StreamState, Tape,
+    UninitGradInput,
 };
 use super::vector::{fill_rows, rows_new, split_with_work, sum_rows, zeros_new, PartWork};
 
@@ -561,13 +562,12 @@ impl Layer for Attention {
             UninitGradInput::Sequence(g) => return Err(wrong_grad_input(name, &x, g.shape())),
             UninitGradInput::Flat(g) => return Err(wrong_grad_input(name, &x, g.shape())),
         };
-        let dims = g.raw_dim();
-        let (b, t, f) = g.dim();
-        let rows = g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(name))?;
-        match self.backward_with(params, grads, pass, Dx::Uninit(rows), tape, ctx)? {
-            Some(dx) => Ok(GradInput::Sequence(dx.into_shape_with_order(dims).map_err(|_| not_standard(name))?)),
-            None => Err(Error::InvalidInput(format!("layer '{name}': the gradient of its input was not written"))),
-        }
+        let written = sequence_as_rows_uninit(g, name, |rows| {
+            self.backward_with(params, grads, pass, Dx::Uninit(rows), tape, ctx)?.ok_or_else(|| {
+                Error::InvalidInput(format!("layer '{name}': the gradient of its input was not written"))
+            })
+        })?;
+        Ok(GradInput::Sequence(written))
     }
 }
 

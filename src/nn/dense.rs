@@ -268,13 +268,6 @@ impl Layer for Dense {
         let gw = ArrayViewMut2::from_shape((self.inputs, self.outputs), gw).expect("inputs × outputs values");
         backward_rows_uninit(&self.name, pass, grad_input, |rows, dx| {
             let scratch = param_grads(&self.name, w, rows.input, rows.grad_output, gw, ArrayViewMut1::from(gb), ctx)?;
-            if dx.dim() != rows.input.dim() {
-                return Err(Error::ShapeMismatch {
-                    context: format!("layer '{}' input gradient", self.name),
-                    expected: rows.input.shape().to_vec(),
-                    actual: dx.shape().to_vec(),
-                });
-            }
             sgemm_uninit(1.0, rows.grad_output, w.t(), dx, scratch)
         })
     }

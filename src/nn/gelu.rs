@@ -107,16 +107,12 @@ impl Layer for Gelu {
         // Every element of the input's gradient is written: no zeros first.
         backward_rows_uninit(&self.name, pass, grad_input, |rows, dx| {
             let (input, grad_output) = (rows.input, rows.grad_output);
-            let wrong = |what: &str, shape: &[usize]| Error::ShapeMismatch {
-                context: format!("layer '{}' {what}", self.name),
-                expected: input.shape().to_vec(),
-                actual: shape.to_vec(),
-            };
             if grad_output.dim() != input.dim() {
-                return Err(wrong("output gradient", grad_output.shape()));
-            }
-            if dx.dim() != input.dim() {
-                return Err(wrong("input gradient", dx.shape()));
+                return Err(Error::ShapeMismatch {
+                    context: format!("layer '{}' output gradient", self.name),
+                    expected: input.shape().to_vec(),
+                    actual: grad_output.shape().to_vec(),
+                });
             }
             Ok(gelu_backward_new(input, grad_output, dx))
         })

@@ -155,6 +155,14 @@ pub enum UninitGradInput<'g> {
 }
 
 impl<'g> UninitGradInput<'g> {
+    /// The array's shape.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            UninitGradInput::Flat(g) => g.shape(),
+            UninitGradInput::Sequence(g) => g.shape(),
+        }
+    }
+
     /// The array filled with zeros (split across the thread's matrix-multiply pool when
     /// it has one), what [`Layer::backward`] is handed.
     pub fn zeroed(self) -> GradInput<'g> {
@@ -168,44 +176,59 @@ impl<'g> UninitGradInput<'g> {
 
 /// [`Layer::backward_uninit`] of a layer that works on rows (as
 /// [`Layer::backward_rows`]): `write` gets the pass as rows and the input's gradient as
-/// uninitialised rows (`[batch · time, features]` for a sequence), and gives those rows
-/// back initialised; they come back here in the input's kind.
+/// uninitialised rows (`[batch · time, features]` for a sequence), checked to be shaped
+/// as the input, and gives those rows back initialised; they come back here in the
+/// input's kind.
 pub(crate) fn backward_rows_uninit<'g>(
     name: &str,
     pass: Pass<'_>,
     grad_input: UninitGradInput<'g>,
     write: impl FnOnce(RowsPass<'_>, ArrayViewMut2<'g, MaybeUninit<f32>>) -> Result<ArrayViewMut2<'g, f32>>,
 ) -> Result<GradInput<'g>> {
+    let wrong = |expected: &[usize], actual: &[usize]| Error::ShapeMismatch {
+        context: format!("layer '{name}' input gradient"),
+        expected: expected.to_vec(),
+        actual: actual.to_vec(),
+    };
     match (pass.input, grad_input) {
-        (Activations::Flat(x), UninitGradInput::Flat(g)) => {
-            let rows =
-                RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
-            Ok(GradInput::Flat(write(rows, g)?))
+        (Activations::Flat(x), UninitGradInput::Flat(g)) if g.dim() == x.dim() => {
+            Ok(GradInput::Flat(write(rows_of_pass(pass, name)?, g)?))
         }
-        (Activations::Sequence(x), UninitGradInput::Sequence(g)) => {
-            let rows = RowsPass {
-                input: steps_as_rows(x, name)?,
-                output: steps_as_rows(pass.output.sequence(name)?, name)?,
-                grad_output: steps_as_rows(pass.grad_output.sequence(name)?, name)?,
-            };
-            let dims = g.raw_dim();
-            let (b, t, f) = g.dim();
-            let g = g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(name))?;
-            let written = write(rows, g)?;
-            Ok(GradInput::Sequence(written.into_shape_with_order(dims).map_err(|_| not_standard(name))?))
+        (Activations::Sequence(x), UninitGradInput::Sequence(g)) if g.dim() == x.dim() => {
+            let rows = rows_of_pass(pass, name)?;
+            Ok(GradInput::Sequence(sequence_as_rows_uninit(g, name, |g| write(rows, g))?))
         }
-        (x, g) => Err(Error::ShapeMismatch {
-            context: format!("layer '{name}': the gradient of its input is of the input's kind"),
-            expected: match x {
-                Activations::Flat(x) => x.shape().to_vec(),
-                Activations::Sequence(x) => x.shape().to_vec(),
-            },
-            actual: match g {
-                UninitGradInput::Flat(g) => g.shape().to_vec(),
-                UninitGradInput::Sequence(g) => g.shape().to_vec(),
-            },
-        }),
+        (x, g) => Err(wrong(x.shape(), g.shape())),
     }
+}
+
+/// `write` of the uninitialised gradient of a batch of sequences as rows (`[batch ·
+/// time, features]`), the rows it gives back initialised as the sequences again.
+pub(crate) fn sequence_as_rows_uninit<'g>(
+    g: ArrayViewMut3<'g, MaybeUninit<f32>>,
+    name: &str,
+    write: impl FnOnce(ArrayViewMut2<'g, MaybeUninit<f32>>) -> Result<ArrayViewMut2<'g, f32>>,
+) -> Result<ArrayViewMut3<'g, f32>> {
+    let dims = g.raw_dim();
+    let (b, t, f) = g.dim();
+    let g = g.into_shape_with_order((b * t, f)).map_err(|_| not_standard(name))?;
+    write(g)?.into_shape_with_order(dims).map_err(|_| not_standard(name))
+}
+
+/// The arrays of `pass` as rows (`[batch · time, features]` for a batch of sequences):
+/// what [`Layer::backward_rows`] reads.
+fn rows_of_pass<'p>(pass: Pass<'p>, name: &str) -> Result<RowsPass<'p>> {
+    Ok(match pass.input {
+        Activations::Flat(x) => {
+            RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? }
+        }
+        // Nothing here allocates (the name is read only to build an error).
+        Activations::Sequence(x) => RowsPass {
+            input: steps_as_rows(x, name)?,
+            output: steps_as_rows(pass.output.sequence(name)?, name)?,
+            grad_output: steps_as_rows(pass.grad_output.sequence(name)?, name)?,
+        },
+    })
 }
 
 /// What a layer's backward pass reads: the forward pass's input (and the batch's mask),
@@ -754,25 +777,13 @@ pub trait Layer: Any + Send + Sync {
     ) -> Result<()> {
         let _ = tape;
         let name = self.name();
-        match pass.input {
-            Activations::Flat(x) => {
-                let grad_input = grad_input.map(|g| flat_grad_input(g, name)).transpose()?;
-                let rows =
-                    RowsPass { input: x, output: pass.output.flat(name)?, grad_output: pass.grad_output.flat(name)? };
-                self.backward_rows(params, grads, rows, grad_input, ctx)
+        let grad_input = match pass.input {
+            Activations::Flat(_) => grad_input.map(|g| flat_grad_input(g, name)).transpose()?,
+            Activations::Sequence(_) => {
+                grad_input.map(|g| sequence_grad_input(g, name).and_then(|g| rows_of_grad(g, name))).transpose()?
             }
-            Activations::Sequence(x) => {
-                // Nothing here allocates (the name is read only to build an error).
-                let rows = RowsPass {
-                    input: steps_as_rows(x, name)?,
-                    output: steps_as_rows(pass.output.sequence(name)?, name)?,
-                    grad_output: steps_as_rows(pass.grad_output.sequence(name)?, name)?,
-                };
-                let grad_input =
-                    grad_input.map(|g| sequence_grad_input(g, name).and_then(|g| rows_of_grad(g, name))).transpose()?;
-                self.backward_rows(params, grads, rows, grad_input, ctx)
-            }
-        }
+        };
+        self.backward_rows(params, grads, rows_of_pass(pass, name)?, grad_input, ctx)
     }
 
     /// [`Layer::backward`] with the gradient of the input given uninitialised: the
