@@ -333,3 +333,25 @@ fn past_a_slice_of_the_multiply_a_cached_step_still_gives_the_bits_of_its_window
     assert!(matches!(stream.logits(1), Err(Error::InvalidInput(_))));
     assert!(matches!(stream.window(7), Err(Error::InvalidInput(_))));
 }
+
+#[test]
+fn a_batched_pool_serves_streams_and_requests_side_by_side() {
+    use std::time::Duration;
+    let model = Arc::new(model(12, 7));
+    let expected = model.generate(&[3, 1], 15, Sampling::greedy()).unwrap();
+    let pool = InferencePool::new(model.clone(), PoolConfig::batched(2, 8, Duration::from_micros(100))).unwrap();
+    let mut stream = pool.stream(&[3, 1], Sampling::greedy()).unwrap();
+    let ids = Array2::from_shape_vec((1, 2), vec![3u32, 1]).unwrap();
+    let alone = model.output(Input::tokens(ids.view())).unwrap();
+    let mut tokens = Vec::new();
+    for _ in 0..15 {
+        tokens.push(stream.next_token().unwrap());
+        // A request of the caller's own between the stream's tokens, in the other arena
+        // (a batched pool coalesces flat rows only: a sequence model's requests go
+        // through a lease).
+        assert_eq!(pool.lease().unwrap().output(Input::tokens(ids.view())).unwrap(), alone);
+    }
+    assert_eq!(tokens, expected);
+    drop(stream);
+    assert!(pool.stats().stream_bytes > 0, "the arena keeps the stream's buffers for its next stream");
+}

@@ -778,7 +778,9 @@ impl InferencePool {
     /// A stream of tokens of the pool's model from `prompt` (see [`Model::stream`]),
     /// its steps run in an arena leased for the stream's life (waiting while every
     /// arena is in use): K arenas serve K streams at once, whatever the number of
-    /// callers, in the weights plus K × (an arena's plans and a stream's cache).
+    /// callers, in the weights plus K × (an arena's plans and a stream's cache). In a
+    /// batched pool too: the stream's arena is then leased away from the batch workers
+    /// for the stream's life (its steps are its own, not coalesced with other callers').
     ///
     /// # Errors
     ///
