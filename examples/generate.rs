@@ -63,7 +63,7 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 300, value_parser = parse_tokens)]
     tokens: usize,
     /// The logits divided by T before drawing (0: greedy)
-    #[arg(long, value_name = "T", default_value_t = 1.0, value_parser = parse_temperature)]
+    #[arg(long, value_name = "T", default_value_t = 1.0, value_parser = parse_temperature, allow_negative_numbers = true)]
     temperature: f32,
     /// Draw among the K most probable characters (0: all)
     #[arg(long, value_name = "K", default_value_t = 0)]

@@ -1,5 +1,5 @@
 //! The command lines of the examples besides the demo (`quickstart`, `custom_layer`,
-//! `prefetch_overlap`, `cuda_smoke`, `train_sequences`, `train_gpt`; the demo has `train_digits_cli`,
+//! `prefetch_overlap`, `cuda_smoke`, `train_sequences`, `train_gpt`, `generate`; the demo has `train_digits_cli`,
 //! and `serve_digits` the tests of its package, serve/): `--help` prints
 //! usage and runs nothing, an unknown flag or a bad value is one line on stderr and exit
 //! status 2 (never a panic), and an error while running prints its message, not a
@@ -9,8 +9,8 @@
 
 use std::process::{Command, Output};
 
-pub(crate) const EXAMPLES: [&str; 6] =
-    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences", "train_gpt"];
+pub(crate) const EXAMPLES: [&str; 7] =
+    ["quickstart", "custom_layer", "prefetch_overlap", "cuda_smoke", "train_sequences", "train_gpt", "generate"];
 
 fn example(name: &str) -> Command {
     Command::new(crate::example_binary(name))
@@ -55,6 +55,7 @@ fn help_prints_usage_within_80_columns_and_runs_nothing() {
         ("cuda_smoke", &["no CUDA device:", "device:"]),
         ("train_sequences", &["train_sequences:", "enabled", "loss traces"]),
         ("train_gpt", &["train_gpt:", "enabled", "sample"]),
+        ("generate", &["{\"allocs_per_token\"", "\n"]),
     ] {
         let stdout = text(&run(name, &["--help"]).stdout);
         let ran = stdout.lines().any(|line| running.iter().any(|start| line.starts_with(start)));
@@ -118,6 +119,11 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("train_gpt", &["--lr", "-1"], "'--lr <X>'", "above 0"),
         ("train_gpt", &["--attention", "all"], "'--attention <FORM>'", "keep or recompute"),
         ("train_gpt", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
+        ("generate", &["--tokens", "0"], "'--tokens <N>'", "1 to 100000"),
+        ("generate", &["--tokens", "100001"], "'--tokens <N>'", "1 to 100000"),
+        ("generate", &["--temperature", "-1"], "'--temperature <T>'", "at least 0"),
+        ("generate", &["--temperature", "inf"], "'--temperature <T>'", "at least 0"),
+        ("generate", &["--streams", "0"], "'--streams <N>'", "1 to 256"),
     ] {
         let stderr = usage_error(name, args);
         assert!(stderr.contains(flag) && stderr.contains(range), "{name} {args:?}: '{flag}', '{range}' in {stderr}");
@@ -310,4 +316,44 @@ fn train_sequences_writes_a_timeline_of_variable_length_batches() {
         assert!(slices.iter().any(|s| s["args"]["role"] == role), "no {role} allocation");
     }
     assert!(slices.iter().any(|s| s["args"]["layer"].as_str().is_some_and(|l| l.starts_with("lstm"))));
+}
+
+#[test]
+fn generate_refuses_what_it_cannot_read_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    // A model saved without its characters, and a file that is no model.
+    let plain = dir.path().join("plain.safetensors");
+    let config = carve::nn::NetworkConfig::builder(5).embedding(4).position_embedding(4).dense(5).build().unwrap();
+    carve::nn::Network::new(config).unwrap().save(&plain).unwrap();
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"not a model").unwrap();
+    for (args, says) in [
+        (vec!["--model", plain.to_str().unwrap(), "--tokens", "3"], "carve.symbols"),
+        (vec!["--model", junk.to_str().unwrap(), "--tokens", "3"], "junk.safetensors"),
+        (vec!["--prompt", "ROMEO \u{20ac}", "--tokens", "3"], "character 6 of the text, '\u{20ac}'"),
+    ] {
+        let output = run("generate", &args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("generate: error: ") && stderr.contains(says), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn generate_writes_its_keys_and_no_allocation_per_token() {
+    let output = run("generate", &["--tokens", "80", "--streams", "2", "--top-k", "5", "--json"]);
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    for key in ["text", "tokens_per_sec", "allocs_per_token", "kv_cache_bytes", "arena_bytes", "token_us_p50"] {
+        assert!(json.get(key).is_some(), "{key}: {json}");
+    }
+    assert_eq!(json["text"].as_str().unwrap().chars().count(), 80);
+    assert_eq!(json["allocs_per_token"], 0.0, "{json}");
+    assert_eq!(json["kv_cache_bytes"], 4 * 64 * 2 * 128 * 4);
+    // The same seed, the same text.
+    let again = run("generate", &["--tokens", "80", "--streams", "2", "--top-k", "5", "--json"]);
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(json["text"], again["text"]);
 }
