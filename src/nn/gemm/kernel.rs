@@ -306,29 +306,8 @@ pub(super) mod x86 {
                 b = b.wrapping_offset(b_step);
             }
         }
-        if tile.col_stride != 1 {
-            // SAFETY: the caller's contract.
-            return unsafe { store_strided(&acc, beta, tile) };
-        }
-        let vbeta = _mm512_set1_ps(beta);
-        for (i, row) in acc.iter().enumerate().take(tile.rows) {
-            for (v, acc) in row.iter().enumerate() {
-                let lanes = tile.cols.saturating_sub(16 * v).min(16);
-                if lanes == 0 {
-                    break;
-                }
-                let mask: __mmask16 = if lanes == 16 { !0 } else { (1u16 << lanes) - 1 };
-                // SAFETY: row `i < rows`; the mask covers columns `16v .. 16v + lanes`,
-                // all `< cols`, contiguous (unit column stride) and writable, readable
-                // when `beta != 0`.
-                unsafe {
-                    let c = tile.ptr.offset(i as isize * tile.row_stride).add(16 * v);
-                    let out =
-                        if beta == 0.0 { *acc } else { _mm512_fmadd_ps(vbeta, _mm512_maskz_loadu_ps(mask, c), *acc) };
-                    _mm512_mask_storeu_ps(c, mask, out);
-                }
-            }
-        }
+        // SAFETY: the caller's contract.
+        unsafe { store(&acc, beta, tile) };
     }
 
     /// A few rows' tile, `M × 16·V`, of a product that reads a row-major B where it
@@ -375,9 +354,24 @@ pub(super) mod x86 {
                 b = b.wrapping_offset(b_step);
             }
         }
+        // SAFETY: the caller's contract.
+        unsafe { store(&acc, beta, tile) };
+    }
+
+    /// The AVX-512 kernels' store of `MR × 16·NV` accumulators to `tile`: `beta·C + acc`
+    /// (`acc` when `beta == 0`), through lane masks when C's columns are contiguous (an
+    /// edge tile needs no buffer), else through [`store_strided`].
+    ///
+    /// # Safety
+    ///
+    /// As [`super::Kernel::run`] for the tile (`rows × cols`, at most `MR × 16·NV`,
+    /// writable, readable unless `beta == 0`), on a CPU with AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<const MR: usize, const NV: usize>(acc: &[[__m512; NV]; MR], beta: f32, tile: Tile) {
         if tile.col_stride != 1 {
             // SAFETY: the caller's contract.
-            return unsafe { store_strided(&acc, beta, tile) };
+            return unsafe { store_strided(acc, beta, tile) };
         }
         let vbeta = _mm512_set1_ps(beta);
         for (i, row) in acc.iter().enumerate().take(tile.rows) {
@@ -387,8 +381,9 @@ pub(super) mod x86 {
                     break;
                 }
                 let mask: __mmask16 = if lanes == 16 { !0 } else { (1u16 << lanes) - 1 };
-                // SAFETY: as in the AVX-512 kernel: row `i < rows`, the mask's columns
-                // `< cols`, contiguous, writable (readable when `beta != 0`).
+                // SAFETY: row `i < rows`; the mask covers columns `16v .. 16v + lanes`,
+                // all `< cols`, contiguous (unit column stride) and writable, readable
+                // when `beta != 0`.
                 unsafe {
                     let c = tile.ptr.offset(i as isize * tile.row_stride).add(16 * v);
                     let out =
