@@ -210,6 +210,11 @@ impl ArenaGuard<'_> {
         &self.slot.as_ref().expect("held until dropped").streams
     }
 
+    /// The arena's stream buffers as they are, to write.
+    pub(crate) fn streams_mut(&mut self) -> &mut StreamBuffers {
+        &mut self.slot.as_mut().expect("held until dropped").streams
+    }
+
     /// [`ArenaGuard::run`] with the arena's stream buffers handed to `f` too.
     pub(crate) fn run_with_streams<R>(
         &mut self,

@@ -197,6 +197,14 @@ impl Arena<'_> {
         }
     }
 
+    /// The streams' buffers as they are, to write (fitted when the streams started).
+    fn held_mut(&mut self) -> &mut StreamBuffers {
+        match self {
+            Arena::Thread(buffers) => buffers,
+            Arena::Leased(lease) => lease.guard().streams_mut(),
+        }
+    }
+
     /// Runs `f` in the arena with the buffers; `f` returns whether the step ran on its
     /// plan. A panic in `f` is [`Error::Panicked`].
     fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<bool>) -> Result<()> {
@@ -530,7 +538,7 @@ impl<'a> TokenStream<'a> {
         // The drawn tokens into the windows: the streams whose cache is full slide their
         // window (one step together: every slide keeps as many tokens), the others take
         // one step together.
-        let buffers = self.arena.buffers(places.values(), places.tokens())?;
+        let buffers = self.arena.held_mut();
         self.rows.clear();
         for (s, stream) in self.streams.iter_mut().enumerate() {
             let Some(token) = stream.pending.filter(|_| stream.len == context) else { continue };
@@ -544,7 +552,7 @@ impl<'a> TokenStream<'a> {
         if !self.rows.is_empty() {
             self.step(keep)?;
         }
-        let buffers = self.arena.buffers(places.values(), places.tokens())?;
+        let buffers = self.arena.held_mut();
         self.rows.clear();
         for (s, stream) in self.streams.iter_mut().enumerate() {
             if let Some(token) = stream.pending.take() {
@@ -556,7 +564,7 @@ impl<'a> TokenStream<'a> {
         if !self.rows.is_empty() {
             self.step(1)?;
         }
-        let buffers = self.arena.buffers(places.values(), places.tokens())?;
+        let buffers = self.arena.held_mut();
         let (logits, weights) = buffers.values[places.caches()..].split_at_mut(places.streams * places.vocabulary);
         let per = places.vocabulary;
         for (s, (stream, out)) in self.streams.iter_mut().zip(out).enumerate() {
