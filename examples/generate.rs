@@ -79,20 +79,12 @@ struct Args {
     json: bool,
 }
 
-fn bounded(s: &str, low: usize, high: usize) -> Result<usize, String> {
-    let n: usize = s.parse().map_err(|_| format!("'{s}' is not a whole number"))?;
-    if n < low || n > high {
-        return Err(format!("{n} is out of range ({low} to {high})"));
-    }
-    Ok(n)
-}
-
 fn parse_tokens(s: &str) -> Result<usize, String> {
-    bounded(s, 1, 100_000)
+    cli::bounded(s, 1, 100_000)
 }
 
 fn parse_streams(s: &str) -> Result<usize, String> {
-    bounded(s, 1, 256)
+    cli::bounded(s, 1, 256)
 }
 
 fn parse_temperature(s: &str) -> Result<f32, String> {

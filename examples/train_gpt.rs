@@ -156,31 +156,23 @@ struct Args {
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {
-    bounded(s, 1, usize::MAX >> 1)
+    cli::bounded(s, 1, usize::MAX >> 1)
 }
 
 fn parse_small(s: &str) -> Result<usize, String> {
-    bounded(s, 1, 64)
+    cli::bounded(s, 1, 64)
 }
 
 fn parse_threads(s: &str) -> Result<usize, String> {
-    bounded(s, 1, 64)
+    cli::bounded(s, 1, 64)
 }
 
 fn parse_width(s: &str) -> Result<usize, String> {
-    bounded(s, 1, 4096)
+    cli::bounded(s, 1, 4096)
 }
 
 fn parse_sample(s: &str) -> Result<usize, String> {
-    bounded(s, 0, 100_000)
-}
-
-fn bounded(s: &str, low: usize, high: usize) -> Result<usize, String> {
-    let n: usize = s.parse().map_err(|_| format!("'{s}' is not a whole number"))?;
-    if n < low || n > high {
-        return Err(format!("{n} is out of range ({low} to {high})"));
-    }
-    Ok(n)
+    cli::bounded(s, 0, 100_000)
 }
 
 fn parse_lr(s: &str) -> Result<f32, String> {

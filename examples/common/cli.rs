@@ -61,6 +61,16 @@ pub(crate) fn exit_status<A: CommandFactory, E: Display>(result: Result<(), E>) 
     }
 }
 
+/// A whole number from `s` within `low ..= high`, or the usage error's words (a
+/// `value_parser` for clap).
+pub(crate) fn bounded(s: &str, low: usize, high: usize) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|_| format!("'{s}' is not a whole number"))?;
+    if n < low || n > high {
+        return Err(format!("{n} is out of range ({low} to {high})"));
+    }
+    Ok(n)
+}
+
 /// Checks, before a long run, that `what` can be written to `path` (given as `flag`):
 /// its directory exists and the file can be opened for writing. A file that was not
 /// there is not left behind (a run that fails leaves nothing), one that was is not
