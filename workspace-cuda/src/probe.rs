@@ -109,7 +109,7 @@ fn probe_now() -> Probe {
         }
         Err(_) => {
             return Probe::NoDriver {
-                reason: "the CUDA driver library was found but lacks functions of the CUDA 12.8 driver API \
+                reason: "the CUDA driver library was found but lacks functions of the CUDA 13.0 driver API \
                          that carve is built against; update the NVIDIA driver"
                     .into(),
             }

@@ -39,6 +39,7 @@
 //! # Ok::<(), workspace_cuda::DeviceError>(())
 //! ```
 
+mod kernel;
 mod memory;
 mod queue;
 
@@ -50,6 +51,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
+use kernel::QueuedKernel;
+pub use kernel::{Bytes, SimAccess, SimKernel, MAX_KERNEL_BYTES};
 use memory::Memory;
 use queue::{lock, Op, Sched, Shared};
 pub use queue::{SimEvent, SimHold, SimMemory, SimPinned, SimStream};
@@ -121,6 +124,20 @@ impl SimDevice {
         });
         let default = Shared::spawn_stream(&shared)?;
         Ok(SimDevice { shared, default })
+    }
+
+    /// Runs `kernel` on `stream`, in its order, on the simulated memory (see
+    /// [`SimKernel`]). Safe where a CUDA launch is not: every range the kernel touches is
+    /// checked when it runs, and a bad one is a fault ([`SimDevice::faults`]), as a
+    /// kernel that panics is.
+    ///
+    /// # Errors
+    ///
+    /// When `stream` belongs to another device.
+    pub fn launch<K: SimKernel>(&self, stream: &SimStream, kernel: K) -> Result<(), DeviceError> {
+        self.check_stream(stream, "launch")?;
+        stream.enqueue(Op::Kernel(QueuedKernel::new(kernel)));
+        Ok(())
     }
 
     /// Makes `stream` sleep for `delay` before each memory operation (memset, copies);
@@ -484,6 +501,80 @@ mod tests {
         // SAFETY: as above: checked, reported as an error.
         let err = unsafe { sim.copy_dtoh(&stream, address, &mut out) }.unwrap_err();
         assert!(err.to_string().contains("no allocation") || err.to_string().contains("use after free"), "{err}");
+    }
+
+    /// `out[i] = a[i] + b[i]` over `n` f32s, or a deliberate panic.
+    #[derive(Clone, Copy)]
+    struct Add {
+        a: u64,
+        b: u64,
+        out: u64,
+        n: usize,
+        panic: bool,
+    }
+
+    impl SimKernel for Add {
+        fn name(&self) -> &'static str {
+            "add"
+        }
+
+        fn run(&self, memory: &mut SimAccess<'_>) -> Result<(), String> {
+            assert!(!self.panic, "asked to panic");
+            let bytes = |at| Bytes::of::<f32>(at, self.n).ok_or("overflow");
+            let ([a, b], [out]) = memory.io([bytes(self.a)?, bytes(self.b)?], [bytes(self.out)?])?;
+            let cast = |e: bytemuck::PodCastError| e.to_string();
+            let (a, b) = (
+                bytemuck::try_cast_slice::<u8, f32>(a).map_err(cast)?,
+                bytemuck::try_cast_slice::<u8, f32>(b).map_err(cast)?,
+            );
+            let out = bytemuck::try_cast_slice_mut::<u8, f32>(out).map_err(cast)?;
+            for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn kernels_run_in_stream_order_and_bad_ranges_are_faults() {
+        let sim = SimDevice::new().unwrap();
+        let stream = sim.default_stream();
+        let memory = sim.alloc(&stream, 3 * 64 * 4).unwrap();
+        let base = SimDevice::memory_address(&memory);
+        let values: Vec<u8> = (0..128).flat_map(|i| (i as f32).to_ne_bytes()).collect();
+        let (a, b, out) = (base, base + 256, base + 512);
+        // SAFETY: the allocation outlives every operation, all on one stream.
+        unsafe { sim.copy_htod(&stream, &values, a).unwrap() };
+        let add = Add { a, b, out, n: 64, panic: false };
+        sim.launch(&stream, add).unwrap();
+        let mut bytes = vec![0u8; 256];
+        // SAFETY: as above.
+        unsafe { sim.copy_dtoh(&stream, out, &mut bytes).unwrap() };
+        let sums: Vec<f32> = bytes.chunks(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(
+            sums,
+            (0..64).map(|i| (2 * i + 64) as f32).collect::<Vec<_>>(),
+            "ran after the copy, before the read"
+        );
+        assert!(sim.faults().is_empty(), "{:?}", sim.faults());
+
+        // Past the allocation, written over its own input, and a panic: three faults,
+        // and the stream runs on.
+        sim.launch(&stream, Add { out: base + 3 * 256 - 4, ..add }).unwrap();
+        sim.launch(&stream, Add { out: a + 4, ..add }).unwrap();
+        sim.launch(&stream, Add { panic: true, ..add }).unwrap();
+        sim.synchronize(&stream).unwrap();
+        let faults = sim.faults();
+        assert_eq!(faults.len(), 3, "{faults:?}");
+        assert!(faults[0].starts_with("add:") && faults[0].contains("not inside one allocation"), "{faults:?}");
+        assert!(faults[1].contains("overlap"), "{faults:?}");
+        assert!(faults[2].contains("panicked"), "{faults:?}");
+        assert!(matches!(sim.take_deferred_error(), Some(DeviceError::Fault { op: "add", .. })));
+        // Freed memory is a fault, not a read of memory that is gone.
+        drop(memory);
+        sim.launch(&stream, add).unwrap();
+        sim.synchronize(&stream).unwrap();
+        assert!(sim.faults()[3].contains("use after free"), "{:?}", sim.faults());
     }
 
     #[test]

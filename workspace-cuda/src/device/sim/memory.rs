@@ -20,7 +20,7 @@ pub(super) struct Memory {
 }
 
 impl Memory {
-    fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
+    pub(super) fn region(&self, address: u64, len: usize) -> Result<(u64, usize), String> {
         let found = self.regions.range(..=address).next_back();
         let Some((&start, data)) = found else {
             return Err(format!("no allocation at {address:#x}: use after free or out of bounds"));

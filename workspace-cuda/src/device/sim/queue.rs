@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::Duration;
 
+use super::kernel::QueuedKernel;
 use super::memory::{pinned_layout, Memory};
 use crate::device::PINNED_ALIGNMENT;
 use crate::error::DeviceError;
@@ -127,6 +128,8 @@ pub(super) enum Op {
         dst: u64,
         len: usize,
     },
+    /// A kernel, run on the memory under its lock.
+    Kernel(QueuedKernel),
     Record(SimEvent),
     Wait(SimEvent),
     Free(u64),
@@ -389,6 +392,7 @@ impl Shared {
                     })
                     .map_err(|e| ("dtoh", e))
             }
+            Op::Kernel(kernel) => kernel.run(&mut lock(&self.memory)).map_err(|e| (kernel.name, e)),
             Op::Dtod { src, dst, len } => {
                 let mut memory = lock(&self.memory);
                 memory
