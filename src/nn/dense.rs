@@ -170,6 +170,10 @@ impl Layer for Dense {
         true
     }
 
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Dense { inputs: self.inputs, outputs: self.outputs })
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -812,6 +812,13 @@ pub trait Layer: Any + Send + Sync {
         Ok(grad_input)
     }
 
+    /// What the layer is on a device ([`DeviceForm`](crate::nn::DeviceForm)), for a
+    /// network that trains on one ([`NetworkConfigBuilder::device`](crate::nn::NetworkConfigBuilder::device)).
+    /// The default: `None`, a layer that trains on the host only.
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        None
+    }
+
     /// Whether each step's output depends on that step's input alone (a dense layer, a
     /// normalisation, an elementwise function, a token embedding), so that the next
     /// steps of a generation stream run through [`Layer::forward`] as they are. The

@@ -47,6 +47,8 @@
 
 mod attention;
 mod dense;
+#[allow(unsafe_code)] // the seam's launches (device::cuda) and the product's buffer (device::kernel)
+pub mod device;
 mod embedding;
 mod file;
 mod finite;
@@ -82,6 +84,7 @@ mod vector;
 
 pub use attention::Attention;
 pub use dense::Dense;
+pub use device::{Device, DeviceForm, DeviceStats};
 pub use embedding::{Embedding, PositionEmbedding};
 pub use gelu::Gelu;
 pub use infer::Infer;

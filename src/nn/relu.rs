@@ -35,6 +35,10 @@ impl Default for Relu {
 }
 
 impl Layer for Relu {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Relu)
+    }
+
     fn per_step(&self) -> bool {
         true
     }

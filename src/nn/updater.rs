@@ -351,6 +351,31 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
     }
 }
 
+/// One step over flat values, as a device step takes it: checked, then stored only when
+/// every new value is finite (the arithmetic of [`UpdaterState::apply`]'s checked path,
+/// so the same bits). Returns the first element whose step is not finite, if any (then
+/// nothing is stored). AdamW steps as Adam here: its decay is not on devices yet.
+pub(crate) fn step_or_first_non_finite(
+    updater: Updater,
+    t: i32,
+    values: &mut [f32],
+    grads: &[f32],
+    first: &mut [f32],
+    second: Option<&mut [f32]>,
+) -> Option<usize> {
+    let updater = updater.core();
+    if let Some((i, _, _)) = first_non_finite(updater, t, values, grads, first, second.as_deref()) {
+        return Some(i);
+    }
+    commit(updater, t, first, second, Param { value: values, grad: grads });
+    None
+}
+
+/// Adam's step size at step `t`, for a device's kernels.
+pub(crate) fn adam_step(learning_rate: f32, beta1: f32, beta2: f32, t: i32) -> f32 {
+    adam_step_size(learning_rate, beta1, beta2, t)
+}
+
 /// The new velocity of SGD with momentum (which is also the update); a subnormal one is
 /// 0 (see [`simd::flush`]).
 #[inline(always)]

@@ -3,6 +3,7 @@
 //! allocations install the counting allocator as the global one and stay binaries of
 //! their own (`nn_prefetch_allocs`, `nn_soak`, `planned`, `sequences_allocs`).
 
+mod device;
 mod dry_run;
 mod dry_run_random;
 mod examples_cli;

@@ -133,6 +133,22 @@ impl<'a, D: Device, T: Pod, Dim: Dimension> DeviceView<'a, D, T, Dim> {
         self.owner.name()
     }
 
+    /// Row `i` of a two-dimensional view, as a one-dimensional view of the same memory
+    /// (`None` when there is no row `i`).
+    pub fn row(&self, i: usize) -> Option<DeviceView<'_, D, T, Ix1>>
+    where
+        Dim: Dimension<Pattern = (usize, usize)>,
+    {
+        let (rows, cols) = self.dim.clone().into_pattern();
+        if i >= rows {
+            return None;
+        }
+        let offset = (i * cols * size_of::<T>()) as u64;
+        // SAFETY: rows are `cols` elements each, in standard layout: row `i` is `cols`
+        // initialised elements inside this view's memory, valid as long as this view.
+        Some(unsafe { DeviceView::new(self.owner, self.address + offset, Ix1(cols)) })
+    }
+
     /// A shorter-lived copy of this view.
     pub fn reborrow(&self) -> DeviceView<'_, D, T, Dim> {
         // SAFETY: the same memory, for a shorter lifetime than this view's.

@@ -14,6 +14,7 @@ use crate::{Error, Result};
 
 use super::super::attention::Attention;
 use super::super::dense::Dense;
+use super::super::device::Device;
 use super::super::embedding::{Embedding, PositionEmbedding};
 use super::super::gelu::Gelu;
 use super::super::layer::Layer;
@@ -58,6 +59,7 @@ pub struct NetworkConfig {
     pub(super) layers: Arc<[Box<dyn Layer>]>,
     pub(super) seed: u64,
     pub(super) updater: Updater,
+    pub(super) device: Device,
     pub(super) training_workspace_mode: WorkspaceMode,
     pub(super) inference_workspace_mode: WorkspaceMode,
     pub(super) workspace_learning: LearningPolicy,
@@ -116,6 +118,7 @@ pub struct NetworkConfigBuilder {
     layers: Vec<Box<dyn Layer>>,
     seed: u64,
     updater: Updater,
+    device: Device,
     training_workspace_mode: WorkspaceMode,
     inference_workspace_mode: WorkspaceMode,
     workspace_learning: LearningPolicy,
@@ -133,6 +136,7 @@ impl NetworkConfig {
             layers: Vec::new(),
             seed: 0,
             updater: Updater::default(),
+            device: Device::Host,
             training_workspace_mode: WorkspaceMode::Enabled,
             inference_workspace_mode: WorkspaceMode::Enabled,
             workspace_learning: LEARNING,
@@ -149,6 +153,11 @@ impl NetworkConfig {
     /// The layers, in order.
     pub fn layers(&self) -> &[Box<dyn Layer>] {
         &self.layers
+    }
+
+    /// Where the training step runs.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The layers, shared.
@@ -374,6 +383,16 @@ impl NetworkConfigBuilder {
         self
     }
 
+    /// Where the training step runs: the host (the default), the simulated device or a
+    /// CUDA device (see [`crate::nn::device`]). A device runs layers that have a
+    /// [`DeviceForm`](crate::nn::DeviceForm); [`Network::new`](crate::nn::Network::new)
+    /// refuses a network with one that has none, and a CUDA device where there is none,
+    /// with the reason.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
     /// The updater.
     pub fn updater(mut self, updater: Updater) -> Self {
         self.updater = updater;
@@ -460,6 +479,7 @@ impl NetworkConfigBuilder {
             layers: self.layers.into(),
             seed: self.seed,
             updater: self.updater,
+            device: self.device,
             training_workspace_mode: self.training_workspace_mode,
             inference_workspace_mode: self.inference_workspace_mode,
             workspace_learning: self.workspace_learning,

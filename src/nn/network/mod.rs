@@ -17,6 +17,7 @@ use workspace_core::planned::PlannedStats;
 use workspace_core::timeline::{self, LayerLabel, Timeline, TimelineId};
 use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, Workspace, WorkspaceMode};
 
+use super::device::{self, Device, DeviceStep};
 use super::finite;
 use super::layer::Activations;
 use crate::nn::embedding::MAX_VOCABULARY;
@@ -94,6 +95,10 @@ pub struct Network {
     /// The labels of a [`Timeline`] recording this network's workspaces (`None`: none
     /// does): each training step and inference then ends one of its iterations.
     timeline: Option<Box<LayerLabels>>,
+    /// Where the training step runs.
+    device: Device,
+    /// The step on a device (`None`: on the host).
+    device_step: Option<Box<dyn DeviceStep>>,
 }
 
 /// The layer labels of a network that a timeline records, interned once.
@@ -172,7 +177,9 @@ impl Network {
             training_workspace_mode,
             inference_workspace_mode,
             workspace_learning,
+            device,
         } = config;
+        let updater_kind = updater;
         let layout = Params::of(inputs, &layers)?;
         let total = layout.layout.total;
         let what = || format!("the network's {total} parameter values (check the layer widths)");
@@ -188,7 +195,11 @@ impl Network {
             inference: inference_workspace_mode,
             learning: workspace_learning,
         };
-        Network::from_parts(inputs, layers, Arc::new(layout), Arc::new(params), updater, 0, workspaces)
+        let mut net = Network::from_parts(inputs, layers, Arc::new(layout), Arc::new(params), updater, 0, workspaces)?;
+        let config = workspace_config_with(workspace_learning)?;
+        net.device_step = device::build(device, &net.layers, &net.layout, &net.params, updater_kind, config)?;
+        net.device = device;
+        Ok(net)
     }
 
     /// The network taken apart for a data-parallel trainer: its input columns, layers,
@@ -251,6 +262,8 @@ impl Network {
             recorded: None,
             dry_run: None,
             timeline: None,
+            device: Device::Host,
+            device_step: None,
         })
     }
 
@@ -319,6 +332,16 @@ impl Network {
                 }
             }
         }
+    }
+
+    /// Where the training step runs ([`NetworkConfigBuilder::device`](crate::nn::NetworkConfigBuilder::device)).
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// What the training step holds on its device (`None` on the host).
+    pub fn device_stats(&self) -> Option<device::DeviceStats> {
+        self.device_step.as_ref().map(|step| step.stats())
     }
 
     /// Input columns.

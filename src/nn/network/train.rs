@@ -39,6 +39,9 @@ impl Network {
     /// error the network is unchanged (its parameters and its updater's state are as
     /// they were before the call) and usable.
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
+        if self.device_step.is_some() {
+            return self.fit_batch_on_device(x.into(), labels.into());
+        }
         let measured = profile::start(self.breakdown.is_some());
         let _pool = gemm::pool::use_pool(self.pool.as_ref());
         let loss = self.fit_batch_unmeasured(x.into(), labels.into());
@@ -47,6 +50,38 @@ impl Network {
         if let Some(breakdown) = self.breakdown.as_mut() {
             measured.finish(breakdown);
         }
+        Ok(loss)
+    }
+
+    /// [`Network::fit_batch`] on the network's device: a flat batch and one label per
+    /// example, checked here (shapes, labels, finite inputs), then the device step.
+    fn fit_batch_on_device(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
+        let (Input::Flat(x), Labels::PerExample(labels)) = (x, labels) else {
+            return Err(Error::InvalidInput(format!(
+                "a network training on {} takes a flat batch [batch, features] with one label per example (batches \
+                 of sequences and tokens train on the host so far)",
+                self.device
+            )));
+        };
+        if x.ncols() != self.inputs || labels.len() != x.nrows() || x.nrows() == 0 {
+            return Err(Error::ShapeMismatch {
+                context: "a device training batch and its labels".into(),
+                expected: vec![labels.len().max(1), self.inputs],
+                actual: x.shape().to_vec(),
+            });
+        }
+        if let Some((i, &label)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= self.classes) {
+            return Err(Error::InvalidInput(format!(
+                "label {label} of example {i} is not a class of this network ({} classes)",
+                self.classes
+            )));
+        }
+        if let Some((row, col, value)) = super::super::finite::first_in_matrix(x) {
+            return Err(Error::NonFinite { layer: "input".into(), what: format!("element [{row}, {col}] is {value}") });
+        }
+        let step = self.device_step.as_mut().expect("checked by the caller");
+        let loss = step.fit(x, labels, Arc::make_mut(&mut self.params).as_mut_slice())?;
+        self.iterations += 1;
         Ok(loss)
     }
 

@@ -20,7 +20,7 @@ use std::ptr;
 use super::memory::Memory;
 
 /// The largest kernel (its arguments) a launch carries inline.
-pub const MAX_KERNEL_BYTES: usize = 256;
+pub const MAX_KERNEL_BYTES: usize = 128;
 
 /// Work the simulator runs on a stream, in its order, on simulated device memory.
 ///

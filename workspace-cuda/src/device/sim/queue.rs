@@ -101,6 +101,8 @@ enum Next {
 
 /// One queued operation. Host addresses are kept as `usize` (the queue crosses threads);
 /// see `Shared::execute` for why each access is sound.
+// A kernel's arguments are inline (a launch allocates nothing): the largest variant.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Op {
     Memset {
         dst: u64,

@@ -1,0 +1,166 @@
+//! Training on a device: the simulated device gives the host's losses and parameters,
+//! holds its memory flat once steady, refuses what it cannot run with the reason, and
+//! leaves the network as it was when a step fails; a CUDA device where there is none is
+//! an error, never a panic; every CUDA C kernel compiles with NVRTC.
+
+use carve::ndarray::{Array1, Array2};
+use carve::nn::device::{compile_kernels, KERNEL_NAMES};
+use carve::nn::{Device, Network, NetworkConfig, NetworkConfigBuilder, Updater};
+use carve::Error;
+
+/// A small classification batch: `rows` examples of `inputs` features, labels from a
+/// fixed rule so that the loss can fall.
+fn batch(rows: usize, inputs: usize, classes: usize, seed: u32) -> (Array2<f32>, Array1<u32>) {
+    let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        (state % 1000) as f32 / 500.0 - 1.0
+    };
+    let x = Array2::from_shape_simple_fn((rows, inputs), &mut next);
+    // The class is the largest of the first `classes` features: learnable.
+    let y = Array1::from_iter(
+        x.rows().into_iter().map(|r| (0..classes).fold(0, |best, c| if r[c] > r[best] { c } else { best }) as u32),
+    );
+    (x, y)
+}
+
+fn mlp(device: Device, updater: Updater) -> NetworkConfigBuilder {
+    NetworkConfig::builder(64).dense(48).relu().dense(32).relu().dense(10).seed(7).updater(updater).device(device)
+}
+
+fn relative(a: f32, b: f32) -> f32 {
+    (a - b).abs() / a.abs().max(b.abs()).max(f32::MIN_POSITIVE)
+}
+
+/// Trains the same network on the host and on `device` over `steps` batches; returns
+/// both loss traces and both parameter vectors.
+/// A run's losses, step by step, and its parameters at the end.
+type Run = (Vec<f32>, Vec<f32>);
+
+fn host_and(device: Device, updater: Updater, steps: usize) -> (Run, Run) {
+    let mut host = Network::new(mlp(Device::Host, updater).build().unwrap()).unwrap();
+    let mut dev = Network::new(mlp(device, updater).build().unwrap()).unwrap();
+    assert_eq!(host.params(), dev.params(), "the same initialisation");
+    let (mut host_losses, mut dev_losses) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        // Batches of two sizes: the workspace meets both shapes.
+        let (x, y) = batch(if step % 3 == 0 { 40 } else { 32 }, 64, 10, step as u32);
+        host_losses.push(host.fit_batch(x.view(), y.view()).unwrap());
+        dev_losses.push(dev.fit_batch(x.view(), y.view()).unwrap());
+    }
+    ((host_losses, host.params().to_vec()), (dev_losses, dev.params().to_vec()))
+}
+
+#[test]
+fn the_simulated_device_trains_to_the_hosts_losses() {
+    for updater in [Updater::adam(0.01), Updater::sgd(0.05, 0.9)] {
+        let ((host, host_params), (sim, sim_params)) = host_and(Device::simulated(), updater, 100);
+        for (step, (h, s)) in host.iter().zip(&sim).enumerate() {
+            assert!(relative(*h, *s) <= 1e-5, "{updater:?} step {step}: host {h}, simulated {s}");
+        }
+        for (i, (h, s)) in host_params.iter().zip(&sim_params).enumerate() {
+            assert!((h - s).abs() <= 1e-5 * h.abs().max(1e-3), "{updater:?} parameter {i}: host {h}, simulated {s}");
+        }
+        assert!(sim[99] < 0.8 * sim[0], "{updater:?}: the loss falls ({} → {})", sim[0], sim[99]);
+    }
+}
+
+#[test]
+fn a_steady_device_step_allocates_no_device_memory() {
+    let mut net = Network::new(mlp(Device::simulated(), Updater::adam(0.01)).build().unwrap()).unwrap();
+    assert_eq!(net.device(), Device::Simulated);
+    let (x, y) = batch(32, 64, 10, 1);
+    for _ in 0..20 {
+        net.fit_batch(x.view(), y.view()).unwrap();
+    }
+    let steady = net.device_stats().expect("on a device");
+    for _ in 0..20 {
+        net.fit_batch(x.view(), y.view()).unwrap();
+    }
+    let after = net.device_stats().unwrap();
+    assert_eq!(after.allocations, steady.allocations, "no device allocation per steady step");
+    assert_eq!(after.bytes, steady.bytes);
+    assert_eq!(after.steps, 40);
+    assert_eq!(net.iterations(), 40);
+    assert!(after.device.contains("simulated"), "{}", after.device);
+    assert!(Network::new(mlp(Device::Host, Updater::adam(0.01)).build().unwrap()).unwrap().device_stats().is_none());
+}
+
+#[test]
+fn what_a_device_cannot_run_is_refused_with_the_reason() {
+    let lstm = NetworkConfig::builder(4).lstm(8).last_step().dense(3).device(Device::simulated()).build().unwrap();
+    let err = Network::new(lstm).unwrap_err().to_string();
+    assert!(err.contains("has no device form") && err.contains("lstm"), "{err}");
+
+    let adamw = mlp(Device::simulated(), Updater::adamw(0.01, 0.1)).build().unwrap();
+    let err = Network::new(adamw).unwrap_err().to_string();
+    assert!(err.contains("AdamW"), "{err}");
+
+    // Sequences are not on devices yet: a clear error, and the network stays usable.
+    let mut net = Network::new(mlp(Device::simulated(), Updater::adam(0.01)).build().unwrap()).unwrap();
+    let x3 = carve::ndarray::Array3::<f32>::zeros((2, 3, 64));
+    let err =
+        net.fit_batch(carve::nn::Input::Sequences { features: x3.view(), mask: None }, Array1::<u32>::zeros(2).view());
+    assert!(matches!(err, Err(Error::InvalidInput(ref m)) if m.contains("flat batch")), "{err:?}");
+    let (x, y) = batch(8, 64, 10, 2);
+    let wrong = Array1::<u32>::from_elem(8, 10);
+    assert!(matches!(net.fit_batch(x.view(), wrong.view()), Err(Error::InvalidInput(_))));
+    assert!(matches!(net.fit_batch(x.view(), y.slice(carve::ndarray::s![..4])), Err(Error::ShapeMismatch { .. })));
+    net.fit_batch(x.view(), y.view()).unwrap();
+}
+
+#[test]
+fn a_step_that_would_not_be_finite_changes_nothing() {
+    let mut net = Network::new(mlp(Device::simulated(), Updater::sgd(0.1, 0.0)).build().unwrap()).unwrap();
+    let (x, y) = batch(16, 64, 10, 3);
+    net.fit_batch(x.view(), y.view()).unwrap();
+    let before = net.params().to_vec();
+    let mut nan = x.clone();
+    nan[[3, 5]] = f32::NAN;
+    let err = net.fit_batch(nan.view(), y.view()).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { ref layer, .. } if layer == "input"), "{err}");
+    // Inputs so large that the gradients overflow: the update's check refuses the step.
+    let huge = x.mapv(|v| v * 3e38);
+    let err = net.fit_batch(huge.view(), y.view()).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }), "{err}");
+    assert_eq!(net.params(), &before[..], "nothing stored");
+    assert_eq!(net.iterations(), 1);
+    net.fit_batch(x.view(), y.view()).unwrap();
+    assert_eq!(net.iterations(), 2);
+}
+
+#[test]
+fn a_cuda_device_where_there_is_none_is_an_error_with_the_reason() {
+    if carve::workspace_cuda::probe().is_available() {
+        eprintln!("a CUDA device is present: the no-device path is not exercised here");
+        return;
+    }
+    let err = Network::new(mlp(Device::cuda(0), Updater::adam(0.01)).build().unwrap()).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("no CUDA device"), "{message}");
+    assert_eq!("cuda".parse::<Device>().unwrap(), Device::cuda(0));
+    assert!("tpu".parse::<Device>().is_err());
+}
+
+/// Every kernel of `kernels.cu` compiles with NVRTC for the GPUs carve targets. NVRTC
+/// comes from the `nvidia-cuda-nvrtc` wheel in CI (`CARVE_REQUIRE_NVRTC=1` there, so a
+/// missing library fails instead of skipping).
+#[test]
+fn every_kernel_compiles_with_nvrtc() {
+    for arch in ["compute_90", "compute_80", "compute_75"] {
+        match compile_kernels(arch) {
+            Ok(ptx) => {
+                for name in KERNEL_NAMES {
+                    assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: no kernel {name} in the PTX");
+                }
+            }
+            Err(e) if e.to_string().contains("was not found") && std::env::var_os("CARVE_REQUIRE_NVRTC").is_none() => {
+                eprintln!("NVRTC is not installed, the kernels were not compiled: {e}");
+                return;
+            }
+            Err(e) => panic!("{arch}: {e}"),
+        }
+    }
+}
