@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use carve::async_iter::MAX_DEPTH;
+use carve::nn::Device;
 use carve::WorkspaceMode;
 use clap::Parser;
 
@@ -29,6 +30,13 @@ pub(crate) struct Args {
     /// (ignored with --compare or --plot)
     #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode, verbatim_doc_comment)]
     pub(crate) workspace_mode: WorkspaceMode,
+
+    /// Where each training step runs: `host` (the CPU), `sim` (the
+    /// simulated device: device memory and streams in host memory,
+    /// the host's arithmetic, so the same losses) or `cuda` /
+    /// `cuda:N` (a GPU; where there is none, an error naming why)
+    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
+    pub(crate) device: Device,
 
     /// Train the three modes in one process (same seed, interleaved by
     /// epoch) and check that their loss traces are bit-identical
@@ -150,6 +158,13 @@ impl Args {
                         workspace modes: use one or the other"
                 .to_string());
         }
+        if self.device != Device::Host && (self.data_parallel() || self.timeline.is_some() || self.breakdown) {
+            return Err(format!(
+                "--device {} trains on the device: --workers, --reducer, --timeline and --breakdown measure host \
+                 steps; leave them out, or train on the host",
+                self.device
+            ));
+        }
         if let Some(timeline) = &self.timeline {
             if [&self.save, &self.plot].into_iter().flatten().any(|p| p == timeline) {
                 return Err(
@@ -204,6 +219,10 @@ pub(crate) fn parameter_count(hidden: &[usize]) -> u128 {
         inputs = width;
     }
     total
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse::<Device>().map_err(|e| e.to_string())
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {

@@ -32,6 +32,7 @@
 //! | flag | default | meaning |
 //! |---|---|---|
 //! | `--workspace-mode enabled\|planned\|none` | `enabled` | workspaces in training and evaluation (unused with `--compare`); `planned`: the training role workspaces served from one arena planned from the first iteration |
+//! | `--device host\|sim\|cuda[:N]` | `host` | where each training step runs: the CPU, the simulated device (the host's arithmetic in simulated device memory: the same losses) or a GPU (an error naming why where there is none); not with `--workers`, `--timeline` or `--breakdown` |
 //! | `--compare` | off | train the three modes (same seed, interleaved by epoch); check that the losses are bit-identical |
 //! | `--epochs N` | 80 | passes over the training set (1 or more) |
 //! | `--batch-size N` | 32 | rows per iteration, 1 or more (the last batch of an epoch may be smaller; more than the training rows is one batch of all of them, and the header says so) |
@@ -452,6 +453,7 @@ fn run(args: &Args) -> Res<()> {
             "batch_size_used": batch,
             "hidden": args.hidden,
             "threads": args.threads,
+            "device": args.device.to_string(),
             "seed": args.seed,
             "lr": lr,
             "train_rows": train.y.len(),

@@ -29,6 +29,7 @@ pub(crate) fn build_network(args: &Args, mode: WorkspaceMode) -> carve::Result<N
         .dense(CLASSES)
         .seed(args.seed)
         .updater(Updater::adam(args.lr))
+        .device(args.device)
         .training_workspace_mode(mode)
         .inference_workspace_mode(mode)
         .build()?;

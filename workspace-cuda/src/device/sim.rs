@@ -121,9 +121,28 @@ impl SimDevice {
             }),
             ignore_waits: AtomicBool::new(false),
             failing_records: AtomicUsize::new(0),
+            events: Mutex::new((0..queue::EVENTS).map(|_| Arc::new(AtomicBool::new(false))).collect()),
         });
         let default = Shared::spawn_stream(&shared)?;
         Ok(SimDevice { shared, default })
+    }
+
+    /// An event not yet reached: a flag no other event or queued record holds (one the
+    /// list alone holds is free: nothing can observe it any more), or a new one.
+    fn fresh_event(&self) -> SimEvent {
+        let mut events = lock(&self.shared.events);
+        let done = match events.iter().find(|flag| Arc::strong_count(flag) == 1) {
+            Some(free) => {
+                free.store(false, Ordering::Release);
+                free.clone()
+            }
+            None => {
+                let flag = Arc::new(AtomicBool::new(false));
+                events.push(flag.clone());
+                flag
+            }
+        };
+        SimEvent { done }
     }
 
     /// Runs `kernel` on `stream`, in its order, on the simulated memory (see
@@ -311,7 +330,7 @@ impl Device for SimDevice {
                 message: "failure injected by SimDevice::fail_next_records".into(),
             });
         }
-        let event = SimEvent::default();
+        let event = self.fresh_event();
         stream.enqueue(Op::Record(event.clone()));
         Ok(event)
     }

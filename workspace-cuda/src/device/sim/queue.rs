@@ -18,6 +18,12 @@ use crate::error::DeviceError;
 
 static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 
+/// Operations a stream's queue holds before it grows.
+const QUEUE_CAPACITY: usize = 1024;
+
+/// Event flags a device starts with (more are made when more are alive at once).
+pub(super) const EVENTS: usize = 64;
+
 /// Locks `mutex`, ignoring poisoning: no simulator code panics while holding a lock,
 /// and a user panic elsewhere must not turn every later call into a panic.
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -38,6 +44,9 @@ pub(super) struct Shared {
     pub(super) ignore_waits: AtomicBool,
     /// Testing knob: this many coming `record` calls fail.
     pub(super) failing_records: AtomicUsize,
+    /// Every event flag made so far; one that only this list holds is free and handed
+    /// out again, so that a steady loop of records allocates nothing.
+    pub(super) events: Mutex<Vec<Arc<AtomicBool>>>,
 }
 
 #[derive(Default)]
@@ -284,7 +293,10 @@ impl Drop for SimPinned {
 impl Shared {
     pub(super) fn spawn_stream(shared: &Arc<Shared>) -> Result<SimStream, DeviceError> {
         let id = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
-        lock(&shared.sched).streams.insert(id, StreamState::default());
+        // Room for a step's operations from the start: a queue that grows while a loop
+        // warms up would allocate at whatever step the worker falls furthest behind.
+        let state = StreamState { queue: VecDeque::with_capacity(QUEUE_CAPACITY), ..StreamState::default() };
+        lock(&shared.sched).streams.insert(id, state);
         let worker_shared = shared.clone();
         let spawned = thread::Builder::new()
             .name(format!("sim-stream-{id}"))
