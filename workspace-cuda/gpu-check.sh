@@ -6,15 +6,17 @@
 #   workspace-cuda/gpu-check.sh run DIR [OUT]    # on the GPU machine: run them, logs in OUT
 #
 # `build` puts in DIR: workspace_cuda-unit and workspace_cuda-device (the test binaries:
-# the device suite runs the policy table on the simulator and on GPU 0), cuda_smoke and
-# device_plan (the examples) and cuda_bench (the criterion bench), plus this script; about 18 MB in all
+# the device suite runs the policy table on the simulator and on GPU 0), cuda_smoke,
+# device_plan and train_digits (the examples: train_digits --device cuda trains the MLP
+# on the GPU), carve-integration (carve's tests; its device suite runs) and cuda_bench
+# (the criterion bench), plus this script; about 40 MB in all
 # (debug info stripped). They load libcuda at run time and need nothing else but glibc.
 # `run` runs each with its output in OUT (default DIR/results), then prints a summary:
 # it fails when a test fails, when the smoke run fails, or when a GPU is visible
 # (nvidia-smi) but the real-GPU suite was skipped or cuda_smoke found no device.
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" >&2; exit 2; }
+usage() { sed -n '2,16p' "$0" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 mode=$1
 dir=$2
@@ -37,9 +39,22 @@ for line in sys.stdin:
     while read -r kind name exe; do
         if [ "$kind" = lib ]; then cp "$exe" "$dir/workspace_cuda-unit"; else cp "$exe" "$dir/workspace_cuda-$name"; fi
     done <<< "$tests"
-    cargo build --release --example cuda_smoke --example device_plan
+    cargo build --release --example cuda_smoke --example device_plan --example train_digits
     cp target/release/examples/cuda_smoke "$dir/cuda_smoke"
     cp target/release/examples/device_plan "$dir/device_plan"
+    cp target/release/examples/train_digits "$dir/train_digits"
+    cp examples/data/digits.csv.gz "$dir/digits.csv.gz"
+    # carve's device training suite (tests/integration/device.rs): the simulated device
+    # against the host, the kernels through NVRTC, a CUDA device's errors.
+    local integration
+    integration=$(cargo test -p carve --test integration --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "integration" and m.get("executable"):
+        print(m["executable"])')
+    [ -n "$integration" ] || { echo "carve's integration tests were not built" >&2; exit 1; }
+    cp "$integration" "$dir/carve-integration"
     local bench
     bench=$(cargo bench --bench cuda --no-run --message-format=json 2>/dev/null \
         | python3 -c 'import json, sys
@@ -51,7 +66,8 @@ for line in sys.stdin:
     cp "$bench" "$dir/cuda_bench"
     # Debug info makes up most of the bytes (~100 MB in all); symbols stay for backtraces.
     if command -v strip >/dev/null 2>&1; then
-        strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/device_plan" "$dir/cuda_bench"
+        strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/device_plan" "$dir/cuda_bench" \
+            "$dir/train_digits" "$dir/carve-integration"
     fi
     cp "$script" "$dir/gpu-check.sh"
     ls -l "$dir"
@@ -62,6 +78,21 @@ run() {
     local out=${3:-$dir/results}
     mkdir -p "$out"
     local failed=0 gpu_visible=0
+    # cuBLAS and NVRTC (CUDA 12 or 13): a toolkit's, or those of PyTorch's nvidia wheels.
+    local libs
+    libs=$(python3 -c 'import glob, os, site, sys
+dirs = set()
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+    for name in ("libcublas.so*", "libnvrtc.so*"):
+        for lib in glob.glob(os.path.join(root, "nvidia", "**", name), recursive=True):
+            dirs.add(os.path.dirname(lib))
+for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"):
+    if os.path.isdir(d):
+        dirs.add(d)
+print(":".join(sorted(dirs)))' 2>/dev/null || true)
+    export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "CUDA libraries from: ${libs:-the default search path}"
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >"$out/nvidia-smi.log" 2>&1; then
         gpu_visible=1
     fi
@@ -107,6 +138,26 @@ run() {
         echo "FAILED (see $out/cuda_bench.log)"
         failed=1
     fi
+    echo "=== carve device suite"
+    if CARVE_REQUIRE_NVRTC=1 "$dir/carve-integration" device:: >"$out/carve_device.log" 2>&1; then
+        grep -E '^test result' "$out/carve_device.log" || true
+    else
+        echo "FAILED (see $out/carve_device.log)"
+        grep -E 'FAILED|panicked' "$out/carve_device.log" | head -20 || true
+        failed=1
+    fi
+    echo "=== train_digits on the simulated device and on CUDA (3 epochs)"
+    for device in sim cuda; do
+        if TRAIN_DIGITS_DATA="$dir/digits.csv.gz" "$dir/train_digits" --epochs 3 --device "$device" --json >"$out/train_digits_$device.log" 2>&1; then
+            tail -1 "$out/train_digits_$device.log" | python3 -c 'import json, sys
+j = json.loads(sys.stdin.read()); e = j["enabled"]
+print(j["device"], "loss", e["final_loss"], "accuracy", e.get("test_accuracy"), "step us", e["iter_us_median"], "allocs", e.get("steady_state_allocs_max"))' || true
+        else
+            echo "FAILED: train_digits --device $device (see $out/train_digits_$device.log)"
+            tail -3 "$out/train_digits_$device.log"
+            [ "$device" = sim ] || [ "$gpu_visible" = 1 ] && failed=1
+        fi
+    done
     echo "logs in $out"
     [ "$failed" = 0 ] && echo "all GPU checks passed" || { echo "some GPU checks FAILED"; exit 1; }
 }
