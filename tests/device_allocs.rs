@@ -50,6 +50,27 @@ fn a_steady_step_on_the_simulated_device_allocates_nothing() {
         .join()
         .unwrap()
     });
+    let gpt = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut b = NetworkConfig::builder(12).embedding(8).position_embedding(6);
+            b = b.residual(|b| b.layer_norm().attention(2)).residual(|b| b.layer_norm().dense(16).gelu().dense(8));
+            let config = b.layer_norm().dense(12).updater(Updater::adamw(1e-3, 0.1)).device(Device::simulated());
+            let mut net = Network::new(config.build().unwrap()).unwrap();
+            let ids = Array2::from_shape_fn((3, 6), |(b, t)| ((b * 5 + t * 7) % 12) as u32);
+            let next = Array2::from_shape_fn((3, 6), |(b, t)| ((b * 5 + t * 7 + 7) % 12) as u32);
+            for _ in 0..40 {
+                net.fit_batch(carve::nn::Input::tokens(ids.view()), next.view()).unwrap();
+            }
+            let before = allocations();
+            for _ in 0..50 {
+                net.fit_batch(carve::nn::Input::tokens(ids.view()), next.view()).unwrap();
+            }
+            allocations() - before
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(gpt, 0, "the GPT: {gpt} heap allocations in 50 steady steps");
     for (updater, count) in counted {
         assert_eq!(count, 0, "{updater}: {count} heap allocations in 50 steady steps");
     }

@@ -434,6 +434,10 @@ struct Work<'w> {
 }
 
 impl Layer for Attention {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Attention { width: self.width, heads: self.heads })
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

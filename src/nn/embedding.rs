@@ -66,6 +66,10 @@ impl Embedding {
 }
 
 impl Layer for Embedding {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Embedding { vocabulary: self.vocabulary, width: self.width })
+    }
+
     fn per_step(&self) -> bool {
         true
     }
@@ -215,6 +219,10 @@ impl PositionEmbedding {
 }
 
 impl Layer for PositionEmbedding {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::PositionEmbedding { context: self.context, width: self.width })
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

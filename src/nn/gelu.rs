@@ -41,6 +41,10 @@ impl Default for Gelu {
 }
 
 impl Layer for Gelu {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Gelu)
+    }
+
     fn per_step(&self) -> bool {
         true
     }

@@ -63,6 +63,10 @@ impl LayerNorm {
 }
 
 impl Layer for LayerNorm {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::LayerNorm { eps: self.eps })
+    }
+
     fn per_step(&self) -> bool {
         true
     }

@@ -33,6 +33,10 @@ impl Residual {
 }
 
 impl Layer for Residual {
+    fn device_form(&self) -> Option<crate::nn::DeviceForm> {
+        Some(crate::nn::DeviceForm::Residual { from: self.from })
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -354,7 +354,9 @@ fn commit(updater: Updater, t: i32, m: &mut [f32], v: Option<&mut [f32]>, p: Par
 /// One step over flat values, as a device step takes it: checked, then stored only when
 /// every new value is finite (the arithmetic of [`UpdaterState::apply`]'s checked path,
 /// so the same bits). Returns the first element whose step is not finite, if any (then
-/// nothing is stored). AdamW steps as Adam here: its decay is not on devices yet.
+/// nothing is stored). AdamW's decay comes as one factor per value (`decay`: `1 − lr ·
+/// wd` for the values of matrices, 1 for the others), applied after the check and
+/// before the step, as [`UpdaterState::apply`] applies it.
 pub(crate) fn step_or_first_non_finite(
     updater: Updater,
     t: i32,
@@ -362,13 +364,25 @@ pub(crate) fn step_or_first_non_finite(
     grads: &[f32],
     first: &mut [f32],
     second: Option<&mut [f32]>,
+    decay: Option<&[f32]>,
 ) -> Option<usize> {
     let updater = updater.core();
     if let Some((i, _, _)) = first_non_finite(updater, t, values, grads, first, second.as_deref()) {
         return Some(i);
     }
+    if let Some(decay) = decay {
+        values.iter_mut().zip(decay).for_each(|(w, &f)| *w *= f);
+    }
     commit(updater, t, first, second, Param { value: values, grad: grads });
     None
+}
+
+/// AdamW's decay factor of each parameter value of `layout` (`factor` for the values of
+/// matrices, 1 for the others), for a device's update.
+pub(crate) fn decay_factors(factor: f32, layout: &Params) -> Vec<f32> {
+    let mut factors = vec![1.0; layout.layout.total];
+    decay_matrices(factor, &mut factors, 0, layout);
+    factors
 }
 
 /// Adam's step size at step `t`, for a device's kernels.

@@ -32,7 +32,7 @@ use super::Compute;
 pub const KERNELS_SOURCE: &str = include_str!("kernels.cu");
 
 /// The kernels of [`KERNELS_SOURCE`], as the step looks them up.
-pub const KERNEL_NAMES: [&str; 10] = [
+pub const KERNEL_NAMES: [&str; 24] = [
     "carve_bias_rows",
     "carve_relu",
     "carve_relu_backward",
@@ -43,7 +43,28 @@ pub const KERNEL_NAMES: [&str; 10] = [
     "carve_adam_commit",
     "carve_sgd_check",
     "carve_sgd_commit",
+    "carve_gelu",
+    "carve_gelu_backward",
+    "carve_layer_norm",
+    "carve_layer_norm_backward_rows",
+    "carve_layer_norm_backward_params",
+    "carve_embedding",
+    "carve_embedding_backward",
+    "carve_add_positions",
+    "carve_positions_backward",
+    "carve_add",
+    "carve_add_assign",
+    "carve_causal_softmax",
+    "carve_causal_softmax_backward",
+    "carve_scale",
 ];
+
+/// A kernel argument, as the launch wants it.
+macro_rules! arg {
+    ($v:expr) => {
+        (&mut $v) as *mut _ as *mut c_void
+    };
+}
 
 /// Indices into [`KERNEL_NAMES`].
 #[derive(Clone, Copy)]
@@ -58,6 +79,36 @@ enum Function {
     AdamCommit,
     SgdCheck,
     SgdCommit,
+    Gelu,
+    GeluBackward,
+    LayerNorm,
+    LayerNormBackwardRows,
+    LayerNormBackwardParams,
+    Embedding,
+    EmbeddingBackward,
+    AddPositions,
+    PositionsBackward,
+    Add,
+    AddAssign,
+    CausalSoftmax,
+    CausalSoftmaxBackward,
+    #[allow(dead_code)] // compiled and checked; no operation launches it yet
+    Scale,
+}
+
+/// A row-major product of `count` matrices at a fixed stride: `C ← alpha·op(A)·op(B) +
+/// beta·C`, each matrix's rows `ld` values apart.
+#[derive(Clone, Copy)]
+struct Batched {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (u64, usize, bool, i64),
+    b: (u64, usize, bool, i64),
+    c: (u64, usize, i64),
+    alpha: f32,
+    beta: f32,
+    count: usize,
 }
 
 /// Bytes of device memory handed to cuBLAS as its workspace (what it recommends on
@@ -222,18 +273,144 @@ impl CudaCompute {
         }
         .map_err(|e| driver_error("cuBLAS sgemm", e))
     }
+
+    /// # Safety
+    ///
+    /// As [`Compute::run`] for every matrix of the batch.
+    unsafe fn batched(&self, p: Batched) -> Result<()> {
+        use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let dim =
+            |v: usize| i32::try_from(v).map_err(|_| driver_error("a product", format!("{v} exceeds cuBLAS's int")));
+        let (m, n, k, count) = (dim(p.m)?, dim(p.n)?, dim(p.k)?, dim(p.count)?);
+        let ((a, lda, a_t, stride_a), (b, ldb, b_t, stride_b), (c, ldc, stride_c)) = (p.a, p.b, p.c);
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the same leading
+        // dimensions (the rows' strides), the operands swapped.
+        // SAFETY: the handle is on this compute's stream; the matrices are valid per the
+        // contract, with the leading dimensions and strides of their storage.
+        unsafe {
+            workspace_cuda::cudarc::cublas::result::sgemm_strided_batched(
+                *self.blas.handle(),
+                op(b_t),
+                op(a_t),
+                n,
+                m,
+                k,
+                &p.alpha,
+                b as *const f32,
+                dim(ldb)?.max(1),
+                stride_b,
+                a as *const f32,
+                dim(lda)?.max(1),
+                stride_a,
+                &p.beta,
+                c as *mut f32,
+                dim(ldc)?.max(1),
+                stride_c,
+                count,
+            )
+        }
+        .map_err(|e| driver_error("cuBLAS sgemm_strided_batched", e))
+    }
+
+    /// The attention core's forward pass: per sequence, every head's scores by one
+    /// batched product, the causal softmax of all of them, the heads' outputs by another.
+    ///
+    /// # Safety
+    ///
+    /// As [`Compute::run`].
+    unsafe fn attention_forward(&self, a: super::kernel::Attention) -> Result<()> {
+        let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+        let (hd, per_head) = (d / heads.max(1), a.per_head());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let f = |values: usize| (values * size_of::<f32>()) as u64;
+        for b in 0..a.batch as usize {
+            let qkv = a.qkv + f(b * t * 3 * d);
+            let probs = a.probs + f(b * heads * per_head);
+            let scores = probs + f(2 * t);
+            // S = scale · Q·Kᵀ.
+            let q = (qkv, 3 * d, false, hd as i64);
+            let k = (qkv + f(d), 3 * d, true, hd as i64);
+            let s = (scores, t, per_head as i64);
+            // SAFETY: per this function's contract.
+            unsafe {
+                self.batched(Batched { m: t, n: t, k: hd, a: q, b: k, c: s, alpha: scale, beta: 0.0, count: heads })
+            }?;
+            let (mut p, mut blocks, mut steps, mut per) = (probs, heads as u64, t as u64, per_head as u64);
+            let rows = row_blocks(heads * t)?;
+            // SAFETY: as above.
+            unsafe {
+                self.launch(Function::CausalSoftmax, rows, BLOCK, &mut [arg!(p), arg!(blocks), arg!(steps), arg!(per)])
+            }?;
+            // O = P·V.
+            let pm = (scores, t, false, per_head as i64);
+            let v = (qkv + f(2 * d), 3 * d, false, hd as i64);
+            let o = (a.att + f(b * t * d), d, hd as i64);
+            // SAFETY: as above.
+            unsafe {
+                self.batched(Batched { m: t, n: hd, k: t, a: pm, b: v, c: o, alpha: 1.0, beta: 0.0, count: heads })
+            }?;
+        }
+        Ok(())
+    }
+
+    /// The attention core's backward pass, per sequence as the forward pass.
+    ///
+    /// # Safety
+    ///
+    /// As [`Compute::run`].
+    unsafe fn attention_backward(&self, a: super::kernel::Attention) -> Result<()> {
+        let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+        let (hd, per_head) = (d / heads.max(1), a.per_head());
+        let mut scale = 1.0 / (hd as f32).sqrt();
+        let f = |values: usize| (values * size_of::<f32>()) as u64;
+        let tt = (t * t) as i64;
+        for b in 0..a.batch as usize {
+            let qkv = a.qkv + f(b * t * 3 * d);
+            let d_qkv = a.d_qkv + f(b * t * 3 * d);
+            let probs = a.probs + f(b * heads * per_head);
+            let scores = probs + f(2 * t);
+            let d_o = (a.d_att + f(b * t * d), d, false, hd as i64);
+            let work = a.work;
+            let batch = |m, n, k, a, b, c| Batched { m, n, k, a, b, c, alpha: 1.0, beta: 0.0, count: heads };
+            // dP = dO·Vᵀ, dV = Pᵀ·dO.
+            let v_t = (qkv + f(2 * d), 3 * d, true, hd as i64);
+            // SAFETY: per this function's contract (as each product and launch below).
+            unsafe { self.batched(batch(t, t, hd, d_o, v_t, (work, t, tt))) }?;
+            let p_t = (scores, t, true, per_head as i64);
+            let dv = (d_qkv + f(2 * d), 3 * d, hd as i64);
+            // SAFETY: as above.
+            unsafe { self.batched(batch(t, hd, t, p_t, (d_o.0, d, false, hd as i64), dv)) }?;
+            let (mut p, mut dp, mut blocks, mut steps, mut per) =
+                (probs, work, heads as u64, t as u64, per_head as u64);
+            let rows = row_blocks(heads * t)?;
+            let mut args = [arg!(p), arg!(dp), arg!(blocks), arg!(steps), arg!(per), arg!(scale)];
+            // SAFETY: as above.
+            unsafe { self.launch(Function::CausalSoftmaxBackward, rows, BLOCK, &mut args) }?;
+            // dQ = dS·K, dK = dSᵀ·Q.
+            let ds = (work, t, false, tt);
+            let k = (qkv + f(d), 3 * d, false, hd as i64);
+            let dq = (d_qkv, 3 * d, hd as i64);
+            // SAFETY: as above.
+            unsafe { self.batched(batch(t, hd, t, ds, k, dq)) }?;
+            let ds_t = (work, t, true, tt);
+            let q = (qkv, 3 * d, false, hd as i64);
+            let dk = (d_qkv + f(d), 3 * d, hd as i64);
+            // SAFETY: as above.
+            unsafe { self.batched(batch(t, hd, t, ds_t, q, dk)) }?;
+        }
+        Ok(())
+    }
+}
+
+/// One block per row, for the kernels that reduce along rows.
+fn row_blocks(rows: usize) -> Result<u32> {
+    u32::try_from(rows.max(1)).map_err(|_| driver_error("a row kernel", format!("{rows} rows")))
 }
 
 /// Blocks for `n` elements at [`BLOCK`] threads each (grid-stride loops cover the rest).
 fn grid(n: usize) -> u32 {
     u32::try_from(n.div_ceil(BLOCK as usize)).unwrap_or(u32::MAX).clamp(1, 65_535)
-}
-
-/// A kernel argument, as the launch wants it.
-macro_rules! arg {
-    ($v:expr) => {
-        (&mut $v) as *mut _ as *mut c_void
-    };
 }
 
 impl Compute for CudaCompute {
@@ -300,7 +477,71 @@ impl Compute for CudaCompute {
                     )?;
                     self.launch(Function::SumF64, 1, 1, &mut [arg!(row_loss), arg!(loss), arg!(r)])
                 }
-                Kernel::Update { updater, t, mut values, mut grads, mut first, mut second, n, mut status } => {
+                Kernel::Gelu { mut x, mut y, n } => {
+                    let mut n64 = n as u64;
+                    self.launch(Function::Gelu, grid(n), BLOCK, &mut [arg!(x), arg!(y), arg!(n64)])
+                }
+                Kernel::GeluBackward { mut x, mut dy, mut dx, n } => {
+                    let mut n64 = n as u64;
+                    self.launch(Function::GeluBackward, grid(n), BLOCK, &mut [arg!(x), arg!(dy), arg!(dx), arg!(n64)])
+                }
+                Kernel::LayerNorm { mut x, mut params, mut y, rows, cols, mut eps } => {
+                    let (mut r, mut c) = (rows as u64, cols as u64);
+                    let blocks = row_blocks(rows)?;
+                    let mut args = [arg!(x), arg!(params), arg!(y), arg!(r), arg!(c), arg!(eps)];
+                    self.launch(Function::LayerNorm, blocks, BLOCK, &mut args)
+                }
+                Kernel::LayerNormBackward {
+                    mut x,
+                    mut params,
+                    mut dy,
+                    mut grads,
+                    mut dx,
+                    mut stats,
+                    rows,
+                    cols,
+                    mut eps,
+                } => {
+                    let (mut r, mut c) = (rows as u64, cols as u64);
+                    let blocks = row_blocks(rows)?;
+                    let mut args =
+                        [arg!(x), arg!(params), arg!(dy), arg!(dx), arg!(stats), arg!(r), arg!(c), arg!(eps)];
+                    self.launch(Function::LayerNormBackwardRows, blocks, BLOCK, &mut args)?;
+                    let mut args = [arg!(x), arg!(dy), arg!(stats), arg!(grads), arg!(r), arg!(c)];
+                    self.launch(Function::LayerNormBackwardParams, grid(cols), BLOCK, &mut args)
+                }
+                Kernel::Embedding { mut ids, mut table, mut out, rows, width, .. } => {
+                    let (mut r, mut w) = (rows as u64, width as u64);
+                    let mut args = [arg!(ids), arg!(table), arg!(out), arg!(r), arg!(w)];
+                    self.launch(Function::Embedding, grid(rows * width), BLOCK, &mut args)
+                }
+                Kernel::EmbeddingBackward { mut ids, mut dy, mut dtable, rows, width, vocabulary } => {
+                    let (mut r, mut w, mut v) = (rows as u64, width as u64, vocabulary as u64);
+                    let mut args = [arg!(ids), arg!(dy), arg!(dtable), arg!(r), arg!(w), arg!(v)];
+                    self.launch(Function::EmbeddingBackward, grid(vocabulary * width), BLOCK, &mut args)
+                }
+                Kernel::AddPositions { mut x, mut table, mut y, batch, steps, width } => {
+                    let (mut b, mut t, mut w) = (batch as u64, steps as u64, width as u64);
+                    let mut args = [arg!(x), arg!(table), arg!(y), arg!(b), arg!(t), arg!(w)];
+                    self.launch(Function::AddPositions, grid(batch * steps * width), BLOCK, &mut args)
+                }
+                Kernel::PositionsBackward { mut dy, mut dtable, batch, steps, width, context } => {
+                    let (mut b, mut t, mut w, mut c) = (batch as u64, steps as u64, width as u64, context as u64);
+                    let mut args = [arg!(dy), arg!(dtable), arg!(b), arg!(t), arg!(w), arg!(c)];
+                    self.launch(Function::PositionsBackward, grid(context * width), BLOCK, &mut args)
+                }
+                Kernel::Add { mut a, mut b, mut y, n } => {
+                    let mut n64 = n as u64;
+                    self.launch(Function::Add, grid(n), BLOCK, &mut [arg!(a), arg!(b), arg!(y), arg!(n64)])
+                }
+                Kernel::AddAssign { mut acc, mut x, n } => {
+                    let mut n64 = n as u64;
+                    self.launch(Function::AddAssign, grid(n), BLOCK, &mut [arg!(acc), arg!(x), arg!(n64)])
+                }
+                Kernel::AttentionForward(a) => self.attention_forward(a),
+                Kernel::AttentionBackward(a) => self.attention_backward(a),
+                Kernel::Update { updater, t, mut values, mut grads, mut first, mut second, decay, n, mut status } => {
+                    let mut decay = decay;
                     let mut n64 = n as u64;
                     driver::memset_d8_async(status, 0, size_of::<u32>(), self.stream.cu_stream())
                         .map_err(|e| driver_error("clearing the update's status", e))?;
@@ -319,6 +560,7 @@ impl Compute for CudaCompute {
                                 arg!(eps),
                                 arg!(step),
                                 arg!(status),
+                                arg!(decay),
                             ];
                             self.launch(Function::AdamCheck, grid(n), BLOCK, &mut args)?;
                             self.launch(Function::AdamCommit, grid(n), BLOCK, &mut args)

@@ -9,10 +9,13 @@ use std::mem::MaybeUninit;
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use workspace_cuda::device::sim::{Bytes, SimAccess, SimKernel};
 
-use super::super::gemm::sgemm;
+use ndarray::s;
+
+use super::super::gemm::{sgemm, sgemm_tri, Triangle};
+use super::super::kernels::{causal_softmax, causal_softmax_backward, gelu_backward, layer_norm_backward};
 use super::super::loss::SoftmaxCrossEntropy;
 use super::super::updater::{self, Updater};
-use super::super::vector::sum_rows;
+use super::super::vector::{gelu_new, layer_norm_new, sum_rows};
 
 /// A row-major product `C ← alpha · op(A) · op(B) + beta · C`, `C` being `m × n`, the
 /// shared dimension `k`. `A` is stored `m × k`, or `k × m` when `a_t` (the product
@@ -79,10 +82,105 @@ pub(crate) enum Kernel {
         classes: usize,
         scale: f32,
     },
+    /// `y = gelu(x)` (the tanh form).
+    Gelu {
+        x: u64,
+        y: u64,
+        n: usize,
+    },
+    /// `dx = dy · gelu'(x)`.
+    GeluBackward {
+        x: u64,
+        dy: u64,
+        dx: u64,
+        n: usize,
+    },
+    /// Layer normalisation of `rows` rows of `cols`: `gamma` then `beta` (`cols` each) at
+    /// `params`.
+    LayerNorm {
+        x: u64,
+        params: u64,
+        y: u64,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    },
+    /// Its backward pass: `dgamma`, `dbeta` at `grads` (every element), `dx` unless 0;
+    /// `stats` holds two values per row for devices that keep them between passes.
+    LayerNormBackward {
+        x: u64,
+        params: u64,
+        dy: u64,
+        grads: u64,
+        dx: u64,
+        stats: u64,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    },
+    /// `out[r] = table[ids[r]]` (ids u32, checked below `vocabulary` before they came).
+    Embedding {
+        ids: u64,
+        table: u64,
+        out: u64,
+        rows: usize,
+        width: usize,
+        vocabulary: usize,
+    },
+    /// `dtable[v] = Σ dy[r]` over the rows `r` of token `v`, in row order (every element).
+    EmbeddingBackward {
+        ids: u64,
+        dy: u64,
+        dtable: u64,
+        rows: usize,
+        width: usize,
+        vocabulary: usize,
+    },
+    /// `y[b, t] = x[b, t] + table[t]`.
+    AddPositions {
+        x: u64,
+        table: u64,
+        y: u64,
+        batch: usize,
+        steps: usize,
+        width: usize,
+    },
+    /// `dtable[t] = Σ_b dy[b, t]`, in batch order; the rows past `steps` are zeroed
+    /// (every element written).
+    PositionsBackward {
+        dy: u64,
+        dtable: u64,
+        batch: usize,
+        steps: usize,
+        width: usize,
+        context: usize,
+    },
+    /// `y = a + b` (a residual join).
+    Add {
+        a: u64,
+        b: u64,
+        y: u64,
+        n: usize,
+    },
+    /// `acc += x` (a residual join's gradient into its block's input's).
+    AddAssign {
+        acc: u64,
+        x: u64,
+        n: usize,
+    },
+    /// Causal multi-head attention between the projections, per sequence and head:
+    /// `P = softmax(scale · Q·Kᵀ)` (causal) into `probs` (per sequence and head: the
+    /// softmax statistics, `2 · steps`, then `P`, `steps²`), `O = P·V` into `att`
+    /// (`[rows, width]`); `qkv` is `[rows, 3 · width]`.
+    AttentionForward(Attention),
+    /// Its backward pass: from `d_att` into `d_qkv` (every element), with `work`
+    /// (`steps²` values).
+    AttentionBackward(Attention),
     /// One updater step over the `n` flat parameter `values` with their `grads` and the
     /// updater's state (`first`; `second` for Adam), at step `t`, stored only when every
     /// new value is finite; `status` (u32) ends as `n − i` for the first element `i` that
-    /// is not, 0 when none is.
+    /// is not, 0 when none is. With `decay` (not 0), the values are multiplied by its
+    /// factors (AdamW's decay: `1 − lr · wd` for matrices, 1 elsewhere) once checked.
     Update {
         updater: Updater,
         t: i32,
@@ -90,9 +188,50 @@ pub(crate) enum Kernel {
         grads: u64,
         first: u64,
         second: u64,
+        decay: u64,
         n: usize,
         status: u64,
     },
+}
+
+/// The arrays and shape of an attention core (see [`Kernel::AttentionForward`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Attention {
+    pub(crate) qkv: u64,
+    pub(crate) att: u64,
+    pub(crate) probs: u64,
+    /// Backward only: the gradients of `att` and of `qkv`, and the work values.
+    pub(crate) d_att: u64,
+    pub(crate) d_qkv: u64,
+    pub(crate) work: u64,
+    pub(crate) batch: u32,
+    pub(crate) steps: u32,
+    pub(crate) width: u32,
+    pub(crate) heads: u32,
+    /// The host products' packing buffer.
+    pub(crate) scratch: u64,
+    pub(crate) scratch_len: usize,
+}
+
+impl Attention {
+    pub(crate) fn per_head(&self) -> usize {
+        let t = self.steps as usize;
+        2 * t + t * t
+    }
+
+    pub(crate) fn probs_len(&self) -> usize {
+        self.batch as usize * self.heads as usize * self.per_head()
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.batch as usize * self.steps as usize
+    }
+
+    /// The packing buffer one head's products need on the host.
+    pub(crate) fn head_scratch(steps: usize, head_width: usize) -> usize {
+        let len = super::super::gemm::scratch_len;
+        len(steps, steps, head_width).max(len(steps, head_width, steps))
+    }
 }
 
 fn f32s(n: usize, at: u64) -> Result<Bytes, String> {
@@ -123,6 +262,18 @@ impl SimKernel for Kernel {
             Kernel::SumRows { .. } => "sum_rows",
             Kernel::SoftmaxCrossEntropy { .. } => "softmax_xent",
             Kernel::Update { .. } => "update",
+            Kernel::Gelu { .. } => "gelu",
+            Kernel::GeluBackward { .. } => "gelu_backward",
+            Kernel::LayerNorm { .. } => "layer_norm",
+            Kernel::LayerNormBackward { .. } => "layer_norm_backward",
+            Kernel::Embedding { .. } => "embedding",
+            Kernel::EmbeddingBackward { .. } => "embedding_backward",
+            Kernel::AddPositions { .. } => "add_positions",
+            Kernel::PositionsBackward { .. } => "positions_backward",
+            Kernel::Add { .. } => "add",
+            Kernel::AddAssign { .. } => "add_assign",
+            Kernel::AttentionForward(_) => "attention_forward",
+            Kernel::AttentionBackward(_) => "attention_backward",
         }
     }
 
@@ -184,36 +335,212 @@ impl SimKernel for Kernel {
                 loss[0] = total;
                 Ok(())
             }
-            Kernel::Update { updater, t, values, grads, first, second, n, status } => {
+            Kernel::Update { updater, t, values, grads, first, second, decay, n, status } => {
                 let second_len = if matches!(updater, Updater::Sgd { .. }) { 0 } else { n };
+                let decay_len = if decay == 0 { 0 } else { n };
                 let status_bytes = Bytes::of::<u32>(status, 1).ok_or("overflow")?;
-                let ([grads], [values, first, second, status]) = memory.io(
-                    [f32s(n, grads)?],
+                let ([grads, decay], [values, first, second, status]) = memory.io(
+                    [f32s(n, grads)?, f32s(decay_len, decay)?],
                     [f32s(n, values)?, f32s(n, first)?, f32s(second_len, second)?, status_bytes],
                 )?;
                 let second = (second_len > 0).then(|| cast_mut(second)).transpose()?;
-                let bad = updater::step_or_first_non_finite(
-                    updater,
-                    t,
-                    cast_mut(values)?,
-                    cast(grads)?,
-                    cast_mut(first)?,
-                    second,
-                );
+                let decay = (decay_len > 0).then(|| cast(decay)).transpose()?;
+                let (values, grads, first) = (cast_mut(values)?, cast(grads)?, cast_mut(first)?);
+                let bad = updater::step_or_first_non_finite(updater, t, values, grads, first, second, decay);
                 let status: &mut [u32] = bytemuck::try_cast_slice_mut(status).map_err(|e| e.to_string())?;
                 status[0] = bad.map_or(0, |i| (n - i) as u32);
                 Ok(())
             }
+            Kernel::Gelu { x, y, n } => {
+                let ([x], [y]) = memory.io([f32s(n, x)?], [f32s(n, y)?])?;
+                let x = ArrayView2::from_shape((1, n), cast(x)?).map_err(|e| e.to_string())?;
+                let y = ArrayViewMut2::from_shape((1, n), as_scratch(cast_mut(y)?)).map_err(|e| e.to_string())?;
+                gelu_new(x, y);
+                Ok(())
+            }
+            Kernel::GeluBackward { x, dy, dx, n } => {
+                let ([x, dy], [dx]) = memory.io([f32s(n, x)?, f32s(n, dy)?], [f32s(n, dx)?])?;
+                let row = |v| ArrayView2::from_shape((1, n), v).map_err(|e| e.to_string());
+                let dx = ArrayViewMut2::from_shape((1, n), cast_mut(dx)?).map_err(|e| e.to_string())?;
+                gelu_backward(row(cast(x)?)?, row(cast(dy)?)?, dx);
+                Ok(())
+            }
+            Kernel::LayerNorm { x, params, y, rows, cols, eps } => {
+                let ([x, p], [y]) =
+                    memory.io([f32s(rows * cols, x)?, f32s(2 * cols, params)?], [f32s(rows * cols, y)?])?;
+                let (gamma, beta) = cast(p)?.split_at(cols);
+                let x = ArrayView2::from_shape((rows, cols), cast(x)?).map_err(|e| e.to_string())?;
+                let y = ArrayViewMut2::from_shape((rows, cols), as_scratch(cast_mut(y)?)).map_err(|e| e.to_string())?;
+                layer_norm_new(x, ArrayView1::from(gamma), ArrayView1::from(beta), eps, y);
+                Ok(())
+            }
+            Kernel::LayerNormBackward { x, params, dy, grads, dx, rows, cols, eps, .. } => {
+                let n = rows * cols;
+                let dx_len = if dx == 0 { 0 } else { n };
+                let ([x, p, dy], [g, dx]) = memory.io(
+                    [f32s(n, x)?, f32s(cols, params)?, f32s(n, dy)?],
+                    [f32s(2 * cols, grads)?, f32s(dx_len, dx)?],
+                )?;
+                let (dgamma, dbeta) = cast_mut(g)?.split_at_mut(cols);
+                let x = ArrayView2::from_shape((rows, cols), cast(x)?).map_err(|e| e.to_string())?;
+                let dy = ArrayView2::from_shape((rows, cols), cast(dy)?).map_err(|e| e.to_string())?;
+                let dx = match dx_len {
+                    0 => None,
+                    _ => Some(ArrayViewMut2::from_shape((rows, cols), cast_mut(dx)?).map_err(|e| e.to_string())?),
+                };
+                let gamma = ArrayView1::from(cast(p)?);
+                layer_norm_backward(x, gamma, eps, dy, ArrayViewMut1::from(dgamma), ArrayViewMut1::from(dbeta), dx);
+                Ok(())
+            }
+            Kernel::Embedding { ids, table, out, rows, width, vocabulary } => {
+                let ids_bytes = Bytes::of::<u32>(ids, rows).ok_or("overflow")?;
+                let ([ids, table], [out]) =
+                    memory.io([ids_bytes, f32s(vocabulary * width, table)?], [f32s(rows * width, out)?])?;
+                let ids: &[u32] = bytemuck::try_cast_slice(ids).map_err(|e| e.to_string())?;
+                let table = cast(table)?;
+                if width > 0 {
+                    for (row, &id) in cast_mut(out)?.chunks_exact_mut(width).zip(ids) {
+                        let id = id as usize;
+                        let from = table.get(id * width..(id + 1) * width).ok_or("a token id beyond the vocabulary")?;
+                        row.copy_from_slice(from);
+                    }
+                }
+                Ok(())
+            }
+            Kernel::EmbeddingBackward { ids, dy, dtable, rows, width, vocabulary } => {
+                let ids_bytes = Bytes::of::<u32>(ids, rows).ok_or("overflow")?;
+                let ([ids, dy], [dtable]) =
+                    memory.io([ids_bytes, f32s(rows * width, dy)?], [f32s(vocabulary * width, dtable)?])?;
+                let ids: &[u32] = bytemuck::try_cast_slice(ids).map_err(|e| e.to_string())?;
+                let (dy, dtable) = (cast(dy)?, cast_mut(dtable)?);
+                dtable.fill(0.0);
+                if width > 0 {
+                    for (g, &id) in dy.chunks_exact(width).zip(ids) {
+                        let id = id as usize;
+                        let acc =
+                            dtable.get_mut(id * width..(id + 1) * width).ok_or("a token id beyond the vocabulary")?;
+                        acc.iter_mut().zip(g).for_each(|(acc, &g)| *acc += g);
+                    }
+                }
+                Ok(())
+            }
+            Kernel::AddPositions { x, table, y, batch, steps, width } => {
+                let n = batch * steps * width;
+                let ([x, table], [y]) = memory.io([f32s(n, x)?, f32s(steps * width, table)?], [f32s(n, y)?])?;
+                let (x, table) = (cast(x)?, cast(table)?);
+                if !table.is_empty() {
+                    for ((y, x), p) in cast_mut(y)?.iter_mut().zip(x).zip(table.iter().cycle()) {
+                        *y = x + p;
+                    }
+                }
+                Ok(())
+            }
+            Kernel::PositionsBackward { dy, dtable, batch, steps, width, context } => {
+                let ([dy], [dtable]) =
+                    memory.io([f32s(batch * steps * width, dy)?], [f32s(context * width, dtable)?])?;
+                let (dy, dtable) = (cast(dy)?, cast_mut(dtable)?);
+                dtable.fill(0.0);
+                let per_sequence = steps * width;
+                if per_sequence > 0 {
+                    for sequence in dy.chunks_exact(per_sequence) {
+                        dtable[..per_sequence].iter_mut().zip(sequence).for_each(|(acc, &g)| *acc += g);
+                    }
+                }
+                Ok(())
+            }
+            Kernel::Add { a, b, y, n } => {
+                let ([a, b], [y]) = memory.io([f32s(n, a)?, f32s(n, b)?], [f32s(n, y)?])?;
+                for ((y, a), b) in cast_mut(y)?.iter_mut().zip(cast(a)?).zip(cast(b)?) {
+                    *y = a + b;
+                }
+                Ok(())
+            }
+            Kernel::AddAssign { acc, x, n } => {
+                let ([x], [acc]) = memory.io([f32s(n, x)?], [f32s(n, acc)?])?;
+                cast_mut(acc)?.iter_mut().zip(cast(x)?).for_each(|(acc, &x)| *acc += x);
+                Ok(())
+            }
+            Kernel::AttentionForward(a) => attention_forward(a, memory),
+            Kernel::AttentionBackward(a) => attention_backward(a, memory),
         }
     }
 }
 
-/// `values` as the product's packing buffer.
+/// `values` as a host kernel's output of `MaybeUninit`s (a packing buffer, a new array).
 #[allow(unsafe_code)]
 fn as_scratch(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the product writes only
-    // initialised values into its packing buffer (it packs f32s; it never stores an
-    // uninitialised value), so the bytes are initialised f32s for whatever reads them
-    // next, as the simulator's memory requires.
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the host kernels this is handed
+    // to (the product's packing, `gelu_new`, `layer_norm_new`) write only initialised
+    // values (never an uninitialised one), so the bytes stay initialised f32s for
+    // whatever reads them next, as the simulator's memory requires.
     unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
+
+/// The attention core's forward pass on the host, per sequence and head as
+/// `Attention::run_forward` computes it (the same calls, so the same bits).
+fn attention_forward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), String> {
+    let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+    let (rows, hd) = (a.rows(), d / heads.max(1));
+    let ([qkv], [att, probs, scratch]) = memory.io(
+        [f32s(rows * 3 * d, a.qkv)?],
+        [f32s(rows * d, a.att)?, f32s(a.probs_len(), a.probs)?, f32s(a.scratch_len, a.scratch)?],
+    )?;
+    let qkv = ArrayView2::from_shape((rows, 3 * d), cast(qkv)?).map_err(|e| e.to_string())?;
+    let mut att = ArrayViewMut2::from_shape((rows, d), cast_mut(att)?).map_err(|e| e.to_string())?;
+    let (probs, scratch) = (cast_mut(probs)?, as_scratch(cast_mut(scratch)?));
+    let scale = 1.0 / (hd as f32).sqrt();
+    let fail = |e: crate::Error| e.to_string();
+    for (i, slot) in probs.chunks_exact_mut(a.per_head()).enumerate() {
+        let (b, h) = (i / heads, i % heads);
+        let rows = b * t..(b + 1) * t;
+        let (qc, kc, vc) = (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
+        let q = qkv.slice(s![rows.clone(), qc.clone()]);
+        let k = qkv.slice(s![rows.clone(), kc]);
+        let v = qkv.slice(s![rows.clone(), vc]);
+        let (stats, p) = slot.split_at_mut(2 * t);
+        let mut p = ArrayViewMut2::from_shape((t, t), p).map_err(|e| e.to_string())?;
+        sgemm_tri(scale, q, k.t(), 0.0, p.view_mut(), scratch, Triangle::LowerC).map_err(fail)?;
+        causal_softmax(p.view_mut(), None, stats);
+        let o = att.slice_mut(s![rows, qc]);
+        sgemm_tri(1.0, p.view(), v, 0.0, o, scratch, Triangle::LowerA).map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// The attention core's backward pass on the host, as `Attention::run_backward`.
+fn attention_backward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), String> {
+    let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+    let (rows, hd) = (a.rows(), d / heads.max(1));
+    let ([qkv, probs, d_att], [d_qkv, work, scratch]) = memory.io(
+        [f32s(rows * 3 * d, a.qkv)?, f32s(a.probs_len(), a.probs)?, f32s(rows * d, a.d_att)?],
+        [f32s(rows * 3 * d, a.d_qkv)?, f32s(t * t, a.work)?, f32s(a.scratch_len, a.scratch)?],
+    )?;
+    let qkv = ArrayView2::from_shape((rows, 3 * d), cast(qkv)?).map_err(|e| e.to_string())?;
+    let d_att = ArrayView2::from_shape((rows, d), cast(d_att)?).map_err(|e| e.to_string())?;
+    let mut d_qkv = ArrayViewMut2::from_shape((rows, 3 * d), cast_mut(d_qkv)?).map_err(|e| e.to_string())?;
+    let mut d_probs = ArrayViewMut2::from_shape((t, t), cast_mut(work)?).map_err(|e| e.to_string())?;
+    let (probs, scratch) = (cast(probs)?, as_scratch(cast_mut(scratch)?));
+    let scale = 1.0 / (hd as f32).sqrt();
+    let fail = |e: crate::Error| e.to_string();
+    for (i, slot) in probs.chunks_exact(a.per_head()).enumerate() {
+        let (b, h) = (i / heads, i % heads);
+        let rows = b * t..(b + 1) * t;
+        let (qc, kc, vc) = (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
+        let q = qkv.slice(s![rows.clone(), qc.clone()]);
+        let k = qkv.slice(s![rows.clone(), kc.clone()]);
+        let v = qkv.slice(s![rows.clone(), vc.clone()]);
+        let p = ArrayView2::from_shape((t, t), &slot[2 * t..]).map_err(|e| e.to_string())?;
+        let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
+        // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
+        sgemm_tri(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch, Triangle::LowerC).map_err(fail)?;
+        let dv = d_qkv.slice_mut(s![rows.clone(), vc]);
+        sgemm_tri(1.0, p.t(), d_o, 0.0, dv, scratch, Triangle::UpperA).map_err(fail)?;
+        causal_softmax_backward(p, d_probs.view_mut(), scale);
+        // dQ = dS·K, dK = dSᵀ·Q.
+        let dq = d_qkv.slice_mut(s![rows.clone(), qc]);
+        sgemm_tri(1.0, d_probs.view(), k, 0.0, dq, scratch, Triangle::LowerA).map_err(fail)?;
+        let dk = d_qkv.slice_mut(s![rows, kc]);
+        sgemm_tri(1.0, d_probs.t(), q, 0.0, dk, scratch, Triangle::UpperA).map_err(fail)?;
+    }
+    Ok(())
 }

@@ -144,7 +144,10 @@ __device__ __forceinline__ void carve_adam(float beta1, float beta2, float epsil
 // (atomicMax of n - i: the first element wins whatever the order threads run in).
 extern "C" __global__ void carve_adam_check(const float* __restrict__ w, const float* __restrict__ grad,
                                             const float* __restrict__ m, const float* __restrict__ v, u64 n,
-                                            float beta1, float beta2, float epsilon, float step, u32* status) {
+                                            float beta1, float beta2, float epsilon, float step, u32* status,
+                                            const float* __restrict__ decay) {
+    // `decay` is not read: the check is of the values before the decay, as the host's is.
+    (void)decay;
     for (u64 i = carve_index(); i < n; i += carve_stride()) {
         float m_new, v_new, u;
         carve_adam(beta1, beta2, epsilon, step, m[i], v[i], grad[i], &m_new, &v_new, &u);
@@ -155,9 +158,11 @@ extern "C" __global__ void carve_adam_check(const float* __restrict__ w, const f
 }
 
 // Stores the Adam step that carve_adam_check found finite; stores nothing when it did not.
+// With `decay` (not null: AdamW), each value is first multiplied by its factor.
 extern "C" __global__ void carve_adam_commit(float* __restrict__ w, const float* __restrict__ grad,
                                              float* __restrict__ m, float* __restrict__ v, u64 n, float beta1,
-                                             float beta2, float epsilon, float step, const u32* status) {
+                                             float beta2, float epsilon, float step, const u32* status,
+                                             const float* __restrict__ decay) {
     if (*status != 0) {
         return;
     }
@@ -166,7 +171,8 @@ extern "C" __global__ void carve_adam_commit(float* __restrict__ w, const float*
         carve_adam(beta1, beta2, epsilon, step, m[i], v[i], grad[i], &m_new, &v_new, &u);
         m[i] = m_new;
         v[i] = v_new;
-        w[i] += u;
+        float value = decay != 0 ? w[i] * decay[i] : w[i];
+        w[i] = value + u;
     }
 }
 
@@ -193,5 +199,268 @@ extern "C" __global__ void carve_sgd_commit(float* __restrict__ w, const float* 
         float u = carve_flush(momentum * velocity[i] - learning_rate * grad[i]);
         velocity[i] = u;
         w[i] += u;
+    }
+}
+
+// GELU's tanh form (vector::gelu, vector::gelu_slope).
+#define CARVE_GELU_C 0.7978846f
+#define CARVE_GELU_A 0.044715f
+
+extern "C" __global__ void carve_gelu(const float* __restrict__ x, float* __restrict__ y, u64 n) {
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        float v = x[i];
+        float u = CARVE_GELU_C * fmaf(CARVE_GELU_A * v * v, v, v);
+        float h = 0.5f * v;
+        y[i] = fmaf(h, tanhf(u), h);
+    }
+}
+
+extern "C" __global__ void carve_gelu_backward(const float* __restrict__ x, const float* __restrict__ dy,
+                                               float* __restrict__ dx, u64 n) {
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        float v = x[i];
+        float x2 = v * v;
+        float t = tanhf(CARVE_GELU_C * fmaf(CARVE_GELU_A * x2, v, v));
+        float sech2 = fmaf(-t, t, 1.0f);
+        float inner = fmaf(x2, 3.0f * CARVE_GELU_A, 1.0f);
+        dx[i] = dy[i] * fmaf((0.5f * CARVE_GELU_C) * v * sech2, inner, fmaf(t, 0.5f, 0.5f));
+    }
+}
+
+// The sum of `v` over the block's threads (BLOCK threads, a power of two), in `part`.
+__device__ __forceinline__ float carve_block_sum(float v, float* part) {
+    u32 t = threadIdx.x;
+    part[t] = v;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            part[t] += part[t + s];
+        }
+        __syncthreads();
+    }
+    float sum = part[0];
+    __syncthreads();
+    return sum;
+}
+
+// One row's mean and reciprocal standard deviation (vector::row_statistics), one block.
+__device__ __forceinline__ void carve_row_statistics(const float* x, u64 cols, float eps, float* part, float* mean,
+                                                     float* rstd) {
+    float s = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        s += x[c];
+    }
+    float m = carve_block_sum(s, part) / (float)cols;
+    float q = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float d = x[c] - m;
+        q += d * d;
+    }
+    float var = carve_block_sum(q, part) / (float)cols;
+    *mean = m;
+    *rstd = 1.0f / sqrtf(var + eps);
+}
+
+// Layer normalisation (vector::layer_norm_new): one block per row; gamma then beta at params.
+extern "C" __global__ void carve_layer_norm(const float* __restrict__ x, const float* __restrict__ params,
+                                            float* __restrict__ y, u64 rows, u64 cols, float eps) {
+    __shared__ float part[256];
+    u64 r = blockIdx.x;
+    if (r >= rows) {
+        return;
+    }
+    const float* row = x + r * cols;
+    float mean, rstd;
+    carve_row_statistics(row, cols, eps, part, &mean, &rstd);
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        y[r * cols + c] = (row[c] - mean) * rstd * params[c] + params[cols + c];
+    }
+}
+
+// Its backward pass, by rows (kernels::layer_norm_backward): each row's statistics into
+// stats (mean, rstd) and, when dx is not null, the row's input gradient.
+extern "C" __global__ void carve_layer_norm_backward_rows(const float* __restrict__ x, const float* __restrict__ params,
+                                                          const float* __restrict__ dy, float* __restrict__ dx,
+                                                          float* __restrict__ stats, u64 rows, u64 cols, float eps) {
+    __shared__ float part[256];
+    u64 r = blockIdx.x;
+    if (r >= rows) {
+        return;
+    }
+    const float* xr = x + r * cols;
+    const float* g = dy + r * cols;
+    float mean, rstd;
+    carve_row_statistics(xr, cols, eps, part, &mean, &rstd);
+    if (threadIdx.x == 0) {
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = rstd;
+    }
+    if (dx == 0) {
+        return;
+    }
+    float s1 = 0.0f, s2 = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float dxhat = g[c] * params[c];
+        s1 += dxhat;
+        s2 += dxhat * ((xr[c] - mean) * rstd);
+    }
+    float m1 = carve_block_sum(s1, part) / (float)cols;
+    float m2 = carve_block_sum(s2, part) / (float)cols;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        float xhat = (xr[c] - mean) * rstd;
+        dx[r * cols + c] = rstd * (g[c] * params[c] - m1 - xhat * m2);
+    }
+}
+
+// Its parameters' gradients: dgamma[c] = Σ_r dy·x̂, dbeta[c] = Σ_r dy, in row order.
+extern "C" __global__ void carve_layer_norm_backward_params(const float* __restrict__ x, const float* __restrict__ dy,
+                                                            const float* __restrict__ stats, float* __restrict__ grads,
+                                                            u64 rows, u64 cols) {
+    for (u64 c = carve_index(); c < cols; c += carve_stride()) {
+        float dg = 0.0f, db = 0.0f;
+        for (u64 r = 0; r < rows; ++r) {
+            float g = dy[r * cols + c];
+            dg += g * ((x[r * cols + c] - stats[2 * r]) * stats[2 * r + 1]);
+            db += g;
+        }
+        grads[c] = dg;
+        grads[cols + c] = db;
+    }
+}
+
+// out[r] = table[ids[r]].
+extern "C" __global__ void carve_embedding(const u32* __restrict__ ids, const float* __restrict__ table,
+                                           float* __restrict__ out, u64 rows, u64 width) {
+    u64 n = rows * width;
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        out[i] = table[(u64)ids[i / width] * width + i % width];
+    }
+}
+
+// dtable[v, c] = Σ over the rows r of token v of dy[r, c], in row order (one thread per
+// element of the table: no atomics, the same bits every run).
+extern "C" __global__ void carve_embedding_backward(const u32* __restrict__ ids, const float* __restrict__ dy,
+                                                    float* __restrict__ dtable, u64 rows, u64 width, u64 vocabulary) {
+    u64 n = vocabulary * width;
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        u64 v = i / width, c = i % width;
+        float acc = 0.0f;
+        for (u64 r = 0; r < rows; ++r) {
+            if ((u64)ids[r] == v) {
+                acc += dy[r * width + c];
+            }
+        }
+        dtable[i] = acc;
+    }
+}
+
+// y[b, t] = x[b, t] + table[t].
+extern "C" __global__ void carve_add_positions(const float* __restrict__ x, const float* __restrict__ table,
+                                               float* __restrict__ y, u64 batch, u64 steps, u64 width) {
+    u64 per = steps * width, n = batch * per;
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        y[i] = x[i] + table[i % per];
+    }
+}
+
+// dtable[t, c] = Σ_b dy[b, t, c] in batch order; rows past `steps` are 0.
+extern "C" __global__ void carve_positions_backward(const float* __restrict__ dy, float* __restrict__ dtable, u64 batch,
+                                                    u64 steps, u64 width, u64 context) {
+    u64 per = steps * width, n = context * width;
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        float acc = 0.0f;
+        if (i < per) {
+            for (u64 b = 0; b < batch; ++b) {
+                acc += dy[b * per + i];
+            }
+        }
+        dtable[i] = acc;
+    }
+}
+
+extern "C" __global__ void carve_add(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y,
+                                     u64 n) {
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        y[i] = a[i] + b[i];
+    }
+}
+
+extern "C" __global__ void carve_add_assign(float* __restrict__ acc, const float* __restrict__ x, u64 n) {
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        acc[i] += x[i];
+    }
+}
+
+// The causal softmax of the score rows of `blocks` blocks of `steps × steps` scores, each
+// block at `probs + b * per_head + 2 * steps` (its statistics before it), in place: one
+// block of threads per row; row i keeps keys 0..=i, the rest become 0 (vector::softmax_row).
+extern "C" __global__ void carve_causal_softmax(float* __restrict__ probs, u64 blocks, u64 steps, u64 per_head) {
+    __shared__ float part[256];
+    u64 row = blockIdx.x;
+    if (row >= blocks * steps) {
+        return;
+    }
+    u64 b = row / steps, i = row % steps;
+    float* stats = probs + b * per_head;
+    float* s = stats + 2 * steps + i * steps;
+    u32 t = threadIdx.x;
+    float m = __int_as_float(0xff800000);
+    for (u64 j = t; j <= i; j += blockDim.x) {
+        m = fmaxf(m, s[j]);
+    }
+    part[t] = m;
+    __syncthreads();
+    for (u32 k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (t < k) {
+            part[t] = fmaxf(part[t], part[t + k]);
+        }
+        __syncthreads();
+    }
+    float max = part[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (u64 j = t; j <= i; j += blockDim.x) {
+        float e = expf(s[j] - max);
+        s[j] = e;
+        sum += e;
+    }
+    float inv = 1.0f / carve_block_sum(sum, part);
+    for (u64 j = t; j < steps; j += blockDim.x) {
+        s[j] = j <= i ? s[j] * inv : 0.0f;
+    }
+    if (t == 0) {
+        stats[2 * i] = max;
+        stats[2 * i + 1] = inv;
+    }
+}
+
+// dS = scale · P ⊙ (dP − Σ P⊙dP) row by row (vector::causal_softmax_backward_body), dP in
+// place at `dprobs + b * steps²`, P at `probs + b * per_head + 2 * steps`; keys past the
+// row's step become 0.
+extern "C" __global__ void carve_causal_softmax_backward(const float* __restrict__ probs, float* __restrict__ dprobs,
+                                                         u64 blocks, u64 steps, u64 per_head, float scale) {
+    __shared__ float part[256];
+    u64 row = blockIdx.x;
+    if (row >= blocks * steps) {
+        return;
+    }
+    u64 b = row / steps, i = row % steps;
+    const float* p = probs + b * per_head + 2 * steps + i * steps;
+    float* d = dprobs + b * steps * steps + i * steps;
+    float dot = 0.0f;
+    for (u64 j = threadIdx.x; j <= i; j += blockDim.x) {
+        dot += p[j] * d[j];
+    }
+    dot = carve_block_sum(dot, part);
+    for (u64 j = threadIdx.x; j < steps; j += blockDim.x) {
+        d[j] = j <= i ? scale * p[j] * (d[j] - dot) : 0.0f;
+    }
+}
+
+// x *= factor (compiled and checked with the others; the update applies AdamW's decay
+// itself, so that a step that is refused stores nothing).
+extern "C" __global__ void carve_scale(float* __restrict__ x, u64 n, float factor) {
+    for (u64 i = carve_index(); i < n; i += carve_stride()) {
+        x[i] *= factor;
     }
 }

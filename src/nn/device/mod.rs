@@ -23,9 +23,11 @@
 //!   [`Layer::device_form`](crate::nn::Layer::device_form) ([`DeviceForm`]); a network
 //!   with a layer that has none is refused when it is built, naming the layer.
 //!
-//! What is on devices so far: dense and ReLU layers, softmax cross-entropy, Adam and SGD
-//! (the digits MLP). Layer norms, GELU, embeddings and attention (the GPT), AdamW's
-//! decay, planned device arenas and CUDA graphs are not yet.
+//! What is on devices: dense, ReLU, GELU, layer-norm, embedding, position-embedding and
+//! causal attention layers and residual blocks, softmax cross-entropy over examples or
+//! steps, Adam, AdamW and SGD: the digits MLP and the GPT. Not yet: LSTMs and the
+//! sequence heads, features masks, planned device arenas (`WorkspaceMode::Planned`
+//! trains in an enabled device workspace), CUDA graphs.
 
 mod cuda;
 pub(crate) mod kernel;
@@ -40,7 +42,7 @@ use crate::{Error, Result};
 
 pub use cuda::{compile_kernels, KERNELS_SOURCE, KERNEL_NAMES};
 use kernel::Kernel;
-pub(crate) use train::{build, DeviceStep};
+pub(crate) use train::{build, DeviceStep, StepInput};
 
 /// Where a network's training step runs.
 ///
@@ -113,8 +115,9 @@ impl FromStr for Device {
 /// What a layer is on a device: the device step runs each form with the seam's
 /// operations. A layer returns one from
 /// [`Layer::device_form`](crate::nn::Layer::device_form); the forms are carve's own
-/// layers (a custom layer that computes as one of them may say so).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// layers (a custom layer that computes as one of them, with its parameters laid out
+/// the same way, may say so).
+#[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum DeviceForm {
     /// `y = x · W + b`, the parameters laid out as [`Dense`](crate::nn::Dense)'s: the
@@ -127,6 +130,45 @@ pub enum DeviceForm {
     },
     /// `y = max(x, 0)`, no parameters.
     Relu,
+    /// GELU (the tanh form, as [`Gelu`](crate::nn::Gelu)), no parameters.
+    Gelu,
+    /// Layer normalisation over each row ([`LayerNorm`](crate::nn::LayerNorm)): the
+    /// scale, then the bias, a row's width each.
+    LayerNorm {
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// A token embedding ([`Embedding`](crate::nn::Embedding)): the first layer, of
+    /// token ids; its table `vocabulary × width`.
+    Embedding {
+        /// Tokens in the table.
+        vocabulary: usize,
+        /// Features per token.
+        width: usize,
+    },
+    /// A learned position embedding ([`PositionEmbedding`](crate::nn::PositionEmbedding)):
+    /// its table `context × width`.
+    PositionEmbedding {
+        /// The most steps a sequence may have.
+        context: usize,
+        /// Features per step.
+        width: usize,
+    },
+    /// Causal multi-head self-attention ([`Attention`](crate::nn::Attention)), its
+    /// parameters `qkv.weight`, `qkv.bias`, `proj.weight`, `proj.bias`.
+    Attention {
+        /// Features per step.
+        width: usize,
+        /// Heads (dividing the width).
+        heads: usize,
+    },
+    /// The join of a residual block that starts at layer `from`
+    /// ([`NetworkConfigBuilder::residual`](crate::nn::NetworkConfigBuilder::residual)'s
+    /// own; no other layer may say it is one).
+    Residual {
+        /// The block's first layer.
+        from: usize,
+    },
 }
 
 /// What a network's device step holds ([`Network::device_stats`](crate::nn::Network::device_stats)).

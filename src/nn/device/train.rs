@@ -3,30 +3,60 @@
 
 use std::ops::Range;
 
-use ndarray::{Array2, ArrayView1, ArrayView2, ArrayViewMut1, Ix1, Ix2};
+use ndarray::{Array2, ArrayView2, ArrayView3, ArrayViewMut1, Ix1, Ix2};
 use std::mem::size_of;
 use workspace_core::WorkspaceConfig;
-use workspace_cuda::{Device as _, DeviceArray, DeviceWorkspace, PinnedWorkspace};
+use workspace_cuda::{Device as _, DeviceArray, DeviceScope, DeviceWorkspace, PinnedWorkspace};
 
 use crate::{Error, Result};
 
 use super::super::layer::Layer;
 use super::super::params::Params;
-use super::super::updater::Updater;
-use super::kernel::{Gemm, Kernel};
+use super::super::residual::{join_of, MAX_NESTING};
+use super::super::updater::{decay_factors, Updater};
+use super::kernel::{Attention as KernelAttention, Gemm, Kernel};
 use super::{device_error, Compute, DeviceForm, DeviceStats, SimCompute};
 
 /// Values of each of the four rows of the state allocation are padded to this many, so
 /// that every row starts on the device alignment (256 bytes).
 const ROW_ALIGN: usize = 64;
 
+/// A batch as a device step takes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum StepInput<'a> {
+    /// `[batch, features]`.
+    Flat(ArrayView2<'a, f32>),
+    /// `[batch, time, features]`, in standard layout.
+    Sequences(ArrayView3<'a, f32>),
+    /// `[batch, time]` token ids, each below the first layer's vocabulary.
+    Tokens(ArrayView2<'a, u32>),
+}
+
+impl StepInput<'_> {
+    /// `(batch, steps)`: the rows of the step are `batch · steps`.
+    fn dims(&self) -> (usize, usize) {
+        match self {
+            StepInput::Flat(x) => (x.nrows(), 1),
+            StepInput::Sequences(x) => (x.shape()[0], x.shape()[1]),
+            StepInput::Tokens(ids) => ids.dim(),
+        }
+    }
+}
+
 /// A device step behind one type, whatever its device.
 pub(crate) trait DeviceStep {
     /// What the step holds.
     fn stats(&self) -> DeviceStats;
-    /// One training step on `x` (`[batch, inputs]`) and `labels`, each checked by the
-    /// caller; writes the updated parameters into `params`; returns the mean loss.
-    fn fit(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>, params: &mut [f32]) -> Result<f32>;
+    /// One training step on `x` and `labels` (one per row of the step: `[batch, steps]`),
+    /// each checked by the caller; writes the updated parameters into `params`; returns
+    /// the mean loss.
+    fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32>;
+    /// Whether the step takes token ids (its first layer is an embedding).
+    fn takes_tokens(&self) -> bool;
+    /// The first layer's vocabulary, when it is an embedding.
+    fn vocabulary(&self) -> Option<usize>;
+    /// The most steps a sequence may have (a position embedding's context).
+    fn max_steps(&self) -> Option<usize>;
 }
 
 /// Builds the device step of `device` for `layers`, laid out by `layout`, starting from
@@ -39,6 +69,9 @@ pub(crate) fn build(
     updater: Updater,
     config: WorkspaceConfig,
 ) -> Result<Option<Box<dyn DeviceStep>>> {
+    if device == super::Device::Host {
+        return Ok(None);
+    }
     let plan = Plan::of(layers, layout, updater)?;
     match device {
         super::Device::Host => Ok(None),
@@ -51,48 +84,58 @@ pub(crate) fn build(
 pub(crate) struct Plan {
     forms: Vec<DeviceForm>,
     names: Vec<String>,
+    widths: Vec<usize>,
     regions: Vec<Range<usize>>,
     classes: usize,
     total: usize,
     updater: Updater,
+    /// AdamW's decay factor of each value (empty for other updaters).
+    decay: Vec<f32>,
 }
 
 impl Plan {
     fn of(layers: &[Box<dyn Layer>], layout: &Params, updater: Updater) -> Result<Plan> {
         let mut forms = Vec::with_capacity(layers.len());
         for (i, layer) in layers.iter().enumerate() {
-            let form = layer.device_form().ok_or_else(|| Error::InvalidConfig {
-                reason: format!(
-                    "layer '{}' has no device form (Layer::device_form), so it cannot train on a device; devices \
-                     run dense and ReLU layers so far: train this network on the host",
-                    layer.name()
-                ),
+            let invalid = |what: String| Error::InvalidConfig { reason: format!("layer '{}': {what}", layer.name()) };
+            let form = layer.device_form().ok_or_else(|| {
+                invalid(
+                    "has no device form (Layer::device_form), so it cannot train on a device; devices run dense, \
+                     ReLU, GELU, layer-norm, embedding and attention layers and residual blocks: train this network \
+                     on the host"
+                        .into(),
+                )
             })?;
+            let width = layout.widths[i];
             let expected = match form {
-                DeviceForm::Dense { inputs, outputs } => {
-                    (inputs == layout.widths[i]).then_some(inputs * outputs + outputs)
+                DeviceForm::Dense { inputs, outputs } => (inputs == width).then_some(inputs * outputs + outputs),
+                DeviceForm::Relu | DeviceForm::Gelu => Some(0),
+                DeviceForm::LayerNorm { .. } => Some(2 * width),
+                // A network of token ids counts its vocabulary as its inputs.
+                DeviceForm::Embedding { vocabulary, width: w } => {
+                    (i == 0 && (width == vocabulary || width == 1)).then_some(vocabulary * w)
                 }
-                DeviceForm::Relu => Some(0),
+                DeviceForm::PositionEmbedding { context, width: w } => (w == width).then_some(context * w),
+                DeviceForm::Attention { width: w, heads } => {
+                    (w == width && heads > 0 && w % heads == 0).then_some(4 * w * w + 4 * w)
+                }
+                DeviceForm::Residual { from } => {
+                    if join_of(layers, i) != Some(from) {
+                        return Err(invalid(format!(
+                            "says it joins a residual block from layer {from}, but it is not that join"
+                        )));
+                    }
+                    Some(0)
+                }
             };
             if expected != Some(layout.layout.regions[i].len()) {
-                return Err(Error::InvalidConfig {
-                    reason: format!(
-                        "layer '{}' says it is {form:?} on a device, which does not match its input width {} and its \
-                         {} parameters",
-                        layer.name(),
-                        layout.widths[i],
-                        layout.layout.regions[i].len()
-                    ),
-                });
+                return Err(invalid(format!(
+                    "says it is {form:?} on a device, which does not match its place (layer {i}), its input width {width} \
+                     and its {} parameters",
+                    layout.layout.regions[i].len()
+                )));
             }
             forms.push(form);
-        }
-        if matches!(updater, Updater::AdamW { .. }) {
-            return Err(Error::InvalidConfig {
-                reason: "AdamW's weight decay is not on devices yet: train with Adam or SGD on a device, or AdamW on \
-                         the host"
-                    .into(),
-            });
         }
         let total = layout.layout.total;
         if u32::try_from(total).is_err() {
@@ -100,14 +143,44 @@ impl Plan {
                 reason: format!("{total} parameter values are more than a device step indexes (2³² − 1)"),
             });
         }
+        let decay = match updater {
+            Updater::AdamW { .. } => decay_factors(updater.decay_factor(), layout),
+            _ => Vec::new(),
+        };
         Ok(Plan {
             forms,
             names: layers.iter().map(|l| l.name().to_string()).collect(),
+            widths: layout.widths.clone(),
             regions: layout.layout.regions.clone(),
             classes: layout.outputs,
             total,
             updater,
+            decay,
         })
+    }
+
+    /// Whether the step takes token ids (its first layer is an embedding).
+    pub(crate) fn takes_tokens(&self) -> bool {
+        matches!(self.forms.first(), Some(DeviceForm::Embedding { .. }))
+    }
+
+    /// The most steps a sequence may have (the smallest position embedding's context).
+    pub(crate) fn max_steps(&self) -> Option<usize> {
+        self.forms
+            .iter()
+            .filter_map(|f| match f {
+                DeviceForm::PositionEmbedding { context, .. } => Some(*context),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// The vocabulary of the first layer, when it is an embedding.
+    pub(crate) fn vocabulary(&self) -> Option<usize> {
+        match self.forms.first() {
+            Some(DeviceForm::Embedding { vocabulary, .. }) => Some(*vocabulary),
+            _ => None,
+        }
     }
 }
 
@@ -115,8 +188,9 @@ impl Plan {
 pub(crate) struct Trainer<C: Compute> {
     compute: C,
     plan: Plan,
-    /// Four rows of `pad` values: the parameters, their gradients, the updater's first
-    /// and second moments (SGD: velocity; the fourth row unused).
+    /// Rows of `pad` values: the parameters, their gradients, the updater's first and
+    /// second moments (SGD: velocity; the fourth row unused), and for AdamW the decay
+    /// factors.
     state: DeviceArray<C::D, f32, Ix2>,
     pad: usize,
     /// The summed loss (f64) and the update's status (u32) the step reads back.
@@ -128,6 +202,9 @@ pub(crate) struct Trainer<C: Compute> {
     staging: Option<(PinnedWorkspace<C::D>, usize)>,
     /// The step's activations by address, reused step to step (input first).
     outputs: Vec<u64>,
+    /// Per layer: what an attention layer keeps for its backward pass (`qkv`, `att`,
+    /// `probs`); zeros for the others.
+    kept: Vec<[u64; 3]>,
     /// The parameter row read back after each step (`pad` values).
     values: Vec<f32>,
     step: u64,
@@ -137,15 +214,33 @@ impl<C: Compute> Trainer<C> {
     pub(crate) fn new(compute: C, plan: Plan, params: &[f32], config: WorkspaceConfig) -> Result<Trainer<C>> {
         let (device, stream) = (compute.device().clone(), compute.stream().clone());
         let pad = plan.total.div_ceil(ROW_ALIGN).max(1) * ROW_ALIGN;
-        let mut host = Array2::<f32>::zeros((4, pad));
+        let rows = if plan.decay.is_empty() { 4 } else { 5 };
+        let mut host = Array2::<f32>::zeros((rows, pad));
         host.row_mut(0).as_slice_mut().expect("standard layout")[..params.len()].copy_from_slice(params);
+        if !plan.decay.is_empty() {
+            host.row_mut(4).as_slice_mut().expect("standard layout")[..plan.total].copy_from_slice(&plan.decay);
+        }
         let state = DeviceArray::htod(&device, &stream, &host)?;
         let loss = DeviceArray::zeros(&device, &stream, 1)?;
         let status = DeviceArray::zeros(&device, &stream, 1)?;
         let workspace = DeviceWorkspace::new("DEVICE_STEP", config, &device, &stream)?;
-        let outputs = Vec::with_capacity(plan.forms.len() + 1);
+        let layers = plan.forms.len();
+        let (outputs, kept) = (Vec::with_capacity(layers + 1), vec![[0; 3]; layers]);
         let values = vec![0.0; pad];
-        Ok(Trainer { compute, plan, state, pad, loss, status, workspace, staging: None, outputs, values, step: 0 })
+        Ok(Trainer {
+            compute,
+            plan,
+            state,
+            pad,
+            loss,
+            status,
+            workspace,
+            staging: None,
+            outputs,
+            kept,
+            values,
+            step: 0,
+        })
     }
 }
 
@@ -161,23 +256,50 @@ fn run<C: Compute>(compute: &mut C, kernel: Kernel) -> Result<()> {
 }
 
 /// A product's packing buffer of `len` values in `scope` (address 0 when none is needed).
-fn scratch_at<D: workspace_cuda::Device>(scope: &workspace_cuda::DeviceScope<'_, D>, len: usize) -> Result<u64> {
+fn scratch_at<D: workspace_cuda::Device>(scope: &DeviceScope<'_, D>, len: usize) -> Result<u64> {
     if len == 0 {
         return Ok(0);
     }
     Ok(scope.uninit::<f32, _>(len)?.device_ptr_mut())
 }
 
-/// A fresh `[rows, cols]` array of `scope` that a kernel writes whole, by address.
-fn fresh<D: workspace_cuda::Device, T: bytemuck::Pod>(
-    scope: &workspace_cuda::DeviceScope<'_, D>,
-    rows: usize,
-    cols: usize,
-) -> Result<u64> {
-    Ok(scope.uninit::<T, _>((rows, cols))?.device_ptr_mut())
+/// A fresh array of `len` values of `scope` that a kernel writes whole, by address.
+fn fresh<D: workspace_cuda::Device, T: bytemuck::Pod>(scope: &DeviceScope<'_, D>, len: usize) -> Result<u64> {
+    Ok(scope.uninit::<T, _>(len.max(1))?.device_ptr_mut())
 }
 
+/// `C (m × n) ← op(A)·op(B) + beta·C` with a packing buffer from `scope` when the compute
+/// wants one.
+#[allow(clippy::too_many_arguments)]
+fn product<C: Compute>(
+    compute: &mut C,
+    scope: &DeviceScope<'_, C::D>,
+    (m, n, k): (usize, usize, usize),
+    (a, a_t): (u64, bool),
+    (b, b_t): (u64, bool),
+    c: u64,
+    beta: f32,
+) -> Result<()> {
+    let scratch_len = compute.gemm_scratch(m, n, k);
+    let scratch = scratch_at(scope, scratch_len)?;
+    run(compute, Kernel::Gemm(Gemm { m, n, k, a, a_t, b, b_t, c, alpha: 1.0, beta, scratch, scratch_len }))
+}
+
+const F32: u64 = size_of::<f32>() as u64;
+
 impl<C: Compute> DeviceStep for Trainer<C> {
+    fn takes_tokens(&self) -> bool {
+        self.plan.takes_tokens()
+    }
+
+    fn vocabulary(&self) -> Option<usize> {
+        self.plan.vocabulary()
+    }
+
+    fn max_steps(&self) -> Option<usize> {
+        self.plan.max_steps()
+    }
+
     fn stats(&self) -> DeviceStats {
         let workspace = self.workspace.stats();
         DeviceStats {
@@ -189,53 +311,97 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         }
     }
 
-    fn fit(&mut self, x: ArrayView2<'_, f32>, labels: ArrayView1<'_, u32>, params: &mut [f32]) -> Result<f32> {
-        let Trainer { compute, plan, state, pad, loss, status, workspace, staging, outputs, values, step } = self;
-        let (batch, inputs) = x.dim();
+    fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32> {
+        let Trainer { compute, plan, state, pad, loss, status, workspace, staging, outputs, kept, values, step } = self;
+        let (batch, steps) = x.dims();
+        let rows = batch * steps;
         let (classes, layers, pad) = (plan.classes, plan.forms.len(), *pad);
         let base = state.device_ptr();
-        let state_at = |row: usize, at: usize| base + ((row * pad + at) * size_of::<f32>()) as u64;
-        let f32_bytes = |n: usize| (n * size_of::<f32>()) as u64;
+        let state_at = |row: usize, at: usize| base + (row * pad + at) as u64 * F32;
 
         // The batch, staged through pinned memory.
-        let need =
-            (x.len() * size_of::<f32>()).next_multiple_of(64) + (labels.len() * size_of::<u32>()).next_multiple_of(64);
+        let x_bytes = match x {
+            StepInput::Flat(x) => x.len() * 4,
+            StepInput::Sequences(x) => x.len() * 4,
+            StepInput::Tokens(ids) => ids.len() * 4,
+        };
+        let need = x_bytes.next_multiple_of(64) + (labels.len() * size_of::<u32>()).next_multiple_of(64);
         if staging.as_ref().is_none_or(|(_, bytes)| *bytes < need) {
             *staging = None;
             *staging = Some((PinnedWorkspace::for_transfers("DEVICE_STAGING", compute.device(), need)?, need));
         }
         let stage = staging.as_ref().expect("made above").0.enter()?;
-        let x_pinned = stage.copy_of(&x)?;
-        let labels_pinned = stage.copy_of(&labels)?;
         let scope = workspace.enter()?;
-        let x_dev = scope.htod_pinned(&x_pinned)?;
-        let labels_dev = scope.htod_pinned(&labels_pinned)?;
+        let x_at = match x {
+            StepInput::Flat(x) => scope.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
+            StepInput::Sequences(x) => scope.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
+            StepInput::Tokens(ids) => scope.htod_pinned(&stage.copy_of(&ids)?)?.device_ptr(),
+        };
+        let labels_at = scope.htod_pinned(&stage.copy_of(&labels)?)?.device_ptr();
 
         // Forward: each layer's output a fresh array of the scope.
         outputs.clear();
-        outputs.push(x_dev.device_ptr());
-        let mut width = inputs;
+        outputs.push(x_at);
         for i in 0..layers {
-            let input = outputs[i];
+            let (input, width) = (outputs[i], plan.widths[i]);
+            let weights = state_at(0, plan.regions[i].start);
             let out = match plan.forms[i] {
                 DeviceForm::Dense { inputs, outputs } => {
-                    let out = fresh::<_, f32>(&scope, batch, outputs)?;
-                    let weights = state_at(0, plan.regions[i].start);
-                    let bias = weights + f32_bytes(inputs * outputs);
-                    run(compute, Kernel::BiasRows { bias, out, rows: batch, cols: outputs })?;
-                    let scratch_len = compute.gemm_scratch(batch, outputs, inputs);
-                    let scratch = scratch_at(&scope, scratch_len)?;
-                    let (m, n, k) = (batch, outputs, inputs);
-                    let (a, b, c) = (input, weights, out);
-                    let g =
-                        Gemm { m, n, k, a, a_t: false, b, b_t: false, c, alpha: 1.0, beta: 1.0, scratch, scratch_len };
-                    run(compute, Kernel::Gemm(g))?;
-                    width = outputs;
+                    let out = fresh::<_, f32>(&scope, rows * outputs)?;
+                    let bias = weights + (inputs * outputs) as u64 * F32;
+                    run(compute, Kernel::BiasRows { bias, out, rows, cols: outputs })?;
+                    product(compute, &scope, (rows, outputs, inputs), (input, false), (weights, false), out, 1.0)?;
                     out
                 }
                 DeviceForm::Relu => {
-                    let y = fresh::<_, f32>(&scope, batch, width)?;
-                    run(compute, Kernel::Relu { x: input, y, n: batch * width })?;
+                    let y = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::Relu { x: input, y, n: rows * width })?;
+                    y
+                }
+                DeviceForm::Gelu => {
+                    let y = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::Gelu { x: input, y, n: rows * width })?;
+                    y
+                }
+                DeviceForm::LayerNorm { eps } => {
+                    let y = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::LayerNorm { x: input, params: weights, y, rows, cols: width, eps })?;
+                    y
+                }
+                DeviceForm::Embedding { vocabulary, width } => {
+                    let out = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::Embedding { ids: input, table: weights, out, rows, width, vocabulary })?;
+                    out
+                }
+                DeviceForm::PositionEmbedding { width, .. } => {
+                    let y = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::AddPositions { x: input, table: weights, y, batch, steps, width })?;
+                    y
+                }
+                DeviceForm::Attention { width: d, heads } => {
+                    let qkv = fresh::<_, f32>(&scope, rows * 3 * d)?;
+                    let qkv_b = weights + (d * 3 * d) as u64 * F32;
+                    run(compute, Kernel::BiasRows { bias: qkv_b, out: qkv, rows, cols: 3 * d })?;
+                    product(compute, &scope, (rows, 3 * d, d), (input, false), (weights, false), qkv, 1.0)?;
+                    let mut core = attention(batch, steps, d, heads);
+                    let att = fresh::<_, f32>(&scope, rows * d)?;
+                    let probs = fresh::<_, f32>(&scope, core.probs_len())?;
+                    let scratch_len =
+                        compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
+                    let scratch = scratch_at(&scope, scratch_len)?;
+                    core = KernelAttention { qkv, att, probs, scratch, scratch_len, ..core };
+                    run(compute, Kernel::AttentionForward(core))?;
+                    let out = fresh::<_, f32>(&scope, rows * d)?;
+                    let proj_w = qkv_b + (3 * d) as u64 * F32;
+                    let proj_b = proj_w + (d * d) as u64 * F32;
+                    run(compute, Kernel::BiasRows { bias: proj_b, out, rows, cols: d })?;
+                    product(compute, &scope, (rows, d, d), (att, false), (proj_w, false), out, 1.0)?;
+                    kept[i] = [qkv, att, probs];
+                    out
+                }
+                DeviceForm::Residual { from } => {
+                    let y = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::Add { a: input, b: outputs[from], y, n: rows * width })?;
                     y
                 }
             };
@@ -243,79 +409,144 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         }
 
         // The loss and the gradient of the logits.
-        let logits_grad = fresh::<_, f32>(&scope, batch, classes)?;
-        let row_loss = fresh::<_, f64>(&scope, batch, 1)?;
+        let logits_grad = fresh::<_, f32>(&scope, rows * classes)?;
+        let row_loss = fresh::<_, f64>(&scope, rows)?;
         run(
             compute,
             Kernel::SoftmaxCrossEntropy {
                 logits: outputs[layers],
-                labels: labels_dev.device_ptr(),
+                labels: labels_at,
                 grad: logits_grad,
                 row_loss,
                 loss: loss.device_ptr(),
-                rows: batch,
+                rows,
                 classes,
-                scale: 1.0 / batch as f32,
+                scale: 1.0 / rows as f32,
             },
         )?;
 
-        // Backward, into the gradient row of the state.
+        // Backward, into the gradient row of the state. The gradients of residual joins
+        // wait on a fixed stack for their blocks' inputs.
+        let mut skips = [(0usize, 0u64); MAX_NESTING];
+        let mut pending = 0;
         let mut dy = logits_grad;
-        let mut width = classes;
         for i in (0..layers).rev() {
-            let input = outputs[i];
-            match plan.forms[i] {
-                DeviceForm::Dense { inputs, outputs: n_out } => {
-                    let weights = state_at(0, plan.regions[i].start);
-                    let gw = state_at(1, plan.regions[i].start);
-                    let gb = gw + f32_bytes(inputs * n_out);
-                    // dW = xᵀ · dy
-                    let scratch_len = compute.gemm_scratch(inputs, n_out, batch);
-                    let scratch = scratch_at(&scope, scratch_len)?;
-                    let (m, n, k) = (inputs, n_out, batch);
-                    let (a, b, c) = (input, dy, gw);
-                    let g =
-                        Gemm { m, n, k, a, a_t: true, b, b_t: false, c, alpha: 1.0, beta: 0.0, scratch, scratch_len };
-                    run(compute, Kernel::Gemm(g))?;
-                    run(compute, Kernel::SumRows { x: dy, sum: gb, rows: batch, cols: n_out })?;
-                    if i > 0 {
-                        // dx = dy · Wᵀ
-                        let dx = fresh::<_, f32>(&scope, batch, inputs)?;
-                        let scratch_len = compute.gemm_scratch(batch, inputs, n_out);
-                        let scratch = scratch_at(&scope, scratch_len)?;
-                        let (m, n, k) = (batch, inputs, n_out);
-                        let (a, b, c) = (dy, weights, dx);
-                        let g = Gemm {
-                            m,
-                            n,
-                            k,
-                            a,
-                            a_t: false,
-                            b,
-                            b_t: true,
-                            c,
-                            alpha: 1.0,
-                            beta: 0.0,
-                            scratch,
-                            scratch_len,
-                        };
-                        run(compute, Kernel::Gemm(g))?;
-                        dy = dx;
+            let (input, width) = (outputs[i], plan.widths[i]);
+            let weights = state_at(0, plan.regions[i].start);
+            let grads = state_at(1, plan.regions[i].start);
+            let want_dx = i > 0;
+            // The gradient of this layer's input, and whether it is `dy` itself.
+            let (dx, passed) = match plan.forms[i] {
+                DeviceForm::Residual { from } => {
+                    if pending == MAX_NESTING {
+                        return Err(Error::InvalidInput(format!(
+                            "residual blocks nested more than {MAX_NESTING} deep"
+                        )));
                     }
-                    width = inputs;
+                    skips[pending] = (from, dy);
+                    pending += 1;
+                    continue;
                 }
-                DeviceForm::Relu if i > 0 => {
-                    let dx = fresh::<_, f32>(&scope, batch, width)?;
-                    run(compute, Kernel::ReluBackward { y: outputs[i + 1], dy, dx, n: batch * width })?;
-                    dy = dx;
+                DeviceForm::Dense { inputs, outputs: n_out } => {
+                    product(compute, &scope, (inputs, n_out, rows), (input, true), (dy, false), grads, 0.0)?;
+                    let gb = grads + (inputs * n_out) as u64 * F32;
+                    run(compute, Kernel::SumRows { x: dy, sum: gb, rows, cols: n_out })?;
+                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * inputs)? } else { 0 };
+                    if want_dx {
+                        product(compute, &scope, (rows, inputs, n_out), (dy, false), (weights, true), dx, 0.0)?;
+                    }
+                    (dx, false)
                 }
-                DeviceForm::Relu => {}
+                DeviceForm::Relu => {
+                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
+                    if want_dx {
+                        run(compute, Kernel::ReluBackward { y: outputs[i + 1], dy, dx, n: rows * width })?;
+                    }
+                    (dx, false)
+                }
+                DeviceForm::Gelu => {
+                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
+                    if want_dx {
+                        run(compute, Kernel::GeluBackward { x: input, dy, dx, n: rows * width })?;
+                    }
+                    (dx, false)
+                }
+                DeviceForm::LayerNorm { eps } => {
+                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
+                    let stats = fresh::<_, f32>(&scope, 2 * rows)?;
+                    let (x, params, cols) = (input, weights, width);
+                    let kernel = Kernel::LayerNormBackward { x, params, dy, grads, dx, stats, rows, cols, eps };
+                    run(compute, kernel)?;
+                    (dx, false)
+                }
+                DeviceForm::Embedding { vocabulary, width } => {
+                    run(compute, Kernel::EmbeddingBackward { ids: input, dy, dtable: grads, rows, width, vocabulary })?;
+                    (0, false)
+                }
+                DeviceForm::PositionEmbedding { context, width } => {
+                    run(compute, Kernel::PositionsBackward { dy, dtable: grads, batch, steps, width, context })?;
+                    (dy, true)
+                }
+                DeviceForm::Attention { width: d, heads } => {
+                    let [qkv, att, probs] = kept[i];
+                    let qkv_b = grads + (d * 3 * d) as u64 * F32;
+                    let g_proj_w = qkv_b + (3 * d) as u64 * F32;
+                    let g_proj_b = g_proj_w + (d * d) as u64 * F32;
+                    let proj_w = weights + (d * 3 * d + 3 * d) as u64 * F32;
+                    // The output projection.
+                    product(compute, &scope, (d, d, rows), (att, true), (dy, false), g_proj_w, 0.0)?;
+                    run(compute, Kernel::SumRows { x: dy, sum: g_proj_b, rows, cols: d })?;
+                    let d_att = fresh::<_, f32>(&scope, rows * d)?;
+                    product(compute, &scope, (rows, d, d), (dy, false), (proj_w, true), d_att, 0.0)?;
+                    // The heads.
+                    let d_qkv = fresh::<_, f32>(&scope, rows * 3 * d)?;
+                    // One head's `dP` on the host; every head's of a sequence on a GPU.
+                    let work = fresh::<_, f32>(&scope, heads * steps * steps)?;
+                    let scratch_len =
+                        compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
+                    let scratch = scratch_at(&scope, scratch_len)?;
+                    let core = KernelAttention {
+                        qkv,
+                        att,
+                        probs,
+                        d_att,
+                        d_qkv,
+                        work,
+                        scratch,
+                        scratch_len,
+                        ..attention(batch, steps, d, heads)
+                    };
+                    run(compute, Kernel::AttentionBackward(core))?;
+                    // The input projection.
+                    product(compute, &scope, (d, 3 * d, rows), (input, true), (d_qkv, false), grads, 0.0)?;
+                    run(compute, Kernel::SumRows { x: d_qkv, sum: qkv_b, rows, cols: 3 * d })?;
+                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * d)? } else { 0 };
+                    if want_dx {
+                        product(compute, &scope, (rows, d, 3 * d), (d_qkv, false), (weights, true), dx, 0.0)?;
+                    }
+                    (dx, false)
+                }
+            };
+            // The joins' gradients of the blocks that start here, into their input's.
+            let mut dx = dx;
+            while pending > 0 && skips[pending - 1].0 == i {
+                pending -= 1;
+                let skip = skips[pending].1;
+                if want_dx && passed {
+                    let sum = fresh::<_, f32>(&scope, rows * width)?;
+                    run(compute, Kernel::Add { a: dx, b: skip, y: sum, n: rows * width })?;
+                    dx = sum;
+                } else if want_dx {
+                    run(compute, Kernel::AddAssign { acc: dx, x: skip, n: rows * width })?;
+                }
             }
+            dy = dx;
         }
 
         // The update, stored only when finite everywhere.
         let n = plan.total;
         let t = i32::try_from(*step + 1).unwrap_or(i32::MAX);
+        let decay = if plan.decay.is_empty() { 0 } else { state_at(4, 0) };
         let (values_at, grads, first, second) = (state_at(0, 0), state_at(1, 0), state_at(2, 0), state_at(3, 0));
         let update = Kernel::Update {
             updater: plan.updater,
@@ -324,6 +555,7 @@ impl<C: Compute> DeviceStep for Trainer<C> {
             grads,
             first,
             second,
+            decay,
             n,
             status: status.device_ptr(),
         };
@@ -334,7 +566,7 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         let mut bad = [0u32];
         loss.view().dtoh_into(&mut ArrayViewMut1::from(&mut loss_sum[..]))?;
         status.view().dtoh_into(&mut ArrayViewMut1::from(&mut bad[..]))?;
-        state.view().row(0).expect("four rows").dtoh_into(&mut ArrayViewMut1::from(&mut values[..]))?;
+        state.view().row(0).expect("the parameters' row").dtoh_into(&mut ArrayViewMut1::from(&mut values[..]))?;
         drop(scope);
         drop(stage);
         if let Some(error) = compute.device().take_deferred_error() {
@@ -351,12 +583,31 @@ impl<C: Compute> DeviceStep for Trainer<C> {
                 ),
             });
         }
-        let mean = (loss_sum[0] / batch as f64) as f32;
+        let mean = (loss_sum[0] / rows as f64) as f32;
         if !mean.is_finite() {
             return Err(Error::NonFinite { layer: "loss".into(), what: format!("the batch's mean loss is {mean}") });
         }
         params.copy_from_slice(&values[..n]);
         *step += 1;
         Ok(mean)
+    }
+}
+
+/// An attention core's shape, its arrays to be filled in.
+fn attention(batch: usize, steps: usize, width: usize, heads: usize) -> KernelAttention {
+    let narrow = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    KernelAttention {
+        qkv: 0,
+        att: 0,
+        probs: 0,
+        d_att: 0,
+        d_qkv: 0,
+        work: 0,
+        batch: narrow(batch),
+        steps: narrow(steps),
+        width: narrow(width),
+        heads: narrow(heads),
+        scratch: 0,
+        scratch_len: 0,
     }
 }

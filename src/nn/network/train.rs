@@ -4,7 +4,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
 use async_iter::{BatchSource, Prefetcher};
-use ndarray::{ArrayView1, ArrayView2};
+use ndarray::{ArrayView1, ArrayView2, Axis};
+
+use super::super::device::StepInput;
 use workspace_core::backend::{ArenaBackend, Block};
 use workspace_core::plan::{Plan, Trace};
 use workspace_core::ArrayType;
@@ -53,34 +55,78 @@ impl Network {
         Ok(loss)
     }
 
-    /// [`Network::fit_batch`] on the network's device: a flat batch and one label per
-    /// example, checked here (shapes, labels, finite inputs), then the device step.
+    /// [`Network::fit_batch`] on the network's device: the batch checked here (shapes,
+    /// labels, token ids, finite features, steps within the context), then the device
+    /// step.
     fn fit_batch_on_device(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
-        let (Input::Flat(x), Labels::PerExample(labels)) = (x, labels) else {
-            return Err(Error::InvalidInput(format!(
-                "a network training on {} takes a flat batch [batch, features] with one label per example (batches \
-                 of sequences and tokens train on the host so far)",
-                self.device
-            )));
+        self.check_batch(&x, Some(&labels))?;
+        let device = self.device;
+        let unsupported = |what: &str| {
+            Error::InvalidInput(format!(
+                "a network training on {device} takes {what} so far; train it on the host (Device::Host) for the rest"
+            ))
         };
-        if x.ncols() != self.inputs || labels.len() != x.nrows() || x.nrows() == 0 {
-            return Err(Error::ShapeMismatch {
-                context: "a device training batch and its labels".into(),
-                expected: vec![labels.len().max(1), self.inputs],
-                actual: x.shape().to_vec(),
-            });
+        let step = self.device_step.as_mut().expect("checked by the caller");
+        let (input, labels) = match (x, labels) {
+            (Input::Flat(x), Labels::PerExample(labels)) => (StepInput::Flat(x), labels.insert_axis(Axis(1))),
+            (Input::Sequences { features, mask: None }, Labels::PerStep { labels, mask: None }) => {
+                (StepInput::Sequences(features), labels)
+            }
+            (Input::Tokens { ids, mask: None }, Labels::PerStep { labels, mask: None }) => {
+                (StepInput::Tokens(ids), labels)
+            }
+            (Input::Sequences { mask: Some(_), .. } | Input::Tokens { mask: Some(_), .. }, _)
+            | (_, Labels::PerStep { mask: Some(_), .. }) => return Err(unsupported("batches without masks")),
+            _ => {
+                return Err(unsupported(
+                    "a flat batch with one label per example, or sequences or token ids with one label per step",
+                ))
+            }
+        };
+        if let StepInput::Sequences(features) = input {
+            if !features.is_standard_layout() {
+                return Err(unsupported("sequences in standard (row-major) layout"));
+            }
         }
-        if let Some((i, &label)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= self.classes) {
+        if matches!(input, StepInput::Tokens(_)) != step.takes_tokens() {
             return Err(Error::InvalidInput(format!(
-                "label {label} of example {i} is not a class of this network ({} classes)",
+                "this network's first layer {} token ids: give it {}",
+                if step.takes_tokens() { "takes" } else { "does not take" },
+                if step.takes_tokens() { "Input::Tokens" } else { "features" }
+            )));
+        }
+        if let (StepInput::Tokens(ids), Some(vocabulary)) = (input, step.vocabulary()) {
+            if let Some(((b, t), &id)) = ids.indexed_iter().find(|(_, &id)| id as usize >= vocabulary) {
+                return Err(Error::InvalidInput(format!(
+                    "token id {id} (sequence {b}, step {t}) is not a token of the embedding's vocabulary of {vocabulary}"
+                )));
+            }
+        }
+        if let Some(((r, c), &label)) = labels.indexed_iter().find(|(_, &l)| l as usize >= self.classes) {
+            return Err(Error::InvalidInput(format!(
+                "label {label} (at [{r}, {c}]) is not a class of this network ({} classes)",
                 self.classes
             )));
         }
-        if let Some((row, col, value)) = super::super::finite::first_in_matrix(x) {
-            return Err(Error::NonFinite { layer: "input".into(), what: format!("element [{row}, {col}] is {value}") });
+        let steps = labels.ncols();
+        if let Some(context) = step.max_steps().filter(|&context| steps > context) {
+            return Err(Error::InvalidInput(format!(
+                "sequences of {steps} steps are longer than the position embedding's context of {context}"
+            )));
         }
-        let step = self.device_step.as_mut().expect("checked by the caller");
-        let loss = step.fit(x, labels, Arc::make_mut(&mut self.params).as_mut_slice())?;
+        let non_finite = match input {
+            StepInput::Flat(x) => {
+                super::super::finite::first_in_matrix(x).map(|(r, c, v)| format!("[{r}, {c}] is {v}"))
+            }
+            StepInput::Sequences(x) => {
+                x.indexed_iter().find(|(_, v)| !v.is_finite()).map(|(at, v)| format!("{at:?} is {v}"))
+            }
+            StepInput::Tokens(_) => None,
+        };
+        if let Some(what) = non_finite {
+            return Err(Error::NonFinite { layer: "input".into(), what: format!("element {what}") });
+        }
+        let loss = step.fit(input, labels, Arc::make_mut(&mut self.params).as_mut_slice())?;
         self.iterations += 1;
         Ok(loss)
     }

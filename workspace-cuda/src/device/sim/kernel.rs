@@ -95,20 +95,23 @@ impl SimAccess<'_> {
                 ));
             }
         }
-        let mut read_at = [(0u64, 0usize); R];
-        for (slot, r) in read_at.iter_mut().zip(reads) {
-            *slot = self.memory.region(r.address, r.len)?;
+        // An empty range is an empty slice wherever it points (a kernel's optional
+        // operand, left at address 0).
+        let mut read_at = [None; R];
+        for (slot, r) in read_at.iter_mut().zip(reads).filter(|(_, r)| r.len > 0) {
+            *slot = Some(self.memory.region(r.address, r.len)?);
         }
-        let mut write_at = [(0u64, 0usize); W];
-        for (slot, w) in write_at.iter_mut().zip(writes) {
-            *slot = self.memory.region(w.address, w.len)?;
+        let mut write_at = [None; W];
+        for (slot, w) in write_at.iter_mut().zip(writes).filter(|(_, w)| w.len > 0) {
+            *slot = Some(self.memory.region(w.address, w.len)?);
         }
         // Every pointer comes from `Vec::as_mut_ptr`, which does not assert uniqueness
         // of the buffer, so deriving several from one allocation is allowed.
         let regions = &mut self.memory.regions;
         let mut base = |start: u64| regions.get_mut(&start).map(Vec::as_mut_ptr).expect("located above");
         let read_slices = std::array::from_fn(|i| {
-            let ((start, offset), len) = (read_at[i], reads[i].len);
+            let Some((start, offset)) = read_at[i] else { return &[][..] };
+            let len = reads[i].len;
             // SAFETY: `offset..offset + len` lies in the allocation at `start` (checked by
             // `locate`), which stays put while `self` (the memory lock) is borrowed; no
             // range written in this call overlaps it (checked above), so nothing writes
@@ -116,7 +119,8 @@ impl SimAccess<'_> {
             unsafe { std::slice::from_raw_parts(base(start).add(offset).cast_const(), len) }
         });
         let write_slices = std::array::from_fn(|i| {
-            let ((start, offset), len) = (write_at[i], writes[i].len);
+            let Some((start, offset)) = write_at[i] else { return &mut [][..] };
+            let len = writes[i].len;
             // SAFETY: as above; the range overlaps no other range of the call, so this is
             // the only slice of these bytes.
             unsafe { std::slice::from_raw_parts_mut(base(start).add(offset), len) }
