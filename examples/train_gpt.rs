@@ -20,6 +20,7 @@
 //! | `--iters N` | 2000 | training steps |
 //! | `--eval-every N` | 250 | validation loss every N steps (and after the last; 0: after the last only) |
 //! | `--workspace-mode MODE` | `enabled` | `enabled`, `planned` or `none` (ignored with `--compare`) |
+//! | `--device host\|sim\|cuda[:N]` | `host` | where each step runs: the CPU, the simulated device (the host's arithmetic in simulated device memory: the same losses) or a GPU (an error naming why where there is none); not with `--workers`, `--breakdown` or `--timeline` |
 //! | `--compare` | off | train the three modes (same seed) and check that their loss traces are bit-identical |
 //! | `--attention keep\|recompute` | `recompute` | keep the attention probabilities for backward, or only their softmax statistics (the scores rebuilt in backward; the same bits) |
 //! | `--threads N` | 1 | threads of each step (`Network::set_threads`, the same bits); not with `--workers` |
@@ -63,7 +64,8 @@ use std::time::Instant;
 use carve::alloc_check::{reset_thread_peak, thread_counts, CountingAllocator};
 use carve::async_iter::{Prefetcher, TokenWindows};
 use carve::nn::{
-    dry::BatchShape, dry::DryPass, Attention, Input, Labels, Network, NetworkConfig, NetworkConfigBuilder, Updater,
+    dry::BatchShape, dry::DryPass, Attention, Device, Input, Labels, Network, NetworkConfig, NetworkConfigBuilder,
+    Updater,
 };
 use carve::workspace_core::timeline::Timeline;
 use carve::WorkspaceMode;
@@ -103,6 +105,11 @@ struct Args {
     /// traces are bit-identical
     #[arg(long, verbatim_doc_comment)]
     compare: bool,
+    /// Where each step runs: `host`, `sim` (the simulated device:
+    /// the host's arithmetic in simulated device memory) or `cuda` /
+    /// `cuda:N`; not with --workers, --breakdown or --timeline
+    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
+    device: Device,
     /// Attention: `keep` the probabilities for backward, or
     /// `recompute` them from kept softmax statistics
     #[arg(long, value_name = "FORM", default_value = "recompute", value_parser = parse_attention, verbatim_doc_comment)]
@@ -183,6 +190,10 @@ fn parse_lr(s: &str) -> Result<f32, String> {
     Ok(lr)
 }
 
+fn parse_device(s: &str) -> Result<Device, String> {
+    s.parse::<Device>().map_err(|e| e.to_string())
+}
+
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
     s.parse::<WorkspaceMode>().map_err(|e| e.to_string())
 }
@@ -259,6 +270,7 @@ fn gpt(args: &Args, vocab: usize, mode: WorkspaceMode) -> carve::Result<NetworkC
         .dense(vocab)
         .updater(Updater::AdamW { learning_rate: args.lr, beta1: 0.9, beta2: 0.99, epsilon: 1e-8, weight_decay: 0.1 })
         .seed(args.seed)
+        .device(args.device)
         .training_workspace_mode(mode)
         .inference_workspace_mode(mode)
         .build()
@@ -623,6 +635,11 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         plan.as_ref().map_or(0, |p| p.arena_lower_bound_bytes),
         rss_after_warm_up.saturating_sub(rss_before),
     ));
+    if let Some(stats) = net.device_stats() {
+        object["device_name"] = stats.device.into();
+        object["device_bytes"] = stats.bytes.into();
+        object["device_allocations"] = stats.allocations.into();
+    }
     run.json = object;
     Ok(run)
 }
@@ -675,6 +692,7 @@ fn run(args: &Args) -> Res<()> {
         object["mode"] = mode_name(runs[0].0).into();
         object["iters"] = args.iters.into();
         object["threads"] = args.threads.into();
+        object["device"] = args.device.to_string().into();
         object["seed"] = args.seed.into();
         if args.compare {
             object["loss_traces_equal"] = equal.into();
@@ -758,6 +776,13 @@ fn main() -> ExitCode {
     let args: Args = cli::parse();
     if args.threads > 1 && (args.workers.is_some() || args.reducer.is_some()) {
         cli::usage_error::<Args>("--threads is for one network: leave it out with --workers");
+    }
+    let on_device = args.device != Device::Host;
+    if on_device && (args.workers.is_some() || args.reducer.is_some() || args.breakdown || args.timeline.is_some()) {
+        cli::usage_error::<Args>(
+            "--device trains on a device: --workers, --reducer, --breakdown and --timeline measure host steps; leave \
+             them out, or train on the host",
+        );
     }
     if let Some(path) = &args.timeline {
         if let Err(e) = cli::check_writable(path, "--timeline", "the timeline") {

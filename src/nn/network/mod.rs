@@ -196,7 +196,9 @@ impl Network {
             learning: workspace_learning,
         };
         let mut net = Network::from_parts(inputs, layers, Arc::new(layout), Arc::new(params), updater, 0, workspaces)?;
-        let config = workspace_config_with(workspace_learning)?;
+        // The device step is one cycle of its workspace: it learns its size from the
+        // first (a later, larger batch grows it once).
+        let config = workspace_config_with(LearningPolicy::FirstLoop)?;
         net.device_step = device::build(device, &net.layers, &net.layout, &net.params, updater_kind, config)?;
         net.device = device;
         Ok(net)
