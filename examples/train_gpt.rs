@@ -639,6 +639,8 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         object["device_name"] = stats.device.into();
         object["device_bytes"] = stats.bytes.into();
         object["device_allocations"] = stats.allocations.into();
+        object["device_plan_bytes"] = stats.plan_bytes.into();
+        object["device_lower_bound_bytes"] = stats.lower_bound_bytes.into();
     }
     run.json = object;
     Ok(run)

@@ -234,3 +234,37 @@ fn the_gpt_on_a_device_refuses_what_it_cannot_take() {
     net.fit_batch(carve::nn::Input::tokens(x.view()), y.view()).unwrap();
     assert_eq!(net.iterations(), 1);
 }
+
+#[test]
+fn every_workspace_mode_trains_the_same_on_a_device_and_planned_holds_the_bound() {
+    let mut traces = Vec::new();
+    for mode in [carve::WorkspaceMode::Enabled, carve::WorkspaceMode::Planned, carve::WorkspaceMode::None] {
+        let config = gpt(Device::simulated(), Updater::adamw(3e-3, 0.1), false).training_workspace_mode(mode);
+        let mut net = Network::new(config.build().unwrap()).unwrap();
+        let mut losses = Vec::new();
+        for step in 0..12 {
+            let (x, y) = tokens(4, if step % 4 == 0 { 12 } else { 9 }, step);
+            losses.push(net.fit_batch(carve::nn::Input::tokens(x.view()), y.view()).unwrap().to_bits());
+        }
+        let stats = net.device_stats().unwrap();
+        let steady = stats.allocations;
+        for step in 12..16 {
+            let (x, y) = tokens(4, if step % 4 == 0 { 12 } else { 9 }, step);
+            net.fit_batch(carve::nn::Input::tokens(x.view()), y.view()).unwrap();
+        }
+        let after = net.device_stats().unwrap();
+        match mode {
+            carve::WorkspaceMode::Planned => {
+                let (plan, bound) = (after.plan_bytes.unwrap(), after.lower_bound_bytes.unwrap());
+                assert!(bound > 0 && plan >= bound && plan as f64 <= 1.05 * bound as f64, "plan {plan}, bound {bound}");
+                assert_eq!(after.allocations, steady, "no device allocation once both shapes are planned");
+            }
+            carve::WorkspaceMode::Enabled => assert_eq!(after.allocations, steady, "no device allocation once steady"),
+            _ => assert!(after.allocations > steady, "without workspaces every array is its own allocation"),
+        }
+        traces.push((mode, losses));
+    }
+    for w in traces.windows(2) {
+        assert_eq!(w[0].1, w[1].1, "{:?} and {:?} give other losses", w[0].0, w[1].0);
+    }
+}

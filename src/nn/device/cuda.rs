@@ -15,7 +15,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use ndarray::Ix1;
-use workspace_core::WorkspaceConfig;
+use workspace_core::WorkspaceMode;
 use workspace_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use workspace_cuda::cudarc::driver::{result as driver, sys as driver_sys, CudaModule, CudaStream};
 use workspace_cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -538,6 +538,10 @@ impl Compute for CudaCompute {
                     let mut n64 = n as u64;
                     self.launch(Function::AddAssign, grid(n), BLOCK, &mut [arg!(acc), arg!(x), arg!(n64)])
                 }
+                Kernel::Copy { x, y, n } => {
+                    driver::memcpy_dtod_async(y, x, n * size_of::<f32>(), self.stream.cu_stream())
+                        .map_err(|e| driver_error("a device copy", e))
+                }
                 Kernel::AttentionForward(a) => self.attention_forward(a),
                 Kernel::AttentionBackward(a) => self.attention_backward(a),
                 Kernel::Update { updater, t, mut values, mut grads, mut first, mut second, decay, n, mut status } => {
@@ -581,11 +585,6 @@ impl Compute for CudaCompute {
 }
 
 /// The device step on CUDA device `ordinal`.
-pub(crate) fn trainer(
-    ordinal: usize,
-    plan: Plan,
-    params: &[f32],
-    config: WorkspaceConfig,
-) -> Result<Box<dyn DeviceStep>> {
-    Ok(Box::new(Trainer::new(CudaCompute::new(ordinal)?, plan, params, config)?))
+pub(crate) fn trainer(ordinal: usize, plan: Plan, params: &[f32], mode: WorkspaceMode) -> Result<Box<dyn DeviceStep>> {
+    Ok(Box::new(Trainer::new(CudaCompute::new(ordinal)?, plan, params, mode)?))
 }

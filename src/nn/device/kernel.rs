@@ -168,6 +168,12 @@ pub(crate) enum Kernel {
         x: u64,
         n: usize,
     },
+    /// `y = x`.
+    Copy {
+        x: u64,
+        y: u64,
+        n: usize,
+    },
     /// Causal multi-head attention between the projections, per sequence and head:
     /// `P = softmax(scale · Q·Kᵀ)` (causal) into `probs` (per sequence and head: the
     /// softmax statistics, `2 · steps`, then `P`, `steps²`), `O = P·V` into `att`
@@ -272,6 +278,7 @@ impl SimKernel for Kernel {
             Kernel::PositionsBackward { .. } => "positions_backward",
             Kernel::Add { .. } => "add",
             Kernel::AddAssign { .. } => "add_assign",
+            Kernel::Copy { .. } => "copy",
             Kernel::AttentionForward(_) => "attention_forward",
             Kernel::AttentionBackward(_) => "attention_backward",
         }
@@ -458,6 +465,11 @@ impl SimKernel for Kernel {
             Kernel::AddAssign { acc, x, n } => {
                 let ([x], [acc]) = memory.io([f32s(n, x)?], [f32s(n, acc)?])?;
                 cast_mut(acc)?.iter_mut().zip(cast(x)?).for_each(|(acc, &x)| *acc += x);
+                Ok(())
+            }
+            Kernel::Copy { x, y, n } => {
+                let ([x], [y]) = memory.io([f32s(n, x)?], [f32s(n, y)?])?;
+                y.copy_from_slice(x);
                 Ok(())
             }
             Kernel::AttentionForward(a) => attention_forward(a, memory),

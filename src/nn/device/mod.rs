@@ -185,6 +185,11 @@ pub struct DeviceStats {
     pub allocations: u64,
     /// Steps taken.
     pub steps: u64,
+    /// `WorkspaceMode::Planned`: the bytes of the plan of the last step's shape.
+    pub plan_bytes: Option<usize>,
+    /// `WorkspaceMode::Planned`: the most bytes the last step's shape holds live at
+    /// once, which no arena can go below.
+    pub lower_bound_bytes: Option<usize>,
 }
 
 /// The compute seam: what a device step needs from a device beyond memory and copies.

@@ -6,7 +6,10 @@ use std::ops::Range;
 use ndarray::{Array2, ArrayView2, ArrayView3, ArrayViewMut1, Ix1, Ix2};
 use std::mem::size_of;
 use workspace_core::WorkspaceConfig;
-use workspace_cuda::{Device as _, DeviceArray, DeviceScope, DeviceWorkspace, PinnedWorkspace};
+use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceMode};
+use workspace_cuda::{
+    Device as _, DeviceArray, DevicePlanGroup, DeviceScope, DeviceWorkspace, PinnedScope, PinnedWorkspace,
+};
 
 use crate::{Error, Result};
 
@@ -67,7 +70,7 @@ pub(crate) fn build(
     layout: &Params,
     params: &[f32],
     updater: Updater,
-    config: WorkspaceConfig,
+    mode: WorkspaceMode,
 ) -> Result<Option<Box<dyn DeviceStep>>> {
     if device == super::Device::Host {
         return Ok(None);
@@ -75,8 +78,8 @@ pub(crate) fn build(
     let plan = Plan::of(layers, layout, updater)?;
     match device {
         super::Device::Host => Ok(None),
-        super::Device::Simulated => Ok(Some(Box::new(Trainer::new(SimCompute::new()?, plan, params, config)?))),
-        super::Device::Cuda(ordinal) => Ok(Some(super::cuda::trainer(ordinal, plan, params, config)?)),
+        super::Device::Simulated => Ok(Some(Box::new(Trainer::new(SimCompute::new()?, plan, params, mode)?))),
+        super::Device::Cuda(ordinal) => Ok(Some(super::cuda::trainer(ordinal, plan, params, mode)?)),
     }
 }
 
@@ -184,6 +187,40 @@ impl Plan {
     }
 }
 
+/// The step's device workspaces, by role, as the host step's: the activations (and
+/// what the backward pass keeps, the batch, the residual joins' gradients) for the whole
+/// step; the gradients of the layers' outputs in two workspaces taken in turn (each
+/// layer's input gradient in one, its output's in the other, closed once the layer is
+/// through); each layer's working memory (packing buffers, temporaries) for the layer.
+struct Roles<D: workspace_cuda::Device> {
+    act: DeviceWorkspace<D>,
+    grad: [DeviceWorkspace<D>; 2],
+    work: DeviceWorkspace<D>,
+}
+
+impl<D: workspace_cuda::Device> Roles<D> {
+    fn new(
+        device: &D,
+        stream: &D::Stream,
+        config: &WorkspaceConfig,
+        group: Option<&DevicePlanGroup<D>>,
+    ) -> Result<Self> {
+        let ws = |name: &str| match group {
+            Some(group) => group.workspace(name, config, stream),
+            None => DeviceWorkspace::new(name, config.clone(), device, stream),
+        };
+        Ok(Roles {
+            act: ws("DEVICE_ACT")?,
+            grad: [ws("DEVICE_ACT_GRAD_1")?, ws("DEVICE_ACT_GRAD_2")?],
+            work: ws("DEVICE_WORKING_MEM")?,
+        })
+    }
+
+    fn all(&self) -> [&DeviceWorkspace<D>; 4] {
+        [&self.act, &self.grad[0], &self.grad[1], &self.work]
+    }
+}
+
 /// The device step on compute `C`.
 pub(crate) struct Trainer<C: Compute> {
     compute: C,
@@ -196,7 +233,10 @@ pub(crate) struct Trainer<C: Compute> {
     /// The summed loss (f64) and the update's status (u32) the step reads back.
     loss: DeviceArray<C::D, f64, Ix1>,
     status: DeviceArray<C::D, u32, Ix1>,
-    workspace: DeviceWorkspace<C::D>,
+    roles: Roles<C::D>,
+    /// `WorkspaceMode::Planned`: the roles are members of this group, one arena at
+    /// offsets planned from a recorded step of each shape.
+    group: Option<DevicePlanGroup<C::D>>,
     /// Page-locked staging for a batch and its labels, of the bytes the largest batch so
     /// far needs (made again, larger, when a larger one comes).
     staging: Option<(PinnedWorkspace<C::D>, usize)>,
@@ -211,7 +251,7 @@ pub(crate) struct Trainer<C: Compute> {
 }
 
 impl<C: Compute> Trainer<C> {
-    pub(crate) fn new(compute: C, plan: Plan, params: &[f32], config: WorkspaceConfig) -> Result<Trainer<C>> {
+    pub(crate) fn new(compute: C, plan: Plan, params: &[f32], mode: WorkspaceMode) -> Result<Trainer<C>> {
         let (device, stream) = (compute.device().clone(), compute.stream().clone());
         let pad = plan.total.div_ceil(ROW_ALIGN).max(1) * ROW_ALIGN;
         let rows = if plan.decay.is_empty() { 4 } else { 5 };
@@ -223,7 +263,30 @@ impl<C: Compute> Trainer<C> {
         let state = DeviceArray::htod(&device, &stream, &host)?;
         let loss = DeviceArray::zeros(&device, &stream, 1)?;
         let status = DeviceArray::zeros(&device, &stream, 1)?;
-        let workspace = DeviceWorkspace::new("DEVICE_STEP", config, &device, &stream)?;
+        let (roles, group) = match mode {
+            WorkspaceMode::Planned => {
+                let group = DevicePlanGroup::new("DEVICE_STEP", &device, &stream)?;
+                let config =
+                    WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+                (Roles::new(&device, &stream, &config, Some(&group))?, Some(group))
+            }
+            // Each role learns its size from the first step (a later, larger batch grows
+            // it once).
+            WorkspaceMode::Enabled => {
+                let config = WorkspaceConfig::builder()
+                    .learning(LearningPolicy::FirstLoop)
+                    .spill(SpillPolicy::Reallocate)
+                    .build()?;
+                (Roles::new(&device, &stream, &config, None)?, None)
+            }
+            // No arenas: every array its own device allocation, freed when its scope
+            // closes (the arithmetic is the same).
+            _ => {
+                let config =
+                    WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+                (Roles::new(&device, &stream, &config, None)?, None)
+            }
+        };
         let layers = plan.forms.len();
         let (outputs, kept) = (Vec::with_capacity(layers + 1), vec![[0; 3]; layers]);
         let values = vec![0.0; pad];
@@ -234,7 +297,8 @@ impl<C: Compute> Trainer<C> {
             pad,
             loss,
             status,
-            workspace,
+            roles,
+            group,
             staging: None,
             outputs,
             kept,
@@ -247,11 +311,11 @@ impl<C: Compute> Trainer<C> {
 /// Issues `kernel` on `compute`.
 fn run<C: Compute>(compute: &mut C, kernel: Kernel) -> Result<()> {
     // SAFETY: every address a step names lies in its trainer's state allocation or in
-    // arrays of the step's open workspace scope, all on the compute's stream, each range
-    // sized from the plan's widths and the batch; the state and the scope outlive the
-    // kernel in the stream's order (the scope's reset is ordered after it, the state is
-    // freed in stream order); the ranges a kernel writes are fresh arrays of the scope or
-    // gradient rows no other range of the same kernel touches.
+    // arrays of the step's open workspace scopes, all on the compute's stream, each range
+    // sized from the plan's widths and the batch; the state and the scopes outlive the
+    // kernel in the stream's order (a scope's reset is ordered after the work issued
+    // before it, the state is freed in stream order); the ranges a kernel writes are
+    // fresh arrays or gradient rows no other range of the same kernel touches.
     unsafe { compute.run(kernel) }
 }
 
@@ -270,7 +334,6 @@ fn fresh<D: workspace_cuda::Device, T: bytemuck::Pod>(scope: &DeviceScope<'_, D>
 
 /// `C (m × n) ← op(A)·op(B) + beta·C` with a packing buffer from `scope` when the compute
 /// wants one.
-#[allow(clippy::too_many_arguments)]
 fn product<C: Compute>(
     compute: &mut C,
     scope: &DeviceScope<'_, C::D>,
@@ -301,24 +364,23 @@ impl<C: Compute> DeviceStep for Trainer<C> {
     }
 
     fn stats(&self) -> DeviceStats {
-        let workspace = self.workspace.stats();
+        let roles = self.roles.all().map(|ws| ws.stats());
+        let planned = self.group.as_ref().map(|g| g.stats());
+        let arenas = planned.as_ref().map_or(0, |p| p.arena_bytes) + roles.iter().map(|r| r.capacity).sum::<usize>();
+        let growths = planned.as_ref().map_or(0, |p| p.plans + p.replans);
         DeviceStats {
             device: self.compute.device().describe(),
-            bytes: self.state.len() * size_of::<f32>() + 16 + workspace.capacity,
-            // The state, the loss and the status, then the workspace's own.
-            allocations: 3 + workspace.growth_events + workspace.external_allocations,
+            bytes: self.state.len() * size_of::<f32>() + 16 + arenas,
+            // The state, the loss and the status, then the arenas' and the spills'.
+            allocations: 3 + growths + roles.iter().map(|r| r.growth_events + r.external_allocations).sum::<u64>(),
             steps: self.step,
+            plan_bytes: planned.as_ref().map(|p| p.plan_bytes),
+            lower_bound_bytes: planned.as_ref().map(|p| p.lower_bound_bytes),
         }
     }
 
     fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32> {
-        let Trainer { compute, plan, state, pad, loss, status, workspace, staging, outputs, kept, values, step } = self;
         let (batch, steps) = x.dims();
-        let rows = batch * steps;
-        let (classes, layers, pad) = (plan.classes, plan.forms.len(), *pad);
-        let base = state.device_ptr();
-        let state_at = |row: usize, at: usize| base + (row * pad + at) as u64 * F32;
-
         // The batch, staged through pinned memory.
         let x_bytes = match x {
             StepInput::Flat(x) => x.len() * 4,
@@ -326,250 +388,48 @@ impl<C: Compute> DeviceStep for Trainer<C> {
             StepInput::Tokens(ids) => ids.len() * 4,
         };
         let need = x_bytes.next_multiple_of(64) + (labels.len() * size_of::<u32>()).next_multiple_of(64);
-        if staging.as_ref().is_none_or(|(_, bytes)| *bytes < need) {
-            *staging = None;
-            *staging = Some((PinnedWorkspace::for_transfers("DEVICE_STAGING", compute.device(), need)?, need));
+        if self.staging.as_ref().is_none_or(|(_, bytes)| *bytes < need) {
+            self.staging = None;
+            self.staging = Some((PinnedWorkspace::for_transfers("DEVICE_STAGING", self.compute.device(), need)?, need));
         }
-        let stage = staging.as_ref().expect("made above").0.enter()?;
-        let scope = workspace.enter()?;
-        let x_at = match x {
-            StepInput::Flat(x) => scope.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
-            StepInput::Sequences(x) => scope.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
-            StepInput::Tokens(ids) => scope.htod_pinned(&stage.copy_of(&ids)?)?.device_ptr(),
+        let staging = &self.staging.as_ref().expect("made above").0;
+        let stage = staging.enter()?;
+        let mut pass = Pass {
+            compute: &mut self.compute,
+            plan: &self.plan,
+            roles: &self.roles,
+            base: self.state.device_ptr(),
+            pad: self.pad,
+            loss: self.loss.device_ptr(),
+            status: self.status.device_ptr(),
+            outputs: &mut self.outputs,
+            kept: &mut self.kept,
+            step: self.step,
         };
-        let labels_at = scope.htod_pinned(&stage.copy_of(&labels)?)?.device_ptr();
-
-        // Forward: each layer's output a fresh array of the scope.
-        outputs.clear();
-        outputs.push(x_at);
-        for i in 0..layers {
-            let (input, width) = (outputs[i], plan.widths[i]);
-            let weights = state_at(0, plan.regions[i].start);
-            let out = match plan.forms[i] {
-                DeviceForm::Dense { inputs, outputs } => {
-                    let out = fresh::<_, f32>(&scope, rows * outputs)?;
-                    let bias = weights + (inputs * outputs) as u64 * F32;
-                    run(compute, Kernel::BiasRows { bias, out, rows, cols: outputs })?;
-                    product(compute, &scope, (rows, outputs, inputs), (input, false), (weights, false), out, 1.0)?;
-                    out
-                }
-                DeviceForm::Relu => {
-                    let y = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::Relu { x: input, y, n: rows * width })?;
-                    y
-                }
-                DeviceForm::Gelu => {
-                    let y = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::Gelu { x: input, y, n: rows * width })?;
-                    y
-                }
-                DeviceForm::LayerNorm { eps } => {
-                    let y = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::LayerNorm { x: input, params: weights, y, rows, cols: width, eps })?;
-                    y
-                }
-                DeviceForm::Embedding { vocabulary, width } => {
-                    let out = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::Embedding { ids: input, table: weights, out, rows, width, vocabulary })?;
-                    out
-                }
-                DeviceForm::PositionEmbedding { width, .. } => {
-                    let y = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::AddPositions { x: input, table: weights, y, batch, steps, width })?;
-                    y
-                }
-                DeviceForm::Attention { width: d, heads } => {
-                    let qkv = fresh::<_, f32>(&scope, rows * 3 * d)?;
-                    let qkv_b = weights + (d * 3 * d) as u64 * F32;
-                    run(compute, Kernel::BiasRows { bias: qkv_b, out: qkv, rows, cols: 3 * d })?;
-                    product(compute, &scope, (rows, 3 * d, d), (input, false), (weights, false), qkv, 1.0)?;
-                    let mut core = attention(batch, steps, d, heads);
-                    let att = fresh::<_, f32>(&scope, rows * d)?;
-                    let probs = fresh::<_, f32>(&scope, core.probs_len())?;
-                    let scratch_len =
-                        compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
-                    let scratch = scratch_at(&scope, scratch_len)?;
-                    core = KernelAttention { qkv, att, probs, scratch, scratch_len, ..core };
-                    run(compute, Kernel::AttentionForward(core))?;
-                    let out = fresh::<_, f32>(&scope, rows * d)?;
-                    let proj_w = qkv_b + (3 * d) as u64 * F32;
-                    let proj_b = proj_w + (d * d) as u64 * F32;
-                    run(compute, Kernel::BiasRows { bias: proj_b, out, rows, cols: d })?;
-                    product(compute, &scope, (rows, d, d), (att, false), (proj_w, false), out, 1.0)?;
-                    kept[i] = [qkv, att, probs];
-                    out
-                }
-                DeviceForm::Residual { from } => {
-                    let y = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::Add { a: input, b: outputs[from], y, n: rows * width })?;
-                    y
-                }
-            };
-            outputs.push(out);
-        }
-
-        // The loss and the gradient of the logits.
-        let logits_grad = fresh::<_, f32>(&scope, rows * classes)?;
-        let row_loss = fresh::<_, f64>(&scope, rows)?;
-        run(
-            compute,
-            Kernel::SoftmaxCrossEntropy {
-                logits: outputs[layers],
-                labels: labels_at,
-                grad: logits_grad,
-                row_loss,
-                loss: loss.device_ptr(),
-                rows,
-                classes,
-                scale: 1.0 / rows as f32,
-            },
-        )?;
-
-        // Backward, into the gradient row of the state. The gradients of residual joins
-        // wait on a fixed stack for their blocks' inputs.
-        let mut skips = [(0usize, 0u64); MAX_NESTING];
-        let mut pending = 0;
-        let mut dy = logits_grad;
-        for i in (0..layers).rev() {
-            let (input, width) = (outputs[i], plan.widths[i]);
-            let weights = state_at(0, plan.regions[i].start);
-            let grads = state_at(1, plan.regions[i].start);
-            let want_dx = i > 0;
-            // The gradient of this layer's input, and whether it is `dy` itself.
-            let (dx, passed) = match plan.forms[i] {
-                DeviceForm::Residual { from } => {
-                    if pending == MAX_NESTING {
-                        return Err(Error::InvalidInput(format!(
-                            "residual blocks nested more than {MAX_NESTING} deep"
-                        )));
-                    }
-                    skips[pending] = (from, dy);
-                    pending += 1;
-                    continue;
-                }
-                DeviceForm::Dense { inputs, outputs: n_out } => {
-                    product(compute, &scope, (inputs, n_out, rows), (input, true), (dy, false), grads, 0.0)?;
-                    let gb = grads + (inputs * n_out) as u64 * F32;
-                    run(compute, Kernel::SumRows { x: dy, sum: gb, rows, cols: n_out })?;
-                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * inputs)? } else { 0 };
-                    if want_dx {
-                        product(compute, &scope, (rows, inputs, n_out), (dy, false), (weights, true), dx, 0.0)?;
-                    }
-                    (dx, false)
-                }
-                DeviceForm::Relu => {
-                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
-                    if want_dx {
-                        run(compute, Kernel::ReluBackward { y: outputs[i + 1], dy, dx, n: rows * width })?;
-                    }
-                    (dx, false)
-                }
-                DeviceForm::Gelu => {
-                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
-                    if want_dx {
-                        run(compute, Kernel::GeluBackward { x: input, dy, dx, n: rows * width })?;
-                    }
-                    (dx, false)
-                }
-                DeviceForm::LayerNorm { eps } => {
-                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * width)? } else { 0 };
-                    let stats = fresh::<_, f32>(&scope, 2 * rows)?;
-                    let (x, params, cols) = (input, weights, width);
-                    let kernel = Kernel::LayerNormBackward { x, params, dy, grads, dx, stats, rows, cols, eps };
-                    run(compute, kernel)?;
-                    (dx, false)
-                }
-                DeviceForm::Embedding { vocabulary, width } => {
-                    run(compute, Kernel::EmbeddingBackward { ids: input, dy, dtable: grads, rows, width, vocabulary })?;
-                    (0, false)
-                }
-                DeviceForm::PositionEmbedding { context, width } => {
-                    run(compute, Kernel::PositionsBackward { dy, dtable: grads, batch, steps, width, context })?;
-                    (dy, true)
-                }
-                DeviceForm::Attention { width: d, heads } => {
-                    let [qkv, att, probs] = kept[i];
-                    let qkv_b = grads + (d * 3 * d) as u64 * F32;
-                    let g_proj_w = qkv_b + (3 * d) as u64 * F32;
-                    let g_proj_b = g_proj_w + (d * d) as u64 * F32;
-                    let proj_w = weights + (d * 3 * d + 3 * d) as u64 * F32;
-                    // The output projection.
-                    product(compute, &scope, (d, d, rows), (att, true), (dy, false), g_proj_w, 0.0)?;
-                    run(compute, Kernel::SumRows { x: dy, sum: g_proj_b, rows, cols: d })?;
-                    let d_att = fresh::<_, f32>(&scope, rows * d)?;
-                    product(compute, &scope, (rows, d, d), (dy, false), (proj_w, true), d_att, 0.0)?;
-                    // The heads.
-                    let d_qkv = fresh::<_, f32>(&scope, rows * 3 * d)?;
-                    // One head's `dP` on the host; every head's of a sequence on a GPU.
-                    let work = fresh::<_, f32>(&scope, heads * steps * steps)?;
-                    let scratch_len =
-                        compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
-                    let scratch = scratch_at(&scope, scratch_len)?;
-                    let core = KernelAttention {
-                        qkv,
-                        att,
-                        probs,
-                        d_att,
-                        d_qkv,
-                        work,
-                        scratch,
-                        scratch_len,
-                        ..attention(batch, steps, d, heads)
-                    };
-                    run(compute, Kernel::AttentionBackward(core))?;
-                    // The input projection.
-                    product(compute, &scope, (d, 3 * d, rows), (input, true), (d_qkv, false), grads, 0.0)?;
-                    run(compute, Kernel::SumRows { x: d_qkv, sum: qkv_b, rows, cols: 3 * d })?;
-                    let dx = if want_dx { fresh::<_, f32>(&scope, rows * d)? } else { 0 };
-                    if want_dx {
-                        product(compute, &scope, (rows, d, 3 * d), (d_qkv, false), (weights, true), dx, 0.0)?;
-                    }
-                    (dx, false)
-                }
-            };
-            // The joins' gradients of the blocks that start here, into their input's.
-            let mut dx = dx;
-            while pending > 0 && skips[pending - 1].0 == i {
-                pending -= 1;
-                let skip = skips[pending].1;
-                if want_dx && passed {
-                    let sum = fresh::<_, f32>(&scope, rows * width)?;
-                    run(compute, Kernel::Add { a: dx, b: skip, y: sum, n: rows * width })?;
-                    dx = sum;
-                } else if want_dx {
-                    run(compute, Kernel::AddAssign { acc: dx, x: skip, n: rows * width })?;
-                }
+        match &self.group {
+            Some(group) => {
+                // Token ids, sequences and flat batches of one shape share no plan.
+                let kind = match x {
+                    StepInput::Flat(_) => 1u64,
+                    StepInput::Sequences(_) => 2,
+                    StepInput::Tokens(_) => 3,
+                };
+                let key = (batch as u64) << 34 | (steps as u64) << 2 | kind;
+                group.iteration(key, || pass.run(&stage, x, labels))?;
             }
-            dy = dx;
+            None => pass.run(&stage, x, labels)?,
         }
-
-        // The update, stored only when finite everywhere.
-        let n = plan.total;
-        let t = i32::try_from(*step + 1).unwrap_or(i32::MAX);
-        let decay = if plan.decay.is_empty() { 0 } else { state_at(4, 0) };
-        let (values_at, grads, first, second) = (state_at(0, 0), state_at(1, 0), state_at(2, 0), state_at(3, 0));
-        let update = Kernel::Update {
-            updater: plan.updater,
-            t,
-            values: values_at,
-            grads,
-            first,
-            second,
-            decay,
-            n,
-            status: status.device_ptr(),
-        };
-        run(compute, update)?;
 
         // Read back the loss and the status (this waits for the step), then the values.
+        let (plan, n) = (&self.plan, self.plan.total);
         let mut loss_sum = [0.0f64];
         let mut bad = [0u32];
-        loss.view().dtoh_into(&mut ArrayViewMut1::from(&mut loss_sum[..]))?;
-        status.view().dtoh_into(&mut ArrayViewMut1::from(&mut bad[..]))?;
-        state.view().row(0).expect("the parameters' row").dtoh_into(&mut ArrayViewMut1::from(&mut values[..]))?;
-        drop(scope);
+        self.loss.view().dtoh_into(&mut ArrayViewMut1::from(&mut loss_sum[..]))?;
+        self.status.view().dtoh_into(&mut ArrayViewMut1::from(&mut bad[..]))?;
+        let values = &mut self.values;
+        self.state.view().row(0).expect("the parameters' row").dtoh_into(&mut ArrayViewMut1::from(&mut values[..]))?;
         drop(stage);
-        if let Some(error) = compute.device().take_deferred_error() {
+        if let Some(error) = self.compute.device().take_deferred_error() {
             return Err(device_error("the training step", error));
         }
         if bad[0] != 0 {
@@ -583,13 +443,308 @@ impl<C: Compute> DeviceStep for Trainer<C> {
                 ),
             });
         }
-        let mean = (loss_sum[0] / rows as f64) as f32;
+        let mean = (loss_sum[0] / (batch * steps) as f64) as f32;
         if !mean.is_finite() {
             return Err(Error::NonFinite { layer: "loss".into(), what: format!("the batch's mean loss is {mean}") });
         }
         params.copy_from_slice(&values[..n]);
-        *step += 1;
+        self.step += 1;
         Ok(mean)
+    }
+}
+
+/// One step's work, issued: what it reads and where it writes.
+struct Pass<'t, C: Compute> {
+    compute: &'t mut C,
+    plan: &'t Plan,
+    roles: &'t Roles<C::D>,
+    /// The state allocation's address and its rows' length.
+    base: u64,
+    pad: usize,
+    loss: u64,
+    status: u64,
+    outputs: &'t mut Vec<u64>,
+    kept: &'t mut Vec<[u64; 3]>,
+    step: u64,
+}
+
+impl<C: Compute> Pass<'_, C> {
+    /// The device address of element `at` of state row `row`.
+    fn state_at(&self, row: usize, at: usize) -> u64 {
+        self.base + (row * self.pad + at) as u64 * F32
+    }
+
+    /// Issues the step: the batch's copies from `stage`, forward, loss, backward and the
+    /// update, every scope closed when it returns.
+    fn run(&mut self, stage: &PinnedScope<'_, C::D>, x: StepInput<'_>, labels: ArrayView2<'_, u32>) -> Result<()> {
+        let (batch, steps) = x.dims();
+        let rows = batch * steps;
+        let (classes, layers) = (self.plan.classes, self.plan.forms.len());
+        let roles = self.roles;
+        let act = roles.act.enter()?;
+        let x_at = match x {
+            StepInput::Flat(x) => act.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
+            StepInput::Sequences(x) => act.htod_pinned(&stage.copy_of(&x)?)?.device_ptr(),
+            StepInput::Tokens(ids) => act.htod_pinned(&stage.copy_of(&ids)?)?.device_ptr(),
+        };
+        let labels_at = act.htod_pinned(&stage.copy_of(&labels)?)?.device_ptr();
+
+        // Forward: each layer's output a fresh array of the activations' scope.
+        self.outputs.clear();
+        self.outputs.push(x_at);
+        for i in 0..layers {
+            let out = self.forward(i, &act, batch, steps)?;
+            self.outputs.push(out);
+        }
+
+        // The loss and the gradient of the logits.
+        let mut held: [Option<DeviceScope<'_, C::D>>; 2] = [Some(roles.grad[0].enter()?), None];
+        let mut cur = 0;
+        let logits_grad = fresh::<_, f32>(held[cur].as_ref().expect("just opened"), rows * classes)?;
+        {
+            let work = roles.work.enter()?;
+            let row_loss = fresh::<_, f64>(&work, rows)?;
+            let kernel = Kernel::SoftmaxCrossEntropy {
+                logits: self.outputs[layers],
+                labels: labels_at,
+                grad: logits_grad,
+                row_loss,
+                loss: self.loss,
+                rows,
+                classes,
+                scale: 1.0 / rows as f32,
+            };
+            run(self.compute, kernel)?;
+        }
+
+        // Backward, into the gradient row of the state. The gradients of residual joins
+        // are copied into the activations' scope, on a fixed stack, for their blocks'
+        // inputs.
+        let mut skips = [(0usize, 0u64); MAX_NESTING];
+        let mut pending = 0;
+        let mut dy = logits_grad;
+        for i in (0..layers).rev() {
+            let width = self.plan.widths[i];
+            if let DeviceForm::Residual { from } = self.plan.forms[i] {
+                if pending == MAX_NESTING {
+                    return Err(Error::InvalidInput(format!("residual blocks nested more than {MAX_NESTING} deep")));
+                }
+                let skip = fresh::<_, f32>(&act, rows * width)?;
+                run(self.compute, Kernel::Copy { x: dy, y: skip, n: rows * width })?;
+                skips[pending] = (from, skip);
+                pending += 1;
+                continue;
+            }
+            let next = 1 - cur;
+            held[next] = if i > 0 { Some(roles.grad[next].enter()?) } else { None };
+            let dx = self.backward(i, held[next].as_ref(), dy, batch, steps)?;
+            // The joins' gradients of the blocks that start here, into their input's.
+            while pending > 0 && skips[pending - 1].0 == i {
+                pending -= 1;
+                if i > 0 {
+                    run(self.compute, Kernel::AddAssign { acc: dx, x: skips[pending].1, n: rows * width })?;
+                }
+            }
+            // This layer's output gradient is through.
+            held[cur] = None;
+            cur = next;
+            dy = dx;
+        }
+        drop(held);
+
+        // The update, stored only when finite everywhere.
+        let decay = if self.plan.decay.is_empty() { 0 } else { self.state_at(4, 0) };
+        let update = Kernel::Update {
+            updater: self.plan.updater,
+            t: i32::try_from(self.step + 1).unwrap_or(i32::MAX),
+            values: self.state_at(0, 0),
+            grads: self.state_at(1, 0),
+            first: self.state_at(2, 0),
+            second: self.state_at(3, 0),
+            decay,
+            n: self.plan.total,
+            status: self.status,
+        };
+        run(self.compute, update)?;
+        drop(act);
+        Ok(())
+    }
+
+    /// Layer `i`'s forward pass: its output, in `act`.
+    fn forward(&mut self, i: usize, act: &DeviceScope<'_, C::D>, batch: usize, steps: usize) -> Result<u64> {
+        let rows = batch * steps;
+        let (input, width) = (self.outputs[i], self.plan.widths[i]);
+        let weights = self.state_at(0, self.plan.regions[i].start);
+        let compute = &mut *self.compute;
+        Ok(match self.plan.forms[i] {
+            DeviceForm::Dense { inputs, outputs } => {
+                let out = fresh::<_, f32>(act, rows * outputs)?;
+                let bias = weights + (inputs * outputs) as u64 * F32;
+                run(compute, Kernel::BiasRows { bias, out, rows, cols: outputs })?;
+                let work = self.roles.work.enter()?;
+                product(compute, &work, (rows, outputs, inputs), (input, false), (weights, false), out, 1.0)?;
+                out
+            }
+            DeviceForm::Relu => {
+                let y = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::Relu { x: input, y, n: rows * width })?;
+                y
+            }
+            DeviceForm::Gelu => {
+                let y = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::Gelu { x: input, y, n: rows * width })?;
+                y
+            }
+            DeviceForm::LayerNorm { eps } => {
+                let y = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::LayerNorm { x: input, params: weights, y, rows, cols: width, eps })?;
+                y
+            }
+            DeviceForm::Embedding { vocabulary, width } => {
+                let out = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::Embedding { ids: input, table: weights, out, rows, width, vocabulary })?;
+                out
+            }
+            DeviceForm::PositionEmbedding { width, .. } => {
+                let y = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::AddPositions { x: input, table: weights, y, batch, steps, width })?;
+                y
+            }
+            DeviceForm::Attention { width: d, heads } => {
+                let qkv = fresh::<_, f32>(act, rows * 3 * d)?;
+                let qkv_b = weights + (d * 3 * d) as u64 * F32;
+                run(compute, Kernel::BiasRows { bias: qkv_b, out: qkv, rows, cols: 3 * d })?;
+                let core = attention(batch, steps, d, heads);
+                let att = fresh::<_, f32>(act, rows * d)?;
+                let probs = fresh::<_, f32>(act, core.probs_len())?;
+                let out = fresh::<_, f32>(act, rows * d)?;
+                let work = self.roles.work.enter()?;
+                product(compute, &work, (rows, 3 * d, d), (input, false), (weights, false), qkv, 1.0)?;
+                let scratch_len =
+                    compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
+                let scratch = scratch_at(&work, scratch_len)?;
+                run(
+                    compute,
+                    Kernel::AttentionForward(KernelAttention { qkv, att, probs, scratch, scratch_len, ..core }),
+                )?;
+                let proj_w = qkv_b + (3 * d) as u64 * F32;
+                let proj_b = proj_w + (d * d) as u64 * F32;
+                run(compute, Kernel::BiasRows { bias: proj_b, out, rows, cols: d })?;
+                product(compute, &work, (rows, d, d), (att, false), (proj_w, false), out, 1.0)?;
+                self.kept[i] = [qkv, att, probs];
+                out
+            }
+            DeviceForm::Residual { from } => {
+                let y = fresh::<_, f32>(act, rows * width)?;
+                run(compute, Kernel::Add { a: input, b: self.outputs[from], y, n: rows * width })?;
+                y
+            }
+        })
+    }
+
+    /// Layer `i`'s backward pass from `dy`: its parameters' gradients into the state,
+    /// its input's gradient into `grad` (given back; 0 when there is no `grad`: the first
+    /// layer's input needs none).
+    fn backward(
+        &mut self,
+        i: usize,
+        grad: Option<&DeviceScope<'_, C::D>>,
+        dy: u64,
+        batch: usize,
+        steps: usize,
+    ) -> Result<u64> {
+        let rows = batch * steps;
+        let (input, width) = (self.outputs[i], self.plan.widths[i]);
+        let weights = self.state_at(0, self.plan.regions[i].start);
+        let grads = self.state_at(1, self.plan.regions[i].start);
+        let dx = |len: usize| grad.map_or(Ok(0), |g| fresh::<_, f32>(g, len));
+        let work = self.roles.work.enter()?;
+        let compute = &mut *self.compute;
+        Ok(match self.plan.forms[i] {
+            DeviceForm::Residual { .. } => unreachable!("joins are handled by the pass"),
+            DeviceForm::Dense { inputs, outputs: n_out } => {
+                product(compute, &work, (inputs, n_out, rows), (input, true), (dy, false), grads, 0.0)?;
+                let gb = grads + (inputs * n_out) as u64 * F32;
+                run(compute, Kernel::SumRows { x: dy, sum: gb, rows, cols: n_out })?;
+                let dx = dx(rows * inputs)?;
+                if dx != 0 {
+                    product(compute, &work, (rows, inputs, n_out), (dy, false), (weights, true), dx, 0.0)?;
+                }
+                dx
+            }
+            DeviceForm::Relu => {
+                let dx = dx(rows * width)?;
+                if dx != 0 {
+                    run(compute, Kernel::ReluBackward { y: self.outputs[i + 1], dy, dx, n: rows * width })?;
+                }
+                dx
+            }
+            DeviceForm::Gelu => {
+                let dx = dx(rows * width)?;
+                if dx != 0 {
+                    run(compute, Kernel::GeluBackward { x: input, dy, dx, n: rows * width })?;
+                }
+                dx
+            }
+            DeviceForm::LayerNorm { eps } => {
+                let dx = dx(rows * width)?;
+                let stats = fresh::<_, f32>(&work, 2 * rows)?;
+                let (x, params, cols) = (input, weights, width);
+                run(compute, Kernel::LayerNormBackward { x, params, dy, grads, dx, stats, rows, cols, eps })?;
+                dx
+            }
+            DeviceForm::Embedding { vocabulary, width } => {
+                run(compute, Kernel::EmbeddingBackward { ids: input, dy, dtable: grads, rows, width, vocabulary })?;
+                0
+            }
+            DeviceForm::PositionEmbedding { context, width } => {
+                run(compute, Kernel::PositionsBackward { dy, dtable: grads, batch, steps, width, context })?;
+                let dx = dx(rows * width)?;
+                if dx != 0 {
+                    run(compute, Kernel::Copy { x: dy, y: dx, n: rows * width })?;
+                }
+                dx
+            }
+            DeviceForm::Attention { width: d, heads } => {
+                let [qkv, att, probs] = self.kept[i];
+                let g_qkv_b = grads + (d * 3 * d) as u64 * F32;
+                let g_proj_w = g_qkv_b + (3 * d) as u64 * F32;
+                let g_proj_b = g_proj_w + (d * d) as u64 * F32;
+                let proj_w = weights + (d * 3 * d + 3 * d) as u64 * F32;
+                // The output projection.
+                product(compute, &work, (d, d, rows), (att, true), (dy, false), g_proj_w, 0.0)?;
+                run(compute, Kernel::SumRows { x: dy, sum: g_proj_b, rows, cols: d })?;
+                let d_att = fresh::<_, f32>(&work, rows * d)?;
+                product(compute, &work, (rows, d, d), (dy, false), (proj_w, true), d_att, 0.0)?;
+                // The heads: one head's `dP` at a time on the host, every head's of a
+                // sequence at once on a GPU.
+                let d_qkv = fresh::<_, f32>(&work, rows * 3 * d)?;
+                let scores = fresh::<_, f32>(&work, heads * steps * steps)?;
+                let scratch_len =
+                    compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
+                let scratch = scratch_at(&work, scratch_len)?;
+                let core = KernelAttention {
+                    qkv,
+                    att,
+                    probs,
+                    d_att,
+                    d_qkv,
+                    work: scores,
+                    scratch,
+                    scratch_len,
+                    ..attention(batch, steps, d, heads)
+                };
+                run(compute, Kernel::AttentionBackward(core))?;
+                // The input projection.
+                product(compute, &work, (d, 3 * d, rows), (input, true), (d_qkv, false), grads, 0.0)?;
+                run(compute, Kernel::SumRows { x: d_qkv, sum: g_qkv_b, rows, cols: 3 * d })?;
+                let dx = dx(rows * d)?;
+                if dx != 0 {
+                    product(compute, &work, (rows, d, 3 * d), (d_qkv, false), (weights, true), dx, 0.0)?;
+                }
+                dx
+            }
+        })
     }
 }
 

@@ -196,10 +196,8 @@ impl Network {
             learning: workspace_learning,
         };
         let mut net = Network::from_parts(inputs, layers, Arc::new(layout), Arc::new(params), updater, 0, workspaces)?;
-        // The device step is one cycle of its workspace: it learns its size from the
-        // first (a later, larger batch grows it once).
-        let config = workspace_config_with(LearningPolicy::FirstLoop)?;
-        net.device_step = device::build(device, &net.layers, &net.layout, &net.params, updater_kind, config)?;
+        net.device_step =
+            device::build(device, &net.layers, &net.layout, &net.params, updater_kind, training_workspace_mode)?;
         net.device = device;
         Ok(net)
     }
