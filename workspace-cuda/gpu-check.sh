@@ -39,11 +39,13 @@ for line in sys.stdin:
     while read -r kind name exe; do
         if [ "$kind" = lib ]; then cp "$exe" "$dir/workspace_cuda-unit"; else cp "$exe" "$dir/workspace_cuda-$name"; fi
     done <<< "$tests"
-    cargo build --release --example cuda_smoke --example device_plan --example train_digits
+    cargo build --release --example cuda_smoke --example device_plan --example train_digits --example train_gpt
     cp target/release/examples/cuda_smoke "$dir/cuda_smoke"
     cp target/release/examples/device_plan "$dir/device_plan"
     cp target/release/examples/train_digits "$dir/train_digits"
-    cp examples/data/digits.csv.gz "$dir/digits.csv.gz"
+    cp target/release/examples/train_gpt "$dir/train_gpt"
+    cp examples/data/digits.csv.gz examples/data/shakespeare.txt.gz "$dir/"
+    cp benches/gpu_torch.py benches/gpt_torch.py "$dir/"
     # carve's device training suite (tests/integration/device.rs): the simulated device
     # against the host, the kernels through NVRTC, a CUDA device's errors.
     local integration
@@ -67,7 +69,7 @@ for line in sys.stdin:
     # Debug info makes up most of the bytes (~100 MB in all); symbols stay for backtraces.
     if command -v strip >/dev/null 2>&1; then
         strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/device_plan" "$dir/cuda_bench" \
-            "$dir/train_digits" "$dir/carve-integration"
+            "$dir/train_digits" "$dir/train_gpt" "$dir/carve-integration"
     fi
     cp "$script" "$dir/gpu-check.sh"
     ls -l "$dir"
@@ -158,6 +160,36 @@ print(j["device"], "loss", e["final_loss"], "accuracy", e.get("test_accuracy"), 
             [ "$device" = sim ] || [ "$gpu_visible" = 1 ] && failed=1
         fi
     done
+    echo "=== train_gpt on CUDA (100 steps, planned) and PyTorch eager on the same GPU"
+    if [ "$gpu_visible" = 1 ]; then
+        TRAIN_GPT_DATA="$dir/shakespeare.txt.gz" "$dir/train_gpt" --iters 100 --eval-every 100 --sample 0 \
+            --device cuda --workspace-mode planned --json >"$out/train_gpt_cuda.log" 2>"$out/train_gpt_cuda.err" \
+            || { echo "FAILED: train_gpt --device cuda (see $out/train_gpt_cuda.err)"; tail -3 "$out/train_gpt_cuda.err"; failed=1; }
+        TRAIN_DIGITS_DATA="$dir/digits.csv.gz" "$dir/train_digits" --epochs 3 --device cuda --workspace-mode planned \
+            --json >"$out/train_digits_cuda_planned.log" 2>&1 || failed=1
+        (cd "$dir" && python3 gpu_torch.py --iters 100) >"$out/torch_cuda.json" 2>"$out/torch_cuda.err" \
+            || { echo "FAILED: gpu_torch.py (see $out/torch_cuda.err)"; tail -3 "$out/torch_cuda.err"; }
+        python3 - "$out" <<'PY' || true
+import json, os, sys
+out = sys.argv[1]
+def last(name):
+    with open(os.path.join(out, name)) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+torch = last("torch_cuda.json")
+gpt = last("train_gpt_cuda.log")
+mlp = last("train_digits_cuda_planned.log")["planned"]
+print("GPU:", torch["gpu"], "torch", torch["torch"], "cuda", torch["cuda"])
+for name, carve_bytes, carve_ms, t in (
+    ("mlp", mlp["device_bytes"], mlp["iter_us_median"] / 1e3, torch["mlp"]),
+    ("gpt", gpt["device_bytes"], gpt["step_us_median"] / 1e3, torch["gpt"]),
+):
+    print(f"{name}: carve device bytes {carve_bytes:,} vs torch max_memory_reserved {t['max_memory_reserved']:,} "
+          f"({carve_bytes / t['max_memory_reserved']:.3f}x); step {carve_ms:.3f} ms vs {t['step_ms_median']:.3f} ms "
+          f"({carve_ms / t['step_ms_median']:.3f}x)")
+print("gpt plan bytes", gpt.get("device_plan_bytes"), "lower bound", gpt.get("device_lower_bound_bytes"),
+      "losses", gpt["train_loss"], gpt["val_loss"])
+PY
+    fi
     echo "logs in $out"
     [ "$failed" = 0 ] && echo "all GPU checks passed" || { echo "some GPU checks FAILED"; exit 1; }
 }

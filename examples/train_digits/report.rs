@@ -38,6 +38,8 @@ pub(crate) struct Summary {
     pub(crate) plan: Option<carve::nn::workspaces::PlannedStats>,
     /// The dry run's estimate, made before the first step.
     pub(crate) estimate: carve::nn::dry::MemoryEstimate,
+    /// What the step holds on its device (`--device sim|cuda`).
+    pub(crate) device: Option<carve::nn::DeviceStats>,
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
@@ -103,12 +105,18 @@ pub(crate) fn summarize(
         prefetch: run.batches.stats(),
         plan: run.net.memory_plan(),
         estimate: run.estimate.clone(),
+        device: run.net.device_stats(),
     })
 }
 
 pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
     serde_json::json!({
         "test_accuracy": s.test_accuracy,
+        "device_name": s.device.as_ref().map(|d| d.device.clone()),
+        "device_bytes": s.device.as_ref().map(|d| d.bytes),
+        "device_allocations": s.device.as_ref().map(|d| d.allocations),
+        "device_plan_bytes": s.device.as_ref().and_then(|d| d.plan_bytes),
+        "device_lower_bound_bytes": s.device.as_ref().and_then(|d| d.lower_bound_bytes),
         "final_loss": s.final_loss,
         "loss_trace_sha256": s.loss_trace_sha256,
         "steady_state_allocs_per_iter": s.steady_allocs_per_iter,
