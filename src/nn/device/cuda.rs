@@ -510,15 +510,15 @@ impl Compute for CudaCompute {
                     let mut args = [arg!(x), arg!(dy), arg!(stats), arg!(grads), arg!(r), arg!(c)];
                     self.launch(Function::LayerNormBackwardParams, grid(cols), BLOCK, &mut args)
                 }
-                Kernel::Embedding { mut ids, mut table, mut out, rows, width, .. } => {
-                    let (mut r, mut w) = (rows as u64, width as u64);
-                    let mut args = [arg!(ids), arg!(table), arg!(out), arg!(r), arg!(w)];
+                Kernel::Embedding { mut ids, mut table, mut out, rows, width, vocabulary } => {
+                    let (mut r, mut w, mut v) = (rows as u64, width as u64, vocabulary as u64);
+                    let mut args = [arg!(ids), arg!(table), arg!(out), arg!(r), arg!(w), arg!(v)];
                     self.launch(Function::Embedding, grid(rows * width), BLOCK, &mut args)
                 }
                 Kernel::EmbeddingBackward { mut ids, mut dy, mut dtable, rows, width, vocabulary } => {
                     let (mut r, mut w, mut v) = (rows as u64, width as u64, vocabulary as u64);
                     let mut args = [arg!(ids), arg!(dy), arg!(dtable), arg!(r), arg!(w), arg!(v)];
-                    self.launch(Function::EmbeddingBackward, grid(vocabulary * width), BLOCK, &mut args)
+                    self.launch(Function::EmbeddingBackward, grid(width), BLOCK, &mut args)
                 }
                 Kernel::AddPositions { mut x, mut table, mut y, batch, steps, width } => {
                     let (mut b, mut t, mut w) = (batch as u64, steps as u64, width as u64);

@@ -180,7 +180,8 @@ pub(crate) enum Kernel {
     /// (`[rows, width]`); `qkv` is `[rows, 3 · width]`.
     AttentionForward(Attention),
     /// Its backward pass: from `d_att` into `d_qkv` (every element), with `work`
-    /// (`steps²` values).
+    /// (`heads · steps²` values: a GPU's every head's `dP` of a sequence at once, the
+    /// host's one head's at a time).
     AttentionBackward(Attention),
     /// One updater step over the `n` flat parameter `values` with their `grads` and the
     /// updater's state (`first`; `second` for Adam), at step `t`, stored only when every
@@ -294,7 +295,8 @@ impl SimKernel for Kernel {
                 let a = matrix(cast(a)?, g.m, g.k, g.a_t)?;
                 let b = matrix(cast(b)?, g.k, g.n, g.b_t)?;
                 let c = ArrayViewMut2::from_shape((g.m, g.n), cast_mut(c)?).map_err(|e| e.to_string())?;
-                let scratch = as_scratch(cast_mut(scratch)?);
+                // SAFETY: the product's packing stores only the values it packs.
+                let scratch = unsafe { as_scratch(cast_mut(scratch)?) };
                 sgemm(g.alpha, a, b, g.beta, c, scratch).map_err(|e| e.to_string())
             }
             Kernel::BiasRows { bias, out, rows, cols } => {
@@ -327,11 +329,16 @@ impl SimKernel for Kernel {
                 sum_rows(ArrayViewMut1::from(cast_mut(sum)?), x);
                 Ok(())
             }
-            Kernel::SoftmaxCrossEntropy { logits, labels, grad, loss, rows, classes, scale, .. } => {
+            Kernel::SoftmaxCrossEntropy { logits, labels, grad, row_loss, loss, rows, classes, scale } => {
                 let labels_bytes = Bytes::of::<u32>(labels, rows).ok_or("labels overflow the address space")?;
                 let loss_bytes = Bytes::of::<f64>(loss, 1).ok_or("overflow")?;
-                let ([logits, labels], [grad, loss]) = memory
-                    .io([f32s(rows * classes, logits)?, labels_bytes], [f32s(rows * classes, grad)?, loss_bytes])?;
+                // The rows' losses are a GPU's (summed in a second pass): checked here, as
+                // every range a device writes.
+                let rows_bytes = Bytes::of::<f64>(row_loss, rows).ok_or("overflow")?;
+                let ([logits, labels], [grad, loss, _]) = memory.io(
+                    [f32s(rows * classes, logits)?, labels_bytes],
+                    [f32s(rows * classes, grad)?, loss_bytes, rows_bytes],
+                )?;
                 let logits = ArrayView2::from_shape((rows, classes), cast(logits)?).map_err(|e| e.to_string())?;
                 let labels: &[u32] = bytemuck::try_cast_slice(labels).map_err(|e| e.to_string())?;
                 let grad = ArrayViewMut2::from_shape((rows, classes), cast_mut(grad)?).map_err(|e| e.to_string())?;
@@ -361,7 +368,9 @@ impl SimKernel for Kernel {
             Kernel::Gelu { x, y, n } => {
                 let ([x], [y]) = memory.io([f32s(n, x)?], [f32s(n, y)?])?;
                 let x = ArrayView2::from_shape((1, n), cast(x)?).map_err(|e| e.to_string())?;
-                let y = ArrayViewMut2::from_shape((1, n), as_scratch(cast_mut(y)?)).map_err(|e| e.to_string())?;
+                // SAFETY: `gelu_new` writes every element with a value it computed.
+                let y = unsafe { as_scratch(cast_mut(y)?) };
+                let y = ArrayViewMut2::from_shape((1, n), y).map_err(|e| e.to_string())?;
                 gelu_new(x, y);
                 Ok(())
             }
@@ -377,16 +386,19 @@ impl SimKernel for Kernel {
                     memory.io([f32s(rows * cols, x)?, f32s(2 * cols, params)?], [f32s(rows * cols, y)?])?;
                 let (gamma, beta) = cast(p)?.split_at(cols);
                 let x = ArrayView2::from_shape((rows, cols), cast(x)?).map_err(|e| e.to_string())?;
-                let y = ArrayViewMut2::from_shape((rows, cols), as_scratch(cast_mut(y)?)).map_err(|e| e.to_string())?;
+                // SAFETY: `layer_norm_new` writes every element with a value it computed.
+                let y = unsafe { as_scratch(cast_mut(y)?) };
+                let y = ArrayViewMut2::from_shape((rows, cols), y).map_err(|e| e.to_string())?;
                 layer_norm_new(x, ArrayView1::from(gamma), ArrayView1::from(beta), eps, y);
                 Ok(())
             }
-            Kernel::LayerNormBackward { x, params, dy, grads, dx, rows, cols, eps, .. } => {
+            Kernel::LayerNormBackward { x, params, dy, grads, dx, stats, rows, cols, eps } => {
                 let n = rows * cols;
                 let dx_len = if dx == 0 { 0 } else { n };
-                let ([x, p, dy], [g, dx]) = memory.io(
+                // The rows' statistics are a GPU's: checked, not needed here.
+                let ([x, p, dy], [g, dx, _]) = memory.io(
                     [f32s(n, x)?, f32s(cols, params)?, f32s(n, dy)?],
-                    [f32s(2 * cols, grads)?, f32s(dx_len, dx)?],
+                    [f32s(2 * cols, grads)?, f32s(dx_len, dx)?, f32s(2 * rows, stats)?],
                 )?;
                 let (dgamma, dbeta) = cast_mut(g)?.split_at_mut(cols);
                 let x = ArrayView2::from_shape((rows, cols), cast(x)?).map_err(|e| e.to_string())?;
@@ -479,12 +491,17 @@ impl SimKernel for Kernel {
 }
 
 /// `values` as a host kernel's output of `MaybeUninit`s (a packing buffer, a new array).
+///
+/// # Safety
+///
+/// Whatever writes through the result writes only initialised values (never
+/// `MaybeUninit::uninit()`): the bytes are simulated device memory, read later as
+/// initialised `u8`s. The host kernels it is handed to (the product's packing,
+/// `gelu_new`, `layer_norm_new`) only store values they computed.
 #[allow(unsafe_code)]
-fn as_scratch(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the host kernels this is handed
-    // to (the product's packing, `gelu_new`, `layer_norm_new`) write only initialised
-    // values (never an uninitialised one), so the bytes stay initialised f32s for
-    // whatever reads them next, as the simulator's memory requires.
+unsafe fn as_scratch(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; the caller keeps the bytes
+    // initialised (this function's contract).
     unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
@@ -499,7 +516,8 @@ fn attention_forward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), Str
     )?;
     let qkv = ArrayView2::from_shape((rows, 3 * d), cast(qkv)?).map_err(|e| e.to_string())?;
     let mut att = ArrayViewMut2::from_shape((rows, d), cast_mut(att)?).map_err(|e| e.to_string())?;
-    let (probs, scratch) = (cast_mut(probs)?, as_scratch(cast_mut(scratch)?));
+    // SAFETY: the products' packing stores only the values it packs.
+    let (probs, scratch) = (cast_mut(probs)?, unsafe { as_scratch(cast_mut(scratch)?) });
     let scale = 1.0 / (hd as f32).sqrt();
     let fail = |e: crate::Error| e.to_string();
     for (i, slot) in probs.chunks_exact_mut(a.per_head()).enumerate() {
@@ -525,13 +543,15 @@ fn attention_backward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), St
     let (rows, hd) = (a.rows(), d / heads.max(1));
     let ([qkv, probs, d_att], [d_qkv, work, scratch]) = memory.io(
         [f32s(rows * 3 * d, a.qkv)?, f32s(a.probs_len(), a.probs)?, f32s(rows * d, a.d_att)?],
-        [f32s(rows * 3 * d, a.d_qkv)?, f32s(t * t, a.work)?, f32s(a.scratch_len, a.scratch)?],
+        [f32s(rows * 3 * d, a.d_qkv)?, f32s(heads * t * t, a.work)?, f32s(a.scratch_len, a.scratch)?],
     )?;
     let qkv = ArrayView2::from_shape((rows, 3 * d), cast(qkv)?).map_err(|e| e.to_string())?;
     let d_att = ArrayView2::from_shape((rows, d), cast(d_att)?).map_err(|e| e.to_string())?;
     let mut d_qkv = ArrayViewMut2::from_shape((rows, 3 * d), cast_mut(d_qkv)?).map_err(|e| e.to_string())?;
-    let mut d_probs = ArrayViewMut2::from_shape((t, t), cast_mut(work)?).map_err(|e| e.to_string())?;
-    let (probs, scratch) = (cast(probs)?, as_scratch(cast_mut(scratch)?));
+    // A GPU's work holds every head's `dP` of a sequence; one head's at a time here.
+    let mut d_probs = ArrayViewMut2::from_shape((t, t), &mut cast_mut(work)?[..t * t]).map_err(|e| e.to_string())?;
+    // SAFETY: the products' packing stores only the values it packs.
+    let (probs, scratch) = (cast(probs)?, unsafe { as_scratch(cast_mut(scratch)?) });
     let scale = 1.0 / (hd as f32).sqrt();
     let fail = |e: crate::Error| e.to_string();
     for (i, slot) in probs.chunks_exact(a.per_head()).enumerate() {

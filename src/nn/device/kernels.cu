@@ -3,8 +3,11 @@
 // CI without a GPU, so that a kernel that does not compile fails there.
 //
 // Arrays are f32, row-major, at device addresses the step's workspaces hand out. Each
-// kernel mirrors the host arithmetic of the function its comment names, in the same
-// order where the order decides the bits (sums run in row order, one thread per sum).
+// kernel computes what the host function its comment names computes, with the same
+// formulas. The bits are not the host's: reductions along a row are trees over a block's
+// threads, and expf/tanhf are not the host's fast_exp/fast_tanh. They are the same bits
+// every run: no atomics decide a value (sums across rows run in row order, one thread per
+// sum; the update's status takes the first bad element whatever the order).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -108,6 +111,11 @@ extern "C" __global__ void carve_softmax_xent(const float* __restrict__ logits, 
     }
     float inv = 1.0f / part[0];
     u32 label = labels[r];
+    // A label beyond the classes (checked before it came) leaves the row's loss NaN.
+    if (t == 0) {
+        row_loss[r] = __longlong_as_double(0x7ff8000000000000LL);
+    }
+    __syncthreads();
     for (u64 c = t; c < classes; c += blockDim.x) {
         float p = g[c] * inv;
         if (c == label) {
@@ -328,29 +336,33 @@ extern "C" __global__ void carve_layer_norm_backward_params(const float* __restr
     }
 }
 
-// out[r] = table[ids[r]].
+// out[r] = table[ids[r]]; an id beyond the vocabulary (checked before it came) gives
+// NaN, which the update's check refuses, rather than a read out of bounds.
 extern "C" __global__ void carve_embedding(const u32* __restrict__ ids, const float* __restrict__ table,
-                                           float* __restrict__ out, u64 rows, u64 width) {
+                                           float* __restrict__ out, u64 rows, u64 width, u64 vocabulary) {
     u64 n = rows * width;
     for (u64 i = carve_index(); i < n; i += carve_stride()) {
-        out[i] = table[(u64)ids[i / width] * width + i % width];
+        u64 v = ids[i / width];
+        out[i] = v < vocabulary ? table[v * width + i % width] : __int_as_float(0x7fc00000);
     }
 }
 
-// dtable[v, c] = Σ over the rows r of token v of dy[r, c], in row order (one thread per
-// element of the table: no atomics, the same bits every run).
+// dtable[v, c] = Σ over the rows r of token v of dy[r, c], in row order: one thread per
+// column, which zeroes its column and then adds the rows in order (no atomics, the same
+// bits every run; O(rows · width) whatever the vocabulary). Ids were checked below the
+// vocabulary before they came; one that is not is skipped.
 extern "C" __global__ void carve_embedding_backward(const u32* __restrict__ ids, const float* __restrict__ dy,
                                                     float* __restrict__ dtable, u64 rows, u64 width, u64 vocabulary) {
-    u64 n = vocabulary * width;
-    for (u64 i = carve_index(); i < n; i += carve_stride()) {
-        u64 v = i / width, c = i % width;
-        float acc = 0.0f;
+    for (u64 c = carve_index(); c < width; c += carve_stride()) {
+        for (u64 v = 0; v < vocabulary; ++v) {
+            dtable[v * width + c] = 0.0f;
+        }
         for (u64 r = 0; r < rows; ++r) {
-            if ((u64)ids[r] == v) {
-                acc += dy[r * width + c];
+            u64 v = ids[r];
+            if (v < vocabulary) {
+                dtable[v * width + c] += dy[r * width + c];
             }
         }
-        dtable[i] = acc;
     }
 }
 

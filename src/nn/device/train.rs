@@ -551,6 +551,12 @@ impl<C: Compute> Pass<'_, C> {
             dy = dx;
         }
         drop(held);
+        if pending != 0 {
+            return Err(Error::InvalidInput(format!(
+                "{pending} residual join(s) found no block input to add their gradient to: the network's blocks are \
+                 not nested as built"
+            )));
+        }
 
         // The update, stored only when finite everywhere.
         let decay = if self.plan.decay.is_empty() { 0 } else { self.state_at(4, 0) };

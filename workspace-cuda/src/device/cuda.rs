@@ -56,7 +56,14 @@ struct Inner {
     name: String,
     memory_pools: bool,
     deferred: Mutex<Option<DeviceError>>,
+    /// Events made by `record`, kept for reuse: one that only this list holds is
+    /// recorded again instead of creating another (a steady loop of records creates
+    /// none, and allocates nothing).
+    events: Mutex<Vec<Arc<CudaEvent>>>,
 }
+
+/// The most events [`Inner::events`] keeps (more alive at once are made and dropped).
+const POOLED_EVENTS: usize = 1024;
 
 impl fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -117,6 +124,7 @@ impl CudaDevice {
                 name,
                 memory_pools,
                 deferred: Mutex::new(None),
+                events: Mutex::new(Vec::with_capacity(64)),
             }),
         })
     }
@@ -291,7 +299,20 @@ impl Device for CudaDevice {
     }
 
     fn record(&self, stream: &Arc<CudaStream>) -> Result<Arc<CudaEvent>, DeviceError> {
-        stream.record_event(None).map(Arc::new).map_err(|e| driver("cuEventRecord", e))
+        let mut events = self.inner.events.lock().unwrap_or_else(PoisonError::into_inner);
+        // An event only the list holds is observed by nobody: recording it again cannot
+        // change what an earlier wait on it waits for (a wait takes the record that came
+        // before it).
+        let free = events.iter().find(|e| Arc::strong_count(e) == 1 && Arc::ptr_eq(e.context(), stream.context()));
+        if let Some(event) = free {
+            event.record(stream).map_err(|e| driver("cuEventRecord", e))?;
+            return Ok(event.clone());
+        }
+        let event = Arc::new(stream.record_event(None).map_err(|e| driver("cuEventRecord", e))?);
+        if events.len() < POOLED_EVENTS {
+            events.push(event.clone());
+        }
+        Ok(event)
     }
 
     fn wait(&self, stream: &Arc<CudaStream>, event: &Arc<CudaEvent>) -> Result<(), DeviceError> {

@@ -138,7 +138,10 @@ impl SimDevice {
             }
             None => {
                 let flag = Arc::new(AtomicBool::new(false));
-                events.push(flag.clone());
+                // Bounded: more flags alive at once than this are made and dropped.
+                if events.len() < 1024 {
+                    events.push(flag.clone());
+                }
                 flag
             }
         };

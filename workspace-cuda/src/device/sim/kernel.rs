@@ -28,7 +28,7 @@ pub const MAX_KERNEL_BYTES: usize = 128;
 /// [`SimKernel::run`] asks [`SimAccess::io`] for the ranges it reads and writes and
 /// computes on them; an `Err` is recorded as a fault of the stream (as
 /// [`SimDevice::faults`](super::SimDevice::faults) reports), and so is a panic.
-pub trait SimKernel: Copy + Send + 'static {
+pub trait SimKernel: Copy + Send + Sync + 'static {
     /// The kernel's name in faults.
     fn name(&self) -> &'static str;
     /// Runs the kernel.
