@@ -106,8 +106,9 @@ struct Args {
     #[arg(long, verbatim_doc_comment)]
     compare: bool,
     /// Where each step runs: `host`, `sim` (the simulated device:
-    /// the host's arithmetic in simulated device memory) or `cuda` /
-    /// `cuda:N`; not with --workers, --breakdown or --timeline
+    /// the host's arithmetic in simulated device memory), `cuda` or
+    /// `cuda:N`; not with --workers, --breakdown or
+    /// --timeline
     #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
     device: Device,
     /// Attention: `keep` the probabilities for backward, or

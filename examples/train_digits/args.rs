@@ -32,9 +32,9 @@ pub(crate) struct Args {
     pub(crate) workspace_mode: WorkspaceMode,
 
     /// Where each training step runs: `host` (the CPU), `sim` (the
-    /// simulated device: device memory and streams in host memory,
-    /// the host's arithmetic, so the same losses) or `cuda` /
-    /// `cuda:N` (a GPU; where there is none, an error naming why)
+    /// simulated device: the host's arithmetic in simulated device
+    /// memory, so the same losses) or `cuda`/`cuda:N` (a GPU; where
+    /// there is none, an error naming why)
     #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
     pub(crate) device: Device,
 
