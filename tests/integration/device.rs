@@ -94,6 +94,16 @@ fn what_a_device_cannot_run_is_refused_with_the_reason() {
     let err = Network::new(lstm).unwrap_err().to_string();
     assert!(err.contains("has no device form") && err.contains("lstm"), "{err}");
 
+    // Data-parallel workers run on the host: a device network is refused, not trained on
+    // the host behind the caller's back.
+    let net = Network::new(mlp(Device::simulated(), Updater::adam(0.01)).build().unwrap()).unwrap();
+    let err = carve::nn::parallel::DataParallel::new(net, carve::nn::parallel::ParallelConfig::threads(2));
+    assert!(
+        matches!(err, Err(Error::InvalidConfig { ref reason }) if reason.contains("on the host")),
+        "{:?}",
+        err.err()
+    );
+
     // Sequences are not on devices yet: a clear error, and the network stays usable.
     let mut net = Network::new(mlp(Device::simulated(), Updater::adam(0.01)).build().unwrap()).unwrap();
     let x3 = carve::ndarray::Array3::<f32>::zeros((2, 3, 64));

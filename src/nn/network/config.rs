@@ -387,7 +387,10 @@ impl NetworkConfigBuilder {
     /// CUDA device (see [`crate::nn::device`]). A device runs layers that have a
     /// [`DeviceForm`](crate::nn::DeviceForm); [`Network::new`](crate::nn::Network::new)
     /// refuses a network with one that has none, and a CUDA device where there is none,
-    /// with the reason.
+    /// with the reason. The parameters come back to the network after every step (its
+    /// `params`, `evaluate`, `freeze` and `save` see them); the updater's state stays on
+    /// the device. Inference, `set_threads` and data-parallel training (which refuses a
+    /// device network) are the host's.
     pub fn device(mut self, device: Device) -> Self {
         self.device = device;
         self

@@ -259,6 +259,15 @@ impl DataParallel {
         mut reducers: Vec<Box<dyn Reducer>>,
         threads: bool,
     ) -> Result<DataParallel> {
+        if network.device() != crate::nn::Device::Host {
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "data-parallel training runs its workers on the host, but this network trains on {}: build it \
+                     with Device::Host (the default) to train it data-parallel",
+                    network.device()
+                ),
+            });
+        }
         let (inputs, layers, params_layout, params, updater, iterations, modes) = network.into_parts();
         let (shared, step) = share(layers, params_layout, params, updater, config.bucket_bytes);
         let shared = Arc::new(shared);
