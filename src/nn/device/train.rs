@@ -248,6 +248,9 @@ pub(crate) struct Trainer<C: Compute> {
     /// The parameter row read back after each step (`pad` values).
     values: Vec<f32>,
     step: u64,
+    /// A device error of an earlier step, after which the device's state is not the
+    /// network's.
+    failed: Option<String>,
 }
 
 impl<C: Compute> Trainer<C> {
@@ -304,6 +307,7 @@ impl<C: Compute> Trainer<C> {
             kept,
             values,
             step: 0,
+            failed: None,
         })
     }
 }
@@ -380,6 +384,13 @@ impl<C: Compute> DeviceStep for Trainer<C> {
     }
 
     fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32> {
+        if let Some(error) = &self.failed {
+            return Err(Error::InvalidInput(format!(
+                "an earlier training step failed on {} ({error}): its state there is lost; the network holds the \
+                 parameters of its last good step: build a new network from them to go on",
+                self.compute.device().describe()
+            )));
+        }
         let (batch, steps) = x.dims();
         // The batch, staged through pinned memory.
         let x_bytes = match x {
@@ -406,7 +417,7 @@ impl<C: Compute> DeviceStep for Trainer<C> {
             kept: &mut self.kept,
             step: self.step,
         };
-        match &self.group {
+        let issued = match &self.group {
             Some(group) => {
                 // Token ids, sequences and flat batches of one shape share no plan.
                 let kind = match x {
@@ -415,9 +426,18 @@ impl<C: Compute> DeviceStep for Trainer<C> {
                     StepInput::Tokens(_) => 3,
                 };
                 let key = (batch as u64) << 34 | (steps as u64) << 2 | kind;
-                group.iteration(key, || pass.run(&stage, x, labels))?;
+                group.iteration(key, || pass.run(&stage, x, labels)).map(|_| ())
             }
-            None => pass.run(&stage, x, labels)?,
+            None => pass.run(&stage, x, labels),
+        };
+        if let Err(error) = issued {
+            // The device failed an operation (reported now, maybe of an earlier step's
+            // work): what ran after it is unknown, so the device's state is no longer the
+            // network's.
+            if let Error::Device(workspace_cuda::Error::Device { source, .. }) = &error {
+                self.failed = Some(source.to_string());
+            }
+            return Err(error);
         }
 
         // Read back the loss and the status (this waits for the step), then the values.
@@ -430,6 +450,10 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         self.state.view().row(0).expect("the parameters' row").dtoh_into(&mut ArrayViewMut1::from(&mut values[..]))?;
         drop(stage);
         if let Some(error) = self.compute.device().take_deferred_error() {
+            // Work after the failure may have run (the update among it): the device's
+            // state is no longer the network's. The network keeps the parameters of its
+            // last good step; this step refuses every later one.
+            self.failed = Some(error.to_string());
             return Err(device_error("the training step", error));
         }
         if bad[0] != 0 {
@@ -770,5 +794,35 @@ fn attention(batch: usize, steps: usize, width: usize, heads: usize) -> KernelAt
         heads: narrow(heads),
         scratch: 0,
         scratch_len: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::{Array1, Array2};
+    use workspace_cuda::{Device as _, DeviceError};
+
+    use super::*;
+    use crate::nn::Dense;
+
+    #[test]
+    fn a_step_that_failed_on_the_device_leaves_the_parameters_and_refuses_the_next() {
+        let layers: Vec<Box<dyn Layer>> = vec![Box::new(Dense::new(3, 4)), Box::new(Dense::new(4, 2))];
+        let layout = Params::of(3, &layers).unwrap();
+        let plan = Plan::of(&layers, &layout, Updater::adam(0.1)).unwrap();
+        let mut params: Vec<f32> = (0..layout.layout.total).map(|i| (i % 7) as f32 / 7.0 - 0.4).collect();
+        let mut trainer = Trainer::new(SimCompute::new().unwrap(), plan, &params, WorkspaceMode::Enabled).unwrap();
+        let (x, y) = (Array2::<f32>::ones((5, 3)), Array1::<u32>::zeros(5).insert_axis(ndarray::Axis(1)));
+        trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap();
+        let after_one = params.clone();
+        // A fault of the device during the next step (what a kernel out of bounds or a
+        // lost context gives).
+        trainer.compute.device().defer_error(DeviceError::Fault { op: "gemm", detail: "injected".into() });
+        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap_err();
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert_eq!(params, after_one, "the failed step stored nothing into the network");
+        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap_err();
+        assert!(err.to_string().contains("an earlier training step failed"), "{err}");
+        assert_eq!(params, after_one);
     }
 }
