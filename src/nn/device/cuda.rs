@@ -14,12 +14,11 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use ndarray::Ix1;
 use workspace_core::WorkspaceMode;
 use workspace_cuda::cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use workspace_cuda::cudarc::driver::{result as driver, sys as driver_sys, CudaModule, CudaStream};
 use workspace_cuda::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
-use workspace_cuda::{CudaDevice, DeviceArray};
+use workspace_cuda::CudaDevice;
 
 use crate::{Error, Result};
 
@@ -111,9 +110,9 @@ struct Batched {
     count: usize,
 }
 
-/// Bytes of device memory handed to cuBLAS as its workspace (what it recommends on
-/// Hopper; less on older GPUs is enough).
-const CUBLAS_WORKSPACE: usize = 32 << 20;
+/// Bytes of the step's working memory handed to cuBLAS as its workspace for each product
+/// (cuBLAS's own default before Hopper; it needs none, and uses more when it has it).
+const CUBLAS_WORKSPACE: usize = 4 << 20;
 
 /// Threads per block of the elementwise kernels and of the softmax's rows.
 const BLOCK: u32 = 256;
@@ -180,8 +179,6 @@ pub(crate) struct CudaCompute {
     functions: [driver_sys::CUfunction; KERNEL_NAMES.len()],
     /// Keeps the functions loaded.
     _module: Arc<CudaModule>,
-    /// cuBLAS's workspace, set on its handle (freed after the handle, declared after it).
-    _blas_workspace: DeviceArray<CudaDevice, u8, Ix1>,
 }
 
 fn driver_error(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -207,16 +204,25 @@ impl CudaCompute {
         let blas = catch_unwind(AssertUnwindSafe(|| CudaBlas::new(stream.clone())))
             .map_err(|_| missing("libcublas"))?
             .map_err(|e| driver_error("creating a cuBLAS handle", e))?;
-        let workspace = DeviceArray::<CudaDevice, u8, Ix1>::zeros(&gpu, &stream, CUBLAS_WORKSPACE)?;
-        // SAFETY: the workspace is device memory of this context that outlives the handle
-        // (a later field) and is used by nothing else; cuBLAS uses it on the handle's
-        // stream only.
-        unsafe {
-            cublas_sys::cublasSetWorkspace_v2(*blas.handle(), workspace.device_ptr() as *mut c_void, CUBLAS_WORKSPACE)
-        }
-        .result()
-        .map_err(|e| driver_error("setting cuBLAS's workspace", e))?;
-        Ok(CudaCompute { gpu, stream, blas, functions, _module: module, _blas_workspace: workspace })
+        Ok(CudaCompute { gpu, stream, blas, functions, _module: module })
+    }
+
+    /// Hands cuBLAS `len` values at `at` (the step's working memory, allocated for the
+    /// products about to be issued) as its workspace; none when `len` is 0.
+    ///
+    /// # Safety
+    ///
+    /// `at..at + 4·len` is device memory that stays allocated, and is used by nothing
+    /// else, until every product issued with it completes in the stream's order.
+    unsafe fn set_workspace(&self, at: u64, len: usize) -> Result<()> {
+        let (pointer, bytes) = match len {
+            0 => (std::ptr::null_mut(), 0),
+            _ => (at as *mut c_void, len * size_of::<f32>()),
+        };
+        // SAFETY: per this function's contract; the handle is this compute's.
+        unsafe { cublas_sys::cublasSetWorkspace_v2(*self.blas.handle(), pointer, bytes) }
+            .result()
+            .map_err(|e| driver_error("setting cuBLAS's workspace", e))
     }
 
     /// Launches `function` with `args` (pointers to each argument's value).
@@ -245,6 +251,9 @@ impl CudaCompute {
     /// As [`Compute::run`] for the product's three matrices.
     unsafe fn gemm(&self, g: Gemm) -> Result<()> {
         use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        // SAFETY: the product's buffer is the step's, allocated for this product (the
+        // contract of `Compute::run`).
+        unsafe { self.set_workspace(g.scratch, g.scratch_len) }?;
         let dim =
             |v: usize| i32::try_from(v).map_err(|_| driver_error("a product", format!("{v} exceeds cuBLAS's int")));
         let (m, n, k) = (dim(g.m)?, dim(g.n)?, dim(g.k)?);
@@ -320,6 +329,8 @@ impl CudaCompute {
     ///
     /// As [`Compute::run`].
     unsafe fn attention_forward(&self, a: super::kernel::Attention) -> Result<()> {
+        // SAFETY: the core's buffer is the step's, allocated for it.
+        unsafe { self.set_workspace(a.scratch, a.scratch_len) }?;
         let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
         let (hd, per_head) = (d / heads.max(1), a.per_head());
         let scale = 1.0 / (hd as f32).sqrt();
@@ -360,6 +371,8 @@ impl CudaCompute {
     ///
     /// As [`Compute::run`].
     unsafe fn attention_backward(&self, a: super::kernel::Attention) -> Result<()> {
+        // SAFETY: the core's buffer is the step's, allocated for it.
+        unsafe { self.set_workspace(a.scratch, a.scratch_len) }?;
         let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
         let (hd, per_head) = (d / heads.max(1), a.per_head());
         let mut scale = 1.0 / (hd as f32).sqrt();
@@ -425,7 +438,11 @@ impl Compute for CudaCompute {
     }
 
     fn gemm_scratch(&self, _m: usize, _n: usize, _k: usize) -> usize {
-        0
+        CUBLAS_WORKSPACE / size_of::<f32>()
+    }
+
+    fn attention_scratch(&self, _steps: usize, _head_width: usize) -> usize {
+        CUBLAS_WORKSPACE / size_of::<f32>()
     }
 
     unsafe fn run(&mut self, kernel: Kernel) -> Result<()> {

@@ -201,9 +201,12 @@ pub(crate) trait Compute {
     fn device(&self) -> &Self::D;
     /// The stream every operation runs on.
     fn stream(&self) -> &<Self::D as workspace_cuda::Device>::Stream;
-    /// The values of device memory a product of `m × k` by `k × n` needs as its packing
-    /// buffer (0: none).
+    /// The values of device memory a product of `m × k` by `k × n` needs as its buffer
+    /// (the host product's packing, cuBLAS's workspace; 0: none).
     fn gemm_scratch(&self, m: usize, n: usize, k: usize) -> usize;
+    /// The values an attention core over `steps` steps of heads `head_width` wide needs
+    /// as its products' buffer.
+    fn attention_scratch(&self, steps: usize, head_width: usize) -> usize;
     /// Issues `kernel` on [`Compute::stream`].
     ///
     /// # Errors
@@ -246,6 +249,10 @@ impl Compute for SimCompute {
 
     fn gemm_scratch(&self, m: usize, n: usize, k: usize) -> usize {
         super::gemm::scratch_len(m, n, k)
+    }
+
+    fn attention_scratch(&self, steps: usize, head_width: usize) -> usize {
+        kernel::Attention::head_scratch(steps, head_width)
     }
 
     unsafe fn run(&mut self, kernel: Kernel) -> Result<()> {

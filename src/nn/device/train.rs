@@ -8,7 +8,7 @@ use std::mem::size_of;
 use workspace_core::WorkspaceConfig;
 use workspace_core::{LearningPolicy, SpillPolicy, WorkspaceMode};
 use workspace_cuda::{
-    Device as _, DeviceArray, DevicePlanGroup, DeviceScope, DeviceWorkspace, PinnedScope, PinnedWorkspace,
+    Device as _, DeviceArray, DeviceFrame, DevicePlanGroup, DeviceScope, DeviceWorkspace, PinnedScope, PinnedWorkspace,
 };
 
 use crate::{Error, Result};
@@ -323,12 +323,12 @@ fn run<C: Compute>(compute: &mut C, kernel: Kernel) -> Result<()> {
     unsafe { compute.run(kernel) }
 }
 
-/// A product's packing buffer of `len` values in `scope` (address 0 when none is needed).
-fn scratch_at<D: workspace_cuda::Device>(scope: &DeviceScope<'_, D>, len: usize) -> Result<u64> {
+/// A buffer of `len` values in `frame` (address 0 when none is needed).
+fn scratch_in<D: workspace_cuda::Device>(frame: &DeviceFrame<'_, D>, len: usize) -> Result<u64> {
     if len == 0 {
         return Ok(0);
     }
-    Ok(scope.uninit::<f32, _>(len)?.device_ptr_mut())
+    Ok(frame.uninit::<f32, _>(len)?.device_ptr_mut())
 }
 
 /// A fresh array of `len` values of `scope` that a kernel writes whole, by address.
@@ -336,8 +336,9 @@ fn fresh<D: workspace_cuda::Device, T: bytemuck::Pod>(scope: &DeviceScope<'_, D>
     Ok(scope.uninit::<T, _>(len.max(1))?.device_ptr_mut())
 }
 
-/// `C (m × n) ← op(A)·op(B) + beta·C` with a packing buffer from `scope` when the compute
-/// wants one.
+/// `C (m × n) ← op(A)·op(B) + beta·C`, with the buffer the compute wants for it (the host
+/// product's packing, cuBLAS's workspace) in a frame of `scope` that closes after it: the
+/// next product takes the same bytes.
 fn product<C: Compute>(
     compute: &mut C,
     scope: &DeviceScope<'_, C::D>,
@@ -348,7 +349,8 @@ fn product<C: Compute>(
     beta: f32,
 ) -> Result<()> {
     let scratch_len = compute.gemm_scratch(m, n, k);
-    let scratch = scratch_at(scope, scratch_len)?;
+    let frame = scope.frame()?;
+    let scratch = scratch_in(&frame, scratch_len)?;
     run(compute, Kernel::Gemm(Gemm { m, n, k, a, a_t, b, b_t, c, alpha: 1.0, beta, scratch, scratch_len }))
 }
 
@@ -650,13 +652,14 @@ impl<C: Compute> Pass<'_, C> {
                 let out = fresh::<_, f32>(act, rows * d)?;
                 let work = self.roles.work.enter()?;
                 product(compute, &work, (rows, 3 * d, d), (input, false), (weights, false), qkv, 1.0)?;
-                let scratch_len =
-                    compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
-                let scratch = scratch_at(&work, scratch_len)?;
+                let scratch_len = compute.attention_scratch(steps, d / heads);
+                let frame = work.frame()?;
+                let scratch = scratch_in(&frame, scratch_len)?;
                 run(
                     compute,
                     Kernel::AttentionForward(KernelAttention { qkv, att, probs, scratch, scratch_len, ..core }),
                 )?;
+                drop(frame);
                 let proj_w = qkv_b + (3 * d) as u64 * F32;
                 let proj_b = proj_w + (d * d) as u64 * F32;
                 run(compute, Kernel::BiasRows { bias: proj_b, out, rows, cols: d })?;
@@ -750,9 +753,9 @@ impl<C: Compute> Pass<'_, C> {
                 // sequence at once on a GPU.
                 let d_qkv = fresh::<_, f32>(&work, rows * 3 * d)?;
                 let scores = fresh::<_, f32>(&work, heads * steps * steps)?;
-                let scratch_len =
-                    compute.gemm_scratch(0, 0, 0).min(1) * KernelAttention::head_scratch(steps, d / heads);
-                let scratch = scratch_at(&work, scratch_len)?;
+                let scratch_len = compute.attention_scratch(steps, d / heads);
+                let frame = work.frame()?;
+                let scratch = scratch_in(&frame, scratch_len)?;
                 let core = KernelAttention {
                     qkv,
                     att,
@@ -765,6 +768,7 @@ impl<C: Compute> Pass<'_, C> {
                     ..attention(batch, steps, d, heads)
                 };
                 run(compute, Kernel::AttentionBackward(core))?;
+                drop(frame);
                 // The input projection.
                 product(compute, &work, (d, 3 * d, rows), (input, true), (d_qkv, false), grads, 0.0)?;
                 run(compute, Kernel::SumRows { x: d_qkv, sum: g_qkv_b, rows, cols: 3 * d })?;
