@@ -322,8 +322,10 @@ impl CudaCompute {
         .map_err(|e| driver_error("cuBLAS sgemm_strided_batched", e))
     }
 
-    /// The attention core's forward pass: per sequence, every head's scores by one
-    /// batched product, the causal softmax of all of them, the heads' outputs by another.
+    /// The attention core's forward pass: per head, every sequence's scores by one
+    /// batched product (the sequences `steps · 3 · width` values apart in `qkv`, their
+    /// probability blocks `heads · per_head` apart), the causal softmax of every block at
+    /// once, then per head the outputs by another batched product.
     ///
     /// # Safety
     ///
@@ -331,41 +333,44 @@ impl CudaCompute {
     unsafe fn attention_forward(&self, a: super::kernel::Attention) -> Result<()> {
         // SAFETY: the core's buffer is the step's, allocated for it.
         unsafe { self.set_workspace(a.scratch, a.scratch_len) }?;
-        let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+        let (t, d, heads, batch) = (a.steps as usize, a.width as usize, a.heads as usize, a.batch as usize);
         let (hd, per_head) = (d / heads.max(1), a.per_head());
         let scale = 1.0 / (hd as f32).sqrt();
         let f = |values: usize| (values * size_of::<f32>()) as u64;
-        for b in 0..a.batch as usize {
-            let qkv = a.qkv + f(b * t * 3 * d);
-            let probs = a.probs + f(b * heads * per_head);
-            let scores = probs + f(2 * t);
+        // Strides from one sequence to the next.
+        let (seq_qkv, seq_probs, seq_att) = ((t * 3 * d) as i64, (heads * per_head) as i64, (t * d) as i64);
+        for h in 0..heads {
             // S = scale · Q·Kᵀ.
-            let q = (qkv, 3 * d, false, hd as i64);
-            let k = (qkv + f(d), 3 * d, true, hd as i64);
-            let s = (scores, t, per_head as i64);
-            // SAFETY: per this function's contract.
+            let q = (a.qkv + f(h * hd), 3 * d, false, seq_qkv);
+            let k = (a.qkv + f(d + h * hd), 3 * d, true, seq_qkv);
+            let s = (a.probs + f(h * per_head + 2 * t), t, seq_probs);
+            // SAFETY: per this function's contract (as each product and launch below).
             unsafe {
-                self.batched(Batched { m: t, n: t, k: hd, a: q, b: k, c: s, alpha: scale, beta: 0.0, count: heads })
+                self.batched(Batched { m: t, n: t, k: hd, a: q, b: k, c: s, alpha: scale, beta: 0.0, count: batch })
             }?;
-            let (mut p, mut blocks, mut steps, mut per) = (probs, heads as u64, t as u64, per_head as u64);
-            let rows = row_blocks(heads * t)?;
-            // SAFETY: as above.
-            unsafe {
-                self.launch(Function::CausalSoftmax, rows, BLOCK, &mut [arg!(p), arg!(blocks), arg!(steps), arg!(per)])
-            }?;
+        }
+        let (mut p, mut blocks, mut steps, mut per) = (a.probs, (batch * heads) as u64, t as u64, per_head as u64);
+        let rows = row_blocks(batch * heads * t)?;
+        // SAFETY: as above.
+        unsafe {
+            self.launch(Function::CausalSoftmax, rows, BLOCK, &mut [arg!(p), arg!(blocks), arg!(steps), arg!(per)])
+        }?;
+        for h in 0..heads {
             // O = P·V.
-            let pm = (scores, t, false, per_head as i64);
-            let v = (qkv + f(2 * d), 3 * d, false, hd as i64);
-            let o = (a.att + f(b * t * d), d, hd as i64);
+            let pm = (a.probs + f(h * per_head + 2 * t), t, false, seq_probs);
+            let v = (a.qkv + f(2 * d + h * hd), 3 * d, false, seq_qkv);
+            let o = (a.att + f(h * hd), d, seq_att);
             // SAFETY: as above.
             unsafe {
-                self.batched(Batched { m: t, n: hd, k: t, a: pm, b: v, c: o, alpha: 1.0, beta: 0.0, count: heads })
+                self.batched(Batched { m: t, n: hd, k: t, a: pm, b: v, c: o, alpha: 1.0, beta: 0.0, count: batch })
             }?;
         }
         Ok(())
     }
 
-    /// The attention core's backward pass, per sequence as the forward pass.
+    /// The attention core's backward pass, batched over the sequences per head as the
+    /// forward pass; `work` holds every sequence's and head's `dP` (`steps²` values each,
+    /// sequence-major as the probabilities).
     ///
     /// # Safety
     ///
@@ -373,44 +378,43 @@ impl CudaCompute {
     unsafe fn attention_backward(&self, a: super::kernel::Attention) -> Result<()> {
         // SAFETY: the core's buffer is the step's, allocated for it.
         unsafe { self.set_workspace(a.scratch, a.scratch_len) }?;
-        let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
+        let (t, d, heads, batch) = (a.steps as usize, a.width as usize, a.heads as usize, a.batch as usize);
         let (hd, per_head) = (d / heads.max(1), a.per_head());
         let mut scale = 1.0 / (hd as f32).sqrt();
         let f = |values: usize| (values * size_of::<f32>()) as u64;
-        let tt = (t * t) as i64;
-        for b in 0..a.batch as usize {
-            let qkv = a.qkv + f(b * t * 3 * d);
-            let d_qkv = a.d_qkv + f(b * t * 3 * d);
-            let probs = a.probs + f(b * heads * per_head);
-            let scores = probs + f(2 * t);
-            let d_o = (a.d_att + f(b * t * d), d, false, hd as i64);
-            let work = a.work;
-            let batch = |m, n, k, a, b, c| Batched { m, n, k, a, b, c, alpha: 1.0, beta: 0.0, count: heads };
+        let (seq_qkv, seq_probs, seq_att) = ((t * 3 * d) as i64, (heads * per_head) as i64, (t * d) as i64);
+        let seq_work = (heads * t * t) as i64;
+        let product = |m, n, k, a, b, c| Batched { m, n, k, a, b, c, alpha: 1.0, beta: 0.0, count: batch };
+        for h in 0..heads {
+            let d_o = (a.d_att + f(h * hd), d, false, seq_att);
+            let dp = (a.work + f(h * t * t), t, seq_work);
             // dP = dO·Vᵀ, dV = Pᵀ·dO.
-            let v_t = (qkv + f(2 * d), 3 * d, true, hd as i64);
+            let v_t = (a.qkv + f(2 * d + h * hd), 3 * d, true, seq_qkv);
             // SAFETY: per this function's contract (as each product and launch below).
-            unsafe { self.batched(batch(t, t, hd, d_o, v_t, (work, t, tt))) }?;
-            let p_t = (scores, t, true, per_head as i64);
-            let dv = (d_qkv + f(2 * d), 3 * d, hd as i64);
+            unsafe { self.batched(product(t, t, hd, d_o, v_t, dp)) }?;
+            let p_t = (a.probs + f(h * per_head + 2 * t), t, true, seq_probs);
+            let dv = (a.d_qkv + f(2 * d + h * hd), 3 * d, seq_qkv);
             // SAFETY: as above.
-            unsafe { self.batched(batch(t, hd, t, p_t, (d_o.0, d, false, hd as i64), dv)) }?;
-            let (mut p, mut dp, mut blocks, mut steps, mut per) =
-                (probs, work, heads as u64, t as u64, per_head as u64);
-            let rows = row_blocks(heads * t)?;
-            let mut args = [arg!(p), arg!(dp), arg!(blocks), arg!(steps), arg!(per), arg!(scale)];
-            // SAFETY: as above.
-            unsafe { self.launch(Function::CausalSoftmaxBackward, rows, BLOCK, &mut args) }?;
+            unsafe { self.batched(product(t, hd, t, p_t, d_o, dv)) }?;
+        }
+        let (mut p, mut dp, mut blocks, mut steps, mut per) =
+            (a.probs, a.work, (batch * heads) as u64, t as u64, per_head as u64);
+        let rows = row_blocks(batch * heads * t)?;
+        let mut args = [arg!(p), arg!(dp), arg!(blocks), arg!(steps), arg!(per), arg!(scale)];
+        // SAFETY: as above.
+        unsafe { self.launch(Function::CausalSoftmaxBackward, rows, BLOCK, &mut args) }?;
+        for h in 0..heads {
             // dQ = dS·K, dK = dSᵀ·Q.
-            let ds = (work, t, false, tt);
-            let k = (qkv + f(d), 3 * d, false, hd as i64);
-            let dq = (d_qkv, 3 * d, hd as i64);
+            let ds = (a.work + f(h * t * t), t, false, seq_work);
+            let k = (a.qkv + f(d + h * hd), 3 * d, false, seq_qkv);
+            let dq = (a.d_qkv + f(h * hd), 3 * d, seq_qkv);
             // SAFETY: as above.
-            unsafe { self.batched(batch(t, hd, t, ds, k, dq)) }?;
-            let ds_t = (work, t, true, tt);
-            let q = (qkv, 3 * d, false, hd as i64);
-            let dk = (d_qkv + f(d), 3 * d, hd as i64);
+            unsafe { self.batched(product(t, hd, t, ds, k, dq)) }?;
+            let ds_t = (a.work + f(h * t * t), t, true, seq_work);
+            let q = (a.qkv + f(h * hd), 3 * d, false, seq_qkv);
+            let dk = (a.d_qkv + f(d + h * hd), 3 * d, seq_qkv);
             // SAFETY: as above.
-            unsafe { self.batched(batch(t, hd, t, ds_t, q, dk)) }?;
+            unsafe { self.batched(product(t, hd, t, ds_t, q, dk)) }?;
         }
         Ok(())
     }

@@ -180,8 +180,8 @@ pub(crate) enum Kernel {
     /// (`[rows, width]`); `qkv` is `[rows, 3 · width]`.
     AttentionForward(Attention),
     /// Its backward pass: from `d_att` into `d_qkv` (every element), with `work`
-    /// (`heads · steps²` values: a GPU's every head's `dP` of a sequence at once, the
-    /// host's one head's at a time).
+    /// (`batch · heads · steps²` values: a GPU's every sequence's and head's `dP` at once,
+    /// the host's one at a time).
     AttentionBackward(Attention),
     /// One updater step over the `n` flat parameter `values` with their `grads` and the
     /// updater's state (`first`; `second` for Adam), at step `t`, stored only when every
@@ -543,12 +543,12 @@ fn attention_backward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), St
     let (rows, hd) = (a.rows(), d / heads.max(1));
     let ([qkv, probs, d_att], [d_qkv, work, scratch]) = memory.io(
         [f32s(rows * 3 * d, a.qkv)?, f32s(a.probs_len(), a.probs)?, f32s(rows * d, a.d_att)?],
-        [f32s(rows * 3 * d, a.d_qkv)?, f32s(heads * t * t, a.work)?, f32s(a.scratch_len, a.scratch)?],
+        [f32s(rows * 3 * d, a.d_qkv)?, f32s(a.rows() * heads * t, a.work)?, f32s(a.scratch_len, a.scratch)?],
     )?;
     let qkv = ArrayView2::from_shape((rows, 3 * d), cast(qkv)?).map_err(|e| e.to_string())?;
     let d_att = ArrayView2::from_shape((rows, d), cast(d_att)?).map_err(|e| e.to_string())?;
     let mut d_qkv = ArrayViewMut2::from_shape((rows, 3 * d), cast_mut(d_qkv)?).map_err(|e| e.to_string())?;
-    // A GPU's work holds every head's `dP` of a sequence; one head's at a time here.
+    // A GPU's work holds every sequence's and head's `dP`; one at a time here.
     let mut d_probs = ArrayViewMut2::from_shape((t, t), &mut cast_mut(work)?[..t * t]).map_err(|e| e.to_string())?;
     // SAFETY: the products' packing stores only the values it packs.
     let (probs, scratch) = (cast(probs)?, unsafe { as_scratch(cast_mut(scratch)?) });

@@ -749,10 +749,10 @@ impl<C: Compute> Pass<'_, C> {
                 run(compute, Kernel::SumRows { x: dy, sum: g_proj_b, rows, cols: d })?;
                 let d_att = fresh::<_, f32>(&work, rows * d)?;
                 product(compute, &work, (rows, d, d), (dy, false), (proj_w, true), d_att, 0.0)?;
-                // The heads: one head's `dP` at a time on the host, every head's of a
-                // sequence at once on a GPU.
+                // The heads: one sequence's and head's `dP` at a time on the host, all of
+                // them at once on a GPU.
                 let d_qkv = fresh::<_, f32>(&work, rows * 3 * d)?;
-                let scores = fresh::<_, f32>(&work, heads * steps * steps)?;
+                let scores = fresh::<_, f32>(&work, batch * heads * steps * steps)?;
                 let scratch_len = compute.attention_scratch(steps, d / heads);
                 let frame = work.frame()?;
                 let scratch = scratch_in(&frame, scratch_len)?;
