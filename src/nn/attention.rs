@@ -249,17 +249,12 @@ impl Attention {
                 let (rows, own_rows) = (b * t..(b + 1) * t, i * t..(i + 1) * t);
                 let keys = mask.as_ref().map(|m| m.row(b));
                 for (h, slot) in slots.chunks_exact_mut(l.per_head()).enumerate() {
-                    let (qc, kc, vc) = self.head_columns(h);
-                    let q = qkv.slice(s![rows.clone(), qc.clone()]);
-                    let k = qkv.slice(s![rows.clone(), kc]);
-                    let v = qkv.slice(s![rows.clone(), vc]);
+                    let head = Head::of(qkv, rows.clone(), self.head_columns(h));
                     let (stats, probs) = slot.split_at_mut(2 * t);
                     let probs = if l.recompute { &mut scores[..t * t] } else { probs };
-                    let mut probs = ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values");
-                    sgemm_tri(scale, q, k.t(), 0.0, probs.view_mut(), scratch, Triangle::LowerC)?;
-                    causal_softmax(probs.view_mut(), keys, stats);
-                    let o = att.slice_mut(s![own_rows.clone(), qc]);
-                    sgemm_tri(1.0, probs.view(), v, 0.0, o, scratch, Triangle::LowerA)?;
+                    let probs = ArrayViewMut2::from_shape((t, t), probs).expect("steps × steps values");
+                    let o = att.slice_mut(s![own_rows.clone(), self.head_columns(h).0]);
+                    head_forward(scale, head, keys, stats, probs, o, scratch)?;
                 }
             }
             Ok(())
@@ -273,14 +268,12 @@ impl Attention {
     /// Head `h`'s columns of the queries, the keys and the values in `qkv` (its
     /// queries' columns are also its output's columns in `att`).
     fn head_columns(&self, h: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
-        let (d, hd) = (self.width, self.head_width());
-        (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd)
+        head_columns(self.width, self.head_width(), h)
     }
 
     /// Packing space for one head's products over `steps` steps.
     fn head_scratch(&self, steps: usize) -> usize {
-        let hd = self.head_width();
-        scratch_len(steps, steps, hd).max(scratch_len(steps, hd, steps))
+        head_scratch(steps, self.head_width())
     }
 
     /// [`Attention::run_forward`] with its arrays in `kept`, laid out as `l` says.
@@ -352,50 +345,23 @@ impl Attention {
                 let keys = mask.as_ref().map(|m| m.row(b));
                 for (h, slot) in slots.chunks_exact(l.per_head()).enumerate() {
                     let (qc, kc, vc) = self.head_columns(h);
-                    let q = qkv.slice(s![rows.clone(), qc.clone()]);
-                    let k = qkv.slice(s![rows.clone(), kc.clone()]);
-                    let v = qkv.slice(s![rows.clone(), vc.clone()]);
+                    let head = Head::of(qkv, rows.clone(), (qc.clone(), kc.clone(), vc.clone()));
                     let (stats, probs) = slot.split_at(2 * t);
                     let probs = match l.recompute {
                         true => {
-                            sgemm_tri(scale, q, k.t(), 0.0, scores.view_mut(), scratch, Triangle::LowerC)?;
+                            sgemm_tri(scale, head.q, head.k.t(), 0.0, scores.view_mut(), scratch, Triangle::LowerC)?;
                             causal_softmax_again(scores.view_mut(), keys, stats);
                             scores.view()
                         }
                         false => ArrayView2::from_shape((t, t), probs).expect("steps × steps values"),
                     };
                     let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
-                    // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
-                    sgemm_tri(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch, Triangle::LowerC)?;
-                    sgemm_tri(
-                        1.0,
-                        probs.t(),
-                        d_o,
-                        0.0,
-                        d_qkv.slice_mut(s![own_rows.clone(), vc]),
-                        scratch,
-                        Triangle::UpperA,
-                    )?;
-                    causal_softmax_backward(probs, d_probs.view_mut(), scale);
-                    // dQ = dS·K, dK = dSᵀ·Q.
-                    sgemm_tri(
-                        1.0,
-                        d_probs.view(),
-                        k,
-                        0.0,
-                        d_qkv.slice_mut(s![own_rows.clone(), qc]),
-                        scratch,
-                        Triangle::LowerA,
-                    )?;
-                    sgemm_tri(
-                        1.0,
-                        d_probs.t(),
-                        q,
-                        0.0,
-                        d_qkv.slice_mut(s![own_rows.clone(), kc]),
-                        scratch,
-                        Triangle::UpperA,
-                    )?;
+                    let grads = d_qkv.multi_slice_mut((
+                        s![own_rows.clone(), qc],
+                        s![own_rows.clone(), kc],
+                        s![own_rows.clone(), vc],
+                    ));
+                    head_backward(scale, head, probs, d_o, d_probs.view_mut(), grads, scratch)?;
                 }
             }
             Ok(())
@@ -412,6 +378,81 @@ impl Attention {
             Dx::Uninit(dx) => sgemm_uninit(1.0, d_qkv.view(), p.qkv_w.t(), dx, scratch).map(Some),
         }
     }
+}
+
+/// Head `h`'s columns of the queries, the keys and the values in `qkv`, for a layer
+/// `width` wide of heads `head_width` wide (its queries' columns are also its output's
+/// columns in `att`). The layer's passes and the simulated device's attention share it.
+pub(crate) fn head_columns(width: usize, head_width: usize, h: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
+    let (d, hd) = (width, head_width);
+    (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd)
+}
+
+/// Packing space for one head's products over `steps` steps.
+pub(crate) fn head_scratch(steps: usize, head_width: usize) -> usize {
+    scratch_len(steps, steps, head_width).max(scratch_len(steps, head_width, steps))
+}
+
+/// One head's queries, keys and values over one sequence: `[steps, head_width]` views.
+#[derive(Clone, Copy)]
+pub(crate) struct Head<'a> {
+    pub(crate) q: ArrayView2<'a, f32>,
+    pub(crate) k: ArrayView2<'a, f32>,
+    pub(crate) v: ArrayView2<'a, f32>,
+}
+
+impl<'a> Head<'a> {
+    /// The head at `columns` (as [`head_columns`] gives them) of the sequence at `rows`
+    /// of `qkv`.
+    pub(crate) fn of(
+        qkv: ArrayView2<'a, f32>,
+        rows: Range<usize>,
+        (qc, kc, vc): (Range<usize>, Range<usize>, Range<usize>),
+    ) -> Head<'a> {
+        Head {
+            q: qkv.slice_move(s![rows.clone(), qc]),
+            k: qkv.slice_move(s![rows.clone(), kc]),
+            v: qkv.slice_move(s![rows, vc]),
+        }
+    }
+}
+
+/// One head's forward pass over one sequence: `P = softmax(scale · Q·Kᵀ)` (causal, over
+/// the keys `keys` marks live) into `probs`, its statistics into `stats`, then `O = P·V`
+/// into `o`. Written once: the layer's passes and the simulated device's attention run it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_forward(
+    scale: f32,
+    head: Head<'_>,
+    keys: Option<ArrayView1<'_, f32>>,
+    stats: &mut [f32],
+    mut probs: ArrayViewMut2<'_, f32>,
+    o: ArrayViewMut2<'_, f32>,
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    sgemm_tri(scale, head.q, head.k.t(), 0.0, probs.view_mut(), scratch, Triangle::LowerC)?;
+    causal_softmax(probs.view_mut(), keys, stats);
+    sgemm_tri(1.0, probs.view(), head.v, 0.0, o, scratch, Triangle::LowerA)
+}
+
+/// One head's backward pass over one sequence, from its probabilities `probs` and its
+/// output's gradient `d_o`: `dP = dO·Vᵀ` into `d_probs` (work), `dV = Pᵀ·dO`, `dS = P ⊙
+/// (dP − rowsum(P ⊙ dP)) · scale` in place, `dQ = dS·K`, `dK = dSᵀ·Q` into `grads`
+/// (`dQ`, `dK`, `dV`). Written once, as [`head_forward`].
+pub(crate) fn head_backward(
+    scale: f32,
+    head: Head<'_>,
+    probs: ArrayView2<'_, f32>,
+    d_o: ArrayView2<'_, f32>,
+    mut d_probs: ArrayViewMut2<'_, f32>,
+    (dq, dk, dv): (ArrayViewMut2<'_, f32>, ArrayViewMut2<'_, f32>, ArrayViewMut2<'_, f32>),
+    scratch: &mut [MaybeUninit<f32>],
+) -> Result<()> {
+    sgemm_tri(1.0, d_o, head.v.t(), 0.0, d_probs.view_mut(), scratch, Triangle::LowerC)?;
+    sgemm_tri(1.0, probs.t(), d_o, 0.0, dv, scratch, Triangle::UpperA)?;
+    causal_softmax_backward(probs, d_probs.view_mut(), scale);
+    sgemm_tri(1.0, d_probs.view(), head.k, 0.0, dq, scratch, Triangle::LowerA)?;
+    sgemm_tri(1.0, d_probs.t(), head.q, 0.0, dk, scratch, Triangle::UpperA)
 }
 
 /// Where the backward pass writes the gradient of the input (as rows of steps).

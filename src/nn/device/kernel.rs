@@ -11,8 +11,9 @@ use workspace_cuda::device::sim::{Bytes, SimAccess, SimKernel};
 
 use ndarray::s;
 
-use super::super::gemm::{sgemm, sgemm_tri, Triangle};
-use super::super::kernels::{causal_softmax, causal_softmax_backward, gelu_backward, layer_norm_backward};
+use super::super::attention::{head_backward, head_columns, head_forward, Head};
+use super::super::gemm::sgemm;
+use super::super::kernels::{gelu_backward, layer_norm_backward};
 use super::super::loss::SoftmaxCrossEntropy;
 use super::super::updater::{self, Updater};
 use super::super::vector::{gelu_new, layer_norm_new, sum_rows};
@@ -232,12 +233,6 @@ impl Attention {
 
     pub(crate) fn rows(&self) -> usize {
         self.batch as usize * self.steps as usize
-    }
-
-    /// The packing buffer one head's products need on the host.
-    pub(crate) fn head_scratch(steps: usize, head_width: usize) -> usize {
-        let len = super::super::gemm::scratch_len;
-        len(steps, steps, head_width).max(len(steps, head_width, steps))
     }
 }
 
@@ -505,8 +500,8 @@ unsafe fn as_scratch(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
     unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
-/// The attention core's forward pass on the host, per sequence and head as
-/// `Attention::run_forward` computes it (the same calls, so the same bits).
+/// The attention core's forward pass on the host: per sequence and head, the layer's
+/// own [`head_forward`] (so the same bits).
 fn attention_forward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), String> {
     let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
     let (rows, hd) = (a.rows(), d / heads.max(1));
@@ -519,25 +514,20 @@ fn attention_forward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), Str
     // SAFETY: the products' packing stores only the values it packs.
     let (probs, scratch) = (cast_mut(probs)?, unsafe { as_scratch(cast_mut(scratch)?) });
     let scale = 1.0 / (hd as f32).sqrt();
-    let fail = |e: crate::Error| e.to_string();
     for (i, slot) in probs.chunks_exact_mut(a.per_head()).enumerate() {
         let (b, h) = (i / heads, i % heads);
-        let rows = b * t..(b + 1) * t;
-        let (qc, kc, vc) = (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
-        let q = qkv.slice(s![rows.clone(), qc.clone()]);
-        let k = qkv.slice(s![rows.clone(), kc]);
-        let v = qkv.slice(s![rows.clone(), vc]);
+        let (rows, columns) = (b * t..(b + 1) * t, head_columns(d, hd, h));
+        let o = att.slice_mut(s![rows.clone(), columns.0.clone()]);
+        let head = Head::of(qkv, rows, columns);
         let (stats, p) = slot.split_at_mut(2 * t);
-        let mut p = ArrayViewMut2::from_shape((t, t), p).map_err(|e| e.to_string())?;
-        sgemm_tri(scale, q, k.t(), 0.0, p.view_mut(), scratch, Triangle::LowerC).map_err(fail)?;
-        causal_softmax(p.view_mut(), None, stats);
-        let o = att.slice_mut(s![rows, qc]);
-        sgemm_tri(1.0, p.view(), v, 0.0, o, scratch, Triangle::LowerA).map_err(fail)?;
+        let p = ArrayViewMut2::from_shape((t, t), p).map_err(|e| e.to_string())?;
+        head_forward(scale, head, None, stats, p, o, scratch).map_err(|e| e.to_string())?;
     }
     Ok(())
 }
 
-/// The attention core's backward pass on the host, as `Attention::run_backward`.
+/// The attention core's backward pass on the host: per sequence and head, the layer's
+/// own [`head_backward`].
 fn attention_backward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), String> {
     let (t, d, heads) = (a.steps as usize, a.width as usize, a.heads as usize);
     let (rows, hd) = (a.rows(), d / heads.max(1));
@@ -553,26 +543,15 @@ fn attention_backward(a: Attention, memory: &mut SimAccess<'_>) -> Result<(), St
     // SAFETY: the products' packing stores only the values it packs.
     let (probs, scratch) = (cast(probs)?, unsafe { as_scratch(cast_mut(scratch)?) });
     let scale = 1.0 / (hd as f32).sqrt();
-    let fail = |e: crate::Error| e.to_string();
     for (i, slot) in probs.chunks_exact(a.per_head()).enumerate() {
         let (b, h) = (i / heads, i % heads);
         let rows = b * t..(b + 1) * t;
-        let (qc, kc, vc) = (h * hd..(h + 1) * hd, d + h * hd..d + (h + 1) * hd, 2 * d + h * hd..2 * d + (h + 1) * hd);
-        let q = qkv.slice(s![rows.clone(), qc.clone()]);
-        let k = qkv.slice(s![rows.clone(), kc.clone()]);
-        let v = qkv.slice(s![rows.clone(), vc.clone()]);
+        let (qc, kc, vc) = head_columns(d, hd, h);
+        let head = Head::of(qkv, rows.clone(), (qc.clone(), kc.clone(), vc.clone()));
         let p = ArrayView2::from_shape((t, t), &slot[2 * t..]).map_err(|e| e.to_string())?;
         let d_o = d_att.slice(s![rows.clone(), qc.clone()]);
-        // dP = dO·Vᵀ, dV = Pᵀ·dO, dS = P ⊙ (dP − rowsum(P ⊙ dP)) · scale.
-        sgemm_tri(1.0, d_o, v.t(), 0.0, d_probs.view_mut(), scratch, Triangle::LowerC).map_err(fail)?;
-        let dv = d_qkv.slice_mut(s![rows.clone(), vc]);
-        sgemm_tri(1.0, p.t(), d_o, 0.0, dv, scratch, Triangle::UpperA).map_err(fail)?;
-        causal_softmax_backward(p, d_probs.view_mut(), scale);
-        // dQ = dS·K, dK = dSᵀ·Q.
-        let dq = d_qkv.slice_mut(s![rows.clone(), qc]);
-        sgemm_tri(1.0, d_probs.view(), k, 0.0, dq, scratch, Triangle::LowerA).map_err(fail)?;
-        let dk = d_qkv.slice_mut(s![rows, kc]);
-        sgemm_tri(1.0, d_probs.t(), q, 0.0, dk, scratch, Triangle::UpperA).map_err(fail)?;
+        let grads = d_qkv.multi_slice_mut((s![rows.clone(), qc], s![rows.clone(), kc], s![rows, vc]));
+        head_backward(scale, head, p, d_o, d_probs.view_mut(), grads, scratch).map_err(|e| e.to_string())?;
     }
     Ok(())
 }

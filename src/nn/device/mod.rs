@@ -252,7 +252,7 @@ impl Compute for SimCompute {
     }
 
     fn attention_scratch(&self, steps: usize, head_width: usize) -> usize {
-        kernel::Attention::head_scratch(steps, head_width)
+        super::attention::head_scratch(steps, head_width)
     }
 
     unsafe fn run(&mut self, kernel: Kernel) -> Result<()> {
