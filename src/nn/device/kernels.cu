@@ -31,6 +31,38 @@ __device__ __forceinline__ bool carve_finite(float x) {
     return isfinite(x);
 }
 
+// The sum of `v` over the block's threads (BLOCK threads, a power of two), in `part`.
+__device__ __forceinline__ float carve_block_sum(float v, float* part) {
+    u32 t = threadIdx.x;
+    part[t] = v;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            part[t] += part[t + s];
+        }
+        __syncthreads();
+    }
+    float sum = part[0];
+    __syncthreads();
+    return sum;
+}
+
+// The largest of `v` over the block's threads, as carve_block_sum.
+__device__ __forceinline__ float carve_block_max(float v, float* part) {
+    u32 t = threadIdx.x;
+    part[t] = v;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            part[t] = fmaxf(part[t], part[t + s]);
+        }
+        __syncthreads();
+    }
+    float max = part[0];
+    __syncthreads();
+    return max;
+}
+
 // out[r, c] = bias[c] (vector::rows_new): a dense layer's output before its product.
 extern "C" __global__ void carve_bias_rows(const float* __restrict__ bias, float* __restrict__ out, u64 rows, u64 cols) {
     u64 n = rows * cols;
@@ -85,31 +117,14 @@ extern "C" __global__ void carve_softmax_xent(const float* __restrict__ logits, 
     for (u64 c = t; c < classes; c += blockDim.x) {
         m = fmaxf(m, x[c]);
     }
-    part[t] = m;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) {
-            part[t] = fmaxf(part[t], part[t + s]);
-        }
-        __syncthreads();
-    }
-    float max = part[0];
-    __syncthreads();
+    float max = carve_block_max(m, part);
     float sum = 0.0f;
     for (u64 c = t; c < classes; c += blockDim.x) {
         float e = expf(x[c] - max);
         g[c] = e;
         sum += e;
     }
-    part[t] = sum;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) {
-            part[t] += part[t + s];
-        }
-        __syncthreads();
-    }
-    float inv = 1.0f / part[0];
+    float inv = 1.0f / carve_block_sum(sum, part);
     u32 label = labels[r];
     // A label beyond the classes (checked before it came) leaves the row's loss NaN.
     if (t == 0) {
@@ -233,22 +248,6 @@ extern "C" __global__ void carve_gelu_backward(const float* __restrict__ x, cons
         float inner = fmaf(x2, 3.0f * CARVE_GELU_A, 1.0f);
         dx[i] = dy[i] * fmaf((0.5f * CARVE_GELU_C) * v * sech2, inner, fmaf(t, 0.5f, 0.5f));
     }
-}
-
-// The sum of `v` over the block's threads (BLOCK threads, a power of two), in `part`.
-__device__ __forceinline__ float carve_block_sum(float v, float* part) {
-    u32 t = threadIdx.x;
-    part[t] = v;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) {
-            part[t] += part[t + s];
-        }
-        __syncthreads();
-    }
-    float sum = part[0];
-    __syncthreads();
-    return sum;
 }
 
 // One row's mean and reciprocal standard deviation (vector::row_statistics), one block.
@@ -416,20 +415,11 @@ extern "C" __global__ void carve_causal_softmax(float* __restrict__ probs, u64 b
     float* stats = probs + b * per_head;
     float* s = stats + 2 * steps + i * steps;
     u32 t = threadIdx.x;
-    float m = __int_as_float(0xff800000);
+    float m = __int_as_float(0xff800000); // -infinity
     for (u64 j = t; j <= i; j += blockDim.x) {
         m = fmaxf(m, s[j]);
     }
-    part[t] = m;
-    __syncthreads();
-    for (u32 k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (t < k) {
-            part[t] = fmaxf(part[t], part[t + k]);
-        }
-        __syncthreads();
-    }
-    float max = part[0];
-    __syncthreads();
+    float max = carve_block_max(m, part);
     float sum = 0.0f;
     for (u64 j = t; j <= i; j += blockDim.x) {
         float e = expf(s[j] - max);
