@@ -21,6 +21,20 @@ usage() { sed -n '2,16p' "$0" >&2; exit 2; }
 mode=$1
 dir=$2
 
+# copy_executable NAME DEST CARGO-COMMAND...: builds with `CARGO-COMMAND --no-run` and
+# copies the executable of the target named NAME to DEST.
+copy_executable() {
+    local name=$1 dest=$2 exe
+    shift 2
+    exe=$("$@" --no-run --message-format=json 2>/dev/null | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$name")
+    [ -n "$exe" ] || { echo "$name was not built ($*)" >&2; exit 1; }
+    cp "$exe" "$dest"
+}
+
 build() {
     local root script
     root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -48,24 +62,8 @@ for line in sys.stdin:
     cp benches/gpu_torch.py benches/gpt_torch.py "$dir/"
     # carve's device training suite (tests/integration/device.rs): the simulated device
     # against the host, the kernels through NVRTC, a CUDA device's errors.
-    local integration
-    integration=$(cargo test -p carve --test integration --no-run --message-format=json 2>/dev/null \
-        | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "integration" and m.get("executable"):
-        print(m["executable"])')
-    [ -n "$integration" ] || { echo "carve's integration tests were not built" >&2; exit 1; }
-    cp "$integration" "$dir/carve-integration"
-    local bench
-    bench=$(cargo bench --bench cuda --no-run --message-format=json 2>/dev/null \
-        | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda" and m.get("executable"):
-        print(m["executable"])')
-    [ -n "$bench" ] || { echo "the cuda bench was not built" >&2; exit 1; }
-    cp "$bench" "$dir/cuda_bench"
+    copy_executable integration "$dir/carve-integration" cargo test -p carve --test integration
+    copy_executable cuda "$dir/cuda_bench" cargo bench --bench cuda
     # Debug info makes up most of the bytes (~100 MB in all); symbols stay for backtraces.
     if command -v strip >/dev/null 2>&1; then
         strip --strip-debug "$dir/workspace_cuda-"* "$dir/cuda_smoke" "$dir/device_plan" "$dir/cuda_bench" \
