@@ -59,6 +59,7 @@ mod timeline;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::time::Instant;
 
 use carve::alloc_check::{reset_thread_peak, thread_counts, CountingAllocator};
@@ -109,7 +110,7 @@ struct Args {
     /// the host's arithmetic in simulated device memory), `cuda` or
     /// `cuda:N`; not with --workers, --breakdown or
     /// --timeline
-    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
+    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = Device::from_str, verbatim_doc_comment)]
     device: Device,
     /// Attention: `keep` the probabilities for backward, or
     /// `recompute` them from kept softmax statistics
@@ -189,10 +190,6 @@ fn parse_lr(s: &str) -> Result<f32, String> {
         return Err(format!("{lr} must be finite and above 0"));
     }
     Ok(lr)
-}
-
-fn parse_device(s: &str) -> Result<Device, String> {
-    s.parse::<Device>().map_err(|e| e.to_string())
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {

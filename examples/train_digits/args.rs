@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 
 use carve::async_iter::MAX_DEPTH;
+use std::str::FromStr;
+
 use carve::nn::Device;
 use carve::WorkspaceMode;
 use clap::Parser;
@@ -35,7 +37,7 @@ pub(crate) struct Args {
     /// simulated device: the host's arithmetic in simulated device
     /// memory, so the same losses) or `cuda`/`cuda:N` (a GPU; where
     /// there is none, an error naming why)
-    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = parse_device, verbatim_doc_comment)]
+    #[arg(long, value_name = "DEVICE", default_value = "host", value_parser = Device::from_str, verbatim_doc_comment)]
     pub(crate) device: Device,
 
     /// Train the three modes in one process (same seed, interleaved by
@@ -219,10 +221,6 @@ pub(crate) fn parameter_count(hidden: &[usize]) -> u128 {
         inputs = width;
     }
     total
-}
-
-fn parse_device(s: &str) -> Result<Device, String> {
-    s.parse::<Device>().map_err(|e| e.to_string())
 }
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
