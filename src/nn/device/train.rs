@@ -36,6 +36,15 @@ pub(crate) enum StepInput<'a> {
 }
 
 impl StepInput<'_> {
+    /// The number of values (features or ids).
+    fn len(&self) -> usize {
+        match self {
+            StepInput::Flat(x) => x.len(),
+            StepInput::Sequences(x) => x.len(),
+            StepInput::Tokens(ids) => ids.len(),
+        }
+    }
+
     /// `(batch, steps)`: the rows of the step are `batch · steps`.
     fn dims(&self) -> (usize, usize) {
         match self {
@@ -395,12 +404,8 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         }
         let (batch, steps) = x.dims();
         // The batch, staged through pinned memory.
-        let x_bytes = match x {
-            StepInput::Flat(x) => x.len() * 4,
-            StepInput::Sequences(x) => x.len() * 4,
-            StepInput::Tokens(ids) => ids.len() * 4,
-        };
-        let need = x_bytes.next_multiple_of(64) + (labels.len() * size_of::<u32>()).next_multiple_of(64);
+        // Features and ids are 4 bytes each, as the labels.
+        let need = (x.len() * 4).next_multiple_of(64) + (labels.len() * size_of::<u32>()).next_multiple_of(64);
         if self.staging.as_ref().is_none_or(|(_, bytes)| *bytes < need) {
             self.staging = None;
             self.staging = Some((PinnedWorkspace::for_transfers("DEVICE_STAGING", self.compute.device(), need)?, need));
