@@ -669,7 +669,9 @@ impl Attention {
         let scratch = w.slice_uninit::<f32>(self.stream_scratch(rows, steps, context))?;
         let mut qkv = rows_new(p.qkv_b, w.uninit::<f32, _>((rows, 3 * d))?);
         sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
-        let mut scores = w.zeros::<f32, _>((steps, context))?;
+        // A row of scores per new step, or per head for one new step (its heads at once).
+        let score_rows = if steps == 1 { self.heads } else { steps };
+        let mut scores = w.zeros::<f32, _>((score_rows, context))?;
         let mut att = w.zeros::<f32, _>((rows, d))?;
         for b in 0..streams {
             let first = state.position(b);
@@ -689,12 +691,8 @@ impl Attention {
                 let q = q.as_slice().expect("a new array is contiguous");
                 let mut out = att.row_mut(b);
                 let out = out.as_slice_mut().expect("a new array is contiguous");
-                let scores = &mut scores.as_slice_mut().expect("a new array is contiguous")[..end];
-                for h in 0..self.heads {
-                    let c = h * hd..(h + 1) * hd;
-                    let (k, v) = (&keys[c.start * context..], &values[c.start..]);
-                    attend_one(&q[c.clone()], scale, k, context, v, d, scores, &mut out[c]);
-                }
+                let scores = &mut scores.as_slice_mut().expect("a new array is contiguous")[..self.heads * end];
+                attend_one(&q[..d], self.heads, scale, keys, context, values, d, scores, out);
                 continue;
             }
             for h in 0..self.heads {

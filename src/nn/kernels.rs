@@ -232,12 +232,14 @@ pub(crate) fn causal_softmax_from(mut s: ArrayViewMut2<'_, f32>, first: usize) {
     vector::causal_softmax_from_slices(scores, width, first);
 }
 
-/// One head of one new step attending to its stream's `scores.len()` steps (see
-/// [`vector::attend_one_slices`]): `out` gets the bits the whole sequence's products
-/// and softmax give that step.
+/// Every head of one new step attending to its stream's steps so far (see
+/// [`vector::attend_one_slices`]; `scores` holds `heads` rows of as many values as
+/// there are steps): `out` gets the bits the whole sequence's products and softmax give
+/// that step.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_one(
     q: &[f32],
+    heads: usize,
     scale: f32,
     keys: &[f32],
     key_stride: usize,
@@ -249,11 +251,14 @@ pub(crate) fn attend_one(
     if running() || scores.is_empty() {
         return;
     }
-    let (hd, steps) = (q.len(), scores.len());
-    assert!(out.len() == hd && hd > 0, "one value per feature of the head");
-    assert!(keys.len() >= (hd - 1) * key_stride + steps, "the head's keys of every step");
-    assert!(values.len() >= (steps - 1) * value_stride + hd, "the head's values of every step");
-    vector::attend_one_slices(q, scale, keys, key_stride, values, value_stride, scores, out);
+    let width = q.len();
+    assert!(heads > 0 && width.is_multiple_of(heads), "heads share the width");
+    assert!(scores.len().is_multiple_of(heads), "one row of scores per head");
+    let steps = scores.len() / heads;
+    assert!(out.len() == width, "one value per feature");
+    assert!(keys.len() >= (width - 1) * key_stride + steps, "every feature's keys of every step");
+    assert!(values.len() >= (steps - 1) * value_stride + width, "every step's values");
+    vector::attend_one_slices(q, heads, scale, keys, key_stride, values, value_stride, scores, out);
 }
 
 /// [`causal_softmax`] of scores computed again, from the `stats` it left: the same

@@ -462,17 +462,21 @@ multiversion! {
 }
 
 multiversion! {
-    /// One head of one new step of a stream attending to the stream's `scores.len()`
-    /// steps so far (itself the last): the scores `scale·q·kⱼ` (`keys` holds the head's
-    /// keys transposed, a row of `key_stride` per feature, each step's in its column),
-    /// their causal softmax, and `out = Σⱼ pⱼ·vⱼ` (`values` a row of `value_stride` per
-    /// step, the head's features first). Each value is the same sequence of operations
-    /// as the matrix multiply's and [`causal_softmax_slices`]' for the same step of the
-    /// whole sequence (the products of each sum in step order, fused, from 0, a fresh sum
-    /// per slice of `KC` terms added to the slices before; the query scaled first, as the
-    /// multiply scales A as it packs it): the same bits.
+    /// Every head of one new step of a stream attending to the stream's `steps` steps
+    /// so far (itself the last): per head `h` (features `h·hd .. (h + 1)·hd`, `hd =
+    /// q.len() / heads`), the scores `scale·q·kⱼ` into `scores[h·steps ..][..steps]`
+    /// (`keys` holds the keys transposed, a row of `key_stride` per feature, each step's
+    /// in its column), their causal softmax, and `out = Σⱼ pⱼ·vⱼ` (`values` a row of
+    /// `value_stride` per step). Each value is the same sequence of operations as the
+    /// matrix multiply's and [`causal_softmax_slices`]' for the same step of the whole
+    /// sequence (the products of each sum in step order, fused, from 0, a fresh sum per
+    /// slice of `KC` terms added to the slices before; the query scaled first, as the
+    /// multiply scales A as it packs it): the same bits. The sums of several heads and
+    /// blocks run interleaved (each its own chain of fused adds, in its own order), so
+    /// that the adds' latency overlaps.
     fn attend_one_slices(
         q: &[f32],
+        heads: usize,
         scale: f32,
         keys: &[f32],
         key_stride: usize,
@@ -488,6 +492,7 @@ multiversion! {
 #[allow(clippy::too_many_arguments)]
 fn attend_one_body(
     q: &[f32],
+    heads: usize,
     scale: f32,
     keys: &[f32],
     key_stride: usize,
@@ -496,69 +501,149 @@ fn attend_one_body(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    let (steps, hd) = (scores.len(), q.len());
-    // The scores 16 steps at a time, each block's sums held in registers over the
-    // features; the last steps as a whole block too when the keys' rows reach past
-    // them (values of other steps, or zeros: finite, their lanes unused).
+    let (width, steps) = (q.len(), scores.len() / heads);
+    let hd = width / heads;
+    // The query scaled once (the value each product reads), held in `out` until the
+    // values' sums overwrite it.
+    for (o, &x) in out.iter_mut().zip(q) {
+        *o = scale * x;
+    }
+    // The scores 16 steps at a time; the last steps as a whole block too when the keys'
+    // rows reach past them (values of other steps, or zeros: finite, their lanes
+    // unused).
     let whole = steps / BLOCK * BLOCK;
-    for (b, block) in scores[..whole].chunks_exact_mut(BLOCK).enumerate() {
-        block.copy_from_slice(&score_block(q, scale, keys, key_stride, b * BLOCK));
-    }
-    let tail = &mut scores[whole..];
-    if !tail.is_empty() && whole + BLOCK <= key_stride && (hd - 1) * key_stride + whole + BLOCK <= keys.len() {
-        let n = tail.len();
-        tail.copy_from_slice(&score_block(q, scale, keys, key_stride, whole)[..n]);
-    } else {
-        // Each score alone, the same sums.
-        for (j, s) in tail.iter_mut().enumerate() {
-            *s = sliced(hd, |c| (scale * q[c], keys[c * key_stride + whole + j]));
-        }
-    }
-    softmax_row(scores, steps - 1, |_| true, None);
-    // The output 16 features at a time, likewise over the steps.
-    let width = out.len();
-    let whole = width / BLOCK * BLOCK;
-    for (b, block) in out[..whole].chunks_exact_mut(BLOCK).enumerate() {
-        let mut total = [0.0f32; BLOCK];
-        for (slice, from) in (0..steps).step_by(KC).enumerate() {
-            let mut acc = [0.0f32; BLOCK];
-            for (j, &p) in scores.iter().enumerate().take((from + KC).min(steps)).skip(from) {
-                let row = &values[j * value_stride + b * BLOCK..][..BLOCK];
-                for (acc, &v) in acc.iter_mut().zip(row) {
-                    *acc = p.mul_add(v, *acc);
-                }
+    let tail_block =
+        steps > whole && whole + BLOCK <= key_stride && (width - 1) * key_stride + whole + BLOCK <= keys.len();
+    let blocks = whole / BLOCK + usize::from(tail_block);
+    let a: &[f32] = out;
+    interleaved(
+        heads * blocks,
+        hd,
+        |i| {
+            let (h, b) = (i / blocks, i % blocks);
+            (h * hd, h * hd * key_stride + b * BLOCK)
+        },
+        a,
+        keys,
+        key_stride,
+        |i, sums| {
+            let (h, b) = (i / blocks, i % blocks);
+            let n = BLOCK.min(steps - b * BLOCK);
+            scores[h * steps + b * BLOCK..][..n].copy_from_slice(&sums[..n]);
+        },
+    );
+    if !tail_block {
+        // Each remaining score alone, the same sums.
+        for h in 0..heads {
+            for j in blocks * BLOCK..steps {
+                scores[h * steps + j] = sliced(hd, |c| (out[h * hd + c], keys[(h * hd + c) * key_stride + j]));
             }
-            add_slice(&mut total, &acc, slice);
         }
-        block.copy_from_slice(&total);
     }
-    for (i, o) in out[whole..].iter_mut().enumerate() {
-        *o = sliced(steps, |j| (scores[j], values[j * value_stride + whole + i]));
+    for row in scores.chunks_exact_mut(steps) {
+        softmax_row(row, steps - 1, |_| true, None);
+    }
+    // The output 16 features at a time, likewise over the steps.
+    let blocks = hd / BLOCK;
+    let s: &[f32] = scores;
+    interleaved(
+        heads * blocks,
+        steps,
+        |i| {
+            let (h, b) = (i / blocks, i % blocks);
+            (h * steps, h * hd + b * BLOCK)
+        },
+        s,
+        values,
+        value_stride,
+        |i, sums| {
+            let (h, b) = (i / blocks, i % blocks);
+            out[h * hd + b * BLOCK..][..BLOCK].copy_from_slice(sums);
+        },
+    );
+    for h in 0..heads {
+        for i in blocks * BLOCK..hd {
+            out[h * hd + i] = sliced(steps, |j| (scores[h * steps + j], values[j * value_stride + h * hd + i]));
+        }
     }
 }
 
 /// Lanes of [`attend_one_body`]'s blocks.
 const BLOCK: usize = 16;
 
-/// The scores of steps `first .. first + 16` (`keys`' rows reach that far): each the
-/// matrix multiply's sum, the products in feature order from 0, a fresh sum per slice of
-/// `KC` features added to the slices before (as the multiply adds a later slice's sums
-/// to what the earlier ones wrote).
+/// `count` sums of `BLOCK` lanes, sum `i` over `terms` products `a[a_at + t] ·
+/// rows[row_at + t·row_stride + lane]` (`(a_at, row_at) = at(i)`), each the matrix
+/// multiply's sum: the products in term order from 0, a fresh sum per slice of `KC`
+/// terms added to the slices before. Up to eight sums run at once, interleaved; `done`
+/// gets each sum's lanes.
 #[inline(always)]
-fn score_block(q: &[f32], scale: f32, keys: &[f32], key_stride: usize, first: usize) -> [f32; BLOCK] {
-    let mut total = [0.0f32; BLOCK];
-    for (slice, from) in (0..q.len()).step_by(KC).enumerate() {
-        let mut acc = [0.0f32; BLOCK];
-        for (c, &qc) in q.iter().enumerate().take((from + KC).min(q.len())).skip(from) {
-            let a = scale * qc;
-            let row = &keys[c * key_stride + first..][..BLOCK];
-            for (acc, &k) in acc.iter_mut().zip(row) {
-                *acc = a.mul_add(k, *acc);
+fn interleaved(
+    count: usize,
+    terms: usize,
+    at: impl Fn(usize) -> (usize, usize),
+    a: &[f32],
+    rows: &[f32],
+    row_stride: usize,
+    mut done: impl FnMut(usize, &[f32; BLOCK]),
+) {
+    let mut first = 0;
+    while first < count {
+        let left = count - first;
+        let taken = match left {
+            4.. => group::<4>(first, terms, &at, a, rows, row_stride, &mut done),
+            2.. => group::<2>(first, terms, &at, a, rows, row_stride, &mut done),
+            _ => group::<1>(first, terms, &at, a, rows, row_stride, &mut done),
+        };
+        first += taken;
+    }
+}
+
+/// Sums `first .. first + G` of [`interleaved`]; returns `G`.
+#[inline(always)]
+fn group<const G: usize>(
+    first: usize,
+    terms: usize,
+    at: &impl Fn(usize) -> (usize, usize),
+    a: &[f32],
+    rows: &[f32],
+    row_stride: usize,
+    done: &mut impl FnMut(usize, &[f32; BLOCK]),
+) -> usize {
+    let ats: [(usize, usize); G] = std::array::from_fn(|g| at(first + g));
+    // Every term's reads lie inside `a` and `rows`, checked once here rather than at
+    // each term (whose checks would outnumber the arithmetic).
+    for &(a_at, row_at) in &ats {
+        assert!(a_at + terms <= a.len(), "a sum's terms lie in `a`");
+        let end = terms.checked_sub(1).map(|t| t.checked_mul(row_stride).and_then(|r| r.checked_add(row_at + BLOCK)));
+        assert!(end.is_none_or(|end| end.is_some_and(|end| end <= rows.len())), "a sum's rows lie in `rows`");
+    }
+    let mut total = [[0.0f32; BLOCK]; G];
+    for (slice, from) in (0..terms).step_by(KC).enumerate() {
+        let to = (from + KC).min(terms);
+        let mut acc = [[0.0f32; BLOCK]; G];
+        for t in from..to {
+            for (acc, &(a_at, row_at)) in acc.iter_mut().zip(&ats) {
+                // SAFETY: `t < terms`, so `a_at + t < a.len()` and `row_at + t·row_stride
+                // + BLOCK <= rows.len()`, as asserted above.
+                let (x, row) = unsafe {
+                    (
+                        *a.get_unchecked(a_at + t),
+                        rows.get_unchecked(row_at + t * row_stride..row_at + t * row_stride + BLOCK),
+                    )
+                };
+                for (acc, &r) in acc.iter_mut().zip(row) {
+                    *acc = x.mul_add(r, *acc);
+                }
             }
         }
-        add_slice(&mut total, &acc, slice);
+        for (total, acc) in total.iter_mut().zip(&acc) {
+            add_slice(total, acc, slice);
+        }
     }
-    total
+    for (g, total) in total.iter().enumerate() {
+        done(first + g, total);
+    }
+    G
 }
 
 /// `total` after slice `slice` of a sum: the slice's sums (the first), or added to it.

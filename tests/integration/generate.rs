@@ -36,38 +36,58 @@ fn a_streams_cached_steps_give_the_bits_of_its_window_run_at_once() {
     assert_eq!(model12.kv_cache_bytes().unwrap(), 2 * 12 * 2 * 16 * 4);
     // A context below one block of 16 steps, and one of two blocks and a part.
     for (model, tokens) in [(model12, 40), (model(40, 6), 70)] {
-        let context = model.context().unwrap();
-        let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 9).unwrap()).unwrap();
-        let mut slides = 0;
-        let mut last_len = stream.window(0).unwrap().len();
-        for i in 0..tokens {
-            stream.next_token().unwrap();
-            let window = stream.window(0).unwrap().to_vec();
-            if window.len() < last_len {
-                slides += 1;
-                assert_eq!(window.len(), context / 2, "a slide keeps half the context");
-            }
-            last_len = window.len();
-            // The same window, prompted afresh: one pass over every step.
-            let alone = model.stream(&window, Sampling::greedy()).unwrap();
-            let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
-            assert!(
-                cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "context {context}, token {i} (window of {}): cached {cached:?} vs whole {whole:?}",
-                window.len()
-            );
-            // And the network's own inference of the window agrees with the logits.
-            let ids = Array2::from_shape_vec((1, window.len()), window.clone()).unwrap();
-            let probs = model.output(Input::tokens(ids.view())).unwrap();
-            let last = probs.row(window.len() - 1);
-            let max = cached.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f64 = cached.iter().map(|&l| f64::from(l - max).exp()).sum();
-            for (&p, &l) in last.iter().zip(cached) {
-                let expected = f64::from(l - max).exp() / sum;
-                assert!((f64::from(p) - expected).abs() < 1e-5, "token {i}: probability {p} vs {expected}");
-            }
+        cached_steps_give_the_bits_of_their_windows(&model, tokens);
+    }
+}
+
+/// Steps a stream `tokens` times and checks each step's logits, bit for bit, against
+/// its window run afresh, and the network's inference of the window against them;
+/// checks that the window slid (keeping half the context) more than `tokens / context`
+/// times.
+fn cached_steps_give_the_bits_of_their_windows(model: &Model, tokens: usize) {
+    let context = model.context().unwrap();
+    let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 9).unwrap()).unwrap();
+    let mut slides = 0;
+    let mut last_len = stream.window(0).unwrap().len();
+    for i in 0..tokens {
+        stream.next_token().unwrap();
+        let window = stream.window(0).unwrap().to_vec();
+        if window.len() < last_len {
+            slides += 1;
+            assert_eq!(window.len(), context / 2, "a slide keeps half the context");
         }
-        assert!(slides > tokens / context, "context {context}: {slides} slides");
+        last_len = window.len();
+        // The same window, prompted afresh: one pass over every step.
+        let alone = model.stream(&window, Sampling::greedy()).unwrap();
+        let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
+        assert!(
+            cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "context {context}, token {i} (window of {}): cached {cached:?} vs whole {whole:?}",
+            window.len()
+        );
+        // And the network's own inference of the window agrees with the logits.
+        let ids = Array2::from_shape_vec((1, window.len()), window.clone()).unwrap();
+        let probs = model.output(Input::tokens(ids.view())).unwrap();
+        let last = probs.row(window.len() - 1);
+        let max = cached.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = cached.iter().map(|&l| f64::from(l - max).exp()).sum();
+        for (&p, &l) in last.iter().zip(cached) {
+            let expected = f64::from(l - max).exp() / sum;
+            assert!((f64::from(p) - expected).abs() < 1e-5, "token {i}: probability {p} vs {expected}");
+        }
+    }
+    assert!(slides > tokens / context, "context {context}: {slides} slides");
+}
+
+#[test]
+fn wide_heads_cached_steps_give_the_bits_of_their_windows() {
+    // Heads of 32 and 40 features: a cached step's values run 16 features at a time,
+    // several heads' sums interleaved, the last 8 of a 40-wide head alone; its scores
+    // 16 steps at a time, the last part of a block as a whole block or alone.
+    for (d, heads, context, tokens) in [(128, 4, 40, 100), (80, 2, 40, 100), (48, 1, 20, 50)] {
+        let config = || gpt(13, d, heads, context, 1).seed(11).build().unwrap();
+        let params: Vec<f32> = Network::new(config()).unwrap().params().iter().map(|v| v * 4.0).collect();
+        cached_steps_give_the_bits_of_their_windows(&Model::from_config(&config(), params).unwrap(), tokens);
     }
 }
 
@@ -313,25 +333,28 @@ fn a_file_whose_symbols_lie_is_refused_naming_the_key() {
 fn past_a_slice_of_the_multiply_a_cached_step_still_gives_the_bits_of_its_window() {
     // A context of 300 steps: past 256 a step's sums cross the multiply's first slice of
     // its shared dimension, and the cached step must add its slices as the multiply does.
-    let config = || {
-        let b = NetworkConfig::builder(13).embedding(8).position_embedding(300);
-        b.residual(|b| b.layer_norm().attention(2)).layer_norm().dense(13).seed(4).build().unwrap()
-    };
-    let net = Network::new(config()).unwrap();
-    let params: Vec<f32> = net.params().iter().map(|v| v * 4.0).collect();
-    let model = Model::from_config(&config(), params).unwrap();
-    let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 2).unwrap()).unwrap();
-    for _ in 0..280 {
-        stream.next_token().unwrap();
+    // Heads of 4 features (each sum alone) and of 32 (16 features at a time).
+    for (d, heads) in [(8, 2), (32, 1)] {
+        let config = || {
+            let b = NetworkConfig::builder(13).embedding(d).position_embedding(300);
+            b.residual(|b| b.layer_norm().attention(heads)).layer_norm().dense(13).seed(4).build().unwrap()
+        };
+        let net = Network::new(config()).unwrap();
+        let params: Vec<f32> = net.params().iter().map(|v| v * 4.0).collect();
+        let model = Model::from_config(&config(), params).unwrap();
+        let mut stream = model.stream(&[1, 2, 3], Sampling::random(1.0, 0, 2).unwrap()).unwrap();
+        for _ in 0..280 {
+            stream.next_token().unwrap();
+        }
+        let window = stream.window(0).unwrap().to_vec();
+        assert!(window.len() > 257, "{}", window.len());
+        let alone = model.stream(&window, Sampling::greedy()).unwrap();
+        let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
+        assert!(cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()), "{cached:?} vs {whole:?}");
+        // And a stream that is not there is an error, not a panic.
+        assert!(matches!(stream.logits(1), Err(Error::InvalidInput(_))));
+        assert!(matches!(stream.window(7), Err(Error::InvalidInput(_))));
     }
-    let window = stream.window(0).unwrap().to_vec();
-    assert!(window.len() > 257, "{}", window.len());
-    let alone = model.stream(&window, Sampling::greedy()).unwrap();
-    let (cached, whole) = (stream.logits(0).unwrap(), alone.logits(0).unwrap());
-    assert!(cached.iter().zip(whole).all(|(a, b)| a.to_bits() == b.to_bits()), "{cached:?} vs {whole:?}");
-    // And a stream that is not there is an error, not a panic.
-    assert!(matches!(stream.logits(1), Err(Error::InvalidInput(_))));
-    assert!(matches!(stream.window(7), Err(Error::InvalidInput(_))));
 }
 
 #[test]
