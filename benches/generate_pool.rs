@@ -19,8 +19,15 @@
 //! idle-thread baseline at the same counts; both figures are reported, with the arena
 //! bytes (K × (plan + cache)) and one stream's `kv_cache_bytes`.
 //!
+//! With `--stream-batch S`, also a run of callers that join stream batches
+//! (`InferencePool::stream_batch`: one per arena, of S slots each; caller `t` joins batch
+//! `t mod K`), whose steps are combined across callers (`carve_combined` in `runs`).
+//!
 //! Also measured in the same invocation: `batched_16_over_1` (one caller stepping 16
-//! streams together, `Model::streams`, against one stream, tokens per second).
+//! streams together, `Model::streams`, against one stream, tokens per second, each
+//! through slides of its window every 28 tokens) and `batched_16_over_1_no_slides` (the
+//! same, steps within the window only: each round's streams start from their prompts
+//! and step 55 tokens).
 //!
 //! ```text
 //! cargo run --release --example generate_pool -- --json
@@ -33,7 +40,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use carve::alloc_check::{thread_counts, CountingAllocator};
-use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling};
+use carve::nn::serve::{BatchedStream, InferencePool, Model, PoolConfig, Sampling, StreamBatch};
 use carve::nn::{Network, NetworkConfig};
 use clap::Parser;
 use serde_json::{json, Value};
@@ -79,6 +86,10 @@ struct Args {
     /// (PoolConfig::with_arena_stacks)
     #[arg(long, verbatim_doc_comment)]
     arena_stacks: bool,
+    /// Also run callers that join stream batches of S slots, one
+    /// per arena, their steps combined (1 to 256)
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
+    stream_batch: Option<u16>,
     /// Skip the baselines (carve's runs only)
     #[arg(long)]
     no_baselines: bool,
@@ -236,6 +247,25 @@ impl Generator for PoolCaller<'_> {
     }
 }
 
+/// A caller of a stream batch: a stream of its own per stream, in a slot of the batch,
+/// its steps combined with the other callers'.
+struct BatchCaller<'b, 'p> {
+    batch: &'b StreamBatch<'p>,
+    stream: Option<BatchedStream<'b, 'p>>,
+}
+
+impl Generator for BatchCaller<'_, '_> {
+    fn start(&mut self, prompt: &[u32]) {
+        self.stream = Some(self.batch.join(prompt, Sampling::greedy()).expect("a stream"));
+    }
+    fn next(&mut self) -> u32 {
+        self.stream.as_mut().expect("started").next_token().expect("a token")
+    }
+    fn end(&mut self) {
+        self.stream = None;
+    }
+}
+
 /// The caller of the idle baseline: a token that costs nothing.
 struct Idle;
 
@@ -255,25 +285,36 @@ fn peak_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// One caller stepping 16 streams together against one stream, tokens per second.
-fn batched_over_one(model: &Model, tokens: usize) -> Res<(f64, f64)> {
-    let rate = |streams: usize| -> Res<f64> {
+/// One caller stepping 16 streams together against one stream, tokens per second:
+/// `tokens` steps through the windows' slides, and (the second pair) rounds of steps
+/// within the window only (each round's streams started afresh, untimed).
+fn batched_over_one(model: &Model, tokens: usize) -> Res<((f64, f64), (f64, f64))> {
+    let within = CONTEXT - PROMPT - 1;
+    let rate = |streams: usize, slides: bool| -> Res<f64> {
         let prompts: Vec<Vec<u32>> = (0..streams).map(prompt).collect();
         let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-        let mut batch = model.streams(&refs, &vec![Sampling::greedy(); streams])?;
+        let sampling = vec![Sampling::greedy(); streams];
+        let mut batch = model.streams(&refs, &sampling)?;
         let mut out = vec![0u32; streams];
         for _ in 0..CONTEXT + 1 {
             batch.next_tokens(&mut out)?;
         }
-        let start = Instant::now();
-        for _ in 0..tokens {
-            batch.next_tokens(&mut out)?;
+        let mut timed = Duration::ZERO;
+        let mut steps = 0;
+        while steps < tokens {
+            if !slides {
+                batch = model.streams(&refs, &sampling)?;
+            }
+            let start = Instant::now();
+            for _ in 0..if slides { tokens } else { within } {
+                batch.next_tokens(&mut out)?;
+                steps += 1;
+            }
+            timed += start.elapsed();
         }
-        Ok((tokens * streams) as f64 / start.elapsed().as_secs_f64())
+        Ok((steps * streams) as f64 / timed.as_secs_f64())
     };
-    let one = rate(1)?;
-    let sixteen = rate(16)?;
-    Ok((one, sixteen))
+    Ok(((rate(1, true)?, rate(16, true)?), (rate(1, false)?, rate(16, false)?)))
 }
 
 fn child_run(args: &Args, child: &[String]) -> Res<()> {
@@ -297,6 +338,29 @@ fn child_run(args: &Args, child: &[String]) -> Res<()> {
                 }
             }
             let measured = callers(args, threads, |_| PoolCaller { pool: &pool, stream: None })?;
+            (measured, pool.stats().arena_bytes)
+        }
+        "carve_combined" => {
+            let slots = usize::from(args.stream_batch.ok_or("carve_combined needs --stream-batch")?);
+            let pool = InferencePool::new(Arc::clone(&model), PoolConfig::direct(workers))?;
+            let batches: Vec<StreamBatch<'_>> =
+                (0..workers).map(|_| pool.stream_batch(slots)).collect::<carve::Result<_>>()?;
+            // Every batch runs a full set of streams first, stepped by as many callers,
+            // so that it holds its plans for any number of streams in a step.
+            std::thread::scope(|s| {
+                for batch in &batches {
+                    for t in 0..slots {
+                        s.spawn(move || {
+                            let mut caller = BatchCaller { batch, stream: None };
+                            caller.start(&prompt(t));
+                            for _ in 0..CONTEXT + 1 {
+                                caller.next();
+                            }
+                        });
+                    }
+                }
+            });
+            let measured = callers(args, threads, |t| BatchCaller { batch: &batches[t % workers], stream: None })?;
             (measured, pool.stats().arena_bytes)
         }
         "idle_threads" => (callers(args, threads, |_| Idle)?, 0),
@@ -500,6 +564,7 @@ fn run_child(args: &Args, variant: &str, threads: usize, workers: usize) -> Res<
         .env("RAYON_NUM_THREADS", "1")
         .args(["--total", &args.total.to_string(), "--tokens", &args.tokens.to_string()])
         .args(args.arena_stacks.then_some("--arena-stacks"))
+        .args(args.stream_batch.map(|s| format!("--stream-batch={s}")))
         .args(["--child", variant, &threads.to_string(), &workers.to_string()])
         .output()?;
     if !output.status.success() {
@@ -520,6 +585,9 @@ fn number(v: &Value, key: &str) -> f64 {
 fn parent(args: &Args) -> Res<()> {
     let workers = usize::from(args.workers);
     let mut variants = vec!["carve"];
+    if args.stream_batch.is_some() {
+        variants.push("carve_combined");
+    }
     if !args.no_baselines {
         variants.push("idle_threads");
         #[cfg(feature = "candle")]
@@ -552,7 +620,7 @@ fn parent(args: &Args) -> Res<()> {
     let carve_growth = growth("carve");
     let idle_growth = growth("idle_threads");
     let model = model()?;
-    let (one, sixteen) = batched_over_one(&model, 256)?;
+    let ((one, sixteen), (one_within, sixteen_within)) = batched_over_one(&model, 256)?;
     let mut out = json!({
         "workers": workers,
         "tokens_per_stream": args.tokens,
@@ -567,6 +635,9 @@ fn parent(args: &Args) -> Res<()> {
         "batched_16_over_1": sixteen / one,
         "one_stream_tokens_per_sec": one,
         "sixteen_streams_tokens_per_sec": sixteen,
+        "batched_16_over_1_no_slides": sixteen_within / one_within,
+        "one_stream_no_slides_tokens_per_sec": one_within,
+        "sixteen_streams_no_slides_tokens_per_sec": sixteen_within,
     });
     if let Some(candle) = runs.get("candle").and_then(|r| r.as_array()) {
         let carve = runs["carve"].as_array().expect("carve's runs");
@@ -576,9 +647,10 @@ fn parent(args: &Args) -> Res<()> {
     }
     if !args.json {
         println!(
-            "batched: 16 streams {sixteen:.0} tokens/s, one stream {one:.0} tokens/s ({:.2}x); RSS growth net of \
-             threads: {:?} bytes",
+            "batched: 16 streams {sixteen:.0} tokens/s, one stream {one:.0} tokens/s ({:.2}x; {:.2}x within the \
+             window); RSS growth net of threads: {:?} bytes",
             sixteen / one,
+            sixteen_within / one_within,
             carve_growth.zip(idle_growth).map(|(c, i)| c - i),
         );
     }

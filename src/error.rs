@@ -99,6 +99,19 @@ pub enum Error {
         waited: std::time::Duration,
     },
 
+    /// Every slot of a [`StreamBatch`](crate::nn::serve::StreamBatch) stayed in use for
+    /// as long as the caller asked to wait for one. No stream was started.
+    #[error(
+        "stream batch: all {slots} slots stayed in use for {waited:?}; no stream was started. Wait longer, drop a \
+         finished stream, or give the batch more slots"
+    )]
+    BatchFull {
+        /// The batch's slots.
+        slots: usize,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+
     /// The inference pool was closed (or dropped) before the request ran.
     #[error("inference pool is closed: the request was not run (the pool was closed or dropped while it waited)")]
     PoolClosed,

@@ -13,7 +13,9 @@
 //! - the inference pool's start ([`Latch`]): two batch workers arriving while the
 //!   starter waits;
 //! - the reducer's double-buffered buckets ([`Threads::reduce`]): two workers, two
-//!   steps.
+//!   steps;
+//! - a stream batch's flat combining ([`Combiner`]): two callers' steps, in one batch or
+//!   two; a join's start and a leave against a step and a caller waiting for a slot.
 //!
 //! Besides each model's assertion, loom fails a model on a deadlock (a park or wait
 //! nobody ends) and on a leaked loom object.
@@ -34,6 +36,7 @@ use std::sync::atomic::Ordering;
 
 use super::parallel::reduce::{Reducer, Threads};
 use super::serve::batcher::{BatchBuffers, Batcher};
+use super::serve::combine::Combiner;
 use super::serve::turns::{Counters, Turns, Wait};
 use super::serve::PoolConfig;
 use super::sync::{Gate, Latch};
@@ -281,5 +284,67 @@ fn a_reservation_racing_a_returning_lease_gets_the_arena() {
         turns.give_back(held);
         let reserved = warm_up.join().unwrap();
         assert!(reserved.is_ok() && turns.free_count() == 1, "{reserved:?}");
+    });
+}
+
+/// A batch's results for [`Combiner`]'s models: the batch's number and the slot.
+fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [u32]) -> crate::Result<()> {
+    *engine += 1;
+    for (s, (&member, result)) in batch.iter().zip(results).enumerate() {
+        if member {
+            *result = *engine * 100 + s as u32;
+        }
+    }
+    Ok(())
+}
+
+/// Two callers step their slots at once: whichever finds the engine idle runs the
+/// batch, with the other's step in it or not; each gets its own slot's result, from
+/// one batch together or from two in turn, and neither waits for good.
+#[test]
+fn two_callers_steps_each_get_their_own_result_in_one_batch_or_two() {
+    loom::model(|| {
+        let combiner = Arc::new(Combiner::new(0u32, 2));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let other = {
+            let combiner = Arc::clone(&combiner);
+            thread::spawn(move || combiner.next(b, &mut count_batch))
+        };
+        let mine = combiner.next(a, &mut count_batch).unwrap();
+        let theirs = other.join().unwrap().unwrap();
+        assert_eq!((mine % 100, theirs % 100), (a as u32, b as u32));
+        match combiner.with_engine(|batches| *batches) {
+            1 => assert_eq!((mine / 100, theirs / 100), (1, 1)),
+            2 => assert_ne!(mine / 100, theirs / 100),
+            other => panic!("{other} batches for two steps"),
+        }
+    });
+}
+
+/// A full batch: a caller waits for a slot while one stream steps and another starts
+/// (the engine taken by each in turn) and then leaves; the waiter gets the slot left,
+/// and the step its result.
+#[test]
+fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
+    loom::model(|| {
+        let combiner = Arc::new(Combiner::new(0u32, 2));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let stepper = {
+            let combiner = Arc::clone(&combiner);
+            thread::spawn(move || combiner.next(a, &mut count_batch))
+        };
+        let leaver = {
+            let combiner = Arc::clone(&combiner);
+            thread::spawn(move || {
+                combiner.with_engine(|engine| *engine += 10);
+                combiner.leave(b);
+            })
+        };
+        // No time passes under loom: this waits until a slot is left.
+        let joined = combiner.reserve(Some(async_iter::sync::Deadline::after(Duration::from_secs(1))));
+        assert_eq!(joined, Some(b));
+        leaver.join().unwrap();
+        let stepped = stepper.join().unwrap().unwrap();
+        assert_eq!(stepped % 100, a as u32);
     });
 }

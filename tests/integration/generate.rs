@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling};
+use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling, StreamBatch};
 use carve::nn::{ForwardCtx, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder};
 use carve::Error;
 use ndarray::{Array2, ArrayView2};
@@ -225,8 +225,8 @@ fn bad_prompts_and_models_that_cannot_generate_are_clear_errors() {
     assert!(matches!(unbounded.kv_cache_bytes(), Err(Error::InvalidConfig { .. })));
 }
 
-/// A per-step layer that panics while `ARMED` is set.
-struct Tripwire;
+/// A per-step layer that panics while its flag is set.
+struct Tripwire(&'static AtomicBool);
 
 static ARMED: AtomicBool = AtomicBool::new(false);
 
@@ -246,7 +246,7 @@ impl Layer for Tripwire {
         input: ArrayView2<'a, f32>,
         ctx: &ForwardCtx<'a, '_>,
     ) -> carve::Result<ArrayView2<'a, f32>> {
-        assert!(!ARMED.load(Ordering::Relaxed), "the tripwire went off");
+        assert!(!self.0.load(Ordering::Relaxed), "the tripwire went off");
         Ok(carve::freeze(ctx.activations.copy_of(&input)?))
     }
 }
@@ -255,7 +255,7 @@ impl Layer for Tripwire {
 fn a_step_that_panics_fails_its_streams_and_the_arena_goes_on() {
     let config = || {
         let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
-        b.layer(Tripwire).dense(13).seed(2).build().unwrap()
+        b.layer(Tripwire(&ARMED)).dense(13).seed(2).build().unwrap()
     };
     let net = Network::new(config()).unwrap();
     let model = Model::from_config(&config(), net.params().to_vec()).unwrap();
@@ -377,4 +377,130 @@ fn a_batched_pool_serves_streams_and_requests_side_by_side() {
     assert_eq!(tokens, expected);
     drop(stream);
     assert!(pool.stats().stream_bytes > 0, "the arena keeps the stream's buffers for its next stream");
+}
+
+/// Runs `callers` threads, caller `i` joining `batch` with `prompts[i]` and
+/// `sampling[i]` and drawing `tokens` tokens; each caller's tokens and last logits.
+fn batched_callers(
+    batch: &StreamBatch<'_>,
+    prompts: &[Vec<u32>],
+    sampling: &[Sampling],
+    tokens: usize,
+) -> Vec<(Vec<u32>, Vec<f32>)> {
+    std::thread::scope(|scope| {
+        let callers: Vec<_> = prompts
+            .iter()
+            .zip(sampling)
+            .map(|(prompt, &sampling)| {
+                scope.spawn(move || {
+                    let mut stream = batch.join(prompt, sampling).unwrap();
+                    let drawn: Vec<u32> = (0..tokens).map(|_| stream.next_token().unwrap()).collect();
+                    (drawn, stream.logits().unwrap())
+                })
+            })
+            .collect();
+        callers.into_iter().map(|c| c.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn independent_callers_in_a_stream_batch_draw_each_streams_bits_alone() {
+    // Six callers of one batch of four slots: two wait for a slot, and the streams are
+    // at different positions, slide at different steps, and start while others step.
+    let model = Arc::new(model(16, 3));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let batch = pool.stream_batch(4).unwrap();
+    assert_eq!((batch.slots(), batch.streams(), batch.context()), (4, 0, 16));
+    assert_eq!(batch.kv_cache_bytes(), model.kv_cache_bytes().unwrap());
+    let prompts: Vec<Vec<u32>> = (0..6u32).map(|i| (0..=i * 2).map(|t| (t * 5 + i) % 13).collect()).collect();
+    let sampling: Vec<Sampling> =
+        (0..6).map(|i| if i % 2 == 0 { Sampling::greedy() } else { Sampling::random(0.9, 4, i).unwrap() }).collect();
+    let tokens = 40;
+    for round in 0..3 {
+        let got = batched_callers(&batch, &prompts, &sampling, tokens);
+        for (i, (drawn, logits)) in got.iter().enumerate() {
+            let mut alone = model.stream(&prompts[i], sampling[i]).unwrap();
+            let expected: Vec<u32> = (0..tokens).map(|_| alone.next_token().unwrap()).collect();
+            assert_eq!(drawn, &expected, "round {round}, caller {i}");
+            let (a, b) = (logits, alone.logits(0).unwrap());
+            assert!(a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits()), "round {round}, caller {i}");
+        }
+        assert_eq!(batch.streams(), 0, "every caller's slot is free again");
+    }
+}
+
+#[test]
+fn a_full_stream_batch_refuses_in_time_and_a_dropped_stream_frees_its_slot() {
+    let model = Arc::new(model(12, 4));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    assert!(matches!(pool.stream_batch(0), Err(Error::InvalidInput(_))));
+    let batch = pool.stream_batch(2).unwrap();
+    let mut first = batch.join(&[1, 2], Sampling::greedy()).unwrap();
+    let second = batch.join(&[3], Sampling::greedy()).unwrap();
+    match batch.join_timeout(&[4], Sampling::greedy(), std::time::Duration::from_millis(20)) {
+        Err(e @ Error::BatchFull { slots: 2, .. }) => assert!(e.to_string().contains("2 slots"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    // Bad prompts are refused at once, full or not, and their slot is free again.
+    assert!(matches!(batch.join(&[], Sampling::greedy()), Err(Error::InvalidInput(_))));
+    drop(second);
+    assert!(matches!(batch.join(&[], Sampling::greedy()), Err(Error::InvalidInput(_))));
+    match batch.join(&[1, 13], Sampling::greedy()) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("token 13"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(batch.streams(), 1);
+    // A stream joined after another left starts afresh: the bits of its run alone.
+    let mut third = batch.join(&[5, 6, 7], Sampling::greedy()).unwrap();
+    let drawn: Vec<u32> = (0..20).map(|_| third.next_token().unwrap()).collect();
+    assert_eq!(drawn, model.generate(&[5, 6, 7], 20, Sampling::greedy()).unwrap());
+    assert_eq!(third.window().unwrap(), {
+        let mut alone = model.stream(&[5, 6, 7], Sampling::greedy()).unwrap();
+        for _ in 0..20 {
+            alone.next_token().unwrap();
+        }
+        alone.window(0).unwrap().to_vec()
+    });
+    first.next_token().unwrap();
+    // The pool's one arena is the batch's while it lives.
+    assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { .. })));
+    drop((first, third));
+    drop(batch);
+    pool.try_lease().unwrap();
+}
+
+static ARMED_BATCH: AtomicBool = AtomicBool::new(false);
+
+#[test]
+fn a_panicking_step_fails_its_batchs_streams_and_the_batch_goes_on() {
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
+        b.layer(Tripwire(&ARMED_BATCH)).dense(13).seed(2).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let model = Arc::new(Model::from_config(&config(), net.params().to_vec()).unwrap());
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let batch = pool.stream_batch(3).unwrap();
+    let mut a = batch.join(&[1, 2], Sampling::greedy()).unwrap();
+    a.next_token().unwrap();
+    ARMED_BATCH.store(true, Ordering::Relaxed);
+    let caught = a.next_token();
+    ARMED_BATCH.store(false, Ordering::Relaxed);
+    match caught {
+        Err(Error::Panicked { message }) => assert!(message.contains("tripwire"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    // The failed stream says so at every later call; the batch serves new streams.
+    assert!(matches!(a.next_token(), Err(Error::Panicked { .. })));
+    assert!(matches!(a.window(), Err(Error::Panicked { .. })));
+    let mut b = batch.join(&[1, 2], Sampling::greedy()).unwrap();
+    let drawn: Vec<u32> = (0..6).map(|_| b.next_token().unwrap()).collect();
+    assert_eq!(drawn, model.generate(&[1, 2], 6, Sampling::greedy()).unwrap());
+    // A prompt whose pass panics fails its join alone.
+    ARMED_BATCH.store(true, Ordering::Relaxed);
+    let joined = batch.join(&[3, 4], Sampling::greedy());
+    ARMED_BATCH.store(false, Ordering::Relaxed);
+    assert!(matches!(joined, Err(Error::Panicked { .. })), "{joined:?}");
+    assert_eq!(batch.streams(), 2);
+    assert_eq!(b.next_token().unwrap(), model.generate(&[1, 2], 7, Sampling::greedy()).unwrap()[6]);
 }

@@ -3,7 +3,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use async_iter::panics::{drop_quietly, panic_message};
 use workspace_core::planned::PortableMgr;
@@ -19,7 +19,9 @@ use crate::{Error, Result};
 /// leased by RAII ([`ArenaGuard`]).
 #[derive(Debug)]
 pub(crate) struct Arenas {
-    slots: Box<[Mutex<Slot>]>,
+    /// Each arena, in its place while no lease holds it: a lease moves it out (so that
+    /// a lease is `Send`, its arena with it) and puts it back when dropped.
+    slots: Box<[Mutex<Option<Box<Slot>>>]>,
     /// Each arena's capacity after its last request (for statistics without a lease).
     capacity: Box<[AtomicUsize]>,
     /// Each arena's stream buffers' bytes, as of its last stream's start.
@@ -107,7 +109,7 @@ impl Arenas {
         let slots = (0..k)
             .map(|_| {
                 let stack = if stacks { Some(ArenaStack::new()?) } else { None };
-                Ok(Mutex::new(Slot { mgr: arena(plans)?, stack, streams: StreamBuffers::default() }))
+                Ok(Mutex::new(Some(Box::new(Slot { mgr: arena(plans)?, stack, streams: StreamBuffers::default() }))))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arenas {
@@ -163,8 +165,10 @@ impl Arenas {
     }
 
     fn guard(&self, index: usize) -> ArenaGuard<'_> {
-        let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
-        ArenaGuard { arenas: self, index, slot: Some(slot) }
+        // The turns give arena `index` to one holder at a time, and a guard puts it back
+        // before it gives the turn back: it is in place.
+        let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner).take();
+        ArenaGuard { arenas: self, index, slot: Some(slot.expect("a leased arena is in its place")) }
     }
 
     /// Closes the arenas: waiting and later leases fail with [`Error::PoolClosed`];
@@ -174,7 +178,8 @@ impl Arenas {
     }
 }
 
-/// A leased arena: given back when dropped. A forgotten guard keeps its arena for good:
+/// A leased arena, moved out of its place (so that it can move to another thread with
+/// its lease): put back and given back when dropped. A forgotten guard keeps its arena for good:
 /// the pool has one arena fewer, a `warm_up` from another thread waits for it until the
 /// pool is closed, and a request from the forgetting thread that would wait for it
 /// without a deadline is refused.
@@ -182,7 +187,7 @@ impl Arenas {
 pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,
     index: usize,
-    slot: Option<MutexGuard<'a, Slot>>,
+    slot: Option<Box<Slot>>,
 }
 
 impl ArenaGuard<'_> {
@@ -269,7 +274,8 @@ impl ArenaGuard<'_> {
 
 impl Drop for ArenaGuard<'_> {
     fn drop(&mut self) {
-        drop(self.slot.take());
+        // Back in its place before the turn goes to the next holder.
+        *self.arenas.slots[self.index].lock().unwrap_or_else(PoisonError::into_inner) = self.slot.take();
         self.arenas.turns.give_back(self.index);
     }
 }

@@ -30,6 +30,7 @@ use ndarray::Axis;
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
 use super::arenas::StreamBuffers;
+use super::combine::Combiner;
 use super::model::{in_thread_arena, Model};
 use super::pool::{InferencePool, PoolLease};
 use crate::nn::layer::{Activations, StreamRow};
@@ -160,6 +161,21 @@ impl StatePlan {
             .checked_mul(size_of::<f32>())
             .ok_or_else(|| Error::InvalidConfig { reason: "the model's per-stream state overflows".into() })?;
         Ok(StatePlan { regions, per_slot, context, vocabulary })
+    }
+
+    /// Whether `prompt` (prompt `i`) can start a stream: at least one token, all in the
+    /// vocabulary.
+    fn check_prompt(&self, i: usize, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidInput(format!("prompt {i} is empty: a stream starts from at least one token")));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocabulary) {
+            return Err(Error::InvalidInput(format!(
+                "prompt {i} holds token {bad}, outside the model's vocabulary of {} tokens",
+                self.vocabulary
+            )));
+        }
+        Ok(())
     }
 
     /// The bytes of one stream's state.
@@ -406,39 +422,49 @@ impl<'a> TokenStream<'a> {
             )));
         }
         for (i, prompt) in prompts.iter().enumerate() {
-            if prompt.is_empty() {
-                return Err(Error::InvalidInput(format!(
-                    "prompt {i} is empty: a stream starts from at least one token"
-                )));
-            }
-            if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= plan.vocabulary) {
-                return Err(Error::InvalidInput(format!(
-                    "prompt {i} holds token {bad}, outside the model's vocabulary of {} tokens",
-                    plan.vocabulary
-                )));
-            }
+            plan.check_prompt(i, prompt)?;
         }
-        let n = prompts.len();
-        let places = Places::of(&plan, n)?;
-        let mut arena = arena;
-        let buffers = arena.buffers(places.values(), places.tokens())?;
-        // An arena's earlier streams leave their values: a new stream's state starts
-        // from zeros (no stream reads another's, whatever a layer reads).
-        buffers.values[..places.caches()].fill(0.0);
-        let mut streams = Vec::with_capacity(n);
+        let mut started = TokenStream::vacant(model, arena, prompts.len())?;
         for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
-            let kept = &prompt[prompt.len().saturating_sub(plan.context)..];
-            buffers.tokens[places.window(s, kept.len())].copy_from_slice(kept);
-            streams.push(Stream { len: kept.len(), pending: None, sampling, rng: Rng::new(sampling.seed) });
-        }
-        let mut started =
-            TokenStream { model, arena, plan, places, streams, rows: Vec::with_capacity(n), failed: None };
-        for s in 0..n {
-            started.rows.clear();
-            started.rows.push(StreamRow { slot: s, position: 0 });
-            started.step(started.streams[s].len)?;
+            started.start_slot(s, prompt, sampling)?;
         }
         Ok(started)
+    }
+
+    /// `slots` streams of `model` in `arena`, none started: their buffers fitted.
+    fn vacant(model: &'a Model, arena: Arena<'a>, slots: usize) -> Result<TokenStream<'a>> {
+        let plan = StatePlan::of(model)?;
+        let places = Places::of(&plan, slots)?;
+        let mut arena = arena;
+        arena.buffers(places.values(), places.tokens())?;
+        let streams =
+            (0..slots).map(|_| Stream { len: 0, pending: None, sampling: Sampling::greedy(), rng: Rng::new(0) });
+        Ok(TokenStream {
+            model,
+            arena,
+            plan,
+            places,
+            streams: streams.collect(),
+            rows: Vec::with_capacity(slots),
+            failed: None,
+        })
+    }
+
+    /// Starts stream `s` afresh from `prompt` (its last `context` tokens), drawn as
+    /// `sampling` says: its cache zeroed (an arena's earlier streams leave their values,
+    /// and no stream reads another's, whatever a layer reads), then the prompt run
+    /// through the model.
+    fn start_slot(&mut self, s: usize, prompt: &[u32], sampling: Sampling) -> Result<()> {
+        self.plan.check_prompt(s, prompt)?;
+        let (places, per_slot) = (self.places, self.plan.per_slot);
+        let buffers = self.arena.held_mut();
+        buffers.values[s * per_slot..(s + 1) * per_slot].fill(0.0);
+        let kept = &prompt[prompt.len().saturating_sub(self.plan.context)..];
+        buffers.tokens[places.window(s, kept.len())].copy_from_slice(kept);
+        self.streams[s] = Stream { len: kept.len(), pending: None, sampling, rng: Rng::new(sampling.seed) };
+        self.rows.clear();
+        self.rows.push(StreamRow { slot: s, position: 0 });
+        self.step(kept.len())
     }
 
     /// The streams stepped together.
@@ -465,7 +491,12 @@ impl<'a> TokenStream<'a> {
     /// the buffers hold then is not the streams' state).
     pub fn logits(&self, s: usize) -> Result<&[f32]> {
         self.check_stream(s)?;
-        Ok(&self.arena.held().values[self.places.logits(s)])
+        Ok(self.logits_of(s))
+    }
+
+    /// Stream `s`'s logits as the buffers hold them.
+    fn logits_of(&self, s: usize) -> &[f32] {
+        &self.arena.held().values[self.places.logits(s)]
     }
 
     /// The tokens stream `s`'s cache holds (the window its next token attends to,
@@ -476,7 +507,12 @@ impl<'a> TokenStream<'a> {
     /// As [`TokenStream::logits`].
     pub fn window(&self, s: usize) -> Result<&[u32]> {
         self.check_stream(s)?;
-        Ok(&self.arena.held().tokens[self.places.window(s, self.streams[s].len)])
+        Ok(self.window_of(s))
+    }
+
+    /// Stream `s`'s window as the buffers hold it.
+    fn window_of(&self, s: usize) -> &[u32] {
+        &self.arena.held().tokens[self.places.window(s, self.streams[s].len)]
     }
 
     /// Whether stream `s` is there to read.
@@ -533,6 +569,12 @@ impl<'a> TokenStream<'a> {
                 actual: vec![out.len()],
             });
         }
+        self.advance(&|_| true, &mut |s, token| out[s] = token)
+    }
+
+    /// [`TokenStream::next_tokens`] of the streams `member` says (the others untouched),
+    /// each stream's token to `out`.
+    fn advance(&mut self, member: &dyn Fn(usize) -> bool, out: &mut dyn FnMut(usize, u32)) -> Result<()> {
         let (context, places) = (self.plan.context, self.places);
         let keep = (context / 2).max(1);
         // The drawn tokens into the windows: the streams whose cache is full slide their
@@ -540,7 +582,7 @@ impl<'a> TokenStream<'a> {
         // one step together.
         let buffers = self.arena.held_mut();
         self.rows.clear();
-        for (s, stream) in self.streams.iter_mut().enumerate() {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
             let Some(token) = stream.pending.filter(|_| stream.len == context) else { continue };
             let window = &mut buffers.tokens[places.window(s, context + 1)];
             window[context] = token;
@@ -554,7 +596,7 @@ impl<'a> TokenStream<'a> {
         }
         let buffers = self.arena.held_mut();
         self.rows.clear();
-        for (s, stream) in self.streams.iter_mut().enumerate() {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
             if let Some(token) = stream.pending.take() {
                 self.rows.push(StreamRow { slot: s, position: stream.len });
                 buffers.tokens[places.window(s, context + 1)][stream.len] = token;
@@ -567,11 +609,11 @@ impl<'a> TokenStream<'a> {
         let buffers = self.arena.held_mut();
         let (logits, weights) = buffers.values[places.caches()..].split_at_mut(places.streams * places.vocabulary);
         let per = places.vocabulary;
-        for (s, (stream, out)) in self.streams.iter_mut().zip(out).enumerate() {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
             let (logits, weights) = (&logits[s * per..(s + 1) * per], &mut weights[s * per..(s + 1) * per]);
             let token = draw(stream.sampling, &mut stream.rng, logits, weights);
             stream.pending = Some(token);
-            *out = token;
+            out(s, token);
         }
         Ok(())
     }
@@ -819,5 +861,209 @@ impl InferencePool {
         let model: &Model = self.model();
         StatePlan::of(model)?;
         TokenStream::start(model, Arena::Leased(self.lease_timeout(timeout)?), &[prompt], &[sampling])
+    }
+}
+
+/// Streams of independent callers stepped together: one arena leased from an
+/// [`InferencePool`] for the batch's life, holding `slots` streams' caches, which any
+/// thread [joins](StreamBatch::join) with a prompt of its own. Each
+/// [`BatchedStream::next_token`] queues its stream's step; the caller that finds the
+/// arena idle runs every queued stream's step as one batch (each product's rows are the
+/// streams, as [`Model::streams`] steps them) and hands each caller its token, so that
+/// callers that arrive while a step runs share the next one (flat combining: no thread
+/// of the pool's own, no allocation per token). Each stream draws the tokens it draws
+/// alone, bit for bit, whoever it is batched with.
+///
+/// Memory: the weights, plus the arena's plans for batches of up to `slots` streams,
+/// plus `slots` caches ([`Model::kv_cache_bytes`] each), whatever the number of
+/// callers. A stream that is dropped frees its slot for the next caller; a failed step
+/// fails the streams of its batch (each says why at its next call) and the batch goes
+/// on.
+///
+/// ```
+/// use carve::nn::serve::{InferencePool, PoolConfig, Sampling};
+/// use carve::nn::{Network, NetworkConfig};
+/// use std::sync::Arc;
+///
+/// let config = NetworkConfig::builder(10)
+///     .embedding(8)
+///     .position_embedding(16)
+///     .residual(|b| b.layer_norm().attention(2))
+///     .layer_norm()
+///     .dense(10)
+///     .seed(3)
+///     .build()?;
+/// let model = Arc::new(Network::new(config)?.freeze()?);
+/// let pool = InferencePool::new(model.clone(), PoolConfig::direct(1))?;
+/// let batch = pool.stream_batch(4)?;
+/// // Four callers, each with its own prompt, stepped together.
+/// let tokens: Vec<Vec<u32>> = std::thread::scope(|scope| {
+///     let callers: Vec<_> = (0..4u32)
+///         .map(|i| {
+///             let batch = &batch;
+///             scope.spawn(move || {
+///                 let mut stream = batch.join(&[i, 1, 2], Sampling::greedy())?;
+///                 (0..8).map(|_| stream.next_token()).collect::<carve::Result<Vec<u32>>>()
+///             })
+///         })
+///         .collect();
+///     callers.into_iter().map(|c| c.join().unwrap()).collect::<carve::Result<_>>()
+/// })?;
+/// for (i, tokens) in (0..4u32).zip(&tokens) {
+///     assert_eq!(tokens, &model.generate(&[i, 1, 2], 8, Sampling::greedy())?);
+/// }
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub struct StreamBatch<'p> {
+    combiner: Combiner<TokenStream<'p>>,
+    plan: StatePlan,
+}
+
+impl std::fmt::Debug for StreamBatch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamBatch")
+            .field("slots", &self.slots())
+            .field("streams", &self.streams())
+            .field("context", &self.plan.context)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InferencePool {
+    /// A batch of `slots` streams that independent callers join (see [`StreamBatch`]),
+    /// in an arena leased for the batch's life (waiting while every arena is in use).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for 0 slots, or slots whose caches cannot be held; as
+    /// [`Model::stream`] for a model that cannot generate; as [`InferencePool::lease`].
+    pub fn stream_batch(&self, slots: usize) -> Result<StreamBatch<'_>> {
+        if slots == 0 {
+            return Err(Error::InvalidInput("a stream batch of 0 slots holds no stream: give at least 1".into()));
+        }
+        let model: &Model = self.model();
+        let plan = StatePlan::of(model)?;
+        Places::of(&plan, slots)?;
+        let engine = TokenStream::vacant(model, Arena::Leased(self.lease()?), slots)?;
+        Ok(StreamBatch { combiner: Combiner::new(engine, slots), plan })
+    }
+}
+
+impl<'p> StreamBatch<'p> {
+    /// A stream from `prompt` in a free slot (waiting while every slot is in use), its
+    /// prompt run through the model: see [`Model::stream`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::stream`].
+    pub fn join(&self, prompt: &[u32], sampling: Sampling) -> Result<BatchedStream<'_, 'p>> {
+        self.join_by(prompt, sampling, None)
+    }
+
+    /// [`StreamBatch::join`], waiting at most `timeout` for a free slot.
+    ///
+    /// # Errors
+    ///
+    /// As [`StreamBatch::join`]; [`Error::BatchFull`] when no slot came free in time.
+    pub fn join_timeout(&self, prompt: &[u32], sampling: Sampling, timeout: Duration) -> Result<BatchedStream<'_, 'p>> {
+        self.join_by(prompt, sampling, Some(timeout))
+    }
+
+    fn join_by(&self, prompt: &[u32], sampling: Sampling, timeout: Option<Duration>) -> Result<BatchedStream<'_, 'p>> {
+        // A prompt that cannot start a stream is refused before it waits for a slot.
+        self.plan.check_prompt(0, prompt)?;
+        let waited = async_iter::sync::Stopwatch::start();
+        let deadline = timeout.map(async_iter::sync::Deadline::after);
+        let Some(slot) = self.combiner.reserve(deadline) else {
+            return Err(Error::BatchFull { slots: self.slots(), waited: waited.elapsed() });
+        };
+        // From here the slot is the stream's: dropped, it is free again.
+        let stream = BatchedStream { batch: self, slot };
+        self.combiner.with_engine(|engine| {
+            // A failure is this stream's alone: the others' caches are as they were.
+            engine.failed = None;
+            engine.start_slot(slot, prompt, sampling)
+        })?;
+        Ok(stream)
+    }
+
+    /// The streams the batch holds at most.
+    pub fn slots(&self) -> usize {
+        self.combiner.slots()
+    }
+
+    /// The streams it holds now.
+    pub fn streams(&self) -> usize {
+        self.combiner.in_use()
+    }
+
+    /// The most tokens a stream's cache holds (the model's context).
+    pub fn context(&self) -> usize {
+        self.plan.context
+    }
+
+    /// The bytes of one stream's cache ([`Model::kv_cache_bytes`]).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.plan.bytes()
+    }
+}
+
+/// One caller's stream in a [`StreamBatch`]; its slot is free again once it is
+/// dropped.
+pub struct BatchedStream<'b, 'p> {
+    batch: &'b StreamBatch<'p>,
+    slot: usize,
+}
+
+impl std::fmt::Debug for BatchedStream<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchedStream").field("slot", &self.slot).finish_non_exhaustive()
+    }
+}
+
+impl BatchedStream<'_, '_> {
+    /// The stream's next token: its step queued, and run with every other stream's
+    /// that is queued when the batch's arena is free (by this caller or another).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Panicked`] when a layer panicked in a step of its batch, or
+    /// [`Error::InvalidInput`] saying which step failed: then and at every later call
+    /// (the stream's cache may be half written: join again).
+    pub fn next_token(&mut self) -> Result<u32> {
+        self.batch.combiner.next(self.slot, &mut |engine, members, tokens| {
+            // The batch's streams fail with it (the combiner says so at each one's next
+            // call); the others' caches are as they were, so the engine goes on.
+            engine.failed = None;
+            engine.advance(&|s| members[s], &mut |s, token| tokens[s] = token)
+        })
+    }
+
+    /// The tokens the stream's cache holds (see [`TokenStream::window`]). Copied out,
+    /// once the batch's step that runs (if one does) is over.
+    ///
+    /// # Errors
+    ///
+    /// As [`BatchedStream::next_token`], once a step has failed.
+    pub fn window(&self) -> Result<Vec<u32>> {
+        // A failed batch's streams are refused by the combiner; the others' state is
+        // theirs whatever failed beside them.
+        self.batch.combiner.with_slot(self.slot, |engine| Ok(engine.window_of(self.slot).to_vec()))
+    }
+
+    /// The logits the stream's last token was drawn from (see [`TokenStream::logits`]),
+    /// copied out as [`BatchedStream::window`] is.
+    ///
+    /// # Errors
+    ///
+    /// As [`BatchedStream::window`].
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        self.batch.combiner.with_slot(self.slot, |engine| Ok(engine.logits_of(self.slot).to_vec()))
+    }
+}
+
+impl Drop for BatchedStream<'_, '_> {
+    fn drop(&mut self) {
+        self.batch.combiner.leave(self.slot);
     }
 }

@@ -1,0 +1,337 @@
+//! Flat combining of independent callers' steps over one shared engine (a
+//! [`StreamBatch`](super::StreamBatch)'s arena and its streams).
+//!
+//! Each caller owns a slot. To step, it marks its slot requested and then, while its
+//! result is not there: if the engine is idle, it takes it out of the shared state,
+//! marks every requested slot running, and runs them all as one batch with the lock
+//! released; then it posts each slot's result, puts the engine back and wakes every
+//! waiter. Otherwise it waits. The caller that finds the engine idle does the work of
+//! all who wait (Hendler, Incze, Shavit and Tzafrir, "Flat Combining and the
+//! Synchronization-Parallelism Tradeoff", SPAA 2010), so steps of callers that arrive
+//! while a batch runs go together in the next one, with no thread of the pool's own.
+//!
+//! **Nothing is lost.** The engine is out of the state only while its taker runs a batch
+//! or a closure of its own ([`Combiner::with_engine`]), and it is put back whatever
+//! that code does: a failure or a panic of the batch is posted to every slot of the
+//! batch as a typed error, and the panic of a closure goes on in its caller after the
+//! engine is back. A slot's result is taken only by its owner; a slot left
+//! ([`Combiner::leave`]) is free for the next caller. No memory is shared but through
+//! the lock: the engine moves in and out of it.
+//!
+//! Nothing is allocated per step: the batch's membership and results are buffers that
+//! move with the engine (a failure's message is the only allocation, once).
+//!
+//! Its loom models are in `src/nn/loom.rs`.
+
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+
+use async_iter::panics::panic_message;
+use async_iter::sync::{self, Condvar, Deadline, Mutex};
+
+use crate::{Error, Result};
+
+/// The engine and the buffers of the batch it runs, moved out of the lock together.
+struct Held<E> {
+    engine: E,
+    /// Which slots are in the batch.
+    batch: Vec<bool>,
+    /// Each slot's result of the batch.
+    results: Vec<u32>,
+}
+
+/// A batch's run: over the engine, which slots are in the batch, and a result per slot
+/// to write.
+pub(crate) type RunBatch<'r, E> = dyn FnMut(&mut E, &[bool], &mut [u32]) -> Result<()> + 'r;
+
+/// Where a slot stands.
+#[derive(Debug)]
+enum Slot {
+    /// Free to reserve.
+    Vacant,
+    /// Reserved by a caller, and not yet requesting.
+    Idle,
+    /// Waiting to be taken into a batch.
+    Requested,
+    /// In the batch that runs.
+    Running,
+    /// Its batch ran: the result, for its owner to take.
+    Done(u32),
+    /// A batch it was in failed; every later request fails alike.
+    Failed(Failure),
+}
+
+/// Why a batch failed, posted to each of its slots.
+#[derive(Clone, Debug)]
+struct Failure {
+    panicked: bool,
+    message: String,
+}
+
+impl Failure {
+    fn of(error: &Error) -> Failure {
+        match error {
+            Error::Panicked { message } => Failure { panicked: true, message: message.clone() },
+            other => Failure { panicked: false, message: other.to_string() },
+        }
+    }
+
+    fn error(&self) -> Error {
+        if self.panicked {
+            Error::Panicked { message: self.message.clone() }
+        } else {
+            Error::InvalidInput(format!(
+                "a step of this stream's batch failed ({}); the stream is over: start a new one",
+                self.message
+            ))
+        }
+    }
+}
+
+struct State<E> {
+    /// The engine, `None` while a caller runs it.
+    held: Option<Held<E>>,
+    slots: Vec<Slot>,
+}
+
+/// Callers' steps over one engine, each caller's in a slot, combined into batches.
+pub(crate) struct Combiner<E> {
+    state: Mutex<State<E>>,
+    /// A batch's results posted, the engine put back, or a slot left.
+    changed: Condvar,
+}
+
+impl<E> Combiner<E> {
+    /// `engine` with `slots` slots, all vacant.
+    pub(crate) fn new(engine: E, slots: usize) -> Combiner<E> {
+        let held = Held { engine, batch: vec![false; slots], results: vec![0; slots] };
+        let slots = (0..slots).map(|_| Slot::Vacant).collect();
+        Combiner { state: Mutex::new(State { held: Some(held), slots }), changed: Condvar::new() }
+    }
+
+    /// The number of slots.
+    pub(crate) fn slots(&self) -> usize {
+        sync::lock(&self.state).slots.len()
+    }
+
+    /// The slots in use.
+    pub(crate) fn in_use(&self) -> usize {
+        sync::lock(&self.state).slots.iter().filter(|s| !matches!(s, Slot::Vacant)).count()
+    }
+
+    /// The slots waiting to be taken into a batch.
+    #[cfg(test)]
+    pub(crate) fn requested(&self) -> usize {
+        sync::lock(&self.state).slots.iter().filter(|s| matches!(s, Slot::Requested)).count()
+    }
+
+    /// Reserves a vacant slot, waiting until `deadline` (`None`: as long as it takes)
+    /// while every slot is in use; `None` when none came free in time.
+    pub(crate) fn reserve(&self, deadline: Option<Deadline>) -> Option<usize> {
+        let mut state = sync::lock(&self.state);
+        loop {
+            if let Some(s) = state.slots.iter().position(|s| matches!(s, Slot::Vacant)) {
+                state.slots[s] = Slot::Idle;
+                return Some(s);
+            }
+            state = match deadline {
+                None => sync::wait(&self.changed, state),
+                Some(deadline) => sync::wait_timeout(&self.changed, state, deadline.remaining()?),
+            };
+        }
+    }
+
+    /// Frees `slot` (its owner's last call).
+    pub(crate) fn leave(&self, slot: usize) {
+        let mut state = sync::lock(&self.state);
+        state.slots[slot] = Slot::Vacant;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Runs `f` on the engine alone, waiting while a batch runs (a slot's start, a read
+    /// of a slot's state). A panic of `f` goes on once the engine is back.
+    pub(crate) fn with_engine<R>(&self, f: impl FnOnce(&mut E) -> R) -> R {
+        let mut state = sync::lock(&self.state);
+        let mut held = loop {
+            match state.held.take() {
+                Some(held) => break held,
+                None => state = sync::wait(&self.changed, state),
+            }
+        };
+        drop(state);
+        let result = catch_unwind(AssertUnwindSafe(|| f(&mut held.engine)));
+        sync::lock(&self.state).held = Some(held);
+        self.changed.notify_all();
+        result.unwrap_or_else(|panic| resume_unwind(panic))
+    }
+
+    /// [`Combiner::with_engine`] for the owner of `slot`, unless a batch of the slot's
+    /// failed.
+    ///
+    /// # Errors
+    ///
+    /// The slot's failure, as [`Combiner::next`] gives it; `f`'s.
+    pub(crate) fn with_slot<R>(&self, slot: usize, f: impl FnOnce(&mut E) -> Result<R>) -> Result<R> {
+        if let Slot::Failed(failure) = &sync::lock(&self.state).slots[slot] {
+            return Err(failure.error());
+        }
+        self.with_engine(f)
+    }
+
+    /// The next result of `slot`: the slot is requested, and its caller runs batches
+    /// with `run` (over the engine, which slots are in the batch, and a result per slot
+    /// to write) whenever it finds the engine idle, until the slot's is posted. A
+    /// batch's error or panic is every slot's of the batch, then and at every later
+    /// request.
+    ///
+    /// # Errors
+    ///
+    /// The batch's failure, as [`Error::Panicked`] for a panic, or
+    /// [`Error::InvalidInput`] saying what failed; [`Error::InvalidInput`] for a slot
+    /// that is not reserved.
+    pub(crate) fn next(&self, slot: usize, run: &mut RunBatch<'_, E>) -> Result<u32> {
+        let mut state = sync::lock(&self.state);
+        match &state.slots[slot] {
+            Slot::Idle => state.slots[slot] = Slot::Requested,
+            Slot::Failed(failure) => return Err(failure.error()),
+            other => return Err(Error::InvalidInput(format!("slot {slot} is {other:?}, not a caller's to step"))),
+        }
+        loop {
+            match std::mem::replace(&mut state.slots[slot], Slot::Idle) {
+                Slot::Done(result) => return Ok(result),
+                Slot::Failed(failure) => {
+                    let error = failure.error();
+                    state.slots[slot] = Slot::Failed(failure);
+                    return Err(error);
+                }
+                other => state.slots[slot] = other,
+            }
+            let Some(mut held) = state.held.take() else {
+                state = sync::wait(&self.changed, state);
+                continue;
+            };
+            for (s, member) in state.slots.iter_mut().zip(held.batch.iter_mut()) {
+                *member = matches!(s, Slot::Requested);
+                if *member {
+                    *s = Slot::Running;
+                }
+            }
+            drop(state);
+            let Held { engine, batch, results } = &mut held;
+            let outcome = catch_unwind(AssertUnwindSafe(|| run(engine, batch, results)));
+            let failure = match outcome {
+                Ok(Ok(())) => None,
+                Ok(Err(error)) => Some(Failure::of(&error)),
+                Err(panic) => Some(Failure { panicked: true, message: panic_message(&*panic) }),
+            };
+            state = sync::lock(&self.state);
+            for (s, (slot, &member)) in state.slots.iter_mut().zip(&held.batch).enumerate() {
+                if member {
+                    *slot = match &failure {
+                        None => Slot::Done(held.results[s]),
+                        Some(failure) => Slot::Failed(failure.clone()),
+                    };
+                }
+            }
+            state.held = Some(held);
+            self.changed.notify_all();
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A batch's results: the batch's number and the slot, so that a result says which
+    /// batch it came from.
+    fn count(engine: &mut u32, batch: &[bool], results: &mut [u32]) -> Result<()> {
+        *engine += 1;
+        for (s, (&member, result)) in batch.iter().zip(results).enumerate() {
+            if member {
+                *result = *engine * 100 + s as u32;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn each_caller_gets_its_own_result_and_batches_combine_what_waits() {
+        let combiner = Arc::new(Combiner::new(0u32, 4));
+        let slots: Vec<usize> = (0..4).map(|_| combiner.reserve(None).unwrap()).collect();
+        assert_eq!(combiner.in_use(), 4);
+        assert!(combiner.reserve(Some(Deadline::after(Duration::ZERO))).is_none(), "every slot is in use");
+        let threads: Vec<_> = slots
+            .into_iter()
+            .map(|slot| {
+                let combiner = Arc::clone(&combiner);
+                std::thread::spawn(move || {
+                    (0..50).map(|_| combiner.next(slot, &mut count).unwrap()).collect::<Vec<u32>>()
+                })
+            })
+            .collect();
+        let results: Vec<Vec<u32>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let batches = combiner.with_engine(|e| *e);
+        for (slot, results) in results.iter().enumerate() {
+            assert!(results.iter().all(|r| r % 100 == slot as u32), "slot {slot}: {results:?}");
+            // Each of a slot's results from a later batch than the one before.
+            assert!(results.windows(2).all(|w| w[0] / 100 < w[1] / 100), "slot {slot}: {results:?}");
+        }
+        assert!((50..=200).contains(&batches), "{batches} batches for 200 steps");
+    }
+
+    #[test]
+    fn requests_that_arrive_while_the_engine_is_busy_run_as_one_batch() {
+        let combiner = Combiner::new(0u32, 3);
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        let combiner = &combiner;
+        let results = std::thread::scope(|scope| {
+            let (held, holds) = std::sync::mpsc::channel();
+            // The engine is busy until two callers have queued their steps.
+            let busy = scope.spawn(move || {
+                combiner.with_engine(|_| {
+                    held.send(()).unwrap();
+                    let waited = std::time::Instant::now();
+                    while combiner.requested() < 2 {
+                        assert!(waited.elapsed() < Duration::from_secs(10), "the callers never queued");
+                        std::thread::yield_now();
+                    }
+                })
+            });
+            holds.recv().unwrap();
+            let callers: Vec<_> =
+                slots[..2].iter().map(|&slot| scope.spawn(move || combiner.next(slot, &mut count))).collect();
+            busy.join().unwrap();
+            callers.into_iter().map(|c| c.join().unwrap().unwrap()).collect::<Vec<u32>>()
+        });
+        // One batch, the first, ran both.
+        assert_eq!(results, [100 + slots[0] as u32, 100 + slots[1] as u32]);
+        assert_eq!(combiner.next(slots[2], &mut count).unwrap(), 200 + slots[2] as u32);
+    }
+
+    #[test]
+    fn a_failed_or_panicking_batch_fails_its_slots_and_the_engine_goes_on() {
+        let combiner = Combiner::new(0u32, 2);
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let panics = combiner.next(a, &mut |_, _, _| panic!("a layer broke"));
+        assert!(matches!(&panics, Err(Error::Panicked { message }) if message.contains("a layer broke")), "{panics:?}");
+        // The slot stays failed; the other slot and the engine go on.
+        assert!(matches!(combiner.next(a, &mut count), Err(Error::Panicked { .. })));
+        assert_eq!(combiner.next(b, &mut count).unwrap(), 100 + b as u32);
+        let fails = combiner.next(b, &mut |_, _, _| Err(Error::InvalidInput("no".into())));
+        assert!(matches!(&fails, Err(Error::InvalidInput(m)) if m.contains("no")), "{fails:?}");
+        // Left and reserved again, a slot starts afresh.
+        combiner.leave(a);
+        assert_eq!(combiner.reserve(None), Some(a));
+        assert_eq!(combiner.next(a, &mut count).unwrap(), 200 + a as u32);
+        // A closure's panic goes on in its caller, the engine back in place.
+        let caught = catch_unwind(AssertUnwindSafe(|| combiner.with_engine(|_| panic!("read"))));
+        assert!(caught.is_err());
+        assert_eq!(combiner.with_engine(|e| *e), 2);
+        // A slot that is not reserved is not stepped.
+        combiner.leave(b);
+        assert!(matches!(combiner.next(b, &mut count), Err(Error::InvalidInput(_))));
+    }
+}
