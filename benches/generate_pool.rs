@@ -21,7 +21,8 @@
 //!
 //! With `--stream-batch S`, also a run of callers that join stream batches
 //! (`InferencePool::stream_batch`: one per arena, of S slots each; caller `t` joins batch
-//! `t mod K`), whose steps are combined across callers (`carve_combined` in `runs`).
+//! `t mod K`; a step waits at most 1 ms for the streams that have not queued theirs),
+//! whose steps are combined across callers (`carve_combined` in `runs`).
 //!
 //! Also measured in the same invocation: `batched_16_over_1` (one caller stepping 16
 //! streams together, `Model::streams`, against one stream, tokens per second, each
@@ -57,6 +58,8 @@ const LAYERS: usize = 4;
 const CONTEXT: usize = 64;
 /// Tokens of each stream's prompt.
 const PROMPT: usize = 8;
+/// How long a stream batch's step waits for the streams that have not queued theirs.
+const MAX_WAIT: Duration = Duration::from_millis(1);
 
 /// Generation benchmark: a GPT serving 1 … 64 concurrent streams from an
 /// inference pool of K arenas, against (feature `candle`) candle with its
@@ -344,7 +347,7 @@ fn child_run(args: &Args, child: &[String]) -> Res<()> {
             let slots = usize::from(args.stream_batch.ok_or("carve_combined needs --stream-batch")?);
             let pool = InferencePool::new(Arc::clone(&model), PoolConfig::direct(workers))?;
             let batches: Vec<StreamBatch<'_>> =
-                (0..workers).map(|_| pool.stream_batch(slots)).collect::<carve::Result<_>>()?;
+                (0..workers).map(|_| pool.stream_batch(slots, MAX_WAIT)).collect::<carve::Result<_>>()?;
             // Every batch runs a full set of streams first, stepped by as many callers,
             // so that it holds its plans for any number of streams in a step.
             std::thread::scope(|s| {

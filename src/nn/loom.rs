@@ -304,7 +304,7 @@ fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [u32]) -> crate::
 #[test]
 fn two_callers_steps_each_get_their_own_result_in_one_batch_or_two() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2));
+        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
         let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
         let other = {
             let combiner = Arc::clone(&combiner);
@@ -327,7 +327,7 @@ fn two_callers_steps_each_get_their_own_result_in_one_batch_or_two() {
 #[test]
 fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2));
+        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
         let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
         let stepper = {
             let combiner = Arc::clone(&combiner);
@@ -346,5 +346,24 @@ fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
         leaver.join().unwrap();
         let stepped = stepper.join().unwrap().unwrap();
         assert_eq!(stepped % 100, a as u32);
+    });
+}
+
+/// A batch that waits for every stream: two callers step with a wait that (under loom)
+/// never ends, so that whichever queues first waits for the other, and the second to
+/// queue runs both steps as one batch.
+#[test]
+fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
+    loom::model(|| {
+        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::from_secs(1)));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let other = {
+            let combiner = Arc::clone(&combiner);
+            thread::spawn(move || combiner.next(b, &mut count_batch))
+        };
+        let mine = combiner.next(a, &mut count_batch).unwrap();
+        let theirs = other.join().unwrap().unwrap();
+        assert_eq!((mine, theirs), (100 + a as u32, 100 + b as u32));
+        assert_eq!(combiner.with_engine(|batches| *batches), 1);
     });
 }

@@ -409,7 +409,7 @@ fn independent_callers_in_a_stream_batch_draw_each_streams_bits_alone() {
     // at different positions, slide at different steps, and start while others step.
     let model = Arc::new(model(16, 3));
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
-    let batch = pool.stream_batch(4).unwrap();
+    let batch = pool.stream_batch(4, std::time::Duration::from_millis(1)).unwrap();
     assert_eq!((batch.slots(), batch.streams(), batch.context()), (4, 0, 16));
     assert_eq!(batch.kv_cache_bytes(), model.kv_cache_bytes().unwrap());
     let prompts: Vec<Vec<u32>> = (0..6u32).map(|i| (0..=i * 2).map(|t| (t * 5 + i) % 13).collect()).collect();
@@ -433,8 +433,8 @@ fn independent_callers_in_a_stream_batch_draw_each_streams_bits_alone() {
 fn a_full_stream_batch_refuses_in_time_and_a_dropped_stream_frees_its_slot() {
     let model = Arc::new(model(12, 4));
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
-    assert!(matches!(pool.stream_batch(0), Err(Error::InvalidInput(_))));
-    let batch = pool.stream_batch(2).unwrap();
+    assert!(matches!(pool.stream_batch(0, std::time::Duration::ZERO), Err(Error::InvalidInput(_))));
+    let batch = pool.stream_batch(2, std::time::Duration::ZERO).unwrap();
     let mut first = batch.join(&[1, 2], Sampling::greedy()).unwrap();
     let second = batch.join(&[3], Sampling::greedy()).unwrap();
     match batch.join_timeout(&[4], Sampling::greedy(), std::time::Duration::from_millis(20)) {
@@ -480,7 +480,7 @@ fn a_panicking_step_fails_its_batchs_streams_and_the_batch_goes_on() {
     let net = Network::new(config()).unwrap();
     let model = Arc::new(Model::from_config(&config(), net.params().to_vec()).unwrap());
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
-    let batch = pool.stream_batch(3).unwrap();
+    let batch = pool.stream_batch(3, std::time::Duration::from_millis(2)).unwrap();
     let mut a = batch.join(&[1, 2], Sampling::greedy()).unwrap();
     a.next_token().unwrap();
     ARMED_BATCH.store(true, Ordering::Relaxed);

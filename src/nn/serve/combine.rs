@@ -26,6 +26,8 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use async_iter::panics::panic_message;
+use std::time::Duration;
+
 use async_iter::sync::{self, Condvar, Deadline, Mutex};
 
 use crate::{Error, Result};
@@ -91,21 +93,31 @@ struct State<E> {
     /// The engine, `None` while a caller runs it.
     held: Option<Held<E>>,
     slots: Vec<Slot>,
+    /// When the queued steps' batch goes whoever has not queued yet: `max_wait` after
+    /// the first of them was queued.
+    due: Option<Deadline>,
 }
 
 /// Callers' steps over one engine, each caller's in a slot, combined into batches.
 pub(crate) struct Combiner<E> {
     state: Mutex<State<E>>,
-    /// A batch's results posted, the engine put back, or a slot left.
+    max_wait: Duration,
+    /// A batch's results posted, the engine put back, or a slot left: for the callers
+    /// that wait for a result or for the engine.
     changed: Condvar,
+    /// A slot left: for the callers that wait for one (not woken at every step).
+    vacated: Condvar,
 }
 
 impl<E> Combiner<E> {
-    /// `engine` with `slots` slots, all vacant.
-    pub(crate) fn new(engine: E, slots: usize) -> Combiner<E> {
+    /// `engine` with `slots` slots, all vacant. A batch runs once every stream in a slot
+    /// has queued its step, or `max_wait` after the first step was queued, whichever
+    /// comes first (0: as soon as the engine is idle, with whatever is queued).
+    pub(crate) fn new(engine: E, slots: usize, max_wait: Duration) -> Combiner<E> {
         let held = Held { engine, batch: vec![false; slots], results: vec![0; slots] };
         let slots = (0..slots).map(|_| Slot::Vacant).collect();
-        Combiner { state: Mutex::new(State { held: Some(held), slots }), changed: Condvar::new() }
+        let state = Mutex::new(State { held: Some(held), slots, due: None });
+        Combiner { state, max_wait, changed: Condvar::new(), vacated: Condvar::new() }
     }
 
     /// The number of slots.
@@ -134,8 +146,8 @@ impl<E> Combiner<E> {
                 return Some(s);
             }
             state = match deadline {
-                None => sync::wait(&self.changed, state),
-                Some(deadline) => sync::wait_timeout(&self.changed, state, deadline.remaining()?),
+                None => sync::wait(&self.vacated, state),
+                Some(deadline) => sync::wait_timeout(&self.vacated, state, deadline.remaining()?),
             };
         }
     }
@@ -145,6 +157,8 @@ impl<E> Combiner<E> {
         let mut state = sync::lock(&self.state);
         state.slots[slot] = Slot::Vacant;
         drop(state);
+        self.vacated.notify_all();
+        // A batch that waited for this slot's stream may be complete now.
         self.changed.notify_all();
     }
 
@@ -192,7 +206,12 @@ impl<E> Combiner<E> {
     pub(crate) fn next(&self, slot: usize, run: &mut RunBatch<'_, E>) -> Result<u32> {
         let mut state = sync::lock(&self.state);
         match &state.slots[slot] {
-            Slot::Idle => state.slots[slot] = Slot::Requested,
+            Slot::Idle => {
+                state.slots[slot] = Slot::Requested;
+                if state.due.is_none() {
+                    state.due = Some(Deadline::after(self.max_wait));
+                }
+            }
             Slot::Failed(failure) => return Err(failure.error()),
             other => return Err(Error::InvalidInput(format!("slot {slot} is {other:?}, not a caller's to step"))),
         }
@@ -206,10 +225,22 @@ impl<E> Combiner<E> {
                 }
                 other => state.slots[slot] = other,
             }
-            let Some(mut held) = state.held.take() else {
+            if state.held.is_none() {
                 state = sync::wait(&self.changed, state);
                 continue;
-            };
+            }
+            // Every stream in a slot queued (none between its steps, none with a result
+            // it has not taken), or the first queued has waited long enough: the batch
+            // goes. Otherwise the last to queue, or the deadline, will run it. (The
+            // last to queue finds the batch complete itself: no one is woken per step.)
+            let complete = state.slots.iter().all(|s| !matches!(s, Slot::Idle | Slot::Done(_)));
+            let left = state.due.and_then(|due| due.remaining());
+            if let (false, Some(left)) = (complete, left) {
+                state = sync::wait_timeout(&self.changed, state, left);
+                continue;
+            }
+            let mut held = state.held.take().expect("checked above");
+            state.due = None;
             for (s, member) in state.slots.iter_mut().zip(held.batch.iter_mut()) {
                 *member = matches!(s, Slot::Requested);
                 if *member {
@@ -243,7 +274,6 @@ impl<E> Combiner<E> {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use std::time::Duration;
 
     /// A batch's results: the batch's number and the slot, so that a result says which
     /// batch it came from.
@@ -259,7 +289,7 @@ mod tests {
 
     #[test]
     fn each_caller_gets_its_own_result_and_batches_combine_what_waits() {
-        let combiner = Arc::new(Combiner::new(0u32, 4));
+        let combiner = Arc::new(Combiner::new(0u32, 4, Duration::ZERO));
         let slots: Vec<usize> = (0..4).map(|_| combiner.reserve(None).unwrap()).collect();
         assert_eq!(combiner.in_use(), 4);
         assert!(combiner.reserve(Some(Deadline::after(Duration::ZERO))).is_none(), "every slot is in use");
@@ -284,7 +314,7 @@ mod tests {
 
     #[test]
     fn requests_that_arrive_while_the_engine_is_busy_run_as_one_batch() {
-        let combiner = Combiner::new(0u32, 3);
+        let combiner = Combiner::new(0u32, 3, Duration::ZERO);
         let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
         let combiner = &combiner;
         let results = std::thread::scope(|scope| {
@@ -312,8 +342,25 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_waits_at_most_max_wait_for_the_streams_that_have_not_queued() {
+        let max_wait = Duration::from_millis(30);
+        let combiner = Combiner::new(0u32, 3, max_wait);
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        // The others never queue: the step goes alone once the wait is over.
+        let started = std::time::Instant::now();
+        assert_eq!(combiner.next(slots[0], &mut count).unwrap(), 100 + slots[0] as u32);
+        assert!(started.elapsed() >= max_wait, "{:?}", started.elapsed());
+        // With the others gone, a lone stream's batch is complete at once: it waits for no one.
+        combiner.leave(slots[1]);
+        combiner.leave(slots[2]);
+        let started = std::time::Instant::now();
+        assert_eq!(combiner.next(slots[0], &mut count).unwrap(), 200 + slots[0] as u32);
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
     fn a_failed_or_panicking_batch_fails_its_slots_and_the_engine_goes_on() {
-        let combiner = Combiner::new(0u32, 2);
+        let combiner = Combiner::new(0u32, 2, Duration::ZERO);
         let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
         let panics = combiner.next(a, &mut |_, _, _| panic!("a layer broke"));
         assert!(matches!(&panics, Err(Error::Panicked { message }) if message.contains("a layer broke")), "{panics:?}");

@@ -867,8 +867,9 @@ impl InferencePool {
 /// Streams of independent callers stepped together: one arena leased from an
 /// [`InferencePool`] for the batch's life, holding `slots` streams' caches, which any
 /// thread [joins](StreamBatch::join) with a prompt of its own. Each
-/// [`BatchedStream::next_token`] queues its stream's step; the caller that finds the
-/// arena idle runs every queued stream's step as one batch (each product's rows are the
+/// [`BatchedStream::next_token`] queues its stream's step; once every stream has queued
+/// (or a while after the first did: see [`InferencePool::stream_batch`]), the caller
+/// that finds the arena idle runs every queued stream's step as one batch (each product's rows are the
 /// streams, as [`Model::streams`] steps them) and hands each caller its token, so that
 /// callers that arrive while a step runs share the next one (flat combining: no thread
 /// of the pool's own, no allocation per token). Each stream draws the tokens it draws
@@ -884,6 +885,7 @@ impl InferencePool {
 /// use carve::nn::serve::{InferencePool, PoolConfig, Sampling};
 /// use carve::nn::{Network, NetworkConfig};
 /// use std::sync::Arc;
+/// use std::time::Duration;
 ///
 /// let config = NetworkConfig::builder(10)
 ///     .embedding(8)
@@ -895,7 +897,7 @@ impl InferencePool {
 ///     .build()?;
 /// let model = Arc::new(Network::new(config)?.freeze()?);
 /// let pool = InferencePool::new(model.clone(), PoolConfig::direct(1))?;
-/// let batch = pool.stream_batch(4)?;
+/// let batch = pool.stream_batch(4, Duration::from_millis(1))?;
 /// // Four callers, each with its own prompt, stepped together.
 /// let tokens: Vec<Vec<u32>> = std::thread::scope(|scope| {
 ///     let callers: Vec<_> = (0..4u32)
@@ -931,13 +933,18 @@ impl std::fmt::Debug for StreamBatch<'_> {
 
 impl InferencePool {
     /// A batch of `slots` streams that independent callers join (see [`StreamBatch`]),
-    /// in an arena leased for the batch's life (waiting while every arena is in use).
+    /// in an arena leased for the batch's life (waiting while every arena is in use). A
+    /// step of the batch runs once every stream it holds has queued its step, or
+    /// `max_wait` after the first was queued, whichever comes first: a caller that is
+    /// slow to ask for its next token delays the others by at most `max_wait`, and
+    /// steps the batch without it (`Duration::ZERO`: a step runs whenever the arena is
+    /// idle, with whatever is queued then).
     ///
     /// # Errors
     ///
     /// [`Error::InvalidInput`] for 0 slots, or slots whose caches cannot be held; as
     /// [`Model::stream`] for a model that cannot generate; as [`InferencePool::lease`].
-    pub fn stream_batch(&self, slots: usize) -> Result<StreamBatch<'_>> {
+    pub fn stream_batch(&self, slots: usize, max_wait: Duration) -> Result<StreamBatch<'_>> {
         if slots == 0 {
             return Err(Error::InvalidInput("a stream batch of 0 slots holds no stream: give at least 1".into()));
         }
@@ -945,7 +952,7 @@ impl InferencePool {
         let plan = StatePlan::of(model)?;
         Places::of(&plan, slots)?;
         let engine = TokenStream::vacant(model, Arena::Leased(self.lease()?), slots)?;
-        Ok(StreamBatch { combiner: Combiner::new(engine, slots), plan })
+        Ok(StreamBatch { combiner: Combiner::new(engine, slots, max_wait), plan })
     }
 }
 
