@@ -367,3 +367,27 @@ fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
         assert_eq!(combiner.with_engine(|batches| *batches), 1);
     });
 }
+
+/// Two callers, two steps each, a step as soon as the engine is idle: a slot's result
+/// taken (`Done`), then its next step queued again, against the other's batch; each
+/// gets its own results, the second from a later batch than the first.
+#[test]
+fn two_callers_two_steps_each_get_their_own_results_in_order() {
+    loom::model(|| {
+        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let other = {
+            let combiner = Arc::clone(&combiner);
+            thread::spawn(move || {
+                let first = combiner.next(b, &mut count_batch).unwrap();
+                (first, combiner.next(b, &mut count_batch).unwrap())
+            })
+        };
+        let mine = (combiner.next(a, &mut count_batch).unwrap(), combiner.next(a, &mut count_batch).unwrap());
+        let theirs = other.join().unwrap();
+        for ((first, second), slot) in [(mine, a), (theirs, b)] {
+            assert_eq!((first % 100, second % 100), (slot as u32, slot as u32));
+            assert!(first / 100 < second / 100, "{first} then {second}");
+        }
+    });
+}

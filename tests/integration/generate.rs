@@ -430,10 +430,20 @@ fn independent_callers_in_a_stream_batch_draw_each_streams_bits_alone() {
 }
 
 #[test]
+fn a_stream_batch_is_shared_by_reference_and_its_streams_move() {
+    fn sync<T: Sync>() {}
+    fn send<T: Send>() {}
+    sync::<StreamBatch<'static>>();
+    send::<carve::nn::serve::BatchedStream<'static, 'static>>();
+}
+
+#[test]
 fn a_full_stream_batch_refuses_in_time_and_a_dropped_stream_frees_its_slot() {
     let model = Arc::new(model(12, 4));
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
     assert!(matches!(pool.stream_batch(0, std::time::Duration::ZERO), Err(Error::InvalidInput(_))));
+    let too_long = carve::nn::serve::MAX_BATCH_WAIT + std::time::Duration::from_millis(1);
+    assert!(matches!(pool.stream_batch(2, too_long), Err(Error::InvalidInput(m)) if m.contains("at most")));
     let batch = pool.stream_batch(2, std::time::Duration::ZERO).unwrap();
     let mut first = batch.join(&[1, 2], Sampling::greedy()).unwrap();
     let second = batch.join(&[3], Sampling::greedy()).unwrap();

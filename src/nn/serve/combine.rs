@@ -2,13 +2,15 @@
 //! [`StreamBatch`](super::StreamBatch)'s arena and its streams).
 //!
 //! Each caller owns a slot. To step, it marks its slot requested and then, while its
-//! result is not there: if the engine is idle, it takes it out of the shared state,
-//! marks every requested slot running, and runs them all as one batch with the lock
-//! released; then it posts each slot's result, puts the engine back and wakes every
-//! waiter. Otherwise it waits. The caller that finds the engine idle does the work of
-//! all who wait (Hendler, Incze, Shavit and Tzafrir, "Flat Combining and the
-//! Synchronization-Parallelism Tradeoff", SPAA 2010), so steps of callers that arrive
-//! while a batch runs go together in the next one, with no thread of the pool's own.
+//! result is not there: if the engine is idle and the batch is complete (every reserved
+//! slot requested, or `max_wait` gone since the first request of the batch), it takes
+//! the engine out of the shared state, marks every requested slot running, and runs
+//! them all as one batch with the lock released; then it posts each slot's result, puts
+//! the engine back and wakes every waiter. Otherwise it waits. The last caller to
+//! queue, or the first whose wait runs out, does the work of all who wait (Hendler,
+//! Incze, Shavit and Tzafrir, "Flat Combining and the Synchronization-Parallelism
+//! Tradeoff", SPAA 2010), so steps of independent callers go together, with no thread
+//! of the pool's own and no wake-up per request.
 //!
 //! **Nothing is lost.** The engine is out of the state only while its taker runs a batch
 //! or a closure of its own ([`Combiner::with_engine`]), and it is put back whatever
@@ -19,13 +21,13 @@
 //! the lock: the engine moves in and out of it.
 //!
 //! Nothing is allocated per step: the batch's membership and results are buffers that
-//! move with the engine (a failure's message is the only allocation, once).
+//! move with the engine (a failure's message, and each report of it, allocate).
 //!
 //! Its loom models are in `src/nn/loom.rs`.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use async_iter::panics::panic_message;
+use async_iter::panics::{drop_quietly, panic_message};
 use std::time::Duration;
 
 use async_iter::sync::{self, Condvar, Deadline, Mutex};
@@ -131,7 +133,7 @@ impl<E> Combiner<E> {
     }
 
     /// The slots waiting to be taken into a batch.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn requested(&self) -> usize {
         sync::lock(&self.state).slots.iter().filter(|s| matches!(s, Slot::Requested)).count()
     }
@@ -174,7 +176,13 @@ impl<E> Combiner<E> {
         };
         drop(state);
         let result = catch_unwind(AssertUnwindSafe(|| f(&mut held.engine)));
-        sync::lock(&self.state).held = Some(held);
+        let mut state = sync::lock(&self.state);
+        state.held = Some(held);
+        // As after a batch: steps queued meanwhile wait for the rest from now.
+        if state.slots.iter().any(|s| matches!(s, Slot::Requested)) {
+            state.due = Some(Deadline::after(self.max_wait));
+        }
+        drop(state);
         self.changed.notify_all();
         result.unwrap_or_else(|panic| resume_unwind(panic))
     }
@@ -253,7 +261,13 @@ impl<E> Combiner<E> {
             let failure = match outcome {
                 Ok(Ok(())) => None,
                 Ok(Err(error)) => Some(Failure::of(&error)),
-                Err(panic) => Some(Failure { panicked: true, message: panic_message(&*panic) }),
+                Err(panic) => {
+                    let message = panic_message(&*panic);
+                    // A payload whose drop panics too must not unwind past the engine's
+                    // return.
+                    drop_quietly(panic);
+                    Some(Failure { panicked: true, message })
+                }
             };
             state = sync::lock(&self.state);
             for (s, (slot, &member)) in state.slots.iter_mut().zip(&held.batch).enumerate() {
@@ -265,6 +279,12 @@ impl<E> Combiner<E> {
                 }
             }
             state.held = Some(held);
+            // Steps queued while this batch ran wait for the rest of theirs from now, not
+            // from when they queued (or a step longer than `max_wait` would split the
+            // callers into batches that alternate for good).
+            if state.slots.iter().any(|s| matches!(s, Slot::Requested)) {
+                state.due = Some(Deadline::after(self.max_wait));
+            }
             self.changed.notify_all();
         }
     }
@@ -356,6 +376,34 @@ mod tests {
         let started = std::time::Instant::now();
         assert_eq!(combiner.next(slots[0], &mut count).unwrap(), 200 + slots[0] as u32);
         assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_step_queued_while_the_engine_was_busy_waits_for_the_others_from_its_return() {
+        // A step queued while the engine is busy for longer than `max_wait` (a join's
+        // prompt, a long step) still waits for the other streams once the engine is
+        // back, rather than going alone and splitting the batch.
+        let max_wait = Duration::from_millis(200);
+        let combiner = &Combiner::new(0u32, 3, max_wait);
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        let results = std::thread::scope(|scope| {
+            let early = combiner.with_engine(|_| {
+                let early = scope.spawn(|| combiner.next(slots[0], &mut count));
+                let waited = std::time::Instant::now();
+                while combiner.requested() < 1 {
+                    assert!(waited.elapsed() < Duration::from_secs(10), "the caller never queued");
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(max_wait + Duration::from_millis(100));
+                early
+            });
+            let late: Vec<_> =
+                slots[1..].iter().map(|&slot| scope.spawn(move || combiner.next(slot, &mut count))).collect();
+            let mut results = vec![early.join().unwrap().unwrap()];
+            results.extend(late.into_iter().map(|c| c.join().unwrap().unwrap()));
+            results
+        });
+        assert_eq!(results, slots.iter().map(|&s| 100 + s as u32).collect::<Vec<_>>(), "one batch of all three");
     }
 
     #[test]

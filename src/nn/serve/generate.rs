@@ -23,16 +23,17 @@
 //! as every product computes a row the same whatever the rows beside it, and every
 //! stream attends to its own cache.
 
+use std::marker::PhantomData;
 use std::time::Duration;
 
 use carve_rng::Rng;
 use ndarray::Axis;
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
-use super::arenas::StreamBuffers;
+use super::arenas::{ArenaGuard, StreamBuffers};
 use super::combine::Combiner;
 use super::model::{in_thread_arena, Model};
-use super::pool::{InferencePool, PoolLease};
+use super::pool::InferencePool;
 use crate::nn::layer::{Activations, StreamRow};
 use crate::nn::residual::join_of;
 use crate::nn::step::{self, StepLayers, Streams};
@@ -166,12 +167,17 @@ impl StatePlan {
     /// Whether `prompt` (prompt `i`) can start a stream: at least one token, all in the
     /// vocabulary.
     fn check_prompt(&self, i: usize, prompt: &[u32]) -> Result<()> {
+        self.check_prompt_named(&format_args!("prompt {i}"), prompt)
+    }
+
+    /// [`StatePlan::check_prompt`], the prompt called `what` in the error.
+    fn check_prompt_named(&self, what: &dyn std::fmt::Display, prompt: &[u32]) -> Result<()> {
         if prompt.is_empty() {
-            return Err(Error::InvalidInput(format!("prompt {i} is empty: a stream starts from at least one token")));
+            return Err(Error::InvalidInput(format!("{what} is empty: a stream starts from at least one token")));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocabulary) {
             return Err(Error::InvalidInput(format!(
-                "prompt {i} holds token {bad}, outside the model's vocabulary of {} tokens",
+                "{what} holds token {bad}, outside the model's vocabulary of {} tokens",
                 self.vocabulary
             )));
         }
@@ -190,7 +196,7 @@ impl StatePlan {
 #[derive(Debug)]
 enum Arena<'a> {
     Thread(StreamBuffers),
-    Leased(PoolLease<'a>),
+    Leased(ArenaGuard<'a>),
 }
 
 impl Arena<'_> {
@@ -201,7 +207,7 @@ impl Arena<'_> {
                 buffers.fit(values, tokens)?;
                 Ok(buffers)
             }
-            Arena::Leased(lease) => lease.guard().stream_buffers(values, tokens),
+            Arena::Leased(guard) => guard.stream_buffers(values, tokens),
         }
     }
 
@@ -209,7 +215,7 @@ impl Arena<'_> {
     fn held(&self) -> &StreamBuffers {
         match self {
             Arena::Thread(buffers) => buffers,
-            Arena::Leased(lease) => lease.stream_buffers(),
+            Arena::Leased(guard) => guard.streams(),
         }
     }
 
@@ -217,7 +223,7 @@ impl Arena<'_> {
     fn held_mut(&mut self) -> &mut StreamBuffers {
         match self {
             Arena::Thread(buffers) => buffers,
-            Arena::Leased(lease) => lease.guard().streams_mut(),
+            Arena::Leased(guard) => guard.streams_mut(),
         }
     }
 
@@ -226,9 +232,7 @@ impl Arena<'_> {
     fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<bool>) -> Result<()> {
         match self {
             Arena::Thread(buffers) => in_thread_arena(|mgr| f(mgr, buffers).map(|_| ())),
-            Arena::Leased(lease) => {
-                lease.guard().run_with_streams(|mgr, buffers| f(mgr, buffers).map(|on_plan| ((), on_plan)))
-            }
+            Arena::Leased(guard) => guard.run_with_streams(|mgr, buffers| f(mgr, buffers).map(|on_plan| ((), on_plan))),
         }
     }
 }
@@ -385,7 +389,24 @@ fn kth_largest(values: &[f32], k: usize) -> f32 {
 /// assert_eq!(stream.kv_cache_bytes(), model.kv_cache_bytes()?);
 /// # Ok::<(), carve::Error>(())
 /// ```
+///
+/// A stream stays on the thread that started it:
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<carve::nn::serve::TokenStream<'static>>();
+/// ```
 pub struct TokenStream<'a> {
+    engine: Engine<'a>,
+    /// A stream stays on the thread that started it (it is not `Send`): a pool's stream
+    /// holds its arena, and the pool's turns record that thread as the arena's holder, to
+    /// refuse a wait of its own for it.
+    on_its_thread: PhantomData<std::sync::MutexGuard<'static, ()>>,
+}
+
+/// The streams' state and their arena: a [`TokenStream`]'s, or a [`StreamBatch`]'s
+/// (which runs it on whichever caller's thread combines a step).
+struct Engine<'a> {
     model: &'a Model,
     arena: Arena<'a>,
     plan: StatePlan,
@@ -399,6 +420,12 @@ pub struct TokenStream<'a> {
 
 impl std::fmt::Debug for TokenStream<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.engine.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for Engine<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TokenStream")
             .field("streams", &self.streams.len())
             .field("context", &self.plan.context)
@@ -409,10 +436,76 @@ impl std::fmt::Debug for TokenStream<'_> {
 }
 
 impl<'a> TokenStream<'a> {
+    fn of(engine: Engine<'a>) -> TokenStream<'a> {
+        TokenStream { engine, on_its_thread: PhantomData }
+    }
+
+    /// The streams stepped together.
+    pub fn streams(&self) -> usize {
+        self.engine.streams()
+    }
+
+    /// The most tokens a stream's cache holds (the model's context).
+    pub fn context(&self) -> usize {
+        self.engine.context()
+    }
+
+    /// The bytes of one stream's cache ([`Model::kv_cache_bytes`]).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.engine.kv_cache_bytes()
+    }
+
+    /// The logits stream `s`'s last token was drawn from (before its first token: those
+    /// its first token will be drawn from).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when there is no stream `s`, or after a failed step (what
+    /// the buffers hold then is not the streams' state).
+    pub fn logits(&self, s: usize) -> Result<&[f32]> {
+        self.engine.logits(s)
+    }
+
+    /// The tokens stream `s`'s cache holds (the window its next token attends to,
+    /// which ends with the token it drew last once that has run through the model).
+    ///
+    /// # Errors
+    ///
+    /// As [`TokenStream::logits`].
+    pub fn window(&self, s: usize) -> Result<&[u32]> {
+        self.engine.window(s)
+    }
+
+    /// The next token of the one stream.
+    ///
+    /// # Errors
+    ///
+    /// As [`TokenStream::next_tokens`]; [`Error::InvalidInput`] when there are several
+    /// streams.
+    pub fn next_token(&mut self) -> Result<u32> {
+        self.engine.next_token()
+    }
+
+    /// The next token of every stream, into `out` (one per stream): the token drawn
+    /// last is run through the model (the streams that need it sliding their window
+    /// first, in one step; the others in one step, a row each), and a token drawn from
+    /// each stream's distribution.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] when `out` does not hold one token per stream;
+    /// [`Error::Panicked`] when a layer panics; workspace errors; and, once a step has
+    /// failed, [`Error::InvalidInput`] saying so.
+    pub fn next_tokens(&mut self, out: &mut [u32]) -> Result<()> {
+        self.engine.next_tokens(out)
+    }
+}
+
+impl<'a> Engine<'a> {
     /// Streams of `model` from `prompts` (each cut to its last `context` tokens), each
     /// drawn as its `sampling` says, run in `arena`: their buffers fitted, and every
     /// prompt run through the model.
-    fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'a>> {
+    fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<Engine<'a>> {
         let plan = StatePlan::of(model)?;
         if prompts.is_empty() || prompts.len() != sampling.len() {
             return Err(Error::InvalidInput(format!(
@@ -424,7 +517,7 @@ impl<'a> TokenStream<'a> {
         for (i, prompt) in prompts.iter().enumerate() {
             plan.check_prompt(i, prompt)?;
         }
-        let mut started = TokenStream::vacant(model, arena, prompts.len())?;
+        let mut started = Engine::vacant(model, arena, prompts.len())?;
         for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
             started.start_slot(s, prompt, sampling)?;
         }
@@ -432,14 +525,14 @@ impl<'a> TokenStream<'a> {
     }
 
     /// `slots` streams of `model` in `arena`, none started: their buffers fitted.
-    fn vacant(model: &'a Model, arena: Arena<'a>, slots: usize) -> Result<TokenStream<'a>> {
+    fn vacant(model: &'a Model, arena: Arena<'a>, slots: usize) -> Result<Engine<'a>> {
         let plan = StatePlan::of(model)?;
         let places = Places::of(&plan, slots)?;
         let mut arena = arena;
         arena.buffers(places.values(), places.tokens())?;
         let streams =
             (0..slots).map(|_| Stream { len: 0, pending: None, sampling: Sampling::greedy(), rng: Rng::new(0) });
-        Ok(TokenStream {
+        Ok(Engine {
             model,
             arena,
             plan,
@@ -468,17 +561,17 @@ impl<'a> TokenStream<'a> {
     }
 
     /// The streams stepped together.
-    pub fn streams(&self) -> usize {
+    fn streams(&self) -> usize {
         self.streams.len()
     }
 
     /// The most tokens a stream's cache holds (the model's context).
-    pub fn context(&self) -> usize {
+    fn context(&self) -> usize {
         self.plan.context
     }
 
     /// The bytes of one stream's cache ([`Model::kv_cache_bytes`]).
-    pub fn kv_cache_bytes(&self) -> usize {
+    fn kv_cache_bytes(&self) -> usize {
         self.plan.bytes()
     }
 
@@ -489,7 +582,7 @@ impl<'a> TokenStream<'a> {
     ///
     /// [`Error::InvalidInput`] when there is no stream `s`, or after a failed step (what
     /// the buffers hold then is not the streams' state).
-    pub fn logits(&self, s: usize) -> Result<&[f32]> {
+    fn logits(&self, s: usize) -> Result<&[f32]> {
         self.check_stream(s)?;
         Ok(self.logits_of(s))
     }
@@ -505,7 +598,7 @@ impl<'a> TokenStream<'a> {
     /// # Errors
     ///
     /// As [`TokenStream::logits`].
-    pub fn window(&self, s: usize) -> Result<&[u32]> {
+    fn window(&self, s: usize) -> Result<&[u32]> {
         self.check_stream(s)?;
         Ok(self.window_of(s))
     }
@@ -534,7 +627,7 @@ impl<'a> TokenStream<'a> {
     ///
     /// As [`TokenStream::next_tokens`]; [`Error::InvalidInput`] when there are several
     /// streams.
-    pub fn next_token(&mut self) -> Result<u32> {
+    fn next_token(&mut self) -> Result<u32> {
         let mut token = [0];
         if self.streams.len() != 1 {
             return Err(Error::InvalidInput(format!(
@@ -556,7 +649,7 @@ impl<'a> TokenStream<'a> {
     /// [`Error::ShapeMismatch`] when `out` does not hold one token per stream;
     /// [`Error::Panicked`] when a layer panics; workspace errors; and, once a step has
     /// failed, [`Error::InvalidInput`] saying so.
-    pub fn next_tokens(&mut self, out: &mut [u32]) -> Result<()> {
+    fn next_tokens(&mut self, out: &mut [u32]) -> Result<()> {
         if let Some(why) = &self.failed {
             return Err(Error::InvalidInput(format!(
                 "these streams failed at an earlier step ({why}); their caches may be half written: start new streams"
@@ -621,7 +714,7 @@ impl<'a> TokenStream<'a> {
     /// One step of the rows in `self.rows`, each taking the last `steps` tokens of its
     /// window: their caches and logits. A failure fails the streams.
     fn step(&mut self, steps: usize) -> Result<()> {
-        let TokenStream { model, arena, plan, places, streams, rows, failed } = self;
+        let Engine { model, arena, plan, places, streams, rows, failed } = self;
         let (n, places) = (rows.len(), *places);
         // The plan of a step is keyed by the model and the step's shape.
         let key =
@@ -718,7 +811,7 @@ impl Model {
     /// As [`Model::context`]; [`Error::InvalidInput`] for an empty prompt or a token
     /// outside the vocabulary; the errors of the prompt's pass.
     pub fn stream(&self, prompt: &[u32], sampling: Sampling) -> Result<TokenStream<'_>> {
-        TokenStream::start(self, Arena::Thread(StreamBuffers::default()), &[prompt], &[sampling])
+        Engine::start(self, Arena::Thread(StreamBuffers::default()), &[prompt], &[sampling]).map(TokenStream::of)
     }
 
     /// Streams from several prompts, stepped together (each product's rows are the
@@ -729,7 +822,7 @@ impl Model {
     /// As [`Model::stream`]; [`Error::InvalidInput`] when `sampling` does not hold one
     /// sampling per prompt.
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
-        TokenStream::start(self, Arena::Thread(StreamBuffers::default()), prompts, sampling)
+        Engine::start(self, Arena::Thread(StreamBuffers::default()), prompts, sampling).map(TokenStream::of)
     }
 
     /// `tokens` tokens generated from `prompt` (a [`Model::stream`] stepped `tokens`
@@ -848,7 +941,7 @@ impl InferencePool {
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
         StatePlan::of(model)?;
-        TokenStream::start(model, Arena::Leased(self.lease()?), prompts, sampling)
+        Engine::start(model, Arena::Leased(self.lease()?.into_guard()), prompts, sampling).map(TokenStream::of)
     }
 
     /// [`InferencePool::stream`], waiting at most `timeout` for an arena.
@@ -860,9 +953,15 @@ impl InferencePool {
     pub fn stream_timeout(&self, prompt: &[u32], sampling: Sampling, timeout: Duration) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
         StatePlan::of(model)?;
-        TokenStream::start(model, Arena::Leased(self.lease_timeout(timeout)?), &[prompt], &[sampling])
+        let lease = self.lease_timeout(timeout)?.into_guard();
+        Engine::start(model, Arena::Leased(lease), &[prompt], &[sampling]).map(TokenStream::of)
     }
 }
+
+/// The longest a stream batch's step may wait for the streams that have not queued
+/// theirs ([`InferencePool::stream_batch`]'s `max_wait`): a stream whose caller is slow
+/// (or gone, its stream forgotten) delays every step of the batch by as much.
+pub const MAX_BATCH_WAIT: Duration = Duration::from_secs(1);
 
 /// Streams of independent callers stepped together: one arena leased from an
 /// [`InferencePool`] for the batch's life, holding `slots` streams' caches, which any
@@ -880,6 +979,18 @@ impl InferencePool {
 /// callers. A stream that is dropped frees its slot for the next caller; a failed step
 /// fails the streams of its batch (each says why at its next call) and the batch goes
 /// on.
+///
+/// Each stream is best stepped from a thread of its own: a step waits (at most
+/// `max_wait`) for every stream of the batch to queue its step, so that one thread
+/// stepping two streams of a batch in turn waits that long at each token
+/// ([`Model::streams`] steps one caller's streams together). A batch is `Sync`, not
+/// `Send`: it stays with the thread that made it, and its callers share it by reference
+/// (scoped threads, as below).
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<carve::nn::serve::StreamBatch<'static>>(); // a batch is not Send
+/// ```
 ///
 /// ```
 /// use carve::nn::serve::{InferencePool, PoolConfig, Sampling};
@@ -917,8 +1028,12 @@ impl InferencePool {
 /// # Ok::<(), carve::Error>(())
 /// ```
 pub struct StreamBatch<'p> {
-    combiner: Combiner<TokenStream<'p>>,
+    combiner: Combiner<Engine<'p>>,
     plan: StatePlan,
+    /// A batch stays on the thread that made it (it is `Sync`, not `Send`: its callers
+    /// share it by reference): the pool's turns record that thread as its arena's
+    /// holder, to refuse a wait of its own for it.
+    on_its_thread: PhantomData<std::sync::MutexGuard<'static, ()>>,
 }
 
 impl std::fmt::Debug for StreamBatch<'_> {
@@ -942,17 +1057,24 @@ impl InferencePool {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidInput`] for 0 slots, or slots whose caches cannot be held; as
+    /// [`Error::InvalidInput`] for 0 slots, slots whose caches cannot be held, or a
+    /// `max_wait` beyond [`MAX_BATCH_WAIT`]; as
     /// [`Model::stream`] for a model that cannot generate; as [`InferencePool::lease`].
     pub fn stream_batch(&self, slots: usize, max_wait: Duration) -> Result<StreamBatch<'_>> {
         if slots == 0 {
             return Err(Error::InvalidInput("a stream batch of 0 slots holds no stream: give at least 1".into()));
         }
+        if max_wait > MAX_BATCH_WAIT {
+            return Err(Error::InvalidInput(format!(
+                "a stream batch's step waits at most {MAX_BATCH_WAIT:?} for streams that have not asked for their next \
+                 token, not {max_wait:?}"
+            )));
+        }
         let model: &Model = self.model();
         let plan = StatePlan::of(model)?;
         Places::of(&plan, slots)?;
-        let engine = TokenStream::vacant(model, Arena::Leased(self.lease()?), slots)?;
-        Ok(StreamBatch { combiner: Combiner::new(engine, slots, max_wait), plan })
+        let engine = Engine::vacant(model, Arena::Leased(self.lease()?.into_guard()), slots)?;
+        Ok(StreamBatch { combiner: Combiner::new(engine, slots, max_wait), plan, on_its_thread: PhantomData })
     }
 }
 
@@ -978,7 +1100,7 @@ impl<'p> StreamBatch<'p> {
 
     fn join_by(&self, prompt: &[u32], sampling: Sampling, timeout: Option<Duration>) -> Result<BatchedStream<'_, 'p>> {
         // A prompt that cannot start a stream is refused before it waits for a slot.
-        self.plan.check_prompt(0, prompt)?;
+        self.plan.check_prompt_named(&"the prompt", prompt)?;
         let waited = async_iter::sync::Stopwatch::start();
         let deadline = timeout.map(async_iter::sync::Deadline::after);
         let Some(slot) = self.combiner.reserve(deadline) else {

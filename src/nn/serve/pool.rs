@@ -1,6 +1,7 @@
 //! The inference pool: K arenas serving one model to any number of threads, directly or
 //! in coalesced batches.
 
+use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -269,7 +270,7 @@ impl InferencePool {
     }
 
     fn lease_waiting(&self, wait: Wait) -> Result<PoolLease<'_>> {
-        Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model })
+        Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model, on_its_thread: PhantomData })
     }
 
     /// Class probabilities of `x`, in an owned array; waits while the pool is busy
@@ -481,6 +482,9 @@ impl Drop for InferencePool {
 pub struct PoolLease<'p> {
     guard: ArenaGuard<'p>,
     model: &'p Model,
+    /// A lease stays on the thread that took it (it is not `Send`): the pool's turns
+    /// record that thread as the arena's holder, to refuse a wait of its own for it.
+    on_its_thread: PhantomData<std::sync::MutexGuard<'static, ()>>,
 }
 
 /// A pool infers in an arena leased for the request (direct), or in a batch with other
@@ -532,14 +536,11 @@ impl Infer for PoolLease<'_> {
 }
 
 impl<'p> PoolLease<'p> {
-    /// The leased arena.
-    pub(crate) fn guard(&mut self) -> &mut ArenaGuard<'p> {
-        &mut self.guard
-    }
-
-    /// The leased arena's generation buffers.
-    pub(crate) fn stream_buffers(&self) -> &super::arenas::StreamBuffers {
-        self.guard.streams()
+    /// The leased arena, for a generation stream's life: its `TokenStream` (which
+    /// stays on this thread, as the lease does) or its `StreamBatch` (which runs it
+    /// from its callers' threads while this thread holds the batch).
+    pub(crate) fn into_guard(self) -> ArenaGuard<'p> {
+        self.guard
     }
 
     /// Class probabilities of `x`, in an owned array ([`Infer::output`]).
