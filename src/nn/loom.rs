@@ -298,18 +298,30 @@ fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [u32]) -> crate::
     Ok(())
 }
 
+/// A combiner of two slots, both reserved, whose batches wait at most `max_wait`.
+fn two_slots(max_wait: Duration) -> (Arc<Combiner<u32>>, usize, usize) {
+    let combiner = Arc::new(Combiner::new(0u32, 2, max_wait));
+    let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+    (combiner, a, b)
+}
+
+/// `f` on a thread of its own, with a handle of `combiner`.
+fn with_thread<T: Send + 'static>(
+    combiner: &Arc<Combiner<u32>>,
+    f: impl FnOnce(&Combiner<u32>) -> T + Send + 'static,
+) -> thread::JoinHandle<T> {
+    let combiner = Arc::clone(combiner);
+    thread::spawn(move || f(&combiner))
+}
+
 /// Two callers step their slots at once: whichever finds the engine idle runs the
 /// batch, with the other's step in it or not; each gets its own slot's result, from
 /// one batch together or from two in turn, and neither waits for good.
 #[test]
 fn two_callers_steps_each_get_their_own_result_in_one_batch_or_two() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
-        let other = {
-            let combiner = Arc::clone(&combiner);
-            thread::spawn(move || combiner.next(b, &mut count_batch))
-        };
+        let (combiner, a, b) = two_slots(Duration::ZERO);
+        let other = with_thread(&combiner, move |combiner| combiner.next(b, &mut count_batch));
         let mine = combiner.next(a, &mut count_batch).unwrap();
         let theirs = other.join().unwrap().unwrap();
         assert_eq!((mine % 100, theirs % 100), (a as u32, b as u32));
@@ -327,19 +339,12 @@ fn two_callers_steps_each_get_their_own_result_in_one_batch_or_two() {
 #[test]
 fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
-        let stepper = {
-            let combiner = Arc::clone(&combiner);
-            thread::spawn(move || combiner.next(a, &mut count_batch))
-        };
-        let leaver = {
-            let combiner = Arc::clone(&combiner);
-            thread::spawn(move || {
-                combiner.with_engine(|engine| *engine += 10);
-                combiner.leave(b);
-            })
-        };
+        let (combiner, a, b) = two_slots(Duration::ZERO);
+        let stepper = with_thread(&combiner, move |combiner| combiner.next(a, &mut count_batch));
+        let leaver = with_thread(&combiner, move |combiner| {
+            combiner.with_engine(|engine| *engine += 10);
+            combiner.leave(b);
+        });
         // No time passes under loom: this waits until a slot is left.
         let joined = combiner.reserve(Some(async_iter::sync::Deadline::after(Duration::from_secs(1))));
         assert_eq!(joined, Some(b));
@@ -355,12 +360,8 @@ fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
 #[test]
 fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::from_secs(1)));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
-        let other = {
-            let combiner = Arc::clone(&combiner);
-            thread::spawn(move || combiner.next(b, &mut count_batch))
-        };
+        let (combiner, a, b) = two_slots(Duration::from_secs(1));
+        let other = with_thread(&combiner, move |combiner| combiner.next(b, &mut count_batch));
         let mine = combiner.next(a, &mut count_batch).unwrap();
         let theirs = other.join().unwrap().unwrap();
         assert_eq!((mine, theirs), (100 + a as u32, 100 + b as u32));
@@ -374,15 +375,11 @@ fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
 #[test]
 fn two_callers_two_steps_each_get_their_own_results_in_order() {
     loom::model(|| {
-        let combiner = Arc::new(Combiner::new(0u32, 2, Duration::ZERO));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
-        let other = {
-            let combiner = Arc::clone(&combiner);
-            thread::spawn(move || {
-                let first = combiner.next(b, &mut count_batch).unwrap();
-                (first, combiner.next(b, &mut count_batch).unwrap())
-            })
-        };
+        let (combiner, a, b) = two_slots(Duration::ZERO);
+        let other = with_thread(&combiner, move |combiner| {
+            let first = combiner.next(b, &mut count_batch).unwrap();
+            (first, combiner.next(b, &mut count_batch).unwrap())
+        });
         let mine = (combiner.next(a, &mut count_batch).unwrap(), combiner.next(a, &mut count_batch).unwrap());
         let theirs = other.join().unwrap();
         for ((first, second), slot) in [(mine, a), (theirs, b)] {

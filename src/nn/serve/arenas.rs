@@ -3,7 +3,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use async_iter::panics::{drop_quietly, panic_message};
 use workspace_core::planned::PortableMgr;
@@ -19,9 +19,7 @@ use crate::{Error, Result};
 /// leased by RAII ([`ArenaGuard`]).
 #[derive(Debug)]
 pub(crate) struct Arenas {
-    /// Each arena, in its place while no lease holds it: a lease moves it out (so that
-    /// a lease is `Send`, its arena with it) and puts it back when dropped.
-    slots: Box<[Mutex<Option<Box<Slot>>>]>,
+    slots: Box<[Mutex<Slot>]>,
     /// Each arena's capacity after its last request (for statistics without a lease).
     capacity: Box<[AtomicUsize]>,
     /// Each arena's stream buffers' bytes, as of its last stream's start.
@@ -109,7 +107,7 @@ impl Arenas {
         let slots = (0..k)
             .map(|_| {
                 let stack = if stacks { Some(ArenaStack::new()?) } else { None };
-                Ok(Mutex::new(Some(Box::new(Slot { mgr: arena(plans)?, stack, streams: StreamBuffers::default() }))))
+                Ok(Mutex::new(Slot { mgr: arena(plans)?, stack, streams: StreamBuffers::default() }))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arenas {
@@ -165,10 +163,8 @@ impl Arenas {
     }
 
     fn guard(&self, index: usize) -> ArenaGuard<'_> {
-        // The turns give arena `index` to one holder at a time, and a guard puts it back
-        // before it gives the turn back: it is in place.
-        let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner).take();
-        ArenaGuard { arenas: self, index, slot: Some(slot.expect("a leased arena is in its place")) }
+        let slot = self.slots[index].lock().unwrap_or_else(PoisonError::into_inner);
+        ArenaGuard { arenas: self, index, slot: Some(slot) }
     }
 
     /// Closes the arenas: waiting and later leases fail with [`Error::PoolClosed`];
@@ -178,8 +174,7 @@ impl Arenas {
     }
 }
 
-/// A leased arena, moved out of its place (so that it can move to another thread with
-/// its lease): put back and given back when dropped. A forgotten guard keeps its arena for good:
+/// A leased arena: given back when dropped. A forgotten guard keeps its arena for good:
 /// the pool has one arena fewer, a `warm_up` from another thread waits for it until the
 /// pool is closed, and a request from the forgetting thread that would wait for it
 /// without a deadline is refused.
@@ -187,10 +182,10 @@ impl Arenas {
 pub(crate) struct ArenaGuard<'a> {
     arenas: &'a Arenas,
     index: usize,
-    slot: Option<Box<Slot>>,
+    slot: Option<MutexGuard<'a, Slot>>,
 }
 
-impl ArenaGuard<'_> {
+impl<'a> ArenaGuard<'a> {
     /// Runs `f` in the arena on this thread (on the arena's stack, when it has one). A
     /// panic in `f` is [`Error::Panicked`] (the scopes it held were closed as it
     /// unwound); an arena that `f` kept a reference to is replaced by a new one.
@@ -198,84 +193,140 @@ impl ArenaGuard<'_> {
         self.run_with_streams(|mgr, _| f(mgr))
     }
 
-    /// The arena's stream buffers, sized to hold `values` and `tokens` elements.
-    ///
-    /// # Errors
-    ///
-    /// As [`StreamBuffers::fit`].
-    pub(crate) fn stream_buffers(&mut self, values: usize, tokens: usize) -> Result<&mut StreamBuffers> {
-        let slot = &mut **self.slot.as_mut().expect("held until dropped");
-        slot.streams.fit(values, tokens)?;
-        self.arenas.stream_bytes[self.index].store(slot.streams.bytes(), Ordering::Relaxed);
-        Ok(&mut slot.streams)
-    }
-
-    /// The arena's stream buffers as they are.
-    pub(crate) fn streams(&self) -> &StreamBuffers {
-        &self.slot.as_ref().expect("held until dropped").streams
-    }
-
-    /// The arena's stream buffers as they are, to write.
-    pub(crate) fn streams_mut(&mut self) -> &mut StreamBuffers {
-        &mut self.slot.as_mut().expect("held until dropped").streams
-    }
-
     /// [`ArenaGuard::run`] with the arena's stream buffers handed to `f` too.
     pub(crate) fn run_with_streams<R>(
         &mut self,
         f: impl FnOnce(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<(R, bool)>,
     ) -> Result<R> {
-        let counters = &self.arenas.counters;
-        let Slot { mgr: slot, stack, streams } = &mut **self.slot.as_mut().expect("held until dropped");
-        let body = || {
-            slot.with(|mgr| {
-                let result = catch_unwind(AssertUnwindSafe(|| f(mgr, streams)));
-                (result, mgr.capacity())
-            })
-        };
-        // On the arena's stack, when it has one: what a request touches is then the
-        // arena's, not its caller's.
-        let ran = match stack {
-            Some(stack) => stack.run(body),
-            None => body(),
-        };
-        let result = match ran {
-            Ok((Ok(Ok((value, on_plan))), capacity)) => {
-                self.arenas.capacity[self.index].store(capacity, Ordering::Relaxed);
-                let counter = if on_plan { &counters.on_plan } else { &counters.off_plan };
-                counter.fetch_add(1, Ordering::Relaxed);
-                Ok(value)
-            }
-            Ok((Ok(Err(e)), _)) => Err(e),
-            Ok((Err(payload), _)) => {
-                counters.panics.fetch_add(1, Ordering::Relaxed);
-                let message = panic_message(&*payload);
-                drop_quietly(payload);
-                Err(Error::Panicked { message })
-            }
-            Err(e) => Err(e.into()),
-        };
-        if slot.is_kept() {
-            self.rebuild();
-        }
-        result
+        let Slot { mgr, stack, streams } = &mut **self.slot.as_mut().expect("held until dropped");
+        run_in(self.arenas, self.index, mgr, stack, streams, f)
     }
 
-    /// Replaces an arena a request kept a reference to (leaked on its thread).
-    #[cold]
-    fn rebuild(&mut self) {
-        if let Ok(fresh) = arena(self.arenas.plans) {
-            self.slot.as_mut().expect("held until dropped").mgr = fresh;
-            self.arenas.capacity[self.index].store(0, Ordering::Relaxed);
-            self.arenas.counters.rebuilt.fetch_add(1, Ordering::Relaxed);
+    /// The arena for a generation stream's life, its stream buffers moved out so that
+    /// it can run on any thread (see [`StreamArena`]).
+    pub(crate) fn into_streams(mut self) -> StreamArena<'a> {
+        let streams = std::mem::take(&mut self.slot.as_mut().expect("held until dropped").streams);
+        // The arena's lock is let go; its turn stays taken, now the stream arena's.
+        drop(self.slot.take());
+        let arena = StreamArena { arenas: self.arenas, index: self.index, streams };
+        // Nothing is left to give back but the turn, which the stream arena holds now.
+        std::mem::forget(self);
+        arena
+    }
+}
+
+/// Runs `f` in arena `index` (its manager `mgr`, its stack) with `streams`, as
+/// [`ArenaGuard::run`] says.
+fn run_in<R>(
+    arenas: &Arenas,
+    index: usize,
+    slot: &mut PortableMgr,
+    stack: &mut Option<ArenaStack>,
+    streams: &mut StreamBuffers,
+    f: impl FnOnce(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<(R, bool)>,
+) -> Result<R> {
+    let counters = &arenas.counters;
+    let body = || {
+        slot.with(|mgr| {
+            let result = catch_unwind(AssertUnwindSafe(|| f(mgr, streams)));
+            (result, mgr.capacity())
+        })
+    };
+    // On the arena's stack, when it has one: what a request touches is then the
+    // arena's, not its caller's.
+    let ran = match stack {
+        Some(stack) => stack.run(body),
+        None => body(),
+    };
+    let result = match ran {
+        Ok((Ok(Ok((value, on_plan))), capacity)) => {
+            arenas.capacity[index].store(capacity, Ordering::Relaxed);
+            let counter = if on_plan { &counters.on_plan } else { &counters.off_plan };
+            counter.fetch_add(1, Ordering::Relaxed);
+            Ok(value)
         }
+        Ok((Ok(Err(e)), _)) => Err(e),
+        Ok((Err(payload), _)) => {
+            counters.panics.fetch_add(1, Ordering::Relaxed);
+            let message = panic_message(&*payload);
+            drop_quietly(payload);
+            Err(Error::Panicked { message })
+        }
+        Err(e) => Err(e.into()),
+    };
+    if slot.is_kept() {
+        // Replaces an arena a request kept a reference to (leaked on its thread).
+        if let Ok(fresh) = arena(arenas.plans) {
+            *slot = fresh;
+            arenas.capacity[index].store(0, Ordering::Relaxed);
+            arenas.counters.rebuilt.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    result
+}
+
+/// A leased arena held for generation streams' life (a pool's [`TokenStream`] or
+/// [`StreamBatch`](super::StreamBatch)): its turn taken, its stream buffers moved out
+/// and owned here, and its manager locked only while a step runs, so that the streams'
+/// steps may run on any thread (a stream batch's run on whichever caller combines
+/// them). The buffers go back to the arena, and the turn to the pool, when it is
+/// dropped; forgotten, it keeps the arena for good, as a forgotten lease does, and its
+/// buffers with it.
+///
+/// [`TokenStream`]: super::TokenStream
+#[derive(Debug)]
+pub(crate) struct StreamArena<'a> {
+    arenas: &'a Arenas,
+    index: usize,
+    streams: StreamBuffers,
+}
+
+impl StreamArena<'_> {
+    /// The stream buffers, sized to hold `values` and `tokens` elements.
+    ///
+    /// # Errors
+    ///
+    /// As [`StreamBuffers::fit`].
+    pub(crate) fn stream_buffers(&mut self, values: usize, tokens: usize) -> Result<&mut StreamBuffers> {
+        self.streams.fit(values, tokens)?;
+        self.arenas.stream_bytes[self.index].store(self.streams.bytes(), Ordering::Relaxed);
+        Ok(&mut self.streams)
+    }
+
+    /// The stream buffers as they are.
+    pub(crate) fn streams(&self) -> &StreamBuffers {
+        &self.streams
+    }
+
+    /// The stream buffers as they are, to write.
+    pub(crate) fn streams_mut(&mut self) -> &mut StreamBuffers {
+        &mut self.streams
+    }
+
+    /// [`ArenaGuard::run_with_streams`] on this thread: the arena's manager locked for the
+    /// step (the turn is this stream arena's: no one else takes the lock).
+    pub(crate) fn run_with_streams<R>(
+        &mut self,
+        f: impl FnOnce(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<(R, bool)>,
+    ) -> Result<R> {
+        let mut slot = self.arenas.slots[self.index].lock().unwrap_or_else(PoisonError::into_inner);
+        let Slot { mgr, stack, .. } = &mut *slot;
+        run_in(self.arenas, self.index, mgr, stack, &mut self.streams, f)
+    }
+}
+
+impl Drop for StreamArena<'_> {
+    fn drop(&mut self) {
+        let mut slot = self.arenas.slots[self.index].lock().unwrap_or_else(PoisonError::into_inner);
+        slot.streams = std::mem::take(&mut self.streams);
+        drop(slot);
+        self.arenas.turns.give_back(self.index);
     }
 }
 
 impl Drop for ArenaGuard<'_> {
     fn drop(&mut self) {
-        // Back in its place before the turn goes to the next holder.
-        *self.arenas.slots[self.index].lock().unwrap_or_else(PoisonError::into_inner) = self.slot.take();
+        drop(self.slot.take());
         self.arenas.turns.give_back(self.index);
     }
 }

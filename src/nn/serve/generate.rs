@@ -30,7 +30,7 @@ use carve_rng::Rng;
 use ndarray::Axis;
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
-use super::arenas::{ArenaGuard, StreamBuffers};
+use super::arenas::{StreamArena, StreamBuffers};
 use super::combine::Combiner;
 use super::model::{in_thread_arena, Model};
 use super::pool::InferencePool;
@@ -196,7 +196,7 @@ impl StatePlan {
 #[derive(Debug)]
 enum Arena<'a> {
     Thread(StreamBuffers),
-    Leased(ArenaGuard<'a>),
+    Leased(StreamArena<'a>),
 }
 
 impl Arena<'_> {
@@ -941,7 +941,7 @@ impl InferencePool {
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
         StatePlan::of(model)?;
-        Engine::start(model, Arena::Leased(self.lease()?.into_guard()), prompts, sampling).map(TokenStream::of)
+        Engine::start(model, Arena::Leased(self.lease()?.into_streams()), prompts, sampling).map(TokenStream::of)
     }
 
     /// [`InferencePool::stream`], waiting at most `timeout` for an arena.
@@ -953,7 +953,7 @@ impl InferencePool {
     pub fn stream_timeout(&self, prompt: &[u32], sampling: Sampling, timeout: Duration) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
         StatePlan::of(model)?;
-        let lease = self.lease_timeout(timeout)?.into_guard();
+        let lease = self.lease_timeout(timeout)?.into_streams();
         Engine::start(model, Arena::Leased(lease), &[prompt], &[sampling]).map(TokenStream::of)
     }
 }
@@ -1073,7 +1073,7 @@ impl InferencePool {
         let model: &Model = self.model();
         let plan = StatePlan::of(model)?;
         Places::of(&plan, slots)?;
-        let engine = Engine::vacant(model, Arena::Leased(self.lease()?.into_guard()), slots)?;
+        let engine = Engine::vacant(model, Arena::Leased(self.lease()?.into_streams()), slots)?;
         Ok(StreamBatch { combiner: Combiner::new(engine, slots, max_wait), plan, on_its_thread: PhantomData })
     }
 }

@@ -1,7 +1,6 @@
 //! The inference pool: K arenas serving one model to any number of threads, directly or
 //! in coalesced batches.
 
-use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -9,7 +8,7 @@ use std::time::Duration;
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
-use super::arenas::{ArenaGuard, Arenas, Wait};
+use super::arenas::{ArenaGuard, Arenas, StreamArena, Wait};
 use super::batcher::{BatchBuffers, Batcher};
 use super::config::{PoolConfig, PoolMode};
 use super::model::{Model, SERVING_PLANS};
@@ -270,7 +269,7 @@ impl InferencePool {
     }
 
     fn lease_waiting(&self, wait: Wait) -> Result<PoolLease<'_>> {
-        Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model, on_its_thread: PhantomData })
+        Ok(PoolLease { guard: self.shared.arenas.lease(wait)?, model: &self.shared.model })
     }
 
     /// Class probabilities of `x`, in an owned array; waits while the pool is busy
@@ -482,9 +481,6 @@ impl Drop for InferencePool {
 pub struct PoolLease<'p> {
     guard: ArenaGuard<'p>,
     model: &'p Model,
-    /// A lease stays on the thread that took it (it is not `Send`): the pool's turns
-    /// record that thread as the arena's holder, to refuse a wait of its own for it.
-    on_its_thread: PhantomData<std::sync::MutexGuard<'static, ()>>,
 }
 
 /// A pool infers in an arena leased for the request (direct), or in a batch with other
@@ -536,11 +532,11 @@ impl Infer for PoolLease<'_> {
 }
 
 impl<'p> PoolLease<'p> {
-    /// The leased arena, for a generation stream's life: its `TokenStream` (which
-    /// stays on this thread, as the lease does) or its `StreamBatch` (which runs it
-    /// from its callers' threads while this thread holds the batch).
-    pub(crate) fn into_guard(self) -> ArenaGuard<'p> {
-        self.guard
+    /// The leased arena, for generation streams' life: a `TokenStream`'s (which stays
+    /// on this thread, as the lease does) or a `StreamBatch`'s (which runs it from its
+    /// callers' threads while this thread holds the batch).
+    pub(crate) fn into_streams(self) -> StreamArena<'p> {
+        self.guard.into_streams()
     }
 
     /// Class probabilities of `x`, in an owned array ([`Infer::output`]).
