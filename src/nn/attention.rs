@@ -673,7 +673,28 @@ impl Attention {
         let score_rows = if steps == 1 { self.heads } else { steps };
         let mut scores = w.zeros::<f32, _>((score_rows, context))?;
         let mut att = w.zeros::<f32, _>((rows, d))?;
-        for b in 0..streams {
+        if steps == 1 {
+            // One new step a stream: its key and value written into the cache where
+            // they lie, then each head straight over the cache (the same bits as the
+            // products below, without their packing and views).
+            let qkv = qkv.as_slice().expect("a new array is contiguous");
+            let att = att.as_slice_mut().expect("a new array is contiguous");
+            let scores = &mut scores.as_slice_mut().expect("a new array is contiguous");
+            for ((b, row), out) in qkv.chunks_exact(3 * d).enumerate().zip(att.chunks_exact_mut(d)) {
+                let first = state.position(b);
+                let (keys, values) = state.state_mut(b).split_at_mut(d * context);
+                let (q, new) = row.split_at(d);
+                let (key, value) = new.split_at(d);
+                // Keys are stored transposed, `[features, context]`: one column a step.
+                for (cached, &k) in keys.iter_mut().skip(first).step_by(context).zip(key) {
+                    *cached = k;
+                }
+                values[first * d..(first + 1) * d].copy_from_slice(value);
+                let scores = &mut scores[..self.heads * (first + 1)];
+                attend_one(q, self.heads, scale, keys, context, values, d, scores, out);
+            }
+        }
+        for b in (0..streams).filter(|_| steps > 1) {
             let first = state.position(b);
             let end = first + steps;
             let (keys, values) = state.state_mut(b).split_at_mut(d * context);
@@ -683,18 +704,6 @@ impl Attention {
             keys.slice_mut(s![.., first..end]).assign(&qkv.slice(s![own.clone(), d..2 * d]).t());
             values.slice_mut(s![first..end, ..]).assign(&qkv.slice(s![own.clone(), 2 * d..]));
             let (keys, values) = (keys.view(), values.view());
-            if steps == 1 {
-                // One new step: each head straight over the cache (the same bits as
-                // the products below, without their packing).
-                let (keys, values) = (keys.as_slice().expect("a stream's keys"), values.as_slice().expect("values"));
-                let q = qkv.row(b);
-                let q = q.as_slice().expect("a new array is contiguous");
-                let mut out = att.row_mut(b);
-                let out = out.as_slice_mut().expect("a new array is contiguous");
-                let scores = &mut scores.as_slice_mut().expect("a new array is contiguous")[..self.heads * end];
-                attend_one(&q[..d], self.heads, scale, keys, context, values, d, scores, out);
-                continue;
-            }
             for h in 0..self.heads {
                 let (qc, _, _) = self.head_columns(h);
                 let q = qkv.slice(s![own.clone(), qc.clone()]);
