@@ -317,15 +317,18 @@ pub(super) mod x86 {
     ///
     /// # Safety
     ///
-    /// On a CPU with AVX-512F: `a + p·a_step` holds `M` readable values and `b +
-    /// p·b_step` holds `16·V` for every `p < kc`; `tile` addresses `rows × cols` (at
-    /// most `M × 16·V`, and `M·16·V <= MAX_TILE`) writable elements, readable too unless
-    /// `beta == 0`.
+    /// On a CPU with AVX-512F: `a + i·a_row + p·a_step` is a readable value for every
+    /// row `i < M` and step `p < kc` (a packed panel: `a_row == 1`; A where it lies: its
+    /// strides), and `b + p·b_step` holds `16·V` readable values; `tile` addresses `rows
+    /// × cols` (at most `M × 16·V`, and `M·16·V <= MAX_TILE`) writable elements, readable
+    /// too unless `beta == 0`.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)] // the kernel's operands, A's in raw parts
     pub(in crate::nn::gemm) unsafe fn avx512_rows<const M: usize, const V: usize>(
         kc: usize,
         a: *const f32,
-        a_step: usize,
+        a_row: isize,
+        a_step: isize,
         b: *const f32,
         b_step: isize,
         beta: f32,
@@ -342,7 +345,7 @@ pub(super) mod x86 {
             unsafe {
                 let mut ai = [_mm512_setzero_ps(); M];
                 for (i, ai) in ai.iter_mut().enumerate() {
-                    *ai = _mm512_set1_ps(*a.add(i));
+                    *ai = _mm512_set1_ps(*a.offset(i as isize * a_row));
                 }
                 for v in 0..V {
                     let bv = _mm512_loadu_ps(b.add(16 * v));
@@ -350,7 +353,7 @@ pub(super) mod x86 {
                         row[v] = _mm512_fmadd_ps(*ai, bv, row[v]);
                     }
                 }
-                a = a.wrapping_add(a_step);
+                a = a.wrapping_offset(a_step);
                 b = b.wrapping_offset(b_step);
             }
         }
@@ -463,14 +466,17 @@ pub(super) mod x86 {
     ///
     /// # Safety
     ///
-    /// On a CPU with AVX2 and FMA: `a + p·a_step` holds `M` readable values and `b +
-    /// p·b_step` holds `8·V` for every `p < kc`; `tile` addresses `rows × cols` (at most
-    /// `M × 8·V`) writable elements, readable too unless `beta == 0`.
+    /// On a CPU with AVX2 and FMA: `a + i·a_row + p·a_step` is a readable value for
+    /// every row `i < M` and step `p < kc` (as in [`avx512_rows`]), and `b + p·b_step`
+    /// holds `8·V` readable values; `tile` addresses `rows × cols` (at most `M × 8·V`)
+    /// writable elements, readable too unless `beta == 0`.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)] // the kernel's operands, A's in raw parts
     pub(in crate::nn::gemm) unsafe fn avx2_rows<const M: usize, const V: usize>(
         kc: usize,
         a: *const f32,
-        a_step: usize,
+        a_row: isize,
+        a_step: isize,
         b: *const f32,
         b_step: isize,
         beta: f32,
@@ -485,7 +491,7 @@ pub(super) mod x86 {
             unsafe {
                 let mut ai = [_mm256_setzero_ps(); M];
                 for (i, ai) in ai.iter_mut().enumerate() {
-                    *ai = _mm256_broadcast_ss(&*a.add(i));
+                    *ai = _mm256_broadcast_ss(&*a.offset(i as isize * a_row));
                 }
                 for v in 0..V {
                     let bv = _mm256_loadu_ps(b.add(8 * v));
@@ -493,7 +499,7 @@ pub(super) mod x86 {
                         row[v] = _mm256_fmadd_ps(*ai, bv, row[v]);
                     }
                 }
-                a = a.wrapping_add(a_step);
+                a = a.wrapping_offset(a_step);
                 b = b.wrapping_offset(b_step);
             }
         }

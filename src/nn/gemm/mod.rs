@@ -14,12 +14,14 @@
 //! `MR × NR` tile of C. Packing makes every operand layout (row-major, transposed,
 //! strided views) run the same unit-stride kernel.
 //!
-//! A product of few rows (at most 8: a one-row inference request, a generated token's
-//! step) reads a row-major B where it lies instead of packing it, since each of B's
-//! values then serves one or two row panels, too few to repay the copy; up to four rows
-//! on AVX2 run in tiles as wide as the registers hold rather than the 6×16 tile, whose
-//! padding rows would be most of its arithmetic. A causal product packs only the steps
-//! of A its triangle holds.
+//! A product of few rows (at most 16: a one-row inference request, a generated token's
+//! step, a step of 16 streams) reads a row-major B where it lies instead of packing it,
+//! since each of B's values then serves at most three row panels, too few to repay the
+//! copy; on x86 it reads A where it lies too when `alpha == 1` (its packing would only
+//! copy it), through few-row kernels that take A's strides. Up to four rows on AVX2 or
+//! AVX-512 run in tiles as wide as the registers hold rather than the 6×16 or 8×32 tile,
+//! whose padding rows would be most of its arithmetic. A causal product packs only the
+//! steps of A its triangle holds.
 //!
 //! The summation order depends on the shapes only, never on where the buffers are or
 //! which tile computes an element (each element's products are added in step order with
@@ -416,7 +418,10 @@ unsafe fn multiply(
     let direct = ops.m <= FEW_ROWS && ops.b.col_stride == 1 && tri == Triangle::Full;
     // Up to four rows on AVX2 or AVX-512: tiles as wide as the registers allow (see
     // `avx2_rows`, `avx512_rows`).
-    let wide_tiles = direct && ops.m <= 4 && matches!(kernel, Kernel::Avx2Fma | Kernel::Avx512Wide);
+    let wide_tiles = direct && ops.m <= 4 && wide_tiles_kernel(kernel);
+    // A read where it lies too when its packing would only copy it (`alpha == 1`): each
+    // tile's rows through the few-row kernels, which take A's strides (x86 only).
+    let a_in_place = cfg!(target_arch = "x86_64") && wide_tiles_kernel(kernel) && direct && alpha == 1.0;
     for jc in (0..ops.n).step_by(NC) {
         let nc = NC.min(ops.n - jc);
         for pc in (0..ops.k).step_by(KC) {
@@ -436,19 +441,29 @@ unsafe fn multiply(
             }
             for ic in (0..ops.m).step_by(MC) {
                 let mc = MC.min(ops.m - ic);
-                // SAFETY: as for B, with `mc <= MC`.
-                unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, tri, a_dst) };
+                if !a_in_place {
+                    // SAFETY: as for B, with `mc <= MC`.
+                    unsafe { pack_a(&ops.a, alpha, ic, mc, pc, kc, mr, vector, tri, a_dst) };
+                }
                 // The columns the wide tiles took.
                 #[cfg(target_arch = "x86_64")]
                 let first_jr = if wide_tiles && packed_from > 0 {
-                    // SAFETY: AVX2 and FMA, or AVX-512F (the kernel `detect` chose); A's
-                    // one panel (`m <= 4 < mr`, `ic == 0`) holds `kc` steps of `mr` values, the
-                    // first `m` of them A's rows; columns `jc .. jc + packed_from` of B's
-                    // rows `pc .. pc + kc` and of C's `m` rows lie inside them.
+                    // A's `m` rows from step `pc` (`ic == 0`: `m <= 4 < MC`): where they
+                    // lie, or A's one packed panel, `kc` steps of `mr` values, the first
+                    // `m` of them A's rows.
+                    let a = if a_in_place {
+                        // SAFETY: row 0, column `pc < k` lies in A.
+                        (unsafe { ops.a.at(0, pc) }, ops.a.row_stride, ops.a.col_stride)
+                    } else {
+                        (a_dst.cast_const(), 1, mr as isize)
+                    };
+                    // SAFETY: AVX2 and FMA, or AVX-512F (the kernel `detect` chose); A as
+                    // just said; columns `jc .. jc + packed_from` of B's rows `pc .. pc +
+                    // kc` and of C's `m` rows lie inside them.
                     unsafe {
                         match kernel {
-                            Kernel::Avx512Wide => few_rows_avx512(ops, kc, a_dst, mr, pc, jc, packed_from, beta),
-                            _ => few_rows(ops, kc, a_dst, mr, pc, jc, packed_from, beta),
+                            Kernel::Avx512Wide => few_rows_avx512(ops, kc, a, pc, jc, packed_from, beta),
+                            _ => few_rows(ops, kc, a, pc, jc, packed_from, beta),
                         }
                     };
                     packed_from
@@ -494,6 +509,15 @@ unsafe fn multiply(
                             // SAFETY: inside the packed buffer, as in `pack_b`.
                             (unsafe { b_dst.add(jr * kc + from * nr) }.cast_const(), nr as isize)
                         };
+                        #[cfg(target_arch = "x86_64")]
+                        if a_in_place {
+                            // SAFETY: a full product (`from == 0`, `to == kc`): A's rows
+                            // `row .. row + tile.rows` hold steps `pc .. pc + kc` where
+                            // they lie; B's panel as below; the kernel came from `detect`
+                            // and reads A's strides.
+                            unsafe { rows_in_place(kernel, ops, row, pc, kc, b_panel, b_step, beta, tile) };
+                            continue;
+                        }
                         // SAFETY: panel `ir / mr` of A holds steps `from..to` as
                         // `pack_a` wrote them (the same `Triangle::steps`; rows past A's
                         // padded with zeros), and B's panel, packed or in place, `nr`
@@ -509,23 +533,80 @@ unsafe fn multiply(
     }
 }
 
+/// Whether `kernel` has few-row twins that read B where it lies (and A by its strides):
+/// [`kernel::x86::avx2_rows`] for the 6×16 kernel, [`kernel::x86::avx512_rows`] for the
+/// 8×32 one.
+fn wide_tiles_kernel(kernel: Kernel) -> bool {
+    matches!(kernel, Kernel::Avx2Fma | Kernel::Avx512Wide)
+}
+
+/// One tile of C, `tile.rows` rows from row `row` (at most the kernel's `mr`) by the
+/// kernel's `nr` columns of B's panel at `b` (`b_step` apart: packed, or B where it
+/// lies), over steps `pc .. pc + kc` of A's rows read where they lie: the few-row twin of
+/// `kernel` for that many rows, whose sums are the kernel's (the same bits as a packed A
+/// with `alpha == 1`).
+///
+/// # Safety
+///
+/// `kernel` is [`Kernel::Avx2Fma`] or [`Kernel::Avx512Wide`], from [`Kernel::detect`];
+/// rows `row .. row + tile.rows` and columns `pc .. pc + kc` lie in `ops.a`; `b + p·b_step`
+/// holds `nr` readable values for `p < kc`; `tile` is as [`Kernel::run`] says.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)] // one tile of one product
+unsafe fn rows_in_place(
+    kernel: Kernel,
+    ops: &Operands,
+    row: usize,
+    pc: usize,
+    kc: usize,
+    b: *const f32,
+    b_step: isize,
+    beta: f32,
+    tile: Tile,
+) {
+    use kernel::x86::{avx2_rows, avx512_rows};
+    // SAFETY: row `row`, column `pc` lie in A.
+    let (a, r, p) = (unsafe { ops.a.at(row, pc) }, ops.a.row_stride, ops.a.col_stride);
+    // SAFETY: in every arm, the caller's contract, with `M == tile.rows` rows of A and
+    // the kernel's `nr` columns of B (`16·2` on AVX-512, `8·2` on AVX2).
+    unsafe {
+        match (kernel, tile.rows) {
+            (Kernel::Avx512Wide, 1) => avx512_rows::<1, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 2) => avx512_rows::<2, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 3) => avx512_rows::<3, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 4) => avx512_rows::<4, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 5) => avx512_rows::<5, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 6) => avx512_rows::<6, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, 7) => avx512_rows::<7, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx512Wide, _) => avx512_rows::<8, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, 1) => avx2_rows::<1, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, 2) => avx2_rows::<2, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, 3) => avx2_rows::<3, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, 4) => avx2_rows::<4, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, 5) => avx2_rows::<5, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (_, _) => avx2_rows::<6, 2>(kc, a, r, p, b, b_step, beta, tile),
+        }
+    }
+}
+
 /// Columns `jc .. jc + cols` (`cols` a multiple of 16) of the `m <= 4` rows of C, from
-/// steps `pc .. pc + kc`: A's packed panel at `a` (`a_step` values a step) by B's rows
-/// read where they lie, in the widest tiles of [`kernel::x86::avx2_rows`] for `m` rows,
-/// then 16 columns at a time.
+/// steps `pc .. pc + kc`: A's values at `a = (ptr, a_row, a_step)` (row `i`, step `p`
+/// at `ptr + i·a_row + p·a_step`: A's packed panel, or A where it lies) by B's rows read
+/// where they lie, in the widest tiles of [`kernel::x86::avx2_rows`] for `m` rows, then
+/// 16 columns at a time.
 ///
 /// # Safety
 ///
 /// The CPU has AVX2 and FMA; `ops` describes live matrices (C exclusively borrowed),
-/// B with unit column stride; `a + p·a_step` holds `m` values for `p < kc`; rows `pc ..
-/// pc + kc` and columns `jc .. jc + cols` lie in B, and columns `jc .. jc + cols` in C.
+/// B with unit column stride; `ptr + i·a_row + p·a_step` is readable for `i < m`, `p <
+/// kc`; rows `pc .. pc + kc` and columns `jc .. jc + cols` lie in B, and columns `jc ..
+/// jc + cols` in C.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)] // one slice of one product
 unsafe fn few_rows(
     ops: &Operands,
     kc: usize,
-    a: *const f32,
-    a_step: usize,
+    a: (*const f32, isize, isize),
     pc: usize,
     jc: usize,
     cols: usize,
@@ -540,8 +621,7 @@ unsafe fn few_rows(
     unsafe fn run<const M: usize, const V: usize>(
         ops: &Operands,
         kc: usize,
-        a: *const f32,
-        a_step: usize,
+        a: (*const f32, isize, isize),
         pc: usize,
         jc: usize,
         cols: usize,
@@ -562,11 +642,11 @@ unsafe fn few_rows(
             // of C's `M` rows lie inside them (the contract; `cols` a multiple of 16, so
             // a 16-wide tile fits whenever a wider one does not); A as the contract says.
             unsafe {
-                let b = ops.b.at(pc, col);
+                let (b, (a, a_row, a_step)) = (ops.b.at(pc, col), a);
                 if width == 8 * V {
-                    kernel::x86::avx2_rows::<M, V>(kc, a, a_step, b, ops.b.row_stride, beta, tile);
+                    kernel::x86::avx2_rows::<M, V>(kc, a, a_row, a_step, b, ops.b.row_stride, beta, tile);
                 } else {
-                    kernel::x86::avx2_rows::<M, 2>(kc, a, a_step, b, ops.b.row_stride, beta, tile);
+                    kernel::x86::avx2_rows::<M, 2>(kc, a, a_row, a_step, b, ops.b.row_stride, beta, tile);
                 }
             }
             j += width;
@@ -576,13 +656,13 @@ unsafe fn few_rows(
     // At most 16 registers: `M·V` accumulators, `M` broadcasts of A, one load of B.
     match ops.m {
         // SAFETY: the contract, with `M == ops.m`.
-        1 => unsafe { run::<1, 12>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        1 => unsafe { run::<1, 12>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above.
-        2 => unsafe { run::<2, 6>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        2 => unsafe { run::<2, 6>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above.
-        3 => unsafe { run::<3, 4>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        3 => unsafe { run::<3, 4>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
-        _ => unsafe { run::<4, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        _ => unsafe { run::<4, 2>(ops, kc, a, pc, jc, cols, beta) },
     }
 }
 
@@ -598,8 +678,7 @@ unsafe fn few_rows(
 unsafe fn few_rows_avx512(
     ops: &Operands,
     kc: usize,
-    a: *const f32,
-    a_step: usize,
+    a: (*const f32, isize, isize),
     pc: usize,
     jc: usize,
     cols: usize,
@@ -615,8 +694,7 @@ unsafe fn few_rows_avx512(
     unsafe fn tile<const M: usize, const V: usize>(
         ops: &Operands,
         kc: usize,
-        a: *const f32,
-        a_step: usize,
+        (a, a_row, a_step): (*const f32, isize, isize),
         pc: usize,
         col: usize,
         beta: f32,
@@ -631,7 +709,9 @@ unsafe fn few_rows_avx512(
         // SAFETY: the contract: B's rows `pc ..` and C's `M` rows hold columns `col ..
         // col + 16·V`; A as `few_rows_avx512`'s contract says; `avx512_rows` checks
         // `M·16·V <= MAX_TILE` when it is compiled.
-        unsafe { kernel::x86::avx512_rows::<M, V>(kc, a, a_step, ops.b.at(pc, col), ops.b.row_stride, beta, tile) };
+        unsafe {
+            kernel::x86::avx512_rows::<M, V>(kc, a, a_row, a_step, ops.b.at(pc, col), ops.b.row_stride, beta, tile)
+        };
     }
     /// Tiles `M × 16·V` while they fit, then `M × 16·H` (when `H` is narrower than
     /// `V` and wider than 2), 32 and 16 columns.
@@ -643,8 +723,7 @@ unsafe fn few_rows_avx512(
     unsafe fn run<const M: usize, const V: usize, const H: usize>(
         ops: &Operands,
         kc: usize,
-        a: *const f32,
-        a_step: usize,
+        a: (*const f32, isize, isize),
         pc: usize,
         jc: usize,
         cols: usize,
@@ -657,16 +736,16 @@ unsafe fn few_rows_avx512(
             // cols` (`left >= width`; `cols` a multiple of 16, so 16 always fits).
             let width = unsafe {
                 if left >= 16 * V {
-                    tile::<M, V>(ops, kc, a, a_step, pc, col, beta);
+                    tile::<M, V>(ops, kc, a, pc, col, beta);
                     16 * V
                 } else if H < V && H > 2 && left >= 16 * H {
-                    tile::<M, H>(ops, kc, a, a_step, pc, col, beta);
+                    tile::<M, H>(ops, kc, a, pc, col, beta);
                     16 * H
                 } else if left >= 32 {
-                    tile::<M, 2>(ops, kc, a, a_step, pc, col, beta);
+                    tile::<M, 2>(ops, kc, a, pc, col, beta);
                     32
                 } else {
-                    tile::<M, 1>(ops, kc, a, a_step, pc, col, beta);
+                    tile::<M, 1>(ops, kc, a, pc, col, beta);
                     16
                 }
             };
@@ -678,13 +757,13 @@ unsafe fn few_rows_avx512(
     // a tile of at most `MAX_TILE` elements (a strided C's buffer).
     match ops.m {
         // SAFETY: the contract, with `M == ops.m`.
-        1 => unsafe { run::<1, 16, 8>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        1 => unsafe { run::<1, 16, 8>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above.
-        2 => unsafe { run::<2, 8, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        2 => unsafe { run::<2, 8, 2>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above.
-        3 => unsafe { run::<3, 5, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        3 => unsafe { run::<3, 5, 2>(ops, kc, a, pc, jc, cols, beta) },
         // SAFETY: as above (`m <= 4`, the caller's `wide_tiles`).
-        _ => unsafe { run::<4, 4, 2>(ops, kc, a, a_step, pc, jc, cols, beta) },
+        _ => unsafe { run::<4, 4, 2>(ops, kc, a, pc, jc, cols, beta) },
     }
 }
 
@@ -1061,11 +1140,12 @@ mod tests {
     #[test]
     fn few_rows_read_b_in_place_and_give_the_bits_of_packed_rows() {
         // A product of at most `FEW_ROWS` rows reads a row-major B where it lies (but
-        // for a last narrow panel); its rows must be the bits of the same rows of a
-        // taller product, which packs B. Widths below, at and past a panel, a KC slice
-        // crossed, B with a row stride past its width and reversed, beta 0 and 1, every
-        // kernel; the packing buffers poisoned with NaN, so that a panel read from the
-        // buffer that was never packed shows.
+        // for a last narrow panel), and A too when alpha is 1; its rows must be the bits
+        // of the same rows of a taller product, which packs both. Widths below, at and
+        // past a panel, a KC slice crossed, B with a row stride past its width and
+        // reversed, A row- and column-major, beta 0 and 1 (alpha 1) and 0.5 (alpha 0.5),
+        // every kernel; the packing buffers poisoned with NaN, so that a panel read from
+        // the buffer that was never packed shows.
         let tall = 3 * FEW_ROWS;
         // (`NC + 52`: a second block of columns, whose 48 whole ones take the wide tiles.)
         // (`(300, 300)`: the AVX-512 wide tiles of every width across a KC slice.)
@@ -1073,6 +1153,8 @@ mod tests {
             &[(1, 1), (15, 5), (16, 3), (17, 300), (40, 7), (77, 33), (130, 20), (200, 9), (300, 300), (NC + 52, 3)]
         {
             let a_tall = matrix(tall, k, 11);
+            // The same values column-major (A's steps strided).
+            let a_columns = a_tall.t().to_owned();
             let b_store = matrix(k + 3, n + 5, 12);
             let wide = b_store.slice(s![..k, 2..n + 2]);
             let reversed = b_store.slice(s![..k;-1, ..n]);
@@ -1088,20 +1170,23 @@ mod tests {
                             // build, far more under valgrind.
                             continue;
                         }
+                        let alpha = if beta == 0.5 { 0.5 } else { 1.0 };
                         let start = matrix(tall, n, 13);
                         let mut packed = start.clone();
                         let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(tall, n, k)];
-                        sgemm_with(kernel, 0.5, a_tall.view(), b, beta, packed.view_mut(), &mut scratch).unwrap();
+                        sgemm_with(kernel, alpha, a_tall.view(), b, beta, packed.view_mut(), &mut scratch).unwrap();
                         for m in 1..=FEW_ROWS + 1 {
                             let mut few = start.slice(s![..m, ..]).to_owned();
                             scratch.fill(MaybeUninit::new(f32::NAN));
                             let a = a_tall.slice(s![..m, ..]);
-                            sgemm_with(kernel, 0.5, a, b, beta, few.view_mut(), &mut scratch).unwrap();
-                            // And into a column-major C (its tiles stored through a buffer).
+                            sgemm_with(kernel, alpha, a, b, beta, few.view_mut(), &mut scratch).unwrap();
+                            // And into a column-major C (its tiles stored through a buffer),
+                            // from a column-major A.
                             let mut columns = start.slice(s![..m, ..]).t().to_owned();
                             scratch.fill(MaybeUninit::new(f32::NAN));
                             let c = columns.view_mut().reversed_axes();
-                            sgemm_with(kernel, 0.5, a, b, beta, c, &mut scratch).unwrap();
+                            let a = a_columns.t().slice_move(s![..m, ..]);
+                            sgemm_with(kernel, alpha, a, b, beta, c, &mut scratch).unwrap();
                             for ((i, j), x) in few.indexed_iter() {
                                 let want = packed[[i, j]].to_bits();
                                 let what = format!("{kernel:?} m {m} n {n} k {k} beta {beta}: ({i}, {j})");
