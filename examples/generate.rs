@@ -27,7 +27,9 @@
 //! `token_us_p50`, `token_us_p99` (per step of all streams), `allocs_per_token` (heap
 //! allocations per token after the first `context` steps), `kv_cache_bytes` (one
 //! stream's), `arena_bytes` (the thread's serving arena after the run), `weight_bytes`,
-//! `context`.
+//! `context`, `weights_read_us` (the least time, over 100 passes after the run, to read
+//! every weight once: the floor of a one-stream step, which reads them all from wherever
+//! they lie between steps).
 
 #[path = "common/cli.rs"]
 mod cli;
@@ -183,9 +185,29 @@ fn run(args: &Args) -> Res<()> {
         "arena_bytes": Model::thread_workspace_bytes(),
         "weight_bytes": model.weight_bytes(),
         "context": context,
+        "weights_read_us": weights_read_us(model.params()),
     });
     println!("{object}");
     Ok(())
+}
+
+/// The least time, over 100 passes, to read `weights` once, in µs: 32 independent sums,
+/// which the compiler turns into vector adds, so that only the reads bound it.
+fn weights_read_us(weights: &[f32]) -> f64 {
+    let mut best = f64::INFINITY;
+    let mut lanes = [0.0f32; 32];
+    for _ in 0..100 {
+        let t = Instant::now();
+        let (chunks, _) = std::hint::black_box(weights).as_chunks::<32>();
+        for chunk in chunks {
+            for (sum, x) in lanes.iter_mut().zip(chunk) {
+                *sum += x;
+            }
+        }
+        best = best.min(t.elapsed().as_secs_f64() * 1e6);
+        std::hint::black_box(&mut lanes);
+    }
+    best
 }
 
 fn main() -> ExitCode {

@@ -72,6 +72,9 @@ pub(crate) struct Params {
     pub(crate) layout: Layout,
     /// The network's output width.
     pub(crate) outputs: usize,
+    /// Per layer, in forward order: how many residual blocks start at it (their input
+    /// is the layer's), counted once here rather than at every step.
+    pub(crate) block_starts: Vec<usize>,
 }
 
 impl Params {
@@ -86,16 +89,16 @@ impl Params {
         let mut widths = Vec::with_capacity(layers.len());
         let mut shapes = Vec::with_capacity(layers.len());
         let mut counts = Vec::with_capacity(layers.len());
+        let mut block_starts = Vec::with_capacity(layers.len());
         let mut width = inputs;
         let mut total = 0usize;
         // The residual blocks open at each layer, innermost last: a join must close the
         // innermost block, of its input's width (blocks nest, never cross).
         let mut open: Vec<usize> = Vec::new();
         for (i, layer) in layers.iter().enumerate() {
-            open.extend(std::iter::repeat_n(
-                i,
-                (i + 1..layers.len()).filter(|&j| residual_from(layers[j].as_ref()) == Some(i)).count(),
-            ));
+            let starts = (i + 1..layers.len()).filter(|&j| residual_from(layers[j].as_ref()) == Some(i)).count();
+            block_starts.push(starts);
+            open.extend(std::iter::repeat_n(i, starts));
             if let Some(from) = residual_from(layer.as_ref()) {
                 if open.pop() != Some(from) || widths.get(from) != Some(&width) {
                     return Err(Error::InvalidConfig {
@@ -154,7 +157,7 @@ impl Params {
         }
         // The buckets of a network's own layout are never used: a data-parallel trainer
         // cuts its own (`Layout::new` with its bucket size).
-        Ok(Params { widths, shapes, layout: Layout::new(&counts, usize::MAX), outputs: width })
+        Ok(Params { widths, shapes, layout: Layout::new(&counts, usize::MAX), outputs: width, block_starts })
     }
 
     /// Where value `element` of layer `layer`'s region is: its parameter (by index) and

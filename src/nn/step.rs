@@ -466,7 +466,8 @@ pub(crate) fn forward<'s>(
     while i < layers.count() {
         *at = i;
         label(labels, |l| l.layers.get(i).copied());
-        for _ in 0..blocks_starting_at(layers.layers, i) {
+        let starts = layers.params.block_starts.get(i).copied();
+        for _ in 0..starts.unwrap_or_else(|| blocks_starting_at(layers.layers, i)) {
             blocks.push(input)?;
         }
         if training && let_go(layers.layers, i) {
