@@ -879,7 +879,9 @@ pub(crate) fn rows_new<'y>(
             let rows = ys.len() / n;
             split(ys, rows, n, &|_, _, ys| {
                 for y in ys.chunks_exact_mut(n) {
-                    y.write_copy_of_slice(r);
+                    for (y, &v) in y.iter_mut().zip(r) {
+                        y.write(v);
+                    }
                 }
             });
         }

@@ -514,3 +514,59 @@ fn a_panicking_step_fails_its_batchs_streams_and_the_batch_goes_on() {
     assert_eq!(batch.streams(), 2);
     assert_eq!(b.next_token().unwrap(), model.generate(&[1, 2], 7, Sampling::greedy()).unwrap()[6]);
 }
+
+#[test]
+fn logits_that_are_not_finite_fail_their_stream_alone() {
+    // Position 5's embedding is NaN: a stream fails at the step that reaches it, and a
+    // stream beside it in the same step goes on with its bits alone.
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
+        b.dense(13).seed(2).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let mut params = net.params().to_vec();
+    // The position table (layer 1) where the flat layout keeps it.
+    let table = Model::from_config(&config(), params.clone()).unwrap().layer_params(1).to_vec();
+    let at = params.windows(table.len()).position(|w| w == table.as_slice()).unwrap();
+    params[at + 5 * 8..at + 6 * 8].fill(f32::NAN);
+    let model = Arc::new(Model::from_config(&config(), params).unwrap());
+    let (long, short) = ([1u32, 2, 3, 4], [7u32]);
+    let alone = model.generate(&short, 4, Sampling::greedy()).unwrap();
+    // The long prompt's stream steps position 4, then 5 at its third token.
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let batch = pool.stream_batch(2, carve::nn::serve::MAX_BATCH_WAIT).unwrap();
+    let (failing, going_on) = std::thread::scope(|scope| {
+        let batch = &batch;
+        let other = scope.spawn(move || {
+            let mut stream = batch.join(&long, Sampling::greedy()).unwrap();
+            let drawn: Vec<carve::Result<u32>> = (0..3).map(|_| stream.next_token()).collect();
+            (drawn, stream.next_token(), stream.window())
+        });
+        let mut stream = batch.join(&short, Sampling::greedy()).unwrap();
+        let mut drawn: Vec<u32> = (0..3).map(|_| stream.next_token().unwrap()).collect();
+        let failing = other.join().unwrap();
+        // Alone in the batch now: the failed stream has left its slot.
+        drawn.push(stream.next_token().unwrap());
+        (failing, drawn)
+    });
+    let (drawn, later, window) = failing;
+    assert!(drawn[0].is_ok() && drawn[1].is_ok(), "{drawn:?}");
+    match &drawn[2] {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("NaN") && m.contains("this stream's step"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(later, Err(Error::InvalidInput(_))), "a failed stream stays failed: {later:?}");
+    assert!(window.is_err(), "a failed stream's window is not read: {window:?}");
+    assert_eq!(going_on, alone, "the stream beside it draws its tokens alone");
+    // Streams stepped together by one caller go together: the call fails, naming the
+    // stream, and so does every later one.
+    let mut both = model.streams(&[&long, &short], &[Sampling::greedy(); 2]).unwrap();
+    let mut out = [0u32; 2];
+    both.next_tokens(&mut out).unwrap();
+    both.next_tokens(&mut out).unwrap();
+    match both.next_tokens(&mut out) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("stream 0") && m.contains("NaN"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(both.next_tokens(&mut out), Err(Error::InvalidInput(m)) if m.contains("earlier step")));
+}

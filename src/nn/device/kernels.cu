@@ -31,36 +31,40 @@ __device__ __forceinline__ bool carve_finite(float x) {
     return isfinite(x);
 }
 
-// The sum of `v` over the block's threads (BLOCK threads, a power of two), in `part`.
-__device__ __forceinline__ float carve_block_sum(float v, float* part) {
+struct CarveAdd {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+struct CarveMax {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// `v` of the block's threads (BLOCK threads, a power of two) combined by `op` in a
+// tree, through `part`: every thread gets the result.
+template <typename Op>
+__device__ __forceinline__ float carve_block_reduce(float v, float* part, Op op) {
     u32 t = threadIdx.x;
     part[t] = v;
     __syncthreads();
     for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
         if (t < s) {
-            part[t] += part[t + s];
+            part[t] = op(part[t], part[t + s]);
         }
         __syncthreads();
     }
-    float sum = part[0];
+    float out = part[0];
     __syncthreads();
-    return sum;
+    return out;
 }
 
-// The largest of `v` over the block's threads, as carve_block_sum.
+// The sum of `v` over the block's threads.
+__device__ __forceinline__ float carve_block_sum(float v, float* part) {
+    return carve_block_reduce(v, part, CarveAdd());
+}
+
+// The largest of `v` over the block's threads.
 __device__ __forceinline__ float carve_block_max(float v, float* part) {
-    u32 t = threadIdx.x;
-    part[t] = v;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) {
-            part[t] = fmaxf(part[t], part[t + s]);
-        }
-        __syncthreads();
-    }
-    float max = part[0];
-    __syncthreads();
-    return max;
+    return carve_block_reduce(v, part, CarveMax());
 }
 
 // out[r, c] = bias[c] (vector::rows_new): a dense layer's output before its product.

@@ -39,13 +39,14 @@ struct Held<E> {
     engine: E,
     /// Which slots are in the batch.
     batch: Vec<bool>,
-    /// Each slot's result of the batch.
-    results: Vec<u32>,
+    /// Each slot's result of the batch: its value, or its own failure.
+    results: Vec<Result<u32>>,
 }
 
 /// A batch's run: over the engine, which slots are in the batch, and a result per slot
-/// to write.
-pub(crate) type RunBatch<'r, E> = dyn FnMut(&mut E, &[bool], &mut [u32]) -> Result<()> + 'r;
+/// to write (a slot's error fails that slot alone; the run's error, every slot of the
+/// batch).
+pub(crate) type RunBatch<'r, E> = dyn FnMut(&mut E, &[bool], &mut [Result<u32>]) -> Result<()> + 'r;
 
 /// Where a slot stands.
 #[derive(Debug)]
@@ -64,29 +65,29 @@ enum Slot {
     Failed(Failure),
 }
 
-/// Why a batch failed, posted to each of its slots.
+/// Why a batch failed, posted to each of its slots, or why one slot's step failed.
 #[derive(Clone, Debug)]
 struct Failure {
     panicked: bool,
     message: String,
+    /// The slot's own failure, not its batch's.
+    own: bool,
 }
 
 impl Failure {
-    fn of(error: &Error) -> Failure {
+    fn of(error: &Error, own: bool) -> Failure {
         match error {
-            Error::Panicked { message } => Failure { panicked: true, message: message.clone() },
-            other => Failure { panicked: false, message: other.to_string() },
+            Error::Panicked { message } => Failure { panicked: true, message: message.clone(), own },
+            other => Failure { panicked: false, message: other.to_string(), own },
         }
     }
 
     fn error(&self) -> Error {
+        let whose = if self.own { "this stream's step" } else { "a step of this stream's batch" };
         if self.panicked {
             Error::Panicked { message: self.message.clone() }
         } else {
-            Error::InvalidInput(format!(
-                "a step of this stream's batch failed ({}); the stream is over: start a new one",
-                self.message
-            ))
+            Error::InvalidInput(format!("{whose} failed ({}); the stream is over: start a new one", self.message))
         }
     }
 }
@@ -116,7 +117,7 @@ impl<E> Combiner<E> {
     /// has queued its step, or `max_wait` after the first step was queued, whichever
     /// comes first (0: as soon as the engine is idle, with whatever is queued).
     pub(crate) fn new(engine: E, slots: usize, max_wait: Duration) -> Combiner<E> {
-        let held = Held { engine, batch: vec![false; slots], results: vec![0; slots] };
+        let held = Held { engine, batch: vec![false; slots], results: (0..slots).map(|_| Ok(0)).collect() };
         let slots = (0..slots).map(|_| Slot::Vacant).collect();
         let state = Mutex::new(State { held: Some(held), slots, due: None });
         Combiner { state, max_wait, changed: Condvar::new(), vacated: Condvar::new() }
@@ -203,12 +204,12 @@ impl<E> Combiner<E> {
     /// The next result of `slot`: the slot is requested, and its caller runs batches
     /// with `run` (over the engine, which slots are in the batch, and a result per slot
     /// to write) whenever it finds the engine idle, until the slot's is posted. A
-    /// batch's error or panic is every slot's of the batch, then and at every later
-    /// request.
+    /// batch's error or panic is every slot's of the batch, a slot's own error its
+    /// alone, then and at every later request.
     ///
     /// # Errors
     ///
-    /// The batch's failure, as [`Error::Panicked`] for a panic, or
+    /// The slot's failure or its batch's, as [`Error::Panicked`] for a panic, or
     /// [`Error::InvalidInput`] saying what failed; [`Error::InvalidInput`] for a slot
     /// that is not reserved.
     pub(crate) fn next(&self, slot: usize, run: &mut RunBatch<'_, E>) -> Result<u32> {
@@ -260,21 +261,22 @@ impl<E> Combiner<E> {
             let outcome = catch_unwind(AssertUnwindSafe(|| run(engine, batch, results)));
             let failure = match outcome {
                 Ok(Ok(())) => None,
-                Ok(Err(error)) => Some(Failure::of(&error)),
+                Ok(Err(error)) => Some(Failure::of(&error, false)),
                 Err(panic) => {
                     let message = panic_message(&*panic);
                     // A payload whose drop panics too must not unwind past the engine's
                     // return.
                     drop_quietly(panic);
-                    Some(Failure { panicked: true, message })
+                    Some(Failure { panicked: true, message, own: false })
                 }
             };
             state = sync::lock(&self.state);
             for (s, (slot, &member)) in state.slots.iter_mut().zip(&held.batch).enumerate() {
                 if member {
-                    *slot = match &failure {
-                        None => Slot::Done(held.results[s]),
-                        Some(failure) => Slot::Failed(failure.clone()),
+                    *slot = match (&failure, &held.results[s]) {
+                        (None, Ok(result)) => Slot::Done(*result),
+                        (None, Err(error)) => Slot::Failed(Failure::of(error, true)),
+                        (Some(failure), _) => Slot::Failed(failure.clone()),
                     };
                 }
             }
@@ -297,11 +299,11 @@ mod tests {
 
     /// A batch's results: the batch's number and the slot, so that a result says which
     /// batch it came from.
-    fn count(engine: &mut u32, batch: &[bool], results: &mut [u32]) -> Result<()> {
+    fn count(engine: &mut u32, batch: &[bool], results: &mut [Result<u32>]) -> Result<()> {
         *engine += 1;
         for (s, (&member, result)) in batch.iter().zip(results).enumerate() {
             if member {
-                *result = *engine * 100 + s as u32;
+                *result = Ok(*engine * 100 + s as u32);
             }
         }
         Ok(())
@@ -428,5 +430,27 @@ mod tests {
         // A slot that is not reserved is not stepped.
         combiner.leave(b);
         assert!(matches!(combiner.next(b, &mut count), Err(Error::InvalidInput(_))));
+    }
+
+    #[test]
+    fn a_slots_own_failure_fails_it_alone_in_its_batch() {
+        // Two callers in one batch (it waits for both), whose run fails slot `a` only.
+        let combiner = Combiner::new(0u32, 2, Duration::from_secs(10));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let fail_a = move |engine: &mut u32, batch: &[bool], results: &mut [Result<u32>]| {
+            count(engine, batch, results)?;
+            results[a] = Err(Error::InvalidInput("slot a's logits are NaN".into()));
+            Ok(())
+        };
+        let (got_a, got_b) = std::thread::scope(|scope| {
+            let other = scope.spawn(|| combiner.next(b, &mut fail_a.clone()));
+            (combiner.next(a, &mut fail_a.clone()), other.join().unwrap())
+        });
+        assert!(matches!(&got_a, Err(Error::InvalidInput(m)) if m.contains("NaN")), "{got_a:?}");
+        assert_eq!(got_b.unwrap(), 100 + b as u32, "the other slot of the batch has its result");
+        // `a` stays failed at every later request; `b` goes on alone.
+        assert!(matches!(combiner.next(a, &mut count), Err(Error::InvalidInput(m)) if m.contains("NaN")));
+        combiner.leave(a);
+        assert_eq!(combiner.next(b, &mut count).unwrap(), 200 + b as u32);
     }
 }

@@ -290,6 +290,22 @@ struct Stream {
     pending: Option<u32>,
     sampling: Sampling,
     rng: Rng,
+    /// A value of its last step's logits that is not finite: the stream is over (its
+    /// neighbours in the step are not).
+    non_finite: Option<f32>,
+}
+
+impl Stream {
+    fn new(len: usize, sampling: Sampling) -> Stream {
+        Stream { len, pending: None, sampling, rng: Rng::new(sampling.seed), non_finite: None }
+    }
+}
+
+/// The error of a stream whose logits hold `bad`.
+fn non_finite_logits(bad: f32) -> Error {
+    Error::InvalidInput(format!(
+        "the model's logits hold {bad}: its weights or a layer give values that are not finite"
+    ))
 }
 
 /// The next token from `logits`, as `sampling` says (`weights`: working space as long).
@@ -530,8 +546,7 @@ impl<'a> Engine<'a> {
         let places = Places::of(&plan, slots)?;
         let mut arena = arena;
         arena.buffers(places.values(), places.tokens())?;
-        let streams =
-            (0..slots).map(|_| Stream { len: 0, pending: None, sampling: Sampling::greedy(), rng: Rng::new(0) });
+        let streams = (0..slots).map(|_| Stream::new(0, Sampling::greedy()));
         Ok(Engine {
             model,
             arena,
@@ -554,10 +569,14 @@ impl<'a> Engine<'a> {
         buffers.values[s * per_slot..(s + 1) * per_slot].fill(0.0);
         let kept = &prompt[prompt.len().saturating_sub(self.plan.context)..];
         buffers.tokens[places.window(s, kept.len())].copy_from_slice(kept);
-        self.streams[s] = Stream { len: kept.len(), pending: None, sampling, rng: Rng::new(sampling.seed) };
+        self.streams[s] = Stream::new(kept.len(), sampling);
         self.rows.clear();
         self.rows.push(StreamRow { slot: s, position: 0 });
-        self.step(kept.len())
+        self.step(kept.len())?;
+        match self.streams[s].non_finite {
+            Some(bad) => Err(non_finite_logits(bad)),
+            None => Ok(()),
+        }
     }
 
     /// The streams stepped together.
@@ -662,12 +681,31 @@ impl<'a> Engine<'a> {
                 actual: vec![out.len()],
             });
         }
-        self.advance(&|_| true, &mut |s, token| out[s] = token)
+        // The streams go together: one's failure is theirs.
+        let mut failure = None;
+        self.advance(&|_| true, &mut |s, token| match token {
+            Ok(token) => out[s] = token,
+            Err(e) => {
+                failure.get_or_insert_with(|| Error::InvalidInput(format!("stream {s}: {e}")));
+            }
+        })?;
+        match failure {
+            Some(e) => {
+                self.failed = Some(e.to_string());
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     /// [`TokenStream::next_tokens`] of the streams `member` says (the others untouched),
-    /// each stream's token to `out`.
-    fn advance(&mut self, member: &dyn Fn(usize) -> bool, out: &mut dyn FnMut(usize, u32)) -> Result<()> {
+    /// each stream's token to `out`, or its own failure: logits that are not finite
+    /// (its neighbours in the step go on). A failed stream is not stepped again.
+    fn advance(&mut self, member: &dyn Fn(usize) -> bool, out: &mut dyn FnMut(usize, Result<u32>)) -> Result<()> {
+        // The streams asked for that have not failed run; every stream asked for gets
+        // its token or its failure.
+        let asked = member;
+        let member = |s: usize, stream: &Stream| asked(s) && stream.non_finite.is_none();
         let (context, places) = (self.plan.context, self.places);
         let keep = (context / 2).max(1);
         // The drawn tokens into the windows: the streams whose cache is full slide their
@@ -675,7 +713,7 @@ impl<'a> Engine<'a> {
         // one step together.
         let buffers = self.arena.held_mut();
         self.rows.clear();
-        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|(s, stream)| member(*s, stream)) {
             let Some(token) = stream.pending.filter(|_| stream.len == context) else { continue };
             let window = &mut buffers.tokens[places.window(s, context + 1)];
             window[context] = token;
@@ -689,7 +727,7 @@ impl<'a> Engine<'a> {
         }
         let buffers = self.arena.held_mut();
         self.rows.clear();
-        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|(s, stream)| member(*s, stream)) {
             if let Some(token) = stream.pending.take() {
                 self.rows.push(StreamRow { slot: s, position: stream.len });
                 buffers.tokens[places.window(s, context + 1)][stream.len] = token;
@@ -702,17 +740,22 @@ impl<'a> Engine<'a> {
         let buffers = self.arena.held_mut();
         let (logits, weights) = buffers.values[places.caches()..].split_at_mut(places.streams * places.vocabulary);
         let per = places.vocabulary;
-        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| member(s)) {
+        for (s, stream) in self.streams.iter_mut().enumerate().filter(|&(s, _)| asked(s)) {
+            if let Some(bad) = stream.non_finite {
+                out(s, Err(non_finite_logits(bad)));
+                continue;
+            }
             let (logits, weights) = (&logits[s * per..(s + 1) * per], &mut weights[s * per..(s + 1) * per]);
             let token = draw(stream.sampling, &mut stream.rng, logits, weights);
             stream.pending = Some(token);
-            out(s, token);
+            out(s, Ok(token));
         }
         Ok(())
     }
 
     /// One step of the rows in `self.rows`, each taking the last `steps` tokens of its
-    /// window: their caches and logits. A failure fails the streams.
+    /// window: their caches and logits. A failure fails the streams; logits that are
+    /// not finite fail their stream alone (its `non_finite`).
     fn step(&mut self, steps: usize) -> Result<()> {
         let Engine { model, arena, plan, places, streams, rows, failed } = self;
         let (n, places) = (rows.len(), *places);
@@ -757,10 +800,10 @@ impl<'a> Engine<'a> {
                     });
                 }
                 for (row, last) in rows.iter().zip(logits.index_axis(Axis(1), steps - 1).outer_iter()) {
-                    if let Some(bad) = last.iter().find(|v| !v.is_finite()) {
-                        return Err(Error::InvalidInput(format!(
-                            "the model's logits hold {bad}: its weights or a layer give values that are not finite"
-                        )));
+                    let bad = last.iter().copied().find(|v| !v.is_finite());
+                    streams[row.slot].non_finite = bad;
+                    if bad.is_some() {
+                        continue;
                     }
                     let at = places.logits(row.slot).start - places.caches();
                     rest[at..at + places.vocabulary].iter_mut().zip(last).for_each(|(o, &v)| *o = v);
@@ -1157,12 +1200,14 @@ impl BatchedStream<'_, '_> {
     /// # Errors
     ///
     /// [`Error::Panicked`] when a layer panicked in a step of its batch, or
-    /// [`Error::InvalidInput`] saying which step failed: then and at every later call
-    /// (the stream's cache may be half written: join again).
+    /// [`Error::InvalidInput`] saying which step failed, or that the stream's logits were
+    /// not finite (its failure alone: the other streams of the step go on): then and at
+    /// every later call (the stream's cache may be half written: join again).
     pub fn next_token(&mut self) -> Result<u32> {
         self.batch.combiner.next(self.slot, &mut |engine, members, tokens| {
             // The batch's streams fail with it (the combiner says so at each one's next
-            // call); the others' caches are as they were, so the engine goes on.
+            // call), and a stream whose logits are not finite alone; the others' caches
+            // are as they were, so the engine goes on.
             engine.failed = None;
             engine.advance(&|s| members[s], &mut |s, token| tokens[s] = token)
         })
