@@ -604,6 +604,8 @@ fn unknown_flags_and_bad_values_are_one_line_usage_errors_naming_the_flag_and_th
         (&["--model", "m", "--idle-timeout-ms", "0"], "'--idle-timeout-ms <MS>'", "10..=600000"),
         (&["--model", "m", "--max-connections", "0"], "'--max-connections <N>'", "1..=65536"),
         (&["--model", "m", "--http-threads", "0"], "'--http-threads <N>'", "1..=1024"),
+        (&["--model", "m", "--stream-batch", "0"], "'--stream-batch <S>'", "1..=256"),
+        (&["--model", "m", "--stream-batch", "257"], "'--stream-batch <S>'", "1..=256"),
         (&["--port", "0"], "--model <PATH>", "required"),
     ] {
         let output = run(args);
@@ -717,6 +719,74 @@ fn a_client_that_goes_away_mid_stream_ends_its_stream_and_frees_the_arena() {
     assert!(
         start.elapsed() < Duration::from_secs(5),
         "the next stream waited {:?} for the arena of a client that had gone",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_stream_batch_steps_concurrent_generations_together_each_with_the_models_own_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, model) = saved_gpt(dir.path());
+    let server = Server::start(&path, &["--workers", "1", "--stream-batch", "4", "--max-tokens", "60"]);
+    // Six clients at once for four slots (two wait for a slot), greedy and sampled,
+    // prompts of several lengths (one past the context of 16), and slides.
+    let requests: [(&str, usize, f32, usize, u64); 6] = [
+        ("ROMEO:", 40, 0.0, 0, 0),
+        ("a", 60, 0.8, 5, 3),
+        ("to be, or not to be", 25, 0.0, 0, 0),
+        ("HERMIONE: ", 50, 1.0, 0, 11),
+        ("o", 7, 0.5, 3, 2),
+        ("ROSE, I am here", 33, 0.0, 0, 0),
+    ];
+    let answers: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let clients: Vec<_> = requests
+            .iter()
+            .map(|&(prompt, tokens, temperature, top_k, seed)| {
+                let server = &server;
+                scope.spawn(move || {
+                    let body = serde_json::json!({
+                        "prompt": prompt, "tokens": tokens, "temperature": temperature, "top_k": top_k, "seed": seed
+                    });
+                    server.send("POST", "/generate", Some(body.to_string().as_bytes()))
+                })
+            })
+            .collect();
+        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for ((prompt, tokens, temperature, top_k, seed), (status, json)) in requests.iter().zip(&answers) {
+        assert_eq!(*status, 200, "{prompt:?}: {json}");
+        let sampling = carve::nn::serve::Sampling::random(*temperature, *top_k, *seed).unwrap();
+        let alone = model.generate(&model.encode(prompt).unwrap(), *tokens, sampling).unwrap();
+        assert_eq!(json["text"], model.decode(&alone).unwrap().as_str(), "{prompt:?}: its own text alone");
+    }
+    // A prompt the model cannot read is the client's error, through the batch too.
+    let (status, json) =
+        server.send("POST", "/generate", Some("{\"prompt\": \"x\u{20ac}\", \"tokens\": 5}".as_bytes()));
+    assert_eq!(status, 400, "{json}");
+    assert!(json["error"].as_str().unwrap().contains('\u{20ac}'), "{json}");
+    let (_, stats) = server.send("GET", "/stats", None);
+    assert_eq!(stats["stream_batch"], 4, "{stats}");
+}
+
+#[test]
+fn a_client_that_goes_away_frees_its_slot_of_the_stream_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = saved_gpt(dir.path());
+    // One slot, and a generation that alone would hold it for many seconds.
+    let server = Server::start(&path, &["--stream-batch", "1", "--max-tokens", "100000"]);
+    let mut gone = server.connect();
+    let body = br#"{"prompt": "a", "tokens": 100000}"#;
+    let head = format!("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    gone.send_raw(head.as_bytes());
+    gone.send_raw(body);
+    std::thread::sleep(Duration::from_millis(300));
+    drop(gone);
+    let start = Instant::now();
+    let (status, json) = server.send("POST", "/generate", Some(br#"{"prompt": "a", "tokens": 5}"#));
+    assert_eq!(status, 200, "{json}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "the next stream waited {:?} for the slot of a client that had gone",
         start.elapsed()
     );
 }

@@ -16,7 +16,10 @@
 //!   prompt, a stream of a language model saved with its characters (`train_gpt
 //!   --save`), its steps in an arena leased for the stream's life. At most
 //!   `--max-tokens` tokens; a client that goes away mid-stream ends its stream at the
-//!   next token, and its arena goes back to the pool.
+//!   next token, and its arena goes back to the pool. With `--stream-batch S`, the
+//!   streams of up to S requests are stepped together instead, in one arena of their
+//!   own (`InferencePool::stream_batch`, on S threads of the server's: see
+//!   `generation.rs`), each request's text still the model's own for its prompt.
 //! - `GET /stats` answers the pool's statistics (`InferencePool::stats`) and the
 //!   server's request counts.
 //! - A bad request (malformed JSON, a wrong number of features, a value that is not a
@@ -58,6 +61,7 @@ use clap::Parser;
 
 #[path = "../../../examples/common/cli.rs"]
 mod cli;
+mod generation;
 mod routes;
 mod server;
 
@@ -160,6 +164,12 @@ struct Args {
         verbatim_doc_comment
     )]
     max_tokens: u32,
+    /// POST /generate: the streams of up to S requests stepped
+    /// together, in one arena of their own, on S threads (1 to
+    /// 256; without it: each stream alone in one of the pool's
+    /// arenas)
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
+    stream_batch: Option<u16>,
     /// The runtime's threads, serving every connection (1 to
     /// 1024; default: the machine's cores)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), verbatim_doc_comment)]
@@ -199,6 +209,15 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         ..Limits::default()
     };
 
+    // A stream batch for POST /generate, when asked for and the model generates text
+    // (without one the route answers 422, as it does without the flag).
+    let batcher = match args.stream_batch {
+        Some(slots) if model.context().is_ok() && model.symbols().is_some() => {
+            Some(generation::Batcher::start(Arc::clone(&model), usize::from(slots), limits.in_flight)?)
+        }
+        _ => None,
+    };
+
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = args.http_threads {
         runtime.worker_threads(usize::from(threads));
@@ -221,6 +240,6 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         );
         println!("listening on 127.0.0.1:{port}");
         std::io::stdout().flush()?;
-        match server::serve(listener, routes::router(pool, &limits), &limits).await {}
+        match server::serve(listener, routes::router(pool, batcher, &limits), &limits).await {}
     })
 }

@@ -24,11 +24,14 @@ use tower::ServiceBuilder;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 
+use crate::generation::{Batcher, Job, Outcome};
 use crate::server::Limits;
 
 /// What the handlers share.
 struct App {
     pool: Arc<InferencePool>,
+    /// `POST /generate`'s stream batch, when there is one (`--stream-batch`).
+    batcher: Option<Batcher>,
     counts: Counts,
     limits: Limits,
 }
@@ -62,8 +65,8 @@ impl Counts {
 /// The routes, inside the layers that bound each request (outermost first): the JSON
 /// of errors and the counts; the time to answer; the requests in flight; the body's
 /// size; the body's silences.
-pub(crate) fn router(pool: Arc<InferencePool>, limits: &Limits) -> Router {
-    let app = Arc::new(App { pool, counts: Counts::default(), limits: *limits });
+pub(crate) fn router(pool: Arc<InferencePool>, batcher: Option<Batcher>, limits: &Limits) -> Router {
+    let app = Arc::new(App { pool, batcher, counts: Counts::default(), limits: *limits });
     let wrong_method = |allow: &'static str, message: &'static str| {
         move || async move { ApiError { allow: Some(allow), ..ApiError::new(StatusCode::METHOD_NOT_ALLOWED, message) } }
     };
@@ -125,6 +128,8 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "client_errors": counts.client_errors.load(Ordering::Relaxed),
         "server_errors": counts.server_errors.load(Ordering::Relaxed),
     });
+    // The slots of POST /generate's stream batch (null: each stream in a pool's arena).
+    stats["stream_batch"] = serde_json::json!(app.batcher.as_ref().map(Batcher::slots));
     json(StatusCode::OK, stats.to_string())
 }
 
@@ -147,7 +152,9 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<axum::b
 fn status_of(e: &Error) -> StatusCode {
     match e {
         Error::NonFinite { .. } | Error::ShapeMismatch { .. } | Error::InvalidInput { .. } => StatusCode::BAD_REQUEST,
-        Error::PoolBusy { .. } | Error::Timeout { .. } | Error::PoolClosed => StatusCode::SERVICE_UNAVAILABLE,
+        Error::PoolBusy { .. } | Error::Timeout { .. } | Error::PoolClosed | Error::BatchFull { .. } => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
@@ -164,7 +171,7 @@ impl Drop for Cancel {
 
 /// `POST /generate`: `{"prompt": "…", "tokens": N}` (and optionally `temperature`,
 /// `top_k`, `seed`) → `{"text": "…", "tokens": N}`, a stream of the pool's model run
-/// on a blocking thread in an arena leased for it.
+/// on a blocking thread in an arena leased for it, or in the stream batch's.
 async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let deadline = Instant::now() + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
@@ -186,17 +193,38 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
     let cancelled = Arc::new(AtomicBool::new(false));
     let _cancel = Cancel(Arc::clone(&cancelled));
     let (tokens, app_time) = (request.tokens, app.limits.request_time);
+    let gone = move || {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the generation took longer than {} ms, or its client went away", app_time.as_millis()),
+        )
+    };
+    let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
+    if let Some(batcher) = &app.batcher {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = Job { prompt: request.prompt, tokens, sampling, deadline, cancelled, reply };
+        if batcher.submit(job).is_err() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the stream batch's {} slots and its queue are full: try again later", batcher.slots()),
+            ));
+        }
+        let out = match answer.await {
+            Ok(Outcome::Tokens(out)) => out,
+            Ok(Outcome::BadPrompt(message)) => return Err(bad(message)),
+            Ok(Outcome::Refused(e)) => return Err(refused(e)),
+            Ok(Outcome::Gone) => return Err(gone()),
+            Err(_) => {
+                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request"))
+            }
+        };
+        let text = pool.model().decode(&out).map_err(refused)?;
+        return Ok(json(StatusCode::OK, serde_json::json!({ "text": text, "tokens": tokens }).to_string()));
+    }
     let generation = tokio::task::spawn_blocking(move || {
-        let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
         // A prompt as long as the body may be: read on this blocking thread, not the
         // runtime's.
         let prompt = pool.model().encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
-        let gone = || {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the generation took longer than {} ms, or its client went away", app_time.as_millis()),
-            )
-        };
         if cancelled.load(Ordering::Relaxed) {
             return Err(gone());
         }
