@@ -288,11 +288,11 @@ fn a_reservation_racing_a_returning_lease_gets_the_arena() {
 }
 
 /// A batch's results for [`Combiner`]'s models: the batch's number and the slot.
-fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [crate::Result<u32>]) -> crate::Result<()> {
+fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [Option<crate::Result<u32>>]) -> crate::Result<()> {
     *engine += 1;
     for (s, (&member, result)) in batch.iter().zip(results).enumerate() {
         if member {
-            *result = Ok(*engine * 100 + s as u32);
+            *result = Some(Ok(*engine * 100 + s as u32));
         }
     }
     Ok(())

@@ -205,6 +205,7 @@ mod tests {
     #[test]
     fn every_nanosecond_is_charged_to_one_part_and_spans_nest() {
         let mut breakdown = StepBreakdown::default();
+        let wall = std::time::Instant::now();
         let step = start(true);
         {
             let _m = span(Part::MatMul);
@@ -216,9 +217,14 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         step.finish(&mut breakdown);
+        let wall = wall.elapsed().as_nanos() as u64;
         assert_eq!(breakdown.steps, 1);
+        // The outer span is charged its own time only, the inner span's to the inner
+        // part: no nanosecond twice (sleeps may run long on a loaded machine, so only
+        // lower bounds and the sum are checked).
         assert!(breakdown.matmul_ns >= 4_000_000, "{breakdown:?}");
-        assert!(breakdown.checks_ns >= 2_000_000 && breakdown.checks_ns < breakdown.matmul_ns, "{breakdown:?}");
+        assert!(breakdown.checks_ns >= 2_000_000, "{breakdown:?}");
+        assert!(breakdown.matmul_ns + breakdown.checks_ns <= wall, "{breakdown:?} in {wall} ns");
         assert_eq!(
             breakdown.total_ns(),
             breakdown.per_step_us().iter().map(|(_, us)| (us * 1e3).round() as u64).sum::<u64>()

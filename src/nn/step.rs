@@ -466,8 +466,13 @@ pub(crate) fn forward<'s>(
     while i < layers.count() {
         *at = i;
         label(labels, |l| l.layers.get(i).copied());
-        let starts = layers.params.block_starts.get(i).copied();
-        for _ in 0..starts.unwrap_or_else(|| blocks_starting_at(layers.layers, i)) {
+        // The network's counts, when its parameters' layout is these layers' (it always
+        // is but for a placeholder layout, which counts nothing).
+        let starts = match &layers.params.block_starts {
+            counted if counted.len() == layers.count() => counted[i],
+            _ => blocks_starting_at(layers.layers, i),
+        };
+        for _ in 0..starts {
             blocks.push(input)?;
         }
         if training && let_go(layers.layers, i) {

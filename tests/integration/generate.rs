@@ -535,14 +535,18 @@ fn logits_that_are_not_finite_fail_their_stream_alone() {
     // The long prompt's stream steps position 4, then 5 at its third token.
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
     let batch = pool.stream_batch(2, carve::nn::serve::MAX_BATCH_WAIT).unwrap();
+    // Both streams joined before either steps, so that their steps go together.
+    let joined = std::sync::Barrier::new(2);
     let (failing, going_on) = std::thread::scope(|scope| {
-        let batch = &batch;
+        let (batch, joined) = (&batch, &joined);
         let other = scope.spawn(move || {
             let mut stream = batch.join(&long, Sampling::greedy()).unwrap();
+            joined.wait();
             let drawn: Vec<carve::Result<u32>> = (0..3).map(|_| stream.next_token()).collect();
             (drawn, stream.next_token(), stream.window())
         });
         let mut stream = batch.join(&short, Sampling::greedy()).unwrap();
+        joined.wait();
         let mut drawn: Vec<u32> = (0..3).map(|_| stream.next_token().unwrap()).collect();
         let failing = other.join().unwrap();
         // Alone in the batch now: the failed stream has left its slot.

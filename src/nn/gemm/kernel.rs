@@ -471,10 +471,11 @@ pub(super) mod x86 {
     /// A few rows' tile, `M × 8·V`, of a product that reads a row-major B where it lies
     /// (the parent module's `FEW_ROWS`): the 6×16 kernel would spend most of its fused
     /// multiply-adds on the zero rows that pad one or two rows to six, so these take as
-    /// many columns as the registers hold for `M` rows instead (`M·V` accumulators, `M`
-    /// broadcasts and one load of B at a time: at most 16 registers). Each element is
-    /// the same sum as the 6×16 kernel's (the products in step order, then one fused
-    /// `beta·C + acc`): the same bits.
+    /// many columns as the registers hold for `M` rows instead (`M·V` accumulators, and
+    /// `M` broadcasts with one load of B at a time, or for a tile of up to six rows by
+    /// 16, A read where it lies, the `V` loads of B with one broadcast at a time: at
+    /// most 16 registers either way). Each element is the same sum as the 6×16 kernel's
+    /// (the products in step order, then one fused `beta·C + acc`): the same bits.
     ///
     /// # Safety
     ///
@@ -501,14 +502,31 @@ pub(super) mod x86 {
             // contract; then both pointers move one step on (`wrapping_offset`: past the
             // last step they are not read).
             unsafe {
-                let mut ai = [_mm256_setzero_ps(); M];
-                for (i, ai) in ai.iter_mut().enumerate() {
-                    *ai = _mm256_broadcast_ss(&*a.offset(i as isize * a_row));
-                }
-                for v in 0..V {
-                    let bv = _mm256_loadu_ps(b.add(8 * v));
-                    for (row, ai) in acc.iter_mut().zip(&ai) {
-                        row[v] = _mm256_fmadd_ps(*ai, bv, row[v]);
+                if M * V + V < 16 {
+                    // B's values of the step held, then one broadcast of A at a time (the
+                    // 6×16 kernel's order): `M·V + V + 1` registers.
+                    let mut bv = [_mm256_setzero_ps(); V];
+                    for (v, bv) in bv.iter_mut().enumerate() {
+                        *bv = _mm256_loadu_ps(b.add(8 * v));
+                    }
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        let ai = _mm256_broadcast_ss(&*a.offset(i as isize * a_row));
+                        for (acc, bv) in row.iter_mut().zip(&bv) {
+                            *acc = _mm256_fmadd_ps(ai, *bv, *acc);
+                        }
+                    }
+                } else {
+                    // Wide tiles: A's values of the step held, then one load of B at a
+                    // time: `M·V + M + 1` registers.
+                    let mut ai = [_mm256_setzero_ps(); M];
+                    for (i, ai) in ai.iter_mut().enumerate() {
+                        *ai = _mm256_broadcast_ss(&*a.offset(i as isize * a_row));
+                    }
+                    for v in 0..V {
+                        let bv = _mm256_loadu_ps(b.add(8 * v));
+                        for (row, ai) in acc.iter_mut().zip(&ai) {
+                            row[v] = _mm256_fmadd_ps(*ai, bv, row[v]);
+                        }
                     }
                 }
                 a = a.wrapping_offset(a_step);

@@ -565,6 +565,7 @@ unsafe fn rows_in_place(
     tile: Tile,
 ) {
     use kernel::x86::{avx2_rows, avx512_rows};
+    debug_assert!((1..=kernel.mr()).contains(&tile.rows), "{} rows of a {kernel:?} tile", tile.rows);
     // SAFETY: row `row`, column `pc` lie in A.
     let (a, r, p) = (unsafe { ops.a.at(row, pc) }, ops.a.row_stride, ops.a.col_stride);
     // SAFETY: in every arm, the caller's contract, with `M == tile.rows` rows of A and
@@ -579,12 +580,14 @@ unsafe fn rows_in_place(
             (Kernel::Avx512Wide, 6) => avx512_rows::<6, 2>(kc, a, r, p, b, b_step, beta, tile),
             (Kernel::Avx512Wide, 7) => avx512_rows::<7, 2>(kc, a, r, p, b, b_step, beta, tile),
             (Kernel::Avx512Wide, _) => avx512_rows::<8, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, 1) => avx2_rows::<1, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, 2) => avx2_rows::<2, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, 3) => avx2_rows::<3, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, 4) => avx2_rows::<4, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, 5) => avx2_rows::<5, 2>(kc, a, r, p, b, b_step, beta, tile),
-            (_, _) => avx2_rows::<6, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, 1) => avx2_rows::<1, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, 2) => avx2_rows::<2, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, 3) => avx2_rows::<3, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, 4) => avx2_rows::<4, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, 5) => avx2_rows::<5, 2>(kc, a, r, p, b, b_step, beta, tile),
+            (Kernel::Avx2Fma, _) => avx2_rows::<6, 2>(kc, a, r, p, b, b_step, beta, tile),
+            // The caller's contract: no other kernel comes here.
+            (other, _) => unreachable!("{other:?} has no few-row twin"),
         }
     }
 }
@@ -1143,7 +1146,8 @@ mod tests {
         // for a last narrow panel), and A too when alpha is 1; its rows must be the bits
         // of the same rows of a taller product, which packs both. Widths below, at and
         // past a panel, a KC slice crossed, B with a row stride past its width and
-        // reversed, A row- and column-major, beta 0 and 1 (alpha 1) and 0.5 (alpha 0.5),
+        // reversed, A row-major, column-major and with its rows reversed (by the number
+        // of rows), C row- and column-major, beta 0 and 1 (alpha 1) and 0.5 (alpha 0.5),
         // every kernel; the packing buffers poisoned with NaN, so that a panel read from
         // the buffer that was never packed shows.
         let tall = 3 * FEW_ROWS;
@@ -1154,7 +1158,10 @@ mod tests {
         {
             let a_tall = matrix(tall, k, 11);
             // The same values column-major (A's steps strided).
-            let a_columns = a_tall.t().to_owned();
+            let mut a_columns = Array2::zeros((tall, k).f());
+            a_columns.assign(&a_tall);
+            // A's rows in reverse (a negative row stride).
+            let a_reversed = a_tall.slice(s![..;-1, ..]);
             let b_store = matrix(k + 3, n + 5, 12);
             let wide = b_store.slice(s![..k, 2..n + 2]);
             let reversed = b_store.slice(s![..k;-1, ..n]);
@@ -1164,34 +1171,46 @@ mod tests {
             for (which, b) in [wide, reversed, exact.view()].into_iter().enumerate() {
                 for kernel in Kernel::all_available() {
                     for beta in [0.0f32, 1.0, 0.5] {
-                        if (n > NC || (k > KC && n > 256)) && (which < 2 || beta != 0.5) {
-                            // The second column block, and the wide tiles across a KC
-                            // slice, once: each case is a tenth of a second in a debug
-                            // build, far more under valgrind.
+                        let once = which == 2 && beta == 0.5;
+                        if (n > NC && !once) || (k > KC && n > 256 && !once && (which < 2 || beta != 0.0)) {
+                            // The second column block once, and the wide tiles across a
+                            // KC slice once with alpha 1 and once with 0.5: each case is a
+                            // tenth of a second in a debug build, far more under valgrind.
                             continue;
                         }
                         let alpha = if beta == 0.5 { 0.5 } else { 1.0 };
                         let start = matrix(tall, n, 13);
-                        let mut packed = start.clone();
                         let mut scratch = vec![MaybeUninit::new(f32::NAN); scratch_len(tall, n, k)];
+                        // The tall products (packed), of A's rows and (with the first B)
+                        // of its rows reversed.
+                        let [mut packed, mut packed_reversed] = [start.clone(), start.clone()];
                         sgemm_with(kernel, alpha, a_tall.view(), b, beta, packed.view_mut(), &mut scratch).unwrap();
+                        let layouts = if which == 0 { 3 } else { 2 };
+                        if which == 0 {
+                            let c = packed_reversed.view_mut();
+                            sgemm_with(kernel, alpha, a_reversed, b, beta, c, &mut scratch).unwrap();
+                        }
                         for m in 1..=FEW_ROWS + 1 {
+                            // A's layout by the number of rows: each layout meets the wide
+                            // tiles (up to four rows) and the kernel's (more).
+                            let (a, packed) = match m % layouts {
+                                0 => (a_tall.slice(s![..m, ..]), &packed),
+                                1 => (a_columns.slice(s![..m, ..]), &packed),
+                                _ => (a_reversed.slice(s![..m, ..]), &packed_reversed),
+                            };
                             let mut few = start.slice(s![..m, ..]).to_owned();
                             scratch.fill(MaybeUninit::new(f32::NAN));
-                            let a = a_tall.slice(s![..m, ..]);
                             sgemm_with(kernel, alpha, a, b, beta, few.view_mut(), &mut scratch).unwrap();
-                            // And into a column-major C (its tiles stored through a buffer),
-                            // from a column-major A.
-                            let mut columns = start.slice(s![..m, ..]).t().to_owned();
+                            // And into a column-major C (its tiles stored through a buffer).
+                            let mut columns = Array2::zeros((m, n).f());
+                            columns.assign(&start.slice(s![..m, ..]));
                             scratch.fill(MaybeUninit::new(f32::NAN));
-                            let c = columns.view_mut().reversed_axes();
-                            let a = a_columns.t().slice_move(s![..m, ..]);
-                            sgemm_with(kernel, alpha, a, b, beta, c, &mut scratch).unwrap();
+                            sgemm_with(kernel, alpha, a, b, beta, columns.view_mut(), &mut scratch).unwrap();
                             for ((i, j), x) in few.indexed_iter() {
                                 let want = packed[[i, j]].to_bits();
                                 let what = format!("{kernel:?} m {m} n {n} k {k} beta {beta}: ({i}, {j})");
                                 assert_eq!(x.to_bits(), want, "{what}");
-                                assert_eq!(columns[[j, i]].to_bits(), want, "{what}, C column-major");
+                                assert_eq!(columns[[i, j]].to_bits(), want, "{what}, C column-major");
                             }
                         }
                     }

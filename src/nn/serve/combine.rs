@@ -39,14 +39,15 @@ struct Held<E> {
     engine: E,
     /// Which slots are in the batch.
     batch: Vec<bool>,
-    /// Each slot's result of the batch: its value, or its own failure.
-    results: Vec<Result<u32>>,
+    /// Each slot's result of the batch: its value, or its own failure (`None`: not
+    /// written by the run, itself a failure).
+    results: Vec<Option<Result<u32>>>,
 }
 
 /// A batch's run: over the engine, which slots are in the batch, and a result per slot
-/// to write (a slot's error fails that slot alone; the run's error, every slot of the
-/// batch).
-pub(crate) type RunBatch<'r, E> = dyn FnMut(&mut E, &[bool], &mut [Result<u32>]) -> Result<()> + 'r;
+/// to write, each of the batch's `None` until it is (a slot's error fails that slot
+/// alone; the run's error, every slot of the batch).
+pub(crate) type RunBatch<'r, E> = dyn FnMut(&mut E, &[bool], &mut [Option<Result<u32>>]) -> Result<()> + 'r;
 
 /// Where a slot stands.
 #[derive(Debug)]
@@ -117,7 +118,7 @@ impl<E> Combiner<E> {
     /// has queued its step, or `max_wait` after the first step was queued, whichever
     /// comes first (0: as soon as the engine is idle, with whatever is queued).
     pub(crate) fn new(engine: E, slots: usize, max_wait: Duration) -> Combiner<E> {
-        let held = Held { engine, batch: vec![false; slots], results: (0..slots).map(|_| Ok(0)).collect() };
+        let held = Held { engine, batch: vec![false; slots], results: (0..slots).map(|_| None).collect() };
         let slots = (0..slots).map(|_| Slot::Vacant).collect();
         let state = Mutex::new(State { held: Some(held), slots, due: None });
         Combiner { state, max_wait, changed: Condvar::new(), vacated: Condvar::new() }
@@ -258,6 +259,8 @@ impl<E> Combiner<E> {
             }
             drop(state);
             let Held { engine, batch, results } = &mut held;
+            // A result the run does not write is not one of an earlier batch's.
+            results.iter_mut().for_each(|r| *r = None);
             let outcome = catch_unwind(AssertUnwindSafe(|| run(engine, batch, results)));
             let failure = match outcome {
                 Ok(Ok(())) => None,
@@ -274,8 +277,13 @@ impl<E> Combiner<E> {
             for (s, (slot, &member)) in state.slots.iter_mut().zip(&held.batch).enumerate() {
                 if member {
                     *slot = match (&failure, &held.results[s]) {
-                        (None, Ok(result)) => Slot::Done(*result),
-                        (None, Err(error)) => Slot::Failed(Failure::of(error, true)),
+                        (None, Some(Ok(result))) => Slot::Done(*result),
+                        (None, Some(Err(error))) => Slot::Failed(Failure::of(error, true)),
+                        (None, None) => Slot::Failed(Failure {
+                            panicked: false,
+                            message: format!("the batch's run gave slot {s} no result"),
+                            own: true,
+                        }),
                         (Some(failure), _) => Slot::Failed(failure.clone()),
                     };
                 }
@@ -299,11 +307,11 @@ mod tests {
 
     /// A batch's results: the batch's number and the slot, so that a result says which
     /// batch it came from.
-    fn count(engine: &mut u32, batch: &[bool], results: &mut [Result<u32>]) -> Result<()> {
+    fn count(engine: &mut u32, batch: &[bool], results: &mut [Option<Result<u32>>]) -> Result<()> {
         *engine += 1;
         for (s, (&member, result)) in batch.iter().zip(results).enumerate() {
             if member {
-                *result = Ok(*engine * 100 + s as u32);
+                *result = Some(Ok(*engine * 100 + s as u32));
             }
         }
         Ok(())
@@ -435,11 +443,11 @@ mod tests {
     #[test]
     fn a_slots_own_failure_fails_it_alone_in_its_batch() {
         // Two callers in one batch (it waits for both), whose run fails slot `a` only.
-        let combiner = Combiner::new(0u32, 2, Duration::from_secs(10));
+        let combiner = Combiner::new(0u32, 2, Duration::from_secs(60));
         let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
-        let fail_a = move |engine: &mut u32, batch: &[bool], results: &mut [Result<u32>]| {
+        let fail_a = move |engine: &mut u32, batch: &[bool], results: &mut [Option<Result<u32>>]| {
             count(engine, batch, results)?;
-            results[a] = Err(Error::InvalidInput("slot a's logits are NaN".into()));
+            results[a] = Some(Err(Error::InvalidInput("slot a's logits are NaN".into())));
             Ok(())
         };
         let (got_a, got_b) = std::thread::scope(|scope| {
@@ -452,5 +460,12 @@ mod tests {
         assert!(matches!(combiner.next(a, &mut count), Err(Error::InvalidInput(m)) if m.contains("NaN")));
         combiner.leave(a);
         assert_eq!(combiner.next(b, &mut count).unwrap(), 200 + b as u32);
+        // A run that writes no result for a slot fails it, rather than posting an
+        // earlier batch's.
+        let silent = combiner.next(b, &mut |engine, _, _| {
+            *engine += 1;
+            Ok(())
+        });
+        assert!(matches!(&silent, Err(Error::InvalidInput(m)) if m.contains("no result")), "{silent:?}");
     }
 }

@@ -1209,7 +1209,7 @@ impl BatchedStream<'_, '_> {
             // call), and a stream whose logits are not finite alone; the others' caches
             // are as they were, so the engine goes on.
             engine.failed = None;
-            engine.advance(&|s| members[s], &mut |s, token| tokens[s] = token)
+            engine.advance(&|s| members[s], &mut |s, token| tokens[s] = Some(token))
         })
     }
 
