@@ -1,6 +1,7 @@
 //! A generated token makes no heap allocation once its step's shape has run in the
 //! arena: a stream of `Model::stream` (the thread's serving arena), a stream of an
-//! `InferencePool` (its leased arena), and a batch of streams, their windows sliding
+//! `InferencePool` (its leased arena), a batch of streams, and stream slots (streams
+//! started and ended between steps), their windows sliding
 //! meanwhile. The count leaves out the harness's thread (the streams run in a thread
 //! of their own), and the binary holds one test, so that nothing but the code under
 //! test is counted.
@@ -60,6 +61,31 @@ fn a_generated_token_allocates_nothing() {
                 batch.next_tokens(&mut out).unwrap();
             }
             counts.push(("Model::streams (5)", allocations() - before));
+            // Stream slots of a pool's arena: three streams at their own positions (one
+            // ended and another started in its slot while warming up), warmed up as the
+            // others, then counted.
+            drop((model_stream, pool_stream));
+            let mut slots = pool.stream_slots(3).unwrap();
+            for prompt in [&[1u32][..], &[2, 3], &[4, 5, 6]] {
+                slots.start(prompt, sampling).unwrap();
+            }
+            let mut out = slots.buffer();
+            let mut step = |slots: &mut carve::nn::serve::StreamSlots<'_>| {
+                slots.next_tokens(&mut out).unwrap();
+                assert!(out.iter().all(|t| matches!(t, Some(Ok(_)))), "{out:?}");
+            };
+            for i in 0..3 * context {
+                if i == context / 2 {
+                    slots.end(1).unwrap();
+                    assert_eq!(slots.start(&[7, 8], sampling).unwrap(), 1);
+                }
+                step(&mut slots);
+            }
+            let before = allocations();
+            for _ in 0..measured {
+                step(&mut slots);
+            }
+            counts.push(("InferencePool::stream_slots (3)", allocations() - before));
             counts
         })
         .join()

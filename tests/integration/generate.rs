@@ -574,3 +574,97 @@ fn logits_that_are_not_finite_fail_their_stream_alone() {
     }
     assert!(matches!(both.next_tokens(&mut out), Err(Error::InvalidInput(m)) if m.contains("earlier step")));
 }
+
+#[test]
+fn stream_slots_start_and_end_streams_between_steps_each_with_its_bits_alone() {
+    let model = model(12, 5);
+    // (prompt, sampling, tokens, the step from which it may start): more streams than
+    // slots, so later ones start in the slots of those that ended, at other positions
+    // than the streams beside them, and every stream slides (context 12).
+    let jobs: Vec<(Vec<u32>, Sampling, usize, usize)> = vec![
+        (vec![1, 2, 3], Sampling::greedy(), 30, 0),
+        (vec![4], Sampling::random(0.9, 4, 1).unwrap(), 20, 5),
+        (vec![5, 6], Sampling::random(1.0, 0, 2).unwrap(), 15, 6),
+        (vec![7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7], Sampling::greedy(), 25, 9),
+    ];
+    let mut slots = model.stream_slots(2).unwrap();
+    let mut out = slots.buffer();
+    let (mut running, mut drawn) = (Vec::<(usize, usize)>::new(), vec![Vec::new(); jobs.len()]);
+    let (mut next, mut step) = (0, 0);
+    while next < jobs.len() || !running.is_empty() {
+        while next < jobs.len() && jobs[next].3 <= step && slots.streams() < slots.slots() {
+            let (prompt, sampling, _, _) = &jobs[next];
+            running.push((next, slots.start(prompt, *sampling).unwrap()));
+            next += 1;
+        }
+        if next < jobs.len() && jobs[next].3 <= step {
+            // Every slot holds a stream: a start is refused, and nothing changes.
+            assert!(matches!(slots.start(&[1], Sampling::greedy()), Err(Error::BatchFull { slots: 2, .. })));
+        }
+        slots.next_tokens(&mut out).unwrap();
+        for &(job, slot) in &running {
+            drawn[job].push(out[slot].take().unwrap().unwrap());
+        }
+        assert!(out.iter().all(Option::is_none), "a token for a slot without a stream: {out:?}");
+        running.retain(|&(job, slot)| {
+            let done = drawn[job].len() == jobs[job].2;
+            if done {
+                slots.end(slot).unwrap();
+            }
+            !done
+        });
+        step += 1;
+    }
+    for ((prompt, sampling, tokens, _), drawn) in jobs.iter().zip(&drawn) {
+        assert_eq!(drawn, &model.generate(prompt, *tokens, *sampling).unwrap(), "{prompt:?}: its tokens alone");
+    }
+    // Bad calls are clear errors, and leave the slots as they were.
+    assert_eq!(slots.streams(), 0);
+    assert!(slots.start(&[13], Sampling::greedy()).is_err(), "a token beyond the vocabulary");
+    assert!(slots.start(&[], Sampling::greedy()).is_err(), "an empty prompt");
+    assert_eq!(slots.streams(), 0);
+    assert!(matches!(slots.end(0), Err(Error::InvalidInput(_))));
+    assert!(matches!(slots.window(1), Err(Error::InvalidInput(_))));
+    assert!(matches!(slots.next_tokens(&mut out[..1]), Err(Error::ShapeMismatch { .. })));
+    assert!(matches!(model.stream_slots(0), Err(Error::InvalidInput(_))));
+}
+
+#[test]
+fn a_stream_slot_that_fails_fails_alone_until_it_is_ended() {
+    // Position 5's embedding is NaN, as in the stream batch's test.
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
+        b.dense(13).seed(2).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let mut params = net.params().to_vec();
+    let table = Model::from_config(&config(), params.clone()).unwrap().layer_params(1).to_vec();
+    let at = params.windows(table.len()).position(|w| w == table.as_slice()).unwrap();
+    params[at + 5 * 8..at + 6 * 8].fill(f32::NAN);
+    let model = Model::from_config(&config(), params).unwrap();
+    let pool = InferencePool::new(Arc::new(model), PoolConfig::direct(1)).unwrap();
+    let model = pool.model();
+    let mut slots = pool.stream_slots(2).unwrap();
+    let (long, short) =
+        (slots.start(&[1, 2, 3, 4], Sampling::greedy()).unwrap(), slots.start(&[7], Sampling::greedy()).unwrap());
+    let mut out = slots.buffer();
+    let mut drawn = Vec::new();
+    for step in 0..4 {
+        slots.next_tokens(&mut out).unwrap();
+        drawn.push(out[short].take().unwrap().unwrap());
+        let long_token = out[long].take().unwrap();
+        match step {
+            // The long stream's third token steps position 5.
+            0 | 1 => assert!(long_token.is_ok(), "{long_token:?}"),
+            _ => assert!(matches!(&long_token, Err(Error::InvalidInput(m)) if m.contains("NaN")), "{long_token:?}"),
+        }
+    }
+    assert_eq!(drawn, model.generate(&[7], 4, Sampling::greedy()).unwrap(), "the stream beside it goes on");
+    assert!(slots.window(long).is_err() && slots.logits(long).is_err());
+    assert_eq!(slots.window(short).unwrap().len(), 4);
+    // Ended, its slot starts the next stream.
+    slots.end(long).unwrap();
+    assert_eq!(slots.start(&[2], Sampling::greedy()).unwrap(), long);
+    slots.next_tokens(&mut out).unwrap();
+    assert_eq!(out[long].take().unwrap().unwrap(), model.generate(&[2], 1, Sampling::greedy()).unwrap()[0]);
+}

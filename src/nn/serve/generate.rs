@@ -1241,3 +1241,264 @@ impl Drop for BatchedStream<'_, '_> {
         self.batch.combiner.leave(self.slot);
     }
 }
+
+/// Streams that start and end at any step, all stepped together by one caller
+/// (continuous batching, as serving stacks schedule generation): a fixed number of
+/// slots in one arena, each slot's cache planned before its first token, and one
+/// [`StreamSlots::next_tokens`] running every started stream's next step as one batch,
+/// whatever position each is at. A server's one thread can so keep an arena busy with
+/// every request it holds, with no thread per stream and no wake-up per token (a
+/// [`StreamBatch`] serves callers that each step their own stream).
+///
+/// Each stream draws the bits it draws alone ([`Model::stream`]). A stream whose logits
+/// are not finite fails alone; a step that fails as a whole (a panicking layer) fails
+/// every stream of it. A failed stream answers its error until it is ended; its slot
+/// then starts the next stream.
+///
+/// Like [`TokenStream`], it stays on the thread that made it (it is not `Send`):
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<carve::nn::serve::StreamSlots<'static>>();
+/// ```
+///
+/// ```
+/// use carve::nn::serve::Sampling;
+/// use carve::nn::{Network, NetworkConfig};
+///
+/// let config = NetworkConfig::builder(10)
+///     .embedding(8)
+///     .position_embedding(16)
+///     .residual(|b| b.layer_norm().attention(2))
+///     .layer_norm()
+///     .dense(10)
+///     .seed(3)
+///     .build()?;
+/// let model = Network::new(config)?.freeze()?;
+/// let mut slots = model.stream_slots(2)?;
+/// let first = slots.start(&[1, 2, 3], Sampling::greedy())?;
+/// let mut out = slots.buffer();
+/// slots.next_tokens(&mut out)?;
+/// // A second stream joins at the next step, the first goes on.
+/// let second = slots.start(&[4], Sampling::greedy())?;
+/// let mut drawn = (vec![out[first].take().unwrap()?], Vec::new());
+/// for _ in 0..5 {
+///     slots.next_tokens(&mut out)?;
+///     drawn.0.push(out[first].take().unwrap()?);
+///     drawn.1.push(out[second].take().unwrap()?);
+/// }
+/// assert_eq!(drawn.0, model.generate(&[1, 2, 3], 6, Sampling::greedy())?);
+/// assert_eq!(drawn.1, model.generate(&[4], 5, Sampling::greedy())?);
+/// slots.end(first)?; // its slot is free for the next stream
+/// # Ok::<(), carve::Error>(())
+/// ```
+pub struct StreamSlots<'a> {
+    engine: Engine<'a>,
+    slots: Vec<SlotState>,
+    on_its_thread: PhantomData<std::sync::MutexGuard<'static, ()>>,
+}
+
+/// Where a slot of [`StreamSlots`] stands.
+#[derive(Debug)]
+enum SlotState {
+    Vacant,
+    Active,
+    /// Why its stream failed.
+    Failed(String),
+}
+
+impl std::fmt::Debug for StreamSlots<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSlots")
+            .field("slots", &self.slots.len())
+            .field("streams", &self.streams())
+            .field("context", &self.engine.context())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// [`StreamSlots`] of `slots` slots in this thread's serving arena.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] for 0 slots or slots whose caches cannot be held; as
+    /// [`Model::stream`] for a model that cannot generate.
+    pub fn stream_slots(&self, slots: usize) -> Result<StreamSlots<'_>> {
+        StreamSlots::new(self, Arena::Thread(StreamBuffers::default()), slots)
+    }
+}
+
+impl InferencePool {
+    /// [`StreamSlots`] of `slots` slots in an arena leased for their life (waiting
+    /// while every arena is in use).
+    ///
+    /// # Errors
+    ///
+    /// As [`Model::stream_slots`] and [`InferencePool::lease`].
+    pub fn stream_slots(&self, slots: usize) -> Result<StreamSlots<'_>> {
+        let model: &Model = self.model();
+        StreamSlots::check(model, slots)?;
+        StreamSlots::new(model, Arena::Leased(self.lease()?.into_streams()), slots)
+    }
+}
+
+impl<'a> StreamSlots<'a> {
+    /// The slots' count and the model checked before an arena is taken.
+    fn check(model: &Model, slots: usize) -> Result<()> {
+        if slots == 0 {
+            return Err(Error::InvalidInput("stream slots of 0 slots hold no stream: give at least 1".into()));
+        }
+        Places::of(&StatePlan::of(model)?, slots).map(|_| ())
+    }
+
+    fn new(model: &'a Model, arena: Arena<'a>, slots: usize) -> Result<StreamSlots<'a>> {
+        StreamSlots::check(model, slots)?;
+        let engine = Engine::vacant(model, arena, slots)?;
+        Ok(StreamSlots { engine, slots: (0..slots).map(|_| SlotState::Vacant).collect(), on_its_thread: PhantomData })
+    }
+
+    /// The slots.
+    pub fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// A buffer for [`StreamSlots::next_tokens`]: an entry per slot, all `None`.
+    pub fn buffer(&self) -> Vec<Option<Result<u32>>> {
+        std::iter::repeat_with(|| None).take(self.slots.len()).collect()
+    }
+
+    /// The streams started and not ended (failed ones included).
+    pub fn streams(&self) -> usize {
+        self.slots.iter().filter(|s| !matches!(s, SlotState::Vacant)).count()
+    }
+
+    /// The most tokens a stream's cache holds (the model's context).
+    pub fn context(&self) -> usize {
+        self.engine.context()
+    }
+
+    /// The bytes of one stream's cache ([`Model::kv_cache_bytes`]).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.engine.kv_cache_bytes()
+    }
+
+    /// Starts a stream from `prompt` (its last `context` tokens), drawn as `sampling`
+    /// says, in a free slot: its prompt run through the model now, its first token
+    /// drawn at the next [`StreamSlots::next_tokens`]. Returns the slot.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BatchFull`] when every slot holds a stream; as [`Model::stream`] for the
+    /// prompt (the slot stays free).
+    pub fn start(&mut self, prompt: &[u32], sampling: Sampling) -> Result<usize> {
+        let Some(slot) = self.slots.iter().position(|s| matches!(s, SlotState::Vacant)) else {
+            return Err(Error::BatchFull { slots: self.slots.len(), waited: Duration::ZERO });
+        };
+        // Another slot's failure is its own: this stream starts afresh.
+        self.engine.failed = None;
+        self.engine.start_slot(slot, prompt, sampling)?;
+        self.slots[slot] = SlotState::Active;
+        Ok(slot)
+    }
+
+    /// Ends the stream in `slot` (failed or not): the slot is free for the next.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when the slot holds no stream.
+    pub fn end(&mut self, slot: usize) -> Result<()> {
+        match self.slots.get(slot) {
+            Some(SlotState::Active | SlotState::Failed(_)) => {
+                self.slots[slot] = SlotState::Vacant;
+                Ok(())
+            }
+            _ => Err(self.no_stream(slot)),
+        }
+    }
+
+    /// The next token of every started stream, as one step: `out[slot]` gets
+    /// `Some(Ok(token))`, `Some(Err(why))` for a stream that failed (at this step or
+    /// before), and `None` for a free slot. Nothing is allocated but an error's message,
+    /// once the step's shape has been planned (how many streams step together, one
+    /// token or a slide: the first step of each shape plans it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShapeMismatch`] when `out` does not hold one entry per slot; a failure
+    /// of the whole step ([`Error::Panicked`] for a panicking layer, workspace errors),
+    /// which fails every stream of the step (each `out` entry says so too).
+    pub fn next_tokens(&mut self, out: &mut [Option<Result<u32>>]) -> Result<()> {
+        if out.len() != self.slots.len() {
+            return Err(Error::ShapeMismatch {
+                context: "tokens out of a step of stream slots (one entry per slot)".into(),
+                expected: vec![self.slots.len()],
+                actual: vec![out.len()],
+            });
+        }
+        let StreamSlots { engine, slots, .. } = self;
+        for (s, (out, slot)) in out.iter_mut().zip(slots.iter()).enumerate() {
+            *out = match slot {
+                SlotState::Failed(why) => Some(Err(failed_earlier(s, why))),
+                SlotState::Vacant | SlotState::Active => None,
+            };
+        }
+        engine.failed = None;
+        let active = |s: usize| matches!(slots[s], SlotState::Active);
+        let stepped = engine.advance(&active, &mut |s, token| out[s] = Some(token));
+        if let Err(e) = stepped {
+            let why = e.to_string();
+            for (s, (out, slot)) in out.iter_mut().zip(slots.iter_mut()).enumerate() {
+                if matches!(slot, SlotState::Active) {
+                    *out = Some(Err(failed_earlier(s, &why)));
+                    *slot = SlotState::Failed(why.clone());
+                }
+            }
+            return Err(e);
+        }
+        for (out, slot) in out.iter().zip(slots.iter_mut()) {
+            if let (Some(Err(e)), SlotState::Active) = (out, &slot) {
+                *slot = SlotState::Failed(e.to_string());
+            }
+        }
+        Ok(())
+    }
+
+    /// The tokens the cache of the stream in `slot` holds (see [`TokenStream::window`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when the slot holds no stream, or one that failed.
+    pub fn window(&self, slot: usize) -> Result<&[u32]> {
+        self.check_active(slot)?;
+        Ok(self.engine.window_of(slot))
+    }
+
+    /// The logits the last token of the stream in `slot` was drawn from (see
+    /// [`TokenStream::logits`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`StreamSlots::window`].
+    pub fn logits(&self, slot: usize) -> Result<&[f32]> {
+        self.check_active(slot)?;
+        Ok(self.engine.logits_of(slot))
+    }
+
+    fn check_active(&self, slot: usize) -> Result<()> {
+        match self.slots.get(slot) {
+            Some(SlotState::Active) => Ok(()),
+            Some(SlotState::Failed(why)) => Err(failed_earlier(slot, why)),
+            _ => Err(self.no_stream(slot)),
+        }
+    }
+
+    fn no_stream(&self, slot: usize) -> Error {
+        Error::InvalidInput(format!("slot {slot} of {} holds no stream", self.slots.len()))
+    }
+}
+
+/// The error of the stream in `slot`, which failed as `why` says.
+fn failed_earlier(slot: usize, why: &str) -> Error {
+    Error::InvalidInput(format!("the stream in slot {slot} failed ({why}); end it and start a new one"))
+}

@@ -30,6 +30,6 @@ mod stack;
 pub(crate) mod turns;
 
 pub use config::{PoolConfig, PoolMode};
-pub use generate::{BatchedStream, Sampling, StreamBatch, TokenStream, MAX_BATCH_WAIT, MAX_CONTEXT};
+pub use generate::{BatchedStream, Sampling, StreamBatch, StreamSlots, TokenStream, MAX_BATCH_WAIT, MAX_CONTEXT};
 pub use model::Model;
 pub use pool::{InferencePool, PoolLease, PoolStats};
