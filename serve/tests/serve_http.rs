@@ -728,7 +728,8 @@ fn a_stream_batch_steps_concurrent_generations_together_each_with_the_models_own
     let dir = tempfile::tempdir().unwrap();
     let (path, model) = saved_gpt(dir.path());
     let server = Server::start(&path, &["--workers", "1", "--stream-batch", "4", "--max-tokens", "60"]);
-    // Six clients at once for four slots (two wait for a slot), greedy and sampled,
+    // Six clients at once for four slots (two wait for a slot, and start beside the
+    // streams under way when slots come free), greedy and sampled,
     // prompts of several lengths (one past the context of 16), and slides.
     let requests: [(&str, usize, f32, usize, u64); 6] = [
         ("ROMEO:", 40, 0.0, 0, 0),
@@ -765,7 +766,7 @@ fn a_stream_batch_steps_concurrent_generations_together_each_with_the_models_own
     assert_eq!(status, 400, "{json}");
     assert!(json["error"].as_str().unwrap().contains('\u{20ac}'), "{json}");
     let (_, stats) = server.send("GET", "/stats", None);
-    assert_eq!(stats["stream_batch"], 4, "{stats}");
+    assert_eq!(stats["stream_batch"], serde_json::json!({"slots": 4, "arenas": 1}), "{stats}");
 }
 
 #[test]
@@ -773,7 +774,7 @@ fn a_client_that_goes_away_frees_its_slot_of_the_stream_batch() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = saved_gpt(dir.path());
     // One slot, and a generation that alone would hold it for many seconds.
-    let server = Server::start(&path, &["--stream-batch", "1", "--max-tokens", "100000"]);
+    let server = Server::start(&path, &["--workers", "1", "--stream-batch", "1", "--max-tokens", "100000"]);
     let mut gone = server.connect();
     let body = br#"{"prompt": "a", "tokens": 100000}"#;
     let head = format!("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());

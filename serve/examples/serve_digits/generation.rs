@@ -1,26 +1,25 @@
-//! `POST /generate` through a stream batch (`--stream-batch S`): the streams of up to S
-//! requests stepped together in one arena of their own, whoever their clients are.
+//! `POST /generate` with continuous batching (`--stream-batch S`): the streams of the
+//! requests in flight stepped together, S per arena, by one thread per arena.
 //!
-//! A [`StreamBatch`] stays on the thread that made it (its arena's turn records that
-//! thread) and is shared by reference with the threads that join it, so the batch lives
-//! on a thread of its own: it makes the batch, then runs S workers in a scope around it,
-//! each serving one request at a time (join, step, leave). The route hands a request to
-//! the workers through a bounded queue and awaits its answer on a oneshot channel, so no
-//! runtime thread ever waits on the batch. A worker checks the request's deadline and
-//! whether its client is still there before it joins and before every token: a request
-//! that waited out its time in the queue is answered 503 without a stream, and a client
-//! that goes away ends its stream at the next token, freeing its slot.
+//! Each of the K threads (`--workers`) leases an arena of a pool of its own and keeps
+//! [`StreamSlots`] of S slots in it (slots stay on the thread that made them). Between
+//! two steps it ends the streams whose requests are answered, gone (their client
+//! disconnected) or out of time, and starts the requests that wait in the queue in the
+//! slots that came free; then one `next_tokens` runs every stream's next step as one
+//! batch, whatever position each is at. A thread with no stream waits for the queue;
+//! one with streams takes what is queued without waiting. So a request costs no thread
+//! of its own and a token no wake-up, and each request's text is still the model's own
+//! for its prompt (a stream draws the bits it draws alone). The route hands a request
+//! to the threads through a bounded queue and awaits its answer on a oneshot channel, so
+//! no runtime thread ever waits on a step.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling, StreamBatch};
+use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling, StreamSlots};
 use tokio::sync::oneshot;
-
-/// How long a step of the batch waits for the streams that have not queued theirs.
-const MAX_WAIT: Duration = Duration::from_millis(1);
 
 /// One request's generation.
 pub(crate) struct Job {
@@ -33,59 +32,74 @@ pub(crate) struct Job {
     pub(crate) reply: oneshot::Sender<Outcome>,
 }
 
+impl Job {
+    fn gone(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed) || Instant::now() >= self.deadline
+    }
+}
+
 /// How a job ended.
 pub(crate) enum Outcome {
     /// The tokens drawn.
     Tokens(Vec<u32>),
     /// The prompt cannot start a stream (a symbol outside the model's characters).
     BadPrompt(String),
-    /// The batch refused or failed the stream.
+    /// The stream was refused or failed.
     Refused(carve::Error),
     /// The request's time ran out, or its client went away.
     Gone,
 }
 
-/// The queue to the batch's workers.
+/// The queue to the generation threads.
 pub(crate) struct Batcher {
     jobs: SyncSender<Job>,
     slots: usize,
+    arenas: usize,
 }
 
 impl Batcher {
-    /// A stream batch of `slots` slots over `model` in an arena of its own (a pool of
-    /// one), its `slots` workers started, and a queue of at most `queue` waiting jobs.
+    /// `arenas` threads, each with stream slots of `slots` slots in an arena of a pool
+    /// of their own over `model`, and a queue of at most `queue` waiting jobs.
     ///
     /// # Errors
     ///
-    /// The pool's or the batch's error (the model cannot generate, or `slots` is out of
-    /// range), or the thread's.
-    pub(crate) fn start(model: Arc<Model>, slots: usize, queue: usize) -> Result<Batcher, Box<dyn std::error::Error>> {
+    /// The pool's or the slots' error (the model cannot generate, or the slots' caches
+    /// cannot be held), or a thread's.
+    pub(crate) fn start(
+        model: Arc<Model>,
+        arenas: usize,
+        slots: usize,
+        queue: usize,
+    ) -> Result<Batcher, Box<dyn std::error::Error>> {
         let (jobs, waiting) = sync_channel::<Job>(queue.max(1));
-        let (ready, started) = sync_channel::<Result<(), String>>(1);
-        std::thread::Builder::new().name("stream-batch".into()).spawn(move || {
-            let pool = match InferencePool::new(Arc::clone(&model), PoolConfig::direct(1)) {
-                Ok(pool) => pool,
-                Err(e) => return drop(ready.send(Err(e.to_string()))),
-            };
-            let batch = match pool.stream_batch(slots, MAX_WAIT) {
-                Ok(batch) => batch,
-                Err(e) => return drop(ready.send(Err(e.to_string()))),
-            };
-            let _ = ready.send(Ok(()));
-            let waiting = Mutex::new(waiting);
-            std::thread::scope(|scope| {
-                for _ in 0..slots {
-                    scope.spawn(|| work(&model, &batch, &waiting));
-                }
-            });
-        })?;
-        started.recv().map_err(|_| "the stream batch's thread ended before it started")??;
-        Ok(Batcher { jobs, slots })
+        let waiting = Arc::new(Mutex::new(waiting));
+        let pool = Arc::new(InferencePool::new(model, PoolConfig::direct(arenas))?);
+        let (ready, started) = sync_channel::<Result<(), String>>(arenas);
+        for i in 0..arenas {
+            let (pool, waiting, ready) = (Arc::clone(&pool), Arc::clone(&waiting), ready.clone());
+            std::thread::Builder::new().name(format!("generate-{i}")).spawn(move || {
+                let mut streams = match pool.stream_slots(slots) {
+                    Ok(streams) => streams,
+                    Err(e) => return drop(ready.send(Err(e.to_string()))),
+                };
+                let _ = ready.send(Ok(()));
+                drive(pool.model(), &mut streams, &waiting);
+            })?;
+        }
+        for _ in 0..arenas {
+            started.recv().map_err(|_| "a generation thread ended before it started")??;
+        }
+        Ok(Batcher { jobs, slots, arenas })
     }
 
-    /// The slots of the batch.
+    /// The slots of each arena.
     pub(crate) fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// The arenas (and threads).
+    pub(crate) fn arenas(&self) -> usize {
+        self.arenas
     }
 
     /// Queues `job`; gives it back when the queue is full.
@@ -96,44 +110,115 @@ impl Batcher {
     }
 }
 
-/// A worker: the next job of the queue, until the queue is gone.
-fn work(model: &Model, batch: &StreamBatch<'_>, waiting: &Mutex<Receiver<Job>>) {
+/// A request in a slot, and the tokens it has drawn.
+struct Running {
+    job: Job,
+    slot: usize,
+    drawn: Vec<u32>,
+}
+
+/// A generation thread: steps its streams, taking queued jobs into free slots, until
+/// the queue is gone and its streams are done.
+fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
+    let mut running: Vec<Running> = Vec::with_capacity(streams.slots());
+    let mut out = streams.buffer();
+    let mut open = true;
     loop {
-        // A worker that panicked while holding the lock leaves it poisoned; the queue
-        // itself is sound, so the others go on.
-        let next = waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).recv();
-        let Ok(job) = next else { return };
-        let outcome = run(model, batch, &job);
-        // A client that went away reads nothing: its answer is dropped.
-        let _ = job.reply.send(outcome);
+        // Requests answered by now, or gone: their slots come free.
+        running.retain_mut(|r| {
+            if r.drawn.len() < r.job.tokens && !r.job.gone() {
+                return true;
+            }
+            let _ = streams.end(r.slot);
+            let outcome = if r.drawn.len() == r.job.tokens {
+                Outcome::Tokens(std::mem::take(&mut r.drawn))
+            } else {
+                Outcome::Gone
+            };
+            reply(&mut r.job, outcome);
+            false
+        });
+        // Queued requests into the free slots: waiting for one when there is nothing to
+        // step, taking only what is there otherwise.
+        while open && running.len() < streams.slots() {
+            let next = {
+                // A thread that panicked holding the lock leaves it poisoned; the queue
+                // itself is sound.
+                let queue = if running.is_empty() {
+                    waiting.lock().unwrap_or_else(|p| p.into_inner())
+                } else {
+                    match waiting.try_lock() {
+                        Ok(queue) => queue,
+                        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                        // Another thread waits on the queue: it takes what comes.
+                        Err(std::sync::TryLockError::WouldBlock) => break,
+                    }
+                };
+                if running.is_empty() {
+                    // Woken now and then, so that a queue that is gone is seen.
+                    match queue.recv_timeout(Duration::from_millis(100)) {
+                        Ok(job) => Some(job),
+                        Err(RecvTimeoutError::Timeout) => None,
+                        Err(RecvTimeoutError::Disconnected) => {
+                            open = false;
+                            None
+                        }
+                    }
+                } else {
+                    match queue.try_recv() {
+                        Ok(job) => Some(job),
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            open = false;
+                            None
+                        }
+                    }
+                }
+            };
+            let Some(mut job) = next else { continue };
+            if job.gone() {
+                reply(&mut job, Outcome::Gone);
+                continue;
+            }
+            let prompt = match model.encode(&job.prompt) {
+                Ok(prompt) => prompt,
+                Err(e) => {
+                    reply(&mut job, Outcome::BadPrompt(format!("the prompt: {e}")));
+                    continue;
+                }
+            };
+            match streams.start(&prompt, job.sampling) {
+                Ok(slot) => running.push(Running { drawn: Vec::with_capacity(job.tokens), job, slot }),
+                Err(e) => reply(&mut job, Outcome::Refused(e)),
+            }
+        }
+        if running.is_empty() {
+            if open {
+                continue;
+            }
+            return;
+        }
+        // One step of every stream; a stream that fails is answered with its error.
+        let stepped = streams.next_tokens(&mut out);
+        running.retain_mut(|r| match out[r.slot].take() {
+            Some(Ok(token)) => {
+                r.drawn.push(token);
+                true
+            }
+            Some(Err(e)) => {
+                let _ = streams.end(r.slot);
+                reply(&mut r.job, Outcome::Refused(e));
+                false
+            }
+            None => true,
+        });
+        // (A step that failed as a whole failed each stream of it, answered above.)
+        drop(stepped);
     }
 }
 
-/// One job's stream in the batch.
-fn run(model: &Model, batch: &StreamBatch<'_>, job: &Job) -> Outcome {
-    let gone = || job.cancelled.load(Ordering::Relaxed) || Instant::now() >= job.deadline;
-    if gone() {
-        return Outcome::Gone;
-    }
-    let prompt = match model.encode(&job.prompt) {
-        Ok(prompt) => prompt,
-        Err(e) => return Outcome::BadPrompt(format!("the prompt: {e}")),
-    };
-    let wait = job.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let mut stream = match batch.join_timeout(&prompt, job.sampling, wait) {
-        Ok(stream) => stream,
-        Err(e) => return Outcome::Refused(e),
-    };
-    let mut out = Vec::with_capacity(job.tokens);
-    for _ in 0..job.tokens {
-        if gone() {
-            // No one reads the answer: the stream ends, its slot is free.
-            return Outcome::Gone;
-        }
-        match stream.next_token() {
-            Ok(token) => out.push(token),
-            Err(e) => return Outcome::Refused(e),
-        }
-    }
-    Outcome::Tokens(out)
+/// Sends `outcome` to the job's request (a client that went away reads nothing).
+fn reply(job: &mut Job, outcome: Outcome) {
+    let (sender, _) = oneshot::channel();
+    let _ = std::mem::replace(&mut job.reply, sender).send(outcome);
 }

@@ -17,9 +17,10 @@
 //!   --save`), its steps in an arena leased for the stream's life. At most
 //!   `--max-tokens` tokens; a client that goes away mid-stream ends its stream at the
 //!   next token, and its arena goes back to the pool. With `--stream-batch S`, the
-//!   streams of up to S requests are stepped together instead, in one arena of their
-//!   own (`InferencePool::stream_batch`, on S threads of the server's: see
-//!   `generation.rs`), each request's text still the model's own for its prompt.
+//!   streams of the requests in flight are stepped together instead (continuous
+//!   batching), S per arena in `--workers` arenas of their own, a thread each
+//!   (`StreamSlots`: see `generation.rs`), each request's text still the model's own for
+//!   its prompt.
 //! - `GET /stats` answers the pool's statistics (`InferencePool::stats`) and the
 //!   server's request counts.
 //! - A bad request (malformed JSON, a wrong number of features, a value that is not a
@@ -164,10 +165,10 @@ struct Args {
         verbatim_doc_comment
     )]
     max_tokens: u32,
-    /// POST /generate: the streams of up to S requests stepped
-    /// together, in one arena of their own, on S threads (1 to
-    /// 256; without it: each stream alone in one of the pool's
-    /// arenas)
+    /// POST /generate: the streams of the requests in flight
+    /// stepped together, up to S in each of --workers arenas of
+    /// their own, a thread each (1 to 256; without it: each
+    /// stream alone in one of the pool's arenas)
     #[arg(long, value_name = "S", value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
     stream_batch: Option<u16>,
     /// The runtime's threads, serving every connection (1 to
@@ -213,7 +214,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     // (without one the route answers 422, as it does without the flag).
     let batcher = match args.stream_batch {
         Some(slots) if model.context().is_ok() && model.symbols().is_some() => {
-            Some(generation::Batcher::start(Arc::clone(&model), usize::from(slots), limits.in_flight)?)
+            let arenas = pool.config().workers;
+            Some(generation::Batcher::start(Arc::clone(&model), arenas, usize::from(slots), limits.in_flight)?)
         }
         _ => None,
     };

@@ -128,8 +128,10 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "client_errors": counts.client_errors.load(Ordering::Relaxed),
         "server_errors": counts.server_errors.load(Ordering::Relaxed),
     });
-    // The slots of POST /generate's stream batch (null: each stream in a pool's arena).
-    stats["stream_batch"] = serde_json::json!(app.batcher.as_ref().map(Batcher::slots));
+    // POST /generate's stream slots per arena and arenas (null: each stream alone in
+    // an arena of the pool).
+    stats["stream_batch"] =
+        serde_json::json!(app.batcher.as_ref().map(|b| serde_json::json!({"slots": b.slots(), "arenas": b.arenas()})));
     json(StatusCode::OK, stats.to_string())
 }
 
@@ -171,7 +173,8 @@ impl Drop for Cancel {
 
 /// `POST /generate`: `{"prompt": "…", "tokens": N}` (and optionally `temperature`,
 /// `top_k`, `seed`) → `{"text": "…", "tokens": N}`, a stream of the pool's model run
-/// on a blocking thread in an arena leased for it, or in the stream batch's.
+/// on a blocking thread in an arena leased for it, or beside the other requests' in
+/// a generation thread's stream slots (`--stream-batch`).
 async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let deadline = Instant::now() + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
@@ -206,7 +209,11 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         if batcher.submit(job).is_err() {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("the stream batch's {} slots and its queue are full: try again later", batcher.slots()),
+                format!(
+                    "the {} generation arenas' {} slots each and their queue are full: try again later",
+                    batcher.arenas(),
+                    batcher.slots()
+                ),
             ));
         }
         let out = match answer.await {
