@@ -18,6 +18,7 @@ import argparse
 import http.client
 import json
 import os
+import select
 import shlex
 import subprocess
 import threading
@@ -27,9 +28,11 @@ PROMPTS = ["ROMEO:", "JULIET:", "To be, or not", "HAMLET:", "First Citizen:", "O
 
 
 def serve(binary, model, extra):
-    args = [binary, "--model", model, "--port", "0", "--max-tokens", "1000"] + shlex.split(extra)
+    args = [binary, "--model", model, "--port", "0", "--max-tokens", "100000"] + shlex.split(extra)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
+    # At most a minute for the server to say where it listens.
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else ""
     prefix = "listening on 127.0.0.1:"
     if not line.startswith(prefix):
         proc.kill()
@@ -37,7 +40,14 @@ def serve(binary, model, extra):
     return proc, int(line[len(prefix):])
 
 
-def client(port, prompt, tokens, until, latencies, counts, index):
+def client(port, prompt, tokens, until, latencies, counts, index, errors):
+    try:
+        requests(port, prompt, tokens, until, latencies, counts, index)
+    except BaseException as e:  # a thread's exception is not the run's: kept for it
+        errors.append(f"client {index}: {e!r}")
+
+
+def requests(port, prompt, tokens, until, latencies, counts, index):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     body = json.dumps({"prompt": prompt, "tokens": tokens, "temperature": 0})
     done = 0
@@ -48,7 +58,7 @@ def client(port, prompt, tokens, until, latencies, counts, index):
         response = conn.getresponse()
         answer = json.loads(response.read())
         if response.status != 200:
-            raise SystemExit(f"{response.status}: {answer}")
+            raise RuntimeError(f"{response.status}: {answer}")
         latencies.append(time.monotonic() - start)
         done += answer["tokens"]
         if until is None:
@@ -61,8 +71,8 @@ def run(binary, model, extra, clients, tokens, seconds):
     proc, port = serve(binary, model, extra)
     try:
         # Every client's first request (the arenas' and plans' first use) before the clock.
-        warm = []
-        threads = [threading.Thread(target=client, args=(port, PROMPTS[i % len(PROMPTS)], tokens, None, warm, [0] * clients, i))
+        warm, errors = [], []
+        threads = [threading.Thread(target=client, args=(port, PROMPTS[i % len(PROMPTS)], tokens, None, warm, [0] * clients, i, errors))
                    for i in range(clients)]
         for t in threads:
             t.start()
@@ -71,7 +81,7 @@ def run(binary, model, extra, clients, tokens, seconds):
         latencies, counts = [], [0] * clients
         start = time.monotonic()
         until = start + seconds
-        threads = [threading.Thread(target=client, args=(port, PROMPTS[i % len(PROMPTS)], tokens, until, latencies, counts, i))
+        threads = [threading.Thread(target=client, args=(port, PROMPTS[i % len(PROMPTS)], tokens, until, latencies, counts, i, errors))
                    for i in range(clients)]
         for t in threads:
             t.start()
@@ -81,6 +91,8 @@ def run(binary, model, extra, clients, tokens, seconds):
     finally:
         proc.kill()
         proc.wait()
+    if errors or len(latencies) < clients:
+        raise SystemExit(f"serve_digits {extra!r}: {len(latencies)} requests answered; {errors[:3]}")
     latencies.sort()
     at = lambda q: latencies[min(len(latencies) - 1, round((len(latencies) - 1) * q))] * 1e3
     return {"server_args": extra, "clients": clients, "tokens_per_request": tokens, "requests": len(latencies),

@@ -599,7 +599,8 @@ fn stream_slots_start_and_end_streams_between_steps_each_with_its_bits_alone() {
         }
         if next < jobs.len() && jobs[next].3 <= step {
             // Every slot holds a stream: a start is refused, and nothing changes.
-            assert!(matches!(slots.start(&[1], Sampling::greedy()), Err(Error::BatchFull { slots: 2, .. })));
+            let full = slots.start(&[1], Sampling::greedy());
+            assert!(matches!(&full, Err(Error::InvalidInput(m)) if m.contains("all 2 slots")), "{full:?}");
         }
         slots.next_tokens(&mut out).unwrap();
         for &(job, slot) in &running {
@@ -667,4 +668,40 @@ fn a_stream_slot_that_fails_fails_alone_until_it_is_ended() {
     assert_eq!(slots.start(&[2], Sampling::greedy()).unwrap(), long);
     slots.next_tokens(&mut out).unwrap();
     assert_eq!(out[long].take().unwrap().unwrap(), model.generate(&[2], 1, Sampling::greedy()).unwrap()[0]);
+}
+
+static ARMED_SLOTS: AtomicBool = AtomicBool::new(false);
+
+#[test]
+fn a_panicking_step_fails_every_stream_slot_and_a_failed_prompt_leaves_its_slot_free() {
+    let config = || {
+        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
+        b.layer(Tripwire(&ARMED_SLOTS)).dense(13).seed(2).build().unwrap()
+    };
+    let net = Network::new(config()).unwrap();
+    let model = Model::from_config(&config(), net.params().to_vec()).unwrap();
+    let mut slots = model.stream_slots(3).unwrap();
+    let (a, b) = (slots.start(&[1, 2], Sampling::greedy()).unwrap(), slots.start(&[3], Sampling::greedy()).unwrap());
+    let mut out = slots.buffer();
+    slots.next_tokens(&mut out).unwrap();
+    // A prompt whose pass panics: its start fails, and its slot stays free.
+    ARMED_SLOTS.store(true, Ordering::Relaxed);
+    let started = slots.start(&[4], Sampling::greedy());
+    assert!(matches!(started, Err(Error::Panicked { .. })), "{started:?}");
+    assert_eq!(slots.streams(), 2);
+    // A step that panics fails both streams, each as a panic.
+    let stepped = slots.next_tokens(&mut out);
+    ARMED_SLOTS.store(false, Ordering::Relaxed);
+    assert!(matches!(stepped, Err(Error::Panicked { .. })), "{stepped:?}");
+    for slot in [a, b] {
+        assert!(matches!(out[slot].take(), Some(Err(Error::Panicked { .. }))), "slot {slot}");
+    }
+    // Later steps say they failed, until they are ended; a new stream goes on as alone.
+    let c = slots.start(&[5, 6], Sampling::greedy()).unwrap();
+    slots.next_tokens(&mut out).unwrap();
+    assert!(matches!(&out[a], Some(Err(Error::InvalidInput(m))) if m.contains("failed")), "{:?}", out[a]);
+    assert_eq!(out[c].take().unwrap().unwrap(), model.generate(&[5, 6], 1, Sampling::greedy()).unwrap()[0]);
+    slots.end(a).unwrap();
+    slots.end(b).unwrap();
+    assert_eq!(slots.streams(), 1);
 }

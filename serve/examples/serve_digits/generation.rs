@@ -23,7 +23,8 @@ use tokio::sync::oneshot;
 
 /// One request's generation.
 pub(crate) struct Job {
-    pub(crate) prompt: String,
+    /// The prompt's tokens (its last `context`: a stream keeps no more).
+    pub(crate) prompt: Vec<u32>,
     pub(crate) tokens: usize,
     pub(crate) sampling: Sampling,
     pub(crate) deadline: Instant,
@@ -42,11 +43,20 @@ impl Job {
 pub(crate) enum Outcome {
     /// The tokens drawn.
     Tokens(Vec<u32>),
-    /// The prompt cannot start a stream (a symbol outside the model's characters).
-    BadPrompt(String),
-    /// The stream was refused or failed.
+    /// The stream was refused (its prompt) or failed alone (its logits).
     Refused(carve::Error),
+    /// A step of its arena failed as a whole (a panicking layer, a workspace error):
+    /// the server's fault.
+    Failed(String),
     /// The request's time ran out, or its client went away.
+    Gone,
+}
+
+/// Why a job was not queued.
+pub(crate) enum NotQueued {
+    /// The queue is full.
+    Full,
+    /// Every generation thread is gone.
     Gone,
 }
 
@@ -82,10 +92,13 @@ impl Batcher {
                     Ok(streams) => streams,
                     Err(e) => return drop(ready.send(Err(e.to_string()))),
                 };
+                // Dropped once sent: a thread that dies before it says so ends the wait.
                 let _ = ready.send(Ok(()));
-                drive(pool.model(), &mut streams, &waiting);
+                drop(ready);
+                drive(&mut streams, &waiting);
             })?;
         }
+        drop(ready);
         for _ in 0..arenas {
             started.recv().map_err(|_| "a generation thread ended before it started")??;
         }
@@ -102,10 +115,11 @@ impl Batcher {
         self.arenas
     }
 
-    /// Queues `job`; gives it back when the queue is full.
-    pub(crate) fn submit(&self, job: Job) -> Result<(), Job> {
+    /// Queues `job`.
+    pub(crate) fn submit(&self, job: Job) -> Result<(), NotQueued> {
         self.jobs.try_send(job).map_err(|e| match e {
-            TrySendError::Full(job) | TrySendError::Disconnected(job) => job,
+            TrySendError::Full(_) => NotQueued::Full,
+            TrySendError::Disconnected(_) => NotQueued::Gone,
         })
     }
 }
@@ -117,9 +131,10 @@ struct Running {
     drawn: Vec<u32>,
 }
 
-/// A generation thread: steps its streams, taking queued jobs into free slots, until
-/// the queue is gone and its streams are done.
-fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
+/// A generation thread: steps its streams, taking queued jobs into free slots (one a
+/// step while it has streams, so that a burst spreads over the threads), until the
+/// queue is gone and its streams are done.
+fn drive(streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
     let mut running: Vec<Running> = Vec::with_capacity(streams.slots());
     let mut out = streams.buffer();
     let mut open = true;
@@ -139,8 +154,9 @@ fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<
             false
         });
         // Queued requests into the free slots: waiting for one when there is nothing to
-        // step, taking only what is there otherwise.
-        while open && running.len() < streams.slots() {
+        // step, taking one that is there otherwise.
+        let mut admitted = false;
+        while open && !admitted && running.len() < streams.slots() {
             let next = {
                 // A thread that panicked holding the lock leaves it poisoned; the queue
                 // itself is sound.
@@ -180,15 +196,12 @@ fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<
                 reply(&mut job, Outcome::Gone);
                 continue;
             }
-            let prompt = match model.encode(&job.prompt) {
-                Ok(prompt) => prompt,
-                Err(e) => {
-                    reply(&mut job, Outcome::BadPrompt(format!("the prompt: {e}")));
-                    continue;
+            match streams.start(&job.prompt, job.sampling) {
+                Ok(slot) => {
+                    admitted = true;
+                    running.push(Running { drawn: Vec::with_capacity(job.tokens), job, slot });
                 }
-            };
-            match streams.start(&prompt, job.sampling) {
-                Ok(slot) => running.push(Running { drawn: Vec::with_capacity(job.tokens), job, slot }),
+                Err(e @ carve::Error::Panicked { .. }) => reply(&mut job, Outcome::Failed(e.to_string())),
                 Err(e) => reply(&mut job, Outcome::Refused(e)),
             }
         }
@@ -198,8 +211,10 @@ fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<
             }
             return;
         }
-        // One step of every stream; a stream that fails is answered with its error.
+        // One step of every stream; a stream that fails alone is answered with its
+        // error, and every stream of a step that failed as a whole with the step's.
         let stepped = streams.next_tokens(&mut out);
+        let whole = stepped.err().map(|e| e.to_string());
         running.retain_mut(|r| match out[r.slot].take() {
             Some(Ok(token)) => {
                 r.drawn.push(token);
@@ -207,13 +222,15 @@ fn drive(model: &Model, streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<
             }
             Some(Err(e)) => {
                 let _ = streams.end(r.slot);
-                reply(&mut r.job, Outcome::Refused(e));
+                let outcome = match &whole {
+                    Some(why) => Outcome::Failed(why.clone()),
+                    None => Outcome::Refused(e),
+                };
+                reply(&mut r.job, outcome);
                 false
             }
             None => true,
         });
-        // (A step that failed as a whole failed each stream of it, answered above.)
-        drop(stepped);
     }
 }
 

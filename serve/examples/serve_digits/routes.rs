@@ -24,7 +24,7 @@ use tower::ServiceBuilder;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 
-use crate::generation::{Batcher, Job, Outcome};
+use crate::generation::{Batcher, Job, NotQueued, Outcome};
 use crate::server::Limits;
 
 /// What the handlers share.
@@ -203,27 +203,44 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         )
     };
     let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
+    let failed = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request");
     if let Some(batcher) = &app.batcher {
+        // A prompt as long as the body may be: read on a blocking thread (not the
+        // runtime's, nor a generation thread, whose streams would wait), its last
+        // `context` tokens kept (a stream keeps no more).
+        let model = Arc::clone(pool.model());
+        let prompt = tokio::task::spawn_blocking(move || {
+            let mut prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
+            let context = model.context().map_err(refused)?;
+            prompt.drain(..prompt.len().saturating_sub(context));
+            Ok::<_, ApiError>(prompt)
+        })
+        .await
+        .map_err(|_| failed())??;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let job = Job { prompt: request.prompt, tokens, sampling, deadline, cancelled, reply };
-        if batcher.submit(job).is_err() {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "the {} generation arenas' {} slots each and their queue are full: try again later",
-                    batcher.arenas(),
-                    batcher.slots()
-                ),
-            ));
+        let job = Job { prompt, tokens, sampling, deadline, cancelled, reply };
+        match batcher.submit(job) {
+            Ok(()) => {}
+            Err(NotQueued::Full) => {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "the {} generation arenas' {} slots each and their queue are full: try again later",
+                        batcher.arenas(),
+                        batcher.slots()
+                    ),
+                ))
+            }
+            Err(NotQueued::Gone) => return Err(failed()),
         }
         let out = match answer.await {
             Ok(Outcome::Tokens(out)) => out,
-            Ok(Outcome::BadPrompt(message)) => return Err(bad(message)),
             Ok(Outcome::Refused(e)) => return Err(refused(e)),
-            Ok(Outcome::Gone) => return Err(gone()),
-            Err(_) => {
-                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request"))
+            Ok(Outcome::Failed(why)) => {
+                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the generation failed: {why}")))
             }
+            Ok(Outcome::Gone) => return Err(gone()),
+            Err(_) => return Err(failed()),
         };
         let text = pool.model().decode(&out).map_err(refused)?;
         return Ok(json(StatusCode::OK, serde_json::json!({ "text": text, "tokens": tokens }).to_string()));

@@ -1252,8 +1252,10 @@ impl Drop for BatchedStream<'_, '_> {
 ///
 /// Each stream draws the bits it draws alone ([`Model::stream`]). A stream whose logits
 /// are not finite fails alone; a step that fails as a whole (a panicking layer) fails
-/// every stream of it. A failed stream answers its error until it is ended; its slot
-/// then starts the next stream.
+/// every stream the slots hold (a step may run as two passes, the streams that slide
+/// their window and the others: a stream's cache is not trusted after either failed).
+/// A failed stream answers its error until it is ended; its slot then starts the next
+/// stream.
 ///
 /// Like [`TokenStream`], it stays on the thread that made it (it is not `Send`):
 ///
@@ -1389,11 +1391,14 @@ impl<'a> StreamSlots<'a> {
     ///
     /// # Errors
     ///
-    /// [`Error::BatchFull`] when every slot holds a stream; as [`Model::stream`] for the
-    /// prompt (the slot stays free).
+    /// [`Error::InvalidInput`] when every slot holds a stream; as [`Model::stream`] for
+    /// the prompt (the slot stays free).
     pub fn start(&mut self, prompt: &[u32], sampling: Sampling) -> Result<usize> {
         let Some(slot) = self.slots.iter().position(|s| matches!(s, SlotState::Vacant)) else {
-            return Err(Error::BatchFull { slots: self.slots.len(), waited: Duration::ZERO });
+            return Err(Error::InvalidInput(format!(
+                "all {} slots hold a stream: end one before starting another",
+                self.slots.len()
+            )));
         };
         // Another slot's failure is its own: this stream starts afresh.
         self.engine.failed = None;
@@ -1427,7 +1432,8 @@ impl<'a> StreamSlots<'a> {
     ///
     /// [`Error::ShapeMismatch`] when `out` does not hold one entry per slot; a failure
     /// of the whole step ([`Error::Panicked`] for a panicking layer, workspace errors),
-    /// which fails every stream of the step (each `out` entry says so too).
+    /// which fails every stream the slots hold (each one's `out` entry says so too, a
+    /// panic as [`Error::Panicked`]).
     pub fn next_tokens(&mut self, out: &mut [Option<Result<u32>>]) -> Result<()> {
         if out.len() != self.slots.len() {
             return Err(Error::ShapeMismatch {
@@ -1450,7 +1456,11 @@ impl<'a> StreamSlots<'a> {
             let why = e.to_string();
             for (s, (out, slot)) in out.iter_mut().zip(slots.iter_mut()).enumerate() {
                 if matches!(slot, SlotState::Active) {
-                    *out = Some(Err(failed_earlier(s, &why)));
+                    // The step's own error for each of its streams: a panic stays one.
+                    *out = Some(Err(match &e {
+                        Error::Panicked { message } => Error::Panicked { message: message.clone() },
+                        _ => failed_earlier(s, &why),
+                    }));
                     *slot = SlotState::Failed(why.clone());
                 }
             }
