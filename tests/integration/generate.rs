@@ -515,10 +515,9 @@ fn a_panicking_step_fails_its_batchs_streams_and_the_batch_goes_on() {
     assert_eq!(b.next_token().unwrap(), model.generate(&[1, 2], 7, Sampling::greedy()).unwrap()[6]);
 }
 
-#[test]
-fn logits_that_are_not_finite_fail_their_stream_alone() {
-    // Position 5's embedding is NaN: a stream fails at the step that reaches it, and a
-    // stream beside it in the same step goes on with its bits alone.
+/// A small GPT (context 8) whose position 5's embedding is NaN: a stream's logits are
+/// not finite from the step that reaches it.
+fn nan_at_position_5() -> Model {
     let config = || {
         let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
         b.dense(13).seed(2).build().unwrap()
@@ -529,7 +528,14 @@ fn logits_that_are_not_finite_fail_their_stream_alone() {
     let table = Model::from_config(&config(), params.clone()).unwrap().layer_params(1).to_vec();
     let at = params.windows(table.len()).position(|w| w == table.as_slice()).unwrap();
     params[at + 5 * 8..at + 6 * 8].fill(f32::NAN);
-    let model = Arc::new(Model::from_config(&config(), params).unwrap());
+    Model::from_config(&config(), params).unwrap()
+}
+
+#[test]
+fn logits_that_are_not_finite_fail_their_stream_alone() {
+    // A stream fails at the step that reaches position 5, and a stream beside it in the
+    // same step goes on with its bits alone.
+    let model = Arc::new(nan_at_position_5());
     let (long, short) = ([1u32, 2, 3, 4], [7u32]);
     let alone = model.generate(&short, 4, Sampling::greedy()).unwrap();
     // The long prompt's stream steps position 4, then 5 at its third token.
@@ -632,18 +638,7 @@ fn stream_slots_start_and_end_streams_between_steps_each_with_its_bits_alone() {
 
 #[test]
 fn a_stream_slot_that_fails_fails_alone_until_it_is_ended() {
-    // Position 5's embedding is NaN, as in the stream batch's test.
-    let config = || {
-        let b = NetworkConfig::builder(13).embedding(8).position_embedding(8).residual(|b| b.attention(2));
-        b.dense(13).seed(2).build().unwrap()
-    };
-    let net = Network::new(config()).unwrap();
-    let mut params = net.params().to_vec();
-    let table = Model::from_config(&config(), params.clone()).unwrap().layer_params(1).to_vec();
-    let at = params.windows(table.len()).position(|w| w == table.as_slice()).unwrap();
-    params[at + 5 * 8..at + 6 * 8].fill(f32::NAN);
-    let model = Model::from_config(&config(), params).unwrap();
-    let pool = InferencePool::new(Arc::new(model), PoolConfig::direct(1)).unwrap();
+    let pool = InferencePool::new(Arc::new(nan_at_position_5()), PoolConfig::direct(1)).unwrap();
     let model = pool.model();
     let mut slots = pool.stream_slots(2).unwrap();
     let (long, short) =
