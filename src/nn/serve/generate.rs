@@ -1327,6 +1327,7 @@ impl Model {
     /// [`Error::InvalidInput`] for 0 slots or slots whose caches cannot be held; as
     /// [`Model::stream`] for a model that cannot generate.
     pub fn stream_slots(&self, slots: usize) -> Result<StreamSlots<'_>> {
+        StreamSlots::check(self, slots)?;
         StreamSlots::new(self, Arena::Thread(StreamBuffers::default()), slots)
     }
 }
@@ -1354,8 +1355,8 @@ impl<'a> StreamSlots<'a> {
         Places::of(&StatePlan::of(model)?, slots).map(|_| ())
     }
 
+    /// Slots in `arena`, [`StreamSlots::check`]ed by the caller.
     fn new(model: &'a Model, arena: Arena<'a>, slots: usize) -> Result<StreamSlots<'a>> {
-        StreamSlots::check(model, slots)?;
         let engine = Engine::vacant(model, arena, slots)?;
         Ok(StreamSlots { engine, slots: (0..slots).map(|_| SlotState::Vacant).collect(), on_its_thread: PhantomData })
     }
@@ -1400,8 +1401,6 @@ impl<'a> StreamSlots<'a> {
                 self.slots.len()
             )));
         };
-        // Another slot's failure is its own: this stream starts afresh.
-        self.engine.failed = None;
         self.engine.start_slot(slot, prompt, sampling)?;
         self.slots[slot] = SlotState::Active;
         Ok(slot)
@@ -1449,7 +1448,8 @@ impl<'a> StreamSlots<'a> {
                 SlotState::Vacant | SlotState::Active => None,
             };
         }
-        engine.failed = None;
+        // (The engine's `failed`, which `Engine::next_tokens` reads, is not read here: each
+        // slot keeps its own failure.)
         let active = |s: usize| matches!(slots[s], SlotState::Active);
         let stepped = engine.advance(&active, &mut |s, token| out[s] = Some(token));
         if let Err(e) = stepped {
