@@ -64,7 +64,10 @@ pub(crate) fn exit_status<A: CommandFactory, E: Display>(result: Result<(), E>) 
 /// A whole number from `s` within `low ..= high`, or the usage error's words (a
 /// `value_parser` for clap).
 pub(crate) fn bounded(s: &str, low: usize, high: usize) -> Result<usize, String> {
-    let n: usize = s.parse().map_err(|_| format!("'{s}' is not a whole number"))?;
+    let n: usize = s.parse().map_err(|e: std::num::ParseIntError| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => format!("{s} is out of range ({low} to {high})"),
+        _ => format!("'{s}' is not a whole number"),
+    })?;
     if n < low || n > high {
         return Err(format!("{n} is out of range ({low} to {high})"));
     }

@@ -121,6 +121,7 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("train_gpt", &["--workspace-mode", "bogus"], "'--workspace-mode <MODE>'", "enabled"),
         ("generate", &["--tokens", "0"], "'--tokens <N>'", "1 to 100000"),
         ("generate", &["--tokens", "100001"], "'--tokens <N>'", "1 to 100000"),
+        ("generate", &["--tokens", "99999999999999999999999"], "'--tokens <N>'", "1 to 100000"),
         ("generate", &["--temperature", "-1"], "'--temperature <T>'", "at least 0"),
         ("generate", &["--temperature", "inf"], "'--temperature <T>'", "at least 0"),
         ("generate", &["--streams", "0"], "'--streams <N>'", "1 to 256"),

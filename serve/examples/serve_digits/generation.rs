@@ -37,6 +37,11 @@ impl Job {
     fn gone(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed) || Instant::now() >= self.deadline
     }
+
+    /// Sends `outcome` to the job's request (a client that went away reads nothing).
+    fn answer(self, outcome: Outcome) {
+        let _ = self.reply.send(outcome);
+    }
 }
 
 /// How a job ended.
@@ -140,19 +145,18 @@ fn drive(streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
     let mut open = true;
     loop {
         // Requests answered by now, or gone: their slots come free.
-        running.retain_mut(|r| {
+        let mut i = 0;
+        while i < running.len() {
+            let r = &running[i];
             if r.drawn.len() < r.job.tokens && !r.job.gone() {
-                return true;
+                i += 1;
+                continue;
             }
-            let _ = streams.end(r.slot);
-            let outcome = if r.drawn.len() == r.job.tokens {
-                Outcome::Tokens(std::mem::take(&mut r.drawn))
-            } else {
-                Outcome::Gone
-            };
-            reply(&mut r.job, outcome);
-            false
-        });
+            let Running { job, slot, drawn } = running.swap_remove(i);
+            let _ = streams.end(slot);
+            let outcome = if drawn.len() == job.tokens { Outcome::Tokens(drawn) } else { Outcome::Gone };
+            job.answer(outcome);
+        }
         // Queued requests into the free slots: waiting for one when there is nothing to
         // step, taking one that is there otherwise.
         let mut admitted = false;
@@ -191,9 +195,9 @@ fn drive(streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
                     }
                 }
             };
-            let Some(mut job) = next else { continue };
+            let Some(job) = next else { continue };
             if job.gone() {
-                reply(&mut job, Outcome::Gone);
+                job.answer(Outcome::Gone);
                 continue;
             }
             match streams.start(&job.prompt, job.sampling) {
@@ -201,8 +205,8 @@ fn drive(streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
                     admitted = true;
                     running.push(Running { drawn: Vec::with_capacity(job.tokens), job, slot });
                 }
-                Err(e @ carve::Error::Panicked { .. }) => reply(&mut job, Outcome::Failed(e.to_string())),
-                Err(e) => reply(&mut job, Outcome::Refused(e)),
+                Err(e @ carve::Error::Panicked { .. }) => job.answer(Outcome::Failed(e.to_string())),
+                Err(e) => job.answer(Outcome::Refused(e)),
             }
         }
         if running.is_empty() {
@@ -215,27 +219,23 @@ fn drive(streams: &mut StreamSlots<'_>, waiting: &Mutex<Receiver<Job>>) {
         // error, and every stream of a step that failed as a whole with the step's.
         let stepped = streams.next_tokens(&mut out);
         let whole = stepped.err().map(|e| e.to_string());
-        running.retain_mut(|r| match out[r.slot].take() {
-            Some(Ok(token)) => {
-                r.drawn.push(token);
-                true
+        let mut i = 0;
+        while i < running.len() {
+            let r = &mut running[i];
+            match out[r.slot].take() {
+                Some(Ok(token)) => r.drawn.push(token),
+                Some(Err(e)) => {
+                    let Running { job, slot, .. } = running.swap_remove(i);
+                    let _ = streams.end(slot);
+                    job.answer(match &whole {
+                        Some(why) => Outcome::Failed(why.clone()),
+                        None => Outcome::Refused(e),
+                    });
+                    continue;
+                }
+                None => {}
             }
-            Some(Err(e)) => {
-                let _ = streams.end(r.slot);
-                let outcome = match &whole {
-                    Some(why) => Outcome::Failed(why.clone()),
-                    None => Outcome::Refused(e),
-                };
-                reply(&mut r.job, outcome);
-                false
-            }
-            None => true,
-        });
+            i += 1;
+        }
     }
-}
-
-/// Sends `outcome` to the job's request (a client that went away reads nothing).
-fn reply(job: &mut Job, outcome: Outcome) {
-    let (sender, _) = oneshot::channel();
-    let _ = std::mem::replace(&mut job.reply, sender).send(outcome);
 }

@@ -430,7 +430,9 @@ struct Engine<'a> {
     streams: Vec<Stream>,
     /// The rows of a step (room for every stream).
     rows: Vec<StreamRow>,
-    /// Why an earlier step failed.
+    /// Why an earlier step failed. Only a [`TokenStream`] reads it (its streams go
+    /// together); stream batches and stream slots keep each stream's failure with the
+    /// stream, and a step that failed as a whole with each slot.
     failed: Option<String>,
 }
 
@@ -1151,11 +1153,8 @@ impl<'p> StreamBatch<'p> {
         };
         // From here the slot is the stream's: dropped, it is free again.
         let stream = BatchedStream { batch: self, slot };
-        self.combiner.with_engine(|engine| {
-            // A failure is this stream's alone: the others' caches are as they were.
-            engine.failed = None;
-            engine.start_slot(slot, prompt, sampling)
-        })?;
+        // A failure is this stream's alone: the others' caches are as they were.
+        self.combiner.with_engine(|engine| engine.start_slot(slot, prompt, sampling))?;
         Ok(stream)
     }
 
@@ -1208,7 +1207,6 @@ impl BatchedStream<'_, '_> {
             // The batch's streams fail with it (the combiner says so at each one's next
             // call), and a stream whose logits are not finite alone; the others' caches
             // are as they were, so the engine goes on.
-            engine.failed = None;
             engine.advance(&|s| members[s], &mut |s, token| tokens[s] = Some(token))
         })
     }
