@@ -686,6 +686,48 @@ fn generate_answers_the_models_own_text_and_bad_requests_with_4xx_and_goes_on() 
     assert!(stats["http"]["client_errors"].as_u64().unwrap() >= 10, "{stats}");
 }
 
+/// A GPT whose logits overflow (are infinite) at position 5 and are finite before:
+/// every weight finite, as a file must hold them.
+fn saved_gpt_overflowing_at_position_5(dir: &Path) -> PathBuf {
+    let symbols = "abcdefgh";
+    let config = || NetworkConfig::builder(8).embedding(8).position_embedding(8).dense(8).seed(4).build().unwrap();
+    let mut params = Network::new(config()).unwrap().params().to_vec();
+    let region = |params: &[f32], layer: usize| {
+        let values = Model::from_config(&config(), params.to_vec()).unwrap().layer_params(layer).to_vec();
+        let at = params.windows(values.len()).position(|w| w == values.as_slice()).unwrap();
+        at..at + values.len()
+    };
+    // Large output weights, and a position 5 whose features they carry past f32.
+    let (table, dense) = (region(&params, 1), region(&params, 2));
+    params[dense].iter_mut().for_each(|w| *w = 1e30);
+    params[table.start + 5 * 8..table.start + 6 * 8].fill(1e10);
+    let model = Model::from_config(&config(), params).unwrap().with_symbols(symbols).unwrap();
+    let path = dir.join("overflowing.safetensors");
+    model.save(&path).unwrap();
+    path
+}
+
+#[test]
+fn logits_that_are_not_finite_are_the_servers_failure_and_it_goes_on() {
+    // The prompt is the client's; what the model makes of it is not: a stream whose
+    // logits are not finite is a 500 naming them, with a stream per arena and through
+    // the stream batch, and the next request is served.
+    let dir = tempfile::tempdir().unwrap();
+    let path = saved_gpt_overflowing_at_position_5(dir.path());
+    for args in [&["--workers", "1"][..], &["--workers", "1", "--stream-batch", "2"]] {
+        let server = Server::start(&path, args);
+        // Position 5 reached by the prompt, and by the third token of a shorter one.
+        for body in [&br#"{"prompt": "abcdef", "tokens": 2}"#[..], br#"{"prompt": "abc", "tokens": 5}"#] {
+            let (status, json) = server.send("POST", "/generate", Some(body));
+            assert_eq!(status, 500, "{args:?} {}: {json}", String::from_utf8_lossy(body));
+            assert!(json["error"].as_str().unwrap().contains("logits hold inf"), "{args:?}: {json}");
+        }
+        let (status, json) = server.send("POST", "/generate", Some(br#"{"prompt": "ab", "tokens": 3}"#));
+        assert_eq!(status, 200, "{args:?}: {json}");
+        assert_eq!(json["text"].as_str().unwrap().chars().count(), 3, "{json}");
+    }
+}
+
 #[test]
 fn generate_on_a_model_that_reads_no_text_is_a_422() {
     let dir = tempfile::tempdir().unwrap();

@@ -544,6 +544,10 @@ impl Layer for Attention {
         })
     }
 
+    fn runs_in_stream(&self) -> bool {
+        true
+    }
+
     fn forward_stream<'a>(
         &self,
         params: &[f32],

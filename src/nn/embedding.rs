@@ -313,6 +313,10 @@ impl Layer for PositionEmbedding {
         Some(self.context)
     }
 
+    fn runs_in_stream(&self) -> bool {
+        true
+    }
+
     fn forward_stream<'a>(
         &self,
         params: &[f32],

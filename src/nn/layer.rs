@@ -828,6 +828,15 @@ pub trait Layer: Any + Send + Sync {
         false
     }
 
+    /// Whether the layer runs in a generation stream: the models it is part of can
+    /// generate only when each of its layers does, and say so before the first token
+    /// ([`Model::context`](crate::nn::serve::Model::context)). The default:
+    /// [`Layer::per_step`] (what the default [`Layer::forward_stream`] runs). A layer
+    /// that implements its own `forward_stream` says `true`.
+    fn runs_in_stream(&self) -> bool {
+        self.per_step()
+    }
+
     /// The most steps a stream through this layer may hold (a position embedding's
     /// table); `None` (the default): no bound of its own.
     fn max_steps(&self) -> Option<usize> {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling, StreamBatch};
-use carve::nn::{ForwardCtx, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder};
+use carve::nn::{ForwardCtx, Infer, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder};
 use carve::Error;
 use ndarray::{Array2, ArrayView2};
 
@@ -181,6 +181,23 @@ fn a_pool_serves_streams_from_its_arenas_with_each_streams_bits_alone() {
     held.next_token().unwrap();
     let other = pool.stream(&[2], Sampling::greedy()).unwrap();
     assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { .. })), "both arenas hold a stream");
+    // A call that cannot start a stream is refused at once, not after a wait for an
+    // arena (from another thread: this one holds them, and would be refused for that).
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let wait = std::time::Duration::from_secs(5);
+            let start = std::time::Instant::now();
+            for refused in [
+                pool.stream_timeout(&[], Sampling::greedy(), wait).map(drop),
+                pool.stream_timeout(&[13], Sampling::greedy(), wait).map(drop),
+                pool.streams(&[&[1], &[]], &[Sampling::greedy(); 2]).map(drop),
+                pool.streams(&[&[1]], &[]).map(drop),
+            ] {
+                assert!(matches!(refused, Err(Error::InvalidInput(_))), "{refused:?}");
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(2), "{:?}", start.elapsed());
+        });
+    });
     drop(held);
     drop(pool.try_lease().expect("the abandoned stream's arena is back"));
     drop(other);
@@ -215,14 +232,66 @@ fn bad_prompts_and_models_that_cannot_generate_are_clear_errors() {
     // A recurrent layer's steps depend on each other: it cannot run a step alone.
     let lstm = NetworkConfig::builder(13).embedding(8).position_embedding(8).lstm(8).dense(13).build().unwrap();
     let lstm = Network::new(lstm).unwrap().freeze().unwrap();
-    match lstm.stream(&[1], Sampling::greedy()) {
-        Err(Error::InvalidConfig { reason }) => assert!(reason.contains("cannot generate token by token"), "{reason}"),
-        other => panic!("{other:?}"),
+    // Said before a stream starts, by the check a server makes once (`context`), and
+    // naming the layer.
+    for refused in [
+        lstm.context().map(|_| ()),
+        lstm.kv_cache_bytes().map(|_| ()),
+        lstm.stream(&[1], Sampling::greedy()).map(|_| ()),
+    ] {
+        match refused {
+            Err(Error::InvalidConfig { reason }) => {
+                assert!(reason.contains("'lstm") && reason.contains("cannot run token by token"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
     // No position embedding: nothing bounds the cache.
     let unbounded = NetworkConfig::builder(13).embedding(8).residual(|b| b.attention(2)).dense(13).build().unwrap();
     let unbounded = Network::new(unbounded).unwrap().freeze().unwrap();
     assert!(matches!(unbounded.kv_cache_bytes(), Err(Error::InvalidConfig { .. })));
+}
+
+#[test]
+fn a_step_refused_inside_another_request_leaves_its_streams_as_they_were() {
+    // A stream of `Model::stream` (and slots of `Model::stream_slots`) steps in its
+    // thread's serving arena, which a request of another model on the same thread holds
+    // while its closure runs: a step there cannot run. It is refused before anything
+    // changes, and the streams go on, through slides (context 8), as if it had never
+    // been asked for.
+    let model = model(8, 5);
+    let mlp = Network::new(NetworkConfig::builder(4).dense(3).build().unwrap()).unwrap().freeze().unwrap();
+    let x = Array2::<f32>::zeros((1, 4));
+    let sampling = Sampling::random(1.0, 0, 9).unwrap();
+    let alone = model.generate(&[1, 2], 20, sampling).unwrap();
+    let mut stream = model.stream(&[1, 2], sampling).unwrap();
+    let mut slots = model.stream_slots(2).unwrap();
+    let slot = slots.start(&[1, 2], sampling).unwrap();
+    let mut out = slots.buffer();
+    let (mut tokens, mut slot_tokens) = (Vec::new(), Vec::new());
+    for i in 0..20 {
+        if i % 3 == 1 {
+            (&mlp)
+                .infer(x.view(), |_| {
+                    match stream.next_token() {
+                        Err(Error::InvalidInput(m)) => assert!(m.contains("inside another model request"), "{m}"),
+                        other => panic!("{other:?}"),
+                    }
+                    match slots.next_tokens(&mut out) {
+                        Err(Error::InvalidInput(m)) => assert!(m.contains("inside another model request"), "{m}"),
+                        other => panic!("{other:?}"),
+                    }
+                    assert!(out[slot].is_none(), "{:?}", out[slot]);
+                    Ok(())
+                })
+                .unwrap();
+        }
+        tokens.push(stream.next_token().unwrap());
+        slots.next_tokens(&mut out).unwrap();
+        slot_tokens.push(out[slot].take().unwrap().unwrap());
+    }
+    assert_eq!(tokens, alone);
+    assert_eq!(slot_tokens, alone);
 }
 
 /// A per-step layer that panics while its flag is set.

@@ -48,7 +48,8 @@ impl Job {
 pub(crate) enum Outcome {
     /// The tokens drawn.
     Tokens(Vec<u32>),
-    /// The stream was refused (its prompt) or failed alone (its logits).
+    /// The stream was refused or failed alone (its logits were not finite): the route
+    /// says which of these is the client's fault (none once its prompt is read).
     Refused(carve::Error),
     /// A step of its arena failed as a whole (a panicking layer, a workspace error):
     /// the server's fault.

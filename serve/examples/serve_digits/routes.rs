@@ -202,7 +202,15 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
             format!("the generation took longer than {} ms, or its client went away", app_time.as_millis()),
         )
     };
-    let refused = |e: Error| ApiError::new(status_of(&e), e.to_string());
+    // Once the prompt is read (every character one of the model's), what the model
+    // refuses or fails on is the server's fault (logits that are not finite, tokens it
+    // cannot write back), but for the limits of a busy server (503).
+    let model_failed = |e: Error| match status_of(&e) {
+        StatusCode::BAD_REQUEST => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the model failed on this prompt: {e}"))
+        }
+        status => ApiError::new(status, e.to_string()),
+    };
     let failed = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request");
     if let Some(batcher) = &app.batcher {
         // A prompt as long as the body may be: read on a blocking thread (not the
@@ -211,7 +219,7 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         let model = Arc::clone(pool.model());
         let prompt = tokio::task::spawn_blocking(move || {
             let mut prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
-            let context = model.context().map_err(refused)?;
+            let context = model.context().map_err(model_failed)?;
             prompt.drain(..prompt.len().saturating_sub(context));
             Ok::<_, ApiError>(prompt)
         })
@@ -235,14 +243,14 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         }
         let out = match answer.await {
             Ok(Outcome::Tokens(out)) => out,
-            Ok(Outcome::Refused(e)) => return Err(refused(e)),
+            Ok(Outcome::Refused(e)) => return Err(model_failed(e)),
             Ok(Outcome::Failed(why)) => {
                 return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the generation failed: {why}")))
             }
             Ok(Outcome::Gone) => return Err(gone()),
             Err(_) => return Err(failed()),
         };
-        let text = pool.model().decode(&out).map_err(refused)?;
+        let text = pool.model().decode(&out).map_err(model_failed)?;
         return Ok(json(StatusCode::OK, serde_json::json!({ "text": text, "tokens": tokens }).to_string()));
     }
     let generation = tokio::task::spawn_blocking(move || {
@@ -253,17 +261,17 @@ async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
             return Err(gone());
         }
         let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let mut stream = pool.stream_timeout(&prompt, sampling, wait).map_err(refused)?;
+        let mut stream = pool.stream_timeout(&prompt, sampling, wait).map_err(model_failed)?;
         let mut out = Vec::with_capacity(tokens);
         for _ in 0..tokens {
             if cancelled.load(Ordering::Relaxed) || Instant::now() >= deadline {
                 // No one reads the answer: the stream ends, its arena goes back.
                 return Err(gone());
             }
-            out.push(stream.next_token().map_err(refused)?);
+            out.push(stream.next_token().map_err(model_failed)?);
         }
         drop(stream);
-        pool.model().decode(&out).map_err(refused)
+        pool.model().decode(&out).map_err(model_failed)
     });
     let text = match generation.await {
         Ok(result) => result?,

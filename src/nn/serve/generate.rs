@@ -32,7 +32,7 @@ use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
 use super::arenas::{StreamArena, StreamBuffers};
 use super::combine::Combiner;
-use super::model::{in_thread_arena, Model};
+use super::model::{in_thread_arena, thread_arena_ready, Model};
 use super::pool::InferencePool;
 use crate::nn::layer::{Activations, StreamRow};
 use crate::nn::residual::join_of;
@@ -150,6 +150,15 @@ impl StatePlan {
         for (i, layer) in layers.iter().enumerate() {
             let len = match join_of(layers, i) {
                 Some(_) => 0,
+                None if !layer.runs_in_stream() => {
+                    return Err(Error::InvalidConfig {
+                        reason: format!(
+                            "the model cannot generate tokens: layer '{}' cannot run token by token (its steps \
+                             depend on each other, or it pools them, and it implements no `Layer::forward_stream`)",
+                            layer.name()
+                        ),
+                    })
+                }
                 None => layer.stream_state_len(model.layer_inputs(i), context)?,
             };
             let end = per_slot
@@ -229,6 +238,15 @@ impl Arena<'_> {
 
     /// Runs `f` in the arena with the buffers; `f` returns whether the step ran on its
     /// plan. A panic in `f` is [`Error::Panicked`].
+    /// Whether a step can run in the arena now (see [`thread_arena_ready`]; a leased
+    /// arena always can).
+    fn ready(&self) -> Result<()> {
+        match self {
+            Arena::Thread(_) => thread_arena_ready(),
+            Arena::Leased(_) => Ok(()),
+        }
+    }
+
     fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<bool>) -> Result<()> {
         match self {
             Arena::Thread(buffers) => in_thread_arena(|mgr| f(mgr, buffers).map(|_| ())),
@@ -281,6 +299,25 @@ impl Places {
     }
 }
 
+/// Whether `prompts` drawn as `sampling` say can start streams of `model`: at least one
+/// prompt, one sampling each, every prompt one that can start a stream, and their
+/// buffers' sizes in range. Checked before an arena is taken, so that a call that
+/// cannot start is refused at once rather than after a wait.
+fn check_start(model: &Model, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<()> {
+    let plan = StatePlan::of(model)?;
+    if prompts.is_empty() || prompts.len() != sampling.len() {
+        return Err(Error::InvalidInput(format!(
+            "{} prompts and {} samplings: give at least one prompt, and one sampling per prompt",
+            prompts.len(),
+            sampling.len()
+        )));
+    }
+    for (i, prompt) in prompts.iter().enumerate() {
+        plan.check_prompt(i, prompt)?;
+    }
+    Places::of(&plan, prompts.len()).map(|_| ())
+}
+
 /// One stream's state besides its buffers.
 #[derive(Debug)]
 struct Stream {
@@ -317,7 +354,7 @@ fn draw(sampling: Sampling, rng: &mut Rng, logits: &[f32], weights: &mut [f32]) 
     // Tokens below the k-th largest logit are not drawn (ties with it are).
     let floor = match s.top_k {
         k if k == 0 || k >= logits.len() => f32::NEG_INFINITY,
-        k => kth_largest(logits, k),
+        k => kth_largest(logits, k, weights),
     };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f64;
@@ -352,18 +389,16 @@ fn argmax(values: &[f32]) -> usize {
 }
 
 /// The `k`-th largest of `values` (`1 <= k < values.len()`, counting equal values
-/// apart), without allocating.
-fn kth_largest(values: &[f32], k: usize) -> f32 {
-    let mut bound = f32::INFINITY;
-    loop {
-        // The largest value below `bound`, and how many are at or above it.
-        let next = values.iter().copied().filter(|&v| v < bound).fold(f32::NEG_INFINITY, f32::max);
-        let at_least = values.iter().filter(|&&v| v >= next).count();
-        if at_least >= k || next == f32::NEG_INFINITY {
-            return next;
-        }
-        bound = next;
-    }
+/// apart; finite values), found in `scratch` (as long as `values`) in time linear in
+/// their number, whatever `k`, without allocating.
+fn kth_largest(values: &[f32], k: usize, scratch: &mut [f32]) -> f32 {
+    let scratch = &mut scratch[..values.len()];
+    scratch.copy_from_slice(values);
+    // Largest first: position `k - 1` holds the k-th largest (equal values, `0.0` and
+    // `-0.0` among them, compare equal in the draw's `>=`, so which of them lands
+    // there does not matter).
+    let (_, kth, _) = scratch.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    *kth
 }
 
 /// One or more streams of tokens from a language model ([`Model::stream`],
@@ -512,8 +547,13 @@ impl<'a> TokenStream<'a> {
     /// # Errors
     ///
     /// [`Error::ShapeMismatch`] when `out` does not hold one token per stream;
-    /// [`Error::Panicked`] when a layer panics; workspace errors; and, once a step has
-    /// failed, [`Error::InvalidInput`] saying so.
+    /// [`Error::Panicked`] when a layer panics; workspace errors; [`Error::InvalidInput`]
+    /// when a stream's logits are not finite (the error names the stream). These fail
+    /// the streams: every later call is an [`Error::InvalidInput`] saying so. A step
+    /// that cannot run at all changes nothing, and the streams go on at the next call:
+    /// an [`Error::InvalidInput`] when the calling thread is inside another request of
+    /// a model (a stream of [`Model::stream`] steps in the thread's serving arena) or
+    /// ending.
     pub fn next_tokens(&mut self, out: &mut [u32]) -> Result<()> {
         self.engine.next_tokens(out)
     }
@@ -524,17 +564,7 @@ impl<'a> Engine<'a> {
     /// drawn as its `sampling` says, run in `arena`: their buffers fitted, and every
     /// prompt run through the model.
     fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<Engine<'a>> {
-        let plan = StatePlan::of(model)?;
-        if prompts.is_empty() || prompts.len() != sampling.len() {
-            return Err(Error::InvalidInput(format!(
-                "{} prompts and {} samplings: give at least one prompt, and one sampling per prompt",
-                prompts.len(),
-                sampling.len()
-            )));
-        }
-        for (i, prompt) in prompts.iter().enumerate() {
-            plan.check_prompt(i, prompt)?;
-        }
+        check_start(model, prompts, sampling)?;
         let mut started = Engine::vacant(model, arena, prompts.len())?;
         for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
             started.start_slot(s, prompt, sampling)?;
@@ -708,6 +738,9 @@ impl<'a> Engine<'a> {
         // its token or its failure.
         let asked = member;
         let member = |s: usize, stream: &Stream| asked(s) && stream.non_finite.is_none();
+        // A step that cannot run (its thread inside another request, or ending) is
+        // refused before any stream changes.
+        self.arena.ready()?;
         let (context, places) = (self.plan.context, self.places);
         let keep = (context / 2).max(1);
         // The drawn tokens into the windows: the streams whose cache is full slide their
@@ -978,14 +1011,18 @@ impl InferencePool {
     }
 
     /// Streams from several prompts stepped together (see [`Model::streams`]) in one
-    /// leased arena.
+    /// leased arena. An arena keeps the largest stream buffers it has held (as its
+    /// workspaces keep their plans), for its next streams: many streams in one arena
+    /// hold their caches' bytes there for the pool's life
+    /// ([`PoolStats::stream_bytes`](super::PoolStats::stream_bytes) says how many).
     ///
     /// # Errors
     ///
     /// As [`Model::streams`] and [`InferencePool::lease`].
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
-        StatePlan::of(model)?;
+        // A call that cannot start is refused before it waits for an arena.
+        check_start(model, prompts, sampling)?;
         Engine::start(model, Arena::Leased(self.lease()?.into_streams()), prompts, sampling).map(TokenStream::of)
     }
 
@@ -997,7 +1034,7 @@ impl InferencePool {
     /// time.
     pub fn stream_timeout(&self, prompt: &[u32], sampling: Sampling, timeout: Duration) -> Result<TokenStream<'_>> {
         let model: &Model = self.model();
-        StatePlan::of(model)?;
+        check_start(model, &[prompt], &[sampling])?;
         let lease = self.lease_timeout(timeout)?.into_streams();
         Engine::start(model, Arena::Leased(lease), &[prompt], &[sampling]).map(TokenStream::of)
     }
@@ -1430,7 +1467,11 @@ impl<'a> StreamSlots<'a> {
     /// [`Error::ShapeMismatch`] when `out` does not hold one entry per slot; a failure
     /// of the whole step ([`Error::Panicked`] for a panicking layer, workspace errors),
     /// which fails every stream the slots hold (each one's `out` entry says so too, a
-    /// panic as [`Error::Panicked`]).
+    /// panic as [`Error::Panicked`]). A step that cannot run at all (slots of
+    /// [`Model::stream_slots`] stepped from inside another request of a model on the
+    /// same thread, or while it ends) is an [`Error::InvalidInput`] that changes
+    /// nothing: the started streams' entries are `None`, and they go on at the next
+    /// call.
     pub fn next_tokens(&mut self, out: &mut [Option<Result<u32>>]) -> Result<()> {
         if out.len() != self.slots.len() {
             return Err(Error::ShapeMismatch {
@@ -1446,6 +1487,8 @@ impl<'a> StreamSlots<'a> {
                 SlotState::Vacant | SlotState::Active => None,
             };
         }
+        // A step that cannot run changes nothing: the streams go on at the next call.
+        engine.arena.ready()?;
         // (The engine's `failed`, which `Engine::next_tokens` reads, is not read here: each
         // slot keeps its own failure.)
         let active = |s: usize| matches!(slots[s], SlotState::Active);
@@ -1509,4 +1552,34 @@ impl<'a> StreamSlots<'a> {
 /// The error of the stream in `slot`, which failed as `why` says.
 fn failed_earlier(slot: usize, why: &str) -> Error {
     Error::InvalidInput(format!("the stream in slot {slot} failed ({why}); end it and start a new one"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kth_largest_is_the_sorted_values_kth_with_ties_counted_apart() {
+        let mut rng = Rng::new(7);
+        for n in [2usize, 3, 10, 77, 1000] {
+            // Few distinct values, so that ties (and both zeros) are common.
+            let values: Vec<f32> = (0..n)
+                .map(|_| match (rng.next_f32() * 9.0) as i32 - 4 {
+                    0 if rng.next_f32() < 0.5 => -0.0,
+                    v => v as f32 * 0.5,
+                })
+                .collect();
+            let mut sorted = values.clone();
+            sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            let mut scratch = vec![f32::NAN; n];
+            for k in 1..n {
+                let kth = kth_largest(&values, k, &mut scratch);
+                assert_eq!(kth, sorted[k - 1], "n {n}, k {k}");
+                // As many values at or above it as the draw keeps.
+                let kept = values.iter().filter(|&&v| v >= kth).count();
+                assert_eq!(kept, sorted.iter().filter(|&&v| v >= sorted[k - 1]).count(), "n {n}, k {k}");
+                assert!(kept >= k, "n {n}, k {k}");
+            }
+        }
+    }
 }

@@ -324,6 +324,26 @@ impl Infer for &Model {
     }
 }
 
+/// Whether this thread's serving arena can run a request now: the thread is not inside
+/// another model request (a nested one) nor ending, and its arena is built. A stream
+/// asks before its step changes anything, so that a step refused for these reasons
+/// leaves its streams as they were.
+pub(crate) fn thread_arena_ready() -> Result<()> {
+    let ready = THREAD_ARENA.try_with(|arena| {
+        let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
+        if arena.is_none() {
+            *arena = Some(thread_arena()?);
+        }
+        Ok(())
+    });
+    ready.unwrap_or_else(|_| Err(thread_ending()))
+}
+
+/// A request made while its thread's thread-local values are being destroyed.
+fn thread_ending() -> Error {
+    Error::InvalidInput("a model's request was made while its thread was ending (a thread-local destructor)".into())
+}
+
 /// `f` in the calling thread's serving arena (made at its first use). A panic in `f`
 /// fails this call only ([`Error::Panicked`]): the scopes it held were closed as it
 /// unwound, and the arena goes on.
@@ -343,11 +363,7 @@ pub(crate) fn in_thread_arena<R>(f: impl FnOnce(&LayerWorkspaceMgr) -> Result<R>
             }
         }
     });
-    ran.unwrap_or_else(|_| {
-        Err(Error::InvalidInput(
-            "a model's request was made while its thread was ending (a thread-local destructor)".into(),
-        ))
-    })
+    ran.unwrap_or_else(|_| Err(thread_ending()))
 }
 
 /// As `&Model` (so that an owned model serves generic code too).

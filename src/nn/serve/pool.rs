@@ -245,7 +245,10 @@ impl InferencePool {
     ///
     /// # Errors
     ///
-    /// [`Error::PoolClosed`] once the pool is closed.
+    /// [`Error::PoolClosed`] once the pool is closed; [`Error::InvalidInput`] when the
+    /// calling thread already holds every arena (leases, or streams that hold theirs),
+    /// since it would wait for itself: drop one first, or wait at most a while
+    /// ([`InferencePool::lease_timeout`]).
     pub fn lease(&self) -> Result<PoolLease<'_>> {
         self.lease_waiting(Wait::Forever)
     }
