@@ -17,7 +17,7 @@
 //!
 //! | flag | default | what |
 //! |---|---|---|
-//! | `--iters N` | 2000 | training steps |
+//! | `--iters N` | 2000 | training steps (at most 10,000,000) |
 //! | `--eval-every N` | 250 | validation loss every N steps (and after the last; 0: after the last only) |
 //! | `--workspace-mode MODE` | `enabled` | `enabled`, `planned` or `none` (ignored with `--compare`) |
 //! | `--device host\|sim\|cuda[:N]` | `host` | where each step runs: the CPU, the simulated device (the host's arithmetic in simulated device memory: the same losses) or a GPU (an error naming why where there is none); not with `--workers`, `--breakdown` or `--timeline` |
@@ -91,7 +91,7 @@ const WARM_UP: usize = 10;
 #[derive(Parser, Debug)]
 #[command(name = "train_gpt", version, verbatim_doc_comment, next_line_help = true)]
 struct Args {
-    /// Training steps (1 or more)
+    /// Training steps (1 to 10,000,000)
     #[arg(long, value_name = "N", default_value_t = 2000, value_parser = parse_count)]
     iters: usize,
     /// The validation loss every N steps and after the last (0:
@@ -164,8 +164,12 @@ struct Args {
     json: bool,
 }
 
+/// The most training steps: a run keeps a loss, a time and an allocation count per
+/// step, and plans its passes before the first.
+const MAX_ITERS: usize = 10_000_000;
+
 fn parse_count(s: &str) -> Result<usize, String> {
-    cli::bounded(s, 1, usize::MAX >> 1)
+    cli::bounded(s, 1, MAX_ITERS)
 }
 
 fn parse_small(s: &str) -> Result<usize, String> {

@@ -117,10 +117,30 @@ pub(crate) fn rows_of_steps(x: ArrayView3<'_, f32>) -> Option<ArrayView2<'_, f32
     x.into_shape_with_order((b * t, f)).ok()
 }
 
+/// Whether `layer` is one of carve's own, whose backward passes write every element of
+/// their parameters' gradients (a layer of the user's own gets them zeroed first).
+pub(crate) fn built_in(layer: &dyn Layer) -> bool {
+    use crate::nn::{attention::Attention, dense::Dense, embedding, gelu::Gelu, lstm::Lstm, norm::LayerNorm};
+    use crate::nn::{pool as pooling, relu::Relu, residual::Residual};
+    let any: &dyn Any = layer;
+    any.is::<Dense>()
+        || any.is::<Attention>()
+        || any.is::<LayerNorm>()
+        || any.is::<embedding::Embedding>()
+        || any.is::<embedding::PositionEmbedding>()
+        || any.is::<Lstm>()
+        || any.is::<Gelu>()
+        || any.is::<Relu>()
+        || any.is::<Residual>()
+        || any.is::<pooling::LastStep>()
+        || any.is::<pooling::MaskedMean>()
+}
+
 pub(crate) fn not_standard(layer: &str) -> Error {
     Error::InvalidInput(format!(
         "layer '{layer}': a batch of sequences must be in standard (row-major) layout to be applied step by step; \
-         allocate it with the scope's `zeros`/`copy_of`"
+         this one (its input, the output of the layer before it, or a gradient) is not: the layer that made it \
+         allocates it with the scope's `zeros`/`copy_of` and returns it as it is, not a permuted or sliced view"
     ))
 }
 
@@ -704,7 +724,9 @@ pub trait Layer: Any + Send + Sync {
 
     /// The backward pass over rows: writes the gradient of every parameter into `grads`
     /// (every element, in `params`' layout) and, when given, the gradient of the input
-    /// into `grad_input` (every element).
+    /// into `grad_input` (every element). A network hands a layer of the user's own its
+    /// `grads` zeroed, so that a pass that adds into them (`+=`, as PyTorch's autograd
+    /// accumulates) gives the same gradients as one that writes each element.
     ///
     /// # Errors
     ///
@@ -757,8 +779,9 @@ pub trait Layer: Any + Send + Sync {
     }
 
     /// The backward pass of [`Layer::forward`]: the gradient of every parameter into
-    /// `grads` (every element) and, when given, of the input into `grad_input` (every
-    /// element; 0 at padded steps), of the kind of the input.
+    /// `grads` (every element; a network zeroes them first for a layer of the user's
+    /// own, see [`Layer::backward_rows`]) and, when given, of the input into
+    /// `grad_input` (every element; 0 at padded steps), of the kind of the input.
     ///
     /// The default runs [`Layer::backward_rows`] as [`Layer::forward`]'s default runs
     /// [`Layer::forward_rows`].
@@ -990,9 +1013,19 @@ pub(crate) fn check_len(layer: &str, what: &str, len: usize, expected: usize) ->
 /// assert_eq!(params.len(), 4 * 3 + 3);
 /// assert!(params[12..].iter().all(|&b| b == 0.0)); // zero biases
 /// ```
+///
+/// # Panics
+///
+/// When the parameters' count overflows or the machine cannot hold them (a network
+/// refuses such a layer with an error: [`Network::new`](crate::nn::Network::new)).
 pub fn initial_params(layer: &dyn Layer, inputs: usize, seed: u64) -> Vec<f32> {
-    let count = layer.param_shapes(inputs).iter().map(ParamShape::len).fold(0usize, usize::saturating_add);
-    let mut params = vec![0.0; count];
+    let count = layer.param_shapes(inputs).iter().try_fold(0usize, |n, p| n.checked_add(p.len()));
+    let count = count.unwrap_or_else(|| panic!("layer '{}': its parameters' count overflows", layer.name()));
+    let mut params = Vec::new();
+    if params.try_reserve_exact(count).is_err() {
+        panic!("layer '{}': its {count} parameters cannot be allocated", layer.name());
+    }
+    params.resize(count, 0.0);
     let mut rng = carve_rng::Rng::new(seed);
     layer.init(inputs, &mut params, &mut Init::new(&mut rng));
     params

@@ -115,6 +115,7 @@ impl Params {
                     reason: format!("residual blocks nested more than {MAX_NESTING} deep at layer {i}"),
                 });
             }
+            embedding_first(layers, i)?;
             widths.push(width);
             let output = layer.output_size(width)?;
             let params = layer.param_shapes(width);
@@ -173,4 +174,24 @@ impl Params {
         }
         (0, element)
     }
+}
+
+/// Whether layer `i` may be where it is: a token embedding reads the network's token
+/// ids, so it is the first layer.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] naming a token embedding that is not layer 0.
+pub(crate) fn embedding_first(layers: &[Box<dyn Layer>], i: usize) -> Result<()> {
+    let layer: &dyn std::any::Any = layers[i].as_ref();
+    if i > 0 && layer.is::<crate::nn::embedding::Embedding>() {
+        return Err(Error::InvalidConfig {
+            reason: format!(
+                "token embedding '{}' is layer {i}: an embedding reads the network's token ids, so it is the first \
+                 layer",
+                layers[i].name()
+            ),
+        });
+    }
+    Ok(())
 }

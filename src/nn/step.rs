@@ -155,7 +155,8 @@ impl StepLayers<'_> {
             )));
         };
         let region = self.params.layout.regions[i].clone();
-        layer.backward(&self.values[region.clone()], &mut grads[region], pass, grad_input, &mut tapes[i], ctx)
+        let grads = own_grads(layer.as_ref(), &mut grads[region.clone()]);
+        layer.backward(&self.values[region], grads, pass, grad_input, &mut tapes[i], ctx)
     }
 
     /// [`StepLayers::backward`] writing the gradient of layer `i`'s input into
@@ -175,7 +176,8 @@ impl StepLayers<'_> {
             )));
         };
         let region = self.params.layout.regions[i].clone();
-        layer.backward_uninit(&self.values[region.clone()], &mut grads[region], pass, grad_input, &mut tapes[i], ctx)
+        let grads = own_grads(layer.as_ref(), &mut grads[region.clone()]);
+        layer.backward_uninit(&self.values[region], grads, pass, grad_input, &mut tapes[i], ctx)
     }
 
     /// Checks the gradients of layer `i`'s parameters that its last backward pass left:
@@ -193,6 +195,15 @@ impl StepLayers<'_> {
             }
         }
     }
+}
+
+/// `grads`, a layer's gradients, as its backward pass gets them: zeroed for a layer of
+/// the user's own (see [`Layer::backward_rows`]); carve's own write every element.
+fn own_grads<'g>(layer: &dyn Layer, grads: &'g mut [f32]) -> &'g mut [f32] {
+    if !grads.is_empty() && !crate::nn::layer::built_in(layer) {
+        grads.fill(0.0);
+    }
+    grads
 }
 
 /// What a step runs in besides its layers and its batch.

@@ -558,10 +558,29 @@ fn what_save_and_load_refuse_besides_broken_files() {
 
     // A configuration with no layer of parameters, or whose inputs are not its first
     // layer's: nothing checks its sizes, so it is refused.
-    let relu_only = r#"{\"version\":1,\"inputs\":288230376151711744,\"layers\":[{\"kind\":\"relu\",\"name\":\"r\"}]}"#;
+    let relu_only = r#"{\"version\":1,\"inputs\":4294967296,\"layers\":[{\"kind\":\"relu\",\"name\":\"r\"}]}"#;
     let header = format!(r#"{{"__metadata__":{{"carve.model":"{relu_only}"}}}}"#);
     let (_, reason) = config_error(load_bytes(&dir, &file_of(&header, &[])));
     assert!(reason.contains("no layer with parameters"), "{reason}");
+    // Sizes no layer has, whose shapes (three or four times the size) would overflow
+    // before any product is checked: refused naming the size, never a panic (as in a
+    // debug build's arithmetic).
+    for (layer, key) in [
+        (
+            r#"{\"kind\":\"attention\",\"name\":\"a\",\"tensors\":\"a\",\"width\":9223372036854775808,\"heads\":1}"#,
+            "'width'",
+        ),
+        (
+            r#"{\"kind\":\"lstm\",\"name\":\"l\",\"tensors\":\"l\",\"inputs\":4,\"hidden\":4611686018427387904}"#,
+            "'hidden'",
+        ),
+        (r#"{\"kind\":\"dense\",\"name\":\"d\",\"tensors\":\"d\",\"inputs\":4,\"outputs\":4294967297}"#, "'outputs'"),
+    ] {
+        let config = format!(r#"{{\"version\":1,\"inputs\":4,\"layers\":[{layer}]}}"#);
+        let header = format!(r#"{{"__metadata__":{{"carve.model":"{config}"}}}}"#);
+        let (_, reason) = config_error(load_bytes(&dir, &file_of(&header, &[])));
+        assert!(reason.contains(key) && reason.contains("beyond the 4294967296"), "{reason}");
+    }
     let data: Vec<u8> = [0.5f32, -0.5, 0.25, 1.0, 0.0, 0.1].iter().flat_map(|v| v.to_le_bytes()).collect();
     let wide = one_dense_header(
         r#"{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#,

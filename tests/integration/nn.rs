@@ -979,3 +979,78 @@ fn a_layer_handing_back_another_array_as_its_input_gradient_fails_with_an_error_
         twin.fit_batch(x.view(), y.view()).unwrap().to_bits()
     );
 }
+
+/// `y = x ⊙ s`, its gradient summed into `grads` (`+=`, PyTorch's way) when `adds`, or
+/// written element by element.
+struct Scale {
+    adds: bool,
+}
+
+impl Layer for Scale {
+    fn name(&self) -> &str {
+        "scale"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
+        vec![ParamShape::new("weight", &[inputs])]
+    }
+    fn init(&self, _inputs: usize, params: &mut [f32], _init: &mut carve::nn::Init<'_>) {
+        params.fill(1.0);
+    }
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let mut out = ctx.activations.copy_of(&input)?;
+        for mut row in out.rows_mut() {
+            row.iter_mut().zip(params).for_each(|(y, &s)| *y *= s);
+        }
+        Ok(freeze(out))
+    }
+    fn backward_rows(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if !self.adds {
+            grads.fill(0.0);
+        }
+        for (x, g) in pass.input.rows().into_iter().zip(pass.grad_output.rows()) {
+            grads.iter_mut().zip(x).zip(g).for_each(|((acc, &x), &g)| *acc += x * g);
+        }
+        if let Some(mut grad_input) = grad_input {
+            for (mut gi, g) in grad_input.rows_mut().into_iter().zip(pass.grad_output.rows()) {
+                gi.iter_mut().zip(g).zip(params).for_each(|((gi, &g), &s)| *gi = g * s);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_custom_layer_that_adds_into_its_gradients_gets_them_zeroed_each_step() {
+    // A backward pass that sums into `grads` (as PyTorch's autograd accumulates) must
+    // give the gradients of one that writes them: each step's alone, not the sum of
+    // every step so far.
+    let net = |adds: bool| {
+        let config = NetworkConfig::builder(6).dense(5).layer(Scale { adds }).relu().dense(3).seed(4).build().unwrap();
+        Network::new(config).unwrap()
+    };
+    let (mut adding, mut writing) = (net(true), net(false));
+    let mut rng = Rng::new(2);
+    for step in 0..4 {
+        let x = Array2::from_shape_fn((8, 6), |_| rng.next_f32() - 0.5);
+        let y = Array1::from_shape_fn(8, |i| ((i + step) % 3) as u32);
+        let (a, w) = (adding.fit_batch(x.view(), y.view()).unwrap(), writing.fit_batch(x.view(), y.view()).unwrap());
+        assert_eq!(a.to_bits(), w.to_bits(), "step {step}: the losses");
+        assert_eq!(adding.layer_grads(1), writing.layer_grads(1), "step {step}: the scale's gradients");
+        assert_eq!(adding.params(), writing.params(), "step {step}: the parameters");
+    }
+}

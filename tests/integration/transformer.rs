@@ -537,6 +537,24 @@ fn residual_blocks_that_change_the_width_or_hold_nothing_are_refused() {
 }
 
 #[test]
+fn an_embedding_anywhere_but_first_is_refused_when_built() {
+    // It reads token ids: after another layer it could only fail at its first step.
+    for late in [
+        NetworkConfig::builder(1).layer_norm().embedding(8).dense(2).build(),
+        NetworkConfig::builder(4).embedding(8).residual(|b| b.embedding(8)).dense(4).build(),
+        NetworkConfig::builder(4).dense(4).layer(carve::nn::Embedding::named("late", 4, 8).unwrap()).dense(2).build(),
+    ] {
+        match late {
+            Err(carve::Error::InvalidConfig { reason }) => {
+                assert!(reason.contains("token embedding") && reason.contains("first layer"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(NetworkConfig::builder(4).embedding(8).dense(4).build().is_ok());
+}
+
+#[test]
 fn token_ids_outside_the_vocabulary_and_features_fed_to_an_embedding_are_errors() {
     use carve::nn::{Input, Labels, Network};
     let mut net = Network::new(tiny_gpt(5, 8, 2, 4, 1).build().unwrap()).unwrap();

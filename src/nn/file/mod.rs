@@ -16,7 +16,11 @@
 //! position embedding, pre-LN blocks of attention and a GELU MLP, a final layer norm and
 //! a head) is saved and found under nanoGPT's names (`transformer.wte.weight`,
 //! `transformer.h.{i}.attn.c_attn.weight`, `lm_head.weight`, ...), so that nanoGPT's
-//! state dicts load and carve's files load in nanoGPT.
+//! state dicts load and carve's files load in nanoGPT. Where they differ: carve's GELU
+//! is the tanh form (`nn.GELU(approximate="tanh")`; nanoGPT's `nn.GELU()` is exact, so
+//! its outputs differ by about 1e-4), carve writes `lm_head.bias` (nanoGPT's head has
+//! none: `load_state_dict(strict=False)`) and keeps the head untied from `wte`, and a
+//! `torch.compile`d model's `_orig_mod.` prefix is not stripped.
 //!
 //! The format itself is the `safetensors` crate's: it parses and checks each header and
 //! lays out each file carve saves; `safetensors.rs` reads files header first, so that a
@@ -60,6 +64,9 @@ const CONFIG_KEY: &str = "carve.model";
 const SYMBOLS_KEY: &str = "carve.symbols";
 /// The version of the configuration's layout.
 const VERSION: u64 = 1;
+
+/// The largest size (a width, a vocabulary, a count of heads) a file may give a layer.
+const MAX_SIZE: u64 = 1 << 32;
 
 /// `nn.LSTM`'s gate blocks are i, f, g, o; carve's (DL4J's) are g, f, o, i: carve's
 /// block `c` is PyTorch's block `TORCH_BLOCK[c]`.
@@ -292,7 +299,10 @@ impl Model {
     /// truncated, has a header that lies about its lengths, has no carve configuration
     /// (a PyTorch `state_dict`: load it with [`Model::load_pytorch`]), or whose tensors
     /// are missing, of the wrong shape or type, unused, or not finite — naming the
-    /// tensor; [`Error::InvalidConfig`] when the layers do not chain.
+    /// tensor; [`Error::ShapeMismatch`] when the layers do not chain (a layer of
+    /// another width than its input's) and [`Error::InvalidConfig`] for layers that
+    /// cannot form a network (residual blocks that do not close, a token embedding
+    /// that is not the first layer).
     pub fn load(path: impl AsRef<Path>) -> Result<Model> {
         let file = Tensors::open(path.as_ref())?;
         let config = file.metadata().get(CONFIG_KEY).ok_or_else(|| {
@@ -395,8 +405,10 @@ impl Model {
     /// # Errors
     ///
     /// As [`Model::load`]; also [`Error::ModelFile`] when a layer's tensors are not
-    /// found, or found under more than one name; [`Error::InvalidConfig`] for a layer
-    /// of `config` that is not built in.
+    /// found, or found under more than one name. A layer of the user's own in `config`
+    /// finds its tensors as a built-in layer does (by its name or index, and its
+    /// [`Layer::param_shapes`](crate::nn::Layer::param_shapes)' names) and reads them in
+    /// carve's layout, as [`Model::save`] writes them: nothing is transposed for it.
     pub fn load_pytorch(path: impl AsRef<Path>, config: &NetworkConfig) -> Result<Model> {
         let file = Tensors::open(path.as_ref())?;
         let mut used = BTreeSet::new();
@@ -925,13 +937,18 @@ struct Saved {
 fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
     let bad = |why: String| file_error(file.path(), None, format!("its '{CONFIG_KEY}' configuration {why}"));
     let config: Value = serde_json::from_str(config).map_err(|e| bad(format!("is not valid JSON: {e}")))?;
+    // Sizes up to 2³²: no layer is wider, and the shapes built from them (a few times a
+    // size, as an LSTM's four gates) cannot overflow before their checked products.
     let size = |value: &Value, key: &str| -> Result<usize> {
-        value
+        let n = value
             .get(key)
             .and_then(Value::as_u64)
-            .and_then(|n| usize::try_from(n).ok())
             .filter(|&n| n > 0)
-            .ok_or_else(|| bad(format!("has no positive size '{key}' in {}", short(&value.to_string()))))
+            .ok_or_else(|| bad(format!("has no positive size '{key}' in {}", short(&value.to_string()))))?;
+        match usize::try_from(n) {
+            Ok(size) if n <= MAX_SIZE => Ok(size),
+            _ => Err(bad(format!("gives '{key}' a size of {n}, beyond the {MAX_SIZE} a layer may have"))),
+        }
     };
     match config.get("version").and_then(Value::as_u64) {
         Some(VERSION) => {}

@@ -474,6 +474,9 @@ impl NetworkConfigBuilder {
                 ));
             }
         }
+        for i in 0..self.layers.len() {
+            crate::nn::params::embedding_first(&self.layers, i)?;
+        }
         if let Err(e) = workspace_config_with(self.workspace_learning) {
             return invalid(format!("workspace learning {:?}: {e}", self.workspace_learning));
         }
