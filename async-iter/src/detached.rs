@@ -51,7 +51,10 @@ pub struct DetachedBatch {
 
 impl DetachedBatch {
     pub(crate) fn copy_of(batch: BatchRef<'_>, epoch: u64) -> DetachedBatch {
-        let mut kept = DetachedBatch::zeroed(*batch.layout(), batch.index(), epoch);
+        // A copy of a batch the ring holds: as much memory again, or the usual
+        // out-of-memory handling of the global allocator.
+        let blocks = vec![Align64([0; ARRAY_ALIGN]); batch.layout().planned_bytes().div_ceil(ARRAY_ALIGN)];
+        let mut kept = DetachedBatch { epoch, index: batch.index(), layout: *batch.layout(), data: blocks };
         kept.region_mut().copy_from_slice(batch.bytes());
         kept
     }
@@ -78,7 +81,8 @@ impl DetachedBatch {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidLayout`] when the layout cannot be laid out; the error of `read`.
+    /// [`Error::InvalidLayout`] when the layout cannot be laid out; [`Error::Backend`]
+    /// when the machine cannot hold the batch; the error of `read`.
     pub fn read_from<E: From<Error>>(
         mut layout: BatchLayout,
         index: usize,
@@ -86,15 +90,25 @@ impl DetachedBatch {
         read: impl FnOnce(&mut [u8]) -> Result<(), E>,
     ) -> Result<DetachedBatch, E> {
         layout.plan().map_err(|reason| Error::InvalidLayout { epoch, batch: index, reason })?;
-        let mut batch = DetachedBatch::zeroed(layout, index, epoch);
+        let mut batch = DetachedBatch::zeroed(layout, index, epoch)?;
         read(batch.region_mut())?;
         Ok(batch)
     }
 
     /// A zeroed batch of the planned `layout`.
-    fn zeroed(layout: BatchLayout, index: usize, epoch: u64) -> DetachedBatch {
-        let data = vec![Align64([0; ARRAY_ALIGN]); layout.planned_bytes().div_ceil(ARRAY_ALIGN)];
-        DetachedBatch { epoch, index, layout, data }
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the machine cannot hold it.
+    fn zeroed(layout: BatchLayout, index: usize, epoch: u64) -> Result<DetachedBatch, Error> {
+        let bytes = layout.planned_bytes();
+        let mut data = Vec::new();
+        if data.try_reserve_exact(bytes.div_ceil(ARRAY_ALIGN)).is_err() {
+            let source = workspace_core::BackendError::OutOfMemory { bytes, align: ARRAY_ALIGN };
+            return Err(Error::Backend { epoch, batch: index, source });
+        }
+        data.resize(bytes.div_ceil(ARRAY_ALIGN), Align64([0; ARRAY_ALIGN]));
+        Ok(DetachedBatch { epoch, index, layout, data })
     }
 
     /// The batch's region: its arrays and the padding between them.

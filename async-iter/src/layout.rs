@@ -263,8 +263,17 @@ impl BatchLayout {
                 return Err(LayoutError::Empty { role, shape: spec.shape().to_vec() });
             }
             let bytes = elements.checked_mul(spec.element.size).ok_or_else(|| overflow(spec))?;
+            if bytes == 0 {
+                // Elements of no bytes (`[f32; 0]`): an array that holds nothing.
+                return Err(LayoutError::Empty { role, shape: spec.shape().to_vec() });
+            }
             spec.offset = end;
-            end = end.checked_add(bytes).and_then(|e| align_up(e, ARRAY_ALIGN)).ok_or_else(|| overflow(spec))?;
+            // No allocation may pass `isize::MAX` bytes.
+            end = end
+                .checked_add(bytes)
+                .and_then(|e| align_up(e, ARRAY_ALIGN))
+                .filter(|&e| e <= isize::MAX as usize)
+                .ok_or_else(|| overflow(spec))?;
         }
         self.planned = end;
         Ok(end)

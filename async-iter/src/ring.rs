@@ -177,10 +177,6 @@ where
     ) -> Result<Region, Error> {
         debug_assert!(bytes > 0 && bytes.is_multiple_of(ARRAY_ALIGN));
         debug_assert_eq!(self.slots.placed() - self.epoch_start, index as u64, "batches are placed in order");
-        if !self.sized {
-            self.sized = true;
-            stats.first_batch_bytes.store(bytes, Ordering::Relaxed);
-        }
         let (ring_bytes, growths) = (self.slots.ring_bytes(), self.slots.growths());
         let placed =
             if self.mode == WorkspaceMode::None { self.slots.place_alone(bytes) } else { self.slots.place(bytes) };
@@ -190,6 +186,11 @@ where
             }
             RingError::Memory(source) => Error::Backend { epoch, batch: index, source },
         })?;
+        // The first batch placed sized the ring (one refused did not).
+        if !self.sized {
+            self.sized = true;
+            stats.first_batch_bytes.store(bytes, Ordering::Relaxed);
+        }
         // SAFETY: the slot ring places the batch's `bytes` bytes (at most a slot) at
         // `offset` inside the block, which holds at least the bytes asked for
         // (`HostSlots` is a `SlotMemory`); so the pointer stays inside the block.

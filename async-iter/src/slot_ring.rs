@@ -277,6 +277,15 @@ impl<M: SlotMemory> SlotRing<M> {
     /// [`RingError::Memory`] when the memory cannot allocate; nothing is placed then.
     pub fn place_alone(&mut self, bytes: usize) -> Result<(&M::Block, Placement), RingError<M::Error>> {
         debug_assert!(bytes > 0);
+        // The budget of a ring of these batches holds here too: a mode changes where a
+        // batch lives, never which batches are refused.
+        let max_ring_bytes = self.max_ring_bytes.unwrap_or(usize::MAX);
+        let too_large = |ring_bytes| RingError::TooLarge { ring_bytes, max_ring_bytes };
+        let needed = align_up(bytes, self.memory.slot_align()).ok_or(too_large(usize::MAX))?;
+        let min_ring = needed.checked_mul(self.slots).ok_or(too_large(usize::MAX))?;
+        if min_ring > max_ring_bytes {
+            return Err(too_large(min_ring));
+        }
         let block = self.memory.allocate_batch(bytes).map_err(RingError::Memory)?;
         let placement = Placement { sequence: self.placed, slot: None, offset: 0 };
         self.placed += 1;

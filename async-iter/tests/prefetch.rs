@@ -395,21 +395,33 @@ fn bad_input_is_a_typed_error_not_a_panic() {
         let err = builder.build().unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
     }
-    let first_error = |layout: BatchLayout| {
-        let mut batches = Prefetcher::builder(Single(layout)).max_ring_bytes(1 << 20).build().unwrap();
-        let err = batches.next().unwrap().unwrap_err();
-        assert!(batches.next().is_none());
-        err
-    };
-    let err = first_error(BatchLayout::new().features::<f32, _>((0, 4)));
-    assert!(matches!(err, Error::InvalidLayout { batch: 0, reason: LayoutError::Empty { .. }, .. }), "{err}");
-    let err = first_error(BatchLayout::new().features::<f64, _>((usize::MAX / 4, 4)));
-    assert!(matches!(err, Error::InvalidLayout { reason: LayoutError::Overflow { .. }, .. }), "{err}");
-    let err = first_error(BatchLayout::new().labels::<f64, _>(4));
-    assert!(matches!(err, Error::InvalidLayout { reason: LayoutError::NoFeatures, .. }), "{err}");
-    let err = first_error(BatchLayout::new().features::<f32, _>((1024, 1024)));
-    assert!(matches!(err, Error::BatchTooLarge { batch: 0, max_ring_bytes: 1_048_576, .. }), "{err}");
-    assert!(err.to_string().contains("raise `max_ring_bytes`"), "{err}");
+    // The same errors whatever the mode: a mode changes where batches live, never which
+    // are refused.
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::None] {
+        let first_error = |layout: BatchLayout| {
+            let builder = Prefetcher::builder(Single(layout)).workspace_mode(mode);
+            let mut batches = builder.max_ring_bytes(1 << 20).build().unwrap();
+            let err = batches.next().unwrap().unwrap_err();
+            assert!(batches.next().is_none());
+            assert_eq!(batches.stats().first_batch_bytes, 0, "{mode:?}: a refused batch sized nothing");
+            err
+        };
+        let err = first_error(BatchLayout::new().features::<f32, _>((0, 4)));
+        assert!(matches!(err, Error::InvalidLayout { batch: 0, reason: LayoutError::Empty { .. }, .. }), "{err}");
+        // Elements of no bytes: nothing to hold either.
+        let err = first_error(BatchLayout::new().features::<[f32; 0], _>(8));
+        assert!(matches!(err, Error::InvalidLayout { batch: 0, reason: LayoutError::Empty { .. }, .. }), "{err}");
+        let err = first_error(BatchLayout::new().features::<f64, _>((usize::MAX / 4, 4)));
+        assert!(matches!(err, Error::InvalidLayout { reason: LayoutError::Overflow { .. }, .. }), "{err}");
+        // Past what any allocation may hold (`isize::MAX` bytes), though `usize` holds it.
+        let err = first_error(BatchLayout::new().features::<u8, _>(isize::MAX as usize + 1));
+        assert!(matches!(err, Error::InvalidLayout { reason: LayoutError::Overflow { .. }, .. }), "{err}");
+        let err = first_error(BatchLayout::new().labels::<f64, _>(4));
+        assert!(matches!(err, Error::InvalidLayout { reason: LayoutError::NoFeatures, .. }), "{err}");
+        let err = first_error(BatchLayout::new().features::<f32, _>((1024, 1024)));
+        assert!(matches!(err, Error::BatchTooLarge { batch: 0, max_ring_bytes: 1_048_576, .. }), "{mode:?}: {err}");
+        assert!(err.to_string().contains("raise `max_ring_bytes`"), "{err}");
+    }
 }
 
 #[test]

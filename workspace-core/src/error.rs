@@ -103,12 +103,9 @@ pub enum Error {
         workspace_generation: u64,
     },
 
-    /// A handle was accessed through a scope of a different workspace.
-    #[error(
-        "array belongs to workspace '{array_workspace}' but was accessed through a scope of \
-         '{scope_workspace}': pass a scope of '{array_workspace}', or `leverage_to` the array into \
-         '{scope_workspace}' first"
-    )]
+    /// A handle was accessed through a scope of a different workspace (or, scoped out to
+    /// the heap, a scope other than the one that made it: each heap scope is its own).
+    #[error("{}", wrong_workspace(array_workspace, scope_workspace))]
     WrongWorkspace {
         /// The workspace the array lives in.
         array_workspace: Arc<str>,
@@ -326,4 +323,20 @@ fn memory_of(source: &BackendError, report: &crate::memory_report::MemoryReport)
         BackendError::OutOfMemory { .. } | BackendError::FixedSize { .. } => format!(". Memory: {report}"),
         _ => String::new(),
     }
+}
+
+/// [`Error::WrongWorkspace`]'s words: two workspaces of the same name are two heap scopes
+/// (or two workspaces given one name), whose arrays are each its own.
+fn wrong_workspace(array_workspace: &str, scope_workspace: &str) -> String {
+    if array_workspace == scope_workspace {
+        return format!(
+            "array belongs to another '{array_workspace}' than the scope it was accessed through: an array of a \
+             heap scope (a role scoped out, as with WorkspaceMode::None) is read only through the scope that made \
+             it; keep an owned copy (`detach()`) to read it elsewhere"
+        );
+    }
+    format!(
+        "array belongs to workspace '{array_workspace}' but was accessed through a scope of '{scope_workspace}': \
+         pass a scope of '{array_workspace}', or `leverage_to` the array into '{scope_workspace}' first"
+    )
 }

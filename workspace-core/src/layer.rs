@@ -440,8 +440,8 @@ impl TypedScope {
         self.scope.copy_of(array)
     }
 
-    /// `array` itself when it already lives here, otherwise a copy here (DL4J's
-    /// `leverageTo`).
+    /// `array` itself when it already lives here (or holds no element: there is nothing
+    /// to keep, in any mode), otherwise a copy here (DL4J's `leverageTo`).
     ///
     /// # Errors
     ///
@@ -450,7 +450,7 @@ impl TypedScope {
         &'a self,
         array: ArrayView<'a, T, Dim>,
     ) -> Result<ArrayView<'a, T, Dim>> {
-        if self.scope.workspace().is_some() && self.scope.holds(&array) {
+        if array.is_empty() || (self.scope.workspace().is_some() && self.scope.holds(&array)) {
             return Ok(array);
         }
         Ok(crate::scope::freeze(self.scope.copy_of(&array)?))

@@ -54,6 +54,27 @@ fn no_workspaces_scopes_everything_out() {
 }
 
 #[test]
+fn a_heap_scopes_handle_read_through_another_says_so_and_empty_arrays_leverage_in_every_mode() {
+    // Each heap scope is its own: a handle it made is read through it alone, and the
+    // error says why (not "'heap' but accessed through 'heap'").
+    let m = LayerWorkspaceMgr::no_workspaces();
+    let act = m.enter(ArrayType::Activations).unwrap();
+    let handle = act.zeros_handle::<f32, _>(4).unwrap();
+    assert_eq!(handle.view(&act).unwrap().len(), 4);
+    let other = m.enter(ArrayType::Activations).unwrap();
+    let err = handle.view(&other).unwrap_err();
+    assert!(matches!(err, Error::WrongWorkspace { .. }), "{err:?}");
+    assert!(err.to_string().contains("read only through the scope that made it"), "{err}");
+    // An empty array is kept as it is, whatever the mode (nothing to copy).
+    let empty = Array2::<f32>::zeros((0, 3));
+    for m in [mgr(), LayerWorkspaceMgr::no_workspaces()] {
+        let act = m.enter(ArrayType::Activations).unwrap();
+        let kept = act.leverage(empty.view()).unwrap();
+        assert_eq!(kept.dim(), (0, 3));
+    }
+}
+
+#[test]
 fn a_reused_name_with_another_config_is_an_error() {
     let _first = mgr();
     let other = WorkspaceConfig::builder().initial_size(1 << 20).build().unwrap();
