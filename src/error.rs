@@ -161,6 +161,15 @@ pub enum Error {
         message: String,
     },
 
+    /// The batch a request of a batched [`InferencePool`](crate::nn::serve::InferencePool)
+    /// ran in failed (other than by a panic: a workspace error, say): the server's
+    /// failure, not the request's. The pool goes on serving.
+    #[error("the batch this request ran in failed: {message}; the pool goes on serving")]
+    BatchFailed {
+        /// Why the batch failed.
+        message: String,
+    },
+
     /// A model file that cannot be read as a model: not safetensors, truncated, a header
     /// that lies about its lengths, a missing tensor or one of the wrong shape or type.
     #[error("model file {path}: {reason}")]

@@ -210,6 +210,53 @@ fn saved_model(dir: &Path) -> (std::path::PathBuf, Model) {
 }
 
 #[test]
+fn inputs_the_model_carries_past_f32_are_a_500_never_null_probabilities() {
+    // Finite inputs (the client's are checked) that the model overflows: every weight
+    // 1, so that 64 inputs of 1e38 sum past f32 and the softmax has nothing finite.
+    let dir = tempfile::tempdir().unwrap();
+    let config = || NetworkConfig::builder(64).dense(32).relu().dense(10).build().unwrap();
+    let params = vec![1.0; Network::new(config()).unwrap().params().len()];
+    let path = dir.path().join("overflowing.safetensors");
+    Model::from_config(&config(), params).unwrap().save(&path).unwrap();
+    let server = Server::start(&path, &[]);
+    let (status, json) = server.send("POST", "/predict", Some(&rows_json(&Array2::from_elem((2, 64), 1e38))));
+    assert_eq!(status, 500, "{json}");
+    assert!(json["error"].as_str().unwrap().contains("the model failed on these inputs"), "{json}");
+    let (status, json) = server.send("POST", "/predict", Some(&rows_json(&Array2::zeros((1, 64)))));
+    assert_eq!(status, 200, "{json}");
+}
+
+#[test]
+fn a_body_that_trickles_in_is_cut_off_at_its_whole_deadline() {
+    // A byte every 100 ms never falls silent for the 5 s `body_idle`; the whole body
+    // has 1 s: a 408 then, not a request held for the 30 s of `request_time`.
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = saved_model(dir.path());
+    let server = Server::start(&path, &["--body-timeout-ms", "1000"]);
+    let mut slow = server.connect();
+    slow.send_raw(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n");
+    let mut writer = slow.reader.get_ref().try_clone().unwrap();
+    let sent = Instant::now();
+    let trickle = std::thread::spawn(move || {
+        // Bounded: 60 bytes (6 s) at most, and it stops once the server closes.
+        for _ in 0..60 {
+            if writer.write_all(b" ").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let (status, json) = slow.response();
+    let waited = sent.elapsed();
+    assert_eq!(status, 408, "{json}");
+    assert!(json["error"].as_str().is_some_and(|e| e.contains("longer than 1000 ms")), "{json}");
+    assert!(waited >= Duration::from_millis(900) && waited < Duration::from_secs(4), "{waited:?}");
+    drop(slow);
+    trickle.join().unwrap();
+    assert_eq!(server.send("GET", "/stats", None).0, 200);
+}
+
+#[test]
 fn serve_digits_answers_good_requests_with_the_models_bits_and_bad_ones_with_4xx_and_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let (path, model) = saved_model(dir.path());
@@ -602,6 +649,7 @@ fn unknown_flags_and_bad_values_are_one_line_usage_errors_naming_the_flag_and_th
         (&["--model", "m", "--max-body", "10"], "'--max-body <BYTES>'", "1024.."),
         (&["--model", "m", "--header-timeout-ms", "5"], "'--header-timeout-ms <MS>'", "10..=600000"),
         (&["--model", "m", "--idle-timeout-ms", "0"], "'--idle-timeout-ms <MS>'", "10..=600000"),
+        (&["--model", "m", "--body-timeout-ms", "5"], "'--body-timeout-ms <MS>'", "10..=600000"),
         (&["--model", "m", "--max-connections", "0"], "'--max-connections <N>'", "1..=65536"),
         (&["--model", "m", "--http-threads", "0"], "'--http-threads <N>'", "1..=1024"),
         (&["--model", "m", "--stream-batch", "0"], "'--stream-batch <S>'", "1..=256"),

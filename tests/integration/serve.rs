@@ -789,3 +789,42 @@ fn a_model_served_from_inside_another_models_request_is_an_error_not_a_panic() {
     assert!(probs.iter().all(|&p| (p - 1.0 / 3.0).abs() < 1e-6), "{probs:?}");
     assert!(inner.output(x.view()).is_ok());
 }
+
+#[test]
+fn a_request_alone_in_the_batch_queue_is_taken_whatever_its_rows_and_a_bad_one_is_refused_before_any_wait() {
+    let model = Arc::new(mlp(WorkspaceMode::Enabled, 3).freeze().unwrap());
+    let x = random(9, 16, &mut Rng::new(5));
+    let expected = model.output(x.view()).unwrap();
+    // More rows than `max_queued_rows`, into an idle pool: taken (refused, it would be
+    // refused as busy forever), with the bits of the model's own.
+    let batched = || PoolConfig { max_queued_rows: 8, ..PoolConfig::batched(2, 4, Duration::ZERO) };
+    let pool = InferencePool::new(model.clone(), batched()).unwrap();
+    let mut out = Array2::zeros((9, 5));
+    pool.try_output(x.view(), out.view_mut()).unwrap();
+    assert_eq!(out, expected);
+    let none = InferencePool::new(model.clone(), PoolConfig { max_queued_rows: 0, ..batched() });
+    assert!(matches!(none, Err(Error::InvalidConfig { .. })), "{none:?}");
+    // A request that cannot run says so at once, whether or not an arena is free: the
+    // same answer as from an idle pool, not a busy pool's.
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let mut nan = x.clone();
+    nan[[3, 7]] = f32::NAN;
+    let narrow = random(2, 15, &mut Rng::new(6));
+    let _held = pool.lease().unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let start = std::time::Instant::now();
+            let mut out = Array2::zeros((9, 5));
+            let refused = pool.try_output(nan.view(), out.view_mut());
+            assert!(matches!(refused, Err(Error::NonFinite { .. })), "{refused:?}");
+            let refused = pool.output_timeout(nan.view(), out.view_mut(), Duration::from_secs(5));
+            assert!(matches!(refused, Err(Error::NonFinite { .. })), "{refused:?}");
+            let refused = pool.output_timeout(narrow.view(), out.view_mut(), Duration::from_secs(5));
+            assert!(matches!(refused, Err(Error::ShapeMismatch { .. })), "{refused:?}");
+            assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+            // A good one still waits for the held arena.
+            let busy = pool.try_output(x.view(), out.view_mut());
+            assert!(matches!(busy, Err(Error::PoolBusy { .. })), "{busy:?}");
+        });
+    });
+}

@@ -145,6 +145,16 @@ struct Args {
         verbatim_doc_comment
     )]
     idle_timeout_ms: u64,
+    /// How long a whole request body may take to arrive, in
+    /// milliseconds (10 to 600000)
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(10..=600_000),
+        verbatim_doc_comment
+    )]
+    body_timeout_ms: u64,
     /// Open connections at most; more wait to be accepted (1 to
     /// 65536)
     #[arg(
@@ -204,6 +214,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let limits = Limits {
         header_timeout: Duration::from_millis(args.header_timeout_ms),
         body_idle: Duration::from_millis(args.idle_timeout_ms),
+        body_time: Duration::from_millis(args.body_timeout_ms),
         max_body: usize::try_from(args.max_body)?,
         max_connections: args.max_connections as usize,
         max_tokens: args.max_tokens as usize,

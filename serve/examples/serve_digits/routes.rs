@@ -146,7 +146,15 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<axum::b
     if !headers.contains_key(CONTENT_LENGTH) {
         return Err(ApiError::new(StatusCode::LENGTH_REQUIRED, "a request with a body needs a Content-Length"));
     }
-    to_bytes(body, app.limits.max_body).await.map_err(|e| body_error(&e, &app.limits))
+    // The whole body within `body_time`: a client that sends a byte now and then
+    // (within `body_idle`) does not hold a request in flight for long.
+    match tokio::time::timeout(app.limits.body_time, to_bytes(body, app.limits.max_body)).await {
+        Ok(read) => read.map_err(|e| body_error(&e, &app.limits)),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the body took longer than {} ms to arrive", app.limits.body_time.as_millis()),
+        )),
+    }
 }
 
 /// The status of a pool's error: the client's fault, the server's load, or the
@@ -343,6 +351,14 @@ async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) ->
         Ok(Err(e)) => return Err(ApiError::new(status_of(&e), e.to_string())),
         Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
     };
+    // Finite inputs the model carries past f32 (it overflows): its failure, not the
+    // client's, and never probabilities of `null`.
+    if let Some((at, p)) = probabilities.indexed_iter().find(|(_, p)| !p.is_finite()) {
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the model failed on these inputs: the probability of class {} of row {} is {p}", at.1, at.0),
+        ));
+    }
     let classes: Vec<u32> = probabilities
         .rows()
         .into_iter()

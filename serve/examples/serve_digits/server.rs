@@ -12,6 +12,7 @@
 //! | at most `in_flight` requests being answered | tower, `GlobalConcurrencyLimitLayer` | later ones wait (within `request_time`) |
 //! | a body of at most `max_body` bytes | tower-http, `RequestBodyLimitLayer` | 413 |
 //! | no silence longer than `body_idle` within a body | tower-http, `RequestBodyTimeoutLayer` | 408 |
+//! | a whole body within `body_time` (however steadily it trickles) | `routes.rs`, `read_body` | 408 |
 //! | an answer within `request_time` | tower-http, `TimeoutLayer`; the pool's `output_timeout` | 503 |
 //!
 //! (`routes.rs` applies the tower layers.) `axum::serve` does not let a caller set
@@ -48,6 +49,8 @@ pub(crate) struct Limits {
     pub(crate) max_head: usize,
     /// How long a client may stay silent within a request body.
     pub(crate) body_idle: Duration,
+    /// How long a whole request body may take to arrive.
+    pub(crate) body_time: Duration,
     /// A request body, in bytes.
     pub(crate) max_body: usize,
     /// How long a request may take, from its head to its answer.
@@ -69,6 +72,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(5),
             max_head: 16 * 1024,
             body_idle: Duration::from_secs(5),
+            body_time: Duration::from_secs(10),
             max_body: 1 << 20,
             request_time: Duration::from_secs(30),
             in_flight: 256,

@@ -148,7 +148,7 @@ fn for_request(error: &Error) -> Error {
     match error {
         Error::PoolClosed => Error::PoolClosed,
         Error::Panicked { message } => Error::Panicked { message: message.clone() },
-        other => Error::InvalidInput(format!("the batch this request ran in failed: {other}")),
+        other => Error::BatchFailed { message: other.to_string() },
     }
 }
 
@@ -300,7 +300,9 @@ impl Batcher {
             if queue.closed {
                 return Err(Error::PoolClosed);
             }
-            if matches!(wait, Wait::No) && queue.rows + x.nrows() > self.max_queued_rows {
+            // A request alone in the queue is always taken (whatever its rows): refused,
+            // it would be refused as busy forever.
+            if matches!(wait, Wait::No) && queue.rows > 0 && queue.rows + x.nrows() > self.max_queued_rows {
                 counters.busy.fetch_add(1, Ordering::Relaxed);
                 return Err(Error::PoolBusy { arenas: self.arenas });
             }

@@ -45,7 +45,8 @@ pub struct PoolConfig {
     /// latency at low load for larger batches.
     pub max_wait: Duration,
     /// Batched: the most rows waiting before `try_output` refuses
-    /// ([`Error::PoolBusy`](crate::Error::PoolBusy)); waiting callers are never refused.
+    /// ([`Error::PoolBusy`](crate::Error::PoolBusy)); waiting callers are never refused,
+    /// nor a request that finds nothing waiting, whatever its rows. At least 1.
     pub max_queued_rows: usize,
     /// Whether a request's layers run on a call stack of its arena's own (a 2 MiB
     /// mapping with a guard page per arena, switched to with `psm::on_stack`) rather

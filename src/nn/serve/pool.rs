@@ -191,6 +191,11 @@ impl InferencePool {
         if batched && config.max_batch == 0 {
             return Err(Error::InvalidConfig { reason: "a batched pool needs max_batch of at least 1 row".into() });
         }
+        if batched && config.max_queued_rows == 0 {
+            return Err(Error::InvalidConfig {
+                reason: "a batched pool needs max_queued_rows of at least 1 row (try_output refuses past it)".into(),
+            });
+        }
         // Everything a batch worker needs is reserved here, on the caller's thread: a
         // size the machine cannot give is an error now, not an abort in a worker.
         let buffers = match batched {
@@ -282,7 +287,9 @@ impl InferencePool {
     ///
     /// Shape errors (batched: a sequence input); [`Error::NonFinite`] naming the
     /// input; [`Error::InvalidInput`] for an empty batch; [`Error::Panicked`] when a
-    /// layer panicked (this request only); [`Error::PoolClosed`].
+    /// layer panicked (direct: this request only; batched: every request of the batch
+    /// it ran in); [`Error::BatchFailed`] when the batch it ran in failed otherwise
+    /// (a workspace error); [`Error::PoolClosed`].
     pub fn output<'x>(&self, x: impl Into<Input<'x>>) -> Result<Array2<f32>> {
         Infer::output(&mut &*self, x)
     }
@@ -337,7 +344,11 @@ impl InferencePool {
         let Shared { model, arenas, batcher, .. } = &*self.shared;
         match batcher {
             Some(batcher) => batcher.submit_request(model, arenas, x, out, wait),
-            None => infer_in_arena(&mut arenas.lease(wait)?, model, x, |probs| copy_into(probs, out)),
+            None => {
+                // A request that cannot run is refused before it waits for an arena.
+                model.check_request(&x)?;
+                infer_in_arena(&mut arenas.lease(wait)?, model, x, |probs| copy_into(probs, out))
+            }
         }
     }
 
@@ -495,7 +506,11 @@ impl Infer for &InferencePool {
         let x = x.into();
         match &self.shared.batcher {
             Some(batcher) => f(self.batched_output(batcher, x)?.view()),
-            None => infer_in_arena(&mut self.shared.arenas.lease(Wait::Forever)?, &self.shared.model, x, f),
+            None => {
+                // A request that cannot run is refused before it waits for an arena.
+                self.shared.model.check_request(&x)?;
+                infer_in_arena(&mut self.shared.arenas.lease(Wait::Forever)?, &self.shared.model, x, f)
+            }
         }
     }
 
