@@ -27,7 +27,7 @@
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256), a one-worker trainer alongside for `speedup_vs_one_worker` |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | how the workers reduce (`sequential`: one thread running the N shards in turn, the same bits) |
 //! | `--breakdown` | off | where a steady step's time goes (JSON: `breakdown_us`), and the step's products against carve's multiply alone on the same shapes (`step_gflops`, `products_gflops`, `gemm_gflops_same_shapes`, `step_over_gemm`, `products_over_gemm`) |
-//! | `--timeline FILE` | none | record the run's workspace memory as a Chrome trace |
+//! | `--timeline FILE` | none | record the run's workspace memory as a Chrome trace (one mode: not with `--compare`; a path other than `--save`'s) |
 //! | `--save PATH` | none | save the trained model (safetensors) |
 //! | `--seed S` | 0 | weights, batches and the sample |
 //! | `--sample N` | 300 | characters sampled at the end (seeded), from a newline |
@@ -40,7 +40,8 @@
 //! `steady_state_allocs_max` (heap allocations of the busiest step after the first 10),
 //! `workspace_bytes`, `plan_bytes` and `lower_bound_bytes` (one arena planned from a
 //! recorded step, and the peak of its live bytes), `predicted_bytes` (the dry run's
-//! `workspace_bytes` before the first step), `peak_rss_bytes`,
+//! `workspace_bytes` before the first step; `null` on a device, whose steps hold device
+//! memory of their own), `peak_rss_bytes`,
 //! `training_rss_growth_bytes` (RSS after 10 steps, or the last of fewer, minus RSS before the first),
 //! `params`, `loss_trace_sha256`, `attention`, `attention_kept_bytes` (what a step
 //! keeps for backward in its attention layers besides their outputs, in each form),
@@ -462,14 +463,20 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
     // The run's passes: its steps, and the validation batches' inferences at each
     // evaluation.
     let shape = BatchShape::tokens(args.batch_size, args.context);
-    let mut passes = Vec::with_capacity(args.iters + VAL_BATCHES * (args.iters / args.eval_every.max(1) + 1));
+    let evaluations = args.iters.checked_div(args.eval_every).map_or(1, |n| n + 1);
+    let mut passes = Vec::with_capacity(args.iters + VAL_BATCHES * evaluations);
     for step in 1..=args.iters {
         passes.push(DryPass::Train(shape));
         if (args.eval_every > 0 && step % args.eval_every == 0) || step == args.iters {
             passes.extend([DryPass::Infer(shape); VAL_BATCHES]);
         }
     }
-    let estimate = net.dry_run(&passes)?;
+    // On a device the steps hold device memory of their own: the host's workspaces
+    // predict nothing of them.
+    let predicted = match args.device {
+        Device::Host => Some(net.dry_run(&passes)?.workspace_bytes),
+        _ => None,
+    };
     let train_source =
         TokenWindows::new(corpus.train.clone(), args.context, args.batch_size, args.iters)?.seeded(args.seed);
     let mut batches = Prefetcher::builder(train_source).build()?;
@@ -585,7 +592,7 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         "workspace_bytes": workspace_bytes,
         "plan_bytes": plan.as_ref().map(|p| p.arena_bytes),
         "lower_bound_bytes": plan.as_ref().map(|p| p.arena_lower_bound_bytes),
-        "predicted_bytes": estimate.workspace_bytes,
+        "predicted_bytes": predicted,
         "peak_rss_bytes": peak_rss,
         "training_rss_growth_bytes": rss_after_warm_up.saturating_sub(rss_before),
         "params": params,
@@ -632,7 +639,7 @@ fn train(args: &Args, corpus: &Corpus, mode: WorkspaceMode, say: &dyn Fn(String)
         mode_name(mode),
         run.val.last().map_or(f64::NAN, |v| v.1),
         workspace_bytes,
-        estimate.workspace_bytes,
+        predicted.map_or_else(|| "on the device: none".to_string(), |b| b.to_string()),
         plan.as_ref().map_or(0, |p| p.arena_bytes),
         plan.as_ref().map_or(0, |p| p.arena_lower_bound_bytes),
         rss_after_warm_up.saturating_sub(rss_before),
@@ -791,6 +798,15 @@ fn main() -> ExitCode {
     if let Some(path) = &args.timeline {
         if let Err(e) = cli::check_writable(path, "--timeline", "the timeline") {
             cli::usage_error::<Args>(&e);
+        }
+        if args.compare {
+            cli::usage_error::<Args>(
+                "--timeline records one mode's run, --compare trains three: leave out --compare (and choose the mode \
+                 with --workspace-mode)",
+            );
+        }
+        if args.save.as_ref() == Some(path) {
+            cli::usage_error::<Args>("--timeline writes a file of its own: give it a path other than --save's");
         }
     }
     if let Some(path) = &args.save {

@@ -13,7 +13,7 @@
 //! |---|---|---|
 //! | `--workspace-mode MODE` | `enabled` | `enabled`, `planned` (one arena per batch shape, planned from its first iteration) or `none` (ignored with `--compare`) |
 //! | `--compare` | off | train the three modes (same seed) and check that their loss traces are bit-identical |
-//! | `--epochs N` | 40 | passes over the training set |
+//! | `--epochs N` | 40 | passes over the training set (at most 1,000,000) |
 //! | `--batch-size N` | 16 | sequences per training iteration |
 //! | `--hidden W,W,...` | `64` | LSTM widths, one stacked LSTM per width |
 //! | `--head last\|mean` | `last` | the sequence head: last unmasked step, or masked mean |
@@ -73,8 +73,8 @@ struct Args {
     /// traces are bit-identical
     #[arg(long, verbatim_doc_comment)]
     compare: bool,
-    /// Passes over the training set (1 or more)
-    #[arg(long, value_name = "N", default_value_t = 40, value_parser = parse_count)]
+    /// Passes over the training set (1 to 1000000)
+    #[arg(long, value_name = "N", default_value_t = 40, value_parser = parse_epochs)]
     epochs: usize,
     /// Sequences per training iteration (1 or more)
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = parse_count)]
@@ -147,6 +147,12 @@ fn parse_head(s: &str) -> Result<String, String> {
 
 fn parse_mode(s: &str) -> Result<WorkspaceMode, String> {
     s.parse::<WorkspaceMode>().map_err(|e| e.to_string())
+}
+
+/// The most epochs: a run plans every pass (its dry run, and the workers' schedule)
+/// before the first.
+fn parse_epochs(s: &str) -> Result<usize, String> {
+    cli::bounded(s, 1, 1_000_000)
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {

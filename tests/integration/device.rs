@@ -278,3 +278,20 @@ fn every_workspace_mode_trains_the_same_on_a_device_and_planned_holds_the_bound(
         assert_eq!(w[0].1, w[1].1, "{:?} and {:?} give other losses", w[0].0, w[1].0);
     }
 }
+
+#[test]
+fn a_dry_run_of_a_device_networks_training_steps_is_refused_and_its_inferences_sized() {
+    // The host's workspaces say nothing of a step on a device: no prediction that the
+    // step would not keep, but an error saying why; its inferences run on the host.
+    use carve::nn::dry::{BatchShape, DryPass};
+    let config = NetworkConfig::builder(64).dense(32).relu().dense(10).device(Device::Simulated).build().unwrap();
+    let mut net = Network::new(config).unwrap();
+    match net.dry_run(&[DryPass::Infer(BatchShape::flat(8)), DryPass::Train(BatchShape::flat(8))]) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("trains on sim") && m.contains("device_stats"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let estimate = net.dry_run(&[DryPass::Infer(BatchShape::flat(8))]).unwrap();
+    let (x, _) = batch(8, 64, 10, 1);
+    net.output(x.view()).unwrap();
+    assert_eq!(net.last_inference_workspace_bytes(), estimate.per_pass_bytes[0]);
+}

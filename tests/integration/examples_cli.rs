@@ -86,6 +86,24 @@ fn help_prints_usage_within_80_columns_and_runs_nothing() {
 }
 
 #[test]
+fn flags_that_cannot_go_together_are_one_line_usage_errors_before_anything_runs() {
+    let dir = std::env::temp_dir().join(format!("carve-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.json");
+    let trace = trace.to_str().unwrap();
+    for (name, args, says) in [
+        ("train_gpt", &["--compare", "--timeline", trace][..], "leave out --compare"),
+        ("train_gpt", &["--timeline", trace, "--save", trace], "a path other than --save's"),
+        ("train_sequences", &["--epochs", "1000001"], "1 to 1000000"),
+    ] {
+        let stderr = usage_error(name, args);
+        assert!(stderr.contains(says), "{name} {args:?}: {stderr}");
+    }
+    assert!(!dir.join("trace.json").exists(), "nothing written");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn unknown_flags_are_one_line_usage_errors() {
     for name in EXAMPLES {
         let stderr = usage_error(name, &["--no-such-flag"]);
@@ -105,7 +123,7 @@ fn bad_values_are_one_line_usage_errors_naming_the_flag_and_the_valid_range() {
         ("prefetch_overlap", &["--depth", "two"], "'--depth <D>'", ""),
         ("cuda_smoke", &["--rounds", "0"], "'--rounds <N>'", "1..=1000"),
         ("cuda_smoke", &["--rounds", "many"], "'--rounds <N>'", ""),
-        ("train_sequences", &["--epochs", "0"], "'--epochs <N>'", "1 or more"),
+        ("train_sequences", &["--epochs", "0"], "'--epochs <N>'", "1 to 1000000"),
         ("train_sequences", &["--batch-size", "0"], "'--batch-size <N>'", "1 or more"),
         ("train_sequences", &["--hidden", "64,0"], "'--hidden <W,W,...>'", "1 to 4096"),
         ("train_sequences", &["--lr", "-1"], "'--lr <X>'", "above 0"),

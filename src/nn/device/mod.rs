@@ -26,8 +26,8 @@
 //! What is on devices: dense, ReLU, GELU, layer-norm, embedding, position-embedding and
 //! causal attention layers and residual blocks, softmax cross-entropy over examples or
 //! steps, Adam, AdamW and SGD: the digits MLP and the GPT. Not yet: LSTMs and the
-//! sequence heads, features masks, planned device arenas (`WorkspaceMode::Planned`
-//! trains in an enabled device workspace), CUDA graphs.
+//! sequence heads, features masks, CUDA graphs. (`WorkspaceMode::Planned` trains in a
+//! device plan group: one arena planned from a recorded step, `DeviceStats::plan_bytes`.)
 
 mod cuda;
 pub(crate) mod kernel;

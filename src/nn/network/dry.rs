@@ -511,12 +511,20 @@ impl Network {
     /// # Errors
     ///
     /// [`Error::InvalidInput`] for no passes, or a shape with no rows or steps, or too
-    /// large to lay out; the errors a real pass of the shape would return for it
+    /// large to lay out, or a training pass of a network that trains on a device (its
+    /// steps do not use the host's workspaces); the errors a real pass of the shape would return for it
     /// (shapes the layers refuse); workspace errors ([`StillOpen`](workspace_core::Error::StillOpen)
     /// while one of the network's workspaces is open).
     pub fn dry_run(&mut self, passes: &[DryPass]) -> Result<MemoryEstimate> {
         if passes.is_empty() {
             return Err(Error::InvalidInput("a dry run needs at least one pass".into()));
+        }
+        if self.device() != crate::nn::Device::Host && passes.iter().any(|p| matches!(p, DryPass::Train(_))) {
+            return Err(Error::InvalidInput(format!(
+                "a dry run sizes the host's workspaces, and this network trains on {}: its steps hold device memory \
+                 of their own (Network::device_stats); dry-run its inferences, which run on the host",
+                self.device()
+            )));
         }
         // A timeline recording on this thread records none of it (and labels nothing).
         let _paused = timeline::suspend();

@@ -167,7 +167,12 @@ impl Network {
     /// # Errors
     ///
     /// Workspace creation errors (for example [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) when this
-    /// thread already has a workspace of the same name with another configuration).
+    /// thread already has a workspace of the same name with another configuration);
+    /// the layers' errors for widths that do not chain; [`Error::InvalidConfig`] for
+    /// residual blocks that do not close, or a token embedding that is not the first
+    /// layer; for a network that trains on a
+    /// device, [`Error::Device`] when there is none (its reason) and
+    /// [`Error::InvalidConfig`] naming a layer that has no device form.
     pub fn new(config: NetworkConfig) -> Result<Network> {
         let NetworkConfig {
             inputs,

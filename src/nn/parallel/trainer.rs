@@ -201,8 +201,10 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::limits::MAX_THREADS);
-    /// workspace errors of a worker's planned arena; an error starting a thread.
+    /// [`Error::InvalidConfig`] for 0 workers or more than [`MAX_THREADS`](crate::nn::limits::MAX_THREADS),
+    /// for [`ReducerKind::Process`] (a process per worker: use `DataParallel::with_reducer`),
+    /// and for a network that trains on a device; workspace errors of a worker's
+    /// planned arena; an error starting a thread.
     pub fn new(network: Network, config: ParallelConfig) -> Result<DataParallel> {
         check_threads("a data-parallel trainer's workers", config.workers)?;
         if config.reducer == ReducerKind::Process {
@@ -403,9 +405,11 @@ impl DataParallel {
     /// they were before the call, and the trainer is usable; except when a worker had to
     /// abandon the reduction (a panic outside its layers, in the middle of the step's
     /// collective calls): that step still changed nothing, but every later step fails
-    /// with [`Error::Reduction`] (`into_network` gives the weights back). Under MPI, a
-    /// peer that does not answer within the reducer's timeout ends the job instead (see
-    /// `carve::nn::parallel::Mpi`).
+    /// with [`Error::Reduction`] (with threads, `into_network` gives the weights back;
+    /// under MPI the peers wait in the abandoned step, so dropping the trainer or its
+    /// `into_network` ends the job with `MPI_Abort`: save the weights first, from
+    /// [`DataParallel::freeze`]). Under MPI, a peer that does not answer within the
+    /// reducer's timeout ends the job instead (see `carve::nn::parallel::Mpi`).
     pub fn fit_batch<'x, 'l>(&mut self, x: impl Into<Input<'x>>, labels: impl Into<Labels<'l>>) -> Result<f32> {
         let measured = profile::start(self.breakdown.is_some());
         let loss = self.fit_batch_unmeasured(x.into(), labels.into())?;
