@@ -65,12 +65,12 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 #[derive(Parser, Debug)]
 #[command(name = "train_sequences", version, verbatim_doc_comment, next_line_help = true)]
 struct Args {
-    /// Workspaces during training and evaluation: `enabled` or
-    /// `none` (ignored with --compare)
+    /// Workspaces during training and evaluation: `enabled`,
+    /// `planned` or `none` (ignored with --compare)
     #[arg(long, value_name = "MODE", default_value = "enabled", value_parser = parse_mode, verbatim_doc_comment)]
     workspace_mode: WorkspaceMode,
-    /// Train both modes (same seed) and check that their loss
-    /// traces are bit-identical
+    /// Train the three modes (same seed) and check that their
+    /// loss traces are bit-identical
     #[arg(long, verbatim_doc_comment)]
     compare: bool,
     /// Passes over the training set (1 to 1000000)

@@ -633,3 +633,34 @@ fn a_broadcast_batch_too_large_to_lay_out_fails_at_once() {
         assert!(err.to_string().contains("out of memory") || err.to_string().contains("budget"), "{mode:?}: {err}");
     }
 }
+
+#[test]
+fn evaluate_refuses_labels_that_are_not_classes_and_reads_labels_in_any_layout() {
+    // An out-of-range label is refused by `fit_batch`: an accuracy must not hide it.
+    let mut net =
+        Network::new(NetworkConfig::builder(3).lstm(4).last_step().dense(2).seed(1).build().unwrap()).unwrap();
+    let x = Array3::from_shape_fn((2, 4, 3), |(b, t, f)| (b + 2 * t + f) as f32 * 0.1);
+    let y = Array1::from(vec![0u32, 7]);
+    assert!(net.fit_batch(x.view(), y.view()).is_err());
+    match net.evaluate(x.view(), y.view(), 2) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("label 7 is not a class"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // Per-step labels as `fit_batch` takes them: sliced from a wider buffer, or the
+    // transpose of a [time, batch] array, give the accuracy of the same labels laid out
+    // row-major.
+    let mut per_step = Network::new(NetworkConfig::builder(3).lstm(4).dense(2).seed(2).build().unwrap()).unwrap();
+    let x = Array3::from_shape_fn((2, 5, 3), |(b, t, f)| ((b * 5 + t) * 3 + f) as f32 * 0.05 - 0.4);
+    let buffer = Array2::from_shape_fn((2, 8), |(b, t)| ((b + t / 2) % 2) as u32);
+    let sliced = buffer.slice(s![.., ..5]);
+    let standard = sliced.to_owned();
+    let time_major = standard.t().to_owned();
+    let expected = per_step.evaluate(x.view(), standard.view(), 2).unwrap();
+    assert!(expected > 0.0 && expected < 1.0, "{expected}: a figure the layouts could get wrong");
+    assert_eq!(per_step.evaluate(x.view(), sliced, 2).unwrap(), expected);
+    assert_eq!(per_step.evaluate(x.view(), time_major.t(), 2).unwrap(), expected);
+    // Out of range there too, where the mask counts it.
+    let mut bad = standard.clone();
+    bad[[1, 3]] = 2;
+    assert!(matches!(per_step.evaluate(x.view(), bad.view(), 2), Err(Error::InvalidInput(_))));
+}

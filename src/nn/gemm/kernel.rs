@@ -357,7 +357,8 @@ pub(super) mod x86 {
                     if M <= 2 {
                         // A hint only: it reads nothing and never faults, past B's end
                         // included (`wrapping_offset`: the address is not dereferenced).
-                        let ahead = b.wrapping_offset(PREFETCH_STEPS * b_step).wrapping_add(16 * v);
+                        // (A wrapping product too: a one-step B may have any stride.)
+                        let ahead = b.wrapping_offset(b_step.wrapping_mul(PREFETCH_STEPS)).wrapping_add(16 * v);
                         _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
                     }
                     let bv = _mm512_loadu_ps(b.add(16 * v));
@@ -495,6 +496,8 @@ pub(super) mod x86 {
         beta: f32,
         tile: Tile,
     ) {
+        // A tile a strided C's buffer (`store_rows!`) holds; checked when compiled.
+        const { assert!(M * 8 * V <= MAX_TILE, "an AVX2 few-row tile larger than MAX_TILE") };
         let mut acc = [[_mm256_setzero_ps(); V]; M];
         let (mut a, mut b) = (a, b);
         for _ in 0..kc {

@@ -1126,6 +1126,21 @@ mod tests {
     }
 
     #[test]
+    fn a_one_step_b_of_any_row_stride_multiplies_on_every_kernel() {
+        // A length-1 axis may have any stride (ndarray counts `(len - 1) · stride`): the
+        // few-row kernels' prefetch address must not overflow computing it.
+        let data: Vec<f32> = (0..32).map(|v| v as f32).collect();
+        let b = ArrayView2::from_shape((1, 32).strides((1usize << 60, 1)), &data[..]).unwrap();
+        let a = Array2::from_elem((1, 1), 2.0f32);
+        for kernel in Kernel::all_available() {
+            let mut c = Array2::<f32>::zeros((1, 32));
+            let mut scratch = vec![MaybeUninit::uninit(); scratch_len(1, 32, 1)];
+            sgemm_with(kernel, 1.0, a.view(), b, 0.0, c.view_mut(), &mut scratch).unwrap();
+            assert_eq!(c.row(0).to_vec(), data.iter().map(|v| 2.0 * v).collect::<Vec<_>>(), "{kernel:?}");
+        }
+    }
+
+    #[test]
     fn every_kernel_agrees_with_its_portable_twin_bit_for_bit() {
         let (m, n, k) = (13, 35, 70);
         let a = matrix(m, k, 4);

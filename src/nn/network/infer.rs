@@ -90,7 +90,8 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Shape errors and workspace errors.
+    /// Shape errors and workspace errors; [`Error::InvalidInput`] for an empty batch or
+    /// a features mask that is not 0 and 1, or holds a row of no step.
     pub fn output<'x>(&mut self, x: impl Into<Input<'x>>) -> Result<ndarray::Array2<f32>> {
         Infer::output(self, x)
     }
@@ -124,7 +125,8 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Shape errors and workspace errors.
+    /// As [`Network::output`]; [`Error::ShapeMismatch`] when `out` does not hold one
+    /// class per row.
     pub fn predict_into<'x>(&mut self, x: impl Into<Input<'x>>, out: &mut [u32]) -> Result<()> {
         Infer::predict_into(self, x, out)
     }
@@ -134,8 +136,9 @@ impl Network {
     ///
     /// # Errors
     ///
-    /// Shape errors; [`Error::InvalidInput`] for a zero batch size, no rows, or labels
-    /// per step whose mask selects no step (there is nothing to evaluate, as
+    /// Shape errors; [`Error::InvalidInput`] for a zero batch size, no rows, a label
+    /// that is not a class (as [`Network::fit_batch`] refuses it), or labels per step
+    /// whose mask selects no step (there is nothing to evaluate, as
     /// [`Network::fit_batch`] finds nothing to learn from).
     pub fn evaluate<'x, 'l>(
         &mut self,
@@ -168,23 +171,15 @@ impl Network {
     /// Labelled rows (examples, or labelled steps) of one batch whose most probable
     /// class is the label, and how many are labelled.
     fn count_correct(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<(usize, usize)> {
-        let (flat, mask) = labels.flat()?;
-        self.run_inference(x, |probs| {
-            if probs.nrows() != flat.len() {
-                return Err(Error::ShapeMismatch {
-                    context: "labels (one per row of the network's output)".into(),
-                    expected: vec![probs.nrows()],
-                    actual: vec![flat.len()],
-                });
+        // Labels and mask in logical order (example-major, as the output's rows), in
+        // whatever layout they were given, as `fit_batch` takes them; nothing allocated.
+        let all = || std::iter::repeat(true);
+        self.run_inference(x, |probs| match labels {
+            Labels::PerExample(y) => tally(probs, y.len(), y.iter().copied(), all()),
+            Labels::PerStep { labels, mask: None } => tally(probs, labels.len(), labels.iter().copied(), all()),
+            Labels::PerStep { labels, mask: Some(m) } => {
+                tally(probs, labels.len(), labels.iter().copied(), m.iter().map(|&v| v != 0.0))
             }
-            let counted = |r: usize| mask.as_ref().is_none_or(|m| m[r] != 0.0);
-            let correct = probs
-                .axis_iter(Axis(0))
-                .zip(flat.iter())
-                .enumerate()
-                .filter(|&(r, (ref row, &y))| counted(r) && argmax(row.view()) == y)
-                .count();
-            Ok((correct, (0..flat.len()).filter(|&r| counted(r)).count()))
         })
     }
 
@@ -236,4 +231,41 @@ fn no_labelled_step(given: &str, rows: usize) -> Error {
         "{given} {rows} sequences and no labelled step (the labels mask is 0 at every step): there is nothing to \
          evaluate; give labels at least one step with mask 1"
     ))
+}
+
+/// Of `probs`' rows, those `counted` says, whose most probable class is their label, and
+/// how many were counted (`count` labels, one per row).
+///
+/// # Errors
+///
+/// [`Error::ShapeMismatch`] for labels that are not one per row; [`Error::InvalidInput`]
+/// for a counted label that is not a class (an accuracy would hide it).
+fn tally(
+    probs: ArrayView2<'_, f32>,
+    count: usize,
+    labels: impl Iterator<Item = u32>,
+    counted: impl Iterator<Item = bool>,
+) -> Result<(usize, usize)> {
+    if probs.nrows() != count {
+        return Err(Error::ShapeMismatch {
+            context: "labels (one per row of the network's output)".into(),
+            expected: vec![probs.nrows()],
+            actual: vec![count],
+        });
+    }
+    let classes = probs.ncols();
+    let (mut correct, mut total) = (0, 0);
+    for ((row, y), counted) in probs.axis_iter(Axis(0)).zip(labels).zip(counted) {
+        if !counted {
+            continue;
+        }
+        if y as usize >= classes {
+            return Err(Error::InvalidInput(format!(
+                "label {y} is not a class: the network's output has {classes} classes (0..{classes})"
+            )));
+        }
+        total += 1;
+        correct += usize::from(argmax(row) == y);
+    }
+    Ok((correct, total))
 }
