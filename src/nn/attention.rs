@@ -505,7 +505,9 @@ impl Layer for Attention {
     }
 
     fn init(&self, _inputs: usize, params: &mut [f32], init: &mut Init<'_>) {
-        // GPT-2's: weights from N(0, 0.02²), biases 0.
+        // Weights from N(0, 0.02²), biases 0 (GPT-2's and nanoGPT's, but for their
+        // scaling of the output projection to 0.02 / √(2 · blocks), which carve does not
+        // do: a layer does not know the depth of its network).
         let d = self.width;
         let (qkv_w, rest) = params.split_at_mut(d * 3 * d);
         let (qkv_b, rest) = rest.split_at_mut(3 * d);

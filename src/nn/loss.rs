@@ -9,6 +9,11 @@ use super::kernels::running;
 /// Softmax over each row of the logits, with the mean cross-entropy against integer
 /// class labels as the loss. Its gradient with respect to the logits is
 /// `(softmax − onehot) / batch`.
+///
+/// Each row's loss is `−ln p` of its label's probability, with `p` at least `1e-12`
+/// (as DL4J clips its softmax output): a row whose label is more than about 27.6 below
+/// the row's log-sum-exp counts 27.63, where PyTorch's `cross_entropy` (exact
+/// log-softmax) counts more. The gradient is not clipped.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SoftmaxCrossEntropy;
 

@@ -28,7 +28,10 @@ pub enum Updater {
         momentum: f32,
     },
     /// Adam (Kingma & Ba), with the bias correction folded into the step size as
-    /// scikit-learn does.
+    /// scikit-learn and DL4J do: `w −= lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m / (√v + ε)`. PyTorch
+    /// adds ε to the corrected root instead (`m̂ / (√v̂ + ε)`): the two differ by ε's
+    /// scale, `√(1−β₂ᵗ)`, which matters only while `√v̂` is near ε (tiny gradients in
+    /// the first `~1/(1−β₂)` steps).
     Adam {
         /// Step size.
         learning_rate: f32,
@@ -40,10 +43,10 @@ pub enum Updater {
         epsilon: f32,
     },
     /// AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as PyTorch's
-    /// `AdamW` steps: each parameter that is a matrix (two or more dimensions: weights
+    /// `AdamW` decays: each parameter that is a matrix (two or more dimensions: weights
     /// and embeddings, not biases or layer-norm scales, as nanoGPT's parameter groups
     /// choose) is first multiplied by `1 − learning_rate · weight_decay`, then takes
-    /// Adam's step.
+    /// [`Updater::Adam`]'s step (ε where scikit-learn and DL4J put it, see there).
     AdamW {
         /// Step size.
         learning_rate: f32,
