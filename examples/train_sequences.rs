@@ -21,7 +21,7 @@
 //! | `--lr X` | 0.005 | Adam learning rate |
 //! | `--seed N` | 0 | weights and batch order |
 //! | `--prefetch-depth N` | 2 | batches filled ahead on the prefetcher's thread (0: inline) |
-//! | `--plot FILE` | none | train both modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
+//! | `--plot FILE` | none | train the three modes and plot workspace bytes, heap bytes and allocations per iteration (`.svg` or `.png`) |
 //! | `--workers N` | none | train data-parallel with N workers (1 to 256; 2 when only `--reducer` is given); not with `--compare` or `--plot` |
 //! | `--reducer threads\|sequential\|mpi` | `threads` | a thread per worker; one thread running the N shards in turn (the same bits); a process per worker under `mpirun -np N` (`--features mpi`) |
 //! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); JSON: `timeline_events`, `timeline_bytes` (top level and per mode); with `--compare` or `--plot` on in odd epochs only, for `iter_time_ratio_timeline_over_off` (from 3 epochs on); not with `--workers` |
@@ -111,9 +111,9 @@ struct Args {
     /// Print one JSON object on stdout (the rest goes to stderr)
     #[arg(long)]
     json: bool,
-    /// Train both modes, as --compare does, and plot workspace
-    /// bytes, heap bytes and heap allocations per iteration of
-    /// both to FILE (.svg or .png)
+    /// Train the three modes, as --compare does, and plot
+    /// workspace bytes, heap bytes and heap allocations per
+    /// iteration of each to FILE (.svg or .png)
     #[arg(long, value_name = "FILE", value_parser = plot::parse_plot_path, verbatim_doc_comment)]
     plot: Option<std::path::PathBuf>,
     /// Save the trained network to FILE as a safetensors model

@@ -89,8 +89,8 @@ pub(crate) struct Args {
     pub(crate) json: bool,
 
     /// Plot memory (workspace and heap bytes) and heap allocations
-    /// per iteration of both modes to FILE (.svg or .png); trains
-    /// both modes, as --compare does
+    /// per iteration of every mode to FILE (.svg or .png); trains
+    /// the three modes, as --compare does
     #[arg(long, value_name = "FILE", value_parser = parse_plot_path, verbatim_doc_comment)]
     pub(crate) plot: Option<PathBuf>,
 

@@ -23,7 +23,7 @@
 //! What it shows: with workspaces enabled a steady iteration makes **no heap
 //! allocation**; with `--workspace-mode none` every temporary array is its own
 //! allocation, and the memory the workspaces hold is on the heap instead; and the
-//! arithmetic is the same — with `--compare` both modes train in one process from the
+//! arithmetic is the same — with `--compare` the three modes (enabled, planned, none) train in one process from the
 //! same seed, epoch by epoch in turn, and their loss traces must be bit-identical (the
 //! demo fails otherwise).
 //!
@@ -41,7 +41,7 @@
 //! | `--seed N` | 0 | seed of the split, the weights and the batch order |
 //! | `--prefetch-depth N` | 2 | batches the prefetcher fills ahead on its thread, 0 to 1024; 0: inline in the training thread (shield mode) |
 //! | `--json` | off | print one JSON object (the results) as the last line of stdout; no progress bars |
-//! | `--plot FILE` | none | train both modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
+//! | `--plot FILE` | none | train the three modes, as `--compare` does, and plot them to FILE (`.svg` or `.png`) |
 //! | `--threads N` | 1 | threads of each training step, 1 to 64 (`Network::set_threads`: large matrix multiplies and updater passes split, the same bits); not with `--workers` |
 //! | `--timeline FILE` | none | record a timeline of the run's workspace memory and write it to FILE as a Chrome trace (open it in Perfetto or `chrome://tracing`); with `--compare` or `--plot`, on in odd epochs and off in even ones; not with `--workers` |
 //! | `--breakdown` | off | measure where each steady step's time goes, and the matrix multiply alone on the step's shapes (JSON: `breakdown_us`, `step_gflops`, `gemm_gflops_same_shapes`); with `--workers`, the N workers' steps after epoch 1 (JSON: `breakdown_us`) |
@@ -58,7 +58,7 @@
 //! so `--hidden 65536,65536` is an error naming the total, not an out-of-memory kill.
 //!
 //! `--plot` implies `--compare` (so `--workspace-mode` is unused). It draws, per
-//! iteration of both modes, the workspace bytes in use, the heap bytes in use (the most
+//! iteration of every mode, the workspace bytes in use, the heap bytes in use (the most
 //! the training thread held at once during `fit_batch`) on the same scale, and the heap
 //! allocations; each panel's legend is beside it. The file name's extension is checked
 //! when the flags are parsed; before training, its directory must exist and the file
@@ -360,7 +360,7 @@ fn run(args: &Args) -> Res<()> {
             out(&format!("peak RSS: the process's peak over the whole run (it could not be reset per epoch: {why})"))
         }
         (RssMeter::Process(why), _) => out(&format!(
-            "peak RSS: the process's peak over the whole run, the same for both modes, not either mode's (it could \
+            "peak RSS: the process's peak over the whole run, the same for every mode, not one mode's (it could \
              not be reset per epoch: {why})"
         )),
     }

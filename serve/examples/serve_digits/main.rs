@@ -4,12 +4,13 @@
 //! ```text
 //! cargo run --release --example train_digits -- --save digits.safetensors
 //! cargo run --release --example serve_digits -- --model digits.safetensors --port 8080
-//! curl -s localhost:8080/predict -d '{"inputs": [[0, 0, 5, 13, 9, 1, …64 values…]]}'
+//! curl -s localhost:8080/predict -d '{"inputs": [[0, 0, 0.3125, 0.8125, 0.5625, 0.0625, …64 values…]]}'
 //! curl -s localhost:8080/stats
 //! ```
 //!
 //! - `POST /predict` with `{"inputs": [[f32, …], …]}` (one row of the model's features
-//!   per example) answers `{"classes": [u32, …], "probabilities": [[f32, …], …]}`.
+//!   per example, as the model was trained on them: `train_digits`' pixels divided by
+//!   16, so 0 to 1) answers `{"classes": [u32, …], "probabilities": [[f32, …], …]}`.
 //! - `POST /generate` with `{"prompt": "…", "tokens": N}` (and optionally
 //!   `"temperature"`, default 1, 0 for greedy; `"top_k"`, default 0: all; `"seed"`,
 //!   default 0) answers `{"text": "…", "tokens": N}`: the model's continuation of the
