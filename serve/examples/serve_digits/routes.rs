@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{to_bytes, Body};
-use axum::extract::{Request, State};
+use axum::extract::{Extension, Request, State};
 use axum::http::header::{ALLOW, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -95,10 +95,17 @@ pub(crate) fn router(pool: Arc<InferencePool>, batcher: Option<Batcher>, limits:
         .with_state(app)
 }
 
+/// When a request arrived (before any wait for an in-flight slot).
+#[derive(Clone, Copy)]
+struct Arrived(Instant);
+
 /// Counts each answer, and gives the layers' errors (413, 503; plain text or empty) a
 /// JSON body as the handlers' own.
-async fn observe(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+async fn observe(State(app): State<Arc<App>>, mut request: Request, next: Next) -> Response {
     let predict = request.uri().path() == "/predict";
+    // The request's time runs from here, as the timeout layer's does: a handler that
+    // starts after a wait for an in-flight slot has only what is left.
+    request.extensions_mut().insert(Arrived(Instant::now()));
     let mut response = next.run(request).await;
     let status = response.status();
     let json = response.headers().get(CONTENT_TYPE).is_some_and(|t| t == "application/json");
@@ -183,8 +190,13 @@ impl Drop for Cancel {
 /// `top_k`, `seed`) → `{"text": "…", "tokens": N}`, a stream of the pool's model run
 /// on a blocking thread in an arena leased for it, or beside the other requests' in
 /// a generation thread's stream slots (`--stream-batch`).
-async fn generate(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let deadline = Instant::now() + app.limits.request_time;
+async fn generate(
+    State(app): State<Arc<App>>,
+    Extension(Arrived(arrived)): Extension<Arrived>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let deadline = arrived + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
     let request = parse_generate(&body, app.limits.max_tokens).map_err(bad)?;
@@ -334,8 +346,13 @@ fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, Str
 
 /// `POST /predict`: the body read and checked, the rows run through the pool on a
 /// blocking thread.
-async fn predict(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
-    let deadline = Instant::now() + app.limits.request_time;
+async fn predict(
+    State(app): State<Arc<App>>,
+    Extension(Arrived(arrived)): Extension<Arrived>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let deadline = arrived + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
     let x = parse_inputs(&body, app.pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
 
