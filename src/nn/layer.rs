@@ -308,7 +308,8 @@ pub struct ForwardCtx<'a, 'w> {
     /// Scratch for this call ([`ArrayType::FfWorkingMem`](workspace_core::ArrayType)),
     /// reset as soon as the layer returns.
     pub working: &'w TypedScope,
-    /// The manager, for helper workspaces and validation.
+    /// The manager: the workspaces of each array role, for validation (a network's
+    /// managers declare no helper workspaces).
     pub mgr: &'w LayerWorkspaceMgr,
     /// Training (true) or inference (false).
     pub training: bool,
@@ -319,7 +320,8 @@ pub struct BackwardCtx<'w> {
     /// Scratch for this call ([`ArrayType::BpWorkingMem`](workspace_core::ArrayType)),
     /// reset as soon as the layer returns.
     pub working: &'w TypedScope,
-    /// The manager, for helper workspaces.
+    /// The manager: the workspaces of each array role (a network's managers declare no
+    /// helper workspaces).
     pub mgr: &'w LayerWorkspaceMgr,
 }
 
@@ -699,7 +701,11 @@ pub trait Layer: Any + Send + Sync {
 
     /// The forward pass over rows `[rows, inputs]`: the output, allocated in
     /// `ctx.activations`. What the default [`Layer::forward`] calls, for a flat batch and
-    /// for every step of a batch of sequences.
+    /// for every step of a batch of sequences. The rows may come in any layout (a flat
+    /// batch as its caller gave it): read them through ndarray, not `as_slice().unwrap()`.
+    /// A layer whose rows are its only input says [`Layer::per_step`], so that it runs
+    /// in generation streams too. A layer that passes its input on unchanged returns
+    /// `ctx.activations.leverage(input)` (no copy where it already lives there).
     ///
     /// In a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) a layer
     /// allocates exactly as it would; carve's kernels ([`sgemm`](crate::nn::gemm::sgemm)

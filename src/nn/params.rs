@@ -115,7 +115,7 @@ impl Params {
                     reason: format!("residual blocks nested more than {MAX_NESTING} deep at layer {i}"),
                 });
             }
-            embedding_first(layers, i)?;
+            check_layer(layers, i)?;
             widths.push(width);
             let output = layer.output_size(width)?;
             let params = layer.param_shapes(width);
@@ -176,13 +176,25 @@ impl Params {
     }
 }
 
-/// Whether layer `i` may be where it is: a token embedding reads the network's token
-/// ids, so it is the first layer.
+/// Whether layer `i` may be where it is, and what it says of itself holds together: a
+/// token embedding reads the network's token ids, so it is the first layer; a layer
+/// whose output a step computes again in the backward pass
+/// ([`Layer::rebuilt_in_backward`]) keeps nothing on a tape (its second forward pass
+/// would overwrite it).
 ///
 /// # Errors
 ///
-/// [`Error::InvalidConfig`] naming a token embedding that is not layer 0.
-pub(crate) fn embedding_first(layers: &[Box<dyn Layer>], i: usize) -> Result<()> {
+/// [`Error::InvalidConfig`] naming the layer.
+pub(crate) fn check_layer(layers: &[Box<dyn Layer>], i: usize) -> Result<()> {
+    if layers[i].rebuilt_in_backward() && !layers[i].tape().is_none() {
+        return Err(Error::InvalidConfig {
+            reason: format!(
+                "layer '{}' is rebuilt in the backward pass (rebuilt_in_backward) and keeps a tape: its forward pass \
+                 runs again before its backward pass and would overwrite the tape; keep one or the other",
+                layers[i].name()
+            ),
+        });
+    }
     let layer: &dyn std::any::Any = layers[i].as_ref();
     if i > 0 && layer.is::<crate::nn::embedding::Embedding>() {
         return Err(Error::InvalidConfig {

@@ -473,6 +473,7 @@ pub(crate) fn forward<'s>(
 ) -> Result<Activations<'s>> {
     // The inputs of the residual blocks under way (see `nn::residual`).
     let mut blocks: Stack<Activations<'s>> = Stack::new();
+    let batch = batch_of(input);
     let mut i = 0;
     while i < layers.count() {
         *at = i;
@@ -498,6 +499,7 @@ pub(crate) fn forward<'s>(
                 layers.forward(i, rebind(&input), mask.as_ref().map(|m| m.view()), &ctx)?
             };
             validate_in(mgr, ArrayType::FfWorkingMem, layers.name(i), y)?;
+            check_shape(layers, i, batch, y)?;
             finite::check_activations(layers.name(i), "its output", y, mask)?;
             each(layers.name(i), None)?;
             i += 1;
@@ -510,6 +512,7 @@ pub(crate) fn forward<'s>(
                 layers.forward_detached(i, y, mask, &ctx)?
             };
             validate(mgr, layers.name(i), out)?;
+            check_shape(layers, i, batch, out)?;
             each(layers.name(i), Some(out))?;
             input = out;
             i += 1;
@@ -532,11 +535,57 @@ pub(crate) fn forward<'s>(
             }
         };
         validate(mgr, layers.name(i), y)?;
+        check_shape(layers, i, batch, y)?;
         each(layers.name(i), Some(y))?;
         input = y;
         i += 1;
     }
     Ok(input)
+}
+
+/// The examples (or streams) of a batch: its first axis, which every layer keeps.
+fn batch_of(x: Activations<'_>) -> usize {
+    match x {
+        Activations::Flat(v) => v.nrows(),
+        Activations::Sequence(v) => v.dim().0,
+    }
+}
+
+/// Whether layer `i`'s output `y` is of the shape its [`Layer::output_size`] declared:
+/// the batch's `batch` examples, of the width the network laid out after it. Checked
+/// here, so that a layer that gives another shape is named itself, not the layer after
+/// it (or, last, the caller's buffer).
+fn check_shape(layers: &StepLayers<'_>, i: usize, batch: usize, y: Activations<'_>) -> Result<()> {
+    let params = &layers.params;
+    // A placeholder layout lays out nothing to check against.
+    if params.widths.len() != layers.count() {
+        return Ok(());
+    }
+    let declared = params.widths.get(i + 1).copied().unwrap_or(params.outputs);
+    let (rows, width) = match y {
+        Activations::Flat(v) => v.dim(),
+        Activations::Sequence(v) => (v.dim().0, v.dim().2),
+    };
+    if rows == batch && width == declared {
+        return Ok(());
+    }
+    // (Allocated only for the error: a step allocates nothing.)
+    let shape = match y {
+        Activations::Flat(v) => v.shape().to_vec(),
+        Activations::Sequence(v) => v.shape().to_vec(),
+    };
+    let mut expected = shape.clone();
+    expected[0] = batch;
+    *expected.last_mut().expect("an array of two or three axes") = declared;
+    Err(Error::ShapeMismatch {
+        context: format!(
+            "layer '{}' output ([batch, features] or [batch, time, features]: the batch's examples, and the width \
+             its output_size declared)",
+            layers.name(i)
+        ),
+        expected,
+        actual: shape,
+    })
 }
 
 /// [`validate`] for an array of role `ty`.

@@ -308,7 +308,8 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
         "layer 'shortcut' produced Activations in memory outside this manager's workspaces (heap, an input, or \
          another workspace), but Activations must live in workspace 'WS_INFERENCE_ACT': allocate it from the \
          Activations scope the layer was given (`ctx.activations` for a forward output), or copy it there with \
-         `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
+         `TypedScope::copy_of` (`TypedScope::leverage` copies only what does not live there already: a layer that \
+         passes its input on returns `ctx.activations.leverage(x)?`)"
     );
     // With workspaces off there is nothing to misplace.
     let config = NetworkConfig::builder(8)
@@ -1052,5 +1053,97 @@ fn a_custom_layer_that_adds_into_its_gradients_gets_them_zeroed_each_step() {
         assert_eq!(a.to_bits(), w.to_bits(), "step {step}: the losses");
         assert_eq!(adding.layer_grads(1), writing.layer_grads(1), "step {step}: the scale's gradients");
         assert_eq!(adding.params(), writing.params(), "step {step}: the parameters");
+    }
+}
+
+/// Declares `declared` outputs, gives the first `gives` columns of its input (of its
+/// first `rows` rows when set).
+struct Misshapen {
+    declared: usize,
+    gives: usize,
+    rows: Option<usize>,
+}
+
+impl Layer for Misshapen {
+    fn name(&self) -> &str {
+        "misshapen"
+    }
+    fn output_size(&self, _inputs: usize) -> carve::Result<usize> {
+        Ok(self.declared)
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let rows = self.rows.unwrap_or(input.nrows());
+        Ok(freeze(ctx.activations.copy_of(&input.slice(ndarray::s![..rows, ..self.gives]))?))
+    }
+}
+
+#[test]
+fn a_layer_whose_output_is_not_the_shape_it_declared_is_named_itself() {
+    // Before, the layer after it was blamed (a dense layer's input), or the caller's
+    // buffer, or nothing at all (a ReLU takes any width).
+    let x = Array2::from_elem((5, 6), 0.5f32);
+    for (layer, after_relu) in [
+        (Misshapen { declared: 6, gives: 4, rows: None }, false),
+        (Misshapen { declared: 6, gives: 4, rows: None }, true),
+        (Misshapen { declared: 6, gives: 6, rows: Some(3) }, false),
+    ] {
+        let mut b = NetworkConfig::builder(6).layer(layer);
+        if after_relu {
+            b = b.relu();
+        }
+        let mut net = Network::new(b.dense(3).build().unwrap()).unwrap();
+        for result in [net.output(x.view()).map(drop), net.fit_batch(x.view(), Array1::zeros(5).view()).map(drop)] {
+            match result {
+                Err(Error::ShapeMismatch { context, expected, .. }) => {
+                    assert!(context.contains("layer 'misshapen' output"), "{context}");
+                    assert_eq!(expected, vec![5, 6]);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
+
+/// An elementwise layer that says it is rebuilt in the backward pass and yet keeps a
+/// tape.
+struct RebuiltWithTape;
+
+impl Layer for RebuiltWithTape {
+    fn name(&self) -> &str {
+        "rebuilt_with_tape"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn tape(&self) -> Tape {
+        Tape::new(0usize)
+    }
+    fn rebuilt_in_backward(&self) -> bool {
+        true
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        Ok(freeze(ctx.activations.copy_of(&input)?))
+    }
+}
+
+#[test]
+fn a_layer_rebuilt_in_backward_that_keeps_a_tape_is_refused_when_built() {
+    // Its second forward pass would overwrite what the first left for its backward.
+    let built = NetworkConfig::builder(4).dense(4).layer(RebuiltWithTape).dense(2).build();
+    match built {
+        Err(Error::InvalidConfig { reason }) => {
+            assert!(reason.contains("'rebuilt_with_tape'") && reason.contains("tape"), "{reason}")
+        }
+        other => panic!("{other:?}"),
     }
 }

@@ -153,7 +153,8 @@ pub enum Error {
     #[error(
         "layer '{layer}' produced {array_type:?} in {actual}, but {array_type:?} must live in {expected}: \
          allocate it from the {array_type:?} scope the layer was given (`ctx.activations` for a forward \
-         output), or copy it there with `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
+         output), or copy it there with `TypedScope::copy_of` (`TypedScope::leverage` copies only what \
+         does not live there already: a layer that passes its input on returns `ctx.activations.leverage(x)?`)"
     )]
     WrongLocation {
         /// The layer that produced the array.

@@ -475,7 +475,7 @@ impl NetworkConfigBuilder {
             }
         }
         for i in 0..self.layers.len() {
-            crate::nn::params::embedding_first(&self.layers, i)?;
+            crate::nn::params::check_layer(&self.layers, i)?;
         }
         if let Err(e) = workspace_config_with(self.workspace_learning) {
             return invalid(format!("workspace learning {:?}: {e}", self.workspace_learning));

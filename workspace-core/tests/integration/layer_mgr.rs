@@ -128,7 +128,8 @@ fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
         err.to_string(),
         "layer 'my_layer' produced Activations in workspace 'WORK', but Activations must live in workspace \
          'ACT': allocate it from the Activations scope the layer was given (`ctx.activations` for a forward \
-         output), or copy it there with `TypedScope::copy_of` / `LayerWorkspaceMgr::leverage_to`"
+         output), or copy it there with `TypedScope::copy_of` (`TypedScope::leverage` copies only what does not \
+         live there already: a layer that passes its input on returns `ctx.activations.leverage(x)?`)"
     );
 
     let heap = Array2::<f32>::zeros((2, 2));
