@@ -499,6 +499,7 @@ pub(crate) fn forward<'s>(
                 layers.forward(i, rebind(&input), mask.as_ref().map(|m| m.view()), &ctx)?
             };
             validate_in(mgr, ArrayType::FfWorkingMem, layers.name(i), y)?;
+            validate_held(mgr, &held, layers.name(i), y)?;
             check_shape(layers, i, batch, y)?;
             finite::check_activations(layers.name(i), "its output", y, mask)?;
             each(layers.name(i), None)?;
@@ -512,6 +513,7 @@ pub(crate) fn forward<'s>(
                 layers.forward_detached(i, y, mask, &ctx)?
             };
             validate(mgr, layers.name(i), out)?;
+            validate_held(mgr, act, layers.name(i), out)?;
             check_shape(layers, i, batch, out)?;
             each(layers.name(i), Some(out))?;
             input = out;
@@ -535,12 +537,39 @@ pub(crate) fn forward<'s>(
             }
         };
         validate(mgr, layers.name(i), y)?;
+        validate_held(mgr, act, layers.name(i), y)?;
         check_shape(layers, i, batch, y)?;
         each(layers.name(i), Some(y))?;
         input = y;
         i += 1;
     }
     Ok(input)
+}
+
+/// With workspaces off (the role scoped out to the heap) [`validate`] has no workspace
+/// to check against: the output must then be an array `scope` (the layer's
+/// `ctx.activations`) allocated, as with workspaces on it must lie in the workspace —
+/// not the layer's input, nor an array from elsewhere. So a layer that misplaces its
+/// output fails in every mode, not only with workspaces on.
+fn validate_held(mgr: &LayerWorkspaceMgr, scope: &TypedScope, layer: &str, y: Activations<'_>) -> Result<()> {
+    let ty = scope.array_type();
+    if !mgr.is_scoped_out(ty) {
+        return Ok(());
+    }
+    let held = match y {
+        Activations::Flat(v) => scope.holds(&v),
+        Activations::Sequence(v) => scope.holds(&v),
+    };
+    if held {
+        return Ok(());
+    }
+    Err(workspace_core::Error::WrongLocation {
+        layer: layer.to_string(),
+        array_type: ty,
+        expected: "the heap scope the layer was given (workspaces off)".into(),
+        actual: "memory that scope did not allocate (the layer's input, or an array from elsewhere)".into(),
+    }
+    .into())
 }
 
 /// The examples (or streams) of a batch: its first axis, which every layer keeps.

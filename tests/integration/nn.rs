@@ -311,7 +311,9 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
          `TypedScope::copy_of` (`TypedScope::leverage` copies only what does not live there already: a layer that \
          passes its input on returns `ctx.activations.leverage(x)?`)"
     );
-    // With workspaces off there is nothing to misplace.
+    // With workspaces off the same mistake is refused too (it was accepted, so that code
+    // that ran with workspaces off failed once they were on): the mode changes where
+    // memory comes from, not which calls succeed.
     let config = NetworkConfig::builder(8)
         .layer(Shortcut)
         .dense(3)
@@ -319,7 +321,12 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
         .build()
         .unwrap();
     let mut net = Network::new(config).unwrap();
-    assert_eq!(net.output(x.view()).unwrap().shape(), &[6, 3]);
+    let err = net.output(x.view()).unwrap_err();
+    assert!(matches!(&err, Error::Workspace(carve::workspace_core::Error::WrongLocation { .. })), "{err}");
+    assert!(
+        err.to_string().contains("layer 'shortcut' produced Activations in memory that scope did not allocate"),
+        "{err}"
+    );
 }
 
 #[test]
