@@ -229,8 +229,14 @@ fn run(args: &Args) -> Res<()> {
         net.set_threads(args.threads).map_err(|e| format!("starting {} training threads: {e}", args.threads))?;
         // The run's memory, known before its first step.
         let passes = run_passes(train.y.len(), test.y.len(), batch, args.epochs);
-        let estimate =
-            net.dry_run(&passes).map_err(|e| format!("sizing the network ({} mode): {e}", mode_name(mode)))?;
+        // On a device the steps hold device memory of their own, which the host's
+        // workspaces do not predict: no dry run there.
+        let estimate = match net.device() {
+            carve::nn::Device::Host => {
+                Some(net.dry_run(&passes).map_err(|e| format!("sizing the network ({} mode): {e}", mode_name(mode)))?)
+            }
+            _ => None,
+        };
         let batches = prefetcher(&train, batch, args.seed, args.prefetch_depth, mode)
             .map_err(|e| format!("starting the prefetcher ({} mode): {e}", mode_name(mode)))?;
         runs.push(Run {

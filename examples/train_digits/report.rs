@@ -36,8 +36,8 @@ pub(crate) struct Summary {
     pub(crate) prefetch: PrefetchStats,
     /// The memory plan of iteration 2 (workspaces enabled).
     pub(crate) plan: Option<carve::nn::workspaces::PlannedStats>,
-    /// The dry run's estimate, made before the first step.
-    pub(crate) estimate: carve::nn::dry::MemoryEstimate,
+    /// The dry run's estimate, made before the first step (none on a device).
+    pub(crate) estimate: Option<carve::nn::dry::MemoryEstimate>,
     /// What the step holds on its device (`--device sim|cuda`).
     pub(crate) device: Option<carve::nn::DeviceStats>,
 }
@@ -128,12 +128,12 @@ pub(crate) fn summary_json(s: &Summary, rss: &RssMeter) -> serde_json::Value {
         // The dry run's, before the first step: the arenas after the run (to compare
         // with workspace_bytes) and the bytes of the largest step (with
         // steady_state_workspace_bytes_in_use).
-        "predicted_bytes": s.estimate.workspace_bytes,
-        "predicted_step_bytes": s.estimate.step_bytes(),
-        "predicted_bytes_in_use": s.estimate.peak_step_bytes,
-        "predicted_total_bytes": s.estimate.total_bytes(),
-        "dry_run_us": s.estimate.dry_run_us,
-        "dry_run_passes": s.estimate.passes_run,
+        "predicted_bytes": s.estimate.as_ref().map(|e| e.workspace_bytes),
+        "predicted_step_bytes": s.estimate.as_ref().map(|e| e.step_bytes()),
+        "predicted_bytes_in_use": s.estimate.as_ref().map(|e| e.peak_step_bytes),
+        "predicted_total_bytes": s.estimate.as_ref().map(|e| e.total_bytes()),
+        "dry_run_us": s.estimate.as_ref().map(|e| e.dry_run_us),
+        "dry_run_passes": s.estimate.as_ref().map(|e| e.passes_run),
         "peak_rss_bytes": s.peak_rss_bytes,
         "train_accuracy": s.train_accuracy,
         "steady_state_iterations": s.steady_iterations,
@@ -252,7 +252,9 @@ pub(crate) fn table(summaries: &[Summary], rss: &RssMeter) -> String {
         ("ms per epoch (median)", |s| format!("{:.2}", s.epoch_ms_median)),
         ("µs per iteration (median)", |s| format!("{:.1}", s.iter_us_median)),
         ("workspace bytes (capacity)", |s| bytes_human(s.workspace_bytes as f64)),
-        ("  predicted before step 1 (dry run)", |s| bytes_human(s.estimate.workspace_bytes as f64)),
+        ("  predicted before step 1 (dry run)", |s| {
+            opt(s.estimate.as_ref().map(|e| e.workspace_bytes as f64), bytes_human)
+        }),
         ("workspace bytes in use (steady peak)", |s| {
             opt(s.steady_workspace_bytes_in_use.map(|b| b as f64), bytes_human)
         }),

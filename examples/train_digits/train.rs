@@ -89,8 +89,9 @@ pub(crate) struct Run {
     pub(crate) trace: Trace,
     /// The run's progress bar, on a terminal.
     pub(crate) bar: Option<ProgressBar>,
-    /// The dry run's estimate of the run, made before the first step.
-    pub(crate) estimate: MemoryEstimate,
+    /// The dry run's estimate of the run, made before the first step (none on a
+    /// device).
+    pub(crate) estimate: Option<MemoryEstimate>,
 }
 
 /// The passes of the demo's run, in order: per epoch, its training steps (batches of
