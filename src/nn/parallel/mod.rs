@@ -44,3 +44,36 @@ pub use trainer::{DataParallel, ParallelConfig, ParallelStats, ReducerKind};
 
 #[cfg(doc)]
 use super::Network;
+
+/// The timeout of each collective call that `CARVE_MPI_TIMEOUT_MS` (`value`, when set)
+/// asks for: 1 ms to a day; unset, 60 s. (Here, not in the `mpi` module, so that its
+/// test runs without the feature.)
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn mpi_timeout(value: Option<&str>) -> crate::Result<std::time::Duration> {
+    let Some(value) = value else { return Ok(std::time::Duration::from_secs(60)) };
+    match value.trim().parse::<u64>() {
+        Ok(ms @ 1..=86_400_000) => Ok(std::time::Duration::from_millis(ms)),
+        _ => Err(crate::Error::Reduction {
+            message: format!(
+                "CARVE_MPI_TIMEOUT_MS is '{value}': give the milliseconds a collective call may take, 1 to 86400000 \
+                 (0 would end every job at its first call)"
+            ),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_timeout_variable_is_read_or_refused_naming_it() {
+        assert_eq!(mpi_timeout(None).unwrap(), Duration::from_secs(60));
+        assert_eq!(mpi_timeout(Some(" 1500 ")).unwrap(), Duration::from_millis(1500));
+        for bad in ["0", "-1", "soon", "", "86400001"] {
+            let err = mpi_timeout(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("CARVE_MPI_TIMEOUT_MS") && err.contains(&format!("'{bad}'")), "{err}");
+        }
+    }
+}

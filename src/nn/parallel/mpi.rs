@@ -104,7 +104,7 @@ impl Mpi {
     /// [`Error::Reduction`] when MPI was already initialized, or cannot serialize calls
     /// from several threads, or `CARVE_MPI_TIMEOUT_MS` is not a timeout it takes.
     pub fn init() -> Result<Mpi> {
-        let timeout = timeout_of(std::env::var("CARVE_MPI_TIMEOUT_MS").ok().as_deref())?;
+        let timeout = super::mpi_timeout(std::env::var("CARVE_MPI_TIMEOUT_MS").ok().as_deref())?;
         let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| Error::Reduction { message: "MPI is already initialized in this process".into() })?;
         if threading < Threading::Serialized {
@@ -297,36 +297,6 @@ impl Drop for Mpi {
         if std::thread::current().id() != self.init_thread {
             // MPI is finalized by the thread that initialized it, or not at all.
             std::mem::forget(self.universe.take());
-        }
-    }
-}
-
-/// The timeout of each collective call that `CARVE_MPI_TIMEOUT_MS` (`value`, when set)
-/// asks for: 1 ms to a day; unset, 60 s.
-fn timeout_of(value: Option<&str>) -> Result<Duration> {
-    let Some(value) = value else { return Ok(Duration::from_secs(60)) };
-    match value.trim().parse::<u64>() {
-        Ok(ms @ 1..=86_400_000) => Ok(Duration::from_millis(ms)),
-        _ => Err(Error::Reduction {
-            message: format!(
-                "CARVE_MPI_TIMEOUT_MS is '{value}': give the milliseconds a collective call may take, 1 to 86400000 \
-                 (0 would end every job at its first call)"
-            ),
-        }),
-    }
-}
-
-#[cfg(test)]
-mod timeout_tests {
-    use super::*;
-
-    #[test]
-    fn the_timeout_variable_is_read_or_refused_naming_it() {
-        assert_eq!(timeout_of(None).unwrap(), Duration::from_secs(60));
-        assert_eq!(timeout_of(Some(" 1500 ")).unwrap(), Duration::from_millis(1500));
-        for bad in ["0", "-1", "soon", "", "86400001"] {
-            let err = timeout_of(Some(bad)).unwrap_err().to_string();
-            assert!(err.contains("CARVE_MPI_TIMEOUT_MS") && err.contains(&format!("'{bad}'")), "{err}");
         }
     }
 }
