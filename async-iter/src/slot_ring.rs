@@ -274,7 +274,9 @@ impl<M: SlotMemory> SlotRing<M> {
     ///
     /// # Errors
     ///
-    /// [`RingError::Memory`] when the memory cannot allocate; nothing is placed then.
+    /// [`RingError::TooLarge`] when a ring of such batches would pass its budget (as
+    /// [`SlotRing::place`] refuses them); [`RingError::Memory`] when the memory cannot
+    /// allocate; nothing is placed then.
     pub fn place_alone(&mut self, bytes: usize) -> Result<(&M::Block, Placement), RingError<M::Error>> {
         debug_assert!(bytes > 0);
         // The budget of a ring of these batches holds here too: a mode changes where a

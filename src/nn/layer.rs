@@ -861,7 +861,8 @@ pub trait Layer: Any + Send + Sync {
     /// generate only when each of its layers does, and say so before the first token
     /// ([`Model::context`](crate::nn::serve::Model::context)). The default:
     /// [`Layer::per_step`] (what the default [`Layer::forward_stream`] runs). A layer
-    /// that implements its own `forward_stream` says `true`.
+    /// that implements its own `forward_stream` says `true` (a layer that keeps state
+    /// per stream, a non-zero [`Layer::stream_state_len`], is taken to run its own).
     fn runs_in_stream(&self) -> bool {
         self.per_step()
     }
@@ -892,7 +893,9 @@ pub trait Layer: Any + Send + Sync {
     /// no padding).
     ///
     /// The default runs [`Layer::forward`] on the new steps when the layer is
-    /// [per step](Layer::per_step), and otherwise fails.
+    /// [per step](Layer::per_step), and otherwise fails. A layer that implements it
+    /// says so with [`Layer::runs_in_stream`] (or keeps state per stream,
+    /// [`Layer::stream_state_len`]), so that a model of it can generate.
     ///
     /// # Errors
     ///

@@ -200,7 +200,8 @@ impl StepLayers<'_> {
 /// `grads`, a layer's gradients, as its backward pass gets them: zeroed for a layer of
 /// the user's own (see [`Layer::backward_rows`]); carve's own write every element.
 fn own_grads<'g>(layer: &dyn Layer, grads: &'g mut [f32]) -> &'g mut [f32] {
-    if !grads.is_empty() && !crate::nn::layer::built_in(layer) {
+    // (A dry run changes no value: it computes nothing.)
+    if !grads.is_empty() && !crate::nn::kernels::running() && !crate::nn::layer::built_in(layer) {
         grads.fill(0.0);
     }
     grads

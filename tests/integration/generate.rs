@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use carve::nn::serve::{InferencePool, Model, PoolConfig, Sampling, StreamBatch};
-use carve::nn::{ForwardCtx, Infer, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder};
+use carve::nn::{
+    Activations, ForwardCtx, Infer, Input, Layer, Network, NetworkConfig, NetworkConfigBuilder, StreamState,
+};
 use carve::Error;
 use ndarray::{Array2, ArrayView2};
 
@@ -292,6 +294,52 @@ fn a_step_refused_inside_another_request_leaves_its_streams_as_they_were() {
     }
     assert_eq!(tokens, alone);
     assert_eq!(slot_tokens, alone);
+}
+
+/// A layer of the user's own that keeps state per stream and runs its own stream step
+/// (here: its input as it is), and says nothing of `runs_in_stream`.
+struct Echo;
+
+impl Layer for Echo {
+    fn name(&self) -> &str {
+        "echo"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        Ok(carve::freeze(ctx.activations.copy_of(&input)?))
+    }
+    fn stream_state_len(&self, _inputs: usize, _context: usize) -> carve::Result<usize> {
+        Ok(1)
+    }
+    fn forward_stream<'a>(
+        &self,
+        _params: &[f32],
+        input: Activations<'a>,
+        _state: &mut StreamState<'_>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<Activations<'a>> {
+        let x = input.sequence("echo")?;
+        Ok(Activations::Sequence(carve::freeze(ctx.activations.copy_of(&x)?)))
+    }
+}
+
+#[test]
+fn a_users_layer_with_state_per_stream_generates_without_saying_runs_in_stream() {
+    // Its own `forward_stream` and state per stream say it runs in a stream: a model of
+    // it generates (it was refused as a layer that cannot run token by token).
+    let config = || NetworkConfig::builder(13).embedding(8).position_embedding(8).layer(Echo).dense(13).seed(4).build();
+    let net = Network::new(config().unwrap()).unwrap();
+    let model = Model::from_config(&config().unwrap(), net.params().to_vec()).unwrap();
+    assert_eq!(model.context().unwrap(), 8);
+    let tokens = model.generate(&[1, 2, 3], 5, Sampling::greedy()).unwrap();
+    assert_eq!(tokens.len(), 5);
 }
 
 /// A per-step layer that panics while its flag is set.

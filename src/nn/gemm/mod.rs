@@ -1128,7 +1128,9 @@ mod tests {
     #[test]
     fn a_one_step_b_of_any_row_stride_multiplies_on_every_kernel() {
         // A length-1 axis may have any stride (ndarray counts `(len - 1) · stride`): the
-        // few-row kernels' prefetch address must not overflow computing it.
+        // few-row kernels' prefetch address must not overflow computing it. (The
+        // overflow was a panic in builds with overflow checks, on AVX-512 CPUs, whose
+        // one- and two-row kernels prefetch; elsewhere this checks the product only.)
         let data: Vec<f32> = (0..32).map(|v| v as f32).collect();
         let b = ArrayView2::from_shape((1, 32).strides((1usize << 60, 1)), &data[..]).unwrap();
         let a = Array2::from_elem((1, 1), 2.0f32);

@@ -150,7 +150,8 @@ impl StatePlan {
         for (i, layer) in layers.iter().enumerate() {
             let len = match join_of(layers, i) {
                 Some(_) => 0,
-                None if !layer.runs_in_stream() => {
+                // A layer with state of its own per stream runs its own `forward_stream`.
+                None if !layer.runs_in_stream() && layer.stream_state_len(model.layer_inputs(i), context)? == 0 => {
                     return Err(Error::InvalidConfig {
                         reason: format!(
                             "the model cannot generate tokens: layer '{}' cannot run token by token (its steps \
@@ -236,8 +237,6 @@ impl Arena<'_> {
         }
     }
 
-    /// Runs `f` in the arena with the buffers; `f` returns whether the step ran on its
-    /// plan. A panic in `f` is [`Error::Panicked`].
     /// Whether a step can run in the arena now (see [`thread_arena_ready`]; a leased
     /// arena always can).
     fn ready(&self) -> Result<()> {
@@ -247,6 +246,8 @@ impl Arena<'_> {
         }
     }
 
+    /// Runs `f` in the arena with the buffers; `f` returns whether the step ran on its
+    /// plan. A panic in `f` is [`Error::Panicked`].
     fn run(&mut self, f: &mut dyn FnMut(&LayerWorkspaceMgr, &mut StreamBuffers) -> Result<bool>) -> Result<()> {
         match self {
             Arena::Thread(buffers) => in_thread_arena(|mgr| f(mgr, buffers).map(|_| ())),

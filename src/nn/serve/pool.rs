@@ -139,6 +139,16 @@ fn infer_in_arena<R>(
     f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
 ) -> Result<R> {
     model.check_request(&x)?;
+    infer_checked(arena, model, x, f)
+}
+
+/// [`infer_in_arena`] of a request its caller has checked ([`Model::check_request`]).
+fn infer_checked<R>(
+    arena: &mut ArenaGuard<'_>,
+    model: &Model,
+    x: Input<'_>,
+    f: impl FnOnce(ArrayView2<'_, f32>) -> Result<R>,
+) -> Result<R> {
     arena.run(|mgr| model.infer_in(mgr, x, f))
 }
 
@@ -347,7 +357,7 @@ impl InferencePool {
             None => {
                 // A request that cannot run is refused before it waits for an arena.
                 model.check_request(&x)?;
-                infer_in_arena(&mut arenas.lease(wait)?, model, x, |probs| copy_into(probs, out))
+                infer_checked(&mut arenas.lease(wait)?, model, x, |probs| copy_into(probs, out))
             }
         }
     }
@@ -509,7 +519,7 @@ impl Infer for &InferencePool {
             None => {
                 // A request that cannot run is refused before it waits for an arena.
                 self.shared.model.check_request(&x)?;
-                infer_in_arena(&mut self.shared.arenas.lease(Wait::Forever)?, &self.shared.model, x, f)
+                infer_checked(&mut self.shared.arenas.lease(Wait::Forever)?, &self.shared.model, x, f)
             }
         }
     }
