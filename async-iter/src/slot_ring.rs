@@ -281,6 +281,21 @@ impl<M: SlotMemory> SlotRing<M> {
         debug_assert!(bytes > 0);
         // The budget of a ring of these batches holds here too: a mode changes where a
         // batch lives, never which batches are refused.
+        self.slot_within_budget(bytes)?;
+        let block = self.memory.allocate_batch(bytes).map_err(RingError::Memory)?;
+        let placement = Placement { sequence: self.placed, slot: None, offset: 0 };
+        self.placed += 1;
+        self.retired.push_back(Retired { block, free_after: self.placed });
+        Ok((&self.retired.back().expect("pushed above").block, placement))
+    }
+
+    /// The bytes of a slot that holds `bytes` (aligned), when a ring of such slots fits
+    /// the budget.
+    ///
+    /// # Errors
+    ///
+    /// [`RingError::TooLarge`] otherwise.
+    fn slot_within_budget(&self, bytes: usize) -> Result<usize, RingError<M::Error>> {
         let max_ring_bytes = self.max_ring_bytes.unwrap_or(usize::MAX);
         let too_large = |ring_bytes| RingError::TooLarge { ring_bytes, max_ring_bytes };
         let needed = align_up(bytes, self.memory.slot_align()).ok_or(too_large(usize::MAX))?;
@@ -288,11 +303,7 @@ impl<M: SlotMemory> SlotRing<M> {
         if min_ring > max_ring_bytes {
             return Err(too_large(min_ring));
         }
-        let block = self.memory.allocate_batch(bytes).map_err(RingError::Memory)?;
-        let placement = Placement { sequence: self.placed, slot: None, offset: 0 };
-        self.placed += 1;
-        self.retired.push_back(Retired { block, free_after: self.placed });
-        Ok((&self.retired.back().expect("pushed above").block, placement))
+        Ok(needed)
     }
 
     /// Installs a block whose slots hold `bytes`, retiring the current one.
@@ -301,12 +312,7 @@ impl<M: SlotMemory> SlotRing<M> {
     fn grow(&mut self, bytes: usize) -> Result<(), RingError<M::Error>> {
         let align = self.memory.slot_align();
         let max_ring_bytes = self.max_ring_bytes.unwrap_or(usize::MAX);
-        let too_large = |ring_bytes| RingError::TooLarge { ring_bytes, max_ring_bytes };
-        let needed = align_up(bytes, align).ok_or(too_large(usize::MAX))?;
-        let min_ring = needed.checked_mul(self.slots).ok_or(too_large(usize::MAX))?;
-        if min_ring > max_ring_bytes {
-            return Err(too_large(min_ring));
-        }
+        let needed = self.slot_within_budget(bytes)?;
         // Headroom is a wish that the budget (or the address space) may trim; the batch
         // itself fits: `needed <= max_ring_bytes / slots`, a multiple of `align`.
         let max_slot = max_ring_bytes / self.slots / align * align;

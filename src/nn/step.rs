@@ -38,7 +38,7 @@ use super::layer::{
     Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, StreamRow, StreamState, Tape, UninitGradInput,
 };
 use super::loss::SoftmaxCrossEntropy;
-use super::network::{label, loss_input, standard_labels, training_input, validate, Input, Labels, LayerLabels};
+use super::network::{label, loss_input, standard_labels, training_input, Input, Labels, LayerLabels};
 use super::params::Params;
 use super::profile::{self, Part};
 use super::residual::{blocks_starting_at, join_of, Stack};
@@ -499,9 +499,7 @@ pub(crate) fn forward<'s>(
                 // Views are invariant in their lifetime: reborrowed for the held scope's.
                 layers.forward(i, rebind(&input), mask.as_ref().map(|m| m.view()), &ctx)?
             };
-            validate_in(mgr, ArrayType::FfWorkingMem, layers.name(i), y)?;
-            validate_held(mgr, &held, layers.name(i), y)?;
-            check_shape(layers, i, batch, y)?;
+            check_output(mgr, &held, layers, i, batch, y)?;
             finite::check_activations(layers.name(i), "its output", y, mask)?;
             each(layers.name(i), None)?;
             i += 1;
@@ -513,9 +511,7 @@ pub(crate) fn forward<'s>(
                 let _span = profile::span(Part::Elementwise);
                 layers.forward_detached(i, y, mask, &ctx)?
             };
-            validate(mgr, layers.name(i), out)?;
-            validate_held(mgr, act, layers.name(i), out)?;
-            check_shape(layers, i, batch, out)?;
+            check_output(mgr, act, layers, i, batch, out)?;
             each(layers.name(i), Some(out))?;
             input = out;
             i += 1;
@@ -537,9 +533,7 @@ pub(crate) fn forward<'s>(
                 layers.forward(i, input, mask, &ctx)?
             }
         };
-        validate(mgr, layers.name(i), y)?;
-        validate_held(mgr, act, layers.name(i), y)?;
-        check_shape(layers, i, batch, y)?;
+        check_output(mgr, act, layers, i, batch, y)?;
         each(layers.name(i), Some(y))?;
         input = y;
         i += 1;
@@ -547,7 +541,24 @@ pub(crate) fn forward<'s>(
     Ok(input)
 }
 
-/// With workspaces off (the role scoped out to the heap) [`validate`] has no workspace
+/// Layer `i`'s output `y`, made in `scope` (its `ctx.activations`), checked: where it
+/// lives ([`LayerWorkspaceMgr::validate`] for `scope`'s role, and [`validate_held`]
+/// with workspaces off) and its shape ([`check_shape`]).
+fn check_output(
+    mgr: &LayerWorkspaceMgr,
+    scope: &TypedScope,
+    layers: &StepLayers<'_>,
+    i: usize,
+    batch: usize,
+    y: Activations<'_>,
+) -> Result<()> {
+    let name = layers.name(i);
+    validate_in(mgr, scope.array_type(), name, y)?;
+    validate_held(mgr, scope, name, y)?;
+    check_shape(layers, i, batch, y)
+}
+
+/// With workspaces off (the role scoped out to the heap) [`validate_in`] has no workspace
 /// to check against: the output must then be an array `scope` (the layer's
 /// `ctx.activations`) allocated, as with workspaces on it must lie in the workspace —
 /// not the layer's input, nor an array from elsewhere. So a layer that misplaces its
@@ -618,7 +629,8 @@ fn check_shape(layers: &StepLayers<'_>, i: usize, batch: usize, y: Activations<'
     })
 }
 
-/// [`validate`] for an array of role `ty`.
+/// Checks that `layer`'s output `y` lies where arrays of role `ty` must
+/// ([`LayerWorkspaceMgr::validate`]).
 fn validate_in(mgr: &LayerWorkspaceMgr, ty: ArrayType, layer: &str, y: Activations<'_>) -> Result<()> {
     match y {
         Activations::Flat(v) => mgr.validate(ty, layer, &v)?,

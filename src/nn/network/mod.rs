@@ -19,7 +19,6 @@ use workspace_core::{ArrayType, LayerWorkspaceMgr, LearningPolicy, Workspace, Wo
 
 use super::device::{self, Device, DeviceStep};
 use super::finite;
-use super::layer::Activations;
 use crate::nn::embedding::MAX_VOCABULARY;
 
 use crate::{Error, Result};
@@ -702,15 +701,6 @@ fn check_features(inputs: usize, features: usize, x: &Input<'_>) -> Result<()> {
             expected,
             actual: x.activations().shape().to_vec(),
         });
-    }
-    Ok(())
-}
-
-/// Checks that `layer`'s output `y` is in the activations workspace.
-pub(crate) fn validate(mgr: &LayerWorkspaceMgr, layer: &str, y: Activations<'_>) -> Result<()> {
-    match y {
-        Activations::Flat(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
-        Activations::Sequence(v) => mgr.validate(ArrayType::Activations, layer, &v)?,
     }
     Ok(())
 }

@@ -563,9 +563,9 @@ impl<'a> TokenStream<'a> {
 impl<'a> Engine<'a> {
     /// Streams of `model` from `prompts` (each cut to its last `context` tokens), each
     /// drawn as its `sampling` says, run in `arena`: their buffers fitted, and every
-    /// prompt run through the model.
+    /// prompt run through the model. The caller has checked them ([`check_start`]), before
+    /// it took the arena.
     fn start(model: &'a Model, arena: Arena<'a>, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<Engine<'a>> {
-        check_start(model, prompts, sampling)?;
         let mut started = Engine::vacant(model, arena, prompts.len())?;
         for (s, (prompt, &sampling)) in prompts.iter().zip(sampling).enumerate() {
             started.start_slot(s, prompt, sampling)?;
@@ -714,6 +714,9 @@ impl<'a> Engine<'a> {
                 actual: vec![out.len()],
             });
         }
+        // A step that cannot run (its thread inside another request, or ending) is
+        // refused before any stream changes.
+        self.arena.ready()?;
         // The streams go together: one's failure is theirs.
         let mut failure = None;
         self.advance(&|_| true, &mut |s, token| match token {
@@ -733,15 +736,14 @@ impl<'a> Engine<'a> {
 
     /// [`TokenStream::next_tokens`] of the streams `member` says (the others untouched),
     /// each stream's token to `out`, or its own failure: logits that are not finite
-    /// (its neighbours in the step go on). A failed stream is not stepped again.
+    /// (its neighbours in the step go on). A failed stream is not stepped again. The
+    /// caller has asked [`Arena::ready`] (a leased arena always is): a step that fails
+    /// as a whole here may have moved its streams on.
     fn advance(&mut self, member: &dyn Fn(usize) -> bool, out: &mut dyn FnMut(usize, Result<u32>)) -> Result<()> {
         // The streams asked for that have not failed run; every stream asked for gets
         // its token or its failure.
         let asked = member;
         let member = |s: usize, stream: &Stream| asked(s) && stream.non_finite.is_none();
-        // A step that cannot run (its thread inside another request, or ending) is
-        // refused before any stream changes.
-        self.arena.ready()?;
         let (context, places) = (self.plan.context, self.places);
         let keep = (context / 2).max(1);
         // The drawn tokens into the windows: the streams whose cache is full slide their
@@ -890,7 +892,7 @@ impl Model {
     /// As [`Model::context`]; [`Error::InvalidInput`] for an empty prompt or a token
     /// outside the vocabulary; the errors of the prompt's pass.
     pub fn stream(&self, prompt: &[u32], sampling: Sampling) -> Result<TokenStream<'_>> {
-        Engine::start(self, Arena::Thread(StreamBuffers::default()), &[prompt], &[sampling]).map(TokenStream::of)
+        self.streams(&[prompt], &[sampling])
     }
 
     /// Streams from several prompts, stepped together (each product's rows are the
@@ -901,6 +903,7 @@ impl Model {
     /// As [`Model::stream`]; [`Error::InvalidInput`] when `sampling` does not hold one
     /// sampling per prompt.
     pub fn streams(&self, prompts: &[&[u32]], sampling: &[Sampling]) -> Result<TokenStream<'_>> {
+        check_start(self, prompts, sampling)?;
         Engine::start(self, Arena::Thread(StreamBuffers::default()), prompts, sampling).map(TokenStream::of)
     }
 

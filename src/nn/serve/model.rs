@@ -329,41 +329,39 @@ impl Infer for &Model {
 /// asks before its step changes anything, so that a step refused for these reasons
 /// leaves its streams as they were.
 pub(crate) fn thread_arena_ready() -> Result<()> {
-    let ready = THREAD_ARENA.try_with(|arena| {
-        let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
-        if arena.is_none() {
-            *arena = Some(thread_arena()?);
-        }
-        Ok(())
-    });
-    ready.unwrap_or_else(|_| Err(thread_ending()))
-}
-
-/// A request made while its thread's thread-local values are being destroyed.
-fn thread_ending() -> Error {
-    Error::InvalidInput("a model's request was made while its thread was ending (a thread-local destructor)".into())
+    with_thread_arena(|_| Ok(()))
 }
 
 /// `f` in the calling thread's serving arena (made at its first use). A panic in `f`
 /// fails this call only ([`Error::Panicked`]): the scopes it held were closed as it
 /// unwound, and the arena goes on.
 pub(crate) fn in_thread_arena<R>(f: impl FnOnce(&LayerWorkspaceMgr) -> Result<R>) -> Result<R> {
+    with_thread_arena(|mgr| match catch_unwind(AssertUnwindSafe(|| f(mgr))) {
+        Ok(result) => result,
+        Err(payload) => {
+            let message = panic_message(&*payload);
+            drop_quietly(payload);
+            Err(Error::Panicked { message })
+        }
+    })
+}
+
+/// `f` with the calling thread's serving arena, built at its first use; an error when
+/// the thread is inside another model request (the arena is in use) or ending.
+fn with_thread_arena<R>(f: impl FnOnce(&LayerWorkspaceMgr) -> Result<R>) -> Result<R> {
     let ran = THREAD_ARENA.try_with(|arena| {
         let mut arena = arena.try_borrow_mut().map_err(|_| nested())?;
         let mgr = match &mut *arena {
             Some(mgr) => mgr,
             None => arena.insert(thread_arena()?),
         };
-        match catch_unwind(AssertUnwindSafe(|| f(mgr))) {
-            Ok(result) => result,
-            Err(payload) => {
-                let message = panic_message(&*payload);
-                drop_quietly(payload);
-                Err(Error::Panicked { message })
-            }
-        }
+        f(mgr)
     });
-    ran.unwrap_or_else(|_| Err(thread_ending()))
+    ran.unwrap_or_else(|_| {
+        Err(Error::InvalidInput(
+            "a model's request was made while its thread was ending (a thread-local destructor)".into(),
+        ))
+    })
 }
 
 /// As `&Model` (so that an owned model serves generic code too).
