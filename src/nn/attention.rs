@@ -827,8 +827,7 @@ impl Attention {
         if ctx.training {
             let tape = tape_of::<AttentionTape>(tape, &self.name)?;
             let print = fingerprint(mask.as_ref(), batch, steps);
-            let what = || format!("attention layer '{}': the values kept for backward", self.name);
-            tape.kept.fill(len, print, ctx, what, |kept| {
+            tape.kept.fill(len, print, ctx, |kept| {
                 self.forward_into(p, rows, l, mask, kept, scores, out_rows.view_mut(), scratch)
             })?;
         } else {

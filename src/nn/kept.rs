@@ -1,7 +1,7 @@
 //! What a layer's training forward pass keeps for its backward pass besides its input
 //! and output: one buffer of values, in the activations workspace (where it lives as
-//! long as the step's activations, and a planned arena counts it), or on the heap when
-//! workspaces are off.
+//! long as the step's activations, and a planned arena counts it; with workspaces off,
+//! in the activations' heap workspace, alike).
 
 use ndarray::Ix1;
 use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr};
@@ -9,7 +9,6 @@ use workspace_core::{ArrayType, Handle, LayerWorkspaceMgr};
 use crate::{Error, Result};
 
 use super::layer::ForwardCtx;
-use super::limits::reserve_filled;
 use super::vector::zeros_new;
 
 /// A layer's kept values of its last training forward pass, with the fingerprint of
@@ -26,8 +25,6 @@ enum Values {
     Empty,
     /// In the activations workspace, for as long as its cycle lasts.
     Workspace(Handle<f32, Ix1>),
-    /// On the heap (workspaces switched off).
-    Heap(Vec<f32>),
 }
 
 impl Kept {
@@ -37,26 +34,15 @@ impl Kept {
     }
 
     /// `len` zeros kept for the backward pass of the batch of fingerprint `print`, and
-    /// `f` run on them (to fill them). `what` names them in an error.
+    /// `f` run on them (to fill them).
     pub(crate) fn fill<R>(
         &mut self,
         len: usize,
         print: u64,
         ctx: &ForwardCtx<'_, '_>,
-        what: impl Fn() -> String,
         f: impl FnOnce(&mut [f32]) -> Result<R>,
     ) -> Result<R> {
         self.clear();
-        if ctx.mgr.is_scoped_out(ArrayType::Activations) {
-            // Workspaces off: a heap buffer, reserved fallibly like the workspaces'
-            // own heap allocations.
-            let mut values =
-                reserve_filled(len, 0.0).map_err(|why| Error::InvalidInput(format!("{}: {why}", what())))?;
-            let result = f(&mut values)?;
-            self.values = Values::Heap(values);
-            self.print = print;
-            return Ok(result);
-        }
         let mut handle = ctx.activations.handle_with::<f32, _>(len, zeros_new)?;
         let result = {
             let mut view = handle.view_mut(ctx.activations)?;
@@ -77,21 +63,16 @@ impl Kept {
         layer: &str,
         f: impl FnOnce(&[f32]) -> Result<R>,
     ) -> Result<R> {
-        let scope;
-        let values: &[f32] = match &self.values {
-            Values::Empty => {
-                return Err(Error::InvalidInput(format!(
-                    "layer '{layer}': a backward pass without a training forward pass before it"
-                )))
-            }
-            Values::Heap(values) => values,
+        match &self.values {
+            Values::Empty => Err(Error::InvalidInput(format!(
+                "layer '{layer}': a backward pass without a training forward pass before it"
+            ))),
             Values::Workspace(handle) => {
-                scope = mgr.borrow_open(ArrayType::Activations)?;
+                let scope = mgr.borrow_open(ArrayType::Activations)?;
                 let view = handle.view(&scope)?;
-                return self.checked(view.as_slice().expect("a new array is contiguous"), len, print, layer, f);
+                self.checked(view.as_slice().expect("a new array is contiguous"), len, print, layer, f)
             }
-        };
-        self.checked(values, len, print, layer, f)
+        }
     }
 
     fn checked<R>(

@@ -1,7 +1,7 @@
 //! Long short-term memory over batches of sequences, trained by backpropagation
 //! through time, with masks.
 
-use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, Axis, Ix3};
+use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut1, ArrayViewMut2, ArrayViewMut3, Axis, Ix3};
 use workspace_core::{freeze, ArrayType, Handle};
 
 use crate::{Error, Result};
@@ -13,7 +13,6 @@ use super::layer::{
     check_grad_input, check_len, check_mask, sequence_grad_input, tape_of, Activations, BackwardCtx, ForwardCtx,
     GradInput, Init, Layer, ParamShape, Pass, Tape,
 };
-use super::limits::reserve_filled;
 
 /// Blocks of `4 · hidden` columns, in DL4J's layout (`LSTMHelpers`): 0 the cell input
 /// (`tanh`), 1 the forget gate, 2 the output gate, 3 the input gate (DL4J's "input
@@ -46,9 +45,10 @@ const CACHED: usize = GATES + 2;
 /// workspace ([`ArrayType::RnnFfLoopWorkingMem`]), and each step of the backward pass
 /// one cycle of the RNN backward loop workspace ([`ArrayType::RnnBpLoopWorkingMem`]);
 /// what backpropagation needs across steps (the gates and states of every step) is kept
-/// in the activations workspace, through a checked [`Handle`], until the backward pass.
-/// With workspaces switched off ([`WorkspaceMode::None`](workspace_core::WorkspaceMode))
-/// it is an array of its own on the heap, as every array is then.
+/// in the activations workspace, through a checked [`Handle`], until the backward pass
+/// (with workspaces switched off, [`WorkspaceMode::None`](workspace_core::WorkspaceMode),
+/// in the activations' heap workspace: an array of its own on the heap, as every array
+/// is then, read back the same way).
 #[derive(Clone, Debug)]
 pub struct Lstm {
     name: String,
@@ -70,8 +70,6 @@ enum Cache {
     Empty,
     /// In the activations workspace, for as long as its cycle lasts.
     Workspace(Handle<f32, Ix3>),
-    /// On the heap (workspaces switched off).
-    Heap(Array3<f32>),
 }
 
 impl Lstm {
@@ -456,7 +454,6 @@ impl Lstm {
                     self.name
                 )))
             }
-            Cache::Heap(cache) => cache.view(),
             Cache::Workspace(handle) => {
                 scope = mgr.borrow_open(ArrayType::Activations)?;
                 handle.view(&scope)?
@@ -486,26 +483,9 @@ impl Lstm {
         let print = fingerprint(mask.as_ref(), batch, steps);
         let width = CACHED * self.hidden;
         let mut out = ctx.activations.zeros::<f32, _>((batch, steps, self.hidden))?;
-        let cache = if ctx.mgr.is_scoped_out(ArrayType::Activations) {
-            // Workspaces off: the cache is a heap array, reserved fallibly like the
-            // workspaces' own heap allocations.
-            let len = steps.saturating_mul(batch).saturating_mul(width);
-            let values = reserve_filled(len, 0.0).map_err(|why| {
-                Error::InvalidInput(format!(
-                    "LSTM layer '{}': the forward cache of {steps} steps × {batch} rows: {why}; use smaller batches",
-                    self.name
-                ))
-            })?;
-            let mut cache =
-                Array3::from_shape_vec((steps, batch, width), values).expect("steps × batch × width values");
-            self.run_forward(p, input, mask, cache.view_mut(), false, &mut out, ctx)?;
-            Cache::Heap(cache)
-        } else {
-            let mut cache = ctx.activations.zeros_handle::<f32, _>((steps, batch, width))?;
-            self.run_forward(p, input, mask, cache.view_mut(ctx.activations)?, false, &mut out, ctx)?;
-            Cache::Workspace(cache)
-        };
-        Ok((Activations::Sequence(freeze(out)), cache, print))
+        let mut cache = ctx.activations.zeros_handle::<f32, _>((steps, batch, width))?;
+        self.run_forward(p, input, mask, cache.view_mut(ctx.activations)?, false, &mut out, ctx)?;
+        Ok((Activations::Sequence(freeze(out)), Cache::Workspace(cache), print))
     }
 
     /// Backpropagation through time over the forward pass's cache (`cache_view`), the

@@ -542,8 +542,8 @@ pub(crate) fn forward<'s>(
 }
 
 /// Layer `i`'s output `y`, made in `scope` (its `ctx.activations`), checked: where it
-/// lives ([`LayerWorkspaceMgr::validate`] for `scope`'s role, and [`validate_held`]
-/// with workspaces off) and its shape ([`check_shape`]).
+/// lives ([`LayerWorkspaceMgr::validate`] for `scope`'s role: its workspace, or with
+/// workspaces off its heap workspace) and its shape ([`check_shape`]).
 fn check_output(
     mgr: &LayerWorkspaceMgr,
     scope: &TypedScope,
@@ -554,34 +554,7 @@ fn check_output(
 ) -> Result<()> {
     let name = layers.name(i);
     validate_in(mgr, scope.array_type(), name, y)?;
-    validate_held(mgr, scope, name, y)?;
     check_shape(layers, i, batch, y)
-}
-
-/// With workspaces off (the role scoped out to the heap) [`validate_in`] has no workspace
-/// to check against: the output must then be an array `scope` (the layer's
-/// `ctx.activations`) allocated, as with workspaces on it must lie in the workspace —
-/// not the layer's input, nor an array from elsewhere. So a layer that misplaces its
-/// output fails in every mode, not only with workspaces on.
-fn validate_held(mgr: &LayerWorkspaceMgr, scope: &TypedScope, layer: &str, y: Activations<'_>) -> Result<()> {
-    let ty = scope.array_type();
-    if !mgr.is_scoped_out(ty) {
-        return Ok(());
-    }
-    let held = match y {
-        Activations::Flat(v) => scope.holds(&v),
-        Activations::Sequence(v) => scope.holds(&v),
-    };
-    if held {
-        return Ok(());
-    }
-    Err(workspace_core::Error::WrongLocation {
-        layer: layer.to_string(),
-        array_type: ty,
-        expected: "the heap scope the layer was given (workspaces off)".into(),
-        actual: "memory that scope did not allocate (the layer's input, or an array from elsewhere)".into(),
-    }
-    .into())
 }
 
 /// The examples (or streams) of a batch: its first axis, which every layer keeps.

@@ -321,11 +321,14 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
         .build()
         .unwrap();
     let mut net = Network::new(config).unwrap();
-    let err = net.output(x.view()).unwrap_err();
-    assert!(matches!(&err, Error::Workspace(carve::workspace_core::Error::WrongLocation { .. })), "{err}");
-    assert!(
-        err.to_string().contains("layer 'shortcut' produced Activations in memory that scope did not allocate"),
-        "{err}"
+    let off = net.output(x.view()).unwrap_err();
+    assert!(matches!(&off, Error::Workspace(carve::workspace_core::Error::WrongLocation { .. })), "{off}");
+    assert_eq!(
+        off.to_string(),
+        err.to_string().replace(
+            "workspace 'WS_INFERENCE_ACT'",
+            "no workspace: the heap blocks of its scopes ('WS_INFERENCE_ACT (heap)')"
+        )
     );
 }
 
@@ -1152,5 +1155,92 @@ fn a_layer_rebuilt_in_backward_that_keeps_a_tape_is_refused_when_built() {
             assert!(reason.contains("'rebuilt_with_tape'") && reason.contains("tape"), "{reason}")
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// `tanh`, as a DL4J user writes a layer that keeps a value for its backward pass:
+/// the output leveraged into the forward cache's role (`FfCache`) as a handle on the
+/// tape, read back in the backward pass through a scope of that role. `recompute`:
+/// the same layer computing `tanh` again from its input instead (no handle).
+struct KeptTanh {
+    recompute: bool,
+}
+
+impl Layer for KeptTanh {
+    fn name(&self) -> &str {
+        "kept_tanh"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn tape(&self) -> Tape {
+        Tape::new(None::<carve::Handle<f32, ndarray::Ix2>>)
+    }
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: Activations<'a>,
+        _mask: Option<ndarray::ArrayView2<'a, f32>>,
+        tape: &mut Tape,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<Activations<'a>> {
+        let Activations::Flat(x) = input else { unreachable!("a flat batch") };
+        let y = freeze(ctx.activations.from_shape_fn(x.raw_dim(), |(i, j)| x[[i, j]].tanh())?);
+        if ctx.training {
+            let kept = ctx.mgr.leverage_to(ArrayType::FfCache, &y)?;
+            *tape.get_mut::<Option<carve::Handle<f32, ndarray::Ix2>>>().expect("its tape") = Some(kept);
+        }
+        Ok(Activations::Flat(y))
+    }
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: Pass<'_>,
+        grad_input: Option<GradInput<'_>>,
+        tape: &mut Tape,
+        ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        let (Activations::Flat(x), Activations::Flat(dy)) = (pass.input, pass.grad_output) else {
+            unreachable!("a flat batch")
+        };
+        let Some(GradInput::Flat(mut dx)) = grad_input else { return Ok(()) };
+        let kept = tape.get_mut::<Option<carve::Handle<f32, ndarray::Ix2>>>().expect("its tape").take();
+        if self.recompute {
+            dx.zip_mut_with(&dy, |d, &g| *d = g);
+            ndarray::Zip::from(&mut dx).and(&x).for_each(|d, &x| *d *= 1.0 - x.tanh() * x.tanh());
+            return Ok(());
+        }
+        let scope = ctx.mgr.borrow_open(ArrayType::FfCache)?;
+        let y = kept.expect("a training forward pass kept it").view(&scope)?.to_owned();
+        ndarray::Zip::from(&mut dx).and(&dy).and(&y).for_each(|d, &g, &y| *d = g * (1.0 - y * y));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_layer_keeping_a_handle_for_backward_trains_alike_in_every_workspace_mode() {
+    // A layer that leverages its output to the forward cache's role and reads it back
+    // in its backward pass: with workspaces off the role's handle used to be refused
+    // (`leverage_to` of a scoped-out role) where with them on it worked. Every mode now
+    // trains it, with the losses of the layer that computes `tanh` again, bit for bit.
+    let (x, y) = blobs(24, 3, 7);
+    let run = |mode: WorkspaceMode, recompute: bool| -> Vec<u32> {
+        let config = NetworkConfig::builder(8)
+            .dense(6)
+            .layer(KeptTanh { recompute })
+            .dense(3)
+            .seed(5)
+            .training_workspace_mode(mode)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        (0..4).map(|_| net.fit_batch(x.view(), y.view()).unwrap().to_bits()).collect()
+    };
+    let reference = run(WorkspaceMode::Enabled, true);
+    assert!(f32::from_bits(reference[3]) < f32::from_bits(reference[0]), "it learns: {reference:?}");
+    for mode in [WorkspaceMode::Enabled, WorkspaceMode::Planned, WorkspaceMode::None] {
+        assert_eq!(run(mode, false), reference, "{mode:?}");
+        assert_eq!(run(mode, true), reference, "{mode:?}, computed again");
     }
 }

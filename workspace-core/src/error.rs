@@ -103,8 +103,9 @@ pub enum Error {
         workspace_generation: u64,
     },
 
-    /// A handle was accessed through a scope of a different workspace (or, scoped out to
-    /// the heap, a scope other than the one that made it: each heap scope is its own).
+    /// A handle was accessed through a scope of a different workspace (or, made by a
+    /// standalone heap scope, [`Scope::heap`](crate::Scope::heap), a scope other than
+    /// the one that made it: each such scope is its own).
     #[error("{}", wrong_workspace(array_workspace, scope_workspace))]
     WrongWorkspace {
         /// The workspace the array lives in.
@@ -326,14 +327,14 @@ fn memory_of(source: &BackendError, report: &crate::memory_report::MemoryReport)
     }
 }
 
-/// [`Error::WrongWorkspace`]'s words: two workspaces of the same name are two heap scopes
-/// (or two workspaces given one name), whose arrays are each its own.
+/// [`Error::WrongWorkspace`]'s words: two workspaces of the same name are two standalone
+/// heap scopes (or two workspaces given one name), whose arrays are each its own.
 fn wrong_workspace(array_workspace: &str, scope_workspace: &str) -> String {
     if array_workspace == scope_workspace {
         return format!(
-            "array belongs to another '{array_workspace}' than the scope it was accessed through: an array of a \
-             heap scope (a role scoped out, as with WorkspaceMode::None) is read only through the scope that made \
-             it; keep an owned copy (`detach()`) to read it elsewhere"
+            "array belongs to another '{array_workspace}' than the scope it was accessed through: two workspaces \
+             (or two standalone heap scopes, `Scope::heap()`, each read only through itself) go by that name; \
+             keep an owned copy (`detach()`) to read it elsewhere"
         );
     }
     format!(

@@ -6,21 +6,33 @@ use std::rc::Rc;
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, RawData, ShapeBuilder};
 
-use crate::config::WorkspaceConfig;
+use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
 use crate::planned::PlanGroup;
 use crate::roles::ArrayType;
 use crate::scope::{extent, Scope};
-use crate::workspace::Workspace;
+use crate::workspace::{DebugMode, Workspace};
 use crate::WorkspaceStats;
 
 /// Where a role's arrays go.
 #[derive(Clone, Debug)]
 enum Target {
-    /// No workspace: each array is its own heap allocation.
-    Heap,
+    /// No workspace: each array is its own heap allocation, in a heap workspace (see
+    /// [`heap_workspace`]) that gives the role the scopes, cycles and handles a
+    /// workspace gives, so that the calls that succeed with workspaces on succeed with
+    /// them off, and those that fail fail alike.
+    Heap(Rc<Workspace>),
     Workspace(Rc<Workspace>),
+}
+
+/// A role's (or a name's) heap workspace: no arena, every allocation its own heap
+/// block ([`DebugMode::SpillEverything`]), freed when the outermost scope closes (as a
+/// workspace's arena is reset then); nested scopes, [`LayerWorkspaceMgr::borrow_open`],
+/// [`LayerWorkspaceMgr::leverage_to`] and handles behave as with a workspace.
+fn heap_workspace(name: &str) -> Result<Rc<Workspace>> {
+    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+    Ok(Rc::new(Workspace::with_debug_mode(name, config, DebugMode::SpillEverything)?))
 }
 
 /// Maps every [`ArrayType`] to a workspace or to no workspace, opens them, and checks
@@ -49,6 +61,8 @@ pub struct LayerWorkspaceMgrBuilder {
     /// Where unplanned workspaces are found or created: the thread's registry unless
     /// [`LayerWorkspaceMgrBuilder::in_manager`] named another.
     manager: Option<WorkspaceManager>,
+    /// [`LayerWorkspaceMgrBuilder::workspaces_off`].
+    off: bool,
 }
 
 impl LayerWorkspaceMgrBuilder {
@@ -58,7 +72,8 @@ impl LayerWorkspaceMgrBuilder {
         self
     }
 
-    /// Arrays of type `ty` are ordinary heap allocations.
+    /// Arrays of type `ty` are ordinary heap allocations, in a heap workspace of the
+    /// type's own (see [`LayerWorkspaceMgr::no_workspaces`]).
     pub fn scoped_out(mut self, ty: ArrayType) -> Self {
         self.entries[ty.index()] = Some(None);
         self
@@ -86,6 +101,18 @@ impl LayerWorkspaceMgrBuilder {
         self
     }
 
+    /// Every type and helper mapped as given, but scoped out: each name a heap workspace
+    /// of this manager's own instead of a workspace (types mapped to one name share
+    /// it, as they share a workspace), so that a handle read, a `borrow_open` or a
+    /// `leverage_to` succeeds or fails as it would with the workspaces on.
+    /// [`WorkspaceMode::None`](crate::WorkspaceMode::None) builds a network's managers
+    /// so. The configurations, the plan group and [`in_manager`](Self::in_manager)'s
+    /// registry are not used.
+    pub fn workspaces_off(mut self) -> Self {
+        self.off = true;
+        self
+    }
+
     /// Finds or creates the unplanned workspaces in `manager` rather than in the
     /// thread's registry: a [`WorkspaceManager::shape_only`] registry gives a manager
     /// for a dry run, whose workspaces share names as the real ones do.
@@ -104,11 +131,23 @@ impl LayerWorkspaceMgrBuilder {
     /// with two configurations; the errors of [`WorkspaceManager::get_or_create`].
     pub fn build(self) -> Result<LayerWorkspaceMgr> {
         let manager = self.manager.clone().unwrap_or_else(WorkspaceManager::current);
-        let get = |name: &str, config: &WorkspaceConfig| match &self.group {
-            Some(group) => group.workspace(name, config),
-            None => manager.get_or_create(name, config),
+        // With the workspaces off, one heap workspace per name.
+        let heaps: std::cell::RefCell<Vec<(String, Rc<Workspace>)>> = Default::default();
+        let get = |name: &str, config: &WorkspaceConfig| -> Result<Target> {
+            if self.off {
+                if let Some((_, ws)) = heaps.borrow().iter().find(|(n, _)| n == name) {
+                    return Ok(Target::Heap(ws.clone()));
+                }
+                let ws = heap_workspace(&format!("{name} (heap)"))?;
+                heaps.borrow_mut().push((name.to_string(), ws.clone()));
+                return Ok(Target::Heap(ws));
+            }
+            Ok(Target::Workspace(match &self.group {
+                Some(group) => group.workspace(name, config)?,
+                None => manager.get_or_create(name, config)?,
+            }))
         };
-        let mut targets: [Target; 9] = std::array::from_fn(|_| Target::Heap);
+        let mut targets: Vec<Target> = Vec::with_capacity(ArrayType::ALL.len());
         for ty in ArrayType::ALL {
             let entry = match &self.entries[ty.index()] {
                 Some(entry) => entry.as_ref(),
@@ -125,18 +164,24 @@ impl LayerWorkspaceMgrBuilder {
                     }
                 },
             };
-            if let Some((name, config)) = entry {
-                targets[ty.index()] = Target::Workspace(get(name, config)?);
-            }
+            targets.push(match entry {
+                Some((name, config)) => get(name, config)?,
+                None => Target::Heap(heap_workspace(&format!("heap ({ty:?})"))?),
+            });
         }
+        let targets: [Target; 9] = targets.try_into().expect("one target per array type, in `ALL`'s order");
         let mut helpers: Vec<(String, Rc<Workspace>)> = Vec::with_capacity(self.helpers.len());
         for (name, config) in &self.helpers {
             if helpers.iter().any(|(n, _)| n == name) {
                 return Err(Error::InvalidConfig { reason: format!("helper workspace '{name}' is declared twice") });
             }
-            helpers.push((name.clone(), get(name, config)?));
+            let ws = match get(name, config)? {
+                Target::Heap(ws) | Target::Workspace(ws) => ws,
+            };
+            helpers.push((name.clone(), ws));
         }
-        Ok(LayerWorkspaceMgr { targets, helpers, group: self.group.clone() })
+        let group = if self.off { None } else { self.group.clone() };
+        Ok(LayerWorkspaceMgr { targets, helpers, group })
     }
 }
 
@@ -149,9 +194,17 @@ impl LayerWorkspaceMgr {
         LayerWorkspaceMgrBuilder::default()
     }
 
-    /// Every type scoped out to the heap: what [`WorkspaceMode::None`](crate::WorkspaceMode::None) uses.
+    /// Every type scoped out to the heap, each in a heap workspace of its own: its
+    /// arrays are heap allocations, freed when the type's outermost scope closes, and its
+    /// scopes, handles, `borrow_open` and `leverage_to` behave as those of a workspace
+    /// of its own would. ([`WorkspaceMode::None`](crate::WorkspaceMode::None) builds a
+    /// network's managers with [`LayerWorkspaceMgrBuilder::workspaces_off`], which
+    /// keeps the types that share a workspace sharing a heap workspace.)
     pub fn no_workspaces() -> LayerWorkspaceMgr {
-        LayerWorkspaceMgr { targets: std::array::from_fn(|_| Target::Heap), helpers: Vec::new(), group: None }
+        let targets = ArrayType::ALL.map(|ty| {
+            Target::Heap(heap_workspace(&format!("heap ({ty:?})")).expect("a heap workspace reserves no memory"))
+        });
+        LayerWorkspaceMgr { targets, helpers: Vec::new(), group: None }
     }
 
     /// The plan group the workspaces belong to (see [`LayerWorkspaceMgrBuilder::planned`]).
@@ -162,7 +215,7 @@ impl LayerWorkspaceMgr {
     /// The workspace of `ty`, `None` when it is scoped out.
     pub fn workspace(&self, ty: ArrayType) -> Option<&Rc<Workspace>> {
         match &self.targets[ty.index()] {
-            Target::Heap => None,
+            Target::Heap(_) => None,
             Target::Workspace(ws) => Some(ws),
         }
     }
@@ -178,7 +231,7 @@ impl LayerWorkspaceMgr {
     }
 
     /// Opens `ty`'s workspace: a new cycle, or nested when it is already open (see
-    /// [`Workspace::enter`]); a heap scope when `ty` is scoped out.
+    /// [`Workspace::enter`]); its heap workspace alike when `ty` is scoped out.
     ///
     /// # Errors
     ///
@@ -186,7 +239,7 @@ impl LayerWorkspaceMgr {
     #[inline]
     pub fn enter(&self, ty: ArrayType) -> Result<TypedScope> {
         let scope = match &self.targets[ty.index()] {
-            Target::Heap => Scope::heap(),
+            Target::Heap(ws) => ws.enter_shared()?,
             Target::Workspace(ws) => {
                 let scope = ws.enter_shared()?;
                 ws.shell.engine().note_role(ty);
@@ -197,17 +250,16 @@ impl LayerWorkspaceMgr {
     }
 
     /// Allocates in `ty`'s workspace, which something else holds open, without
-    /// nesting a cycle (see [`Workspace::borrow_open`]); a heap scope when `ty` is
-    /// scoped out.
+    /// nesting a cycle (see [`Workspace::borrow_open`]); in its heap workspace alike
+    /// when `ty` is scoped out.
     ///
     /// # Errors
     ///
-    /// [`Error::NotOpen`] when the workspace is closed: nothing is allocated in a
-    /// closed workspace behind the caller's back.
+    /// [`Error::NotOpen`] when the workspace (or the heap workspace) is closed: nothing
+    /// is allocated in a closed workspace behind the caller's back.
     pub fn borrow_open(&self, ty: ArrayType) -> Result<TypedScope> {
         let scope = match &self.targets[ty.index()] {
-            Target::Heap => Scope::heap(),
-            Target::Workspace(ws) => ws.borrow_open_shared()?,
+            Target::Heap(ws) | Target::Workspace(ws) => ws.borrow_open_shared()?,
         };
         Ok(TypedScope { ty, scope })
     }
@@ -233,27 +285,19 @@ impl LayerWorkspaceMgr {
         self.helper(name)?.enter_shared()
     }
 
-    /// Copies `array` into `ty`'s workspace, which must be open (held by a scope
-    /// elsewhere), as a storable [`crate::Handle`].
+    /// Copies `array` into `ty`'s workspace (its heap workspace when `ty` is scoped
+    /// out), which must be open (held by a scope elsewhere), as a storable
+    /// [`crate::Handle`], read through any scope of that workspace until its cycle ends.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] when `ty` is scoped out (a handle needs a workspace:
-    /// use [`crate::WorkspaceArrayExt::detach`] for heap arrays); [`Error::NotOpen`]
-    /// when the workspace is closed; allocation errors.
+    /// [`Error::NotOpen`] when the workspace is closed; allocation errors.
     pub fn leverage_to<T: Pod, S: Data<Elem = T>, Dim: Dimension>(
         &self,
         ty: ArrayType,
         array: &ArrayBase<S, Dim>,
     ) -> Result<crate::Handle<T, Dim>> {
-        let Some(ws) = self.workspace(ty) else {
-            return Err(Error::InvalidConfig {
-                reason: format!(
-                    "cannot leverage to {ty:?}: it is scoped out to the heap; use `detach()` for an owned array"
-                ),
-            });
-        };
-        let scope = ws.borrow_open()?;
+        let scope = self.borrow_open(ty)?;
         scope.copy_handle(array)
     }
 
@@ -273,7 +317,8 @@ impl LayerWorkspaceMgr {
         let ok = match &self.targets[ty.index()] {
             // Bypassed workspaces hand out heap memory: nothing to check.
             Target::Workspace(ws) => ws.contains(ptr, bytes),
-            Target::Heap => self.locate(ptr, bytes).is_none(),
+            // A heap workspace holds the blocks it allocated in its open cycle.
+            Target::Heap(ws) => ws.contains(ptr, bytes),
         };
         if ok {
             return Ok(());
@@ -283,9 +328,9 @@ impl LayerWorkspaceMgr {
 
     #[cold]
     fn misplaced(&self, ty: ArrayType, layer: &str, ptr: *const u8, bytes: usize) -> Error {
-        let expected = match self.workspace_name(ty) {
-            Some(name) => format!("workspace '{name}'"),
-            None => NO_WORKSPACE.to_string(),
+        let expected = match &self.targets[ty.index()] {
+            Target::Workspace(ws) => format!("workspace '{}'", ws.name()),
+            Target::Heap(ws) => format!("no workspace: the heap blocks of its scopes ('{}')", ws.name()),
         };
         let actual = match self.locate(ptr, bytes) {
             Some(ws) => format!("workspace '{}'", ws.name()),
@@ -311,7 +356,7 @@ impl LayerWorkspaceMgr {
     /// The distinct workspaces this manager uses (types first, then helpers).
     pub fn workspaces(&self) -> impl Iterator<Item = &Rc<Workspace>> {
         let typed = self.targets.iter().filter_map(|t| match t {
-            Target::Heap => None,
+            Target::Heap(_) => None,
             Target::Workspace(ws) => Some(ws),
         });
         let all = typed.chain(self.helpers.iter().map(|(_, ws)| ws));
@@ -361,11 +406,20 @@ impl LayerWorkspaceMgr {
     /// is a member of its group. Allocates nothing.
     pub(crate) fn reached_only_here(&self) -> bool {
         let Some(group) = &self.group else { return false };
+        // A type's heap workspace is reached by nothing else: no clone of it, strong or
+        // weak, but those of its types in this manager.
+        let heaps_here = self.targets.iter().all(|t| match t {
+            Target::Heap(ws) => {
+                let uses = self.targets.iter().filter(|t| matches!(t, Target::Heap(w) if Rc::ptr_eq(w, ws))).count();
+                Rc::strong_count(ws) == uses && Rc::weak_count(ws) == 0
+            }
+            Target::Workspace(_) => true,
+        });
         let mapped = || {
             self.targets
                 .iter()
                 .filter_map(|t| match t {
-                    Target::Heap => None,
+                    Target::Heap(_) => None,
                     Target::Workspace(ws) => Some(ws),
                 })
                 .chain(self.helpers.iter().map(|(_, ws)| ws))
@@ -373,7 +427,7 @@ impl LayerWorkspaceMgr {
         let uses = |ws: &Workspace| mapped().filter(|m| std::ptr::eq(&***m, ws)).count();
         // Every mapped workspace is a member: the uses counted over the members add up
         // to all the mapped workspaces.
-        group.reached_only_through(1, |ws| uses(ws)) && {
+        heaps_here && group.reached_only_through(1, |ws| uses(ws)) && {
             let counted: usize = group.workspaces_with(|members| members.iter().map(|ws| uses(ws)).sum());
             counted == mapped().count()
         }

@@ -396,7 +396,8 @@ impl<'ws> Scope<'ws> {
         unsafe { self.ws.as_ref() }
     }
 
-    /// The workspace this scope allocates in (`None` when scoped out to the heap).
+    /// The workspace this scope allocates in (a role's heap workspace when the role is
+    /// scoped out; `None` for a standalone heap scope, [`Scope::heap`]).
     pub fn workspace(&self) -> Option<&Workspace> {
         (self.tag != Tag::Heap).then(|| self.workspace_ref())
     }

@@ -558,15 +558,17 @@ pub(crate) fn training_mgrs_in(
     registry: Option<&WorkspaceManager>,
     group: Option<PlanGroup>,
 ) -> Result<[LayerWorkspaceMgr; 2]> {
-    if mode == WorkspaceMode::None {
-        return Ok([LayerWorkspaceMgr::no_workspaces(), LayerWorkspaceMgr::no_workspaces()]);
-    }
     // One plan per batch shape: variable-length sequences have a few dozen.
     let group =
         (mode == WorkspaceMode::Planned).then(|| group.unwrap_or_else(|| plan_group("WS_PLANNED_ITERATION", registry)));
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config_with(learning)? };
     let base = |grad: &str| {
-        let builder = LayerWorkspaceMgr::builder();
+        // Workspaces off: the same names, each a heap workspace of the manager's own, so
+        // that what succeeds with them on succeeds with them off.
+        let builder = match mode {
+            WorkspaceMode::None => LayerWorkspaceMgr::builder().workspaces_off(),
+            _ => LayerWorkspaceMgr::builder(),
+        };
         let builder = match registry {
             Some(registry) => builder.in_manager(registry),
             None => builder,
@@ -604,12 +606,13 @@ pub(super) fn inference_mgr_in(
     registry: Option<&WorkspaceManager>,
     group: Option<PlanGroup>,
 ) -> Result<LayerWorkspaceMgr> {
-    if mode == WorkspaceMode::None {
-        return Ok(LayerWorkspaceMgr::no_workspaces());
-    }
     let planned = mode == WorkspaceMode::Planned;
     let config = if planned { planned_workspace_config() } else { workspace_config_with(learning)? };
     let builder = inference_builder_of(config);
+    if mode == WorkspaceMode::None {
+        // As in `training_mgrs_in`.
+        return builder.workspaces_off().build().map_err(Error::from);
+    }
     let builder = match registry {
         Some(registry) => builder.in_manager(registry),
         None => builder,

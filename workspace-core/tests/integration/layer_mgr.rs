@@ -43,11 +43,16 @@ fn no_workspaces_scopes_everything_out() {
     let m = LayerWorkspaceMgr::no_workspaces();
     for ty in ArrayType::ALL {
         assert!(m.is_scoped_out(ty), "{ty:?}");
+        assert!(m.workspace(ty).is_none());
         let scope = m.enter(ty).unwrap();
         assert_eq!(scope.array_type(), ty);
-        assert!(scope.workspace().is_none());
+        assert_eq!(&**scope.target_name(), format!("heap ({ty:?})"));
         let a = scope.zeros::<f32, _>((3, 3)).unwrap();
         m.validate(ty, "any", &a).unwrap();
+        // Each type its own heap: another type's array is misplaced, as with a
+        // workspace of each type's own.
+        let other = ArrayType::ALL[(ty as usize + 1) % ArrayType::ALL.len()];
+        assert!(matches!(m.validate(other, "any", &a), Err(Error::WrongLocation { .. })));
     }
     assert_eq!(m.capacity(), 0);
     assert_eq!(m.workspaces().count(), 0);
@@ -55,16 +60,29 @@ fn no_workspaces_scopes_everything_out() {
 
 #[test]
 fn a_heap_scopes_handle_read_through_another_says_so_and_empty_arrays_leverage_in_every_mode() {
-    // Each heap scope is its own: a handle it made is read through it alone, and the
-    // error says why (not "'heap' but accessed through 'heap'").
+    // A scoped-out type's handle is read through any scope of the type while its cycle
+    // lasts, as a workspace's is; a standalone heap scope's through itself alone, and
+    // the error says why (not "'heap' but accessed through 'heap'").
     let m = LayerWorkspaceMgr::no_workspaces();
     let act = m.enter(ArrayType::Activations).unwrap();
     let handle = act.zeros_handle::<f32, _>(4).unwrap();
     assert_eq!(handle.view(&act).unwrap().len(), 4);
-    let other = m.enter(ArrayType::Activations).unwrap();
-    let err = handle.view(&other).unwrap_err();
+    let nested = m.enter(ArrayType::Activations).unwrap();
+    assert_eq!(handle.view(&nested).unwrap().len(), 4);
+    assert_eq!(handle.view(&m.borrow_open(ArrayType::Activations).unwrap()).unwrap().len(), 4);
+    let err = handle.view(&m.enter(ArrayType::FfCache).unwrap()).unwrap_err();
     assert!(matches!(err, Error::WrongWorkspace { .. }), "{err:?}");
-    assert!(err.to_string().contains("read only through the scope that made it"), "{err}");
+    drop((nested, act));
+    let err = handle.view(&m.enter(ArrayType::Activations).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::StaleHandle { .. }), "the cycle ended: {err:?}");
+    let (first, second) = (workspace_core::Scope::heap(), workspace_core::Scope::heap());
+    let handle = first.zeros_handle::<f32, _>(4).unwrap();
+    let err = handle.view(&second).unwrap_err();
+    assert!(matches!(err, Error::WrongWorkspace { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("two standalone heap scopes, `Scope::heap()`, each read only through itself"),
+        "{err}"
+    );
     // An empty array is kept as it is, whatever the mode (nothing to copy).
     let empty = Array2::<f32>::zeros((0, 3));
     for m in [mgr(), LayerWorkspaceMgr::no_workspaces()] {
@@ -142,11 +160,18 @@ fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
         "{err}"
     );
 
-    // A scoped-out type must not be in any of the manager's workspaces.
-    m.validate(ArrayType::FfCache, "l", &heap).unwrap();
+    // A scoped-out type's arrays are those its scopes allocated (on the heap), as a
+    // workspace's are those it holds: not a workspace's, nor any other heap array.
+    let cache = m.enter(ArrayType::FfCache).unwrap();
+    m.validate(ArrayType::FfCache, "l", &cache.zeros::<f32, _>(3).unwrap()).unwrap();
     let err = m.validate(ArrayType::FfCache, "l", &good).unwrap_err();
-    assert!(err.to_string().contains("FfCache must live in no workspace (heap)"), "{err}");
+    assert!(
+        err.to_string().contains("FfCache must live in no workspace: the heap blocks of its scopes ('heap (FfCache)')"),
+        "{err}"
+    );
     assert!(err.to_string().contains("produced FfCache in workspace 'ACT'"), "{err}");
+    let err = m.validate(ArrayType::FfCache, "l", &heap).unwrap_err();
+    assert!(err.to_string().contains("produced FfCache in memory outside this manager's workspaces"), "{err}");
 
     // A view into the middle of a workspace array, and a transposed one, still count.
     m.validate(ArrayType::Activations, "l", &good.slice(ndarray::s![1..3, 2..]).t()).unwrap();
@@ -183,8 +208,14 @@ fn borrow_open_of_a_closed_workspace_is_an_error() {
     let borrowed = m.borrow_open(ArrayType::Activations).unwrap();
     let a = borrowed.zeros::<u8, _>(16).unwrap();
     assert!(outer.holds(&a));
-    // Scoped-out types have nothing to be closed.
-    assert!(m.borrow_open(ArrayType::FfCache).unwrap().workspace().is_none());
+    // A scoped-out type alike: borrowed only while a scope of it is open.
+    let err = m.borrow_open(ArrayType::FfCache).unwrap_err();
+    assert!(matches!(err, Error::NotOpen { .. }), "{err:?}");
+    assert!(err.to_string().starts_with("workspace 'heap (FfCache)' is not open: "), "{err}");
+    let cache = m.enter(ArrayType::FfCache).unwrap();
+    let a = m.borrow_open(ArrayType::FfCache).unwrap().zeros::<u8, _>(16).map(|a| a.to_owned()).unwrap();
+    assert_eq!(a.len(), 16);
+    drop(cache);
 }
 
 #[test]
@@ -213,12 +244,16 @@ fn leverage_to_a_type_needs_an_open_workspace() {
     let err = m.leverage_to(ArrayType::Activations, &source).unwrap_err();
     assert!(matches!(err, Error::NotOpen { .. }), "closed target must be an error: {err:?}");
     assert!(err.to_string().starts_with("workspace 'ACT' is not open: "), "{err}");
+    // A scoped-out type alike: its heap workspace must be open, and its handle lives
+    // until that cycle ends.
     let err = m.leverage_to(ArrayType::FfCache, &source).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "invalid workspace configuration: cannot leverage to FfCache: it is scoped out to the heap; use `detach()` \
-         for an owned array"
-    );
+    assert!(matches!(err, Error::NotOpen { .. }), "closed target must be an error: {err:?}");
+    let cache = m.enter(ArrayType::FfCache).unwrap();
+    let handle = m.leverage_to(ArrayType::FfCache, &source).unwrap();
+    assert_eq!(handle.view(&cache).unwrap(), source);
+    drop(cache);
+    let cache = m.enter(ArrayType::FfCache).unwrap();
+    assert!(matches!(handle.view(&cache), Err(Error::StaleHandle { .. })));
     let act = m.enter(ArrayType::Activations).unwrap();
     let handle = m.leverage_to(ArrayType::Activations, &source).unwrap();
     assert_eq!(handle.view(&act).unwrap(), source);
@@ -433,4 +468,102 @@ fn map_of_and_rows_of_write_every_element_in_one_pass() {
     assert_eq!(strided.row(1), column);
     // No rows is no memory: an error, as for every empty allocation.
     assert!(act.rows_of(&bias, 0).is_err());
+}
+
+/// The outcome of every call of a layer's life, as a word per call: `ok`, or the
+/// error's kind.
+fn script(m: &LayerWorkspaceMgr) -> Vec<String> {
+    fn word<T>(r: Result<T, Error>) -> String {
+        match r {
+            Ok(_) => "ok".into(),
+            Err(Error::NotOpen { .. }) => "NotOpen".into(),
+            Err(Error::WrongWorkspace { .. }) => "WrongWorkspace".into(),
+            Err(Error::StaleHandle { .. }) => "StaleHandle".into(),
+            Err(Error::WrongLocation { .. }) => "WrongLocation".into(),
+            Err(other) => format!("unexpected: {other}"),
+        }
+    }
+    let source = Array2::<f32>::from_elem((2, 3), 1.5);
+    let mut out = vec![
+        word(m.borrow_open(ArrayType::Activations)),
+        word(m.leverage_to(ArrayType::Activations, &source)),
+        word(m.borrow_open(ArrayType::FfCache)),
+    ];
+    let act = m.enter(ArrayType::Activations).unwrap();
+    // A forward pass keeps a handle for the backward pass, which reads it back through
+    // a scope it borrows.
+    let kept = act.copy_handle(&source).unwrap();
+    let leveraged = m.leverage_to(ArrayType::Activations, &source).unwrap();
+    {
+        let working = m.enter(ArrayType::FfWorkingMem).unwrap();
+        let nested = m.enter(ArrayType::Activations).unwrap();
+        let inner = nested.copy_handle(&source).unwrap();
+        out.push(word(kept.view(&nested)));
+        out.push(word(kept.view(&working)));
+        drop(nested);
+        out.push(word(inner.view(&act)));
+    }
+    let backward = m.borrow_open(ArrayType::Activations).unwrap();
+    out.push(word(kept.view(&backward)));
+    out.push(word(leveraged.view(&backward)));
+    for ty in [ArrayType::Input, ArrayType::FfCache] {
+        out.push(word(m.borrow_open(ty).and_then(|scope| kept.view(&scope).map(|v| v.sum()))));
+    }
+    let y = act.zeros::<f32, _>(4).unwrap();
+    out.push(word(m.validate(ArrayType::Activations, "l", &y)));
+    out.push(word(m.validate(ArrayType::FfWorkingMem, "l", &y)));
+    out.push(word(m.validate(ArrayType::Activations, "l", &source)));
+    let y = freeze(y);
+    out.push(format!("leverage copies: {}", act.leverage(y).unwrap().as_ptr() != y.as_ptr()));
+    drop(backward);
+    drop(act);
+    let again = m.enter(ArrayType::Activations).unwrap();
+    out.push(word(kept.view(&again)));
+    out
+}
+
+#[test]
+fn with_workspaces_off_every_call_succeeds_or_fails_as_with_them_on() {
+    let builder = || {
+        LayerWorkspaceMgr::builder()
+            .with(ArrayType::Activations, "PARITY_ACT", WorkspaceConfig::default())
+            .with(ArrayType::Input, "PARITY_ACT", WorkspaceConfig::default())
+            .with(ArrayType::FfCache, "PARITY_ACT", WorkspaceConfig::default())
+            .default_workspace("PARITY_WORK", WorkspaceConfig::default())
+    };
+    let on = script(&builder().build().unwrap());
+    let off_mgr = builder().workspaces_off().build().unwrap();
+    assert!(ArrayType::ALL.iter().all(|&ty| off_mgr.is_scoped_out(ty)));
+    assert_eq!(off_mgr.workspaces().count(), 0, "no workspace, only heap blocks");
+    let off = script(&off_mgr);
+    assert_eq!(off, on);
+    // What the script pins: the closed calls fail, the kept handle reads through every
+    // scope of its workspace (nested, borrowed, a type sharing it) and no other, and
+    // goes stale with the cycle.
+    assert_eq!(
+        on,
+        [
+            "NotOpen",
+            "NotOpen",
+            "NotOpen",
+            "ok",
+            "WrongWorkspace",
+            "ok",
+            "ok",
+            "ok",
+            "ok",
+            "ok",
+            "ok",
+            "WrongLocation",
+            "WrongLocation",
+            "leverage copies: false",
+            "StaleHandle"
+        ]
+    );
+    // `no_workspaces` gives each type a heap of its own, as a manager with a workspace
+    // per type: its outcomes are those of such a manager.
+    let each = ArrayType::ALL
+        .iter()
+        .fold(LayerWorkspaceMgr::builder(), |b, &ty| b.with(ty, &format!("PARITY_{ty:?}"), WorkspaceConfig::default()));
+    assert_eq!(script(&LayerWorkspaceMgr::no_workspaces()), script(&each.build().unwrap()));
 }
