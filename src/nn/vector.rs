@@ -314,10 +314,7 @@ fn softmax_row(row: &mut [f32], i: usize, live: impl Fn(usize) -> bool, again: O
             stats
         }
         None => {
-            // A strict comparison: the first of equal values (+0 or −0) stays, whatever
-            // order a vectorised fold would take (`f32::max` may return either).
-            let max =
-                head.iter().enumerate().fold(f32::NEG_INFINITY, |m, (j, &v)| if live(j) && v > m { v } else { m });
+            let max = row_max(head, &live);
             for (j, v) in head.iter_mut().enumerate() {
                 let e = fast_exp(*v - max);
                 *v = if live(j) { e } else { 0.0 };
@@ -330,6 +327,38 @@ fn softmax_row(row: &mut [f32], i: usize, live: impl Fn(usize) -> bool, again: O
     }
     tail.fill(0.0);
     (max, inv)
+}
+
+/// The largest live value of `x` (NaN skipped; −∞ when none is live), the bits of
+/// the strict left fold `if live(j) && v > m { v } else { m }` from −∞: where equal
+/// values differ in bits (+0 and −0) the first one stays, whatever order a vectorised
+/// fold would take (`f32::max` may return either). Taken in lanes, element `j` into lane
+/// `j % 16` by the same strict comparison, so that it vectorises: the lanes' largest is
+/// the fold's value, and only a largest value of zero needs the first zero's sign.
+#[inline(always)]
+fn row_max(x: &[f32], live: impl Fn(usize) -> bool) -> f32 {
+    const WIDTH: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; WIDTH];
+    let (whole, rest) = x.as_chunks::<WIDTH>();
+    for (c, chunk) in whole.iter().enumerate() {
+        for (l, (m, &v)) in lanes.iter_mut().zip(chunk).enumerate() {
+            if live(c * WIDTH + l) && v > *m {
+                *m = v;
+            }
+        }
+    }
+    for (l, (m, &v)) in lanes.iter_mut().zip(rest).enumerate() {
+        if live(whole.len() * WIDTH + l) && v > *m {
+            *m = v;
+        }
+    }
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if max == 0.0 {
+        // Every live value before the first zero is negative: the fold met that zero
+        // first and kept it.
+        return x.iter().enumerate().find(|&(j, &v)| live(j) && v == 0.0).map_or(max, |(_, &v)| v);
+    }
+    max
 }
 
 /// A softmax's per-row statistics (`[T, 2]`: each row's maximum and the reciprocal of
@@ -574,7 +603,7 @@ const BLOCK: usize = 16;
 /// `count` sums of `BLOCK` lanes, sum `i` over `terms` products `a[a_at + t] ·
 /// rows[row_at + t·row_stride + lane]` (`(a_at, row_at) = at(i)`), each the matrix
 /// multiply's sum: the products in term order from 0, a fresh sum per slice of `KC`
-/// terms added to the slices before. Up to eight sums run at once, interleaved; `done`
+/// terms added to the slices before. Up to four sums run at once, interleaved; `done`
 /// gets each sum's lanes.
 #[inline(always)]
 fn interleaved(
@@ -1323,6 +1352,29 @@ mod tests {
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = carve_rng::Rng::new(seed);
         (0..n).map(|_| rng.uniform(-6.0, 6.0)).collect()
+    }
+
+    #[test]
+    fn a_rows_maximum_in_lanes_is_the_strict_folds_bits() {
+        let fold = |x: &[f32], live: &dyn Fn(usize) -> bool| {
+            x.iter().enumerate().fold(f32::NEG_INFINITY, |m, (j, &v)| if live(j) && v > m { v } else { m })
+        };
+        let mut rng = carve_rng::Rng::new(11);
+        // Values drawn from a few, so that ties, zeros of both signs, NaN and infinities
+        // meet in one row, at every length across the lanes' edges.
+        let pool = [-0.0f32, 0.0, -1.5, 2.0, -3.0, f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -0.25];
+        for n in 0..70 {
+            for round in 0..40 {
+                let spread = 1 + round % pool.len();
+                let x: Vec<f32> =
+                    (0..n).map(|_| pool[(rng.uniform(0.0, spread as f32) as usize).min(spread - 1)]).collect();
+                let mask: Vec<bool> = (0..n).map(|_| rng.uniform(0.0, 1.0) < 0.7).collect();
+                for live in [&(|_| true) as &dyn Fn(usize) -> bool, &|j| mask[j], &|_| false] {
+                    let (want, got) = (fold(&x, live), row_max(&x, live));
+                    assert_eq!(got.to_bits(), want.to_bits(), "{x:?}, {got} against {want}");
+                }
+            }
+        }
     }
 
     #[test]
