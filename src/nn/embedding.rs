@@ -74,6 +74,10 @@ impl Layer for Embedding {
         true
     }
 
+    fn reads_tokens(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }

@@ -857,6 +857,16 @@ pub trait Layer: Any + Send + Sync {
         false
     }
 
+    /// Whether the layer reads the network's token ids rather than features: the
+    /// batch's [`Input::Tokens`](crate::nn::Input::Tokens), handed on as one feature a
+    /// step holding the id (a token embedding). Such a layer must be the network's
+    /// first, and a dry run ([`Network::dry_run`](crate::nn::Network::dry_run)) of a
+    /// network whose first layer says so sizes a batch of token ids. The default:
+    /// `false`.
+    fn reads_tokens(&self) -> bool {
+        false
+    }
+
     /// Whether the layer runs in a generation stream: the models it is part of can
     /// generate only when each of its layers does, and say so before the first token
     /// ([`Model::context`](crate::nn::serve::Model::context)). The default:

@@ -195,8 +195,7 @@ pub(crate) fn check_layer(layers: &[Box<dyn Layer>], i: usize) -> Result<()> {
             ),
         });
     }
-    let layer: &dyn std::any::Any = layers[i].as_ref();
-    if i > 0 && layer.is::<crate::nn::embedding::Embedding>() {
+    if i > 0 && layers[i].reads_tokens() {
         return Err(Error::InvalidConfig {
             reason: format!(
                 "token embedding '{}' is layer {i}: an embedding reads the network's token ids, so it is the first \

@@ -978,3 +978,70 @@ fn a_padded_steps_values_never_reach_a_live_step_even_as_nan() {
         }
     }
 }
+
+/// A user's token layer: each step's id (one feature, as the network hands on
+/// `Input::Tokens`) as a one-hot row of `vocab` features.
+struct OneHot {
+    vocab: usize,
+}
+
+impl carve::nn::Layer for OneHot {
+    fn name(&self) -> &str {
+        "one_hot"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        assert_eq!(inputs, self.vocab, "the network's inputs are its vocabulary");
+        Ok(self.vocab)
+    }
+    fn per_step(&self) -> bool {
+        true
+    }
+    fn reads_tokens(&self) -> bool {
+        true
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        ids: ndarray::ArrayView2<'a, f32>,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<ndarray::ArrayView2<'a, f32>> {
+        assert_eq!(ids.ncols(), 1, "one id a step");
+        let hot =
+            ctx.activations.from_shape_fn((ids.nrows(), self.vocab), |(r, c)| f32::from(ids[[r, 0]] as usize == c))?;
+        Ok(carve::freeze(hot))
+    }
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        _pass: carve::nn::RowsPass<'_>,
+        _grad_input: Option<ndarray::ArrayViewMut2<'_, f32>>,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_token_layer_is_dry_run_with_token_ids_and_must_come_first() {
+    use carve::nn::{dry::BatchShape, dry::DryPass, Input, Labels, Network};
+    // A dry run used to take only carve's own embedding for a token layer: a user's was
+    // fed `vocab` features a step, and refused them.
+    let (ids, next) = windows(3, 8, 11);
+    let config = NetworkConfig::builder(11).layer(OneHot { vocab: 11 }).dense(16).relu().dense(11).build().unwrap();
+    let mut net = Network::new(config).unwrap();
+    let shape = BatchShape::tokens(3, 8);
+    let run = [DryPass::Train(shape), DryPass::Train(shape), DryPass::Infer(shape)];
+    let estimate = net.dry_run(&run).unwrap();
+    net.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap();
+    assert_eq!(net.last_iteration_workspace_bytes(), estimate.per_pass_bytes[0]);
+    net.fit_batch(Input::tokens(ids.view()), Labels::from(next.view())).unwrap();
+    assert_eq!(net.last_iteration_workspace_bytes(), estimate.per_pass_bytes[1]);
+    net.output(Input::tokens(ids.view())).unwrap();
+    assert_eq!(net.last_inference_workspace_bytes(), estimate.per_pass_bytes[2]);
+    // Like an embedding, it reads the batch's ids: anywhere but first it is refused.
+    match NetworkConfig::builder(11).dense(11).layer(OneHot { vocab: 11 }).dense(11).build() {
+        Err(carve::Error::InvalidConfig { reason }) => assert!(reason.contains("'one_hot' is layer 1"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -28,7 +28,6 @@ use workspace_core::WorkspaceMode;
 
 use crate::{Error, Result};
 
-use super::super::embedding::Embedding;
 use super::super::kernels;
 use super::super::step::StepLayers;
 use super::config::PLANS;
@@ -75,8 +74,9 @@ impl BatchShape {
     /// `batch` windows of `steps` steps, unmasked, with a label per step: a language
     /// model's batch (what a prefetcher of
     /// [`TokenWindows`](crate::async_iter::TokenWindows) gives). A network whose first
-    /// layer is an [`Embedding`](crate::nn::Embedding) takes token ids
-    /// ([`Input::Tokens`]), and its dry runs feed it token ids of the shape.
+    /// layer reads token ids ([`Layer::reads_tokens`](crate::nn::Layer::reads_tokens):
+    /// an [`Embedding`](crate::nn::Embedding), or a user's token layer) takes
+    /// [`Input::Tokens`], and its dry runs feed it token ids of the shape.
     pub fn tokens(batch: usize, steps: usize) -> BatchShape {
         BatchShape::Sequences { batch, steps, masked: false, labels_per_step: true }
     }
@@ -673,7 +673,7 @@ impl Network {
             true => self.training_mode == WorkspaceMode::None,
             false => self.inference_mode == WorkspaceMode::None,
         };
-        let tokens = self.layers.first().is_some_and(|l| (l.as_ref() as &dyn std::any::Any).is::<Embedding>());
+        let tokens = self.layers.first().is_some_and(|l| l.reads_tokens());
         let batch = DryBatch::new(shape, self.inputs, tokens)?;
         let shadow = self.shadow();
         let group = shadow.mgr(pass.kind()).plan_group().cloned();
