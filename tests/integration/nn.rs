@@ -325,10 +325,7 @@ fn a_layer_returning_memory_from_the_wrong_place_fails_validation() {
     assert!(matches!(&off, Error::Workspace(carve::workspace_core::Error::WrongLocation { .. })), "{off}");
     assert_eq!(
         off.to_string(),
-        err.to_string().replace(
-            "workspace 'WS_INFERENCE_ACT'",
-            "no workspace: the heap blocks of its scopes ('WS_INFERENCE_ACT (heap)')"
-        )
+        err.to_string().replace("workspace 'WS_INFERENCE_ACT'", "workspace 'WS_INFERENCE_ACT (heap)'")
     );
 }
 

@@ -162,7 +162,8 @@ pub enum Error {
         layer: String,
         /// The array's role.
         array_type: crate::roles::ArrayType,
-        /// Where arrays of this type belong (a workspace, or "no workspace (heap)").
+        /// Where arrays of this type belong (a workspace, or a heap workspace, whose
+        /// name ends in "(heap)").
         expected: String,
         /// Where this array is.
         actual: String,
@@ -333,8 +334,8 @@ fn wrong_workspace(array_workspace: &str, scope_workspace: &str) -> String {
     if array_workspace == scope_workspace {
         return format!(
             "array belongs to another '{array_workspace}' than the scope it was accessed through: two workspaces \
-             (or two standalone heap scopes, `Scope::heap()`, each read only through itself) go by that name; \
-             keep an owned copy (`detach()`) to read it elsewhere"
+             go by that name (two `no_workspaces()` managers, or two standalone heap scopes, `Scope::heap()`, each \
+             read only through itself); keep an owned copy (`detach()`) to read it elsewhere"
         );
     }
     format!(

@@ -26,6 +26,23 @@ enum Target {
     Workspace(Rc<Workspace>),
 }
 
+impl Target {
+    /// The workspace, or the heap workspace.
+    fn any(&self) -> &Rc<Workspace> {
+        match self {
+            Target::Heap(ws) | Target::Workspace(ws) => ws,
+        }
+    }
+
+    /// The workspace; `None` for a heap workspace.
+    fn workspace(&self) -> Option<&Rc<Workspace>> {
+        match self {
+            Target::Heap(_) => None,
+            Target::Workspace(ws) => Some(ws),
+        }
+    }
+}
+
 /// A role's (or a name's) heap workspace: no arena, every allocation its own heap
 /// block ([`DebugMode::SpillEverything`]), freed when the outermost scope closes (as a
 /// workspace's arena is reset then); nested scopes, [`LayerWorkspaceMgr::borrow_open`],
@@ -45,7 +62,7 @@ fn heap_workspace(name: &str) -> Result<Rc<Workspace>> {
 #[derive(Clone, Debug)]
 pub struct LayerWorkspaceMgr {
     targets: [Target; 9],
-    helpers: Vec<(String, Rc<Workspace>)>,
+    helpers: Vec<(String, Target)>,
     group: Option<PlanGroup>,
 }
 
@@ -73,7 +90,7 @@ impl LayerWorkspaceMgrBuilder {
     }
 
     /// Arrays of type `ty` are ordinary heap allocations, in a heap workspace of the
-    /// type's own (see [`LayerWorkspaceMgr::no_workspaces`]).
+    /// type's own in this manager (see [`LayerWorkspaceMgr::no_workspaces`]).
     pub fn scoped_out(mut self, ty: ArrayType) -> Self {
         self.entries[ty.index()] = Some(None);
         self
@@ -102,12 +119,17 @@ impl LayerWorkspaceMgrBuilder {
     }
 
     /// Every type and helper mapped as given, but scoped out: each name a heap workspace
-    /// of this manager's own instead of a workspace (types mapped to one name share
-    /// it, as they share a workspace), so that a handle read, a `borrow_open` or a
-    /// `leverage_to` succeeds or fails as it would with the workspaces on.
-    /// [`WorkspaceMode::None`](crate::WorkspaceMode::None) builds a network's managers
-    /// so. The configurations, the plan group and [`in_manager`](Self::in_manager)'s
-    /// registry are not used.
+    /// (named "`name` (heap)", of the name's configuration in RAM, every array a heap
+    /// block of its own) found or created in [`WorkspaceManager::heaps`] (or the heap
+    /// registry given to [`in_manager`](Self::in_manager)), so that managers and types
+    /// naming one workspace share it, and a handle read, a `borrow_open`, a
+    /// `leverage_to`, a budget or a second configuration succeeds or fails as it would
+    /// with the workspaces on. [`WorkspaceMode::None`](crate::WorkspaceMode::None)
+    /// builds a network's managers so. The heap workspaces are left out of
+    /// [`LayerWorkspaceMgr::workspaces`] and its sums (they hold no arena).
+    ///
+    /// [`build`](Self::build) refuses it with [`planned`](Self::planned) (a plan is
+    /// one arena) and with a registry of workspaces rather than of heap workspaces.
     pub fn workspaces_off(mut self) -> Self {
         self.off = true;
         self
@@ -127,20 +149,34 @@ impl LayerWorkspaceMgrBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] when a type is mapped nowhere and there is no default,
-    /// or a helper is declared twice; [`Error::ConfigMismatch`] when a name is used
-    /// with two configurations; the errors of [`WorkspaceManager::get_or_create`].
+    /// a helper is declared twice, or [`workspaces_off`](Self::workspaces_off) meets a
+    /// plan group or a registry that is not of heap workspaces;
+    /// [`Error::ConfigMismatch`] when a name is used with two configurations; the errors
+    /// of [`WorkspaceManager::get_or_create`].
     pub fn build(self) -> Result<LayerWorkspaceMgr> {
-        let manager = self.manager.clone().unwrap_or_else(WorkspaceManager::current);
-        // With the workspaces off, one heap workspace per name.
-        let heaps: std::cell::RefCell<Vec<(String, Rc<Workspace>)>> = Default::default();
+        let manager = match (self.off, self.manager.clone()) {
+            (false, manager) => manager.unwrap_or_else(WorkspaceManager::current),
+            (true, _) if self.group.is_some() => {
+                return Err(Error::InvalidConfig {
+                    reason: "a planned manager (`planned`) lays its workspaces out in its group's arena: it cannot \
+                             have them off (`workspaces_off`); build it without `planned`"
+                        .into(),
+                })
+            }
+            (true, None) => WorkspaceManager::heaps(),
+            (true, Some(manager)) if manager.is_heaps() => manager,
+            (true, Some(_)) => {
+                return Err(Error::InvalidConfig {
+                    reason: "`workspaces_off` finds its heap workspaces in a registry of heap workspaces \
+                             (`WorkspaceManager::heaps()`), not in the registry given to `in_manager`"
+                        .into(),
+                })
+            }
+        };
         let get = |name: &str, config: &WorkspaceConfig| -> Result<Target> {
             if self.off {
-                if let Some((_, ws)) = heaps.borrow().iter().find(|(n, _)| n == name) {
-                    return Ok(Target::Heap(ws.clone()));
-                }
-                let ws = heap_workspace(&format!("{name} (heap)"))?;
-                heaps.borrow_mut().push((name.to_string(), ws.clone()));
-                return Ok(Target::Heap(ws));
+                // The name's heap workspace, shared by the managers that name it.
+                return Ok(Target::Heap(manager.get_or_create(&format!("{name} (heap)"), config)?));
             }
             Ok(Target::Workspace(match &self.group {
                 Some(group) => group.workspace(name, config)?,
@@ -170,18 +206,14 @@ impl LayerWorkspaceMgrBuilder {
             });
         }
         let targets: [Target; 9] = targets.try_into().expect("one target per array type, in `ALL`'s order");
-        let mut helpers: Vec<(String, Rc<Workspace>)> = Vec::with_capacity(self.helpers.len());
+        let mut helpers: Vec<(String, Target)> = Vec::with_capacity(self.helpers.len());
         for (name, config) in &self.helpers {
             if helpers.iter().any(|(n, _)| n == name) {
                 return Err(Error::InvalidConfig { reason: format!("helper workspace '{name}' is declared twice") });
             }
-            let ws = match get(name, config)? {
-                Target::Heap(ws) | Target::Workspace(ws) => ws,
-            };
-            helpers.push((name.clone(), ws));
+            helpers.push((name.clone(), get(name, config)?));
         }
-        let group = if self.off { None } else { self.group.clone() };
-        Ok(LayerWorkspaceMgr { targets, helpers, group })
+        Ok(LayerWorkspaceMgr { targets, helpers, group: self.group.clone() })
     }
 }
 
@@ -214,10 +246,7 @@ impl LayerWorkspaceMgr {
 
     /// The workspace of `ty`, `None` when it is scoped out.
     pub fn workspace(&self, ty: ArrayType) -> Option<&Rc<Workspace>> {
-        match &self.targets[ty.index()] {
-            Target::Heap(_) => None,
-            Target::Workspace(ws) => Some(ws),
-        }
+        self.targets[ty.index()].workspace()
     }
 
     /// The name of `ty`'s workspace, `None` when it is scoped out.
@@ -238,14 +267,9 @@ impl LayerWorkspaceMgr {
     /// Those of [`Workspace::enter`].
     #[inline]
     pub fn enter(&self, ty: ArrayType) -> Result<TypedScope> {
-        let scope = match &self.targets[ty.index()] {
-            Target::Heap(ws) => ws.enter_shared()?,
-            Target::Workspace(ws) => {
-                let scope = ws.enter_shared()?;
-                ws.shell.engine().note_role(ty);
-                scope
-            }
-        };
+        let ws = self.targets[ty.index()].any();
+        let scope = ws.enter_shared()?;
+        ws.shell.engine().note_role(ty);
         Ok(TypedScope { ty, scope })
     }
 
@@ -258,9 +282,7 @@ impl LayerWorkspaceMgr {
     /// [`Error::NotOpen`] when the workspace (or the heap workspace) is closed: nothing
     /// is allocated in a closed workspace behind the caller's back.
     pub fn borrow_open(&self, ty: ArrayType) -> Result<TypedScope> {
-        let scope = match &self.targets[ty.index()] {
-            Target::Heap(ws) | Target::Workspace(ws) => ws.borrow_open_shared()?,
-        };
+        let scope = self.targets[ty.index()].any().borrow_open_shared()?;
         Ok(TypedScope { ty, scope })
     }
 
@@ -270,7 +292,7 @@ impl LayerWorkspaceMgr {
     ///
     /// [`Error::UnknownHelper`] when it was not declared in the builder.
     pub fn helper(&self, name: &str) -> Result<&Rc<Workspace>> {
-        self.helpers.iter().find(|(n, _)| n == name).map(|(_, ws)| ws).ok_or_else(|| Error::UnknownHelper {
+        self.helpers.iter().find(|(n, _)| n == name).map(|(_, ws)| ws.any()).ok_or_else(|| Error::UnknownHelper {
             helper: name.to_string(),
             declared: self.helpers.iter().map(|(n, _)| n.clone()).collect(),
         })
@@ -328,10 +350,8 @@ impl LayerWorkspaceMgr {
 
     #[cold]
     fn misplaced(&self, ty: ArrayType, layer: &str, ptr: *const u8, bytes: usize) -> Error {
-        let expected = match &self.targets[ty.index()] {
-            Target::Workspace(ws) => format!("workspace '{}'", ws.name()),
-            Target::Heap(ws) => format!("no workspace: the heap blocks of its scopes ('{}')", ws.name()),
-        };
+        // A heap workspace's name says it is one ("… (heap)").
+        let expected = format!("workspace '{}'", self.targets[ty.index()].any().name());
         let actual = match self.locate(ptr, bytes) {
             Some(ws) => format!("workspace '{}'", ws.name()),
             None => "memory outside this manager's workspaces (heap, an input, or another workspace)".to_string(),
@@ -339,9 +359,14 @@ impl LayerWorkspaceMgr {
         Error::WrongLocation { layer: layer.to_string(), array_type: ty, expected, actual }
     }
 
-    /// The workspace of this manager (types and helpers) that holds the range.
+    /// The workspace of this manager (types and helpers, heap workspaces included) that
+    /// holds the range.
     fn locate(&self, ptr: *const u8, bytes: usize) -> Option<&Rc<Workspace>> {
-        self.workspaces().find(|ws| ws.contains(ptr, bytes))
+        self.targets
+            .iter()
+            .chain(self.helpers.iter().map(|(_, t)| t))
+            .map(Target::any)
+            .find(|ws| ws.contains(ptr, bytes))
     }
 
     /// Where `array` lives, for messages: a workspace name, or a heap description.
@@ -353,13 +378,10 @@ impl LayerWorkspaceMgr {
         }
     }
 
-    /// The distinct workspaces this manager uses (types first, then helpers).
+    /// The distinct workspaces this manager uses (types first, then helpers), heap
+    /// workspaces left out (they hold no arena: each array is a heap block of its own).
     pub fn workspaces(&self) -> impl Iterator<Item = &Rc<Workspace>> {
-        let typed = self.targets.iter().filter_map(|t| match t {
-            Target::Heap(_) => None,
-            Target::Workspace(ws) => Some(ws),
-        });
-        let all = typed.chain(self.helpers.iter().map(|(_, ws)| ws));
+        let all = self.targets.iter().chain(self.helpers.iter().map(|(_, t)| t)).filter_map(Target::workspace);
         // A workspace is listed where it first appears (the lists are short: nine
         // types plus the helpers).
         all.clone()
@@ -408,22 +430,15 @@ impl LayerWorkspaceMgr {
         let Some(group) = &self.group else { return false };
         // A type's heap workspace is reached by nothing else: no clone of it, strong or
         // weak, but those of its types in this manager.
-        let heaps_here = self.targets.iter().all(|t| match t {
+        let all = || self.targets.iter().chain(self.helpers.iter().map(|(_, t)| t));
+        let heaps_here = all().all(|t| match t {
             Target::Heap(ws) => {
-                let uses = self.targets.iter().filter(|t| matches!(t, Target::Heap(w) if Rc::ptr_eq(w, ws))).count();
+                let uses = all().filter(|t| matches!(t, Target::Heap(w) if Rc::ptr_eq(w, ws))).count();
                 Rc::strong_count(ws) == uses && Rc::weak_count(ws) == 0
             }
             Target::Workspace(_) => true,
         });
-        let mapped = || {
-            self.targets
-                .iter()
-                .filter_map(|t| match t {
-                    Target::Heap(_) => None,
-                    Target::Workspace(ws) => Some(ws),
-                })
-                .chain(self.helpers.iter().map(|(_, ws)| ws))
-        };
+        let mapped = || all().filter_map(Target::workspace);
         let uses = |ws: &Workspace| mapped().filter(|m| std::ptr::eq(&***m, ws)).count();
         // Every mapped workspace is a member: the uses counted over the members add up
         // to all the mapped workspaces.

@@ -24,6 +24,8 @@ struct Registry {
     /// A registry of [`WorkspaceManager::shape_only`]: not the thread's, its workspaces
     /// shape-only.
     shape_only: bool,
+    /// The thread's registry of heap workspaces ([`WorkspaceManager::heaps`]).
+    heap: bool,
 }
 
 thread_local! {
@@ -32,6 +34,14 @@ thread_local! {
         debug: RefCell::new(DebugMode::from_env()),
         overridden: Cell::new(false),
         shape_only: false,
+        heap: false,
+    });
+    static HEAPS: Rc<Registry> = Rc::new(Registry {
+        workspaces: RefCell::new(Vec::new()),
+        debug: RefCell::new(Ok(DebugMode::SpillEverything)),
+        overridden: Cell::new(true),
+        shape_only: false,
+        heap: true,
     });
 }
 
@@ -87,8 +97,35 @@ impl WorkspaceManager {
                 debug: RefCell::new(debug),
                 overridden: Cell::new(true),
                 shape_only: true,
+                heap: false,
             }),
         }
+    }
+
+    /// The calling thread's registry of heap workspaces: workspaces that spill
+    /// everything ([`DebugMode::SpillEverything`], in RAM whatever their
+    /// configuration's location), so that every array is a heap block of its own, freed
+    /// when the workspace's outermost scope closes. What
+    /// [`LayerWorkspaceMgrBuilder::workspaces_off`](crate::LayerWorkspaceMgrBuilder::workspaces_off)
+    /// finds its workspaces in, by name, as managers with workspaces on find theirs in
+    /// [`WorkspaceManager::current`]: managers that name the same workspace share it.
+    ///
+    /// ```
+    /// use workspace_core::{DebugMode, WorkspaceConfig, WorkspaceManager};
+    ///
+    /// let heaps = WorkspaceManager::heaps();
+    /// let ws = heaps.get_or_create("ACT (heap)", &WorkspaceConfig::default())?;
+    /// assert_eq!(ws.debug_mode(), DebugMode::SpillEverything);
+    /// assert!(!WorkspaceManager::current().exists("ACT (heap)"));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    pub fn heaps() -> WorkspaceManager {
+        WorkspaceManager { registry: HEAPS.with(Rc::clone) }
+    }
+
+    /// Whether this is a thread's registry of heap workspaces ([`WorkspaceManager::heaps`]).
+    pub fn is_heaps(&self) -> bool {
+        self.registry.heap
     }
 
     /// Whether this registry makes shape-only workspaces (see
@@ -109,6 +146,13 @@ impl WorkspaceManager {
     /// [`Error::InvalidDebugMode`] when `CARVE_WORKSPACE_DEBUG` is not understood;
     /// [`Error::Backend`] when the initial arena cannot be reserved.
     pub fn get_or_create(&self, id: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
+        if self.registry.heap {
+            // In RAM: a heap workspace maps no file.
+            let config = config.in_ram();
+            return find_or_create(&self.registry.workspaces, id, &config, || {
+                Workspace::create(id, config.clone(), DebugMode::SpillEverything, false)
+            });
+        }
         find_or_create(&self.registry.workspaces, id, config, || {
             Workspace::create(id, config.clone(), self.debug_mode()?, self.registry.shape_only)
         })
@@ -219,19 +263,25 @@ impl WorkspaceManager {
     }
 
     /// Destroys every closed workspace of this thread (this also happens when the
-    /// thread exits).
+    /// thread exits). The thread's registry destroys its heap workspaces
+    /// ([`WorkspaceManager::heaps`]) with its own, as they stand in for its workspaces
+    /// with workspaces off.
     ///
     /// # Errors
     ///
     /// [`Error::StillOpen`] naming the first workspace that is open; the open ones are
     /// kept, the closed ones destroyed.
     pub fn destroy_all(&self) -> Result<()> {
+        let heaps = match Rc::ptr_eq(&self.registry, &REGISTRY.with(Rc::clone)) {
+            true => WorkspaceManager::heaps().destroy_all(),
+            false => Ok(()),
+        };
         let mut workspaces = self.registry.workspaces.borrow_mut();
         let open = workspaces.iter().find(|ws| ws.is_open()).map(|ws| (ws.name().clone(), ws.engine().depth()));
         workspaces.retain(|ws| ws.is_open());
         match open {
             Some((workspace, depth)) => Err(Error::StillOpen { workspace, depth, action: "destroy_all" }),
-            None => Ok(()),
+            None => heaps,
         }
     }
 
@@ -258,8 +308,17 @@ impl WorkspaceManager {
     ///
     /// # Errors
     ///
-    /// [`Error::StillOpen`] when a workspace is open (none is changed then).
+    /// [`Error::StillOpen`] when a workspace is open (none is changed then);
+    /// [`Error::InvalidConfig`] for the registry of heap workspaces
+    /// ([`WorkspaceManager::heaps`]), whose workspaces always spill everything.
     pub fn set_debug_mode(&self, mode: DebugMode) -> Result<()> {
+        if self.registry.heap {
+            return Err(Error::InvalidConfig {
+                reason: "the heap workspaces (WorkspaceManager::heaps) always spill everything: their debug mode \
+                         is not set"
+                    .into(),
+            });
+        }
         let workspaces = self.registry.workspaces.borrow();
         if let Some(ws) = workspaces.iter().find(|ws| ws.is_open()) {
             return Err(Error::StillOpen {

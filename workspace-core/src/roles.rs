@@ -12,7 +12,9 @@ pub enum WorkspaceMode {
     /// Arrays live in workspaces, reset at the end of their cycle (the default).
     #[default]
     Enabled,
-    /// Every array is its own heap allocation ([`LayerWorkspaceMgr::no_workspaces`](crate::LayerWorkspaceMgr::no_workspaces)).
+    /// Every array is its own heap allocation, in heap workspaces of the same names
+    /// ([`LayerWorkspaceMgrBuilder::workspaces_off`](crate::LayerWorkspaceMgrBuilder::workspaces_off)):
+    /// every call succeeds or fails as with workspaces on.
     None,
     /// The role workspaces of an iteration (a training step, or an inference) are
     /// planned together into one arena, sized to the bytes live at once

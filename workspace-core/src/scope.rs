@@ -112,7 +112,8 @@ unsafe fn release(ws: NonNull<Workspace>, tag: Tag) {
 /// path reserves the bytes).
 macro_rules! allocation_methods {
     () => {
-        /// The name of the allocation target ("heap" when scoped out).
+        /// The name of the allocation target (a heap workspace's ends in "(heap)"; a
+        /// standalone heap scope's is "heap").
         pub fn target_name(&self) -> &Arc<str> {
             self.workspace_ref().name()
         }
@@ -122,8 +123,9 @@ macro_rules! allocation_methods {
             self.workspace_ref().placement(ptr.cast::<u8>())
         }
 
-        /// Whether `array`'s memory lies in this scope's allocation target (the workspace,
-        /// or the scope's own heap blocks when scoped out).
+        /// Whether `array`'s memory lies in this scope's allocation target (the workspace:
+        /// for a heap workspace, the blocks it holds in its open cycle; for a standalone
+        /// heap scope, its own blocks).
         pub fn holds<T, S: ndarray::RawData<Elem = T>, Dim: Dimension>(&self, array: &ArrayBase<S, Dim>) -> bool {
             let (ptr, bytes) = extent(array);
             self.workspace_ref().contains(ptr, bytes)

@@ -196,7 +196,8 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     /// All the network will hold after the run: parameters, the training and inference
     /// arenas the run ends with, and with workspaces off the heap a pass holds at its
-    /// peak (its lower bound: its arrays are heap allocations, freed as they die).
+    /// peak (its lower bound: its arrays are heap allocations, freed when their role's
+    /// outermost scope closes, as a workspace's cycle ends).
     pub fn total_bytes(&self) -> usize {
         let heap = |off: bool, training: bool| match off {
             false => 0,

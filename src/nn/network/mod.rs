@@ -54,7 +54,8 @@ pub(crate) use train::{counted, fit_epoch, fit_pairs};
 /// scratch in `WS_LAYER_WORKING_MEM`, reset after the layer; input gradients in
 /// `WS_LAYER_ACT_GRAD_1` and `_2` alternately; the updater's scratch in
 /// `WS_UPDATER_WORKING_MEM`. With [`WorkspaceMode::None`] every one of those arrays
-/// is its own heap allocation instead, and the numbers are bit-identical.
+/// is its own heap allocation instead (in heap workspaces of the same names, freed as
+/// their cycles end), and the numbers are bit-identical.
 ///
 /// A network belongs to the thread that created it (its workspaces do).
 pub struct Network {

@@ -82,6 +82,10 @@ pub struct PortableMgr {
 // the value can move again, and a manager that fails the check is dropped on its thread
 // instead. The group is bound to the using thread at the start of every `with`
 // (`PlanGroup::rebind`), under that same exclusivity. Workspaces themselves are `Send`.
+// A role scoped out is a heap workspace of the manager's own (`scoped_out`: never one
+// of `WorkspaceManager::heaps`), checked by the same `reached_only_here`; the manager
+// `keep_here` leaves in its place is a new `no_workspaces()`, whose heap workspaces
+// nothing else reaches, and which no later call lends out.
 unsafe impl Send for PortableMgr {}
 
 impl PortableMgr {

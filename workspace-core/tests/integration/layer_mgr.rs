@@ -165,10 +165,7 @@ fn validate_accepts_the_right_workspace_and_names_everything_otherwise() {
     let cache = m.enter(ArrayType::FfCache).unwrap();
     m.validate(ArrayType::FfCache, "l", &cache.zeros::<f32, _>(3).unwrap()).unwrap();
     let err = m.validate(ArrayType::FfCache, "l", &good).unwrap_err();
-    assert!(
-        err.to_string().contains("FfCache must live in no workspace: the heap blocks of its scopes ('heap (FfCache)')"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("FfCache must live in workspace 'heap (FfCache)'"), "{err}");
     assert!(err.to_string().contains("produced FfCache in workspace 'ACT'"), "{err}");
     let err = m.validate(ArrayType::FfCache, "l", &heap).unwrap_err();
     assert!(err.to_string().contains("produced FfCache in memory outside this manager's workspaces"), "{err}");
@@ -566,4 +563,82 @@ fn with_workspaces_off_every_call_succeeds_or_fails_as_with_them_on() {
         .iter()
         .fold(LayerWorkspaceMgr::builder(), |b, &ty| b.with(ty, &format!("PARITY_{ty:?}"), WorkspaceConfig::default()));
     assert_eq!(script(&LayerWorkspaceMgr::no_workspaces()), script(&each.build().unwrap()));
+}
+
+/// Outcomes of calls whose answer with workspaces on comes from the registry and the
+/// configuration: managers sharing a name, a budget, a second configuration.
+fn shared_script(off: bool) -> Vec<String> {
+    fn word<T>(r: Result<T, Error>) -> String {
+        match r {
+            Ok(_) => "ok".into(),
+            Err(Error::NotOpen { .. }) => "NotOpen".into(),
+            Err(Error::WrongWorkspace { .. }) => "WrongWorkspace".into(),
+            Err(Error::ConfigMismatch { .. }) => "ConfigMismatch".into(),
+            Err(Error::Exhausted { .. }) => "Exhausted".into(),
+            Err(Error::BudgetExceeded { .. }) => "BudgetExceeded".into(),
+            Err(other) => format!("unexpected: {other}"),
+        }
+    }
+    let small = WorkspaceConfig::builder().max_size(4096).spill(workspace_core::SpillPolicy::Fail).build().unwrap();
+    let builder = |config: &WorkspaceConfig| {
+        let b = LayerWorkspaceMgr::builder()
+            .with(ArrayType::Activations, "SHARED_ACT", WorkspaceConfig::default())
+            .default_workspace("SHARED_SMALL", config.clone())
+            .helper("SHARED_HELPER", WorkspaceConfig::default());
+        if off {
+            b.workspaces_off()
+        } else {
+            b
+        }
+    };
+    let (a, c) = (builder(&small).build().unwrap(), builder(&small).build().unwrap());
+    let mut out = vec![word(builder(&WorkspaceConfig::default()).build())];
+    let act = a.enter(ArrayType::Activations).unwrap();
+    let kept = act.copy_handle(&Array2::<f32>::zeros((2, 2))).unwrap();
+    out.push(word(c.borrow_open(ArrayType::Activations).and_then(|s| kept.view(&s).map(|v| v.sum()))));
+    let working = c.enter(ArrayType::FfWorkingMem).unwrap();
+    out.push(word(working.zeros::<u8, _>(1024)));
+    out.push(word(working.zeros::<u8, _>(1 << 20)));
+    out.push(word(a.helper("SHARED_HELPER").map(|h| h.name().to_string())));
+    out.push(format!("workspaces listed: {}", a.workspaces().count()));
+    out
+}
+
+#[test]
+fn with_workspaces_off_managers_share_heaps_by_name_and_keep_their_configurations() {
+    let on = shared_script(false);
+    let off = shared_script(true);
+    // Listed workspaces differ by design: heap workspaces hold no arena.
+    assert_eq!(on[..on.len() - 1], off[..off.len() - 1]);
+    assert_eq!(
+        on[..on.len() - 1],
+        ["ConfigMismatch", "ok", "ok", "BudgetExceeded", "ok"].map(String::from),
+        "a second configuration of a name, a handle read through another manager naming the same workspace, \
+         an allocation past the budget"
+    );
+    assert_eq!(on.last().unwrap(), "workspaces listed: 3");
+    assert_eq!(off.last().unwrap(), "workspaces listed: 0");
+    // A planned manager cannot have its workspaces off, and a registry of workspaces
+    // is not one of heap workspaces: both refused, not ignored.
+    let group = workspace_core::planned::PlanGroup::with_plans("OFF_GROUP", 1);
+    let err = LayerWorkspaceMgr::builder()
+        .default_workspace("OFF_PLANNED", WorkspaceConfig::default())
+        .planned(&group)
+        .workspaces_off()
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot have them off"), "{err}");
+    let err = LayerWorkspaceMgr::builder()
+        .default_workspace("OFF_REGISTRY", WorkspaceConfig::default())
+        .in_manager(&WorkspaceManager::current())
+        .workspaces_off()
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("WorkspaceManager::heaps()"), "{err}");
+    assert!(!WorkspaceManager::current().exists("SHARED_ACT (heap)"));
+    assert!(WorkspaceManager::heaps().exists("SHARED_ACT (heap)"));
+    WorkspaceManager::current().destroy_all().unwrap();
+    assert!(!WorkspaceManager::heaps().exists("SHARED_ACT (heap)"), "destroyed with the thread's workspaces");
+    let err = WorkspaceManager::heaps().set_debug_mode(DebugMode::Disabled).unwrap_err();
+    assert!(err.to_string().contains("always spill everything"), "{err}");
 }
