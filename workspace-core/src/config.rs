@@ -278,11 +278,6 @@ impl WorkspaceConfig {
         WorkspaceConfigBuilder::default()
     }
 
-    /// This configuration with its arena in RAM (a heap workspace maps no file).
-    pub(crate) fn in_ram(&self) -> WorkspaceConfig {
-        WorkspaceConfig { location: Location::Ram, ..self.clone() }
-    }
-
     /// Bytes the arena has before any learning.
     pub fn initial_size(&self) -> usize {
         self.initial_size

@@ -155,6 +155,13 @@ impl LayerWorkspaceMgrBuilder {
     /// of [`WorkspaceManager::get_or_create`].
     pub fn build(self) -> Result<LayerWorkspaceMgr> {
         let manager = match (self.off, self.manager.clone()) {
+            (false, Some(manager)) if manager.is_heaps() => {
+                return Err(Error::InvalidConfig {
+                    reason: "a registry of heap workspaces (`WorkspaceManager::heaps()`) serves managers with their \
+                             workspaces off: add `workspaces_off()`"
+                        .into(),
+                })
+            }
             (false, manager) => manager.unwrap_or_else(WorkspaceManager::current),
             (true, _) if self.group.is_some() => {
                 return Err(Error::InvalidConfig {

@@ -128,6 +128,26 @@ impl WorkspaceManager {
         self.registry.heap
     }
 
+    /// The thread's heap workspaces, when this is the thread's own registry (whose
+    /// workspaces they stand in for with workspaces off) and they are still there (not
+    /// while the thread's locals are being destroyed).
+    fn heaps_of_thread(&self) -> Option<WorkspaceManager> {
+        if self.registry.heap || self.registry.shape_only {
+            return None;
+        }
+        HEAPS.try_with(Rc::clone).ok().map(|registry| WorkspaceManager { registry })
+    }
+
+    /// The first open workspace of this registry: `(name, depth)`.
+    fn first_open(&self) -> Option<(std::sync::Arc<str>, usize)> {
+        self.registry
+            .workspaces
+            .borrow()
+            .iter()
+            .find(|ws| ws.is_open())
+            .map(|ws| (ws.name().clone(), ws.engine().depth()))
+    }
+
     /// Whether this registry makes shape-only workspaces (see
     /// [`WorkspaceManager::shape_only`]).
     pub fn is_shape_only(&self) -> bool {
@@ -147,10 +167,11 @@ impl WorkspaceManager {
     /// [`Error::Backend`] when the initial arena cannot be reserved.
     pub fn get_or_create(&self, id: &str, config: &WorkspaceConfig) -> Result<Rc<Workspace>> {
         if self.registry.heap {
-            // In RAM: a heap workspace maps no file.
-            let config = config.in_ram();
-            return find_or_create(&self.registry.workspaces, id, &config, || {
-                Workspace::create(id, config.clone(), DebugMode::SpillEverything, false)
+            // The thread's debug mode is read as a workspace's creation reads it (an
+            // unknown `CARVE_WORKSPACE_DEBUG` is the same error with workspaces off).
+            WorkspaceManager::current().debug_mode()?;
+            return find_or_create(&self.registry.workspaces, id, config, || {
+                Workspace::create_heap(id, config.clone())
             });
         }
         find_or_create(&self.registry.workspaces, id, config, || {
@@ -194,7 +215,10 @@ impl WorkspaceManager {
             });
         }
         find_or_create(&self.registry.workspaces, of.name(), of.config(), || {
-            let twin = Workspace::create(of.name(), of.config().clone(), of.debug_mode(), self.registry.shape_only)?;
+            let twin = match self.registry.heap {
+                true => Workspace::create_heap(of.name(), of.config().clone())?,
+                false => Workspace::create(of.name(), of.config().clone(), of.debug_mode(), self.registry.shape_only)?,
+            };
             twin.engine().adopt_sizing(of.sizing())?;
             Ok(twin)
         })
@@ -239,12 +263,33 @@ impl WorkspaceManager {
     }
 
     /// Removes workspace `id` from this thread's registry; its memory is freed once no
-    /// `Rc` to it is left.
+    /// `Rc` to it is left. The thread's registry removes `id`'s heap workspace ("`id`
+    /// (heap)", [`WorkspaceManager::heaps`]) with it, or alone where workspaces were off.
     ///
     /// # Errors
     ///
-    /// [`Error::UnknownWorkspace`], or [`Error::StillOpen`] while it has open scopes.
+    /// [`Error::UnknownWorkspace`] when neither exists, or [`Error::StillOpen`] while
+    /// either has open scopes (then neither is removed).
     pub fn destroy(&self, id: &str) -> Result<()> {
+        let heap_id = format!("{id} (heap)");
+        let heaps = self.heaps_of_thread().filter(|heaps| heaps.exists(&heap_id));
+        let Some(heaps) = heaps else { return self.remove(id) };
+        let open = |registry: &WorkspaceManager, id: &str| registry.find(id).filter(|ws| ws.is_open());
+        if let Some(ws) = open(self, id).or_else(|| open(&heaps, &heap_id)) {
+            return Err(Error::StillOpen {
+                workspace: ws.name().clone(),
+                depth: ws.engine().depth(),
+                action: "destroy",
+            });
+        }
+        if self.exists(id) {
+            self.remove(id)?;
+        }
+        heaps.remove(&heap_id)
+    }
+
+    /// Removes workspace `id` from this registry.
+    fn remove(&self, id: &str) -> Result<()> {
         let mut workspaces = self.registry.workspaces.borrow_mut();
         let index = workspaces
             .iter()
@@ -272,10 +317,7 @@ impl WorkspaceManager {
     /// [`Error::StillOpen`] naming the first workspace that is open; the open ones are
     /// kept, the closed ones destroyed.
     pub fn destroy_all(&self) -> Result<()> {
-        let heaps = match Rc::ptr_eq(&self.registry, &REGISTRY.with(Rc::clone)) {
-            true => WorkspaceManager::heaps().destroy_all(),
-            false => Ok(()),
-        };
+        let heaps = self.heaps_of_thread().map_or(Ok(()), |heaps| heaps.destroy_all());
         let mut workspaces = self.registry.workspaces.borrow_mut();
         let open = workspaces.iter().find(|ws| ws.is_open()).map(|ws| (ws.name().clone(), ws.engine().depth()));
         workspaces.retain(|ws| ws.is_open());
@@ -318,6 +360,10 @@ impl WorkspaceManager {
                          is not set"
                     .into(),
             });
+        }
+        // A heap workspace open stands for a workspace open (workspaces off).
+        if let Some((workspace, depth)) = self.heaps_of_thread().and_then(|heaps| heaps.first_open()) {
+            return Err(Error::StillOpen { workspace, depth, action: "changing the debug mode" });
         }
         let workspaces = self.registry.workspaces.borrow();
         if let Some(ws) = workspaces.iter().find(|ws| ws.is_open()) {

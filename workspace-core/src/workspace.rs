@@ -147,6 +147,17 @@ impl Workspace {
         Ok(ws)
     }
 
+    /// A heap workspace ([`WorkspaceManager::heaps`](crate::WorkspaceManager::heaps)):
+    /// `config` as given (its location included, for comparisons), its memory from RAM
+    /// whatever that location, every allocation a heap block of its own
+    /// ([`DebugMode::SpillEverything`]).
+    pub(crate) fn create_heap(name: &str, config: WorkspaceConfig) -> Result<Workspace> {
+        let shell = Shell::new(name, config, HostBackend::Ram, ())?;
+        let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only: false };
+        ws.set_debug_mode(DebugMode::SpillEverything)?;
+        Ok(ws)
+    }
+
     /// Whether this workspace serves a dry run: it allocates, accounts, learns and
     /// plans exactly as a workspace of its configuration does, and the code that
     /// allocates from it computes nothing (the layers of carve's networks skip their

@@ -418,9 +418,11 @@ impl NetworkConfigBuilder {
 
     /// How the enabled workspaces ([`WorkspaceMode::Enabled`]) learn their sizes (by
     /// default from the largest of their first 16 cycles: see [`workspace_config`]).
-    /// Networks of a thread share their enabled workspaces by name, so the networks of
-    /// one thread take one policy: a second policy is the
-    /// [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) of [`Network::new`].
+    /// Networks of a thread share their enabled workspaces by name (and with workspaces
+    /// off, [`WorkspaceMode::None`], their heap workspaces, which keep the policy too), so
+    /// the networks of one thread in one mode take one policy: a second policy is the
+    /// [`ConfigMismatch`](workspace_core::Error::ConfigMismatch) of [`Network::new`]
+    /// (`WorkspaceManager::current().destroy_all()` lets the thread's workspaces go).
     /// Planned workspaces learn nothing: their plan sizes them.
     ///
     /// ```

@@ -637,8 +637,29 @@ fn with_workspaces_off_managers_share_heaps_by_name_and_keep_their_configuration
     assert!(err.to_string().contains("WorkspaceManager::heaps()"), "{err}");
     assert!(!WorkspaceManager::current().exists("SHARED_ACT (heap)"));
     assert!(WorkspaceManager::heaps().exists("SHARED_ACT (heap)"));
+    // The thread's registry speaks for its heap workspaces too: a debug mode is not
+    // changed while one is open, `destroy` takes a name's heap workspace, `destroy_all`
+    // every one.
+    let off = LayerWorkspaceMgr::builder()
+        .default_workspace("SHARED_OTHER", WorkspaceConfig::default())
+        .workspaces_off()
+        .build()
+        .unwrap();
+    let open = off.enter(ArrayType::Activations).unwrap();
+    let err = WorkspaceManager::current().set_debug_mode(DebugMode::SpillEverything).unwrap_err();
+    assert!(matches!(err, Error::StillOpen { .. }), "{err:?}");
+    assert!(matches!(WorkspaceManager::current().destroy("SHARED_OTHER"), Err(Error::StillOpen { .. })));
+    drop(open);
+    WorkspaceManager::current().destroy("SHARED_OTHER").unwrap();
+    assert!(!WorkspaceManager::heaps().exists("SHARED_OTHER (heap)"));
     WorkspaceManager::current().destroy_all().unwrap();
     assert!(!WorkspaceManager::heaps().exists("SHARED_ACT (heap)"), "destroyed with the thread's workspaces");
+    let err = LayerWorkspaceMgr::builder()
+        .default_workspace("OFF_REGISTRY", WorkspaceConfig::default())
+        .in_manager(&WorkspaceManager::heaps())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("add `workspaces_off()`"), "{err}");
     let err = WorkspaceManager::heaps().set_debug_mode(DebugMode::Disabled).unwrap_err();
     assert!(err.to_string().contains("always spill everything"), "{err}");
 }
