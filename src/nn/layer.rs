@@ -787,7 +787,8 @@ pub trait Layer: Any + Send + Sync {
     /// The backward pass of [`Layer::forward`]: the gradient of every parameter into
     /// `grads` (every element; a network zeroes them first for a layer of the user's
     /// own, see [`Layer::backward_rows`]) and, when given, of the input into
-    /// `grad_input` (every element; 0 at padded steps), of the kind of the input.
+    /// `grad_input` (every element; 0 at padded steps, which a network also sees to for
+    /// a layer of the user's own), of the kind of the input.
     ///
     /// The default runs [`Layer::backward_rows`] as [`Layer::forward`]'s default runs
     /// [`Layer::forward_rows`].

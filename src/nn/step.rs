@@ -177,7 +177,9 @@ impl StepLayers<'_> {
         };
         let region = self.params.layout.regions[i].clone();
         let grads = own_grads(layer.as_ref(), &mut grads[region.clone()]);
-        layer.backward_uninit(&self.values[region], grads, pass, grad_input, &mut tapes[i], ctx)
+        let mask = pass.mask;
+        let written = layer.backward_uninit(&self.values[region], grads, pass, grad_input, &mut tapes[i], ctx)?;
+        Ok(padding_zeroed(layer.as_ref(), written, mask))
     }
 
     /// Checks the gradients of layer `i`'s parameters that its last backward pass left:
@@ -205,6 +207,27 @@ fn own_grads<'g>(layer: &dyn Layer, grads: &'g mut [f32]) -> &'g mut [f32] {
         grads.fill(0.0);
     }
     grads
+}
+
+/// The gradient of a layer's input as the layer below gets it: 0 at padded steps
+/// (mask 0), as [`Layer::backward`] asks, for a layer of the user's own whose backward
+/// pass wrote something there (a term that does not come from the gradient of its
+/// output); carve's own write 0 there. Padded steps change no gradient below: a dense
+/// layer's weights would otherwise sum the padding's rows.
+fn padding_zeroed<'g>(layer: &dyn Layer, written: GradInput<'g>, mask: Option<ArrayView2<'_, f32>>) -> GradInput<'g> {
+    match (written, mask) {
+        (GradInput::Sequence(mut g), Some(mask))
+            if !crate::nn::kernels::running()
+                && !crate::nn::layer::built_in(layer)
+                && mask.dim() == (g.dim().0, g.dim().1) =>
+        {
+            for ((b, t), _) in mask.indexed_iter().filter(|&(_, &m)| m == 0.0) {
+                g.slice_mut(ndarray::s![b, t, ..]).fill(0.0);
+            }
+            GradInput::Sequence(g)
+        }
+        (written, _) => written,
+    }
 }
 
 /// What a step runs in besides its layers and its batch.

@@ -664,3 +664,78 @@ fn evaluate_refuses_labels_that_are_not_classes_and_reads_labels_in_any_layout()
     bad[[1, 3]] = 2;
     assert!(matches!(per_step.evaluate(x.view(), bad.view(), 2), Err(Error::InvalidInput(_))));
 }
+
+/// A user's layer on sequences: the identity, whose backward pass adds `junk` to the
+/// gradient of every step of its input, padded steps included (`careful`: only to the
+/// steps that hold data, as the layer contract asks).
+struct Careless {
+    junk: f32,
+    careful: bool,
+}
+
+impl carve::nn::Layer for Careless {
+    fn name(&self) -> &str {
+        "careless"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward<'a>(
+        &self,
+        _params: &[f32],
+        input: Activations<'a>,
+        _mask: Option<ArrayView2<'a, f32>>,
+        _tape: &mut carve::nn::Tape,
+        ctx: &carve::nn::ForwardCtx<'a, '_>,
+    ) -> carve::Result<Activations<'a>> {
+        let Activations::Sequence(x) = input else { unreachable!("sequences") };
+        Ok(Activations::Sequence(carve::freeze(ctx.activations.copy_of(&x)?)))
+    }
+    fn backward(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: carve::nn::Pass<'_>,
+        grad_input: Option<carve::nn::GradInput<'_>>,
+        _tape: &mut carve::nn::Tape,
+        _ctx: &carve::nn::BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        let (Activations::Sequence(dy), Some(carve::nn::GradInput::Sequence(mut dx))) = (pass.grad_output, grad_input)
+        else {
+            return Ok(());
+        };
+        let mask = pass.mask.expect("a masked batch");
+        for ((b, t, f), d) in dx.indexed_iter_mut() {
+            let live = mask[[b, t]] != 0.0;
+            *d = dy[[b, t, f]] + if live || !self.careful { self.junk } else { 0.0 };
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_layer_writing_into_padded_steps_changes_no_gradient_below() {
+    // The gradient a user's layer gives at padded steps reaches no layer below it: the
+    // network zeroes it, as carve's own layers leave it. Before, the dense layer below
+    // summed the padding's rows into its weights' gradients.
+    let x = random3((3, 6, 3), &mut Rng::new(5));
+    let mut m = mask();
+    m[[0, 5]] = 0.0;
+    let y = Array1::from(vec![0u32, 3, 1]);
+    let run = |careful: bool| -> Vec<u32> {
+        let config = NetworkConfig::builder(3)
+            .dense(5)
+            .layer(Careless { junk: 0.25, careful })
+            .masked_mean()
+            .dense(4)
+            .seed(9)
+            .build()
+            .unwrap();
+        let mut net = Network::new(config).unwrap();
+        for _ in 0..3 {
+            net.fit_batch((x.view(), m.view()), y.view()).unwrap();
+        }
+        param_bits(&mut net)
+    };
+    assert_eq!(run(false), run(true));
+}
