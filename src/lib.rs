@@ -12,6 +12,7 @@
 //! | a whole run's allocations, role by role and layer by layer (Chrome traces, memory reports) | [`Timeline`], and the rest of [`workspace_core::timeline`] |
 //! | device workspaces on CUDA (and a simulated device for tests), pinned staging | [`workspace_cuda`] |
 //! | networks: dense, ReLU, GELU, layer norm, embeddings, causal attention, LSTM and residual layers, softmax cross-entropy, SGD/Adam/AdamW; serving, text generation, data-parallel and device training | [`nn`] |
+//! | checking a layer's gradients against central differences (DL4J's `GradientCheckUtil`) | [`nn::gradcheck`] |
 //! | arrays: the `ndarray` crate carve's views and owned arrays come from | [`ndarray`] |
 //! | errors: the crates' errors and the network's own | [`Error`] |
 //! | proving a step allocation-free: a counting allocator and a guard | [`alloc_check`]: [`CountingAllocator`](alloc_check::CountingAllocator), [`AllocationGuard`](alloc_check::AllocationGuard), [`assert_no_alloc`](alloc_check::assert_no_alloc) |

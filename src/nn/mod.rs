@@ -55,6 +55,7 @@ mod finite;
 mod gelu;
 #[allow(unsafe_code)]
 pub mod gemm;
+pub mod gradcheck;
 mod infer;
 mod kept;
 mod kernels;

@@ -8,6 +8,7 @@ mod dry_run;
 mod dry_run_random;
 mod examples_cli;
 mod generate;
+mod gradcheck;
 mod model_file;
 mod nn;
 mod nn_prefetch;

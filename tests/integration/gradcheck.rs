@@ -1,0 +1,152 @@
+//! The public gradient checker (`carve::nn::gradcheck`), as DL4J users use
+//! `GradientCheckUtil`: carve's layers pass it, flat and over masked sequences, and a
+//! layer whose backward pass is wrong is caught, named to the element.
+
+use carve::nn::gradcheck::{check_layer, GradCheck};
+use carve::nn::{
+    initial_params, Activations, Attention, BackwardCtx, Dense, ForwardCtx, Gelu, Layer, LayerNorm, Lstm, ParamShape,
+    Relu, RowsPass,
+};
+use carve_rng::Rng;
+use ndarray::{Array2, Array3, ArrayView2, ArrayViewMut2};
+
+fn flat(rows: usize, cols: usize, seed: u64) -> Array2<f32> {
+    let mut rng = Rng::new(seed);
+    // Away from 0, where ReLU's kink would make a central difference straddle two slopes.
+    Array2::from_shape_simple_fn((rows, cols), || rng.uniform(-1.0, 1.0)).mapv(|v| if v.abs() < 0.05 { 0.5 } else { v })
+}
+
+#[test]
+fn carves_layers_pass_flat_and_over_masked_sequences() {
+    let x = flat(5, 6, 1);
+    let layers: Vec<Box<dyn Layer>> = vec![
+        Box::new(Dense::new(6, 4)),
+        Box::new(Relu::new()),
+        Box::new(LayerNorm::named("ln")),
+        Box::new(Gelu::new()),
+    ];
+    for layer in &layers {
+        let params = initial_params(layer.as_ref(), 6, 3);
+        let report =
+            check_layer(layer.as_ref(), &params, Activations::Flat(x.view()), None, &GradCheck::default()).unwrap();
+        assert!(report.passed(), "{report}");
+        let count: usize = layer.param_shapes(6).iter().map(ParamShape::len).sum();
+        assert_eq!(report.checked, x.len() + count, "every element of the input and the parameters");
+    }
+    // Sequences with padding: an LSTM and causal attention. Padded steps are not checked.
+    let mut rng = Rng::new(2);
+    let seq = Array3::from_shape_simple_fn((2, 5, 4), || rng.uniform(-1.0, 1.0));
+    let mask = ndarray::array![[1.0f32, 1., 1., 1., 1.], [1., 1., 1., 0., 0.]];
+    let live = 8 * 4;
+    let layers: Vec<Box<dyn Layer>> =
+        vec![Box::new(Lstm::new(4, 3).unwrap()), Box::new(Attention::named("att", 4, 2).unwrap())];
+    for layer in &layers {
+        let params = initial_params(layer.as_ref(), 4, 5);
+        let check = GradCheck { max_per_tensor: Some(12), ..GradCheck::default() };
+        let report =
+            check_layer(layer.as_ref(), &params, Activations::Sequence(seq.view()), Some(mask.view()), &check).unwrap();
+        assert!(report.passed(), "{report}");
+        let tensors = layer.param_shapes(4).len();
+        assert!(report.checked <= 12 * (tensors + 1) && report.checked >= 2 * (tensors + 1), "{}", report.checked);
+        assert!(live > 12, "the input is subsampled");
+    }
+}
+
+/// `y = x·W` (no bias) whose backward pass gets the input's gradient right and the
+/// weights' wrong (`wrong_params`), or the other way round.
+struct Faulty {
+    wrong_params: bool,
+}
+
+impl Layer for Faulty {
+    fn name(&self) -> &str {
+        "faulty"
+    }
+    fn output_size(&self, _inputs: usize) -> carve::Result<usize> {
+        Ok(2)
+    }
+    fn param_shapes(&self, inputs: usize) -> Vec<ParamShape> {
+        vec![ParamShape::new("W", &[inputs, 2])]
+    }
+    fn init(&self, _inputs: usize, params: &mut [f32], _init: &mut carve::nn::Init<'_>) {
+        for (k, p) in params.iter_mut().enumerate() {
+            *p = 0.1 * k as f32 - 0.2;
+        }
+    }
+    fn forward_rows<'a>(
+        &self,
+        params: &[f32],
+        x: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let w = ArrayView2::from_shape((x.ncols(), 2), params).unwrap();
+        Ok(carve::freeze(ctx.activations.copy_of(&x.dot(&w))?))
+    }
+    fn backward_rows(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        let w = ArrayView2::from_shape((pass.input.ncols(), 2), params).unwrap();
+        let dw = pass.input.t().dot(&pass.grad_output);
+        let scale = if self.wrong_params { 2.0 } else { 1.0 };
+        for (g, d) in grads.iter_mut().zip(dw.iter()) {
+            *g = scale * d;
+        }
+        if let Some(mut gi) = grad_input {
+            let dx = pass.grad_output.dot(&w.t());
+            let scale = if self.wrong_params { 1.0 } else { -1.0 };
+            gi.zip_mut_with(&dx, |g, &d| *g = scale * d);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_wrong_backward_pass_is_caught_and_named_to_the_element() {
+    let x = flat(3, 4, 7);
+    for wrong_params in [true, false] {
+        let layer = Faulty { wrong_params };
+        let params = initial_params(&layer, 4, 0);
+        let report = check_layer(&layer, &params, Activations::Flat(x.view()), None, &GradCheck::default()).unwrap();
+        assert!(!report.passed());
+        assert_eq!(report.checked, 12 + 8);
+        let named = |prefix: &str| report.failures.iter().filter(|f| f.element.starts_with(prefix)).count();
+        if wrong_params {
+            assert_eq!((named("W["), named("input[")), (8, 0), "{report}");
+            let first = &report.failures[0];
+            assert!((first.analytic as f64 / first.numeric - 2.0).abs() < 1e-2, "{first}");
+        } else {
+            assert_eq!((named("W["), named("input[")), (0, 12), "{report}");
+        }
+        assert!(report.to_string().starts_with("layer 'faulty': "), "{report}");
+        assert!(report.worst_relative_error > 0.3, "{report}");
+    }
+}
+
+#[test]
+fn bad_calls_are_errors() {
+    let dense = Dense::new(4, 2);
+    let x = flat(3, 4, 1);
+    let err = check_layer(&dense, &[0.0; 3], Activations::Flat(x.view()), None, &GradCheck::default()).unwrap_err();
+    assert!(err.to_string().contains("3 parameter values given, the layer has 10 for 4 inputs"), "{err}");
+    let params = initial_params(&dense, 4, 0);
+    let empty = Array2::<f32>::zeros((0, 4));
+    let err = check_layer(&dense, &params, Activations::Flat(empty.view()), None, &GradCheck::default()).unwrap_err();
+    assert!(err.to_string().contains("the input is empty"), "{err}");
+    let lstm = Lstm::new(4, 2).unwrap();
+    let seq = Array3::<f32>::zeros((2, 3, 4));
+    let mask = Array2::<f32>::ones((2, 4));
+    let params = initial_params(&lstm, 4, 0);
+    let err = check_layer(&lstm, &params, Activations::Sequence(seq.view()), Some(mask.view()), &GradCheck::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("a mask of [2, 4] for sequences of [2, 3, 4]"), "{err}");
+    // A forward pass that overflows is an error, not a gradient that disagrees.
+    let huge = Array2::from_elem((2, 4), 3e38f32);
+    let params = vec![3e38f32; 10];
+    let err = check_layer(&dense, &params, Activations::Flat(huge.view()), None, &GradCheck::default()).unwrap_err();
+    assert!(matches!(err, carve::Error::NonFinite { .. }), "{err:?}");
+}
