@@ -124,15 +124,19 @@ impl fmt::Display for GradReport {
 
 /// Checks `layer`'s backward pass at `params` (in [`Layer::param_shapes`]' layout for
 /// the input's features) and `input` (a flat batch, or sequences with `mask`) against
-/// central differences of its forward pass; see the module documentation.
+/// central differences of its forward pass; see the module documentation. A layer that
+/// reads token ids ([`Layer::reads_tokens`]) has its parameters checked, not its input.
 ///
 /// # Errors
 ///
-/// [`Error::InvalidInput`] when `params` is not as long as the layer's parameters, an
-/// empty input, or a mask of another shape than the sequences' `[batch, time]`; the
-/// layer's own errors (a forward or backward pass that fails is not a gradient that
-/// disagrees); [`Error::NonFinite`] when the forward pass gives a value that is not
-/// finite.
+/// [`Error::InvalidInput`] when `params` is not as long as the layer's parameters, the
+/// input is empty, a mask is given with a flat batch or is of another shape than the
+/// sequences' `[batch, time]`, the check's settings are not a positive finite step and
+/// tolerances, or the layer's output changes shape between passes (or, of sequences
+/// with a mask, is not of the mask's `[batch, time]`); the layer's own errors (a
+/// forward or backward pass that fails is not a gradient that disagrees);
+/// [`Error::NonFinite`] when the forward pass gives a value that is not finite at a
+/// step that holds data.
 pub fn check_layer(
     layer: &dyn Layer,
     params: &[f32],
@@ -141,80 +145,104 @@ pub fn check_layer(
     check: &GradCheck,
 ) -> Result<GradReport> {
     let name = layer.name().to_string();
+    let invalid = |why: String| Error::InvalidInput(format!("gradient check of layer '{name}': {why}"));
+    let settled = check.epsilon.is_finite()
+        && check.epsilon > 0.0
+        && check.max_relative_error.is_sign_positive()
+        && check.min_absolute_error.is_sign_positive()
+        && !check.max_relative_error.is_nan()
+        && !check.min_absolute_error.is_nan();
+    if !settled {
+        return Err(invalid(format!(
+            "a step of {} and tolerances of {} (relative) and {} (absolute): the step must be finite and above 0, \
+             the tolerances at least 0",
+            check.epsilon, check.max_relative_error, check.min_absolute_error
+        )));
+    }
     let features = match input {
         Activations::Flat(x) => x.ncols(),
         Activations::Sequence(x) => x.dim().2,
     };
     let shapes = layer.param_shapes(features);
-    let count: usize = shapes.iter().map(|s| s.len()).sum();
-    if params.len() != count {
-        return Err(Error::InvalidInput(format!(
-            "gradient check of layer '{name}': {} parameter values given, the layer has {count} for {features} inputs",
-            params.len()
+    let count = shapes.iter().try_fold(0usize, |n, s| n.checked_add(s.len()));
+    if count != Some(params.len()) {
+        return Err(invalid(format!(
+            "{} parameter values given, the layer has {} for {features} inputs",
+            params.len(),
+            count.map_or_else(|| "more than the address space holds".to_string(), |c| c.to_string())
         )));
     }
     if input.shape().contains(&0) {
-        return Err(Error::InvalidInput(format!("gradient check of layer '{name}': the input is empty")));
+        return Err(invalid("the input is empty".into()));
+    }
+    match (&mask, input) {
+        (Some(_), Activations::Flat(_)) => return Err(invalid("a mask comes with sequences, not a flat batch".into())),
+        (Some(m), Activations::Sequence(x)) if m.dim() != (x.dim().0, x.dim().1) => {
+            return Err(invalid(format!("a mask of {:?} for sequences of {:?}", m.shape(), x.shape())))
+        }
+        _ => {}
     }
     let live = |b: usize, t: usize| mask.as_ref().is_none_or(|m| m[[b, t]] != 0.0);
-    if let (Some(m), Activations::Sequence(x)) = (&mask, input) {
-        if m.dim() != (x.dim().0, x.dim().1) {
-            return Err(Error::InvalidInput(format!(
-                "gradient check of layer '{name}': a mask of {:?} for sequences of {:?}",
-                m.shape(),
-                x.shape()
-            )));
-        }
-    }
-    let mut run = Run { layer, params: params.to_vec(), grads: vec![0.0; count], tape: layer.tape() };
+    let mut run = Run { layer, params: params.to_vec(), grads: vec![0.0; params.len()], tape: layer.tape(), mask };
     let mut x = Owned::of(input);
     // The output's weights: its shape from one forward pass, 0 at padded steps.
-    let shape = run.output_shape(&x, mask)?;
+    let shape = run.output_shape(&x)?;
+    if let (Some(m), [b, t, _]) = (&mask, shape.as_slice()) {
+        if m.dim() != (*b, *t) {
+            return Err(invalid(format!("its output {shape:?} is not of the mask's [batch, time] {:?}", m.shape())));
+        }
+    }
     let mut rng = carve_rng::Rng::new(check.seed);
     let r = Owned::weights(&shape, &mut rng, &live);
     // The backward pass's gradients.
-    let analytic_input = run.analytic(&x, mask, &r)?;
+    let analytic_input = run.analytic(&x, &r)?;
     let analytic_params = run.grads.clone();
-    let mut report = GradReport { layer: name, checked: 0, failures: Vec::new(), worst_relative_error: 0.0 };
+    let mut report = GradReport { layer: name.clone(), checked: 0, failures: Vec::new(), worst_relative_error: 0.0 };
     let eps = check.epsilon;
-    // The input's elements (not its padded steps).
-    let input_elements: Vec<usize> = (0..x.len()).filter(|&e| x.live(e, &live)).collect();
-    for &e in subset(&input_elements, check.max_per_tensor) {
+    // The input's elements (not its padded steps; none of a layer that reads token ids).
+    let steps = x.steps();
+    let live_input = |e: usize| !layer.reads_tokens() && steps.is_none_or(|(t, f)| live(e / (t * f), e / f % t));
+    let live_inputs = (0..x.len()).filter(|&e| live_input(e)).count();
+    let mut inputs = (0..x.len()).filter(|&e| live_input(e));
+    let mut taken = 0;
+    for nth in subset(live_inputs, check.max_per_tensor) {
+        let e = inputs.by_ref().nth(nth - taken).expect("a live element of the input");
+        taken = nth + 1;
         let keep = x.get(e);
-        x.set(e, keep + eps);
-        let up = run.loss(&x, mask, &r)?;
-        x.set(e, keep - eps);
-        let down = run.loss(&x, mask, &r)?;
+        let (plus, minus) = (keep + eps, keep - eps);
+        x.set(e, plus);
+        let up = run.loss(&x, &r, &shape, &name)?;
+        x.set(e, minus);
+        let down = run.loss(&x, &r, &shape, &name)?;
         x.set(e, keep);
-        report.compare(x.element(e), (up - down) / f64::from(2.0 * eps), analytic_input[e], check);
+        let numeric = (up - down) / (f64::from(plus) - f64::from(minus));
+        report.compare(x.element(e), numeric, analytic_input[e], check);
     }
     // Each parameter's elements.
     let mut start = 0;
-    for shape in &shapes {
-        let elements: Vec<usize> = (start..start + shape.len()).collect();
-        for &k in subset(&elements, check.max_per_tensor) {
+    for param in &shapes {
+        for i in subset(param.len(), check.max_per_tensor) {
+            let k = start + i;
             let keep = run.params[k];
-            run.params[k] = keep + eps;
-            let up = run.loss(&x, mask, &r)?;
-            run.params[k] = keep - eps;
-            let down = run.loss(&x, mask, &r)?;
+            let (plus, minus) = (keep + eps, keep - eps);
+            run.params[k] = plus;
+            let up = run.loss(&x, &r, &shape, &name)?;
+            run.params[k] = minus;
+            let down = run.loss(&x, &r, &shape, &name)?;
             run.params[k] = keep;
-            let what = format!("{}[{}]", shape.name, k - start);
-            report.compare(what, (up - down) / f64::from(2.0 * eps), analytic_params[k], check);
+            let numeric = (up - down) / (f64::from(plus) - f64::from(minus));
+            report.compare(format!("{}[{i}]", param.name), numeric, analytic_params[k], check);
         }
-        start += shape.len();
+        start += param.len();
     }
     Ok(report)
 }
 
-/// At most `max` of `all`, evenly spaced.
-fn subset(all: &[usize], max: Option<usize>) -> impl Iterator<Item = &usize> {
-    let step = match max {
-        Some(0) => all.len() + 1,
-        Some(max) if max < all.len() => all.len().div_ceil(max),
-        _ => 1,
-    };
-    all.iter().step_by(step.max(1))
+/// The positions of at most `max` of `len` elements, evenly spaced and in order
+/// (`i·len/max`); all of them when `max` is `None` or at least `len`.
+fn subset(len: usize, max: Option<usize>) -> impl Iterator<Item = usize> {
+    let take = max.map_or(len, |max| max.min(len));
+    (0..take).map(move |i| if take == len { i } else { (i as u128 * len as u128 / take as u128) as usize })
 }
 
 impl GradReport {
@@ -224,7 +252,10 @@ impl GradReport {
         let scale = numeric.abs().max(a.abs());
         let relative = if scale > 0.0 { error / scale } else { 0.0 };
         self.checked += 1;
-        if !analytic.is_finite() || (relative > check.max_relative_error && error > check.min_absolute_error) {
+        if !analytic.is_finite()
+            || !numeric.is_finite()
+            || (relative > check.max_relative_error && error > check.min_absolute_error)
+        {
             self.failures.push(Mismatch { element, numeric, analytic, relative_error: relative });
         }
         if relative.is_finite() {
@@ -242,8 +273,9 @@ enum Owned {
 impl Owned {
     fn of(input: Activations<'_>) -> Owned {
         match input {
-            Activations::Flat(x) => Owned::Flat(x.to_owned()),
-            Activations::Sequence(x) => Owned::Sequence(x.to_owned()),
+            // Standard layout whatever the caller's (a transposed or sliced view).
+            Activations::Flat(x) => Owned::Flat(x.as_standard_layout().into_owned()),
+            Activations::Sequence(x) => Owned::Sequence(x.as_standard_layout().into_owned()),
         }
     }
 
@@ -295,14 +327,11 @@ impl Owned {
         }
     }
 
-    /// Whether element `e` lies at a step that holds data.
-    fn live(&self, e: usize, live: &impl Fn(usize, usize) -> bool) -> bool {
+    /// Of sequences, their steps and features; `None` for a flat batch.
+    fn steps(&self) -> Option<(usize, usize)> {
         match self {
-            Owned::Flat(_) => true,
-            Owned::Sequence(x) => {
-                let (_, t, f) = x.dim();
-                live(e / (t * f), e / f % t)
-            }
+            Owned::Flat(_) => None,
+            Owned::Sequence(x) => Some((x.dim().1, x.dim().2)),
         }
     }
 
@@ -318,26 +347,29 @@ impl Owned {
     }
 }
 
-/// The layer, run on its own.
+/// The layer, run on its own, over batches of one mask.
 struct Run<'l> {
     layer: &'l dyn Layer,
     params: Vec<f32>,
     grads: Vec<f32>,
     tape: Tape,
+    mask: Option<ArrayView2<'l, f32>>,
 }
 
-impl Run<'_> {
-    /// A training forward pass of `x` in `ctx`: its output, checked to be finite.
-    fn forward<'a>(
-        &mut self,
-        x: Activations<'a>,
-        mask: Option<ArrayView2<'a, f32>>,
-        ctx: &ForwardCtx<'a, '_>,
-    ) -> Result<Activations<'a>> {
-        let y = self.layer.forward(&self.params, x, mask, &mut self.tape, ctx)?;
-        let finite = match y {
-            Activations::Flat(y) => y.iter().all(|v| v.is_finite()),
-            Activations::Sequence(y) => y.iter().all(|v| v.is_finite()),
+impl<'l> Run<'l> {
+    /// A training forward pass of `x` in `ctx`: its output, checked to be finite at the
+    /// steps that hold data (padded steps' outputs are read by nothing).
+    fn forward<'a>(&mut self, x: Activations<'a>, ctx: &ForwardCtx<'a, '_>) -> Result<Activations<'a>>
+    where
+        'l: 'a,
+    {
+        let y = self.layer.forward(&self.params, x, self.mask, &mut self.tape, ctx)?;
+        let finite = match (y, &self.mask) {
+            (Activations::Sequence(y), Some(m)) if (y.dim().0, y.dim().1) == m.dim() => {
+                y.indexed_iter().all(|((b, t, _), v)| v.is_finite() || m[[b, t]] == 0.0)
+            }
+            (Activations::Flat(y), _) => y.iter().all(|v| v.is_finite()),
+            (Activations::Sequence(y), _) => y.iter().all(|v| v.is_finite()),
         };
         if !finite {
             return Err(Error::NonFinite {
@@ -348,40 +380,55 @@ impl Run<'_> {
         Ok(y)
     }
 
-    fn output_shape(&mut self, x: &Owned, mask: Option<ArrayView2<'_, f32>>) -> Result<Vec<usize>> {
+    fn output_shape(&mut self, x: &Owned) -> Result<Vec<usize>> {
         let mgr = LayerWorkspaceMgr::no_workspaces();
         let (act, working) = (mgr.enter(ArrayType::Activations)?, mgr.enter(ArrayType::FfWorkingMem)?);
         let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-        Ok(self.forward(x.view(), mask, &ctx)?.shape().to_vec())
+        Ok(self.forward(x.view(), &ctx)?.shape().to_vec())
     }
 
-    /// `Σ r·y`, in `f64`.
-    fn loss(&mut self, x: &Owned, mask: Option<ArrayView2<'_, f32>>, r: &Owned) -> Result<f64> {
+    /// `Σ r·y`, in `f64`, over the weights that are not 0 (padded steps' outputs are
+    /// not read); the output must be of `shape`, the first pass's.
+    fn loss(&mut self, x: &Owned, r: &Owned, shape: &[usize], name: &str) -> Result<f64> {
         let mgr = LayerWorkspaceMgr::no_workspaces();
         let (act, working) = (mgr.enter(ArrayType::Activations)?, mgr.enter(ArrayType::FfWorkingMem)?);
         let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-        let dot = |y: &mut dyn Iterator<Item = f32>| y.zip(r.slice()).map(|(y, &r)| f64::from(y) * f64::from(r)).sum();
-        Ok(match self.forward(x.view(), mask, &ctx)? {
+        let y = self.forward(x.view(), &ctx)?;
+        if y.shape() != shape {
+            return Err(Error::InvalidInput(format!(
+                "gradient check of layer '{name}': its output changed shape between passes, from {shape:?} to {:?}",
+                y.shape()
+            )));
+        }
+        let dot = |y: &mut dyn Iterator<Item = f32>| {
+            y.zip(r.slice()).filter(|(_, &r)| r != 0.0).map(|(y, &r)| f64::from(y) * f64::from(r)).sum()
+        };
+        Ok(match y {
             Activations::Flat(y) => dot(&mut y.iter().copied()),
             Activations::Sequence(y) => dot(&mut y.iter().copied()),
         })
     }
 
-    /// The backward pass's gradient of the input (in standard order), the parameters'
-    /// left in `grads`.
-    fn analytic(&mut self, x: &Owned, mask: Option<ArrayView2<'_, f32>>, r: &Owned) -> Result<Vec<f32>> {
+    /// The backward pass's gradient of the input (in standard order; none for a layer
+    /// that reads token ids), the parameters' left in `grads`.
+    fn analytic(&mut self, x: &Owned, r: &Owned) -> Result<Vec<f32>> {
         let mgr = LayerWorkspaceMgr::no_workspaces();
         let act = mgr.enter(ArrayType::Activations)?;
         let y = {
             let working = mgr.enter(ArrayType::FfWorkingMem)?;
             let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
-            self.forward(x.view(), mask, &ctx)?
+            self.forward(x.view(), &ctx)?
         };
         self.grads.fill(0.0);
         let working = mgr.enter(ArrayType::BpWorkingMem)?;
         let ctx = BackwardCtx { working: &working, mgr: &mgr };
-        let pass = Pass { input: x.view(), mask, output: y, grad_output: r.view() };
+        let pass = Pass { input: x.view(), mask: self.mask, output: y, grad_output: r.view() };
         let (layer, params, grads, tape) = (self.layer, &self.params, &mut self.grads, &mut self.tape);
+        if layer.reads_tokens() {
+            // Token ids have no gradient.
+            layer.backward(params, grads, pass, None, tape, &ctx)?;
+            return Ok(Vec::new());
+        }
         // What a network runs when it needs the input's gradient: `backward_uninit`
         // (by default, zeros then `backward`), its elements given back written.
         let written = match x {

@@ -150,3 +150,43 @@ fn bad_calls_are_errors() {
     let err = check_layer(&dense, &params, Activations::Flat(huge.view()), None, &GradCheck::default()).unwrap_err();
     assert!(matches!(err, carve::Error::NonFinite { .. }), "{err:?}");
 }
+
+#[test]
+fn any_layout_token_layers_subsets_and_settings() {
+    let dense = Dense::new(4, 3);
+    let params = initial_params(&dense, 4, 1);
+    // A transposed batch is the same batch.
+    let xt = flat(4, 5, 3);
+    let standard = xt.t().to_owned();
+    let check = GradCheck::default();
+    let a = check_layer(&dense, &params, Activations::Flat(xt.t()), None, &check).unwrap();
+    let b = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &check).unwrap();
+    assert!(a.passed() && b.passed(), "{a}\n{b}");
+    assert_eq!((a.checked, a.worst_relative_error), (b.checked, b.worst_relative_error));
+    // At most `max_per_tensor` of each tensor: none, one, or spread over all.
+    for (max, per) in [(Some(0), [0, 0, 0]), (Some(1), [1, 1, 1]), (Some(7), [7, 7, 3]), (None, [20, 12, 3])] {
+        let check = GradCheck { max_per_tensor: max, ..GradCheck::default() };
+        let report = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &check).unwrap();
+        assert_eq!(report.checked, per.iter().sum::<usize>(), "{max:?}");
+    }
+    // A token embedding: its table is checked, its ids are not (they have no gradient).
+    let embedding = carve::nn::Embedding::named("embed", 6, 3).unwrap();
+    let ids = Array3::from_shape_fn((2, 3, 1), |(b, t, _)| ((b * 3 + t) % 6) as f32);
+    let table = initial_params(&embedding, 1, 4);
+    let report = check_layer(&embedding, &table, Activations::Sequence(ids.view()), None, &check).unwrap();
+    assert!(report.passed(), "{report}");
+    assert_eq!(report.checked, 6 * 3);
+    // Settings that would pass anything, and a mask without sequences, are refused.
+    for bad in [
+        GradCheck { epsilon: 0.0, ..GradCheck::default() },
+        GradCheck { epsilon: f32::NAN, ..GradCheck::default() },
+        GradCheck { max_relative_error: f64::NAN, ..GradCheck::default() },
+        GradCheck { min_absolute_error: -1.0, ..GradCheck::default() },
+    ] {
+        let err = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &bad).unwrap_err();
+        assert!(err.to_string().contains("the step must be finite and above 0"), "{err}");
+    }
+    let mask = Array2::<f32>::ones((5, 1));
+    let err = check_layer(&dense, &params, Activations::Flat(standard.view()), Some(mask.view()), &check).unwrap_err();
+    assert!(err.to_string().contains("a mask comes with sequences"), "{err}");
+}
