@@ -467,19 +467,24 @@ fn map_of_and_rows_of_write_every_element_in_one_pass() {
     assert!(act.rows_of(&bias, 0).is_err());
 }
 
+/// A call's outcome as a word: `ok`, or the error's kind.
+fn word<T>(r: Result<T, Error>) -> String {
+    match r {
+        Ok(_) => "ok".into(),
+        Err(Error::NotOpen { .. }) => "NotOpen".into(),
+        Err(Error::WrongWorkspace { .. }) => "WrongWorkspace".into(),
+        Err(Error::StaleHandle { .. }) => "StaleHandle".into(),
+        Err(Error::WrongLocation { .. }) => "WrongLocation".into(),
+        Err(Error::ConfigMismatch { .. }) => "ConfigMismatch".into(),
+        Err(Error::Exhausted { .. }) => "Exhausted".into(),
+        Err(Error::BudgetExceeded { .. }) => "BudgetExceeded".into(),
+        Err(other) => format!("unexpected: {other}"),
+    }
+}
+
 /// The outcome of every call of a layer's life, as a word per call: `ok`, or the
 /// error's kind.
 fn script(m: &LayerWorkspaceMgr) -> Vec<String> {
-    fn word<T>(r: Result<T, Error>) -> String {
-        match r {
-            Ok(_) => "ok".into(),
-            Err(Error::NotOpen { .. }) => "NotOpen".into(),
-            Err(Error::WrongWorkspace { .. }) => "WrongWorkspace".into(),
-            Err(Error::StaleHandle { .. }) => "StaleHandle".into(),
-            Err(Error::WrongLocation { .. }) => "WrongLocation".into(),
-            Err(other) => format!("unexpected: {other}"),
-        }
-    }
     let source = Array2::<f32>::from_elem((2, 3), 1.5);
     let mut out = vec![
         word(m.borrow_open(ArrayType::Activations)),
@@ -568,17 +573,6 @@ fn with_workspaces_off_every_call_succeeds_or_fails_as_with_them_on() {
 /// Outcomes of calls whose answer with workspaces on comes from the registry and the
 /// configuration: managers sharing a name, a budget, a second configuration.
 fn shared_script(off: bool) -> Vec<String> {
-    fn word<T>(r: Result<T, Error>) -> String {
-        match r {
-            Ok(_) => "ok".into(),
-            Err(Error::NotOpen { .. }) => "NotOpen".into(),
-            Err(Error::WrongWorkspace { .. }) => "WrongWorkspace".into(),
-            Err(Error::ConfigMismatch { .. }) => "ConfigMismatch".into(),
-            Err(Error::Exhausted { .. }) => "Exhausted".into(),
-            Err(Error::BudgetExceeded { .. }) => "BudgetExceeded".into(),
-            Err(other) => format!("unexpected: {other}"),
-        }
-    }
     let small = WorkspaceConfig::builder().max_size(4096).spill(workspace_core::SpillPolicy::Fail).build().unwrap();
     let builder = |config: &WorkspaceConfig| {
         let b = LayerWorkspaceMgr::builder()
