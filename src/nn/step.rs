@@ -575,8 +575,11 @@ fn check_output(
     batch: usize,
     y: Activations<'_>,
 ) -> Result<()> {
-    let name = layers.name(i);
-    validate_in(mgr, scope.array_type(), name, y)?;
+    let (name, ty) = (layers.name(i), scope.array_type());
+    match y {
+        Activations::Flat(v) => mgr.validate(ty, name, &v)?,
+        Activations::Sequence(v) => mgr.validate(ty, name, &v)?,
+    }
     check_shape(layers, i, batch, y)
 }
 
@@ -623,16 +626,6 @@ fn check_shape(layers: &StepLayers<'_>, i: usize, batch: usize, y: Activations<'
         expected,
         actual: shape,
     })
-}
-
-/// Checks that `layer`'s output `y` lies where arrays of role `ty` must
-/// ([`LayerWorkspaceMgr::validate`]).
-fn validate_in(mgr: &LayerWorkspaceMgr, ty: ArrayType, layer: &str, y: Activations<'_>) -> Result<()> {
-    match y {
-        Activations::Flat(v) => mgr.validate(ty, layer, &v)?,
-        Activations::Sequence(v) => mgr.validate(ty, layer, &v)?,
-    }
-    Ok(())
 }
 
 /// A residual join's output: the block's output `a` plus its input `b`, in `act`.

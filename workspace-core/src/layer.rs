@@ -6,22 +6,22 @@ use std::rc::Rc;
 use bytemuck::Pod;
 use ndarray::{ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, RawData, ShapeBuilder};
 
-use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
+use crate::config::WorkspaceConfig;
 use crate::error::{Error, Result};
 use crate::manager::WorkspaceManager;
 use crate::planned::PlanGroup;
 use crate::roles::ArrayType;
 use crate::scope::{extent, Scope};
-use crate::workspace::{DebugMode, Workspace};
+use crate::workspace::Workspace;
 use crate::WorkspaceStats;
 
 /// Where a role's arrays go.
 #[derive(Clone, Debug)]
 enum Target {
     /// No workspace: each array is its own heap allocation, in a heap workspace (see
-    /// [`heap_workspace`]) that gives the role the scopes, cycles and handles a
-    /// workspace gives, so that the calls that succeed with workspaces on succeed with
-    /// them off, and those that fail fail alike.
+    /// [`own_heap`] and [`WorkspaceManager::heaps`]) that gives the role the scopes,
+    /// cycles and handles a workspace gives, so that the calls that succeed with
+    /// workspaces on succeed with them off, and those that fail fail alike.
     Heap(Rc<Workspace>),
     Workspace(Rc<Workspace>),
 }
@@ -43,13 +43,12 @@ impl Target {
     }
 }
 
-/// A role's (or a name's) heap workspace: no arena, every allocation its own heap
-/// block ([`DebugMode::SpillEverything`]), freed when the outermost scope closes (as a
+/// A scoped-out role's heap workspace of the manager's own ("heap (`ty`)"): no arena,
+/// every allocation its own heap block, freed when the outermost scope closes (as a
 /// workspace's arena is reset then); nested scopes, [`LayerWorkspaceMgr::borrow_open`],
 /// [`LayerWorkspaceMgr::leverage_to`] and handles behave as with a workspace.
-fn heap_workspace(name: &str) -> Result<Rc<Workspace>> {
-    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
-    Ok(Rc::new(Workspace::with_debug_mode(name, config, DebugMode::SpillEverything)?))
+fn own_heap(ty: ArrayType) -> Result<Target> {
+    Ok(Target::Heap(Rc::new(Workspace::standalone_heap(&format!("heap ({ty:?})"))?)))
 }
 
 /// Maps every [`ArrayType`] to a workspace or to no workspace, opens them, and checks
@@ -209,7 +208,7 @@ impl LayerWorkspaceMgrBuilder {
             };
             targets.push(match entry {
                 Some((name, config)) => get(name, config)?,
-                None => Target::Heap(heap_workspace(&format!("heap ({ty:?})"))?),
+                None => own_heap(ty)?,
             });
         }
         let targets: [Target; 9] = targets.try_into().expect("one target per array type, in `ALL`'s order");
@@ -240,9 +239,7 @@ impl LayerWorkspaceMgr {
     /// network's managers with [`LayerWorkspaceMgrBuilder::workspaces_off`], which
     /// keeps the types that share a workspace sharing a heap workspace.)
     pub fn no_workspaces() -> LayerWorkspaceMgr {
-        let targets = ArrayType::ALL.map(|ty| {
-            Target::Heap(heap_workspace(&format!("heap ({ty:?})")).expect("a heap workspace reserves no memory"))
-        });
+        let targets = ArrayType::ALL.map(|ty| own_heap(ty).expect("a heap workspace reserves no memory"));
         LayerWorkspaceMgr { targets, helpers: Vec::new(), group: None }
     }
 
@@ -343,13 +340,8 @@ impl LayerWorkspaceMgr {
         array: &ArrayBase<S, Dim>,
     ) -> Result<()> {
         let (ptr, bytes) = extent(array);
-        let ok = match &self.targets[ty.index()] {
-            // Bypassed workspaces hand out heap memory: nothing to check.
-            Target::Workspace(ws) => ws.contains(ptr, bytes),
-            // A heap workspace holds the blocks it allocated in its open cycle.
-            Target::Heap(ws) => ws.contains(ptr, bytes),
-        };
-        if ok {
+        // (A heap workspace holds the blocks it allocated in its open cycle.)
+        if self.targets[ty.index()].any().contains(ptr, bytes) {
             return Ok(());
         }
         Err(self.misplaced(ty, layer, ptr, bytes))
@@ -369,11 +361,12 @@ impl LayerWorkspaceMgr {
     /// The workspace of this manager (types and helpers, heap workspaces included) that
     /// holds the range.
     fn locate(&self, ptr: *const u8, bytes: usize) -> Option<&Rc<Workspace>> {
-        self.targets
-            .iter()
-            .chain(self.helpers.iter().map(|(_, t)| t))
-            .map(Target::any)
-            .find(|ws| ws.contains(ptr, bytes))
+        self.all_targets().map(Target::any).find(|ws| ws.contains(ptr, bytes))
+    }
+
+    /// Where the types' arrays go, then the helpers'.
+    fn all_targets(&self) -> impl Iterator<Item = &Target> + Clone {
+        self.targets.iter().chain(self.helpers.iter().map(|(_, t)| t))
     }
 
     /// Where `array` lives, for messages: a workspace name, or a heap description.
@@ -388,7 +381,7 @@ impl LayerWorkspaceMgr {
     /// The distinct workspaces this manager uses (types first, then helpers), heap
     /// workspaces left out (they hold no arena: each array is a heap block of its own).
     pub fn workspaces(&self) -> impl Iterator<Item = &Rc<Workspace>> {
-        let all = self.targets.iter().chain(self.helpers.iter().map(|(_, t)| t)).filter_map(Target::workspace);
+        let all = self.all_targets().filter_map(Target::workspace);
         // A workspace is listed where it first appears (the lists are short: nine
         // types plus the helpers).
         all.clone()
@@ -437,7 +430,7 @@ impl LayerWorkspaceMgr {
         let Some(group) = &self.group else { return false };
         // A type's heap workspace is reached by nothing else: no clone of it, strong or
         // weak, but those of its types in this manager.
-        let all = || self.targets.iter().chain(self.helpers.iter().map(|(_, t)| t));
+        let all = || self.all_targets();
         let heaps_here = all().all(|t| match t {
             Target::Heap(ws) => {
                 let uses = all().filter(|t| matches!(t, Target::Heap(w) if Rc::ptr_eq(w, ws))).count();

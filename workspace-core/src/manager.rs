@@ -318,9 +318,8 @@ impl WorkspaceManager {
     /// kept, the closed ones destroyed.
     pub fn destroy_all(&self) -> Result<()> {
         let heaps = self.heaps_of_thread().map_or(Ok(()), |heaps| heaps.destroy_all());
-        let mut workspaces = self.registry.workspaces.borrow_mut();
-        let open = workspaces.iter().find(|ws| ws.is_open()).map(|ws| (ws.name().clone(), ws.engine().depth()));
-        workspaces.retain(|ws| ws.is_open());
+        let open = self.first_open();
+        self.registry.workspaces.borrow_mut().retain(|ws| ws.is_open());
         match open {
             Some((workspace, depth)) => Err(Error::StillOpen { workspace, depth, action: "destroy_all" }),
             None => heaps,
@@ -362,18 +361,11 @@ impl WorkspaceManager {
             });
         }
         // A heap workspace open stands for a workspace open (workspaces off).
-        if let Some((workspace, depth)) = self.heaps_of_thread().and_then(|heaps| heaps.first_open()) {
+        let open = self.first_open().or_else(|| self.heaps_of_thread().and_then(|heaps| heaps.first_open()));
+        if let Some((workspace, depth)) = open {
             return Err(Error::StillOpen { workspace, depth, action: "changing the debug mode" });
         }
-        let workspaces = self.registry.workspaces.borrow();
-        if let Some(ws) = workspaces.iter().find(|ws| ws.is_open()) {
-            return Err(Error::StillOpen {
-                workspace: ws.name().clone(),
-                depth: ws.engine().depth(),
-                action: "changing the debug mode",
-            });
-        }
-        for ws in workspaces.iter() {
+        for ws in self.registry.workspaces.borrow().iter() {
             ws.set_debug_mode(mode)?;
         }
         *self.registry.debug.borrow_mut() = Ok(mode);

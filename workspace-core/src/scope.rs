@@ -25,12 +25,11 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use ndarray::{Array, ArrayBase, ArrayView, ArrayViewMut, Data, Dimension, ShapeBuilder};
 
-use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use crate::engine::FrameMark;
 use crate::error::{Error, Result};
 use crate::handle::Handle;
 use crate::shell::{checked_bytes, Placement, ScopeKind};
-use crate::workspace::{DebugMode, Workspace};
+use crate::workspace::Workspace;
 
 /// How a scope came to be, and what keeps its workspace alive besides the `'ws`
 /// borrow: nothing, an `Rc` (`enter_shared`: the scope owns one strong count, taken
@@ -377,15 +376,8 @@ impl<'ws> Scope<'ws> {
     /// # Ok::<(), workspace_core::Error>(())
     /// ```
     pub fn heap() -> Scope<'static> {
-        let config = WorkspaceConfig::builder()
-            .learning(LearningPolicy::None)
-            .spill(SpillPolicy::External)
-            .build()
-            .expect("the heap scope configuration is valid");
-        let own = Box::new(
-            Workspace::with_debug_mode("heap", config, DebugMode::SpillEverything)
-                .expect("a workspace without an arena reserves no memory"),
-        );
+        let own =
+            Box::new(Workspace::standalone_heap("heap").expect("a workspace without an arena reserves no memory"));
         own.open_raw().expect("a new workspace has nothing pending");
         // The scope owns the box (entered just above) until `release` frees it.
         let ws = NonNull::new(Box::into_raw(own)).expect("a box is not null");
@@ -885,6 +877,7 @@ impl<T: Pod, Dim: Dimension> Handle<T, Dim> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::WorkspaceConfig;
     use ndarray::s;
 
     #[test]

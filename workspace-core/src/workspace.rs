@@ -3,7 +3,7 @@
 use std::cell::Cell;
 
 use crate::backend::HostBackend;
-use crate::config::WorkspaceConfig;
+use crate::config::{LearningPolicy, SpillPolicy, WorkspaceConfig};
 use crate::error::{Error, Result};
 use crate::shell::Shell;
 
@@ -141,10 +141,7 @@ impl Workspace {
             true => HostBackend::ShapeOnly,
             false => HostBackend::for_location(config.location()),
         };
-        let shell = Shell::new(name, config, backend, ())?;
-        let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only };
-        ws.set_debug_mode(mode)?;
-        Ok(ws)
+        Workspace::over(name, config, backend, mode, shape_only)
     }
 
     /// A heap workspace ([`WorkspaceManager::heaps`](crate::WorkspaceManager::heaps)):
@@ -152,9 +149,28 @@ impl Workspace {
     /// whatever that location, every allocation a heap block of its own
     /// ([`DebugMode::SpillEverything`]).
     pub(crate) fn create_heap(name: &str, config: WorkspaceConfig) -> Result<Workspace> {
-        let shell = Shell::new(name, config, HostBackend::Ram, ())?;
-        let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only: false };
-        ws.set_debug_mode(DebugMode::SpillEverything)?;
+        Workspace::over(name, config, HostBackend::Ram, DebugMode::SpillEverything, false)
+    }
+
+    /// A heap workspace of its own: what a standalone heap scope
+    /// ([`Scope::heap`](crate::Scope::heap)) and a role scoped out of a manager's
+    /// workspaces allocate in (no arena, nothing learned, every array spilled).
+    pub(crate) fn standalone_heap(name: &str) -> Result<Workspace> {
+        let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build()?;
+        Workspace::create_heap(name, config)
+    }
+
+    /// A workspace over `backend` in debug mode `mode`.
+    fn over(
+        name: &str,
+        config: WorkspaceConfig,
+        backend: HostBackend,
+        mode: DebugMode,
+        shape_only: bool,
+    ) -> Result<Workspace> {
+        let shell = Shell::new(name, config, backend, ())?;
+        let ws = Workspace { shell, debug: Cell::new(DebugMode::Disabled), shape_only };
+        ws.set_debug_mode(mode)?;
         Ok(ws)
     }
 

@@ -565,15 +565,12 @@ pub(crate) fn training_mgrs_in(
         (mode == WorkspaceMode::Planned).then(|| group.unwrap_or_else(|| plan_group("WS_PLANNED_ITERATION", registry)));
     let config = if group.is_some() { planned_workspace_config() } else { workspace_config_with(learning)? };
     let base = |grad: &str| {
-        // Workspaces off: the same names, each a heap workspace of the manager's own, so
-        // that what succeeds with them on succeeds with them off.
-        let builder = match mode {
-            WorkspaceMode::None => LayerWorkspaceMgr::builder().workspaces_off(),
-            _ => LayerWorkspaceMgr::builder(),
-        };
-        let builder = match registry {
-            Some(registry) => builder.in_manager(registry),
-            None => builder,
+        // Workspaces off: the same names, each the thread's heap workspace of that name,
+        // so that what succeeds with them on succeeds with them off.
+        let builder = match (mode, registry) {
+            (WorkspaceMode::None, _) => LayerWorkspaceMgr::builder().workspaces_off(),
+            (_, Some(registry)) => LayerWorkspaceMgr::builder().in_manager(registry),
+            (_, None) => LayerWorkspaceMgr::builder(),
         };
         let builder = match &group {
             Some(group) => builder.planned(group),
