@@ -15,7 +15,9 @@
 //! - the reducer's double-buffered buckets ([`Threads::reduce`]): two workers, two
 //!   steps;
 //! - a stream batch's flat combining ([`Combiner`]): two callers' steps, in one batch or
-//!   two; a join's start and a leave against a step and a caller waiting for a slot.
+//!   two; a join's start and a leave against a step and a caller waiting for a slot;
+//!   one thread stepping its slots in turn (it never waits for itself), and callers
+//!   claiming their own slots (still one batch).
 //!
 //! Besides each model's assertion, loom fails a model on a deadlock (a park or wait
 //! nobody ends) and on a leaked loom object.
@@ -366,6 +368,38 @@ fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
         let theirs = other.join().unwrap().unwrap();
         assert_eq!((mine, theirs), (100 + a as u32, 100 + b as u32));
         assert_eq!(combiner.with_engine(|batches| *batches), 1);
+    });
+}
+
+/// One thread stepping its two slots in turn, with a wait that (under loom) never
+/// ends: a step does not wait for the thread's other slot (the thread cannot step it
+/// while it waits), so each goes at once, alone; waiting for it would never end.
+#[test]
+fn a_thread_stepping_its_two_slots_in_turn_never_waits_for_itself() {
+    loom::model(|| {
+        let (combiner, a, b) = two_slots(Duration::from_secs(1));
+        combiner.claim(a);
+        combiner.claim(b);
+        let steps = [a, b, a].map(|slot| combiner.next(slot, &mut count_batch).unwrap());
+        assert_eq!(steps, [100 + a as u32, 200 + b as u32, 300 + a as u32]);
+    });
+}
+
+/// Two callers that each claim their own slot and step it, with a wait that never
+/// ends: whichever queues first waits for the other's slot (its thread is not waiting
+/// for a step of its own, or has not claimed the slot yet), and both go as one batch.
+#[test]
+fn callers_claiming_their_own_slots_still_step_as_one_batch() {
+    loom::model(|| {
+        let (combiner, a, b) = two_slots(Duration::from_secs(1));
+        let other = with_thread(&combiner, move |combiner| {
+            combiner.claim(b);
+            combiner.next(b, &mut count_batch)
+        });
+        combiner.claim(a);
+        let mine = combiner.next(a, &mut count_batch).unwrap();
+        let theirs = other.join().unwrap().unwrap();
+        assert_eq!((mine, theirs), (100 + a as u32, 100 + b as u32));
     });
 }
 

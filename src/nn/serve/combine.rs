@@ -3,7 +3,8 @@
 //!
 //! Each caller owns a slot. To step, it marks its slot requested and then, while its
 //! result is not there: if the engine is idle and the batch is complete (every reserved
-//! slot requested, or `max_wait` gone since the first request of the batch), it takes
+//! slot requested but those whose thread is itself waiting for another slot's step, or
+//! `max_wait` gone since the first request of the batch), it takes
 //! the engine out of the shared state, marks every requested slot running, and runs
 //! them all as one batch with the lock released; then it posts each slot's result, puts
 //! the engine back and wakes every waiter. Otherwise it waits. The last caller to
@@ -20,6 +21,13 @@
 //! ([`Combiner::leave`]) is free for the next caller. No memory is shared but through
 //! the lock: the engine moves in and out of it.
 //!
+//! **A thread does not wait for itself.** Each slot records the thread that last stepped
+//! it (or joined with it, [`Combiner::claim`]). A thread waiting for one slot's step
+//! cannot step its other slots meanwhile, so a batch does not wait for them: one thread
+//! stepping several streams in turn runs each step at once, rather than after `max_wait`.
+//! A stream moved to another thread before it steps there is then waited for no longer
+//! than its former thread's next step: a batch that goes without it, never a lost step.
+//!
 //! Nothing is allocated per step: the batch's membership and results are buffers that
 //! move with the engine (a failure's message, and each report of it, allocate).
 //!
@@ -30,7 +38,7 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use async_iter::panics::{drop_quietly, panic_message};
 use std::time::Duration;
 
-use async_iter::sync::{self, Condvar, Deadline, Mutex};
+use async_iter::sync::{self, Condvar, Deadline, Mutex, ThreadId};
 
 use crate::{Error, Result};
 
@@ -97,6 +105,9 @@ struct State<E> {
     /// The engine, `None` while a caller runs it.
     held: Option<Held<E>>,
     slots: Vec<Slot>,
+    /// Each slot's thread: the one that last stepped it or claimed it (`None`: none
+    /// yet, or the slot is vacant).
+    owners: Vec<Option<ThreadId>>,
     /// When the queued steps' batch goes whoever has not queued yet: `max_wait` after
     /// the first of them was queued.
     due: Option<Deadline>,
@@ -113,14 +124,30 @@ pub(crate) struct Combiner<E> {
     vacated: Condvar,
 }
 
+impl<E> State<E> {
+    /// Whether no slot's step is still to come: each slot is queued (or vacant), or its
+    /// thread waits for a step of another slot (and so cannot step this one meanwhile).
+    fn complete(&self) -> bool {
+        let pending = |s: &Slot| matches!(s, Slot::Idle | Slot::Done(_));
+        if !self.slots.iter().any(pending) {
+            return true;
+        }
+        let waiting = |thread: ThreadId| {
+            self.slots.iter().zip(&self.owners).any(|(s, o)| matches!(s, Slot::Requested) && *o == Some(thread))
+        };
+        self.slots.iter().zip(&self.owners).all(|(s, owner)| !pending(s) || owner.is_some_and(waiting))
+    }
+}
+
 impl<E> Combiner<E> {
     /// `engine` with `slots` slots, all vacant. A batch runs once every stream in a slot
     /// has queued its step, or `max_wait` after the first step was queued, whichever
     /// comes first (0: as soon as the engine is idle, with whatever is queued).
     pub(crate) fn new(engine: E, slots: usize, max_wait: Duration) -> Combiner<E> {
         let held = Held { engine, batch: vec![false; slots], results: (0..slots).map(|_| None).collect() };
+        let owners = vec![None; slots];
         let slots = (0..slots).map(|_| Slot::Vacant).collect();
-        let state = Mutex::new(State { held: Some(held), slots, due: None });
+        let state = Mutex::new(State { held: Some(held), slots, owners, due: None });
         Combiner { state, max_wait, changed: Condvar::new(), vacated: Condvar::new() }
     }
 
@@ -156,10 +183,17 @@ impl<E> Combiner<E> {
         }
     }
 
+    /// Records the calling thread as `slot`'s, as a step of it does: while this thread
+    /// waits for a step of another slot, batches do not wait for this one.
+    pub(crate) fn claim(&self, slot: usize) {
+        sync::lock(&self.state).owners[slot] = Some(sync::current().id());
+    }
+
     /// Frees `slot` (its owner's last call).
     pub(crate) fn leave(&self, slot: usize) {
         let mut state = sync::lock(&self.state);
         state.slots[slot] = Slot::Vacant;
+        state.owners[slot] = None;
         drop(state);
         self.vacated.notify_all();
         // A batch that waited for this slot's stream may be complete now.
@@ -218,6 +252,7 @@ impl<E> Combiner<E> {
         match &state.slots[slot] {
             Slot::Idle => {
                 state.slots[slot] = Slot::Requested;
+                state.owners[slot] = Some(sync::current().id());
                 if state.due.is_none() {
                     state.due = Some(Deadline::after(self.max_wait));
                 }
@@ -240,10 +275,11 @@ impl<E> Combiner<E> {
                 continue;
             }
             // Every stream in a slot queued (none between its steps, none with a result
-            // it has not taken), or the first queued has waited long enough: the batch
-            // goes. Otherwise the last to queue, or the deadline, will run it. (The
-            // last to queue finds the batch complete itself: no one is woken per step.)
-            let complete = state.slots.iter().all(|s| !matches!(s, Slot::Idle | Slot::Done(_)));
+            // it has not taken, but those whose thread waits for a step of its own), or
+            // the first queued has waited long enough: the batch goes. Otherwise the last
+            // to queue, or the deadline, will run it. (The last to queue finds the batch
+            // complete itself: no one is woken per step.)
+            let complete = state.complete();
             let left = state.due.and_then(|due| due.remaining());
             if let (false, Some(left)) = (complete, left) {
                 state = sync::wait_timeout(&self.changed, state, left);
@@ -386,6 +422,32 @@ mod tests {
         let started = std::time::Instant::now();
         assert_eq!(combiner.next(slots[0], &mut count).unwrap(), 200 + slots[0] as u32);
         assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_thread_stepping_its_slots_in_turn_never_waits_for_itself() {
+        // A wait that would be seen: each step must go at once, alone.
+        let combiner = &Combiner::new(0u32, 3, Duration::from_secs(60));
+        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        combiner.claim(a);
+        combiner.claim(b);
+        let started = std::time::Instant::now();
+        let results: Vec<u32> = [a, b, a, b].iter().map(|&slot| combiner.next(slot, &mut count).unwrap()).collect();
+        assert!(started.elapsed() < Duration::from_secs(30), "a step waited: {:?}", started.elapsed());
+        assert_eq!(results, [100 + a as u32, 200 + b as u32, 300 + a as u32, 400 + b as u32]);
+        // A slot of another thread is still waited for (whether its thread has claimed it
+        // yet or not), and both steps go as one batch.
+        let c = combiner.reserve(None).unwrap();
+        let results = std::thread::scope(|scope| {
+            let other = scope.spawn(|| {
+                combiner.claim(c);
+                combiner.next(c, &mut count)
+            });
+            let mine = combiner.next(a, &mut count).unwrap();
+            (mine, other.join().unwrap().unwrap())
+        });
+        // Slot `b` (this thread's, idle) is not waited for; `c` is.
+        assert_eq!(results, (500 + a as u32, 500 + c as u32));
     }
 
     #[test]

@@ -1067,9 +1067,11 @@ pub const MAX_BATCH_WAIT: Duration = Duration::from_secs(1);
 /// on.
 ///
 /// Each stream is best stepped from a thread of its own: a step waits (at most
-/// `max_wait`) for every stream of the batch to queue its step, so that one thread
-/// stepping two streams of a batch in turn waits that long at each token
-/// ([`Model::streams`] steps one caller's streams together). A batch is `Sync`, not
+/// `max_wait`) for every stream of the batch to queue its step, but for the streams of
+/// a thread that is itself waiting for a step (the thread that joined with a stream, or
+/// last stepped it). One thread stepping several streams of a batch in turn so runs each
+/// step at once, each alone ([`Model::streams`] steps one caller's streams together, in
+/// one batch). A batch is `Sync`, not
 /// `Send`: it stays with the thread that made it, and its callers share it by reference
 /// (scoped threads, as below).
 ///
@@ -1139,7 +1141,8 @@ impl InferencePool {
     /// `max_wait` after the first was queued, whichever comes first: a caller that is
     /// slow to ask for its next token delays the others by at most `max_wait`, and
     /// steps the batch without it (`Duration::ZERO`: a step runs whenever the arena is
-    /// idle, with whatever is queued then).
+    /// idle, with whatever is queued then). A step does not wait for the streams of a
+    /// thread that is waiting for a step itself (see [`StreamBatch`]).
     ///
     /// # Errors
     ///
@@ -1192,8 +1195,10 @@ impl<'p> StreamBatch<'p> {
         let Some(slot) = self.combiner.reserve(deadline) else {
             return Err(Error::BatchFull { slots: self.slots(), waited: waited.elapsed() });
         };
-        // From here the slot is the stream's: dropped, it is free again.
+        // From here the slot is the stream's: dropped, it is free again. It is this
+        // thread's until another steps it: this thread's steps do not wait for it.
         let stream = BatchedStream { batch: self, slot };
+        self.combiner.claim(slot);
         // A failure is this stream's alone: the others' caches are as they were.
         self.combiner.with_engine(|engine| engine.start_slot(slot, prompt, sampling))?;
         Ok(stream)
