@@ -20,6 +20,43 @@ fn allocations() -> u64 {
     process_counts(Threads::ExceptMain).allocations
 }
 
+/// Stream slots of a model whose context is longer than an arena's default number of
+/// plans: every count of streams stepped (and sliding) together is planned, then a
+/// stream of every prompt length starts (a plan each, more than the default keeps), and
+/// the token steps of every count are counted again: none of their plans was evicted.
+fn every_prompt_length_then_each_count(sampling: Sampling) -> (u64, usize) {
+    let (context, slots) = (80, 4);
+    let mut b = NetworkConfig::builder(12).embedding(8).position_embedding(context);
+    b = b.residual(|b| b.layer_norm().attention(2)).residual(|b| b.layer_norm().dense(16).gelu().dense(8));
+    let model = Arc::new(Network::new(b.layer_norm().dense(12).seed(5).build().unwrap()).unwrap().freeze().unwrap());
+    let pool = InferencePool::new(model, PoolConfig::direct(1)).unwrap();
+    let mut slots = pool.stream_slots(slots).unwrap();
+    let mut out = slots.buffer();
+    // Each count's steps, through a slide (every stream from the same prompt slides at
+    // the same step); counted when asked.
+    let mut each_count = |slots: &mut carve::nn::serve::StreamSlots<'_>| {
+        let (mut allocated, mut tokens) = (0, 0);
+        for n in 1..=slots.slots() {
+            let started: Vec<usize> = (0..n).map(|_| slots.start(&[1], sampling).unwrap()).collect();
+            for _ in 0..context + 2 {
+                let before = allocations();
+                slots.next_tokens(&mut out).unwrap();
+                allocated += allocations() - before;
+                tokens += n;
+            }
+            started.into_iter().for_each(|s| slots.end(s).unwrap());
+        }
+        (allocated, tokens)
+    };
+    each_count(&mut slots);
+    for len in 1..=context {
+        let prompt: Vec<u32> = (0..len as u32).map(|t| t % 12).collect();
+        let s = slots.start(&prompt, sampling).unwrap();
+        slots.end(s).unwrap();
+    }
+    each_count(&mut slots)
+}
+
 #[test]
 fn a_generated_token_allocates_nothing() {
     let context = 16;
@@ -50,17 +87,17 @@ fn a_generated_token_allocates_nothing() {
             for _ in 0..measured {
                 model_stream.next_token().unwrap();
             }
-            counts.push(("Model::stream", allocations() - before));
+            counts.push(("Model::stream", allocations() - before, measured));
             let before = allocations();
             for _ in 0..measured {
                 pool_stream.next_token().unwrap();
             }
-            counts.push(("InferencePool::stream", allocations() - before));
+            counts.push(("InferencePool::stream", allocations() - before, measured));
             let before = allocations();
             for _ in 0..measured {
                 batch.next_tokens(&mut out).unwrap();
             }
-            counts.push(("Model::streams (5)", allocations() - before));
+            counts.push(("Model::streams (5)", allocations() - before, measured));
             // Stream slots of a pool's arena: three streams at their own positions (one
             // ended and another started in its slot while warming up), warmed up as the
             // others, then counted.
@@ -85,14 +122,16 @@ fn a_generated_token_allocates_nothing() {
             for _ in 0..measured {
                 step(&mut slots);
             }
-            counts.push(("InferencePool::stream_slots (3)", allocations() - before));
+            counts.push(("InferencePool::stream_slots (3)", allocations() - before, measured));
+            let (count, tokens) = every_prompt_length_then_each_count(sampling);
+            counts.push(("stream slots after every prompt length", count, tokens));
             counts
         })
         .join()
         .unwrap()
     });
-    for (what, count) in counted {
-        assert_eq!(count, 0, "{what}: {count} heap allocations over {measured} tokens");
+    for (what, count, tokens) in counted {
+        assert_eq!(count, 0, "{what}: {count} heap allocations over {tokens} tokens");
     }
     // The count can see an allocation: a stream's start allocates its cache.
     let start = std::thread::scope(|s| {

@@ -288,6 +288,13 @@ fn serve_digits_answers_good_requests_with_the_models_bits_and_bad_ones_with_4xx
             ("an empty batch", b"{\"inputs\": []}".to_vec(), 400, "empty batch"),
             ("no inputs", b"{\"rows\": [[1]]}".to_vec(), 400, "\"inputs\""),
             ("inputs not a list", b"{\"inputs\": 3}".to_vec(), 400, "list of rows"),
+            (
+                "an unknown field",
+                format!("{{\"inputs\": [[{}]], \"normalise\": true}}", row(64)).into_bytes(),
+                400,
+                "unknown field \"normalise\"",
+            ),
+            ("not an object", format!("[[{}]]", row(64)).into_bytes(), 400, "not a JSON object"),
             ("an oversized body", oversized.into_bytes(), 413, "larger than the limit"),
         ];
         for (what, body, want, needle) in &bad {
@@ -699,8 +706,13 @@ fn generate_answers_the_models_own_text_and_bad_requests_with_4xx_and_goes_on() 
     let greedy = br#"{"prompt": "a", "tokens": 30, "temperature": 0}"#;
     let first = server.send("POST", "/generate", Some(greedy));
     assert_eq!(first, server.send("POST", "/generate", Some(greedy)));
-    let bad: [(&[u8], u16, &str); 9] = [
+    let bad: [(&[u8], u16, &str); 13] = [
         (br#"{"prompt": "", "tokens": 5}"#, 400, "empty"),
+        // A misspelt option is named, not served with the option's default.
+        (br#"{"prompt": "a", "tokens": 5, "temprature": 0}"#, 400, "unknown field \"temprature\""),
+        (br#"{"prompt": "a", "tokens": 5, "top-k": 3}"#, 400, "unknown field \"top-k\""),
+        (br#"["a", 5]"#, 400, "not a JSON object"),
+        (br#""a""#, 400, "not a JSON object"),
         (br#"{"prompt": "ROMEO\u20ac", "tokens": 5}"#, 400, "'\u{20ac}'"),
         (br#"{"prompt": "a", "tokens": 0}"#, 400, "from 1 to 50"),
         (br#"{"prompt": "a", "tokens": 51}"#, 400, "from 1 to 50"),

@@ -303,7 +303,7 @@ fn count_batch(engine: &mut u32, batch: &[bool], results: &mut [Option<crate::Re
 /// A combiner of two slots, both reserved, whose batches wait at most `max_wait`.
 fn two_slots(max_wait: Duration) -> (Arc<Combiner<u32>>, usize, usize) {
     let combiner = Arc::new(Combiner::new(0u32, 2, max_wait));
-    let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+    let (a, b) = (combiner.reserve(None).unwrap().unwrap(), combiner.reserve(None).unwrap().unwrap());
     (combiner, a, b)
 }
 
@@ -349,7 +349,7 @@ fn a_caller_waiting_for_a_slot_gets_the_one_left_while_a_step_runs() {
         });
         // No time passes under loom: this waits until a slot is left.
         let joined = combiner.reserve(Some(async_iter::sync::Deadline::after(Duration::from_secs(1))));
-        assert_eq!(joined, Some(b));
+        assert_eq!(joined.unwrap(), Some(b));
         leaver.join().unwrap();
         let stepped = stepper.join().unwrap().unwrap();
         assert_eq!(stepped % 100, a as u32);

@@ -424,6 +424,29 @@ fn a_models_symbols_read_and_write_text_and_its_file_keeps_them() {
     }
     // A model without symbols reads no text.
     assert!(matches!(model(8, 2).encode("a"), Err(Error::InvalidInput(_))));
+    // Symbols in any order, of any width: each character is its own token.
+    let wide = "€zé\u{1F600}ab\ncdefgh";
+    let wide_model = model(8, 2).with_symbols(wide).unwrap();
+    let text: String = wide.chars().rev().collect();
+    let expected: Vec<u32> = (0..13u32).rev().collect();
+    assert_eq!(wide_model.encode(&text).unwrap(), expected);
+    assert_eq!(wide_model.decode(&expected).unwrap(), text);
+    match wide_model.encode("ab\u{1F601}") {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("'\u{1F601}'") && m.contains("character 2"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn generating_no_tokens_or_more_than_memory_holds_is_refused_before_the_prompt_runs() {
+    let model = model(8, 2);
+    for tokens in [0, usize::MAX, usize::MAX / 4 + 1] {
+        match model.generate(&[1, 2], tokens, Sampling::greedy()) {
+            Err(Error::InvalidInput(m)) => assert!(m.contains(&format!("{tokens} tokens")), "{tokens}: {m}"),
+            other => panic!("{tokens}: {other:?}"),
+        }
+    }
+    assert_eq!(model.generate(&[1, 2], 1, Sampling::greedy()).unwrap().len(), 1);
 }
 
 #[test]
@@ -594,6 +617,53 @@ fn a_full_stream_batch_refuses_in_time_and_a_dropped_stream_frees_its_slot() {
     drop((first, third));
     drop(batch);
     pool.try_lease().unwrap();
+}
+
+#[test]
+fn a_thread_holding_every_slot_of_a_batch_is_refused_rather_than_waiting_for_itself() {
+    let model = Arc::new(model(12, 4));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    // The longest wait a batch allows: a step that waited for this thread's own other
+    // stream would be seen.
+    let batch = pool.stream_batch(2, carve::nn::serve::MAX_BATCH_WAIT).unwrap();
+    let mut first = batch.join(&[1, 2], Sampling::greedy()).unwrap();
+    let mut second = batch.join(&[3], Sampling::greedy()).unwrap();
+    // A third join with no timeout would wait for a slot only this thread can free.
+    match batch.join(&[4], Sampling::greedy()) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("wait for itself") && m.contains("join_timeout"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        batch.join_timeout(&[4], Sampling::greedy(), std::time::Duration::from_millis(5)),
+        Err(Error::BatchFull { slots: 2, .. })
+    ));
+    // One thread stepping both streams in turn: each step goes at once, alone, and draws
+    // its run's bits.
+    let started = std::time::Instant::now();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..6 {
+        a.push(first.next_token().unwrap());
+        b.push(second.next_token().unwrap());
+    }
+    assert!(started.elapsed() < carve::nn::serve::MAX_BATCH_WAIT, "a step waited: {:?}", started.elapsed());
+    assert_eq!(a, model.generate(&[1, 2], 6, Sampling::greedy()).unwrap());
+    assert_eq!(b, model.generate(&[3], 6, Sampling::greedy()).unwrap());
+    // A stream forgotten keeps its slot: this thread is refused, not left waiting.
+    std::mem::forget(second);
+    match batch.join(&[4], Sampling::greedy()) {
+        Err(Error::InvalidInput(m)) => assert!(m.contains("forgotten"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // Another thread waits for a slot (it is not this thread's to free), and gets the
+    // one this thread frees.
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| batch.join(&[6], Sampling::greedy()).map(|mut s| s.next_token()));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "the other thread waits for a slot");
+        drop(first);
+        let token = waiter.join().unwrap().unwrap().unwrap();
+        assert_eq!(token, model.generate(&[6], 1, Sampling::greedy()).unwrap()[0]);
+    });
 }
 
 static ARMED_BATCH: AtomicBool = AtomicBool::new(false);

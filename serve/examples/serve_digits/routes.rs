@@ -313,6 +313,7 @@ struct GenerateRequest {
 fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, String> {
     let json: Value = serde_json::from_slice(body).map_err(|e| format!("malformed JSON: {e}"))?;
     let usage = "the body needs {\"prompt\": \"text\", \"tokens\": N}";
+    only_keys(&json, &["prompt", "tokens", "temperature", "top_k", "seed"], usage)?;
     let Some(prompt) = json.get("prompt") else {
         return Err(usage.into());
     };
@@ -420,6 +421,21 @@ fn body_error(e: &axum::Error, limits: &Limits) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}"))
 }
 
+/// That `json` is an object of no keys but `known`: a misspelt option (`"temprature"`)
+/// is an error naming it, not a request served with the option's default.
+fn only_keys(json: &Value, known: &[&str], usage: &str) -> Result<(), String> {
+    let Value::Object(fields) = json else {
+        return Err(format!("the body is not a JSON object: {usage}"));
+    };
+    match fields.keys().find(|key| !known.contains(&key.as_str())) {
+        Some(key) => {
+            let known = known.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ");
+            Err(format!("unknown field {}: the body's fields are {known}", Value::String(key.clone())))
+        }
+        None => Ok(()),
+    }
+}
+
 /// `{"inputs": [[f32; features], …]}` as a matrix, or what is wrong with it.
 fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, String> {
     let json: Value = serde_json::from_slice(body).map_err(|e| {
@@ -430,8 +446,10 @@ fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, String> {
             format!("malformed JSON: {e}")
         }
     })?;
+    let usage = "the body needs \"inputs\": [[f32, ...], ...], one row of features per example";
+    only_keys(&json, &["inputs"], usage)?;
     let Some(rows) = json.get("inputs") else {
-        return Err("the body needs \"inputs\": [[f32, ...], ...], one row of features per example".into());
+        return Err(usage.into());
     };
     let Value::Array(rows) = rows else {
         return Err("\"inputs\" must be a list of rows, each a list of numbers".into());

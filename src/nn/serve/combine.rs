@@ -168,17 +168,32 @@ impl<E> Combiner<E> {
     }
 
     /// Reserves a vacant slot, waiting until `deadline` (`None`: as long as it takes)
-    /// while every slot is in use; `None` when none came free in time.
-    pub(crate) fn reserve(&self, deadline: Option<Deadline>) -> Option<usize> {
+    /// while every slot is in use; `Ok(None)` when none came free in time.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidInput`] when there is no deadline and every slot is the calling
+    /// thread's (its streams, or forgotten ones): it would wait for itself.
+    pub(crate) fn reserve(&self, deadline: Option<Deadline>) -> Result<Option<usize>> {
         let mut state = sync::lock(&self.state);
         loop {
             if let Some(s) = state.slots.iter().position(|s| matches!(s, Slot::Vacant)) {
                 state.slots[s] = Slot::Idle;
-                return Some(s);
+                return Ok(Some(s));
             }
+            let me = Some(sync::current().id());
             state = match deadline {
+                None if state.owners.iter().all(|&owner| owner == me) => {
+                    return Err(Error::InvalidInput(format!(
+                        "every slot of the stream batch ({}) holds a stream of this thread (or a forgotten one), so                          waiting for one to come free would wait for itself: drop a stream first, or use join_timeout",
+                        state.slots.len()
+                    )))
+                }
                 None => sync::wait(&self.vacated, state),
-                Some(deadline) => sync::wait_timeout(&self.vacated, state, deadline.remaining()?),
+                Some(deadline) => match deadline.remaining() {
+                    Some(left) => sync::wait_timeout(&self.vacated, state, left),
+                    None => return Ok(None),
+                },
             };
         }
     }
@@ -356,9 +371,9 @@ mod tests {
     #[test]
     fn each_caller_gets_its_own_result_and_batches_combine_what_waits() {
         let combiner = Arc::new(Combiner::new(0u32, 4, Duration::ZERO));
-        let slots: Vec<usize> = (0..4).map(|_| combiner.reserve(None).unwrap()).collect();
+        let slots: Vec<usize> = (0..4).map(|_| combiner.reserve(None).unwrap().unwrap()).collect();
         assert_eq!(combiner.in_use(), 4);
-        assert!(combiner.reserve(Some(Deadline::after(Duration::ZERO))).is_none(), "every slot is in use");
+        assert_eq!(combiner.reserve(Some(Deadline::after(Duration::ZERO))).unwrap(), None, "every slot is in use");
         let threads: Vec<_> = slots
             .into_iter()
             .map(|slot| {
@@ -381,7 +396,7 @@ mod tests {
     #[test]
     fn requests_that_arrive_while_the_engine_is_busy_run_as_one_batch() {
         let combiner = Combiner::new(0u32, 3, Duration::ZERO);
-        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap().unwrap()).collect();
         let combiner = &combiner;
         let results = std::thread::scope(|scope| {
             let (held, holds) = std::sync::mpsc::channel();
@@ -411,7 +426,7 @@ mod tests {
     fn a_batch_waits_at_most_max_wait_for_the_streams_that_have_not_queued() {
         let max_wait = Duration::from_millis(30);
         let combiner = Combiner::new(0u32, 3, max_wait);
-        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap().unwrap()).collect();
         // The others never queue: the step goes alone once the wait is over.
         let started = std::time::Instant::now();
         assert_eq!(combiner.next(slots[0], &mut count).unwrap(), 100 + slots[0] as u32);
@@ -428,7 +443,7 @@ mod tests {
     fn a_thread_stepping_its_slots_in_turn_never_waits_for_itself() {
         // A wait that would be seen: each step must go at once, alone.
         let combiner = &Combiner::new(0u32, 3, Duration::from_secs(60));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let (a, b) = (combiner.reserve(None).unwrap().unwrap(), combiner.reserve(None).unwrap().unwrap());
         combiner.claim(a);
         combiner.claim(b);
         let started = std::time::Instant::now();
@@ -437,7 +452,7 @@ mod tests {
         assert_eq!(results, [100 + a as u32, 200 + b as u32, 300 + a as u32, 400 + b as u32]);
         // A slot of another thread is still waited for (whether its thread has claimed it
         // yet or not), and both steps go as one batch.
-        let c = combiner.reserve(None).unwrap();
+        let c = combiner.reserve(None).unwrap().unwrap();
         let results = std::thread::scope(|scope| {
             let other = scope.spawn(|| {
                 combiner.claim(c);
@@ -457,7 +472,7 @@ mod tests {
         // back, rather than going alone and splitting the batch.
         let max_wait = Duration::from_millis(200);
         let combiner = &Combiner::new(0u32, 3, max_wait);
-        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap()).collect();
+        let slots: Vec<usize> = (0..3).map(|_| combiner.reserve(None).unwrap().unwrap()).collect();
         let results = std::thread::scope(|scope| {
             let early = combiner.with_engine(|_| {
                 let early = scope.spawn(|| combiner.next(slots[0], &mut count));
@@ -481,7 +496,7 @@ mod tests {
     #[test]
     fn a_failed_or_panicking_batch_fails_its_slots_and_the_engine_goes_on() {
         let combiner = Combiner::new(0u32, 2, Duration::ZERO);
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let (a, b) = (combiner.reserve(None).unwrap().unwrap(), combiner.reserve(None).unwrap().unwrap());
         let panics = combiner.next(a, &mut |_, _, _| panic!("a layer broke"));
         assert!(matches!(&panics, Err(Error::Panicked { message }) if message.contains("a layer broke")), "{panics:?}");
         // The slot stays failed; the other slot and the engine go on.
@@ -491,7 +506,7 @@ mod tests {
         assert!(matches!(&fails, Err(Error::InvalidInput(m)) if m.contains("no")), "{fails:?}");
         // Left and reserved again, a slot starts afresh.
         combiner.leave(a);
-        assert_eq!(combiner.reserve(None), Some(a));
+        assert_eq!(combiner.reserve(None).unwrap(), Some(a));
         assert_eq!(combiner.next(a, &mut count).unwrap(), 200 + a as u32);
         // A closure's panic goes on in its caller, the engine back in place.
         let caught = catch_unwind(AssertUnwindSafe(|| combiner.with_engine(|_| panic!("read"))));
@@ -506,7 +521,7 @@ mod tests {
     fn a_slots_own_failure_fails_it_alone_in_its_batch() {
         // Two callers in one batch (it waits for both), whose run fails slot `a` only.
         let combiner = Combiner::new(0u32, 2, Duration::from_secs(60));
-        let (a, b) = (combiner.reserve(None).unwrap(), combiner.reserve(None).unwrap());
+        let (a, b) = (combiner.reserve(None).unwrap().unwrap(), combiner.reserve(None).unwrap().unwrap());
         let fail_a = move |engine: &mut u32, batch: &[bool], results: &mut [Option<Result<u32>>]| {
             count(engine, batch, results)?;
             results[a] = Some(Err(Error::InvalidInput("slot a's logits are NaN".into())));

@@ -32,7 +32,7 @@ use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
 use super::arenas::{StreamArena, StreamBuffers};
 use super::combine::Combiner;
-use super::model::{in_thread_arena, thread_arena_ready, Model};
+use super::model::{in_thread_arena, thread_arena_ready, Model, SERVING_PLANS};
 use super::pool::InferencePool;
 use crate::nn::layer::{Activations, StreamRow};
 use crate::nn::residual::join_of;
@@ -560,6 +560,11 @@ impl<'a> TokenStream<'a> {
     }
 }
 
+/// The most prompt lengths whose plans a stream arena keeps beside its token steps'
+/// (a plan is a few KiB of bookkeeping; a model of a longer context plans its rarer
+/// prompt lengths again).
+const PROMPT_PLANS: usize = 512;
+
 impl<'a> Engine<'a> {
     /// Streams of `model` from `prompts` (each cut to its last `context` tokens), each
     /// drawn as its `sampling` says, run in `arena`: their buffers fitted, and every
@@ -800,8 +805,15 @@ impl<'a> Engine<'a> {
         // The plan of a step is keyed by the model and the step's shape.
         let key =
             (model.id().wrapping_mul(0x0100_0000_01b3) ^ 0x5354_5245_414d_0000) ^ ((n as u64) << 24 | steps as u64);
+        // Every shape of step the streams take keeps its plan (one a prompt length,
+        // one a count of streams stepped together, one a count sliding together), beside
+        // the arena's other requests': no token's step is planned again. (Prompt lengths
+        // past `PROMPT_PLANS` share the room left: the least recently used plan goes.)
+        let prompts = plan.context.min(PROMPT_PLANS);
+        let plans = SERVING_PLANS.saturating_add(prompts).saturating_add(places.streams.saturating_mul(2));
         let mut f = |mgr: &LayerWorkspaceMgr, buffers: &mut StreamBuffers| {
             let group = mgr.plan_group().expect("serving arenas are planned");
+            group.keep_plans(plans);
             let ((), on_plan) = group.iteration(key, || {
                 let act = mgr.enter(ArrayType::Activations)?;
                 let mut ids = act.zeros::<f32, _>((n, steps, 1))?;
@@ -912,10 +924,26 @@ impl Model {
     ///
     /// # Errors
     ///
-    /// As [`Model::stream`].
+    /// As [`Model::stream`]; [`Error::InvalidInput`] for 0 tokens, or more than memory
+    /// can hold the tokens of (refused before the prompt runs).
     pub fn generate(&self, prompt: &[u32], tokens: usize, sampling: Sampling) -> Result<Vec<u32>> {
+        if tokens == 0 {
+            return Err(Error::InvalidInput("0 tokens to generate: ask for at least 1".into()));
+        }
+        // Room for every token before the prompt runs: a count no memory holds is an
+        // error now, not an abort once the stream has run that far.
+        let mut out = Vec::new();
+        out.try_reserve_exact(tokens).map_err(|_| {
+            Error::InvalidInput(format!(
+                "{tokens} tokens to generate: more than memory holds ({} bytes)",
+                tokens.saturating_mul(4)
+            ))
+        })?;
         let mut stream = self.stream(prompt, sampling)?;
-        (0..tokens).map(|_| stream.next_token()).collect()
+        for _ in 0..tokens {
+            out.push(stream.next_token()?);
+        }
+        Ok(out)
     }
 }
 
@@ -936,12 +964,13 @@ impl Model {
                 reason: format!("{} symbols for a model of {} input tokens", chars.len(), self.inputs()),
             });
         }
-        let mut sorted = chars.clone();
+        let mut sorted: Vec<(char, u32)> = chars.iter().zip(0u32..).map(|(&c, t)| (c, t)).collect();
         sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::InvalidConfig { reason: format!("the symbol {:?} stands for two tokens", pair[0]) });
+        if let Some(pair) = sorted.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::InvalidConfig { reason: format!("the symbol {:?} stands for two tokens", pair[0].0) });
         }
         self.symbols = Some(chars.into());
+        self.symbol_tokens = Some(sorted.into());
         Ok(self)
     }
 
@@ -958,10 +987,11 @@ impl Model {
     /// model, or when the model has no symbols.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let symbols = self.symbols_or_error()?;
+        let tokens = self.symbol_tokens.as_deref().unwrap_or_default();
         text.chars()
             .enumerate()
             .map(|(i, c)| {
-                symbols.iter().position(|&s| s == c).map(|t| t as u32).ok_or_else(|| {
+                tokens.binary_search_by_key(&c, |&(s, _)| s).map(|at| tokens[at].1).map_err(|_| {
                     Error::InvalidInput(format!(
                         "character {i} of the text, {c:?}, is not one of the model's {} symbols",
                         symbols.len()
@@ -1192,7 +1222,7 @@ impl<'p> StreamBatch<'p> {
         self.plan.check_prompt_named(&"the prompt", prompt)?;
         let waited = async_iter::sync::Stopwatch::start();
         let deadline = timeout.map(async_iter::sync::Deadline::after);
-        let Some(slot) = self.combiner.reserve(deadline) else {
+        let Some(slot) = self.combiner.reserve(deadline)? else {
             return Err(Error::BatchFull { slots: self.slots(), waited: waited.elapsed() });
         };
         // From here the slot is the stream's: dropped, it is free again. It is this

@@ -66,6 +66,9 @@ pub struct Model {
     /// The text symbol of each token, when the model reads text
     /// ([`Model::with_symbols`]).
     pub(crate) symbols: Option<Arc<[char]>>,
+    /// The symbols sorted, each with its token: [`Model::encode`] looks a character up
+    /// in as many steps as the vocabulary's logarithm, whatever its size.
+    pub(crate) symbol_tokens: Option<Arc<[(char, u32)]>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -155,7 +158,7 @@ impl Model {
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, id, symbols: None })
+        Ok(Model { inputs, classes: layout.outputs, layers, layout, params, id, symbols: None, symbol_tokens: None })
     }
 
     /// Input columns (features per step for a sequence model).

@@ -400,6 +400,18 @@ where
         self.shared.state().and_then(|s| s.shown.map(|i| s.plans[i].bytes)).unwrap_or(0)
     }
 
+    /// As [`PlanGroup::keep_plans`].
+    pub fn keep_plans(&self, plans: usize) {
+        if let Some(mut state) = self.shared.state() {
+            state.capacity = state.capacity.max(plans);
+        }
+    }
+
+    /// As [`PlanGroup::plans_kept`].
+    pub fn plans_kept(&self) -> usize {
+        self.shared.state().map_or(0, |state| state.capacity)
+    }
+
     /// The group's figures.
     pub fn stats(&self) -> PlannedStats {
         self.shared.stats().unwrap_or_default()
@@ -723,6 +735,21 @@ impl PlanGroup {
     /// Bytes of the plan of the current (or last) iteration (0 before the first plan).
     pub fn plan_bytes(&self) -> usize {
         self.group.plan_bytes()
+    }
+
+    /// Keeps at least `plans` plans from now on (never fewer than it kept): for a user
+    /// that knows how many shapes of iteration it runs, so that none of them is evicted
+    /// by the others and planned again (an iteration off its plan allocates). Allocates
+    /// nothing: the plans are made as their shapes are first seen. Off the group's
+    /// thread, or from inside a member's allocation, it does nothing.
+    pub fn keep_plans(&self, plans: usize) {
+        self.group.keep_plans(plans);
+    }
+
+    /// How many plans the group keeps at most ([`PlanGroup::with_plans`],
+    /// [`PlanGroup::keep_plans`]; 0 off the group's thread).
+    pub fn plans_kept(&self) -> usize {
+        self.group.plans_kept()
     }
 
     /// The group's figures.

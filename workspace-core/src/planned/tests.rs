@@ -236,3 +236,34 @@ fn an_iteration_whose_work_fails_or_panics_is_abandoned_and_plans_nothing() {
     assert_eq!(runs, vec![(64.0, false), (64.0, true), (64.0, true)]);
     assert_eq!((group.stats().plans, group.stats().divergences), (1, 0));
 }
+
+#[test]
+fn a_group_told_to_keep_more_plans_evicts_none_of_its_shapes() {
+    let config = WorkspaceConfig::builder().learning(LearningPolicy::None).spill(SpillPolicy::External).build();
+    let config = config.unwrap();
+    // Four shapes in turn, twice over: a group of two plans evicts one at every new
+    // shape; told to keep four (never fewer than it kept), none.
+    for keep in [None, Some(4), Some(1)] {
+        let group = PlanGroup::with_plans("G", 2);
+        let ws = group.workspace("A", &config).unwrap();
+        if let Some(keep) = keep {
+            group.keep_plans(keep);
+        }
+        assert_eq!(group.plans_kept(), keep.unwrap_or(2).max(2));
+        for _ in 0..3 {
+            for shape in 1..=4u64 {
+                group.start_iteration(shape).unwrap();
+                {
+                    let s = ws.enter().unwrap();
+                    s.filled::<f64, _>(shape as usize * 10, 1.0).unwrap();
+                }
+                group.finish_iteration().unwrap();
+            }
+        }
+        let stats = group.stats();
+        match keep {
+            Some(4) => assert_eq!((stats.evictions, stats.planned_iterations), (0, 8), "{stats:?}"),
+            _ => assert!(stats.evictions >= 8, "{keep:?}: {stats:?}"),
+        }
+    }
+}
