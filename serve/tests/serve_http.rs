@@ -874,7 +874,16 @@ fn a_stream_batch_steps_concurrent_generations_together_each_with_the_models_own
     assert_eq!(status, 400, "{json}");
     assert!(json["error"].as_str().unwrap().contains('\u{20ac}'), "{json}");
     let (_, stats) = server.send("GET", "/stats", None);
-    assert_eq!(stats["stream_batch"], serde_json::json!({"slots": 4, "arenas": 1}), "{stats}");
+    let batch = &stats["stream_batch"];
+    assert_eq!(
+        (&batch["slots"], &batch["arenas"], &batch["pool"]["workers"]),
+        (&4.into(), &1.into(), &1.into()),
+        "{stats}"
+    );
+    // The slots' caches are counted where they lie: in the stream batch's pool.
+    let cache = model.kv_cache_bytes().unwrap() as u64;
+    assert!(batch["pool"]["stream_bytes"].as_u64().unwrap() >= 4 * cache, "{stats}");
+    assert!(batch["pool"]["arena_bytes"].as_u64().unwrap() > 0, "{stats}");
 }
 
 #[test]

@@ -71,6 +71,8 @@ pub(crate) struct Batcher {
     jobs: SyncSender<Job>,
     slots: usize,
     arenas: usize,
+    /// The pool whose arenas the threads hold (for its statistics).
+    pool: Arc<InferencePool>,
 }
 
 impl Batcher {
@@ -108,7 +110,7 @@ impl Batcher {
         for _ in 0..arenas {
             started.recv().map_err(|_| "a generation thread ended before it started")??;
         }
-        Ok(Batcher { jobs, slots, arenas })
+        Ok(Batcher { jobs, slots, arenas, pool })
     }
 
     /// The slots of each arena.
@@ -119,6 +121,12 @@ impl Batcher {
     /// The arenas (and threads).
     pub(crate) fn arenas(&self) -> usize {
         self.arenas
+    }
+
+    /// The pool of the threads' arenas: its statistics count their memory (the stream
+    /// slots' caches as `stream_bytes`), which the server's pool does not hold.
+    pub(crate) fn pool(&self) -> &InferencePool {
+        &self.pool
     }
 
     /// Queues `job`.

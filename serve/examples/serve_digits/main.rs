@@ -23,7 +23,9 @@
 //!   (`StreamSlots`: see `generation.rs`), each request's text still the model's own for
 //!   its prompt.
 //! - `GET /stats` answers the pool's statistics (`InferencePool::stats`) and the
-//!   server's request counts.
+//!   server's request counts; with `--stream-batch`, `stream_batch` holds the slots, the
+//!   arenas and the statistics of the pool those arenas are leased from (`pool`: its
+//!   `arena_bytes` and `stream_bytes` are memory beside the server's pool's).
 //! - A bad request (malformed JSON, a wrong number of features, a value that is not a
 //!   finite number, an empty batch, a body over `--max-body`, a wrong method or path)
 //!   gets a 4xx answer with `{"error": "…"}`, and the server goes on serving. A request

@@ -135,10 +135,13 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "client_errors": counts.client_errors.load(Ordering::Relaxed),
         "server_errors": counts.server_errors.load(Ordering::Relaxed),
     });
-    // POST /generate's stream slots per arena and arenas (null: each stream alone in
-    // an arena of the pool).
-    stats["stream_batch"] =
-        serde_json::json!(app.batcher.as_ref().map(|b| serde_json::json!({"slots": b.slots(), "arenas": b.arenas()})));
+    // POST /generate's stream slots per arena and arenas, and the statistics of the
+    // pool that holds those arenas, beside the server's (null: each stream alone in an
+    // arena of the server's pool).
+    stats["stream_batch"] = serde_json::json!(app.batcher.as_ref().map(|b| {
+        let pool: Value = serde_json::from_str(&b.pool().stats().to_json()).expect("the pool's JSON");
+        serde_json::json!({"slots": b.slots(), "arenas": b.arenas(), "pool": pool})
+    }));
     json(StatusCode::OK, stats.to_string())
 }
 
