@@ -675,8 +675,9 @@ impl Attention {
         let scratch = w.slice_uninit::<f32>(self.stream_scratch(rows, steps, context))?;
         let mut qkv = rows_new(p.qkv_b, w.uninit::<f32, _>((rows, 3 * d))?);
         sgemm(1.0, x, p.qkv_w, 1.0, qkv.view_mut(), scratch)?;
-        // A row of scores per new step, or per head for one new step (its heads at once).
-        let score_rows = if steps == 1 { self.heads } else { steps };
+        // A row of scores per new step (at most `SCORE_ROWS` at a time), or per head for
+        // one new step (its heads at once).
+        let score_rows = if steps == 1 { self.heads } else { steps.min(SCORE_ROWS) };
         let mut scores = w.zeros::<f32, _>((score_rows, context))?;
         let mut att = w.zeros::<f32, _>((rows, d))?;
         if steps == 1 {
@@ -712,12 +713,19 @@ impl Attention {
             let (keys, values) = (keys.view(), values.view());
             for h in 0..self.heads {
                 let (qc, _, _) = self.head_columns(h);
-                let q = qkv.slice(s![own.clone(), qc.clone()]);
                 let k_t = keys.slice(s![qc.clone(), ..end]);
                 let v = values.slice(s![..end, qc.clone()]);
-                sgemm(scale, q, k_t, 0.0, scores.slice_mut(s![.., ..end]), scratch)?;
-                causal_softmax_from(scores.view_mut(), first);
-                sgemm(1.0, scores.slice(s![.., ..end]), v, 0.0, att.slice_mut(s![own.clone(), qc]), scratch)?;
+                // The new steps' rows a block at a time: each row's sums are those of the
+                // whole block's products (a product's rows are independent), and the
+                // scores take `SCORE_ROWS × context` values, not `steps × context`.
+                for from in (0..steps).step_by(SCORE_ROWS) {
+                    let rows = own.start + from..own.start + (from + SCORE_ROWS).min(steps);
+                    let mut block = scores.slice_mut(s![..rows.len(), ..]);
+                    let q = qkv.slice(s![rows.clone(), qc.clone()]);
+                    sgemm(scale, q, k_t, 0.0, block.slice_mut(s![.., ..end]), scratch)?;
+                    causal_softmax_from(block.view_mut(), first + from);
+                    sgemm(1.0, block.slice(s![.., ..end]), v, 0.0, att.slice_mut(s![rows, qc.clone()]), scratch)?;
+                }
             }
         }
         let mut out = rows_new(p.proj_b, ctx.activations.uninit::<f32, _>((rows, d))?);
@@ -727,10 +735,12 @@ impl Attention {
     }
 
     /// Packing space for [`Attention::forward_cached`]'s products: `rows` new steps in
-    /// all, `steps` per stream, against at most `context` steps (the same for every
-    /// position, so that a stream's every step allocates alike).
+    /// all, `steps` per stream (their scores at most [`SCORE_ROWS`] at a time), against
+    /// at most `context` steps (the same for every position, so that a stream's every
+    /// step allocates alike).
     fn stream_scratch(&self, rows: usize, steps: usize, context: usize) -> usize {
         let (d, hd) = (self.width, self.head_width());
+        let steps = steps.min(SCORE_ROWS);
         [
             scratch_len(rows, 3 * d, d),
             scratch_len(steps, context, hd),
@@ -742,6 +752,11 @@ impl Attention {
         .unwrap_or(0)
     }
 }
+
+/// The most new steps of a stream whose scores a cached pass (a prompt, a slide) holds
+/// at once: its scores take `SCORE_ROWS × context` values, whatever the prompt's length
+/// (a prompt of a long context's length would otherwise take `context²`).
+const SCORE_ROWS: usize = 128;
 
 /// The error of an input gradient of another shape than the input's.
 fn wrong_grad_input(name: &str, x: &ArrayView3<'_, f32>, actual: &[usize]) -> Error {

@@ -94,6 +94,16 @@ fn wide_heads_cached_steps_give_the_bits_of_their_windows() {
 }
 
 #[test]
+fn a_prompt_longer_than_a_score_block_gives_the_bits_of_steps_taken_one_at_a_time() {
+    // A context of 300: a window prompted afresh runs its scores 128 rows at a time (so
+    // that they take 128 × context values, not context²), and gives the bits of the
+    // same window built a cached step at a time, through two slides.
+    let config = || gpt(13, 16, 2, 300, 1).seed(12).build().unwrap();
+    let params: Vec<f32> = Network::new(config()).unwrap().params().iter().map(|v| v * 4.0).collect();
+    cached_steps_give_the_bits_of_their_windows(&Model::from_config(&config(), params).unwrap(), 460);
+}
+
+#[test]
 fn greedy_tokens_follow_the_most_probable_of_the_network_inference() {
     let model = model(16, 8);
     let prompt = [4u32, 4, 7];
