@@ -3,7 +3,12 @@
 //! pass.
 //!
 //! The layer runs on its own, as a network runs it (its parameters, their gradients and
-//! its tape held here), with workspaces off. Its output is reduced to one number, `L =
+//! its tape held here), with workspaces off: in the managers a network of
+//! [`WorkspaceMode::None`](crate::WorkspaceMode::None) trains in, each role open where a
+//! network's step has it open (`Input`, `Activations` and `FfCache` through the forward
+//! and backward passes, `ActivationGrad` while the input's gradient is written), so that
+//! a layer that trains passes its check (one that keeps a value in `FfCache` for its
+//! backward pass included). Its output is reduced to one number, `L =
 //! Σ r·y` over a fixed random `r` (0 at padded steps, whose outputs nothing reads), so
 //! that `r` is the gradient of `L` with respect to the output: the backward pass gets
 //! `r` as its output's gradient, and each input and parameter element's gradient is
@@ -33,6 +38,9 @@ use std::fmt;
 use ndarray::{Array2, Array3, ArrayView2};
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
+use super::network::training_mgrs;
+use workspace_core::WorkspaceMode;
+
 use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape, UninitGradInput};
 use crate::{Error, Result};
 
@@ -47,7 +55,8 @@ pub struct GradCheck {
     /// `minAbsoluteError`: gradients near 0 differ by rounding alone).
     pub min_absolute_error: f64,
     /// At most this many elements of each tensor (the input, each parameter) are
-    /// checked, evenly spaced; `None`: all of them.
+    /// checked, evenly spaced; `None`: all of them (`Some(0)`, which would check
+    /// nothing, is refused).
     pub max_per_tensor: Option<usize>,
     /// Seed of the output's weights `r`.
     pub seed: u64,
@@ -159,6 +168,11 @@ pub fn check_layer(
             check.epsilon, check.max_relative_error, check.min_absolute_error
         )));
     }
+    if check.max_per_tensor == Some(0) {
+        return Err(invalid(
+            "max_per_tensor of 0 checks no element, and would pass any layer: give at least 1, or None for all".into(),
+        ));
+    }
     let features = match input {
         Activations::Flat(x) => x.ncols(),
         Activations::Sequence(x) => x.dim().2,
@@ -183,7 +197,8 @@ pub fn check_layer(
         _ => {}
     }
     let live = |b: usize, t: usize| mask.as_ref().is_none_or(|m| m[[b, t]] != 0.0);
-    let mut run = Run { layer, params: params.to_vec(), grads: vec![0.0; params.len()], tape: layer.tape(), mask };
+    let [mgr, _] = training_mgrs(WorkspaceMode::None)?;
+    let mut run = Run { layer, params: params.to_vec(), grads: vec![0.0; params.len()], tape: layer.tape(), mask, mgr };
     let mut x = Owned::of(input);
     // The output's weights: its shape from one forward pass, 0 at padded steps.
     let shape = run.output_shape(&x)?;
@@ -354,6 +369,8 @@ struct Run<'l> {
     grads: Vec<f32>,
     tape: Tape,
     mask: Option<ArrayView2<'l, f32>>,
+    /// A network's first training manager with workspaces off.
+    mgr: LayerWorkspaceMgr,
 }
 
 impl<'l> Run<'l> {
@@ -381,7 +398,7 @@ impl<'l> Run<'l> {
     }
 
     fn output_shape(&mut self, x: &Owned) -> Result<Vec<usize>> {
-        let mgr = LayerWorkspaceMgr::no_workspaces();
+        let mgr = self.mgr.clone();
         let (act, working) = (mgr.enter(ArrayType::Activations)?, mgr.enter(ArrayType::FfWorkingMem)?);
         let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
         Ok(self.forward(x.view(), &ctx)?.shape().to_vec())
@@ -390,7 +407,7 @@ impl<'l> Run<'l> {
     /// `Σ r·y`, in `f64`, over the weights that are not 0 (padded steps' outputs are
     /// not read); the output must be of `shape`, the first pass's.
     fn loss(&mut self, x: &Owned, r: &Owned, shape: &[usize], name: &str) -> Result<f64> {
-        let mgr = LayerWorkspaceMgr::no_workspaces();
+        let mgr = self.mgr.clone();
         let (act, working) = (mgr.enter(ArrayType::Activations)?, mgr.enter(ArrayType::FfWorkingMem)?);
         let ctx = ForwardCtx { activations: &act, working: &working, mgr: &mgr, training: true };
         let y = self.forward(x.view(), &ctx)?;
@@ -412,7 +429,7 @@ impl<'l> Run<'l> {
     /// The backward pass's gradient of the input (in standard order; none for a layer
     /// that reads token ids), the parameters' left in `grads`.
     fn analytic(&mut self, x: &Owned, r: &Owned) -> Result<Vec<f32>> {
-        let mgr = LayerWorkspaceMgr::no_workspaces();
+        let mgr = self.mgr.clone();
         let act = mgr.enter(ArrayType::Activations)?;
         let y = {
             let working = mgr.enter(ArrayType::FfWorkingMem)?;
@@ -430,7 +447,9 @@ impl<'l> Run<'l> {
             return Ok(Vec::new());
         }
         // What a network runs when it needs the input's gradient: `backward_uninit`
-        // (by default, zeros then `backward`), its elements given back written.
+        // (by default, zeros then `backward`), its elements given back written, with the
+        // input gradients' workspace open (here the gradient is an array of its own).
+        let _gradient = mgr.enter(ArrayType::ActivationGrad)?;
         let written = match x {
             Owned::Flat(x) => {
                 let mut g = Array2::<f32>::uninit(x.raw_dim());

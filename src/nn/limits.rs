@@ -72,6 +72,24 @@ pub(crate) fn reserve<T>(len: usize) -> std::result::Result<Vec<T>, String> {
     Ok(values)
 }
 
+/// Refuses `buffers` buffers of `values` `f32`s each that together exceed this
+/// machine's memory and swap ([`workspace_core::backend::machine_memory_bytes`]):
+/// an overcommitting kernel grants each alone, and the process is killed once their
+/// pages are written. `what` names them for the [`Error::InvalidConfig`].
+pub(crate) fn check_machine_holds(values: usize, buffers: usize, what: impl FnOnce() -> String) -> Result<()> {
+    let bytes = values as u128 * buffers as u128 * size_of::<f32>() as u128;
+    match workspace_core::backend::machine_memory_bytes() {
+        Some(machine) if bytes > machine => Err(Error::InvalidConfig {
+            reason: format!(
+                "{}: {buffers} buffers of {values} values take {bytes} bytes, more than this machine's memory and \
+                 swap ({machine} bytes)",
+                what()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// [`reserve_filled`] for a configuration: the reason is [`Error::InvalidConfig`]
 /// naming `what`.
 pub(crate) fn config_filled<T: Clone>(len: usize, value: T, what: impl FnOnce() -> String) -> Result<Vec<T>> {
@@ -98,5 +116,28 @@ mod tests {
         let e = reserve::<u64>(usize::MAX).unwrap_err();
         assert!(e.starts_with("more than usize::MAX bytes"), "{e}");
         assert_eq!(reserve_filled(3, 1.5f32).unwrap(), vec![1.5; 3]);
+    }
+}
+
+#[cfg(test)]
+mod machine_tests {
+    use crate::nn::{Network, NetworkConfig, Updater};
+    use crate::Error;
+
+    #[test]
+    fn a_network_whose_buffers_together_pass_the_machines_memory_is_refused_before_any_is_made() {
+        let Some(machine) = workspace_core::backend::machine_memory_bytes() else {
+            return; // a machine whose memory cannot be told: nothing to compare with
+        };
+        // One square layer whose parameters take a third of the machine: each buffer
+        // alone fits, the parameters, gradients and Adam's two moments together do not.
+        let width = ((machine / 3 / 4) as f64).sqrt() as usize;
+        let config = NetworkConfig::builder(width).dense(width).updater(Updater::adam(1e-3)).build().unwrap();
+        match Network::new(config) {
+            Err(Error::InvalidConfig { reason }) => {
+                assert!(reason.contains("4 buffers") && reason.contains("memory and swap"), "{reason}")
+            }
+            other => panic!("{:?}", other.map(|_| "a network")),
+        }
     }
 }

@@ -105,6 +105,62 @@ impl Layer for Faulty {
     }
 }
 
+/// `y = x²`, a user's layer that keeps a copy of its input in `FfCache` in its forward
+/// and backward passes, and one of its output's gradient in `ActivationGrad` while it
+/// writes its input's gradient, as a network's step lets it.
+struct KeepsCopies;
+
+impl Layer for KeepsCopies {
+    fn name(&self) -> &str {
+        "keeps-copies"
+    }
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        x: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        let cache = ctx.mgr.borrow_open(carve::ArrayType::FfCache)?;
+        let kept = cache.copy_of(&x)?;
+        ctx.mgr.leverage_to(carve::ArrayType::FfCache, &x)?;
+        Ok(carve::freeze(ctx.activations.copy_of(&kept.mapv(|v| v * v))?))
+    }
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        let cache = ctx.mgr.borrow_open(carve::ArrayType::FfCache)?;
+        let x = cache.copy_of(&pass.input)?;
+        if let Some(mut gi) = grad_input {
+            // Open while the input's gradient is written.
+            let grad = ctx.mgr.borrow_open(carve::ArrayType::ActivationGrad)?;
+            let dy = grad.copy_of(&pass.grad_output)?;
+            ndarray::Zip::from(&mut gi).and(&x).and(&dy).for_each(|g, &x, &d| *g = 2.0 * x * d);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_layer_that_keeps_values_in_the_roles_a_network_opens_passes_as_it_trains() {
+    let x = flat(4, 3, 9);
+    let report = check_layer(&KeepsCopies, &[], Activations::Flat(x.view()), None, &GradCheck::default()).unwrap();
+    assert!(report.passed() && report.checked == 12, "{report}");
+    // And a network trains it, workspaces off as the check runs it.
+    let config = carve::nn::NetworkConfig::builder(3).dense(3).layer(KeepsCopies).dense(2);
+    let config = config.training_workspace_mode(carve::WorkspaceMode::None).seed(1).build().unwrap();
+    let mut net = carve::nn::Network::new(config).unwrap();
+    let y = ndarray::Array1::from(vec![0u32, 1, 0, 1]);
+    assert!(net.fit_batch(x.view(), y.view()).unwrap().is_finite());
+}
+
 #[test]
 fn a_wrong_backward_pass_is_caught_and_named_to_the_element() {
     let x = flat(3, 4, 7);
@@ -163,12 +219,16 @@ fn any_layout_token_layers_subsets_and_settings() {
     let b = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &check).unwrap();
     assert!(a.passed() && b.passed(), "{a}\n{b}");
     assert_eq!((a.checked, a.worst_relative_error), (b.checked, b.worst_relative_error));
-    // At most `max_per_tensor` of each tensor: none, one, or spread over all.
-    for (max, per) in [(Some(0), [0, 0, 0]), (Some(1), [1, 1, 1]), (Some(7), [7, 7, 3]), (None, [20, 12, 3])] {
+    // At most `max_per_tensor` of each tensor: one, or spread over all; none at all
+    // would pass anything, and is refused.
+    for (max, per) in [(Some(1), [1, 1, 1]), (Some(7), [7, 7, 3]), (None, [20, 12, 3])] {
         let check = GradCheck { max_per_tensor: max, ..GradCheck::default() };
         let report = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &check).unwrap();
         assert_eq!(report.checked, per.iter().sum::<usize>(), "{max:?}");
     }
+    let none = GradCheck { max_per_tensor: Some(0), ..GradCheck::default() };
+    let err = check_layer(&dense, &params, Activations::Flat(standard.view()), None, &none).unwrap_err();
+    assert!(err.to_string().contains("max_per_tensor of 0"), "{err}");
     // A token embedding: its table is checked, its ids are not (they have no gradient).
     let embedding = carve::nn::Embedding::named("embed", 6, 3).unwrap();
     let ids = Array3::from_shape_fn((2, 3, 1), |(b, t, _)| ((b * 3 + t) % 6) as f32);

@@ -241,6 +241,21 @@ fn bad_configurations_and_inputs_are_typed_errors() {
     assert!(err.to_string().contains("at least 2 classes"), "{err}");
     let err = NetworkConfig::builder(8).dense(3).updater(Updater::adam(f32::NAN)).build().unwrap_err();
     assert!(err.to_string().contains("learning rate NaN"), "{err}");
+    // The updater's other constants: each a typed error at build, not a refused step.
+    let adam = |beta1: f32, beta2: f32, epsilon: f32| Updater::Adam { learning_rate: 1e-3, beta1, beta2, epsilon };
+    for (updater, says) in [
+        (Updater::sgd(0.1, f32::NAN), "momentum NaN"),
+        (Updater::sgd(0.1, 1.0), "momentum 1"),
+        (Updater::sgd(0.1, -0.5), "momentum -0.5"),
+        (adam(f32::NAN, 0.999, 1e-8), "beta1 NaN"),
+        (adam(0.9, 1.0, 1e-8), "beta2 1"),
+        (adam(0.9, 0.999, 0.0), "epsilon 0"),
+        (adam(0.9, 0.999, f32::INFINITY), "epsilon inf"),
+    ] {
+        let err = NetworkConfig::builder(8).dense(3).updater(updater).build().unwrap_err();
+        assert!(matches!(&err, Error::InvalidConfig { reason } if reason.contains(says)), "{updater:?}: {err}");
+    }
+    assert!(NetworkConfig::builder(8).dense(3).updater(Updater::sgd(0.1, 0.0)).build().is_ok());
 
     let mut net = network(WorkspaceMode::Enabled, Updater::adam(1e-2), 1);
     let err = net.fit_batch(Array2::zeros((4, 7)).view(), Array1::zeros(4).view()).unwrap_err();
@@ -293,6 +308,33 @@ impl Layer for Shortcut {
             g.assign(&grad_output);
         }
         Ok(())
+    }
+}
+
+#[test]
+fn token_ids_fed_to_a_network_whose_first_layer_reads_features_are_an_error_naming_it() {
+    use carve::nn::parallel::{DataParallel, ParallelConfig};
+    use carve::nn::Input;
+    let ids = Array2::<u32>::zeros((2, 3));
+    let labels = Array2::<u32>::zeros((2, 3));
+    for (config, first) in [
+        (NetworkConfig::builder(6).layer(Shortcut).dense(3), "shortcut"),
+        (NetworkConfig::builder(6).dense(4).relu().dense(3), "dense"),
+    ] {
+        let says = |err: carve::Error| match err {
+            Error::InvalidInput(m) => assert!(m.contains(first) && m.contains("does not read them"), "{m}"),
+            other => panic!("{first}: {other:?}"),
+        };
+        let mut net = Network::new(config.build().unwrap()).unwrap();
+        says(net.fit_batch(Input::tokens(ids.view()), carve::nn::Labels::from(labels.view())).unwrap_err());
+        says(net.output(Input::tokens(ids.view())).unwrap_err());
+        says(net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap_err());
+        let mut trainer = DataParallel::new(net, ParallelConfig::sequential(2)).unwrap();
+        says(trainer.fit_batch(Input::tokens(ids.view()), carve::nn::Labels::from(labels.view())).unwrap_err());
+        // The network is as it was: features train it.
+        let x = Array2::from_shape_fn((12, 6), |(r, c)| (r * 6 + c) as f32 * 0.05 - 1.0);
+        let y: Array1<u32> = (0..12).map(|i| i % 3).collect();
+        assert!(trainer.fit_batch(x.view(), y.view()).unwrap().is_finite(), "{first}");
     }
 }
 

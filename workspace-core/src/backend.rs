@@ -31,7 +31,7 @@ mod host;
 
 pub use crate::engine::{Engine, Entered, FrameMark};
 pub use crate::shell::{checked_bytes, CycleHooks, Open, OpenFrame, Placement, ScopeKind, Shell};
-pub use host::{HostBackend, HostBlock};
+pub use host::{machine_memory_bytes, HostBackend, HostBlock};
 
 use crate::error::BackendError;
 

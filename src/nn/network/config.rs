@@ -468,6 +468,24 @@ impl NetworkConfigBuilder {
         if !(lr.is_finite() && lr > 0.0) {
             return invalid(format!("learning rate {lr} must be finite and positive"));
         }
+        // The rest of the updater's constants: a NaN or an out-of-range value would make
+        // every step's update non-finite (refused then, step after step), not train.
+        match self.updater {
+            Updater::Sgd { momentum, .. } if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) => {
+                return invalid(format!("momentum {momentum} must be finite, at least 0 and below 1"));
+            }
+            Updater::Adam { beta1, beta2, epsilon, .. } | Updater::AdamW { beta1, beta2, epsilon, .. } => {
+                for (name, beta) in [("beta1", beta1), ("beta2", beta2)] {
+                    if !(beta.is_finite() && (0.0..1.0).contains(&beta)) {
+                        return invalid(format!("Adam's {name} {beta} must be finite, at least 0 and below 1"));
+                    }
+                }
+                if !(epsilon.is_finite() && epsilon > 0.0) {
+                    return invalid(format!("Adam's epsilon {epsilon} must be finite and above 0"));
+                }
+            }
+            _ => {}
+        }
         if let Updater::AdamW { weight_decay, .. } = self.updater {
             if !(weight_decay.is_finite() && weight_decay >= 0.0 && lr * weight_decay <= 1.0) {
                 return invalid(format!(

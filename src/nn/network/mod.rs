@@ -24,7 +24,7 @@ use crate::nn::embedding::MAX_VOCABULARY;
 use crate::{Error, Result};
 
 use super::layer::{Init, Layer, ParamShape, Tape};
-use super::limits::config_filled;
+use super::limits::{check_machine_holds, config_filled};
 use super::params::Params;
 use super::profile::StepBreakdown;
 use super::updater::{Updater, UpdaterState};
@@ -188,6 +188,13 @@ impl Network {
         let layout = Params::of(inputs, &layers)?;
         let total = layout.layout.total;
         let what = || format!("the network's {total} parameter values (check the layer widths)");
+        // The parameters, their gradients and the updater's state (one buffer, two for
+        // Adam), all of them held at once.
+        let buffers = match updater {
+            Updater::Adam { .. } | Updater::AdamW { .. } => 4,
+            Updater::Sgd { .. } => 3,
+        };
+        check_machine_holds(total, buffers, what)?;
         let mut params = config_filled(total, 0.0, what)?;
         let mut rng = Rng::new(seed);
         let mut init = Init::new(&mut rng);
@@ -588,7 +595,7 @@ impl Network {
     /// Checks a batch: its features against the network's inputs, no empty batch or
     /// sequence, a features mask of the batch's shape holding 0 and 1 only.
     fn check_input(&self, x: &Input<'_>) -> Result<()> {
-        check_input(self.inputs, x)
+        check_input(self.inputs, FirstLayer::of(&self.layers), x)
     }
 }
 
@@ -640,7 +647,30 @@ pub(crate) fn training_workspaces(train: &[LayerWorkspaceMgr; 2]) -> impl Iterat
 
 /// Checks a batch for a network of `inputs` input columns: its features, no empty batch
 /// or sequence, a features mask of the batch's shape holding 0 and 1 only.
-pub(crate) fn check_input(inputs: usize, x: &Input<'_>) -> Result<()> {
+/// A network's first layer, as a batch's check needs it (whether it reads token ids,
+/// [`Layer::reads_tokens`], and its name for the error).
+#[derive(Clone, Copy)]
+pub(crate) struct FirstLayer<'l>(Option<&'l dyn Layer>);
+
+impl<'l> FirstLayer<'l> {
+    /// The first of `layers` (none: a network of no layers reads no token ids).
+    pub(crate) fn of(layers: &'l [Box<dyn Layer>]) -> FirstLayer<'l> {
+        FirstLayer(layers.first().map(|layer| &**layer))
+    }
+}
+
+/// Checks a batch for a network of `inputs` whose first layer is `first`: features of
+/// the network's width, or token ids of its vocabulary for a first layer that reads
+/// them; no empty batch or sequence; a features mask of the batch's shape holding 0 and
+/// 1 only.
+pub(crate) fn check_input(inputs: usize, first: FirstLayer<'_>, x: &Input<'_>) -> Result<()> {
+    if matches!(x, Input::Tokens { .. }) && !first.0.is_some_and(|layer| layer.reads_tokens()) {
+        return Err(Error::InvalidInput(format!(
+            "token ids for a network whose first layer ('{}') does not read them (an Embedding does): give it \
+             features, [batch, {inputs}] or [batch, time, {inputs}]",
+            first.0.map_or("none", |layer| layer.name())
+        )));
+    }
     let (rows, steps_and_mask) = match x {
         Input::Flat(flat) => {
             check_features(inputs, flat.ncols(), x)?;

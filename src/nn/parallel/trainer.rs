@@ -16,7 +16,7 @@ use crate::{Error, Result};
 
 use super::super::limits::{check_threads, MAX_RANKS};
 use super::super::network::{
-    check_input, check_labels, counted, fit_epoch, fit_pairs, Input, Labels, Network, WorkspaceLayout,
+    check_input, check_labels, counted, fit_epoch, fit_pairs, FirstLayer, Input, Labels, Network, WorkspaceLayout,
 };
 use super::super::params::{Layout, Params};
 use super::super::profile::{self, StepBreakdown};
@@ -454,7 +454,7 @@ impl DataParallel {
     fn fit_batch_unmeasured(&mut self, x: Input<'_>, labels: Labels<'_>) -> Result<f32> {
         let x = x.reborrow();
         let labels = labels.reborrow().or_mask(x.mask());
-        check_input(self.inputs, &x)?;
+        check_input(self.inputs, FirstLayer::of(&self.shared.layers), &x)?;
         check_labels(&x, &labels)?;
         let count = counted(&labels);
         if count == 0 {

@@ -14,7 +14,9 @@ use workspace_core::LayerWorkspaceMgr;
 use crate::nn::finite;
 use crate::nn::infer::Infer;
 use crate::nn::layer::Layer;
-use crate::nn::network::{check_input, inference_builder, probabilities, shape_key, Input, Network, NetworkConfig};
+use crate::nn::network::{
+    check_input, inference_builder, probabilities, shape_key, FirstLayer, Input, Network, NetworkConfig,
+};
 use crate::nn::params::Params;
 use crate::nn::step::StepLayers;
 use crate::{Error, Result};
@@ -289,7 +291,7 @@ impl Model {
 
     /// Checks `x` as a request: its shape, no empty batch, every value finite.
     pub(crate) fn check_request(&self, x: &Input<'_>) -> Result<()> {
-        check_input(self.inputs, x)?;
+        check_input(self.inputs, FirstLayer::of(&self.layers), x)?;
         finite::check_activations("input", "the request's input", x.activations(), x.mask())
     }
 

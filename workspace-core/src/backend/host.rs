@@ -252,31 +252,37 @@ unsafe impl Block for HostBlock {
 /// Whether `bytes` could ever be backed by this machine: no more than its memory and
 /// swap together. (A `MAP_NORESERVE` mapping or an overcommitting kernel would grant a
 /// larger request and the process would be killed when it touched the memory.)
-#[cfg(target_os = "linux")]
 fn machine_can_back(bytes: usize) -> bool {
-    use std::sync::OnceLock;
     // Requests below 1 GiB never need the system call.
-    if bytes < (1 << 30) {
-        return true;
-    }
-    static TOTAL: OnceLock<u128> = OnceLock::new();
-    let total = *TOTAL.get_or_init(|| {
+    bytes < (1 << 30) || machine_memory_bytes().is_none_or(|total| bytes as u128 <= total)
+}
+
+/// This machine's memory and swap together, in bytes (`None` where it cannot be told):
+/// the most that any set of buffers a process holds at once can ever be backed by. A
+/// caller about to make several large buffers checks their sum against it, since an
+/// overcommitting kernel grants each one alone and kills the process once their pages
+/// are touched.
+#[cfg(target_os = "linux")]
+pub fn machine_memory_bytes() -> Option<u128> {
+    use std::sync::OnceLock;
+    static TOTAL: OnceLock<Option<u128>> = OnceLock::new();
+    *TOTAL.get_or_init(|| {
         // SAFETY: `sysinfo` only writes the struct it is given, which is plain data
         // for which all-zero bytes are a valid value.
         let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
         // SAFETY: `info` is a valid, writable `struct sysinfo`.
         if unsafe { libc::sysinfo(&mut info) } != 0 {
-            return u128::MAX; // unknown: let the allocator decide
+            return None; // unknown: let the allocator decide
         }
         let unit = u128::from(info.mem_unit.max(1));
-        (u128::from(info.totalram) + u128::from(info.totalswap)) * unit
-    });
-    (bytes as u128) <= total
+        Some((u128::from(info.totalram) + u128::from(info.totalswap)) * unit)
+    })
 }
 
+/// This machine's memory and swap together (see the Linux form): unknown here.
 #[cfg(not(target_os = "linux"))]
-fn machine_can_back(_bytes: usize) -> bool {
-    true
+pub fn machine_memory_bytes() -> Option<u128> {
+    None
 }
 
 #[cfg(target_os = "linux")]
