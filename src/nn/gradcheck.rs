@@ -4,7 +4,7 @@
 //!
 //! The layer runs on its own, as a network runs it (its parameters, their gradients and
 //! its tape held here), with workspaces off: in the managers a network of
-//! [`WorkspaceMode::None`](crate::WorkspaceMode::None) trains in, each role open where a
+//! [`WorkspaceMode::None`] trains in, each role open where a
 //! network's step has it open (`Input`, `Activations` and `FfCache` through the forward
 //! and backward passes, `ActivationGrad` while the input's gradient is written), so that
 //! a layer that trains passes its check (one that keeps a value in `FfCache` for its
