@@ -3,8 +3,9 @@
 //! pass.
 //!
 //! The layer runs on its own, as a network runs it (its parameters, their gradients and
-//! its tape held here), with workspaces off: in the managers a network of
-//! [`WorkspaceMode::None`] trains in, each role open where a
+//! its tape held here), with workspaces off: in managers laid out as those a network of
+//! [`WorkspaceMode::None`] trains in (their heap workspaces its own, so that nothing is
+//! shared with the thread's networks), each role open where a
 //! network's step has it open (`Input`, `Activations` and `FfCache` through the forward
 //! and backward passes, `ActivationGrad` while the input's gradient is written), so that
 //! a layer that trains passes its check (one that keeps a value in `FfCache` for its
@@ -38,8 +39,8 @@ use std::fmt;
 use ndarray::{Array2, Array3, ArrayView2};
 use workspace_core::{ArrayType, LayerWorkspaceMgr};
 
-use super::network::training_mgrs;
-use workspace_core::WorkspaceMode;
+use super::network::{training_mgrs_in, LEARNING};
+use workspace_core::{WorkspaceManager, WorkspaceMode};
 
 use super::layer::{Activations, BackwardCtx, ForwardCtx, GradInput, Layer, Pass, Tape, UninitGradInput};
 use crate::{Error, Result};
@@ -197,7 +198,10 @@ pub fn check_layer(
         _ => {}
     }
     let live = |b: usize, t: usize| mask.as_ref().is_none_or(|m| m[[b, t]] != 0.0);
-    let [mgr, _] = training_mgrs(WorkspaceMode::None)?;
+    // A registry of heap workspaces of the check's own: the layer's roles share them as
+    // a network's do, and nothing is shared with (or left in) the thread's.
+    let heaps = WorkspaceManager::private_heaps();
+    let [mgr, _] = training_mgrs_in(WorkspaceMode::None, LEARNING, Some(&heaps), None)?;
     let mut run = Run { layer, params: params.to_vec(), grads: vec![0.0; params.len()], tape: layer.tape(), mask, mgr };
     let mut x = Owned::of(input);
     // The output's weights: its shape from one forward pass, 0 at padded steps.

@@ -676,6 +676,31 @@ fn a_thread_holding_every_slot_of_a_batch_is_refused_rather_than_waiting_for_its
     });
 }
 
+#[test]
+fn a_thread_that_hands_its_streams_to_others_joins_again_when_they_end() {
+    // A dispatcher: it joins a stream and hands it to a thread of its own, for each
+    // prompt in turn, through a batch of one slot; each join waits for the stream before
+    // it to end, there, even when that thread is slow to take its first step.
+    let model = Arc::new(model(12, 4));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let batch = pool.stream_batch(1, std::time::Duration::from_millis(5)).unwrap();
+    let prompts: [&[u32]; 3] = [&[1, 2], &[3], &[4, 5, 6]];
+    let drawn = std::thread::scope(|scope| {
+        let mut workers = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut stream = batch.join(prompt, Sampling::greedy()).unwrap();
+            workers.push(scope.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50 * i as u64));
+                (0..5).map(|_| stream.next_token().unwrap()).collect::<Vec<u32>>()
+            }));
+        }
+        workers.into_iter().map(|w| w.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (prompt, drawn) in prompts.iter().zip(&drawn) {
+        assert_eq!(drawn, &model.generate(prompt, 5, Sampling::greedy()).unwrap(), "{prompt:?}");
+    }
+}
+
 static ARMED_BATCH: AtomicBool = AtomicBool::new(false);
 
 #[test]

@@ -151,13 +151,20 @@ impl Layer for KeepsCopies {
 #[test]
 fn a_layer_that_keeps_values_in_the_roles_a_network_opens_passes_as_it_trains() {
     let x = flat(4, 3, 9);
-    let report = check_layer(&KeepsCopies, &[], Activations::Flat(x.view()), None, &GradCheck::default()).unwrap();
+    let check = || check_layer(&KeepsCopies, &[], Activations::Flat(x.view()), None, &GradCheck::default()).unwrap();
+    let report = check();
     assert!(report.passed() && report.checked == 12, "{report}");
-    // And a network trains it, workspaces off as the check runs it.
+    // The check's workspaces are its own: nothing is left in the thread's.
+    assert!(carve::WorkspaceManager::heaps().ids().is_empty(), "{:?}", carve::WorkspaceManager::heaps().ids());
+    // And a network trains it, workspaces off as the check runs it, whatever their
+    // configuration (a check beside it shares nothing with it).
     let config = carve::nn::NetworkConfig::builder(3).dense(3).layer(KeepsCopies).dense(2);
-    let config = config.training_workspace_mode(carve::WorkspaceMode::None).seed(1).build().unwrap();
+    let config = config.training_workspace_mode(carve::WorkspaceMode::None);
+    let config = config.workspace_learning(carve::LearningPolicy::None).seed(1).build().unwrap();
     let mut net = carve::nn::Network::new(config).unwrap();
     let y = ndarray::Array1::from(vec![0u32, 1, 0, 1]);
+    assert!(net.fit_batch(x.view(), y.view()).unwrap().is_finite());
+    assert_eq!(check().checked, 12);
     assert!(net.fit_batch(x.view(), y.view()).unwrap().is_finite());
 }
 

@@ -123,7 +123,37 @@ impl WorkspaceManager {
         WorkspaceManager { registry: HEAPS.with(Rc::clone) }
     }
 
-    /// Whether this is a thread's registry of heap workspaces ([`WorkspaceManager::heaps`]).
+    /// A registry of heap workspaces of its own: as [`WorkspaceManager::heaps`], but
+    /// shared with nothing else. Managers built with
+    /// [`workspaces_off`](crate::LayerWorkspaceMgrBuilder::workspaces_off) and
+    /// [`in_manager`](crate::LayerWorkspaceMgrBuilder::in_manager) of it share its
+    /// workspaces by name among themselves, and neither see nor leave anything in the
+    /// thread's (a tool that runs a user's layer as a network with workspaces off
+    /// would, without clashing with the user's own networks' configurations).
+    ///
+    /// ```
+    /// use workspace_core::{WorkspaceConfig, WorkspaceManager};
+    ///
+    /// let own = WorkspaceManager::private_heaps();
+    /// own.get_or_create("ACT (heap)", &WorkspaceConfig::default())?;
+    /// assert!(own.is_heaps() && own.exists("ACT (heap)"));
+    /// assert!(!WorkspaceManager::heaps().exists("ACT (heap)"));
+    /// # Ok::<(), workspace_core::Error>(())
+    /// ```
+    pub fn private_heaps() -> WorkspaceManager {
+        WorkspaceManager {
+            registry: Rc::new(Registry {
+                workspaces: RefCell::new(Vec::new()),
+                debug: RefCell::new(Ok(DebugMode::SpillEverything)),
+                overridden: Cell::new(true),
+                shape_only: false,
+                heap: true,
+            }),
+        }
+    }
+
+    /// Whether this is a registry of heap workspaces ([`WorkspaceManager::heaps`],
+    /// [`WorkspaceManager::private_heaps`]).
     pub fn is_heaps(&self) -> bool {
         self.registry.heap
     }

@@ -517,7 +517,7 @@ impl NetworkConfigBuilder {
 /// largest of their first 16 cycles (working memory and gradient workspaces see cycles
 /// of different sizes within one iteration, as DL4J's `cyclesBeforeInitialization`
 /// accounts for).
-const LEARNING: LearningPolicy = LearningPolicy::OverTime { cycles: 16 };
+pub(crate) const LEARNING: LearningPolicy = LearningPolicy::OverTime { cycles: 16 };
 
 /// The configuration of every enabled network workspace: sized from the largest of the
 /// first 16 cycles, growing once more if a later cycle is larger (a bigger batch), never
@@ -586,6 +586,9 @@ pub(crate) fn training_mgrs_in(
         // Workspaces off: the same names, each the thread's heap workspace of that name,
         // so that what succeeds with them on succeeds with them off.
         let builder = match (mode, registry) {
+            (WorkspaceMode::None, Some(heaps)) if heaps.is_heaps() => {
+                LayerWorkspaceMgr::builder().workspaces_off().in_manager(heaps)
+            }
             (WorkspaceMode::None, _) => LayerWorkspaceMgr::builder().workspaces_off(),
             (_, Some(registry)) => LayerWorkspaceMgr::builder().in_manager(registry),
             (_, None) => LayerWorkspaceMgr::builder(),

@@ -35,11 +35,12 @@ pub(crate) use batch::shape_key;
 pub(crate) use batch::{check_labels, lease_input, lease_labels, loss_input, standard_labels, training_input};
 pub use batch::{Input, Labels};
 pub(crate) use config::inference_builder;
-use config::{inference_mgr, training_mgrs_in};
+use config::inference_mgr;
 pub use config::{
     names, planned_workspace_config, workspace_config, workspace_config_with, NetworkConfig, NetworkConfigBuilder,
 };
 pub(crate) use config::{training_mgrs, WorkspaceLayout};
+pub(crate) use config::{training_mgrs_in, LEARNING};
 pub use dry::{BatchShape, DryPass, MemoryEstimate, PassEstimate, Shortfall};
 pub(crate) use infer::probabilities;
 pub(crate) use train::{counted, fit_epoch, fit_pairs};

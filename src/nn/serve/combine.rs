@@ -42,6 +42,12 @@ use async_iter::sync::{self, Condvar, Deadline, Mutex, ThreadId};
 
 use crate::{Error, Result};
 
+/// How long a join with no timeout waits while every slot holds a stream of its own
+/// thread (or a forgotten one) before it is refused as a wait for itself
+/// ([`Combiner::reserve`]): long enough for streams the thread handed to others to take
+/// a step there (which makes them those threads').
+pub(crate) const SELF_WAIT_GRACE: Duration = Duration::from_secs(1);
+
 /// The engine and the buffers of the batch it runs, moved out of the lock together.
 struct Held<E> {
     engine: E,
@@ -172,22 +178,41 @@ impl<E> Combiner<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidInput`] when there is no deadline and every slot is the calling
-    /// thread's (its streams, or forgotten ones): it would wait for itself.
+    /// [`Error::InvalidInput`] when there is no deadline and every slot has been the
+    /// calling thread's (its streams, or forgotten ones) for [`SELF_WAIT_GRACE`] with
+    /// none of them freed: it would wait for itself. (A stream moved to another thread
+    /// counts as this thread's until it steps there: the grace lets a thread that hands
+    /// its streams to others join again once they have.)
     pub(crate) fn reserve(&self, deadline: Option<Deadline>) -> Result<Option<usize>> {
         let mut state = sync::lock(&self.state);
+        // Since when every slot has been this thread's, with no slot freed.
+        let mut mine_since: Option<Deadline> = None;
         loop {
             if let Some(s) = state.slots.iter().position(|s| matches!(s, Slot::Vacant)) {
                 state.slots[s] = Slot::Idle;
                 return Ok(Some(s));
             }
             let me = Some(sync::current().id());
+            let all_mine = state.owners.iter().all(|&owner| owner == me);
+            if !all_mine {
+                mine_since = None;
+            }
             state = match deadline {
-                None if state.owners.iter().all(|&owner| owner == me) => {
-                    return Err(Error::InvalidInput(format!(
-                        "every slot of the stream batch ({}) holds a stream of this thread (or a forgotten one), so                          waiting for one to come free would wait for itself: drop a stream first, or use join_timeout",
-                        state.slots.len()
-                    )))
+                None if all_mine => {
+                    let grace = *mine_since.get_or_insert_with(|| Deadline::after(SELF_WAIT_GRACE));
+                    match grace.remaining() {
+                        // A slot freed wakes this wait; a stream stepping on another
+                        // thread is seen when it ends.
+                        Some(left) => sync::wait_timeout(&self.vacated, state, left),
+                        None => {
+                            return Err(Error::InvalidInput(format!(
+                                "every slot of the stream batch ({}) holds a stream of this thread (or a forgotten \
+                                 one), and none came free in {SELF_WAIT_GRACE:?}: waiting for one would wait for \
+                                 itself; drop a stream first, or use join_timeout",
+                                state.slots.len()
+                            )))
+                        }
+                    }
                 }
                 None => sync::wait(&self.vacated, state),
                 Some(deadline) => match deadline.remaining() {

@@ -1204,9 +1204,10 @@ impl<'p> StreamBatch<'p> {
     /// # Errors
     ///
     /// As [`Model::stream`]; [`Error::InvalidInput`] when every slot holds a stream
-    /// this thread joined with or last stepped (its own, or forgotten ones), rather than
-    /// waiting for a slot only this thread could free ([`StreamBatch::join_timeout`]
-    /// waits its timeout whoever holds them).
+    /// this thread joined with or last stepped (its own, or forgotten ones) and none
+    /// came free in a second, rather than waiting for good for a slot only this thread
+    /// could free (a stream handed to another thread is that thread's once it steps
+    /// there; [`StreamBatch::join_timeout`] waits its timeout whoever holds them).
     pub fn join(&self, prompt: &[u32], sampling: Sampling) -> Result<BatchedStream<'_, 'p>> {
         self.join_by(prompt, sampling, None)
     }
