@@ -348,7 +348,7 @@ fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, Str
     Ok(GenerateRequest { prompt: prompt.to_string(), tokens, temperature, top_k, seed: whole("seed")? })
 }
 
-/// `POST /predict`: the body read and checked, the rows run through the pool on a
+/// `POST /predict`: the body read, then parsed, checked and run through the pool on a
 /// blocking thread.
 async fn predict(
     State(app): State<Arc<App>>,
@@ -358,20 +358,27 @@ async fn predict(
 ) -> Result<Response, ApiError> {
     let deadline = arrived + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
-    let x = parse_inputs(&body, app.pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
-
+    // The body parsed, run and answered on a blocking thread: a body of the largest size
+    // takes milliseconds to parse, which no runtime thread (serving every connection)
+    // spends.
     let pool = Arc::clone(&app.pool);
-    let inference = tokio::task::spawn_blocking(move || {
-        // Never longer than the request may take: past it, no one reads the answer.
-        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let mut probabilities = Array2::zeros((x.nrows(), pool.model().classes()));
-        pool.output_timeout(x.view(), probabilities.view_mut(), wait).map(|()| probabilities)
-    });
-    let probabilities = match inference.await {
-        Ok(Ok(probabilities)) => probabilities,
-        Ok(Err(e)) => return Err(ApiError::new(status_of(&e), e.to_string())),
-        Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
-    };
+    let answered = tokio::task::spawn_blocking(move || answer_predict(&pool, &body, deadline));
+    match answered.await {
+        Ok(Ok(answer)) => Ok(json(StatusCode::OK, answer)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
+    }
+}
+
+/// `POST /predict`'s answer to `body`, computed by `pool` before `deadline`: its JSON, or
+/// the error to answer with.
+fn answer_predict(pool: &InferencePool, body: &[u8], deadline: Instant) -> Result<String, ApiError> {
+    let x = parse_inputs(body, pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
+    // Never longer than the request may take: past it, no one reads the answer.
+    let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut probabilities = Array2::zeros((x.nrows(), pool.model().classes()));
+    pool.output_timeout(x.view(), probabilities.view_mut(), wait)
+        .map_err(|e| ApiError::new(status_of(&e), e.to_string()))?;
     // Finite inputs the model carries past f32 (it overflows): its failure, not the
     // client's, and never probabilities of `null`.
     if let Some((at, p)) = probabilities.indexed_iter().find(|(_, p)| !p.is_finite()) {
@@ -399,7 +406,7 @@ async fn predict(
     // to f64 as a `serde_json::Value` would.
     let classes = serde_json::to_string(&classes).expect("numbers");
     let rows = serde_json::to_string(&rows).expect("finite numbers");
-    Ok(json(StatusCode::OK, format!("{{\"classes\":{classes},\"probabilities\":{rows}}}")))
+    Ok(format!("{{\"classes\":{classes},\"probabilities\":{rows}}}"))
 }
 
 /// The answer to a body that could not be read: too large (the client sent more than

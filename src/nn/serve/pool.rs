@@ -25,7 +25,10 @@ pub struct PoolStats {
     pub workers: usize,
     /// `"direct"` or `"batched"`.
     pub mode: &'static str,
-    /// Arenas leased: one per direct request or lease, one per batch.
+    /// Arenas leased: one per direct request or lease; batched, one per batch, and one
+    /// per lease a worker took for requests that another worker's batch had taken
+    /// meanwhile (every idle worker wakes for a request, and leases before it takes rows,
+    /// so that no request's rows wait on an arena).
     pub leases: u64,
     /// Leases that found every arena in use and waited.
     pub waited: u64,
