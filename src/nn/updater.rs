@@ -126,7 +126,16 @@ pub(crate) struct UpdaterState {
 }
 
 impl UpdaterState {
-    /// A fresh state for `total` parameter values.
+    /// How many buffers of one value per parameter [`UpdaterState::new`] makes for
+    /// `updater`: SGD's velocity, or Adam's two moments.
+    pub(crate) fn buffers(updater: Updater) -> usize {
+        match updater {
+            Updater::Adam { .. } | Updater::AdamW { .. } => 2,
+            Updater::Sgd { .. } => 1,
+        }
+    }
+
+    /// A fresh state for `total` parameter values (its [`UpdaterState::buffers`]).
     ///
     /// # Errors
     ///
@@ -134,9 +143,9 @@ impl UpdaterState {
     pub(crate) fn new(updater: Updater, total: usize) -> Result<UpdaterState> {
         let what = || format!("the updater's state of {total} parameter values (check the layer widths)");
         let first = config_filled(total, 0.0, what)?;
-        let second = match updater {
-            Updater::Adam { .. } | Updater::AdamW { .. } => config_filled(total, 0.0, what)?,
-            Updater::Sgd { .. } => Vec::new(),
+        let second = match UpdaterState::buffers(updater) {
+            2 => config_filled(total, 0.0, what)?,
+            _ => Vec::new(),
         };
         // Zero moments: the bounds of a first step are known.
         Ok(UpdaterState { updater, step: 0, first, second, moments: Some(Moments::default()) })

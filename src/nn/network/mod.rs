@@ -189,13 +189,8 @@ impl Network {
         let layout = Params::of(inputs, &layers)?;
         let total = layout.layout.total;
         let what = || format!("the network's {total} parameter values (check the layer widths)");
-        // The parameters, their gradients and the updater's state (one buffer, two for
-        // Adam), all of them held at once.
-        let buffers = match updater {
-            Updater::Adam { .. } | Updater::AdamW { .. } => 4,
-            Updater::Sgd { .. } => 3,
-        };
-        check_machine_holds(total, buffers, what)?;
+        // The parameters, their gradients and the updater's state, all held at once.
+        check_machine_holds(total, 2 + UpdaterState::buffers(updater), what)?;
         let mut params = config_filled(total, 0.0, what)?;
         let mut rng = Rng::new(seed);
         let mut init = Init::new(&mut rng);
@@ -646,8 +641,6 @@ pub(crate) fn training_workspaces(train: &[LayerWorkspaceMgr; 2]) -> impl Iterat
     train[0].workspaces().chain(train[1].workspace(ArrayType::ActivationGrad))
 }
 
-/// Checks a batch for a network of `inputs` input columns: its features, no empty batch
-/// or sequence, a features mask of the batch's shape holding 0 and 1 only.
 /// A network's first layer, as a batch's check needs it (whether it reads token ids,
 /// [`Layer::reads_tokens`], and its name for the error).
 #[derive(Clone, Copy)]
