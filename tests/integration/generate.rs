@@ -677,6 +677,36 @@ fn a_thread_holding_every_slot_of_a_batch_is_refused_rather_than_waiting_for_its
 }
 
 #[test]
+fn reading_a_streams_state_does_not_put_off_the_step_that_waits_for_it() {
+    // A stream that does not step delays the others' steps by at most the batch's wait,
+    // however often its thread reads its window meanwhile.
+    let model = Arc::new(model(12, 4));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    let wait = std::time::Duration::from_millis(200);
+    let batch = pool.stream_batch(2, wait).unwrap();
+    std::thread::scope(|scope| {
+        let (joined, ready) = std::sync::mpsc::channel();
+        let batch = &batch;
+        scope.spawn(move || {
+            let reader = batch.join(&[1], Sampling::greedy()).unwrap();
+            joined.send(()).unwrap();
+            let started = std::time::Instant::now();
+            while started.elapsed() < std::time::Duration::from_millis(1500) {
+                assert_eq!(reader.window().unwrap(), &[1]);
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        });
+        ready.recv().unwrap();
+        let mut stepped = batch.join(&[2, 3], Sampling::greedy()).unwrap();
+        let started = std::time::Instant::now();
+        let token = stepped.next_token().unwrap();
+        let took = started.elapsed();
+        assert!(took < wait * 4, "the step waited {took:?} (the batch's wait is {wait:?})");
+        assert_eq!(token, model.generate(&[2, 3], 1, Sampling::greedy()).unwrap()[0]);
+    });
+}
+
+#[test]
 fn a_thread_that_hands_its_streams_to_others_joins_again_when_they_end() {
     // A dispatcher: it joins a stream and hands it to a thread of its own, for each
     // prompt in turn, through a batch of one slot; each join waits for the stream before

@@ -165,3 +165,44 @@ fn batches_of_the_wrong_type_or_width_are_errors_and_nothing_is_trained() {
     net.fit(&mut good).unwrap();
     assert_eq!(net.iterations(), 2, "the network stays usable");
 }
+
+/// Flat batches with a mask of `role` over their rows.
+struct Masked {
+    role: async_iter::Role,
+}
+
+impl BatchSource for Masked {
+    fn next_layout(&mut self, index: usize) -> Result<Option<BatchLayout>, SourceError> {
+        let layout = BatchLayout::new().features::<f32, _>((4, 6)).labels::<u32, _>(4);
+        let layout = match self.role {
+            async_iter::Role::LabelsMask => layout.labels_mask::<f32, _>(4),
+            _ => layout.features_mask::<f32, _>(4),
+        };
+        Ok((index < 2).then_some(layout))
+    }
+
+    fn fill(&mut self, batch: &mut BatchMut<'_>) -> Result<(), SourceError> {
+        batch.features::<f32, Ix2>()?.fill(0.5);
+        batch.labels::<u32, Ix1>()?.fill(1);
+        let mut mask = batch.array::<f32, Ix1>(self.role)?;
+        mask.assign(&ndarray::arr1(&[1.0, 1.0, 0.0, 0.0]));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_mask_over_flat_rows_is_refused_rather_than_trained_on_as_if_every_row_counted() {
+    for (role, named) in
+        [(async_iter::Role::LabelsMask, "labels mask"), (async_iter::Role::FeaturesMask, "features mask")]
+    {
+        let mut net = network(WorkspaceMode::Enabled);
+        let mut batches = Prefetcher::builder(Masked { role }).build().unwrap();
+        let err = net.fit(&mut batches).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{role:?}: {err:?}");
+        assert!(err.to_string().contains(named), "{err}");
+        assert_eq!(net.iterations(), 0, "{role:?}: a masked batch was trained on");
+        let mut batches = Prefetcher::builder(Masked { role }).build().unwrap();
+        let err = net.evaluate_batches(&mut batches).unwrap_err();
+        assert!(err.to_string().contains(named), "{err}");
+    }
+}

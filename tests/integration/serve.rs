@@ -556,6 +556,12 @@ fn warm_up_from_a_thread_that_holds_a_lease_is_an_error_not_a_hang() {
         let warm = s.spawn(|| pool.warm_up(x.view()));
         std::thread::sleep(Duration::from_millis(20));
         assert!(matches!(pool.try_lease(), Err(Error::PoolBusy { .. })));
+        // This thread's own warm-up is refused, not queued behind the other one (which
+        // waits for the arena this thread holds).
+        match pool.warm_up(x.view()) {
+            Err(Error::InvalidInput(message)) => assert!(message.contains("holds a lease"), "{message}"),
+            other => panic!("expected an error, got {other:?}"),
+        }
         drop(held);
         warm.join().unwrap().unwrap();
     });
@@ -698,6 +704,12 @@ fn a_batched_requests_timeout_holds_while_every_arena_is_leased() {
         assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
         // Well before the arena comes back (3 s), even under valgrind.
         assert!(start.elapsed() < Duration::from_secs(2), "returned after {:?}", start.elapsed());
+        // A request that may not wait is refused while another caller holds every
+        // arena, not queued until it gives it back.
+        let start = std::time::Instant::now();
+        let busy = pool.try_output(x.view(), out.view_mut());
+        assert!(matches!(busy, Err(Error::PoolBusy { arenas: 1 })), "{busy:?}");
+        assert!(start.elapsed() < Duration::from_secs(2), "refused after {:?}", start.elapsed());
         holder.join().unwrap();
     });
     pool.output_timeout(x.view(), out.view_mut(), Duration::from_secs(20)).unwrap();

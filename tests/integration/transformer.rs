@@ -1045,3 +1045,45 @@ fn a_users_token_layer_is_dry_run_with_token_ids_and_must_come_first() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_gpt_fits_over_token_windows_with_the_bits_of_fit_batch_on_the_same_windows() {
+    use carve::async_iter::{Prefetcher, TokenWindows};
+    use carve::nn::{Input, Labels, Network, Updater};
+    use ndarray::Ix2;
+    let text: Vec<u32> = (0..400).map(|i| ((i * 7 + i / 5) % 13) as u32).collect();
+    let source = || TokenWindows::new(text.clone(), 12, 4, 3).unwrap().seeded(3);
+    let config = || tiny_gpt(13, 16, 2, 16, 2).updater(Updater::adam(1e-2)).seed(4).build().unwrap();
+    let (mut fitted, mut direct) = (Network::new(config()).unwrap(), Network::new(config()).unwrap());
+    let mut batches = Prefetcher::builder(source()).build().unwrap();
+    let mut copies = Prefetcher::builder(source()).build().unwrap();
+    for epoch in 0..3 {
+        let mean = fitted.fit(&mut batches).unwrap();
+        let (mut sum, mut count) = (0.0f64, 0);
+        while let Some(batch) = copies.next() {
+            let batch = batch.unwrap();
+            let (x, y) = (batch.features::<u32, Ix2>().unwrap(), batch.labels::<u32, Ix2>().unwrap());
+            sum += f64::from(direct.fit_batch(Input::tokens(x), Labels::from(y)).unwrap());
+            count += 1;
+        }
+        copies.reset().unwrap();
+        assert_eq!(count, 3);
+        assert_eq!(mean.to_bits(), ((sum / 3.0) as f32).to_bits(), "epoch {epoch}");
+    }
+    assert_eq!(fitted.iterations(), 9);
+    // Evaluation over the same windows: the accuracy of the network's own outputs.
+    let (mut right, mut steps) = (0usize, 0usize);
+    while let Some(batch) = copies.next() {
+        let batch = batch.unwrap();
+        let (x, y) = (batch.features::<u32, Ix2>().unwrap(), batch.labels::<u32, Ix2>().unwrap());
+        let probs = fitted.output(Input::tokens(x)).unwrap();
+        for (row, &label) in probs.rows().into_iter().zip(y.iter()) {
+            let best = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+            right += usize::from(best == label as usize);
+            steps += 1;
+        }
+    }
+    let accuracy = fitted.evaluate_batches(&mut batches).unwrap();
+    assert_eq!(steps, 3 * 4 * 12);
+    assert_eq!(accuracy, right as f64 / steps as f64);
+}

@@ -3,6 +3,7 @@
 //! zeroed) and the key of its plan, which must follow those decisions
 //! ([`shape_key`]), and batches leased from a prefetcher.
 
+use async_iter::Role;
 use ndarray::{s, ArrayView1, ArrayView2, ArrayView3, Axis, Ix1, Ix2, Ix3, IxDyn, Slice, Zip};
 use workspace_core::{freeze, Scope};
 
@@ -466,6 +467,13 @@ pub(super) fn steps_as_rows(logits: ArrayView3<'_, f32>) -> Result<ArrayView2<'_
 pub(crate) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Labels<'b>> {
     let labels = batch.labels::<u32, IxDyn>()?;
     match labels.ndim() {
+        // A label per example has no mask to weigh it by: a mask is refused rather than
+        // trained on as if every row held an example.
+        1 if batch.layout().has(Role::LabelsMask) => Err(Error::InvalidInput(
+            "a prefetched batch has a labels mask over labels per example ([batch]): the network weighs labels by \
+             a mask only per step ([batch, time]); leave the padded rows out of the batch instead"
+                .into(),
+        )),
         1 => Ok(Labels::PerExample(labels.into_dimensionality::<Ix1>().map_err(|_| dims(1))?)),
         2 => Ok(Labels::PerStep {
             labels: labels.into_dimensionality::<Ix2>().map_err(|_| dims(2))?,
@@ -478,10 +486,21 @@ pub(crate) fn lease_labels<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Label
 }
 
 /// The network's input from a prefetched batch: features `[batch, features]`, or
-/// `[batch, time, features]` with the batch's features mask, of `f32`.
+/// `[batch, time, features]` with the batch's features mask, of `f32`; or token ids
+/// `[batch, time]` of `u32` with the batch's features mask (what
+/// [`TokenWindows`](crate::async_iter::TokenWindows) gives).
 pub(crate) fn lease_input<'b>(batch: &'b async_iter::Lease<'_>) -> Result<Input<'b>> {
+    let masked = batch.layout().has(Role::FeaturesMask);
+    if batch.layout().spec(Role::Features).is_some_and(|spec| spec.element() == async_iter::ElementType::of::<u32>()) {
+        return Ok(Input::Tokens { ids: batch.features::<u32, Ix2>()?, mask: batch.features_mask::<f32, Ix2>()? });
+    }
     let features = batch.features::<f32, IxDyn>()?;
     match features.ndim() {
+        2 if masked => Err(Error::InvalidInput(
+            "a prefetched batch has a features mask over flat features ([batch, features]): the network masks \
+             steps of sequences ([batch, time, features]) only; leave the padded rows out of the batch instead"
+                .into(),
+        )),
         2 => Ok(Input::Flat(features.into_dimensionality::<Ix2>().map_err(|_| dims(2))?)),
         3 => Ok(Input::Sequences {
             features: features.into_dimensionality::<Ix3>().map_err(|_| dims(3))?,

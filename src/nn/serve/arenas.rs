@@ -10,7 +10,7 @@ use workspace_core::planned::PortableMgr;
 use workspace_core::LayerWorkspaceMgr;
 
 use super::stack::ArenaStack;
-pub(crate) use super::turns::{Counters, Wait};
+pub(crate) use super::turns::{warms_up_while_holding, Counters, Wait};
 use super::turns::{Turns, STARVING_AFTER};
 use crate::nn::network::inference_builder;
 use crate::{Error, Result};
@@ -147,9 +147,32 @@ impl Arenas {
         Ok(self.guard(index))
     }
 
+    /// [`Arenas::lease`] for a batch worker, which runs a batch of requests in the arena
+    /// (see [`Arenas::all_held_by_callers`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Arenas::lease`].
+    pub(crate) fn lease_for_batch(&self, wait: Wait) -> Result<ArenaGuard<'_>> {
+        let index = self.turns.lease_by(wait, &self.counters, true)?;
+        self.counters.leases.fetch_add(1, Ordering::Relaxed);
+        Ok(self.guard(index))
+    }
+
+    /// Whether callers hold every arena, no batch worker one (see
+    /// [`Turns::all_held_by_callers`]).
+    pub(crate) fn all_held_by_callers(&self) -> bool {
+        self.turns.all_held_by_callers()
+    }
+
     /// Whether the calling thread holds every arena (see [`Turns::all_held_here`]).
     pub(crate) fn all_held_here(&self) -> bool {
         self.turns.all_held_here()
+    }
+
+    /// Whether the calling thread holds any arena (see [`Turns::any_held_here`]).
+    pub(crate) fn any_held_here(&self) -> bool {
+        self.turns.any_held_here()
     }
 
     /// Arena `index` for a warm-up (see [`Turns::reserve`]).

@@ -212,7 +212,11 @@ impl Batcher {
     /// A worker thread's body: runs batches of `model` in `arenas` until the close (see
     /// [`Batcher::work`]).
     pub(crate) fn serve(&self, buffers: BatchBuffers, arenas: &Arenas, model: &Model) {
-        self.work(buffers, || arenas.lease(Wait::Forever), |arena, x, scatter| run_in_arena(model, arena, x, scatter));
+        self.work(
+            buffers,
+            || arenas.lease_for_batch(Wait::Forever),
+            |arena, x, scatter| run_in_arena(model, arena, x, scatter),
+        );
     }
 
     pub(crate) fn counts(&self) -> (u64, u64) {
@@ -239,6 +243,12 @@ impl Batcher {
         // them all.
         if !matches!(wait, Wait::For(_)) && arenas.all_held_here() {
             return Err(Error::InvalidInput(waits_for_itself()));
+        }
+        // A request that may not wait is refused while callers hold every arena: queued,
+        // it would wait for one of them to give theirs back, for as long as they hold it.
+        if matches!(wait, Wait::No) && arenas.all_held_by_callers() {
+            arenas.counters.busy.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::PoolBusy { arenas: arenas.len() });
         }
         let Input::Flat(x) = x else {
             return Err(Error::InvalidInput(

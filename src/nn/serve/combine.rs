@@ -254,8 +254,10 @@ impl<E> Combiner<E> {
         let result = catch_unwind(AssertUnwindSafe(|| f(&mut held.engine)));
         let mut state = sync::lock(&self.state);
         state.held = Some(held);
-        // As after a batch: steps queued meanwhile wait for the rest from now.
-        if state.slots.iter().any(|s| matches!(s, Slot::Requested)) {
+        // Steps queued meanwhile keep the deadline they queued with (set then, if none
+        // was): callers that read a slot's state or join more often than `max_wait`
+        // would otherwise put off a waiting batch for as long as they go on.
+        if state.due.is_none() && state.slots.iter().any(|s| matches!(s, Slot::Requested)) {
             state.due = Some(Deadline::after(self.max_wait));
         }
         drop(state);

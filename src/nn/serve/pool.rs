@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
-use super::arenas::{ArenaGuard, Arenas, StreamArena, Wait};
+use super::arenas::{warms_up_while_holding, ArenaGuard, Arenas, StreamArena, Wait};
 use super::batcher::{BatchBuffers, Batcher};
 use super::config::{PoolConfig, PoolMode};
 use super::model::{Model, SERVING_PLANS};
@@ -330,7 +330,8 @@ impl InferencePool {
     }
 
     /// As [`InferencePool::output_into`], refusing at once when every arena is busy
-    /// (batched: when `max_queued_rows` rows already wait).
+    /// (batched: when `max_queued_rows` rows already wait, or when callers' leases and
+    /// streams hold every arena, so that no batch could run until one of them ends).
     ///
     /// # Errors
     ///
@@ -429,6 +430,11 @@ impl InferencePool {
             // What a batched pool says of a sequence.
             (Some(_), sequences) => return self.output(sequences).map(drop),
         };
+        // Refused before it queues behind another warm-up, which may be waiting for an
+        // arena this thread holds.
+        if self.shared.arenas.any_held_here() {
+            return Err(Error::InvalidInput(warms_up_while_holding()));
+        }
         let _one_at_a_time = self.shared.warming.lock().unwrap_or_else(PoisonError::into_inner);
         // One arena at a time, outside the free list: a warm-up holds nothing while it
         // waits, so it cannot deadlock with callers that hold leases.

@@ -59,6 +59,13 @@ pub(crate) fn waits_for_itself() -> String {
         .into()
 }
 
+/// What a warm-up from a thread that holds an arena is told.
+pub(crate) fn warms_up_while_holding() -> String {
+    "warm_up called from a thread that holds a lease of this pool (a PoolLease, a stream, or a request's closure): \
+     it would wait for itself; drop the lease first"
+        .into()
+}
+
 /// How long a pool's waiter may wait before the arenas go round in turn.
 pub(crate) const STARVING_AFTER: Duration = Duration::from_millis(1);
 
@@ -84,6 +91,9 @@ struct Free {
     starving: bool,
     /// The thread holding each index (a warm-up must not wait for its own thread).
     holders: Vec<Option<ThreadId>>,
+    /// Whether each index is held by a batch worker (a batch of requests runs in it), not
+    /// by a caller's lease or stream.
+    by_worker: Vec<bool>,
     /// The index a warm-up waits for, and whether it was given to it.
     wanted: Option<usize>,
     reserved: bool,
@@ -138,6 +148,7 @@ impl Turns {
                 closed: false,
                 starving: false,
                 holders: vec![None; k],
+                by_worker: vec![false; k],
                 wanted: None,
                 reserved: false,
             }),
@@ -164,6 +175,15 @@ impl Turns {
     /// [`Error::Timeout`] as `wait` says; [`Error::InvalidInput`] when it would wait
     /// without a deadline while the calling thread holds every index.
     pub(crate) fn lease(&self, wait: Wait, counters: &Counters) -> Result<usize> {
+        self.lease_by(wait, counters, false)
+    }
+
+    /// [`Turns::lease`] for a batch worker (`worker`) or a caller.
+    ///
+    /// # Errors
+    ///
+    /// As [`Turns::lease`].
+    pub(crate) fn lease_by(&self, wait: Wait, counters: &Counters, worker: bool) -> Result<usize> {
         let mut free = self.free();
         if free.closed {
             return Err(Error::PoolClosed);
@@ -175,6 +195,7 @@ impl Turns {
         };
         let index = index?;
         free.holders[index] = Some(sync::current().id());
+        free.by_worker[index] = worker;
         Ok(index)
     }
 
@@ -211,16 +232,13 @@ impl Turns {
             }
             if free.holders[index] == Some(me) {
                 free.wanted = None;
-                return Err(Error::InvalidInput(
-                    "warm_up called from a thread that holds a lease of this pool: it would wait for itself; drop \
-                     the lease first"
-                        .into(),
-                ));
+                return Err(Error::InvalidInput(warms_up_while_holding()));
             }
             free.wanted = Some(index);
             free = sync::wait(&self.warm, free);
         }
         free.holders[index] = Some(me);
+        free.by_worker[index] = false;
         Ok(())
     }
 
@@ -312,6 +330,20 @@ impl Turns {
         (free, outcome)
     }
 
+    /// Whether every index is held by callers (leases, streams, warm-ups), none by a batch
+    /// worker: then a batch queued now waits for a caller to give one back.
+    pub(crate) fn all_held_by_callers(&self) -> bool {
+        let free = self.free();
+        free.holders.iter().zip(&free.by_worker).all(|(holder, &worker)| holder.is_some() && !worker)
+    }
+
+    /// Whether the calling thread holds any index: then a warm-up, which waits for each
+    /// index in turn, would wait for itself.
+    pub(crate) fn any_held_here(&self) -> bool {
+        let me = sync::current().id();
+        self.free().holders.contains(&Some(me))
+    }
+
     /// Whether the calling thread holds every index: then a request that needs one and
     /// waits without a deadline would wait for itself.
     pub(crate) fn all_held_here(&self) -> bool {
@@ -333,6 +365,7 @@ impl Turns {
     pub(crate) fn give_back(&self, index: usize) {
         let mut free = self.free();
         free.holders[index] = None;
+        free.by_worker[index] = false;
         if free.wanted == Some(index) && !free.reserved {
             // A warm-up waits for this one.
             free.reserved = true;
