@@ -200,3 +200,84 @@ fn a_custom_layer_with_an_owned_ndarray_result_fails_the_check() {
     let message = payload.downcast_ref::<String>().expect("a formatted message");
     assert!(message.starts_with("1 heap allocation (64 bytes)"), "{message}");
 }
+
+/// A layer that passes its input on, or panics while its switch is on.
+struct Trips(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Layer for Trips {
+    fn name(&self) -> &str {
+        "trips"
+    }
+
+    fn output_size(&self, inputs: usize) -> carve::Result<usize> {
+        Ok(inputs)
+    }
+
+    fn forward_rows<'a>(
+        &self,
+        _params: &[f32],
+        input: ArrayView2<'a, f32>,
+        ctx: &ForwardCtx<'a, '_>,
+    ) -> carve::Result<ArrayView2<'a, f32>> {
+        assert!(!self.0.load(std::sync::atomic::Ordering::Relaxed), "the layer tripped");
+        let mut out = ctx.activations.zeros::<f32, _>(input.raw_dim())?;
+        out.assign(&input);
+        Ok(freeze(out))
+    }
+
+    fn backward_rows(
+        &self,
+        _params: &[f32],
+        _grads: &mut [f32],
+        pass: RowsPass<'_>,
+        grad_input: Option<ArrayViewMut2<'_, f32>>,
+        _ctx: &BackwardCtx<'_>,
+    ) -> carve::Result<()> {
+        if let Some(mut grad_input) = grad_input {
+            grad_input.assign(&pass.grad_output);
+        }
+        Ok(())
+    }
+}
+
+/// Issue: a recorded iteration whose layer panicked (or whose recorder could not be
+/// attached to every workspace) left the training workspaces recording into a trace no
+/// one read: every later step appended its events, and allocated as the trace grew.
+#[test]
+fn a_recorded_step_that_panics_leaves_no_workspace_recording() {
+    let (x, y) = data(32);
+    let switch = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let config = NetworkConfig::builder(12)
+        .dense(16)
+        .layer(Trips(switch.clone()))
+        .relu()
+        .dense(4)
+        .seed(5)
+        .training_workspace_mode(WorkspaceMode::Enabled)
+        .build()
+        .unwrap();
+    let mut net = Network::new(config).unwrap();
+    for _ in 0..3 {
+        net.fit_batch(x.view(), y.view()).unwrap();
+    }
+    net.record_next_iteration();
+    switch.store(true, std::sync::atomic::Ordering::Relaxed);
+    let tripped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| net.fit_batch(x.view(), y.view())));
+    assert!(tripped.is_err(), "the layer panics");
+    switch.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert!(net.recorded_iteration().is_none(), "nothing was recorded");
+    for _ in 0..3 {
+        net.fit_batch(x.view(), y.view()).unwrap();
+    }
+    // Enough steps that a trace still attached would have grown (and allocated).
+    let guard = AllocationGuard::begin().unwrap();
+    for _ in 0..scaled(500) {
+        net.fit_batch(x.view(), y.view()).unwrap();
+    }
+    let report = guard.finish();
+    assert!(report.is_none(), "steps after the panicked recording allocated: {report}");
+    // Recording works again, and holds one step's events.
+    net.record_next_iteration();
+    net.fit_batch(x.view(), y.view()).unwrap();
+    assert!(!net.recorded_iteration().expect("recorded").events().is_empty());
+}

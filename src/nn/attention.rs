@@ -89,8 +89,12 @@ impl Layout {
         2 * self.steps + if self.recompute { 0 } else { self.steps * self.steps }
     }
 
+    /// The buffer's values, or `None` when they overflow (every size above is then
+    /// within `usize`, `per_head` included).
     fn len(&self) -> Option<usize> {
-        let rest = self.batch.checked_mul(self.heads)?.checked_mul(self.per_head())?;
+        let probabilities = if self.recompute { 0 } else { self.steps.checked_mul(self.steps)? };
+        let per_head = self.steps.checked_mul(2)?.checked_add(probabilities)?;
+        let rest = self.batch.checked_mul(self.heads)?.checked_mul(per_head)?;
         self.rows().checked_mul(4 * self.width)?.checked_add(rest)
     }
 }

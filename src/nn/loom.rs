@@ -371,6 +371,22 @@ fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
     });
 }
 
+/// A step racing two reads of the engine (a slot's state, a join's prompt) with a
+/// wait that has passed: the reads put the step's deadline off at most once, the step
+/// runs (before, between or after them) and gets its own result, and the reads theirs.
+#[test]
+fn a_step_racing_reads_of_the_engine_runs_and_the_reads_return() {
+    loom::model(|| {
+        let (combiner, a, _) = two_slots(Duration::ZERO);
+        let stepper = with_thread(&combiner, move |combiner| combiner.next(a, &mut count_batch));
+        let reads = [0, 1].map(|_| combiner.with_engine(|engine| *engine));
+        let stepped = stepper.join().unwrap().unwrap();
+        assert_eq!((stepped / 100, stepped % 100), (1, a as u32));
+        assert!(reads.iter().all(|&batches| batches <= 1), "{reads:?}");
+        assert_eq!(combiner.with_engine(|batches| *batches), 1);
+    });
+}
+
 /// One thread stepping its two slots in turn, with a wait that (under loom) never
 /// ends: a step does not wait for the thread's other slot (the thread cannot step it
 /// while it waits), so each goes at once, alone; waiting for it would never end.

@@ -186,7 +186,8 @@ impl UpdaterState {
         layers: &[Box<dyn Layer>],
         _working: &TypedScope,
     ) -> Result<()> {
-        let t = (self.step + 1) as i32;
+        // As a data-parallel trainer counts it (the same bits past 2³¹ steps).
+        let t = i32::try_from(self.step + 1).unwrap_or(i32::MAX);
         if !self.known_finite(params, grads, t) {
             self.check_every_update(params, grads, t, layout, layers)?;
         }

@@ -67,6 +67,46 @@ fn the_simulated_device_trains_to_the_hosts_losses() {
     }
 }
 
+/// Issue: a device network copied its parameters to the device once; values set through
+/// `layer_params_mut` (a checkpoint restored) were trained on by the host's `evaluate`
+/// and undone by the next device step, and `layer_grads` stayed zero.
+#[test]
+fn parameters_set_between_device_steps_are_trained_from_and_the_gradients_are_the_steps() {
+    for updater in [Updater::adam(0.01), Updater::sgd(0.05, 0.9)] {
+        let mut host = Network::new(mlp(Device::Host, updater).build().unwrap()).unwrap();
+        let mut sim = Network::new(mlp(Device::simulated(), updater).build().unwrap()).unwrap();
+        for step in 0..6 {
+            let (x, y) = batch(32, 64, 10, step);
+            if step == 3 {
+                // A checkpoint restored into both, layer by layer.
+                for net in [&mut host, &mut sim] {
+                    net.layer_params_mut(0).iter_mut().enumerate().for_each(|(i, v)| *v = (i % 13) as f32 * 0.01);
+                    net.layer_params_mut(2).fill(0.02);
+                }
+            }
+            let (h, s) = (host.fit_batch(x.view(), y.view()).unwrap(), sim.fit_batch(x.view(), y.view()).unwrap());
+            assert!(relative(h, s) <= 1e-5, "{updater:?} step {step}: host {h}, simulated {s}");
+            for layer in 0..host.layers().len() {
+                let (hg, sg) = (host.layer_grads(layer), sim.layer_grads(layer));
+                if hg.is_empty() {
+                    continue; // an activation
+                }
+                assert!(hg.iter().any(|&g| g != 0.0), "{updater:?} step {step} layer {layer}: host gradients 0");
+                for (i, (h, s)) in hg.iter().zip(sg).enumerate() {
+                    let tolerance = 1e-4 * h.abs().max(1e-3);
+                    assert!((h - s).abs() <= tolerance, "{updater:?} step {step} layer {layer} gradient {i}: {h} {s}");
+                }
+            }
+        }
+        for (i, (h, s)) in host.params().iter().zip(sim.params()).enumerate() {
+            assert!((h - s).abs() <= 1e-5 * h.abs().max(1e-3), "{updater:?} parameter {i}: host {h}, simulated {s}");
+        }
+        // The restored values were trained from: a layer set to 0.02 everywhere moved
+        // from there, by a few steps' updates.
+        assert!(sim.layer_params(2).iter().all(|v| (v - 0.02).abs() < 0.2), "{:?}", &sim.layer_params(2)[..4]);
+    }
+}
+
 #[test]
 fn a_steady_device_step_allocates_no_device_memory() {
     let mut net = Network::new(mlp(Device::simulated(), Updater::adam(0.01)).build().unwrap()).unwrap();

@@ -676,6 +676,30 @@ fn a_thread_holding_every_slot_of_a_batch_is_refused_rather_than_waiting_for_its
     });
 }
 
+/// Slots beyond the machine were granted by an overcommitting kernel and the process
+/// killed once their caches were zeroed: refused, with the bytes, before any is made.
+#[test]
+fn slots_beyond_the_machines_memory_are_refused_with_their_bytes() {
+    let model = Arc::new(model(12, 4));
+    let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
+    for slots in [1usize << 40, usize::MAX / 1024] {
+        for refused in
+            [pool.stream_batch(slots, std::time::Duration::ZERO).map(drop), pool.stream_slots(slots).map(drop)]
+        {
+            match refused {
+                Err(Error::InvalidInput(m)) => {
+                    assert!(m.contains("machine's memory") || m.contains("overflow"), "{slots}: {m}")
+                }
+                other => panic!("{slots} slots: {other:?}"),
+            }
+        }
+    }
+    // The pool is as it was.
+    let mut slots = pool.stream_slots(2).unwrap();
+    assert_eq!(slots.slots(), 2);
+    assert_eq!(slots.start(&[1], Sampling::greedy()).unwrap(), 0);
+}
+
 #[test]
 fn reading_a_streams_state_does_not_put_off_the_step_that_waits_for_it() {
     // A stream that does not step delays the others' steps by at most the batch's wait,

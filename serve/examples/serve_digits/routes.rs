@@ -202,7 +202,6 @@ async fn generate(
     let deadline = arrived + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
-    let request = parse_generate(&body, app.limits.max_tokens).map_err(bad)?;
     let model = app.pool.model();
     if let Err(e) = model.context() {
         return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("this model does not generate text: {e}")));
@@ -213,12 +212,26 @@ async fn generate(
             "this model does not generate text: it was saved without its characters (save it with train_gpt --save)",
         ));
     }
-    let sampling =
-        Sampling::random(request.temperature, request.top_k, request.seed).map_err(|e| bad(e.to_string()))?;
+    // The body parsed and its prompt read on a blocking thread: a body of the largest
+    // size takes milliseconds, which no runtime thread (serving every connection)
+    // spends, nor a generation thread, whose streams would wait.
+    let (model, max_tokens) = (Arc::clone(model), app.limits.max_tokens);
+    let read = tokio::task::spawn_blocking(move || {
+        let request = parse_generate(&body, max_tokens).map_err(bad)?;
+        drop(body);
+        let sampling =
+            Sampling::random(request.temperature, request.top_k, request.seed).map_err(|e| bad(e.to_string()))?;
+        let prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
+        Ok::<_, ApiError>((prompt, request.tokens, sampling))
+    });
+    let (mut prompt, tokens, sampling) = match read.await {
+        Ok(read) => read?,
+        Err(_) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request")),
+    };
     let pool = Arc::clone(&app.pool);
     let cancelled = Arc::new(AtomicBool::new(false));
     let _cancel = Cancel(Arc::clone(&cancelled));
-    let (tokens, app_time) = (request.tokens, app.limits.request_time);
+    let app_time = app.limits.request_time;
     let gone = move || {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -236,18 +249,9 @@ async fn generate(
     };
     let failed = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the server failed on this request");
     if let Some(batcher) = &app.batcher {
-        // A prompt as long as the body may be: read on a blocking thread (not the
-        // runtime's, nor a generation thread, whose streams would wait), its last
-        // `context` tokens kept (a stream keeps no more).
-        let model = Arc::clone(pool.model());
-        let prompt = tokio::task::spawn_blocking(move || {
-            let mut prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
-            let context = model.context().map_err(model_failed)?;
-            prompt.drain(..prompt.len().saturating_sub(context));
-            Ok::<_, ApiError>(prompt)
-        })
-        .await
-        .map_err(|_| failed())??;
+        // Its last `context` tokens kept (a stream keeps no more).
+        let context = pool.model().context().map_err(model_failed)?;
+        prompt.drain(..prompt.len().saturating_sub(context));
         let (reply, answer) = tokio::sync::oneshot::channel();
         let job = Job { prompt, tokens, sampling, deadline, cancelled, reply };
         match batcher.submit(job) {
@@ -277,9 +281,6 @@ async fn generate(
         return Ok(json(StatusCode::OK, serde_json::json!({ "text": text, "tokens": tokens }).to_string()));
     }
     let generation = tokio::task::spawn_blocking(move || {
-        // A prompt as long as the body may be: read on this blocking thread, not the
-        // runtime's.
-        let prompt = pool.model().encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
         if cancelled.load(Ordering::Relaxed) {
             return Err(gone());
         }
@@ -314,7 +315,7 @@ struct GenerateRequest {
 
 /// `{"prompt": "…", "tokens": N, …}`, or what is wrong with it.
 fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, String> {
-    let json: Value = serde_json::from_slice(body).map_err(|e| format!("malformed JSON: {e}"))?;
+    let mut json: Value = serde_json::from_slice(body).map_err(|e| format!("malformed JSON: {e}"))?;
     let usage = "the body needs {\"prompt\": \"text\", \"tokens\": N}";
     only_keys(&json, &["prompt", "tokens", "temperature", "top_k", "seed"], usage)?;
     let Some(prompt) = json.get("prompt") else {
@@ -344,8 +345,12 @@ fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, Str
         None => Ok(0),
         Some(v) => v.as_u64().ok_or_else(|| format!("\"{key}\" must be a whole number of at least 0, not {v}")),
     };
-    let top_k = usize::try_from(whole("top_k")?).unwrap_or(usize::MAX);
-    Ok(GenerateRequest { prompt: prompt.to_string(), tokens, temperature, top_k, seed: whole("seed")? })
+    let (top_k, seed) = (usize::try_from(whole("top_k")?).unwrap_or(usize::MAX), whole("seed")?);
+    // Moved out of the body's tree, not copied (it may be as long as the body).
+    let Some(Value::String(prompt)) = json.get_mut("prompt").map(Value::take) else {
+        unreachable!("checked above: a string")
+    };
+    Ok(GenerateRequest { prompt, tokens, temperature, top_k, seed })
 }
 
 /// `POST /predict`: the body read, then parsed, checked and run through the pool on a
@@ -362,7 +367,11 @@ async fn predict(
     // takes milliseconds to parse, which no runtime thread (serving every connection)
     // spends.
     let pool = Arc::clone(&app.pool);
-    let answered = tokio::task::spawn_blocking(move || answer_predict(&pool, &body, deadline));
+    // Set when this handler is dropped (its client went away): the blocking thread then
+    // runs nothing more for it.
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let _cancel = Cancel(Arc::clone(&cancelled));
+    let answered = tokio::task::spawn_blocking(move || answer_predict(&pool, &body, deadline, &cancelled));
     match answered.await {
         Ok(Ok(answer)) => Ok(json(StatusCode::OK, answer)),
         Ok(Err(e)) => Err(e),
@@ -370,10 +379,19 @@ async fn predict(
     }
 }
 
-/// `POST /predict`'s answer to `body`, computed by `pool` before `deadline`: its JSON, or
-/// the error to answer with.
-fn answer_predict(pool: &InferencePool, body: &[u8], deadline: Instant) -> Result<String, ApiError> {
+/// `POST /predict`'s answer to `body`, computed by `pool` before `deadline` unless its
+/// client went away first (`cancelled`): its JSON, or the error to answer with.
+fn answer_predict(
+    pool: &InferencePool,
+    body: &[u8],
+    deadline: Instant,
+    cancelled: &AtomicBool,
+) -> Result<String, ApiError> {
     let x = parse_inputs(body, pool.model().inputs()).map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, m))?;
+    if cancelled.load(Ordering::Relaxed) {
+        // No one reads the answer: the pool's arenas go to the requests of live clients.
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the client went away"));
+    }
     // Never longer than the request may take: past it, no one reads the answer.
     let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let mut probabilities = Array2::zeros((x.nrows(), pool.model().classes()));

@@ -60,9 +60,17 @@ pub(crate) trait DeviceStep {
     /// What the step holds.
     fn stats(&self) -> DeviceStats;
     /// One training step on `x` and `labels` (one per row of the step: `[batch, steps]`),
-    /// each checked by the caller; writes the updated parameters into `params`; returns
-    /// the mean loss.
-    fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32>;
+    /// each checked by the caller, from `params` (sent to the device first when they are
+    /// not the values the device holds: set by the caller since the last step); writes
+    /// the updated parameters into `params` and the step's gradients into `grads`;
+    /// returns the mean loss.
+    fn fit(
+        &mut self,
+        x: StepInput<'_>,
+        labels: ArrayView2<'_, u32>,
+        params: &mut [f32],
+        grads: &mut [f32],
+    ) -> Result<f32>;
     /// Whether the step takes token ids (its first layer is an embedding).
     fn takes_tokens(&self) -> bool;
     /// The first layer's vocabulary, when it is an embedding.
@@ -254,8 +262,11 @@ pub(crate) struct Trainer<C: Compute> {
     /// Per layer: what an attention layer keeps for its backward pass (`qkv`, `att`,
     /// `probs`); zeros for the others.
     kept: Vec<[u64; 3]>,
-    /// The parameter row read back after each step (`pad` values).
+    /// The parameter row read back after each step (`pad` values): the values the device
+    /// holds.
     values: Vec<f32>,
+    /// The gradient row read back after each step (`pad` values).
+    grads_row: Vec<f32>,
     step: u64,
     /// A device error of an earlier step, after which the device's state is not the
     /// network's.
@@ -301,7 +312,8 @@ impl<C: Compute> Trainer<C> {
         };
         let layers = plan.forms.len();
         let (outputs, kept) = (Vec::with_capacity(layers + 1), vec![[0; 3]; layers]);
-        let values = vec![0.0; pad];
+        let mut values = vec![0.0; pad];
+        values[..params.len()].copy_from_slice(params);
         Ok(Trainer {
             compute,
             plan,
@@ -315,6 +327,7 @@ impl<C: Compute> Trainer<C> {
             outputs,
             kept,
             values,
+            grads_row: vec![0.0; pad],
             step: 0,
             failed: None,
         })
@@ -394,7 +407,13 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         }
     }
 
-    fn fit(&mut self, x: StepInput<'_>, labels: ArrayView2<'_, u32>, params: &mut [f32]) -> Result<f32> {
+    fn fit(
+        &mut self,
+        x: StepInput<'_>,
+        labels: ArrayView2<'_, u32>,
+        params: &mut [f32],
+        grads: &mut [f32],
+    ) -> Result<f32> {
         if let Some(error) = &self.failed {
             return Err(Error::InvalidInput(format!(
                 "an earlier training step failed on {} ({error}): its state there is lost; the network holds the \
@@ -402,6 +421,7 @@ impl<C: Compute> DeviceStep for Trainer<C> {
                 self.compute.device().describe()
             )));
         }
+        self.send_params(params)?;
         let (batch, steps) = x.dims();
         // The batch, staged through pinned memory.
         // Features and ids are 4 bytes each, as the labels.
@@ -479,8 +499,32 @@ impl<C: Compute> DeviceStep for Trainer<C> {
             return Err(Error::NonFinite { layer: "loss".into(), what: format!("the batch's mean loss is {mean}") });
         }
         params.copy_from_slice(&values[..n]);
+        // The step's gradients, for `Network::layer_grads`.
+        let mut row = ArrayViewMut1::from(&mut self.grads_row[..]);
+        self.state.view().row(1).expect("the gradients' row").dtoh_into(&mut row)?;
+        grads.copy_from_slice(&self.grads_row[..n]);
         self.step += 1;
         Ok(mean)
+    }
+}
+
+impl<C: Compute> Trainer<C> {
+    /// Sends `params` to the device's row of parameters when they are not the values it
+    /// holds (the caller set some since the last step, through
+    /// `Network::layer_params_mut`): the step then starts from the network's values, as
+    /// on the host. The updater's moments go on as they are, as on the host.
+    fn send_params(&mut self, params: &[f32]) -> Result<()> {
+        let n = self.plan.total;
+        if self.values[..n].iter().zip(params).all(|(held, set)| held.to_bits() == set.to_bits()) {
+            return Ok(());
+        }
+        let shape = self.state.shape();
+        let mut host = Array2::<f32>::zeros((shape[0], shape[1]));
+        self.state.view().dtoh_into(&mut host)?;
+        host.row_mut(0).as_slice_mut().expect("standard layout")[..n].copy_from_slice(params);
+        self.state.view_mut().htod_from(&host)?;
+        self.values[..n].copy_from_slice(params);
+        Ok(())
     }
 }
 
@@ -822,15 +866,16 @@ mod tests {
         let mut params: Vec<f32> = (0..layout.layout.total).map(|i| (i % 7) as f32 / 7.0 - 0.4).collect();
         let mut trainer = Trainer::new(SimCompute::new().unwrap(), plan, &params, WorkspaceMode::Enabled).unwrap();
         let (x, y) = (Array2::<f32>::ones((5, 3)), Array1::<u32>::zeros(5).insert_axis(ndarray::Axis(1)));
-        trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap();
+        let mut grads = vec![0.0; params.len()];
+        trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params, &mut grads).unwrap();
         let after_one = params.clone();
         // A fault of the device during the next step (what a kernel out of bounds or a
         // lost context gives).
         trainer.compute.device().defer_error(DeviceError::Fault { op: "gemm", detail: "injected".into() });
-        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap_err();
+        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params, &mut grads).unwrap_err();
         assert!(err.to_string().contains("injected"), "{err}");
         assert_eq!(params, after_one, "the failed step stored nothing into the network");
-        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params).unwrap_err();
+        let err = trainer.fit(StepInput::Flat(x.view()), y.view(), &mut params, &mut grads).unwrap_err();
         assert!(err.to_string().contains("an earlier training step failed"), "{err}");
         assert_eq!(params, after_one);
     }

@@ -10,7 +10,7 @@ mod shadow;
 mod train;
 
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use workspace_core::plan::Trace;
 use workspace_core::planned::PlannedStats;
@@ -552,14 +552,6 @@ impl Network {
     /// [`Network::record_next_iteration`]), for planning with other settings.
     pub fn recorded_iteration(&self) -> Option<&Trace> {
         self.recorded.as_ref()
-    }
-
-    /// Starts (`Some`) or stops (`None`) recording in every training workspace.
-    fn record_training_workspaces(&self, trace: Option<&Arc<Mutex<Trace>>>) -> Result<()> {
-        for ws in training_workspaces(&self.train) {
-            ws.record_into(trace.cloned())?;
-        }
-        Ok(())
     }
 
     /// What the last training iteration took of its workspaces: the bytes each

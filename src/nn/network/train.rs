@@ -126,7 +126,7 @@ impl Network {
         if let Some(what) = non_finite {
             return Err(Error::NonFinite { layer: "input".into(), what: format!("element {what}") });
         }
-        let loss = step.fit(input, labels, Arc::make_mut(&mut self.params).as_mut_slice())?;
+        let loss = step.fit(input, labels, Arc::make_mut(&mut self.params).as_mut_slice(), &mut self.grads)?;
         self.iterations += 1;
         Ok(loss)
     }
@@ -227,10 +227,15 @@ impl Network {
         }
         self.record_next = false;
         let trace = Arc::new(Mutex::new(Trace::new()));
-        self.record_training_workspaces(Some(&trace))?;
+        // Detaches the recorder from every workspace it reached however the step ends:
+        // an error while attaching it, the step's error, a layer's panic.
+        let recording = Recording(training_workspaces(&self.train).cloned().collect());
+        for ws in &recording.0 {
+            ws.record_into(Some(trace.clone()))?;
+        }
         let result = self.step(x, labels, false);
         // Every scope of the step has closed, whatever it returned.
-        self.record_training_workspaces(None)?;
+        recording.stop()?;
         if result.is_ok() {
             let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if !trace.events().is_empty() {
@@ -405,5 +410,36 @@ pub(crate) fn counted(labels: &Labels<'_>) -> usize {
         Labels::PerExample(y) => y.len(),
         Labels::PerStep { labels, mask: None } => labels.len(),
         Labels::PerStep { mask: Some(mask), .. } => mask.iter().filter(|&&m| m != 0.0).count(),
+    }
+}
+
+/// The training workspaces recording into a trace for one step: each detached from it
+/// when dropped (errors ignored: a workspace a caller holds open is left as it is), or
+/// by [`Recording::stop`], which reports them.
+struct Recording(Vec<std::rc::Rc<workspace_core::Workspace>>);
+
+impl Recording {
+    /// Detaches the recorder from every workspace.
+    ///
+    /// # Errors
+    ///
+    /// The first workspace's error ([`Error::StillOpen`](crate::Error) for one a caller
+    /// holds open); every other workspace is detached all the same.
+    fn stop(mut self) -> Result<()> {
+        let mut first = Ok(());
+        for ws in std::mem::take(&mut self.0) {
+            if let Err(e) = ws.record_into(None) {
+                first = first.and(Err(e.into()));
+            }
+        }
+        first
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        for ws in &self.0 {
+            let _ = ws.record_into(None);
+        }
     }
 }

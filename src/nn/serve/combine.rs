@@ -117,6 +117,9 @@ struct State<E> {
     /// When the queued steps' batch goes whoever has not queued yet: `max_wait` after
     /// the first of them was queued.
     due: Option<Deadline>,
+    /// Whether `due` was put off once already by a use of the engine outside a batch
+    /// (see [`Combiner::with_engine`]): it is put off at most once per batch.
+    put_off: bool,
 }
 
 /// Callers' steps over one engine, each caller's in a slot, combined into batches.
@@ -153,7 +156,7 @@ impl<E> Combiner<E> {
         let held = Held { engine, batch: vec![false; slots], results: (0..slots).map(|_| None).collect() };
         let owners = vec![None; slots];
         let slots = (0..slots).map(|_| Slot::Vacant).collect();
-        let state = Mutex::new(State { held: Some(held), slots, owners, due: None });
+        let state = Mutex::new(State { held: Some(held), slots, owners, due: None, put_off: false });
         Combiner { state, max_wait, changed: Condvar::new(), vacated: Condvar::new() }
     }
 
@@ -254,11 +257,16 @@ impl<E> Combiner<E> {
         let result = catch_unwind(AssertUnwindSafe(|| f(&mut held.engine)));
         let mut state = sync::lock(&self.state);
         state.held = Some(held);
-        // Steps queued meanwhile keep the deadline they queued with (set then, if none
-        // was): callers that read a slot's state or join more often than `max_wait`
-        // would otherwise put off a waiting batch for as long as they go on.
-        if state.due.is_none() && state.slots.iter().any(|s| matches!(s, Slot::Requested)) {
+        // Steps queued before a use of the engine that outlasted their deadline (a join's
+        // prompt, say) wait for the others from its end, rather than going alone and
+        // splitting the batch; once per batch, so that callers that read a slot's state
+        // or join more often than `max_wait` cannot put a waiting batch off for as long
+        // as they go on.
+        let queued = state.slots.iter().any(|s| matches!(s, Slot::Requested));
+        let passed = state.due.is_none_or(|due| due.remaining().is_none());
+        if queued && passed && !state.put_off {
             state.due = Some(Deadline::after(self.max_wait));
+            state.put_off = true;
         }
         drop(state);
         self.changed.notify_all();
@@ -329,6 +337,7 @@ impl<E> Combiner<E> {
             }
             let mut held = state.held.take().expect("checked above");
             state.due = None;
+            state.put_off = false;
             for (s, member) in state.slots.iter_mut().zip(held.batch.iter_mut()) {
                 *member = matches!(s, Slot::Requested);
                 if *member {

@@ -267,14 +267,29 @@ struct Places {
     window: usize,
 }
 
+/// Bytes a stream's bookkeeping takes beside its buffers, at most (its sampling and
+/// generator, its slot in a batch): for the machine's bound in [`Places::of`].
+const STREAM_BOOKKEEPING: u128 = 512;
+
 impl Places {
     fn of(plan: &StatePlan, streams: usize) -> Result<Places> {
         let places = Places { streams, per_slot: plan.per_slot, vocabulary: plan.vocabulary, window: plan.context + 1 };
         let values = places.per_slot.checked_add(2 * places.vocabulary).and_then(|v| v.checked_mul(streams));
         let tokens = places.window.checked_mul(streams);
-        match (values, tokens) {
-            (Some(v), Some(t)) if v.checked_mul(size_of::<f32>()).is_some() && t.checked_mul(4).is_some() => Ok(places),
-            _ => Err(Error::InvalidInput(format!("the caches of {streams} streams overflow"))),
+        let (v, t) = match (values, tokens) {
+            (Some(v), Some(t)) if v.checked_mul(size_of::<f32>()).is_some() && t.checked_mul(4).is_some() => (v, t),
+            _ => return Err(Error::InvalidInput(format!("the caches of {streams} streams overflow"))),
+        };
+        // An overcommitting kernel grants buffers beyond the machine, and kills the
+        // process once their pages are written (they are zeroed at each start): refused
+        // here, with each stream's bookkeeping beside its buffers.
+        let bytes = (v as u128 + t as u128) * 4 + streams as u128 * STREAM_BOOKKEEPING;
+        match workspace_core::backend::machine_memory_bytes() {
+            Some(machine) if bytes > machine => Err(Error::InvalidInput(format!(
+                "the caches, windows and logits of {streams} streams take {bytes} bytes, more than this machine's \
+                 memory and swap ({machine} bytes)"
+            ))),
+            _ => Ok(places),
         }
     }
 
