@@ -372,8 +372,9 @@ fn a_batch_that_waits_for_every_stream_runs_both_steps_together() {
 }
 
 /// A step racing two reads of the engine (a slot's state, a join's prompt) with a
-/// wait that has passed: the reads put the step's deadline off at most once, the step
-/// runs (before, between or after them) and gets its own result, and the reads theirs.
+/// wait that has passed (under loom a put-off deadline has passed too): the step runs
+/// in one batch, before, between or after them, and gets its own result; the reads
+/// return, and neither the step nor a read waits for good.
 #[test]
 fn a_step_racing_reads_of_the_engine_runs_and_the_reads_return() {
     loom::model(|| {

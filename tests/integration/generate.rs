@@ -678,6 +678,8 @@ fn a_thread_holding_every_slot_of_a_batch_is_refused_rather_than_waiting_for_its
 
 /// Slots beyond the machine were granted by an overcommitting kernel and the process
 /// killed once their caches were zeroed: refused, with the bytes, before any is made.
+/// (Linux: where the machine's memory can be told.)
+#[cfg(target_os = "linux")]
 #[test]
 fn slots_beyond_the_machines_memory_are_refused_with_their_bytes() {
     let model = Arc::new(model(12, 4));
@@ -701,9 +703,10 @@ fn slots_beyond_the_machines_memory_are_refused_with_their_bytes() {
 }
 
 #[test]
-fn reading_a_streams_state_does_not_put_off_the_step_that_waits_for_it() {
-    // A stream that does not step delays the others' steps by at most the batch's wait,
-    // however often its thread reads its window meanwhile.
+fn reading_a_streams_state_puts_off_a_waiting_step_at_most_once() {
+    // A stream that does not step delays the others' steps by at most twice the batch's
+    // wait (the wait, and once more after a use of the arena past it), however often its
+    // thread reads its window meanwhile.
     let model = Arc::new(model(12, 4));
     let pool = InferencePool::new(model.clone(), PoolConfig::direct(1)).unwrap();
     let wait = std::time::Duration::from_millis(200);
@@ -725,7 +728,7 @@ fn reading_a_streams_state_does_not_put_off_the_step_that_waits_for_it() {
         let started = std::time::Instant::now();
         let token = stepped.next_token().unwrap();
         let took = started.elapsed();
-        assert!(took < wait * 4, "the step waited {took:?} (the batch's wait is {wait:?})");
+        assert!(took < wait * 3, "the step waited {took:?} (the batch's wait is {wait:?})");
         assert_eq!(token, model.generate(&[2, 3], 1, Sampling::greedy()).unwrap()[0]);
     });
 }

@@ -66,6 +66,7 @@ use clap::Parser;
 #[path = "../../../examples/common/cli.rs"]
 mod cli;
 mod generation;
+mod inputs;
 mod routes;
 mod server;
 

@@ -25,6 +25,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 
 use crate::generation::{Batcher, Job, NotQueued, Outcome};
+use crate::inputs::parse_inputs;
 use crate::server::Limits;
 
 /// What the handlers share.
@@ -202,23 +203,24 @@ async fn generate(
     let deadline = arrived + app.limits.request_time;
     let body = read_body(&app, &headers, body).await?;
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
-    let model = app.pool.model();
-    if let Err(e) = model.context() {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, format!("this model does not generate text: {e}")));
-    }
-    if model.symbols().is_none() {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "this model does not generate text: it was saved without its characters (save it with train_gpt --save)",
-        ));
-    }
     // The body parsed and its prompt read on a blocking thread: a body of the largest
     // size takes milliseconds, which no runtime thread (serving every connection)
     // spends, nor a generation thread, whose streams would wait.
-    let (model, max_tokens) = (Arc::clone(model), app.limits.max_tokens);
+    let (model, max_tokens) = (Arc::clone(app.pool.model()), app.limits.max_tokens);
     let read = tokio::task::spawn_blocking(move || {
         let request = parse_generate(&body, max_tokens).map_err(bad)?;
         drop(body);
+        if let Err(e) = model.context() {
+            let message = format!("this model does not generate text: {e}");
+            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, message));
+        }
+        if model.symbols().is_none() {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "this model does not generate text: it was saved without its characters (save it with train_gpt \
+                 --save)",
+            ));
+        }
         let sampling =
             Sampling::random(request.temperature, request.top_k, request.seed).map_err(|e| bad(e.to_string()))?;
         let prompt = model.encode(&request.prompt).map_err(|e| bad(format!("the prompt: {e}")))?;
@@ -462,47 +464,6 @@ fn only_keys(json: &Value, known: &[&str], usage: &str) -> Result<(), String> {
         }
         None => Ok(()),
     }
-}
-
-/// `{"inputs": [[f32; features], …]}` as a matrix, or what is wrong with it.
-fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, String> {
-    let json: Value = serde_json::from_slice(body).map_err(|e| {
-        let text = String::from_utf8_lossy(body);
-        if ["NaN", "Infinity"].iter().any(|word| text.contains(word)) {
-            format!("malformed JSON ({e}): NaN and Infinity are not JSON numbers, and the model takes finite values")
-        } else {
-            format!("malformed JSON: {e}")
-        }
-    })?;
-    let usage = "the body needs \"inputs\": [[f32, ...], ...], one row of features per example";
-    only_keys(&json, &["inputs"], usage)?;
-    let Some(rows) = json.get("inputs") else {
-        return Err(usage.into());
-    };
-    let Value::Array(rows) = rows else {
-        return Err("\"inputs\" must be a list of rows, each a list of numbers".into());
-    };
-    if rows.is_empty() {
-        return Err("an empty batch: \"inputs\" holds no rows".into());
-    }
-    // Each value takes at least two bytes of the body ("0,"): no more room than that.
-    let mut values = Vec::with_capacity(rows.len().saturating_mul(features).min(body.len() / 2 + 1));
-    for (r, row) in rows.iter().enumerate() {
-        let Value::Array(row) = row else {
-            return Err(format!("row {r} of \"inputs\" is not a list of numbers"));
-        };
-        if row.len() != features {
-            return Err(format!("row {r} has {} values; the model takes {features} features per row", row.len()));
-        }
-        for (c, value) in row.iter().enumerate() {
-            let Some(number) = value.as_f64() else {
-                return Err(format!("row {r}, column {c} is {value}, not a number"));
-            };
-            // A number beyond f32's range becomes infinite: the pool refuses it, naming it.
-            values.push(number as f32);
-        }
-    }
-    Ok(Array2::from_shape_vec((rows.len(), features), values).expect("rows × features values"))
 }
 
 /// A JSON answer.

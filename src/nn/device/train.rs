@@ -60,10 +60,9 @@ pub(crate) trait DeviceStep {
     /// What the step holds.
     fn stats(&self) -> DeviceStats;
     /// One training step on `x` and `labels` (one per row of the step: `[batch, steps]`),
-    /// each checked by the caller, from `params` (sent to the device first when they are
-    /// not the values the device holds: set by the caller since the last step); writes
-    /// the updated parameters into `params` and the step's gradients into `grads`;
-    /// returns the mean loss.
+    /// each checked by the caller, from the parameters the device holds; writes the
+    /// updated parameters into `params` and the step's gradients into `grads` (neither
+    /// when it fails); returns the mean loss.
     fn fit(
         &mut self,
         x: StepInput<'_>,
@@ -71,6 +70,10 @@ pub(crate) trait DeviceStep {
         params: &mut [f32],
         grads: &mut [f32],
     ) -> Result<f32>;
+    /// Sends `params` to the device, for the next step to start from (the caller set
+    /// some since the last step). The updater's moments go on as they are, as on the
+    /// host.
+    fn send_params(&mut self, params: &[f32]) -> Result<()>;
     /// Whether the step takes token ids (its first layer is an embedding).
     fn takes_tokens(&self) -> bool;
     /// The first layer's vocabulary, when it is an embedding.
@@ -379,6 +382,10 @@ fn product<C: Compute>(
 const F32: u64 = size_of::<f32>() as u64;
 
 impl<C: Compute> DeviceStep for Trainer<C> {
+    fn send_params(&mut self, params: &[f32]) -> Result<()> {
+        self.send_state_params(params)
+    }
+
     fn takes_tokens(&self) -> bool {
         self.plan.takes_tokens()
     }
@@ -421,7 +428,6 @@ impl<C: Compute> DeviceStep for Trainer<C> {
                 self.compute.device().describe()
             )));
         }
-        self.send_params(params)?;
         let (batch, steps) = x.dims();
         // The batch, staged through pinned memory.
         // Features and ids are 4 bytes each, as the labels.
@@ -498,10 +504,11 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         if !mean.is_finite() {
             return Err(Error::NonFinite { layer: "loss".into(), what: format!("the batch's mean loss is {mean}") });
         }
-        params.copy_from_slice(&values[..n]);
-        // The step's gradients, for `Network::layer_grads`.
+        // The step's gradients, for `Network::layer_grads`: read before anything is
+        // stored, so that a failed read leaves the network as it was.
         let mut row = ArrayViewMut1::from(&mut self.grads_row[..]);
         self.state.view().row(1).expect("the gradients' row").dtoh_into(&mut row)?;
+        params.copy_from_slice(&self.values[..n]);
         grads.copy_from_slice(&self.grads_row[..n]);
         self.step += 1;
         Ok(mean)
@@ -509,15 +516,10 @@ impl<C: Compute> DeviceStep for Trainer<C> {
 }
 
 impl<C: Compute> Trainer<C> {
-    /// Sends `params` to the device's row of parameters when they are not the values it
-    /// holds (the caller set some since the last step, through
-    /// `Network::layer_params_mut`): the step then starts from the network's values, as
-    /// on the host. The updater's moments go on as they are, as on the host.
-    fn send_params(&mut self, params: &[f32]) -> Result<()> {
+    /// [`DeviceStep::send_params`]: the state read back whole, its row of parameters
+    /// replaced, and sent again (a checkpoint's restore, not a step's work).
+    fn send_state_params(&mut self, params: &[f32]) -> Result<()> {
         let n = self.plan.total;
-        if self.values[..n].iter().zip(params).all(|(held, set)| held.to_bits() == set.to_bits()) {
-            return Ok(());
-        }
         let shape = self.state.shape();
         let mut host = Array2::<f32>::zeros((shape[0], shape[1]));
         self.state.view().dtoh_into(&mut host)?;

@@ -532,11 +532,13 @@ impl Network {
         let started = Instant::now();
         self.dry_run = Some(Box::new(Shadow::of(self)?));
         // carve's kernels issue no arithmetic while it runs (see `dry::running`).
-        let estimate = kernels::dry_run(|| self.dry_run_in_shadow(passes, started));
-        // The shadow and its memory go: the next dry run starts from the workspaces as
-        // they are then.
+        let estimate = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            kernels::dry_run(|| self.dry_run_in_shadow(passes, started))
+        }));
+        // The shadow and its memory go, whatever the passes did (a layer's panic goes on
+        // from here): the next dry run starts from the workspaces as they are then.
         self.dry_run = None;
-        estimate
+        estimate.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 
     /// [`Network::dry_run`] of passes that are there, in its shadow.
@@ -635,10 +637,12 @@ impl Network {
         // The network's labels for this timeline while the pass runs.
         let labels = Box::new(LayerLabels::new(&self.layers, recording.id()));
         let attached = self.timeline.replace(labels);
-        let ran = self.dry_pass(pass, false);
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.dry_pass(pass, false)));
         recording.end_iteration();
+        // The caller's labels back, whatever the pass did (a layer's panic goes on from
+        // here).
         self.timeline = attached;
-        ran?;
+        ran.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         let snapshot = recording.snapshot();
         let script = snapshot.records().first().and_then(|r| r.script);
         Ok(script.and_then(|s| snapshot.peak(s)).map(|peak| peak.holders).unwrap_or_default())

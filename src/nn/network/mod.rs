@@ -100,6 +100,9 @@ pub struct Network {
     device: Device,
     /// The step on a device (`None`: on the host).
     device_step: Option<Box<dyn DeviceStep>>,
+    /// Whether parameters were set ([`Network::layer_params_mut`]) since the device
+    /// step last had them: sent before its next step.
+    params_set: bool,
 }
 
 /// The layer labels of a network that a timeline records, interned once.
@@ -272,6 +275,7 @@ impl Network {
             timeline: None,
             device: Device::Host,
             device_step: None,
+            params_set: false,
         })
     }
 
@@ -434,6 +438,7 @@ impl Network {
     /// When there is no layer `i`.
     pub fn layer_params_mut(&mut self, i: usize) -> &mut [f32] {
         let region = self.layout.layout.regions[i].clone();
+        self.params_set = true;
         &mut Arc::make_mut(&mut self.params)[region]
     }
 

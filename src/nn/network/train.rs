@@ -126,6 +126,12 @@ impl Network {
         if let Some(what) = non_finite {
             return Err(Error::NonFinite { layer: "input".into(), what: format!("element {what}") });
         }
+        if self.params_set {
+            // Set since the device's last step (a checkpoint restored): its step starts
+            // from them, as the host's would.
+            step.send_params(&self.params)?;
+            self.params_set = false;
+        }
         let loss = step.fit(input, labels, Arc::make_mut(&mut self.params).as_mut_slice(), &mut self.grads)?;
         self.iterations += 1;
         Ok(loss)

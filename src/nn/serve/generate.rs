@@ -1184,10 +1184,13 @@ impl InferencePool {
     /// in an arena leased for the batch's life (waiting while every arena is in use). A
     /// step of the batch runs once every stream it holds has queued its step, or
     /// `max_wait` after the first was queued, whichever comes first: a caller that is
-    /// slow to ask for its next token delays the others by at most `max_wait`, and
-    /// steps the batch without it (`Duration::ZERO`: a step runs whenever the arena is
-    /// idle, with whatever is queued then). A step does not wait for the streams of a
-    /// thread that is waiting for a step itself (see [`StreamBatch`]).
+    /// slow to ask for its next token delays the others by about `max_wait`, and steps
+    /// the batch without it (`Duration::ZERO`: a step runs whenever the arena is idle,
+    /// with whatever is queued then). A step queued while the arena does other work (a
+    /// join's prompt, a read of a stream's window) past its `max_wait` waits for the
+    /// others `max_wait` more from then, once, so that the batch does not split: a
+    /// step waits at most twice `max_wait` and that work. A step does not wait for the
+    /// streams of a thread that is waiting for a step itself (see [`StreamBatch`]).
     ///
     /// # Errors
     ///

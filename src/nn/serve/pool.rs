@@ -331,7 +331,8 @@ impl InferencePool {
 
     /// As [`InferencePool::output_into`], refusing at once when every arena is busy
     /// (batched: when `max_queued_rows` rows already wait, or when callers' leases and
-    /// streams hold every arena, so that no batch could run until one of them ends).
+    /// streams hold every arena at the call, so that no batch could run until one of
+    /// them ends; a request queued before a caller takes the last arena waits for it).
     ///
     /// # Errors
     ///

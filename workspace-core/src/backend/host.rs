@@ -275,8 +275,26 @@ pub fn machine_memory_bytes() -> Option<u128> {
             return None; // unknown: let the allocator decide
         }
         let unit = u128::from(info.mem_unit.max(1));
-        Some((u128::from(info.totalram) + u128::from(info.totalswap)) * unit)
+        let swap = u128::from(info.totalswap) * unit;
+        let machine = u128::from(info.totalram) * unit + swap;
+        // A container's memory limit (its cgroup's), when lower: past it the kernel
+        // kills the process as it does past the machine's.
+        Some(cgroup_limit(swap).map_or(machine, |limit| limit.min(machine)))
     })
+}
+
+/// The memory this process's cgroup may take, with the swap it may use (at most
+/// `swap`), in bytes: `None` where no limit is set or none can be read. cgroup v2
+/// (`memory.max`, `memory.swap.max`), then v1 (`memory.limit_in_bytes`).
+#[cfg(target_os = "linux")]
+fn cgroup_limit(swap: u128) -> Option<u128> {
+    let read = |path: &str| -> Option<u128> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    if let Some(memory) = read("/sys/fs/cgroup/memory.max") {
+        let swap = read("/sys/fs/cgroup/memory.swap.max").map_or(swap, |limit| limit.min(swap));
+        return Some(memory + swap);
+    }
+    // v1 says "no limit" with a vast number, which the machine's size is below.
+    read("/sys/fs/cgroup/memory/memory.limit_in_bytes").map(|memory| memory.saturating_add(swap))
 }
 
 /// This machine's memory and swap together (see the Linux form): unknown here.
