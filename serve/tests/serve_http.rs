@@ -796,6 +796,9 @@ fn generate_on_a_model_that_reads_no_text_is_a_422() {
     let (status, json) = server.send("POST", "/generate", Some(br#"{"prompt": "a", "tokens": 5}"#));
     assert_eq!(status, 422, "{json}");
     assert!(json["error"].as_str().unwrap().contains("does not generate text"), "{json}");
+    // A body that is wrong is the client's error first, whatever the model.
+    let (status, json) = server.send("POST", "/generate", Some(br#"{"prompt": "a", "tokens": 0}"#));
+    assert_eq!(status, 400, "{json}");
     // And the model's own route still answers.
     let (status, _) = server.send("POST", "/predict", Some(&rows_json(&Array2::zeros((1, 64)))));
     assert_eq!(status, 200);
