@@ -78,8 +78,8 @@ pub(crate) fn reserve<T>(len: usize) -> std::result::Result<Vec<T>, String> {
 /// pages are written. `what` names them for the [`Error::InvalidConfig`].
 pub(crate) fn check_machine_holds(values: usize, buffers: usize, what: impl FnOnce() -> String) -> Result<()> {
     let bytes = values as u128 * buffers as u128 * size_of::<f32>() as u128;
-    match workspace_core::backend::machine_memory_bytes() {
-        Some(machine) if bytes > machine => Err(Error::InvalidConfig {
+    match beyond_machine(bytes) {
+        Some(machine) => Err(Error::InvalidConfig {
             reason: format!(
                 "{}: {buffers} buffers of {values} values take {bytes} bytes, more than this machine's memory and \
                  swap ({machine} bytes)",
@@ -88,6 +88,14 @@ pub(crate) fn check_machine_holds(values: usize, buffers: usize, what: impl FnOn
         }),
         _ => Ok(()),
     }
+}
+
+/// This machine's memory and swap in bytes ([`workspace_core::backend::machine_memory_bytes`])
+/// when `bytes` exceed them: what an overcommitting kernel would grant, then kill the
+/// process for once the pages are written. `None` when they fit, or the machine's
+/// memory cannot be told.
+pub(crate) fn beyond_machine(bytes: u128) -> Option<u128> {
+    workspace_core::backend::machine_memory_bytes().filter(|&machine| bytes > machine)
 }
 
 /// [`reserve_filled`] for a configuration: the reason is [`Error::InvalidConfig`]

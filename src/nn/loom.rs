@@ -132,12 +132,12 @@ fn a_grant_racing_the_close_never_loses_the_arena() {
         let turns = Arc::new(Turns::new(1, Duration::ZERO));
         let in_use = Arc::new(AtomicBool::new(false));
         let counters = Counters::default();
-        let held = turns.lease(Wait::Forever, &counters).unwrap();
+        let held = turns.lease(Wait::Forever, &counters, false).unwrap();
         in_use.store(true, Ordering::SeqCst);
         let waiter = {
             let (turns, in_use) = (Arc::clone(&turns), Arc::clone(&in_use));
             thread::spawn(move || {
-                let leased = turns.lease(Wait::Forever, &Counters::default());
+                let leased = turns.lease(Wait::Forever, &Counters::default(), false);
                 if let Ok(index) = leased {
                     assert!(!in_use.swap(true, Ordering::SeqCst), "arena {index} leased twice");
                     in_use.store(false, Ordering::SeqCst);
@@ -246,12 +246,12 @@ fn two_arenas_given_back_reach_two_waiters() {
     loom::model(|| {
         let turns = Arc::new(Turns::new(2, Duration::MAX));
         let counters = Counters::default();
-        let held = [0, 1].map(|_| turns.lease(Wait::Forever, &counters).unwrap());
+        let held = [0, 1].map(|_| turns.lease(Wait::Forever, &counters, false).unwrap());
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let turns = Arc::clone(&turns);
                 // Each keeps its arena: the other is served by the give-backs alone.
-                thread::spawn(move || turns.lease(Wait::Forever, &Counters::default()).unwrap())
+                thread::spawn(move || turns.lease(Wait::Forever, &Counters::default(), false).unwrap())
             })
             .collect();
         for index in held {
@@ -272,7 +272,7 @@ fn two_arenas_given_back_reach_two_waiters() {
 fn a_reservation_racing_a_returning_lease_gets_the_arena() {
     loom::model(|| {
         let turns = Arc::new(Turns::new(1, Duration::ZERO));
-        let held = turns.lease(Wait::Forever, &Counters::default()).unwrap();
+        let held = turns.lease(Wait::Forever, &Counters::default(), false).unwrap();
         let warm_up = {
             let turns = Arc::clone(&turns);
             thread::spawn(move || {

@@ -42,6 +42,42 @@ pub(crate) fn parse_inputs(body: &[u8], features: usize) -> Result<Array2<f32>, 
     }
 }
 
+/// `message` as the body's problem (in `problem`), and the error that stops the scan.
+fn refuse<E: de::Error>(problem: &RefCell<Option<String>>, message: String) -> E {
+    *problem.borrow_mut() = Some(message);
+    E::custom("refused")
+}
+
+/// A visitor's refusals of the scalars (booleans, numbers, strings, `null`), each with
+/// its `wrong_kind()`: for the levels that take only a list or an object.
+macro_rules! refuse_scalars {
+    ($value:ty) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<$value, E> {
+            Err(self.wrong_kind())
+        }
+    };
+}
+
 /// The body: an object whose only field is `"inputs"`; gives the rows and their values.
 struct Body<'p> {
     features: usize,
@@ -49,10 +85,12 @@ struct Body<'p> {
 }
 
 impl Body<'_> {
-    /// `message` as the body's problem, and the error that stops the scan.
     fn refuse<E: de::Error>(&self, message: String) -> E {
-        *self.problem.borrow_mut() = Some(message);
-        E::custom("refused")
+        refuse(self.problem, message)
+    }
+
+    fn wrong_kind<E: de::Error>(&self) -> E {
+        self.refuse(format!("the body is not a JSON object: {USAGE}"))
     }
 }
 
@@ -91,32 +129,10 @@ impl<'de> Visitor<'de> for Body<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
+        Err(self.wrong_kind())
     }
 
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
-
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Err(self.refuse(format!("the body is not a JSON object: {USAGE}")))
-    }
+    refuse_scalars!((usize, Vec<f32>));
 }
 
 /// `"inputs"`: a list of rows, each of `features` numbers; gives the rows and their
@@ -135,13 +151,8 @@ impl<'de> DeserializeSeed<'de> for Rows<'_> {
 }
 
 impl Rows<'_> {
-    fn refuse<E: de::Error>(&self, message: String) -> E {
-        *self.problem.borrow_mut() = Some(message);
-        E::custom("refused")
-    }
-
-    fn not_a_list<E: de::Error>(&self) -> E {
-        self.refuse("\"inputs\" must be a list of rows, each a list of numbers".into())
+    fn wrong_kind<E: de::Error>(&self) -> E {
+        refuse(self.problem, "\"inputs\" must be a list of rows, each a list of numbers".into())
     }
 }
 
@@ -165,32 +176,10 @@ impl<'de> Visitor<'de> for Rows<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
-        Err(self.not_a_list())
+        Err(self.wrong_kind())
     }
 
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Err(self.not_a_list())
-    }
+    refuse_scalars!((usize, Vec<f32>));
 }
 
 /// Row `r`: `features` numbers, appended to `values`.
@@ -203,11 +192,10 @@ struct Row<'v, 'p> {
 
 impl Row<'_, '_> {
     fn refuse<E: de::Error>(&self, message: String) -> E {
-        *self.problem.borrow_mut() = Some(message);
-        E::custom("refused")
+        refuse(self.problem, message)
     }
 
-    fn not_a_list<E: de::Error>(&self) -> E {
+    fn wrong_kind<E: de::Error>(&self) -> E {
         self.refuse(format!("row {} of \"inputs\" is not a list of numbers", self.r))
     }
 }
@@ -259,32 +247,10 @@ impl<'de> Visitor<'de> for Row<'_, '_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
-        Err(self.not_a_list())
+        Err(self.wrong_kind())
     }
 
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Err(self.not_a_list())
-    }
+    refuse_scalars!(());
 }
 
 /// The value at row `r`, column `c`: a number.
@@ -297,8 +263,7 @@ struct Number<'p> {
 impl Number<'_> {
     /// Refuses a value that is not a number, shown as JSON (`what`).
     fn refuse<E: de::Error>(&self, what: &str) -> E {
-        *self.problem.borrow_mut() = Some(format!("row {}, column {} is {what}, not a number", self.r, self.c));
-        E::custom("refused")
+        refuse(self.problem, format!("row {}, column {} is {what}, not a number", self.r, self.c))
     }
 }
 

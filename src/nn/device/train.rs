@@ -265,8 +265,7 @@ pub(crate) struct Trainer<C: Compute> {
     /// Per layer: what an attention layer keeps for its backward pass (`qkv`, `att`,
     /// `probs`); zeros for the others.
     kept: Vec<[u64; 3]>,
-    /// The parameter row read back after each step (`pad` values): the values the device
-    /// holds.
+    /// The parameter row read back after each step (`pad` values).
     values: Vec<f32>,
     /// The gradient row read back after each step (`pad` values).
     grads_row: Vec<f32>,
@@ -315,8 +314,7 @@ impl<C: Compute> Trainer<C> {
         };
         let layers = plan.forms.len();
         let (outputs, kept) = (Vec::with_capacity(layers + 1), vec![[0; 3]; layers]);
-        let mut values = vec![0.0; pad];
-        values[..params.len()].copy_from_slice(params);
+        let values = vec![0.0; pad];
         Ok(Trainer {
             compute,
             plan,
@@ -382,8 +380,15 @@ fn product<C: Compute>(
 const F32: u64 = size_of::<f32>() as u64;
 
 impl<C: Compute> DeviceStep for Trainer<C> {
+    /// The state read back whole, its row of parameters replaced, and sent again (a
+    /// checkpoint's restore, not a step's work).
     fn send_params(&mut self, params: &[f32]) -> Result<()> {
-        self.send_state_params(params)
+        let shape = self.state.shape();
+        let mut host = Array2::<f32>::zeros((shape[0], shape[1]));
+        self.state.view().dtoh_into(&mut host)?;
+        host.row_mut(0).as_slice_mut().expect("standard layout")[..self.plan.total].copy_from_slice(params);
+        self.state.view_mut().htod_from(&host)?;
+        Ok(())
     }
 
     fn takes_tokens(&self) -> bool {
@@ -512,21 +517,6 @@ impl<C: Compute> DeviceStep for Trainer<C> {
         grads.copy_from_slice(&self.grads_row[..n]);
         self.step += 1;
         Ok(mean)
-    }
-}
-
-impl<C: Compute> Trainer<C> {
-    /// [`DeviceStep::send_params`]: the state read back whole, its row of parameters
-    /// replaced, and sent again (a checkpoint's restore, not a step's work).
-    fn send_state_params(&mut self, params: &[f32]) -> Result<()> {
-        let n = self.plan.total;
-        let shape = self.state.shape();
-        let mut host = Array2::<f32>::zeros((shape[0], shape[1]));
-        self.state.view().dtoh_into(&mut host)?;
-        host.row_mut(0).as_slice_mut().expect("standard layout")[..n].copy_from_slice(params);
-        self.state.view_mut().htod_from(&host)?;
-        self.values[..n].copy_from_slice(params);
-        Ok(())
     }
 }
 

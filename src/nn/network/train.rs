@@ -235,13 +235,13 @@ impl Network {
         let trace = Arc::new(Mutex::new(Trace::new()));
         // Detaches the recorder from every workspace it reached however the step ends:
         // an error while attaching it, the step's error, a layer's panic.
-        let recording = Recording(training_workspaces(&self.train).cloned().collect());
+        let mut recording = Recording(training_workspaces(&self.train).cloned().collect());
         for ws in &recording.0 {
             ws.record_into(Some(trace.clone()))?;
         }
         let result = self.step(x, labels, false);
         // Every scope of the step has closed, whatever it returned.
-        recording.stop()?;
+        recording.detach()?;
         if result.is_ok() {
             let trace = trace.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if !trace.events().is_empty() {
@@ -419,9 +419,9 @@ pub(crate) fn counted(labels: &Labels<'_>) -> usize {
     }
 }
 
-/// The training workspaces recording into a trace for one step: each detached from it
-/// when dropped (errors ignored: a workspace a caller holds open is left as it is), or
-/// by [`Recording::stop`], which reports them.
+/// The training workspaces recording into a trace for one step: detached from it by
+/// [`Recording::detach`], or when dropped (errors ignored: a workspace a caller holds
+/// open is left as it is).
 struct Recording(Vec<std::rc::Rc<workspace_core::Workspace>>);
 
 impl Recording {
@@ -431,7 +431,7 @@ impl Recording {
     ///
     /// The first workspace's error ([`Error::StillOpen`](crate::Error) for one a caller
     /// holds open); every other workspace is detached all the same.
-    fn stop(mut self) -> Result<()> {
+    fn detach(&mut self) -> Result<()> {
         let mut first = Ok(());
         for ws in std::mem::take(&mut self.0) {
             if let Err(e) = ws.record_into(None) {
@@ -444,8 +444,6 @@ impl Recording {
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        for ws in &self.0 {
-            let _ = ws.record_into(None);
-        }
+        let _ = self.detach();
     }
 }

@@ -142,9 +142,7 @@ impl Arenas {
     /// [`Error::PoolClosed`] once [`Arenas::close`] ran; [`Error::PoolBusy`] and
     /// [`Error::Timeout`] as `wait` says.
     pub(crate) fn lease(&self, wait: Wait) -> Result<ArenaGuard<'_>> {
-        let index = self.turns.lease(wait, &self.counters)?;
-        self.counters.leases.fetch_add(1, Ordering::Relaxed);
-        Ok(self.guard(index))
+        self.lease_by(wait, false)
     }
 
     /// [`Arenas::lease`] for a batch worker, which runs a batch of requests in the arena
@@ -154,7 +152,11 @@ impl Arenas {
     ///
     /// As [`Arenas::lease`].
     pub(crate) fn lease_for_batch(&self, wait: Wait) -> Result<ArenaGuard<'_>> {
-        let index = self.turns.lease_by(wait, &self.counters, true)?;
+        self.lease_by(wait, true)
+    }
+
+    fn lease_by(&self, wait: Wait, worker: bool) -> Result<ArenaGuard<'_>> {
+        let index = self.turns.lease(wait, &self.counters, worker)?;
         self.counters.leases.fetch_add(1, Ordering::Relaxed);
         Ok(self.guard(index))
     }

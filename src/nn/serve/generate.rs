@@ -284,12 +284,12 @@ impl Places {
         // process once their pages are written (they are zeroed at each start): refused
         // here, with each stream's bookkeeping beside its buffers.
         let bytes = (v as u128 + t as u128) * 4 + streams as u128 * STREAM_BOOKKEEPING;
-        match workspace_core::backend::machine_memory_bytes() {
-            Some(machine) if bytes > machine => Err(Error::InvalidInput(format!(
+        match crate::nn::limits::beyond_machine(bytes) {
+            Some(machine) => Err(Error::InvalidInput(format!(
                 "the caches, windows and logits of {streams} streams take {bytes} bytes, more than this machine's \
                  memory and swap ({machine} bytes)"
             ))),
-            _ => Ok(places),
+            None => Ok(places),
         }
     }
 

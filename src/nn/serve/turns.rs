@@ -166,24 +166,15 @@ impl Turns {
         &self.freed[(ticket % STRIPES as u64) as usize]
     }
 
-    /// Leases a free index, waiting as `wait` says (no waiter waits much longer than
-    /// the starving bound past its turn).
+    /// Leases a free index for a batch worker (`worker`) or a caller, waiting as `wait`
+    /// says (no waiter waits much longer than the starving bound past its turn).
     ///
     /// # Errors
     ///
     /// [`Error::PoolClosed`] once [`Turns::close`] ran; [`Error::PoolBusy`] and
     /// [`Error::Timeout`] as `wait` says; [`Error::InvalidInput`] when it would wait
     /// without a deadline while the calling thread holds every index.
-    pub(crate) fn lease(&self, wait: Wait, counters: &Counters) -> Result<usize> {
-        self.lease_by(wait, counters, false)
-    }
-
-    /// [`Turns::lease`] for a batch worker (`worker`) or a caller.
-    ///
-    /// # Errors
-    ///
-    /// As [`Turns::lease`].
-    pub(crate) fn lease_by(&self, wait: Wait, counters: &Counters, worker: bool) -> Result<usize> {
+    pub(crate) fn lease(&self, wait: Wait, counters: &Counters, worker: bool) -> Result<usize> {
         let mut free = self.free();
         if free.closed {
             return Err(Error::PoolClosed);
