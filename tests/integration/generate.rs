@@ -529,6 +529,25 @@ fn a_batched_pool_serves_streams_and_requests_side_by_side() {
     assert!(pool.stats().stream_bytes > 0, "the arena keeps the stream's buffers for its next stream");
 }
 
+#[test]
+fn a_batched_pool_refuses_a_sequence_request_for_what_it_is_whoever_holds_the_arenas() {
+    use std::time::Duration;
+    let model = Arc::new(model(12, 7));
+    let pool = InferencePool::new(model, PoolConfig::batched(1, 8, Duration::from_micros(100))).unwrap();
+    let ids = Array2::from_shape_vec((1, 2), vec![3u32, 1]).unwrap();
+    let refused = |error: &Error| matches!(error, Error::InvalidInput(m) if m.contains("coalesces flat rows"));
+    let free = pool.output(Input::tokens(ids.view())).unwrap_err();
+    assert!(refused(&free), "{free}");
+    // The same answer while this thread's stream holds the only arena (not that it would
+    // wait for itself: no batch could run it once the arena came back).
+    let _stream = pool.stream(&[3, 1], Sampling::greedy()).unwrap();
+    let held = pool.output(Input::tokens(ids.view())).unwrap_err();
+    assert!(refused(&held), "{held}");
+    let mut out = Array2::<f32>::zeros((1, pool.model().classes()));
+    let now = pool.try_output(Input::tokens(ids.view()), out.view_mut()).unwrap_err();
+    assert!(refused(&now), "{now}");
+}
+
 /// Runs `callers` threads, caller `i` joining `batch` with `prompts[i]` and
 /// `sampling[i]` and drawing `tokens` tokens; each caller's tokens and last logits.
 fn batched_callers(

@@ -339,7 +339,10 @@ fn parse_generate(body: &[u8], max_tokens: usize) -> Result<GenerateRequest, Str
     let temperature = match json.get("temperature") {
         None => 1.0,
         Some(t) => match t.as_f64() {
-            Some(t) if t.is_finite() && t >= 0.0 && t <= f64::from(f32::MAX) => t as f32,
+            // Checked as the f32 it becomes: serde_json's reading of a number's text may
+            // be one step of f64 off (f32::MAX's own text, read a step above it, still
+            // rounds to f32::MAX).
+            Some(t) if t >= 0.0 && (t as f32).is_finite() => t as f32,
             _ => return Err(format!("\"temperature\" must be a finite number of at least 0, not {t}")),
         },
     };
@@ -493,5 +496,34 @@ impl IntoResponse for ApiError {
             response.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_generate;
+
+    fn temperature(text: &str) -> Result<f32, String> {
+        let body = format!(r#"{{"prompt": "a", "tokens": 1, "temperature": {text}}}"#);
+        parse_generate(body.as_bytes(), 10).map(|request| request.temperature)
+    }
+
+    #[test]
+    fn a_temperature_is_any_finite_f32_of_at_least_0_however_its_text_reads() {
+        // f32::MAX as its shortest text, and as the f64 that serde_json writes for it
+        // (which its reader takes one step of f64 above f32::MAX).
+        assert_eq!(temperature("3.4028235e38"), Ok(f32::MAX));
+        assert_eq!(temperature("3.4028234663852886e38"), Ok(f32::MAX));
+        assert_eq!(temperature(&serde_json::json!(f32::MAX).to_string()), Ok(f32::MAX));
+        assert_eq!(temperature("0"), Ok(0.0));
+        assert_eq!(temperature("-0.0"), Ok(0.0));
+        assert_eq!(temperature("1e-45"), Ok(1e-45));
+        assert_eq!(temperature("0.8"), Ok(0.8));
+        for refused in ["3.5e38", "1e39", "-1e-30", "-1", "\"1\"", "null"] {
+            let error = temperature(refused).expect_err(refused);
+            assert!(error.contains("\"temperature\" must be a finite number of at least 0"), "{refused}: {error}");
+        }
+        // Beyond f64's range is not JSON serde_json reads: malformed.
+        assert!(temperature("1e400").is_err());
     }
 }

@@ -15,6 +15,12 @@
 //! | a whole body within `body_time` (however steadily it trickles) | `routes.rs`, `read_body` | 408 |
 //! | an answer within `request_time` | tower-http, `TimeoutLayer`; the pool's `output_timeout` | 503 |
 //!
+//! A client that shuts down its side of the connection after its request (`nc -N`,
+//! say) is taken for a client gone, as hyper's default (`half_close` off) takes it: its
+//! request is cut short (a generation stops between two tokens) and it gets no answer.
+//! That is what lets the server stop work for clients that went away; a client that
+//! wants its answer keeps its side open until it has read it.
+//!
 //! (`routes.rs` applies the tower layers.) `axum::serve` does not let a caller set
 //! hyper's header read timeout (axum 0.8.9 gives hyper no timer, so no deadline holds at
 //! all), so the connections are driven here with hyper's HTTP/1.1 connection builder,

@@ -239,6 +239,14 @@ impl Batcher {
         wait: Wait,
     ) -> Result<()> {
         model.check_request(&x)?;
+        // What no batch can run is refused first, whoever holds the arenas.
+        let Input::Flat(x) = x else {
+            return Err(Error::InvalidInput(
+                "a batched pool coalesces flat rows [batch, features]; serve a sequence model from a direct pool \
+                 (PoolMode::Direct)"
+                    .into(),
+            ));
+        };
         // The workers need an arena to run the batch: none comes while this thread holds
         // them all.
         if !matches!(wait, Wait::For(_)) && arenas.all_held_here() {
@@ -250,13 +258,6 @@ impl Batcher {
             arenas.counters.busy.fetch_add(1, Ordering::Relaxed);
             return Err(Error::PoolBusy { arenas: arenas.len() });
         }
-        let Input::Flat(x) = x else {
-            return Err(Error::InvalidInput(
-                "a batched pool coalesces flat rows [batch, features]; serve a sequence model from a direct pool \
-                 (PoolMode::Direct)"
-                    .into(),
-            ));
-        };
         self.submit(x, out, wait, &arenas.counters)
     }
 
