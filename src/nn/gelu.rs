@@ -1,4 +1,5 @@
-//! GELU in its tanh form (GPT-2's activation).
+//! GELU, in its tanh form (GPT-2's activation, the default) or its exact form
+//! (PyTorch's `nn.GELU()`, nanoGPT's).
 
 use crate::{Error, Result};
 
@@ -11,26 +12,54 @@ use super::layer::{
 };
 use super::vector::{gelu_backward_new, gelu_new};
 
-/// `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` elementwise: the Gaussian error linear
-/// unit in the tanh form GPT-2 uses (PyTorch's `nn.GELU(approximate="tanh")`). Its
-/// backward pass reads the forward pass's input only.
+/// Which GELU a [`Gelu`] layer computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GeluForm {
+    /// `½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`: GPT-2's, PyTorch's
+    /// `nn.GELU(approximate="tanh")`.
+    #[default]
+    Tanh,
+    /// `x·Φ(x) = ½·x·(1 + erf(x/√2))`: PyTorch's `nn.GELU()`, which nanoGPT uses. Its
+    /// `erf` is the polynomial PyTorch's vectorised `erf` evaluates (Abramowitz and
+    /// Stegun 7.1.26, within 1.5·10⁻⁷ of `erf`). Runs on the host only: a device network
+    /// refuses it.
+    Exact,
+}
+
+/// GELU elementwise, in its tanh form ([`GeluForm::Tanh`], GPT-2's, the default) or its
+/// exact form ([`GeluForm::Exact`], PyTorch's `nn.GELU()`). Its backward pass reads the
+/// forward pass's input only.
 #[derive(Clone, Debug)]
 pub struct Gelu {
     name: String,
+    form: GeluForm,
 }
 
 impl Gelu {
-    /// A GELU layer named "gelu".
+    /// A GELU layer named "gelu", in the tanh form.
     pub fn new() -> Gelu {
         Gelu::named("gelu")
     }
 
-    /// A GELU layer with a name for messages ([`NetworkConfigBuilder::gelu`] numbers
-    /// them after their position).
+    /// A GELU layer in the tanh form with a name for messages
+    /// ([`NetworkConfigBuilder::gelu`] numbers them after their position).
     ///
     /// [`NetworkConfigBuilder::gelu`]: crate::nn::NetworkConfigBuilder::gelu
     pub fn named(name: &str) -> Gelu {
-        Gelu { name: name.to_string() }
+        Gelu::with_form(name, GeluForm::Tanh)
+    }
+
+    /// A GELU layer in `form` with a name for messages
+    /// ([`NetworkConfigBuilder::gelu_exact`] makes the exact form).
+    ///
+    /// [`NetworkConfigBuilder::gelu_exact`]: crate::nn::NetworkConfigBuilder::gelu_exact
+    pub fn with_form(name: &str, form: GeluForm) -> Gelu {
+        Gelu { name: name.to_string(), form }
+    }
+
+    /// The form it computes.
+    pub fn form(&self) -> GeluForm {
+        self.form
     }
 }
 
@@ -42,7 +71,8 @@ impl Default for Gelu {
 
 impl Layer for Gelu {
     fn device_form(&self) -> Option<crate::nn::DeviceForm> {
-        Some(crate::nn::DeviceForm::Gelu)
+        // The devices' kernel is the tanh form.
+        (self.form == GeluForm::Tanh).then_some(crate::nn::DeviceForm::Gelu)
     }
 
     fn per_step(&self) -> bool {
@@ -70,7 +100,7 @@ impl Layer for Gelu {
         ctx: &ForwardCtx<'a, '_>,
     ) -> Result<ArrayView2<'a, f32>> {
         let out = ctx.activations.uninit::<f32, _>(input.raw_dim())?;
-        Ok(freeze(gelu_new(input, out)))
+        Ok(freeze(gelu_new(input, out, self.form)))
     }
 
     fn backward_rows(
@@ -94,7 +124,7 @@ impl Layer for Gelu {
             return Err(wrong("input gradient", g.shape()));
         }
         if let Some(grad_input) = grad_input {
-            gelu_backward(input, grad_output, grad_input);
+            gelu_backward(input, grad_output, grad_input, self.form);
         }
         Ok(())
     }
@@ -118,7 +148,7 @@ impl Layer for Gelu {
                     actual: grad_output.shape().to_vec(),
                 });
             }
-            Ok(gelu_backward_new(input, grad_output, dx))
+            Ok(gelu_backward_new(input, grad_output, dx, self.form))
         })
     }
 }

@@ -18,6 +18,7 @@ use std::cell::Cell;
 
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 
+use super::gelu::GeluForm;
 use super::vector;
 
 thread_local! {
@@ -148,15 +149,20 @@ pub(crate) fn lstm_cell_backward(
 }
 
 /// The gradient of GELU's input ([`vector::gelu_new`]): `dx = dy · gelu'(x)`.
-pub(crate) fn gelu_backward(x: ArrayView2<'_, f32>, dy: ArrayView2<'_, f32>, mut dx: ArrayViewMut2<'_, f32>) {
+pub(crate) fn gelu_backward(
+    x: ArrayView2<'_, f32>,
+    dy: ArrayView2<'_, f32>,
+    mut dx: ArrayViewMut2<'_, f32>,
+    form: GeluForm,
+) {
     if running() {
         return;
     }
     if let (Some(x), Some(dy), Some(dx)) = (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
         let n = x.len().min(dy.len()).min(dx.len());
-        return vector::split(dx, n, 1, &|s, e, dx| vector::gelu_backward_slices(&x[s..e], &dy[s..e], dx));
+        return vector::split(dx, n, 1, &|s, e, dx| vector::gelu_backward_slices(&x[s..e], &dy[s..e], dx, form));
     }
-    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope(x));
+    Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| *dx = g * vector::gelu_slope_in(form, x));
 }
 
 /// The backward pass of layer normalisation ([`vector::layer_norm_new`]), each row's

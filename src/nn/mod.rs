@@ -87,7 +87,7 @@ pub use attention::Attention;
 pub use dense::Dense;
 pub use device::{Device, DeviceForm, DeviceStats};
 pub use embedding::{Embedding, PositionEmbedding};
-pub use gelu::Gelu;
+pub use gelu::{Gelu, GeluForm};
 pub use infer::Infer;
 pub use layer::{
     initial_params, Activations, BackwardCtx, ForwardCtx, GradInput, Init, Layer, ParamShape, Pass, RowsPass,

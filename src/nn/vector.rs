@@ -28,6 +28,7 @@ use std::mem::MaybeUninit;
 use ndarray::{ArrayView, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2, Dimension, Zip};
 use std::sync::{Mutex, PoisonError};
 
+use super::gelu::GeluForm;
 use super::gemm::KC;
 
 /// Lanes of a sum (see the module documentation).
@@ -169,28 +170,94 @@ pub(crate) fn gelu_slope(x: f32) -> f32 {
     ((0.5 * GELU_C) * x * sech2).mul_add(inner, t.mul_add(0.5, 0.5))
 }
 
-/// `y = gelu(x)`, every element of `y` written (the slices are as long).
+/// `erf(x)` within 1.5·10⁻⁷ (Abramowitz and Stegun 7.1.26, the polynomial PyTorch's
+/// vectorised `erf` evaluates, with [`fast_exp`]), in operations that vectorise; ±1 at
+/// ±∞, NaN for NaN.
 #[inline(always)]
-fn gelu_body(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+#[allow(clippy::excessive_precision)] // the published coefficients
+pub(crate) fn fast_erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / 0.327_591_1f32.mul_add(a, 1.0);
+    let mut r = 1.061_405_429f32.mul_add(t, -1.453_152_027);
+    r = r.mul_add(t, 1.421_413_741);
+    r = r.mul_add(t, -0.284_496_736);
+    r = r.mul_add(t, 0.254_829_592);
+    let e = (-(t * fast_exp(-(a * a)))).mul_add(r, 1.0);
+    e.copysign(x)
+}
+
+/// `1/√(2π)`, the standard normal density at 0.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// GELU's exact form at `x`: `x·Φ(x) = ½·x·(1 + erf(x/√2))` (PyTorch's `nn.GELU()`).
+#[inline(always)]
+pub(crate) fn gelu_exact(x: f32) -> f32 {
+    let h = 0.5 * x;
+    h.mul_add(fast_erf(x * std::f32::consts::FRAC_1_SQRT_2), h)
+}
+
+/// The exact form's derivative at `x`: `Φ(x) + x·φ(x)`.
+#[inline(always)]
+pub(crate) fn gelu_exact_slope(x: f32) -> f32 {
+    let cdf = 0.5f32.mul_add(fast_erf(x * std::f32::consts::FRAC_1_SQRT_2), 0.5);
+    let pdf = fast_exp(-0.5 * x * x) * INV_SQRT_2PI;
+    x.mul_add(pdf, cdf)
+}
+
+/// GELU of one value in `form`.
+#[inline(always)]
+pub(crate) fn gelu_in(form: GeluForm, x: f32) -> f32 {
+    match form {
+        GeluForm::Tanh => gelu(x),
+        GeluForm::Exact => gelu_exact(x),
+    }
+}
+
+/// GELU's derivative at `x` in `form`.
+#[inline(always)]
+pub(crate) fn gelu_slope_in(form: GeluForm, x: f32) -> f32 {
+    match form {
+        GeluForm::Tanh => gelu_slope(x),
+        GeluForm::Exact => gelu_exact_slope(x),
+    }
+}
+
+/// `y = gelu(x)` in `form`, every element of `y` written (the slices are as long). Each
+/// form is its own loop (the form chosen once, not per value).
+#[inline(always)]
+fn gelu_body(x: &[f32], y: &mut [MaybeUninit<f32>], form: GeluForm) {
     assert_eq!(x.len(), y.len(), "gelu's output is as long as its input");
-    y.iter_mut().zip(x).for_each(|(y, &x)| {
-        y.write(gelu(x));
-    });
+    match form {
+        GeluForm::Tanh => y.iter_mut().zip(x).for_each(|(y, &x)| {
+            y.write(gelu(x));
+        }),
+        GeluForm::Exact => y.iter_mut().zip(x).for_each(|(y, &x)| {
+            y.write(gelu_exact(x));
+        }),
+    }
 }
 
 #[inline(always)]
-fn gelu_backward_body(x: &[f32], dy: &[f32], dx: &mut [f32]) {
-    dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x));
+fn gelu_backward_body(x: &[f32], dy: &[f32], dx: &mut [f32], form: GeluForm) {
+    match form {
+        GeluForm::Tanh => dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_slope(x)),
+        GeluForm::Exact => dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| *dx = g * gelu_exact_slope(x)),
+    }
 }
 
 /// [`gelu_backward_body`] into an uninitialised `dx` (every element written: the three
 /// slices are as long).
 #[inline(always)]
-fn gelu_backward_new_body(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
+fn gelu_backward_new_body(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>], form: GeluForm) {
     assert!(x.len() == dx.len() && dy.len() == dx.len(), "gelu's gradients are as long as its input");
-    dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| {
-        dx.write(g * gelu_slope(x));
-    });
+    match form {
+        GeluForm::Tanh => dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| {
+            dx.write(g * gelu_slope(x));
+        }),
+        GeluForm::Exact => dx.iter_mut().zip(x).zip(dy).for_each(|((dx, &x), &g)| {
+            dx.write(g * gelu_exact_slope(x));
+        }),
+    }
 }
 
 /// One row's mean and reciprocal standard deviation (the biased variance, as
@@ -453,17 +520,17 @@ macro_rules! multiversion {
 
 multiversion! {
     /// `y = gelu(x)` elementwise.
-    fn gelu_slices(x: &[f32], y: &mut [MaybeUninit<f32>]) => gelu_body;
+    fn gelu_slices(x: &[f32], y: &mut [MaybeUninit<f32>], form: GeluForm) => gelu_body;
 }
 
 multiversion! {
     /// `dx = dy · gelu'(x)` elementwise.
-    fn gelu_backward_slices(x: &[f32], dy: &[f32], dx: &mut [f32]) => gelu_backward_body;
+    fn gelu_backward_slices(x: &[f32], dy: &[f32], dx: &mut [f32], form: GeluForm) => gelu_backward_body;
 }
 
 multiversion! {
     /// `dx = dy · gelu'(x)` elementwise, into an uninitialised `dx`.
-    fn gelu_backward_new_slices(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) => gelu_backward_new_body;
+    fn gelu_backward_new_slices(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>], form: GeluForm) => gelu_backward_new_body;
 }
 
 multiversion! {
@@ -1018,16 +1085,17 @@ fn column_sums_body(xs: &[f32], n: usize, c0: usize, acc: &mut [f32]) {
 pub(crate) fn gelu_new<'y>(
     x: ArrayView2<'_, f32>,
     mut y: ArrayViewMut2<'y, MaybeUninit<f32>>,
+    form: GeluForm,
 ) -> ArrayViewMut2<'y, f32> {
     assert_eq!(x.dim(), y.dim(), "gelu's output has its input's shape");
     let dry = super::kernels::running();
     match (x.as_slice(), y.as_slice_mut()) {
         (Some(xs), Some(ys)) if !dry => {
             let n = xs.len();
-            split(ys, n, 1, &|s, e, ys| gelu_slices(&xs[s..e], ys));
+            split(ys, n, 1, &|s, e, ys| gelu_slices(&xs[s..e], ys, form));
         }
         _ => Zip::from(&mut y).and(&x).for_each(|y, &x| {
-            y.write(if dry { 0.0 } else { gelu(x) });
+            y.write(if dry { 0.0 } else { gelu_in(form, x) });
         }),
     }
     // SAFETY: every element of `y` was written: the slices of `x` and `y` are as long
@@ -1044,16 +1112,17 @@ pub(crate) fn gelu_backward_new<'d>(
     x: ArrayView2<'_, f32>,
     dy: ArrayView2<'_, f32>,
     mut dx: ArrayViewMut2<'d, MaybeUninit<f32>>,
+    form: GeluForm,
 ) -> ArrayViewMut2<'d, f32> {
     assert!(x.dim() == dx.dim() && dy.dim() == dx.dim(), "gelu's gradients have its input's shape");
     let dry = super::kernels::running();
     match (x.as_slice(), dy.as_slice(), dx.as_slice_mut()) {
         (Some(xs), Some(dys), Some(dxs)) if !dry => {
             let n = xs.len();
-            split(dxs, n, 1, &|s, e, dxs| gelu_backward_new_slices(&xs[s..e], &dys[s..e], dxs));
+            split(dxs, n, 1, &|s, e, dxs| gelu_backward_new_slices(&xs[s..e], &dys[s..e], dxs, form));
         }
         _ => Zip::from(&mut dx).and(&x).and(&dy).for_each(|dx, &x, &g| {
-            dx.write(if dry { 0.0 } else { g * gelu_slope(x) });
+            dx.write(if dry { 0.0 } else { g * gelu_slope_in(form, x) });
         }),
     }
     // SAFETY: every element of `dx` was written: the three slices are as long (the same
@@ -1477,6 +1546,47 @@ mod tests {
     }
 
     #[test]
+    fn the_exact_gelu_and_its_slope_are_x_phi_and_its_derivative_to_within_erfs_polynomial() {
+        // (x, x·Φ(x), Φ(x) + x·φ(x)) in float64, by Python's `math.erf`.
+        #[allow(clippy::excessive_precision)]
+        let reference: [(f32, f64, f64); 13] = [
+            (-10.0, -0.0, -7.694598626706419e-22),
+            (-6.0, -5.919525869479969e-09, -3.546870945402639e-08),
+            (-3.0, -0.00404969409489031, -0.011945647204183918),
+            (-1.5, -0.10021080190328713, -0.12746919222997954),
+            (-0.5, -0.15426876936299344, 0.13250487534383712),
+            (-0.001, -0.000499601057786089, 0.4992021157051586),
+            (0.0, 0.0, 0.5),
+            (0.001, 0.000500398942213911, 0.5007978842948414),
+            (0.5, 0.34573123063700656, 0.8674951246561629),
+            (1.0, 0.8413447460685429, 1.0833154705876864),
+            (2.5, 2.4844758366855597, 1.037611085908145),
+            (4.0, 3.9998733150326675, 1.0005036496612265),
+            (10.0, 10.0, 1.0),
+        ];
+        for (x, y, slope) in reference {
+            // erf's polynomial is within 1.5e-7: y within ½·|x|·1.5e-7, plus rounding.
+            let tolerance = 2e-7 * (1.0 + f64::from(x.abs()));
+            let got = f64::from(gelu_exact(x));
+            assert!((got - y).abs() <= tolerance, "gelu_exact({x}) = {got}, not {y}");
+            let got = f64::from(gelu_exact_slope(x));
+            assert!((got - slope).abs() <= tolerance, "gelu_exact_slope({x}) = {got}, not {slope}");
+        }
+        // The tanh form is not this one (its difference is far above the tolerance).
+        assert!((f64::from(gelu(-1.5)) - -0.10021080190328713).abs() > 1e-4);
+        assert!(gelu_exact(f32::NAN).is_nan() && fast_erf(f32::NAN).is_nan());
+        assert_eq!((fast_erf(f32::INFINITY), fast_erf(f32::NEG_INFINITY)), (1.0, -1.0));
+        // The slope is the derivative of the value, here in f32 by central differences.
+        for i in -40..=40 {
+            let x = i as f32 * 0.1;
+            let h = 1e-2f32;
+            let numeric = (f64::from(gelu_exact(x + h)) - f64::from(gelu_exact(x - h))) / (2.0 * f64::from(h));
+            let analytic = f64::from(gelu_exact_slope(x));
+            assert!((numeric - analytic).abs() < 1e-4, "slope at {x}: {analytic} vs {numeric}");
+        }
+    }
+
+    #[test]
     fn every_width_gives_the_same_bits() {
         let (t, n) = (13, 40);
         let x = values(t * n, 1);
@@ -1486,7 +1596,7 @@ mod tests {
         let scores = values(t * t, 5);
         let mask: Vec<f32> = (0..t).map(|j| if j % 5 == 3 { 0.0 } else { 1.0 }).collect();
         type Outputs = Vec<Vec<f32>>;
-        let run = |baseline: bool| -> Outputs {
+        let run = |baseline: bool, form: GeluForm| -> Outputs {
             let mut out: Outputs = vec![vec![0.0; t * n]; 8];
             let mut stats = vec![0.0; 2 * t];
             let mut sm = scores.clone();
@@ -1494,15 +1604,15 @@ mod tests {
             let mut db = vec![0.0; n];
             let mut dp = dy[..t * t].to_vec();
             if baseline {
-                gelu_body(&x, uninit(&mut out[0]));
-                gelu_backward_body(&x, &dy, &mut out[1]);
+                gelu_body(&x, uninit(&mut out[0]), form);
+                gelu_backward_body(&x, &dy, &mut out[1], form);
                 layer_norm_body(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_body(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_body(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
                 causal_softmax_backward_body(&sm, &mut dp, t, 0.5);
             } else {
-                gelu_slices(&x, uninit(&mut out[0]));
-                gelu_backward_slices(&x, &dy, &mut out[1]);
+                gelu_slices(&x, uninit(&mut out[0]), form);
+                gelu_backward_slices(&x, &dy, &mut out[1], form);
                 layer_norm_slices(&x, &gamma, &beta, 1e-5, uninit(&mut out[2]));
                 layer_norm_backward_slices(&x, &dy, &gamma, 1e-5, &mut dg, &mut db, Some(&mut out[3]));
                 causal_softmax_slices(&mut sm, t, Some(&mask), Stats::Write(&mut stats));
@@ -1514,11 +1624,14 @@ mod tests {
             out[7] = dp;
             out
         };
-        let (baseline, widest) = (run(true), run(false));
-        for (k, (a, b)) in baseline.iter().zip(&widest).enumerate() {
-            let (a, b): (Vec<u32>, Vec<u32>) =
-                (a.iter().map(|v| v.to_bits()).collect(), b.iter().map(|v| v.to_bits()).collect());
-            assert_eq!(a, b, "output {k} differs between the baseline and {:?}", super::super::simd::Width::detect());
+        for form in [GeluForm::Tanh, GeluForm::Exact] {
+            let (baseline, widest) = (run(true, form), run(false, form));
+            for (k, (a, b)) in baseline.iter().zip(&widest).enumerate() {
+                let (a, b): (Vec<u32>, Vec<u32>) =
+                    (a.iter().map(|v| v.to_bits()).collect(), b.iter().map(|v| v.to_bits()).collect());
+                let width = super::super::simd::Width::detect();
+                assert_eq!(a, b, "output {k} ({form:?}) differs between the baseline and {width:?}");
+            }
         }
     }
 }

@@ -133,6 +133,12 @@ fn what_a_device_cannot_run_is_refused_with_the_reason() {
     let lstm = NetworkConfig::builder(4).lstm(8).last_step().dense(3).device(Device::simulated()).build().unwrap();
     let err = Network::new(lstm).unwrap_err().to_string();
     assert!(err.contains("has no device form") && err.contains("lstm"), "{err}");
+    // GELU's exact form: the devices' kernel is the tanh form.
+    let exact = NetworkConfig::builder(4).dense(8).gelu_exact().dense(3).device(Device::simulated()).build().unwrap();
+    let err = Network::new(exact).unwrap_err().to_string();
+    assert!(err.contains("has no device form") && err.contains("gelu_1") && err.contains("tanh form"), "{err}");
+    let tanh = NetworkConfig::builder(4).dense(8).gelu().dense(3).device(Device::simulated()).build().unwrap();
+    assert!(Network::new(tanh).is_ok());
 
     // Data-parallel workers run on the host: a device network is refused, not trained on
     // the host behind the caller's back.

@@ -2,7 +2,7 @@
 //! references computed independently (numpy in float64 from the published equations:
 //! `tests/fixtures/layers/make_fixtures.py`, which wrote `layers.json`).
 
-use carve::nn::{Gelu, LayerNorm, NetworkConfig, ParamShape};
+use carve::nn::{Gelu, GeluForm, LayerNorm, NetworkConfig, ParamShape};
 use ndarray::{Array1, Array2};
 use serde_json::Value;
 
@@ -35,6 +35,7 @@ fn assert_close(actual: &[f32], expected: &[f32], what: &str) {
 #[test]
 fn gelu_gradients_match_finite_differences() {
     check_layer(&mut Standalone::new(Gelu::new(), 7, 0), 4, 7, 7, 3);
+    check_layer(&mut Standalone::new(Gelu::with_form("gelu", GeluForm::Exact), 7, 0), 4, 7, 7, 3);
 }
 
 #[test]
@@ -441,9 +442,28 @@ fn a_transformer_block_learns_and_its_modes_and_forms_give_the_same_bits() {
 
 /// A GPT of `blocks` pre-LN blocks over a vocabulary of `vocab`, width `d`.
 fn tiny_gpt(vocab: usize, d: usize, heads: usize, context: usize, blocks: usize) -> carve::nn::NetworkConfigBuilder {
+    tiny_gpt_with(vocab, d, heads, context, blocks, GeluForm::Tanh)
+}
+
+/// [`tiny_gpt`] with its MLPs' GELU in `form`.
+fn tiny_gpt_with(
+    vocab: usize,
+    d: usize,
+    heads: usize,
+    context: usize,
+    blocks: usize,
+    form: GeluForm,
+) -> carve::nn::NetworkConfigBuilder {
     let mut b = NetworkConfig::builder(vocab).embedding(d).position_embedding(context);
     for _ in 0..blocks {
-        b = b.residual(|b| b.layer_norm().attention(heads)).residual(|b| b.layer_norm().dense(4 * d).gelu().dense(d));
+        b = b.residual(|b| b.layer_norm().attention(heads)).residual(|b| {
+            let b = b.layer_norm().dense(4 * d);
+            let b = match form {
+                GeluForm::Tanh => b.gelu(),
+                GeluForm::Exact => b.gelu_exact(),
+            };
+            b.dense(d)
+        });
     }
     b.layer_norm().dense(vocab)
 }
@@ -684,23 +704,60 @@ fn tensor_names(path: &std::path::Path) -> Vec<String> {
     names
 }
 
-#[test]
-fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
+/// The nanoGPT fixture's probabilities from carve with its MLPs' GELU in `form`, and the
+/// float64 reference's under `key`: the largest error over the tolerance (at most 1 when
+/// every probability is within it).
+fn nanogpt_error(form: GeluForm, key: &str) -> f32 {
     use carve::nn::{serve::Model, Input};
     let (path, expected) = nanogpt_fixture();
     let size = |k: &str| expected[k].as_u64().unwrap() as usize;
-    let config =
-        tiny_gpt(size("vocab"), size("width"), size("heads"), size("context"), size("layers")).build().unwrap();
+    let config = tiny_gpt_with(size("vocab"), size("width"), size("heads"), size("context"), size("layers"), form)
+        .build()
+        .unwrap();
     let model = Model::load_pytorch(&path, &config).unwrap();
     let rows: Vec<Vec<u32>> = serde_json::from_value(expected["ids"].clone()).unwrap();
     let ids = Array2::from_shape_fn((rows.len(), rows[0].len()), |(b, t)| rows[b][t]);
     let probs = model.output(Input::tokens(ids.view())).unwrap();
-    let reference: Vec<Vec<Vec<f32>>> = serde_json::from_value(expected["probabilities"].clone()).unwrap();
+    let reference: Vec<Vec<Vec<f32>>> = serde_json::from_value(expected[key].clone()).unwrap();
     let reference: Vec<f32> = reference.into_iter().flatten().flatten().collect();
     assert_eq!(probs.len(), reference.len());
-    for (i, (&a, &e)) in probs.iter().zip(&reference).enumerate() {
-        assert!((a - e).abs() <= 1e-5 + 1e-4 * e, "probability {i}: {a} vs the reference {e}");
-    }
+    probs.iter().zip(&reference).map(|(&a, &e)| (a - e).abs() / (1e-5 + 1e-4 * e)).fold(0.0, f32::max)
+}
+
+#[test]
+fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
+    // GELU's tanh form (GPT-2's), and the exact form (`nn.GELU()`, nanoGPT's) each give
+    // their own reference's probabilities, and not the other's.
+    let tanh = nanogpt_error(GeluForm::Tanh, "probabilities");
+    assert!(tanh <= 1.0, "the tanh form is {tanh} times the tolerance off its reference");
+    let exact = nanogpt_error(GeluForm::Exact, "probabilities_exact");
+    assert!(exact <= 1.0, "the exact form is {exact} times the tolerance off its reference");
+    let crossed = nanogpt_error(GeluForm::Tanh, "probabilities_exact");
+    assert!(crossed > 1.0, "the fixture tells the two forms apart ({crossed})");
+}
+
+#[test]
+fn a_gpt_of_the_exact_gelu_saves_and_loads_back_in_that_form() {
+    use carve::nn::{serve::Model, Input, Network};
+    let net = Network::new(tiny_gpt_with(11, 8, 2, 6, 1, GeluForm::Exact).seed(5).build().unwrap()).unwrap();
+    let path = std::env::temp_dir().join(format!("carve-gpt-exact-{}.safetensors", std::process::id()));
+    net.save(&path).unwrap();
+    let ids = Array2::from_shape_fn((2, 6), |(b, t)| ((b * 5 + t * 3) % 11) as u32);
+    let before = net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap();
+    assert_eq!(Model::load(&path).unwrap().output(Input::tokens(ids.view())).unwrap(), before);
+    // The form is the file's: a configuration of the tanh form is refused, naming both.
+    let err = Model::load_with(&path, &tiny_gpt(11, 8, 2, 6, 1).build().unwrap()).unwrap_err().to_string();
+    assert!(err.contains(r#""form":"exact""#) && err.contains("the configuration builds"), "{err}");
+    // A form the reader does not know: refused, naming it.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let at = text.find("\\\"exact\\\"").expect("the form in the configuration");
+    bytes[at + 2..at + 7].copy_from_slice(b"fuzzy");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Model::load(&path).unwrap_err();
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(&err, carve::Error::ModelFile { .. }), "{err}");
+    assert!(err.to_string().contains(r#"GELU 'gelu_7' the form "fuzzy""#), "{err}");
 }
 
 #[test]

@@ -12,6 +12,7 @@ use workspace_cuda::device::sim::{Bytes, SimAccess, SimKernel};
 use ndarray::s;
 
 use super::super::attention::{head_backward, head_columns, head_forward, Head};
+use super::super::gelu::GeluForm;
 use super::super::gemm::sgemm;
 use super::super::kernels::{gelu_backward, layer_norm_backward};
 use super::super::loss::SoftmaxCrossEntropy;
@@ -366,14 +367,14 @@ impl SimKernel for Kernel {
                 // SAFETY: `gelu_new` writes every element with a value it computed.
                 let y = unsafe { as_scratch(cast_mut(y)?) };
                 let y = ArrayViewMut2::from_shape((1, n), y).map_err(|e| e.to_string())?;
-                gelu_new(x, y);
+                gelu_new(x, y, GeluForm::Tanh);
                 Ok(())
             }
             Kernel::GeluBackward { x, dy, dx, n } => {
                 let ([x, dy], [dx]) = memory.io([f32s(n, x)?, f32s(n, dy)?], [f32s(n, dx)?])?;
                 let row = |v| ArrayView2::from_shape((1, n), v).map_err(|e| e.to_string());
                 let dx = ArrayViewMut2::from_shape((1, n), cast_mut(dx)?).map_err(|e| e.to_string())?;
-                gelu_backward(row(cast(x)?)?, row(cast(dy)?)?, dx);
+                gelu_backward(row(cast(x)?)?, row(cast(dy)?)?, dx, GeluForm::Tanh);
                 Ok(())
             }
             Kernel::LayerNorm { x, params, y, rows, cols, eps } => {

@@ -124,8 +124,8 @@ impl Plan {
             let form = layer.device_form().ok_or_else(|| {
                 invalid(
                     "has no device form (Layer::device_form), so it cannot train on a device; devices run dense, \
-                     ReLU, GELU, layer-norm, embedding and attention layers and residual blocks: train this network \
-                     on the host"
+                     ReLU, GELU (its tanh form), layer-norm, embedding and attention layers and residual blocks: \
+                     train this network on the host"
                         .into(),
                 )
             })?;

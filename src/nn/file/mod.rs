@@ -51,7 +51,7 @@ use super::params::Params;
 use super::residual::{residual_from, Residual};
 use super::serve::Model;
 use super::{
-    Attention, Dense, Embedding, Gelu, LastStep, LayerNorm, Lstm, MaskedMean, Network, NetworkConfig,
+    Attention, Dense, Embedding, Gelu, GeluForm, LastStep, LayerNorm, Lstm, MaskedMean, Network, NetworkConfig,
     PositionEmbedding, Relu,
 };
 use crate::{Error, Result};
@@ -101,7 +101,10 @@ enum Kind {
         width: usize,
         eps: f32,
     },
-    Gelu,
+    /// GELU in `form`.
+    Gelu {
+        form: GeluForm,
+    },
     /// The join of a residual block that starts at layer `from`.
     Residual {
         from: usize,
@@ -148,8 +151,8 @@ impl Kind {
         if let Some(n) = any.downcast_ref::<LayerNorm>() {
             return Kind::LayerNorm { width: inputs, eps: n.eps() };
         }
-        if any.is::<Gelu>() {
-            return Kind::Gelu;
+        if let Some(g) = any.downcast_ref::<Gelu>() {
+            return Kind::Gelu { form: g.form() };
         }
         if let Some(from) = residual_from(layer) {
             return Kind::Residual { from };
@@ -201,7 +204,10 @@ impl Kind {
             Kind::LayerNorm { width, eps } => {
                 json!({ "kind": "layer_norm", "name": name, "tensors": tensors, "width": width, "eps": eps })
             }
-            Kind::Gelu => json!({ "kind": "gelu", "name": name }),
+            // The tanh form writes no "form" (files of the exact form are refused by
+            // readers from before it).
+            Kind::Gelu { form: GeluForm::Tanh } => json!({ "kind": "gelu", "name": name }),
+            Kind::Gelu { form: GeluForm::Exact } => json!({ "kind": "gelu", "name": name, "form": "exact" }),
             Kind::Residual { from } => json!({ "kind": "residual", "name": name, "from": from }),
             Kind::Attention { width, heads, recompute } => json!({
                 "kind": "attention", "name": name, "tensors": tensors, "width": width, "heads": heads,
@@ -484,7 +490,7 @@ fn gpt_prefixes(kinds: &[Kind]) -> Option<Vec<String>> {
                 Kind::Residual { from: a },
                 Kind::LayerNorm { .. },
                 Kind::Dense { .. },
-                Kind::Gelu,
+                Kind::Gelu { .. },
                 Kind::Dense { .. },
                 Kind::Residual { from: m },
             ] if *a == start && *m == start + 3
@@ -651,7 +657,7 @@ fn save_params(kind: &Kind, values: &[f32], prefix: &str, out: &mut Vec<Out>) {
             push("c_proj.weight", vec![d, d], proj_w.t().iter().copied().collect());
             push("c_proj.bias", vec![d], proj_b.to_vec());
         }
-        Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => {}
+        Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu { .. } | Kind::Residual { .. } => {}
     }
 }
 
@@ -700,7 +706,7 @@ impl Kind {
                 t("c_proj.weight", vec![d, d], false),
                 t("c_proj.bias", vec![d], true),
             ],
-            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => Vec::new(),
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu { .. } | Kind::Residual { .. } => Vec::new(),
         }
     }
 }
@@ -764,7 +770,7 @@ impl Found {
             Kind::Embedding { vocabulary, width } => Box::new(Embedding::named(name, vocabulary, width)?),
             Kind::Positions { context, width } => Box::new(PositionEmbedding::named(name, context, width)?),
             Kind::LayerNorm { eps, .. } => Box::new(LayerNorm::named(name).with_eps(eps)?),
-            Kind::Gelu => Box::new(Gelu::named(name)),
+            Kind::Gelu { form } => Box::new(Gelu::with_form(name, form)),
             Kind::Residual { from } => Box::new(Residual::new(name, from)),
             Kind::Attention { width, heads, recompute } => {
                 let attention = Attention::named(name, width, heads)?;
@@ -876,7 +882,7 @@ impl Found {
                 }
                 values
             }
-            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu | Kind::Residual { .. } => Vec::new(),
+            Kind::Relu | Kind::LastStep | Kind::MaskedMean | Kind::Gelu { .. } | Kind::Residual { .. } => Vec::new(),
         })
     }
 }
@@ -980,7 +986,22 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
                     .map(|e| e as f32)
                     .ok_or_else(|| bad(format!("gives layer norm '{}' no 'eps'", short(&name))))?,
             },
-            "gelu" => Kind::Gelu,
+            "gelu" => Kind::Gelu {
+                form: match entry.get("form") {
+                    None => GeluForm::Tanh,
+                    Some(form) => match form.as_str() {
+                        Some("tanh") => GeluForm::Tanh,
+                        Some("exact") => GeluForm::Exact,
+                        _ => {
+                            return Err(bad(format!(
+                                "gives GELU '{}' the form {}: it is \"tanh\" or \"exact\"",
+                                short(&name),
+                                short(&form.to_string())
+                            )))
+                        }
+                    },
+                },
+            },
             "residual" => Kind::Residual {
                 from: entry
                     .get("from")

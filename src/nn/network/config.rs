@@ -16,7 +16,7 @@ use super::super::attention::Attention;
 use super::super::dense::Dense;
 use super::super::device::Device;
 use super::super::embedding::{Embedding, PositionEmbedding};
-use super::super::gelu::Gelu;
+use super::super::gelu::{Gelu, GeluForm};
 use super::super::layer::Layer;
 use super::super::lstm::Lstm;
 use super::super::norm::LayerNorm;
@@ -332,6 +332,14 @@ impl NetworkConfigBuilder {
     pub fn gelu(self) -> Self {
         let name = format!("gelu_{}", self.layers.len());
         self.layer(Gelu::named(&name))
+    }
+
+    /// Appends a [`Gelu`] in its exact form ([`GeluForm::Exact`]: PyTorch's `nn.GELU()`,
+    /// nanoGPT's), named after its position (`gelu_2`). A nanoGPT's state dict loaded
+    /// into blocks of this form gives PyTorch's outputs to within float rounding.
+    pub fn gelu_exact(self) -> Self {
+        let name = format!("gelu_{}", self.layers.len());
+        self.layer(Gelu::with_form(&name, GeluForm::Exact))
     }
 
     /// Appends a [`LayerNorm`] over the current width (eps 1e-5), named after its
