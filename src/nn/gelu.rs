@@ -20,9 +20,10 @@ pub enum GeluForm {
     #[default]
     Tanh,
     /// `x·Φ(x) = ½·x·(1 + erf(x/√2))`: PyTorch's `nn.GELU()`, which nanoGPT uses. Its
-    /// `erf` is the polynomial PyTorch's vectorised `erf` evaluates (Abramowitz and
-    /// Stegun 7.1.26, within 1.5·10⁻⁷ of `erf`). Runs on the host only: a device network
-    /// refuses it.
+    /// `erf` is Abramowitz and Stegun's polynomial 7.1.26 (within about 5·10⁻⁷ of `erf`
+    /// in f32), so values are within about 10⁻⁶ of PyTorch's. Runs on the host only: a
+    /// device network refuses it. A model file holding it is of a version that carve
+    /// readers from before it refuse (rather than load it as the tanh form).
     Exact,
 }
 

@@ -170,9 +170,9 @@ pub(crate) fn gelu_slope(x: f32) -> f32 {
     ((0.5 * GELU_C) * x * sech2).mul_add(inner, t.mul_add(0.5, 0.5))
 }
 
-/// `erf(x)` within 1.5·10⁻⁷ (Abramowitz and Stegun 7.1.26, the polynomial PyTorch's
-/// vectorised `erf` evaluates, with [`fast_exp`]), in operations that vectorise; ±1 at
-/// ±∞, NaN for NaN.
+/// `erf(x)` by Abramowitz and Stegun's 7.1.26 (within 1.5·10⁻⁷ in exact arithmetic,
+/// about 5·10⁻⁷ in f32 near 0, where `1 − t·r·e` cancels), with [`fast_exp`], in
+/// operations that vectorise; ±1 at ±∞, NaN for NaN.
 #[inline(always)]
 #[allow(clippy::excessive_precision)] // the published coefficients
 pub(crate) fn fast_erf(x: f32) -> f32 {
@@ -196,11 +196,14 @@ pub(crate) fn gelu_exact(x: f32) -> f32 {
     h.mul_add(fast_erf(x * std::f32::consts::FRAC_1_SQRT_2), h)
 }
 
-/// The exact form's derivative at `x`: `Φ(x) + x·φ(x)`.
+/// The exact form's derivative at `x`: `Φ(x) + x·φ(x)` (`φ` taken as 0 where it is
+/// below f32's normal range, `|x| > 13.2`: [`fast_exp`] stops at about 10⁻³⁸, which a
+/// huge `x` would multiply back up).
 #[inline(always)]
 pub(crate) fn gelu_exact_slope(x: f32) -> f32 {
     let cdf = 0.5f32.mul_add(fast_erf(x * std::f32::consts::FRAC_1_SQRT_2), 0.5);
     let pdf = fast_exp(-0.5 * x * x) * INV_SQRT_2PI;
+    let pdf = if x.abs() > 13.2 { 0.0 } else { pdf };
     x.mul_add(pdf, cdf)
 }
 
@@ -1072,9 +1075,9 @@ fn column_sums_body(xs: &[f32], n: usize, c0: usize, acc: &mut [f32]) {
     }
 }
 
-/// GELU in its tanh form (Hendrycks & Gimpel; GPT-2's, PyTorch's
-/// `gelu(approximate="tanh")`): `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, with
-/// [`fast_tanh`], into `y`, an uninitialised array of `x`'s shape (a workspace's
+/// GELU (Hendrycks & Gimpel) in `form`: the tanh form (GPT-2's, PyTorch's
+/// `gelu(approximate="tanh")`), `y = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` with
+/// [`fast_tanh`], or the exact form `x·Φ(x)` with [`fast_erf`], into `y`, an uninitialised array of `x`'s shape (a workspace's
 /// [`uninit`](workspace_core::Scope::uninit)), split as [`split`] splits; `y`
 /// initialised. Writing it once saves the pass that zeroing it first would cost. In a
 /// dry run, which issues no arithmetic, `y` is zeroed.
@@ -1576,6 +1579,10 @@ mod tests {
         assert!((f64::from(gelu(-1.5)) - -0.10021080190328713).abs() > 1e-4);
         assert!(gelu_exact(f32::NAN).is_nan() && fast_erf(f32::NAN).is_nan());
         assert_eq!((fast_erf(f32::INFINITY), fast_erf(f32::NEG_INFINITY)), (1.0, -1.0));
+        // Far out the slope is Φ's 1 or 0, not φ's floor times a huge x.
+        for (x, slope) in [(3e38, 1.0), (1e20, 1.0), (14.0, 1.0), (-14.0, 0.0), (-1e36, 0.0), (-3e38, 0.0)] {
+            assert_eq!(gelu_exact_slope(x), slope, "slope at {x}");
+        }
         // The slope is the derivative of the value, here in f32 by central differences.
         for i in -40..=40 {
             let x = i as f32 * 0.1;

@@ -704,10 +704,10 @@ fn tensor_names(path: &std::path::Path) -> Vec<String> {
     names
 }
 
-/// The nanoGPT fixture's probabilities from carve with its MLPs' GELU in `form`, and the
-/// float64 reference's under `key`: the largest error over the tolerance (at most 1 when
-/// every probability is within it).
-fn nanogpt_error(form: GeluForm, key: &str) -> f32 {
+/// The nanoGPT fixture's probabilities from carve with its MLPs' GELU in `form`, against
+/// the float64 reference's under `key`: the largest error as a share of the tolerance
+/// (at most 1 when every probability is within it), and the largest absolute error.
+fn nanogpt_error(form: GeluForm, key: &str) -> (f32, f32) {
     use carve::nn::{serve::Model, Input};
     let (path, expected) = nanogpt_fixture();
     let size = |k: &str| expected[k].as_u64().unwrap() as usize;
@@ -721,19 +721,23 @@ fn nanogpt_error(form: GeluForm, key: &str) -> f32 {
     let reference: Vec<Vec<Vec<f32>>> = serde_json::from_value(expected[key].clone()).unwrap();
     let reference: Vec<f32> = reference.into_iter().flatten().flatten().collect();
     assert_eq!(probs.len(), reference.len());
-    probs.iter().zip(&reference).map(|(&a, &e)| (a - e).abs() / (1e-5 + 1e-4 * e)).fold(0.0, f32::max)
+    assert!(probs.iter().all(|p| p.is_finite()), "{form:?}: {probs:?}");
+    let errors = probs.iter().zip(&reference).map(|(&a, &e)| ((a - e).abs() / (1e-5 + 1e-4 * e), (a - e).abs()));
+    errors.fold((0.0, 0.0), |(share, abs), (s, a)| (f32::max(share, s), f32::max(abs, a)))
 }
 
 #[test]
 fn a_nanogpt_state_dict_loads_and_gives_the_float64_references_probabilities() {
-    // GELU's tanh form (GPT-2's), and the exact form (`nn.GELU()`, nanoGPT's) each give
-    // their own reference's probabilities, and not the other's.
-    let tanh = nanogpt_error(GeluForm::Tanh, "probabilities");
+    // GELU's tanh form (GPT-2's) and the exact form (`nn.GELU()`, nanoGPT's) each give
+    // their own reference's probabilities.
+    let (tanh, _) = nanogpt_error(GeluForm::Tanh, "probabilities");
     assert!(tanh <= 1.0, "the tanh form is {tanh} times the tolerance off its reference");
-    let exact = nanogpt_error(GeluForm::Exact, "probabilities_exact");
+    let (exact, exact_abs) = nanogpt_error(GeluForm::Exact, "probabilities_exact");
     assert!(exact <= 1.0, "the exact form is {exact} times the tolerance off its reference");
-    let crossed = nanogpt_error(GeluForm::Tanh, "probabilities_exact");
-    assert!(crossed > 1.0, "the fixture tells the two forms apart ({crossed})");
+    // And not the other's: the exact form is ten times nearer its reference than the
+    // tanh form is (the two references differ by up to 5.1e-5).
+    let (_, crossed_abs) = nanogpt_error(GeluForm::Tanh, "probabilities_exact");
+    assert!(10.0 * exact_abs < crossed_abs, "exact {exact_abs} against the tanh form's {crossed_abs}");
 }
 
 #[test]
@@ -745,13 +749,27 @@ fn a_gpt_of_the_exact_gelu_saves_and_loads_back_in_that_form() {
     let ids = Array2::from_shape_fn((2, 6), |(b, t)| ((b * 5 + t * 3) % 11) as u32);
     let before = net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap();
     assert_eq!(Model::load(&path).unwrap().output(Input::tokens(ids.view())).unwrap(), before);
+    // Of version 2, which readers from before the exact form refuse (they would load it
+    // as the tanh form).
+    let header = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned();
+    assert!(header.contains(r#"\"version\":2"#), "{}", &header[..header.len().min(300)]);
     // The form is the file's: a configuration of the tanh form is refused, naming both.
     let err = Model::load_with(&path, &tiny_gpt(11, 8, 2, 6, 1).build().unwrap()).unwrap_err().to_string();
     assert!(err.contains(r#""form":"exact""#) && err.contains("the configuration builds"), "{err}");
-    // A form the reader does not know: refused, naming it.
-    let mut bytes = std::fs::read(&path).unwrap();
-    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let original = std::fs::read(&path).unwrap();
+    let text = String::from_utf8_lossy(&original).into_owned();
     let at = text.find("\\\"exact\\\"").expect("the form in the configuration");
+    // The tanh form said outright (`"tanh" `, as long): the tanh form, through `load`
+    // and `load_with` alike.
+    let mut bytes = original.clone();
+    bytes[at..at + 9].copy_from_slice(br#"\"tanh\" "#);
+    std::fs::write(&path, &bytes).unwrap();
+    let said = Model::load(&path).unwrap().output(Input::tokens(ids.view())).unwrap();
+    assert_ne!(said, before);
+    let with = Model::load_with(&path, &tiny_gpt(11, 8, 2, 6, 1).build().unwrap()).unwrap();
+    assert_eq!(with.output(Input::tokens(ids.view())).unwrap(), said);
+    // A form the reader does not know: refused, naming it.
+    let mut bytes = original;
     bytes[at + 2..at + 7].copy_from_slice(b"fuzzy");
     std::fs::write(&path, &bytes).unwrap();
     let err = Model::load(&path).unwrap_err();
@@ -774,6 +792,9 @@ fn a_gpt_saves_under_nanogpts_names_and_loads_back_with_its_configuration() {
     assert_eq!(without_head_bias, theirs);
     let ids = Array2::from_shape_fn((2, 6), |(b, t)| ((b * 5 + t * 3) % 11) as u32);
     let loaded = Model::load(&path).unwrap();
+    // The tanh form's files stay of version 1 (readers from before the exact form load them).
+    let header = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).into_owned();
+    assert!(header.contains(r#"\"version\":1,"#) || header.contains(r#"\"version\":1}"#), "{}", &header[..300]);
     let before = net.freeze().unwrap().output(Input::tokens(ids.view())).unwrap();
     assert_eq!(loaded.output(Input::tokens(ids.view())).unwrap(), before);
     // A join whose block is not there: an error, not a panic.

@@ -23,7 +23,7 @@
 //!   [`Layer::device_form`](crate::nn::Layer::device_form) ([`DeviceForm`]); a network
 //!   with a layer that has none is refused when it is built, naming the layer.
 //!
-//! What is on devices: dense, ReLU, GELU, layer-norm, embedding, position-embedding and
+//! What is on devices: dense, ReLU, GELU (its tanh form), layer-norm, embedding, position-embedding and
 //! causal attention layers and residual blocks, softmax cross-entropy over examples or
 //! steps, Adam, AdamW and SGD: the digits MLP and the GPT. Not yet: LSTMs and the
 //! sequence heads, features masks, CUDA graphs. (`WorkspaceMode::Planned` trains in a

@@ -62,8 +62,12 @@ const CONFIG_KEY: &str = "carve.model";
 /// The metadata key of a text model's symbols ([`Model::with_symbols`]): one character
 /// per token, in token order.
 const SYMBOLS_KEY: &str = "carve.symbols";
-/// The version of the configuration's layout.
+/// The version of the configuration's layout: 1, or 2 when a layer needs a reader that
+/// knows more than version 1's (a GELU of the exact form, which a version-1 reader would
+/// load as the tanh form: it refuses version 2 instead).
 const VERSION: u64 = 1;
+/// See [`VERSION`].
+const VERSION_EXACT_GELU: u64 = 2;
 
 /// The largest size (a width, a vocabulary, a count of heads) a file may give a layer.
 const MAX_SIZE: u64 = 1 << 32;
@@ -204,8 +208,8 @@ impl Kind {
             Kind::LayerNorm { width, eps } => {
                 json!({ "kind": "layer_norm", "name": name, "tensors": tensors, "width": width, "eps": eps })
             }
-            // The tanh form writes no "form" (files of the exact form are refused by
-            // readers from before it).
+            // The tanh form writes no "form", as before there was another (a file with a
+            // GELU of the exact form is of version 2, which older readers refuse).
             Kind::Gelu { form: GeluForm::Tanh } => json!({ "kind": "gelu", "name": name }),
             Kind::Gelu { form: GeluForm::Exact } => json!({ "kind": "gelu", "name": name, "form": "exact" }),
             Kind::Residual { from } => json!({ "kind": "residual", "name": name, "from": from }),
@@ -287,7 +291,12 @@ impl Model {
                 ));
             }
         }
-        let model = json!({ "version": VERSION, "inputs": self.inputs(), "layers": config });
+        let version = if kinds.iter().any(|k| matches!(k, Kind::Gelu { form: GeluForm::Exact })) {
+            VERSION_EXACT_GELU
+        } else {
+            VERSION
+        };
+        let model = json!({ "version": version, "inputs": self.inputs(), "layers": config });
         let mut metadata =
             BTreeMap::from([("format".to_string(), "pt".to_string()), (CONFIG_KEY.to_string(), model.to_string())]);
         if let Some(symbols) = self.symbols() {
@@ -541,12 +550,16 @@ fn check_saved_layers(file: &Tensors, saved: &str, config: &NetworkConfig, kinds
         )));
     }
     // What a layer is, without where its tensors are or how attention keeps its
-    // scores (either form runs the same parameters to the same bits).
+    // scores (either form runs the same parameters to the same bits); a GELU's tanh
+    // form said or not.
     let described = |value: &Value| {
         let mut value = value.clone();
         if let Some(object) = value.as_object_mut() {
             object.remove("tensors");
             object.remove("recompute");
+            if object.get("form").and_then(Value::as_str) == Some("tanh") {
+                object.remove("form");
+            }
         }
         value
     };
@@ -957,8 +970,12 @@ fn parse_config(file: &Tensors, config: &str) -> Result<(usize, Vec<Saved>)> {
         }
     };
     match config.get("version").and_then(Value::as_u64) {
-        Some(VERSION) => {}
-        other => return Err(bad(format!("has version {other:?}; this carve reads version {VERSION}"))),
+        Some(VERSION | VERSION_EXACT_GELU) => {}
+        other => {
+            return Err(bad(format!(
+                "has version {other:?}; this carve reads versions {VERSION} and {VERSION_EXACT_GELU}"
+            )))
+        }
     }
     let inputs = size(&config, "inputs")?;
     let Some(Value::Array(entries)) = config.get("layers") else {
