@@ -307,7 +307,7 @@ fn first_non_finite(
             values.chunks(64).zip(m.chunks(64)).zip(grads.chunks(64)).all(|((w, m), g)| {
                 w.iter().zip(m).zip(g).fold(true, |ok, ((&w, &m), &g)| {
                     let u = sgd_velocity(learning_rate, momentum, m, g);
-                    ok & u.is_finite() & (w + u).is_finite()
+                    ok & simd::finite(u) & simd::finite(w + u)
                 })
             })
         }
