@@ -51,7 +51,8 @@ pub(crate) fn flush(x: f32) -> f32 {
 }
 
 /// Whether `x` is finite: [`f32::is_finite`]'s answer, as an integer test of the bits
-/// (the exponent not all ones). In the loops below it vectorises to integer compares.
+/// (the exponent not all ones). In the vectorised checks (here and the updater's) it is
+/// integer compares.
 /// `is_finite` vectorises to an ordered not-equal compare (`vcmpneq_oqps`), which
 /// valgrind (3.19) runs as an unordered one, taking a NaN for finite: under memcheck
 /// the release build's checks then passed a NaN that they refuse on the CPU.
@@ -102,8 +103,8 @@ impl Moments {
     /// `None` when a value is not finite or a second moment is negative, which no
     /// checked step stores.
     pub(crate) fn of(m: &[f32], v: &[f32]) -> Option<Moments> {
-        let finite = m.iter().chain(v).all(|&x| finite(x)) && v.iter().all(|&x| x >= 0.0);
-        finite.then(|| Moments {
+        let sound = m.iter().chain(v).all(|&x| finite(x)) && v.iter().all(|&x| x >= 0.0);
+        sound.then(|| Moments {
             m: m.iter().fold(0f32, |a, x| a.max(x.abs())),
             v: v.iter().fold(0f32, |a, &x| a.max(x)),
         })
